@@ -1,0 +1,155 @@
+"""The one timeline format shared by the live engine (measured) and the planner (predicted).
+
+A `Timeline` is a flat list of `Span`s: one span is one thing one rank did for a while, on one lane:
+``compute`` (a layer's forward, a backward, an optimizer step), ``comm`` (a collective or a
+send/recv) or ``idle`` (a pipeline bubble, a wait). Pages draw and animate any Timeline the same way,
+so a predicted step and a measured step can stand side by side.
+
+This module must not import torch: the planner and the pages use it without the engine.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field, replace
+
+LANES = ("compute", "comm", "idle")
+
+
+@dataclass(frozen=True)
+class Span:
+    rank: int
+    lane: str  # one of LANES
+    name: str  # e.g. "fwd L3", "all_reduce", "send act"
+    start_s: float
+    end_s: float
+    bytes: int = 0  # bytes this rank sent for a comm span (0 for compute)
+    flops: float = 0.0  # floating-point operations of a compute span
+    step: int = 0
+    micro_batch: int | None = None
+    group: str = ""  # process group / mesh axis of a comm span, e.g. "dp", "tp"
+    is_async: bool = False  # issued without blocking the compute stream
+
+    def __post_init__(self):
+        if self.lane not in LANES:
+            raise ValueError(f"span lane must be one of {LANES}, got {self.lane!r}")
+        if self.end_s < self.start_s:
+            raise ValueError(f"span {self.name!r} on rank {self.rank} ends before it starts")
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+@dataclass
+class Timeline:
+    spans: list[Span] = field(default_factory=list)
+    source: str = "measured"  # "measured" (live engine) or "predicted" (planner)
+    meta: dict = field(default_factory=dict)
+
+    def add(self, span: Span) -> None:
+        self.spans.append(span)
+
+    def extend(self, spans: Iterable[Span]) -> None:
+        self.spans.extend(spans)
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted({s.rank for s in self.spans})
+
+    @property
+    def start_s(self) -> float:
+        return min((s.start_s for s in self.spans), default=0.0)
+
+    @property
+    def end_s(self) -> float:
+        return max((s.end_s for s in self.spans), default=0.0)
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+    def for_rank(self, rank: int) -> list[Span]:
+        return sorted((s for s in self.spans if s.rank == rank), key=lambda s: s.start_s)
+
+    def busy_seconds(self, rank: int, lane: str) -> float:
+        """Seconds a rank's lane was busy, overlapping spans on the lane counted once."""
+        busy, cur_start, cur_end = 0.0, None, None
+        for s in sorted((s for s in self.spans if s.rank == rank and s.lane == lane), key=lambda s: s.start_s):
+            if cur_end is None or s.start_s > cur_end:
+                if cur_end is not None:
+                    busy += cur_end - cur_start
+                cur_start, cur_end = s.start_s, s.end_s
+            else:
+                cur_end = max(cur_end, s.end_s)
+        if cur_end is not None:
+            busy += cur_end - cur_start
+        return busy
+
+    def comm_bytes(self, rank: int) -> int:
+        return sum(s.bytes for s in self.spans if s.rank == rank and s.lane == "comm")
+
+    def normalized(self) -> Timeline:
+        """The same timeline with time 0 at its first span."""
+        t0 = self.start_s
+        spans = [replace(s, start_s=s.start_s - t0, end_s=s.end_s - t0) for s in self.spans]
+        return Timeline(spans, self.source, dict(self.meta))
+
+    def to_dict(self) -> dict:
+        return {"source": self.source, "meta": self.meta, "spans": [asdict(s) for s in self.spans]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Timeline:
+        return cls([Span(**s) for s in d["spans"]], d.get("source", "measured"), d.get("meta", {}))
+
+    def to_chrome_trace(self) -> dict:
+        """Chrome trace-event JSON (opens in Perfetto and chrome://tracing).
+
+        One process per rank, one thread per lane, complete ("X") events in microseconds.
+        Format: https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU
+        """
+        t0 = self.start_s
+        events: list[dict] = []
+        for rank in self.ranks:
+            events.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0,
+                           "args": {"name": f"rank {rank}"}})
+            events.append({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0,
+                           "args": {"sort_index": rank}})
+            for tid, lane in enumerate(LANES):
+                events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid,
+                               "args": {"name": lane}})
+        for s in self.spans:
+            args = {"step": s.step}
+            if s.micro_batch is not None:
+                args["micro_batch"] = s.micro_batch
+            if s.bytes:
+                args["bytes"] = s.bytes
+            if s.flops:
+                args["flops"] = s.flops
+            if s.group:
+                args["group"] = s.group
+            if s.is_async:
+                args["async"] = True
+            events.append({
+                "ph": "X", "name": s.name, "cat": s.lane, "pid": s.rank, "tid": LANES.index(s.lane),
+                "ts": (s.start_s - t0) * 1e6, "dur": s.duration_s * 1e6, "args": args,
+            })
+        return {"traceEvents": events, "displayTimeUnit": "ms",
+                "otherData": {"source": self.source, **{k: str(v) for k, v in self.meta.items()}}}
+
+    def write_chrome_trace(self, path: str) -> None:
+        """Write atomically, so a crash never leaves a half-written trace file."""
+        import os
+        import tempfile
+
+        directory = os.path.dirname(os.path.abspath(path))
+        fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.to_chrome_trace(), f)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Install what the tests need (once) and run the whole suite. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")"
+source scripts/venv.sh
+if ! [ -x /usr/bin/chromium ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "Installing Debian's chromium for the browser tests ..."
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+  else
+    echo "NOTE: the browser tests need Debian's Chromium at /usr/bin/chromium and will be skipped." >&2
+    echo "      Install it with: sudo apt-get install -y chromium" >&2
+  fi
+fi
+exec .venv/bin/python -m pytest "$@"

@@ -1,0 +1,58 @@
+"""The shared Timeline format: busy time, normalisation, JSON round trip, Chrome trace schema."""
+
+import json
+
+import pytest
+
+from engine.trace import Span, Timeline
+
+
+def _tl():
+    return Timeline([
+        Span(0, "compute", "fwd L0", 10.0, 10.5, flops=1e9, step=0, micro_batch=0),
+        Span(0, "comm", "all_gather", 10.2, 10.4, bytes=4096, group="dp", is_async=True),
+        Span(0, "compute", "bwd L0", 10.5, 11.0),
+        Span(1, "compute", "fwd L0", 10.1, 10.6),
+        Span(1, "idle", "bubble", 10.6, 11.0),
+    ])
+
+
+def test_busy_seconds_counts_overlap_once():
+    tl = Timeline([Span(0, "comm", "a", 0.0, 1.0), Span(0, "comm", "b", 0.5, 2.0), Span(0, "comm", "c", 3.0, 4.0)])
+    assert tl.busy_seconds(0, "comm") == pytest.approx(3.0)  # [0,2] + [3,4]
+
+
+def test_normalized_starts_at_zero_and_keeps_durations():
+    tl = _tl().normalized()
+    assert tl.start_s == 0.0
+    assert tl.duration_s == pytest.approx(1.0)
+    assert tl.comm_bytes(0) == 4096
+
+
+def test_dict_round_trip():
+    tl = _tl()
+    again = Timeline.from_dict(json.loads(json.dumps(tl.to_dict())))
+    assert again.spans == tl.spans
+
+
+def test_chrome_trace_schema(tmp_path):
+    path = tmp_path / "t.json"
+    _tl().write_chrome_trace(str(path))
+    trace = json.loads(path.read_text())
+    events = trace["traceEvents"]
+    complete = [e for e in events if e["ph"] == "X"]
+    assert len(complete) == 5
+    for e in complete:
+        assert {"name", "cat", "ph", "ts", "dur", "pid", "tid", "args"} <= e.keys()
+        assert e["dur"] >= 0 and e["ts"] >= 0
+    names = {(e["pid"], e["args"]["name"]) for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {(0, "rank 0"), (1, "rank 1")}
+    # compute and comm on separate tracks of the same process
+    assert {e["tid"] for e in complete if e["pid"] == 0} == {0, 1}
+
+
+def test_bad_span_is_rejected():
+    with pytest.raises(ValueError, match="lane"):
+        Span(0, "gpu", "x", 0, 1)
+    with pytest.raises(ValueError, match="ends before"):
+        Span(0, "comm", "x", 2, 1)
