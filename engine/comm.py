@@ -1,0 +1,257 @@
+"""The only module that calls torch.distributed: process groups, collectives, point-to-point.
+
+Every operation is recorded as a ``comm`` span (rank, op, group, bytes, issue time, completion time,
+async or not). ``bytes`` is what this rank *sends* under the ring algorithm, the quantity the
+alpha-beta cost model prices (Patarasuk & Yuan 2009; scaling-book "All About Rings"):
+
+    all_gather, reduce_scatter   (n-1)/n * full_bytes
+    all_reduce                   2 (n-1)/n * full_bytes       (= reduce_scatter + all_gather)
+    all_to_all                   bytes this rank sends to the other ranks
+    broadcast                    full_bytes from the root, 0 elsewhere
+    send / recv                  the tensor's bytes / 0
+
+Gaps of gloo measured on this machine (torch 2.13) and how they are handled here:
+- no PREMUL_SUM: reductions are SUM, and callers divide afterwards;
+- uneven list all_gather / all_to_all fail: `all_to_all` uses all_to_all_single with split sizes;
+- reduce_scatter_tensor needs a flat input: inputs are flattened (views, no copy) before the call;
+- the default timeout is 30 minutes: every group is created with the run's collective timeout.
+
+When ranks compute on a GPU but talk through gloo (fewer GPUs than ranks), each tensor is staged
+through host memory and the copies are recorded as ``d2h``/``h2d`` comm spans.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from contextlib import contextmanager
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from engine.recorder import Recorder
+
+
+def init(backend: str, init_method: str | None, rank: int, world: int, timeout_s: float) -> None:
+    """Join the default process group; `init_method=None` reads torchrun's environment variables."""
+    kw = {"init_method": init_method} if init_method else {}
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s), **kw)
+
+
+def destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def world_group():
+    return dist.group.WORLD
+
+
+def new_group(ranks: list[int], timeout_s: float):
+    """Collective over the default group: every rank must call it, with the same lists, in the same order."""
+    return dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
+
+
+def measure_clock_offset(rounds: int = 5) -> float:
+    """Seconds to add to this rank's perf_counter to read rank 0's clock.
+
+    Ranks leave a barrier within a few tens of microseconds of each other, so the clock readings taken
+    right after it differ by (clock difference + small jitter); the median over rounds drops outliers.
+    """
+    world = dist.get_world_size()
+    offsets = []
+    for _ in range(rounds):
+        dist.barrier()
+        now = torch.tensor([time.perf_counter()], dtype=torch.float64)
+        readings = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+        dist.all_gather(readings, now)
+        offsets.append(readings[0].item() - now.item())
+    return statistics.median(offsets)
+
+
+def _ring_bytes(op: str, full_bytes: int, n: int) -> int:
+    if n <= 1:
+        return 0
+    if op == "all_reduce":
+        return 2 * (n - 1) * full_bytes // n
+    return (n - 1) * full_bytes // n
+
+
+class Handle:
+    """An issued operation. `wait()` blocks until it is complete and returns its output tensor."""
+
+    def __init__(self, work, finish, span_args: dict | None, comm: Comm):
+        self._work, self._finish, self._span_args, self._comm = work, finish, span_args, comm
+        self._done_s: float | None = None
+        self._waited = False
+        if work is not None and span_args is not None and span_args["is_async"]:
+            try:
+                work.get_future().then(self._mark_done)
+            except RuntimeError:
+                pass  # a backend without futures: completion is read at wait() instead
+
+    def _mark_done(self, fut):
+        self._done_s = self._comm.recorder.now()
+        return None
+
+    def wait(self):
+        if self._waited:
+            return self._finish()
+        self._waited = True
+        if self._work is not None:
+            self._work.wait()
+        end = self._comm.recorder.now()
+        if self._span_args is not None:
+            args = dict(self._span_args)
+            start = args.pop("start_s")
+            self._comm.recorder.add("comm", args.pop("name"), start, min(self._done_s or end, end), **args)
+        return self._finish()
+
+
+class Comm:
+    """Collectives over named groups ("world", mesh axes), each one traced."""
+
+    def __init__(self, recorder: Recorder, device: torch.device, groups: dict | None = None):
+        self.recorder = recorder
+        self.device = device
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.groups: dict[str, object] = {"world": dist.group.WORLD, **(groups or {})}
+        backend = dist.get_backend()
+        self.staged = device.type == "cuda" and backend == "gloo"
+        self.tracing = True
+
+    def size(self, group: str) -> int:
+        return dist.get_world_size(self.groups[group])
+
+    def group_rank(self, group: str) -> int:
+        return dist.get_rank(self.groups[group])
+
+    @contextmanager
+    def untraced(self):
+        """For bookkeeping traffic (verification gathers) that is not part of the training step."""
+        before, self.tracing = self.tracing, False
+        try:
+            yield
+        finally:
+            self.tracing = before
+
+    # -- staging through host memory when compute is on a GPU but the backend is gloo --------------
+
+    def _to_wire(self, t: torch.Tensor, group: str) -> torch.Tensor:
+        if not self.staged:
+            return t
+        start = self.recorder.now()
+        host = t.detach().to("cpu")
+        if self.tracing:
+            self.recorder.add("comm", "d2h", start, self.recorder.now(), group=group)
+        return host
+
+    def _wire_buffer(self, out: torch.Tensor) -> torch.Tensor:
+        """Where a staged collective writes its result: host memory, copied back in `_from_wire`."""
+        return torch.empty_like(out, device="cpu") if self.staged else out
+
+    def _from_wire(self, host: torch.Tensor, out: torch.Tensor, group: str) -> torch.Tensor:
+        if host is out:
+            return out
+        start = self.recorder.now()
+        out.copy_(host)
+        if self.tracing:
+            self.recorder.add("comm", "h2d", start, self.recorder.now(), group=group)
+        return out
+
+    def _issue(self, name: str, group: str, sent_bytes: int, async_op: bool, call, finish) -> Handle:
+        start = self.recorder.now()
+        work = call()
+        span = ({"name": name, "start_s": start, "bytes": int(sent_bytes), "group": group,
+                 "is_async": async_op} if self.tracing else None)
+        handle = Handle(work, finish, span, self)
+        return handle if async_op else _Done(handle.wait())
+
+    # -- collectives ---------------------------------------------------------------------------------
+
+    def all_reduce(self, t: torch.Tensor, group: str = "world", async_op: bool = False, name: str = "all_reduce"):
+        """Sum `t` over the group in place."""
+        n, wire = self.size(group), self._to_wire(t, group)
+        return self._issue(name, group, _ring_bytes("all_reduce", t.numel() * t.element_size(), n), async_op,
+                           lambda: dist.all_reduce(wire, group=self.groups[group], async_op=True),
+                           lambda: self._from_wire(wire, t, group))
+
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, group: str = "world", async_op: bool = False,
+                   name: str = "all_gather"):
+        """out[n * len(shard)] <- the shards of all ranks, in group-rank order."""
+        n = self.size(group)
+        wire_out = self._wire_buffer(out)
+        wire_in = self._to_wire(shard, group)
+        return self._issue(name, group, _ring_bytes("all_gather", out.numel() * out.element_size(), n), async_op,
+                           lambda: dist.all_gather_into_tensor(wire_out.view(-1), wire_in.reshape(-1),
+                                                               group=self.groups[group], async_op=True),
+                           lambda: self._from_wire(wire_out, out, group))
+
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, group: str = "world", async_op: bool = False,
+                       name: str = "reduce_scatter"):
+        """out <- this rank's 1/n slice of the sum of every rank's `full` (flattened: gloo needs it flat)."""
+        n = self.size(group)
+        wire_out = self._wire_buffer(out)
+        wire_in = self._to_wire(full, group)
+        return self._issue(name, group, _ring_bytes("reduce_scatter", full.numel() * full.element_size(), n),
+                           async_op,
+                           lambda: dist.reduce_scatter_tensor(wire_out.view(-1), wire_in.reshape(-1),
+                                                              group=self.groups[group], async_op=True),
+                           lambda: self._from_wire(wire_out, out, group))
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None = None,
+                   in_splits: list[int] | None = None, group: str = "world", async_op: bool = False,
+                   name: str = "all_to_all"):
+        """Rows of `inp` go to ranks by `in_splits`; uneven splits work (gloo's list form does not)."""
+        n, me = self.size(group), self.group_rank(group)
+        row_bytes = inp[0].numel() * inp.element_size() if inp.shape[0] else 0
+        sent_rows = (sum(in_splits) - in_splits[me]) if in_splits else inp.shape[0] * (n - 1) // n
+        wire_out = self._wire_buffer(out)
+        wire_in = self._to_wire(inp, group)
+        return self._issue(name, group, sent_rows * row_bytes, async_op,
+                           lambda: dist.all_to_all_single(wire_out, wire_in, out_splits, in_splits,
+                                                          group=self.groups[group], async_op=True),
+                           lambda: self._from_wire(wire_out, out, group))
+
+    def broadcast(self, t: torch.Tensor, src: int, group: str = "world", async_op: bool = False,
+                  name: str = "broadcast"):
+        """`src` is a global rank."""
+        wire = self._to_wire(t, group)
+        sent = t.numel() * t.element_size() if self.rank == src else 0
+        return self._issue(name, group, sent, async_op,
+                           lambda: dist.broadcast(wire, src, group=self.groups[group], async_op=True),
+                           lambda: self._from_wire(wire, t, group))
+
+    def send(self, t: torch.Tensor, dst: int, name: str = "send", async_op: bool = False):
+        wire = self._to_wire(t, "world")
+        return self._issue(name, "world", t.numel() * t.element_size(), async_op,
+                           lambda: dist.isend(wire, dst), lambda: t)
+
+    def recv(self, t: torch.Tensor, src: int, name: str = "recv", async_op: bool = False):
+        wire = self._wire_buffer(t)
+        return self._issue(name, "world", 0, async_op,
+                           lambda: dist.irecv(wire, src), lambda: self._from_wire(wire, t, "world"))
+
+    def barrier(self, group: str = "world") -> None:
+        start = self.recorder.now()
+        dist.barrier(group=self.groups[group])
+        if self.tracing:
+            self.recorder.add("comm", "barrier", start, self.recorder.now(), group=group)
+
+    def gather_objects(self, obj) -> list:
+        """Every rank's picklable `obj`, on every rank; untraced bookkeeping (results, losses)."""
+        out = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+
+class _Done:
+    """A completed synchronous operation, so callers can `.wait()` on any result alike."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def wait(self):
+        return self.value

@@ -1,0 +1,169 @@
+"""What one live run is: the model, the parallel layout and the run itself, validated in one place.
+
+Every impossible combination becomes a `ConfigError` whose message says what to change, so the CLI and
+the pages can show it instead of a traceback. This module must not import torch (pages validate input
+before they start any worker).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Axes a mesh may name. Only "dp" has a strategy today; tp/pp/cp/ep are reserved for later issues so
+# that `--mesh dp=2,tp=2` already parses and fails with a clear message instead of a crash.
+KNOWN_AXES = ("dp", "tp", "pp", "cp", "ep")
+IMPLEMENTED_AXES = ("dp",)
+STRATEGIES = ("dp", "fsdp")
+DP_COMM_MODES = ("naive", "bucketed")
+DEVICES = ("cpu", "cuda")
+DTYPES = ("float32",)
+MAX_WORLD = 64  # more local processes than this only thrashes a laptop-sized machine
+
+
+class ConfigError(ValueError):
+    """A run that cannot be executed as asked; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A small Llama-style decoder (RMSNorm, rotary attention with grouped KV heads, SwiGLU MLP)."""
+
+    layers: int = 2
+    hidden: int = 64
+    heads: int = 4
+    kv_heads: int = 2
+    ffn: int = 128
+    vocab: int = 256
+    seq_len: int = 32
+    mlp: str = "dense"  # "dense" (SwiGLU) or "moe" (top-k routed SwiGLU experts)
+    experts: int = 4
+    top_k: int = 2
+    rope_theta: float = 10000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the ranks split the work: named mesh axes, the strategy and its knobs."""
+
+    strategy: str = "dp"
+    mesh: tuple[tuple[str, int], ...] = ()  # e.g. (("dp", 4),); empty means dp = world
+    zero_stage: int | None = None  # None: 0 for dp, 3 for fsdp
+    dp_comm: str = "bucketed"  # dp gradient sync: "naive" (after backward) or "bucketed" (overlapped)
+    bucket_bytes: int = 16 * 1024  # small on purpose: the tiny model must still make several buckets
+    prefetch: bool = True  # fsdp: all-gather the next unit while this one computes
+
+    @property
+    def stage(self) -> int:
+        if self.zero_stage is not None:
+            return self.zero_stage
+        return 3 if self.strategy == "fsdp" else 0
+
+    def axes(self, world: int) -> tuple[tuple[str, int], ...]:
+        return self.mesh or (("dp", world),)
+
+    def degree(self, axis: str, world: int) -> int:
+        return dict(self.axes(world)).get(axis, 1)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    world: int = 2
+    steps: int = 3
+    micro_batches: int = 1
+    micro_batch_size: int = 2  # sequences per rank per micro-batch
+    seed: int = 0
+    dtype: str = "float32"
+    device: str = "cpu"
+    lr: float = 1e-2
+    weight_decay: float = 0.1
+    timeout_s: float = 60.0  # hard wall-clock limit of one run, start-up excluded
+    collective_timeout_s: float = 30.0  # every collective fails after this, instead of gloo's 30 minutes
+
+    @property
+    def dp(self) -> int:
+        return self.parallel.degree("dp", self.world)
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step over all ranks."""
+        return self.dp * self.micro_batches * self.micro_batch_size
+
+
+def parse_mesh(text: str) -> tuple[tuple[str, int], ...]:
+    """`"dp=2,tp=2"` -> `(("dp", 2), ("tp", 2))`, in the order written (outermost axis first)."""
+    axes: list[tuple[str, int]] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = part.partition("=")
+        name = name.strip()
+        if not sep or not value.strip().isdigit():
+            raise ConfigError(f"mesh entry {part!r} must look like name=degree, e.g. --mesh dp=2,tp=2")
+        if name not in KNOWN_AXES:
+            raise ConfigError(f"mesh axis {name!r} is unknown; use one of {', '.join(KNOWN_AXES)}")
+        if name in dict(axes):
+            raise ConfigError(f"mesh axis {name!r} appears twice in {text!r}; name each axis once")
+        axes.append((name, int(value)))
+    if not axes:
+        raise ConfigError(f"--mesh {text!r} names no axis; write e.g. --mesh dp=4")
+    return tuple(axes)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate_model(m: ModelConfig) -> None:
+    for name in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len"):
+        _check(getattr(m, name) >= 1, f"model {name}={getattr(m, name)} must be at least 1")
+    _check(m.hidden % m.heads == 0, f"hidden={m.hidden} is not divisible by heads={m.heads}; "
+           f"choose hidden as a multiple of {m.heads}")
+    _check(m.head_dim % 2 == 0, f"head_dim=hidden/heads={m.head_dim} must be even for rotary embeddings; "
+           f"change hidden or heads")
+    _check(m.heads % m.kv_heads == 0, f"heads={m.heads} is not divisible by kv_heads={m.kv_heads}; "
+           f"grouped-query attention needs each KV head shared by the same number of query heads")
+    _check(m.mlp in ("dense", "moe"), f"mlp={m.mlp!r} must be 'dense' or 'moe'")
+    if m.mlp == "moe":
+        _check(m.experts >= 1, f"experts={m.experts} must be at least 1 for mlp='moe'")
+        _check(1 <= m.top_k <= m.experts, f"top_k={m.top_k} must be between 1 and experts={m.experts}")
+
+
+def validate(cfg: RunConfig) -> RunConfig:
+    """Raise `ConfigError` naming what to change, or return `cfg` unchanged."""
+    validate_model(cfg.model)
+    p = cfg.parallel
+    _check(1 <= cfg.world <= MAX_WORLD, f"world={cfg.world} must be between 1 and {MAX_WORLD}")
+    _check(cfg.steps >= 1, f"steps={cfg.steps} must be at least 1")
+    _check(cfg.micro_batches >= 1, f"micro_batches={cfg.micro_batches} must be at least 1")
+    _check(cfg.micro_batch_size >= 1, f"micro_batch_size={cfg.micro_batch_size} must be at least 1")
+    _check(cfg.device in DEVICES, f"device={cfg.device!r} must be one of {', '.join(DEVICES)}")
+    _check(cfg.dtype in DTYPES, f"dtype={cfg.dtype!r} is not supported; use {', '.join(DTYPES)}")
+    _check(cfg.lr > 0, f"lr={cfg.lr} must be positive")
+    _check(cfg.timeout_s > 0 and cfg.collective_timeout_s > 0, "timeouts must be positive seconds")
+    _check(p.strategy in STRATEGIES, f"strategy={p.strategy!r} is not available; use one of "
+           f"{', '.join(STRATEGIES)}")
+    _check(p.stage in (0, 1, 2, 3), f"zero_stage={p.stage} must be 0, 1, 2 or 3")
+    if p.strategy == "dp":
+        _check(p.stage <= 2, "ZeRO-3 shards the parameters themselves: use --strategy fsdp --zero-stage 3")
+    else:
+        _check(p.stage >= 1, "fsdp with zero_stage=0 shards nothing: use --strategy dp --zero-stage 0")
+    _check(p.dp_comm in DP_COMM_MODES, f"dp_comm={p.dp_comm!r} must be one of {', '.join(DP_COMM_MODES)}")
+    _check(p.bucket_bytes >= 4, f"bucket_bytes={p.bucket_bytes} must hold at least one float32")
+    axes = p.axes(cfg.world)
+    product = 1
+    for name, degree in axes:
+        _check(name in KNOWN_AXES, f"mesh axis {name!r} is unknown; use one of {', '.join(KNOWN_AXES)}")
+        _check(degree >= 1, f"mesh axis {name}={degree} must be at least 1")
+        _check(name in IMPLEMENTED_AXES or degree == 1,
+               f"mesh axis {name}={degree} has no strategy in the engine yet; use only dp (e.g. --mesh dp={cfg.world})")
+        product *= degree
+    _check(product == cfg.world, f"mesh {','.join(f'{n}={d}' for n, d in axes)} has {product} ranks but "
+           f"world={cfg.world}; make the degrees multiply to the world size")
+    if cfg.device == "cuda":
+        _check(cfg.dtype == "float32", "the cuda path checks against the fp32 reference; use dtype float32")
+    return cfg

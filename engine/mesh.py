@@ -1,0 +1,61 @@
+"""Named mesh axes -> rank coordinates and process groups.
+
+A mesh `(("dp", 2), ("tp", 2))` lays ranks out row-major, the last axis fastest (as
+torch.distributed.DeviceMesh does): rank = coord_dp * 2 + coord_tp. The group of axis `a` for a rank
+is every rank that differs from it only in coordinate `a`.
+
+`group_ranks` is pure arithmetic (tested without processes). `build_groups` creates the groups of
+every axis in one fixed order on every rank, as torch.distributed requires of `new_group`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+
+class Mesh:
+    def __init__(self, axes: tuple[tuple[str, int], ...]):
+        self.axes = tuple(axes)
+        self.names = [a for a, _ in self.axes]
+        self.shape = [d for _, d in self.axes]
+        self.world = math.prod(self.shape)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        out, rest = {}, rank
+        for name, degree in reversed(self.axes):
+            out[name] = rest % degree
+            rest //= degree
+        return {n: out[n] for n in self.names}
+
+    def rank_of(self, coords: dict[str, int]) -> int:
+        rank = 0
+        for name, degree in self.axes:
+            rank = rank * degree + coords[name]
+        return rank
+
+    def group_ranks(self, axis: str) -> list[list[int]]:
+        """All groups along `axis`, each sorted by the axis coordinate, in a fixed order."""
+        others = [n for n in self.names if n != axis]
+        groups = []
+        for fixed in itertools.product(*(range(dict(self.axes)[n]) for n in others)):
+            base = dict(zip(others, fixed, strict=True))
+            groups.append([self.rank_of({**base, axis: i}) for i in range(dict(self.axes)[axis])])
+        return groups
+
+    def build_groups(self, rank: int, timeout_s: float) -> dict[str, object]:
+        """This rank's process group for every axis. An axis spanning the whole world reuses the
+        default group (no new rendezvous); a degree-1 axis still gets a group so code stays uniform."""
+        from engine import comm
+
+        mine = {}
+        for axis in self.names:
+            groups = self.group_ranks(axis)
+            if len(groups) == 1 and len(groups[0]) == self.world:
+                mine[axis] = comm.world_group()
+                continue
+            for ranks in groups:
+                g = comm.new_group(ranks, timeout_s)
+                if rank in ranks:
+                    mine[axis] = g
+        return mine

@@ -1,0 +1,185 @@
+"""A small Llama-style decoder, readable in one file, deterministic from a seed.
+
+    tokens[B, T] -> embed -> L x Block(RMSNorm -> rotary GQA attention -> RMSNorm -> SwiGLU or MoE) -> Head
+
+The model is a flat list of *units* (embed, L0 .. L{n-1}, head). Every strategy runs the same units in
+the same order; sharded strategies swap in their own parameter tensors with `torch.func.functional_call`,
+so the model code knows nothing about parallelism (the torchtitan habit: a strategy is a plan applied to
+an unchanged model).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    # Zhang & Sennrich 2019, "Root Mean Square Layer Normalization", eq. 4.
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rotary_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    # Su et al. 2021, "RoFormer", eq. 34: frequency theta^(-2i/d) for pair i.
+    freqs = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), freqs)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rotary(x, cos, sin):
+    """x[B, h, T, d]: rotate each (even, odd) pair by its position's angle."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return rotated.flatten(-2)
+
+
+class Attention(nn.Module):
+    """Causal attention with grouped KV heads (Ainslie et al. 2023, "GQA"): each KV head serves
+    heads/kv_heads query heads."""
+
+    def __init__(self, m: ModelConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = m.heads, m.kv_heads, m.head_dim
+        self.wq = nn.Linear(m.hidden, m.heads * m.head_dim, bias=False)
+        self.wk = nn.Linear(m.hidden, m.kv_heads * m.head_dim, bias=False)
+        self.wv = nn.Linear(m.hidden, m.kv_heads * m.head_dim, bias=False)
+        self.wo = nn.Linear(m.heads * m.head_dim, m.hidden, bias=False)
+        cos, sin = rotary_tables(m.seq_len, m.head_dim, m.rope_theta)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = apply_rotary(q, self.cos[:t], self.sin[:t])
+        k = apply_rotary(k, self.cos[:t], self.sin[:t])
+        group = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    # Shazeer 2020, "GLU Variants Improve Transformer", eq. 6 (FFN_SwiGLU).
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.w1 = nn.Linear(hidden, ffn, bias=False)
+        self.w3 = nn.Linear(hidden, ffn, bias=False)
+        self.w2 = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoE(nn.Module):
+    """Top-k routed SwiGLU experts (Shazeer et al. 2017; softmax over the chosen k as in Mixtral).
+
+    No capacity limit and no auxiliary loss: every token reaches its k experts, so a token's output
+    does not depend on which other tokens share its batch, and a data-parallel split of the batch
+    computes exactly what the whole batch computes.
+    """
+
+    def __init__(self, m: ModelConfig):
+        super().__init__()
+        self.top_k = m.top_k
+        self.router = nn.Linear(m.hidden, m.experts, bias=False)
+        self.experts = nn.ModuleList(SwiGLU(m.hidden, m.ffn) for _ in range(m.experts))
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        weights, chosen = self.router(flat).topk(self.top_k, dim=-1)
+        weights = weights.softmax(dim=-1)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            token, slot = (chosen == e).nonzero(as_tuple=True)
+            if token.numel():
+                out = out.index_add(0, token, expert(flat[token]) * weights[token, slot, None])
+        return out.view_as(x)
+
+
+class Block(nn.Module):
+    def __init__(self, m: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(m.hidden)
+        self.attn = Attention(m)
+        self.mlp_norm = RMSNorm(m.hidden)
+        self.mlp = MoE(m) if m.mlp == "moe" else SwiGLU(m.hidden, m.ffn)
+
+    def forward(self, x):
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Embed(nn.Module):
+    def __init__(self, m: ModelConfig):
+        super().__init__()
+        self.tok = nn.Embedding(m.vocab, m.hidden)
+
+    def forward(self, tokens):
+        return self.tok(tokens)
+
+
+class Head(nn.Module):
+    def __init__(self, m: ModelConfig):
+        super().__init__()
+        self.norm = RMSNorm(m.hidden)
+        self.out = nn.Linear(m.hidden, m.vocab, bias=False)
+
+    def forward(self, x):
+        return self.out(self.norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, m: ModelConfig):
+        super().__init__()
+        self.config = m
+        self.units = nn.ModuleList([Embed(m), *(Block(m) for _ in range(m.layers)), Head(m)])
+
+    @property
+    def unit_names(self) -> list[str]:
+        return ["embed", *(f"L{i}" for i in range(self.config.layers)), "head"]
+
+    def forward(self, tokens):
+        x = tokens
+        for unit in self.units:
+            x = unit(x)
+        return x
+
+
+def build_model(m: ModelConfig, seed: int) -> Transformer:
+    """The same weights on every rank and in the reference: built on CPU from `seed`, then moved."""
+    gen_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    model = Transformer(m)
+    for name, p in model.named_parameters():
+        if not name.endswith("norm.weight"):
+            nn.init.normal_(p, mean=0.0, std=0.02)
+    torch.random.set_rng_state(gen_state)
+    return model
+
+
+def loss_fn(logits, targets):
+    """Mean next-token cross entropy over the tokens of this batch."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def global_batch(m: ModelConfig, seed: int, step: int, sequences: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and next-token targets of one optimizer step, the same on every rank."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    data = torch.randint(0, m.vocab, (sequences, m.seq_len + 1), generator=gen)
+    return data[:, :-1], data[:, 1:]
+
+
+def param_count(m: ModelConfig) -> int:
+    return sum(p.numel() for p in Transformer(m).parameters())
