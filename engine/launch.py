@@ -1,0 +1,345 @@
+"""A pool of N worker processes, started once and reused for many runs.
+
+Cold start (N processes each importing torch, then a gloo rendezvous) costs seconds; a warm run only
+sends a task over an already open connection to ranks whose process group is already up.
+
+Safety, in order of what goes wrong:
+- every worker is `python -m engine.worker` (a module entry, never a re-run of the caller's
+  `__main__`, which under Streamlit is a page script);
+- all workers of a pool share one process group id, so one `killpg` ends them all; workers also exit
+  by themselves when their parent dies;
+- a rank that raises -> `RankFailed` with its rank and traceback; a run past its wall-clock limit ->
+  `RunTimedOut` naming where each unfinished rank was (from a faulthandler stack dump); either way the
+  pool is killed and the next run starts a fresh one;
+- worker output goes to log files, never to the caller's stdout (the CLI prints JSON there).
+
+`get_pool` keeps one pool per (world, device) in a module-level registry under a lock, for a Streamlit
+server where many browser sessions share one process; `atexit` shuts them all down.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from multiprocessing.connection import Listener, wait
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class WorkerError(RuntimeError):
+    """A run did not complete on every rank; the pool has been torn down."""
+
+
+class RankFailed(WorkerError):
+    def __init__(self, rank: int, detail: str):
+        self.rank, self.detail = rank, detail
+        super().__init__(f"rank {rank} failed:\n{detail}")
+
+
+class RunTimedOut(WorkerError):
+    def __init__(self, timeout_s: float, where: dict[int, str]):
+        self.timeout_s, self.where = timeout_s, where
+        self.ranks = sorted(where)
+        lines = "\n".join(f"  rank {r}: {w}" for r, w in sorted(where.items()))
+        super().__init__(f"run timed out after {timeout_s:g} s; unfinished ranks:\n{lines}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Pool:
+    def __init__(self, world: int, device: str = "cpu", collective_timeout_s: float = 30.0,
+                 start_timeout_s: float = 120.0):
+        self.world, self.device = world, device
+        self.collective_timeout_s = collective_timeout_s
+        self.start_timeout_s = start_timeout_s
+        self.procs: list[subprocess.Popen] = []
+        self.conns: list = []
+        self.main_thread_ids: list[int] = []
+        self.clock_offsets_s: list[float] = []
+        self.logdir: str | None = None
+        self.starts = 0  # how many times processes were started (tests check reuse)
+        self.runs = 0
+        self._task_id = 0
+        self._lock = threading.Lock()
+
+    # -- life cycle ---------------------------------------------------------------------------------
+
+    @property
+    def alive(self) -> bool:
+        return bool(self.procs) and all(p.poll() is None for p in self.procs)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def start(self) -> None:
+        """Start the workers; retried on a fresh port if the rendezvous port was taken meanwhile."""
+        for attempt in range(3):
+            try:
+                self._start_once()
+                return
+            except RankFailed as e:
+                if "address already in use" not in e.detail.lower() or attempt == 2:
+                    raise
+
+    def _start_once(self) -> None:
+        self.shutdown()
+        self.logdir = tempfile.mkdtemp(prefix="shardlab-pool-")
+        key = secrets.token_bytes(16)
+        listener = Listener(("127.0.0.1", 0), authkey=key)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO_ROOT, env.get("PYTHONPATH")]))
+        env.update({
+            "SHARDLAB_POOL_ADDR": f"127.0.0.1:{listener.address[1]}", "SHARDLAB_POOL_KEY": key.hex(),
+            "SHARDLAB_WORLD": str(self.world), "SHARDLAB_INIT": f"tcp://127.0.0.1:{free_port()}",
+            "SHARDLAB_DEVICE": self.device, "SHARDLAB_PARENT_PID": str(os.getpid()),
+            "SHARDLAB_COLLECTIVE_TIMEOUT_S": str(self.collective_timeout_s),
+            "OMP_NUM_THREADS": "1",
+        })
+        accepted: list = []
+        threading.Thread(target=_accept, args=(listener, self.world, accepted), daemon=True).start()
+        self.starts += 1
+        for rank in range(self.world):
+            log = open(self._log_path(rank), "wb")
+            pgid = {"process_group": 0} if rank == 0 else {"process_group": self.procs[0].pid}
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "engine.worker"], env={**env, "SHARDLAB_RANK": str(rank)},
+                cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, **pgid))
+            log.close()
+        try:
+            self._handshake(accepted)
+        except BaseException:
+            self.kill()
+            raise
+        finally:
+            listener.close()
+
+    def _handshake(self, accepted: list) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        by_rank: dict[int, object] = {}
+        tids: dict[int, int] = {}
+        while len(by_rank) < self.world:
+            self._raise_if_exited("while starting")
+            if time.monotonic() > deadline:
+                raise WorkerError(f"workers did not connect within {self.start_timeout_s:g} s")
+            while accepted:
+                conn = accepted.pop()
+                _, rank, _pid, tid = conn.recv()
+                by_rank[rank], tids[rank] = conn, tid
+            time.sleep(0.01)
+        self.conns = [by_rank[r] for r in range(self.world)]
+        self.main_thread_ids = [tids[r] for r in range(self.world)]
+        offsets: dict[int, float] = {}
+        pending = set(range(self.world))
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RunTimedOut(self.start_timeout_s, self._where(pending))
+            for conn in wait([self.conns[r] for r in pending], timeout=min(remaining, 0.5)):
+                rank = self.conns.index(conn)
+                msg = _recv(conn)
+                if msg is None or msg[0] == "error":
+                    raise RankFailed(rank, msg[2] if msg else self._exit_detail(rank))
+                offsets[rank] = msg[1]
+                pending.discard(rank)
+            self._raise_if_exited("while joining the process group", pending)
+        self.clock_offsets_s = [offsets[r] for r in range(self.world)]
+
+    def shutdown(self) -> None:
+        """Ask workers to leave politely, then make sure none is left."""
+        for conn in self.conns:
+            try:
+                conn.send(("exit",))
+            except OSError:
+                pass
+        deadline = time.monotonic() + 2.0
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                break
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group and reap every worker: no orphans, no zombies."""
+        if self.procs:
+            try:
+                os.killpg(self.procs[0].pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            for p in self.procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+        for conn in self.conns:
+            conn.close()
+        self.procs, self.conns = [], []
+
+    # -- running tasks ------------------------------------------------------------------------------
+
+    def run(self, target: str, kwargs: dict | list[dict] | None = None, timeout_s: float = 60.0) -> list:
+        """Call `target(ctx, **kwargs)` on every rank (kwargs may differ per rank); results by rank."""
+        with self._lock:
+            if not self.alive:
+                self.start()
+            per_rank = kwargs if isinstance(kwargs, list) else [kwargs or {}] * self.world
+            self._task_id += 1
+            self.runs += 1
+            log_sizes = [os.path.getsize(self._log_path(r)) for r in range(self.world)]
+            for rank, conn in enumerate(self.conns):
+                conn.send(("task", self._task_id, target, per_rank[rank]))
+            try:
+                return self._collect(timeout_s, log_sizes)
+            except BaseException:
+                self.kill()
+                raise
+
+    def _collect(self, timeout_s: float, log_sizes: list[int]) -> list:
+        deadline = time.monotonic() + timeout_s
+        results: dict[int, object] = {}
+        failures: dict[int, str] = {}
+        while len(results) + len(failures) < self.world:
+            now = time.monotonic()
+            if now >= deadline:
+                pending = set(range(self.world)) - set(results) - set(failures)
+                if failures:
+                    break
+                raise RunTimedOut(timeout_s, self._where(pending))
+            pending_conns = [c for r, c in enumerate(self.conns) if r not in results and r not in failures]
+            for conn in wait(pending_conns, timeout=min(0.2, deadline - now)):
+                rank = self.conns.index(conn)
+                msg = _recv(conn)
+                if msg is None:
+                    failures[rank] = self._exit_detail(rank, log_sizes[rank])
+                elif msg[0] == "ok" and msg[1] == self._task_id:
+                    results[rank] = msg[2]
+                elif msg[0] == "error":
+                    failures[rank] = msg[2]
+            if failures:
+                # The first failure usually strands the others in a collective; give them a moment to
+                # report their own errors, then stop waiting for them.
+                deadline = min(deadline, time.monotonic() + 1.0)
+        if failures:
+            rank = _root_cause(failures)
+            raise RankFailed(rank, failures[rank])
+        return [results[r] for r in range(self.world)]
+
+    # -- diagnostics ----------------------------------------------------------------------------------
+
+    def _log_path(self, rank: int) -> str:
+        return os.path.join(self.logdir, f"rank{rank}.log")
+
+    def _log_tail(self, rank: int, since: int = 0, limit: int = 4000) -> str:
+        try:
+            with open(self._log_path(rank), "rb") as f:
+                f.seek(since)
+                return f.read().decode(errors="replace")[-limit:]
+        except OSError:
+            return ""
+
+    def _exit_detail(self, rank: int, since: int = 0) -> str:
+        code = self.procs[rank].wait(timeout=5) if self.procs else None
+        return f"worker exited with code {code}\n{self._log_tail(rank, since)}"
+
+    def _raise_if_exited(self, when: str, ranks=None) -> None:
+        for rank, p in enumerate(self.procs):
+            if (ranks is None or rank in ranks) and p.poll() is not None:
+                raise RankFailed(rank, f"worker exited with code {p.returncode} {when}\n{self._log_tail(rank)}")
+
+    def _where(self, ranks) -> dict[int, str]:
+        """Ask each unfinished rank for its Python stack (faulthandler on SIGUSR1) and name the frame."""
+        sizes = {r: os.path.getsize(self._log_path(r)) for r in ranks}
+        for r in ranks:
+            try:
+                os.kill(self.procs[r].pid, signal.SIGUSR1)
+            except (ProcessLookupError, IndexError):
+                pass
+        time.sleep(0.3)
+        where = {}
+        for r in ranks:
+            tid = self.main_thread_ids[r] if r < len(self.main_thread_ids) else None
+            where[r] = _innermost_frame(self._log_tail(r, sizes[r], limit=20000), tid)
+        return where
+
+
+def _accept(listener: Listener, n: int, out: list) -> None:
+    for _ in range(n):
+        try:
+            out.append(listener.accept())
+        except OSError:
+            return
+
+
+def _recv(conn):
+    try:
+        return conn.recv()
+    except (EOFError, OSError):
+        return None
+
+
+def _root_cause(failures: dict[int, str]) -> int:
+    """The rank whose error is not just a consequence of another rank dying (a broken connection or a
+    collective timeout in gloo)."""
+    secondary = ("connection closed by peer", "connection reset", "timed out", "timeout", "gloo")
+    for rank in sorted(failures):
+        if not any(s in failures[rank].lower() for s in secondary):
+            return rank
+    return min(failures)
+
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+
+
+def _innermost_frame(dump: str, thread_id: int | None) -> str:
+    """The main thread's innermost frame outside torch, from a faulthandler dump."""
+    block = dump
+    if thread_id is not None:
+        marker = f"0x{thread_id:016x}"
+        at = dump.rfind(marker)
+        if at >= 0:
+            block = dump[at:].split("\n\n")[0]
+    for m in _FRAME.finditer(block):
+        path = m.group("file")
+        if f"{os.sep}torch{os.sep}" in path:
+            continue
+        rel = os.path.relpath(path, REPO_ROOT) if path.startswith(REPO_ROOT) else path
+        state = "waiting in a collective" if rel == os.path.join("engine", "comm.py") else "running"
+        return f"{state} at {rel}:{m.group('line')} in {m.group('func')}"
+    return "no stack dump (the process did not answer SIGUSR1)"
+
+
+_registry: dict[tuple[str, int], Pool] = {}
+_registry_lock = threading.Lock()
+
+
+def get_pool(world: int, device: str = "cpu", collective_timeout_s: float = 30.0) -> Pool:
+    """The shared warm pool for (device, world); created (not started) on first use."""
+    with _registry_lock:
+        key = (device, world)
+        pool = _registry.get(key)
+        if pool is None or pool.collective_timeout_s != collective_timeout_s:
+            if pool is not None:
+                pool.shutdown()
+            pool = _registry[key] = Pool(world, device, collective_timeout_s)
+        return pool
+
+
+@atexit.register
+def shutdown_all() -> None:
+    with _registry_lock:
+        for pool in _registry.values():
+            pool.shutdown()
+        _registry.clear()

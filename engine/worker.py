@@ -1,0 +1,176 @@
+"""The worker process: one rank. Started as `python -m engine.worker`, never by re-running a page script.
+
+Two ways to start it:
+
+* **Pool mode** (what `engine.launch.Pool` does): the parent passes a listener address and key in the
+  environment; the worker joins the process group once, then runs task after task
+  (`"module:function"`, called as `function(ctx, **kwargs)`) until told to exit. Process groups and
+  imports stay warm between runs.
+
+* **torchrun mode**, across one or several machines: torchrun sets RANK, WORLD_SIZE, LOCAL_RANK,
+  MASTER_ADDR and MASTER_PORT; the worker runs one training run and rank 0 writes the result JSON:
+
+      # on each of 2 machines (node ranks 0 and 1), 2 ranks per machine:
+      torchrun --nnodes 2 --nproc-per-node 2 --node-rank $NODE --master-addr $HOST0 --master-port 29500 \\
+          -m engine.worker --strategy fsdp --zero-stage 3 --steps 3 --check --out result.json
+
+  The flags are those of `python -m engine run`; the world size comes from torchrun.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import importlib
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Context:
+    """What a task needs to know about the rank it runs on."""
+
+    rank: int
+    world: int
+    local_rank: int
+    device: object  # torch.device
+    backend: str
+    collective_timeout_s: float
+    clock_offset_s: float = 0.0
+    _mesh_groups: dict = field(default_factory=dict)
+
+    def mesh_groups(self, axes: tuple[tuple[str, int], ...]) -> dict:
+        """Process groups of a mesh, created once per worker and reused by later runs."""
+        if axes not in self._mesh_groups:
+            from engine.mesh import Mesh
+
+            self._mesh_groups[axes] = Mesh(axes).build_groups(self.rank, self.collective_timeout_s)
+        return self._mesh_groups[axes]
+
+
+def start_rank(rank: int, world: int, local_rank: int, local_world: int, device: str, init_method: str | None,
+               collective_timeout_s: float) -> Context:
+    """Pick device and backend, join the default group, align clocks with rank 0."""
+    import torch
+
+    from engine import comm
+
+    backend = "gloo"
+    dev = torch.device("cpu")
+    if device == "cuda":
+        gpus = torch.cuda.device_count()
+        if gpus == 0:
+            raise RuntimeError("--device cuda was asked for but this machine has no CUDA device")
+        dev = torch.device("cuda", local_rank % gpus)
+        torch.cuda.set_device(dev)
+        # NCCL needs one GPU per rank; with fewer GPUs than ranks, gloo carries the traffic through host
+        # memory and comm.Comm records the copies.
+        backend = "nccl" if gpus >= local_world else "gloo"
+    torch.set_num_threads(1)  # ranks share the machine's cores; one thread each avoids oversubscription
+    comm.init(backend, init_method, rank, world, collective_timeout_s)
+    ctx = Context(rank, world, local_rank, dev, backend, collective_timeout_s)
+    ctx.clock_offset_s = comm.measure_clock_offset()
+    return ctx
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    """A worker whose parent died (killed server, Ctrl-C) exits by itself within half a second.
+
+    Polling instead of prctl(PR_SET_PDEATHSIG): that signal fires when the *thread* that started the
+    worker ends, and a Streamlit page runs in a short-lived thread.
+    """
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(1)
+        time.sleep(0.5)
+
+
+def call(target: str, ctx: Context, kwargs: dict):
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)(ctx, **kwargs)
+
+
+def pool_main() -> None:
+    from multiprocessing.connection import Client
+
+    env = os.environ
+    rank, world = int(env["SHARDLAB_RANK"]), int(env["SHARDLAB_WORLD"])
+    threading.Thread(target=_exit_when_orphaned, args=(int(env["SHARDLAB_PARENT_PID"]),), daemon=True).start()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the pool asks "where are you?" on a timeout
+    host, port = env["SHARDLAB_POOL_ADDR"].rsplit(":", 1)
+    conn = Client((host, int(port)), authkey=bytes.fromhex(env["SHARDLAB_POOL_KEY"]))
+    conn.send(("hello", rank, os.getpid(), threading.main_thread().ident))
+    try:
+        ctx = start_rank(rank, world, rank, world, env["SHARDLAB_DEVICE"], env["SHARDLAB_INIT"],
+                         float(env["SHARDLAB_COLLECTIVE_TIMEOUT_S"]))
+    except BaseException:
+        conn.send(("error", None, traceback.format_exc()))
+        return
+    conn.send(("ready", ctx.clock_offset_s))
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg[0] == "exit":
+            from engine import comm
+
+            comm.destroy()
+            return
+        _, task_id, target, kwargs = msg
+        try:
+            result = call(target, ctx, kwargs)
+        except BaseException:
+            conn.send(("error", task_id, traceback.format_exc()))
+            continue
+        conn.send(("ok", task_id, result))
+
+
+def torchrun_main(argv: list[str]) -> int:
+    """One run under torchrun; rank 0 writes the same JSON object `python -m engine run --json` prints."""
+    import json
+
+    from engine import cli
+    from engine.config import ConfigError
+
+    parser = cli.run_parser("python -m engine.worker")
+    parser.add_argument("--out", required=True, help="where rank 0 writes the result JSON")
+    args = parser.parse_args(argv)
+    env = os.environ
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    try:
+        cfg = cli.config_from_args(args, world=world)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    ctx = start_rank(rank, world, int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", world)),
+                     cfg.device, None, cfg.collective_timeout_s)
+    from engine import comm
+    from engine.train import run_rank
+    from engine.run import assemble
+
+    result = run_rank(ctx, cfg, traced=bool(args.trace), check=args.check)
+    from engine.comm import Comm
+    from engine.recorder import Recorder
+
+    everything = Comm(Recorder(rank), ctx.device).gather_objects(result)
+    comm.destroy()
+    if rank == 0:
+        summary, timeline = assemble(cfg, everything)
+        if args.trace:
+            timeline.write_chrome_trace(args.trace)
+        with open(args.out, "w") as f:
+            json.dump(summary, f, indent=1)
+        return 0 if summary["ok"] else 1
+    return 0
+
+
+if __name__ == "__main__":
+    if "SHARDLAB_POOL_ADDR" in os.environ:
+        pool_main()
+    else:
+        sys.exit(torchrun_main(sys.argv[1:]))
