@@ -1,0 +1,299 @@
+"""The chip table: facts about one accelerator, loaded from ``chips.toml``.
+
+``chips.toml`` is the one place to add a chip. Every number there carries its source in a comment on
+the same line (continued on the following comment-only lines); the loader keeps those comments as
+``Chip.sources`` so the pages can show where each number comes from, and refuses a number without one.
+
+Units: FLOP/s, bytes, bytes/s, seconds. Link bandwidths are per direction.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+KINDS = ("gpu", "tpu", "cpu")
+CHIPS_TOML = Path(__file__).with_name("chips.toml")
+
+# Fields a chip entry in chips.toml must have, in the order the table shows them.
+_TEXT_FIELDS = ("name", "vendor", "kind")
+_NUMBER_FIELDS = (
+    "bf16_flops_per_s",
+    "fp8_flops_per_s",
+    "hbm_bytes",
+    "hbm_bytes_per_s",
+    "scaleup_bytes_per_s",
+    "ici_axes",
+    "scaleout_bytes_per_s",
+    "scaleup_domain",
+    "torus_shape",
+    "scaleup_latency_s",
+    "scaleout_latency_s",
+    "matmul_efficiency",
+    "hbm_efficiency",
+    "link_efficiency",
+)
+# Fields where the TOML value "none" means "this chip has no such thing".
+_NONE_ALLOWED = ("fp8_flops_per_s", "torus_shape")
+_INT_FIELDS = ("ici_axes", "scaleup_domain")
+_FRACTION_FIELDS = ("matmul_efficiency", "hbm_efficiency", "link_efficiency")
+
+
+class ChipTableError(ValueError):
+    """A chip entry is malformed; the message names the chip, the field and what to change."""
+
+    def __init__(self, chip: str, field_name: str | None, problem: str):
+        self.chip = chip
+        self.field = field_name
+        where = f"chip {chip!r}" + (f", field {field_name!r}" if field_name else "")
+        super().__init__(f"{where}: {problem}")
+
+
+class UnknownChipError(ValueError):
+    """Asked for a chip key that is not in the table."""
+
+
+@dataclass(frozen=True)
+class Chip:
+    key: str
+    name: str
+    vendor: str
+    kind: str  # "gpu" | "tpu" | "cpu" (the probed machine)
+    bf16_flops_per_s: float  # dense, no structured sparsity
+    fp8_flops_per_s: float | None  # None where the chip has no fp8 matrix unit
+    hbm_bytes: float
+    hbm_bytes_per_s: float
+    scaleup_bytes_per_s: float  # GPU: NVLink of one GPU, per direction; TPU: ONE ICI link, one direction
+    ici_axes: int  # 0 for GPUs; TPU torus dimensionality
+    scaleout_bytes_per_s: float  # per chip, per direction (InfiniBand / RoCE / DCN)
+    scaleup_domain: int  # GPUs per NVLink domain; TPU: chips in the largest ICI slice
+    torus_shape: tuple[int, ...] | None  # TPU: the slice shape collectives are mapped onto; None for GPUs
+    scaleup_latency_s: float  # alpha per hop
+    scaleout_latency_s: float  # alpha per hop
+    matmul_efficiency: float  # achievable fraction of peak FLOP/s for large matmuls
+    hbm_efficiency: float  # achievable fraction of HBM bandwidth
+    link_efficiency: float  # achievable fraction of link bandwidth for large messages
+    sources: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+    fp32_flops_per_s: float | None = None  # only the probed CPU sets it: GPU/TPU tables quote bf16 and fp8
+
+    def __post_init__(self):
+        _validate(self)
+
+    def peak_flops_per_s(self, dtype: str, achievable: bool = False) -> float:
+        """Dense matmul FLOP/s for ``dtype``; ``achievable`` scales by ``matmul_efficiency``."""
+        if dtype == "fp8":
+            if self.fp8_flops_per_s is None:
+                raise ValueError(f"{self.name} has no fp8 tensor cores; choose bf16")
+            peak = self.fp8_flops_per_s
+        elif dtype == "bf16":
+            peak = self.bf16_flops_per_s
+        elif dtype == "fp16":
+            # GPU datasheets list FP16 at the bf16 rate; TPU matrix units take bf16, not fp16.
+            if self.kind == "tpu":
+                raise ValueError(f"{self.name} has no fp16 matrix unit; choose bf16")
+            peak = self.bf16_flops_per_s
+        elif dtype == "fp32":
+            if self.fp32_flops_per_s is None:
+                raise ValueError(
+                    f"the table has no fp32 matmul rate for {self.name}; choose bf16"
+                    + (" or fp8" if self.fp8_flops_per_s is not None else "")
+                )
+            peak = self.fp32_flops_per_s
+        else:
+            raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPE_BYTES)}")
+        return peak * (self.matmul_efficiency if achievable else 1.0)
+
+    def hbm_bw(self, achievable: bool = False) -> float:
+        """HBM bytes/s; ``achievable`` scales by ``hbm_efficiency``."""
+        return self.hbm_bytes_per_s * (self.hbm_efficiency if achievable else 1.0)
+
+    def scaleup_bw(self, achievable: bool = False) -> float:
+        return self.scaleup_bytes_per_s * (self.link_efficiency if achievable else 1.0)
+
+    def scaleout_bw(self, achievable: bool = False) -> float:
+        return self.scaleout_bytes_per_s * (self.link_efficiency if achievable else 1.0)
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        """The dtypes ``peak_flops_per_s`` accepts for this chip."""
+        out = ["bf16"] + ([] if self.kind == "tpu" else ["fp16"])
+        if self.fp8_flops_per_s is not None:
+            out.append("fp8")
+        if self.fp32_flops_per_s is not None:
+            out.append("fp32")
+        return tuple(out)
+
+
+def _validate(chip: Chip) -> None:
+    """The one place a chip's numbers are checked, for table entries and hand-made chips alike."""
+    for name in _TEXT_FIELDS:
+        value = getattr(chip, name)
+        if not isinstance(value, str) or not value.strip():
+            raise ChipTableError(chip.key, name, f"must be a non-empty string, got {value!r}")
+    if chip.kind not in KINDS:
+        raise ChipTableError(chip.key, "kind", f"must be one of {KINDS}, got {chip.kind!r}")
+    for name in _NUMBER_FIELDS + ("fp32_flops_per_s",):
+        value = getattr(chip, name)
+        if value is None:
+            if name in _NONE_ALLOWED or name == "fp32_flops_per_s":
+                continue
+            raise ChipTableError(chip.key, name, "is missing")
+        if name == "torus_shape":
+            if not (isinstance(value, tuple) and value and all(_is_int(v) and v > 0 for v in value)):
+                raise ChipTableError(chip.key, name, f"must be a list of positive integers, got {value!r}")
+            continue
+        if not _is_number(value):
+            raise ChipTableError(chip.key, name, f"must be a number, got {value!r}")
+        if name in _INT_FIELDS and not _is_int(value):
+            raise ChipTableError(chip.key, name, f"must be a whole number, got {value!r}")
+        if value < 0 or (value == 0 and name != "ici_axes"):
+            allowed = ">= 0" if name == "ici_axes" else "> 0"
+            raise ChipTableError(chip.key, name, f"must be {allowed}, got {value!r}")
+        if name in _FRACTION_FIELDS and value > 1:
+            raise ChipTableError(chip.key, name, f"is a fraction of peak and must be in (0, 1], got {value!r}")
+    if chip.kind == "tpu":
+        if chip.torus_shape is None:
+            raise ChipTableError(chip.key, "torus_shape", "a TPU needs its slice shape, e.g. [16, 16, 16]")
+        if chip.ici_axes != len(chip.torus_shape):
+            raise ChipTableError(
+                chip.key, "ici_axes", f"is {chip.ici_axes} but torus_shape {chip.torus_shape} has "
+                f"{len(chip.torus_shape)} axes; make them agree"
+            )
+        if math.prod(chip.torus_shape) != chip.scaleup_domain:
+            raise ChipTableError(
+                chip.key, "scaleup_domain", f"is {chip.scaleup_domain} but torus_shape {chip.torus_shape} "
+                f"holds {math.prod(chip.torus_shape)} chips; make them agree"
+            )
+    elif chip.torus_shape is not None or chip.ici_axes != 0:
+        raise ChipTableError(chip.key, "torus_shape", f"only TPUs have a torus; set it to \"none\" and "
+                             f"ici_axes to 0 for a {chip.kind}")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_int(value) -> bool:
+    return _is_number(value) and float(value).is_integer()
+
+
+_ASSIGNMENT = re.compile(r"^\s*([A-Za-z0-9_\-]+)\s*=\s*(.*)$")
+_SECTION = re.compile(r"^\s*\[\s*([A-Za-z0-9_\-]+)\s*\]\s*(#.*)?$")
+
+
+def _comment_after_value(value_text: str) -> str | None:
+    """The comment text after a TOML value on one line; a '#' inside a quoted string is not a comment."""
+    if value_text.startswith('"'):
+        end = value_text.find('"', 1)
+        rest = value_text[end + 1:] if end >= 0 else ""
+    else:
+        rest = value_text
+    hash_at = rest.find("#")
+    return rest[hash_at + 1:].strip() if hash_at >= 0 else None
+
+
+def _source_comments(text: str) -> dict[str, dict[str, str]]:
+    """Per chip section, per field: the comment beside the value plus the comment-only lines under it."""
+    comments: dict[str, dict[str, str]] = {}
+    section: str | None = None
+    last_field: str | None = None
+    for line in text.splitlines():
+        if match := _SECTION.match(line):
+            section, last_field = match.group(1), None
+            comments.setdefault(section, {})
+            continue
+        stripped = line.strip()
+        if section is None or not stripped:
+            last_field = None
+            continue
+        if stripped.startswith("#"):
+            if last_field is not None:
+                more = stripped.lstrip("#").strip()
+                comments[section][last_field] = f"{comments[section][last_field]} {more}".strip()
+            continue
+        if match := _ASSIGNMENT.match(line):
+            last_field = match.group(1)
+            comment = _comment_after_value(match.group(2).strip())
+            if comment is None:
+                last_field = None
+            else:
+                comments[section][last_field] = comment
+    return comments
+
+
+def load_chips(path: str | Path = CHIPS_TOML) -> dict[str, Chip]:
+    """Read a chip table; any problem becomes a ChipTableError that names the chip and the field."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ChipTableError(str(path), None, f"cannot read the chip table: {exc}") from None
+    try:
+        table = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ChipTableError(str(path), None, f"is not valid TOML ({exc}); fix that line") from None
+    comments = _source_comments(text)
+    chips: dict[str, Chip] = {}
+    for key, entry in table.items():
+        if not isinstance(entry, dict):
+            raise ChipTableError(key, None, "must be a table: write [" + key + "] and its fields below it")
+        if key != key.lower():
+            raise ChipTableError(key, None, f"chip keys are lower-case; rename it to {key.lower()!r}")
+        chips[key] = _chip_from_entry(key, entry, comments.get(key, {}))
+    if not chips:
+        raise ChipTableError(str(path), None, "holds no chips")
+    return chips
+
+
+def _chip_from_entry(key: str, entry: dict, comments: dict[str, str]) -> Chip:
+    known = set(_TEXT_FIELDS) | set(_NUMBER_FIELDS)
+    unknown = sorted(set(entry) - known)
+    if unknown:
+        raise ChipTableError(key, unknown[0], f"is not a chip field; the fields are {sorted(known)}")
+    values: dict = {}
+    for name in _TEXT_FIELDS + _NUMBER_FIELDS:
+        if name not in entry:
+            raise ChipTableError(key, name, "is missing" + (' (write "none" if the chip has none)'
+                                                            if name in _NONE_ALLOWED else ""))
+        value = entry[name]
+        if name in _NUMBER_FIELDS:
+            if value == "none" and name in _NONE_ALLOWED:
+                value = None
+            elif isinstance(value, str):
+                raise ChipTableError(key, name, f"must be a number, got the string {value!r}")
+            elif name == "torus_shape":
+                if not isinstance(value, list):
+                    raise ChipTableError(key, name, f"must be a list like [16, 16], got {value!r}")
+                value = tuple(int(v) if _is_int(v) else v for v in value)
+            elif name in _INT_FIELDS and _is_int(value):
+                value = int(value)
+            elif _is_number(value):
+                value = float(value)
+            if name not in comments or not comments[name]:
+                raise ChipTableError(key, name, "has no source: add '# <datasheet URL or paper, table>' "
+                                     "after the value")
+        values[name] = value
+    sources = {name: comments[name] for name in _NUMBER_FIELDS}
+    return Chip(key=key, sources=sources, **values)
+
+
+def chip_fields() -> tuple[str, ...]:
+    """Field names of a table entry, in display order (text fields first)."""
+    return _TEXT_FIELDS + _NUMBER_FIELDS
+
+
+CHIPS: dict[str, Chip] = load_chips()
+
+
+def get_chip(key: str) -> Chip:
+    """Look a chip up by its table key, e.g. ``"h100"``; an unknown key names the known ones."""
+    if isinstance(key, str) and key in CHIPS:
+        return CHIPS[key]
+    if isinstance(key, str) and key.strip().lower() in CHIPS:
+        return CHIPS[key.strip().lower()]
+    raise UnknownChipError(f"unknown chip {key!r}; known chips: {', '.join(sorted(CHIPS))}")
+

@@ -1,0 +1,412 @@
+"""Alpha-beta cost of collectives: time = hops * alpha + bytes on the busiest link / link bandwidth.
+
+Byte convention (the scaling book's): for ``all_gather``, ``reduce_scatter`` and ``all_reduce``,
+``bytes`` is the size V of the FULL array (gathered, or unreduced on each rank); for ``all_to_all`` it
+is the bytes each rank holds before the exchange; for ``p2p`` the message size. Every link is
+full duplex and ``Link.bytes_per_s`` is one direction.
+
+Topologies
+- ``ring(n, link)``: a unidirectional ring, what NCCL builds (Thakur et al. 2005, Sec. 4).
+- ``switch(n, link)``: n chips on a non-blocking switch (NVSwitch, a rail-optimised fat tree). NCCL
+  runs rings over it, so gather/scatter/reduce cost what a ring costs; all-to-all goes direct.
+- ``torus(axes, link)``: TPU ICI axes, bidirectional links, optional wraparound ([SB] Part 3).
+- ``hierarchy(n, domain, inner, outer)``: NVLink domain + scale-out network, the collective split
+  into an intra-domain and an inter-domain phase.
+- ``group_topology(chip, n, stride)``: the topology a process group of a parallel mesh lands on.
+
+[SB] = Austin et al., "How to Scale Your Model" (jax-ml scaling book), Part 3 "Sharded matmuls",
+"A deeper dive into TPU communication primitives", and Part 12 "GPUs".
+Contention between different groups running at the same time is not modelled, except that groups
+interleaved on one TPU axis share its links (see ``group_topology``).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from hardware.chips import Chip
+
+
+@dataclass(frozen=True)
+class Link:
+    bytes_per_s: float  # one direction
+    latency_s: float  # alpha: cost of one hop, independent of size
+
+    def __post_init__(self):
+        if not (self.bytes_per_s > 0 and math.isfinite(self.bytes_per_s)):
+            raise ValueError(f"link bandwidth must be a positive number of bytes/s, got {self.bytes_per_s!r}")
+        if not (self.latency_s >= 0 and math.isfinite(self.latency_s)):
+            raise ValueError(f"link latency must be >= 0 seconds, got {self.latency_s!r}")
+
+    def scaled(self, efficiency: float) -> Link:
+        return Link(self.bytes_per_s * efficiency, self.latency_s)
+
+
+def _check_n(n) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"a process group needs a whole number of ranks >= 1, got {n!r}")
+    return n
+
+
+def _check_bytes(nbytes) -> float:
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int | float) or not nbytes >= 0:
+        raise ValueError(f"message size must be >= 0 bytes, got {nbytes!r}")
+    return float(nbytes)
+
+
+class Topology(ABC):
+    """A process group of ``n`` ranks and what each collective costs on it, in seconds."""
+
+    n: int
+
+    @abstractmethod
+    def all_gather_s(self, nbytes: float) -> float: ...
+
+    def reduce_scatter_s(self, nbytes: float) -> float:
+        # Reduce-scatter is all-gather run backwards: same bytes over the same links ([SB] Part 3).
+        return self.all_gather_s(nbytes)
+
+    def all_reduce_s(self, nbytes: float) -> float:
+        # All-reduce = reduce-scatter + all-gather (Thakur et al. 2005, Sec. 4.4; [SB] Part 3).
+        return self.reduce_scatter_s(nbytes) + self.all_gather_s(nbytes)
+
+    @abstractmethod
+    def all_to_all_s(self, nbytes: float) -> float: ...
+
+    @abstractmethod
+    def p2p_s(self, nbytes: float) -> float: ...
+
+    @abstractmethod
+    def describe(self) -> str: ...
+
+    def cost_s(self, collective: str, nbytes: float) -> float:
+        """Dispatch by name: all_gather | reduce_scatter | all_reduce | all_to_all | p2p."""
+        methods = {
+            "all_gather": self.all_gather_s,
+            "reduce_scatter": self.reduce_scatter_s,
+            "all_reduce": self.all_reduce_s,
+            "all_to_all": self.all_to_all_s,
+            "p2p": self.p2p_s,
+        }
+        if collective not in methods:
+            raise ValueError(f"unknown collective {collective!r}; choose one of {sorted(methods)}")
+        return methods[collective](nbytes)
+
+
+@dataclass(frozen=True)
+class Ring(Topology):
+    """A unidirectional ring: each rank sends to the next over one link."""
+
+    n: int
+    link: Link
+
+    def __post_init__(self):
+        _check_n(self.n)
+
+    def all_gather_s(self, nbytes):
+        v = _check_bytes(nbytes)
+        # n-1 steps, each moving one shard V/n over one link (Thakur et al. 2005, Sec. 4.1; [SB] Part 3).
+        return (self.n - 1) * self.link.latency_s + (self.n - 1) / self.n * v / self.link.bytes_per_s
+
+    def all_to_all_s(self, nbytes):
+        b = _check_bytes(nbytes)
+        # The chunk b/n for the rank d hops ahead crosses d links: sum_d d*b/n = b(n-1)/2 link-bytes per
+        # rank, n ranks over n links, so b(n-1)/2 per link; the farthest chunk is n-1 hops away.
+        return (self.n - 1) * self.link.latency_s + b * (self.n - 1) / 2 / self.link.bytes_per_s
+
+    def p2p_s(self, nbytes):
+        b = _check_bytes(nbytes)
+        # One message over one link: alpha + b/W (Hockney's model).
+        return 0.0 if self.n == 1 else self.link.latency_s + b / self.link.bytes_per_s
+
+    def describe(self):
+        return (f"ring of {self.n}, {self.link.bytes_per_s / 1e9:.4g} GB/s per direction, "
+                f"{self.link.latency_s * 1e6:.3g} us per hop")
+
+
+@dataclass(frozen=True)
+class Switch(Topology):
+    """n ranks on a non-blocking switch: every rank has its own full-duplex port of ``link``."""
+
+    n: int
+    link: Link
+    label: str = "switch"
+
+    def __post_init__(self):
+        _check_n(self.n)
+
+    def all_gather_s(self, nbytes):
+        v = _check_bytes(nbytes)
+        # NCCL's ring over the switch: (n-1)/n * V / W, n-1 steps ([SB] Part 12: T = (N-1)/N * B/W;
+        # nccl-tests PERFORMANCE.md: busbw = algbw * (n-1)/n for all-gather).
+        return (self.n - 1) * self.link.latency_s + (self.n - 1) / self.n * v / self.link.bytes_per_s
+
+    def all_to_all_s(self, nbytes):
+        b = _check_bytes(nbytes)
+        # Each rank sends (n-1)/n of its bytes straight to their owners through its own port
+        # ([SB] Part 12: AllToAll in a node costs (N-1)/N * B / (N W) with B the total array);
+        # the n-1 sends are posted at once, so one alpha.
+        if self.n == 1:
+            return 0.0
+        return self.link.latency_s + (self.n - 1) / self.n * b / self.link.bytes_per_s
+
+    def p2p_s(self, nbytes):
+        b = _check_bytes(nbytes)
+        # One message through the switch: alpha + b/W (Hockney's model).
+        return 0.0 if self.n == 1 else self.link.latency_s + b / self.link.bytes_per_s
+
+    def describe(self):
+        return (f"{self.n} ranks on {self.label}, {self.link.bytes_per_s / 1e9:.4g} GB/s per direction "
+                f"per rank, {self.link.latency_s * 1e6:.3g} us per step")
+
+
+@dataclass(frozen=True)
+class TorusAxis:
+    """One torus axis a group spans: ``size`` ranks joined by ``link`` in each direction."""
+
+    size: int
+    link: Link
+    wraparound: bool = True
+
+    def __post_init__(self):
+        _check_n(self.size)
+
+    @property
+    def directed_bw(self) -> float:
+        # Bandwidth into one rank along this axis: two neighbours with wraparound, one at a line's end.
+        return self.link.bytes_per_s * (2 if self.wraparound else 1)
+
+    @property
+    def gather_hops(self) -> int:
+        # Bidirectional ring: halves go both ways, the farthest rank is ceil((n-1)/2) hops away;
+        # on a line the end ranks are n-1 apart ([SB] Part 3, "bidirectional ring ... N/2 hops").
+        return math.ceil((self.size - 1) / 2) if self.wraparound else self.size - 1
+
+    def all_to_all_link_bytes(self, b: float) -> float:
+        """Bytes on the busiest directed link of this axis when every rank all-to-alls ``b`` bytes."""
+        m = self.size
+        if self.wraparound:
+            # Chunk b/m to a rank d away travels min(d, m-d) hops; sum_d min(d, m-d) = floor(m^2/4),
+            # spread evenly over the 2m directed links: b * floor(m^2/4) / (2m) (= b*m/8 for even m,
+            # [SB] Part 3: all-to-all on a bidirectional ring ~ 1/4 of an all-gather's V/W).
+            return b * (m * m // 4) / (2 * m)
+        # On a line the middle link carries the chunks of the floor(m/2) ranks on one side to the
+        # ceil(m/2) on the other: b/m * floor(m/2) * ceil(m/2).
+        return b * (m // 2) * ((m + 1) // 2) / m
+
+
+@dataclass(frozen=True)
+class Torus(Topology):
+    """A group spanning one or more TPU torus axes, with bidirectional links."""
+
+    axes: tuple[TorusAxis, ...]
+
+    def __post_init__(self):
+        if not self.axes:
+            raise ValueError("a torus group needs at least one axis")
+
+    @property
+    def n(self) -> int:
+        return math.prod(a.size for a in self.axes)
+
+    def _active(self) -> tuple[TorusAxis, ...]:
+        return tuple(a for a in self.axes if a.size > 1)
+
+    def all_gather_s(self, nbytes):
+        v = _check_bytes(nbytes)
+        active = self._active()
+        if not active:
+            return 0.0
+        # Split V into k = len(axes) portions; portion p gathers along the axes in an order rotated by p,
+        # so all axes work at once. A phase over an axis of size m that grows the data from S/m to S
+        # puts (m-1)/m * S on that axis. With k equal axes this gives (n-1)/n * V / (2 W k), the scaling
+        # book's "AllGather over k axes is k times faster" ([SB] Part 3, multi-axis AllGather).
+        k = len(active)
+        load_s = [0.0] * k
+        for p in range(k):
+            size = v / k / self.n
+            for j in range(k):
+                i = (p + j) % k
+                grown = size * active[i].size
+                load_s[i] += (grown - size) / active[i].directed_bw
+                size = grown
+        latency = sum(a.gather_hops * a.link.latency_s for a in active)
+        return latency + max(load_s)
+
+    def all_to_all_s(self, nbytes):
+        b = _check_bytes(nbytes)
+        active = self._active()
+        if not active:
+            return 0.0
+        # Dimension-ordered routing: each axis's links carry only that axis's share of every route, and
+        # different axes use different links, so the slowest axis sets the time (derivation in TorusAxis).
+        bw_s = max(a.all_to_all_link_bytes(b) / a.link.bytes_per_s for a in active)
+        latency = sum(a.gather_hops * a.link.latency_s for a in active)
+        return latency + bw_s
+
+    def p2p_s(self, nbytes):
+        b = _check_bytes(nbytes)
+        active = self._active()
+        if not active:
+            return 0.0
+        # A message to a neighbour along the first axis: one link, one direction (Hockney's model).
+        first = active[0]
+        return first.link.latency_s + b / first.link.bytes_per_s
+
+    def describe(self):
+        parts = []
+        for a in self.axes:
+            wrap = "wraparound" if a.wraparound else "no wraparound"
+            parts.append(f"{a.size} ({wrap}, {a.link.bytes_per_s / 1e9:.4g} GB/s per link per direction)")
+        return f"torus axes {' x '.join(parts)}"
+
+
+@dataclass(frozen=True)
+class Hierarchy(Topology):
+    """``n`` ranks in domains of ``domain_size``: an inner topology per domain, an outer one across."""
+
+    n: int
+    domain_size: int
+    inner: Topology  # the ranks of one domain
+    outer: Topology  # one rank from each domain (same local index), n // domain_size of them
+
+    def __post_init__(self):
+        _check_n(self.n)
+        _check_n(self.domain_size)
+        if self.n % self.domain_size:
+            raise ValueError(f"a hierarchy of {self.n} ranks cannot be cut into domains of {self.domain_size}; "
+                             "choose a group size that is a multiple of the domain size")
+
+    def all_gather_s(self, nbytes):
+        v = _check_bytes(nbytes)
+        # Gather across domains first (each rank ends with V/d), then inside the domain (V): the slow
+        # network moves only 1/d of the array ([SB] Part 12, hierarchical collectives; NCCL's tree/ring mix).
+        return self.outer.all_gather_s(v / self.domain_size) + self.inner.all_gather_s(v)
+
+    def reduce_scatter_s(self, nbytes):
+        v = _check_bytes(nbytes)
+        # Reduce-scatter inside the domain on V, then across domains on the V/d each rank holds ([SB] Part 12).
+        return self.inner.reduce_scatter_s(v) + self.outer.reduce_scatter_s(v / self.domain_size)
+
+    def all_reduce_s(self, nbytes):
+        v = _check_bytes(nbytes)
+        # RS inside, AR across domains on V/d, AG inside ([SB] Part 12; the NCCL/Horovod hierarchical all-reduce).
+        d = self.domain_size
+        return self.inner.reduce_scatter_s(v) + self.outer.all_reduce_s(v / d) + self.inner.all_gather_s(v)
+
+    def all_to_all_s(self, nbytes):
+        b = _check_bytes(nbytes)
+        # Of b bytes, (n-d)/n leave the domain and (d-1)/n stay; both go at once on different links, so
+        # the slower part sets the time. The outer share runs as an all-to-all among the n/d domains.
+        d = self.domain_size
+        # With m = n/d domains, (n-d)/n = (m-1)/m: exactly what a flat all-to-all among m ranks sends away.
+        outer = self.outer.all_to_all_s(b)
+        inner = self.inner.all_to_all_s(b / self.n * d) if d > 1 else 0.0
+        return max(outer, inner)
+
+    def p2p_s(self, nbytes):
+        # The group's neighbours at a domain border talk over the network; in a pipeline the slowest hop
+        # paces every micro-batch, so quote the outer link.
+        return self.outer.p2p_s(nbytes)
+
+    def describe(self):
+        return (f"{self.n} ranks = {self.n // self.domain_size} domains x {self.domain_size}; "
+                f"inside: {self.inner.describe()}; across: {self.outer.describe()}")
+
+
+def ring(n: int, link: Link) -> Ring:
+    """(a) A unidirectional ring of n ranks over ``link``."""
+    return Ring(_check_n(n), link)
+
+
+def switch(n: int, link: Link, label: str = "switch") -> Switch:
+    """n ranks on a non-blocking switch, each with one full-duplex ``link``."""
+    return Switch(_check_n(n), link, label)
+
+
+def torus(axes: tuple[int, ...], link: Link, wraparound: bool = True) -> Torus:
+    """(b) A group over TPU torus axes of the given sizes, bidirectional links."""
+    if not axes or any(isinstance(a, bool) or not isinstance(a, int) or a < 1 for a in axes):
+        raise ValueError(f"torus axes must be a non-empty tuple of whole numbers >= 1, got {axes!r}")
+    return Torus(tuple(TorusAxis(a, link, wraparound) for a in axes))
+
+
+def hierarchy(n: int, domain_size: int, inner: Link, outer: Link) -> Topology:
+    """(c) NVLink domains of ``domain_size`` joined by a scale-out network; n <= domain is one switch."""
+    _check_n(n)
+    _check_n(domain_size)
+    if n <= domain_size:
+        return Switch(n, inner, "NVLink")
+    return Hierarchy(n, domain_size, Switch(domain_size, inner, "NVLink"),
+                     Switch(n // domain_size, outer, "scale-out network"))
+
+
+def group_topology(chip: Chip, n: int, stride: int = 1, achievable: bool = False) -> Topology:
+    """The topology of a process group of n ranks whose consecutive members are ``stride`` ranks apart.
+
+    Global ranks are numbered with the innermost mesh axis (tp) fastest, so a tp group has stride 1 and a
+    dp group behind tp=8 has stride 8.
+
+    GPU: the group fits in one NVLink domain (n*stride <= domain) -> NVLink switch; members in different
+    domains (stride >= domain) -> the scale-out network; otherwise a hierarchy of the two.
+
+    TPU: ranks fill ``chip.torus_shape`` with axis 0 fastest. A group that strides over whole axes and
+    fills axes up to some point maps onto those axes; it wraps around only where it covers a full axis.
+    A group stepping ``s`` chips along an axis shares that axis's links with the s-1 interleaved groups
+    doing the same collective, so each gets 1/s of the link and pays s hops of latency. Groups larger
+    than the slice span slices over DCN (a hierarchy); a shape that does not factor over the axes falls
+    back to a unidirectional ring over one ICI link (a safe upper bound on the time).
+    """
+    _check_n(n)
+    if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
+        raise ValueError(f"stride must be a whole number >= 1, got {stride!r}")
+    eff = chip.link_efficiency if achievable else 1.0
+    inner = Link(chip.scaleup_bytes_per_s * eff, chip.scaleup_latency_s)
+    outer = Link(chip.scaleout_bytes_per_s * eff, chip.scaleout_latency_s)
+    domain = chip.scaleup_domain
+    if chip.kind != "tpu":
+        if n * stride <= domain:
+            return Switch(n, inner, "NVLink" if chip.kind == "gpu" else "scale-up")
+        if stride >= domain:
+            return Switch(n, outer, "scale-out network")
+        per_domain = domain // stride
+        if domain % stride or n % per_domain:
+            return Switch(n, outer, "scale-out network")
+        return Hierarchy(n, per_domain, Switch(per_domain, inner, "NVLink"),
+                         Switch(n // per_domain, outer, "scale-out network"))
+    return _tpu_group(chip.torus_shape, n, stride, inner, outer)
+
+
+def _tpu_group(shape: tuple[int, ...], n: int, stride: int, inner: Link, outer: Link) -> Topology:
+    pod = math.prod(shape)
+    if stride >= pod:
+        # Every member sits in a different slice.
+        return Switch(n, outer, "DCN") if stride % pod == 0 else Ring(n, inner)
+    axes: list[TorusAxis] = []
+    block, remaining = stride, n
+    for size in shape:
+        if remaining == 1:
+            break
+        if block >= size:
+            if block % size:
+                return Ring(n, inner)
+            block //= size
+            continue
+        if size % block:
+            return Ring(n, inner)
+        positions = size // block
+        take = min(remaining, positions)
+        if remaining % take:
+            return Ring(n, inner)
+        link = Link(inner.bytes_per_s / block, inner.latency_s * block)
+        axes.append(TorusAxis(take, link, wraparound=take == positions))
+        remaining //= take
+        block = 1
+    if not axes:
+        return Switch(n, outer, "DCN")
+    torus_group = Torus(tuple(axes))
+    if remaining == 1:
+        return torus_group
+    return Hierarchy(n, torus_group.n, torus_group, Switch(remaining, outer, "DCN"))
