@@ -1,0 +1,52 @@
+"""ShardLab entry point: `streamlit run app.py`.
+
+Runs before every page: sets up the navigation and the sidebar whose choices (model preset, chip,
+mesh shape) all pages share. The choices live in the URL query parameters, so a shared link opens the
+same view.
+"""
+
+import streamlit as st
+
+from hardware.chips import CHIPS
+from planner.models import DEFAULT_MODEL, MODEL_PRESETS
+from ui.lessons import LESSONS, page_params
+from ui.state import DEFAULT_MESH, MAX_AXIS_DEGREE, MESH_AXES, MESH_AXIS_HELP, Choices, parse_choices
+
+DEFAULT_CHIP = "h100"
+
+st.set_page_config(page_title="ShardLab", page_icon=":material/grid_view:", layout="wide")
+
+# Check what the link carries once per session, before the bound widgets silently drop bad values.
+if "link_problems" not in st.session_state:
+    _, st.session_state["link_problems"] = parse_choices(
+        dict(st.query_params), CHIPS, MODEL_PRESETS, DEFAULT_CHIP, DEFAULT_MODEL, page_params())
+
+home = st.Page("pages/home.py", title="Start here", icon=":material/home:", url_path="home", default=True)
+lesson_pages = [st.Page(lesson.path, title=lesson.title, icon=lesson.icon, url_path=lesson.url_path)
+                for lesson in LESSONS]
+nav = st.navigation({"ShardLab": [home], "Lessons": lesson_pages})
+
+with st.sidebar:
+    st.markdown("### Your setup")
+    st.caption("Shared by every page and kept in the link: copy the URL to share this view.")
+    model = st.selectbox("Model", list(MODEL_PRESETS), index=list(MODEL_PRESETS).index(DEFAULT_MODEL),
+                         key="model", bind="query-params")
+    # Options are the table keys, not display names: a bound widget puts its option text in the link.
+    chip = st.selectbox("Chip", list(CHIPS), index=list(CHIPS).index(DEFAULT_CHIP), key="chip",
+                        bind="query-params", help="Keys of hardware/chips.toml; the full name is shown below.")
+    st.markdown("**Mesh shape**")
+    cols = st.columns(len(MESH_AXES))
+    mesh = {}
+    for col, axis in zip(cols, MESH_AXES, strict=True):
+        mesh[axis] = col.number_input(axis, min_value=1, max_value=MAX_AXIS_DEGREE, value=DEFAULT_MESH[axis],
+                                      step=1, key=axis, bind="query-params", help=MESH_AXIS_HELP[axis])
+    choices = Choices(model, chip, {axis: int(d) for axis, d in mesh.items()})
+    st.caption(f"{choices.mesh_label()} = **{choices.num_chips:,} chips** of {CHIPS[chip].name}")
+    for problem in st.session_state["link_problems"]:
+        st.warning(problem, icon=":material/link_off:")
+    if st.session_state["link_problems"] and st.button("Dismiss link messages"):
+        st.session_state["link_problems"] = []
+        st.rerun()
+
+st.session_state["choices"] = choices
+nav.run()

@@ -1,0 +1,153 @@
+"""Lesson 1: Hardware & roofline."""
+
+import streamlit as st
+
+from hardware.chips import CHIPS
+from hardware.roofline import matmul_cost
+from ui.charts import OperatingPoint, RooflineSeries, roofline_figure
+from ui.tables import chip_table_rows
+
+POW2_SIZES = [2**i for i in range(0, 17)]  # 1 .. 65,536
+DTYPES = ["bf16", "fp16", "fp8"]
+
+choices = st.session_state["choices"]
+chip = CHIPS[choices.chip]
+
+st.title("Hardware & roofline")
+st.markdown(
+    """
+Three numbers decide almost everything in this guide:
+
+- **C**, how many floating-point operations per second (FLOP/s) a chip's matrix units do;
+- **W_hbm**, how many bytes per second its memory (HBM) delivers to them;
+- **W_link**, how many bytes per second it can send to other chips (NVLink / ICI inside a node or
+  slice, InfiniBand / data-centre network beyond).
+
+Every operation needs both arithmetic and data. Whichever takes longer sets the time, because the
+chip overlaps the two when it can.
+"""
+)
+
+st.header("The chips side by side")
+st.caption("Dense (no sparsity) peak numbers from the vendors' datasheets; bandwidths per direction. "
+           "Hover a column name for its meaning; the sources are listed below the table.")
+st.dataframe(chip_table_rows(CHIPS.values()), hide_index=True, width="stretch")
+with st.expander("Sources for every number"):
+    for c in CHIPS.values():
+        st.markdown(f"**{c.name}**")
+        st.markdown("\n".join(f"- `{field}`: {src}" for field, src in c.sources.items()))
+
+st.header("Arithmetic intensity and the roofline")
+st.markdown("Take the matmul at the heart of every Transformer layer: a batch of **B** tokens of width "
+            "**D** multiplied by a weight matrix of **D x F**. In scaling-book notation, "
+            "`In[B, D] . W[D, F] -> Out[B, F]`.")
+st.latex(r"\text{FLOPs} = 2BDF \qquad \text{bytes} = p\,(BD + DF + BF) \quad (p = \text{bytes per number})")
+st.latex(r"T_\text{math} = \frac{\text{FLOPs}}{C} \qquad T_\text{mem} = \frac{\text{bytes}}{W_\text{hbm}}"
+         r"\qquad T \approx \max(T_\text{math},\, T_\text{mem})")
+st.markdown("Divide the two: the chip is **compute-bound** exactly when the **arithmetic intensity** "
+            "of the operation beats the chip's own ratio, the **ridge point**:")
+st.latex(r"I = \frac{\text{FLOPs}}{\text{bytes}} \;>\; I^{*} = \frac{C}{W_\text{hbm}}")
+st.markdown("For a weight matrix much larger than the batch (D, F >> B) in bf16, "
+            r"$I \approx \frac{2BDF}{2DF} = B$: **the batch size in tokens is the intensity**. "
+            "Below the ridge the matrix units wait for memory; above it memory waits for them.")
+
+left, right = st.columns([1, 2])
+with left:
+    tokens = st.select_slider("Tokens in the batch (B)", POW2_SIZES, value=128, key="tokens",
+                              bind="query-params",
+                              help="Rows of the input: batch size x sequence length handled at once.")
+    d_model = st.select_slider("Input width (D)", POW2_SIZES[6:], value=4096, key="d_model",
+                               bind="query-params")
+    d_ff = st.select_slider("Output width (F)", POW2_SIZES[6:], value=4096, key="d_ff", bind="query-params")
+    dtype = st.radio("Number format", DTYPES, horizontal=True, key="dtype", bind="query-params")
+    achievable = st.toggle("Achievable instead of spec", key="achievable", bind="query-params",
+                           help="Datasheet peaks are never reached. Achievable numbers are what large "
+                                "matmuls and copies really get (sources in the chip table).")
+    compare = st.multiselect("Compare with", [k for k in CHIPS if k != chip.key],
+                             default=[k for k in ("a100-80gb", "b200", "tpu-v5e") if k != chip.key],
+                             format_func=lambda k: CHIPS[k].name)
+
+if chip.fp8_flops_per_s is None and dtype == "fp8":
+    st.warning(f"{chip.name} has no fp8 matrix units, so this uses bf16. Pick bf16 or fp16, or a chip "
+               "with fp8 (H100, H200, B200...).")
+    dtype = "bf16"
+
+cost = matmul_cost(tokens, d_model, d_ff, dtype, chip, achievable=achievable)
+series = [RooflineSeries(f"{chip.name} ({dtype})", chip.peak_flops_per_s(dtype, achievable),
+                         chip.hbm_bw(achievable), highlight=True)]
+skipped = []
+for key in compare:
+    other = CHIPS[key]
+    if dtype == "fp8" and other.fp8_flops_per_s is None:
+        skipped.append(other.name)
+        continue
+    series.append(RooflineSeries(other.name, other.peak_flops_per_s(dtype, achievable), other.hbm_bw(achievable)))
+probe = st.session_state.get("probe")
+if probe is not None:
+    series.append(RooflineSeries("This machine (CPU, fp32, measured)", probe.matmul_flops_per_s,
+                                 probe.memory_bytes_per_s))
+point = OperatingPoint(f"B={tokens}, D={d_model}, F={d_ff}", cost.intensity, cost.achieved_flops_per_s)
+kind = "achievable" if achievable else "spec"
+
+with right:
+    st.plotly_chart(roofline_figure(series, [point], title=f"Roofline ({kind})"), key="roofline")
+    if skipped:
+        st.caption(f"Not drawn for fp8 (no fp8 matrix units): {', '.join(skipped)}.")
+
+verdict = "compute-bound" if cost.bound == "compute" else "memory-bound"
+m1, m2, m3, m4 = st.columns(4)
+m1.metric("Arithmetic intensity", f"{cost.intensity:,.1f} FLOP/B")
+m2.metric(f"Ridge point ({chip.name})", f"{cost.ridge:,.1f} FLOP/B")
+m3.metric("Time", f"{cost.time_s * 1e6:,.2f} µs")
+m4.metric("Verdict", verdict)
+st.markdown(
+    f"On **{chip.name}** ({kind} numbers, {dtype}) this matmul does {cost.flops:.3g} FLOPs and moves "
+    f"{cost.bytes:.3g} bytes: {cost.compute_s * 1e6:,.2f} µs of math against {cost.memory_s * 1e6:,.2f} µs "
+    f"of memory traffic, so it is **{verdict}** and reaches {cost.achieved_flops_per_s / 1e12:,.1f} TFLOP/s "
+    f"of the {chip.peak_flops_per_s(dtype, achievable) / 1e12:,.0f} available."
+)
+if cost.bound == "memory":
+    needed = next((b for b in POW2_SIZES
+                   if matmul_cost(b, d_model, d_ff, dtype, chip, achievable=achievable).bound == "compute"), None)
+    if needed is None:
+        st.info(f"With D={d_model} and F={d_ff} no batch up to {POW2_SIZES[-1]:,} tokens makes this matmul "
+                f"compute-bound on {chip.name}: the weights are too small to be reused enough. "
+                "Make D and F larger.")
+    else:
+        st.info(f"Batch at least **{needed:,} tokens** to cross the ridge on {chip.name}. This is why "
+                "training uses large batches per chip, and why decoding one token at a time is memory-bound.")
+
+st.subheader("Spec versus achievable")
+st.markdown(
+    """
+Datasheet numbers are upper bounds. Real matmuls reach a fraction of peak FLOP/s (tile shapes,
+clock throttling under power limits, kernel launch gaps), and real copies a fraction of peak
+bandwidth. The fractions used here are stated, with their sources, per chip; the toggle above
+redraws every roofline with them. The planner uses the achievable numbers, never the spec.
+"""
+)
+
+st.header("Measure this machine")
+st.markdown(
+    "The same two numbers for the computer running ShardLab: a few seconds of fp32 matmuls give **C**, "
+    "and copying a large array gives **W** (bytes read plus bytes written). Its roofline joins the chips "
+    "in the chart above."
+)
+if st.button("Measure this machine", type="primary"):
+    from hardware.probe import measure_this_machine
+
+    bar = st.progress(0.0, text="Starting ...")
+    st.session_state["probe"] = measure_this_machine(
+        budget_s=3.0, progress=lambda fraction, message: bar.progress(min(1.0, fraction), text=message))
+    bar.empty()
+    st.rerun()
+if probe is not None:
+    p1, p2, p3 = st.columns(3)
+    p1.metric("Matmul (fp32)", f"{probe.matmul_flops_per_s / 1e9:,.1f} GFLOP/s")
+    p2.metric("Memory bandwidth", f"{probe.memory_bytes_per_s / 1e9:,.2f} GB/s")
+    p3.metric("Ridge point", f"{probe.matmul_flops_per_s / probe.memory_bytes_per_s:,.1f} FLOP/B")
+    ratio = chip.peak_flops_per_s("bf16") / probe.matmul_flops_per_s
+    st.markdown(f"{chip.name} does {ratio:,.0f} times more bf16 FLOP/s than this machine's fp32 matmuls. "
+                f"Measured with {probe.threads} thread(s).")
+    with st.expander("How it was measured"):
+        st.markdown("\n".join(f"- {line}" for line in probe.details))

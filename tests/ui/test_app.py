@@ -1,0 +1,105 @@
+"""The app shell and the lessons through Streamlit's AppTest (no browser: fast)."""
+
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from ui.lessons import LESSONS
+
+TIMEOUT_S = 60
+APP = str(Path(__file__).resolve().parents[2] / "app.py")
+
+
+def _app(**params) -> AppTest:
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT_S)
+    for k, v in params.items():
+        at.query_params[k] = v
+    return at.run()
+
+
+def _page(path: str, **params) -> AppTest:
+    at = _app(**params)
+    at.switch_page(path)
+    return at.run()
+
+
+def _metric(at: AppTest, label_start: str) -> str:
+    return next(m.value for m in at.metric if m.label.startswith(label_start))
+
+
+def test_home_opens_with_sidebar_choices_and_links_every_lesson():
+    at = _app()
+    assert not at.exception
+    assert at.sidebar.selectbox(key="chip").value == "h100"
+    assert at.sidebar.selectbox(key="model").value == "Llama 3 8B"
+    assert at.sidebar.number_input(key="dp").value == 8
+    assert not at.sidebar.warning
+    assert at.session_state["choices"].num_chips == 8
+    assert at.title[0].value == "ShardLab"
+    body = " ".join(m.value for m in at.markdown)
+    for lesson in LESSONS:
+        assert lesson.title in body or any(lesson.title in str(p.proto) for p in at.get("page_link"))
+
+
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda lesson: lesson.url_path)
+def test_every_lesson_opens_without_exception(lesson):
+    at = _page(lesson.path)
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.title[0].value == lesson.title
+
+
+def test_link_choices_reach_the_pages():
+    at = _page("pages/hardware.py", chip="tpu-v5p", model="GPT-3 175B", dp="4", tp="4")
+    assert not at.exception
+    choices = at.session_state["choices"]
+    assert (choices.chip, choices.model, choices.num_chips) == ("tpu-v5p", "GPT-3 175B", 16)
+    assert "TPU v5p" in _metric(at, "Ridge point") or "v5p" in next(
+        m.label for m in at.metric if m.label.startswith("Ridge point"))
+
+
+def test_bad_link_shows_messages_and_uses_defaults():
+    at = _app(chip="h900", dp="-3", tp="zero", bogus="1")
+    assert not at.exception
+    warnings = " ".join(w.value for w in at.sidebar.warning)
+    assert "h900" in warnings and "dp='-3'" in warnings and "tp='zero'" in warnings and "bogus" in warnings
+    assert at.sidebar.selectbox(key="chip").value == "h100"
+    assert at.session_state["choices"].mesh["dp"] == 8
+    at.sidebar.button[0].click().run()
+    assert not at.sidebar.warning
+
+
+def test_roofline_verdict_follows_the_batch_slider():
+    # scaling book: bf16 matmul with B=128, D=F=4096 is HBM-bound on H100 (ridge ~295)
+    at = _page("pages/hardware.py")
+    assert _metric(at, "Verdict") == "memory-bound"
+    before = _metric(at, "Arithmetic intensity")
+    at.select_slider(key="tokens").set_value(4096).run()
+    assert not at.exception
+    assert _metric(at, "Verdict") == "compute-bound"
+    assert _metric(at, "Arithmetic intensity") != before
+    assert at.get("plotly_chart")
+
+
+def test_fp8_on_a_chip_without_fp8_explains_and_falls_back():
+    at = _page("pages/hardware.py", chip="a100-80gb")
+    at.radio(key="dtype").set_value("fp8").run()
+    assert not at.exception
+    assert any("no fp8" in w.value for w in at.warning)
+
+
+def test_achievable_toggle_lowers_the_ridge_numbers():
+    at = _page("pages/hardware.py", tokens="8192")
+    spec_time = _metric(at, "Time")
+    at.toggle(key="achievable").set_value(True).run()
+    assert not at.exception
+    assert _metric(at, "Time") != spec_time
+
+
+def test_measure_this_machine_adds_its_roofline():
+    at = _page("pages/hardware.py")
+    at.button[0].click().run(timeout=TIMEOUT_S)
+    assert not at.exception
+    probe = at.session_state["probe"]
+    assert probe.matmul_flops_per_s > 0 and probe.memory_bytes_per_s > 0
+    assert _metric(at, "Matmul (fp32)").endswith("GFLOP/s")

@@ -1,0 +1,153 @@
+"""A real browser on the real app: Debian's Chromium driven by Playwright.
+
+Only what a browser alone shows is tested here (pages render without an exception box, Plotly draws,
+a slider moved with the keyboard changes the chart); logic is tested faster with AppTest.
+Screenshots of every page go to artifacts/screenshots/ (git-ignored).
+"""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from ui.lessons import LESSONS
+
+ROOT = Path(__file__).resolve().parents[2]
+CHROMIUM = "/usr/bin/chromium"
+SHOTS = ROOT / "artifacts" / "screenshots"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(not os.path.exists(CHROMIUM),
+                       reason="needs Debian's Chromium: sudo apt-get install -y chromium"),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = _free_port()
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true",
+         "--server.port", str(port), "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false"],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            log.seek(0)
+            pytest.fail(f"streamlit did not start:\n{log.read().decode(errors='replace')}")
+        time.sleep(0.3)
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    profile = tempfile.mkdtemp(prefix="shardlab-chromium-")
+    with sync_playwright() as p:
+        context = p.chromium.launch_persistent_context(
+            profile, executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True,
+            viewport={"width": 1400, "height": 1000})
+        yield context
+        context.close()
+    shutil.rmtree(profile, ignore_errors=True)
+
+
+def _open(browser, url: str):
+    page = browser.new_page()
+    page.goto(url)
+    page.wait_for_selector('[data-testid="stApp"]', timeout=30_000)
+    # Streamlit shows a running indicator while the script runs; wait until the page settles.
+    page.wait_for_selector('[data-testid="stStatusWidget"]', state="detached", timeout=30_000)
+    page.wait_for_timeout(500)
+    return page
+
+
+def _assert_no_exception(page, where: str):
+    boxes = page.locator('[data-testid="stException"]')
+    assert boxes.count() == 0, f"{where}: {boxes.first.inner_text()}"
+
+
+PAGES = [("home", "")] + [(lesson.url_path, lesson.url_path) for lesson in LESSONS]
+
+
+@pytest.mark.parametrize(("name", "path"), PAGES, ids=[p[0] for p in PAGES])
+def test_every_page_renders(server, browser, name, path):
+    page = _open(browser, f"{server}/{path}")
+    try:
+        _assert_no_exception(page, name)
+        assert page.locator("h1").first.inner_text().strip()
+        if path:  # lessons draw Plotly charts
+            page.wait_for_selector(".js-plotly-plot .main-svg", timeout=30_000)
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
+    finally:
+        page.close()
+
+
+def _trace_points(page) -> str:
+    return page.locator(".js-plotly-plot .scatterlayer").first.inner_html()
+
+
+def test_batch_slider_moves_the_operating_point(server, browser):
+    page = _open(browser, f"{server}/hardware")
+    try:
+        page.wait_for_selector(".js-plotly-plot .main-svg", timeout=30_000)
+        before_plot = _trace_points(page)
+        verdict = page.get_by_test_id("stMetric").filter(has_text="Verdict")
+        assert "memory-bound" in verdict.inner_text()
+        slider = page.get_by_role("slider", name="Tokens in the batch (B)")
+        slider.focus()
+        for _ in range(5):  # 128 -> 4096 tokens
+            page.keyboard.press("ArrowRight")
+        page.wait_for_function(
+            "() => [...document.querySelectorAll('[data-testid=stMetric]')]"
+            ".some(m => m.innerText.includes('compute-bound'))", timeout=30_000)
+        page.wait_for_timeout(500)
+        _assert_no_exception(page, "hardware after slider")
+        assert _trace_points(page) != before_plot
+        assert "tokens=4096" in page.url
+    finally:
+        page.close()
+
+
+def test_bad_link_shows_a_message_not_a_traceback(server, browser):
+    page = _open(browser, f"{server}/hardware?chip=h900&dp=-1")
+    try:
+        _assert_no_exception(page, "bad link")
+        text = page.get_by_test_id("stSidebar").inner_text()
+        assert "Unknown chip 'h900'" in text
+        page.wait_for_selector(".js-plotly-plot .main-svg", timeout=30_000)
+    finally:
+        page.close()

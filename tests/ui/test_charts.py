@@ -1,0 +1,26 @@
+"""Chart builders return figures whose data match the formulas they draw."""
+
+import pytest
+
+from ui.charts import OperatingPoint, RooflineSeries, roofline_figure
+
+
+def test_roofline_is_min_of_peak_and_bandwidth_line():
+    h100 = RooflineSeries("H100", 989e12, 3.35e12, highlight=True)
+    fig = roofline_figure([h100], [OperatingPoint("B=128", 120.0, 120.0 * 3.35e12)])
+    line = fig.data[0]
+    for x, y in zip(line.x, line.y, strict=True):
+        assert y == pytest.approx(min(989e12, x * 3.35e12) / 1e12)
+    ridge = fig.data[1]
+    assert ridge.x[0] == pytest.approx(989e12 / 3.35e12)  # ~295 FLOP/B
+    assert fig.layout.xaxis.type == "log" and fig.layout.yaxis.type == "log"
+    star = fig.data[-1]
+    assert star.name == "B=128" and star.y[0] == pytest.approx(120 * 3.35)
+
+
+def test_axis_range_covers_every_ridge_and_point():
+    low = RooflineSeries("cpu", 1e11, 1e10)  # ridge 10
+    high = RooflineSeries("tpu", 4.59e14, 2.765e12)  # ridge ~166
+    fig = roofline_figure([low, high], [OperatingPoint("tiny", 0.5, 5e9)])
+    xs = fig.data[0].x
+    assert xs[0] <= 0.5 and xs[-1] >= 166

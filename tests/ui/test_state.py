@@ -1,0 +1,43 @@
+"""Shared sidebar choices read from a link: good values kept, every bad one reported with its default."""
+
+from ui.state import DEFAULT_MESH, parse_choices
+
+CHIPS = ["h100", "a100-80gb", "tpu-v5p"]
+MODELS = ["Llama 3 8B", "GPT-3 175B"]
+
+
+def _parse(params, page_params=()):
+    return parse_choices(params, CHIPS, MODELS, "h100", "Llama 3 8B", page_params)
+
+
+def test_empty_link_gives_defaults_and_no_messages():
+    choices, problems = _parse({})
+    assert (choices.chip, choices.model, choices.mesh) == ("h100", "Llama 3 8B", DEFAULT_MESH)
+    assert problems == []
+    assert choices.num_chips == 8
+
+
+def test_good_link_is_kept():
+    choices, problems = _parse({"chip": "tpu-v5p", "model": "GPT-3 175B", "dp": "15", "tp": "8", "pp": "16"})
+    assert problems == []
+    assert choices.chip == "tpu-v5p" and choices.model == "GPT-3 175B"
+    assert choices.num_chips == 15 * 8 * 16
+    assert choices.mesh_label() == "dp=15 x tp=8 x pp=16"
+
+
+def test_unknown_chip_names_the_known_ones():
+    choices, problems = _parse({"chip": "h900"})
+    assert choices.chip == "h100"
+    assert len(problems) == 1 and "h900" in problems[0] and "tpu-v5p" in problems[0]
+
+
+def test_zero_negative_and_nonsense_sizes_fall_back():
+    choices, problems = _parse({"dp": "0", "tp": "-4", "pp": "abc", "cp": "1e9", "ep": "2"})
+    assert choices.mesh == {**DEFAULT_MESH, "ep": 2}
+    assert len(problems) == 4
+    assert all("using" in p for p in problems)
+
+
+def test_unknown_parameters_are_reported_but_page_parameters_are_not():
+    _, problems = _parse({"chp": "h100", "tokens": "64"}, page_params={"tokens"})
+    assert len(problems) == 1 and "chp" in problems[0]

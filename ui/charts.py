@@ -1,0 +1,73 @@
+"""Chart builders: pure functions, data in, Plotly figure out. No Streamlit here."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import plotly.graph_objects as go
+
+from hardware.roofline import roofline_curve
+
+PALETTE = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#FF9DA6", "#9D755D",
+           "#BAB0AC", "#EECA3B", "#1F77B4", "#2CA02C"]
+
+
+@dataclass(frozen=True)
+class RooflineSeries:
+    """One chip's roofline: attainable FLOP/s = min(peak, intensity * bandwidth)."""
+    label: str
+    peak_flops_per_s: float
+    bw_bytes_per_s: float
+    highlight: bool = False
+
+    @property
+    def ridge(self) -> float:
+        return self.peak_flops_per_s / self.bw_bytes_per_s
+
+
+@dataclass(frozen=True)
+class OperatingPoint:
+    label: str
+    intensity: float  # FLOPs per byte
+    flops_per_s: float  # attained
+
+
+def _log_grid(lo: float, hi: float, n: int = 200) -> list[float]:
+    a, b = math.log10(lo), math.log10(hi)
+    return [10 ** (a + (b - a) * i / (n - 1)) for i in range(n)]
+
+
+def roofline_figure(series: list[RooflineSeries], points: list[OperatingPoint] = (),
+                    title: str = "Roofline") -> go.Figure:
+    """Log-log roofline of several chips with their ridge points and operating points marked."""
+    ridges = [s.ridge for s in series] + [p.intensity for p in points]
+    lo = min(0.1, min(ridges, default=1.0) / 100)
+    hi = max(1e4, max(ridges, default=1.0) * 20)
+    grid = _log_grid(lo, hi)
+    fig = go.Figure()
+    for i, s in enumerate(series):
+        color = PALETTE[i % len(PALETTE)]
+        y = [f / 1e12 for f in roofline_curve(s.peak_flops_per_s, s.bw_bytes_per_s, grid)]
+        fig.add_trace(go.Scatter(
+            x=grid, y=y, mode="lines", name=s.label,
+            line={"color": color, "width": 4 if s.highlight else 2, "dash": "solid" if s.highlight else "dot"},
+            hovertemplate=f"{s.label}<br>intensity %{{x:.3g}} FLOP/B<br>%{{y:.4g}} TFLOP/s<extra></extra>",
+        ))
+        fig.add_trace(go.Scatter(
+            x=[s.ridge], y=[s.peak_flops_per_s / 1e12], mode="markers", showlegend=False,
+            marker={"color": color, "size": 9, "symbol": "diamond"},
+            hovertemplate=f"{s.label} ridge point: %{{x:.1f}} FLOP/B<extra></extra>",
+        ))
+    for p in points:
+        fig.add_trace(go.Scatter(
+            x=[p.intensity], y=[p.flops_per_s / 1e12], mode="markers+text", name=p.label,
+            text=[p.label], textposition="top center",
+            marker={"color": "black", "size": 16, "symbol": "star"},
+            hovertemplate=f"{p.label}<br>%{{x:.3g}} FLOP/B<br>%{{y:.4g}} TFLOP/s<extra></extra>",
+        ))
+    fig.update_xaxes(type="log", title="arithmetic intensity (FLOPs per byte of HBM traffic)")
+    fig.update_yaxes(type="log", title="attainable TFLOP/s")
+    fig.update_layout(title=title, height=520, margin={"l": 10, "r": 10, "t": 50, "b": 10},
+                      legend={"orientation": "v", "x": 1.02, "y": 1})
+    return fig

@@ -1,0 +1,43 @@
+"""The route through the lessons: one list that app.py, the home page and the tests share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Lesson:
+    title: str
+    path: str  # page script, relative to the repo root
+    url_path: str
+    icon: str
+    summary: str
+    # query parameters the page binds its own widgets to (shared links carry them)
+    params: tuple[str, ...] = ()
+
+
+LESSONS: list[Lesson] = [
+    Lesson("Hardware & roofline", "pages/hardware.py", "hardware", ":material/memory:",
+           "What a chip can do: FLOP/s, memory bandwidth, links. Arithmetic intensity and the ridge point "
+           "decide whether a matmul is compute-bound or memory-bound. Measure this machine too.",
+           params=("tokens", "d_model", "d_ff", "dtype", "achievable")),
+]
+
+# The rest of the route, in teaching order; each becomes a page when its live engine or planner lands.
+PLANNED = [
+    ("Collectives", "all-gather, reduce-scatter, all-reduce, all-to-all: what they move and what they cost."),
+    ("Data parallel and ZeRO / FSDP", "replicate the model, shard the batch; then shard optimizer state, "
+     "gradients and weights."),
+    ("Tensor and sequence parallel", "split every matmul across chips inside a node."),
+    ("Pipeline parallel", "GPipe, 1F1B, interleaved and zero-bubble schedules, and their bubbles."),
+    ("Context parallel", "ring attention for long sequences."),
+    ("Expert parallel", "Mixture-of-Experts and the all-to-all."),
+    ("N-D meshes and the planner", "combine everything on a device mesh; let the search find the layout."),
+]
+
+
+def page_params() -> set[str]:
+    return {p for lesson in LESSONS for p in lesson.params}

@@ -1,0 +1,94 @@
+"""The choices every page shares (model preset, chip, mesh shape), read from URL query parameters.
+
+Pure: no Streamlit here. `app.py` binds the sidebar widgets to the same query-parameter names, so a
+teacher can share a link that opens the same view; this module checks what a link carries before the
+widgets see it, so a bad link gives a message saying what was wrong and which default is used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+MESH_AXES = ("dp", "tp", "pp", "cp", "ep")
+MESH_AXIS_HELP = {
+    "dp": "data parallel: replicas that each see a slice of the batch",
+    "tp": "tensor parallel: each matmul split across chips (inside a node)",
+    "pp": "pipeline parallel: layers split into stages",
+    "cp": "context parallel: the sequence split across chips",
+    "ep": "expert parallel: MoE experts spread across chips",
+}
+MAX_AXIS_DEGREE = 65536
+DEFAULT_MESH = {"dp": 8, "tp": 1, "pp": 1, "cp": 1, "ep": 1}
+
+
+@dataclass(frozen=True)
+class Choices:
+    model: str
+    chip: str
+    mesh: dict[str, int]
+
+    @property
+    def num_chips(self) -> int:
+        n = 1
+        for degree in self.mesh.values():
+            n *= degree
+        return n
+
+    def mesh_label(self) -> str:
+        """e.g. 'dp=8 x tp=4' (axes of degree 1 left out)."""
+        parts = [f"{axis}={d}" for axis, d in self.mesh.items() if d > 1]
+        return " x ".join(parts) or "1 chip"
+
+
+def _positive_int(text: str) -> int | None:
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        return None
+    return value if 1 <= value <= MAX_AXIS_DEGREE else None
+
+
+def parse_choices(
+    params: Mapping[str, str],
+    chip_keys: Iterable[str],
+    model_names: Iterable[str],
+    default_chip: str,
+    default_model: str,
+    page_params: Iterable[str] = (),
+) -> tuple[Choices, list[str]]:
+    """Read the shared choices from query parameters; every unusable value becomes a message.
+
+    Unknown parameters are reported too (a typo like `chp=h100` should not pass silently);
+    `page_params` names the parameters that pages bind their own widgets to.
+    """
+    chip_keys, model_names = list(chip_keys), list(model_names)
+    problems: list[str] = []
+
+    chip = params.get("chip", default_chip)
+    if chip not in chip_keys:
+        problems.append(f"Unknown chip '{chip}' in the link; using {default_chip}. "
+                        f"Known chips: {', '.join(chip_keys)}.")
+        chip = default_chip
+
+    model = params.get("model", default_model)
+    if model not in model_names:
+        problems.append(f"Unknown model preset '{model}' in the link; using {default_model}.")
+        model = default_model
+
+    mesh = dict(DEFAULT_MESH)
+    for axis in MESH_AXES:
+        if axis in params:
+            value = _positive_int(params[axis])
+            if value is None:
+                problems.append(f"Mesh size {axis}='{params[axis]}' is not a whole number from 1 to "
+                                f"{MAX_AXIS_DEGREE}; using {axis}={DEFAULT_MESH[axis]}.")
+            else:
+                mesh[axis] = value
+
+    known = {"chip", "model", *MESH_AXES, *page_params}
+    unknown = sorted(k for k in params if k not in known and not k.startswith("_"))
+    if unknown:
+        problems.append(f"Ignored unknown link parameter(s): {', '.join(unknown)}. "
+                        f"Known: {', '.join(sorted(known))}.")
+    return Choices(model, chip, mesh), problems
