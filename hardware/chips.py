@@ -31,6 +31,7 @@ _NUMBER_FIELDS = (
     "scaleout_bytes_per_s",
     "scaleup_domain",
     "torus_shape",
+    "torus_wrap_multiple",
     "scaleup_latency_s",
     "scaleout_latency_s",
     "matmul_efficiency",
@@ -39,7 +40,9 @@ _NUMBER_FIELDS = (
 )
 # Fields where the TOML value "none" means "this chip has no such thing".
 _NONE_ALLOWED = ("fp8_flops_per_s", "torus_shape")
-_INT_FIELDS = ("ici_axes", "scaleup_domain")
+_INT_FIELDS = ("ici_axes", "scaleup_domain", "torus_wrap_multiple")
+# Whole-number fields where 0 means "not a TPU".
+_ZERO_ALLOWED = ("ici_axes", "torus_wrap_multiple")
 _FRACTION_FIELDS = ("matmul_efficiency", "hbm_efficiency", "link_efficiency")
 
 
@@ -72,6 +75,7 @@ class Chip:
     scaleout_bytes_per_s: float  # per chip, per direction (InfiniBand / RoCE / DCN)
     scaleup_domain: int  # GPUs per NVLink domain; TPU: chips in the largest ICI slice
     torus_shape: tuple[int, ...] | None  # TPU: the slice shape collectives are mapped onto; None for GPUs
+    torus_wrap_multiple: int  # TPU: an ICI axis whose length is a multiple of this has wraparound; 0 for GPUs
     scaleup_latency_s: float  # alpha per hop
     scaleout_latency_s: float  # alpha per hop
     matmul_efficiency: float  # achievable fraction of peak FLOP/s for large matmuls
@@ -150,8 +154,8 @@ def _validate(chip: Chip) -> None:
             raise ChipTableError(chip.key, name, f"must be a number, got {value!r}")
         if name in _INT_FIELDS and not _is_int(value):
             raise ChipTableError(chip.key, name, f"must be a whole number, got {value!r}")
-        if value < 0 or (value == 0 and name != "ici_axes"):
-            allowed = ">= 0" if name == "ici_axes" else "> 0"
+        if value < 0 or (value == 0 and name not in _ZERO_ALLOWED):
+            allowed = ">= 0" if name in _ZERO_ALLOWED else "> 0"
             raise ChipTableError(chip.key, name, f"must be {allowed}, got {value!r}")
         if name in _FRACTION_FIELDS and value > 1:
             raise ChipTableError(chip.key, name, f"is a fraction of peak and must be in (0, 1], got {value!r}")
@@ -168,9 +172,12 @@ def _validate(chip: Chip) -> None:
                 chip.key, "scaleup_domain", f"is {chip.scaleup_domain} but torus_shape {chip.torus_shape} "
                 f"holds {math.prod(chip.torus_shape)} chips; make them agree"
             )
-    elif chip.torus_shape is not None or chip.ici_axes != 0:
-        raise ChipTableError(chip.key, "torus_shape", f"only TPUs have a torus; set it to \"none\" and "
-                             f"ici_axes to 0 for a {chip.kind}")
+        if chip.torus_wrap_multiple < 1:
+            raise ChipTableError(chip.key, "torus_wrap_multiple", "a TPU needs the axis length that wraps "
+                                 "around (4 for v4/v5p, 16 for v5e/v6e)")
+    elif chip.torus_shape is not None or chip.ici_axes != 0 or chip.torus_wrap_multiple != 0:
+        raise ChipTableError(chip.key, "torus_shape", f"only TPUs have a torus; set torus_shape to \"none\" "
+                             f"and ici_axes and torus_wrap_multiple to 0 for a {chip.kind}")
 
 
 def _is_number(value) -> bool:

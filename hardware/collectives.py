@@ -353,7 +353,8 @@ def group_topology(chip: Chip, n: int, stride: int = 1, achievable: bool = False
     domains (stride >= domain) -> the scale-out network; otherwise a hierarchy of the two.
 
     TPU: ranks fill ``chip.torus_shape`` with axis 0 fastest. A group that strides over whole axes and
-    fills axes up to some point maps onto those axes; it wraps around only where it covers a full axis.
+    fills axes up to some point maps onto those axes; an axis wraps around where the slice spans a
+    multiple of ``chip.torus_wrap_multiple`` chips along it (or the whole axis).
     A group stepping ``s`` chips along an axis shares that axis's links with the s-1 interleaved groups
     doing the same collective, so each gets 1/s of the link and pays s hops of latency. Groups larger
     than the slice span slices over DCN (a hierarchy); a shape that does not factor over the axes falls
@@ -376,10 +377,11 @@ def group_topology(chip: Chip, n: int, stride: int = 1, achievable: bool = False
             return Switch(n, outer, "scale-out network")
         return Hierarchy(n, per_domain, Switch(per_domain, inner, "NVLink"),
                          Switch(n // per_domain, outer, "scale-out network"))
-    return _tpu_group(chip.torus_shape, n, stride, inner, outer)
+    return _tpu_group(chip.torus_shape, chip.torus_wrap_multiple, n, stride, inner, outer)
 
 
-def _tpu_group(shape: tuple[int, ...], n: int, stride: int, inner: Link, outer: Link) -> Topology:
+def _tpu_group(shape: tuple[int, ...], wrap_multiple: int, n: int, stride: int, inner: Link,
+               outer: Link) -> Topology:
     pod = math.prod(shape)
     if stride >= pod:
         # Every member sits in a different slice.
@@ -401,7 +403,10 @@ def _tpu_group(shape: tuple[int, ...], n: int, stride: int, inner: Link, outer: 
         if remaining % take:
             return Ring(n, inner)
         link = Link(inner.bytes_per_s / block, inner.latency_s * block)
-        axes.append(TorusAxis(take, link, wraparound=take == positions))
+        # The slice axis holding the group spans take*block chips; ICI wraps it around when that is a
+        # multiple of the chip's wrap length ([SB] Part 2: multiples of 4 on v4/v5p, the full 16 on v5e/v6e).
+        span = take * block
+        axes.append(TorusAxis(take, link, wraparound=span == size or span % wrap_multiple == 0))
         remaining //= take
         block = 1
     if not axes:

@@ -153,6 +153,7 @@ def as_chip(result: ProbeResult) -> Chip:
         "link_efficiency": "1.0: modelled from a measurement",
         "ici_axes": "not a TPU",
         "torus_shape": "not a TPU",
+        "torus_wrap_multiple": "not a TPU",
     }
     return Chip(
         key="this-machine",
@@ -168,6 +169,7 @@ def as_chip(result: ProbeResult) -> Chip:
         scaleout_bytes_per_s=link_bw,
         scaleup_domain=cpus,
         torus_shape=None,
+        torus_wrap_multiple=0,
         scaleup_latency_s=20e-6,
         scaleout_latency_s=20e-6,
         matmul_efficiency=1.0,
