@@ -252,7 +252,8 @@ def gpipe(num_ranks: int, num_micro_batches: int) -> Schedule:
 def one_f_one_b(num_ranks: int, num_micro_batches: int) -> Schedule:
     """PipeDream-Flush: p - 1 - r warm-up forwards, then one forward / one backward, then cool-down.
 
-    With m < p the warm-up takes every micro-batch and the schedule is GPipe's (still correct).
+    With m < p the warm-up of the first ranks takes every micro-batch (GPipe's order there; correct, but
+    the bubble grows as (p - 1) / m says).
     """
     _check_sizes(num_ranks, num_micro_batches)
     p, m = num_ranks, num_micro_batches
@@ -267,16 +268,16 @@ def one_f_one_b(num_ranks: int, num_micro_batches: int) -> Schedule:
     return _with_comm("1f1b", p, m, 1, orders)
 
 
-def _interleaved_slot(k: int, num_ranks: int, virtual_stages: int, forward: bool) -> tuple[int, int]:
-    """(micro_batch, chunk) of a rank's k-th forward (or backward) in Megatron-LM's interleaved order.
+def _interleaved_action(kind: str, k: int, rank: int, num_ranks: int, virtual_stages: int) -> Action:
+    """Rank's k-th forward (or backward) in Megatron-LM's interleaved order.
 
     Micro-batches go in groups of p: the group runs chunk 0, then chunk 1, ... (backward: v-1 first).
     """
     group, in_group = divmod(k, num_ranks * virtual_stages)
     chunk = in_group // num_ranks
-    if not forward:
+    if kind == BACKWARD:
         chunk = virtual_stages - 1 - chunk
-    return group * num_ranks + k % num_ranks, chunk
+    return _compute(kind, group * num_ranks + k % num_ranks, chunk * num_ranks + rank, num_ranks)
 
 
 def interleaved_1f1b(num_ranks: int, num_micro_batches: int, virtual_stages: int) -> Schedule:
@@ -284,27 +285,22 @@ def interleaved_1f1b(num_ranks: int, num_micro_batches: int, virtual_stages: int
     _check_sizes(num_ranks, num_micro_batches, virtual_stages)
     p, m, v = num_ranks, num_micro_batches, virtual_stages
     if m % p:
+        below, above = m - m % p, m - m % p + p
         raise ScheduleError(
             f"interleaved-1f1b needs num_micro_batches to be a multiple of num_ranks ({p}), got {m}: "
-            f"use {max(p, m - m % p)} or {m - m % p + p} micro-batches")
+            f"use {f'{below} or {above}' if below else above} micro-batches")
     total = m * v
     orders = []
     for r in range(p):
         # Megatron-LM: (p - r - 1) * 2 + (v - 1) * p warm-up chunk-forwards, all of them when m == p.
         warmup = total if m == p else min((p - r - 1) * 2 + (v - 1) * p, total)
 
-        def fwd(k):
-            mb, chunk = _interleaved_slot(k, p, v, forward=True)
-            return _compute(FORWARD, mb, chunk * p + r, p)
-
-        def bwd(k):
-            mb, chunk = _interleaved_slot(k, p, v, forward=False)
-            return _compute(BACKWARD, mb, chunk * p + r, p)
-
-        order = [fwd(k) for k in range(warmup)]
+        fwd = [_interleaved_action(FORWARD, k, r, p, v) for k in range(total)]
+        bwd = [_interleaved_action(BACKWARD, k, r, p, v) for k in range(total)]
+        order = fwd[:warmup]
         for k in range(total - warmup):
-            order += [fwd(warmup + k), bwd(k)]
-        order += [bwd(k) for k in range(total - warmup, total)]
+            order += [fwd[warmup + k], bwd[k]]
+        order += bwd[total - warmup:]
         orders.append(order)
     return _with_comm("interleaved-1f1b", p, m, v, orders)
 

@@ -205,7 +205,7 @@ def test_module_docstring_pictures_are_current():
     (lambda: make_schedule("interleaved-1f1b", 2, 4, 0), "virtual_stages (v) must be an integer >= 1"),
     (lambda: make_schedule("interleaved-1f1b", 2, 4, 1.5), "virtual_stages (v) must be an integer >= 1"),
     (lambda: make_schedule("interleaved-1f1b", 4, 6, 2), "use 4 or 8 micro-batches"),
-    (lambda: make_schedule("interleaved-1f1b", 4, 2, 2), "multiple of num_ranks (4)"),
+    (lambda: make_schedule("interleaved-1f1b", 4, 2, 2), "multiple of num_ranks (4), got 2: use 4 micro"),
     (lambda: make_schedule("1f1b", 2, 4, 2), "set virtual_stages to 1"),
     (lambda: make_schedule("pipedream", 2, 4), "choose one of"),
     (lambda: OpTimes(forward_s=0), "forward_s must be > 0"),
