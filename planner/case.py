@@ -1,0 +1,248 @@
+"""Case files: a model, a training recipe, a parallel layout and a cluster, validated in one place.
+
+A case is one JSON object shaped like an entry of `../shared/validation/published-runs.json`:
+`model`, `training`, `parallel`, `cluster` blocks (extra top-level keys such as `name`, `source`,
+`published` are kept or ignored). A null (or absent) choice field means "let the planner choose the
+best value"; `Case` keeps those as None and `Layout` is the fully chosen form the simulator runs.
+Every error is a `SpecError` naming the field, e.g. "parallel.tp: 3 does not divide heads=32".
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+
+from planner.models import ModelSpec, SpecError
+
+RECOMPUTE = ("none", "selective", "full")
+SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
+DTYPES = ("bf16", "fp16", "fp8")
+OPTIMIZERS = ("adam", "sgd")
+ATTENTION_KERNELS = ("flash", "materialized")
+
+
+@dataclass(frozen=True)
+class Training:
+    global_batch: int  # sequences per optimizer step
+    micro_batch: int | None = None
+    recompute: str | None = None
+    dtype: str = "bf16"
+    optimizer: str = "adam"
+    zero_stage: int | None = None
+    sequence_parallel: bool | None = None
+    # None: the model's recipe decides (GELU/GPT layers of Megatron-LM 2021-22 materialise the
+    # softmax; SwiGLU/Llama-style stacks use FlashAttention) -- see planner.ops
+    attention: str | None = None
+
+
+@dataclass(frozen=True)
+class Parallel:
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    cp: int | None = None
+    ep: int | None = None
+    pp_schedule: str | None = None
+    virtual_stages: int | None = None
+
+
+@dataclass(frozen=True)
+class Cluster:
+    chip: str
+    num_chips: int
+    chips_per_node: int | None = None  # None: the chip's scale-up domain (8 for an HGX node)
+
+
+@dataclass(frozen=True)
+class Case:
+    model: ModelSpec
+    training: Training
+    parallel: Parallel
+    cluster: Cluster
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Every choice made: what the simulator runs. Mesh order, innermost first: tp, cp, dp, pp
+    (Megatron-LM's order); the ep group is carved out of the dp x cp ranks as in Megatron-Core."""
+
+    dp: int
+    tp: int
+    pp: int
+    cp: int = 1
+    ep: int = 1
+    pp_schedule: str = "1f1b"
+    virtual_stages: int = 1
+    micro_batch: int = 1
+    zero_stage: int = 0
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    attention: str = "flash"
+
+    @property
+    def num_chips(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _int(block: dict, key: str, prefix: str, *, required: bool, nullable: bool = True, minimum: int = 1,
+         default=None):
+    if key not in block:
+        if required:
+            raise SpecError(f"{prefix}.{key}", "missing (required)")
+        return default
+    v = block[key]
+    if v is None:
+        if not nullable:
+            raise SpecError(f"{prefix}.{key}", "must not be null")
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+        raise SpecError(f"{prefix}.{key}", f"must be an integer >= {minimum}, got {v!r}")
+    return v
+
+
+def _choice(block: dict, key: str, prefix: str, options: tuple, default=None):
+    v = block.get(key, default)
+    if v is None:
+        return default
+    if v not in options:
+        raise SpecError(f"{prefix}.{key}", f"must be one of {options} or null, got {v!r}")
+    return v
+
+
+def _check_keys(block, allowed: set, prefix: str) -> dict:
+    if not isinstance(block, dict):
+        raise SpecError(prefix, f"must be a JSON object, got {type(block).__name__}")
+    for k in block:
+        if k not in allowed:
+            raise SpecError(f"{prefix}.{k}", f"unknown field; known: {sorted(allowed)}")
+    return block
+
+
+_MODEL_KEYS = {f.name for f in fields(ModelSpec)}
+
+
+def parse_model(block, name: str = "case") -> ModelSpec:
+    block = _check_keys(block, _MODEL_KEYS, "model")
+    kw = {"name": block.get("name", name)}
+    for key in ("layers", "hidden", "heads", "ffn", "vocab", "seq_len"):
+        kw[key] = _int(block, key, "model", required=True, nullable=False)
+    kw["kv_heads"] = _int(block, "kv_heads", "model", required=False, nullable=False, default=kw["heads"])
+    for key in ("experts", "top_k", "shared_experts", "dense_layers", "q_lora_rank", "kv_lora_rank",
+                "rope_head_dim"):
+        kw[key] = _int(block, key, "model", required=False, nullable=False, minimum=0, default=0)
+    for key in ("head_dim", "dense_ffn"):
+        kw[key] = _int(block, key, "model", required=False, default=None)
+    kw["mlp"] = block.get("mlp", "swiglu")
+    kw["tied_embeddings"] = bool(block.get("tied_embeddings", False))
+    return ModelSpec(**kw)
+
+
+def parse_case(data) -> Case:
+    """Build a validated Case from a decoded JSON object; raises SpecError naming the bad field."""
+    if not isinstance(data, dict):
+        raise SpecError("case", f"must be a JSON object, got {type(data).__name__}")
+    for key in ("model", "training", "cluster"):
+        if key not in data:
+            raise SpecError(key, "missing (required block)")
+    name = data.get("name", "case")
+    model = parse_model(data["model"], name)
+
+    t = _check_keys(data["training"], {f.name for f in fields(Training)}, "training")
+    sp = t.get("sequence_parallel")
+    if sp is not None and not isinstance(sp, bool):
+        raise SpecError("training.sequence_parallel", f"must be true, false or null, got {sp!r}")
+    zero = t.get("zero_stage")
+    if zero is not None and zero not in (0, 1, 2, 3):
+        raise SpecError("training.zero_stage", f"must be 0, 1, 2, 3 or null, got {zero!r}")
+    training = Training(
+        global_batch=_int(t, "global_batch", "training", required=True, nullable=False),
+        micro_batch=_int(t, "micro_batch", "training", required=False),
+        recompute=_choice(t, "recompute", "training", RECOMPUTE),
+        dtype=_choice(t, "dtype", "training", DTYPES, "bf16"),
+        optimizer=_choice(t, "optimizer", "training", OPTIMIZERS, "adam"),
+        zero_stage=zero, sequence_parallel=sp,
+        attention=_choice(t, "attention", "training", ATTENTION_KERNELS),
+    )
+
+    p = _check_keys(data.get("parallel", {}), {f.name for f in fields(Parallel)}, "parallel")
+    parallel = Parallel(
+        **{k: _int(p, k, "parallel", required=False) for k in ("dp", "tp", "pp", "cp", "ep", "virtual_stages")},
+        pp_schedule=_choice(p, "pp_schedule", "parallel", SCHEDULES),
+    )
+
+    c = _check_keys(data["cluster"], {f.name for f in fields(Cluster)}, "cluster")
+    if "chip" not in c or not isinstance(c["chip"], str):
+        raise SpecError("cluster.chip", f"missing or not a string: {c.get('chip')!r}")
+    from hardware.chips import get_chip
+    try:
+        get_chip(c["chip"])
+    except ValueError as e:
+        raise SpecError("cluster.chip", str(e)) from None
+    cluster = Cluster(c["chip"], _int(c, "num_chips", "cluster", required=True, nullable=False),
+                      _int(c, "chips_per_node", "cluster", required=False))
+    case = Case(model, training, parallel, cluster, name)
+    check_fixed(case)
+    return case
+
+
+def load_case(path: str) -> Case:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise SpecError("case", f"malformed JSON in {path}: {e}") from None
+    except OSError as e:
+        raise SpecError("case", f"cannot read {path}: {e.strerror}") from None
+    return parse_case(data)
+
+
+def _divides(a: int, b: int) -> bool:
+    return b % a == 0
+
+
+def check_fixed(case: Case) -> None:
+    """Divisibility checks on the fields the case fixes, each naming the field to change."""
+    m, p, n = case.model, case.parallel, case.cluster.num_chips
+    fixed = {k: getattr(p, k) for k in ("dp", "tp", "pp", "cp") if getattr(p, k) is not None}
+    prod = 1
+    for v in fixed.values():
+        prod *= v
+    if not _divides(prod, n) or (len(fixed) == 4 and prod != n):
+        raise SpecError("parallel", f"dp*tp*pp*cp = {prod} must {'equal' if len(fixed) == 4 else 'divide'} "
+                        f"cluster.num_chips={n} (given {fixed})")
+    if p.tp and not layout_tp_ok(m, p.tp):
+        raise SpecError("parallel.tp", f"{p.tp} must divide heads={m.heads}, hidden={m.hidden} and "
+                        f"ffn={m.ffn}, and divide or be divided by kv_heads={m.kv_heads}")
+    if p.pp and p.pp > m.layers:
+        raise SpecError("parallel.pp", f"{p.pp} stages for {m.layers} layers")
+    if p.pp and p.virtual_stages and p.pp * p.virtual_stages > m.layers:
+        raise SpecError("parallel.virtual_stages", f"pp*v = {p.pp * p.virtual_stages} > layers={m.layers}")
+    if p.cp and not _divides(p.cp, m.seq_len):
+        raise SpecError("parallel.cp", f"{p.cp} does not divide seq_len={m.seq_len}")
+    if p.ep and p.ep > 1:
+        if not m.is_moe:
+            raise SpecError("parallel.ep", "ep > 1 needs an MoE model (model.experts > 0)")
+        if not _divides(p.ep, m.experts):
+            raise SpecError("parallel.ep", f"{p.ep} does not divide experts={m.experts}")
+        if p.dp and not _divides(p.ep, p.dp * (p.cp or 1)) and p.cp is not None:
+            raise SpecError("parallel.ep", f"{p.ep} must divide dp*cp={p.dp * p.cp} (EP is carved from DP x CP)")
+    gb, mb = case.training.global_batch, case.training.micro_batch
+    if p.dp and not _divides(p.dp, gb):
+        raise SpecError("parallel.dp", f"{p.dp} does not divide training.global_batch={gb}")
+    if p.dp and mb and not _divides(p.dp * mb, gb):
+        raise SpecError("training.micro_batch", f"dp*micro_batch = {p.dp * mb} does not divide "
+                        f"global_batch={gb}")
+    if p.pp_schedule == "interleaved-1f1b" and p.virtual_stages == 1:
+        raise SpecError("parallel.virtual_stages", "interleaved-1f1b needs virtual_stages >= 2 (or null)")
+    if p.pp_schedule in ("1f1b", "gpipe") and p.virtual_stages and p.virtual_stages > 1:
+        raise SpecError("parallel.pp_schedule", f"virtual_stages={p.virtual_stages} needs interleaved-1f1b")
+
+
+def layout_tp_ok(m: ModelSpec, tp: int) -> bool:
+    kv_ok = m.kv_heads % tp == 0 or tp % m.kv_heads == 0
+    ffns = [m.ffn] + ([m.dense_ffn_] if m.dense_layers else [])
+    return m.heads % tp == 0 and m.hidden % tp == 0 and all(f % tp == 0 for f in ffns) and kv_ok

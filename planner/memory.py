@@ -1,0 +1,194 @@
+"""Bytes per chip: weights, gradients, optimizer state, activations and temporary buffers.
+
+Sources:
+* Rajbhandari et al. 2019 (ZeRO, arXiv 1910.02054) sec. 3 and Figure 1: mixed-precision Adam keeps
+  2 bytes of fp16/bf16 weights, 2 of gradients and K = 12 of fp32 optimizer state (master weights,
+  momentum, variance) per parameter; stage 1 shards the K bytes over N_d data-parallel ranks, stage 2
+  also the gradients, stage 3 also the weights. Megatron-LM's distributed optimizer is stage 1.
+* Korthikanti et al. 2022 (arXiv 2205.05198) sec. 4, eqs. 1-2 and Table 2: activations per layer of a
+  GPT layer, sbh(34 + 5as/h) bytes; with TP t: sbh(10 + 24/t + 5as/(ht)); with TP+SP: sbh/t (34 +
+  5as/h); selective recompute + SP: 34 sbh/t; full recompute: 2sbh (the layer input only).
+  `layer_activation_bytes` generalises the terms to GQA, SwiGLU, MoE, CP and FlashAttention and
+  reduces to those forms for GPT shapes (tests check it).
+* Pipeline in-flight micro-batches (Narayanan et al. 2021 sec. 2.2; Korthikanti et al. 2022 sec. 4.2.3):
+  1F1B stage i holds min(p - i, m) micro-batches, so the first stage holds p; the interleaved schedule
+  holds p * (1 + (p-1)/(p v)) stage-sized micro-batches on the first stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.case import Layout
+from planner.flops import embedding_params, layer_params
+from planner.models import ModelSpec
+
+GB = 1e9
+WEIGHT_BYTES = 2  # bf16/fp16 weights (fp8 training keeps bf16 master copies of the working weights)
+GRAD_BYTES = 2
+OPTIMIZER_BYTES = {"adam": 12, "sgd": 8}  # fp32 master + moments (ZeRO sec. 3.1); SGD: master + momentum
+
+
+def zero_bytes_per_param(stage: int, shards: int, optimizer: str = "adam") -> tuple[float, float, float]:
+    """(weights, grads, optimizer) bytes per parameter under ZeRO `stage` over `shards` ranks (ZeRO Fig. 1)."""
+    k = OPTIMIZER_BYTES[optimizer]
+    w = WEIGHT_BYTES / shards if stage >= 3 else WEIGHT_BYTES
+    g = GRAD_BYTES / shards if stage >= 2 else GRAD_BYTES
+    o = k / shards if stage >= 1 else k
+    return w, g, o
+
+
+def layer_split(layers: int, stages: int, virtual: int = 1) -> list[list[int]]:
+    """Layers per model chunk for each stage: chunk c of stage i is model chunk c*p + i; the layers are
+    spread as evenly as possible (the first chunks take the remainder)."""
+    chunks = stages * virtual
+    base, extra = divmod(layers, chunks)
+    sizes = [base + (1 if c < extra else 0) for c in range(chunks)]
+    return [[sizes[c * stages + i] for c in range(virtual)] for i in range(stages)]
+
+
+def in_flight_chunks(stage: int, lay: Layout, micro_batches: int) -> float:
+    """Micro-batch x chunk activations stage `stage` holds at its peak (see module docstring)."""
+    p, v, m = lay.pp, lay.virtual_stages, micro_batches
+    if lay.pp_schedule == "gpipe":
+        return m * v
+    if v > 1:
+        # Megatron-LM interleaved warm-up: (p - i - 1) * 2 + (v - 1) * p micro-batch chunks, then 1 more
+        return min((p - stage - 1) * 2 + (v - 1) * p + 1, m * v)
+    return min(p - stage, m)
+
+
+def layer_activation_bytes(m: ModelSpec, lay: Layout, moe: bool, *, recompute: str | None = None) -> float:
+    """Activation bytes one layer keeps for backward, for one micro-batch on one chip.
+
+    Terms (bytes; sb = micro_batch * seq_len / cp tokens, t = tp):
+      kept whole on every TP rank unless SP: inputs of the two norms, of QKV and of the MLP (4 x 2sbh),
+        plus two dropout masks (2 x sbh) in the GPT recipe            -> 10sbh GPT / 8sbh Llama
+      split by TP: Q, K, V, attention output, MLP internals           -> 24sbh/t for GPT shapes
+      attention scores (materialised kernels only): softmax output, dropout mask and output, 5as^2b/t
+      FlashAttention keeps only the fp32 log-sum-exp, 4sba/t.
+    """
+    recompute = recompute or lay.recompute
+    t, cp = lay.tp, lay.cp
+    sb = lay.micro_batch * m.seq_len / cp
+    h, hd = m.hidden, m.head_dim_
+    q_w, kv_w = m.heads * hd, m.kv_heads * hd
+    gpt = m.mlp == "gelu"
+    sp_div = t if lay.sequence_parallel else 1
+    if recompute == "full":
+        return 2 * sb * h / sp_div  # Korthikanti et al. 2022 sec. 5: only the layer input is kept
+    replicated = sb * h * (10 if gpt else 8)
+    attn_split = 2 * sb * (2 * q_w + 2 * kv_w)  # Q, K, V, attention output
+    if m.is_mla:
+        attn_split += 2 * sb * (m.kv_lora_rank + m.q_lora_rank + 2 * m.heads * m.rope_head_dim)
+    ffn = m.ffn if moe else m.dense_ffn_
+    # GELU: its input and fc2's input (2 x 2sbf); SwiGLU: gate, up and down's input (3 x 2sbf)
+    mlp_one = (4 if gpt else 6) * sb * ffn + 2 * sb * h
+    mlp_split = mlp_one - 2 * sb * h  # the MLP input is already counted as replicated
+    if moe:
+        # each token's copies at its top_k experts (balanced routing), plus the shared experts
+        mlp_split = m.top_k * mlp_one + m.shared_experts * mlp_split + 4 * sb * m.experts
+    if lay.attention == "materialized" and recompute != "selective":
+        scores = 5 * m.heads * sb * m.seq_len
+    elif lay.attention == "flash":
+        scores = 4 * sb * m.heads
+    else:
+        scores = 0.0
+    return replicated / sp_div + (attn_split + mlp_split + scores) / t
+
+
+def korthikanti_bytes(s: int, b: int, h: int, a: int, t: int = 1, mode: str = "none") -> float:
+    """Korthikanti et al. 2022 Table 2, per layer, for the GPT layer they analyse."""
+    if mode == "none":
+        return s * b * h * (34 + 5 * a * s / h)
+    if mode == "tp":
+        return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+    if mode == "tp+sp":
+        return s * b * h / t * (34 + 5 * a * s / h)
+    if mode == "tp+sp+selective":
+        return s * b * h / t * 34
+    if mode == "full":
+        return 2 * s * b * h
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+@dataclass(frozen=True)
+class Memory:
+    params_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    activations_bytes: float
+    temporary_bytes: float
+    stage: int  # the pipeline stage this is for (the one that needs the most)
+
+    @property
+    def total_bytes(self) -> float:
+        return (self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
+                + self.temporary_bytes)
+
+    def as_dict(self) -> dict:
+        return {"params": self.params_bytes, "grads": self.grads_bytes, "optimizer": self.optimizer_bytes,
+                "activations": self.activations_bytes, "temporary": self.temporary_bytes,
+                "total": self.total_bytes}
+
+
+def stage_params(m: ModelSpec, lay: Layout, stage: int) -> tuple[float, float]:
+    """(TP-sharded dense, expert) parameters held by one chip of `stage`."""
+    t = lay.tp
+    dense = moe = 0.0
+    for first, n_layers in stage_layer_ranges(m.layers, lay.pp, lay.virtual_stages)[stage]:
+        n_dense = max(0, min(first + n_layers, m.dense_layers) - first) if m.is_moe else n_layers
+        for n, lp in ((n_dense, layer_params(m, False)), (n_layers - n_dense, layer_params(m, True))):
+            dense += n * ((lp.attention + lp.mlp) / t + lp.router + lp.norms)
+            moe += n * lp.experts / (t * lay.ep)
+    extra = embedding_params(m) - m.vocab * m.hidden * (1 if m.tied_embeddings else 2)  # positions, norm
+    if stage == 0:
+        dense += m.vocab * m.hidden / t + extra
+    if stage == lay.pp - 1 and (not m.tied_embeddings or lay.pp > 1):
+        dense += m.vocab * m.hidden / t  # output projection (a tied matrix is copied to the last stage)
+    return dense, moe
+
+
+def stage_layer_ranges(layers: int, stages: int, virtual: int = 1) -> list[list[tuple[int, int]]]:
+    """(first layer, layer count) of each chunk of each stage; model chunk c*p + i sits on stage i."""
+    split = layer_split(layers, stages, virtual)
+    sizes = [split[g % stages][g // stages] for g in range(stages * virtual)]
+    starts = [sum(sizes[:g]) for g in range(len(sizes))]
+    return [[(starts[c * stages + i], sizes[c * stages + i]) for c in range(virtual)] for i in range(stages)]
+
+
+def memory_per_chip(m: ModelSpec, lay: Layout, micro_batches: int, optimizer: str = "adam") -> Memory:
+    """Peak bytes on the most loaded chip (max over pipeline stages)."""
+    split = layer_split(m.layers, lay.pp, lay.virtual_stages)
+    best = None
+    for stage in range(lay.pp):
+        dense, moe = stage_params(m, lay, stage)
+        wd, gd, od = zero_bytes_per_param(lay.zero_stage, lay.dp * lay.cp, optimizer)
+        we, ge, oe = zero_bytes_per_param(lay.zero_stage, max(1, lay.dp * lay.cp // lay.ep), optimizer)
+        params, grads, opt = dense * wd + moe * we, dense * gd + moe * ge, dense * od + moe * oe
+        chunk_layers = max(split[stage]) if split[stage] else 0
+        per_layer = max(layer_activation_bytes(m, lay, m.is_moe), layer_activation_bytes(m, lay, False))
+        acts = in_flight_chunks(stage, lay, micro_batches) * chunk_layers * per_layer
+        temp = _temporary_bytes(m, lay, stage, dense + moe * lay.tp)
+        mem = Memory(params, grads, opt, acts, temp, stage)
+        if best is None or mem.total_bytes > best.total_bytes:
+            best = mem
+    return best
+
+
+def _temporary_bytes(m: ModelSpec, lay: Layout, stage: int, stage_params: float) -> float:
+    """Buffers alive at the peak besides the kept activations:
+    * the layer being back-propagated with full recomputation holds its un-recomputed activations;
+    * the last stage's fp32 logits and their gradient, (b s/cp) x V/t x 8 bytes (Korthikanti sec. 4.1
+      counts the output layer too);
+    * ZeRO-3 all-gathers the current and the prefetched layer's weights whole (FSDP prefetch).
+    """
+    temp = 0.0
+    if lay.recompute == "full":
+        temp += layer_activation_bytes(m, lay, m.is_moe, recompute="none")
+    if stage == lay.pp - 1:
+        temp += 8 * lay.micro_batch * m.seq_len / lay.cp * m.vocab / lay.tp
+    if lay.zero_stage == 3:
+        layers = max(1, sum(layer_split(m.layers, lay.pp, lay.virtual_stages)[stage]))
+        temp += 2 * WEIGHT_BYTES * stage_params / layers
+    return temp

@@ -1,0 +1,171 @@
+"""Auto-parallel search: every layout of the case's free fields, pruned, ranked by simulated step time.
+
+The space: every factorisation num_chips = dp * tp * pp * cp, every ep dividing dp * cp and the
+expert count, every micro-batch size dividing the per-replica batch, every pipeline schedule and
+number of virtual stages, ZeRO stage 0-3, recomputation none / selective / full, sequence parallel
+on or off. Fields the case fixes are held; null fields are searched.
+
+Pruning, each rule exact within the simulator's model (so the search is complete for its space):
+* divisibility: tp must divide heads, hidden and ffn (and divide or be a multiple of kv_heads); cp
+  must divide the sequence; dp * micro_batch must divide the global batch; pp * v <= layers; the
+  interleaved schedule needs m divisible by pp (Megatron-LM's requirement).
+* memory: a layout whose peak bytes per chip exceed the usable HBM is dropped.
+* dominance: (a) ZeRO: stages only add communication (1 and 2 cost the same time, 2 less memory), so
+  for each other choice only the lowest stage that fits is simulated (0, else 2... 1 is never better
+  than 2); (b) recomputation: for each other choice only the lightest level that fits, plus any
+  heavier level at a lower ZeRO stage; (c) SP with tp > 1 moves the same bytes as plain TP and keeps
+  less, so SP on dominates; (d) GPipe has 1F1B's bubble and more memory, so 1F1B dominates;
+  (e) TP is kept inside one scale-up domain (NVLink node / TPU slice axis size) unless fixed.
+
+How others search (for contrast): Alpa (Zheng et al. 2022) splits the problem into an inter-operator
+dynamic program over pipeline stages and an intra-operator ILP over per-op shardings, which is
+needed when every operator may shard differently; Galvatron (Miao et al. 2022) runs a dynamic program
+over layers choosing per-layer hybrid strategies under a memory budget. Here every layer shares one
+Megatron-style layout (the space practitioners use for homogeneous Transformers), which is small
+enough to enumerate outright: no relaxation or heuristic is needed, hence completeness.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+from hardware.chips import Chip, get_chip
+from planner.case import Case, Layout, layout_tp_ok
+from planner.costs import default_attention
+from planner.memory import memory_per_chip
+from planner.models import SpecError
+from planner.simulate import StepResult, simulate, usable_hbm_bytes
+
+ZERO_ORDER = (0, 2, 3)  # 1 is dominated by 2 (same time in this model, more memory)
+RECOMPUTE_ORDER = ("none", "selective", "full")
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    ranked: list[StepResult]  # fastest first
+    evaluated: int  # layouts simulated
+    considered: int  # layouts that passed divisibility (before memory and dominance pruning)
+    elapsed_s: float
+
+
+def _mesh_shapes(case: Case, chip: Chip) -> Iterator[tuple[int, int, int, int]]:
+    m, p, n = case.model, case.parallel, case.cluster.num_chips
+    domain = case.cluster.chips_per_node or chip.scaleup_domain
+    tp_cap = domain if chip.kind != "tpu" else max(domain, 1)
+    for tp in [p.tp] if p.tp else divisors(n):
+        if not p.tp and (tp > tp_cap or not layout_tp_ok(m, tp)):
+            continue
+        for cp in [p.cp] if p.cp else divisors(n // tp if n % tp == 0 else 1):
+            if n % (tp * cp) or m.seq_len % cp:
+                continue
+            rest = n // (tp * cp)
+            for pp in [p.pp] if p.pp else divisors(rest):
+                if rest % pp or pp > m.layers:
+                    continue
+                dp = rest // pp
+                if p.dp and p.dp != dp:
+                    continue
+                if case.training.global_batch % dp:
+                    continue
+                yield dp, tp, pp, cp
+
+
+def _schedules(case: Case, pp: int, micro_batches: int) -> Iterator[tuple[str, int]]:
+    p, layers = case.parallel, case.model.layers
+    if pp == 1:
+        yield (p.pp_schedule or "1f1b"), 1
+        return
+    schedules = [p.pp_schedule] if p.pp_schedule else ["1f1b", "interleaved-1f1b"]
+    for sched in schedules:
+        if sched in ("1f1b", "gpipe"):
+            if p.virtual_stages in (None, 1):
+                yield sched, 1
+            continue
+        if micro_batches % pp:
+            continue
+        # chunks of equal size within a stage: v divides the layers per stage
+        vs = [p.virtual_stages] if p.virtual_stages else [v for v in divisors(layers // pp) if v >= 2]
+        for v in vs:
+            if pp * v <= layers:
+                yield sched, v
+
+
+def candidate_layouts(case: Case, chip: Chip) -> Iterator[Layout]:
+    """Every layout that passes divisibility, with ZeRO and recompute left at their lightest values;
+    `search` walks those two dimensions itself (dominance rules in the module docstring)."""
+    m, t, p = case.model, case.training, case.parallel
+    attention = t.attention or default_attention(m)
+    for dp, tp, pp, cp in _mesh_shapes(case, chip):
+        eps = [p.ep] if p.ep else ([e for e in divisors(dp * cp) if m.experts % e == 0] if m.is_moe else [1])
+        for ep in eps:
+            if (dp * cp) % ep or (m.is_moe and m.experts % ep) or (not m.is_moe and ep > 1):
+                continue
+            per_replica = t.global_batch // dp
+            for b in [t.micro_batch] if t.micro_batch else divisors(per_replica):
+                if per_replica % b:
+                    continue
+                for sched, v in _schedules(case, pp, per_replica // b):
+                    sps = [t.sequence_parallel] if t.sequence_parallel is not None else [tp > 1]
+                    for sp in sps:
+                        yield Layout(dp, tp, pp, cp, ep, sched, v, b, 0, "none", bool(sp and tp > 1), attention)
+
+
+def _fitting_variants(case: Case, lay: Layout, hbm: float) -> Iterator[Layout]:
+    """The Pareto-minimal (recompute, ZeRO) pairs that fit: for each recompute level the lowest stage."""
+    t = case.training
+    recomputes = [t.recompute] if t.recompute else [r for r in RECOMPUTE_ORDER
+                                                     if not (r == "selective" and lay.attention == "flash")]
+    zeros = [t.zero_stage] if t.zero_stage is not None else list(ZERO_ORDER)
+    if lay.dp * lay.cp == 1:
+        zeros = [z for z in zeros if z == 0] or zeros[:1]
+    m_batches = t.global_batch // (lay.dp * lay.micro_batch)
+    best_zero = None
+    for rc in recomputes:
+        for z in zeros:
+            if best_zero is not None and z >= best_zero:
+                break  # a lighter recompute already fits at this or a lower stage: dominated
+            cand = replace(lay, zero_stage=z, recompute=rc)
+            if memory_per_chip(case.model, cand, m_batches, t.optimizer).total_bytes <= hbm:
+                best_zero = z
+                yield cand
+                break
+
+
+def search(case: Case, top: int | None = None) -> SearchResult:
+    """Rank every fitting layout of `case`'s free fields by simulated step time (fastest first)."""
+    chip = get_chip(case.cluster.chip)
+    if case.training.dtype == "fp16" and chip.kind == "tpu":
+        raise SpecError("training.dtype", f"{chip.name} has no fp16 matrix unit; use bf16")
+    if case.training.dtype == "fp8" and chip.fp8_flops_per_s is None:
+        raise SpecError("training.dtype", f"{chip.name} has no fp8 matrix unit; use bf16")
+    hbm = usable_hbm_bytes(chip)
+    start = time.perf_counter()
+    results: list[StepResult] = []
+    considered = 0
+    for lay in candidate_layouts(case, chip):
+        considered += 1
+        for cand in _fitting_variants(case, lay, hbm):
+            results.append(simulate(case, cand, chip))
+    results.sort(key=lambda r: r.step_time_s)
+    elapsed = time.perf_counter() - start
+    return SearchResult(results[:top] if top else results, len(results), considered, elapsed)
+
+
+def choose(case: Case) -> StepResult:
+    """The fastest layout for the case's null fields (the estimate when everything is fixed)."""
+    res = search(case, top=1)
+    if not res.ranked:
+        raise SpecError("case", _nothing_fits_message(case))
+    return res.ranked[0]
+
+
+def _nothing_fits_message(case: Case) -> str:
+    return (f"no layout of {case.model.name} on {case.cluster.num_chips} x {case.cluster.chip} fits in memory "
+            "and divides evenly; free more fields (null), add chips, or shrink the batch")

@@ -1,0 +1,249 @@
+"""The step simulator: per-stage costs, the pipeline schedule's step time, and a breakdown.
+
+A step on the most loaded pipeline stage s, with m micro-batches and v model chunks per stage:
+
+    T_pipe = m * S_max + (sum_i S_i - S_max) / v        (S_i = forward + backward of one micro-batch on stage i)
+
+For equal stages this is (m + (p-1)/v) * S: the 1F1B bubble fraction (p-1)/m (Narayanan et al. 2021,
+sec. 2.2.1) and the interleaved one (p-1)/(v m) (sec. 2.2.2); GPipe has the same bubble as 1F1B
+(Huang et al. 2019) but keeps all m micro-batches in memory. Unequal stages (embedding on the first,
+logits on the last) make the slowest stage pace the steady state. Then
+
+    step = T_pipe + exposed data-parallel gradient sync + optimizer update.
+
+Overlap each strategy allows:
+* TP/SP collectives: exposed (Megatron-LM 2021-22 issues them on the compute stream).
+* CP K/V ring: hidden under the score computation when it is shorter (costs.py).
+* EP all-to-all: exposed.
+* ZeRO-3 all-gathers / reduce-scatters: prefetched, only the excess over the layer's compute shows.
+* DP gradient reduction: in the Llama recipe bucketed under the backward of the last micro-batch
+  (PyTorch DDP, Li et al. 2020; Megatron-Core overlap_grad_reduce); the last bucket (one layer) can
+  never hide, and ZeRO-1/2's parameter all-gather after the update hides under the next step's first
+  forward. In the GPT recipe (Megatron-LM 2021-22) it runs after the backward, exposed
+  (`costs.overlaps_grad_reduce`).
+* Pipeline sends: one per chunk boundary, each direction, exposed (Megatron's blocking p2p), sized
+  b*s*h/t with the scatter/gather optimisation (Narayanan et al. 2021 sec. 4.1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hardware.chips import Chip
+from planner import costs
+from planner.case import Case, Layout
+from planner.costs import LayerCost
+from planner.flops import hardware_flops, model_flops
+from planner.memory import Memory, memory_per_chip, stage_layer_ranges
+from planner.models import ModelSpec
+
+GRAD_COMM_BYTES = {"bf16": 4, "fp16": 2, "fp8": 4}  # Megatron-LM reduces bf16 grads in fp32
+                                                     # (arguments.py: bf16 => accumulate_allreduce_grads_in_fp32)
+
+BREAKDOWN_KEYS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "zero3_comm", "pp_comm",
+                  "bubble", "dp_comm", "optimizer")
+
+
+@dataclass(frozen=True)
+class ChunkCost:
+    fwd_s: float  # forward of one micro-batch through the chunk, exposed comm included
+    bwd_s: float  # backward (and recomputation), exposed comm included
+    parts: dict  # seconds by BREAKDOWN_KEYS kind for fwd + bwd of one micro-batch
+    layers: int
+
+
+@dataclass(frozen=True)
+class StageCost:
+    chunks: list[ChunkCost]
+    dp_exposed_s: float  # gradient sync not hidden under the last backward
+    dp_total_s: float
+    optimizer_s: float
+    params: float  # parameters on one chip of this stage (TP/EP-sharded, before ZeRO)
+
+    @property
+    def fwd_s(self) -> float:
+        return sum(c.fwd_s for c in self.chunks)
+
+    @property
+    def bwd_s(self) -> float:
+        return sum(c.bwd_s for c in self.chunks)
+
+    @property
+    def total_s(self) -> float:
+        return self.fwd_s + self.bwd_s
+
+
+@dataclass(frozen=True)
+class StepResult:
+    case: Case
+    layout: Layout
+    chip: Chip
+    micro_batches: int
+    step_time_s: float
+    pipeline_s: float
+    breakdown: dict  # seconds by BREAKDOWN_KEYS; sums to step_time_s
+    stages: list[StageCost]
+    memory: Memory
+    model_flops: float  # per step, all chips
+    hardware_flops: float
+    fits: bool
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def num_chips(self) -> int:
+        return self.layout.num_chips
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilisation (Chowdhery et al. 2022, App. B)."""
+        return self.model_flops / (self.step_time_s * self.num_chips * self._peak)
+
+    @property
+    def hfu(self) -> float:
+        return self.hardware_flops / (self.step_time_s * self.num_chips * self._peak)
+
+    @property
+    def tflops_per_chip(self) -> float:
+        """Hardware TFLOP/s per chip, recomputation included: what Megatron-LM reports."""
+        return self.hardware_flops / (self.step_time_s * self.num_chips) / 1e12
+
+    @property
+    def model_tflops_per_chip(self) -> float:
+        return self.model_flops / (self.step_time_s * self.num_chips) / 1e12
+
+    @property
+    def _peak(self) -> float:
+        return self.chip.peak_flops_per_s(self.case.training.dtype)
+
+
+def _layer_mix(m: ModelSpec, first: int, count: int) -> tuple[int, int]:
+    """(dense, MoE) layers among layers first .. first + count - 1."""
+    if not m.is_moe:
+        return count, 0
+    dense = max(0, min(first + count, m.dense_layers) - first)
+    return dense, count - dense
+
+
+def _chunk(m: ModelSpec, lay: Layout, dense_lc: LayerCost, moe_lc: LayerCost | None, n_dense: int,
+           n_moe: int, extra_fwd: float, extra_bwd: float, p2p_s: float) -> ChunkCost:
+    parts = dict.fromkeys(BREAKDOWN_KEYS, 0.0)
+    fwd = bwd = 0.0
+    for lc, n in ((dense_lc, n_dense), (moe_lc, n_moe)):
+        if not n:
+            continue
+        recompute_comm = (lc.tp_fwd_s + lc.ep_fwd_s + lc.cp_fwd_s) if lay.recompute == "full" else 0.0
+        f = lc.fwd_compute_s + lc.tp_fwd_s + lc.cp_fwd_s + lc.ep_fwd_s + lc.zero3_fwd_s
+        b = (lc.bwd_compute_s + lc.recompute_s + recompute_comm + lc.tp_bwd_s + lc.cp_bwd_s + lc.ep_bwd_s
+             + lc.zero3_bwd_s)
+        fwd += n * f
+        bwd += n * b
+        parts["compute"] += n * (lc.fwd_compute_s + lc.bwd_compute_s)
+        parts["recompute"] += n * lc.recompute_s
+        parts["tp_comm"] += n * (lc.tp_fwd_s + lc.tp_bwd_s + (lc.tp_fwd_s if lay.recompute == "full" else 0))
+        parts["cp_comm"] += n * (lc.cp_fwd_s + lc.cp_bwd_s + (lc.cp_fwd_s if lay.recompute == "full" else 0))
+        parts["ep_comm"] += n * (lc.ep_fwd_s + lc.ep_bwd_s + (lc.ep_fwd_s if lay.recompute == "full" else 0))
+        parts["zero3_comm"] += n * (lc.zero3_fwd_s + lc.zero3_bwd_s)
+    fwd += extra_fwd + p2p_s
+    bwd += extra_bwd + p2p_s
+    parts["compute"] += extra_fwd + extra_bwd
+    parts["pp_comm"] += 2 * p2p_s
+    return ChunkCost(fwd, bwd, parts, n_dense + n_moe)
+
+
+def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
+    m, tr = case.model, case.training
+    node = case.cluster.chips_per_node or chip.scaleup_domain
+    dense_lc = costs.layer_cost(m, lay, chip, tr.dtype, False, node)
+    moe_lc = costs.layer_cost(m, lay, chip, tr.dtype, True, node) if m.is_moe else None
+    logits_f, logits_b = costs.logits_cost(m, lay, chip, tr.dtype)
+    tokens = lay.micro_batch * m.seq_len / lay.cp
+    embed_s = 4 * tokens * m.hidden / (lay.tp if lay.sequence_parallel else 1) / chip.hbm_bw(achievable=True)
+    p2p_s = 0.0
+    if lay.pp > 1:
+        topo = costs.topology(chip, lay.pp, lay.tp * lay.cp * lay.dp, node)
+        p2p_s = costs.comm_s(topo, chip, "p2p", tokens * m.hidden * 2 / lay.tp)
+    grad_bytes = GRAD_COMM_BYTES[tr.dtype]
+    dp_group = lay.dp * lay.cp
+    dense_topo = costs.topology(chip, dp_group, lay.tp, node) if dp_group > 1 else None
+    expert_group = dp_group // lay.ep
+    expert_topo = costs.topology(chip, expert_group, lay.tp * lay.ep, node) if expert_group > 1 else None
+
+    from planner.memory import stage_params
+    ranges = stage_layer_ranges(m.layers, lay.pp, lay.virtual_stages)
+    out = []
+    for i in range(lay.pp):
+        chunks = []
+        for c, (first, count) in enumerate(ranges[i]):
+            n_dense, n_moe = _layer_mix(m, first, count)
+            ef = eb = 0.0
+            if i == 0 and c == 0:
+                ef += embed_s
+                eb += embed_s
+            if i == lay.pp - 1 and c == lay.virtual_stages - 1:
+                ef += logits_f
+                eb += logits_b
+            chunks.append(_chunk(m, lay, dense_lc, moe_lc, n_dense, n_moe, ef, eb, p2p_s))
+        dense_p, expert_p = stage_params(m, lay, i)
+        dp_total = exposed = 0.0
+        if lay.zero_stage < 3:
+            for topo, n_params in ((dense_topo, dense_p), (expert_topo, expert_p)):
+                if topo is None or not n_params:
+                    continue
+                nbytes = n_params * grad_bytes
+                if lay.zero_stage == 0:
+                    sync = costs.comm_s(topo, chip, "all_reduce", nbytes)
+                    gather = 0.0
+                else:
+                    sync = costs.comm_s(topo, chip, "reduce_scatter", nbytes)
+                    gather = costs.comm_s(topo, chip, "all_gather", n_params * 2)
+                dp_total += sync + gather
+                layers_here = max(1, sum(ch.layers for ch in chunks))
+                last_bwd = sum(ch.bwd_s for ch in chunks)
+                if costs.overlaps_grad_reduce(m):
+                    exposed += max(sync - last_bwd * (1 - 1 / layers_here), sync / layers_here)
+                    exposed += max(0.0, gather - sum(ch.fwd_s for ch in chunks))
+                else:
+                    exposed += sync + gather
+        opt = costs.optimizer_step_s(dense_p + expert_p, lay, chip, tr.optimizer)
+        out.append(StageCost(chunks, exposed, dp_total, opt, dense_p + expert_p))
+    return out
+
+
+def pipeline_time_s(stage_totals: list[float], micro_batches: int, virtual: int) -> float:
+    """T_pipe = m * S_max + (sum S - S_max) / v (module docstring)."""
+    s_max = max(stage_totals)
+    return micro_batches * s_max + (sum(stage_totals) - s_max) / virtual
+
+
+def simulate(case: Case, lay: Layout, chip: Chip, memory: Memory | None = None) -> StepResult:
+    """Step time, breakdown, FLOPs and memory of `case` run with layout `lay` on `chip`."""
+    m, tr = case.model, case.training
+    micro_batches = tr.global_batch // (lay.dp * lay.micro_batch)
+    stages = stage_costs(case, lay, chip)
+    totals = [s.total_s for s in stages]
+    t_pipe = pipeline_time_s(totals, micro_batches, lay.virtual_stages)
+    crit = max(range(len(stages)), key=lambda i: totals[i])
+    # stage i's last backward ends about i chunk-backwards before stage 0's: that is its slack
+    dp_exposed = max(max(0.0, s.dp_exposed_s - i * s.bwd_s / lay.virtual_stages) for i, s in enumerate(stages))
+    opt = max(s.optimizer_s for s in stages)
+    breakdown = dict.fromkeys(BREAKDOWN_KEYS, 0.0)
+    for ch in stages[crit].chunks:
+        for k, v in ch.parts.items():
+            breakdown[k] += micro_batches * v
+    breakdown["bubble"] = t_pipe - micro_batches * totals[crit]
+    breakdown["dp_comm"] = dp_exposed
+    breakdown["optimizer"] = opt
+    step = t_pipe + dp_exposed + opt
+    tokens = tr.global_batch * m.seq_len
+    mem = memory or memory_per_chip(m, lay, micro_batches, tr.optimizer)
+    node = case.cluster.chips_per_node or chip.scaleup_domain
+    return StepResult(case, lay, chip, micro_batches, step, t_pipe, breakdown, stages, mem,
+                      model_flops(m, tokens), hardware_flops(m, tokens, lay.recompute),
+                      mem.total_bytes <= usable_hbm_bytes(chip), {"critical_stage": crit, "chips_per_node": node})
+
+
+USABLE_HBM_FRACTION = 0.95  # CUDA/XLA runtime, NCCL buffers and allocator fragmentation take ~5% (estimate)
+
+
+def usable_hbm_bytes(chip: Chip) -> float:
+    return chip.hbm_bytes * USABLE_HBM_FRACTION
