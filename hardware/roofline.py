@@ -7,6 +7,7 @@ system cannot feed the matrix units and the kernel is memory-bound; above it, co
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -33,7 +34,8 @@ class MatmulCost:
 
 
 def _check_size(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0 or value != int(value):
+    if (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)
+            or value <= 0 or value != int(value)):
         raise ValueError(f"matmul size {name} must be a whole number > 0, got {value!r}")
     return int(value)
 

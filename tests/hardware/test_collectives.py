@@ -1,0 +1,217 @@
+"""Alpha-beta collective costs against the scaling book's worked examples and hand-worked cases.
+
+[SB] = "How to Scale Your Model" (jax-ml scaling book). Links with latency 0 isolate the bandwidth
+term so it can be compared with the book's bandwidth-only numbers exactly.
+"""
+
+import pytest
+
+from hardware.chips import get_chip
+from hardware.collectives import (
+    Hierarchy,
+    Link,
+    Ring,
+    Switch,
+    Torus,
+    group_topology,
+    hierarchy,
+    ring,
+    switch,
+    torus,
+)
+
+US = 1e-6
+MS = 1e-3
+
+
+def test_sb_h100_all_gather_65_us():
+    # [SB] Part 12: AllGather of bf16[1024, 16384] over 8 H100s at 450 GB/s ~ 65 us.
+    # V = 1024 * 16384 * 2 = 33,554,432 B; (8-1)/8 * V / 450e9 = 29,360,128 / 450e9 = 65.2 us.
+    v = 1024 * 16384 * 2
+    assert switch(8, Link(450e9, 0.0)).all_gather_s(v) == pytest.approx(65.245 * US, rel=1e-4)
+    assert ring(8, Link(450e9, 0.0)).all_gather_s(v) == pytest.approx(65.245 * US, rel=1e-4)
+    # The H100 table entry adds 7 NCCL ring steps of 1 us: 72.2 us.
+    h100 = group_topology(get_chip("h100"), 8)
+    assert isinstance(h100, Switch)
+    assert h100.all_gather_s(v) == pytest.approx(65.245 * US + 7 * US, rel=1e-4)
+
+
+def test_sb_v5p_compute_over_ici():
+    # [SB] Part 3: C / W_ici = 4.59e14 / 1.8e11 = 2550, W_ici bidirectional = 2 x one-way link.
+    v5p = get_chip("tpu-v5p")
+    assert v5p.bf16_flops_per_s / (2 * v5p.scaleup_bytes_per_s) == pytest.approx(2550)
+
+
+def test_all_reduce_is_reduce_scatter_plus_all_gather():
+    # Thakur et al. 2005 Sec. 4.4: AR = RS + AG, so 2x an all-gather on every topology.
+    link = Link(100e9, 2 * US)
+    topologies = [ring(8, link), switch(8, link), torus((4, 4), link), torus((8,), link, wraparound=False),
+                  hierarchy(32, 8, link, Link(10e9, 5 * US))]
+    for topo in topologies:
+        v = 3e8
+        assert topo.reduce_scatter_s(v) == pytest.approx(topo.all_gather_s(v))
+        assert topo.all_reduce_s(v) == pytest.approx(2 * topo.all_gather_s(v))
+
+
+def test_ring_all_gather_hand_worked():
+    # n=4, V=4e9 B, W=1e10 B/s, alpha=1 us: 3 steps of 1e9 B -> 3 * (1e9/1e10 + 1e-6) = 300.003 ms.
+    assert ring(4, Link(1e10, US)).all_gather_s(4e9) == pytest.approx(300.003 * MS)
+
+
+def test_ring_all_to_all_hand_worked():
+    # n=4, each rank holds b=4e6 B as four 1e6 B chunks sent 1, 2, 3 hops ahead: 6e6 link-bytes per
+    # rank, 4 ranks over 4 links -> 6e6 B per link / 1e9 B/s = 6 ms; plus 3 hops of latency.
+    assert ring(4, Link(1e9, 0.0)).all_to_all_s(4e6) == pytest.approx(6 * MS)
+    assert ring(4, Link(1e9, US)).all_to_all_s(4e6) == pytest.approx(6 * MS + 3 * US)
+
+
+@pytest.mark.parametrize("n", [4, 8, 16])
+def test_bidirectional_ring_all_to_all_is_quarter_of_v_over_w_bidi(n):
+    # [SB] Part 3: all-to-all on a bidirectional ring costs V / (4 W_bidi), V = n * b the whole array.
+    # Hand check n=8, b=8e6: chunks 1e6 B go min(d, 8-d) = 1,2,3,4,3,2,1 hops = 16e6 link-bytes per rank,
+    # 8 ranks over 16 directed links = 8e6 B per link / 1e9 = 8 ms = 64e6 / (4 * 2e9).
+    w = 1e9
+    b = 8e6
+    assert torus((n,), Link(w, 0.0)).all_to_all_s(b) == pytest.approx(n * b / (4 * 2 * w))
+
+
+def test_switch_all_to_all_sends_what_leaves_each_rank():
+    # [SB] Part 12: on NVSwitch each GPU sends (n-1)/n of its b bytes through its own port.
+    # n=8, b=8e8, W=4e11: 7e8 / 4e11 = 1.75 ms, plus one alpha.
+    assert switch(8, Link(4e11, US)).all_to_all_s(8e8) == pytest.approx(1.75 * MS + US)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8, 16])
+def test_torus_wraparound_halves_the_ring(n):
+    # [SB] Part 3: a bidirectional ring with wraparound moves data both ways: V / W_bidi = half the
+    # unidirectional ring; without wraparound the end chips have one neighbour and it is the ring again.
+    link = Link(4.5e10, 0.0)
+    v = 1e9
+    assert torus((n,), link).all_gather_s(v) == pytest.approx(ring(n, link).all_gather_s(v) / 2)
+    assert torus((n,), link, wraparound=False).all_gather_s(v) == pytest.approx(ring(n, link).all_gather_s(v))
+
+
+def test_torus_latency_hops():
+    # Bidirectional ring of 16: farthest rank ceil(15/2) = 8 hops; a line of 16: 15 hops.
+    link = Link(1e30, US)
+    assert torus((16,), link).all_gather_s(1.0) == pytest.approx(8 * US)
+    assert torus((16,), link, wraparound=False).all_gather_s(1.0) == pytest.approx(15 * US)
+    assert torus((4, 4), link).all_gather_s(1.0) == pytest.approx(4 * US)
+
+
+def test_torus_more_axes_more_bandwidth():
+    # [SB] Part 3: AllGather over k axes is k times faster: (n-1)/n * V / (k * W_bidi).
+    # 4x4 torus, V=1.6e9, W=1e10 one-way: 15/16 * 1.6e9 / (2 * 2e10) = 37.5 ms.
+    link = Link(1e10, 0.0)
+    assert torus((4, 4), link).all_gather_s(1.6e9) == pytest.approx(37.5 * MS)
+    t3 = torus((4, 4, 4), link).all_gather_s(6.4e9)
+    assert t3 == pytest.approx(63 / 64 * 6.4e9 / (3 * 2e10))
+
+
+def test_sb_v5e_4x4_gather_without_wraparound():
+    # [SB] Part 2, problem 6: gathering 16 GB on a v5e 4x4 (no wraparound below 16) along 2 axes at
+    # 4.5e10 B/s per link: 15e9 / (4.5e10 * 2) = 167 ms.
+    topo = torus((4, 4), Link(4.5e10, 0.0), wraparound=False)
+    assert topo.all_gather_s(16e9) == pytest.approx(15e9 / 9e10)
+
+
+def test_hierarchy_reduces_to_a_switch_inside_one_domain():
+    inner, outer = Link(450e9, US), Link(50e9, 5 * US)
+    for n in (1, 2, 8):
+        h = hierarchy(n, 8, inner, outer)
+        flat = switch(n, inner)
+        for op in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p"):
+            assert h.cost_s(op, 1e8) == pytest.approx(flat.cost_s(op, 1e8))
+
+
+def test_hierarchy_hand_worked():
+    # 16 ranks = 2 nodes x 8, NVLink 450 GB/s, network 50 GB/s, no latency, V = 1.6e9 B.
+    # AG: across nodes on V/8 = 2e8: 1/2 * 2e8 / 50e9 = 2 ms; inside on V: 7/8 * 1.6e9 / 450e9 = 3.111 ms.
+    # AR: RS inside 3.111 + AR across on 2e8 (2 x 2 ms) + AG inside 3.111 = 10.222 ms.
+    h = hierarchy(16, 8, Link(450e9, 0.0), Link(50e9, 0.0))
+    assert isinstance(h, Hierarchy)
+    inside = 7 / 8 * 1.6e9 / 450e9
+    assert h.all_gather_s(1.6e9) == pytest.approx(2 * MS + inside)
+    assert h.all_reduce_s(1.6e9) == pytest.approx(4 * MS + 2 * inside)
+    # The flat ring over the network would move 15/16 of V twice at 50 GB/s: 60 ms.
+    assert h.all_reduce_s(1.6e9) < ring(16, Link(50e9, 0.0)).all_reduce_s(1.6e9) / 5
+    # All-to-all, b = 1.6e9: 8/16 leaves the node: 8e8 / 50e9 = 16 ms (the inner 7/16 part is faster).
+    assert h.all_to_all_s(1.6e9) == pytest.approx(16 * MS)
+    with pytest.raises(ValueError, match="multiple of the domain size"):
+        hierarchy(12, 8, Link(1e9, 0), Link(1e9, 0))
+
+
+def test_latency_dominates_tiny_messages():
+    # 8 B all-reduce over 8 H100s: 2 * 7 steps * 1 us = 14 us; the bytes add < 0.1 ns.
+    topo = group_topology(get_chip("h100"), 8)
+    assert topo.all_reduce_s(8) == pytest.approx(14 * US, rel=1e-4)
+    # ... while a 1 GB all-reduce is bandwidth-bound: 2 * 7/8 * 1e9 / 450e9 = 3.89 ms >> 14 us.
+    assert topo.all_reduce_s(1e9) == pytest.approx(2 * 7 / 8 * 1e9 / 450e9 + 14 * US)
+
+
+def test_p2p_is_alpha_plus_bytes_over_bandwidth():
+    # Hockney: 1e9 B over one 450 GB/s NVLink direction with 1 us: 2.2222 ms + 1 us.
+    assert group_topology(get_chip("h100"), 2).p2p_s(1e9) == pytest.approx(1e9 / 450e9 + US)
+    assert ring(1, Link(1e9, US)).p2p_s(1e9) == 0.0
+    assert torus((4,), Link(1e9, US)).p2p_s(1e6) == pytest.approx(1 * MS + US)
+
+
+def test_single_rank_costs_nothing():
+    for topo in (ring(1, Link(1e9, US)), switch(1, Link(1e9, US)), torus((1,), Link(1e9, US))):
+        for op in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p"):
+            assert topo.cost_s(op, 1e9) == 0.0
+
+
+def test_gpu_group_topology():
+    h100 = get_chip("h100")
+    tp = group_topology(h100, 8, stride=1)
+    assert isinstance(tp, Switch) and tp.link.bytes_per_s == 450e9
+    dp = group_topology(h100, 4, stride=8)  # one rank per node
+    assert isinstance(dp, Switch) and dp.link.bytes_per_s == 50e9
+    mixed = group_topology(h100, 16, stride=1)  # two full nodes
+    assert isinstance(mixed, Hierarchy) and mixed.domain_size == 8
+    spread = group_topology(h100, 4, stride=4)  # ranks 0, 4 | 8, 12: two per node
+    assert isinstance(spread, Hierarchy) and spread.domain_size == 2
+    nvl72 = group_topology(get_chip("gb200-nvl72"), 64)
+    assert isinstance(nvl72, Switch) and nvl72.link.bytes_per_s == 900e9
+    achievable = group_topology(h100, 8, achievable=True)
+    assert achievable.link.bytes_per_s == pytest.approx(450e9 * h100.link_efficiency)
+    assert "NVLink" in tp.describe() and "scale-out" in dp.describe()
+
+
+def test_tpu_group_topology():
+    v5e, v5p = get_chip("tpu-v5e"), get_chip("tpu-v5p")
+    full_axis = group_topology(v5e, 16)
+    assert isinstance(full_axis, Torus) and [(a.size, a.wraparound) for a in full_axis.axes] == [(16, True)]
+    # v5e wraps only a full 16 axis; v5p any multiple of 4 ([SB] Part 2).
+    assert [a.wraparound for a in group_topology(v5e, 4).axes] == [False]
+    assert [a.wraparound for a in group_topology(v5p, 4).axes] == [True]
+    pod = group_topology(v5e, 256)
+    assert [a.size for a in pod.axes] == [16, 16]
+    # A group stepping 4 chips along an axis shares its links with 3 interleaved groups.
+    strided = group_topology(v5e, 4, stride=4)
+    assert strided.axes[0].link.bytes_per_s == pytest.approx(4.5e10 / 4)
+    # Beyond one pod: two pods joined over DCN.
+    two_pods = group_topology(v5e, 512)
+    assert isinstance(two_pods, Hierarchy) and two_pods.outer.link.bytes_per_s == v5e.scaleout_bytes_per_s
+    across = group_topology(v5e, 2, stride=256)
+    assert isinstance(across, Switch) and "DCN" in across.describe()
+    # The same AllGather is twice as fast on a wrapped 16-ring as on a unidirectional ring of 16.
+    link = Link(v5e.scaleup_bytes_per_s, v5e.scaleup_latency_s)
+    assert full_axis.all_gather_s(1e9) < Ring(16, link).all_gather_s(1e9) / 1.9
+
+
+def test_bad_arguments_are_clear():
+    link = Link(1e9, 0.0)
+    with pytest.raises(ValueError, match="whole number of ranks"):
+        ring(0, link)
+    with pytest.raises(ValueError, match=">= 0 bytes"):
+        ring(4, link).all_gather_s(-1)
+    with pytest.raises(ValueError, match="positive number of bytes/s"):
+        Link(0, 0)
+    with pytest.raises(ValueError, match="unknown collective"):
+        ring(4, link).cost_s("broadcast", 1)
+    with pytest.raises(ValueError, match="stride"):
+        group_topology(get_chip("h100"), 2, stride=0)
+    with pytest.raises(ValueError, match="torus axes"):
+        torus((), link)
