@@ -120,7 +120,8 @@ class Comm:
         self.groups: dict[str, object] = {"world": dist.group.WORLD, **(groups or {})}
         backend = dist.get_backend()
         self.staged = device.type == "cuda" and backend == "gloo"
-        self.tracing = True
+        self.tracing = True  # off for bookkeeping traffic: no span, not counted in sent_bytes
+        self.sent_bytes = 0  # counted even when the recorder is off, for untraced runs
 
     def size(self, group: str) -> int:
         return dist.get_world_size(self.groups[group])
@@ -164,6 +165,8 @@ class Comm:
     def _issue(self, name: str, group: str, sent_bytes: int, async_op: bool, call, finish) -> Handle:
         start = self.recorder.now()
         work = call()
+        if self.tracing:
+            self.sent_bytes += int(sent_bytes)
         span = ({"name": name, "start_s": start, "bytes": int(sent_bytes), "group": group,
                  "is_async": async_op} if self.tracing else None)
         handle = Handle(work, finish, span, self)

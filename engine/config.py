@@ -80,7 +80,7 @@ class RunConfig:
     seed: int = 0
     dtype: str = "float32"
     device: str = "cpu"
-    lr: float = 1e-2
+    lr: float = 1e-3
     weight_decay: float = 0.1
     timeout_s: float = 60.0  # hard wall-clock limit of one run, start-up excluded
     collective_timeout_s: float = 30.0  # every collective fails after this, instead of gloo's 30 minutes

@@ -102,9 +102,10 @@ class MoE(nn.Module):
         weights = weights.softmax(dim=-1)
         out = torch.zeros_like(flat)
         for e, expert in enumerate(self.experts):
+            # An expert that no token chose still runs (on zero rows), so every parameter gets a
+            # gradient on every rank and gradient hooks fire the same way everywhere.
             token, slot = (chosen == e).nonzero(as_tuple=True)
-            if token.numel():
-                out = out.index_add(0, token, expert(flat[token]) * weights[token, slot, None])
+            out = out.index_add(0, token, expert(flat[token]) * weights[token, slot, None])
         return out.view_as(x)
 
 

@@ -1,0 +1,102 @@
+"""ZeRO-3 / FSDP (Rajbhandari et al. 2020, section 5.3; Zhao et al. 2023, "PyTorch FSDP"): parameters,
+gradients and optimizer state are all split over the dp ranks; a unit's parameters exist whole only
+while that unit computes.
+
+    W[P_dp]                                  each rank stores 1/dp of every unit
+    forward unit i:   W_i[P] = AllGather_dp(W_i[P_dp]);  In[B_dp, T, D] . W_i[D, F];  free W_i[P]
+    backward unit i:  W_i[P] = AllGather_dp(W_i[P_dp]);  dW_i[P] from the local batch;  free W_i[P]
+                      dW_i[P_dp] = ReduceScatter_dp(dW_i[P]) / dp
+    step:             update W[P_dp] with Adam[P_dp]     (no communication)
+
+Per rank in fp32 with AdamW: (4 + 4 + 8) Psi / dp bytes, plus at most two gathered units at a time.
+
+Overlap: while unit i computes, the all-gather of the next unit (i+1 in forward, i-1 in backward) is
+already in flight (FSDP's forward/backward prefetch), and each unit's reduce-scatter runs asynchronously
+while backward moves on. The last unit (the head) is not freed after forward, because its backward
+follows at once (FSDP2 does the same for the root module).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.flat import ShardedStrategy
+
+
+class FSDP(ShardedStrategy):
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.prefetch = self.cfg.parallel.prefetch
+        self.last = len(self.units) - 1
+        self.gathers: dict[int, object] = {}
+        self.pending: list[tuple[object, object, torch.Tensor]] = []
+        self.gathered_bytes = 0
+        self.gathered_peak_bytes = 0
+        for i, u in enumerate(self.units):
+            u.free_full()
+            u.full.register_post_accumulate_grad_hook(lambda full, i=i: self._grad_ready(i))
+
+    def _unshard(self, i: int) -> None:
+        u = self.units[i]
+        if i in self.gathers or u.gathered:
+            return
+        u.alloc_full()
+        self.gathered_bytes += u.full_bytes
+        self.gathered_peak_bytes = max(self.gathered_peak_bytes, self.gathered_bytes)
+        # Write through .data: autograd's saved views of `full` must not see a version bump.
+        self.gathers[i] = self.comm.all_gather(u.full.data, u.shard, "dp", async_op=True,
+                                               name=f"all_gather {self.names[i]}")
+
+    def _wait(self, i: int) -> None:
+        handle = self.gathers.pop(i, None)
+        if handle is not None:
+            handle.wait()
+
+    def _reshard(self, i: int) -> None:
+        self.units[i].free_full()
+        self.gathered_bytes -= self.units[i].full_bytes
+
+    def before_forward(self, i: int) -> None:
+        self._unshard(i)
+        if self.prefetch and i < self.last:
+            self._unshard(i + 1)
+        self._wait(i)
+
+    def after_forward(self, i: int) -> None:
+        if i != self.last:
+            self._reshard(i)
+
+    def before_backward(self, i: int) -> None:
+        self._unshard(i)
+        if self.prefetch and i > 0:
+            self._unshard(i - 1)
+        self._wait(i)
+
+    def _grad_ready(self, i: int) -> None:
+        u = self.units[i]
+        out = torch.empty_like(u.shard)
+        handle = self.comm.reduce_scatter(out, u.full.grad, "dp", async_op=True,
+                                          name=f"reduce_scatter {self.names[i]}")
+        self.pending.append((u, handle, u.full.grad))  # the input must live until the op completes
+        u.full.grad = None
+        self._reshard(i)
+
+    def zero_grad(self) -> None:
+        for u in self.units:
+            u.grad_shard = None
+
+    def finish_grads(self) -> None:
+        for u, handle, _ in self.pending:
+            part = handle.wait()
+            u.grad_shard = part if u.grad_shard is None else u.grad_shard.add_(part)
+        self.pending = []
+        for u in self.units:
+            u.grad_shard.div_(self.dp)
+
+    def memory_bytes(self):
+        return {
+            "params": self._size(u.shard for u in self.units),
+            "grads": self._size(u.grad_shard for u in self.units),
+            "optimizer": self._size(t for u in self.units for t in (u.exp_avg, u.exp_avg_sq)),
+            "gathered_params_peak": self.gathered_peak_bytes,
+        }

@@ -1,0 +1,57 @@
+"""Run one experiment on the warm pool and turn the ranks' results into one summary and one Timeline.
+
+This is what the CLI and the pages call:
+
+    summary, timeline = run(cfg, check=True)
+
+The summary is the JSON object of `python -m engine run --json`.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict
+
+from engine.config import RunConfig, validate
+from engine.trace import Span, Timeline
+
+
+def assemble(cfg: RunConfig, results: list[dict]) -> tuple[dict, Timeline]:
+    results = sorted(results, key=lambda r: r["rank"])
+    timeline = Timeline([Span(**s) for r in results for s in r["spans"]], source="measured",
+                        meta={"strategy": cfg.parallel.strategy, "zero_stage": cfg.parallel.stage,
+                              "world": cfg.world, "steps": cfg.steps, "micro_batches": cfg.micro_batches})
+    # A step takes as long as its slowest rank; the median over steps drops the first step's warm-up.
+    slowest = [max(r["step_times_s"][s] for r in results) for s in range(cfg.steps)]
+    check = results[0]["check"]
+    losses = [sum(r["losses"][s] for r in results) / len(results) for s in range(cfg.steps)]
+    summary = {
+        "ok": check is None or check["passed"],
+        "check": check,
+        "world": cfg.world,
+        "strategy": cfg.parallel.strategy,
+        "zero_stage": cfg.parallel.stage,
+        "mesh": dict(cfg.parallel.axes(cfg.world)),
+        "steps": cfg.steps,
+        "micro_batches": cfg.micro_batches,
+        "device": cfg.device,
+        "loss": losses,
+        "step_time_s": statistics.median(slowest),
+        "step_times_s": slowest,
+        "memory_bytes": [r["memory_bytes"] for r in results],
+        "comm_bytes": [r["comm_bytes"] for r in results],
+        "config": asdict(cfg),
+    }
+    return summary, timeline
+
+
+def run(cfg: RunConfig, traced: bool = True, check: bool = False, pool=None) -> tuple[dict, Timeline]:
+    """Validate, run on the shared pool for (world, device), assemble. Raises `ConfigError` for bad
+    input and `launch.WorkerError` when a rank fails or the run times out."""
+    from engine import launch
+
+    validate(cfg)
+    pool = pool or launch.get_pool(cfg.world, cfg.device, cfg.collective_timeout_s)
+    results = pool.run("engine.train:run_rank", {"cfg": cfg, "traced": traced, "check": check},
+                       timeout_s=cfg.timeout_s)
+    return assemble(cfg, results)

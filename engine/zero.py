@@ -1,0 +1,73 @@
+"""ZeRO-1 and ZeRO-2 (Rajbhandari et al. 2020, "ZeRO", section 5.1): data parallel whose optimizer
+state (stage 1) and also gradients (stage 2) are split over the dp ranks. Parameters stay whole.
+
+    forward/backward as data parallel:  In[B_dp, T, D] . W[D, F]          (W replicated)
+    stage 1:  dW[P_dp]     = ReduceScatter_dp(dW_local) / dp   the full local gradient buffer stays,
+              update       W[P_dp] with Adam[P_dp]             but a rank only updates its own shard
+    stage 2:  dW[P_dp]     = ReduceScatter_dp(dW_local) / dp   a rank keeps only its gradient shard
+              update       W[P_dp] with Adam[P_dp]
+    both:     W[P]         = AllGather_dp(W[P_dp])             the updated shards back to everyone
+
+Per rank, in fp32 with AdamW (Psi parameters, paper eq. 1 with K = 8 bytes of moments and no fp16
+copy): stage 1 holds 4 Psi + 4 Psi + 8 Psi / dp bytes, stage 2 holds 4 Psi + (4 + 8) Psi / dp.
+
+Both stages send what plain data parallel sends (a reduce-scatter plus an all-gather is one all-reduce,
+paper section 7.2). Gradient communication is issued per unit, asynchronously, from the hook that fires once autograd has
+accumulated the unit's flat gradient, so it overlaps the backward of earlier units. Stage 1 communicates
+once per step (on the last micro-batch, like DDP's no_sync); stage 2 reduce-scatters every micro-batch so
+that no full gradient outlives its unit's backward, and adds the shards up.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.flat import ShardedStrategy
+
+
+class ZeRO(ShardedStrategy):
+    def __init__(self, *args, stage: int, **kw):
+        super().__init__(*args, **kw)
+        self.stage = stage
+        self.pending: list[tuple[object, object]] = []
+        for u in self.units:
+            # Parameters stay whole, so a rank's master shard is simply its slice of them.
+            u.shard = u.full.data[self.dp_rank * u.shard_numel: (self.dp_rank + 1) * u.shard_numel]
+            u.full.register_post_accumulate_grad_hook(lambda full, u=u: self._grad_ready(u))
+
+    def _grad_ready(self, u) -> None:
+        if self.stage == 1 and not self.last_micro_batch:
+            return  # stage 1 keeps whole gradients, so micro-batches accumulate locally first
+        out = torch.empty_like(u.shard)
+        handle = self.comm.reduce_scatter(out, u.full.grad, "dp", async_op=True, name="reduce_scatter grads")
+        self.pending.append((u, handle, u.full.grad))  # the input must live until the op completes
+        if self.stage == 2:
+            u.full.grad = None
+
+    def zero_grad(self) -> None:
+        for u in self.units:
+            u.full.grad = None
+            u.grad_shard = None
+
+    def finish_grads(self) -> None:
+        for u, handle, _ in self.pending:
+            part = handle.wait()
+            u.grad_shard = part if u.grad_shard is None else u.grad_shard.add_(part)
+        self.pending = []
+        for u in self.units:
+            u.grad_shard.div_(self.dp)
+
+    def step(self, step: int) -> None:
+        super().step(step)
+        for u in self.units:
+            self.comm.all_gather(u.full.data, u.shard.clone(), "dp", name="all_gather params")
+
+    def memory_bytes(self):
+        grads = [u.grad_shard for u in self.units]
+        if self.stage == 1:
+            grads += [u.full.grad for u in self.units]
+        return {
+            "params": self._size(u.full for u in self.units),
+            "grads": self._size(grads),
+            "optimizer": self._size(t for u in self.units for t in (u.exp_avg, u.exp_avg_sq)),
+        }
