@@ -279,32 +279,40 @@ class Hierarchy(Topology):
             raise ValueError(f"a hierarchy of {self.n} ranks cannot be cut into domains of {self.domain_size}; "
                              "choose a group size that is a multiple of the domain size")
 
+    def _pipelined(self, inner_s, outer_s, inner_bytes: float, outer_bytes: float) -> float:
+        """Both levels' latencies add up; their bandwidth phases overlap, so the slower one sets the pace.
+
+        [SB] Part 12, cross-node collectives: T = max(T_node, T_scale-out), the levels pipelined as in
+        NCCL's rings that run through NVLink inside a node and the NIC between nodes.
+        """
+        inner_latency, outer_latency = inner_s(0.0), outer_s(0.0)
+        inner_bw = inner_s(inner_bytes) - inner_latency
+        outer_bw = outer_s(outer_bytes) - outer_latency
+        return inner_latency + outer_latency + max(inner_bw, outer_bw)
+
     def all_gather_s(self, nbytes):
         v = _check_bytes(nbytes)
-        # Gather across domains first (each rank ends with V/d), then inside the domain (V): the slow
-        # network moves only 1/d of the array ([SB] Part 12, hierarchical collectives; NCCL's tree/ring mix).
-        return self.outer.all_gather_s(v / self.domain_size) + self.inner.all_gather_s(v)
+        # Across domains each rank gathers V/d (its slice of the domain's share), inside the domain the full
+        # V: the network carries only 1/d of the array, i.e. (m-1)/m * V over the domain's d NICs.
+        return self._pipelined(self.inner.all_gather_s, self.outer.all_gather_s, v, v / self.domain_size)
 
     def reduce_scatter_s(self, nbytes):
         v = _check_bytes(nbytes)
-        # Reduce-scatter inside the domain on V, then across domains on the V/d each rank holds ([SB] Part 12).
-        return self.inner.reduce_scatter_s(v) + self.outer.reduce_scatter_s(v / self.domain_size)
+        # Reduce-scatter inside on V, across domains on the V/d each rank then holds ([SB] Part 12).
+        return self._pipelined(self.inner.reduce_scatter_s, self.outer.reduce_scatter_s, v,
+                               v / self.domain_size)
 
     def all_reduce_s(self, nbytes):
         v = _check_bytes(nbytes)
-        # RS inside, AR across domains on V/d, AG inside ([SB] Part 12; the NCCL/Horovod hierarchical all-reduce).
-        d = self.domain_size
-        return self.inner.reduce_scatter_s(v) + self.outer.all_reduce_s(v / d) + self.inner.all_gather_s(v)
+        # RS inside, AR across domains on V/d, AG inside ([SB] Part 12; NCCL's hierarchical all-reduce).
+        return self._pipelined(self.inner.all_reduce_s, self.outer.all_reduce_s, v, v / self.domain_size)
 
     def all_to_all_s(self, nbytes):
         b = _check_bytes(nbytes)
-        # Of b bytes, (n-d)/n leave the domain and (d-1)/n stay; both go at once on different links, so
-        # the slower part sets the time. The outer share runs as an all-to-all among the n/d domains.
-        d = self.domain_size
-        # With m = n/d domains, (n-d)/n = (m-1)/m: exactly what a flat all-to-all among m ranks sends away.
-        outer = self.outer.all_to_all_s(b)
-        inner = self.inner.all_to_all_s(b / self.n * d) if d > 1 else 0.0
-        return max(outer, inner)
+        # Of b bytes, (n-d)/n leave the domain and (d-1)/n stay; both go at once on different links. With
+        # m = n/d domains, (n-d)/n = (m-1)/m: what a flat all-to-all among m ranks sends away; inside, a
+        # flat all-to-all of b*d/n sends (d-1)/n of b.
+        return self._pipelined(self.inner.all_to_all_s, self.outer.all_to_all_s, b * self.domain_size / self.n, b)
 
     def p2p_s(self, nbytes):
         # The group's neighbours at a domain border talk over the network; in a pipeline the slowest hop

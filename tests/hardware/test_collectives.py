@@ -125,18 +125,26 @@ def test_hierarchy_reduces_to_a_switch_inside_one_domain():
 
 
 def test_hierarchy_hand_worked():
-    # 16 ranks = 2 nodes x 8, NVLink 450 GB/s, network 50 GB/s, no latency, V = 1.6e9 B.
-    # AG: across nodes on V/8 = 2e8: 1/2 * 2e8 / 50e9 = 2 ms; inside on V: 7/8 * 1.6e9 / 450e9 = 3.111 ms.
-    # AR: RS inside 3.111 + AR across on 2e8 (2 x 2 ms) + AG inside 3.111 = 10.222 ms.
+    # 16 ranks = 2 nodes x 8, NVLink 450 GB/s, network 50 GB/s per GPU, V = 1.6e9 B.
+    # AG across nodes on V/8 = 2e8: 1/2 * 2e8 / 50e9 = 2 ms; inside on V: 7/8 * 1.6e9 / 450e9 = 3.111 ms.
+    # [SB] Part 12: the levels overlap, T = max(T_node, T_network) = 3.111 ms (NVLink-bound here).
+    # AR: max(2 * 3.111, 2 * 2) = 6.222 ms.
     h = hierarchy(16, 8, Link(450e9, 0.0), Link(50e9, 0.0))
     assert isinstance(h, Hierarchy)
     inside = 7 / 8 * 1.6e9 / 450e9
-    assert h.all_gather_s(1.6e9) == pytest.approx(2 * MS + inside)
-    assert h.all_reduce_s(1.6e9) == pytest.approx(4 * MS + 2 * inside)
+    assert h.all_gather_s(1.6e9) == pytest.approx(inside)
+    assert h.all_reduce_s(1.6e9) == pytest.approx(2 * inside)
     # The flat ring over the network would move 15/16 of V twice at 50 GB/s: 60 ms.
     assert h.all_reduce_s(1.6e9) < ring(16, Link(50e9, 0.0)).all_reduce_s(1.6e9) / 5
-    # All-to-all, b = 1.6e9: 8/16 leaves the node: 8e8 / 50e9 = 16 ms (the inner 7/16 part is faster).
+    # 64 ranks = 8 nodes: across on 2e8 is 7/8 * 2e8 / 50e9 = 3.5 ms > 3.111: network-bound, which is
+    # [SB]'s bytes / W_node_egress with W_node_egress = 8 x 50 GB/s, times (m-1)/m.
+    h8 = hierarchy(64, 8, Link(450e9, 0.0), Link(50e9, 0.0))
+    assert h8.all_gather_s(1.6e9) == pytest.approx(7 / 8 * 1.6e9 / 400e9)
+    # All-to-all, b = 1.6e9 on 16 ranks: 8/16 leaves the node: 8e8 / 50e9 = 16 ms (inside: 7/16 at 450 GB/s).
     assert h.all_to_all_s(1.6e9) == pytest.approx(16 * MS)
+    # Latencies add: 1 + 7 ring steps of 5 us and 1 us.
+    hl = hierarchy(16, 8, Link(450e9, US), Link(50e9, 5 * US))
+    assert hl.all_gather_s(0) == pytest.approx(5 * US + 7 * US)
     with pytest.raises(ValueError, match="multiple of the domain size"):
         hierarchy(12, 8, Link(1e9, 0), Link(1e9, 0))
 
