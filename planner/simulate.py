@@ -50,6 +50,8 @@ class ChunkCost:
     bwd_s: float  # backward (and recomputation), exposed comm included
     parts: dict  # seconds by BREAKDOWN_KEYS kind for fwd + bwd of one micro-batch
     layers: int
+    p2p_s: float  # the pipeline send included in each of fwd_s and bwd_s
+    layer_costs: tuple  # ((LayerCost, count), ...) of the layers in the chunk
 
 
 @dataclass(frozen=True)
@@ -147,7 +149,8 @@ def _chunk(m: ModelSpec, lay: Layout, dense_lc: LayerCost, moe_lc: LayerCost | N
     bwd += extra_bwd + p2p_s
     parts["compute"] += extra_fwd + extra_bwd
     parts["pp_comm"] += 2 * p2p_s
-    return ChunkCost(fwd, bwd, parts, n_dense + n_moe)
+    return ChunkCost(fwd, bwd, parts, n_dense + n_moe, p2p_s,
+                     tuple((lc, n) for lc, n in ((dense_lc, n_dense), (moe_lc, n_moe)) if n))
 
 
 def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:

@@ -1,0 +1,46 @@
+"""CLI: `python -m planner estimate CASE.json` and `python -m planner search CASE.json [--top K]`.
+
+Prints one JSON object on stdout. Bad input (malformed JSON, a missing or unknown field, an unknown
+chip, sizes that do not divide, nothing that fits) exits with status 2 and a message on stderr that
+names the field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from planner.api import dumps, estimate, search
+from planner.case import load_case
+from planner.models import SpecError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m planner", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    est = sub.add_parser("estimate", help="step time, MFU, memory per chip of one case")
+    est.add_argument("case", help="case JSON file (null fields are chosen)")
+    est.add_argument("--timeline", metavar="PATH", help="also write the predicted timeline (Chrome trace JSON)")
+    sea = sub.add_parser("search", help="rank the layouts of the case's null fields")
+    sea.add_argument("case", help="case JSON file")
+    sea.add_argument("--top", type=int, default=5, help="how many layouts to print (default 5)")
+    args = parser.parse_args(argv)
+    try:
+        case = load_case(args.case)
+        if args.command == "estimate":
+            result = estimate(case)
+            print(dumps(result.as_dict()))
+            if args.timeline:
+                result.timeline.write_chrome_trace(args.timeline)
+        else:
+            if args.top < 1:
+                raise SpecError("--top", f"must be >= 1, got {args.top}")
+            print(dumps(search(case, top=args.top).as_dict()))
+    except SpecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

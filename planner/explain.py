@@ -1,0 +1,72 @@
+"""Explanations in words of why a layout wins, or what a runner-up loses to the winner."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from planner.memory import memory_per_chip
+from planner.simulate import StepResult, usable_hbm_bytes
+
+_KIND_WORDS = {
+    "compute": "compute", "recompute": "recomputation", "tp_comm": "exposed TP collectives",
+    "cp_comm": "the exposed context-parallel ring", "ep_comm": "expert all-to-alls",
+    "zero3_comm": "ZeRO-3 gathers", "pp_comm": "pipeline sends", "bubble": "the pipeline bubble",
+    "dp_comm": "exposed gradient sync", "optimizer": "the optimizer update",
+}
+
+
+def _pct(x: float, total: float) -> str:
+    return f"{100 * x / total:.1f}%"
+
+
+def _link(res: StepResult, n: int, stride: int) -> str:
+    node = res.extra["chips_per_node"]
+    if res.chip.kind == "tpu":
+        return "ICI"
+    return "NVLink" if n * stride <= node else "the network"
+
+
+def explain(res: StepResult, best: StepResult | None, ranked: list[StepResult]) -> list[str]:
+    lay, step, bd = res.layout, res.step_time_s, res.breakdown
+    m, case = res.case.model, res.case
+    hbm = usable_hbm_bytes(res.chip)
+    words: list[str] = []
+    if best is not None and res is not best:
+        diffs = {k: bd[k] - best.breakdown[k] for k in bd}
+        worst = max(diffs, key=diffs.get)
+        words.append(f"{_pct(step - best.step_time_s, best.step_time_s)} slower than the best, mostly "
+                     f"{_KIND_WORDS[worst]} (+{diffs[worst]:.3g} s per step).")
+    if lay.tp > 1:
+        words.append(f"TP={lay.tp} splits every layer's matmuls over {lay.tp} chips; its collectives stay on "
+                     f"{_link(res, lay.tp, 1)} and cost {_pct(bd['tp_comm'], step)} of the step.")
+    else:
+        words.append("No TP: each chip holds whole layers, so no per-layer collectives are exposed.")
+    if lay.pp > 1:
+        mem_pp1 = None
+        if lay.pp > 1 and m.layers >= 1:
+            mem_pp1 = memory_per_chip(m, replace(lay, pp=1, virtual_stages=1, pp_schedule="1f1b",
+                                                 dp=lay.dp), res.micro_batches, case.training.optimizer)
+        reason = (f"without it a chip would need {mem_pp1.total_bytes / 1e9:.0f} GB"
+                  if mem_pp1 is not None and mem_pp1.total_bytes > hbm else "it beats more DP or TP here")
+        sched = f"{lay.pp_schedule} with v={lay.virtual_stages}" if lay.virtual_stages > 1 else lay.pp_schedule
+        words.append(f"PP={lay.pp} ({sched}, m={res.micro_batches} micro-batches of {lay.micro_batch}) because "
+                     f"{reason}; the bubble costs {_pct(bd['bubble'], step)} and the sends "
+                     f"{_pct(bd['pp_comm'], step)}.")
+    if lay.cp > 1:
+        words.append(f"CP={lay.cp} splits each {m.seq_len}-token sequence into {m.seq_len // lay.cp}-token "
+                     f"shards; the K/V ring shows {_pct(bd['cp_comm'], step)}.")
+    if lay.ep > 1:
+        words.append(f"EP={lay.ep} puts {m.experts // lay.ep} experts on each chip; the all-to-alls cost "
+                     f"{_pct(bd['ep_comm'], step)}.")
+    if lay.dp > 1:
+        zero = {0: "replicated optimizer state", 1: "ZeRO-1 (sharded optimizer state)",
+                2: "ZeRO-2 (sharded optimizer state and gradients)", 3: "ZeRO-3 (everything sharded)"}
+        words.append(f"DP={lay.dp} with {zero[lay.zero_stage]}; gradient sync shows {_pct(bd['dp_comm'], step)}"
+                     f"{' and ZeRO-3 gathers ' + _pct(bd['zero3_comm'], step) if lay.zero_stage == 3 else ''}.")
+    rc = {"none": "No recomputation: the activations fit",
+          "selective": "Selective recomputation (attention core only)",
+          "full": "Full recomputation: only layer inputs are kept"}[lay.recompute]
+    words.append(f"{rc}; peak memory {res.memory.total_bytes / 1e9:.1f} of {res.chip.hbm_bytes / 1e9:.0f} GB "
+                 f"per chip; recomputation costs {_pct(bd['recompute'], step)}.")
+    words.append(f"MFU {100 * res.mfu:.1f}%, {res.tflops_per_chip:.0f} TFLOP/s per chip.")
+    return words

@@ -1,0 +1,126 @@
+"""The predicted Timeline of one step: every pipeline stage's compute, exposed communication and bubbles.
+
+One representative chip per pipeline stage is drawn (global rank stage * dp * cp * tp, the tp/cp/dp
+rank 0 of the stage): within a stage all chips run the same ops at the same times. The order of
+forward and backward passes is the engine's own schedule (`engine.schedules`, torch-free), so a
+predicted and a measured pipeline line up; the durations come from the step simulator. A pass is
+split into its layers (compute, then that layer's exposed TP / CP / EP / ZeRO-3 communication) while
+the span count stays under `max_spans`; beyond that each pass is one compute span and one comm span.
+"""
+
+from __future__ import annotations
+
+from engine.schedules import make_schedule
+from engine.trace import Span, Timeline
+from planner.simulate import ChunkCost, StepResult
+
+
+def _pass_spans(rank: int, chunk: ChunkCost, kind: str, start: float, mb: int, recompute: str,
+                detailed: bool, label: str) -> list[Span]:
+    """Spans of one forward ("F") or backward ("B") of one micro-batch through one chunk."""
+    spans: list[Span] = []
+    t = start
+
+    def add(lane, name, dur, group="", flops=0.0, nbytes=0):
+        nonlocal t
+        if dur > 0:
+            spans.append(Span(rank, lane, name, t, t + dur, bytes=int(nbytes), flops=flops, micro_batch=mb,
+                              group=group))
+            t += dur
+
+    total = chunk.fwd_s if kind == "F" else chunk.bwd_s
+    if detailed:
+        idx = 0
+        for lc, n in chunk.layer_costs:
+            for _ in range(n):
+                if kind == "F":
+                    add("compute", f"fwd {label} L{idx}", lc.fwd_compute_s, flops=lc.fwd_flops)
+                    add("comm", "tp collectives", lc.tp_fwd_s, "tp", nbytes=2 * lc.tp_bytes)
+                    add("comm", "cp k/v ring", lc.cp_fwd_s, "cp")
+                    add("comm", "ep all-to-all", lc.ep_fwd_s, "ep")
+                    add("comm", "zero-3 all-gather", lc.zero3_fwd_s, "dp")
+                else:
+                    if recompute == "full":
+                        add("compute", f"recompute {label} L{idx}", lc.recompute_s, flops=lc.fwd_flops)
+                        add("comm", "tp collectives", lc.tp_fwd_s, "tp", nbytes=2 * lc.tp_bytes)
+                    elif lc.recompute_s:
+                        add("compute", f"recompute attn {label} L{idx}", lc.recompute_s)
+                    add("compute", f"bwd {label} L{idx}", lc.bwd_compute_s, flops=2 * lc.fwd_flops)
+                    add("comm", "tp collectives", lc.tp_bwd_s, "tp", nbytes=2 * lc.tp_bytes)
+                    add("comm", "cp k/v ring", lc.cp_bwd_s, "cp")
+                    add("comm", "ep all-to-all", lc.ep_bwd_s, "ep")
+                    add("comm", "zero-3 gather/scatter", lc.zero3_bwd_s, "dp")
+                idx += 1
+        add("compute", f"{'fwd' if kind == 'F' else 'bwd'} {label} extra", start + total - chunk.p2p_s - t)
+    else:
+        comm = chunk.parts["tp_comm"] + chunk.parts["cp_comm"] + chunk.parts["ep_comm"] + chunk.parts["zero3_comm"]
+        comm_share = comm * (chunk.fwd_s - chunk.p2p_s) / max(1e-30, chunk.fwd_s + chunk.bwd_s - 2 * chunk.p2p_s)
+        share = comm_share if kind == "F" else comm - comm_share
+        add("compute", f"{'fwd' if kind == 'F' else 'bwd'} {label}", total - chunk.p2p_s - share)
+        add("comm", "layer collectives", share, "tp")
+    return spans
+
+
+def predicted_timeline(res: StepResult, max_spans: int = 20000) -> Timeline:
+    lay, m = res.layout, res.micro_batches
+    p, v = lay.pp, lay.virtual_stages
+    sched = make_schedule(lay.pp_schedule, p, m, v)
+    layers_per_pass = max(sum(c.layers for c in s.chunks) for s in res.stages) / v
+    detailed = 2 * p * m * v * layers_per_pass * 3 <= max_spans
+    rank_of = [i * lay.dp * lay.cp * lay.tp for i in range(p)]
+    clock = [0.0] * p
+    done: dict[tuple[str, int, int], float] = {}
+    order = [list(sched.compute_order(r)) for r in range(p)]
+    cursor = [0] * p
+    spans: list[Span] = []
+    num_stages = p * v
+    while any(cursor[r] < len(order[r]) for r in range(p)):
+        progressed = False
+        for r in range(p):
+            while cursor[r] < len(order[r]):
+                a = order[r][cursor[r]]
+                chunk = res.stages[r].chunks[a.stage // p]
+                if a.kind == "F":
+                    dep = ("F", a.micro_batch, a.stage - 1) if a.stage > 0 else None
+                else:
+                    dep = ("B", a.micro_batch, a.stage + 1) if a.stage < num_stages - 1 else None
+                if dep is not None and dep not in done:
+                    break
+                ready = done[dep] if dep is not None else 0.0
+                if a.kind != "F" and ("F", a.micro_batch, a.stage) not in done:
+                    break
+                start = max(clock[r], ready)
+                if start > clock[r]:
+                    spans.append(Span(rank_of[r], "idle", "bubble", clock[r], start))
+                kind = "F" if a.kind == "F" else "B"
+                spans.extend(_pass_spans(rank_of[r], chunk, kind, start, a.micro_batch, lay.recompute,
+                                         detailed, f"s{a.stage}"))
+                end = start + (chunk.fwd_s if kind == "F" else chunk.bwd_s)
+                if chunk.p2p_s > 0:
+                    spans.append(Span(rank_of[r], "comm", "send act" if kind == "F" else "send grad",
+                                      end - chunk.p2p_s, end, micro_batch=a.micro_batch, group="pp"))
+                done[(kind, a.micro_batch, a.stage)] = end
+                clock[r] = end
+                cursor[r] += 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError(f"schedule {sched.name} deadlocked in the planner's timeline")
+    pipe_end = max(clock)
+    for r, stage in enumerate(res.stages):
+        t = clock[r]
+        if stage.dp_total_s > 0:
+            hidden = stage.dp_total_s - stage.dp_exposed_s
+            spans.append(Span(rank_of[r], "comm", "dp gradient sync", t - hidden, t - hidden + stage.dp_total_s,
+                              group="dp", is_async=hidden > 0))
+            t += stage.dp_exposed_s
+        spans.append(Span(rank_of[r], "compute", "optimizer step", t, t + stage.optimizer_s))
+        t += stage.optimizer_s
+        if t < pipe_end:
+            spans.append(Span(rank_of[r], "idle", "wait", t, pipe_end))
+    tl = Timeline(spans, source="predicted", meta={
+        "case": res.case.name, "chip": res.chip.key, "schedule": lay.pp_schedule, "pp": p, "virtual_stages": v,
+        "micro_batches": m, "ranks": "one chip per pipeline stage (tp/cp/dp rank 0)",
+        "analytic_step_s": res.step_time_s, "detailed": detailed,
+    })
+    tl.meta["simulated_step_s"] = tl.end_s
+    return tl
