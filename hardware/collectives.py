@@ -6,12 +6,14 @@ is the bytes each rank holds before the exchange; for ``p2p`` the message size. 
 full duplex and ``Link.bytes_per_s`` is one direction.
 
 Topologies
-- ``ring(n, link)``: a unidirectional ring, what NCCL builds (Thakur et al. 2005, Sec. 4).
+- ``ring(n, link)``: a unidirectional ring, what NCCL builds (Thakur, Rabenseifner, Gropp 2005,
+  "Optimization of collective communication operations in MPICH": ring all-gather, Rabenseifner's
+  all-reduce = reduce-scatter + all-gather).
 - ``switch(n, link)``: n chips on a non-blocking switch (NVSwitch, a rail-optimised fat tree). NCCL
   runs rings over it, so gather/scatter/reduce cost what a ring costs; all-to-all goes direct.
 - ``torus(axes, link)``: TPU ICI axes, bidirectional links, optional wraparound ([SB] Part 3).
 - ``hierarchy(n, domain, inner, outer)``: NVLink domain + scale-out network, the collective split
-  into an intra-domain and an inter-domain phase.
+  into an intra-domain and an inter-domain level whose transfers overlap ([SB] Part 12).
 - ``group_topology(chip, n, stride)``: the topology a process group of a parallel mesh lands on.
 
 [SB] = Austin et al., "How to Scale Your Model" (jax-ml scaling book), Part 3 "Sharded matmuls",
@@ -40,9 +42,6 @@ class Link:
         if not (self.latency_s >= 0 and math.isfinite(self.latency_s)):
             raise ValueError(f"link latency must be >= 0 seconds, got {self.latency_s!r}")
 
-    def scaled(self, efficiency: float) -> Link:
-        return Link(self.bytes_per_s * efficiency, self.latency_s)
-
 
 def _check_n(n) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -69,7 +68,7 @@ class Topology(ABC):
         return self.all_gather_s(nbytes)
 
     def all_reduce_s(self, nbytes: float) -> float:
-        # All-reduce = reduce-scatter + all-gather (Thakur et al. 2005, Sec. 4.4; [SB] Part 3).
+        # All-reduce = reduce-scatter + all-gather (Rabenseifner's algorithm, Thakur et al. 2005; [SB] Part 3).
         return self.reduce_scatter_s(nbytes) + self.all_gather_s(nbytes)
 
     @abstractmethod
@@ -107,7 +106,7 @@ class Ring(Topology):
 
     def all_gather_s(self, nbytes):
         v = _check_bytes(nbytes)
-        # n-1 steps, each moving one shard V/n over one link (Thakur et al. 2005, Sec. 4.1; [SB] Part 3).
+        # n-1 steps, each moving one shard V/n over one link (ring all-gather, Thakur et al. 2005; [SB] Part 3).
         return (self.n - 1) * self.link.latency_s + (self.n - 1) / self.n * v / self.link.bytes_per_s
 
     def all_to_all_s(self, nbytes):
@@ -219,7 +218,7 @@ class Torus(Topology):
         active = self._active()
         if not active:
             return 0.0
-        # Split V into k = len(axes) portions; portion p gathers along the axes in an order rotated by p,
+        # Split V into k portions, k = the axes longer than 1; portion p gathers along the axes in an order rotated by p,
         # so all axes work at once. A phase over an axis of size m that grows the data from S/m to S
         # puts (m-1)/m * S on that axis. With k equal axes this gives (n-1)/n * V / (2 W k), the scaling
         # book's "AllGather over k axes is k times faster" ([SB] Part 3, multi-axis AllGather).
@@ -351,7 +350,8 @@ def hierarchy(n: int, domain_size: int, inner: Link, outer: Link) -> Topology:
                      Switch(n // domain_size, outer, "scale-out network"))
 
 
-def group_topology(chip: Chip, n: int, stride: int = 1, achievable: bool = False) -> Topology:
+def group_topology(chip: Chip, n: int, stride: int = 1, achievable: bool = False,
+                   scaleup_domain: int | None = None) -> Topology:
     """The topology of a process group of n ranks whose consecutive members are ``stride`` ranks apart.
 
     Global ranks are numbered with the innermost mesh axis (tp) fastest, so a tp group has stride 1 and a
@@ -359,6 +359,8 @@ def group_topology(chip: Chip, n: int, stride: int = 1, achievable: bool = False
 
     GPU: the group fits in one NVLink domain (n*stride <= domain) -> NVLink switch; members in different
     domains (stride >= domain) -> the scale-out network; otherwise a hierarchy of the two.
+    ``scaleup_domain`` overrides the chip's domain size (a cluster with fewer GPUs per NVLink domain, e.g. a
+    case file's ``chips_per_node``); GPUs only.
 
     TPU: ranks fill ``chip.torus_shape`` with axis 0 fastest. A group that strides over whole axes and
     fills axes up to some point maps onto those axes; an axis wraps around where the slice spans a
@@ -374,7 +376,9 @@ def group_topology(chip: Chip, n: int, stride: int = 1, achievable: bool = False
     eff = chip.link_efficiency if achievable else 1.0
     inner = Link(chip.scaleup_bytes_per_s * eff, chip.scaleup_latency_s)
     outer = Link(chip.scaleout_bytes_per_s * eff, chip.scaleout_latency_s)
-    domain = chip.scaleup_domain
+    domain = chip.scaleup_domain if scaleup_domain is None else _check_n(scaleup_domain)
+    if chip.kind == "tpu" and scaleup_domain is not None:
+        raise ValueError("a TPU's scale-up domain is its torus slice; set torus_shape in chips.toml instead")
     if chip.kind != "tpu":
         if n * stride <= domain:
             return Switch(n, inner, "NVLink" if chip.kind == "gpu" else "scale-up")

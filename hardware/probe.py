@@ -84,7 +84,7 @@ def measure_this_machine(budget_s: float = 3.0, progress: Progress | None = None
         b = torch.randn(size, size)
         seconds = _best_seconds(lambda a=a, b=b: torch.mm(a, b), matmul_slice)
         rate = 2.0 * size**3 / seconds  # 2*M*N*K FLOPs per matmul
-        details.append(f"fp32 matmul {size}^3: {rate / 1e9:.1f} GFLOP/s (best of {seconds * 1e3:.2f} ms)")
+        details.append(f"fp32 matmul {size}^3: {rate / 1e9:.1f} GFLOP/s (fastest run {seconds * 1e3:.2f} ms)")
         best_fp32 = max(best_fp32, rate)
 
     report(len(_MATMUL_SIZES) / (len(_MATMUL_SIZES) + 2), f"bf16 matmul {_BF16_SIZE}^3")

@@ -43,7 +43,7 @@ def test_sb_v5p_compute_over_ici():
 
 
 def test_all_reduce_is_reduce_scatter_plus_all_gather():
-    # Thakur et al. 2005 Sec. 4.4: AR = RS + AG, so 2x an all-gather on every topology.
+    # Rabenseifner's all-reduce (Thakur et al. 2005): AR = RS + AG, so 2x an all-gather on every topology.
     link = Link(100e9, 2 * US)
     topologies = [ring(8, link), switch(8, link), torus((4, 4), link), torus((8,), link, wraparound=False),
                   hierarchy(32, 8, link, Link(10e9, 5 * US))]
@@ -185,6 +185,11 @@ def test_gpu_group_topology():
     achievable = group_topology(h100, 8, achievable=True)
     assert achievable.link.bytes_per_s == pytest.approx(450e9 * h100.link_efficiency)
     assert "NVLink" in tp.describe() and "scale-out" in dp.describe()
+    # A cluster with 4 GPUs per NVLink domain: the 8-GPU tp group now spans two domains.
+    small = group_topology(h100, 8, scaleup_domain=4)
+    assert isinstance(small, Hierarchy) and small.domain_size == 4
+    with pytest.raises(ValueError, match="torus slice"):
+        group_topology(get_chip("tpu-v4"), 8, scaleup_domain=8)
 
 
 def test_tpu_group_topology():
