@@ -1,0 +1,103 @@
+"""`python -m engine run ...`: one live run from the command line.
+
+    python -m engine run --strategy {dp,fsdp} [--zero-stage {0,1,2,3}] [--world N] [--steps N]
+                         [--micro-batches N] [--device {cpu,cuda}] [--trace FILE.json] [--check] [--json]
+                         [--mesh dp=N] [--dp-comm {naive,bucketed}] [--mlp {dense,moe}] [--seed N] ...
+
+Exit codes: 0 fine, 1 check failed, 2 bad input (message on stderr), 3 a rank failed or timed out.
+With --json, stdout holds exactly one JSON object (also on exit 1 and 3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+
+from engine.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, parse_mesh, validate
+
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_RANK_FAILED = 0, 1, 2, 3
+
+
+def run_parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Train a small Transformer on N local processes.")
+    p.add_argument("--strategy", choices=["dp", "fsdp"], default="dp")
+    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
+                   help="ZeRO stage (default: 0 for dp, 3 for fsdp)")
+    p.add_argument("--world", type=int, default=2, help="number of ranks (processes)")
+    p.add_argument("--steps", type=int, default=3, help="optimizer steps")
+    p.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps per optimizer step")
+    p.add_argument("--micro-batch-size", type=int, default=2, help="sequences per rank per micro-batch")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--trace", metavar="FILE.json", help="write a Chrome trace (open in Perfetto)")
+    p.add_argument("--check", action="store_true", help="compare with the single-process reference")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--mesh", help="named mesh axes, e.g. dp=4 (default: dp=world)")
+    p.add_argument("--dp-comm", choices=["naive", "bucketed"], default="bucketed",
+                   help="dp gradient sync: after backward, or bucketed and overlapped")
+    p.add_argument("--mlp", choices=["dense", "moe"], default="dense")
+    p.add_argument("--layers", type=int, default=ModelConfig.layers)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout-s", type=float, default=RunConfig.timeout_s, help="wall-clock limit of the run")
+    p.add_argument("--no-prefetch", action="store_true", help="fsdp: gather each unit only when needed")
+    return p
+
+
+def config_from_args(args, world: int | None = None) -> RunConfig:
+    """Build and validate; raises ConfigError with a message that says what to change."""
+    world = args.world if world is None else world
+    parallel = ParallelConfig(strategy=args.strategy, zero_stage=args.zero_stage, dp_comm=args.dp_comm,
+                              mesh=parse_mesh(args.mesh) if args.mesh else (), prefetch=not args.no_prefetch)
+    model = replace(ModelConfig(), mlp=args.mlp, layers=args.layers)
+    return validate(RunConfig(model=model, parallel=parallel, world=world, steps=args.steps,
+                              micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
+                              seed=args.seed, device=args.device, timeout_s=args.timeout_s))
+
+
+def _human(summary: dict) -> str:
+    lines = [f"{summary['strategy']} zero-{summary['zero_stage']} on {summary['world']} ranks "
+             f"({summary['device']}), {summary['steps']} steps x {summary['micro_batches']} micro-batches",
+             f"loss per step: {', '.join(f'{x:.5f}' for x in summary['loss'])}",
+             f"step time (median, slowest rank): {summary['step_time_s'] * 1e3:.1f} ms"]
+    for rank, (mem, sent) in enumerate(zip(summary["memory_bytes"], summary["comm_bytes"], strict=True)):
+        parts = ", ".join(f"{k} {v / 1024:.0f} KiB" for k, v in mem.items())
+        lines.append(f"rank {rank}: sent {sent / 1024:.0f} KiB; memory: {parts}")
+    check = summary["check"]
+    if check is not None:
+        verdict = "PASSED" if check["passed"] else "FAILED"
+        lines.append(f"check against the single-process reference: {verdict} "
+                     f"(max abs diff {check['max_abs_diff']:.3g} over {check['steps']} steps)")
+        lines += [f"  {f}" for f in check["failures"]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] != "run":
+        print("usage: python -m engine run --strategy {dp,fsdp} [options]   (see: python -m engine run -h)",
+              file=sys.stderr)
+        return EXIT_BAD_INPUT
+    args = run_parser("python -m engine run").parse_args(argv[1:])
+    try:
+        cfg = config_from_args(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+    from engine.launch import WorkerError
+    from engine.run import run
+
+    try:
+        summary, timeline = run(cfg, traced=bool(args.trace), check=args.check)
+    except WorkerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"ok": False, "error": str(e), "check": None, "world": cfg.world}))
+        return EXIT_RANK_FAILED
+    if args.trace:
+        timeline.write_chrome_trace(args.trace)
+    print(json.dumps(summary) if args.json else _human(summary))
+    if args.trace and not args.json:
+        print(f"trace: {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)")
+    return EXIT_OK if summary["ok"] else EXIT_CHECK_FAILED
