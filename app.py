@@ -21,7 +21,7 @@ if "link_problems" not in st.session_state:
     _, st.session_state["link_problems"] = parse_choices(
         dict(st.query_params), CHIPS, MODEL_PRESETS, DEFAULT_CHIP, DEFAULT_MODEL, page_params())
 
-home = st.Page("pages/home.py", title="Start here", icon=":material/home:", url_path="home", default=True)
+home = st.Page("app_pages/home.py", title="Start here", icon=":material/home:", url_path="home", default=True)
 lesson_pages = [st.Page(lesson.path, title=lesson.title, icon=lesson.icon, url_path=lesson.url_path)
                 for lesson in LESSONS]
 nav = st.navigation({"ShardLab": [home], "Lessons": lesson_pages})

@@ -5,7 +5,7 @@ import streamlit as st
 from hardware.chips import CHIPS
 from hardware.roofline import matmul_cost
 from ui.charts import OperatingPoint, RooflineSeries, roofline_figure
-from ui.tables import chip_table_rows
+from ui.tables import CHIP_COLUMN_HELP, chip_table_rows
 
 POW2_SIZES = [2**i for i in range(0, 17)]  # 1 .. 65,536
 DTYPES = ["bf16", "fp16", "fp8"]
@@ -31,7 +31,8 @@ chip overlaps the two when it can.
 st.header("The chips side by side")
 st.caption("Dense (no sparsity) peak numbers from the vendors' datasheets; bandwidths per direction. "
            "Hover a column name for its meaning; the sources are listed below the table.")
-st.dataframe(chip_table_rows(CHIPS.values()), hide_index=True, width="stretch")
+st.dataframe(chip_table_rows(CHIPS.values()), hide_index=True, width="stretch", column_config={
+    name: st.column_config.Column(help=text) for name, text in CHIP_COLUMN_HELP.items()})
 with st.expander("Sources for every number"):
     for c in CHIPS.values():
         st.markdown(f"**{c.name}**")

@@ -20,7 +20,7 @@ class Lesson:
 
 
 LESSONS: list[Lesson] = [
-    Lesson("Hardware & roofline", "pages/hardware.py", "hardware", ":material/memory:",
+    Lesson("Hardware & roofline", "app_pages/hardware.py", "hardware", ":material/memory:",
            "What a chip can do: FLOP/s, memory bandwidth, links. Arithmetic intensity and the ridge point "
            "decide whether a matmul is compute-bound or memory-bound. Measure this machine too.",
            params=("tokens", "d_model", "d_ff", "dtype", "achievable")),

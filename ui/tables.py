@@ -5,6 +5,18 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 
+CHIP_COLUMN_HELP = {
+    "bf16 TFLOP/s": "Peak dense matrix-multiply rate in bf16 (C).",
+    "fp8 TFLOP/s": "Peak dense rate in fp8; empty where the chip has no fp8 matrix units.",
+    "HBM GB": "High-bandwidth memory per chip: what weights, gradients, optimizer state and activations share.",
+    "HBM TB/s": "Memory bandwidth (W_hbm): how fast the matrix units can be fed.",
+    "Ridge (bf16 FLOP/B)": "C / W_hbm: the arithmetic intensity an operation needs to be compute-bound.",
+    "Scale-up GB/s per direction": "NVLink per GPU, or ICI per link for TPUs (W_ici), one direction.",
+    "Scale-out GB/s per chip": "InfiniBand / RoCE / data-centre network share of one chip, one direction.",
+    "Scale-up domain": "How many chips the fast links join: an NVLink node, an NVL72 rack, a TPU torus slice.",
+}
+
+
 def chip_table_rows(chips: Iterable) -> list[dict]:
     """One row per chip, in the units people quote (TFLOP/s, GB, TB/s, GB/s)."""
     rows = []

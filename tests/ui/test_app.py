@@ -50,7 +50,7 @@ def test_every_lesson_opens_without_exception(lesson):
 
 
 def test_link_choices_reach_the_pages():
-    at = _page("pages/hardware.py", chip="tpu-v5p", model="GPT-3 175B", dp="4", tp="4")
+    at = _page("app_pages/hardware.py", chip="tpu-v5p", model="GPT-3 175B", dp="4", tp="4")
     assert not at.exception
     choices = at.session_state["choices"]
     assert (choices.chip, choices.model, choices.num_chips) == ("tpu-v5p", "GPT-3 175B", 16)
@@ -71,7 +71,7 @@ def test_bad_link_shows_messages_and_uses_defaults():
 
 def test_roofline_verdict_follows_the_batch_slider():
     # scaling book: bf16 matmul with B=128, D=F=4096 is HBM-bound on H100 (ridge ~295)
-    at = _page("pages/hardware.py")
+    at = _page("app_pages/hardware.py")
     assert _metric(at, "Verdict") == "memory-bound"
     before = _metric(at, "Arithmetic intensity")
     at.select_slider(key="tokens").set_value(4096).run()
@@ -82,14 +82,14 @@ def test_roofline_verdict_follows_the_batch_slider():
 
 
 def test_fp8_on_a_chip_without_fp8_explains_and_falls_back():
-    at = _page("pages/hardware.py", chip="a100-80gb")
+    at = _page("app_pages/hardware.py", chip="a100-80gb")
     at.radio(key="dtype").set_value("fp8").run()
     assert not at.exception
     assert any("no fp8" in w.value for w in at.warning)
 
 
 def test_achievable_toggle_lowers_the_ridge_numbers():
-    at = _page("pages/hardware.py", tokens="8192")
+    at = _page("app_pages/hardware.py", tokens="8192")
     spec_time = _metric(at, "Time")
     at.toggle(key="achievable").set_value(True).run()
     assert not at.exception
@@ -97,7 +97,7 @@ def test_achievable_toggle_lowers_the_ridge_numbers():
 
 
 def test_measure_this_machine_adds_its_roofline():
-    at = _page("pages/hardware.py")
+    at = _page("app_pages/hardware.py")
     at.button[0].click().run(timeout=TIMEOUT_S)
     assert not at.exception
     probe = at.session_state["probe"]

@@ -5,6 +5,7 @@ a slider moved with the keyboard changes the chart); logic is tested faster with
 Screenshots of every page go to artifacts/screenshots/ (git-ignored).
 """
 
+import contextlib
 import os
 import shutil
 import socket
@@ -38,8 +39,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server():
+@contextlib.contextmanager
+def _streamlit_server():
     port = _free_port()
     log = tempfile.TemporaryFile()
     proc = subprocess.Popen(
@@ -48,26 +49,33 @@ def server():
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            log.seek(0)
-            pytest.fail(f"streamlit did not start:\n{log.read().decode(errors='replace')}")
-        time.sleep(0.3)
-    yield url
-    proc.terminate()
     try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log.seek(0)
+                pytest.fail(f"streamlit did not start:\n{log.read().decode(errors='replace')}")
+            time.sleep(0.3)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server():
+    with _streamlit_server() as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +86,7 @@ def browser():
     with sync_playwright() as p:
         context = p.chromium.launch_persistent_context(
             profile, executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True,
-            viewport={"width": 1400, "height": 1000})
+            viewport={"width": 1400, "height": 3200})
         yield context
         context.close()
     shutil.rmtree(profile, ignore_errors=True)
@@ -151,3 +159,17 @@ def test_bad_link_shows_a_message_not_a_traceback(server, browser):
         page.wait_for_selector(".js-plotly-plot .main-svg", timeout=30_000)
     finally:
         page.close()
+
+
+def test_shared_link_is_the_first_request_of_a_fresh_server(browser):
+    # A teacher's link opens a lesson directly; the first session of a new server must route it through
+    # app.py's navigation (a folder named pages/ beside app.py would switch Streamlit to its old
+    # directory-based routing for that request).
+    with _streamlit_server() as url:
+        page = _open(browser, f"{url}/hardware?chip=tpu-v5p&tokens=512")
+        try:
+            _assert_no_exception(page, "deep link")
+            assert page.locator("h1").first.inner_text().strip() == "Hardware & roofline"
+            assert "chips of TPU v5p" in page.get_by_test_id("stSidebar").inner_text()
+        finally:
+            page.close()
