@@ -188,7 +188,7 @@ class Comm:
         wire_out = self._wire_buffer(out)
         wire_in = self._to_wire(shard, group)
         return self._issue(name, group, _ring_bytes("all_gather", out.numel() * out.element_size(), n), async_op,
-                           lambda: dist.all_gather_into_tensor(wire_out.view(-1), wire_in.reshape(-1),
+                           lambda: dist.all_gather_single(wire_out.view(-1), wire_in.reshape(-1),
                                                                group=self.groups[group], async_op=True),
                            lambda: self._from_wire(wire_out, out, group))
 
@@ -200,7 +200,7 @@ class Comm:
         wire_in = self._to_wire(full, group)
         return self._issue(name, group, _ring_bytes("reduce_scatter", full.numel() * full.element_size(), n),
                            async_op,
-                           lambda: dist.reduce_scatter_tensor(wire_out.view(-1), wire_in.reshape(-1),
+                           lambda: dist.reduce_scatter_single(wire_out.view(-1), wire_in.reshape(-1),
                                                               group=self.groups[group], async_op=True),
                            lambda: self._from_wire(wire_out, out, group))
 

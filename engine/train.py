@@ -34,7 +34,9 @@ def make_strategy(cfg: RunConfig, model, comm: Comm, rec: Recorder) -> Strategy:
     return FSDP(*args)
 
 
-def run_rank(ctx, cfg: RunConfig, traced: bool = True, check: bool = False) -> dict:
+def run_rank(ctx, cfg: RunConfig, traced: bool = True, check: bool = False, return_states: bool = False) -> dict:
+    """Train `cfg.steps` steps. With `check`, rank 0's result carries the comparison with the reference;
+    with `return_states`, rank 0's result carries the gathered state after every step (CPU tensors)."""
     sync = torch.cuda.synchronize if ctx.device.type == "cuda" else None
     rec = Recorder(ctx.rank, ctx.clock_offset_s, enabled=traced, synchronize=sync)
     comm = Comm(rec, ctx.device, ctx.mesh_groups(cfg.parallel.axes(cfg.world)))
@@ -64,7 +66,7 @@ def run_rank(ctx, cfg: RunConfig, traced: bool = True, check: bool = False) -> d
             sync()
         step_times_s.append(time.perf_counter() - start)
         losses.append(step_loss)
-        if check:
+        if check or return_states:
             state = strategy.full_state()  # collective: every rank takes part, rank 0 keeps it
             if ctx.rank == 0:
                 snapshots.append(_to_cpu(state))
@@ -72,7 +74,8 @@ def run_rank(ctx, cfg: RunConfig, traced: bool = True, check: bool = False) -> d
     memory["total"] = sum(memory.values())
     result = {"rank": ctx.rank, "losses": losses, "step_times_s": step_times_s, "memory_bytes": memory,
               "comm_bytes": comm.sent_bytes,
-              "spans": [asdict(s) for s in rec.take()], "check": None}
+              "spans": [asdict(s) for s in rec.take()], "check": None,
+              "states": snapshots if return_states else None}
     if check:
         with comm.untraced():
             all_losses = comm.gather_objects(losses)

@@ -150,23 +150,21 @@ def torchrun_main(argv: list[str]) -> int:
     ctx = start_rank(rank, world, int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", world)),
                      cfg.device, None, cfg.collective_timeout_s)
     from engine import comm
-    from engine.train import run_rank
+    from engine.recorder import Recorder
     from engine.run import assemble
+    from engine.train import run_rank
 
     result = run_rank(ctx, cfg, traced=bool(args.trace), check=args.check)
-    from engine.comm import Comm
-    from engine.recorder import Recorder
-
-    everything = Comm(Recorder(rank), ctx.device).gather_objects(result)
+    everything = comm.Comm(Recorder(rank), ctx.device).gather_objects(result)
     comm.destroy()
-    if rank == 0:
-        summary, timeline = assemble(cfg, everything)
-        if args.trace:
-            timeline.write_chrome_trace(args.trace)
-        with open(args.out, "w") as f:
-            json.dump(summary, f, indent=1)
-        return 0 if summary["ok"] else 1
-    return 0
+    if rank != 0:
+        return 0
+    summary, timeline = assemble(cfg, everything)
+    if args.trace:
+        timeline.write_chrome_trace(args.trace)
+    with open(args.out, "w") as f:
+        json.dump(summary, f, indent=1)
+    return 0 if summary["ok"] else 1
 
 
 if __name__ == "__main__":
