@@ -15,7 +15,7 @@ from functools import cached_property
 
 from engine.trace import Timeline
 from hardware.chips import CHIPS
-from planner import search as _search
+from planner import layout_search as _search
 from planner.case import Case, load_case, parse_case
 from planner.simulate import StepResult, usable_hbm_bytes
 

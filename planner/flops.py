@@ -18,6 +18,7 @@ Definitions (Chowdhery et al. 2022, PaLM, Appendix B):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from planner.models import ModelSpec
 
@@ -54,6 +55,7 @@ def attention_params(m: ModelSpec) -> int:
     return d * n * hd + 2 * d * k * hd + n * hd * d
 
 
+@lru_cache(maxsize=256)
 def layer_params(m: ModelSpec, moe: bool) -> LayerParams:
     """One layer's parameters; `moe` picks an MoE layer, else a dense one."""
     d = m.hidden

@@ -18,6 +18,8 @@ Sources:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
+from itertools import accumulate
 
 from planner.case import Layout
 from planner.flops import embedding_params, layer_params
@@ -134,40 +136,53 @@ class Memory:
 
 def stage_params(m: ModelSpec, lay: Layout, stage: int) -> tuple[float, float]:
     """(TP-sharded dense, expert) parameters held by one chip of `stage`."""
-    t = lay.tp
+    return _stage_params(m, lay.tp, lay.ep, lay.pp, lay.virtual_stages, stage)
+
+
+@lru_cache(maxsize=65536)
+def _stage_params(m: ModelSpec, t: int, ep: int, pp: int, virtual: int, stage: int) -> tuple[float, float]:
     dense = moe = 0.0
-    for first, n_layers in stage_layer_ranges(m.layers, lay.pp, lay.virtual_stages)[stage]:
+    for first, n_layers in stage_layer_ranges(m.layers, pp, virtual)[stage]:
         n_dense = max(0, min(first + n_layers, m.dense_layers) - first) if m.is_moe else n_layers
         for n, lp in ((n_dense, layer_params(m, False)), (n_layers - n_dense, layer_params(m, True))):
             dense += n * ((lp.attention + lp.mlp) / t + lp.router + lp.norms)
-            moe += n * lp.experts / (t * lay.ep)
+            moe += n * lp.experts / (t * ep)
     extra = embedding_params(m) - m.vocab * m.hidden * (1 if m.tied_embeddings else 2)  # positions, norm
     if stage == 0:
         dense += m.vocab * m.hidden / t + extra
-    if stage == lay.pp - 1 and (not m.tied_embeddings or lay.pp > 1):
+    if stage == pp - 1 and (not m.tied_embeddings or pp > 1):
         dense += m.vocab * m.hidden / t  # output projection (a tied matrix is copied to the last stage)
     return dense, moe
 
 
-def stage_layer_ranges(layers: int, stages: int, virtual: int = 1) -> list[list[tuple[int, int]]]:
+@lru_cache(maxsize=4096)
+def stage_layer_ranges(layers: int, stages: int, virtual: int = 1) -> tuple[tuple[tuple[int, int], ...], ...]:
     """(first layer, layer count) of each chunk of each stage; model chunk c*p + i sits on stage i."""
     split = layer_split(layers, stages, virtual)
     sizes = [split[g % stages][g // stages] for g in range(stages * virtual)]
-    starts = [sum(sizes[:g]) for g in range(len(sizes))]
-    return [[(starts[c * stages + i], sizes[c * stages + i]) for c in range(virtual)] for i in range(stages)]
+    starts = [0, *accumulate(sizes)]
+    return tuple(tuple((starts[c * stages + i], sizes[c * stages + i]) for c in range(virtual))
+                 for i in range(stages))
 
 
 def memory_per_chip(m: ModelSpec, lay: Layout, micro_batches: int, optimizer: str = "adam") -> Memory:
     """Peak bytes on the most loaded chip (max over pipeline stages)."""
-    split = layer_split(m.layers, lay.pp, lay.virtual_stages)
+    ranges = stage_layer_ranges(m.layers, lay.pp, lay.virtual_stages)
+    per_layer = max(layer_activation_bytes(m, lay, m.is_moe), layer_activation_bytes(m, lay, False))
+    wd, gd, od = zero_bytes_per_param(lay.zero_stage, lay.dp * lay.cp, optimizer)
+    we, ge, oe = zero_bytes_per_param(lay.zero_stage, max(1, lay.dp * lay.cp // lay.ep), optimizer)
     best = None
+    seen = set()
     for stage in range(lay.pp):
         dense, moe = stage_params(m, lay, stage)
-        wd, gd, od = zero_bytes_per_param(lay.zero_stage, lay.dp * lay.cp, optimizer)
-        we, ge, oe = zero_bytes_per_param(lay.zero_stage, max(1, lay.dp * lay.cp // lay.ep), optimizer)
+        # in-flight micro-batches never grow with the stage index, so among stages holding the same
+        # layers and parameters the first one peaks
+        key = (tuple(n for _, n in ranges[stage]), dense, moe, stage == lay.pp - 1)
+        if key in seen:
+            continue
+        seen.add(key)
         params, grads, opt = dense * wd + moe * we, dense * gd + moe * ge, dense * od + moe * oe
-        chunk_layers = max(split[stage]) if split[stage] else 0
-        per_layer = max(layer_activation_bytes(m, lay, m.is_moe), layer_activation_bytes(m, lay, False))
+        chunk_layers = max(n for _, n in ranges[stage])
         acts = in_flight_chunks(stage, lay, micro_batches) * chunk_layers * per_layer
         temp = _temporary_bytes(m, lay, stage, dense + moe * lay.tp)
         mem = Memory(params, grads, opt, acts, temp, stage)
@@ -189,6 +204,6 @@ def _temporary_bytes(m: ModelSpec, lay: Layout, stage: int, stage_params: float)
     if stage == lay.pp - 1:
         temp += 8 * lay.micro_batch * m.seq_len / lay.cp * m.vocab / lay.tp
     if lay.zero_stage == 3:
-        layers = max(1, sum(layer_split(m.layers, lay.pp, lay.virtual_stages)[stage]))
+        layers = max(1, sum(n for _, n in stage_layer_ranges(m.layers, lay.pp, lay.virtual_stages)[stage]))
         temp += 2 * WEIGHT_BYTES * stage_params / layers
     return temp

@@ -174,6 +174,8 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
     from planner.memory import stage_params
     ranges = stage_layer_ranges(m.layers, lay.pp, lay.virtual_stages)
     out = []
+    chunk_cache: dict = {}
+    stage_cache: dict = {}  # stages with the same chunks and parameters cost the same
     for i in range(lay.pp):
         chunks = []
         for c, (first, count) in enumerate(ranges[i]):
@@ -185,8 +187,15 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
             if i == lay.pp - 1 and c == lay.virtual_stages - 1:
                 ef += logits_f
                 eb += logits_b
-            chunks.append(_chunk(m, lay, dense_lc, moe_lc, n_dense, n_moe, ef, eb, p2p_s))
+            key = (n_dense, n_moe, ef, eb)
+            if key not in chunk_cache:
+                chunk_cache[key] = _chunk(m, lay, dense_lc, moe_lc, n_dense, n_moe, ef, eb, p2p_s)
+            chunks.append(chunk_cache[key])
         dense_p, expert_p = stage_params(m, lay, i)
+        stage_key = (tuple(id(ch) for ch in chunks), dense_p, expert_p)
+        if stage_key in stage_cache:
+            out.append(stage_cache[stage_key])
+            continue
         dp_total = exposed = 0.0
         if lay.zero_stage < 3:
             for topo, n_params in ((dense_topo, dense_p), (expert_topo, expert_p)):
@@ -208,7 +217,8 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
                 else:
                     exposed += sync + gather
         opt = costs.optimizer_step_s(dense_p + expert_p, lay, chip, tr.optimizer)
-        out.append(StageCost(chunks, exposed, dp_total, opt, dense_p + expert_p))
+        stage_cache[stage_key] = StageCost(chunks, exposed, dp_total, opt, dense_p + expert_p)
+        out.append(stage_cache[stage_key])
     return out
 
 
