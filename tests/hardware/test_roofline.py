@@ -11,6 +11,23 @@ def test_sb_h100_ridge_295():
     assert ridge_point(get_chip("h100")) == pytest.approx(295.2, abs=0.1)
 
 
+def test_sb_b200_ridge_281_and_fp8_doubles_it():
+    # [SB] Part 12, Quiz 1 Q3: B200 2250e12 / 8e12 = 281; fp8 doubles it to 562; H100 fp8 590.
+    assert ridge_point(get_chip("b200")) == pytest.approx(281.25)
+    assert ridge_point(get_chip("b200"), "fp8") == pytest.approx(562.5)
+    assert ridge_point(get_chip("h100"), "fp8") == pytest.approx(590, rel=2e-3)
+
+
+def test_sb_b200_matmul_times():
+    # [SB] Part 12, Quiz 1 Q4: fp16[64, 4096] . fp16[4096, 8192] on a B200 is bandwidth-bound:
+    # 2*(64*4096 + 4096*8192 + 64*8192) = 69e6 B / 8e12 = 8.6 us.
+    small = matmul_cost(64, 4096, 8192, "fp16", get_chip("b200"))
+    assert small.bound == "memory" and small.time_s == pytest.approx(8.6e-6, rel=0.01)
+    # B=512 is compute-bound: 2*512*4096*8192 / 2.25e15 = 15.3 us ([SB] rounds the peak to 2.3e15: 15 us).
+    big = matmul_cost(512, 4096, 8192, "fp16", get_chip("b200"))
+    assert big.bound == "compute" and big.time_s == pytest.approx(15.27e-6, rel=0.01)
+
+
 def test_sb_v5e_ridge_240_and_the_b128_matmul_is_memory_bound():
     # [SB] Part 1: v5e 1.97e14 / 8.2e11 = 240.2. Our table keeps Google's 8.19e11: 240.5.
     v5e = get_chip("tpu-v5e")
