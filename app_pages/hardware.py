@@ -95,12 +95,12 @@ with right:
     if skipped:
         st.caption(f"Not drawn for fp8 (no fp8 matrix units): {', '.join(skipped)}.")
 
-verdict = "compute-bound" if cost.bound == "compute" else "memory-bound"
+verdict = f"{cost.bound}-bound"
 m1, m2, m3, m4 = st.columns(4)
 m1.metric("Arithmetic intensity", f"{cost.intensity:,.1f} FLOP/B")
 m2.metric(f"Ridge point ({chip.name})", f"{cost.ridge:,.1f} FLOP/B")
 m3.metric("Time", f"{cost.time_s * 1e6:,.2f} µs")
-m4.metric("Verdict", verdict)
+m4.metric("Bound by", cost.bound)
 st.markdown(
     f"On **{chip.name}** ({kind} numbers, {dtype}) this matmul does {cost.flops:.3g} FLOPs and moves "
     f"{cost.bytes:.3g} bytes: {cost.compute_s * 1e6:,.2f} µs of math against {cost.memory_s * 1e6:,.2f} µs "

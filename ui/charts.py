@@ -66,8 +66,9 @@ def roofline_figure(series: list[RooflineSeries], points: list[OperatingPoint] =
             marker={"color": "black", "size": 16, "symbol": "star"},
             hovertemplate=f"{p.label}<br>%{{x:.3g}} FLOP/B<br>%{{y:.4g}} TFLOP/s<extra></extra>",
         ))
-    fig.update_xaxes(type="log", title="arithmetic intensity (FLOPs per byte of HBM traffic)")
-    fig.update_yaxes(type="log", title="attainable TFLOP/s")
+    # dtick=1 on a log axis: one labelled tick per decade, no cluttered minor labels
+    fig.update_xaxes(type="log", dtick=1, title="arithmetic intensity (FLOPs per byte of HBM traffic)")
+    fig.update_yaxes(type="log", dtick=1, title="attainable TFLOP/s")
     fig.update_layout(title=title, height=520, margin={"l": 10, "r": 10, "t": 50, "b": 10},
                       legend={"orientation": "v", "x": 1.02, "y": 1})
     return fig

@@ -72,11 +72,11 @@ def test_bad_link_shows_messages_and_uses_defaults():
 def test_roofline_verdict_follows_the_batch_slider():
     # scaling book: bf16 matmul with B=128, D=F=4096 is HBM-bound on H100 (ridge ~295)
     at = _page("app_pages/hardware.py")
-    assert _metric(at, "Verdict") == "memory-bound"
+    assert _metric(at, "Bound by") == "memory"
     before = _metric(at, "Arithmetic intensity")
     at.select_slider(key="tokens").set_value(4096).run()
     assert not at.exception
-    assert _metric(at, "Verdict") == "compute-bound"
+    assert _metric(at, "Bound by") == "compute"
     assert _metric(at, "Arithmetic intensity") != before
     assert at.get("plotly_chart")
 
