@@ -42,6 +42,26 @@ def test_sb_v5p_compute_over_ici():
     assert v5p.bf16_flops_per_s / (2 * v5p.scaleup_bytes_per_s) == pytest.approx(2550)
 
 
+def test_sb_v4p_4x4x4_all_gathers():
+    # [SB] Part 3, Question 2: TPU v4p 4x4x4, bf16[B_X, D_Y], B=1024, D=4096, W_bidi = 9e10.
+    # AllGather_X moves the gathered 2BD/Y = 2,097,152 B over one wrapped axis of 4:
+    # [SB] 2BD / (9e10 * Y) = 23.3 us, which drops the (n-1)/n = 3/4 factor we keep: 17.5 us.
+    link = Link(4.5e10, 0.0)
+    v = 2 * 1024 * 4096 / 4
+    assert torus((4,), link).all_gather_s(v) == pytest.approx(3 / 4 * v / 9e10)
+    assert torus((4,), link).all_gather_s(v) * 4 / 3 == pytest.approx(23.3e-6, rel=2e-3)
+    # AllGather_XY of the whole 2BD over two axes: [SB] 2BD / (2 * 9e10) = 46.6 us (x 15/16 here).
+    assert torus((4, 4), link).all_gather_s(4 * v) * 16 / 15 == pytest.approx(46.6e-6, rel=2e-3)
+    # On the chip table: a v4 group of 4 along one axis wraps around (multiple of 4), plus 2 hops of 1 us.
+    v4_group = group_topology(get_chip("tpu-v4"), 4)
+    assert v4_group.all_gather_s(v) == pytest.approx(3 / 4 * v / 9e10 + 2 * US)
+
+
+def test_sb_v4p_latency_bound_all_gather():
+    # [SB] Part 3, Question 3: AllGather_X of bf16[128] (256 B) on a wrapped axis of 4: 2 hops, ~2 us.
+    assert torus((4,), Link(4.5e10, US)).all_gather_s(256) == pytest.approx(2 * US, rel=1e-2)
+
+
 def test_all_reduce_is_reduce_scatter_plus_all_gather():
     # Rabenseifner's all-reduce (Thakur et al. 2005): AR = RS + AG, so 2x an all-gather on every topology.
     link = Link(100e9, 2 * US)
