@@ -190,3 +190,22 @@ def test_hash_in_a_url_stays_in_the_source(tmp_path):
 
 def test_continued_source_comment_is_joined():
     assert "Why not 192 GB" in get_chip("b200").sources["hbm_bytes"]
+
+
+def test_importing_hardware_does_not_import_torch():
+    # The planner and the pages use hardware/ without torch; only hardware.probe imports it, lazily.
+    import subprocess
+    import sys
+
+    code = "import sys, hardware; assert 'torch' not in sys.modules, 'torch was imported'"
+    repo_root = CHIPS_TOML.parent.parent
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=repo_root)
+
+
+def test_hand_made_chip_is_validated_too():
+    from dataclasses import replace
+
+    with pytest.raises(ChipTableError, match="chip 'h100', field 'hbm_bytes_per_s': must be > 0"):
+        replace(get_chip("h100"), hbm_bytes_per_s=0.0)
+    with pytest.raises(ChipTableError, match="field 'torus_wrap_multiple'"):
+        replace(get_chip("tpu-v5e"), torus_wrap_multiple=0)
