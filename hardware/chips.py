@@ -158,7 +158,8 @@ def _validate(chip: Chip) -> None:
             allowed = ">= 0" if name in _ZERO_ALLOWED else "> 0"
             raise ChipTableError(chip.key, name, f"must be {allowed}, got {value!r}")
         if name in _FRACTION_FIELDS and value > 1:
-            raise ChipTableError(chip.key, name, f"is a fraction of peak and must be in (0, 1], got {value!r}")
+            raise ChipTableError(chip.key, name,
+                                 f"is a fraction of peak and must be in (0, 1], got {value!r}")
     if chip.kind == "tpu":
         if chip.torus_shape is None:
             raise ChipTableError(chip.key, "torus_shape", "a TPU needs its slice shape, e.g. [16, 16, 16]")

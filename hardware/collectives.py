@@ -68,7 +68,7 @@ class Topology(ABC):
         return self.all_gather_s(nbytes)
 
     def all_reduce_s(self, nbytes: float) -> float:
-        # All-reduce = reduce-scatter + all-gather (Rabenseifner's algorithm, Thakur et al. 2005; [SB] Part 3).
+        # All-reduce = reduce-scatter + all-gather (Rabenseifner; Thakur et al. 2005; [SB] Part 3).
         return self.reduce_scatter_s(nbytes) + self.all_gather_s(nbytes)
 
     @abstractmethod
@@ -106,7 +106,7 @@ class Ring(Topology):
 
     def all_gather_s(self, nbytes):
         v = _check_bytes(nbytes)
-        # n-1 steps, each moving one shard V/n over one link (ring all-gather, Thakur et al. 2005; [SB] Part 3).
+        # n-1 steps, each moving one shard V/n over one link (ring all-gather: Thakur et al. 2005; [SB] Part 3).
         return (self.n - 1) * self.link.latency_s + (self.n - 1) / self.n * v / self.link.bytes_per_s
 
     def all_to_all_s(self, nbytes):
@@ -218,8 +218,8 @@ class Torus(Topology):
         active = self._active()
         if not active:
             return 0.0
-        # Split V into k portions, k = the axes longer than 1; portion p gathers along the axes in an order rotated by p,
-        # so all axes work at once. A phase over an axis of size m that grows the data from S/m to S
+        # Split V into k portions, k = the axes longer than 1; portion p gathers along the axes in an order
+        # rotated by p, so all axes work at once. A phase over an axis of size m that grows the data from S/m to S
         # puts (m-1)/m * S on that axis. With k equal axes this gives (n-1)/n * V / (2 W k), the scaling
         # book's "AllGather over k axes is k times faster" ([SB] Part 3, multi-axis AllGather).
         k = len(active)
@@ -275,7 +275,8 @@ class Hierarchy(Topology):
         _check_n(self.n)
         _check_n(self.domain_size)
         if self.n % self.domain_size:
-            raise ValueError(f"a hierarchy of {self.n} ranks cannot be cut into domains of {self.domain_size}; "
+            raise ValueError(f"a hierarchy of {self.n} ranks cannot be cut into domains of "
+                             f"{self.domain_size}; "
                              "choose a group size that is a multiple of the domain size")
 
     def _pipelined(self, inner_s, outer_s, inner_bytes: float, outer_bytes: float) -> float:
@@ -311,7 +312,8 @@ class Hierarchy(Topology):
         # Of b bytes, (n-d)/n leave the domain and (d-1)/n stay; both go at once on different links. With
         # m = n/d domains, (n-d)/n = (m-1)/m: what a flat all-to-all among m ranks sends away; inside, a
         # flat all-to-all of b*d/n sends (d-1)/n of b.
-        return self._pipelined(self.inner.all_to_all_s, self.outer.all_to_all_s, b * self.domain_size / self.n, b)
+        inner_bytes = b * self.domain_size / self.n
+        return self._pipelined(self.inner.all_to_all_s, self.outer.all_to_all_s, inner_bytes, b)
 
     def p2p_s(self, nbytes):
         # The group's neighbours at a domain border talk over the network; in a pipeline the slowest hop

@@ -100,7 +100,8 @@ def measure_this_machine(budget_s: float = 3.0, progress: Progress | None = None
     b16 = torch.randn(_BF16_SIZE, _BF16_SIZE).to(torch.bfloat16)
     seconds = _best_seconds(lambda: torch.mm(a16, b16), deadlines[-2])
     bf16_rate = 2.0 * _BF16_SIZE**3 / seconds
-    details.append(f"bf16 matmul {_BF16_SIZE}^3: {bf16_rate / 1e9:.1f} GFLOP/s (fastest run {seconds * 1e3:.2f} ms)")
+    details.append(f"bf16 matmul {_BF16_SIZE}^3: {bf16_rate / 1e9:.1f} GFLOP/s "
+                   f"(fastest run {seconds * 1e3:.2f} ms)")
 
     report((len(_MATMUL_SIZES) + 1) / phases, "memory copy")
     src = torch.ones(_COPY_NUMEL)
@@ -151,7 +152,8 @@ def as_chip(result: ProbeResult) -> Chip:
         "fp8_flops_per_s": "not measured: torch has no CPU fp8 matmul",
         "hbm_bytes": "total RAM from os.sysconf",
         "hbm_bytes_per_s": f"tensor copy, read + write bytes, {measured}",
-        "scaleup_bytes_per_s": "half the measured copy bandwidth: ranks on one machine exchange through memory",
+        "scaleup_bytes_per_s": "half the measured copy bandwidth: ranks on one machine exchange "
+                               "through memory",
         "scaleout_bytes_per_s": "as scale-up: a single machine has no network between its ranks",
         "scaleup_domain": "os.cpu_count(): the engine's ranks all run on this machine",
         "scaleup_latency_s": "estimate: gloo over TCP loopback, ~20 us per message",

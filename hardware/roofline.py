@@ -66,7 +66,8 @@ def matmul_cost(B, D, F, dtype: str, chip: Chip, achievable: bool = False) -> Ma
     )
 
 
-def roofline_curve(peak_flops_per_s: float, bw_bytes_per_s: float, intensities: Iterable[float]) -> list[float]:
+def roofline_curve(peak_flops_per_s: float, bw_bytes_per_s: float,
+                   intensities: Iterable[float]) -> list[float]:
     """Attainable FLOP/s at each intensity: min(peak, I * bandwidth)."""
     if not peak_flops_per_s > 0 or not bw_bytes_per_s > 0:
         raise ValueError("a roofline needs a positive peak FLOP/s and a positive bandwidth")

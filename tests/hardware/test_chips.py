@@ -17,7 +17,8 @@ from hardware.chips import (
 )
 from hardware.roofline import ridge_point
 
-REQUIRED = ["a100-80gb", "h100", "h200", "b200", "gb200-nvl72", "h800", "tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e"]
+REQUIRED = ["a100-80gb", "h100", "h200", "b200", "gb200-nvl72", "h800",
+            "tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e"]
 NUMBER_FIELDS = [f for f in chip_fields() if f not in ("name", "vendor", "kind")]
 
 
@@ -183,7 +184,8 @@ def test_missing_file_is_a_clear_error(tmp_path):
 
 def test_hash_in_a_url_stays_in_the_source(tmp_path):
     path = tmp_path / "chips.toml"
-    text = _edit(CHIPS_TOML.read_text(), "h100", "hbm_bytes", "hbm_bytes = 80e9  # https://example.com/spec#memory")
+    line = "hbm_bytes = 80e9  # https://example.com/spec#memory"
+    text = _edit(CHIPS_TOML.read_text(), "h100", "hbm_bytes", line)
     path.write_text(text)
     assert load_chips(path)["h100"].sources["hbm_bytes"] == "https://example.com/spec#memory"
 
