@@ -106,7 +106,7 @@ class Ring(Topology):
 
     def all_gather_s(self, nbytes):
         v = _check_bytes(nbytes)
-        # n-1 steps, each moving one shard V/n over one link (ring all-gather: Thakur et al. 2005; [SB] Part 3).
+        # n-1 steps, each moving one shard V/n over one link (ring all-gather: Thakur et al. 2005; [SB] 3).
         return (self.n - 1) * self.link.latency_s + (self.n - 1) / self.n * v / self.link.bytes_per_s
 
     def all_to_all_s(self, nbytes):
@@ -218,10 +218,10 @@ class Torus(Topology):
         active = self._active()
         if not active:
             return 0.0
-        # Split V into k portions, k = the axes longer than 1; portion p gathers along the axes in an order
-        # rotated by p, so all axes work at once. A phase over an axis of size m that grows the data from S/m to S
-        # puts (m-1)/m * S on that axis. With k equal axes this gives (n-1)/n * V / (2 W k), the scaling
-        # book's "AllGather over k axes is k times faster" ([SB] Part 3, multi-axis AllGather).
+        # Split V into k portions, k = the axes longer than 1; portion p gathers along the axes in an
+        # order rotated by p, so all axes work at once. A phase over an axis of size m that grows the data
+        # from S/m to S puts (m-1)/m * S on that axis. With k equal axes this gives (n-1)/n * V / (2 W k),
+        # the scaling book's "AllGather over k axes is k times faster" ([SB] Part 3, multi-axis AllGather).
         k = len(active)
         load_s = [0.0] * k
         for p in range(k):
