@@ -10,12 +10,14 @@ Pruning, each rule exact within the simulator's model (so the search is complete
   must divide the sequence; dp * micro_batch must divide the global batch; pp * v <= layers; the
   interleaved schedule needs m divisible by pp (Megatron-LM's requirement).
 * memory: a layout whose peak bytes per chip exceed the usable HBM is dropped.
-* dominance: (a) ZeRO: stages only add communication (1 and 2 cost the same time, 2 less memory), so
-  for each other choice only the lowest stage that fits is simulated (0, else 2... 1 is never better
-  than 2); (b) recomputation: for each other choice only the lightest level that fits, plus any
-  heavier level at a lower ZeRO stage; (c) SP with tp > 1 moves the same bytes as plain TP and keeps
-  less, so SP on dominates; (d) GPipe has 1F1B's bubble and more memory, so 1F1B dominates;
-  (e) TP is kept inside one scale-up domain (NVLink node / TPU slice axis size) unless fixed.
+* dominance: (a) ZeRO-1 and ZeRO-2 cost the same time here and 2 keeps less, so stage 1 is skipped
+  (stages 0, 2 and 3 are all simulated: sharding shortens the optimizer update and splits the
+  gradient sync into a reduce-scatter and an all-gather that hide differently, so no stage always
+  wins); (b) recomputation only adds time, so for each ZeRO stage only the lightest level that fits is
+  simulated; (c) SP with tp > 1 moves the same bytes as plain TP and keeps and moves less through HBM,
+  so SP on dominates; (d) GPipe has 1F1B's bubble and more memory, so 1F1B dominates; (e) TP stays
+  inside one scale-up domain (NVLink node; TPU: the chip's scale-up domain) unless the case fixes it.
+  tests/planner/test_search.py checks (a)-(d) against brute force on small cases.
 
 How others search (for contrast): Alpa (Zheng et al. 2022) splits the problem into an inter-operator
 dynamic program over pipeline stages and an intra-operator ILP over per-op shardings, which is
@@ -118,22 +120,18 @@ def candidate_layouts(case: Case, chip: Chip) -> Iterator[Layout]:
 
 
 def _fitting_variants(case: Case, lay: Layout, hbm: float) -> Iterator[Layout]:
-    """The Pareto-minimal (recompute, ZeRO) pairs that fit: for each recompute level the lowest stage."""
+    """For each ZeRO stage, the lightest recomputation that fits (dominance rule (a), (b))."""
     t = case.training
     recomputes = [t.recompute] if t.recompute else [r for r in RECOMPUTE_ORDER
                                                      if not (r == "selective" and lay.attention == "flash")]
     zeros = [t.zero_stage] if t.zero_stage is not None else list(ZERO_ORDER)
-    if lay.dp * lay.cp == 1:
-        zeros = [z for z in zeros if z == 0] or zeros[:1]
+    if lay.dp * lay.cp == 1 and t.zero_stage is None:
+        zeros = [0]  # nothing to shard over
     m_batches = t.global_batch // (lay.dp * lay.micro_batch)
-    best_zero = None
-    for rc in recomputes:
-        for z in zeros:
-            if best_zero is not None and z >= best_zero:
-                break  # a lighter recompute already fits at this or a lower stage: dominated
+    for z in zeros:
+        for rc in recomputes:
             cand = replace(lay, zero_stage=z, recompute=rc)
             if memory_per_chip(case.model, cand, m_batches, t.optimizer).total_bytes <= hbm:
-                best_zero = z
                 yield cand
                 break
 

@@ -165,6 +165,27 @@ def stage_layer_ranges(layers: int, stages: int, virtual: int = 1) -> tuple[tupl
                  for i in range(stages))
 
 
+def layer_mix(m: ModelSpec, first: int, count: int) -> tuple[int, int]:
+    """(dense, MoE) layers among layers first .. first + count - 1."""
+    if not m.is_moe:
+        return count, 0
+    dense = max(0, min(first + count, m.dense_layers) - first)
+    return dense, count - dense
+
+
+@lru_cache(maxsize=4096)
+def stage_groups(m: ModelSpec, pp: int, virtual: int) -> tuple[int, ...]:
+    """For each stage, the first stage holding the same kinds of layers in its chunks (and the same
+    embedding / output role): stages of one group cost the same time and, holding no more in-flight
+    micro-batches than the first, need no more memory."""
+    firsts: dict = {}
+    out = []
+    for i, chunks in enumerate(stage_layer_ranges(m.layers, pp, virtual)):
+        key = (tuple(layer_mix(m, first, n) for first, n in chunks), i == 0, i == pp - 1)
+        out.append(firsts.setdefault(key, i))
+    return tuple(out)
+
+
 def memory_per_chip(m: ModelSpec, lay: Layout, micro_batches: int, optimizer: str = "adam") -> Memory:
     """Peak bytes on the most loaded chip (max over pipeline stages)."""
     ranges = stage_layer_ranges(m.layers, lay.pp, lay.virtual_stages)
@@ -172,15 +193,8 @@ def memory_per_chip(m: ModelSpec, lay: Layout, micro_batches: int, optimizer: st
     wd, gd, od = zero_bytes_per_param(lay.zero_stage, lay.dp * lay.cp, optimizer)
     we, ge, oe = zero_bytes_per_param(lay.zero_stage, max(1, lay.dp * lay.cp // lay.ep), optimizer)
     best = None
-    seen = set()
-    for stage in range(lay.pp):
+    for stage in sorted(set(stage_groups(m, lay.pp, lay.virtual_stages))):
         dense, moe = stage_params(m, lay, stage)
-        # in-flight micro-batches never grow with the stage index, so among stages holding the same
-        # layers and parameters the first one peaks
-        key = (tuple(n for _, n in ranges[stage]), dense, moe, stage == lay.pp - 1)
-        if key in seen:
-            continue
-        seen.add(key)
         params, grads, opt = dense * wd + moe * we, dense * gd + moe * ge, dense * od + moe * oe
         chunk_layers = max(n for _, n in ranges[stage])
         acts = in_flight_chunks(stage, lay, micro_batches) * chunk_layers * per_layer

@@ -34,7 +34,7 @@ from planner import costs
 from planner.case import Case, Layout
 from planner.costs import LayerCost
 from planner.flops import hardware_flops, model_flops
-from planner.memory import Memory, memory_per_chip, stage_layer_ranges
+from planner.memory import Memory, layer_mix, memory_per_chip, stage_groups, stage_layer_ranges, stage_params
 from planner.models import ModelSpec
 
 GRAD_COMM_BYTES = {"bf16": 4, "fp16": 2, "fp8": 4}  # Megatron-LM reduces bf16 grads in fp32
@@ -118,14 +118,6 @@ class StepResult:
         return self.chip.peak_flops_per_s(self.case.training.dtype)
 
 
-def _layer_mix(m: ModelSpec, first: int, count: int) -> tuple[int, int]:
-    """(dense, MoE) layers among layers first .. first + count - 1."""
-    if not m.is_moe:
-        return count, 0
-    dense = max(0, min(first + count, m.dense_layers) - first)
-    return dense, count - dense
-
-
 def _chunk(m: ModelSpec, lay: Layout, dense_lc: LayerCost, moe_lc: LayerCost | None, n_dense: int,
            n_moe: int, extra_fwd: float, extra_bwd: float, p2p_s: float) -> ChunkCost:
     parts = dict.fromkeys(BREAKDOWN_KEYS, 0.0)
@@ -171,15 +163,14 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
     expert_group = dp_group // lay.ep
     expert_topo = costs.topology(chip, expert_group, lay.tp * lay.ep, node) if expert_group > 1 else None
 
-    from planner.memory import stage_params
     ranges = stage_layer_ranges(m.layers, lay.pp, lay.virtual_stages)
-    out = []
     chunk_cache: dict = {}
-    stage_cache: dict = {}  # stages with the same chunks and parameters cost the same
-    for i in range(lay.pp):
+    groups = stage_groups(m, lay.pp, lay.virtual_stages)
+    by_rep: dict[int, StageCost] = {}
+    for i in sorted(set(groups)):
         chunks = []
         for c, (first, count) in enumerate(ranges[i]):
-            n_dense, n_moe = _layer_mix(m, first, count)
+            n_dense, n_moe = layer_mix(m, first, count)
             ef = eb = 0.0
             if i == 0 and c == 0:
                 ef += embed_s
@@ -192,10 +183,6 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
                 chunk_cache[key] = _chunk(m, lay, dense_lc, moe_lc, n_dense, n_moe, ef, eb, p2p_s)
             chunks.append(chunk_cache[key])
         dense_p, expert_p = stage_params(m, lay, i)
-        stage_key = (tuple(id(ch) for ch in chunks), dense_p, expert_p)
-        if stage_key in stage_cache:
-            out.append(stage_cache[stage_key])
-            continue
         dp_total = exposed = 0.0
         if lay.zero_stage < 3:
             for topo, n_params in ((dense_topo, dense_p), (expert_topo, expert_p)):
@@ -217,9 +204,8 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
                 else:
                     exposed += sync + gather
         opt = costs.optimizer_step_s(dense_p + expert_p, lay, chip, tr.optimizer)
-        stage_cache[stage_key] = StageCost(chunks, exposed, dp_total, opt, dense_p + expert_p)
-        out.append(stage_cache[stage_key])
-    return out
+        by_rep[i] = StageCost(chunks, exposed, dp_total, opt, dense_p + expert_p)
+    return [by_rep[g] for g in groups]
 
 
 def pipeline_time_s(stage_totals: list[float], micro_batches: int, virtual: int) -> float:
@@ -233,12 +219,15 @@ def simulate(case: Case, lay: Layout, chip: Chip, memory: Memory | None = None) 
     m, tr = case.model, case.training
     micro_batches = tr.global_batch // (lay.dp * lay.micro_batch)
     stages = stage_costs(case, lay, chip)
-    totals = [s.total_s for s in stages]
+    groups = stage_groups(m, lay.pp, lay.virtual_stages)
+    rep_total = {i: stages[i].total_s for i in set(groups)}
+    totals = [rep_total[g] for g in groups]
     t_pipe = pipeline_time_s(totals, micro_batches, lay.virtual_stages)
     crit = max(range(len(stages)), key=lambda i: totals[i])
     # stage i's last backward ends about i chunk-backwards before stage 0's: that is its slack
-    dp_exposed = max(max(0.0, s.dp_exposed_s - i * s.bwd_s / lay.virtual_stages) for i, s in enumerate(stages))
-    opt = max(s.optimizer_s for s in stages)
+    reps = sorted(rep_total)
+    dp_exposed = max(max(0.0, stages[i].dp_exposed_s - i * stages[i].bwd_s / lay.virtual_stages) for i in reps)
+    opt = max(stages[i].optimizer_s for i in reps)
     breakdown = dict.fromkeys(BREAKDOWN_KEYS, 0.0)
     for ch in stages[crit].chunks:
         for k, v in ch.parts.items():

@@ -1,0 +1,69 @@
+"""Memory per chip against the ZeRO paper's example and Korthikanti et al.'s activation formulas."""
+
+import pytest
+
+from planner.case import Layout
+from planner.memory import (in_flight_chunks, korthikanti_bytes, layer_activation_bytes, memory_per_chip,
+                            zero_bytes_per_param)
+from planner.models import ModelSpec
+
+GB = 1e9
+
+
+@pytest.mark.parametrize("stage, expected_gb", [(0, 120), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_zero_paper_example(stage, expected_gb):
+    # Rajbhandari et al. 2019 Figure 1: 7.5B parameters, N_d = 64, K = 12
+    w, g, o = zero_bytes_per_param(stage, 64)
+    assert 7.5e9 * (w + g + o) / GB == pytest.approx(expected_gb, abs=0.05)
+
+
+# Korthikanti et al. 2022 analyse a GPT layer: ffn = 4h, MHA, dropout, materialised softmax.
+GPT = ModelSpec("gpt-22b", 48, 6144, 64, 64, 4 * 6144, 51200, 2048, "gelu")
+S, B, H, A = GPT.seq_len, 4, GPT.hidden, GPT.heads
+
+
+def _lay(tp=1, sp=False, recompute="none"):
+    return Layout(dp=1, tp=tp, pp=1, micro_batch=B, recompute=recompute, sequence_parallel=sp,
+                  attention="materialized")
+
+
+@pytest.mark.parametrize("lay, mode", [
+    (_lay(), "none"),  # sbh(34 + 5as/h)
+    (_lay(tp=8), "tp"),  # sbh(10 + 24/t + 5as/(ht))
+    (_lay(tp=8, sp=True), "tp+sp"),  # sbh/t (34 + 5as/h)
+    (_lay(tp=8, sp=True, recompute="selective"), "tp+sp+selective"),  # 34 sbh/t
+    (_lay(tp=8, recompute="full"), "full"),  # 2sbh
+])
+def test_activation_bytes_reduce_to_korthikanti(lay, mode):
+    expected = korthikanti_bytes(S, B, H, A, t=lay.tp, mode=mode)
+    assert layer_activation_bytes(GPT, lay, False) == pytest.approx(expected, rel=1e-12)
+
+
+def test_korthikanti_formula_numbers():
+    # hand-worked: s=2048, b=4, h=6144, a=64 -> sbh = 50,331,648; 5as/h = 106.67
+    assert korthikanti_bytes(S, B, H, A) == pytest.approx(50_331_648 * (34 + 5 * 64 * 2048 / 6144))
+
+
+def test_in_flight_micro_batches():
+    p, m = 8, 64
+    one_f_one_b = Layout(dp=1, tp=1, pp=p, pp_schedule="1f1b")
+    assert [in_flight_chunks(i, one_f_one_b, m) for i in range(p)] == [8, 7, 6, 5, 4, 3, 2, 1]
+    assert in_flight_chunks(0, one_f_one_b, 3) == 3  # never more than m
+    v = 3
+    inter = Layout(dp=1, tp=1, pp=p, pp_schedule="interleaved-1f1b", virtual_stages=v)
+    # Korthikanti et al. 2022 sec. 4.2.3: first stage holds p (1 + (p-1)/(p v)) stage-sized micro-batches
+    assert in_flight_chunks(0, inter, m) / v == pytest.approx(p * (1 + (p - 1) / (p * v)))
+    assert in_flight_chunks(0, Layout(dp=1, tp=1, pp=p, pp_schedule="gpipe"), m) == m
+
+
+def test_memory_per_chip_splits_by_tp_and_pp():
+    m = ModelSpec("gpt-175b", 96, 12288, 96, 96, 49152, 51200, 2048, "gelu")
+    lay = Layout(dp=1, tp=8, pp=8, micro_batch=1, recompute="full", attention="materialized")
+    mem = memory_per_chip(m, lay, 64)
+    # 175B / 64 chips ~ 2.7B params per chip -> 16 bytes each ~ 44 GB of model state
+    assert (mem.params_bytes + mem.grads_bytes + mem.optimizer_bytes) / GB == pytest.approx(44, rel=0.05)
+    # full recompute: first stage keeps 12 layers x 8 in-flight x 2sbh
+    assert mem.activations_bytes == pytest.approx(12 * 8 * 2 * 2048 * 12288)
+    zero3 = memory_per_chip(m, Layout(dp=8, tp=8, pp=1, micro_batch=1, zero_stage=3, recompute="full",
+                                      attention="materialized"), 8)
+    assert zero3.params_bytes == pytest.approx(2 * 175e9 / 64, rel=0.02)
