@@ -369,8 +369,8 @@ def group_topology(chip: Chip, n: int, stride: int = 1, achievable: bool = False
     multiple of ``chip.torus_wrap_multiple`` chips along it (or the whole axis).
     A group stepping ``s`` chips along an axis shares that axis's links with the s-1 interleaved groups
     doing the same collective, so each gets 1/s of the link and pays s hops of latency. Groups larger
-    than the slice span slices over DCN (a hierarchy); a shape that does not factor over the axes falls
-    back to a unidirectional ring over one ICI link (a safe upper bound on the time).
+    than the slice span slices over DCN (a hierarchy). A group that does not tile the axes in rank order
+    is assumed to get axes of its own (see ``_own_axes``), as a mesh is laid out on a real slice.
     """
     _check_n(n)
     if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
@@ -398,8 +398,8 @@ def _tpu_group(shape: tuple[int, ...], wrap_multiple: int, n: int, stride: int, 
                outer: Link) -> Topology:
     pod = math.prod(shape)
     if stride >= pod:
-        # Every member sits in a different slice.
-        return Switch(n, outer, "DCN") if stride % pod == 0 else Ring(n, inner)
+        # Consecutive members are a whole slice apart: every member sits in a different slice.
+        return Switch(n, outer, "DCN")
     axes: list[TorusAxis] = []
     block, remaining = stride, n
     for size in shape:
@@ -407,15 +407,13 @@ def _tpu_group(shape: tuple[int, ...], wrap_multiple: int, n: int, stride: int, 
             break
         if block >= size:
             if block % size:
-                return Ring(n, inner)
+                return _own_axes(shape, wrap_multiple, n, inner, outer)
             block //= size
             continue
-        if size % block:
-            return Ring(n, inner)
         positions = size // block
         take = min(remaining, positions)
-        if remaining % take:
-            return Ring(n, inner)
+        if size % block or remaining % take:
+            return _own_axes(shape, wrap_multiple, n, inner, outer)
         link = Link(inner.bytes_per_s / block, inner.latency_s * block)
         # The slice axis holding the group spans take*block chips; ICI wraps it around when that is a
         # multiple of the chip's wrap length ([SB] Part 2: multiples of 4 on v4/v5p, the full 16 on v5e/v6e).
@@ -423,6 +421,27 @@ def _tpu_group(shape: tuple[int, ...], wrap_multiple: int, n: int, stride: int, 
         axes.append(TorusAxis(take, link, wraparound=span == size or span % wrap_multiple == 0))
         remaining //= take
         block = 1
+    return _with_dcn(n, axes, remaining, outer)
+
+
+def _own_axes(shape: tuple[int, ...], wrap_multiple: int, n: int, inner: Link, outer: Link) -> Topology:
+    """A group whose ranks do not tile ``shape`` in rank order (e.g. 64 on v5p's 16x20x28).
+
+    Assume the slice is laid out so the group gets axes of its own, as a mesh is usually mapped onto
+    ICI: factor n over the axes, longest first, each factor the largest divisor of what is left that fits.
+    """
+    axes: list[TorusAxis] = []
+    remaining = n
+    for size in sorted(shape, reverse=True):
+        take = max(d for d in range(1, min(size, remaining) + 1) if remaining % d == 0)
+        if take > 1:
+            axes.append(TorusAxis(take, inner, wraparound=take == size or take % wrap_multiple == 0))
+        remaining //= take
+    return _with_dcn(n, axes, remaining, outer)
+
+
+def _with_dcn(n: int, axes: list[TorusAxis], remaining: int, outer: Link) -> Topology:
+    """The torus part of a group, joined over DCN to ``remaining`` copies of it in other slices."""
     if not axes:
         return Switch(n, outer, "DCN")
     torus_group = Torus(tuple(axes))
