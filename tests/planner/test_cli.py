@@ -1,0 +1,86 @@
+"""`python -m planner estimate|search`: output keys, and exit 2 with the field named on bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from planner.__main__ import main
+from planner.validation import load_published_runs
+
+RUN = load_published_runs()[12]  # korthikanti2022-175B-full: every layout field fixed
+
+
+def _write(tmp_path, obj, name="case.json"):
+    path = tmp_path / name
+    path.write_text(obj if isinstance(obj, str) else json.dumps(obj))
+    return str(path)
+
+
+def test_estimate_prints_the_documented_keys(tmp_path, capsys):
+    assert main(["estimate", _write(tmp_path, RUN)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("step_time_s", "mfu", "tflops_per_chip", "memory_bytes_per_chip", "fits", "chosen"):
+        assert key in out
+    assert set(out["memory_bytes_per_chip"]) >= {"params", "grads", "optimizer", "activations", "total"}
+    assert out["fits"] is True
+    assert out["step_time_s"] == pytest.approx(RUN["published"]["step_time_s"], rel=0.15)
+
+
+def test_estimate_reports_what_it_chose_for_null_fields(tmp_path, capsys):
+    case = json.loads(json.dumps(RUN))
+    case["training"]["micro_batch"] = None
+    case["parallel"]["virtual_stages"] = None
+    assert main(["estimate", _write(tmp_path, case)]) == 0
+    chosen = json.loads(capsys.readouterr().out)["chosen"]
+    assert set(chosen["training"]) >= {"micro_batch"} and "virtual_stages" in chosen["parallel"]
+
+
+def test_search_ranks_layouts_with_explanations(tmp_path, capsys):
+    case = json.loads(json.dumps(RUN))
+    for k in ("dp", "tp", "pp", "pp_schedule", "virtual_stages"):
+        case["parallel"][k] = None
+    case["training"]["recompute"] = None
+    assert main(["search", _write(tmp_path, case), "--top", "3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    layouts = out["layouts"]
+    assert 1 <= len(layouts) <= 3
+    times = [x["step_time_s"] for x in layouts]
+    assert times == sorted(times)
+    assert all(x["explanation"] and all(isinstance(s, str) for s in x["explanation"]) for x in layouts)
+
+
+def _bad(**edits):
+    case = json.loads(json.dumps(RUN))
+    for path, value in edits.items():
+        block, key = path.split("__")
+        if value is KeyError:
+            del case[block][key]
+        else:
+            case[block][key] = value
+    return case
+
+
+@pytest.mark.parametrize("case, field", [
+    (_bad(cluster__chip="a100-40gb-typo"), "cluster.chip"),
+    (_bad(parallel__tp=3), "parallel"),  # 3 * 8 * 1 * 1 != 64
+    (_bad(parallel__tp=64, parallel__pp=1), "parallel.tp"),  # 64 does not divide 96 heads
+    (_bad(model__hidden=KeyError), "model.hidden"),
+    (_bad(training__global_batch=KeyError), "training.global_batch"),
+    (_bad(training__recompute="sometimes"), "training.recompute"),
+    (_bad(parallel__cp=2, parallel__pp=4, model__seq_len=2047), "parallel.cp"),
+    (_bad(model__heads=7, model__kv_heads=7), "model.heads"),  # 7 does not divide hidden
+    ("{not json", "malformed JSON"),
+    ([1, 2], "case"),
+])
+def test_bad_input_exits_2_naming_the_field(tmp_path, capsys, case, field):
+    assert main(["estimate", _write(tmp_path, case)]) == 2
+    err = capsys.readouterr().err
+    assert field in err
+
+
+def test_module_entry_point_exit_code(tmp_path):
+    path = _write(tmp_path, _bad(cluster__chip="nope"))
+    proc = subprocess.run([sys.executable, "-m", "planner", "estimate", path], capture_output=True, text=True)
+    assert proc.returncode == 2 and "cluster.chip" in proc.stderr

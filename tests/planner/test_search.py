@@ -1,0 +1,101 @@
+"""The search against brute force on small cases, and its answer for Llama 3 405B on 16,384 H100s."""
+
+import itertools
+
+import pytest
+
+from hardware.chips import get_chip
+from planner.api import search as search_report
+from planner.case import Layout, layout_tp_ok, parse_case
+from planner.costs import default_attention
+from planner.layout_search import divisors, search
+from planner.memory import memory_per_chip
+from planner.models import MODEL_PRESETS
+from planner.simulate import simulate, usable_hbm_bytes
+
+
+def _free_case(model: dict, chips: int, batch: int, chip: str = "a100-80gb", node: int = 8) -> dict:
+    return {"name": "bf", "model": model,
+            "training": {"global_batch": batch, "dtype": "bf16", "optimizer": "adam"},
+            "parallel": {}, "cluster": {"chip": chip, "num_chips": chips, "chips_per_node": node}}
+
+
+def _brute_force_best(case) -> float:
+    """Every layout of the space with no dominance rule: all ZeRO stages, recompute levels, SP on/off,
+    GPipe too; only divisibility, the TP-in-a-node rule and memory filter."""
+    m, t, n = case.model, case.training, case.cluster.num_chips
+    chip = get_chip(case.cluster.chip)
+    hbm = usable_hbm_bytes(chip)
+    attention = default_attention(m)
+    best = float("inf")
+    for tp, cp, pp in itertools.product(divisors(n), repeat=3):
+        if n % (tp * cp * pp) or tp > case.cluster.chips_per_node or not layout_tp_ok(m, tp):
+            continue
+        dp = n // (tp * cp * pp)
+        if m.seq_len % cp or pp > m.layers or t.global_batch % dp:
+            continue
+        eps = [e for e in divisors(dp * cp) if m.experts % e == 0] if m.is_moe else [1]
+        for ep, b in itertools.product(eps, divisors(t.global_batch // dp)):
+            mb = t.global_batch // (dp * b)
+            scheds = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("gpipe", 1)] + [
+                ("interleaved-1f1b", v) for v in divisors(m.layers // pp) if v >= 2 and mb % pp == 0]
+            for (sched, v), z, rc, sp in itertools.product(scheds, range(4), ("none", "selective", "full"),
+                                                          (False, True)):
+                if (sp and tp == 1) or (rc == "selective" and attention == "flash"):
+                    continue
+                lay = Layout(dp, tp, pp, cp, ep, sched, v, b, z, rc, sp, attention)
+                if memory_per_chip(m, lay, mb, t.optimizer).total_bytes > hbm:
+                    continue
+                best = min(best, simulate(case, lay, chip).step_time_s)
+    return best
+
+
+SMALL_DENSE = {"layers": 8, "hidden": 1024, "heads": 16, "kv_heads": 4, "ffn": 2816, "vocab": 32000,
+               "seq_len": 2048, "mlp": "swiglu"}
+SMALL_GPT = {"layers": 12, "hidden": 2048, "heads": 16, "kv_heads": 16, "ffn": 8192, "vocab": 50257,
+             "seq_len": 1024, "mlp": "gelu"}
+SMALL_MOE = {"layers": 4, "hidden": 1024, "heads": 8, "kv_heads": 8, "ffn": 1024, "vocab": 32000,
+             "seq_len": 1024, "mlp": "swiglu", "experts": 8, "top_k": 2}
+
+
+@pytest.mark.parametrize("model, chips, batch, chip", [
+    (SMALL_DENSE, 16, 32, "a100-80gb"),
+    (SMALL_GPT, 8, 16, "h100"),
+    (SMALL_MOE, 8, 16, "h100"),
+])
+def test_search_matches_brute_force(model, chips, batch, chip):
+    case = parse_case(_free_case(model, chips, batch, chip))
+    res = search(case)
+    assert res.ranked, "something must fit"
+    assert res.ranked[0].step_time_s == pytest.approx(_brute_force_best(case), rel=1e-12)
+
+
+def test_search_respects_fixed_fields():
+    raw = _free_case(SMALL_DENSE, 16, 32)
+    raw["parallel"] = {"tp": 2, "pp": 2}
+    raw["training"]["micro_batch"] = 2
+    res = search(parse_case(raw))
+    assert all(r.layout.tp == 2 and r.layout.pp == 2 and r.layout.micro_batch == 2 for r in res.ranked)
+
+
+def test_memory_pruning_drops_what_does_not_fit():
+    # 70B on 8 GPUs without ZeRO-3 or PP cannot hold 16 bytes/param (1.1 TB)
+    m = MODEL_PRESETS["Llama 3 70B"]
+    model = {k: getattr(m, k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len", "mlp")}
+    res = search(parse_case(_free_case(model, 8, 8, "h100")))
+    assert all(r.fits for r in res.ranked)
+    assert all(r.layout.pp > 1 or r.layout.zero_stage == 3 for r in res.ranked)
+
+
+def test_llama3_405b_on_16k_h100_returns_ranked_explained_layouts():
+    m = MODEL_PRESETS["Llama 3 405B"]
+    model = {k: getattr(m, k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len", "mlp")}
+    raw = _free_case(model, 16384, 2048, "h100")
+    raw["parallel"] = {"tp": 8}  # keep the test quick; the full search runs in bench/bench_planner.py
+    report = search_report(raw, top=3)
+    assert len(report.ranked) == 3
+    best = report.ranked[0].result
+    assert best.layout.pp > 1  # 405B needs pipelining or ZeRO-3 to fit 80 GB
+    assert 0.2 < best.mfu < 0.7
+    assert any("TP=8" in line for line in report.ranked[0].explanation)
+    assert "slower than the best" in report.ranked[1].explanation[0]
