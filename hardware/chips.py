@@ -96,9 +96,10 @@ class Chip:
         elif dtype == "bf16":
             peak = self.bf16_flops_per_s
         elif dtype == "fp16":
-            # GPU datasheets list FP16 at the bf16 rate; TPU matrix units take bf16, not fp16.
-            if self.kind == "tpu":
-                raise ValueError(f"{self.name} has no fp16 matrix unit; choose bf16")
+            # GPU datasheets list FP16 at the bf16 rate; TPU matrix units take bf16, not fp16, and the
+            # probe does not time fp16 on a CPU.
+            if self.kind != "gpu":
+                raise ValueError(f"{self.name} has no fp16 rate in this model; choose bf16")
             peak = self.bf16_flops_per_s
         elif dtype == "fp32":
             if self.fp32_flops_per_s is None:
@@ -108,7 +109,7 @@ class Chip:
                 )
             peak = self.fp32_flops_per_s
         else:
-            raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPE_BYTES)}")
+            raise ValueError(f"unknown dtype {dtype!r}; {self.name} supports {', '.join(self.dtypes)}")
         return peak * (self.matmul_efficiency if achievable else 1.0)
 
     def hbm_bw(self, achievable: bool = False) -> float:
@@ -124,7 +125,7 @@ class Chip:
     @property
     def dtypes(self) -> tuple[str, ...]:
         """The dtypes ``peak_flops_per_s`` accepts for this chip."""
-        out = ["bf16"] + ([] if self.kind == "tpu" else ["fp16"])
+        out = ["bf16"] + (["fp16"] if self.kind == "gpu" else [])
         if self.fp8_flops_per_s is not None:
             out.append("fp8")
         if self.fp32_flops_per_s is not None:

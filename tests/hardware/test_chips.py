@@ -91,9 +91,9 @@ def test_peak_flops_by_dtype():
     assert h100.hbm_bw(achievable=True) == pytest.approx(3.35e12 * h100.hbm_efficiency)
     with pytest.raises(ValueError, match="A100 80GB SXM has no fp8 tensor cores; choose bf16"):
         get_chip("a100-80gb").peak_flops_per_s("fp8")
-    with pytest.raises(ValueError, match="no fp16"):
+    with pytest.raises(ValueError, match="no fp16 rate"):
         get_chip("tpu-v5e").peak_flops_per_s("fp16")
-    with pytest.raises(ValueError, match="unknown dtype 'int4'"):
+    with pytest.raises(ValueError, match="unknown dtype 'int4'; H100 SXM supports bf16, fp16, fp8"):
         h100.peak_flops_per_s("int4")
     with pytest.raises(ValueError, match="no fp32"):
         h100.peak_flops_per_s("fp32")

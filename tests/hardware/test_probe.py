@@ -22,6 +22,7 @@ def test_probe_measures_positive_numbers_and_reports_progress():
     assert chip.peak_flops_per_s("bf16") == result.bf16_matmul_flops_per_s
     assert ridge_point(chip, "fp32") == pytest.approx(result.ridge_point("fp32"))
     assert all(chip.sources[name] for name in chip.sources)
+    assert chip.dtypes == ("bf16", "fp32")
     with pytest.raises(ValueError, match="no fp8"):
         chip.peak_flops_per_s("fp8")
 
