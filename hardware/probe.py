@@ -15,10 +15,11 @@ from hardware.chips import Chip
 
 Progress = Callable[[float, str], None]
 
-# fp32 sizes to try; the largest fits in ~12 MB per operand so the probe stays cheap on small machines.
+# fp32 sizes to try; the largest is 4 MiB per operand, so the probe stays cheap on small machines.
 _MATMUL_SIZES = (256, 512, 1024)
 _BF16_SIZE = 256
-# Elements in the copy probe: 2^24 fp32 = 64 MiB per tensor, larger than any CPU's last-level cache.
+# Elements in the copy probe: 2^24 fp32 = 64 MiB per tensor, 128 MiB touched per copy: more than most
+# CPUs' last-level cache, so the copy runs at DRAM speed.
 _COPY_NUMEL = 1 << 24
 
 
