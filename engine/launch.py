@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import pickle
 import re
 import secrets
 import signal
@@ -137,7 +138,7 @@ class Pool:
                 raise WorkerError(f"workers did not connect within {self.start_timeout_s:g} s")
             while accepted:
                 conn = accepted.pop()
-                _, rank, _pid, tid = conn.recv()
+                _, rank, _pid, tid = _recv(conn)
                 by_rank[rank], tids[rank] = conn, tid
             time.sleep(0.01)
         self.conns = [by_rank[r] for r in range(self.world)]
@@ -162,7 +163,7 @@ class Pool:
         """Ask workers to leave politely, then make sure none is left."""
         for conn in self.conns:
             try:
-                conn.send(("exit",))
+                conn.send_bytes(pickle.dumps(("exit",)))
             except OSError:
                 pass
         deadline = time.monotonic() + 2.0
@@ -200,7 +201,7 @@ class Pool:
             self.runs += 1
             log_sizes = [os.path.getsize(self._log_path(r)) for r in range(self.world)]
             for rank, conn in enumerate(self.conns):
-                conn.send(("task", self._task_id, target, per_rank[rank]))
+                conn.send_bytes(pickle.dumps(("task", self._task_id, target, per_rank[rank])))
             try:
                 return self._collect(timeout_s, log_sizes)
             except BaseException:
@@ -284,8 +285,9 @@ def _accept(listener: Listener, n: int, out: list) -> None:
 
 
 def _recv(conn):
+    """A message from a worker (plain pickle, see worker._send), or None when it has gone."""
     try:
-        return conn.recv()
+        return pickle.loads(conn.recv_bytes())
     except (EOFError, OSError):
         return None
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import faulthandler
 import importlib
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -94,6 +95,12 @@ def call(target: str, ctx: Context, kwargs: dict):
     return getattr(importlib.import_module(module), name)(ctx, **kwargs)
 
 
+def _send(conn, msg) -> None:
+    # Plain pickle, not multiprocessing's ForkingPickler: torch registers reducers there that pass tensor
+    # storages as file descriptors through a side channel the parent cannot authenticate.
+    conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+
 def pool_main() -> None:
     from multiprocessing.connection import Client
 
@@ -103,17 +110,17 @@ def pool_main() -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the pool asks "where are you?" on a timeout
     host, port = env["SHARDLAB_POOL_ADDR"].rsplit(":", 1)
     conn = Client((host, int(port)), authkey=bytes.fromhex(env["SHARDLAB_POOL_KEY"]))
-    conn.send(("hello", rank, os.getpid(), threading.main_thread().ident))
+    _send(conn, ("hello", rank, os.getpid(), threading.main_thread().ident))
     try:
         ctx = start_rank(rank, world, rank, world, env["SHARDLAB_DEVICE"], env["SHARDLAB_INIT"],
                          float(env["SHARDLAB_COLLECTIVE_TIMEOUT_S"]))
     except BaseException:
-        conn.send(("error", None, traceback.format_exc()))
+        _send(conn, ("error", None, traceback.format_exc()))
         return
-    conn.send(("ready", ctx.clock_offset_s))
+    _send(conn, ("ready", ctx.clock_offset_s))
     while True:
         try:
-            msg = conn.recv()
+            msg = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
             return
         if msg[0] == "exit":
@@ -125,9 +132,9 @@ def pool_main() -> None:
         try:
             result = call(target, ctx, kwargs)
         except BaseException:
-            conn.send(("error", task_id, traceback.format_exc()))
+            _send(conn, ("error", task_id, traceback.format_exc()))
             continue
-        conn.send(("ok", task_id, result))
+        _send(conn, ("ok", task_id, result))
 
 
 def torchrun_main(argv: list[str]) -> int:

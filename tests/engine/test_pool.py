@@ -1,0 +1,71 @@
+"""The worker pool: reuse, a raising rank, a hanging rank, no orphans, usable afterwards."""
+
+import os
+import time
+
+import pytest
+
+from engine.launch import Pool, RankFailed, RunTimedOut
+
+pytestmark = pytest.mark.multiprocess
+TASKS = "tests.engine.pool_tasks"
+
+
+def _gone(pid: int) -> bool:
+    """True when no process with this pid exists, or only a zombie we are not its parent of."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _all_gone(pids, within_s=5.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if all(_gone(p) for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_warm_pool_is_reused(pools):
+    pool = pools(2)
+    first = pool.run(f"{TASKS}:whoami")
+    starts = pool.starts
+    for _ in range(3):
+        again = pool.run(f"{TASKS}:whoami")
+        assert [r["pid"] for r in again] == [r["pid"] for r in first]
+    assert pool.starts == starts  # no new processes for later runs
+    assert pool.run(f"{TASKS}:all_reduce_ranks") == [1.0, 1.0]  # the process group is still up
+
+
+@pytest.fixture
+def fault_pool():
+    pool = Pool(2, collective_timeout_s=20)  # its own pool: the shared ones stay warm
+    yield pool
+    pool.shutdown()
+
+
+def test_raising_rank_is_reported_and_pool_recovers(fault_pool):
+    fault_pool.start()
+    pids = fault_pool.pids
+    with pytest.raises(RankFailed) as err:
+        fault_pool.run(f"{TASKS}:raise_on", {"rank": 1}, timeout_s=30)
+    assert err.value.rank == 1
+    assert "injected failure on rank 1" in err.value.detail and "Traceback" in err.value.detail
+    assert _all_gone(pids), "workers of the failed run are still alive"
+    assert fault_pool.run(f"{TASKS}:all_reduce_ranks") == [1.0, 1.0]  # restarted, usable
+    assert set(fault_pool.pids).isdisjoint(pids)
+
+
+def test_hanging_rank_times_out_with_its_location(fault_pool):
+    fault_pool.start()
+    pids = fault_pool.pids
+    with pytest.raises(RunTimedOut) as err:
+        fault_pool.run(f"{TASKS}:hang_on", {"rank": 1}, timeout_s=2)
+    where = err.value.where
+    assert "pool_tasks.py" in where[1] and "hang_on" in where[1]  # the rank that hangs, and where
+    assert "waiting in a collective" in where[0]  # the rank stuck waiting for it
+    assert _all_gone(pids), "workers of the hung run are still alive"
+    assert fault_pool.run(f"{TASKS}:all_reduce_ranks") == [1.0, 1.0]
