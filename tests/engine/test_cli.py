@@ -1,0 +1,75 @@
+"""`python -m engine run` as other tools call it: exit codes, JSON keys, the trace file, torchrun."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from engine.launch import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _engine(*args, timeout=180):
+    return subprocess.run([sys.executable, "-m", "engine", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--world", "0"], "world=0"),
+    (["--world", "65"], "world=65"),
+    (["--strategy", "dp", "--zero-stage", "3"], "use --strategy fsdp"),
+    (["--mesh", "dp=2,tp=2", "--world", "4"], "tp=2 has no strategy"),
+    (["--mesh", "dp=3", "--world", "4"], "has 3 ranks but world=4"),
+    (["--steps", "0"], "steps=0"),
+])
+def test_bad_input_exits_2_with_a_message(args, says):
+    out = _engine("run", *args)
+    assert out.returncode == 2, out.stderr
+    assert says in out.stderr and "Traceback" not in out.stderr
+    assert out.stdout == ""
+
+
+def test_unknown_choice_exits_2():
+    out = _engine("run", "--strategy", "tp")
+    assert out.returncode == 2 and "invalid choice" in out.stderr
+
+
+@pytest.mark.multiprocess
+def test_done_when_command(tmp_path):
+    trace = tmp_path / "t.json"
+    out = _engine("run", "--strategy", "fsdp", "--zero-stage", "3", "--world", "4", "--steps", "3", "--check",
+                  "--trace", str(trace), "--json")
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout)  # exactly one JSON object on stdout
+    assert summary["ok"] and summary["check"]["passed"] and summary["world"] == 4
+    assert summary["check"]["max_abs_diff"] < 1e-4
+    assert summary["step_time_s"] > 0
+    assert len(summary["memory_bytes"]) == 4 and len(summary["comm_bytes"]) == 4
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["pid"] for e in events if e["ph"] == "X"} == {0, 1, 2, 3}
+
+
+@pytest.mark.multiprocess
+def test_run_past_its_time_limit_exits_3():
+    out = _engine("run", "--strategy", "dp", "--world", "2", "--steps", "50", "--timeout-s", "0.2", "--json")
+    assert out.returncode == 3, out.stderr
+    assert "timed out" in out.stderr and json.loads(out.stdout)["ok"] is False
+
+
+@pytest.mark.multiprocess
+def test_same_worker_entry_under_torchrun_with_two_nodes(tmp_path):
+    # Two torchrun "nodes" on 127.0.0.1, one rank each: the multi-machine path, on one machine.
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    port, result = free_port(), tmp_path / "result.json"
+    nodes = [subprocess.Popen([torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node),
+                               "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "engine.worker",
+                               "--strategy", "fsdp", "--steps", "2", "--check", "--out", str(result)],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for node in (0, 1)]
+    logs = [n.communicate(timeout=240)[0] for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], logs
+    summary = json.loads(result.read_text())
+    assert summary["ok"] and summary["check"]["passed"] and summary["world"] == 2
