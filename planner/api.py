@@ -67,6 +67,10 @@ class Estimate:
         return self.result.tflops_per_chip
 
     @property
+    def model_tflops_per_chip(self) -> float:
+        return self.result.model_tflops_per_chip
+
+    @property
     def memory(self):
         return self.result.memory
 

@@ -141,6 +141,23 @@ def elementwise_bytes(m: ModelSpec, lay: Layout, moe: bool, sb: float) -> tuple[
 
 
 def layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe: bool, chips_per_node: int) -> LayerCost:
+    """One layer's costs; memoised on the layout fields a layer sees (layouts differing only in pp,
+    schedule or ZeRO-0/1/2 share them, which keeps the search fast)."""
+    z3 = lay.zero_stage == 3
+    return _layer_cost_cached(m, lay.tp, lay.cp, lay.ep, lay.micro_batch, lay.sequence_parallel, lay.attention,
+                              lay.recompute, z3, lay.dp if z3 else 1, chip, dtype, moe, chips_per_node)
+
+
+@lru_cache(maxsize=65536)
+def _layer_cost_cached(m: ModelSpec, tp: int, cp: int, ep: int, micro_batch: int, sp: bool, attention: str,
+                       recompute: str, z3: bool, dp: int, chip: Chip, dtype: str, moe: bool,
+                       chips_per_node: int) -> LayerCost:
+    lay = Layout(dp=dp, tp=tp, pp=1, cp=cp, ep=ep, micro_batch=micro_batch, zero_stage=3 if z3 else 0,
+                 recompute=recompute, sequence_parallel=sp, attention=attention)
+    return _layer_cost(m, lay, chip, dtype, moe, chips_per_node)
+
+
+def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe: bool, chips_per_node: int) -> LayerCost:
     t, cp = lay.tp, lay.cp
     tokens = lay.micro_batch * m.seq_len / cp  # tokens of one micro-batch on this chip's sequence shard
     h, hd = m.hidden, m.head_dim_

@@ -29,6 +29,7 @@ enough to enumerate outright: no relaxation or heuristic is needed, hence comple
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -36,7 +37,8 @@ from dataclasses import dataclass, replace
 from hardware.chips import Chip, get_chip
 from planner.case import Case, Layout, layout_tp_ok
 from planner.costs import default_attention
-from planner.memory import memory_per_chip
+from planner import costs
+from planner.memory import memory_per_chip, stage_layer_ranges
 from planner.models import SpecError
 from planner.simulate import StepResult, simulate, usable_hbm_bytes
 
@@ -53,7 +55,7 @@ def divisors(n: int) -> list[int]:
 class SearchResult:
     ranked: list[StepResult]  # fastest first
     evaluated: int  # layouts simulated
-    considered: int  # layouts that passed divisibility (before memory and dominance pruning)
+    considered: int  # layouts that passed divisibility (before bounds, memory and dominance pruning)
     elapsed_s: float
 
 
@@ -136,8 +138,39 @@ def _fitting_variants(case: Case, lay: Layout, hbm: float) -> Iterator[Layout]:
                 break
 
 
+def lower_bound_s(case: Case, lay: Layout, chip: Chip) -> float:
+    """A step time no variant of `lay` (any ZeRO stage, any recomputation) can beat.
+
+    Every variant runs each layer's forward and backward compute and its TP / CP / EP collectives
+    (recomputation and ZeRO-3 only add to them), and each chunk's pipeline sends; so a stage with L
+    layers takes at least S(L) = L * c + 2 v * p2p per micro-batch, c being the cheaper layer kind's
+    share. The pipeline formula is increasing in every stage time, so
+    T >= m * S(L_max) + (p - 1) * S(L_min) / v.
+    """
+    m, t = case.model, case.training
+    node = case.cluster.chips_per_node or chip.scaleup_domain
+    base = replace(lay, zero_stage=0, recompute="none")
+    c = min(lc.fwd_compute_s + lc.bwd_compute_s + lc.tp_fwd_s + lc.tp_bwd_s + lc.cp_fwd_s + lc.cp_bwd_s
+            + lc.ep_fwd_s + lc.ep_bwd_s
+            for lc in (costs.layer_cost(m, base, chip, t.dtype, moe, node) for moe in {False, m.is_moe}))
+    p2p = 0.0
+    if lay.pp > 1:
+        topo = costs.topology(chip, lay.pp, lay.tp * lay.cp * lay.dp, node)
+        p2p = costs.comm_s(topo, chip, "p2p", lay.micro_batch * m.seq_len / lay.cp * m.hidden * 2 / lay.tp)
+    layers = [sum(n for _, n in chunks) for chunks in stage_layer_ranges(m.layers, lay.pp, lay.virtual_stages)]
+    micro_batches = t.global_batch // (lay.dp * lay.micro_batch)
+    v = lay.virtual_stages
+    return (micro_batches * (max(layers) * c + 2 * v * p2p)
+            + (lay.pp - 1) * (min(layers) * c + 2 * v * p2p) / v)
+
+
 def search(case: Case, top: int | None = None) -> SearchResult:
-    """Rank every fitting layout of `case`'s free fields by simulated step time (fastest first)."""
+    """Rank every fitting layout of `case`'s free fields by simulated step time (fastest first).
+
+    With `top`, branch and bound: layouts are simulated in order of `lower_bound_s`, and once `top`
+    layouts are known, any layout whose bound is not below the top-th step time cannot enter the
+    ranking and is skipped. The top `top` are exactly those of the full enumeration.
+    """
     chip = get_chip(case.cluster.chip)
     if case.training.dtype == "fp16" and chip.kind == "tpu":
         raise SpecError("training.dtype", f"{chip.name} has no fp16 matrix unit; use bf16")
@@ -145,15 +178,26 @@ def search(case: Case, top: int | None = None) -> SearchResult:
         raise SpecError("training.dtype", f"{chip.name} has no fp8 matrix unit; use bf16")
     hbm = usable_hbm_bytes(chip)
     start = time.perf_counter()
+    layouts = list(candidate_layouts(case, chip))
+    if top:
+        bounded = sorted(((lower_bound_s(case, lay, chip), i) for i, lay in enumerate(layouts)))
+        order = [(b, layouts[i]) for b, i in bounded]
+    else:
+        order = [(0.0, lay) for lay in layouts]
     results: list[StepResult] = []
-    considered = 0
-    for lay in candidate_layouts(case, chip):
-        considered += 1
+    kth = []  # the `top` best step times so far, ascending
+    for bound, lay in order:
+        if top and len(kth) >= top and bound >= kth[-1]:
+            break
         for cand in _fitting_variants(case, lay, hbm):
-            results.append(simulate(case, cand, chip))
+            res = simulate(case, cand, chip)
+            results.append(res)
+            if top:
+                bisect.insort(kth, res.step_time_s)
+                del kth[top:]
     results.sort(key=lambda r: r.step_time_s)
     elapsed = time.perf_counter() - start
-    return SearchResult(results[:top] if top else results, len(results), considered, elapsed)
+    return SearchResult(results[:top] if top else results, len(results), len(layouts), elapsed)
 
 
 def choose(case: Case) -> StepResult:

@@ -99,3 +99,24 @@ def test_llama3_405b_on_16k_h100_returns_ranked_explained_layouts():
     assert 0.2 < best.mfu < 0.7
     assert any("TP=8" in line for line in report.ranked[0].explanation)
     assert "slower than the best" in report.ranked[1].explanation[0]
+
+
+@pytest.mark.parametrize("model, chips, batch, chip", [
+    (SMALL_DENSE, 16, 32, "a100-80gb"),
+    (SMALL_MOE, 8, 16, "h100"),
+    (SMALL_GPT, 64, 64, "tpu-v5p"),
+])
+def test_branch_and_bound_top_k_equals_full_ranking(model, chips, batch, chip):
+    case = parse_case(_free_case(model, chips, batch, chip, node=4 if chip.startswith("tpu") else 8))
+    full = [r.step_time_s for r in search(case).ranked[:4]]
+    bounded = [r.step_time_s for r in search(case, top=4).ranked]
+    assert bounded == pytest.approx(full, rel=1e-12)
+
+
+def test_lower_bound_never_exceeds_any_variant():
+    from planner.layout_search import _fitting_variants, candidate_layouts, lower_bound_s
+    case = parse_case(_free_case(SMALL_DENSE, 16, 32))
+    chip = get_chip("a100-80gb")
+    for lay in candidate_layouts(case, chip):
+        for cand in _fitting_variants(case, lay, usable_hbm_bytes(chip)):
+            assert lower_bound_s(case, lay, chip) <= simulate(case, cand, chip).step_time_s * (1 + 1e-12)

@@ -1,0 +1,83 @@
+"""Planner benchmark: validation error per published run, and how long the auto-parallel search takes.
+
+    .venv/bin/python bench/bench_planner.py
+
+Prints (1) predicted vs published step time for the 18 A100 runs of
+../shared/validation/published-runs.json with the mean and max absolute error, (2) a run the planner
+was never calibrated on (Llama 3 405B on 16,384 H100s, Dubey et al. 2024 Table 4), and (3) the wall
+time of full searches, the 405B / 16,384-chip one included. No thresholds: numbers only.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from planner.api import estimate, search  # noqa: E402
+from planner.models import MODEL_PRESETS  # noqa: E402
+from planner.validation import load_published_runs, validate  # noqa: E402
+
+SHAPE_KEYS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len", "mlp", "experts", "top_k",
+              "head_dim", "shared_experts", "dense_layers", "dense_ffn", "q_lora_rank", "kv_lora_rank",
+              "rope_head_dim", "tied_embeddings")
+
+
+def model_block(name: str) -> dict:
+    m = MODEL_PRESETS[name]
+    return {k: getattr(m, k) for k in SHAPE_KEYS if getattr(m, k) is not None}
+
+
+def case(name: str, chip: str, chips: int, batch: int, parallel: dict | None = None, **training) -> dict:
+    return {"name": f"{name} on {chips} x {chip}", "model": model_block(name),
+            "training": {"global_batch": batch, "dtype": "bf16", "optimizer": "adam", **training},
+            "parallel": parallel or {}, "cluster": {"chip": chip, "num_chips": chips}}
+
+
+def validation_table() -> None:
+    t0 = time.perf_counter()
+    rows = validate(load_published_runs())
+    elapsed = time.perf_counter() - t0
+    print(f"{'run':30s} {'published s':>12s} {'predicted s':>12s} {'error':>8s} {'MFU':>6s}  chosen")
+    for r in rows:
+        print(f"{r.name:30s} {r.published_s:12.3f} {r.predicted_s:12.3f} {100 * r.error:+7.1f}% "
+              f"{100 * r.mfu:5.1f}%  {r.chosen}")
+    errors = [abs(r.error) for r in rows]
+    print(f"mean |error| {100 * sum(errors) / len(errors):.2f}%   max |error| {100 * max(errors):.2f}%   "
+          f"({len(rows)} runs estimated in {elapsed:.2f} s)")
+
+
+def unseen_runs() -> None:
+    print("\nNot used for calibration:")
+    # Dubey et al. 2024 (Llama 3) Table 4: 8K context, TP 8, CP 1, PP 16, DP 128, 16M-token batches,
+    # 400 TFLOP/s per GPU, 38 % BF16 MFU
+    est = estimate(case("Llama 3 405B", "h100", 16384, 2048, {"tp": 8, "cp": 1, "pp": 16, "dp": 128}))
+    print(f"  Llama 3 405B, 16,384 H100, Meta's layout: MFU {100 * est.mfu:.1f}% (published 38-41%), "
+          f"{est.model_tflops_per_chip:.0f} model TFLOP/s per GPU (published ~400); chosen {est.chosen}")
+
+
+def search_timings() -> None:
+    print("\nSearch (every field null):")
+    for name, chip, chips, batch in [("Llama 3 8B", "h100", 8, 64), ("Llama 3 70B", "h100", 1024, 1024),
+                                     ("Mixtral 8x7B", "h100", 256, 1024), ("Llama 3 405B", "tpu-v5p", 8960, 2048),
+                                     ("Llama 3 405B", "h100", 16384, 2048)]:
+        t0 = time.perf_counter()
+        report = search(case(name, chip, chips, batch), top=3)
+        elapsed = time.perf_counter() - t0
+        best = report.ranked[0].result.layout if report.ranked else None
+        summary = (f"dp={best.dp} tp={best.tp} pp={best.pp} cp={best.cp} ep={best.ep} v={best.virtual_stages} "
+                   f"b={best.micro_batch} zero={best.zero_stage} rc={best.recompute}") if best else "nothing fits"
+        mfu = f"{100 * report.ranked[0].result.mfu:.1f}%" if report.ranked else "-"
+        print(f"  {name:13s} on {chips:6d} x {chip:9s}: {report.considered:6d} layouts, {report.evaluated:6d} "
+              f"simulated, {elapsed:6.2f} s wall; best {summary}, MFU {mfu}")
+    print("  first explanation of the 405B / 16,384 H100 winner:")
+    for line in report.ranked[0].explanation:
+        print(f"    {line}")
+
+
+if __name__ == "__main__":
+    validation_table()
+    unseen_runs()
+    search_timings()
