@@ -24,11 +24,14 @@ LESSONS: list[Lesson] = [
            "What a chip can do: FLOP/s, memory bandwidth, links. Arithmetic intensity and the ridge point "
            "decide whether a matmul is compute-bound or memory-bound. Measure this machine too.",
            params=("tokens", "d_model", "d_ff", "dtype", "achievable")),
+    Lesson("Collectives", "app_pages/collectives.py", "collectives", ":material/hub:",
+           "All-gather, reduce-scatter, all-reduce and all-to-all, step by step on a ring; what they cost "
+           "(latency against bandwidth, inside a node or across nodes); and this machine's own alpha and beta.",
+           params=("collective", "ring_n", "group", "stride", "rows", "cols", "achievable")),
 ]
 
 # The rest of the route, in teaching order; each becomes a page when its live engine or planner lands.
 PLANNED = [
-    ("Collectives", "all-gather, reduce-scatter, all-reduce, all-to-all: what they move and what they cost."),
     ("Data parallel and ZeRO / FSDP", "replicate the model, shard the batch; then shard optimizer state, "
      "gradients and weights."),
     ("Tensor and sequence parallel", "split every matmul across chips inside a node."),

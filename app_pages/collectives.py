@@ -1,0 +1,241 @@
+"""Lesson 2: Collectives: what all-gather, reduce-scatter, all-reduce and all-to-all move and cost."""
+
+import streamlit as st
+
+from hardware.chips import CHIPS
+from hardware.collectives import Hierarchy, Ring, Switch, group_topology
+from ui.collectives import (
+    COLLECTIVE_NAMES,
+    COLLECTIVES,
+    MAX_RING,
+    MIN_RING,
+    cost_figure,
+    crossover_bytes,
+    engine_error_message,
+    format_bytes,
+    format_seconds,
+    machine_link,
+    pow2_sizes,
+    ring_figure,
+    ring_formula_latex,
+    sweep_figure,
+)
+
+POW2 = [2**i for i in range(0, 17)]  # 1 .. 65,536
+GROUP_SIZES = [2**i for i in range(1, 13)]  # 2 .. 4,096
+STRIDES = [2**i for i in range(0, 13)]  # 1 .. 4,096
+BF16_BYTES = 2
+LIVE_WORLDS = [2, 3, 4]
+LIVE_MAX_SIZES = [2**k for k in range(16, 27, 2)]  # 64 KiB .. 64 MiB, every 4x
+LIVE_MIN_BYTES = 1024
+SWEEP_TIMEOUT_S = 60.0
+
+choices = st.session_state["choices"]
+chip = CHIPS[choices.chip]
+
+st.title("Collectives")
+st.markdown(
+    """
+Every strategy in this guide is a plan for which chip holds which piece of the model and the batch,
+plus the communication that brings a piece to the chip that needs it. Four **collective operations**
+do almost all of that moving. In the scaling book's notation a subscript names the mesh axis a
+dimension is split over, and `{U_X}` marks an array that still has to be summed over axis X:
+
+| Collective | Each chip before | Each chip after | Sharding | Used for |
+|---|---|---|---|---|
+| **All-gather** | one shard, V/N bytes | the whole array, V | `A[I_X, J] -> A[I, J]` | FSDP / ZeRO-3 gathers each layer's weights; tensor parallel gathers activations |
+| **Reduce-scatter** | its own full-size partial result, V | one shard of the sum, V/N | `A[I, J]{U_X} -> A[I_X, J]` | ZeRO-2/3 and FSDP gradients; sequence-parallel layer outputs |
+| **All-reduce** | its own full-size partial result, V | the whole sum, V | `A[I, J]{U_X} -> A[I, J]` | data-parallel gradients; tensor-parallel layer outputs |
+| **All-to-all** | N chunks, one for each chip | N chunks, one from each chip | `A[I, J_X] -> A[I_X, J]` | Mixture-of-Experts token routing; Ulysses sequence parallel |
+
+V is the size of the full array and N the number of chips in the group.
+"""
+)
+
+st.header("On a ring, step by step")
+st.markdown(
+    "NCCL on GPUs and the TPU runtime run these operations as **rings**: every chip sends to its "
+    "neighbour while receiving from the other one, so every link works at every step. Pick an operation "
+    "and a ring size, then press **Play** or drag the step slider. Colour marks which shard a block is "
+    "(for all-to-all, which chip sent it); hover a block for what it holds."
+)
+left, right = st.columns([1, 3])
+with left:
+    collective = st.radio("Collective", COLLECTIVES, format_func=COLLECTIVE_NAMES.get, key="collective",
+                          bind="query-params")
+    ring_n = st.slider("Chips in the ring (N)", MIN_RING, MAX_RING, 4, key="ring_n", bind="query-params")
+    notes = {
+        "all_gather": (
+            f"Each step every link carries exactly one shard, V/{ring_n}: no link idles, none carries two. "
+            f"After {ring_n - 1} steps each chip has received the {ring_n - 1}/{ring_n} of the array it "
+            "lacked, the least any algorithm can move, so for large arrays the time is close to V/W "
+            "whatever N is."),
+        "reduce_scatter": (
+            "The mirror image of all-gather: the same links and bytes, plus an addition when a partial "
+            "sum arrives (Σk: k chips summed in; faint = partial, black border = complete). Each chip ends "
+            f"with 1/{ring_n} of the result and can free the rest: the saving behind ZeRO-2 and FSDP."),
+        "all_reduce": (
+            f"Reduce-scatter, then all-gather of the reduced shards: {2 * (ring_n - 1)} steps and twice the "
+            "bytes of either half. This is why ZeRO and FSDP, which reduce-scatter gradients and all-gather "
+            "weights later, move no more bytes than plain data parallel's all-reduce."),
+        "all_to_all": (
+            "Chunks addressed further around the ring ride several links, so a ring all-to-all moves "
+            f"(N-1)/2 = {(ring_n - 1) / 2:g} times a chip's data over every link. Through a switch "
+            "(NVSwitch) each chunk goes straight to its receiver in one hop: Mixture-of-Experts layers keep "
+            "expert parallelism inside one NVLink domain for this reason."),
+    }
+    st.info(notes[collective])
+with right:
+    st.plotly_chart(ring_figure(collective, ring_n), key="ring")
+
+st.header("What it costs: the alpha-beta model")
+st.markdown(
+    "Each step of a ring costs a fixed **latency α** (launching the transfer, synchronising with the "
+    "neighbour, crossing the switch: about a microsecond on NVLink) plus the time to push its bytes "
+    "through a link, **bytes · β** with β = 1/W and W the link bandwidth in one direction. For an "
+    "array of V bytes on N chips (for all-to-all, b bytes per chip):"
+)
+st.latex(r"T_\text{all-gather} = T_\text{reduce-scatter} = (N-1)\,\alpha + \frac{N-1}{N}\,\frac{V}{W}"
+         r"\qquad T_\text{all-reduce} = 2(N-1)\,\alpha + 2\,\frac{N-1}{N}\,\frac{V}{W}")
+st.latex(r"T_\text{all-to-all}^\text{ring} = (N-1)\,\alpha + \frac{N-1}{2}\,\frac{b}{W}"
+         r"\qquad T_\text{all-to-all}^\text{switch} = \alpha + \frac{N-1}{N}\,\frac{b}{W}")
+st.caption("Thakur, Rabenseifner & Gropp 2005 (ring all-gather; all-reduce = reduce-scatter + all-gather); "
+           "How to Scale Your Model, Parts 3 and 12. Links are full duplex; W is one direction.")
+st.markdown(
+    "Small messages are **latency-bound**: the α term dominates and the time barely depends on size. "
+    "Large ones are **bandwidth-bound**: the time grows in proportion to V. The two terms are equal at "
+    "the crossover:"
+)
+st.latex(r"(N-1)\,\alpha = \frac{N-1}{N}\,\frac{V^{*}}{W} \;\Longrightarrow\; V^{*} = N\,\alpha\,W")
+st.markdown("Below V*, pack small messages together (what DDP's gradient buckets and FSDP's flat "
+            "parameter groups do); above it only more bandwidth helps.")
+
+st.subheader(f"On {chip.name}")
+left, right = st.columns([1, 2])
+with left:
+    group = st.select_slider("Chips in the group (N)", GROUP_SIZES, value=8, key="group", bind="query-params")
+    stride = st.select_slider(
+        "Stride between members", STRIDES, value=1, key="stride", bind="query-params",
+        help="How many global ranks apart consecutive members are. Ranks are numbered tp fastest, so a tp "
+             "group has stride 1 and the dp group behind tp=8 has stride 8. A group that fits in one "
+             "NVLink domain / TPU slice uses the fast links; a wider stride crosses nodes.")
+    rows = st.select_slider("Array rows", POW2, value=1024, key="rows", bind="query-params",
+                            help="e.g. tokens of a batch, or rows of a weight matrix")
+    cols = st.select_slider("Array columns", POW2[6:], value=16384, key="cols", bind="query-params")
+    achievable = st.toggle("Achievable instead of spec", key="achievable", bind="query-params",
+                           help="Real collectives reach a fraction of the link's peak bandwidth (the chip "
+                                "table's link efficiency, from nccl-tests and the scaling book).")
+
+nbytes = BF16_BYTES * rows * cols
+topology = group_topology(chip, group, stride, achievable=achievable)
+kind = "achievable" if achievable else "spec"
+sizes = pow2_sizes(2**10, 2**34)
+array = f"bf16[{rows}, {cols}]"
+with right:
+    st.plotly_chart(cost_figure(topology, sizes, nbytes, title=f"{group} x {chip.name}, stride {stride} ({kind})"),
+                    key="cost")
+    st.caption(f"Topology: {topology.describe()}. Stars: your array, {array} = {format_bytes(nbytes)}. "
+               "Diamonds: each collective's crossover.")
+
+times = {op: topology.cost_s(op, nbytes) for op in COLLECTIVES}
+crossover = crossover_bytes(topology.all_gather_s)
+m = st.columns(5)
+for col, op in zip(m, COLLECTIVES, strict=False):
+    col.metric(COLLECTIVE_NAMES[op], format_seconds(times[op]))
+m[4].metric("Crossover V* (all-gather)", format_bytes(crossover) if crossover else "none")
+bound = "bandwidth" if crossover is not None and nbytes > crossover else "latency"
+st.markdown(
+    f"**Worked example.** All-gather of {array} ({format_bytes(nbytes)}) over {group} {chip.name} chips, "
+    f"stride {stride}: **{format_seconds(times['all_gather'])}**, {bound}-bound. All-reduce of the same "
+    f"array: {format_seconds(times['all_reduce'])}; all-to-all of {format_bytes(nbytes)} per chip: "
+    f"{format_seconds(times['all_to_all'])}."
+)
+if isinstance(topology, Ring | Switch):
+    st.latex(ring_formula_latex("all_gather", group, topology.link.latency_s, topology.link.bytes_per_s, nbytes))
+elif isinstance(topology, Hierarchy):
+    inner_s = topology.inner.all_gather_s(nbytes)
+    outer_s = topology.outer.all_gather_s(nbytes / topology.domain_size)
+    st.markdown(
+        f"The group spans {group // topology.domain_size} domains of {topology.domain_size} chips. Inside each "
+        f"domain the chips gather the full array over the fast links ({format_seconds(inner_s)}); across "
+        f"domains each chip only gathers 1/{topology.domain_size} of it, V/{topology.domain_size} = "
+        f"{format_bytes(nbytes / topology.domain_size)}, over the slower network ({format_seconds(outer_s)}). "
+        "The two levels run as one pipeline, so the slower sets the pace and both latencies add."
+    )
+else:
+    st.markdown("On a TPU torus the group spans one or more ICI axes with links in both directions, so each "
+                "axis works as a bidirectional ring (half the hops, twice the bandwidth of a one-way ring) "
+                "and several axes gather at once.")
+
+st.markdown("**Where the group sits.** The same collective on the same number of chips costs very "
+            f"different amounts depending on whether the members share fast links ({chip.name}: "
+            f"{chip.scaleup_domain} chips per {'TPU slice' if chip.kind == 'tpu' else 'NVLink domain'}):")
+placements = {1: "consecutive ranks (stride 1)",
+              chip.scaleup_domain: f"one chip per domain (stride {chip.scaleup_domain})"}
+placements.setdefault(stride, f"your stride ({stride})")
+rows_out = []
+for s, label in placements.items():
+    topo = group_topology(chip, group, s, achievable=achievable)
+    rows_out.append({"Placement": label, "Topology": topo.describe(),
+                     "All-gather": format_seconds(topo.all_gather_s(nbytes)),
+                     "All-reduce": format_seconds(topo.all_reduce_s(nbytes)),
+                     "All-to-all": format_seconds(topo.all_to_all_s(nbytes))})
+st.dataframe(rows_out, hide_index=True, width="stretch")
+
+st.header("Measure this machine")
+st.markdown(
+    "The same four collectives on real processes of the computer running ShardLab: N worker ranks "
+    "talk through gloo over the loopback network, every operation runs at several message sizes, and "
+    "a least-squares fit of the ring model gives this machine's α and β. The first run starts the "
+    "workers (a few seconds); later runs reuse them."
+)
+left, mid, right = st.columns(3)
+live_world = left.radio("Ranks", LIVE_WORLDS, horizontal=True, key="live_world")
+live_max = mid.select_slider("Largest message", LIVE_MAX_SIZES, value=4 * 2**20, format_func=format_bytes,
+                             key="live_max")
+repeats = right.slider("Repeats per size", 1, 10, 3, key="live_repeats",
+                       help="Each point is the median over repeats of the slowest rank's time.")
+live_sizes = pow2_sizes(LIVE_MIN_BYTES, live_max)[::2]
+st.caption(f"Sizes {format_bytes(live_sizes[0])} to {format_bytes(live_sizes[-1])}, every 4x "
+           f"({len(live_sizes)} sizes) x 4 collectives x {repeats} repeats on {live_world} ranks.")
+if st.button("Run the sweep", type="primary"):
+    from engine.sweep import run_collective_sweep
+
+    bar = st.progress(0.0, text=f"Starting {live_world} worker processes ...")
+    measurements = []
+    try:
+        for i, op in enumerate(COLLECTIVES):
+            bar.progress(i / len(COLLECTIVES), text=f"{COLLECTIVE_NAMES[op]} on {live_world} ranks ...")
+            measurements += run_collective_sweep(live_world, [op], live_sizes, repeats, SWEEP_TIMEOUT_S)
+        st.session_state["this_machine_link"] = machine_link(measurements, live_world)
+    # Any failure of the worker processes is the user's to read, not a traceback for the page.
+    except Exception as exc:
+        message, details = engine_error_message(exc)
+        st.error(message, icon=":material/error:")
+        if details:
+            with st.expander("Details from the workers"):
+                st.code(details, language=None)
+    finally:
+        bar.empty()
+
+result = st.session_state.get("this_machine_link")
+if result is not None:
+    st.plotly_chart(sweep_figure(result), key="sweep")
+    p1, p2, p3 = st.columns(3)
+    p1.metric("α (latency per step)", format_seconds(result.alpha_s))
+    p2.metric("W = 1/β (bandwidth)", f"{result.bytes_per_s / 1e9:,.2f} GB/s" if result.bytes_per_s else "n/a")
+    p3.metric("Crossover V* = N α W", format_bytes(result.world * result.alpha_s * result.bytes_per_s)
+              if result.bytes_per_s else "n/a")
+    st.dataframe([{"Collective": COLLECTIVE_NAMES[op], "α": format_seconds(a),
+                   "β (ns per byte)": round(b * 1e9, 4),
+                   "W = 1/β (GB/s)": round(1 / b / 1e9, 3) if b > 0 else None}
+                  for op, (a, b) in result.per_op.items()], hide_index=True, width="stretch")
+    if result.bytes_per_s:
+        nvlink = chip.scaleup_bytes_per_s
+        st.markdown(
+            f"Fitted at {result.world} ranks; the summary α and β are the medians over the four fits. "
+            f"{chip.name}'s scale-up link ({nvlink / 1e9:,.0f} GB/s, α ≈ {format_seconds(chip.scaleup_latency_s)}) "
+            f"is **{nvlink / result.bytes_per_s:,.0f}x** this machine's bandwidth, with "
+            f"**{result.alpha_s / chip.scaleup_latency_s:,.0f}x** less latency per step. Local processes "
+            "share memory bandwidth and CPU cores, so points scatter; the fit is kept for this session as "
+            "the \"this machine\" link of later lessons.")
