@@ -68,9 +68,9 @@ with left:
                              default=[k for k in ("a100-80gb", "b200", "tpu-v5e") if k != chip.key],
                              format_func=lambda k: CHIPS[k].name)
 
-if chip.fp8_flops_per_s is None and dtype == "fp8":
-    st.warning(f"{chip.name} has no fp8 matrix units, so this uses bf16. Pick bf16 or fp16, or a chip "
-               "with fp8 (H100, H200, B200...).")
+if dtype not in chip.dtypes:
+    st.warning(f"{chip.name} has no {dtype} matrix units, so this uses bf16. It supports: "
+               f"{', '.join(chip.dtypes)}. For fp8 pick a chip such as H100, H200 or B200.")
     dtype = "bf16"
 
 cost = matmul_cost(tokens, d_model, d_ff, dtype, chip, achievable=achievable)
@@ -79,7 +79,7 @@ series = [RooflineSeries(f"{chip.name} ({dtype})", chip.peak_flops_per_s(dtype, 
 skipped = []
 for key in compare:
     other = CHIPS[key]
-    if dtype == "fp8" and other.fp8_flops_per_s is None:
+    if dtype not in other.dtypes:
         skipped.append(other.name)
         continue
     series.append(RooflineSeries(other.name, other.peak_flops_per_s(dtype, achievable), other.hbm_bw(achievable)))
@@ -93,7 +93,7 @@ kind = "achievable" if achievable else "spec"
 with right:
     st.plotly_chart(roofline_figure(series, [point], title=f"Roofline ({kind})"), key="roofline")
     if skipped:
-        st.caption(f"Not drawn for fp8 (no fp8 matrix units): {', '.join(skipped)}.")
+        st.caption(f"Not drawn (no {dtype} matrix units): {', '.join(skipped)}.")
 
 verdict = f"{cost.bound}-bound"
 m1, m2, m3, m4 = st.columns(4)

@@ -88,6 +88,19 @@ def test_fp8_on_a_chip_without_fp8_explains_and_falls_back():
     assert any("no fp8" in w.value for w in at.warning)
 
 
+def test_fp16_on_a_tpu_explains_and_falls_back():
+    at = _page("app_pages/hardware.py", chip="tpu-v5p", dtype="fp16")
+    assert not at.exception
+    assert any("no fp16" in w.value for w in at.warning)
+
+
+def test_chips_without_the_dtype_are_left_out_of_the_comparison_with_a_note():
+    at = _page("app_pages/hardware.py", chip="h100", dtype="fp8")
+    assert not at.exception and not at.warning
+    note = next(c.value for c in at.caption if c.value.startswith("Not drawn"))
+    assert "A100" in note and "TPU v5e" in note and "B200" not in note
+
+
 def test_achievable_toggle_lowers_the_ridge_numbers():
     at = _page("app_pages/hardware.py", tokens="8192")
     spec_time = _metric(at, "Time")
