@@ -1,0 +1,27 @@
+"""The live engine: real sharded training steps of a small Transformer on N local processes.
+
+    config     frozen RunConfig / ModelConfig / ParallelConfig; `validate` raises ConfigError
+    mesh       named mesh axes -> rank coordinates and process groups
+    launch     the reusable worker pool (`get_pool`), per-rank errors and timeouts, no orphans
+    worker     the worker process entry (`python -m engine.worker`; also runs under torchrun)
+    comm       the only module calling torch.distributed; every operation becomes a comm span
+    recorder   per-rank spans on a clock aligned with rank 0
+    model      Llama-style decoder (RMSNorm, rotary GQA attention, SwiGLU or top-k MoE)
+    optim      elementwise AdamW shared by every strategy and the reference
+    reference  the single-process ground truth
+    strategy   the shared unit-by-unit forward/backward driver with compute spans
+    dp         data parallel: naive or bucketed and overlapped, gradient accumulation
+    flat       flat per-unit parameters and shards (ZeRO's common ground)
+    zero       ZeRO-1 and ZeRO-2
+    fsdp       ZeRO-3 / FSDP with prefetch
+    memory     activation bytes from autograd's saved tensors
+    train      one rank's run (the task the pool executes)
+    verify     comparison with the reference, tolerance and reason per quantity
+    run        `run(cfg)` -> (summary dict, Timeline): what the CLI and pages call
+    sweep      collective timing sweep on the pool and the alpha-beta fit
+    cli        `python -m engine run ...`
+    trace      the shared Timeline / Span format (no torch)
+
+Importing `engine` imports no torch; `config`, `run`, `launch`, `sweep` and `trace` stay torch-free
+in the calling process (the workers import it).
+"""

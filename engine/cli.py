@@ -27,7 +27,8 @@ def run_parser(prog: str) -> argparse.ArgumentParser:
                    help="ZeRO stage (default: 0 for dp, 3 for fsdp)")
     p.add_argument("--world", type=int, default=2, help="number of ranks (processes)")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps")
-    p.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps per optimizer step")
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="gradient accumulation steps per optimizer step")
     p.add_argument("--micro-batch-size", type=int, default=2, help="sequences per rank per micro-batch")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--trace", metavar="FILE.json", help="write a Chrome trace (open in Perfetto)")

@@ -174,7 +174,8 @@ class Comm:
 
     # -- collectives ---------------------------------------------------------------------------------
 
-    def all_reduce(self, t: torch.Tensor, group: str = "world", async_op: bool = False, name: str = "all_reduce"):
+    def all_reduce(self, t: torch.Tensor, group: str = "world", async_op: bool = False,
+                   name: str = "all_reduce"):
         """Sum `t` over the group in place."""
         n, wire = self.size(group), self._to_wire(t, group)
         return self._issue(name, group, _ring_bytes("all_reduce", t.numel() * t.element_size(), n), async_op,
@@ -187,13 +188,14 @@ class Comm:
         n = self.size(group)
         wire_out = self._wire_buffer(out)
         wire_in = self._to_wire(shard, group)
-        return self._issue(name, group, _ring_bytes("all_gather", out.numel() * out.element_size(), n), async_op,
+        sent = _ring_bytes("all_gather", out.numel() * out.element_size(), n)
+        return self._issue(name, group, sent, async_op,
                            lambda: dist.all_gather_single(wire_out.view(-1), wire_in.reshape(-1),
                                                                group=self.groups[group], async_op=True),
                            lambda: self._from_wire(wire_out, out, group))
 
-    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, group: str = "world", async_op: bool = False,
-                       name: str = "reduce_scatter"):
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, group: str = "world",
+                       async_op: bool = False, name: str = "reduce_scatter"):
         """out <- this rank's 1/n slice of the sum of every rank's `full` (flattened: gloo needs it flat)."""
         n = self.size(group)
         wire_out = self._wire_buffer(out)

@@ -160,7 +160,8 @@ def validate(cfg: RunConfig) -> RunConfig:
         _check(name in KNOWN_AXES, f"mesh axis {name!r} is unknown; use one of {', '.join(KNOWN_AXES)}")
         _check(degree >= 1, f"mesh axis {name}={degree} must be at least 1")
         _check(name in IMPLEMENTED_AXES or degree == 1,
-               f"mesh axis {name}={degree} has no strategy in the engine yet; use only dp (e.g. --mesh dp={cfg.world})")
+               f"mesh axis {name}={degree} has no strategy in the engine yet; "
+               f"use only dp (e.g. --mesh dp={cfg.world})")
         product *= degree
     _check(product == cfg.world, f"mesh {','.join(f'{n}={d}' for n, d in axes)} has {product} ranks but "
            f"world={cfg.world}; make the degrees multiply to the world size")

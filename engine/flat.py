@@ -107,7 +107,7 @@ class ShardedStrategy(Strategy):
         return state
 
     def param_storages(self):
-        return [u.full.untyped_storage() for u in self.units] + [u.shard.untyped_storage() for u in self.units]
+        return [t.untyped_storage() for u in self.units for t in (u.full, u.shard)]
 
     @staticmethod
     def _size(tensors) -> int:

@@ -258,7 +258,8 @@ class Pool:
     def _raise_if_exited(self, when: str, ranks=None) -> None:
         for rank, p in enumerate(self.procs):
             if (ranks is None or rank in ranks) and p.poll() is not None:
-                raise RankFailed(rank, f"worker exited with code {p.returncode} {when}\n{self._log_tail(rank)}")
+                raise RankFailed(rank, f"worker exited with code {p.returncode} {when}\n"
+                                       f"{self._log_tail(rank)}")
 
     def _where(self, ranks) -> dict[int, str]:
         """Ask each unfinished rank for its Python stack (faulthandler on SIGUSR1) and name the frame."""

@@ -102,12 +102,11 @@ def run_collective_sweep(world: int, ops: list[str], sizes_bytes: list[int], rep
         raise ConfigError("sizes_bytes must be a non-empty list of positive byte counts")
     if repeats < 1:
         raise ConfigError(f"repeats={repeats} must be at least 1")
-    results = launch.get_pool(world).run("engine.sweep:sweep_rank",
-                                         {"ops": list(ops), "sizes_bytes": list(sizes_bytes), "repeats": repeats},
-                                         timeout_s=timeout_s)
+    task = {"ops": list(ops), "sizes_bytes": list(sizes_bytes), "repeats": repeats}
+    results = launch.get_pool(world).run("engine.sweep:sweep_rank", task, timeout_s=timeout_s)
     measurements = []
     for i, first in enumerate(results[0]):
         slowest = [max(r[i]["times_s"][k] for r in results) for k in range(repeats)]
-        measurements.append({"op": first["op"], "bytes": first["bytes"], "seconds": statistics.median(slowest),
-                             "world": world})
+        measurements.append({"op": first["op"], "bytes": first["bytes"],
+                             "seconds": statistics.median(slowest), "world": world})
     return measurements

@@ -34,7 +34,8 @@ def make_strategy(cfg: RunConfig, model, comm: Comm, rec: Recorder) -> Strategy:
     return FSDP(*args)
 
 
-def run_rank(ctx, cfg: RunConfig, traced: bool = True, check: bool = False, return_states: bool = False) -> dict:
+def run_rank(ctx, cfg: RunConfig, traced: bool = True, check: bool = False,
+             return_states: bool = False) -> dict:
     """Train `cfg.steps` steps. With `check`, rank 0's result carries the comparison with the reference;
     with `return_states`, rank 0's result carries the gathered state after every step (CPU tensors)."""
     sync = torch.cuda.synchronize if ctx.device.type == "cuda" else None

@@ -59,7 +59,8 @@ def compare(cfg: RunConfig, reference: list, snapshots: list[dict], losses: list
             ref_tensors = getattr(ref, quantity)
             missing = set(ref_tensors) ^ set(snap[quantity])
             if missing:
-                failures.append(f"step {step}: {quantity} names differ from the reference: {sorted(missing)[:3]}")
+                failures.append(f"step {step}: {quantity} names differ from the reference: "
+                                f"{sorted(missing)[:3]}")
                 continue
             for name, t in ref_tensors.items():
                 note(quantity, f"{step} {name}", snap[quantity][name], t)

@@ -11,11 +11,12 @@ state (stage 1) and also gradients (stage 2) are split over the dp ranks. Parame
 Per rank, in fp32 with AdamW (Psi parameters, paper eq. 1 with K = 8 bytes of moments and no fp16
 copy): stage 1 holds 4 Psi + 4 Psi + 8 Psi / dp bytes, stage 2 holds 4 Psi + (4 + 8) Psi / dp.
 
-Both stages send what plain data parallel sends (a reduce-scatter plus an all-gather is one all-reduce,
-paper section 7.2). Gradient communication is issued per unit, asynchronously, from the hook that fires once autograd has
-accumulated the unit's flat gradient, so it overlaps the backward of earlier units. Stage 1 communicates
-once per step (on the last micro-batch, like DDP's no_sync); stage 2 reduce-scatters every micro-batch so
-that no full gradient outlives its unit's backward, and adds the shards up.
+Both stages send what plain data parallel sends (a reduce-scatter plus an all-gather is one
+all-reduce, paper section 7.2). Gradient communication is issued per unit, asynchronously, from the
+hook that fires once autograd has accumulated the unit's flat gradient, so it overlaps the backward
+of earlier units. Stage 1 communicates once per step (on the last micro-batch, like DDP's no_sync);
+stage 2 reduce-scatters every micro-batch so that no full gradient outlives its unit's backward, and
+adds the shards up.
 """
 
 from __future__ import annotations

@@ -64,9 +64,10 @@ def test_same_worker_entry_under_torchrun_with_two_nodes(tmp_path):
     # Two torchrun "nodes" on 127.0.0.1, one rank each: the multi-machine path, on one machine.
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     port, result = free_port(), tmp_path / "result.json"
-    nodes = [subprocess.Popen([torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node),
-                               "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "engine.worker",
-                               "--strategy", "fsdp", "--steps", "2", "--check", "--out", str(result)],
+    command = [torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+               "--master-port", str(port), "-m", "engine.worker",
+               "--strategy", "fsdp", "--steps", "2", "--check", "--out", str(result)]
+    nodes = [subprocess.Popen([*command, "--node-rank", str(node)],
                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for node in (0, 1)]
     logs = [n.communicate(timeout=240)[0] for n in nodes]

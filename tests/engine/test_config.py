@@ -37,14 +37,15 @@ def test_defaults_are_valid():
     ({"device": "tpu"}, "device='tpu'"),
 ])
 def test_impossible_configs_say_what_to_change(kw, says):
-    with pytest.raises(ConfigError, match=None) as err:
+    with pytest.raises(ConfigError) as err:
         validate(_cfg(**kw))
     assert says in str(err.value)
 
 
 def test_parse_mesh():
     assert parse_mesh("dp=2,tp=2") == (("dp", 2), ("tp", 2))
-    for bad, says in [("dp", "name=degree"), ("xx=2", "unknown"), ("dp=2,dp=2", "twice"), ("", "names no axis")]:
+    cases = [("dp", "name=degree"), ("xx=2", "unknown"), ("dp=2,dp=2", "twice"), ("", "names no axis")]
+    for bad, says in cases:
         with pytest.raises(ConfigError, match=says):
             parse_mesh(bad)
 

@@ -20,7 +20,8 @@ def test_model_is_deterministic_from_seed_and_moe_runs():
             assert torch.equal(pa, pb), na  # same seed, same construction order: bit-identical
         tokens, targets = global_batch(m, 3, 0, 2)
         loss = loss_fn(a(tokens), targets)
-        assert loss.item() == pytest.approx(torch.log(torch.tensor(256.0)).item(), rel=0.05)  # ~uniform at init
+        # Small init: the first prediction is close to uniform over the 256-token vocabulary.
+        assert loss.item() == pytest.approx(torch.log(torch.tensor(256.0)).item(), rel=0.05)
 
 
 def test_adamw_matches_torch_single_tensor_adamw_exactly():

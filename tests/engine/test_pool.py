@@ -1,6 +1,5 @@
 """The worker pool: reuse, a raising rank, a hanging rank, no orphans, usable afterwards."""
 
-import os
 import time
 
 import pytest

@@ -29,7 +29,8 @@ CASES = {  # name -> (ParallelConfig, micro_batches, mlp)
 
 def _cfg(world, case, steps=3):
     parallel, mb, mlp = CASES[case]
-    return RunConfig(model=ModelConfig(mlp=mlp), parallel=parallel, world=world, steps=steps, micro_batches=mb)
+    return RunConfig(model=ModelConfig(mlp=mlp), parallel=parallel, world=world, steps=steps,
+                     micro_batches=mb)
 
 
 @pytest.mark.parametrize("world", [2, 4])
