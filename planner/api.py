@@ -160,7 +160,7 @@ def search(case_or_dict, top: int = 5) -> SearchReport:
     """The `top` fastest layouts that fit, each with an explanation in words."""
     from planner.explain import explain
     case = as_case(case_or_dict)
-    res = _search.search(case)
+    res = _search.search(case, top=top)
     best = res.ranked[0] if res.ranked else None
     ranked = [Ranked(r, explain(r, best, res.ranked)) for r in res.ranked[:top]]
     return SearchReport(case, ranked, res.evaluated, res.considered, res.elapsed_s)

@@ -35,7 +35,8 @@ biases or dropout, RoPE, and FlashAttention (Dao 2023). `training.attention` ove
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from hardware.chips import Chip
@@ -87,11 +88,44 @@ def comm_s(topo: Topology, chip: Chip, kind: str, nbytes: float) -> float:
     return topo.cost_s(kind, nbytes) * (nbytes + V_HALF_BYTES[chip.kind]) / nbytes
 
 
+def tpu_slice_shape(chip: Chip, num_chips: int) -> tuple[int, ...]:
+    """The torus a TPU job of `num_chips` runs on: the whole pod when it needs it, else the most
+    cube-like slice with axes that are multiples of 4 (2 for tiny slices) inside the pod, as Cloud TPU
+    slice shapes go (v5p: 4x4x4 = 64 chips, 4x4x8, 4x8x8, 8x8x8, ... 16x20x28)."""
+    pod = tuple(chip.torus_shape)
+    if num_chips >= math.prod(pod):
+        return pod
+    step = 4 if num_chips >= 4 ** len(pod) else 2 if num_chips >= 2 ** len(pod) else 1
+    best = None
+    for shape in _factorisations(num_chips, len(pod)):
+        if all(a % step == 0 for a in shape) and all(a <= b for a, b in zip(sorted(shape), sorted(pod))):
+            if best is None or sorted(shape, reverse=True) < sorted(best, reverse=True):
+                best = shape
+    return best or pod
+
+
+def _factorisations(n: int, k: int) -> list[tuple[int, ...]]:
+    if k == 1:
+        return [(n,)]
+    return [(d, *rest) for d in range(1, n + 1) if n % d == 0 for rest in _factorisations(n // d, k - 1)
+            if d <= rest[0]]
+
+
+@lru_cache(maxsize=256)
+def cluster_chip(chip: Chip, num_chips: int, chips_per_node: int | None) -> Chip:
+    """The chip as this cluster wires it: a GPU node of `chips_per_node`, a TPU slice of `num_chips`."""
+    if chip.kind == "tpu":
+        shape = tpu_slice_shape(chip, num_chips)
+        return replace(chip, torus_shape=shape, scaleup_domain=math.prod(shape))
+    if chips_per_node and chips_per_node != chip.scaleup_domain:
+        return replace(chip, scaleup_domain=chips_per_node)
+    return chip
+
+
 @lru_cache(maxsize=4096)
 def topology(chip: Chip, n: int, stride: int, chips_per_node: int) -> Topology:
     """The group's topology; a case's `chips_per_node` overrides the chip's scale-up domain."""
     if chips_per_node != chip.scaleup_domain and chip.kind == "gpu":
-        from dataclasses import replace
         chip = replace(chip, scaleup_domain=chips_per_node)
     return group_topology(chip, n, stride, achievable=True)
 

@@ -171,7 +171,7 @@ def search(case: Case, top: int | None = None) -> SearchResult:
     layouts are known, any layout whose bound is not below the top-th step time cannot enter the
     ranking and is skipped. The top `top` are exactly those of the full enumeration.
     """
-    chip = get_chip(case.cluster.chip)
+    chip = costs.cluster_chip(get_chip(case.cluster.chip), case.cluster.num_chips, case.cluster.chips_per_node)
     if case.training.dtype == "fp16" and chip.kind == "tpu":
         raise SpecError("training.dtype", f"{chip.name} has no fp16 matrix unit; use bf16")
     if case.training.dtype == "fp8" and chip.fp8_flops_per_s is None:
