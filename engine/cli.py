@@ -86,6 +86,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
+    if cfg.device == "cuda":
+        import torch  # only here: a cpu run's parent process never imports torch
+
+        if torch.cuda.device_count() == 0:
+            print("error: --device cuda, but torch sees no CUDA device here; use --device cpu", file=sys.stderr)
+            return EXIT_BAD_INPUT
+
     from engine.launch import WorkerError
     from engine.run import run
 

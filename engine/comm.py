@@ -53,7 +53,7 @@ def new_group(ranks: list[int], timeout_s: float):
     return dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
 
 
-def measure_clock_offset(rounds: int = 5) -> float:
+def measure_clock_offset(device: torch.device, rounds: int = 5) -> float:
     """Seconds to add to this rank's perf_counter to read rank 0's clock.
 
     Ranks leave a barrier within a few tens of microseconds of each other, so the clock readings taken
@@ -63,8 +63,9 @@ def measure_clock_offset(rounds: int = 5) -> float:
     offsets = []
     for _ in range(rounds):
         dist.barrier()
-        now = torch.tensor([time.perf_counter()], dtype=torch.float64)
-        readings = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+        # NCCL only moves device tensors; the copy happens after the clock was read.
+        now = torch.tensor([time.perf_counter()], dtype=torch.float64).to(device)
+        readings = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(world)]
         dist.all_gather(readings, now)
         offsets.append(readings[0].item() - now.item())
     return statistics.median(offsets)

@@ -335,7 +335,8 @@ def get_pool(world: int, device: str = "cpu", collective_timeout_s: float = 30.0
         pool = _registry.get(key)
         if pool is None or pool.collective_timeout_s != collective_timeout_s:
             if pool is not None:
-                pool.shutdown()
+                with pool._lock:  # let a run in progress on the old pool finish first
+                    pool.shutdown()
             pool = _registry[key] = Pool(world, device, collective_timeout_s)
         return pool
 

@@ -74,7 +74,7 @@ def start_rank(rank: int, world: int, local_rank: int, local_world: int, device:
     torch.set_num_threads(1)  # ranks share the machine's cores; one thread each avoids oversubscription
     comm.init(backend, init_method, rank, world, collective_timeout_s)
     ctx = Context(rank, world, local_rank, dev, backend, collective_timeout_s)
-    ctx.clock_offset_s = comm.measure_clock_offset()
+    ctx.clock_offset_s = comm.measure_clock_offset(dev if backend == "nccl" else torch.device("cpu"))
     return ctx
 
 
