@@ -1,12 +1,20 @@
 """Analytic planner: memory, FLOPs, a simulated step on real chips, and the auto-parallel search.
 
-No torch here: pages import it everywhere. Entry points: `estimate`, `search` (planner.api), the
-presets (planner.models, planner.presets) and `python -m planner`.
+No torch here: pages import it everywhere. Entry points: `estimate` and `search` (planner.api),
+`make_case` with the model and cluster presets (planner.models, planner.presets), and the CLI
+`python -m planner estimate|search CASE.json`.
+
+Modules: models (shapes, presets), case (case files, validation), flops (parameters, FLOPs, MFU/HFU),
+memory (ZeRO, activations, pipeline in-flight), costs (per-layer compute and collectives, efficiency
+curves), simulate (pipeline step time, breakdown), timeline (predicted Timeline), layout_search
+(enumeration, pruning, branch and bound), explain (words), api, presets, validation.
 """
 
 from planner.api import Estimate, SearchReport, estimate, search
 from planner.case import Case, Cluster, Layout, Parallel, Training, parse_case
 from planner.models import DEFAULT_MODEL, MODEL_PRESETS, ModelSpec, SpecError
+from planner.presets import CLUSTER_PRESETS, DEFAULT_CLUSTER, make_case
 
-__all__ = ["Case", "Cluster", "DEFAULT_MODEL", "Estimate", "Layout", "MODEL_PRESETS", "ModelSpec", "Parallel",
-           "SearchReport", "SpecError", "Training", "estimate", "parse_case", "search"]
+__all__ = ["CLUSTER_PRESETS", "Case", "Cluster", "DEFAULT_CLUSTER", "DEFAULT_MODEL", "Estimate", "Layout",
+           "MODEL_PRESETS", "ModelSpec", "Parallel", "SearchReport", "SpecError", "Training", "estimate",
+           "make_case", "parse_case", "search"]
