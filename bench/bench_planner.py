@@ -16,7 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from planner.api import estimate, search  # noqa: E402
+from planner import layout_search  # noqa: E402
+from planner.api import as_case, estimate, search  # noqa: E402
 from planner.models import MODEL_PRESETS  # noqa: E402
 from planner.validation import load_published_runs, validate  # noqa: E402
 
@@ -58,21 +59,32 @@ def unseen_runs() -> None:
           f"{est.model_tflops_per_chip:.0f} model TFLOP/s per GPU (published ~400); chosen {est.chosen}")
 
 
+SEARCH_CASES = [("Llama 3 8B", "h100", 8, 64), ("Llama 3 70B", "h100", 1024, 1024),
+                ("Mixtral 8x7B", "h100", 256, 1024), ("DeepSeek-V3", "h800", 2048, 4096),
+                ("Llama 3 405B", "tpu-v5p", 8960, 2048), ("Llama 3 405B", "h100", 16384, 2048)]
+
+
+def _summary(report) -> str:
+    if not report.ranked:
+        return "nothing fits"
+    best = report.ranked[0].result
+    lay = best.layout
+    return (f"dp={lay.dp} tp={lay.tp} pp={lay.pp} cp={lay.cp} ep={lay.ep} v={lay.virtual_stages} "
+            f"b={lay.micro_batch} zero={lay.zero_stage} rc={lay.recompute}, MFU {100 * best.mfu:.1f}%")
+
+
 def search_timings() -> None:
-    print("\nSearch (every field null):")
-    for name, chip, chips, batch in [("Llama 3 8B", "h100", 8, 64), ("Llama 3 70B", "h100", 1024, 1024),
-                                     ("Mixtral 8x7B", "h100", 256, 1024), ("Llama 3 405B", "tpu-v5p", 8960, 2048),
-                                     ("Llama 3 405B", "h100", 16384, 2048)]:
+    print("\nSearch, every field null, top 3 by branch and bound:")
+    for name, chip, chips, batch in SEARCH_CASES:
         t0 = time.perf_counter()
         report = search(case(name, chip, chips, batch), top=3)
         elapsed = time.perf_counter() - t0
-        best = report.ranked[0].result.layout if report.ranked else None
-        summary = (f"dp={best.dp} tp={best.tp} pp={best.pp} cp={best.cp} ep={best.ep} v={best.virtual_stages} "
-                   f"b={best.micro_batch} zero={best.zero_stage} rc={best.recompute}") if best else "nothing fits"
-        mfu = f"{100 * report.ranked[0].result.mfu:.1f}%" if report.ranked else "-"
-        print(f"  {name:13s} on {chips:6d} x {chip:9s}: {report.considered:6d} layouts, {report.evaluated:6d} "
-              f"simulated, {elapsed:6.2f} s wall; best {summary}, MFU {mfu}")
-    print("  first explanation of the 405B / 16,384 H100 winner:")
+        print(f"  {name:13s} on {chips:6d} x {chip:8s}: {report.considered:6d} layouts, "
+              f"{report.evaluated:6d} simulated, {elapsed:6.2f} s wall; best {_summary(report)}")
+    full = layout_search.search(as_case(case("Llama 3 405B", "h100", 16384, 2048)))
+    print(f"  Llama 3 405B on 16,384 H100, full ranking of every fitting layout: {full.evaluated} simulated "
+          f"in {full.elapsed_s:.2f} s wall")
+    print("  explanation of the 405B / 16,384 H100 winner:")
     for line in report.ranked[0].explanation:
         print(f"    {line}")
 

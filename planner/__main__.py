@@ -20,7 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     est = sub.add_parser("estimate", help="step time, MFU, memory per chip of one case")
     est.add_argument("case", help="case JSON file (null fields are chosen)")
-    est.add_argument("--timeline", metavar="PATH", help="also write the predicted timeline (Chrome trace JSON)")
+    est.add_argument("--timeline", metavar="PATH",
+                     help="also write the predicted timeline (Chrome trace JSON)")
     sea = sub.add_parser("search", help="rank the layouts of the case's null fields")
     sea.add_argument("case", help="case JSON file")
     sea.add_argument("--top", type=int, default=5, help="how many layouts to print (default 5)")

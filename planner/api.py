@@ -137,7 +137,8 @@ class Ranked:
 
     def as_dict(self, rank: int) -> dict:
         r = self.result
-        return {"rank": rank, "step_time_s": r.step_time_s, "mfu": r.mfu, "tflops_per_chip": r.tflops_per_chip,
+        return {"rank": rank, "step_time_s": r.step_time_s, "mfu": r.mfu,
+                "tflops_per_chip": r.tflops_per_chip,
                 "memory_bytes_per_chip": r.memory.total_bytes, "layout": r.layout.as_dict(),
                 "micro_batches": r.micro_batches, "breakdown_s": r.breakdown, "explanation": self.explanation}
 
@@ -151,7 +152,8 @@ class SearchReport:
     elapsed_s: float
 
     def as_dict(self) -> dict:
-        return {"name": self.case.name, "chip": self.case.cluster.chip, "num_chips": self.case.cluster.num_chips,
+        cluster = self.case.cluster
+        return {"name": self.case.name, "chip": cluster.chip, "num_chips": cluster.num_chips,
                 "considered": self.considered, "evaluated": self.evaluated, "elapsed_s": self.elapsed_s,
                 "layouts": [r.as_dict(i + 1) for i, r in enumerate(self.ranked)]}
 

@@ -170,7 +170,8 @@ def parse_case(data) -> Case:
 
     p = _check_keys(data.get("parallel", {}), {f.name for f in fields(Parallel)}, "parallel")
     parallel = Parallel(
-        **{k: _int(p, k, "parallel", required=False) for k in ("dp", "tp", "pp", "cp", "ep", "virtual_stages")},
+        **{k: _int(p, k, "parallel", required=False)
+           for k in ("dp", "tp", "pp", "cp", "ep", "virtual_stages")},
         pp_schedule=_choice(p, "pp_schedule", "parallel", SCHEDULES),
     )
 
@@ -229,7 +230,8 @@ def check_fixed(case: Case) -> None:
         if not _divides(p.ep, m.experts):
             raise SpecError("parallel.ep", f"{p.ep} does not divide experts={m.experts}")
         if p.dp and not _divides(p.ep, p.dp * (p.cp or 1)) and p.cp is not None:
-            raise SpecError("parallel.ep", f"{p.ep} must divide dp*cp={p.dp * p.cp} (EP is carved from DP x CP)")
+            raise SpecError("parallel.ep",
+                            f"{p.ep} must divide dp*cp={p.dp * p.cp} (EP is carved from DP x CP)")
     gb, mb = case.training.global_batch, case.training.micro_batch
     if p.dp and not _divides(p.dp, gb):
         raise SpecError("parallel.dp", f"{p.dp} does not divide training.global_batch={gb}")

@@ -174,12 +174,14 @@ def elementwise_bytes(m: ModelSpec, lay: Layout, moe: bool, sb: float) -> tuple[
     return outside, scores
 
 
-def layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe: bool, chips_per_node: int) -> LayerCost:
+def layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe: bool,
+               chips_per_node: int) -> LayerCost:
     """One layer's costs; memoised on the layout fields a layer sees (layouts differing only in pp,
     schedule or ZeRO-0/1/2 share them, which keeps the search fast)."""
     z3 = lay.zero_stage == 3
-    return _layer_cost_cached(m, lay.tp, lay.cp, lay.ep, lay.micro_batch, lay.sequence_parallel, lay.attention,
-                              lay.recompute, z3, lay.dp if z3 else 1, chip, dtype, moe, chips_per_node)
+    return _layer_cost_cached(m, lay.tp, lay.cp, lay.ep, lay.micro_batch, lay.sequence_parallel,
+                              lay.attention, lay.recompute, z3, lay.dp if z3 else 1, chip, dtype, moe,
+                              chips_per_node)
 
 
 @lru_cache(maxsize=65536)
@@ -191,7 +193,8 @@ def _layer_cost_cached(m: ModelSpec, tp: int, cp: int, ep: int, micro_batch: int
     return _layer_cost(m, lay, chip, dtype, moe, chips_per_node)
 
 
-def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe: bool, chips_per_node: int) -> LayerCost:
+def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe: bool,
+                chips_per_node: int) -> LayerCost:
     t, cp = lay.tp, lay.cp
     tokens = lay.micro_batch * m.seq_len / cp  # tokens of one micro-batch on this chip's sequence shard
     h, hd = m.hidden, m.head_dim_
@@ -236,7 +239,8 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe: bool, ch
     if moe:
         local_experts = m.experts / lay.ep
         per_expert_tokens = max(1.0, tokens * m.top_k * lay.ep / m.experts)
-        mlp_s += local_experts * (mm(per_expert_tokens, h, n_in * ffn / t) + mm(per_expert_tokens, ffn / t, h))
+        mlp_s += local_experts * (mm(per_expert_tokens, h, n_in * ffn / t)
+                                  + mm(per_expert_tokens, ffn / t, h))
         mlp_s += mm(tokens, h, m.experts)  # router
 
     fwd_matmul_s = proj_s + mlp_s
@@ -289,7 +293,8 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe: bool, ch
         z3_fwd = max(0.0, ag - fwd_s)
         z3_bwd = max(0.0, ag + rs - bwd_s)
 
-    flops = 2.0 * tokens * (lp.attention + lp.mlp) / t + 2.0 * tokens * m.seq_len * heads_local * (qk_dim + hd)
+    flops = (2.0 * tokens * (lp.attention + lp.mlp) / t
+             + 2.0 * tokens * m.seq_len * heads_local * (qk_dim + hd))
     if moe:
         flops += 2.0 * tokens * m.top_k * lp.experts / m.experts / t
     return LayerCost(fwd_s, bwd_s, recompute_s, attn_s, tp_s, tp_s, cp_fwd, cp_bwd, ep_s, ep_s,

@@ -48,8 +48,10 @@ def explain(res: StepResult, best: StepResult | None, ranked: list[StepResult]) 
                                                  dp=lay.dp), res.micro_batches, case.training.optimizer)
         reason = (f"without it a chip would need {mem_pp1.total_bytes / 1e9:.0f} GB"
                   if mem_pp1 is not None and mem_pp1.total_bytes > hbm else "it beats more DP or TP here")
-        sched = f"{lay.pp_schedule} with v={lay.virtual_stages}" if lay.virtual_stages > 1 else lay.pp_schedule
-        words.append(f"PP={lay.pp} ({sched}, m={res.micro_batches} micro-batches of {lay.micro_batch}) because "
+        sched = (f"{lay.pp_schedule} with v={lay.virtual_stages}" if lay.virtual_stages > 1
+                 else lay.pp_schedule)
+        words.append(f"PP={lay.pp} ({sched}, m={res.micro_batches} micro-batches of {lay.micro_batch}) "
+                     "because "
                      f"{reason}; the bubble costs {_pct(bd['bubble'], step)} and the sends "
                      f"{_pct(bd['pp_comm'], step)}.")
     if lay.cp > 1:
@@ -61,8 +63,9 @@ def explain(res: StepResult, best: StepResult | None, ranked: list[StepResult]) 
     if lay.dp > 1:
         zero = {0: "replicated optimizer state", 1: "ZeRO-1 (sharded optimizer state)",
                 2: "ZeRO-2 (sharded optimizer state and gradients)", 3: "ZeRO-3 (everything sharded)"}
-        words.append(f"DP={lay.dp} with {zero[lay.zero_stage]}; gradient sync shows {_pct(bd['dp_comm'], step)}"
-                     f"{' and ZeRO-3 gathers ' + _pct(bd['zero3_comm'], step) if lay.zero_stage == 3 else ''}.")
+        z3 = f" and ZeRO-3 gathers {_pct(bd['zero3_comm'], step)}" if lay.zero_stage == 3 else ""
+        words.append(f"DP={lay.dp} with {zero[lay.zero_stage]}; gradient sync shows "
+                     f"{_pct(bd['dp_comm'], step)}{z3}.")
     rc = {"none": "No recomputation: the activations fit",
           "selective": "Selective recomputation (attention core only)",
           "full": "Full recomputation: only layer inputs are kept"}[lay.recompute]

@@ -46,7 +46,8 @@ def _mlp_params(m: ModelSpec, ffn: int) -> int:
 def attention_params(m: ModelSpec) -> int:
     d, n, k, hd = m.hidden, m.heads, m.kv_heads, m.head_dim_
     if m.is_mla:
-        # DeepSeek-V2 (arXiv 2405.04434) sec. 2.1.2: W_DQ, W_UQ (incl. RoPE part), W_DKV + W_KR, W_UK, W_UV, W_O
+        # DeepSeek-V2 (arXiv 2405.04434) sec. 2.1.2: W_DQ, W_UQ (with the RoPE part), W_DKV + W_KR,
+        # W_UK, W_UV, W_O
         q = (d * m.q_lora_rank + m.q_lora_rank * n * (hd + m.rope_head_dim)) if m.q_lora_rank \
             else d * n * (hd + m.rope_head_dim)
         kv = d * (m.kv_lora_rank + m.rope_head_dim) + m.kv_lora_rank * n * 2 * hd

@@ -118,7 +118,8 @@ def candidate_layouts(case: Case, chip: Chip) -> Iterator[Layout]:
                 for sched, v in _schedules(case, pp, per_replica // b):
                     sps = [t.sequence_parallel] if t.sequence_parallel is not None else [tp > 1]
                     for sp in sps:
-                        yield Layout(dp, tp, pp, cp, ep, sched, v, b, 0, "none", bool(sp and tp > 1), attention)
+                        yield Layout(dp, tp, pp, cp, ep, sched, v, b, 0, "none", bool(sp and tp > 1),
+                                     attention)
 
 
 def _fitting_variants(case: Case, lay: Layout, hbm: float) -> Iterator[Layout]:
@@ -157,7 +158,8 @@ def lower_bound_s(case: Case, lay: Layout, chip: Chip) -> float:
     if lay.pp > 1:
         topo = costs.topology(chip, lay.pp, lay.tp * lay.cp * lay.dp, node)
         p2p = costs.comm_s(topo, chip, "p2p", lay.micro_batch * m.seq_len / lay.cp * m.hidden * 2 / lay.tp)
-    layers = [sum(n for _, n in chunks) for chunks in stage_layer_ranges(m.layers, lay.pp, lay.virtual_stages)]
+    ranges = stage_layer_ranges(m.layers, lay.pp, lay.virtual_stages)
+    layers = [sum(n for _, n in chunks) for chunks in ranges]
     micro_batches = t.global_batch // (lay.dp * lay.micro_batch)
     v = lay.virtual_stages
     return (micro_batches * (max(layers) * c + 2 * v * p2p)
@@ -171,7 +173,8 @@ def search(case: Case, top: int | None = None) -> SearchResult:
     layouts are known, any layout whose bound is not below the top-th step time cannot enter the
     ranking and is skipped. The top `top` are exactly those of the full enumeration.
     """
-    chip = costs.cluster_chip(get_chip(case.cluster.chip), case.cluster.num_chips, case.cluster.chips_per_node)
+    cl = case.cluster
+    chip = costs.cluster_chip(get_chip(cl.chip), cl.num_chips, cl.chips_per_node)
     if case.training.dtype == "fp16" and chip.kind == "tpu":
         raise SpecError("training.dtype", f"{chip.name} has no fp16 matrix unit; use bf16")
     if case.training.dtype == "fp8" and chip.fp8_flops_per_s is None:
@@ -209,5 +212,6 @@ def choose(case: Case) -> StepResult:
 
 
 def _nothing_fits_message(case: Case) -> str:
-    return (f"no layout of {case.model.name} on {case.cluster.num_chips} x {case.cluster.chip} fits in memory "
+    cl = case.cluster
+    return (f"no layout of {case.model.name} on {cl.num_chips} x {cl.chip} fits in memory "
             "and divides evenly; free more fields (null), add chips, or shrink the batch")

@@ -32,7 +32,7 @@ OPTIMIZER_BYTES = {"adam": 12, "sgd": 8}  # fp32 master + moments (ZeRO sec. 3.1
 
 
 def zero_bytes_per_param(stage: int, shards: int, optimizer: str = "adam") -> tuple[float, float, float]:
-    """(weights, grads, optimizer) bytes per parameter under ZeRO `stage` over `shards` ranks (ZeRO Fig. 1)."""
+    """(weights, grads, optimizer) bytes per parameter, ZeRO `stage` over `shards` ranks (ZeRO Fig. 1)."""
     k = OPTIMIZER_BYTES[optimizer]
     w = WEIGHT_BYTES / shards if stage >= 3 else WEIGHT_BYTES
     g = GRAD_BYTES / shards if stage >= 2 else GRAD_BYTES

@@ -2,7 +2,7 @@
 
 A step on the most loaded pipeline stage s, with m micro-batches and v model chunks per stage:
 
-    T_pipe = m * S_max + (sum_i S_i - S_max) / v        (S_i = forward + backward of one micro-batch on stage i)
+    T_pipe = m * S_max + (sum_i S_i - S_max) / v   (S_i: forward + backward of one micro-batch on stage i)
 
 For equal stages this is (m + (p-1)/v) * S: the 1F1B bubble fraction (p-1)/m (Narayanan et al. 2021,
 sec. 2.2.1) and the interleaved one (p-1)/(v m) (sec. 2.2.2); GPipe has the same bubble as 1F1B
@@ -37,8 +37,8 @@ from planner.flops import hardware_flops, model_flops
 from planner.memory import Memory, layer_mix, memory_per_chip, stage_groups, stage_layer_ranges, stage_params
 from planner.models import ModelSpec
 
-GRAD_COMM_BYTES = {"bf16": 4, "fp16": 2, "fp8": 4}  # Megatron-LM reduces bf16 grads in fp32
-                                                     # (arguments.py: bf16 => accumulate_allreduce_grads_in_fp32)
+# Megatron-LM reduces bf16 gradients in fp32 (arguments.py: bf16 => accumulate_allreduce_grads_in_fp32)
+GRAD_COMM_BYTES = {"bf16": 4, "fp16": 2, "fp8": 4}
 
 BREAKDOWN_KEYS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "zero3_comm", "pp_comm",
                   "bubble", "dp_comm", "optimizer")
@@ -226,7 +226,8 @@ def simulate(case: Case, lay: Layout, chip: Chip, memory: Memory | None = None) 
     crit = max(range(len(stages)), key=lambda i: totals[i])
     # stage i's last backward ends about i chunk-backwards before stage 0's: that is its slack
     reps = sorted(rep_total)
-    dp_exposed = max(max(0.0, stages[i].dp_exposed_s - i * stages[i].bwd_s / lay.virtual_stages) for i in reps)
+    dp_exposed = max(max(0.0, stages[i].dp_exposed_s - i * stages[i].bwd_s / lay.virtual_stages)
+                     for i in reps)
     opt = max(stages[i].optimizer_s for i in reps)
     breakdown = dict.fromkeys(BREAKDOWN_KEYS, 0.0)
     for ch in stages[crit].chunks:
@@ -241,7 +242,8 @@ def simulate(case: Case, lay: Layout, chip: Chip, memory: Memory | None = None) 
     node = case.cluster.chips_per_node or chip.scaleup_domain
     return StepResult(case, lay, chip, micro_batches, step, t_pipe, breakdown, stages, mem,
                       model_flops(m, tokens), hardware_flops(m, tokens, lay.recompute),
-                      mem.total_bytes <= usable_hbm_bytes(chip), {"critical_stage": crit, "chips_per_node": node})
+                      mem.total_bytes <= usable_hbm_bytes(chip),
+                      {"critical_stage": crit, "chips_per_node": node})
 
 
 USABLE_HBM_FRACTION = 0.95  # CUDA/XLA runtime, NCCL buffers and allocator fragmentation take ~5% (estimate)

@@ -53,8 +53,9 @@ def _pass_spans(rank: int, chunk: ChunkCost, kind: str, start: float, mb: int, r
                 idx += 1
         add("compute", f"{'fwd' if kind == 'F' else 'bwd'} {label} extra", start + total - chunk.p2p_s - t)
     else:
-        comm = chunk.parts["tp_comm"] + chunk.parts["cp_comm"] + chunk.parts["ep_comm"] + chunk.parts["zero3_comm"]
-        comm_share = comm * (chunk.fwd_s - chunk.p2p_s) / max(1e-30, chunk.fwd_s + chunk.bwd_s - 2 * chunk.p2p_s)
+        comm = sum(chunk.parts[k] for k in ("tp_comm", "cp_comm", "ep_comm", "zero3_comm"))
+        passes_s = max(1e-30, chunk.fwd_s + chunk.bwd_s - 2 * chunk.p2p_s)
+        comm_share = comm * (chunk.fwd_s - chunk.p2p_s) / passes_s
         share = comm_share if kind == "F" else comm - comm_share
         add("compute", f"{'fwd' if kind == 'F' else 'bwd'} {label}", total - chunk.p2p_s - share)
         add("comm", "layer collectives", share, "tp")
@@ -110,7 +111,8 @@ def predicted_timeline(res: StepResult, max_spans: int = 20000) -> Timeline:
         t = clock[r]
         if stage.dp_total_s > 0:
             hidden = stage.dp_total_s - stage.dp_exposed_s
-            spans.append(Span(rank_of[r], "comm", "dp gradient sync", t - hidden, t - hidden + stage.dp_total_s,
+            spans.append(Span(rank_of[r], "comm", "dp gradient sync", t - hidden,
+                              t - hidden + stage.dp_total_s,
                               group="dp", is_async=hidden > 0))
             t += stage.dp_exposed_s
         spans.append(Span(rank_of[r], "compute", "optimizer step", t, t + stage.optimizer_s))
@@ -118,7 +120,8 @@ def predicted_timeline(res: StepResult, max_spans: int = 20000) -> Timeline:
         if t < pipe_end:
             spans.append(Span(rank_of[r], "idle", "wait", t, pipe_end))
     tl = Timeline(spans, source="predicted", meta={
-        "case": res.case.name, "chip": res.chip.key, "schedule": lay.pp_schedule, "pp": p, "virtual_stages": v,
+        "case": res.case.name, "chip": res.chip.key, "schedule": lay.pp_schedule, "pp": p,
+        "virtual_stages": v,
         "micro_batches": m, "ranks": "one chip per pipeline stage (tp/cp/dp rank 0)",
         "analytic_step_s": res.step_time_s, "detailed": detailed,
     })

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from planner.api import estimate
 
-PUBLISHED_RUNS = Path(__file__).resolve().parent.parent.parent / "shared" / "validation" / "published-runs.json"
+# the repository sits beside ../shared (DESIGN.md)
+PUBLISHED_RUNS = Path(__file__).resolve().parents[2] / "shared" / "validation" / "published-runs.json"
 
 
 @dataclass(frozen=True)

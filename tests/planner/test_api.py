@@ -9,8 +9,9 @@ import planner
 
 
 def test_planner_never_imports_torch():
-    code = "import sys, planner; planner.estimate(planner.make_case('Llama 3 8B', '8x H100 (one node)')).timeline; " \
-           "print('torch' in sys.modules)"
+    code = ("import sys, planner; "
+            "planner.estimate(planner.make_case('Llama 3 8B', '8x H100 (one node)')).timeline; "
+            "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 
@@ -32,6 +33,7 @@ def test_estimate_from_objects_has_everything_a_page_needs():
 
 
 def test_fixed_zero_and_recompute_are_respected():
-    case = planner.make_case("Llama 3 8B", "8x H100 (one node)", zero_stage=1, recompute="full", micro_batch=2)
+    case = planner.make_case("Llama 3 8B", "8x H100 (one node)", zero_stage=1, recompute="full",
+                             micro_batch=2)
     lay = planner.estimate(case).layout
     assert (lay.zero_stage, lay.recompute, lay.micro_batch) == (1, "full", 2)

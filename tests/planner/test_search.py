@@ -39,8 +39,8 @@ def _brute_force_best(case) -> float:
             mb = t.global_batch // (dp * b)
             scheds = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("gpipe", 1)] + [
                 ("interleaved-1f1b", v) for v in divisors(m.layers // pp) if v >= 2 and mb % pp == 0]
-            for (sched, v), z, rc, sp in itertools.product(scheds, range(4), ("none", "selective", "full"),
-                                                          (False, True)):
+            variants = itertools.product(scheds, range(4), ("none", "selective", "full"), (False, True))
+            for (sched, v), z, rc, sp in variants:
                 if (sp and tp == 1) or (rc == "selective" and attention == "flash"):
                     continue
                 lay = Layout(dp, tp, pp, cp, ep, sched, v, b, z, rc, sp, attention)
@@ -50,6 +50,7 @@ def _brute_force_best(case) -> float:
     return best
 
 
+SHAPE = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len", "mlp")
 SMALL_DENSE = {"layers": 8, "hidden": 1024, "heads": 16, "kv_heads": 4, "ffn": 2816, "vocab": 32000,
                "seq_len": 2048, "mlp": "swiglu"}
 SMALL_GPT = {"layers": 12, "hidden": 2048, "heads": 16, "kv_heads": 16, "ffn": 8192, "vocab": 50257,
@@ -81,7 +82,7 @@ def test_search_respects_fixed_fields():
 def test_memory_pruning_drops_what_does_not_fit():
     # 70B on 8 GPUs without ZeRO-3 or PP cannot hold 16 bytes/param (1.1 TB)
     m = MODEL_PRESETS["Llama 3 70B"]
-    model = {k: getattr(m, k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len", "mlp")}
+    model = {k: getattr(m, k) for k in SHAPE}
     res = search(parse_case(_free_case(model, 8, 8, "h100")))
     assert all(r.fits for r in res.ranked)
     assert all(r.layout.pp > 1 or r.layout.zero_stage == 3 for r in res.ranked)
@@ -89,7 +90,7 @@ def test_memory_pruning_drops_what_does_not_fit():
 
 def test_llama3_405b_on_16k_h100_returns_ranked_explained_layouts():
     m = MODEL_PRESETS["Llama 3 405B"]
-    model = {k: getattr(m, k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len", "mlp")}
+    model = {k: getattr(m, k) for k in SHAPE}
     raw = _free_case(model, 16384, 2048, "h100")
     raw["parallel"] = {"tp": 8}  # keep the test quick; the full search runs in bench/bench_planner.py
     report = search_report(raw, top=3)

@@ -32,4 +32,5 @@ def test_recompute_ordering_holds(rows):
     # Korthikanti et al. 2022 Table 5: selective + SP is faster than full recomputation for every size
     by_name = {r.name: r for r in rows}
     for size in ("22B", "175B", "530B", "1T"):
-        assert by_name[f"korthikanti2022-{size}-seq-sel"].predicted_s < by_name[f"korthikanti2022-{size}-full"].predicted_s
+        sel, full = by_name[f"korthikanti2022-{size}-seq-sel"], by_name[f"korthikanti2022-{size}-full"]
+        assert sel.predicted_s < full.predicted_s
