@@ -1,6 +1,8 @@
 """The search against brute force on small cases, and its answer for Llama 3 405B on 16,384 H100s."""
 
 import itertools
+import json
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +14,8 @@ from planner.layout_search import divisors, search
 from planner.memory import memory_per_chip
 from planner.models import MODEL_PRESETS
 from planner.simulate import simulate, usable_hbm_bytes
+
+CASES = Path(__file__).resolve().parents[2] / "planner" / "cases"
 
 
 def _free_case(model: dict, chips: int, batch: int, chip: str = "a100-80gb", node: int = 8) -> dict:
@@ -88,18 +92,24 @@ def test_memory_pruning_drops_what_does_not_fit():
     assert all(r.layout.pp > 1 or r.layout.zero_stage == 3 for r in res.ranked)
 
 
-def test_llama3_405b_on_16k_h100_returns_ranked_explained_layouts():
-    m = MODEL_PRESETS["Llama 3 405B"]
-    model = {k: getattr(m, k) for k in SHAPE}
-    raw = _free_case(model, 16384, 2048, "h100")
-    raw["parallel"] = {"tp": 8}  # keep the test quick; the full search runs in bench/bench_planner.py
-    report = search_report(raw, top=3)
-    assert len(report.ranked) == 3
-    best = report.ranked[0].result
-    assert best.layout.pp > 1  # 405B needs pipelining or ZeRO-3 to fit 80 GB
-    assert 0.2 < best.mfu < 0.7
-    assert any("TP=8" in line for line in report.ranked[0].explanation)
-    assert "slower than the best" in report.ranked[1].explanation[0]
+def test_llama3_405b_on_16k_h100_returns_ranked_explained_layouts(capsys):
+    from planner.__main__ import main
+    assert main(["search", str(CASES / "llama3-405b-16k-h100.json"), "--top", "3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["num_chips"] == 16384 and len(out["layouts"]) == 3
+    best, second = out["layouts"][0], out["layouts"][1]
+    assert best["layout"]["pp"] > 1 or best["layout"]["zero_stage"] == 3  # 405B cannot sit whole on 80 GB
+    assert 0.2 < best["mfu"] < 0.7
+    assert any(line.startswith("TP=") or line.startswith("No TP") for line in best["explanation"])
+    assert "slower than the best" in second["explanation"][0]
+
+
+@pytest.mark.parametrize("name", ["mixtral-256-h100.json", "llama3-8b-v5p-64.json"])
+def test_example_cases_estimate(name, capsys):
+    from planner.__main__ import main
+    assert main(["estimate", str(CASES / name)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] and out["chosen"]["parallel"]
 
 
 @pytest.mark.parametrize("model, chips, batch, chip", [
