@@ -86,7 +86,8 @@ with left:
     }
     st.info(notes[collective])
 with right:
-    st.plotly_chart(ring_figure(collective, ring_n), key="ring")
+    # No mode bar: it would cover the step caption, and zooming a diagram teaches nothing.
+    st.plotly_chart(ring_figure(collective, ring_n), key="ring", config={"displayModeBar": False})
 
 st.header("What it costs: the alpha-beta model")
 st.markdown(
@@ -132,8 +133,8 @@ kind = "achievable" if achievable else "spec"
 sizes = pow2_sizes(2**10, 2**34)
 array = f"bf16[{rows}, {cols}]"
 with right:
-    st.plotly_chart(cost_figure(topology, sizes, nbytes, title=f"{group} x {chip.name}, stride {stride} ({kind})"),
-                    key="cost")
+    title = f"{group} x {chip.name}, stride {stride} ({kind})"
+    st.plotly_chart(cost_figure(topology, sizes, nbytes, title=title), key="cost")
     st.caption(f"Topology: {topology.describe()}. Stars: your array, {array} = {format_bytes(nbytes)}. "
                "Diamonds: each collective's crossover.")
 
@@ -151,15 +152,17 @@ st.markdown(
     f"{format_seconds(times['all_to_all'])}."
 )
 if isinstance(topology, Ring | Switch):
-    st.latex(ring_formula_latex("all_gather", group, topology.link.latency_s, topology.link.bytes_per_s, nbytes))
+    link = topology.link
+    st.latex(ring_formula_latex("all_gather", group, link.latency_s, link.bytes_per_s, nbytes))
 elif isinstance(topology, Hierarchy):
     inner_s = topology.inner.all_gather_s(nbytes)
     outer_s = topology.outer.all_gather_s(nbytes / topology.domain_size)
     st.markdown(
-        f"The group spans {group // topology.domain_size} domains of {topology.domain_size} chips. Inside each "
-        f"domain the chips gather the full array over the fast links ({format_seconds(inner_s)}); across "
-        f"domains each chip only gathers 1/{topology.domain_size} of it, V/{topology.domain_size} = "
-        f"{format_bytes(nbytes / topology.domain_size)}, over the slower network ({format_seconds(outer_s)}). "
+        f"The group spans {group // topology.domain_size} domains of {topology.domain_size} chips. Inside "
+        f"each domain the chips gather the full array over the fast links ({format_seconds(inner_s)}); "
+        f"across domains each chip only gathers 1/{topology.domain_size} of it, V/{topology.domain_size} = "
+        f"{format_bytes(nbytes / topology.domain_size)}, over the slower network "
+        f"({format_seconds(outer_s)}). "
         "The two levels run as one pipeline, so the slower sets the pace and both latencies add."
     )
 else:
@@ -234,7 +237,8 @@ if result is not None:
         nvlink = chip.scaleup_bytes_per_s
         st.markdown(
             f"Fitted at {result.world} ranks; the summary α and β are the medians over the four fits. "
-            f"{chip.name}'s scale-up link ({nvlink / 1e9:,.0f} GB/s, α ≈ {format_seconds(chip.scaleup_latency_s)}) "
+            f"{chip.name}'s scale-up link ({nvlink / 1e9:,.0f} GB/s, "
+            f"α ≈ {format_seconds(chip.scaleup_latency_s)}) "
             f"is **{nvlink / result.bytes_per_s:,.0f}x** this machine's bandwidth, with "
             f"**{result.alpha_s / chip.scaleup_latency_s:,.0f}x** less latency per step. Local processes "
             "share memory bandwidth and CPU cores, so points scatter; the fit is kept for this session as "

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -146,41 +147,53 @@ def ring_steps(collective: str, n: int) -> list[RingStep]:
     steps = [RingStep(0, "start", f"{name}, {n} chips. {start}", _freeze(held), ())]
     last = n - 1
     if collective in ("reduce_scatter", "all_reduce"):
+        label = "Reduce-scatter" if collective == "reduce_scatter" else "Phase 1, reduce-scatter"
         for s in range(1, n):
             sent = _reduce_scatter_step(held, n, s)
-            done = (f" Each chip now holds one shard summed over all {n} chips."
-                    if s == last else "")
-            label = "Reduce-scatter" if collective == "reduce_scatter" else "Phase 1, reduce-scatter"
-            steps.append(RingStep(len(steps), "reduce-scatter",
-                                  f"{label}, step {s}/{last}: every chip sends one partial shard to the next, "
-                                  f"which adds its own (Σk = k chips summed in).{done}", _freeze(held), sent))
+            done = f" Each chip now holds one shard summed over all {n} chips." if s == last else ""
+            caption = (f"{label}, step {s}/{last}: every chip sends one partial shard to the next, which "
+                       f"adds its own (Σk = k chips summed in).{done}")
+            steps.append(RingStep(len(steps), "reduce-scatter", caption, _freeze(held), sent))
     if collective in ("all_gather", "all_reduce"):
+        label = "All-gather" if collective == "all_gather" else "Phase 2, all-gather"
         for s in range(1, n):
             sent = _gather_step(held, n, s)
-            label = "All-gather" if collective == "all_gather" else "Phase 2, all-gather"
             done = " Every chip holds the whole array." if s == last else ""
-            steps.append(RingStep(len(steps), "all-gather",
-                                  f"{label}, step {s}/{last}: every chip passes on the shard it got last "
-                                  f"(at first its own); all {n} links carry 1/{n} of the array.{done}",
-                                  _freeze(held), sent))
+            caption = (f"{label}, step {s}/{last}: every chip passes on the shard it got last (at first its "
+                       f"own); all {n} links carry 1/{n} of the array.{done}")
+            steps.append(RingStep(len(steps), "all-gather", caption, _freeze(held), sent))
     if collective == "all_to_all":
         for s in range(1, n):
             sent = _all_to_all_step(held, n)
             per_link = max(len(t.blocks) for t in sent)
             done = " Every chunk has arrived." if s == last else ""
-            steps.append(RingStep(len(steps), "all-to-all",
-                                  f"All-to-all, step {s}/{last}: every chip forwards the chunks not addressed "
-                                  f"to it ({per_link} per link); a chunk for the chip d hops ahead crosses d "
-                                  f"links.{done}", _freeze(held), sent))
+            caption = (f"All-to-all, step {s}/{last}: every chip forwards the chunks not addressed to it "
+                       f"({per_link} per link); a chunk for the chip d hops ahead crosses d links.{done}")
+            steps.append(RingStep(len(steps), "all-to-all", caption, _freeze(held), sent))
     return steps
 
 
 # ---- drawing the ring ------------------------------------------------------------------------------
 
-RING_RADIUS = 1.05  # chips sit on this circle (plot units)
-LINK_RADIUS = 0.62  # links are drawn as arcs inside it, clear of the blocks
-SLOT_PITCH = 0.16
+SLOT_PITCH = 0.2  # distance between neighbouring blocks, plot units
 EMPTY_SLOT_COLOR = "#DDDDDD"
+RING_HEIGHT_PX = 640
+RING_MARGIN_PX = {"l": 10, "r": 10, "t": 70, "b": 80}  # top: the step caption; bottom: buttons and slider
+CAPTION_CHARS = 95  # Plotly titles do not wrap; break the caption into lines this long
+
+
+def _ring_radius(n: int) -> float:
+    # Seven or eight chips put neighbours' two-row block grids close: a wider ring keeps them apart.
+    return 1.0 if n <= 6 else 1.25
+
+
+def _link_radius(n: int) -> float:
+    # Links run as arcs inside the ring of chips, clear of the blocks.
+    return _ring_radius(n) - 0.45
+
+
+def _span(n: int) -> float:
+    return _ring_radius(n) + 0.45
 
 
 def _angle(chip: int, n: int) -> float:
@@ -188,9 +201,9 @@ def _angle(chip: int, n: int) -> float:
     return math.pi / 2 - 2 * math.pi * chip / n
 
 
-def _chip_xy(chip: int, n: int, radius: float = RING_RADIUS) -> tuple[float, float]:
-    a = _angle(chip, n)
-    return radius * math.cos(a), radius * math.sin(a)
+def _chip_xy(chip: int, n: int) -> tuple[float, float]:
+    a, r = _angle(chip, n), _ring_radius(n)
+    return r * math.cos(a), r * math.sin(a)
 
 
 def _slot_grid(n: int) -> tuple[int, int]:
@@ -212,7 +225,8 @@ def _arc(src: int, n: int, points: int = 24) -> tuple[list[float], list[float]]:
     trim = min(0.12, span * 0.12)
     a0, a1 = _angle(src, n) - trim, _angle(src, n) - span + trim
     angles = [a0 + (a1 - a0) * k / (points - 1) for k in range(points)]
-    return [LINK_RADIUS * math.cos(a) for a in angles], [LINK_RADIUS * math.sin(a) for a in angles]
+    r = _link_radius(n)
+    return [r * math.cos(a) for a in angles], [r * math.sin(a) for a in angles]
 
 
 def _block_label(block: Block, collective: str) -> str:
@@ -237,6 +251,16 @@ def _block_color(block: Block, collective: str) -> str:
     # All-to-all colours a chunk by its sender, so the receivers' rows end up as rainbows.
     key = min(block.sources) if collective == "all_to_all" else block.shard
     return PALETTE[key % len(PALETTE)]
+
+
+def _block_px(n: int) -> float:
+    """Marker size that fills a slot: the height fixes the scale, the x axis is anchored to it."""
+    plot_px = RING_HEIGHT_PX - RING_MARGIN_PX["t"] - RING_MARGIN_PX["b"]
+    return 0.9 * SLOT_PITCH * plot_px / (2 * _span(n))
+
+
+def _wrap(text: str) -> str:
+    return "<br>".join(textwrap.wrap(text, CAPTION_CHARS))
 
 
 def _slot_trace(step: RingStep, collective: str, n: int) -> go.Scatter:
@@ -266,7 +290,7 @@ def _slot_trace(step: RingStep, collective: str, n: int) -> go.Scatter:
     return go.Scatter(
         x=xs, y=ys, mode="markers+text", text=texts, hovertext=hovers, hoverinfo="text", showlegend=False,
         textfont={"size": 10 if collective == "all_to_all" else 12, "color": "black"},
-        marker={"symbol": "square", "size": 30, "color": colors, "opacity": opacities,
+        marker={"symbol": "square", "size": _block_px(n), "color": colors, "opacity": opacities,
                 "line": {"color": borders, "width": widths}},
     )
 
@@ -322,6 +346,12 @@ def _static_traces(n: int) -> list[go.Scatter]:
     return [ring_trace, labels]
 
 
+def _title(step: RingStep) -> dict:
+    # Each frame sets the whole title: a frame that sets only the text drops the font.
+    return {"text": f"<b>{_wrap(step.caption)}</b>", "font": {"size": 14}, "x": 0.01, "xanchor": "left",
+            "y": 0.98, "yanchor": "top"}
+
+
 def _dynamic_traces(step: RingStep, collective: str, n: int) -> list[go.Scatter]:
     return [_slot_trace(step, collective, n), *_link_traces(step, collective, n)]
 
@@ -332,16 +362,15 @@ def ring_figure(collective: str, n: int, frame_ms: int = 1000) -> go.Figure:
     static = _static_traces(n)
     dynamic_ids = list(range(len(static), len(static) + 3))
     frames = [go.Frame(name=str(s.index), data=_dynamic_traces(s, collective, n), traces=dynamic_ids,
-                       layout={"title": {"text": s.caption}}) for s in steps]
+                       layout={"title": _title(s)}) for s in steps]
     fig = go.Figure(data=static + _dynamic_traces(steps[0], collective, n), frames=frames)
     redraw = {"mode": "immediate", "frame": {"duration": 0, "redraw": True}, "transition": {"duration": 0}}
     slider_steps = [{"label": "start" if s.index == 0 else str(s.index), "method": "animate",
                      "args": [[str(s.index)], redraw]} for s in steps]
-    span = RING_RADIUS + 0.45
+    span = _span(n)
     fig.update_layout(
-        title={"text": steps[0].caption, "font": {"size": 14}, "x": 0.01, "xanchor": "left",
-               "automargin": True},
-        height=640, margin={"l": 10, "r": 10, "t": 90, "b": 10}, plot_bgcolor="white",
+        title=_title(steps[0]),
+        height=RING_HEIGHT_PX, margin=RING_MARGIN_PX, plot_bgcolor="white",
         xaxis={"range": [-span, span], "visible": False},
         yaxis={"range": [-span, span], "visible": False, "scaleanchor": "x"},
         updatemenus=[{
@@ -356,13 +385,15 @@ def ring_figure(collective: str, n: int, frame_ms: int = 1000) -> go.Figure:
                                    "transition": {"duration": 0}}]},
             ],
         }],
-        sliders=[{"active": 0, "steps": slider_steps, "x": 0.18, "len": 0.82, "y": 0.0, "yanchor": "top",
-                  "pad": {"t": 10}, "currentvalue": {"prefix": "step ", "font": {"size": 13}}}],
+        sliders=[{"active": 0, "steps": slider_steps, "x": 0.22, "len": 0.78, "y": 0.0, "yanchor": "top",
+                  "pad": {"t": 10}, "currentvalue": {"visible": False}}],
     )
     return fig
 
 
 # ---- alpha-beta cost ------------------------------------------------------------------------------
+
+SIZE_AXIS_TITLE = "message size (bytes; all-to-all: per rank)"
 
 def format_bytes(nbytes: float) -> str:
     """Binary units, as array sizes are usually quoted: 32 MiB, 1.5 GiB."""
@@ -407,8 +438,12 @@ def cost_figure(topology, sizes_bytes: list[int], example_bytes: float | None = 
     for i, op in enumerate(COLLECTIVES):
         color = PALETTE[i]
         times_us = [topology.cost_s(op, b) * 1e6 for b in sizes_bytes]
+        # Reduce-scatter costs what all-gather costs: dash it so the line under it stays visible.
+        line = {"color": color, "width": 3}
+        if op == "reduce_scatter":
+            line = {"color": color, "width": 2, "dash": "dash"}
         fig.add_trace(go.Scatter(
-            x=sizes_bytes, y=times_us, mode="lines", name=COLLECTIVE_NAMES[op], line={"color": color, "width": 3},
+            x=sizes_bytes, y=times_us, mode="lines", name=COLLECTIVE_NAMES[op], line=line,
             hovertemplate=f"{COLLECTIVE_NAMES[op]}<br>%{{x:.3s}}B<br>%{{y:.4g}} µs<extra></extra>",
         ))
         cross = crossover_bytes(lambda b, op=op: topology.cost_s(op, b))
@@ -427,13 +462,15 @@ def cost_figure(topology, sizes_bytes: list[int], example_bytes: float | None = 
             ))
     cross = crossover_bytes(topology.all_gather_s)
     if cross is not None and lo < cross < hi:
-        fig.add_vrect(x0=lo, x1=cross, fillcolor="#4C78A8", opacity=0.08, line_width=0,
-                      annotation_text="latency-bound", annotation_position="top left")
-        fig.add_vrect(x0=cross, x1=hi, fillcolor="#F58518", opacity=0.08, line_width=0,
-                      annotation_text="bandwidth-bound", annotation_position="top right")
+        for x0, x1, color, text in ((lo, cross, "#4C78A8", "latency-bound"),
+                                    (cross, hi, "#F58518", "bandwidth-bound")):
+            fig.add_vrect(x0=x0, x1=x1, fillcolor=color, opacity=0.08, line_width=0)
+            # Shapes take data coordinates on a log axis, annotations take log10 of them.
+            fig.add_annotation(x=math.log10(math.sqrt(x0 * x1)), y=1, yref="paper", yanchor="bottom",
+                               text=f"<b>{text}</b>", showarrow=False, font={"color": color, "size": 13})
     if example_bytes is not None:
         fig.add_vline(x=example_bytes, line={"color": "black", "width": 1, "dash": "dash"})
-    fig.update_xaxes(type="log", dtick=1, exponentformat="SI", title="message size (bytes; all-to-all: per rank)")
+    fig.update_xaxes(type="log", dtick=1, exponentformat="SI", title=SIZE_AXIS_TITLE)
     fig.update_yaxes(type="log", dtick=1, title="time (µs)")
     fig.update_layout(title=title, height=480, margin={"l": 10, "r": 10, "t": 50, "b": 10},
                       legend={"orientation": "h", "y": -0.18})
@@ -500,7 +537,8 @@ def sweep_figure(result: MachineLink) -> go.Figure:
         color = PALETTE[i]
         rows = sorted((m["bytes"], m["seconds"]) for m in result.measurements if m["op"] == op)
         fig.add_trace(go.Scatter(
-            x=[b for b, _ in rows], y=[s * 1e6 for _, s in rows], mode="markers", name=f"{COLLECTIVE_NAMES[op]} measured",
+            x=[b for b, _ in rows], y=[s * 1e6 for _, s in rows], mode="markers",
+            name=f"{COLLECTIVE_NAMES[op]} measured",
             marker={"color": color, "size": 9},
             hovertemplate=f"{COLLECTIVE_NAMES[op]} measured<br>%{{x:.3s}}B<br>%{{y:.4g}} µs<extra></extra>",
         ))
@@ -515,7 +553,7 @@ def sweep_figure(result: MachineLink) -> go.Figure:
             line={"color": color, "width": 2, "dash": "dot"},
             hovertemplate=f"{COLLECTIVE_NAMES[op]} model<br>%{{x:.3s}}B<br>%{{y:.4g}} µs<extra></extra>",
         ))
-    fig.update_xaxes(type="log", dtick=1, exponentformat="SI", title="message size (bytes; all-to-all: per rank)")
+    fig.update_xaxes(type="log", dtick=1, exponentformat="SI", title=SIZE_AXIS_TITLE)
     fig.update_yaxes(type="log", title="time (µs), slowest rank, median of repeats")
     fig.update_layout(title=f"This machine, {result.world} local ranks (gloo over loopback)", height=460,
                       margin={"l": 10, "r": 10, "t": 50, "b": 10}, legend={"orientation": "h", "y": -0.2})
@@ -535,8 +573,9 @@ def engine_error_message(exc: BaseException) -> tuple[str, str | None]:
         return (f"Rank {exc.rank} failed: {last}. The workers were stopped; the next run starts fresh ones.",
                 exc.detail)
     if isinstance(exc, RunTimedOut):
-        return (f"The sweep did not finish within {exc.timeout_s:g} s (ranks {', '.join(map(str, exc.ranks))} "
-                "were still running). The workers were stopped; try fewer sizes, fewer repeats or fewer ranks.",
+        ranks = ", ".join(map(str, exc.ranks))
+        return (f"The sweep did not finish within {exc.timeout_s:g} s (ranks {ranks} were still running)."
+                " The workers were stopped; try fewer sizes, fewer repeats or fewer ranks.",
                 str(exc))
     if isinstance(exc, WorkerError):
         return f"The worker processes failed: {exc}", None
