@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 from planner.models import ModelSpec, SpecError
 
 RECOMPUTE = ("none", "selective", "full")
-SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
+SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe", "zb-h1")
 DTYPES = ("bf16", "fp16", "fp8")
 OPTIMIZERS = ("adam", "sgd")
 ATTENTION_KERNELS = ("flash", "materialized")
@@ -240,7 +240,7 @@ def check_fixed(case: Case) -> None:
                         f"global_batch={gb}")
     if p.pp_schedule == "interleaved-1f1b" and p.virtual_stages == 1:
         raise SpecError("parallel.virtual_stages", "interleaved-1f1b needs virtual_stages >= 2 (or null)")
-    if p.pp_schedule in ("1f1b", "gpipe") and p.virtual_stages and p.virtual_stages > 1:
+    if p.pp_schedule in ("1f1b", "gpipe", "zb-h1") and p.virtual_stages and p.virtual_stages > 1:
         raise SpecError("parallel.pp_schedule", f"virtual_stages={p.virtual_stages} needs interleaved-1f1b")
 
 

@@ -148,6 +148,7 @@ class LayerCost:
     zero3_bwd_s: float
     fwd_flops: float
     tp_bytes: float  # bytes one TP collective moves (full array)
+    wgrad_s: float  # the weight-gradient matmuls inside bwd_compute_s (what ZB-H1 defers)
 
 
 def elementwise_bytes(m: ModelSpec, lay: Layout, moe: bool, sb: float) -> tuple[float, float]:
@@ -298,7 +299,7 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe: bool,
     if moe:
         flops += 2.0 * tokens * m.top_k * lp.experts / m.experts / t
     return LayerCost(fwd_s, bwd_s, recompute_s, attn_s, tp_s, tp_s, cp_fwd, cp_bwd, ep_s, ep_s,
-                     z3_fwd, z3_bwd, flops, act_bytes)
+                     z3_fwd, z3_bwd, flops, act_bytes, fwd_matmul_s)
 
 
 def logits_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str) -> tuple[float, float]:

@@ -86,10 +86,10 @@ def _schedules(case: Case, pp: int, micro_batches: int) -> Iterator[tuple[str, i
     if pp == 1:
         yield (p.pp_schedule or "1f1b"), 1
         return
-    schedules = [p.pp_schedule] if p.pp_schedule else ["1f1b", "interleaved-1f1b"]
+    schedules = [p.pp_schedule] if p.pp_schedule else ["1f1b", "interleaved-1f1b", "zb-h1"]
     for sched in schedules:
-        if sched in ("1f1b", "gpipe"):
-            if p.virtual_stages in (None, 1):
+        if sched in ("1f1b", "gpipe", "zb-h1"):
+            if p.virtual_stages in (None, 1) and not (sched == "zb-h1" and micro_batches < pp):
                 yield sched, 1
             continue
         if micro_batches % pp:
@@ -162,8 +162,9 @@ def lower_bound_s(case: Case, lay: Layout, chip: Chip) -> float:
     layers = [sum(n for _, n in chunks) for chunks in ranges]
     micro_batches = t.global_batch // (lay.dp * lay.micro_batch)
     v = lay.virtual_stages
-    return (micro_batches * (max(layers) * c + 2 * v * p2p)
-            + (lay.pp - 1) * (min(layers) * c + 2 * v * p2p) / v)
+    # ZB-H1 fills with F + B - 2W, which this bound does not split out: count no fill for it
+    fill = 0.0 if lay.pp_schedule == "zb-h1" else (lay.pp - 1) * (min(layers) * c + 2 * v * p2p) / v
+    return micro_batches * (max(layers) * c + 2 * v * p2p) + fill
 
 
 def search(case: Case, top: int | None = None) -> SearchResult:

@@ -54,6 +54,10 @@ def in_flight_chunks(stage: int, lay: Layout, micro_batches: int) -> float:
     p, v, m = lay.pp, lay.virtual_stages, micro_batches
     if lay.pp_schedule == "gpipe":
         return m * v
+    if lay.pp_schedule == "zb-h1":
+        # 1F1B's activations plus up to i + 1 micro-batches' deferred weight-gradient inputs (Qi et al.
+        # 2023 Table 1), counted as whole micro-batches: an upper bound
+        return min(p - stage, m) + min(stage + 1, m)
     if v > 1:
         # Megatron-LM interleaved warm-up: (p - i - 1) * 2 + (v - 1) * p micro-batch chunks, then 1 more
         return min((p - stage - 1) * 2 + (v - 1) * p + 1, m * v)

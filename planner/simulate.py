@@ -6,7 +6,9 @@ A step on the most loaded pipeline stage s, with m micro-batches and v model chu
 
 For equal stages this is (m + (p-1)/v) * S: the 1F1B bubble fraction (p-1)/m (Narayanan et al. 2021,
 sec. 2.2.1) and the interleaved one (p-1)/(v m) (sec. 2.2.2); GPipe has the same bubble as 1F1B
-(Huang et al. 2019) but keeps all m micro-batches in memory. Unequal stages (embedding on the first,
+(Huang et al. 2019) but keeps all m micro-batches in memory. ZB-H1 (Qi et al. 2023 sec. 2.1) defers the
+weight-gradient matmuls W into the drain, so each stage adds F + B - 2W instead of S = F + B to the
+fill and drain: bubble (p-1)(F + B_input - W). Unequal stages (embedding on the first,
 logits on the last) make the slowest stage pace the steady state. Then
 
     step = T_pipe + exposed data-parallel gradient sync + optimizer update.
@@ -52,6 +54,7 @@ class ChunkCost:
     layers: int
     p2p_s: float  # the pipeline send included in each of fwd_s and bwd_s
     layer_costs: tuple  # ((LayerCost, count), ...) of the layers in the chunk
+    wgrad_s: float  # weight-gradient part of bwd_s (deferrable under ZB-H1)
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,10 @@ class StageCost:
     @property
     def total_s(self) -> float:
         return self.fwd_s + self.bwd_s
+
+    @property
+    def wgrad_s(self) -> float:
+        return sum(c.wgrad_s for c in self.chunks)
 
 
 @dataclass(frozen=True)
@@ -141,8 +148,9 @@ def _chunk(m: ModelSpec, lay: Layout, dense_lc: LayerCost, moe_lc: LayerCost | N
     bwd += extra_bwd + p2p_s
     parts["compute"] += extra_fwd + extra_bwd
     parts["pp_comm"] += 2 * p2p_s
-    return ChunkCost(fwd, bwd, parts, n_dense + n_moe, p2p_s,
-                     tuple((lc, n) for lc, n in ((dense_lc, n_dense), (moe_lc, n_moe)) if n))
+    layer_costs = tuple((lc, n) for lc, n in ((dense_lc, n_dense), (moe_lc, n_moe)) if n)
+    return ChunkCost(fwd, bwd, parts, n_dense + n_moe, p2p_s, layer_costs,
+                     sum(lc.wgrad_s * n for lc, n in layer_costs))
 
 
 def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
@@ -208,10 +216,13 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
     return [by_rep[g] for g in groups]
 
 
-def pipeline_time_s(stage_totals: list[float], micro_batches: int, virtual: int) -> float:
-    """T_pipe = m * S_max + (sum S - S_max) / v (module docstring)."""
+def pipeline_time_s(stage_totals: list[float], micro_batches: int, virtual: int,
+                    fill_s: list[float] | None = None) -> float:
+    """T_pipe = m * S_max + (sum F - F_crit) / v, F_i = S_i except for ZB-H1 (module docstring)."""
     s_max = max(stage_totals)
-    return micro_batches * s_max + (sum(stage_totals) - s_max) / virtual
+    fill = fill_s if fill_s is not None else stage_totals
+    crit = stage_totals.index(s_max)
+    return micro_batches * s_max + (sum(fill) - fill[crit]) / virtual
 
 
 def simulate(case: Case, lay: Layout, chip: Chip, memory: Memory | None = None) -> StepResult:
@@ -222,7 +233,11 @@ def simulate(case: Case, lay: Layout, chip: Chip, memory: Memory | None = None) 
     groups = stage_groups(m, lay.pp, lay.virtual_stages)
     rep_total = {i: stages[i].total_s for i in set(groups)}
     totals = [rep_total[g] for g in groups]
-    t_pipe = pipeline_time_s(totals, micro_batches, lay.virtual_stages)
+    fill = None
+    if lay.pp_schedule == "zb-h1":
+        rep_fill = {i: max(0.0, stages[i].total_s - 2 * stages[i].wgrad_s) for i in rep_total}
+        fill = [rep_fill[g] for g in groups]
+    t_pipe = pipeline_time_s(totals, micro_batches, lay.virtual_stages, fill)
     crit = max(range(len(stages)), key=lambda i: totals[i])
     # stage i's last backward ends about i chunk-backwards before stage 0's: that is its slack
     reps = sorted(rep_total)

@@ -16,8 +16,9 @@ from planner.simulate import ChunkCost, StepResult
 
 
 def _pass_spans(rank: int, chunk: ChunkCost, kind: str, start: float, mb: int, recompute: str,
-                detailed: bool, label: str) -> list[Span]:
-    """Spans of one forward ("F") or backward ("B") of one micro-batch through one chunk."""
+                detailed: bool, label: str, deferred_s: float = 0.0) -> list[Span]:
+    """Spans of one forward ("F") or backward ("B") of one micro-batch through one chunk; a ZB-H1
+    backward-input pass leaves out the `deferred_s` of weight-gradient work."""
     spans: list[Span] = []
     t = start
 
@@ -28,7 +29,7 @@ def _pass_spans(rank: int, chunk: ChunkCost, kind: str, start: float, mb: int, r
                               group=group))
             t += dur
 
-    total = chunk.fwd_s if kind == "F" else chunk.bwd_s
+    total = chunk.fwd_s if kind == "F" else chunk.bwd_s - deferred_s
     if detailed:
         idx = 0
         for lc, n in chunk.layer_costs:
@@ -57,7 +58,8 @@ def _pass_spans(rank: int, chunk: ChunkCost, kind: str, start: float, mb: int, r
         passes_s = max(1e-30, chunk.fwd_s + chunk.bwd_s - 2 * chunk.p2p_s)
         comm_share = comm * (chunk.fwd_s - chunk.p2p_s) / passes_s
         share = comm_share if kind == "F" else comm - comm_share
-        add("compute", f"{'fwd' if kind == 'F' else 'bwd'} {label}", total - chunk.p2p_s - share)
+        name = "fwd" if kind == "F" else "bwd-input" if deferred_s else "bwd"
+        add("compute", f"{name} {label}", total - chunk.p2p_s - share)
         add("comm", "layer collectives", share, "tp")
     return spans
 
@@ -82,25 +84,33 @@ def predicted_timeline(res: StepResult, max_spans: int = 20000) -> Timeline:
                 a = order[r][cursor[r]]
                 chunk = res.stages[r].chunks[a.stage // p]
                 if a.kind == "F":
-                    dep = ("F", a.micro_batch, a.stage - 1) if a.stage > 0 else None
-                else:
-                    dep = ("B", a.micro_batch, a.stage + 1) if a.stage < num_stages - 1 else None
-                if dep is not None and dep not in done:
+                    deps = [("F", a.micro_batch, a.stage - 1)] if a.stage > 0 else []
+                elif a.kind == "BW":
+                    deps = [("B", a.micro_batch, a.stage)]
+                else:  # B, or BI: the input gradient, which the previous stage waits for
+                    deps = [("F", a.micro_batch, a.stage)]
+                    if a.stage < num_stages - 1:
+                        deps.append(("B", a.micro_batch, a.stage + 1))
+                if any(d not in done for d in deps):
                     break
-                ready = done[dep] if dep is not None else 0.0
-                if a.kind != "F" and ("F", a.micro_batch, a.stage) not in done:
-                    break
-                start = max(clock[r], ready)
+                start = max([clock[r]] + [done[d] for d in deps])
                 if start > clock[r]:
                     spans.append(Span(rank_of[r], "idle", "bubble", clock[r], start))
-                kind = "F" if a.kind == "F" else "B"
-                spans.extend(_pass_spans(rank_of[r], chunk, kind, start, a.micro_batch, lay.recompute,
-                                         detailed, f"s{a.stage}"))
-                end = start + (chunk.fwd_s if kind == "F" else chunk.bwd_s)
-                if chunk.p2p_s > 0:
-                    spans.append(Span(rank_of[r], "comm", "send act" if kind == "F" else "send grad",
-                                      end - chunk.p2p_s, end, micro_batch=a.micro_batch, group="pp"))
-                done[(kind, a.micro_batch, a.stage)] = end
+                if a.kind == "BW":
+                    end = start + chunk.wgrad_s
+                    spans.append(Span(rank_of[r], "compute", f"wgrad s{a.stage}", start, end,
+                                      micro_batch=a.micro_batch))
+                    done[("BW", a.micro_batch, a.stage)] = end
+                else:
+                    kind = "F" if a.kind == "F" else "B"
+                    deferred = chunk.wgrad_s if a.kind == "BI" else 0.0
+                    spans.extend(_pass_spans(rank_of[r], chunk, kind, start, a.micro_batch, lay.recompute,
+                                             detailed and not deferred, f"s{a.stage}", deferred))
+                    end = start + (chunk.fwd_s if kind == "F" else chunk.bwd_s - deferred)
+                    if chunk.p2p_s > 0:
+                        spans.append(Span(rank_of[r], "comm", "send act" if kind == "F" else "send grad",
+                                          end - chunk.p2p_s, end, micro_batch=a.micro_batch, group="pp"))
+                    done[(kind, a.micro_batch, a.stage)] = end
                 clock[r] = end
                 cursor[r] += 1
                 progressed = True

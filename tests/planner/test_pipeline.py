@@ -27,7 +27,7 @@ def _case(pp=4, v=None, schedule="1f1b", chip="a100-80gb", tp=2, dp=1, gb=16):
     }
 
 
-@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("interleaved-1f1b", 2), ("gpipe", 1)])
+@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("interleaved-1f1b", 2), ("gpipe", 1), ("zb-h1", 1)])
 def test_timeline_agrees_with_analytic_step(schedule, v):
     est = estimate(_case(schedule=schedule, v=v))
     tl = est.timeline
@@ -51,3 +51,13 @@ def test_interleaving_shrinks_the_bubble():
     plain = estimate(_case(schedule="1f1b", v=1))
     inter = estimate(_case(schedule="interleaved-1f1b", v=2))
     assert inter.breakdown["bubble"] < plain.breakdown["bubble"]
+
+
+def test_zb_h1_bubble_matches_qi_et_al():
+    from engine.schedules import OpTimes, formula_bubble_fraction
+    p, m, f, bi, bw = 8, 32, 1.0, 1.0, 1.0
+    s = f + bi + bw
+    t = pipeline_time_s([s] * p, m, 1, fill_s=[s - 2 * bw] * p)
+    expected = formula_bubble_fraction("zb-h1", p, m, 1, OpTimes(f, bi, bw))
+    assert (t - m * s) / (m * s) == pytest.approx(expected)
+    assert expected < (p - 1) / m  # a third of 1F1B's for equal op times

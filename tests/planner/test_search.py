@@ -41,7 +41,7 @@ def _brute_force_best(case) -> float:
         eps = [e for e in divisors(dp * cp) if m.experts % e == 0] if m.is_moe else [1]
         for ep, b in itertools.product(eps, divisors(t.global_batch // dp)):
             mb = t.global_batch // (dp * b)
-            scheds = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("gpipe", 1)] + [
+            scheds = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("gpipe", 1)] + [("zb-h1", 1)] * (mb >= pp) + [
                 ("interleaved-1f1b", v) for v in divisors(m.layers // pp) if v >= 2 and mb % pp == 0]
             variants = itertools.product(scheds, range(4), ("none", "selective", "full"), (False, True))
             for (sched, v), z, rc, sp in variants:
