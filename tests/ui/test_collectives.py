@@ -1,0 +1,277 @@
+"""The Collectives lesson: ring schedules and charts as pure data, then the page through AppTest."""
+
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from hardware.chips import CHIPS
+from hardware.collectives import Link, group_topology, ring
+from ui.collectives import (
+    COLLECTIVES,
+    Block,
+    cost_figure,
+    crossover_bytes,
+    engine_error_message,
+    format_bytes,
+    format_seconds,
+    machine_link,
+    pow2_sizes,
+    ring_figure,
+    ring_formula_latex,
+    ring_steps,
+    sweep_figure,
+)
+
+RING_SIZES = range(2, 9)
+TIMEOUT_S = 60
+APP = str(Path(__file__).resolve().parents[2] / "app.py")
+PAGE = "app_pages/collectives.py"
+
+
+def _per_link_blocks(steps) -> dict[tuple[int, int], int]:
+    load: dict[tuple[int, int], int] = {}
+    for step in steps:
+        for t in step.transfers:
+            load[t.src, t.dst] = load.get((t.src, t.dst), 0) + len(t.blocks)
+    return load
+
+
+# ---- ring schedules -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", RING_SIZES)
+def test_all_gather_leaves_every_shard_on_every_chip(n):
+    steps = ring_steps("all_gather", n)
+    assert len(steps) == n  # the start and N-1 steps
+    assert steps[0].held[2 % n] == tuple(Block(k, frozenset({k})) if k == 2 % n else None for k in range(n))
+    for step in steps[1:]:
+        # every chip sends exactly one shard to its clockwise neighbour at every step
+        assert sorted((t.src, t.dst) for t in step.transfers) == [(i, (i + 1) % n) for i in range(n)]
+        assert all(len(t.blocks) == 1 for t in step.transfers)
+    for row in steps[-1].held:
+        assert row == tuple(Block(k, frozenset({k})) for k in range(n))
+
+
+@pytest.mark.parametrize("n", RING_SIZES)
+def test_reduce_scatter_leaves_one_fully_reduced_shard_per_chip(n):
+    steps = ring_steps("reduce_scatter", n)
+    assert len(steps) == n
+    everyone = frozenset(range(n))
+    for chip, row in enumerate(steps[-1].held):
+        assert row[chip] == Block(chip, everyone)
+        assert [b for k, b in enumerate(row) if k != chip] == [None] * (n - 1)
+    # each step frees one slot per chip: what was passed on is no longer needed
+    for step in steps:
+        assert all(sum(b is not None for b in row) == n - step.index for row in step.held)
+
+
+@pytest.mark.parametrize("n", RING_SIZES)
+def test_all_reduce_is_reduce_scatter_then_all_gather(n):
+    steps = ring_steps("all_reduce", n)
+    assert len(steps) - 1 == 2 * (n - 1)
+    assert [s.phase for s in steps[1:]] == ["reduce-scatter"] * (n - 1) + ["all-gather"] * (n - 1)
+    assert steps[n - 1].held == ring_steps("reduce_scatter", n)[-1].held
+    everyone = frozenset(range(n))
+    for row in steps[-1].held:
+        assert row == tuple(Block(k, everyone) for k in range(n))
+
+
+@pytest.mark.parametrize("n", RING_SIZES)
+def test_all_to_all_moves_chunk_j_of_chip_i_to_chip_j(n):
+    steps = ring_steps("all_to_all", n)
+    assert len(steps) == n
+    for step in steps:  # nothing lost or duplicated on the way
+        blocks = [b for row in step.held for b in row if b is not None]
+        assert len(blocks) == len(set(blocks)) == n * n
+    for j, row in enumerate(steps[-1].held):
+        assert row == tuple(Block(j, frozenset({i})) for i in range(n))  # slot i: the chunk chip i sent
+
+
+@pytest.mark.parametrize("n", RING_SIZES)
+def test_link_loads_match_the_ring_cost_model(n):
+    # With 1-byte shards, W = 1 byte/s and no latency, the model's time is the bytes on the busiest link.
+    unit = ring(n, Link(1.0, 0.0))
+    expected = {"all_gather": unit.all_gather_s(n), "reduce_scatter": unit.reduce_scatter_s(n),
+                "all_reduce": unit.all_reduce_s(n), "all_to_all": unit.all_to_all_s(n)}
+    for op in COLLECTIVES:
+        load = _per_link_blocks(ring_steps(op, n))
+        assert len(load) == n, op  # every link of the ring is used
+        assert list(load.values()) == [pytest.approx(expected[op])] * n, op
+
+
+@pytest.mark.parametrize(("op", "n"), [("all_gather", 1), ("all_gather", 9), ("broadcast", 4), ("all_reduce", 2.0)])
+def test_ring_steps_rejects_what_it_cannot_draw(op, n):
+    with pytest.raises(ValueError):
+        ring_steps(op, n)
+
+
+# ---- figures ------------------------------------------------------------------------------------
+
+def _slot_colors(frame) -> list:
+    return list(frame.data[0].marker.color)
+
+
+def test_ring_figure_has_a_frame_per_step_with_slider_and_buttons():
+    fig = ring_figure("all_reduce", 4)
+    assert len(fig.frames) == 7
+    assert [s["label"] for s in fig.layout.sliders[0].steps] == ["start", "1", "2", "3", "4", "5", "6"]
+    assert [b.label for b in fig.layout.updatemenus[0].buttons] == ["▶ Play", "❚❚ Pause"]
+    assert "white" in _slot_colors(fig.frames[3])  # mid-way, chips hold one reduced shard each
+    assert "white" not in _slot_colors(fig.frames[-1])
+    assert len(fig.frames[0].data[1].x) == 0  # no link active before the first step
+    assert "Phase 2" in fig.frames[-1].layout.title.text
+
+
+def test_ring_figure_follows_n_and_collective():
+    four, eight = ring_figure("all_gather", 4), ring_figure("all_gather", 8)
+    assert len(four.frames[0].data[0].x) == 16 and len(eight.frames[0].data[0].x) == 64
+    texts = ring_figure("all_to_all", 3).frames[-1].data[0].text
+    assert "2→0" in texts and "0→2" in texts
+
+
+def test_crossover_is_n_alpha_w_on_a_ring():
+    # V* = N alpha W where (N-1) alpha = (N-1)/N V/W
+    topo = ring(8, Link(450e9, 1e-6))
+    assert crossover_bytes(topo.all_gather_s) == pytest.approx(8 * 1e-6 * 450e9)
+    assert crossover_bytes(ring(8, Link(450e9, 0.0)).all_gather_s) == 0
+    assert crossover_bytes(lambda b: 1e-6) is None
+
+
+def test_cost_figure_draws_four_collectives_and_both_regions():
+    topo = group_topology(CHIPS["h100"], 8, 1)
+    fig = cost_figure(topo, pow2_sizes(2**10, 2**34), example_bytes=2 * 1024 * 16384)
+    names = [t.name for t in fig.data if t.showlegend is not False]
+    assert names == ["All-gather", "Reduce-scatter", "All-reduce", "All-to-all"]
+    assert {a.text for a in fig.layout.annotations} == {"<b>latency-bound</b>", "<b>bandwidth-bound</b>"}
+    assert fig.layout.xaxis.type == "log" and fig.layout.yaxis.type == "log"
+
+
+def test_worked_example_all_gather_of_bf16_1024_by_16384_on_8_h100():
+    # scaling book Part 12 style: (N-1)/N V/W = 7/8 * 33.55 MB / 450 GB/s = 65.2 us, plus 7 x 1 us latency
+    nbytes = 2 * 1024 * 16384
+    latex = ring_formula_latex("all_gather", 8, 1e-6, 450e9, nbytes)
+    assert "65.24" in latex and "72.24" in latex
+    assert group_topology(CHIPS["h100"], 8, 1).all_gather_s(nbytes) == pytest.approx(72.24e-6, rel=1e-3)
+    assert format_seconds(72.24e-6) == "72.2 µs" and format_bytes(nbytes) == "32 MiB"
+
+
+def _synthetic_sweep(alpha_s: float, beta_s_per_byte: float, world: int = 2) -> list[dict]:
+    from engine.sweep import ring_terms
+
+    out = []
+    for op in COLLECTIVES:
+        for size in pow2_sizes(2**10, 2**22)[::2]:
+            a, b = ring_terms(op, world, size)
+            out.append({"op": op, "bytes": size, "seconds": a * alpha_s + b * beta_s_per_byte, "world": world})
+    return out
+
+
+def test_machine_link_recovers_alpha_and_beta_and_makes_a_link():
+    result = machine_link(_synthetic_sweep(50e-6, 1e-9), world=2)
+    assert result.alpha_s == pytest.approx(50e-6) and result.beta_s_per_byte == pytest.approx(1e-9)
+    assert set(result.per_op) == set(COLLECTIVES)
+    link = result.link()
+    assert (link.bytes_per_s, link.latency_s) == (pytest.approx(1e9), pytest.approx(50e-6))
+    assert len(sweep_figure(result).data) == 8  # measured points and fitted line per collective
+
+
+def test_engine_errors_become_one_clear_sentence():
+    from engine.config import ConfigError
+    from engine.launch import RankFailed, RunTimedOut
+
+    message, details = engine_error_message(ConfigError("world=9 must be between 2 and 8"))
+    assert message.endswith("world=9 must be between 2 and 8") and details is None
+    detail = 'Traceback (most recent call last):\n  File "x.py", line 1\nRuntimeError: Connection closed by peer\n'
+    message, details = engine_error_message(RankFailed(1, detail))
+    assert message.startswith("Rank 1 failed: RuntimeError: Connection closed by peer")
+    assert "Traceback" not in message and details == detail
+    message, _ = engine_error_message(RunTimedOut(60, {0: "in all_gather", 1: "in barrier"}))
+    assert "60 s" in message and "0, 1" in message
+    assert "OSError" in engine_error_message(OSError("no space left"))[0]
+
+
+# ---- the page -----------------------------------------------------------------------------------
+
+def _page(**params) -> AppTest:
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT_S)
+    for k, v in params.items():
+        at.query_params[k] = v
+    at.run()
+    at.switch_page(PAGE)
+    return at.run()
+
+
+def _chart(at: AppTest, key: str) -> str:
+    return next(c.proto.spec for c in at.get("plotly_chart") if c.proto.id and key in c.proto.id)
+
+
+def _metric(at: AppTest, label: str) -> str:
+    return next(m.value for m in at.metric if m.label == label)
+
+
+def test_page_shows_the_ring_and_the_h100_worked_example():
+    at = _page()
+    assert not at.exception, [e.value for e in at.exception]
+    assert len(at.get("plotly_chart")) == 2  # ring animation and cost curves; no sweep yet
+    assert _metric(at, "All-gather") == "72.2 µs"
+    assert _metric(at, "All-reduce") == "144 µs"
+    assert any("Worked example" in m.value and "bandwidth-bound" in m.value for m in at.markdown)
+
+
+def test_changing_n_and_collective_redraws_the_ring():
+    at = _page()
+    before = _chart(at, "ring")
+    at.slider(key="ring_n").set_value(6).run()
+    assert not at.exception
+    after_n = _chart(at, "ring")
+    assert after_n != before and "6 chips" in after_n
+    at.radio(key="collective").set_value("all_to_all").run()
+    assert not at.exception
+    assert _chart(at, "ring") != after_n and "All-to-all, 6 chips" in _chart(at, "ring")
+
+
+def test_crossing_nodes_costs_more_than_staying_on_nvlink():
+    inside = _page(group="16", stride="1")
+    across = _page(group="16", stride="8")
+    assert not inside.exception and not across.exception
+    assert any("2 domains of 8 chips" in m.value for m in inside.markdown)
+    assert float(_metric(across, "All-gather").split()[0]) > float(_metric(inside, "All-gather").split()[0])
+
+
+def test_engine_failure_shows_an_error_not_a_traceback(monkeypatch):
+    import engine.sweep
+    from engine.launch import RankFailed
+
+    def fail(*args, **kwargs):
+        raise RankFailed(1, "Traceback (most recent call last):\nRuntimeError: gloo connection reset\n")
+
+    monkeypatch.setattr(engine.sweep, "run_collective_sweep", fail)
+    at = _page()
+    at.button[0].click().run()
+    assert not at.exception
+    assert any("Rank 1 failed: RuntimeError: gloo connection reset" in e.value for e in at.error)
+    assert "this_machine_link" not in at.session_state
+
+
+@pytest.fixture
+def clean_pools():
+    from engine import launch
+
+    yield
+    launch.shutdown_all()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_live_sweep_at_world_2_fits_alpha_and_beta(clean_pools):
+    at = _page()
+    at.select_slider(key="live_max").set_value(2**16).run()
+    at.slider(key="live_repeats").set_value(1).run()
+    at.button[0].click().run(timeout=180)
+    assert not at.exception, [e.value for e in at.exception]
+    assert not at.error, [e.value for e in at.error]
+    result = at.session_state["this_machine_link"]
+    assert result.world == 2 and {m["bytes"] for m in result.measurements} == {2**10, 2**12, 2**14, 2**16}
+    assert result.alpha_s >= 0 and result.beta_s_per_byte >= 0
+    assert _metric(at, "α (latency per step)").endswith(("µs", "ms", " s"))
+    assert len(at.get("plotly_chart")) == 3
