@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 
 from hardware.chips import get_chip
-from planner.api import search as search_report
 from planner.case import Layout, layout_tp_ok, parse_case
 from planner.costs import default_attention
 from planner.layout_search import divisors, search
@@ -41,8 +40,10 @@ def _brute_force_best(case) -> float:
         eps = [e for e in divisors(dp * cp) if m.experts % e == 0] if m.is_moe else [1]
         for ep, b in itertools.product(eps, divisors(t.global_batch // dp)):
             mb = t.global_batch // (dp * b)
-            scheds = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("gpipe", 1)] + [("zb-h1", 1)] * (mb >= pp) + [
-                ("interleaved-1f1b", v) for v in divisors(m.layers // pp) if v >= 2 and mb % pp == 0]
+            scheds = [("1f1b", 1)]
+            if pp > 1:
+                scheds += [("gpipe", 1)] + [("zb-h1", 1)] * (mb >= pp)
+                scheds += [("interleaved-1f1b", v) for v in divisors(m.layers // pp) if v >= 2 and mb % pp == 0]
             variants = itertools.product(scheds, range(4), ("none", "selective", "full"), (False, True))
             for (sched, v), z, rc, sp in variants:
                 if (sp and tp == 1) or (rc == "selective" and attention == "flash"):
