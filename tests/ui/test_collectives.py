@@ -99,7 +99,8 @@ def test_link_loads_match_the_ring_cost_model(n):
         assert list(load.values()) == [pytest.approx(expected[op])] * n, op
 
 
-@pytest.mark.parametrize(("op", "n"), [("all_gather", 1), ("all_gather", 9), ("broadcast", 4), ("all_reduce", 2.0)])
+@pytest.mark.parametrize(("op", "n"),
+                         [("all_gather", 1), ("all_gather", 9), ("broadcast", 4), ("all_reduce", 2.0)])
 def test_ring_steps_rejects_what_it_cannot_draw(op, n):
     with pytest.raises(ValueError):
         ring_steps(op, n)
@@ -162,7 +163,8 @@ def _synthetic_sweep(alpha_s: float, beta_s_per_byte: float, world: int = 2) -> 
     for op in COLLECTIVES:
         for size in pow2_sizes(2**10, 2**22)[::2]:
             a, b = ring_terms(op, world, size)
-            out.append({"op": op, "bytes": size, "seconds": a * alpha_s + b * beta_s_per_byte, "world": world})
+            seconds = a * alpha_s + b * beta_s_per_byte
+            out.append({"op": op, "bytes": size, "seconds": seconds, "world": world})
     return out
 
 
@@ -181,7 +183,8 @@ def test_engine_errors_become_one_clear_sentence():
 
     message, details = engine_error_message(ConfigError("world=9 must be between 2 and 8"))
     assert message.endswith("world=9 must be between 2 and 8") and details is None
-    detail = 'Traceback (most recent call last):\n  File "x.py", line 1\nRuntimeError: Connection closed by peer\n'
+    detail = ('Traceback (most recent call last):\n  File "x.py", line 1\n'
+              "RuntimeError: Connection closed by peer\n")
     message, details = engine_error_message(RankFailed(1, detail))
     assert message.startswith("Rank 1 failed: RuntimeError: Connection closed by peer")
     assert "Traceback" not in message and details == detail
