@@ -23,7 +23,6 @@ _CHOICE_FIELDS = {
     "parallel": ("dp", "tp", "pp", "cp", "ep", "pp_schedule", "virtual_stages"),
     "training": ("micro_batch", "recompute", "zero_stage", "sequence_parallel", "attention"),
 }
-_LAYOUT_NAME = {"micro_batch": "micro_batch", "virtual_stages": "virtual_stages"}
 
 
 def as_case(case_or_dict) -> Case:
@@ -41,7 +40,7 @@ def chosen_fields(case: Case, res: StepResult) -> dict:
         given = case.parallel if block == "parallel" else case.training
         for name in names:
             if getattr(given, name) is None:
-                out.setdefault(block, {})[name] = getattr(res.layout, _LAYOUT_NAME.get(name, name))
+                out.setdefault(block, {})[name] = getattr(res.layout, name)
     return out
 
 
@@ -117,6 +116,7 @@ class Estimate:
             "layout": r.layout.as_dict(),
             "micro_batches": r.micro_batches,
             "breakdown_s": r.breakdown,
+            "pipeline_s": r.pipeline_s,
             "model_flops_per_step": r.model_flops,
             "hardware_flops_per_step": r.hardware_flops,
         }

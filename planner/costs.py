@@ -137,7 +137,6 @@ class LayerCost:
     fwd_compute_s: float  # matmuls + attention + memory-bound ops of the forward
     bwd_compute_s: float  # the backward (no recomputation)
     recompute_s: float  # forward work repeated before the backward (selective or full)
-    attn_compute_s: float  # the attention-score part of the forward (what selective recompute repeats)
     tp_fwd_s: float  # exposed TP/SP collectives in the forward (and in a full recompute, again)
     tp_bwd_s: float
     cp_fwd_s: float  # exposed part of the context-parallel K/V ring
@@ -298,7 +297,7 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe: bool,
              + 2.0 * tokens * m.seq_len * heads_local * (qk_dim + hd))
     if moe:
         flops += 2.0 * tokens * m.top_k * lp.experts / m.experts / t
-    return LayerCost(fwd_s, bwd_s, recompute_s, attn_s, tp_s, tp_s, cp_fwd, cp_bwd, ep_s, ep_s,
+    return LayerCost(fwd_s, bwd_s, recompute_s, tp_s, tp_s, cp_fwd, cp_bwd, ep_s, ep_s,
                      z3_fwd, z3_bwd, flops, act_bytes, fwd_matmul_s)
 
 

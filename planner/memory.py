@@ -25,7 +25,6 @@ from planner.case import Layout
 from planner.flops import embedding_params, layer_params
 from planner.models import ModelSpec
 
-GB = 1e9
 WEIGHT_BYTES = 2  # bf16/fp16 weights (fp8 training keeps bf16 master copies of the working weights)
 GRAD_BYTES = 2
 OPTIMIZER_BYTES = {"adam": 12, "sgd": 8}  # fp32 master + moments (ZeRO sec. 3.1); SGD: master + momentum
