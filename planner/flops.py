@@ -56,6 +56,12 @@ def attention_params(m: ModelSpec) -> int:
     return d * n * hd + 2 * d * k * hd + n * hd * d
 
 
+def kv_projection_params(m: ModelSpec) -> int:
+    """The K and V projections of GQA: with tp > kv_heads each TP rank keeps whole kv heads, so these
+    split only kv_heads ways (Megatron-LM replicates kv heads across TP ranks)."""
+    return 0 if m.is_mla else 2 * m.hidden * m.kv_heads * m.head_dim_
+
+
 @lru_cache(maxsize=256)
 def layer_params(m: ModelSpec, moe: bool) -> LayerParams:
     """One layer's parameters; `moe` picks an MoE layer, else a dense one."""

@@ -22,7 +22,7 @@ from functools import lru_cache
 from itertools import accumulate
 
 from planner.case import Layout
-from planner.flops import embedding_params, layer_params
+from planner.flops import embedding_params, kv_projection_params, layer_params
 from planner.models import ModelSpec
 
 WEIGHT_BYTES = 2  # bf16/fp16 weights (fp8 training keeps bf16 master copies of the working weights)
@@ -147,8 +147,10 @@ def _stage_params(m: ModelSpec, t: int, ep: int, pp: int, virtual: int, stage: i
     dense = moe = 0.0
     for first, n_layers in stage_layer_ranges(m.layers, pp, virtual)[stage]:
         n_dense = max(0, min(first + n_layers, m.dense_layers) - first) if m.is_moe else n_layers
+        kv = kv_projection_params(m)
         for n, lp in ((n_dense, layer_params(m, False)), (n_layers - n_dense, layer_params(m, True))):
-            dense += n * ((lp.attention + lp.mlp) / t + lp.router + lp.norms)
+            attention = (lp.attention - kv) / t + kv / min(t, m.kv_heads)
+            dense += n * (attention + lp.mlp / t + lp.router + lp.norms)
             moe += n * lp.experts / (t * ep)
     extra = embedding_params(m) - m.vocab * m.hidden * (1 if m.tied_embeddings else 2)  # positions, norm
     if stage == 0:

@@ -67,3 +67,15 @@ def test_memory_per_chip_splits_by_tp_and_pp():
     zero3 = memory_per_chip(m, Layout(dp=8, tp=8, pp=1, micro_batch=1, zero_stage=3, recompute="full",
                                       attention="materialized"), 8)
     assert zero3.params_bytes == pytest.approx(2 * 175e9 / 64, rel=0.02)
+
+
+def test_kv_heads_are_replicated_when_tp_exceeds_them():
+    from planner.memory import stage_params
+    mqa = ModelSpec("mqa", 1, 4096, 32, 1, 8192, 1000, 1024, "swiglu", tied_embeddings=True)
+    dense, _ = stage_params(mqa, Layout(dp=1, tp=8, pp=1), 0)
+    q_o = 2 * 4096 * 4096 / 8
+    kv = 2 * 4096 * 128  # one kv head, whole on every rank
+    mlp = 3 * 4096 * 8192 / 8
+    norms = 2 * 4096
+    embed = 1000 * 4096 / 8 + 4096  # tied embedding shard + final norm
+    assert dense == pytest.approx(q_o + kv + mlp + norms + embed)
