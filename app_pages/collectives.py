@@ -54,8 +54,9 @@ V is the size of the full array and N the number of chips in the group.
 
 st.header("On a ring, step by step")
 st.markdown(
-    "NCCL on GPUs and the TPU runtime run these operations as **rings**: every chip sends to its "
-    "neighbour while receiving from the other one, so every link works at every step. Pick an operation "
+    "NCCL on GPUs and the TPU runtime mostly run these operations as **rings** (NCCL also uses trees "
+    "for all-reduce over many nodes): every chip sends to its neighbour while receiving from the other "
+    "one, so every link works at every step. Pick an operation "
     "and a ring size, then press **Play** or drag the step slider. Colour marks which shard a block is "
     "(for all-to-all, which chip sent it); hover a block for what it holds."
 )
@@ -76,8 +77,9 @@ with left:
             f"with 1/{ring_n} of the result and can free the rest: the saving behind ZeRO-2 and FSDP."),
         "all_reduce": (
             f"Reduce-scatter, then all-gather of the reduced shards: {2 * (ring_n - 1)} steps and twice the "
-            "bytes of either half. This is why ZeRO and FSDP, which reduce-scatter gradients and all-gather "
-            "weights later, move no more bytes than plain data parallel's all-reduce."),
+            "bytes of either half. So ZeRO-1 and ZeRO-2, which reduce-scatter the gradients and all-gather "
+            "the updated weights, move exactly what data parallel's all-reduce moves; ZeRO-3 / FSDP gathers "
+            "the weights once more for the backward pass, 1.5 times as much (Rajbhandari et al. 2020)."),
         "all_to_all": (
             "Chunks addressed further around the ring ride several links, so a ring all-to-all moves "
             f"(N-1)/2 = {(ring_n - 1) / 2:g} times a chip's data over every link. Through a switch "
@@ -208,7 +210,8 @@ if st.button("Run the sweep", type="primary"):
     measurements = []
     try:
         for i, op in enumerate(COLLECTIVES):
-            bar.progress(i / len(COLLECTIVES), text=f"{COLLECTIVE_NAMES[op]} on {live_world} ranks ...")
+            first = " (the first run also starts the worker processes)" if i == 0 else ""
+            bar.progress(i / len(COLLECTIVES), text=f"{COLLECTIVE_NAMES[op]} on {live_world} ranks{first} ...")
             measurements += run_collective_sweep(live_world, [op], live_sizes, repeats, SWEEP_TIMEOUT_S)
         st.session_state["this_machine_link"] = machine_link(measurements, live_world)
     # Any failure of the worker processes is the user's to read, not a traceback for the page.
