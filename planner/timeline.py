@@ -5,7 +5,8 @@ rank 0 of the stage): within a stage all chips run the same ops at the same time
 forward and backward passes is the engine's own schedule (`engine.schedules`, torch-free), so a
 predicted and a measured pipeline line up; the durations come from the step simulator. A pass is
 split into its layers (compute, then that layer's exposed TP / CP / EP / ZeRO-3 communication) while
-the span count stays under `max_spans`; beyond that each pass is one compute span and one comm span.
+the span count stays under `max_spans`; beyond that each pass is one compute span and one comm span,
+and if even that is over the budget, back-to-back work is merged into "busy" spans between bubbles.
 """
 
 from __future__ import annotations
@@ -62,6 +63,38 @@ def _pass_spans(rank: int, chunk: ChunkCost, kind: str, start: float, mb: int, r
         add("compute", f"{name} {label}", total - chunk.p2p_s - share)
         add("comm", "layer collectives", share, "tp")
     return spans
+
+
+BUSY = "busy (passes, collectives, short waits)"
+
+
+def _merge_busy(spans: list[Span], min_idle_s: float) -> list[Span]:
+    """Over the span budget: fold each rank's back-to-back passes, their exposed collectives and idle gaps
+    shorter than `min_idle_s` into "busy" compute spans, keeping the longer bubbles and the data-parallel
+    sync, so the picture stays drawable."""
+    out: list[Span] = []
+    by_rank: dict[int, list[Span]] = {}
+    for s in spans:
+        by_rank.setdefault(s.rank, []).append(s)
+    for rank, rank_spans in by_rank.items():
+        run: Span | None = None
+        for s in sorted(rank_spans, key=lambda s: (s.start_s, s.end_s)):
+            short_gap = s.lane == "idle" and s.duration_s < min_idle_s
+            if (s.lane == "idle" and not short_gap) or s.group == "dp" or s.name == "optimizer step":
+                out.append(s)
+                continue
+            if (short_gap or s.group == "pp") and run is None:
+                continue
+            if run is not None and s.start_s <= run.end_s + 1e-12:
+                run = Span(rank, "compute", BUSY, run.start_s, max(run.end_s, s.end_s),
+                           flops=run.flops + s.flops)
+                continue
+            if run is not None:
+                out.append(run)
+            run = Span(rank, "compute", BUSY, s.start_s, s.end_s, flops=s.flops)
+        if run is not None:
+            out.append(run)
+    return out
 
 
 def predicted_timeline(res: StepResult, max_spans: int = 20000) -> Timeline:
@@ -129,11 +162,14 @@ def predicted_timeline(res: StepResult, max_spans: int = 20000) -> Timeline:
         t += stage.optimizer_s
         if t < pipe_end:
             spans.append(Span(rank_of[r], "idle", "wait", t, pipe_end))
+    coarse = len(spans) > max_spans
+    if coarse:
+        spans = _merge_busy(spans, min_idle_s=res.step_time_s * p / max_spans)
     tl = Timeline(spans, source="predicted", meta={
         "case": res.case.name, "chip": res.chip.key, "schedule": lay.pp_schedule, "pp": p,
         "virtual_stages": v,
         "micro_batches": m, "ranks": "one chip per pipeline stage (tp/cp/dp rank 0)",
-        "analytic_step_s": res.step_time_s, "detailed": detailed,
+        "analytic_step_s": res.step_time_s, "detailed": detailed, "merged": coarse,
     })
     tl.meta["simulated_step_s"] = tl.end_s
     return tl

@@ -61,3 +61,16 @@ def test_zb_h1_bubble_matches_qi_et_al():
     expected = formula_bubble_fraction("zb-h1", p, m, 1, OpTimes(f, bi, bw))
     assert (t - m * s) / (m * s) == pytest.approx(expected)
     assert expected < (p - 1) / m  # a third of 1F1B's for equal op times
+
+
+def test_timeline_over_budget_merges_but_keeps_bubbles_and_length():
+    from planner.timeline import predicted_timeline
+    est = estimate(_case(schedule="1f1b", v=1))
+    full = predicted_timeline(est.result)
+    small = predicted_timeline(est.result, max_spans=50)
+    assert small.meta["merged"] and len(small.spans) < len(full.spans)
+    assert small.end_s == pytest.approx(full.end_s)
+    assert any(s.lane == "idle" and s.name == "bubble" for s in small.spans)
+    for rank in full.ranks:
+        # merged busy time covers the passes, their collectives and the short waits between them
+        assert small.busy_seconds(rank, "compute") >= full.busy_seconds(rank, "compute") - 1e-12
