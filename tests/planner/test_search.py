@@ -43,7 +43,8 @@ def _brute_force_best(case) -> float:
             scheds = [("1f1b", 1)]
             if pp > 1:
                 scheds += [("gpipe", 1)] + [("zb-h1", 1)] * (mb >= pp)
-                scheds += [("interleaved-1f1b", v) for v in divisors(m.layers // pp) if v >= 2 and mb % pp == 0]
+                vs = [v for v in divisors(m.layers // pp) if v >= 2 and mb % pp == 0]
+                scheds += [("interleaved-1f1b", v) for v in vs]
             variants = itertools.product(scheds, range(4), ("none", "selective", "full"), (False, True))
             for (sched, v), z, rc, sp in variants:
                 if (sp and tp == 1) or (rc == "selective" and attention == "flash"):
