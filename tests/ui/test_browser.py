@@ -173,3 +173,25 @@ def test_shared_link_is_the_first_request_of_a_fresh_server(browser):
             page.get_by_test_id("stSidebar").get_by_text("chips of TPU v5p").wait_for(timeout=30_000)
         finally:
             page.close()
+
+
+@pytest.mark.multiprocess
+def test_collectives_ring_plays_and_the_live_sweep_runs(server, browser):
+    # Plotly runs the animation frames in the browser, and the sweep starts real worker processes from
+    # the server: neither shows up in AppTest.
+    page = _open(browser, f"{server}/collectives?collective=All-gather&ring_n=3")
+    try:
+        page.wait_for_selector(".js-plotly-plot .main-svg", timeout=30_000)
+        ring = page.locator(".js-plotly-plot").first
+        assert "Start:" in ring.locator(".gtitle").text_content()
+        ring.locator(".updatemenu-button").first.click()  # Play
+        page.wait_for_function(
+            "() => document.querySelector('.js-plotly-plot .gtitle').textContent.includes('step 2/2')",
+            timeout=30_000)
+        page.get_by_role("button", name="Run the sweep").click()
+        page.get_by_text("α (latency per step)").wait_for(timeout=120_000)
+        _assert_no_exception(page, "collectives after the sweep")
+        assert page.locator('[data-testid="stAlert"]').filter(has_text="failed").count() == 0
+        assert page.locator(".js-plotly-plot").count() == 3
+    finally:
+        page.close()
