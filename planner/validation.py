@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from planner.api import estimate
+from planner.models import MODEL_PRESETS
 
 # the repository sits beside ../shared (DESIGN.md)
 PUBLISHED_RUNS = Path(__file__).resolve().parents[2] / "shared" / "validation" / "published-runs.json"
@@ -26,6 +27,26 @@ class ValidationRow:
     def error(self) -> float:
         """(predicted - published) / published."""
         return (self.predicted_s - self.published_s) / self.published_s
+
+
+# Dubey et al. 2024 (Llama 3), Table 4: Llama 3 405B on H100s, TP 8, PP 16, 16M-token batches, BF16 MFU.
+# Not used to choose any efficiency: a check that the model transfers to GQA, H100s, FlashAttention, CP.
+# (chips, cp, dp, seq_len, global batch in sequences, published MFU)
+LLAMA3_TABLE4 = [(8192, 1, 64, 8192, 2048, 0.43), (16384, 1, 128, 8192, 2048, 0.41),
+                 (16384, 16, 8, 131072, 128, 0.38)]
+
+
+def llama3_table4_cases() -> list[tuple[dict, float]]:
+    """(case dict, published MFU) for each row of LLAMA3_TABLE4; unpublished choices are left null."""
+    m = MODEL_PRESETS["Llama 3 405B"]
+    out = []
+    for chips, cp, dp, seq, batch, mfu in LLAMA3_TABLE4:
+        model = {k: getattr(m, k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "mlp")}
+        out.append(({"name": f"llama3-405b-{chips}-h100-seq{seq}", "model": {**model, "seq_len": seq},
+                     "training": {"global_batch": batch, "dtype": "bf16", "optimizer": "adam"},
+                     "parallel": {"tp": 8, "cp": cp, "pp": 16, "dp": dp},
+                     "cluster": {"chip": "h100", "num_chips": chips, "chips_per_node": 8}}, mfu))
+    return out
 
 
 def load_published_runs(path: str | Path = PUBLISHED_RUNS) -> list[dict]:
