@@ -205,14 +205,26 @@ def search(case: Case, top: int | None = None) -> SearchResult:
 
 
 def choose(case: Case) -> StepResult:
-    """The fastest layout for the case's null fields (the estimate when everything is fixed)."""
+    """The fastest layout that fits for the case's null fields (the estimate when everything is fixed).
+
+    When nothing fits, the layout needing the least memory per chip is simulated and returned with
+    fits = False, so the caller still sees its step time and how far over the memory it is.
+    """
     res = search(case, top=1)
-    if not res.ranked:
-        raise SpecError("case", _nothing_fits_message(case))
-    return res.ranked[0]
-
-
-def _nothing_fits_message(case: Case) -> str:
-    cl = case.cluster
-    return (f"no layout of {case.model.name} on {cl.num_chips} x {cl.chip} fits in memory "
-            "and divides evenly; free more fields (null), add chips, or shrink the batch")
+    if res.ranked:
+        return res.ranked[0]
+    cl, t = case.cluster, case.training
+    chip = costs.cluster_chip(get_chip(cl.chip), cl.num_chips, cl.chips_per_node)
+    best, best_bytes = None, float("inf")
+    for lay in candidate_layouts(case, chip):
+        zero = t.zero_stage if t.zero_stage is not None else (3 if lay.dp * lay.cp > 1 else 0)
+        cand = replace(lay, zero_stage=zero, recompute=t.recompute or "full")
+        need = memory_per_chip(case.model, cand, t.global_batch // (lay.dp * lay.micro_batch),
+                               t.optimizer).total_bytes
+        if need < best_bytes:
+            best, best_bytes = cand, need
+    if best is None:
+        raise SpecError("parallel", f"no layout of {case.model.name} on {cl.num_chips} x {cl.chip} divides "
+                        "evenly (heads, hidden, ffn, layers, sequence and batch against the mesh); "
+                        "free more fields (null) or change the chip count")
+    return simulate(case, best, chip)

@@ -84,3 +84,13 @@ def test_module_entry_point_exit_code(tmp_path):
     path = _write(tmp_path, _bad(cluster__chip="nope"))
     proc = subprocess.run([sys.executable, "-m", "planner", "estimate", path], capture_output=True, text=True)
     assert proc.returncode == 2 and "cluster.chip" in proc.stderr
+
+
+def test_layout_that_does_not_fit_is_reported_not_rejected(tmp_path, capsys):
+    case = json.loads(json.dumps(RUN))
+    case["parallel"].update(tp=8, pp=1, dp=8)  # 175B on one pipeline stage: ~350 GB of weights per chip
+    case["training"]["recompute"] = "none"
+    assert main(["estimate", _write(tmp_path, case)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is False and out["memory_bytes_per_chip"]["total"] > out["hbm_bytes"]
+    assert "a100-80gb" not in out["fits_on"]

@@ -19,9 +19,11 @@ def test_small_models_fit_one_h100_node(model):
     assert est.fits and 0.1 < est.mfu < 0.8
 
 
-def test_llama3_70b_does_not_fit_one_node_and_says_so():
-    with pytest.raises(SpecError, match="fits in memory"):
-        estimate(make_case("Llama 3 70B", "8x H100 (one node)"))
+def test_llama3_405b_does_not_fit_one_node_and_says_so():
+    est = estimate(make_case("Llama 3 405B", "8x H100 (one node)"))
+    assert not est.fits and est.memory.total_bytes > 80e9
+    # the least-memory layout is reported: everything sharded and recomputed
+    assert est.layout.recompute == "full"
 
 
 def test_mixtral_uses_expert_parallelism_when_free():
