@@ -84,7 +84,7 @@ def _mesh_shapes(case: Case, chip: Chip) -> Iterator[tuple[int, int, int, int]]:
 def _schedules(case: Case, pp: int, micro_batches: int) -> Iterator[tuple[str, int]]:
     p, layers = case.parallel, case.model.layers
     if pp == 1:
-        yield (p.pp_schedule or "1f1b"), 1
+        yield "1f1b", 1  # one stage: every schedule is the same sequence of passes
         return
     schedules = [p.pp_schedule] if p.pp_schedule else ["1f1b", "interleaved-1f1b", "zb-h1"]
     for sched in schedules:
