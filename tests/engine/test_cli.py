@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -64,13 +65,19 @@ def test_same_worker_entry_under_torchrun_with_two_nodes(tmp_path):
     # Two torchrun "nodes" on 127.0.0.1, one rank each: the multi-machine path, on one machine.
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     port, result = free_port(), tmp_path / "result.json"
-    command = [torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
-               "--master-port", str(port), "-m", "engine.worker",
-               "--strategy", "fsdp", "--steps", "2", "--check", "--out", str(result)]
-    nodes = [subprocess.Popen([*command, "--node-rank", str(node)],
-                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    worker = ["-m", "engine.worker", "--strategy", "fsdp", "--steps", "2", "--check", "--out", str(result)]
+    nodes = [subprocess.Popen([torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node),
+                               "--master-addr", "127.0.0.1", "--master-port", str(port), *worker],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True)
              for node in (0, 1)]
-    logs = [n.communicate(timeout=240)[0] for n in nodes]
+    try:
+        logs = [n.communicate(timeout=120)[0] for n in nodes]
+    finally:
+        for n in nodes:  # torchrun and its rank processes, whatever happened
+            if n.poll() is None:
+                os.killpg(n.pid, signal.SIGKILL)
+                n.wait()
     assert [n.returncode for n in nodes] == [0, 0], logs
     summary = json.loads(result.read_text())
     assert summary["ok"] and summary["check"]["passed"] and summary["world"] == 2
