@@ -31,6 +31,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import OrderedDict
 from multiprocessing.connection import Listener, wait
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -324,21 +325,31 @@ def _innermost_frame(dump: str, thread_id: int | None) -> str:
     return "no stack dump (the process did not answer SIGUSR1)"
 
 
-_registry: dict[tuple[str, int], Pool] = {}
+# Each worker holds an imported torch (a few hundred MB); a server keeps only the recently used pools.
+MAX_POOLS = 2
+_registry: OrderedDict[tuple[str, int], Pool] = OrderedDict()
 _registry_lock = threading.Lock()
 
 
 def get_pool(world: int, device: str = "cpu", collective_timeout_s: float = 30.0) -> Pool:
-    """The shared warm pool for (device, world); created (not started) on first use."""
+    """The shared warm pool for (device, world); created (not started) on first use. Pools beyond
+    MAX_POOLS are shut down, least recently used first, after any run on them has finished."""
     with _registry_lock:
         key = (device, world)
         pool = _registry.get(key)
         if pool is None or pool.collective_timeout_s != collective_timeout_s:
             if pool is not None:
-                with pool._lock:  # let a run in progress on the old pool finish first
-                    pool.shutdown()
+                _retire(_registry.pop(key))
             pool = _registry[key] = Pool(world, device, collective_timeout_s)
+        _registry.move_to_end(key)
+        while len(_registry) > MAX_POOLS:
+            _retire(_registry.popitem(last=False)[1])
         return pool
+
+
+def _retire(pool: Pool) -> None:
+    with pool._lock:  # a run in progress on it finishes first
+        pool.shutdown()
 
 
 @atexit.register

@@ -1,9 +1,12 @@
 """The worker pool: reuse, a raising rank, a hanging rank, no orphans, usable afterwards."""
 
+import subprocess
+import sys
 import time
 
 import pytest
 
+from engine import launch
 from engine.launch import Pool, RankFailed, RunTimedOut
 
 pytestmark = pytest.mark.multiprocess
@@ -68,3 +71,23 @@ def test_hanging_rank_times_out_with_its_location(fault_pool):
     assert "waiting in a collective" in where[0]  # the rank stuck waiting for it
     assert _all_gone(pids), "workers of the hung run are still alive"
     assert fault_pool.run(f"{TASKS}:all_reduce_ranks") == [1.0, 1.0]
+
+
+def test_workers_exit_when_their_parent_dies(tmp_path):
+    # A server killed with SIGKILL runs no cleanup; its workers must notice and exit on their own.
+    script = ("import sys; from engine.launch import Pool; p = Pool(2); p.start(); "
+              "print(*p.pids, flush=True); sys.stdin.read()")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, cwd=launch.REPO_ROOT)
+    pids = [int(p) for p in parent.stdout.readline().split()]
+    assert len(pids) == 2 and not any(_gone(p) for p in pids)
+    parent.kill()
+    parent.wait()
+    assert _all_gone(pids, within_s=10), "workers outlived their parent"
+
+
+def test_registry_keeps_a_bounded_number_of_pools():
+    made = [launch.get_pool(w, collective_timeout_s=7.5) for w in (1, 2, 3)]  # not started: no processes
+    assert launch.get_pool(3, collective_timeout_s=7.5) is made[2]
+    assert made[0] not in launch._registry.values() and len(launch._registry) <= launch.MAX_POOLS
+    launch.shutdown_all()
