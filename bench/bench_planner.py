@@ -54,7 +54,8 @@ def unseen_runs() -> None:
     print("\nNot used for calibration (Llama 3 405B, Dubey et al. 2024 Table 4; null fields chosen):")
     for c, published in llama3_table4_cases():
         est = estimate(c)
-        print(f"  {c['name']:34s} MFU predicted {100 * est.mfu:5.1f}%  published {100 * published:4.0f}%  "
+        print(f"  {c['name']:34s} MFU predicted {100 * est.mfu:5.1f}% (causal-half attention "
+              f"{100 * est.mfu_causal:4.1f}%)  published {100 * published:4.0f}%  "
               f"({100 * (est.mfu - published) / published:+.0f}%)  chosen {est.chosen}")
 
 

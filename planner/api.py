@@ -58,6 +58,10 @@ class Estimate:
         return self.result.mfu
 
     @property
+    def mfu_causal(self) -> float:
+        return self.result.mfu_causal
+
+    @property
     def hfu(self) -> float:
         return self.result.hfu
 
@@ -104,6 +108,7 @@ class Estimate:
             "num_chips": r.num_chips,
             "step_time_s": r.step_time_s,
             "mfu": r.mfu,
+            "mfu_causal": r.mfu_causal,
             "hfu": r.hfu,
             "tflops_per_chip": r.tflops_per_chip,
             "model_tflops_per_chip": r.model_tflops_per_chip,

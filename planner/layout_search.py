@@ -10,14 +10,13 @@ Pruning, each rule exact within the simulator's model (so the search is complete
   must divide the sequence; dp * micro_batch must divide the global batch; pp * v <= layers; the
   interleaved schedule needs m divisible by pp (Megatron-LM's requirement).
 * memory: a layout whose peak bytes per chip exceed the usable HBM is dropped.
-* dominance: (a) ZeRO-1 and ZeRO-2 cost the same time here and 2 keeps less, so stage 1 is skipped
-  (stages 0, 2 and 3 are all simulated: sharding shortens the optimizer update and splits the
-  gradient sync into a reduce-scatter and an all-gather that hide differently, so no stage always
-  wins); (b) recomputation only adds time, so for each ZeRO stage only the lightest level that fits is
-  simulated; (c) SP with tp > 1 moves the same bytes as plain TP and keeps and moves less through HBM,
-  so SP on dominates; (d) GPipe has 1F1B's bubble and more memory, so 1F1B dominates; (e) TP stays
+* dominance: (a) every ZeRO stage is simulated: sharding shortens the optimizer update and splits the
+  gradient sync into a reduce-scatter and an all-gather that hide differently, ZeRO-2 reduce-scatters
+  every micro-batch and ZeRO-3 gathers every layer, so no stage always wins; (b) recomputation only
+  adds time, so for each ZeRO stage only the lightest level that fits is simulated; (c) SP with
+  tp > 1 moves the same bytes as plain TP and keeps and moves less through HBM, so SP on dominates; (d) GPipe has 1F1B's bubble and more memory, so 1F1B dominates; (e) TP stays
   inside one scale-up domain (NVLink node; TPU: the chip's scale-up domain) unless the case fixes it.
-  tests/planner/test_search.py checks (a)-(d) against brute force on small cases.
+  tests/planner/test_search.py checks (b)-(d) against brute force on small cases.
 
 How others search (for contrast): Alpa (Zheng et al. 2022) splits the problem into an inter-operator
 dynamic program over pipeline stages and an intra-operator ILP over per-op shardings, which is
@@ -42,7 +41,7 @@ from planner.memory import memory_per_chip, stage_layer_ranges
 from planner.models import SpecError
 from planner.simulate import StepResult, simulate, usable_hbm_bytes
 
-ZERO_ORDER = (0, 2, 3)  # 1 is dominated by 2 (same time in this model, more memory)
+ZERO_ORDER = (0, 1, 2, 3)
 RECOMPUTE_ORDER = ("none", "selective", "full")
 
 

@@ -63,6 +63,25 @@ def in_flight_chunks(stage: int, lay: Layout, micro_batches: int) -> float:
     return min(p - stage, m)
 
 
+def in_flight_layers(stage: int, lay: Layout, micro_batches: int, chunk_layers: list[int]) -> float:
+    """Layer x micro-batch activations the stage holds at its peak.
+
+    Interleaved: Megatron-LM runs forward k on chunk (k // p) % v, so of the first W + 1 forwards
+    (W the warm-up count) each chunk gets whole groups of p plus part of one; chunks differ in layer
+    count when the layers do not split evenly, so the count is per chunk.
+    """
+    held = in_flight_chunks(stage, lay, micro_batches)
+    p, v = lay.pp, lay.virtual_stages
+    if v == 1 or held >= micro_batches * v:
+        return held * sum(chunk_layers) / v
+    groups, rest = divmod(int(held), p)
+    total = 0.0
+    for c, n_layers in enumerate(chunk_layers):
+        count = (groups // v) * p + (p if c < groups % v else 0) + (rest if c == groups % v else 0)
+        total += count * n_layers
+    return total
+
+
 def layer_activation_bytes(m: ModelSpec, lay: Layout, moe: bool, *, recompute: str | None = None) -> float:
     """Activation bytes one layer keeps for backward, for one micro-batch on one chip.
 
@@ -201,8 +220,7 @@ def memory_per_chip(m: ModelSpec, lay: Layout, micro_batches: int, optimizer: st
     for stage in sorted(set(stage_groups(m, lay.pp, lay.virtual_stages))):
         dense, moe = stage_params(m, lay, stage)
         params, grads, opt = dense * wd + moe * we, dense * gd + moe * ge, dense * od + moe * oe
-        chunk_layers = max(n for _, n in ranges[stage])
-        acts = in_flight_chunks(stage, lay, micro_batches) * chunk_layers * per_layer
+        acts = in_flight_layers(stage, lay, micro_batches, [n for _, n in ranges[stage]]) * per_layer
         temp = _temporary_bytes(m, lay, stage, dense + moe * lay.tp)
         mem = Memory(params, grads, opt, acts, temp, stage)
         if best is None or mem.total_bytes > best.total_bytes:

@@ -29,7 +29,7 @@ Overlap each strategy allows:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hardware.chips import Chip
 from planner import costs
@@ -108,6 +108,13 @@ class StepResult:
         return self.model_flops / (self.step_time_s * self.num_chips * self._peak)
 
     @property
+    def mfu_causal(self) -> float:
+        """MFU with causal attention counted as half the S x S square (planner.flops docstring)."""
+        tokens = self.case.training.global_batch * self.case.model.seq_len
+        flops = model_flops(self.case.model, tokens, causal=True)
+        return flops / (self.step_time_s * self.num_chips * self._peak)
+
+    @property
     def hfu(self) -> float:
         return self.hardware_flops / (self.step_time_s * self.num_chips * self._peak)
 
@@ -155,6 +162,7 @@ def _chunk(m: ModelSpec, lay: Layout, dense_lc: LayerCost, moe_lc: LayerCost | N
 
 def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
     m, tr = case.model, case.training
+    micro_batches = tr.global_batch // (lay.dp * lay.micro_batch)
     node = case.cluster.chips_per_node or chip.scaleup_domain
     dense_lc = costs.layer_cost(m, lay, chip, tr.dtype, False, node)
     moe_lc = costs.layer_cost(m, lay, chip, tr.dtype, True, node) if m.is_moe else None
@@ -191,8 +199,16 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
                 chunk_cache[key] = _chunk(m, lay, dense_lc, moe_lc, n_dense, n_moe, ef, eb, p2p_s)
             chunks.append(chunk_cache[key])
         dense_p, expert_p = stage_params(m, lay, i)
-        dp_total = exposed = 0.0
+        dp_total = exposed = per_micro_batch = 0.0
         if lay.zero_stage < 3:
+            layers_here = max(1, sum(ch.layers for ch in chunks))
+            last_bwd = sum(ch.bwd_s for ch in chunks)
+
+            def hidden_under_bwd(sync: float) -> float:
+                if not costs.overlaps_grad_reduce(m):
+                    return sync
+                return max(sync - last_bwd * (1 - 1 / layers_here), sync / layers_here)
+
             for topo, n_params in ((dense_topo, dense_p), (expert_topo, expert_p)):
                 if topo is None or not n_params:
                     continue
@@ -203,14 +219,21 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
                 else:
                     sync = costs.comm_s(topo, chip, "reduce_scatter", nbytes)
                     gather = costs.comm_s(topo, chip, "all_gather", n_params * 2)
-                dp_total += sync + gather
-                layers_here = max(1, sum(ch.layers for ch in chunks))
-                last_bwd = sum(ch.bwd_s for ch in chunks)
-                if costs.overlaps_grad_reduce(m):
-                    exposed += max(sync - last_bwd * (1 - 1 / layers_here), sync / layers_here)
-                    exposed += max(0.0, gather - sum(ch.fwd_s for ch in chunks))
+                if lay.zero_stage == 2 and micro_batches > 1:
+                    # ZeRO-2 keeps only its gradient shard, so every micro-batch's gradients are
+                    # reduce-scattered as they are produced (DeepSpeed stage 2), not once per step
+                    per_micro_batch += hidden_under_bwd(sync)
+                    dp_total += micro_batches * sync + gather
                 else:
-                    exposed += sync + gather
+                    exposed += hidden_under_bwd(sync)
+                    dp_total += sync + gather
+                exposed += max(0.0, gather - sum(ch.fwd_s for ch in chunks)) \
+                    if costs.overlaps_grad_reduce(m) else gather
+            if per_micro_batch:
+                first = chunks[0]  # a micro-batch's backward on this stage ends with its first chunk
+                parts = dict(first.parts)
+                parts["dp_comm"] += per_micro_batch
+                chunks[0] = replace(first, bwd_s=first.bwd_s + per_micro_batch, parts=parts)
         opt = costs.optimizer_step_s(dense_p + expert_p, lay, chip, tr.optimizer)
         by_rep[i] = StageCost(chunks, exposed, dp_total, opt, dense_p + expert_p)
     return [by_rep[g] for g in groups]
@@ -249,7 +272,7 @@ def simulate(case: Case, lay: Layout, chip: Chip, memory: Memory | None = None) 
         for k, v in ch.parts.items():
             breakdown[k] += micro_batches * v
     breakdown["bubble"] = t_pipe - micro_batches * totals[crit]
-    breakdown["dp_comm"] = dp_exposed
+    breakdown["dp_comm"] += dp_exposed
     breakdown["optimizer"] = opt
     step = t_pipe + dp_exposed + opt
     tokens = tr.global_batch * m.seq_len

@@ -53,9 +53,11 @@ def _pass_spans(rank: int, chunk: ChunkCost, kind: str, start: float, mb: int, r
                     add("comm", "ep all-to-all", lc.ep_bwd_s, "ep")
                     add("comm", "zero-3 gather/scatter", lc.zero3_bwd_s, "dp")
                 idx += 1
+        if kind != "F":
+            add("comm", "zero-2 reduce-scatter", chunk.parts["dp_comm"], "dp")
         add("compute", f"{'fwd' if kind == 'F' else 'bwd'} {label} extra", start + total - chunk.p2p_s - t)
     else:
-        comm = sum(chunk.parts[k] for k in ("tp_comm", "cp_comm", "ep_comm", "zero3_comm"))
+        comm = sum(chunk.parts[k] for k in ("tp_comm", "cp_comm", "ep_comm", "zero3_comm", "dp_comm"))
         passes_s = max(1e-30, chunk.fwd_s + chunk.bwd_s - 2 * chunk.p2p_s)
         comm_share = comm * (chunk.fwd_s - chunk.p2p_s) / passes_s
         share = comm_share if kind == "F" else comm - comm_share
