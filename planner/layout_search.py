@@ -14,8 +14,9 @@ Pruning, each rule exact within the simulator's model (so the search is complete
   gradient sync into a reduce-scatter and an all-gather that hide differently, ZeRO-2 reduce-scatters
   every micro-batch and ZeRO-3 gathers every layer, so no stage always wins; (b) recomputation only
   adds time, so for each ZeRO stage only the lightest level that fits is simulated; (c) SP with
-  tp > 1 moves the same bytes as plain TP and keeps and moves less through HBM, so SP on dominates; (d) GPipe has 1F1B's bubble and more memory, so 1F1B dominates; (e) TP stays
-  inside one scale-up domain (NVLink node; TPU: the chip's scale-up domain) unless the case fixes it.
+  tp > 1 moves the same bytes as plain TP and keeps and moves less through HBM, so SP on dominates;
+  (d) GPipe has 1F1B's bubble and more memory, so 1F1B dominates; (e) TP stays inside one scale-up
+  domain (NVLink node; TPU: the chip's scale-up domain) unless the case fixes it.
   tests/planner/test_search.py checks (b)-(d) against brute force on small cases.
 
 How others search (for contrast): Alpa (Zheng et al. 2022) splits the problem into an inter-operator
