@@ -30,3 +30,9 @@ def hang_on(ctx, rank):
     if ctx.rank == rank:
         time.sleep(3600)
     return all_reduce_ranks(ctx)
+
+
+def exit_on(ctx, rank):
+    if ctx.rank == rank:
+        os._exit(3)  # dies without a Python traceback, as a segfault or an OOM kill would
+    return all_reduce_ranks(ctx)
