@@ -95,6 +95,12 @@ class Estimate:
         need = self.memory.total_bytes
         return [k for k, c in CHIPS.items() if c.kind in ("gpu", "tpu") and need <= usable_hbm_bytes(c)]
 
+    @property
+    def explanation(self) -> list[str]:
+        """Why this layout costs what it does, in words (planner.explain)."""
+        from planner.explain import explain
+        return explain(self.result)
+
     @cached_property
     def timeline(self) -> Timeline:
         from planner.timeline import predicted_timeline
@@ -124,6 +130,7 @@ class Estimate:
             "pipeline_s": r.pipeline_s,
             "model_flops_per_step": r.model_flops,
             "hardware_flops_per_step": r.hardware_flops,
+            "explanation": self.explanation,
         }
         return out
 
@@ -169,7 +176,7 @@ def search(case_or_dict, top: int = 5) -> SearchReport:
     case = as_case(case_or_dict)
     res = _search.search(case, top=top)
     best = res.ranked[0] if res.ranked else None
-    ranked = [Ranked(r, explain(r, best, res.ranked)) for r in res.ranked[:top]]
+    ranked = [Ranked(r, explain(r, best)) for r in res.ranked[:top]]
     return SearchReport(case, ranked, res.evaluated, res.considered, res.elapsed_s)
 
 

@@ -26,7 +26,8 @@ def _link(res: StepResult, n: int, stride: int) -> str:
     return "NVLink" if n * stride <= node else "the network"
 
 
-def explain(res: StepResult, best: StepResult | None, ranked: list[StepResult]) -> list[str]:
+def explain(res: StepResult, best: StepResult | None = None) -> list[str]:
+    """Sentences about `res`; with `best` (another result) the first one says what it loses to it."""
     lay, step, bd = res.layout, res.step_time_s, res.breakdown
     m, case = res.case.model, res.case
     hbm = usable_hbm_bytes(res.chip)
@@ -58,7 +59,9 @@ def explain(res: StepResult, best: StepResult | None, ranked: list[StepResult]) 
         words.append(f"CP={lay.cp} splits each {m.seq_len}-token sequence into {m.seq_len // lay.cp}-token "
                      f"shards; the K/V ring shows {_pct(bd['cp_comm'], step)}.")
     if lay.ep > 1:
-        words.append(f"EP={lay.ep} puts {m.experts // lay.ep} experts on each chip; the all-to-alls cost "
+        local = m.experts // lay.ep
+        experts = f"{local} expert{'s' if local != 1 else ''}"
+        words.append(f"EP={lay.ep} puts {experts} on each chip; the all-to-alls cost "
                      f"{_pct(bd['ep_comm'], step)}.")
     if lay.dp > 1:
         zero = {0: "replicated optimizer state", 1: "ZeRO-1 (sharded optimizer state)",

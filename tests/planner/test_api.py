@@ -37,3 +37,9 @@ def test_fixed_zero_and_recompute_are_respected():
                              micro_batch=2)
     lay = planner.estimate(case).layout
     assert (lay.zero_stage, lay.recompute, lay.micro_batch) == (1, "full", 2)
+
+
+def test_estimate_explains_itself():
+    est = planner.estimate(planner.make_case("Mixtral 8x7B", "1,024x H100 (128 nodes)"))
+    words = " ".join(est.explanation)
+    assert f"EP={est.layout.ep}" in words and "MFU" in words
