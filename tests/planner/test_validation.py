@@ -34,3 +34,14 @@ def test_recompute_ordering_holds(rows):
     for size in ("22B", "175B", "530B", "1T"):
         sel, full = by_name[f"korthikanti2022-{size}-seq-sel"], by_name[f"korthikanti2022-{size}-full"]
         assert sel.predicted_s < full.predicted_s
+
+
+def test_bundled_copy_of_the_published_runs_matches_the_shared_file():
+    import json
+
+    from planner.validation import BUNDLED_PUBLISHED_RUNS, SHARED_PUBLISHED_RUNS
+
+    if not SHARED_PUBLISHED_RUNS.exists():
+        pytest.skip("no ../shared beside this clone: only the bundled copy is available")
+    assert json.loads(BUNDLED_PUBLISHED_RUNS.read_text()) == json.loads(SHARED_PUBLISHED_RUNS.read_text()), (
+        "planner/data/published-runs.json differs from ../shared/validation: copy the shared file over it")
