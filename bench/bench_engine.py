@@ -77,6 +77,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=5, help="back-to-back pairs per comparison")
     args = ap.parse_args()
     n = args.world
 
@@ -103,31 +104,30 @@ def main() -> None:
     dp_cfg = RunConfig(world=n, steps=args.steps, parallel=ParallelConfig("dp", bucket_bytes=big_bucket))
     dp_small_cfg = RunConfig(world=n, steps=args.steps, parallel=ParallelConfig("dp"))
     fsdp_cfg = RunConfig(world=n, steps=args.steps, parallel=ParallelConfig("fsdp"))
-    rows = {}
-    # Interleave ours and theirs, three times, so a noisy neighbour hurts both alike; keep the best of three.
-    for _ in range(3):
-        for key, fn in [("ddp", lambda: theirs(pool, dp_cfg, "ddp")), ("dp", lambda: ours(pool, dp_cfg)),
-                        ("dp_small", lambda: ours(pool, dp_small_cfg)),
-                        ("ddp_small", lambda: theirs(pool, dp_small_cfg, "ddp")),
-                        ("fsdp2", lambda: theirs(pool, fsdp_cfg, "fsdp2")),
-                        ("zero3", lambda: ours(pool, fsdp_cfg)),
-                        ("zero3_traced", lambda: ours(pool, fsdp_cfg, traced=True)),
-                        ("dp_traced", lambda: ours(pool, dp_cfg, traced=True))]:
-            rows[key] = min(rows.get(key, float("inf")), fn())
+    pairs = {  # label -> (ours, theirs or the untraced baseline)
+        "our DP step / torch DDP  (25 MiB buckets)": (lambda: ours(pool, dp_cfg),
+                                                      lambda: theirs(pool, dp_cfg, "ddp")),
+        "our DP step / torch DDP  (16 KiB buckets)": (lambda: ours(pool, dp_small_cfg),
+                                                      lambda: theirs(pool, dp_small_cfg, "ddp")),
+        "our ZeRO-3 / torch FSDP2 fully_shard": (lambda: ours(pool, fsdp_cfg),
+                                                 lambda: theirs(pool, fsdp_cfg, "fsdp2")),
+        "tracing overhead ZeRO-3, traced / untraced": (lambda: ours(pool, fsdp_cfg, traced=True),
+                                                       lambda: ours(pool, fsdp_cfg)),
+        "tracing overhead DP, traced / untraced": (lambda: ours(pool, dp_cfg, traced=True),
+                                                   lambda: ours(pool, dp_cfg)),
+    }
+    # Each pair runs back to back, `repeats` times: a noisy neighbour on a shared machine slows both
+    # sides of a pair alike, so the median of the per-pair ratios is steadier than a ratio of medians.
+    measured = {label: [(a(), b()) for _ in range(args.repeats)] for label, (a, b) in pairs.items()}
     pool.shutdown()
 
     print(f"engine benchmark, world {n}, {os.cpu_count()} cpu cores, model "
           f"{first['config']['model']['layers']} layers hidden {first['config']['model']['hidden']}, "
-          f"{args.steps} steps (median of the slowest rank, warm-up step excluded)")
-    print(f"  our DP step / torch DDP  (25 MiB buckets)  {rows['dp'] * 1e3:7.2f} ms / "
-          f"{rows['ddp'] * 1e3:7.2f} ms"
-          f"  = {rows['dp'] / rows['ddp']:.2f}x")
-    print(f"  our DP step / torch DDP  (16 KiB buckets)  {rows['dp_small'] * 1e3:7.2f} ms / "
-          f"{rows['ddp_small'] * 1e3:7.2f} ms  = {rows['dp_small'] / rows['ddp_small']:.2f}x")
-    print(f"  our ZeRO-3 / torch FSDP2 fully_shard       {rows['zero3'] * 1e3:7.2f} ms / "
-          f"{rows['fsdp2'] * 1e3:7.2f} ms  = {rows['zero3'] / rows['fsdp2']:.2f}x")
-    print(f"  tracing overhead, traced / untraced: ZeRO-3 {rows['zero3_traced'] / rows['zero3']:.2f}x, "
-          f"DP {rows['dp_traced'] / rows['dp']:.2f}x")
+          f"{args.steps} steps (median of the slowest rank, warm-up step excluded), {args.repeats} pairs")
+    for label, runs in measured.items():
+        ratio = statistics.median(a / b for a, b in runs)
+        a_ms, b_ms = (statistics.median(x[i] for x in runs) * 1e3 for i in (0, 1))
+        print(f"  {label:45s} {a_ms:7.2f} ms / {b_ms:7.2f} ms = {ratio:.2f}x")
     print(f"  pool cold start {cold_start_s:.2f} s; first run on it {first_run_s:.2f} s")
     print(f"  warm 3-step ZeRO-3 run {warm_wall_s * 1e3:.0f} ms wall, of which "
           f"{warm_overhead_s * 1e3:.0f} ms "
