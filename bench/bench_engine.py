@@ -1,6 +1,6 @@
 """Engine benchmark: prints ratios measured in one run at 4 ranks on the same model. Never pass/fail.
 
-    .venv/bin/python bench/bench_engine.py [--world 4] [--steps 12]
+    .venv/bin/python bench/bench_engine.py [--world 4] [--steps 20] [--repeats 5]
 
 - our data parallel step / torch DDP step            (same model, batch, bucket size, AdamW)
 - our ZeRO-3 step / torch FSDP2 (`fully_shard` per unit) step

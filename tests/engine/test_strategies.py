@@ -138,3 +138,20 @@ def test_assemble_takes_the_slowest_rank_per_step():
                 "memory_bytes": {}, "comm_bytes": 0, "spans": [], "check": None} for r in (1, 0)]
     summary, _ = assemble(cfg, results)
     assert summary["step_times_s"] == [0.5, 0.2, 0.2] and summary["step_time_s"] == 0.2
+
+
+def _first(spans, name):
+    return min((s for s in spans if s.name == name), key=lambda s: s.start_s)
+
+
+def test_communication_is_issued_during_backward(pools):
+    # Overlap is an ordering fact, not a timing one: the async op is issued before backward has finished.
+    _, tl = run(_cfg(2, "dp bucketed", steps=1), pool=pools(2))
+    spans = tl.for_rank(0)
+    assert _first(spans, "all_reduce bucket 0").start_s < _first(spans, "bwd embed").end_s
+    _, tl = run(_cfg(2, "fsdp", steps=1), pool=pools(2))
+    spans = tl.for_rank(0)
+    # prefetch: L0's gather for backward is issued before L1's backward computes
+    gathers_l0 = sorted((s for s in spans if s.name == "all_gather L0"), key=lambda s: s.start_s)
+    assert len(gathers_l0) == 2 and gathers_l0[1].start_s < _first(spans, "bwd L1").end_s
+    assert _first(spans, "reduce_scatter head").start_s < _first(spans, "bwd embed").start_s
