@@ -10,6 +10,8 @@ an unchanged model).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -44,7 +46,12 @@ def apply_rotary(x, cos, sin):
 
 class Attention(nn.Module):
     """Causal attention with grouped KV heads (Ainslie et al. 2023, "GQA"): each KV head serves
-    heads/kv_heads query heads."""
+    heads/kv_heads query heads.
+
+    Two hooks let a strategy drive the unchanged module: `positions` (the absolute token positions of
+    this rank's rows, for rotary; None means 0..T-1) and `attend(q[B,h,T,d], k[B,kv,T,d], v) -> y[B,h,T,d]`
+    (context parallel replaces it with ring attention; K/V arrive with kv_heads heads, not repeated).
+    """
 
     def __init__(self, m: ModelConfig):
         super().__init__()
@@ -56,17 +63,22 @@ class Attention(nn.Module):
         cos, sin = rotary_tables(m.seq_len, m.head_dim, m.rope_theta)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+        self.positions: torch.Tensor | None = None
+
+    def attend(self, q, k, v):
+        group = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     def forward(self, x):
         b, t, _ = x.shape
         q = self.wq(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        q = apply_rotary(q, self.cos[:t], self.sin[:t])
-        k = apply_rotary(k, self.cos[:t], self.sin[:t])
-        group = self.heads // self.kv_heads
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        pos = slice(t) if self.positions is None else self.positions
+        q = apply_rotary(q, self.cos[pos], self.sin[pos])
+        k = apply_rotary(k, self.cos[pos], self.sin[pos])
+        y = self.attend(q, k, v)
         return self.wo(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
 
@@ -82,29 +94,58 @@ class SwiGLU(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def route(logits, top_k: int):
+    """logits[N, E] -> (weights[N, k], chosen[N, k]): the k largest logits, softmax over them (Mixtral).
+    A stable sort puts equal logits in expert order, so exact ties go to the lower expert index, the
+    same way on every rank and in the reference (topk leaves the order of ties unspecified)."""
+    values, order = logits.sort(dim=-1, descending=True, stable=True)
+    return values[..., :top_k].softmax(dim=-1), order[..., :top_k]
+
+
+def expert_capacity(capacity_factor: float, tokens: int, top_k: int, experts: int) -> int:
+    # GShard (Lepikhin et al. 2020), section 3.2: expert capacity = C * tokens * k / E per group.
+    return math.ceil(capacity_factor * tokens * top_k / experts)
+
+
+def capacity_keep(chosen, experts: int, capacity: int):
+    """chosen[S, T, k] -> keep[S, T, k] (bool). The group is one sequence: each expert accepts its first
+    `capacity` assignments in priority order, all first choices before any second choice and earlier
+    tokens first (GShard's Algorithm 1 order); the rest are dropped (their expert output is zero)."""
+    s, t, k = chosen.shape
+    slot_major = chosen.transpose(1, 2).reshape(s, k * t)
+    onehot = F.one_hot(slot_major, experts)
+    rank_in_expert = (onehot.cumsum(dim=1) * onehot).sum(-1) - 1  # 0 for an expert's first assignment
+    return (rank_in_expert < capacity).view(s, k, t).transpose(1, 2)
+
+
 class MoE(nn.Module):
     """Top-k routed SwiGLU experts (Shazeer et al. 2017; softmax over the chosen k as in Mixtral).
 
-    No capacity limit and no auxiliary loss: every token reaches its k experts, so a token's output
-    does not depend on which other tokens share its batch, and a data-parallel split of the batch
-    computes exactly what the whole batch computes.
+    No auxiliary loss. Without a capacity factor every token reaches its k experts, so a token's output
+    does not depend on which other tokens share its batch. With one, each expert takes at most
+    `expert_capacity` tokens per sequence: still independent of the other sequences, so any split of
+    the batch into whole sequences (dp, ep) computes exactly what the whole batch computes.
     """
 
     def __init__(self, m: ModelConfig):
         super().__init__()
         self.top_k = m.top_k
+        self.capacity_factor = m.capacity_factor
         self.router = nn.Linear(m.hidden, m.experts, bias=False)
         self.experts = nn.ModuleList(SwiGLU(m.hidden, m.ffn) for _ in range(m.experts))
 
     def forward(self, x):
         flat = x.reshape(-1, x.shape[-1])
-        weights, chosen = self.router(flat).topk(self.top_k, dim=-1)
-        weights = weights.softmax(dim=-1)
+        weights, chosen = route(self.router(flat), self.top_k)
+        keep = torch.ones_like(chosen, dtype=torch.bool)
+        if self.capacity_factor is not None:
+            cap = expert_capacity(self.capacity_factor, x.shape[1], self.top_k, len(self.experts))
+            keep = capacity_keep(chosen.view(*x.shape[:2], -1), len(self.experts), cap).view_as(chosen)
         out = torch.zeros_like(flat)
         for e, expert in enumerate(self.experts):
             # An expert that no token chose still runs (on zero rows), so every parameter gets a
             # gradient on every rank and gradient hooks fire the same way everywhere.
-            token, slot = (chosen == e).nonzero(as_tuple=True)
+            token, slot = ((chosen == e) & keep).nonzero(as_tuple=True)
             out = out.index_add(0, token, expert(flat[token]) * weights[token, slot, None])
         return out.view_as(x)
 
@@ -180,6 +221,22 @@ def global_batch(m: ModelConfig, seed: int, step: int, sequences: int) -> tuple[
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
     data = torch.randint(0, m.vocab, (sequences, m.seq_len + 1), generator=gen)
     return data[:, :-1], data[:, 1:]
+
+
+def unit_forward_flops(m: ModelConfig, unit: int, sequences: int) -> float:
+    """Forward FLOPs of one unit on `sequences` sequences: 2 per multiply-add of every matmul
+    (Kaplan et al. 2020, "Scaling Laws", section 2.1), attention scores and values counted in full
+    (the fused kernel computes the masked half too). Backward is twice this."""
+    tokens = sequences * m.seq_len
+    if unit == 0:
+        return 0.0  # an embedding is a lookup
+    if unit == m.layers + 1:
+        return 2.0 * tokens * m.hidden * m.vocab
+    attn_params = m.hidden * m.head_dim * (2 * m.heads + 2 * m.kv_heads)
+    swiglu_params = 3 * m.hidden * m.ffn
+    mlp_params = swiglu_params if m.mlp == "dense" else m.hidden * m.experts + m.top_k * swiglu_params
+    scores_and_values = 2 * 2 * sequences * m.seq_len * m.seq_len * m.heads * m.head_dim
+    return 2.0 * tokens * (attn_params + mlp_params) + scores_and_values
 
 
 def param_count(m: ModelConfig) -> int:

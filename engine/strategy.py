@@ -14,7 +14,7 @@ import torch
 
 from engine.comm import Comm
 from engine.config import RunConfig
-from engine.model import Transformer, loss_fn
+from engine.model import Transformer, loss_fn, unit_forward_flops
 from engine.optim import AdamW
 from engine.recorder import Recorder
 
@@ -41,6 +41,7 @@ class Strategy(ABC):
         self.dp_rank = comm.group_rank("dp")
         self.last_micro_batch = True
         self._bwd_start_s: dict[int, float] = {}
+        self._flops: list[float] = []
 
     # -- hooks a strategy may override -----------------------------------------------------------------
     def unit_forward(self, i: int, x):
@@ -84,9 +85,10 @@ class Strategy(ABC):
     def forward(self, tokens, targets):
         x = tokens
         last = len(self.names) - 1
+        self._flops = [unit_forward_flops(self.model.config, i, tokens.shape[0]) for i in range(last + 1)]
         for i, name in enumerate(self.names):
             self.before_forward(i)
-            with self.rec.compute(f"fwd {name}"):
+            with self.rec.compute(f"fwd {name}", flops=self._flops[i]):
                 if i > 0:
                     x = _OnBackward.apply(x, lambda i=i: self._backward_done(i))
                 x = self.unit_forward(i, x)
@@ -110,4 +112,5 @@ class Strategy(ABC):
     def _backward_done(self, i: int) -> None:
         if self.rec.synchronize:
             self.rec.synchronize()
-        self.rec.add("compute", f"bwd {self.names[i]}", self._bwd_start_s.pop(i), self.rec.now())
+        self.rec.add("compute", f"bwd {self.names[i]}", self._bwd_start_s.pop(i), self.rec.now(),
+                     flops=2 * self._flops[i])

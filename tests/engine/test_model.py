@@ -50,3 +50,15 @@ def test_verify_catches_a_gradient_that_was_not_averaged():
     assert not result["passed"] and any("grads" in f for f in result["failures"])
     ok = compare(cfg, ref, [dataclasses.asdict(s) for s in ref], [s.loss for s in ref])
     assert ok["passed"] and ok["max_abs_diff"] == 0.0
+
+
+def test_unit_flops_add_up_to_six_n_per_token_plus_attention():
+    from engine.model import param_count, unit_forward_flops
+
+    m = ModelConfig()
+    forward = sum(unit_forward_flops(m, i, 1) for i in range(m.layers + 2))
+    attention = m.layers * 4 * m.seq_len * m.seq_len * m.hidden
+    embed = m.vocab * m.hidden
+    norms = m.hidden * (2 * m.layers + 1)
+    # Kaplan et al. 2020: forward = 2 N per token for the matmul weights N (no embedding, no norms).
+    assert forward == 2 * m.seq_len * (param_count(m) - embed - norms) + attention

@@ -107,6 +107,8 @@ def test_timeline_and_chrome_trace(pools, tmp_path):
     names = {s.name for s in timeline.spans}
     assert {"fwd embed", "fwd L0", "bwd L1", "bwd embed", "optimizer step", "all_gather L0",
             "reduce_scatter head"} <= names
+    fwd = _first(timeline.for_rank(0), "fwd L0")
+    assert _first(timeline.for_rank(0), "bwd L0").flops == 2 * fwd.flops > 0  # backward = 2x forward
     comm = [s for s in timeline.spans if s.lane == "comm"]
     assert all(s.group == "dp" and s.bytes > 0 for s in comm)
     assert any(s.is_async for s in comm)  # prefetch and reduce-scatter are issued without blocking
