@@ -12,8 +12,11 @@ from dataclasses import dataclass, field
 # Axes a mesh may name. Only "dp" has a strategy today; tp/pp/cp/ep are reserved for later issues so
 # that `--mesh dp=2,tp=2` already parses and fails with a clear message instead of a crash.
 KNOWN_AXES = ("dp", "tp", "pp", "cp", "ep")
-IMPLEMENTED_AXES = ("dp",)
-STRATEGIES = ("dp", "fsdp")
+IMPLEMENTED_AXES = ("dp", "cp", "ep")
+STRATEGIES = ("dp", "fsdp", "cp", "ep")
+# The mesh axis a strategy splits over when no --mesh is given (all other strategies: dp = world).
+DEFAULT_AXIS = {"cp": "cp", "ep": "ep"}
+CP_VARIANTS = ("ring", "allgather")
 DP_COMM_MODES = ("naive", "bucketed")
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32",)
@@ -38,6 +41,9 @@ class ModelConfig:
     mlp: str = "dense"  # "dense" (SwiGLU) or "moe" (top-k routed SwiGLU experts)
     experts: int = 4
     top_k: int = 2
+    # Tokens an expert accepts per sequence: ceil(C * seq_len * top_k / experts) (GShard, Lepikhin et al.
+    # 2020, section 3.2); None: no limit, no token dropped.
+    capacity_factor: float | None = None
     rope_theta: float = 10000.0
 
     @property
@@ -55,6 +61,7 @@ class ParallelConfig:
     dp_comm: str = "bucketed"  # dp gradient sync: "naive" (after backward) or "bucketed" (overlapped)
     bucket_bytes: int = 16 * 1024  # small on purpose: the tiny model must still make several buckets
     prefetch: bool = True  # fsdp: all-gather the next unit while this one computes
+    cp_variant: str = "ring"  # cp: K/V passed around a ring, or all-gathered at once
 
     @property
     def stage(self) -> int:
@@ -63,7 +70,7 @@ class ParallelConfig:
         return 3 if self.strategy == "fsdp" else 0
 
     def axes(self, world: int) -> tuple[tuple[str, int], ...]:
-        return self.mesh or (("dp", world),)
+        return self.mesh or ((DEFAULT_AXIS.get(self.strategy, "dp"), world),)
 
     def degree(self, axis: str, world: int) -> int:
         return dict(self.axes(world)).get(axis, 1)
@@ -91,8 +98,9 @@ class RunConfig:
 
     @property
     def global_batch(self) -> int:
-        """Sequences per optimizer step over all ranks."""
-        return self.dp * self.micro_batches * self.micro_batch_size
+        """Sequences per optimizer step over all ranks. Expert-parallel ranks read different sequences (they
+        are data parallel for everything but the experts), so they multiply the batch like dp does."""
+        return self.dp * self.parallel.degree("ep", self.world) * self.micro_batches * self.micro_batch_size
 
 
 def parse_mesh(text: str) -> tuple[tuple[str, int], ...]:
@@ -131,6 +139,8 @@ def validate_model(m: ModelConfig) -> None:
     if m.mlp == "moe":
         _check(m.experts >= 1, f"experts={m.experts} must be at least 1 for mlp='moe'")
         _check(1 <= m.top_k <= m.experts, f"top_k={m.top_k} must be between 1 and experts={m.experts}")
+        _check(m.capacity_factor is None or m.capacity_factor > 0,
+               f"capacity_factor={m.capacity_factor} must be positive (or None for no limit)")
 
 
 def validate(cfg: RunConfig) -> RunConfig:
@@ -165,6 +175,29 @@ def validate(cfg: RunConfig) -> RunConfig:
         product *= degree
     _check(product == cfg.world, f"mesh {','.join(f'{n}={d}' for n, d in axes)} has {product} ranks but "
            f"world={cfg.world}; make the degrees multiply to the world size")
+    _validate_cp_ep(cfg)
     if cfg.device == "cuda":
         _check(cfg.dtype == "float32", "the cuda path checks against the fp32 reference; use dtype float32")
     return cfg
+
+
+def _validate_cp_ep(cfg: RunConfig) -> None:
+    p, m = cfg.parallel, cfg.model
+    cp, ep = p.degree("cp", cfg.world), p.degree("ep", cfg.world)
+    _check(cp == 1 or p.strategy == "cp", f"mesh axis cp={cp} needs --strategy cp")
+    _check(ep == 1 or p.strategy == "ep", f"mesh axis ep={ep} needs --strategy ep")
+    _check(p.cp_variant in CP_VARIANTS, f"cp_variant={p.cp_variant!r} must be one of {', '.join(CP_VARIANTS)}")
+    if p.strategy in ("cp", "ep"):
+        _check(p.stage == 0, f"--strategy {p.strategy} syncs whole gradients over dp; ZeRO stages are not "
+               f"combined with it: drop --zero-stage {p.stage}")
+    if p.strategy == "cp":
+        _check(m.seq_len % (2 * cp) == 0, f"seq_len={m.seq_len} is not divisible by 2*cp={2 * cp}: the "
+               f"load-balanced split cuts each sequence into 2*cp equal chunks; choose seq_len as a multiple "
+               f"of {2 * cp} or a smaller cp")
+        _check(m.mlp == "dense" or m.capacity_factor is None,
+               "capacity_factor counts an expert's tokens per whole sequence, which cp splits across ranks: "
+               "drop --capacity-factor with --strategy cp")
+    if p.strategy == "ep":
+        _check(m.mlp == "moe", "expert parallel splits the experts of an MoE layer: use --mlp moe")
+        _check(m.experts % ep == 0, f"experts={m.experts} is not divisible by ep={ep}: each rank holds "
+               f"experts/ep whole experts; choose experts as a multiple of {ep} or another ep")
