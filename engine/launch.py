@@ -24,6 +24,7 @@ import os
 import pickle
 import re
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -189,6 +190,9 @@ class Pool:
         for conn in self.conns:
             conn.close()
         self.procs, self.conns = [], []
+        if self.logdir:  # error messages have already copied what they needed from the logs
+            shutil.rmtree(self.logdir, ignore_errors=True)
+            self.logdir = None
 
     # -- running tasks ------------------------------------------------------------------------------
 
