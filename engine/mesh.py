@@ -58,4 +58,11 @@ class Mesh:
                 g = comm.new_group(ranks, timeout_s)
                 if rank in ranks:
                     mine[axis] = g
+        if "dp" not in mine and "fsdp" not in mine:
+            # Every strategy averages gradients over "dp": a mesh without a data-parallel axis (tp=4)
+            # has dp = 1, a group of one rank each.
+            for r in range(self.world):
+                g = comm.new_group([r], timeout_s)
+                if r == rank:
+                    mine["dp"] = g
         return mine
