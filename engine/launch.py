@@ -204,7 +204,7 @@ class Pool:
             per_rank = kwargs if isinstance(kwargs, list) else [kwargs or {}] * self.world
             self._task_id += 1
             self.runs += 1
-            log_sizes = [os.path.getsize(self._log_path(r)) for r in range(self.world)]
+            log_sizes = [self._log_size(r) for r in range(self.world)]
             for rank, conn in enumerate(self.conns):
                 conn.send_bytes(pickle.dumps(("task", self._task_id, target, per_rank[rank])))
             try:
@@ -248,6 +248,12 @@ class Pool:
     def _log_path(self, rank: int) -> str:
         return os.path.join(self.logdir, f"rank{rank}.log")
 
+    def _log_size(self, rank: int) -> int:
+        try:
+            return os.path.getsize(self._log_path(rank))
+        except OSError:
+            return 0
+
     def _log_tail(self, rank: int, since: int = 0, limit: int = 4000) -> str:
         try:
             with open(self._log_path(rank), "rb") as f:
@@ -268,7 +274,7 @@ class Pool:
 
     def _where(self, ranks) -> dict[int, str]:
         """Ask each unfinished rank for its Python stack (faulthandler on SIGUSR1) and name the frame."""
-        sizes = {r: os.path.getsize(self._log_path(r)) for r in ranks}
+        sizes = {r: self._log_size(r) for r in ranks}
         for r in ranks:
             try:
                 os.kill(self.procs[r].pid, signal.SIGUSR1)
