@@ -70,7 +70,11 @@ class ParallelConfig:
         return 3 if self.strategy == "fsdp" else 0
 
     def axes(self, world: int) -> tuple[tuple[str, int], ...]:
-        return self.mesh or ((DEFAULT_AXIS.get(self.strategy, "dp"), world),)
+        axes = self.mesh or ((DEFAULT_AXIS.get(self.strategy, "dp"), world),)
+        if self.strategy in ("cp", "ep") and "dp" not in dict(axes):
+            # cp and ep also sync gradients over dp: a degree-1 dp axis gives every rank its own dp group.
+            axes = (("dp", 1), *axes)
+        return axes
 
     def degree(self, axis: str, world: int) -> int:
         return dict(self.axes(world)).get(axis, 1)

@@ -40,6 +40,7 @@ def assemble(cfg: RunConfig, results: list[dict]) -> tuple[dict, Timeline]:
         "step_times_s": slowest,
         "memory_bytes": [r["memory_bytes"] for r in results],
         "comm_bytes": [r["comm_bytes"] for r in results],
+        "stats": results[0].get("stats") or {},
         "config": asdict(cfg),
     }
     return summary, timeline

@@ -56,6 +56,15 @@ class Strategy(ABC):
     def before_backward(self, i: int) -> None:
         pass
 
+    def loss(self, logits, targets):
+        """The last unit's output -> the mean loss (tensor parallel: logits sharded over the vocabulary)."""
+        return loss_fn(logits, targets)
+
+    def stats(self) -> dict:
+        """Strategy-specific figures for the summary (e.g. expert load); called on every rank after the
+        last step, so it may communicate (untraced)."""
+        return {}
+
     # -- what each strategy must provide -----------------------------------------------------------------
     @abstractmethod
     def zero_grad(self) -> None:
@@ -93,7 +102,7 @@ class Strategy(ABC):
                     x = _OnBackward.apply(x, lambda i=i: self._backward_done(i))
                 x = self.unit_forward(i, x)
                 if i == last:
-                    x = loss_fn(x, targets)
+                    x = self.loss(x, targets)
                 x = _OnBackward.apply(x, lambda i=i: self._backward_begins(i))
             self.after_forward(i)
         return x
