@@ -141,13 +141,18 @@ class MoE(nn.Module):
         if self.capacity_factor is not None:
             cap = expert_capacity(self.capacity_factor, x.shape[1], self.top_k, len(self.experts))
             keep = capacity_keep(chosen.view(*x.shape[:2], -1), len(self.experts), cap).view_as(chosen)
+        return self.dispatch(flat, weights, chosen, keep).view_as(x)
+
+    def dispatch(self, flat, weights, chosen, keep):
+        """flat[N, D] -> sum over each token's kept choices of weight * expert(token): out[N, D].
+        The hook expert parallel replaces with its all-to-all exchange."""
         out = torch.zeros_like(flat)
         for e, expert in enumerate(self.experts):
             # An expert that no token chose still runs (on zero rows), so every parameter gets a
             # gradient on every rank and gradient hooks fire the same way everywhere.
             token, slot = ((chosen == e) & keep).nonzero(as_tuple=True)
             out = out.index_add(0, token, expert(flat[token]) * weights[token, slot, None])
-        return out.view_as(x)
+        return out
 
 
 class Block(nn.Module):
