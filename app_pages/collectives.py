@@ -11,7 +11,6 @@ from ui.collectives import (
     MIN_RING,
     cost_figure,
     crossover_bytes,
-    engine_error_message,
     format_bytes,
     format_seconds,
     machine_link,
@@ -20,6 +19,7 @@ from ui.collectives import (
     ring_formula_latex,
     sweep_figure,
 )
+from ui.engine_errors import engine_error_message
 
 POW2 = [2**i for i in range(0, 17)]  # 1 .. 65,536
 GROUP_SIZES = [2**i for i in range(1, 13)]  # 2 .. 4,096

@@ -558,25 +558,3 @@ def sweep_figure(result: MachineLink) -> go.Figure:
     fig.update_layout(title=f"This machine, {result.world} local ranks (gloo over loopback)", height=460,
                       margin={"l": 10, "r": 10, "t": 50, "b": 10}, legend={"orientation": "h", "y": -0.2})
     return fig
-
-
-def engine_error_message(exc: BaseException) -> tuple[str, str | None]:
-    """(one clear sentence for st.error, details for an expander or None) for an engine failure."""
-    from engine.config import ConfigError
-    from engine.launch import RankFailed, RunTimedOut, WorkerError
-
-    if isinstance(exc, ConfigError):
-        return f"The sweep cannot run as asked: {exc}", None
-    if isinstance(exc, RankFailed):
-        lines = [line for line in exc.detail.strip().splitlines() if line.strip()]
-        last = lines[-1].strip() if lines else "no message"
-        return (f"Rank {exc.rank} failed: {last}. The workers were stopped; the next run starts fresh ones.",
-                exc.detail)
-    if isinstance(exc, RunTimedOut):
-        ranks = ", ".join(map(str, exc.ranks))
-        return (f"The sweep did not finish within {exc.timeout_s:g} s (ranks {ranks} were still running)."
-                " The workers were stopped; try fewer sizes, fewer repeats or fewer ranks.",
-                str(exc))
-    if isinstance(exc, WorkerError):
-        return f"The worker processes failed: {exc}", None
-    return f"The sweep failed ({type(exc).__name__}): {exc}", None

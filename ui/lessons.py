@@ -28,12 +28,15 @@ LESSONS: list[Lesson] = [
            "All-gather, reduce-scatter, all-reduce and all-to-all, step by step on a ring; what they cost "
            "(latency against bandwidth, inside a node or across nodes); and this machine's own alpha and beta.",
            params=("collective", "ring_n", "group", "stride", "rows", "cols", "achievable")),
+    Lesson("Data parallel, ZeRO and FSDP", "app_pages/data_parallel.py", "data-parallel", ":material/content_copy:",
+           "Replicate the model, split the batch, all-reduce the gradients; then shard optimizer state, "
+           "gradients and weights (ZeRO-1/2/3, FSDP). Memory and bytes on real chips, and a real verified run "
+           "on this machine with every rank's timeline.",
+           params=()),
 ]
 
 # The rest of the route, in teaching order; each becomes a page when its live engine or planner lands.
 PLANNED = [
-    ("Data parallel and ZeRO / FSDP", "replicate the model, shard the batch; then shard optimizer state, "
-     "gradients and weights."),
     ("Tensor and sequence parallel", "split every matmul across chips inside a node."),
     ("Pipeline parallel", "GPipe, 1F1B, interleaved and zero-bubble schedules, and their bubbles."),
     ("Context parallel", "ring attention for long sequences."),

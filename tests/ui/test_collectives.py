@@ -12,7 +12,6 @@ from ui.collectives import (
     Block,
     cost_figure,
     crossover_bytes,
-    engine_error_message,
     format_bytes,
     format_seconds,
     machine_link,
@@ -22,6 +21,7 @@ from ui.collectives import (
     ring_steps,
     sweep_figure,
 )
+from ui.engine_errors import engine_error_message
 
 RING_SIZES = range(2, 9)
 TIMEOUT_S = 60

@@ -1,0 +1,181 @@
+"""Lesson: data parallel, ZeRO-1/2/3 and FSDP, analytic on real chips and live on this machine."""
+
+import json
+
+import plotly.graph_objects as go
+import streamlit as st
+
+from hardware.chips import CHIPS
+from hardware.collectives import group_topology
+from planner.flops import total_params
+from planner.memory import zero_bytes_per_param
+from planner.models import MODEL_PRESETS
+from ui.dp_lesson import LIVE_STRATEGIES, expected_comm_bytes_per_step, expected_memory
+from ui.engine_errors import engine_error_message
+from ui.timeline import lane_summary, timeline_figure
+
+choices = st.session_state["choices"]
+chip = CHIPS[choices.chip]
+spec = MODEL_PRESETS[choices.model]
+dp = choices.mesh["dp"]
+
+st.title("Data parallel, ZeRO and FSDP")
+st.markdown(
+    """
+**Data parallel** is the first thing anyone does with more than one chip: every chip holds the whole
+model and takes its own slice of the batch. In scaling-book notation the batch dimension is sharded
+over the data-parallel axis and the weights are replicated:
+"""
+)
+st.latex(r"\text{In}[B_{dp}, D] \cdot W[D, F] \rightarrow \text{Out}[B_{dp}, F]")
+st.markdown(
+    """
+Forward and backward need no communication at all. The price comes after the backward pass: each chip
+holds gradients of its own slice of the batch, and before the optimizer step they must be **summed
+over all chips** (an all-reduce of every gradient), so every replica takes the same step.
+Frameworks start the all-reduce of a layer's gradients as soon as backward has produced them
+(**bucketing**), so most of it hides under the backward of the layers below.
+"""
+)
+
+st.header("Memory: who holds what")
+st.markdown(
+    f"""
+Mixed-precision Adam keeps, per parameter: the bf16 weight (2 bytes), its bf16 gradient (2 bytes), and
+an fp32 master copy with two fp32 moments (12 bytes): **16 bytes per parameter**
+(Rajbhandari et al. 2019, "ZeRO", Figure 1). Plain data parallel repeats all of it on every chip.
+**ZeRO** removes the repetition in three stages, each sharding one more item over the N_d data-parallel
+chips:
+"""
+)
+st.latex(r"""
+\begin{array}{lll}
+\text{DP:} & (2 + 2 + 12)\,\Psi & \\
+\text{ZeRO-1 (optimizer state):} & (2 + 2)\,\Psi + 12\,\Psi / N_d & \\
+\text{ZeRO-2 (+ gradients):} & 2\,\Psi + (2 + 12)\,\Psi / N_d & \\
+\text{ZeRO-3 / FSDP (+ weights):} & (2 + 2 + 12)\,\Psi / N_d &
+\end{array}""")
+
+psi = total_params(spec)
+stages = ["DP", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
+per_stage = [zero_bytes_per_param(stage, dp) for stage in range(4)]
+fig = go.Figure()
+for i, part in enumerate(("weights", "gradients", "optimizer state")):
+    fig.add_trace(go.Bar(x=stages, y=[p[i] * psi / 1e9 for p in per_stage], name=part))
+fig.add_hline(y=chip.hbm_bytes / 1e9, line_dash="dash", annotation_text=f"{chip.name} HBM")
+fig.update_layout(barmode="stack", yaxis_title="GB per chip (no activations)", height=380,
+                  title=f"{spec.name} ({psi / 1e9:.1f}B parameters) over dp={dp} chips",
+                  margin={"l": 10, "r": 10, "t": 50, "b": 10})
+st.plotly_chart(fig, key="zero_memory")
+fits = [s for s, p in zip(stages, per_stage, strict=True) if sum(p) * psi <= chip.hbm_bytes]
+st.markdown(
+    f"With dp = **{dp}** (sidebar), the model states of {spec.name} need "
+    + ", ".join(f"{s} **{sum(p) * psi / 1e9:,.1f} GB**" for s, p in zip(stages, per_stage, strict=True))
+    + f" per chip, against {chip.hbm_bytes / 1e9:.0f} GB of HBM on {chip.name}: "
+    + (f"{', '.join(fits)} fit{'s' if len(fits) == 1 else ''} before any activation."
+       if fits else "none fits: shard the model itself too (tensor or pipeline parallel), or raise dp.")
+)
+
+st.header("Communication: what each stage costs")
+st.markdown(
+    """
+A ring all-reduce is a reduce-scatter followed by an all-gather, so **ZeRO-1 and ZeRO-2 move exactly the
+bytes plain DP moves**: reduce-scatter the gradients (each chip now holds the summed gradient of its
+shard), update that shard, all-gather the new weights. ZeRO-3 / FSDP also frees the weights of a layer
+after using them, so it all-gathers them twice (forward and backward): **1.5x the bytes of DP**, each
+gather prefetched one layer ahead so it hides under compute.
+"""
+)
+grad_bytes = 2 * psi
+topo = group_topology(chip, dp, stride=choices.mesh["tp"] * choices.mesh["cp"] * choices.mesh["ep"],
+                      achievable=True)
+rows = [
+    {"strategy": "DP / ZeRO-1 / ZeRO-2", "collectives per step": "all-reduce (= reduce-scatter + all-gather)",
+     "bytes per chip": f"{2 * (dp - 1) / dp * grad_bytes / 1e9:,.2f} GB",
+     "time": f"{topo.all_reduce_s(grad_bytes) * 1e3:,.1f} ms"},
+    {"strategy": "ZeRO-3 / FSDP", "collectives per step": "2 all-gathers + 1 reduce-scatter",
+     "bytes per chip": f"{3 * (dp - 1) / dp * grad_bytes / 1e9:,.2f} GB",
+     "time": f"{(2 * topo.all_gather_s(grad_bytes) + topo.reduce_scatter_s(grad_bytes)) * 1e3:,.1f} ms"},
+]
+st.dataframe(rows, hide_index=True, width="stretch")
+st.caption(f"bf16 gradients of {spec.name} ({grad_bytes / 1e9:,.1f} GB) over {topo.describe()}, achievable "
+           "link bandwidth. Whether this time is exposed depends on how much backward compute it hides under.")
+
+st.header("Run it for real")
+st.markdown(
+    """
+Below, a small Llama-style Transformer trains for a few steps on **real processes of this machine**,
+sharded by the strategy you pick, with `torch.distributed` over gloo. The run is checked against one
+process training the same model on the whole batch (loss, gradients, weights and Adam state), and every
+rank's compute and communication is recorded: press **Play** under the timeline to watch a step.
+"""
+)
+c1, c2, c3, c4 = st.columns(4)
+world = c1.select_slider("Processes", [1, 2, 3, 4], value=2, key="live_world")
+strategy_label = c2.selectbox("Strategy", list(LIVE_STRATEGIES), index=4, key="live_strategy")
+steps = c3.select_slider("Optimizer steps", [1, 2, 3, 4, 5], value=3, key="live_steps")
+micro_batches = c4.select_slider("Micro-batches (gradient accumulation)", [1, 2, 4], value=1, key="live_mb")
+
+if st.button("Run on this machine", type="primary"):
+    from engine.config import ModelConfig, ParallelConfig, RunConfig
+    from engine.run import run
+
+    strategy, zero_stage, dp_comm = LIVE_STRATEGIES[strategy_label]
+    cfg = RunConfig(model=ModelConfig(), world=world, steps=steps, micro_batches=micro_batches,
+                    parallel=ParallelConfig(strategy=strategy, zero_stage=zero_stage, dp_comm=dp_comm))
+    try:
+        with st.spinner(f"Running {strategy_label} on {world} process(es) (the first run starts them) ..."):
+            summary, timeline = run(cfg, check=True)
+        st.session_state["live_dp"] = (strategy_label, cfg, summary, timeline)
+    except Exception as e:  # noqa: BLE001 - any engine failure is reported, never a traceback
+        message, details = engine_error_message(e, what="run", hint="try fewer processes or steps")
+        st.error(message)
+        if details:
+            with st.expander("What the workers said"):
+                st.code(details)
+
+live = st.session_state.get("live_dp")
+if live is not None:
+    label, cfg, summary, timeline = live
+    check = summary["check"]
+    verdict = "matches" if summary["ok"] else "DOES NOT match"
+    (st.success if summary["ok"] else st.error)(
+        f"{label} on {cfg.world} process(es) {verdict} the single-process reference over {cfg.steps} steps "
+        f"(largest difference {check['max_abs_diff']:.2e}; loss {summary['loss'][-1]:.4f}).")
+    with st.expander("Tolerances and why"):
+        st.dataframe([{"quantity": q, "largest difference": f"{check['by_quantity'].get(q, 0):.2e}",
+                       "rtol": t["rtol"], "atol": t["atol"], "why": t["why"]}
+                      for q, t in check["tolerances"].items()], hide_index=True, width="stretch")
+    st.plotly_chart(timeline_figure(timeline, title=f"{label}: every rank's compute and communication"),
+                    key="live_timeline")
+    st.dataframe(lane_summary(timeline), hide_index=True, width="stretch")
+
+    from engine.model import param_count
+
+    psi_small = param_count(cfg.model)
+    stage = cfg.parallel.stage
+    want = expected_memory(psi_small, stage, cfg.world)
+    mem_fig = go.Figure()
+    for part in ("params", "grads", "optimizer"):
+        mem_fig.add_trace(go.Bar(name=f"{part} (measured)",
+                                 x=[f"rank {r}" for r in range(cfg.world)],
+                                 y=[m[part] / 1e3 for m in summary["memory_bytes"]]))
+    mem_fig.add_trace(go.Scatter(name="ZeRO formula (params + grads + optimizer)", mode="markers",
+                                 marker={"symbol": "line-ew-open", "size": 40, "color": "black"},
+                                 x=[f"rank {r}" for r in range(cfg.world)], y=[sum(want.values()) / 1e3] * cfg.world))
+    mem_fig.update_layout(barmode="stack", yaxis_title="kB per rank", height=340,
+                          title=f"Model states per rank, measured from the tensors (fp32: 4 + 4 + 8 bytes "
+                                f"per parameter, Ψ = {psi_small:,})", margin={"l": 10, "r": 10, "t": 50, "b": 10})
+    st.plotly_chart(mem_fig, key="live_memory")
+    per_step = [b / cfg.steps for b in summary["comm_bytes"]]
+    formula = expected_comm_bytes_per_step(psi_small, stage, cfg.world)
+    st.markdown(
+        f"Measured step time **{summary['step_time_s'] * 1e3:,.1f} ms** (median over steps, slowest rank). "
+        f"Bytes sent per rank per step: **{per_step[0]:,.0f}**; the ring formula "
+        f"{'3' if stage == 3 else '2'}(N-1)/N x 4Ψ gives **{formula:,.0f}** "
+        "(the engine pads flat shards to a multiple of N, and gradient accumulation with ZeRO-2/3 "
+        "reduce-scatters every micro-batch)."
+    )
+    st.download_button("Download the trace (open it in ui.perfetto.dev or chrome://tracing)",
+                       json.dumps(timeline.to_chrome_trace()), file_name="shardlab-trace.json",
+                       mime="application/json")

@@ -1,0 +1,76 @@
+"""The Data parallel / ZeRO lesson: formula helpers by hand, the page through AppTest, one live run."""
+
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from ui.dp_lesson import LIVE_STRATEGIES, expected_comm_bytes_per_step, expected_memory
+
+APP = str(Path(__file__).resolve().parents[2] / "app.py")
+PAGE = "app_pages/data_parallel.py"
+
+
+def _page(**params) -> AppTest:
+    at = AppTest.from_file(APP, default_timeout=120)
+    for k, v in params.items():
+        at.query_params[k] = v
+    at.run()
+    at.switch_page(PAGE)
+    return at.run()
+
+
+def test_expected_memory_follows_zero_sharding():
+    # Psi = 1000 fp32 params on 4 ranks: DP 4k+4k+8k; ZeRO-1 shards the 8k moments; ZeRO-2 also the
+    # gradients; ZeRO-3 everything (16k / 4 = 4k in all).
+    assert expected_memory(1000, 0, 4) == {"params": 4000, "grads": 4000, "optimizer": 8000}
+    assert expected_memory(1000, 1, 4) == {"params": 4000, "grads": 4000, "optimizer": 2000}
+    assert expected_memory(1000, 2, 4) == {"params": 4000, "grads": 1000, "optimizer": 2000}
+    assert sum(expected_memory(1000, 3, 4).values()) == 4000
+
+
+def test_expected_comm_is_two_or_three_ring_passes():
+    # ring all-reduce of 4 kB over 4 ranks: each rank sends 2 x 3/4 x 4000 = 6000 bytes; ZeRO-3: 9000
+    assert expected_comm_bytes_per_step(1000, 0, 4) == 6000
+    assert expected_comm_bytes_per_step(1000, 2, 4) == 6000
+    assert expected_comm_bytes_per_step(1000, 3, 4) == 9000
+
+
+def test_page_shows_memory_and_comm_for_the_sidebar_model():
+    at = _page(model="Llama 3 70B", chip="h100", dp="64")
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.title[0].value == "Data parallel, ZeRO and FSDP"
+    text = " ".join(m.value for m in at.markdown)
+    # Llama 3 70B (~70.6e9 params) at 16 bytes/param is ~1.1 TB under plain DP: nothing fits an 80 GB H100
+    # until ZeRO-3 over 64 chips (~17.6 GB).
+    assert "ZeRO-3 fits" in text
+    assert len(at.get("plotly_chart")) == 1  # the live run has not happened yet
+
+
+@pytest.mark.multiprocess
+def test_live_run_matches_the_reference_and_draws_the_timeline():
+    at = _page()
+    at.select_slider(key="live_world").set_value(2)
+    at.selectbox(key="live_strategy").set_value(list(LIVE_STRATEGIES)[4])  # ZeRO-3 / FSDP
+    at.select_slider(key="live_steps").set_value(2)
+    at.button[0].click().run(timeout=120)
+    assert not at.exception, [e.value for e in at.exception]
+    assert not at.error, [e.value for e in at.error]
+    assert "matches the single-process reference" in at.success[0].value
+    assert len(at.get("plotly_chart")) == 3  # ZeRO memory, timeline, measured memory
+    assert at.get("download_button")
+
+
+def test_engine_failure_is_a_message(monkeypatch):
+    import engine.run
+
+    def fail(*args, **kwargs):
+        from engine.launch import RankFailed
+
+        raise RankFailed(1, "Traceback ...\nRuntimeError: boom")
+
+    monkeypatch.setattr(engine.run, "run", fail)
+    at = _page()
+    at.button[0].click().run()
+    assert not at.exception
+    assert "Rank 1 failed: RuntimeError: boom" in at.error[0].value

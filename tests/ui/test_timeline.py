@@ -1,0 +1,63 @@
+"""The timeline chart: spans land on the right rows with the right times; frames reveal them in order."""
+
+import pytest
+
+from engine.trace import Span, Timeline
+from ui.timeline import lane_summary, span_kind, timeline_figure
+
+
+def _tl():
+    return Timeline([
+        Span(0, "compute", "fwd L0", 1.000, 1.004, step=0),
+        Span(0, "compute", "bwd L0", 1.004, 1.010, step=0),
+        Span(0, "comm", "all_reduce", 1.006, 1.012, bytes=1000, group="dp", is_async=True),
+        Span(0, "compute", "optimizer", 1.012, 1.014),
+        Span(1, "compute", "fwd L0", 1.001, 1.005),
+        Span(1, "idle", "bubble", 1.005, 1.008),
+        Span(1, "comm", "send act", 1.008, 1.009, bytes=64, group="pp"),
+    ])
+
+
+@pytest.mark.parametrize(("lane", "name", "kind"), [
+    ("compute", "fwd L3", "forward"), ("compute", "bwd embed", "backward"), ("compute", "optimizer", "optimizer"),
+    ("comm", "all_gather", "all_gather"), ("comm", "reduce-scatter grads", "reduce_scatter"),
+    ("comm", "all_to_all dispatch", "all_to_all"), ("comm", "recv grad", "send/recv"), ("idle", "bubble", "idle"),
+])
+def test_span_kind(lane, name, kind):
+    assert span_kind(Span(0, lane, name, 0, 1)) == kind
+
+
+def test_bars_start_and_last_in_milliseconds_from_the_first_span():
+    fig = timeline_figure(_tl(), animate=False)
+    by_name = {t.name: t for t in fig.data}
+    fwd = by_name["forward"]
+    assert list(fwd.base) == pytest.approx([0.0, 1.0])
+    assert list(fwd.x) == pytest.approx([4.0, 4.0])
+    assert list(fwd.y) == ["rank 0 · compute", "rank 1 · compute"]
+    assert list(by_name["all_reduce"].y) == ["rank 0 · comm"]
+    # rows: rank 0 compute+comm, rank 1 compute+comm+idle (top to bottom = reversed category array)
+    assert list(fig.layout.yaxis.categoryarray)[::-1] == [
+        "rank 0 · compute", "rank 0 · comm", "rank 1 · compute", "rank 1 · comm", "rank 1 · idle"]
+    assert not fig.frames
+
+
+def test_frames_reveal_spans_as_the_cursor_passes():
+    fig = timeline_figure(_tl(), frames=8)
+    assert len(fig.frames) == 8
+    kinds = [t.name for t in fig.data if t.name != "now"]
+    first, last = fig.frames[0], fig.frames[-1]
+    assert all(sum(trace.x) == 0 for trace in first.data[:-1])  # t = 0: nothing has run yet
+    for i, kind in enumerate(kinds):  # last frame = the full chart
+        assert list(last.data[i].x) == pytest.approx(list(next(t for t in fig.data if t.name == kind).x))
+    assert last.data[-1].x[0] == pytest.approx(14.0)  # cursor at the end, 14 ms
+    widths = [sum(sum(trace.x) for trace in frame.data[:-1]) for frame in fig.frames]
+    assert widths == sorted(widths)
+
+
+def test_lane_summary_measures_overlap_of_comm_with_compute():
+    rows = {r["rank"]: r for r in lane_summary(_tl())}
+    assert rows[0]["comm ms"] == pytest.approx(6.0)
+    # all_reduce 1.006-1.012 overlaps bwd (1.006-1.010) and optimizer (1.012-1.012: none): 4 of 6 ms
+    assert rows[0]["comm under compute %"] == pytest.approx(66.7)
+    assert rows[0]["comm bytes"] == 1000
+    assert rows[1]["comm under compute %"] == 0.0

@@ -1,0 +1,152 @@
+"""Timeline charts: any `engine.trace.Timeline` (measured or predicted) as an animated Gantt chart.
+
+One row per rank and lane (compute, comm, idle), one colour per kind of work. The animation sweeps a
+cursor through the step and reveals each span as it happens, so overlap of communication with compute
+(or its absence) is seen rather than read.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import plotly.graph_objects as go
+
+from engine.trace import LANES, Span, Timeline
+
+KIND_COLORS = {
+    "forward": "#4C78A8",
+    "backward": "#72B7B2",
+    "optimizer": "#54A24B",
+    "all_gather": "#F58518",
+    "reduce_scatter": "#E45756",
+    "all_reduce": "#B279A2",
+    "all_to_all": "#FF9DA6",
+    "send/recv": "#9D755D",
+    "other comm": "#EECA3B",
+    "other compute": "#BAB0AC",
+    "idle": "#DDDDDD",
+}
+_COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+
+
+def span_kind(span: Span) -> str:
+    """The colour group of a span, from its lane and name ("fwd L3", "all_gather", "send act" ...)."""
+    if span.lane == "idle":
+        return "idle"
+    name = span.name.lower()
+    if span.lane == "comm":
+        for kind in _COMM_KINDS:
+            if kind in name or kind.replace("_", "-") in name or kind.replace("_", " ") in name:
+                return kind
+        if any(word in name for word in ("send", "recv", "p2p")):
+            return "send/recv"
+        return "other comm"
+    if name.startswith(("fwd", "forward", "f ")) or name == "f":
+        return "forward"
+    if name.startswith(("bwd", "backward", "b ", "bi", "bw")) or name == "b":
+        return "backward"
+    if name.startswith(("opt", "adam", "step")):
+        return "optimizer"
+    return "other compute"
+
+
+def row_label(rank: int, lane: str) -> str:
+    return f"rank {rank} · {lane}"
+
+
+def _rows(timeline: Timeline) -> list[str]:
+    used = {(s.rank, s.lane) for s in timeline.spans}
+    return [row_label(r, lane) for r in timeline.ranks for lane in LANES if (r, lane) in used]
+
+
+def timeline_figure(timeline: Timeline, title: str = "", frames: int = 30, animate: bool = True) -> go.Figure:
+    """Gantt chart of `timeline` in milliseconds from its first span; with `animate`, play/pause
+    buttons and a slider sweep a cursor through it, revealing spans as they start."""
+    tl = timeline.normalized()
+    t_end_ms = tl.end_s * 1e3
+    by_kind: dict[str, list[Span]] = defaultdict(list)
+    for s in tl.spans:
+        by_kind[span_kind(s)].append(s)
+    kinds = [k for k in KIND_COLORS if k in by_kind]
+    rows = _rows(tl)
+
+    def bars(kind: str, t_ms: float | None) -> dict:
+        spans = by_kind[kind]
+        starts = [s.start_s * 1e3 for s in spans]
+        ends = [s.end_s * 1e3 for s in spans]
+        if t_ms is not None:
+            ends = [max(start, min(end, t_ms)) for start, end in zip(starts, ends, strict=True)]
+        return {"x": [max(e - b, 0.0) for b, e in zip(starts, ends, strict=True)], "base": starts}
+
+    def cursor(t_ms: float) -> dict:
+        return {"x": [t_ms, t_ms], "y": [rows[0], rows[-1]] if rows else []}
+
+    fig = go.Figure()
+    for kind in kinds:
+        spans = by_kind[kind]
+        full = bars(kind, None)
+        fig.add_trace(go.Bar(
+            orientation="h", y=[row_label(s.rank, s.lane) for s in spans], name=kind,
+            marker={"color": KIND_COLORS[kind], "line": {"width": 0.5, "color": "white"}},
+            customdata=[[s.name, s.duration_s * 1e3, s.bytes, s.step,
+                         "" if s.micro_batch is None else s.micro_batch, s.group] for s in spans],
+            hovertemplate=("%{customdata[0]}<br>start %{base:.3f} ms, %{customdata[1]:.3f} ms"
+                           "<br>%{customdata[2]:,} bytes %{customdata[5]}<br>step %{customdata[3]}"
+                           " micro-batch %{customdata[4]}<extra></extra>"),
+            **full,
+        ))
+    fig.add_trace(go.Scatter(mode="lines", line={"color": "black", "width": 2}, name="now", showlegend=False,
+                             hoverinfo="skip", **cursor(t_end_ms)))
+    fig.update_layout(
+        title=title, barmode="overlay", height=max(260, 42 * len(rows) + 140), bargap=0.25,
+        margin={"l": 10, "r": 10, "t": 50 if title else 20, "b": 10},
+        legend={"orientation": "v", "x": 1.01, "y": 1, "title": {"text": "work"}},
+        xaxis={"title": "time (ms)", "range": [0, t_end_ms * 1.02 or 1.0]},
+        yaxis={"categoryorder": "array", "categoryarray": list(reversed(rows))},
+    )
+    if animate and rows and frames > 1:
+        times = [t_end_ms * i / (frames - 1) for i in range(frames)]
+        fig.frames = [go.Frame(name=f"{t:.3f}", data=[go.Bar(**bars(k, t)) for k in kinds] + [go.Scatter(**cursor(t))],
+                               traces=list(range(len(kinds) + 1))) for t in times]
+        # Controls below the plot: above it they would cover the title on short charts.
+        fig.update_layout(
+            updatemenus=[{
+                "type": "buttons", "direction": "left", "x": 0.0, "y": 0, "xanchor": "left", "yanchor": "top",
+                "pad": {"t": 60},
+                "buttons": [
+                    {"label": "▶ Play", "method": "animate",
+                     "args": [None, {"frame": {"duration": 80, "redraw": True}, "fromcurrent": True,
+                                     "transition": {"duration": 0}}]},
+                    {"label": "❚❚ Pause", "method": "animate",
+                     "args": [[None], {"frame": {"duration": 0, "redraw": False}, "mode": "immediate"}]},
+                ],
+            }],
+            sliders=[{
+                "active": frames - 1, "x": 0.22, "len": 0.78, "y": 0, "yanchor": "top", "pad": {"t": 45},
+                "currentvalue": {"prefix": "t = ", "suffix": " ms"},
+                "steps": [{"label": f"{t:.1f}", "method": "animate",
+                           "args": [[f"{t:.3f}"], {"mode": "immediate", "frame": {"duration": 0, "redraw": True}}]}
+                          for t in times],
+            }],
+        )
+        fig.update_layout(height=fig.layout.height + 90, margin={"b": 100})
+    return fig
+
+
+def lane_summary(timeline: Timeline) -> list[dict]:
+    """Per rank: busy ms per lane, comm bytes and how much of the comm time hid under compute."""
+    rows = []
+    for rank in timeline.ranks:
+        spans = timeline.for_rank(rank)
+        compute = [(s.start_s, s.end_s) for s in spans if s.lane == "compute"]
+        comm_s = timeline.busy_seconds(rank, "comm")
+        hidden_s = sum(max(0.0, min(ce, s.end_s) - max(cs, s.start_s))
+                       for s in spans if s.lane == "comm" for cs, ce in compute)
+        rows.append({
+            "rank": rank,
+            "compute ms": round(timeline.busy_seconds(rank, "compute") * 1e3, 3),
+            "comm ms": round(comm_s * 1e3, 3),
+            "comm under compute %": round(100 * min(hidden_s, comm_s) / comm_s, 1) if comm_s else None,
+            "comm bytes": timeline.comm_bytes(rank),
+        })
+    return rows
