@@ -22,7 +22,7 @@ EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_RANK_FAILED = 0, 1, 2, 3
 
 def run_parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Train a small Transformer on N local processes.")
-    p.add_argument("--strategy", choices=["dp", "fsdp"], default="dp")
+    p.add_argument("--strategy", choices=["dp", "fsdp", "cp", "ep"], default="dp")
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
                    help="ZeRO stage (default: 0 for dp, 3 for fsdp)")
     p.add_argument("--world", type=int, default=2, help="number of ranks (processes)")
@@ -37,7 +37,15 @@ def run_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--mesh", help="named mesh axes, e.g. dp=4 (default: dp=world)")
     p.add_argument("--dp-comm", choices=["naive", "bucketed"], default="bucketed",
                    help="dp gradient sync: after backward, or bucketed and overlapped")
-    p.add_argument("--mlp", choices=["dense", "moe"], default="dense")
+    p.add_argument("--mlp", choices=["dense", "moe"], default=None, help="default: moe for ep, else dense")
+    p.add_argument("--experts", type=int, default=ModelConfig.experts, help="experts per MoE layer")
+    p.add_argument("--top-k", type=int, default=ModelConfig.top_k, help="experts each token is routed to")
+    p.add_argument("--capacity-factor", type=float, default=None,
+                   help="MoE: an expert takes at most ceil(C * seq_len * top_k / experts) tokens per sequence, "
+                        "the rest are dropped (default: no limit)")
+    p.add_argument("--cp-variant", choices=["ring", "allgather"], default="ring",
+                   help="cp: pass K/V around a ring (overlapped) or all-gather them at once")
+    p.add_argument("--seq-len", type=int, default=ModelConfig.seq_len, help="tokens per sequence")
     p.add_argument("--layers", type=int, default=ModelConfig.layers)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=RunConfig.timeout_s, help="wall-clock limit of the run")
@@ -49,8 +57,11 @@ def config_from_args(args, world: int | None = None) -> RunConfig:
     """Build and validate; raises ConfigError with a message that says what to change."""
     world = args.world if world is None else world
     parallel = ParallelConfig(strategy=args.strategy, zero_stage=args.zero_stage, dp_comm=args.dp_comm,
-                              mesh=parse_mesh(args.mesh) if args.mesh else (), prefetch=not args.no_prefetch)
-    model = replace(ModelConfig(), mlp=args.mlp, layers=args.layers)
+                              mesh=parse_mesh(args.mesh) if args.mesh else (), prefetch=not args.no_prefetch,
+                              cp_variant=args.cp_variant)
+    mlp = args.mlp or ("moe" if args.strategy == "ep" else "dense")
+    model = replace(ModelConfig(), mlp=mlp, layers=args.layers, experts=args.experts, top_k=args.top_k,
+                    capacity_factor=args.capacity_factor, seq_len=args.seq_len)
     return validate(RunConfig(model=model, parallel=parallel, world=world, steps=args.steps,
                               micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
                               seed=args.seed, device=args.device, timeout_s=args.timeout_s))

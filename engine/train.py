@@ -26,6 +26,18 @@ from engine.zero import ZeRO
 
 def make_strategy(cfg: RunConfig, model, comm: Comm, rec: Recorder) -> Strategy:
     args = (cfg, model, comm, rec, hyper(cfg))
+    if cfg.parallel.strategy == "cp":
+        from engine.cp import ContextParallel
+
+        return ContextParallel(*args)
+    if cfg.parallel.strategy == "ep":
+        from engine.ep import ExpertParallel
+
+        return ExpertParallel(*args)
+    if cfg.parallel.degree("tp", cfg.world) > 1:
+        from engine.tp import make_tensor_parallel
+
+        return make_tensor_parallel(*args)
     stage = cfg.parallel.stage
     if stage == 0:
         return DataParallel(*args)
@@ -38,6 +50,10 @@ def run_rank(ctx, cfg: RunConfig, traced: bool = True, check: bool = False,
              return_states: bool = False) -> dict:
     """Train `cfg.steps` steps. With `check`, rank 0's result carries the comparison with the reference;
     with `return_states`, rank 0's result carries the gathered state after every step (CPU tensors)."""
+    if cfg.parallel.strategy == "pp" or cfg.pp > 1:
+        from engine.pp import run_pipeline_rank
+
+        return run_pipeline_rank(ctx, cfg, traced=traced, check=check, return_states=return_states)
     sync = torch.cuda.synchronize if ctx.device.type == "cuda" else None
     rec = Recorder(ctx.rank, ctx.clock_offset_s, enabled=traced, synchronize=sync)
     comm = Comm(rec, ctx.device, ctx.mesh_groups(cfg.parallel.axes(cfg.world)))
@@ -74,7 +90,7 @@ def run_rank(ctx, cfg: RunConfig, traced: bool = True, check: bool = False,
     memory = dict(strategy.memory_bytes(), activations_peak=meter.peak_bytes)
     memory["total"] = sum(memory.values())
     result = {"rank": ctx.rank, "losses": losses, "step_times_s": step_times_s, "memory_bytes": memory,
-              "comm_bytes": comm.sent_bytes,
+              "comm_bytes": comm.sent_bytes, "stats": strategy.stats(),
               "spans": [asdict(s) for s in rec.take()], "check": None,
               "states": snapshots if return_states else None}
     if check:

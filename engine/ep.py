@@ -1,0 +1,169 @@
+"""Expert parallel: the experts of every MoE layer are split across the ep group; tokens travel to their
+experts and back with two all-to-alls (GShard, Lepikhin et al. 2020; Switch, Fedus et al. 2022).
+
+    ep ranks read different sequences (data parallel for attention, norms, router, embed, head)
+    experts:  W_e[D, F]  for e in [r*E/ep, (r+1)*E/ep) on ep rank r        (E_ep experts per rank)
+
+    rank 0 tokens --route--> |e0 e0 e1 e2 e3 e3| --all_to_all--> rank 0: e0 e1   (rows from every rank)
+    rank 1 tokens --route--> |e1 e2 e2 e3 e0 e1| --dispatch---> rank 1: e2 e3
+                                  ^ sorted by expert, so each destination gets one contiguous block
+
+One MoE layer on one rank, In[N, D] with N = local tokens:
+  1. router, top-k, capacity (the reference model's own `route` and `capacity_keep`: same ties, same drops)
+  2. sort the kept (token, choice) pairs by expert; count them per expert
+  3. all_to_all of the per-expert counts: every rank learns how many rows it will receive from whom
+  4. all_to_all_single of the rows with those split sizes (gloo cannot do an uneven list all-to-all)
+  5. each local expert on its received rows
+  6. the reverse all_to_all_single brings the outputs home; out[token] += weight * row
+Backward runs 4 and 6 reversed (autograd functions below), so an MoE layer moves its rows four times per
+step: bytes sent per rank per layer per step ~ 4 * N * top_k * kept * D * 4 bytes * (ep-1)/ep.
+
+Gradients: dense parameters are summed over dp x ep (every rank computed them on other tokens); an
+expert's gradient already holds every ep rank's tokens (they came through the all-to-all), so it is summed
+over dp only. Both are divided by dp * ep, the number of local mean losses averaged into the global one.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import partial
+
+import torch
+
+from engine.replicated import ReplicatedStrategy
+
+_EXPERT_PARAM = re.compile(r"units\.(\d+)\.mlp\.experts\.(\d+)\.(.+)")
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows to ranks by `in_splits`, rows from ranks by `out_splits`; backward sends gradients back."""
+
+    @staticmethod
+    def forward(ctx, x, comm, out_splits, in_splits, name):
+        ctx.comm, ctx.splits, ctx.name = comm, (out_splits, in_splits), name
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        comm.all_to_all(out, x.contiguous(), out_splits, in_splits, group="ep", name=name)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        ctx.comm.all_to_all(back, grad.contiguous(), in_splits, out_splits, group="ep", name=f"{ctx.name} bwd")
+        return back, None, None, None, None
+
+
+class ExpertParallel(ReplicatedStrategy):
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        m = self.cfg.model
+        self.ep, self.ep_rank = self.comm.size("ep"), self.comm.group_rank("ep")
+        self.experts_here = m.experts // self.ep
+        self.first_expert = self.ep_rank * self.experts_here
+        # Ranks that read different sequences: dp x ep, in mesh order (ep innermost). The driver picks this
+        # rank's rows by `dp_rank`, so it is this rank's index among them.
+        self.dp_rank = self.dp_rank * self.ep + self.ep_rank
+        replicas = self.dp * self.ep
+        dense, experts = {}, {}
+        for name, p in self.model.named_parameters():
+            match = _EXPERT_PARAM.fullmatch(name)
+            if match is None:
+                dense[name] = p
+            elif self.first_expert <= int(match[2]) < self.first_expert + self.experts_here:
+                experts[name] = p
+            else:  # another rank's expert: free it, this rank never computes with it
+                p.requires_grad_(False)
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.hold(dense, ("dp", "ep"), replicas, "dense")
+        self.hold(experts, ("dp",), replicas, "experts")
+        # Per MoE layer, counts accumulated over the run: routed and dropped (token, choice) pairs per
+        # expert (all experts, from this rank's tokens) and rows each local expert processed.
+        self.load = {}
+        for i, unit in enumerate(self.model.units):
+            if hasattr(unit, "mlp") and hasattr(unit.mlp, "dispatch"):
+                unit.mlp.dispatch = partial(self._dispatch, i, unit.mlp)
+                self.load[i] = {"routed": torch.zeros(m.experts, dtype=torch.int64),
+                                "dropped": torch.zeros(m.experts, dtype=torch.int64)}
+
+    def _dispatch(self, i: int, moe, flat, weights, chosen, keep):
+        """The MoE.dispatch hook: the same sum as the reference's loop over experts, via all-to-all."""
+        n_exp, name = self.cfg.model.experts, self.names[i]
+        k = chosen.shape[1]
+        token = torch.arange(flat.shape[0], device=flat.device).repeat_interleave(k)
+        expert, weight, kept = chosen.reshape(-1), weights.reshape(-1), keep.reshape(-1)
+        self.load[i]["routed"] += torch.bincount(expert, minlength=n_exp).cpu()
+        self.load[i]["dropped"] += torch.bincount(expert[~kept], minlength=n_exp).cpu()
+        token, expert, weight = token[kept], expert[kept], weight[kept]
+        order = expert.argsort(stable=True)  # by expert, earlier tokens first within one: the reference's order
+        token, expert, weight = token[order], expert[order], weight[order]
+
+        counts = torch.bincount(expert, minlength=n_exp)
+        recv_counts = torch.empty_like(counts)
+        self.comm.all_to_all(recv_counts, counts, group="ep", name=f"all_to_all counts {name}")
+        in_splits = counts.view(self.ep, self.experts_here).sum(1).tolist()
+        recv_counts = recv_counts.view(self.ep, self.experts_here)  # [source rank, local expert]
+        out_splits = recv_counts.sum(1).tolist()
+
+        rows = _AllToAll.apply(flat[token], self.comm, out_splits, in_splits, f"all_to_all dispatch {name}")
+        local = torch.arange(self.experts_here, device=flat.device).repeat(self.ep)
+        local = local.repeat_interleave(recv_counts.reshape(-1).to(flat.device))
+        out_rows = torch.zeros_like(rows)
+        for e in range(self.experts_here):
+            # An expert with no rows still runs (on zero rows): its parameters get a (zero) gradient.
+            idx = (local == e).nonzero(as_tuple=True)[0]
+            out_rows = out_rows.index_add(0, idx, moe.experts[self.first_expert + e](rows[idx]))
+        back = _AllToAll.apply(out_rows, self.comm, in_splits, out_splits, f"all_to_all combine {name}")
+        return torch.zeros_like(flat).index_add(0, token, back * weight[:, None])
+
+    def full_state(self):
+        state = super().full_state()
+        local = [n for n in self.params if _EXPERT_PARAM.fullmatch(n)]
+        if self.ep == 1:
+            return state
+        for quantity in state:
+            for name in local:
+                match = _EXPERT_PARAM.fullmatch(name)
+                e = int(match[2])
+                if e != self.first_expert:
+                    continue
+                # Stack this rank's experts of one parameter kind, gather the stacks of all ep ranks.
+                mine = [f"units.{match[1]}.mlp.experts.{self.first_expert + j}.{match[3]}"
+                        for j in range(self.experts_here)]
+                shard = torch.stack([state[quantity][n] for n in mine])
+                full = torch.empty((self.ep * self.experts_here, *shard.shape[1:]), dtype=shard.dtype,
+                                   device=shard.device)
+                with self.comm.untraced():
+                    self.comm.all_gather(full, shard, "ep")
+                for e_all in range(full.shape[0]):
+                    state[quantity][f"units.{match[1]}.mlp.experts.{e_all}.{match[3]}"] = full[e_all].clone()
+        return state
+
+    def stats(self) -> dict:
+        """Expert load over the whole run, summed over every rank's tokens (for the pages): per layer the
+        (token, choice) pairs routed to each expert, those dropped by the capacity, the rows each ep rank
+        processed, and max/mean of each (1.0 = perfectly balanced)."""
+        m = self.cfg.model
+        layers = {}
+        for i, load in self.load.items():
+            both = torch.cat([load["routed"], load["dropped"]]).to(self.comm.device)
+            with self.comm.untraced():
+                self.comm.all_reduce(both, "world")
+            routed, dropped = both[: m.experts].cpu(), both[m.experts:].cpu()
+            processed = routed - dropped
+            per_rank = processed.view(self.ep, self.experts_here).sum(1)
+            layers[self.names[i]] = {
+                "tokens_per_expert": routed.tolist(),
+                "dropped_per_expert": dropped.tolist(),
+                "processed_per_expert": processed.tolist(),
+                "processed_per_ep_rank": per_rank.tolist(),
+                "expert_max_over_mean": _max_over_mean(routed),
+                "ep_rank_max_over_mean": _max_over_mean(per_rank),
+                "dropped_fraction": dropped.sum().item() / max(routed.sum().item(), 1),
+            }
+        return {"expert_load": {"experts": m.experts, "ep": self.ep, "top_k": m.top_k,
+                                "capacity_factor": m.capacity_factor, "layers": layers}}
+
+
+def _max_over_mean(counts: torch.Tensor) -> float:
+    mean = counts.double().mean().item()
+    return counts.max().item() / mean if mean > 0 else 0.0
