@@ -22,7 +22,7 @@ def _engine(*args, timeout=180):
     (["--world", "0"], "world=0"),
     (["--world", "65"], "world=65"),
     (["--strategy", "dp", "--zero-stage", "3"], "use --strategy fsdp"),
-    (["--mesh", "dp=2,tp=2", "--world", "4"], "tp=2 has no strategy"),
+    (["--mesh", "dp=2,zz=2", "--world", "4"], "mesh axis 'zz' is unknown"),
     (["--mesh", "dp=3", "--world", "4"], "has 3 ranks but world=4"),
     (["--steps", "0"], "steps=0"),
 ])
@@ -34,7 +34,7 @@ def test_bad_input_exits_2_with_a_message(args, says):
 
 
 def test_unknown_choice_exits_2():
-    out = _engine("run", "--strategy", "tp")
+    out = _engine("run", "--strategy", "zz")
     assert out.returncode == 2 and "invalid choice" in out.stderr
 
 

@@ -28,11 +28,11 @@ def test_defaults_are_valid():
     ({"world": 65}, "world=65 must be between 1 and 64"),
     ({"steps": 0}, "steps=0"),
     ({"micro_batches": 0}, "micro_batches=0"),
-    ({"strategy": "tp"}, "strategy='tp' is not available"),
+    ({"strategy": "zz"}, "strategy='zz' is not available"),
     ({"strategy": "dp", "zero_stage": 3}, "use --strategy fsdp --zero-stage 3"),
     ({"strategy": "fsdp", "zero_stage": 0}, "use --strategy dp --zero-stage 0"),
     ({"world": 4, "mesh": (("dp", 2),)}, "has 2 ranks but world=4"),
-    ({"world": 4, "mesh": (("dp", 2), ("tp", 2))}, "tp=2 has no strategy in the engine yet"),
+    ({"world": 4, "mesh": (("dp", 2), ("zz", 2))}, "mesh axis 'zz' is unknown"),
     ({"mlp": "moe", "top_k": 5, "experts": 4}, "top_k=5"),
     ({"device": "tpu"}, "device='tpu'"),
 ])
