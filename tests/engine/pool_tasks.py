@@ -36,3 +36,26 @@ def exit_on(ctx, rank):
     if ctx.rank == rank:
         os._exit(3)  # dies without a Python traceback, as a segfault or an OOM kill would
     return all_reduce_ranks(ctx)
+
+
+def comm_gaps(ctx):
+    """The gloo gaps comm.py papers over: uneven all_to_all, 2-D reduce_scatter input, spans recorded."""
+    import torch
+
+    from engine.comm import Comm
+    from engine.recorder import Recorder
+
+    comm = Comm(Recorder(ctx.rank, ctx.clock_offset_s), ctx.device)
+    # rank r sends r + 1 rows to every rank; rows carry (sender, index) so the receiver can check them
+    in_splits = [ctx.rank + 1] * ctx.world
+    rows = torch.tensor([[ctx.rank, i] for i in range(sum(in_splits))], dtype=torch.float32)
+    out_splits = [src + 1 for src in range(ctx.world)]
+    received = torch.empty(sum(out_splits), 2)
+    comm.all_to_all(received, rows, out_splits, in_splits)
+    full = torch.arange(ctx.world * 6, dtype=torch.float32).view(ctx.world * 2, 3)  # 2-D: gloo wants flat
+    shard = torch.empty(6)
+    comm.reduce_scatter(shard, full)
+    handle = comm.all_reduce(torch.ones(4), async_op=True)
+    total = handle.wait()
+    return {"received": received.tolist(), "shard": shard.tolist(), "total": total.tolist(),
+            "spans": [(s.name, s.bytes, s.is_async) for s in comm.recorder.take()]}
