@@ -16,13 +16,14 @@ import sys
 from dataclasses import replace
 
 from engine.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, parse_mesh, validate
+from engine.schedules import SCHEDULE_NAMES
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_RANK_FAILED = 0, 1, 2, 3
 
 
 def run_parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Train a small Transformer on N local processes.")
-    p.add_argument("--strategy", choices=["dp", "fsdp", "cp", "ep"], default="dp")
+    p.add_argument("--strategy", choices=["dp", "fsdp", "cp", "ep", "pp"], default="dp")
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
                    help="ZeRO stage (default: 0 for dp, 3 for fsdp)")
     p.add_argument("--world", type=int, default=2, help="number of ranks (processes)")
@@ -46,7 +47,12 @@ def run_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--cp-variant", choices=["ring", "allgather"], default="ring",
                    help="cp: pass K/V around a ring (overlapped) or all-gather them at once")
     p.add_argument("--seq-len", type=int, default=ModelConfig.seq_len, help="tokens per sequence")
-    p.add_argument("--layers", type=int, default=ModelConfig.layers)
+    p.add_argument("--layers", type=int, default=None,
+                   help=f"transformer layers (default: {ModelConfig.layers}, or pp*virtual_stages when larger)")
+    p.add_argument("--schedule", choices=list(SCHEDULE_NAMES), default=ParallelConfig.schedule,
+                   help="pipeline schedule, when the mesh has pp > 1")
+    p.add_argument("--virtual-stages", type=int, default=1,
+                   help="model chunks per pipeline rank (interleaved-1f1b)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=RunConfig.timeout_s, help="wall-clock limit of the run")
     p.add_argument("--no-prefetch", action="store_true", help="fsdp: gather each unit only when needed")
@@ -58,9 +64,15 @@ def config_from_args(args, world: int | None = None) -> RunConfig:
     world = args.world if world is None else world
     parallel = ParallelConfig(strategy=args.strategy, zero_stage=args.zero_stage, dp_comm=args.dp_comm,
                               mesh=parse_mesh(args.mesh) if args.mesh else (), prefetch=not args.no_prefetch,
-                              cp_variant=args.cp_variant)
+                              cp_variant=args.cp_variant,
+                              schedule=args.schedule, virtual_stages=args.virtual_stages)
+    layers = args.layers
+    if layers is None:
+        # The smallest model every pipeline stage gets whole layers of: pp * v layers at least.
+        stages = RunConfig(parallel=parallel, world=world).pp * max(1, args.virtual_stages)
+        layers = max(ModelConfig.layers, stages)
     mlp = args.mlp or ("moe" if args.strategy == "ep" else "dense")
-    model = replace(ModelConfig(), mlp=mlp, layers=args.layers, experts=args.experts, top_k=args.top_k,
+    model = replace(ModelConfig(), mlp=mlp, layers=layers, experts=args.experts, top_k=args.top_k,
                     capacity_factor=args.capacity_factor, seq_len=args.seq_len)
     return validate(RunConfig(model=model, parallel=parallel, world=world, steps=args.steps,
                               micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,

@@ -119,6 +119,9 @@ class Comm:
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.groups: dict[str, object] = {"world": dist.group.WORLD, **(groups or {})}
+        if "fsdp" in self.groups and "dp" not in self.groups:
+            # A mesh's fsdp axis is where the ZeRO-3 strategy (which talks over "dp") shards.
+            self.groups["dp"] = self.groups["fsdp"]
         backend = dist.get_backend()
         self.staged = device.type == "cuda" and backend == "gloo"
         self.tracing = True  # off for bookkeeping traffic: no span, not counted in sent_bytes
@@ -230,15 +233,19 @@ class Comm:
                            lambda: dist.broadcast(wire, src, group=self.groups[group], async_op=True),
                            lambda: self._from_wire(wire, t, group))
 
-    def send(self, t: torch.Tensor, dst: int, name: str = "send", async_op: bool = False):
-        wire = self._to_wire(t, "world")
-        return self._issue(name, "world", t.numel() * t.element_size(), async_op,
-                           lambda: dist.isend(wire, dst), lambda: t)
+    def send(self, t: torch.Tensor, dst: int, name: str = "send", async_op: bool = False, group: str = "world"):
+        """`dst` is a global rank; the send is recorded on `group` (e.g. "pp"). The caller keeps `t` alive
+        until the handle's wait() returns."""
+        wire = self._to_wire(t, group)
+        return self._issue(name, group, t.numel() * t.element_size(), async_op,
+                           lambda: dist.isend(wire, dst, group=self.groups[group]), lambda: t)
 
-    def recv(self, t: torch.Tensor, src: int, name: str = "recv", async_op: bool = False):
+    def recv(self, t: torch.Tensor, src: int, name: str = "recv", async_op: bool = False, group: str = "world"):
+        """`src` is a global rank. Between one pair of ranks in one group, messages match in send order."""
         wire = self._wire_buffer(t)
-        return self._issue(name, "world", 0, async_op,
-                           lambda: dist.irecv(wire, src), lambda: self._from_wire(wire, t, "world"))
+        return self._issue(name, group, 0, async_op,
+                           lambda: dist.irecv(wire, src, group=self.groups[group]),
+                           lambda: self._from_wire(wire, t, group))
 
     def barrier(self, group: str = "world") -> None:
         start = self.recorder.now()

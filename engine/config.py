@@ -9,13 +9,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.schedules import SCHEDULE_NAMES
+
 # Axes a mesh may name. Only "dp" has a strategy today; tp/pp/cp/ep are reserved for later issues so
 # that `--mesh dp=2,tp=2` already parses and fails with a clear message instead of a crash.
-KNOWN_AXES = ("dp", "tp", "pp", "cp", "ep")
+KNOWN_AXES = ("dp", "tp", "pp", "cp", "ep", "fsdp")
+# Mesh axes from outermost (slowest-changing rank coordinate) to innermost; engine/mesh.py says why.
+CANONICAL_AXIS_ORDER = ("pp", "dp", "fsdp", "cp", "ep", "tp")
+PIPELINE_AXES = ("pp", "fsdp")  # implemented by engine/pp.py (fsdp: ZeRO-3 over its own mesh axis)
 IMPLEMENTED_AXES = ("dp", "cp", "ep")
-STRATEGIES = ("dp", "fsdp", "cp", "ep")
+STRATEGIES = ("dp", "fsdp", "cp", "ep", "pp")
 # The mesh axis a strategy splits over when no --mesh is given (all other strategies: dp = world).
-DEFAULT_AXIS = {"cp": "cp", "ep": "ep"}
+DEFAULT_AXIS = {"cp": "cp", "ep": "ep", "pp": "pp"}
 CP_VARIANTS = ("ring", "allgather")
 DP_COMM_MODES = ("naive", "bucketed")
 DEVICES = ("cpu", "cuda")
@@ -61,13 +66,15 @@ class ParallelConfig:
     dp_comm: str = "bucketed"  # dp gradient sync: "naive" (after backward) or "bucketed" (overlapped)
     bucket_bytes: int = 16 * 1024  # small on purpose: the tiny model must still make several buckets
     prefetch: bool = True  # fsdp: all-gather the next unit while this one computes
+    schedule: str = "1f1b"  # pipeline schedule when the mesh has pp > 1 (engine/schedules.py)
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved-1f1b only)
     cp_variant: str = "ring"  # cp: K/V passed around a ring, or all-gathered at once
 
     @property
     def stage(self) -> int:
         if self.zero_stage is not None:
             return self.zero_stage
-        return 3 if self.strategy == "fsdp" else 0
+        return 3 if self.strategy == "fsdp" or dict(self.mesh).get("fsdp", 1) > 1 else 0
 
     def axes(self, world: int) -> tuple[tuple[str, int], ...]:
         axes = self.mesh or ((DEFAULT_AXIS.get(self.strategy, "dp"), world),)
@@ -98,7 +105,12 @@ class RunConfig:
 
     @property
     def dp(self) -> int:
-        return self.parallel.degree("dp", self.world)
+        """Replicas of the batch: the dp axis times the fsdp axis (ZeRO-3 over its own mesh axis)."""
+        return self.parallel.degree("dp", self.world) * self.parallel.degree("fsdp", self.world)
+
+    @property
+    def pp(self) -> int:
+        return self.parallel.degree("pp", self.world)
 
     @property
     def global_batch(self) -> int:
@@ -108,7 +120,8 @@ class RunConfig:
 
 
 def parse_mesh(text: str) -> tuple[tuple[str, int], ...]:
-    """`"dp=2,tp=2"` -> `(("dp", 2), ("tp", 2))`, in the order written (outermost axis first)."""
+    """`"tp=2,dp=2"` -> `(("dp", 2), ("tp", 2))`: in CANONICAL_AXIS_ORDER whatever the order written,
+    so a mesh always groups the same ranks (tp innermost; engine/mesh.py says why)."""
     axes: list[tuple[str, int]] = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, sep, value = part.partition("=")
@@ -122,7 +135,7 @@ def parse_mesh(text: str) -> tuple[tuple[str, int], ...]:
         axes.append((name, int(value)))
     if not axes:
         raise ConfigError(f"--mesh {text!r} names no axis; write e.g. --mesh dp=4")
-    return tuple(axes)
+    return tuple(sorted(axes, key=lambda a: CANONICAL_AXIS_ORDER.index(a[0])))
 
 
 def _check(ok: bool, message: str) -> None:
@@ -162,10 +175,10 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(p.strategy in STRATEGIES, f"strategy={p.strategy!r} is not available; use one of "
            f"{', '.join(STRATEGIES)}")
     _check(p.stage in (0, 1, 2, 3), f"zero_stage={p.stage} must be 0, 1, 2 or 3")
-    if p.strategy == "dp":
-        _check(p.stage <= 2, "ZeRO-3 shards the parameters themselves: use --strategy fsdp --zero-stage 3")
-    else:
+    if p.strategy == "fsdp":
         _check(p.stage >= 1, "fsdp with zero_stage=0 shards nothing: use --strategy dp --zero-stage 0")
+    elif p.degree("fsdp", cfg.world) == 1:
+        _check(p.stage <= 2, "ZeRO-3 shards the parameters themselves: use --strategy fsdp --zero-stage 3")
     _check(p.dp_comm in DP_COMM_MODES, f"dp_comm={p.dp_comm!r} must be one of {', '.join(DP_COMM_MODES)}")
     _check(p.bucket_bytes >= 4, f"bucket_bytes={p.bucket_bytes} must hold at least one float32")
     axes = p.axes(cfg.world)
@@ -173,13 +186,14 @@ def validate(cfg: RunConfig) -> RunConfig:
     for name, degree in axes:
         _check(name in KNOWN_AXES, f"mesh axis {name!r} is unknown; use one of {', '.join(KNOWN_AXES)}")
         _check(degree >= 1, f"mesh axis {name}={degree} must be at least 1")
-        _check(name in IMPLEMENTED_AXES or degree == 1,
+        _check(name in IMPLEMENTED_AXES + PIPELINE_AXES or degree == 1,
                f"mesh axis {name}={degree} has no strategy in the engine yet; "
                f"use only dp (e.g. --mesh dp={cfg.world})")
         product *= degree
     _check(product == cfg.world, f"mesh {','.join(f'{n}={d}' for n, d in axes)} has {product} ranks but "
            f"world={cfg.world}; make the degrees multiply to the world size")
     _validate_cp_ep(cfg)
+    _validate_pp(cfg)
     if cfg.device == "cuda":
         _check(cfg.dtype == "float32", "the cuda path checks against the fp32 reference; use dtype float32")
     return cfg
@@ -205,3 +219,30 @@ def _validate_cp_ep(cfg: RunConfig) -> None:
         _check(m.mlp == "moe", "expert parallel splits the experts of an MoE layer: use --mlp moe")
         _check(m.experts % ep == 0, f"experts={m.experts} is not divisible by ep={ep}: each rank holds "
                f"experts/ep whole experts; choose experts as a multiple of {ep} or another ep")
+
+
+def _validate_pp(cfg: RunConfig) -> None:
+    p, m = cfg.parallel, cfg.model
+    pp, v, mb = cfg.pp, p.virtual_stages, cfg.micro_batches
+    _check(p.strategy != "pp" or "pp" in dict(p.axes(cfg.world)),
+           "--strategy pp needs a pp axis in --mesh, e.g. --mesh pp=2,dp=2")
+    _check(p.degree("dp", cfg.world) == 1 or p.degree("fsdp", cfg.world) == 1,
+           "a mesh with both dp and fsdp axes (HSDP) is not supported: keep one of them")
+    _check(p.degree("fsdp", cfg.world) == 1 or p.stage == 3,
+           f"the fsdp axis shards parameters (ZeRO-3): drop --zero-stage {p.stage} or name the axis dp")
+    _check(p.schedule in SCHEDULE_NAMES, f"schedule={p.schedule!r} must be one of {', '.join(SCHEDULE_NAMES)}")
+    _check(v >= 1, f"virtual_stages={v} must be at least 1")
+    _check(v == 1 or p.schedule == "interleaved-1f1b",
+           f"{p.schedule} runs one stage per rank: set --virtual-stages 1 or use --schedule interleaved-1f1b")
+    if pp == 1:
+        return
+    _check(m.layers % (pp * v) == 0, f"layers={m.layers} is not divisible by pp*virtual_stages={pp * v}: each "
+           f"pipeline stage holds the same number of layers; choose layers as a multiple of {pp * v}")
+    if p.schedule == "interleaved-1f1b":
+        # Narayanan et al. 2021 section 2.2: micro-batches enter the interleaved pipeline in groups of pp.
+        below, above = mb - mb % pp, mb - mb % pp + pp
+        _check(mb % pp == 0, f"interleaved-1f1b needs micro_batches to be a multiple of pp={pp} (got {mb}): "
+               f"use --micro-batches {f'{below} or {above}' if below else above}")
+    _check(p.schedule != "zb-h1" or p.stage == 0,
+           f"zb-h1 computes weight gradients per parameter, apart from input gradients, which the flat "
+           f"ZeRO/FSDP buffers do not allow: use --zero-stage 0 or --schedule 1f1b (got zero stage {p.stage})")

@@ -115,7 +115,7 @@ def capacity_keep(chosen, experts: int, capacity: int):
     slot_major = chosen.transpose(1, 2).reshape(s, k * t)
     onehot = F.one_hot(slot_major, experts)
     rank_in_expert = (onehot.cumsum(dim=1) * onehot).sum(-1) - 1  # 0 for an expert's first assignment
-    return (rank_in_expert < capacity).view(s, k, t).transpose(1, 2)
+    return (rank_in_expert < capacity).view(s, k, t).transpose(1, 2).contiguous()
 
 
 class MoE(nn.Module):

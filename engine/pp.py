@@ -1,0 +1,272 @@
+"""Pipeline parallel: each rank holds some stages of the model and runs a schedule's actions on them.
+
+    rank r of the pp group:  stages r, p + r, ... (one per chunk; engine/pp_stage.py)
+    F  mb on stage s:   x[B_mb, T, D] = RECV act from stage s - 1 (or the tokens);  y = units(x)
+                        SEND y to stage s + 1 (the last stage computes the loss instead)
+    B  mb on stage s:   dy = RECV grad from stage s + 1 (or dL/dL = 1);  dx = backward(y, dy)
+                        SEND dx to stage s - 1; weight gradients accumulate locally
+    BI / BW (ZB-H1):    the same backward in two parts, dx now and dW later (pp_stage.WeightGradSplit)
+
+The executor walks `engine.schedules.make_schedule(...)`'s action list for its pp rank, unchanged: the
+same data drives the schedule picture and this run. SEND is an isend whose tensor is kept until it has
+completed (at the end of the step); RECV is a blocking irecv + wait whose tensor waits under its message
+key until the compute that needs it. Per pair of ranks the RECVs come in the sender's SEND order, so
+FIFO point-to-point matching pairs them without tags. Every action becomes a span: compute "F s1",
+"B s1", "BI s1", "BW s1" and comm "send act s1" / "recv grad s2" on the "pp" group, each with its
+micro-batch.
+
+Loss scaling happens in ONE place, `_micro_batch_loss`: the last stage's loss of a micro-batch is
+divided by the number of micro-batches before anything flows backward, exactly as the non-pipeline
+driver (engine/train.py) scales `loss / micro_batches`. Backward of micro-batches runs in increasing
+order on every stage and every schedule, so gradients accumulate in the same order as there: pipeline
+and non-pipeline gradients agree bit for bit (tests/engine/test_pp.py checks it).
+
+Meshes (engine/mesh.py): pp is the outermost axis. With pp x dp (or pp x fsdp) the ranks that share a
+pp coordinate hold the same stages and form the dp group; the strategy built for the dp group (dp,
+ZeRO, FSDP from engine/train.make_strategy) then handles the gradients of exactly the parameters this
+rank holds, as it would for a whole model. pp sends the fewest bytes of all axes (one activation per
+micro-batch per stage boundary), so it goes on the slowest links; tp, the chattiest, stays innermost.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+
+import torch
+
+from engine.comm import Comm
+from engine.config import CANONICAL_AXIS_ORDER, RunConfig
+from engine.memory import ActivationMeter
+from engine.mesh import Mesh
+from engine.model import build_model, global_batch, loss_fn
+from engine.pp_stage import StageModel, WeightGradSplit, stage_units
+from engine.recorder import Recorder
+from engine.reference import reference_run
+from engine.schedules import (ACTIVATION, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, GRADIENT, RECV,
+                              SEND, Action, make_schedule)
+from engine.strategy import _OnBackward
+from engine.trace import Timeline
+from engine.verify import compare
+
+PIPELINE_KINDS = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
+
+
+def _micro_batch_loss(loss: torch.Tensor, micro_batches: int) -> torch.Tensor:
+    """The one place micro-batch losses are scaled: their sum is the mean loss of the step."""
+    return loss / micro_batches
+
+
+def mesh_axes(cfg: RunConfig) -> tuple[tuple[str, int], ...]:
+    """The run's mesh with a dp axis of degree 1 added when it has neither dp nor fsdp: every strategy
+    talks over a "dp" group, and a pipeline alone still has one (of size 1)."""
+    axes = dict(cfg.parallel.axes(cfg.world))
+    if "dp" not in axes and "fsdp" not in axes:
+        axes["dp"] = 1
+    return tuple(sorted(axes.items(), key=lambda a: CANONICAL_AXIS_ORDER.index(a[0])))
+
+
+class Pipeline:
+    """One rank's part of every pipeline step: its stage model, the strategy over its dp group, and
+    the schedule's actions for its pp rank."""
+
+    def __init__(self, cfg: RunConfig, comm: Comm, rec: Recorder, pp_rank: int, pp_peers: list[int],
+                 device: torch.device):
+        from engine.train import make_strategy  # train dispatches here: import late, no cycle
+
+        self.cfg, self.comm, self.rec, self.device = cfg, comm, rec, device
+        self.m = cfg.micro_batches
+        self.schedule = make_schedule(cfg.parallel.schedule, cfg.pp, self.m, cfg.parallel.virtual_stages)
+        self.actions = self.schedule.actions[pp_rank]
+        self.pp_peers = pp_peers  # global rank of each pp coordinate, in this rank's pp group
+        self.num_stages = self.schedule.num_stages
+        chunks = [stage_units(cfg.model, self.num_stages, self.schedule.stage_of(pp_rank, c))
+                  for c in range(cfg.parallel.virtual_stages)]
+        self.model = StageModel(build_model(cfg.model, cfg.seed), chunks).to(device)
+        self.strategy = make_strategy(cfg, self.model, comm, rec)
+        self.split = WeightGradSplit(self.model) if self.schedule.split_backward else None
+        self.param_storages = self.strategy.param_storages()
+        self.activation_peak_bytes = 0
+
+    @property
+    def dp_rank(self) -> int:
+        return self.strategy.dp_rank
+
+    def step(self, tokens, targets, step: int) -> float | None:
+        """One optimizer step; returns the mean loss over micro-batches on the last stage, else None."""
+        self.tokens, self.targets = tokens, targets
+        self.messages: dict[tuple[str, int, int], torch.Tensor] = {}  # produced or received, not consumed
+        self.stash: dict[tuple[int, int], tuple] = {}  # (mb, stage) -> (stage input, output, captured)
+        self.weight_work: dict[tuple[int, int], list] = {}
+        self.sends: list[tuple[object, torch.Tensor]] = []
+        self.held_bytes: dict[tuple[int, int], int] = {}
+        self.loss_sum = 0.0
+        self.strategy.zero_grad()
+        for action in self.actions:
+            self.rec.micro_batch = action.micro_batch
+            self.run_action(action)
+        self.rec.micro_batch = None
+        for handle, _tensor in self.sends:
+            handle.wait()
+        self.strategy.finish_grads()
+        self.strategy.step(step + 1)
+        return self.loss_sum if self.holds_last_stage else None
+
+    @property
+    def holds_last_stage(self) -> bool:
+        return any(a.kind == FORWARD and a.stage == self.num_stages - 1 for a in self.actions)
+
+    def run_action(self, a: Action) -> None:
+        if a.kind == SEND:
+            tensor = self.messages.pop(a.message)
+            handle = self.comm.send(tensor, self.pp_peers[a.peer], name=f"send {a.tensor} s{a.stage}",
+                                    async_op=True, group="pp")
+            self.sends.append((handle, tensor))  # the tensor must live until the isend completes
+        elif a.kind == RECV:
+            buf = torch.empty(self._boundary_shape(), device=self.device)
+            self.comm.recv(buf, self.pp_peers[a.peer], name=f"recv {a.tensor} s{a.stage}", group="pp")
+            self.messages[a.message] = buf
+        elif a.kind == FORWARD:
+            with self.rec.compute(f"F s{a.stage}"):
+                self._forward(a)
+        elif a.kind == BACKWARD:
+            with self.rec.compute(f"B s{a.stage}"):
+                self._backward(a)
+        elif a.kind == BACKWARD_INPUT:
+            with self.rec.compute(f"BI s{a.stage}"):
+                self._backward_input(a)
+        else:
+            with self.rec.compute(f"BW s{a.stage}"):
+                self.strategy.last_micro_batch = a.micro_batch == self.m - 1
+                self.split.backward_weight(self.weight_work.pop((a.micro_batch, a.stage)))
+
+    def _boundary_shape(self) -> tuple[int, ...]:
+        m = self.cfg.model
+        return (self.cfg.micro_batch_size, m.seq_len, m.hidden)
+
+    def _rows(self, mb: int) -> slice:
+        first = (self.dp_rank * self.m + mb) * self.cfg.micro_batch_size
+        return slice(first, first + self.cfg.micro_batch_size)
+
+    def _forward(self, a: Action) -> None:
+        mb, stage = a.micro_batch, a.stage
+        if stage == 0:
+            x = self.tokens[self._rows(mb)].to(self.device)
+            stage_input = None  # integer tokens: no gradient to send back
+        else:
+            stage_input = self.messages.pop((ACTIVATION, mb, stage - 1)).detach().requires_grad_()
+            x = stage_input
+        meter = ActivationMeter(self.param_storages)
+        captured: list = []
+        with meter.measure():
+            if self.split is not None:
+                with self.split.record() as captured:
+                    y = self._run_units(a.chunk, x)
+            else:
+                y = self._run_units(a.chunk, x)
+            if stage == self.num_stages - 1:
+                loss = loss_fn(y, self.targets[self._rows(mb)].to(self.device))
+                self.loss_sum += loss.item() / self.m
+                y = _micro_batch_loss(loss, self.m)
+        self.held_bytes[(mb, stage)] = meter.peak_bytes
+        self.activation_peak_bytes = max(self.activation_peak_bytes, sum(self.held_bytes.values()))
+        self.stash[(mb, stage)] = (stage_input, y, captured)
+        if stage < self.num_stages - 1:
+            self.messages[(ACTIVATION, mb, stage)] = y.detach()
+
+    def _run_units(self, chunk: int, x):
+        s = self.strategy
+        for i in self.model.chunk_units[chunk]:
+            s.before_forward(i)
+            x = s.unit_forward(i, x)
+            # FSDP re-gathers unit i's parameters when its output gradient arrives.
+            x = _OnBackward.apply(x, lambda i=i: s.before_backward(i))
+            s.after_forward(i)
+        return x
+
+    def _output_grad(self, a: Action):
+        if a.stage == self.num_stages - 1:
+            return None  # the scaled loss is a scalar: autograd starts from 1
+        return self.messages.pop((GRADIENT, a.micro_batch, a.stage + 1))
+
+    def _backward(self, a: Action) -> None:
+        stage_input, y, _ = self.stash.pop((a.micro_batch, a.stage))
+        grad = self._output_grad(a)
+        self.strategy.last_micro_batch = a.micro_batch == self.m - 1
+        torch.autograd.backward(y, grad)
+        self.held_bytes.pop((a.micro_batch, a.stage))
+        if a.stage > 0:
+            self.messages[(GRADIENT, a.micro_batch, a.stage)] = stage_input.grad
+
+    def _backward_input(self, a: Action) -> None:
+        stage_input, y, captured = self.stash.pop((a.micro_batch, a.stage))
+        input_grad, work = self.split.backward_input(y, self._output_grad(a), stage_input, captured)
+        self.weight_work[(a.micro_batch, a.stage)] = work
+        self.held_bytes.pop((a.micro_batch, a.stage))
+        if a.stage > 0:
+            self.messages[(GRADIENT, a.micro_batch, a.stage)] = input_grad
+
+    def full_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """This rank's stages' state (gathered over dp by the strategy) under the full model's names."""
+        state = self.strategy.full_state()
+        return {q: {self.model.global_name(n): t.detach().cpu() for n, t in d.items()} for q, d in state.items()}
+
+
+def run_pipeline_rank(ctx, cfg: RunConfig, traced: bool = True, check: bool = False,
+                      return_states: bool = False) -> dict:
+    """engine/train.run_rank for meshes with pp > 1 (same result dict)."""
+    sync = torch.cuda.synchronize if ctx.device.type == "cuda" else None
+    rec = Recorder(ctx.rank, ctx.clock_offset_s, enabled=traced, synchronize=sync)
+    axes = mesh_axes(cfg)
+    comm = Comm(rec, ctx.device, ctx.mesh_groups(axes))
+    mesh = Mesh(axes)
+    pp_rank = mesh.coords(ctx.rank)["pp"]
+    pp_peers = next(g for g in mesh.group_ranks("pp") if ctx.rank in g)
+    pipe = Pipeline(cfg, comm, rec, pp_rank, pp_peers, ctx.device)
+    losses, step_times_s, snapshots = [], [], []
+    for step in range(cfg.steps):
+        rec.step = step
+        tokens, targets = global_batch(cfg.model, cfg.seed, step, cfg.global_batch)
+        start = time.perf_counter()
+        losses.append(pipe.step(tokens, targets, step))
+        if sync:
+            sync()
+        step_times_s.append(time.perf_counter() - start)
+        if check or return_states:
+            snapshots.append(pipe.full_state())  # collective over dp: every rank takes part
+    with comm.untraced():
+        everyone = comm.gather_objects((losses, snapshots if (check or return_states) else None))
+    # The loss lives on the last stage; every rank reports the mean over the dp replicas' last stages.
+    last = [ls for ls, _ in everyone if ls[0] is not None]
+    step_losses = [sum(ls[s] for ls in last) / len(last) for s in range(cfg.steps)]
+    memory = dict(pipe.strategy.memory_bytes(), activations_peak=pipe.activation_peak_bytes)
+    memory["total"] = sum(memory.values())
+    result = {"rank": ctx.rank, "losses": step_losses, "step_times_s": step_times_s, "memory_bytes": memory,
+              "comm_bytes": comm.sent_bytes, "spans": [asdict(s) for s in rec.take()], "check": None,
+              "states": None}
+    if ctx.rank == 0 and (check or return_states):
+        merged = [_merge([snaps[s] for _, snaps in everyone]) for s in range(cfg.steps)]
+        if return_states:
+            result["states"] = merged
+        if check:
+            result["check"] = compare(cfg, reference_run(cfg), merged, step_losses)
+    return result
+
+
+def _merge(states: list[dict]) -> dict:
+    """Union of every rank's named tensors (dp replicas hold equal copies of the same names)."""
+    out: dict[str, dict] = {}
+    for state in states:
+        for quantity, tensors in state.items():
+            out.setdefault(quantity, {}).update(tensors)
+    return out
+
+
+def measured_bubble_fraction(timeline: Timeline, step: int) -> float:
+    """(pipeline makespan - busiest rank's compute) / that compute, from the F/B/BI/BW spans of one step:
+    the simulator's definition (engine/schedules.Simulation), Narayanan et al. 2021 eq. 1's ratio."""
+    spans = [s for s in timeline.spans if s.step == step and s.lane == "compute"
+             and s.name.split(" ")[0] in PIPELINE_KINDS]
+    makespan_s = max(s.end_s for s in spans) - min(s.start_s for s in spans)
+    busy_s = max(sum(s.duration_s for s in spans if s.rank == r) for r in {s.rank for s in spans})
+    return (makespan_s - busy_s) / busy_s

@@ -1,0 +1,112 @@
+"""What one pipeline rank holds, and how its backward splits into input and weight gradients.
+
+Layers are cut into S = pp * v equal stages; stage s holds layers [s L / S, (s + 1) L / S), the first
+stage also the embedding and the last also the final norm, the head and the loss:
+
+    tokens -> [embed L0 L1] -> [L2 L3] -> ... -> [L(L-2) L(L-1) head] -> loss       (S stages)
+
+Rank r holds the v chunks (stages) r, p + r, 2p + r, ... (engine/schedules.py, round-robin as in
+Narayanan et al. 2021 section 2.2). `StageModel` puts those units in one ModuleList, so the existing
+strategies (dp, ZeRO, FSDP) apply to it unchanged, and maps its parameter names back to the full
+model's, so verification compares them with the reference by name.
+
+`WeightGradSplit` is ZB-H1's backward split (Qi et al. 2023, section 2): every module that owns
+parameters (Linear, RMSNorm, Embedding) is a matmul-like op y = f(x, W), whose backward is two
+independent products, dL/dx (needed by the previous stage now) and dL/dW (needed only by the optimizer).
+
+    BI:  autograd.grad(stage output, [stage input, y_1 .. y_k], retain_graph=True)
+         -> dL/dx to send, and dL/dy_j of every parameter module j, kept. Autograd skips every edge that
+         does not lead to a requested input, so no weight gradient is computed here.
+    BW:  for each j: autograd.backward(y_j, dL/dy_j, inputs=W_j)
+         -> dW_j only: the path from y_j to W_j is one node (e.g. MmBackward -> AccumulateGrad), so
+         nothing of the input chain is recomputed; gradients accumulate into .grad (and fire the post-
+         accumulate hooks the dp strategy syncs from), in the same micro-batch order as a fused backward.
+
+torch.distributed.pipelining does the same split at a coarser grain (stage_backward_input captures
+the gradients of the intermediate tensors that feed parameters, stage_backward_weight then calls
+autograd.grad from them to the parameters); here the intermediate tensors are simply the outputs of
+the parameter-owning modules, captured by forward hooks, so the model code stays unchanged.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.model import Transformer
+
+
+def stage_units(m: ModelConfig, num_stages: int, stage: int) -> list[int]:
+    """Indices into Transformer.units (embed = 0, layer i = i + 1, head = L + 1) that `stage` runs."""
+    per_stage = m.layers // num_stages
+    units = list(range(1 + stage * per_stage, 1 + (stage + 1) * per_stage))
+    if stage == 0:
+        units.insert(0, 0)
+    if stage == num_stages - 1:
+        units.append(m.layers + 1)
+    return units
+
+
+class StageModel(nn.Module):
+    """The units of one pipeline rank's chunks, in chunk order, with the full model's names."""
+
+    def __init__(self, full: Transformer, chunks: list[list[int]]):
+        super().__init__()
+        self.config = full.config
+        self.global_units = [u for chunk in chunks for u in chunk]
+        self.units = nn.ModuleList(full.units[u] for u in self.global_units)
+        self.unit_names = [full.unit_names[u] for u in self.global_units]
+        self.chunk_units: list[list[int]] = []  # local unit indices of each chunk
+        start = 0
+        for chunk in chunks:
+            self.chunk_units.append(list(range(start, start + len(chunk))))
+            start += len(chunk)
+
+    def global_name(self, local_name: str) -> str:
+        """`units.<local>.rest` -> `units.<global>.rest`."""
+        _, local, rest = local_name.split(".", 2)
+        return f"units.{self.global_units[int(local)]}.{rest}"
+
+
+class WeightGradSplit:
+    """Forward hooks on every parameter-owning module record (output, its parameters) while `record`
+    is active; `backward_input` and `backward_weight` are ZB-H1's BI and BW (module docstring)."""
+
+    def __init__(self, model: nn.Module):
+        self._captured: list | None = None
+        for module in model.modules():
+            if any(True for _ in module.parameters(recurse=False)):
+                module.register_forward_hook(self._hook)
+
+    def _hook(self, module, inputs, output) -> None:
+        if self._captured is not None and torch.is_grad_enabled():
+            self._captured.append((output, list(module.parameters(recurse=False))))
+
+    @contextmanager
+    def record(self):
+        """Collect the parameter modules' outputs of one forward; yields the list being filled."""
+        self._captured = captured = []
+        try:
+            yield captured
+        finally:
+            self._captured = None
+
+    @staticmethod
+    def backward_input(output, grad, stage_input, captured: list):
+        """BI: (dL/d stage_input or None, the weight work left for BW)."""
+        wanted = [stage_input] if stage_input is not None else []
+        wanted += [y for y, _ in captured]
+        grads = torch.autograd.grad(output, wanted, grad_outputs=grad, retain_graph=True, allow_unused=True)
+        input_grad = grads[0] if stage_input is not None else None
+        output_grads = grads[1:] if stage_input is not None else grads
+        work = [(y, params, dy) for (y, params), dy in zip(captured, output_grads, strict=True) if dy is not None]
+        return input_grad, work
+
+    @staticmethod
+    def backward_weight(work: list) -> None:
+        """BW: each module's weight gradient from its saved output gradient, accumulated into .grad."""
+        for y, params, dy in work:
+            torch.autograd.backward(y, dy, inputs=params)
