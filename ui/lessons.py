@@ -33,6 +33,10 @@ LESSONS: list[Lesson] = [
            "gradients and weights (ZeRO-1/2/3, FSDP). Memory and bytes on real chips, and a real verified run "
            "on this machine with every rank's timeline.",
            params=()),
+    Lesson("Plan a training run", "app_pages/planner.py", "planner", ":material/query_stats:",
+           "Combine the strategies on a device mesh for a real model on real chips: memory per chip, step "
+           "time, MFU and a predicted timeline; then search every layout for the fastest that fits.",
+           params=("batch_tokens", "layout_mode")),
 ]
 
 # The rest of the route, in teaching order; each becomes a page when its live engine or planner lands.
@@ -41,7 +45,6 @@ PLANNED = [
     ("Pipeline parallel", "GPipe, 1F1B, interleaved and zero-bubble schedules, and their bubbles."),
     ("Context parallel", "ring attention for long sequences."),
     ("Expert parallel", "Mixture-of-Experts and the all-to-all."),
-    ("N-D meshes and the planner", "combine everything on a device mesh; let the search find the layout."),
 ]
 
 

@@ -1,0 +1,50 @@
+"""The planner lesson through AppTest: the sidebar setup is estimated, bad meshes explained, search ranks."""
+
+from pathlib import Path
+
+from streamlit.testing.v1 import AppTest
+
+APP = str(Path(__file__).resolve().parents[2] / "app.py")
+
+
+def _page(**params) -> AppTest:
+    at = AppTest.from_file(APP, default_timeout=120)
+    for k, v in params.items():
+        at.query_params[k] = v
+    at.run()
+    at.switch_page("app_pages/planner.py")
+    return at.run()
+
+
+def _metric(at, label):
+    return next(m.value for m in at.metric if m.label == label)
+
+
+def test_sidebar_mesh_is_estimated_with_timeline_and_explanation():
+    at = _page(model="Llama 3 70B", chip="h100", dp="8", tp="8")
+    assert not at.exception, [e.value for e in at.exception]
+    assert "dp=8, tp=8, pp=1" in " ".join(m.value for m in at.markdown)
+    assert _metric(at, "Step time").endswith(" s")
+    assert 0 < float(_metric(at, "MFU").split()[0]) < 100
+    assert len(at.get("plotly_chart")) == 3  # memory, breakdown, timeline
+    assert any("TP=8" in m.value for m in at.markdown)
+
+
+def test_a_mesh_that_does_not_divide_the_model_is_a_message():
+    # Llama 3 8B: 32 heads are not divisible by tp=3; a dense model has no experts to spread over ep=2
+    for params, field in (({"tp": "3"}, "parallel.tp"), ({"ep": "2"}, "parallel.ep")):
+        at = _page(model="Llama 3 8B", chip="h100", dp="1", **params)
+        assert not at.exception
+        assert at.error and field in at.error[0].value and "Change the mesh" in at.error[0].value
+
+
+def test_planner_chooses_and_search_ranks_layouts():
+    at = _page(model="Llama 3 8B", chip="h100", dp="16", layout_mode="let the planner choose")
+    assert not at.exception
+    assert at.caption[0].value.startswith("Chosen by the planner")
+    at.button[0].click().run(timeout=120)
+    assert not at.exception
+    table = at.dataframe[0].value
+    assert len(table) >= 3
+    assert list(table["step s"]) == sorted(table["step s"])  # ranked fastest first
+    assert (table["dp"] * table["tp"] * table["pp"] * table["cp"]).eq(16).all()
