@@ -179,11 +179,13 @@ class Comm:
     # -- collectives ---------------------------------------------------------------------------------
 
     def all_reduce(self, t: torch.Tensor, group: str = "world", async_op: bool = False,
-                   name: str = "all_reduce"):
-        """Sum `t` over the group in place."""
+                   name: str = "all_reduce", op: str = "sum"):
+        """Sum `t` over the group in place (`op="max"`: the elementwise maximum)."""
         n, wire = self.size(group), self._to_wire(t, group)
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
         return self._issue(name, group, _ring_bytes("all_reduce", t.numel() * t.element_size(), n), async_op,
-                           lambda: dist.all_reduce(wire, group=self.groups[group], async_op=True),
+                           lambda: dist.all_reduce(wire, op=reduce_op, group=self.groups[group],
+                                                   async_op=True),
                            lambda: self._from_wire(wire, t, group))
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, group: str = "world", async_op: bool = False,

@@ -17,10 +17,10 @@ KNOWN_AXES = ("dp", "tp", "pp", "cp", "ep", "fsdp")
 # Mesh axes from outermost (slowest-changing rank coordinate) to innermost; engine/mesh.py says why.
 CANONICAL_AXIS_ORDER = ("pp", "dp", "fsdp", "cp", "ep", "tp")
 PIPELINE_AXES = ("pp", "fsdp")  # implemented by engine/pp.py (fsdp: ZeRO-3 over its own mesh axis)
-IMPLEMENTED_AXES = ("dp", "cp", "ep")
-STRATEGIES = ("dp", "fsdp", "cp", "ep", "pp")
+IMPLEMENTED_AXES = ("dp", "cp", "ep", "tp")
+STRATEGIES = ("dp", "fsdp", "cp", "ep", "pp", "tp")
 # The mesh axis a strategy splits over when no --mesh is given (all other strategies: dp = world).
-DEFAULT_AXIS = {"cp": "cp", "ep": "ep", "pp": "pp"}
+DEFAULT_AXIS = {"cp": "cp", "ep": "ep", "pp": "pp", "tp": "tp"}
 CP_VARIANTS = ("ring", "allgather")
 DP_COMM_MODES = ("naive", "bucketed")
 DEVICES = ("cpu", "cuda")
@@ -66,6 +66,7 @@ class ParallelConfig:
     dp_comm: str = "bucketed"  # dp gradient sync: "naive" (after backward) or "bucketed" (overlapped)
     bucket_bytes: int = 16 * 1024  # small on purpose: the tiny model must still make several buckets
     prefetch: bool = True  # fsdp: all-gather the next unit while this one computes
+    sequence_parallel: bool = False  # tp: norms on sequence shards, all-gather/reduce-scatter (engine/tp.py)
     schedule: str = "1f1b"  # pipeline schedule when the mesh has pp > 1 (engine/schedules.py)
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved-1f1b only)
     cp_variant: str = "ring"  # cp: K/V passed around a ring, or all-gathered at once
@@ -193,6 +194,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(product == cfg.world, f"mesh {','.join(f'{n}={d}' for n, d in axes)} has {product} ranks but "
            f"world={cfg.world}; make the degrees multiply to the world size")
     _validate_cp_ep(cfg)
+    _validate_tp(cfg)
     _validate_pp(cfg)
     if cfg.device == "cuda":
         _check(cfg.dtype == "float32", "the cuda path checks against the fp32 reference; use dtype float32")
@@ -246,3 +248,39 @@ def _validate_pp(cfg: RunConfig) -> None:
     _check(p.schedule != "zb-h1" or p.stage == 0,
            f"zb-h1 computes weight gradients per parameter, apart from input gradients, which the flat "
            f"ZeRO/FSDP buffers do not allow: use --zero-stage 0 or --schedule 1f1b (got zero stage {p.stage})")
+
+
+def _tp_sizes(heads: int, kv_heads: int) -> str:
+    """The tp degrees that split the query heads and split (or replicate) the KV heads."""
+    ok = [t for t in range(1, heads + 1) if heads % t == 0 and (kv_heads % t == 0 or t % kv_heads == 0)]
+    return "{" + ", ".join(map(str, ok)) + "}"
+
+
+def _validate_tp(cfg: RunConfig) -> None:
+    p, m = cfg.parallel, cfg.model
+    tp = p.degree("tp", cfg.world)
+    _check(p.strategy != "tp" or "tp" in dict(p.axes(cfg.world)),
+           "--strategy tp needs a tp axis in --mesh, e.g. --mesh dp=2,tp=2 (or no --mesh: tp = world)")
+    _check(not p.sequence_parallel or tp > 1,
+           "--sequence-parallel shards the tensor-parallel norms along the sequence: it needs tp > 1 "
+           "(--strategy tp, or --mesh ...,tp=N)")
+    if tp == 1:
+        return
+    _check(m.mlp == "dense", f"tensor parallel splits the dense SwiGLU MLP by ffn; an MoE layer is split "
+           f"by whole experts instead: use --strategy ep (expert parallel), or --mlp dense with tp={tp}")
+    sizes = _tp_sizes(m.heads, m.kv_heads)
+    _check(m.heads % tp == 0, f"heads={m.heads} is not divisible by tp={tp}: each rank computes heads/tp "
+           f"attention heads; use tp in {sizes} or another number of heads")
+    # A KV head is split off whole (kv_heads % tp == 0) or, with more ranks than KV heads, replicated on
+    # tp/kv_heads neighbouring ranks, each serving its own query heads of that group (engine/tp.py).
+    _check(m.kv_heads % tp == 0 or tp % m.kv_heads == 0,
+           f"kv_heads={m.kv_heads} is not divisible by tp={tp} (nor tp by kv_heads): use tp in {sizes} "
+           f"or another number of kv heads")
+    for name in ("ffn", "vocab"):
+        size = getattr(m, name)
+        _check(size % tp == 0, f"{name}={size} is not divisible by tp={tp}: each rank holds {name}/tp of "
+               f"it; choose {name} as a multiple of {tp} or another tp")
+    if p.sequence_parallel:
+        _check(m.seq_len % tp == 0, f"seq_len={m.seq_len} is not divisible by tp={tp}: sequence parallel "
+               f"splits each sequence into tp equal parts; choose seq_len as a multiple of {tp} or drop "
+               f"--sequence-parallel")
