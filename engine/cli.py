@@ -23,7 +23,7 @@ EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_RANK_FAILED = 0, 1, 2, 3
 
 def run_parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Train a small Transformer on N local processes.")
-    p.add_argument("--strategy", choices=["dp", "fsdp", "cp", "ep", "pp"], default="dp")
+    p.add_argument("--strategy", choices=["dp", "fsdp", "cp", "ep", "tp", "pp"], default="dp")
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
                    help="ZeRO stage (default: 0 for dp, 3 for fsdp)")
     p.add_argument("--world", type=int, default=2, help="number of ranks (processes)")
@@ -47,6 +47,11 @@ def run_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--cp-variant", choices=["ring", "allgather"], default="ring",
                    help="cp: pass K/V around a ring (overlapped) or all-gather them at once")
     p.add_argument("--seq-len", type=int, default=ModelConfig.seq_len, help="tokens per sequence")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="tp: norms and residuals split along the sequence (all-gather / reduce-scatter)")
+    p.add_argument("--heads", type=int, default=ModelConfig.heads, help="attention (query) heads")
+    p.add_argument("--kv-heads", type=int, default=ModelConfig.kv_heads, help="grouped key/value heads")
+    p.add_argument("--ffn", type=int, default=ModelConfig.ffn, help="SwiGLU hidden size")
     p.add_argument("--layers", type=int, default=None,
                    help=f"transformer layers (default: {ModelConfig.layers}, or pp*virtual_stages when larger)")
     p.add_argument("--schedule", choices=list(SCHEDULE_NAMES), default=ParallelConfig.schedule,
@@ -64,7 +69,7 @@ def config_from_args(args, world: int | None = None) -> RunConfig:
     world = args.world if world is None else world
     parallel = ParallelConfig(strategy=args.strategy, zero_stage=args.zero_stage, dp_comm=args.dp_comm,
                               mesh=parse_mesh(args.mesh) if args.mesh else (), prefetch=not args.no_prefetch,
-                              cp_variant=args.cp_variant,
+                              cp_variant=args.cp_variant, sequence_parallel=args.sequence_parallel,
                               schedule=args.schedule, virtual_stages=args.virtual_stages)
     layers = args.layers
     if layers is None:
@@ -73,7 +78,8 @@ def config_from_args(args, world: int | None = None) -> RunConfig:
         layers = max(ModelConfig.layers, stages)
     mlp = args.mlp or ("moe" if args.strategy == "ep" else "dense")
     model = replace(ModelConfig(), mlp=mlp, layers=layers, experts=args.experts, top_k=args.top_k,
-                    capacity_factor=args.capacity_factor, seq_len=args.seq_len)
+                    capacity_factor=args.capacity_factor, seq_len=args.seq_len, heads=args.heads,
+                    kv_heads=args.kv_heads, ffn=args.ffn)
     return validate(RunConfig(model=model, parallel=parallel, world=world, steps=args.steps,
                               micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
                               seed=args.seed, device=args.device, timeout_s=args.timeout_s))
