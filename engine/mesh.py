@@ -4,6 +4,19 @@ A mesh `(("dp", 2), ("tp", 2))` lays ranks out row-major, the last axis fastest 
 torch.distributed.DeviceMesh does): rank = coord_dp * 2 + coord_tp. The group of axis `a` for a rank
 is every rank that differs from it only in coordinate `a`.
 
+Rank order: `--mesh` axes are always sorted into config.CANONICAL_AXIS_ORDER, outermost first,
+
+    pp, dp, fsdp, cp, ep, tp          (tp innermost: consecutive ranks)
+
+whatever order the user writes them in. On real machines consecutive ranks share a node and its fast
+links (NVLink inside a node, the network between nodes), so the innermost axis gets the fastest links.
+Per step tp all-reduces activations several times per layer (Shoeybi et al. 2019), cp and ep exchange
+K/V and tokens per layer, fsdp/dp move parameters or gradients once per step (overlapped with compute),
+and pp sends one activation per micro-batch per stage boundary: from the chattiest axis inwards to the
+quietest outwards, close to Megatron-LM's default rank order (tp-cp-ep-dp-pp, innermost first).
+`pp=2,dp=2,tp=2` on 8 ranks: tp groups {0,1} {2,3} {4,5} {6,7}; dp groups {0,2} {1,3} {4,6} {5,7};
+pp groups {0,4} {1,5} {2,6} {3,7}.
+
 `group_ranks` is pure arithmetic (tested without processes). `build_groups` creates the groups of
 every axis in one fixed order on every rank, as torch.distributed requires of `new_group`.
 """
