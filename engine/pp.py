@@ -36,7 +36,7 @@ from dataclasses import asdict
 import torch
 
 from engine.comm import Comm
-from engine.config import CANONICAL_AXIS_ORDER, RunConfig
+from engine.config import RunConfig
 from engine.memory import ActivationMeter
 from engine.mesh import Mesh
 from engine.model import build_model, global_batch, loss_fn
@@ -55,15 +55,6 @@ PIPELINE_KINDS = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
 def _micro_batch_loss(loss: torch.Tensor, micro_batches: int) -> torch.Tensor:
     """The one place micro-batch losses are scaled: their sum is the mean loss of the step."""
     return loss / micro_batches
-
-
-def mesh_axes(cfg: RunConfig) -> tuple[tuple[str, int], ...]:
-    """The run's mesh with a dp axis of degree 1 added when it has neither dp nor fsdp: every strategy
-    talks over a "dp" group, and a pipeline alone still has one (of size 1)."""
-    axes = dict(cfg.parallel.axes(cfg.world))
-    if "dp" not in axes and "fsdp" not in axes:
-        axes["dp"] = 1
-    return tuple(sorted(axes.items(), key=lambda a: CANONICAL_AXIS_ORDER.index(a[0])))
 
 
 class Pipeline:
@@ -139,6 +130,8 @@ class Pipeline:
             with self.rec.compute(f"BW s{a.stage}"):
                 self.strategy.last_micro_batch = a.micro_batch == self.m - 1
                 self.split.backward_weight(self.weight_work.pop((a.micro_batch, a.stage)))
+            # BI kept the whole graph (retain_graph) for BW, so the activations are freed only now.
+            self.held_bytes.pop((a.micro_batch, a.stage))
 
     def _boundary_shape(self) -> tuple[int, ...]:
         m = self.cfg.model
@@ -202,7 +195,6 @@ class Pipeline:
         stage_input, y, captured = self.stash.pop((a.micro_batch, a.stage))
         input_grad, work = self.split.backward_input(y, self._output_grad(a), stage_input, captured)
         self.weight_work[(a.micro_batch, a.stage)] = work
-        self.held_bytes.pop((a.micro_batch, a.stage))
         if a.stage > 0:
             self.messages[(GRADIENT, a.micro_batch, a.stage)] = input_grad
 
@@ -217,7 +209,7 @@ def run_pipeline_rank(ctx, cfg: RunConfig, traced: bool = True, check: bool = Fa
     """engine/train.run_rank for meshes with pp > 1 (same result dict)."""
     sync = torch.cuda.synchronize if ctx.device.type == "cuda" else None
     rec = Recorder(ctx.rank, ctx.clock_offset_s, enabled=traced, synchronize=sync)
-    axes = mesh_axes(cfg)
+    axes = cfg.parallel.axes(cfg.world)
     comm = Comm(rec, ctx.device, ctx.mesh_groups(axes))
     mesh = Mesh(axes)
     pp_rank = mesh.coords(ctx.rank)["pp"]
