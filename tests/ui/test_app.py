@@ -1,27 +1,19 @@
 """The app shell and the lessons through Streamlit's AppTest (no browser: fast)."""
 
-from pathlib import Path
-
 import pytest
+from apptest_util import TIMEOUT_S, open_app
 from streamlit.testing.v1 import AppTest
 
 from ui.lessons import LESSONS
 
-TIMEOUT_S = 60
-APP = str(Path(__file__).resolve().parents[2] / "app.py")
 
 
 def _app(**params) -> AppTest:
-    at = AppTest.from_file(APP, default_timeout=TIMEOUT_S)
-    for k, v in params.items():
-        at.query_params[k] = v
-    return at.run()
+    return open_app(None, **params)
 
 
 def _page(path: str, **params) -> AppTest:
-    at = _app(**params)
-    at.switch_page(path)
-    return at.run()
+    return open_app(path, **params)
 
 
 def _metric(at: AppTest, label_start: str) -> str:

@@ -1,8 +1,7 @@
 """The Collectives lesson: ring schedules and charts as pure data, then the page through AppTest."""
 
-from pathlib import Path
-
 import pytest
+from apptest_util import TIMEOUT_S, open_app
 from streamlit.testing.v1 import AppTest
 
 from hardware.chips import CHIPS
@@ -24,8 +23,6 @@ from ui.collectives import (
 from ui.engine_errors import engine_error_message
 
 RING_SIZES = range(2, 9)
-TIMEOUT_S = 60
-APP = str(Path(__file__).resolve().parents[2] / "app.py")
 PAGE = "app_pages/collectives.py"
 
 
@@ -196,12 +193,7 @@ def test_engine_errors_become_one_clear_sentence():
 # ---- the page -----------------------------------------------------------------------------------
 
 def _page(**params) -> AppTest:
-    at = AppTest.from_file(APP, default_timeout=TIMEOUT_S)
-    for k, v in params.items():
-        at.query_params[k] = v
-    at.run()
-    at.switch_page(PAGE)
-    return at.run()
+    return open_app(PAGE, **params)
 
 
 def _chart(at: AppTest, key: str) -> str:

@@ -1,23 +1,16 @@
 """The Data parallel / ZeRO lesson: formula helpers by hand, the page through AppTest, one live run."""
 
-from pathlib import Path
-
 import pytest
+from apptest_util import open_app
 from streamlit.testing.v1 import AppTest
 
 from ui.dp_lesson import LIVE_STRATEGIES, expected_comm_bytes_per_step, expected_memory
 
-APP = str(Path(__file__).resolve().parents[2] / "app.py")
 PAGE = "app_pages/data_parallel.py"
 
 
 def _page(**params) -> AppTest:
-    at = AppTest.from_file(APP, default_timeout=120)
-    for k, v in params.items():
-        at.query_params[k] = v
-    at.run()
-    at.switch_page(PAGE)
-    return at.run()
+    return open_app(PAGE, **params)
 
 
 def test_expected_memory_follows_zero_sharding():

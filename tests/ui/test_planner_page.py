@@ -1,19 +1,12 @@
 """The planner lesson through AppTest: the sidebar setup is estimated, bad meshes explained, search ranks."""
 
-from pathlib import Path
-
+from apptest_util import open_app
 from streamlit.testing.v1 import AppTest
 
-APP = str(Path(__file__).resolve().parents[2] / "app.py")
 
 
 def _page(**params) -> AppTest:
-    at = AppTest.from_file(APP, default_timeout=120)
-    for k, v in params.items():
-        at.query_params[k] = v
-    at.run()
-    at.switch_page("app_pages/planner.py")
-    return at.run()
+    return open_app("app_pages/planner.py", **params)
 
 
 def _metric(at, label):

@@ -1,0 +1,19 @@
+"""Open the app (and one of its pages) in Streamlit's AppTest, with query parameters as a shared link."""
+
+from pathlib import Path
+
+from streamlit.testing.v1 import AppTest
+
+APP = str(Path(__file__).resolve().parents[2] / "app.py")
+TIMEOUT_S = 120  # generous: the suite runs on 2 loaded cores
+
+
+def open_app(page: str | None = None, **params) -> AppTest:
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT_S)
+    for k, v in params.items():
+        at.query_params[k] = v
+    at.run()
+    if page is not None:
+        at.switch_page(page)
+        at.run()
+    return at
