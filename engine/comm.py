@@ -249,6 +249,26 @@ class Comm:
                            lambda: dist.irecv(wire, src, group=self.groups[group]),
                            lambda: self._from_wire(wire, t, group))
 
+    def p2p(self, ops: list[tuple[str, torch.Tensor, int, str]], group: str, tag: int = 0) -> list[Handle]:
+        """Point-to-point operations issued together, each `("send" | "recv", tensor, peer, name)` with
+        `peer` a rank *within* `group`; each is async and becomes its own span. Between one pair of ranks,
+        messages match by `tag`, then in posting order (ring attention keeps K/V and dK/dV on two tags)."""
+        handles = []
+        for kind, t, peer, name in ops:
+            other = dist.get_global_rank(self.groups[group], peer)
+            if kind == "send":
+                wire = self._to_wire(t, group)
+                handles.append(self._issue(
+                    name, group, t.numel() * t.element_size(), True,
+                    lambda w=wire, o=other: dist.isend(w, o, group=self.groups[group], tag=tag), lambda t=t: t))
+            else:
+                wire = self._wire_buffer(t)
+                handles.append(self._issue(
+                    name, group, 0, True,
+                    lambda w=wire, o=other: dist.irecv(w, o, group=self.groups[group], tag=tag),
+                    lambda w=wire, t=t: self._from_wire(w, t, group)))
+        return handles
+
     def barrier(self, group: str = "world") -> None:
         start = self.recorder.now()
         dist.barrier(group=self.groups[group])

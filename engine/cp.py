@@ -1,0 +1,176 @@
+"""Context parallel: every rank of the cp group holds a slice of each sequence (two chunks of the zig-zag
+split, see engine/ring_attention.py) and the whole model; only attention needs the other ranks' tokens.
+
+    In[B, T_cp, D] with T_cp = T / cp         every per-token op (norms, projections, MLP, loss) is local
+    attention: Q[B, h, T_cp, d] against K/V[B, kv, T, d] that lives on all cp ranks
+
+Two ways to bring the keys and values:
+
+* ``ring`` (Liu et al. 2023, "Ring Attention"): cp steps; at each step a rank attends to the K/V block it
+  holds while it already sends that block to the next rank and receives the previous rank's (isend/irecv,
+  overlapped with the block's compute). Partial outputs merge by the log-sum-exp rule. Backward passes
+  K/V around the ring again and, with them, the accumulating dK/dV of each block, which ends at its owner.
+
+      step 0        step 1        step 2        step 3          (cp = 4, rank r holds block r at step 0)
+      r0: KV0       r0: KV3       r0: KV2       r0: KV1         each arrow: isend to r+1, irecv from r-1
+      r1: KV1  -->  r1: KV0  -->  r1: KV3  -->  r1: KV2
+
+* ``allgather``: all-gather K/V once (backward: reduce-scatter dK/dV); simple, no overlap, and every rank
+  holds the whole sequence's K/V.
+
+Bytes one rank sends per attention layer per step, with kv_bytes = 2 * B * kv_heads * (T/cp) * d * 4:
+    ring       (cp-1) K/V forward + (cp-1) K/V and cp dK/dV backward  = (3 cp - 2) * kv_bytes
+    allgather  all_gather + reduce_scatter of cp * kv_bytes            = 2 (cp-1) * kv_bytes
+plus the gradient all-reduce over dp x cp (the weights are replicated): 2 (n-1)/n * params * 4.
+
+The ring's backward is written by hand (`_RingAttention.backward`): autograd cannot differentiate
+through isend/irecv, and the hand-written version recomputes each block's probabilities from the saved
+log-sum-exp (FlashAttention's backward) instead of keeping every block's K/V and scores alive, and can
+overlap the dK/dV transfers with the next block's compute.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from engine.replicated import ReplicatedStrategy
+from engine.ring_attention import (block_backward, block_forward, block_plan, expand_kv, merge, reduce_kv,
+                                   zigzag_positions)
+
+_TAG_KV, _TAG_DKV = 1, 2  # K/V and their gradients travel between the same ranks at the same time
+
+
+class _Ring:
+    """One attention layer's ring: neighbours in the cp group, the chunk size, the diagonal block's mask."""
+
+    def __init__(self, comm, rec, name: str, positions: torch.Tensor):
+        self.comm, self.rec, self.name = comm, rec, name
+        self.n, self.rank = comm.size("cp"), comm.group_rank("cp")
+        self.next, self.prev = (self.rank + 1) % self.n, (self.rank - 1) % self.n
+        self.c = len(positions) // 2
+        self.diag_mask = positions[:, None] >= positions[None, :]
+
+    def shift(self, t: torch.Tensor, what: str, tag: int):
+        """Send `t` to the next rank, receive the previous rank's into a new buffer; both in flight."""
+        buf = torch.empty_like(t)
+        handles = self.comm.p2p([("send", t, self.next, f"send {what} {self.name}"),
+                                 ("recv", buf, self.prev, f"recv {what} {self.name}")], "cp", tag)
+        return buf, handles
+
+    def block(self, s: int):
+        rows, cols, causal = block_plan(self.rank, (self.rank - s) % self.n, self.c)
+        return rows, cols, self.diag_mask if causal else None
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ring: _Ring):
+        scale, heads = q.shape[-1] ** -0.5, q.shape[1]
+        kv = torch.stack((k, v))
+        out = lse = None
+        for s in range(ring.n):
+            if s < ring.n - 1:
+                incoming, handles = ring.shift(kv, "kv", _TAG_KV)
+            rows, cols, mask = ring.block(s)
+            with ring.rec.compute(f"attn {ring.name} ring {s}"):
+                o_b, l_b = block_forward(q[:, :, rows], expand_kv(kv[0][:, :, cols], heads),
+                                         expand_kv(kv[1][:, :, cols], heads), mask, scale)
+                if s == 0:
+                    out, lse = o_b, l_b
+                else:
+                    out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o_b, l_b)
+            if s < ring.n - 1:
+                for h in handles:
+                    h.wait()
+                kv = incoming
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring = ring
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring = ctx.ring
+        scale, heads, kv_heads = q.shape[-1] ** -0.5, q.shape[1], k.shape[1]
+        dout = dout.contiguous()
+        delta = (dout * out).sum(-1)
+        dq = torch.zeros_like(q)
+        kv = torch.stack((k, v))
+        dkv_in, dkv_handles = None, []
+        for s in range(ring.n):
+            if s < ring.n - 1:
+                incoming, handles = ring.shift(kv, "kv", _TAG_KV)
+            rows, cols, mask = ring.block(s)
+            with ring.rec.compute(f"attn bwd {ring.name} ring {s}"):
+                dq_b, dk_b, dv_b = block_backward(q[:, :, rows], expand_kv(kv[0][:, :, cols], heads),
+                                                  expand_kv(kv[1][:, :, cols], heads), mask, scale,
+                                                  lse[:, :, rows], dout[:, :, rows], delta[:, :, rows])
+                dq[:, :, rows] += dq_b
+                dkv = torch.zeros_like(kv)
+                dkv[0][:, :, cols] = reduce_kv(dk_b, kv_heads)
+                dkv[1][:, :, cols] = reduce_kv(dv_b, kv_heads)
+            # This block's dK/dV so far (from the ranks it has visited) arrived during the compute above.
+            if s > 0:
+                for h in dkv_handles:
+                    h.wait()
+                dkv += dkv_in
+            dkv_in, dkv_handles = ring.shift(dkv, "dkv", _TAG_DKV)
+            if s < ring.n - 1:
+                for h in handles:
+                    h.wait()
+                kv = incoming
+        for h in dkv_handles:  # the last hop brings this rank's own block home, complete
+            h.wait()
+        return dq, dkv_in[0], dkv_in[1], None
+
+
+class _GatherKV(torch.autograd.Function):
+    """kv[2, B, kv, T_cp, d] -> every cp rank's, stacked [cp, 2, B, kv, T_cp, d]; backward reduce-scatters."""
+
+    @staticmethod
+    def forward(ctx, kv, comm, name: str):
+        ctx.comm, ctx.name = comm, name
+        full = kv.new_empty((comm.size("cp"), *kv.shape))
+        comm.all_gather(full, kv.contiguous(), "cp", name=f"all_gather kv {name}")
+        return full
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_empty(grad.shape[1:])
+        ctx.comm.reduce_scatter(out, grad.contiguous(), "cp", name=f"reduce_scatter dkv {ctx.name}")
+        return out, None, None
+
+
+class ContextParallel(ReplicatedStrategy):
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        m = self.cfg.model
+        self.cp, self.cp_rank = self.comm.size("cp"), self.comm.group_rank("cp")
+        self.positions = zigzag_positions(m.seq_len, self.cp, self.cp_rank).to(self.comm.device)
+        # Key positions of the all-gathered K/V, in cp-rank order.
+        self.all_positions = torch.cat([zigzag_positions(m.seq_len, self.cp, r)
+                                        for r in range(self.cp)]).to(self.comm.device)
+        for i, unit in enumerate(self.model.units):
+            if hasattr(unit, "attn"):
+                unit.attn.positions = self.positions
+                if self.cp > 1:
+                    unit.attn.attend = partial(self._attend, _Ring(self.comm, self.rec, self.names[i],
+                                                                   self.positions))
+        self.hold(dict(self.model.named_parameters()), ("dp", "cp"), self.dp * self.cp, "params")
+
+    def forward(self, tokens, targets):
+        return super().forward(tokens[:, self.positions], targets[:, self.positions])
+
+    def _attend(self, ring: _Ring, q, k, v):
+        if self.cfg.parallel.cp_variant == "ring":
+            return _RingAttention.apply(q, k, v, ring)
+        full = _GatherKV.apply(torch.stack((k, v)), self.comm, ring.name)
+        b, kv_heads, _, d = k.shape
+        k_all, v_all = full.permute(1, 2, 3, 0, 4, 5).reshape(2, b, kv_heads, -1, d)
+        mask = self.positions[:, None] >= self.all_positions[None, :]
+        heads = q.shape[1]
+        return F.scaled_dot_product_attention(q, expand_kv(k_all, heads), expand_kv(v_all, heads),
+                                              attn_mask=mask)
