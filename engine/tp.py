@@ -217,7 +217,8 @@ class TensorParallelPlan:
         self._attention(f"{prefix}.attn", label, attn, m)
         mlp.w1 = ColumnParallelLinear(self._rows(f"{prefix}.mlp.w1.weight", mlp.w1.weight), self.tp)
         mlp.w3 = ColumnParallelLinear(self._rows(f"{prefix}.mlp.w3.weight", mlp.w3.weight), self.tp)
-        mlp.w2 = RowParallelLinear(self._cols(f"{prefix}.mlp.w2.weight", mlp.w2.weight), self.tp, f"{label} mlp")
+        w2 = self._cols(f"{prefix}.mlp.w2.weight", mlp.w2.weight)
+        mlp.w2 = RowParallelLinear(w2, self.tp, f"{label} mlp")
 
     def _attention(self, prefix: str, label: str, attn: Attention, m) -> None:
         n = self.tp.size
@@ -228,7 +229,8 @@ class TensorParallelPlan:
         for proj in ("wk", "wv"):
             w = self._rows(f"{prefix}.{proj}.weight", getattr(attn, proj).weight, replicas)
             setattr(attn, proj, ColumnParallelLinear(w, self.tp, replica, f"{label} {proj}"))
-        attn.wo = RowParallelLinear(self._cols(f"{prefix}.wo.weight", attn.wo.weight), self.tp, f"{label} attn")
+        wo = self._cols(f"{prefix}.wo.weight", attn.wo.weight)
+        attn.wo = RowParallelLinear(wo, self.tp, f"{label} attn")
 
     # -- verification: tp-local tensors back to full ones ----------------------------------------------
     def unshard(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
