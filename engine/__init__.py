@@ -14,6 +14,10 @@
     flat       flat per-unit parameters and shards (ZeRO's common ground)
     zero       ZeRO-1 and ZeRO-2
     fsdp       ZeRO-3 / FSDP with prefetch
+    replicated whole parameters with gradients summed over named mesh axes (cp and ep build on it)
+    cp         context parallel: zig-zag sequence split, ring attention (or all-gathered K/V)
+    ring_attention  the ring's arithmetic: log-sum-exp merge, block backward, zig-zag plan (no processes)
+    ep         expert parallel: experts split over ep, tokens dispatched and combined by all-to-all
     memory     activation bytes from autograd's saved tensors
     train      one rank's run (the task the pool executes)
     verify     comparison with the reference, tolerance and reason per quantity

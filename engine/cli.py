@@ -93,6 +93,10 @@ def _human(summary: dict) -> str:
     for rank, (mem, sent) in enumerate(zip(summary["memory_bytes"], summary["comm_bytes"], strict=True)):
         parts = ", ".join(f"{k} {v / 1024:.0f} KiB" for k, v in mem.items())
         lines.append(f"rank {rank}: sent {sent / 1024:.0f} KiB; memory: {parts}")
+    for layer, load in summary.get("stats", {}).get("expert_load", {}).get("layers", {}).items():
+        lines.append(f"expert load {layer}: tokens per expert {load['tokens_per_expert']} "
+                     f"(max/mean {load['expert_max_over_mean']:.2f}), per ep rank {load['processed_per_ep_rank']} "
+                     f"(max/mean {load['ep_rank_max_over_mean']:.2f}), dropped {load['dropped_fraction']:.1%}")
     check = summary["check"]
     if check is not None:
         verdict = "PASSED" if check["passed"] else "FAILED"

@@ -7,6 +7,10 @@ computes it in blocks merged by the log-sum-exp rule, in another order, and sums
 cp ranks. Those are fp32 reordering errors (measured: loss 5e-7, grads 1e-6, params 1e-5 after 3 AdamW
 steps, well inside verify's rtol 1e-4 and params atol 0.05 lr)."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +19,8 @@ from engine.config import ModelConfig, ParallelConfig, RunConfig
 from engine.ring_attention import (block_backward, block_forward, block_plan, expand_kv, merge, reduce_kv,
                                    zigzag_positions)
 from engine.run import run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _qkv(seed=0, b=2, h=4, kv=2, t=16, d=8):
@@ -133,3 +139,15 @@ def test_allgather_trace_moves_the_formula_bytes(pools):
         scattered = [s for s in comm if s.name == f"reduce_scatter dkv {layer}"]
         assert len(gathered) == len(scattered) == 1 and gathered[0].group == scattered[0].group == "cp"
         assert gathered[0].bytes == scattered[0].bytes == (cp - 1) * _kv_bytes(cp)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--world", "4", "--seq-len", "30"], "seq_len=30 is not divisible by 2*cp=8"),
+    (["--zero-stage", "2"], "drop --zero-stage 2"),
+    (["--mlp", "moe", "--capacity-factor", "1"], "drop --capacity-factor"),
+    (["--mesh", "dp=2,cp=3", "--world", "4"], "has 6 ranks but world=4"),
+])
+def test_bad_context_parallel_input_exits_2(args, says):
+    out = subprocess.run([sys.executable, "-m", "engine", "run", "--strategy", "cp", *args], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, out.stderr

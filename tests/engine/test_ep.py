@@ -3,12 +3,18 @@ AdamW state; tolerances and reasons in engine/verify.py: the all-to-all only mov
 differences are the usual fp32 reduction-order ones), with exact routing ties, with dropped tokens, on a
 dp x ep mesh, and the all-to-alls in the trace."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from engine.config import ModelConfig, ParallelConfig, RunConfig
 from engine.model import capacity_keep, expert_capacity, route
 from engine.run import run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _cfg(world, mesh=(), experts=8, capacity_factor=None, steps=3):
@@ -118,3 +124,22 @@ def test_trace_shows_the_all_to_alls(pools):
     full_bytes = 2 * 32 * 2 * 64 * 4
     dispatched = sum(s.bytes for s in comm if s.name == "all_to_all dispatch L0") / 4
     assert 0.5 * full_bytes < dispatched < full_bytes
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--experts", "6", "--world", "4"], "experts=6 is not divisible by ep=4"),
+    (["--mlp", "dense"], "use --mlp moe"),
+    (["--experts", "8", "--top-k", "9"], "top_k=9 must be between 1 and experts=8"),
+    (["--capacity-factor", "0"], "capacity_factor=0.0 must be positive"),
+    (["--zero-stage", "1"], "drop --zero-stage 1"),
+])
+def test_bad_expert_parallel_input_exits_2(args, says):
+    out = subprocess.run([sys.executable, "-m", "engine", "run", "--strategy", "ep", *args], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_ep_axis_needs_the_ep_strategy():
+    out = subprocess.run([sys.executable, "-m", "engine", "run", "--mesh", "dp=2,ep=2", "--world", "4"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 2 and "ep=2 needs --strategy ep" in out.stderr, out.stderr
