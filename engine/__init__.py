@@ -18,6 +18,9 @@
     cp         context parallel: zig-zag sequence split, ring attention (or all-gathered K/V)
     ring_attention  the ring's arithmetic: log-sum-exp merge, block backward, zig-zag plan (no processes)
     ep         expert parallel: experts split over ep, tokens dispatched and combined by all-to-all
+    tp         tensor parallel (column/row-parallel linears, vocab-parallel embedding and loss) and
+               sequence parallel, composed with dp / ZeRO / FSDP over the dp or fsdp axis
+    tp_comm    tp's conjugate autograd operations: f/g (all-reduce) and the sp all-gather/reduce-scatter
     memory     activation bytes from autograd's saved tensors
     train      one rank's run (the task the pool executes)
     verify     comparison with the reference, tolerance and reason per quantity
