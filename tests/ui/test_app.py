@@ -1,7 +1,7 @@
 """The app shell and the lessons through Streamlit's AppTest (no browser: fast)."""
 
 import pytest
-from apptest_util import TIMEOUT_S, open_app
+from tests.ui.apptest_util import TIMEOUT_S, open_app
 from streamlit.testing.v1 import AppTest
 
 from ui.lessons import LESSONS

@@ -1,7 +1,7 @@
 """The Collectives lesson: ring schedules and charts as pure data, then the page through AppTest."""
 
 import pytest
-from apptest_util import TIMEOUT_S, open_app
+from tests.ui.apptest_util import TIMEOUT_S, open_app
 from streamlit.testing.v1 import AppTest
 
 from hardware.chips import CHIPS

@@ -1,7 +1,7 @@
 """The Data parallel / ZeRO lesson: formula helpers by hand, the page through AppTest, one live run."""
 
 import pytest
-from apptest_util import open_app
+from tests.ui.apptest_util import open_app
 from streamlit.testing.v1 import AppTest
 
 from ui.dp_lesson import LIVE_STRATEGIES, expected_comm_bytes_per_step, expected_memory

@@ -1,6 +1,6 @@
 """The planner lesson through AppTest: the sidebar setup is estimated, bad meshes explained, search ranks."""
 
-from apptest_util import open_app
+from tests.ui.apptest_util import open_app
 from streamlit.testing.v1 import AppTest
 
 
