@@ -117,25 +117,20 @@ class ExpertParallel(ReplicatedStrategy):
 
     def full_state(self):
         state = super().full_state()
-        local = [n for n in self.params if _EXPERT_PARAM.fullmatch(n)]
         if self.ep == 1:
             return state
-        for quantity in state:
-            for name in local:
-                match = _EXPERT_PARAM.fullmatch(name)
-                e = int(match[2])
-                if e != self.first_expert:
-                    continue
-                # Stack this rank's experts of one parameter kind, gather the stacks of all ep ranks.
-                mine = [f"units.{match[1]}.mlp.experts.{self.first_expert + j}.{match[3]}"
-                        for j in range(self.experts_here)]
-                shard = torch.stack([state[quantity][n] for n in mine])
-                full = torch.empty((self.ep * self.experts_here, *shard.shape[1:]), dtype=shard.dtype,
-                                   device=shard.device)
-                with self.comm.untraced():
-                    self.comm.all_gather(full, shard, "ep")
-                for e_all in range(full.shape[0]):
-                    state[quantity][f"units.{match[1]}.mlp.experts.{e_all}.{match[3]}"] = full[e_all].clone()
+        kinds = [n for n, _ in self.model.units[next(iter(self.load))].mlp.experts[0].named_parameters()]
+        for i in self.load:
+            for kind in kinds:
+                mine = [f"units.{i}.mlp.experts.{self.first_expert + j}.{kind}" for j in range(self.experts_here)]
+                for quantity in state:
+                    # This rank's experts of one parameter kind, stacked; the stacks of all ep ranks gathered.
+                    shard = torch.stack([state[quantity][n] for n in mine])
+                    full = shard.new_empty((self.ep * self.experts_here, *shard.shape[1:]))
+                    with self.comm.untraced():
+                        self.comm.all_gather(full, shard, "ep")
+                    for e in range(full.shape[0]):
+                        state[quantity][f"units.{i}.mlp.experts.{e}.{kind}"] = full[e].clone()
         return state
 
     def stats(self) -> dict:
