@@ -266,6 +266,9 @@ def _validate_tp(cfg: RunConfig) -> None:
            "(--strategy tp, or --mesh ...,tp=N)")
     if tp == 1:
         return
+    _check(p.strategy not in ("cp", "ep"), f"--strategy {p.strategy} does not split its layers over a tp axis "
+           f"(tp={tp} ranks would only repeat each other's work): drop tp from --mesh, or use tensor "
+           f"parallel with dp, fsdp or pp (e.g. --mesh dp=2,tp=2)")
     _check(m.mlp == "dense", f"tensor parallel splits the dense SwiGLU MLP by ffn; an MoE layer is split "
            f"by whole experts instead: use --strategy ep (expert parallel), or --mlp dense with tp={tp}")
     sizes = _tp_sizes(m.heads, m.kv_heads)

@@ -154,7 +154,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, tp):
-        n_rows, v_tp = logits.shape
+        v_tp = logits.shape[1]
         row_max = logits.detach().max(dim=-1).values
         tp.comm.all_reduce(row_max, TP, name="all_reduce loss max", op="max")
         shifted = logits.detach() - row_max[:, None]

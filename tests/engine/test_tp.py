@@ -153,6 +153,7 @@ def _bad(world=4, **kw):
     (_bad(mlp="moe", strategy="tp"), "use --strategy ep"),
     (_bad(strategy="dp", sequence_parallel=True), "--sequence-parallel"),
     (_bad(strategy="tp", mesh=(("dp", 4),)), "--strategy tp needs a tp axis"),
+    (_bad(strategy="cp", mesh=(("cp", 2), ("tp", 2))), "--strategy cp does not split its layers over a tp"),
 ])
 def test_bad_inputs_say_what_to_change(cfg, says):
     with pytest.raises(ConfigError) as err:
