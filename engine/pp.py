@@ -39,13 +39,14 @@ from engine.comm import Comm
 from engine.config import RunConfig
 from engine.memory import ActivationMeter
 from engine.mesh import Mesh
-from engine.model import build_model, global_batch, loss_fn
-from engine.pp_stage import StageModel, WeightGradSplit, stage_units
+from engine.model import build_model, global_batch
+from engine.pp_stage import StageModel, WeightGradSplit, stage_tensor_parallel, stage_units
 from engine.recorder import Recorder
-from engine.reference import reference_run
+from engine.reference import hyper, reference_run
 from engine.schedules import (ACTIVATION, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, GRADIENT, RECV,
                               SEND, Action, make_schedule)
 from engine.strategy import _OnBackward
+from engine.tp import TensorParallelPlan
 from engine.trace import Timeline
 from engine.verify import compare
 
@@ -73,8 +74,13 @@ class Pipeline:
         self.num_stages = self.schedule.num_stages
         chunks = [stage_units(cfg.model, self.num_stages, self.schedule.stage_of(pp_rank, c))
                   for c in range(cfg.parallel.virtual_stages)]
-        self.model = StageModel(build_model(cfg.model, cfg.seed), chunks).to(device)
-        self.strategy = make_strategy(cfg, self.model, comm, rec)
+        full = build_model(cfg.model, cfg.seed)
+        self.tp = cfg.parallel.degree("tp", cfg.world)
+        # tp splits the whole model before the stage keeps its units (the plan needs embed and head).
+        plan = TensorParallelPlan(full, comm, cfg.parallel.sequence_parallel) if self.tp > 1 else None
+        self.model = StageModel(full, chunks).to(device)
+        self.strategy = (make_strategy(cfg, self.model, comm, rec) if plan is None
+                         else stage_tensor_parallel(cfg, self.model, comm, rec, hyper(cfg), plan))
         self.split = WeightGradSplit(self.model) if self.schedule.split_backward else None
         self.param_storages = self.strategy.param_storages()
         self.activation_peak_bytes = 0
@@ -134,8 +140,10 @@ class Pipeline:
             self.held_bytes.pop((a.micro_batch, a.stage))
 
     def _boundary_shape(self) -> tuple[int, ...]:
+        """X[B_mb, T, D] between stages; with sequence parallel X[B_mb, T_tp, D] (engine/tp.py)."""
         m = self.cfg.model
-        return (self.cfg.micro_batch_size, m.seq_len, m.hidden)
+        tokens = m.seq_len // self.tp if self.cfg.parallel.sequence_parallel else m.seq_len
+        return (self.cfg.micro_batch_size, tokens, m.hidden)
 
     def _rows(self, mb: int) -> slice:
         first = (self.dp_rank * self.m + mb) * self.cfg.micro_batch_size
@@ -158,7 +166,7 @@ class Pipeline:
             else:
                 y = self._run_units(a.chunk, x)
             if stage == self.num_stages - 1:
-                loss = loss_fn(y, self.targets[self._rows(mb)].to(self.device))
+                loss = self.strategy.loss(y, self.targets[self._rows(mb)].to(self.device))
                 self.loss_sum += loss.item() / self.m
                 y = _micro_batch_loss(loss, self.m)
         self.held_bytes[(mb, stage)] = meter.peak_bytes

@@ -10,6 +10,10 @@ Narayanan et al. 2021 section 2.2). `StageModel` puts those units in one ModuleL
 strategies (dp, ZeRO, FSDP) apply to it unchanged, and maps its parameter names back to the full
 model's, so verification compares them with the reference by name.
 
+With tp in the mesh, `TensorParallelPlan` (engine/tp.py) splits the whole model first (it needs the
+embedding first and the head last); the stage then keeps its already tp-local units, and
+`stage_tensor_parallel` builds tp's strategies over them with the plan's names seen stage-locally.
+
 `WeightGradSplit` is ZB-H1's backward split (Qi et al. 2023, section 2): every module that owns
 parameters (Linear, RMSNorm, Embedding) is a matmul-like op y = f(x, W), whose backward is two
 independent products, dL/dx (needed by the previous stage now) and dL/dW (needed only by the optimizer).
@@ -30,13 +34,16 @@ the parameter-owning modules, captured by forward hooks, so the model code stays
 
 from __future__ import annotations
 
+import copy
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
+from engine.config import ModelConfig, RunConfig
 from engine.model import Transformer
+from engine.strategy import Strategy
+from engine.tp import TensorParallelDP, TensorParallelFSDP, TensorParallelMixin, TensorParallelPlan, TensorParallelZeRO
 
 
 def stage_units(m: ModelConfig, num_stages: int, stage: int) -> list[int]:
@@ -110,3 +117,36 @@ class WeightGradSplit:
         """BW: each module's weight gradient from its saved output gradient, accumulated into .grad."""
         for y, params, dy in work:
             torch.autograd.backward(y, dy, inputs=params)
+
+
+class _PlannedStage:
+    """TensorParallelMixin's strategies, but with a plan applied beforehand to the whole model."""
+
+    def __init__(self, cfg, model, comm, rec, hyper, plan: TensorParallelPlan, **kw):
+        self.plan = plan
+        super(TensorParallelMixin, self).__init__(cfg, model, comm, rec, hyper, **kw)
+
+
+class _StageTPDP(_PlannedStage, TensorParallelDP):
+    pass
+
+
+class _StageTPZeRO(_PlannedStage, TensorParallelZeRO):
+    pass
+
+
+class _StageTPFSDP(_PlannedStage, TensorParallelFSDP):
+    pass
+
+
+def stage_tensor_parallel(cfg: RunConfig, model: StageModel, comm, rec, hyper,
+                          plan: TensorParallelPlan) -> Strategy:
+    """engine/tp.make_tensor_parallel for a stage of a model that `plan` has already split."""
+    local = copy.copy(plan)  # the same tp group and modules; its names as the stage's strategy sees them
+    local.split = {n: plan.split[model.global_name(n)] for n, _ in model.named_parameters()}
+    stage = cfg.parallel.stage
+    if stage == 0:
+        return _StageTPDP(cfg, model, comm, rec, hyper, local)
+    if stage in (1, 2):
+        return _StageTPZeRO(cfg, model, comm, rec, hyper, local, stage=stage)
+    return _StageTPFSDP(cfg, model, comm, rec, hyper, local)

@@ -91,20 +91,33 @@ def test_every_schedule_matches_the_reference_and_non_pipeline_accumulation(pool
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("mesh, parallel", [
-    ("pp=2,dp=2", {"dp_comm": "bucketed"}),  # gradient all-reduce overlapped with the last micro-batch
-    ("dp=2,pp=2", {"zero_stage": 2}),  # written in another order: the same canonical mesh
-    ("pp=2,fsdp=2", {}),  # ZeRO-3 over the fsdp axis, re-gathering each unit for every backward
+@pytest.mark.parametrize("mesh, parallel, groups", [
+    # gradient all-reduce overlapped with the last micro-batch's backward
+    ("pp=2,dp=2", {"dp_comm": "bucketed"}, {"pp", "dp"}),
+    ("dp=2,pp=2", {"zero_stage": 2}, {"pp", "dp"}),  # written in another order: the same canonical mesh
+    ("pp=2,fsdp=2", {}, {"pp", "dp"}),  # ZeRO-3 over the fsdp axis, re-gathering each unit per backward
+    # tp splits the whole model, then each stage keeps its units; stages exchange T/tp-token activations
+    ("pp=2,tp=2", {"sequence_parallel": True}, {"pp", "tp"}),
+    ("pp=2,tp=2", {"schedule": "zb-h1"}, {"pp", "tp"}),  # BW per module through tp's regions
 ])
-def test_pp_with_dp_matches_the_reference(pools, mesh, parallel):
-    cfg = _cfg("1f1b", 2, mesh=parse_mesh(mesh), world=4, **parallel)
+def test_pp_with_other_axes_matches_the_reference(pools, mesh, parallel, groups):
+    cfg = _cfg(parallel.pop("schedule", "1f1b"), 2, mesh=parse_mesh(mesh), world=4, **parallel)
     summary, timeline = run(validate(cfg), traced=True, check=True, pool=pools(4))
     assert summary["check"]["passed"], summary["check"]["failures"]
-    groups = {s.group for s in timeline.spans if s.lane == "comm"}
-    assert groups == {"pp", "dp"}  # activations between stages, gradients within a stage's replicas
-    # pp=2 outermost: ranks 0, 1 hold stage 0 and ranks 2, 3 stage 1, so stage 0 sends to rank 2 or 3.
+    assert {s.group for s in timeline.spans if s.lane == "comm"} == groups
+    # pp=2 outermost: ranks 0, 1 hold stage 0 and ranks 2, 3 stage 1, so only 0 and 1 send activations.
     sends = [s for s in timeline.spans if s.name.startswith("send act")]
     assert {s.rank for s in sends} == {0, 1}
+    tokens = cfg.model.seq_len // (2 if cfg.parallel.sequence_parallel else 1)
+    assert {s.bytes for s in sends} == {cfg.micro_batch_size * tokens * cfg.model.hidden * 4}
+
+
+@pytest.mark.multiprocess
+def test_eight_rank_meshes_with_pp_dp_or_fsdp_and_tp(pools):
+    for mesh in ("pp=2,dp=2,tp=2", "tp=2,fsdp=2,pp=2"):
+        cfg = _cfg("1f1b", 2, mesh=parse_mesh(mesh), world=8)
+        summary, _ = run(validate(cfg), traced=False, check=True, pool=pools(8))
+        assert summary["check"]["passed"], (mesh, summary["check"]["failures"])
 
 
 @pytest.mark.multiprocess
@@ -180,11 +193,12 @@ def test_a_rank_crashing_mid_schedule_is_reported_without_hang_or_orphans():
     ({"schedule": "zb-h1", "zero_stage": 2, "mesh": (("pp", 2), ("dp", 2)), "world": 4}, "use --zero-stage 0"),
     ({"mesh": (("dp", 2),)}, "--strategy pp needs a pp axis"),
     ({"mesh": (("pp", 2), ("dp", 2), ("fsdp", 2)), "world": 8}, "(HSDP) is not supported"),
+    ({"strategy": "cp", "mesh": (("pp", 2), ("cp", 2)), "world": 4}, "a pipeline with cp=2 is not supported"),
 ])
 def test_impossible_pipelines_say_what_to_change(kw, says):
     model = ModelConfig(layers=kw.pop("layers", 2))
     run_kw = {k: kw.pop(k) for k in ("world", "micro_batches") if k in kw}
-    cfg = RunConfig(model=model, parallel=ParallelConfig("pp", **kw), **{"world": 2, **run_kw})
+    cfg = RunConfig(model=model, parallel=ParallelConfig(**{"strategy": "pp", **kw}), **{"world": 2, **run_kw})
     with pytest.raises(ConfigError) as err:
         validate(cfg)
     assert says in str(err.value)
