@@ -36,6 +36,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from engine.model import unit_forward_flops
 from engine.replicated import ReplicatedStrategy
 from engine.ring_attention import (block_backward, block_forward, block_plan, expand_kv, merge, reduce_kv,
                                    zigzag_positions)
@@ -163,6 +164,19 @@ class ContextParallel(ReplicatedStrategy):
 
     def forward(self, tokens, targets):
         return super().forward(tokens[:, self.positions], targets[:, self.positions])
+
+    def unit_flops(self, i: int, tokens) -> float:
+        """Per-token work scales with the T/cp tokens held; attention with the (query, key) pairs this
+        rank's blocks compute: ring: its diagonal block plus cp-1 half blocks (the zig-zag skips the rest),
+        allgather: its queries against every key (the masked part computed too, as the reference's)."""
+        m, cp = self.cfg.model, self.cp
+        whole = unit_forward_flops(m, i, tokens.shape[0])
+        if not 0 < i <= m.layers:
+            return whole / cp
+        attention = 4 * tokens.shape[0] * m.seq_len**2 * m.heads * m.head_dim  # as in unit_forward_flops
+        c = m.seq_len // (2 * cp)
+        pairs = (2 * c) ** 2 + (cp - 1) * 2 * c * c if self.cfg.parallel.cp_variant == "ring" else 2 * c * m.seq_len
+        return (whole - attention) / cp + attention * pairs / m.seq_len**2
 
     def _attend(self, ring: _Ring, q, k, v):
         if self.cfg.parallel.cp_variant == "ring":

@@ -60,6 +60,11 @@ class Strategy(ABC):
         """The last unit's output -> the mean loss (tensor parallel: logits sharded over the vocabulary)."""
         return loss_fn(logits, targets)
 
+    def unit_flops(self, i: int, tokens) -> float:
+        """Forward FLOPs of unit `i` on this rank's `tokens`; a strategy that splits a unit's work
+        (sequence chunks, heads) overrides it."""
+        return unit_forward_flops(self.model.config, i, tokens.shape[0])
+
     def stats(self) -> dict:
         """Strategy-specific figures for the summary (e.g. expert load); called on every rank after the
         last step, so it may communicate (untraced)."""
@@ -94,7 +99,7 @@ class Strategy(ABC):
     def forward(self, tokens, targets):
         x = tokens
         last = len(self.names) - 1
-        self._flops = [unit_forward_flops(self.model.config, i, tokens.shape[0]) for i in range(last + 1)]
+        self._flops = [self.unit_flops(i, tokens) for i in range(last + 1)]
         for i, name in enumerate(self.names):
             self.before_forward(i)
             with self.rec.compute(f"fwd {name}", flops=self._flops[i]):
