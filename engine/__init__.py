@@ -21,6 +21,9 @@
     tp         tensor parallel (column/row-parallel linears, vocab-parallel embedding and loss) and
                sequence parallel, composed with dp / ZeRO / FSDP over the dp or fsdp axis
     tp_comm    tp's conjugate autograd operations: f/g (all-reduce) and the sp all-gather/reduce-scatter
+    schedules  pipeline schedules as data (GPipe, 1F1B, interleaved 1F1B, ZB-H1) and their simulator
+    pp         pipeline executor: walks a schedule's actions with p2p sends, composed with dp/fsdp/tp
+    pp_stage   which units a pipeline stage holds, tp over stages, ZB-H1's input/weight backward split
     memory     activation bytes from autograd's saved tensors
     train      one rank's run (the task the pool executes)
     verify     comparison with the reference, tolerance and reason per quantity
