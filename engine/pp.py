@@ -23,8 +23,8 @@ and non-pipeline gradients agree bit for bit (tests/engine/test_pp.py checks it)
 
 Meshes (engine/mesh.py): pp is the outermost axis. With pp x dp (or pp x fsdp) the ranks that share a
 pp coordinate hold the same stages and form the dp group; the strategy built for the dp group (dp,
-ZeRO, FSDP from engine/train.make_strategy) then handles the gradients of exactly the parameters this
-rank holds, as it would for a whole model. pp sends the fewest bytes of all axes (one activation per
+ZeRO, FSDP from engine/train.make_strategy; with tp, engine/tp.py's versions of them) then handles the
+gradients of exactly the parameters this rank holds, as it would for a whole model. pp sends the fewest bytes of all axes (one activation per
 micro-batch per stage boundary), so it goes on the slowest links; tp, the chattiest, stays innermost.
 """
 
@@ -242,8 +242,8 @@ def run_pipeline_rank(ctx, cfg: RunConfig, traced: bool = True, check: bool = Fa
     memory = dict(pipe.strategy.memory_bytes(), activations_peak=pipe.activation_peak_bytes)
     memory["total"] = sum(memory.values())
     result = {"rank": ctx.rank, "losses": step_losses, "step_times_s": step_times_s, "memory_bytes": memory,
-              "comm_bytes": comm.sent_bytes, "spans": [asdict(s) for s in rec.take()], "check": None,
-              "states": None}
+              "comm_bytes": comm.sent_bytes, "stats": pipe.strategy.stats(),
+              "spans": [asdict(s) for s in rec.take()], "check": None, "states": None}
     if ctx.rank == 0 and (check or return_states):
         merged = [_merge([snaps[s] for _, snaps in everyone]) for s in range(cfg.steps)]
         if return_states:
