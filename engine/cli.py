@@ -42,8 +42,8 @@ def run_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--experts", type=int, default=ModelConfig.experts, help="experts per MoE layer")
     p.add_argument("--top-k", type=int, default=ModelConfig.top_k, help="experts each token is routed to")
     p.add_argument("--capacity-factor", type=float, default=None,
-                   help="MoE: an expert takes at most ceil(C * seq_len * top_k / experts) tokens per sequence, "
-                        "the rest are dropped (default: no limit)")
+                   help="MoE: an expert takes at most ceil(C * seq_len * top_k / experts) tokens per "
+                        "sequence, the rest are dropped (default: no limit)")
     p.add_argument("--cp-variant", choices=["ring", "allgather"], default="ring",
                    help="cp: pass K/V around a ring (overlapped) or all-gather them at once")
     p.add_argument("--seq-len", type=int, default=ModelConfig.seq_len, help="tokens per sequence")
@@ -90,13 +90,20 @@ def _human(summary: dict) -> str:
              f"({summary['device']}), {summary['steps']} steps x {summary['micro_batches']} micro-batches",
              f"loss per step: {', '.join(f'{x:.5f}' for x in summary['loss'])}",
              f"step time (median, slowest rank): {summary['step_time_s'] * 1e3:.1f} ms"]
+    if summary["mesh"].get("pp", 1) > 1:
+        parallel = summary["config"]["parallel"]
+        mesh = ",".join(f"{axis}={degree}" for axis, degree in summary["mesh"].items())
+        lines.insert(1, f"mesh {mesh} (rank order outermost first); pipeline schedule {parallel['schedule']}, "
+                        f"{parallel['virtual_stages']} virtual stage(s) per rank")
     for rank, (mem, sent) in enumerate(zip(summary["memory_bytes"], summary["comm_bytes"], strict=True)):
         parts = ", ".join(f"{k} {v / 1024:.0f} KiB" for k, v in mem.items())
         lines.append(f"rank {rank}: sent {sent / 1024:.0f} KiB; memory: {parts}")
     for layer, load in summary.get("stats", {}).get("expert_load", {}).get("layers", {}).items():
         lines.append(f"expert load {layer}: tokens per expert {load['tokens_per_expert']} "
-                     f"(max/mean {load['expert_max_over_mean']:.2f}), per ep rank {load['processed_per_ep_rank']} "
-                     f"(max/mean {load['ep_rank_max_over_mean']:.2f}), dropped {load['dropped_fraction']:.1%}")
+                     f"(max/mean {load['expert_max_over_mean']:.2f}), "
+                     f"per ep rank {load['processed_per_ep_rank']} "
+                     f"(max/mean {load['ep_rank_max_over_mean']:.2f}), "
+                     f"dropped {load['dropped_fraction']:.1%}")
     check = summary["check"]
     if check is not None:
         verdict = "PASSED" if check["passed"] else "FAILED"

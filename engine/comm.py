@@ -250,24 +250,28 @@ class Comm:
                            lambda: self._from_wire(wire, t, group))
 
     def p2p(self, ops: list[tuple[str, torch.Tensor, int, str]], group: str, tag: int = 0) -> list[Handle]:
-        """Point-to-point operations issued together, each `("send" | "recv", tensor, peer, name)` with
-        `peer` a rank *within* `group`; each is async and becomes its own span. Between one pair of ranks,
-        messages match by `tag`, then in posting order (ring attention keeps K/V and dK/dV on two tags)."""
-        handles = []
+        """Point-to-point operations issued as one batch, each `("send" | "recv", tensor, peer, name)` with
+        `peer` a rank *within* `group`; each is async and becomes its own span. One batch, because NCCL
+        deadlocks a ring of separately issued sends (each waits for a receive queued behind the peer's own
+        send). Between one pair of ranks, messages match by `tag`, then in posting order (ring attention
+        keeps K/V and dK/dV on two tags)."""
+        pg = self.groups[group]
+        issued, batch = [], []
         for kind, t, peer, name in ops:
-            other = dist.get_global_rank(self.groups[group], peer)
+            other = dist.get_global_rank(pg, peer)
             if kind == "send":
                 wire = self._to_wire(t, group)
-                handles.append(self._issue(
-                    name, group, t.numel() * t.element_size(), True,
-                    lambda w=wire, o=other: dist.isend(w, o, group=self.groups[group], tag=tag), lambda t=t: t))
+                batch.append(dist.P2POp(dist.isend, wire, other, group=pg, tag=tag))
+                issued.append((name, t.numel() * t.element_size(), lambda t=t: t))
             else:
                 wire = self._wire_buffer(t)
-                handles.append(self._issue(
-                    name, group, 0, True,
-                    lambda w=wire, o=other: dist.irecv(w, o, group=self.groups[group], tag=tag),
-                    lambda w=wire, t=t: self._from_wire(w, t, group)))
-        return handles
+                batch.append(dist.P2POp(dist.irecv, wire, other, group=pg, tag=tag))
+                issued.append((name, 0, lambda w=wire, t=t: self._from_wire(w, t, group)))
+        works = dist.batch_isend_irecv(batch)
+        # gloo returns one work per operation; a coalescing backend may return one for the whole batch.
+        per_op = len(works) == len(batch)
+        return [self._issue(name, group, sent, True, lambda k=k: works[k] if per_op else works[-1], finish)
+                for k, (name, sent, finish) in enumerate(issued)]
 
     def barrier(self, group: str = "world") -> None:
         start = self.recorder.now()

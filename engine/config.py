@@ -206,7 +206,8 @@ def _validate_cp_ep(cfg: RunConfig) -> None:
     cp, ep = p.degree("cp", cfg.world), p.degree("ep", cfg.world)
     _check(cp == 1 or p.strategy == "cp", f"mesh axis cp={cp} needs --strategy cp")
     _check(ep == 1 or p.strategy == "ep", f"mesh axis ep={ep} needs --strategy ep")
-    _check(p.cp_variant in CP_VARIANTS, f"cp_variant={p.cp_variant!r} must be one of {', '.join(CP_VARIANTS)}")
+    _check(p.cp_variant in CP_VARIANTS,
+           f"cp_variant={p.cp_variant!r} must be one of {', '.join(CP_VARIANTS)}")
     if p.strategy in ("cp", "ep"):
         _check(p.stage == 0, f"--strategy {p.strategy} syncs whole gradients over dp; ZeRO stages are not "
                f"combined with it: drop --zero-stage {p.stage}")

@@ -175,7 +175,10 @@ class ContextParallel(ReplicatedStrategy):
             return whole / cp
         attention = 4 * tokens.shape[0] * m.seq_len**2 * m.heads * m.head_dim  # as in unit_forward_flops
         c = m.seq_len // (2 * cp)
-        pairs = (2 * c) ** 2 + (cp - 1) * 2 * c * c if self.cfg.parallel.cp_variant == "ring" else 2 * c * m.seq_len
+        if self.cfg.parallel.cp_variant == "ring":
+            pairs = (2 * c) ** 2 + (cp - 1) * 2 * c * c
+        else:
+            pairs = 2 * c * m.seq_len
         return (whole - attention) / cp + attention * pairs / m.seq_len**2
 
     def _attend(self, ring: _Ring, q, k, v):

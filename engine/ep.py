@@ -49,7 +49,8 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx, grad):
         out_splits, in_splits = ctx.splits
         back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        ctx.comm.all_to_all(back, grad.contiguous(), in_splits, out_splits, group="ep", name=f"{ctx.name} bwd")
+        ctx.comm.all_to_all(back, grad.contiguous(), in_splits, out_splits, group="ep",
+                            name=f"{ctx.name} bwd")
         return back, None, None, None, None
 
 
@@ -94,7 +95,7 @@ class ExpertParallel(ReplicatedStrategy):
         self.load[i]["routed"] += torch.bincount(expert, minlength=n_exp).cpu()
         self.load[i]["dropped"] += torch.bincount(expert[~kept], minlength=n_exp).cpu()
         token, expert, weight = token[kept], expert[kept], weight[kept]
-        order = expert.argsort(stable=True)  # by expert, earlier tokens first within one: the reference's order
+        order = expert.argsort(stable=True)  # by expert, then earlier tokens first: the reference's order
         token, expert, weight = token[order], expert[order], weight[order]
 
         counts = torch.bincount(expert, minlength=n_exp)
@@ -122,7 +123,8 @@ class ExpertParallel(ReplicatedStrategy):
         kinds = [n for n, _ in self.model.units[next(iter(self.load))].mlp.experts[0].named_parameters()]
         for i in self.load:
             for kind in kinds:
-                mine = [f"units.{i}.mlp.experts.{self.first_expert + j}.{kind}" for j in range(self.experts_here)]
+                mine = [f"units.{i}.mlp.experts.{self.first_expert + j}.{kind}"
+                        for j in range(self.experts_here)]
                 for quantity in state:
                     # This rank's experts of one parameter kind, stacked; the stacks of all ep ranks gathered.
                     shard = torch.stack([state[quantity][n] for n in mine])

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from engine.config import ModelConfig, ParallelConfig, RunConfig
 from engine.ring_attention import (block_backward, block_forward, block_plan, expand_kv, merge, reduce_kv,
                                    zigzag_positions)
+from engine.model import unit_forward_flops
 from engine.run import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -40,7 +41,8 @@ def test_lse_merge_of_blocks_equals_full_softmax_attention():
     for cols in blocks[1:]:
         out, lse = merge(out, lse, *block_forward(q, k[:, :, cols], v[:, :, cols], None, scale))
     torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-6)  # fp32, another summation order
-    torch.testing.assert_close(lse, torch.logsumexp(q @ k.transpose(-1, -2) * scale, -1), rtol=1e-6, atol=1e-6)
+    expect_lse = torch.logsumexp(q @ k.transpose(-1, -2) * scale, -1)
+    torch.testing.assert_close(lse, expect_lse, rtol=1e-6, atol=1e-6)
 
 
 def test_block_backward_summed_over_blocks_equals_autograd():
@@ -79,7 +81,8 @@ def test_zigzag_plan_covers_the_causal_mask_with_equal_work(cp):
             rows, cols, causal = block_plan(r, src, c)
             planned = torch.zeros_like(need)
             planned[rows, cols] = need[rows, cols] if causal else True
-            assert torch.equal(planned, need), (r, src)  # nothing needed is skipped, nothing masked is computed
+            # Nothing needed is skipped and nothing masked is computed.
+            assert torch.equal(planned, need), (r, src)
             pairs += int(planned.sum())
         work.append(pairs)
     assert len(set(work)) == 1  # the point of the zig-zag split: every rank attends to as many pairs
@@ -125,8 +128,14 @@ def test_ring_trace_overlaps_transfers_with_attention(pools):
             # Each K/V transfer is issued before the block's attention and completes after it.
             for s in range(cp - 1):
                 attn = next(x for x in spans if x.name == f"attn {layer} ring {s}")
-                assert any(x.name == f"recv kv {layer}" and x.start_s <= attn.start_s and x.end_s >= attn.end_s
-                           for x in p2p), (r, layer, s)
+                assert any(x.name == f"recv kv {layer}" and x.start_s <= attn.start_s
+                           and x.end_s >= attn.end_s for x in p2p), (r, layer, s)
+    # Over the cp ranks: all the per-token work once, and (cp+1)/(2cp) of the full score matrix (the zig-zag
+    # plan skips the masked blocks).
+    m = ModelConfig()
+    whole, scores = unit_forward_flops(m, 1, 2), 4 * 2 * m.seq_len**2 * m.heads * m.head_dim
+    fwd = sum(s.flops for s in timeline.spans if s.name == "fwd L0")
+    assert fwd == pytest.approx(whole - scores + scores * (cp + 1) / (2 * cp))
 
 
 @pytest.mark.multiprocess
@@ -139,6 +148,8 @@ def test_allgather_trace_moves_the_formula_bytes(pools):
         scattered = [s for s in comm if s.name == f"reduce_scatter dkv {layer}"]
         assert len(gathered) == len(scattered) == 1 and gathered[0].group == scattered[0].group == "cp"
         assert gathered[0].bytes == scattered[0].bytes == (cp - 1) * _kv_bytes(cp)
+    fwd = sum(s.flops for s in timeline.spans if s.name == "fwd L0")
+    assert fwd == pytest.approx(unit_forward_flops(ModelConfig(), 1, 2))  # queries against every key
 
 
 @pytest.mark.parametrize("args, says", [
@@ -148,6 +159,6 @@ def test_allgather_trace_moves_the_formula_bytes(pools):
     (["--mesh", "dp=2,cp=3", "--world", "4"], "has 6 ranks but world=4"),
 ])
 def test_bad_context_parallel_input_exits_2(args, says):
-    out = subprocess.run([sys.executable, "-m", "engine", "run", "--strategy", "cp", *args], capture_output=True,
-                         text=True, timeout=120, cwd=ROOT)
+    out = subprocess.run([sys.executable, "-m", "engine", "run", "--strategy", "cp", *args],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, out.stderr

@@ -134,8 +134,8 @@ def test_trace_shows_the_all_to_alls(pools):
     (["--zero-stage", "1"], "drop --zero-stage 1"),
 ])
 def test_bad_expert_parallel_input_exits_2(args, says):
-    out = subprocess.run([sys.executable, "-m", "engine", "run", "--strategy", "ep", *args], capture_output=True,
-                         text=True, timeout=120, cwd=ROOT)
+    out = subprocess.run([sys.executable, "-m", "engine", "run", "--strategy", "ep", *args],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
