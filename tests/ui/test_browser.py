@@ -95,9 +95,9 @@ def browser():
 def _open(browser, url: str):
     page = browser.new_page()
     page.goto(url)
-    page.wait_for_selector('[data-testid="stApp"]', timeout=30_000)
+    page.wait_for_selector('[data-testid="stApp"]', timeout=WAIT_MS)
     # Streamlit shows a running indicator while the script runs; wait until the page settles.
-    page.wait_for_selector('[data-testid="stStatusWidget"]', state="detached", timeout=30_000)
+    page.wait_for_selector('[data-testid="stStatusWidget"]', state="detached", timeout=WAIT_MS)
     page.wait_for_timeout(500)
     return page
 
@@ -117,7 +117,7 @@ def test_every_page_renders(server, browser, name, path):
         _assert_no_exception(page, name)
         assert page.locator("h1").first.inner_text().strip()
         if path:  # lessons draw Plotly charts
-            page.wait_for_selector(".js-plotly-plot .main-svg", timeout=30_000)
+            page.wait_for_selector(".js-plotly-plot .main-svg", timeout=WAIT_MS)
         SHOTS.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
     finally:
@@ -131,7 +131,7 @@ def _trace_points(page) -> str:
 def test_batch_slider_moves_the_operating_point(server, browser):
     page = _open(browser, f"{server}/hardware")
     try:
-        page.wait_for_selector(".js-plotly-plot .main-svg", timeout=30_000)
+        page.wait_for_selector(".js-plotly-plot .main-svg", timeout=WAIT_MS)
         before_plot = _trace_points(page)
         verdict = page.get_by_test_id("stMetric").filter(has_text="Bound by")
         assert "memory" in verdict.inner_text()
@@ -141,7 +141,7 @@ def test_batch_slider_moves_the_operating_point(server, browser):
             page.keyboard.press("ArrowRight")
         page.wait_for_function(
             "() => [...document.querySelectorAll('[data-testid=stMetric]')]"
-            ".some(m => m.innerText.includes('Bound by') && m.innerText.includes('compute'))", timeout=30_000)
+            ".some(m => m.innerText.includes('Bound by') && m.innerText.includes('compute'))", timeout=WAIT_MS)
         page.wait_for_timeout(500)
         _assert_no_exception(page, "hardware after slider")
         assert _trace_points(page) != before_plot
@@ -154,9 +154,9 @@ def test_bad_link_shows_a_message_not_a_traceback(server, browser):
     page = _open(browser, f"{server}/hardware?chip=h900&dp=-1")
     try:
         _assert_no_exception(page, "bad link")
-        page.get_by_test_id("stSidebar").get_by_text("Unknown chip 'h900'").wait_for(timeout=30_000)
-        page.get_by_test_id("stSidebar").get_by_text("dp='-1'").wait_for(timeout=30_000)
-        page.wait_for_selector(".js-plotly-plot .main-svg", timeout=30_000)
+        page.get_by_test_id("stSidebar").get_by_text("Unknown chip 'h900'").wait_for(timeout=WAIT_MS)
+        page.get_by_test_id("stSidebar").get_by_text("dp='-1'").wait_for(timeout=WAIT_MS)
+        page.wait_for_selector(".js-plotly-plot .main-svg", timeout=WAIT_MS)
     finally:
         page.close()
 
@@ -169,8 +169,8 @@ def test_shared_link_is_the_first_request_of_a_fresh_server(browser):
         page = _open(browser, f"{url}/hardware?chip=tpu-v5p&tokens=512")
         try:
             _assert_no_exception(page, "deep link")
-            page.locator("h1").get_by_text("Hardware & roofline").wait_for(timeout=30_000)
-            page.get_by_test_id("stSidebar").get_by_text("chips of TPU v5p").wait_for(timeout=30_000)
+            page.locator("h1").get_by_text("Hardware & roofline").wait_for(timeout=WAIT_MS)
+            page.get_by_test_id("stSidebar").get_by_text("chips of TPU v5p").wait_for(timeout=WAIT_MS)
         finally:
             page.close()
 
@@ -181,13 +181,13 @@ def test_collectives_ring_plays_and_the_live_sweep_runs(server, browser):
     # the server: neither shows up in AppTest.
     page = _open(browser, f"{server}/collectives?collective=All-gather&ring_n=3")
     try:
-        page.wait_for_selector(".js-plotly-plot .main-svg", timeout=30_000)
+        page.wait_for_selector(".js-plotly-plot .main-svg", timeout=WAIT_MS)
         ring = page.locator(".js-plotly-plot").first
         assert "Start:" in ring.locator(".gtitle").text_content()
         ring.locator(".updatemenu-button").first.click()  # Play
         page.wait_for_function(
             "() => document.querySelector('.js-plotly-plot .gtitle').textContent.includes('step 2/2')",
-            timeout=30_000)
+            timeout=WAIT_MS)
         page.get_by_role("button", name="Run the sweep").click()
         page.get_by_text("α (latency per step)").wait_for(timeout=120_000)
         _assert_no_exception(page, "collectives after the sweep")
