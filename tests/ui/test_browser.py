@@ -23,6 +23,8 @@ from ui.lessons import LESSONS
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = "/usr/bin/chromium"
 SHOTS = ROOT / "artifacts" / "screenshots"
+# generous: a page's first render on 2 busy cores (torch imports, Plotly) can take tens of seconds
+WAIT_MS = 90_000
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
