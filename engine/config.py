@@ -79,9 +79,11 @@ class ParallelConfig:
 
     def axes(self, world: int) -> tuple[tuple[str, int], ...]:
         axes = self.mesh or ((DEFAULT_AXIS.get(self.strategy, "dp"), world),)
-        if self.strategy in ("cp", "ep") and "dp" not in dict(axes):
-            # cp and ep also sync gradients over dp: a degree-1 dp axis gives every rank its own dp group.
-            axes = (("dp", 1), *axes)
+        if self.strategy in ("cp", "ep"):
+            # cp and ep talk over their own axis and sync gradients over dp: a missing one becomes a
+            # degree-1 axis (every rank its own group), which leaves the rank layout unchanged.
+            missing = tuple((a, 1) for a in ("dp", self.strategy) if a not in dict(axes))
+            axes = (*missing, *axes)
         return axes
 
     def degree(self, axis: str, world: int) -> int:

@@ -88,25 +88,27 @@ def test_zigzag_plan_covers_the_causal_mask_with_equal_work(cp):
     assert len(set(work)) == 1  # the point of the zig-zag split: every rank attends to as many pairs
 
 
-def _cfg(world, variant="ring", mesh=(), steps=3):
+def _cfg(world, variant="ring", mesh=(), steps=3, micro_batches=1):
     return RunConfig(model=ModelConfig(), parallel=ParallelConfig("cp", mesh=mesh, cp_variant=variant),
-                     world=world, steps=steps, timeout_s=240)
+                     world=world, steps=steps, micro_batches=micro_batches, timeout_s=240)
 
 
-CASES = {  # name -> (world, variant, mesh)
-    "ring cp=2": (2, "ring", ()),
-    "ring cp=4": (4, "ring", ()),
-    "allgather cp=2": (2, "allgather", ()),
-    "allgather cp=4": (4, "allgather", ()),
-    "ring dp=2,cp=2": (4, "ring", (("dp", 2), ("cp", 2))),
+CASES = {  # name -> (world, variant, mesh, micro_batches)
+    "ring cp=2": (2, "ring", (), 1),
+    "ring cp=4": (4, "ring", (), 1),
+    "allgather cp=2": (2, "allgather", (), 1),
+    "allgather cp=4": (4, "allgather", (), 1),
+    "ring dp=2,cp=2": (4, "ring", (("dp", 2), ("cp", 2)), 1),
+    "ring cp=2 accumulation": (2, "ring", (), 2),
 }
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("case", list(CASES))
 def test_context_parallel_matches_reference(pools, case):
-    world, variant, mesh = CASES[case]
-    summary, _ = run(_cfg(world, variant, mesh), traced=False, check=True, pool=pools(world))
+    world, variant, mesh, micro_batches = CASES[case]
+    summary, _ = run(_cfg(world, variant, mesh, micro_batches=micro_batches), traced=False, check=True,
+                     pool=pools(world))
     assert summary["check"]["passed"], summary["check"]["failures"]
 
 

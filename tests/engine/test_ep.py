@@ -17,10 +17,10 @@ from engine.run import run
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _cfg(world, mesh=(), experts=8, capacity_factor=None, steps=3):
+def _cfg(world, mesh=(), experts=8, capacity_factor=None, steps=3, micro_batches=1):
     model = ModelConfig(mlp="moe", experts=experts, top_k=2, capacity_factor=capacity_factor)
     return RunConfig(model=model, parallel=ParallelConfig("ep", mesh=mesh), world=world, steps=steps,
-                     timeout_s=240)
+                     micro_batches=micro_batches, timeout_s=240)
 
 
 def test_route_breaks_exact_ties_towards_the_lower_expert():
@@ -39,23 +39,24 @@ def test_capacity_keeps_first_choices_before_second_choices():
     assert expert_capacity(0.5, tokens=32, top_k=2, experts=8) == 4
 
 
-CASES = {  # name -> (world, mesh, capacity_factor)
-    "ep=2": (2, (), None),
-    "ep=4": (4, (), None),
-    "dp=2,ep=2": (4, (("dp", 2), ("ep", 2)), None),
-    "ep=2 dropping": (2, (), 0.5),
+CASES = {  # name -> (world, mesh, capacity_factor, micro_batches)
+    "ep=2": (2, (), None, 1),
+    "ep=4": (4, (), None, 1),
+    "dp=2,ep=2": (4, (("dp", 2), ("ep", 2)), None, 1),
+    "ep=2 dropping": (2, (), 0.5, 1),
+    "ep=2 accumulation": (2, (), None, 2),
 }
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("case", list(CASES))
 def test_expert_parallel_matches_reference(pools, case):
-    world, mesh, capacity_factor = CASES[case]
-    summary, _ = run(_cfg(world, mesh, capacity_factor=capacity_factor), traced=False, check=True,
-                     pool=pools(world))
+    world, mesh, capacity_factor, micro_batches = CASES[case]
+    summary, _ = run(_cfg(world, mesh, capacity_factor=capacity_factor, micro_batches=micro_batches),
+                     traced=False, check=True, pool=pools(world))
     assert summary["check"]["passed"], summary["check"]["failures"]
     load = summary["stats"]["expert_load"]["layers"]["L0"]
-    sequences, tokens = summary["config"]["micro_batch_size"] * world, 32
+    sequences, tokens = summary["config"]["micro_batch_size"] * micro_batches * world, 32
     assert sum(load["tokens_per_expert"]) == 3 * sequences * tokens * 2  # 3 steps, top-2
     if capacity_factor is None:
         assert sum(load["dropped_per_expert"]) == 0
