@@ -33,6 +33,11 @@ LESSONS: list[Lesson] = [
            "gradients and weights (ZeRO-1/2/3, FSDP). Memory and bytes on real chips, and a real verified run "
            "on this machine with every rank's timeline.",
            params=()),
+    Lesson("Pipeline parallel", "app_pages/pipeline.py", "pipeline", ":material/linear_scale:",
+           "Split the layers into stages and pass activations chip to chip. GPipe, 1F1B, interleaved and "
+           "zero-bubble schedules drawn step by step, their bubbles and activation memory, the cost on real "
+           "chips, and a real verified pipeline run on this machine.",
+           params=("schedule", "stages", "micro_batches", "virtual", "t_b", "t_comm")),
     Lesson("Plan a training run", "app_pages/planner.py", "planner", ":material/query_stats:",
            "Combine the strategies on a device mesh for a real model on real chips: memory per chip, step "
            "time, MFU and a predicted timeline; then search every layout for the fastest that fits.",
@@ -42,7 +47,6 @@ LESSONS: list[Lesson] = [
 # The rest of the route, in teaching order; each becomes a page when its live engine or planner lands.
 PLANNED = [
     ("Tensor and sequence parallel", "split every matmul across chips inside a node."),
-    ("Pipeline parallel", "GPipe, 1F1B, interleaved and zero-bubble schedules, and their bubbles."),
     ("Context parallel", "ring attention for long sequences."),
     ("Expert parallel", "Mixture-of-Experts and the all-to-all."),
 ]

@@ -1,0 +1,248 @@
+"""Lesson: pipeline parallel. Schedules as pictures (GPipe, 1F1B, interleaved 1F1B, ZB-H1), their bubbles
+and activation memory, what a pipeline costs on real chips, and a live pipeline run on this machine."""
+
+import json
+
+import streamlit as st
+
+from engine.schedules import SCHEDULE_NAMES, ScheduleError, formula_bubble_fraction
+from hardware.chips import CHIPS
+from planner.models import MODEL_PRESETS
+from ui.engine_errors import engine_error_message
+from ui.pipeline import (SCHEDULE_LABELS, comparison, formula_latex, held_micro_batches, in_flight_figure,
+                         measured_op_times, op_times, real_chip_view, schedule_figure, simulate_schedule,
+                         step_timeline)
+from ui.timeline import timeline_figure
+
+B_OVER_F = [1.0, 1.5, 2.0, 3.0]
+COMM_OVER_F = [0.0, 0.1, 0.25, 0.5, 1.0]
+REAL_PP = [2, 4, 8, 16, 32]
+REAL_M = [1, 2, 4, 8, 16, 32, 64, 128]
+
+choices = st.session_state["choices"]
+chip = CHIPS[choices.chip]
+spec = MODEL_PRESETS[choices.model]
+
+st.title("Pipeline parallel")
+st.markdown(
+    """
+**Pipeline parallel** splits the model by depth: the layers are cut into **p stages**, stage i lives on
+chip i, and a batch flows through them one after the other. Only the activations at the cut travel, from
+one chip to the next, point to point:
+"""
+)
+st.latex(r"\text{In}[B, D] \rightarrow \text{stage}_0 \rightarrow \text{stage}_1 \rightarrow \cdots "
+         r"\rightarrow \text{stage}_{p-1} \rightarrow \text{loss}")
+st.markdown(
+    """
+Each chip holds 1/p of the weights and sends one activation tensor per micro-batch per cut (and gets one
+gradient back): far fewer bytes than tensor or data parallel, which is why pipeline parallel goes on the
+slowest links (across nodes). The price is time. Stage 1 cannot start before stage 0 has finished, and
+the backward pass runs the other way, so while the pipeline fills and drains some chips wait: the
+**bubble**. Splitting the batch into **m micro-batches** keeps more stages busy at once. The schedule decides
+in which order each stage runs the forward (F) and backward (B) of its micro-batches:
+
+- **GPipe** (Huang et al. 2019): all forwards, then all backwards. Every stage keeps the activations of all
+  m micro-batches until their backward.
+- **1F1B** (PipeDream-Flush, Narayanan et al. 2021 §2.2): after a short warm-up each stage alternates one
+  forward and one backward, so stage i holds at most p - i micro-batches. Same bubble, far less memory.
+- **Interleaved 1F1B** (Narayanan et al. 2021 §2.2): each chip holds v smaller chunks of layers
+  (chip r has stages r, p + r, ...); a micro-batch visits every chip v times, so filling and draining take
+  1/v as long. More point-to-point messages, and m must be a multiple of p.
+- **ZB-H1** (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): the backward is split into BI (the input
+  gradient dL/dx, which the previous stage waits for) and BW (the weight gradient dL/dW, which nobody waits
+  for). BW is deferred to fill the cool-down bubble; the activations held are 1F1B's.
+
+The bubble fraction is the idle time over the ideal compute time m (t_F + t_B) (Narayanan et al. 2021 eq. 1):
+"""
+)
+c1, c2, c3 = st.columns(3)
+c1.markdown("GPipe and 1F1B")
+c1.latex(r"\text{bubble} = " + formula_latex("1f1b"))
+c2.markdown("Interleaved 1F1B, v chunks per chip")
+c2.latex(r"\text{bubble} = " + formula_latex("interleaved-1f1b"))
+c3.markdown("ZB-H1 (m ≥ p)")
+c3.latex(r"\text{bubble} = " + formula_latex("zb-h1"))
+st.markdown("With t_F = t_BI = t_BW the ZB-H1 bubble is (p - 1)/(3m), a third of 1F1B's (Qi et al. 2023 §2.1).")
+
+st.header("See a schedule")
+st.markdown(
+    """
+Pick a schedule and watch it run: one row per chip, time to the right, one cell per forward or backward
+of one micro-batch (the number in the cell), grey where the chip idles. Press **Play** to sweep through
+the step. The times are relative: t_F, one forward of one micro-batch through a chip's layers, is 1.
+"""
+)
+w1, w2, w3, w4 = st.columns(4)
+schedule = w1.selectbox("Schedule", SCHEDULE_NAMES, index=1, format_func=SCHEDULE_LABELS.get, key="schedule",
+                        bind="query-params")
+p = w2.slider("Stages p (chips)", 2, 8, 4, key="stages", bind="query-params")
+m = w3.slider("Micro-batches m", 1, 16, 8, key="micro_batches", bind="query-params")
+v = w4.slider("Chunks per chip v (interleaved)", 1, 4, 2, key="virtual", bind="query-params",
+              disabled=schedule != "interleaved-1f1b",
+              help="Model chunks per chip; only interleaved 1F1B uses more than one.")
+w5, w6 = st.columns(2)
+b_over_f = w5.select_slider("Backward time t_B / t_F", B_OVER_F, value=2.0, key="t_b", bind="query-params",
+                            help="A backward does about twice a forward's FLOPs. ZB-H1 splits it evenly into BI "
+                                 "and BW.")
+comm_over_f = w6.select_slider("Transfer time / t_F", COMM_OVER_F, value=0.0, key="t_comm", bind="query-params",
+                               help="How long one activation or gradient takes to reach the next chip.")
+times = op_times(b_over_f, comm_over_f)
+
+try:
+    sim = simulate_schedule(schedule, p, m, v, times)
+except ScheduleError as e:
+    sim = None
+    st.error(f"{SCHEDULE_LABELS[schedule]} cannot run with p = {p}, m = {m}: {e}.")
+
+if sim is not None:
+    v_used = sim.schedule.virtual_stages
+    formula = formula_bubble_fraction(schedule, p, m, v_used, times)
+    k1, k2, k3 = st.columns(3)
+    k1.metric("Bubble fraction (simulated)", f"{sim.bubble_fraction:.3f}")
+    k2.metric("Bubble fraction (formula)", f"{formula:.3f}")
+    k3.metric("Step time", f"{sim.makespan_s:.2f} t_F", help="ideal (no bubble): m (t_F + t_B) = "
+              f"{sim.ideal_s:.2f} t_F")
+    if comm_over_f > 0:
+        st.caption("The formula leaves the transfers out; the simulation waits for each one, so its bubble is "
+                   "larger.")
+    elif schedule == "zb-h1" and m < p:
+        st.caption("ZB-H1's formula assumes m ≥ p; with fewer micro-batches trust the simulation.")
+    st.plotly_chart(schedule_figure(sim, title=f"{SCHEDULE_LABELS[schedule]}, p = {p}, m = {m}"
+                                    + (f", v = {v_used}" if v_used > 1 else "")), key="schedule_grid")
+    if v_used > 1:
+        st.caption("With v chunks a cell shows micro-batch and chunk: 3B is the forward of micro-batch 3 on chunk "
+                   "b (stage p + r of chip r), 3b its backward.")
+
+st.subheader("All four schedules, same p and m")
+sims, rows = comparison(p, m, v, times)
+st.dataframe(rows, hide_index=True, width="stretch", column_config={
+    "formula bubble": st.column_config.NumberColumn(format="%.3f"),
+    "simulated bubble": st.column_config.NumberColumn(format="%.3f"),
+    "held, rank 0": st.column_config.NumberColumn(help="peak micro-batches of activations on the first chip",
+                                                  format="%.3g"),
+    "held, last rank": st.column_config.NumberColumn(format="%.3g"),
+})
+st.markdown(
+    f"""
+The memory side: a micro-batch's activations stay on a chip from its forward until its backward
+(B, or BI for ZB-H1). GPipe keeps all **m = {m}** on every chip; 1F1B keeps **p - i** on chip i
+({", ".join(str(max(1, min(p - i, m))) for i in range(p))} here), and the first chip's p is what must fit.
+Interleaving warms up longer, so it holds more (counted in micro-batches' worth of a chip's layers, since a
+chunk is 1/v of them).
+"""
+)
+if sims:
+    st.plotly_chart(in_flight_figure(sims, schedule), key="in_flight")
+if "zb-h1" in sims:
+    pending = sims["zb-h1"].peak_weight_grads_pending
+    st.caption(f"ZB-H1 also keeps, per chip, the inputs of up to {list(pending)} deferred BW (layer inputs and "
+               "output gradients, smaller than a full activation set: Qi et al. 2023 Table 1).")
+
+st.header(f"On real chips: {spec.name} on {chip.name}")
+sidebar_pp = choices.mesh["pp"]
+r1, r2 = st.columns(2)
+real_pp = r1.select_slider("Stages p", REAL_PP, value=sidebar_pp if sidebar_pp in REAL_PP else 4, key="real_pp",
+                           help="Starts at the sidebar mesh's pp when that is one of these.")
+real_m = r2.select_slider("Micro-batches m per step", REAL_M, value=16, key="real_m")
+tp = choices.mesh["tp"]
+stride = tp * choices.mesh["cp"] * choices.mesh["dp"] * choices.mesh["ep"]
+try:
+    view = real_chip_view(spec, chip, real_pp, real_m, tp=tp, stride=stride)
+except ValueError as e:
+    st.error(f"{e}.")
+    st.stop()
+if len(set(view.layers_per_stage)) > 1:
+    st.warning(f"{spec.layers} layers do not split evenly into {real_pp} stages "
+               f"({', '.join(map(str, view.layers_per_stage))}): the stage with more layers paces the pipeline. "
+               f"Choose p dividing {spec.layers}.")
+m1, m2, m3 = st.columns(3)
+m1.metric("Layers per stage", ", ".join(map(str, sorted(set(view.layers_per_stage), reverse=True))))
+m2.metric("Activations on stage 0, 1F1B", f"{view.activation_bytes_1f1b / 1e9:,.1f} GB",
+          help=f"min(p, m) = {min(real_pp, real_m)} micro-batches held")
+m3.metric("Activations on stage 0, GPipe", f"{view.activation_bytes_gpipe / 1e9:,.1f} GB",
+          help=f"m = {real_m} micro-batches held")
+st.markdown(
+    f"""
+One micro-batch (1 sequence of {spec.seq_len:,} tokens) leaves a stage as
+In[S, D] = {spec.seq_len:,} x {spec.hidden:,} bf16 values{f", split over tp = {tp}" if tp > 1 else ""}:
+**{view.p2p_bytes / 1e6:,.1f} MB**, sent in **{view.p2p_s * 1e6:,.0f} µs** over {view.link}. Its forward
+through one stage takes at least **{view.stage_forward_s * 1e3:,.2f} ms** at the chip's peak bf16 FLOP/s, so
+the transfer is about {view.p2p_s / view.stage_forward_s:.1%} of it: pipeline parallel is cheap in bytes,
+and its real cost is the bubble, (p - 1)/m = **{(real_pp - 1) / real_m:.2f}** of the step here with 1F1B.
+"""
+)
+st.caption(f"Planner arithmetic (planner/memory.py, hardware/collectives.py): bf16, flash attention, no "
+           f"recomputation, no sequence parallel, tp = {tp} from the sidebar; the pp group's chips are {stride} "
+           "ranks apart (pp is the outermost mesh axis), achievable link bandwidth.")
+
+st.header("Run it for real")
+st.markdown(
+    """
+Below, a small Llama-style Transformer trains on **real processes of this machine**, its layers split into
+stages, each rank walking its action list of the schedule above (the same data) with point-to-point sends
+and receives over gloo. The run is checked against one process training the whole model on the whole
+batch. Step 0 warms up; the bubble is measured on step 1.
+"""
+)
+l1, l2, l3, l4 = st.columns(4)
+live_world = l1.select_slider("Processes (stages)", [2, 4], value=2, key="live_world")
+live_schedule = l2.selectbox("Schedule", SCHEDULE_NAMES, index=SCHEDULE_NAMES.index(schedule),
+                             format_func=SCHEDULE_LABELS.get, key="live_schedule")
+live_m = l3.select_slider("Micro-batches", [2, 4, 8], value=4, key="live_m")
+live_v = l4.select_slider("Chunks per rank (interleaved)", [1, 2], value=2, key="live_v",
+                          disabled=live_schedule != "interleaved-1f1b")
+
+if st.button("Run on this machine", type="primary"):
+    from dataclasses import replace
+
+    from engine.config import ModelConfig, ParallelConfig, RunConfig
+    from engine.run import run
+
+    v_live = live_v if live_schedule == "interleaved-1f1b" else 1
+    # As the CLI builds it: the smallest model every stage gets whole layers of (engine/cli.py).
+    model = replace(ModelConfig(), layers=max(ModelConfig.layers, live_world * v_live))
+    cfg = RunConfig(model=model, world=live_world, steps=2, micro_batches=live_m,
+                    parallel=ParallelConfig(strategy="pp", schedule=live_schedule, virtual_stages=v_live))
+    try:
+        with st.spinner(f"Running {SCHEDULE_LABELS[live_schedule]} on {live_world} processes ..."):
+            summary, timeline = run(cfg, check=True)
+        st.session_state["live_pp"] = (cfg, summary, timeline)
+    except Exception as e:  # noqa: BLE001 - any engine failure is reported, never a traceback
+        message, details = engine_error_message(e, what="run", hint="try fewer micro-batches or processes")
+        st.error(message)
+        if details:
+            with st.expander("What the workers said"):
+                st.code(details)
+
+live = st.session_state.get("live_pp")
+if live is not None:
+    from engine.pp import measured_bubble_fraction
+
+    cfg, summary, timeline = live
+    name, pp_live, v_live = cfg.parallel.schedule, cfg.world, cfg.parallel.virtual_stages
+    check = summary["check"]
+    verdict = "matches" if summary["ok"] else "DOES NOT match"
+    (st.success if summary["ok"] else st.error)(
+        f"{SCHEDULE_LABELS[name]} on {pp_live} processes, {cfg.micro_batches} micro-batches, {verdict} the "
+        f"single-process reference over {cfg.steps} steps (largest difference {check['max_abs_diff']:.2e}; "
+        f"loss {summary['loss'][-1]:.4f}).")
+    measured = measured_bubble_fraction(timeline, 1)
+    predicted = simulate_schedule(name, pp_live, cfg.micro_batches, v_live, measured_op_times(timeline, 1, v_live))
+    b1, b2, b3 = st.columns(3)
+    b1.metric("Bubble, measured (step 1)", f"{measured:.3f}")
+    b2.metric("Bubble, simulated with the measured op times", f"{predicted.bubble_fraction:.3f}")
+    b3.metric("Bubble, formula", f"{formula_bubble_fraction(name, pp_live, cfg.micro_batches, v_live):.3f}")
+    st.caption("The simulation uses the mean F and B (BI, BW) times of step 1 and no transfer time; the measured "
+               "bubble also holds the sends and receives, and the jitter of processes sharing a few cores.")
+    st.plotly_chart(timeline_figure(step_timeline(timeline, 1),
+                                    title=f"{SCHEDULE_LABELS[name]}: every rank's compute and point-to-point "
+                                          "transfers"), key="live_timeline")
+    held = held_micro_batches(predicted)
+    st.dataframe([{"rank": r, "activations held, measured peak (KiB)": round(mem["activations_peak"] / 1024),
+                   "micro-batches held, schedule": held[r], "bytes sent (KiB)": round(sent / 1024)}
+                  for r, (mem, sent) in enumerate(zip(summary["memory_bytes"], summary["comm_bytes"], strict=True))],
+                 hide_index=True, width="stretch")
+    st.download_button("Download the trace (open it in ui.perfetto.dev or chrome://tracing)",
+                       json.dumps(timeline.to_chrome_trace()), file_name="shardlab-pipeline-trace.json",
+                       mime="application/json")

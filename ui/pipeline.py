@@ -1,0 +1,294 @@
+"""Pipeline-parallel lesson builders: the schedule grid, the activations held, the comparison table and the
+planner's view on real chips. Pure: data in, Plotly figures and table rows out.
+
+Every picture comes from `engine.schedules` (the same schedules the live executor runs): a schedule is
+built by `make_schedule`, timed by `simulate`, and drawn here as a rank x time grid
+
+    rank 0 | F0 F1 F2 F3 .  .  .  B0 B1 ...      one cell per compute action, coloured by kind
+    rank 1 | .  F0 F1 F2 .  .  B0 ...            (F, B, BI, BW), labelled with its micro-batch;
+    ...                                          grey is a bubble (the rank idles)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import plotly.graph_objects as go
+
+from engine.schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, SCHEDULE_NAMES, OpTimes,
+                              ScheduleError, Simulation, formula_bubble_fraction, make_schedule, simulate)
+from engine.trace import Timeline
+from hardware.chips import Chip
+from hardware.collectives import group_topology
+from planner.case import Layout
+from planner.flops import forward_flops
+from planner.memory import in_flight_layers, layer_activation_bytes, layer_split
+from planner.models import ModelSpec
+
+SCHEDULE_LABELS = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved 1F1B", "zb-h1": "ZB-H1"}
+KIND_LABELS = {FORWARD: "F (forward)", BACKWARD: "B (backward)", BACKWARD_INPUT: "BI (backward, input grad)",
+               BACKWARD_WEIGHT: "BW (backward, weight grad)", "bubble": "bubble (idle)"}
+KIND_COLORS = {FORWARD: "#4C78A8", BACKWARD: "#54A24B", BACKWARD_INPUT: "#72B7B2", BACKWARD_WEIGHT: "#B279A2",
+               "bubble": "#DDDDDD"}
+FORMULA_TEXT = {"gpipe": "(p-1)/m", "1f1b": "(p-1)/m", "interleaved-1f1b": "(p-1)/(v m)",
+                "zb-h1": "(p-1)(tF+tBI-tBW) / (m (tF+tBI+tBW))"}
+CHUNK_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+ACTIVATION_BYTES_PER_VALUE = 2  # bf16 activations sent between stages
+
+
+def formula_latex(name: str) -> str:
+    """The paper's bubble fraction for `name`, in LaTeX (equal op times, no communication)."""
+    if name in ("gpipe", "1f1b"):
+        return r"\frac{p-1}{m}"  # Narayanan et al. 2021 eq. 1
+    if name == "interleaved-1f1b":
+        return r"\frac{p-1}{v\,m}"  # Narayanan et al. 2021 §2.2
+    if name == "zb-h1":
+        # Qi et al. 2023 §2.1, T_B being our BI
+        return r"\frac{(p-1)(t_F + t_{BI} - t_{BW})}{m\,(t_F + t_{BI} + t_{BW})}"
+    raise ScheduleError(f"unknown schedule {name!r}: choose one of {SCHEDULE_NAMES}")
+
+
+def op_times(backward_over_forward: float, comm_over_forward: float = 0.0) -> OpTimes:
+    """Op times in units of t_F: the backward takes `backward_over_forward` t_F, split evenly into BI and BW
+    for ZB-H1 (equal halves is Qi et al. 2023's t_BI = t_BW case); a transfer takes `comm_over_forward` t_F."""
+    half = backward_over_forward / 2
+    return OpTimes(forward_s=1.0, backward_input_s=half, backward_weight_s=half, comm_s=comm_over_forward)
+
+
+def simulate_schedule(name: str, p: int, m: int, v: int, times: OpTimes) -> Simulation:
+    """Build and time one schedule; v is used by interleaved 1F1B only. Raises ScheduleError."""
+    return simulate(make_schedule(name, p, m, v if name == "interleaved-1f1b" else 1), times)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One compute action on the grid: times in units of t_F."""
+
+    rank: int
+    kind: str
+    micro_batch: int
+    chunk: int
+    stage: int
+    start: float
+    end: float
+
+    def label(self, virtual_stages: int) -> str:
+        """The micro-batch; with v > 1 also the chunk, upper case forward, lower case backward (`3B`)."""
+        if virtual_stages == 1:
+            return str(self.micro_batch)
+        letter = CHUNK_LETTERS[self.chunk]
+        return f"{self.micro_batch}{letter.upper() if self.kind == FORWARD else letter}"
+
+
+def grid_cells(sim: Simulation) -> list[Cell]:
+    """Every compute action of every rank with its simulated start and end (SEND / RECV left out)."""
+    cells = []
+    for rank, (actions, intervals) in enumerate(zip(sim.schedule.actions, sim.intervals_s, strict=True)):
+        for a, (start, end) in zip(actions, intervals, strict=True):
+            if a.is_compute:
+                cells.append(Cell(rank, a.kind, a.micro_batch, a.chunk, a.stage, start, end))
+    return cells
+
+
+def bubble_cells(sim: Simulation) -> list[tuple[int, float, float]]:
+    """(rank, start, end) of every gap in a rank's compute, up to the end of the step."""
+    gaps = []
+    by_rank: dict[int, list[Cell]] = {}
+    for c in grid_cells(sim):
+        by_rank.setdefault(c.rank, []).append(c)
+    for rank in range(sim.schedule.num_ranks):
+        busy_until = 0.0
+        for c in sorted(by_rank.get(rank, []), key=lambda c: c.start):
+            if c.start > busy_until + 1e-12:
+                gaps.append((rank, busy_until, c.start))
+            busy_until = max(busy_until, c.end)
+        if sim.makespan_s > busy_until + 1e-12:
+            gaps.append((rank, busy_until, sim.makespan_s))
+    return gaps
+
+
+def _rank_label(rank: int) -> str:
+    return f"rank {rank}"
+
+
+def schedule_figure(sim: Simulation, title: str = "", frames: int = 40, animate: bool = True) -> go.Figure:
+    """The rank x time grid of `sim`: one bar per compute action labelled with its micro-batch, grey bubbles;
+    with `animate`, Play and a slider sweep a cursor through the step and reveal the work as it happens."""
+    v = sim.schedule.virtual_stages
+    cells = grid_cells(sim)
+    series: dict[str, list[tuple[int, float, float, str]]] = {}
+    for c in cells:
+        series.setdefault(c.kind, []).append((c.rank, c.start, c.end, c.label(v)))
+    for rank, start, end in bubble_cells(sim):
+        series.setdefault("bubble", []).append((rank, start, end, ""))
+    kinds = [k for k in KIND_COLORS if k in series]
+    t_end = sim.makespan_s
+    rows = [_rank_label(r) for r in range(sim.schedule.num_ranks)]
+
+    def widths(kind: str, t: float | None) -> dict:
+        items = series[kind]
+        ends = [end if t is None else max(start, min(end, t)) for _, start, end, _ in items]
+        return {"x": [e - start for (_, start, _, _), e in zip(items, ends, strict=True)],
+                "base": [start for _, start, _, _ in items]}
+
+    def cursor(t: float) -> dict:
+        return {"x": [t, t], "y": [rows[0], rows[-1]]}
+
+    fig = go.Figure()
+    for kind in kinds:
+        items = series[kind]
+        fig.add_trace(go.Bar(
+            orientation="h", y=[_rank_label(r) for r, _, _, _ in items], name=KIND_LABELS[kind],
+            marker={"color": KIND_COLORS[kind], "line": {"width": 1, "color": "white"}},
+            text=[label for _, _, _, label in items], textposition="inside", insidetextanchor="middle",
+            customdata=[[label, end - start] for _, start, end, label in items],
+            hovertemplate=(f"{KIND_LABELS[kind]} micro-batch %{{customdata[0]}}<br>start %{{base:.2f}} t_F, "
+                           "lasts %{customdata[1]:.2f} t_F<extra></extra>"),
+            **widths(kind, None),
+        ))
+    fig.add_trace(go.Scatter(mode="lines", line={"color": "black", "width": 2}, name="now", showlegend=False,
+                             hoverinfo="skip", **cursor(t_end)))
+    fig.update_layout(
+        title=title, barmode="overlay", bargap=0.15, height=max(260, 44 * len(rows) + 150),
+        uniformtext={"minsize": 8, "mode": "hide"},
+        margin={"l": 10, "r": 10, "t": 50 if title else 20, "b": 10},
+        legend={"orientation": "h", "x": 0, "y": 1.0, "yanchor": "bottom"},
+        xaxis={"title": "time (units of t_F, one forward through a rank's layers)", "range": [0, t_end * 1.01]},
+        yaxis={"categoryorder": "array", "categoryarray": list(reversed(rows))},
+    )
+    if animate and frames > 1:
+        times = [t_end * i / (frames - 1) for i in range(frames)]
+        fig.frames = [go.Frame(name=f"{t:.4f}", data=[go.Bar(**widths(k, t)) for k in kinds] + [go.Scatter(**cursor(t))],
+                               traces=list(range(len(kinds) + 1))) for t in times]
+        fig.update_layout(
+            updatemenus=[{
+                "type": "buttons", "direction": "left", "x": 0.0, "y": 0, "xanchor": "left", "yanchor": "top",
+                "pad": {"t": 60},
+                "buttons": [
+                    {"label": "▶ Play", "method": "animate",
+                     "args": [None, {"frame": {"duration": 120, "redraw": True}, "fromcurrent": True,
+                                     "transition": {"duration": 0}}]},
+                    {"label": "❚❚ Pause", "method": "animate",
+                     "args": [[None], {"frame": {"duration": 0, "redraw": False}, "mode": "immediate"}]},
+                ],
+            }],
+            sliders=[{
+                "active": frames - 1, "x": 0.22, "len": 0.78, "y": 0, "yanchor": "top", "pad": {"t": 45},
+                "currentvalue": {"prefix": "t = ", "suffix": " t_F"},
+                "steps": [{"label": f"{t:.1f}", "method": "animate",
+                           "args": [[f"{t:.4f}"], {"mode": "immediate", "frame": {"duration": 0, "redraw": True}}]}
+                          for t in times],
+            }],
+        )
+        fig.update_layout(height=fig.layout.height + 90, margin={"b": 100})
+    return fig
+
+
+def held_micro_batches(sim: Simulation) -> list[float]:
+    """Peak activations each rank holds, in micro-batches' worth of its layers (a chunk is 1/v of them)."""
+    v = sim.schedule.virtual_stages
+    return [held / v for held in sim.peak_in_flight]
+
+
+def in_flight_figure(sims: dict[str, Simulation], chosen: str) -> go.Figure:
+    """Grouped bars: peak activations held per rank for each schedule; the chosen one drawn solid."""
+    fig = go.Figure()
+    for name, sim in sims.items():
+        held = held_micro_batches(sim)
+        fig.add_trace(go.Bar(
+            x=[_rank_label(r) for r in range(len(held))], y=held, name=SCHEDULE_LABELS[name],
+            opacity=1.0 if name == chosen else 0.35, text=[f"{h:g}" for h in held], textposition="outside",
+            hovertemplate=f"{SCHEDULE_LABELS[name]}, %{{x}}: %{{y:g}} micro-batches<extra></extra>",
+        ))
+    fig.update_layout(barmode="group", height=340, yaxis_title="micro-batches of activations held (peak)",
+                      title="Activation memory: micro-batches whose forward ran and whose backward has not",
+                      margin={"l": 10, "r": 10, "t": 50, "b": 10}, legend={"orientation": "h", "y": -0.15})
+    return fig
+
+
+def comparison(p: int, m: int, v: int, times: OpTimes) -> tuple[dict[str, Simulation], list[dict]]:
+    """Every schedule for the same p and m (v for interleaved): the simulations that build, and one table
+    row per schedule with its formula, the simulated bubble and the activations held; a schedule that
+    cannot run says why in `note`."""
+    sims: dict[str, Simulation] = {}
+    rows = []
+    for name in SCHEDULE_NAMES:
+        row = {"schedule": SCHEDULE_LABELS[name], "formula": FORMULA_TEXT[name], "formula bubble": None,
+               "simulated bubble": None, "held, rank 0": None, "held, last rank": None, "note": ""}
+        try:
+            sim = simulate_schedule(name, p, m, v, times)
+        except ScheduleError as e:
+            row["note"] = str(e)
+            rows.append(row)
+            continue
+        sims[name] = sim
+        held = held_micro_batches(sim)
+        row.update({"formula bubble": formula_bubble_fraction(name, p, m, sim.schedule.virtual_stages, times),
+                    "simulated bubble": sim.bubble_fraction, "held, rank 0": held[0], "held, last rank": held[-1]})
+        if times.comm_s > 0:
+            row["note"] = "the formula leaves communication out"
+        elif name == "zb-h1" and m < p:
+            row["note"] = "the formula assumes m >= p"
+        rows.append(row)
+    return sims, rows
+
+
+@dataclass(frozen=True)
+class RealChipView:
+    """What pipeline parallel means for one real model on one real chip (planner/ arithmetic)."""
+
+    layers_per_stage: tuple[int, ...]
+    activation_bytes_1f1b: float  # first stage, peak, one micro-batch of `micro_batch` sequences
+    activation_bytes_gpipe: float
+    p2p_bytes: float  # one micro-batch's activations from one stage to the next (per tp rank)
+    p2p_s: float
+    stage_forward_s: float  # lower bound: one micro-batch's forward on one stage at peak bf16 FLOP/s
+    link: str
+
+
+def real_chip_view(spec: ModelSpec, chip: Chip, pp: int, micro_batches: int, tp: int = 1,
+                   stride: int = 1, micro_batch: int = 1) -> RealChipView:
+    """Layers per stage, first-stage activations under 1F1B and GPipe, and the stage-to-stage transfer.
+
+    The pp group's consecutive members are `stride` = tp * cp * dp ranks apart (pp is the outermost mesh
+    axis, as in the planner). Activations sent between stages are In[B_mb, S, D] in bf16, split over the
+    tp ranks (Megatron-LM sends each tp rank's 1/tp and all-gathers after: Narayanan et al. 2021 §4.1).
+    """
+    if pp > spec.layers:
+        raise ValueError(f"{pp} stages for {spec.layers} layers: choose pp <= {spec.layers}")
+    first_stage_layers = layer_split(spec.layers, pp)[0]
+    acts = {}
+    for schedule in ("1f1b", "gpipe"):
+        lay = Layout(dp=1, tp=tp, pp=pp, pp_schedule=schedule, micro_batch=micro_batch)
+        per_layer = max(layer_activation_bytes(spec, lay, spec.is_moe), layer_activation_bytes(spec, lay, False))
+        acts[schedule] = in_flight_layers(0, lay, micro_batches, first_stage_layers) * per_layer
+    tokens = micro_batch * spec.seq_len
+    p2p_bytes = tokens * spec.hidden * ACTIVATION_BYTES_PER_VALUE / tp
+    topo = group_topology(chip, pp, stride=stride, achievable=True)
+    stage_forward_s = forward_flops(spec, tokens) / pp / tp / chip.bf16_flops_per_s
+    return RealChipView(tuple(sum(chunks) for chunks in layer_split(spec.layers, pp)), acts["1f1b"], acts["gpipe"],
+                        p2p_bytes, topo.p2p_s(p2p_bytes), stage_forward_s, topo.describe())
+
+
+def measured_op_times(timeline: Timeline, step: int, virtual_stages: int) -> OpTimes:
+    """Mean op times of one measured step, per rank's layers (a chunk's span times v), no comm time:
+    the simulator fed with them predicts the bubble the run should have had."""
+    durations: dict[str, list[float]] = {}
+    for s in timeline.spans:
+        kind = s.name.split(" ")[0]
+        if s.step == step and s.lane == "compute" and kind in KIND_LABELS:
+            durations.setdefault(kind, []).append(s.duration_s * virtual_stages)
+    if FORWARD not in durations or not ({BACKWARD, BACKWARD_INPUT} & durations.keys()):
+        raise ValueError(f"step {step} of the timeline has no pipeline forward and backward spans")
+
+    def mean(kind: str) -> float:
+        return sum(durations[kind]) / len(durations[kind])
+
+    if BACKWARD_INPUT in durations:
+        return OpTimes(mean(FORWARD), mean(BACKWARD_INPUT), mean(BACKWARD_WEIGHT))
+    return OpTimes(mean(FORWARD), mean(BACKWARD) / 2, mean(BACKWARD) / 2)
+
+
+def step_timeline(timeline: Timeline, step: int) -> Timeline:
+    """The spans of one step only (a pipeline step is the picture worth animating)."""
+    return Timeline([s for s in timeline.spans if s.step == step], source=timeline.source, meta=timeline.meta)
