@@ -241,9 +241,6 @@ def _validate_pp(cfg: RunConfig) -> None:
            f"{p.schedule} runs one stage per rank: set --virtual-stages 1 or use --schedule interleaved-1f1b")
     if pp == 1:
         return
-    for axis in ("cp", "ep"):
-        _check(p.degree(axis, cfg.world) == 1, f"a pipeline with {axis}={p.degree(axis, cfg.world)} is not "
-               f"supported yet: combine pp with dp, fsdp and tp, or run {axis} without pp")
     _check(m.layers % (pp * v) == 0, f"layers={m.layers} is not divisible by pp*virtual_stages={pp * v}: each "
            f"pipeline stage holds the same number of layers; choose layers as a multiple of {pp * v}")
     if p.schedule == "interleaved-1f1b":

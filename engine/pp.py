@@ -24,7 +24,9 @@ and non-pipeline gradients agree bit for bit (tests/engine/test_pp.py checks it)
 Meshes (engine/mesh.py): pp is the outermost axis. With pp x dp (or pp x fsdp) the ranks that share a
 pp coordinate hold the same stages and form the dp group; the strategy built for the dp group (dp,
 ZeRO, FSDP from engine/train.make_strategy; with tp, engine/tp.py's versions of them) then handles the
-gradients of exactly the parameters this rank holds, as it would for a whole model. pp sends the fewest bytes of all axes (one activation per
+gradients of exactly the parameters this rank holds, as it would for a whole model. Context and expert
+parallel (engine/cp.py, engine/ep.py) apply to the stage's blocks the same way; with cp a stage receives
+and sends only this rank's T/cp zig-zag tokens. pp sends the fewest bytes of all axes (one activation per
 micro-batch per stage boundary), so it goes on the slowest links; tp, the chattiest, stays innermost.
 """
 
@@ -82,6 +84,9 @@ class Pipeline:
         self.strategy = (make_strategy(cfg, self.model, comm, rec) if plan is None
                          else stage_tensor_parallel(cfg, self.model, comm, rec, hyper(cfg), plan))
         self.split = WeightGradSplit(self.model) if self.schedule.split_backward else None
+        # Context parallel: this rank's zig-zag token positions, as ContextParallel.forward slices them.
+        self.cp = cfg.parallel.degree("cp", cfg.world)
+        self.positions = self.strategy.positions if self.cp > 1 else slice(None)
         self.param_storages = self.strategy.param_storages()
         self.activation_peak_bytes = 0
 
@@ -140,10 +145,11 @@ class Pipeline:
             self.held_bytes.pop((a.micro_batch, a.stage))
 
     def _boundary_shape(self) -> tuple[int, ...]:
-        """X[B_mb, T, D] between stages; with sequence parallel X[B_mb, T_tp, D] (engine/tp.py)."""
+        """X[B_mb, T, D] between stages; X[B_mb, T_tp, D] with sequence parallel (engine/tp.py) and
+        X[B_mb, T_cp, D] with context parallel (engine/cp.py)."""
         m = self.cfg.model
         tokens = m.seq_len // self.tp if self.cfg.parallel.sequence_parallel else m.seq_len
-        return (self.cfg.micro_batch_size, tokens, m.hidden)
+        return (self.cfg.micro_batch_size, tokens // self.cp, m.hidden)
 
     def _rows(self, mb: int) -> slice:
         first = (self.dp_rank * self.m + mb) * self.cfg.micro_batch_size
@@ -152,7 +158,7 @@ class Pipeline:
     def _forward(self, a: Action) -> None:
         mb, stage = a.micro_batch, a.stage
         if stage == 0:
-            x = self.tokens[self._rows(mb)].to(self.device)
+            x = self.tokens[self._rows(mb)][:, self.positions].to(self.device)
             stage_input = None  # integer tokens: no gradient to send back
         else:
             stage_input = self.messages.pop((ACTIVATION, mb, stage - 1)).detach().requires_grad_()
@@ -166,7 +172,8 @@ class Pipeline:
             else:
                 y = self._run_units(a.chunk, x)
             if stage == self.num_stages - 1:
-                loss = self.strategy.loss(y, self.targets[self._rows(mb)].to(self.device))
+                targets = self.targets[self._rows(mb)][:, self.positions].to(self.device)
+                loss = self.strategy.loss(y, targets)
                 self.loss_sum += loss.item() / self.m
                 y = _micro_batch_loss(loss, self.m)
         self.held_bytes[(mb, stage)] = meter.peak_bytes

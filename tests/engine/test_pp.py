@@ -1,11 +1,12 @@
 """Pipeline parallel on real ranks: every schedule at p = 2 and 4 against the single-process reference
-over 3 optimizer steps, bit-for-bit against non-pipeline gradient accumulation, pp x dp and pp x fsdp
-meshes, measured activations and bubbles, a rank that crashes mid-schedule, and bad input."""
+over 3 optimizer steps, bit-for-bit against non-pipeline gradient accumulation, pp x dp, fsdp, tp, cp
+and ep meshes, measured activations and bubbles, a rank that crashes mid-schedule, and bad input."""
 
 import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -25,11 +26,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 MICRO_BATCHES = 4
 
 
-def _cfg(schedule: str, p: int, mesh=None, world=None, micro_batches=MICRO_BATCHES, steps=3, **parallel):
+def _cfg(schedule: str, p: int, mesh=None, world=None, micro_batches=MICRO_BATCHES, steps=3, strategy="pp",
+         **parallel):
     v = 2 if schedule == "interleaved-1f1b" else 1
     # 2 layers per rank for every schedule at the same p, so their results can be compared bit for bit.
     return RunConfig(model=ModelConfig(layers=2 * p), world=world or p, steps=steps, micro_batches=micro_batches,
-                     parallel=ParallelConfig("pp", mesh=mesh or (("pp", p),), schedule=schedule,
+                     parallel=ParallelConfig(strategy, mesh=mesh or (("pp", p),), schedule=schedule,
                                              virtual_stages=v, **parallel))
 
 
@@ -99,16 +101,22 @@ def test_every_schedule_matches_the_reference_and_non_pipeline_accumulation(pool
     # tp splits the whole model, then each stage keeps its units; stages exchange T/tp-token activations
     ("pp=2,tp=2", {"sequence_parallel": True}, {"pp", "tp"}),
     ("pp=2,tp=2", {"schedule": "zb-h1"}, {"pp", "tp"}),  # BW per module through tp's regions
+    # cp: each stage runs T/cp zig-zag tokens, ring attention inside; ep: experts spread over ep ranks
+    ("pp=2,cp=2", {"strategy": "cp"}, {"pp", "cp"}),
+    ("pp=2,ep=2", {"strategy": "ep", "schedule": "zb-h1"}, {"pp", "ep"}),
 ])
 def test_pp_with_other_axes_matches_the_reference(pools, mesh, parallel, groups):
-    cfg = _cfg(parallel.pop("schedule", "1f1b"), 2, mesh=parse_mesh(mesh), world=4, **parallel)
+    schedule, strategy = parallel.pop("schedule", "1f1b"), parallel.pop("strategy", "pp")
+    cfg = _cfg(schedule, 2, mesh=parse_mesh(mesh), world=4, strategy=strategy, **parallel)
+    if strategy == "ep":
+        cfg = replace(cfg, model=replace(cfg.model, mlp="moe"))
     summary, timeline = run(validate(cfg), traced=True, check=True, pool=pools(4))
     assert summary["check"]["passed"], summary["check"]["failures"]
     assert {s.group for s in timeline.spans if s.lane == "comm"} == groups
     # pp=2 outermost: ranks 0, 1 hold stage 0 and ranks 2, 3 stage 1, so only 0 and 1 send activations.
     sends = [s for s in timeline.spans if s.name.startswith("send act")]
     assert {s.rank for s in sends} == {0, 1}
-    tokens = cfg.model.seq_len // (2 if cfg.parallel.sequence_parallel else 1)
+    tokens = cfg.model.seq_len // (2 if cfg.parallel.sequence_parallel or strategy == "cp" else 1)
     assert {s.bytes for s in sends} == {cfg.micro_batch_size * tokens * cfg.model.hidden * 4}
 
 
@@ -193,7 +201,6 @@ def test_a_rank_crashing_mid_schedule_is_reported_without_hang_or_orphans():
     ({"schedule": "zb-h1", "zero_stage": 2, "mesh": (("pp", 2), ("dp", 2)), "world": 4}, "use --zero-stage 0"),
     ({"mesh": (("dp", 2),)}, "--strategy pp needs a pp axis"),
     ({"mesh": (("pp", 2), ("dp", 2), ("fsdp", 2)), "world": 8}, "(HSDP) is not supported"),
-    ({"strategy": "cp", "mesh": (("pp", 2), ("cp", 2)), "world": 4}, "a pipeline with cp=2 is not supported"),
 ])
 def test_impossible_pipelines_say_what_to_change(kw, says):
     model = ModelConfig(layers=kw.pop("layers", 2))
