@@ -31,7 +31,7 @@ What is split where (torch's nn.Linear stores W as [out, in], so "columns of W_i
 
 The regions are entered with `copy_to_tp` (f) and left with `reduce_from_tp` (g), engine/tp_comm.py.
 Per layer that is one all-reduce of B*S*D forward and one backward for attention and for the MLP:
-4 all-reduces of b*s*h per layer per micro-batch (Korthikanti et al. 2022, table 2), plus one for the
+4 all-reduces of b*s*h per layer per micro-batch (Korthikanti et al. 2022, section 4.2.2), plus one for the
 embedding (forward) and one for the output layer's input (backward); see `tp_comm_bytes`.
 
 Sequence parallel (`sequence_parallel=True`): between the regions (RMSNorms, residual adds) the
@@ -298,7 +298,7 @@ def tp_comm_bytes(cfg: RunConfig) -> dict[str, int]:
 
     Per micro-batch of b sequences of s tokens, hidden h, L layers, A = b*s*h*4 bytes:
       blocks   4 L all-reduces of A (attention and MLP, forward g and backward f; Korthikanti et al. 2022
-               table 2) -- with sequence parallel 4 L (all-gather + reduce-scatter), the same bytes
+               section 4.2.2) -- with sequence parallel 4 L (all-gather + reduce-scatter), the same bytes
       embed    1 all-reduce of A forward (sp: reduce-scatter forward, all-gather backward)
       head     1 all-reduce of A backward, the output layer's f (sp: all-gather forward, reduce-scatter back)
       loss     all-reduces of b*s floats (max) and 2*b*s floats (sum-exp, target logit)
