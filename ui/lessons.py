@@ -33,6 +33,12 @@ LESSONS: list[Lesson] = [
            "gradients and weights (ZeRO-1/2/3, FSDP). Memory and bytes on real chips, and a real verified run "
            "on this machine with every rank's timeline.",
            params=()),
+    Lesson("Tensor and sequence parallel", "app_pages/tensor_parallel.py", "tensor-parallel",
+           ":material/view_column:",
+           "Split every matmul across the chips of a node: column- then row-parallel layers, attention by "
+           "heads, one all-reduce per pair; sequence parallel for the same bytes and less activation memory. "
+           "Memory and communication on real chips, and real verified TP and TP + SP runs on this machine.",
+           params=()),
     Lesson("Pipeline parallel", "app_pages/pipeline.py", "pipeline", ":material/linear_scale:",
            "Split the layers into stages and pass activations chip to chip. GPipe, 1F1B, interleaved and "
            "zero-bubble schedules drawn step by step, their bubbles and activation memory, the cost on real "
@@ -46,7 +52,6 @@ LESSONS: list[Lesson] = [
 
 # The rest of the route, in teaching order; each becomes a page when its live engine or planner lands.
 PLANNED = [
-    ("Tensor and sequence parallel", "split every matmul across chips inside a node."),
     ("Context parallel", "ring attention for long sequences."),
     ("Expert parallel", "Mixture-of-Experts and the all-to-all."),
 ]
