@@ -1,0 +1,296 @@
+"""Lesson: tensor parallel (Megatron) and sequence parallel, analytic on real chips and live on this machine."""
+
+import json
+
+import streamlit as st
+
+from hardware.chips import CHIPS
+from planner.models import MODEL_PRESETS
+from ui.collectives import format_bytes, format_seconds
+from ui.engine_errors import engine_error_message
+from ui.tensor_parallel import (
+    MAX_TP,
+    MEMORY_MODES,
+    activation_bytes,
+    activation_figure,
+    live_rows,
+    scaling_figure,
+    scaling_rows,
+    split_figure,
+    tp_comm_bytes_per_layer,
+    tp_config_error,
+)
+from ui.timeline import lane_summary, timeline_figure
+
+choices = st.session_state["choices"]
+chip = CHIPS[choices.chip]
+spec = MODEL_PRESETS[choices.model]
+domain = chip.scaleup_domain
+
+st.title("Tensor and sequence parallel")
+st.markdown(
+    """
+Data parallel copies the whole model onto every chip. When one layer's weights or activations no longer
+fit, or one chip is too slow for a layer, **split every matmul itself across chips**. Megatron-LM
+(Shoeybi et al. 2019) does it for the Transformer with one trick: a pair of matmuls is split so that
+only **one** all-reduce is needed per pair. The first matmul of the MLP is split by its output
+**columns**: every chip gets the whole input and computes its own slice of the hidden units, with no
+communication at all. The second is split by its input **rows**, the slice of hidden units the chip
+already has, so every chip produces a full-size but *partial* output, and an all-reduce sums them:
+"""
+)
+st.latex(r"""
+\begin{array}{ll}
+\text{column-parallel:} & \text{In}[B, S, D] \cdot W_{in}[D, F_{tp}] \rightarrow H[B, S, F_{tp}] \\
+\text{row-parallel:} & H[B, S, F_{tp}] \cdot W_{out}[F_{tp}, D] \rightarrow \text{Out}[B, S, D]\{U_{tp}\}
+\;\xrightarrow{\text{all-reduce}}\; \text{Out}[B, S, D]
+\end{array}""")
+st.markdown(
+    """
+The nonlinearity between them (GeLU, or SwiGLU's gate times up) works element by element on the hidden
+units, so each chip applies it to its own slice: no communication in between. **Attention splits the same
+way, by heads**: Q, K and V projections are column-parallel (each chip computes whole heads), the heads are
+independent until the output projection, which is row-parallel. Grouped-query attention adds one rule:
+the KV heads are split too, so **tp must divide the KV heads, or the KV heads must divide tp**, in which
+case each KV head is *replicated* on the tp/kv_heads chips that hold its query heads (and the copies'
+gradients are summed).
+
+Pick the tensor-parallel degree t for the model in the sidebar:
+"""
+)
+default_tp = min(choices.mesh["tp"], MAX_TP) if choices.mesh["tp"] > 1 else min(8, domain, MAX_TP)
+tp = st.slider("Tensor-parallel degree t", 1, MAX_TP, default_tp, key="tp_degree",
+               help="Chips one layer is split over. The sidebar's tp sets the starting value.")
+micro_batch = st.select_slider("Micro-batch b (sequences per chip)", [1, 2, 4, 8], value=1, key="tp_micro_batch")
+problem = tp_config_error(spec, tp)
+if problem:
+    st.error(f"tp = {tp} cannot split {spec.name}: {problem}.", icon=":material/block:")
+else:
+    st.plotly_chart(split_figure(spec.hidden, spec.ffn, spec.heads, spec.kv_heads, tp), key="tp_split")
+    per_rank = spec.heads // tp
+    kv = (f"{spec.kv_heads // tp} KV head(s) of its own" if spec.kv_heads >= tp
+          else f"a copy of one KV head, shared with {tp // spec.kv_heads - 1} neighbour(s)")
+    st.caption(f"{spec.name}: D = {spec.hidden:,}, F = {spec.ffn:,}"
+               f"{' per expert' if spec.is_moe else ''}, {spec.heads} query heads and {spec.kv_heads} KV "
+               f"heads. With t = {tp} each chip holds {spec.ffn // tp:,} of the F columns of W_in and rows "
+               f"of W_out, {per_rank} query head(s) and {kv}. Black outlines mark one KV head each.")
+
+st.subheader("The conjugate operators f and g")
+st.markdown(
+    """
+Where does the communication go in the backward pass? Megatron brackets each parallel region with two
+operators that are each other's transpose (Shoeybi et al. 2019, sec. 3, fig. 3):
+
+| operator | forward | backward | where |
+|---|---|---|---|
+| **f** | identity (every chip already has the whole input) | all-reduce of the input's gradient | in front of the column-parallel layer |
+| **g** | all-reduce of the partial outputs | identity (the gradient of a sum is copied to every term) | after the row-parallel layer |
+
+Per layer that is one g in the attention block and one in the MLP in the forward, and their two f's in the
+backward: **4 all-reduces of b·s·h values per layer**, on the critical path (each layer waits for its
+sum before it can go on).
+"""
+)
+
+st.header("Sequence parallel: the same bytes, less memory")
+st.markdown(
+    """
+Between the parallel regions, the LayerNorms (RMSNorms), dropouts and residual adds still run on the
+**whole** activation `X[B, S, D]` on every chip: the same work t times, and the same activations stored
+t times. Korthikanti et al. (2022) noticed that an all-reduce *is* a reduce-scatter followed by an
+all-gather. Split them apart, and the activations between the regions can stay **split along the
+sequence**, `X[B, S_tp, D]`, where norms and dropouts work on S/t positions each:
+"""
+)
+st.latex(r"""
+\begin{array}{ll}
+\text{leave the row-parallel layer (}\bar g\text{):} & \text{Out}[B, S, D]\{U_{tp}\}
+\xrightarrow{\text{reduce-scatter}} \text{Out}[B, S_{tp}, D] \\
+\text{enter the column-parallel layer (}g\text{):} & X[B, S_{tp}, D] \xrightarrow{\text{all-gather}} X[B, S, D]
+\end{array}""")
+st.markdown(
+    """
+On a ring a reduce-scatter and an all-gather each send (t−1)/t of the array, together exactly the
+2(t−1)/t of the all-reduce they replace: **sequence parallel moves the same bytes** (backward swaps the
+two). What falls is the memory. Per layer and chip, for the GPT layer Korthikanti et al. analyse (s sequence
+length, b micro-batch, h hidden, a heads, t tensor-parallel degree, 16-bit activations; their eq. 1-2 and
+Table 2):
+"""
+)
+st.latex(r"""
+\begin{array}{ll}
+\text{one chip (eq. 1):} & sbh\left(34 + \frac{5as}{h}\right) \\
+""" + " \\\\\n".join(f"\\text{{{label}:}} & {eq}" for label, eq in MEMORY_MODES.values()) + r"""
+\end{array}""")
+st.markdown(
+    """
+Tensor parallel alone splits only the 24 sbh inside the regions and the attention scores (5as²b); the
+10 sbh of norm and dropout inputs stay whole on every chip. Sequence parallel splits those too, so
+everything is divided by t. **Selective recomputation** then drops the attention scores (softmax,
+its dropout mask), which are cheap to recompute and huge at long sequence lengths.
+"""
+)
+mem = activation_bytes(spec, micro_batch, tp)
+st.plotly_chart(activation_figure(spec, micro_batch, tp, chip.hbm_bytes), key="tp_activations")
+mem_rows = [{"recipe": "one chip (no parallelism)", "per layer per chip": f"{mem['none'] / 1e9:,.2f} GB",
+             f"x {spec.layers} layers": f"{mem['none'] * spec.layers / 1e9:,.1f} GB"}]
+mem_rows += [{"recipe": f"{label}, t = {tp}", "per layer per chip": f"{mem[mode] / 1e9:,.2f} GB",
+              f"x {spec.layers} layers": f"{mem[mode] * spec.layers / 1e9:,.1f} GB"}
+             for mode, (label, _) in MEMORY_MODES.items()]
+st.dataframe(mem_rows, hide_index=True, width="stretch")
+st.markdown(
+    f"For {spec.name} at t = **{tp}** and b = {micro_batch}: tensor parallel alone keeps "
+    f"**{mem['tp'] / 1e9:,.2f} GB** per layer per chip, sequence parallel **{mem['tp+sp'] / 1e9:,.2f} GB** "
+    f"({1 - mem['tp+sp'] / mem['tp']:.0%} less), and with selective recomputation "
+    f"**{mem['tp+sp+selective'] / 1e9:,.3f} GB**. The whole model's layers need "
+    f"{mem['tp+sp+selective'] * spec.layers / 1e9:,.1f} GB of activations that way, against "
+    f"{chip.hbm_bytes / 1e9:.0f} GB of HBM on {chip.name} (weights and optimizer state come on top)."
+)
+st.caption("The equations count the GPT recipe with materialised attention and dropout; the same s, b, h, a "
+           "are used for every preset. planner/memory.py generalises the terms to GQA, SwiGLU and "
+           "FlashAttention for the planner.")
+
+st.header("Communication per layer, and why TP stays inside a node")
+rows = scaling_rows(spec, chip, micro_batch, sorted({1, 2, 4, 8, 16, tp}))
+here = next(r for r in rows if r["tp"] == tp)
+v_bytes = micro_batch * spec.seq_len * spec.hidden * 2
+st.markdown(
+    f"""
+Each of the 4 collectives per layer handles the whole activation array, V = b·s·h·2 bytes
+(bf16) = **{format_bytes(v_bytes)}** for {spec.name}. Each chip sends, per layer and micro-batch,
+"""
+)
+st.latex(r"4 \times \frac{2(t-1)}{t} \times b\,s\,h \times 2 \text{ bytes}")
+if tp == 1:
+    st.markdown("With t = 1 there is nothing to send: move the slider.")
+else:
+    st.markdown(
+        f"which at t = **{tp}** is **{format_bytes(here['comm_bytes'])}**, the same with and without sequence "
+        f"parallel. On {chip.name} ({here['topology']}) that takes **{format_seconds(here['comm_s'])}** per "
+        f"layer, against **{format_seconds(here['compute_s'])}** of forward and backward compute "
+        f"(planner estimate): communication is **{here['comm_s'] / here['compute_s']:.0%}** of the compute "
+        "time, and Megatron cannot hide it, because the next operation needs the sum."
+    )
+title = f"{spec.name} on {chip.name}: one layer, b = {micro_batch}, s = {spec.seq_len:,}"
+st.plotly_chart(scaling_figure(rows, tp, domain, title), key="tp_scaling")
+by_tp = {r["tp"]: r for r in rows}
+inside = [r for r in rows if r["inside_domain"] and r["tp"] > 1]
+outside = [r for r in rows if not r["inside_domain"]]
+lines = [
+    "Three things keep tensor parallel inside one scale-up domain (the 8 GPUs of an NVLink node, an NVL72 "
+    "rack, a TPU slice):",
+    "* **The ratio only gets worse with t.** Compute per chip falls as 1/t, but the bytes each chip sends "
+    "grow towards 4 x 2V: " + ", ".join(f"t = {r['tp']}: {r['comm_s'] / r['compute_s']:.0%}" for r in inside)
+    + " of the compute time.",
+]
+if outside:
+    jump = outside[0]
+    last_inside = by_tp[max(r["tp"] for r in inside)] if inside else None
+    lines.append(
+        f"* **Crossing the domain.** At t = {jump['tp']} the group spans {jump['tp'] // domain} nodes of "
+        f"{domain}: {jump['topology']}. " + (
+            f"Per layer the communication goes from {format_seconds(last_inside['comm_s'])} at "
+            f"t = {last_inside['tp']} to {format_seconds(jump['comm_s'])} "
+            f"({jump['comm_s'] / last_inside['comm_s'] - 1:+.0%}) while compute only falls to "
+            f"{format_seconds(jump['compute_s'])}: communication is now "
+            f"{jump['comm_s'] / jump['compute_s']:.0%} of compute. "
+            if last_inside else "")
+        + "The hierarchical all-reduce costed here sends only 1/" + f"{domain}"
+        " of the array through each GPU's network card, which is why it is not worse; it assumes the cards "
+        "are free, but they also carry the data- and pipeline-parallel traffic, contention this model does "
+        "not count.")
+spread = by_tp[max(by_tp)]
+if max(by_tp) > 1:
+    lines.append(
+        f"* **Where the group lands.** The dotted line puts the tp group's members on different nodes (tp "
+        f"outermost in the mesh): every byte crosses the network, {format_seconds(spread['comm_spread_s'])} per "
+        f"layer at t = {spread['tp']} instead of {format_seconds(spread['comm_s'])}. That is why meshes put tp "
+        "innermost, on consecutive GPUs.")
+lines.append(
+    "Narayanan et al. (2021, sec. 5.4, takeaway 1) measured the same: use tensor parallel up to the GPUs of "
+    "one server, and pipeline parallel across servers.")
+st.markdown("\n".join(lines))
+if domain >= MAX_TP:
+    st.caption(f"{chip.name}'s scale-up domain holds {domain:,} chips, so no tp on this slider leaves it; "
+               "pick an 8-GPU node such as h100 in the sidebar to see the crossing.")
+
+st.header("Run it for real")
+st.markdown(
+    """
+Below, the small Llama-style Transformer of the live engine trains on **real processes of this machine**
+with Megatron tensor parallel (`engine/tp.py`: column- and row-parallel linears, heads split, a
+vocabulary-parallel embedding and cross-entropy), once **without** and once **with** sequence parallel.
+Both are checked against one process training the whole model, and every collective is traced.
+"""
+)
+c1, c2, c3, c4 = st.columns(4)
+world = c1.select_slider("Processes (tp)", [2, 4], value=2, key="tp_live_world")
+heads = c2.select_slider("Query heads", [1, 2, 4, 8], value=4, key="tp_live_heads")
+kv_heads = c3.select_slider("KV heads", [1, 2, 4, 8], value=2, key="tp_live_kv_heads")
+steps = c4.select_slider("Optimizer steps", [1, 2, 3], value=2, key="tp_live_steps")
+st.code(f"python -m engine run --strategy tp [--sequence-parallel] --world {world} --heads {heads} "
+        f"--kv-heads {kv_heads} --steps {steps} --check", language="bash")
+
+if st.button("Run TP and TP + SP on this machine", type="primary"):
+    from engine.cli import config_from_args, run_parser
+    from engine.config import ConfigError
+    from engine.run import run
+    from engine.tp import tp_comm_bytes
+
+    runs = []
+    try:
+        for sp in (False, True):
+            argv = ["--strategy", "tp", "--world", str(world), "--heads", str(heads), "--kv-heads",
+                    str(kv_heads), "--steps", str(steps), "--check"] + (["--sequence-parallel"] if sp else [])
+            # exactly what `python -m engine run ...` builds and validates
+            cfg = config_from_args(run_parser("python -m engine run").parse_args(argv))
+            label = "TP + SP" if sp else "TP"
+            with st.spinner(f"Running {label} on {world} processes (the first run starts them) ..."):
+                summary, timeline = run(cfg, check=True)
+            runs.append((label, summary, timeline, sum(tp_comm_bytes(cfg).values())))
+        st.session_state["live_tp"] = (world, runs)
+    except ConfigError as e:
+        st.session_state.pop("live_tp", None)
+        st.error(f"This run cannot start: {e}.", icon=":material/block:")
+    except Exception as e:  # noqa: BLE001 - any engine failure is reported, never a traceback
+        st.session_state.pop("live_tp", None)
+        message, details = engine_error_message(e, what="run", hint="try 2 processes or fewer steps")
+        st.error(message)
+        if details:
+            with st.expander("What the workers said"):
+                st.code(details)
+
+live = st.session_state.get("live_tp")
+if live is not None:
+    live_world, runs = live
+    for label, summary, _, _ in runs:
+        check = summary["check"]
+        (st.success if summary["ok"] else st.error)(
+            f"{label} on {live_world} processes {'matches' if summary['ok'] else 'DOES NOT match'} the "
+            f"single-process reference over {summary['steps']} steps (largest difference "
+            f"{check['max_abs_diff']:.2e}; loss {summary['loss'][-1]:.4f}).")
+    st.dataframe(live_rows(runs), hide_index=True, width="stretch")
+    (_, tp_sum, _, tp_formula), (_, sp_sum, _, sp_formula) = runs
+    tp_bytes = tp_sum["comm_bytes"][0] / tp_sum["steps"]
+    sp_bytes = sp_sum["comm_bytes"][0] / sp_sum["steps"]
+    tp_act = tp_sum["memory_bytes"][0]["activations_peak"]
+    sp_act = sp_sum["memory_bytes"][0]["activations_peak"]
+    st.markdown(
+        f"Bytes each rank sent per step: TP **{tp_bytes:,.0f}**, TP + SP **{sp_bytes:,.0f}** "
+        f"({sp_bytes / tp_bytes - 1:+.1%}; the formula says {tp_formula:,.0f} and {sp_formula:,.0f}). "
+        "The all-reduce column of TP became all-gather + reduce-scatter with the same total; the few extra "
+        "bytes of TP + SP are the norms' weight gradients, which see only S/t positions per rank and are "
+        "summed over tp. Activation memory autograd kept for backward: "
+        f"**{tp_act / 1024:,.0f} KiB** against **{sp_act / 1024:,.0f} KiB** with sequence parallel "
+        f"({1 - sp_act / tp_act:.0%} less): the norm and residual inputs are now S/t long on each rank."
+    )
+    tabs = st.tabs([label for label, *_ in runs])
+    for tab, (label, summary, timeline, _) in zip(tabs, runs, strict=True):
+        with tab:
+            st.plotly_chart(timeline_figure(timeline, title=f"{label}: every rank's compute and communication"),
+                            key=f"tp_live_timeline_{label}")
+            st.dataframe(lane_summary(timeline), hide_index=True, width="stretch")
+            st.download_button(f"Download the {label} trace (open it in ui.perfetto.dev)",
+                               json.dumps(timeline.to_chrome_trace()), key=f"tp_trace_{label}",
+                               file_name=f"shardlab-{label.replace(' + ', '-').lower()}-trace.json",
+                               mime="application/json")
