@@ -63,7 +63,8 @@ c2.markdown("Interleaved 1F1B, v chunks per chip")
 c2.latex(r"\text{bubble} = " + formula_latex("interleaved-1f1b"))
 c3.markdown("ZB-H1 (m ≥ p)")
 c3.latex(r"\text{bubble} = " + formula_latex("zb-h1"))
-st.markdown("With t_F = t_BI = t_BW the ZB-H1 bubble is (p - 1)/(3m), a third of 1F1B's (Qi et al. 2023 §2.1).")
+st.markdown("With t_F = t_BI = t_BW the ZB-H1 bubble is (p - 1)/(3m), a third of 1F1B's "
+            "(Qi et al. 2023 §2.1).")
 
 st.header("See a schedule")
 st.markdown(
@@ -83,9 +84,10 @@ v = w4.slider("Chunks per chip v (interleaved)", 1, 4, 2, key="virtual", bind="q
               help="Model chunks per chip; only interleaved 1F1B uses more than one.")
 w5, w6 = st.columns(2)
 b_over_f = w5.select_slider("Backward time t_B / t_F", B_OVER_F, value=2.0, key="t_b", bind="query-params",
-                            help="A backward does about twice a forward's FLOPs. ZB-H1 splits it evenly into BI "
-                                 "and BW.")
-comm_over_f = w6.select_slider("Transfer time / t_F", COMM_OVER_F, value=0.0, key="t_comm", bind="query-params",
+                            help="A backward does about twice a forward's FLOPs. ZB-H1 splits it evenly "
+                                 "into BI and BW.")
+comm_over_f = w6.select_slider("Transfer time / t_F", COMM_OVER_F, value=0.0, key="t_comm",
+                               bind="query-params",
                                help="How long one activation or gradient takes to reach the next chip.")
 times = op_times(b_over_f, comm_over_f)
 
@@ -104,15 +106,15 @@ if sim is not None:
     k3.metric("Step time", f"{sim.makespan_s:.2f} t_F", help="ideal (no bubble): m (t_F + t_B) = "
               f"{sim.ideal_s:.2f} t_F")
     if comm_over_f > 0:
-        st.caption("The formula leaves the transfers out; the simulation waits for each one, so its bubble is "
-                   "larger.")
+        st.caption("The formula leaves the transfers out; the simulation waits for each one, so its bubble "
+                   "is larger.")
     elif schedule == "zb-h1" and m < p:
         st.caption("ZB-H1's formula assumes m ≥ p; with fewer micro-batches trust the simulation.")
     st.plotly_chart(schedule_figure(sim, title=f"{SCHEDULE_LABELS[schedule]}, p = {p}, m = {m}"
                                     + (f", v = {v_used}" if v_used > 1 else "")), key="schedule_grid")
     if v_used > 1:
-        st.caption("With v chunks a cell shows micro-batch and chunk: 3B is the forward of micro-batch 3 on chunk "
-                   "b (stage p + r of chip r), 3b its backward.")
+        st.caption("With v chunks a cell shows micro-batch and chunk: 3B is the forward of micro-batch 3 on "
+                   "chunk b (stage p + r of chip r), 3b its backward.")
 
 st.subheader("All four schedules, same p and m")
 sims, rows = comparison(p, m, v, times)
@@ -136,14 +138,14 @@ if sims:
     st.plotly_chart(in_flight_figure(sims, schedule), key="in_flight")
 if "zb-h1" in sims:
     pending = sims["zb-h1"].peak_weight_grads_pending
-    st.caption(f"ZB-H1 also keeps, per chip, the inputs of up to {list(pending)} deferred BW (layer inputs and "
-               "output gradients, smaller than a full activation set: Qi et al. 2023 Table 1).")
+    st.caption(f"ZB-H1 also keeps, per chip, the inputs of up to {list(pending)} deferred BW (layer inputs "
+               "and output gradients, smaller than a full activation set: Qi et al. 2023 Table 1).")
 
 st.header(f"On real chips: {spec.name} on {chip.name}")
 sidebar_pp = choices.mesh["pp"]
 r1, r2 = st.columns(2)
-real_pp = r1.select_slider("Stages p", REAL_PP, value=sidebar_pp if sidebar_pp in REAL_PP else 4, key="real_pp",
-                           help="Starts at the sidebar mesh's pp when that is one of these.")
+real_pp = r1.select_slider("Stages p", REAL_PP, value=sidebar_pp if sidebar_pp in REAL_PP else 4,
+                           key="real_pp", help="Starts at the sidebar mesh's pp when that is one of these.")
 real_m = r2.select_slider("Micro-batches m per step", REAL_M, value=16, key="real_m")
 tp = choices.mesh["tp"]
 stride = tp * choices.mesh["cp"] * choices.mesh["dp"] * choices.mesh["ep"]
@@ -154,8 +156,8 @@ except ValueError as e:
     st.stop()
 if len(set(view.layers_per_stage)) > 1:
     st.warning(f"{spec.layers} layers do not split evenly into {real_pp} stages "
-               f"({', '.join(map(str, view.layers_per_stage))}): the stage with more layers paces the pipeline. "
-               f"Choose p dividing {spec.layers}.")
+               f"({', '.join(map(str, view.layers_per_stage))}): the stage with more layers paces the "
+               f"pipeline. Choose p dividing {spec.layers}.")
 m1, m2, m3 = st.columns(3)
 m1.metric("Layers per stage", ", ".join(map(str, sorted(set(view.layers_per_stage), reverse=True))))
 m2.metric("Activations on stage 0, 1F1B", f"{view.activation_bytes_1f1b / 1e9:,.1f} GB",
@@ -173,8 +175,8 @@ and its real cost is the bubble, (p - 1)/m = **{(real_pp - 1) / real_m:.2f}** of
 """
 )
 st.caption(f"Planner arithmetic (planner/memory.py, hardware/collectives.py): bf16, flash attention, no "
-           f"recomputation, no sequence parallel, tp = {tp} from the sidebar; the pp group's chips are {stride} "
-           "ranks apart (pp is the outermost mesh axis), achievable link bandwidth.")
+           f"recomputation, no sequence parallel, tp = {tp} from the sidebar; the pp group's chips are "
+           f"{stride} ranks apart (pp is the outermost mesh axis), achievable link bandwidth.")
 
 st.header("Run it for real")
 st.markdown(
@@ -228,20 +230,23 @@ if live is not None:
         f"single-process reference over {cfg.steps} steps (largest difference {check['max_abs_diff']:.2e}; "
         f"loss {summary['loss'][-1]:.4f}).")
     measured = measured_bubble_fraction(timeline, 1)
-    predicted = simulate_schedule(name, pp_live, cfg.micro_batches, v_live, measured_op_times(timeline, 1, v_live))
+    predicted = simulate_schedule(name, pp_live, cfg.micro_batches, v_live,
+                                  measured_op_times(timeline, 1, v_live))
     b1, b2, b3 = st.columns(3)
     b1.metric("Bubble, measured (step 1)", f"{measured:.3f}")
     b2.metric("Bubble, simulated with the measured op times", f"{predicted.bubble_fraction:.3f}")
     b3.metric("Bubble, formula", f"{formula_bubble_fraction(name, pp_live, cfg.micro_batches, v_live):.3f}")
-    st.caption("The simulation uses the mean F and B (BI, BW) times of step 1 and no transfer time; the measured "
-               "bubble also holds the sends and receives, and the jitter of processes sharing a few cores.")
+    st.caption("The simulation uses the mean F and B (BI, BW) times of step 1 and no transfer time; the "
+               "measured bubble also holds the sends and receives, and the jitter of processes sharing a few "
+               "cores.")
     st.plotly_chart(timeline_figure(step_timeline(timeline, 1),
                                     title=f"{SCHEDULE_LABELS[name]}: every rank's compute and point-to-point "
                                           "transfers"), key="live_timeline")
     held = held_micro_batches(predicted)
     st.dataframe([{"rank": r, "activations held, measured peak (KiB)": round(mem["activations_peak"] / 1024),
                    "micro-batches held, schedule": held[r], "bytes sent (KiB)": round(sent / 1024)}
-                  for r, (mem, sent) in enumerate(zip(summary["memory_bytes"], summary["comm_bytes"], strict=True))],
+                  for r, (mem, sent) in enumerate(zip(summary["memory_bytes"], summary["comm_bytes"],
+                                                      strict=True))],
                  hide_index=True, width="stretch")
     st.download_button("Download the trace (open it in ui.perfetto.dev or chrome://tracing)",
                        json.dumps(timeline.to_chrome_trace()), file_name="shardlab-pipeline-trace.json",

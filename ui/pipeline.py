@@ -50,7 +50,8 @@ def formula_latex(name: str) -> str:
 
 def op_times(backward_over_forward: float, comm_over_forward: float = 0.0) -> OpTimes:
     """Op times in units of t_F: the backward takes `backward_over_forward` t_F, split evenly into BI and BW
-    for ZB-H1 (equal halves is Qi et al. 2023's t_BI = t_BW case); a transfer takes `comm_over_forward` t_F."""
+    for ZB-H1 (equal halves is Qi et al. 2023's t_BI = t_BW case); a transfer takes `comm_over_forward`
+    t_F."""
     half = backward_over_forward / 2
     return OpTimes(forward_s=1.0, backward_input_s=half, backward_weight_s=half, comm_s=comm_over_forward)
 
@@ -153,12 +154,14 @@ def schedule_figure(sim: Simulation, title: str = "", frames: int = 40, animate:
         uniformtext={"minsize": 8, "mode": "hide"},
         margin={"l": 10, "r": 10, "t": 50 if title else 20, "b": 10},
         legend={"orientation": "h", "x": 0, "y": 1.0, "yanchor": "bottom"},
-        xaxis={"title": "time (units of t_F, one forward through a rank's layers)", "range": [0, t_end * 1.01]},
+        xaxis={"title": "time (units of t_F, one forward through a rank's layers)",
+               "range": [0, t_end * 1.01]},
         yaxis={"categoryorder": "array", "categoryarray": list(reversed(rows))},
     )
     if animate and frames > 1:
         times = [t_end * i / (frames - 1) for i in range(frames)]
-        fig.frames = [go.Frame(name=f"{t:.4f}", data=[go.Bar(**widths(k, t)) for k in kinds] + [go.Scatter(**cursor(t))],
+        fig.frames = [go.Frame(name=f"{t:.4f}",
+                               data=[go.Bar(**widths(k, t)) for k in kinds] + [go.Scatter(**cursor(t))],
                                traces=list(range(len(kinds) + 1))) for t in times]
         fig.update_layout(
             updatemenus=[{
@@ -176,7 +179,8 @@ def schedule_figure(sim: Simulation, title: str = "", frames: int = 40, animate:
                 "active": frames - 1, "x": 0.22, "len": 0.78, "y": 0, "yanchor": "top", "pad": {"t": 45},
                 "currentvalue": {"prefix": "t = ", "suffix": " t_F"},
                 "steps": [{"label": f"{t:.1f}", "method": "animate",
-                           "args": [[f"{t:.4f}"], {"mode": "immediate", "frame": {"duration": 0, "redraw": True}}]}
+                           "args": [[f"{t:.4f}"],
+                                    {"mode": "immediate", "frame": {"duration": 0, "redraw": True}}]}
                           for t in times],
             }],
         )
@@ -224,7 +228,8 @@ def comparison(p: int, m: int, v: int, times: OpTimes) -> tuple[dict[str, Simula
         sims[name] = sim
         held = held_micro_batches(sim)
         row.update({"formula bubble": formula_bubble_fraction(name, p, m, sim.schedule.virtual_stages, times),
-                    "simulated bubble": sim.bubble_fraction, "held, rank 0": held[0], "held, last rank": held[-1]})
+                    "simulated bubble": sim.bubble_fraction, "held, rank 0": held[0],
+                    "held, last rank": held[-1]})
         if times.comm_s > 0:
             row["note"] = "the formula leaves communication out"
         elif name == "zb-h1" and m < p:
@@ -260,14 +265,15 @@ def real_chip_view(spec: ModelSpec, chip: Chip, pp: int, micro_batches: int, tp:
     acts = {}
     for schedule in ("1f1b", "gpipe"):
         lay = Layout(dp=1, tp=tp, pp=pp, pp_schedule=schedule, micro_batch=micro_batch)
-        per_layer = max(layer_activation_bytes(spec, lay, spec.is_moe), layer_activation_bytes(spec, lay, False))
+        per_layer = max(layer_activation_bytes(spec, lay, spec.is_moe),
+                        layer_activation_bytes(spec, lay, False))
         acts[schedule] = in_flight_layers(0, lay, micro_batches, first_stage_layers) * per_layer
     tokens = micro_batch * spec.seq_len
     p2p_bytes = tokens * spec.hidden * ACTIVATION_BYTES_PER_VALUE / tp
     topo = group_topology(chip, pp, stride=stride, achievable=True)
     stage_forward_s = forward_flops(spec, tokens) / pp / tp / chip.bf16_flops_per_s
-    return RealChipView(tuple(sum(chunks) for chunks in layer_split(spec.layers, pp)), acts["1f1b"], acts["gpipe"],
-                        p2p_bytes, topo.p2p_s(p2p_bytes), stage_forward_s, topo.describe())
+    return RealChipView(tuple(sum(chunks) for chunks in layer_split(spec.layers, pp)), acts["1f1b"],
+                        acts["gpipe"], p2p_bytes, topo.p2p_s(p2p_bytes), stage_forward_s, topo.describe())
 
 
 def measured_op_times(timeline: Timeline, step: int, virtual_stages: int) -> OpTimes:
