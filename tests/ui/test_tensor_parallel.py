@@ -1,0 +1,231 @@
+"""The Tensor and sequence parallel lesson: builders against the papers' formulas, the page through AppTest,
+one live TP / TP + SP run at world 2."""
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from engine.trace import Span, Timeline
+from hardware.chips import CHIPS
+from hardware.collectives import group_topology
+from planner.memory import korthikanti_bytes
+from planner.models import MODEL_PRESETS, ModelSpec
+from tests.ui.apptest_util import open_app
+from ui.tensor_parallel import (
+    RANK_COLORS,
+    activation_bytes,
+    comm_bytes_by_kind,
+    head_owners,
+    live_rows,
+    scaling_rows,
+    split_figure,
+    tp_comm_bytes_per_layer,
+    tp_comm_seconds_per_layer,
+    tp_config_error,
+)
+
+PAGE = "app_pages/tensor_parallel.py"
+LLAMA3_8B = MODEL_PRESETS["Llama 3 8B"]
+GPT3 = MODEL_PRESETS["GPT-3 175B"]
+
+
+def _extent(trace) -> tuple[float, float, float, float]:
+    xs = [x for x in trace.x if x is not None]
+    ys = [y for y in trace.y if y is not None]
+    return min(xs), max(xs), min(ys), max(ys)
+
+
+# ---- the split picture --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_split_figure_gives_each_rank_its_colour_and_block(tp):
+    d, f = 4096, 14336
+    fig = split_figure(d, f, 32, 8, tp)
+    w_in = [t for t in fig.data if t.xaxis == "x"]
+    w_out = [t for t in fig.data if t.xaxis == "x2"]
+    heads = [t for t in fig.data if t.xaxis == "x3"]
+    assert len(w_in) == len(w_out) == len(heads) == tp
+    assert [t.fillcolor for t in w_in] == list(RANK_COLORS[:tp])
+    assert len(set(t.fillcolor for t in w_in)) == tp
+    for r in range(tp):
+        # column-parallel: rank r owns columns [r F/t, (r+1) F/t) of W_in, all D rows
+        assert _extent(w_in[r]) == (r * f / tp, (r + 1) * f / tp, 0, d)
+        # row-parallel: the same slice of F, now as rows of W_out, all D columns
+        assert _extent(w_out[r]) == (0, d, r * f / tp, (r + 1) * f / tp)
+        assert w_in[r].name == w_out[r].name == heads[r].name == f"rank {r}"
+    # 32 query heads over t ranks: 32/t head cells per rank (plus the KV row under them)
+    q_cells = [sum(1 for i in range(0, len(t.y), 6) if t.y[i] == 0) for t in heads]  # 6 points per box
+    assert q_cells == [32 // tp] * tp
+
+
+def test_split_figure_refuses_a_tp_that_does_not_divide():
+    with pytest.raises(ValueError, match="tp=3"):
+        split_figure(4096, 14336, 32, 8, 3)
+
+
+def test_kv_heads_are_split_or_replicated():
+    q_owner, kv = head_owners(32, 8, 4)
+    assert q_owner[:9] == [0] * 8 + [1]
+    assert kv == [[0], [0], [1], [1], [2], [2], [3], [3]]  # 2 whole KV heads per rank
+    _, kv = head_owners(32, 8, 16)
+    assert kv[0] == [0, 1] and all(len(ranks) == 2 for ranks in kv)  # tp > kv_heads: 2 copies each
+
+
+def test_tp_fit_uses_the_engine_messages():
+    assert tp_config_error(LLAMA3_8B, 8) is None
+    assert tp_config_error(LLAMA3_8B, 16) is None  # 8 KV heads, each replicated on 2 ranks
+    message = tp_config_error(LLAMA3_8B, 3)
+    assert message.startswith("heads=32 is not divisible by tp=3") and "{1, 2, 4, 8, 16, 32}" in message
+    assert "heads=40 is not divisible by tp=16" in tp_config_error(MODEL_PRESETS["Llama 2 13B"], 16)
+    # the vocabulary is padded as Megatron does, so GPT-3's 50,257 tokens do not block tp = 8
+    assert tp_config_error(GPT3, 8) is None
+
+
+# ---- memory and communication -------------------------------------------------------------------
+
+def test_activation_memory_is_korthikanti_table_2():
+    s, b, h, a, t = GPT3.seq_len, 1, GPT3.hidden, GPT3.heads, 8
+    sbh = s * b * h
+    mem = activation_bytes(GPT3, b, t)
+    # GPT-3: 5as/h = 5 * 96 * 2048 / 12288 = 80, so one chip keeps 114 sbh, TP 10 + 24/8 + 80/8 = 23 sbh,
+    # TP + SP 114/8 = 14.25 sbh, selective recomputation 34/8 = 4.25 sbh, full recomputation 2 sbh / ... = 2 sbh
+    assert mem["none"] == pytest.approx(114 * sbh)
+    assert mem["tp"] == pytest.approx(23 * sbh)
+    assert mem["tp+sp"] == pytest.approx(14.25 * sbh)
+    assert mem["tp+sp+selective"] == pytest.approx(4.25 * sbh)
+    for mode in ("tp", "tp+sp", "tp+sp+selective"):
+        assert mem[mode] == korthikanti_bytes(s, b, h, a, t, mode)
+
+
+def test_comm_bytes_are_four_ring_all_reduces_of_bsh():
+    # 4 x 2(t-1)/t x b s h x 2 bytes: Llama 3 8B, t = 8, b = 1: V = 8192 x 4096 x 2 = 64 MiB, 4 x 1.75 x V = 448 MiB
+    assert tp_comm_bytes_per_layer(LLAMA3_8B, 1, 8) == 448 * 2**20
+    assert tp_comm_bytes_per_layer(LLAMA3_8B, 2, 2) == 4 * 2 * 1 / 2 * 2 * 8192 * 4096 * 2
+    assert tp_comm_bytes_per_layer(LLAMA3_8B, 1, 1) == 0
+
+
+@pytest.mark.parametrize("tp", [2, 8, 16])
+def test_sequence_parallel_costs_what_tp_costs(tp):
+    topo = group_topology(CHIPS["h100"], tp, achievable=True)
+    v = 8192 * 4096 * 2
+    assert tp_comm_seconds_per_layer(topo, LLAMA3_8B, 1, False) == pytest.approx(4 * topo.all_reduce_s(v))
+    assert tp_comm_seconds_per_layer(topo, LLAMA3_8B, 1, True) == pytest.approx(
+        tp_comm_seconds_per_layer(topo, LLAMA3_8B, 1, False))
+
+
+def test_scaling_rows_cross_the_nvlink_domain():
+    rows = {r["tp"]: r for r in scaling_rows(LLAMA3_8B, CHIPS["h100"], 1, [1, 2, 4, 8, 16])}
+    assert rows[1]["comm_s"] == 0 and rows[8]["inside_domain"] and not rows[16]["inside_domain"]
+    assert "2 domains x 8" in rows[16]["topology"]
+    # compute per chip falls with t while the communication grows, and more so past the node
+    assert rows[16]["compute_s"] < rows[8]["compute_s"] < rows[2]["compute_s"]
+    assert rows[2]["comm_s"] < rows[8]["comm_s"] < rows[16]["comm_s"]
+    # a tp group spread over nodes pays the network for every byte
+    assert rows[8]["comm_spread_s"] > 5 * rows[8]["comm_s"]
+
+
+def test_measured_bytes_by_kind_and_rows():
+    def span(rank, name, nbytes):
+        return Span(rank, "comm", name, 0.0, 1.0, bytes=nbytes, group="tp")
+
+    tp_tl = Timeline([span(0, "all_reduce L0 attn", 400), span(0, "all_reduce L0 mlp grad", 400),
+                      Span(0, "compute", "fwd L0", 0.0, 1.0), span(1, "all_reduce L0 attn", 400)])
+    sp_tl = Timeline([span(0, "all_gather L0 attn", 200), span(0, "reduce_scatter L0 attn", 200),
+                      span(0, "all_gather L0 mlp grad", 200), span(0, "reduce_scatter L0 mlp", 200)])
+    assert comm_bytes_by_kind(tp_tl, 0, steps=2) == {"all_reduce": 400}
+    assert comm_bytes_by_kind(sp_tl, 0, steps=2) == {"all_gather": 200, "reduce_scatter": 200}
+
+    def summary(sent, acts):
+        return {"steps": 2, "comm_bytes": [sent], "memory_bytes": [{"activations_peak": acts}],
+                "step_time_s": 0.01}
+
+    rows = live_rows([("TP", summary(800, 4096), tp_tl, 400), ("TP + SP", summary(800, 2048), sp_tl, 400)])
+    assert [r["bytes sent per step (rank 0)"] for r in rows] == ["400", "400"]
+    assert rows[1]["all-gather"] == rows[1]["reduce-scatter"] == "200" and rows[1]["all-reduce"] == "0"
+    assert rows[0]["activation memory (rank 0)"] == "4 KiB" and rows[1]["activation memory (rank 0)"] == "2 KiB"
+
+
+# ---- the page -----------------------------------------------------------------------------------
+
+def _page(**params) -> AppTest:
+    return open_app(PAGE, **params)
+
+
+def _text(at: AppTest) -> str:
+    return " ".join(m.value for m in at.markdown)
+
+
+def test_page_opens_with_numbers_for_the_sidebar_model():
+    at = _page(model="Llama 3 8B", chip="h100")
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.title[0].value == "Tensor and sequence parallel"
+    assert not at.error
+    text = _text(at)
+    assert at.slider(key="tp_degree").value == 8  # sidebar tp = 1: start at a full NVLink node
+    assert "which at t = **8** is **448 MiB**" in text
+    assert "**1.78 GB** per layer per chip, sequence parallel **1.48 GB**" in text
+    assert "At t = 16 the group spans 2 nodes of 8" in text
+    assert len(at.get("plotly_chart")) == 3  # split, activations, scaling; no live run yet
+
+
+def test_slider_changes_the_numbers():
+    at = _page(model="Llama 3 8B", chip="h100")
+    at.slider(key="tp_degree").set_value(2).run()
+    assert not at.exception and not at.error
+    text = _text(at)
+    # t = 2: 4 x 2(1/2) x 64 MiB = 256 MiB; TP keeps sbh(10 + 12 + 160) = 182 sbh = 6.11 GB per layer
+    assert "which at t = **2** is **256 MiB**" in text
+    assert "tensor parallel alone keeps **6.11 GB**" in text
+
+
+def test_a_tp_that_does_not_divide_the_heads_is_a_message():
+    at = _page(model="Llama 3 8B", chip="h100")
+    at.slider(key="tp_degree").set_value(3).run()
+    assert not at.exception
+    assert "heads=32 is not divisible by tp=3" in at.error[0].value
+    assert len(at.get("plotly_chart")) == 2  # no split picture, the rest still shown
+
+
+def test_a_bad_live_run_is_the_engine_message_without_starting_workers():
+    at = _page()
+    at.select_slider(key="tp_live_world").set_value(4)
+    at.select_slider(key="tp_live_heads").set_value(2)
+    at.select_slider(key="tp_live_kv_heads").set_value(2)
+    at.button[0].click().run()
+    assert not at.exception
+    assert "heads=2 is not divisible by tp=4" in at.error[0].value
+
+
+def test_engine_failure_is_a_message(monkeypatch):
+    import engine.run
+
+    def fail(*args, **kwargs):
+        from engine.launch import RankFailed
+
+        raise RankFailed(1, "Traceback ...\nRuntimeError: boom")
+
+    monkeypatch.setattr(engine.run, "run", fail)
+    at = _page()
+    at.button[0].click().run()
+    assert not at.exception
+    assert "Rank 1 failed: RuntimeError: boom" in at.error[0].value
+
+
+@pytest.mark.multiprocess
+def test_live_tp_and_sp_runs_match_the_reference():
+    at = _page()
+    at.select_slider(key="tp_live_world").set_value(2)
+    at.select_slider(key="tp_live_steps").set_value(1)
+    at.button[0].click().run(timeout=180)
+    assert not at.exception, [e.value for e in at.exception]
+    assert not at.error, [e.value for e in at.error]
+    assert [s.value.split(" on ")[0] for s in at.success] == ["TP", "TP + SP"]
+    assert all("matches the single-process reference" in s.value for s in at.success)
+    rows = at.dataframe[1].value  # the measured table (after the memory table)
+    assert list(rows["run"]) == ["TP", "TP + SP"]
+    measured = [int(v.replace(",", "")) for v in rows["bytes sent per step (rank 0)"]]
+    formula = [int(v.replace(",", "")) for v in rows["formula (engine.tp.tp_comm_bytes)"]]
+    assert measured == formula
+    assert abs(measured[1] - measured[0]) < 0.02 * measured[0]  # only the norms' weight gradients differ
+    kib = [int(v.split()[0].replace(",", "")) for v in rows["activation memory (rank 0)"]]
+    assert kib[1] < kib[0]
+    assert len(at.get("plotly_chart")) == 5  # the 3 lesson charts + one timeline per run
