@@ -124,12 +124,13 @@ st.dataframe(rows, hide_index=True, width="stretch", column_config={
     "held, rank 0": st.column_config.NumberColumn(help="peak micro-batches of activations on the first chip",
                                                   format="%.3g"),
     "held, last rank": st.column_config.NumberColumn(format="%.3g"),
+    "note": st.column_config.TextColumn(width="large"),
 })
 st.markdown(
     f"""
 The memory side: a micro-batch's activations stay on a chip from its forward until its backward
 (B, or BI for ZB-H1). GPipe keeps all **m = {m}** on every chip; 1F1B keeps **p - i** on chip i
-({", ".join(str(max(1, min(p - i, m))) for i in range(p))} here), and the first chip's p is what must fit.
+({", ".join(str(min(p - i, m)) for i in range(p))} here), and the first chip's p is what must fit.
 Interleaving warms up longer, so it holds more (counted in micro-batches' worth of a chip's layers, since a
 chunk is 1/v of them).
 """
@@ -230,15 +231,18 @@ if live is not None:
         f"single-process reference over {cfg.steps} steps (largest difference {check['max_abs_diff']:.2e}; "
         f"loss {summary['loss'][-1]:.4f}).")
     measured = measured_bubble_fraction(timeline, 1)
-    predicted = simulate_schedule(name, pp_live, cfg.micro_batches, v_live,
-                                  measured_op_times(timeline, 1, v_live))
+    op = measured_op_times(timeline, 1, v_live)
+    predicted = simulate_schedule(name, pp_live, cfg.micro_batches, v_live, op)
     b1, b2, b3 = st.columns(3)
     b1.metric("Bubble, measured (step 1)", f"{measured:.3f}")
     b2.metric("Bubble, simulated with the measured op times", f"{predicted.bubble_fraction:.3f}")
     b3.metric("Bubble, formula", f"{formula_bubble_fraction(name, pp_live, cfg.micro_batches, v_live):.3f}")
-    st.caption("The simulation uses the mean F and B (BI, BW) times of step 1 and no transfer time; the "
-               "measured bubble also holds the sends and receives, and the jitter of processes sharing a few "
-               "cores.")
+    st.caption(f"The simulation uses step 1's mean times per rank's layers, t_F = "
+               f"{op.forward_s * 1e3:.2f} ms and t_B = {op.backward_s * 1e3:.2f} ms, and no transfer time. The "
+               "measured bubble also holds every send and receive and the Python overhead around them, which on this tiny model are not "
+               "small against the compute (interleaving sends v times as many messages), and the jitter of "
+               "processes sharing a few cores. On real chips the compute is far larger and the formula holds "
+               "better.")
     st.plotly_chart(timeline_figure(step_timeline(timeline, 1),
                                     title=f"{SCHEDULE_LABELS[name]}: every rank's compute and point-to-point "
                                           "transfers"), key="live_timeline")
@@ -248,6 +252,9 @@ if live is not None:
                   for r, (mem, sent) in enumerate(zip(summary["memory_bytes"], summary["comm_bytes"],
                                                       strict=True))],
                  hide_index=True, width="stretch")
+    st.caption("Measured activations are the tensors each rank keeps for its backward. The last stage also "
+               "keeps the logits (vocabulary-sized), so it can hold more than its count says; ZB-H1 keeps "
+               "the inputs of its deferred BW too.")
     st.download_button("Download the trace (open it in ui.perfetto.dev or chrome://tracing)",
                        json.dumps(timeline.to_chrome_trace()), file_name="shardlab-pipeline-trace.json",
                        mime="application/json")
