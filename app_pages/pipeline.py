@@ -241,8 +241,8 @@ if live is not None:
                f"{op.forward_s * 1e3:.2f} ms and t_B = {op.backward_s * 1e3:.2f} ms, and no transfer time. "
                "The measured bubble also holds every send and receive and the Python overhead around them, "
                "which on this tiny model are not small against the compute (interleaving sends v times as "
-               "many messages), and the jitter of processes sharing a few cores. On real chips the compute is "
-               "far larger and the formula holds better.")
+               "many messages), and the jitter of processes sharing a few cores. On real chips the compute "
+               "is far larger and the formula holds better.")
     st.plotly_chart(timeline_figure(step_timeline(timeline, 1),
                                     title=f"{SCHEDULE_LABELS[name]}: every rank's compute and point-to-point "
                                           "transfers"), key="live_timeline")
