@@ -117,6 +117,8 @@ if sim is not None:
                    "chunk b (stage p + r of chip r), 3b its backward.")
 
 st.subheader("All four schedules, same p and m")
+st.caption(f"p = {p}, m = {m}, interleaved with v = {v}; times as above. \"held\": peak micro-batches of "
+           "activations a chip keeps.")
 sims, rows = comparison(p, m, v, times)
 st.dataframe(rows, hide_index=True, width="stretch", column_config={
     "formula bubble": st.column_config.NumberColumn(format="%.3f"),

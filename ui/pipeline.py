@@ -26,6 +26,7 @@ from planner.memory import in_flight_layers, layer_activation_bytes, layer_split
 from planner.models import ModelSpec
 
 SCHEDULE_LABELS = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved 1F1B", "zb-h1": "ZB-H1"}
+SCHEDULE_COLORS = {"gpipe": "#E45756", "1f1b": "#4C78A8", "interleaved-1f1b": "#F58518", "zb-h1": "#54A24B"}
 KIND_LABELS = {FORWARD: "F (forward)", BACKWARD: "B (backward)", BACKWARD_INPUT: "BI (backward, input grad)",
                BACKWARD_WEIGHT: "BW (backward, weight grad)", "bubble": "bubble (idle)"}
 KIND_COLORS = {FORWARD: "#4C78A8", BACKWARD: "#54A24B", BACKWARD_INPUT: "#72B7B2", BACKWARD_WEIGHT: "#B279A2",
@@ -201,7 +202,7 @@ def in_flight_figure(sims: dict[str, Simulation], chosen: str) -> go.Figure:
         held = held_micro_batches(sim)
         fig.add_trace(go.Bar(
             x=[_rank_label(r) for r in range(len(held))], y=held, name=SCHEDULE_LABELS[name],
-            opacity=1.0 if name == chosen else 0.35, text=[f"{h:g}" for h in held], textposition="outside",
+            marker_color=SCHEDULE_COLORS[name], opacity=1.0 if name == chosen else 0.35, text=[f"{h:g}" for h in held], textposition="outside",
             hovertemplate=f"{SCHEDULE_LABELS[name]}, %{{x}}: %{{y:g}} micro-batches<extra></extra>",
         ))
     fig.update_layout(barmode="group", height=340, yaxis_title="micro-batches of activations held (peak)",
