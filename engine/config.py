@@ -235,14 +235,16 @@ def _validate_pp(cfg: RunConfig) -> None:
            "a mesh with both dp and fsdp axes (HSDP) is not supported: keep one of them")
     _check(p.degree("fsdp", cfg.world) == 1 or p.stage == 3,
            f"the fsdp axis shards parameters (ZeRO-3): drop --zero-stage {p.stage} or name the axis dp")
-    _check(p.schedule in SCHEDULE_NAMES, f"schedule={p.schedule!r} must be one of {', '.join(SCHEDULE_NAMES)}")
+    _check(p.schedule in SCHEDULE_NAMES,
+           f"schedule={p.schedule!r} must be one of {', '.join(SCHEDULE_NAMES)}")
     _check(v >= 1, f"virtual_stages={v} must be at least 1")
     _check(v == 1 or p.schedule == "interleaved-1f1b",
            f"{p.schedule} runs one stage per rank: set --virtual-stages 1 or use --schedule interleaved-1f1b")
     if pp == 1:
         return
-    _check(m.layers % (pp * v) == 0, f"layers={m.layers} is not divisible by pp*virtual_stages={pp * v}: each "
-           f"pipeline stage holds the same number of layers; choose layers as a multiple of {pp * v}")
+    _check(m.layers % (pp * v) == 0,
+           f"layers={m.layers} is not divisible by pp*virtual_stages={pp * v}: each pipeline stage holds "
+           f"the same number of layers; choose layers as a multiple of {pp * v}")
     if p.schedule == "interleaved-1f1b":
         # Narayanan et al. 2021 section 2.2: micro-batches enter the interleaved pipeline in groups of pp.
         below, above = mb - mb % pp, mb - mb % pp + pp
@@ -250,7 +252,8 @@ def _validate_pp(cfg: RunConfig) -> None:
                f"use --micro-batches {f'{below} or {above}' if below else above}")
     _check(p.schedule != "zb-h1" or p.stage == 0,
            f"zb-h1 computes weight gradients per parameter, apart from input gradients, which the flat "
-           f"ZeRO/FSDP buffers do not allow: use --zero-stage 0 or --schedule 1f1b (got zero stage {p.stage})")
+           f"ZeRO/FSDP buffers do not allow: use --zero-stage 0 or --schedule 1f1b "
+           f"(got zero stage {p.stage})")
 
 
 def _tp_sizes(heads: int, kv_heads: int) -> str:
