@@ -53,7 +53,8 @@ def run_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--kv-heads", type=int, default=ModelConfig.kv_heads, help="grouped key/value heads")
     p.add_argument("--ffn", type=int, default=ModelConfig.ffn, help="SwiGLU hidden size")
     p.add_argument("--layers", type=int, default=None,
-                   help=f"transformer layers (default: {ModelConfig.layers}, or pp*virtual_stages when larger)")
+                   help=f"transformer layers (default: {ModelConfig.layers}, "
+                        f"or pp*virtual_stages when larger)")
     p.add_argument("--schedule", choices=list(SCHEDULE_NAMES), default=ParallelConfig.schedule,
                    help="pipeline schedule, when the mesh has pp > 1")
     p.add_argument("--virtual-stages", type=int, default=1,
@@ -93,8 +94,8 @@ def _human(summary: dict) -> str:
     if summary["mesh"].get("pp", 1) > 1:
         parallel = summary["config"]["parallel"]
         mesh = ",".join(f"{axis}={degree}" for axis, degree in summary["mesh"].items())
-        lines.insert(1, f"mesh {mesh} (rank order outermost first); pipeline schedule {parallel['schedule']}, "
-                        f"{parallel['virtual_stages']} virtual stage(s) per rank")
+        lines.insert(1, f"mesh {mesh} (rank order outermost first); pipeline schedule "
+                        f"{parallel['schedule']}, {parallel['virtual_stages']} virtual stage(s) per rank")
     for rank, (mem, sent) in enumerate(zip(summary["memory_bytes"], summary["comm_bytes"], strict=True)):
         parts = ", ".join(f"{k} {v / 1024:.0f} KiB" for k, v in mem.items())
         lines.append(f"rank {rank}: sent {sent / 1024:.0f} KiB; memory: {parts}")
