@@ -235,14 +235,16 @@ class Comm:
                            lambda: dist.broadcast(wire, src, group=self.groups[group], async_op=True),
                            lambda: self._from_wire(wire, t, group))
 
-    def send(self, t: torch.Tensor, dst: int, name: str = "send", async_op: bool = False, group: str = "world"):
+    def send(self, t: torch.Tensor, dst: int, name: str = "send", async_op: bool = False,
+             group: str = "world"):
         """`dst` is a global rank; the send is recorded on `group` (e.g. "pp"). The caller keeps `t` alive
         until the handle's wait() returns."""
         wire = self._to_wire(t, group)
         return self._issue(name, group, t.numel() * t.element_size(), async_op,
                            lambda: dist.isend(wire, dst, group=self.groups[group]), lambda: t)
 
-    def recv(self, t: torch.Tensor, src: int, name: str = "recv", async_op: bool = False, group: str = "world"):
+    def recv(self, t: torch.Tensor, src: int, name: str = "recv", async_op: bool = False,
+             group: str = "world"):
         """`src` is a global rank. Between one pair of ranks in one group, messages match in send order."""
         wire = self._wire_buffer(t)
         return self._issue(name, group, 0, async_op,
