@@ -95,7 +95,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     args = ap.parse_args()
     p, m = args.world, args.micro_batches
-    model = ModelConfig(layers=2 * p, hidden=args.hidden, heads=8, kv_heads=4, ffn=4 * args.hidden, seq_len=64)
+    model = ModelConfig(layers=2 * p, hidden=args.hidden, heads=8, kv_heads=4, ffn=4 * args.hidden,
+                        seq_len=64)
 
     def cfg(schedule: str) -> RunConfig:
         v = 2 if schedule == "interleaved-1f1b" else 1

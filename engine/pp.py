@@ -45,8 +45,18 @@ from engine.model import build_model, global_batch
 from engine.pp_stage import StageModel, WeightGradSplit, stage_tensor_parallel, stage_units
 from engine.recorder import Recorder
 from engine.reference import hyper, reference_run
-from engine.schedules import (ACTIVATION, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, GRADIENT, RECV,
-                              SEND, Action, make_schedule)
+from engine.schedules import (
+    ACTIVATION,
+    BACKWARD,
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    GRADIENT,
+    RECV,
+    SEND,
+    Action,
+    make_schedule,
+)
 from engine.strategy import _OnBackward
 from engine.tp import TensorParallelPlan
 from engine.trace import Timeline
@@ -216,7 +226,8 @@ class Pipeline:
     def full_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """This rank's stages' state (gathered over dp by the strategy) under the full model's names."""
         state = self.strategy.full_state()
-        return {q: {self.model.global_name(n): t.detach().cpu() for n, t in d.items()} for q, d in state.items()}
+        return {quantity: {self.model.global_name(n): t.detach().cpu() for n, t in tensors.items()}
+                for quantity, tensors in state.items()}
 
 
 def run_pipeline_rank(ctx, cfg: RunConfig, traced: bool = True, check: bool = False,

@@ -43,7 +43,13 @@ from torch import nn
 from engine.config import ModelConfig, RunConfig
 from engine.model import Transformer
 from engine.strategy import Strategy
-from engine.tp import TensorParallelDP, TensorParallelFSDP, TensorParallelMixin, TensorParallelPlan, TensorParallelZeRO
+from engine.tp import (
+    TensorParallelDP,
+    TensorParallelFSDP,
+    TensorParallelMixin,
+    TensorParallelPlan,
+    TensorParallelZeRO,
+)
 
 
 def stage_units(m: ModelConfig, num_stages: int, stage: int) -> list[int]:
@@ -109,7 +115,8 @@ class WeightGradSplit:
         grads = torch.autograd.grad(output, wanted, grad_outputs=grad, retain_graph=True, allow_unused=True)
         input_grad = grads[0] if stage_input is not None else None
         output_grads = grads[1:] if stage_input is not None else grads
-        work = [(y, params, dy) for (y, params), dy in zip(captured, output_grads, strict=True) if dy is not None]
+        work = [(y, params, dy) for (y, params), dy in zip(captured, output_grads, strict=True)
+                if dy is not None]
         return input_grad, work
 
     @staticmethod

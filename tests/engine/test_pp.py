@@ -31,9 +31,10 @@ def _cfg(schedule: str, p: int, mesh=None, world=None, micro_batches=MICRO_BATCH
     v = 2 if schedule == "interleaved-1f1b" else 1
     # 2 layers per rank for every schedule at the same p, so their results can be compared bit for bit.
     # A generous time limit: the machine runs other work, and 8 ranks share its 2 cores.
-    return RunConfig(model=ModelConfig(layers=2 * p), world=world or p, steps=steps, micro_batches=micro_batches,
-                     timeout_s=240, parallel=ParallelConfig(strategy, mesh=mesh or (("pp", p),), schedule=schedule,
-                                             virtual_stages=v, **parallel))
+    layout = ParallelConfig(strategy, mesh=mesh or (("pp", p),), schedule=schedule, virtual_stages=v,
+                            **parallel)
+    return RunConfig(model=ModelConfig(layers=2 * p), world=world or p, steps=steps,
+                     micro_batches=micro_batches, timeout_s=240, parallel=layout)
 
 
 def _run_states(pool, cfg, traced=False):
@@ -199,14 +200,16 @@ def test_a_rank_crashing_mid_schedule_is_reported_without_hang_or_orphans():
     ({"schedule": "interleaved-1f1b", "virtual_stages": 2, "micro_batches": 3, "layers": 4},
      "needs micro_batches to be a multiple of pp=2 (got 3): use --micro-batches 2 or 4"),
     ({"schedule": "1f1b", "virtual_stages": 2}, "set --virtual-stages 1"),
-    ({"schedule": "zb-h1", "zero_stage": 2, "mesh": (("pp", 2), ("dp", 2)), "world": 4}, "use --zero-stage 0"),
+    ({"schedule": "zb-h1", "zero_stage": 2, "mesh": (("pp", 2), ("dp", 2)), "world": 4},
+     "use --zero-stage 0"),
     ({"mesh": (("dp", 2),)}, "--strategy pp needs a pp axis"),
     ({"mesh": (("pp", 2), ("dp", 2), ("fsdp", 2)), "world": 8}, "(HSDP) is not supported"),
 ])
 def test_impossible_pipelines_say_what_to_change(kw, says):
     model = ModelConfig(layers=kw.pop("layers", 2))
     run_kw = {k: kw.pop(k) for k in ("world", "micro_batches") if k in kw}
-    cfg = RunConfig(model=model, parallel=ParallelConfig(**{"strategy": "pp", **kw}), **{"world": 2, **run_kw})
+    parallel = ParallelConfig(**{"strategy": "pp", **kw})
+    cfg = RunConfig(model=model, parallel=parallel, **{"world": 2, **run_kw})
     with pytest.raises(ConfigError) as err:
         validate(cfg)
     assert says in str(err.value)
@@ -221,7 +224,8 @@ def test_mesh_is_canonical_and_stages_split_layers():
 
 
 @pytest.mark.parametrize("args, says", [
-    (["--strategy", "pp", "--world", "4", "--layers", "6"], "layers=6 is not divisible by pp*virtual_stages=4"),
+    (["--strategy", "pp", "--world", "4", "--layers", "6"],
+     "layers=6 is not divisible by pp*virtual_stages=4"),
     (["--strategy", "pp", "--schedule", "interleaved-1f1b", "--virtual-stages", "2", "--micro-batches", "3"],
      "multiple of pp=2"),
     (["--mesh", "pp=2,dp=2", "--world", "2"], "has 4 ranks but world=2"),
