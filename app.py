@@ -5,6 +5,10 @@ mesh shape) all pages share. The choices live in the URL query parameters, so a 
 same view.
 """
 
+# Import these fully before any page: Plotly looks them up in sys.modules without taking the import lock,
+# so a second session starting while the first is still importing pandas could see a half-made module.
+import numpy  # noqa: F401
+import pandas  # noqa: F401
 import streamlit as st
 
 from hardware.chips import CHIPS
