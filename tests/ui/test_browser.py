@@ -197,3 +197,22 @@ def test_collectives_ring_plays_and_the_live_sweep_runs(server, browser):
         assert page.locator(".js-plotly-plot").count() == 3
     finally:
         page.close()
+
+
+def test_a_classroom_opening_pages_at_once_on_a_fresh_server(browser):
+    # Many sessions start together when a teacher shares a link: their first script runs overlap, which
+    # once exposed a half-imported pandas through Plotly.
+    with _streamlit_server() as url:
+        paths = [lesson.url_path for lesson in LESSONS]
+        pages = []
+        for path in paths:
+            page = browser.new_page()
+            page.goto(f"{url}/{path}", wait_until="commit")
+            pages.append(page)
+        try:
+            for path, page in zip(paths, pages, strict=True):
+                page.wait_for_selector(".js-plotly-plot .main-svg", timeout=WAIT_MS)
+                _assert_no_exception(page, f"concurrent {path}")
+        finally:
+            for page in pages:
+                page.close()
