@@ -6,7 +6,7 @@
   micro-batches, loss and AdamW, on gloo; torch's side sends with batch_isend_irecv and infers shapes
 - measured bubble fraction per schedule against the formula ((p-1)/m, (p-1)/(v m), ZB-H1's
   (p-1)(t_F + t_BI - t_BW) / (m (t_F + t_B))): makespan of a step's F/B/BI/BW spans over all ranks
-  minus the busiest rank's compute, over that compute (engine/pp.measured_bubble_fraction)
+  minus the busiest rank's compute, over that compute (engine/pp_timeline.py)
 
 Step times are the median over steps (after one warm-up step) of the slowest rank. The model is larger
 than the tests' so that one stage's compute outweighs a point-to-point round trip.
@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.config import ModelConfig, ParallelConfig, RunConfig  # noqa: E402
 from engine.launch import Pool  # noqa: E402
-from engine.pp import measured_bubble_fraction  # noqa: E402
+from engine.pp_timeline import measured_bubble_fraction  # noqa: E402
 from engine.run import assemble  # noqa: E402
 from engine.schedules import SCHEDULE_NAMES, formula_bubble_fraction  # noqa: E402
 

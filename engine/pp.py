@@ -49,7 +49,6 @@ from engine.schedules import (
     ACTIVATION,
     BACKWARD,
     BACKWARD_INPUT,
-    BACKWARD_WEIGHT,
     FORWARD,
     GRADIENT,
     RECV,
@@ -59,11 +58,7 @@ from engine.schedules import (
 )
 from engine.strategy import _OnBackward
 from engine.tp import TensorParallelPlan
-from engine.trace import Timeline
 from engine.verify import compare
-
-PIPELINE_KINDS = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
-
 
 def _micro_batch_loss(loss: torch.Tensor, micro_batches: int) -> torch.Tensor:
     """The one place micro-batch losses are scaled: their sum is the mean loss of the step."""
@@ -279,12 +274,3 @@ def _merge(states: list[dict]) -> dict:
             out.setdefault(quantity, {}).update(tensors)
     return out
 
-
-def measured_bubble_fraction(timeline: Timeline, step: int) -> float:
-    """(pipeline makespan - busiest rank's compute) / that compute, from the F/B/BI/BW spans of one step:
-    the simulator's definition (engine/schedules.Simulation), Narayanan et al. 2021 eq. 1's ratio."""
-    spans = [s for s in timeline.spans if s.step == step and s.lane == "compute"
-             and s.name.split(" ")[0] in PIPELINE_KINDS]
-    makespan_s = max(s.end_s for s in spans) - min(s.start_s for s in spans)
-    busy_s = max(sum(s.duration_s for s in spans if s.rank == r) for r in {s.rank for s in spans})
-    return (makespan_s - busy_s) / busy_s

@@ -16,7 +16,7 @@ from engine.launch import Pool, RankFailed
 from engine.mesh import Mesh
 from engine.model import build_model, global_batch, loss_fn
 from engine.optim import adamw_
-from engine.pp import measured_bubble_fraction
+from engine.pp_timeline import measured_bubble_fraction
 from engine.pp_stage import stage_units
 from engine.reference import hyper
 from engine.run import assemble, run
@@ -149,6 +149,14 @@ def test_trace_activations_and_bubbles(pools):
         assert all(s.micro_batch is not None and s.name.split()[0] in kinds for s in computes)
         sends = [s for s in timeline.spans if s.name.startswith("send")]
         assert sends and all(s.group == "pp" and s.is_async and s.bytes == act_bytes for s in sends)
+        # Every rank is either computing or in a bubble from the step's first pipeline op to its last.
+        ops = [s for s in computes if s.step == 1]
+        window_s = max(s.end_s for s in ops) - min(s.start_s for s in ops)
+        for rank in range(p):
+            idle_s = sum(s.duration_s for s in timeline.spans if s.lane == "idle" and s.step == 1
+                         and s.rank == rank)
+            busy_s = sum(s.duration_s for s in ops if s.rank == rank)
+            assert idle_s + busy_s == pytest.approx(window_s, rel=1e-9)
     # 1F1B holds p - r micro-batches on rank r (Narayanan et al. 2021 section 2.2), GPipe all m. Ranks 1
     # and 2 run the same two blocks, so their ratio is exact; rank 0 adds the embedding, rank 3 the head.
     assert held["1f1b"][1] * 2 == held["1f1b"][2] * 3
