@@ -13,6 +13,7 @@ import statistics
 from dataclasses import asdict
 
 from engine.config import RunConfig, validate
+from engine.pp_timeline import bubble_spans
 from engine.trace import Span, Timeline
 
 
@@ -21,6 +22,10 @@ def assemble(cfg: RunConfig, results: list[dict]) -> tuple[dict, Timeline]:
     timeline = Timeline([Span(**s) for r in results for s in r["spans"]], source="measured",
                         meta={"strategy": cfg.parallel.strategy, "zero_stage": cfg.parallel.stage,
                               "world": cfg.world, "steps": cfg.steps, "micro_batches": cfg.micro_batches})
+    if cfg.pp > 1:
+        # Idle "bubble" spans, as on the simulator's predicted pipeline timeline.
+        timeline.extend(bubble_spans(timeline))
+        timeline.meta.update(schedule=cfg.parallel.schedule, virtual_stages=cfg.parallel.virtual_stages)
     # A step takes as long as its slowest rank; the median over steps drops the first step's warm-up.
     slowest = [max(r["step_times_s"][s] for r in results) for s in range(cfg.steps)]
     check = results[0]["check"]
