@@ -24,6 +24,7 @@
     schedules  pipeline schedules as data (GPipe, 1F1B, interleaved 1F1B, ZB-H1) and their simulator
     pp         pipeline executor: walks a schedule's actions with p2p sends, composed with dp/fsdp/tp
     pp_stage   which units a pipeline stage holds, tp over stages, ZB-H1's input/weight backward split
+    pp_timeline  a measured pipeline step's bubbles (idle spans) and bubble fraction (no torch)
     memory     activation bytes from autograd's saved tensors
     train      one rank's run (the task the pool executes)
     verify     comparison with the reference, tolerance and reason per quantity
