@@ -188,7 +188,8 @@ if outside:
     last_inside = by_tp[max(r["tp"] for r in inside)] if inside else None
     lines.append(
         f"* **Crossing the domain.** At t = {jump['tp']} the group spans {jump['tp'] // domain} nodes of "
-        f"{domain}: {jump['topology']}. " + (
+        f"{domain} GPUs, whose network cards give each GPU {chip.scaleout_bytes_per_s / 1e9:.0f} GB/s instead of "
+        f"NVLink's {chip.scaleup_bytes_per_s / 1e9:.0f} GB/s. " + (
             f"Per layer the communication goes from {format_seconds(last_inside['comm_s'])} at "
             f"t = {last_inside['tp']} to {format_seconds(jump['comm_s'])} "
             f"({jump['comm_s'] / last_inside['comm_s'] - 1:+.0%}) while compute only falls to "

@@ -16,6 +16,7 @@ without a browser.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import plotly.colors
@@ -50,6 +51,12 @@ MEMORY_MODES = {
 
 def rank_color(rank: int) -> str:
     return RANK_COLORS[rank % len(RANK_COLORS)]
+
+
+def log_ticks(values: list[float]) -> list[float]:
+    """1-2-5 tick values covering `values` (all > 0), for a readable log axis."""
+    lo, hi = math.floor(math.log10(min(values))), math.ceil(math.log10(max(values)))
+    return [m * 10.0**e for e in range(lo, hi + 1) for m in (1, 2, 5)]
 
 
 # ---- which tp fits a model --------------------------------------------------------------------------
@@ -112,9 +119,9 @@ def split_figure(hidden: int, ffn: int, heads: int, kv_heads: int, tp: int) -> g
     f_tp = ffn // tp
     q_owner, kv_ranks = head_owners(heads, kv_heads, tp)
     fig = make_subplots(rows=1, cols=3, column_widths=[0.4, 0.25, 0.35], horizontal_spacing=0.07,
-                        subplot_titles=(f"Column-parallel W_in[D, F_tp]: {hidden:,} x {f_tp:,} each",
-                                        f"Row-parallel W_out[F_tp, D]: {f_tp:,} x {hidden:,} each",
-                                        f"Attention: {heads // tp} query heads per rank"))
+                        subplot_titles=(f"W_in[D, F_tp] by columns: {hidden:,} x {f_tp:,} each",
+                                        f"W_out[F_tp, D] by rows: {f_tp:,} x {hidden:,}",
+                                        f"Heads: {heads // tp} query head(s) per rank"))
     group = heads // kv_heads
     for r in range(tp):
         cols = (r * f_tp, (r + 1) * f_tp)
@@ -138,7 +145,7 @@ def split_figure(hidden: int, ffn: int, heads: int, kv_heads: int, tp: int) -> g
     fig.update_xaxes(title_text="F (columns)", row=1, col=1)
     fig.update_xaxes(title_text="D (columns)", row=1, col=2)
     fig.update_xaxes(title_text="head index", row=1, col=3)
-    fig.update_yaxes(autorange="reversed", tickvals=[0.5, 1.8], ticktext=["Q heads", "KV heads"], row=1, col=3)
+    fig.update_yaxes(autorange="reversed", tickvals=[0.5, 1.8], ticktext=["Q", "KV"], row=1, col=3)
     fig.update_layout(height=360, margin={"l": 10, "r": 10, "t": 50, "b": 10}, plot_bgcolor="white",
                       legend={"orientation": "h", "y": -0.2})
     return fig
@@ -167,10 +174,13 @@ def activation_figure(spec: ModelSpec, micro_batch: int, chosen_tp: int, hbm_byt
     fig.add_trace(go.Scatter(x=[chosen_tp] * len(MEMORY_MODES), y=[chosen[m] / 1e9 for m in MEMORY_MODES],
                              mode="markers", marker={"size": 14, "symbol": "circle-open", "color": "black"},
                              name=f"tp = {chosen_tp}"))
-    fig.add_hline(y=hbm_bytes / spec.layers / 1e9, line_dash="dot",
-                  annotation_text=f"HBM / {spec.layers} layers", annotation_position="top right")
-    fig.update_layout(height=380, yaxis_type="log", xaxis_title="tensor-parallel degree t",
-                      yaxis_title="GB per layer per chip", margin={"l": 10, "r": 10, "t": 50, "b": 10},
+    fig.add_trace(go.Scatter(x=[tps[0], tps[-1]], y=[hbm_bytes / spec.layers / 1e9] * 2, mode="lines",
+                             line={"dash": "dot", "color": "black"},
+                             name=f"HBM / {spec.layers} layers: above it the activations alone fill the chip"))
+    values = [p[m] / 1e9 for p in per_tp for m in MEMORY_MODES] + [hbm_bytes / spec.layers / 1e9]
+    fig.update_layout(height=440, xaxis_title="tensor-parallel degree t",
+                      yaxis={"type": "log", "title": "GB per layer per chip", "tickvals": log_ticks(values)}, margin={"l": 10, "r": 10, "t": 50, "b": 10},
+                      legend={"orientation": "h", "y": -0.2},
                       title=f"{spec.name}: activations of one layer, s={spec.seq_len:,}, b={micro_batch}, "
                             f"h={spec.hidden:,}, a={spec.heads}")
     return fig
@@ -222,22 +232,29 @@ def scaling_figure(rows: list[dict], chosen_tp: int, domain: int, title: str) ->
     fig = go.Figure()
     fig.add_trace(go.Scatter(x=tps, y=[r["compute_s"] * 1e3 for r in rows], name="compute (fwd + bwd)",
                              mode="lines+markers"))
-    fig.add_trace(go.Scatter(x=tps, y=[r["comm_s"] * 1e3 for r in rows], mode="lines+markers",
+    sending = [r for r in rows if r["tp"] > 1]  # t = 1 sends nothing, which a log axis cannot show
+    fig.add_trace(go.Scatter(x=[r["tp"] for r in sending], y=[r["comm_s"] * 1e3 for r in sending],
+                             mode="lines+markers",
                              name="TP communication, tp innermost (= SP's all-gathers + reduce-scatters)"))
-    spread = [r for r in rows if r["tp"] > 1]
-    fig.add_trace(go.Scatter(x=[r["tp"] for r in spread], y=[r["comm_spread_s"] * 1e3 for r in spread],
+    fig.add_trace(go.Scatter(x=[r["tp"] for r in sending], y=[r["comm_spread_s"] * 1e3 for r in sending],
                              mode="lines+markers",
                              line={"dash": "dot"}, name="TP communication, tp group spread over nodes"))
     chosen = next((r for r in rows if r["tp"] == chosen_tp), None)
     if chosen is not None:
-        fig.add_trace(go.Scatter(x=[chosen_tp, chosen_tp], y=[chosen["compute_s"] * 1e3, chosen["comm_s"] * 1e3],
+        marked = [chosen["compute_s"] * 1e3] + ([chosen["comm_s"] * 1e3] if chosen_tp > 1 else [])
+        fig.add_trace(go.Scatter(x=[chosen_tp] * len(marked), y=marked,
                                  mode="markers", name=f"tp = {chosen_tp}",
                                  marker={"size": 14, "symbol": "circle-open", "color": "black"}))
     if domain < max(tps):
-        fig.add_vrect(x0=domain, x1=max(tps), fillcolor="#E45756", opacity=0.08, line_width=0,
-                      annotation_text="group spans several nodes", annotation_position="top left")
-    fig.update_layout(height=380, xaxis={"type": "log", "tickvals": tps, "title": "tensor-parallel degree t"},
-                      yaxis={"type": "log", "title": "ms per layer per micro-batch"}, title=title,
+        # shaded from halfway (on the log axis) between the domain size and the next power of two
+        fig.add_vrect(x0=domain * math.sqrt(2), x1=max(tps), fillcolor="#E45756", opacity=0.08, line_width=0)
+        # annotations on a log axis take log10 coordinates (shapes take data coordinates)
+        fig.add_annotation(x=math.log10(max(tps)), y=1, yref="paper", xanchor="right", yanchor="top",
+                           showarrow=False, text=f"tp group spans several {domain}-chip domains")
+    values = [r[k] * 1e3 for r in rows for k in ("compute_s", "comm_s", "comm_spread_s") if r[k] > 0]
+    fig.update_layout(height=400, xaxis={"type": "log", "tickvals": tps, "title": "tensor-parallel degree t"},
+                      yaxis={"type": "log", "title": "ms per layer per micro-batch", "tickvals": log_ticks(values)},
+                      title=title,
                       margin={"l": 10, "r": 10, "t": 50, "b": 10}, legend={"orientation": "h", "y": -0.25})
     return fig
 
@@ -263,10 +280,10 @@ def live_rows(runs: list[tuple[str, dict, Timeline, int]]) -> list[dict]:
         kinds = comm_bytes_by_kind(timeline, 0, steps)
         rows.append({"run": label,
                      "bytes sent per step (rank 0)": f"{summary['comm_bytes'][0] / steps:,.0f}",
-                     "formula (engine.tp.tp_comm_bytes)": f"{formula:,.0f}",
+                     "formula (engine.tp)": f"{formula:,.0f}",
                      "all-reduce": f"{kinds.get('all_reduce', 0):,.0f}",
                      "all-gather": f"{kinds.get('all_gather', 0):,.0f}",
                      "reduce-scatter": f"{kinds.get('reduce_scatter', 0):,.0f}",
-                     "activation memory (rank 0)": f"{summary['memory_bytes'][0]['activations_peak'] / 1024:,.0f} KiB",
+                     "activations (rank 0)": f"{summary['memory_bytes'][0]['activations_peak'] / 1024:,.0f} KiB",
                      "step time": f"{summary['step_time_s'] * 1e3:,.1f} ms"})
     return rows

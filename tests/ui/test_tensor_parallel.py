@@ -141,7 +141,7 @@ def test_measured_bytes_by_kind_and_rows():
     rows = live_rows([("TP", summary(800, 4096), tp_tl, 400), ("TP + SP", summary(800, 2048), sp_tl, 400)])
     assert [r["bytes sent per step (rank 0)"] for r in rows] == ["400", "400"]
     assert rows[1]["all-gather"] == rows[1]["reduce-scatter"] == "200" and rows[1]["all-reduce"] == "0"
-    assert rows[0]["activation memory (rank 0)"] == "4 KiB" and rows[1]["activation memory (rank 0)"] == "2 KiB"
+    assert rows[0]["activations (rank 0)"] == "4 KiB" and rows[1]["activations (rank 0)"] == "2 KiB"
 
 
 # ---- the page -----------------------------------------------------------------------------------
@@ -223,9 +223,9 @@ def test_live_tp_and_sp_runs_match_the_reference():
     rows = at.dataframe[1].value  # the measured table (after the memory table)
     assert list(rows["run"]) == ["TP", "TP + SP"]
     measured = [int(v.replace(",", "")) for v in rows["bytes sent per step (rank 0)"]]
-    formula = [int(v.replace(",", "")) for v in rows["formula (engine.tp.tp_comm_bytes)"]]
+    formula = [int(v.replace(",", "")) for v in rows["formula (engine.tp)"]]
     assert measured == formula
     assert abs(measured[1] - measured[0]) < 0.02 * measured[0]  # only the norms' weight gradients differ
-    kib = [int(v.split()[0].replace(",", "")) for v in rows["activation memory (rank 0)"]]
+    kib = [int(v.split()[0].replace(",", "")) for v in rows["activations (rank 0)"]]
     assert kib[1] < kib[0]
     assert len(at.get("plotly_chart")) == 5  # the 3 lesson charts + one timeline per run
