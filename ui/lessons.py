@@ -38,7 +38,7 @@ LESSONS: list[Lesson] = [
            "Split every matmul across the chips of a node: column- then row-parallel layers, attention by "
            "heads, one all-reduce per pair; sequence parallel for the same bytes and less activation memory. "
            "Memory and communication on real chips, and real verified TP and TP + SP runs on this machine.",
-           params=()),
+           params=("tp_degree", "tp_micro_batch")),
     Lesson("Pipeline parallel", "app_pages/pipeline.py", "pipeline", ":material/linear_scale:",
            "Split the layers into stages and pass activations chip to chip. GPipe, 1F1B, interleaved and "
            "zero-bubble schedules drawn step by step, their bubbles and activation memory, the cost on real "
