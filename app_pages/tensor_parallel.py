@@ -59,9 +59,10 @@ Pick the tensor-parallel degree t for the model in the sidebar:
 """
 )
 default_tp = min(choices.mesh["tp"], MAX_TP) if choices.mesh["tp"] > 1 else min(8, domain, MAX_TP)
-tp = st.slider("Tensor-parallel degree t", 1, MAX_TP, default_tp, key="tp_degree",
+tp = st.slider("Tensor-parallel degree t", 1, MAX_TP, default_tp, key="tp_degree", bind="query-params",
                help="Chips one layer is split over. The sidebar's tp sets the starting value.")
-micro_batch = st.select_slider("Micro-batch b (sequences per chip)", [1, 2, 4, 8], value=1, key="tp_micro_batch")
+micro_batch = st.select_slider("Micro-batch b (sequences per chip)", [1, 2, 4, 8], value=1, key="tp_micro_batch",
+                               bind="query-params")
 problem = tp_config_error(spec, tp)
 if problem:
     st.error(f"tp = {tp} cannot split {spec.name}: {problem}.", icon=":material/block:")
@@ -142,7 +143,7 @@ st.markdown(
     f"For {spec.name} at t = **{tp}** and b = {micro_batch}: tensor parallel alone keeps "
     f"**{mem['tp'] / 1e9:,.2f} GB** per layer per chip, sequence parallel **{mem['tp+sp'] / 1e9:,.2f} GB** "
     f"({1 - mem['tp+sp'] / mem['tp']:.0%} less), and with selective recomputation "
-    f"**{mem['tp+sp+selective'] / 1e9:,.3f} GB**. The whole model's layers need "
+    f"**{mem['tp+sp+selective'] / 1e9:,.3f} GB**. All {spec.layers} layers of one micro-batch need "
     f"{mem['tp+sp+selective'] * spec.layers / 1e9:,.1f} GB of activations that way, against "
     f"{chip.hbm_bytes / 1e9:.0f} GB of HBM on {chip.name} (weights and optimizer state come on top)."
 )
@@ -177,8 +178,8 @@ by_tp = {r["tp"]: r for r in rows}
 inside = [r for r in rows if r["inside_domain"] and r["tp"] > 1]
 outside = [r for r in rows if not r["inside_domain"]]
 lines = [
-    "Three things keep tensor parallel inside one scale-up domain (the 8 GPUs of an NVLink node, an NVL72 "
-    "rack, a TPU slice):",
+    "What keeps tensor parallel inside one scale-up domain (the 8 GPUs of an NVLink node, an NVL72 rack, a TPU "
+    "slice):",
     "* **The ratio only gets worse with t.** Compute per chip falls as 1/t, but the bytes each chip sends "
     "grow towards 4 x 2V: " + ", ".join(f"t = {r['tp']}: {r['comm_s'] / r['compute_s']:.0%}" for r in inside)
     + " of the compute time.",

@@ -229,3 +229,11 @@ def test_live_tp_and_sp_runs_match_the_reference():
     kib = [int(v.split()[0].replace(",", "")) for v in rows["activations (rank 0)"]]
     assert kib[1] < kib[0]
     assert len(at.get("plotly_chart")) == 5  # the 3 lesson charts + one timeline per run
+
+
+def test_a_shared_link_opens_the_same_tp():
+    at = _page(model="Llama 3 70B", chip="b200", tp_degree="4", tp_micro_batch="2")
+    assert not at.exception and not at.error and not at.warning, [w.value for w in at.warning]
+    assert at.slider(key="tp_degree").value == 4 and at.select_slider(key="tp_micro_batch").value == 2
+    # Llama 3 70B, b = 2: V = 2 x 8192 x 8192 x 2 bytes = 256 MiB; 4 x 2(3/4) x V = 1.5 GiB per layer
+    assert "which at t = **4** is **1.5 GiB**" in _text(at)
