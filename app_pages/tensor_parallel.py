@@ -1,4 +1,4 @@
-"""Lesson: tensor parallel (Megatron) and sequence parallel, analytic on real chips and live on this machine."""
+"""Lesson: tensor parallel (Megatron) and sequence parallel, analytic on real chips, live on this machine."""
 
 import json
 
@@ -17,7 +17,6 @@ from ui.tensor_parallel import (
     scaling_figure,
     scaling_rows,
     split_figure,
-    tp_comm_bytes_per_layer,
     tp_config_error,
 )
 from ui.timeline import lane_summary, timeline_figure
@@ -61,8 +60,8 @@ Pick the tensor-parallel degree t for the model in the sidebar:
 default_tp = min(choices.mesh["tp"], MAX_TP) if choices.mesh["tp"] > 1 else min(8, domain, MAX_TP)
 tp = st.slider("Tensor-parallel degree t", 1, MAX_TP, default_tp, key="tp_degree", bind="query-params",
                help="Chips one layer is split over. The sidebar's tp sets the starting value.")
-micro_batch = st.select_slider("Micro-batch b (sequences per chip)", [1, 2, 4, 8], value=1, key="tp_micro_batch",
-                               bind="query-params")
+micro_batch = st.select_slider("Micro-batch b (sequences per chip)", [1, 2, 4, 8], value=1,
+                               key="tp_micro_batch", bind="query-params")
 problem = tp_config_error(spec, tp)
 if problem:
     st.error(f"tp = {tp} cannot split {spec.name}: {problem}.", icon=":material/block:")
@@ -166,9 +165,9 @@ if tp == 1:
     st.markdown("With t = 1 there is nothing to send: move the slider.")
 else:
     st.markdown(
-        f"which at t = **{tp}** is **{format_bytes(here['comm_bytes'])}**, the same with and without sequence "
-        f"parallel. On {chip.name} ({here['topology']}) that takes **{format_seconds(here['comm_s'])}** per "
-        f"layer, against **{format_seconds(here['compute_s'])}** of forward and backward compute "
+        f"which at t = **{tp}** is **{format_bytes(here['comm_bytes'])}**, the same with and without "
+        f"sequence parallel. On {chip.name} ({here['topology']}) that takes "
+        f"**{format_seconds(here['comm_s'])}** per layer, against **{format_seconds(here['compute_s'])}** of forward and backward compute "
         f"(planner estimate): communication is **{here['comm_s'] / here['compute_s']:.0%}** of the compute "
         "time, and Megatron cannot hide it, because the next operation needs the sum."
     )
@@ -178,36 +177,33 @@ by_tp = {r["tp"]: r for r in rows}
 inside = [r for r in rows if r["inside_domain"] and r["tp"] > 1]
 outside = [r for r in rows if not r["inside_domain"]]
 lines = [
-    "What keeps tensor parallel inside one scale-up domain (the 8 GPUs of an NVLink node, an NVL72 rack, a TPU "
-    "slice):",
+    "What keeps tensor parallel inside one scale-up domain (the 8 GPUs of an NVLink node, an NVL72 rack, "
+    "a TPU slice):",
     "* **The ratio only gets worse with t.** Compute per chip falls as 1/t, but the bytes each chip sends "
     "grow towards 4 x 2V: " + ", ".join(f"t = {r['tp']}: {r['comm_s'] / r['compute_s']:.0%}" for r in inside)
     + " of the compute time.",
 ]
 if outside:
     jump = outside[0]
-    last_inside = by_tp[max(r["tp"] for r in inside)] if inside else None
+    last = by_tp[max(r["tp"] for r in inside)] if inside else None
+    change = (
+        f"Per layer the communication goes from {format_seconds(last['comm_s'])} at t = {last['tp']} to "
+        f"{format_seconds(jump['comm_s'])} ({jump['comm_s'] / last['comm_s'] - 1:+.0%}) while compute only "
+        f"falls to {format_seconds(jump['compute_s'])}: communication is now "
+        f"{jump['comm_s'] / jump['compute_s']:.0%} of compute. " if last else "")
     lines.append(
         f"* **Crossing the domain.** At t = {jump['tp']} the group spans {jump['tp'] // domain} nodes of "
-        f"{domain} GPUs, whose network cards give each GPU {chip.scaleout_bytes_per_s / 1e9:.0f} GB/s instead of "
-        f"NVLink's {chip.scaleup_bytes_per_s / 1e9:.0f} GB/s. " + (
-            f"Per layer the communication goes from {format_seconds(last_inside['comm_s'])} at "
-            f"t = {last_inside['tp']} to {format_seconds(jump['comm_s'])} "
-            f"({jump['comm_s'] / last_inside['comm_s'] - 1:+.0%}) while compute only falls to "
-            f"{format_seconds(jump['compute_s'])}: communication is now "
-            f"{jump['comm_s'] / jump['compute_s']:.0%} of compute. "
-            if last_inside else "")
-        + "The hierarchical all-reduce costed here sends only 1/" + f"{domain}"
-        " of the array through each GPU's network card, which is why it is not worse; it assumes the cards "
-        "are free, but they also carry the data- and pipeline-parallel traffic, contention this model does "
-        "not count.")
+        f"{domain} GPUs, whose network cards give each GPU {chip.scaleout_bytes_per_s / 1e9:.0f} GB/s "
+        f"instead of NVLink's {chip.scaleup_bytes_per_s / 1e9:.0f} GB/s. {change}"
+        f"The hierarchical all-reduce costed here sends only about 1/{domain} of the array through each "
+        "GPU's network card, which keeps the jump this small; it assumes the cards are free, but they also carry "
+        "the data- and pipeline-parallel traffic, contention this model does not count.")
 spread = by_tp[max(by_tp)]
-if max(by_tp) > 1:
-    lines.append(
-        f"* **Where the group lands.** The dotted line puts the tp group's members on different nodes (tp "
-        f"outermost in the mesh): every byte crosses the network, {format_seconds(spread['comm_spread_s'])} per "
-        f"layer at t = {spread['tp']} instead of {format_seconds(spread['comm_s'])}. That is why meshes put tp "
-        "innermost, on consecutive GPUs.")
+lines.append(
+    "* **Where the group lands.** The dotted line puts the tp group's members on different nodes (tp "
+    "outermost in the mesh): every byte crosses the network, "
+    f"{format_seconds(spread['comm_spread_s'])} per layer at t = {spread['tp']} instead of "
+    f"{format_seconds(spread['comm_s'])}. That is why meshes put tp innermost, on consecutive GPUs.")
 lines.append(
     "Narayanan et al. (2021, sec. 5.4, takeaway 1) measured the same: use tensor parallel up to the GPUs of "
     "one server, and pipeline parallel across servers.")
@@ -289,8 +285,8 @@ if live is not None:
     tabs = st.tabs([label for label, *_ in runs])
     for tab, (label, summary, timeline, _) in zip(tabs, runs, strict=True):
         with tab:
-            st.plotly_chart(timeline_figure(timeline, title=f"{label}: every rank's compute and communication"),
-                            key=f"tp_live_timeline_{label}")
+            figure = timeline_figure(timeline, title=f"{label}: every rank's compute and communication")
+            st.plotly_chart(figure, key=f"tp_live_timeline_{label}")
             st.dataframe(lane_summary(timeline), hide_index=True, width="stretch")
             st.download_button(f"Download the {label} trace (open it in ui.perfetto.dev)",
                                json.dumps(timeline.to_chrome_trace()), key=f"tp_trace_{label}",

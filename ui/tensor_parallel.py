@@ -134,9 +134,9 @@ def split_figure(hidden: int, ffn: int, heads: int, kv_heads: int, tp: int) -> g
         kv_cells = [(h, h + 1, 1.3, 2.3) for h in range(heads) if q_owner[h] == r]
         kv_text = ", ".join(f"KV head {k}" + (" (copy)" if len(ranks) > 1 else "")
                             for k, ranks in enumerate(kv_ranks) if r in ranks)
+        first_q = q_owner.index(r)
         fig.add_trace(_rank_trace(r, q_cells + kv_cells, f"rank {r}: query heads "
-                                  f"{q_owner.index(r)}..{q_owner.index(r) + heads // tp - 1}; {kv_text}", False),
-                      row=1, col=3)
+                                  f"{first_q}..{first_q + heads // tp - 1}; {kv_text}", False), row=1, col=3)
     for k in range(kv_heads):  # one outline per KV head, so a head shared by several ranks reads as one
         fig.add_shape(type="rect", x0=k * group, x1=(k + 1) * group, y0=1.3, y1=2.3,
                       line={"color": "black", "width": 2}, row=1, col=3)
@@ -176,11 +176,11 @@ def activation_figure(spec: ModelSpec, micro_batch: int, chosen_tp: int, hbm_byt
                              name=f"tp = {chosen_tp}"))
     fig.add_trace(go.Scatter(x=[tps[0], tps[-1]], y=[hbm_bytes / spec.layers / 1e9] * 2, mode="lines",
                              line={"dash": "dot", "color": "black"},
-                             name=f"HBM / {spec.layers} layers: above it the activations alone fill the chip"))
+                             name=f"HBM / {spec.layers} layers: above it activations alone fill the chip"))
     values = [p[m] / 1e9 for p in per_tp for m in MEMORY_MODES] + [hbm_bytes / spec.layers / 1e9]
     fig.update_layout(height=440, xaxis_title="tensor-parallel degree t",
-                      yaxis={"type": "log", "title": "GB per layer per chip", "tickvals": log_ticks(values)}, margin={"l": 10, "r": 10, "t": 50, "b": 10},
-                      legend={"orientation": "h", "y": -0.2},
+                      yaxis={"type": "log", "title": "GB per layer per chip", "tickvals": log_ticks(values)},
+                      margin={"l": 10, "r": 10, "t": 50, "b": 10}, legend={"orientation": "h", "y": -0.2},
                       title=f"{spec.name}: activations of one layer, s={spec.seq_len:,}, b={micro_batch}, "
                             f"h={spec.hidden:,}, a={spec.heads}")
     return fig
@@ -188,7 +188,8 @@ def activation_figure(spec: ModelSpec, micro_batch: int, chosen_tp: int, hbm_byt
 
 # ---- communication per layer -------------------------------------------------------------------------
 
-def tp_comm_bytes_per_layer(spec: ModelSpec, micro_batch: int, tp: int, dtype_bytes: int = BF16_BYTES) -> float:
+def tp_comm_bytes_per_layer(spec: ModelSpec, micro_batch: int, tp: int,
+                            dtype_bytes: int = BF16_BYTES) -> float:
     """Bytes each chip sends per layer per micro-batch, forward + backward:
     4 all-reduces of V = b*s*h*dtype bytes (Korthikanti et al. 2022 sec. 4.2.2), each 2(t-1)/t V on a ring
     (Patarasuk & Yuan 2009). Sequence parallel sends the same: all-gather + reduce-scatter, (t-1)/t V each."""
@@ -253,9 +254,10 @@ def scaling_figure(rows: list[dict], chosen_tp: int, domain: int, title: str) ->
                            showarrow=False, text=f"tp group spans several {domain}-chip domains")
     values = [r[k] * 1e3 for r in rows for k in ("compute_s", "comm_s", "comm_spread_s") if r[k] > 0]
     fig.update_layout(height=400, xaxis={"type": "log", "tickvals": tps, "title": "tensor-parallel degree t"},
-                      yaxis={"type": "log", "title": "ms per layer per micro-batch", "tickvals": log_ticks(values)},
-                      title=title,
-                      margin={"l": 10, "r": 10, "t": 50, "b": 10}, legend={"orientation": "h", "y": -0.25})
+                      yaxis={"type": "log", "title": "ms per layer per micro-batch",
+                             "tickvals": log_ticks(values)},
+                      title=title, margin={"l": 10, "r": 10, "t": 50, "b": 10},
+                      legend={"orientation": "h", "y": -0.25})
     return fig
 
 
@@ -278,12 +280,13 @@ def live_rows(runs: list[tuple[str, dict, Timeline, int]]) -> list[dict]:
     for label, summary, timeline, formula in runs:
         steps = summary["steps"]
         kinds = comm_bytes_by_kind(timeline, 0, steps)
+        activations = summary["memory_bytes"][0]["activations_peak"]
         rows.append({"run": label,
                      "bytes sent per step (rank 0)": f"{summary['comm_bytes'][0] / steps:,.0f}",
                      "formula (engine.tp)": f"{formula:,.0f}",
                      "all-reduce": f"{kinds.get('all_reduce', 0):,.0f}",
                      "all-gather": f"{kinds.get('all_gather', 0):,.0f}",
                      "reduce-scatter": f"{kinds.get('reduce_scatter', 0):,.0f}",
-                     "activations (rank 0)": f"{summary['memory_bytes'][0]['activations_peak'] / 1024:,.0f} KiB",
+                     "activations (rank 0)": f"{activations / 1024:,.0f} KiB",
                      "step time": f"{summary['step_time_s'] * 1e3:,.1f} ms"})
     return rows

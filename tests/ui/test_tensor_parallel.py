@@ -8,7 +8,7 @@ from engine.trace import Span, Timeline
 from hardware.chips import CHIPS
 from hardware.collectives import group_topology
 from planner.memory import korthikanti_bytes
-from planner.models import MODEL_PRESETS, ModelSpec
+from planner.models import MODEL_PRESETS
 from tests.ui.apptest_util import open_app
 from ui.tensor_parallel import (
     RANK_COLORS,
@@ -87,7 +87,7 @@ def test_activation_memory_is_korthikanti_table_2():
     sbh = s * b * h
     mem = activation_bytes(GPT3, b, t)
     # GPT-3: 5as/h = 5 * 96 * 2048 / 12288 = 80, so one chip keeps 114 sbh, TP 10 + 24/8 + 80/8 = 23 sbh,
-    # TP + SP 114/8 = 14.25 sbh, selective recomputation 34/8 = 4.25 sbh, full recomputation 2 sbh / ... = 2 sbh
+    # TP + SP 114/8 = 14.25 sbh, selective recomputation 34/8 = 4.25 sbh
     assert mem["none"] == pytest.approx(114 * sbh)
     assert mem["tp"] == pytest.approx(23 * sbh)
     assert mem["tp+sp"] == pytest.approx(14.25 * sbh)
@@ -97,7 +97,8 @@ def test_activation_memory_is_korthikanti_table_2():
 
 
 def test_comm_bytes_are_four_ring_all_reduces_of_bsh():
-    # 4 x 2(t-1)/t x b s h x 2 bytes: Llama 3 8B, t = 8, b = 1: V = 8192 x 4096 x 2 = 64 MiB, 4 x 1.75 x V = 448 MiB
+    # 4 x 2(t-1)/t x b s h x 2 bytes. Llama 3 8B, t = 8, b = 1: V = 8192 x 4096 x 2 = 64 MiB,
+    # 4 x 1.75 x V = 448 MiB
     assert tp_comm_bytes_per_layer(LLAMA3_8B, 1, 8) == 448 * 2**20
     assert tp_comm_bytes_per_layer(LLAMA3_8B, 2, 2) == 4 * 2 * 1 / 2 * 2 * 8192 * 4096 * 2
     assert tp_comm_bytes_per_layer(LLAMA3_8B, 1, 1) == 0
