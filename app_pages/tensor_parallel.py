@@ -167,7 +167,8 @@ else:
     st.markdown(
         f"which at t = **{tp}** is **{format_bytes(here['comm_bytes'])}**, the same with and without "
         f"sequence parallel. On {chip.name} ({here['topology']}) that takes "
-        f"**{format_seconds(here['comm_s'])}** per layer, against **{format_seconds(here['compute_s'])}** of forward and backward compute "
+        f"**{format_seconds(here['comm_s'])}** per layer, against **{format_seconds(here['compute_s'])}** "
+        "of forward and backward compute "
         f"(planner estimate): communication is **{here['comm_s'] / here['compute_s']:.0%}** of the compute "
         "time, and Megatron cannot hide it, because the next operation needs the sum."
     )
@@ -196,8 +197,8 @@ if outside:
         f"{domain} GPUs, whose network cards give each GPU {chip.scaleout_bytes_per_s / 1e9:.0f} GB/s "
         f"instead of NVLink's {chip.scaleup_bytes_per_s / 1e9:.0f} GB/s. {change}"
         f"The hierarchical all-reduce costed here sends only about 1/{domain} of the array through each "
-        "GPU's network card, which keeps the jump this small; it assumes the cards are free, but they also carry "
-        "the data- and pipeline-parallel traffic, contention this model does not count.")
+        "GPU's network card, which keeps the jump this small; it assumes the cards are free, but they also "
+        "carry the data- and pipeline-parallel traffic, contention this model does not count.")
 spread = by_tp[max(by_tp)]
 lines.append(
     "* **Where the group lands.** The dotted line puts the tp group's members on different nodes (tp "
