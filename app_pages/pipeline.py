@@ -222,7 +222,7 @@ if st.button("Run on this machine", type="primary"):
 
 live = st.session_state.get("live_pp")
 if live is not None:
-    from engine.pp import measured_bubble_fraction
+    from engine.pp_timeline import measured_bubble_fraction
 
     cfg, summary, timeline = live
     name, pp_live, v_live = cfg.parallel.schedule, cfg.world, cfg.parallel.virtual_stages
