@@ -204,7 +204,7 @@ lines.append(
     "* **Where the group lands.** The dotted line puts the tp group's members on different nodes (tp "
     "outermost in the mesh): every byte crosses the network, "
     f"{format_seconds(spread['comm_spread_s'])} per layer at t = {spread['tp']} instead of "
-    f"{format_seconds(spread['comm_s'])}. That is why meshes put tp innermost, on consecutive GPUs.")
+    f"{format_seconds(spread['comm_s'])}. That is why meshes put tp innermost, on consecutive chips.")
 lines.append(
     "Narayanan et al. (2021, sec. 5.4, takeaway 1) measured the same: use tensor parallel up to the GPUs of "
     "one server, and pipeline parallel across servers.")
