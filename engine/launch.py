@@ -145,6 +145,8 @@ class Pool:
             time.sleep(0.01)
         self.conns = [by_rank[r] for r in range(self.world)]
         self.main_thread_ids = [tids[r] for r in range(self.world)]
+        for conn in self.conns:  # every rank has imported torch: join the process group together
+            conn.send_bytes(pickle.dumps(("go",)))
         offsets: dict[int, float] = {}
         pending = set(range(self.world))
         while pending:

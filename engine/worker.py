@@ -110,7 +110,16 @@ def pool_main() -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the pool asks "where are you?" on a timeout
     host, port = env["SHARDLAB_POOL_ADDR"].rsplit(":", 1)
     conn = Client((host, int(port)), authkey=bytes.fromhex(env["SHARDLAB_POOL_KEY"]))
+    # Import torch before saying hello and join the process group only when the pool says go: on a busy
+    # machine the ranks' imports finish seconds apart, and the rendezvous waits only the collective timeout.
+    import torch.distributed  # noqa: F401
+
     _send(conn, ("hello", rank, os.getpid(), threading.main_thread().ident))
+    try:
+        if pickle.loads(conn.recv_bytes())[0] != "go":
+            return
+    except (EOFError, OSError):
+        return
     try:
         ctx = start_rank(rank, world, rank, world, env["SHARDLAB_DEVICE"], env["SHARDLAB_INIT"],
                          float(env["SHARDLAB_COLLECTIVE_TIMEOUT_S"]))
