@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.optim import adamw_
-from engine.strategy import Strategy
+from engine.strategy import WholeParamsStrategy
 
 
-class DataParallel(Strategy):
+class DataParallel(WholeParamsStrategy):
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self.params = dict(self.model.named_parameters())
@@ -84,29 +83,3 @@ class DataParallel(Strategy):
                 p.grad.copy_(flat[offset:offset + n].view_as(p.grad)).div_(self.dp)
                 offset += n
         self.pending = []
-
-    def step(self, step: int) -> None:
-        with self.rec.compute("optimizer step"):
-            for n, p in self.params.items():
-                adamw_(p, p.grad, self.exp_avg[n], self.exp_avg_sq[n], step, self.hyper)
-
-    def full_state(self):
-        return {
-            "params": {n: p.detach().clone() for n, p in self.params.items()},
-            "grads": {n: p.grad.detach().clone() for n, p in self.params.items()},
-            "exp_avg": {n: t.clone() for n, t in self.exp_avg.items()},
-            "exp_avg_sq": {n: t.clone() for n, t in self.exp_avg_sq.items()},
-        }
-
-    def memory_bytes(self):
-        def size(tensors):
-            return sum(t.numel() * t.element_size() for t in tensors)
-
-        return {
-            "params": size(self.params.values()),
-            "grads": size(p.grad for p in self.params.values() if p.grad is not None),
-            "optimizer": size(self.exp_avg.values()) + size(self.exp_avg_sq.values()),
-        }
-
-    def param_storages(self):
-        return [p.untyped_storage() for p in self.params.values()]

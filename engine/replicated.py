@@ -15,11 +15,10 @@ import math
 
 import torch
 
-from engine.optim import adamw_
-from engine.strategy import Strategy
+from engine.strategy import WholeParamsStrategy
 
 
-class ReplicatedStrategy(Strategy):
+class ReplicatedStrategy(WholeParamsStrategy):
     """Subclasses call `hold` once per group of parameters (names, the axes their gradients are summed
     over, and the divisor)."""
 
@@ -61,29 +60,3 @@ class ReplicatedStrategy(Strategy):
             for g in grads:
                 g.copy_(flat[offset: offset + g.numel()].view_as(g))
                 offset += g.numel()
-
-    def step(self, step: int) -> None:
-        with self.rec.compute("optimizer step"):
-            for n, p in self.params.items():
-                adamw_(p, p.grad, self.exp_avg[n], self.exp_avg_sq[n], step, self.hyper)
-
-    def full_state(self):
-        return {
-            "params": {n: p.detach().clone() for n, p in self.params.items()},
-            "grads": {n: p.grad.detach().clone() for n, p in self.params.items()},
-            "exp_avg": {n: t.clone() for n, t in self.exp_avg.items()},
-            "exp_avg_sq": {n: t.clone() for n, t in self.exp_avg_sq.items()},
-        }
-
-    def memory_bytes(self):
-        def size(tensors):
-            return sum(t.numel() * t.element_size() for t in tensors)
-
-        return {
-            "params": size(self.params.values()),
-            "grads": size(p.grad for p in self.params.values() if p.grad is not None),
-            "optimizer": size(self.exp_avg.values()) + size(self.exp_avg_sq.values()),
-        }
-
-    def param_storages(self):
-        return [p.untyped_storage() for p in self.params.values()]

@@ -15,7 +15,7 @@ import torch
 from engine.comm import Comm
 from engine.config import RunConfig
 from engine.model import Transformer, loss_fn, unit_forward_flops
-from engine.optim import AdamW
+from engine.optim import AdamW, adamw_
 from engine.recorder import Recorder
 
 
@@ -128,3 +128,35 @@ class Strategy(ABC):
             self.rec.synchronize()
         self.rec.add("compute", f"bwd {self.names[i]}", self._bwd_start_s.pop(i), self.rec.now(),
                      flops=2 * self._flops[i])
+
+
+class WholeParamsStrategy(Strategy):
+    """A rank that keeps its local parameters whole (not flat shards), each with its own AdamW moments in
+    `self.params`, `self.exp_avg`, `self.exp_avg_sq`: the optimizer step, the state for verification and
+    the memory count are the same whichever communication the subclass does with the gradients."""
+
+    def step(self, step: int) -> None:
+        with self.rec.compute("optimizer step"):
+            for n, p in self.params.items():
+                adamw_(p, p.grad, self.exp_avg[n], self.exp_avg_sq[n], step, self.hyper)
+
+    def full_state(self):
+        return {
+            "params": {n: p.detach().clone() for n, p in self.params.items()},
+            "grads": {n: p.grad.detach().clone() for n, p in self.params.items()},
+            "exp_avg": {n: t.clone() for n, t in self.exp_avg.items()},
+            "exp_avg_sq": {n: t.clone() for n, t in self.exp_avg_sq.items()},
+        }
+
+    def memory_bytes(self):
+        def size(tensors):
+            return sum(t.numel() * t.element_size() for t in tensors)
+
+        return {
+            "params": size(self.params.values()),
+            "grads": size(p.grad for p in self.params.values() if p.grad is not None),
+            "optimizer": size(self.exp_avg.values()) + size(self.exp_avg_sq.values()),
+        }
+
+    def param_storages(self):
+        return [p.untyped_storage() for p in self.params.values()]
