@@ -24,6 +24,7 @@ from planner.case import Layout
 from planner.flops import forward_flops
 from planner.memory import in_flight_layers, layer_activation_bytes, layer_split
 from planner.models import ModelSpec
+from ui.timeline import add_time_animation
 
 SCHEDULE_LABELS = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved 1F1B", "zb-h1": "ZB-H1"}
 SCHEDULE_COLORS = {"gpipe": "#E45756", "1f1b": "#4C78A8", "interleaved-1f1b": "#F58518", "zb-h1": "#54A24B"}
@@ -164,28 +165,7 @@ def schedule_figure(sim: Simulation, title: str = "", frames: int = 40, animate:
         fig.frames = [go.Frame(name=f"{t:.4f}",
                                data=[go.Bar(**widths(k, t)) for k in kinds] + [go.Scatter(**cursor(t))],
                                traces=list(range(len(kinds) + 1))) for t in times]
-        fig.update_layout(
-            updatemenus=[{
-                "type": "buttons", "direction": "left", "x": 0.0, "y": 0, "xanchor": "left", "yanchor": "top",
-                "pad": {"t": 60},
-                "buttons": [
-                    {"label": "▶ Play", "method": "animate",
-                     "args": [None, {"frame": {"duration": 120, "redraw": True}, "fromcurrent": True,
-                                     "transition": {"duration": 0}}]},
-                    {"label": "❚❚ Pause", "method": "animate",
-                     "args": [[None], {"frame": {"duration": 0, "redraw": False}, "mode": "immediate"}]},
-                ],
-            }],
-            sliders=[{
-                "active": frames - 1, "x": 0.22, "len": 0.78, "y": 0, "yanchor": "top", "pad": {"t": 45},
-                "currentvalue": {"prefix": "t = ", "suffix": " t_F"},
-                "steps": [{"label": f"{t:.1f}", "method": "animate",
-                           "args": [[f"{t:.4f}"],
-                                    {"mode": "immediate", "frame": {"duration": 0, "redraw": True}}]}
-                          for t in times],
-            }],
-        )
-        fig.update_layout(height=fig.layout.height + 90, margin={"b": 100})
+        add_time_animation(fig, times, [f"{t:.4f}" for t in times], "t_F", frame_ms=120)
     return fig
 
 

@@ -108,29 +108,35 @@ def timeline_figure(timeline: Timeline, title: str = "", frames: int = 30, anima
         times = [t_end_ms * i / (frames - 1) for i in range(frames)]
         fig.frames = [go.Frame(name=f"{t:.3f}", data=[go.Bar(**bars(k, t)) for k in kinds] + [go.Scatter(**cursor(t))],
                                traces=list(range(len(kinds) + 1))) for t in times]
-        # Controls below the plot: above it they would cover the title on short charts.
-        fig.update_layout(
-            updatemenus=[{
-                "type": "buttons", "direction": "left", "x": 0.0, "y": 0, "xanchor": "left", "yanchor": "top",
-                "pad": {"t": 60},
-                "buttons": [
-                    {"label": "▶ Play", "method": "animate",
-                     "args": [None, {"frame": {"duration": 80, "redraw": True}, "fromcurrent": True,
-                                     "transition": {"duration": 0}}]},
-                    {"label": "❚❚ Pause", "method": "animate",
-                     "args": [[None], {"frame": {"duration": 0, "redraw": False}, "mode": "immediate"}]},
-                ],
-            }],
-            sliders=[{
-                "active": frames - 1, "x": 0.22, "len": 0.78, "y": 0, "yanchor": "top", "pad": {"t": 45},
-                "currentvalue": {"prefix": "t = ", "suffix": " ms"},
-                "steps": [{"label": f"{t:.1f}", "method": "animate",
-                           "args": [[f"{t:.3f}"], {"mode": "immediate", "frame": {"duration": 0, "redraw": True}}]}
-                          for t in times],
-            }],
-        )
-        fig.update_layout(height=fig.layout.height + 90, margin={"b": 100})
+        add_time_animation(fig, times, [f"{t:.3f}" for t in times], "ms", frame_ms=80)
     return fig
+
+
+def add_time_animation(fig: go.Figure, times: list[float], frame_names: list[str], unit: str,
+                       frame_ms: int) -> None:
+    """Play/pause buttons and a time slider under `fig`, whose frames are named `frame_names` (one per
+    entry of `times`). Below the plot, not above it: there they would cover the title on short charts."""
+    fig.update_layout(
+        updatemenus=[{
+            "type": "buttons", "direction": "left", "x": 0.0, "y": 0, "xanchor": "left", "yanchor": "top",
+            "pad": {"t": 60},
+            "buttons": [
+                {"label": "▶ Play", "method": "animate",
+                 "args": [None, {"frame": {"duration": frame_ms, "redraw": True}, "fromcurrent": True,
+                                 "transition": {"duration": 0}}]},
+                {"label": "❚❚ Pause", "method": "animate",
+                 "args": [[None], {"frame": {"duration": 0, "redraw": False}, "mode": "immediate"}]},
+            ],
+        }],
+        sliders=[{
+            "active": len(times) - 1, "x": 0.22, "len": 0.78, "y": 0, "yanchor": "top", "pad": {"t": 45},
+            "currentvalue": {"prefix": "t = ", "suffix": f" {unit}"},
+            "steps": [{"label": f"{t:.1f}", "method": "animate",
+                       "args": [[name], {"mode": "immediate", "frame": {"duration": 0, "redraw": True}}]}
+                      for t, name in zip(times, frame_names, strict=True)],
+        }],
+    )
+    fig.update_layout(height=fig.layout.height + 90, margin={"b": 100})
 
 
 def lane_summary(timeline: Timeline) -> list[dict]:
