@@ -44,6 +44,11 @@ LESSONS: list[Lesson] = [
            "zero-bubble schedules drawn step by step, their bubbles and activation memory, the cost on real "
            "chips, and a real verified pipeline run on this machine.",
            params=("schedule", "stages", "micro_batches", "virtual", "t_b", "t_comm")),
+    Lesson("Context parallel", "app_pages/context_parallel.py", "context-parallel", ":material/all_inclusive:",
+           "Split long sequences over chips: the causal load balance of the zig-zag split, ring attention "
+           "step by step with the log-sum-exp merge, when the K/V ring hides under the attention on real "
+           "chips, and real verified ring and all-gather runs on this machine.",
+           params=("cp_split", "cp_degree", "cp_seq_len")),
     Lesson("Plan a training run", "app_pages/planner.py", "planner", ":material/query_stats:",
            "Combine the strategies on a device mesh for a real model on real chips: memory per chip, step "
            "time, MFU and a predicted timeline; then search every layout for the fastest that fits.",
@@ -52,7 +57,6 @@ LESSONS: list[Lesson] = [
 
 # The rest of the route, in teaching order; each becomes a page when its live engine or planner lands.
 PLANNED = [
-    ("Context parallel", "ring attention for long sequences."),
     ("Expert parallel", "Mixture-of-Experts and the all-to-all."),
 ]
 
