@@ -1,0 +1,281 @@
+"""Lesson: context parallel. The sequence split over chips, the causal load balance (zig-zag), ring attention
+step by step with the log-sum-exp merge, when the ring hides under the compute on real chips, and live
+ring / all-gather runs on this machine."""
+
+import json
+
+import numpy as np
+import streamlit as st
+
+from engine.config import ConfigError  # torch-free: the page checks the input before any worker starts
+from hardware.chips import CHIPS
+from planner.memory import korthikanti_bytes
+from planner.models import MODEL_PRESETS
+from ui.collectives import format_bytes, format_seconds
+from ui.context_parallel import (
+    CP_DEGREES,
+    SEQ_LENS,
+    block_attention,
+    causal_split_figure,
+    imbalance,
+    live_config,
+    live_rows,
+    merge_partials,
+    overlap_figure,
+    overlap_row,
+    rank_work,
+    ring_rows,
+    seq_label,
+)
+from ui.engine_errors import engine_error_message
+from ui.timeline import timeline_figure
+
+choices = st.session_state["choices"]
+chip = CHIPS[choices.chip]
+spec = MODEL_PRESETS[choices.model]
+
+st.title("Context parallel")
+st.markdown(
+    """
+Every other strategy so far keeps each sequence whole on a chip. At long context that stops working:
+the activations a layer keeps for its backward grow **linearly** with the sequence length S, and the
+attention compute grows with **S²** (each of S queries looks at up to S keys). Long-context training
+(128K tokens and beyond) splits the **sequence itself** over cp chips:
+"""
+)
+st.latex(r"\text{In}[B, S_{cp}, D] \qquad Q[B, S_{cp}, H, d] \qquad K, V[B, S, H_{kv}, d] \text{ needed by every chip}")
+sbh = korthikanti_bytes(spec.seq_len, 1, spec.hidden, spec.heads, 1, "tp+sp+selective")
+st.markdown(
+    f"""
+Norms, projections, the MLP and the loss work token by token, so they need only the chip's own S/cp
+tokens. Attention is the one place that mixes tokens: a query needs the keys and values of **every earlier
+position**, which now live on other chips. So **K and V must visit every rank**. For {spec.name} at its
+S = {spec.seq_len:,}, one sequence keeps about 34·s·h = **{format_bytes(sbh)}** per layer
+(Korthikanti et al. 2022, selective recomputation) and {format_bytes(sbh * spec.layers)} over its
+{spec.layers} layers; at 1M tokens that is {2**20 / spec.seq_len:.0f}x more, on one chip, before
+weights and optimizer state.
+"""
+)
+
+st.subheader("The causal mask makes a plain split unfair")
+st.markdown(
+    """
+Cut the sequence into 2·cp equal chunks. With a **contiguous** split rank r gets chunks 2r and 2r+1; but
+under the causal mask a query only looks **back**, so the first rank's queries see almost nothing and the
+last rank's see everything. Each ring step waits for the slowest rank, so the whole ring runs at the
+speed of the last one. The **zig-zag** (head-tail) split (Llama 3, Dubey et al. 2024 sec. 3.3.2;
+Megatron-LM) gives rank i chunks **i and 2cp−1−i**, one early and one late, and every rank gets the same
+work. Each block below is (S/2cp) queries x (S/2cp) keys, coloured by the rank that computes it:
+"""
+)
+cp_pic = st.select_slider("cp for the picture", [2, 3, 4, 6, 8], value=4, key="cp_split", bind="query-params")
+st.plotly_chart(causal_split_figure(cp_pic), key="cp_split_figure")
+contiguous, zigzag = rank_work(cp_pic, "contiguous"), rank_work(cp_pic, "zig-zag")
+st.markdown(
+    f"""
+Counting a diagonal block (half masked) as 1/2: with the **contiguous** split rank r computes
+**4r + 2** blocks, from {contiguous[0]['work']:g} on rank 0 to {contiguous[-1]['work']:g} on rank
+{cp_pic - 1}; the slowest does **{imbalance(cp_pic, 'contiguous'):.2f}x** the mean (2 − 1/cp). With
+**zig-zag** every rank computes exactly **2·cp = {zigzag[0]['work']:g}** blocks ({zigzag[0]['full']} full and
+2 diagonal): chunk i brings i + 1/2 blocks and chunk 2cp−1−i brings 2cp − i − 1/2, together 2cp for
+every i. In tokens, with c = S/2cp per chunk: zig-zag (2cp − 1)·c² + c(c + 1) = 2cp·c² + c query-key pairs
+on every rank, exactly.
+"""
+)
+
+st.header("Ring attention, step by step")
+st.markdown(
+    f"""
+Ring attention (Liu et al. 2023) arranges the cp ranks in a ring. At step 0 every rank attends its queries
+to its **own** K/V block. Then, at step k, **rank r holds the K/V block of rank r − k** (mod cp): while it
+computes attention against that block it already **sends the block on** to rank r + 1 and receives the next
+one from rank r − 1, so after cp steps every query has seen every key. With the zig-zag split, every
+step except the diagonal one is exactly **half a block** (all queries against the early half of an earlier
+rank's keys, or the late half of the queries against all of a later rank's keys), so the steps take the
+same time on every rank. For cp = {cp_pic}:
+"""
+)
+st.dataframe(ring_rows(cp_pic), hide_index=True, width="stretch")
+st.markdown(
+    """
+Each step gives a **partial** attention: a softmax over only one block of keys. They are merged exactly
+with the online-softmax rule (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022 sec. 3.1). Keep
+per query row the running max m of the scores, the sum l of exp(score − m), and the output o normalised
+by l; a new block (m₂, l₂, o₂) merges as
+"""
+)
+st.latex(r"""
+m = \max(m_1, m_2), \qquad
+\ell = \ell_1 e^{m_1 - m} + \ell_2 e^{m_2 - m}, \qquad
+o = \frac{\ell_1 e^{m_1 - m}\, o_1 + \ell_2 e^{m_2 - m}\, o_2}{\ell}""")
+st.markdown(
+    "The engine keeps one number per row instead of two, the **log-sum-exp** L = m + log ℓ, which reads the "
+    "same: "
+)
+st.latex(r"L = \log\left(e^{L_1} + e^{L_2}\right), \qquad o = e^{L_1 - L}\, o_1 + e^{L_2 - L}\, o_2")
+rng = np.random.default_rng(0)
+q, k, v = rng.normal(size=(8, 16)), rng.normal(size=(12, 16)), rng.normal(size=(12, 16))
+full, _, _ = block_attention(q, k, v)
+merged, _, _ = merge_partials(*block_attention(q, k[:5], v[:5]), *block_attention(q, k[5:], v[5:]))
+st.caption(f"Checked here with numpy: 8 queries against 12 random keys split 5 + 7 and merged, against "
+           f"one softmax over all 12: largest difference {np.abs(merged - full).max():.1e}.")
+st.markdown(
+    """
+The backward pass runs the ring again: each rank recomputes a block's probabilities from the saved L
+(FlashAttention's backward), and the **dK, dV** of each block travel with it and end up at the block's
+owner after a full turn. The live engine writes this by hand (`engine/cp.py`), because autograd cannot
+differentiate through a send.
+"""
+)
+
+st.header("When does the ring hide under the compute?")
+st.markdown(
+    """
+One ring step sends one K/V block while computing one block of attention. With B sequences per chip,
+H query heads and H_kv KV heads of width d, e bytes per value (bf16: 2), link bandwidth W (one direction)
+and achievable FLOP/s F:
+"""
+)
+st.latex(r"""
+\begin{array}{ll}
+\text{transfer of one block:} & T_{comm} = \alpha + \dfrac{2 \cdot B \cdot \frac{S}{cp} \cdot H_{kv} \cdot d
+\cdot e}{W} \\[1.2em]
+\text{attention of one step:} & T_{comp} = \dfrac{\tfrac12 \cdot 4 \cdot B \left(\frac{S}{cp}\right)^2 H\, d}{F}
+\end{array}""")
+st.markdown(
+    """
+The 4·B·(S/cp)²·H·d are the two matmuls Q·Kᵀ and P·V of a full block (2 FLOPs per multiply-add); the ½ is
+the causal mask with the zig-zag split, where every off-diagonal step computes exactly half a block.
+The ratio does not depend on B or d: the transfer **hides** (latency aside) when
+"""
+)
+st.latex(r"\frac{S}{cp} \;\ge\; \frac{H_{kv}}{H} \cdot e \cdot \frac{F}{W}")
+st.markdown(
+    "Communication grows with S/cp and compute with (S/cp)², so a long enough shard always hides the ring; "
+    "grouped-query attention (H_kv < H) makes the K/V blocks smaller still. Pick the degree and the length:"
+)
+c1, c2 = st.columns(2)
+default_cp = choices.mesh["cp"] if choices.mesh["cp"] in CP_DEGREES else 8
+cp = c1.select_slider("Context-parallel degree cp", CP_DEGREES, value=default_cp, key="cp_degree",
+                      bind="query-params", help="The sidebar's cp sets the starting value.")
+seq_len = c2.select_slider("Sequence length S", SEQ_LENS, value=131072, key="cp_seq_len", bind="query-params",
+                           format_func=seq_label)
+stride = choices.mesh["tp"]  # the cp group strides over the tp ranks inside it (tp innermost in the mesh)
+row = overlap_row(spec, chip, cp, seq_len, stride=stride)
+shard = seq_len // cp
+verdict = "**hidden**" if row["hidden"] else "**exposed**"
+st.markdown(
+    f"""
+For {spec.name} (H = {spec.heads}, H_kv = {spec.kv_heads}, d = {spec.head_dim_}) on {chip.name}, B = 1, S =
+{seq_label(seq_len)}, cp = **{cp}** (group: {row['topology']}; tp = {stride} ranks between members):
+each rank holds S/cp = **{shard:,}** tokens, a K/V block is **{format_bytes(row['kv_block_bytes'])}** and
+takes **{format_seconds(row['transfer_s'])}** to pass on, while its attention step computes
+{row['block_flops'] / 1e12:,.3g} TFLOP in **{format_seconds(row['compute_s'])}**. The ring is {verdict}
+"""
+    + (f"(compute covers the transfer {row['compute_s'] / row['transfer_s']:.1f}x)."
+       if row["hidden"] else
+       f": each of the cp − 1 = {cp - 1} steps waits {format_seconds(row['transfer_s'] - row['compute_s'])}, "
+       f"{format_seconds(row['ring_exposed_s'])} per layer's forward.")
+    + f" Threshold on this link: S/cp ≥ **{row['threshold_tokens']:,.0f}** tokens."
+)
+st.plotly_chart(overlap_figure(spec, chip, cp, seq_len, stride=stride), key="cp_overlap")
+st.caption("Bandwidth W and latency α are those of the cp group's link in hardware/collectives.py at achievable "
+           "efficiency; F is the chip's achievable bf16 rate. The backward sends K/V again plus dK/dV (2x the "
+           "bytes) against about 2.5x the compute (FlashAttention's 5 matmuls to 2), so it hides sooner; the "
+           "planner (planner/costs.py) charges only what each pass cannot hide.")
+
+st.subheader("The all-gather variant")
+st.markdown(
+    f"""
+Instead of a ring, all-gather K/V once per layer and let every rank attend its queries to the whole
+sequence (backward: reduce-scatter dK/dV). Llama 3 trains long context this way (Dubey et al. 2024
+sec. 3.3.2): it is simpler, works for any mask (e.g. documents packed in one sequence), and with
+grouped-query attention K/V are small next to Q. It sends the **same** (cp − 1) blocks as the ring's
+forward, but before any attention can start, and every rank keeps **all** cp blocks:
+"""
+)
+st.dataframe([
+    {"variant": "ring", "K/V bytes sent per layer (forward)": format_bytes(row["ring_sent_bytes"]),
+     "K/V held per layer": format_bytes(row["ring_kv_held_bytes"]) + " (block in use + block arriving)",
+     "exposed time per layer (forward)": format_seconds(row["ring_exposed_s"])},
+    {"variant": "all-gather", "K/V bytes sent per layer (forward)": format_bytes(row["allgather_sent_bytes"]),
+     "K/V held per layer": format_bytes(row["allgather_kv_held_bytes"]) + " (the whole sequence)",
+     "exposed time per layer (forward)": format_seconds(row["allgather_s"]) + " (unless prefetched)"},
+], hide_index=True, width="stretch")
+
+st.header("Run it for real")
+st.markdown(
+    """
+Below, the small Llama-style Transformer of the live engine trains on **real processes of this machine**
+with context parallel (`engine/cp.py`): zig-zag split, ring attention with `isend`/`irecv` overlapped
+with each block's attention and a hand-written backward, then the all-gather variant. Both are checked
+against one process training the whole sequence, and every transfer is traced.
+"""
+)
+c1, c2, c3 = st.columns(3)
+world = c1.select_slider("Processes (cp)", [2, 4], value=2, key="cp_live_world")
+live_seq = c2.number_input("Sequence length (tokens)", min_value=2, max_value=256, value=32, step=1,
+                           key="cp_live_seq_len", help="Must be a multiple of 2·cp: the zig-zag split cuts "
+                           "each sequence into 2·cp equal chunks.")
+steps = c3.select_slider("Optimizer steps", [1, 2, 3], value=1, key="cp_live_steps")
+st.code(f"python -m engine run --strategy cp --cp-variant {{ring,allgather}} --world {world} "
+        f"--seq-len {live_seq} --steps {steps} --check", language="bash")
+
+try:
+    configs = {variant: live_config(world, int(live_seq), variant, steps) for variant in ("ring", "allgather")}
+except ConfigError as e:
+    configs = None
+    st.error(f"This run cannot start: {e}.", icon=":material/block:")
+
+if st.button("Run ring and all-gather on this machine", type="primary", disabled=configs is None):
+    from engine.run import run
+
+    runs = []
+    try:
+        for variant, cfg in configs.items():
+            with st.spinner(f"Running {variant} on {world} processes (the first run starts them) ..."):
+                summary, timeline = run(cfg, check=True)
+            runs.append((variant, cfg, summary, timeline))
+        st.session_state["live_cp"] = (world, runs)
+    except Exception as e:  # noqa: BLE001 - any engine failure is reported, never a traceback
+        st.session_state.pop("live_cp", None)
+        message, details = engine_error_message(e, what="run", hint="try 2 processes or fewer steps")
+        st.error(message)
+        if details:
+            with st.expander("What the workers said"):
+                st.code(details)
+
+live = st.session_state.get("live_cp")
+if live is not None:
+    live_world, runs = live
+    for variant, _, summary, _ in runs:
+        check = summary["check"]
+        (st.success if summary["ok"] else st.error)(
+            f"{variant} on {live_world} processes {'matches' if summary['ok'] else 'DOES NOT match'} the "
+            f"single-process reference over {summary['steps']} step(s) (largest difference "
+            f"{check['max_abs_diff']:.2e}; loss {summary['loss'][-1]:.4f}).")
+    table = live_rows(runs)
+    st.dataframe(table, hide_index=True, width="stretch")
+    ring, gather = table
+    st.markdown(
+        f"""
+The ring sends (3cp − 2) K/V-sized blocks per layer and step: cp − 1 forward, and in the backward
+cp − 1 K/V blocks again plus cp dK/dV blocks (each block's gradient travels home). The all-gather sends
+2(cp − 1): one all-gather and one reduce-scatter. So the ring moves more bytes ({ring['K/V bytes sent per step (rank 0)']}
+against {gather['K/V bytes sent per step (rank 0)']}), in exchange for two things: its transfers run
+**while** attention computes ({ring['K/V transfer under attention']} of the send/recv time here), and it
+never holds the whole sequence's K/V: activations kept for backward {ring['activations (rank 0)']} against
+{gather['activations (rank 0)']}. On this tiny model the gradient all-reduce over the cp ranks dwarfs both
+(the weights are replicated), and on shared CPU cores the measured overlap is only indicative.
+"""
+    )
+    tabs = st.tabs([variant for variant, *_ in runs])
+    for tab, (variant, _, _, timeline) in zip(tabs, runs, strict=True):
+        with tab:
+            st.plotly_chart(timeline_figure(timeline, title=f"{variant}: every rank's compute and communication"),
+                            key=f"cp_live_timeline_{variant}")
+            st.caption("Brown bars (send/recv) are the K/V and dK/dV blocks; the 'attn L… ring k' compute "
+                       "spans are the blocks they overlap. Hover for names and bytes.")
+            st.download_button(f"Download the {variant} trace (open it in ui.perfetto.dev)",
+                               json.dumps(timeline.to_chrome_trace()), key=f"cp_trace_{variant}",
+                               file_name=f"shardlab-cp-{variant}-trace.json", mime="application/json")
