@@ -1,0 +1,310 @@
+"""Lesson: Mixture-of-Experts and expert parallel: routing, the two all-to-alls, cost on real chips, a live run."""
+
+import json
+
+import streamlit as st
+
+from hardware.chips import CHIPS
+from planner.models import MODEL_PRESETS
+from ui.collectives import format_bytes, format_seconds
+from ui.engine_errors import engine_error_message
+from ui.expert_parallel import (
+    MOE_PRESETS,
+    a2a_bytes,
+    a2a_bytes_by_name,
+    capacity,
+    cost_figure,
+    cost_rows,
+    ep_config_error,
+    live_load_rows,
+    load_figure,
+    matrix_figure,
+    measured_a2a_formula,
+    moe_numbers,
+    placement_figure,
+    simulate_routing,
+)
+from ui.timeline import lane_summary, timeline_figure
+
+choices = st.session_state["choices"]
+chip = CHIPS[choices.chip]
+domain = chip.scaleup_domain
+
+st.title("Expert parallel")
+st.markdown(
+    """
+A **Mixture-of-Experts** (MoE) layer replaces the one MLP of a Transformer layer by E smaller MLPs, the
+*experts*, and a tiny linear **router** that scores every token against every expert. Each token goes
+only to its **top k** experts, and its output is their results weighted by the router's softmax
+(Shazeer et al. 2017; GShard, Lepikhin et al. 2020; Mixtral: E = 8, k = 2). So the model has the
+parameters of E MLPs but each token pays the FLOPs of only k: **total parameters** grow with E,
+**active parameters** (what one token passes through) with k.
+"""
+)
+sidebar_spec = MODEL_PRESETS[choices.model]
+if sidebar_spec.is_moe:
+    spec = sidebar_spec
+else:
+    st.info(f"The sidebar's {sidebar_spec.name} is a **dense** model: every token passes through its one MLP, "
+            "it has no experts to spread. Pick an MoE preset to follow here (or choose one in the sidebar).",
+            icon=":material/info:")
+    spec = MODEL_PRESETS[st.selectbox("MoE model", MOE_PRESETS, key="ep_moe_model")]
+nums = moe_numbers(spec)
+shared = f" plus {spec.shared_experts} always-on shared expert" if spec.shared_experts else ""
+dense_first = f" (its first {spec.dense_layers} layers keep a dense MLP)" if spec.dense_layers else ""
+st.markdown(
+    f"**{spec.name}**: {spec.moe_layers} MoE layers{dense_first}, each with E = **{spec.experts}** routed "
+    f"experts{shared}, top k = **{spec.top_k}**. One expert is a SwiGLU MLP of D = {spec.hidden:,} and "
+    f"F = {spec.ffn:,}: {nums['per_expert'] / 1e6:,.0f} M parameters. All routed experts together hold "
+    f"**{nums['experts_all_layers'] / 1e9:,.1f} B** of the model's **{nums['total'] / 1e9:,.1f} B** "
+    f"parameters, but one token uses only **{nums['active'] / 1e9:,.1f} B** "
+    f"({nums['active'] / nums['total']:.0%}): the compute of a {nums['active'] / 1e9:,.0f} B dense model with "
+    f"the memory of a {nums['total'] / 1e9:,.0f} B one."
+)
+st.markdown(
+    """
+That memory is the problem expert parallel solves. Instead of copying every expert to every chip, the
+**ep** chips of an expert-parallel group each hold **E/ep whole experts**; attention, norms and the router
+stay data parallel (each chip reads its own tokens). A token whose expert lives elsewhere has to travel
+there and back, in two **all-to-alls** per MoE layer:
+"""
+)
+st.latex(r"""
+\begin{array}{ll}
+\text{route:} & \text{In}[T, D] \cdot W_r[D, E] \rightarrow \text{top-}k \text{ experts per token} \\
+\text{dispatch (all-to-all):} & X[T \cdot k, D] \text{ sorted by expert} \rightarrow X[T_{e}, D]
+\text{ for each local expert } e \in E_{ep} \\
+\text{experts:} & X[T_e, D] \cdot W_{in}[D, 2F] \rightarrow H[T_e, F],\;\; H[T_e, F] \cdot W_{out}[F, D]
+\rightarrow Y[T_e, D] \\
+\text{combine (all-to-all):} & Y[T_e, D] \rightarrow Y[T \cdot k, D] \text{ back home},\;\;
+\text{Out}[t] = \textstyle\sum_{j \le k} g_{t,j}\, Y_{t,j}
+\end{array}""")
+st.markdown(
+    """
+Before the rows move, the ranks exchange a small all-to-all of **counts** (how many rows each rank sends to
+each expert), so every rank knows how much it will receive: an uneven all-to-all needs its split sizes.
+The backward pass runs both all-to-alls in reverse, so a training step moves each routed token copy
+**four** times per MoE layer.
+"""
+)
+ep_choices = [e for e in (1, 2, 4, 8, 16, 32, 64) if e <= spec.experts and spec.experts % e == 0]
+sidebar_ep = choices.mesh["ep"] if choices.mesh["ep"] in ep_choices[1:] else min(8, ep_choices[-1])
+model_ep = st.select_slider("Expert-parallel degree ep for this model", ep_choices, value=sidebar_ep,
+                            key="ep_model_degree", help="The sidebar's ep sets the starting value.")
+st.plotly_chart(placement_figure(spec.experts, model_ep), key="ep_placement")
+st.caption(f"{spec.name} at ep = {model_ep}: each chip holds {spec.experts // model_ep} experts per MoE layer, "
+           f"{spec.experts // model_ep * nums['per_expert'] * spec.moe_layers * 2 / 1e9:,.1f} GB of expert "
+           f"weights in bf16 over all {spec.moe_layers} MoE layers (against {chip.hbm_bytes / 1e9:.0f} GB of HBM "
+           f"on {chip.name}).")
+
+st.header("Routing: who gets how many tokens")
+st.markdown(
+    """
+A router is not told to be fair. If it likes a few experts, their chips get more rows than the others,
+and the whole MoE layer waits for the busiest chip. Real systems bound the damage with a **capacity
+factor** C: each expert accepts at most
+"""
+)
+st.latex(r"\text{capacity} = \left\lceil C \cdot \frac{T \cdot k}{E} \right\rceil")
+st.markdown(
+    """
+token copies from each group of T tokens (GShard, sec. 3.2); the rest are **dropped**: that expert's
+output for them is zero, and the token goes on through the residual connection. First choices claim
+places before second choices, earlier tokens before later ones. Below, every rank routes its own T tokens
+with the same router; the **skew** s makes expert e's probability proportional to 1/(e+1)^s (Zipf: s = 0 is
+a perfectly balanced router). The experts are numbered by popularity, so the hottest ones sit together on
+rank 0, the worst case for the ranks.
+"""
+)
+c1, c2, c3 = st.columns(3)
+sim_tokens = c1.select_slider("Tokens per rank T", [64, 128, 256, 512, 1024, 2048], value=512,
+                              key="ep_tokens", bind="query-params")
+sim_experts = c2.select_slider("Experts E", [4, 6, 8, 16, 32, 64, 128, 256], value=8,
+                               key="ep_experts", bind="query-params")
+sim_k = c3.select_slider("Top k", [1, 2, 4, 8], value=2, key="ep_top_k", bind="query-params")
+c4, c5, c6 = st.columns(3)
+sim_ep = c4.select_slider("Expert-parallel degree ep", [1, 2, 4, 8, 16, 32], value=4, key="ep_degree",
+                          bind="query-params")
+sim_c = c5.select_slider("Capacity factor C", ["0.5", "0.75", "1.0", "1.25", "1.5", "2.0", "none"],
+                         value="1.25", key="ep_capacity", bind="query-params",
+                         help="none: no limit, no token dropped")
+sim_skew = c6.slider("Router skew s (Zipf exponent)", 0.0, 1.5, 0.0, 0.1, key="ep_skew", bind="query-params")
+cap_factor = None if sim_c == "none" else float(sim_c)
+problem = ep_config_error(sim_experts, sim_k, sim_ep)
+if sim_k > sim_experts:
+    problem = f"top k = {sim_k} is more than the E = {sim_experts} experts; choose k <= E"
+if problem:
+    st.error(f"This routing cannot be placed: {problem}.", icon=":material/block:")
+else:
+    routing = simulate_routing(sim_tokens, sim_experts, sim_k, sim_ep, cap_factor, sim_skew, seed=0)
+    stats = routing.stats()
+    cap_text = ("no capacity limit" if routing.capacity_per_group is None else
+                f"capacity {routing.capacity_per_group} per expert per rank (the red line: x {sim_ep} ranks)")
+    st.plotly_chart(load_figure(routing.tokens_per_expert, routing.dropped_per_expert, sim_ep,
+                                routing.capacity_line,
+                                f"{sim_ep} ranks x {sim_tokens} tokens x k = {sim_k}, E = {sim_experts}, "
+                                f"s = {sim_skew:g}: {cap_text}"), key="ep_sim_load")
+    total = sim_ep * sim_tokens * sim_k
+    st.markdown(
+        f"Of the **{total:,}** token copies (ep x T x k), **{routing.dropped:,}** were dropped "
+        f"(**{stats['dropped_fraction']:.1%}**). The busiest expert got **{stats['expert_max_over_mean']:.2f}x** "
+        f"the mean load; the busiest rank processes **{stats['rank_max_over_mean']:.2f}x** the mean number of "
+        "rows, and every rank waits for it. A larger C drops fewer tokens but lets the busiest rank run "
+        "longer (and reserve more buffer); C below 1 drops tokens even from a perfectly balanced router, "
+        "because random routing is never exactly even."
+    )
+    st.plotly_chart(matrix_figure(routing.matrix, "The dispatch all-to-all: rows each rank sends to each rank"),
+                    key="ep_sim_matrix")
+    sent = routing.matrix.sum(1)
+    local = routing.matrix.diagonal()
+    st.markdown(
+        f"Row r is what rank r's tokens need from the experts of each rank; the diagonal stays on the chip "
+        f"(no link). Each rank keeps **{local.sum() / max(sent.sum(), 1):.0%}** of its rows at home "
+        f"(balanced: 1/ep = {1 / sim_ep:.0%}); the rest, **{(sent.sum() - local.sum()) / sim_ep:,.0f}** rows "
+        "per rank on average, cross the network in the dispatch, and come back in the combine "
+        "(the transposed matrix)."
+    )
+
+st.header("What the all-to-alls cost on real chips")
+st.markdown(
+    """
+With balanced routing each of a chip's T·k token copies lands on a uniformly chosen rank of the ep group,
+so (ep−1)/ep of them leave the chip. Per MoE layer and micro-batch each chip sends
+"""
+)
+st.latex(r"""4 \times T \cdot k \cdot D \cdot 2\,\text{bytes} \times \frac{ep-1}{ep}
+\quad (\text{dispatch} + \text{combine, forward} + \text{backward})""")
+st.markdown(
+    """
+(GShard's dispatch and combine, the all-to-all cost of the scaling book's Part 12 on a switch:
+(N−1)/N of the array through each chip's own port). Unlike tensor parallel's all-reduces, the bytes do not
+shrink as ep grows, and the FLOPs per chip do not either: each chip still runs T·k rows through experts.
+What ep buys is **memory** (E/ep experts per chip) and larger matmuls per expert. Whether the all-to-all
+stays on NVLink decides its price:
+"""
+)
+micro_batch = st.select_slider("Micro-batch b (sequences per chip)", [1, 2, 4], value=1, key="ep_micro_batch",
+                               bind="query-params")
+tokens = micro_batch * spec.seq_len
+rows = cost_rows(spec, chip, tokens, [1, 2, 4, 8, 16, 32, 64, 128, 256])
+here = next(r for r in rows if r["ep"] == model_ep)
+one = a2a_bytes(tokens, spec.top_k, spec.hidden, model_ep)
+if model_ep == 1:
+    st.markdown("With ep = 1 every chip holds every expert and nothing moves: pick ep > 1 above.")
+else:
+    st.markdown(
+        f"{spec.name}, T = b·s = {tokens:,} tokens, k = {spec.top_k}, D = {spec.hidden:,}, ep = **{model_ep}**: "
+        f"one all-to-all sends **{format_bytes(one['one'])}** per chip, the four of a step "
+        f"**{format_bytes(here['bytes'])}** per MoE layer. On {chip.name} with the group on consecutive chips "
+        f"({here['topology']}) that takes **{format_seconds(here['a2a_s'])}** against "
+        f"**{format_seconds(here['compute_s'])}** of expert compute (forward + backward): "
+        f"**{here['a2a_s'] / here['compute_s']:.0%}** of it. With one chip per node it would take "
+        f"**{format_seconds(here['a2a_spread_s'])}**."
+    )
+st.plotly_chart(cost_figure(rows, model_ep, domain, f"{spec.name} on {chip.name}: one MoE layer, "
+                                                      f"T = {tokens:,} tokens per chip"), key="ep_cost")
+st.dataframe([{"ep": r["ep"], "bytes sent per chip (4 all-to-alls)": format_bytes(r["bytes"]),
+               "all-to-all, consecutive chips": format_seconds(r["a2a_s"]),
+               "all-to-all, one chip per node": format_seconds(r["a2a_spread_s"]),
+               "expert compute": format_seconds(r["compute_s"]),
+               "expert weights per chip": f"{r['expert_weights_bytes'] / 1e9:,.1f} GB"} for r in rows],
+             hide_index=True, width="stretch")
+st.markdown(
+    f"Inside one {domain}-chip domain the all-to-all is cheap next to the experts' compute; once the group "
+    f"spans nodes, (ep−{domain})/ep of every chip's rows go through its network card at "
+    f"{chip.scaleout_bytes_per_s / 1e9:.0f} GB/s instead of NVLink's {chip.scaleup_bytes_per_s / 1e9:.0f} GB/s. "
+    "That is why DeepSeek-V3 limits each token to experts on at most 4 nodes and overlaps the all-to-all of "
+    "one micro-batch with the compute of another (DualPipe; arXiv 2412.19437 sec. 3.2), and dispatches in FP8. "
+    "The alpha-beta model here assumes balanced routing and free network cards."
+)
+
+st.header("Run it for real")
+st.markdown(
+    """
+Below, the live engine trains its small Transformer with an MoE MLP on **real processes of this machine**
+(`engine/ep.py`): each rank holds E/ep experts, exchanges the counts, dispatches its rows with
+`all_to_all_single` and uneven split sizes, runs its experts, combines the results back, and records how
+many tokens every expert received and dropped. The run is checked against one process computing the whole
+model, same routing and same drops.
+"""
+)
+l1, l2, l3, l4, l5 = st.columns(5)
+world = l1.select_slider("Processes (ep)", [2, 4], value=2, key="ep_live_world")
+live_experts = l2.select_slider("Experts", [2, 4, 6, 8], value=8, key="ep_live_experts")
+live_k = l3.select_slider("Top k", [1, 2], value=2, key="ep_live_top_k")
+live_c = l4.select_slider("Capacity factor", ["none", "0.5", "1.0", "1.25", "2.0"], value="1.0",
+                          key="ep_live_capacity")
+steps = l5.select_slider("Optimizer steps", [1, 2, 3], value=2, key="ep_live_steps")
+argv = ["--strategy", "ep", "--world", str(world), "--experts", str(live_experts), "--top-k", str(live_k),
+        "--steps", str(steps), "--check"] + ([] if live_c == "none" else ["--capacity-factor", live_c])
+st.code("python -m engine run " + " ".join(argv), language="bash")
+
+if st.button("Run expert parallel on this machine", type="primary"):
+    from engine.cli import config_from_args, run_parser
+    from engine.config import ConfigError
+    from engine.run import run
+
+    try:
+        # exactly what `python -m engine run ...` builds and validates
+        cfg = config_from_args(run_parser("python -m engine run").parse_args(argv))
+        with st.spinner(f"Running expert parallel on {world} processes (the first run starts them) ..."):
+            summary, timeline = run(cfg, check=True)
+        st.session_state["live_ep"] = (cfg, summary, timeline)
+    except ConfigError as e:
+        st.session_state.pop("live_ep", None)
+        st.error(f"This run cannot start: {e}.", icon=":material/block:")
+    except Exception as e:  # noqa: BLE001 - any engine failure is reported, never a traceback
+        st.session_state.pop("live_ep", None)
+        message, details = engine_error_message(e, what="run", hint="try 2 processes or fewer steps")
+        st.error(message)
+        if details:
+            with st.expander("What the workers said"):
+                st.code(details)
+
+live = st.session_state.get("live_ep")
+if live is not None:
+    cfg, summary, timeline = live
+    check = summary["check"]
+    (st.success if summary["ok"] else st.error)(
+        f"Expert parallel on {cfg.world} processes {'matches' if summary['ok'] else 'DOES NOT match'} the "
+        f"single-process reference over {summary['steps']} steps (largest difference "
+        f"{check['max_abs_diff']:.2e}; loss {summary['loss'][-1]:.4f}).")
+    load = summary["stats"]["expert_load"]
+    layer_name, layer = next(iter(load["layers"].items()))
+    m = cfg.model
+    sequences = cfg.world * cfg.steps * cfg.micro_batches * cfg.micro_batch_size
+    cap = capacity(m.capacity_factor, m.seq_len, m.top_k, m.experts)
+    left, right = st.columns(2)
+    with left:
+        st.plotly_chart(load_figure(layer["tokens_per_expert"], layer["dropped_per_expert"], load["ep"],
+                                    None if cap is None else cap * sequences,
+                                    f"Measured, layer {layer_name}: the engine's router"),
+                        key="ep_live_load")
+    with right:
+        sim = simulate_routing(cfg.steps * cfg.micro_batches * cfg.micro_batch_size * m.seq_len, m.experts,
+                               m.top_k, load["ep"], m.capacity_factor, 0.0, seed=cfg.seed,
+                               group_tokens=m.seq_len)
+        st.plotly_chart(load_figure(sim.tokens_per_expert, sim.dropped_per_expert, load["ep"], sim.capacity_line,
+                                    "Simulated: a balanced random router, same T, E, k, C"),
+                        key="ep_live_sim")
+    st.caption(f"The engine counts capacity per sequence of {m.seq_len} tokens ({sequences} sequences in the "
+               "run), so the red line is the capacity per sequence times the sequences. Its router is a freshly "
+               "initialised linear layer: close to balanced, but its preferences are real, not random draws.")
+    st.dataframe(live_load_rows(summary), hide_index=True, width="stretch")
+    sent = a2a_bytes_by_name(timeline, 0, cfg.steps)
+    formula = measured_a2a_formula(summary, m.hidden)
+    st.markdown(
+        f"Bytes rank 0 sent per step: dispatch **{sent['dispatch']:,.0f}**, combine **{sent['combine']:,.0f}** "
+        f"(forward and backward each), counts {sent['counts']:,.0f}, dense gradients' all-reduce "
+        f"{sent['other']:,.0f}; in all **{summary['comm_bytes'][0] / cfg.steps:,.0f}**. The balanced formula "
+        f"4 x T x k x (1 - dropped) x D x 4 bytes x (ep-1)/ep over the {len(load['layers'])} MoE layers gives "
+        f"**{formula:,.0f}** for dispatch + combine (T = {cfg.micro_batch_size * m.seq_len} tokens, "
+        f"D = {m.hidden}, fp32); the measured "
+        f"{sent['dispatch'] + sent['combine']:,.0f} differs by how unevenly this router spread the rows. "
+        f"Step time {summary['step_time_s'] * 1e3:,.1f} ms (median, slowest rank)."
+    )
+    st.plotly_chart(timeline_figure(timeline, title="Every rank's compute and communication (all-to-alls in pink)"),
+                    key="ep_live_timeline")
+    st.dataframe(lane_summary(timeline), hide_index=True, width="stretch")
+    st.download_button("Download the trace (open it in ui.perfetto.dev)", json.dumps(timeline.to_chrome_trace()),
+                       file_name="shardlab-ep-trace.json", mime="application/json", key="ep_trace")

@@ -1,0 +1,344 @@
+"""The expert parallel lesson's arithmetic and figures: pure data in, numbers, Plotly figures and rows out.
+
+A Mixture-of-Experts layer (Shazeer et al. 2017; GShard, Lepikhin et al. 2020) routes each token to the
+top k of E expert MLPs. Expert parallel puts E/ep whole experts on each of the ep ranks:
+
+    In[T, D] --router--> top-k of E --all-to-all (dispatch)--> rows at their experts' ranks
+    W_in[E_ep, D, F] . W_out[E_ep, F, D] on each rank's own rows
+    rows --all-to-all (combine)--> back home, out[t] = sum_k weight_k * expert_k(In[t])
+
+The routing simulation is seeded numpy: a Zipf-skewed router, top-k drawn without replacement (Gumbel
+top-k), GShard's capacity ceil(C * G * k / E) per expert per group of G tokens, first choices before
+second choices and earlier tokens first (the engine's `capacity_keep` order). Costs use
+`hardware.collectives` (alpha-beta all-to-all) and `planner.costs.matmul_s`.
+
+No Streamlit and no torch here (engine.config is torch-free), so the page opens fast.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from engine.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, validate
+from engine.trace import Timeline
+from hardware.chips import Chip
+from hardware.collectives import group_topology
+from planner.costs import matmul_s
+from planner.flops import active_params, layer_params, total_params
+from planner.models import MODEL_PRESETS, ModelSpec
+from ui.tensor_parallel import log_ticks, rank_color
+
+BF16_BYTES = 2  # tokens travel in bf16 (DeepSeek-V3 dispatches in FP8: 1 byte; arXiv 2412.19437 sec. 3.3)
+# Dispatch + combine forward, and their transposes backward: GShard (Lepikhin et al. 2020) Algorithm 2.
+A2A_PER_LAYER = 4
+DROPPED_COLOR = "#BAB0AC"
+MOE_PRESETS = [name for name, spec in MODEL_PRESETS.items() if spec.is_moe]
+
+
+# ---- the model's parameters -------------------------------------------------------------------------
+
+def moe_numbers(spec: ModelSpec) -> dict[str, float]:
+    """Total and active parameters, and one expert's and one MoE layer's routed-expert parameters."""
+    moe = layer_params(spec, True)
+    return {"total": total_params(spec), "active": active_params(spec),
+            "per_expert": moe.experts / spec.experts, "experts_per_layer": moe.experts,
+            "experts_all_layers": moe.experts * spec.moe_layers}
+
+
+def ep_config_error(experts: int, top_k: int, ep: int) -> str | None:
+    """The engine's own message when ep ranks cannot hold `experts` whole experts, else None."""
+    model = replace(ModelConfig(), mlp="moe", experts=experts, top_k=min(top_k, experts))
+    try:
+        validate(RunConfig(model=model, world=ep, parallel=ParallelConfig(strategy="ep")))
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def placement_figure(experts: int, ep: int) -> go.Figure:
+    """Experts as cells, one row per ep rank, coloured by the rank that holds them (E/ep per rank)."""
+    per_rank = experts // ep
+    fig = go.Figure()
+    for r in range(ep):
+        fig.add_trace(go.Bar(x=[1] * per_rank, y=[f"rank {r}"] * per_rank, orientation="h",
+                             marker={"color": rank_color(r), "line": {"color": "white", "width": 1}},
+                             text=[f"E{r * per_rank + j}" for j in range(per_rank)] if per_rank <= 16 else None,
+                             textposition="inside", insidetextanchor="middle",
+                             hovertext=[f"expert {r * per_rank + j} on rank {r}" for j in range(per_rank)],
+                             hoverinfo="text", showlegend=False))
+    fig.update_layout(barmode="stack", height=min(60 + 28 * ep, 420), margin={"l": 10, "r": 10, "t": 40, "b": 10},
+                      title=f"{experts} experts over ep = {ep} ranks: {per_rank} whole experts each",
+                      xaxis={"title": "local expert slot", "showticklabels": per_rank <= 32},
+                      yaxis={"autorange": "reversed"}, plot_bgcolor="white")
+    return fig
+
+
+# ---- the routing simulation -------------------------------------------------------------------------
+
+def capacity(capacity_factor: float | None, group_tokens: int, top_k: int, experts: int) -> int | None:
+    # GShard (Lepikhin et al. 2020) sec. 3.2: expert capacity = ceil(C * tokens per group * k / E).
+    return None if capacity_factor is None else math.ceil(capacity_factor * group_tokens * top_k / experts)
+
+
+@dataclass(frozen=True)
+class Routing:
+    """(token, choice) pairs per source rank and expert: `routed[src, e]` chosen, `kept[src, e]` inside
+    capacity. Expert e lives on rank e // (E/ep)."""
+
+    routed: np.ndarray
+    kept: np.ndarray
+    ep: int
+    top_k: int
+    tokens_per_rank: int
+    capacity_per_group: int | None
+    groups: int  # capacity groups over all ranks
+
+    @property
+    def experts(self) -> int:
+        return self.routed.shape[1]
+
+    @property
+    def tokens_per_expert(self) -> np.ndarray:
+        return self.routed.sum(0)
+
+    @property
+    def dropped_per_expert(self) -> np.ndarray:
+        return (self.routed - self.kept).sum(0)
+
+    @property
+    def processed_per_rank(self) -> np.ndarray:
+        return self.kept.sum(0).reshape(self.ep, -1).sum(1)
+
+    @property
+    def matrix(self) -> np.ndarray:
+        """[source rank, destination rank]: kept rows each rank sends to each rank (diagonal: stays)."""
+        return self.kept.reshape(self.ep, self.ep, -1).sum(2)
+
+    @property
+    def dropped(self) -> int:
+        return int((self.routed - self.kept).sum())
+
+    @property
+    def capacity_line(self) -> int | None:
+        """Most rows one expert can take from all groups together."""
+        return None if self.capacity_per_group is None else self.capacity_per_group * self.groups
+
+    def stats(self) -> dict[str, float]:
+        return {"expert_max_over_mean": max_over_mean(self.tokens_per_expert),
+                "rank_max_over_mean": max_over_mean(self.processed_per_rank),
+                "dropped_fraction": self.dropped / max(int(self.routed.sum()), 1)}
+
+
+def max_over_mean(counts) -> float:
+    mean = float(np.mean(counts))
+    return float(np.max(counts)) / mean if mean > 0 else 0.0
+
+
+def router_probabilities(experts: int, zipf_s: float) -> np.ndarray:
+    """Expert e gets weight 1/(e+1)^s, normalised: s = 0 is a perfectly balanced router, larger s sends
+    more tokens to the low-numbered experts (Zipf's law)."""
+    weights = 1.0 / np.arange(1, experts + 1) ** zipf_s
+    return weights / weights.sum()
+
+
+def simulate_routing(tokens_per_rank: int, experts: int, top_k: int, ep: int, capacity_factor: float | None,
+                     zipf_s: float, seed: int = 0, group_tokens: int | None = None) -> Routing:
+    """Route `tokens_per_rank` tokens on each of `ep` ranks to top_k of `experts` and apply the capacity
+    per group of `group_tokens` tokens (default: a rank's whole batch is one group)."""
+    group_tokens = group_tokens or tokens_per_rank
+    if experts % ep or tokens_per_rank % group_tokens or not 1 <= top_k <= experts:
+        raise ValueError(f"need experts={experts} divisible by ep={ep}, tokens_per_rank={tokens_per_rank} by "
+                         f"group_tokens={group_tokens}, and 1 <= top_k={top_k} <= experts")
+    rng = np.random.default_rng(seed)
+    log_p = np.log(router_probabilities(experts, zipf_s))
+    n = ep * tokens_per_rank
+    # Gumbel top-k: the k largest of log p + Gumbel noise are k experts drawn without replacement in
+    # proportion to p (Kool et al. 2019, "Stochastic Beams and Where to Find Them", sec. 3).
+    uniform = rng.random((n, experts), dtype=np.float32)
+    scores = log_p.astype(np.float32) - np.log(-np.log(uniform + np.float32(1e-12)))
+    chosen = np.argpartition(-scores, top_k - 1, axis=1)[:, :top_k] if top_k < experts else \
+        np.tile(np.arange(experts), (n, 1))
+    order = np.take_along_axis(scores, chosen, 1).argsort(axis=1)[:, ::-1]
+    chosen = np.take_along_axis(chosen, order, 1)  # first choice first
+    groups = n // group_tokens
+    # Priority inside a group: all first choices, then all second choices, earlier tokens first.
+    slot_major = chosen.reshape(groups, group_tokens, top_k).transpose(0, 2, 1).reshape(-1)
+    group_of = np.repeat(np.arange(groups), group_tokens * top_k)
+    key = group_of * experts + slot_major
+    cap = capacity(capacity_factor, group_tokens, top_k, experts)
+    if cap is None:
+        keep = np.ones(key.size, dtype=bool)
+    else:
+        by_key = np.argsort(key, kind="stable")
+        sorted_key = key[by_key]
+        position = np.arange(key.size) - np.searchsorted(sorted_key, sorted_key, side="left")
+        keep = np.empty(key.size, dtype=bool)
+        keep[by_key] = position < cap
+    src = group_of // (groups // ep)
+    flat = src * experts + slot_major
+    routed = np.bincount(flat, minlength=ep * experts).reshape(ep, experts)
+    kept = np.bincount(flat[keep], minlength=ep * experts).reshape(ep, experts)
+    return Routing(routed, kept, ep, top_k, tokens_per_rank, cap, groups)
+
+
+def load_figure(tokens_per_expert, dropped_per_expert, ep: int, capacity_line: int | None, title: str,
+                rank_counts=None) -> go.Figure:
+    """Bars per expert (kept in the owning rank's colour, dropped in grey), the capacity and the balanced
+    mean as lines; beside them the rows each ep rank processes."""
+    routed = np.asarray(tokens_per_expert)
+    dropped = np.asarray(dropped_per_expert)
+    experts = routed.size
+    per_rank = experts // ep
+    kept = routed - dropped
+    ranks = rank_counts if rank_counts is not None else kept.reshape(ep, per_rank).sum(1)
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.72, 0.28], horizontal_spacing=0.08,
+                        subplot_titles=("(token, choice) pairs per expert", "rows each ep rank processes"))
+    x = list(range(experts))
+    fig.add_trace(go.Bar(x=x, y=kept, name="kept", marker={"color": [rank_color(e // per_rank) for e in x]},
+                         hovertemplate="expert %{x}: %{y} kept<extra></extra>"), row=1, col=1)
+    if dropped.sum() > 0:
+        fig.add_trace(go.Bar(x=x, y=dropped, name="dropped (over capacity)", marker={"color": DROPPED_COLOR},
+                             hovertemplate="expert %{x}: %{y} dropped<extra></extra>"), row=1, col=1)
+    mean = routed.sum() / experts
+    fig.add_trace(go.Scatter(x=[-0.5, experts - 0.5], y=[mean, mean], mode="lines", name="balanced load",
+                             line={"color": "black", "dash": "dot"}), row=1, col=1)
+    if capacity_line is not None:
+        fig.add_trace(go.Scatter(x=[-0.5, experts - 0.5], y=[capacity_line] * 2, mode="lines",
+                                 name="capacity", line={"color": "#E45756", "width": 2}), row=1, col=1)
+    fig.add_trace(go.Bar(x=[f"rank {r}" for r in range(ep)], y=ranks, showlegend=False,
+                         marker={"color": [rank_color(r) for r in range(ep)]},
+                         hovertemplate="%{x}: %{y} rows<extra></extra>"), row=1, col=2)
+    fig.add_trace(go.Scatter(x=[f"rank {r}" for r in (0, ep - 1)], y=[np.mean(ranks)] * 2, mode="lines",
+                             line={"color": "black", "dash": "dot"}, showlegend=False), row=1, col=2)
+    fig.update_layout(barmode="stack", height=360, title=title, bargap=0.15,
+                      margin={"l": 10, "r": 10, "t": 60, "b": 10}, legend={"orientation": "h", "y": -0.2})
+    fig.update_xaxes(title_text="expert", row=1, col=1)
+    return fig
+
+
+def matrix_figure(matrix, title: str) -> go.Figure:
+    """The all-to-all as a heatmap: rows a source rank sends to each destination rank."""
+    m = np.asarray(matrix)
+    ep = m.shape[0]
+    labels = [f"rank {r}" for r in range(ep)]
+    fig = go.Figure(go.Heatmap(z=m, x=labels, y=labels, colorscale="Blues", colorbar={"title": "rows"},
+                               text=m if ep <= 16 else None, texttemplate="%{text}" if ep <= 16 else None,
+                               hovertemplate="%{y} -> %{x}: %{z} rows<extra></extra>"))
+    fig.update_layout(height=min(140 + 40 * ep, 520), title=title, margin={"l": 10, "r": 10, "t": 50, "b": 10},
+                      xaxis={"title": "destination rank (holds the experts)"},
+                      yaxis={"title": "source rank (holds the tokens)", "autorange": "reversed"})
+    return fig
+
+
+# ---- cost on real chips -----------------------------------------------------------------------------
+
+def a2a_bytes(tokens: int, top_k: int, hidden: int, ep: int, dtype_bytes: int = BF16_BYTES) -> dict[str, float]:
+    """Bytes one rank sends per MoE layer, balanced routing and no drops: each of the T*k token copies
+    of D values lands on a uniformly chosen rank, so (ep-1)/ep of them leave ([SB] Part 12 all-to-all;
+    planner.costs EP term; engine/ep.py docstring). One all-to-all, and the A2A_PER_LAYER of a step."""
+    held = tokens * top_k * hidden * dtype_bytes
+    one = held * (ep - 1) / ep
+    return {"held": held, "one": one, "per_layer_step": A2A_PER_LAYER * one}
+
+
+def expert_mlp_s(spec: ModelSpec, chip: Chip, tokens: int, ep: int) -> float:
+    """Forward + backward seconds of one rank's routed experts for `tokens` tokens per rank, balanced:
+    E/ep experts of ep*T*k/E rows each, In[R, D] . W_in[D, 2F] and H[R, F] . W_out[F, D] (SwiGLU),
+    the backward twice the forward ([SB] Part 4); as in planner.costs."""
+    n_in = 2 if spec.mlp == "swiglu" else 1
+    rows = max(1.0, ep * tokens * spec.top_k / spec.experts)
+    fwd = spec.experts / ep * (matmul_s(chip, "bf16", rows, spec.hidden, n_in * spec.ffn)
+                               + matmul_s(chip, "bf16", rows, spec.ffn, spec.hidden))
+    return 3 * fwd
+
+
+def cost_rows(spec: ModelSpec, chip: Chip, tokens: int, eps: list[int]) -> list[dict]:
+    """Per ep that divides E: bytes and seconds of the 4 all-to-alls of one MoE layer (forward +
+    backward) with the ep group on consecutive chips (`a2a_s`) and one chip per node (`a2a_spread_s`),
+    the experts' compute, and the expert weights each chip holds (bf16, all MoE layers)."""
+    domain = chip.scaleup_domain
+    rows = []
+    for ep in eps:
+        if spec.experts % ep:
+            continue
+        b = a2a_bytes(tokens, spec.top_k, spec.hidden, ep)
+        near = group_topology(chip, ep, achievable=True)
+        spread = group_topology(chip, ep, stride=domain, achievable=True)
+        rows.append({"ep": ep, "inside_domain": ep <= domain, "topology": near.describe(),
+                     "bytes": b["per_layer_step"],
+                     "a2a_s": A2A_PER_LAYER * near.all_to_all_s(b["held"]),
+                     "a2a_spread_s": A2A_PER_LAYER * spread.all_to_all_s(b["held"]),
+                     "compute_s": expert_mlp_s(spec, chip, tokens, ep),
+                     "expert_weights_bytes": BF16_BYTES * spec.experts * layer_params(spec, True).experts
+                     / spec.experts * spec.moe_layers / ep})
+    return rows
+
+
+def cost_figure(rows: list[dict], chosen_ep: int, domain: int, title: str) -> go.Figure:
+    """All-to-all and expert compute per MoE layer against ep (log-log), the scale-up domain shaded."""
+    rows = [r for r in rows if r["ep"] > 1]
+    eps = [r["ep"] for r in rows]
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=eps, y=[r["compute_s"] * 1e3 for r in rows], mode="lines+markers",
+                             name="expert MLP compute (fwd + bwd)"))
+    fig.add_trace(go.Scatter(x=eps, y=[r["a2a_s"] * 1e3 for r in rows], mode="lines+markers",
+                             name="4 all-to-alls, ep group on consecutive chips"))
+    fig.add_trace(go.Scatter(x=eps, y=[r["a2a_spread_s"] * 1e3 for r in rows], mode="lines+markers",
+                             line={"dash": "dot"}, name="4 all-to-alls, one chip per node"))
+    chosen = next((r for r in rows if r["ep"] == chosen_ep), None)
+    if chosen is not None:
+        fig.add_trace(go.Scatter(x=[chosen_ep] * 2, y=[chosen["compute_s"] * 1e3, chosen["a2a_s"] * 1e3],
+                                 mode="markers", name=f"ep = {chosen_ep}",
+                                 marker={"size": 14, "symbol": "circle-open", "color": "black"}))
+    if eps and domain < max(eps):
+        fig.add_vrect(x0=domain * math.sqrt(2), x1=max(eps), fillcolor="#E45756", opacity=0.08, line_width=0)
+        fig.add_annotation(x=math.log10(max(eps)), y=1, yref="paper", xanchor="right", yanchor="top",
+                           showarrow=False, text=f"ep group spans several {domain}-chip domains")
+    values = [r[k] * 1e3 for r in rows for k in ("compute_s", "a2a_s", "a2a_spread_s") if r[k] > 0]
+    fig.update_layout(height=400, title=title, margin={"l": 10, "r": 10, "t": 50, "b": 10},
+                      xaxis={"type": "log", "tickvals": eps, "title": "expert-parallel degree ep"},
+                      yaxis={"type": "log", "title": "ms per MoE layer per micro-batch",
+                             "tickvals": log_ticks(values) if values else None},
+                      legend={"orientation": "h", "y": -0.25})
+    return fig
+
+
+# ---- the live run -----------------------------------------------------------------------------------
+
+def a2a_bytes_by_name(timeline: Timeline, rank: int, steps: int) -> dict[str, float]:
+    """Bytes `rank` sent per step: the counts exchange, dispatch and combine all-to-alls (forward and
+    backward together), and everything else (the dense gradients' all-reduce)."""
+    out = {"counts": 0.0, "dispatch": 0.0, "combine": 0.0, "other": 0.0}
+    for span in timeline.spans:
+        if span.rank != rank or span.lane != "comm":
+            continue
+        part = next((p for p in ("counts", "dispatch", "combine") if f"all_to_all {p}" in span.name), "other")
+        out[part] += span.bytes / steps
+    return out
+
+
+def measured_a2a_formula(summary: dict, hidden: int, dtype_bytes: int = 4) -> float:
+    """Bytes per rank per step of the dispatch and combine all-to-alls with balanced routing, at the
+    measured drop rate: A2A_PER_LAYER * tokens * k * (1 - dropped) * D * bytes * (ep-1)/ep per layer."""
+    load = summary["stats"]["expert_load"]
+    cfg = summary["config"]
+    tokens = cfg["micro_batches"] * cfg["micro_batch_size"] * cfg["model"]["seq_len"]
+    ep = load["ep"]
+    return sum(A2A_PER_LAYER * tokens * load["top_k"] * (1 - layer["dropped_fraction"]) * hidden * dtype_bytes
+               * (ep - 1) / ep for layer in load["layers"].values())
+
+
+def live_load_rows(summary: dict) -> list[dict]:
+    """One row per MoE layer of a live run's `stats["expert_load"]`."""
+    return [{"layer": name, "tokens per expert": ", ".join(map(str, layer["tokens_per_expert"])),
+             "dropped": int(sum(layer["dropped_per_expert"])),
+             "rows per ep rank": ", ".join(map(str, layer["processed_per_ep_rank"])),
+             "expert max/mean": f"{layer['expert_max_over_mean']:.2f}",
+             "rank max/mean": f"{layer['ep_rank_max_over_mean']:.2f}",
+             "dropped fraction": f"{layer['dropped_fraction']:.1%}"}
+            for name, layer in summary["stats"]["expert_load"]["layers"].items()]
