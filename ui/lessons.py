@@ -49,6 +49,12 @@ LESSONS: list[Lesson] = [
            "step by step with the log-sum-exp merge, when the K/V ring hides under the attention on real "
            "chips, and real verified ring and all-gather runs on this machine.",
            params=("cp_split", "cp_degree", "cp_seq_len")),
+    Lesson("Expert parallel", "app_pages/expert_parallel.py", "expert-parallel", ":material/alt_route:",
+           "Mixture-of-Experts: top-k routing, total against active parameters, experts spread over chips "
+           "and the dispatch and combine all-to-alls; a routing simulation with capacity and skew, the "
+           "all-to-all's cost on real chips, and a real verified expert-parallel run on this machine.",
+           params=("ep_tokens", "ep_experts", "ep_top_k", "ep_degree", "ep_capacity", "ep_skew",
+                   "ep_micro_batch")),
     Lesson("Plan a training run", "app_pages/planner.py", "planner", ":material/query_stats:",
            "Combine the strategies on a device mesh for a real model on real chips: memory per chip, step "
            "time, MFU and a predicted timeline; then search every layout for the fastest that fits.",
@@ -56,9 +62,7 @@ LESSONS: list[Lesson] = [
 ]
 
 # The rest of the route, in teaching order; each becomes a page when its live engine or planner lands.
-PLANNED = [
-    ("Expert parallel", "Mixture-of-Experts and the all-to-all."),
-]
+PLANNED: list[tuple[str, str]] = []
 
 
 def page_params() -> set[str]:
