@@ -43,7 +43,8 @@ attention compute grows with **S²** (each of S queries looks at up to S keys). 
 (128K tokens and beyond) splits the **sequence itself** over cp chips:
 """
 )
-st.latex(r"\text{In}[B, S_{cp}, D] \qquad Q[B, S_{cp}, H, d] \qquad K, V[B, S, H_{kv}, d] \text{ needed by every chip}")
+st.latex(r"\text{In}[B, S_{cp}, D] \qquad Q[B, S_{cp}, H, d] \qquad "
+         r"K, V[B, S, H_{kv}, d] \text{ needed by every chip}")
 sbh = korthikanti_bytes(spec.seq_len, 1, spec.hidden, spec.heads, 1, "tp+sp+selective")
 st.markdown(
     f"""
@@ -78,8 +79,8 @@ Counting a diagonal block (half masked) as 1/2: with the **contiguous** split ra
 {cp_pic - 1}; the slowest does **{imbalance(cp_pic, 'contiguous'):.2f}x** the mean (2 − 1/cp). With
 **zig-zag** every rank computes exactly **2·cp = {zigzag[0]['work']:g}** blocks ({zigzag[0]['full']} full and
 2 diagonal): chunk i brings i + 1/2 blocks and chunk 2cp−1−i brings 2cp − i − 1/2, together 2cp for
-every i. In tokens, with c = S/2cp per chunk: zig-zag (2cp − 1)·c² + c(c + 1) = 2cp·c² + c query-key pairs
-on every rank, exactly.
+every i. In tokens, with c = S/2cp per chunk: zig-zag (2cp − 1)·c² + c(c + 1) = 2cp·c² + c query-key
+pairs on every rank, exactly.
 """
 )
 
@@ -92,7 +93,8 @@ computes attention against that block it already **sends the block on** to rank 
 one from rank r − 1, so after cp steps every query has seen every key. With the zig-zag split, every
 step except the diagonal one is exactly **half a block** (all queries against the early half of an earlier
 rank's keys, or the late half of the queries against all of a later rank's keys), so the steps take the
-same time on every rank. For cp = {cp_pic}:
+same time on every rank. For cp = {cp_pic}, the block each rank holds at each step and the part of it the
+mask leaves to compute (meanwhile it sends the block on to rank r + 1, except at the last step):
 """
 )
 st.dataframe(ring_rows(cp_pic), hide_index=True, width="stretch")
@@ -109,8 +111,8 @@ m = \max(m_1, m_2), \qquad
 \ell = \ell_1 e^{m_1 - m} + \ell_2 e^{m_2 - m}, \qquad
 o = \frac{\ell_1 e^{m_1 - m}\, o_1 + \ell_2 e^{m_2 - m}\, o_2}{\ell}""")
 st.markdown(
-    "The engine keeps one number per row instead of two, the **log-sum-exp** L = m + log ℓ, which reads the "
-    "same: "
+    "The engine keeps one number per row instead of two, the **log-sum-exp** L = m + log ℓ, which "
+    "reads the same:"
 )
 st.latex(r"L = \log\left(e^{L_1} + e^{L_2}\right), \qquad o = e^{L_1 - L}\, o_1 + e^{L_2 - L}\, o_2")
 rng = np.random.default_rng(0)
@@ -140,12 +142,13 @@ st.latex(r"""
 \begin{array}{ll}
 \text{transfer of one block:} & T_{comm} = \alpha + \dfrac{2 \cdot B \cdot \frac{S}{cp} \cdot H_{kv} \cdot d
 \cdot e}{W} \\[1.2em]
-\text{attention of one step:} & T_{comp} = \dfrac{\tfrac12 \cdot 4 \cdot B \left(\frac{S}{cp}\right)^2 H\, d}{F}
+\text{attention of one step:} &
+T_{comp} = \dfrac{\tfrac12 \cdot 4 \cdot B \left(\frac{S}{cp}\right)^2 H\, d}{F}
 \end{array}""")
 st.markdown(
     """
-The 4·B·(S/cp)²·H·d are the two matmuls Q·Kᵀ and P·V of a full block (2 FLOPs per multiply-add); the ½ is
-the causal mask with the zig-zag split, where every off-diagonal step computes exactly half a block.
+The 4·B·(S/cp)²·H·d are the two matmuls Q·Kᵀ and P·V of a full block (2 FLOPs per multiply-add); the ½
+is the causal mask with the zig-zag split, where every off-diagonal step computes exactly half a block.
 The ratio does not depend on B or d: the transfer **hides** (latency aside) when
 """
 )
@@ -174,15 +177,16 @@ takes **{format_seconds(row['transfer_s'])}** to pass on, while its attention st
 """
     + (f"(compute covers the transfer {row['compute_s'] / row['transfer_s']:.1f}x)."
        if row["hidden"] else
-       f": each of the cp − 1 = {cp - 1} steps waits {format_seconds(row['transfer_s'] - row['compute_s'])}, "
+       f": each of the cp − 1 = {cp - 1} steps waits "
+       f"{format_seconds(row['transfer_s'] - row['compute_s'])}, "
        f"{format_seconds(row['ring_exposed_s'])} per layer's forward.")
     + f" Threshold on this link: S/cp ≥ **{row['threshold_tokens']:,.0f}** tokens."
 )
 st.plotly_chart(overlap_figure(spec, chip, cp, seq_len, stride=stride), key="cp_overlap")
-st.caption("Bandwidth W and latency α are those of the cp group's link in hardware/collectives.py at achievable "
-           "efficiency; F is the chip's achievable bf16 rate. The backward sends K/V again plus dK/dV (2x the "
-           "bytes) against about 2.5x the compute (FlashAttention's 5 matmuls to 2), so it hides sooner; the "
-           "planner (planner/costs.py) charges only what each pass cannot hide.")
+st.caption("Bandwidth W and latency α are those of the cp group's link in hardware/collectives.py at "
+           "achievable efficiency; F is the chip's achievable bf16 rate. The backward sends K/V again plus "
+           "dK/dV (2x the bytes) against about 2.5x the compute (FlashAttention's 5 matmuls to 2), so it "
+           "hides sooner; the planner (planner/costs.py) charges only what each pass cannot hide.")
 
 st.subheader("The all-gather variant")
 st.markdown(
@@ -222,7 +226,8 @@ st.code(f"python -m engine run --strategy cp --cp-variant {{ring,allgather}} --w
         f"--seq-len {live_seq} --steps {steps} --check", language="bash")
 
 try:
-    configs = {variant: live_config(world, int(live_seq), variant, steps) for variant in ("ring", "allgather")}
+    configs = {variant: live_config(world, int(live_seq), variant, steps)
+               for variant in ("ring", "allgather")}
 except ConfigError as e:
     configs = None
     st.error(f"This run cannot start: {e}.", icon=":material/block:")
@@ -257,14 +262,15 @@ if live is not None:
     table = live_rows(runs)
     st.dataframe(table, hide_index=True, width="stretch")
     ring, gather = table
+    sent = "K/V bytes sent per step (rank 0)"
     st.markdown(
         f"""
 The ring sends (3cp − 2) K/V-sized blocks per layer and step: cp − 1 forward, and in the backward
 cp − 1 K/V blocks again plus cp dK/dV blocks (each block's gradient travels home). The all-gather sends
-2(cp − 1): one all-gather and one reduce-scatter. So the ring moves more bytes ({ring['K/V bytes sent per step (rank 0)']}
-against {gather['K/V bytes sent per step (rank 0)']}), in exchange for two things: its transfers run
-**while** attention computes ({ring['K/V transfer under attention']} of the send/recv time here), and it
-never holds the whole sequence's K/V: activations kept for backward {ring['activations (rank 0)']} against
+2(cp − 1): one all-gather and one reduce-scatter. So the ring moves more bytes
+({ring[sent]} against {gather[sent]}), in exchange for two things: its transfers run **while**
+attention computes ({ring['K/V transfer under attention']} of the send/recv time here), and it never
+holds the whole sequence's K/V: activations kept for backward {ring['activations (rank 0)']} against
 {gather['activations (rank 0)']}. On this tiny model the gradient all-reduce over the cp ranks dwarfs both
 (the weights are replicated), and on shared CPU cores the measured overlap is only indicative.
 """
@@ -272,8 +278,8 @@ never holds the whole sequence's K/V: activations kept for backward {ring['activ
     tabs = st.tabs([variant for variant, *_ in runs])
     for tab, (variant, _, _, timeline) in zip(tabs, runs, strict=True):
         with tab:
-            st.plotly_chart(timeline_figure(timeline, title=f"{variant}: every rank's compute and communication"),
-                            key=f"cp_live_timeline_{variant}")
+            title = f"{variant}: every rank's compute and communication"
+            st.plotly_chart(timeline_figure(timeline, title=title), key=f"cp_live_timeline_{variant}")
             st.caption("Brown bars (send/recv) are the K/V and dK/dV blocks; the 'attn L… ring k' compute "
                        "spans are the blocks they overlap. Hover for names and bytes.")
             st.download_button(f"Download the {variant} trace (open it in ui.perfetto.dev)",

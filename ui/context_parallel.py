@@ -84,7 +84,8 @@ def causal_split_figure(cp: int) -> go.Figure:
         owners = block_owners(cp, split)
         z = [[None if o is None else o + 0.5 for o in row] for row in owners]
         text = [[("masked: keys after the queries" if o is None else
-                  f"rank {o}: query chunk {i}, key chunk {j}" + (" (diagonal, half masked)" if i == j else ""))
+                  f"rank {o}: query chunk {i}, key chunk {j}"
+                  + (" (diagonal, half masked)" if i == j else ""))
                  for j, o in enumerate(row)] for i, row in enumerate(owners)]
         fig.add_trace(go.Heatmap(z=z, zmin=0, zmax=cp, colorscale=scale, showscale=False, xgap=1, ygap=1,
                                  text=text, hoverinfo="text"), row=1, col=col)
@@ -93,13 +94,14 @@ def causal_split_figure(cp: int) -> go.Figure:
     for split, pattern in zip(SPLITS, ("/", ""), strict=True):
         work = rank_work(cp, split)
         fig.add_trace(go.Bar(x=[f"r{w['rank']}" for w in work], y=[w["work"] for w in work], name=split,
-                             marker={"color": [rank_color(w["rank"]) for w in work], "pattern": {"shape": pattern},
-                                     "line": {"color": "black", "width": 1}},
+                             marker={"color": [rank_color(w["rank"]) for w in work],
+                                     "pattern": {"shape": pattern}, "line": {"color": "black", "width": 1}},
                              hovertemplate=f"{split}<br>%{{x}}: %{{y}} blocks<extra></extra>"), row=1, col=3)
     fig.add_hline(y=2 * cp, line={"dash": "dot", "color": "gray"}, row=1, col=3,
                   annotation_text="mean", annotation_position="top left")
     fig.update_layout(barmode="group", height=380, margin={"l": 10, "r": 10, "t": 50, "b": 10},
-                      plot_bgcolor="white", legend={"orientation": "h", "y": -0.2, "title": {"text": "bars: "}})
+                      plot_bgcolor="white",
+                      legend={"orientation": "h", "y": -0.2, "title": {"text": "bars: "}})
     return fig
 
 
@@ -115,24 +117,19 @@ def zigzag_block_part(rank: int, source: int) -> str:
     """Which part of the (2c x 2c) block rank `rank` computes against `source`'s K/V under the causal
     mask, with the zig-zag split (engine.ring_attention.block_plan)."""
     if source == rank:
-        return "diagonal: all Q x all K, masked"
+        return "diagonal, masked"
     if source < rank:
-        return "all Q x early half of K"
-    return "late half of Q x all K"
+        return "all Q, early K"
+    return "late Q, all K"
 
 
 def ring_rows(cp: int) -> list[dict]:
-    """One row per ring step: what each rank computes on and what it sends/receives meanwhile."""
-    rows = []
-    for step in range(cp):
-        row = {"step": step}
-        for r in range(cp):
-            src = ring_source(r, step, cp)
-            part = zigzag_block_part(r, src)
-            sending = f"; sends it to r{(r + 1) % cp}" if step < cp - 1 else ""
-            row[f"rank {r}"] = f"KV{src} ({part.split(':')[0]}){sending}"
-        rows.append(row)
-    return rows
+    """One row per ring step: the K/V block each rank computes on (and which part of it); meanwhile it
+    sends that block to rank r+1, except at the last step."""
+    return [{"step": step, **{f"rank {r}": f"KV{ring_source(r, step, cp)}: "
+                                           f"{zigzag_block_part(r, ring_source(r, step, cp))}"
+                              for r in range(cp)}}
+            for step in range(cp)]
 
 
 # ---- the online-softmax (log-sum-exp) merge ----------------------------------------------------------
@@ -159,7 +156,8 @@ def merge_partials(o1, m1, l1, o2, m2, l2):
 
 # ---- when the ring hides under the attention compute ---------------------------------------------------
 
-def kv_block_bytes(spec: ModelSpec, micro_batch: int, seq_len: int, cp: int, dtype_bytes: int = BF16_BYTES) -> float:
+def kv_block_bytes(spec: ModelSpec, micro_batch: int, seq_len: int, cp: int,
+                   dtype_bytes: int = BF16_BYTES) -> float:
     """One rank's K and V for one layer: 2 x B x S/cp x kv_heads x d x bytes, the block a ring step sends."""
     return 2 * micro_batch * seq_len / cp * spec.kv_heads * spec.head_dim_ * dtype_bytes
 
@@ -264,7 +262,8 @@ def kv_overlap_fraction(timeline: Timeline, rank: int) -> float | None:
     """Fraction of the K/V send/recv time during which the same rank computed a ring attention block;
     None when the rank had no K/V transfer on the ring (the all-gather variant)."""
     spans = timeline.for_rank(rank)
-    comm = [s for s in spans if s.lane == "comm" and s.group == "cp" and ("send" in s.name or "recv" in s.name)]
+    comm = [s for s in spans
+            if s.lane == "comm" and s.group == "cp" and ("send" in s.name or "recv" in s.name)]
     attn = [(s.start_s, s.end_s) for s in spans if s.lane == "compute" and s.name.startswith("attn")]
     total = sum(s.duration_s for s in comm)
     if not total:

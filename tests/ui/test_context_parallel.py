@@ -132,7 +132,8 @@ def _page(**params) -> AppTest:
 
 
 def _text(at: AppTest) -> str:
-    return " ".join(" ".join(m.value.split()) for m in at.markdown)  # line breaks of the source read as spaces
+    # line breaks of the page source read as spaces
+    return " ".join(" ".join(m.value.split()) for m in at.markdown)
 
 
 def test_page_opens_with_numbers_for_the_sidebar_model():
