@@ -295,7 +295,7 @@ if live is not None:
     formula = measured_a2a_formula(summary, m.hidden)
     st.markdown(
         f"Bytes rank 0 sent per step: dispatch **{sent['dispatch']:,.0f}**, combine **{sent['combine']:,.0f}** "
-        f"(forward and backward each), counts {sent['counts']:,.0f}, dense gradients' all-reduce "
+        f"(each is a forward all-to-all plus the backward of the other, so the two are always equal), counts {sent['counts']:,.0f}, dense gradients' all-reduce "
         f"{sent['other']:,.0f}; in all **{summary['comm_bytes'][0] / cfg.steps:,.0f}**. The balanced formula "
         f"4 x T x k x (1 - dropped) x D x 4 bytes x (ep-1)/ep over the {len(load['layers'])} MoE layers gives "
         f"**{formula:,.0f}** for dispatch + combine (T = {cfg.micro_batch_size * m.seq_len} tokens, "

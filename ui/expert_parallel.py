@@ -72,7 +72,7 @@ def placement_figure(experts: int, ep: int) -> go.Figure:
                              hovertext=[f"expert {r * per_rank + j} on rank {r}" for j in range(per_rank)],
                              hoverinfo="text", showlegend=False))
     fig.update_layout(barmode="stack", height=min(60 + 28 * ep, 420), margin={"l": 10, "r": 10, "t": 40, "b": 10},
-                      title=f"{experts} experts over ep = {ep} ranks: {per_rank} whole experts each",
+                      title=f"{experts} experts over ep = {ep} ranks: {per_rank} whole expert{'s' if per_rank > 1 else ''} each",
                       xaxis={"title": "local expert slot", "showticklabels": per_rank <= 32},
                       yaxis={"autorange": "reversed"}, plot_bgcolor="white")
     return fig
@@ -165,25 +165,30 @@ def simulate_routing(tokens_per_rank: int, experts: int, top_k: int, ep: int, ca
         np.tile(np.arange(experts), (n, 1))
     order = np.take_along_axis(scores, chosen, 1).argsort(axis=1)[:, ::-1]
     chosen = np.take_along_axis(chosen, order, 1)  # first choice first
-    groups = n // group_tokens
-    # Priority inside a group: all first choices, then all second choices, earlier tokens first.
-    slot_major = chosen.reshape(groups, group_tokens, top_k).transpose(0, 2, 1).reshape(-1)
-    group_of = np.repeat(np.arange(groups), group_tokens * top_k)
-    key = group_of * experts + slot_major
     cap = capacity(capacity_factor, group_tokens, top_k, experts)
-    if cap is None:
-        keep = np.ones(key.size, dtype=bool)
-    else:
-        by_key = np.argsort(key, kind="stable")
-        sorted_key = key[by_key]
-        position = np.arange(key.size) - np.searchsorted(sorted_key, sorted_key, side="left")
-        keep = np.empty(key.size, dtype=bool)
-        keep[by_key] = position < cap
-    src = group_of // (groups // ep)
-    flat = src * experts + slot_major
+    keep = capacity_keep(chosen, group_tokens, experts, cap)
+    src = np.repeat(np.arange(ep), tokens_per_rank * top_k)
+    flat = src * experts + chosen.reshape(-1)
     routed = np.bincount(flat, minlength=ep * experts).reshape(ep, experts)
-    kept = np.bincount(flat[keep], minlength=ep * experts).reshape(ep, experts)
-    return Routing(routed, kept, ep, top_k, tokens_per_rank, cap, groups)
+    kept = np.bincount(flat[keep.reshape(-1)], minlength=ep * experts).reshape(ep, experts)
+    return Routing(routed, kept, ep, top_k, tokens_per_rank, cap, n // group_tokens)
+
+
+def capacity_keep(chosen: np.ndarray, group_tokens: int, experts: int, cap: int | None) -> np.ndarray:
+    """chosen[N, k] -> keep[N, k]: in each group of `group_tokens` consecutive tokens an expert accepts
+    its first `cap` assignments, all first choices before any second choice and earlier tokens first
+    (GShard Algorithm 1's order; numpy twin of engine.model.capacity_keep)."""
+    n, k = chosen.shape
+    if cap is None:
+        return np.ones((n, k), dtype=bool)
+    groups = n // group_tokens
+    slot_major = chosen.reshape(groups, group_tokens, k).transpose(0, 2, 1).reshape(-1)
+    key = np.repeat(np.arange(groups), group_tokens * k) * experts + slot_major
+    by_key = np.argsort(key, kind="stable")
+    sorted_key = key[by_key]
+    position = np.empty(key.size, dtype=np.int64)
+    position[by_key] = np.arange(key.size) - np.searchsorted(sorted_key, sorted_key, side="left")
+    return (position < cap).reshape(groups, k, group_tokens).transpose(0, 2, 1).reshape(n, k)
 
 
 def load_figure(tokens_per_expert, dropped_per_expert, ep: int, capacity_line: int | None, title: str,
@@ -199,7 +204,7 @@ def load_figure(tokens_per_expert, dropped_per_expert, ep: int, capacity_line: i
     fig = make_subplots(rows=1, cols=2, column_widths=[0.72, 0.28], horizontal_spacing=0.08,
                         subplot_titles=("(token, choice) pairs per expert", "rows each ep rank processes"))
     x = list(range(experts))
-    fig.add_trace(go.Bar(x=x, y=kept, name="kept", marker={"color": [rank_color(e // per_rank) for e in x]},
+    fig.add_trace(go.Bar(x=x, y=kept, name="kept (in the colour of the expert's rank)", marker={"color": [rank_color(e // per_rank) for e in x]},
                          hovertemplate="expert %{x}: %{y} kept<extra></extra>"), row=1, col=1)
     if dropped.sum() > 0:
         fig.add_trace(go.Bar(x=x, y=dropped, name="dropped (over capacity)", marker={"color": DROPPED_COLOR},

@@ -1,0 +1,297 @@
+"""The Expert parallel lesson: the routing simulation and cost builders against hand counts, the page
+through AppTest, one live ep run at world 2."""
+
+import math
+
+import numpy as np
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from engine.trace import Span, Timeline
+from hardware.chips import CHIPS
+from planner.models import MODEL_PRESETS
+from tests.ui.apptest_util import open_app
+from ui.expert_parallel import (
+    a2a_bytes,
+    a2a_bytes_by_name,
+    capacity,
+    capacity_keep,
+    cost_rows,
+    ep_config_error,
+    live_load_rows,
+    load_figure,
+    matrix_figure,
+    measured_a2a_formula,
+    moe_numbers,
+    placement_figure,
+    router_probabilities,
+    simulate_routing,
+)
+
+PAGE = "app_pages/expert_parallel.py"
+MIXTRAL = MODEL_PRESETS["Mixtral 8x7B"]
+DEEPSEEK = MODEL_PRESETS["DeepSeek-V3"]
+
+
+# ---- the routing simulation ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("c", [None, 0.5, 1.0, 1.25])
+@pytest.mark.parametrize("skew", [0.0, 1.0])
+def test_routing_conserves_token_copies_and_respects_capacity(c, skew):
+    t, e, k, ep = 256, 8, 2, 4
+    r = simulate_routing(t, e, k, ep, c, skew, seed=3)
+    # every rank routes each of its T tokens to k experts: kept + dropped = T * k per rank
+    assert r.routed.sum(1).tolist() == [t * k] * ep
+    assert r.kept.sum() + r.dropped == ep * t * k
+    assert (r.kept <= r.routed).all()
+    if c is None:
+        assert r.dropped == 0 and r.capacity_line is None
+    else:
+        cap = math.ceil(c * t * k / e)  # GShard sec. 3.2, one group per rank here
+        assert r.capacity_per_group == cap and r.capacity_line == cap * ep
+        assert r.kept.max() <= cap
+        # an expert drops only once it is full: then it kept exactly its capacity from that rank
+        full = r.routed > cap
+        assert (r.kept[full] == cap).all() and (r.kept[~full] == r.routed[~full]).all()
+
+
+def test_capacity_per_group_of_tokens():
+    # 2 ranks x 64 tokens in groups of 16: each expert takes at most ceil(1.0 * 16 * 2 / 4) = 8 per group
+    r = simulate_routing(64, 4, 2, 2, 1.0, 0.8, seed=1, group_tokens=16)
+    assert r.capacity_per_group == 8 and r.groups == 8 and r.capacity_line == 64
+    assert (r.kept <= 8 * 4).all()  # 4 groups per rank
+
+
+def test_capacity_order_is_the_engines():
+    torch = pytest.importorskip("torch")
+    from engine.model import capacity_keep as engine_keep
+
+    chosen = np.random.default_rng(7).integers(0, 4, size=(3 * 10, 2))
+    ours = capacity_keep(chosen, 10, 4, 3)
+    theirs = engine_keep(torch.tensor(chosen).view(3, 10, 2), 4, 3).view(30, 2).numpy()
+    assert (ours == theirs).all() and 0 < ours.sum() < ours.size
+
+
+def test_all_to_all_matrix_rows_are_what_each_rank_sends():
+    t, e, k, ep = 128, 8, 2, 4
+    r = simulate_routing(t, e, k, ep, 1.0, 0.5, seed=0)
+    m = r.matrix
+    assert m.shape == (ep, ep)
+    # row sums: the kept copies each rank sends (its own tokens' T*k minus its drops)
+    assert m.sum(1).tolist() == (t * k - (r.routed - r.kept).sum(1)).tolist()
+    # column sums: the rows each rank's experts process
+    assert m.sum(0).tolist() == r.processed_per_rank.tolist()
+    # destination rank d holds experts [2d, 2d + 1]
+    assert m[1, 3] == r.kept[1, 6] + r.kept[1, 7]
+
+
+def test_skew_loads_the_first_experts_and_rank_0():
+    assert router_probabilities(4, 0.0).tolist() == [0.25] * 4
+    p = router_probabilities(4, 1.0)
+    assert p[0] / p[1] == pytest.approx(2.0) and p.sum() == pytest.approx(1.0)
+    flat = simulate_routing(1024, 16, 2, 4, None, 0.0, seed=0).stats()
+    skewed = simulate_routing(1024, 16, 2, 4, None, 1.2, seed=0)
+    assert flat["expert_max_over_mean"] < 1.2 and flat["rank_max_over_mean"] < 1.1
+    assert skewed.tokens_per_expert.argmax() == 0
+    assert skewed.stats()["rank_max_over_mean"] > 1.5
+    assert skewed.processed_per_rank.argmax() == 0
+
+
+def test_same_seed_same_routing_and_bad_shapes_refused():
+    a = simulate_routing(64, 8, 2, 2, 1.0, 0.3, seed=5)
+    b = simulate_routing(64, 8, 2, 2, 1.0, 0.3, seed=5)
+    assert (a.routed == b.routed).all() and (a.kept == b.kept).all()
+    with pytest.raises(ValueError, match="experts=6 divisible by ep=4"):
+        simulate_routing(64, 6, 2, 4, None, 0.0)
+
+
+def test_figures():
+    r = simulate_routing(256, 8, 2, 4, 0.75, 1.0, seed=0)
+    fig = load_figure(r.tokens_per_expert, r.dropped_per_expert, 4, r.capacity_line, "t")
+    names = [d.name for d in fig.data]
+    assert "capacity" in names and "dropped (over capacity)" in names
+    kept = next(d for d in fig.data if d.name.startswith("kept"))
+    assert list(kept.y) == (r.tokens_per_expert - r.dropped_per_expert).tolist()
+    no_cap = simulate_routing(256, 8, 2, 4, None, 0.0, seed=0)
+    names = [d.name for d in load_figure(no_cap.tokens_per_expert, no_cap.dropped_per_expert, 4, None, "t").data]
+    assert "capacity" not in names and "dropped (over capacity)" not in names
+    heat = matrix_figure(r.matrix, "t").data[0]
+    assert np.array_equal(np.asarray(heat.z), r.matrix)
+    placed = placement_figure(8, 4)
+    assert len(placed.data) == 4 and all(len(d.x) == 2 for d in placed.data)
+
+
+# ---- parameters and cost ------------------------------------------------------------------------
+
+def test_total_and_active_parameters_of_the_presets():
+    mixtral = moe_numbers(MIXTRAL)
+    # Jiang et al. 2024: 46.7 B total, 12.9 B active; one expert 3 x 4096 x 14336
+    assert mixtral["total"] / 1e9 == pytest.approx(46.7, abs=0.05)
+    assert mixtral["active"] / 1e9 == pytest.approx(12.9, abs=0.05)
+    assert mixtral["per_expert"] == 3 * 4096 * 14336
+    deepseek = moe_numbers(DEEPSEEK)
+    # DeepSeek-AI 2024 (arXiv 2412.19437): 671 B total, 37 B active
+    assert deepseek["total"] / 1e9 == pytest.approx(671, abs=1)
+    assert deepseek["active"] / 1e9 == pytest.approx(37.5, abs=0.6)
+    assert deepseek["experts_all_layers"] == 58 * 256 * 3 * 7168 * 2048
+
+
+def test_ep_fit_uses_the_engine_message():
+    assert ep_config_error(8, 2, 4) is None
+    assert ep_config_error(6, 2, 4).startswith("experts=6 is not divisible by ep=4")
+
+
+def test_all_to_all_bytes_by_hand():
+    # Mixtral, T = 4096 tokens, k = 2, D = 4096, bf16: a chip holds 4096 x 2 x 4096 x 2 B = 64 MiB of token
+    # copies; at ep = 8, 7/8 leave: 56 MiB per all-to-all, x 4 (dispatch, combine; fwd, bwd) = 224 MiB
+    b = a2a_bytes(4096, 2, 4096, 8)
+    assert b["held"] == 64 * 2**20 and b["one"] == 56 * 2**20 and b["per_layer_step"] == 224 * 2**20
+    assert a2a_bytes(4096, 2, 4096, 1)["per_layer_step"] == 0
+
+
+def test_cost_rows_on_h100():
+    chip = CHIPS["h100"]
+    rows = {r["ep"]: r for r in cost_rows(MIXTRAL, chip, 4096, [1, 2, 3, 8, 16])}
+    assert set(rows) == {1, 2, 8}  # 3 does not divide 8 experts, 16 is more than 8
+    r8 = rows[8]
+    held = 4096 * 2 * 4096 * 2
+    w = chip.scaleup_bytes_per_s * chip.link_efficiency
+    # switch all-to-all: alpha + (n-1)/n * b / W ([SB] Part 12), four of them
+    assert r8["a2a_s"] == pytest.approx(4 * (chip.scaleup_latency_s + 7 / 8 * held / w))
+    assert r8["inside_domain"] and r8["a2a_spread_s"] > 5 * r8["a2a_s"]
+    assert rows[1]["a2a_s"] == 0
+    # ep divides the expert weights each chip holds
+    assert rows[1]["expert_weights_bytes"] == 8 * r8["expert_weights_bytes"]
+    ds = {r["ep"]: r for r in cost_rows(DEEPSEEK, chip, 4096, [8, 16, 64])}
+    assert not ds[16]["inside_domain"] and ds[16]["a2a_s"] > 3 * ds[8]["a2a_s"]
+
+
+# ---- live-run helpers ---------------------------------------------------------------------------
+
+def _summary(dropped=(0.25, 0.0)):
+    layers = {f"L{i}": {"tokens_per_expert": [10, 6], "dropped_per_expert": [3, 0], "processed_per_ep_rank": [7, 6],
+                        "expert_max_over_mean": 1.25, "ep_rank_max_over_mean": 1.08, "dropped_fraction": d}
+              for i, d in enumerate(dropped)}
+    return {"stats": {"expert_load": {"experts": 2, "ep": 2, "top_k": 2, "capacity_factor": 1.0, "layers": layers}},
+            "config": {"micro_batches": 1, "micro_batch_size": 2, "model": {"seq_len": 32}}}
+
+
+def test_measured_formula_and_rows():
+    # per layer 4 x (2 x 32 tokens) x k=2 x (1 - dropped) x D=64 x 4 bytes x 1/2
+    assert measured_a2a_formula(_summary(), 64) == 4 * 64 * 2 * 64 * 4 / 2 * (0.75 + 1.0)
+    rows = live_load_rows(_summary())
+    assert [r["layer"] for r in rows] == ["L0", "L1"]
+    assert rows[0]["tokens per expert"] == "10, 6" and rows[0]["dropped"] == 3
+    assert rows[0]["dropped fraction"] == "25.0%"
+
+
+def test_a2a_bytes_by_name():
+    def comm(name, nbytes, rank=0):
+        return Span(rank, "comm", name, 0.0, 1.0, bytes=nbytes, group="ep")
+
+    tl = Timeline([comm("all_to_all counts L0", 32), comm("all_to_all dispatch L0", 100),
+                   comm("all_to_all dispatch L0 bwd", 60), comm("all_to_all combine L0", 60),
+                   comm("all_to_all combine L0 bwd", 100), comm("all_reduce dense", 400),
+                   comm("all_to_all dispatch L0", 999, rank=1), Span(0, "compute", "fwd L0", 0.0, 1.0)])
+    assert a2a_bytes_by_name(tl, 0, steps=2) == {"counts": 16, "dispatch": 80, "combine": 80, "other": 200}
+
+
+def test_capacity_helper():
+    assert capacity(None, 32, 2, 8) is None
+    assert capacity(1.0, 32, 2, 8) == 8 and capacity(1.25, 32, 2, 8) == 10 and capacity(0.5, 30, 1, 8) == 2
+
+
+# ---- the page -----------------------------------------------------------------------------------
+
+def _text(at: AppTest) -> str:
+    return " ".join(m.value for m in at.markdown)
+
+
+def test_page_opens_for_a_dense_sidebar_model_with_an_moe_preset():
+    at = open_app(PAGE, model="Llama 3 8B", chip="h100")
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.title[0].value == "Expert parallel" and not at.error
+    assert "is a **dense** model" in at.info[0].value
+    assert at.selectbox(key="ep_moe_model").value == "Mixtral 8x7B"
+    text = _text(at)
+    assert "**45.1 B** of the model's **46.7 B** parameters" in text and "**12.9 B**" in text
+    # ep = 8 by default: 56 MiB per all-to-all, 224 MiB per layer (see test_all_to_all_bytes_by_hand)
+    assert "one all-to-all sends **56 MiB** per chip, the four of a step **224 MiB**" in text
+    assert len(at.get("plotly_chart")) == 4  # placement, load, matrix, cost; no live run yet
+
+
+def test_an_moe_sidebar_model_is_used_directly():
+    at = open_app(PAGE, model="DeepSeek-V3", chip="h100", ep="16")
+    assert not at.exception and not at.error and not at.info
+    assert "**671.0 B** parameters" in _text(at)
+    assert at.select_slider(key="ep_model_degree").value == 16
+
+
+def test_sliders_change_the_numbers():
+    at = open_app(PAGE)
+    at.select_slider(key="ep_capacity").set_value("0.5")
+    at.slider(key="ep_skew").set_value(1.0)
+    at.select_slider(key="ep_degree").set_value(2).run()
+    assert not at.exception and not at.error
+    r = simulate_routing(512, 8, 2, 2, 0.5, 1.0, seed=0)
+    assert f"**{r.dropped:,}** were dropped" in _text(at) and r.dropped > 0
+    assert f"**{r.stats()['rank_max_over_mean']:.2f}x** the mean number of rows" in _text(at)
+
+
+def test_experts_not_divisible_by_ep_is_a_message():
+    at = open_app(PAGE)
+    at.select_slider(key="ep_experts").set_value(6)
+    at.select_slider(key="ep_degree").set_value(4).run()
+    assert not at.exception
+    assert "experts=6 is not divisible by ep=4" in at.error[0].value
+    assert len(at.get("plotly_chart")) == 2  # no load chart or matrix; placement and cost remain
+
+
+def test_a_bad_live_run_is_the_engine_message_without_starting_workers():
+    at = open_app(PAGE)
+    at.select_slider(key="ep_live_world").set_value(4)
+    at.select_slider(key="ep_live_experts").set_value(6)
+    at.button[0].click().run()
+    assert not at.exception
+    assert "experts=6 is not divisible by ep=4" in at.error[0].value
+
+
+def test_engine_failure_is_a_message(monkeypatch):
+    import engine.run
+
+    def fail(*args, **kwargs):
+        from engine.launch import RankFailed
+
+        raise RankFailed(1, "Traceback ...\nRuntimeError: boom")
+
+    monkeypatch.setattr(engine.run, "run", fail)
+    at = open_app(PAGE)
+    at.button[0].click().run()
+    assert not at.exception
+    assert "Rank 1 failed: RuntimeError: boom" in at.error[0].value
+
+
+@pytest.mark.multiprocess
+def test_live_ep_run_matches_the_reference():
+    at = open_app(PAGE)
+    at.select_slider(key="ep_live_steps").set_value(1)
+    at.button[0].click().run(timeout=180)
+    assert not at.exception, [e.value for e in at.exception]
+    assert not at.error, [e.value for e in at.error]
+    assert "matches the single-process reference" in at.success[0].value
+    rows = at.dataframe[-2].value  # the per-layer load table (the lane summary is last)
+    assert list(rows["layer"]) == ["L0", "L1"]
+    # 2 ranks x 2 sequences x 32 tokens x k = 2 token copies per layer
+    assert all(sum(map(int, t.split(", "))) == 256 for t in rows["tokens per expert"])
+    text = _text(at)
+    assert "dispatch **" in text and "Step time" in text
+    assert len(at.get("plotly_chart")) == 4 + 3  # + measured load, simulated load, timeline
+
+
+def test_a_shared_link_opens_the_same_simulation():
+    at = open_app(PAGE, ep_tokens="256", ep_experts="16", ep_top_k="4", ep_degree="8", ep_capacity="none",
+                  ep_skew="0.5")
+    assert not at.exception and not at.error and not at.warning, [w.value for w in at.warning]
+    assert at.select_slider(key="ep_experts").value == 16 and at.select_slider(key="ep_capacity").value == "none"
+    assert at.slider(key="ep_skew").value == 0.5
+    assert "**0** were dropped" in _text(at)
