@@ -1,4 +1,5 @@
-"""Lesson: Mixture-of-Experts and expert parallel: routing, the two all-to-alls, cost on real chips, a live run."""
+"""Lesson: Mixture-of-Experts and expert parallel: routing, the two all-to-alls, their cost on real chips,
+a live run."""
 
 import json
 
@@ -45,8 +46,9 @@ sidebar_spec = MODEL_PRESETS[choices.model]
 if sidebar_spec.is_moe:
     spec = sidebar_spec
 else:
-    st.info(f"The sidebar's {sidebar_spec.name} is a **dense** model: every token passes through its one MLP, "
-            "it has no experts to spread. Pick an MoE preset to follow here (or choose one in the sidebar).",
+    st.info(f"The sidebar's {sidebar_spec.name} is a **dense** model: every token passes through its one "
+            "MLP, it has no experts to spread. Pick an MoE preset to follow here (or choose one in the "
+            "sidebar).",
             icon=":material/info:")
     spec = MODEL_PRESETS[st.selectbox("MoE model", MOE_PRESETS, key="ep_moe_model")]
 nums = moe_numbers(spec)
@@ -58,8 +60,8 @@ st.markdown(
     f"F = {spec.ffn:,}: {nums['per_expert'] / 1e6:,.0f} M parameters. All routed experts together hold "
     f"**{nums['experts_all_layers'] / 1e9:,.1f} B** of the model's **{nums['total'] / 1e9:,.1f} B** "
     f"parameters, but one token uses only **{nums['active'] / 1e9:,.1f} B** "
-    f"({nums['active'] / nums['total']:.0%}): the compute of a {nums['active'] / 1e9:,.0f} B dense model with "
-    f"the memory of a {nums['total'] / 1e9:,.0f} B one."
+    f"({nums['active'] / nums['total']:.0%}): the compute of a {nums['active'] / 1e9:,.0f} B dense model "
+    f"with the memory of a {nums['total'] / 1e9:,.0f} B one."
 )
 st.markdown(
     """
@@ -92,10 +94,10 @@ sidebar_ep = choices.mesh["ep"] if choices.mesh["ep"] in ep_choices[1:] else min
 model_ep = st.select_slider("Expert-parallel degree ep for this model", ep_choices, value=sidebar_ep,
                             key="ep_model_degree", help="The sidebar's ep sets the starting value.")
 st.plotly_chart(placement_figure(spec.experts, model_ep), key="ep_placement")
-st.caption(f"{spec.name} at ep = {model_ep}: each chip holds {spec.experts // model_ep} experts per MoE layer, "
-           f"{spec.experts // model_ep * nums['per_expert'] * spec.moe_layers * 2 / 1e9:,.1f} GB of expert "
-           f"weights in bf16 over all {spec.moe_layers} MoE layers (against {chip.hbm_bytes / 1e9:.0f} GB of HBM "
-           f"on {chip.name}).")
+expert_gb = spec.experts // model_ep * nums["per_expert"] * spec.moe_layers * 2 / 1e9
+st.caption(f"{spec.name} at ep = {model_ep}: each chip holds {spec.experts // model_ep} experts per MoE "
+           f"layer, {expert_gb:,.1f} GB of expert weights in bf16 over all {spec.moe_layers} MoE layers "
+           f"(against {chip.hbm_bytes / 1e9:.0f} GB of HBM on {chip.name}).")
 
 st.header("Routing: who gets how many tokens")
 st.markdown(
@@ -147,14 +149,15 @@ else:
     total = sim_ep * sim_tokens * sim_k
     st.markdown(
         f"Of the **{total:,}** token copies (ep x T x k), **{routing.dropped:,}** were dropped "
-        f"(**{stats['dropped_fraction']:.1%}**). The busiest expert got **{stats['expert_max_over_mean']:.2f}x** "
-        f"the mean load; the busiest rank processes **{stats['rank_max_over_mean']:.2f}x** the mean number of "
-        "rows, and every rank waits for it. A larger C drops fewer tokens but lets the busiest rank run "
-        "longer (and reserve more buffer); C below 1 drops tokens even from a perfectly balanced router, "
+        f"(**{stats['dropped_fraction']:.1%}**). The busiest expert got "
+        f"**{stats['expert_max_over_mean']:.2f}x** the mean load; the busiest rank processes "
+        f"**{stats['rank_max_over_mean']:.2f}x** the mean number of rows, and every rank waits for it. "
+        "A larger C drops fewer tokens but lets the busiest rank run longer (and reserve more buffer); "
+        "C below 1 drops tokens even from a perfectly balanced router, "
         "because random routing is never exactly even."
     )
-    st.plotly_chart(matrix_figure(routing.matrix, "The dispatch all-to-all: rows each rank sends to each rank"),
-                    key="ep_sim_matrix")
+    st.plotly_chart(matrix_figure(routing.matrix, "The dispatch all-to-all: rows each rank sends to each "
+                                                  "rank"), key="ep_sim_matrix")
     sent = routing.matrix.sum(1)
     local = routing.matrix.diagonal()
     st.markdown(
@@ -193,10 +196,10 @@ if model_ep == 1:
     st.markdown("With ep = 1 every chip holds every expert and nothing moves: pick ep > 1 above.")
 else:
     st.markdown(
-        f"{spec.name}, T = b·s = {tokens:,} tokens, k = {spec.top_k}, D = {spec.hidden:,}, ep = **{model_ep}**: "
-        f"one all-to-all sends **{format_bytes(one['one'])}** per chip, the four of a step "
-        f"**{format_bytes(here['bytes'])}** per MoE layer. On {chip.name} with the group on consecutive chips "
-        f"({here['topology']}) that takes **{format_seconds(here['a2a_s'])}** against "
+        f"{spec.name}, T = b·s = {tokens:,} tokens, k = {spec.top_k}, D = {spec.hidden:,}, "
+        f"ep = **{model_ep}**: one all-to-all sends **{format_bytes(one['one'])}** per chip, the four of a "
+        f"step **{format_bytes(here['bytes'])}** per MoE layer. On {chip.name} with the group on consecutive "
+        f"chips ({here['topology']}) that takes **{format_seconds(here['a2a_s'])}** against "
         f"**{format_seconds(here['compute_s'])}** of expert compute (forward + backward): "
         f"**{here['a2a_s'] / here['compute_s']:.0%}** of it. With one chip per node it would take "
         f"**{format_seconds(here['a2a_spread_s'])}**."
@@ -212,9 +215,10 @@ st.dataframe([{"ep": r["ep"], "bytes sent per chip (4 all-to-alls)": format_byte
 st.markdown(
     f"Inside one {domain}-chip domain the all-to-all is cheap next to the experts' compute; once the group "
     f"spans nodes, (ep−{domain})/ep of every chip's rows go through its network card at "
-    f"{chip.scaleout_bytes_per_s / 1e9:.0f} GB/s instead of NVLink's {chip.scaleup_bytes_per_s / 1e9:.0f} GB/s. "
-    "That is why DeepSeek-V3 limits each token to experts on at most 4 nodes and overlaps the all-to-all of "
-    "one micro-batch with the compute of another (DualPipe; arXiv 2412.19437 sec. 3.2), and dispatches in FP8. "
+    f"{chip.scaleout_bytes_per_s / 1e9:.0f} GB/s instead of NVLink's "
+    f"{chip.scaleup_bytes_per_s / 1e9:.0f} GB/s. That is why DeepSeek-V3 limits each token to experts on at "
+    "most 4 nodes and overlaps the all-to-all of one micro-batch with the compute of another (DualPipe; "
+    "arXiv 2412.19437 sec. 3.2), and dispatches in FP8. "
     "The alpha-beta model here assumes balanced routing and free network cards."
 )
 
@@ -284,27 +288,31 @@ if live is not None:
         sim = simulate_routing(cfg.steps * cfg.micro_batches * cfg.micro_batch_size * m.seq_len, m.experts,
                                m.top_k, load["ep"], m.capacity_factor, 0.0, seed=cfg.seed,
                                group_tokens=m.seq_len)
-        st.plotly_chart(load_figure(sim.tokens_per_expert, sim.dropped_per_expert, load["ep"], sim.capacity_line,
+        st.plotly_chart(load_figure(sim.tokens_per_expert, sim.dropped_per_expert, load["ep"],
+                                    sim.capacity_line,
                                     "Simulated: a balanced random router, same T, E, k, C"),
                         key="ep_live_sim")
     st.caption(f"The engine counts capacity per sequence of {m.seq_len} tokens ({sequences} sequences in the "
-               "run), so the red line is the capacity per sequence times the sequences. Its router is a freshly "
-               "initialised linear layer: close to balanced, but its preferences are real, not random draws.")
+               "run), so the red line is the capacity per sequence times the sequences. Its router is a "
+               "freshly initialised linear layer: close to balanced, but its preferences are real, not "
+               "random draws.")
     st.dataframe(live_load_rows(summary), hide_index=True, width="stretch")
     sent = a2a_bytes_by_name(timeline, 0, cfg.steps)
     formula = measured_a2a_formula(summary, m.hidden)
     st.markdown(
-        f"Bytes rank 0 sent per step: dispatch **{sent['dispatch']:,.0f}**, combine **{sent['combine']:,.0f}** "
-        f"(each is a forward all-to-all plus the backward of the other, so the two are always equal), counts {sent['counts']:,.0f}, dense gradients' all-reduce "
+        f"Bytes rank 0 sent per step: dispatch **{sent['dispatch']:,.0f}**, combine "
+        f"**{sent['combine']:,.0f}** (each is a forward all-to-all plus the backward of the other, so "
+        f"the two are always equal), counts {sent['counts']:,.0f}, dense gradients' all-reduce "
         f"{sent['other']:,.0f}; in all **{summary['comm_bytes'][0] / cfg.steps:,.0f}**. The balanced formula "
-        f"4 x T x k x (1 - dropped) x D x 4 bytes x (ep-1)/ep over the {len(load['layers'])} MoE layers gives "
-        f"**{formula:,.0f}** for dispatch + combine (T = {cfg.micro_batch_size * m.seq_len} tokens, "
-        f"D = {m.hidden}, fp32); the measured "
-        f"{sent['dispatch'] + sent['combine']:,.0f} differs by how unevenly this router spread the rows. "
+        f"4 x T x k x (1 - dropped) x D x 4 bytes x (ep-1)/ep over the {len(load['layers'])} MoE layers "
+        f"gives **{formula:,.0f}** for dispatch + combine (T = {cfg.micro_batch_size * m.seq_len} tokens, "
+        f"D = {m.hidden}, fp32); the measured {sent['dispatch'] + sent['combine']:,.0f} differs by how "
+        "unevenly this router spread the rows. "
         f"Step time {summary['step_time_s'] * 1e3:,.1f} ms (median, slowest rank)."
     )
-    st.plotly_chart(timeline_figure(timeline, title="Every rank's compute and communication (all-to-alls in pink)"),
-                    key="ep_live_timeline")
+    title = "Every rank's compute and communication (all-to-alls in pink)"
+    st.plotly_chart(timeline_figure(timeline, title=title), key="ep_live_timeline")
     st.dataframe(lane_summary(timeline), hide_index=True, width="stretch")
-    st.download_button("Download the trace (open it in ui.perfetto.dev)", json.dumps(timeline.to_chrome_trace()),
-                       file_name="shardlab-ep-trace.json", mime="application/json", key="ep_trace")
+    st.download_button("Download the trace (open it in ui.perfetto.dev)",
+                       json.dumps(timeline.to_chrome_trace()), file_name="shardlab-ep-trace.json",
+                       mime="application/json", key="ep_trace")

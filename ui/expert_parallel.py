@@ -67,12 +67,15 @@ def placement_figure(experts: int, ep: int) -> go.Figure:
     for r in range(ep):
         fig.add_trace(go.Bar(x=[1] * per_rank, y=[f"rank {r}"] * per_rank, orientation="h",
                              marker={"color": rank_color(r), "line": {"color": "white", "width": 1}},
-                             text=[f"E{r * per_rank + j}" for j in range(per_rank)] if per_rank <= 16 else None,
+                             text=[f"E{r * per_rank + j}" for j in range(per_rank)] if per_rank <= 16
+                             else None,
                              textposition="inside", insidetextanchor="middle",
                              hovertext=[f"expert {r * per_rank + j} on rank {r}" for j in range(per_rank)],
                              hoverinfo="text", showlegend=False))
-    fig.update_layout(barmode="stack", height=min(60 + 28 * ep, 420), margin={"l": 10, "r": 10, "t": 40, "b": 10},
-                      title=f"{experts} experts over ep = {ep} ranks: {per_rank} whole expert{'s' if per_rank > 1 else ''} each",
+    plural = "s" if per_rank > 1 else ""
+    fig.update_layout(barmode="stack", height=min(60 + 28 * ep, 420),
+                      margin={"l": 10, "r": 10, "t": 40, "b": 10},
+                      title=f"{experts} experts over ep = {ep} ranks: {per_rank} whole expert{plural} each",
                       xaxis={"title": "local expert slot", "showticklabels": per_rank <= 32},
                       yaxis={"autorange": "reversed"}, plot_bgcolor="white")
     return fig
@@ -204,7 +207,8 @@ def load_figure(tokens_per_expert, dropped_per_expert, ep: int, capacity_line: i
     fig = make_subplots(rows=1, cols=2, column_widths=[0.72, 0.28], horizontal_spacing=0.08,
                         subplot_titles=("(token, choice) pairs per expert", "rows each ep rank processes"))
     x = list(range(experts))
-    fig.add_trace(go.Bar(x=x, y=kept, name="kept (in the colour of the expert's rank)", marker={"color": [rank_color(e // per_rank) for e in x]},
+    fig.add_trace(go.Bar(x=x, y=kept, name="kept (in the colour of the expert's rank)",
+                         marker={"color": [rank_color(e // per_rank) for e in x]},
                          hovertemplate="expert %{x}: %{y} kept<extra></extra>"), row=1, col=1)
     if dropped.sum() > 0:
         fig.add_trace(go.Bar(x=x, y=dropped, name="dropped (over capacity)", marker={"color": DROPPED_COLOR},
@@ -234,7 +238,8 @@ def matrix_figure(matrix, title: str) -> go.Figure:
     fig = go.Figure(go.Heatmap(z=m, x=labels, y=labels, colorscale="Blues", colorbar={"title": "rows"},
                                text=m if ep <= 16 else None, texttemplate="%{text}" if ep <= 16 else None,
                                hovertemplate="%{y} -> %{x}: %{z} rows<extra></extra>"))
-    fig.update_layout(height=min(140 + 40 * ep, 520), title=title, margin={"l": 10, "r": 10, "t": 50, "b": 10},
+    fig.update_layout(height=min(140 + 40 * ep, 520), title=title,
+                      margin={"l": 10, "r": 10, "t": 50, "b": 10},
                       xaxis={"title": "destination rank (holds the experts)"},
                       yaxis={"title": "source rank (holds the tokens)", "autorange": "reversed"})
     return fig
@@ -242,7 +247,8 @@ def matrix_figure(matrix, title: str) -> go.Figure:
 
 # ---- cost on real chips -----------------------------------------------------------------------------
 
-def a2a_bytes(tokens: int, top_k: int, hidden: int, ep: int, dtype_bytes: int = BF16_BYTES) -> dict[str, float]:
+def a2a_bytes(tokens: int, top_k: int, hidden: int, ep: int,
+              dtype_bytes: int = BF16_BYTES) -> dict[str, float]:
     """Bytes one rank sends per MoE layer, balanced routing and no drops: each of the T*k token copies
     of D values lands on a uniformly chosen rank, so (ep-1)/ep of them leave ([SB] Part 12 all-to-all;
     planner.costs EP term; engine/ep.py docstring). One all-to-all, and the A2A_PER_LAYER of a step."""

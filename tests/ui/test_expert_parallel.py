@@ -113,7 +113,8 @@ def test_figures():
     kept = next(d for d in fig.data if d.name.startswith("kept"))
     assert list(kept.y) == (r.tokens_per_expert - r.dropped_per_expert).tolist()
     no_cap = simulate_routing(256, 8, 2, 4, None, 0.0, seed=0)
-    names = [d.name for d in load_figure(no_cap.tokens_per_expert, no_cap.dropped_per_expert, 4, None, "t").data]
+    fig = load_figure(no_cap.tokens_per_expert, no_cap.dropped_per_expert, 4, None, "t")
+    names = [d.name for d in fig.data]
     assert "capacity" not in names and "dropped (over capacity)" not in names
     heat = matrix_figure(r.matrix, "t").data[0]
     assert np.array_equal(np.asarray(heat.z), r.matrix)
@@ -169,10 +170,12 @@ def test_cost_rows_on_h100():
 # ---- live-run helpers ---------------------------------------------------------------------------
 
 def _summary(dropped=(0.25, 0.0)):
-    layers = {f"L{i}": {"tokens_per_expert": [10, 6], "dropped_per_expert": [3, 0], "processed_per_ep_rank": [7, 6],
-                        "expert_max_over_mean": 1.25, "ep_rank_max_over_mean": 1.08, "dropped_fraction": d}
+    layers = {f"L{i}": {"tokens_per_expert": [10, 6], "dropped_per_expert": [3, 0],
+                        "processed_per_ep_rank": [7, 6], "expert_max_over_mean": 1.25,
+                        "ep_rank_max_over_mean": 1.08, "dropped_fraction": d}
               for i, d in enumerate(dropped)}
-    return {"stats": {"expert_load": {"experts": 2, "ep": 2, "top_k": 2, "capacity_factor": 1.0, "layers": layers}},
+    load = {"experts": 2, "ep": 2, "top_k": 2, "capacity_factor": 1.0, "layers": layers}
+    return {"stats": {"expert_load": load},
             "config": {"micro_batches": 1, "micro_batch_size": 2, "model": {"seq_len": 32}}}
 
 
@@ -292,6 +295,7 @@ def test_a_shared_link_opens_the_same_simulation():
     at = open_app(PAGE, ep_tokens="256", ep_experts="16", ep_top_k="4", ep_degree="8", ep_capacity="none",
                   ep_skew="0.5")
     assert not at.exception and not at.error and not at.warning, [w.value for w in at.warning]
-    assert at.select_slider(key="ep_experts").value == 16 and at.select_slider(key="ep_capacity").value == "none"
+    assert at.select_slider(key="ep_experts").value == 16
+    assert at.select_slider(key="ep_capacity").value == "none"
     assert at.slider(key="ep_skew").value == 0.5
     assert "**0** were dropped" in _text(at)
