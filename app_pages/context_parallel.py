@@ -92,9 +92,10 @@ to its **own** K/V block. Then, at step k, **rank r holds the K/V block of rank 
 computes attention against that block it already **sends the block on** to rank r + 1 and receives the next
 one from rank r − 1, so after cp steps every query has seen every key. With the zig-zag split, every
 step except the diagonal one is exactly **half a block** (all queries against the early half of an earlier
-rank's keys, or the late half of the queries against all of a later rank's keys), so the steps take the
-same time on every rank. For cp = {cp_pic}, the block each rank holds at each step and the part of it the
-mask leaves to compute (meanwhile it sends the block on to rank r + 1, except at the last step):
+rank's keys, or the late half of the queries against all of a later rank's keys), and the masked diagonal
+block leaves about as many query-key pairs, so the steps take the same time on every rank. For
+cp = {cp_pic}, the block each rank holds at each step and the part of it the mask leaves to compute
+(meanwhile it sends the block on to rank r + 1, except at the last step):
 """
 )
 st.dataframe(ring_rows(cp_pic), hide_index=True, width="stretch")
@@ -280,8 +281,9 @@ holds the whole sequence's K/V: activations kept for backward {ring['activations
         with tab:
             title = f"{variant}: every rank's compute and communication"
             st.plotly_chart(timeline_figure(timeline, title=title), key=f"cp_live_timeline_{variant}")
-            st.caption("Brown bars (send/recv) are the K/V and dK/dV blocks; the 'attn L… ring k' compute "
-                       "spans are the blocks they overlap. Hover for names and bytes.")
+            st.caption("Brown bars (send/recv) are the K/V and dK/dV blocks; the grey 'attn L… ring k' "
+                       "spans inside each layer's forward and backward are the attention blocks they overlap. "
+                       "Hover for names and bytes.")
             st.download_button(f"Download the {variant} trace (open it in ui.perfetto.dev)",
                                json.dumps(timeline.to_chrome_trace()), key=f"cp_trace_{variant}",
                                file_name=f"shardlab-cp-{variant}-trace.json", mime="application/json")
