@@ -282,8 +282,8 @@ holds the whole sequence's K/V: activations kept for backward {ring['activations
             title = f"{variant}: every rank's compute and communication"
             st.plotly_chart(timeline_figure(timeline, title=title), key=f"cp_live_timeline_{variant}")
             st.caption("Brown bars (send/recv) are the K/V and dK/dV blocks; the grey 'attn L… ring k' "
-                       "spans inside each layer's forward and backward are the attention blocks they overlap. "
-                       "Hover for names and bytes.")
+                       "spans inside each layer's forward and backward are the attention blocks they "
+                       "overlap. Hover for names and bytes.")
             st.download_button(f"Download the {variant} trace (open it in ui.perfetto.dev)",
                                json.dumps(timeline.to_chrome_trace()), key=f"cp_trace_{variant}",
                                file_name=f"shardlab-cp-{variant}-trace.json", mime="application/json")
