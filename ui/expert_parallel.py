@@ -205,7 +205,7 @@ def load_figure(tokens_per_expert, dropped_per_expert, ep: int, capacity_line: i
     kept = routed - dropped
     ranks = rank_counts if rank_counts is not None else kept.reshape(ep, per_rank).sum(1)
     fig = make_subplots(rows=1, cols=2, column_widths=[0.72, 0.28], horizontal_spacing=0.08,
-                        subplot_titles=("(token, choice) pairs per expert", "rows each ep rank processes"))
+                        subplot_titles=("(token, choice) pairs per expert", "rows per ep rank"))
     x = list(range(experts))
     fig.add_trace(go.Bar(x=x, y=kept, name="kept (in the colour of the expert's rank)",
                          marker={"color": [rank_color(e // per_rank) for e in x]},
