@@ -97,6 +97,15 @@ def causal_split_figure(cp: int) -> go.Figure:
                              marker={"color": [rank_color(w["rank"]) for w in work],
                                      "pattern": {"shape": pattern}, "line": {"color": "black", "width": 1}},
                              hovertemplate=f"{split}<br>%{{x}}: %{{y}} blocks<extra></extra>"), row=1, col=3)
+    # the masked upper-right half of each diagonal block (keys after the queries), blanked out
+    xs, ys = [], []
+    for i in range(n):
+        xs += [i - 0.5, i + 0.5, i + 0.5, i - 0.5, None]
+        ys += [i - 0.5, i - 0.5, i + 0.5, i - 0.5, None]
+    for col in (1, 2):
+        fig.add_trace(go.Scatter(x=xs, y=ys, fill="toself", fillcolor="white", mode="lines",
+                                 line={"color": "white", "width": 1}, hoverinfo="skip", showlegend=False),
+                      row=1, col=col)
     fig.add_hline(y=2 * cp, line={"dash": "dot", "color": "gray"}, row=1, col=3,
                   annotation_text="mean", annotation_position="top left")
     fig.update_layout(barmode="group", height=380, margin={"l": 10, "r": 10, "t": 50, "b": 10},
