@@ -132,13 +132,14 @@ sim_c = c5.select_slider("Capacity factor C", ["0.5", "0.75", "1.0", "1.25", "1.
                          help="none: no limit, no token dropped")
 sim_skew = c6.slider("Router skew s (Zipf exponent)", 0.0, 1.5, 0.0, 0.1, key="ep_skew", bind="query-params")
 cap_factor = None if sim_c == "none" else float(sim_c)
+cached_routing = st.cache_data(simulate_routing, max_entries=32, show_spinner=False)
 problem = ep_config_error(sim_experts, sim_k, sim_ep)
 if sim_k > sim_experts:
     problem = f"top k = {sim_k} is more than the E = {sim_experts} experts; choose k <= E"
 if problem:
     st.error(f"This routing cannot be placed: {problem}.", icon=":material/block:")
 else:
-    routing = simulate_routing(sim_tokens, sim_experts, sim_k, sim_ep, cap_factor, sim_skew, seed=0)
+    routing = cached_routing(sim_tokens, sim_experts, sim_k, sim_ep, cap_factor, sim_skew, seed=0)
     stats = routing.stats()
     cap_text = ("no capacity limit" if routing.capacity_per_group is None else
                 f"capacity {routing.capacity_per_group} per expert per rank (the red line: x {sim_ep} ranks)")
@@ -183,9 +184,11 @@ st.markdown(
 (N−1)/N of the array through each chip's own port). Unlike tensor parallel's all-reduces, the bytes do not
 shrink as ep grows, and the FLOPs per chip do not either: each chip still runs T·k rows through experts.
 What ep buys is **memory** (E/ep experts per chip) and larger matmuls per expert. Whether the all-to-all
-stays on NVLink decides its price:
+stays on the fast scale-up links decides its price:
 """
 )
+gpu = chip.kind == "gpu"
+fast_links, unit = ("NVLink's", "node") if gpu else ("the scale-up links'", "slice")
 micro_batch = st.select_slider("Micro-batch b (sequences per chip)", [1, 2, 4], value=1, key="ep_micro_batch",
                                bind="query-params")
 tokens = micro_batch * spec.seq_len
@@ -201,26 +204,41 @@ else:
         f"step **{format_bytes(here['bytes'])}** per MoE layer. On {chip.name} with the group on consecutive "
         f"chips ({here['topology']}) that takes **{format_seconds(here['a2a_s'])}** against "
         f"**{format_seconds(here['compute_s'])}** of expert compute (forward + backward): "
-        f"**{here['a2a_s'] / here['compute_s']:.0%}** of it. With one chip per node it would take "
+        f"**{here['a2a_s'] / here['compute_s']:.0%}** of it. With one chip per {unit} it would take "
         f"**{format_seconds(here['a2a_spread_s'])}**."
     )
 st.plotly_chart(cost_figure(rows, model_ep, domain, f"{spec.name} on {chip.name}: one MoE layer, "
-                                                      f"T = {tokens:,} tokens per chip"), key="ep_cost")
+                                                      f"T = {tokens:,} tokens per chip", unit),
+                key="ep_cost")
 st.dataframe([{"ep": r["ep"], "bytes sent per chip (4 all-to-alls)": format_bytes(r["bytes"]),
                "all-to-all, consecutive chips": format_seconds(r["a2a_s"]),
-               "all-to-all, one chip per node": format_seconds(r["a2a_spread_s"]),
+               f"all-to-all, one chip per {unit}": format_seconds(r["a2a_spread_s"]),
                "expert compute": format_seconds(r["compute_s"]),
                "expert weights per chip": f"{r['expert_weights_bytes'] / 1e9:,.1f} GB"} for r in rows],
              hide_index=True, width="stretch")
-st.markdown(
-    f"Inside one {domain}-chip domain the all-to-all is cheap next to the experts' compute; once the group "
-    f"spans nodes, (ep−{domain})/ep of every chip's rows go through its network card at "
-    f"{chip.scaleout_bytes_per_s / 1e9:.0f} GB/s instead of NVLink's "
-    f"{chip.scaleup_bytes_per_s / 1e9:.0f} GB/s. That is why DeepSeek-V3 limits each token to experts on at "
-    "most 4 nodes and overlaps the all-to-all of one micro-batch with the compute of another (DualPipe; "
-    "arXiv 2412.19437 sec. 3.2), and dispatches in FP8. "
-    "The alpha-beta model here assumes balanced routing and free network cards."
-)
+inside = [r for r in rows if r["inside_domain"] and r["ep"] > 1]
+outside = [r for r in rows if not r["inside_domain"]]
+lines = []
+if inside:
+    best = inside[-1]
+    lines.append(f"Inside one {domain:,}-chip {unit}, at ep = {best['ep']}, the all-to-alls take "
+                 f"{best['a2a_s'] / best['compute_s']:.0%} of the experts' compute time.")
+if outside:
+    jump = outside[0]
+    lines.append(
+        f"At ep = {jump['ep']} the group spans {jump['ep'] // domain} {unit}s: {jump['ep'] - domain} of "
+        f"every {jump['ep']} rows leave the {unit} through its network card at "
+        f"{chip.scaleout_bytes_per_s / 1e9:.0f} GB/s instead of {fast_links} "
+        f"{chip.scaleup_bytes_per_s / 1e9:.0f} GB/s, and the all-to-alls take "
+        f"{jump['a2a_s'] / jump['compute_s']:.0%} of the compute time.")
+else:
+    lines.append(f"Every ep on the chart fits inside {chip.name}'s {domain:,}-chip scale-up domain; only the "
+                 f"dotted line, one chip per {unit}, pays the scale-out network.")
+lines.append(
+    "That is why DeepSeek-V3 limits each token to experts on at most 4 nodes, dispatches in FP8, and "
+    "overlaps the all-to-all of one micro-batch with the compute of another (DualPipe; arXiv 2412.19437 "
+    "sec. 3.2). The alpha-beta model here assumes balanced routing and network cards free of other traffic.")
+st.markdown(" ".join(lines))
 
 st.header("Run it for real")
 st.markdown(

@@ -270,8 +270,8 @@ def expert_mlp_s(spec: ModelSpec, chip: Chip, tokens: int, ep: int) -> float:
 
 def cost_rows(spec: ModelSpec, chip: Chip, tokens: int, eps: list[int]) -> list[dict]:
     """Per ep that divides E: bytes and seconds of the 4 all-to-alls of one MoE layer (forward +
-    backward) with the ep group on consecutive chips (`a2a_s`) and one chip per node (`a2a_spread_s`),
-    the experts' compute, and the expert weights each chip holds (bf16, all MoE layers)."""
+    backward) with the ep group on consecutive chips (`a2a_s`) and one chip per scale-up domain
+    (`a2a_spread_s`), the experts' compute, and the expert weights each chip holds (bf16, all MoE layers)."""
     domain = chip.scaleup_domain
     rows = []
     for ep in eps:
@@ -290,8 +290,9 @@ def cost_rows(spec: ModelSpec, chip: Chip, tokens: int, eps: list[int]) -> list[
     return rows
 
 
-def cost_figure(rows: list[dict], chosen_ep: int, domain: int, title: str) -> go.Figure:
-    """All-to-all and expert compute per MoE layer against ep (log-log), the scale-up domain shaded."""
+def cost_figure(rows: list[dict], chosen_ep: int, domain: int, title: str, unit: str = "node") -> go.Figure:
+    """All-to-all and expert compute per MoE layer against ep (log-log), the scale-up domain shaded;
+    `unit` names one scale-up domain ("node" of GPUs, TPU "slice")."""
     rows = [r for r in rows if r["ep"] > 1]
     eps = [r["ep"] for r in rows]
     fig = go.Figure()
@@ -300,7 +301,7 @@ def cost_figure(rows: list[dict], chosen_ep: int, domain: int, title: str) -> go
     fig.add_trace(go.Scatter(x=eps, y=[r["a2a_s"] * 1e3 for r in rows], mode="lines+markers",
                              name="4 all-to-alls, ep group on consecutive chips"))
     fig.add_trace(go.Scatter(x=eps, y=[r["a2a_spread_s"] * 1e3 for r in rows], mode="lines+markers",
-                             line={"dash": "dot"}, name="4 all-to-alls, one chip per node"))
+                             line={"dash": "dot"}, name=f"4 all-to-alls, one chip per {unit}"))
     chosen = next((r for r in rows if r["ep"] == chosen_ep), None)
     if chosen is not None:
         fig.add_trace(go.Scatter(x=[chosen_ep] * 2, y=[chosen["compute_s"] * 1e3, chosen["a2a_s"] * 1e3],
@@ -309,7 +310,7 @@ def cost_figure(rows: list[dict], chosen_ep: int, domain: int, title: str) -> go
     if eps and domain < max(eps):
         fig.add_vrect(x0=domain * math.sqrt(2), x1=max(eps), fillcolor="#E45756", opacity=0.08, line_width=0)
         fig.add_annotation(x=math.log10(max(eps)), y=1, yref="paper", xanchor="right", yanchor="top",
-                           showarrow=False, text=f"ep group spans several {domain}-chip domains")
+                           showarrow=False, text=f"ep group spans several {domain}-chip {unit}s")
     values = [r[k] * 1e3 for r in rows for k in ("compute_s", "a2a_s", "a2a_spread_s") if r[k] > 0]
     fig.update_layout(height=400, title=title, margin={"l": 10, "r": 10, "t": 50, "b": 10},
                       xaxis={"type": "log", "tickvals": eps, "title": "expert-parallel degree ep"},

@@ -226,8 +226,17 @@ def test_page_opens_for_a_dense_sidebar_model_with_an_moe_preset():
 def test_an_moe_sidebar_model_is_used_directly():
     at = open_app(PAGE, model="DeepSeek-V3", chip="h100", ep="16")
     assert not at.exception and not at.error and not at.info
-    assert "**671.0 B** parameters" in _text(at)
+    text = _text(at)
+    assert "**671.0 B** parameters" in text
     assert at.select_slider(key="ep_model_degree").value == 16
+    assert "At ep = 16 the group spans 2 nodes: 8 of every 16 rows leave the node" in text
+
+
+def test_a_tpu_slice_is_named_as_such():
+    at = open_app(PAGE, model="Mixtral 8x7B", chip="tpu-v5p")
+    assert not at.exception and not at.error
+    text = _text(at)
+    assert "fits inside" in text and "one chip per slice" in text and "NVLink" not in text
 
 
 def test_sliders_change_the_numbers():
