@@ -167,27 +167,30 @@ seq_len = c2.select_slider("Sequence length S", SEQ_LENS, value=131072, key="cp_
 stride = choices.mesh["tp"]  # the cp group strides over the tp ranks inside it (tp innermost in the mesh)
 row = overlap_row(spec, chip, cp, seq_len, stride=stride)
 shard = seq_len // cp
-verdict = "**hidden**" if row["hidden"] else "**exposed**"
+if row["hidden"]:
+    cover = row["compute_s"] / row["transfer_s"]
+    verdict = f"The ring is **hidden** (compute covers the transfer {cover:.1f}x)."
+else:
+    verdict = (f"The ring is **exposed**: each of the cp − 1 = {cp - 1} steps waits "
+               f"{format_seconds(row['transfer_s'] - row['compute_s'])}, "
+               f"{format_seconds(row['ring_exposed_s'])} per layer's forward.")
 st.markdown(
     f"""
-For {spec.name} (H = {spec.heads}, H_kv = {spec.kv_heads}, d = {spec.head_dim_}) on {chip.name}, B = 1, S =
-{seq_label(seq_len)}, cp = **{cp}** (group: {row['topology']}; tp = {stride} ranks between members):
-each rank holds S/cp = **{shard:,}** tokens, a K/V block is **{format_bytes(row['kv_block_bytes'])}** and
-takes **{format_seconds(row['transfer_s'])}** to pass on, while its attention step computes
-{row['block_flops'] / 1e12:,.3g} TFLOP in **{format_seconds(row['compute_s'])}**. The ring is {verdict}
+For {spec.name} (H = {spec.heads}, H_kv = {spec.kv_heads}, d = {spec.head_dim_}) on {chip.name}, B = 1,
+S = {seq_label(seq_len)}, cp = **{cp}** (group: {row['topology']}; members tp = {stride} ranks apart,
+whole heads on each): each rank holds S/cp = **{shard:,}** tokens, a K/V block is
+**{format_bytes(row['kv_block_bytes'])}** and takes **{format_seconds(row['transfer_s'])}** to pass on, while
+its attention step computes {row['block_flops'] / 1e12:,.3g} TFLOP in **{format_seconds(row['compute_s'])}**.
+{verdict} Threshold on this link: S/cp ≥ **{row['threshold_tokens']:,.0f}** tokens.
 """
-    + (f"(compute covers the transfer {row['compute_s'] / row['transfer_s']:.1f}x)."
-       if row["hidden"] else
-       f": each of the cp − 1 = {cp - 1} steps waits "
-       f"{format_seconds(row['transfer_s'] - row['compute_s'])}, "
-       f"{format_seconds(row['ring_exposed_s'])} per layer's forward.")
-    + f" Threshold on this link: S/cp ≥ **{row['threshold_tokens']:,.0f}** tokens."
 )
 st.plotly_chart(overlap_figure(spec, chip, cp, seq_len, stride=stride), key="cp_overlap")
 st.caption("Bandwidth W and latency α are those of the cp group's link in hardware/collectives.py at "
-           "achievable efficiency; F is the chip's achievable bf16 rate. The backward sends K/V again plus "
-           "dK/dV (2x the bytes) against about 2.5x the compute (FlashAttention's 5 matmuls to 2), so it "
-           "hides sooner; the planner (planner/costs.py) charges only what each pass cannot hide.")
+           "achievable efficiency; F is the chip's achievable bf16 rate. Tensor parallel inside the cp "
+           "ranks would divide the heads, and so the bytes and the FLOPs of a step alike, by tp. The "
+           "backward sends K/V again plus dK/dV (2x the bytes) against about 2.5x the compute "
+           "(FlashAttention's 5 matmuls to 2), so it hides sooner; the planner (planner/costs.py) charges "
+           "only what each pass cannot hide.")
 
 st.subheader("The all-gather variant")
 st.markdown(
