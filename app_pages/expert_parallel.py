@@ -236,8 +236,9 @@ else:
                  f"dotted line, one chip per {unit}, pays the scale-out network.")
 lines.append(
     "The price of crossing nodes is why DeepSeek-V3 limits each token to experts on at most 4 nodes, "
-    "dispatches in FP8, and overlaps the all-to-all of one micro-batch with the compute of another (DualPipe; arXiv 2412.19437 "
-    "sec. 3.2). The alpha-beta model here assumes balanced routing and network cards free of other traffic.")
+    "dispatches in FP8, and overlaps the all-to-all of one micro-batch with the compute of another "
+    "(DualPipe; arXiv 2412.19437 sec. 3.2). The alpha-beta model here assumes balanced routing and network "
+    "cards free of other traffic.")
 st.markdown(" ".join(lines))
 
 st.header("Run it for real")
