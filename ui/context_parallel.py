@@ -229,9 +229,10 @@ def overlap_figure(spec: ModelSpec, chip: Chip, cp: int, seq_len: int, stride: i
     fig.add_trace(go.Scatter(x=x, y=[r["compute_s"] * 1e6 for r in rows], mode="lines+markers",
                              name="attention of one step (half block)", line={"color": "#4C78A8"}))
     here = overlap_row(spec, chip, cp, seq_len, stride=stride)
-    fig.add_vline(x=seq_len, line={"dash": "dot", "color": "black"},
-                  annotation_text="hidden" if here["hidden"] else "exposed", annotation_position="top")
-    fig.update_layout(title=f"{spec.name} on {chip.name}, cp = {cp}: one ring step of one layer",
+    fig.add_vline(x=seq_len, line={"dash": "dot", "color": "black"})
+    state = "hidden" if here["hidden"] else "exposed"
+    fig.update_layout(title=f"{spec.name} on {chip.name}, cp = {cp}: one ring step of one layer "
+                            f"(S = {seq_label(seq_len)}, dotted: {state})",
                       height=380, margin={"l": 10, "r": 10, "t": 50, "b": 10},
                       xaxis={"title": "sequence length S (tokens)", "type": "log", "tickvals": x,
                              "ticktext": [seq_label(s) for s in x]},
