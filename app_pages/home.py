@@ -29,6 +29,7 @@ for number, lesson in enumerate(LESSONS, start=1):
         st.page_link(lesson.path, label=f"{number}. {lesson.title}", icon=lesson.icon)
         st.markdown(lesson.summary)
 
-st.markdown("**Next on the route** (being built; each appears above when it is ready):")
-for number, (title, summary) in enumerate(PLANNED, start=len(LESSONS) + 1):
-    st.markdown(f"{number}. **{title}**: {summary}")
+if PLANNED:
+    st.markdown("**Next on the route** (being built; each appears above when it is ready):")
+    for number, (title, summary) in enumerate(PLANNED, start=len(LESSONS) + 1):
+        st.markdown(f"{number}. **{title}**: {summary}")
