@@ -2,6 +2,7 @@
 
 import streamlit as st
 
+from app_pages.live_panel import show_engine_failure
 from hardware.chips import CHIPS
 from hardware.collectives import Hierarchy, Ring, Switch, group_topology
 from ui.collectives import (
@@ -19,7 +20,6 @@ from ui.collectives import (
     ring_formula_latex,
     sweep_figure,
 )
-from ui.engine_errors import engine_error_message
 
 POW2 = [2**i for i in range(0, 17)]  # 1 .. 65,536
 GROUP_SIZES = [2**i for i in range(1, 13)]  # 2 .. 4,096
@@ -216,11 +216,7 @@ if st.button("Run the sweep", type="primary"):
         st.session_state["this_machine_link"] = machine_link(measurements, live_world)
     # Any failure of the worker processes is the user's to read, not a traceback for the page.
     except Exception as exc:
-        message, details = engine_error_message(exc)
-        st.error(message, icon=":material/error:")
-        if details:
-            with st.expander("Details from the workers"):
-                st.code(details, language=None)
+        show_engine_failure(exc, what="sweep", hint="try fewer sizes, fewer repeats or fewer ranks")
     finally:
         bar.empty()
 

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import streamlit as st
 
+from app_pages.live_panel import show_engine_failure
 from engine.config import ConfigError  # torch-free: the page checks the input before any worker starts
 from hardware.chips import CHIPS
 from planner.memory import korthikanti_bytes
@@ -27,7 +28,6 @@ from ui.context_parallel import (
     ring_rows,
     seq_label,
 )
-from ui.engine_errors import engine_error_message
 from ui.timeline import timeline_figure
 
 choices = st.session_state["choices"]
@@ -248,11 +248,7 @@ if st.button("Run ring and all-gather on this machine", type="primary", disabled
         st.session_state["live_cp"] = (world, runs)
     except Exception as e:  # noqa: BLE001 - any engine failure is reported, never a traceback
         st.session_state.pop("live_cp", None)
-        message, details = engine_error_message(e, what="run", hint="try 2 processes or fewer steps")
-        st.error(message)
-        if details:
-            with st.expander("What the workers said"):
-                st.code(details)
+        show_engine_failure(e, hint="try 2 processes or fewer steps")
 
 live = st.session_state.get("live_cp")
 if live is not None:

@@ -5,13 +5,13 @@ import json
 import plotly.graph_objects as go
 import streamlit as st
 
+from app_pages.live_panel import show_engine_failure
 from hardware.chips import CHIPS
 from hardware.collectives import group_topology
 from planner.flops import total_params
 from planner.memory import zero_bytes_per_param
 from planner.models import MODEL_PRESETS
 from ui.dp_lesson import LIVE_STRATEGIES, expected_comm_bytes_per_step, expected_memory
-from ui.engine_errors import engine_error_message
 from ui.timeline import lane_summary, timeline_figure
 
 choices = st.session_state["choices"]
@@ -128,11 +128,7 @@ if st.button("Run on this machine", type="primary"):
             summary, timeline = run(cfg, check=True)
         st.session_state["live_dp"] = (strategy_label, cfg, summary, timeline)
     except Exception as e:  # noqa: BLE001 - any engine failure is reported, never a traceback
-        message, details = engine_error_message(e, what="run", hint="try fewer processes or steps")
-        st.error(message)
-        if details:
-            with st.expander("What the workers said"):
-                st.code(details)
+        show_engine_failure(e, hint="try fewer processes or steps")
 
 live = st.session_state.get("live_dp")
 if live is not None:

@@ -5,10 +5,10 @@ import json
 
 import streamlit as st
 
+from app_pages.live_panel import show_engine_failure
 from hardware.chips import CHIPS
 from planner.models import MODEL_PRESETS
 from ui.collectives import format_bytes, format_seconds
-from ui.engine_errors import engine_error_message
 from ui.expert_parallel import (
     MOE_PRESETS,
     a2a_bytes,
@@ -278,11 +278,7 @@ if st.button("Run expert parallel on this machine", type="primary"):
         st.error(f"This run cannot start: {e}.", icon=":material/block:")
     except Exception as e:  # noqa: BLE001 - any engine failure is reported, never a traceback
         st.session_state.pop("live_ep", None)
-        message, details = engine_error_message(e, what="run", hint="try 2 processes or fewer steps")
-        st.error(message)
-        if details:
-            with st.expander("What the workers said"):
-                st.code(details)
+        show_engine_failure(e, hint="try 2 processes or fewer steps")
 
 live = st.session_state.get("live_ep")
 if live is not None:

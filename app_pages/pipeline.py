@@ -5,10 +5,10 @@ import json
 
 import streamlit as st
 
+from app_pages.live_panel import show_engine_failure
 from engine.schedules import SCHEDULE_NAMES, ScheduleError, formula_bubble_fraction
 from hardware.chips import CHIPS
 from planner.models import MODEL_PRESETS
-from ui.engine_errors import engine_error_message
 from ui.pipeline import (SCHEDULE_LABELS, comparison, formula_latex, held_micro_batches, in_flight_figure,
                          measured_op_times, op_times, real_chip_view, schedule_figure, simulate_schedule,
                          step_timeline)
@@ -214,11 +214,7 @@ if st.button("Run on this machine", type="primary"):
             summary, timeline = run(cfg, check=True)
         st.session_state["live_pp"] = (cfg, summary, timeline)
     except Exception as e:  # noqa: BLE001 - any engine failure is reported, never a traceback
-        message, details = engine_error_message(e, what="run", hint="try fewer micro-batches or processes")
-        st.error(message)
-        if details:
-            with st.expander("What the workers said"):
-                st.code(details)
+        show_engine_failure(e, hint="try fewer micro-batches or processes")
 
 live = st.session_state.get("live_pp")
 if live is not None:

@@ -4,10 +4,10 @@ import json
 
 import streamlit as st
 
+from app_pages.live_panel import show_engine_failure
 from hardware.chips import CHIPS
 from planner.models import MODEL_PRESETS
 from ui.collectives import format_bytes, format_seconds
-from ui.engine_errors import engine_error_message
 from ui.tensor_parallel import (
     MAX_TP,
     MEMORY_MODES,
@@ -253,11 +253,7 @@ if st.button("Run TP and TP + SP on this machine", type="primary"):
         st.error(f"This run cannot start: {e}.", icon=":material/block:")
     except Exception as e:  # noqa: BLE001 - any engine failure is reported, never a traceback
         st.session_state.pop("live_tp", None)
-        message, details = engine_error_message(e, what="run", hint="try 2 processes or fewer steps")
-        st.error(message)
-        if details:
-            with st.expander("What the workers said"):
-                st.code(details)
+        show_engine_failure(e, hint="try 2 processes or fewer steps")
 
 live = st.session_state.get("live_tp")
 if live is not None:
