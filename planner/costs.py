@@ -265,14 +265,16 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe: bool,
         tp_s = 2 * one
 
     # CP: ring attention passes K and V (cp - 1 steps) under the score computation, and dK, dV back
-    # in the backward (Liu et al. 2023, Ring Attention; Megatron-Core context parallel).
+    # in the backward (Liu et al. 2023, Ring Attention; Megatron-Core context parallel). Each transfer
+    # hides under one step's block only: with the zig-zag split every step computes 1/cp of the
+    # local attention, and slack of one step cannot cover another's transfer.
     cp_fwd = cp_bwd = 0.0
     if cp > 1:
         topo = topology(chip, cp, t, chips_per_node)
         kv_bytes = 2 * tokens * kv_width / t * 2
-        ring_fwd = (cp - 1) * comm_s(topo, chip, "p2p", kv_bytes)
-        cp_fwd = max(0.0, ring_fwd - attn_s)
-        cp_bwd = max(0.0, 2 * ring_fwd - attn_bwd_s)
+        ring_step = comm_s(topo, chip, "p2p", kv_bytes)
+        cp_fwd = (cp - 1) * max(0.0, ring_step - attn_s / cp)
+        cp_bwd = (cp - 1) * max(0.0, 2 * ring_step - attn_bwd_s / cp)
 
     # EP: dispatch and combine all-to-alls of T * top_k token copies of D (GShard, Lepikhin et al.
     # 2020); tokens are split over TP ranks as with SP. Not overlapped.
