@@ -194,7 +194,7 @@ st.caption("Bandwidth W and latency α are those of the cp group's link in hardw
 
 st.subheader("The all-gather variant")
 st.markdown(
-    f"""
+    """
 Instead of a ring, all-gather K/V once per layer and let every rank attend its queries to the whole
 sequence (backward: reduce-scatter dK/dV). Llama 3 trains long context this way (Dubey et al. 2024
 sec. 3.3.2): it is simpler, works for any mask (e.g. documents packed in one sequence), and with

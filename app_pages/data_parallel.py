@@ -40,7 +40,7 @@ Frameworks start the all-reduce of a layer's gradients as soon as backward has p
 
 st.header("Memory: who holds what")
 st.markdown(
-    f"""
+    """
 Mixed-precision Adam keeps, per parameter: the bf16 weight (2 bytes), its bf16 gradient (2 bytes), and
 an fp32 master copy with two fp32 moments (12 bytes): **16 bytes per parameter**
 (Rajbhandari et al. 2019, "ZeRO", Figure 1). Plain data parallel repeats all of it on every chip.

@@ -9,9 +9,19 @@ from app_pages.live_panel import show_engine_failure
 from engine.schedules import SCHEDULE_NAMES, ScheduleError, formula_bubble_fraction
 from hardware.chips import CHIPS
 from planner.models import MODEL_PRESETS
-from ui.pipeline import (SCHEDULE_LABELS, comparison, formula_latex, held_micro_batches, in_flight_figure,
-                         measured_op_times, op_times, real_chip_view, schedule_figure, simulate_schedule,
-                         step_timeline)
+from ui.pipeline import (
+    SCHEDULE_LABELS,
+    comparison,
+    formula_latex,
+    held_micro_batches,
+    in_flight_figure,
+    measured_op_times,
+    op_times,
+    real_chip_view,
+    schedule_figure,
+    simulate_schedule,
+    step_timeline,
+)
 from ui.timeline import timeline_figure
 
 B_OVER_F = [1.0, 1.5, 2.0, 3.0]

@@ -38,8 +38,15 @@ import torch.nn.functional as F
 
 from engine.model import unit_forward_flops
 from engine.replicated import ReplicatedStrategy
-from engine.ring_attention import (block_backward, block_forward, block_plan, expand_kv, merge, reduce_kv,
-                                   zigzag_positions)
+from engine.ring_attention import (
+    block_backward,
+    block_forward,
+    block_plan,
+    expand_kv,
+    merge,
+    reduce_kv,
+    zigzag_positions,
+)
 
 _TAG_KV, _TAG_DKV = 1, 2  # K/V and their gradients travel between the same ranks at the same time
 

@@ -60,6 +60,7 @@ from engine.strategy import _OnBackward
 from engine.tp import TensorParallelPlan
 from engine.verify import compare
 
+
 def _micro_batch_loss(loss: torch.Tensor, micro_batches: int) -> torch.Tensor:
     """The one place micro-batch losses are scaled: their sum is the mean loss of the step."""
     return loss / micro_batches

@@ -35,9 +35,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from hardware.chips import Chip, get_chip
+from planner import costs
 from planner.case import Case, Layout, layout_tp_ok
 from planner.costs import default_attention
-from planner import costs
 from planner.memory import memory_per_chip, stage_layer_ranges
 from planner.models import SpecError
 from planner.simulate import StepResult, simulate, usable_hbm_bytes

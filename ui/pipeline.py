@@ -15,8 +15,19 @@ from dataclasses import dataclass
 
 import plotly.graph_objects as go
 
-from engine.schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, SCHEDULE_NAMES, OpTimes,
-                              ScheduleError, Simulation, formula_bubble_fraction, make_schedule, simulate)
+from engine.schedules import (
+    BACKWARD,
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    SCHEDULE_NAMES,
+    OpTimes,
+    ScheduleError,
+    Simulation,
+    formula_bubble_fraction,
+    make_schedule,
+    simulate,
+)
 from engine.trace import Timeline
 from hardware.chips import Chip
 from hardware.collectives import group_topology

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-
 CHIP_COLUMN_HELP = {
     "bf16 TFLOP/s": "Peak dense matrix-multiply rate in bf16 (C).",
     "fp8 TFLOP/s": "Peak dense rate in fp8; empty where the chip has no fp8 matrix units.",

@@ -16,9 +16,16 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig, ParallelConfig, RunConfig
-from engine.ring_attention import (block_backward, block_forward, block_plan, expand_kv, merge, reduce_kv,
-                                   zigzag_positions)
 from engine.model import unit_forward_flops
+from engine.ring_attention import (
+    block_backward,
+    block_forward,
+    block_plan,
+    expand_kv,
+    merge,
+    reduce_kv,
+    zigzag_positions,
+)
 from engine.run import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

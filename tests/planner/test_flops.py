@@ -2,7 +2,7 @@
 
 import pytest
 
-from planner.flops import (active_params, hardware_flops, megatron_flops, model_flops, total_params)
+from planner.flops import active_params, hardware_flops, megatron_flops, model_flops, total_params
 from planner.models import MODEL_PRESETS, ModelSpec, SpecError
 
 

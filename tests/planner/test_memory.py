@@ -3,8 +3,13 @@
 import pytest
 
 from planner.case import Layout
-from planner.memory import (in_flight_chunks, korthikanti_bytes, layer_activation_bytes, memory_per_chip,
-                            zero_bytes_per_param)
+from planner.memory import (
+    in_flight_chunks,
+    korthikanti_bytes,
+    layer_activation_bytes,
+    memory_per_chip,
+    zero_bytes_per_param,
+)
 from planner.models import ModelSpec
 
 GB = 1e9

@@ -1,11 +1,10 @@
 """The app shell and the lessons through Streamlit's AppTest (no browser: fast)."""
 
 import pytest
-from tests.ui.apptest_util import TIMEOUT_S, open_app
 from streamlit.testing.v1 import AppTest
 
+from tests.ui.apptest_util import TIMEOUT_S, open_app
 from ui.lessons import LESSONS
-
 
 
 def _app(**params) -> AppTest:
@@ -108,3 +107,22 @@ def test_measure_this_machine_adds_its_roofline():
     probe = at.session_state["probe"]
     assert probe.matmul_flops_per_s > 0 and probe.memory_bytes_per_s > 0
     assert _metric(at, "Matmul (fp32)").endswith("GFLOP/s")
+
+
+LIVE_PAGES = ["app_pages/data_parallel.py", "app_pages/tensor_parallel.py", "app_pages/pipeline.py",
+              "app_pages/context_parallel.py", "app_pages/expert_parallel.py"]
+
+
+@pytest.mark.parametrize("page", LIVE_PAGES)
+def test_a_failing_engine_is_a_message_on_every_live_page(monkeypatch, page):
+    import engine.run
+    from engine.launch import RankFailed
+
+    def fail(*args, **kwargs):
+        raise RankFailed(1, "Traceback ...\nRuntimeError: boom")
+
+    monkeypatch.setattr(engine.run, "run", fail)
+    at = _page(page)
+    at.button[0].click().run()
+    assert not at.exception
+    assert "Rank 1 failed: RuntimeError: boom" in at.error[0].value

@@ -1,11 +1,11 @@
 """The Collectives lesson: ring schedules and charts as pure data, then the page through AppTest."""
 
 import pytest
-from tests.ui.apptest_util import TIMEOUT_S, open_app
 from streamlit.testing.v1 import AppTest
 
 from hardware.chips import CHIPS
 from hardware.collectives import Link, group_topology, ring
+from tests.ui.apptest_util import open_app
 from ui.collectives import (
     COLLECTIVES,
     Block,

@@ -173,20 +173,6 @@ def test_a_shared_link_opens_the_same_view():
     assert at.select_slider(key="cp_degree").value == 4 and at.select_slider(key="cp_seq_len").value == 2**20
 
 
-def test_engine_failure_is_a_message(monkeypatch):
-    import engine.run
-
-    def fail(*args, **kwargs):
-        from engine.launch import RankFailed
-
-        raise RankFailed(1, "Traceback ...\nRuntimeError: boom")
-
-    monkeypatch.setattr(engine.run, "run", fail)
-    at = _page()
-    at.button[0].click().run()
-    assert not at.exception
-    assert "Rank 1 failed: RuntimeError: boom" in at.error[0].value
-
 
 @pytest.mark.multiprocess
 def test_live_ring_and_allgather_runs_match_the_reference():

@@ -1,9 +1,9 @@
 """The Data parallel / ZeRO lesson: formula helpers by hand, the page through AppTest, one live run."""
 
 import pytest
-from tests.ui.apptest_util import open_app
 from streamlit.testing.v1 import AppTest
 
+from tests.ui.apptest_util import open_app
 from ui.dp_lesson import LIVE_STRATEGIES, expected_comm_bytes_per_step, expected_memory
 
 PAGE = "app_pages/data_parallel.py"
@@ -53,17 +53,3 @@ def test_live_run_matches_the_reference_and_draws_the_timeline():
     assert len(at.get("plotly_chart")) == 3  # ZeRO memory, timeline, measured memory
     assert at.get("download_button")
 
-
-def test_engine_failure_is_a_message(monkeypatch):
-    import engine.run
-
-    def fail(*args, **kwargs):
-        from engine.launch import RankFailed
-
-        raise RankFailed(1, "Traceback ...\nRuntimeError: boom")
-
-    monkeypatch.setattr(engine.run, "run", fail)
-    at = _page()
-    at.button[0].click().run()
-    assert not at.exception
-    assert "Rank 1 failed: RuntimeError: boom" in at.error[0].value

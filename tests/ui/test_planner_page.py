@@ -1,8 +1,8 @@
 """The planner lesson through AppTest: the sidebar setup is estimated, bad meshes explained, search ranks."""
 
-from tests.ui.apptest_util import open_app
 from streamlit.testing.v1 import AppTest
 
+from tests.ui.apptest_util import open_app
 
 
 def _page(**params) -> AppTest:
