@@ -82,9 +82,20 @@ class ShardedStrategy(Strategy):
         super().__init__(*args, **kw)
         self.units = [FlatUnit(f"units.{i}", unit, self.dp, self.dp_rank)
                       for i, unit in enumerate(self.model.units)]
+        # (unit, reduce-scatter handle, its input kept alive until the op completes)
+        self.pending: list[tuple[FlatUnit, object, torch.Tensor]] = []
 
     def unit_forward(self, i: int, x):
         return self.units[i](x)
+
+    def finish_grads(self) -> None:
+        """Wait for the gradient reduce-scatters, sum the micro-batches' parts, average over dp."""
+        for u, handle, _ in self.pending:
+            part = handle.wait()
+            u.grad_shard = part if u.grad_shard is None else u.grad_shard.add_(part)
+        self.pending = []
+        for u in self.units:
+            u.grad_shard.div_(self.dp)
 
     def step(self, step: int) -> None:
         with self.rec.compute("optimizer step"):

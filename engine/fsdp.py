@@ -29,7 +29,6 @@ class FSDP(ShardedStrategy):
         self.prefetch = self.cfg.parallel.prefetch
         self.last = len(self.units) - 1
         self.gathers: dict[int, object] = {}
-        self.pending: list[tuple[object, object, torch.Tensor]] = []
         self.gathered_bytes = 0
         self.gathered_peak_bytes = 0
         for i, u in enumerate(self.units):
@@ -84,14 +83,6 @@ class FSDP(ShardedStrategy):
     def zero_grad(self) -> None:
         for u in self.units:
             u.grad_shard = None
-
-    def finish_grads(self) -> None:
-        for u, handle, _ in self.pending:
-            part = handle.wait()
-            u.grad_shard = part if u.grad_shard is None else u.grad_shard.add_(part)
-        self.pending = []
-        for u in self.units:
-            u.grad_shard.div_(self.dp)
 
     def memory_bytes(self):
         return {

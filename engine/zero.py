@@ -30,7 +30,6 @@ class ZeRO(ShardedStrategy):
     def __init__(self, *args, stage: int, **kw):
         super().__init__(*args, **kw)
         self.stage = stage
-        self.pending: list[tuple[object, object]] = []
         for u in self.units:
             # Parameters stay whole, so a rank's master shard is simply its slice of them.
             u.shard = u.full.data[self.dp_rank * u.shard_numel: (self.dp_rank + 1) * u.shard_numel]
@@ -49,14 +48,6 @@ class ZeRO(ShardedStrategy):
         for u in self.units:
             u.full.grad = None
             u.grad_shard = None
-
-    def finish_grads(self) -> None:
-        for u, handle, _ in self.pending:
-            part = handle.wait()
-            u.grad_shard = part if u.grad_shard is None else u.grad_shard.add_(part)
-        self.pending = []
-        for u in self.units:
-            u.grad_shard.div_(self.dp)
 
     def step(self, step: int) -> None:
         super().step(step)
