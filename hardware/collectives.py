@@ -94,6 +94,16 @@ class Topology(ABC):
         return methods[collective](nbytes)
 
 
+def _ring_all_gather_s(n: int, link: Link, v: float) -> float:
+    """n-1 steps of one shard V/n each over ``link``: (n-1) alpha + (n-1)/n V / W."""
+    return (n - 1) * link.latency_s + (n - 1) / n * v / link.bytes_per_s
+
+
+def _one_message_s(n: int, link: Link, b: float) -> float:
+    """One message over one link (or through one switch port): alpha + b/W (Hockney's model)."""
+    return 0.0 if n == 1 else link.latency_s + b / link.bytes_per_s
+
+
 @dataclass(frozen=True)
 class Ring(Topology):
     """A unidirectional ring: each rank sends to the next over one link."""
@@ -105,9 +115,8 @@ class Ring(Topology):
         _check_n(self.n)
 
     def all_gather_s(self, nbytes):
-        v = _check_bytes(nbytes)
         # n-1 steps, each moving one shard V/n over one link (ring all-gather: Thakur et al. 2005; [SB] 3).
-        return (self.n - 1) * self.link.latency_s + (self.n - 1) / self.n * v / self.link.bytes_per_s
+        return _ring_all_gather_s(self.n, self.link, _check_bytes(nbytes))
 
     def all_to_all_s(self, nbytes):
         b = _check_bytes(nbytes)
@@ -116,9 +125,7 @@ class Ring(Topology):
         return (self.n - 1) * self.link.latency_s + b * (self.n - 1) / 2 / self.link.bytes_per_s
 
     def p2p_s(self, nbytes):
-        b = _check_bytes(nbytes)
-        # One message over one link: alpha + b/W (Hockney's model).
-        return 0.0 if self.n == 1 else self.link.latency_s + b / self.link.bytes_per_s
+        return _one_message_s(self.n, self.link, _check_bytes(nbytes))
 
     def describe(self):
         return (f"ring of {self.n}, {self.link.bytes_per_s / 1e9:.4g} GB/s per direction, "
@@ -137,10 +144,9 @@ class Switch(Topology):
         _check_n(self.n)
 
     def all_gather_s(self, nbytes):
-        v = _check_bytes(nbytes)
         # NCCL's ring over the switch: (n-1)/n * V / W, n-1 steps ([SB] Part 12: T = (N-1)/N * B/W;
         # nccl-tests PERFORMANCE.md: busbw = algbw * (n-1)/n for all-gather).
-        return (self.n - 1) * self.link.latency_s + (self.n - 1) / self.n * v / self.link.bytes_per_s
+        return _ring_all_gather_s(self.n, self.link, _check_bytes(nbytes))
 
     def all_to_all_s(self, nbytes):
         b = _check_bytes(nbytes)
@@ -152,9 +158,7 @@ class Switch(Topology):
         return self.link.latency_s + (self.n - 1) / self.n * b / self.link.bytes_per_s
 
     def p2p_s(self, nbytes):
-        b = _check_bytes(nbytes)
-        # One message through the switch: alpha + b/W (Hockney's model).
-        return 0.0 if self.n == 1 else self.link.latency_s + b / self.link.bytes_per_s
+        return _one_message_s(self.n, self.link, _check_bytes(nbytes))
 
     def describe(self):
         return (f"{self.n} ranks on {self.label}, {self.link.bytes_per_s / 1e9:.4g} GB/s per direction "
