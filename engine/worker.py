@@ -172,7 +172,7 @@ def torchrun_main(argv: list[str]) -> int:
 
     result = run_rank(ctx, cfg, traced=bool(args.trace), check=args.check)
     everything = comm.Comm(Recorder(rank), ctx.device).gather_objects(result)
-    comm.destroy()
+    comm.leave_together()
     if rank != 0:
         return 0
     summary, timeline = assemble(cfg, everything)
@@ -187,4 +187,9 @@ if __name__ == "__main__":
     if "SHARDLAB_POOL_ADDR" in os.environ:
         pool_main()
     else:
-        sys.exit(torchrun_main(sys.argv[1:]))
+        code = torchrun_main(sys.argv[1:])
+        # Leave without running C++ static destructors: torch's store/gloo threads can still be joinable
+        # at interpreter teardown and abort the rank after its work is done and written.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
