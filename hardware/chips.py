@@ -20,7 +20,7 @@ KINDS = ("gpu", "tpu", "cpu")
 CHIPS_TOML = Path(__file__).with_name("chips.toml")
 
 # Fields a chip entry in chips.toml must have, in the order the table shows them.
-_TEXT_FIELDS = ("name", "vendor", "kind")
+_TEXT_FIELDS = ("name", "vendor", "kind", "scaleup_topology")
 _NUMBER_FIELDS = (
     "bf16_flops_per_s",
     "fp8_flops_per_s",
@@ -37,13 +37,25 @@ _NUMBER_FIELDS = (
     "matmul_efficiency",
     "hbm_efficiency",
     "link_efficiency",
+    "matmul_half_area",
+    "matmul_half_k",
+    "fp8_matmul_efficiency",
+    "attention_efficiency",
+    "flash3_efficiency",
+    "norm_efficiency",
+    "norm_bwd_efficiency",
+    "scaleup_fill_s",
+    "scaleout_fill_s",
+    "scaleout_efficiency",
 )
 # Fields where the TOML value "none" means "this chip has no such thing".
-_NONE_ALLOWED = ("fp8_flops_per_s", "torus_shape")
+_NONE_ALLOWED = ("fp8_flops_per_s", "torus_shape", "fp8_matmul_efficiency", "flash3_efficiency")
 _INT_FIELDS = ("ici_axes", "scaleup_domain", "torus_wrap_multiple")
 # Whole-number fields where 0 means "not a TPU".
-_ZERO_ALLOWED = ("ici_axes", "torus_wrap_multiple")
-_FRACTION_FIELDS = ("matmul_efficiency", "hbm_efficiency", "link_efficiency")
+_ZERO_ALLOWED = ("ici_axes", "torus_wrap_multiple", "scaleup_fill_s", "scaleout_fill_s")
+_FRACTION_FIELDS = ("matmul_efficiency", "hbm_efficiency", "link_efficiency", "fp8_matmul_efficiency",
+                    "attention_efficiency", "flash3_efficiency", "norm_efficiency", "norm_bwd_efficiency", "scaleout_efficiency")
+SCALEUP_TOPOLOGIES = ("switch", "mesh", "torus")
 
 
 class ChipTableError(ValueError):
@@ -81,6 +93,18 @@ class Chip:
     matmul_efficiency: float  # achievable fraction of peak FLOP/s for large matmuls
     hbm_efficiency: float  # achievable fraction of HBM bandwidth
     link_efficiency: float  # achievable fraction of link bandwidth for large messages
+    # kernel and collective efficiencies by shape and size (chips.toml header; hardware/kernels.py)
+    matmul_half_area: float  # GEMM output area M*N at which the output-size factor is 1/2
+    matmul_half_k: float  # GEMM inner dimension at which the K factor is 1/2
+    fp8_matmul_efficiency: float | None  # MAMF of fp8 GEMMs over the fp8 peak; None without fp8
+    attention_efficiency: float  # FlashAttention-2 fwd+bwd FLOP/s at long sequences over peak
+    flash3_efficiency: float | None  # the chip's newer attention kernels (FA3, cuDNN, FA4); None if none
+    norm_efficiency: float  # fused norm / softmax kernels, forward, over HBM peak
+    norm_bwd_efficiency: float  # their backward
+    scaleup_fill_s: float  # pipeline fill of one scale-up collective (measured NCCL curves' ramp)
+    scaleout_fill_s: float  # the same over the scale-out network
+    scaleout_efficiency: float  # achievable fraction of the NIC line rate
+    scaleup_topology: str = "switch"  # "switch" | "mesh" | "torus" (chips.toml header)
     sources: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
     fp32_flops_per_s: float | None = None  # only the probed CPU sets it: GPU/TPU tables quote bf16 and fp8
 
@@ -120,7 +144,7 @@ class Chip:
         return self.scaleup_bytes_per_s * (self.link_efficiency if achievable else 1.0)
 
     def scaleout_bw(self, achievable: bool = False) -> float:
-        return self.scaleout_bytes_per_s * (self.link_efficiency if achievable else 1.0)
+        return self.scaleout_bytes_per_s * (self.scaleout_efficiency if achievable else 1.0)
 
     @property
     def dtypes(self) -> tuple[str, ...]:
@@ -141,6 +165,14 @@ def _validate(chip: Chip) -> None:
             raise ChipTableError(chip.key, name, f"must be a non-empty string, got {value!r}")
     if chip.kind not in KINDS:
         raise ChipTableError(chip.key, "kind", f"must be one of {KINDS}, got {chip.kind!r}")
+    if chip.scaleup_topology not in SCALEUP_TOPOLOGIES:
+        raise ChipTableError(chip.key, "scaleup_topology",
+                             f"must be one of {SCALEUP_TOPOLOGIES}, got {chip.scaleup_topology!r}")
+    if (chip.kind == "tpu") != (chip.scaleup_topology == "torus"):
+        raise ChipTableError(chip.key, "scaleup_topology", 'TPUs and only TPUs have a "torus" scale-up domain')
+    if (chip.fp8_flops_per_s is None) != (chip.fp8_matmul_efficiency is None):
+        raise ChipTableError(chip.key, "fp8_matmul_efficiency",
+                             'give it exactly when fp8_flops_per_s is a number ("none" for both otherwise)')
     for name in _NUMBER_FIELDS + ("fp32_flops_per_s",):
         value = getattr(chip, name)
         if value is None:
@@ -286,7 +318,9 @@ def _chip_from_entry(key: str, entry: dict, comments: dict[str, str]) -> Chip:
                 raise ChipTableError(key, name, "has no source: add '# <datasheet URL or paper, table>' "
                                      "after the value")
         values[name] = value
-    sources = {name: comments[name] for name in _NUMBER_FIELDS}
+    if not comments.get("scaleup_topology"):
+        raise ChipTableError(key, "scaleup_topology", "has no source: add '# <where it says so>' after the value")
+    sources = {name: comments[name] for name in (*_NUMBER_FIELDS, "scaleup_topology")}
     return Chip(key=key, sources=sources, **values)
 
 

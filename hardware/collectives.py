@@ -35,12 +35,17 @@ from hardware.chips import Chip
 class Link:
     bytes_per_s: float  # one direction
     latency_s: float  # alpha: cost of one hop, independent of size
+    # Measured NCCL curves approach their plateau slowly (chunked pipelines fill hop by hop): a collective
+    # costs its latency + fill_s + bus bytes / bandwidth. 0 for the ideal (spec) link.
+    fill_s: float = 0.0
 
     def __post_init__(self):
         if not (self.bytes_per_s > 0 and math.isfinite(self.bytes_per_s)):
             raise ValueError(f"link bandwidth must be a positive number of bytes/s, got {self.bytes_per_s!r}")
         if not (self.latency_s >= 0 and math.isfinite(self.latency_s)):
             raise ValueError(f"link latency must be >= 0 seconds, got {self.latency_s!r}")
+        if not (self.fill_s >= 0 and math.isfinite(self.fill_s)):
+            raise ValueError(f"link fill_s must be >= 0 seconds, got {self.fill_s!r}")
 
 
 def _check_n(n) -> int:
@@ -56,26 +61,53 @@ def _check_bytes(nbytes) -> float:
 
 
 class Topology(ABC):
-    """A process group of ``n`` ranks and what each collective costs on it, in seconds."""
+    """A process group of ``n`` ranks and what each collective costs on it, in seconds.
+
+    Subclasses give the latency + bandwidth time of each operation (``_all_gather_s`` ...); the public
+    methods add the links' pipeline fill (``Link.fill_s``) once per operation.
+    """
 
     n: int
 
-    @abstractmethod
-    def all_gather_s(self, nbytes: float) -> float: ...
+    @property
+    def fill_s(self) -> float:
+        """Seconds a collective spends filling its pipeline, once per operation (0 on ideal links)."""
+        return 0.0
+
+    def _with_fill(self, seconds: float) -> float:
+        return seconds + self.fill_s if seconds > 0 else 0.0
+
+    def all_gather_s(self, nbytes: float) -> float:
+        return self._with_fill(self._all_gather_s(_check_bytes(nbytes)))
 
     def reduce_scatter_s(self, nbytes: float) -> float:
-        # Reduce-scatter is all-gather run backwards: same bytes over the same links ([SB] Part 3).
-        return self.all_gather_s(nbytes)
+        return self._with_fill(self._reduce_scatter_s(_check_bytes(nbytes)))
 
     def all_reduce_s(self, nbytes: float) -> float:
+        return self._with_fill(self._all_reduce_s(_check_bytes(nbytes)))
+
+    def all_to_all_s(self, nbytes: float) -> float:
+        return self._with_fill(self._all_to_all_s(_check_bytes(nbytes)))
+
+    def p2p_s(self, nbytes: float) -> float:
+        return self._with_fill(self._p2p_s(_check_bytes(nbytes)))
+
+    @abstractmethod
+    def _all_gather_s(self, v: float) -> float: ...
+
+    def _reduce_scatter_s(self, v: float) -> float:
+        # Reduce-scatter is all-gather run backwards: same bytes over the same links ([SB] Part 3).
+        return self._all_gather_s(v)
+
+    def _all_reduce_s(self, v: float) -> float:
         # All-reduce = reduce-scatter + all-gather (Rabenseifner; Thakur et al. 2005; [SB] Part 3).
-        return self.reduce_scatter_s(nbytes) + self.all_gather_s(nbytes)
+        return self._reduce_scatter_s(v) + self._all_gather_s(v)
 
     @abstractmethod
-    def all_to_all_s(self, nbytes: float) -> float: ...
+    def _all_to_all_s(self, b: float) -> float: ...
 
     @abstractmethod
-    def p2p_s(self, nbytes: float) -> float: ...
+    def _p2p_s(self, b: float) -> float: ...
 
     @abstractmethod
     def describe(self) -> str: ...
@@ -114,18 +146,21 @@ class Ring(Topology):
     def __post_init__(self):
         _check_n(self.n)
 
-    def all_gather_s(self, nbytes):
-        # n-1 steps, each moving one shard V/n over one link (ring all-gather: Thakur et al. 2005; [SB] 3).
-        return _ring_all_gather_s(self.n, self.link, _check_bytes(nbytes))
+    @property
+    def fill_s(self) -> float:
+        return self.link.fill_s
 
-    def all_to_all_s(self, nbytes):
-        b = _check_bytes(nbytes)
+    def _all_gather_s(self, v):
+        # n-1 steps, each moving one shard V/n over one link (ring all-gather: Thakur et al. 2005; [SB] 3).
+        return _ring_all_gather_s(self.n, self.link, v)
+
+    def _all_to_all_s(self, b):
         # The chunk b/n for the rank d hops ahead crosses d links: sum_d d*b/n = b(n-1)/2 link-bytes per
         # rank, n ranks over n links, so b(n-1)/2 per link; the farthest chunk is n-1 hops away.
         return (self.n - 1) * self.link.latency_s + b * (self.n - 1) / 2 / self.link.bytes_per_s
 
-    def p2p_s(self, nbytes):
-        return _one_message_s(self.n, self.link, _check_bytes(nbytes))
+    def _p2p_s(self, b):
+        return _one_message_s(self.n, self.link, b)
 
     def describe(self):
         return (f"ring of {self.n}, {self.link.bytes_per_s / 1e9:.4g} GB/s per direction, "
@@ -139,17 +174,32 @@ class Switch(Topology):
     n: int
     link: Link
     label: str = "switch"
+    # a network of many nodes: NCCL's all-reduce runs double binary trees when their latency wins
+    trees: bool = False
 
     def __post_init__(self):
         _check_n(self.n)
 
-    def all_gather_s(self, nbytes):
+    @property
+    def fill_s(self) -> float:
+        return self.link.fill_s
+
+    def _all_gather_s(self, v):
         # NCCL's ring over the switch: (n-1)/n * V / W, n-1 steps ([SB] Part 12: T = (N-1)/N * B/W;
         # nccl-tests PERFORMANCE.md: busbw = algbw * (n-1)/n for all-gather).
-        return _ring_all_gather_s(self.n, self.link, _check_bytes(nbytes))
+        return _ring_all_gather_s(self.n, self.link, v)
 
-    def all_to_all_s(self, nbytes):
-        b = _check_bytes(nbytes)
+    def _all_reduce_s(self, v):
+        # Ring: 2(n-1) steps. Across many nodes the latency is logarithmic instead: NCCL switches to
+        # double binary trees when they are faster (Sanders et al. 2009; NVIDIA blog "Massively Scale Your
+        # Deep Learning Training with NCCL 2.4"), 2 log2(n) steps at the ring's bandwidth between nodes.
+        ring_s = super()._all_reduce_s(v)
+        if not self.trees or self.n == 1:
+            return ring_s
+        tree_latency_s = 2 * math.ceil(math.log2(self.n)) * self.link.latency_s
+        return min(ring_s, ring_s - 2 * (self.n - 1) * self.link.latency_s + tree_latency_s)
+
+    def _all_to_all_s(self, b):
         # Each rank sends (n-1)/n of its bytes straight to their owners through its own port
         # ([SB] Part 12: AllToAll in a node costs (N-1)/N * B / (N W) with B the total array);
         # the n-1 sends are posted at once, so one alpha.
@@ -157,8 +207,8 @@ class Switch(Topology):
             return 0.0
         return self.link.latency_s + (self.n - 1) / self.n * b / self.link.bytes_per_s
 
-    def p2p_s(self, nbytes):
-        return _one_message_s(self.n, self.link, _check_bytes(nbytes))
+    def _p2p_s(self, b):
+        return _one_message_s(self.n, self.link, b)
 
     def describe(self):
         return (f"{self.n} ranks on {self.label}, {self.link.bytes_per_s / 1e9:.4g} GB/s per direction "
@@ -217,8 +267,7 @@ class Torus(Topology):
     def _active(self) -> tuple[TorusAxis, ...]:
         return tuple(a for a in self.axes if a.size > 1)
 
-    def all_gather_s(self, nbytes):
-        v = _check_bytes(nbytes)
+    def _all_gather_s(self, v):
         active = self._active()
         if not active:
             return 0.0
@@ -238,8 +287,7 @@ class Torus(Topology):
         latency = sum(a.gather_hops * a.link.latency_s for a in active)
         return latency + max(load_s)
 
-    def all_to_all_s(self, nbytes):
-        b = _check_bytes(nbytes)
+    def _all_to_all_s(self, b):
         active = self._active()
         if not active:
             return 0.0
@@ -249,8 +297,11 @@ class Torus(Topology):
         latency = sum(a.gather_hops * a.link.latency_s for a in active)
         return latency + bw_s
 
-    def p2p_s(self, nbytes):
-        b = _check_bytes(nbytes)
+    @property
+    def fill_s(self) -> float:
+        return max((a.link.fill_s for a in self._active()), default=0.0)
+
+    def _p2p_s(self, b):
         active = self._active()
         if not active:
             return 0.0
@@ -294,35 +345,36 @@ class Hierarchy(Topology):
         outer_bw = outer_s(outer_bytes) - outer_latency
         return inner_latency + outer_latency + max(inner_bw, outer_bw)
 
-    def all_gather_s(self, nbytes):
-        v = _check_bytes(nbytes)
+    @property
+    def fill_s(self) -> float:
+        # the levels' pipelines fill at the same time, as their bandwidth phases overlap
+        return max(self.inner.fill_s, self.outer.fill_s)
+
+    def _all_gather_s(self, v):
         # Across domains each rank gathers V/d (its slice of the domain's share), inside the domain the full
         # V: the network carries only 1/d of the array, i.e. (m-1)/m * V over the domain's d NICs.
-        return self._pipelined(self.inner.all_gather_s, self.outer.all_gather_s, v, v / self.domain_size)
+        return self._pipelined(self.inner._all_gather_s, self.outer._all_gather_s, v, v / self.domain_size)
 
-    def reduce_scatter_s(self, nbytes):
-        v = _check_bytes(nbytes)
+    def _reduce_scatter_s(self, v):
         # Reduce-scatter inside on V, across domains on the V/d each rank then holds ([SB] Part 12).
-        return self._pipelined(self.inner.reduce_scatter_s, self.outer.reduce_scatter_s, v,
+        return self._pipelined(self.inner._reduce_scatter_s, self.outer._reduce_scatter_s, v,
                                v / self.domain_size)
 
-    def all_reduce_s(self, nbytes):
-        v = _check_bytes(nbytes)
+    def _all_reduce_s(self, v):
         # RS inside, AR across domains on V/d, AG inside ([SB] Part 12; NCCL's hierarchical all-reduce).
-        return self._pipelined(self.inner.all_reduce_s, self.outer.all_reduce_s, v, v / self.domain_size)
+        return self._pipelined(self.inner._all_reduce_s, self.outer._all_reduce_s, v, v / self.domain_size)
 
-    def all_to_all_s(self, nbytes):
-        b = _check_bytes(nbytes)
+    def _all_to_all_s(self, b):
         # Of b bytes, (n-d)/n leave the domain and (d-1)/n stay; both go at once on different links. With
         # m = n/d domains, (n-d)/n = (m-1)/m: what a flat all-to-all among m ranks sends away; inside, a
         # flat all-to-all of b*d/n sends (d-1)/n of b.
         inner_bytes = b * self.domain_size / self.n
-        return self._pipelined(self.inner.all_to_all_s, self.outer.all_to_all_s, inner_bytes, b)
+        return self._pipelined(self.inner._all_to_all_s, self.outer._all_to_all_s, inner_bytes, b)
 
-    def p2p_s(self, nbytes):
+    def _p2p_s(self, b):
         # The group's neighbours at a domain border talk over the network; in a pipeline the slowest hop
         # paces every micro-batch, so quote the outer link.
-        return self.outer.p2p_s(nbytes)
+        return self.outer._p2p_s(b)
 
     def describe(self):
         return (f"{self.n} ranks = {self.n // self.domain_size} domains x {self.domain_size}; "
@@ -334,9 +386,10 @@ def ring(n: int, link: Link) -> Ring:
     return Ring(_check_n(n), link)
 
 
-def switch(n: int, link: Link, label: str = "switch") -> Switch:
-    """n ranks on a non-blocking switch, each with one full-duplex ``link``."""
-    return Switch(_check_n(n), link, label)
+def switch(n: int, link: Link, label: str = "switch", trees: bool = False) -> Switch:
+    """n ranks on a non-blocking switch, each with one full-duplex ``link`` (``trees``: a multi-node
+    network where NCCL may all-reduce over trees)."""
+    return Switch(_check_n(n), link, label, trees)
 
 
 def torus(axes: tuple[int, ...], link: Link, wraparound: bool = True) -> Torus:
@@ -379,23 +432,33 @@ def group_topology(chip: Chip, n: int, stride: int = 1, achievable: bool = False
     _check_n(n)
     if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
         raise ValueError(f"stride must be a whole number >= 1, got {stride!r}")
-    eff = chip.link_efficiency if achievable else 1.0
-    inner = Link(chip.scaleup_bytes_per_s * eff, chip.scaleup_latency_s)
-    outer = Link(chip.scaleout_bytes_per_s * eff, chip.scaleout_latency_s)
+    inner = Link(chip.scaleup_bw(achievable), chip.scaleup_latency_s, chip.scaleup_fill_s if achievable else 0.0)
+    outer = Link(chip.scaleout_bw(achievable), chip.scaleout_latency_s,
+                 chip.scaleout_fill_s if achievable else 0.0)
     domain = chip.scaleup_domain if scaleup_domain is None else _check_n(scaleup_domain)
     if chip.kind == "tpu" and scaleup_domain is not None:
         raise ValueError("a TPU's scale-up domain is its torus slice; set torus_shape in chips.toml instead")
     if chip.kind != "tpu":
+        label = "NVLink" if chip.vendor == "NVIDIA" else "Infinity Fabric" if chip.kind == "gpu" else "scale-up"
         if n * stride <= domain:
-            return Switch(n, inner, "NVLink" if chip.kind == "gpu" else "scale-up")
+            return Switch(n, _mesh_share(chip, inner, n, domain), label)
         if stride >= domain:
-            return Switch(n, outer, "scale-out network")
+            return Switch(n, outer, "scale-out network", trees=True)
         per_domain = domain // stride
         if domain % stride or n % per_domain:
-            return Switch(n, outer, "scale-out network")
-        return Hierarchy(n, per_domain, Switch(per_domain, inner, "NVLink"),
-                         Switch(n // per_domain, outer, "scale-out network"))
+            return Switch(n, outer, "scale-out network", trees=True)
+        return Hierarchy(n, per_domain, Switch(per_domain, _mesh_share(chip, inner, per_domain, domain), label),
+                         Switch(n // per_domain, outer, "scale-out network", trees=True))
     return _tpu_group(chip.torus_shape, chip.torus_wrap_multiple, n, stride, inner, outer)
+
+
+def _mesh_share(chip: Chip, link: Link, n: int, domain: int) -> Link:
+    """A full mesh gives each GPU one link per peer: a group of n of the domain's GPUs uses n-1 of its
+    domain-1 links (MI300X: 64 GB/s per peer, 448 to all seven; [MLE] measures 47.7 GB/s all-reduce on 2
+    GPUs against 313 on 8). A switch gives any group the full bandwidth."""
+    if chip.scaleup_topology != "mesh" or domain <= 1 or n >= domain:
+        return link
+    return Link(link.bytes_per_s * (n - 1) / (domain - 1), link.latency_s, link.fill_s)
 
 
 def _tpu_group(shape: tuple[int, ...], wrap_multiple: int, n: int, stride: int, inner: Link,

@@ -16,12 +16,12 @@ from functools import cached_property
 from engine.trace import Timeline
 from hardware.chips import CHIPS
 from planner import layout_search as _search
-from planner.case import Case, load_case, parse_case
+from planner.case import RECIPE_DEFAULTS, Case, load_case, parse_case
 from planner.simulate import StepResult, usable_hbm_bytes
 
 _CHOICE_FIELDS = {
     "parallel": ("dp", "tp", "pp", "cp", "ep", "pp_schedule", "virtual_stages"),
-    "training": ("micro_batch", "recompute", "zero_stage", "sequence_parallel", "attention"),
+    "training": ("micro_batch", "recompute", "zero_stage", "sequence_parallel", *RECIPE_DEFAULTS),
 }
 
 

@@ -17,8 +17,32 @@ from planner.models import ModelSpec, SpecError
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe", "zb-h1")
 DTYPES = ("bf16", "fp16", "fp8")
-OPTIMIZERS = ("adam", "sgd")
-ATTENTION_KERNELS = ("flash", "materialized")
+OPTIMIZERS = ("adam", "sgd", "adafactor")
+# "flash": FlashAttention-2 (Dao 2023), on every GPU; "flash3": the chip's newer kernels (FlashAttention-3,
+# cuDNN fused attention, FA4); "materialized": the scores written out and softmaxed (Megatron-LM 2021-22)
+ATTENTION_KERNELS = ("flash", "flash3", "materialized")
+# How the run was executed, where it changes the cost. A null field means what a current framework does
+# (Megatron-Core / NeMo, torchtitan, MaxText in 2024-25): FlashAttention, every overlap below on. The
+# planner reports what it took in `chosen`.
+RECIPE_DEFAULTS = {
+    # the chip's best FlashAttention kernel (hardware.kernels.best_flash_kernel): flash3 on Hopper and
+    # Blackwell (Transformer Engine and PyTorch SDPA pick cuDNN / FA3 there), FlashAttention-2 elsewhere
+    "attention": None,
+    # DP gradient reduction bucketed under the backward (PyTorch DDP, Li et al. 2020 sec. 3.2.3;
+    # Megatron-Core --overlap-grad-reduce; FSDP reduce-scatters each unit as its backward ends)
+    "grad_reduce_overlap": True,
+    # ZeRO-1/2 parameter all-gather under the next step's forward (Megatron-Core --overlap-param-gather),
+    # ZeRO-3 / FSDP gathers prefetched one layer ahead (FSDP forward/backward prefetch)
+    "param_gather_overlap": True,
+    # TP all-gather / reduce-scatter pipelined with the GEMMs that consume / produce them (collective
+    # matmul, Wang et al. 2023; Transformer Engine userbuffers, Megatron-Core --tp-comm-overlap;
+    # torchtitan async TP; XLA collective matmul on TPU)
+    "tp_comm_overlap": True,
+    # expert all-to-all overlapped with another micro-batch's compute (DeepSeek-V3's DualPipe); off in
+    # the common frameworks' default schedules
+    "ep_comm_overlap": False,
+}
+RECIPE_FLAGS = tuple(k for k in RECIPE_DEFAULTS if k != "attention")
 
 
 @dataclass(frozen=True)
@@ -30,9 +54,12 @@ class Training:
     optimizer: str = "adam"
     zero_stage: int | None = None
     sequence_parallel: bool | None = None
-    # None: the model's recipe decides (GELU/GPT layers of Megatron-LM 2021-22 materialise the
-    # softmax; SwiGLU/Llama-style stacks use FlashAttention) -- see planner.ops
+    # the recipe (RECIPE_DEFAULTS); None: what a current framework does
     attention: str | None = None
+    grad_reduce_overlap: bool | None = None
+    param_gather_overlap: bool | None = None
+    tp_comm_overlap: bool | None = None
+    ep_comm_overlap: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -79,6 +106,10 @@ class Layout:
     recompute: str = "none"
     sequence_parallel: bool = False
     attention: str = "flash"
+    grad_reduce_overlap: bool = True
+    param_gather_overlap: bool = True
+    tp_comm_overlap: bool = True
+    ep_comm_overlap: bool = False
 
     @property
     def num_chips(self) -> int:
@@ -101,6 +132,13 @@ def _int(block: dict, key: str, prefix: str, *, required: bool, nullable: bool =
         return None
     if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
         raise SpecError(f"{prefix}.{key}", f"must be an integer >= {minimum}, got {v!r}")
+    return v
+
+
+def _bool(block: dict, key: str, prefix: str) -> bool | None:
+    v = block.get(key)
+    if v is not None and not isinstance(v, bool):
+        raise SpecError(f"{prefix}.{key}", f"must be true, false or null, got {v!r}")
     return v
 
 
@@ -152,9 +190,7 @@ def parse_case(data) -> Case:
     model = parse_model(data["model"], name)
 
     t = _check_keys(data["training"], {f.name for f in fields(Training)}, "training")
-    sp = t.get("sequence_parallel")
-    if sp is not None and not isinstance(sp, bool):
-        raise SpecError("training.sequence_parallel", f"must be true, false or null, got {sp!r}")
+    flags = {k: _bool(t, k, "training") for k in ("sequence_parallel", *RECIPE_FLAGS)}
     zero = t.get("zero_stage")
     if zero is not None and zero not in (0, 1, 2, 3):
         raise SpecError("training.zero_stage", f"must be 0, 1, 2, 3 or null, got {zero!r}")
@@ -164,8 +200,7 @@ def parse_case(data) -> Case:
         recompute=_choice(t, "recompute", "training", RECOMPUTE),
         dtype=_choice(t, "dtype", "training", DTYPES, "bf16"),
         optimizer=_choice(t, "optimizer", "training", OPTIMIZERS, "adam"),
-        zero_stage=zero, sequence_parallel=sp,
-        attention=_choice(t, "attention", "training", ATTENTION_KERNELS),
+        zero_stage=zero, attention=_choice(t, "attention", "training", ATTENTION_KERNELS), **flags,
     )
 
     p = _check_keys(data.get("parallel", {}), {f.name for f in fields(Parallel)}, "parallel")
@@ -242,6 +277,18 @@ def check_fixed(case: Case) -> None:
         raise SpecError("parallel.virtual_stages", "interleaved-1f1b needs virtual_stages >= 2 (or null)")
     if p.pp_schedule in ("1f1b", "gpipe", "zb-h1") and p.virtual_stages and p.virtual_stages > 1:
         raise SpecError("parallel.pp_schedule", f"virtual_stages={p.virtual_stages} needs interleaved-1f1b")
+
+
+def recipe(t: Training, chip) -> dict:
+    """The case's recipe with every null field replaced by RECIPE_DEFAULTS (what a current framework does)."""
+    from hardware.kernels import best_flash_kernel
+
+    out = {k: default if getattr(t, k) is None else getattr(t, k) for k, default in RECIPE_DEFAULTS.items()}
+    if out["attention"] is None:
+        out["attention"] = best_flash_kernel(chip)
+    if out["attention"] == "flash3" and chip.flash3_efficiency is None:
+        raise SpecError("training.attention", f"{chip.name} has no FlashAttention-3-class kernel; use \"flash\"")
+    return out
 
 
 def layout_tp_ok(m: ModelSpec, tp: int) -> bool:

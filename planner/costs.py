@@ -1,36 +1,44 @@
-"""What one layer costs on one chip, for one micro-batch: compute, memory-bound ops and collectives.
+"""What one layer costs on one chip, for one micro-batch: its GEMMs, attention, memory-bound ops and the
+communication of every strategy, with what of it the recipe hides under compute.
 
-Everything here is a pure function of the model, the layout and the chip. Times use `hardware/`
-(peak FLOP/s and HBM bandwidth from `hardware.chips`, collective times from
-`hardware.collectives.group_topology`) and two planner-side curves, global per chip kind (GPU, TPU),
-never tuned per case:
+Everything here is a pure function of the model, the layout (which carries the recipe, `planner.case`)
+and the chip. Single operations cost what `hardware.kernels` (GEMMs by shape, attention kernels, memory-
+bound kernels) and `hardware.collectives` (alpha-beta with the measured pipeline fill) say; those take
+their efficiencies from op-level benchmarks recorded in `hardware/chips.toml`. No constant here is
+chosen on end-to-end step times; each carries its derivation or source.
 
-* matmul efficiency by shape. `chip.matmul_efficiency` is what a large, well-shaped matmul reaches;
-  each dimension d of `In[M, K] . W[K, N]` multiplies it by d / (d + d_half): a dimension much larger
-  than d_half fills the matrix units, one near d_half leaves them half idle (tile and wave
-  quantisation: NVIDIA, "Matrix Multiplication Background" guide, sec. "Dimension Quantization Effects";
-  on TPUs the 128x128 MXU is the tile, [SB] Part 2). d_half = 128 on GPUs (cuBLAS's large-GEMM CTA
-  tiles are 128 or 256 wide) and on TPUs (the MXU edge).
-* link efficiency by message size: a collective of V bytes reaches `chip.link_efficiency` x
-  V / (V + v_half) of the link (NCCL's bus bandwidth climbs towards its plateau over a few MB:
-  nccl-tests PERFORMANCE.md curves; the alpha term of `hardware.collectives` covers only the latency).
-  v_half = 1 MB on GPUs, 256 kB on TPUs (estimates).
+A layer, In[T, D] with T = micro_batch * seq_len / cp tokens on this chip and t = tp:
 
-Memory-bound ("elementwise") ops are counted as bytes moved through HBM per layer, from the op list of
-the layer recipe (see `elementwise_bytes`), at `chip.hbm_bw(achievable=True)` times
-ELEMENTWISE_EFFICIENCY (kernels with reductions, RNG and masks run below a plain copy).
+    GEMMs   qkv  In[T, D] . W[D, (N + 2K)H / t]      o    A[T, NH / t] . W[NH / t, D]
+            fc1  In[T, D] . W[D, n_in F / t]         fc2  H[T, F / t] . W[F / t, D]
+            backward: dgrad (same M, K and N swapped) and wgrad (K = T) per GEMM
+    attention  FlashAttention (causal half of the scores) or materialised scores: two batched GEMMs
+            per head and a softmax over HBM (Narayanan et al. 2021 eq. 3 counts the full square)
+    memory-bound ops  norms, residual adds, activations, rotary, dropout (`_elementwise`)
 
-Calibration. d_half (GPU), ELEMENTWISE_EFFICIENCY and BWD_ELEMENTWISE_RATIO were chosen once, as three
-global numbers for every chip, from a small grid (d_half 64/96/128, elementwise 0.6-1.0, backward
-ratio 2-3) against the 18 published A100 runs (bench/bench_planner.py prints the table); nothing is
-set per case. The residual pattern is an era effect the model does not try to capture: Megatron-LM's
-2021 pipelined runs (Narayanan et al.) come out 4-8 % fast, its 2022 runs (Korthikanti et al.) and
-the 2021 single-stage runs 0-6 % slow.
+Communication (each a `CommOp` with its time alone on its links and the part the pass waits for):
 
-Layer recipes. A GELU model is run the way Megatron-LM ran GPT in 2021-22 (Narayanan et al. 2021,
-Korthikanti et al. 2022): LayerNorm, biases, dropout, fused bias-GELU, and attention scores
-materialised (fused scale-mask-softmax + dropout). A SwiGLU model is run the Llama way: RMSNorm, no
-biases or dropout, RoPE, and FlashAttention (Dao 2023). `training.attention` overrides the kernel.
+* TP (Shoeybi et al. 2019; Korthikanti et al. 2022 sec. 4.2.2), V = T * D * 2 bytes. Without SP two
+  all-reduces forward (after o and fc2), exposed, and two backward (the input gradients of qkv and fc1).
+  With SP: all-gather before qkv and fc1, reduce-scatter after o and fc2; backward reduce-scatters the
+  column layers' input gradients, re-gathers their inputs for the weight gradients (Megatron-LM keeps
+  only the sharded input) and all-gathers the row layers' output gradients. Megatron-LM always runs the
+  backward re-gather under the dgrad GEMM and the input-gradient reduction under the wgrad GEMM; with
+  `tp_comm_overlap` the others are pipelined with their GEMM in t chunks (collective matmul, Wang et
+  al. 2023; Transformer Engine userbuffers): only one chunk shows, max(0, c - g) + min(c, g) / t.
+* CP ring (Liu et al. 2023; Megatron-Core): cp - 1 K/V transfers forward, K/V and dK/dV backward, each
+  hidden under one step's block of attention (1/cp of the layer's attention with the zig-zag split).
+* EP (Lepikhin et al. 2020): dispatch and combine all-to-alls of T * top_k rows of D per direction,
+  exposed unless `ep_comm_overlap` (another micro-batch's compute, DeepSeek-V3's DualPipe).
+* ZeRO-3 / FSDP (Rajbhandari et al. 2020 sec. 5.3): each layer's weights all-gathered forward and
+  backward, gradients reduce-scattered; prefetched one layer ahead (`param_gather_overlap`), so a gather
+  hides under the previous layer's compute; in the backward the gather and the reduce-scatter share the
+  data-parallel links and add up.
+
+Overlapped communication still costs compute: while NCCL kernels run beside them, GEMMs and attention
+run 18.9 % slower on average (Agrawal et al. 2025, "Characterizing Compute-Communication Overlap in GPU-
+Accelerated Distributed Deep Learning", arXiv 2507.03114: GPT and Llama layers on A100, H100, MI250X,
+MI210; max 40 %). Each hidden second of communication adds `OVERLAP_SLOWDOWN` seconds of compute.
 """
 
 from __future__ import annotations
@@ -39,53 +47,38 @@ import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
+from hardware import kernels
 from hardware.chips import Chip
 from hardware.collectives import Topology, group_topology
 from planner.case import Layout
 from planner.flops import layer_params
 from planner.models import ModelSpec
 
-D_HALF = {"gpu": 128, "tpu": 128, "cpu": 16}  # matmul dimension at half efficiency (estimate)
-V_HALF_BYTES = {"gpu": 1e6, "tpu": 256e3, "cpu": 64e3}  # message size at half link efficiency (estimate)
-FLASH_BWD_RATIO = 2.5  # FlashAttention backward does 5 matmuls to the forward's 2 (Dao 2023, sec. 3.1)
+OVERLAP_SLOWDOWN = 0.189  # arXiv 2507.03114 abstract: overlapped compute 18.9 % slower on average
 CAUSAL_FLASH_FRACTION = 0.5  # a causal flash kernel skips the masked upper triangle (Dao 2023, sec. 3.1)
-ELEMENTWISE_EFFICIENCY = 0.8  # fused norm/softmax/dropout kernels reach ~0.8 of a plain copy's bandwidth
-BWD_ELEMENTWISE_RATIO = 2.0  # a backward elementwise op reads the saved input and the output gradient
-                              # and writes the input gradient: ~2x the forward's traffic (estimate)
-OPTIMIZER_STEP_BYTES = {"adam": 30, "sgd": 20}  # Adam reads fp32 master, m, v, grad; writes master, m,
-                                                 # v and the bf16 copy: 4*3+2 + 4*3+2 ~ 30 bytes/param
+ACT_BYTES = 2  # bf16 activations (fp8 recipes keep bf16 activations between GEMMs: Transformer Engine)
+# Bytes per parameter of the update: Adam reads fp32 master, m, v, grad and writes master, m, v and the bf16
+# copy (4*4 + 4*3 + 2 = 30); SGD with momentum 4*3 + 4*2 = 20; Adafactor reads master and grad, writes
+# master and the bf16 copy, and its row/column statistics are negligible (4*2 + 4 + 2 = 14)
+OPTIMIZER_STEP_BYTES = {"adam": 30, "sgd": 20, "adafactor": 14}
 
 
-def default_attention(m: ModelSpec) -> str:
-    """The attention kernel of the model's recipe (module docstring)."""
-    return "materialized" if m.mlp == "gelu" else "flash"
+def matmul_s(chip: Chip, dtype: str, m: float, k: float, n: float) -> float:
+    """Seconds of `In[M, K] . W[K, N]` (hardware.kernels, the one GEMM model)."""
+    return kernels.matmul_s(chip, dtype, m, k, n)
 
 
-def overlaps_grad_reduce(m: ModelSpec) -> bool:
-    """Whether the recipe hides the data-parallel gradient reduction under the backward.
-
-    Megatron-LM 2021-22 (the GPT recipe) all-reduced gradients after the last backward ("local" DDP);
-    bucketed overlap (PyTorch DDP, Li et al. 2020; Megatron-Core overlap_grad_reduce) is the modern
-    default of the Llama recipe.
-    """
-    return m.mlp != "gelu"
-
-
-def matmul_s(chip: Chip, dtype: str, M: float, K: float, N: float) -> float:
-    """Roofline time of `In[M, K] . W[K, N]` with the size-dependent efficiency (module docstring)."""
-    d_half = D_HALF[chip.kind]
-    size = (M / (M + d_half)) * (K / (K + d_half)) * (N / (N + d_half))
-    flops = 2.0 * M * K * N
-    compute_s = flops / (chip.peak_flops_per_s(dtype, achievable=True) * size)
-    memory_s = 2.0 * (M * K + K * N + M * N) / chip.hbm_bw(achievable=True)  # [SB] Part 1 roofline
-    return max(compute_s, memory_s)
-
-
-def comm_s(topo: Topology, chip: Chip, kind: str, nbytes: float) -> float:
-    """A collective's time on `topo` with the message-size efficiency curve applied."""
+def comm_s(topo: Topology, kind: str, nbytes: float) -> float:
+    """A collective's time on `topo` (hardware.collectives, measured pipeline fill included)."""
     if nbytes <= 0 or topo.n == 1:
         return 0.0
-    return topo.cost_s(kind, nbytes) * (nbytes + V_HALF_BYTES[chip.kind]) / nbytes
+    return topo.cost_s(kind, nbytes)
+
+
+def pipelined_exposed_s(comm: float, compute: float, chunks: int) -> float:
+    """What a collective pipelined with its GEMM in `chunks` pieces adds to the GEMM: the first (or last)
+    chunk cannot overlap, and a collective longer than the GEMM shows its excess (collective matmul)."""
+    return max(0.0, comm - compute) + min(comm, compute) / max(1, chunks)
 
 
 def tpu_slice_shape(chip: Chip, num_chips: int) -> tuple[int, ...]:
@@ -130,48 +123,84 @@ def topology(chip: Chip, n: int, stride: int, chips_per_node: int) -> Topology:
     return group_topology(chip, n, stride, achievable=True)
 
 
+def crosses_network(n: int, stride: int, chip: Chip, chips_per_node: int) -> bool:
+    """Whether a group of n ranks `stride` apart leaves the scale-up domain (NVLink node, TPU slice)."""
+    domain = chips_per_node if chip.kind == "gpu" else chip.scaleup_domain
+    return n > 1 and n * stride > domain
+
+
+@dataclass(frozen=True)
+class CommOp:
+    """One collective of a pass: `time_s` alone on its links, `exposed_s` of it the pass waits for."""
+
+    group: str  # mesh axis: "tp", "cp", "ep", "dp"
+    name: str
+    kind: str  # all_gather | reduce_scatter | all_reduce | all_to_all | p2p
+    nbytes: float  # hardware.collectives' convention (the full array for gathers and reductions)
+    time_s: float
+    exposed_s: float
+
+    @property
+    def hidden_s(self) -> float:
+        return max(0.0, self.time_s - self.exposed_s)
+
+
+def _sum_exposed(ops: tuple[CommOp, ...], group: str) -> float:
+    return sum(c.exposed_s for c in ops if c.group == group)
+
+
 @dataclass(frozen=True)
 class LayerCost:
-    """Seconds one chip spends on one layer for one micro-batch, by kind, and the FLOPs behind them."""
+    """Seconds one chip spends on one layer for one micro-batch, by kind, and the FLOPs behind them.
 
-    fwd_compute_s: float  # matmuls + attention + memory-bound ops of the forward
+    Compute includes the slowdown that hidden communication causes (module docstring)."""
+
+    fwd_compute_s: float  # GEMMs + attention + memory-bound ops of the forward
     bwd_compute_s: float  # the backward (no recomputation)
     recompute_s: float  # forward work repeated before the backward (selective or full)
-    tp_fwd_s: float  # exposed TP/SP collectives in the forward (and in a full recompute, again)
-    tp_bwd_s: float
-    cp_fwd_s: float  # exposed part of the context-parallel K/V ring
-    cp_bwd_s: float
-    ep_fwd_s: float  # expert-parallel all-to-all (dispatch + combine)
-    ep_bwd_s: float
-    zero3_fwd_s: float  # exposed part of ZeRO-3 parameter all-gathers (prefetched under compute)
-    zero3_bwd_s: float
+    fwd_comms: tuple[CommOp, ...]
+    bwd_comms: tuple[CommOp, ...]
     fwd_flops: float
-    tp_bytes: float  # bytes one TP collective moves (full array)
-    wgrad_s: float  # the weight-gradient matmuls inside bwd_compute_s (what ZB-H1 defers)
+    tp_bytes: float  # bytes of one TP collective's array
+    wgrad_s: float  # the weight-gradient GEMMs inside bwd_compute_s (what ZB-H1 defers)
 
+    @property
+    def tp_fwd_s(self) -> float:
+        return _sum_exposed(self.fwd_comms, "tp")
 
-def elementwise_bytes(m: ModelSpec, lay: Layout, moe: bool, sb: float) -> tuple[float, float]:
-    """HBM bytes of the forward's memory-bound ops on one chip: (outside attention, attention scores).
+    @property
+    def tp_bwd_s(self) -> float:
+        return _sum_exposed(self.bwd_comms, "tp")
 
-    GPT recipe (per token, bytes; h hidden, f ffn, a heads, t tp; SP divides the first group by t):
-      2 LayerNorms: read + write 2h each -> 8h; 2 fused bias-dropout-adds: read 2h + 2h, write 2h + 1h
-      mask -> 14h; fused bias-GELU over f/t: read + write -> 4f/t;
-      scores (per token, a/t heads x s keys): fused scale-mask-softmax read + write 4, dropout read 2,
-      write 2 + 1 mask -> 9 a s / t.
-    Llama recipe: 2 RMSNorms 8h, 2 residual adds (read 4h, write 2h) 12h, RoPE on Q and K
-      (read + write) 4(a + kv)d/t, SwiGLU (read gate and up, write product) 6f/t; no score traffic.
-    """
-    t = lay.tp
-    sp = t if lay.sequence_parallel else 1
-    ffn = m.ffn if moe else m.dense_ffn_
-    ffn_tokens = (m.top_k + m.shared_experts) if moe else 1
-    if m.mlp == "gelu":
-        outside = sb * (22 * m.hidden / sp + 4 * ffn * ffn_tokens / t)
-    else:
-        outside = sb * (20 * m.hidden / sp + 4 * (m.heads + m.kv_heads) * m.head_dim_ / t
-                        + 6 * ffn * ffn_tokens / t)
-    scores = 9 * sb * m.heads * m.seq_len / t if lay.attention == "materialized" else 0.0
-    return outside, scores
+    @property
+    def cp_fwd_s(self) -> float:
+        return _sum_exposed(self.fwd_comms, "cp")
+
+    @property
+    def cp_bwd_s(self) -> float:
+        return _sum_exposed(self.bwd_comms, "cp")
+
+    @property
+    def ep_fwd_s(self) -> float:
+        return _sum_exposed(self.fwd_comms, "ep")
+
+    @property
+    def ep_bwd_s(self) -> float:
+        return _sum_exposed(self.bwd_comms, "ep")
+
+    @property
+    def zero3_fwd_s(self) -> float:
+        return _sum_exposed(self.fwd_comms, "dp")
+
+    @property
+    def zero3_bwd_s(self) -> float:
+        return _sum_exposed(self.bwd_comms, "dp")
+
+    @property
+    def recompute_comms(self) -> tuple[CommOp, ...]:
+        """What a full recomputation repeats: the forward's TP / CP / EP collectives (not the ZeRO-3
+        gathers, which the backward does anyway)."""
+        return tuple(c for c in self.fwd_comms if c.group != "dp")
 
 
 def layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe: bool,
@@ -179,18 +208,98 @@ def layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe: bool,
     """One layer's costs; memoised on the layout fields a layer sees (layouts differing only in pp,
     schedule or ZeRO-0/1/2 share them, which keeps the search fast)."""
     z3 = lay.zero_stage == 3
-    return _layer_cost_cached(m, lay.tp, lay.cp, lay.ep, lay.micro_batch, lay.sequence_parallel,
-                              lay.attention, lay.recompute, z3, lay.dp if z3 else 1, chip, dtype, moe,
-                              chips_per_node)
+    key = replace(lay, pp=1, pp_schedule="1f1b", virtual_stages=1, zero_stage=3 if z3 else 0,
+                  dp=lay.dp if z3 else 1, grad_reduce_overlap=True)
+    return _layer_cost(m, key, chip, dtype, moe, chips_per_node)
 
 
-@lru_cache(maxsize=65536)
-def _layer_cost_cached(m: ModelSpec, tp: int, cp: int, ep: int, micro_batch: int, sp: bool, attention: str,
-                       recompute: str, z3: bool, dp: int, chip: Chip, dtype: str, moe: bool,
-                       chips_per_node: int) -> LayerCost:
-    lay = Layout(dp=dp, tp=tp, pp=1, cp=cp, ep=ep, micro_batch=micro_batch, zero_stage=3 if z3 else 0,
-                 recompute=recompute, sequence_parallel=sp, attention=attention)
-    return _layer_cost(m, lay, chip, dtype, moe, chips_per_node)
+@dataclass(frozen=True)
+class _Gemm:
+    name: str
+    m: float
+    k: float
+    n: float
+    batch: float = 1.0
+
+
+def _gemms(m: ModelSpec, lay: Layout, moe: bool, tokens: float) -> tuple[list[_Gemm], list[_Gemm]]:
+    """(attention projections, MLP) GEMMs of one layer's forward on one chip."""
+    t, h, hd = lay.tp, m.hidden, m.head_dim_
+    kv_local = max(1.0, m.kv_heads / t)  # tp > kv_heads keeps a whole KV head per rank (Megatron-LM)
+    if m.is_mla:
+        qk = hd + m.rope_head_dim
+        attn = ([_Gemm("q down", tokens, h, m.q_lora_rank), _Gemm("q up", tokens, m.q_lora_rank, m.heads * qk / t)]
+                if m.q_lora_rank else [_Gemm("q", tokens, h, m.heads * qk / t)])
+        attn += [_Gemm("kv down", tokens, h, m.kv_lora_rank + m.rope_head_dim),
+                 _Gemm("kv up", tokens, m.kv_lora_rank, 2 * m.heads * hd / t),
+                 _Gemm("o", tokens, m.heads * hd / t, h)]
+    else:
+        attn = [_Gemm("qkv", tokens, h, (m.heads / t + 2 * kv_local) * hd),
+                _Gemm("o", tokens, m.heads * hd / t, h)]
+    n_in = 2 if m.mlp == "swiglu" else 1
+    ffn = m.ffn if moe else m.dense_ffn_
+    mlp = []
+    dense_mats = m.shared_experts if moe else 1
+    if dense_mats:
+        mlp += [_Gemm("fc1", tokens, h, dense_mats * n_in * ffn / t), _Gemm("fc2", tokens, dense_mats * ffn / t, h)]
+    if moe:
+        # routed experts: T * top_k token copies over E / ep local experts (balanced routing), grouped
+        local = m.experts / lay.ep
+        rows = max(1.0, tokens * m.top_k * lay.ep / m.experts)
+        mlp += [_Gemm("router", tokens, h, m.experts),
+                _Gemm("experts fc1", rows, h, n_in * ffn / t, local),
+                _Gemm("experts fc2", rows, ffn / t, h, local)]
+    return attn, mlp
+
+
+def _fwd_s(chip, dtype, g: _Gemm) -> float:
+    return g.batch * kernels.matmul_s(chip, dtype, g.m, g.k, g.n)
+
+
+def _dgrad_s(chip, dtype, g: _Gemm) -> float:
+    return g.batch * kernels.matmul_s(chip, dtype, g.m, g.n, g.k)
+
+
+def _wgrad_s(chip, dtype, g: _Gemm) -> float:
+    return g.batch * kernels.matmul_s(chip, dtype, g.k, g.m, g.n)
+
+
+def _elementwise(m: ModelSpec, lay: Layout, moe: bool, tokens: float, dtype: str,
+                 gemms: list[_Gemm]) -> dict[str, float]:
+    """HBM bytes of one layer's memory-bound ops on one chip, by kernel class and direction.
+
+    Per token (h hidden, f the MLP width on this chip, sp = t with sequence parallel, else 1), bf16:
+      GPT recipe (Megatron-LM 2021-22): 2 LayerNorms, read x + write y: fwd 8h/sp; backward reads x and
+        dy and writes dx: 12h/sp (norm kernels); 2 bias-dropout-adds, read x, residual, write y, mask:
+        14h/sp, backward reads dy and the mask, writes dx: 10h/sp; bias-GELU over f: fwd 4f, bwd 6f.
+      Llama recipe: 2 RMSNorms as above; 2 residual adds (read 2, write 1): 12h/sp both ways; rotary on
+        q and k: 4 (N + K) H / t both ways; SwiGLU reads gate and up, writes their product: 6f, backward
+        reads gate, up and dy, writes two gradients: 10f.
+      fp8: every GEMM's activation input is cast (read 2 + write 1 bytes per element) forward, and its
+        output gradient backward.
+      MoE: the token copies are permuted to their experts and back: read + write 4 k h per token each
+        way.
+    """
+    t = lay.tp
+    sp = t if lay.sequence_parallel else 1
+    h, hd = m.hidden, m.head_dim_
+    ffn = (m.ffn * (m.top_k + m.shared_experts) if moe else m.dense_ffn_) / t
+    out = {"norm_fwd": 2 * 4 * h / sp, "norm_bwd": 2 * 6 * h / sp}
+    if m.mlp == "gelu":
+        out["point_fwd"] = 14 * h / sp + 4 * ffn
+        out["point_bwd"] = 10 * h / sp + 6 * ffn
+    else:
+        rope = 4 * (m.heads + m.kv_heads) * hd / t
+        out["point_fwd"] = 12 * h / sp + rope + 6 * ffn
+        out["point_bwd"] = 12 * h / sp + rope + 10 * ffn
+    if moe:
+        out["point_fwd"] += 4 * m.top_k * h
+        out["point_bwd"] += 4 * m.top_k * h
+    out = {k: v * tokens for k, v in out.items()}
+    if dtype == "fp8":
+        out["point_fwd"] += sum(3 * g.m * g.k * g.batch for g in gemms)
+        out["point_bwd"] += sum(3 * g.m * g.n * g.batch for g in gemms)
+    return out
 
 
 def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe: bool,
@@ -199,123 +308,157 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe: bool,
     tokens = lay.micro_batch * m.seq_len / cp  # tokens of one micro-batch on this chip's sequence shard
     h, hd = m.hidden, m.head_dim_
     lp = layer_params(m, moe)
-    hbm = chip.hbm_bw(achievable=True) * ELEMENTWISE_EFFICIENCY
+    attn_g, mlp_g = _gemms(m, lay, moe, tokens)
+    gemms = attn_g + mlp_g
 
-    def mm(M, K, N):
-        return matmul_s(chip, dtype, M, K, N)
-
-    # Attention projections: In[T, D] . W_qkv[D, (N+2K)H / t] and O[T, NH / t] . W_o[NH / t, D]
-    if m.is_mla:
-        qk = hd + m.rope_head_dim
-        proj_s = (mm(tokens, h, m.q_lora_rank) + mm(tokens, m.q_lora_rank, m.heads * qk / t)
-                  if m.q_lora_rank else mm(tokens, h, m.heads * qk / t))
-        proj_s += mm(tokens, h, m.kv_lora_rank + m.rope_head_dim) \
-            + mm(tokens, m.kv_lora_rank, 2 * m.heads * hd / t) + mm(tokens, m.heads * hd / t, h)
-        kv_width = m.heads * hd  # MLA expands the latent to full heads before attention
-    else:
-        proj_s = mm(tokens, h, (m.heads + 2 * m.kv_heads) * hd / t) + mm(tokens, m.heads * hd / t, h)
-        kv_width = m.kv_heads * hd
-    qk_dim = hd + m.rope_head_dim
-    # Scores: per head, Q[T, H] . K^T[H, S] and P[T, S] . V[S, H] (Narayanan et al. 2021 eq. 3 counts
-    # the full S x S); a causal flash kernel skips the masked half.
+    # Attention core: per head Q[T, qk] . K^T[qk, S] and P[T, S] . V[S, H] for T local queries
     heads_local = m.heads / t
-    per_head_s = mm(tokens, qk_dim, m.seq_len) + mm(tokens, m.seq_len, hd)
-    outside_bytes, score_bytes = elementwise_bytes(m, lay, moe, tokens)
-    if lay.attention == "flash":
-        attn_s = heads_local * per_head_s * CAUSAL_FLASH_FRACTION
-        attn_bwd_s = attn_s * FLASH_BWD_RATIO
+    qk_dim = hd + m.rope_head_dim
+    score_flops = 2.0 * tokens * m.seq_len * heads_local * (qk_dim + hd)  # full square, forward
+    if lay.attention in kernels.FLASH_KERNELS:
+        attn_fwd_s, attn_bwd_s = kernels.flash_attention_s(chip, score_flops * CAUSAL_FLASH_FRACTION,
+                                                           m.seq_len / cp, lay.attention)
     else:
-        attn_s = heads_local * per_head_s + score_bytes / hbm
-        attn_bwd_s = 2 * heads_local * per_head_s + BWD_ELEMENTWISE_RATIO * score_bytes / hbm
+        # two batched GEMMs per head, then per score (bf16): the fused scale-mask-softmax reads and writes
+        # it (4 bytes, a row-reduction kernel, both ways) and, in the GPT recipe, dropout reads it and
+        # writes it and a mask (5 bytes, pointwise, both ways)
+        batch = lay.micro_batch * heads_local
+        q_rows = m.seq_len / cp
+        qk_g, pv_g = _Gemm("scores", q_rows, qk_dim, m.seq_len, batch), _Gemm("pv", q_rows, m.seq_len, hd, batch)
+        scores = tokens * m.seq_len * heads_local
+        dropout = kernels.pointwise_s(chip, 5 * scores) if m.mlp == "gelu" else 0.0
+        attn_fwd_s = _fwd_s(chip, "bf16", qk_g) + _fwd_s(chip, "bf16", pv_g) + kernels.norm_s(chip, 4 * scores) \
+            + dropout
+        attn_bwd_s = (sum(f(chip, "bf16", g) for g in (qk_g, pv_g) for f in (_dgrad_s, _wgrad_s))
+                      + kernels.norm_s(chip, 4 * scores, backward=True) + dropout)
 
-    # MLP: dense or shared experts In[T, D] . W_in[D, kF / t] . W_out[F / t, D]; routed experts get
-    # T * top_k token copies spread over E / ep local experts (balanced routing).
-    n_in = 2 if m.mlp == "swiglu" else 1
-    ffn = m.ffn if moe else m.dense_ffn_
-    mlp_s = 0.0
-    dense_mats = (m.shared_experts if moe else 1)
-    if dense_mats:
-        mlp_s += dense_mats * (mm(tokens, h, n_in * ffn / t) + mm(tokens, ffn / t, h))
-    if moe:
-        local_experts = m.experts / lay.ep
-        per_expert_tokens = max(1.0, tokens * m.top_k * lay.ep / m.experts)
-        mlp_s += local_experts * (mm(per_expert_tokens, h, n_in * ffn / t)
-                                  + mm(per_expert_tokens, ffn / t, h))
-        mlp_s += mm(tokens, h, m.experts)  # router
+    ew = _elementwise(m, lay, moe, tokens, dtype, gemms)
+    ew_fwd_s = kernels.norm_s(chip, ew["norm_fwd"]) + kernels.pointwise_s(chip, ew["point_fwd"])
+    ew_bwd_s = kernels.norm_s(chip, ew["norm_bwd"], backward=True) + kernels.pointwise_s(chip, ew["point_bwd"])
 
-    fwd_matmul_s = proj_s + mlp_s
-    fwd_s = fwd_matmul_s + attn_s + outside_bytes / hbm
-    bwd_s = 2 * fwd_matmul_s + attn_bwd_s + BWD_ELEMENTWISE_RATIO * outside_bytes / hbm
-    if lay.recompute == "full":
-        recompute_s = fwd_s
-    elif lay.recompute == "selective" and lay.attention == "materialized":
-        recompute_s = attn_s  # Korthikanti et al. 2022 sec. 4.2: recompute only the attention core
-    else:
-        recompute_s = 0.0
+    gemm_fwd = {g.name: _fwd_s(chip, dtype, g) for g in gemms}
+    gemm_dgrad = {g.name: _dgrad_s(chip, dtype, g) for g in gemms}
+    gemm_wgrad = {g.name: _wgrad_s(chip, dtype, g) for g in gemms}
+    fwd_s = sum(gemm_fwd.values()) + attn_fwd_s + ew_fwd_s
+    wgrad_s = sum(gemm_wgrad.values())
+    bwd_s = sum(gemm_dgrad.values()) + wgrad_s + attn_bwd_s + ew_bwd_s
 
-    # TP (Megatron, Shoeybi et al. 2019 sec. 3): two all-reduces of [T, D] forward and two backward;
-    # with SP each becomes an all-gather + reduce-scatter of the same array (Korthikanti sec. 4.2.2),
-    # equal bytes on a ring. Not overlapped with compute in Megatron-LM 2021-22.
-    act_bytes = tokens * h * 2
-    tp_s = 0.0
+    fwd_comms: list[CommOp] = []
+    bwd_comms: list[CommOp] = []
+
+    # -- TP ------------------------------------------------------------------------------------------------
+    act_bytes = tokens * h * ACT_BYTES
     if t > 1:
         topo = topology(chip, t, 1, chips_per_node)
-        one = (comm_s(topo, chip, "all_gather", act_bytes) + comm_s(topo, chip, "reduce_scatter", act_bytes)
-               if lay.sequence_parallel else comm_s(topo, chip, "all_reduce", act_bytes))
-        tp_s = 2 * one
+        # the GEMMs that read a region's input (entered once: q, k, v or gate and up share it) and those
+        # whose partial sums leave it
+        column = [attn_g[0].name, "fc1" if "fc1" in gemm_fwd else "experts fc1"]
+        row = ["o", "fc2" if "fc2" in gemm_fwd else "experts fc2"]
+        overlap = lay.tp_comm_overlap
+        if lay.sequence_parallel:
+            ag, rs = comm_s(topo, "all_gather", act_bytes), comm_s(topo, "reduce_scatter", act_bytes)
+            for g in column:  # forward: all-gather the sequence, then the column GEMM
+                exp = pipelined_exposed_s(ag, gemm_fwd[g], t) if overlap else ag
+                fwd_comms.append(CommOp("tp", f"tp all-gather ({g})", "all_gather", act_bytes, ag, exp))
+            for g in row:  # forward: the row GEMM's partial sums reduce-scattered
+                exp = pipelined_exposed_s(rs, gemm_fwd[g], t) if overlap else rs
+                fwd_comms.append(CommOp("tp", f"tp reduce-scatter ({g})", "reduce_scatter", act_bytes, rs, exp))
+            for g in row:  # backward: the output gradient all-gathered before the dgrad GEMM
+                exp = pipelined_exposed_s(ag, gemm_dgrad[g], t) if overlap else ag
+                bwd_comms.append(CommOp("tp", f"tp all-gather ({g} grad)", "all_gather", act_bytes, ag, exp))
+            for g in column:  # backward: input re-gathered under dgrad, its gradient reduced under wgrad
+                bwd_comms.append(CommOp("tp", f"tp all-gather ({g} input)", "all_gather", act_bytes, ag,
+                                        max(0.0, ag - gemm_dgrad[g])))
+                bwd_comms.append(CommOp("tp", f"tp reduce-scatter ({g} grad)", "reduce_scatter", act_bytes, rs,
+                                        max(0.0, rs - gemm_wgrad[g])))
+        else:
+            ar = comm_s(topo, "all_reduce", act_bytes)
+            for g in row:
+                fwd_comms.append(CommOp("tp", f"tp all-reduce ({g})", "all_reduce", act_bytes, ar, ar))
+            for g in column:  # the input gradient's all-reduce under the wgrad GEMM (async TP all-reduce)
+                exp = max(0.0, ar - gemm_wgrad[g]) if overlap else ar
+                bwd_comms.append(CommOp("tp", f"tp all-reduce ({g} grad)", "all_reduce", act_bytes, ar, exp))
 
-    # CP: ring attention passes K and V (cp - 1 steps) under the score computation, and dK, dV back
-    # in the backward (Liu et al. 2023, Ring Attention; Megatron-Core context parallel). Each transfer
-    # hides under one step's block only: with the zig-zag split every step computes 1/cp of the
-    # local attention, and slack of one step cannot cover another's transfer.
-    cp_fwd = cp_bwd = 0.0
+    # -- CP ring -----------------------------------------------------------------------------------------------
     if cp > 1:
         topo = topology(chip, cp, t, chips_per_node)
-        kv_bytes = 2 * tokens * kv_width / t * 2
-        ring_step = comm_s(topo, chip, "p2p", kv_bytes)
-        cp_fwd = (cp - 1) * max(0.0, ring_step - attn_s / cp)
-        cp_bwd = (cp - 1) * max(0.0, 2 * ring_step - attn_bwd_s / cp)
+        kv_width = m.heads * hd if m.is_mla else m.kv_heads * hd
+        kv_bytes = 2 * tokens * kv_width / min(t, m.kv_heads if not m.is_mla else t) * ACT_BYTES
+        step = comm_s(topo, "p2p", kv_bytes)
+        fwd_comms.append(CommOp("cp", "cp k/v ring", "p2p", kv_bytes, (cp - 1) * step,
+                                (cp - 1) * max(0.0, step - attn_fwd_s / cp)))
+        bwd_comms.append(CommOp("cp", "cp k/v + dk/dv ring", "p2p", 2 * kv_bytes, (cp - 1) * 2 * step,
+                                (cp - 1) * max(0.0, 2 * step - attn_bwd_s / cp)))
 
-    # EP: dispatch and combine all-to-alls of T * top_k token copies of D (GShard, Lepikhin et al.
-    # 2020); tokens are split over TP ranks as with SP. Not overlapped.
-    ep_s = 0.0
+    # -- EP ------------------------------------------------------------------------------------------------------
     if moe and lay.ep > 1:
         topo = topology(chip, lay.ep, t, chips_per_node)
-        ep_s = 2 * comm_s(topo, chip, "all_to_all", tokens * m.top_k * h * 2 / t)
+        rows_bytes = tokens * m.top_k * h * ACT_BYTES / t
+        a2a = 2 * comm_s(topo, "all_to_all", rows_bytes)
+        fwd_comms.append(CommOp("ep", "ep dispatch + combine", "all_to_all", rows_bytes, a2a,
+                                max(0.0, a2a - fwd_s) if lay.ep_comm_overlap else a2a))
+        bwd_comms.append(CommOp("ep", "ep dispatch + combine (grad)", "all_to_all", rows_bytes, a2a,
+                                max(0.0, a2a - bwd_s) if lay.ep_comm_overlap else a2a))
 
-    # ZeRO-3 / FSDP (Rajbhandari et al. 2019 sec. 5.3): all-gather the layer's weights before its
-    # forward and backward, reduce-scatter its gradients after; prefetched under the layer's compute.
-    z3_fwd = z3_bwd = 0.0
+    # -- ZeRO-3 / FSDP ---------------------------------------------------------------------------------------
     if lay.zero_stage == 3 and lay.dp * cp > 1:
         topo = topology(chip, lay.dp * cp, t, chips_per_node)
         w_bytes = 2 * ((lp.attention + lp.mlp) / t + lp.norms + lp.router)
         w_bytes += 2 * lp.experts / (t * lay.ep)  # local experts, gathered over their own replicas
-        ag = comm_s(topo, chip, "all_gather", w_bytes)
-        rs = comm_s(topo, chip, "reduce_scatter", w_bytes * 2)  # fp32 gradient reduction
-        z3_fwd = max(0.0, ag - fwd_s)
-        z3_bwd = max(0.0, ag + rs - bwd_s)
+        ag = comm_s(topo, "all_gather", w_bytes)
+        rs = comm_s(topo, "reduce_scatter", 2 * w_bytes)  # fp32 gradient reduction
+        # the ring of CP, when it runs on the same links, competes for the window
+        shared = lay.cp > 1 and crosses_network(cp, t, chip, chips_per_node) == \
+            crosses_network(lay.dp * cp, t, chip, chips_per_node)
+        fwd_window = fwd_s - (sum(c.time_s for c in fwd_comms if c.group == "cp") if shared else 0.0)
+        bwd_window = bwd_s - (sum(c.time_s for c in bwd_comms if c.group == "cp") if shared else 0.0)
+        overlap = lay.param_gather_overlap
+        fwd_comms.append(CommOp("dp", "zero-3 all-gather", "all_gather", w_bytes, ag,
+                                max(0.0, ag - max(0.0, fwd_window)) if overlap else ag))
+        bwd_comms.append(CommOp("dp", "zero-3 all-gather + reduce-scatter", "reduce_scatter", w_bytes, ag + rs,
+                                max(0.0, ag + rs - max(0.0, bwd_window)) if overlap else ag + rs))
 
-    flops = (2.0 * tokens * (lp.attention + lp.mlp) / t
-             + 2.0 * tokens * m.seq_len * heads_local * (qk_dim + hd))
+    fwd_s += OVERLAP_SLOWDOWN * sum(c.hidden_s for c in fwd_comms)
+    bwd_s += OVERLAP_SLOWDOWN * sum(c.hidden_s for c in bwd_comms)
+
+    if lay.recompute == "full":
+        recompute_s = fwd_s
+    elif lay.recompute == "selective":
+        # Korthikanti et al. 2022 sec. 4.2: recompute the attention core (its scores and softmax); with
+        # FlashAttention there is no score tensor, and selective checkpointing recomputes the memory-bound
+        # ops instead (torchtitan / PyTorch selective activation checkpointing keep the GEMM outputs)
+        recompute_s = attn_fwd_s if lay.attention == "materialized" else ew_fwd_s
+    else:
+        recompute_s = 0.0
+
+    flops = 2.0 * tokens * (lp.attention + lp.mlp) / t + score_flops
     if moe:
         flops += 2.0 * tokens * m.top_k * lp.experts / m.experts / t
-    return LayerCost(fwd_s, bwd_s, recompute_s, tp_s, tp_s, cp_fwd, cp_bwd, ep_s, ep_s,
-                     z3_fwd, z3_bwd, flops, act_bytes, fwd_matmul_s)
+    return LayerCost(fwd_s, bwd_s, recompute_s, tuple(fwd_comms), tuple(bwd_comms), flops, act_bytes, wgrad_s)
 
 
 def logits_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str) -> tuple[float, float]:
     """(forward, backward) seconds of the output projection and the fp32 cross-entropy on the last stage.
 
     In[T, D] . W[D, V/t], then softmax + loss over fp32 logits: read/write 4 bytes x V/t per token,
-    about three passes (max, exp-sum, gradient), Megatron's vocab-parallel cross-entropy.
+    about three passes (max, exp-sum, gradient), Megatron's vocab-parallel cross-entropy (a softmax:
+    a row-reduction kernel).
     """
     tokens = lay.micro_batch * m.seq_len / lay.cp
-    mm_s = matmul_s(chip, dtype, tokens, m.hidden, m.vocab / lay.tp)
-    ce_s = 3 * 8 * tokens * m.vocab / lay.tp / chip.hbm_bw(achievable=True)
-    return mm_s + ce_s, 2 * mm_s + ce_s
+    g = _Gemm("logits", tokens, m.hidden, m.vocab / lay.tp)
+    ce_s = kernels.norm_s(chip, 3 * 8 * tokens * m.vocab / lay.tp)
+    return _fwd_s(chip, dtype, g) + ce_s, _dgrad_s(chip, dtype, g) + _wgrad_s(chip, dtype, g) + ce_s
+
+
+def embedding_s(m: ModelSpec, lay: Layout, chip: Chip) -> float:
+    """The embedding lookup (read the rows, write the activations), forward; the backward's scatter-add
+    moves as much."""
+    tokens = lay.micro_batch * m.seq_len / lay.cp
+    return kernels.pointwise_s(chip, 2 * ACT_BYTES * tokens * m.hidden / (lay.tp if lay.sequence_parallel else 1))
 
 
 def optimizer_step_s(params_per_chip: float, lay: Layout, chip: Chip, optimizer: str) -> float:
-    """The optimizer update is memory-bound: `OPTIMIZER_STEP_BYTES` per locally updated parameter."""
+    """The optimizer update is memory-bound: `OPTIMIZER_STEP_BYTES` per locally updated parameter
+    (a multi-tensor fused Adam reaches the copy bandwidth: PyTorch PR 119842 measured ~89 %)."""
     shards = lay.dp * lay.cp if lay.zero_stage >= 1 else 1
-    return params_per_chip / shards * OPTIMIZER_STEP_BYTES[optimizer] / chip.hbm_bw(achievable=True)
+    return kernels.pointwise_s(chip, params_per_chip / shards * OPTIMIZER_STEP_BYTES[optimizer])

@@ -35,12 +35,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from hardware.chips import Chip, get_chip
+from hardware.kernels import FLASH_KERNELS
 from planner import costs
-from planner.case import Case, Layout, layout_tp_ok
-from planner.costs import default_attention
+from planner.case import Case, Layout, layout_tp_ok, recipe
 from planner.memory import memory_per_chip, stage_layer_ranges
 from planner.models import SpecError
-from planner.simulate import StepResult, simulate, usable_hbm_bytes
+from planner.simulate import StepResult, pipeline_p2p_s, simulate, usable_hbm_bytes
 
 ZERO_ORDER = (0, 1, 2, 3)
 RECOMPUTE_ORDER = ("none", "selective", "full")
@@ -105,7 +105,7 @@ def candidate_layouts(case: Case, chip: Chip) -> Iterator[Layout]:
     """Every layout that passes divisibility, with ZeRO and recompute left at their lightest values;
     `search` walks those two dimensions itself (dominance rules in the module docstring)."""
     m, t, p = case.model, case.training, case.parallel
-    attention = t.attention or default_attention(m)
+    how = recipe(t, chip)
     for dp, tp, pp, cp in _mesh_shapes(case, chip):
         eps = [p.ep] if p.ep else ([e for e in divisors(dp * cp) if m.experts % e == 0] if m.is_moe else [1])
         for ep in eps:
@@ -119,14 +119,14 @@ def candidate_layouts(case: Case, chip: Chip) -> Iterator[Layout]:
                     sps = [t.sequence_parallel] if t.sequence_parallel is not None else [tp > 1]
                     for sp in sps:
                         yield Layout(dp, tp, pp, cp, ep, sched, v, b, 0, "none", bool(sp and tp > 1),
-                                     attention)
+                                     **how)
 
 
 def _fitting_variants(case: Case, lay: Layout, hbm: float) -> Iterator[Layout]:
     """For each ZeRO stage, the lightest recomputation that fits (dominance rule (a), (b))."""
     t = case.training
     recomputes = [t.recompute] if t.recompute else [r for r in RECOMPUTE_ORDER
-                                                     if not (r == "selective" and lay.attention == "flash")]
+                                                     if not (r == "selective" and lay.attention in FLASH_KERNELS)]
     zeros = [t.zero_stage] if t.zero_stage is not None else list(ZERO_ORDER)
     if lay.dp * lay.cp == 1 and t.zero_stage is None:
         zeros = [0]  # nothing to shard over
@@ -154,10 +154,7 @@ def lower_bound_s(case: Case, lay: Layout, chip: Chip) -> float:
     c = min(lc.fwd_compute_s + lc.bwd_compute_s + lc.tp_fwd_s + lc.tp_bwd_s + lc.cp_fwd_s + lc.cp_bwd_s
             + lc.ep_fwd_s + lc.ep_bwd_s
             for lc in (costs.layer_cost(m, base, chip, t.dtype, moe, node) for moe in {False, m.is_moe}))
-    p2p = 0.0
-    if lay.pp > 1:
-        topo = costs.topology(chip, lay.pp, lay.tp * lay.cp * lay.dp, node)
-        p2p = costs.comm_s(topo, chip, "p2p", lay.micro_batch * m.seq_len / lay.cp * m.hidden * 2 / lay.tp)
+    p2p = pipeline_p2p_s(m, lay, chip, node)
     ranges = stage_layer_ranges(m.layers, lay.pp, lay.virtual_stages)
     layers = [sum(n for _, n in chunks) for chunks in ranges]
     micro_batches = t.global_batch // (lay.dp * lay.micro_batch)

@@ -27,7 +27,9 @@ from planner.models import ModelSpec
 
 WEIGHT_BYTES = 2  # bf16/fp16 weights (fp8 training keeps bf16 master copies of the working weights)
 GRAD_BYTES = 2
-OPTIMIZER_BYTES = {"adam": 12, "sgd": 8}  # fp32 master + moments (ZeRO sec. 3.1); SGD: master + momentum
+# fp32 master + moments (ZeRO sec. 3.1); SGD: master + momentum; Adafactor: the master copy, its factored
+# second moment is one row and one column vector per matrix (Shazeer & Stern 2018, sec. 3) and no first moment
+OPTIMIZER_BYTES = {"adam": 12, "sgd": 8, "adafactor": 4}
 
 
 def zero_bytes_per_param(stage: int, shards: int, optimizer: str = "adam") -> tuple[float, float, float]:
@@ -114,7 +116,7 @@ def layer_activation_bytes(m: ModelSpec, lay: Layout, moe: bool, *, recompute: s
         mlp_split = m.top_k * mlp_one + m.shared_experts * mlp_split + 4 * sb * m.experts
     if lay.attention == "materialized" and recompute != "selective":
         scores = 5 * m.heads * sb * m.seq_len
-    elif lay.attention == "flash":
+    elif lay.attention in ("flash", "flash3"):
         scores = 4 * sb * m.heads
     else:
         scores = 0.0

@@ -13,18 +13,20 @@ logits on the last) make the slowest stage pace the steady state. Then
 
     step = T_pipe + exposed data-parallel gradient sync + optimizer update.
 
-Overlap each strategy allows:
-* TP/SP collectives: exposed (Megatron-LM 2021-22 issues them on the compute stream).
-* CP K/V ring: hidden under the score computation when it is shorter (costs.py).
-* EP all-to-all: exposed.
-* ZeRO-3 all-gathers / reduce-scatters: prefetched, only the excess over the layer's compute shows.
-* DP gradient reduction: in the Llama recipe bucketed under the backward of the last micro-batch
-  (PyTorch DDP, Li et al. 2020; Megatron-Core overlap_grad_reduce); the last bucket (one layer) can
-  never hide, and ZeRO-1/2's parameter all-gather after the update hides under the next step's first
-  forward. In the GPT recipe (Megatron-LM 2021-22) it runs after the backward, exposed
-  (`costs.overlaps_grad_reduce`).
-* Pipeline sends: one per chunk boundary, each direction, exposed (Megatron's blocking p2p), sized
-  b*s*h/t with the scatter/gather optimisation (Narayanan et al. 2021 sec. 4.1).
+Overlap (the recipe fields of `planner.case`, per layer in `planner.costs`):
+* TP/SP collectives, the CP K/V ring, EP all-to-alls, ZeRO-3 gathers: costs.py.
+* DP gradient reduction (`grad_reduce_overlap`): bucketed under the backward of the last micro-batch
+  (PyTorch DDP, Li et al. 2020; Megatron-Core overlap_grad_reduce); the last bucket (one layer) can never
+  hide. Off (Megatron-LM 2021-22's "local" DDP): after the backward, exposed. ZeRO-1/2's parameter
+  all-gather after the update hides under the next step's first forward (`param_gather_overlap`).
+  Hidden communication slows the compute it runs beside (costs.OVERLAP_SLOWDOWN).
+* Pipeline sends: one per chunk boundary, each direction, sized b*s*h/t with the scatter/gather
+  optimisation (Narayanan et al. 2021 sec. 4.1), on the link between the stages (NVLink or the
+  network, `costs.topology`). Each pass waits for its input to arrive (Megatron's batched
+  send/receive pairs; the engine's blocking receives): one transfer per pass, every schedule, so the
+  interleaved schedule's v-fold transfers show. Megatron-Core's overlap_p2p_comm, which can hide some
+  of them behind another chunk when the schedule has slack, is not modelled (the schedule simulated
+  with tiny transfers already puts 2 (p-1) to 7 p of them on the critical path, engine.schedules).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ GRAD_COMM_BYTES = {"bf16": 4, "fp16": 2, "fp8": 4}
 
 BREAKDOWN_KEYS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "zero3_comm", "pp_comm",
                   "bubble", "dp_comm", "optimizer")
+COMM_PART = {"tp": "tp_comm", "cp": "cp_comm", "ep": "ep_comm", "dp": "zero3_comm"}
 
 
 @dataclass(frozen=True)
@@ -139,18 +142,15 @@ def _chunk(m: ModelSpec, lay: Layout, dense_lc: LayerCost, moe_lc: LayerCost | N
     for lc, n in ((dense_lc, n_dense), (moe_lc, n_moe)):
         if not n:
             continue
-        recompute_comm = (lc.tp_fwd_s + lc.ep_fwd_s + lc.cp_fwd_s) if lay.recompute == "full" else 0.0
-        f = lc.fwd_compute_s + lc.tp_fwd_s + lc.cp_fwd_s + lc.ep_fwd_s + lc.zero3_fwd_s
-        b = (lc.bwd_compute_s + lc.recompute_s + recompute_comm + lc.tp_bwd_s + lc.cp_bwd_s + lc.ep_bwd_s
-             + lc.zero3_bwd_s)
+        again = lc.recompute_comms if lay.recompute == "full" else ()
+        f = lc.fwd_compute_s + sum(c.exposed_s for c in lc.fwd_comms)
+        b = lc.bwd_compute_s + lc.recompute_s + sum(c.exposed_s for c in lc.bwd_comms + again)
         fwd += n * f
         bwd += n * b
         parts["compute"] += n * (lc.fwd_compute_s + lc.bwd_compute_s)
         parts["recompute"] += n * lc.recompute_s
-        parts["tp_comm"] += n * (lc.tp_fwd_s + lc.tp_bwd_s + (lc.tp_fwd_s if lay.recompute == "full" else 0))
-        parts["cp_comm"] += n * (lc.cp_fwd_s + lc.cp_bwd_s + (lc.cp_fwd_s if lay.recompute == "full" else 0))
-        parts["ep_comm"] += n * (lc.ep_fwd_s + lc.ep_bwd_s + (lc.ep_fwd_s if lay.recompute == "full" else 0))
-        parts["zero3_comm"] += n * (lc.zero3_fwd_s + lc.zero3_bwd_s)
+        for c in lc.fwd_comms + lc.bwd_comms + again:
+            parts[COMM_PART[c.group]] += n * c.exposed_s
     fwd += extra_fwd + p2p_s
     bwd += extra_bwd + p2p_s
     parts["compute"] += extra_fwd + extra_bwd
@@ -167,12 +167,8 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
     dense_lc = costs.layer_cost(m, lay, chip, tr.dtype, False, node)
     moe_lc = costs.layer_cost(m, lay, chip, tr.dtype, True, node) if m.is_moe else None
     logits_f, logits_b = costs.logits_cost(m, lay, chip, tr.dtype)
-    tokens = lay.micro_batch * m.seq_len / lay.cp
-    embed_s = 4 * tokens * m.hidden / (lay.tp if lay.sequence_parallel else 1) / chip.hbm_bw(achievable=True)
-    p2p_s = 0.0
-    if lay.pp > 1:
-        topo = costs.topology(chip, lay.pp, lay.tp * lay.cp * lay.dp, node)
-        p2p_s = costs.comm_s(topo, chip, "p2p", tokens * m.hidden * 2 / lay.tp)
+    embed_s = costs.embedding_s(m, lay, chip)
+    pass_p2p_s = pipeline_p2p_s(m, lay, chip, node)
     grad_bytes = GRAD_COMM_BYTES[tr.dtype]
     dp_group = lay.dp * lay.cp
     dense_topo = costs.topology(chip, dp_group, lay.tp, node) if dp_group > 1 else None
@@ -196,7 +192,7 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
                 eb += logits_b
             key = (n_dense, n_moe, ef, eb)
             if key not in chunk_cache:
-                chunk_cache[key] = _chunk(m, lay, dense_lc, moe_lc, n_dense, n_moe, ef, eb, p2p_s)
+                chunk_cache[key] = _chunk(m, lay, dense_lc, moe_lc, n_dense, n_moe, ef, eb, pass_p2p_s)
             chunks.append(chunk_cache[key])
         dense_p, expert_p = stage_params(m, lay, i)
         dp_total = exposed = per_micro_batch = 0.0
@@ -205,20 +201,22 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
             last_bwd = sum(ch.bwd_s for ch in chunks)
 
             def hidden_under_bwd(sync: float) -> float:
-                if not costs.overlaps_grad_reduce(m):
+                """What the step waits for; what hides slows the backward it runs beside."""
+                if not lay.grad_reduce_overlap:
                     return sync
-                return max(sync - last_bwd * (1 - 1 / layers_here), sync / layers_here)
+                exposed = max(sync - last_bwd * (1 - 1 / layers_here), sync / layers_here)
+                return exposed + costs.OVERLAP_SLOWDOWN * (sync - exposed)
 
             for topo, n_params in ((dense_topo, dense_p), (expert_topo, expert_p)):
                 if topo is None or not n_params:
                     continue
                 nbytes = n_params * grad_bytes
                 if lay.zero_stage == 0:
-                    sync = costs.comm_s(topo, chip, "all_reduce", nbytes)
+                    sync = costs.comm_s(topo, "all_reduce", nbytes)
                     gather = 0.0
                 else:
-                    sync = costs.comm_s(topo, chip, "reduce_scatter", nbytes)
-                    gather = costs.comm_s(topo, chip, "all_gather", n_params * 2)
+                    sync = costs.comm_s(topo, "reduce_scatter", nbytes)
+                    gather = costs.comm_s(topo, "all_gather", n_params * 2)
                 if lay.zero_stage == 2 and micro_batches > 1:
                     # ZeRO-2 keeps only its gradient shard, so every micro-batch's gradients are
                     # reduce-scattered as they are produced (DeepSpeed stage 2), not once per step
@@ -228,7 +226,7 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
                     exposed += hidden_under_bwd(sync)
                     dp_total += sync + gather
                 exposed += max(0.0, gather - sum(ch.fwd_s for ch in chunks)) \
-                    if costs.overlaps_grad_reduce(m) else gather
+                    if lay.param_gather_overlap else gather
             if per_micro_batch:
                 first = chunks[0]  # a micro-batch's backward on this stage ends with its first chunk
                 parts = dict(first.parts)
@@ -237,6 +235,24 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
         opt = costs.optimizer_step_s(dense_p + expert_p, lay, chip, tr.optimizer)
         by_rep[i] = StageCost(chunks, exposed, dp_total, opt, dense_p + expert_p)
     return [by_rep[g] for g in groups]
+
+
+def pipeline_p2p_s(m: ModelSpec, lay: Layout, chip: Chip, node: int) -> float:
+    """One pipeline transfer of a micro-batch's activation (or its gradient) across a stage boundary.
+
+    With tp > 1 each rank of the tp group sends only its 1/t slice over the inter-stage link and the
+    receiving stage re-assembles the whole activation with an all-gather over the tp group (Narayanan
+    et al. 2021 sec. 4.1, the scatter/gather optimisation); with sequence parallelism the activation is
+    already sequence-split, and the slice is what the next stage needs.
+    """
+    if lay.pp == 1:
+        return 0.0
+    act_bytes = lay.micro_batch * m.seq_len / lay.cp * m.hidden * costs.ACT_BYTES
+    topo = costs.topology(chip, lay.pp, lay.tp * lay.cp * lay.dp, node)
+    seconds = costs.comm_s(topo, "p2p", act_bytes / lay.tp)
+    if lay.tp > 1 and not lay.sequence_parallel:
+        seconds += costs.comm_s(costs.topology(chip, lay.tp, 1, node), "all_gather", act_bytes)
+    return seconds
 
 
 def pipeline_time_s(stage_totals: list[float], micro_batches: int, virtual: int,

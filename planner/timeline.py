@@ -1,70 +1,107 @@
-"""The predicted Timeline of one step: every pipeline stage's compute, exposed communication and bubbles.
+"""The predicted Timeline of one step: every pipeline stage's compute, all its communication (hidden and
+exposed, each on the lane of its mesh axis), and bubbles.
 
 One representative chip per pipeline stage is drawn (global rank stage * dp * cp * tp, the tp/cp/dp
 rank 0 of the stage): within a stage all chips run the same ops at the same times. The order of
 forward and backward passes is the engine's own schedule (`engine.schedules`, torch-free), so a
-predicted and a measured pipeline line up; the durations come from the step simulator. A pass is
-split into its layers (compute, then that layer's exposed TP / CP / EP / ZeRO-3 communication) while
-the span count stays under `max_spans`; beyond that each pass is one compute span and one comm span,
-and if even that is over the budget, back-to-back work is merged into "busy" spans between bubbles.
+predicted and a measured pipeline line up; the durations come from the step simulator.
+
+Where communication sits (planner.costs says how much of it hides):
+* a pass is split into its layers while the span count stays under `max_spans`: each layer's compute,
+  then its collectives, each as one comm span on its group ("tp", "cp", "ep", "dp"): the part that
+  hides runs under the layer's compute, the part the pass waits for extends past it;
+* beyond that budget each pass is one compute span and one comm span per group, and if even that is
+  over the budget, back-to-back work is merged into "busy" spans between bubbles;
+* the data-parallel gradient sync runs under the last backward (is_async) with its exposed tail after
+  it, then the optimizer step; pipeline sends end each pass.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 from engine.schedules import make_schedule
 from engine.trace import Span, Timeline
+from planner.costs import CommOp
 from planner.simulate import ChunkCost, StepResult
+
+
+class _Pass:
+    """Spans of one pass on one rank, laid out from `start`: compute blocks advance the clock; each
+    block's collectives hide under it (from its start, one after another per group) and whatever of
+    them is exposed runs after it, in order."""
+
+    def __init__(self, rank: int, start: float, mb: int):
+        self.rank, self.t, self.mb = rank, start, mb
+        self.spans: list[Span] = []
+        self.group_free: dict[str, float] = defaultdict(float)
+
+    def block(self, name: str, compute_s: float, comms: tuple[CommOp, ...] | list[CommOp],
+              flops: float = 0.0) -> None:
+        t0 = self.t
+        if compute_s > 0:
+            self.spans.append(Span(self.rank, "compute", name, t0, t0 + compute_s, flops=flops,
+                                   micro_batch=self.mb))
+        t1 = t0 + compute_s
+        tail = t1
+        for c in comms:
+            if c.time_s <= 0:
+                continue
+            if c.exposed_s > 0:
+                tail += c.exposed_s  # the pass waits for this part, after the compute
+                start = max(t0, tail - c.time_s, self.group_free[c.group])
+            else:
+                start = max(t0, self.group_free[c.group])
+            end = start + c.time_s
+            self.spans.append(Span(self.rank, "comm", c.name, start, end, bytes=int(c.nbytes), micro_batch=self.mb,
+                                   group=c.group, is_async=c.exposed_s < c.time_s))
+            self.group_free[c.group] = end
+        self.t = tail
 
 
 def _pass_spans(rank: int, chunk: ChunkCost, kind: str, start: float, mb: int, recompute: str,
                 detailed: bool, label: str, deferred_s: float = 0.0) -> list[Span]:
     """Spans of one forward ("F") or backward ("B") of one micro-batch through one chunk; a ZB-H1
     backward-input pass leaves out the `deferred_s` of weight-gradient work."""
-    spans: list[Span] = []
-    t = start
-
-    def add(lane, name, dur, group="", flops=0.0, nbytes=0):
-        nonlocal t
-        if dur > 0:
-            spans.append(Span(rank, lane, name, t, t + dur, bytes=int(nbytes), flops=flops, micro_batch=mb,
-                              group=group))
-            t += dur
-
+    p = _Pass(rank, start, mb)
     total = chunk.fwd_s if kind == "F" else chunk.bwd_s - deferred_s
     if detailed:
         idx = 0
         for lc, n in chunk.layer_costs:
             for _ in range(n):
                 if kind == "F":
-                    add("compute", f"fwd {label} L{idx}", lc.fwd_compute_s, flops=lc.fwd_flops)
-                    add("comm", "tp collectives", lc.tp_fwd_s, "tp", nbytes=2 * lc.tp_bytes)
-                    add("comm", "cp k/v ring", lc.cp_fwd_s, "cp")
-                    add("comm", "ep all-to-all", lc.ep_fwd_s, "ep")
-                    add("comm", "zero-3 all-gather", lc.zero3_fwd_s, "dp")
+                    p.block(f"fwd {label} L{idx}", lc.fwd_compute_s, lc.fwd_comms, lc.fwd_flops)
                 else:
                     if recompute == "full":
-                        add("compute", f"recompute {label} L{idx}", lc.recompute_s, flops=lc.fwd_flops)
-                        add("comm", "tp collectives", lc.tp_fwd_s, "tp", nbytes=2 * lc.tp_bytes)
+                        p.block(f"recompute {label} L{idx}", lc.recompute_s, lc.recompute_comms, lc.fwd_flops)
                     elif lc.recompute_s:
-                        add("compute", f"recompute attn {label} L{idx}", lc.recompute_s)
-                    add("compute", f"bwd {label} L{idx}", lc.bwd_compute_s, flops=2 * lc.fwd_flops)
-                    add("comm", "tp collectives", lc.tp_bwd_s, "tp", nbytes=2 * lc.tp_bytes)
-                    add("comm", "cp k/v ring", lc.cp_bwd_s, "cp")
-                    add("comm", "ep all-to-all", lc.ep_bwd_s, "ep")
-                    add("comm", "zero-3 gather/scatter", lc.zero3_bwd_s, "dp")
+                        p.block(f"recompute {label} L{idx}", lc.recompute_s, ())
+                    p.block(f"bwd {label} L{idx}", lc.bwd_compute_s, lc.bwd_comms, 2 * lc.fwd_flops)
                 idx += 1
-        if kind != "F":
-            add("comm", "zero-2 reduce-scatter", chunk.parts["dp_comm"], "dp")
-        add("compute", f"{'fwd' if kind == 'F' else 'bwd'} {label} extra", start + total - chunk.p2p_s - t)
+        if kind != "F" and chunk.parts["dp_comm"] > 0:
+            p.block("", 0.0, [CommOp("dp", "zero-2 reduce-scatter", "reduce_scatter", 0.0,
+                                     chunk.parts["dp_comm"], chunk.parts["dp_comm"])])
+        extra = start + total - chunk.p2p_s - p.t
+        p.block(f"{'fwd' if kind == 'F' else 'bwd'} {label} embed/logits", extra, ())
     else:
-        comm = sum(chunk.parts[k] for k in ("tp_comm", "cp_comm", "ep_comm", "zero3_comm", "dp_comm"))
-        passes_s = max(1e-30, chunk.fwd_s + chunk.bwd_s - 2 * chunk.p2p_s)
-        comm_share = comm * (chunk.fwd_s - chunk.p2p_s) / passes_s
-        share = comm_share if kind == "F" else comm - comm_share
+        # one compute span, one comm span per group: totals of the chunk's layers for this direction
+        comms: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+        compute = 0.0
+        for lc, n in chunk.layer_costs:
+            ops = lc.fwd_comms if kind == "F" else lc.bwd_comms + (lc.recompute_comms if recompute == "full" else ())
+            compute += n * (lc.fwd_compute_s if kind == "F" else lc.bwd_compute_s + lc.recompute_s)
+            for c in ops:
+                comms[c.group][0] += n * c.time_s
+                comms[c.group][1] += n * c.exposed_s
+        if kind != "F":
+            comms["dp"][0] += chunk.parts["dp_comm"]
+            comms["dp"][1] += chunk.parts["dp_comm"]
+        exposed = sum(e for _, e in comms.values())
+        compute = max(0.0, total - chunk.p2p_s - exposed)
         name = "fwd" if kind == "F" else "bwd-input" if deferred_s else "bwd"
-        add("compute", f"{name} {label}", total - chunk.p2p_s - share)
-        add("comm", "layer collectives", share, "tp")
-    return spans
+        ops = [CommOp(g, f"{g} collectives", "", 0.0, t, e) for g, (t, e) in comms.items() if t > 0]
+        p.block(f"{name} {label}", compute, ops)
+    return p.spans
 
 
 BUSY = "busy (passes, collectives, short waits)"
@@ -82,9 +119,11 @@ def _merge_busy(spans: list[Span], min_idle_s: float) -> list[Span]:
         run: Span | None = None
         for s in sorted(rank_spans, key=lambda s: (s.start_s, s.end_s)):
             short_gap = s.lane == "idle" and s.duration_s < min_idle_s
-            if (s.lane == "idle" and not short_gap) or s.group == "dp" or s.name == "optimizer step":
+            if (s.lane == "idle" and not short_gap) or s.name in ("dp gradient sync", "optimizer step"):
                 out.append(s)
                 continue
+            if s.lane == "comm" and s.is_async:
+                continue  # hidden communication: its time is inside the busy span it ran under
             if (short_gap or s.group == "pp") and run is None:
                 continue
             if run is not None and s.start_s <= run.end_s + 1e-12:
@@ -103,8 +142,10 @@ def predicted_timeline(res: StepResult, max_spans: int = 20000) -> Timeline:
     lay, m = res.layout, res.micro_batches
     p, v = lay.pp, lay.virtual_stages
     sched = make_schedule(lay.pp_schedule, p, m, v)
+    comms_per_layer = max((len(lc.fwd_comms) + len(lc.bwd_comms) for s in res.stages for c in s.chunks
+                           for lc, _ in c.layer_costs), default=0)
     layers_per_pass = max(sum(c.layers for c in s.chunks) for s in res.stages) / v
-    detailed = 2 * p * m * v * layers_per_pass * 3 <= max_spans
+    detailed = p * m * v * layers_per_pass * (3 + comms_per_layer) <= max_spans
     rank_of = [i * lay.dp * lay.cp * lay.tp for i in range(p)]
     clock = [0.0] * p
     done: dict[tuple[str, int, int], float] = {}
@@ -166,7 +207,8 @@ def predicted_timeline(res: StepResult, max_spans: int = 20000) -> Timeline:
             spans.append(Span(rank_of[r], "idle", "wait", t, pipe_end))
     coarse = len(spans) > max_spans
     if coarse:
-        spans = _merge_busy(spans, min_idle_s=res.step_time_s * p / max_spans)
+        # an idle gap under half of one span's share of the step would not show: fold it in
+        spans = _merge_busy(spans, min_idle_s=res.step_time_s * p / (2 * max_spans))
     tl = Timeline(spans, source="predicted", meta={
         "case": res.case.name, "chip": res.chip.key, "schedule": lay.pp_schedule, "pp": p,
         "virtual_stages": v,

@@ -1,7 +1,14 @@
-"""Predicted vs published step times of the runs in ../shared/validation/published-runs.json.
+"""Predicted vs published step times of published training runs. Test data only: no constant of the
+planner is chosen on them (planner/costs.py, hardware/chips.toml say where each comes from).
 
-The team's file in ../shared is the authority; planner/data/ keeps a copy so a clone outside this
-workplace (no ../shared beside it) still validates. tests/planner checks the two stay equal.
+Two sets:
+* `PUBLISHED_RUNS`: the team's 18 A100 runs. ../shared/validation/published-runs.json is the authority
+  for what they are; planner/data/ keeps a copy that adds each run's recipe (overlap fields, with the
+  source's words in `recipe_source`), so a clone without ../shared validates too. tests/planner checks
+  that the copy agrees with the shared file on every field the shared file has.
+* `HELDOUT_RUNS` (planner/data/heldout-runs.json): further published runs on H100, H200, B200, GB200,
+  A100 and TPUs, dense and MoE, each with its source and how its step time was derived; kept apart so
+  that the planner can be checked on runs it was never looked at while being built.
 """
 
 from __future__ import annotations
@@ -16,7 +23,8 @@ from planner.models import MODEL_PRESETS
 # the repository sits beside ../shared (DESIGN.md)
 SHARED_PUBLISHED_RUNS = Path(__file__).resolve().parents[2] / "shared" / "validation" / "published-runs.json"
 BUNDLED_PUBLISHED_RUNS = Path(__file__).resolve().parent / "data" / "published-runs.json"
-PUBLISHED_RUNS = SHARED_PUBLISHED_RUNS if SHARED_PUBLISHED_RUNS.exists() else BUNDLED_PUBLISHED_RUNS
+PUBLISHED_RUNS = BUNDLED_PUBLISHED_RUNS
+HELDOUT_RUNS = Path(__file__).resolve().parent / "data" / "heldout-runs.json"
 
 
 @dataclass(frozen=True)

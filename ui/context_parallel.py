@@ -20,6 +20,7 @@ from plotly.subplots import make_subplots
 from engine.trace import Timeline
 from hardware.chips import Chip
 from hardware.collectives import group_topology
+from hardware.kernels import best_flash_kernel, flash_attention_s
 from planner.models import ModelSpec
 from ui.tensor_parallel import rank_color
 
@@ -179,24 +180,31 @@ def block_flops(spec: ModelSpec, micro_batch: int, seq_len: int, cp: int, causal
     return full / 2 if causal_half else full
 
 
+def attention_flops_per_s(chip: Chip) -> float:
+    """The FLOP/s of the chip's best FlashAttention kernel at long sequences (hardware.kernels)."""
+    kernel = best_flash_kernel(chip)
+    return chip.bf16_flops_per_s * (chip.flash3_efficiency if kernel == "flash3" else chip.attention_efficiency)
+
+
 def hidden_threshold_tokens(spec: ModelSpec, chip: Chip, link_bytes_per_s: float,
                             dtype_bytes: int = BF16_BYTES) -> float:
     """S/cp above which the K/V transfer of a step hides under its (half-block) compute, latency ignored:
-    2 B (S/cp) kv d e / W <= 2 B (S/cp)^2 H d / F  <=>  S/cp >= (kv / H) e F / W."""
-    flops_per_s = chip.peak_flops_per_s("bf16", achievable=True)
-    return spec.kv_heads / spec.heads * dtype_bytes * flops_per_s / link_bytes_per_s
+    2 B (S/cp) kv d e / W <= 2 B (S/cp)^2 H d / F  <=>  S/cp >= (kv / H) e F / W, F the attention
+    kernel's FLOP/s (its long-sequence plateau)."""
+    return spec.kv_heads / spec.heads * dtype_bytes * attention_flops_per_s(chip) / link_bytes_per_s
 
 
 def overlap_row(spec: ModelSpec, chip: Chip, cp: int, seq_len: int, micro_batch: int = 1,
                 stride: int = 1) -> dict:
     """One ring step of one layer (forward) for a cp group whose members are `stride` ranks apart: the
-    K/V transfer (alpha + bytes / W on the group's link) against the block's compute at the chip's
-    achievable bf16 FLOP/s, and the all-gather variant's bytes, time and K/V memory beside it."""
+    K/V transfer (hardware.collectives on the group's link) against the block's attention on the chip's
+    best FlashAttention kernel (hardware.kernels), and the all-gather variant's bytes, time and K/V
+    memory beside it."""
     topo = group_topology(chip, cp, stride, achievable=True)
     kv_bytes = kv_block_bytes(spec, micro_batch, seq_len, cp)
     transfer_s = topo.p2p_s(kv_bytes)
     flops = block_flops(spec, micro_batch, seq_len, cp)
-    compute_s = flops / chip.peak_flops_per_s("bf16", achievable=True)
+    compute_s = flash_attention_s(chip, flops, seq_len / cp, best_flash_kernel(chip))[0]
     latency_s = topo.p2p_s(0.0)
     link_bytes_per_s = kv_bytes / (transfer_s - latency_s) if transfer_s > latency_s else None
     return {

@@ -28,7 +28,7 @@ from engine.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, v
 from engine.trace import Timeline
 from hardware.chips import Chip
 from hardware.collectives import group_topology
-from planner.costs import matmul_s
+from hardware.kernels import matmul_s
 from planner.flops import active_params, layer_params, total_params
 from planner.models import MODEL_PRESETS, ModelSpec
 from ui.tensor_parallel import log_ticks, rank_color

@@ -18,7 +18,7 @@ from hardware.chips import (
 from hardware.roofline import ridge_point
 
 REQUIRED = ["a100-80gb", "h100", "h200", "b200", "gb200-nvl72", "h800",
-            "tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e"]
+            "tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e", "gb300-nvl72", "tpu-v7", "mi300x", "mi355x"]
 NUMBER_FIELDS = [f for f in chip_fields() if f not in ("name", "vendor", "kind")]
 
 
@@ -52,7 +52,8 @@ def test_fields_present_and_consistent(key):
     else:
         assert chip.kind == "tpu"
         assert chip.ici_axes == len(chip.torus_shape) and math.prod(chip.torus_shape) == chip.scaleup_domain
-        assert chip.fp8_flops_per_s is None
+        # fp8 matrix units arrive with TPU7x (Ironwood); v4 to v6e list bf16 and int8 only
+        assert (chip.fp8_flops_per_s is None) == (chip.key != "tpu-v7")
 
 
 @pytest.mark.parametrize("key", REQUIRED)

@@ -30,10 +30,10 @@ def test_sb_h100_all_gather_65_us():
     v = 1024 * 16384 * 2
     assert switch(8, Link(450e9, 0.0)).all_gather_s(v) == pytest.approx(65.245 * US, rel=1e-4)
     assert ring(8, Link(450e9, 0.0)).all_gather_s(v) == pytest.approx(65.245 * US, rel=1e-4)
-    # The H100 table entry adds 7 NCCL ring steps of 1 us: 72.2 us.
+    # The H100 table entry adds 7 NCCL ring steps of its measured latency (1.5 us): 75.7 us.
     h100 = group_topology(get_chip("h100"), 8)
     assert isinstance(h100, Switch)
-    assert h100.all_gather_s(v) == pytest.approx(65.245 * US + 7 * US, rel=1e-4)
+    assert h100.all_gather_s(v) == pytest.approx(65.245 * US + 7 * get_chip("h100").scaleup_latency_s, rel=1e-4)
 
 
 def test_sb_v5p_compute_over_ici():
@@ -63,14 +63,48 @@ def test_sb_v4p_latency_bound_all_gather():
 
 
 def test_all_reduce_is_reduce_scatter_plus_all_gather():
-    # Rabenseifner's all-reduce (Thakur et al. 2005): AR = RS + AG, so 2x an all-gather on every topology.
+    # Rabenseifner's all-reduce (Thakur et al. 2005): AR = RS + AG, so 2x an all-gather on every topology
+    # (bandwidth terms; with latency, rings too).
     link = Link(100e9, 2 * US)
-    topologies = [ring(8, link), switch(8, link), torus((4, 4), link), torus((8,), link, wraparound=False),
-                  hierarchy(32, 8, link, Link(10e9, 5 * US))]
+    ideal = Link(100e9, 0.0)
+    topologies = [ring(8, link), switch(8, ideal), torus((4, 4), link), torus((8,), link, wraparound=False),
+                  hierarchy(32, 8, ideal, Link(10e9, 0.0))]
     for topo in topologies:
         v = 3e8
         assert topo.reduce_scatter_s(v) == pytest.approx(topo.all_gather_s(v))
         assert topo.all_reduce_s(v) == pytest.approx(2 * topo.all_gather_s(v))
+
+
+def test_large_all_reduce_groups_pay_tree_latency():
+    # Across nodes, NCCL's double binary tree: 2 log2(n) latency steps instead of the ring's 2 (n-1), same
+    # bandwidth; inside a node the ring.
+    link = Link(50e9, 5 * US)
+    assert switch(8, link, trees=True).all_reduce_s(0.0) == pytest.approx(6 * 5 * US)  # 2 log2 8 = 6 < 14
+    assert switch(1024, link, trees=True).all_reduce_s(0.0) == pytest.approx(20 * 5 * US)
+    assert switch(2, link, trees=True).all_reduce_s(0.0) == pytest.approx(2 * 5 * US)
+    assert switch(8, link).all_reduce_s(0.0) == pytest.approx(14 * 5 * US)
+    v = 1e9
+    assert switch(1024, link, trees=True).all_reduce_s(v) == pytest.approx(20 * 5 * US + 2 * 1023 / 1024 * v / 50e9)
+    assert group_topology(get_chip("h100"), 64, stride=8).trees
+
+
+def test_fill_adds_one_pipeline_fill_per_collective():
+    # A measured curve's slow ramp: latency + fill + bus bytes / bandwidth, once per operation.
+    link = Link(100e9, US, fill_s=160 * US)
+    v = 8e8
+    assert switch(8, link).all_gather_s(v) == pytest.approx(7 * US + 160 * US + 7 / 8 * v / 100e9)
+    assert switch(8, link).all_reduce_s(v) == pytest.approx(14 * US + 160 * US + 2 * 7 / 8 * v / 100e9)
+    assert switch(1, link).all_gather_s(v) == 0.0
+
+
+def test_a_mesh_gives_a_group_one_link_per_peer():
+    # MI300X: 7 Infinity Fabric links of 64 GB/s; a pair uses one of them, the 8 GPUs all seven.
+    mi = get_chip("mi300x")
+    pair, node = group_topology(mi, 2), group_topology(mi, 8)
+    assert pair.link.bytes_per_s == pytest.approx(448e9 / 7)
+    assert node.link.bytes_per_s == pytest.approx(448e9)
+    h100 = get_chip("h100")
+    assert group_topology(h100, 2).link.bytes_per_s == group_topology(h100, 8).link.bytes_per_s
 
 
 def test_ring_all_gather_hand_worked():
@@ -170,16 +204,18 @@ def test_hierarchy_hand_worked():
 
 
 def test_latency_dominates_tiny_messages():
-    # 8 B all-reduce over 8 H100s: 2 * 7 steps * 1 us = 14 us; the bytes add < 0.1 ns.
+    # 8 B all-reduce over 8 H100s: 2 * 7 ring steps of 1.5 us = 21 us; the bytes add < 0.1 ns.
+    alpha = get_chip("h100").scaleup_latency_s
     topo = group_topology(get_chip("h100"), 8)
-    assert topo.all_reduce_s(8) == pytest.approx(14 * US, rel=1e-4)
-    # ... while a 1 GB all-reduce is bandwidth-bound: 2 * 7/8 * 1e9 / 450e9 = 3.89 ms >> 14 us.
-    assert topo.all_reduce_s(1e9) == pytest.approx(2 * 7 / 8 * 1e9 / 450e9 + 14 * US)
+    assert topo.all_reduce_s(8) == pytest.approx(14 * alpha, rel=1e-4)
+    # ... while a 1 GB all-reduce is bandwidth-bound: 2 * 7/8 * 1e9 / 450e9 = 3.89 ms >> 21 us.
+    assert topo.all_reduce_s(1e9) == pytest.approx(2 * 7 / 8 * 1e9 / 450e9 + 14 * alpha)
 
 
 def test_p2p_is_alpha_plus_bytes_over_bandwidth():
-    # Hockney: 1e9 B over one 450 GB/s NVLink direction with 1 us: 2.2222 ms + 1 us.
-    assert group_topology(get_chip("h100"), 2).p2p_s(1e9) == pytest.approx(1e9 / 450e9 + US)
+    # Hockney: 1e9 B over one 450 GB/s NVLink direction plus one step of latency: 2.2222 ms + 1.5 us.
+    alpha = get_chip("h100").scaleup_latency_s
+    assert group_topology(get_chip("h100"), 2).p2p_s(1e9) == pytest.approx(1e9 / 450e9 + alpha)
     assert ring(1, Link(1e9, US)).p2p_s(1e9) == 0.0
     assert torus((4,), Link(1e9, US)).p2p_s(1e6) == pytest.approx(1 * MS + US)
 

@@ -74,3 +74,23 @@ def test_timeline_over_budget_merges_but_keeps_bubbles_and_length():
     for rank in full.ranks:
         # merged busy time covers the passes, their collectives and the short waits between them
         assert small.busy_seconds(rank, "compute") >= full.busy_seconds(rank, "compute") - 1e-12
+
+
+def test_predicted_timeline_draws_hidden_and_exposed_communication_by_group():
+    # FSDP (ZeRO-3) over dp with TP + SP: the gathers hide under compute, some TP collectives show
+    case = _case(pp=2, tp=4, dp=2, gb=16)
+    case["model"].update(hidden=8192, heads=64, kv_heads=8, ffn=28672, seq_len=4096)
+    case["training"].update(zero_stage=3, sequence_parallel=True)
+    est = estimate(case)
+    tl = est.timeline
+    comm = [s for s in tl.spans if s.lane == "comm"]
+    groups = {s.group for s in comm}
+    assert {"tp", "dp", "pp"} <= groups
+    hidden = [s for s in comm if s.is_async]
+    assert any(s.group == "dp" for s in hidden) and any(s.group == "tp" for s in hidden)
+    # a hidden collective runs while its rank computes
+    rank = tl.ranks[0]
+    compute = [(s.start_s, s.end_s) for s in tl.for_rank(rank) if s.lane == "compute"]
+    z3 = next(s for s in hidden if s.rank == rank and s.name.startswith("zero-3"))
+    assert any(a < z3.end_s and z3.start_s < b for a, b in compute)
+    assert tl.meta["simulated_step_s"] == pytest.approx(est.step_time_s, rel=0.03)

@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 
 from hardware.chips import get_chip
-from planner.case import Layout, layout_tp_ok, parse_case
-from planner.costs import default_attention
+from planner.case import Layout, layout_tp_ok, parse_case, recipe
 from planner.layout_search import divisors, search
 from planner.memory import memory_per_chip
 from planner.models import MODEL_PRESETS
@@ -29,7 +28,7 @@ def _brute_force_best(case) -> float:
     m, t, n = case.model, case.training, case.cluster.num_chips
     chip = get_chip(case.cluster.chip)
     hbm = usable_hbm_bytes(chip)
-    attention = default_attention(m)
+    how = recipe(t, chip)
     best = float("inf")
     for tp, cp, pp in itertools.product(divisors(n), repeat=3):
         if n % (tp * cp * pp) or tp > case.cluster.chips_per_node or not layout_tp_ok(m, tp):
@@ -47,9 +46,9 @@ def _brute_force_best(case) -> float:
                 scheds += [("interleaved-1f1b", v) for v in vs]
             variants = itertools.product(scheds, range(4), ("none", "selective", "full"), (False, True))
             for (sched, v), z, rc, sp in variants:
-                if (sp and tp == 1) or (rc == "selective" and attention == "flash"):
+                if (sp and tp == 1) or (rc == "selective" and how["attention"] != "materialized"):
                     continue
-                lay = Layout(dp, tp, pp, cp, ep, sched, v, b, z, rc, sp, attention)
+                lay = Layout(dp, tp, pp, cp, ep, sched, v, b, z, rc, sp, **how)
                 if memory_per_chip(m, lay, mb, t.optimizer).total_bytes > hbm:
                     continue
                 best = min(best, simulate(case, lay, chip).step_time_s)

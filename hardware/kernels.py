@@ -1,0 +1,93 @@
+"""What one compute kernel costs on a chip: a GEMM of a given shape, an attention kernel, a memory-bound op.
+
+Every efficiency comes from op-level measurements recorded per chip in ``chips.toml`` (its header says
+which benchmark each field is read from); nothing here is fitted to end-to-end training runs.
+
+* GEMM ``In[M, K] . W[K, N]``: the roofline's compute side at the chip's MAMF (the best a large GEMM
+  reaches), scaled by the shape curve ``g(M, N, K) / g(8192, 8192, 8192)`` with
+  ``g = MN / (MN + matmul_half_area) * K / (K + matmul_half_k)``, fitted per GPU generation to OpenXLA's
+  measured GEMM tables: a small output leaves SMs idle (tile and wave quantization), a short K cannot
+  hide the tile pipeline's prologue and epilogue. The memory side reads both operands and writes the
+  output once ([SB] Part 1).
+* FlashAttention kernels: forward + backward FLOP/s at ``attention_efficiency`` (FlashAttention-2) or
+  ``flash3_efficiency`` (the chip's newer kernels: FA3 / cuDNN on Hopper, FA4 on Blackwell) of peak
+  for long sequences, ``s / (s + 530)`` of that at s keys (both FlashAttention-2 curves, A100 and H100,
+  halve at ~530 tokens). The backward does 2.5x the forward's FLOPs (five matmuls to two; Dao 2023
+  sec. 3.1).
+* memory-bound ops: bytes through HBM at ``hbm_efficiency`` (pointwise kernels, copy-like) or
+  ``norm_efficiency`` / ``norm_bwd_efficiency`` (kernels with row reductions: norms, softmax).
+"""
+
+from __future__ import annotations
+
+from hardware.chips import DTYPE_BYTES, Chip
+
+_REFERENCE_DIM = 8192  # the MAMF tables' large shapes: g is normalised to 1 here
+ATTENTION_HALF_SEQ = 530  # FlashAttention-2 benchmark: A100 and H100 reach half their plateau at ~530 tokens
+FLASH_BWD_FLOP_RATIO = 2.5  # backward FLOPs over forward FLOPs of a FlashAttention kernel (Dao 2023, sec. 3.1)
+
+
+def matmul_shape_factor(chip: Chip, m: float, n: float, k: float) -> float:
+    """g(M, N, K) / g(8192, 8192, 8192): 1 for large GEMMs, below 1 for small outputs or short K."""
+    def g(mm, nn, kk):
+        area = mm * nn
+        return area / (area + chip.matmul_half_area) * kk / (kk + chip.matmul_half_k)
+
+    return g(m, n, k) / g(_REFERENCE_DIM, _REFERENCE_DIM, _REFERENCE_DIM)
+
+
+def matmul_rate(chip: Chip, dtype: str, m: float, n: float, k: float) -> float:
+    """FLOP/s a GEMM of this shape reaches on `chip` in `dtype` (fp8 at the fp8 MAMF)."""
+    if dtype == "fp8":
+        efficiency = chip.fp8_matmul_efficiency
+        if efficiency is None:
+            raise ValueError(f"{chip.name} has no fp8 tensor cores; choose bf16")
+    else:
+        efficiency = chip.matmul_efficiency
+    return chip.peak_flops_per_s(dtype) * efficiency * min(1.0, matmul_shape_factor(chip, m, n, k))
+
+
+def matmul_s(chip: Chip, dtype: str, m: float, k: float, n: float, batch: float = 1.0) -> float:
+    """Seconds of `batch` GEMMs In[M, K] . W[K, N]: the slower of compute and memory (roofline)."""
+    if min(m, k, n, batch) <= 0:
+        return 0.0
+    flops = 2.0 * m * k * n * batch
+    compute_s = flops / matmul_rate(chip, dtype, m, n, k)
+    width = DTYPE_BYTES["bf16" if dtype == "fp8" else dtype] if dtype in DTYPE_BYTES else 2
+    memory_s = batch * width * (m * k + k * n + m * n) / chip.hbm_bw(achievable=True)
+    return max(compute_s, memory_s)
+
+
+FLASH_KERNELS = ("flash", "flash3")
+
+
+def best_flash_kernel(chip: Chip) -> str:
+    """The attention kernel a current framework runs on `chip`: the newer generation where it exists."""
+    return "flash3" if chip.flash3_efficiency is not None else "flash"
+
+
+def flash_attention_s(chip: Chip, fwd_flops: float, keys: float, kernel: str = "flash") -> tuple[float, float]:
+    """(forward, backward) seconds of a FlashAttention kernel ("flash": FlashAttention-2; "flash3": the
+    chip's newer kernels) doing `fwd_flops` of forward work (the causal mask's skipped half already left
+    out) with `keys` keys per query."""
+    if fwd_flops <= 0:
+        return 0.0, 0.0
+    if kernel == "flash3":
+        if chip.flash3_efficiency is None:
+            raise ValueError(f"{chip.name} has no FlashAttention-3-class kernel; use attention \"flash\"")
+        efficiency = chip.flash3_efficiency
+    else:
+        efficiency = chip.attention_efficiency
+    rate = chip.bf16_flops_per_s * efficiency * keys / (keys + ATTENTION_HALF_SEQ)
+    return fwd_flops / rate, FLASH_BWD_FLOP_RATIO * fwd_flops / rate
+
+
+def pointwise_s(chip: Chip, nbytes: float) -> float:
+    """A pointwise kernel (bias, activation, residual add, dropout, rotary): copy-like over HBM."""
+    return nbytes / chip.hbm_bw(achievable=True)
+
+
+def norm_s(chip: Chip, nbytes: float, backward: bool = False) -> float:
+    """A kernel with row reductions (LayerNorm, RMSNorm, softmax) moving `nbytes` through HBM."""
+    efficiency = chip.norm_bwd_efficiency if backward else chip.norm_efficiency
+    return nbytes / (chip.hbm_bytes_per_s * efficiency)

@@ -1,0 +1,79 @@
+"""Single-kernel costs against the op-level benchmarks they come from (hardware/chips.toml sources)."""
+
+import pytest
+
+from hardware.chips import get_chip
+from hardware.kernels import (
+    best_flash_kernel,
+    flash_attention_s,
+    matmul_rate,
+    matmul_s,
+    matmul_shape_factor,
+    norm_s,
+    pointwise_s,
+)
+
+H100, A100, B200 = get_chip("h100"), get_chip("a100-80gb"), get_chip("b200")
+
+
+def test_large_gemms_reach_the_mamf():
+    # the shape curve is normalised at 8192^3, where the MAMF tables' large shapes sit
+    for chip in (H100, A100, B200):
+        assert matmul_shape_factor(chip, 8192, 8192, 8192) == pytest.approx(1.0)
+        assert matmul_rate(chip, "bf16", 8192, 8192, 8192) == pytest.approx(
+            chip.bf16_flops_per_s * chip.matmul_efficiency)
+
+
+@pytest.mark.parametrize("m, n, k, xla_tflops", [
+    # OpenXLA default_matmul_perf_table, sm_90 (H100), bf16, measured kernel time
+    (2048, 2048, 2048, 641), (4096, 4096, 4096, 780), (2048, 4096, 4096, 752), (4096, 4096, 2048, 736),
+])
+def test_h100_shape_curve_follows_the_measured_gemm_table(m, n, k, xla_tflops):
+    assert matmul_rate(H100, "bf16", m, n, k) / 1e12 == pytest.approx(xla_tflops, rel=0.05)
+
+
+def test_small_and_skinny_gemms_are_slower():
+    big = matmul_rate(H100, "bf16", 8192, 8192, 8192)
+    assert matmul_rate(H100, "bf16", 8192, 8192, 256) < 0.6 * big  # short K
+    assert matmul_rate(H100, "bf16", 512, 512, 8192) < 0.6 * big  # small output
+
+
+def test_memory_bound_gemm_takes_the_roofline_memory_time():
+    # a matrix-vector product reads the whole weight once: 2 bytes x K x N at the achievable HBM rate
+    t = matmul_s(H100, "bf16", 1, 8192, 8192)
+    assert t == pytest.approx(2 * (8192 + 8192 * 8192 + 8192) / H100.hbm_bw(achievable=True))
+
+
+def test_fp8_gemms_run_at_the_fp8_mamf_and_a100_has_none():
+    assert matmul_rate(H100, "fp8", 8192, 8192, 8192) == pytest.approx(1979e12 * H100.fp8_matmul_efficiency)
+    with pytest.raises(ValueError, match="fp8"):
+        matmul_rate(A100, "fp8", 8192, 8192, 8192)
+
+
+@pytest.mark.parametrize("chip, published", [
+    # FlashAttention-2 forward + backward, causal, head dim 128 at 2k, 4k, 8k, 16k tokens (Dao 2023 figures)
+    (A100, (155, 173, 182, 189)),
+    (H100, (265, 294, 308, 328)),
+])
+def test_flash_attention_2_curve_reproduces_the_paper(chip, published):
+    for s, tflops in zip((2048, 4096, 8192, 16384), published, strict=True):
+        fwd_flops = 1e15
+        fwd_s, bwd_s = flash_attention_s(chip, fwd_flops, s, "flash")
+        assert bwd_s == pytest.approx(2.5 * fwd_s)  # five matmuls to two
+        assert 3.5 * fwd_flops / (fwd_s + bwd_s) / 1e12 == pytest.approx(tflops, rel=0.04)
+
+
+def test_the_newer_kernels_exist_only_where_published():
+    assert best_flash_kernel(H100) == "flash3" and best_flash_kernel(B200) == "flash3"
+    assert best_flash_kernel(A100) == "flash" and best_flash_kernel(get_chip("tpu-v5p")) == "flash"
+    fa2, _ = flash_attention_s(H100, 1e15, 8192, "flash")
+    fa3, _ = flash_attention_s(H100, 1e15, 8192, "flash3")
+    assert fa3 < fa2
+    with pytest.raises(ValueError, match="FlashAttention-3"):
+        flash_attention_s(A100, 1e15, 8192, "flash3")
+
+
+def test_memory_bound_kernels():
+    assert pointwise_s(H100, 1e9) == pytest.approx(1e9 / (3.35e12 * H100.hbm_efficiency))
+    assert norm_s(H100, 1e9) == pytest.approx(1e9 / (3.35e12 * 0.58))
+    assert norm_s(H100, 1e9, backward=True) > 2 * norm_s(H100, 1e9)  # stock norm backward kernels

@@ -1,0 +1,71 @@
+"""The recipe in the case format: null means what a current framework does, each field changes what it
+says, bad values name the field; and the held-out published runs are well-formed."""
+
+import json
+
+import pytest
+
+from planner.__main__ import main
+from planner.api import estimate
+from planner.case import RECIPE_FLAGS, parse_case
+from planner.models import SpecError
+from planner.validation import HELDOUT_RUNS, load_published_runs
+
+
+def _case(chip="h100", tp=8, dp=4, pp=1, **training):
+    return {"name": "r", "model": {"layers": 16, "hidden": 4096, "heads": 32, "kv_heads": 8, "ffn": 14336,
+                                   "vocab": 128256, "seq_len": 8192, "mlp": "swiglu"},
+            "training": {"global_batch": 64, "micro_batch": 1, "recompute": "none", "zero_stage": 1,
+                         "sequence_parallel": True, **training},
+            "parallel": {"dp": dp, "tp": tp, "pp": pp, "cp": 1, "ep": 1},
+            "cluster": {"chip": chip, "num_chips": dp * tp * pp, "chips_per_node": 8}}
+
+
+def test_null_recipe_is_what_a_current_framework_does_and_is_reported():
+    est = estimate(_case())
+    chosen = est.chosen["training"]
+    assert chosen["attention"] == "flash3"  # H100: cuDNN / FlashAttention-3 class
+    assert all(chosen[f] is (f != "ep_comm_overlap") for f in RECIPE_FLAGS)
+    assert estimate(_case(chip="a100-80gb")).chosen["training"]["attention"] == "flash"
+
+
+def test_each_overlap_switch_shows_in_the_breakdown():
+    on = estimate(_case()).breakdown
+    no_tp = estimate(_case(tp_comm_overlap=False)).breakdown
+    no_dp = estimate(_case(grad_reduce_overlap=False)).breakdown
+    assert no_tp["tp_comm"] > 1.5 * on["tp_comm"]  # the o and fc2 shards are too small to hide all of theirs
+    assert no_dp["dp_comm"] > on["dp_comm"]
+    fsdp = estimate(_case(tp=1, dp=8, zero_stage=3))
+    no_prefetch = estimate(_case(tp=1, dp=8, zero_stage=3, param_gather_overlap=False))
+    assert no_prefetch.breakdown["zero3_comm"] > fsdp.breakdown["zero3_comm"]
+
+
+def test_attention_kernels_order_as_measured():
+    times = {k: estimate(_case(attention=k)).step_time_s for k in ("flash3", "flash", "materialized")}
+    assert times["flash3"] < times["flash"] < times["materialized"]
+
+
+@pytest.mark.parametrize("field, value", [("grad_reduce_overlap", "yes"), ("tp_comm_overlap", 1),
+                                          ("attention", "sdpa"), ("ep_comm_overlap", "no")])
+def test_bad_recipe_values_exit_2_naming_the_field(tmp_path, capsys, field, value):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(_case(**{field: value})))
+    assert main(["estimate", str(path)]) == 2
+    assert f"training.{field}" in capsys.readouterr().err
+
+
+def test_a_kernel_the_chip_does_not_have_is_refused_with_the_field():
+    with pytest.raises(SpecError, match="training.attention"):
+        estimate(_case(chip="a100-80gb", attention="flash3"))
+
+
+def test_heldout_runs_are_sourced_and_parse():
+    runs = load_published_runs(HELDOUT_RUNS)
+    assert len(runs) >= 10
+    chips = {r["cluster"]["chip"] for r in runs}
+    assert {"h100", "a100-80gb", "tpu-v5p", "b200"} <= chips
+    for r in runs:
+        parse_case(r)
+        assert r["source"].strip() and r["published"]["derived"].strip()
+        assert r["published"]["step_time_s"] > 0
+    assert any(r["model"].get("experts") for r in runs)  # MoE runs too
