@@ -2,10 +2,12 @@
 
     python -m engine run --strategy {dp,fsdp} [--zero-stage {0,1,2,3}] [--world N] [--steps N]
                          [--micro-batches N] [--device {cpu,cuda}] [--trace FILE.json] [--check] [--json]
+                         [--predict]
                          [--mesh dp=N] [--dp-comm {naive,bucketed}] [--mlp {dense,moe}] [--seed N] ...
 
 Exit codes: 0 fine, 1 check failed, 2 bad input (message on stderr), 3 a rank failed or timed out.
-With --json, stdout holds exactly one JSON object (also on exit 1 and 3).
+With --json, stdout holds exactly one JSON object (also on exit 1 and 3); on success it carries
+"predicted", the planner's prediction of the same run on this machine's calibration.
 """
 
 from __future__ import annotations
@@ -34,7 +36,11 @@ def run_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--trace", metavar="FILE.json", help="write a Chrome trace (open in Perfetto)")
     p.add_argument("--check", action="store_true", help="compare with the single-process reference")
-    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object on stdout (it always carries the prediction, see --predict)")
+    p.add_argument("--predict", action="store_true",
+                   help="also print the planner's prediction of this run on this machine (calibrating "
+                        "the machine first, a few seconds, when it has not been)")
     p.add_argument("--mesh", help="named mesh axes, e.g. dp=4 (default: dp=world)")
     p.add_argument("--dp-comm", choices=["naive", "bucketed"], default="bucketed",
                    help="dp gradient sync: after backward, or bucketed and overlapped")
@@ -105,6 +111,9 @@ def _human(summary: dict) -> str:
                      f"per ep rank {load['processed_per_ep_rank']} "
                      f"(max/mean {load['ep_rank_max_over_mean']:.2f}), "
                      f"dropped {load['dropped_fraction']:.1%}")
+    pred = summary.get("predicted")
+    if pred is not None:
+        lines.append(prediction_line(summary["step_time_s"], pred))
     check = summary["check"]
     if check is not None:
         verdict = "PASSED" if check["passed"] else "FAILED"
@@ -112,6 +121,15 @@ def _human(summary: dict) -> str:
                      f"(max abs diff {check['max_abs_diff']:.3g} over {check['steps']} steps)")
         lines += [f"  {f}" for f in check["failures"]]
     return "\n".join(lines)
+
+
+def prediction_line(measured_s: float, pred: dict) -> str:
+    if pred.get("step_time_s") is None:
+        return f"no prediction: {pred.get('why', 'unavailable')}"
+    error = (pred["step_time_s"] - measured_s) / measured_s
+    parts = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in sorted(pred["breakdown_s"].items(), key=lambda kv: -kv[1]))
+    return (f"predicted step time (planner, this machine's calibration): {pred['step_time_s'] * 1e3:.1f} ms, "
+            f"{error:+.0%} against measured ({parts} ms)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.run import run
 
     try:
-        summary, timeline = run(cfg, traced=bool(args.trace), check=args.check)
+        summary, timeline = run(cfg, traced=bool(args.trace), check=args.check, predict=args.json or args.predict)
     except WorkerError as e:
         print(f"error: {e}", file=sys.stderr)
         if args.json:

@@ -42,7 +42,7 @@ from engine.config import RunConfig
 from engine.memory import ActivationMeter
 from engine.mesh import Mesh
 from engine.model import build_model, global_batch
-from engine.pp_stage import StageModel, WeightGradSplit, stage_tensor_parallel, stage_units
+from engine.pp_stage import StageModel, WeightGradSplit, stage_tensor_parallel
 from engine.recorder import Recorder
 from engine.reference import hyper, reference_run
 from engine.schedules import (
@@ -55,6 +55,7 @@ from engine.schedules import (
     SEND,
     Action,
     make_schedule,
+    stage_units,
 )
 from engine.strategy import _OnBackward
 from engine.tp import TensorParallelPlan

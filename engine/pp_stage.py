@@ -40,7 +40,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from engine.config import ModelConfig, RunConfig
+from engine.config import RunConfig
 from engine.model import Transformer
 from engine.strategy import Strategy
 from engine.tp import (
@@ -50,17 +50,6 @@ from engine.tp import (
     TensorParallelPlan,
     TensorParallelZeRO,
 )
-
-
-def stage_units(m: ModelConfig, num_stages: int, stage: int) -> list[int]:
-    """Indices into Transformer.units (embed = 0, layer i = i + 1, head = L + 1) that `stage` runs."""
-    per_stage = m.layers // num_stages
-    units = list(range(1 + stage * per_stage, 1 + (stage + 1) * per_stage))
-    if stage == 0:
-        units.insert(0, 0)
-    if stage == num_stages - 1:
-        units.append(m.layers + 1)
-    return units
 
 
 class StageModel(nn.Module):

@@ -51,13 +51,26 @@ def assemble(cfg: RunConfig, results: list[dict]) -> tuple[dict, Timeline]:
     return summary, timeline
 
 
-def run(cfg: RunConfig, traced: bool = True, check: bool = False, pool=None) -> tuple[dict, Timeline]:
+def run(cfg: RunConfig, traced: bool = True, check: bool = False, pool=None,
+        predict: bool = False, progress=None) -> tuple[dict, Timeline]:
     """Validate, run on the shared pool for (world, device), assemble. Raises `ConfigError` for bad
-    input and `launch.WorkerError` when a rank fails or the run times out."""
+    input and `launch.WorkerError` when a rank fails or the run times out.
+
+    With `predict`, the summary also carries "predicted": the planner's prediction of this very run on
+    this machine (engine/predict.py), calibrating the machine first if it has not been (a few seconds;
+    `progress(fraction, message)` hears about it)."""
     from engine import launch
 
     validate(cfg)
+    prediction = None
+    if predict:
+        from engine.predict import predicted
+
+        prediction = predicted(cfg, progress)  # before the run: calibrating warms the run's pool
     pool = pool or launch.get_pool(cfg.world, cfg.device, cfg.collective_timeout_s)
     results = pool.run("engine.train:run_rank", {"cfg": cfg, "traced": traced, "check": check},
                        timeout_s=cfg.timeout_s)
-    return assemble(cfg, results)
+    summary, timeline = assemble(cfg, results)
+    if prediction is not None:
+        summary["predicted"] = prediction
+    return summary, timeline

@@ -605,3 +605,14 @@ def render_ascii(simulation: Simulation, wrap_cells: int | None = None) -> str:
                         for rank, row in enumerate(rows))
               for first in range(0, num_cells, step)]
     return "\n\n".join(blocks)
+
+
+def stage_units(m, num_stages: int, stage: int) -> list[int]:
+    """Indices into Transformer.units (embed = 0, layer i = i + 1, head = L + 1) that `stage` runs."""
+    per_stage = m.layers // num_stages
+    units = list(range(1 + stage * per_stage, 1 + (stage + 1) * per_stage))
+    if stage == 0:
+        units.insert(0, 0)
+    if stage == num_stages - 1:
+        units.append(m.layers + 1)
+    return units

@@ -42,6 +42,31 @@ class Span:
         return self.end_s - self.start_s
 
 
+_COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+
+
+def span_kind(span: Span) -> str:
+    """The kind of work of a span, from its lane and name ("fwd L3", "all_gather", "send act" ...): what
+    the pages colour it by and what a prediction is compared with a measurement by."""
+    if span.lane == "idle":
+        return "idle"
+    name = span.name.lower()
+    if span.lane == "comm":
+        for kind in _COMM_KINDS:
+            if kind in name or kind.replace("_", "-") in name or kind.replace("_", " ") in name:
+                return kind
+        if any(word in name for word in ("send", "recv", "p2p")):
+            return "send/recv"
+        return "other comm"
+    if name.startswith(("fwd", "forward", "f ")) or name == "f":
+        return "forward"
+    if name.startswith(("bwd", "backward", "b ", "bi", "bw")) or name == "b":
+        return "backward"
+    if name.startswith(("opt", "adam", "step")):
+        return "optimizer"
+    return "other compute"
+
+
 @dataclass
 class Timeline:
     spans: list[Span] = field(default_factory=list)

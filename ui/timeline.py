@@ -11,7 +11,7 @@ from collections import defaultdict
 
 import plotly.graph_objects as go
 
-from engine.trace import LANES, Span, Timeline
+from engine.trace import LANES, Span, Timeline, span_kind
 
 KIND_COLORS = {
     "forward": "#4C78A8",
@@ -26,30 +26,6 @@ KIND_COLORS = {
     "other compute": "#BAB0AC",
     "idle": "#DDDDDD",
 }
-_COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
-
-
-def span_kind(span: Span) -> str:
-    """The colour group of a span, from its lane and name ("fwd L3", "all_gather", "send act" ...)."""
-    if span.lane == "idle":
-        return "idle"
-    name = span.name.lower()
-    if span.lane == "comm":
-        for kind in _COMM_KINDS:
-            if kind in name or kind.replace("_", "-") in name or kind.replace("_", " ") in name:
-                return kind
-        if any(word in name for word in ("send", "recv", "p2p")):
-            return "send/recv"
-        return "other comm"
-    if name.startswith(("fwd", "forward", "f ")) or name == "f":
-        return "forward"
-    if name.startswith(("bwd", "backward", "b ", "bi", "bw")) or name == "b":
-        return "backward"
-    if name.startswith(("opt", "adam", "step")):
-        return "optimizer"
-    return "other compute"
-
-
 def row_label(rank: int, lane: str) -> str:
     return f"rank {rank} · {lane}"
 

@@ -16,7 +16,7 @@ from engine.launch import Pool, RankFailed
 from engine.mesh import Mesh
 from engine.model import build_model, global_batch, loss_fn
 from engine.optim import adamw_
-from engine.pp_stage import stage_units
+from engine.schedules import stage_units
 from engine.pp_timeline import measured_bubble_fraction
 from engine.reference import hyper
 from engine.run import assemble, run

@@ -1,0 +1,80 @@
+"""Live-prediction benchmark: the planner's prediction of each default live run beside its measurement.
+
+    .venv/bin/python bench/bench_live_prediction.py [--worlds 2 4] [--steps 8] [--repeats 2] [--remeasure]
+
+For dp, fsdp (ZeRO-3), tp + sp, pp 1F1B, cp and ep at each world: calibrates this machine first (from
+the cache when it is there; --remeasure measures again), predicts the run (planner/live.py), then runs
+it `--repeats` times on the warm pool and prints predicted and measured step time, the error and the
+kind of work that differs most. The measured step time is the engine's (engine/run.py: the median over
+steps of the slowest rank), here over every step after the first of every repeat; the mean over the
+same steps, stalls included, is printed beside it with its own error. No thresholds: the table is the
+result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine import launch  # noqa: E402
+from engine.cli import config_from_args, run_parser  # noqa: E402
+from engine.predict import ensure_calibration  # noqa: E402
+from engine.run import run  # noqa: E402
+from planner.live import compare, predict  # noqa: E402
+
+# The default live runs: the CLI's defaults for each strategy (the pages' defaults are the same model).
+DEFAULT_RUNS = {
+    "dp": "--strategy dp",
+    "fsdp (ZeRO-3)": "--strategy fsdp",
+    "tp + sp": "--strategy tp --sequence-parallel",
+    "pp 1F1B": "--strategy pp --schedule 1f1b --micro-batches 4",
+    "cp": "--strategy cp",
+    "ep": "--strategy ep",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--remeasure", action="store_true", help="calibrate this machine again first")
+    args = ap.parse_args(argv)
+
+    t0 = time.perf_counter()
+    cal, messages = ensure_calibration(args.worlds, remeasure=args.remeasure)
+    print(f"calibration ({time.perf_counter() - t0:.1f} s): {'; '.join(messages) or 'from the cache'}")
+    print(f"{'world':>5}  {'run':14s} {'predicted ms':>12} {'measured ms':>11} {'error':>7} "
+          f"{'mean ms':>8} {'error':>7}   differs most")
+    errors, mean_errors = [], []
+    for world in args.worlds:
+        for name, flags in DEFAULT_RUNS.items():
+            cfg = config_from_args(run_parser("bench").parse_args(
+                flags.split() + ["--world", str(world), "--steps", str(args.steps)]))
+            pred = predict(cfg, cal)
+            run(cfg, traced=False)  # warm the pool and the ranks' caches
+            measured, timeline = [], None
+            for _ in range(args.repeats):
+                summary, timeline = run(cfg)
+                measured += summary["step_times_s"][1:]
+            median, mean = statistics.median(measured), statistics.mean(measured)
+            error, mean_error = (pred.step_time_s - median) / median, (pred.step_time_s - mean) / mean
+            errors.append(abs(error))
+            mean_errors.append(abs(mean_error))
+            worst = compare(pred.timeline, timeline, top=1)
+            print(f"{world:>5}  {name:14s} {pred.step_time_s * 1e3:>12.2f} {median * 1e3:>11.2f} {error:>+7.1%} "
+                  f"{mean * 1e3:>8.2f} {mean_error:>+7.1%}   {worst[0]['text'] if worst else '-'}", flush=True)
+    print(f"step time (median): mean |error| {statistics.mean(errors):.1%}, max {max(errors):.1%}; "
+          f"mean step time: mean |error| {statistics.mean(mean_errors):.1%}, max {max(mean_errors):.1%}; "
+          f"{len(errors)} runs")
+    launch.shutdown_all()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

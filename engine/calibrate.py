@@ -1,0 +1,361 @@
+"""Measure this machine for the planner: what each piece of the live engine costs here.
+
+The planner predicts a live run from op-level costs of the machine it runs on, as it predicts a cluster
+from GEMM and NCCL benchmarks (planner/live.py). This module takes those measurements; it imports torch
+and runs tasks on the engine's worker pools, one thread per rank, exactly as live runs do. The numbers
+are raw timings; `hardware.this_machine` fits and caches them.
+
+Three kinds of measurement:
+
+* compute (`compute_task`, one rank alone): the engine model's own modules (engine/model.py) at a few
+  shapes each, forward and backward, so the fit captures both their fixed per-call overhead (Python,
+  the dispatcher, autograd: what dominates a small model on a CPU) and their per-FLOP or per-byte rate;
+  plus the optimizer update per tensor, the strategies' bookkeeping ops, and the roofline (large fp32
+  and bf16 matmuls, a large copy) that the hardware lesson plots.
+* sharing (`compute_task` on every rank of a W-rank pool at once): how much slower the same work runs
+  when W ranks share this machine's cores.
+* communication (`comm_task`): every gloo operation the strategies use, by group size n and world W
+  (the other groups of the world communicating at the same time, as a mesh does), at a few message
+  sizes: blocking, each after `COMPUTE_GAP_S` of computing as in a training step (back to back they run
+  2-3x faster: gloo's threads stay awake), and as a stream of asynchronous operations; with the process
+  CPU time each takes (gloo's threads keep a core busy while they move data).
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import statistics
+import time
+from dataclasses import asdict
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import ModelConfig
+from engine.model import MoE, Attention, Block, Embed, Head, RMSNorm, SwiGLU, loss_fn
+from engine.optim import AdamW, adamw_
+from engine.ring_attention import block_backward, block_forward, expand_kv, merge, reduce_kv
+
+# Message sizes of the communication sweep (bytes): the live models' collectives are 0.1-300 KB, where
+# gloo's time is mostly per-operation (thread hand-offs, syscalls), so two sizes fit alpha and beta.
+COMM_SIZES = (1024, 131072)
+COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ring_shift", "send_recv")
+ASYNC_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+ASYNC_BURST = 6  # asynchronous operations issued back to back before waiting (DP buckets, FSDP units)
+COMPUTE_GAP_S = 300e-6  # compute before each blocking operation: a unit of the default model takes ~0.3 ms
+
+
+def _mean_s(fn, reps: int, warmup: int = 2) -> float:
+    """Mean seconds per call over `reps` calls after `warmup`: the expected cost, which is what a step
+    made of many such calls adds up to (a median would hide the waits of ranks sharing cores)."""
+    for _ in range(warmup):
+        fn()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps
+
+
+def _fwd_bwd(make, reps: int) -> tuple[float, float]:
+    """(forward seconds, backward seconds) of `make() -> (forward fn, backward fn)`."""
+    fwd, bwd_after = make()
+    t_fwd = _mean_s(fwd, reps)
+
+    def both():
+        bwd_after(fwd())
+
+    t_both = _mean_s(both, reps)
+    return t_fwd, max(0.0, t_both - t_fwd)
+
+
+def _module(module, x, extra=None):
+    """Forward / backward closures of a module on a leaf input that needs a gradient."""
+    x = x.detach().requires_grad_(x.is_floating_point())
+
+    def fwd():
+        y = module(x) if extra is None else extra(module(x))
+        return y
+
+    def bwd(y):
+        (y if y.dim() == 0 else y.sum()).backward()
+
+    return fwd, bwd
+
+
+def _sample(op: str, shape: dict, fwd_s: float, bwd_s: float) -> dict:
+    return {"op": op, "shape": shape, "fwd_s": fwd_s, "bwd_s": bwd_s}
+
+
+def _model(hidden: int, heads: int, kv_heads: int, ffn: int, seq_len: int, **kw) -> ModelConfig:
+    return ModelConfig(hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, seq_len=seq_len, **kw)
+
+
+def measure_compute(reps: int = 15, shapes: str = "all") -> list[dict]:
+    """Timings of the engine's modules on this process (torch threads as set by the caller)."""
+    torch.manual_seed(0)
+    out = []
+    if shapes == "sharing":
+        # long enough (~0.3 s) that every rank's loop overlaps the others' whatever their start jitter
+        m = ModelConfig()
+        x = torch.randn(2, m.seq_len, m.hidden)
+        f, b = _fwd_bwd(lambda: _module(Block(m), x), max(reps, 200))
+        return [_sample("block", {"b": 2, "t": m.seq_len, "d": m.hidden, "heads": m.heads,
+                                  "kv_heads": m.kv_heads, "ffn": m.ffn}, f, b)]
+    for m_rows, k, n in ((64, 64, 64), (64, 64, 256), (256, 64, 256), (64, 256, 64), (512, 256, 512)):
+        lin = torch.nn.Linear(k, n, bias=False)
+        f, b = _fwd_bwd(lambda: _module(lin, torch.randn(m_rows, k)), reps)
+        out.append(_sample("linear", {"m": m_rows, "k": k, "n": n}, f, b))
+    for rows, d in ((64, 64), (256, 64), (1024, 256)):
+        f, b = _fwd_bwd(lambda: _module(RMSNorm(d), torch.randn(rows, d)), reps)
+        out.append(_sample("rmsnorm", {"m": rows, "d": d}, f, b))
+    for bsz, t, d, nq, nkv in ((2, 32, 64, 4, 2), (2, 32, 64, 2, 1), (2, 16, 64, 4, 2), (2, 64, 64, 4, 2),
+                               (4, 64, 128, 4, 4)):
+        m = _model(d, nq, nkv, 4 * d, t)
+        att = Attention(m)
+        att.heads, att.kv_heads = nq, nkv
+        f, b = _fwd_bwd(lambda: _module(att, torch.randn(bsz, t, d)), reps)
+        out.append(_sample("attention", {"b": bsz, "t": t, "d": d, "heads": nq, "kv_heads": nkv,
+                                         "head_dim": d // nq}, f, b))
+    for bsz, t, d, ffn in ((2, 32, 64, 128), (2, 32, 64, 64), (2, 16, 64, 128), (4, 64, 128, 512)):
+        f, b = _fwd_bwd(lambda: _module(SwiGLU(d, ffn), torch.randn(bsz, t, d)), reps)
+        out.append(_sample("swiglu", {"b": bsz, "t": t, "d": d, "ffn": ffn}, f, b))
+    m = ModelConfig()
+    f, b = _fwd_bwd(lambda: _module(Block(m), torch.randn(2, m.seq_len, m.hidden)), reps)
+    out.append(_sample("block", {"b": 2, "t": m.seq_len, "d": m.hidden, "heads": m.heads,
+                                 "kv_heads": m.kv_heads, "ffn": m.ffn}, f, b))
+    for bsz, t, vocab, d in ((2, 32, 256, 64), (2, 32, 128, 64), (2, 16, 256, 64), (4, 64, 1024, 128)):
+        mm = _model(d, 4, 2, 2 * d, t, vocab=vocab)
+        tokens = torch.randint(0, vocab, (bsz, t))
+        emb = Embed(mm)
+        f, b = _fwd_bwd(lambda: (lambda: emb(tokens), lambda y: y.sum().backward()), reps)
+        out.append(_sample("embed", {"b": bsz, "t": t, "vocab": vocab, "d": d}, f, b))
+        head = Head(mm)
+        targets = torch.randint(0, vocab, (bsz, t))
+        f, b = _fwd_bwd(lambda: _module(head, torch.randn(bsz, t, d), lambda lg: loss_fn(lg, targets)), reps)
+        out.append(_sample("head", {"b": bsz, "t": t, "vocab": vocab, "d": d}, f, b))
+    for bsz, t, d, experts, top_k in ((2, 32, 64, 4, 2), (2, 32, 64, 8, 2), (2, 16, 64, 4, 1)):
+        m = _model(d, 4, 2, 2 * d, t, mlp="moe", experts=experts, top_k=top_k)
+        f, b = _fwd_bwd(lambda: _module(MoE(m), torch.randn(bsz, t, d)), reps)
+        out.append(_sample("moe", {"b": bsz, "t": t, "d": d, "ffn": 2 * d, "experts": experts,
+                                   "top_k": top_k}, f, b))
+    for bsz, h, rows, cols, hd in ((2, 4, 16, 16, 16), (2, 4, 32, 16, 16), (2, 4, 64, 64, 16)):
+        # one ring step as engine/cp.py runs it: K/V expanded to the query heads (GQA), the block's
+        # attention and the merge into the running output; backward: the block's gradients, reduced back
+        # onto the KV heads and written into a zero dK/dV buffer
+        kv_heads = max(1, h // 2)
+        q = torch.randn(bsz, h, rows, hd)
+        kv = torch.randn(2, bsz, kv_heads, cols, hd)
+        out0, lse0 = torch.randn(bsz, h, rows, hd), torch.randn(bsz, h, rows)
+        scale = hd ** -0.5
+
+        def fwd_step():
+            o_b, l_b = block_forward(q, expand_kv(kv[0], h), expand_kv(kv[1], h), None, scale)
+            return merge(out0, lse0, o_b, l_b)
+
+        lse = torch.randn(bsz, h, rows)
+        dout, delta = torch.randn(bsz, h, rows, hd), torch.randn(bsz, h, rows)
+
+        def bwd_step():
+            dq_b, dk_b, dv_b = block_backward(q, expand_kv(kv[0], h), expand_kv(kv[1], h), None, scale, lse,
+                                              dout, delta)
+            dkv = torch.zeros_like(kv)
+            dkv[0] = reduce_kv(dk_b, kv_heads)
+            dkv[1] = reduce_kv(dv_b, kv_heads)
+            return dq_b, dkv
+
+        out.append(_sample("ring_block", {"b": bsz, "heads": h, "rows": rows, "cols": cols, "head_dim": hd},
+                           _mean_s(fwd_step, reps), _mean_s(bwd_step, reps)))
+    hyper = AdamW()
+    for numel in (64, 4096, 65536):
+        p, g, m1, m2 = (torch.randn(numel) for _ in range(4))
+        m2.abs_()
+        out.append(_sample("adamw", {"numel": numel}, _mean_s(lambda: adamw_(p, g, m1, m2, 3, hyper), reps),
+                           0.0))
+    small = torch.randn(64)
+    out.append(_sample("tiny_op", {"numel": 64}, _mean_s(lambda: small.add(1.0), 4 * reps), 0.0))
+    out.append(_sample("copy", {"bytes": 4 * 65536}, _mean_s(lambda: torch.randn(65536).clone(), reps), 0.0))
+    for parts in (4, 16):
+        pieces = [torch.randn(256) for _ in range(parts)]
+        out.append(_sample("cat", {"parts": parts, "numel": 256 * parts},
+                           _mean_s(lambda: torch.cat([p.reshape(-1) for p in pieces]), reps), 0.0))
+    return out + measure_roofline()
+
+
+def measure_roofline(budget_s: float = 0.6) -> list[dict]:
+    """Large fp32 and bf16 matmuls and a large copy: this machine's compute roof and memory slope."""
+    out = []
+    for dtype, size in (("fp32", 512), ("bf16", 256)):
+        dt = torch.float32 if dtype == "fp32" else torch.bfloat16
+        a, b = torch.randn(size, size).to(dt), torch.randn(size, size).to(dt)
+        reps = max(3, int(budget_s / 3 / max(1e-4, _mean_s(lambda: a @ b, 2, warmup=1))))
+        out.append(_sample("matmul_roofline", {"m": size, "k": size, "n": size, "dtype": dtype},
+                           _min_s(lambda: a @ b, reps), 0.0))
+    src = torch.ones(1 << 23)  # 32 MiB: past the last-level cache of most CPUs
+    dst = torch.empty_like(src)
+    out.append(_sample("copy_roofline", {"bytes": 2 * src.numel() * 4}, _min_s(lambda: dst.copy_(src), 8), 0.0))
+    return out
+
+
+def _min_s(fn, reps: int) -> float:
+    fn()
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def compute_task(ctx, reps: int = 15, shapes: str = "all") -> list[dict]:
+    """Pool task: every rank measures at the same time (after a barrier), so W ranks share the cores. On a
+    one-rank pool the engine's own step is timed too (`engine_units`)."""
+    import torch.distributed as dist
+
+    if ctx.world > 1:
+        dist.barrier()
+    out = measure_compute(reps, shapes)
+    if ctx.world == 1 and shapes == "all":
+        out += engine_units(ctx)
+    return out
+
+
+def engine_units(ctx, steps: int = 6) -> list[dict]:
+    """The engine's data-parallel step at world 1 on the default model, unit by unit (its compute spans):
+    what the driver adds around each module (recorder, backward markers, activation accounting) and the
+    optimizer step, measured on the engine itself rather than guessed."""
+    from engine.config import RunConfig
+    from engine.train import run_rank
+
+    cfg = RunConfig(world=1, steps=steps)
+    result = run_rank(ctx, cfg, traced=True)
+    by_name: dict[str, list[float]] = {}
+    for span in result["spans"]:
+        if span["lane"] == "compute" and span["step"] >= 2:
+            by_name.setdefault(span["name"], []).append(span["end_s"] - span["start_s"])
+    shape = asdict(cfg.model)
+    return [_sample("engine_unit", {"name": name, **shape}, statistics.mean(v), 0.0)
+            for name, v in sorted(by_name.items())] + [
+        _sample("engine_step", shape, statistics.mean(result["step_times_s"][2:]), 0.0)]
+
+
+# -- communication --------------------------------------------------------------------------------------
+
+def _groups(world: int, n: int) -> list[list[int]]:
+    """Consecutive ranks per group, as the mesh's innermost axis lays them out."""
+    return [list(range(g * n, (g + 1) * n)) for g in range(world // n)]
+
+
+def comm_task(ctx, group_sizes: list[int], sizes: tuple[int, ...] = COMM_SIZES, reps: int = 30) -> list[dict]:
+    """Pool task: time every operation in COMM_KINDS (and ASYNC_KINDS as bursts) on groups of each size."""
+    import torch.distributed as dist
+
+    from engine import comm as engine_comm
+
+    out = []
+    for n in group_sizes:
+        group = None
+        for ranks in _groups(ctx.world, n):
+            g = dist.group.WORLD if n == ctx.world else engine_comm.new_group(ranks, ctx.collective_timeout_s)
+            if ctx.rank in ranks:
+                group, members = g, ranks
+        me = members.index(ctx.rank)
+        for kind in COMM_KINDS:
+            if kind == "send_recv" and n % 2:
+                continue
+            for nbytes in sizes:
+                call = _comm_call(kind, n, me, members, nbytes, group)
+                out.append(_timed(call, kind, n, ctx.world, nbytes, "sync", reps, dist, COMPUTE_GAP_S))
+        compute, compute_s = _fixed_compute(COMPUTE_GAP_S / 2)
+        for kind in ASYNC_KINDS:
+            for nbytes in sizes:
+                call = _comm_call(kind, n, me, members, nbytes, group, async_op=True)
+
+                def burst(call=call):
+                    # as a backward pass issues buckets: compute, issue, compute, issue ..., then wait
+                    works = []
+                    for _ in range(ASYNC_BURST):
+                        compute()
+                        works.append(call())
+                    for work in works:
+                        work.wait()
+
+                row = _timed(burst, kind, n, ctx.world, nbytes, "async", max(4, reps // 3), dist)
+                row.update(burst=ASYNC_BURST, compute_s=compute_s)
+                out.append(row)
+    return out
+
+
+def _fixed_compute(target_s: float):
+    """A fixed amount of work (small matmuls) that takes about `target_s` on this rank alone; returns the
+    function and its measured solo time. Fixed work, not a wall-clock wait: when cores are shared it takes
+    longer, as a training step's compute does."""
+    a, b = torch.randn(64, 64), torch.randn(64, 128)
+    per = _mean_s(lambda: a @ b, 50)
+    n = max(1, round(target_s / per))
+
+    def compute():
+        for _ in range(n):
+            a @ b
+
+    return compute, _mean_s(compute, 20)
+
+
+def _busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _timed(call, kind: str, n: int, world: int, nbytes: int, mode: str, reps: int, dist,
+           gap_s: float = 0.0) -> dict:
+    """Mean wall and process CPU seconds of `call`, each call after `gap_s` of computing (not counted)."""
+    for _ in range(2):
+        call()
+    dist.barrier()
+    wall = cpu = 0.0
+    for _ in range(reps):
+        _busy(gap_s)
+        cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+        t0 = time.perf_counter()
+        call()
+        wall += time.perf_counter() - t0
+        cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+        cpu += cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime
+    return {"kind": kind, "n": n, "world": world, "bytes": nbytes, "mode": mode, "seconds": wall / reps,
+            "cpu_s": cpu / reps}
+
+
+def _comm_call(kind: str, n: int, me: int, members: list[int], nbytes: int, group, async_op: bool = False):
+    """A closure running one operation of `kind` with a message of `nbytes` (engine/comm.py's byte
+    convention: the full array for gathers and reductions, this rank's input for all-to-all, the
+    message for point-to-point)."""
+    import torch.distributed as dist
+
+    numel = max(n, nbytes // 4 // n * n)
+    full, shard = torch.ones(numel), torch.ones(numel // n)
+    out_full, out_shard = torch.empty(numel), torch.empty(numel // n)
+    nxt, prv = members[(me + 1) % n], members[(me - 1) % n]
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(full, group=group, async_op=async_op)
+    if kind == "all_gather":
+        return lambda: dist.all_gather_into_tensor(out_full, shard, group=group, async_op=async_op)
+    if kind == "reduce_scatter":
+        return lambda: dist.reduce_scatter_tensor(out_shard, full, group=group, async_op=async_op)
+    if kind == "all_to_all":
+        return lambda: dist.all_to_all_single(out_full, full, group=group, async_op=async_op)
+    msg, buf = torch.ones(max(1, nbytes // 4)), torch.empty(max(1, nbytes // 4))
+    if kind == "ring_shift":  # context parallel and pipeline hops: send to the next rank, receive from the previous
+        def shift():
+            ops = [dist.P2POp(dist.isend, msg, nxt, group=group), dist.P2POp(dist.irecv, buf, prv, group=group)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        return shift
+    # pairs exchange one message each way, an isend and a blocking receive
+    peer = members[me ^ 1]
+
+    def send_recv():
+        work = dist.isend(msg, peer, group=group)
+        dist.recv(buf, peer, group=group)
+        work.wait()
+    return send_recv

@@ -1,0 +1,103 @@
+"""Every live run beside its own prediction: this machine's calibration, measured once and cached, and the
+planner's prediction of a run from it.
+
+    cal, messages = ensure_calibration([2, 4], progress=lambda fraction, text: ...)
+    prediction = predicted(cfg)       # {"step_time_s": ..., "breakdown_s": {...}, ...} or the reason why not
+
+Torch-free in the calling process, like `engine.run`: the measurements run on the worker pools
+(`engine.calibrate`), the fits and the cache file are `hardware.this_machine`, the prediction is
+`planner.live`.
+"""
+
+from __future__ import annotations
+
+import time
+from importlib import metadata
+
+CALIBRATION_TIMEOUT_S = 180.0
+
+
+def torch_version() -> str:
+    """The installed torch's version, read from its package metadata (importing torch takes seconds)."""
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return "none"
+
+
+def ensure_calibration(worlds, progress=None, remeasure: bool = False, collective_timeout_s: float = 30.0):
+    """This machine's calibration with communication measured at every world in `worlds`: from the
+    cache when it is there and sound, else measured now (a few seconds per world) and saved.
+
+    Returns (calibration, messages): the messages say what was measured and why (missing, stale,
+    corrupt, asked for), for the page or the command line to show. Raises `launch.WorkerError` when a
+    measuring rank fails or times out.
+    """
+    from engine import launch
+    from hardware import this_machine as tm
+
+    report = progress or (lambda fraction, message: None)
+    key = tm.machine_key(torch_version())
+    cal, why = (None, "measuring again, as asked") if remeasure else tm.load(key)
+    messages = [why] if why else []
+    worlds = sorted({int(w) for w in worlds if int(w) > 1})
+    todo = worlds if cal is None else [w for w in worlds if w not in cal.worlds]
+    if cal is not None and not todo:
+        return cal, messages
+
+    def pool(world: int):
+        return launch.get_pool(world, "cpu", collective_timeout_s)
+
+    def measure(world: int, task: str, args: dict) -> list:
+        return pool(world).run(f"engine.calibrate:{task}", args, timeout_s=CALIBRATION_TIMEOUT_S)
+
+    steps, done = (0 if cal is not None else 1) + len(todo), 0
+    solo_block = None
+    if cal is None:
+        report(0.0, "timing the engine's modules on one rank")
+        solo = measure(1, "compute_task", {"reps": 15})[0]
+        fits, units, roof = tm.fit_compute(solo)
+        cal = tm.Calibration(key=key, created_s=time.time(), cpus=tm.cpu_count(), torch=torch_version(),
+                             compute=fits, engine_units=units, roofline=roof)
+        cal.compute_share[1] = 1.0
+        messages.append("timed the engine's modules, its driver and this machine's roofline on one rank")
+        done += 1
+        solo_block = next(s for s in solo if s["op"] == "block")
+    for w in todo:
+        report(done / steps, f"measuring gloo and shared cores with {w} ranks")
+        shared = measure(w, "compute_task", {"reps": 15, "shapes": "sharing"})
+        sizes = sorted({n for n in (2, w) if w % n == 0})
+        comm = measure(w, "comm_task", {"group_sizes": sizes})
+        if solo_block is None:
+            solo_block = measure(1, "compute_task", {"reps": 15, "shapes": "sharing"})[0][0]
+        cal.compute_share[w] = tm.fit_share(w, shared, cal.compute, solo_block)
+        cal.comm.update(tm.fit_comm(w, comm))
+        cal.worlds = sorted(set(cal.worlds) | {w})
+        messages.append(f"measured gloo's collectives and core sharing with {w} ranks")
+        done += 1
+    tm.save(cal)
+    report(1.0, "calibrated")
+    return cal, messages
+
+
+def predicted(cfg, progress=None) -> dict:
+    """The planner's prediction of the run `cfg` on this machine, as the JSON object the run's summary
+    carries under "predicted": step_time_s, breakdown_s and the calibration messages, or step_time_s
+    None and `why` when there is no prediction (a CUDA run; the calibration could not be measured)."""
+    from engine.launch import WorkerError
+    from hardware.this_machine import CalibrationError
+    from planner.live import predict
+
+    if cfg.device != "cpu":
+        return {"step_time_s": None, "breakdown_s": {},
+                "why": "the live prediction is calibrated for CPU runs over gloo; this run is on CUDA"}
+    try:
+        cal, messages = ensure_calibration([cfg.world], progress, collective_timeout_s=cfg.collective_timeout_s)
+    except WorkerError as e:
+        return {"step_time_s": None, "breakdown_s": {}, "why": f"this machine could not be calibrated: {e}"}
+    try:
+        out = predict(cfg, cal).as_dict()
+    except CalibrationError as e:
+        return {"step_time_s": None, "breakdown_s": {}, "why": str(e)}
+    out["calibration"] = messages
+    return out

@@ -1,0 +1,374 @@
+"""This machine as a chip: the calibration the planner predicts live runs with, fitted and cached.
+
+`engine/calibrate.py` takes the measurements (it needs torch and the engine's worker pools); this module
+is torch-free: it fits them, keeps them in a file under the user's cache folder keyed by the machine,
+and says when that file is missing, stale or corrupt. A calibration holds
+
+* compute: per module of the engine's model (engine/model.py) and per piece of the engine's own
+  machinery, seconds = fixed + per-unit-of-work * work, forward and backward (`Fit`), least squares
+  over the shapes measured; the engine's own units at the default shape (`engine_units`);
+* sharing: how much slower compute runs when W ranks run at once (`compute_share[W]`);
+* communication: per world W, operation, group size n and mode (sync / async), gloo's
+  seconds = alpha + beta * bytes and the process CPU it keeps busy (`CommFit`);
+* the roofline: fp32 and bf16 matmul FLOP/s and copy bandwidth (the hardware lesson plots it).
+
+Cache: `$SHARDLAB_CACHE_DIR`, else `$XDG_CACHE_HOME/shardlab`, else `~/.cache/shardlab`; one JSON file per
+machine key (host, CPU model, cores, torch and Python versions). Writes are atomic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+FORMAT = 2
+STALE_AFTER_S = 30 * 24 * 3600  # a month: software updates and thermal changes drift the numbers
+
+
+class CalibrationError(ValueError):
+    """A calibration file that cannot be used; the message says why (it is then measured again)."""
+
+
+@dataclass(frozen=True)
+class Fit:
+    """seconds = fixed_s + per_unit_s * work (+ per_item_s * items: the MoE layer's experts, each a module
+    call even on no rows), forward and backward."""
+
+    fwd_fixed_s: float
+    fwd_per_unit_s: float
+    bwd_fixed_s: float = 0.0
+    bwd_per_unit_s: float = 0.0
+    fwd_per_item_s: float = 0.0
+    bwd_per_item_s: float = 0.0
+
+    def fwd(self, work: float, items: float = 0.0) -> float:
+        return self.fwd_fixed_s + self.fwd_per_unit_s * work + self.fwd_per_item_s * items
+
+    def bwd(self, work: float, items: float = 0.0) -> float:
+        return self.bwd_fixed_s + self.bwd_per_unit_s * work + self.bwd_per_item_s * items
+
+
+@dataclass(frozen=True)
+class CommFit:
+    """One gloo operation on groups of n ranks while the world's W ranks all communicate.
+
+    Blocking operations: `seconds` is what one costs after some compute. Asynchronous ones are measured
+    as a burst (`burst` operations each issued after `compute_s` of work, then all waited for):
+    `seconds` is then the whole burst's time, and planner.live solves for one operation's duration in
+    its simulation of that same pattern."""
+
+    alpha_s: float
+    beta_s_per_byte: float
+    cpu_fraction: float  # process CPU time over wall time while it runs (gloo threads stay busy)
+    burst: int = 0
+    compute_s: float = 0.0
+
+    def seconds(self, nbytes: float) -> float:
+        return self.alpha_s + self.beta_s_per_byte * max(0.0, nbytes)
+
+
+@dataclass
+class Calibration:
+    key: str
+    created_s: float
+    cpus: int
+    torch: str
+    compute: dict[str, Fit] = field(default_factory=dict)
+    engine_units: dict[str, float] = field(default_factory=dict)  # seconds per engine span name
+    compute_share: dict[int, float] = field(default_factory=dict)  # world -> slowdown when all compute
+    comm: dict[str, CommFit] = field(default_factory=dict)  # comm_key(world, kind, n, mode) -> fit
+    roofline: dict[str, float] = field(default_factory=dict)
+    worlds: list[int] = field(default_factory=list)  # worlds whose communication was measured
+
+    def comm_fit(self, world: int, kind: str, n: int, mode: str = "sync") -> CommFit:
+        key = comm_key(world, kind, n, mode)
+        if key in self.comm:
+            return self.comm[key]
+        if mode == "async" and comm_key(world, kind, n, "sync") in self.comm:
+            return self.comm[comm_key(world, kind, n, "sync")]
+        raise CalibrationError(f"no calibration of {kind} on groups of {n} at world {world}; measure world {world}")
+
+    def share(self, world: int) -> float:
+        if world <= 1:
+            return 1.0
+        if world in self.compute_share:
+            return self.compute_share[world]
+        # more ranks than measured: the cores divide as in processor sharing
+        w, s = max(self.compute_share.items())
+        return s * max(1.0, world / w) if self.compute_share else max(1.0, world / self.cpus)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["format"] = FORMAT
+        d["compute_share"] = {str(k): v for k, v in self.compute_share.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Calibration:
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise CalibrationError("the calibration file is from another version of ShardLab")
+        try:
+            return cls(key=str(d["key"]), created_s=float(d["created_s"]), cpus=int(d["cpus"]), torch=str(d["torch"]),
+                       compute={k: Fit(**v) for k, v in d["compute"].items()},
+                       engine_units={k: float(v) for k, v in d["engine_units"].items()},
+                       compute_share={int(k): float(v) for k, v in d["compute_share"].items()},
+                       comm={k: CommFit(**v) for k, v in d["comm"].items()},
+                       roofline={k: float(v) for k, v in d["roofline"].items()},
+                       worlds=[int(w) for w in d["worlds"]])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CalibrationError(f"the calibration file is malformed ({type(e).__name__}: {e})") from None
+
+
+def comm_key(world: int, kind: str, n: int, mode: str) -> str:
+    return f"w{world}/{kind}/n{n}/{mode}"
+
+
+# -- the machine and its cache file ----------------------------------------------------------------------
+
+def cpu_count() -> int:
+    """Cores this process may run on (a container's CPU set, not the host's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_key(torch_version: str) -> str:
+    ident = "|".join([platform.node(), _cpu_model(), str(cpu_count()), torch_version, platform.python_version()])
+    return hashlib.sha1(ident.encode()).hexdigest()[:12]
+
+
+def cache_dir() -> Path:
+    if os.environ.get("SHARDLAB_CACHE_DIR"):
+        return Path(os.environ["SHARDLAB_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "shardlab"
+
+
+def cache_path(key: str) -> Path:
+    return cache_dir() / f"this-machine-{key}.json"
+
+
+def load(key: str, now_s: float | None = None) -> tuple[Calibration | None, str]:
+    """(calibration, "") from the cache, or (None, why it cannot be used: missing, corrupt, stale)."""
+    path = cache_path(key)
+    if not path.exists():
+        return None, "no calibration of this machine yet"
+    try:
+        cal = Calibration.from_dict(json.loads(path.read_text()))
+    except (OSError, json.JSONDecodeError) as e:
+        return None, f"the calibration file {path} is unreadable ({e}); measuring again"
+    except CalibrationError as e:
+        return None, f"{e}; measuring again"
+    if cal.key != key:
+        return None, "the calibration file belongs to another machine; measuring again"
+    age = (now_s or time.time()) - cal.created_s
+    if age > STALE_AFTER_S:
+        return None, f"the calibration is {age / 86400:.0f} days old; measuring again"
+    return cal, ""
+
+
+def save(cal: Calibration) -> Path:
+    """Write atomically: a crash never leaves a half-written calibration."""
+    path = cache_path(cal.key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(cal.to_dict(), f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+# -- fitting the measurements ------------------------------------------------------------------------
+
+def _fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares y = a + b x over the points, both kept >= 0 (a negative cost only fits noise)."""
+    if not points:
+        raise CalibrationError("no measurement to fit")
+    if len(points) == 1 or len({x for x, _ in points}) == 1:
+        return max(0.0, sum(y for _, y in points) / len(points)), 0.0
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    b = sum((x - mx) * (y - my) for x, y in points) / sxx
+    a = my - b * mx
+    if b < 0:
+        return max(0.0, my), 0.0
+    if a < 0:
+        return 0.0, sum(x * y for x, y in points) / sum(x * x for x, _ in points)
+    return a, b
+
+
+def work(op: str, s: dict) -> float:
+    """The work measure each module's time grows with (FLOPs, or elements moved), from its shape."""
+    if op == "linear":
+        return 2.0 * s["m"] * s["k"] * s["n"]
+    if op == "rmsnorm":
+        return float(s["m"] * s["d"])
+    if op == "attention":
+        tokens, hd = s["b"] * s["t"], s["head_dim"]
+        proj = 2.0 * tokens * s["d"] * (2 * s["heads"] + 2 * s["kv_heads"]) * hd
+        return proj + 4.0 * s["b"] * s["heads"] * s["t"] ** 2 * hd
+    if op == "swiglu":
+        return 6.0 * s["b"] * s["t"] * s["d"] * s["ffn"]
+    if op == "embed":
+        return float(s["b"] * s["t"] * s["d"])
+    if op == "head":
+        return 2.0 * s["b"] * s["t"] * s["d"] * s["vocab"]
+    if op == "moe":
+        tokens = s["b"] * s["t"]
+        return 2.0 * tokens * s["d"] * s["experts"] + 6.0 * tokens * s["top_k"] * s["d"] * s["ffn"]
+    if op == "ring_block":
+        return 4.0 * s["b"] * s["heads"] * s["rows"] * s["cols"] * s["head_dim"]
+    if op == "adamw":
+        return float(s["numel"])
+    if op == "cat":
+        return float(s["parts"])
+    return 0.0
+
+
+def fit_compute(samples: list[dict]) -> tuple[dict[str, Fit], dict[str, float], dict[str, float]]:
+    """(module fits, engine unit seconds, roofline) from `engine.calibrate.measure_compute` samples."""
+    by_op: dict[str, list[dict]] = {}
+    for smp in samples:
+        by_op.setdefault(smp["op"], []).append(smp)
+    fits: dict[str, Fit] = {}
+    for op, rows in by_op.items():
+        if op in ("engine_unit", "engine_step", "matmul_roofline", "copy_roofline", "block", "copy"):
+            continue
+        if op == "moe":
+            # fixed + per expert (each expert runs, even on no rows) + per FLOP: three shapes, three unknowns
+            fits["moe"] = _fit_moe(rows)
+            continue
+        f = _fit_line([(work(op, r["shape"]), r["fwd_s"]) for r in rows])
+        b = _fit_line([(work(op, r["shape"]), r["bwd_s"]) for r in rows])
+        fits[op] = Fit(f[0], f[1], b[0], b[1])
+    blocks = by_op.get("block", [])
+    if blocks and {"rmsnorm", "attention", "swiglu"} <= set(fits):
+        # what a Block adds around its modules (two residual adds, the module calls)
+        s = blocks[0]["shape"]
+        parts_f = parts_b = 0.0
+        norm_w = s["b"] * s["t"] * s["d"]
+        att = {"b": s["b"], "t": s["t"], "d": s["d"], "heads": s["heads"], "kv_heads": s["kv_heads"],
+               "head_dim": s["d"] // s["heads"]}
+        mlp = {"b": s["b"], "t": s["t"], "d": s["d"], "ffn": s["ffn"]}
+        for op, w in (("rmsnorm", norm_w), ("rmsnorm", norm_w), ("attention", work("attention", att)),
+                      ("swiglu", work("swiglu", mlp))):
+            parts_f += fits[op].fwd(w)
+            parts_b += fits[op].bwd(w)
+        fits["block_glue"] = Fit(max(0.0, blocks[0]["fwd_s"] - parts_f), 0.0, max(0.0, blocks[0]["bwd_s"] - parts_b), 0.0)
+    units = {r["shape"]["name"]: r["fwd_s"] for r in by_op.get("engine_unit", [])}
+    if by_op.get("engine_step"):
+        units["step"] = by_op["engine_step"][0]["fwd_s"]
+    roof = {}
+    for r in by_op.get("matmul_roofline", []):
+        s = r["shape"]
+        roof[f"{s['dtype']}_flops_per_s"] = 2.0 * s["m"] * s["k"] * s["n"] / r["fwd_s"]
+    for r in by_op.get("copy_roofline", []):
+        roof["copy_bytes_per_s"] = r["shape"]["bytes"] / r["fwd_s"]
+    return fits, units, roof
+
+
+def _fit_moe(rows: list[dict]) -> Fit:
+    def solve(key: str) -> tuple[float, float, float]:
+        # least squares of t = a + e * experts + c * flops
+        xs = [(1.0, r["shape"]["experts"], work("moe", r["shape"])) for r in rows]
+        ys = [r[key] for r in rows]
+        return _lstsq3(xs, ys)
+
+    fa, fe, fc = solve("fwd_s")
+    ba, be, bc = solve("bwd_s")
+    return Fit(max(0.0, fa), max(0.0, fc), max(0.0, ba), max(0.0, bc), max(0.0, fe), max(0.0, be))
+
+
+def _lstsq3(xs: list[tuple[float, float, float]], ys: list[float]) -> tuple[float, float, float]:
+    """Normal equations for three unknowns (Cramer's rule); falls back to a constant when singular."""
+    ata = [[sum(x[i] * x[j] for x in xs) for j in range(3)] for i in range(3)]
+    aty = [sum(x[i] * y for x, y in zip(xs, ys, strict=True)) for i in range(3)]
+
+    def det(m):
+        return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1]) - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+                + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
+
+    d = det(ata)
+    if abs(d) < 1e-30 * max(1.0, abs(ata[2][2])) ** 3:
+        return sum(ys) / len(ys), 0.0, 0.0
+    out = []
+    for i in range(3):
+        m = [row[:] for row in ata]
+        for r in range(3):
+            m[r][i] = aty[r]
+        out.append(det(m) / d)
+    return out[0], out[1], out[2]
+
+
+def fit_comm(world: int, rows: list[list[dict]]) -> dict[str, CommFit]:
+    """Per operation: alpha and beta from the slowest rank's mean time at each size; the mean CPU share."""
+    grouped: dict[tuple[str, int, str], dict[int, list[tuple[float, float]]]] = {}
+    extra: dict[tuple[str, int, str], tuple[int, float]] = {}
+    for rank_rows in rows:
+        for r in rank_rows:
+            key = (r["kind"], r["n"], r["mode"])
+            grouped.setdefault(key, {}).setdefault(r["bytes"], []).append((r["seconds"], r["cpu_s"]))
+            if "compute_s" in r:
+                extra[key] = (r.get("burst", 0), max(extra.get(key, (0, 0.0))[1], r["compute_s"]))
+    out = {}
+    for (kind, n, mode), by_size in grouped.items():
+        points = [(nbytes, max(t for t, _ in v)) for nbytes, v in by_size.items()]
+        alpha, beta = _fit_line(points)
+        wall = sum(t for v in by_size.values() for t, _ in v)
+        cpu = sum(c for v in by_size.values() for _, c in v)
+        burst, compute_s = extra.get((kind, n, mode), (0, 0.0))
+        out[comm_key(world, kind, n, mode)] = CommFit(alpha, beta, min(1.0, cpu / wall) if wall > 0 else 0.0,
+                                                      burst, compute_s)
+    return out
+
+
+def fit_share(world: int, shared: list[list[dict]], solo: dict[str, Fit], solo_block: dict) -> float:
+    """Mean slowdown of a Block's forward + backward when `world` ranks run it at once."""
+    alone = solo_block["fwd_s"] + solo_block["bwd_s"]
+    together = [r[0]["fwd_s"] + r[0]["bwd_s"] for r in shared]
+    return max(1.0, sum(together) / len(together) / alone) if alone > 0 else 1.0
+
+
+def summary_lines(cal: Calibration) -> list[str]:
+    """What was measured, in words, for the pages."""
+    lines = []
+    if cal.roofline:
+        lines.append(f"matmul {cal.roofline.get('fp32_flops_per_s', math.nan) / 1e9:,.1f} GFLOP/s fp32, "
+                     f"{cal.roofline.get('bf16_flops_per_s', math.nan) / 1e9:,.1f} GFLOP/s bf16 (one thread); "
+                     f"copy {cal.roofline.get('copy_bytes_per_s', math.nan) / 1e9:,.1f} GB/s")
+    if "linear" in cal.compute:
+        f = cal.compute["linear"]
+        lines.append(f"a small matmul costs {f.fwd_fixed_s * 1e6:.1f} us of overhead + its FLOPs at "
+                     f"{1 / f.fwd_per_unit_s / 1e9 if f.fwd_per_unit_s else math.inf:,.1f} GFLOP/s")
+    for w in sorted(cal.worlds):
+        ar = cal.comm.get(comm_key(w, "all_reduce", w, "sync"))
+        if ar:
+            lines.append(f"{w} ranks: a gloo all-reduce costs {ar.alpha_s * 1e6:,.0f} us + "
+                         f"{ar.beta_s_per_byte * 1e9:.2f} ns/byte; compute runs "
+                         f"{cal.share(w):.2f}x slower with all {w} ranks busy on {cal.cpus} cores")
+    return lines

@@ -1,0 +1,763 @@
+"""The planner's prediction of a live engine run on this machine, from this machine's calibration.
+
+For the exact model, mesh, strategy, schedule, micro-batches and steps of an `engine` run, every rank's
+step is written out as the engine executes it (the same units, the same collectives on the same groups,
+synchronous or asynchronous, the same pipeline actions) with each operation's cost taken from
+`hardware.this_machine.Calibration`: the engine's modules by shape, the driver's own overhead per unit,
+gloo's measured time per operation, group size and world, and how the cores are shared. The ranks are
+then simulated together (`planner.eventsim`): a collective starts when its last member posts it, a
+receive waits for its send, computing ranks share the cores.
+
+    pred = predict(cfg, calibration)
+    pred.step_time_s, pred.breakdown_s, pred.timeline          # one step, in the engine's span format
+
+`cfg` is an `engine.config.RunConfig` (read by attribute; the planner does not import the engine's run
+machinery). Byte counts follow engine/comm.py (fp32 tensors; the full array for gathers and reductions).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from engine.mesh import Mesh
+from engine.schedules import (
+    BACKWARD,
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    RECV,
+    SEND,
+    make_schedule,
+    stage_units,
+)
+from engine.trace import Timeline, span_kind
+from hardware.this_machine import Calibration, work
+from planner.eventsim import Collective, Compute, Recv, Send, Wait, idle_spans, simulate
+
+F32 = 4
+# Small tensor operations the strategies add around the modules (counted from engine/*.py): each costs
+# one calibrated tiny-op call.
+TP_REGION_OPS = 2  # f/g autograd function + contiguous copy, per region entry or exit
+SP_RESHAPE_OPS = 3  # permute / reshape / empty around a sequence all-gather or reduce-scatter
+VOCAB_PARALLEL_OPS = 12  # masks, shifts, gathers of the vocabulary-parallel embedding and cross entropy
+EP_DISPATCH_OPS = 18  # bincounts, argsort, repeat_interleave, index ops and .tolist() of one MoE dispatch
+RING_STEP_OPS = 2  # the query rows' slicing and the in-place write of one ring step (the rest is timed)
+FLAT_VIEW_OPS = 2  # per parameter: the flat buffer's view and reshape (ZeRO / FSDP functional_call)
+
+
+@dataclass
+class LivePrediction:
+    step_time_s: float
+    breakdown_s: dict[str, float]
+    timeline: Timeline
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"step_time_s": self.step_time_s, "breakdown_s": self.breakdown_s, "notes": self.notes,
+                "source": "planner.live on this machine's calibration"}
+
+
+def _params(m, tp: int = 1, ep: int = 1, ep_rank: int = 0) -> list[list[tuple[str, int]]]:
+    """(name, numel) of the parameters this rank holds, per unit, in the engine model's order
+    (engine/model.py; tp shards as engine/tp.py splits them; ep keeps its experts)."""
+    d, hd = m.hidden, m.hidden // m.heads
+    kv_local = max(1, m.kv_heads // tp)
+    units = [[("tok", m.vocab // tp * d)]]
+    for _ in range(m.layers):
+        block = [("attn_norm", d), ("wq", m.heads // tp * hd * d), ("wk", kv_local * hd * d),
+                 ("wv", kv_local * hd * d), ("wo", d * m.heads // tp * hd), ("mlp_norm", d)]
+        if m.mlp == "moe":
+            block.append(("router", m.experts * d))
+            for _e in range(m.experts // ep):
+                block += [("w1", m.ffn * d), ("w3", m.ffn * d), ("w2", d * m.ffn)]
+        else:
+            block += [("w1", m.ffn // tp * d), ("w3", m.ffn // tp * d), ("w2", d * m.ffn // tp)]
+        units.append(block)
+    units.append([("norm", d), ("out", m.vocab // tp * d)])
+    return units
+
+
+class _Costs:
+    """Solo (one core) seconds of the engine's pieces on this machine, from the calibration."""
+
+    def __init__(self, cal: Calibration, cfg):
+        self.cal, self.cfg, self.m = cal, cfg, cfg.model
+        self._async_cache: dict = {}
+        c = cal.compute
+        self.tiny = c["tiny_op"].fwd(0)
+        m, b = self.m, cfg.micro_batch_size
+        # what the engine's driver adds around a unit (recorder span, backward markers, activation
+        # accounting), from its own default-shape step at world 1 against the modules alone
+        units = cal.engine_units
+        blocks_f = [v for k, v in units.items() if k.startswith("fwd L")]
+        blocks_b = [v for k, v in units.items() if k.startswith("bwd L")]
+        default = _Shape(b, m.seq_len, m.hidden, m.heads, m.kv_heads, m.ffn)
+        self.driver_fwd = max(0.0, _mean(blocks_f) - self._block(default, True)) if blocks_f else 0.0
+        self.driver_bwd = max(0.0, _mean(blocks_b) - self._block(default, False)) if blocks_b else 0.0
+
+    def fit(self, op: str, shape: dict, fwd: bool, items: float = 0.0) -> float:
+        f = self.cal.compute[op]
+        w = work(op, shape)
+        return f.fwd(w, items) if fwd else f.bwd(w, items)
+
+    def _block(self, s: _Shape, fwd: bool, norm_rows: int | None = None) -> float:
+        rows = norm_rows if norm_rows is not None else s.b * s.t
+        norm = 2 * self.fit("rmsnorm", {"m": rows, "d": s.d}, fwd)
+        att = self.fit("attention", {"b": s.b, "t": s.t, "d": s.d, "heads": s.heads, "kv_heads": s.kv,
+                                     "head_dim": self.m.hidden // self.m.heads}, fwd)
+        mlp = self.fit("swiglu", {"b": s.b, "t": s.t, "d": s.d, "ffn": s.ffn}, fwd)
+        glue = self.cal.compute["block_glue"]
+        return norm + att + mlp + (glue.fwd(0) if fwd else glue.bwd(0))
+
+    def block(self, s: _Shape, fwd: bool, norm_rows: int | None = None) -> float:
+        return self._block(s, fwd, norm_rows) + (self.driver_fwd if fwd else self.driver_bwd)
+
+    def attention_core(self, s: _Shape, fwd: bool) -> float:
+        """The scaled-dot-product part of the attention fit (its FLOPs at the fitted rate)."""
+        f = self.cal.compute["attention"]
+        flops = 4.0 * s.b * s.heads * s.t ** 2 * (self.m.hidden // self.m.heads)
+        return flops * (f.fwd_per_unit_s if fwd else f.bwd_per_unit_s)
+
+    def ring_block(self, b: int, heads: int, rows: int, cols: int, fwd: bool) -> float:
+        shape = {"b": b, "heads": heads, "rows": rows, "cols": cols, "head_dim": self.m.hidden // self.m.heads}
+        return self.fit("ring_block", shape, fwd) + RING_STEP_OPS * self.tiny
+
+    def moe(self, b: int, t: int, local_experts: int, fwd: bool) -> float:
+        m = self.m
+        # the MoE fit at the experts this rank runs; each token's top_k rows spread over all experts, so
+        # the rows a rank processes per local expert stay t * top_k / experts on average (balanced)
+        shape = {"b": b, "t": t, "d": m.hidden, "ffn": m.ffn, "experts": m.experts,
+                 "top_k": m.top_k * local_experts / m.experts}
+        return self.fit("moe", shape, fwd, items=local_experts)
+
+    def embed(self, tokens: int, fwd: bool) -> float:
+        return self.fit("embed", {"b": 1, "t": tokens, "d": self.m.hidden}, fwd)
+
+    def head(self, tokens: int, vocab: int, fwd: bool) -> float:
+        return self.fit("head", {"b": 1, "t": tokens, "d": self.m.hidden, "vocab": vocab}, fwd)
+
+    def adamw(self, numels: list[int]) -> float:
+        f = self.cal.compute["adamw"]
+        return sum(f.fwd(n) for n in numels)
+
+    def cat(self, parts: int) -> float:
+        return self.cal.compute["cat"].fwd(parts)
+
+    def comm(self, kind: str, n: int, nbytes: float, mode: str = "sync") -> float:
+        if n <= 1:
+            return 0.0
+        size = _nearest(n, self._sizes(kind, mode))
+        fit = self.cal.comm_fit(self.cfg.world, kind, size, mode)
+        if mode == "async" and fit.burst:
+            return self._async_op_s(kind, size, nbytes, fit)
+        return fit.seconds(nbytes)
+
+    def message_s(self, group: int, nbytes: float) -> float:
+        """A pipeline message's delivery while the other ranks compute: the calibrated ring shift of the
+        pipeline's ranks (each sends to its next and receives from its previous one, after compute)."""
+        return self.comm("ring_shift", group, nbytes)
+
+    def _async_op_s(self, kind: str, n: int, nbytes: float, fit) -> float:
+        """The duration of one asynchronous operation that makes this simulator reproduce the measured
+        burst (each of `fit.burst` operations issued after `fit.compute_s` of work, then all waited for,
+        on every rank of the world at once): a bisection on the operation's duration."""
+        key = (kind, n, round(nbytes))
+        if key in self._async_cache:
+            return self._async_cache[key]
+        w, target = self.cfg.world, fit.seconds(nbytes)
+        solo = fit.compute_s / self.cal.share(w)
+        cpu = self.cpu(kind, n, "sync")
+
+        def simulated(d: float) -> float:
+            progs = {}
+            for rank in range(w):
+                group = tuple(range(rank // n * n, rank // n * n + n))
+                ops = []
+                for j in range(fit.burst):
+                    ops += [Compute("c", solo), Collective("x", group, "dp", d, handle=f"h{j}", cpu=cpu)]
+                progs[rank] = ops + [Wait(f"h{j}") for j in range(fit.burst)]
+            return max(simulate(progs, cores=self.cal.cpus)[1].values())
+
+        lo, hi = 0.0, target
+        for _ in range(30):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if simulated(mid) < target else (lo, mid)
+        self._async_cache[key] = (lo + hi) / 2
+        return self._async_cache[key]
+
+    def cpu(self, kind: str, n: int, mode: str = "sync") -> float:
+        if n <= 1:
+            return 0.0
+        return self.cal.comm_fit(self.cfg.world, kind, _nearest(n, self._sizes(kind, mode)), mode).cpu_fraction
+
+    def _sizes(self, kind: str, mode: str) -> list[int]:
+        prefix = f"w{self.cfg.world}/{kind}/n"
+        return sorted({int(k[len(prefix):].split("/")[0]) for k in self.cal.comm
+                       if k.startswith(prefix) and k.endswith(f"/{mode}")}
+                      or {int(k[len(prefix):].split("/")[0]) for k in self.cal.comm if k.startswith(prefix)})
+
+
+@dataclass(frozen=True)
+class _Shape:
+    b: int
+    t: int
+    d: int
+    heads: int
+    kv: int
+    ffn: int
+
+
+def _mean(xs) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def _nearest(n: int, sizes: list[int]) -> int:
+    if not sizes:
+        return n
+    return min(sizes, key=lambda s: (abs(math.log(s) - math.log(n)), -s))
+
+
+class _Rank:
+    """One rank's program, built in the engine's order."""
+
+    def __init__(self, rank: int, costs: _Costs):
+        self.rank, self.costs, self.ops = rank, costs, []
+        self.mb: int | None = None
+        self._n = 0
+
+    def compute(self, name: str, seconds: float) -> None:
+        if seconds > 0:
+            self.ops.append(Compute(name, seconds, self.mb))
+
+    def coll(self, name: str, group: tuple[int, ...], axis: str, kind: str, nbytes: float, asyn: bool = False,
+             mode: str | None = None) -> str | None:
+        n = len(group)
+        if n <= 1:
+            return None
+        mode = mode or ("async" if asyn else "sync")
+        self._n += 1
+        handle = f"h{self._n}" if asyn else None
+        self.ops.append(Collective(name, group, axis, self.costs.comm(kind, n, nbytes, mode), int(nbytes), handle,
+                                   self.costs.cpu(kind, n, mode), self.mb))
+        return handle
+
+    def wait(self, handle: str | None) -> None:
+        if handle is not None:
+            self.ops.append(Wait(handle))
+
+
+def predict(cfg, cal: Calibration) -> LivePrediction:
+    """One optimizer step of `cfg` on this machine (see the module docstring)."""
+    costs = _Costs(cal, cfg)
+    axes = cfg.parallel.axes(cfg.world)
+    mesh = Mesh(axes)
+    groups = {a: mesh.group_ranks(a) for a, _ in axes}
+
+    def group_of(rank: int, axis: str) -> tuple[int, ...]:
+        if axis not in groups:
+            return (rank,)
+        return tuple(next(g for g in groups[axis] if rank in g))
+
+    programs = {}
+    for rank in range(cfg.world):
+        r = _Rank(rank, costs)
+        g = {axis: group_of(rank, axis) for axis in ("dp", "fsdp", "tp", "cp", "ep", "pp")}
+        if "fsdp" in dict(axes) and dict(axes)["fsdp"] > 1:
+            g["dp"] = g["fsdp"]
+        _Program(cfg, costs, r, g, mesh).build()
+        programs[rank] = r.ops
+    timeline, ends = simulate(programs, cores=cal.cpus)
+    step = max(ends.values())
+    timeline.extend(idle_spans(timeline, step))
+    timeline.meta.update(world=cfg.world, strategy=cfg.parallel.strategy, steps=1, predicted_from="calibration")
+    return LivePrediction(step, breakdown(timeline, step), timeline)
+
+
+def breakdown(timeline: Timeline, step_s: float) -> dict[str, float]:
+    """Seconds of the slowest rank's step by kind: compute, communication it waited for (by axis), idle."""
+    out: dict[str, float] = {}
+    last = max(timeline.ranks, key=lambda r: max((s.end_s for s in timeline.for_rank(r)), default=0.0))
+    for s in timeline.for_rank(last):
+        if s.lane == "compute":
+            key = "optimizer" if s.name == "optimizer step" else "compute"
+        elif s.lane == "comm":
+            if s.is_async:
+                continue
+            key = f"{s.group or 'world'}_comm"
+        else:
+            key = "idle"
+        out[key] = out.get(key, 0.0) + s.duration_s
+    total = sum(out.values())
+    if total > 0 and abs(total - step_s) > 1e-9:
+        out["idle"] = out.get("idle", 0.0) + (step_s - total)
+    return out
+
+
+WAITING = "waiting for a peer or an asynchronous operation"
+
+
+def _label(kind: str, group: str) -> str:
+    if kind in ("forward", "backward", "optimizer"):
+        return f"{kind} compute"
+    if kind == "other compute":
+        return kind
+    return f"gloo {kind}" + (f" ({group})" if group else "")
+
+
+def per_step_by_kind(timeline: Timeline, skip_first: bool = True) -> dict[str, float]:
+    """Seconds per rank per step spent on each kind of work (engine.trace.span_kind; communication by
+    kind and group): what the rank's step is made of, so idle time and asynchronous operations (which
+    run beside it, their spans including their time in gloo's queue) are left out, and the time a rank
+    spends on no blocking span counts as WAITING. A measured run's
+    first step (warm-up) is skipped when there are later ones."""
+    steps = sorted({s.step for s in timeline.spans})
+    if skip_first and len(steps) > 1:
+        steps = steps[1:]
+    keep = set(steps)
+    ranks = max(1, len(timeline.ranks))
+    out: dict[str, float] = {}
+    for rank in timeline.ranks:
+        spans = [s for s in timeline.for_rank(rank) if s.lane != "idle" and not s.is_async and s.step in keep]
+        for step in keep:  # waiting: the step's time on no blocking span (peers, asynchronous operations)
+            in_step = [s for s in timeline.for_rank(rank) if s.step == step and s.lane != "idle"]
+            if in_step:
+                window = max(s.end_s for s in in_step) - min(s.start_s for s in in_step)
+                busy = _union([(s.start_s, s.end_s) for s in in_step if not s.is_async])
+                out[WAITING] = out.get(WAITING, 0.0) + max(0.0, window - busy) / ranks / len(keep)
+        for s in spans:
+            seconds = s.duration_s
+            if s.lane == "compute":
+                # a layer's span encloses its ring steps and the blocking collectives it waits for: the
+                # compute is what is left, each second counted once
+                seconds -= _union([(c.start_s, c.end_s) for c in spans if c is not s and s.start_s <= c.start_s
+                                   and c.end_s <= s.end_s and c.duration_s < s.duration_s])
+            key = _label(span_kind(s), s.group if s.lane == "comm" else "")
+            out[key] = out.get(key, 0.0) + seconds / ranks / len(keep)
+    return out
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, -math.inf
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def compare(predicted: Timeline, measured: Timeline, top: int = 3) -> list[dict]:
+    """Where a measured run differs most from its prediction: per kind of work, the seconds per rank per
+    step of each, largest absolute difference first (at most `top`, only those over 10 % and 50 us)."""
+    p, m = per_step_by_kind(predicted), per_step_by_kind(measured)
+    rows = []
+    for key in set(p) | set(m):
+        ps, ms = p.get(key, 0.0), m.get(key, 0.0)
+        if abs(ms - ps) < 50e-6 or abs(ms - ps) < 0.1 * max(ps, ms):
+            continue
+        ratio = ms / ps if ps > 0 else math.inf
+        text = (f"{key} took {ratio:.1f}x its predicted time ({ms * 1e3:.2f} ms against {ps * 1e3:.2f} ms "
+                "per rank per step)" if ps > 0 else f"{key} took {ms * 1e3:.2f} ms per rank per step; "
+                "the prediction has none")
+        rows.append({"what": key, "predicted_s": ps, "measured_s": ms, "ratio": ratio, "text": text})
+    rows.sort(key=lambda r: -abs(r["measured_s"] - r["predicted_s"]))
+    return rows[:top]
+
+
+class _Program:
+    """Writes one rank's step as the engine runs it (engine/train.py, engine/pp.py and the strategies)."""
+
+    def __init__(self, cfg, costs: _Costs, r: _Rank, g: dict, mesh: Mesh):
+        self.cfg, self.c, self.r, self.g, self.mesh = cfg, costs, r, g, mesh
+        p, m = cfg.parallel, cfg.model
+        self.m = m
+        self.tp = len(g["tp"])
+        self.cp = len(g["cp"])
+        self.ep = len(g["ep"])
+        self.dp = len(g["dp"])
+        self.pp = len(g["pp"])
+        self.sp = p.sequence_parallel
+        self.stage = p.stage
+        self.strategy = p.strategy
+        self.b = cfg.micro_batch_size
+        self.t_local = m.seq_len // self.cp  # tokens of a sequence this rank holds
+        ep_rank = g["ep"].index(r.rank) if self.ep > 1 else 0
+        self.params = _params(m, self.tp, self.ep, ep_rank)
+        self.unit_names = ["embed", *(f"L{i}" for i in range(m.layers)), "head"]
+        self.held = list(range(len(self.unit_names)))  # units this rank holds (a pipeline stage: fewer)
+        self.flat = self.stage in (1, 2, 3) and self.strategy not in ("cp", "ep")
+        self.pending: list[str | None] = []
+        self.gathered: dict[int, str | None] = {}
+        self.done_gather: set[int] = set()
+
+    # -- per-unit compute and the collectives inside a unit ---------------------------------------------
+    def _unit(self, i: int) -> tuple[str, int, float, float]:
+        """Unit i's span name, its tokens on this rank, its activation bytes, and the flat-buffer views."""
+        tokens = self.b * self.t_local
+        flat_extra = FLAT_VIEW_OPS * len(self.params[i]) * self.c.tiny if self.flat else 0.0
+        return self.unit_names[i], tokens, tokens * self.m.hidden * F32, flat_extra
+
+    def unit_fwd(self, i: int) -> None:
+        r, c, m = self.r, self.c, self.m
+        name, tokens, act, flat_extra = self._unit(i)
+        if i == 0:
+            r.compute(f"fwd {name}", c.embed(tokens, True) + c.driver_fwd * 0.5 + flat_extra
+                      + (VOCAB_PARALLEL_OPS / 2 * c.tiny if self.tp > 1 else 0.0))
+            if self.tp > 1:
+                self._tp_exit(act, "embed")
+            return
+        if i == m.layers + 1:
+            tp_entry = self.tp > 1
+            if tp_entry:
+                self._tp_enter(act, "head")
+            r.compute(f"fwd {name}", c.head(tokens, m.vocab // self.tp, True) + c.driver_fwd * 0.5 + flat_extra
+                      + (VOCAB_PARALLEL_OPS * c.tiny if self.tp > 1 else 0.0))
+            if self.tp > 1:  # vocabulary-parallel cross entropy: the max, then the sums
+                r.coll("all_reduce loss max", self.g["tp"], "tp", "all_reduce", tokens * F32)
+                r.coll("all_reduce loss sum-exp and target logit", self.g["tp"], "tp", "all_reduce",
+                       2 * tokens * F32)
+            return
+        self._block(i, name, tokens, act, True, flat_extra)
+
+    def _block(self, i: int, name: str, tokens: int, act: float, fwd: bool, flat_extra: float) -> None:
+        r, c, m = self.r, self.c, self.m
+        t = self.tp
+        heads, kv = m.heads // t, max(1, m.kv_heads // t)
+        ffn = m.ffn // t if m.mlp == "dense" else m.ffn
+        shape = _Shape(self.b, self.t_local, m.hidden, heads, kv, ffn)
+        norm_rows = tokens // t if self.sp else tokens
+        label = f"{'fwd' if fwd else 'bwd'} {name}"
+        if t == 1 and self.cp == 1 and m.mlp == "dense":
+            r.compute(label, c.block(shape, fwd) + flat_extra)
+            return
+        # the unit's work split around its collectives, in the order the engine runs them
+        attn_part = c.fit("attention", {"b": self.b, "t": self.t_local, "d": m.hidden, "heads": heads,
+                                        "kv_heads": kv, "head_dim": m.hidden // m.heads}, fwd)
+        norm = c.fit("rmsnorm", {"m": norm_rows, "d": m.hidden}, fwd)
+        glue = c.cal.compute["block_glue"]
+        rest = (glue.fwd(0) if fwd else glue.bwd(0)) + (c.driver_fwd if fwd else c.driver_bwd) + flat_extra
+        if m.mlp == "moe":
+            mlp = c.moe(self.b, self.t_local, m.experts // self.ep, fwd) + (EP_DISPATCH_OPS * c.tiny if self.ep > 1 else 0)
+        else:
+            mlp = c.fit("swiglu", {"b": self.b, "t": self.t_local, "d": m.hidden, "ffn": ffn}, fwd)
+        ring = self.cp > 1 and self.cfg.parallel.cp_variant == "ring"
+        if ring:
+            attn_part -= c.attention_core(shape, fwd)
+        if fwd:
+            r.compute(label, norm + rest / 2)
+            self._tp_enter(act, f"{name} attn")
+            r.compute(label, attn_part)
+            self._cp_attention(name, shape, True)
+            self._tp_exit(act, f"{name} attn")
+            r.compute(label, norm + rest / 2)
+            self._tp_enter(act, f"{name} mlp")
+            self._ep_mlp(name, mlp, tokens, True)
+            self._tp_exit(act, f"{name} mlp")
+        else:
+            self._tp_exit_bwd(act, f"{name} mlp")
+            self._ep_mlp(name, mlp, tokens, False)
+            self._tp_enter_bwd(act, f"{name} mlp")
+            r.compute(label, norm + rest / 2)
+            self._tp_exit_bwd(act, f"{name} attn")
+            self._cp_attention(name, shape, False)
+            r.compute(label, attn_part)
+            self._tp_kv_replicas(name)
+            self._tp_enter_bwd(act, f"{name} attn")
+            r.compute(label, norm + rest / 2)
+            if self.sp:  # the two norms' weight gradients, summed over tp
+                r.coll(f"all_reduce {name} norm grad", self.g["tp"], "tp", "all_reduce", m.hidden * F32)
+                r.coll(f"all_reduce {name} norm grad", self.g["tp"], "tp", "all_reduce", m.hidden * F32)
+
+    def unit_bwd(self, i: int) -> None:
+        r, c, m = self.r, self.c, self.m
+        name, tokens, act, flat_extra = self._unit(i)
+        if i == 0:
+            if self.tp > 1:
+                self._tp_exit_bwd(act, "embed")
+            r.compute(f"bwd {name}", c.embed(tokens, False) + c.driver_bwd * 0.5 + flat_extra)
+            return
+        if i == m.layers + 1:
+            r.compute(f"bwd {name}", c.head(tokens, m.vocab // self.tp, False) + c.driver_bwd * 0.5 + flat_extra)
+            if self.tp > 1:
+                self._tp_enter_bwd(act, "head")
+                if self.sp:
+                    r.coll("all_reduce head norm grad", self.g["tp"], "tp", "all_reduce", m.hidden * F32)
+            return
+        self._block(i, name, tokens, act, False, flat_extra)
+
+    # -- tensor parallel regions (engine/tp_comm.py) -----------------------------------------------------
+    def _tp_enter(self, act: float, where: str) -> None:
+        if self.tp > 1 and self.sp:
+            self.r.compute(f"fwd {where}", SP_RESHAPE_OPS * self.c.tiny)
+            self.r.coll(f"all_gather {where}", self.g["tp"], "tp", "all_gather", act)
+
+    def _tp_exit(self, act: float, where: str) -> None:
+        self._tp_reduce("fwd", act, where)
+
+    def _tp_reduce(self, phase: str, act: float, where: str) -> None:
+        """Sum a region's partial outputs (forward exit) or input gradients (backward entry) over tp."""
+        if self.tp == 1:
+            return
+        self.r.compute(f"{phase} {where}", TP_REGION_OPS * self.c.tiny)
+        name = where if phase == "fwd" else f"{where} grad"
+        if self.sp:
+            self.r.coll(f"reduce_scatter {name}", self.g["tp"], "tp", "reduce_scatter", act)
+        else:
+            self.r.coll(f"all_reduce {name}", self.g["tp"], "tp", "all_reduce", act)
+
+    def _tp_exit_bwd(self, act: float, where: str) -> None:
+        if self.tp > 1 and self.sp:
+            self.r.coll(f"all_gather {where} grad", self.g["tp"], "tp", "all_gather", act)
+
+    def _tp_enter_bwd(self, act: float, where: str) -> None:
+        self._tp_reduce("bwd", act, where)
+
+    def _tp_kv_replicas(self, name: str) -> None:
+        m = self.m
+        if self.tp > m.kv_heads:
+            hd = m.hidden // m.heads
+            slots = m.kv_heads * hd * m.hidden * F32
+            for proj in ("wk", "wv"):
+                self.r.coll(f"all_reduce {name} {proj} replica grad", self.g["tp"], "tp", "all_reduce", slots)
+
+    # -- context parallel (engine/cp.py) -------------------------------------------------------------
+    def _cp_attention(self, name: str, s: _Shape, fwd: bool) -> None:
+        if self.cp == 1:
+            return
+        r, c, m = self.r, self.c, self.m
+        hd = m.hidden // m.heads
+        kv_bytes = 2 * self.b * m.kv_heads * self.t_local * hd * F32
+        n = self.cp
+        chunk = self.t_local // 2
+        if self.cfg.parallel.cp_variant != "ring":
+            kind = "all_gather" if fwd else "reduce_scatter"
+            r.coll(f"{kind} kv {name}", self.g["cp"], "cp", kind, n * kv_bytes)
+            return
+        for step in range(n):
+            rows, cols = (2 * chunk, 2 * chunk) if step == 0 else (2 * chunk, chunk)
+            shift = r.coll(f"send/recv kv {name}", self.g["cp"], "cp", "ring_shift", kv_bytes, asyn=True) \
+                if step < n - 1 else None
+            if fwd:
+                r.compute(f"attn {name} ring {step}", c.ring_block(self.b, s.heads, rows, cols, True))
+            else:
+                r.compute(f"attn bwd {name} ring {step}", c.ring_block(self.b, s.heads, rows, cols, False))
+                r.coll(f"send/recv dkv {name}", self.g["cp"], "cp", "ring_shift", kv_bytes)
+            r.wait(shift)
+
+    # -- expert parallel (engine/ep.py) ----------------------------------------------------------------
+    def _ep_mlp(self, name: str, mlp_s: float, tokens: int, fwd: bool) -> None:
+        r, m = self.r, self.m
+        label = f"{'fwd' if fwd else 'bwd'} {name}"
+        if self.ep == 1:
+            r.compute(label, mlp_s)
+            return
+        rows = tokens * m.top_k * m.hidden * F32  # every token's top_k copies (no capacity limit)
+        if fwd:
+            r.compute(label, mlp_s * 0.15)  # router and routing before the exchange
+            r.coll(f"all_to_all counts {name}", self.g["ep"], "ep", "all_to_all", m.experts * 8)
+            r.coll(f"all_to_all dispatch {name}", self.g["ep"], "ep", "all_to_all", rows)
+            r.compute(label, mlp_s * 0.85)
+            r.coll(f"all_to_all combine {name}", self.g["ep"], "ep", "all_to_all", rows)
+        else:
+            r.coll(f"all_to_all combine {name} bwd", self.g["ep"], "ep", "all_to_all", rows)
+            r.compute(label, mlp_s)
+            r.coll(f"all_to_all dispatch {name} bwd", self.g["ep"], "ep", "all_to_all", rows)
+
+    # -- the data-parallel strategy over dp (engine/dp.py, zero.py, fsdp.py, replicated.py) ---------------
+    def _buckets(self) -> list[tuple[int, int, int]]:
+        """(unit whose backward completes it, parameters, bytes) of DP's buckets, in reverse order."""
+        out, size, count = [], 0, 0
+        flat = [(u, n) for u, unit in enumerate(self.params) for _, n in unit]
+        for u, n in reversed(flat):
+            size += n * F32
+            count += 1
+            if size >= self.cfg.parallel.bucket_bytes:
+                out.append((u, count, size))
+                size = count = 0
+        if count:
+            out.append((0, count, size))
+        return out
+
+    def build(self) -> None:
+        if self.pp > 1:
+            self._pipeline()
+        else:
+            self._plain()
+        self._finish_and_step()
+
+    def _plain(self) -> None:
+        r, cfg = self.r, self.cfg
+        n_units = len(self.unit_names)
+        for mb in range(cfg.micro_batches):
+            r.mb = mb
+            last = mb == cfg.micro_batches - 1
+            for i in range(n_units):
+                self._before_forward(i)
+                self.unit_fwd(i)
+                self._after_forward(i)
+            buckets = {}
+            if self.stage == 0 and self.dp > 1 and cfg.parallel.dp_comm == "bucketed" and last \
+                    and self.strategy not in ("cp", "ep"):
+                for k, (u, count, nbytes) in enumerate(self._buckets()):
+                    buckets.setdefault(u, []).append((k, count, nbytes))
+            for i in reversed(range(n_units)):
+                self._before_backward(i)
+                self.unit_bwd(i)
+                for k, count, nbytes in buckets.get(i, []):
+                    r.compute(f"bwd {self.unit_names[i]}", self.c.cat(count))
+                    self.pending.append(r.coll(f"all_reduce bucket {k}", self.g["dp"], "dp", "all_reduce", nbytes,
+                                               asyn=True))
+                self._grad_ready(i, last)
+        r.mb = None
+
+    def _neighbour(self, i: int, step: int) -> int | None:
+        """The next unit this rank holds in forward (step 1) or backward (step -1) order, for prefetch."""
+        k = self.held.index(i) + step
+        return self.held[k] if 0 <= k < len(self.held) else None
+
+    def _before_forward(self, i: int) -> None:
+        if self.stage == 3 and self.dp > 1:
+            self._unshard(i)
+            nxt = self._neighbour(i, 1)
+            if self.cfg.parallel.prefetch and nxt is not None:
+                self._unshard(nxt)
+            self.r.wait(self.gathered.pop(i, None))
+            self.done_gather.add(i)
+
+    def _after_forward(self, i: int) -> None:
+        if self.stage == 3 and i != self.held[-1]:
+            self.done_gather.discard(i)
+
+    def _before_backward(self, i: int) -> None:
+        if self.stage == 3 and self.dp > 1:
+            self._unshard(i)
+            prv = self._neighbour(i, -1)
+            if self.cfg.parallel.prefetch and prv is not None:
+                self._unshard(prv)
+            self.r.wait(self.gathered.pop(i, None))
+            self.done_gather.add(i)
+
+    def _unit_bytes(self, i: int) -> int:
+        numel = sum(n for _, n in self.params[i])
+        return -(-numel // self.dp) * self.dp * F32  # padded to a multiple of dp (engine/flat.py)
+
+    def _unshard(self, i: int) -> None:
+        if i in self.gathered or i in self.done_gather:
+            return
+        self.gathered[i] = self.r.coll(f"all_gather {self.unit_names[i]}", self.g["dp"], "dp", "all_gather",
+                                       self._unit_bytes(i), asyn=True)
+
+    def _grad_ready(self, i: int, last: bool) -> None:
+        if self.dp == 1 or self.strategy in ("cp", "ep"):
+            return
+        if self.stage == 3:
+            self.done_gather.discard(i)
+            self.pending.append(self.r.coll(f"reduce_scatter {self.unit_names[i]}", self.g["dp"], "dp",
+                                            "reduce_scatter", self._unit_bytes(i), asyn=True))
+        elif self.stage in (1, 2) and (self.stage == 2 or last):
+            self.pending.append(self.r.coll("reduce_scatter grads", self.g["dp"], "dp", "reduce_scatter",
+                                            self._unit_bytes(i), asyn=True))
+
+    def _finish_and_step(self) -> None:
+        r, c, cfg = self.r, self.c, self.cfg
+        for h in self.pending:
+            r.wait(h)
+        held = [self.params[u] for u in self.held]
+        all_params = [n for unit in held for _, n in unit]
+        if self.strategy in ("cp", "ep"):
+            self._replicated_sync(all_params)
+        elif self.stage == 0 and self.dp > 1:
+            if cfg.parallel.dp_comm == "naive":
+                for n in reversed(all_params):
+                    r.coll("all_reduce", self.g["dp"], "dp", "all_reduce", n * F32)
+            r.compute("finish grads", 2 * len(all_params) * c.tiny)
+        elif self.stage in (1, 2, 3) and self.dp > 1:
+            r.compute("finish grads", 2 * len(held) * c.tiny)
+        if self.flat:
+            opt = c.adamw([-(-sum(n for _, n in unit) // self.dp) for unit in held])
+        else:
+            opt = c.adamw(all_params)
+        r.compute("optimizer step", opt)
+        if self.stage in (1, 2) and self.dp > 1 and self.flat:
+            for u in self.held:
+                r.coll("all_gather params", self.g["dp"], "dp", "all_gather", self._unit_bytes(u))
+
+    def _replicated_sync(self, all_params: list[int]) -> None:
+        """engine/replicated.py: per parameter set, the gradients flattened, summed over the axes whose
+        ranks computed them (one all-reduce over the world when they span it), divided, copied back."""
+        r, m, c = self.r, self.m, self.c
+        axis = self.strategy
+        if axis == "ep" and m.mlp == "moe":
+            expert = m.layers * (m.experts // self.ep) * 3 * m.ffn * m.hidden
+            sets = [(sum(all_params) - expert, ("dp", "ep")), (expert, ("dp",))]
+        else:
+            sets = [(sum(all_params), ("dp", axis))]
+        for numel, axes in sets:
+            r.compute("finish grads", c.cat(len(all_params)))
+            degrees = [len(self.g[a]) for a in axes]
+            if math.prod(degrees) == self.cfg.world > 1:
+                r.coll(f"all_reduce grads {axis}", tuple(range(self.cfg.world)), "world", "all_reduce", numel * F32)
+            else:
+                for a in axes:
+                    r.coll(f"all_reduce grads {axis}", self.g[a], a, "all_reduce", numel * F32)
+            r.compute("finish grads", 2 * len(all_params) * c.tiny)
+
+    # -- pipeline (engine/pp.py) -----------------------------------------------------------------------
+    def _pipeline(self) -> None:
+        r, cfg, m = self.r, self.cfg, self.m
+        v = cfg.parallel.virtual_stages
+        sched = make_schedule(cfg.parallel.schedule, self.pp, cfg.micro_batches, v)
+        pp_rank = self.g["pp"].index(r.rank)
+        num_stages = sched.num_stages
+        tokens = self.b * (m.seq_len // self.tp if self.sp else m.seq_len) // self.cp
+        boundary = tokens * m.hidden * F32
+
+        def units(stage: int) -> list[int]:
+            return stage_units(m, num_stages, stage)
+
+        self.held = sorted({u for c in range(v) for u in units(sched.stage_of(pp_rank, c))})
+        for a in sched.actions[pp_rank]:
+            r.mb = a.micro_batch
+            last = a.micro_batch == cfg.micro_batches - 1
+            if a.kind == SEND:
+                r.ops.append(Send(f"send {a.tensor} s{a.stage}", self.g["pp"][a.peer], a.message,
+                                  self.c.message_s(self.pp, boundary), int(boundary), "pp", a.micro_batch))
+            elif a.kind == RECV:
+                r.ops.append(Recv(f"recv {a.tensor} s{a.stage}", self.g["pp"][a.peer], a.message, "pp", a.micro_batch))
+            elif a.kind == FORWARD:
+                for u in units(a.stage):
+                    self._before_forward(u)
+                    self._stage_unit(u, True, f"F s{a.stage}")
+                    self._after_forward(u)
+            else:  # B, or ZB-H1's input (BI) and weight (BW) halves of it
+                share = {BACKWARD: 1.0, BACKWARD_INPUT: 0.5, BACKWARD_WEIGHT: 0.5}[a.kind]
+                for u in reversed(units(a.stage)):
+                    if a.kind != BACKWARD_WEIGHT:
+                        self._before_backward(u)
+                    self._stage_unit(u, False, f"{a.kind} s{a.stage}", share)
+                    if a.kind != BACKWARD_INPUT:
+                        self._grad_ready_pp(u, last)
+        r.mb = None
+
+    def _stage_unit(self, u: int, fwd: bool, label: str, share: float = 1.0) -> None:
+        """A unit inside a pipeline pass: its compute and collectives, under the pass's span name."""
+        before = len(self.r.ops)
+        (self.unit_fwd if fwd else self.unit_bwd)(u)
+        for op in self.r.ops[before:]:
+            if isinstance(op, Compute):
+                op.name = label
+                op.seconds *= share
+
+    def _grad_ready_pp(self, u: int, last: bool) -> None:
+        """The strategy over dp sees the stage's units as a model of their own (engine/pp.py)."""
+        if self.dp == 1:
+            return
+        if self.stage == 0 and self.cfg.parallel.dp_comm == "bucketed" and last:
+            nbytes = sum(n for _, n in self.params[u]) * F32
+            self.pending.append(self.r.coll(f"all_reduce {self.unit_names[u]}", self.g["dp"], "dp", "all_reduce",
+                                            nbytes, asyn=True))
+        elif self.stage in (1, 2, 3):
+            self._grad_ready(u, last)
+
+

@@ -1,0 +1,64 @@
+"""Every live run beside its prediction: the calibration is measured when its file is missing or
+corrupt (with a message, never a traceback), and a run's JSON carries the prediction."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from engine.cli import config_from_args, run_parser
+from engine.predict import ensure_calibration, predicted, torch_version
+from hardware import this_machine as tm
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def calibrated():
+    """Calibrate world 2 in the session's cache folder, starting from a corrupt file."""
+    path = tm.cache_path(tm.machine_key(torch_version()))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text('{"format": 2, "key": ')  # half a file, as a crash mid-write would leave (save() cannot)
+    steps = []
+    cal, messages = ensure_calibration([2], progress=lambda fraction, text: steps.append((fraction, text)))
+    return cal, messages, steps
+
+
+@pytest.mark.multiprocess
+def test_corrupt_calibration_is_measured_again_with_a_message(calibrated):
+    cal, messages, steps = calibrated
+    assert "unreadable" in messages[0] and "measuring again" in messages[0]
+    assert cal.worlds == [2] and cal.cpus == tm.cpu_count()
+    assert {"linear", "attention", "swiglu", "adamw", "block_glue"} <= set(cal.compute)
+    assert cal.comm[tm.comm_key(2, "all_reduce", 2, "sync")].alpha_s > 0
+    assert [f for f, _ in steps] == sorted(f for f, _ in steps) and steps[-1] == (1.0, "calibrated")
+    again, messages = ensure_calibration([2])  # now from the cache
+    assert messages == [] and again == cal
+
+
+@pytest.mark.multiprocess
+def test_run_json_carries_the_prediction(calibrated):
+    out = subprocess.run([sys.executable, "-m", "engine", "run", "--strategy", "dp", "--world", "2", "--steps", "2",
+                          "--json"], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout)
+    pred = summary["predicted"]
+    assert pred["step_time_s"] > 0 and summary["step_time_s"] > 0
+    assert sum(pred["breakdown_s"].values()) == pytest.approx(pred["step_time_s"])
+    assert pred["calibration"] == []  # the session's calibration was reused
+
+
+@pytest.mark.multiprocess
+def test_predict_flag_prints_the_prediction(calibrated):
+    out = subprocess.run([sys.executable, "-m", "engine", "run", "--strategy", "fsdp", "--world", "2", "--steps", "2",
+                          "--predict"], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    assert "predicted step time (planner, this machine's calibration):" in out.stdout
+
+
+def test_no_prediction_for_cuda_says_why():
+    cfg = config_from_args(run_parser("x").parse_args(["--device", "cuda"]))
+    pred = predicted(cfg)
+    assert pred["step_time_s"] is None and "CUDA" in pred["why"]

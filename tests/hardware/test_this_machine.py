@@ -1,0 +1,119 @@
+"""This machine as a chip: the calibration's fits on hand-made samples, and its cache file (missing,
+corrupt, from another version or machine, stale: each gives a message and is measured again)."""
+
+import json
+import os
+
+import pytest
+
+from hardware import this_machine as tm
+
+
+def _cal(key="abc", created_s=1000.0, **kw) -> tm.Calibration:
+    return tm.Calibration(key=key, created_s=created_s, cpus=2, torch="2.13.0",
+                          compute={"linear": tm.Fit(1e-5, 1e-10, 2e-5, 2e-10)}, engine_units={"step": 0.01},
+                          compute_share={1: 1.0, 2: 1.1}, comm={tm.comm_key(2, "all_reduce", 2, "sync"):
+                                                              tm.CommFit(4e-4, 2e-9, 0.6)},
+                          roofline={"fp32_flops_per_s": 5e10}, worlds=[2], **kw)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDLAB_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_round_trip(cache):
+    cal = _cal(created_s=1e9)
+    path = tm.save(cal)
+    assert path.parent == cache and os.listdir(cache) == [path.name]  # no temporary file left behind
+    loaded, why = tm.load("abc", now_s=1e9 + 10)
+    assert why == "" and loaded == cal
+
+
+def test_missing_file(cache):
+    cal, why = tm.load("abc")
+    assert cal is None and why == "no calibration of this machine yet"
+
+
+@pytest.mark.parametrize("content, says", [
+    ("{not json", "unreadable"),
+    (json.dumps({"format": 1, "key": "abc"}), "another version of ShardLab"),
+    (json.dumps({"format": tm.FORMAT, "key": "abc"}), "malformed"),
+    (json.dumps({**_cal().to_dict(), "compute": {"linear": {"nope": 1}}}), "malformed"),
+])
+def test_corrupt_file_says_why_and_is_measured_again(cache, content, says):
+    tm.cache_path("abc").write_text(content)
+    cal, why = tm.load("abc")
+    assert cal is None and says in why and "measuring again" in why
+
+
+def test_other_machine_and_stale(cache):
+    tm.save(_cal(key="abc", created_s=1000.0))
+    os.replace(tm.cache_path("abc"), tm.cache_path("xyz"))
+    assert "another machine" in tm.load("xyz", now_s=1001.0)[1]
+    tm.save(_cal(key="abc", created_s=1000.0))
+    cal, why = tm.load("abc", now_s=1000.0 + tm.STALE_AFTER_S + 86400)
+    assert cal is None and "31 days old" in why
+
+
+def test_machine_key_depends_on_torch():
+    assert tm.machine_key("2.13.0") == tm.machine_key("2.13.0") != tm.machine_key("2.12.0")
+
+
+def test_fit_line_recovers_a_line_and_never_goes_negative():
+    a, b = tm._fit_line([(0.0, 1.0), (10.0, 21.0), (20.0, 41.0)])
+    assert a == pytest.approx(1.0) and b == pytest.approx(2.0)
+    assert tm._fit_line([(1.0, 5.0), (2.0, 3.0)]) == (4.0, 0.0)  # a falling cost: only noise, its mean
+    a, b = tm._fit_line([(1.0, 0.0), (2.0, 3.0)])  # a negative intercept: through the origin instead
+    assert a == 0.0 and b == pytest.approx(6 / 5)
+
+
+def test_fit_compute_on_synthetic_linear_samples():
+    # t = 20 us + FLOPs / 10 GFLOP/s forward, twice that backward
+    samples = []
+    for m, k, n in [(8, 64, 64), (64, 128, 256), (256, 256, 512)]:
+        flops = 2.0 * m * k * n
+        samples.append({"op": "linear", "shape": {"m": m, "k": k, "n": n}, "fwd_s": 20e-6 + flops / 1e10,
+                        "bwd_s": 40e-6 + 2 * flops / 1e10})
+    samples.append({"op": "matmul_roofline", "shape": {"dtype": "fp32", "m": 512, "k": 512, "n": 512},
+                    "fwd_s": 2.0 * 512**3 / 4e10, "bwd_s": 0.0})
+    fits, units, roof = tm.fit_compute(samples)
+    f = fits["linear"]
+    assert f.fwd_fixed_s == pytest.approx(20e-6) and f.fwd_per_unit_s == pytest.approx(1e-10)
+    assert f.bwd_fixed_s == pytest.approx(40e-6) and f.bwd_per_unit_s == pytest.approx(2e-10)
+    assert roof["fp32_flops_per_s"] == pytest.approx(4e10) and units == {}
+
+
+def test_fit_moe_separates_per_expert_and_per_flop_costs():
+    rows = []
+    for experts, top_k, ffn in [(2, 1, 32), (4, 2, 64), (8, 2, 32), (4, 1, 128)]:
+        shape = {"b": 2, "t": 16, "d": 32, "experts": experts, "top_k": top_k, "ffn": ffn}
+        w = tm.work("moe", shape)
+        rows.append({"op": "moe", "shape": shape, "fwd_s": 30e-6 + 15e-6 * experts + w * 2e-10,
+                     "bwd_s": 60e-6 + 25e-6 * experts + w * 4e-10})
+    f = tm._fit_moe(rows)
+    assert f.fwd_fixed_s == pytest.approx(30e-6) and f.fwd_per_item_s == pytest.approx(15e-6)
+    assert f.fwd_per_unit_s == pytest.approx(2e-10) and f.bwd_per_item_s == pytest.approx(25e-6)
+
+
+def test_fit_comm_takes_the_slowest_rank_and_the_cpu_share():
+    def row(rank_slowdown, nbytes):
+        seconds = (100e-6 + 1e-9 * nbytes) * rank_slowdown
+        return {"kind": "all_gather", "n": 2, "world": 2, "bytes": nbytes, "mode": "sync", "seconds": seconds,
+                "cpu_s": 0.5 * seconds}
+    fits = tm.fit_comm(2, [[row(1.0, 1024), row(1.0, 131072)], [row(1.5, 1024), row(1.5, 131072)]])
+    f = fits[tm.comm_key(2, "all_gather", 2, "sync")]
+    assert f.alpha_s == pytest.approx(150e-6) and f.beta_s_per_byte == pytest.approx(1.5e-9)
+    assert f.cpu_fraction == pytest.approx(0.5) and f.seconds(0) == pytest.approx(150e-6)
+
+
+def test_missing_world_names_what_to_measure():
+    with pytest.raises(tm.CalibrationError, match="measure world 4"):
+        _cal().comm_fit(4, "all_reduce", 4)
+    assert _cal().share(1) == 1.0 and _cal().share(4) == pytest.approx(2.2)  # beyond measured: cores divide
+
+
+def test_summary_lines_are_words():
+    lines = tm.summary_lines(_cal())
+    assert any("GFLOP/s fp32" in line for line in lines) and any("2 ranks" in line for line in lines)

@@ -1,0 +1,67 @@
+"""The live prediction's event simulation, on programs whose answer is worked out by hand."""
+
+import pytest
+
+from planner.eventsim import Collective, Compute, Recv, Send, SimulationError, Wait, idle_spans, simulate
+
+
+def _spans(timeline, rank, lane):
+    return sorted(((s.name, s.start_s, s.end_s) for s in timeline.for_rank(rank) if s.lane == lane),
+                  key=lambda x: x[1])
+
+
+def test_a_collective_starts_when_its_last_member_posts_it():
+    g = (0, 1)
+    tl, ends = simulate({0: [Compute("a", 1.0), Collective("ar", g, "dp", 0.5)],
+                         1: [Compute("b", 3.0), Collective("ar", g, "dp", 0.5)]}, cores=2)
+    assert ends == {0: pytest.approx(3.5), 1: pytest.approx(3.5)}
+    assert _spans(tl, 0, "comm") == [("ar", pytest.approx(3.0), pytest.approx(3.5))]
+    assert [(s.start_s, s.end_s) for s in idle_spans(tl, 3.5) if s.rank == 0] == [(pytest.approx(1.0),
+                                                                                   pytest.approx(3.0))]
+
+
+def test_asynchronous_collective_runs_under_compute_until_waited_for():
+    g = (0, 1)
+    prog = [Collective("ag", g, "dp", 2.0, handle="h"), Compute("c", 1.0), Wait("h"), Compute("d", 1.0)]
+    tl, ends = simulate({0: list(prog), 1: list(prog)}, cores=2)
+    assert ends[0] == pytest.approx(3.0)  # c hides 1 s of the 2 s gather; d starts when it is done
+    assert _spans(tl, 0, "compute") == [("c", 0.0, pytest.approx(1.0)), ("d", pytest.approx(2.0), pytest.approx(3.0))]
+    assert [s.is_async for s in tl.for_rank(0) if s.lane == "comm"] == [True]
+
+
+def test_one_group_runs_its_operations_in_posting_order():
+    g = (0, 1)
+    prog = [Collective("x", g, "dp", 1.0, handle="x"), Collective("y", g, "dp", 1.0, handle="y"),
+            Wait("x"), Wait("y")]
+    tl, ends = simulate({0: list(prog), 1: list(prog)}, cores=2)
+    assert _spans(tl, 0, "comm") == [("x", 0.0, pytest.approx(1.0)), ("y", pytest.approx(1.0), pytest.approx(2.0))]
+    assert ends[0] == pytest.approx(2.0)
+
+
+def test_send_and_recv():
+    tl, ends = simulate({0: [Compute("f", 1.0), Send("send act", 1, ("act", 0), 0.25)],
+                         1: [Recv("recv act", 0, ("act", 0)), Compute("f", 1.0)]}, cores=2)
+    assert ends == {0: pytest.approx(1.0), 1: pytest.approx(2.25)}
+    assert ("recv act", 0.0, pytest.approx(1.25)) in _spans(tl, 1, "comm")
+
+
+def test_ranks_share_the_cores():
+    # two ranks computing 1 s each on one core: both at half speed, both end at 2 s
+    _, ends = simulate({0: [Compute("a", 1.0)], 1: [Compute("b", 1.0)]}, cores=1)
+    assert ends == {0: pytest.approx(2.0), 1: pytest.approx(2.0)}
+    # rank 1 computes 0.5 s: both at half speed until 1 s, then rank 0 alone at full speed
+    _, ends = simulate({0: [Compute("a", 1.0)], 1: [Compute("b", 0.5)]}, cores=1)
+    assert ends == {0: pytest.approx(1.5), 1: pytest.approx(1.0)}
+    # a busy communication thread (cpu=1) takes its share of the core too
+    g = (0, 1)
+    _, ends = simulate({0: [Collective("ar", g, "dp", 1.0, handle="h", cpu=1.0), Compute("a", 1.0), Wait("h")],
+                        1: [Collective("ar", g, "dp", 1.0, handle="h", cpu=1.0), Wait("h")]}, cores=2)
+    # 1 computing rank + 2 comm threads on 2 cores: compute at 2/3 speed while the comm runs (1 s)
+    assert ends[0] == pytest.approx(1.0 + (1.0 - 2 / 3) / 1.0)
+
+
+def test_a_collective_some_member_never_posts_is_a_deadlock():
+    with pytest.raises(SimulationError, match="deadlock"):
+        simulate({0: [Collective("ar", (0, 1), "dp", 1.0)], 1: [Compute("a", 1.0)]}, cores=2)
+    with pytest.raises(SimulationError, match="never posted"):
+        simulate({0: [Wait("h")]}, cores=1)
