@@ -3,6 +3,7 @@
 import streamlit as st
 
 from app_pages.live_panel import show_engine_failure
+from engine.predict import cached_calibration
 from hardware.chips import CHIPS
 from hardware.collectives import Hierarchy, Ring, Switch, group_topology
 from ui.collectives import (
@@ -10,6 +11,7 @@ from ui.collectives import (
     COLLECTIVES,
     MAX_RING,
     MIN_RING,
+    calibration_rows,
     cost_figure,
     crossover_bytes,
     format_bytes,
@@ -240,5 +242,18 @@ if result is not None:
             f"α ≈ {format_seconds(chip.scaleup_latency_s)}) "
             f"is **{nvlink / result.bytes_per_s:,.0f}x** this machine's bandwidth, with "
             f"**{result.alpha_s / chip.scaleup_latency_s:,.0f}x** less latency per step. Local processes "
-            "share memory bandwidth and CPU cores, so points scatter; the fit is kept for this session as "
-            "the \"this machine\" link of later lessons.")
+            "share memory bandwidth and CPU cores, so points scatter.")
+
+st.subheader("What the live lessons predict with")
+calibration = cached_calibration()
+if calibration is None:
+    st.caption("This machine is not calibrated yet: the first live run of a lesson (or **Measure this "
+               "machine** on the hardware page) measures it, in a few seconds, and this table appears.")
+else:
+    st.markdown(
+        "Every live run is shown beside the planner's prediction of it, made from one calibration of this "
+        "machine. For communication it times each gloo operation the engine uses, at the engine's message "
+        "sizes (1 KiB and 128 KiB), each after a few hundred microseconds of computing as in a training "
+        "step (back to back, gloo's threads stay awake and run 2-3x faster), with every group of the "
+        "world communicating at once. Its α is per operation, not per ring step as in the sweep above:")
+    st.dataframe(calibration_rows(calibration), hide_index=True, width="stretch")

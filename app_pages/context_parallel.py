@@ -2,12 +2,10 @@
 step by step with the log-sum-exp merge, when the ring hides under the compute on real chips, and live
 ring / all-gather runs on this machine."""
 
-import json
-
 import numpy as np
 import streamlit as st
 
-from app_pages.live_panel import show_engine_failure
+from app_pages.live_panel import run_live, show_live
 from engine.config import ConfigError  # torch-free: the page checks the input before any worker starts
 from hardware.chips import CHIPS
 from planner.memory import korthikanti_bytes
@@ -28,7 +26,6 @@ from ui.context_parallel import (
     ring_rows,
     seq_label,
 )
-from ui.timeline import timeline_figure
 
 choices = st.session_state["choices"]
 chip = CHIPS[choices.chip]
@@ -237,28 +234,11 @@ except ConfigError as e:
     st.error(f"This run cannot start: {e}.", icon=":material/block:")
 
 if st.button("Run ring and all-gather on this machine", type="primary", disabled=configs is None):
-    from engine.run import run
+    run_live("live_cp", list(configs.items()), hint="try 2 processes or fewer steps")
 
-    runs = []
-    try:
-        for variant, cfg in configs.items():
-            with st.spinner(f"Running {variant} on {world} processes (the first run starts them) ..."):
-                summary, timeline = run(cfg, check=True)
-            runs.append((variant, cfg, summary, timeline))
-        st.session_state["live_cp"] = (world, runs)
-    except Exception as e:  # noqa: BLE001 - any engine failure is reported, never a traceback
-        st.session_state.pop("live_cp", None)
-        show_engine_failure(e, hint="try 2 processes or fewer steps")
-
-live = st.session_state.get("live_cp")
-if live is not None:
-    live_world, runs = live
-    for variant, _, summary, _ in runs:
-        check = summary["check"]
-        (st.success if summary["ok"] else st.error)(
-            f"{variant} on {live_world} processes {'matches' if summary['ok'] else 'DOES NOT match'} the "
-            f"single-process reference over {summary['steps']} step(s) (largest difference "
-            f"{check['max_abs_diff']:.2e}; loss {summary['loss'][-1]:.4f}).")
+live = show_live("live_cp")
+if live:
+    runs = [(r.label, r.cfg, r.summary, r.timeline) for r in live]
     table = live_rows(runs)
     st.dataframe(table, hide_index=True, width="stretch")
     ring, gather = table
@@ -275,14 +255,6 @@ holds the whole sequence's K/V: activations kept for backward {ring['activations
 (the weights are replicated), and on shared CPU cores the measured overlap is only indicative.
 """
     )
-    tabs = st.tabs([variant for variant, *_ in runs])
-    for tab, (variant, _, _, timeline) in zip(tabs, runs, strict=True):
-        with tab:
-            title = f"{variant}: every rank's compute and communication"
-            st.plotly_chart(timeline_figure(timeline, title=title), key=f"cp_live_timeline_{variant}")
-            st.caption("Brown bars (send/recv) are the K/V and dK/dV blocks; the grey 'attn L… ring k' "
-                       "spans inside each layer's forward and backward are the attention blocks they "
-                       "overlap. Hover for names and bytes.")
-            st.download_button(f"Download the {variant} trace (open it in ui.perfetto.dev)",
-                               json.dumps(timeline.to_chrome_trace()), key=f"cp_trace_{variant}",
-                               file_name=f"shardlab-cp-{variant}-trace.json", mime="application/json")
+    st.caption("In the timelines above, brown bars (send/recv) are the K/V and dK/dV blocks; the grey "
+               "'attn L… ring k' spans inside each layer's forward and backward are the attention blocks "
+               "they overlap. Hover for names and bytes.")

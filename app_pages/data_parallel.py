@@ -1,18 +1,15 @@
 """Lesson: data parallel, ZeRO-1/2/3 and FSDP, analytic on real chips and live on this machine."""
 
-import json
-
 import plotly.graph_objects as go
 import streamlit as st
 
-from app_pages.live_panel import show_engine_failure
+from app_pages.live_panel import run_live, show_live
 from hardware.chips import CHIPS
 from hardware.collectives import group_topology
 from planner.flops import total_params
 from planner.memory import zero_bytes_per_param
 from planner.models import MODEL_PRESETS
 from ui.dp_lesson import LIVE_STRATEGIES, expected_comm_bytes_per_step, expected_memory
-from ui.timeline import lane_summary, timeline_figure
 
 choices = st.session_state["choices"]
 chip = CHIPS[choices.chip]
@@ -118,36 +115,16 @@ micro_batches = c4.select_slider("Micro-batches (gradient accumulation)", [1, 2,
 
 if st.button("Run on this machine", type="primary"):
     from engine.config import ModelConfig, ParallelConfig, RunConfig
-    from engine.run import run
 
     strategy, zero_stage, dp_comm = LIVE_STRATEGIES[strategy_label]
     cfg = RunConfig(model=ModelConfig(), world=world, steps=steps, micro_batches=micro_batches,
                     parallel=ParallelConfig(strategy=strategy, zero_stage=zero_stage, dp_comm=dp_comm))
-    try:
-        with st.spinner(f"Running {strategy_label} on {world} process(es) (the first run starts them) ..."):
-            summary, timeline = run(cfg, check=True)
-        st.session_state["live_dp"] = (strategy_label, cfg, summary, timeline)
-    except Exception as e:  # noqa: BLE001 - any engine failure is reported, never a traceback
-        show_engine_failure(e, hint="try fewer processes or steps")
+    run_live("live_dp", [(strategy_label, cfg)], hint="try fewer processes or steps")
 
-live = st.session_state.get("live_dp")
-if live is not None:
-    label, cfg, summary, timeline = live
-    check = summary["check"]
-    verdict = "matches" if summary["ok"] else "DOES NOT match"
-    (st.success if summary["ok"] else st.error)(
-        f"{label} on {cfg.world} process(es) {verdict} the single-process reference over {cfg.steps} steps "
-        f"(largest difference {check['max_abs_diff']:.2e}; loss {summary['loss'][-1]:.4f}).")
-    with st.expander("Tolerances and why"):
-        st.dataframe([{"quantity": q, "largest difference": f"{check['by_quantity'].get(q, 0):.2e}",
-                       "rtol": t["rtol"], "atol": t["atol"], "why": t["why"]}
-                      for q, t in check["tolerances"].items()], hide_index=True, width="stretch")
-    st.plotly_chart(timeline_figure(timeline, title=f"{label}: every rank's compute and communication"),
-                    key="live_timeline")
-    st.dataframe(lane_summary(timeline), hide_index=True, width="stretch")
-
+for live in show_live("live_dp"):
     from engine.model import param_count
 
+    cfg, summary = live.cfg, live.summary
     psi_small = param_count(cfg.model)
     stage = cfg.parallel.stage
     want = expected_memory(psi_small, stage, cfg.world)
@@ -166,12 +143,8 @@ if live is not None:
     per_step = [b / cfg.steps for b in summary["comm_bytes"]]
     formula = expected_comm_bytes_per_step(psi_small, stage, cfg.world)
     st.markdown(
-        f"Measured step time **{summary['step_time_s'] * 1e3:,.1f} ms** (median over steps, slowest rank). "
         f"Bytes sent per rank per step: **{per_step[0]:,.0f}**; the ring formula "
         f"{'3' if stage == 3 else '2'}(N-1)/N x 4Ψ gives **{formula:,.0f}** "
         "(the engine pads flat shards to a multiple of N, and gradient accumulation with ZeRO-2/3 "
         "reduce-scatters every micro-batch)."
     )
-    st.download_button("Download the trace (open it in ui.perfetto.dev or chrome://tracing)",
-                       json.dumps(timeline.to_chrome_trace()), file_name="shardlab-trace.json",
-                       mime="application/json")

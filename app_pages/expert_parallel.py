@@ -1,11 +1,9 @@
 """Lesson: Mixture-of-Experts and expert parallel: routing, the two all-to-alls, their cost on real chips,
 a live run."""
 
-import json
-
 import streamlit as st
 
-from app_pages.live_panel import show_engine_failure
+from app_pages.live_panel import run_live, show_live
 from hardware.chips import CHIPS
 from planner.models import MODEL_PRESETS
 from ui.collectives import format_bytes, format_seconds
@@ -25,7 +23,6 @@ from ui.expert_parallel import (
     placement_figure,
     simulate_routing,
 )
-from ui.timeline import lane_summary, timeline_figure
 
 choices = st.session_state["choices"]
 chip = CHIPS[choices.chip]
@@ -265,29 +262,17 @@ st.code("python -m engine run " + " ".join(argv), language="bash")
 if st.button("Run expert parallel on this machine", type="primary"):
     from engine.cli import config_from_args, run_parser
     from engine.config import ConfigError
-    from engine.run import run
 
     try:
         # exactly what `python -m engine run ...` builds and validates
         cfg = config_from_args(run_parser("python -m engine run").parse_args(argv))
-        with st.spinner(f"Running expert parallel on {world} processes (the first run starts them) ..."):
-            summary, timeline = run(cfg, check=True)
-        st.session_state["live_ep"] = (cfg, summary, timeline)
+        run_live("live_ep", [("Expert parallel", cfg)], hint="try 2 processes or fewer steps")
     except ConfigError as e:
         st.session_state.pop("live_ep", None)
         st.error(f"This run cannot start: {e}.", icon=":material/block:")
-    except Exception as e:  # noqa: BLE001 - any engine failure is reported, never a traceback
-        st.session_state.pop("live_ep", None)
-        show_engine_failure(e, hint="try 2 processes or fewer steps")
 
-live = st.session_state.get("live_ep")
-if live is not None:
-    cfg, summary, timeline = live
-    check = summary["check"]
-    (st.success if summary["ok"] else st.error)(
-        f"Expert parallel on {cfg.world} processes {'matches' if summary['ok'] else 'DOES NOT match'} the "
-        f"single-process reference over {summary['steps']} steps (largest difference "
-        f"{check['max_abs_diff']:.2e}; loss {summary['loss'][-1]:.4f}).")
+for live in show_live("live_ep"):
+    cfg, summary, timeline = live.cfg, live.summary, live.timeline
     load = summary["stats"]["expert_load"]
     layer_name, layer = next(iter(load["layers"].items()))
     m = cfg.model
@@ -322,12 +307,5 @@ if live is not None:
         f"4 x T x k x (1 - dropped) x D x 4 bytes x (ep-1)/ep over the {len(load['layers'])} MoE layers "
         f"gives **{formula:,.0f}** for dispatch + combine (T = {cfg.micro_batch_size * m.seq_len} tokens, "
         f"D = {m.hidden}, fp32); the measured {sent['dispatch'] + sent['combine']:,.0f} differs by how "
-        "unevenly this router spread the rows. "
-        f"Step time {summary['step_time_s'] * 1e3:,.1f} ms (median, slowest rank)."
+        "unevenly this router spread the rows."
     )
-    title = "Every rank's compute and communication (all-to-alls in pink)"
-    st.plotly_chart(timeline_figure(timeline, title=title), key="ep_live_timeline")
-    st.dataframe(lane_summary(timeline), hide_index=True, width="stretch")
-    st.download_button("Download the trace (open it in ui.perfetto.dev)",
-                       json.dumps(timeline.to_chrome_trace()), file_name="shardlab-ep-trace.json",
-                       mime="application/json", key="ep_trace")

@@ -2,8 +2,11 @@
 
 import streamlit as st
 
+from app_pages.live_panel import show_engine_failure
+from engine.predict import cached_calibration
 from hardware.chips import CHIPS
 from hardware.roofline import matmul_cost
+from hardware.this_machine import summary_lines
 from ui.charts import OperatingPoint, RooflineSeries, roofline_figure
 from ui.tables import CHIP_COLUMN_HELP, chip_table_rows
 
@@ -83,6 +86,11 @@ for key in compare:
         skipped.append(other.name)
         continue
     series.append(RooflineSeries(other.name, other.peak_flops_per_s(dtype, achievable), other.hbm_bw(achievable)))
+if "probe" not in st.session_state:  # a calibration already cached on this machine: no need to measure
+    cached = cached_calibration()
+    if cached is not None:
+        st.session_state["probe"] = cached.probe_result()
+        st.session_state["calibration_lines"] = summary_lines(cached)
 probe = st.session_state.get("probe")
 if probe is not None:
     series.append(RooflineSeries("This machine (CPU, fp32, measured)", probe.matmul_flops_per_s,
@@ -130,25 +138,36 @@ redraws every roofline with them. The planner uses the achievable numbers, never
 
 st.header("Measure this machine")
 st.markdown(
-    "The same two numbers for the computer running ShardLab: a few seconds of fp32 matmuls give **C**, "
-    "and copying a large array gives **W** (bytes read plus bytes written). Its roofline joins the chips "
-    "in the chart above."
+    "The same two numbers for the computer running ShardLab: fp32 and bf16 matmuls give **C**, and "
+    "copying a large array gives **W** (bytes read plus bytes written), measured on one of the engine's "
+    "ranks. They are part of one calibration of this machine that the live lessons also use to predict "
+    "every run (each module of the engine, every gloo operation, how the cores are shared): measured once, "
+    "in a few seconds, and kept in your cache folder. Its roofline joins the chips in the chart above."
 )
-if st.button("Measure this machine", type="primary"):
-    from hardware.probe import measure_this_machine
+c1, c2 = st.columns([1, 3])
+measure = c1.button("Measure this machine" if probe is None else "Measure again", type="primary")
+if measure:
+    from engine.predict import ensure_calibration
 
     bar = st.progress(0.0, text="Starting ...")
-    st.session_state["probe"] = measure_this_machine(
-        budget_s=3.0, progress=lambda fraction, message: bar.progress(min(1.0, fraction), text=message))
-    bar.empty()
-    st.rerun()
+    try:
+        cal, messages = ensure_calibration(
+            [2], remeasure=probe is not None,
+            progress=lambda fraction, message: bar.progress(min(1.0, fraction), text=message))
+        st.session_state["probe"] = cal.probe_result()
+        st.session_state["calibration_lines"] = summary_lines(cal)
+        st.rerun()
+    except Exception as e:  # noqa: BLE001 - any worker failure is reported, never a traceback
+        show_engine_failure(e, what="measurement", hint="close other programs and measure again")
+    finally:
+        bar.empty()
 if probe is not None:
     p1, p2, p3 = st.columns(3)
     p1.metric("Matmul (fp32)", f"{probe.matmul_flops_per_s / 1e9:,.1f} GFLOP/s")
     p2.metric("Memory bandwidth", f"{probe.memory_bytes_per_s / 1e9:,.2f} GB/s")
     p3.metric("Ridge point", f"{probe.matmul_flops_per_s / probe.memory_bytes_per_s:,.1f} FLOP/B")
     ratio = chip.peak_flops_per_s("bf16") / probe.matmul_flops_per_s
-    st.markdown(f"{chip.name} does {ratio:,.0f} times more bf16 FLOP/s than this machine's fp32 matmuls. "
-                f"Measured with {probe.threads} thread(s).")
-    with st.expander("How it was measured"):
-        st.markdown("\n".join(f"- {line}" for line in probe.details))
+    st.markdown(f"{chip.name} does {ratio:,.0f} times more bf16 FLOP/s than this machine's fp32 matmuls on "
+                f"{probe.threads} thread(s), as one rank of the live engine runs them.")
+    with st.expander("How it was measured, and the rest of the calibration"):
+        st.markdown("\n".join(f"- {line}" for line in probe.details + st.session_state.get("calibration_lines", [])))

@@ -1,11 +1,9 @@
 """Lesson: pipeline parallel. Schedules as pictures (GPipe, 1F1B, interleaved 1F1B, ZB-H1), their bubbles
 and activation memory, what a pipeline costs on real chips, and a live pipeline run on this machine."""
 
-import json
-
 import streamlit as st
 
-from app_pages.live_panel import show_engine_failure
+from app_pages.live_panel import run_live, show_live
 from engine.schedules import SCHEDULE_NAMES, ScheduleError, formula_bubble_fraction
 from hardware.chips import CHIPS
 from planner.models import MODEL_PRESETS
@@ -20,9 +18,7 @@ from ui.pipeline import (
     real_chip_view,
     schedule_figure,
     simulate_schedule,
-    step_timeline,
 )
-from ui.timeline import timeline_figure
 
 B_OVER_F = [1.0, 1.5, 2.0, 3.0]
 COMM_OVER_F = [0.0, 0.1, 0.25, 0.5, 1.0]
@@ -212,32 +208,19 @@ if st.button("Run on this machine", type="primary"):
     from dataclasses import replace
 
     from engine.config import ModelConfig, ParallelConfig, RunConfig
-    from engine.run import run
 
     v_live = live_v if live_schedule == "interleaved-1f1b" else 1
     # As the CLI builds it: the smallest model every stage gets whole layers of (engine/cli.py).
     model = replace(ModelConfig(), layers=max(ModelConfig.layers, live_world * v_live))
     cfg = RunConfig(model=model, world=live_world, steps=2, micro_batches=live_m,
                     parallel=ParallelConfig(strategy="pp", schedule=live_schedule, virtual_stages=v_live))
-    try:
-        with st.spinner(f"Running {SCHEDULE_LABELS[live_schedule]} on {live_world} processes ..."):
-            summary, timeline = run(cfg, check=True)
-        st.session_state["live_pp"] = (cfg, summary, timeline)
-    except Exception as e:  # noqa: BLE001 - any engine failure is reported, never a traceback
-        show_engine_failure(e, hint="try fewer micro-batches or processes")
+    run_live("live_pp", [(SCHEDULE_LABELS[live_schedule], cfg)], hint="try fewer micro-batches or processes")
 
-live = st.session_state.get("live_pp")
-if live is not None:
+for live in show_live("live_pp"):
     from engine.pp_timeline import measured_bubble_fraction
 
-    cfg, summary, timeline = live
+    cfg, summary, timeline = live.cfg, live.summary, live.timeline
     name, pp_live, v_live = cfg.parallel.schedule, cfg.world, cfg.parallel.virtual_stages
-    check = summary["check"]
-    verdict = "matches" if summary["ok"] else "DOES NOT match"
-    (st.success if summary["ok"] else st.error)(
-        f"{SCHEDULE_LABELS[name]} on {pp_live} processes, {cfg.micro_batches} micro-batches, {verdict} the "
-        f"single-process reference over {cfg.steps} steps (largest difference {check['max_abs_diff']:.2e}; "
-        f"loss {summary['loss'][-1]:.4f}).")
     measured = measured_bubble_fraction(timeline, 1)
     op = measured_op_times(timeline, 1, v_live)
     predicted = simulate_schedule(name, pp_live, cfg.micro_batches, v_live, op)
@@ -251,9 +234,6 @@ if live is not None:
                "which on this tiny model are not small against the compute (interleaving sends v times as "
                "many messages), and the jitter of processes sharing a few cores. On real chips the compute "
                "is far larger and the formula holds better.")
-    st.plotly_chart(timeline_figure(step_timeline(timeline, 1),
-                                    title=f"{SCHEDULE_LABELS[name]}: every rank's compute and point-to-point "
-                                          "transfers"), key="live_timeline")
     held = held_micro_batches(predicted)
     st.dataframe([{"rank": r, "activations held, measured peak (KiB)": round(mem["activations_peak"] / 1024),
                    "micro-batches held, schedule": held[r], "bytes sent (KiB)": round(sent / 1024)}
@@ -263,6 +243,3 @@ if live is not None:
     st.caption("Measured activations are the tensors each rank keeps for its backward. The last stage also "
                "keeps the logits (vocabulary-sized), so it can hold more than its count says; ZB-H1 keeps "
                "the inputs of its deferred BW too.")
-    st.download_button("Download the trace (open it in ui.perfetto.dev or chrome://tracing)",
-                       json.dumps(timeline.to_chrome_trace()), file_name="shardlab-pipeline-trace.json",
-                       mime="application/json")

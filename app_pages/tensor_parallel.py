@@ -1,10 +1,8 @@
 """Lesson: tensor parallel (Megatron) and sequence parallel, analytic on real chips, live on this machine."""
 
-import json
-
 import streamlit as st
 
-from app_pages.live_panel import show_engine_failure
+from app_pages.live_panel import run_live, show_live
 from hardware.chips import CHIPS
 from planner.models import MODEL_PRESETS
 from ui.collectives import format_bytes, format_seconds
@@ -19,7 +17,6 @@ from ui.tensor_parallel import (
     split_figure,
     tp_config_error,
 )
-from ui.timeline import lane_summary, timeline_figure
 
 choices = st.session_state["choices"]
 chip = CHIPS[choices.chip]
@@ -233,37 +230,24 @@ st.code(f"python -m engine run --strategy tp [--sequence-parallel] --world {worl
 if st.button("Run TP and TP + SP on this machine", type="primary"):
     from engine.cli import config_from_args, run_parser
     from engine.config import ConfigError
-    from engine.run import run
-    from engine.tp import tp_comm_bytes
 
-    runs = []
     try:
+        configs = []
         for sp in (False, True):
             argv = ["--strategy", "tp", "--world", str(world), "--heads", str(heads), "--kv-heads",
-                    str(kv_heads), "--steps", str(steps), "--check"] + (["--sequence-parallel"] if sp else [])
+                    str(kv_heads), "--steps", str(steps)] + (["--sequence-parallel"] if sp else [])
             # exactly what `python -m engine run ...` builds and validates
-            cfg = config_from_args(run_parser("python -m engine run").parse_args(argv))
-            label = "TP + SP" if sp else "TP"
-            with st.spinner(f"Running {label} on {world} processes (the first run starts them) ..."):
-                summary, timeline = run(cfg, check=True)
-            runs.append((label, summary, timeline, sum(tp_comm_bytes(cfg).values())))
-        st.session_state["live_tp"] = (world, runs)
+            configs.append(("TP + SP" if sp else "TP", config_from_args(run_parser("python -m engine run").parse_args(argv))))
+        run_live("live_tp", configs, hint="try 2 processes or fewer steps")
     except ConfigError as e:
         st.session_state.pop("live_tp", None)
         st.error(f"This run cannot start: {e}.", icon=":material/block:")
-    except Exception as e:  # noqa: BLE001 - any engine failure is reported, never a traceback
-        st.session_state.pop("live_tp", None)
-        show_engine_failure(e, hint="try 2 processes or fewer steps")
 
-live = st.session_state.get("live_tp")
-if live is not None:
-    live_world, runs = live
-    for label, summary, _, _ in runs:
-        check = summary["check"]
-        (st.success if summary["ok"] else st.error)(
-            f"{label} on {live_world} processes {'matches' if summary['ok'] else 'DOES NOT match'} the "
-            f"single-process reference over {summary['steps']} steps (largest difference "
-            f"{check['max_abs_diff']:.2e}; loss {summary['loss'][-1]:.4f}).")
+live = show_live("live_tp")
+if live:
+    from engine.tp import tp_comm_bytes
+
+    runs = [(r.label, r.summary, r.timeline, sum(tp_comm_bytes(r.cfg).values())) for r in live]
     st.dataframe(live_rows(runs), hide_index=True, width="stretch")
     (_, tp_sum, _, tp_formula), (_, sp_sum, _, sp_formula) = runs
     tp_bytes = tp_sum["comm_bytes"][0] / tp_sum["steps"]
@@ -279,13 +263,3 @@ if live is not None:
         f"**{tp_act / 1024:,.0f} KiB** against **{sp_act / 1024:,.0f} KiB** with sequence parallel "
         f"({1 - sp_act / tp_act:.0%} less): the norm and residual inputs are now S/t long on each rank."
     )
-    tabs = st.tabs([label for label, *_ in runs])
-    for tab, (label, summary, timeline, _) in zip(tabs, runs, strict=True):
-        with tab:
-            figure = timeline_figure(timeline, title=f"{label}: every rank's compute and communication")
-            st.plotly_chart(figure, key=f"tp_live_timeline_{label}")
-            st.dataframe(lane_summary(timeline), hide_index=True, width="stretch")
-            st.download_button(f"Download the {label} trace (open it in ui.perfetto.dev)",
-                               json.dumps(timeline.to_chrome_trace()), key=f"tp_trace_{label}",
-                               file_name=f"shardlab-{label.replace(' + ', '-').lower()}-trace.json",
-                               mime="application/json")

@@ -10,8 +10,8 @@ Three kinds of measurement:
 * compute (`compute_task`, one rank alone): the engine model's own modules (engine/model.py) at a few
   shapes each, forward and backward, so the fit captures both their fixed per-call overhead (Python,
   the dispatcher, autograd: what dominates a small model on a CPU) and their per-FLOP or per-byte rate;
-  plus the optimizer update per tensor, the strategies' bookkeeping ops, and the roofline (large fp32
-  and bf16 matmuls, a large copy) that the hardware lesson plots.
+  plus the optimizer update per tensor, the strategies' bookkeeping ops, and the roofline that the
+  hardware lesson plots (hardware/probe.py on one rank's thread: fp32 and bf16 matmuls, a large copy).
 * sharing (`compute_task` on every rank of a W-rank pool at once): how much slower the same work runs
   when W ranks share this machine's cores.
 * communication (`comm_task`): every gloo operation the strategies use, by group size n and world W
@@ -182,29 +182,13 @@ def measure_compute(reps: int = 15, shapes: str = "all") -> list[dict]:
     return out + measure_roofline()
 
 
-def measure_roofline(budget_s: float = 0.6) -> list[dict]:
-    """Large fp32 and bf16 matmuls and a large copy: this machine's compute roof and memory slope."""
-    out = []
-    for dtype, size in (("fp32", 512), ("bf16", 256)):
-        dt = torch.float32 if dtype == "fp32" else torch.bfloat16
-        a, b = torch.randn(size, size).to(dt), torch.randn(size, size).to(dt)
-        reps = max(3, int(budget_s / 3 / max(1e-4, _mean_s(lambda: a @ b, 2, warmup=1))))
-        out.append(_sample("matmul_roofline", {"m": size, "k": size, "n": size, "dtype": dtype},
-                           _min_s(lambda: a @ b, reps), 0.0))
-    src = torch.ones(1 << 23)  # 32 MiB: past the last-level cache of most CPUs
-    dst = torch.empty_like(src)
-    out.append(_sample("copy_roofline", {"bytes": 2 * src.numel() * 4}, _min_s(lambda: dst.copy_(src), 8), 0.0))
-    return out
+def measure_roofline(budget_s: float = 1.0) -> list[dict]:
+    """This machine's compute roof and memory slope, by the hardware lesson's own probe
+    (hardware/probe.py: fp32 and bf16 matmuls, a large copy; the fastest of each)."""
+    from hardware.probe import measure_this_machine
 
-
-def _min_s(fn, reps: int) -> float:
-    fn()
-    best = math.inf
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return [{"op": "probe", "shape": {}, "fwd_s": 0.0, "bwd_s": 0.0,
+             "probe": asdict(measure_this_machine(budget_s=budget_s))}]
 
 
 def compute_task(ctx, reps: int = 15, shapes: str = "all") -> list[dict]:

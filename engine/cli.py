@@ -92,6 +92,34 @@ def config_from_args(args, world: int | None = None) -> RunConfig:
                               seed=args.seed, device=args.device, timeout_s=args.timeout_s))
 
 
+def argv_for(cfg: RunConfig) -> list[str]:
+    """The `python -m engine run` arguments that build `cfg` again (config_from_args inverts it): the
+    command line a page shows under a live run, so it can be reproduced in a terminal."""
+    p, m, d = cfg.parallel, cfg.model, ModelConfig()
+    argv = ["--strategy", p.strategy, "--world", str(cfg.world), "--steps", str(cfg.steps)]
+    default_layers = max(d.layers, RunConfig(parallel=p, world=cfg.world).pp * max(1, p.virtual_stages))
+    pairs = [
+        ("--zero-stage", p.zero_stage, None), ("--mesh", ",".join(f"{a}={n}" for a, n in p.mesh) or None, None),
+        ("--dp-comm", p.dp_comm, "bucketed"), ("--cp-variant", p.cp_variant, "ring"),
+        ("--schedule", p.schedule, ParallelConfig.schedule), ("--virtual-stages", p.virtual_stages, 1),
+        ("--micro-batches", cfg.micro_batches, 1), ("--micro-batch-size", cfg.micro_batch_size, 2),
+        ("--mlp", m.mlp, "moe" if p.strategy == "ep" else "dense"), ("--experts", m.experts, d.experts),
+        ("--top-k", m.top_k, d.top_k), ("--capacity-factor", m.capacity_factor, None),
+        ("--seq-len", m.seq_len, d.seq_len), ("--heads", m.heads, d.heads), ("--kv-heads", m.kv_heads, d.kv_heads),
+        ("--ffn", m.ffn, d.ffn), ("--layers", m.layers, default_layers), ("--seed", cfg.seed, 0),
+        ("--device", cfg.device, "cpu"), ("--timeout-s", cfg.timeout_s, RunConfig.timeout_s),
+    ]
+    for flag, value, default in pairs:
+        if value != default and value is not None:
+            argv += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+    argv += ["--sequence-parallel"] * p.sequence_parallel + ["--no-prefetch"] * (not p.prefetch)
+    return argv
+
+
+def command_line(cfg: RunConfig, check: bool = True) -> str:
+    return " ".join(["python -m engine run", *argv_for(cfg), *(["--check"] if check else []), "--predict"])
+
+
 def _human(summary: dict) -> str:
     lines = [f"{summary['strategy']} zero-{summary['zero_stage']} on {summary['world']} ranks "
              f"({summary['device']}), {summary['steps']} steps x {summary['micro_batches']} micro-batches",

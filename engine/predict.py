@@ -25,6 +25,13 @@ def torch_version() -> str:
         return "none"
 
 
+def cached_calibration():
+    """This machine's calibration if the cache holds a sound one, else None (nothing is measured)."""
+    from hardware import this_machine as tm
+
+    return tm.load(tm.machine_key(torch_version()))[0]
+
+
 def ensure_calibration(worlds, progress=None, remeasure: bool = False, collective_timeout_s: float = 30.0):
     """This machine's calibration with communication measured at every world in `worlds`: from the
     cache when it is there and sound, else measured now (a few seconds per world) and saved.
@@ -56,9 +63,9 @@ def ensure_calibration(worlds, progress=None, remeasure: bool = False, collectiv
     if cal is None:
         report(0.0, "timing the engine's modules on one rank")
         solo = measure(1, "compute_task", {"reps": 15})[0]
-        fits, units, roof = tm.fit_compute(solo)
+        fits, units, probe = tm.fit_compute(solo)
         cal = tm.Calibration(key=key, created_s=time.time(), cpus=tm.cpu_count(), torch=torch_version(),
-                             compute=fits, engine_units=units, roofline=roof)
+                             compute=fits, engine_units=units, probe=probe)
         cal.compute_share[1] = 1.0
         messages.append("timed the engine's modules, its driver and this machine's roofline on one rank")
         done += 1

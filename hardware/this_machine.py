@@ -28,7 +28,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-FORMAT = 2
+FORMAT = 3
 STALE_AFTER_S = 30 * 24 * 3600  # a month: software updates and thermal changes drift the numbers
 
 
@@ -84,7 +84,7 @@ class Calibration:
     engine_units: dict[str, float] = field(default_factory=dict)  # seconds per engine span name
     compute_share: dict[int, float] = field(default_factory=dict)  # world -> slowdown when all compute
     comm: dict[str, CommFit] = field(default_factory=dict)  # comm_key(world, kind, n, mode) -> fit
-    roofline: dict[str, float] = field(default_factory=dict)
+    probe: dict = field(default_factory=dict)  # hardware.probe.ProbeResult's fields: the roofline
     worlds: list[int] = field(default_factory=list)  # worlds whose communication was measured
 
     def comm_fit(self, world: int, kind: str, n: int, mode: str = "sync") -> CommFit:
@@ -104,6 +104,12 @@ class Calibration:
         w, s = max(self.compute_share.items())
         return s * max(1.0, world / w) if self.compute_share else max(1.0, world / self.cpus)
 
+    def probe_result(self):
+        """The roofline as hardware.probe.ProbeResult (what the hardware lesson plots), or None."""
+        from hardware.probe import ProbeResult
+
+        return ProbeResult(**self.probe) if self.probe else None
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["format"] = FORMAT
@@ -120,7 +126,7 @@ class Calibration:
                        engine_units={k: float(v) for k, v in d["engine_units"].items()},
                        compute_share={int(k): float(v) for k, v in d["compute_share"].items()},
                        comm={k: CommFit(**v) for k, v in d["comm"].items()},
-                       roofline={k: float(v) for k, v in d["roofline"].items()},
+                       probe=dict(d["probe"]),
                        worlds=[int(w) for w in d["worlds"]])
         except (KeyError, TypeError, ValueError) as e:
             raise CalibrationError(f"the calibration file is malformed ({type(e).__name__}: {e})") from None
@@ -250,14 +256,15 @@ def work(op: str, s: dict) -> float:
     return 0.0
 
 
-def fit_compute(samples: list[dict]) -> tuple[dict[str, Fit], dict[str, float], dict[str, float]]:
-    """(module fits, engine unit seconds, roofline) from `engine.calibrate.measure_compute` samples."""
+def fit_compute(samples: list[dict]) -> tuple[dict[str, Fit], dict[str, float], dict]:
+    """(module fits, engine unit seconds, the roofline probe's result as a dict) from
+    `engine.calibrate.measure_compute` samples."""
     by_op: dict[str, list[dict]] = {}
     for smp in samples:
         by_op.setdefault(smp["op"], []).append(smp)
     fits: dict[str, Fit] = {}
     for op, rows in by_op.items():
-        if op in ("engine_unit", "engine_step", "matmul_roofline", "copy_roofline", "block", "copy"):
+        if op in ("engine_unit", "engine_step", "probe", "block", "copy"):
             continue
         if op == "moe":
             # fixed + per expert (each expert runs, even on no rows) + per FLOP: three shapes, three unknowns
@@ -283,13 +290,8 @@ def fit_compute(samples: list[dict]) -> tuple[dict[str, Fit], dict[str, float], 
     units = {r["shape"]["name"]: r["fwd_s"] for r in by_op.get("engine_unit", [])}
     if by_op.get("engine_step"):
         units["step"] = by_op["engine_step"][0]["fwd_s"]
-    roof = {}
-    for r in by_op.get("matmul_roofline", []):
-        s = r["shape"]
-        roof[f"{s['dtype']}_flops_per_s"] = 2.0 * s["m"] * s["k"] * s["n"] / r["fwd_s"]
-    for r in by_op.get("copy_roofline", []):
-        roof["copy_bytes_per_s"] = r["shape"]["bytes"] / r["fwd_s"]
-    return fits, units, roof
+    probe = next((r["probe"] for r in by_op.get("probe", [])), {})
+    return fits, units, probe
 
 
 def _fit_moe(rows: list[dict]) -> Fit:
@@ -357,10 +359,12 @@ def fit_share(world: int, shared: list[list[dict]], solo: dict[str, Fit], solo_b
 def summary_lines(cal: Calibration) -> list[str]:
     """What was measured, in words, for the pages."""
     lines = []
-    if cal.roofline:
-        lines.append(f"matmul {cal.roofline.get('fp32_flops_per_s', math.nan) / 1e9:,.1f} GFLOP/s fp32, "
-                     f"{cal.roofline.get('bf16_flops_per_s', math.nan) / 1e9:,.1f} GFLOP/s bf16 (one thread); "
-                     f"copy {cal.roofline.get('copy_bytes_per_s', math.nan) / 1e9:,.1f} GB/s")
+    probe = cal.probe_result()
+    if probe is not None:
+        lines.append(f"matmul {probe.matmul_flops_per_s / 1e9:,.1f} GFLOP/s fp32, "
+                     f"{(probe.bf16_matmul_flops_per_s or math.nan) / 1e9:,.1f} GFLOP/s bf16 "
+                     f"({probe.threads} thread{'s' if probe.threads > 1 else ''}); "
+                     f"copy {probe.memory_bytes_per_s / 1e9:,.1f} GB/s")
     if "linear" in cal.compute:
         f = cal.compute["linear"]
         lines.append(f"a small matmul costs {f.fwd_fixed_s * 1e6:.1f} us of overhead + its FLOPs at "

@@ -55,7 +55,7 @@ class LivePrediction:
 
     def as_dict(self) -> dict:
         return {"step_time_s": self.step_time_s, "breakdown_s": self.breakdown_s, "notes": self.notes,
-                "source": "planner.live on this machine's calibration"}
+                "source": "planner.live on this machine's calibration", "timeline": self.timeline.to_dict()}
 
 
 def _params(m, tp: int = 1, ep: int = 1, ep_rank: int = 0) -> list[list[tuple[str, int]]]:

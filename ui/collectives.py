@@ -558,3 +558,19 @@ def sweep_figure(result: MachineLink) -> go.Figure:
     fig.update_layout(title=f"This machine, {result.world} local ranks (gloo over loopback)", height=460,
                       margin={"l": 10, "r": 10, "t": 50, "b": 10}, legend={"orientation": "h", "y": -0.2})
     return fig
+
+
+def calibration_rows(cal) -> list[dict]:
+    """This machine's calibration of gloo (hardware.this_machine.Calibration), one row per world, group
+    size and operation: what the live prediction charges per operation."""
+    rows = []
+    for key in sorted(cal.comm, key=lambda k: (int(k.split("/")[0][1:]), k)):
+        world, kind, n, mode = key.split("/")
+        fit = cal.comm[key]
+        if mode == "async":
+            continue  # measured as bursts; planner/live.py derives one operation's time from them
+        rows.append({"ranks": int(world[1:]), "group": int(n[1:]), "operation": kind.replace("_", " "),
+                     "α (per operation)": format_seconds(fit.alpha_s),
+                     "β (ns per byte)": round(fit.beta_s_per_byte * 1e9, 3),
+                     "CPU busy": f"{fit.cpu_fraction:.0%}"})
+    return rows

@@ -286,8 +286,3 @@ def measured_op_times(timeline: Timeline, step: int, virtual_stages: int) -> OpT
     if BACKWARD_INPUT in durations:
         return OpTimes(mean(FORWARD), mean(BACKWARD_INPUT), mean(BACKWARD_WEIGHT))
     return OpTimes(mean(FORWARD), mean(BACKWARD) / 2, mean(BACKWARD) / 2)
-
-
-def step_timeline(timeline: Timeline, step: int) -> Timeline:
-    """The spans of one step only (a pipeline step is the picture worth animating)."""
-    return Timeline([s for s in timeline.spans if s.step == step], source=timeline.source, meta=timeline.meta)

@@ -35,11 +35,13 @@ def _rows(timeline: Timeline) -> list[str]:
     return [row_label(r, lane) for r in timeline.ranks for lane in LANES if (r, lane) in used]
 
 
-def timeline_figure(timeline: Timeline, title: str = "", frames: int = 30, animate: bool = True) -> go.Figure:
+def timeline_figure(timeline: Timeline, title: str = "", frames: int = 30, animate: bool = True,
+                    x_max_ms: float | None = None) -> go.Figure:
     """Gantt chart of `timeline` in milliseconds from its first span; with `animate`, play/pause
-    buttons and a slider sweep a cursor through it, revealing spans as they start."""
+    buttons and a slider sweep a cursor through it, revealing spans as they start. `x_max_ms` fixes the
+    time axis (two timelines drawn to compare share one); the cursor sweeps it all."""
     tl = timeline.normalized()
-    t_end_ms = tl.end_s * 1e3
+    t_end_ms = max(tl.end_s * 1e3, x_max_ms or 0.0)
     by_kind: dict[str, list[Span]] = defaultdict(list)
     for s in tl.spans:
         by_kind[span_kind(s)].append(s)
@@ -113,6 +115,11 @@ def add_time_animation(fig: go.Figure, times: list[float], frame_names: list[str
         }],
     )
     fig.update_layout(height=fig.layout.height + 90, margin={"b": 100})
+
+
+def step_timeline(timeline: Timeline, step: int) -> Timeline:
+    """The spans of one step only (one step is the picture worth animating)."""
+    return Timeline([s for s in timeline.spans if s.step == step], source=timeline.source, meta=timeline.meta)
 
 
 def lane_summary(timeline: Timeline) -> list[dict]:

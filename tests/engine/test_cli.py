@@ -81,3 +81,18 @@ def test_same_worker_entry_under_torchrun_with_two_nodes(tmp_path):
     assert [n.returncode for n in nodes] == [0, 0], logs
     summary = json.loads(result.read_text())
     assert summary["ok"] and summary["check"]["passed"] and summary["world"] == 2
+
+
+@pytest.mark.parametrize("flags", [
+    [], ["--strategy", "fsdp", "--world", "4", "--no-prefetch"], ["--strategy", "dp", "--zero-stage", "2"],
+    ["--strategy", "tp", "--sequence-parallel", "--heads", "8", "--kv-heads", "4", "--world", "4"],
+    ["--strategy", "pp", "--schedule", "interleaved-1f1b", "--virtual-stages", "2", "--micro-batches", "4"],
+    ["--strategy", "cp", "--cp-variant", "allgather", "--mesh", "dp=2,cp=2", "--world", "4"],
+    ["--strategy", "ep", "--capacity-factor", "1.25", "--top-k", "1", "--seed", "3", "--steps", "5"],
+])
+def test_argv_for_builds_the_same_config_again(flags):
+    from engine.cli import argv_for, command_line, config_from_args, run_parser
+
+    cfg = config_from_args(run_parser("x").parse_args(flags))
+    assert config_from_args(run_parser("x").parse_args(argv_for(cfg))) == cfg
+    assert command_line(cfg).startswith("python -m engine run --strategy ")

@@ -14,7 +14,8 @@ def _cal(key="abc", created_s=1000.0, **kw) -> tm.Calibration:
                           compute={"linear": tm.Fit(1e-5, 1e-10, 2e-5, 2e-10)}, engine_units={"step": 0.01},
                           compute_share={1: 1.0, 2: 1.1}, comm={tm.comm_key(2, "all_reduce", 2, "sync"):
                                                               tm.CommFit(4e-4, 2e-9, 0.6)},
-                          roofline={"fp32_flops_per_s": 5e10}, worlds=[2], **kw)
+                          probe={"matmul_flops_per_s": 5e10, "memory_bytes_per_s": 1e10, "threads": 1,
+                                 "bf16_matmul_flops_per_s": 2e10}, worlds=[2], **kw)
 
 
 @pytest.fixture
@@ -76,13 +77,13 @@ def test_fit_compute_on_synthetic_linear_samples():
         flops = 2.0 * m * k * n
         samples.append({"op": "linear", "shape": {"m": m, "k": k, "n": n}, "fwd_s": 20e-6 + flops / 1e10,
                         "bwd_s": 40e-6 + 2 * flops / 1e10})
-    samples.append({"op": "matmul_roofline", "shape": {"dtype": "fp32", "m": 512, "k": 512, "n": 512},
-                    "fwd_s": 2.0 * 512**3 / 4e10, "bwd_s": 0.0})
-    fits, units, roof = tm.fit_compute(samples)
+    samples.append({"op": "probe", "shape": {}, "fwd_s": 0.0, "bwd_s": 0.0,
+                    "probe": {"matmul_flops_per_s": 4e10, "memory_bytes_per_s": 1e10, "threads": 1}})
+    fits, units, probe = tm.fit_compute(samples)
     f = fits["linear"]
     assert f.fwd_fixed_s == pytest.approx(20e-6) and f.fwd_per_unit_s == pytest.approx(1e-10)
     assert f.bwd_fixed_s == pytest.approx(40e-6) and f.bwd_per_unit_s == pytest.approx(2e-10)
-    assert roof["fp32_flops_per_s"] == pytest.approx(4e10) and units == {}
+    assert probe["matmul_flops_per_s"] == 4e10 and units == {}
 
 
 def test_fit_moe_separates_per_expert_and_per_flop_costs():
@@ -116,4 +117,6 @@ def test_missing_world_names_what_to_measure():
 
 def test_summary_lines_are_words():
     lines = tm.summary_lines(_cal())
-    assert any("GFLOP/s fp32" in line for line in lines) and any("2 ranks" in line for line in lines)
+    assert any("50.0 GFLOP/s fp32, 20.0 GFLOP/s bf16 (1 thread)" in line for line in lines)
+    assert any("2 ranks" in line for line in lines)
+    assert _cal().probe_result().ridge_point() == pytest.approx(5.0)

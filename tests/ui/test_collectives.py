@@ -276,3 +276,19 @@ def test_live_sweep_at_world_2_fits_alpha_and_beta(clean_pools):
     assert result.alpha_s >= 0 and result.beta_s_per_byte >= 0
     assert _metric(at, "α (latency per step)").endswith(("µs", "ms", " s"))
     assert len(at.get("plotly_chart")) == 3
+
+
+def test_calibration_rows_list_every_blocking_operation():
+    import json
+    from pathlib import Path
+
+    from hardware.this_machine import Calibration
+    from ui.collectives import calibration_rows
+
+    path = Path(__file__).resolve().parents[1] / "planner" / "data" / "calibration-2core.json"
+    cal = Calibration.from_dict(json.loads(path.read_text()))
+    rows = calibration_rows(cal)
+    assert {(r["ranks"], r["group"]) for r in rows} == {(2, 2), (4, 2), (4, 4)}
+    assert {r["operation"] for r in rows} >= {"all reduce", "all gather", "reduce scatter", "all to all"}
+    ar = next(r for r in rows if r["ranks"] == 2 and r["operation"] == "all reduce")
+    assert ar["α (per operation)"].endswith("ms") or ar["α (per operation)"].endswith("µs")

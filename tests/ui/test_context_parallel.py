@@ -190,4 +190,4 @@ def test_live_ring_and_allgather_runs_match_the_reference():
     assert list(rows["K/V bytes sent per step (rank 0)"]) == list(rows["formula"])
     assert rows["K/V transfer under attention"].iloc[0].endswith("%")
     assert rows["K/V transfer under attention"].iloc[1] == "-"
-    assert len(at.get("plotly_chart")) == 4  # the 2 lesson charts + one timeline per variant
+    assert len(at.get("plotly_chart")) == 6  # the 2 lesson charts + predicted and measured per variant

@@ -50,6 +50,13 @@ def test_live_run_matches_the_reference_and_draws_the_timeline():
     assert not at.exception, [e.value for e in at.exception]
     assert not at.error, [e.value for e in at.error]
     assert "matches the single-process reference" in at.success[0].value
-    assert len(at.get("plotly_chart")) == 3  # ZeRO memory, timeline, measured memory
+    # ZeRO memory; the predicted and the measured step side by side; measured memory
+    assert len(at.get("plotly_chart")) == 4
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["Measured step time"].endswith(" ms") and metrics["Predicted step time"].endswith(" ms")
+    assert metrics["Prediction error"].endswith("%")
+    text = " ".join(m.value for m in at.markdown)
+    assert "Where they differ most" in text or "within 10 % of its predicted time" in text
+    assert at.code[0].value.startswith("python -m engine run --strategy fsdp --world 2 --steps 2")
     assert at.get("download_button")
 

@@ -22,8 +22,8 @@ from ui.pipeline import (
     real_chip_view,
     schedule_figure,
     simulate_schedule,
-    step_timeline,
 )
+from ui.timeline import step_timeline
 
 PAGE = "app_pages/pipeline.py"
 EQUAL = op_times(2.0)  # t_B = 2 t_F, so t_BI = t_BW = t_F for ZB-H1: the papers' equal-times case
@@ -179,6 +179,6 @@ def test_live_pipeline_run_matches_the_reference_and_draws_the_timeline():
     assert "matches the single-process reference" in at.success[0].value
     assert _metric(at, "Bubble, formula") == "0.500"  # (2-1)/2
     assert float(_metric(at, "Bubble, measured (step 1)")) > 0
-    assert len(at.get("plotly_chart")) == 3  # grid, activations held, measured timeline
+    assert len(at.get("plotly_chart")) == 4  # grid, activations held, predicted and measured step
     assert at.get("download_button")
 

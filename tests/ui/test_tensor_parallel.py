@@ -208,7 +208,7 @@ def test_live_tp_and_sp_runs_match_the_reference():
     assert not at.error, [e.value for e in at.error]
     assert [s.value.split(" on ")[0] for s in at.success] == ["TP", "TP + SP"]
     assert all("matches the single-process reference" in s.value for s in at.success)
-    rows = at.dataframe[1].value  # the measured table (after the memory table)
+    rows = next(d.value for d in at.dataframe if "run" in d.value.columns)  # the measured table
     assert list(rows["run"]) == ["TP", "TP + SP"]
     measured = [int(v.replace(",", "")) for v in rows["bytes sent per step (rank 0)"]]
     formula = [int(v.replace(",", "")) for v in rows["formula (engine.tp)"]]
@@ -216,7 +216,9 @@ def test_live_tp_and_sp_runs_match_the_reference():
     assert abs(measured[1] - measured[0]) < 0.02 * measured[0]  # only the norms' weight gradients differ
     kib = [int(v.split()[0].replace(",", "")) for v in rows["activations (rank 0)"]]
     assert kib[1] < kib[0]
-    assert len(at.get("plotly_chart")) == 5  # the 3 lesson charts + one timeline per run
+    # the 3 lesson charts + the predicted and the measured timeline of each run
+    assert len(at.get("plotly_chart")) == 7
+    assert [m.label for m in at.metric].count("Prediction error") == 2
 
 
 def test_a_shared_link_opens_the_same_tp():

@@ -1,0 +1,59 @@
+"""The one live panel's pieces (ui/live.py): the measured step beside its prediction on one axis, the
+error and what differs most, the verdict, on hand-made runs."""
+
+import pytest
+
+from engine.config import RunConfig
+from engine.trace import Span, Timeline
+from ui.live import LiveRun, differences, prediction_error, representative_step, side_by_side, tolerance_rows, verdict
+
+
+def _run(pred_ms=8.0, step_times_ms=(30.0, 10.0, 12.0, 11.0), ok=True) -> LiveRun:
+    measured = []
+    for step, t in enumerate(step_times_ms):
+        measured += [Span(r, "compute", "fwd L0", 100 * step, 100 * step + t / 2e3, step=step) for r in (0, 1)]
+        measured += [Span(r, "comm", "all_reduce grads", 100 * step + t / 2e3, 100 * step + t / 1e3, group="dp",
+                          step=step) for r in (0, 1)]
+    predicted = Timeline([Span(r, "compute", "fwd L0", 0, pred_ms / 2e3) for r in (0, 1)]
+                         + [Span(r, "comm", "all_reduce grads", pred_ms / 2e3, pred_ms / 1e3, group="dp") for r in (0, 1)]
+                         + [Span(0, "idle", "wait", 0, 1e-4)], source="predicted")
+    check = {"passed": ok, "max_abs_diff": 1e-6, "by_quantity": {"loss": 1e-7},
+             "tolerances": {"loss": {"rtol": 1e-5, "atol": 1e-6, "why": "summation order"}}}
+    summary = {"ok": ok, "check": check, "steps": len(step_times_ms), "loss": [5.5], "step_time_s": 11.5e-3,
+               "step_times_s": [t / 1e3 for t in step_times_ms],
+               "predicted": {"step_time_s": pred_ms / 1e3, "breakdown_s": {}, "timeline": predicted.to_dict()}}
+    return LiveRun("DP", RunConfig(world=2, steps=len(step_times_ms)), summary, Timeline(measured))
+
+
+def test_the_error_is_against_the_runs_step_time():
+    assert prediction_error(_run(pred_ms=9.2)) == pytest.approx(9.2 / 11.5 - 1)
+    run = _run()
+    run.summary["predicted"] = {"step_time_s": None, "why": "CUDA"}
+    assert prediction_error(run) is None and differences(run) == []
+
+
+def test_the_step_shown_is_the_one_nearest_the_step_time():
+    assert representative_step(_run().summary) in (2, 3)  # 12 and 11 ms are both 0.5 ms from 11.5 ms
+
+
+def test_side_by_side_shares_the_time_axis_and_drops_idle_rows_the_engine_does_not_draw():
+    pred_fig, meas_fig, step = side_by_side(_run(pred_ms=20.0))
+    assert pred_fig.layout.xaxis.range == meas_fig.layout.xaxis.range
+    assert pred_fig.layout.xaxis.range[1] == pytest.approx(20.0 * 1.02)
+    rows = {y for trace in pred_fig.data for y in (trace.y or ())}
+    assert not any("idle" in str(r) for r in rows)
+    assert pred_fig.frames and meas_fig.frames  # both animated
+    assert "Measured: step" in meas_fig.layout.title.text and "20.0 ms" in pred_fig.layout.title.text
+
+
+def test_differences_name_the_slow_collective():
+    texts = differences(_run(pred_ms=4.0))
+    assert texts and texts[0].startswith("gloo all_reduce (dp) took")
+
+
+def test_verdict_and_tolerances():
+    ok, text = verdict(_run())
+    assert ok and text.startswith("DP on 2 processes matches the single-process reference over 4 steps")
+    bad, text = verdict(_run(ok=False))
+    assert not bad and "DOES NOT match" in text
+    assert tolerance_rows(_run().summary["check"])[0]["why"] == "summation order"

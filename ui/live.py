@@ -1,0 +1,90 @@
+"""What the one live panel (app_pages/live_panel.py) shows of a finished run, built without Streamlit:
+the verdict against the single-process reference, the measured step beside its prediction on one time
+axis, the error and what differs most, and the command line that reproduces the run."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+import plotly.graph_objects as go
+
+from engine.trace import Timeline
+from planner.live import compare
+from ui.timeline import step_timeline, timeline_figure
+
+
+@dataclass
+class LiveRun:
+    label: str
+    cfg: object  # engine.config.RunConfig
+    summary: dict
+    timeline: Timeline
+
+    @property
+    def prediction(self) -> dict | None:
+        return self.summary.get("predicted")
+
+    @property
+    def predicted_timeline(self) -> Timeline | None:
+        p = self.prediction
+        return Timeline.from_dict(p["timeline"]) if p and p.get("timeline") else None
+
+
+def verdict(run: LiveRun) -> tuple[bool, str]:
+    s, check = run.summary, run.summary["check"]
+    cfg = run.cfg
+    what = f"{run.label} on {cfg.world} process{'es' if cfg.world > 1 else ''}"
+    if cfg.micro_batches > 1:
+        what += f", {cfg.micro_batches} micro-batches,"
+    if check is None:
+        return True, f"{what} ran {s['steps']} steps (not compared with the reference); loss {s['loss'][-1]:.4f}."
+    return s["ok"], (f"{what} {'matches' if s['ok'] else 'DOES NOT match'} the single-process reference over "
+                     f"{s['steps']} step{'s' if s['steps'] > 1 else ''} (largest difference "
+                     f"{check['max_abs_diff']:.2e}; loss {s['loss'][-1]:.4f}).")
+
+
+def tolerance_rows(check: dict | None) -> list[dict]:
+    if not check:
+        return []
+    return [{"quantity": q, "largest difference": f"{check['by_quantity'].get(q, 0):.2e}", "rtol": t["rtol"],
+             "atol": t["atol"], "why": t["why"]} for q, t in check.get("tolerances", {}).items()]
+
+
+def representative_step(summary: dict) -> int:
+    """The step whose time (slowest rank) is the run's step time (the median over its steps)."""
+    times = summary["step_times_s"]
+    return min(range(len(times)), key=lambda i: (abs(times[i] - summary["step_time_s"]), i == 0, i))
+
+
+def prediction_error(run: LiveRun) -> float | None:
+    p = run.prediction
+    if not p or p.get("step_time_s") is None:
+        return None
+    return (p["step_time_s"] - run.summary["step_time_s"]) / run.summary["step_time_s"]
+
+
+def differences(run: LiveRun, top: int = 3) -> list[str]:
+    predicted = run.predicted_timeline
+    if predicted is None:
+        return []
+    return [row["text"] for row in compare(predicted, run.timeline, top=top)]
+
+
+def side_by_side(run: LiveRun) -> tuple[go.Figure | None, go.Figure, int]:
+    """(predicted figure or None, measured figure of the representative step, that step), on one time
+    axis, with the same rows and colours, each animated."""
+    step = representative_step(run.summary)
+    measured = step_timeline(run.timeline, step)
+    predicted = run.predicted_timeline
+    if predicted is not None and not any(s.lane == "idle" for s in measured.spans):
+        # the engine draws waits as gaps (only pipeline bubbles get idle spans): so does the prediction
+        predicted = Timeline([s for s in predicted.spans if s.lane != "idle"], predicted.source, predicted.meta)
+    x_max = max(measured.duration_s, run.summary["step_times_s"][step],
+                run.prediction["step_time_s"] if predicted else 0.0) * 1e3
+    meas_fig = timeline_figure(measured, x_max_ms=x_max, title=f"Measured: step {step}, the median step "
+                               f"({run.summary['step_times_s'][step] * 1e3:.1f} ms on the slowest rank)")
+    pred_fig = (timeline_figure(predicted, x_max_ms=x_max, title=f"Predicted by the planner for this machine "
+                                f"({run.prediction['step_time_s'] * 1e3:.1f} ms)")
+                if predicted else None)
+    return pred_fig, meas_fig, step
