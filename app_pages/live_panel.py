@@ -93,7 +93,7 @@ def _show_run(key: str, run: LiveRun) -> None:
     s, pred = run.summary, run.prediction or {}
     error = prediction_error(run)
     m1, m2, m3 = st.columns(3)
-    m1.metric("Measured step time", f"{s['step_time_s'] * 1e3:,.1f} ms", help="median over steps, slowest rank")
+    m1.metric("Measured step time", f"{s['step_time_s'] * 1e3:,.1f} ms", help="median over the steps after the first (warm-up), slowest rank")
     if error is None:
         m2.metric("Predicted step time", "n/a")
         st.caption(f"No prediction: {pred.get('why', 'the run carries none')}.")
@@ -101,6 +101,9 @@ def _show_run(key: str, run: LiveRun) -> None:
         m2.metric("Predicted step time", f"{pred['step_time_s'] * 1e3:,.1f} ms",
                   help="planner/live.py on this machine's calibration, before the run")
         m3.metric("Prediction error", f"{error:+.0%}", help="(predicted - measured) / measured")
+        if s["steps"] == 1:
+            st.caption("A run of one step measures its warm-up too (first calls allocate memory and fill "
+                       "caches); the prediction is of a warm step. Run 2 or more steps to compare them.")
     pred_fig, meas_fig, step = side_by_side(run)
     if pred_fig is not None:
         st.plotly_chart(pred_fig, key=f"{slug}_predicted")
@@ -110,7 +113,8 @@ def _show_run(key: str, run: LiveRun) -> None:
                     if diffs else "Every kind of work took within 10 % of its predicted time.")
         st.caption("The two timelines share one time axis and one set of colours; press Play under each to "
                    "watch its step. The prediction is made from this machine's calibration alone (each "
-                   "module, gloo operation and core-sharing measured once, cached), never from this run. "
+                   "module, gloo operation and core-sharing measured once, cached), never from this run, "
+                   "and assumes nothing else keeps the cores busy (this server and your browser may). "
                    "Processes sharing a few cores stall now and then, which a single step shows and a "
                    "prediction of the typical step does not.")
     else:

@@ -310,7 +310,7 @@ def per_step_by_kind(timeline: Timeline, skip_first: bool = True) -> dict[str, f
     """Seconds per rank per step spent on each kind of work (engine.trace.span_kind; communication by
     kind and group): what the rank's step is made of, so idle time and asynchronous operations (which
     run beside it, their spans including their time in gloo's queue) are left out, and the time a rank
-    spends on no blocking span counts as WAITING. A measured run's
+    spends on no blocking span, or in a blocking receive, counts as WAITING. A measured run's
     first step (warm-up) is skipped when there are later ones."""
     steps = sorted({s.step for s in timeline.spans})
     if skip_first and len(steps) > 1:
@@ -318,13 +318,16 @@ def per_step_by_kind(timeline: Timeline, skip_first: bool = True) -> dict[str, f
     keep = set(steps)
     ranks = max(1, len(timeline.ranks))
     out: dict[str, float] = {}
+    def blocking(s) -> bool:  # a blocking receive is a wait for a peer, whatever the engine names it
+        return s.lane != "idle" and not s.is_async and span_kind(s) != "send/recv"
+
     for rank in timeline.ranks:
-        spans = [s for s in timeline.for_rank(rank) if s.lane != "idle" and not s.is_async and s.step in keep]
+        spans = [s for s in timeline.for_rank(rank) if blocking(s) and s.step in keep]
         for step in keep:  # waiting: the step's time on no blocking span (peers, asynchronous operations)
             in_step = [s for s in timeline.for_rank(rank) if s.step == step and s.lane != "idle"]
             if in_step:
                 window = max(s.end_s for s in in_step) - min(s.start_s for s in in_step)
-                busy = _union([(s.start_s, s.end_s) for s in in_step if not s.is_async])
+                busy = _union([(s.start_s, s.end_s) for s in in_step if blocking(s)])
                 out[WAITING] = out.get(WAITING, 0.0) + max(0.0, window - busy) / ranks / len(keep)
         for s in spans:
             seconds = s.duration_s
