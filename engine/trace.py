@@ -67,6 +67,34 @@ def span_kind(span: Span) -> str:
     return "other compute"
 
 
+def _merged(intervals) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def union_seconds(intervals) -> float:
+    """Length of the union of (start, end) intervals: overlapping ones count once."""
+    return sum(b - a for a, b in _merged(intervals))
+
+
+def intersection_seconds(a, b) -> float:
+    """Length of (union of a) intersected with (union of b)."""
+    ma, mb, total, i, j = _merged(a), _merged(b), 0.0, 0, 0
+    while i < len(ma) and j < len(mb):
+        lo, hi = max(ma[i][0], mb[j][0]), min(ma[i][1], mb[j][1])
+        total += max(0.0, hi - lo)
+        if ma[i][1] < mb[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
 @dataclass
 class Timeline:
     spans: list[Span] = field(default_factory=list)
@@ -100,17 +128,18 @@ class Timeline:
 
     def busy_seconds(self, rank: int, lane: str) -> float:
         """Seconds a rank's lane was busy, overlapping spans on the lane counted once."""
-        busy, cur_start, cur_end = 0.0, None, None
-        for s in sorted((s for s in self.spans if s.rank == rank and s.lane == lane), key=lambda s: s.start_s):
-            if cur_end is None or s.start_s > cur_end:
-                if cur_end is not None:
-                    busy += cur_end - cur_start
-                cur_start, cur_end = s.start_s, s.end_s
-            else:
-                cur_end = max(cur_end, s.end_s)
-        if cur_end is not None:
-            busy += cur_end - cur_start
-        return busy
+        return union_seconds([(s.start_s, s.end_s) for s in self.spans if s.rank == rank and s.lane == lane])
+
+    def overlap(self, rank: int, comm=None, compute=None) -> tuple[float, float]:
+        """(seconds of communication, seconds of it that ran while the same rank computed) for `rank`:
+        the one overlap measure of every page. Each side is the union of its spans (nested or
+        concurrent spans count once); `comm` and `compute` select spans (default: the lanes)."""
+        comm = comm or (lambda s: s.lane == "comm")
+        compute = compute or (lambda s: s.lane == "compute")
+        spans = [s for s in self.spans if s.rank == rank]
+        a = [(s.start_s, s.end_s) for s in spans if comm(s)]
+        b = [(s.start_s, s.end_s) for s in spans if compute(s)]
+        return union_seconds(a), intersection_seconds(a, b)
 
     def comm_bytes(self, rank: int) -> int:
         return sum(s.bytes for s in self.spans if s.rank == rank and s.lane == "comm")

@@ -31,7 +31,7 @@ from engine.schedules import (
     make_schedule,
     stage_units,
 )
-from engine.trace import Timeline, span_kind
+from engine.trace import Timeline, span_kind, union_seconds
 from hardware.this_machine import Calibration, work
 from planner.eventsim import Collective, Compute, Recv, Send, Wait, idle_spans, simulate
 
@@ -327,27 +327,19 @@ def per_step_by_kind(timeline: Timeline, skip_first: bool = True) -> dict[str, f
             in_step = [s for s in timeline.for_rank(rank) if s.step == step and s.lane != "idle"]
             if in_step:
                 window = max(s.end_s for s in in_step) - min(s.start_s for s in in_step)
-                busy = _union([(s.start_s, s.end_s) for s in in_step if blocking(s)])
+                busy = union_seconds([(s.start_s, s.end_s) for s in in_step if blocking(s)])
                 out[WAITING] = out.get(WAITING, 0.0) + max(0.0, window - busy) / ranks / len(keep)
         for s in spans:
             seconds = s.duration_s
             if s.lane == "compute":
                 # a layer's span encloses its ring steps and the blocking collectives it waits for: the
                 # compute is what is left, each second counted once
-                seconds -= _union([(c.start_s, c.end_s) for c in spans if c is not s and s.start_s <= c.start_s
-                                   and c.end_s <= s.end_s and c.duration_s < s.duration_s])
+                seconds -= union_seconds([(c.start_s, c.end_s) for c in spans if c is not s
+                                          and s.start_s <= c.start_s and c.end_s <= s.end_s
+                                          and c.duration_s < s.duration_s])
             key = _label(span_kind(s), s.group if s.lane == "comm" else "")
             out[key] = out.get(key, 0.0) + seconds / ranks / len(keep)
     return out
-
-
-def _union(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, -math.inf
-    for a, b in sorted(intervals):
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total
 
 
 def compare(predicted: Timeline, measured: Timeline, top: int = 3) -> list[dict]:

@@ -56,3 +56,29 @@ def test_bad_span_is_rejected():
         Span(0, "gpu", "x", 0, 1)
     with pytest.raises(ValueError, match="ends before"):
         Span(0, "comm", "x", 2, 1)
+
+
+def test_overlap_counts_each_second_once():
+    # the numbers the lessons issue found wrong: nested compute spans (a layer around its ring steps)
+    # and concurrent collectives used to be summed pairwise, reading more hidden than there was comm
+    tl = Timeline([
+        Span(0, "compute", "fwd L0", 0.0, 4.0),
+        Span(0, "compute", "attn L0 ring 0", 1.0, 2.0),  # nested in fwd L0
+        Span(0, "comm", "all_gather a", 3.0, 6.0, is_async=True),
+        Span(0, "comm", "all_gather b", 3.0, 6.0, is_async=True),  # concurrent with a
+        Span(0, "compute", "bwd L0", 5.0, 5.5),
+        Span(1, "comm", "all_reduce", 0.0, 1.0),
+    ])
+    comm_s, hidden_s = tl.overlap(0)
+    assert comm_s == 3.0 and hidden_s == 1.5  # 3-4 under fwd, 5-5.5 under bwd
+    assert tl.overlap(1) == (1.0, 0.0)
+    only_ring = tl.overlap(0, compute=lambda s: s.name.startswith("attn"))
+    assert only_ring == (3.0, 0.0)
+
+
+def test_union_and_intersection():
+    from engine.trace import intersection_seconds, union_seconds
+
+    assert union_seconds([(0, 2), (1, 3), (5, 6)]) == 4
+    assert union_seconds([]) == 0
+    assert intersection_seconds([(0, 2), (4, 8)], [(1, 5), (7, 9)]) == 1 + 1 + 1

@@ -279,15 +279,10 @@ def kv_bytes_per_step(timeline: Timeline, rank: int, steps: int) -> float:
 def kv_overlap_fraction(timeline: Timeline, rank: int) -> float | None:
     """Fraction of the K/V send/recv time during which the same rank computed a ring attention block;
     None when the rank had no K/V transfer on the ring (the all-gather variant)."""
-    spans = timeline.for_rank(rank)
-    comm = [s for s in spans
-            if s.lane == "comm" and s.group == "cp" and ("send" in s.name or "recv" in s.name)]
-    attn = [(s.start_s, s.end_s) for s in spans if s.lane == "compute" and s.name.startswith("attn")]
-    total = sum(s.duration_s for s in comm)
-    if not total:
-        return None
-    under = sum(max(0.0, min(e, s.end_s) - max(b, s.start_s)) for s in comm for b, e in attn)
-    return min(1.0, under / total)
+    total, under = timeline.overlap(
+        rank, comm=lambda s: s.lane == "comm" and s.group == "cp" and ("send" in s.name or "recv" in s.name),
+        compute=lambda s: s.lane == "compute" and s.name.startswith("attn"))
+    return under / total if total else None
 
 
 def live_rows(runs: list[tuple[str, object, dict, Timeline]]) -> list[dict]:

@@ -123,19 +123,16 @@ def step_timeline(timeline: Timeline, step: int) -> Timeline:
 
 
 def lane_summary(timeline: Timeline) -> list[dict]:
-    """Per rank: busy ms per lane, comm bytes and how much of the comm time hid under compute."""
+    """Per rank: busy ms per lane, comm bytes and how much of the comm time ran while the same rank
+    computed (Timeline.overlap: each side an interval union)."""
     rows = []
     for rank in timeline.ranks:
-        spans = timeline.for_rank(rank)
-        compute = [(s.start_s, s.end_s) for s in spans if s.lane == "compute"]
-        comm_s = timeline.busy_seconds(rank, "comm")
-        hidden_s = sum(max(0.0, min(ce, s.end_s) - max(cs, s.start_s))
-                       for s in spans if s.lane == "comm" for cs, ce in compute)
+        comm_s, hidden_s = timeline.overlap(rank)
         rows.append({
             "rank": rank,
             "compute ms": round(timeline.busy_seconds(rank, "compute") * 1e3, 3),
             "comm ms": round(comm_s * 1e3, 3),
-            "comm under compute %": round(100 * min(hidden_s, comm_s) / comm_s, 1) if comm_s else None,
+            "comm under compute %": round(100 * hidden_s / comm_s, 1) if comm_s else None,
             "comm bytes": timeline.comm_bytes(rank),
         })
     return rows
