@@ -52,9 +52,10 @@ def tolerance_rows(check: dict | None) -> list[dict]:
 
 
 def representative_step(summary: dict) -> int:
-    """The step whose time (slowest rank) is the run's step time (the median over its steps)."""
+    """The step after the first (the warm-up) whose time (slowest rank) is nearest the run's step time."""
     times = summary["step_times_s"]
-    return min(range(len(times)), key=lambda i: (abs(times[i] - summary["step_time_s"]), i == 0, i))
+    candidates = range(1, len(times)) if len(times) > 1 else range(1)
+    return min(candidates, key=lambda i: (abs(times[i] - summary["step_time_s"]), i))
 
 
 def prediction_error(run: LiveRun) -> float | None:
@@ -82,7 +83,7 @@ def side_by_side(run: LiveRun) -> tuple[go.Figure | None, go.Figure, int]:
         predicted = Timeline([s for s in predicted.spans if s.lane != "idle"], predicted.source, predicted.meta)
     x_max = max(measured.duration_s, run.summary["step_times_s"][step],
                 run.prediction["step_time_s"] if predicted else 0.0) * 1e3
-    meas_fig = timeline_figure(measured, x_max_ms=x_max, title=f"Measured: step {step}, the median step "
+    meas_fig = timeline_figure(measured, x_max_ms=x_max, title=f"Measured: step {step}, the one nearest the median "
                                f"({run.summary['step_times_s'][step] * 1e3:.1f} ms on the slowest rank)")
     pred_fig = (timeline_figure(predicted, x_max_ms=x_max, title=f"Predicted by the planner for this machine "
                                 f"({run.prediction['step_time_s'] * 1e3:.1f} ms)")
