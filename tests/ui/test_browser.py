@@ -216,3 +216,29 @@ def test_a_classroom_opening_pages_at_once_on_a_fresh_server(browser):
         finally:
             for page in pages:
                 page.close()
+
+
+@pytest.mark.multiprocess
+def test_live_panel_draws_the_prediction_beside_the_run(server, browser):
+    # the measured step and its prediction, animated in the browser: what AppTest cannot show
+    page = _open(browser, f"{server}/data-parallel")
+    try:
+        page.get_by_role("button", name="Run on this machine").click()
+        page.get_by_text("Prediction error").first.wait_for(timeout=180_000)
+        _assert_no_exception(page, "data-parallel after the live run")
+        titles = page.locator(".js-plotly-plot .gtitle")
+        page.wait_for_function(
+            "() => [...document.querySelectorAll('.js-plotly-plot .gtitle')].some(t => t.textContent"
+            ".startsWith('Measured: step'))", timeout=WAIT_MS)
+        texts = [titles.nth(i).text_content() for i in range(titles.count())]
+        predicted = next(i for i, t in enumerate(texts) if t.startswith("Predicted by the planner"))
+        assert any(t.startswith("Measured: step") for t in texts)
+        chart = page.locator(".js-plotly-plot").filter(has_text="Predicted by the planner").first
+        before = chart.locator(".slider-container").inner_html()
+        chart.locator(".updatemenu-button").first.click()  # Play
+        page.wait_for_timeout(1500)
+        assert chart.locator(".slider-container").inner_html() != before, texts[predicted]
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SHOTS / "live-panel.png"), full_page=True)
+    finally:
+        page.close()
