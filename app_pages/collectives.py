@@ -253,7 +253,7 @@ else:
     st.markdown(
         "Every live run is shown beside the planner's prediction of it, made from one calibration of this "
         "machine. For communication it times each gloo operation the engine uses, at the engine's message "
-        "sizes (1 KiB and 128 KiB), each after a few hundred microseconds of computing as in a training "
+        "sizes (1, 128 and 512 KiB), each after a few hundred microseconds of computing as in a training "
         "step (back to back, gloo's threads stay awake and run 2-3x faster), with every group of the "
         "world communicating at once. Its α is per operation, not per ring step as in the sweep above:")
     st.dataframe(calibration_rows(calibration), hide_index=True, width="stretch")

@@ -37,9 +37,16 @@ from engine.model import MoE, Attention, Block, Embed, Head, RMSNorm, SwiGLU, lo
 from engine.optim import AdamW, adamw_
 from engine.ring_attention import block_backward, block_forward, expand_kv, merge, reduce_kv
 
-# Message sizes of the communication sweep (bytes): the live models' collectives are 0.1-300 KB, where
-# gloo's time is mostly per-operation (thread hand-offs, syscalls), so two sizes fit alpha and beta.
-COMM_SIZES = (1024, 131072)
+# Message sizes of the communication sweep (bytes): the live models' collectives are 0.1-450 KB (the
+# whole-gradient all-reduce of cp and ep is 427 KB), where gloo's time is mostly per operation (thread
+# hand-offs, syscalls); three sizes spanning that range fit alpha and beta without extrapolating.
+COMM_SIZES = (1024, 131072, 524288)
+# Calls of each operation and size (engine/calibrate.comm_task). A rank's gloo time has a heavy tail
+# (a stalled thread waits a scheduler tick, ~4 ms, about once in tens of calls): means over fewer rounds
+# moved a fit by up to 2x between two calibrations of this machine.
+COMM_ROUNDS = 60
+ASYNC_ROUNDS = 24
+COMM_BLOCK = 10
 COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ring_shift", "send_recv")
 ASYNC_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 ASYNC_BURST = 6  # asynchronous operations issued back to back before waiting (DP buckets, FSDP units)
@@ -230,8 +237,16 @@ def _groups(world: int, n: int) -> list[list[int]]:
     return [list(range(g * n, (g + 1) * n)) for g in range(world // n)]
 
 
-def comm_task(ctx, group_sizes: list[int], sizes: tuple[int, ...] = COMM_SIZES, reps: int = 30) -> list[dict]:
-    """Pool task: time every operation in COMM_KINDS (and ASYNC_KINDS as bursts) on groups of each size."""
+def comm_task(ctx, group_sizes: list[int], sizes: tuple[int, ...] = COMM_SIZES, rounds: int = COMM_ROUNDS,
+              async_rounds: int = ASYNC_ROUNDS) -> list[dict]:
+    """Pool task: time every operation in COMM_KINDS (and ASYNC_KINDS as bursts) on groups of each size.
+
+    An operation's calls run in blocks of COMM_BLOCK, the kinds taking turns block by block: within a
+    block each call follows one of its own kind, as a pipeline's or a ring's messages follow each other
+    (a point-to-point call right after a different collective runs 2-3x slower: gloo's pair threads go
+    cold), and taking turns spreads a slow spell of the machine over every kind instead of biasing
+    whichever ran then (means of kind after kind moved fits by up to 2x between two calibrations).
+    """
     import torch.distributed as dist
 
     from engine import comm as engine_comm
@@ -244,29 +259,29 @@ def comm_task(ctx, group_sizes: list[int], sizes: tuple[int, ...] = COMM_SIZES, 
             if ctx.rank in ranks:
                 group, members = g, ranks
         me = members.index(ctx.rank)
-        for kind in COMM_KINDS:
-            if kind == "send_recv" and n % 2:
-                continue
-            for nbytes in sizes:
-                call = _comm_call(kind, n, me, members, nbytes, group)
-                out.append(_timed(call, kind, n, ctx.world, nbytes, "sync", reps, dist, COMPUTE_GAP_S))
+        sync = {(kind, nbytes): _comm_call(kind, n, me, members, nbytes, group)
+                for kind in COMM_KINDS if not (kind == "send_recv" and n % 2) for nbytes in sizes}
         compute, compute_s = _fixed_compute(COMPUTE_GAP_S / 2)
+
+        def burst(call):
+            # as a backward pass issues buckets: compute, issue, compute, issue ..., then wait
+            works = []
+            for _ in range(ASYNC_BURST):
+                compute()
+                works.append(call())
+            for work in works:
+                work.wait()
+
+        bursts = {}
         for kind in ASYNC_KINDS:
             for nbytes in sizes:
                 call = _comm_call(kind, n, me, members, nbytes, group, async_op=True)
-
-                def burst(call=call):
-                    # as a backward pass issues buckets: compute, issue, compute, issue ..., then wait
-                    works = []
-                    for _ in range(ASYNC_BURST):
-                        compute()
-                        works.append(call())
-                    for work in works:
-                        work.wait()
-
-                row = _timed(burst, kind, n, ctx.world, nbytes, "async", max(4, reps // 3), dist)
-                row.update(burst=ASYNC_BURST, compute_s=compute_s)
-                out.append(row)
+                bursts[(kind, nbytes)] = lambda call=call: burst(call)
+        for (kind, nbytes), sums in _rounds(sync, rounds, dist, COMPUTE_GAP_S).items():
+            out.append(_row(kind, n, ctx.world, nbytes, "sync", sums))
+        for (kind, nbytes), sums in _rounds(bursts, async_rounds, dist, 0.0).items():
+            row = _row(kind, n, ctx.world, nbytes, "async", sums)
+            out.append(row | {"burst": ASYNC_BURST, "compute_s": compute_s})
     return out
 
 
@@ -291,23 +306,40 @@ def _busy(seconds: float) -> None:
         pass
 
 
-def _timed(call, kind: str, n: int, world: int, nbytes: int, mode: str, reps: int, dist,
-           gap_s: float = 0.0) -> dict:
-    """Mean wall and process CPU seconds of `call`, each call after `gap_s` of computing (not counted)."""
+def _rounds(calls: dict, rounds: int, dist, gap_s: float) -> dict:
+    """{(kind, size): [wall seconds, CPU seconds, calls]} over `rounds` calls of each: in blocks of
+    COMM_BLOCK calls of one kind (its sizes round-robin), the kinds taking turns block by block; each call
+    after `gap_s` of computing (not counted); two untimed warm-up rounds first."""
     for _ in range(2):
-        call()
+        for call in calls.values():
+            call()
     dist.barrier()
-    wall = cpu = 0.0
-    for _ in range(reps):
-        _busy(gap_s)
-        cpu0 = resource.getrusage(resource.RUSAGE_SELF)
-        t0 = time.perf_counter()
-        call()
-        wall += time.perf_counter() - t0
-        cpu1 = resource.getrusage(resource.RUSAGE_SELF)
-        cpu += cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime
-    return {"kind": kind, "n": n, "world": world, "bytes": nbytes, "mode": mode, "seconds": wall / reps,
-            "cpu_s": cpu / reps}
+    sums = {key: [0.0, 0.0, 0] for key in calls}
+    by_kind: dict[str, list] = {}
+    for key, call in calls.items():
+        by_kind.setdefault(key[0], []).append((key, call))
+    for block in range(0, rounds, COMM_BLOCK):
+        for of_kind in by_kind.values():
+            for _ in range(min(COMM_BLOCK, rounds - block)):
+                for key, call in of_kind:
+                    _busy(gap_s)
+                    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+                    t0 = time.perf_counter()
+                    call()
+                    wall = time.perf_counter() - t0
+                    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+                    acc = sums[key]
+                    acc[0] += wall
+                    acc[1] += cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime
+                    acc[2] += 1
+    return sums
+
+
+def _row(kind: str, n: int, world: int, nbytes: int, mode: str, sums: list) -> dict:
+    """Mean wall and process CPU seconds of one call."""
+    wall, cpu, count = sums
+    return {"kind": kind, "n": n, "world": world, "bytes": nbytes, "mode": mode, "seconds": wall / count,
+            "cpu_s": cpu / count}
 
 
 def _comm_call(kind: str, n: int, me: int, members: list[int], nbytes: int, group, async_op: bool = False):
