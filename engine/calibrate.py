@@ -36,6 +36,7 @@ from engine.config import ModelConfig
 from engine.model import MoE, Attention, Block, Embed, Head, RMSNorm, SwiGLU, loss_fn
 from engine.optim import AdamW, adamw_
 from engine.ring_attention import block_backward, block_forward, expand_kv, merge, reduce_kv
+from hardware.this_machine import CONTENDED_CAP_S
 
 # Message sizes of the communication sweep (bytes): the live models' collectives are 0.1-450 KB (the
 # whole-gradient all-reduce of cp and ep is 427 KB), where gloo's time is mostly per operation (thread
@@ -47,6 +48,8 @@ COMM_SIZES = (1024, 131072, 524288)
 COMM_ROUNDS = 60
 ASYNC_ROUNDS = 24
 COMM_BLOCK = 10
+CONTENDED_CHUNK_S = 25e-6  # the compute between two polls of an operation in flight (a few small matmuls)
+CONTENDED_ROUNDS = 8
 COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ring_shift", "send_recv")
 ASYNC_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 ASYNC_BURST = 6  # asynchronous operations issued back to back before waiting (DP buckets, FSDP units)
@@ -282,7 +285,27 @@ def comm_task(ctx, group_sizes: list[int], sizes: tuple[int, ...] = COMM_SIZES, 
         for (kind, nbytes), sums in _rounds(bursts, async_rounds, dist, 0.0).items():
             row = _row(kind, n, ctx.world, nbytes, "async", sums)
             out.append(row | {"burst": ASYNC_BURST, "compute_s": compute_s})
+        # the same operations while every rank keeps computing until they complete: how fast gloo
+        # progresses under its ranks' compute (an FSDP prefetch, a DP bucket under backward)
+        chunk, _ = _fixed_compute(CONTENDED_CHUNK_S)
+        contended = {}
+        for kind in ASYNC_KINDS:
+            for nbytes in sizes:
+                call = _comm_call(kind, n, me, members, nbytes, group, async_op=True)
+                contended[(kind, nbytes)] = lambda call=call: _under_compute(call, chunk)
+        for (kind, nbytes), sums in _rounds(contended, CONTENDED_ROUNDS, dist, COMPUTE_GAP_S).items():
+            out.append(_row(kind, n, ctx.world, nbytes, "contended", sums))
     return out
+
+
+def _under_compute(call, chunk) -> None:
+    """Issue an asynchronous operation, then compute in small chunks until it has completed (or for
+    CONTENDED_CAP_S at most, then wait)."""
+    work = call()
+    deadline = time.perf_counter() + CONTENDED_CAP_S
+    while not work.is_completed() and time.perf_counter() < deadline:
+        chunk()
+    work.wait()
 
 
 def _fixed_compute(target_s: float):

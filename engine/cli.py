@@ -124,7 +124,7 @@ def _human(summary: dict) -> str:
     lines = [f"{summary['strategy']} zero-{summary['zero_stage']} on {summary['world']} ranks "
              f"({summary['device']}), {summary['steps']} steps x {summary['micro_batches']} micro-batches",
              f"loss per step: {', '.join(f'{x:.5f}' for x in summary['loss'])}",
-             f"step time (median after the first step, slowest rank): {summary['step_time_s'] * 1e3:.1f} ms"]
+             f"step time (mean after the first step, slowest rank): {summary['step_time_s'] * 1e3:.1f} ms"]
     if summary["mesh"].get("pp", 1) > 1:
         parallel = summary["config"]["parallel"]
         mesh = ",".join(f"{axis}={degree}" for axis, degree in summary["mesh"].items())

@@ -26,8 +26,9 @@ def assemble(cfg: RunConfig, results: list[dict]) -> tuple[dict, Timeline]:
         # Idle "bubble" spans, as on the simulator's predicted pipeline timeline.
         timeline.extend(bubble_spans(timeline))
         timeline.meta.update(schedule=cfg.parallel.schedule, virtual_stages=cfg.parallel.virtual_stages)
-    # A step takes as long as its slowest rank; the step time is the median over the steps after the
-    # first (its warm-up: allocations, caches; with two steps a median would still average it in).
+    # A step takes as long as its slowest rank; the step time is the mean over the steps after the first
+    # (its warm-up: allocations, caches): what a step costs on average, the occasional stall of ranks
+    # sharing cores included, i.e. what throughput (tokens per second) is made of.
     slowest = [max(r["step_times_s"][s] for r in results) for s in range(cfg.steps)]
     check = results[0]["check"]
     losses = [sum(r["losses"][s] for r in results) / len(results) for s in range(cfg.steps)]
@@ -42,7 +43,7 @@ def assemble(cfg: RunConfig, results: list[dict]) -> tuple[dict, Timeline]:
         "micro_batches": cfg.micro_batches,
         "device": cfg.device,
         "loss": losses,
-        "step_time_s": statistics.median(slowest[1:] or slowest),
+        "step_time_s": statistics.mean(slowest[1:] or slowest),
         "step_times_s": slowest,
         "memory_bytes": [r["memory_bytes"] for r in results],
         "comm_bytes": [r["comm_bytes"] for r in results],

@@ -29,6 +29,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 FORMAT = 3
+# The longest a "contended" measurement waits for an asynchronous operation under compute before it
+# stops computing (engine/calibrate.py); an operation that took this long made no progress at all.
+CONTENDED_CAP_S = 0.02
 STALE_AFTER_S = 30 * 24 * 3600  # a month: software updates and thermal changes drift the numbers
 
 
@@ -59,16 +62,19 @@ class Fit:
 class CommFit:
     """One gloo operation on groups of n ranks while the world's W ranks all communicate.
 
-    Blocking operations: `seconds` is what one costs after some compute. Asynchronous ones are measured
-    as a burst (`burst` operations each issued after `compute_s` of work, then all waited for):
-    `seconds` is then the whole burst's time, and planner.live solves for one operation's duration in
-    its simulation of that same pattern."""
+    Blocking operations ("sync"): `seconds` is what one costs after some compute. Asynchronous ones
+    ("async") are measured as a burst (`burst` operations each issued after `compute_s` of work, then
+    all waited for): `seconds` is then the whole burst's time, and planner.live solves for one
+    operation's duration in its simulation of that same pattern. "contended": one asynchronous
+    operation while every rank keeps computing until it completes; `stalls` when it did not complete
+    within CONTENDED_CAP_S (it waits for its ranks to stop computing)."""
 
     alpha_s: float
     beta_s_per_byte: float
     cpu_fraction: float  # process CPU time over wall time while it runs (gloo threads stay busy)
     burst: int = 0
     compute_s: float = 0.0
+    stalls: bool = False  # "contended" mode: it did not complete within CONTENDED_CAP_S under compute
 
     def seconds(self, nbytes: float) -> float:
         return self.alpha_s + self.beta_s_per_byte * max(0.0, nbytes)
@@ -344,8 +350,9 @@ def fit_comm(world: int, rows: list[list[dict]]) -> dict[str, CommFit]:
         wall = sum(t for v in by_size.values() for t, _ in v)
         cpu = sum(c for v in by_size.values() for _, c in v)
         burst, compute_s = extra.get((kind, n, mode), (0, 0.0))
+        stalls = mode == "contended" and max(t for _, t in points) >= 0.9 * CONTENDED_CAP_S
         out[comm_key(world, kind, n, mode)] = CommFit(alpha, beta, min(1.0, cpu / wall) if wall > 0 else 0.0,
-                                                      burst, compute_s)
+                                                      burst, compute_s, stalls)
     return out
 
 

@@ -4,9 +4,12 @@ Each rank runs a list of operations in order:
 
     Compute(name, seconds)              `seconds` of work at one core's full speed
     Collective(name, group, seconds)    every member of `group` posts it; it starts when the last member
-                                        has posted it and each member's queue for that group is free,
-                                        and takes `seconds` (gloo runs one operation at a time per
-                                        process group, in posting order); blocking unless `handle`
+                                        has posted it and the group's previous operation has ended
+                                        (gloo runs one operation at a time per process group, in
+                                        posting order), and takes `seconds`; blocking unless `handle`.
+                                        An asynchronous one with `contended_s` runs at 1/contended_s
+                                        of its work per second while any member computes, 1/seconds
+                                        while none does (gloo barely progresses under its ranks' compute)
     Wait(handle)                        blocks until that asynchronous operation has completed
     Send(name, dst, key, seconds)       posts a message that arrives `seconds` later (isend)
     Recv(name, src, key)                blocks until the message with `key` has arrived
@@ -22,6 +25,7 @@ spans where a rank waits) and each rank's end time.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from engine.trace import Span, Timeline
@@ -44,6 +48,9 @@ class Collective:
     handle: str | None = None  # asynchronous when set: Wait(handle) blocks for it
     cpu: float = 0.0  # share of a core its thread keeps busy while it runs
     micro_batch: int | None = None
+    # asynchronous only: its duration while a member computes (None: as `seconds`; math.inf: it makes
+    # no progress until every member has stopped computing)
+    contended_s: float | None = None
 
 
 @dataclass
@@ -73,20 +80,32 @@ class Recv:
 
 @dataclass
 class _Posted:
-    """One collective as it is being posted by its members."""
+    """One collective as it is being posted by its members, then run."""
 
-    seconds: float
+    op: Collective
     members: set[int] = field(default_factory=set)
-    ready: dict[int, float] = field(default_factory=dict)  # member -> time its queue can start it
+    posted_at: float = 0.0  # when its last member posted it
     start: float | None = None
     end: float | None = None
+    left: float = 1.0  # fraction of its work still to do (asynchronous ones progress at a varying rate)
+
+    @property
+    def dynamic(self) -> bool:
+        return self.op.handle is not None and self.op.contended_s is not None
+
+    def rate(self, computing: set[int]) -> float:
+        """Fraction of the operation done per second now."""
+        busy = any(m in computing for m in self.members)
+        seconds = self.op.contended_s if busy else self.op.seconds
+        return 1.0 / seconds if seconds > 0 else math.inf
 
 
 class SimulationError(RuntimeError):
     """The programs cannot all finish (a collective some member never posts, a message never sent)."""
 
 
-def simulate(programs: dict[int, list], cores: float, max_events: int = 2_000_000) -> tuple[Timeline, dict[int, float]]:
+def simulate(programs: dict[int, list], cores: float,
+             max_events: int = 2_000_000) -> tuple[Timeline, dict[int, float]]:
     """Run every rank's program from time 0; return the timeline and each rank's end time."""
     ranks = sorted(programs)
     pc = dict.fromkeys(ranks, 0)
@@ -96,24 +115,30 @@ def simulate(programs: dict[int, list], cores: float, max_events: int = 2_000_00
     blocked_since: dict[int, float] = {}
     seq: dict[tuple[int, tuple], int] = {}  # (rank, group) -> collectives posted so far
     current: dict[int, tuple] = {}  # rank -> the blocking collective it has posted and waits for
-    queue_free: dict[tuple[int, tuple], float] = {}
-    posted: dict[tuple, _Posted] = {}
+    posted: dict[tuple, _Posted] = {}  # (group, n) -> the group's n-th collective
+    waiting: list[tuple] = []  # collectives every member has posted, not started yet
     handles: dict[tuple[int, str], tuple] = {}  # (rank, handle) -> collective id
     arrivals: dict[tuple, float] = {}
-    running_comm: list[tuple[float, float, float]] = []  # (start, end, cpu) of every collective per member
     spans: list[Span] = []
+    spans_pending: dict[tuple, list] = {}
     done = dict.fromkeys(ranks, False)
     t = 0.0
 
-    def cpu_load(now: float) -> float:
-        return sum(cpu for s, e, cpu in running_comm if s <= now < e)
+    def running() -> list[_Posted]:
+        return [p for p in posted.values() if p.start is not None and p.start <= t and (p.end is None or p.end > t)]
 
-    def start_collective(cid: tuple) -> None:
-        p = posted[cid]
-        p.start = max(p.ready.values())
-        p.end = p.start + p.seconds
-        for member in p.members:
-            queue_free[(member, cid[0])] = p.end
+    def start_ready() -> None:
+        """Start each fully posted collective whose group's previous operation has ended."""
+        for cid in list(waiting):
+            group, n = cid
+            prev = posted.get((group, n - 1))
+            if prev is not None and (prev.end is None or prev.end > t):
+                continue
+            p = posted[cid]
+            p.start = max(p.posted_at, prev.end if prev is not None else 0.0)
+            if not p.dynamic:
+                p.end = p.start + p.op.seconds
+            waiting.remove(cid)
 
     def advance(r: int) -> None:
         """Run rank r's instantaneous operations at time t until it computes, blocks or ends."""
@@ -132,15 +157,14 @@ def simulate(programs: dict[int, list], cores: float, max_events: int = 2_000_00
                     n = seq.get((r, gkey), 0)
                     cid = current[r] = (gkey, n)
                     seq[(r, gkey)] = n + 1
-                    p = posted.setdefault(cid, _Posted(op.seconds))
+                    p = posted.setdefault(cid, _Posted(op))
                     p.members.add(r)
-                    p.ready[r] = max(t, queue_free.get((r, gkey), 0.0))
+                    p.posted_at = max(p.posted_at, t)
                     if op.handle is not None:
                         handles[(r, op.handle)] = cid
                     if len(p.members) == len(op.group):
-                        start_collective(cid)
-                        for member in p.members:
-                            running_comm.append((p.start, p.end, op.cpu))
+                        waiting.append(cid)
+                        start_ready()
                     spans_pending.setdefault(cid, []).append((r, op))
                     if op.handle is not None:
                         del current[r]
@@ -174,7 +198,8 @@ def simulate(programs: dict[int, list], cores: float, max_events: int = 2_000_00
                     return
                 since = blocked_since.pop(r, t)
                 if t > since:
-                    spans.append(Span(r, "comm", op.name, since, t, group=op.group_name, micro_batch=op.micro_batch))
+                    spans.append(Span(r, "comm", op.name, since, t, group=op.group_name,
+                                      micro_batch=op.micro_batch))
                 pc[r] += 1
                 continue
             raise TypeError(f"unknown operation {op!r}")
@@ -182,20 +207,27 @@ def simulate(programs: dict[int, list], cores: float, max_events: int = 2_000_00
             done[r] = True
             clock[r] = t
 
-    spans_pending: dict[tuple, list] = {}
     for _ in range(max_events):
-        for r in ranks:
-            if not done[r] and r not in remaining:
-                advance(r)
+        for _settle in range(len(ranks) + 1):  # posting can start collectives that let others go on
+            before = (dict(pc), len(waiting))
+            for r in ranks:
+                if not done[r] and r not in remaining:
+                    advance(r)
+            start_ready()
+            if (dict(pc), len(waiting)) == before:
+                break
         if all(done.values()):
             break
-        computing = [r for r in ranks if r in remaining]
-        load = len(computing) + cpu_load(t)
+        computing = {r for r in ranks if r in remaining}
+        active = running()
+        load = len(computing) + sum(p.op.cpu * len(p.members) for p in active)
         rate = min(1.0, cores / load) if load > 0 else 1.0
+        dynamic = [(p, p.rate(computing)) for p in active if p.dynamic]
         # the next event: a compute finishing, a collective ending or starting, a message arriving
         candidates = [t + remaining[r] / rate for r in computing]
         candidates += [p.end for p in posted.values() if p.end is not None and p.end > t]
         candidates += [p.start for p in posted.values() if p.start is not None and p.start > t]
+        candidates += [t + p.left / speed for p, speed in dynamic if speed > 0]
         candidates += [a for a in arrivals.values() if a > t]
         future = [c for c in candidates if c > t + 1e-15]
         if not future:
@@ -209,6 +241,10 @@ def simulate(programs: dict[int, list], cores: float, max_events: int = 2_000_00
                 spans.append(Span(r, "compute", op.name, started[r], t_next, micro_batch=op.micro_batch))
                 del remaining[r], started[r]
                 pc[r] += 1
+        for p, speed in dynamic:
+            p.left -= (t_next - t) * speed
+            if p.left <= 1e-12:
+                p.end = t_next
         t = t_next
     else:
         raise SimulationError("the simulation did not finish within its event budget")

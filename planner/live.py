@@ -32,7 +32,7 @@ from engine.schedules import (
     stage_units,
 )
 from engine.trace import Timeline, span_kind, union_seconds
-from hardware.this_machine import Calibration, work
+from hardware.this_machine import Calibration, comm_key, work
 from planner.eventsim import Collective, Compute, Recv, Send, Wait, idle_spans, simulate
 
 F32 = 4
@@ -153,6 +153,17 @@ class _Costs:
             return self._async_op_s(kind, size, nbytes, fit)
         return fit.seconds(nbytes)
 
+    def contended_s(self, kind: str, n: int, nbytes: float) -> float | None:
+        """An asynchronous operation's duration while its ranks compute (math.inf: it waits for them to
+        stop), or None when the calibration did not measure it (older files)."""
+        if n <= 1:
+            return None
+        key = comm_key(self.cfg.world, kind, _nearest(n, self._sizes(kind, "contended")), "contended")
+        fit = self.cal.comm.get(key)
+        if fit is None:
+            return None
+        return math.inf if fit.stalls else fit.seconds(nbytes)
+
     def message_s(self, group: int, nbytes: float) -> float:
         """A pipeline message's delivery while the other ranks compute: the calibrated ring shift of the
         pipeline's ranks (each sends to its next and receives from its previous one, after compute)."""
@@ -168,6 +179,7 @@ class _Costs:
         w, target = self.cfg.world, fit.seconds(nbytes)
         solo = fit.compute_s / self.cal.share(w)
         cpu = self.cpu(kind, n, "sync")
+        contended = self.contended_s(kind, n, nbytes)
 
         def simulated(d: float) -> float:
             progs = {}
@@ -175,7 +187,8 @@ class _Costs:
                 group = tuple(range(rank // n * n, rank // n * n + n))
                 ops = []
                 for j in range(fit.burst):
-                    ops += [Compute("c", solo), Collective("x", group, "dp", d, handle=f"h{j}", cpu=cpu)]
+                    ops += [Compute("c", solo), Collective("x", group, "dp", d, handle=f"h{j}", cpu=cpu,
+                                                           contended_s=contended)]
                 progs[rank] = ops + [Wait(f"h{j}") for j in range(fit.burst)]
             return max(simulate(progs, cores=self.cal.cpus)[1].values())
 
@@ -240,7 +253,8 @@ class _Rank:
         self._n += 1
         handle = f"h{self._n}" if asyn else None
         self.ops.append(Collective(name, group, axis, self.costs.comm(kind, n, nbytes, mode), int(nbytes), handle,
-                                   self.costs.cpu(kind, n, mode), self.mb))
+                                   self.costs.cpu(kind, n, mode), self.mb,
+                                   self.costs.contended_s(kind, n, nbytes) if asyn else None))
         return handle
 
     def wait(self, handle: str | None) -> None:

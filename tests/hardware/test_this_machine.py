@@ -120,3 +120,13 @@ def test_summary_lines_are_words():
     assert any("50.0 GFLOP/s fp32, 20.0 GFLOP/s bf16 (1 thread)" in line for line in lines)
     assert any("2 ranks" in line for line in lines)
     assert _cal().probe_result().ridge_point() == pytest.approx(5.0)
+
+
+def test_an_operation_that_never_completes_under_compute_stalls():
+    def row(seconds, nbytes):
+        return {"kind": "reduce_scatter", "n": 2, "world": 2, "bytes": nbytes, "mode": "contended",
+                "seconds": seconds, "cpu_s": 0.5 * seconds}
+    stalled = tm.fit_comm(2, [[row(tm.CONTENDED_CAP_S * 1.01, 1024), row(tm.CONTENDED_CAP_S * 1.02, 131072)]])
+    assert stalled[tm.comm_key(2, "reduce_scatter", 2, "contended")].stalls
+    moving = tm.fit_comm(2, [[row(1e-3, 1024), row(2e-3, 131072)]])
+    assert not moving[tm.comm_key(2, "reduce_scatter", 2, "contended")].stalls

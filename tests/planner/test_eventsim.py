@@ -1,5 +1,7 @@
 """The live prediction's event simulation, on programs whose answer is worked out by hand."""
 
+import math
+
 import pytest
 
 from planner.eventsim import Collective, Compute, Recv, Send, SimulationError, Wait, idle_spans, simulate
@@ -65,3 +67,21 @@ def test_a_collective_some_member_never_posts_is_a_deadlock():
         simulate({0: [Collective("ar", (0, 1), "dp", 1.0)], 1: [Compute("a", 1.0)]}, cores=2)
     with pytest.raises(SimulationError, match="never posted"):
         simulate({0: [Wait("h")]}, cores=1)
+
+
+def test_an_asynchronous_operation_slows_while_its_members_compute():
+    g = (0, 1)
+
+    def prog(contended):
+        return [Collective("ag", g, "dp", 1.0, handle="h", contended_s=contended), Compute("c", 1.0), Wait("h")]
+
+    # 1 s of compute does half of it at the contended rate (2 s), the other half at the idle rate
+    _, ends = simulate({0: prog(2.0), 1: prog(2.0)}, cores=2)
+    assert ends[0] == pytest.approx(1.5)
+    # one that waits for its ranks to stop computing starts its work after the compute
+    tl, ends = simulate({0: prog(math.inf), 1: prog(math.inf)}, cores=2)
+    assert ends[0] == pytest.approx(2.0)
+    assert [(s.start_s, s.end_s) for s in tl.for_rank(0) if s.lane == "comm"] == [(0.0, pytest.approx(2.0))]
+    # and it holds up the next operation of its group, as gloo's queue does
+    _, ends = simulate({r: prog(math.inf)[:2] + [Collective("ar", g, "dp", 0.5), Wait("h")] for r in g}, cores=2)
+    assert ends[0] == pytest.approx(2.5)
