@@ -35,14 +35,17 @@ from planner.case import Layout
 from planner.flops import forward_flops
 from planner.memory import in_flight_layers, layer_activation_bytes, layer_split
 from planner.models import ModelSpec
-from ui.timeline import add_time_animation
+from ui.timeline import BACKWARD_INPUT_COLOR, BACKWARD_WEIGHT_COLOR, add_time_animation
+from ui.timeline import KIND_COLORS as TIMELINE_COLORS
 
 SCHEDULE_LABELS = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved 1F1B", "zb-h1": "ZB-H1"}
 SCHEDULE_COLORS = {"gpipe": "#E45756", "1f1b": "#4C78A8", "interleaved-1f1b": "#F58518", "zb-h1": "#54A24B"}
 KIND_LABELS = {FORWARD: "F (forward)", BACKWARD: "B (backward)", BACKWARD_INPUT: "BI (backward, input grad)",
                BACKWARD_WEIGHT: "BW (backward, weight grad)", "bubble": "bubble (idle)"}
-KIND_COLORS = {FORWARD: "#4C78A8", BACKWARD: "#54A24B", BACKWARD_INPUT: "#72B7B2", BACKWARD_WEIGHT: "#B279A2",
-               "bubble": "#DDDDDD"}
+# the app's palette (ui/timeline.py): the same colour for the same work on every chart
+KIND_COLORS = {FORWARD: TIMELINE_COLORS["forward"], BACKWARD: TIMELINE_COLORS["backward"],
+               BACKWARD_INPUT: BACKWARD_INPUT_COLOR, BACKWARD_WEIGHT: BACKWARD_WEIGHT_COLOR,
+               "bubble": TIMELINE_COLORS["idle"]}
 FORMULA_TEXT = {"gpipe": "(p-1)/m", "1f1b": "(p-1)/m", "interleaved-1f1b": "(p-1)/(v m)",
                 "zb-h1": "(p-1)(tF+tBI-tBW) / (m (tF+tBI+tBW))"}
 CHUNK_LETTERS = "abcdefghijklmnopqrstuvwxyz"

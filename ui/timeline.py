@@ -13,6 +13,8 @@ import plotly.graph_objects as go
 
 from engine.trace import LANES, Span, Timeline, span_kind
 
+# The app's one palette of work: compute in blues and teals (forward, backward), the optimizer green,
+# each collective its own warm colour, idle grey. Every chart of a step colours by it.
 KIND_COLORS = {
     "forward": "#4C78A8",
     "backward": "#72B7B2",
@@ -26,6 +28,11 @@ KIND_COLORS = {
     "other compute": "#BAB0AC",
     "idle": "#DDDDDD",
 }
+# Zero-bubble pipelines split the backward in two: shades of the backward's colour.
+BACKWARD_INPUT_COLOR = "#A5D3CE"
+BACKWARD_WEIGHT_COLOR = "#3F8D86"
+
+
 def row_label(rank: int, lane: str) -> str:
     return f"rank {rank} · {lane}"
 
