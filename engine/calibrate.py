@@ -23,14 +23,12 @@ Three kinds of measurement:
 
 from __future__ import annotations
 
-import math
 import resource
 import statistics
 import time
 from dataclasses import asdict
 
 import torch
-import torch.nn.functional as F
 
 from engine.config import ModelConfig
 from engine.model import MoE, Attention, Block, Embed, Head, RMSNorm, SwiGLU, loss_fn

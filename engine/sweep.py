@@ -17,6 +17,7 @@ import statistics
 import time
 
 from engine.config import MAX_WORLD, ConfigError
+from hardware.this_machine import nonnegative_fit
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
@@ -37,19 +38,11 @@ def fit_alpha_beta(measurements: list[dict], op: str) -> tuple[float, float]:
     rows = [(*ring_terms(op, m["world"], m["bytes"]), m["seconds"]) for m in measurements if m["op"] == op]
     if len(rows) < 2:
         raise ConfigError(f"fitting {op} needs at least two measurements of it, got {len(rows)}")
-    saa = sum(a * a for a, _, _ in rows)
-    sab = sum(a * b for a, b, _ in rows)
-    sbb = sum(b * b for _, b, _ in rows)
-    sat = sum(a * t for a, _, t in rows)
-    sbt = sum(b * t for _, b, t in rows)
-    det = saa * sbb - sab * sab
-    alpha = (sat * sbb - sbt * sab) / det if det > 1e-12 * saa * sbb else -1.0
-    beta = (saa * sbt - sab * sat) / det if det > 1e-12 * saa * sbb else -1.0
-    if alpha < 0:  # refit with the offending term at zero
-        alpha, beta = 0.0, max(0.0, sbt / sbb)
-    elif beta < 0:
-        alpha, beta = max(0.0, sat / saa), 0.0
-    return alpha, beta
+    fit = nonnegative_fit(rows)
+    if fit is None:  # one size only: the latency term cannot be told apart, all of it goes to beta
+        sbb = sum(b * b for _, b, _ in rows)
+        return 0.0, max(0.0, sum(b * t for _, b, t in rows) / sbb)
+    return fit
 
 
 def sweep_rank(ctx, ops: list[str], sizes_bytes: list[int], repeats: int) -> list[dict]:

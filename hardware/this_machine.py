@@ -215,23 +215,33 @@ def save(cal: Calibration) -> Path:
 
 # -- fitting the measurements ------------------------------------------------------------------------
 
+def nonnegative_fit(rows: list[tuple[float, float, float]]) -> tuple[float, float] | None:
+    """Least squares of y = alpha * a + beta * b over rows (a, b, y), both kept >= 0 (a negative cost
+    only fits noise: the fit is redone with that term at zero); None when the rows cannot tell the two
+    terms apart (one size only). The calibration fits alpha + beta * bytes with it, the collectives
+    sweep (engine/sweep.py) the ring model's terms."""
+    saa = sum(a * a for a, _, _ in rows)
+    sab = sum(a * b for a, b, _ in rows)
+    sbb = sum(b * b for _, b, _ in rows)
+    say = sum(a * y for a, _, y in rows)
+    sby = sum(b * y for _, b, y in rows)
+    det = saa * sbb - sab * sab
+    if not det > 1e-12 * saa * sbb:
+        return None
+    alpha, beta = (say * sbb - sby * sab) / det, (saa * sby - sab * say) / det
+    if alpha < 0:
+        return 0.0, max(0.0, sby / sbb)
+    if beta < 0:
+        return max(0.0, say / saa), 0.0
+    return alpha, beta
+
+
 def _fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """Least squares y = a + b x over the points, both kept >= 0 (a negative cost only fits noise)."""
+    """y = a + b x over the points (nonnegative_fit); one size only: its mean, all in a."""
     if not points:
         raise CalibrationError("no measurement to fit")
-    if len(points) == 1 or len({x for x, _ in points}) == 1:
-        return max(0.0, sum(y for _, y in points) / len(points)), 0.0
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    b = sum((x - mx) * (y - my) for x, y in points) / sxx
-    a = my - b * mx
-    if b < 0:
-        return max(0.0, my), 0.0
-    if a < 0:
-        return 0.0, sum(x * y for x, y in points) / sum(x * x for x, _ in points)
-    return a, b
+    fit = nonnegative_fit([(1.0, x, y) for x, y in points])
+    return fit if fit is not None else (max(0.0, sum(y for _, y in points) / len(points)), 0.0)
 
 
 def work(op: str, s: dict) -> float:

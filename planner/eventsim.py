@@ -19,8 +19,8 @@ operations keep a thread busy (weight `cpu` each), a computing rank progresses a
 (k + sum of cpu)) of its full speed. Communication durations are what was measured with the whole
 world communicating, so they are not scaled again.
 
-The result is a `Timeline` in the engine's span format (one compute lane, one comm lane per rank, idle
-spans where a rank waits) and each rank's end time.
+The result is a `Timeline` in the engine's span format (one compute lane, one comm lane per rank; a
+rank's waits are the gaps) and each rank's end time.
 """
 
 from __future__ import annotations
@@ -254,20 +254,3 @@ def simulate(programs: dict[int, list], cores: float,
             spans.append(Span(r, "comm", op.name, p.start, p.end, bytes=op.nbytes, group=op.group_name,
                               is_async=op.handle is not None, micro_batch=op.micro_batch))
     return Timeline(spans, source="predicted", meta={"cores": cores}), {r: clock[r] for r in ranks}
-
-
-def idle_spans(timeline: Timeline, end_s: float) -> list[Span]:
-    """Gaps where a rank neither computes nor communicates (pipeline bubbles, waits for peers)."""
-    out = []
-    for rank in timeline.ranks:
-        busy = sorted((s.start_s, s.end_s) for s in timeline.spans if s.rank == rank and s.lane != "idle"
-                      and not s.is_async)
-        t = 0.0
-        for a, b in busy:
-            if a > t + 1e-9:
-                out.append(Span(rank, "idle", "wait", t, a))
-            t = max(t, b)
-        if end_s > t + 1e-9:
-            out.append(Span(rank, "idle", "wait", t, end_s))
-    return out
-

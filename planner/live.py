@@ -18,9 +18,11 @@ machinery). Byte counts follow engine/comm.py (fp32 tensors; the full array for 
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 
 from engine.mesh import Mesh
+from engine.pp_timeline import bubble_spans
 from engine.schedules import (
     BACKWARD,
     BACKWARD_INPUT,
@@ -33,7 +35,7 @@ from engine.schedules import (
 )
 from engine.trace import Timeline, span_kind, union_seconds
 from hardware.this_machine import Calibration, comm_key, work
-from planner.eventsim import Collective, Compute, Recv, Send, Wait, idle_spans, simulate
+from planner.eventsim import Collective, Compute, Recv, Send, Wait, simulate
 
 F32 = 4
 # Small tensor operations the strategies add around the modules (counted from engine/*.py): each costs
@@ -93,8 +95,8 @@ class _Costs:
         blocks_f = [v for k, v in units.items() if k.startswith("fwd L")]
         blocks_b = [v for k, v in units.items() if k.startswith("bwd L")]
         default = _Shape(b, m.seq_len, m.hidden, m.heads, m.kv_heads, m.ffn)
-        self.driver_fwd = max(0.0, _mean(blocks_f) - self._block(default, True)) if blocks_f else 0.0
-        self.driver_bwd = max(0.0, _mean(blocks_b) - self._block(default, False)) if blocks_b else 0.0
+        self.driver_fwd = max(0.0, statistics.fmean(blocks_f) - self._block(default, True)) if blocks_f else 0.0
+        self.driver_bwd = max(0.0, statistics.fmean(blocks_b) - self._block(default, False)) if blocks_b else 0.0
 
     def fit(self, op: str, shape: dict, fwd: bool, items: float = 0.0) -> float:
         f = self.cal.compute[op]
@@ -221,11 +223,6 @@ class _Shape:
     ffn: int
 
 
-def _mean(xs) -> float:
-    xs = list(xs)
-    return sum(xs) / len(xs) if xs else 0.0
-
-
 def _nearest(n: int, sizes: list[int]) -> int:
     if not sizes:
         return n
@@ -284,28 +281,27 @@ def predict(cfg, cal: Calibration) -> LivePrediction:
         programs[rank] = r.ops
     timeline, ends = simulate(programs, cores=cal.cpus)
     step = max(ends.values())
-    timeline.extend(idle_spans(timeline, step))
+    if cfg.pp > 1:  # as engine/run.py marks a measured pipeline's bubbles (waits are gaps otherwise)
+        timeline.extend(bubble_spans(timeline))
     timeline.meta.update(world=cfg.world, strategy=cfg.parallel.strategy, steps=1, predicted_from="calibration")
     return LivePrediction(step, breakdown(timeline, step), timeline)
 
 
 def breakdown(timeline: Timeline, step_s: float) -> dict[str, float]:
-    """Seconds of the slowest rank's step by kind: compute, communication it waited for (by axis), idle."""
+    """Seconds of the slowest rank's step by kind: compute, communication it waited for (by axis), and
+    idle: the rest (pipeline bubbles, waits for peers or asynchronous operations)."""
     out: dict[str, float] = {}
     last = max(timeline.ranks, key=lambda r: max((s.end_s for s in timeline.for_rank(r)), default=0.0))
     for s in timeline.for_rank(last):
+        if s.lane == "idle" or s.is_async:
+            continue
         if s.lane == "compute":
             key = "optimizer" if s.name == "optimizer step" else "compute"
-        elif s.lane == "comm":
-            if s.is_async:
-                continue
-            key = f"{s.group or 'world'}_comm"
         else:
-            key = "idle"
+            key = f"{s.group or 'world'}_comm"
         out[key] = out.get(key, 0.0) + s.duration_s
-    total = sum(out.values())
-    if total > 0 and abs(total - step_s) > 1e-9:
-        out["idle"] = out.get("idle", 0.0) + (step_s - total)
+    if step_s - sum(out.values()) > 1e-9:
+        out["idle"] = step_s - sum(out.values())
     return out
 
 
@@ -332,13 +328,15 @@ def per_step_by_kind(timeline: Timeline, skip_first: bool = True) -> dict[str, f
     keep = set(steps)
     ranks = max(1, len(timeline.ranks))
     out: dict[str, float] = {}
+
     def blocking(s) -> bool:  # a blocking receive is a wait for a peer, whatever the engine names it
         return s.lane != "idle" and not s.is_async and span_kind(s) != "send/recv"
 
     for rank in timeline.ranks:
-        spans = [s for s in timeline.for_rank(rank) if blocking(s) and s.step in keep]
+        of_rank = timeline.for_rank(rank)
+        spans = [s for s in of_rank if blocking(s) and s.step in keep]
         for step in keep:  # waiting: the step's time on no blocking span (peers, asynchronous operations)
-            in_step = [s for s in timeline.for_rank(rank) if s.step == step and s.lane != "idle"]
+            in_step = [s for s in of_rank if s.step == step and s.lane != "idle"]
             if in_step:
                 window = max(s.end_s for s in in_step) - min(s.start_s for s in in_step)
                 busy = union_seconds([(s.start_s, s.end_s) for s in in_step if blocking(s)])

@@ -4,8 +4,8 @@ axis, the error and what differs most, and the command line that reproduces the 
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
+from functools import cached_property
 
 import plotly.graph_objects as go
 
@@ -25,7 +25,7 @@ class LiveRun:
     def prediction(self) -> dict | None:
         return self.summary.get("predicted")
 
-    @property
+    @cached_property
     def predicted_timeline(self) -> Timeline | None:
         p = self.prediction
         return Timeline.from_dict(p["timeline"]) if p and p.get("timeline") else None
@@ -78,9 +78,6 @@ def side_by_side(run: LiveRun) -> tuple[go.Figure | None, go.Figure, int]:
     step = representative_step(run.summary)
     measured = step_timeline(run.timeline, step)
     predicted = run.predicted_timeline
-    if predicted is not None and not any(s.lane == "idle" for s in measured.spans):
-        # the engine draws waits as gaps (only pipeline bubbles get idle spans): so does the prediction
-        predicted = Timeline([s for s in predicted.spans if s.lane != "idle"], predicted.source, predicted.meta)
     x_max = max(measured.duration_s, run.summary["step_times_s"][step],
                 run.prediction["step_time_s"] if predicted else 0.0) * 1e3
     meas_fig = timeline_figure(measured, x_max_ms=x_max, title=f"Measured: step {step}, the one nearest the mean "

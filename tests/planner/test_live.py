@@ -48,6 +48,13 @@ def test_every_live_run_has_a_prediction(flags):
     assert json.loads(json.dumps(d))["step_time_s"] == pytest.approx(pred.step_time_s)
 
 
+def test_idle_spans_as_the_engine_draws_them():
+    # the engine marks a pipeline's bubbles (engine/pp_timeline.py) and leaves other waits as gaps
+    assert not any(s.lane == "idle" for s in predict(_cfg("--strategy fsdp --world 2"), CAL).timeline.spans)
+    pp = predict(_cfg("--strategy pp --schedule 1f1b --micro-batches 4 --world 2"), CAL).timeline
+    assert {s.name for s in pp.spans if s.lane == "idle"} == {"bubble"}
+
+
 def test_one_rank_agrees_with_the_calibrations_own_engine_step():
     # the calibration times the engine's data-parallel step at world 1; the prediction, built from the
     # modules' fits and the driver's overhead per unit, should land near it (not fitted to it: the

@@ -15,8 +15,8 @@ def _run(pred_ms=8.0, step_times_ms=(30.0, 10.0, 12.0, 11.0), ok=True) -> LiveRu
         measured += [Span(r, "comm", "all_reduce grads", 100 * step + t / 2e3, 100 * step + t / 1e3, group="dp",
                           step=step) for r in (0, 1)]
     predicted = Timeline([Span(r, "compute", "fwd L0", 0, pred_ms / 2e3) for r in (0, 1)]
-                         + [Span(r, "comm", "all_reduce grads", pred_ms / 2e3, pred_ms / 1e3, group="dp") for r in (0, 1)]
-                         + [Span(0, "idle", "wait", 0, 1e-4)], source="predicted")
+                         + [Span(r, "comm", "all_reduce grads", pred_ms / 2e3, pred_ms / 1e3, group="dp") for r in (0, 1)],
+                         source="predicted")
     check = {"passed": ok, "max_abs_diff": 1e-6, "by_quantity": {"loss": 1e-7},
              "tolerances": {"loss": {"rtol": 1e-5, "atol": 1e-6, "why": "summation order"}}}
     summary = {"ok": ok, "check": check, "steps": len(step_times_ms), "loss": [5.5], "step_time_s": 11.5e-3,
@@ -36,12 +36,12 @@ def test_the_step_shown_is_the_one_nearest_the_step_time():
     assert representative_step(_run().summary) in (2, 3)  # 12 and 11 ms are both 0.5 ms from 11.5 ms
 
 
-def test_side_by_side_shares_the_time_axis_and_drops_idle_rows_the_engine_does_not_draw():
+def test_side_by_side_shares_the_time_axis_and_the_rows():
     pred_fig, meas_fig, step = side_by_side(_run(pred_ms=20.0))
     assert pred_fig.layout.xaxis.range == meas_fig.layout.xaxis.range
     assert pred_fig.layout.xaxis.range[1] == pytest.approx(20.0 * 1.02)
     rows = {y for trace in pred_fig.data for y in (trace.y or ())}
-    assert not any("idle" in str(r) for r in rows)
+    assert rows == {y for trace in meas_fig.data for y in (trace.y or ())}
     assert pred_fig.frames and meas_fig.frames  # both animated
     assert "Measured: step" in meas_fig.layout.title.text and "20.0 ms" in pred_fig.layout.title.text
 
