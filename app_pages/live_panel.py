@@ -31,7 +31,7 @@ def show_engine_failure(exc: BaseException, hint: str, what: str = "run") -> Non
 
 def run_live(key: str, runs: list[tuple[str, object]], hint: str) -> list[LiveRun] | None:
     """Run each (label, RunConfig) on this machine, checked against the reference and predicted by the
-    planner (the first run of a session calibrates this machine: a few seconds, shown as progress).
+    planner (the first run of a session calibrates this machine: 7-25 s, shown as progress).
     The results are kept in st.session_state[key]; a failure is shown and clears them."""
     from engine.config import ConfigError
     from engine.run import run
