@@ -122,10 +122,8 @@ if st.button("Run on this machine", type="primary"):
     run_live("live_dp", [(strategy_label, cfg)], hint="try fewer processes or steps")
 
 for live in show_live("live_dp"):
-    from engine.model import param_count
-
     cfg, summary = live.cfg, live.summary
-    psi_small = param_count(cfg.model)
+    psi_small = cfg.model.params
     stage = cfg.parallel.stage
     want = expected_memory(psi_small, stage, cfg.world)
     mem_fig = go.Figure()

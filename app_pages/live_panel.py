@@ -12,6 +12,7 @@ the trace download and the command line that reproduces the run. Figures and wor
 from __future__ import annotations
 
 import json
+import time
 
 import streamlit as st
 
@@ -29,49 +30,89 @@ def show_engine_failure(exc: BaseException, hint: str, what: str = "run") -> Non
             st.code(details, language=None)
 
 
+def _session_id() -> str:
+    from streamlit.runtime.scriptrunner import get_script_run_ctx
+
+    ctx = get_script_run_ctx()
+    return ctx.session_id if ctx is not None else "no-session"
+
+
 def run_live(key: str, runs: list[tuple[str, object]], hint: str) -> list[LiveRun] | None:
-    """Run each (label, RunConfig) on this machine, checked against the reference and predicted by the
-    planner (the first run of a session calibrates this machine: 7-25 s, shown as progress).
-    The results are kept in st.session_state[key]; a failure is shown and clears them."""
-    from engine.config import ConfigError
-    from engine.run import run
+    """Run each (label, RunConfig) through this server's run queue (server/queue.py), checked against the
+    reference and predicted by the planner (the first run calibrates this machine: 7-25 s). While it
+    waits the bar says its place in line and the expected wait; while it runs, the steps done and the
+    loss. The results are kept in st.session_state[key]; a failure is shown and clears them."""
+    from engine.config import ConfigError, validate
+    from server.queue import DONE, Refused, get_queue
+    from server.settings import SettingsError
 
-    bar = st.progress(0.0, text="Starting ...")
-    done: list[LiveRun] = []
     try:
-        for i, (label, cfg) in enumerate(runs):
-            share = 1 / len(runs)
-
-            def progress(fraction: float, message: str, i=i, share=share) -> None:
-                bar.progress(min(1.0, (i + 0.5 * fraction) * share),
-                             text=f"Calibrating this machine for the prediction (once): {message} ...")
-
-            bar.progress(i * share, text=f"Running {label} on {cfg.world} process(es) "
-                                         "(the first run starts them) ...")
-            summary, timeline = run(cfg, check=True, predict=True, progress=progress)
-            done.append(LiveRun(label, cfg, summary, timeline))
-        st.session_state[key] = done
-        return done
-    except ConfigError as e:
+        for label, cfg in runs:
+            try:
+                validate(cfg)
+            except ConfigError as e:
+                raise Refused(f"{label}: {e}") from None
+        queue = get_queue()
+        job = queue.submit(_session_id(), runs)
+    except (Refused, SettingsError) as e:
         st.session_state.pop(key, None)
         st.error(f"This run cannot start: {e}.", icon=":material/block:")
-    except Exception as e:  # noqa: BLE001 - any engine failure is reported, never a traceback
-        st.session_state.pop(key, None)
-        show_engine_failure(e, hint=hint)
+        return None
+    if job.notice:
+        st.info(job.notice, icon=":material/schedule:")
+    bar = st.progress(0.0, text="Starting ...")
+    try:
+        while not job.wait(0.25):
+            bar.progress(job.fraction, text=queue.status(job))
     finally:
+        queue.cancel(job)  # a page stopped while waiting (tab closed, Run pressed again) leaves the line
         bar.empty()
-    return None
+    if job.state != DONE:
+        st.session_state.pop(key, None)
+        if job.error is not None:
+            show_engine_failure(job.error, hint=hint)
+        else:
+            st.warning(f"This run was {job.state} before it started.", icon=":material/block:")
+        return None
+    done = [LiveRun(label, cfg, summary, timeline, cached_from=job.cached_from)
+            for (label, cfg), (summary, timeline) in zip(job.runs, job.results, strict=True)]
+    st.session_state[key] = done
+    return done
+
+
+def about_server() -> None:
+    """The "About this server" expander: the queue's settings and what it is doing now."""
+    from server.queue import get_queue
+    from server.settings import SettingsError
+
+    with st.expander("About this server"):
+        try:
+            queue = get_queue()
+        except SettingsError as e:
+            st.error(f"This server is misconfigured: {e}.")
+            return
+        now = queue.snapshot()
+        st.caption(f"Live runs from every browser session share one queue: {now['running']} running, "
+                   f"{now['waiting']} waiting; {now['done']:,} finished so far ({now['cached']:,} answered from "
+                   "the cache of identical runs). The teacher sets these with environment variables "
+                   "(docs/classroom.md).")
+        st.dataframe(queue.settings.rows(), hide_index=True, width="stretch")
 
 
 def show_live(key: str) -> list[LiveRun]:
     """Everything the panel shows of the runs kept under `key` (none yet: nothing); returns them so the
     page can add its own views."""
+    about_server()
     runs: list[LiveRun] = st.session_state.get(key) or []
     if not runs:
         return []
     for run in runs:
         ok, text = verdict(run)
         (st.success if ok else st.error)(text)
+    if runs[0].cached_from is not None:
+        at = time.strftime("%H:%M:%S", time.localtime(runs[0].cached_from))
+        st.caption(f"Answered from this server's cache: an identical run finished at {at}, so these are its "
+                   "results and timings (the check was made then, against the same reference).")
     with st.expander("Tolerances and why"):
         for run in runs:
             if len(runs) > 1:

@@ -55,6 +55,16 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
+    @property
+    def params(self) -> int:
+        """Parameters of `engine.model.Transformer(self)`, counted without building it (the server caps
+        a run's model size before anything is allocated; tests/engine/test_model.py checks the two agree)."""
+        h = self.hidden
+        attention = h * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        swiglu = 3 * h * self.ffn
+        mlp = swiglu if self.mlp == "dense" else h * self.experts + self.experts * swiglu
+        return self.vocab * h + self.layers * (2 * h + attention + mlp) + h + h * self.vocab
+
 
 @dataclass(frozen=True)
 class ParallelConfig:

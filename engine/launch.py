@@ -198,8 +198,12 @@ class Pool:
 
     # -- running tasks ------------------------------------------------------------------------------
 
-    def run(self, target: str, kwargs: dict | list[dict] | None = None, timeout_s: float = 60.0) -> list:
-        """Call `target(ctx, **kwargs)` on every rank (kwargs may differ per rank); results by rank."""
+    def run(self, target: str, kwargs: dict | list[dict] | None = None, timeout_s: float = 60.0,
+            on_progress=None) -> list:
+        """Call `target(ctx, **kwargs)` on every rank (kwargs may differ per rank); results by rank.
+
+        `on_progress(steps_done, loss)` hears each training step once every rank has finished it
+        (`Context.step_done`), with the step's loss."""
         with self._lock:
             if not self.alive:
                 self.start()
@@ -210,15 +214,17 @@ class Pool:
             for rank, conn in enumerate(self.conns):
                 conn.send_bytes(pickle.dumps(("task", self._task_id, target, per_rank[rank])))
             try:
-                return self._collect(timeout_s, log_sizes)
+                return self._collect(timeout_s, log_sizes, on_progress)
             except BaseException:
                 self.kill()
                 raise
 
-    def _collect(self, timeout_s: float, log_sizes: list[int]) -> list:
+    def _collect(self, timeout_s: float, log_sizes: list[int], on_progress=None) -> list:
         deadline = time.monotonic() + timeout_s
         results: dict[int, object] = {}
         failures: dict[int, str] = {}
+        steps_done = [0] * self.world
+        step_losses: dict[int, list[float]] = {}
         while len(results) + len(failures) < self.world:
             now = time.monotonic()
             if now >= deadline:
@@ -234,6 +240,17 @@ class Pool:
                     failures[rank] = self._exit_detail(rank, log_sizes[rank])
                 elif msg[0] == "ok" and msg[1] == self._task_id:
                     results[rank] = msg[2]
+                elif msg[0] == "progress" and msg[1] == self._task_id:
+                    before = min(steps_done)
+                    steps_done[rank] = msg[2]
+                    if msg[3] is not None:
+                        step_losses.setdefault(msg[2], []).append(msg[3])
+                    if on_progress is not None and min(steps_done) > before:
+                        # every rank has finished this step: its loss is the mean of the ranks that have
+                        # one (data-parallel replicas; the last pipeline stages)
+                        done = min(steps_done)
+                        losses = step_losses.get(done)
+                        _report(on_progress, done, sum(losses) / len(losses) if losses else None)
                 elif msg[0] == "error":
                     failures[rank] = msg[2]
             if failures:
@@ -288,6 +305,14 @@ class Pool:
             tid = self.main_thread_ids[r] if r < len(self.main_thread_ids) else None
             where[r] = _innermost_frame(self._log_tail(r, sizes[r], limit=20000), tid)
         return where
+
+
+def _report(on_progress, steps_done: int, loss) -> None:
+    """A progress listener's failure (a page whose session has gone) must not fail the run."""
+    try:
+        on_progress(steps_done, loss)
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def _accept(listener: Listener, n: int, out: list) -> None:

@@ -247,6 +247,7 @@ def run_pipeline_rank(ctx, cfg: RunConfig, traced: bool = True, check: bool = Fa
         if sync:
             sync()
         step_times_s.append(time.perf_counter() - start)
+        ctx.step_done(step + 1, losses[-1])  # None except on the last stage
         if check or return_states:
             snapshots.append(pipe.full_state())  # collective over dp: every rank takes part
     with comm.untraced():

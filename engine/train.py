@@ -83,6 +83,7 @@ def run_rank(ctx, cfg: RunConfig, traced: bool = True, check: bool = False,
             sync()
         step_times_s.append(time.perf_counter() - start)
         losses.append(step_loss)
+        ctx.step_done(step + 1, step_loss)
         if check or return_states:
             state = strategy.full_state()  # collective: every rank takes part, rank 0 keeps it
             if ctx.rank == 0:

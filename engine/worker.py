@@ -43,6 +43,13 @@ class Context:
     collective_timeout_s: float
     clock_offset_s: float = 0.0
     _mesh_groups: dict = field(default_factory=dict)
+    # Pool mode: tells the pool after each training step (engine.launch.Pool.run's on_progress); under
+    # torchrun nobody listens.
+    reporter: object = None
+
+    def step_done(self, steps_done: int, loss: float | None) -> None:
+        if self.reporter is not None:
+            self.reporter(steps_done, loss)
 
     def mesh_groups(self, axes: tuple[tuple[str, int], ...]) -> dict:
         """Process groups of a mesh, created once per worker and reused by later runs."""
@@ -138,6 +145,7 @@ def pool_main() -> None:
             comm.destroy()
             return
         _, task_id, target, kwargs = msg
+        ctx.reporter = lambda steps_done, loss, task_id=task_id: _send(conn, ("progress", task_id, steps_done, loss))
         try:
             result = call(target, ctx, kwargs)
         except BaseException:

@@ -20,6 +20,7 @@ class LiveRun:
     cfg: object  # engine.config.RunConfig
     summary: dict
     timeline: Timeline
+    cached_from: float | None = None  # answered from the server's cache: when the original run finished
 
     @property
     def prediction(self) -> dict | None:

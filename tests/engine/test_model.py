@@ -62,3 +62,11 @@ def test_unit_flops_add_up_to_six_n_per_token_plus_attention():
     norms = m.hidden * (2 * m.layers + 1)
     # Kaplan et al. 2020: forward = 2 N per token for the matmul weights N (no embedding, no norms).
     assert forward == 2 * m.seq_len * (param_count(m) - embed - norms) + attention
+
+
+@pytest.mark.parametrize("m", [ModelConfig(), ModelConfig(mlp="moe", experts=4, top_k=2),
+                               ModelConfig(layers=3, hidden=96, heads=6, kv_heads=3, ffn=200, vocab=300)])
+def test_counted_parameters_match_the_built_model(m):
+    from engine.model import param_count
+
+    assert m.params == param_count(m)

@@ -1,0 +1,325 @@
+"""One run queue for the whole server: every live run of every browser session goes through it.
+
+    queue = get_queue()
+    job = queue.submit(session_id, [("ZeRO-3", cfg)])   # Refused: a cap says no, with what to change
+    while not job.wait(0.25):
+        queue.status(job)      # "position 3 of 7, about 12 s" while it waits; steps done while it runs
+    job.results                # [(summary, timeline), ...] or job.error
+
+What it guarantees (settings in `server/settings.py`):
+
+* at most `max_concurrent` runs execute at once, first come first served; a run identical to one that is
+  executing waits for it and is then answered from the cache;
+* caps per run (processes, steps, model size, wall clock) are checked before anything starts;
+* fairness: a session has at most one run waiting. Pressing Run again while one waits replaces it (it
+  keeps its place in line); pressing while one runs queues the new one behind it. Either way the job's
+  `notice` says so;
+* identical runs (same configurations, labels included) are answered from an in-memory cache of the last
+  `result_cache` results, marked `cached` with the time the original finished;
+* a waiting job whose page has gone (tab closed) is cancelled by the page's `finally`; a running one
+  finishes and fills the cache;
+* a failed run (a rank that raised, hung, was killed) fails only its job: `engine.launch` has already torn
+  its pool down, and the next run starts a fresh one.
+
+The queue is torch-free; the runner it calls imports the engine. Tests pass their own runner.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import asdict, dataclass, field, replace
+
+from server.settings import Settings
+
+WAITING, RUNNING, DONE, FAILED, CANCELLED, REPLACED = "waiting", "running", "done", "failed", "cancelled", "replaced"
+FINISHED = (DONE, FAILED, CANCELLED, REPLACED)
+FIRST_GUESS_S = 10.0  # a run's duration before any has been measured (the first also calibrates: 7-25 s)
+
+
+class Refused(ValueError):
+    """The server will not queue this run; the message says what to change."""
+
+
+@dataclass(eq=False)
+class Job:
+    id: int
+    session: str
+    runs: tuple  # ((label, RunConfig), ...): one press of a Run button
+    key: str  # identical runs have identical keys
+    submitted_at: float
+    state: str = WAITING
+    notice: str | None = None  # what fairness did to this press, in words
+    started_at: float | None = None
+    finished_at: float | None = None
+    run_index: int = 0  # which of `runs` is executing
+    steps_done: int = 0  # of runs[run_index]
+    loss: float | None = None
+    calibrating: str | None = None  # the calibration's progress message, while it runs
+    results: list | None = None
+    error: BaseException | None = None
+    cached: bool = False
+    cached_from: float | None = None  # when the run that is being reused finished (time.time())
+    _event: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    @property
+    def steps_total(self) -> int:
+        return sum(cfg.steps for _, cfg in self.runs)
+
+    @property
+    def fraction(self) -> float:
+        """Share of the job's training steps finished."""
+        if self.state == DONE:
+            return 1.0
+        before = sum(cfg.steps for _, cfg in self.runs[:self.run_index])
+        return (before + self.steps_done) / max(1, self.steps_total)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once the job has finished (done, failed, cancelled or replaced)."""
+        return self._event.wait(timeout)
+
+
+def run_key(runs) -> str:
+    return json.dumps([[label, asdict(cfg)] for label, cfg in runs], sort_keys=True, default=str)
+
+
+def engine_runner(cfg, on_step, progress):
+    """Run one configuration checked against the reference and beside its prediction (the live panel's
+    run)."""
+    from engine.run import run
+
+    return run(cfg, check=True, predict=True, progress=progress, on_step=on_step)
+
+
+class RunQueue:
+    def __init__(self, settings: Settings, runner=engine_runner):
+        self.settings = settings
+        self._runner = runner
+        self._cond = threading.Condition()
+        self._waiting: list[Job] = []
+        self._running: list[Job] = []
+        self._cache: OrderedDict[str, tuple[list, float]] = OrderedDict()
+        self._durations: dict[str, float] = {}  # seconds the last real run of each key took
+        self._recent: deque[float] = deque(maxlen=20)
+        self._next_id = 0
+        self._closed = False
+        self.counts = {DONE: 0, FAILED: 0, CANCELLED: 0, REPLACED: 0, "cached": 0}
+        self._slots = [threading.Thread(target=self._slot, name=f"shardlab-run-slot-{i}", daemon=True)
+                       for i in range(settings.max_concurrent)]
+        for t in self._slots:
+            t.start()
+
+    # -- what a page calls ---------------------------------------------------------------------------------
+
+    def check(self, runs) -> None:
+        """Refused, with what to change, when a run breaks one of the server's caps."""
+        s = self.settings
+        if not runs:
+            raise Refused("there is nothing to run")
+        for label, cfg in runs:
+            if cfg.world > s.max_world:
+                raise Refused(f"{label}: {cfg.world} processes is more than this server allows ({s.max_world}); "
+                              f"choose at most {s.max_world}")
+            if cfg.steps > s.max_steps:
+                raise Refused(f"{label}: {cfg.steps} steps is more than this server allows ({s.max_steps}); "
+                              f"choose at most {s.max_steps}")
+            if cfg.model.params > s.max_params:
+                raise Refused(f"{label}: the model has {cfg.model.params:,} parameters, more than this server "
+                              f"allows ({s.max_params:,}); make it smaller (fewer layers, a smaller hidden size "
+                              "or vocabulary)")
+
+    def submit(self, session: str, runs) -> Job:
+        runs = tuple((label, replace(cfg, timeout_s=min(cfg.timeout_s, self.settings.max_run_s)))
+                     for label, cfg in runs)
+        self.check(runs)
+        key = run_key(runs)
+        with self._cond:
+            if self._closed:
+                raise Refused("the server is stopping; reload the page in a minute")
+            self._next_id += 1
+            job = Job(self._next_id, session, runs, key, time.monotonic())
+            hit = self._cache_get(key)
+            if hit is not None:
+                self._finish_cached(job, *hit)
+                return job
+            mine = [j for j in self._waiting if j.session == session]
+            if mine:
+                old = mine[0]
+                self._waiting[self._waiting.index(old)] = job
+                old.state, old.notice = REPLACED, "replaced by a newer press of Run in the same session"
+                self.counts[REPLACED] += 1
+                old.finished_at = time.monotonic()
+                old._event.set()
+                job.notice = ("Your earlier run, which was still waiting, has been replaced by this one "
+                              "(one waiting run per session); it keeps the earlier place in line.")
+            else:
+                if len(self._waiting) >= self.settings.max_queue:
+                    raise Refused(f"the server's queue is full ({len(self._waiting)} runs waiting); "
+                                  "try again in a minute")
+                if any(j.session == session for j in self._running):
+                    job.notice = "Your previous run is still running; this one starts after it."
+                self._waiting.append(job)
+            self._cond.notify_all()
+            return job
+
+    def cancel(self, job: Job) -> None:
+        """Take a waiting job out of the line (its page has gone). A running job runs to the end."""
+        with self._cond:
+            if job in self._waiting:
+                self._waiting.remove(job)
+                job.state, job.finished_at = CANCELLED, time.monotonic()
+                self.counts[CANCELLED] += 1
+                job._event.set()
+
+    def position(self, job: Job) -> tuple[int, int]:
+        """(1-based place in line, runs waiting); (0, n) once it is running or finished."""
+        with self._cond:
+            n = len(self._waiting)
+            return (self._waiting.index(job) + 1 if job in self._waiting else 0), n
+
+    def estimated_wait_s(self, job: Job) -> float:
+        """Seconds until `job` starts: the jobs ahead of it placed on the slots as they free up, each taking
+        what its configuration took last time (a result the cache will answer takes nothing)."""
+        with self._cond:
+            now = time.monotonic()
+            free = [max(0.0, self._duration(j.key) - (now - j.started_at)) for j in self._running]
+            free += [0.0] * (self.settings.max_concurrent - len(free))
+            answered = {j.key for j in self._running} | set(self._cache)
+            for ahead in self._waiting:
+                if ahead is job:
+                    break
+                if ahead.key in answered:
+                    continue
+                answered.add(ahead.key)
+                i = free.index(min(free))
+                free[i] += self._duration(ahead.key)
+            return min(free) if free else 0.0
+
+    def status(self, job: Job) -> str:
+        """One line for the page's progress bar."""
+        if job.state == WAITING:
+            place, n = self.position(job)
+            wait = self.estimated_wait_s(job)
+            ahead = "you are next" if place == 1 else f"position {place} of {n}"
+            return (f"Waiting in this server's run queue: {ahead}, about {max(1, round(wait))} s "
+                    f"({self.settings.max_concurrent} run(s) at a time)")
+        if job.state == RUNNING:
+            label, cfg = job.runs[job.run_index]
+            if job.calibrating:
+                return f"Calibrating this machine for the prediction (once): {job.calibrating}"
+            loss = f", loss {job.loss:.4f}" if job.loss is not None else ""
+            return (f"Running {label} on {cfg.world} process(es): step {job.steps_done} of {cfg.steps}{loss}")
+        return job.state
+
+    def snapshot(self) -> dict:
+        with self._cond:
+            return {"waiting": len(self._waiting), "running": len(self._running), **self.counts}
+
+    def shutdown(self) -> None:
+        """Refuse new runs and cancel the waiting ones (the pools are shut down by engine.launch at exit)."""
+        with self._cond:
+            self._closed = True
+            for job in self._waiting:
+                job.state, job.finished_at = CANCELLED, time.monotonic()
+                job.error = Refused("the server stopped before this run started")
+                job._event.set()
+            self._waiting.clear()
+            self._cond.notify_all()
+
+    # -- the slots ---------------------------------------------------------------------------------------------
+
+    def _duration(self, key: str) -> float:
+        if key in self._durations:
+            return self._durations[key]
+        return sum(self._recent) / len(self._recent) if self._recent else FIRST_GUESS_S
+
+    def _cache_get(self, key: str):
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        return None
+
+    def _finish_cached(self, job: Job, results: list, finished_at: float) -> None:
+        job.results, job.cached, job.cached_from = results, True, finished_at
+        job.state, job.started_at = DONE, time.monotonic()
+        job.finished_at = job.started_at
+        self.counts[DONE] += 1
+        self.counts["cached"] += 1
+        job._event.set()
+
+    def _next(self) -> Job | None:
+        """The first waiting job not identical to a running one (that one will answer it)."""
+        busy = {j.key for j in self._running}
+        for job in self._waiting:
+            if job.key not in busy:
+                return job
+        return None
+
+    def _slot(self) -> None:
+        while True:
+            with self._cond:
+                job = None
+                while not self._closed:
+                    job = self._next()
+                    if job is not None:
+                        break
+                    self._cond.wait()
+                if job is None:
+                    return
+                self._waiting.remove(job)
+                hit = self._cache_get(job.key)
+                if hit is not None:
+                    self._finish_cached(job, *hit)
+                    self._cond.notify_all()
+                    continue
+                job.state, job.started_at = RUNNING, time.monotonic()
+                self._running.append(job)
+            self._execute(job)
+            with self._cond:
+                self._running.remove(job)
+                job.finished_at = time.monotonic()
+                if job.state == DONE:
+                    self._durations[job.key] = job.finished_at - job.started_at
+                    self._recent.append(job.finished_at - job.started_at)
+                    if self.settings.result_cache:
+                        self._cache[job.key] = (job.results, time.time())
+                        while len(self._cache) > self.settings.result_cache:
+                            self._cache.popitem(last=False)
+                self.counts[job.state] += 1
+                self._cond.notify_all()
+            job._event.set()
+
+    def _execute(self, job: Job) -> None:
+        results = []
+        try:
+            for i, (_label, cfg) in enumerate(job.runs):
+                job.run_index, job.steps_done, job.loss = i, 0, None
+
+                def on_step(steps_done, loss):
+                    job.steps_done, job.loss, job.calibrating = steps_done, loss, None
+
+                def progress(_fraction, message):
+                    job.calibrating = message
+
+                results.append(self._runner(cfg, on_step, progress))
+                job.calibrating = None
+            job.results, job.state = results, DONE
+        except BaseException as e:  # noqa: BLE001 - reported to the job's page, never lost
+            job.error, job.state = e, FAILED
+
+
+_queue: RunQueue | None = None
+_queue_lock = threading.Lock()
+
+
+def get_queue() -> RunQueue:
+    """The server's one queue, made on first use from the environment (SettingsError if malformed)."""
+    global _queue
+    with _queue_lock:
+        if _queue is None:
+            _queue = RunQueue(Settings.from_env())
+            atexit.register(_queue.shutdown)
+        return _queue

@@ -1,0 +1,193 @@
+"""The run queue with a stand-in runner: order, fairness, caps, the cache, the wait estimate, faults."""
+
+import re
+import threading
+from dataclasses import replace
+
+import pytest
+
+from engine.config import ModelConfig, RunConfig
+from server.queue import CANCELLED, DONE, FAILED, REPLACED, WAITING, Refused, RunQueue
+from server.settings import Settings, SettingsError
+
+
+class Gate:
+    """A runner that blocks each run until the test lets it go, and records what ran."""
+
+    def __init__(self):
+        self.ran: list = []
+        self.release = threading.Semaphore(0)
+        self.started = threading.Semaphore(0)
+
+    def __call__(self, cfg, on_step, progress):
+        self.ran.append(cfg.seed)
+        self.started.release()
+        assert self.release.acquire(timeout=10), "the test never released the run"
+        if cfg.seed == 666:
+            raise RuntimeError("rank 1 failed: injected")
+        for s in range(cfg.steps):
+            on_step(s + 1, 1.0)
+        return {"seed": cfg.seed}, None
+
+
+def cfg(seed=0, **kw):
+    return RunConfig(seed=seed, **kw)
+
+
+def queue(runner, **kw):
+    return RunQueue(Settings(**{"max_concurrent": 1, **kw}), runner=runner)
+
+
+def test_runs_in_order_one_at_a_time_and_reports_place_and_wait():
+    gate = Gate()
+    q = queue(gate)
+    a = q.submit("s1", [("a", cfg(1))])
+    assert gate.started.acquire(timeout=5)
+    b, c = q.submit("s2", [("b", cfg(2))]), q.submit("s3", [("c", cfg(3))])
+    assert q.position(b) == (1, 2) and q.position(c) == (2, 2)
+    assert "you are next" in q.status(b) and "position 2 of 2" in q.status(c)
+    assert q.estimated_wait_s(c) > q.estimated_wait_s(b) > 0
+    for _ in range(3):
+        gate.release.release()
+    for job in (a, b, c):
+        assert job.wait(10) and job.state == DONE and job.fraction == 1.0
+    assert gate.ran == [1, 2, 3]
+    assert a.results == [({"seed": 1}, None)]
+
+
+def test_a_second_press_replaces_the_waiting_run_and_keeps_its_place():
+    gate = Gate()
+    q = queue(gate)
+    q.submit("busy", [("x", cfg(9))])
+    assert gate.started.acquire(timeout=5)
+    first = q.submit("me", [("a", cfg(1))])
+    other = q.submit("you", [("b", cfg(2))])
+    second = q.submit("me", [("a", cfg(5))])
+    assert first.wait(0) and first.state == REPLACED
+    assert "replaced" in second.notice and q.position(second) == (1, 2) and q.position(other) == (2, 2)
+    for _ in range(3):
+        gate.release.release()
+    assert other.wait(10) and second.state == DONE
+    assert gate.ran == [9, 5, 2]
+
+
+def test_a_press_while_the_sessions_run_executes_waits_behind_it():
+    gate = Gate()
+    q = queue(gate)
+    running = q.submit("me", [("a", cfg(1))])
+    assert gate.started.acquire(timeout=5)
+    queued = q.submit("me", [("a", cfg(2))])
+    assert queued.state == WAITING and "still running" in queued.notice
+    gate.release.release()
+    gate.release.release()
+    assert queued.wait(10) and running.state == queued.state == DONE
+
+
+def test_identical_runs_are_answered_from_the_cache_and_marked():
+    gate = Gate()
+    q = queue(gate)
+    first = q.submit("s1", [("a", cfg(1))])
+    assert gate.started.acquire(timeout=5)
+    twin = q.submit("s2", [("a", cfg(1))])  # identical to the running one: waits for it, then the cache
+    gate.release.release()
+    assert first.wait(10) and twin.wait(10)
+    assert not first.cached and twin.cached and twin.results is first.results and twin.cached_from
+    later = q.submit("s3", [("a", cfg(1))])
+    assert later.wait(0) and later.cached
+    assert gate.ran == [1] and q.snapshot()["cached"] == 2
+
+
+def test_the_cache_can_be_turned_off():
+    gate = Gate()
+    q = queue(gate, result_cache=0)
+    a = q.submit("s1", [("a", cfg(1))])
+    gate.release.release()
+    assert a.wait(10)
+    b = q.submit("s2", [("a", cfg(1))])
+    gate.release.release()
+    assert b.wait(10) and not b.cached and gate.ran == [1, 1]
+
+
+@pytest.mark.parametrize("change, says", [
+    (dict(world=9), "9 processes is more than this server allows (8)"),
+    (dict(steps=21), "21 steps is more than this server allows (20)"),
+    (dict(model=ModelConfig(layers=4, hidden=512, heads=8, kv_heads=8, ffn=2048, vocab=32000)),
+     "parameters, more than this server allows"),
+])
+def test_caps_refuse_before_anything_runs(change, says):
+    gate = Gate()
+    q = queue(gate)
+    with pytest.raises(Refused, match=re.escape(says)):
+        q.submit("s", [("big", replace(cfg(), **change))])
+    assert gate.ran == [] and q.snapshot()["waiting"] == 0
+
+
+def test_wall_clock_cap_lowers_each_runs_timeout():
+    gate = Gate()
+    q = queue(gate, max_run_s=5)
+    job = q.submit("s", [("a", cfg(1, timeout_s=60))])
+    gate.release.release()
+    assert job.wait(10) and job.runs[0][1].timeout_s == 5
+
+
+def test_a_full_queue_refuses_with_a_message():
+    gate = Gate()
+    q = queue(gate, max_queue=2)
+    q.submit("s0", [("a", cfg(0))])
+    assert gate.started.acquire(timeout=5)
+    q.submit("s1", [("a", cfg(1))])
+    q.submit("s2", [("a", cfg(2))])
+    with pytest.raises(Refused, match="queue is full"):
+        q.submit("s3", [("a", cfg(3))])
+    for _ in range(3):
+        gate.release.release()
+
+
+def test_a_failed_run_fails_its_job_only():
+    gate = Gate()
+    q = queue(gate)
+    bad = q.submit("s1", [("a", cfg(666))])
+    good = q.submit("s2", [("a", cfg(2))])
+    gate.release.release()
+    gate.release.release()
+    assert bad.wait(10) and good.wait(10)
+    assert bad.state == FAILED and "injected" in str(bad.error) and good.state == DONE
+    assert q.snapshot()[FAILED] == 1
+
+
+def test_cancel_takes_a_waiting_job_out_and_shutdown_cancels_the_rest():
+    gate = Gate()
+    q = queue(gate)
+    q.submit("s0", [("a", cfg(0))])
+    assert gate.started.acquire(timeout=5)
+    gone, left = q.submit("s1", [("a", cfg(1))]), q.submit("s2", [("a", cfg(2))])
+    q.cancel(gone)
+    assert gone.state == CANCELLED and q.position(left) == (1, 1)
+    q.shutdown()
+    assert left.wait(0) and left.state == CANCELLED and "stopped" in str(left.error)
+    with pytest.raises(Refused, match="stopping"):
+        q.submit("s3", [("a", cfg(3))])
+    gate.release.release()
+
+
+def test_concurrent_slots_run_side_by_side():
+    gate = Gate()
+    q = queue(gate, max_concurrent=2)
+    a, b = q.submit("s1", [("a", cfg(1))]), q.submit("s2", [("b", cfg(2))])
+    assert gate.started.acquire(timeout=5) and gate.started.acquire(timeout=5)
+    assert q.snapshot()["running"] == 2
+    gate.release.release()
+    gate.release.release()
+    assert a.wait(10) and b.wait(10)
+
+
+def test_settings_from_the_environment():
+    s = Settings.from_env({"SHARDLAB_MAX_CONCURRENT": "3", "SHARDLAB_MAX_RUN_S": "30.5", "SHARDLAB_RESULT_CACHE": "0"})
+    assert (s.max_concurrent, s.max_run_s, s.result_cache, s.max_world) == (3, 30.5, 0, 8)
+    assert Settings.from_env({}).max_concurrent == Settings.default_concurrency() >= 1
+    assert Settings.default_concurrency(2) == 1 and Settings.default_concurrency(16) == 4
+    with pytest.raises(SettingsError, match="SHARDLAB_MAX_WORLD='lots' is not a number"):
+        Settings.from_env({"SHARDLAB_MAX_WORLD": "lots"})
+    with pytest.raises(SettingsError, match="SHARDLAB_MAX_CONCURRENT='0' must be at least 1"):
+        Settings.from_env({"SHARDLAB_MAX_CONCURRENT": "0"})
+    assert {r["environment variable"] for r in s.rows()} >= {"SHARDLAB_MAX_CONCURRENT", "SHARDLAB_MAX_RUN_S"}
