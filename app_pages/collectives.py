@@ -2,7 +2,7 @@
 
 import streamlit as st
 
-from app_pages.live_panel import show_engine_failure
+from app_pages.live_panel import run_task
 from engine.predict import cached_calibration
 from hardware.chips import CHIPS
 from hardware.collectives import Hierarchy, Ring, Switch, group_topology
@@ -207,20 +207,20 @@ st.caption(f"Sizes {format_bytes(live_sizes[0])} to {format_bytes(live_sizes[-1]
            f"({len(live_sizes)} sizes) x 4 collectives x {repeats} repeats on {live_world} ranks.")
 if st.button("Run the sweep", type="primary"):
     from engine.sweep import run_collective_sweep
+    from server.queue import Task
 
-    bar = st.progress(0.0, text=f"Starting {live_world} worker processes ...")
-    measurements = []
-    try:
+    def sweep(progress, world=live_world, sizes=tuple(live_sizes), repeats=repeats):
+        measurements = []
         for i, op in enumerate(COLLECTIVES):
             first = " (the first run also starts the worker processes)" if i == 0 else ""
-            bar.progress(i / len(COLLECTIVES), text=f"{COLLECTIVE_NAMES[op]} on {live_world} ranks{first} ...")
-            measurements += run_collective_sweep(live_world, [op], live_sizes, repeats, SWEEP_TIMEOUT_S)
-        st.session_state["this_machine_link"] = machine_link(measurements, live_world)
-    # Any failure of the worker processes is the user's to read, not a traceback for the page.
-    except Exception as exc:
-        show_engine_failure(exc, what="sweep", hint="try fewer sizes, fewer repeats or fewer ranks")
-    finally:
-        bar.empty()
+            progress(i / len(COLLECTIVES), f"{COLLECTIVE_NAMES[op]} on {world} ranks{first}")
+            measurements += run_collective_sweep(world, [op], list(sizes), repeats, SWEEP_TIMEOUT_S)
+        return measurements
+
+    measured = run_task("Collective sweep", Task(f"sweep:{live_world}:{live_sizes}:{repeats}", live_world, sweep),
+                        what="sweep", hint="try fewer sizes, fewer repeats or fewer ranks")
+    if measured is not None:
+        st.session_state["this_machine_link"] = machine_link(measured, live_world)
 
 result = st.session_state.get("this_machine_link")
 if result is not None:

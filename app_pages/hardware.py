@@ -2,7 +2,7 @@
 
 import streamlit as st
 
-from app_pages.live_panel import show_engine_failure
+from app_pages.live_panel import run_task
 from engine.predict import cached_calibration
 from hardware.chips import CHIPS
 from hardware.roofline import matmul_cost
@@ -148,19 +148,18 @@ c1, c2 = st.columns([1, 3])
 measure = c1.button("Measure this machine" if probe is None else "Measure again", type="primary")
 if measure:
     from engine.predict import ensure_calibration
+    from server.queue import Task
 
-    bar = st.progress(0.0, text="Starting ...")
-    try:
-        cal, messages = ensure_calibration(
-            [2], remeasure=probe is not None,
-            progress=lambda fraction, message: bar.progress(min(1.0, fraction), text=message))
+    def calibrate(progress, remeasure=probe is not None):
+        return ensure_calibration([2], remeasure=remeasure, progress=progress)
+
+    done = run_task("Measuring this machine", Task("calibration:2", 2, calibrate), what="measurement",
+                    hint="close other programs and measure again")
+    if done is not None:
+        cal, _messages = done
         st.session_state["probe"] = cal.probe_result()
         st.session_state["calibration_lines"] = summary_lines(cal)
         st.rerun()
-    except Exception as e:  # noqa: BLE001 - any worker failure is reported, never a traceback
-        show_engine_failure(e, what="measurement", hint="close other programs and measure again")
-    finally:
-        bar.empty()
 if probe is not None:
     p1, p2, p3 = st.columns(3)
     p1.metric("Matmul (fp32)", f"{probe.matmul_flops_per_s / 1e9:,.1f} GFLOP/s")

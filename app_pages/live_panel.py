@@ -43,8 +43,7 @@ def run_live(key: str, runs: list[tuple[str, object]], hint: str) -> list[LiveRu
     waits the bar says its place in line and the expected wait; while it runs, the steps done and the
     loss. The results are kept in st.session_state[key]; a failure is shown and clears them."""
     from engine.config import ConfigError, validate
-    from server.queue import DONE, Refused, get_queue
-    from server.settings import SettingsError
+    from server.queue import Refused
 
     try:
         for label, cfg in runs:
@@ -52,32 +51,55 @@ def run_live(key: str, runs: list[tuple[str, object]], hint: str) -> list[LiveRu
                 validate(cfg)
             except ConfigError as e:
                 raise Refused(f"{label}: {e}") from None
+    except Refused as e:
+        st.session_state.pop(key, None)
+        st.error(f"This run cannot start: {e}.", icon=":material/block:")
+        return None
+    job = _queued(runs, hint)
+    if job is None:
+        st.session_state.pop(key, None)
+        return None
+    done = [LiveRun(label, cfg, summary, timeline, cached_from=job.cached_from)
+            for (label, cfg), (summary, timeline) in zip(job.runs, job.results, strict=True)]
+    st.session_state[key] = done
+    return done
+
+
+def run_task(label: str, task, hint: str, what: str = "run"):
+    """Queue other work on the worker processes (server.queue.Task: the calibration, a sweep) like a run;
+    its result, or None after the failure has been shown."""
+    job = _queued([(label, task)], hint, what)
+    return job.results[0] if job is not None else None
+
+
+def _queued(runs, hint: str, what: str = "run"):
+    """Submit to the server's queue and show its progress until the job ends; the finished job, or None
+    once what went wrong has been shown."""
+    from server.queue import DONE, Refused, get_queue
+    from server.settings import SettingsError
+
+    try:
         queue = get_queue()
         job = queue.submit(_session_id(), runs)
     except (Refused, SettingsError) as e:
-        st.session_state.pop(key, None)
-        st.error(f"This run cannot start: {e}.", icon=":material/block:")
+        st.error(f"This {what} cannot start: {e}.", icon=":material/block:")
         return None
     if job.notice:
         st.info(job.notice, icon=":material/schedule:")
     bar = st.progress(0.0, text="Starting ...")
     try:
         while not job.wait(0.25):
-            bar.progress(job.fraction, text=queue.status(job))
+            bar.progress(min(1.0, job.fraction), text=queue.status(job))
     finally:
         queue.cancel(job)  # a page stopped while waiting (tab closed, Run pressed again) leaves the line
         bar.empty()
-    if job.state != DONE:
-        st.session_state.pop(key, None)
-        if job.error is not None:
-            show_engine_failure(job.error, hint=hint)
-        else:
-            st.warning(f"This run was {job.state} before it started.", icon=":material/block:")
-        return None
-    done = [LiveRun(label, cfg, summary, timeline, cached_from=job.cached_from)
-            for (label, cfg), (summary, timeline) in zip(job.runs, job.results, strict=True)]
-    st.session_state[key] = done
-    return done
+    if job.state == DONE:
+        return job
+    if job.error is not None:
+        show_engine_failure(job.error, hint=hint, what=what)
+    else:
+        st.warning(f"This {what} was {job.state} before it started.", icon=":material/block:")
+    return None
 
 
 def about_server() -> None:

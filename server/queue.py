@@ -44,11 +44,23 @@ class Refused(ValueError):
     """The server will not queue this run; the message says what to change."""
 
 
+@dataclass(frozen=True)
+class Task:
+    """Work on the worker processes other than a training run (the calibration, a collective sweep),
+    queued like one: `fn(progress)` with `progress(fraction, message)` returns the result."""
+
+    what: str  # identifies the work: identical `what` of a cacheable task is answered from the cache
+    world: int
+    fn: object = field(compare=False)
+    cacheable: bool = False
+    steps: int = 0
+
+
 @dataclass(eq=False)
 class Job:
     id: int
     session: str
-    runs: tuple  # ((label, RunConfig), ...): one press of a Run button
+    runs: tuple  # ((label, RunConfig or Task), ...): one press of a Run button
     key: str  # identical runs have identical keys
     submitted_at: float
     state: str = WAITING
@@ -59,6 +71,7 @@ class Job:
     steps_done: int = 0  # of runs[run_index]
     loss: float | None = None
     calibrating: str | None = None  # the calibration's progress message, while it runs
+    task_fraction: float = 0.0  # a Task's own progress
     results: list | None = None
     error: BaseException | None = None
     cached: bool = False
@@ -74,6 +87,8 @@ class Job:
         """Share of the job's training steps finished."""
         if self.state == DONE:
             return 1.0
+        if isinstance(self.runs[self.run_index][1], Task):
+            return (self.run_index + self.task_fraction) / len(self.runs)
         before = sum(cfg.steps for _, cfg in self.runs[:self.run_index])
         return (before + self.steps_done) / max(1, self.steps_total)
 
@@ -83,7 +98,12 @@ class Job:
 
 
 def run_key(runs) -> str:
-    return json.dumps([[label, asdict(cfg)] for label, cfg in runs], sort_keys=True, default=str)
+    return json.dumps([[label, w.what if isinstance(w, Task) else asdict(w)] for label, w in runs],
+                      sort_keys=True, default=str)
+
+
+def cacheable(runs) -> bool:
+    return all(w.cacheable for _, w in runs if isinstance(w, Task))
 
 
 def engine_runner(cfg, on_step, progress):
@@ -120,6 +140,11 @@ class RunQueue:
         if not runs:
             raise Refused("there is nothing to run")
         for label, cfg in runs:
+            if isinstance(cfg, Task):
+                if cfg.world > s.max_world:
+                    raise Refused(f"{label}: {cfg.world} processes is more than this server allows "
+                                  f"({s.max_world}); choose at most {s.max_world}")
+                continue
             if cfg.world > s.max_world:
                 raise Refused(f"{label}: {cfg.world} processes is more than this server allows ({s.max_world}); "
                               f"choose at most {s.max_world}")
@@ -132,8 +157,8 @@ class RunQueue:
                               "or vocabulary)")
 
     def submit(self, session: str, runs) -> Job:
-        runs = tuple((label, replace(cfg, timeout_s=min(cfg.timeout_s, self.settings.max_run_s)))
-                     for label, cfg in runs)
+        runs = tuple((label, w if isinstance(w, Task) else
+                      replace(w, timeout_s=min(w.timeout_s, self.settings.max_run_s))) for label, w in runs)
         self.check(runs)
         key = run_key(runs)
         with self._cond:
@@ -141,7 +166,7 @@ class RunQueue:
                 raise Refused("the server is stopping; reload the page in a minute")
             self._next_id += 1
             job = Job(self._next_id, session, runs, key, time.monotonic())
-            hit = self._cache_get(key)
+            hit = self._cache_get(key) if cacheable(runs) else None
             if hit is not None:
                 self._finish_cached(job, *hit)
                 return job
@@ -208,6 +233,8 @@ class RunQueue:
                     f"({self.settings.max_concurrent} run(s) at a time)")
         if job.state == RUNNING:
             label, cfg = job.runs[job.run_index]
+            if isinstance(cfg, Task):
+                return f"{label}: {job.calibrating or 'starting'}"
             if job.calibrating:
                 return f"Calibrating this machine for the prediction (once): {job.calibrating}"
             loss = f", loss {job.loss:.4f}" if job.loss is not None else ""
@@ -270,7 +297,7 @@ class RunQueue:
                 if job is None:
                     return
                 self._waiting.remove(job)
-                hit = self._cache_get(job.key)
+                hit = self._cache_get(job.key) if cacheable(job.runs) else None
                 if hit is not None:
                     self._finish_cached(job, *hit)
                     self._cond.notify_all()
@@ -284,7 +311,7 @@ class RunQueue:
                 if job.state == DONE:
                     self._durations[job.key] = job.finished_at - job.started_at
                     self._recent.append(job.finished_at - job.started_at)
-                    if self.settings.result_cache:
+                    if self.settings.result_cache and cacheable(job.runs):
                         self._cache[job.key] = (job.results, time.time())
                         while len(self._cache) > self.settings.result_cache:
                             self._cache.popitem(last=False)
@@ -301,10 +328,10 @@ class RunQueue:
                 def on_step(steps_done, loss):
                     job.steps_done, job.loss, job.calibrating = steps_done, loss, None
 
-                def progress(_fraction, message):
-                    job.calibrating = message
+                def progress(fraction, message):
+                    job.task_fraction, job.calibrating = fraction, message
 
-                results.append(self._runner(cfg, on_step, progress))
+                results.append(cfg.fn(progress) if isinstance(cfg, Task) else self._runner(cfg, on_step, progress))
                 job.calibrating = None
             job.results, job.state = results, DONE
         except BaseException as e:  # noqa: BLE001 - reported to the job's page, never lost
