@@ -87,9 +87,13 @@ def _queued(runs, hint: str, what: str = "run"):
     if job.notice:
         st.info(job.notice, icon=":material/schedule:")
     bar = st.progress(0.0, text="Starting ...")
+    shown = None
     try:
         while not job.wait(0.25):
-            bar.progress(min(1.0, job.fraction), text=queue.status(job))
+            now = (round(min(1.0, job.fraction), 2), queue.status(job))
+            if now != shown:  # a class of waiting pages: send only what changed
+                bar.progress(now[0], text=now[1])
+                shown = now
     finally:
         queue.cancel(job)  # a page stopped while waiting (tab closed, Run pressed again) leaves the line
         bar.empty()

@@ -229,7 +229,7 @@ class RunQueue:
             place, n = self.position(job)
             wait = self.estimated_wait_s(job)
             ahead = "you are next" if place == 1 else f"position {place} of {n}"
-            return (f"Waiting in this server's run queue: {ahead}, about {max(1, round(wait))} s "
+            return (f"Waiting in this server's run queue: {ahead}, about {_rough_seconds(wait)} s "
                     f"({self.settings.max_concurrent} run(s) at a time)")
         if job.state == RUNNING:
             label, cfg = job.runs[job.run_index]
@@ -336,6 +336,12 @@ class RunQueue:
             job.results, job.state = results, DONE
         except BaseException as e:  # noqa: BLE001 - reported to the job's page, never lost
             job.error, job.state = e, FAILED
+
+
+def _rough_seconds(s: float) -> int:
+    """A wait as a person reads it: to the second below 10 s, to 5 s below a minute, then to 10 s."""
+    step = 1 if s < 10 else 5 if s < 60 else 10
+    return max(1, step * round(s / step))
 
 
 _queue: RunQueue | None = None

@@ -1,0 +1,24 @@
+"""A short form of bench/bench_classroom.py: a few browser sessions press Run at once on one server."""
+
+import os
+
+import pytest
+
+from bench.bench_classroom import CHROMIUM, measure
+
+pytestmark = [
+    pytest.mark.browser, pytest.mark.multiprocess,
+    pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debian's Chromium: sudo apt-get install -y chromium"),
+]
+
+
+def test_every_session_gets_its_verified_result_and_nothing_is_left():
+    r = measure(sessions=4, env={"SHARDLAB_RESULT_CACHE": "0"})
+    assert (r["completed"], r["unfinished"], r["messages"]) == (4, 0, 0), r
+    assert r["workers_left"] == 0 and not r["server_had_to_be_killed"], r
+
+
+def test_stopping_the_server_with_runs_queued_leaves_nothing_behind():
+    r = measure(sessions=4, env={"SHARDLAB_RESULT_CACHE": "0", "SHARDLAB_MAX_CONCURRENT": "1"}, stop_midway=True)
+    assert r["unfinished"] >= 1, r  # it really stopped with runs still to do
+    assert r["workers_left"] == 0 and not r["server_had_to_be_killed"], r
