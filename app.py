@@ -14,7 +14,8 @@ import streamlit as st
 from hardware.chips import CHIPS
 from planner.models import DEFAULT_MODEL, MODEL_PRESETS
 from ui.lessons import LESSONS, page_params
-from ui.state import DEFAULT_MESH, MAX_AXIS_DEGREE, MESH_AXES, MESH_AXIS_HELP, Choices, parse_choices
+from ui.state import (DEFAULT_MESH, MAX_AXIS_DEGREE, MESH_AXES, MESH_AXIS_HELP, Choices, non_finite_params,
+                      parse_choices)
 
 DEFAULT_CHIP = "h100"
 
@@ -24,6 +25,13 @@ st.set_page_config(page_title="ShardLab", page_icon=":material/grid_view:", layo
 if "link_problems" not in st.session_state:
     _, st.session_state["link_problems"] = parse_choices(
         dict(st.query_params), CHIPS, MODEL_PRESETS, DEFAULT_CHIP, DEFAULT_MODEL, page_params())
+# A value like "inf" would stop a bound number widget with an error (Streamlit catches only ValueError):
+# take it out of the link before any widget reads it, and say so.
+for _key in non_finite_params(st.query_params.to_dict()):
+    if not any(f"{_key}='" in problem for problem in st.session_state["link_problems"]):  # said once
+        st.session_state["link_problems"].append(
+            f"Ignored {_key}='{st.query_params[_key]}' from the link: not a finite number; using the default.")
+    del st.query_params[_key]
 
 home = st.Page("app_pages/home.py", title="Start here", icon=":material/home:", url_path="home", default=True)
 lesson_pages = [st.Page(lesson.path, title=lesson.title, icon=lesson.icon, url_path=lesson.url_path)

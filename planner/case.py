@@ -161,11 +161,14 @@ def _check_keys(block, allowed: set, prefix: str) -> dict:
 
 
 _MODEL_KEYS = {f.name for f in fields(ModelSpec)}
+MLP_KINDS = ("swiglu", "gelu")  # Llama-style gated MLP (3 matrices) or GPT-style GELU (2)
 
 
 def parse_model(block, name: str = "case") -> ModelSpec:
     block = _check_keys(block, _MODEL_KEYS, "model")
     kw = {"name": block.get("name", name)}
+    if not isinstance(kw["name"], str):
+        raise SpecError("model.name" if "name" in block else "name", f"must be a string, got {kw['name']!r}")
     for key in ("layers", "hidden", "heads", "ffn", "vocab", "seq_len"):
         kw[key] = _int(block, key, "model", required=True, nullable=False)
     kw["kv_heads"] = _int(block, "kv_heads", "model", required=False, nullable=False, default=kw["heads"])
@@ -174,8 +177,8 @@ def parse_model(block, name: str = "case") -> ModelSpec:
         kw[key] = _int(block, key, "model", required=False, nullable=False, minimum=0, default=0)
     for key in ("head_dim", "dense_ffn"):
         kw[key] = _int(block, key, "model", required=False, default=None)
-    kw["mlp"] = block.get("mlp", "swiglu")
-    kw["tied_embeddings"] = bool(block.get("tied_embeddings", False))
+    kw["mlp"] = _choice(block, "mlp", "model", MLP_KINDS, default="swiglu")
+    kw["tied_embeddings"] = bool(_bool(block, "tied_embeddings", "model"))
     return ModelSpec(**kw)
 
 

@@ -7,6 +7,7 @@ widgets see it, so a bad link gives a message saying what was wrong and which de
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -92,3 +93,21 @@ def parse_choices(
         problems.append(f"Ignored unknown link parameter(s): {', '.join(unknown)}. "
                         f"Known: {', '.join(sorted(known))}.")
     return Choices(model, chip, mesh), problems
+
+
+def non_finite_params(params: Mapping[str, str]) -> list[str]:
+    """Link parameters whose value reads as an infinite or not-a-number float ("inf", "NaN", "1e999"):
+    Streamlit's bound number widgets fail on them instead of falling back to their default, so the app
+    drops them from the link before any widget reads it."""
+    bad = []
+    for key, value in params.items():
+        for text in (value if isinstance(value, list) else [value]):
+            try:
+                number = float(str(text).strip())
+            except ValueError:
+                continue
+            if not math.isfinite(number):
+                bad.append(key)
+                break
+    return bad
+

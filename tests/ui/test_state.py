@@ -41,3 +41,19 @@ def test_zero_negative_and_nonsense_sizes_fall_back():
 def test_unknown_parameters_are_reported_but_page_parameters_are_not():
     _, problems = _parse({"chp": "h100", "tokens": "64"}, page_params={"tokens"})
     assert len(problems) == 1 and "chp" in problems[0]
+
+
+def test_non_finite_link_values_are_found():
+    from ui.state import non_finite_params
+
+    assert non_finite_params({"dp": "INF", "tp": "2", "stages": "nan", "chip": "h100", "t_b": "1e999",
+                              "x": "-Infinity", "y": "abc"}) == ["dp", "stages", "t_b", "x"]
+
+
+def test_a_link_with_infinity_opens_with_a_message():
+    from tests.ui.apptest_util import open_app
+
+    at = open_app("app_pages/pipeline.py", dp="INF", stages="inf")
+    assert not at.exception
+    warnings = " ".join(w.value for w in at.sidebar.warning)
+    assert "dp='INF'" in warnings and "stages='inf'" in warnings
