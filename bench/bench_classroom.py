@@ -178,7 +178,8 @@ class MemorySampler(threading.Thread):
 
 
 def measure(sessions: int = 30, env: dict | None = None, page_path: str = "data-parallel",
-            stop_midway: bool = False, result_timeout_s: float = 300) -> dict:
+            stop_midway: bool = False, close_tabs: int = 0, result_timeout_s: float = 300) -> dict:
+    """`close_tabs`: that many students close their tab right after pressing Run (counted apart)."""
     from playwright.sync_api import sync_playwright
 
     with serve(env) as (url, proc), sync_playwright() as pw:
@@ -187,7 +188,7 @@ def measure(sessions: int = 30, env: dict | None = None, page_path: str = "data-
             headless=True, viewport={"width": 1200, "height": 900})
         sampler = MemorySampler(proc.pid)
         sampler.start()
-        pages = []
+        pages, closed = [], []
         try:
             for _ in range(sessions):
                 page = browser.new_page()
@@ -196,6 +197,10 @@ def measure(sessions: int = 30, env: dict | None = None, page_path: str = "data-
             for page in pages:
                 page.get_by_role("button", name=RUN_BUTTON).wait_for(timeout=180_000)
             pressed = [page.evaluate(WATCH, RUN_BUTTON) for page in pages]  # as fast as a class
+            for page in pages[:close_tabs]:
+                page.close()
+            closed, pages, pressed = pages[:close_tabs], pages[close_tabs:], pressed[close_tabs:]
+            sessions -= close_tabs
             states = [None] * sessions
             stopped_after = None
             deadline = time.monotonic() + result_timeout_s
@@ -225,6 +230,7 @@ def measure(sessions: int = 30, env: dict | None = None, page_path: str = "data-
     without_status = [((seen if seen is not None else now_ms) - p) / 1e3 for p, seen, _, _ in states]
     return {
         "sessions": sessions,
+        "closed_tabs": len(closed),
         "completed": sum(bool(v) for *_, v in states),
         "messages": sum(done is not None and not v for _, _, done, v in states),
         "unfinished": sum(done is None for _, _, done, _ in states),

@@ -10,8 +10,8 @@
 
 A run uses `world` processes; on a machine with C cores, C // 4 runs at once keeps a 4-process run's
 timings meaningful (each process gets about one core) and the server responsive. Every value is shown on
-the "About this server" expander of the live panel. A malformed value stops the server at start-up with a
-message naming the variable (never a half-configured server).
+the "About this server" expander of the live panel. A malformed value is reported on every page that
+runs something, naming the variable, and no run starts until it is fixed (never a half-configured queue).
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """How the app is served: loopback only unless the teacher opts in, Streamlit's protections on."""
 
 import os
-import socket
-import subprocess
-import sys
-import time
 import tomllib
-import urllib.request
 from pathlib import Path
 
 import pytest
+
+from bench.bench_classroom import serve
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,22 +42,6 @@ def _listening_addresses(port: int) -> set[str]:
 
 @pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's socket table")
 def test_the_app_listens_on_loopback_by_default():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true",
-                             "--server.port", str(port)], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2):
-                    break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, "streamlit did not start"
-                time.sleep(0.3)
+    with serve() as (url, _proc):  # no address given: what .streamlit/config.toml says
+        port = int(url.rsplit(":", 1)[1])
         assert _listening_addresses(port) == {"0100007F"}  # 127.0.0.1, and no IPv6 or wildcard socket
-    finally:
-        proc.terminate()
-        proc.wait(15)
