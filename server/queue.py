@@ -229,8 +229,9 @@ class RunQueue:
             place, n = self.position(job)
             wait = self.estimated_wait_s(job)
             ahead = "you are next" if place == 1 else f"position {place} of {n}"
-            return (f"Waiting in this server's run queue: {ahead}, about {_rough_seconds(wait)} s "
-                    f"({self.settings.max_concurrent} run(s) at a time)")
+            k = self.settings.max_concurrent
+            at_once = "one run at a time" if k == 1 else f"{k} runs at a time"
+            return f"Waiting in this server's run queue: {ahead}, about {_rough_seconds(wait)} s ({at_once})"
         if job.state == RUNNING:
             label, cfg = job.runs[job.run_index]
             if isinstance(cfg, Task):
