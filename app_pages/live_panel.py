@@ -37,11 +37,32 @@ def _session_id() -> str:
     return ctx.session_id if ctx is not None else "no-session"
 
 
+def _alive(session_id: str):
+    """() -> bool: is this browser session still connected? (its waiting run is skipped once it is not)"""
+    def alive() -> bool:
+        from streamlit import runtime
+
+        return not runtime.exists() or runtime.get_instance().is_active_session(session_id)
+
+    return alive
+
+
+def _yield_check():
+    """Streamlit's own check for a rerun or stop of this script (a widget moved, Stop pressed, the tab
+    closed), so that waiting needs no message to the browser; a no-op where this Streamlit lacks it."""
+    try:
+        from streamlit.runtime.scriptrunner_utils.script_run_context import get_run_yield_check
+    except ImportError:
+        return lambda: None
+    return get_run_yield_check() or (lambda: None)
+
+
 def run_live(key: str, runs: list[tuple[str, object]], hint: str) -> list[LiveRun] | None:
     """Run each (label, RunConfig) through this server's run queue (server/queue.py), checked against the
     reference and predicted by the planner (the first run calibrates this machine: 7-25 s). While it
     waits the bar says its place in line and the expected wait; while it runs, the steps done and the
-    loss. The results are kept in st.session_state[key]; a failure is shown and clears them."""
+    loss, beside a Stop button. Moving a widget meanwhile does not lose the run: `show_live(key)` picks it
+    up again. The results are kept in st.session_state[key]; a failure is shown and clears them."""
     from engine.config import ConfigError, validate
     from server.queue import Refused
 
@@ -55,51 +76,79 @@ def run_live(key: str, runs: list[tuple[str, object]], hint: str) -> list[LiveRu
         st.session_state.pop(key, None)
         st.error(f"This run cannot start: {e}.", icon=":material/block:")
         return None
-    job = _queued(runs, hint)
-    if job is None:
+    if not _submit(key, runs, hint, "run"):
         st.session_state.pop(key, None)
         return None
-    done = [LiveRun(label, cfg, summary, timeline, cached_from=job.cached_from)
-            for (label, cfg), (summary, timeline) in zip(job.runs, job.results, strict=True)]
-    st.session_state[key] = done
-    return done
+    return _follow(key)
 
 
 def run_task(label: str, task, hint: str, what: str = "run"):
     """Queue other work on the worker processes (server.queue.Task: the calibration, a sweep) like a run;
     its result, or None after the failure has been shown."""
-    job = _queued([(label, task)], hint, what)
+    key = f"task_{label}"
+    if not _submit(key, [(label, task)], hint, what):
+        return None
+    job = _follow(key)
     return job.results[0] if job is not None else None
 
 
-def _queued(runs, hint: str, what: str = "run"):
-    """Submit to the server's queue and show its progress until the job ends; the finished job, or None
-    once what went wrong has been shown."""
-    from server.queue import DONE, Refused, get_queue
+def _pending_key(key: str) -> str:
+    return f"{key}__pending"
+
+
+def _submit(key: str, runs, hint: str, what: str) -> bool:
+    from server.queue import Refused, get_queue
     from server.settings import SettingsError
 
     try:
-        queue = get_queue()
-        job = queue.submit(_session_id(), runs)
+        sid = _session_id()
+        job = get_queue().submit(sid, runs, alive=_alive(sid))
     except (Refused, SettingsError) as e:
         st.error(f"This {what} cannot start: {e}.", icon=":material/block:")
-        return None
-    if job.notice:
-        st.info(job.notice, icon=":material/schedule:")
-    bar = st.progress(0.0, text="Starting ...")
-    shown = None
-    try:
+        return False
+    st.session_state[_pending_key(key)] = (job, hint, what)
+    return True
+
+
+def _follow(key: str):
+    """Show the pending job of `key` until it ends: its place in line, then its progress and a Stop
+    button. A finished run becomes LiveRuns in st.session_state[key] (returned); a task's job is
+    returned as it is; None once a failure or a stop has been shown."""
+    from server.queue import DONE, STOPPED, Task, get_queue
+
+    job, hint, what = st.session_state[_pending_key(key)]
+    queue = get_queue()
+    stop_key = f"{key}__stop"
+    if st.session_state.get(stop_key):
+        queue.stop(job)
+    if not job.wait(0):
+        if job.notice:
+            st.info(job.notice, icon=":material/schedule:")
+        is_task = isinstance(job.runs[0][1], Task)
+        if not is_task:
+            st.button("Stop this run", key=stop_key, icon=":material/stop_circle:",
+                      help="End the run now: its worker processes are stopped, the next run starts fresh ones")
+        bar = st.progress(0.0, text="Starting ...")
+        check, shown = _yield_check(), None
         while not job.wait(0.25):
+            check()  # a rerun (a widget, Stop) or a closed tab ends this loop; the job goes on
             now = (round(min(1.0, job.fraction), 2), queue.status(job))
             if now != shown:  # a class of waiting pages: send only what changed
                 bar.progress(now[0], text=now[1])
                 shown = now
-    finally:
-        queue.cancel(job)  # a page stopped while waiting (tab closed, Run pressed again) leaves the line
         bar.empty()
+    del st.session_state[_pending_key(key)]
     if job.state == DONE:
-        return job
-    if job.error is not None:
+        if isinstance(job.runs[0][1], Task):
+            return job
+        done = [LiveRun(label, cfg, summary, timeline, cached_from=job.cached_from)
+                for (label, cfg), (summary, timeline) in zip(job.runs, job.results, strict=True)]
+        st.session_state[key] = done
+        return done
+    st.session_state.pop(key, None)
+    if job.state == STOPPED and job.error is None:
+        st.warning("Stopped before it started.", icon=":material/stop_circle:")
+    elif job.error is not None:
         show_engine_failure(job.error, hint=hint, what=what)
     else:
         st.warning(f"This {what} was {job.state} before it started.", icon=":material/block:")
@@ -129,6 +178,8 @@ def show_live(key: str) -> list[LiveRun]:
     """Everything the panel shows of the runs kept under `key` (none yet: nothing); returns them so the
     page can add its own views."""
     about_server()
+    if _pending_key(key) in st.session_state:  # a run still going after a rerun: follow it again
+        _follow(key)
     runs: list[LiveRun] = st.session_state.get(key) or []
     if not runs:
         return []

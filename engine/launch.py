@@ -48,6 +48,12 @@ class RankFailed(WorkerError):
         super().__init__(f"rank {rank} failed:\n{detail}")
 
 
+class RunStopped(WorkerError):
+    def __init__(self, steps_done: int):
+        self.steps_done = steps_done
+        super().__init__(f"run stopped on request after {steps_done} step(s)")
+
+
 class RunTimedOut(WorkerError):
     def __init__(self, timeout_s: float, where: dict[int, str]):
         self.timeout_s, self.where = timeout_s, where
@@ -199,11 +205,13 @@ class Pool:
     # -- running tasks ------------------------------------------------------------------------------
 
     def run(self, target: str, kwargs: dict | list[dict] | None = None, timeout_s: float = 60.0,
-            on_progress=None) -> list:
+            on_progress=None, stop=None) -> list:
         """Call `target(ctx, **kwargs)` on every rank (kwargs may differ per rank); results by rank.
 
         `on_progress(steps_done, loss)` hears each training step once every rank has finished it
-        (`Context.step_done`), with the step's loss."""
+        (`Context.step_done`), with the step's loss. Setting the `stop` event (a threading.Event) ends the
+        run: the workers are killed (a rank may be inside a collective) and `RunStopped` is raised; the
+        next run starts fresh ones."""
         with self._lock:
             if not self.alive:
                 self.start()
@@ -214,18 +222,20 @@ class Pool:
             for rank, conn in enumerate(self.conns):
                 conn.send_bytes(pickle.dumps(("task", self._task_id, target, per_rank[rank])))
             try:
-                return self._collect(timeout_s, log_sizes, on_progress)
+                return self._collect(timeout_s, log_sizes, on_progress, stop)
             except BaseException:
                 self.kill()
                 raise
 
-    def _collect(self, timeout_s: float, log_sizes: list[int], on_progress=None) -> list:
+    def _collect(self, timeout_s: float, log_sizes: list[int], on_progress=None, stop=None) -> list:
         deadline = time.monotonic() + timeout_s
         results: dict[int, object] = {}
         failures: dict[int, str] = {}
         steps_done = [0] * self.world
         step_losses: dict[int, list[float]] = {}
         while len(results) + len(failures) < self.world:
+            if stop is not None and stop.is_set():
+                raise RunStopped(min(steps_done))
             now = time.monotonic()
             if now >= deadline:
                 pending = set(range(self.world)) - set(results) - set(failures)

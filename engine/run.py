@@ -54,13 +54,14 @@ def assemble(cfg: RunConfig, results: list[dict]) -> tuple[dict, Timeline]:
 
 
 def run(cfg: RunConfig, traced: bool = True, check: bool = False, pool=None,
-        predict: bool = False, progress=None, on_step=None) -> tuple[dict, Timeline]:
+        predict: bool = False, progress=None, on_step=None, stop=None) -> tuple[dict, Timeline]:
     """Validate, run on the shared pool for (world, device), assemble. Raises `ConfigError` for bad
     input and `launch.WorkerError` when a rank fails or the run times out.
 
     With `predict`, the summary also carries "predicted": the planner's prediction of this very run on
     this machine (engine/predict.py), calibrating the machine first if it has not been (7-25 s on 2 cores;
-    `progress(fraction, message)` hears about it). `on_step(steps_done, loss)` hears each finished step."""
+    `progress(fraction, message)` hears about it). `on_step(steps_done, loss)` hears each finished step; setting the `stop` event ends the run
+    (`launch.RunStopped`)."""
     from engine import launch
 
     validate(cfg)
@@ -71,7 +72,7 @@ def run(cfg: RunConfig, traced: bool = True, check: bool = False, pool=None,
         prediction = predicted(cfg, progress)  # before the run: calibrating warms the run's pool
     pool = pool or launch.get_pool(cfg.world, cfg.device, cfg.collective_timeout_s)
     results = pool.run("engine.train:run_rank", {"cfg": cfg, "traced": traced, "check": check},
-                       timeout_s=cfg.timeout_s, on_progress=on_step)
+                       timeout_s=cfg.timeout_s, on_progress=on_step, stop=stop)
     summary, timeline = assemble(cfg, results)
     if prediction is not None:
         summary["predicted"] = prediction

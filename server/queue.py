@@ -35,8 +35,9 @@ from dataclasses import asdict, dataclass, field, replace
 
 from server.settings import Settings
 
-WAITING, RUNNING, DONE, FAILED, CANCELLED, REPLACED = "waiting", "running", "done", "failed", "cancelled", "replaced"
-FINISHED = (DONE, FAILED, CANCELLED, REPLACED)
+WAITING, RUNNING, DONE, FAILED = "waiting", "running", "done", "failed"
+CANCELLED, REPLACED, STOPPED = "cancelled", "replaced", "stopped"
+FINISHED = (DONE, FAILED, CANCELLED, REPLACED, STOPPED)
 FIRST_GUESS_S = 10.0  # a run's duration before any has been measured (the first also calibrates: 7-25 s)
 
 
@@ -76,6 +77,8 @@ class Job:
     error: BaseException | None = None
     cached: bool = False
     cached_from: float | None = None  # when the run that is being reused finished (time.time())
+    alive: object = None  # () -> bool: is the page that asked still there? (a closed tab's run is skipped)
+    stop_event: threading.Event = field(default_factory=threading.Event, repr=False)
     _event: threading.Event = field(default_factory=threading.Event, repr=False)
 
     @property
@@ -106,12 +109,12 @@ def cacheable(runs) -> bool:
     return all(w.cacheable for _, w in runs if isinstance(w, Task))
 
 
-def engine_runner(cfg, on_step, progress):
+def engine_runner(cfg, on_step, progress, stop):
     """Run one configuration checked against the reference and beside its prediction (the live panel's
-    run)."""
+    run); setting `stop` ends it."""
     from engine.run import run
 
-    return run(cfg, check=True, predict=True, progress=progress, on_step=on_step)
+    return run(cfg, check=True, predict=True, progress=progress, on_step=on_step, stop=stop)
 
 
 class RunQueue:
@@ -126,7 +129,7 @@ class RunQueue:
         self._recent: deque[float] = deque(maxlen=20)
         self._next_id = 0
         self._closed = False
-        self.counts = {DONE: 0, FAILED: 0, CANCELLED: 0, REPLACED: 0, "cached": 0}
+        self.counts = {DONE: 0, FAILED: 0, CANCELLED: 0, REPLACED: 0, STOPPED: 0, "cached": 0}
         self._slots = [threading.Thread(target=self._slot, name=f"shardlab-run-slot-{i}", daemon=True)
                        for i in range(settings.max_concurrent)]
         for t in self._slots:
@@ -156,7 +159,7 @@ class RunQueue:
                               f"allows ({s.max_params:,}); make it smaller (fewer layers, a smaller hidden size "
                               "or vocabulary)")
 
-    def submit(self, session: str, runs) -> Job:
+    def submit(self, session: str, runs, alive=None) -> Job:
         runs = tuple((label, w if isinstance(w, Task) else
                       replace(w, timeout_s=min(w.timeout_s, self.settings.max_run_s))) for label, w in runs)
         self.check(runs)
@@ -165,7 +168,7 @@ class RunQueue:
             if self._closed:
                 raise Refused("the server is stopping; reload the page in a minute")
             self._next_id += 1
-            job = Job(self._next_id, session, runs, key, time.monotonic())
+            job = Job(self._next_id, session, runs, key, time.monotonic(), alive=alive)
             hit = self._cache_get(key) if cacheable(runs) else None
             if hit is not None:
                 self._finish_cached(job, *hit)
@@ -198,6 +201,18 @@ class RunQueue:
                 job.state, job.finished_at = CANCELLED, time.monotonic()
                 self.counts[CANCELLED] += 1
                 job._event.set()
+
+    def stop(self, job: Job) -> None:
+        """End a job on request: a waiting one leaves the line, a running one is stopped (its workers are
+        killed; the next run starts fresh ones)."""
+        with self._cond:
+            if job in self._waiting:
+                self._waiting.remove(job)
+                job.state, job.finished_at = STOPPED, time.monotonic()
+                self.counts[STOPPED] += 1
+                job._event.set()
+                return
+        job.stop_event.set()
 
     def position(self, job: Job) -> tuple[int, int]:
         """(1-based place in line, runs waiting); (0, n) once it is running or finished."""
@@ -303,6 +318,11 @@ class RunQueue:
                     self._finish_cached(job, *hit)
                     self._cond.notify_all()
                     continue
+                if job.alive is not None and not _still(job.alive):  # its tab was closed: skip it
+                    job.state, job.finished_at = CANCELLED, time.monotonic()
+                    self.counts[CANCELLED] += 1
+                    job._event.set()
+                    continue
                 job.state, job.started_at = RUNNING, time.monotonic()
                 self._running.append(job)
             self._execute(job)
@@ -332,11 +352,19 @@ class RunQueue:
                 def progress(fraction, message):
                     job.task_fraction, job.calibrating = fraction, message
 
-                results.append(cfg.fn(progress) if isinstance(cfg, Task) else self._runner(cfg, on_step, progress))
+                results.append(cfg.fn(progress) if isinstance(cfg, Task) else
+                               self._runner(cfg, on_step, progress, job.stop_event))
                 job.calibrating = None
             job.results, job.state = results, DONE
         except BaseException as e:  # noqa: BLE001 - reported to the job's page, never lost
-            job.error, job.state = e, FAILED
+            job.error, job.state = e, STOPPED if job.stop_event.is_set() else FAILED
+
+
+def _still(alive) -> bool:
+    try:
+        return bool(alive())
+    except Exception:  # noqa: BLE001 - a page that cannot say is treated as there
+        return True
 
 
 def _rough_seconds(s: float) -> int:

@@ -8,7 +8,7 @@ def engine_error_message(exc: BaseException, what: str = "sweep",
     """(one clear sentence for st.error, details for an expander or None) for a failed `what` ("sweep",
     "run"); `hint` says what to try after a timeout."""
     from engine.config import ConfigError
-    from engine.launch import RankFailed, RunTimedOut, WorkerError
+    from engine.launch import RankFailed, RunStopped, RunTimedOut, WorkerError
 
     if isinstance(exc, ConfigError):
         return f"The {what} cannot run as asked: {exc}", None
@@ -22,6 +22,9 @@ def engine_error_message(exc: BaseException, what: str = "sweep",
         return (f"The {what} did not finish within {exc.timeout_s:g} s (ranks {ranks} were still running)."
                 f" The workers were stopped; {hint}.",
                 str(exc))
+    if isinstance(exc, RunStopped):
+        return (f"Stopped, as asked, after {exc.steps_done} step(s). The workers were stopped; the next run "
+                "starts fresh ones.", None)
     if isinstance(exc, WorkerError):
         return f"The worker processes failed: {exc}", None
     return f"The {what} failed ({type(exc).__name__}): {exc}", None

@@ -11,7 +11,8 @@ import pytest
 from engine.config import RunConfig
 from engine.launch import Pool
 from engine.run import run
-from server.queue import DONE, FAILED, RunQueue
+from engine.launch import RunStopped
+from server.queue import DONE, FAILED, STOPPED, RunQueue
 from server.settings import Settings
 from tests.engine.test_pool import _all_gone
 from ui.engine_errors import engine_error_message
@@ -27,7 +28,7 @@ def served():
     pool = Pool(2, collective_timeout_s=10)
     seen_pids: list[int] = []
 
-    def runner(cfg, on_step, progress):
+    def runner(cfg, on_step, progress, stop):
         if not pool.alive:
             pool.start()
         seen_pids.extend(pool.pids)
@@ -44,7 +45,7 @@ def served():
                 on_step(steps_done, loss)
 
             return run(cfg, check=True, pool=pool, on_step=kill_after_first_step)
-        return run(cfg, check=True, pool=pool, on_step=on_step)
+        return run(cfg, check=True, pool=pool, on_step=on_step, stop=stop)
 
     queue = RunQueue(Settings(max_concurrent=1), runner=runner)
     yield queue, pool, seen_pids
@@ -77,7 +78,26 @@ def test_a_pool_that_died_between_runs_is_rebuilt(served):
     pids = pool.pids
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
-    assert _all_gone(pids, within_s=10) or time.sleep(0.5) is None
+    deadline = time.monotonic() + 10
+    while pool.alive and time.monotonic() < deadline:  # every thread of a killed worker has to end first
+        time.sleep(0.05)
     again = queue.submit("b", [("dp", RunConfig(world=2, steps=2))])
     assert again.wait(60) and again.state == DONE and again.results[0][0]["check"]["passed"]
     assert set(pool.pids).isdisjoint(pids)
+
+
+def test_stop_mid_run_ends_it_and_leaves_no_process(served):
+    queue, pool, seen_pids = served
+    job = queue.submit("a", [("dp", RunConfig(world=2, steps=20, micro_batches=4))])
+    deadline = time.monotonic() + 60
+    while job.steps_done < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert job.steps_done >= 1, "the run never reported a step"
+    queue.stop(job)
+    assert job.wait(30) and job.state == STOPPED
+    assert isinstance(job.error, RunStopped) and 1 <= job.error.steps_done < 20
+    message, _ = engine_error_message(job.error, what="run", hint="")
+    assert message.startswith("Stopped, as asked, after")
+    assert _all_gone(seen_pids[:2]), "the stopped run's workers are still alive"
+    after = queue.submit("b", [("dp", RunConfig(world=2, steps=2))])
+    assert after.wait(60) and after.state == DONE

@@ -19,7 +19,7 @@ class Gate:
         self.release = threading.Semaphore(0)
         self.started = threading.Semaphore(0)
 
-    def __call__(self, cfg, on_step, progress):
+    def __call__(self, cfg, on_step, progress, stop):
         self.ran.append(cfg.seed)
         self.started.release()
         assert self.release.acquire(timeout=10), "the test never released the run"
