@@ -17,7 +17,7 @@ import json
 import sys
 from dataclasses import replace
 
-from engine.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, parse_mesh, validate
+from engine.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, parse_mesh, strategy_for, validate
 from engine.schedules import SCHEDULE_NAMES
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_RANK_FAILED = 0, 1, 2, 3
@@ -25,7 +25,8 @@ EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_RANK_FAILED = 0, 1, 2, 3
 
 def run_parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Train a small Transformer on N local processes.")
-    p.add_argument("--strategy", choices=["dp", "fsdp", "cp", "ep", "tp", "pp"], default="dp")
+    p.add_argument("--strategy", choices=["dp", "fsdp", "cp", "ep", "tp", "pp"], default=None,
+                   help="default: what --mesh needs (cp or ep when it has them), else dp")
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
                    help="ZeRO stage (default: 0 for dp, 3 for fsdp)")
     p.add_argument("--world", type=int, default=2, help="number of ranks (processes)")
@@ -55,6 +56,8 @@ def run_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=ModelConfig.seq_len, help="tokens per sequence")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="tp: norms and residuals split along the sequence (all-gather / reduce-scatter)")
+    p.add_argument("--hidden", type=int, default=ModelConfig.hidden, help="model width")
+    p.add_argument("--vocab", type=int, default=ModelConfig.vocab, help="vocabulary size")
     p.add_argument("--heads", type=int, default=ModelConfig.heads, help="attention (query) heads")
     p.add_argument("--kv-heads", type=int, default=ModelConfig.kv_heads, help="grouped key/value heads")
     p.add_argument("--ffn", type=int, default=ModelConfig.ffn, help="SwiGLU hidden size")
@@ -74,8 +77,10 @@ def run_parser(prog: str) -> argparse.ArgumentParser:
 def config_from_args(args, world: int | None = None) -> RunConfig:
     """Build and validate; raises ConfigError with a message that says what to change."""
     world = args.world if world is None else world
-    parallel = ParallelConfig(strategy=args.strategy, zero_stage=args.zero_stage, dp_comm=args.dp_comm,
-                              mesh=parse_mesh(args.mesh) if args.mesh else (), prefetch=not args.no_prefetch,
+    mesh = parse_mesh(args.mesh) if args.mesh else ()
+    strategy = args.strategy or strategy_for(mesh)
+    parallel = ParallelConfig(strategy=strategy, zero_stage=args.zero_stage, dp_comm=args.dp_comm,
+                              mesh=mesh, prefetch=not args.no_prefetch,
                               cp_variant=args.cp_variant, sequence_parallel=args.sequence_parallel,
                               schedule=args.schedule, virtual_stages=args.virtual_stages)
     layers = args.layers
@@ -83,9 +88,10 @@ def config_from_args(args, world: int | None = None) -> RunConfig:
         # The smallest model every pipeline stage gets whole layers of: pp * v layers at least.
         stages = RunConfig(parallel=parallel, world=world).pp * max(1, args.virtual_stages)
         layers = max(ModelConfig.layers, stages)
-    mlp = args.mlp or ("moe" if args.strategy == "ep" else "dense")
+    mlp = args.mlp or ("moe" if strategy == "ep" else "dense")
     model = replace(ModelConfig(), mlp=mlp, layers=layers, experts=args.experts, top_k=args.top_k,
                     capacity_factor=args.capacity_factor, seq_len=args.seq_len, heads=args.heads,
+                    hidden=args.hidden, vocab=args.vocab,
                     kv_heads=args.kv_heads, ffn=args.ffn)
     return validate(RunConfig(model=model, parallel=parallel, world=world, steps=args.steps,
                               micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
@@ -105,7 +111,8 @@ def argv_for(cfg: RunConfig) -> list[str]:
         ("--micro-batches", cfg.micro_batches, 1), ("--micro-batch-size", cfg.micro_batch_size, 2),
         ("--mlp", m.mlp, "moe" if p.strategy == "ep" else "dense"), ("--experts", m.experts, d.experts),
         ("--top-k", m.top_k, d.top_k), ("--capacity-factor", m.capacity_factor, None),
-        ("--seq-len", m.seq_len, d.seq_len), ("--heads", m.heads, d.heads), ("--kv-heads", m.kv_heads, d.kv_heads),
+        ("--seq-len", m.seq_len, d.seq_len), ("--hidden", m.hidden, d.hidden), ("--vocab", m.vocab, d.vocab),
+        ("--heads", m.heads, d.heads), ("--kv-heads", m.kv_heads, d.kv_heads),
         ("--ffn", m.ffn, d.ffn), ("--layers", m.layers, default_layers), ("--seed", cfg.seed, 0),
         ("--device", cfg.device, "cpu"), ("--timeout-s", cfg.timeout_s, RunConfig.timeout_s),
     ]

@@ -132,6 +132,40 @@ class RunConfig:
         return self.dp * self.parallel.degree("ep", self.world) * self.micro_batches * self.micro_batch_size
 
 
+def unit_forward_flops(m: ModelConfig, unit: int, sequences: int) -> float:
+    """Forward FLOPs of one unit (0 the embedding, 1..layers the blocks, layers + 1 the head) on
+    `sequences` sequences: 2 per multiply-add of every matmul (Kaplan et al. 2020, "Scaling Laws",
+    section 2.1), attention scores and values counted in full (the fused kernel computes the masked half
+    too). Backward is twice this."""
+    tokens = sequences * m.seq_len
+    if unit == 0:
+        return 0.0  # an embedding is a lookup
+    if unit == m.layers + 1:
+        return 2.0 * tokens * m.hidden * m.vocab
+    attn_params = m.hidden * m.head_dim * (2 * m.heads + 2 * m.kv_heads)
+    swiglu_params = 3 * m.hidden * m.ffn
+    mlp_params = swiglu_params if m.mlp == "dense" else m.hidden * m.experts + m.top_k * swiglu_params
+    scores_and_values = 2 * 2 * sequences * m.seq_len * m.seq_len * m.heads * m.head_dim
+    return 2.0 * tokens * (attn_params + mlp_params) + scores_and_values
+
+
+def step_flops(cfg: RunConfig) -> float:
+    """Model FLOPs of one optimizer step over all ranks: forward + backward (3x forward) of every unit on
+    the global batch (recomputation and padding not counted: what MFU counts)."""
+    return 3.0 * sum(unit_forward_flops(cfg.model, u, cfg.global_batch) for u in range(cfg.model.layers + 2))
+
+
+def strategy_for(mesh: tuple[tuple[str, int], ...]) -> str:
+    """The strategy a mesh runs with when none is named: context and expert parallel need theirs (they
+    hook the model); every other mesh runs on the data-parallel code path, whose sharder and pipeline
+    follow the mesh's axes."""
+    degrees = dict(mesh)
+    for axis in ("cp", "ep"):
+        if degrees.get(axis, 1) > 1:
+            return axis
+    return "fsdp" if degrees.get("fsdp", 1) > 1 and degrees.get("pp", 1) == 1 else "dp"
+
+
 def parse_mesh(text: str) -> tuple[tuple[str, int], ...]:
     """`"tp=2,dp=2"` -> `(("dp", 2), ("tp", 2))`: in CANONICAL_AXIS_ORDER whatever the order written,
     so a mesh always groups the same ranks (tp innermost; engine/mesh.py says why)."""

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import ModelConfig
+from engine.config import ModelConfig, unit_forward_flops  # noqa: F401 - unit_forward_flops re-exported
 
 
 class RMSNorm(nn.Module):
@@ -226,22 +226,6 @@ def global_batch(m: ModelConfig, seed: int, step: int, sequences: int) -> tuple[
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
     data = torch.randint(0, m.vocab, (sequences, m.seq_len + 1), generator=gen)
     return data[:, :-1], data[:, 1:]
-
-
-def unit_forward_flops(m: ModelConfig, unit: int, sequences: int) -> float:
-    """Forward FLOPs of one unit on `sequences` sequences: 2 per multiply-add of every matmul
-    (Kaplan et al. 2020, "Scaling Laws", section 2.1), attention scores and values counted in full
-    (the fused kernel computes the masked half too). Backward is twice this."""
-    tokens = sequences * m.seq_len
-    if unit == 0:
-        return 0.0  # an embedding is a lookup
-    if unit == m.layers + 1:
-        return 2.0 * tokens * m.hidden * m.vocab
-    attn_params = m.hidden * m.head_dim * (2 * m.heads + 2 * m.kv_heads)
-    swiglu_params = 3 * m.hidden * m.ffn
-    mlp_params = swiglu_params if m.mlp == "dense" else m.hidden * m.experts + m.top_k * swiglu_params
-    scores_and_values = 2 * 2 * sequences * m.seq_len * m.seq_len * m.heads * m.head_dim
-    return 2.0 * tokens * (attn_params + mlp_params) + scores_and_values
 
 
 def param_count(m: ModelConfig) -> int:

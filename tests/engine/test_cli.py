@@ -89,6 +89,7 @@ def test_same_worker_entry_under_torchrun_with_two_nodes(tmp_path):
     ["--strategy", "pp", "--schedule", "interleaved-1f1b", "--virtual-stages", "2", "--micro-batches", "4"],
     ["--strategy", "cp", "--cp-variant", "allgather", "--mesh", "dp=2,cp=2", "--world", "4"],
     ["--strategy", "ep", "--capacity-factor", "1.25", "--top-k", "1", "--seed", "3", "--steps", "5"],
+    ["--mesh", "cp=2", "--world", "2", "--hidden", "96", "--vocab", "300", "--heads", "6", "--kv-heads", "3"],
 ])
 def test_argv_for_builds_the_same_config_again(flags):
     from engine.cli import argv_for, command_line, config_from_args, run_parser
@@ -96,3 +97,16 @@ def test_argv_for_builds_the_same_config_again(flags):
     cfg = config_from_args(run_parser("x").parse_args(flags))
     assert config_from_args(run_parser("x").parse_args(argv_for(cfg))) == cfg
     assert command_line(cfg).startswith("python -m engine run --strategy ")
+
+
+def test_a_mesh_without_a_strategy_runs_what_it_needs():
+    from engine.cli import config_from_args, run_parser
+
+    def strategy(*flags):
+        return config_from_args(run_parser("x").parse_args(list(flags))).parallel.strategy
+
+    assert strategy("--mesh", "cp=2", "--world", "2") == "cp"
+    assert strategy("--mesh", "ep=2", "--world", "2") == "ep"
+    assert strategy("--mesh", "fsdp=2", "--world", "2") == "fsdp"
+    assert strategy("--mesh", "pp=2,dp=2,tp=2", "--world", "8") == "dp"
+    assert strategy() == "dp"
