@@ -36,7 +36,8 @@ for _key in non_finite_params(st.query_params.to_dict()):
 home = st.Page("app_pages/home.py", title="Start here", icon=":material/home:", url_path="home", default=True)
 lesson_pages = [st.Page(lesson.path, title=lesson.title, icon=lesson.icon, url_path=lesson.url_path)
                 for lesson in LESSONS]
-nav = st.navigation({"ShardLab": [home], "Lessons": lesson_pages})
+lab = st.Page("app_pages/lab.py", title="The Lab", icon=":material/science:", url_path="lab")
+nav = st.navigation({"ShardLab": [home], "Lessons": lesson_pages, "Experiment": [lab]})
 
 with st.sidebar:
     st.markdown("### Your setup")

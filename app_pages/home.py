@@ -29,6 +29,13 @@ for number, lesson in enumerate(LESSONS, start=1):
         st.page_link(lesson.path, label=f"{number}. {lesson.title}", icon=lesson.icon)
         st.markdown(lesson.summary)
 
+st.subheader("Then experiment")
+with st.container(border=True):
+    st.page_link("app_pages/lab.py", label="The Lab", icon=":material/science:")
+    st.markdown("Any layout the engine runs, on this machine's processes: your model size, mesh, schedule and "
+                "batch, each run verified and beside its prediction, collected in a table where two runs can "
+                "be compared step against step, with the command lines that repeat it elsewhere.")
+
 if PLANNED:
     st.markdown("**Next on the route** (being built; each appears above when it is ready):")
     for number, (title, summary) in enumerate(PLANNED, start=len(LESSONS) + 1):

@@ -124,10 +124,10 @@ def _follow(key: str):
     if not job.wait(0):
         if job.notice:
             st.info(job.notice, icon=":material/schedule:")
-        is_task = isinstance(job.runs[0][1], Task)
-        if not is_task:
-            st.button("Stop this run", key=stop_key, icon=":material/stop_circle:",
-                      help="End the run now: its worker processes are stopped, the next run starts fresh ones")
+        stop_slot = st.empty()  # gone once the job ends
+        if not isinstance(job.runs[0][1], Task):
+            stop_slot.button("Stop this run", key=stop_key, icon=":material/stop_circle:",
+                             help="End the run now: its worker processes are stopped, the next run starts fresh ones")
         bar = st.progress(0.0, text="Starting ...")
         check, shown = _yield_check(), None
         while not job.wait(0.25):
@@ -137,6 +137,7 @@ def _follow(key: str):
                 bar.progress(now[0], text=now[1])
                 shown = now
         bar.empty()
+        stop_slot.empty()
     del st.session_state[_pending_key(key)]
     if job.state == DONE:
         if isinstance(job.runs[0][1], Task):

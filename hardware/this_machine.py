@@ -393,3 +393,28 @@ def summary_lines(cal: Calibration) -> list[str]:
                          f"{ar.beta_s_per_byte * 1e9:.2f} ns/byte; compute runs "
                          f"{cal.share(w):.2f}x slower with all {w} ranks busy on {cal.cpus} cores")
     return lines
+
+
+def gpus(timeout_s: float = 5.0) -> list[tuple[str, float]]:
+    """(name, memory in GiB) of each NVIDIA GPU `nvidia-smi` lists; [] without one (or without the tool).
+    Asked without importing torch, so a page can list them cheaply."""
+    import shutil
+    import subprocess
+
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return []
+    try:
+        out = subprocess.run([exe, "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=timeout_s, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    found = []
+    for line in out.strip().splitlines():
+        name, _, mib = line.rpartition(",")
+        try:
+            found.append((name.strip(), float(mib) / 1024))
+        except ValueError:
+            continue
+    return found
+

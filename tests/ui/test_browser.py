@@ -208,3 +208,19 @@ def test_live_panel_draws_the_prediction_beside_the_run(server, browser):
         page.screenshot(path=str(SHOTS / "live-panel.png"), full_page=True)
     finally:
         page.close()
+
+
+@pytest.mark.multiprocess
+def test_the_labs_default_experiment_runs_in_the_browser(server, browser):
+    page = _open(browser, f"{server}/lab")
+    try:
+        page.get_by_role("button", name="Run this experiment").click()
+        page.get_by_text("matches the single-process reference").first.wait_for(timeout=180_000)
+        _assert_no_exception(page, "the lab after its default run")
+        page.get_by_text("This session's runs").first.wait_for(timeout=WAIT_MS)
+        assert page.locator('[data-testid="stDataFrame"]').count() >= 2  # the panel's lanes and the runs
+        assert page.get_by_role("button", name="Stop this run").count() == 0  # gone once the run ended
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SHOTS / "lab.png"), full_page=True)
+    finally:
+        page.close()

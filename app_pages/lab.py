@@ -1,0 +1,133 @@
+"""The Lab: a real small experiment on this machine's CPU (or GPUs), any layout the engine runs, each run
+verified, predicted and kept in a table for this browser session."""
+
+from dataclasses import replace
+
+import streamlit as st
+
+from app_pages.live_panel import run_live, show_live
+from engine.cli import command_line
+from engine.config import ConfigError, ModelConfig, validate
+from engine.predict import cached_calibration
+from hardware.this_machine import gpus
+from ui.lab import SCHEDULES, compare_figures, lab_config, mesh_label, results_json, run_rows, torchrun_command
+
+st.title("The Lab")
+st.markdown(
+    "Try a layout for real before you spend a cluster on it. Choose a small model, a mesh over any of the "
+    "engine's axes, a pipeline schedule and the batch; **Run** trains it on real processes of this machine "
+    "with `torch.distributed`, checks loss, gradients, weights and optimizer state against a single-process "
+    "run, and shows the measured step beside the planner's prediction for this machine. Every run of this "
+    "session is kept in the table below, where two of them can be compared step against step."
+)
+
+st.subheader("Model")
+presets = {"tiny (2 layers, width 64)": ModelConfig(),
+           "small (4 layers, width 128)": ModelConfig(layers=4, hidden=128, heads=8, kv_heads=4, ffn=256),
+           "MoE (2 layers, 4 experts, top-2)": ModelConfig(mlp="moe")}
+preset = presets[st.selectbox("Start from", list(presets), key="lab_preset")]
+c = st.columns(5)
+layers = c[0].number_input("Layers", 1, 32, preset.layers, key="lab_layers")
+hidden = c[1].number_input("Hidden size", 8, 1024, preset.hidden, step=8, key="lab_hidden")
+heads = c[2].number_input("Attention heads", 1, 32, preset.heads, key="lab_heads")
+kv_heads = c[3].number_input("KV heads", 1, 32, preset.kv_heads, key="lab_kv_heads",
+                             help="grouped-query attention: each KV head serves heads / kv_heads query heads")
+ffn = c[4].number_input("MLP width", 8, 4096, preset.ffn, step=8, key="lab_ffn")
+c = st.columns(5)
+vocab = c[0].number_input("Vocabulary", 16, 32000, preset.vocab, key="lab_vocab")
+seq_len = c[1].number_input("Sequence length", 4, 1024, preset.seq_len, key="lab_seq")
+mlp = c[2].selectbox("MLP", ["dense", "moe"], index=["dense", "moe"].index(preset.mlp), key="lab_mlp")
+experts = c[3].number_input("Experts", 1, 16, preset.experts, key="lab_experts", disabled=mlp != "moe")
+top_k = c[4].number_input("Top-k", 1, 16, preset.top_k, key="lab_top_k", disabled=mlp != "moe")
+model = ModelConfig(layers=int(layers), hidden=int(hidden), heads=int(heads), kv_heads=int(kv_heads), ffn=int(ffn),
+                    vocab=int(vocab), seq_len=int(seq_len), mlp=mlp, experts=int(experts), top_k=int(top_k))
+
+st.subheader("Mesh and schedule")
+st.caption("Ranks are laid out pp, dp, fsdp, cp, ep, tp with tp innermost (consecutive ranks), whatever you "
+           "set first; the number of processes is the product of the degrees.")
+axis_help = {"pp": "pipeline stages", "dp": "data-parallel replicas", "fsdp": "ZeRO-3 shards (their own axis)",
+             "cp": "context parallel: the sequence split, K/V passed around a ring",
+             "ep": "expert parallel: experts split, tokens sent by all-to-all (needs the MoE MLP)",
+             "tp": "tensor parallel: heads and MLP columns split"}
+c = st.columns(6)
+mesh = {axis: int(col.number_input(axis, 1, 8, 2 if axis == "dp" else 1, key=f"lab_{axis}", help=axis_help[axis]))
+        for col, axis in zip(c, ("pp", "dp", "fsdp", "cp", "ep", "tp"), strict=True)}
+c = st.columns(4)
+zero_stage = c[0].selectbox("ZeRO stage over dp", [0, 1, 2, 3], key="lab_zero",
+                            help="0 replicates; 1 shards Adam's state, 2 also the gradients, 3 also the weights "
+                                 "(then dp becomes an fsdp axis)")
+schedule = c[1].selectbox("Pipeline schedule", SCHEDULES, key="lab_schedule", disabled=mesh["pp"] == 1)
+virtual = c[2].number_input("Virtual stages", 1, 4, 1, key="lab_virtual",
+                            disabled=mesh["pp"] == 1 or schedule != "interleaved-1f1b")
+sequence_parallel = c[3].toggle("Sequence parallel (with tp)", key="lab_sp", disabled=mesh["tp"] == 1)
+
+st.subheader("Batch and steps")
+c = st.columns(5)
+micro_batches = c[0].number_input("Micro-batches", 1, 16, 2 if mesh["pp"] > 1 else 1, key="lab_mb")
+micro_batch_size = c[1].number_input("Sequences per micro-batch", 1, 16, 2, key="lab_mbs")
+steps = c[2].number_input("Steps", 1, 20, 3, key="lab_steps")
+c[3].selectbox("Number format", ["fp32"], key="lab_dtype",
+               help="The engine computes in fp32 so that every result is checked to tight tolerances; bf16 "
+                    "runs are not available yet.")
+found = gpus()
+devices = ["cpu"] + (["cuda"] if found else [])
+device = c[4].selectbox("Device", devices, key="lab_device",
+                        help="cuda: NCCL when each rank has its own GPU, otherwise GPU compute with gloo")
+if found:
+    st.caption("GPUs here: " + "; ".join(f"{name} ({gib:,.0f} GiB)" for name, gib in found))
+else:
+    st.caption("No NVIDIA GPU found on this machine (nvidia-smi): runs use CPU processes.")
+
+cfg = lab_config(model, mesh, int(zero_stage), schedule, int(virtual), int(micro_batches), int(micro_batch_size),
+                 int(steps), device)
+if sequence_parallel and mesh["tp"] > 1:
+    cfg = replace(cfg, parallel=replace(cfg.parallel, sequence_parallel=True))
+problem = None
+try:
+    validate(cfg)
+except ConfigError as e:
+    problem = str(e)
+st.markdown(f"**{mesh_label(cfg)}** on **{cfg.world} process{'es' if cfg.world > 1 else ''}**, "
+            f"{cfg.model.params:,} parameters, {cfg.global_batch} sequences per step.")
+if problem:
+    st.error(f"This layout cannot run: {problem}.", icon=":material/block:")
+
+label = f"run {len(st.session_state.get('lab_runs', [])) + 1}"
+if st.button("Run this experiment", type="primary", disabled=problem is not None):
+    run_live("lab_current", [(label, cfg)], hint="try fewer processes, steps or a smaller model")
+current = show_live("lab_current")
+history = st.session_state.setdefault("lab_runs", [])
+if current and (not history or current[0] is not history[-1]):
+    history.append(current[0])
+
+st.subheader("The same experiment elsewhere")
+st.markdown("From a terminal in this repository (`--json` prints every number of the table, `--trace` "
+            "writes the timeline):")
+st.code(command_line(cfg), language="bash")
+st.markdown("Across machines with `torchrun` (each machine runs it with its node rank; HOST0 is node 0's "
+            "address):")
+st.code(torchrun_command(cfg), language="bash")
+
+st.subheader("This session's runs")
+if not history:
+    st.caption("No run yet: press Run above. Runs stay here until you close the tab.")
+else:
+    cal = cached_calibration()
+    probe = cal.probe_result() if cal is not None else None
+    st.dataframe(run_rows(history, probe.matmul_flops_per_s if probe else None), hide_index=True, width="stretch")
+    st.caption("Step: mean over the steps after the first, slowest rank. MFU (on this machine): the model's "
+               "FLOPs per step over (step time x processes x this machine's calibrated fp32 matmul rate of one "
+               "core), so it says how much of each core went into matmuls. Peak MB / rank: weights, gradients, "
+               "optimizer state and the activations' peak on the busiest rank. Predicted and error: the "
+               "planner's prediction of the run for this machine, and (predicted - measured) / measured.")
+    st.download_button("Download all results (JSON)", results_json(history), file_name="shardlab-lab-results.json",
+                       mime="application/json", key="lab_json")
+    if len(history) >= 2:
+        st.markdown("**Compare two runs**, each at its typical step, on one time axis:")
+        names = [r.label for r in history]
+        c1, c2 = st.columns(2)
+        a = c1.selectbox("First", names, index=len(names) - 2, key="lab_cmp_a")
+        b = c2.selectbox("Second", names, index=len(names) - 1, key="lab_cmp_b")
+        fig_a, fig_b = compare_figures(history[names.index(a)], history[names.index(b)])
+        st.plotly_chart(fig_a, key="lab_fig_a")
+        st.plotly_chart(fig_b, key="lab_fig_b")

@@ -1,0 +1,80 @@
+"""The Lab page: refused layouts before running, runs collected in a table, compare, downloads, the command
+line that reproduces the run."""
+
+import json
+
+import pytest
+
+from engine.cli import config_from_args, run_parser
+from tests.ui.apptest_util import open_app
+
+LAB = "app_pages/lab.py"
+
+
+def _lab(**widgets):
+    at = open_app(LAB)
+    for key, value in widgets.items():
+        at.number_input(key=key).set_value(value) if key in _NUMBERS else at.selectbox(key=key).set_value(value)
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+_NUMBERS = {"lab_pp", "lab_dp", "lab_fsdp", "lab_cp", "lab_ep", "lab_tp", "lab_heads", "lab_kv_heads",
+            "lab_layers", "lab_mb", "lab_steps", "lab_hidden"}
+
+
+def test_the_page_opens_with_a_runnable_default():
+    at = _lab()
+    assert not at.error
+    run = next(b for b in at.button if b.label == "Run this experiment")
+    assert not run.disabled
+    assert any("dp=2 on 2 processes" in m.value.replace("*", "") for m in at.markdown)
+
+
+@pytest.mark.parametrize("widgets, says", [
+    ({"lab_tp": 3}, "heads=4"),  # tp must divide the heads
+    ({"lab_ep": 2}, "moe"),  # expert parallel needs experts
+    ({"lab_pp": 4, "lab_layers": 2}, "layers"),  # whole layers per stage
+])
+def test_a_layout_that_cannot_run_is_refused_before_running(widgets, says):
+    at = _lab(**widgets)
+    assert at.error and says in at.error[0].value.lower(), [e.value for e in at.error]
+    assert next(b for b in at.button if b.label == "Run this experiment").disabled
+
+
+def test_the_command_lines_rebuild_the_same_config():
+    at = _lab(lab_tp=2, lab_dp=1, lab_steps=2)
+    commands = [c.value for c in at.code]
+    engine_line = next(c for c in commands if c.startswith("python -m engine run"))
+    argv = engine_line.split()[4:]
+    cfg = config_from_args(run_parser("x").parse_args([a for a in argv if a not in ("--check", "--predict")]))
+    assert cfg.parallel.axes(cfg.world) == (("tp", 2),) and cfg.steps == 2
+    assert any(c.startswith("torchrun --nnodes") and "-m engine.worker" in c for c in commands)
+
+
+@pytest.mark.multiprocess
+def test_runs_are_collected_compared_and_exported():
+    at = _lab(lab_steps=2)
+    next(b for b in at.button if b.label == "Run this experiment").click().run(timeout=240)
+    assert not at.exception and at.success, [e.value for e in at.error]
+    at.number_input(key="lab_dp").set_value(1).run()
+    at.number_input(key="lab_tp").set_value(2).run()
+    next(b for b in at.button if b.label == "Run this experiment").click().run(timeout=240)
+    assert not at.exception and at.success, [e.value for e in at.error]
+    table = at.dataframe[-1].value
+    assert list(table["run"]) == ["run 1", "run 2"] and list(table["mesh"]) == ["dp=2", "tp=2"]
+    assert set(table["check"]) == {"passed"}
+    charts = at.get("plotly_chart")
+    assert len(charts) >= 4  # the live panel's predicted and measured steps, then the two compared runs
+
+
+def test_results_json_carries_every_run():
+    from engine.config import RunConfig
+    from engine.trace import Timeline
+    from ui.lab import results_json
+    from ui.live import LiveRun
+
+    run = LiveRun("run 1", RunConfig(), {"step_time_s": 0.01, "check": None}, Timeline([]))
+    out = json.loads(results_json([run]))
+    assert out[0]["label"] == "run 1" and out[0]["command"].startswith("python -m engine run")

@@ -1,0 +1,97 @@
+"""The Lab's pure builders: the run configuration from the page's choices, the table of a session's runs,
+two runs side by side, the export of all results, and the commands that run the same experiment elsewhere.
+No Streamlit here."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import asdict
+
+import plotly.graph_objects as go
+
+from engine.config import CANONICAL_AXIS_ORDER, ModelConfig, ParallelConfig, RunConfig, step_flops, strategy_for
+from ui.live import LiveRun, prediction_error, representative_step
+from ui.timeline import step_timeline, timeline_figure
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1")
+
+
+def lab_config(model: ModelConfig, mesh: dict[str, int], zero_stage: int, schedule: str, virtual_stages: int,
+               micro_batches: int, micro_batch_size: int, steps: int, device: str) -> RunConfig:
+    """The run the page describes. ZeRO-3 puts the data-parallel degree on the fsdp axis (the engine's
+    ZeRO-3 shards over its own axis); the strategy follows the mesh (engine.config.strategy_for)."""
+    mesh = dict(mesh)
+    if zero_stage == 3 and mesh.get("dp", 1) > 1 and mesh.get("fsdp", 1) == 1:
+        mesh["fsdp"], mesh["dp"] = mesh["dp"], 1
+    axes = tuple((a, mesh[a]) for a in CANONICAL_AXIS_ORDER if mesh.get(a, 1) > 1) or (("dp", 1),)
+    world = 1
+    for _, d in axes:
+        world *= d
+    strategy = strategy_for(axes)
+    stage = 3 if dict(axes).get("fsdp", 1) > 1 else zero_stage
+    parallel = ParallelConfig(strategy=strategy, mesh=axes, zero_stage=stage, schedule=schedule,
+                              virtual_stages=virtual_stages if dict(axes).get("pp", 1) > 1 else 1)
+    return RunConfig(model=model, parallel=parallel, world=world, steps=steps, micro_batches=micro_batches,
+                     micro_batch_size=micro_batch_size, device=device)
+
+
+def mesh_label(cfg: RunConfig) -> str:
+    return " x ".join(f"{a}={d}" for a, d in cfg.parallel.axes(cfg.world) if d > 1) or "1 process"
+
+
+def run_rows(runs: list[LiveRun], matmul_flops_per_s: float | None) -> list[dict]:
+    """One row per run of this session: what a practitioner compares. MFU is against this machine's
+    calibrated fp32 matmul rate per process (one core each), so 100 % is every rank doing nothing but
+    matmuls at the speed the calibration measured."""
+    rows = []
+    for run in runs:
+        s, cfg = run.summary, run.cfg
+        tokens = cfg.global_batch * cfg.model.seq_len
+        mfu = (step_flops(cfg) / (s["step_time_s"] * cfg.world * matmul_flops_per_s)
+               if matmul_flops_per_s and cfg.device == "cpu" else None)
+        err = prediction_error(run)
+        rows.append({
+            "run": run.label, "mesh": mesh_label(cfg), "procs": cfg.world, "steps": cfg.steps,
+            "step (ms)": round(s["step_time_s"] * 1e3, 2),
+            "tokens/s": round(tokens / s["step_time_s"]),
+            "MFU": f"{mfu:.1%}" if mfu is not None else "n/a",
+            "peak MB / rank": round(max(m["total"] for m in s["memory_bytes"]) / 2**20, 2),
+            "check": "passed" if s["check"] and s["check"]["passed"] else "FAILED" if s["check"] else "not run",
+            "predicted (ms)": round(run.prediction["step_time_s"] * 1e3, 2) if err is not None else None,
+            "error": f"{err:+.0%}" if err is not None else "n/a",
+        })
+    return rows
+
+
+def compare_figures(a: LiveRun, b: LiveRun) -> tuple[go.Figure, go.Figure]:
+    """Each run's representative step (the one nearest its mean step time) on one shared time axis."""
+    steps = [representative_step(r.summary) for r in (a, b)]
+    timelines = [step_timeline(r.timeline, s) for r, s in zip((a, b), steps, strict=True)]
+    x_max = max(max(t.duration_s for t in timelines),
+                *(r.summary["step_times_s"][s] for r, s in zip((a, b), steps, strict=True))) * 1e3
+    return tuple(timeline_figure(t, x_max_ms=x_max, title=f"{r.label}: {mesh_label(r.cfg)}, step {s} "
+                                 f"({r.summary['step_times_s'][s] * 1e3:.1f} ms)")
+                 for r, t, s in zip((a, b), timelines, steps, strict=True))
+
+
+def results_json(runs: list[LiveRun]) -> str:
+    """Every run of the session: its configuration, the measured summary (the prediction included)."""
+    from engine.cli import command_line
+
+    return json.dumps([{"label": r.label, "command": command_line(r.cfg), "config": asdict(r.cfg),
+                        "summary": r.summary} for r in runs], default=str, indent=1)
+
+
+def torchrun_command(cfg: RunConfig, nodes: int = 2) -> str:
+    """The same experiment over `nodes` machines (each runs this with its NODE rank; HOST0 is node 0)."""
+    from engine.cli import argv_for
+
+    if cfg.world % nodes:
+        nodes = 1
+    argv = list(argv_for(cfg))
+    i = argv.index("--world")  # torchrun sets the world size
+    del argv[i:i + 2]
+    return (f"torchrun --nnodes {nodes} --nproc-per-node {cfg.world // nodes} --node-rank $NODE "
+            f"--master-addr $HOST0 --master-port 29500 \\\n    -m engine.worker {shlex.join(argv)} --check "
+            "--out result.json")
