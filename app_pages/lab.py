@@ -1,6 +1,7 @@
 """The Lab: a real small experiment on this machine's CPU (or GPUs), any layout the engine runs, each run
 verified, predicted and kept in a table for this browser session."""
 
+import json
 from dataclasses import replace
 
 import streamlit as st
@@ -128,6 +129,12 @@ else:
         c1, c2 = st.columns(2)
         a = c1.selectbox("First", names, index=len(names) - 2, key="lab_cmp_a")
         b = c2.selectbox("Second", names, index=len(names) - 1, key="lab_cmp_b")
-        fig_a, fig_b = compare_figures(history[names.index(a)], history[names.index(b)])
+        run_a, run_b = history[names.index(a)], history[names.index(b)]
+        fig_a, fig_b = compare_figures(run_a, run_b)
         st.plotly_chart(fig_a, key="lab_fig_a")
         st.plotly_chart(fig_b, key="lab_fig_b")
+        d1, d2 = st.columns(2)
+        for col, run, slot in ((d1, run_a, "a"), (d2, run_b, "b")):
+            col.download_button(f"Trace of {run.label} (Perfetto)", json.dumps(run.timeline.to_chrome_trace()),
+                                file_name=f"shardlab-lab-{run.label.replace(' ', '-')}-trace.json",
+                                mime="application/json", key=f"lab_trace_{slot}")

@@ -4,6 +4,7 @@ differences are the usual fp32 reduction-order ones), with exact routing ties, w
 dp x ep mesh, and the all-to-alls in the trace."""
 
 import os
+import json
 import subprocess
 import sys
 
@@ -140,7 +141,15 @@ def test_bad_expert_parallel_input_exits_2(args, says):
     assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
-def test_ep_axis_needs_the_ep_strategy():
-    out = subprocess.run([sys.executable, "-m", "engine", "run", "--mesh", "dp=2,ep=2", "--world", "4"],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+def test_an_ep_axis_runs_expert_parallel_without_naming_the_strategy():
+    out = subprocess.run([sys.executable, "-m", "engine", "run", "--mesh", "dp=2,ep=2", "--world", "4", "--check",
+                          "--json"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout)
+    assert summary["strategy"] == "ep" and summary["check"]["passed"]
+
+
+def test_a_named_strategy_that_contradicts_the_mesh_is_refused():
+    out = subprocess.run([sys.executable, "-m", "engine", "run", "--strategy", "dp", "--mesh", "dp=2,ep=2",
+                          "--world", "4"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 2 and "ep=2 needs --strategy ep" in out.stderr, out.stderr

@@ -78,3 +78,25 @@ def test_results_json_carries_every_run():
     run = LiveRun("run 1", RunConfig(), {"step_time_s": 0.01, "check": None}, Timeline([]))
     out = json.loads(results_json([run]))
     assert out[0]["label"] == "run 1" and out[0]["command"].startswith("python -m engine run")
+
+
+@pytest.mark.multiprocess
+def test_the_command_line_shown_reproduces_the_pages_run():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.ui.apptest_util import APP
+
+    at = _lab(lab_steps=2, lab_dp=1, lab_tp=2)
+    next(b for b in at.button if b.label == "Run this experiment").click().run(timeout=240)
+    assert not at.exception and at.success
+    page_run = at.session_state["lab_runs"][-1]
+    line = next(c.value for c in at.code if c.value.startswith("python -m engine run"))
+    argv = line.split()[1:] + ["--json"]
+    out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=300,
+                         cwd=Path(APP).parent)
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout)
+    assert summary["check"]["passed"] and summary["mesh"] == page_run.summary["mesh"]
+    assert summary["loss"] == page_run.summary["loss"]  # the same seed, data and layout: the same numbers
