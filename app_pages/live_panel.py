@@ -1,4 +1,5 @@
-"""The one live panel every lesson uses: run on this machine with progress, the verdict against the
+"""The one live panel every lesson uses: run on this machine through the server's queue (its place in
+line, then progress and a Stop button), the verdict against the
 single-process reference with its tolerances, the measured step beside the planner's prediction of it,
 the trace download and the command line that reproduces the run. Figures and words are built in
 `ui/live.py`; this module only places them.

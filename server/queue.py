@@ -16,8 +16,10 @@ What it guarantees (settings in `server/settings.py`):
   `notice` says so;
 * identical runs (same configurations, labels included) are answered from an in-memory cache of the last
   `result_cache` results, marked `cached` with the time the original finished;
-* a waiting job whose page has gone (tab closed) is cancelled by the page's `finally`; a running one
-  finishes and fills the cache;
+* a waiting job whose page has gone (tab closed: `alive()` says so) is skipped when its turn comes; a
+  running one finishes and fills the cache; `stop(job)` ends one on request (its workers are killed);
+* other work on the worker processes (the calibration, a collective sweep) queues the same way as a
+  `Task`;
 * a failed run (a rank that raised, hung, was killed) fails only its job: `engine.launch` has already torn
   its pool down, and the next run starts a fresh one.
 
