@@ -9,7 +9,7 @@ from hardware.collectives import group_topology
 from planner.flops import total_params
 from planner.memory import zero_bytes_per_param
 from planner.models import MODEL_PRESETS
-from ui.dp_lesson import LIVE_STRATEGIES, expected_comm_bytes_per_step, expected_memory
+from ui.dp_lesson import LIVE_STRATEGIES, comm_formula_text, expected_comm_bytes_per_step, expected_memory
 
 choices = st.session_state["choices"]
 chip = CHIPS[choices.chip]
@@ -139,10 +139,17 @@ for live in show_live("live_dp"):
                                 f"per parameter, Ψ = {psi_small:,})", margin={"l": 10, "r": 10, "t": 50, "b": 10})
     st.plotly_chart(mem_fig, key="live_memory")
     per_step = [b / cfg.steps for b in summary["comm_bytes"]]
-    formula = expected_comm_bytes_per_step(psi_small, stage, cfg.world)
+    last_unit = cfg.model.hidden * cfg.model.vocab + cfg.model.hidden  # the head: final norm + output matrix
+    formula = expected_comm_bytes_per_step(psi_small, stage, cfg.world, cfg.micro_batches, last_unit)
+    why = {0: "one all-reduce after the last micro-batch; the others accumulate locally",
+           1: "reduce-scatter the gradients, all-gather the updated weights, once per step",
+           2: "every micro-batch's gradients reduce-scattered (a rank keeps only its shard), the weights "
+              "all-gathered once",
+           3: "every micro-batch all-gathers the weights for forward and for backward and reduce-scatters the "
+              f"gradients, except the last unit (the head, Ψ_last = {last_unit:,}), kept gathered from its "
+              "forward into its backward"}[stage]
     st.markdown(
         f"Bytes sent per rank per step: **{per_step[0]:,.0f}**; the ring formula "
-        f"{'3' if stage == 3 else '2'}(N-1)/N x 4Ψ gives **{formula:,.0f}** "
-        "(the engine pads flat shards to a multiple of N, and gradient accumulation with ZeRO-2/3 "
-        "reduce-scatters every micro-batch)."
+        f"{comm_formula_text(stage)} with x = (N-1)/N x 4 bytes, m = {cfg.micro_batches} micro-batch(es), "
+        f"N = {cfg.world}, gives **{formula:,.0f}** ({why})."
     )

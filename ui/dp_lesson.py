@@ -27,9 +27,26 @@ def expected_memory(psi: int, stage: int, world: int) -> dict[str, float]:
     }
 
 
-def expected_comm_bytes_per_step(psi: int, stage: int, world: int) -> float:
-    """Bytes one rank sends per optimizer step (one micro-batch), ring collectives of fp32 values:
-    all-reduce (or reduce-scatter + all-gather) = 2 (N-1)/N x 4 Psi; ZeRO-3 adds a second all-gather of
-    the weights for backward: 3 (N-1)/N x 4 Psi (ZeRO paper sec. 7: 1.5x the data-parallel volume)."""
-    collectives = 3 if stage >= 3 else 2
-    return collectives * (world - 1) / world * FP32_WEIGHT_BYTES * psi
+def expected_comm_bytes_per_step(psi: int, stage: int, world: int, micro_batches: int = 1,
+                                  last_unit_params: int = 0) -> float:
+    """Bytes one rank sends per optimizer step, ring collectives of fp32 values, x = (N-1)/N x 4 bytes:
+
+    * ZeRO-0 and 1: one all-reduce (ZeRO-1: reduce-scatter + all-gather) after the last micro-batch, the
+      others accumulate locally: 2 x Psi.
+    * ZeRO-2: each micro-batch's gradients are reduce-scattered (a rank keeps only its shard), then the
+      updated weights all-gathered once: (micro_batches + 1) x Psi.
+    * ZeRO-3: each micro-batch all-gathers every unit's weights for forward and again for backward and
+      reduce-scatters its gradients (ZeRO paper sec. 7: 1.5x the data-parallel volume), except the last
+      unit, kept gathered from its forward straight into its backward: micro_batches x (3 Psi - last).
+    """
+    x = (world - 1) / world * FP32_WEIGHT_BYTES
+    if stage >= 3:
+        return micro_batches * (3 * psi - last_unit_params) * x
+    if stage == 2:
+        return (micro_batches + 1) * psi * x
+    return 2 * psi * x
+
+
+def comm_formula_text(stage: int) -> str:
+    """The formula above for `stage`, as the page writes it (x = (N-1)/N x 4 bytes)."""
+    return {3: "m(3Ψ - Ψ_last) x", 2: "(m + 1)Ψ x"}.get(stage, "2Ψ x")

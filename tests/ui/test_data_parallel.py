@@ -27,6 +27,22 @@ def test_expected_comm_is_two_or_three_ring_passes():
     assert expected_comm_bytes_per_step(1000, 0, 4) == 6000
     assert expected_comm_bytes_per_step(1000, 2, 4) == 6000
     assert expected_comm_bytes_per_step(1000, 3, 4) == 9000
+    assert expected_comm_bytes_per_step(1000, 1, 4, micro_batches=4) == 6000  # accumulated locally
+    assert expected_comm_bytes_per_step(1000, 2, 4, micro_batches=4) == 15000
+    assert expected_comm_bytes_per_step(1000, 3, 4, micro_batches=2, last_unit_params=100) == 17400
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy, stage, mb", [("dp", 0, 4), ("dp", 2, 2), ("dp", 2, 4), ("fsdp", 3, 1),
+                                                 ("fsdp", 3, 4)])
+def test_the_bytes_formula_is_what_the_engine_sends(strategy, stage, mb):
+    from engine.config import ParallelConfig, RunConfig
+    from engine.run import run
+
+    cfg = RunConfig(world=4, steps=1, micro_batches=mb, parallel=ParallelConfig(strategy=strategy, zero_stage=stage))
+    summary, _ = run(cfg, traced=False)
+    last = cfg.model.hidden * cfg.model.vocab + cfg.model.hidden
+    assert summary["comm_bytes"][0] == expected_comm_bytes_per_step(cfg.model.params, stage, 4, mb, last)
 
 
 def test_page_shows_memory_and_comm_for_the_sidebar_model():
