@@ -6,9 +6,11 @@ import streamlit as st
 from app_pages.live_panel import run_live, show_live
 from hardware.chips import CHIPS
 from hardware.collectives import group_topology
+from planner.bounds import data_parallel_bound
 from planner.flops import total_params
 from planner.memory import zero_bytes_per_param
 from planner.models import MODEL_PRESETS
+from ui.bound_meter import bound_figure, verdict_text
 from ui.dp_lesson import LIVE_STRATEGIES, comm_formula_text, expected_comm_bytes_per_step, expected_memory
 
 choices = st.session_state["choices"]
@@ -97,6 +99,28 @@ rows = [
 st.dataframe(rows, hide_index=True, width="stretch")
 st.caption(f"bf16 gradients of {spec.name} ({grad_bytes / 1e9:,.1f} GB) over {topo.describe()}, achievable "
            "link bandwidth. Whether this time is exposed depends on how much backward compute it hides under.")
+
+st.subheader("The bound meter: can the communication hide under the math?")
+st.markdown(
+    "Per layer, the math that the data-parallel communication can hide under, against that communication: "
+    "DP all-reduces each layer's gradients under the rest of the backward, FSDP all-gathers each layer's "
+    "weights under the previous layer's work. Both grow with the layer's size P, but only the math grows with "
+    "the tokens each chip processes, so there is a batch per chip above which the communication hides: "
+    "**C / W**, the chip's FLOP/s over the bandwidth of the links the group uses (the scaling book's rule, "
+    "peak numbers, latency left out)."
+)
+bound_tokens = st.select_slider("Tokens per chip per step", [256, 512, 1024, 2048, 4096, 8192, 16384, 32768],
+                                value=4096, key="bound_tokens", bind="query-params")
+if dp == 1:
+    st.caption("With dp = 1 in the sidebar there is nothing to communicate: set dp above 1.")
+else:
+    stride = choices.mesh["tp"] * choices.mesh["cp"] * choices.mesh["ep"]
+    for col, fsdp in zip(st.columns(2), (False, True), strict=True):
+        bound = data_parallel_bound(spec, chip, bound_tokens, dp, stride, fsdp=fsdp)
+        col.plotly_chart(bound_figure(bound, title=("FSDP / ZeRO-3" if fsdp else "DP / ZeRO-1/2") + ": "
+                                      + ("compute-bound" if bound.compute_bound else "communication-bound")),
+                         key=f"bound_{'fsdp' if fsdp else 'dp'}")
+        col.markdown(verdict_text(bound))
 
 st.header("Run it for real")
 st.markdown(

@@ -4,7 +4,9 @@ import streamlit as st
 
 from app_pages.live_panel import run_live, show_live
 from hardware.chips import CHIPS
+from planner.bounds import tensor_parallel_bound
 from planner.models import MODEL_PRESETS
+from ui.bound_meter import bound_figure, verdict_text
 from ui.collectives import format_bytes, format_seconds
 from ui.tensor_parallel import (
     MAX_TP,
@@ -169,6 +171,15 @@ else:
         f"(planner estimate): communication is **{here['comm_s'] / here['compute_s']:.0%}** of the compute "
         "time, and Megatron cannot hide it, because the next operation needs the sum."
     )
+if tp > 1 and spec.heads % tp == 0 and spec.ffn % tp == 0:  # a split that exists
+    bound = tensor_parallel_bound(spec, chip, micro_batch * spec.seq_len, tp)
+    st.plotly_chart(bound_figure(bound, title=f"The bound meter at t = {tp}: "
+                                 + ("compute-bound" if bound.compute_bound else "communication-bound")),
+                    key="tp_bound")
+    st.markdown(verdict_text(bound) + " Both sides grow with the tokens, so the batch does not help: only a "
+                "wider MLP (larger F) or a smaller t does. (The scaling book's rule: peak FLOP/s, the links' "
+                "bandwidth, latency left out; Megatron's all-reduces cannot overlap at all, so on a GPU even "
+                "compute-bound TP pays its communication in full, as the numbers above say.)")
 title = f"{spec.name} on {chip.name}: one layer, b = {micro_batch}, s = {spec.seq_len:,}"
 st.plotly_chart(scaling_figure(rows, tp, domain, title), key="tp_scaling")
 by_tp = {r["tp"]: r for r in rows}

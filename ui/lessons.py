@@ -32,7 +32,7 @@ LESSONS: list[Lesson] = [
            "Replicate the model, split the batch, all-reduce the gradients; then shard optimizer state, "
            "gradients and weights (ZeRO-1/2/3, FSDP). Memory and bytes on real chips, and a real verified run "
            "on this machine with every rank's timeline.",
-           params=()),
+           params=("bound_tokens",)),
     Lesson("Tensor and sequence parallel", "app_pages/tensor_parallel.py", "tensor-parallel",
            ":material/view_column:",
            "Split every matmul across the chips of a node: column- then row-parallel layers, attention by "

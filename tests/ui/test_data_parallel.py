@@ -53,7 +53,8 @@ def test_page_shows_memory_and_comm_for_the_sidebar_model():
     # Llama 3 70B (~70.6e9 params) at 16 bytes/param is ~1.1 TB under plain DP: nothing fits an 80 GB H100
     # until ZeRO-3 over 64 chips (~17.6 GB).
     assert "ZeRO-3 fits" in text
-    assert len(at.get("plotly_chart")) == 1  # the live run has not happened yet
+    charts = [c.key for c in at.get("plotly_chart")]
+    assert charts == ["zero_memory", "bound_dp", "bound_fsdp"]  # the live run has not happened yet
 
 
 @pytest.mark.multiprocess
@@ -67,7 +68,7 @@ def test_live_run_matches_the_reference_and_draws_the_timeline():
     assert not at.error, [e.value for e in at.error]
     assert "matches the single-process reference" in at.success[0].value
     # ZeRO memory; the predicted and the measured step side by side; measured memory
-    assert len(at.get("plotly_chart")) == 4
+    assert len(at.get("plotly_chart")) == 6  # memory, two bound meters, predicted, measured, live memory
     metrics = {m.label: m.value for m in at.metric}
     assert metrics["Measured step time"].endswith(" ms") and metrics["Predicted step time"].endswith(" ms")
     assert metrics["Prediction error"].endswith("%")
@@ -76,3 +77,17 @@ def test_live_run_matches_the_reference_and_draws_the_timeline():
     assert at.code[0].value.startswith("python -m engine run --strategy fsdp --world 2 --steps 2")
     assert at.get("download_button")
 
+
+
+@pytest.mark.parametrize("chip, dp, tokens, verdict", [
+    ("tpu-v5p", "4", "2048", "Communication-bound"),  # below 2,550 tokens per chip
+    ("tpu-v5p", "4", "4096", "Compute-bound"),
+    ("h100", "16", "2048", "Communication-bound"),  # across nodes: 2,475
+])
+def test_the_bound_meter_gives_the_scaling_books_verdict(chip, dp, tokens, verdict):
+    from tests.ui.apptest_util import open_app
+
+    at = open_app("app_pages/data_parallel.py", chip=chip, dp=dp, bound_tokens=tokens)
+    assert not at.exception
+    texts = [m.value for m in at.markdown if "C / W" in m.value and "tokens per chip >" in m.value]
+    assert len(texts) == 2 and all(t.startswith(f"**{verdict}**") for t in texts), texts

@@ -166,7 +166,7 @@ def test_page_opens_with_numbers_for_the_sidebar_model():
     assert "which at t = **8** is **448 MiB**" in text
     assert "**1.78 GB** per layer per chip, sequence parallel **1.48 GB**" in text
     assert "At t = 16 the group spans 2 nodes of 8" in text
-    assert len(at.get("plotly_chart")) == 3  # split, activations, scaling; no live run yet
+    assert len(at.get("plotly_chart")) == 4  # split, activations, bound meter, scaling; no live run yet
 
 
 def test_slider_changes_the_numbers():
@@ -216,8 +216,8 @@ def test_live_tp_and_sp_runs_match_the_reference():
     assert abs(measured[1] - measured[0]) < 0.02 * measured[0]  # only the norms' weight gradients differ
     kib = [int(v.split()[0].replace(",", "")) for v in rows["activations (rank 0)"]]
     assert kib[1] < kib[0]
-    # the 3 lesson charts + the predicted and the measured timeline of each run
-    assert len(at.get("plotly_chart")) == 7
+    # the 4 lesson charts + the predicted and the measured timeline of each run
+    assert len(at.get("plotly_chart")) == 8
     assert [m.label for m in at.metric].count("Prediction error") == 2
 
 
@@ -227,3 +227,12 @@ def test_a_shared_link_opens_the_same_tp():
     assert at.slider(key="tp_degree").value == 4 and at.select_slider(key="tp_micro_batch").value == 2
     # Llama 3 70B, b = 2: V = 2 x 8192 x 8192 x 2 bytes = 256 MiB; 4 x 2(3/4) x V = 1.5 GiB per layer
     assert "which at t = **4** is **1.5 GiB**" in _text(at)
+
+
+def test_the_bound_meter_says_when_tp_is_communication_bound():
+    from tests.ui.apptest_util import open_app
+
+    at = open_app("app_pages/tensor_parallel.py", chip="tpu-v5p", model="Llama 3 70B", tp_degree="16")
+    assert not at.exception
+    text = next(m.value for m in at.markdown if "Y < F / (C / W)" in m.value)
+    assert text.startswith("**Communication-bound**") and "28,672 / 2,550 = 11.2" in text

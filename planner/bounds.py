@@ -1,0 +1,90 @@
+"""The bound meter: is a strategy's communication hidden under its math, per layer, and the rule behind it.
+
+The scaling book's rules ([SB] Part 5, "How to Parallelize a Transformer for Training"), with peak bf16
+FLOP/s C and the bandwidth W the strategy's collectives use, latency left out:
+
+* data parallel (one all-reduce of the gradients, under the backward) and FSDP / ZeRO-3 (all-gather the
+  weights under each pass, reduce-scatter the gradients under the backward): per layer of P parameters
+  and B tokens per chip, math 4 B P / C per pass against communication 4 P / W (DP, backward) or 2 P / W
+  per collective (FSDP): **compute-bound while B > C / W**. On TPU v5p over one ICI axis:
+  4.59e14 / 1.8e11 = 2,550 tokens per chip ([SB]: "2550").
+* tensor parallel over Y chips (activations all-gathered and reduce-scattered around each MLP): math
+  4 B D F / (Y C) against communication 4 B D / W per pass: **compute-bound while Y < F / (C / W)**, F
+  the MLP width ([SB]: "Y < F / 2550" on v5p), independent of the batch.
+
+W, as [SB] uses it: a TPU torus axis carries two links in each direction (W = 2 x one link x axes); a GPU
+group inside its NVLink node gets the GPU's NVLink bandwidth (H100: 989e12 / 450e9 = 2,200); a group
+that crosses nodes, reducing inside the node first, gets the node's network egress (8 x 50 GB/s = 400 GB/s
+per H100 node: 2,475).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hardware.chips import Chip
+from planner.flops import layer_params
+from planner.models import ModelSpec
+
+
+@dataclass(frozen=True)
+class Bound:
+    strategy: str  # "dp", "fsdp" or "tp"
+    math_s: float  # one layer's math that can hide the communication (per pass, or the backward for dp)
+    comm_s: float  # the communication it has to hide
+    intensity: float  # C / W of the group's links: the threshold of the rule
+    link: str  # which links, in words
+    rule: str  # the rule with its numbers
+
+    @property
+    def compute_bound(self) -> bool:
+        return self.math_s >= self.comm_s
+
+    @property
+    def verdict(self) -> str:
+        if self.compute_bound:
+            return "compute-bound: the communication can hide under the math"
+        return "communication-bound: the communication takes longer than the math it could hide under"
+
+
+def group_bandwidth(chip: Chip, n: int, stride: int, chips_per_node: int | None = None) -> tuple[float, str]:
+    """(W in bytes/s, the links in words) for a group of n chips `stride` apart, as [SB] counts it."""
+    if chip.kind != "gpu":
+        return 2 * chip.scaleup_bytes_per_s, "one ICI axis (two links each way)"
+    node = chips_per_node or chip.scaleup_domain
+    if n * stride <= node:
+        return chip.scaleup_bytes_per_s, f"NVLink inside a node of {node}"
+    return chip.scaleout_bytes_per_s * node, f"the network between nodes ({node} NICs per node)"
+
+
+def data_parallel_bound(m: ModelSpec, chip: Chip, tokens_per_chip: float, dp: int, stride: int = 1,
+                        fsdp: bool = False, chips_per_node: int | None = None) -> Bound:
+    """DP or FSDP over `dp` chips `stride` apart with `tokens_per_chip` tokens each per step, per dense
+    layer of P parameters (an MoE layer moves all its experts but computes only k of them: worse)."""
+    p = layer_params(m, False)
+    params = p.attention + p.mlp
+    c = chip.peak_flops_per_s("bf16")
+    w, link = group_bandwidth(chip, dp, stride, chips_per_node)
+    if fsdp:  # per pass: the forward's 2 B P FLOPs against one all-gather of the bf16 weights (2P bytes)
+        math_s, comm_s = 2 * tokens_per_chip * params / c, 2 * params / w
+    else:  # the backward's 4 B P FLOPs against the all-reduce of the bf16 gradients (2 x 2P bytes)
+        math_s, comm_s = 4 * tokens_per_chip * params / c, 4 * params / w
+    alpha = c / w
+    name = "FSDP" if fsdp else "Data parallel"
+    rule = (f"{name} on {chip.name} over {link} is compute-bound while tokens per chip > C / W = "
+            f"{c:.3g} / {w:.3g} = {alpha:,.0f}; here {tokens_per_chip:,.0f}")
+    return Bound("fsdp" if fsdp else "dp", math_s, comm_s, alpha, link, rule)
+
+
+def tensor_parallel_bound(m: ModelSpec, chip: Chip, tokens_per_chip: float, tp: int,
+                          chips_per_node: int | None = None) -> Bound:
+    """TP over `tp` consecutive chips: each MLP's activations gathered in and reduced out."""
+    c = chip.peak_flops_per_s("bf16")
+    w, link = group_bandwidth(chip, tp, 1, chips_per_node)
+    f, d = (m.dense_ffn_ if m.is_moe else m.ffn), m.hidden
+    math_s = 4 * tokens_per_chip * d * f / (tp * c)
+    comm_s = 4 * tokens_per_chip * d / w
+    alpha = c / w
+    rule = (f"Tensor parallel on {chip.name} over {link} is compute-bound while Y < F / (C / W) = "
+            f"{f:,} / {alpha:,.0f} = {f / alpha:,.1f}; here Y = {tp}")
+    return Bound("tp", math_s, comm_s, alpha, link, rule)

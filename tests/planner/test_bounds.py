@@ -1,0 +1,37 @@
+"""The bound meter's rules against the scaling book's worked numbers ([SB] Part 5 and Part 12)."""
+
+import pytest
+
+from hardware.chips import CHIPS
+from planner.bounds import data_parallel_bound, tensor_parallel_bound
+from planner.models import MODEL_PRESETS
+
+LLAMA_8B, LLAMA_70B = MODEL_PRESETS["Llama 3 8B"], MODEL_PRESETS["Llama 3 70B"]
+
+
+@pytest.mark.parametrize("chip, dp, stride, threshold", [
+    ("tpu-v5p", 4, 1, 2550),  # [SB]: 4.59e14 / 1.8e11 = 2550 over one ICI axis
+    ("h100", 8, 1, 2200),  # inside a node: 989e12 / 450e9 ~ 2200
+    ("h100", 16, 1, 2475),  # across nodes: 989e12 / 400e9 (node egress) ~ 2475
+])
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_data_parallel_and_fsdp_turn_compute_bound_at_c_over_w(chip, dp, stride, threshold, fsdp):
+    low = data_parallel_bound(LLAMA_8B, CHIPS[chip], 0.98 * threshold, dp, stride, fsdp=fsdp)
+    high = data_parallel_bound(LLAMA_8B, CHIPS[chip], 1.02 * threshold, dp, stride, fsdp=fsdp)
+    assert low.intensity == pytest.approx(threshold, rel=0.005)
+    assert not low.compute_bound and high.compute_bound
+    assert f"= {low.intensity:,.0f};" in low.rule
+
+
+def test_tensor_parallel_limit_is_f_over_c_over_w():
+    # [SB]: "Y > n_axes * F / 2550 ~ n_axes * 11" for F = 28,672 (Llama 3 70B) on TPU v5p, one axis
+    v5p = CHIPS["tpu-v5p"]
+    assert tensor_parallel_bound(LLAMA_70B, v5p, 4096, 11).compute_bound
+    assert not tensor_parallel_bound(LLAMA_70B, v5p, 4096, 12).compute_bound
+    assert "28,672 / 2,550 = 11.2" in tensor_parallel_bound(LLAMA_70B, v5p, 4096, 8).rule
+
+
+def test_tensor_parallel_does_not_depend_on_the_batch():
+    h100 = CHIPS["h100"]
+    verdicts = {tensor_parallel_bound(LLAMA_8B, h100, tokens, 8).compute_bound for tokens in (512, 4096, 65536)}
+    assert len(verdicts) == 1

@@ -1,0 +1,38 @@
+"""The bound meter: one layer's math against the communication it has to hide (planner.bounds), as two
+bars in the app's palette, with the verdict and the rule in words. No Streamlit here."""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+
+from planner.bounds import Bound
+from ui.timeline import KIND_COLORS
+
+# the collective each strategy's bound is about, for its colour
+COLLECTIVE = {"dp": "all_reduce", "fsdp": "all_gather", "tp": "all_gather"}
+WHAT = {"dp": ("backward math", "gradient all-reduce"), "fsdp": ("forward math", "weight all-gather"),
+        "tp": ("MLP math per pass", "activation all-gather + reduce-scatter")}
+
+
+def bound_figure(bound: Bound, title: str = "") -> go.Figure:
+    math_label, comm_label = WHAT[bound.strategy]
+    longest = max(bound.math_s, bound.comm_s)
+    scale, unit = (1e3, "ms") if longest >= 1e-3 else (1e6, "µs")
+    fig = go.Figure()
+    for label, seconds, color in ((math_label, bound.math_s, KIND_COLORS["forward"]),
+                                  (comm_label, bound.comm_s, KIND_COLORS[COLLECTIVE[bound.strategy]])):
+        fig.add_trace(go.Bar(y=[label], x=[seconds * scale], orientation="h", marker_color=color,
+                             text=[f"{seconds * scale:,.2f} {unit}"], textposition="outside", cliponaxis=False,
+                             showlegend=False))
+    fig.update_layout(title=title or ("Compute-bound" if bound.compute_bound else "Communication-bound"),
+                      height=170, margin={"l": 10, "r": 60, "t": 40, "b": 30},
+                      xaxis={"title": f"{unit} per layer (peak FLOP/s, link bandwidth)",
+                             "range": [0, 1.25 * longest * scale]},
+                      yaxis={"autorange": "reversed"})
+    return fig
+
+
+def verdict_text(bound: Bound) -> str:
+    ratio = bound.math_s / bound.comm_s if bound.comm_s else float("inf")
+    return (f"**{bound.verdict.split(':')[0].capitalize()}**: the math takes {ratio:,.2f}x the communication "
+            f"per layer. {bound.rule}.")
