@@ -5,7 +5,9 @@ import streamlit as st
 
 from app_pages.live_panel import run_live, show_live
 from hardware.chips import CHIPS
+from planner.bounds import expert_parallel_bound
 from planner.models import MODEL_PRESETS
+from ui.bound_meter import bound_figure, verdict_text
 from ui.collectives import format_bytes, format_seconds
 from ui.expert_parallel import (
     MOE_PRESETS,
@@ -237,6 +239,15 @@ lines.append(
     "(DualPipe; arXiv 2412.19437 sec. 3.2). The alpha-beta model here assumes balanced routing and network "
     "cards free of other traffic.")
 st.markdown(" ".join(lines))
+if model_ep > 1:
+    bound = expert_parallel_bound(spec, chip, tokens, model_ep)
+    st.plotly_chart(bound_figure(bound, title=f"The bound meter at ep = {model_ep}: "
+                                 + ("compute-bound" if bound.compute_bound else "communication-bound")),
+                    key="ep_bound")
+    st.markdown(verdict_text(bound) + " Both sides grow with the tokens and with k, so only a wider expert "
+                "or faster links help; across nodes an all-to-all cannot reduce inside the node first, so each "
+                "GPU's own network card is the link. (The scaling book's way of counting: peak FLOP/s, the "
+                "links' bandwidth, latency left out; the table above uses achievable numbers.)")
 
 st.header("Run it for real")
 st.markdown(

@@ -12,6 +12,13 @@ FLOP/s C and the bandwidth W the strategy's collectives use, latency left out:
   4 B D F / (Y C) against communication 4 B D / W per pass: **compute-bound while Y < F / (C / W)**, F
   the MLP width ([SB]: "Y < F / 2550" on v5p), independent of the batch.
 
+* expert parallel over ep chips (each token's k copies dispatched to their experts and combined back,
+  all-to-all, (ep - 1) / ep of them leaving the chip): per token copy the expert's forward math
+  2 n D F / C (n = 3 matrices for SwiGLU, 2 for GELU) against dispatch + combine 2 x 2 D (ep - 1) / ep / W:
+  **compute-bound while F > (2 / n) (ep - 1) / ep x C / W**, F the expert's width, independent of the
+  batch and of k (derived the same way; an all-to-all cannot reduce inside the node first, so across
+  nodes W is one GPU's network card, not the node's).
+
 W, as [SB] uses it: a TPU torus axis carries two links in each direction (W = 2 x one link x axes); a GPU
 group inside its NVLink node gets the GPU's NVLink bandwidth (H100: 989e12 / 450e9 = 2,200); a group
 that crosses nodes, reducing inside the node first, gets the node's network egress (8 x 50 GB/s = 400 GB/s
@@ -47,14 +54,18 @@ class Bound:
         return "communication-bound: the communication takes longer than the math it could hide under"
 
 
-def group_bandwidth(chip: Chip, n: int, stride: int, chips_per_node: int | None = None) -> tuple[float, str]:
-    """(W in bytes/s, the links in words) for a group of n chips `stride` apart, as [SB] counts it."""
+def group_bandwidth(chip: Chip, n: int, stride: int, chips_per_node: int | None = None,
+                    hierarchical: bool = True) -> tuple[float, str]:
+    """(W in bytes/s, the links in words) for a group of n chips `stride` apart, as [SB] counts it;
+    `hierarchical`: the collective reduces inside a node before crossing the network (not an all-to-all)."""
     if chip.kind != "gpu":
         return 2 * chip.scaleup_bytes_per_s, "one ICI axis (two links each way)"
     node = chips_per_node or chip.scaleup_domain
     if n * stride <= node:
         return chip.scaleup_bytes_per_s, f"NVLink inside a node of {node}"
-    return chip.scaleout_bytes_per_s * node, f"the network between nodes ({node} NICs per node)"
+    if hierarchical:
+        return chip.scaleout_bytes_per_s * node, f"the network between nodes ({node} NICs per node)"
+    return chip.scaleout_bytes_per_s, "the network between nodes (each GPU's own NIC)"
 
 
 def data_parallel_bound(m: ModelSpec, chip: Chip, tokens_per_chip: float, dp: int, stride: int = 1,
@@ -88,3 +99,20 @@ def tensor_parallel_bound(m: ModelSpec, chip: Chip, tokens_per_chip: float, tp: 
     rule = (f"Tensor parallel on {chip.name} over {link} is compute-bound while Y < F / (C / W) = "
             f"{f:,} / {alpha:,.0f} = {f / alpha:,.1f}; here Y = {tp}")
     return Bound("tp", math_s, comm_s, alpha, link, rule)
+
+
+def expert_parallel_bound(m: ModelSpec, chip: Chip, tokens_per_chip: float, ep: int, stride: int = 1,
+                          chips_per_node: int | None = None) -> Bound:
+    """EP over `ep` chips `stride` apart: one MoE layer's forward expert math against its dispatch and
+    combine all-to-alls."""
+    c = chip.peak_flops_per_s("bf16")
+    w, link = group_bandwidth(chip, ep, stride, chips_per_node, hierarchical=False)
+    n = 3 if m.mlp == "swiglu" else 2
+    copies = tokens_per_chip * max(1, m.top_k)
+    math_s = 2 * n * copies * m.hidden * m.ffn / c
+    comm_s = 2 * 2 * copies * m.hidden * (ep - 1) / ep / w
+    alpha = c / w
+    limit = 2 / n * (ep - 1) / ep * alpha
+    rule = (f"Expert parallel on {chip.name} over {link} is compute-bound while the expert width F > "
+            f"(2 / {n}) x (ep - 1) / ep x C / W = {limit:,.0f}; here F = {m.ffn:,}")
+    return Bound("ep", math_s, comm_s, alpha, link, rule)

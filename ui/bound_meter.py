@@ -9,9 +9,10 @@ from planner.bounds import Bound
 from ui.timeline import KIND_COLORS
 
 # the collective each strategy's bound is about, for its colour
-COLLECTIVE = {"dp": "all_reduce", "fsdp": "all_gather", "tp": "all_gather"}
+COLLECTIVE = {"dp": "all_reduce", "fsdp": "all_gather", "tp": "all_gather", "ep": "all_to_all"}
 WHAT = {"dp": ("backward math", "gradient all-reduce"), "fsdp": ("forward math", "weight all-gather"),
-        "tp": ("MLP math per pass", "activation all-gather + reduce-scatter")}
+        "tp": ("MLP math per pass", "activation all-gather + reduce-scatter"),
+        "ep": ("expert math (forward)", "dispatch + combine all-to-all")}
 
 
 def bound_figure(bound: Bound, title: str = "") -> go.Figure:

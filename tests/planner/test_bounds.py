@@ -35,3 +35,15 @@ def test_tensor_parallel_does_not_depend_on_the_batch():
     h100 = CHIPS["h100"]
     verdicts = {tensor_parallel_bound(LLAMA_8B, h100, tokens, 8).compute_bound for tokens in (512, 4096, 65536)}
     assert len(verdicts) == 1
+
+
+def test_expert_parallel_inside_a_node_and_across_nodes():
+    # hand-worked, H100: C / W = 989e12 / 450e9 = 2,198 inside a node, 989e12 / 50e9 = 19,780 through one NIC;
+    # SwiGLU experts (n = 3): F > (2/3)(ep-1)/ep C/W = 1,282 at ep = 8 (7/8), 12,981 at ep = 64 (63/64)
+    from planner.bounds import expert_parallel_bound
+
+    v3, h100 = MODEL_PRESETS["DeepSeek-V3"], CHIPS["h100"]
+    inside, across = expert_parallel_bound(v3, h100, 4096, 8), expert_parallel_bound(v3, h100, 4096, 64)
+    assert "= 1,282; here F = 2,048" in inside.rule and inside.compute_bound
+    assert "= 12,981; here F = 2,048" in across.rule and not across.compute_bound
+    assert "each GPU's own NIC" in across.link

@@ -220,7 +220,7 @@ def test_page_opens_for_a_dense_sidebar_model_with_an_moe_preset():
     assert "**45.1 B** of the model's **46.7 B** parameters" in text and "**12.9 B**" in text
     # ep = 8 by default: 56 MiB per all-to-all, 224 MiB per layer (see test_all_to_all_bytes_by_hand)
     assert "one all-to-all sends **56 MiB** per chip, the four of a step **224 MiB**" in text
-    assert len(at.get("plotly_chart")) == 4  # placement, load, matrix, cost; no live run yet
+    assert len(at.get("plotly_chart")) == 5  # placement, load, matrix, cost, bound meter; no live run yet
 
 
 def test_an_moe_sidebar_model_is_used_directly():
@@ -256,7 +256,7 @@ def test_experts_not_divisible_by_ep_is_a_message():
     at.select_slider(key="ep_degree").set_value(4).run()
     assert not at.exception
     assert "experts=6 is not divisible by ep=4" in at.error[0].value
-    assert len(at.get("plotly_chart")) == 2  # no load chart or matrix; placement and cost remain
+    assert len(at.get("plotly_chart")) == 3  # no load chart or matrix; placement, cost and bound meter remain
 
 
 def test_a_bad_live_run_is_the_engine_message_without_starting_workers():
@@ -283,7 +283,7 @@ def test_live_ep_run_matches_the_reference():
     text = _text(at)
     assert "dispatch **" in text
     assert {m.label for m in at.metric} >= {"Measured step time", "Predicted step time", "Prediction error"}
-    assert len(at.get("plotly_chart")) == 4 + 4  # + predicted and measured step, measured and simulated load
+    assert len(at.get("plotly_chart")) == 5 + 4  # + predicted and measured step, measured and simulated load
 
 
 def test_a_shared_link_opens_the_same_simulation():
@@ -294,3 +294,12 @@ def test_a_shared_link_opens_the_same_simulation():
     assert at.select_slider(key="ep_capacity").value == "none"
     assert at.slider(key="ep_skew").value == 0.5
     assert "**0** were dropped" in _text(at)
+
+
+def test_the_bound_meter_shows_deepseek_v3_communication_bound_across_nodes():
+    from tests.ui.apptest_util import open_app
+
+    at = open_app("app_pages/expert_parallel.py", model="DeepSeek-V3", chip="h100", ep="64")
+    assert not at.exception
+    text = next((m.value for m in at.markdown if "expert width F >" in m.value), None)
+    assert text is not None and text.startswith("**Communication-bound**"), text
