@@ -5,6 +5,7 @@ ring / all-gather runs on this machine."""
 import numpy as np
 import streamlit as st
 
+from app_pages.exercise_panel import show_exercises
 from app_pages.live_panel import run_live, show_live
 from engine.config import ConfigError  # torch-free: the page checks the input before any worker starts
 from hardware.chips import CHIPS
@@ -26,6 +27,7 @@ from ui.context_parallel import (
     ring_rows,
     seq_label,
 )
+from ui.exercises import ring_hiding_shard
 
 choices = st.session_state["choices"]
 chip = CHIPS[choices.chip]
@@ -207,6 +209,8 @@ st.dataframe([
      "K/V held per layer": format_bytes(row["allgather_kv_held_bytes"]) + " (the whole sequence)",
      "exposed time per layer (forward)": format_seconds(row["allgather_s"]) + " (unless prefetched)"},
 ], hide_index=True, width="stretch")
+
+show_exercises([ring_hiding_shard(spec, chip, cp, seq_len, row)])
 
 st.header("Run it for real")
 st.markdown(

@@ -3,6 +3,7 @@
 import plotly.graph_objects as go
 import streamlit as st
 
+from app_pages.exercise_panel import show_exercises
 from app_pages.live_panel import run_live, show_live
 from hardware.chips import CHIPS
 from hardware.collectives import group_topology
@@ -12,6 +13,7 @@ from planner.memory import zero_bytes_per_param
 from planner.models import MODEL_PRESETS
 from ui.bound_meter import bound_figure, verdict_text
 from ui.dp_lesson import LIVE_STRATEGIES, comm_formula_text, expected_comm_bytes_per_step, expected_memory
+from ui.exercises import fsdp_batch, smallest_fitting_zero_stage
 
 choices = st.session_state["choices"]
 chip = CHIPS[choices.chip]
@@ -121,6 +123,9 @@ else:
                                       + ("compute-bound" if bound.compute_bound else "communication-bound")),
                          key=f"bound_{'fsdp' if fsdp else 'dp'}")
         col.markdown(verdict_text(bound))
+
+show_exercises(([fsdp_batch(spec, chip, dp, choices.mesh["tp"] * choices.mesh["cp"] * choices.mesh["ep"])]
+                if dp > 1 else []) + [smallest_fitting_zero_stage(psi, spec.name, chip, dp)])
 
 st.header("Run it for real")
 st.markdown(

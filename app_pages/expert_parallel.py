@@ -3,12 +3,14 @@ a live run."""
 
 import streamlit as st
 
+from app_pages.exercise_panel import show_exercises
 from app_pages.live_panel import run_live, show_live
 from hardware.chips import CHIPS
 from planner.bounds import expert_parallel_bound
 from planner.models import MODEL_PRESETS
 from ui.bound_meter import bound_figure, verdict_text
 from ui.collectives import format_bytes, format_seconds
+from ui.exercises import ep_expert_width
 from ui.expert_parallel import (
     MOE_PRESETS,
     a2a_bytes,
@@ -248,6 +250,9 @@ if model_ep > 1:
                 "or faster links help; across nodes an all-to-all cannot reduce inside the node first, so each "
                 "GPU's own network card is the link. (The scaling book's way of counting: peak FLOP/s, the "
                 "links' bandwidth, latency left out; the table above uses achievable numbers.)")
+
+if model_ep > 1:
+    show_exercises([ep_expert_width(spec, chip, model_ep)])
 
 st.header("Run it for real")
 st.markdown(

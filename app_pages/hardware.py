@@ -2,12 +2,14 @@
 
 import streamlit as st
 
+from app_pages.exercise_panel import show_exercises
 from app_pages.live_panel import run_task
 from engine.predict import cached_calibration
 from hardware.chips import CHIPS
 from hardware.roofline import matmul_cost
 from hardware.this_machine import summary_lines
 from ui.charts import OperatingPoint, RooflineSeries, roofline_figure
+from ui.exercises import ridge_point
 from ui.tables import CHIP_COLUMN_HELP, chip_table_rows
 
 POW2_SIZES = [2**i for i in range(0, 17)]  # 1 .. 65,536
@@ -135,6 +137,8 @@ bandwidth. The fractions used here are stated, with their sources, per chip; the
 redraws every roofline with them. The planner uses the achievable numbers, never the spec.
 """
 )
+
+show_exercises([ridge_point(chip)])
 
 st.header("Measure this machine")
 st.markdown(

@@ -3,10 +3,12 @@ and activation memory, what a pipeline costs on real chips, and a live pipeline 
 
 import streamlit as st
 
+from app_pages.exercise_panel import show_exercises
 from app_pages.live_panel import run_live, show_live
 from engine.schedules import SCHEDULE_NAMES, ScheduleError, formula_bubble_fraction
 from hardware.chips import CHIPS
 from planner.models import MODEL_PRESETS
+from ui.exercises import bubble_micro_batches
 from ui.pipeline import (
     SCHEDULE_LABELS,
     comparison,
@@ -186,6 +188,8 @@ and its real cost is the bubble, (p - 1)/m = **{(real_pp - 1) / real_m:.2f}** of
 st.caption(f"Planner arithmetic (planner/memory.py, hardware/collectives.py): bf16, flash attention, no "
            f"recomputation, no sequence parallel, tp = {tp} from the sidebar; the pp group's chips are "
            f"{stride} ranks apart (pp is the outermost mesh axis), achievable link bandwidth.")
+
+show_exercises([bubble_micro_batches(p)])
 
 st.header("Run it for real")
 st.markdown(

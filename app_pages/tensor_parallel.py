@@ -2,12 +2,14 @@
 
 import streamlit as st
 
+from app_pages.exercise_panel import show_exercises
 from app_pages.live_panel import run_live, show_live
 from hardware.chips import CHIPS
 from planner.bounds import tensor_parallel_bound
 from planner.models import MODEL_PRESETS
 from ui.bound_meter import bound_figure, verdict_text
 from ui.collectives import format_bytes, format_seconds
+from ui.exercises import largest_compute_bound_tp
 from ui.tensor_parallel import (
     MAX_TP,
     MEMORY_MODES,
@@ -220,6 +222,8 @@ st.markdown("\n".join(lines))
 if domain >= MAX_TP:
     st.caption(f"{chip.name}'s scale-up domain holds {domain:,} chips, so no tp on this slider leaves it; "
                "pick an 8-GPU node such as h100 in the sidebar to see the crossing.")
+
+show_exercises([largest_compute_bound_tp(spec, chip, micro_batch * spec.seq_len)])
 
 st.header("Run it for real")
 st.markdown(

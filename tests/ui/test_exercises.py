@@ -1,0 +1,66 @@
+"""Exercises: each answer equals the owning module's number, worked out by hand here, for several settings;
+on the pages they follow the sliders and the sidebar."""
+
+import pytest
+
+from hardware.chips import CHIPS
+from planner.models import MODEL_PRESETS
+from tests.ui.apptest_util import open_app
+from ui import exercises as ex
+
+H100, V5P = CHIPS["h100"], CHIPS["tpu-v5p"]
+LLAMA_8B, LLAMA_70B, V3 = MODEL_PRESETS["Llama 3 8B"], MODEL_PRESETS["Llama 3 70B"], MODEL_PRESETS["DeepSeek-V3"]
+
+
+def test_ridge_point_is_peak_over_bandwidth():
+    assert ex.ridge_point(H100).answer == pytest.approx(989e12 / 3.35e12)  # ~295 ([SB] Part 12)
+    assert ex.ridge_point(V5P).answer == pytest.approx(4.59e14 / 2.765e12, rel=0.01)
+
+
+@pytest.mark.parametrize("chip, dp, stride, answer", [(V5P, 4, 1, 2550), (H100, 8, 1, 2198), (H100, 32, 1, 2473)])
+def test_fsdp_batch_is_c_over_w(chip, dp, stride, answer):
+    assert ex.fsdp_batch(LLAMA_8B, chip, dp, stride).answer == pytest.approx(answer, abs=1)
+
+
+@pytest.mark.parametrize("dp, stage", [(1, "none: even ZeRO-3 does not fit; raise dp"),
+                                       (8, "none: even ZeRO-3 does not fit; raise dp"), (64, 3)])
+def test_smallest_zero_stage_that_fits(dp, stage):
+    # Llama 3 70B, ~70.6e9 parameters, 16 bytes each = 1.13 TB, on 80 GB: ZeRO-3 at dp 8 holds 141 GB: no; at
+    # dp 64, ZeRO-2 keeps 2 + 14/64 bytes (157 GB): no, ZeRO-3 16/64 bytes (17.6 GB): yes
+    from planner.flops import total_params
+    from planner.memory import zero_bytes_per_param
+
+    psi = total_params(LLAMA_70B)
+    got = ex.smallest_fitting_zero_stage(psi, LLAMA_70B.name, H100, dp).answer
+    want = next((s for s in range(4) if sum(zero_bytes_per_param(s, dp)) * psi <= H100.hbm_bytes),
+                "none: even ZeRO-3 does not fit; raise dp")
+    assert got == want == stage
+
+
+def test_largest_compute_bound_tp():
+    # F / (C / W): Llama 3 70B on v5p 28,672 / 2,550 = 11.2 -> 11; Llama 3 8B on H100 14,336 / 2,198 = 6.5 -> 6
+    assert ex.largest_compute_bound_tp(LLAMA_70B, V5P, 4096).answer == 11
+    assert ex.largest_compute_bound_tp(LLAMA_8B, H100, 4096).answer == 6
+
+
+@pytest.mark.parametrize("p, m", [(2, 10), (4, 30), (8, 70)])
+def test_bubble_micro_batches(p, m):
+    assert ex.bubble_micro_batches(p).answer == m  # (p - 1) / m <= 0.1
+
+
+def test_ep_expert_width():
+    assert ex.ep_expert_width(V3, H100, 8).answer == pytest.approx(2 / 3 * 7 / 8 * 989e12 / 450e9)
+    assert ex.ep_expert_width(V3, H100, 64).answer == pytest.approx(2 / 3 * 63 / 64 * 989e12 / 50e9)
+
+
+@pytest.mark.parametrize("page, params, says", [
+    ("app_pages/pipeline.py", {"stages": "6"}, "**m = 50**"),
+    ("app_pages/data_parallel.py", {"chip": "tpu-v5p", "dp": "4"}, "**2,550 tokens per chip**"),
+    ("app_pages/tensor_parallel.py", {"chip": "tpu-v5p", "model": "Llama 3 70B"}, "Answer: **11**"),
+    ("app_pages/hardware.py", {"chip": "h100"}, "**295 FLOPs per byte**"),
+])
+def test_the_pages_answers_follow_their_settings(page, params, says):
+    at = open_app(page, **params)
+    assert not at.exception
+    answers = " ".join(m.value for e in at.expander if e.label == "Show the worked answer" for m in e.markdown)
+    assert says in answers, answers

@@ -1,0 +1,127 @@
+"""Exercises whose answers recompute from the page's current settings: a question, the answer, and the
+worked solution (the formula, the numbers substituted, the result). Each answer comes from the module that
+owns the formula (planner.bounds, planner.memory, engine.schedules), never a copy of it. No Streamlit here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hardware.chips import Chip
+from planner.bounds import data_parallel_bound, expert_parallel_bound, tensor_parallel_bound
+from planner.memory import zero_bytes_per_param
+from planner.models import ModelSpec
+
+
+@dataclass(frozen=True)
+class Exercise:
+    question: str
+    answer: float | int | str  # what a test compares with the planner's own number
+    worked: list[str]  # the worked solution, line by line (markdown)
+
+
+def ridge_point(chip: Chip, dtype: str = "bf16") -> Exercise:
+    c, w = chip.peak_flops_per_s(dtype), chip.hbm_bytes_per_s
+    return Exercise(
+        f"Above what arithmetic intensity (FLOPs per byte of HBM traffic) is a {dtype} matmul on {chip.name} "
+        "compute-bound rather than memory-bound?",
+        c / w,
+        [f"The ridge point is peak FLOP/s over HBM bandwidth: I* = C / W_HBM.",
+         f"I* = {c:.3g} / {w:.3g} = **{c / w:,.0f} FLOPs per byte**.",
+         "A matmul of an (M x K) by a (K x N) bf16 matrix does 2MKN FLOPs over 2(MK + KN + MN) bytes: with "
+         f"M = K = N = n that is n / 3 FLOPs per byte, so square matmuls need n > {3 * c / w:,.0f}."])
+
+
+def fsdp_batch(m: ModelSpec, chip: Chip, dp: int, stride: int) -> Exercise:
+    b = data_parallel_bound(m, chip, 1.0, dp, stride, fsdp=True)
+    return Exercise(
+        f"With the sidebar's mesh (dp = {dp}) on {chip.name}, from how many tokens per chip per step is "
+        f"FSDP of {m.name} compute-bound?",
+        b.intensity,
+        [f"Per layer of P parameters, the forward's math is 2·B·P / C and the weight all-gather 2P / W bytes "
+         "per second; they are equal at B = C / W, whatever P is.",
+         f"The dp group uses {b.link}: W = {chip.peak_flops_per_s('bf16') / b.intensity:.3g} bytes/s, "
+         f"C = {chip.peak_flops_per_s('bf16'):.3g} FLOP/s.",
+         f"B > C / W = **{b.intensity:,.0f} tokens per chip** (the scaling book's rule; latency left out)."])
+
+
+def smallest_fitting_zero_stage(m_params: float, name: str, chip: Chip, dp: int) -> Exercise:
+    rows = []
+    answer: int | str = "none: even ZeRO-3 does not fit; raise dp"
+    for stage in range(4):
+        per = sum(zero_bytes_per_param(stage, dp)) * m_params
+        rows.append(f"ZeRO-{stage}: {per / 1e9:,.1f} GB")
+        if per <= chip.hbm_bytes and not isinstance(answer, int):
+            answer = stage
+    return Exercise(
+        f"What is the smallest ZeRO stage at which {name}'s weights, gradients and Adam state "
+        f"(16 bytes per parameter in mixed precision) fit in {chip.name}'s {chip.hbm_bytes / 1e9:.0f} GB at "
+        f"dp = {dp}?",
+        answer,
+        ["Per chip: ZeRO-1 shards the 12 bytes of Adam state, ZeRO-2 also the 2 of gradients, ZeRO-3 also "
+         f"the 2 of weights, each over dp = {dp}.",
+         ", ".join(rows) + " (activations come on top).",
+         f"Answer: **{'ZeRO-' + str(answer) if isinstance(answer, int) else answer}**."])
+
+
+def largest_compute_bound_tp(m: ModelSpec, chip: Chip, tokens: float) -> Exercise:
+    b = tensor_parallel_bound(m, chip, tokens, 1)
+    f = m.dense_ffn_ if m.is_moe else m.ffn
+    limit = f / b.intensity
+    largest = max(1, math.ceil(limit) - 1 if limit == int(limit) else math.floor(limit))
+    return Exercise(
+        f"Up to how many chips can tensor parallel split {m.name}'s MLP on {chip.name} (inside one node) "
+        "before its communication outgrows its math?",
+        largest,
+        ["Per pass, the MLP's math is 4·B·D·F / (Y·C); the activations' all-gather and reduce-scatter 4·B·D / W. "
+         "They are equal at Y = F / (C / W), whatever the batch.",
+         f"C / W = {b.intensity:,.0f} ({b.link}); F = {f:,}: Y < {f:,} / {b.intensity:,.0f} = {limit:,.1f}.",
+         f"Answer: **{largest}** (a degree that divides the heads, in practice)."])
+
+
+def bubble_micro_batches(p: int, target: float = 0.10) -> Exercise:
+    from engine.schedules import formula_bubble_fraction
+
+    m = 1
+    while formula_bubble_fraction("1f1b", p, m) > target:
+        m += 1
+    return Exercise(
+        f"With p = {p} stages, how many micro-batches keep the 1F1B bubble at or under {target:.0%} of the "
+        "compute time?",
+        m,
+        ["1F1B's bubble over the ideal compute time is (p − 1) / m (Narayanan et al. 2021, eq. 1).",
+         f"(p − 1) / m ≤ {target:g}  ⇒  m ≥ (p − 1) / {target:g} = {p - 1} / {target:g}.",
+         f"Answer: **m = {m}** (the bubble is then {formula_bubble_fraction('1f1b', p, m):.1%}). Interleaving "
+         "with v chunks divides it by v, at v times the point-to-point traffic."])
+
+
+def ep_expert_width(m: ModelSpec, chip: Chip, ep: int) -> Exercise:
+    b = expert_parallel_bound(m, chip, 1.0, ep)
+    n = 3 if m.mlp == "swiglu" else 2
+    limit = 2 / n * (ep - 1) / ep * b.intensity
+    return Exercise(
+        f"At ep = {ep} on {chip.name}, how wide must an expert be (F) for the all-to-alls to hide under its "
+        "math?",
+        limit,
+        [f"Per token copy: expert math 2·{n}·D·F / C against dispatch + combine 2·2·D·(ep − 1)/ep / W.",
+         f"The group uses {b.link}: C / W = {b.intensity:,.0f}.",
+         f"F > (2 / {n}) · ({ep} − 1) / {ep} · {b.intensity:,.0f} = **{limit:,.0f}**; {m.name}'s experts have "
+         f"F = {m.ffn:,}, so they are {'compute' if m.ffn > limit else 'communication'}-bound."])
+
+
+def ring_hiding_shard(spec: ModelSpec, chip: Chip, cp: int, seq_len: int, row: dict) -> Exercise:
+    """`row`: ui.context_parallel.overlap_row for these settings (the page's own numbers)."""
+    t = row["threshold_tokens"]
+    shard = seq_len // cp
+    return Exercise(
+        f"For {spec.name} on {chip.name} at cp = {cp}, what is the shortest sequence shard S/cp whose ring "
+        "step hides its K/V transfer, and is S/cp = "
+        f"{shard:,} above it?",
+        t,
+        ["A step sends 2·B·(S/cp)·H_kv·d·e bytes and computes ½·4·B·(S/cp)²·H·d FLOPs: the transfer hides "
+         "when S/cp ≥ (H_kv / H) · e · F / W.",
+         f"H_kv / H = {spec.kv_heads} / {spec.heads}, e = 2 bytes, F / W on this link (achievable): "
+         f"S/cp ≥ **{t:,.0f} tokens**.",
+         f"S/cp = {shard:,} is {'above' if shard >= t else 'below'} it: the ring is "
+         f"{'hidden' if shard >= t else 'exposed'} (latency aside)."])
