@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import plotly.graph_objects as go
 
 from ui.charts import PALETTE
+from ui.timeline import KIND_COLORS
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 COLLECTIVE_NAMES = {
@@ -314,8 +315,8 @@ def _link_traces(step: RingStep, collective: str, n: int) -> tuple[go.Scatter, g
         mid_color.append(_block_color(t.blocks[0], collective))
     arrows = go.Scatter(
         x=xs, y=ys, mode="lines+markers", hoverinfo="skip", showlegend=False,
-        line={"color": "#F58518", "width": 4},
-        marker={"symbol": "arrow", "angleref": "previous", "size": sizes, "color": "#F58518"},
+        line={"color": KIND_COLORS[collective], "width": 4},  # the collective's colour on every timeline
+        marker={"symbol": "arrow", "angleref": "previous", "size": sizes, "color": KIND_COLORS[collective]},
     )
     payload = go.Scatter(
         x=mid_x, y=mid_y, mode="markers+text", text=mid_text, textposition="middle center",

@@ -23,6 +23,7 @@ from hardware.collectives import group_topology
 from hardware.kernels import best_flash_kernel, flash_attention_s
 from planner.models import ModelSpec
 from ui.tensor_parallel import rank_color
+from ui.timeline import KIND_COLORS
 
 SPLITS = ("contiguous", "zig-zag")
 BF16_BYTES = 2  # K/V travel in the training dtype (bf16) on real chips
@@ -233,9 +234,9 @@ def overlap_figure(spec: ModelSpec, chip: Chip, cp: int, seq_len: int, stride: i
     x = list(SEQ_LENS)
     fig = go.Figure()
     fig.add_trace(go.Scatter(x=x, y=[r["transfer_s"] * 1e6 for r in rows], mode="lines+markers",
-                             name="K/V block transfer", line={"color": "#9D755D"}))
+                             name="K/V block transfer", line={"color": KIND_COLORS["send/recv"]}))
     fig.add_trace(go.Scatter(x=x, y=[r["compute_s"] * 1e6 for r in rows], mode="lines+markers",
-                             name="attention of one step (half block)", line={"color": "#4C78A8"}))
+                             name="attention of one step (half block)", line={"color": KIND_COLORS["forward"]}))
     here = overlap_row(spec, chip, cp, seq_len, stride=stride)
     fig.add_vline(x=seq_len, line={"dash": "dot", "color": "black"})
     state = "hidden" if here["hidden"] else "exposed"
