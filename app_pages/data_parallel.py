@@ -136,7 +136,7 @@ process training the same model on the whole batch (loss, gradients, weights and
 rank's compute and communication is recorded: press **Play** under the timeline to watch a step.
 """
 )
-c1, c2, c3, c4 = st.columns(4)
+c1, c2, c3, c4 = st.columns([2, 3, 2, 2])  # the strategy names are long: give them room
 world = c1.select_slider("Processes", [1, 2, 3, 4], value=2, key="live_world")
 strategy_label = c2.selectbox("Strategy", list(LIVE_STRATEGIES), index=4, key="live_strategy")
 steps = c3.select_slider("Optimizer steps", [1, 2, 3, 4, 5], value=3, key="live_steps")

@@ -10,10 +10,10 @@ from __future__ import annotations
 # label -> (engine strategy, zero stage, dp gradient communication)
 LIVE_STRATEGIES = {
     "DDP, all-reduce after backward": ("dp", 0, "naive"),
-    "DDP, bucketed all-reduce overlapped with backward": ("dp", 0, "bucketed"),
+    "DDP, bucketed, overlapped with backward": ("dp", 0, "bucketed"),
     "ZeRO-1 (optimizer state sharded)": ("dp", 1, "bucketed"),
     "ZeRO-2 (+ gradients sharded)": ("dp", 2, "bucketed"),
-    "ZeRO-3 / FSDP (+ weights sharded, prefetched)": ("fsdp", 3, "bucketed"),
+    "ZeRO-3 / FSDP (+ weights, prefetched)": ("fsdp", 3, "bucketed"),
 }
 FP32_WEIGHT_BYTES, FP32_GRAD_BYTES, ADAM_STATE_BYTES = 4, 4, 8
 
