@@ -213,7 +213,7 @@ class Pool:
         run: the workers are killed (a rank may be inside a collective) and `RunStopped` is raised; the
         next run starts fresh ones."""
         with self._lock:
-            if not self.alive:
+            if not self.alive or not self._answering():
                 self.start()
             per_rank = kwargs if isinstance(kwargs, list) else [kwargs or {}] * self.world
             self._task_id += 1
@@ -226,6 +226,28 @@ class Pool:
             except BaseException:
                 self.kill()
                 raise
+
+    def _answering(self, timeout_s: float = 2.0) -> bool:
+        """Whether every worker answers a ping: a worker killed a moment ago can still look alive to
+        poll() while its threads end, and a task sent to it would fail the run instead of restarting."""
+        try:
+            for conn in self.conns:
+                conn.send_bytes(pickle.dumps(("ping",)))
+        except OSError:
+            return False
+        deadline = time.monotonic() + timeout_s
+        pending = set(range(self.world))
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            for conn in wait([self.conns[r] for r in pending], timeout=remaining):
+                msg = _recv(conn)
+                if msg is None:
+                    return False
+                if msg[0] == "pong":
+                    pending.discard(self.conns.index(conn))
+        return True
 
     def _collect(self, timeout_s: float, log_sizes: list[int], on_progress=None, stop=None) -> list:
         deadline = time.monotonic() + timeout_s

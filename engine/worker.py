@@ -144,6 +144,9 @@ def pool_main() -> None:
 
             comm.destroy()
             return
+        if msg[0] == "ping":  # the pool checks its workers can answer before it sends a task
+            _send(conn, ("pong",))
+            continue
         _, task_id, target, kwargs = msg
         ctx.reporter = lambda steps_done, loss, task_id=task_id: _send(conn, ("progress", task_id, steps_done, loss))
         try:

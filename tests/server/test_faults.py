@@ -78,9 +78,7 @@ def test_a_pool_that_died_between_runs_is_rebuilt(served):
     pids = pool.pids
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while pool.alive and time.monotonic() < deadline:  # every thread of a killed worker has to end first
-        time.sleep(0.05)
+    # at once: a worker killed a moment ago may still look alive; the pool's ping finds it out
     again = queue.submit("b", [("dp", RunConfig(world=2, steps=2))])
     assert again.wait(60) and again.state == DONE and again.results[0][0]["check"]["passed"]
     assert set(pool.pids).isdisjoint(pids)
