@@ -2,6 +2,7 @@
 
 import streamlit as st
 
+from app_pages.exercise_panel import show_exercises
 from app_pages.live_panel import run_task
 from engine.predict import cached_calibration
 from hardware.chips import CHIPS
@@ -22,6 +23,7 @@ from ui.collectives import (
     ring_formula_latex,
     sweep_figure,
 )
+from ui.exercises import latency_crossover, ring_bytes
 
 POW2 = [2**i for i in range(0, 17)]  # 1 .. 65,536
 GROUP_SIZES = [2**i for i in range(1, 13)]  # 2 .. 4,096
@@ -188,6 +190,9 @@ for s, label in placements.items():
                      "All-reduce": format_seconds(topo.all_reduce_s(nbytes)),
                      "All-to-all": format_seconds(topo.all_to_all_s(nbytes))})
 st.dataframe(rows_out, hide_index=True, width="stretch")
+
+show_exercises([ring_bytes(COLLECTIVE_NAMES[collective].lower(), ring_n, nbytes),
+                latency_crossover(topology, crossover)])
 
 st.header("Measure this machine")
 st.markdown(

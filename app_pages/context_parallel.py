@@ -27,7 +27,7 @@ from ui.context_parallel import (
     ring_rows,
     seq_label,
 )
-from ui.exercises import ring_hiding_shard
+from ui.exercises import ring_hiding_shard, ring_kv_held
 
 choices = st.session_state["choices"]
 chip = CHIPS[choices.chip]
@@ -210,7 +210,7 @@ st.dataframe([
      "exposed time per layer (forward)": format_seconds(row["allgather_s"]) + " (unless prefetched)"},
 ], hide_index=True, width="stretch")
 
-show_exercises([ring_hiding_shard(spec, chip, cp, seq_len, row)])
+show_exercises([ring_hiding_shard(spec, chip, cp, seq_len, row), ring_kv_held(row)])
 
 st.header("Run it for real")
 st.markdown(

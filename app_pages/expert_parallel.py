@@ -10,7 +10,7 @@ from planner.bounds import expert_parallel_bound
 from planner.models import MODEL_PRESETS
 from ui.bound_meter import bound_figure, verdict_text
 from ui.collectives import format_bytes, format_seconds
-from ui.exercises import ep_expert_width
+from ui.exercises import a2a_leaving_share, ep_expert_width
 from ui.expert_parallel import (
     MOE_PRESETS,
     a2a_bytes,
@@ -252,7 +252,7 @@ if model_ep > 1:
                 "links' bandwidth, latency left out; the table above uses achievable numbers.)")
 
 if model_ep > 1:
-    show_exercises([ep_expert_width(spec, chip, model_ep)])
+    show_exercises([ep_expert_width(spec, chip, model_ep), a2a_leaving_share(model_ep, tokens, spec.top_k, spec.hidden)])
 
 st.header("Run it for real")
 st.markdown(

@@ -9,7 +9,7 @@ from hardware.chips import CHIPS
 from hardware.roofline import matmul_cost
 from hardware.this_machine import summary_lines
 from ui.charts import OperatingPoint, RooflineSeries, roofline_figure
-from ui.exercises import ridge_point
+from ui.exercises import compute_bound_tokens, ridge_point
 from ui.tables import CHIP_COLUMN_HELP, chip_table_rows
 
 POW2_SIZES = [2**i for i in range(0, 17)]  # 1 .. 65,536
@@ -138,7 +138,7 @@ redraws every roofline with them. The planner uses the achievable numbers, never
 """
 )
 
-show_exercises([ridge_point(chip)])
+show_exercises([ridge_point(chip), compute_bound_tokens(chip, d_model, d_ff)])
 
 st.header("Measure this machine")
 st.markdown(

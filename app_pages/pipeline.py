@@ -8,7 +8,7 @@ from app_pages.live_panel import run_live, show_live
 from engine.schedules import SCHEDULE_NAMES, ScheduleError, formula_bubble_fraction
 from hardware.chips import CHIPS
 from planner.models import MODEL_PRESETS
-from ui.exercises import bubble_micro_batches
+from ui.exercises import bubble_micro_batches, gpipe_bubble
 from ui.pipeline import (
     SCHEDULE_LABELS,
     comparison,
@@ -189,7 +189,7 @@ st.caption(f"Planner arithmetic (planner/memory.py, hardware/collectives.py): bf
            f"recomputation, no sequence parallel, tp = {tp} from the sidebar; the pp group's chips are "
            f"{stride} ranks apart (pp is the outermost mesh axis), achievable link bandwidth.")
 
-show_exercises([bubble_micro_batches(p)])
+show_exercises([bubble_micro_batches(p), gpipe_bubble(p, m)])
 
 st.header("Run it for real")
 st.markdown(

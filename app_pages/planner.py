@@ -3,10 +3,13 @@
 import plotly.graph_objects as go
 import streamlit as st
 
+from app_pages.exercise_panel import show_exercises
 from hardware.chips import CHIPS
 from planner import estimate, make_case, search
 from planner.case import Cluster, Parallel
+from planner.flops import total_params
 from planner.models import MODEL_PRESETS, SpecError
+from ui.exercises import training_state_chips
 from ui.timeline import timeline_figure
 
 TOKENS_PER_BATCH = [2**i for i in range(19, 26)]  # 0.5M .. 32M tokens
@@ -99,6 +102,8 @@ st.plotly_chart(timeline_figure(timeline, title="Predicted timeline (one chip pe
                                 animate=len(timeline.spans) <= MAX_ANIMATED_SPANS), key="planner_timeline")
 st.caption("Compute, exposed communication and pipeline bubbles per stage, in the same format as the live "
            "engine's measured timelines.")
+
+show_exercises([training_state_chips(total_params(spec), spec.name, chip)])
 
 st.header("Search every layout")
 st.markdown(

@@ -9,7 +9,7 @@ from planner.bounds import tensor_parallel_bound
 from planner.models import MODEL_PRESETS
 from ui.bound_meter import bound_figure, verdict_text
 from ui.collectives import format_bytes, format_seconds
-from ui.exercises import largest_compute_bound_tp
+from ui.exercises import largest_compute_bound_tp, tp_bytes_per_layer
 from ui.tensor_parallel import (
     MAX_TP,
     MEMORY_MODES,
@@ -223,7 +223,9 @@ if domain >= MAX_TP:
     st.caption(f"{chip.name}'s scale-up domain holds {domain:,} chips, so no tp on this slider leaves it; "
                "pick an 8-GPU node such as h100 in the sidebar to see the crossing.")
 
-show_exercises([largest_compute_bound_tp(spec, chip, micro_batch * spec.seq_len)])
+show_exercises([largest_compute_bound_tp(spec, chip, micro_batch * spec.seq_len)]
+               + ([tp_bytes_per_layer(tp, micro_batch, spec.seq_len, spec.hidden, here["comm_bytes"])]
+                  if tp > 1 else []))
 
 st.header("Run it for real")
 st.markdown(

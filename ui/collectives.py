@@ -436,8 +436,8 @@ def cost_figure(topology, sizes_bytes: list[int], example_bytes: float | None = 
     and bandwidth-bound regions shaded at the all-gather's crossover and each op's crossover marked."""
     fig = go.Figure()
     lo, hi = min(sizes_bytes), max(sizes_bytes)
-    for i, op in enumerate(COLLECTIVES):
-        color = PALETTE[i]
+    for op in COLLECTIVES:
+        color = KIND_COLORS[op]  # each collective's colour on every timeline of the app
         times_us = [topology.cost_s(op, b) * 1e6 for b in sizes_bytes]
         # Reduce-scatter costs what all-gather costs: dash it so the line under it stays visible.
         line = {"color": color, "width": 3}
@@ -532,10 +532,10 @@ def sweep_figure(result: MachineLink) -> go.Figure:
     from engine.sweep import ring_terms
 
     fig = go.Figure()
-    for i, op in enumerate(COLLECTIVES):
+    for op in COLLECTIVES:
         if op not in result.per_op:
             continue
-        color = PALETTE[i]
+        color = KIND_COLORS[op]
         rows = sorted((m["bytes"], m["seconds"]) for m in result.measurements if m["op"] == op)
         fig.add_trace(go.Scatter(
             x=[b for b, _ in rows], y=[s * 1e6 for _, s in rows], mode="markers",

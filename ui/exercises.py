@@ -125,3 +125,111 @@ def ring_hiding_shard(spec: ModelSpec, chip: Chip, cp: int, seq_len: int, row: d
          f"S/cp ≥ **{t:,.0f} tokens**.",
          f"S/cp = {shard:,} is {'above' if shard >= t else 'below'} it: the ring is "
          f"{'hidden' if shard >= t else 'exposed'} (latency aside)."])
+
+
+def compute_bound_tokens(chip: Chip, d: int, f: int, dtype: str = "bf16") -> Exercise:
+    """The hardware page's matmul In[B, D] . W[D, F]: from how many tokens B is it compute-bound?"""
+    ridge = chip.peak_flops_per_s(dtype) / chip.hbm_bytes_per_s
+    # intensity 2BDF / (2(BD + DF + BF)) >= I*  <=>  B (DF - I*(D + F)) >= I* D F
+    denominator = d * f - ridge * (d + f)
+    answer: float | str = ridge * d * f / denominator if denominator > 0 else "never: the weights alone cost more"
+    shown = f"**{answer:,.0f} tokens**" if isinstance(answer, float) else f"**{answer}**"
+    return Exercise(
+        f"With D = {d:,} and F = {f:,} (the sliders), from how many tokens B is the {dtype} matmul "
+        f"In[B, D] · W[D, F] on {chip.name} compute-bound?",
+        answer,
+        ["Its arithmetic intensity is 2·B·D·F FLOPs over 2·(B·D + D·F + B·F) bytes, compute-bound once it "
+         f"reaches the ridge point I* = {ridge:,.0f}.",
+         "B·D·F ≥ I*·(B·D + D·F + B·F)  ⇒  B ≥ I*·D·F / (D·F − I*·(D + F)).",
+         f"B ≥ {ridge:,.0f} · {d:,} · {f:,} / ({d * f:,} − {ridge:,.0f} · {d + f:,}) = {shown} "
+         "(for D, F much larger than I*, B ≈ I*: the rule of thumb)."])
+
+
+def ring_bytes(collective_name: str, n: int, nbytes: float) -> Exercise:
+    """Bytes each chip sends in a ring collective of an array of `nbytes` over n chips."""
+    factor = 2 * (n - 1) / n if collective_name == "all-reduce" else (n - 1) / n
+    formula = "2 (N − 1) / N · V" if collective_name == "all-reduce" else "(N − 1) / N · V"
+    return Exercise(
+        f"On a ring of N = {n} chips, how many bytes does each chip send in an {collective_name} of the "
+        f"{nbytes / 2**20:,.0f} MiB array?",
+        factor * nbytes,
+        [("An all-reduce is a reduce-scatter then an all-gather: each passes N − 1 shards of V / N per chip."
+          if collective_name == "all-reduce" else
+          "N − 1 steps, each passing one shard of V / N to the next chip."),
+         f"{formula} = {factor:.3f} · {nbytes:,.0f} = **{factor * nbytes / 2**20:,.1f} MiB**, nearly "
+         f"{'2V' if collective_name == 'all-reduce' else 'V'} whatever N: why a large ring's time is close "
+         "to the bandwidth bound."])
+
+
+def latency_crossover(topology, crossover: float | None) -> Exercise:
+    """`crossover`: ui.collectives.crossover_bytes of the page's all-gather on its topology."""
+    return Exercise(
+        f"Over {topology.describe()}, from what array size is an all-gather bandwidth-bound rather than "
+        "latency-bound?",
+        crossover if crossover is not None else "always bandwidth-bound",
+        ["The alpha-beta model: T(V) = α·steps + V·(N − 1)/N / W. The two terms are equal at the crossover.",
+         (f"V* = T(0) / slope = **{crossover / 2**20:,.2f} MiB**: below it adding bytes costs almost "
+          "nothing, above it time grows with the bytes." if crossover is not None else
+          "No latency term on this link: every size is bandwidth-bound.")])
+
+
+def tp_bytes_per_layer(t: int, b: int, s: int, h: int, comm_bytes: float) -> Exercise:
+    """`comm_bytes`: ui.tensor_parallel.scaling_rows' bytes per chip for this t (the page's own row)."""
+    return Exercise(
+        f"At t = {t}, b = {b}, s = {s:,}, h = {h:,}: how many bytes does each chip send per layer and "
+        "micro-batch, forward and backward?",
+        comm_bytes,
+        ["Four collectives of the activation array V = b·s·h·2 bytes per layer (two all-reduces forward, two "
+         "backward; or their all-gather + reduce-scatter halves with sequence parallel), each sending "
+         "2(t − 1)/t · V per chip.",
+         f"4 · 2·({t} − 1)/{t} · {b}·{s:,}·{h:,}·2 = **{comm_bytes / 2**20:,.0f} MiB**."])
+
+
+def gpipe_bubble(p: int, m: int) -> Exercise:
+    from engine.schedules import formula_bubble_fraction
+
+    f = formula_bubble_fraction("gpipe", p, m)
+    return Exercise(
+        f"With p = {p} stages and m = {m} micro-batches (the sliders), what share of the step do GPipe's "
+        "stages sit idle?",
+        f / (1 + f),
+        ["Bubble time over ideal compute is (p − 1)/m, so the idle share of the step is (p − 1)/(m + p − 1).",
+         f"({p} − 1)/({m} + {p} − 1) = **{f / (1 + f):.1%}** of the step. 1F1B idles as long; it holds fewer "
+         "micro-batches' activations (p instead of m)."])
+
+
+def a2a_leaving_share(ep: int, tokens: int, top_k: int, hidden: int) -> Exercise:
+    share = (ep - 1) / ep
+    nbytes = tokens * top_k * hidden * 2 * share
+    return Exercise(
+        f"At ep = {ep}, with balanced routing, what share of a chip's {tokens:,} x {top_k} token copies leave "
+        "it in the dispatch, and how many bytes is that (bf16, D = "
+        f"{hidden:,})?",
+        share,
+        ["Each copy lands on a uniformly chosen rank of the group; 1/ep of them stay.",
+         f"(ep − 1)/ep = **{share:.1%}**: {tokens:,} · {top_k} · {hidden:,} · 2 · {share:.3f} = "
+         f"**{nbytes / 2**20:,.0f} MiB** per dispatch (the combine sends as much back)."])
+
+
+def ring_kv_held(row: dict) -> Exercise:
+    """`row`: ui.context_parallel.overlap_row (the page's own numbers)."""
+    return Exercise(
+        "How much K/V does a rank hold per layer with the ring, and with the all-gather variant?",
+        row["allgather_kv_held_bytes"] / row["ring_kv_held_bytes"],
+        ["The ring holds the block in use and the one arriving: 2 blocks; the all-gather holds all cp blocks.",
+         f"Ring: **{row['ring_kv_held_bytes'] / 2**20:,.1f} MiB**, all-gather: "
+         f"**{row['allgather_kv_held_bytes'] / 2**20:,.1f} MiB**, "
+         f"{row['allgather_kv_held_bytes'] / row['ring_kv_held_bytes']:,.1f}x as much."])
+
+
+def training_state_chips(m_params: float, name: str, chip: Chip) -> Exercise:
+    state = 16 * m_params
+    chips = math.ceil(state / chip.hbm_bytes)
+    return Exercise(
+        f"At least how many {chip.name} chips does {name}'s training state (bf16 weights and gradients, fp32 "
+        "master weights and Adam moments) need before any activation?",
+        chips,
+        ["Mixed-precision Adam keeps 2 + 2 + 12 = 16 bytes per parameter; fully sharded (ZeRO-3) it spreads "
+         "over the chips.",
+         f"16 · {m_params:,.3g} = {state / 1e12:,.2f} TB over {chip.hbm_bytes / 1e9:,.0f} GB per chip: "
+         f"**{chips:,} chips**, before activations, buffers and fragmentation."])

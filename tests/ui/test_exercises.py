@@ -1,6 +1,8 @@
 """Exercises: each answer equals the owning module's number, worked out by hand here, for several settings;
 on the pages they follow the sliders and the sidebar."""
 
+import math
+
 import pytest
 
 from hardware.chips import CHIPS
@@ -64,3 +66,40 @@ def test_the_pages_answers_follow_their_settings(page, params, says):
     assert not at.exception
     answers = " ".join(m.value for e in at.expander if e.label == "Show the worked answer" for m in e.markdown)
     assert says in answers, answers
+
+
+def test_compute_bound_tokens_reaches_the_ridge_point():
+    e = ex.compute_bound_tokens(H100, 4096, 4096)
+    b, d, f = e.answer, 4096, 4096
+    assert b * d * f / (b * d + d * f + b * f) == pytest.approx(989e12 / 3.35e12)  # exactly at the ridge
+    assert isinstance(ex.compute_bound_tokens(H100, 256, 256).answer, str)  # 256-wide weights never get there
+
+
+def test_ring_bytes_and_the_latency_crossover():
+    assert ex.ring_bytes("all-reduce", 4, 1000).answer == 1500
+    assert ex.ring_bytes("all-gather", 4, 1000).answer == 750
+    from hardware.collectives import group_topology
+    from ui.collectives import crossover_bytes
+
+    topo = group_topology(H100, 8, 1)
+    assert ex.latency_crossover(topo, crossover_bytes(topo.all_gather_s)).answer == crossover_bytes(topo.all_gather_s)
+
+
+def test_the_other_answers():
+    assert ex.gpipe_bubble(4, 8).answer == pytest.approx(3 / 11)
+    assert ex.a2a_leaving_share(8, 4096, 2, 4096).answer == pytest.approx(7 / 8)
+    assert ex.ring_kv_held({"ring_kv_held_bytes": 2.0, "allgather_kv_held_bytes": 8.0}).answer == 4.0
+    # Llama 3 405B: 16 bytes x 405.9e9 = 6.49 TB over 80 GB -> 82 H100s
+    from planner.flops import total_params
+
+    psi = total_params(MODEL_PRESETS["Llama 3 405B"])
+    assert ex.training_state_chips(psi, "Llama 3 405B", H100).answer == math.ceil(16 * psi / 80e9)
+    assert ex.tp_bytes_per_layer(8, 1, 8192, 4096, 12345.0).answer == 12345.0  # the page's own row
+
+
+@pytest.mark.parametrize("page", ["app_pages/collectives.py", "app_pages/planner.py", "app_pages/context_parallel.py",
+                                  "app_pages/expert_parallel.py", "app_pages/tensor_parallel.py"])
+def test_every_lesson_has_exercises(page):
+    at = open_app(page, tp_degree="4") if "tensor" in page else open_app(page)
+    assert not at.exception
+    assert sum(e.label == "Show the worked answer" for e in at.expander) >= 1
