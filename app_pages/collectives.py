@@ -52,7 +52,9 @@ dimension is split over, and `{U_X}` marks an array that still has to be summed 
 | **All-reduce** | its own full-size partial result, V | the whole sum, V | `A[I, J]{U_X} -> A[I, J]` | data-parallel gradients; tensor-parallel layer outputs |
 | **All-to-all** | N chunks, one for each chip | N chunks, one from each chip | `A[I, J_X] -> A[I_X, J]` | Mixture-of-Experts token routing; Ulysses sequence parallel |
 
-V is the size of the full array and N the number of chips in the group.
+V is the size of the full array and N the number of chips in the group. (Ulysses sequence parallel,
+DeepSpeed-Ulysses: an all-to-all turns sequence-sharded activations into head-sharded ones before
+attention, so each chip attends over the whole sequence for its heads, and another turns them back.)
 """
 )
 

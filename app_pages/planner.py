@@ -27,10 +27,11 @@ Every lesson before this one looked at one strategy. Real runs combine them on a
 chips are arranged as a grid whose axes are data parallel (dp), tensor parallel (tp), pipeline parallel
 (pp), context parallel (cp) and expert parallel (ep), and the product of the degrees is the chip count.
 The **planner** predicts what one training step of **{spec.name}** costs on **{n:,} x {chip.name}**
-with the mesh in the sidebar ({choices.mesh_label()}): memory per chip, step time, model FLOPs
-utilisation (MFU), where the time goes, and a predicted timeline in the same format as the live runs.
-Its numbers come from the chip table (hardware/) and published formulas, and it is checked against
-18 published Megatron-LM runs (mean step-time error about 4 %).
+with the mesh in the sidebar ({choices.mesh_label()}): memory per chip, step time, **model FLOPs
+utilisation (MFU**: the model's FLOPs per step, about 6 x parameters x tokens plus attention, over step time
+x chips x the chip's peak FLOP/s; recomputation does not count), where the time goes, and a predicted timeline in the same format as the live runs.
+Its numbers come from the chip table (hardware/), op-level benchmarks (GEMM, attention kernels,
+nccl-tests) and published formulas; how far to trust them is measured on published runs below.
 """
 )
 
@@ -65,6 +66,13 @@ st.markdown(f"**Layout:** dp={lay.dp}, tp={lay.tp}, pp={lay.pp}, cp={lay.cp}, ep
 if est.chosen:
     picked = {k: v for block in est.chosen.values() for k, v in block.items()}
     st.caption("Chosen by the planner (fastest that fits): " + ", ".join(f"{k}={v}" for k, v in picked.items()))
+
+@st.cache_data(show_spinner=False)
+def _accuracy():
+    from planner.validation import HELDOUT_RUNS, PUBLISHED_RUNS, accuracy, load_published_runs
+
+    return accuracy(load_published_runs(PUBLISHED_RUNS)), accuracy(load_published_runs(HELDOUT_RUNS))
+
 
 m1, m2, m3, m4 = st.columns(4)
 m1.metric("Step time", f"{est.step_time_s:,.2f} s")
@@ -104,6 +112,18 @@ st.caption("Compute, exposed communication and pipeline bubbles per stage, in th
            "engine's measured timelines.")
 
 show_exercises([training_state_chips(total_params(spec), spec.name, chip)])
+
+(fitted_n, fitted_mean, fitted_max), (held_n, held_mean, held_max) = _accuracy()
+with st.expander("How far to trust these numbers"):
+    st.markdown(
+        f"Step time predicted against published training runs: **{fitted_n} Megatron-LM runs on A100** "
+        f"(2021-22): mean error {fitted_mean:.1%}, worst {fitted_max:.1%}; **{held_n} other published runs** "
+        f"(H100, H200, B200, GB200, A100, TPU v4-v6e; dense and MoE; planner/data/heldout-runs.json, no "
+        f"constant chosen on them): mean error {held_mean:.1%}, worst {held_max:.1%}. The planner is too "
+        "optimistic for many recent GPU runs (dense H100 runs come out 20-46 % too fast) and too pessimistic "
+        "for DeepSeek-V3-style expert parallel; `bench/bench_planner.py` prints every run. Read its step "
+        "times as the best this layout could do, and compare layouts with each other rather than with a "
+        "cluster's stopwatch.")
 
 st.header("Search every layout")
 st.markdown(

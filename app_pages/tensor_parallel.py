@@ -152,8 +152,9 @@ st.caption("The equations count the GPT recipe with materialised attention and d
            "FlashAttention for the planner.")
 
 st.header("Communication per layer, and why TP stays inside a node")
-rows = scaling_rows(spec, chip, micro_batch, sorted({1, 2, 4, 8, 16, tp}))
-here = next(r for r in rows if r["tp"] == tp)
+splits = spec.heads % tp == 0 and spec.ffn % tp == 0  # a t that does not divide them has no cost to show
+rows = scaling_rows(spec, chip, micro_batch, sorted({1, 2, 4, 8, 16} | ({tp} if splits else set())))
+here = next((r for r in rows if r["tp"] == tp), None)
 v_bytes = micro_batch * spec.seq_len * spec.hidden * 2
 st.markdown(
     f"""
@@ -164,6 +165,9 @@ Each of the 4 collectives per layer handles the whole activation array, V = b·s
 st.latex(r"4 \times \frac{2(t-1)}{t} \times b\,s\,h \times 2 \text{ bytes}")
 if tp == 1:
     st.markdown("With t = 1 there is nothing to send: move the slider.")
+elif here is None:
+    st.markdown(f"t = {tp} does not split {spec.name} (see the message above), so there is nothing to cost: "
+                "the chart below shows the degrees that do.")
 else:
     st.markdown(
         f"which at t = **{tp}** is **{format_bytes(here['comm_bytes'])}**, the same with and without "
@@ -173,7 +177,7 @@ else:
         f"(planner estimate): communication is **{here['comm_s'] / here['compute_s']:.0%}** of the compute "
         "time, and Megatron cannot hide it, because the next operation needs the sum."
     )
-if tp > 1 and spec.heads % tp == 0 and spec.ffn % tp == 0:  # a split that exists
+if tp > 1 and splits:
     bound = tensor_parallel_bound(spec, chip, micro_batch * spec.seq_len, tp)
     st.plotly_chart(bound_figure(bound, title=f"The bound meter at t = {tp}: "
                                  + ("compute-bound" if bound.compute_bound else "communication-bound")),
@@ -206,7 +210,9 @@ if outside:
         f"* **Crossing the domain.** At t = {jump['tp']} the group spans {jump['tp'] // domain} nodes of "
         f"{domain} GPUs, whose network cards give each GPU {chip.scaleout_bytes_per_s / 1e9:.0f} GB/s "
         f"instead of NVLink's {chip.scaleup_bytes_per_s / 1e9:.0f} GB/s. {change}"
-        f"The hierarchical all-reduce costed here sends only about 1/{domain} of the array through each "
+        f"The hierarchical all-reduce costed here (reduce-scatter inside each node over NVLink, all-reduce "
+        f"each GPU's 1/{domain} share across nodes, all-gather inside the node) sends only about 1/{domain} "
+        "of the array through each "
         "GPU's network card, which keeps the jump this small; it assumes the cards are free, but they also "
         "carry the data- and pipeline-parallel traffic, contention this model does not count.")
 spread = by_tp[max(by_tp)]
@@ -225,7 +231,7 @@ if domain >= MAX_TP:
 
 show_exercises([largest_compute_bound_tp(spec, chip, micro_batch * spec.seq_len)]
                + ([tp_bytes_per_layer(tp, micro_batch, spec.seq_len, spec.hidden, here["comm_bytes"])]
-                  if tp > 1 else []))
+                  if here is not None and tp > 1 else []))
 
 st.header("Run it for real")
 st.markdown(

@@ -75,3 +75,10 @@ def validate(runs: list[dict]) -> list[ValidationRow]:
         rows.append(ValidationRow(run["name"], run.get("source", ""), run["published"]["step_time_s"],
                                   est.step_time_s, est.mfu, est.tflops_per_chip, est.chosen))
     return rows
+
+
+def accuracy(runs: list[dict]) -> tuple[int, float, float]:
+    """(runs, mean |error|, max |error|) of the planner's step time on published runs."""
+    errors = [abs(r.error) for r in validate(runs)]
+    return len(errors), sum(errors) / len(errors), max(errors)
+

@@ -41,3 +41,15 @@ def test_planner_chooses_and_search_ranks_layouts():
     assert len(table) >= 3
     assert list(table["step s"]) == sorted(table["step s"])  # ranked fastest first
     assert (table["dp"] * table["tp"] * table["pp"] * table["cp"]).eq(16).all()
+
+
+def test_the_page_says_how_far_to_trust_it_from_the_published_runs():
+    from planner.validation import HELDOUT_RUNS, accuracy, load_published_runs
+    from tests.ui.apptest_util import open_app
+
+    at = open_app("app_pages/planner.py")
+    assert not at.exception
+    trust = next(e for e in at.expander if e.label == "How far to trust these numbers")
+    n, mean, _ = accuracy(load_published_runs(HELDOUT_RUNS))
+    assert f"{n} other published runs" in trust.markdown[0].value and f"mean error {mean:.1%}" in trust.markdown[0].value
+    assert "MFU**: the model's FLOPs per step" in " ".join(m.value for m in at.markdown)

@@ -236,3 +236,12 @@ def test_the_bound_meter_says_when_tp_is_communication_bound():
     assert not at.exception
     text = next(m.value for m in at.markdown if "Y < F / (C / W)" in m.value)
     assert text.startswith("**Communication-bound**") and "28,672 / 2,550 = 11.2" in text
+
+
+def test_a_tp_that_does_not_split_is_not_costed():
+    from tests.ui.apptest_util import open_app
+
+    at = open_app("app_pages/tensor_parallel.py", model="Llama 3 8B", chip="h100", tp_degree="9")
+    assert not at.exception
+    text = " ".join(m.value for m in at.markdown)
+    assert "t = 9 does not split" in text and "which at t = **9**" not in text
