@@ -81,6 +81,10 @@ m3.metric("Model TFLOP/s per chip", f"{est.model_tflops_per_chip:,.0f}")
 mem = est.memory.as_dict()
 m4.metric("Memory per chip", f"{mem['total'] / 1e9:,.1f} GB", delta="fits" if est.fits else "does not fit",
           delta_color="normal" if est.fits else "inverse")
+if chip.kind == "gpu":
+    st.caption("Read the step time as the best this layout could do: on published runs of dense models on "
+               "H100 and A100 GPUs the planner predicts faster steps (higher MFU) than were measured; "
+               "'How far to trust these numbers' below has the errors.")
 if not est.fits:
     st.warning(f"This layout needs {mem['total'] / 1e9:,.1f} GB per chip, more than {chip.name}'s "
                f"{chip.hbm_bytes / 1e9:,.0f} GB. Shard more (ZeRO-3, tp, pp), recompute activations, or let "
