@@ -119,8 +119,7 @@ else:
     stride = choices.mesh["tp"] * choices.mesh["cp"] * choices.mesh["ep"]
     for col, fsdp in zip(st.columns(2), (False, True), strict=True):
         bound = data_parallel_bound(spec, chip, bound_tokens, dp, stride, fsdp=fsdp)
-        col.plotly_chart(bound_figure(bound, title=("FSDP / ZeRO-3" if fsdp else "DP / ZeRO-1/2") + ": "
-                                      + ("compute-bound" if bound.compute_bound else "communication-bound")),
+        col.plotly_chart(bound_figure(bound, "FSDP / ZeRO-3" if fsdp else "DP / ZeRO-1/2"),
                          key=f"bound_{'fsdp' if fsdp else 'dp'}")
         col.markdown(verdict_text(bound))
 

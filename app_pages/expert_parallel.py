@@ -243,9 +243,7 @@ lines.append(
 st.markdown(" ".join(lines))
 if model_ep > 1:
     bound = expert_parallel_bound(spec, chip, tokens, model_ep)
-    st.plotly_chart(bound_figure(bound, title=f"The bound meter at ep = {model_ep}: "
-                                 + ("compute-bound" if bound.compute_bound else "communication-bound")),
-                    key="ep_bound")
+    st.plotly_chart(bound_figure(bound, f"The bound meter at ep = {model_ep}"), key="ep_bound")
     st.markdown(verdict_text(bound) + " Both sides grow with the tokens and with k, so only a wider expert "
                 "or faster links help; across nodes an all-to-all cannot reduce inside the node first, so each "
                 "GPU's own network card is the link. (The scaling book's way of counting: peak FLOP/s, the "

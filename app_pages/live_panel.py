@@ -118,6 +118,7 @@ def _follow(key: str):
     from server.queue import DONE, STOPPED, Task, get_queue
 
     job, hint, what = st.session_state[_pending_key(key)]
+    is_task = isinstance(job.runs[0][1], Task)
     queue = get_queue()
     stop_key = f"{key}__stop"
     if st.session_state.get(stop_key):
@@ -126,7 +127,7 @@ def _follow(key: str):
         if job.notice:
             st.info(job.notice, icon=":material/schedule:")
         stop_slot = st.empty()  # gone once the job ends
-        if not isinstance(job.runs[0][1], Task):
+        if not is_task:
             stop_slot.button("Stop this run", key=stop_key, icon=":material/stop_circle:",
                              help="End the run now: its worker processes are stopped, the next run starts fresh ones")
         bar = st.progress(0.0, text="Starting ...")
@@ -141,7 +142,7 @@ def _follow(key: str):
         stop_slot.empty()
     del st.session_state[_pending_key(key)]
     if job.state == DONE:
-        if isinstance(job.runs[0][1], Task):
+        if is_task:
             return job
         done = [LiveRun(label, cfg, summary, timeline, cached_from=job.cached_from)
                 for (label, cfg), (summary, timeline) in zip(job.runs, job.results, strict=True)]

@@ -179,9 +179,7 @@ else:
     )
 if tp > 1 and splits:
     bound = tensor_parallel_bound(spec, chip, micro_batch * spec.seq_len, tp)
-    st.plotly_chart(bound_figure(bound, title=f"The bound meter at t = {tp}: "
-                                 + ("compute-bound" if bound.compute_bound else "communication-bound")),
-                    key="tp_bound")
+    st.plotly_chart(bound_figure(bound, f"The bound meter at t = {tp}"), key="tp_bound")
     st.markdown(verdict_text(bound) + " Both sides grow with the tokens, so the batch does not help: only a "
                 "wider MLP (larger F) or a smaller t does. (The scaling book's rule: peak FLOP/s, the links' "
                 "bandwidth, latency left out; Megatron's all-reduces cannot overlap at all, so on a GPU even "

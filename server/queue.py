@@ -179,10 +179,8 @@ class RunQueue:
             if mine:
                 old = mine[0]
                 self._waiting[self._waiting.index(old)] = job
-                old.state, old.notice = REPLACED, "replaced by a newer press of Run in the same session"
-                self.counts[REPLACED] += 1
-                old.finished_at = time.monotonic()
-                old._event.set()
+                old.notice = "replaced by a newer press of Run in the same session"
+                self._end(old, REPLACED)
                 job.notice = ("Your earlier run, which was still waiting, has been replaced by this one "
                               "(one waiting run per session); it keeps the earlier place in line.")
             else:
@@ -196,13 +194,11 @@ class RunQueue:
             return job
 
     def cancel(self, job: Job) -> None:
-        """Take a waiting job out of the line (its page has gone). A running job runs to the end."""
+        """Take a waiting job out of the line. A running job runs to the end."""
         with self._cond:
             if job in self._waiting:
                 self._waiting.remove(job)
-                job.state, job.finished_at = CANCELLED, time.monotonic()
-                self.counts[CANCELLED] += 1
-                job._event.set()
+                self._end(job, CANCELLED)
 
     def stop(self, job: Job) -> None:
         """End a job on request: a waiting one leaves the line, a running one is stopped (its workers are
@@ -210,9 +206,7 @@ class RunQueue:
         with self._cond:
             if job in self._waiting:
                 self._waiting.remove(job)
-                job.state, job.finished_at = STOPPED, time.monotonic()
-                self.counts[STOPPED] += 1
-                job._event.set()
+                self._end(job, STOPPED)
                 return
         job.stop_event.set()
 
@@ -268,9 +262,8 @@ class RunQueue:
         with self._cond:
             self._closed = True
             for job in self._waiting:
-                job.state, job.finished_at = CANCELLED, time.monotonic()
                 job.error = Refused("the server stopped before this run started")
-                job._event.set()
+                self._end(job, CANCELLED)
             self._waiting.clear()
             self._cond.notify_all()
 
@@ -287,13 +280,17 @@ class RunQueue:
             return self._cache[key]
         return None
 
+    def _end(self, job: Job, state: str) -> None:
+        """Every way a job ends (called with the lock held): its state, when, the count, its waiter woken."""
+        job.state, job.finished_at = state, time.monotonic()
+        self.counts[state] += 1
+        job._event.set()
+
     def _finish_cached(self, job: Job, results: list, finished_at: float) -> None:
         job.results, job.cached, job.cached_from = results, True, finished_at
-        job.state, job.started_at = DONE, time.monotonic()
-        job.finished_at = job.started_at
-        self.counts[DONE] += 1
+        job.started_at = time.monotonic()
         self.counts["cached"] += 1
-        job._event.set()
+        self._end(job, DONE)
 
     def _next(self) -> Job | None:
         """The first waiting job not identical to a running one (that one will answer it)."""
@@ -321,28 +318,26 @@ class RunQueue:
                     self._cond.notify_all()
                     continue
                 if job.alive is not None and not _still(job.alive):  # its tab was closed: skip it
-                    job.state, job.finished_at = CANCELLED, time.monotonic()
-                    self.counts[CANCELLED] += 1
-                    job._event.set()
+                    self._end(job, CANCELLED)
                     continue
                 job.state, job.started_at = RUNNING, time.monotonic()
                 self._running.append(job)
-            self._execute(job)
+            state = self._execute(job)
             with self._cond:
                 self._running.remove(job)
-                job.finished_at = time.monotonic()
-                if job.state == DONE:
-                    self._durations[job.key] = job.finished_at - job.started_at
-                    self._recent.append(job.finished_at - job.started_at)
+                if state == DONE:
+                    took = time.monotonic() - job.started_at
+                    self._durations[job.key] = took
+                    self._recent.append(took)
                     if self.settings.result_cache and cacheable(job.runs):
                         self._cache[job.key] = (job.results, time.time())
                         while len(self._cache) > self.settings.result_cache:
                             self._cache.popitem(last=False)
-                self.counts[job.state] += 1
+                self._end(job, state)
                 self._cond.notify_all()
-            job._event.set()
 
-    def _execute(self, job: Job) -> None:
+    def _execute(self, job: Job) -> str:
+        """Run the job's work; the state it ends in (DONE, FAILED or STOPPED), its results or error set."""
         results = []
         try:
             for i, (_label, cfg) in enumerate(job.runs):
@@ -357,9 +352,11 @@ class RunQueue:
                 results.append(cfg.fn(progress) if isinstance(cfg, Task) else
                                self._runner(cfg, on_step, progress, job.stop_event))
                 job.calibrating = None
-            job.results, job.state = results, DONE
+            job.results = results
+            return DONE
         except BaseException as e:  # noqa: BLE001 - reported to the job's page, never lost
-            job.error, job.state = e, STOPPED if job.stop_event.is_set() else FAILED
+            job.error = e
+            return STOPPED if job.stop_event.is_set() else FAILED
 
 
 def _still(alive) -> bool:

@@ -17,7 +17,7 @@ runs something, naming the variable, and no run starts until it is fixed (never 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 
 
 class SettingsError(ValueError):
@@ -51,8 +51,9 @@ class Settings:
             try:
                 value = kind(raw.strip())
             except ValueError:
+                example = f.default if f.default is not MISSING else cls.default_concurrency()
                 raise SettingsError(f"{name}={raw!r} is not a number; set it to e.g. "
-                                    f"{EXAMPLES[f.name]}") from None
+                                    f"{example if isinstance(example, int) else format(example, 'g')}") from None
             least = 0 if f.name == "result_cache" else 1
             if not value >= least or value != value:  # NaN fails both
                 raise SettingsError(f"{name}={raw!r} must be at least {least}")
@@ -78,8 +79,6 @@ ENV_NAMES = {
     "max_run_s": "SHARDLAB_MAX_RUN_S",
     "result_cache": "SHARDLAB_RESULT_CACHE",
 }
-EXAMPLES = {"max_concurrent": 2, "max_queue": 100, "max_world": 8, "max_steps": 20,
-            "max_params": 5000000, "max_run_s": 120, "result_cache": 64}
 DESCRIPTIONS = {
     "max_concurrent": "live runs executing at once",
     "max_queue": "runs that may wait in the queue",

@@ -15,7 +15,8 @@ WHAT = {"dp": ("backward math", "gradient all-reduce"), "fsdp": ("forward math",
         "ep": ("expert math (forward)", "dispatch + combine all-to-all")}
 
 
-def bound_figure(bound: Bound, title: str = "") -> go.Figure:
+def bound_figure(bound: Bound, what: str) -> go.Figure:
+    """Titled "<what>: compute-bound" (or communication-bound)."""
     math_label, comm_label = WHAT[bound.strategy]
     longest = max(bound.math_s, bound.comm_s)
     scale, unit = (1e3, "ms") if longest >= 1e-3 else (1e6, "µs")
@@ -25,7 +26,7 @@ def bound_figure(bound: Bound, title: str = "") -> go.Figure:
         fig.add_trace(go.Bar(y=[label], x=[seconds * scale], orientation="h", marker_color=color,
                              text=[f"{seconds * scale:,.2f} {unit}"], textposition="outside", cliponaxis=False,
                              showlegend=False))
-    fig.update_layout(title=title or ("Compute-bound" if bound.compute_bound else "Communication-bound"),
+    fig.update_layout(title=f"{what}: {'compute' if bound.compute_bound else 'communication'}-bound",
                       height=170, margin={"l": 10, "r": 60, "t": 40, "b": 30},
                       xaxis={"title": f"{unit} per layer (peak FLOP/s, link bandwidth)",
                              "range": [0, 1.25 * longest * scale]},
