@@ -61,6 +61,26 @@ def new_group(ranks: list[int], timeout_s: float):
     return dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
 
 
+def mesh_groups(mesh, rank: int, timeout_s: float, spans: list[tuple[str, ...]] = ()) -> dict[str, object]:
+    """This rank's process group for every axis of `mesh` (a core.mesh.Mesh) and for every multi-axis
+    span in `spans` (keyed "dp+cp"), created in one fixed order on every rank, as `new_group` requires. A
+    group spanning the whole world reuses the default group (no new rendezvous)."""
+    from core.mesh import group_key
+
+    mine = {}
+    for axes in [(a,) for a in mesh.names] + list(spans):
+        groups = mesh.group_ranks(axes)
+        key = group_key(axes)
+        if len(groups) == 1 and len(groups[0]) == mesh.world:
+            mine[key] = world_group()
+            continue
+        for ranks in groups:
+            g = new_group(ranks, timeout_s)
+            if rank in ranks:
+                mine[key] = g
+    return mine
+
+
 def measure_clock_offset(device: torch.device, rounds: int = 5) -> float:
     """Seconds to add to this rank's perf_counter to read rank 0's clock.
 
@@ -127,19 +147,17 @@ class Comm:
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.groups: dict[str, object] = {"world": dist.group.WORLD, **(groups or {})}
-        if "fsdp" in self.groups and "dp" not in self.groups:
-            # A mesh's fsdp axis is where the ZeRO-3 strategy (which talks over "dp") shards.
-            self.groups["dp"] = self.groups["fsdp"]
         backend = dist.get_backend()
         self.staged = device.type == "cuda" and backend == "gloo"
         self.tracing = True  # off for bookkeeping traffic: no span, not counted in sent_bytes
         self.sent_bytes = 0  # counted even when the recorder is off, for untraced runs
 
     def size(self, group: str) -> int:
-        return dist.get_world_size(self.groups[group])
+        """Ranks in a group; an axis the mesh does not name has one (no collective is issued on it)."""
+        return dist.get_world_size(self.groups[group]) if group in self.groups else 1
 
     def group_rank(self, group: str) -> int:
-        return dist.get_rank(self.groups[group])
+        return dist.get_rank(self.groups[group]) if group in self.groups else 0
 
     @contextmanager
     def untraced(self):
@@ -293,6 +311,12 @@ class Comm:
         """Every rank's picklable `obj`, on every rank; untraced bookkeeping (results, losses)."""
         out = [None] * self.world
         dist.all_gather_object(out, obj)
+        return out
+
+    def gather_to_root(self, obj) -> list | None:
+        """Every rank's picklable `obj` on rank 0 (None elsewhere): large bookkeeping (gathered states)."""
+        out = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0)
         return out
 
 

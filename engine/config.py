@@ -9,17 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from core.mesh import AXES, Mesh
 from engine.schedules import SCHEDULE_NAMES
 
-# Axes a mesh may name. Only "dp" has a strategy today; tp/pp/cp/ep are reserved for later issues so
-# that `--mesh dp=2,tp=2` already parses and fails with a clear message instead of a crash.
-KNOWN_AXES = ("dp", "tp", "pp", "cp", "ep", "fsdp")
-# Mesh axes from outermost (slowest-changing rank coordinate) to innermost; engine/mesh.py says why.
-CANONICAL_AXIS_ORDER = ("pp", "dp", "fsdp", "cp", "ep", "tp")
-PIPELINE_AXES = ("pp", "fsdp")  # implemented by engine/pp.py (fsdp: ZeRO-3 over its own mesh axis)
-IMPLEMENTED_AXES = ("dp", "cp", "ep", "tp")
 STRATEGIES = ("dp", "fsdp", "cp", "ep", "pp", "tp")
-# The mesh axis a strategy splits over when no --mesh is given (all other strategies: dp = world).
+# The mesh axis a strategy splits over when no --mesh is given (all other strategies: dp = world); with
+# a --mesh the strategy is only the run's label and fsdp's default ZeRO stage.
 DEFAULT_AXIS = {"cp": "cp", "ep": "ep", "pp": "pp", "tp": "tp"}
 CP_VARIANTS = ("ring", "allgather")
 DP_COMM_MODES = ("naive", "bucketed")
@@ -88,13 +83,7 @@ class ParallelConfig:
         return 3 if self.strategy == "fsdp" or dict(self.mesh).get("fsdp", 1) > 1 else 0
 
     def axes(self, world: int) -> tuple[tuple[str, int], ...]:
-        axes = self.mesh or ((DEFAULT_AXIS.get(self.strategy, "dp"), world),)
-        if self.strategy in ("cp", "ep"):
-            # cp and ep talk over their own axis and sync gradients over dp: a missing one becomes a
-            # degree-1 axis (every rank its own group), which leaves the rank layout unchanged.
-            missing = tuple((a, 1) for a in ("dp", self.strategy) if a not in dict(axes))
-            axes = (*missing, *axes)
-        return axes
+        return self.mesh or ((DEFAULT_AXIS.get(self.strategy, "dp"), world),)
 
     def degree(self, axis: str, world: int) -> int:
         return dict(self.axes(world)).get(axis, 1)
@@ -117,9 +106,8 @@ class RunConfig:
     collective_timeout_s: float = 30.0  # every collective fails after this, instead of gloo's 30 minutes
 
     @property
-    def dp(self) -> int:
-        """Replicas of the batch: the dp axis times the fsdp axis (ZeRO-3 over its own mesh axis)."""
-        return self.parallel.degree("dp", self.world) * self.parallel.degree("fsdp", self.world)
+    def mesh(self) -> Mesh:
+        return Mesh(self.parallel.axes(self.world))
 
     @property
     def pp(self) -> int:
@@ -127,9 +115,9 @@ class RunConfig:
 
     @property
     def global_batch(self) -> int:
-        """Sequences per optimizer step over all ranks. Expert-parallel ranks read different sequences (they
-        are data parallel for everything but the experts), so they multiply the batch like dp does."""
-        return self.dp * self.parallel.degree("ep", self.world) * self.micro_batches * self.micro_batch_size
+        """Sequences per optimizer step over all ranks: dp x fsdp x ep ranks read different sequences
+        (core/mesh.py), each micro-batch after micro-batch."""
+        return self.mesh.batch_shards * self.micro_batches * self.micro_batch_size
 
 
 def unit_forward_flops(m: ModelConfig, unit: int, sequences: int) -> float:
@@ -156,9 +144,8 @@ def step_flops(cfg: RunConfig) -> float:
 
 
 def strategy_for(mesh: tuple[tuple[str, int], ...]) -> str:
-    """The strategy a mesh runs with when none is named: context and expert parallel need theirs (they
-    hook the model); every other mesh runs on the data-parallel code path, whose sharder and pipeline
-    follow the mesh's axes."""
+    """The label of a run given only its mesh (every mesh runs the same composed layout,
+    engine/parallelize.py): cp or ep when the mesh has them, fsdp for an fsdp axis, else dp."""
     degrees = dict(mesh)
     for axis in ("cp", "ep"):
         if degrees.get(axis, 1) > 1:
@@ -167,22 +154,22 @@ def strategy_for(mesh: tuple[tuple[str, int], ...]) -> str:
 
 
 def parse_mesh(text: str) -> tuple[tuple[str, int], ...]:
-    """`"tp=2,dp=2"` -> `(("dp", 2), ("tp", 2))`: in CANONICAL_AXIS_ORDER whatever the order written,
-    so a mesh always groups the same ranks (tp innermost; engine/mesh.py says why)."""
+    """`"tp=2,dp=2"` -> `(("dp", 2), ("tp", 2))`: in the mesh's axis order whatever the order written,
+    so a mesh always groups the same ranks (tp innermost; core/mesh.py says why)."""
     axes: list[tuple[str, int]] = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, sep, value = part.partition("=")
         name = name.strip()
         if not sep or not value.strip().isdigit():
             raise ConfigError(f"mesh entry {part!r} must look like name=degree, e.g. --mesh dp=2,tp=2")
-        if name not in KNOWN_AXES:
-            raise ConfigError(f"mesh axis {name!r} is unknown; use one of {', '.join(KNOWN_AXES)}")
+        if name not in AXES:
+            raise ConfigError(f"mesh axis {name!r} is unknown; use one of {', '.join(AXES)}")
         if name in dict(axes):
             raise ConfigError(f"mesh axis {name!r} appears twice in {text!r}; name each axis once")
         axes.append((name, int(value)))
     if not axes:
         raise ConfigError(f"--mesh {text!r} names no axis; write e.g. --mesh dp=4")
-    return tuple(sorted(axes, key=lambda a: CANONICAL_AXIS_ORDER.index(a[0])))
+    return tuple(sorted(axes, key=lambda a: AXES.index(a[0])))
 
 
 def _check(ok: bool, message: str) -> None:
@@ -224,18 +211,16 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(p.stage in (0, 1, 2, 3), f"zero_stage={p.stage} must be 0, 1, 2 or 3")
     if p.strategy == "fsdp":
         _check(p.stage >= 1, "fsdp with zero_stage=0 shards nothing: use --strategy dp --zero-stage 0")
-    elif p.degree("fsdp", cfg.world) == 1:
-        _check(p.stage <= 2, "ZeRO-3 shards the parameters themselves: use --strategy fsdp --zero-stage 3")
+    _check(p.degree("fsdp", cfg.world) == 1 or p.stage >= 1,
+           "the fsdp axis is where ZeRO shards, and zero stage 0 shards nothing: drop --zero-stage 0 or "
+           "name the axis dp")
     _check(p.dp_comm in DP_COMM_MODES, f"dp_comm={p.dp_comm!r} must be one of {', '.join(DP_COMM_MODES)}")
     _check(p.bucket_bytes >= 4, f"bucket_bytes={p.bucket_bytes} must hold at least one float32")
     axes = p.axes(cfg.world)
     product = 1
     for name, degree in axes:
-        _check(name in KNOWN_AXES, f"mesh axis {name!r} is unknown; use one of {', '.join(KNOWN_AXES)}")
+        _check(name in AXES, f"mesh axis {name!r} is unknown; use one of {', '.join(AXES)}")
         _check(degree >= 1, f"mesh axis {name}={degree} must be at least 1")
-        _check(name in IMPLEMENTED_AXES + PIPELINE_AXES or degree == 1,
-               f"mesh axis {name}={degree} has no strategy in the engine yet; "
-               f"use only dp (e.g. --mesh dp={cfg.world})")
         product *= degree
     _check(product == cfg.world, f"mesh {','.join(f'{n}={d}' for n, d in axes)} has {product} ranks but "
            f"world={cfg.world}; make the degrees multiply to the world size")
@@ -249,25 +234,28 @@ def validate(cfg: RunConfig) -> RunConfig:
 
 def _validate_cp_ep(cfg: RunConfig) -> None:
     p, m = cfg.parallel, cfg.model
-    cp, ep = p.degree("cp", cfg.world), p.degree("ep", cfg.world)
-    _check(cp == 1 or p.strategy == "cp", f"mesh axis cp={cp} needs --strategy cp")
-    _check(ep == 1 or p.strategy == "ep", f"mesh axis ep={ep} needs --strategy ep")
+    cp, ep, tp = (p.degree(a, cfg.world) for a in ("cp", "ep", "tp"))
+    _check(p.strategy != "cp" or "cp" in dict(p.axes(cfg.world)),
+           "--strategy cp needs a cp axis in --mesh, e.g. --mesh dp=2,cp=2 (or no --mesh: cp = world)")
+    _check(p.strategy != "ep" or "ep" in dict(p.axes(cfg.world)),
+           "--strategy ep needs an ep axis in --mesh, e.g. --mesh dp=2,ep=2 (or no --mesh: ep = world)")
     _check(p.cp_variant in CP_VARIANTS,
            f"cp_variant={p.cp_variant!r} must be one of {', '.join(CP_VARIANTS)}")
-    if p.strategy in ("cp", "ep"):
-        _check(p.stage == 0, f"--strategy {p.strategy} syncs whole gradients over dp; ZeRO stages are not "
-               f"combined with it: drop --zero-stage {p.stage}")
-    if p.strategy == "cp":
+    if cp > 1:
         _check(m.seq_len % (2 * cp) == 0, f"seq_len={m.seq_len} is not divisible by 2*cp={2 * cp}: the "
                f"load-balanced split cuts each sequence into 2*cp equal chunks; choose seq_len as a multiple "
                f"of {2 * cp} or a smaller cp")
         _check(m.mlp == "dense" or m.capacity_factor is None,
                "capacity_factor counts an expert's tokens per whole sequence, which cp splits across ranks: "
-               "drop --capacity-factor with --strategy cp")
-    if p.strategy == "ep":
+               "drop --capacity-factor with a cp axis")
+    if ep > 1:
         _check(m.mlp == "moe", "expert parallel splits the experts of an MoE layer: use --mlp moe")
         _check(m.experts % ep == 0, f"experts={m.experts} is not divisible by ep={ep}: each rank holds "
                f"experts/ep whole experts; choose experts as a multiple of {ep} or another ep")
+    if tp > 1 and p.sequence_parallel and m.mlp == "moe":
+        _check(m.capacity_factor is None,
+               "capacity_factor counts an expert's tokens per whole sequence, which sequence parallel splits "
+               "across the tp ranks: drop --capacity-factor or --sequence-parallel")
 
 
 def _validate_pp(cfg: RunConfig) -> None:
@@ -275,10 +263,6 @@ def _validate_pp(cfg: RunConfig) -> None:
     pp, v, mb = cfg.pp, p.virtual_stages, cfg.micro_batches
     _check(p.strategy != "pp" or "pp" in dict(p.axes(cfg.world)),
            "--strategy pp needs a pp axis in --mesh, e.g. --mesh pp=2,dp=2")
-    _check(p.degree("dp", cfg.world) == 1 or p.degree("fsdp", cfg.world) == 1,
-           "a mesh with both dp and fsdp axes (HSDP) is not supported: keep one of them")
-    _check(p.degree("fsdp", cfg.world) == 1 or p.stage == 3,
-           f"the fsdp axis shards parameters (ZeRO-3): drop --zero-stage {p.stage} or name the axis dp")
     _check(p.schedule in SCHEDULE_NAMES,
            f"schedule={p.schedule!r} must be one of {', '.join(SCHEDULE_NAMES)}")
     _check(v >= 1, f"virtual_stages={v} must be at least 1")
@@ -316,11 +300,6 @@ def _validate_tp(cfg: RunConfig) -> None:
            "(--strategy tp, or --mesh ...,tp=N)")
     if tp == 1:
         return
-    _check(p.strategy not in ("cp", "ep"), f"--strategy {p.strategy} does not split its layers over a tp axis "
-           f"(tp={tp} ranks would only repeat each other's work): drop tp from --mesh, or use tensor "
-           f"parallel with dp, fsdp or pp (e.g. --mesh dp=2,tp=2)")
-    _check(m.mlp == "dense", f"tensor parallel splits the dense SwiGLU MLP by ffn; an MoE layer is split "
-           f"by whole experts instead: use --strategy ep (expert parallel), or --mlp dense with tp={tp}")
     sizes = _tp_sizes(m.heads, m.kv_heads)
     _check(m.heads % tp == 0, f"heads={m.heads} is not divisible by tp={tp}: each rank computes heads/tp "
            f"attention heads; use tp in {sizes} or another number of heads")
@@ -329,11 +308,14 @@ def _validate_tp(cfg: RunConfig) -> None:
     _check(m.kv_heads % tp == 0 or tp % m.kv_heads == 0,
            f"kv_heads={m.kv_heads} is not divisible by tp={tp} (nor tp by kv_heads): use tp in {sizes} "
            f"or another number of kv heads")
-    for name in ("ffn", "vocab"):
+    # An MoE layer's experts are not split over tp (engine/tp.py): only a dense MLP's ffn must divide.
+    for name in ("ffn", "vocab") if m.mlp == "dense" else ("vocab",):
         size = getattr(m, name)
         _check(size % tp == 0, f"{name}={size} is not divisible by tp={tp}: each rank holds {name}/tp of "
                f"it; choose {name} as a multiple of {tp} or another tp")
     if p.sequence_parallel:
-        _check(m.seq_len % tp == 0, f"seq_len={m.seq_len} is not divisible by tp={tp}: sequence parallel "
-               f"splits each sequence into tp equal parts; choose seq_len as a multiple of {tp} or drop "
-               f"--sequence-parallel")
+        cp = p.degree("cp", cfg.world)
+        held = m.seq_len // cp
+        _check(held % tp == 0, f"seq_len={m.seq_len} is not divisible by tp*cp={tp * cp}: sequence parallel "
+               f"splits the {held} positions a rank holds into tp equal parts; choose seq_len as a multiple "
+               f"of {2 * cp * tp if cp > 1 else tp} or drop --sequence-parallel")

@@ -21,7 +21,11 @@ Two ways to bring the keys and values:
 Bytes one rank sends per attention layer per step, with kv_bytes = 2 * B * kv_heads * (T/cp) * d * 4:
     ring       (cp-1) K/V forward + (cp-1) K/V and cp dK/dV backward  = (3 cp - 2) * kv_bytes
     allgather  all_gather + reduce_scatter of cp * kv_bytes            = 2 (cp-1) * kv_bytes
-plus the gradient all-reduce over dp x cp (the weights are replicated): 2 (n-1)/n * params * 4.
+plus the gradient sync of the data-parallel sharder, whose data axes include cp (the weights are
+replicated over cp; core/mesh.py): at ZeRO stage 0 one all-reduce over dp x cp, 2 (n-1)/n * params * 4.
+
+With tensor parallel a rank holds heads/tp of every attention layer and passes only those heads' K/V
+around the ring; with sequence parallel its T/cp tokens are split once more over tp outside attention.
 
 The ring's backward is written by hand (`_RingAttention.backward`): autograd cannot differentiate
 through isend/irecv, and the hand-written version recomputes each block's probabilities from the saved
@@ -36,8 +40,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from engine.model import unit_forward_flops
-from engine.replicated import ReplicatedStrategy
+from engine.strategy import Plan
 from engine.ring_attention import (
     block_backward,
     block_forward,
@@ -152,41 +155,40 @@ class _GatherKV(torch.autograd.Function):
         return out, None, None
 
 
-class ContextParallel(ReplicatedStrategy):
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
-        m = self.cfg.model
-        self.cp, self.cp_rank = self.comm.size("cp"), self.comm.group_rank("cp")
-        self.positions = zigzag_positions(m.seq_len, self.cp, self.cp_rank).to(self.comm.device)
+class ContextParallelPlan(Plan):
+    """Points every attention layer at this rank's zig-zag positions and at ring (or all-gather)
+    attention; the rank then computes on its T/cp tokens of each sequence."""
+
+    def __init__(self, cfg, model, comm, rec):
+        self.cfg, self.comm = cfg, comm
+        m = cfg.model
+        self.cp, self.cp_rank = comm.size("cp"), comm.group_rank("cp")
+        self.positions = zigzag_positions(m.seq_len, self.cp, self.cp_rank).to(comm.device)
         # Key positions of the all-gathered K/V, in cp-rank order.
         self.all_positions = torch.cat([zigzag_positions(m.seq_len, self.cp, r)
-                                        for r in range(self.cp)]).to(self.comm.device)
-        for i, unit in enumerate(self.model.units):
+                                        for r in range(self.cp)]).to(comm.device)
+        for i, unit in enumerate(model.units):
             if hasattr(unit, "attn"):
                 unit.attn.positions = self.positions
-                if self.cp > 1:
-                    unit.attn.attend = partial(self._attend, _Ring(self.comm, self.rec, self.names[i],
-                                                                   self.positions))
-        self.hold(dict(self.model.named_parameters()), ("dp", "cp"), self.dp * self.cp, "params")
+                unit.attn.attend = partial(self._attend, _Ring(comm, rec, model.unit_names[i], self.positions))
 
-    def forward(self, tokens, targets):
-        return super().forward(tokens[:, self.positions], targets[:, self.positions])
+    def local_tokens(self, tokens):
+        return tokens[:, self.positions]
 
-    def unit_flops(self, i: int, tokens) -> float:
+    def unit_flops(self, i: int, flops: float, sequences: int) -> float:
         """Per-token work scales with the T/cp tokens held; attention with the (query, key) pairs this
         rank's blocks compute: ring: its diagonal block plus cp-1 half blocks (the zig-zag skips the rest),
         allgather: its queries against every key (the masked part computed too, as the reference's)."""
         m, cp = self.cfg.model, self.cp
-        whole = unit_forward_flops(m, i, tokens.shape[0])
         if not 0 < i <= m.layers:
-            return whole / cp
-        attention = 4 * tokens.shape[0] * m.seq_len**2 * m.heads * m.head_dim  # as in unit_forward_flops
+            return flops / cp
+        attention = 4 * sequences * m.seq_len**2 * m.heads * m.head_dim  # as in unit_forward_flops
         c = m.seq_len // (2 * cp)
         if self.cfg.parallel.cp_variant == "ring":
             pairs = (2 * c) ** 2 + (cp - 1) * 2 * c * c
         else:
             pairs = 2 * c * m.seq_len
-        return (whole - attention) / cp + attention * pairs / m.seq_len**2
+        return (flops - attention) / cp + attention * pairs / m.seq_len**2
 
     def _attend(self, ring: _Ring, q, k, v):
         if self.cfg.parallel.cp_variant == "ring":

@@ -1,54 +1,56 @@
-"""Data parallel: every rank holds the whole model and a slice of the batch; gradients are summed.
+"""Data parallel, ZeRO stage 0 (Li et al. 2020, "PyTorch Distributed"): every rank holds whole parameters,
+gradients and AdamW moments, and sums its gradients with the other ranks that saw other tokens.
 
-    In[B_dp, T, D] . W[D, F]  ->  Out[B_dp, T, F]          (W replicated on every dp rank)
-    dW = AllReduce_dp( sum over micro-batches of dW_local ) / dp
+    forward/backward:  In[B_dp, T, D] . W[D, F]           (W replicated over the data axes)
+    gradients:         dW = AllReduce_{grad axes}(dW_local) / replicas
 
-Two ways to synchronize the gradients:
-
-* ``naive``: after the whole backward, one blocking all-reduce per parameter. Simple, and nothing
-  overlaps: the ranks compute, then only communicate.
-* ``bucketed`` (what torch DDP does, Li et al. 2020 "PyTorch Distributed", section 3.2.3): parameters
-  are grouped into buckets of about `bucket_bytes` in reverse order (the order backward produces their
-  gradients); a bucket's all-reduce is issued asynchronously as soon as its last gradient is
-  accumulated, so communication of late layers overlaps backward of early ones.
-
-Gradient accumulation: with several micro-batches, gradients add up locally and only the last
-micro-batch's backward communicates (DDP's `no_sync`). The loss of each micro-batch is divided by the
-number of micro-batches and the summed gradient by dp, so the result is the gradient of the mean loss
-over the global batch, as in the reference.
+The grad axes are the mesh's data axes (dp, fsdp, cp, ep; an expert's weights skip ep: core/mesh.py), so
+one all-reduce over one group does it whatever the mesh: dp=4 reduces over dp, dp=2,cp=2 over dp+cp.
+`naive` all-reduces each parameter after backward; `bucketed` (DDP's gradient buckets) groups parameters
+in reverse order into buckets of about `bucket_bytes`, each all-reduced asynchronously as soon as its last
+gradient has been accumulated, so the communication overlaps the rest of backward. With micro-batches,
+only the last one's backward communicates (DDP's no_sync).
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine.strategy import WholeParamsStrategy
+from core.mesh import group_key
+from engine.optim import adamw_
+from engine.strategy import Strategy
 
 
-class DataParallel(WholeParamsStrategy):
+class DataParallel(Strategy):
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
-        self.params = dict(self.model.named_parameters())
+        self.params = dict(self.held_params(self.model))
         self.exp_avg = {n: torch.zeros_like(p) for n, p in self.params.items()}
         self.exp_avg_sq = {n: torch.zeros_like(p) for n, p in self.params.items()}
-        self.bucketed = self.cfg.parallel.dp_comm == "bucketed" and self.dp > 1
-        self.buckets: list[list[torch.nn.Parameter]] = []
+        # The group each gradient is summed over (None: no other rank holds this parameter's replica).
+        self.group = {n: group_key(axes) if (axes := self.grad_axes(n)) else None for n in self.params}
+        self.bucketed = self.cfg.parallel.dp_comm == "bucketed"
+        self.buckets: list[tuple[str, list[torch.nn.Parameter]]] = []
         self.pending: list[tuple[list[torch.nn.Parameter], object]] = []
         if self.bucketed:
             self._make_buckets(self.cfg.parallel.bucket_bytes)
 
     def _make_buckets(self, bucket_bytes: int) -> None:
-        bucket, size = [], 0
-        for p in reversed(list(self.params.values())):
+        """Reverse parameter order (backward's), one bucket list per reduction group."""
+        open_buckets: dict[str, tuple[list, list[int]]] = {}
+        for name, p in reversed(list(self.params.items())):
+            group = self.group[name]
+            if group is None:
+                continue
+            bucket, size = open_buckets.setdefault(group, ([], [0]))
             bucket.append(p)
-            size += p.numel() * p.element_size()
-            if size >= bucket_bytes:
-                self.buckets.append(bucket)
-                bucket, size = [], 0
-        if bucket:
-            self.buckets.append(bucket)
+            size[0] += p.numel() * p.element_size()
+            if size[0] >= bucket_bytes:
+                self.buckets.append((group, bucket))
+                del open_buckets[group]
+        self.buckets += [(group, bucket) for group, (bucket, _) in open_buckets.items()]
         self._ready = [0] * len(self.buckets)
-        for k, bucket in enumerate(self.buckets):
+        for k, (_, bucket) in enumerate(self.buckets):
             for p in bucket:
                 p.register_post_accumulate_grad_hook(lambda p, k=k: self._grad_ready(k))
 
@@ -56,10 +58,10 @@ class DataParallel(WholeParamsStrategy):
         if not self.last_micro_batch:
             return
         self._ready[k] += 1
-        if self._ready[k] == len(self.buckets[k]):
-            bucket = self.buckets[k]
+        group, bucket = self.buckets[k]
+        if self._ready[k] == len(bucket):
             flat = torch.cat([p.grad.reshape(-1) for p in bucket])
-            handle = self.comm.all_reduce(flat, "dp", async_op=True, name=f"all_reduce bucket {k}")
+            handle = self.comm.all_reduce(flat, group, async_op=True, name=f"all_reduce bucket {k}")
             self.pending.append((bucket, handle))
 
     def zero_grad(self) -> None:
@@ -68,18 +70,45 @@ class DataParallel(WholeParamsStrategy):
         self._ready = [0] * len(self.buckets)
 
     def finish_grads(self) -> None:
-        if self.dp == 1:
-            return
-        if not self.bucketed:
-            for p in reversed(list(self.params.values())):
-                self.comm.all_reduce(p.grad, "dp")
-                p.grad.div_(self.dp)
-            return
-        for bucket, handle in self.pending:
-            flat = handle.wait()
-            offset = 0
-            for p in bucket:
-                n = p.numel()
-                p.grad.copy_(flat[offset:offset + n].view_as(p.grad)).div_(self.dp)
-                offset += n
-        self.pending = []
+        if self.bucketed:
+            for bucket, handle in self.pending:
+                flat = handle.wait()
+                offset = 0
+                for p in bucket:
+                    n = p.numel()
+                    p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+                    offset += n
+            self.pending = []
+        else:
+            for name, p in reversed(list(self.params.items())):
+                if self.group[name] is not None:
+                    self.comm.all_reduce(p.grad, self.group[name])
+        if self.replicas > 1:
+            for p in self.params.values():
+                p.grad.div_(self.replicas)
+
+    def step(self, step: int) -> None:
+        with self.rec.compute("optimizer step"):
+            for n, p in self.params.items():
+                adamw_(p, p.grad, self.exp_avg[n], self.exp_avg_sq[n], step, self.hyper)
+
+    def sharded_state(self):
+        return {
+            "params": {n: p.detach().clone() for n, p in self.params.items()},
+            "grads": {n: p.grad.detach().clone() for n, p in self.params.items()},
+            "exp_avg": {n: t.clone() for n, t in self.exp_avg.items()},
+            "exp_avg_sq": {n: t.clone() for n, t in self.exp_avg_sq.items()},
+        }
+
+    def memory_bytes(self):
+        def size(tensors):
+            return sum(t.numel() * t.element_size() for t in tensors)
+
+        return {
+            "params": size(self.params.values()),
+            "grads": size(p.grad for p in self.params.values() if p.grad is not None),
+            "optimizer": size(self.exp_avg.values()) + size(self.exp_avg_sq.values()),
+        }
+
+    def param_storages(self):
+        return [p.untyped_storage() for p in self.params.values()]

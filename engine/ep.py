@@ -18,9 +18,11 @@ One MoE layer on one rank, In[N, D] with N = local tokens:
 Backward runs 4 and 6 reversed (autograd functions below), so an MoE layer moves its rows four times per
 step: bytes sent per rank per layer per step ~ 4 * N * top_k * kept * D * 4 bytes * (ep-1)/ep.
 
-Gradients: dense parameters are summed over dp x ep (every rank computed them on other tokens); an
-expert's gradient already holds every ep rank's tokens (they came through the all-to-all), so it is summed
-over dp only. Both are divided by dp * ep, the number of local mean losses averaged into the global one.
+Gradients (the data-parallel sharder's, core/mesh.py): dense parameters are summed over every data axis
+(ep included: every rank computed them on other tokens); an expert's gradient already holds every ep
+rank's tokens (they came through the all-to-all), so it is summed over the data axes but ep. Both are
+divided by the number of local mean losses averaged into the global one. With ZeRO/FSDP an MoE block's
+experts get their own flat buffers (engine/flat.py).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from functools import partial
 
 import torch
 
-from engine.replicated import ReplicatedStrategy
+from engine.strategy import Plan
 
 _EXPERT_PARAM = re.compile(r"units\.(\d+)\.mlp\.experts\.(\d+)\.(.+)")
 
@@ -54,46 +56,47 @@ class _AllToAll(torch.autograd.Function):
         return back, None, None, None, None
 
 
-class ExpertParallel(ReplicatedStrategy):
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
-        m = self.cfg.model
-        self.ep, self.ep_rank = self.comm.size("ep"), self.comm.group_rank("ep")
+class ExpertParallelPlan(Plan):
+    """Keeps this ep rank's experts of every MoE layer (frees the others) and routes tokens to them with
+    the all-to-alls."""
+
+    def __init__(self, cfg, model, comm, count_group: str):
+        self.cfg, self.comm = cfg, comm
+        self.count_group = count_group  # the ranks holding these layers that routed different tokens
+        m = cfg.model
+        self.names = model.unit_names
+        self.ep, self.ep_rank = comm.size("ep"), comm.group_rank("ep")
         self.experts_here = m.experts // self.ep
         self.first_expert = self.ep_rank * self.experts_here
-        # Ranks that read different sequences: dp x ep, in mesh order (ep innermost). The driver picks this
-        # rank's rows by `dp_rank`, so it is this rank's index among them.
-        self.dp_rank = self.dp_rank * self.ep + self.ep_rank
-        replicas = self.dp * self.ep
-        dense, experts = {}, {}
-        for name, p in self.model.named_parameters():
+        for name, p in model.named_parameters():
             match = _EXPERT_PARAM.fullmatch(name)
-            if match is None:
-                dense[name] = p
-            elif self.first_expert <= int(match[2]) < self.first_expert + self.experts_here:
-                experts[name] = p
-            else:  # another rank's expert: free it, this rank never computes with it
+            if match is not None and not 0 <= int(match[2]) - self.first_expert < self.experts_here:
+                # another rank's expert: free it, this rank never computes with it
                 p.requires_grad_(False)
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        self.hold(dense, ("dp", "ep"), replicas, "dense")
-        self.hold(experts, ("dp",), replicas, "experts")
-        # Per MoE layer, counts accumulated over the run: routed and dropped (token, choice) pairs per
-        # expert (all experts, from this rank's tokens) and rows each local expert processed.
+        # Per MoE layer (by the full model's unit index), counts accumulated over the run: routed and
+        # dropped (token, choice) pairs per expert (all experts, from this rank's tokens).
         self.load = {}
-        for i, unit in enumerate(self.model.units):
+        self.kinds: list[str] = []
+        for i, unit in enumerate(model.units):
             if hasattr(unit, "mlp") and hasattr(unit.mlp, "dispatch"):
                 unit.mlp.dispatch = partial(self._dispatch, i, unit.mlp)
-                self.load[i] = {"routed": torch.zeros(m.experts, dtype=torch.int64),
-                                "dropped": torch.zeros(m.experts, dtype=torch.int64)}
+                self.load[model.global_units[i]] = {"routed": torch.zeros(m.experts, dtype=torch.int64),
+                                                    "dropped": torch.zeros(m.experts, dtype=torch.int64)}
+                self.kinds = [n for n, _ in unit.mlp.experts[0].named_parameters()]
+        self.global_units = model.global_units
+
+    def is_expert(self, name: str) -> bool:
+        return _EXPERT_PARAM.fullmatch(name) is not None
 
     def _dispatch(self, i: int, moe, flat, weights, chosen, keep):
         """The MoE.dispatch hook: the same sum as the reference's loop over experts, via all-to-all."""
-        n_exp, name = self.cfg.model.experts, self.names[i]
+        n_exp, name, load = self.cfg.model.experts, self.names[i], self.load[self.global_units[i]]
         k = chosen.shape[1]
         token = torch.arange(flat.shape[0], device=flat.device).repeat_interleave(k)
         expert, weight, kept = chosen.reshape(-1), weights.reshape(-1), keep.reshape(-1)
-        self.load[i]["routed"] += torch.bincount(expert, minlength=n_exp).cpu()
-        self.load[i]["dropped"] += torch.bincount(expert[~kept], minlength=n_exp).cpu()
+        load["routed"] += torch.bincount(expert, minlength=n_exp).cpu()
+        load["dropped"] += torch.bincount(expert[~kept], minlength=n_exp).cpu()
         token, expert, weight = token[kept], expert[kept], weight[kept]
         order = expert.argsort(stable=True)  # by expert, then earlier tokens first: the reference's order
         token, expert, weight = token[order], expert[order], weight[order]
@@ -116,13 +119,10 @@ class ExpertParallel(ReplicatedStrategy):
         back = _AllToAll.apply(out_rows, self.comm, in_splits, out_splits, f"all_to_all combine {name}")
         return torch.zeros_like(flat).index_add(0, token, back * weight[:, None])
 
-    def full_state(self):
-        state = super().full_state()
-        if self.ep == 1:
-            return state
-        kinds = [n for n, _ in self.model.units[next(iter(self.load))].mlp.experts[0].named_parameters()]
+    def full_state(self, state: dict) -> dict:
+        """Every ep rank's experts gathered (names of the full model; collective over ep, untraced)."""
         for i in self.load:
-            for kind in kinds:
+            for kind in self.kinds:
                 mine = [f"units.{i}.mlp.experts.{self.first_expert + j}.{kind}"
                         for j in range(self.experts_here)]
                 for quantity in state:
@@ -136,7 +136,8 @@ class ExpertParallel(ReplicatedStrategy):
         return state
 
     def stats(self) -> dict:
-        """Expert load over the whole run, summed over every rank's tokens (for the pages): per layer the
+        """Expert load over the whole run, summed over every rank's tokens (for the pages; tensor-parallel
+        ranks that routed the same tokens counted once, pipeline stages per layer): per layer the
         (token, choice) pairs routed to each expert, those dropped by the capacity, the rows each ep rank
         processed, and max/mean of each (1.0 = perfectly balanced)."""
         m = self.cfg.model
@@ -144,11 +145,12 @@ class ExpertParallel(ReplicatedStrategy):
         for i, load in self.load.items():
             both = torch.cat([load["routed"], load["dropped"]]).to(self.comm.device)
             with self.comm.untraced():
-                self.comm.all_reduce(both, "world")
+                self.comm.all_reduce(both, self.count_group)
             routed, dropped = both[: m.experts].cpu(), both[m.experts:].cpu()
+            name = f"L{i - 1}"
             processed = routed - dropped
             per_rank = processed.view(self.ep, self.experts_here).sum(1)
-            layers[self.names[i]] = {
+            layers[name] = {
                 "tokens_per_expert": routed.tolist(),
                 "dropped_per_expert": dropped.tolist(),
                 "processed_per_expert": processed.tolist(),

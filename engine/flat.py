@@ -1,13 +1,17 @@
 """Flat parameters: the common ground of ZeRO-1/2/3.
 
-Each unit of the model (embed, each block, head) keeps its parameters in one flat fp32 buffer,
-padded to a multiple of dp so it splits into dp equal shards (as FSDP's FlatParameter does):
+Each unit of the model (embed, each block, head) keeps its parameters in flat fp32 buffers, one per
+gradient group (a dense block has one; an MoE block under expert parallel two, its experts' gradients
+being summed over fewer axes, core/mesh.py), each padded to a multiple of the shard axis's size n so it
+splits into n equal shards (as FSDP's FlatParameter does):
 
-    full[P]  = concat(unit params) + padding          P = dp * S
-    shard[S] = full[rank * S : (rank + 1) * S]         this rank's slice: it owns its AdamW update
+    full[P]  = concat(the group's params) + padding    P = n * S
+    shard[S] = full[rank * S : (rank + 1) * S]           this rank's slice: it owns its AdamW update
 
-The unit runs with `torch.func.functional_call` on views of `full`, so autograd delivers the whole
-unit's gradient into `full.grad` in one piece, ready for one reduce-scatter or all-reduce.
+The unit runs with `torch.func.functional_call` on views of its buffers, so autograd delivers the whole
+group's gradient into `full.grad` in one piece, ready for one reduce-scatter over the shard axis; the
+shard's gradient is then summed over the group's other data axes (HSDP's replicas, cp, ep) and divided by
+the number of replicas of the loss.
 """
 
 from __future__ import annotations
@@ -15,28 +19,30 @@ from __future__ import annotations
 import torch
 from torch.func import functional_call
 
+from core.mesh import group_key
 from engine.optim import adamw_
 from engine.strategy import Strategy
 
 
 class FlatUnit:
-    def __init__(self, prefix: str, module: torch.nn.Module, dp: int, dp_rank: int):
-        self.module = module
-        params = list(module.named_parameters())
-        self.local_names = [n for n, _ in params]
-        self.names = [f"{prefix}.{n}" for n, _ in params]
+    """Some parameters of one module (`params`: (local name, parameter)) in one flat buffer."""
+
+    def __init__(self, prefix: str, params: list, n: int, rank: int, replicate: str | None):
+        self.local_names = [name for name, _ in params]
+        self.names = [f"{prefix}.{name}" for name, _ in params]
         self.shapes = [p.shape for _, p in params]
         self.numels = [p.numel() for _, p in params]
         self.numel = sum(self.numels)
-        self.shard_numel = -(-self.numel // dp)  # ceil: the last shard carries the padding
-        padded = self.shard_numel * dp
+        self.replicate = replicate  # the group the shard's gradient is summed over after the reduce-scatter
+        self.shard_numel = -(-self.numel // n)  # ceil: the last shard carries the padding
+        padded = self.shard_numel * n
         full = torch.zeros(padded, dtype=params[0][1].dtype, device=params[0][1].device)
         with torch.no_grad():
             torch.cat([p.reshape(-1) for _, p in params], out=full[: self.numel])
         for _, p in params:  # the flat buffer is now the only copy
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self.full = full.requires_grad_()
-        lo = dp_rank * self.shard_numel
+        lo = rank * self.shard_numel
         self.shard = full.detach()[lo: lo + self.shard_numel].clone()
         self.grad_shard: torch.Tensor | None = None
         self.exp_avg = torch.zeros_like(self.shard)
@@ -49,9 +55,6 @@ class FlatUnit:
             out[name] = self.full[offset: offset + n].view(shape)
             offset += n
         return out
-
-    def __call__(self, x):
-        return functional_call(self.module, self.views(), (x,))
 
     def split(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """A full-length flat tensor (params, grads or a moment) back into named tensors."""
@@ -76,41 +79,69 @@ class FlatUnit:
 
 
 class ShardedStrategy(Strategy):
-    """Optimizer state and update on shards; verification gathers the shards back."""
+    """Optimizer state and update on shards; verification gathers the shards back. `self.units[i]` is
+    unit i's flat buffers (one per gradient group), `self.flat` all of them in order."""
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
-        self.units = [FlatUnit(f"units.{i}", unit, self.dp, self.dp_rank)
-                      for i, unit in enumerate(self.model.units)]
-        # (unit, reduce-scatter handle, its input kept alive until the op completes)
+        self.units: list[list[FlatUnit]] = []
+        for i, unit in enumerate(self.model.units):
+            groups: dict[tuple[str, ...], list] = {}
+            for name, p in self.held_params(unit):
+                groups.setdefault(self.grad_axes(f"units.{i}.{name}"), []).append((name, p))
+            parts = []
+            for axes, params in groups.items():
+                replicate = tuple(a for a in axes if a != self.shard_axis)
+                parts.append(FlatUnit(f"units.{i}", params, self.shard_n, self.shard_rank,
+                                      group_key(replicate) if replicate else None))
+            self.units.append(parts)
+        self.flat = [u for parts in self.units for u in parts]
+        # (flat unit, reduce-scatter handle, its input kept alive until the op completes)
         self.pending: list[tuple[FlatUnit, object, torch.Tensor]] = []
 
     def unit_forward(self, i: int, x):
-        return self.units[i](x)
+        views = {}
+        for u in self.units[i]:
+            views.update(u.views())
+        return functional_call(self.model.units[i], views, (x,))
+
+    def reduce_scatter(self, u: FlatUnit, name: str) -> None:
+        if self.shard_n == 1:  # a shard axis of one rank: the shard is the whole buffer
+            self.pending.append((u, _Ready(u.full.grad.clone()), None))
+            return
+        out = torch.empty_like(u.shard)
+        handle = self.comm.reduce_scatter(out, u.full.grad, self.shard_axis, async_op=True, name=name)
+        self.pending.append((u, handle, u.full.grad))  # the input must live until the op completes
 
     def finish_grads(self) -> None:
-        """Wait for the gradient reduce-scatters, sum the micro-batches' parts, average over dp."""
+        """Wait for the gradient reduce-scatters, sum the micro-batches' parts, sum over the replicas'
+        axes, divide by the number of local losses."""
         for u, handle, _ in self.pending:
             part = handle.wait()
             u.grad_shard = part if u.grad_shard is None else u.grad_shard.add_(part)
         self.pending = []
-        for u in self.units:
-            u.grad_shard.div_(self.dp)
+        for u in self.flat:
+            if u.replicate is not None:
+                self.comm.all_reduce(u.grad_shard, u.replicate, name="all_reduce grad shards")
+            u.grad_shard.div_(self.replicas)
 
     def step(self, step: int) -> None:
         with self.rec.compute("optimizer step"):
-            for u in self.units:
+            for u in self.flat:
                 adamw_(u.shard, u.grad_shard, u.exp_avg, u.exp_avg_sq, step, self.hyper)
 
     def _gather(self, u: FlatUnit, shard: torch.Tensor) -> dict[str, torch.Tensor]:
-        full = torch.empty(u.shard_numel * self.dp, dtype=shard.dtype, device=shard.device)
+        full = torch.empty(u.shard_numel * self.shard_n, dtype=shard.dtype, device=shard.device)
         with self.comm.untraced():
-            self.comm.all_gather(full, shard, "dp")
+            if self.shard_n > 1:
+                self.comm.all_gather(full, shard, self.shard_axis)
+            else:
+                full.copy_(shard)
         return u.split(full)
 
-    def full_state(self):
+    def sharded_state(self):
         state = {"params": {}, "grads": {}, "exp_avg": {}, "exp_avg_sq": {}}
-        for u in self.units:
+        for u in self.flat:
             state["params"].update(self._gather(u, u.shard))
             state["grads"].update(self._gather(u, u.grad_shard))
             state["exp_avg"].update(self._gather(u, u.exp_avg))
@@ -118,8 +149,16 @@ class ShardedStrategy(Strategy):
         return state
 
     def param_storages(self):
-        return [t.untyped_storage() for u in self.units for t in (u.full, u.shard)]
+        return [t.untyped_storage() for u in self.flat for t in (u.full, u.shard)]
 
     @staticmethod
     def _size(tensors) -> int:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class _Ready:
+    def __init__(self, value):
+        self.value = value
+
+    def wait(self):
+        return self.value

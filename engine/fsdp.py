@@ -8,7 +8,9 @@ while that unit computes.
                       dW_i[P_dp] = ReduceScatter_dp(dW_i[P]) / dp
     step:             update W[P_dp] with Adam[P_dp]     (no communication)
 
-Per rank in fp32 with AdamW: (4 + 4 + 8) Psi / dp bytes, plus at most two gathered units at a time.
+Per rank in fp32 with AdamW: (4 + 4 + 8) Psi / dp bytes, plus at most two gathered units at a time. The dp
+ranks are those of the mesh's shard axis (fsdp, else dp); with both dp and fsdp axes (HSDP) each shard is
+replicated over dp and its gradient all-reduced there after the reduce-scatter (engine/flat.py).
 
 Overlap: while unit i computes, the all-gather of the next unit (i+1 in forward, i-1 in backward) is
 already in flight (FSDP's forward/backward prefetch), and each unit's reduce-scatter runs asynchronously
@@ -17,8 +19,6 @@ follows at once (FSDP2 does the same for the root module).
 """
 
 from __future__ import annotations
-
-import torch
 
 from engine.flat import ShardedStrategy
 
@@ -31,29 +31,37 @@ class FSDP(ShardedStrategy):
         self.gathers: dict[int, object] = {}
         self.gathered_bytes = 0
         self.gathered_peak_bytes = 0
-        for i, u in enumerate(self.units):
-            u.free_full()
-            u.full.register_post_accumulate_grad_hook(lambda full, i=i: self._grad_ready(i))
+        self._ready = [0] * len(self.units)
+        for i, parts in enumerate(self.units):
+            for u in parts:
+                u.free_full()
+                u.full.register_post_accumulate_grad_hook(lambda full, i=i: self._grad_ready(i))
 
     def _unshard(self, i: int) -> None:
-        u = self.units[i]
-        if i in self.gathers or u.gathered:
+        parts = self.units[i]
+        if i in self.gathers or parts[0].gathered:
             return
-        u.alloc_full()
-        self.gathered_bytes += u.full_bytes
+        handles = []
+        for u in parts:
+            u.alloc_full()
+            self.gathered_bytes += u.full_bytes
+            if self.shard_n == 1:
+                u.full.data.copy_(u.shard)
+                continue
+            # Write through .data: autograd's saved views of `full` must not see a version bump.
+            handles.append(self.comm.all_gather(u.full.data, u.shard, self.shard_axis, async_op=True,
+                                                name=f"all_gather {self.names[i]}"))
         self.gathered_peak_bytes = max(self.gathered_peak_bytes, self.gathered_bytes)
-        # Write through .data: autograd's saved views of `full` must not see a version bump.
-        self.gathers[i] = self.comm.all_gather(u.full.data, u.shard, "dp", async_op=True,
-                                               name=f"all_gather {self.names[i]}")
+        self.gathers[i] = handles
 
     def _wait(self, i: int) -> None:
-        handle = self.gathers.pop(i, None)
-        if handle is not None:
+        for handle in self.gathers.pop(i, []):
             handle.wait()
 
     def _reshard(self, i: int) -> None:
-        self.units[i].free_full()
-        self.gathered_bytes -= self.units[i].full_bytes
+        for u in self.units[i]:
+            u.free_full()
+            self.gathered_bytes -= u.full_bytes
 
     def before_forward(self, i: int) -> None:
         self._unshard(i)
@@ -72,22 +80,25 @@ class FSDP(ShardedStrategy):
         self._wait(i)
 
     def _grad_ready(self, i: int) -> None:
-        u = self.units[i]
-        out = torch.empty_like(u.shard)
-        handle = self.comm.reduce_scatter(out, u.full.grad, "dp", async_op=True,
-                                          name=f"reduce_scatter {self.names[i]}")
-        self.pending.append((u, handle, u.full.grad))  # the input must live until the op completes
-        u.full.grad = None
+        """A flat buffer's gradient is complete; once all of unit i's are, the unit reshards."""
+        self._ready[i] += 1
+        if self._ready[i] < len(self.units[i]):
+            return
+        self._ready[i] = 0
+        for u in self.units[i]:
+            self.reduce_scatter(u, f"reduce_scatter {self.names[i]}")
+            u.full.grad = None
         self._reshard(i)
 
     def zero_grad(self) -> None:
-        for u in self.units:
+        self._ready = [0] * len(self.units)
+        for u in self.flat:
             u.grad_shard = None
 
     def memory_bytes(self):
         return {
-            "params": self._size(u.shard for u in self.units),
-            "grads": self._size(u.grad_shard for u in self.units),
-            "optimizer": self._size(t for u in self.units for t in (u.exp_avg, u.exp_avg_sq)),
+            "params": self._size(u.shard for u in self.flat),
+            "grads": self._size(u.grad_shard for u in self.flat),
+            "optimizer": self._size(t for u in self.flat for t in (u.exp_avg, u.exp_avg_sq)),
             "gathered_params_peak": self.gathered_peak_bytes,
         }

@@ -197,6 +197,14 @@ class Transformer(nn.Module):
     def unit_names(self) -> list[str]:
         return ["embed", *(f"L{i}" for i in range(self.config.layers)), "head"]
 
+    @property
+    def global_units(self) -> list[int]:
+        """The full model's index of each unit (a pipeline stage holds some: engine/pp_stage.StageModel)."""
+        return list(range(len(self.units)))
+
+    def global_name(self, name: str) -> str:
+        return name
+
     def forward(self, tokens):
         x = tokens
         for unit in self.units:
@@ -226,6 +234,13 @@ def global_batch(m: ModelConfig, seed: int, step: int, sequences: int) -> tuple[
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
     data = torch.randint(0, m.vocab, (sequences, m.seq_len + 1), generator=gen)
     return data[:, :-1], data[:, 1:]
+
+
+def micro_batch_rows(batch_index: int, micro_batch: int, micro_batches: int, size: int) -> slice:
+    """The rows of the global batch one rank computes in one micro-batch: part `batch_index` of the
+    batch's sequences (core/mesh.py), cut into `micro_batches` micro-batches of `size` sequences."""
+    first = (batch_index * micro_batches + micro_batch) * size
+    return slice(first, first + size)
 
 
 def param_count(m: ModelConfig) -> int:

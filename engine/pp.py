@@ -21,30 +21,26 @@ driver (engine/train.py) scales `loss / micro_batches`. Backward of micro-batche
 order on every stage and every schedule, so gradients accumulate in the same order as there: pipeline
 and non-pipeline gradients agree bit for bit (tests/engine/test_pp.py checks it).
 
-Meshes (engine/mesh.py): pp is the outermost axis. With pp x dp (or pp x fsdp) the ranks that share a
-pp coordinate hold the same stages and form the dp group; the strategy built for the dp group (dp,
-ZeRO, FSDP from engine/train.make_strategy; with tp, engine/tp.py's versions of them) then handles the
-gradients of exactly the parameters this rank holds, as it would for a whole model. Context and expert
-parallel (engine/cp.py, engine/ep.py) apply to the stage's blocks the same way; with cp a stage receives
-and sends only this rank's T/cp zig-zag tokens. pp sends the fewest bytes of all axes (one activation per
-micro-batch per stage boundary), so it goes on the slowest links; tp, the chattiest, stays innermost.
+Meshes (core/mesh.py): pp is the outermost axis. The ranks that share a pp coordinate hold the same
+stages; engine/parallelize.py cuts this rank's stage out of the (tensor-parallel) model and applies the
+other plans and the data-parallel sharder to it as to a whole model, so the sharder handles the gradients
+of exactly the parameters this rank holds. With cp a stage receives and sends only this rank's T/cp
+zig-zag tokens. pp sends the fewest bytes of all axes (one activation per micro-batch per stage
+boundary), so it goes on the slowest links; tp, the chattiest, stays innermost.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import asdict
-
 import torch
 
+from core.mesh import Mesh
 from engine.comm import Comm
 from engine.config import RunConfig
 from engine.memory import ActivationMeter
-from engine.mesh import Mesh
-from engine.model import build_model, global_batch
-from engine.pp_stage import StageModel, WeightGradSplit, stage_tensor_parallel
+from engine.model import micro_batch_rows
+from engine.parallelize import parallelize
+from engine.pp_stage import WeightGradSplit
 from engine.recorder import Recorder
-from engine.reference import hyper, reference_run
 from engine.schedules import (
     ACTIVATION,
     BACKWARD,
@@ -58,8 +54,6 @@ from engine.schedules import (
     stage_units,
 )
 from engine.strategy import _OnBackward
-from engine.tp import TensorParallelPlan
-from engine.verify import compare
 
 
 def _micro_batch_loss(loss: torch.Tensor, micro_batches: int) -> torch.Tensor:
@@ -71,35 +65,22 @@ class Pipeline:
     """One rank's part of every pipeline step: its stage model, the strategy over its dp group, and
     the schedule's actions for its pp rank."""
 
-    def __init__(self, cfg: RunConfig, comm: Comm, rec: Recorder, pp_rank: int, pp_peers: list[int],
-                 device: torch.device):
-        from engine.train import make_strategy  # train dispatches here: import late, no cycle
-
+    def __init__(self, cfg: RunConfig, comm: Comm, rec: Recorder, mesh: Mesh, device: torch.device):
         self.cfg, self.comm, self.rec, self.device = cfg, comm, rec, device
+        pp_rank = mesh.coord(comm.rank, "pp")
         self.m = cfg.micro_batches
         self.schedule = make_schedule(cfg.parallel.schedule, cfg.pp, self.m, cfg.parallel.virtual_stages)
         self.actions = self.schedule.actions[pp_rank]
-        self.pp_peers = pp_peers  # global rank of each pp coordinate, in this rank's pp group
+        self.pp_peers = mesh.group_of(comm.rank, "pp")  # global rank of each pp coordinate
         self.num_stages = self.schedule.num_stages
         chunks = [stage_units(cfg.model, self.num_stages, self.schedule.stage_of(pp_rank, c))
                   for c in range(cfg.parallel.virtual_stages)]
-        full = build_model(cfg.model, cfg.seed)
-        self.tp = cfg.parallel.degree("tp", cfg.world)
-        # tp splits the whole model before the stage keeps its units (the plan needs embed and head).
-        plan = TensorParallelPlan(full, comm, cfg.parallel.sequence_parallel) if self.tp > 1 else None
-        self.model = StageModel(full, chunks).to(device)
-        self.strategy = (make_strategy(cfg, self.model, comm, rec) if plan is None
-                         else stage_tensor_parallel(cfg, self.model, comm, rec, hyper(cfg), plan))
+        self.strategy = parallelize(cfg, comm, rec, mesh, device, chunks)
+        self.model = self.strategy.model
+        self.tp, self.cp = mesh.degree("tp"), mesh.degree("cp")
         self.split = WeightGradSplit(self.model) if self.schedule.split_backward else None
-        # Context parallel: this rank's zig-zag token positions, as ContextParallel.forward slices them.
-        self.cp = cfg.parallel.degree("cp", cfg.world)
-        self.positions = self.strategy.positions if self.cp > 1 else slice(None)
         self.param_storages = self.strategy.param_storages()
         self.activation_peak_bytes = 0
-
-    @property
-    def dp_rank(self) -> int:
-        return self.strategy.dp_rank
 
     def step(self, tokens, targets, step: int) -> float | None:
         """One optimizer step; returns the mean loss over micro-batches on the last stage, else None."""
@@ -159,13 +140,12 @@ class Pipeline:
         return (self.cfg.micro_batch_size, tokens // self.cp, m.hidden)
 
     def _rows(self, mb: int) -> slice:
-        first = (self.dp_rank * self.m + mb) * self.cfg.micro_batch_size
-        return slice(first, first + self.cfg.micro_batch_size)
+        return micro_batch_rows(self.strategy.batch_index, mb, self.m, self.cfg.micro_batch_size)
 
     def _forward(self, a: Action) -> None:
         mb, stage = a.micro_batch, a.stage
         if stage == 0:
-            x = self.tokens[self._rows(mb)][:, self.positions].to(self.device)
+            x = self.strategy.local_tokens(self.tokens[self._rows(mb)].to(self.device))
             stage_input = None  # integer tokens: no gradient to send back
         else:
             stage_input = self.messages.pop((ACTIVATION, mb, stage - 1)).detach().requires_grad_()
@@ -179,7 +159,7 @@ class Pipeline:
             else:
                 y = self._run_units(a.chunk, x)
             if stage == self.num_stages - 1:
-                targets = self.targets[self._rows(mb)][:, self.positions].to(self.device)
+                targets = self.strategy.local_tokens(self.targets[self._rows(mb)].to(self.device))
                 loss = self.strategy.loss(y, targets)
                 self.loss_sum += loss.item() / self.m
                 y = _micro_batch_loss(loss, self.m)
@@ -219,61 +199,3 @@ class Pipeline:
         self.weight_work[(a.micro_batch, a.stage)] = work
         if a.stage > 0:
             self.messages[(GRADIENT, a.micro_batch, a.stage)] = input_grad
-
-    def full_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """This rank's stages' state (gathered over dp by the strategy) under the full model's names."""
-        state = self.strategy.full_state()
-        return {quantity: {self.model.global_name(n): t.detach().cpu() for n, t in tensors.items()}
-                for quantity, tensors in state.items()}
-
-
-def run_pipeline_rank(ctx, cfg: RunConfig, traced: bool = True, check: bool = False,
-                      return_states: bool = False) -> dict:
-    """engine/train.run_rank for meshes with pp > 1 (same result dict)."""
-    sync = torch.cuda.synchronize if ctx.device.type == "cuda" else None
-    rec = Recorder(ctx.rank, ctx.clock_offset_s, enabled=traced, synchronize=sync)
-    axes = cfg.parallel.axes(cfg.world)
-    comm = Comm(rec, ctx.device, ctx.mesh_groups(axes))
-    mesh = Mesh(axes)
-    pp_rank = mesh.coords(ctx.rank)["pp"]
-    pp_peers = next(g for g in mesh.group_ranks("pp") if ctx.rank in g)
-    pipe = Pipeline(cfg, comm, rec, pp_rank, pp_peers, ctx.device)
-    losses, step_times_s, snapshots = [], [], []
-    for step in range(cfg.steps):
-        rec.step = step
-        tokens, targets = global_batch(cfg.model, cfg.seed, step, cfg.global_batch)
-        start = time.perf_counter()
-        losses.append(pipe.step(tokens, targets, step))
-        if sync:
-            sync()
-        step_times_s.append(time.perf_counter() - start)
-        ctx.step_done(step + 1, losses[-1])  # None except on the last stage
-        if check or return_states:
-            snapshots.append(pipe.full_state())  # collective over dp: every rank takes part
-    with comm.untraced():
-        everyone = comm.gather_objects((losses, snapshots if (check or return_states) else None))
-    # The loss lives on the last stage; every rank reports the mean over the dp replicas' last stages.
-    last = [ls for ls, _ in everyone if ls[0] is not None]
-    step_losses = [sum(ls[s] for ls in last) / len(last) for s in range(cfg.steps)]
-    memory = dict(pipe.strategy.memory_bytes(), activations_peak=pipe.activation_peak_bytes)
-    memory["total"] = sum(memory.values())
-    result = {"rank": ctx.rank, "losses": step_losses, "step_times_s": step_times_s, "memory_bytes": memory,
-              "comm_bytes": comm.sent_bytes, "stats": pipe.strategy.stats(),
-              "spans": [asdict(s) for s in rec.take()], "check": None, "states": None}
-    if ctx.rank == 0 and (check or return_states):
-        merged = [_merge([snaps[s] for _, snaps in everyone]) for s in range(cfg.steps)]
-        if return_states:
-            result["states"] = merged
-        if check:
-            result["check"] = compare(cfg, reference_run(cfg), merged, step_losses)
-    return result
-
-
-def _merge(states: list[dict]) -> dict:
-    """Union of every rank's named tensors (dp replicas hold equal copies of the same names)."""
-    out: dict[str, dict] = {}
-    for state in states:
-        for quantity, tensors in state.items():
-            out.setdefault(quantity, {}).update(tensors)
-    return out
-

@@ -6,13 +6,10 @@ stage also the embedding and the last also the final norm, the head and the loss
     tokens -> [embed L0 L1] -> [L2 L3] -> ... -> [L(L-2) L(L-1) head] -> loss       (S stages)
 
 Rank r holds the v chunks (stages) r, p + r, 2p + r, ... (engine/schedules.py, round-robin as in
-Narayanan et al. 2021 section 2.2). `StageModel` puts those units in one ModuleList, so the existing
-strategies (dp, ZeRO, FSDP) apply to it unchanged, and maps its parameter names back to the full
-model's, so verification compares them with the reference by name.
-
-With tp in the mesh, `TensorParallelPlan` (engine/tp.py) splits the whole model first (it needs the
-embedding first and the head last); the stage then keeps its already tp-local units, and
-`stage_tensor_parallel` builds tp's strategies over them with the plan's names seen stage-locally.
+Narayanan et al. 2021 section 2.2). `StageModel` puts those units in one ModuleList, so the plans that
+come after the stage cut (context and expert parallel) and the data-parallel sharder apply to it as to a
+whole model, and it maps its parameter names back to the full model's, so verification compares them with
+the reference by name. Tensor parallel comes before the cut (it needs the embedding and the head).
 
 `WeightGradSplit` is ZB-H1's backward split (Qi et al. 2023, section 2): every module that owns
 parameters (Linear, RMSNorm, Embedding) is a matmul-like op y = f(x, W), whose backward is two
@@ -34,22 +31,12 @@ the parameter-owning modules, captured by forward hooks, so the model code stays
 
 from __future__ import annotations
 
-import copy
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
-from engine.config import RunConfig
 from engine.model import Transformer
-from engine.strategy import Strategy
-from engine.tp import (
-    TensorParallelDP,
-    TensorParallelFSDP,
-    TensorParallelMixin,
-    TensorParallelPlan,
-    TensorParallelZeRO,
-)
 
 
 class StageModel(nn.Module):
@@ -113,36 +100,3 @@ class WeightGradSplit:
         """BW: each module's weight gradient from its saved output gradient, accumulated into .grad."""
         for y, params, dy in work:
             torch.autograd.backward(y, dy, inputs=params)
-
-
-class _PlannedStage:
-    """TensorParallelMixin's strategies, but with a plan applied beforehand to the whole model."""
-
-    def __init__(self, cfg, model, comm, rec, hyper, plan: TensorParallelPlan, **kw):
-        self.plan = plan
-        super(TensorParallelMixin, self).__init__(cfg, model, comm, rec, hyper, **kw)
-
-
-class _StageTPDP(_PlannedStage, TensorParallelDP):
-    pass
-
-
-class _StageTPZeRO(_PlannedStage, TensorParallelZeRO):
-    pass
-
-
-class _StageTPFSDP(_PlannedStage, TensorParallelFSDP):
-    pass
-
-
-def stage_tensor_parallel(cfg: RunConfig, model: StageModel, comm, rec, hyper,
-                          plan: TensorParallelPlan) -> Strategy:
-    """engine/tp.make_tensor_parallel for a stage of a model that `plan` has already split."""
-    local = copy.copy(plan)  # the same tp group and modules; its names as the stage's strategy sees them
-    local.split = {n: plan.split[model.global_name(n)] for n, _ in model.named_parameters()}
-    stage = cfg.parallel.stage
-    if stage == 0:
-        return _StageTPDP(cfg, model, comm, rec, hyper, local)
-    if stage in (1, 2):
-        return _StageTPZeRO(cfg, model, comm, rec, hyper, local, stage=stage)
-    return _StageTPFSDP(cfg, model, comm, rec, hyper, local)

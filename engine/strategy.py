@@ -1,5 +1,10 @@
-"""What every strategy shares: running the model's units in order, with a compute span per unit for
-forward and backward, and hooks where a strategy communicates.
+"""What every layout shares: running the model's units in order, with a compute span per unit for
+forward and backward, hooks where the sharder communicates, and the plans' hooks.
+
+A rank's strategy is built in one fixed order (engine/parallelize.py): the model once; the plans applied
+to it (tensor parallel, the pipeline stage cut, context parallel, expert parallel); then one data-parallel
+sharder chosen by ZeRO stage (engine/dp.py stage 0, engine/zero.py stages 1-2, engine/fsdp.py stage 3).
+No class exists per combination: the sharder asks the plans what it needs to know.
 
 Backward spans come from identity autograd functions placed around each unit: the one on a unit's
 output runs when its gradient arrives (the unit's backward starts), the one on its input runs when the
@@ -15,7 +20,7 @@ import torch
 from engine.comm import Comm
 from engine.config import RunConfig
 from engine.model import Transformer, loss_fn, unit_forward_flops
-from engine.optim import AdamW, adamw_
+from engine.optim import AdamW
 from engine.recorder import Recorder
 
 
@@ -31,19 +36,70 @@ class _OnBackward(torch.autograd.Function):
         return grad, None
 
 
-class Strategy(ABC):
-    """Subclasses implement the communication; `forward`/`backward` are the same for all of them."""
+class Plan:
+    """A model plan (tensor, context or expert parallel): it changes the model's modules in place when it
+    is built, and the hooks below let the strategy drive the changed model. The defaults change nothing."""
 
-    def __init__(self, cfg: RunConfig, model: Transformer, comm: Comm, recorder: Recorder, hyper: AdamW):
+    def local_tokens(self, tokens):
+        """The part of a [B, T] batch of token ids (or targets) this rank computes on."""
+        return tokens
+
+    def loss(self, logits, targets):
+        """The mean loss from the last unit's output, when the plan computes it its own way (else None)."""
+        return None
+
+    def unit_flops(self, i: int, flops: float, sequences: int) -> float:
+        """Forward FLOPs of unit i (the full model's index) on this rank's part of `sequences` sequences,
+        given what the plans applied after this one counted (they count first)."""
+        return flops
+
+    def is_expert(self, name: str) -> bool:
+        """Whether a parameter belongs to one expert of an MoE layer (its gradient is not summed over ep)."""
+        return False
+
+    def extra_grad_axes(self, name: str) -> tuple[str, ...]:
+        """Axes beyond the data axes that a parameter's gradient is summed over."""
+        return ()
+
+    def full_state(self, state: dict) -> dict:
+        """This rank's (plan-local) named tensors -> the full model's; may communicate (untraced)."""
+        return state
+
+    def stats(self) -> dict:
+        return {}
+
+
+class Strategy(ABC):
+    """The one data-parallel sharder of a rank (subclasses: ZeRO stage 0, 1-2, 3) over a model that the
+    `plans` have already changed. `forward`/`backward` are the same for every combination.
+
+    Batch and gradients follow the mesh convention (core/mesh.py): this rank reads part `batch_index` of
+    the batch's sequences; a parameter's gradient is summed over its `grad_axes` and divided by
+    `replicas`, the number of local mean losses averaged into the global one."""
+
+    def __init__(self, cfg: RunConfig, model, comm: Comm, recorder: Recorder, hyper: AdamW, mesh,
+                 plans: list[Plan] = ()):
         self.cfg, self.model, self.comm, self.rec, self.hyper = cfg, model, comm, recorder, hyper
+        self.mesh, self.plans = mesh, list(plans)
         self.names = model.unit_names
-        self.dp = comm.size("dp")
-        self.dp_rank = comm.group_rank("dp")
+        self.batch_index = mesh.batch_index(comm.rank)
+        self.replicas = mesh.loss_replicas
+        self.shard_axis = mesh.shard_axis()
+        self.shard_n, self.shard_rank = comm.size(self.shard_axis), comm.group_rank(self.shard_axis)
         self.last_micro_batch = True
         self._bwd_start_s: dict[int, float] = {}
         self._flops: list[float] = []
 
-    # -- hooks a strategy may override -----------------------------------------------------------------
+    def grad_axes(self, name: str) -> tuple[str, ...]:
+        expert = any(p.is_expert(name) for p in self.plans)
+        extra = tuple(a for p in self.plans for a in p.extra_grad_axes(name))
+        return self.mesh.grad_axes(expert, extra)
+
+    def held_params(self, module) -> list[tuple[str, torch.nn.Parameter]]:
+        """The parameters this rank computes with (expert parallel frees other ranks' experts)."""
+        return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+    # -- hooks a sharder may override -------------------------------------------------------------------
     def unit_forward(self, i: int, x):
         return self.model.units[i](x)
 
@@ -56,19 +112,44 @@ class Strategy(ABC):
     def before_backward(self, i: int) -> None:
         pass
 
+    # -- what the plans decide ----------------------------------------------------------------------------
+    def local_tokens(self, tokens):
+        for p in self.plans:
+            tokens = p.local_tokens(tokens)
+        return tokens
+
     def loss(self, logits, targets):
         """The last unit's output -> the mean loss (tensor parallel: logits sharded over the vocabulary)."""
+        for p in self.plans:
+            out = p.loss(logits, targets)
+            if out is not None:
+                return out
         return loss_fn(logits, targets)
 
     def unit_flops(self, i: int, tokens) -> float:
-        """Forward FLOPs of unit `i` on this rank's `tokens`; a strategy that splits a unit's work
-        (sequence chunks, heads) overrides it."""
-        return unit_forward_flops(self.model.config, i, tokens.shape[0])
+        """Forward FLOPs of unit `i` on this rank's `tokens` (sequences before the plans' slicing)."""
+        flops = unit_forward_flops(self.model.config, self.model.global_units[i], tokens.shape[0])
+        for p in reversed(self.plans):  # cp and ep count tokens and pairs, then tp splits the matmuls
+            flops = p.unit_flops(self.model.global_units[i], flops, tokens.shape[0])
+        return flops
+
+    def full_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """params, grads, exp_avg, exp_avg_sq by the full model's parameter names, unsharded (for
+        verification): the sharder gathers over its shard axis, then each plan undoes its split, the last
+        applied first. Collective: every rank calls it."""
+        state = {q: {self.model.global_name(n): t for n, t in tensors.items()}
+                 for q, tensors in self.sharded_state().items()}
+        for p in reversed(self.plans):
+            state = p.full_state(state)
+        return state
 
     def stats(self) -> dict:
-        """Strategy-specific figures for the summary (e.g. expert load); called on every rank after the
-        last step, so it may communicate (untraced)."""
-        return {}
+        """Plan-specific figures for the summary (e.g. expert load); called on every rank after the last
+        step, so it may communicate (untraced)."""
+        out = {}
+        for p in self.plans:
+            out.update(p.stats())
+        return out
 
     # -- what each strategy must provide -----------------------------------------------------------------
     @abstractmethod
@@ -84,8 +165,8 @@ class Strategy(ABC):
         """The optimizer step (AdamW step number `step`, from 1), and whatever communication follows it."""
 
     @abstractmethod
-    def full_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """params, grads, exp_avg, exp_avg_sq by parameter name, unsharded (for verification)."""
+    def sharded_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """params, grads, exp_avg, exp_avg_sq by this rank's parameter names, whole over the shard axis."""
 
     @abstractmethod
     def memory_bytes(self) -> dict[str, int]:
@@ -97,7 +178,8 @@ class Strategy(ABC):
 
     # -- shared driver -------------------------------------------------------------------------------
     def forward(self, tokens, targets):
-        x = tokens
+        x = tokens = self.local_tokens(tokens)
+        targets = self.local_tokens(targets)
         last = len(self.names) - 1
         self._flops = [self.unit_flops(i, tokens) for i in range(last + 1)]
         for i, name in enumerate(self.names):
@@ -128,35 +210,3 @@ class Strategy(ABC):
             self.rec.synchronize()
         self.rec.add("compute", f"bwd {self.names[i]}", self._bwd_start_s.pop(i), self.rec.now(),
                      flops=2 * self._flops[i])
-
-
-class WholeParamsStrategy(Strategy):
-    """A rank that keeps its local parameters whole (not flat shards), each with its own AdamW moments in
-    `self.params`, `self.exp_avg`, `self.exp_avg_sq`: the optimizer step, the state for verification and
-    the memory count are the same whichever communication the subclass does with the gradients."""
-
-    def step(self, step: int) -> None:
-        with self.rec.compute("optimizer step"):
-            for n, p in self.params.items():
-                adamw_(p, p.grad, self.exp_avg[n], self.exp_avg_sq[n], step, self.hyper)
-
-    def full_state(self):
-        return {
-            "params": {n: p.detach().clone() for n, p in self.params.items()},
-            "grads": {n: p.grad.detach().clone() for n, p in self.params.items()},
-            "exp_avg": {n: t.clone() for n, t in self.exp_avg.items()},
-            "exp_avg_sq": {n: t.clone() for n, t in self.exp_avg_sq.items()},
-        }
-
-    def memory_bytes(self):
-        def size(tensors):
-            return sum(t.numel() * t.element_size() for t in tensors)
-
-        return {
-            "params": size(self.params.values()),
-            "grads": size(p.grad for p in self.params.values() if p.grad is not None),
-            "optimizer": size(self.exp_avg.values()) + size(self.exp_avg_sq.values()),
-        }
-
-    def param_storages(self):
-        return [p.untyped_storage() for p in self.params.values()]

@@ -42,9 +42,15 @@ S/tp positions on each rank, so its gradient is summed over tp (one all-reduce o
 Megatron also re-gathers the column layer's input in backward instead of storing it whole; this engine
 keeps it, so the bytes stay exactly equal to plain TP.
 
-A strategy is a plan applied to an unchanged model: `TensorParallelPlan` swaps the model's leaves
-(linears, the embedding, the norms) for their tp versions, with the same parameter names, before the
-data-parallel strategy (DP, ZeRO or FSDP over the dp/fsdp axis) sees the now tp-local parameters.
+MoE layers are not split over tp (their experts are split over ep instead, engine/ep.py): the block's
+attention is tensor parallel and its MoE runs on the tokens every tp rank holds, whole. Without sequence
+parallel those are the same tokens on every tp rank, which then compute the same MoE output (as in
+Megatron-LM with expert-tensor-parallel size 1 and no sequence parallel); with it each rank routes its own
+S/tp positions, and the MoE weights' gradients are summed over tp like the norms'.
+
+A plan applied to an unchanged model: `TensorParallelPlan` swaps the model's leaves (linears, the
+embedding, the norms) for their tp versions, with the same parameter names, before the data-parallel
+sharder (engine/strategy.py) sees the now tp-local parameters.
 """
 
 from __future__ import annotations
@@ -54,12 +60,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import RunConfig
-from engine.dp import DataParallel
-from engine.fsdp import FSDP
-from engine.model import Attention, Block, RMSNorm, Transformer
-from engine.strategy import Strategy
+from engine.model import Attention, Block, MoE, RMSNorm, Transformer
+from engine.strategy import Plan
 from engine.tp_comm import TP, copy_to_tp, gather_from_sp, reduce_from_tp, scatter_to_sp, sum_over_replicas
-from engine.zero import ZeRO
 
 ROWS, COLS, REPLICATED = "rows", "cols", "replicated"  # how a parameter [out, in] is split over tp
 
@@ -117,18 +120,31 @@ class RowParallelLinear(nn.Module):
 
 
 class EnterRegionNorm(RMSNorm):
-    """The RMSNorm in front of a tp region, then the region's entry. With sequence parallel the norm runs
-    on this rank's S/tp positions and its weight's gradient is summed over tp."""
+    """The RMSNorm in front of a tp region, then the region's entry (`enter=False`: in front of an MoE
+    layer, which is no tp region). With sequence parallel the norm runs on this rank's S/tp positions and
+    its weight's gradient is summed over tp."""
 
-    def __init__(self, norm: RMSNorm, tp: TPGroup, where: str):
+    def __init__(self, norm: RMSNorm, tp: TPGroup, where: str, enter: bool = True):
         super().__init__(norm.weight.shape[0], norm.eps)
-        self.weight, self.tp, self.where = norm.weight, tp, where
+        self.weight, self.tp, self.where, self.enter = norm.weight, tp, where, enter
 
     def forward(self, x):
         w = copy_to_tp(self.weight, self.tp.comm, f"{self.where} norm") if self.tp.sp else self.weight
         # RMSNorm.forward (Zhang & Sennrich 2019, eq. 4) with that weight
         y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * w
-        return self.tp.enter(y, self.where)
+        return self.tp.enter(y, self.where) if self.enter else y
+
+
+class SequenceShardLinear(nn.Module):
+    """A whole (not split) linear layer run on this rank's S/tp positions under sequence parallel: its
+    weight's gradient covers only those positions, so it is summed over tp (as the norms' are)."""
+
+    def __init__(self, weight: nn.Parameter, tp: TPGroup, where: str):
+        super().__init__()
+        self.weight, self.tp, self.where = weight, tp, where
+
+    def forward(self, x):
+        return F.linear(x, copy_to_tp(self.weight, self.tp.comm, self.where))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -180,12 +196,14 @@ def vocab_parallel_cross_entropy(logits, targets, tp: TPGroup):
     return _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), tp)
 
 
-class TensorParallelPlan:
+class TensorParallelPlan(Plan):
     """Swaps an unchanged `Transformer`'s leaves for tp versions holding this rank's shards (same
-    parameter names), and maps tp-local tensors back to full ones for verification."""
+    parameter names), computes the loss on vocabulary-sharded logits, and maps tp-local tensors back to
+    full ones for verification. Applied to the whole model first (it needs the embedding and the head)."""
 
-    def __init__(self, model: Transformer, comm, sequence_parallel: bool):
+    def __init__(self, model: Transformer, comm, sequence_parallel: bool, cp: int = 1):
         self.tp = TPGroup(comm, sequence_parallel)
+        self.config, self.cp = model.config, cp
         self.split: dict[str, tuple[str, int]] = {}  # name -> (ROWS|COLS|REPLICATED, replicas per row block)
         m = model.config
         units = model.units
@@ -213,12 +231,33 @@ class TensorParallelPlan:
     def _block(self, prefix: str, label: str, block: Block, m) -> None:
         attn, mlp = block.attn, block.mlp
         block.attn_norm = self._norm(f"{prefix}.attn_norm", f"{label} attn", block.attn_norm)
-        block.mlp_norm = self._norm(f"{prefix}.mlp_norm", f"{label} mlp", block.mlp_norm)
         self._attention(f"{prefix}.attn", label, attn, m)
+        if isinstance(mlp, MoE):
+            self._moe(prefix, label, block)
+            return
+        block.mlp_norm = self._norm(f"{prefix}.mlp_norm", f"{label} mlp", block.mlp_norm)
         mlp.w1 = ColumnParallelLinear(self._rows(f"{prefix}.mlp.w1.weight", mlp.w1.weight), self.tp)
         mlp.w3 = ColumnParallelLinear(self._rows(f"{prefix}.mlp.w3.weight", mlp.w3.weight), self.tp)
         w2 = self._cols(f"{prefix}.mlp.w2.weight", mlp.w2.weight)
         mlp.w2 = RowParallelLinear(w2, self.tp, f"{label} mlp")
+
+    def _moe(self, prefix: str, label: str, block: Block) -> None:
+        """An MoE layer stays whole on every tp rank (module docstring); with sequence parallel its
+        weights' gradients are summed over tp."""
+        self.split[f"{prefix}.mlp_norm.weight"] = (REPLICATED, 1)
+        block.mlp_norm = EnterRegionNorm(block.mlp_norm, self.tp, f"{label} mlp", enter=False)
+        moe = block.mlp
+        self.split[f"{prefix}.mlp.router.weight"] = (REPLICATED, 1)
+        for e, expert in enumerate(moe.experts):
+            for proj in ("w1", "w3", "w2"):
+                self.split[f"{prefix}.mlp.experts.{e}.{proj}.weight"] = (REPLICATED, 1)
+        if not self.tp.sp:
+            return
+        moe.router = SequenceShardLinear(moe.router.weight, self.tp, f"{label} router")
+        for e, expert in enumerate(moe.experts):
+            for proj in ("w1", "w3", "w2"):
+                lin = getattr(expert, proj)
+                setattr(expert, proj, SequenceShardLinear(lin.weight, self.tp, f"{label} expert {e} {proj}"))
 
     def _attention(self, prefix: str, label: str, attn: Attention, m) -> None:
         n = self.tp.size
@@ -232,13 +271,30 @@ class TensorParallelPlan:
         wo = self._cols(f"{prefix}.wo.weight", attn.wo.weight)
         attn.wo = RowParallelLinear(wo, self.tp, f"{label} attn")
 
+    # -- the plan's hooks (engine/strategy.Plan) --------------------------------------------------------
+    def loss(self, logits, targets):
+        return vocab_parallel_cross_entropy(logits, targets, self.tp)
+
+    def unit_flops(self, i: int, flops: float, sequences: int) -> float:
+        """A rank computes 1/tp of every split matmul; an MoE layer without sequence parallel is computed
+        whole on every tp rank, on the tokens this rank holds (1/cp of each sequence)."""
+        m, n = self.config, self.tp.size
+        if not (m.mlp == "moe" and 0 < i <= m.layers) or self.tp.sp:
+            return flops / n
+        moe = 2.0 * sequences * m.seq_len / self.cp * (m.hidden * m.experts + m.top_k * 3 * m.hidden * m.ffn)
+        return (flops - moe) / n + moe
+
+    def full_state(self, state: dict) -> dict:
+        return {quantity: self.unshard(tensors) for quantity, tensors in state.items()}
+
     # -- verification: tp-local tensors back to full ones ----------------------------------------------
     def unshard(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Collective over tp (untraced): every rank calls it with the same names in the same order."""
         comm, n = self.tp.comm, self.tp.size
         out = {}
         with comm.untraced():
-            for name, t in tensors.items():
+            for name in sorted(tensors):
+                t = tensors[name]
                 kind, replicas = self.split[name]
                 if kind == REPLICATED:
                     out[name] = t
@@ -250,42 +306,6 @@ class TensorParallelPlan:
                 else:
                     out[name] = torch.cat(list(parts), dim=1)
         return out
-
-
-class TensorParallelMixin:
-    """Applies the plan before the data-parallel strategy builds its parameters; the loss is computed on
-    vocabulary-sharded logits, and verification unshards over tp after the strategy gathered over dp."""
-
-    def __init__(self, cfg: RunConfig, model, comm, *args, **kw):
-        self.plan = TensorParallelPlan(model, comm, cfg.parallel.sequence_parallel)
-        super().__init__(cfg, model, comm, *args, **kw)
-
-    def loss(self, logits, targets):
-        return vocab_parallel_cross_entropy(logits, targets, self.plan.tp)
-
-    def full_state(self):
-        return {quantity: self.plan.unshard(tensors) for quantity, tensors in super().full_state().items()}
-
-
-class TensorParallelDP(TensorParallelMixin, DataParallel):
-    """tp inside, data parallel (plain or bucketed all-reduce) over the dp axis."""
-
-
-class TensorParallelZeRO(TensorParallelMixin, ZeRO):
-    """tp inside, ZeRO-1/2 over the dp axis."""
-
-
-class TensorParallelFSDP(TensorParallelMixin, FSDP):
-    """tp inside, FSDP over the dp or fsdp axis: the tp-local flat parameters are sharded again."""
-
-
-def make_tensor_parallel(cfg: RunConfig, model, comm, rec, hyper) -> Strategy:
-    stage = cfg.parallel.stage
-    if stage == 0:
-        return TensorParallelDP(cfg, model, comm, rec, hyper)
-    if stage in (1, 2):
-        return TensorParallelZeRO(cfg, model, comm, rec, hyper, stage=stage)
-    return TensorParallelFSDP(cfg, model, comm, rec, hyper)
 
 
 def ring_all_reduce_bytes(full_bytes: int, n: int) -> int:

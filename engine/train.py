@@ -1,7 +1,10 @@
-"""One rank's part of a run: build the model, apply the strategy, train, measure, and (with
-`check`) gather the full state after every step for comparison with the reference.
+"""The one rank loop of every run: set up the mesh's groups and this rank's layout, train, measure, and
+(with `check`) gather the full state after every step for comparison with the reference.
 
-`run_rank` is the task the worker pool (or torchrun) calls on every rank; its result is a plain dict.
+`run_rank` is the task the worker pool (or torchrun) calls on every rank; its result is a plain dict. A
+run with pp > 1 steps through a pipeline schedule (engine/pp.py), any other through `Sequential`; both
+give the same loop a `step(tokens, targets, step) -> loss or None`, their `strategy` and their activation
+peak.
 """
 
 from __future__ import annotations
@@ -11,97 +14,108 @@ from dataclasses import asdict
 
 import torch
 
+from core.mesh import Mesh
 from engine.comm import Comm
 from engine.config import RunConfig
-from engine.dp import DataParallel
-from engine.fsdp import FSDP
 from engine.memory import ActivationMeter
-from engine.model import build_model, global_batch
+from engine.model import global_batch, micro_batch_rows
+from engine.parallelize import group_spans, parallelize
 from engine.recorder import Recorder
-from engine.reference import hyper, reference_run
-from engine.strategy import Strategy
+from engine.reference import reference_run
 from engine.verify import compare
-from engine.zero import ZeRO
 
 
-def make_strategy(cfg: RunConfig, model, comm: Comm, rec: Recorder) -> Strategy:
-    args = (cfg, model, comm, rec, hyper(cfg))
-    if cfg.parallel.strategy == "cp":
-        from engine.cp import ContextParallel
+class Sequential:
+    """Every unit on this rank, micro-batch after micro-batch: forward, backward, then one optimizer step."""
 
-        return ContextParallel(*args)
-    if cfg.parallel.strategy == "ep":
-        from engine.ep import ExpertParallel
+    def __init__(self, cfg: RunConfig, comm: Comm, rec: Recorder, mesh: Mesh, device):
+        self.cfg, self.rec, self.device = cfg, rec, device
+        self.strategy = parallelize(cfg, comm, rec, mesh, device)
+        self.meter = ActivationMeter(self.strategy.param_storages())
 
-        return ExpertParallel(*args)
-    if cfg.parallel.degree("tp", cfg.world) > 1:
-        from engine.tp import make_tensor_parallel
+    @property
+    def activation_peak_bytes(self) -> int:
+        return self.meter.peak_bytes
 
-        return make_tensor_parallel(*args)
-    stage = cfg.parallel.stage
-    if stage == 0:
-        return DataParallel(*args)
-    if stage in (1, 2):
-        return ZeRO(*args, stage=stage)
-    return FSDP(*args)
+    def step(self, tokens, targets, step: int) -> float:
+        s, mb = self.strategy, self.cfg.micro_batches
+        s.zero_grad()
+        step_loss = 0.0
+        for m in range(mb):
+            self.rec.micro_batch = m
+            rows = micro_batch_rows(s.batch_index, m, mb, self.cfg.micro_batch_size)
+            x, y = tokens[rows].to(self.device), targets[rows].to(self.device)
+            with self.meter.measure():
+                loss = s.forward(x, y)
+            s.backward(loss / mb, last_micro_batch=m == mb - 1)
+            step_loss += loss.item() / mb
+        self.rec.micro_batch = None
+        s.finish_grads()
+        s.step(step + 1)
+        return step_loss
 
 
 def run_rank(ctx, cfg: RunConfig, traced: bool = True, check: bool = False,
              return_states: bool = False) -> dict:
     """Train `cfg.steps` steps. With `check`, rank 0's result carries the comparison with the reference;
     with `return_states`, rank 0's result carries the gathered state after every step (CPU tensors)."""
-    if cfg.parallel.strategy == "pp" or cfg.pp > 1:
-        from engine.pp import run_pipeline_rank
-
-        return run_pipeline_rank(ctx, cfg, traced=traced, check=check, return_states=return_states)
     sync = torch.cuda.synchronize if ctx.device.type == "cuda" else None
     rec = Recorder(ctx.rank, ctx.clock_offset_s, enabled=traced, synchronize=sync)
-    comm = Comm(rec, ctx.device, ctx.mesh_groups(cfg.parallel.axes(cfg.world)))
-    model = build_model(cfg.model, cfg.seed).to(ctx.device)
-    strategy = make_strategy(cfg, model, comm, rec)
-    meter = ActivationMeter(strategy.param_storages())
-    mb, mbs = cfg.micro_batches, cfg.micro_batch_size
+    mesh = Mesh(cfg.parallel.axes(cfg.world))
+    comm = Comm(rec, ctx.device, ctx.mesh_groups(mesh, group_spans(cfg, mesh)))
+    if mesh.degree("pp") > 1:
+        from engine.pp import Pipeline
+
+        runner = Pipeline(cfg, comm, rec, mesh, ctx.device)
+    else:
+        runner = Sequential(cfg, comm, rec, mesh, ctx.device)
+    # After full_state every rank of a pipeline stage holds that stage's whole state: one rank per stage
+    # sends it to rank 0.
+    keeps_state = all(c == 0 for axis, c in mesh.coords(ctx.rank).items() if axis != "pp")
     losses, step_times_s, snapshots = [], [], []
     for step in range(cfg.steps):
         rec.step = step
         tokens, targets = global_batch(cfg.model, cfg.seed, step, cfg.global_batch)
         start = time.perf_counter()
-        strategy.zero_grad()
-        step_loss = 0.0
-        for m in range(mb):
-            rec.micro_batch = m
-            rows = slice((strategy.dp_rank * mb + m) * mbs, (strategy.dp_rank * mb + m + 1) * mbs)
-            x, y = tokens[rows].to(ctx.device), targets[rows].to(ctx.device)
-            with meter.measure():
-                loss = strategy.forward(x, y)
-            strategy.backward(loss / mb, last_micro_batch=m == mb - 1)
-            step_loss += loss.item() / mb
-        rec.micro_batch = None
-        strategy.finish_grads()
-        strategy.step(step + 1)
+        loss = runner.step(tokens, targets, step)
         if sync:
             sync()
         step_times_s.append(time.perf_counter() - start)
-        losses.append(step_loss)
-        ctx.step_done(step + 1, step_loss)
+        losses.append(loss)
+        ctx.step_done(step + 1, loss)  # None on pipeline ranks without the last stage
         if check or return_states:
-            state = strategy.full_state()  # collective: every rank takes part, rank 0 keeps it
-            if ctx.rank == 0:
+            state = runner.strategy.full_state()  # collective over this rank's stage
+            if keeps_state:
                 snapshots.append(_to_cpu(state))
-    memory = dict(strategy.memory_bytes(), activations_peak=meter.peak_bytes)
+    with comm.untraced():
+        everyone = comm.gather_objects(losses)
+        states = comm.gather_to_root(snapshots if keeps_state else None) if (check or return_states) else None
+    # Every rank's loss is the mean over its own tokens, and every rank holding the last stage holds as
+    # many: the global loss is the mean over those ranks.
+    last = [ls for ls in everyone if ls[0] is not None]
+    step_losses = [sum(ls[s] for ls in last) / len(last) for s in range(cfg.steps)]
+    memory = dict(runner.strategy.memory_bytes(), activations_peak=runner.activation_peak_bytes)
     memory["total"] = sum(memory.values())
-    result = {"rank": ctx.rank, "losses": losses, "step_times_s": step_times_s, "memory_bytes": memory,
-              "comm_bytes": comm.sent_bytes, "stats": strategy.stats(),
-              "spans": [asdict(s) for s in rec.take()], "check": None,
-              "states": snapshots if return_states else None}
-    if check:
-        with comm.untraced():
-            all_losses = comm.gather_objects(losses)
-        if ctx.rank == 0:
-            dp_losses = [sum(r[s] for r in all_losses) / len(all_losses) for s in range(cfg.steps)]
-            result["check"] = compare(cfg, reference_run(cfg), snapshots, dp_losses)
+    result = {"rank": ctx.rank, "losses": step_losses, "step_times_s": step_times_s, "memory_bytes": memory,
+              "comm_bytes": comm.sent_bytes, "stats": runner.strategy.stats(),
+              "spans": [asdict(s) for s in rec.take()], "check": None, "states": None}
+    if states is not None:
+        merged = [_merge([snaps[s] for snaps in states if snaps is not None]) for s in range(cfg.steps)]
+        if return_states:
+            result["states"] = merged
+        if check:
+            result["check"] = compare(cfg, reference_run(cfg), merged, step_losses)
     return result
 
 
 def _to_cpu(state: dict) -> dict:
     return {k: {n: t.detach().cpu() for n, t in d.items()} for k, d in state.items()}
+
+
+def _merge(states: list[dict]) -> dict:
+    """Union of the stages' named tensors."""
+    out: dict[str, dict] = {}
+    for state in states:
+        for quantity, tensors in state.items():
+            out.setdefault(quantity, {}).update(tensors)
+    return out

@@ -27,9 +27,10 @@ TOLERANCES: dict[str, tuple[float, float, str]] = {
     "exp_avg_sq": (1e-3, 1e-9, "squares of gradients: twice their relative error, tiny absolute values"),
     "params": (1e-4, 0.0, "Adam's step is about lr per weight whatever the gradient's size, so a "
                           "rounding-level gradient difference on a near-zero gradient moves the weight by a "
-                          "fraction of lr: atol = PARAM_ATOL_LR x lr (measured up to 0.011 lr at world 4)"),
+                          "fraction of lr: atol = PARAM_ATOL_LR x lr (measured up to 0.011 lr at world 4, "
+                          "0.078 lr on pp=2,cp=2,tp=2 with 2 micro-batches, whose gradients agree to 5e-7)"),
 }
-PARAM_ATOL_LR = 0.05
+PARAM_ATOL_LR = 0.1
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> tuple[float, bool]:

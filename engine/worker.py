@@ -51,13 +51,15 @@ class Context:
         if self.reporter is not None:
             self.reporter(steps_done, loss)
 
-    def mesh_groups(self, axes: tuple[tuple[str, int], ...]) -> dict:
-        """Process groups of a mesh, created once per worker and reused by later runs."""
-        if axes not in self._mesh_groups:
-            from engine.mesh import Mesh
+    def mesh_groups(self, mesh, spans: list[tuple[str, ...]] = ()) -> dict:
+        """Process groups of a mesh (core.mesh.Mesh) and of its multi-axis `spans`, created once per
+        worker and reused by later runs."""
+        key = (mesh.axes, tuple(spans))
+        if key not in self._mesh_groups:
+            from engine import comm
 
-            self._mesh_groups[axes] = Mesh(axes).build_groups(self.rank, self.collective_timeout_s)
-        return self._mesh_groups[axes]
+            self._mesh_groups[key] = comm.mesh_groups(mesh, self.rank, self.collective_timeout_s, spans)
+        return self._mesh_groups[key]
 
 
 def start_rank(rank: int, world: int, local_rank: int, local_world: int, device: str, init_method: str | None,

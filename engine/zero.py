@@ -1,6 +1,9 @@
 """ZeRO-1 and ZeRO-2 (Rajbhandari et al. 2020, "ZeRO", section 5.1): data parallel whose optimizer
 state (stage 1) and also gradients (stage 2) are split over the dp ranks. Parameters stay whole.
 
+The dp ranks below are those of the mesh's shard axis (fsdp when the mesh has one, else dp); the other
+data axes hold replicas of the shards, whose gradients are summed across them too (engine/flat.py).
+
     forward/backward as data parallel:  In[B_dp, T, D] . W[D, F]          (W replicated)
     stage 1:  dW[P_dp]     = ReduceScatter_dp(dW_local) / dp   the full local gradient buffer stays,
               update       W[P_dp] with Adam[P_dp]             but a rank only updates its own shard
@@ -21,8 +24,6 @@ adds the shards up.
 
 from __future__ import annotations
 
-import torch
-
 from engine.flat import ShardedStrategy
 
 
@@ -30,36 +31,36 @@ class ZeRO(ShardedStrategy):
     def __init__(self, *args, stage: int, **kw):
         super().__init__(*args, **kw)
         self.stage = stage
-        for u in self.units:
+        lo = self.shard_rank
+        for u in self.flat:
             # Parameters stay whole, so a rank's master shard is simply its slice of them.
-            u.shard = u.full.data[self.dp_rank * u.shard_numel: (self.dp_rank + 1) * u.shard_numel]
+            u.shard = u.full.data[lo * u.shard_numel: (lo + 1) * u.shard_numel]
             u.full.register_post_accumulate_grad_hook(lambda full, u=u: self._grad_ready(u))
 
     def _grad_ready(self, u) -> None:
         if self.stage == 1 and not self.last_micro_batch:
             return  # stage 1 keeps whole gradients, so micro-batches accumulate locally first
-        out = torch.empty_like(u.shard)
-        handle = self.comm.reduce_scatter(out, u.full.grad, "dp", async_op=True, name="reduce_scatter grads")
-        self.pending.append((u, handle, u.full.grad))  # the input must live until the op completes
+        self.reduce_scatter(u, "reduce_scatter grads")
         if self.stage == 2:
             u.full.grad = None
 
     def zero_grad(self) -> None:
-        for u in self.units:
+        for u in self.flat:
             u.full.grad = None
             u.grad_shard = None
 
     def step(self, step: int) -> None:
         super().step(step)
-        for u in self.units:
-            self.comm.all_gather(u.full.data, u.shard.clone(), "dp", name="all_gather params")
+        if self.shard_n > 1:
+            for u in self.flat:
+                self.comm.all_gather(u.full.data, u.shard.clone(), self.shard_axis, name="all_gather params")
 
     def memory_bytes(self):
-        grads = [u.grad_shard for u in self.units]
+        grads = [u.grad_shard for u in self.flat]
         if self.stage == 1:
-            grads += [u.full.grad for u in self.units]
+            grads += [u.full.grad for u in self.flat]
         return {
-            "params": self._size(u.full for u in self.units),
+            "params": self._size(u.full for u in self.flat),
             "grads": self._size(grads),
-            "optimizer": self._size(t for u in self.units for t in (u.exp_avg, u.exp_avg_sq)),
+            "optimizer": self._size(t for u in self.flat for t in (u.exp_avg, u.exp_avg_sq)),
         }

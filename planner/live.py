@@ -21,7 +21,7 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-from engine.mesh import Mesh
+from core.mesh import Mesh
 from engine.pp_timeline import bubble_spans
 from engine.schedules import (
     BACKWARD,
@@ -264,19 +264,23 @@ def predict(cfg, cal: Calibration) -> LivePrediction:
     costs = _Costs(cal, cfg)
     axes = cfg.parallel.axes(cfg.world)
     mesh = Mesh(axes)
-    groups = {a: mesh.group_ranks(a) for a, _ in axes}
+    stage = cfg.parallel.stage
+    grad_axes = mesh.grad_axes()
+    # The data-parallel sharder's groups (engine/dp.py, flat.py): at stage 0 one all-reduce over every
+    # data axis; with ZeRO the shard axis, then the shards' replicas over the other data axes. (Under
+    # expert parallel the experts' gradients skip ep; that difference is not written out here.)
+    sync_axes = grad_axes if stage == 0 else (mesh.shard_axis(),)
+    replica_axes = tuple(a for a in grad_axes if a != mesh.shard_axis()) if stage > 0 else ()
 
-    def group_of(rank: int, axis: str) -> tuple[int, ...]:
-        if axis not in groups:
-            return (rank,)
-        return tuple(next(g for g in groups[axis] if rank in g))
+    def group_of(rank: int, axes) -> tuple[int, ...]:
+        axes = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if mesh.degree(a) > 1)
+        return tuple(mesh.group_of(rank, axes)) if axes else (rank,)
 
     programs = {}
     for rank in range(cfg.world):
         r = _Rank(rank, costs)
-        g = {axis: group_of(rank, axis) for axis in ("dp", "fsdp", "tp", "cp", "ep", "pp")}
-        if "fsdp" in dict(axes) and dict(axes)["fsdp"] > 1:
-            g["dp"] = g["fsdp"]
+        g = {axis: group_of(rank, axis) for axis in ("tp", "cp", "ep", "pp")}
+        g["dp"], g["replicas"] = group_of(rank, sync_axes), group_of(rank, replica_axes)
         _Program(cfg, costs, r, g, mesh).build()
         programs[rank] = r.ops
     timeline, ends = simulate(programs, cores=cal.cpus)
@@ -393,7 +397,7 @@ class _Program:
         self.params = _params(m, self.tp, self.ep, ep_rank)
         self.unit_names = ["embed", *(f"L{i}" for i in range(m.layers)), "head"]
         self.held = list(range(len(self.unit_names)))  # units this rank holds (a pipeline stage: fewer)
-        self.flat = self.stage in (1, 2, 3) and self.strategy not in ("cp", "ep")
+        self.flat = self.stage in (1, 2, 3)
         self.pending: list[str | None] = []
         self.gathered: dict[int, str | None] = {}
         self.done_gather: set[int] = set()
@@ -571,7 +575,7 @@ class _Program:
             r.compute(label, mlp_s)
             r.coll(f"all_to_all dispatch {name} bwd", self.g["ep"], "ep", "all_to_all", rows)
 
-    # -- the data-parallel strategy over dp (engine/dp.py, zero.py, fsdp.py, replicated.py) ---------------
+    # -- the data-parallel sharder (engine/dp.py, zero.py, fsdp.py) ---------------
     def _buckets(self) -> list[tuple[int, int, int]]:
         """(unit whose backward completes it, parameters, bytes) of DP's buckets, in reverse order."""
         out, size, count = [], 0, 0
@@ -604,8 +608,7 @@ class _Program:
                 self.unit_fwd(i)
                 self._after_forward(i)
             buckets = {}
-            if self.stage == 0 and self.dp > 1 and cfg.parallel.dp_comm == "bucketed" and last \
-                    and self.strategy not in ("cp", "ep"):
+            if self.stage == 0 and self.dp > 1 and cfg.parallel.dp_comm == "bucketed" and last:
                 for k, (u, count, nbytes) in enumerate(self._buckets()):
                     buckets.setdefault(u, []).append((k, count, nbytes))
             for i in reversed(range(n_units)):
@@ -656,7 +659,7 @@ class _Program:
                                        self._unit_bytes(i), asyn=True)
 
     def _grad_ready(self, i: int, last: bool) -> None:
-        if self.dp == 1 or self.strategy in ("cp", "ep"):
+        if self.dp == 1:
             return
         if self.stage == 3:
             self.done_gather.discard(i)
@@ -672,15 +675,17 @@ class _Program:
             r.wait(h)
         held = [self.params[u] for u in self.held]
         all_params = [n for unit in held for _, n in unit]
-        if self.strategy in ("cp", "ep"):
-            self._replicated_sync(all_params)
-        elif self.stage == 0 and self.dp > 1:
+        if self.stage == 0 and self.dp > 1:
             if cfg.parallel.dp_comm == "naive":
                 for n in reversed(all_params):
                     r.coll("all_reduce", self.g["dp"], "dp", "all_reduce", n * F32)
             r.compute("finish grads", 2 * len(all_params) * c.tiny)
         elif self.stage in (1, 2, 3) and self.dp > 1:
             r.compute("finish grads", 2 * len(held) * c.tiny)
+        if self.stage in (1, 2, 3) and len(self.g["replicas"]) > 1:
+            for u in self.held:  # the shards' gradients summed over their replicas (HSDP, cp, ep)
+                r.coll("all_reduce grad shards", self.g["replicas"], "replicas", "all_reduce",
+                       self._unit_bytes(u) // self.dp)
         if self.flat:
             opt = c.adamw([-(-sum(n for _, n in unit) // self.dp) for unit in held])
         else:
@@ -689,26 +694,6 @@ class _Program:
         if self.stage in (1, 2) and self.dp > 1 and self.flat:
             for u in self.held:
                 r.coll("all_gather params", self.g["dp"], "dp", "all_gather", self._unit_bytes(u))
-
-    def _replicated_sync(self, all_params: list[int]) -> None:
-        """engine/replicated.py: per parameter set, the gradients flattened, summed over the axes whose
-        ranks computed them (one all-reduce over the world when they span it), divided, copied back."""
-        r, m, c = self.r, self.m, self.c
-        axis = self.strategy
-        if axis == "ep" and m.mlp == "moe":
-            expert = m.layers * (m.experts // self.ep) * 3 * m.ffn * m.hidden
-            sets = [(sum(all_params) - expert, ("dp", "ep")), (expert, ("dp",))]
-        else:
-            sets = [(sum(all_params), ("dp", axis))]
-        for numel, axes in sets:
-            r.compute("finish grads", c.cat(len(all_params)))
-            degrees = [len(self.g[a]) for a in axes]
-            if math.prod(degrees) == self.cfg.world > 1:
-                r.coll(f"all_reduce grads {axis}", tuple(range(self.cfg.world)), "world", "all_reduce", numel * F32)
-            else:
-                for a in axes:
-                    r.coll(f"all_reduce grads {axis}", self.g[a], a, "all_reduce", numel * F32)
-            r.compute("finish grads", 2 * len(all_params) * c.tiny)
 
     # -- pipeline (engine/pp.py) -----------------------------------------------------------------------
     def _pipeline(self) -> None:

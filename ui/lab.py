@@ -10,7 +10,8 @@ from dataclasses import asdict
 
 import plotly.graph_objects as go
 
-from engine.config import CANONICAL_AXIS_ORDER, ModelConfig, ParallelConfig, RunConfig, step_flops, strategy_for
+from core.mesh import AXES
+from engine.config import ModelConfig, ParallelConfig, RunConfig, step_flops, strategy_for
 from ui.live import LiveRun, prediction_error, representative_step
 from ui.timeline import step_timeline, timeline_figure
 
@@ -24,7 +25,7 @@ def lab_config(model: ModelConfig, mesh: dict[str, int], zero_stage: int, schedu
     mesh = dict(mesh)
     if zero_stage == 3 and mesh.get("dp", 1) > 1 and mesh.get("fsdp", 1) == 1:
         mesh["fsdp"], mesh["dp"] = mesh["dp"], 1
-    axes = tuple((a, mesh[a]) for a in CANONICAL_AXIS_ORDER if mesh.get(a, 1) > 1) or (("dp", 1),)
+    axes = tuple((a, mesh[a]) for a in AXES if mesh.get(a, 1) > 1) or (("dp", 1),)
     world = 1
     for _, d in axes:
         world *= d

@@ -2,7 +2,7 @@
 
 from unittest import mock
 
-from engine import pp
+from engine import pp, train
 
 
 def crash_in_schedule(ctx, cfg, rank: int, after_actions: int):
@@ -17,4 +17,4 @@ def crash_in_schedule(ctx, cfg, rank: int, after_actions: int):
         return run_action(self, action)
 
     with mock.patch.object(pp.Pipeline, "run_action", failing):
-        return pp.run_pipeline_rank(ctx, cfg)
+        return train.run_rank(ctx, cfg)

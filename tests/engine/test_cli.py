@@ -21,7 +21,7 @@ def _engine(*args, timeout=180):
 @pytest.mark.parametrize("args, says", [
     (["--world", "0"], "world=0"),
     (["--world", "65"], "world=65"),
-    (["--strategy", "dp", "--zero-stage", "3"], "use --strategy fsdp"),
+    (["--mesh", "fsdp=2", "--zero-stage", "0"], "drop --zero-stage 0 or name the axis dp"),
     (["--mesh", "dp=2,zz=2", "--world", "4"], "mesh axis 'zz' is unknown"),
     (["--mesh", "dp=3", "--world", "4"], "has 3 ranks but world=4"),
     (["--steps", "0"], "steps=0"),

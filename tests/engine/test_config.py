@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from engine.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, parse_mesh, validate
-from engine.mesh import Mesh
+from core.mesh import Mesh
 from engine.sweep import fit_alpha_beta, ring_terms
 
 
@@ -29,7 +29,7 @@ def test_defaults_are_valid():
     ({"steps": 0}, "steps=0"),
     ({"micro_batches": 0}, "micro_batches=0"),
     ({"strategy": "zz"}, "strategy='zz' is not available"),
-    ({"strategy": "dp", "zero_stage": 3}, "use --strategy fsdp --zero-stage 3"),
+    ({"mesh": (("fsdp", 2),), "zero_stage": 0}, "drop --zero-stage 0 or name the axis dp"),
     ({"strategy": "fsdp", "zero_stage": 0}, "use --strategy dp --zero-stage 0"),
     ({"world": 4, "mesh": (("dp", 2),)}, "has 2 ranks but world=4"),
     ({"world": 4, "mesh": (("dp", 2), ("zz", 2))}, "mesh axis 'zz' is unknown"),

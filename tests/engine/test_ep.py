@@ -71,7 +71,7 @@ def test_expert_parallel_matches_reference(pools, case):
 def tied_router_run(ctx, cfg):
     """Pool task: the whole run (strategy and reference) with every router weight zero, so all logits tie
     exactly in step 1 and the tie-break alone decides the routing."""
-    from engine import reference, train
+    from engine import parallelize, reference, train
     from engine.model import build_model
 
     def tied(m, seed):
@@ -82,11 +82,11 @@ def tied_router_run(ctx, cfg):
                     p.zero_()
         return model
 
-    train.build_model, reference.build_model = tied, tied
+    parallelize.build_model, reference.build_model = tied, tied
     try:
         return train.run_rank(ctx, cfg, traced=False, check=True)
     finally:
-        train.build_model, reference.build_model = build_model, build_model
+        parallelize.build_model, reference.build_model = build_model, build_model
 
 
 @pytest.mark.multiprocess
@@ -114,7 +114,9 @@ def test_trace_shows_the_all_to_alls(pools):
         assert {f"all_to_all counts {layer}", f"all_to_all dispatch {layer}", f"all_to_all combine {layer}",
                 f"all_to_all dispatch {layer} bwd", f"all_to_all combine {layer} bwd"} <= names
     assert all(s.group == "ep" for s in comm if s.name.startswith("all_to_all"))
-    assert "all_reduce grads dense" in names  # dense gradients over dp x ep (= the world here)
+    # dense gradients over the data axes (ep here); the experts' skip ep, so they are not all-reduced
+    buckets = [s for s in comm if s.name.startswith("all_reduce bucket")]
+    assert buckets and {s.group for s in buckets} == {"ep"}
     for r in range(4):
         def sent(name, r=r):
             return sum(s.bytes for s in comm if s.rank == r and s.name == name)
@@ -133,7 +135,8 @@ def test_trace_shows_the_all_to_alls(pools):
     (["--mlp", "dense"], "use --mlp moe"),
     (["--experts", "8", "--top-k", "9"], "top_k=9 must be between 1 and experts=8"),
     (["--capacity-factor", "0"], "capacity_factor=0.0 must be positive"),
-    (["--zero-stage", "1"], "drop --zero-stage 1"),
+    (["--mesh", "ep=2,tp=2", "--world", "4", "--sequence-parallel", "--capacity-factor", "1"],
+     "drop --capacity-factor or --sequence-parallel"),
 ])
 def test_bad_expert_parallel_input_exits_2(args, says):
     out = subprocess.run([sys.executable, "-m", "engine", "run", "--strategy", "ep", *args],
@@ -150,6 +153,6 @@ def test_an_ep_axis_runs_expert_parallel_without_naming_the_strategy():
 
 
 def test_a_named_strategy_that_contradicts_the_mesh_is_refused():
-    out = subprocess.run([sys.executable, "-m", "engine", "run", "--strategy", "dp", "--mesh", "dp=2,ep=2",
+    out = subprocess.run([sys.executable, "-m", "engine", "run", "--strategy", "tp", "--mesh", "dp=2,ep=2",
                           "--world", "4"], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert out.returncode == 2 and "ep=2 needs --strategy ep" in out.stderr, out.stderr
+    assert out.returncode == 2 and "--strategy tp needs a tp axis" in out.stderr, out.stderr

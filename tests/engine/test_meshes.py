@@ -1,0 +1,108 @@
+"""Meshes composed from plans (engine/parallelize.py): tensor, context and expert parallel and the
+pipeline cut together with every ZeRO stage over the data axes, each against the single-process reference
+over 3 steps (tolerances and their reasons: engine/verify.py), named by `--mesh` alone."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine.config import ModelConfig, ParallelConfig, RunConfig, parse_mesh, strategy_for, validate
+from engine.launch import REPO_ROOT
+from engine.run import run
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _cfg(mesh: str, zero_stage=None, mlp="dense", micro_batches=1, steps=3, **parallel) -> RunConfig:
+    axes = parse_mesh(mesh)
+    world = 1
+    for _, d in axes:
+        world *= d
+    layers = 2 * dict(axes).get("pp", 1)
+    return validate(RunConfig(model=ModelConfig(mlp=mlp, layers=layers),
+                              parallel=ParallelConfig(strategy_for(axes), mesh=axes, zero_stage=zero_stage,
+                                                      **parallel),
+                              world=world, steps=steps, micro_batches=micro_batches))
+
+
+FOUR = {  # name -> config kwargs; every one is a combination the engine refused before plans composed
+    "cp=2,tp=2": dict(mesh="cp=2,tp=2"),
+    "cp=2,tp=2 sp": dict(mesh="cp=2,tp=2", sequence_parallel=True),
+    "ep=2,tp=2": dict(mesh="ep=2,tp=2", mlp="moe"),
+    "ep=2,tp=2 sp": dict(mesh="ep=2,tp=2", mlp="moe", sequence_parallel=True),
+    "fsdp=2,ep=2": dict(mesh="fsdp=2,ep=2", mlp="moe"),
+    "dp=2,fsdp=2 (HSDP)": dict(mesh="dp=2,fsdp=2"),
+    "dp=2,fsdp=2 (HSDP) accumulation": dict(mesh="dp=2,fsdp=2", micro_batches=2),
+    "fsdp=2,cp=2": dict(mesh="fsdp=2,cp=2"),
+    "dp=2,cp=2 zero 1": dict(mesh="dp=2,cp=2", zero_stage=1),
+    "dp=2,ep=2 zero 2": dict(mesh="dp=2,ep=2", zero_stage=2, mlp="moe"),
+    "dp=2,tp=2 zero 1": dict(mesh="dp=2,tp=2", zero_stage=1),
+    "dp=2,tp=2 zero 2": dict(mesh="dp=2,tp=2", zero_stage=2),
+    "dp=2,tp=2 zero 3": dict(mesh="dp=2,tp=2", zero_stage=3),
+    "pp=2,cp=2 zero 3": dict(mesh="pp=2,cp=2", zero_stage=3, micro_batches=2),
+}
+
+EIGHT = {
+    "pp=2,cp=2,tp=2": dict(mesh="pp=2,cp=2,tp=2", micro_batches=2),
+    "pp=2,dp=2,ep=2": dict(mesh="pp=2,dp=2,ep=2", mlp="moe", micro_batches=2),
+    "dp=2,cp=2,ep=2 zero 3": dict(mesh="dp=2,cp=2,ep=2", mlp="moe", zero_stage=3),
+    "dp=2,fsdp=2,tp=2 sp": dict(mesh="dp=2,fsdp=2,tp=2", sequence_parallel=True),
+}
+
+
+@pytest.mark.parametrize("case", list(FOUR))
+def test_four_rank_meshes_match_the_reference(pools, case):
+    cfg = _cfg(**FOUR[case])
+    summary, _ = run(cfg, traced=False, check=True, pool=pools(4))
+    assert summary["check"]["passed"], summary["check"]["failures"]
+
+
+@pytest.mark.parametrize("case", list(EIGHT))
+def test_eight_rank_meshes_match_the_reference(pools, case):
+    cfg = _cfg(**EIGHT[case])
+    summary, _ = run(cfg, traced=False, check=True, pool=pools(8))
+    assert summary["check"]["passed"], summary["check"]["failures"]
+
+
+def _states(pool, cfg):
+    results = pool.run("engine.train:run_rank", {"cfg": cfg, "traced": False, "return_states": True})
+    return results[0]["states"]
+
+
+def _assert_equal_states(a, b, label):
+    for step, (sa, sb) in enumerate(zip(a, b, strict=True)):
+        for quantity in ("grads", "params", "exp_avg", "exp_avg_sq"):
+            for name, t in sa[quantity].items():
+                assert torch.equal(t, sb[quantity][name]), f"{label}: step {step} {quantity} {name}"
+
+
+@pytest.mark.parametrize("mesh", ["dp=2,tp=2", "dp=2,fsdp=2", "dp=2,cp=2"])
+def test_zero_stages_stay_exactly_equal_on_composed_meshes(pools, mesh):
+    # Stages 1, 2 and 3 reduce-scatter the same flat buffers over the same shard axis, then all-reduce the
+    # shards over the same replica axes, in the same order: bit-identical fp32 results (atol = rtol = 0).
+    pool = pools(4)
+    z1 = _states(pool, _cfg(mesh, zero_stage=1))
+    _assert_equal_states(z1, _states(pool, _cfg(mesh, zero_stage=2)), f"{mesh}: zero 2 vs zero 1")
+    _assert_equal_states(z1, _states(pool, _cfg(mesh, zero_stage=3)), f"{mesh}: zero 3 vs zero 1")
+
+
+def test_hsdp_shards_over_fsdp_and_all_reduces_over_dp(pools):
+    summary, timeline = run(_cfg("dp=2,fsdp=2", steps=1), traced=True, pool=pools(4))
+    comm = [s for s in timeline.spans if s.lane == "comm"]
+    assert {s.group for s in comm if s.name.startswith(("all_gather", "reduce_scatter"))} == {"fsdp"}
+    assert {s.group for s in comm if s.name == "all_reduce grad shards"} == {"dp"}
+    # Each rank holds half of every unit (sharded over fsdp=2), whatever dp is.
+    full = _cfg("fsdp=2", steps=1)
+    alone, _ = run(full, traced=False, pool=pools(2))
+    assert summary["memory_bytes"][0]["params"] == alone["memory_bytes"][0]["params"]
+
+
+def test_the_mesh_alone_names_the_strategies():
+    out = subprocess.run([sys.executable, "-m", "engine", "run", "--mesh", "cp=2,tp=2", "--world", "4", "--check",
+                          "--json"], capture_output=True, text=True, timeout=180, cwd=REPO_ROOT)
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout)
+    assert summary["check"]["passed"] and summary["mesh"] == {"cp": 2, "tp": 2}
