@@ -209,11 +209,11 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(p.strategy in STRATEGIES, f"strategy={p.strategy!r} is not available; use one of "
            f"{', '.join(STRATEGIES)}")
     _check(p.stage in (0, 1, 2, 3), f"zero_stage={p.stage} must be 0, 1, 2 or 3")
-    if p.strategy == "fsdp":
-        _check(p.stage >= 1, "fsdp with zero_stage=0 shards nothing: use --strategy dp --zero-stage 0")
     _check(p.degree("fsdp", cfg.world) == 1 or p.stage >= 1,
            "the fsdp axis is where ZeRO shards, and zero stage 0 shards nothing: drop --zero-stage 0 or "
            "name the axis dp")
+    if p.strategy == "fsdp":
+        _check(p.stage >= 1, "fsdp with zero_stage=0 shards nothing: use --strategy dp --zero-stage 0")
     _check(p.dp_comm in DP_COMM_MODES, f"dp_comm={p.dp_comm!r} must be one of {', '.join(DP_COMM_MODES)}")
     _check(p.bucket_bytes >= 4, f"bucket_bytes={p.bucket_bytes} must hold at least one float32")
     axes = p.axes(cfg.world)

@@ -273,8 +273,10 @@ def live_kv_bytes_formula(cfg) -> float:
 
 
 def kv_bytes_per_step(timeline: Timeline, rank: int, steps: int) -> float:
-    """Bytes `rank` sent in the cp group (K/V and dK/dV), per optimizer step."""
-    return sum(s.bytes for s in timeline.for_rank(rank) if s.lane == "comm" and s.group == "cp") / steps
+    """Bytes `rank` sent in the cp group as K/V and dK/dV (not the gradients, also summed over cp), per
+    optimizer step."""
+    return sum(s.bytes for s in timeline.for_rank(rank)
+               if s.lane == "comm" and s.group == "cp" and "kv" in s.name) / steps
 
 
 def kv_overlap_fraction(timeline: Timeline, rank: int) -> float | None:

@@ -163,8 +163,8 @@ def test_allgather_trace_moves_the_formula_bytes(pools):
 
 @pytest.mark.parametrize("args, says", [
     (["--world", "4", "--seq-len", "30"], "seq_len=30 is not divisible by 2*cp=8"),
-    (["--mesh", "cp=2,tp=2", "--world", "4", "--seq-len", "36", "--sequence-parallel"],
-     "seq_len=36 is not divisible by tp*cp=4"),
+    (["--mesh", "cp=2,tp=4", "--world", "8", "--seq-len", "20", "--sequence-parallel"],
+     "seq_len=20 is not divisible by tp*cp=8"),
     (["--mlp", "moe", "--capacity-factor", "1"], "drop --capacity-factor"),
     (["--mesh", "dp=2,cp=3", "--world", "4"], "has 6 ranks but world=4"),
 ])

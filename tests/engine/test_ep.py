@@ -154,5 +154,5 @@ def test_an_ep_axis_runs_expert_parallel_without_naming_the_strategy():
 
 def test_a_named_strategy_that_contradicts_the_mesh_is_refused():
     out = subprocess.run([sys.executable, "-m", "engine", "run", "--strategy", "tp", "--mesh", "dp=2,ep=2",
-                          "--world", "4"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+                          "--mlp", "moe", "--world", "4"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 2 and "--strategy tp needs a tp axis" in out.stderr, out.stderr
