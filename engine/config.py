@@ -278,10 +278,6 @@ def _validate_pp(cfg: RunConfig) -> None:
         below, above = mb - mb % pp, mb - mb % pp + pp
         _check(mb % pp == 0, f"interleaved-1f1b needs micro_batches to be a multiple of pp={pp} (got {mb}): "
                f"use --micro-batches {f'{below} or {above}' if below else above}")
-    _check(p.schedule != "zb-h1" or p.stage == 0,
-           f"zb-h1 computes weight gradients per parameter, apart from input gradients, which the flat "
-           f"ZeRO/FSDP buffers do not allow: use --zero-stage 0 or --schedule 1f1b "
-           f"(got zero stage {p.stage})")
 
 
 def _tp_sizes(heads: int, kv_heads: int) -> str:

@@ -96,8 +96,18 @@ class ShardedStrategy(Strategy):
                                       group_key(replicate) if replicate else None))
             self.units.append(parts)
         self.flat = [u for parts in self.units for u in parts]
+        self._on_grad: dict[int, object] = {}  # id(flat buffer) -> what its gradient hook does
         # (flat unit, reduce-scatter handle, its input kept alive until the op completes)
         self.pending: list[tuple[FlatUnit, object, torch.Tensor]] = []
+
+    def when_grad_ready(self, u: FlatUnit, callback) -> None:
+        """Run `callback()` once autograd has accumulated `u`'s gradient (or ZB-H1's BW has)."""
+        self._on_grad[id(u.full)] = callback
+        u.full.register_post_accumulate_grad_hook(lambda full: callback())
+
+    def weight_grads_ready(self, buffers: list) -> None:
+        for full in buffers:
+            self._on_grad[id(full)]()
 
     def unit_forward(self, i: int, x):
         views = {}

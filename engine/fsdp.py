@@ -35,7 +35,7 @@ class FSDP(ShardedStrategy):
         for i, parts in enumerate(self.units):
             for u in parts:
                 u.free_full()
-                u.full.register_post_accumulate_grad_hook(lambda full, i=i: self._grad_ready(i))
+                self.when_grad_ready(u, lambda i=i: self._grad_ready(i))
 
     def _unshard(self, i: int) -> None:
         parts = self.units[i]

@@ -128,7 +128,8 @@ class Pipeline:
         else:
             with self.rec.compute(f"BW s{a.stage}"):
                 self.strategy.last_micro_batch = a.micro_batch == self.m - 1
-                self.split.backward_weight(self.weight_work.pop((a.micro_batch, a.stage)))
+                buffers = self.split.backward_weight(self.weight_work.pop((a.micro_batch, a.stage)))
+                self.strategy.weight_grads_ready(buffers)
             # BI kept the whole graph (retain_graph) for BW, so the activations are freed only now.
             self.held_bytes.pop((a.micro_batch, a.stage))
 

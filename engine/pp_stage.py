@@ -22,6 +22,8 @@ independent products, dL/dx (needed by the previous stage now) and dL/dW (needed
          -> dW_j only: the path from y_j to W_j is one node (e.g. MmBackward -> AccumulateGrad), so
          nothing of the input chain is recomputed; gradients accumulate into .grad (and fire the post-
          accumulate hooks the dp strategy syncs from), in the same micro-batch order as a fused backward.
+         With flat ZeRO/FSDP buffers W_j is a view: its gradient is added into the buffer by hand, and
+         the sharder is told (`Strategy.weight_grads_ready`).
 
 torch.distributed.pipelining does the same split at a coarser grain (stage_backward_input captures
 the gradients of the intermediate tensors that feed parameters, stage_backward_weight then calls
@@ -96,7 +98,24 @@ class WeightGradSplit:
         return input_grad, work
 
     @staticmethod
-    def backward_weight(work: list) -> None:
-        """BW: each module's weight gradient from its saved output gradient, accumulated into .grad."""
+    def backward_weight(work: list) -> list[torch.Tensor]:
+        """BW: each module's weight gradient from its saved output gradient, accumulated into .grad.
+        Under ZeRO/FSDP a module's weights are views of a flat buffer (engine/flat.py): their gradients
+        are computed as such (the path from y_j to a view is still one node) and added into the buffer's
+        .grad at the view's offset, which is where a fused backward's autograd would put them. Returns
+        those buffers, whose gradient hooks autograd did not fire."""
+        buffers: dict[int, torch.Tensor] = {}
         for y, params, dy in work:
-            torch.autograd.backward(y, dy, inputs=params)
+            if all(p.is_leaf for p in params):
+                torch.autograd.backward(y, dy, inputs=params)
+                continue
+            for p, g in zip(params, torch.autograd.grad(y, params, dy, allow_unused=True), strict=True):
+                if g is None:
+                    continue
+                base = p._base
+                if base.grad is None:
+                    base.grad = torch.zeros_like(base)
+                offset = p.storage_offset() - base.storage_offset()
+                base.grad.view(-1)[offset: offset + p.numel()].add_(g.reshape(-1))
+                buffers[id(base)] = base
+        return list(buffers.values())

@@ -112,6 +112,10 @@ class Strategy(ABC):
     def before_backward(self, i: int) -> None:
         pass
 
+    def weight_grads_ready(self, buffers: list) -> None:
+        """ZB-H1's BW accumulated these flat buffers' gradients by hand (engine/pp_stage.py): do what their
+        gradient hooks would have done. Whole parameters' hooks fire by themselves."""
+
     # -- what the plans decide ----------------------------------------------------------------------------
     def local_tokens(self, tokens):
         for p in self.plans:

@@ -35,7 +35,7 @@ class ZeRO(ShardedStrategy):
         for u in self.flat:
             # Parameters stay whole, so a rank's master shard is simply its slice of them.
             u.shard = u.full.data[lo * u.shard_numel: (lo + 1) * u.shard_numel]
-            u.full.register_post_accumulate_grad_hook(lambda full, u=u: self._grad_ready(u))
+            self.when_grad_ready(u, lambda u=u: self._grad_ready(u))
 
     def _grad_ready(self, u) -> None:
         if self.stage == 1 and not self.last_micro_batch:

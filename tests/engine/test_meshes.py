@@ -50,6 +50,7 @@ EIGHT = {
     "pp=2,dp=2,ep=2": dict(mesh="pp=2,dp=2,ep=2", mlp="moe", micro_batches=2),
     "dp=2,cp=2,ep=2 zero 3": dict(mesh="dp=2,cp=2,ep=2", mlp="moe", zero_stage=3),
     "dp=2,fsdp=2,tp=2 sp": dict(mesh="dp=2,fsdp=2,tp=2", sequence_parallel=True),
+    "pp=2,fsdp=2,tp=2 zb-h1": dict(mesh="pp=2,fsdp=2,tp=2", schedule="zb-h1", micro_batches=2),
 }
 
 
@@ -87,6 +88,16 @@ def test_zero_stages_stay_exactly_equal_on_composed_meshes(pools, mesh):
     z1 = _states(pool, _cfg(mesh, zero_stage=1))
     _assert_equal_states(z1, _states(pool, _cfg(mesh, zero_stage=2)), f"{mesh}: zero 2 vs zero 1")
     _assert_equal_states(z1, _states(pool, _cfg(mesh, zero_stage=3)), f"{mesh}: zero 3 vs zero 1")
+
+
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_zb_h1_on_flat_buffers_equals_1f1b_exactly(pools, zero_stage):
+    # ZB-H1's BW adds each module's weight gradient into the flat buffer where a fused backward's autograd
+    # puts it, micro-batch after micro-batch, and tells the sharder: the same bits as 1F1B (atol = rtol = 0).
+    pool = pools(4)
+    one_f = _states(pool, _cfg("pp=2,dp=2", zero_stage=zero_stage, micro_batches=4))
+    zb = _states(pool, _cfg("pp=2,dp=2", zero_stage=zero_stage, micro_batches=4, schedule="zb-h1"))
+    _assert_equal_states(one_f, zb, f"zb-h1 vs 1f1b at zero stage {zero_stage}")
 
 
 def test_hsdp_shards_over_fsdp_and_all_reduces_over_dp(pools):
