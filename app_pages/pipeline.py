@@ -5,7 +5,7 @@ import streamlit as st
 
 from app_pages.exercise_panel import show_exercises
 from app_pages.live_panel import run_live, show_live
-from engine.schedules import SCHEDULE_NAMES, ScheduleError, formula_bubble_fraction
+from core.schedules import SCHEDULE_NAMES, ScheduleError, formula_bubble_fraction
 from hardware.chips import CHIPS
 from planner.models import MODEL_PRESETS
 from ui.exercises import bubble_micro_batches, gpipe_bubble
@@ -221,7 +221,7 @@ if st.button("Run on this machine", type="primary"):
     run_live("live_pp", [(SCHEDULE_LABELS[live_schedule], cfg)], hint="try fewer micro-batches or processes")
 
 for live in show_live("live_pp"):
-    from engine.pp_timeline import measured_bubble_fraction
+    from core.timeline import measured_bubble_fraction
 
     cfg, summary, timeline = live.cfg, live.summary, live.timeline
     name, pp_live, v_live = cfg.parallel.schedule, cfg.world, cfg.parallel.virtual_stages

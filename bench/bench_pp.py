@@ -2,11 +2,11 @@
 
     .venv/bin/python bench/bench_pp.py [--world 4] [--micro-batches 8] [--steps 6] [--repeats 3]
 
-- our 1F1B step / torch.distributed.pipelining Schedule1F1B step: the same stages (engine/pp_stage.py),
+- our 1F1B step / torch.distributed.pipelining Schedule1F1B step: the same stages (engine/pipeline/stage.py),
   micro-batches, loss and AdamW, on gloo; torch's side sends with batch_isend_irecv and infers shapes
 - measured bubble fraction per schedule against the formula ((p-1)/m, (p-1)/(v m), ZB-H1's
   (p-1)(t_F + t_BI - t_BW) / (m (t_F + t_B))): makespan of a step's F/B/BI/BW spans over all ranks
-  minus the busiest rank's compute, over that compute (engine/pp_timeline.py)
+  minus the busiest rank's compute, over that compute (core/timeline.py)
 
 Step times are the median over steps (after one warm-up step) of the slowest rank. The model is larger
 than the tests' so that one stage's compute outweighs a point-to-point round trip.
@@ -24,9 +24,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.config import ModelConfig, ParallelConfig, RunConfig  # noqa: E402
 from engine.launch import Pool  # noqa: E402
-from engine.pp_timeline import measured_bubble_fraction  # noqa: E402
+from core.timeline import measured_bubble_fraction  # noqa: E402
 from engine.run import assemble  # noqa: E402
-from engine.schedules import SCHEDULE_NAMES, formula_bubble_fraction  # noqa: E402
+from core.schedules import SCHEDULE_NAMES, formula_bubble_fraction  # noqa: E402
 
 
 def torch_1f1b_rank(ctx, cfg: RunConfig) -> list[float]:
@@ -37,7 +37,7 @@ def torch_1f1b_rank(ctx, cfg: RunConfig) -> list[float]:
 
     from engine.model import build_model, global_batch, loss_fn
     from engine.optim import adamw_
-    from engine.pp_stage import stage_units
+    from engine.pipeline.stage import stage_units
     from engine.reference import hyper
 
     p, rank = cfg.world, ctx.rank
@@ -46,7 +46,7 @@ def torch_1f1b_rank(ctx, cfg: RunConfig) -> list[float]:
     params = list(module.parameters())
     moments = [(torch.zeros_like(w), torch.zeros_like(w)) for w in params]
     stage = PipelineStage(module, rank, p, ctx.device)
-    # scale_grads=False: the loss of each micro-batch is divided by m below, as engine/pp.py does.
+    # scale_grads=False: the loss of each micro-batch is divided by m below, as engine/pipeline/executor.py does.
     schedule = Schedule1F1B(stage, cfg.micro_batches, loss_fn=lambda y, t: loss_fn(y, t) / cfg.micro_batches,
                             scale_grads=False)
     times = []

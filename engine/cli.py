@@ -18,7 +18,7 @@ import sys
 from dataclasses import replace
 
 from engine.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, parse_mesh, strategy_for, validate
-from engine.schedules import SCHEDULE_NAMES
+from core.schedules import SCHEDULE_NAMES
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_RANK_FAILED = 0, 1, 2, 3
 

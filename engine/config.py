@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from core.mesh import AXES, Mesh
-from engine.schedules import SCHEDULE_NAMES
+from core.schedules import SCHEDULE_NAMES
 
 STRATEGIES = ("dp", "fsdp", "cp", "ep", "pp", "tp")
 # The mesh axis a strategy splits over when no --mesh is given (all other strategies: dp = world); with
@@ -72,7 +72,7 @@ class ParallelConfig:
     bucket_bytes: int = 16 * 1024  # small on purpose: the tiny model must still make several buckets
     prefetch: bool = True  # fsdp: all-gather the next unit while this one computes
     sequence_parallel: bool = False  # tp: norms on sequence shards, all-gather/reduce-scatter (engine/tp.py)
-    schedule: str = "1f1b"  # pipeline schedule when the mesh has pp > 1 (engine/schedules.py)
+    schedule: str = "1f1b"  # pipeline schedule when the mesh has pp > 1 (core/schedules)
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved-1f1b only)
     cp_variant: str = "ring"  # cp: K/V passed around a ring, or all-gathered at once
 

@@ -199,7 +199,7 @@ class Transformer(nn.Module):
 
     @property
     def global_units(self) -> list[int]:
-        """The full model's index of each unit (a pipeline stage holds some: engine/pp_stage.StageModel)."""
+        """The full model's index of each unit (a pipeline stage holds some: engine/pipeline/stage.StageModel)."""
         return list(range(len(self.units)))
 
     def global_name(self, name: str) -> str:

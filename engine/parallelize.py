@@ -2,7 +2,7 @@
 
     1. the model, once, the same on every rank (engine/model.py)
     2. tensor (+ sequence) parallel: split the matmuls, embedding and head     engine/tp.py
-    3. the pipeline stage cut: keep this rank's chunks of units                 engine/pp_stage.py
+    3. the pipeline stage cut: keep this rank's chunks of units                 engine/pipeline/stage.py
     4. context parallel: this rank's positions, ring attention                  engine/cp.py
     5. expert parallel: this rank's experts, all-to-all dispatch                engine/ep.py
     6. one data-parallel sharder by ZeRO stage over the data axes                engine/dp.py (0),
@@ -46,7 +46,7 @@ def parallelize(cfg: RunConfig, comm: Comm, rec: Recorder, mesh: Mesh, device,
 
         plans.append(TensorParallelPlan(model, comm, cfg.parallel.sequence_parallel, cp=mesh.degree("cp")))
     if chunks is not None:
-        from engine.pp_stage import StageModel
+        from engine.pipeline.stage import StageModel
 
         model = StageModel(model, chunks)
     model = model.to(device)

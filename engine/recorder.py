@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager
 
-from engine.trace import Span
+from core.timeline import Span
 
 
 class Recorder:

@@ -13,8 +13,8 @@ import statistics
 from dataclasses import asdict
 
 from engine.config import RunConfig, validate
-from engine.pp_timeline import bubble_spans
-from engine.trace import Span, Timeline
+from core.timeline import bubble_spans
+from core.timeline import Span, Timeline
 
 
 def assemble(cfg: RunConfig, results: list[dict]) -> tuple[dict, Timeline]:

@@ -113,7 +113,7 @@ class Strategy(ABC):
         pass
 
     def weight_grads_ready(self, buffers: list) -> None:
-        """ZB-H1's BW accumulated these flat buffers' gradients by hand (engine/pp_stage.py): do what their
+        """ZB-H1's BW accumulated these flat buffers' gradients by hand (engine/pipeline/stage.py): do what their
         gradient hooks would have done. Whole parameters' hooks fire by themselves."""
 
     # -- what the plans decide ----------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 (with `check`) gather the full state after every step for comparison with the reference.
 
 `run_rank` is the task the worker pool (or torchrun) calls on every rank; its result is a plain dict. A
-run with pp > 1 steps through a pipeline schedule (engine/pp.py), any other through `Sequential`; both
+run with pp > 1 steps through a pipeline schedule (engine/pipeline/executor.py), any other through `Sequential`; both
 give the same loop a `step(tokens, targets, step) -> loss or None`, their `strategy` and their activation
 peak.
 """
@@ -64,7 +64,7 @@ def run_rank(ctx, cfg: RunConfig, traced: bool = True, check: bool = False,
     mesh = Mesh(cfg.parallel.axes(cfg.world))
     comm = Comm(rec, ctx.device, ctx.mesh_groups(mesh, group_spans(cfg, mesh)))
     if mesh.degree("pp") > 1:
-        from engine.pp import Pipeline
+        from engine.pipeline.executor import Pipeline
 
         runner = Pipeline(cfg, comm, rec, mesh, ctx.device)
     else:

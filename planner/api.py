@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from engine.trace import Timeline
+from core.timeline import Timeline
 from hardware.chips import CHIPS
 from planner import layout_search as _search
 from planner.case import RECIPE_DEFAULTS, Case, load_case, parse_case

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from engine.trace import Span, Timeline
+from core.timeline import Span, Timeline
 
 
 @dataclass

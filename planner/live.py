@@ -22,8 +22,8 @@ import statistics
 from dataclasses import dataclass, field
 
 from core.mesh import Mesh
-from engine.pp_timeline import bubble_spans
-from engine.schedules import (
+from core.timeline import bubble_spans
+from core.schedules import (
     BACKWARD,
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
@@ -33,7 +33,7 @@ from engine.schedules import (
     make_schedule,
     stage_units,
 )
-from engine.trace import Timeline, span_kind, union_seconds
+from core.timeline import Timeline, span_kind, union_seconds
 from hardware.this_machine import Calibration, comm_key, work
 from planner.eventsim import Collective, Compute, Recv, Send, Wait, simulate
 
@@ -321,7 +321,7 @@ def _label(kind: str, group: str) -> str:
 
 
 def per_step_by_kind(timeline: Timeline, skip_first: bool = True) -> dict[str, float]:
-    """Seconds per rank per step spent on each kind of work (engine.trace.span_kind; communication by
+    """Seconds per rank per step spent on each kind of work (core.timeline.span_kind; communication by
     kind and group): what the rank's step is made of, so idle time and asynchronous operations (which
     run beside it, their spans including their time in gloo's queue) are left out, and the time a rank
     spends on no blocking span, or in a blocking receive, counts as WAITING. A measured run's
@@ -377,7 +377,7 @@ def compare(predicted: Timeline, measured: Timeline, top: int = 3) -> list[dict]
 
 
 class _Program:
-    """Writes one rank's step as the engine runs it (engine/train.py, engine/pp.py and the strategies)."""
+    """Writes one rank's step as the engine runs it (engine/train.py, engine/pipeline/executor.py and the strategies)."""
 
     def __init__(self, cfg, costs: _Costs, r: _Rank, g: dict, mesh: Mesh):
         self.cfg, self.c, self.r, self.g, self.mesh = cfg, costs, r, g, mesh
@@ -695,7 +695,7 @@ class _Program:
             for u in self.held:
                 r.coll("all_gather params", self.g["dp"], "dp", "all_gather", self._unit_bytes(u))
 
-    # -- pipeline (engine/pp.py) -----------------------------------------------------------------------
+    # -- pipeline (engine/pipeline/executor.py) -----------------------------------------------------------------------
     def _pipeline(self) -> None:
         r, cfg, m = self.r, self.cfg, self.m
         v = cfg.parallel.virtual_stages
@@ -742,7 +742,7 @@ class _Program:
                 op.seconds *= share
 
     def _grad_ready_pp(self, u: int, last: bool) -> None:
-        """The strategy over dp sees the stage's units as a model of their own (engine/pp.py)."""
+        """The strategy over dp sees the stage's units as a model of their own (engine/pipeline/executor.py)."""
         if self.dp == 1:
             return
         if self.stage == 0 and self.cfg.parallel.dp_comm == "bucketed" and last:

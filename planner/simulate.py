@@ -26,7 +26,7 @@ Overlap (the recipe fields of `planner.case`, per layer in `planner.costs`):
   send/receive pairs; the engine's blocking receives): one transfer per pass, every schedule, so the
   interleaved schedule's v-fold transfers show. Megatron-Core's overlap_p2p_comm, which can hide some
   of them behind another chunk when the schedule has slack, is not modelled (the schedule simulated
-  with tiny transfers already puts 2 (p-1) to 7 p of them on the critical path, engine.schedules).
+  with tiny transfers already puts 2 (p-1) to 7 p of them on the critical path, core.schedules).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ exposed, each on the lane of its mesh axis), and bubbles.
 
 One representative chip per pipeline stage is drawn (global rank stage * dp * cp * tp, the tp/cp/dp
 rank 0 of the stage): within a stage all chips run the same ops at the same times. The order of
-forward and backward passes is the engine's own schedule (`engine.schedules`, torch-free), so a
+forward and backward passes is the engine's own schedule (`core.schedules`, torch-free), so a
 predicted and a measured pipeline line up; the durations come from the step simulator.
 
 Where communication sits (planner.costs says how much of it hides):
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from engine.schedules import make_schedule
-from engine.trace import Span, Timeline
+from core.schedules import make_schedule
+from core.timeline import Span, Timeline
 from planner.costs import CommOp
 from planner.simulate import ChunkCost, StepResult
 

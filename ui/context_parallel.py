@@ -17,7 +17,7 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from engine.trace import Timeline
+from core.timeline import Timeline
 from hardware.chips import Chip
 from hardware.collectives import group_topology
 from hardware.kernels import best_flash_kernel, flash_attention_s

@@ -1,6 +1,6 @@
 """Exercises whose answers recompute from the page's current settings: a question, the answer, and the
 worked solution (the formula, the numbers substituted, the result). Each answer comes from the module that
-owns the formula (planner.bounds, planner.memory, engine.schedules), never a copy of it. No Streamlit here.
+owns the formula (planner.bounds, planner.memory, core.schedules), never a copy of it. No Streamlit here.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def largest_compute_bound_tp(m: ModelSpec, chip: Chip, tokens: float) -> Exercis
 
 
 def bubble_micro_batches(p: int, target: float = 0.10) -> Exercise:
-    from engine.schedules import formula_bubble_fraction
+    from core.schedules import formula_bubble_fraction
 
     m = 1
     while formula_bubble_fraction("1f1b", p, m) > target:
@@ -186,7 +186,7 @@ def tp_bytes_per_layer(t: int, b: int, s: int, h: int, comm_bytes: float) -> Exe
 
 
 def gpipe_bubble(p: int, m: int) -> Exercise:
-    from engine.schedules import formula_bubble_fraction
+    from core.schedules import formula_bubble_fraction
 
     f = formula_bubble_fraction("gpipe", p, m)
     return Exercise(

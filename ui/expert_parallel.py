@@ -25,7 +25,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from engine.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, validate
-from engine.trace import Timeline
+from core.timeline import Timeline
 from hardware.chips import Chip
 from hardware.collectives import group_topology
 from hardware.kernels import matmul_s

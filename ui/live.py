@@ -9,7 +9,7 @@ from functools import cached_property
 
 import plotly.graph_objects as go
 
-from engine.trace import Timeline
+from core.timeline import Timeline
 from planner.live import compare
 from ui.timeline import step_timeline, timeline_figure
 

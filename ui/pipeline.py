@@ -1,7 +1,7 @@
 """Pipeline-parallel lesson builders: the schedule grid, the activations held, the comparison table and the
 planner's view on real chips. Pure: data in, Plotly figures and table rows out.
 
-Every picture comes from `engine.schedules` (the same schedules the live executor runs): a schedule is
+Every picture comes from `core.schedules` (the same schedules the live executor runs): a schedule is
 built by `make_schedule`, timed by `simulate`, and drawn here as a rank x time grid
 
     rank 0 | F0 F1 F2 F3 .  .  .  B0 B1 ...      one cell per compute action, coloured by kind
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import plotly.graph_objects as go
 
-from engine.schedules import (
+from core.schedules import (
     BACKWARD,
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
@@ -28,7 +28,7 @@ from engine.schedules import (
     make_schedule,
     simulate,
 )
-from engine.trace import Timeline
+from core.timeline import Timeline
 from hardware.chips import Chip
 from hardware.collectives import group_topology
 from planner.case import Layout

@@ -24,7 +24,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from engine.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, validate
-from engine.trace import Timeline
+from core.timeline import Timeline
 from hardware.chips import Chip
 from hardware.collectives import Topology, group_topology
 from planner.case import Layout

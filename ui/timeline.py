@@ -1,4 +1,4 @@
-"""Timeline charts: any `engine.trace.Timeline` (measured or predicted) as an animated Gantt chart.
+"""Timeline charts: any `core.timeline.Timeline` (measured or predicted) as an animated Gantt chart.
 
 One row per rank and lane (compute, comm, idle), one colour per kind of work. The animation sweeps a
 cursor through the step and reveals each span as it happens, so overlap of communication with compute
@@ -11,7 +11,7 @@ from collections import defaultdict
 
 import plotly.graph_objects as go
 
-from engine.trace import LANES, Span, Timeline, span_kind
+from core.timeline import LANES, Span, Timeline, span_kind
 
 # The app's one palette of work: compute in blues and teals (forward, backward), the optimizer green,
 # each collective its own warm colour, idle grey. Every chart of a step colours by it.

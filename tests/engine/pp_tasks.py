@@ -2,7 +2,8 @@
 
 from unittest import mock
 
-from engine import pp, train
+from engine import train
+from engine.pipeline import executor as pp
 
 
 def crash_in_schedule(ctx, cfg, rank: int, after_actions: int):

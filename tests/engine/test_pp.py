@@ -16,11 +16,11 @@ from engine.launch import Pool, RankFailed
 from core.mesh import Mesh
 from engine.model import build_model, global_batch, loss_fn
 from engine.optim import adamw_
-from engine.schedules import stage_units
-from engine.pp_timeline import measured_bubble_fraction
+from core.schedules import stage_units
+from core.timeline import measured_bubble_fraction
 from engine.reference import hyper
 from engine.run import assemble, run
-from engine.schedules import SCHEDULE_NAMES
+from core.schedules import SCHEDULE_NAMES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MICRO_BATCHES = 4

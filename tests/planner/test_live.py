@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from engine.cli import config_from_args, run_parser
-from engine.trace import Span, Timeline
+from core.timeline import Span, Timeline
 from hardware.this_machine import Calibration
 from planner.live import WAITING, compare, per_step_by_kind, predict
 
@@ -49,7 +49,7 @@ def test_every_live_run_has_a_prediction(flags):
 
 
 def test_idle_spans_as_the_engine_draws_them():
-    # the engine marks a pipeline's bubbles (engine/pp_timeline.py) and leaves other waits as gaps
+    # the engine marks a pipeline's bubbles (core/timeline.py) and leaves other waits as gaps
     assert not any(s.lane == "idle" for s in predict(_cfg("--strategy fsdp --world 2"), CAL).timeline.spans)
     pp = predict(_cfg("--strategy pp --schedule 1f1b --micro-batches 4 --world 2"), CAL).timeline
     assert {s.name for s in pp.spans if s.lane == "idle"} == {"bubble"}

@@ -54,7 +54,7 @@ def test_interleaving_shrinks_the_bubble():
 
 
 def test_zb_h1_bubble_matches_qi_et_al():
-    from engine.schedules import OpTimes, formula_bubble_fraction
+    from core.schedules import OpTimes, formula_bubble_fraction
     p, m, f, bi, bw = 8, 32, 1.0, 1.0, 1.0
     s = f + bi + bw
     t = pipeline_time_s([s] * p, m, 1, fill_s=[s - 2 * bw] * p)

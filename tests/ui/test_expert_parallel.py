@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from engine.trace import Span, Timeline
+from core.timeline import Span, Timeline
 from hardware.chips import CHIPS
 from planner.models import MODEL_PRESETS
 from tests.ui.apptest_util import open_app

@@ -71,7 +71,7 @@ def test_runs_are_collected_compared_and_exported():
 
 def test_results_json_carries_every_run():
     from engine.config import RunConfig
-    from engine.trace import Timeline
+    from core.timeline import Timeline
     from ui.lab import results_json
     from ui.live import LiveRun
 

@@ -4,7 +4,7 @@ error and what differs most, the verdict, on hand-made runs."""
 import pytest
 
 from engine.config import RunConfig
-from engine.trace import Span, Timeline
+from core.timeline import Span, Timeline
 from ui.live import LiveRun, differences, prediction_error, representative_step, side_by_side, tolerance_rows, verdict
 
 

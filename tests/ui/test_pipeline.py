@@ -4,8 +4,8 @@ one live pipeline run."""
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from engine.schedules import OpTimes, make_schedule, simulate
-from engine.trace import Span, Timeline
+from core.schedules import OpTimes, make_schedule, simulate
+from core.timeline import Span, Timeline
 from hardware.chips import CHIPS
 from hardware.collectives import group_topology
 from planner.models import MODEL_PRESETS

@@ -4,7 +4,7 @@ one live TP / TP + SP run at world 2."""
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from engine.trace import Span, Timeline
+from core.timeline import Span, Timeline
 from hardware.chips import CHIPS
 from hardware.collectives import group_topology
 from planner.memory import korthikanti_bytes

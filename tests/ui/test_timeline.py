@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.trace import Span, Timeline
+from core.timeline import Span, Timeline
 from ui.timeline import lane_summary, span_kind, timeline_figure
 
 

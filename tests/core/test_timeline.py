@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from engine.trace import Span, Timeline
+from core.timeline import Span, Timeline
 
 
 def _tl():
@@ -77,7 +77,7 @@ def test_overlap_counts_each_second_once():
 
 
 def test_union_and_intersection():
-    from engine.trace import intersection_seconds, union_seconds
+    from core.timeline import intersection_seconds, union_seconds
 
     assert union_seconds([(0, 2), (1, 3), (5, 6)]) == 4
     assert union_seconds([]) == 0

@@ -5,7 +5,7 @@ stage also the embedding and the last also the final norm, the head and the loss
 
     tokens -> [embed L0 L1] -> [L2 L3] -> ... -> [L(L-2) L(L-1) head] -> loss       (S stages)
 
-Rank r holds the v chunks (stages) r, p + r, 2p + r, ... (engine/schedules.py, round-robin as in
+Rank r holds the v chunks (stages) r, p + r, 2p + r, ... (core/schedules, round-robin as in
 Narayanan et al. 2021 section 2.2). `StageModel` puts those units in one ModuleList, so the plans that
 come after the stage cut (context and expert parallel) and the data-parallel sharder apply to it as to a
 whole model, and it maps its parameter names back to the full model's, so verification compares them with

@@ -1,13 +1,13 @@
 """Pipeline parallel: each rank holds some stages of the model and runs a schedule's actions on them.
 
-    rank r of the pp group:  stages r, p + r, ... (one per chunk; engine/pp_stage.py)
+    rank r of the pp group:  stages r, p + r, ... (one per chunk; engine/pipeline/stage.py)
     F  mb on stage s:   x[B_mb, T, D] = RECV act from stage s - 1 (or the tokens);  y = units(x)
                         SEND y to stage s + 1 (the last stage computes the loss instead)
     B  mb on stage s:   dy = RECV grad from stage s + 1 (or dL/dL = 1);  dx = backward(y, dy)
                         SEND dx to stage s - 1; weight gradients accumulate locally
     BI / BW (ZB-H1):    the same backward in two parts, dx now and dW later (pp_stage.WeightGradSplit)
 
-The executor walks `engine.schedules.make_schedule(...)`'s action list for its pp rank, unchanged: the
+The executor walks `core.schedules.make_schedule(...)`'s action list for its pp rank, unchanged: the
 same data drives the schedule picture and this run. SEND is an isend whose tensor is kept until it has
 completed (at the end of the step); RECV is a blocking irecv + wait whose tensor waits under its message
 key until the compute that needs it. Per pair of ranks the RECVs come in the sender's SEND order, so
@@ -39,9 +39,9 @@ from engine.config import RunConfig
 from engine.memory import ActivationMeter
 from engine.model import micro_batch_rows
 from engine.parallelize import parallelize
-from engine.pp_stage import WeightGradSplit
+from engine.pipeline.stage import WeightGradSplit
 from engine.recorder import Recorder
-from engine.schedules import (
+from core.schedules import (
     ACTIVATION,
     BACKWARD,
     BACKWARD_INPUT,

@@ -5,7 +5,10 @@ A `Timeline` is a flat list of `Span`s: one span is one thing one rank did for a
 send/recv) or ``idle`` (a pipeline bubble, a wait). Pages draw and animate any Timeline the same way,
 so a predicted step and a measured step can stand side by side.
 
-This module must not import torch: the planner and the pages use it without the engine.
+This module must not import torch: the planner and the pages use it without the engine. It also says
+what a pipeline step looks like on it: its bubbles (idle spans between a rank's F/B/BI/BW compute), which
+a measured pipeline timeline gets in the calling process (engine/run.py) so that it carries the same
+"bubble" spans as the simulator's predicted one (core/schedules/simulate.py).
 """
 
 from __future__ import annotations
@@ -207,3 +210,43 @@ class Timeline:
             if os.path.exists(tmp):
                 os.unlink(tmp)
             raise
+
+
+# -- pipeline steps on the timeline ---------------------------------------------------------------------
+# The compute kinds of core/schedules/build.py: spans named "F s1", "BW s0", ... (engine/pipeline).
+PIPELINE_KINDS = ("F", "B", "BI", "BW")
+
+
+def _pipeline_spans(timeline: Timeline, step: int) -> list[Span]:
+    """The F / B / BI / BW compute spans of one step (engine/pipeline/executor.py names them "F s1", "BW s0", ...)."""
+    return [s for s in timeline.spans if s.step == step and s.lane == "compute"
+            and s.name.split(" ")[0] in PIPELINE_KINDS]
+
+
+def measured_bubble_fraction(timeline: Timeline, step: int) -> float:
+    """(pipeline makespan - busiest rank's compute) / that compute, from the F/B/BI/BW spans of one step:
+    the simulator's definition (core/schedules/simulate.Simulation), Narayanan et al. 2021 eq. 1's ratio."""
+    spans = _pipeline_spans(timeline, step)
+    makespan_s = max(s.end_s for s in spans) - min(s.start_s for s in spans)
+    busy_s = max(sum(s.duration_s for s in spans if s.rank == r) for r in {s.rank for s in spans})
+    return (makespan_s - busy_s) / busy_s
+
+
+def bubble_spans(timeline: Timeline) -> list[Span]:
+    """Per step and rank, an idle "bubble" span for every gap between its pipeline compute spans, from the
+    step's first pipeline op on any rank to its last (what the simulator draws as `.`)."""
+    out = []
+    for step in sorted({s.step for s in timeline.spans}):
+        spans = _pipeline_spans(timeline, step)
+        if not spans:
+            continue
+        first_s, last_s = min(s.start_s for s in spans), max(s.end_s for s in spans)
+        for rank in sorted({s.rank for s in spans}):
+            busy_until = first_s
+            for s in sorted((s for s in spans if s.rank == rank), key=lambda s: s.start_s):
+                if s.start_s > busy_until:
+                    out.append(Span(rank, "idle", "bubble", busy_until, s.start_s, step=step))
+                busy_until = max(busy_until, s.end_s)
+            if last_s > busy_until:
+                out.append(Span(rank, "idle", "bubble", busy_until, last_s, step=step))
+    return out

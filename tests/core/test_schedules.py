@@ -8,8 +8,8 @@ import itertools
 
 import pytest
 
-import engine.schedules as sch
-from engine.schedules import (
+import core.schedules.build as sch
+from core.schedules import (
     BACKWARD,
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
