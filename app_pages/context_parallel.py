@@ -163,7 +163,7 @@ cp = c1.select_slider("Context-parallel degree cp", CP_DEGREES, value=default_cp
                       bind="query-params", help="The sidebar's cp sets the starting value.")
 seq_len = c2.select_slider("Sequence length S", SEQ_LENS, value=131072, key="cp_seq_len", bind="query-params",
                            format_func=seq_label)
-stride = choices.mesh["tp"]  # the cp group strides over the tp ranks inside it (tp innermost in the mesh)
+stride = choices.device_mesh().stride("cp")  # the cp group strides over the ep and tp ranks inside it
 row = overlap_row(spec, chip, cp, seq_len, stride=stride)
 shard = seq_len // cp
 if row["hidden"]:
@@ -176,7 +176,7 @@ else:
 st.markdown(
     f"""
 For {spec.name} (H = {spec.heads}, H_kv = {spec.kv_heads}, d = {spec.head_dim_}) on {chip.name}, B = 1,
-S = {seq_label(seq_len)}, cp = **{cp}** (group: {row['topology']}; members tp = {stride} ranks apart,
+S = {seq_label(seq_len)}, cp = **{cp}** (group: {row['topology']}; members {stride} ranks apart, past the ep x tp ranks inside each,
 whole heads on each): each rank holds S/cp = **{shard:,}** tokens, a K/V block is
 **{format_bytes(row['kv_block_bytes'])}** and takes **{format_seconds(row['transfer_s'])}** to pass on, while
 its attention step computes {row['block_flops'] / 1e12:,.3g} TFLOP in **{format_seconds(row['compute_s'])}**.

@@ -88,8 +88,8 @@ gather prefetched one layer ahead so it hides under compute.
 """
 )
 grad_bytes = 2 * psi
-topo = group_topology(chip, dp, stride=choices.mesh["tp"] * choices.mesh["cp"] * choices.mesh["ep"],
-                      achievable=True)
+dp_stride = choices.device_mesh().stride("dp")  # the dp group's members are this many ranks apart
+topo = group_topology(chip, dp, stride=dp_stride, achievable=True)
 rows = [
     {"strategy": "DP / ZeRO-1 / ZeRO-2", "collectives per step": "all-reduce (= reduce-scatter + all-gather)",
      "bytes per chip": f"{2 * (dp - 1) / dp * grad_bytes / 1e9:,.2f} GB",
@@ -116,14 +116,13 @@ bound_tokens = st.select_slider("Tokens per chip per step", [256, 512, 1024, 204
 if dp == 1:
     st.caption("With dp = 1 in the sidebar there is nothing to communicate: set dp above 1.")
 else:
-    stride = choices.mesh["tp"] * choices.mesh["cp"] * choices.mesh["ep"]
     for col, fsdp in zip(st.columns(2), (False, True), strict=True):
-        bound = data_parallel_bound(spec, chip, bound_tokens, dp, stride, fsdp=fsdp)
+        bound = data_parallel_bound(spec, chip, bound_tokens, dp, dp_stride, fsdp=fsdp)
         col.plotly_chart(bound_figure(bound, "FSDP / ZeRO-3" if fsdp else "DP / ZeRO-1/2"),
                          key=f"bound_{'fsdp' if fsdp else 'dp'}")
         col.markdown(verdict_text(bound))
 
-show_exercises(([fsdp_batch(spec, chip, dp, choices.mesh["tp"] * choices.mesh["cp"] * choices.mesh["ep"])]
+show_exercises(([fsdp_batch(spec, chip, dp, dp_stride)]
                 if dp > 1 else []) + [smallest_fitting_zero_stage(psi, spec.name, chip, dp)])
 
 st.header("Run it for real")

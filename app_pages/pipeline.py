@@ -159,7 +159,7 @@ real_pp = r1.select_slider("Stages p", REAL_PP, value=sidebar_pp if sidebar_pp i
                            key="real_pp", help="Starts at the sidebar mesh's pp when that is one of these.")
 real_m = r2.select_slider("Micro-batches m per step", REAL_M, value=16, key="real_m")
 tp = choices.mesh["tp"]
-stride = tp * choices.mesh["cp"] * choices.mesh["dp"] * choices.mesh["ep"]
+stride = choices.device_mesh().stride("pp")
 try:
     view = real_chip_view(spec, chip, real_pp, real_m, tp=tp, stride=stride)
 except ValueError as e:

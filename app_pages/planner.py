@@ -43,11 +43,9 @@ mode = c2.radio("Layout", ["my mesh (sidebar)", "let the planner choose"], key="
 top = c3.select_slider("Layouts to rank in the search", [3, 5, 10], value=5, key="search_top")
 
 global_batch = max(n, round(tokens / spec.seq_len / n) * n)
-mesh = choices.mesh
 # The sidebar's ep is a mesh axis of its own; the planner (like Megatron-LM) counts expert-parallel ranks
 # inside the data-parallel group, since attention and dense layers are data parallel over them too.
-parallel = (Parallel(dp=mesh["dp"] * mesh["ep"], tp=mesh["tp"], pp=mesh["pp"], cp=mesh["cp"], ep=mesh["ep"])
-            if mode.startswith("my") else Parallel())
+parallel = Parallel(**choices.device_mesh().megatron_degrees()) if mode.startswith("my") else Parallel()
 try:
     case = make_case(spec, Cluster(chip.key, n), global_batch=global_batch, parallel=parallel)
     with st.spinner("Simulating the step ..."):

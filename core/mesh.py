@@ -111,6 +111,12 @@ class Mesh:
     def group_of(self, rank: int, axes: str | tuple[str, ...]) -> list[int]:
         return next(g for g in self.group_ranks(axes) if rank in g)
 
+    def megatron_degrees(self) -> dict[str, int]:
+        """The same layout in Megatron-LM's (and the planner's case files') notation, where ep is carved out
+        of the data-parallel ranks: dp = our dp x fsdp x ep, and ep, tp, pp, cp as they are."""
+        return {"dp": self.batch_shards, "tp": self.degree("tp"), "pp": self.degree("pp"),
+                "cp": self.degree("cp"), "ep": self.degree("ep")}
+
     # -- what the axes mean for the batch and the gradients (module docstring) --------------------------
     @property
     def batch_shards(self) -> int:

@@ -11,6 +11,8 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from core.mesh import Mesh
+
 MESH_AXES = ("dp", "tp", "pp", "cp", "ep")
 MESH_AXIS_HELP = {
     "dp": "data parallel: replicas that each see a slice of the batch",
@@ -35,6 +37,10 @@ class Choices:
         for degree in self.mesh.values():
             n *= degree
         return n
+
+    def device_mesh(self) -> Mesh:
+        """The sidebar's mesh under the one mesh convention (core/mesh.py): rank order, strides."""
+        return Mesh(self.mesh)
 
     def mesh_label(self) -> str:
         """e.g. 'dp=8 x tp=4' (axes of degree 1 left out)."""

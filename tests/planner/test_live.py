@@ -113,6 +113,15 @@ def test_compare_names_the_span_that_differs_most():
     assert rows[0]["text"].startswith("gloo all_reduce (dp) took 2.1x its predicted time")
 
 
+def test_the_planner_never_imports_the_engine_package():
+    # the torch-free core (mesh, timeline, schedules) is below both; the planner reads a RunConfig by attribute
+    code = ("import sys, planner.api, planner.live, planner.layout_search, planner.timeline, planner.simulate; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'engine'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.stdout.strip() == "[]"
+
+
 def test_the_planner_side_never_imports_torch():
     code = ("import sys, planner.live, planner.eventsim, hardware.this_machine, engine.predict, engine.run; "
             "print('torch' in sys.modules)")
