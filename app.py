@@ -14,8 +14,7 @@ import streamlit as st
 from hardware.chips import CHIPS
 from planner.models import DEFAULT_MODEL, MODEL_PRESETS
 from ui.lessons import LESSONS, page_params
-from ui.state import (DEFAULT_MESH, MAX_AXIS_DEGREE, MESH_AXES, MESH_AXIS_HELP, Choices, non_finite_params,
-                      parse_choices)
+from ui.state import DEFAULT_MESH, MAX_AXIS_DEGREE, MESH_AXES, MESH_AXIS_HELP, Choices, non_finite_params, parse_choices
 
 DEFAULT_CHIP = "h100"
 

@@ -12,4 +12,6 @@ if ! [ -x /usr/bin/chromium ]; then
     echo "      Install it with: sudo apt-get install -y chromium" >&2
   fi
 fi
+# Style is kept by the tools: pyflakes, import order and line length (pyproject.toml), before any test runs.
+.venv/bin/ruff check . || { echo "ruff found the problems above: fix them (many with: .venv/bin/ruff check . --fix)" >&2; exit 1; }
 exec .venv/bin/python -m pytest "$@"

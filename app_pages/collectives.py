@@ -55,7 +55,7 @@ dimension is split over, and `{U_X}` marks an array that still has to be summed 
 V is the size of the full array and N the number of chips in the group. (Ulysses sequence parallel,
 DeepSpeed-Ulysses: an all-to-all turns sequence-sharded activations into head-sharded ones before
 attention, so each chip attends over the whole sequence for its heads, and another turns them back.)
-"""
+"""  # noqa: E501 (a markdown table: one row per line)
 )
 
 st.header("On a ring, step by step")

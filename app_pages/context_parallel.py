@@ -176,8 +176,8 @@ else:
 st.markdown(
     f"""
 For {spec.name} (H = {spec.heads}, H_kv = {spec.kv_heads}, d = {spec.head_dim_}) on {chip.name}, B = 1,
-S = {seq_label(seq_len)}, cp = **{cp}** (group: {row['topology']}; members {stride} ranks apart, past the ep x tp ranks inside each,
-whole heads on each): each rank holds S/cp = **{shard:,}** tokens, a K/V block is
+S = {seq_label(seq_len)}, cp = **{cp}** (group: {row['topology']}; members {stride} ranks apart, past the
+ep x tp ranks inside each, whole heads on each): each rank holds S/cp = **{shard:,}** tokens, a K/V block is
 **{format_bytes(row['kv_block_bytes'])}** and takes **{format_seconds(row['transfer_s'])}** to pass on, while
 its attention step computes {row['block_flops'] / 1e12:,.3g} TFLOP in **{format_seconds(row['compute_s'])}**.
 {verdict} Threshold on this link: S/cp ≥ **{row['threshold_tokens']:,.0f}** tokens.

@@ -250,7 +250,8 @@ if model_ep > 1:
                 "links' bandwidth, latency left out; the table above uses achievable numbers.)")
 
 if model_ep > 1:
-    show_exercises([ep_expert_width(spec, chip, model_ep), a2a_leaving_share(model_ep, tokens, spec.top_k, spec.hidden)])
+    show_exercises([ep_expert_width(spec, chip, model_ep),
+                    a2a_leaving_share(model_ep, tokens, spec.top_k, spec.hidden)])
 
 st.header("Run it for real")
 st.markdown(

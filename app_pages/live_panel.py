@@ -214,7 +214,8 @@ def _show_run(key: str, run: LiveRun) -> None:
     s, pred = run.summary, run.prediction or {}
     error = prediction_error(run)
     m1, m2, m3 = st.columns(3)
-    m1.metric("Measured step time", f"{s['step_time_s'] * 1e3:,.1f} ms", help="mean over the steps after the first (warm-up), slowest rank")
+    m1.metric("Measured step time", f"{s['step_time_s'] * 1e3:,.1f} ms",
+              help="mean over the steps after the first (warm-up), slowest rank")
     if error is None:
         m2.metric("Predicted step time", "n/a")
         st.caption(f"No prediction: {pred.get('why', 'the run carries none')}.")

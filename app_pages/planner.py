@@ -29,7 +29,8 @@ chips are arranged as a grid whose axes are data parallel (dp), tensor parallel 
 The **planner** predicts what one training step of **{spec.name}** costs on **{n:,} x {chip.name}**
 with the mesh in the sidebar ({choices.mesh_label()}): memory per chip, step time, **model FLOPs
 utilisation (MFU**: the model's FLOPs per step, about 6 x parameters x tokens plus attention, over step time
-x chips x the chip's peak FLOP/s; recomputation does not count), where the time goes, and a predicted timeline in the same format as the live runs.
+x chips x the chip's peak FLOP/s; recomputation does not count), where the time goes, and a predicted timeline
+in the same format as the live runs.
 Its numbers come from the chip table (hardware/), op-level benchmarks (GEMM, attention kernels,
 nccl-tests) and published formulas; how far to trust them is measured on published runs below.
 """

@@ -90,7 +90,7 @@ operators that are each other's transpose (Shoeybi et al. 2019, sec. 3, fig. 3):
 Per layer that is one g in the attention block and one in the MLP in the forward, and their two f's in the
 backward: **4 all-reduces of b·s·h values per layer**, on the critical path (each layer waits for its
 sum before it can go on).
-"""
+"""  # noqa: E501 (a markdown table: one row per line)
 )
 
 st.header("Sequence parallel: the same bytes, less memory")
@@ -258,7 +258,8 @@ if st.button("Run TP and TP + SP on this machine", type="primary"):
             argv = ["--strategy", "tp", "--world", str(world), "--heads", str(heads), "--kv-heads",
                     str(kv_heads), "--steps", str(steps)] + (["--sequence-parallel"] if sp else [])
             # exactly what `python -m engine run ...` builds and validates
-            configs.append(("TP + SP" if sp else "TP", config_from_args(run_parser("python -m engine run").parse_args(argv))))
+            cfg = config_from_args(run_parser("python -m engine run").parse_args(argv))
+            configs.append(("TP + SP" if sp else "TP", cfg))
         run_live("live_tp", configs, hint="try 2 processes or fewer steps")
     except ConfigError as e:
         st.session_state.pop("live_tp", None)

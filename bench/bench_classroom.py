@@ -264,8 +264,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  wait from Run to result: p50 {r['wait_p50_s']:.1f} s, p95 {r['wait_p95_s']:.1f} s, "
               f"max {r['wait_max_s']:.1f} s")
     print(f"  longest without seeing a queue position or result: {r['longest_without_status_s']:.1f} s")
+    killed = " (killed: it did not stop)" if r["server_had_to_be_killed"] else ""
     print(f"  server peak memory (server + workers): {r['server_peak_rss_mb']:,.0f} MB; "
-          f"stopped in {r['server_exit_s']:.1f} s{' (killed: it did not stop)' if r['server_had_to_be_killed'] else ''}; worker processes left: {r['workers_left']}")
+          f"stopped in {r['server_exit_s']:.1f} s{killed}; worker processes left: {r['workers_left']}")
     return 0
 
 

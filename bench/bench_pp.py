@@ -22,11 +22,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from core.schedules import SCHEDULE_NAMES, formula_bubble_fraction  # noqa: E402
+from core.timeline import measured_bubble_fraction  # noqa: E402
 from engine.config import ModelConfig, ParallelConfig, RunConfig  # noqa: E402
 from engine.launch import Pool  # noqa: E402
-from core.timeline import measured_bubble_fraction  # noqa: E402
 from engine.run import assemble  # noqa: E402
-from core.schedules import SCHEDULE_NAMES, formula_bubble_fraction  # noqa: E402
 
 
 def torch_1f1b_rank(ctx, cfg: RunConfig) -> list[float]:

@@ -31,7 +31,7 @@ from dataclasses import asdict
 import torch
 
 from engine.config import ModelConfig
-from engine.model import MoE, Attention, Block, Embed, Head, RMSNorm, SwiGLU, loss_fn
+from engine.model import Attention, Block, Embed, Head, MoE, RMSNorm, SwiGLU, loss_fn
 from engine.optim import AdamW, adamw_
 from engine.ring_attention import block_backward, block_forward, expand_kv, merge, reduce_kv
 from hardware.this_machine import CONTENDED_CAP_S

@@ -17,8 +17,8 @@ import json
 import sys
 from dataclasses import replace
 
-from engine.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, parse_mesh, strategy_for, validate
 from core.schedules import SCHEDULE_NAMES
+from engine.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, parse_mesh, strategy_for, validate
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_RANK_FAILED = 0, 1, 2, 3
 

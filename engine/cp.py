@@ -40,7 +40,6 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from engine.strategy import Plan
 from engine.ring_attention import (
     block_backward,
     block_forward,
@@ -50,6 +49,7 @@ from engine.ring_attention import (
     reduce_kv,
     zigzag_positions,
 )
+from engine.strategy import Plan
 
 _TAG_KV, _TAG_DKV = 1, 2  # K/V and their gradients travel between the same ranks at the same time
 

@@ -12,9 +12,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict
 
+from core.timeline import Span, Timeline, bubble_spans
 from engine.config import RunConfig, validate
-from core.timeline import bubble_spans
-from core.timeline import Span, Timeline
 
 
 def assemble(cfg: RunConfig, results: list[dict]) -> tuple[dict, Timeline]:
@@ -60,8 +59,8 @@ def run(cfg: RunConfig, traced: bool = True, check: bool = False, pool=None,
 
     With `predict`, the summary also carries "predicted": the planner's prediction of this very run on
     this machine (engine/predict.py), calibrating the machine first if it has not been (7-25 s on 2 cores;
-    `progress(fraction, message)` hears about it). `on_step(steps_done, loss)` hears each finished step; setting the `stop` event ends the run
-    (`launch.RunStopped`)."""
+    `progress(fraction, message)` hears about it). `on_step(steps_done, loss)` hears each finished step;
+    setting the `stop` event ends the run (`launch.RunStopped`)."""
     from engine import launch
 
     validate(cfg)

@@ -19,7 +19,7 @@ import torch
 
 from engine.comm import Comm
 from engine.config import RunConfig
-from engine.model import Transformer, loss_fn, unit_forward_flops
+from engine.model import loss_fn, unit_forward_flops
 from engine.optim import AdamW
 from engine.recorder import Recorder
 

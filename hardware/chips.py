@@ -54,7 +54,8 @@ _INT_FIELDS = ("ici_axes", "scaleup_domain", "torus_wrap_multiple")
 # Whole-number fields where 0 means "not a TPU".
 _ZERO_ALLOWED = ("ici_axes", "torus_wrap_multiple", "scaleup_fill_s", "scaleout_fill_s")
 _FRACTION_FIELDS = ("matmul_efficiency", "hbm_efficiency", "link_efficiency", "fp8_matmul_efficiency",
-                    "attention_efficiency", "flash3_efficiency", "norm_efficiency", "norm_bwd_efficiency", "scaleout_efficiency")
+                    "attention_efficiency", "flash3_efficiency", "norm_efficiency", "norm_bwd_efficiency",
+                    "scaleout_efficiency")
 SCALEUP_TOPOLOGIES = ("switch", "mesh", "torus")
 
 

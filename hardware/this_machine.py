@@ -302,7 +302,8 @@ def fit_compute(samples: list[dict]) -> tuple[dict[str, Fit], dict[str, float], 
                       ("swiglu", work("swiglu", mlp))):
             parts_f += fits[op].fwd(w)
             parts_b += fits[op].bwd(w)
-        fits["block_glue"] = Fit(max(0.0, blocks[0]["fwd_s"] - parts_f), 0.0, max(0.0, blocks[0]["bwd_s"] - parts_b), 0.0)
+        fits["block_glue"] = Fit(max(0.0, blocks[0]["fwd_s"] - parts_f), 0.0,
+                                 max(0.0, blocks[0]["bwd_s"] - parts_b), 0.0)
     units = {r["shape"]["name"]: r["fwd_s"] for r in by_op.get("engine_unit", [])}
     if by_op.get("engine_step"):
         units["step"] = by_op["engine_step"][0]["fwd_s"]

@@ -22,7 +22,6 @@ import statistics
 from dataclasses import dataclass, field
 
 from core.mesh import Mesh
-from core.timeline import bubble_spans
 from core.schedules import (
     BACKWARD,
     BACKWARD_INPUT,
@@ -33,7 +32,7 @@ from core.schedules import (
     make_schedule,
     stage_units,
 )
-from core.timeline import Timeline, span_kind, union_seconds
+from core.timeline import Timeline, bubble_spans, span_kind, union_seconds
 from hardware.this_machine import Calibration, comm_key, work
 from planner.eventsim import Collective, Compute, Recv, Send, Wait, simulate
 
@@ -377,7 +376,8 @@ def compare(predicted: Timeline, measured: Timeline, top: int = 3) -> list[dict]
 
 
 class _Program:
-    """Writes one rank's step as the engine runs it (engine/train.py, engine/pipeline/executor.py and the strategies)."""
+    """Writes one rank's step as the engine runs it (engine/train.py, engine/pipeline/executor.py, the plans
+    and the sharder)."""
 
     def __init__(self, cfg, costs: _Costs, r: _Rank, g: dict, mesh: Mesh):
         self.cfg, self.c, self.r, self.g, self.mesh = cfg, costs, r, g, mesh
@@ -449,7 +449,8 @@ class _Program:
         glue = c.cal.compute["block_glue"]
         rest = (glue.fwd(0) if fwd else glue.bwd(0)) + (c.driver_fwd if fwd else c.driver_bwd) + flat_extra
         if m.mlp == "moe":
-            mlp = c.moe(self.b, self.t_local, m.experts // self.ep, fwd) + (EP_DISPATCH_OPS * c.tiny if self.ep > 1 else 0)
+            mlp = c.moe(self.b, self.t_local, m.experts // self.ep, fwd)
+            mlp += EP_DISPATCH_OPS * c.tiny if self.ep > 1 else 0
         else:
             mlp = c.fit("swiglu", {"b": self.b, "t": self.t_local, "d": m.hidden, "ffn": ffn}, fwd)
         ring = self.cp > 1 and self.cfg.parallel.cp_variant == "ring"

@@ -1,5 +1,6 @@
-"""Suite-wide: no result cache in the server's queue (below), and the machine calibration the live prediction uses is cached in a folder of this test
-session, never in the user's cache (engine/predict.py measures it there once, on first use)."""
+"""Suite-wide: no result cache in the server's queue (below), and the machine calibration the live prediction
+uses is cached in a folder of this test session, never in the user's cache (engine/predict.py measures it
+there once, on first use)."""
 
 import os
 import tempfile

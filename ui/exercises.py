@@ -27,7 +27,7 @@ def ridge_point(chip: Chip, dtype: str = "bf16") -> Exercise:
         f"Above what arithmetic intensity (FLOPs per byte of HBM traffic) is a {dtype} matmul on {chip.name} "
         "compute-bound rather than memory-bound?",
         c / w,
-        [f"The ridge point is peak FLOP/s over HBM bandwidth: I* = C / W_HBM.",
+        ["The ridge point is peak FLOP/s over HBM bandwidth: I* = C / W_HBM.",
          f"I* = {c:.3g} / {w:.3g} = **{c / w:,.0f} FLOPs per byte**.",
          "A matmul of an (M x K) by a (K x N) bf16 matrix does 2MKN FLOPs over 2(MK + KN + MN) bytes: with "
          f"M = K = N = n that is n / 3 FLOPs per byte, so square matmuls need n > {3 * c / w:,.0f}."])
@@ -39,7 +39,7 @@ def fsdp_batch(m: ModelSpec, chip: Chip, dp: int, stride: int) -> Exercise:
         f"With the sidebar's mesh (dp = {dp}) on {chip.name}, from how many tokens per chip per step is "
         f"FSDP of {m.name} compute-bound?",
         b.intensity,
-        [f"Per layer of P parameters, the forward's math is 2·B·P / C and the weight all-gather 2P / W bytes "
+        ["Per layer of P parameters, the forward's math is 2·B·P / C and the weight all-gather 2P / W bytes "
          "per second; they are equal at B = C / W, whatever P is.",
          f"The dp group uses {b.link}: W = {chip.peak_flops_per_s('bf16') / b.intensity:.3g} bytes/s, "
          f"C = {chip.peak_flops_per_s('bf16'):.3g} FLOP/s.",

@@ -24,8 +24,8 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from engine.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, validate
 from core.timeline import Timeline
+from engine.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, validate
 from hardware.chips import Chip
 from hardware.collectives import group_topology
 from hardware.kernels import matmul_s

@@ -23,8 +23,8 @@ import plotly.colors
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from engine.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, validate
 from core.timeline import Timeline
+from engine.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, validate
 from hardware.chips import Chip
 from hardware.collectives import Topology, group_topology
 from planner.case import Layout

@@ -77,7 +77,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 FORWARD = "F"
 BACKWARD = "B"
 BACKWARD_INPUT = "BI"

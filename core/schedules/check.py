@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from core.schedules.build import (
     ACTIVATION,
-    Action,
     BACKWARD,
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
@@ -13,6 +12,7 @@ from core.schedules.build import (
     FORWARD,
     RECV,
     SEND,
+    Action,
     Schedule,
     ScheduleError,
 )

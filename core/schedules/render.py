@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from core.schedules.build import (
-    Action,
     BACKWARD,
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
     FORWARD,
+    Action,
 )
 from core.schedules.simulate import Simulation
 

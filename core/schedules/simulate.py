@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 from core.schedules.build import (
     ACTIVATION,
-    Action,
     BACKWARD,
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
@@ -16,6 +15,7 @@ from core.schedules.build import (
     RECV,
     SCHEDULE_NAMES,
     SEND,
+    Action,
     Schedule,
     ScheduleError,
 )

@@ -34,13 +34,6 @@ from __future__ import annotations
 import torch
 
 from core.mesh import Mesh
-from engine.comm import Comm
-from engine.config import RunConfig
-from engine.memory import ActivationMeter
-from engine.model import micro_batch_rows
-from engine.parallelize import parallelize
-from engine.pipeline.stage import WeightGradSplit
-from engine.recorder import Recorder
 from core.schedules import (
     ACTIVATION,
     BACKWARD,
@@ -53,6 +46,13 @@ from core.schedules import (
     make_schedule,
     stage_units,
 )
+from engine.comm import Comm
+from engine.config import RunConfig
+from engine.memory import ActivationMeter
+from engine.model import micro_batch_rows
+from engine.parallelize import parallelize
+from engine.pipeline.stage import WeightGradSplit
+from engine.recorder import Recorder
 from engine.strategy import _OnBackward
 
 

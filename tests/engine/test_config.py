@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 
-from engine.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, parse_mesh, validate
 from core.mesh import Mesh
+from engine.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, parse_mesh, validate
 from engine.sweep import fit_alpha_beta, ring_terms
 
 

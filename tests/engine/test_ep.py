@@ -3,8 +3,8 @@ AdamW state; tolerances and reasons in engine/verify.py: the all-to-all only mov
 differences are the usual fp32 reduction-order ones), with exact routing ties, with dropped tokens, on a
 dp x ep mesh, and the all-to-alls in the trace."""
 
-import os
 import json
+import os
 import subprocess
 import sys
 

@@ -11,16 +11,15 @@ from dataclasses import replace
 import pytest
 import torch
 
+from core.mesh import Mesh
+from core.schedules import SCHEDULE_NAMES, stage_units
+from core.timeline import measured_bubble_fraction
 from engine.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, parse_mesh, validate
 from engine.launch import Pool, RankFailed
-from core.mesh import Mesh
 from engine.model import build_model, global_batch, loss_fn
 from engine.optim import adamw_
-from core.schedules import stage_units
-from core.timeline import measured_bubble_fraction
 from engine.reference import hyper
 from engine.run import assemble, run
-from core.schedules import SCHEDULE_NAMES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MICRO_BATCHES = 4

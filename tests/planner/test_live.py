@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.cli import config_from_args, run_parser
 from core.timeline import Span, Timeline
+from engine.cli import config_from_args, run_parser
 from hardware.this_machine import Calibration
 from planner.live import WAITING, compare, per_step_by_kind, predict
 
@@ -26,11 +26,13 @@ RUNS = [
     "--strategy dp --world 2", "--strategy dp --world 2 --dp-comm naive", "--strategy dp --world 2 --micro-batches 2",
     "--strategy dp --zero-stage 1 --world 2", "--strategy dp --zero-stage 2 --world 4",
     "--strategy fsdp --world 2", "--strategy fsdp --world 4 --no-prefetch",
-    "--strategy tp --world 2", "--strategy tp --sequence-parallel --world 4", "--strategy tp --mesh dp=2,tp=2 --world 4",
+    "--strategy tp --world 2", "--strategy tp --sequence-parallel --world 4",
+    "--strategy tp --mesh dp=2,tp=2 --world 4",
     "--strategy pp --schedule 1f1b --micro-batches 4 --world 2", "--strategy pp --mesh pp=2,dp=2 --world 4",
     "--strategy pp --schedule interleaved-1f1b --virtual-stages 2 --micro-batches 4 --world 2",
     "--strategy pp --schedule zb-h1 --micro-batches 4 --world 2", "--strategy pp --mesh tp=2,pp=2 --world 4",
-    "--strategy cp --world 2", "--strategy cp --cp-variant allgather --world 2", "--strategy cp --mesh dp=2,cp=2 --world 4",
+    "--strategy cp --world 2", "--strategy cp --cp-variant allgather --world 2",
+    "--strategy cp --mesh dp=2,cp=2 --world 4",
     "--strategy ep --world 2", "--strategy ep --mesh dp=2,ep=2 --world 4",
 ]
 

@@ -9,9 +9,8 @@ import time
 import pytest
 
 from engine.config import RunConfig
-from engine.launch import Pool
+from engine.launch import Pool, RunStopped
 from engine.run import run
-from engine.launch import RunStopped
 from server.queue import DONE, FAILED, STOPPED, RunQueue
 from server.settings import Settings
 from tests.engine.test_pool import _all_gone

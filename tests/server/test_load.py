@@ -8,7 +8,8 @@ from bench.bench_classroom import CHROMIUM, measure
 
 pytestmark = [
     pytest.mark.browser, pytest.mark.multiprocess,
-    pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debian's Chromium: sudo apt-get install -y chromium"),
+    pytest.mark.skipif(not os.path.exists(CHROMIUM),
+                       reason="needs Debian's Chromium: sudo apt-get install -y chromium"),
 ]
 
 

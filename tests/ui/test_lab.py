@@ -70,8 +70,8 @@ def test_runs_are_collected_compared_and_exported():
 
 
 def test_results_json_carries_every_run():
-    from engine.config import RunConfig
     from core.timeline import Timeline
+    from engine.config import RunConfig
     from ui.lab import results_json
     from ui.live import LiveRun
 

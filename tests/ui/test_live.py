@@ -3,8 +3,8 @@ error and what differs most, the verdict, on hand-made runs."""
 
 import pytest
 
-from engine.config import RunConfig
 from core.timeline import Span, Timeline
+from engine.config import RunConfig
 from ui.live import LiveRun, differences, prediction_error, representative_step, side_by_side, tolerance_rows, verdict
 
 
@@ -15,7 +15,8 @@ def _run(pred_ms=8.0, step_times_ms=(30.0, 10.0, 12.0, 11.0), ok=True) -> LiveRu
         measured += [Span(r, "comm", "all_reduce grads", 100 * step + t / 2e3, 100 * step + t / 1e3, group="dp",
                           step=step) for r in (0, 1)]
     predicted = Timeline([Span(r, "compute", "fwd L0", 0, pred_ms / 2e3) for r in (0, 1)]
-                         + [Span(r, "comm", "all_reduce grads", pred_ms / 2e3, pred_ms / 1e3, group="dp") for r in (0, 1)],
+                         + [Span(r, "comm", "all_reduce grads", pred_ms / 2e3, pred_ms / 1e3, group="dp")
+                            for r in (0, 1)],
                          source="predicted")
     check = {"passed": ok, "max_abs_diff": 1e-6, "by_quantity": {"loss": 1e-7},
              "tolerances": {"loss": {"rtol": 1e-5, "atol": 1e-6, "why": "summation order"}}}

@@ -51,5 +51,6 @@ def test_the_page_says_how_far_to_trust_it_from_the_published_runs():
     assert not at.exception
     trust = next(e for e in at.expander if e.label == "How far to trust these numbers")
     n, mean, _ = accuracy(load_published_runs(HELDOUT_RUNS))
-    assert f"{n} other published runs" in trust.markdown[0].value and f"mean error {mean:.1%}" in trust.markdown[0].value
+    trust_text = trust.markdown[0].value
+    assert f"{n} other published runs" in trust_text and f"mean error {mean:.1%}" in trust_text
     assert "MFU**: the model's FLOPs per step" in " ".join(m.value for m in at.markdown)
