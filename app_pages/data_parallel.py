@@ -157,7 +157,7 @@ for live in show_live("live_dp"):
     for part in ("params", "grads", "optimizer"):
         mem_fig.add_trace(go.Bar(name=f"{part} (measured)",
                                  x=[f"rank {r}" for r in range(cfg.world)],
-                                 y=[m[part] / 1e3 for m in summary["memory_bytes"]]))
+                                 y=[m[part] / 1e3 for m in summary.memory_bytes]))
     mem_fig.add_trace(go.Scatter(name="ZeRO formula (params + grads + optimizer)", mode="markers",
                                  marker={"symbol": "line-ew-open", "size": 40, "color": "black"},
                                  x=[f"rank {r}" for r in range(cfg.world)], y=[sum(want.values()) / 1e3] * cfg.world))
@@ -165,7 +165,7 @@ for live in show_live("live_dp"):
                           title=f"Model states per rank, measured from the tensors (fp32: 4 + 4 + 8 bytes "
                                 f"per parameter, Ψ = {psi_small:,})", margin={"l": 10, "r": 10, "t": 50, "b": 10})
     st.plotly_chart(mem_fig, key="live_memory")
-    per_step = [b / cfg.steps for b in summary["comm_bytes"]]
+    per_step = [b / cfg.steps for b in summary.comm_bytes]
     last_unit = cfg.model.hidden * cfg.model.vocab + cfg.model.hidden  # the head: final norm + output matrix
     formula = expected_comm_bytes_per_step(psi_small, stage, cfg.world, cfg.micro_batches, last_unit)
     why = {0: "one all-reduce after the last micro-batch; the others accumulate locally",

@@ -288,7 +288,7 @@ if st.button("Run expert parallel on this machine", type="primary"):
 
 for live in show_live("live_ep"):
     cfg, summary, timeline = live.cfg, live.summary, live.timeline
-    load = summary["stats"]["expert_load"]
+    load = summary.stats["expert_load"]
     layer_name, layer = next(iter(load["layers"].items()))
     m = cfg.model
     sequences = cfg.world * cfg.steps * cfg.micro_batches * cfg.micro_batch_size
@@ -318,7 +318,7 @@ for live in show_live("live_ep"):
         f"Bytes rank 0 sent per step: dispatch **{sent['dispatch']:,.0f}**, combine "
         f"**{sent['combine']:,.0f}** (each is a forward all-to-all plus the backward of the other, so "
         f"the two are always equal), counts {sent['counts']:,.0f}, dense gradients' all-reduce "
-        f"{sent['other']:,.0f}; in all **{summary['comm_bytes'][0] / cfg.steps:,.0f}**. The balanced formula "
+        f"{sent['other']:,.0f}; in all **{summary.comm_bytes[0] / cfg.steps:,.0f}**. The balanced formula "
         f"4 x T x k x (1 - dropped) x D x 4 bytes x (ep-1)/ep over the {len(load['layers'])} MoE layers "
         f"gives **{formula:,.0f}** for dispatch + combine (T = {cfg.micro_batch_size * m.seq_len} tokens, "
         f"D = {m.hidden}, fp32); the measured {sent['dispatch'] + sent['combine']:,.0f} differs by how "

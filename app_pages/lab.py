@@ -44,9 +44,11 @@ model = ModelConfig(layers=int(layers), hidden=int(hidden), heads=int(heads), kv
                     vocab=int(vocab), seq_len=int(seq_len), mlp=mlp, experts=int(experts), top_k=int(top_k))
 
 st.subheader("Mesh and schedule")
-st.caption("Ranks are laid out pp, dp, fsdp, cp, ep, tp with tp innermost (consecutive ranks), whatever you "
-           "set first; the number of processes is the product of the degrees.")
-axis_help = {"pp": "pipeline stages", "dp": "data-parallel replicas", "fsdp": "ZeRO-3 shards (their own axis)",
+st.caption("Any combination of the axes runs: ranks are laid out pp, dp, fsdp, cp, ep, tp with tp innermost "
+           "(consecutive ranks), whatever you set first; the number of processes is the product of the degrees. "
+           "dp, fsdp and ep ranks read different sequences, cp ranks different positions of them.")
+axis_help = {"pp": "pipeline stages", "dp": "data-parallel replicas (with fsdp too: HSDP, replicas of the shards)",
+             "fsdp": "data-parallel ranks that ZeRO shards over (stage 3 unless you choose 1 or 2)",
              "cp": "context parallel: the sequence split, K/V passed around a ring",
              "ep": "expert parallel: experts split, tokens sent by all-to-all (needs the MoE MLP)",
              "tp": "tensor parallel: heads and MLP columns split"}
@@ -54,9 +56,10 @@ c = st.columns(6)
 mesh = {axis: int(col.number_input(axis, 1, 8, 2 if axis == "dp" else 1, key=f"lab_{axis}", help=axis_help[axis]))
         for col, axis in zip(c, ("pp", "dp", "fsdp", "cp", "ep", "tp"), strict=True)}
 c = st.columns(4)
-zero_stage = c[0].selectbox("ZeRO stage over dp", [0, 1, 2, 3], key="lab_zero",
-                            help="0 replicates; 1 shards Adam's state, 2 also the gradients, 3 also the weights "
-                                 "(then dp becomes an fsdp axis)")
+zero_stage = c[0].selectbox("ZeRO stage", [0, 1, 2, 3], key="lab_zero",
+                            help="over the data axes: 0 replicates; 1 shards Adam's state, 2 also the gradients, "
+                                 "3 also the weights, over fsdp when the mesh has it, else over dp (the other "
+                                 "data axes keep replicas of the shards)")
 schedule = c[1].selectbox("Pipeline schedule", SCHEDULES, key="lab_schedule", disabled=mesh["pp"] == 1)
 virtual = c[2].number_input("Virtual stages", 1, 4, 1, key="lab_virtual",
                             disabled=mesh["pp"] == 1 or schedule != "interleaved-1f1b")

@@ -197,7 +197,7 @@ def show_live(key: str) -> list[LiveRun]:
         for run in runs:
             if len(runs) > 1:
                 st.markdown(f"**{run.label}**")
-            st.dataframe(tolerance_rows(run.summary["check"]), hide_index=True, width="stretch")
+            st.dataframe(tolerance_rows(run.summary.check), hide_index=True, width="stretch")
     if len(runs) == 1:
         _show_run(key, runs[0])
     else:
@@ -214,7 +214,7 @@ def _show_run(key: str, run: LiveRun) -> None:
     s, pred = run.summary, run.prediction or {}
     error = prediction_error(run)
     m1, m2, m3 = st.columns(3)
-    m1.metric("Measured step time", f"{s['step_time_s'] * 1e3:,.1f} ms",
+    m1.metric("Measured step time", f"{s.step_time_s * 1e3:,.1f} ms",
               help="mean over the steps after the first (warm-up), slowest rank")
     if error is None:
         m2.metric("Predicted step time", "n/a")
@@ -223,7 +223,7 @@ def _show_run(key: str, run: LiveRun) -> None:
         m2.metric("Predicted step time", f"{pred['step_time_s'] * 1e3:,.1f} ms",
                   help="planner/live.py on this machine's calibration, before the run")
         m3.metric("Prediction error", f"{error:+.0%}", help="(predicted - measured) / measured")
-        if s["steps"] == 1:
+        if s.steps == 1:
             st.caption("A run of one step measures its warm-up too (first calls allocate memory and fill "
                        "caches); the prediction is of a warm step. Run 2 or more steps to compare them.")
     pred_fig, meas_fig, step = side_by_side(run)

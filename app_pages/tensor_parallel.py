@@ -272,10 +272,10 @@ if live:
     runs = [(r.label, r.summary, r.timeline, sum(tp_comm_bytes(r.cfg).values())) for r in live]
     st.dataframe(live_rows(runs), hide_index=True, width="stretch")
     (_, tp_sum, _, tp_formula), (_, sp_sum, _, sp_formula) = runs
-    tp_bytes = tp_sum["comm_bytes"][0] / tp_sum["steps"]
-    sp_bytes = sp_sum["comm_bytes"][0] / sp_sum["steps"]
-    tp_act = tp_sum["memory_bytes"][0]["activations_peak"]
-    sp_act = sp_sum["memory_bytes"][0]["activations_peak"]
+    tp_bytes = tp_sum.comm_bytes[0] / tp_sum.steps
+    sp_bytes = sp_sum.comm_bytes[0] / sp_sum.steps
+    tp_act = tp_sum.memory_bytes[0]["activations_peak"]
+    sp_act = sp_sum.memory_bytes[0]["activations_peak"]
     st.markdown(
         f"Bytes each rank sent per step: TP **{tp_bytes:,.0f}**, TP + SP **{sp_bytes:,.0f}** "
         f"({sp_bytes / tp_bytes - 1:+.1%}; the formula says {tp_formula:,.0f} and {sp_formula:,.0f}). "

@@ -1,6 +1,9 @@
 """Engine benchmark: prints ratios measured in one run at 4 ranks on the same model. Never pass/fail.
 
-    .venv/bin/python bench/bench_engine.py [--world 4] [--steps 20] [--repeats 5]
+    .venv/bin/python bench/bench_engine.py [--world 4] [--steps 20] [--repeats 5] [--large]
+
+--large: 4 layers of hidden 512 (about 100x the default model's FLOPs per step), where the strategies' own
+costs show instead of the per-op overhead.
 
 - our data parallel step / torch DDP step            (same model, batch, bucket size, AdamW)
 - our ZeRO-3 step / torch FSDP2 (`fully_shard` per unit) step
@@ -20,7 +23,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.config import ParallelConfig, RunConfig  # noqa: E402
+from engine.config import ModelConfig, ParallelConfig, RunConfig  # noqa: E402
+
+# About 100x the default model's step FLOPs (engine.config.step_flops), same vocabulary and sequence.
+LARGE = ModelConfig(layers=4, hidden=512, heads=8, kv_heads=4, ffn=1024)
 from engine.launch import Pool  # noqa: E402
 from engine.run import run  # noqa: E402
 
@@ -78,8 +84,10 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=5, help="back-to-back pairs per comparison")
+    ap.add_argument("--large", action="store_true", help="4 layers, hidden 512 instead of the default model")
     args = ap.parse_args()
     n = args.world
+    model = LARGE if args.large else ModelConfig()
 
     t0 = time.perf_counter()
     pool = Pool(n)
@@ -93,7 +101,7 @@ def main() -> None:
     for _ in range(5):
         t0 = time.perf_counter()
         summary, _ = run(small, traced=False, pool=pool)
-        warm.append((time.perf_counter() - t0, sum(summary["step_times_s"])))
+        warm.append((time.perf_counter() - t0, sum(summary.step_times_s)))
     warm_wall_s = statistics.median(w for w, _ in warm)
     warm_overhead_s = statistics.median(w - c for w, c in warm)
     t0 = time.perf_counter()
@@ -101,9 +109,10 @@ def main() -> None:
     empty_task_s = time.perf_counter() - t0
 
     big_bucket = 25 * 2**20  # torch DDP's default bucket size
-    dp_cfg = RunConfig(world=n, steps=args.steps, parallel=ParallelConfig("dp", bucket_bytes=big_bucket))
-    dp_small_cfg = RunConfig(world=n, steps=args.steps, parallel=ParallelConfig("dp"))
-    fsdp_cfg = RunConfig(world=n, steps=args.steps, parallel=ParallelConfig("fsdp"))
+    dp_cfg = RunConfig(model=model, world=n, steps=args.steps,
+                       parallel=ParallelConfig("dp", bucket_bytes=big_bucket), timeout_s=600)
+    dp_small_cfg = RunConfig(model=model, world=n, steps=args.steps, parallel=ParallelConfig("dp"), timeout_s=600)
+    fsdp_cfg = RunConfig(model=model, world=n, steps=args.steps, parallel=ParallelConfig("fsdp"), timeout_s=600)
     pairs = {  # label -> (ours, theirs or the untraced baseline)
         "our DP step / torch DDP  (25 MiB buckets)": (lambda: ours(pool, dp_cfg),
                                                       lambda: theirs(pool, dp_cfg, "ddp")),
@@ -122,7 +131,7 @@ def main() -> None:
     pool.shutdown()
 
     print(f"engine benchmark, world {n}, {os.cpu_count()} cpu cores, model "
-          f"{first['config']['model']['layers']} layers hidden {first['config']['model']['hidden']}, "
+          f"{model.layers} layers hidden {model.hidden}, "
           f"{args.steps} steps (median of the slowest rank, warm-up step excluded), {args.repeats} pairs")
     for label, runs in measured.items():
         ratio = statistics.median(a / b for a, b in runs)

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             measured, timeline = [], None
             for _ in range(args.repeats):
                 summary, timeline = run(cfg)
-                measured += summary["step_times_s"][1:]
+                measured += summary.step_times_s[1:]
             mean, median = statistics.mean(measured), statistics.median(measured)
             error, median_error = (pred.step_time_s - mean) / mean, (pred.step_time_s - median) / median
             errors.append(abs(error))

@@ -35,9 +35,9 @@ def torch_1f1b_rank(ctx, cfg: RunConfig) -> list[float]:
     from torch import nn
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
+    from core.schedules import stage_units
     from engine.model import build_model, global_batch, loss_fn
     from engine.optim import adamw_
-    from engine.pipeline.stage import stage_units
     from engine.reference import hyper
 
     p, rank = cfg.world, ctx.rank

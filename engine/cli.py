@@ -127,29 +127,29 @@ def command_line(cfg: RunConfig, check: bool = True) -> str:
     return " ".join(["python -m engine run", *argv_for(cfg), *(["--check"] if check else []), "--predict"])
 
 
-def _human(summary: dict) -> str:
-    lines = [f"{summary['strategy']} zero-{summary['zero_stage']} on {summary['world']} ranks "
-             f"({summary['device']}), {summary['steps']} steps x {summary['micro_batches']} micro-batches",
-             f"loss per step: {', '.join(f'{x:.5f}' for x in summary['loss'])}",
-             f"step time (mean after the first step, slowest rank): {summary['step_time_s'] * 1e3:.1f} ms"]
-    if summary["mesh"].get("pp", 1) > 1:
-        parallel = summary["config"]["parallel"]
-        mesh = ",".join(f"{axis}={degree}" for axis, degree in summary["mesh"].items())
+def _human(summary) -> str:
+    lines = [f"{summary.strategy} zero-{summary.zero_stage} on {summary.world} ranks "
+             f"({summary.device}), {summary.steps} steps x {summary.micro_batches} micro-batches",
+             f"loss per step: {', '.join(f'{x:.5f}' for x in summary.loss)}",
+             f"step time (mean after the first step, slowest rank): {summary.step_time_s * 1e3:.1f} ms"]
+    if summary.mesh.get("pp", 1) > 1:
+        parallel = summary.config["parallel"]
+        mesh = ",".join(f"{axis}={degree}" for axis, degree in summary.mesh.items())
         lines.insert(1, f"mesh {mesh} (rank order outermost first); pipeline schedule "
                         f"{parallel['schedule']}, {parallel['virtual_stages']} virtual stage(s) per rank")
-    for rank, (mem, sent) in enumerate(zip(summary["memory_bytes"], summary["comm_bytes"], strict=True)):
+    for rank, (mem, sent) in enumerate(zip(summary.memory_bytes, summary.comm_bytes, strict=True)):
         parts = ", ".join(f"{k} {v / 1024:.0f} KiB" for k, v in mem.items())
         lines.append(f"rank {rank}: sent {sent / 1024:.0f} KiB; memory: {parts}")
-    for layer, load in summary.get("stats", {}).get("expert_load", {}).get("layers", {}).items():
+    for layer, load in summary.stats.get("expert_load", {}).get("layers", {}).items():
         lines.append(f"expert load {layer}: tokens per expert {load['tokens_per_expert']} "
                      f"(max/mean {load['expert_max_over_mean']:.2f}), "
                      f"per ep rank {load['processed_per_ep_rank']} "
                      f"(max/mean {load['ep_rank_max_over_mean']:.2f}), "
                      f"dropped {load['dropped_fraction']:.1%}")
-    pred = summary.get("predicted")
+    pred = summary.predicted
     if pred is not None:
-        lines.append(prediction_line(summary["step_time_s"], pred))
-    check = summary["check"]
+        lines.append(prediction_line(summary.step_time_s, pred))
+    check = summary.check
     if check is not None:
         verdict = "PASSED" if check["passed"] else "FAILED"
         lines.append(f"check against the single-process reference: {verdict} "
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_RANK_FAILED
     if args.trace:
         timeline.write_chrome_trace(args.trace)
-    print(json.dumps(summary) if args.json else _human(summary))
+    print(json.dumps(summary.to_dict()) if args.json else _human(summary))
     if args.trace and not args.json:
         print(f"trace: {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)")
-    return EXIT_OK if summary["ok"] else EXIT_CHECK_FAILED
+    return EXIT_OK if summary.ok else EXIT_CHECK_FAILED

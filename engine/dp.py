@@ -70,14 +70,20 @@ class DataParallel(Strategy):
         self._ready = [0] * len(self.buckets)
 
     def finish_grads(self) -> None:
+        """Sum over each gradient's group, then divide by the replicas of the loss: a bucket at once, as
+        DDP does (one pass over its memory; elementwise the same division as per parameter)."""
+        done = set()
         if self.bucketed:
             for bucket, handle in self.pending:
                 flat = handle.wait()
+                if self.replicas > 1:
+                    flat.div_(self.replicas)
                 offset = 0
                 for p in bucket:
                     n = p.numel()
                     p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
                     offset += n
+                    done.add(id(p))
             self.pending = []
         else:
             for name, p in reversed(list(self.params.items())):
@@ -85,7 +91,8 @@ class DataParallel(Strategy):
                     self.comm.all_reduce(p.grad, self.group[name])
         if self.replicas > 1:
             for p in self.params.values():
-                p.grad.div_(self.replicas)
+                if id(p) not in done:
+                    p.grad.div_(self.replicas)
 
     def step(self, step: int) -> None:
         with self.rec.compute("optimizer step"):

@@ -192,8 +192,8 @@ def torchrun_main(argv: list[str]) -> int:
     if args.trace:
         timeline.write_chrome_trace(args.trace)
     with open(args.out, "w") as f:
-        json.dump(summary, f, indent=1)
-    return 0 if summary["ok"] else 1
+        json.dump(summary.to_dict(), f, indent=1)
+    return 0 if summary.ok else 1
 
 
 if __name__ == "__main__":

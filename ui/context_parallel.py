@@ -296,11 +296,11 @@ def live_rows(runs: list[tuple[str, object, dict, Timeline]]) -> list[dict]:
         overlap = kv_overlap_fraction(timeline, 0)
         rows.append({
             "variant": variant,
-            "check": "passed" if summary["ok"] else "FAILED",
-            "K/V bytes sent per step (rank 0)": f"{kv_bytes_per_step(timeline, 0, summary['steps']):,.0f}",
+            "check": "passed" if summary.ok else "FAILED",
+            "K/V bytes sent per step (rank 0)": f"{kv_bytes_per_step(timeline, 0, summary.steps):,.0f}",
             "formula": f"{live_kv_bytes_formula(cfg):,.0f}",
             "K/V transfer under attention": "-" if overlap is None else f"{overlap:.0%}",
-            "activations (rank 0)": f"{summary['memory_bytes'][0]['activations_peak'] / 1024:,.0f} KiB",
-            "step time": f"{summary['step_time_s'] * 1e3:.1f} ms",
+            "activations (rank 0)": f"{summary.memory_bytes[0]['activations_peak'] / 1024:,.0f} KiB",
+            "step time": f"{summary.step_time_s * 1e3:.1f} ms",
         })
     return rows

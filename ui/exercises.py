@@ -233,3 +233,22 @@ def training_state_chips(m_params: float, name: str, chip: Chip) -> Exercise:
          "over the chips.",
          f"16 · {m_params:,.3g} = {state / 1e12:,.2f} TB over {chip.hbm_bytes / 1e9:,.0f} GB per chip: "
          f"**{chips:,} chips**, before activations, buffers and fragmentation."])
+
+
+def axes_leaving_the_domain(mesh, chip: Chip) -> Exercise:
+    """Which axes of `mesh` (a core.mesh.Mesh) have groups that leave one scale-up domain."""
+    from ui.meshes import crosses_network
+
+    domain = chip.scaleup_domain
+    where = "NVLink domain" if chip.kind == "gpu" else "slice"
+    axes = [a for a in reversed(mesh.names) if mesh.degree(a) > 1]
+    leaving = [a for a in axes if crosses_network(chip, mesh.degree(a), mesh.stride(a))]
+    worked = [f"A group of n ranks whose members are s ranks apart spans n x s consecutive ranks; it stays in one "
+              f"{where} of {domain:,} chips when n x s <= {domain:,} (ranks fill a {where} first)."]
+    worked += [f"{a}: n = {mesh.degree(a)}, s = {mesh.stride(a)}: n x s = {mesh.degree(a) * mesh.stride(a):,} "
+               f"{'>' if a in leaving else '<='} {domain:,}: {'leaves' if a in leaving else 'stays inside'}."
+               for a in axes]
+    answer = ", ".join(leaving) or "none"
+    worked.append(f"So **{answer}** {'cross' if len(leaving) != 1 else 'crosses'} the network"
+                  if leaving else "So **none**: every group stays inside one domain.")
+    return Exercise(f"Which axes of this mesh have groups that leave one {where} of {chip.name}?", answer, worked)

@@ -334,18 +334,18 @@ def a2a_bytes_by_name(timeline: Timeline, rank: int, steps: int) -> dict[str, fl
     return out
 
 
-def measured_a2a_formula(summary: dict, hidden: int, dtype_bytes: int = 4) -> float:
+def measured_a2a_formula(summary, hidden: int, dtype_bytes: int = 4) -> float:
     """Bytes per rank per step of the dispatch and combine all-to-alls with balanced routing, at the
     measured drop rate: A2A_PER_LAYER * tokens * k * (1 - dropped) * D * bytes * (ep-1)/ep per layer."""
-    load = summary["stats"]["expert_load"]
-    cfg = summary["config"]
+    load = summary.stats["expert_load"]
+    cfg = summary.config
     tokens = cfg["micro_batches"] * cfg["micro_batch_size"] * cfg["model"]["seq_len"]
     ep = load["ep"]
     return sum(A2A_PER_LAYER * tokens * load["top_k"] * (1 - layer["dropped_fraction"]) * hidden * dtype_bytes
                * (ep - 1) / ep for layer in load["layers"].values())
 
 
-def live_load_rows(summary: dict) -> list[dict]:
+def live_load_rows(summary) -> list[dict]:
     """One row per MoE layer of a live run's `stats["expert_load"]`."""
     return [{"layer": name, "tokens per expert": ", ".join(map(str, layer["tokens_per_expert"])),
              "dropped": int(sum(layer["dropped_per_expert"])),
@@ -353,4 +353,4 @@ def live_load_rows(summary: dict) -> list[dict]:
              "expert max/mean": f"{layer['expert_max_over_mean']:.2f}",
              "rank max/mean": f"{layer['ep_rank_max_over_mean']:.2f}",
              "dropped fraction": f"{layer['dropped_fraction']:.1%}"}
-            for name, layer in summary["stats"]["expert_load"]["layers"].items()]
+            for name, layer in summary.stats["expert_load"]["layers"].items()]

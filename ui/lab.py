@@ -20,17 +20,15 @@ SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1")
 
 def lab_config(model: ModelConfig, mesh: dict[str, int], zero_stage: int, schedule: str, virtual_stages: int,
                micro_batches: int, micro_batch_size: int, steps: int, device: str) -> RunConfig:
-    """The run the page describes. ZeRO-3 puts the data-parallel degree on the fsdp axis (the engine's
-    ZeRO-3 shards over its own axis); the strategy follows the mesh (engine.config.strategy_for)."""
-    mesh = dict(mesh)
-    if zero_stage == 3 and mesh.get("dp", 1) > 1 and mesh.get("fsdp", 1) == 1:
-        mesh["fsdp"], mesh["dp"] = mesh["dp"], 1
+    """The run the page describes: the mesh's axes of degree > 1, the ZeRO stage over its data axes (an
+    fsdp axis shards at least the optimizer state: stage 0 there becomes 3), the label from the mesh
+    (engine.config.strategy_for)."""
     axes = tuple((a, mesh[a]) for a in AXES if mesh.get(a, 1) > 1) or (("dp", 1),)
     world = 1
     for _, d in axes:
         world *= d
     strategy = strategy_for(axes)
-    stage = 3 if dict(axes).get("fsdp", 1) > 1 else zero_stage
+    stage = 3 if dict(axes).get("fsdp", 1) > 1 and zero_stage == 0 else zero_stage
     parallel = ParallelConfig(strategy=strategy, mesh=axes, zero_stage=stage, schedule=schedule,
                               virtual_stages=virtual_stages if dict(axes).get("pp", 1) > 1 else 1)
     return RunConfig(model=model, parallel=parallel, world=world, steps=steps, micro_batches=micro_batches,
@@ -49,16 +47,16 @@ def run_rows(runs: list[LiveRun], matmul_flops_per_s: float | None) -> list[dict
     for run in runs:
         s, cfg = run.summary, run.cfg
         tokens = cfg.global_batch * cfg.model.seq_len
-        mfu = (step_flops(cfg) / (s["step_time_s"] * cfg.world * matmul_flops_per_s)
+        mfu = (step_flops(cfg) / (s.step_time_s * cfg.world * matmul_flops_per_s)
                if matmul_flops_per_s and cfg.device == "cpu" else None)
         err = prediction_error(run)
         rows.append({
             "run": run.label, "mesh": mesh_label(cfg), "procs": cfg.world, "steps": cfg.steps,
-            "step (ms)": round(s["step_time_s"] * 1e3, 2),
-            "tokens/s": round(tokens / s["step_time_s"]),
+            "step (ms)": round(s.step_time_s * 1e3, 2),
+            "tokens/s": round(tokens / s.step_time_s),
             "MFU": f"{mfu:.1%}" if mfu is not None else "n/a",
-            "peak MB / rank": round(max(m["total"] for m in s["memory_bytes"]) / 2**20, 2),
-            "check": "passed" if s["check"] and s["check"]["passed"] else "FAILED" if s["check"] else "not run",
+            "peak MB / rank": round(max(m["total"] for m in s.memory_bytes) / 2**20, 2),
+            "check": "passed" if s.check and s.check["passed"] else "FAILED" if s.check else "not run",
             "predicted (ms)": round(run.prediction["step_time_s"] * 1e3, 2) if err is not None else None,
             "error": f"{err:+.0%}" if err is not None else "n/a",
         })
@@ -70,9 +68,9 @@ def compare_figures(a: LiveRun, b: LiveRun) -> tuple[go.Figure, go.Figure]:
     steps = [representative_step(r.summary) for r in (a, b)]
     timelines = [step_timeline(r.timeline, s) for r, s in zip((a, b), steps, strict=True)]
     x_max = max(max(t.duration_s for t in timelines),
-                *(r.summary["step_times_s"][s] for r, s in zip((a, b), steps, strict=True))) * 1e3
+                *(r.summary.step_times_s[s] for r, s in zip((a, b), steps, strict=True))) * 1e3
     return tuple(timeline_figure(t, x_max_ms=x_max, title=f"{r.label}: {mesh_label(r.cfg)}, step {s} "
-                                 f"({r.summary['step_times_s'][s] * 1e3:.1f} ms)")
+                                 f"({r.summary.step_times_s[s] * 1e3:.1f} ms)")
                  for r, t, s in zip((a, b), timelines, steps, strict=True))
 
 
@@ -81,7 +79,7 @@ def results_json(runs: list[LiveRun]) -> str:
     from engine.cli import command_line
 
     return json.dumps([{"label": r.label, "command": command_line(r.cfg), "config": asdict(r.cfg),
-                        "summary": r.summary} for r in runs], default=str, indent=1)
+                        "summary": r.summary.to_dict()} for r in runs], default=str, indent=1)
 
 
 def torchrun_command(cfg: RunConfig, nodes: int = 2) -> str:

@@ -55,6 +55,11 @@ LESSONS: list[Lesson] = [
            "all-to-all's cost on real chips, and a real verified expert-parallel run on this machine.",
            params=("ep_tokens", "ep_experts", "ep_top_k", "ep_degree", "ep_capacity", "ep_skew",
                    "ep_micro_batch")),
+    Lesson("Putting it together: N-D meshes", "app_pages/meshes.py", "meshes", ":material/grid_on:",
+           "How real runs combine the strategies on one mesh (Llama 3 405B, DeepSeek-V3): the rank order, "
+           "each axis's groups drawn on the nodes, which stay inside NVLink and which cross the network, the "
+           "planner's cost of the layout, and the same mesh scaled down and run for real on this machine.",
+           params=()),
     Lesson("Plan a training run", "app_pages/planner.py", "planner", ":material/query_stats:",
            "Combine the strategies on a device mesh for a real model on real chips: memory per chip, step "
            "time, MFU and a predicted timeline; then search every layout for the fastest that fits.",

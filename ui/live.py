@@ -18,13 +18,13 @@ from ui.timeline import step_timeline, timeline_figure
 class LiveRun:
     label: str
     cfg: object  # engine.config.RunConfig
-    summary: dict
+    summary: object  # engine.run.RunSummary (read by attribute; ui does not import the engine)
     timeline: Timeline
     cached_from: float | None = None  # answered from the server's cache: when the original run finished
 
     @property
     def prediction(self) -> dict | None:
-        return self.summary.get("predicted")
+        return self.summary.predicted
 
     @cached_property
     def predicted_timeline(self) -> Timeline | None:
@@ -33,16 +33,16 @@ class LiveRun:
 
 
 def verdict(run: LiveRun) -> tuple[bool, str]:
-    s, check = run.summary, run.summary["check"]
+    s, check = run.summary, run.summary.check
     cfg = run.cfg
     what = f"{run.label} on {cfg.world} process{'es' if cfg.world > 1 else ''}"
     if cfg.micro_batches > 1:
         what += f", {cfg.micro_batches} micro-batches,"
     if check is None:
-        return True, f"{what} ran {s['steps']} steps (not compared with the reference); loss {s['loss'][-1]:.4f}."
-    return s["ok"], (f"{what} {'matches' if s['ok'] else 'DOES NOT match'} the single-process reference over "
-                     f"{s['steps']} step{'s' if s['steps'] > 1 else ''} (largest difference "
-                     f"{check['max_abs_diff']:.2e}; loss {s['loss'][-1]:.4f}).")
+        return True, f"{what} ran {s.steps} steps (not compared with the reference); loss {s.loss[-1]:.4f}."
+    return s.ok, (f"{what} {'matches' if s.ok else 'DOES NOT match'} the single-process reference over "
+                     f"{s.steps} step{'s' if s.steps > 1 else ''} (largest difference "
+                     f"{check['max_abs_diff']:.2e}; loss {s.loss[-1]:.4f}).")
 
 
 def tolerance_rows(check: dict | None) -> list[dict]:
@@ -52,18 +52,18 @@ def tolerance_rows(check: dict | None) -> list[dict]:
              "atol": t["atol"], "why": t["why"]} for q, t in check.get("tolerances", {}).items()]
 
 
-def representative_step(summary: dict) -> int:
+def representative_step(summary) -> int:
     """The step after the first (the warm-up) whose time (slowest rank) is nearest the run's step time."""
-    times = summary["step_times_s"]
+    times = summary.step_times_s
     candidates = range(1, len(times)) if len(times) > 1 else range(1)
-    return min(candidates, key=lambda i: (abs(times[i] - summary["step_time_s"]), i))
+    return min(candidates, key=lambda i: (abs(times[i] - summary.step_time_s), i))
 
 
 def prediction_error(run: LiveRun) -> float | None:
     p = run.prediction
     if not p or p.get("step_time_s") is None:
         return None
-    return (p["step_time_s"] - run.summary["step_time_s"]) / run.summary["step_time_s"]
+    return (p["step_time_s"] - run.summary.step_time_s) / run.summary.step_time_s
 
 
 def differences(run: LiveRun, top: int = 3) -> list[str]:
@@ -79,10 +79,10 @@ def side_by_side(run: LiveRun) -> tuple[go.Figure | None, go.Figure, int]:
     step = representative_step(run.summary)
     measured = step_timeline(run.timeline, step)
     predicted = run.predicted_timeline
-    x_max = max(measured.duration_s, run.summary["step_times_s"][step],
+    x_max = max(measured.duration_s, run.summary.step_times_s[step],
                 run.prediction["step_time_s"] if predicted else 0.0) * 1e3
     meas_fig = timeline_figure(measured, x_max_ms=x_max, title=f"Measured: step {step}, the one nearest the mean "
-                               f"({run.summary['step_times_s'][step] * 1e3:.1f} ms on the slowest rank)")
+                               f"({run.summary.step_times_s[step] * 1e3:.1f} ms on the slowest rank)")
     pred_fig = (timeline_figure(predicted, x_max_ms=x_max, title=f"Predicted by the planner for this machine "
                                 f"({run.prediction['step_time_s'] * 1e3:.1f} ms)")
                 if predicted else None)

@@ -278,15 +278,15 @@ def live_rows(runs: list[tuple[str, dict, Timeline, int]]) -> list[dict]:
     per step by kind and in all, the engine's formula, and the activation memory autograd saved."""
     rows = []
     for label, summary, timeline, formula in runs:
-        steps = summary["steps"]
+        steps = summary.steps
         kinds = comm_bytes_by_kind(timeline, 0, steps)
-        activations = summary["memory_bytes"][0]["activations_peak"]
+        activations = summary.memory_bytes[0]["activations_peak"]
         rows.append({"run": label,
-                     "bytes sent per step (rank 0)": f"{summary['comm_bytes'][0] / steps:,.0f}",
+                     "bytes sent per step (rank 0)": f"{summary.comm_bytes[0] / steps:,.0f}",
                      "formula (engine.tp)": f"{formula:,.0f}",
                      "all-reduce": f"{kinds.get('all_reduce', 0):,.0f}",
                      "all-gather": f"{kinds.get('all_gather', 0):,.0f}",
                      "reduce-scatter": f"{kinds.get('reduce_scatter', 0):,.0f}",
                      "activations (rank 0)": f"{activations / 1024:,.0f} KiB",
-                     "step time": f"{summary['step_time_s'] * 1e3:,.1f} ms"})
+                     "step time": f"{summary.step_time_s * 1e3:,.1f} ms"})
     return rows

@@ -44,11 +44,11 @@ def test_done_when_command(tmp_path):
     out = _engine("run", "--strategy", "fsdp", "--zero-stage", "3", "--world", "4", "--steps", "3", "--check",
                   "--trace", str(trace), "--json")
     assert out.returncode == 0, out.stderr
-    summary = json.loads(out.stdout)  # exactly one JSON object on stdout
-    assert summary["ok"] and summary["check"]["passed"] and summary["world"] == 4
-    assert summary["check"]["max_abs_diff"] < 1e-4
-    assert summary["step_time_s"] > 0
-    assert len(summary["memory_bytes"]) == 4 and len(summary["comm_bytes"]) == 4
+    reply = json.loads(out.stdout)  # exactly one JSON object on stdout
+    assert reply["ok"] and reply["check"]["passed"] and reply["world"] == 4
+    assert reply["check"]["max_abs_diff"] < 1e-4
+    assert reply["step_time_s"] > 0
+    assert len(reply["memory_bytes"]) == 4 and len(reply["comm_bytes"]) == 4
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["pid"] for e in events if e["ph"] == "X"} == {0, 1, 2, 3}
 
@@ -79,8 +79,8 @@ def test_same_worker_entry_under_torchrun_with_two_nodes(tmp_path):
                 os.killpg(n.pid, signal.SIGKILL)
                 n.wait()
     assert [n.returncode for n in nodes] == [0, 0], logs
-    summary = json.loads(result.read_text())
-    assert summary["ok"] and summary["check"]["passed"] and summary["world"] == 2
+    reply = json.loads(result.read_text())
+    assert reply["ok"] and reply["check"]["passed"] and reply["world"] == 2
 
 
 @pytest.mark.parametrize("flags", [

@@ -116,7 +116,7 @@ def test_context_parallel_matches_reference(pools, case):
     world, variant, mesh, micro_batches = CASES[case]
     summary, _ = run(_cfg(world, variant, mesh, micro_batches=micro_batches), traced=False, check=True,
                      pool=pools(world))
-    assert summary["check"]["passed"], summary["check"]["failures"]
+    assert summary.check["passed"], summary.check["failures"]
 
 
 def _kv_bytes(cp, m=ModelConfig(), batch=2):

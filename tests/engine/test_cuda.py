@@ -36,8 +36,8 @@ def test_cuda_matches_the_cpu_reference(strategy, world, tmp_path):
     out = _engine("run", "--strategy", strategy, "--world", str(world), "--device", "cuda", "--check", "--json",
                   "--trace", str(trace))
     assert out.returncode == 0, out.stderr
-    summary = json.loads(out.stdout)
-    assert summary["check"]["passed"], summary["check"]["failures"]
+    reply = json.loads(out.stdout)
+    assert reply["check"]["passed"], reply["check"]["failures"]
     names = {e["name"] for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"}
     if world > torch.cuda.device_count():  # gloo staging: the copies are recorded as communication
         assert {"d2h", "h2d"} <= names

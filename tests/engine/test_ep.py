@@ -55,9 +55,9 @@ def test_expert_parallel_matches_reference(pools, case):
     world, mesh, capacity_factor, micro_batches = CASES[case]
     summary, _ = run(_cfg(world, mesh, capacity_factor=capacity_factor, micro_batches=micro_batches),
                      traced=False, check=True, pool=pools(world))
-    assert summary["check"]["passed"], summary["check"]["failures"]
-    load = summary["stats"]["expert_load"]["layers"]["L0"]
-    sequences, tokens = summary["config"]["micro_batch_size"] * micro_batches * world, 32
+    assert summary.check["passed"], summary.check["failures"]
+    load = summary.stats["expert_load"]["layers"]["L0"]
+    sequences, tokens = summary.config["micro_batch_size"] * micro_batches * world, 32
     assert sum(load["tokens_per_expert"]) == 3 * sequences * tokens * 2  # 3 steps, top-2
     if capacity_factor is None:
         assert sum(load["dropped_per_expert"]) == 0
@@ -148,8 +148,8 @@ def test_an_ep_axis_runs_expert_parallel_without_naming_the_strategy():
     out = subprocess.run([sys.executable, "-m", "engine", "run", "--mesh", "dp=2,ep=2", "--world", "4", "--check",
                           "--json"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
-    summary = json.loads(out.stdout)
-    assert summary["strategy"] == "ep" and summary["check"]["passed"]
+    reply = json.loads(out.stdout)
+    assert reply["strategy"] == "ep" and reply["check"]["passed"]
 
 
 def test_a_named_strategy_that_contradicts_the_mesh_is_refused():

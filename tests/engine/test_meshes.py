@@ -58,14 +58,14 @@ EIGHT = {
 def test_four_rank_meshes_match_the_reference(pools, case):
     cfg = _cfg(**FOUR[case])
     summary, _ = run(cfg, traced=False, check=True, pool=pools(4))
-    assert summary["check"]["passed"], summary["check"]["failures"]
+    assert summary.check["passed"], summary.check["failures"]
 
 
 @pytest.mark.parametrize("case", list(EIGHT))
 def test_eight_rank_meshes_match_the_reference(pools, case):
     cfg = _cfg(**EIGHT[case])
     summary, _ = run(cfg, traced=False, check=True, pool=pools(8))
-    assert summary["check"]["passed"], summary["check"]["failures"]
+    assert summary.check["passed"], summary.check["failures"]
 
 
 def _states(pool, cfg):
@@ -108,12 +108,12 @@ def test_hsdp_shards_over_fsdp_and_all_reduces_over_dp(pools):
     # Each rank holds half of every unit (sharded over fsdp=2), whatever dp is.
     full = _cfg("fsdp=2", steps=1)
     alone, _ = run(full, traced=False, pool=pools(2))
-    assert summary["memory_bytes"][0]["params"] == alone["memory_bytes"][0]["params"]
+    assert summary.memory_bytes[0]["params"] == alone.memory_bytes[0]["params"]
 
 
 def test_the_mesh_alone_names_the_strategies():
     out = subprocess.run([sys.executable, "-m", "engine", "run", "--mesh", "cp=2,tp=2", "--world", "4", "--check",
                           "--json"], capture_output=True, text=True, timeout=180, cwd=REPO_ROOT)
     assert out.returncode == 0, out.stderr
-    summary = json.loads(out.stdout)
-    assert summary["check"]["passed"] and summary["mesh"] == {"cp": 2, "tp": 2}
+    reply = json.loads(out.stdout)
+    assert reply["check"]["passed"] and reply["mesh"] == {"cp": 2, "tp": 2}

@@ -112,7 +112,7 @@ def test_pp_with_other_axes_matches_the_reference(pools, mesh, parallel, groups)
     if strategy == "ep":
         cfg = replace(cfg, model=replace(cfg.model, mlp="moe"))
     summary, timeline = run(validate(cfg), traced=True, check=True, pool=pools(4))
-    assert summary["check"]["passed"], summary["check"]["failures"]
+    assert summary.check["passed"], summary.check["failures"]
     assert {s.group for s in timeline.spans if s.lane == "comm"} == groups
     # pp=2 outermost: ranks 0, 1 hold stage 0 and ranks 2, 3 stage 1, so only 0 and 1 send activations.
     sends = [s for s in timeline.spans if s.name.startswith("send act")]
@@ -126,7 +126,7 @@ def test_eight_rank_meshes_with_pp_dp_or_fsdp_and_tp(pools):
     for mesh in ("pp=2,dp=2,tp=2", "tp=2,fsdp=2,pp=2"):
         cfg = _cfg("1f1b", 2, mesh=parse_mesh(mesh), world=8)
         summary, _ = run(validate(cfg), traced=False, check=True, pool=pools(8))
-        assert summary["check"]["passed"], (mesh, summary["check"]["failures"])
+        assert summary.check["passed"], (mesh, summary.check["failures"])
 
 
 @pytest.mark.multiprocess
@@ -140,7 +140,7 @@ def test_trace_activations_and_bubbles(pools):
         cfg = _cfg(schedule, p, micro_batches=m, steps=2)
         results, _ = _run_states(pools(p), cfg, traced=True)
         summary, timeline = assemble(cfg, results)
-        held[schedule] = [mem["activations_peak"] for mem in summary["memory_bytes"]]
+        held[schedule] = [mem["activations_peak"] for mem in summary.memory_bytes]
         bubbles[schedule] = measured_bubble_fraction(timeline, step=1)
         computes = [s for s in timeline.spans if s.lane == "compute" and s.name != "optimizer step"]
         kinds = ("F", "BI", "BW") if schedule == "zb-h1" else ("F", "B")
@@ -197,7 +197,7 @@ def test_a_rank_crashing_mid_schedule_is_reported_without_hang_or_orphans():
             time.sleep(0.05)
         assert all(_gone(p) for p in pids), "workers of the crashed pipeline are still alive"
         summary, _ = run(cfg, traced=False, check=True, pool=pool)  # a fresh pool runs the same pipeline
-        assert summary["check"]["passed"] and set(pool.pids).isdisjoint(pids)
+        assert summary.check["passed"] and set(pool.pids).isdisjoint(pids)
     finally:
         pool.shutdown()
 

@@ -43,9 +43,9 @@ def test_run_json_carries_the_prediction(calibrated):
     out = subprocess.run([sys.executable, "-m", "engine", "run", "--strategy", "dp", "--world", "2", "--steps", "2",
                           "--json"], cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr
-    summary = json.loads(out.stdout)
-    pred = summary["predicted"]
-    assert pred["step_time_s"] > 0 and summary["step_time_s"] > 0
+    reply = json.loads(out.stdout)
+    pred = reply["predicted"]
+    assert pred["step_time_s"] > 0 and reply["step_time_s"] > 0
     assert sum(pred["breakdown_s"].values()) == pytest.approx(pred["step_time_s"])
     assert pred["calibration"] == []  # the session's calibration was reused
 

@@ -37,8 +37,8 @@ def _cfg(world, case, steps=3):
 @pytest.mark.parametrize("case", list(CASES))
 def test_strategy_matches_reference(pools, world, case):
     summary, _ = run(_cfg(world, case), traced=False, check=True, pool=pools(world))
-    assert summary["check"]["passed"], summary["check"]["failures"]
-    assert summary["ok"]
+    assert summary.check["passed"], summary.check["failures"]
+    assert summary.ok
 
 
 def _states(pool, cfg):
@@ -94,7 +94,7 @@ def test_memory_follows_the_zero_formulas(pools, world):
     for stage, (params, grads, optimizer) in expect.items():
         parallel = ParallelConfig("fsdp" if stage == 3 else "dp", zero_stage=stage)
         summary, _ = run(RunConfig(parallel=parallel, world=world, steps=1), traced=False, pool=pools(world))
-        for mem in summary["memory_bytes"]:
+        for mem in summary.memory_bytes:
             assert (mem["params"], mem["grads"], mem["optimizer"]) == (params, grads, optimizer), stage
             assert mem["activations_peak"] > 0
     # stage 1 keeps the whole local gradient (4 Psi) and the reduce-scattered shard it updates with
@@ -112,12 +112,12 @@ def test_timeline_and_chrome_trace(pools, tmp_path):
     comm = [s for s in timeline.spans if s.lane == "comm"]
     assert all(s.group == "dp" and s.bytes > 0 for s in comm)
     assert any(s.is_async for s in comm)  # prefetch and reduce-scatter are issued without blocking
-    assert summary["comm_bytes"] == [timeline.comm_bytes(r) for r in range(4)]
+    assert summary.comm_bytes == [timeline.comm_bytes(r) for r in range(4)]
     # Per step, ring bytes (n-1)/n of: every unit gathered for forward, all but the head (kept after
     # forward) gathered again for backward, every unit's gradient reduce-scattered.
     head = math.ceil(sum(p.numel() for p in build_model(ModelConfig(), 0).units[-1].parameters()) / 4) * 4
     per_step = 3 / 4 * 4 * (3 * _padded_numel(4) - head)
-    assert summary["comm_bytes"][0] == pytest.approx(2 * per_step, rel=1e-3)
+    assert summary.comm_bytes[0] == pytest.approx(2 * per_step, rel=1e-3)
 
     path = tmp_path / "t.json"
     timeline.write_chrome_trace(str(path))
@@ -139,7 +139,7 @@ def test_assemble_takes_the_slowest_rank_per_step():
     results = [{"rank": r, "losses": [1.0, 2.0, 3.0], "step_times_s": [0.5, 0.1 * (r + 1), 0.2],
                 "memory_bytes": {}, "comm_bytes": 0, "spans": [], "check": None} for r in (1, 0)]
     summary, _ = assemble(cfg, results)
-    assert summary["step_times_s"] == [0.5, 0.2, 0.2] and summary["step_time_s"] == 0.2
+    assert summary.step_times_s == [0.5, 0.2, 0.2] and summary.step_time_s == 0.2
 
 
 def _first(spans, name):

@@ -62,10 +62,10 @@ def test_matches_reference(pools, case):
     world, parallel = CASES[case]
     cfg = _cfg(world, parallel)
     results, summary, _ = _run(pools(world), cfg, return_states=True, check=True)
-    assert summary["check"]["passed"], summary["check"]["failures"]  # the engine's own comparison
+    assert summary.check["passed"], summary.check["failures"]  # the engine's own comparison
     reference = reference_run(cfg)
     for step, (ref, state) in enumerate(zip(reference, results[0]["states"], strict=True)):
-        _close("loss", torch.tensor(summary["loss"][step]), torch.tensor(ref.loss), f"step {step}")
+        _close("loss", torch.tensor(summary.loss[step]), torch.tensor(ref.loss), f"step {step}")
         assert state["grads"].keys() == ref.grads.keys()  # shards gathered back to the full names
         for name, t in ref.grads.items():
             _close("grads step 1" if step == 0 else "grads", state["grads"][name], t, f"step {step} {name}")
@@ -103,8 +103,8 @@ def test_bytes_per_step_follow_the_formula(pools, world):
 
     _, tp, tp_timeline = _run(pools(world), tp_cfg, traced=True)
     _, sp, sp_timeline = _run(pools(world), sp_cfg, traced=True)
-    assert tp["comm_bytes"] == [expect] * world
-    assert sp["comm_bytes"] == [expect + norms] * world
+    assert tp.comm_bytes == [expect] * world
+    assert sp.comm_bytes == [expect + norms] * world
 
     def activation_bytes(timeline, op=None):  # everything but the norm-weight gradients
         return sum(s.bytes for s in timeline.for_rank(0) if s.lane == "comm" and "norm" not in s.name
@@ -116,7 +116,7 @@ def test_bytes_per_step_follow_the_formula(pools, world):
         == (4 * m.layers + 2) * ring_all_reduce_bytes(a, world) // 2
     assert all(s.group == "tp" for s in sp_timeline.spans if s.lane == "comm")
     # sequence parallel stores the norms' and residuals' activations for S/tp positions only
-    for tp_mem, sp_mem in zip(tp["memory_bytes"], sp["memory_bytes"], strict=True):
+    for tp_mem, sp_mem in zip(tp.memory_bytes, sp.memory_bytes, strict=True):
         assert sp_mem["activations_peak"] < tp_mem["activations_peak"]
         assert sp_mem["params"] == tp_mem["params"] == 4 * sum(_tp_local_numel(m, world))
 
@@ -130,11 +130,11 @@ def test_meshes_add_dp_and_fsdp_traffic_on_tp_local_parameters(pools):
     units = _tp_local_numel(m, 2)
     tp_bytes = sum(tp_comm_bytes(_cfg(2, ParallelConfig("tp"))).values())
     _, dp, _ = _run(pools(4), _cfg(4, CASES["dp=2,tp=2"][1], steps=1))
-    assert dp["comm_bytes"] == [tp_bytes + 4 * sum(units)] * 4
+    assert dp.comm_bytes == [tp_bytes + 4 * sum(units)] * 4
     padded = [-(-n // 2) * 2 for n in units]
     _, fsdp, _ = _run(pools(4), _cfg(4, CASES["fsdp=2,tp=2"][1], steps=1))
-    assert fsdp["comm_bytes"] == [tp_bytes + 4 * (3 * sum(padded) - padded[-1]) // 2] * 4
-    assert all(mem["params"] == 4 * sum(padded) // 2 for mem in fsdp["memory_bytes"])
+    assert fsdp.comm_bytes == [tp_bytes + 4 * (3 * sum(padded) - padded[-1]) // 2] * 4
+    assert all(mem["params"] == 4 * sum(padded) // 2 for mem in fsdp.memory_bytes)
 
 
 def _bad(world=4, **kw):

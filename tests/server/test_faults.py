@@ -65,7 +65,7 @@ def test_a_fault_fails_one_run_and_the_next_one_finishes(served, seed, says):
     assert faulty.state == FAILED
     message, _details = engine_error_message(faulty.error, what="run", hint="try again")
     assert says in message
-    assert other.state == DONE and other.results[0][0]["check"]["passed"]
+    assert other.state == DONE and other.results[0][0].check["passed"]
     first_pool = seen_pids[:2]
     assert _all_gone(first_pool), "the failed run's workers are still alive"
 
@@ -79,7 +79,7 @@ def test_a_pool_that_died_between_runs_is_rebuilt(served):
         os.kill(pid, signal.SIGKILL)
     # at once: a worker killed a moment ago may still look alive; the pool's ping finds it out
     again = queue.submit("b", [("dp", RunConfig(world=2, steps=2))])
-    assert again.wait(60) and again.state == DONE and again.results[0][0]["check"]["passed"]
+    assert again.wait(60) and again.state == DONE and again.results[0][0].check["passed"]
     assert set(pool.pids).isdisjoint(pids)
 
 

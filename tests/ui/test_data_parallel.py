@@ -42,7 +42,7 @@ def test_the_bytes_formula_is_what_the_engine_sends(strategy, stage, mb):
     cfg = RunConfig(world=4, steps=1, micro_batches=mb, parallel=ParallelConfig(strategy=strategy, zero_stage=stage))
     summary, _ = run(cfg, traced=False)
     last = cfg.model.hidden * cfg.model.vocab + cfg.model.hidden
-    assert summary["comm_bytes"][0] == expected_comm_bytes_per_step(cfg.model.params, stage, 4, mb, last)
+    assert summary.comm_bytes[0] == expected_comm_bytes_per_step(cfg.model.params, stage, 4, mb, last)
 
 
 def test_page_shows_memory_and_comm_for_the_sidebar_model():

@@ -2,6 +2,7 @@
 through AppTest, one live ep run at world 2."""
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -175,8 +176,8 @@ def _summary(dropped=(0.25, 0.0)):
                         "ep_rank_max_over_mean": 1.08, "dropped_fraction": d}
               for i, d in enumerate(dropped)}
     load = {"experts": 2, "ep": 2, "top_k": 2, "capacity_factor": 1.0, "layers": layers}
-    return {"stats": {"expert_load": load},
-            "config": {"micro_batches": 1, "micro_batch_size": 2, "model": {"seq_len": 32}}}
+    return SimpleNamespace(stats={"expert_load": load},
+                           config={"micro_batches": 1, "micro_batch_size": 2, "model": {"seq_len": 32}})
 
 
 def test_measured_formula_and_rows():

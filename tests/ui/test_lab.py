@@ -72,10 +72,14 @@ def test_runs_are_collected_compared_and_exported():
 def test_results_json_carries_every_run():
     from core.timeline import Timeline
     from engine.config import RunConfig
+    from engine.run import RunSummary
     from ui.lab import results_json
     from ui.live import LiveRun
 
-    run = LiveRun("run 1", RunConfig(), {"step_time_s": 0.01, "check": None}, Timeline([]))
+    summary = RunSummary(ok=True, check=None, world=2, strategy="dp", zero_stage=0, mesh={"dp": 2}, steps=3,
+                         micro_batches=1, device="cpu", loss=[5.5] * 3, step_time_s=0.01, step_times_s=[0.01] * 3,
+                         memory_bytes=[], comm_bytes=[], stats={}, config={})
+    run = LiveRun("run 1", RunConfig(), summary, Timeline([]))
     out = json.loads(results_json([run]))
     assert out[0]["label"] == "run 1" and out[0]["command"].startswith("python -m engine run")
 
@@ -97,6 +101,6 @@ def test_the_command_line_shown_reproduces_the_pages_run():
     out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=300,
                          cwd=Path(APP).parent)
     assert out.returncode == 0, out.stderr
-    summary = json.loads(out.stdout)
-    assert summary["check"]["passed"] and summary["mesh"] == page_run.summary["mesh"]
-    assert summary["loss"] == page_run.summary["loss"]  # the same seed, data and layout: the same numbers
+    reply = json.loads(out.stdout)
+    assert reply["check"]["passed"] and reply["mesh"] == page_run.summary.mesh
+    assert reply["loss"] == page_run.summary.loss  # the same seed, data and layout: the same numbers

@@ -5,6 +5,7 @@ import pytest
 
 from core.timeline import Span, Timeline
 from engine.config import RunConfig
+from engine.run import RunSummary
 from ui.live import LiveRun, differences, prediction_error, representative_step, side_by_side, tolerance_rows, verdict
 
 
@@ -20,16 +21,18 @@ def _run(pred_ms=8.0, step_times_ms=(30.0, 10.0, 12.0, 11.0), ok=True) -> LiveRu
                          source="predicted")
     check = {"passed": ok, "max_abs_diff": 1e-6, "by_quantity": {"loss": 1e-7},
              "tolerances": {"loss": {"rtol": 1e-5, "atol": 1e-6, "why": "summation order"}}}
-    summary = {"ok": ok, "check": check, "steps": len(step_times_ms), "loss": [5.5], "step_time_s": 11.5e-3,
-               "step_times_s": [t / 1e3 for t in step_times_ms],
-               "predicted": {"step_time_s": pred_ms / 1e3, "breakdown_s": {}, "timeline": predicted.to_dict()}}
+    summary = RunSummary(ok=ok, check=check, world=2, strategy="dp", zero_stage=0, mesh={"dp": 2},
+                         steps=len(step_times_ms), micro_batches=1, device="cpu", loss=[5.5], step_time_s=11.5e-3,
+                         step_times_s=[t / 1e3 for t in step_times_ms], memory_bytes=[], comm_bytes=[], stats={},
+                         config={}, predicted={"step_time_s": pred_ms / 1e3, "breakdown_s": {},
+                                               "timeline": predicted.to_dict()})
     return LiveRun("DP", RunConfig(world=2, steps=len(step_times_ms)), summary, Timeline(measured))
 
 
 def test_the_error_is_against_the_runs_step_time():
     assert prediction_error(_run(pred_ms=9.2)) == pytest.approx(9.2 / 11.5 - 1)
     run = _run()
-    run.summary["predicted"] = {"step_time_s": None, "why": "CUDA"}
+    run.summary.predicted = {"step_time_s": None, "why": "CUDA"}
     assert prediction_error(run) is None and differences(run) == []
 
 
@@ -57,4 +60,4 @@ def test_verdict_and_tolerances():
     assert ok and text.startswith("DP on 2 processes matches the single-process reference over 4 steps")
     bad, text = verdict(_run(ok=False))
     assert not bad and "DOES NOT match" in text
-    assert tolerance_rows(_run().summary["check"])[0]["why"] == "summation order"
+    assert tolerance_rows(_run().summary.check)[0]["why"] == "summation order"

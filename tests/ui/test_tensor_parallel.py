@@ -1,6 +1,8 @@
 """The Tensor and sequence parallel lesson: builders against the papers' formulas, the page through AppTest,
 one live TP / TP + SP run at world 2."""
 
+from types import SimpleNamespace
+
 import pytest
 from streamlit.testing.v1 import AppTest
 
@@ -137,8 +139,8 @@ def test_measured_bytes_by_kind_and_rows():
     assert comm_bytes_by_kind(sp_tl, 0, steps=2) == {"all_gather": 200, "reduce_scatter": 200}
 
     def summary(sent, acts):
-        return {"steps": 2, "comm_bytes": [sent], "memory_bytes": [{"activations_peak": acts}],
-                "step_time_s": 0.01}
+        return SimpleNamespace(steps=2, comm_bytes=[sent], memory_bytes=[{"activations_peak": acts}],
+                               step_time_s=0.01)
 
     rows = live_rows([("TP", summary(800, 4096), tp_tl, 400), ("TP + SP", summary(800, 2048), sp_tl, 400)])
     assert [r["bytes sent per step (rank 0)"] for r in rows] == ["400", "400"]

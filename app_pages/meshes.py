@@ -1,0 +1,123 @@
+"""Lesson: putting it together, N-D meshes: how real runs combine the strategies, how each axis lands on the
+hardware, what the planner predicts for the layout, and the same mesh scaled down and run for real."""
+
+import streamlit as st
+
+from app_pages.exercise_panel import show_exercises
+from app_pages.live_panel import run_live, show_live
+from core.mesh import Mesh
+from hardware.chips import CHIPS
+from planner.case import Cluster, Parallel, SpecError
+from planner.models import MODEL_PRESETS
+from planner.presets import make_case
+from ui.exercises import axes_leaving_the_domain
+from ui.meshes import PRESETS, axis_rows, mesh_figure, scaled_down
+
+choices = st.session_state["choices"]
+
+st.title("Putting it together: N-D meshes")
+st.markdown(
+    """
+Real training runs use several strategies at once. The chips form a **mesh**, a grid with one axis per
+strategy: every chip has a coordinate on each axis, and the chips that differ only along one axis form that
+axis's **group**, which runs that strategy's collectives. Llama 3 405B trained on 16,384 H100 as tensor
+parallel 8 x pipeline 16 x data parallel 128; DeepSeek-V3 on 2,048 H800 as pipeline 16 x expert parallel 64 x
+data parallel.
+
+Which ranks form a group depends on the **rank order**. This guide (like Megatron-LM and
+`torch.distributed.DeviceMesh`) lays ranks out with the last axis fastest, in the order
+`pp, dp, fsdp, cp, ep, tp`: tensor-parallel partners are consecutive ranks, so they share a node and its
+NVLink, while pipeline stages are the farthest apart. The order follows the traffic: tp talks inside every
+layer, cp and ep every attention or MoE layer, dp and fsdp once per step (overlapped with compute), pp one
+activation per micro-batch. dp, fsdp and ep ranks read different sequences of the batch (ep's ranks are data
+parallel for the dense layers and split the experts), cp ranks different positions of the same sequences.
+"""
+)
+
+options = ["the sidebar's setup", *PRESETS]
+which = st.selectbox("Layout", options, key="mesh_preset")
+if which == options[0]:
+    model_name, chip_key, mesh_axes, zero_stage = choices.model, choices.chip, dict(choices.mesh), 0
+    st.caption("The sidebar's model, chip and mesh. Choose one of the published layouts above to compare.")
+else:
+    preset = PRESETS[which]
+    model_name, chip_key, mesh_axes, zero_stage = preset.model, preset.chip, dict(preset.mesh), preset.zero_stage
+    st.caption(preset.source)
+
+    def _apply(p=preset) -> None:
+        # A callback runs before the next script run, when the sidebar's widgets may still be changed.
+        st.session_state["model"], st.session_state["chip"] = p.model, p.chip
+        for axis, degree in p.mesh.items():
+            st.session_state[axis] = degree
+        st.session_state["mesh_preset"] = options[0]
+
+    st.button("Apply to the sidebar (and the link)", on_click=_apply,
+              help="Loads this model, chip and mesh into the sidebar, so every page shows this layout.")
+
+chip = CHIPS[chip_key]
+mesh = Mesh(mesh_axes)
+spec = MODEL_PRESETS[model_name]
+label = " x ".join(f"{a}={d}" for a, d in mesh.axes if d > 1) or "one chip"
+st.subheader(f"{spec.name} on {mesh.world:,} {chip.name}: {label}")
+
+st.markdown("### How each axis lands on the hardware")
+shown_axes = [a for a in reversed(mesh.names) if mesh.degree(a) > 1]
+estimate = None
+try:
+    from planner.api import estimate as planner_estimate
+
+    n = mesh.world
+    case = make_case(spec, Cluster(chip.key, n), global_batch=max(n, round(2**22 / spec.seq_len / n) * n),
+                     parallel=Parallel(**mesh.megatron_degrees()), zero_stage=zero_stage or None)
+    estimate = planner_estimate(case)
+except SpecError as e:
+    st.warning(f"The planner cannot cost this layout: {e}. The mapping below still holds.")
+rows = axis_rows(mesh, chip, estimate.breakdown if estimate else None, estimate.step_time_s if estimate else None)
+if not rows:
+    st.info("One chip: nothing to split. Set a mesh in the sidebar or choose a published layout.")
+else:
+    axis = st.radio("Draw the groups of", shown_axes, horizontal=True, key="mesh_axis")
+    st.plotly_chart(mesh_figure(mesh, chip, axis), key="mesh_groups")
+    st.caption("Each square is a rank (a chip), one row per node; squares of one colour form one group of the "
+               "chosen axis, and rank 0's group is outlined. Inner axes (tp) group neighbours, outer axes "
+               "(pp) group chips far apart.")
+    st.dataframe(rows, hide_index=True, width="stretch")
+    st.caption("members apart: the stride, the product of the degrees of the axes inside this one "
+               "(core/mesh.py). links: the topology the group's collectives run on, at achievable bandwidth "
+               "(hardware/collectives.py). exposed per step: the planner's estimate of the communication of "
+               "this axis that compute does not hide, for this model with about 4M tokens per step.")
+    if estimate is not None:
+        m1, m2, m3 = st.columns(3)
+        m1.metric("Predicted step time", f"{estimate.step_time_s:,.2f} s")
+        m2.metric("MFU", f"{estimate.mfu * 100:,.1f} %")
+        m3.metric("Memory per chip", f"{estimate.memory.total_bytes / 1e9:,.1f} GB",
+                  delta="fits" if estimate.fits else "does not fit",
+                  delta_color="normal" if estimate.fits else "inverse")
+        st.markdown("\n".join(f"- {line}" for line in estimate.explanation))
+        st.caption("The planner page has the full breakdown, the predicted timeline and a search over every "
+                   "layout of this many chips.")
+
+show_exercises([axes_leaving_the_domain(mesh, chip)] if rows else [])
+
+st.header("Run it for real")
+small = scaled_down(mesh_axes)
+small_label = ",".join(f"{a}={d}" for a, d in small.items())
+st.markdown(
+    f"""
+The same kinds of groups, small enough for this machine: every axis of degree > 1 at degree 2 (at most 8
+processes; the axes with the smallest degrees go first when there are more than three), on a small model
+of the same family. Each run is checked against a single-process run of the same model, as on every lesson.
+This layout: **{small_label}** on {Mesh(small).world} processes.
+"""
+)
+if st.button("Run it", type="primary", key="mesh_run"):
+    from engine.config import ModelConfig, ParallelConfig, RunConfig, strategy_for
+
+    axes = tuple((a, d) for a, d in Mesh(small).axes)
+    moe = small.get("ep", 1) > 1 or spec.experts > 1
+    model = ModelConfig(layers=2 * small.get("pp", 1), mlp="moe" if moe else "dense")
+    stage = zero_stage if small.get("dp", 1) > 1 or small.get("fsdp", 1) > 1 else 0
+    cfg = RunConfig(model=model, parallel=ParallelConfig(strategy_for(axes), mesh=axes, zero_stage=stage),
+                    world=Mesh(small).world, steps=3, micro_batches=2 if small.get("pp", 1) > 1 else 1)
+    run_live("mesh_live", [(small_label, cfg)], hint="try a layout with fewer axes")
+show_live("mesh_live")

@@ -1,0 +1,82 @@
+"""The N-D mesh lesson: how each axis lands on the hardware (strides and placements against hand-worked
+numbers), the published layouts, "apply" setting the sidebar, the exercise, and the scaled-down live run."""
+
+import pytest
+
+from core.mesh import Mesh
+from hardware.chips import CHIPS
+from tests.ui.apptest_util import open_app
+from ui.exercises import axes_leaving_the_domain
+from ui.meshes import PRESETS, axis_rows, mesh_figure, placement, scaled_down
+
+PAGE = "app_pages/meshes.py"
+
+
+def test_llama3_405b_axes_land_where_the_paper_says():
+    # tp 8 inside one 8-GPU NVLink node; pp and dp cross the network (Dubey et al. 2024, section 3.3)
+    mesh = Mesh(PRESETS["Llama 3 405B on 16,384 H100"].mesh)
+    rows = {r["axis"]: r for r in axis_rows(mesh, CHIPS["h100"])}
+    assert [r for r in rows] == ["tp", "dp", "pp"]  # innermost first
+    assert (rows["tp"]["members apart"], rows["dp"]["members apart"], rows["pp"]["members apart"]) == (1, 8, 1024)
+    assert rows["tp"]["lands on"] == "one NVLink domain"
+    assert rows["dp"]["lands on"] == rows["pp"]["lands on"] == "the network between nodes"
+    assert rows["tp"]["rank 0's group"] == "{0, 1, ..., 7}" and rows["pp"]["rank 0's group"] == "{0, 1024, ..., 15360}"
+
+
+def test_placement_inside_across_and_both():
+    h100 = CHIPS["h100"]
+    assert placement(h100, 4, 2) == "one NVLink domain"
+    assert placement(h100, 4, 8) == "the network between nodes"
+    assert placement(h100, 4, 4).startswith("both")
+
+
+def test_the_exercise_names_the_axes_that_leave_the_node():
+    ex = axes_leaving_the_domain(Mesh(PRESETS["DeepSeek-V3 on 2,048 H800"].mesh), CHIPS["h800"])
+    assert ex.answer == "ep, dp, pp"  # ep 64 spans 8 nodes (DeepSeek-V3 section 3.2), innermost first
+    ex = axes_leaving_the_domain(Mesh({"tp": 8}), CHIPS["h100"])
+    assert ex.answer == "none"
+
+
+def test_scaled_down_keeps_the_kinds_of_groups():
+    assert scaled_down({"dp": 128, "tp": 8, "pp": 16, "cp": 1, "ep": 1}) == {"pp": 2, "dp": 2, "tp": 2}
+    assert scaled_down({"dp": 2, "pp": 16, "ep": 64, "tp": 1}) == {"pp": 2, "dp": 2, "ep": 2}
+    # four axes: the one of smallest degree goes (cp 2), ties the outermost
+    assert scaled_down({"dp": 8, "tp": 4, "pp": 4, "cp": 2}) == {"pp": 2, "dp": 2, "tp": 2}
+    assert scaled_down({"dp": 1}) == {"dp": 1}
+
+
+def test_the_group_picture_colours_one_group_per_colour():
+    fig = mesh_figure(Mesh({"pp": 2, "dp": 2, "tp": 2}), CHIPS["h100"], "dp")
+    assert len(fig.data) == 4  # four dp groups of 2
+    assert sorted(int(t) for t in fig.data[0].text) == [0, 2]
+
+
+def test_the_page_shows_the_sidebar_mesh_and_the_presets():
+    at = open_app(PAGE, model="Llama 3 8B", chip="h100", dp="4", tp="2")
+    assert not at.exception, [e.value for e in at.exception]
+    table = at.dataframe[0].value
+    assert list(table["axis"]) == ["tp", "dp"]
+    for name in PRESETS:
+        at.selectbox(key="mesh_preset").set_value(name).run()
+        assert not at.exception, (name, [e.value for e in at.exception])
+        assert PRESETS[name].source[:20] in " ".join(c.value for c in at.caption)
+
+
+def test_apply_loads_the_preset_into_the_sidebar():
+    at = open_app(PAGE)
+    at.selectbox(key="mesh_preset").set_value("DeepSeek-V3 on 2,048 H800").run()
+    at.button[0].click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.session_state["model"] == "DeepSeek-V3" and at.session_state["chip"] == "h800"
+    assert (at.session_state["ep"], at.session_state["pp"], at.session_state["dp"]) == (64, 16, 2)
+    assert at.selectbox(key="mesh_preset").value == "the sidebar's setup"
+
+
+@pytest.mark.multiprocess
+def test_the_scaled_down_mesh_runs_and_matches_the_reference():
+    at = open_app(PAGE)
+    at.selectbox(key="mesh_preset").set_value("Llama 3 8B on 64 TPU v5p").run()
+    at.button(key="mesh_run").click().run(timeout=240)
+    assert not at.exception, [e.value for e in at.exception]
+    assert not at.error, [e.value for e in at.error]
+    assert any("matches the single-process reference" in s.value for s in at.success)
