@@ -18,7 +18,6 @@ from ui.context_parallel import (
     block_attention,
     causal_split_figure,
     imbalance,
-    live_config,
     live_rows,
     merge_partials,
     overlap_figure,
@@ -28,6 +27,16 @@ from ui.context_parallel import (
     seq_label,
 )
 from ui.exercises import ring_hiding_shard, ring_kv_held
+
+
+def live_config(world: int, seq_len: int, variant: str, steps: int = 1):
+    """The RunConfig `python -m engine run --strategy cp --world W --seq-len S --cp-variant V --steps N
+    --check` builds; raises engine.config.ConfigError (e.g. seq_len not divisible by 2*cp)."""
+    from engine.cli import config_from_args, run_parser
+
+    argv = ["--strategy", "cp", "--world", str(world), "--seq-len", str(seq_len), "--cp-variant", variant,
+            "--steps", str(steps), "--check"]
+    return config_from_args(run_parser("python -m engine run").parse_args(argv))
 
 choices = st.session_state["choices"]
 chip = CHIPS[choices.chip]

@@ -7,7 +7,7 @@ from dataclasses import replace
 import streamlit as st
 
 from app_pages.live_panel import run_live, show_live
-from engine.cli import command_line
+from engine.cli import argv_for, command_line
 from engine.config import ConfigError, ModelConfig, validate
 from engine.predict import cached_calibration
 from hardware.this_machine import gpus
@@ -110,7 +110,7 @@ st.markdown("From a terminal in this repository (`--json` prints every number of
 st.code(command_line(cfg), language="bash")
 st.markdown("Across machines with `torchrun` (each machine runs it with its node rank; HOST0 is node 0's "
             "address):")
-st.code(torchrun_command(cfg), language="bash")
+st.code(torchrun_command(cfg, argv_for(cfg)), language="bash")
 
 st.subheader("This session's runs")
 if not history:
@@ -124,7 +124,8 @@ else:
                "core), so it says how much of each core went into matmuls. Peak MB / rank: weights, gradients, "
                "optimizer state and the activations' peak on the busiest rank. Predicted and error: the "
                "planner's prediction of the run for this machine, and (predicted - measured) / measured.")
-    st.download_button("Download all results (JSON)", results_json(history), file_name="shardlab-lab-results.json",
+    everything = results_json(history, [command_line(r.cfg) for r in history])
+    st.download_button("Download all results (JSON)", everything, file_name="shardlab-lab-results.json",
                        mime="application/json", key="lab_json")
     if len(history) >= 2:
         st.markdown("**Compare two runs**, each at its typical step, on one time axis:")

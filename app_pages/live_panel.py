@@ -17,7 +17,7 @@ import time
 
 import streamlit as st
 
-from ui.engine_errors import engine_error_message
+from app_pages.engine_errors import engine_error_message
 from ui.live import LiveRun, differences, prediction_error, side_by_side, tolerance_rows, verdict
 from ui.timeline import lane_summary
 

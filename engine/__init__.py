@@ -1,38 +1,33 @@
 """The live engine: real sharded training steps of a small Transformer on N local processes.
 
-    config     frozen RunConfig / ModelConfig / ParallelConfig; `validate` raises ConfigError
-    mesh       named mesh axes -> rank coordinates and process groups
-    launch     the reusable worker pool (`get_pool`), per-rank errors and timeouts, no orphans
-    worker     the worker process entry (`python -m engine.worker`; also runs under torchrun)
-    comm       the only module calling torch.distributed; every operation becomes a comm span
-    recorder   per-rank spans on a clock aligned with rank 0
-    model      Llama-style decoder (RMSNorm, rotary GQA attention, SwiGLU or top-k MoE)
-    optim      elementwise AdamW shared by every strategy and the reference
-    reference  the single-process ground truth
-    strategy   the shared unit-by-unit forward/backward driver with compute spans
-    dp         data parallel: naive or bucketed and overlapped, gradient accumulation
-    flat       flat per-unit parameters and shards (ZeRO's common ground)
-    zero       ZeRO-1 and ZeRO-2
-    fsdp       ZeRO-3 / FSDP with prefetch
-    replicated whole parameters with gradients summed over named mesh axes (cp and ep build on it)
-    cp         context parallel: zig-zag sequence split, ring attention (or all-gathered K/V)
-    ring_attention  the ring's arithmetic: log-sum-exp merge, block backward, zig-zag plan (no processes)
-    ep         expert parallel: experts split over ep, tokens dispatched and combined by all-to-all
-    tp         tensor parallel (column/row-parallel linears, vocab-parallel embedding and loss) and
-               sequence parallel, composed with dp / ZeRO / FSDP over the dp or fsdp axis
-    tp_comm    tp's conjugate autograd operations: f/g (all-reduce) and the sp all-gather/reduce-scatter
-    schedules  pipeline schedules as data (GPipe, 1F1B, interleaved 1F1B, ZB-H1) and their simulator
-    pp         pipeline executor: walks a schedule's actions with p2p sends, composed with dp/fsdp/tp
-    pp_stage   which units a pipeline stage holds, tp over stages, ZB-H1's input/weight backward split
-    pp_timeline  a measured pipeline step's bubbles (idle spans) and bubble fraction (no torch)
-    memory     activation bytes from autograd's saved tensors
-    train      one rank's run (the task the pool executes)
-    verify     comparison with the reference, tolerance and reason per quantity
-    run        `run(cfg)` -> (summary dict, Timeline): what the CLI and pages call
-    sweep      collective timing sweep on the pool and the alpha-beta fit
-    cli        `python -m engine run ...`
-    trace      the shared Timeline / Span format (no torch)
+    config       frozen RunConfig / ModelConfig / ParallelConfig; `validate` raises ConfigError (torch-free)
+    parallelize  a rank's layout in one fixed order: the plans, then one sharder by ZeRO stage
+    train        the one rank loop (the task the pool executes), pipeline or not
+    launch       the reusable worker pool (`get_pool`), per-rank errors and timeouts, no orphans
+    worker       the worker process entry (`python -m engine.worker`; also runs under torchrun)
+    comm         the only module calling torch.distributed: process groups of the mesh (core/mesh.py), every
+                 operation a comm span
+    recorder     per-rank spans on a clock aligned with rank 0
+    model        Llama-style decoder (RMSNorm, rotary GQA attention, SwiGLU or top-k MoE)
+    optim        elementwise AdamW shared by every sharder and the reference
+    reference    the single-process ground truth
+    strategy     the Plan hooks and the shared unit-by-unit forward/backward driver with compute spans
+    plans:       tp (column/row-parallel linears, vocab-parallel embedding and loss, sequence parallel),
+                 tp_comm (its conjugate autograd operations), cp (zig-zag split, ring or all-gathered K/V),
+                 ring_attention (the ring's arithmetic, no processes), ep (experts over ep, all-to-all
+                 dispatch), pipeline/ (the stage cut and ZB-H1's split backward; the schedule executor)
+    sharders:    dp (ZeRO-0: naive or bucketed, overlapped), flat (flat per-unit buffers and shards),
+                 zero (ZeRO-1 and ZeRO-2), fsdp (ZeRO-3 with prefetch)
+    memory       activation bytes from autograd's saved tensors
+    verify       comparison with the reference, tolerance and reason per quantity
+    run          `run(cfg)` -> (RunSummary, Timeline): what the CLI and pages call
+    sweep        collective timing sweep on the pool (hardware/this_machine.py fits alpha and beta)
+    calibrate, predict   this machine's calibration on the pools, and the planner's prediction of a run
+    cli          `python -m engine run ...`
 
-Importing `engine` imports no torch; `config`, `run`, `launch`, `sweep` and `trace` stay torch-free
-in the calling process (the workers import it).
+The torch-free ideas both engines share live below them in core/: the mesh convention, the timeline
+format, the pipeline schedules as data.
+
+Importing `engine` imports no torch; `config`, `run`, `launch` and `sweep` stay torch-free in the calling
+process (the workers import it).
 """

@@ -1,4 +1,5 @@
-"""Measure collectives on the local ranks over a sweep of message sizes, and fit alpha and beta.
+"""Measure collectives on the local ranks over a sweep of message sizes (hardware/this_machine.py fits alpha
+and beta to them).
 
 Byte convention (what `bytes` in a measurement means), matching the lesson's formulas:
 - all_gather, reduce_scatter, all_reduce: the size of the *full* array (all shards together);
@@ -17,32 +18,8 @@ import statistics
 import time
 
 from engine.config import MAX_WORLD, ConfigError
-from hardware.this_machine import nonnegative_fit
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
-
-
-def ring_terms(op: str, world: int, size_bytes: float) -> tuple[float, float]:
-    """(coefficient of alpha, coefficient of beta) in the op's ring cost: T = a * alpha + b * beta."""
-    n = world
-    if op == "all_reduce":
-        return 2 * (n - 1), 2 * (n - 1) / n * size_bytes
-    if op in ("all_gather", "reduce_scatter", "all_to_all"):
-        return n - 1, (n - 1) / n * size_bytes
-    raise ConfigError(f"op {op!r} is unknown; use one of {', '.join(OPS)}")
-
-
-def fit_alpha_beta(measurements: list[dict], op: str) -> tuple[float, float]:
-    """Least squares of the ring model on the measurements of `op` -> (alpha_s, beta_s_per_byte), both
-    kept non-negative (a negative latency would only fit noise)."""
-    rows = [(*ring_terms(op, m["world"], m["bytes"]), m["seconds"]) for m in measurements if m["op"] == op]
-    if len(rows) < 2:
-        raise ConfigError(f"fitting {op} needs at least two measurements of it, got {len(rows)}")
-    fit = nonnegative_fit(rows)
-    if fit is None:  # one size only: the latency term cannot be told apart, all of it goes to beta
-        sbb = sum(b * b for _, b, _ in rows)
-        return 0.0, max(0.0, sum(b * t for _, b, t in rows) / sbb)
-    return fit
 
 
 def sweep_rank(ctx, ops: list[str], sizes_bytes: list[int], repeats: int) -> list[dict]:

@@ -21,7 +21,7 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-from core.mesh import Mesh
+from core.mesh import Mesh, group_key
 from core.schedules import (
     BACKWARD,
     BACKWARD_INPUT,
@@ -280,7 +280,7 @@ def predict(cfg, cal: Calibration) -> LivePrediction:
         r = _Rank(rank, costs)
         g = {axis: group_of(rank, axis) for axis in ("tp", "cp", "ep", "pp")}
         g["dp"], g["replicas"] = group_of(rank, sync_axes), group_of(rank, replica_axes)
-        _Program(cfg, costs, r, g, mesh).build()
+        _Program(cfg, costs, r, g, mesh, group_key(replica_axes)).build()
         programs[rank] = r.ops
     timeline, ends = simulate(programs, cores=cal.cpus)
     step = max(ends.values())
@@ -379,8 +379,9 @@ class _Program:
     """Writes one rank's step as the engine runs it (engine/train.py, engine/pipeline/executor.py, the plans
     and the sharder)."""
 
-    def __init__(self, cfg, costs: _Costs, r: _Rank, g: dict, mesh: Mesh):
+    def __init__(self, cfg, costs: _Costs, r: _Rank, g: dict, mesh: Mesh, replicas_group: str = ""):
         self.cfg, self.c, self.r, self.g, self.mesh = cfg, costs, r, g, mesh
+        self.replicas_group = replicas_group  # the engine's name of the group the shards' replicas span
         p, m = cfg.parallel, cfg.model
         self.m = m
         self.tp = len(g["tp"])
@@ -685,7 +686,7 @@ class _Program:
             r.compute("finish grads", 2 * len(held) * c.tiny)
         if self.stage in (1, 2, 3) and len(self.g["replicas"]) > 1:
             for u in self.held:  # the shards' gradients summed over their replicas (HSDP, cp, ep)
-                r.coll("all_reduce grad shards", self.g["replicas"], "replicas", "all_reduce",
+                r.coll("all_reduce grad shards", self.g["replicas"], self.replicas_group, "all_reduce",
                        self._unit_bytes(u) // self.dp)
         if self.flat:
             opt = c.adamw([-(-sum(n for _, n in unit) // self.dp) for unit in held])

@@ -518,8 +518,8 @@ class MachineLink:
 
 
 def machine_link(measurements: list[dict], world: int) -> MachineLink:
-    """Fit alpha and beta per op (engine.sweep.fit_alpha_beta) and summarise them as one link."""
-    from engine.sweep import fit_alpha_beta
+    """Fit alpha and beta per op (hardware.this_machine.fit_alpha_beta) and summarise them as one link."""
+    from hardware.this_machine import fit_alpha_beta
 
     ops = [op for op in COLLECTIVES if any(m["op"] == op for m in measurements)]
     per_op = {op: fit_alpha_beta(measurements, op) for op in ops}
@@ -529,7 +529,7 @@ def machine_link(measurements: list[dict], world: int) -> MachineLink:
 
 def sweep_figure(result: MachineLink) -> go.Figure:
     """Measured time (points) against each op's fitted ring model (lines), log-log."""
-    from engine.sweep import ring_terms
+    from hardware.this_machine import ring_terms
 
     fig = go.Figure()
     for op in COLLECTIVES:

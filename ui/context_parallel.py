@@ -252,16 +252,6 @@ def overlap_figure(spec: ModelSpec, chip: Chip, cp: int, seq_len: int, stride: i
 
 # ---- the live runs -------------------------------------------------------------------------------------
 
-def live_config(world: int, seq_len: int, variant: str, steps: int = 1):
-    """The RunConfig `python -m engine run --strategy cp --world W --seq-len S --cp-variant V --steps N
-    --check` builds; raises engine.config.ConfigError (e.g. seq_len not divisible by 2*cp)."""
-    from engine.cli import config_from_args, run_parser
-
-    argv = ["--strategy", "cp", "--world", str(world), "--seq-len", str(seq_len), "--cp-variant", variant,
-            "--steps", str(steps), "--check"]
-    return config_from_args(run_parser("python -m engine run").parse_args(argv))
-
-
 def live_kv_bytes_formula(cfg) -> float:
     """K/V (and dK/dV) bytes one rank sends per optimizer step over all attention layers (engine/cp.py):
     ring (3cp - 2) blocks, all-gather 2(cp - 1), with one block = 2 x B x kv_heads x S/cp x d x 4."""

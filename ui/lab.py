@@ -74,21 +74,19 @@ def compare_figures(a: LiveRun, b: LiveRun) -> tuple[go.Figure, go.Figure]:
                  for r, t, s in zip((a, b), timelines, steps, strict=True))
 
 
-def results_json(runs: list[LiveRun]) -> str:
-    """Every run of the session: its configuration, the measured summary (the prediction included)."""
-    from engine.cli import command_line
+def results_json(runs: list[LiveRun], commands: list[str]) -> str:
+    """Every run of the session: its configuration, the command line that reproduces it (the page passes
+    engine.cli.command_line's), the measured summary (the prediction included)."""
+    return json.dumps([{"label": r.label, "command": c, "config": asdict(r.cfg), "summary": r.summary.to_dict()}
+                       for r, c in zip(runs, commands, strict=True)], default=str, indent=1)
 
-    return json.dumps([{"label": r.label, "command": command_line(r.cfg), "config": asdict(r.cfg),
-                        "summary": r.summary.to_dict()} for r in runs], default=str, indent=1)
 
-
-def torchrun_command(cfg: RunConfig, nodes: int = 2) -> str:
-    """The same experiment over `nodes` machines (each runs this with its NODE rank; HOST0 is node 0)."""
-    from engine.cli import argv_for
-
+def torchrun_command(cfg: RunConfig, argv: list[str], nodes: int = 2) -> str:
+    """The same experiment over `nodes` machines (each runs this with its NODE rank; HOST0 is node 0), from
+    the run's `python -m engine run` arguments (engine.cli.argv_for)."""
     if cfg.world % nodes:
         nodes = 1
-    argv = list(argv_for(cfg))
+    argv = list(argv)
     i = argv.index("--world")  # torchrun sets the world size
     del argv[i:i + 2]
     return (f"torchrun --nnodes {nodes} --nproc-per-node {cfg.world // nodes} --node-rank $NODE "

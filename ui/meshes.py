@@ -82,12 +82,12 @@ def axis_rows(mesh: Mesh, chip: Chip, breakdown: dict[str, float] | None = None,
         stride = mesh.stride(axis)
         row = {"axis": axis, "degree": n, "members apart": stride,
                "rank 0's group": _group_text(mesh.group_of(0, axis)),
-               "lands on": placement(chip, n, stride),
-               "links": group_topology(chip, n, stride, achievable=True).describe(),
-               "moves": AXIS_TRAFFIC[axis]}
+               "lands on": placement(chip, n, stride)}
         if breakdown is not None and step_s:
             exposed = sum(breakdown.get(k, 0.0) for k in AXIS_BREAKDOWN.get(axis, ()))
             row["exposed per step"] = f"{exposed:.3g} s ({exposed / step_s:.1%})"
+        row["moves"] = AXIS_TRAFFIC[axis]
+        row["links"] = group_topology(chip, n, stride, achievable=True).describe()
         rows.append(row)
     return rows
 
@@ -123,7 +123,8 @@ def mesh_figure(mesh: Mesh, chip: Chip, axis: str, max_ranks: int = 64) -> go.Fi
     n, stride = mesh.degree(axis), mesh.stride(axis)
     which = f"the first {shown} of {mesh.world:,} ranks" if shown < mesh.world else "all ranks"
     fig.update_layout(
-        title=f"{axis} groups: {len(groups):,} groups of {n} ranks, {stride} apart ({which})",
+        title=f"{axis} groups: {len(groups):,} group{'s' if len(groups) > 1 else ''} of {n} ranks, {stride} "
+              f"apart ({which})",
         height=90 + 42 * rows, margin={"l": 80, "r": 10, "t": 50, "b": 10},
         xaxis={"visible": False, "range": [-0.7, per_row - 0.3]},
         yaxis={"autorange": "reversed", "tickmode": "array", "tickvals": list(range(rows)), "ticktext": labels,

@@ -8,13 +8,13 @@ import time
 
 import pytest
 
+from app_pages.engine_errors import engine_error_message
 from engine.config import RunConfig
 from engine.launch import Pool, RunStopped
 from engine.run import run
 from server.queue import DONE, FAILED, STOPPED, RunQueue
 from server.settings import Settings
 from tests.engine.test_pool import _all_gone
-from ui.engine_errors import engine_error_message
 
 pytestmark = pytest.mark.multiprocess
 TASKS = "tests.engine.pool_tasks"

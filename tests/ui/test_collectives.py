@@ -3,6 +3,7 @@
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from app_pages.engine_errors import engine_error_message
 from hardware.chips import CHIPS
 from hardware.collectives import Link, group_topology, ring
 from tests.ui.apptest_util import open_app
@@ -20,7 +21,6 @@ from ui.collectives import (
     ring_steps,
     sweep_figure,
 )
-from ui.engine_errors import engine_error_message
 
 RING_SIZES = range(2, 9)
 PAGE = "app_pages/collectives.py"
@@ -159,7 +159,7 @@ def test_worked_example_all_gather_of_bf16_1024_by_16384_on_8_h100():
 
 
 def _synthetic_sweep(alpha_s: float, beta_s_per_byte: float, world: int = 2) -> list[dict]:
-    from engine.sweep import ring_terms
+    from hardware.this_machine import ring_terms
 
     out = []
     for op in COLLECTIVES:

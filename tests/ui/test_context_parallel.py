@@ -15,7 +15,6 @@ from ui.context_parallel import (
     causal_split_figure,
     imbalance,
     kv_overlap_fraction,
-    live_config,
     live_kv_bytes_formula,
     merge_partials,
     overlap_row,
@@ -115,6 +114,13 @@ def test_a_short_shard_across_nodes_is_exposed():
 
 
 # ---- live-run bookkeeping ----------------------------------------------------------------------------
+
+def live_config(world, seq_len, variant):
+    from engine.cli import config_from_args, run_parser  # the page's own construction (app_pages/context_parallel.py)
+
+    return config_from_args(run_parser("x").parse_args(
+        ["--strategy", "cp", "--world", str(world), "--seq-len", str(seq_len), "--cp-variant", variant]))
+
 
 def test_live_formula_and_overlap_fraction():
     cfg = live_config(2, 32, "ring")

@@ -80,7 +80,9 @@ def test_results_json_carries_every_run():
                          micro_batches=1, device="cpu", loss=[5.5] * 3, step_time_s=0.01, step_times_s=[0.01] * 3,
                          memory_bytes=[], comm_bytes=[], stats={}, config={})
     run = LiveRun("run 1", RunConfig(), summary, Timeline([]))
-    out = json.loads(results_json([run]))
+    from engine.cli import command_line
+
+    out = json.loads(results_json([run], [command_line(run.cfg)]))
     assert out[0]["label"] == "run 1" and out[0]["command"].startswith("python -m engine run")
 
 
