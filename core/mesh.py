@@ -109,7 +109,17 @@ class Mesh:
         return groups
 
     def group_of(self, rank: int, axes: str | tuple[str, ...]) -> list[int]:
-        return next(g for g in self.group_ranks(axes) if rank in g)
+        """The group spanning `axes` that `rank` belongs to, in mesh order (computed from its coordinates:
+        cheap on a mesh of any size)."""
+        span = (axes,) if isinstance(axes, str) else tuple(axes)
+        inside = [n for n in self.names if n in span]
+        base = self.coords(rank)
+        return [self.rank_of({**base, **dict(zip(inside, c, strict=True))})
+                for c in itertools.product(*(range(self.degree(n)) for n in inside))]
+
+    def group_count(self, axes: str | tuple[str, ...]) -> int:
+        span = (axes,) if isinstance(axes, str) else tuple(axes)
+        return self.world // math.prod(self.degree(a) for a in set(span))
 
     def megatron_degrees(self) -> dict[str, int]:
         """The same layout in Megatron-LM's (and the planner's case files') notation, where ep is carved out

@@ -80,7 +80,8 @@ def axis_rows(mesh: Mesh, chip: Chip, breakdown: dict[str, float] | None = None,
         if n == 1:
             continue
         stride = mesh.stride(axis)
-        row = {"axis": axis, "degree": n, "members apart": stride,
+        # as text: a link may carry degrees whose product no table column's integer type holds
+        row = {"axis": axis, "degree": f"{n:,}", "members apart": f"{stride:,}",
                "rank 0's group": _group_text(mesh.group_of(0, axis)),
                "lands on": placement(chip, n, stride)}
         if breakdown is not None and step_s:
@@ -103,8 +104,12 @@ def mesh_figure(mesh: Mesh, chip: Chip, axis: str, max_ranks: int = 64) -> go.Fi
     by the group of `axis` it belongs to; rank 0's group is outlined."""
     per_row = chip.scaleup_domain if chip.kind == "gpu" and chip.scaleup_domain <= 16 else 16
     shown = min(mesh.world, max_ranks)
-    groups = mesh.group_ranks(axis)
-    group_of = {r: g for g, ranks in enumerate(groups) for r in ranks}
+    # A group is named by its first member (the rank with this axis's coordinate 0): computed per shown
+    # rank, so a mesh of any size draws at once.
+    first = [mesh.rank_of({**mesh.coords(r), axis: 0}) for r in range(shown)]
+    index = {f: i for i, f in enumerate(dict.fromkeys(first))}
+    group_of = {r: index[f] for r, f in enumerate(first)}
+    count = mesh.group_count(axis)
     mine = set(mesh.group_of(0, axis))
     fig = go.Figure()
     for g in sorted({group_of[r] for r in range(shown)}):
@@ -115,7 +120,7 @@ def mesh_figure(mesh: Mesh, chip: Chip, axis: str, max_ranks: int = 64) -> go.Fi
             marker={"symbol": "square", "size": 30, "color": PALETTE[g % len(PALETTE)],
                     "line": {"width": [3 if r in mine else 0 for r in ranks], "color": "black"}},
             name=f"{axis} group {g}", showlegend=False,
-            hovertemplate=f"rank %{{text}}<br>{axis} group {g} of {len(groups)}<extra></extra>"))
+            hovertemplate=f"rank %{{text}}<br>{axis} group {g} of {count:,}<extra></extra>"))
     rows = math.ceil(shown / per_row)
     unit = "node" if chip.kind == "gpu" else "chips"
     labels = [f"{unit} {i}" if chip.kind == "gpu" else f"{i * per_row}-{(i + 1) * per_row - 1}"
@@ -123,7 +128,7 @@ def mesh_figure(mesh: Mesh, chip: Chip, axis: str, max_ranks: int = 64) -> go.Fi
     n, stride = mesh.degree(axis), mesh.stride(axis)
     which = f"the first {shown} of {mesh.world:,} ranks" if shown < mesh.world else "all ranks"
     fig.update_layout(
-        title=f"{axis} groups: {len(groups):,} group{'s' if len(groups) > 1 else ''} of {n} ranks, {stride} "
+        title=f"{axis} groups: {count:,} group{'s' if count > 1 else ''} of {n} ranks, {stride} "
               f"apart ({which})",
         height=90 + 42 * rows, margin={"l": 80, "r": 10, "t": 50, "b": 10},
         xaxis={"visible": False, "range": [-0.7, per_row - 0.3]},

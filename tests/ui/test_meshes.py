@@ -17,7 +17,8 @@ def test_llama3_405b_axes_land_where_the_paper_says():
     mesh = Mesh(PRESETS["Llama 3 405B on 16,384 H100"].mesh)
     rows = {r["axis"]: r for r in axis_rows(mesh, CHIPS["h100"])}
     assert [r for r in rows] == ["tp", "dp", "pp"]  # innermost first
-    assert (rows["tp"]["members apart"], rows["dp"]["members apart"], rows["pp"]["members apart"]) == (1, 8, 1024)
+    assert (rows["tp"]["members apart"], rows["dp"]["members apart"], rows["pp"]["members apart"]) == \
+        ("1", "8", "1,024")
     assert rows["tp"]["lands on"] == "one NVLink domain"
     assert rows["dp"]["lands on"] == rows["pp"]["lands on"] == "the network between nodes"
     assert rows["tp"]["rank 0's group"] == "{0, 1, ..., 7}" and rows["pp"]["rank 0's group"] == "{0, 1024, ..., 15360}"
@@ -43,6 +44,13 @@ def test_scaled_down_keeps_the_kinds_of_groups():
     # four axes: the one of smallest degree goes (cp 2), ties the outermost
     assert scaled_down({"dp": 8, "tp": 4, "pp": 4, "cp": 2}) == {"pp": 2, "dp": 2, "tp": 2}
     assert scaled_down({"dp": 1}) == {"dp": 1}
+
+
+def test_a_mesh_of_any_size_draws_at_once():
+    mesh = Mesh({"dp": 65536, "tp": 65536, "pp": 65536})
+    fig = mesh_figure(mesh, CHIPS["h100"], "dp")
+    assert len(fig.data) == 64 and "4,294,967,296 groups" in fig.layout.title.text
+    assert len(axis_rows(mesh, CHIPS["h100"])) == 3
 
 
 def test_the_group_picture_colours_one_group_per_colour():
