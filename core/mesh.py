@@ -121,6 +121,19 @@ class Mesh:
         span = (axes,) if isinstance(axes, str) else tuple(axes)
         return self.world // math.prod(self.degree(a) for a in set(span))
 
+    @classmethod
+    def from_megatron(cls, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> Mesh:
+        """A layout in Megatron-LM's notation (the planner's case files: dp counts every data-parallel
+        rank of the dense layers, ep among them) as this mesh: dp / ep replicas of ep expert ranks."""
+        if dp % ep:
+            raise ValueError(f"ep={ep} must divide dp={dp}: expert-parallel ranks are data-parallel ranks")
+        return cls((("pp", pp), ("dp", dp // ep), ("cp", cp), ("ep", ep), ("tp", tp)))
+
+    def group_stride(self, axes: tuple[str, ...]) -> int:
+        """How far apart a multi-axis group's nearest members are: its innermost axis's stride."""
+        strides = [self.stride(a) for a in axes if self.degree(a) > 1]
+        return min(strides, default=1)
+
     def megatron_degrees(self) -> dict[str, int]:
         """The same layout in Megatron-LM's (and the planner's case files') notation, where ep is carved out
         of the data-parallel ranks: dp = our dp x fsdp x ep, and ep, tp, pp, cp as they are."""

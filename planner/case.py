@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 
+from core.mesh import Mesh
 from planner.models import ModelSpec, SpecError
 
 RECOMPUTE = ("none", "selective", "full")
@@ -91,8 +92,9 @@ class Case:
 
 @dataclass(frozen=True)
 class Layout:
-    """Every choice made: what the simulator runs. Mesh order, innermost first: tp, cp, dp, pp
-    (Megatron-LM's order); the ep group is carved out of the dp x cp ranks as in Megatron-Core."""
+    """Every choice made: what the simulator runs. The degrees are Megatron-LM's (dp counts every
+    data-parallel rank of the dense layers, the ep ranks among them); `mesh` is the same layout under the
+    one mesh convention (core/mesh.py), which gives every group's rank order and stride."""
 
     dp: int
     tp: int
@@ -114,6 +116,10 @@ class Layout:
     @property
     def num_chips(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def mesh(self) -> Mesh:
+        return Mesh.from_megatron(self.dp, self.tp, self.pp, self.cp, self.ep)
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -267,9 +273,9 @@ def check_fixed(case: Case) -> None:
             raise SpecError("parallel.ep", "ep > 1 needs an MoE model (model.experts > 0)")
         if not _divides(p.ep, m.experts):
             raise SpecError("parallel.ep", f"{p.ep} does not divide experts={m.experts}")
-        if p.dp and not _divides(p.ep, p.dp * (p.cp or 1)) and p.cp is not None:
-            raise SpecError("parallel.ep",
-                            f"{p.ep} must divide dp*cp={p.dp * p.cp} (EP is carved from DP x CP)")
+        if p.dp and not _divides(p.ep, p.dp):
+            raise SpecError("parallel.ep", f"{p.ep} must divide dp={p.dp}: expert-parallel ranks are "
+                                           "data-parallel ranks of the dense layers (core/mesh.py)")
     gb, mb = case.training.global_batch, case.training.micro_batch
     if p.dp and not _divides(p.dp, gb):
         raise SpecError("parallel.dp", f"{p.dp} does not divide training.global_batch={gb}")

@@ -209,7 +209,7 @@ def layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe: bool,
     schedule or ZeRO-0/1/2 share them, which keeps the search fast)."""
     z3 = lay.zero_stage == 3
     key = replace(lay, pp=1, pp_schedule="1f1b", virtual_stages=1, zero_stage=3 if z3 else 0,
-                  dp=lay.dp if z3 else 1, grad_reduce_overlap=True)
+                  dp=lay.dp if z3 else lay.ep, grad_reduce_overlap=True)  # the smallest dp with this ep
     return _layer_cost(m, key, chip, dtype, moe, chips_per_node)
 
 
@@ -349,7 +349,7 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe: bool,
     # -- TP ------------------------------------------------------------------------------------------------
     act_bytes = tokens * h * ACT_BYTES
     if t > 1:
-        topo = topology(chip, t, 1, chips_per_node)
+        topo = topology(chip, t, lay.mesh.stride("tp"), chips_per_node)
         # the GEMMs that read a region's input (entered once: q, k, v or gate and up share it) and those
         # whose partial sums leave it
         column = [attn_g[0].name, "fc1" if "fc1" in gemm_fwd else "experts fc1"]
@@ -381,7 +381,7 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe: bool,
 
     # -- CP ring -----------------------------------------------------------------------------------------------
     if cp > 1:
-        topo = topology(chip, cp, t, chips_per_node)
+        topo = topology(chip, cp, lay.mesh.stride("cp"), chips_per_node)
         kv_width = m.heads * hd if m.is_mla else m.kv_heads * hd
         kv_bytes = 2 * tokens * kv_width / min(t, m.kv_heads if not m.is_mla else t) * ACT_BYTES
         step = comm_s(topo, "p2p", kv_bytes)
@@ -392,7 +392,7 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe: bool,
 
     # -- EP ------------------------------------------------------------------------------------------------------
     if moe and lay.ep > 1:
-        topo = topology(chip, lay.ep, t, chips_per_node)
+        topo = topology(chip, lay.ep, lay.mesh.stride("ep"), chips_per_node)
         rows_bytes = tokens * m.top_k * h * ACT_BYTES / t
         a2a = 2 * comm_s(topo, "all_to_all", rows_bytes)
         fwd_comms.append(CommOp("ep", "ep dispatch + combine", "all_to_all", rows_bytes, a2a,
@@ -402,14 +402,15 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe: bool,
 
     # -- ZeRO-3 / FSDP ---------------------------------------------------------------------------------------
     if lay.zero_stage == 3 and lay.dp * cp > 1:
-        topo = topology(chip, lay.dp * cp, t, chips_per_node)
+        data = lay.mesh.group_stride(("dp", "cp", "ep"))  # every data-parallel rank of the dense layers
+        topo = topology(chip, lay.dp * cp, data, chips_per_node)
         w_bytes = 2 * ((lp.attention + lp.mlp) / t + lp.norms + lp.router)
         w_bytes += 2 * lp.experts / (t * lay.ep)  # local experts, gathered over their own replicas
         ag = comm_s(topo, "all_gather", w_bytes)
         rs = comm_s(topo, "reduce_scatter", 2 * w_bytes)  # fp32 gradient reduction
         # the ring of CP, when it runs on the same links, competes for the window
-        shared = lay.cp > 1 and crosses_network(cp, t, chip, chips_per_node) == \
-            crosses_network(lay.dp * cp, t, chip, chips_per_node)
+        shared = lay.cp > 1 and crosses_network(cp, lay.mesh.stride("cp"), chip, chips_per_node) == \
+            crosses_network(lay.dp * cp, data, chip, chips_per_node)
         fwd_window = fwd_s - (sum(c.time_s for c in fwd_comms if c.group == "cp") if shared else 0.0)
         bwd_window = bwd_s - (sum(c.time_s for c in bwd_comms if c.group == "cp") if shared else 0.0)
         overlap = lay.param_gather_overlap

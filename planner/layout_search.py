@@ -1,6 +1,6 @@
 """Auto-parallel search: every layout of the case's free fields, pruned, ranked by simulated step time.
 
-The space: every factorisation num_chips = dp * tp * pp * cp, every ep dividing dp * cp and the
+The space: every factorisation num_chips = dp * tp * pp * cp, every ep dividing dp (core/mesh.py) and the
 expert count, every micro-batch size dividing the per-replica batch, every pipeline schedule and
 number of virtual stages, ZeRO stage 0-3, recomputation none / selective / full, sequence parallel
 on or off. Fields the case fixes are held; null fields are searched.
@@ -107,9 +107,9 @@ def candidate_layouts(case: Case, chip: Chip) -> Iterator[Layout]:
     m, t, p = case.model, case.training, case.parallel
     how = recipe(t, chip)
     for dp, tp, pp, cp in _mesh_shapes(case, chip):
-        eps = [p.ep] if p.ep else ([e for e in divisors(dp * cp) if m.experts % e == 0] if m.is_moe else [1])
+        eps = [p.ep] if p.ep else ([e for e in divisors(dp) if m.experts % e == 0] if m.is_moe else [1])
         for ep in eps:
-            if (dp * cp) % ep or (m.is_moe and m.experts % ep) or (not m.is_moe and ep > 1):
+            if dp % ep or (m.is_moe and m.experts % ep) or (not m.is_moe and ep > 1):
                 continue
             per_replica = t.global_batch // dp
             for b in [t.micro_batch] if t.micro_batch else divisors(per_replica):

@@ -171,9 +171,11 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
     pass_p2p_s = pipeline_p2p_s(m, lay, chip, node)
     grad_bytes = GRAD_COMM_BYTES[tr.dtype]
     dp_group = lay.dp * lay.cp
-    dense_topo = costs.topology(chip, dp_group, lay.tp, node) if dp_group > 1 else None
-    expert_group = dp_group // lay.ep
-    expert_topo = costs.topology(chip, expert_group, lay.tp * lay.ep, node) if expert_group > 1 else None
+    mesh = lay.mesh  # strides from the one mesh convention (core/mesh.py)
+    dense_topo = costs.topology(chip, dp_group, mesh.group_stride(("dp", "cp", "ep")), node) if dp_group > 1 else None
+    expert_group = dp_group // lay.ep  # an expert's gradient skips ep
+    expert_topo = (costs.topology(chip, expert_group, mesh.group_stride(("dp", "cp")), node)
+                   if expert_group > 1 else None)
 
     ranges = stage_layer_ranges(m.layers, lay.pp, lay.virtual_stages)
     chunk_cache: dict = {}
@@ -248,7 +250,7 @@ def pipeline_p2p_s(m: ModelSpec, lay: Layout, chip: Chip, node: int) -> float:
     if lay.pp == 1:
         return 0.0
     act_bytes = lay.micro_batch * m.seq_len / lay.cp * m.hidden * costs.ACT_BYTES
-    topo = costs.topology(chip, lay.pp, lay.tp * lay.cp * lay.dp, node)
+    topo = costs.topology(chip, lay.pp, lay.mesh.stride("pp"), node)
     seconds = costs.comm_s(topo, "p2p", act_bytes / lay.tp)
     if lay.tp > 1 and not lay.sequence_parallel:
         seconds += costs.comm_s(costs.topology(chip, lay.tp, 1, node), "all_gather", act_bytes)

@@ -36,7 +36,7 @@ def _brute_force_best(case) -> float:
         dp = n // (tp * cp * pp)
         if m.seq_len % cp or pp > m.layers or t.global_batch % dp:
             continue
-        eps = [e for e in divisors(dp * cp) if m.experts % e == 0] if m.is_moe else [1]
+        eps = [e for e in divisors(dp) if m.experts % e == 0] if m.is_moe else [1]
         for ep, b in itertools.product(eps, divisors(t.global_batch // dp)):
             mb = t.global_batch // (dp * b)
             scheds = [("1f1b", 1)]
