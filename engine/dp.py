@@ -8,8 +8,10 @@ The grad axes are the mesh's data axes (dp, fsdp, cp, ep; an expert's weights sk
 one all-reduce over one group does it whatever the mesh: dp=4 reduces over dp, dp=2,cp=2 over dp+cp.
 `naive` all-reduces each parameter after backward; `bucketed` (DDP's gradient buckets) groups parameters
 in reverse order into buckets of about `bucket_bytes`, each all-reduced asynchronously as soon as its last
-gradient has been accumulated, so the communication overlaps the rest of backward. With micro-batches,
-only the last one's backward communicates (DDP's no_sync).
+gradient has been accumulated, so the communication overlaps the rest of backward. A bucket is one flat
+buffer and its parameters' gradients are views of it (DDP's gradient_as_bucket_view): autograd accumulates
+into the buffer in place, so nothing is copied in or out. With micro-batches, only the last one's backward
+communicates (DDP's no_sync).
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ import torch
 from core.mesh import group_key
 from engine.optim import adamw_
 from engine.strategy import Strategy
+
+# torch DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES, 1 MiB): the gradients that are
+# ready first leave at once instead of waiting for a full bucket.
+FIRST_BUCKET_BYTES = 1024 * 1024
 
 
 class DataParallel(Strategy):
@@ -31,13 +37,17 @@ class DataParallel(Strategy):
         self.group = {n: group_key(axes) if (axes := self.grad_axes(n)) else None for n in self.params}
         self.bucketed = self.cfg.parallel.dp_comm == "bucketed"
         self.buckets: list[tuple[str, list[torch.nn.Parameter]]] = []
-        self.pending: list[tuple[list[torch.nn.Parameter], object]] = []
+        self.flats: list[torch.Tensor] = []  # bucket k's gradients, one buffer
+        self.pending: list[tuple[torch.Tensor, object]] = []
         if self.bucketed:
             self._make_buckets(self.cfg.parallel.bucket_bytes)
 
     def _make_buckets(self, bucket_bytes: int) -> None:
-        """Reverse parameter order (backward's), one bucket list per reduction group."""
+        """Reverse parameter order (backward's), one bucket list per reduction group; the first bucket of
+        each group holds at most FIRST_BUCKET_BYTES, so that communication starts early in backward (as
+        DDP's first bucket does)."""
         open_buckets: dict[str, tuple[list, list[int]]] = {}
+        started: set[str] = set()
         for name, p in reversed(list(self.params.items())):
             group = self.group[name]
             if group is None:
@@ -45,10 +55,13 @@ class DataParallel(Strategy):
             bucket, size = open_buckets.setdefault(group, ([], [0]))
             bucket.append(p)
             size[0] += p.numel() * p.element_size()
-            if size[0] >= bucket_bytes:
+            if size[0] >= (bucket_bytes if group in started else min(bucket_bytes, FIRST_BUCKET_BYTES)):
                 self.buckets.append((group, bucket))
+                started.add(group)
                 del open_buckets[group]
         self.buckets += [(group, bucket) for group, (bucket, _) in open_buckets.items()]
+        self.flats = [torch.zeros(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
+                      for _, bucket in self.buckets]
         self._ready = [0] * len(self.buckets)
         for k, (_, bucket) in enumerate(self.buckets):
             for p in bucket:
@@ -60,13 +73,18 @@ class DataParallel(Strategy):
         self._ready[k] += 1
         group, bucket = self.buckets[k]
         if self._ready[k] == len(bucket):
-            flat = torch.cat([p.grad.reshape(-1) for p in bucket])
-            handle = self.comm.all_reduce(flat, group, async_op=True, name=f"all_reduce bucket {k}")
-            self.pending.append((bucket, handle))
+            handle = self.comm.all_reduce(self.flats[k], group, async_op=True, name=f"all_reduce bucket {k}")
+            self.pending.append((self.flats[k], handle))
 
     def zero_grad(self) -> None:
         for p in self.params.values():
             p.grad = None
+        for (_, bucket), flat in zip(self.buckets, self.flats, strict=True):
+            flat.zero_()  # 0 + g is g exactly: the first micro-batch's gradient lands unchanged
+            offset = 0
+            for p in bucket:
+                p.grad = flat[offset: offset + p.numel()].view_as(p)
+                offset += p.numel()
         self._ready = [0] * len(self.buckets)
 
     def finish_grads(self) -> None:
@@ -74,17 +92,12 @@ class DataParallel(Strategy):
         DDP does (one pass over its memory; elementwise the same division as per parameter)."""
         done = set()
         if self.bucketed:
-            for bucket, handle in self.pending:
-                flat = handle.wait()
+            for flat, handle in self.pending:
+                handle.wait()
                 if self.replicas > 1:
                     flat.div_(self.replicas)
-                offset = 0
-                for p in bucket:
-                    n = p.numel()
-                    p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-                    offset += n
-                    done.add(id(p))
             self.pending = []
+            done = {id(p) for _, bucket in self.buckets for p in bucket}
         else:
             for name, p in reversed(list(self.params.items())):
                 if self.group[name] is not None:
