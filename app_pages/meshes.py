@@ -11,7 +11,7 @@ from planner.case import Cluster, Parallel, SpecError
 from planner.models import MODEL_PRESETS
 from planner.presets import make_case
 from ui.exercises import axes_leaving_the_domain
-from ui.meshes import PRESETS, axis_rows, mesh_figure, scaled_down
+from ui.meshes import PRESETS, axis_rows, mesh_figure, scaled_down, search_rows, sidebar_mesh
 
 choices = st.session_state["choices"]
 
@@ -98,6 +98,40 @@ else:
                    "layout of this many chips.")
 
 show_exercises([axes_leaving_the_domain(mesh, chip)] if rows else [])
+
+st.markdown("### Let the planner choose")
+st.markdown(
+    f"The planner's search ranks every way to factor {mesh.world:,} chips into pp x dp x cp x ep x tp (with each "
+    "ZeRO stage, micro-batch size, recomputation and schedule) that fits in memory, by simulated step time. "
+    "**Apply** loads a layout's mesh into the sidebar, so every page shows it.")
+if st.button("Search the layouts of this many chips", key="mesh_search"):
+    from planner.api import search
+
+    n = mesh.world
+    with st.spinner("Searching ..."):
+        try:  # the same model, chips and batch, every layout field left for the planner to choose
+            free = make_case(spec, Cluster(chip.key, n), global_batch=max(n, round(2**22 / spec.seq_len / n) * n))
+            st.session_state["mesh_search_report"] = search(free, top=5)
+        except SpecError as e:
+            st.session_state.pop("mesh_search_report", None)
+            st.warning(f"The planner cannot search this setup: {e}.")
+report = st.session_state.get("mesh_search_report")
+if report is not None and (report.case.cluster.num_chips, report.case.model.name) == (mesh.world, spec.name):
+    st.dataframe(search_rows(report), hide_index=True, width="stretch")
+    st.caption(f"{report.considered:,} layouts considered, {report.evaluated:,} simulated in "
+               f"{report.elapsed_s:.2f} s. The fastest, in words:")
+    if report.ranked:
+        st.markdown("\n".join(f"- {line}" for line in report.ranked[0].explanation))
+
+        def _apply_layout(degrees=sidebar_mesh(report.ranked[0].result.layout), m=model_name, c=chip_key) -> None:
+            st.session_state["model"], st.session_state["chip"] = m, c
+            for axis, degree in degrees.items():
+                st.session_state[axis] = degree
+            st.session_state["mesh_preset"] = options[0]
+
+        st.button("Apply the fastest to the sidebar", on_click=_apply_layout, key="mesh_apply_best")
+    else:
+        st.warning("No layout fits in memory: use more chips, a chip with more HBM, or a smaller model.")
 
 st.header("Run it for real")
 small = scaled_down(mesh_axes)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import plotly.graph_objects as go
 
-from core.mesh import AXES, Mesh
+from core.mesh import AXES, Mesh, label
 from hardware.chips import Chip
 from hardware.collectives import group_topology
 from ui.charts import PALETTE
@@ -145,3 +145,22 @@ def scaled_down(mesh: dict[str, int], max_world: int = 8) -> dict[str, int]:
     while 2 ** len(kept) > max_world:
         kept.remove(min(kept, key=lambda a: (mesh[a], AXES.index(a))))
     return {a: 2 for a in kept} or {"dp": 1}
+
+
+def sidebar_mesh(layout) -> dict[str, int]:
+    """A planner layout (Megatron-LM's degrees, planner.case.Layout) as the sidebar's axes (core/mesh.py)."""
+    mesh = layout.mesh
+    return {a: mesh.degree(a) for a in ("dp", "tp", "pp", "cp", "ep")}
+
+
+def search_rows(report) -> list[dict]:
+    """One row per ranked layout of a planner search (planner.api.SearchReport), in the sidebar's axes."""
+    rows = []
+    for i, r in enumerate(report.ranked, start=1):
+        lay, mesh = r.result.layout, sidebar_mesh(r.result.layout)
+        rows.append({"rank": i, "mesh": label(mesh),
+                     "ZeRO": lay.zero_stage, "step s": round(r.result.step_time_s, 3),
+                     "MFU %": round(100 * r.result.mfu, 1), "GB/chip": round(r.result.memory.total_bytes / 1e9, 1),
+                     "schedule": f"{lay.pp_schedule} v={lay.virtual_stages}" if lay.pp > 1 else ""})
+    return rows
+

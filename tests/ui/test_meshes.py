@@ -7,7 +7,7 @@ from core.mesh import Mesh
 from hardware.chips import CHIPS
 from tests.ui.apptest_util import open_app
 from ui.exercises import axes_leaving_the_domain
-from ui.meshes import PRESETS, axis_rows, mesh_figure, placement, scaled_down
+from ui.meshes import PRESETS, axis_rows, mesh_figure, placement, scaled_down, sidebar_mesh
 
 PAGE = "app_pages/meshes.py"
 
@@ -78,6 +78,24 @@ def test_apply_loads_the_preset_into_the_sidebar():
     assert at.session_state["model"] == "DeepSeek-V3" and at.session_state["chip"] == "h800"
     assert (at.session_state["ep"], at.session_state["pp"], at.session_state["dp"]) == (64, 16, 2)
     assert at.selectbox(key="mesh_preset").value == "the sidebar's setup"
+
+
+def test_search_ranks_layouts_and_apply_loads_the_fastest():
+    at = open_app(PAGE, model="Llama 3 8B", chip="h100", dp="8")
+    at.button(key="mesh_search").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    table = next(d.value for d in at.dataframe if "rank" in d.value.columns)
+    assert list(table["rank"]) == [1, 2, 3, 4, 5] and list(table["step s"]) == sorted(table["step s"])
+    best = at.session_state["mesh_search_report"].ranked[0].result.layout
+    at.button(key="mesh_apply_best").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert {a: at.session_state[a] for a in ("dp", "tp", "pp", "cp", "ep")} == sidebar_mesh(best)
+
+
+def test_sidebar_mesh_carves_ep_out_of_dp():
+    from planner.case import Layout
+
+    assert sidebar_mesh(Layout(dp=128, tp=1, pp=16, ep=64)) == {"dp": 2, "tp": 1, "pp": 16, "cp": 1, "ep": 64}
 
 
 @pytest.mark.multiprocess
