@@ -108,7 +108,10 @@ class Pool:
         self.shutdown()
         self.logdir = tempfile.mkdtemp(prefix="shardlab-pool-")
         key = secrets.token_bytes(16)
-        listener = Listener(("127.0.0.1", 0), authkey=key)
+        # A backlog for every rank: with multiprocessing's default of 1, ranks that connect together beyond
+        # the first have their SYNs dropped and retried after 1, 2, 4 ... s (Linux), which at 8 ranks on a
+        # loaded machine ran past the start timeout ("workers did not connect within 120 s", seen twice).
+        listener = Listener(("127.0.0.1", 0), backlog=max(8, self.world), authkey=key)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO_ROOT, env.get("PYTHONPATH")]))
         env.update({
