@@ -12,6 +12,7 @@ from planner.flops import total_params
 from planner.memory import zero_bytes_per_param
 from planner.models import MODEL_PRESETS
 from ui.bound_meter import bound_figure, verdict_text
+from ui.charts import MEMORY_COLORS
 from ui.dp_lesson import LIVE_STRATEGIES, comm_formula_text, expected_comm_bytes_per_step, expected_memory
 from ui.exercises import fsdp_batch, smallest_fitting_zero_stage
 
@@ -61,8 +62,9 @@ psi = total_params(spec)
 stages = ["DP", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
 per_stage = [zero_bytes_per_param(stage, dp) for stage in range(4)]
 fig = go.Figure()
-for i, part in enumerate(("weights", "gradients", "optimizer state")):
-    fig.add_trace(go.Bar(x=stages, y=[p[i] * psi / 1e9 for p in per_stage], name=part))
+for i, (part, kind) in enumerate((("weights", "params"), ("gradients", "grads"), ("optimizer state", "optimizer"))):
+    fig.add_trace(go.Bar(x=stages, y=[p[i] * psi / 1e9 for p in per_stage], name=part,
+                         marker_color=MEMORY_COLORS[kind]))
 fig.add_hline(y=chip.hbm_bytes / 1e9, line_dash="dash", annotation_text=f"{chip.name} HBM")
 fig.update_layout(barmode="stack", yaxis_title="GB per chip (no activations)", height=380,
                   title=f"{spec.name} ({psi / 1e9:.1f}B parameters) over dp={dp} chips",
@@ -155,7 +157,7 @@ for live in show_live("live_dp"):
     want = expected_memory(psi_small, stage, cfg.world)
     mem_fig = go.Figure()
     for part in ("params", "grads", "optimizer"):
-        mem_fig.add_trace(go.Bar(name=f"{part} (measured)",
+        mem_fig.add_trace(go.Bar(name=f"{part} (measured)", marker_color=MEMORY_COLORS[part],
                                  x=[f"rank {r}" for r in range(cfg.world)],
                                  y=[m[part] / 1e3 for m in summary.memory_bytes]))
     mem_fig.add_trace(go.Scatter(name="ZeRO formula (params + grads + optimizer)", mode="markers",

@@ -9,6 +9,7 @@ from planner import estimate, make_case, search
 from planner.case import Cluster, Parallel
 from planner.flops import total_params
 from planner.models import MODEL_PRESETS, SpecError
+from ui.charts import MEMORY_COLORS
 from ui.exercises import training_state_chips
 from ui.timeline import timeline_figure
 
@@ -95,7 +96,8 @@ st.markdown("\n".join(f"- {line}" for line in est.explanation))
 left, right = st.columns(2)
 with left:
     parts = [k for k in ("params", "grads", "optimizer", "activations", "temporary") if mem.get(k)]
-    fig = go.Figure([go.Bar(x=[mem[k] / 1e9], y=["per chip"], name=k, orientation="h") for k in parts])
+    fig = go.Figure([go.Bar(x=[mem[k] / 1e9], y=["per chip"], name=k, orientation="h", marker_color=MEMORY_COLORS[k])
+                     for k in parts])
     fig.add_vline(x=chip.hbm_bytes / 1e9, line_dash="dash", annotation_text="HBM")
     fig.update_layout(barmode="stack", height=260, xaxis_title="GB", title="Memory per chip",
                       margin={"l": 10, "r": 10, "t": 50, "b": 10}, legend={"orientation": "h", "y": -0.4})

@@ -11,6 +11,9 @@ from hardware.roofline import roofline_curve
 
 PALETTE = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#FF9DA6", "#9D755D",
            "#BAB0AC", "#EECA3B", "#1F77B4", "#2CA02C"]
+# One colour per kind of memory, on every memory chart (the lessons' and the planner's).
+MEMORY_COLORS = {"params": "#54A24B", "grads": "#EECA3B", "optimizer": "#9D755D", "activations": "#BAB0AC",
+                 "temporary": "#1F77B4", "gathered_params_peak": "#2CA02C"}
 
 
 @dataclass(frozen=True)
