@@ -43,10 +43,17 @@ from planner.models import SpecError
 from planner.simulate import StepResult, pipeline_p2p_s, simulate, usable_hbm_bytes
 
 ZERO_ORDER = (0, 1, 2, 3)
+# The largest micro-batch (sequences per chip) the search tries when the case leaves it free. Published
+# runs use 1 to 16 (planner/data); with a giant global batch (1e15 sequences, found by the fuzz test) the
+# divisors of the per-replica batch alone took the search a minute.
+MAX_MICRO_BATCH = 64
 RECOMPUTE_ORDER = ("none", "selective", "full")
 
 
-def divisors(n: int) -> list[int]:
+def divisors(n: int, up_to: int | None = None) -> list[int]:
+    """The divisors of n (those <= `up_to` only, found without walking to sqrt(n): n may be huge)."""
+    if up_to is not None:
+        return [d for d in range(1, min(n, up_to) + 1) if n % d == 0]
     small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
     return sorted(set(small + [n // d for d in small]))
 
@@ -112,7 +119,7 @@ def candidate_layouts(case: Case, chip: Chip) -> Iterator[Layout]:
             if dp % ep or (m.is_moe and m.experts % ep) or (not m.is_moe and ep > 1):
                 continue
             per_replica = t.global_batch // dp
-            for b in [t.micro_batch] if t.micro_batch else divisors(per_replica):
+            for b in [t.micro_batch] if t.micro_batch else divisors(per_replica, up_to=MAX_MICRO_BATCH):
                 if per_replica % b:
                     continue
                 for sched, v in _schedules(case, pp, per_replica // b):
