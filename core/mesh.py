@@ -173,9 +173,9 @@ class Mesh:
         """The multi-axis groups a run needs (single axes always exist), in a fixed order: every set of
         grad axes (at ZeRO stages 1-3 also without the shard axis, for the shards' replicas), and all
         data axes with `extra` (where expert loads are counted)."""
-        sets = [self.grad_axes(False), self.grad_axes(False, extra)]
+        sets = [self.grad_axes(False)]
         if moe:
-            sets += [self.grad_axes(True), self.grad_axes(True, extra)]
+            sets += [self.grad_axes(True), self.grad_axes(False, extra)]
         if stage > 0:
             sets += [tuple(a for a in axes if a != self.shard_axis()) for axes in sets]
         out = []

@@ -200,7 +200,7 @@ class Comm:
         span = ({"name": name, "start_s": start, "bytes": int(sent_bytes), "group": group,
                  "is_async": async_op} if self.tracing else None)
         handle = Handle(work, finish, span, self)
-        return handle if async_op else _Done(handle.wait())
+        return handle if async_op else Done(handle.wait())
 
     # -- collectives ---------------------------------------------------------------------------------
 
@@ -320,7 +320,7 @@ class Comm:
         return out
 
 
-class _Done:
+class Done:
     """A completed synchronous operation, so callers can `.wait()` on any result alike."""
 
     def __init__(self, value):

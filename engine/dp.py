@@ -41,6 +41,8 @@ class DataParallel(Strategy):
         self.pending: list[tuple[torch.Tensor, object]] = []
         if self.bucketed:
             self._make_buckets(self.cfg.parallel.bucket_bytes)
+        in_buckets = {id(p) for _, bucket in self.buckets for p in bucket}
+        self.unbucketed = [p for p in self.params.values() if id(p) not in in_buckets]  # divided one by one
 
     def _make_buckets(self, bucket_bytes: int) -> None:
         """Reverse parameter order (backward's), one bucket list per reduction group; the first bucket of
@@ -90,22 +92,19 @@ class DataParallel(Strategy):
     def finish_grads(self) -> None:
         """Sum over each gradient's group, then divide by the replicas of the loss: a bucket at once, as
         DDP does (one pass over its memory; elementwise the same division as per parameter)."""
-        done = set()
         if self.bucketed:
             for flat, handle in self.pending:
                 handle.wait()
                 if self.replicas > 1:
                     flat.div_(self.replicas)
             self.pending = []
-            done = {id(p) for _, bucket in self.buckets for p in bucket}
         else:
             for name, p in reversed(list(self.params.items())):
                 if self.group[name] is not None:
                     self.comm.all_reduce(p.grad, self.group[name])
         if self.replicas > 1:
-            for p in self.params.values():
-                if id(p) not in done:
-                    p.grad.div_(self.replicas)
+            for p in self.unbucketed:
+                p.grad.div_(self.replicas)
 
     def step(self, step: int) -> None:
         with self.rec.compute("optimizer step"):

@@ -20,6 +20,7 @@ import torch
 from torch.func import functional_call
 
 from core.mesh import group_key
+from engine.comm import Done
 from engine.optim import adamw_
 from engine.strategy import Strategy
 
@@ -117,7 +118,7 @@ class ShardedStrategy(Strategy):
 
     def reduce_scatter(self, u: FlatUnit, name: str) -> None:
         if self.shard_n == 1:  # a shard axis of one rank: the shard is the whole buffer
-            self.pending.append((u, _Ready(u.full.grad.clone()), None))
+            self.pending.append((u, Done(u.full.grad.clone()), None))
             return
         out = torch.empty_like(u.shard)
         handle = self.comm.reduce_scatter(out, u.full.grad, self.shard_axis, async_op=True, name=name)
@@ -164,11 +165,3 @@ class ShardedStrategy(Strategy):
     @staticmethod
     def _size(tensors) -> int:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
-class _Ready:
-    def __init__(self, value):
-        self.value = value
-
-    def wait(self):
-        return self.value

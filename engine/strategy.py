@@ -57,10 +57,6 @@ class Plan:
         """Whether a parameter belongs to one expert of an MoE layer (its gradient is not summed over ep)."""
         return False
 
-    def extra_grad_axes(self, name: str) -> tuple[str, ...]:
-        """Axes beyond the data axes that a parameter's gradient is summed over."""
-        return ()
-
     def full_state(self, state: dict) -> dict:
         """This rank's (plan-local) named tensors -> the full model's; may communicate (untraced)."""
         return state
@@ -91,9 +87,7 @@ class Strategy(ABC):
         self._flops: list[float] = []
 
     def grad_axes(self, name: str) -> tuple[str, ...]:
-        expert = any(p.is_expert(name) for p in self.plans)
-        extra = tuple(a for p in self.plans for a in p.extra_grad_axes(name))
-        return self.mesh.grad_axes(expert, extra)
+        return self.mesh.grad_axes(expert=any(p.is_expert(name) for p in self.plans))
 
     def held_params(self, module) -> list[tuple[str, torch.nn.Parameter]]:
         """The parameters this rank computes with (expert parallel frees other ranks' experts)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, fields
+from functools import cached_property
 
 from core.mesh import Mesh
 from planner.models import ModelSpec, SpecError
@@ -117,8 +118,9 @@ class Layout:
     def num_chips(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
 
-    @property
+    @cached_property
     def mesh(self) -> Mesh:
+        """Computed once per layout (the search asks for strides in its inner loop)."""
         return Mesh.from_megatron(self.dp, self.tp, self.pp, self.cp, self.ep)
 
     def as_dict(self) -> dict:

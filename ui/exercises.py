@@ -237,12 +237,12 @@ def training_state_chips(m_params: float, name: str, chip: Chip) -> Exercise:
 
 def axes_leaving_the_domain(mesh, chip: Chip) -> Exercise:
     """Which axes of `mesh` (a core.mesh.Mesh) have groups that leave one scale-up domain."""
-    from ui.meshes import crosses_network
+    from planner.costs import crosses_network
 
     domain = chip.scaleup_domain
     where = "NVLink domain" if chip.kind == "gpu" else "slice"
     axes = [a for a in reversed(mesh.names) if mesh.degree(a) > 1]
-    leaving = [a for a in axes if crosses_network(chip, mesh.degree(a), mesh.stride(a))]
+    leaving = [a for a in axes if crosses_network(mesh.degree(a), mesh.stride(a), chip, domain)]
     worked = [f"A group of n ranks whose members are s ranks apart spans n x s consecutive ranks; it stays in one "
               f"{where} of {domain:,} chips when n x s <= {domain:,} (ranks fill a {where} first)."]
     worked += [f"{a}: n = {mesh.degree(a)}, s = {mesh.stride(a)}: n x s = {mesh.degree(a) * mesh.stride(a):,} "

@@ -66,10 +66,6 @@ def placement(chip: Chip, n: int, stride: int) -> str:
     return f"both: {inside}, then {across}"
 
 
-def crosses_network(chip: Chip, n: int, stride: int) -> bool:
-    return n > 1 and n * stride > chip.scaleup_domain
-
-
 def axis_rows(mesh: Mesh, chip: Chip, breakdown: dict[str, float] | None = None,
               step_s: float | None = None) -> list[dict]:
     """One row per axis of degree > 1, innermost first: its group, where it lands, what it moves, and (with

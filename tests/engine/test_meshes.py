@@ -7,11 +7,11 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from engine.config import ModelConfig, ParallelConfig, RunConfig, parse_mesh, strategy_for, validate
 from engine.launch import REPO_ROOT
 from engine.run import run
+from tests.engine.states import assert_equal_states, states
 
 pytestmark = pytest.mark.multiprocess
 
@@ -68,26 +68,14 @@ def test_eight_rank_meshes_match_the_reference(pools, case):
     assert summary.check["passed"], summary.check["failures"]
 
 
-def _states(pool, cfg):
-    results = pool.run("engine.train:run_rank", {"cfg": cfg, "traced": False, "return_states": True})
-    return results[0]["states"]
-
-
-def _assert_equal_states(a, b, label):
-    for step, (sa, sb) in enumerate(zip(a, b, strict=True)):
-        for quantity in ("grads", "params", "exp_avg", "exp_avg_sq"):
-            for name, t in sa[quantity].items():
-                assert torch.equal(t, sb[quantity][name]), f"{label}: step {step} {quantity} {name}"
-
-
 @pytest.mark.parametrize("mesh", ["dp=2,tp=2", "dp=2,fsdp=2", "dp=2,cp=2"])
 def test_zero_stages_stay_exactly_equal_on_composed_meshes(pools, mesh):
     # Stages 1, 2 and 3 reduce-scatter the same flat buffers over the same shard axis, then all-reduce the
     # shards over the same replica axes, in the same order: bit-identical fp32 results (atol = rtol = 0).
     pool = pools(4)
-    z1 = _states(pool, _cfg(mesh, zero_stage=1))
-    _assert_equal_states(z1, _states(pool, _cfg(mesh, zero_stage=2)), f"{mesh}: zero 2 vs zero 1")
-    _assert_equal_states(z1, _states(pool, _cfg(mesh, zero_stage=3)), f"{mesh}: zero 3 vs zero 1")
+    z1 = states(pool, _cfg(mesh, zero_stage=1))
+    assert_equal_states(z1, states(pool, _cfg(mesh, zero_stage=2)), f"{mesh}: zero 2 vs zero 1")
+    assert_equal_states(z1, states(pool, _cfg(mesh, zero_stage=3)), f"{mesh}: zero 3 vs zero 1")
 
 
 @pytest.mark.parametrize("zero_stage", [1, 3])
@@ -95,9 +83,9 @@ def test_zb_h1_on_flat_buffers_equals_1f1b_exactly(pools, zero_stage):
     # ZB-H1's BW adds each module's weight gradient into the flat buffer where a fused backward's autograd
     # puts it, micro-batch after micro-batch, and tells the sharder: the same bits as 1F1B (atol = rtol = 0).
     pool = pools(4)
-    one_f = _states(pool, _cfg("pp=2,dp=2", zero_stage=zero_stage, micro_batches=4))
-    zb = _states(pool, _cfg("pp=2,dp=2", zero_stage=zero_stage, micro_batches=4, schedule="zb-h1"))
-    _assert_equal_states(one_f, zb, f"zb-h1 vs 1f1b at zero stage {zero_stage}")
+    one_f = states(pool, _cfg("pp=2,dp=2", zero_stage=zero_stage, micro_batches=4))
+    zb = states(pool, _cfg("pp=2,dp=2", zero_stage=zero_stage, micro_batches=4, schedule="zb-h1"))
+    assert_equal_states(one_f, zb, f"zb-h1 vs 1f1b at zero stage {zero_stage}")
 
 
 def test_hsdp_shards_over_fsdp_and_all_reduces_over_dp(pools):

@@ -6,11 +6,11 @@ the ZeRO formulas, and the measured timeline."""
 import math
 
 import pytest
-import torch
 
 from engine.config import ModelConfig, ParallelConfig, RunConfig
 from engine.model import build_model
 from engine.run import assemble, run
+from tests.engine.states import assert_equal_states, states
 
 pytestmark = pytest.mark.multiprocess
 
@@ -41,26 +41,14 @@ def test_strategy_matches_reference(pools, world, case):
     assert summary.ok
 
 
-def _states(pool, cfg):
-    results = pool.run("engine.train:run_rank", {"cfg": cfg, "traced": False, "return_states": True})
-    return results[0]["states"]
-
-
-def _assert_equal_states(a, b, label):
-    for step, (sa, sb) in enumerate(zip(a, b, strict=True)):
-        for quantity in ("grads", "params", "exp_avg", "exp_avg_sq"):
-            for name, t in sa[quantity].items():
-                assert torch.equal(t, sb[quantity][name]), f"{label}: step {step} {quantity} {name}"
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_zero_stages_are_exactly_equal(pools, world):
     # Stages 1, 2 and 3 reduce-scatter the same flat per-unit buffers in the same order and update shards
     # with the same elementwise AdamW: fp32 results must be bit-identical (atol = rtol = 0).
     pool = pools(world)
-    z1 = _states(pool, _cfg(world, "zero 1"))
-    _assert_equal_states(z1, _states(pool, _cfg(world, "zero 2")), "zero 2 vs zero 1")
-    _assert_equal_states(z1, _states(pool, _cfg(world, "fsdp")), "zero 3 vs zero 1")
+    z1 = states(pool, _cfg(world, "zero 1"))
+    assert_equal_states(z1, states(pool, _cfg(world, "zero 2")), "zero 2 vs zero 1")
+    assert_equal_states(z1, states(pool, _cfg(world, "fsdp")), "zero 3 vs zero 1")
 
 
 def test_zero_equals_plain_dp_exactly_at_world_2(pools):
@@ -68,10 +56,10 @@ def test_zero_equals_plain_dp_exactly_at_world_2(pools):
     # per-parameter all-reduce (dp) and per-unit reduce-scatter (ZeRO) give identical bits. At world 4
     # gloo's ring adds the four terms in an order that depends on the buffer layout: not exact there.
     pool = pools(2)
-    dp = _states(pool, _cfg(2, "dp naive"))
-    _assert_equal_states(dp, _states(pool, _cfg(2, "dp bucketed")), "dp bucketed vs naive")
-    _assert_equal_states(dp, _states(pool, _cfg(2, "zero 2")), "zero 2 vs dp")
-    _assert_equal_states(dp, _states(pool, _cfg(2, "fsdp")), "zero 3 vs dp")
+    dp = states(pool, _cfg(2, "dp naive"))
+    assert_equal_states(dp, states(pool, _cfg(2, "dp bucketed")), "dp bucketed vs naive")
+    assert_equal_states(dp, states(pool, _cfg(2, "zero 2")), "zero 2 vs dp")
+    assert_equal_states(dp, states(pool, _cfg(2, "fsdp")), "zero 3 vs dp")
 
 
 def _padded_numel(world):
