@@ -3,7 +3,8 @@
     python -m engine run --strategy {dp,fsdp} [--zero-stage {0,1,2,3}] [--world N] [--steps N]
                          [--micro-batches N] [--device {cpu,cuda}] [--trace FILE.json] [--check] [--json]
                          [--predict]
-                         [--mesh dp=N] [--dp-comm {naive,bucketed}] [--mlp {dense,moe}] [--seed N] ...
+                         [--mesh dp=N] [--dp-comm {naive,bucketed}] [--mlp {dense,moe}] [--seed N]
+                         [--arch {transformer,mamba2,hybrid}] [--pattern MA..] [--ssm-cp {state,alltoall}] ...
 
 Exit codes: 0 fine, 1 check failed, 2 bad input (message on stderr), 3 a rank failed or timed out.
 With --json, stdout holds exactly one JSON object (also on exit 1 and 3); on success it carries
@@ -18,13 +19,24 @@ import sys
 from dataclasses import replace
 
 from core.schedules import SCHEDULE_NAMES
-from engine.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, parse_mesh, strategy_for, validate
+from engine.config import (
+    ARCHS,
+    SSM_CP_VARIANTS,
+    ConfigError,
+    ModelConfig,
+    ParallelConfig,
+    RunConfig,
+    parse_mesh,
+    strategy_for,
+    validate,
+)
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_RANK_FAILED = 0, 1, 2, 3
 
 
 def run_parser(prog: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Train a small Transformer on N local processes.")
+    p = argparse.ArgumentParser(prog=prog, description="Train a small Transformer, Mamba-2 or hybrid model "
+                                                       "on N local processes.")
     p.add_argument("--strategy", choices=["dp", "fsdp", "cp", "ep", "tp", "pp"], default=None,
                    help="default: what --mesh needs (cp or ep when it has them), else dp")
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
@@ -53,6 +65,17 @@ def run_parser(prog: str) -> argparse.ArgumentParser:
                         "sequence, the rest are dropped (default: no limit)")
     p.add_argument("--cp-variant", choices=["ring", "allgather"], default="ring",
                    help="cp: pass K/V around a ring (overlapped) or all-gather them at once")
+    p.add_argument("--arch", choices=list(ARCHS), default=ModelConfig.arch,
+                   help="layers: attention + MLP blocks, Mamba-2 blocks, or both (see --pattern)")
+    p.add_argument("--pattern", default="",
+                   help="hybrid: one letter per layer, A attention or M Mamba-2 (default: M and A alternating)")
+    p.add_argument("--ssm-cp", choices=list(SSM_CP_VARIANTS), default=ParallelConfig.ssm_cp,
+                   help="cp of a Mamba-2 layer: pass the scan's states rank to rank, or all-to-all to heads")
+    p.add_argument("--ssm-state", type=int, default=ModelConfig.ssm_state, help="Mamba-2 state size N per head")
+    p.add_argument("--ssm-head-dim", type=int, default=ModelConfig.ssm_head_dim, help="Mamba-2 head width P")
+    p.add_argument("--ssm-groups", type=int, default=ModelConfig.ssm_groups,
+                   help="Mamba-2 groups of heads sharing B and C")
+    p.add_argument("--ssm-chunk", type=int, default=ModelConfig.ssm_chunk, help="Mamba-2 SSD chunk length")
     p.add_argument("--seq-len", type=int, default=ModelConfig.seq_len, help="tokens per sequence")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="tp: norms and residuals split along the sequence (all-gather / reduce-scatter)")
@@ -82,6 +105,7 @@ def config_from_args(args, world: int | None = None) -> RunConfig:
     parallel = ParallelConfig(strategy=strategy, zero_stage=args.zero_stage, dp_comm=args.dp_comm,
                               mesh=mesh, prefetch=not args.no_prefetch,
                               cp_variant=args.cp_variant, sequence_parallel=args.sequence_parallel,
+                              ssm_cp=args.ssm_cp,
                               schedule=args.schedule, virtual_stages=args.virtual_stages)
     layers = args.layers
     if layers is None:
@@ -92,7 +116,9 @@ def config_from_args(args, world: int | None = None) -> RunConfig:
     model = replace(ModelConfig(), mlp=mlp, layers=layers, experts=args.experts, top_k=args.top_k,
                     capacity_factor=args.capacity_factor, seq_len=args.seq_len, heads=args.heads,
                     hidden=args.hidden, vocab=args.vocab,
-                    kv_heads=args.kv_heads, ffn=args.ffn)
+                    kv_heads=args.kv_heads, ffn=args.ffn, arch=args.arch, pattern=args.pattern,
+                    ssm_state=args.ssm_state, ssm_head_dim=args.ssm_head_dim, ssm_groups=args.ssm_groups,
+                    ssm_chunk=args.ssm_chunk)
     return validate(RunConfig(model=model, parallel=parallel, world=world, steps=args.steps,
                               micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
                               seed=args.seed, device=args.device, timeout_s=args.timeout_s))
@@ -107,6 +133,9 @@ def argv_for(cfg: RunConfig) -> list[str]:
     pairs = [
         ("--zero-stage", p.zero_stage, None), ("--mesh", ",".join(f"{a}={n}" for a, n in p.mesh) or None, None),
         ("--dp-comm", p.dp_comm, "bucketed"), ("--cp-variant", p.cp_variant, "ring"),
+        ("--arch", m.arch, d.arch), ("--pattern", m.pattern, ""), ("--ssm-cp", p.ssm_cp, ParallelConfig.ssm_cp),
+        ("--ssm-state", m.ssm_state, d.ssm_state), ("--ssm-head-dim", m.ssm_head_dim, d.ssm_head_dim),
+        ("--ssm-groups", m.ssm_groups, d.ssm_groups), ("--ssm-chunk", m.ssm_chunk, d.ssm_chunk),
         ("--schedule", p.schedule, ParallelConfig.schedule), ("--virtual-stages", p.virtual_stages, 1),
         ("--micro-batches", cfg.micro_batches, 1), ("--micro-batch-size", cfg.micro_batch_size, 2),
         ("--mlp", m.mlp, "moe" if p.strategy == "ep" else "dense"), ("--experts", m.experts, d.experts),

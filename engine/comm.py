@@ -328,3 +328,27 @@ class Done:
 
     def wait(self):
         return self.value
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows to ranks by `in_splits`, rows from ranks by `out_splits`; backward sends the gradients back."""
+
+    @staticmethod
+    def forward(ctx, x, comm, out_splits, in_splits, group, name):
+        ctx.comm, ctx.splits, ctx.group, ctx.name = comm, (out_splits, in_splits), group, name
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        comm.all_to_all(out, x.contiguous(), out_splits, in_splits, group=group, name=name)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        ctx.comm.all_to_all(back, grad.contiguous(), in_splits, out_splits, group=ctx.group,
+                            name=f"{ctx.name} bwd")
+        return back, None, None, None, None, None
+
+
+def all_to_all_rows(x, comm: Comm, out_splits: list[int], in_splits: list[int], group: str, name: str):
+    """The differentiable all-to-all of x's rows (expert dispatch, Mamba's sequence-to-heads switch)."""
+    return _AllToAll.apply(x, comm, out_splits, in_splits, group, name)

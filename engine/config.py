@@ -17,6 +17,11 @@ STRATEGIES = ("dp", "fsdp", "cp", "ep", "pp", "tp")
 # a --mesh the strategy is only the run's label and fsdp's default ZeRO stage.
 DEFAULT_AXIS = {"cp": "cp", "ep": "ep", "pp": "pp", "tp": "tp"}
 CP_VARIANTS = ("ring", "allgather")
+# How a Mamba-2 layer's scan crosses the cp ranks (engine/ssm_cp.py): final states passed rank to rank in
+# sequence order, or an all-to-all from sequence shards to head shards and back.
+SSM_CP_VARIANTS = ("state", "alltoall")
+ARCHS = ("transformer", "mamba2", "hybrid")
+ATTENTION, MAMBA = "A", "M"  # a layer's kind in ModelConfig.pattern
 DP_COMM_MODES = ("naive", "bucketed")
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32",)
@@ -29,7 +34,8 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A small Llama-style decoder (RMSNorm, rotary attention with grouped KV heads, SwiGLU MLP)."""
+    """A small Llama-style decoder (RMSNorm, rotary attention with grouped KV heads, SwiGLU MLP), a Mamba-2
+    stack (Dao & Gu 2024, one mixer per layer and no MLP, as the paper's models) or a hybrid of the two."""
 
     layers: int = 2
     hidden: int = 64
@@ -45,10 +51,50 @@ class ModelConfig:
     # 2020, section 3.2); None: no limit, no token dropped.
     capacity_factor: float | None = None
     rope_theta: float = 10000.0
+    arch: str = "transformer"  # "transformer", "mamba2" or "hybrid" (layers of both kinds, `pattern`)
+    # hybrid only: one letter per layer, "A" attention + MLP block, "M" Mamba-2 block; "" alternates M, A
+    pattern: str = ""
+    # Mamba-2 block (engine/mamba.py; Dao & Gu 2024 sec. 7): inner width expand * hidden, split into heads
+    # of ssm_head_dim channels; B and C shared by groups of heads (ngroups); state size N per head;
+    # causal depthwise conv of width conv_width; the SSD algorithm's chunk length.
+    ssm_state: int = 16
+    ssm_head_dim: int = 16
+    ssm_expand: int = 2
+    ssm_groups: int = 4
+    conv_width: int = 4
+    ssm_chunk: int = 8
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+    @property
+    def ssm_inner(self) -> int:
+        return self.ssm_expand * self.hidden
+
+    @property
+    def ssm_heads(self) -> int:
+        return self.ssm_inner // self.ssm_head_dim
+
+    @property
+    def kinds(self) -> str:
+        """Each layer's kind, ATTENTION or MAMBA, in order."""
+        if self.arch == "transformer":
+            return ATTENTION * self.layers
+        if self.arch == "mamba2":
+            return MAMBA * self.layers
+        return self.pattern or "".join(MAMBA if i % 2 == 0 else ATTENTION for i in range(self.layers))
+
+    @property
+    def has_attention(self) -> bool:
+        return ATTENTION in self.kinds
+
+    @property
+    def mamba_params(self) -> int:
+        """One Mamba-2 block: its RMSNorm, in_proj (z, x, B, C, dt), the conv (weights and bias) over x, B
+        and C, dt_bias, A_log and D per head, the gated norm over the inner width, out_proj."""
+        h, di, gn, nh = self.hidden, self.ssm_inner, self.ssm_groups * self.ssm_state, self.ssm_heads
+        return h + h * (2 * di + 2 * gn + nh) + (di + 2 * gn) * (self.conv_width + 1) + 3 * nh + di + di * h
 
     @property
     def params(self) -> int:
@@ -58,7 +104,8 @@ class ModelConfig:
         attention = h * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
         swiglu = 3 * h * self.ffn
         mlp = swiglu if self.mlp == "dense" else h * self.experts + self.experts * swiglu
-        return self.vocab * h + self.layers * (2 * h + attention + mlp) + h + h * self.vocab
+        layers = sum(2 * h + attention + mlp if k == ATTENTION else self.mamba_params for k in self.kinds)
+        return self.vocab * h + layers + h + h * self.vocab
 
 
 @dataclass(frozen=True)
@@ -75,6 +122,7 @@ class ParallelConfig:
     schedule: str = "1f1b"  # pipeline schedule when the mesh has pp > 1 (core/schedules)
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved-1f1b only)
     cp_variant: str = "ring"  # cp: K/V passed around a ring, or all-gathered at once
+    ssm_cp: str = "state"  # cp of a Mamba-2 layer: states passed rank to rank, or all-to-all (SSM_CP_VARIANTS)
 
     @property
     def stage(self) -> int:
@@ -130,11 +178,28 @@ def unit_forward_flops(m: ModelConfig, unit: int, sequences: int) -> float:
         return 0.0  # an embedding is a lookup
     if unit == m.layers + 1:
         return 2.0 * tokens * m.hidden * m.vocab
+    if m.kinds[unit - 1] == MAMBA:
+        return mamba_forward_flops(m, sequences)
     attn_params = m.hidden * m.head_dim * (2 * m.heads + 2 * m.kv_heads)
     swiglu_params = 3 * m.hidden * m.ffn
     mlp_params = swiglu_params if m.mlp == "dense" else m.hidden * m.experts + m.top_k * swiglu_params
     scores_and_values = 2 * 2 * sequences * m.seq_len * m.seq_len * m.heads * m.head_dim
     return 2.0 * tokens * (attn_params + mlp_params) + scores_and_values
+
+
+def mamba_forward_flops(m: ModelConfig, sequences: int) -> float:
+    """One Mamba-2 block as engine/mamba.py computes it: in_proj and out_proj, the conv (2 w per channel
+    and token), and the chunked SSD (Dao & Gu 2024 sec. 6) per head and token, with chunk length Q, head
+    width P, state N: C.B^T scores over the token's chunk (2 Q N), those scores times x (2 Q P), the
+    chunk's state B^T x (2 N P), the state's output C.h (2 N P), and the state recurrence between chunks
+    (2 N P per chunk). Linear in the sequence length: attention's scores are quadratic."""
+    tokens = sequences * m.seq_len
+    h, di, gn, nh = m.hidden, m.ssm_inner, m.ssm_groups * m.ssm_state, m.ssm_heads
+    q, p, n = m.ssm_chunk, m.ssm_head_dim, m.ssm_state
+    projections = 2.0 * tokens * (h * (2 * di + 2 * gn + nh) + di * h)
+    conv = 2.0 * tokens * (di + 2 * gn) * m.conv_width
+    ssd = tokens * nh * (2 * q * n + 2 * q * p + 4 * n * p) + sequences * (m.seq_len // q) * nh * 2 * n * p
+    return projections + conv + ssd
 
 
 def step_flops(cfg: RunConfig) -> float:
@@ -180,18 +245,45 @@ def _check(ok: bool, message: str) -> None:
 def validate_model(m: ModelConfig) -> None:
     for name in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len"):
         _check(getattr(m, name) >= 1, f"model {name}={getattr(m, name)} must be at least 1")
+    _check(m.mlp in ("dense", "moe"), f"mlp={m.mlp!r} must be 'dense' or 'moe'")
+    _validate_mamba(m)
+    if not m.has_attention:
+        _check(m.mlp == "dense", "a Mamba-2 stack has no MLP to make MoE: use --arch hybrid for MoE layers "
+               "beside Mamba-2 layers, or drop --mlp moe")
+        return
     _check(m.hidden % m.heads == 0, f"hidden={m.hidden} is not divisible by heads={m.heads}; "
            f"choose hidden as a multiple of {m.heads}")
     _check(m.head_dim % 2 == 0, f"head_dim=hidden/heads={m.head_dim} must be even for rotary embeddings; "
            f"change hidden or heads")
     _check(m.heads % m.kv_heads == 0, f"heads={m.heads} is not divisible by kv_heads={m.kv_heads}; "
            f"grouped-query attention needs each KV head shared by the same number of query heads")
-    _check(m.mlp in ("dense", "moe"), f"mlp={m.mlp!r} must be 'dense' or 'moe'")
     if m.mlp == "moe":
         _check(m.experts >= 1, f"experts={m.experts} must be at least 1 for mlp='moe'")
         _check(1 <= m.top_k <= m.experts, f"top_k={m.top_k} must be between 1 and experts={m.experts}")
         _check(m.capacity_factor is None or m.capacity_factor > 0,
                f"capacity_factor={m.capacity_factor} must be positive (or None for no limit)")
+
+
+def _validate_mamba(m: ModelConfig) -> None:
+    _check(m.arch in ARCHS, f"arch={m.arch!r} must be one of {', '.join(ARCHS)}")
+    _check(not m.pattern or m.arch == "hybrid", f"a layer pattern ({m.pattern!r}) needs arch='hybrid'")
+    if m.pattern:
+        _check(len(m.pattern) == m.layers and set(m.pattern) <= {ATTENTION, MAMBA},
+               f"pattern={m.pattern!r} must have one letter per layer (layers={m.layers}), "
+               f"{ATTENTION} for attention or {MAMBA} for Mamba-2, e.g. {'MA' * (m.layers // 2) or 'M'}")
+    if MAMBA not in m.kinds:
+        return
+    for name in ("ssm_state", "ssm_head_dim", "ssm_expand", "ssm_groups", "conv_width", "ssm_chunk"):
+        _check(getattr(m, name) >= 1, f"model {name}={getattr(m, name)} must be at least 1")
+    _check(m.ssm_inner % m.ssm_head_dim == 0,
+           f"the Mamba-2 inner width ssm_expand*hidden={m.ssm_inner} is not divisible by ssm_head_dim="
+           f"{m.ssm_head_dim}; choose a head width that divides {m.ssm_inner}")
+    _check(m.ssm_heads % m.ssm_groups == 0,
+           f"ssm_groups={m.ssm_groups} does not divide the {m.ssm_heads} Mamba-2 heads: each group of heads "
+           f"shares one B and C; choose ssm_groups dividing {m.ssm_heads}")
+    _check(m.seq_len % m.ssm_chunk == 0,
+           f"ssm_chunk={m.ssm_chunk} does not divide seq_len={m.seq_len}: the SSD scan cuts each sequence "
+           f"into equal chunks; choose a chunk length dividing {m.seq_len}")
 
 
 def validate(cfg: RunConfig) -> RunConfig:
@@ -241,7 +333,9 @@ def _validate_cp_ep(cfg: RunConfig) -> None:
            "--strategy ep needs an ep axis in --mesh, e.g. --mesh dp=2,ep=2 (or no --mesh: ep = world)")
     _check(p.cp_variant in CP_VARIANTS,
            f"cp_variant={p.cp_variant!r} must be one of {', '.join(CP_VARIANTS)}")
-    if cp > 1:
+    if cp > 1 and MAMBA in m.kinds:
+        _validate_ssm_cp(cfg, cp, tp)
+    if cp > 1 and m.has_attention:
         _check(m.seq_len % (2 * cp) == 0, f"seq_len={m.seq_len} is not divisible by 2*cp={2 * cp}: the "
                f"load-balanced split cuts each sequence into 2*cp equal chunks; choose seq_len as a multiple "
                f"of {2 * cp} or a smaller cp")
@@ -249,6 +343,8 @@ def _validate_cp_ep(cfg: RunConfig) -> None:
                "capacity_factor counts an expert's tokens per whole sequence, which cp splits across ranks: "
                "drop --capacity-factor with a cp axis")
     if ep > 1:
+        _check(m.has_attention, "expert parallel splits the experts of MoE layers, and a Mamba-2 stack has "
+               "no MLP: use --arch hybrid --mlp moe, or another axis")
         _check(m.mlp == "moe", "expert parallel splits the experts of an MoE layer: use --mlp moe")
         _check(m.experts % ep == 0, f"experts={m.experts} is not divisible by ep={ep}: each rank holds "
                f"experts/ep whole experts; choose experts as a multiple of {ep} or another ep")
@@ -256,6 +352,28 @@ def _validate_cp_ep(cfg: RunConfig) -> None:
         _check(m.capacity_factor is None,
                "capacity_factor counts an expert's tokens per whole sequence, which sequence parallel splits "
                "across the tp ranks: drop --capacity-factor or --sequence-parallel")
+
+
+def _validate_ssm_cp(cfg: RunConfig, cp: int, tp: int) -> None:
+    """A Mamba-2 layer under cp: each rank scans whole SSD chunks of its slice of the sequence (one slice
+    of T/cp, or two of T/(2 cp) when attention layers need the load-balanced split: engine/ssm_cp.py)."""
+    p, m = cfg.parallel, cfg.model
+    _check(p.ssm_cp in SSM_CP_VARIANTS, f"ssm_cp={p.ssm_cp!r} must be one of {', '.join(SSM_CP_VARIANTS)}")
+    slices = 2 * cp if m.has_attention else cp
+    _check(m.seq_len % slices == 0, f"seq_len={m.seq_len} is not divisible by {slices}: context parallel cuts "
+           f"each sequence into {slices} equal slices; choose seq_len as a multiple of {slices}")
+    if p.ssm_cp == "state":
+        piece = m.seq_len // slices
+        _check(piece % m.ssm_chunk == 0, f"ssm_chunk={m.ssm_chunk} does not divide the {piece} positions of "
+               f"one context-parallel slice: choose a chunk length dividing {piece}, or --ssm-cp alltoall")
+        _check(piece >= m.conv_width - 1, f"a context-parallel slice of {piece} positions is shorter than the "
+               f"conv's reach of conv_width-1={m.conv_width - 1} positions back: use a longer sequence or "
+               f"a smaller cp")
+    else:
+        split = tp * cp
+        _check(m.ssm_groups % split == 0,
+               f"the all-to-all variant gives each of the tp*cp={split} ranks whole groups of Mamba-2 heads, "
+               f"but ssm_groups={m.ssm_groups}: choose ssm_groups as a multiple of {split}, or --ssm-cp state")
 
 
 def _validate_pp(cfg: RunConfig) -> None:
@@ -296,6 +414,27 @@ def _validate_tp(cfg: RunConfig) -> None:
            "(--strategy tp, or --mesh ...,tp=N)")
     if tp == 1:
         return
+    if MAMBA in m.kinds:
+        # Dao & Gu 2024 sec. 8: split by heads, with each group's B, C and norm on one rank.
+        _check(m.ssm_groups % tp == 0,
+               f"ssm_groups={m.ssm_groups} is not divisible by tp={tp}: tensor parallel splits a Mamba-2 layer "
+               f"by heads, each rank holding whole groups (their B, C and norm); choose ssm_groups as a "
+               f"multiple of {tp}")
+    if not m.has_attention:
+        _check(m.vocab % tp == 0, f"vocab={m.vocab} is not divisible by tp={tp}: each rank holds vocab/tp of "
+               f"it; choose vocab as a multiple of {tp} or another tp")
+    else:
+        _validate_tp_attention(cfg, tp)
+    if p.sequence_parallel:
+        cp = p.degree("cp", cfg.world)
+        held = m.seq_len // cp
+        _check(held % tp == 0, f"seq_len={m.seq_len} is not divisible by tp*cp={tp * cp}: sequence parallel "
+               f"splits the {held} positions a rank holds into tp equal parts; choose seq_len as a multiple "
+               f"of {2 * cp * tp if cp > 1 else tp} or drop --sequence-parallel")
+
+
+def _validate_tp_attention(cfg: RunConfig, tp: int) -> None:
+    m = cfg.model
     sizes = _tp_sizes(m.heads, m.kv_heads)
     _check(m.heads % tp == 0, f"heads={m.heads} is not divisible by tp={tp}: each rank computes heads/tp "
            f"attention heads; use tp in {sizes} or another number of heads")
@@ -309,9 +448,3 @@ def _validate_tp(cfg: RunConfig) -> None:
         size = getattr(m, name)
         _check(size % tp == 0, f"{name}={size} is not divisible by tp={tp}: each rank holds {name}/tp of "
                f"it; choose {name} as a multiple of {tp} or another tp")
-    if p.sequence_parallel:
-        cp = p.degree("cp", cfg.world)
-        held = m.seq_len // cp
-        _check(held % tp == 0, f"seq_len={m.seq_len} is not divisible by tp*cp={tp * cp}: sequence parallel "
-               f"splits the {held} positions a rank holds into tp equal parts; choose seq_len as a multiple "
-               f"of {2 * cp * tp if cp > 1 else tp} or drop --sequence-parallel")

@@ -40,15 +40,18 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from engine.config import MAMBA
 from engine.ring_attention import (
     block_backward,
     block_forward,
     block_plan,
+    contiguous_positions,
     expand_kv,
     merge,
     reduce_kv,
     zigzag_positions,
 )
+from engine.ssm_cp import AllToAll, Slices, StatePassing
 from engine.strategy import Plan
 
 _TAG_KV, _TAG_DKV = 1, 2  # K/V and their gradients travel between the same ranks at the same time
@@ -163,14 +166,22 @@ class ContextParallelPlan(Plan):
         self.cfg, self.comm = cfg, comm
         m = cfg.model
         self.cp, self.cp_rank = comm.size("cp"), comm.group_rank("cp")
-        self.positions = zigzag_positions(m.seq_len, self.cp, self.cp_rank).to(comm.device)
-        # Key positions of the all-gathered K/V, in cp-rank order.
-        self.all_positions = torch.cat([zigzag_positions(m.seq_len, self.cp, r)
-                                        for r in range(self.cp)]).to(comm.device)
+        # Attention needs the zig-zag split to balance its causal work; Mamba-2 layers alone take the
+        # sequence in cp slices in order (engine/ssm_cp.py).
+        split = zigzag_positions if m.has_attention else contiguous_positions
+        self.positions = split(m.seq_len, self.cp, self.cp_rank).to(comm.device)
+        # Every rank's positions in cp-rank order (the all-gathered K/V's keys; the all-to-all's sequence).
+        self.all_positions = torch.cat([split(m.seq_len, self.cp, r) for r in range(self.cp)]).to(comm.device)
+        slices = Slices(self.cp, self.cp_rank, zigzag=m.has_attention)
         for i, unit in enumerate(model.units):
+            name = model.unit_names[i]
             if hasattr(unit, "attn"):
                 unit.attn.positions = self.positions
-                unit.attn.attend = partial(self._attend, _Ring(comm, rec, model.unit_names[i], self.positions))
+                unit.attn.attend = partial(self._attend, _Ring(comm, rec, name, self.positions))
+            if hasattr(unit, "mixer"):
+                unit.mixer.mix = (StatePassing(unit.mixer, slices, comm, rec, name)
+                                  if cfg.parallel.ssm_cp == "state" else
+                                  AllToAll(unit.mixer, self.positions, self.all_positions, comm, rec, name))
 
     def local_tokens(self, tokens):
         return tokens[:, self.positions]
@@ -182,6 +193,10 @@ class ContextParallelPlan(Plan):
         m, cp = self.cfg.model, self.cp
         if not 0 < i <= m.layers:
             return flops / cp
+        if m.kinds[i - 1] == MAMBA:
+            # state passing adds the incoming state's outputs, C_t . h: 2 N P per head and position held
+            extra = self.cfg.parallel.ssm_cp == "state"
+            return flops / cp + extra * 2.0 * sequences * m.seq_len / cp * m.ssm_heads * m.ssm_state * m.ssm_head_dim
         attention = 4 * sequences * m.seq_len**2 * m.heads * m.head_dim  # as in unit_forward_flops
         c = m.seq_len // (2 * cp)
         if self.cfg.parallel.cp_variant == "ring":

@@ -32,28 +32,10 @@ from functools import partial
 
 import torch
 
+from engine.comm import all_to_all_rows
 from engine.strategy import Plan
 
 _EXPERT_PARAM = re.compile(r"units\.(\d+)\.mlp\.experts\.(\d+)\.(.+)")
-
-
-class _AllToAll(torch.autograd.Function):
-    """Rows to ranks by `in_splits`, rows from ranks by `out_splits`; backward sends gradients back."""
-
-    @staticmethod
-    def forward(ctx, x, comm, out_splits, in_splits, name):
-        ctx.comm, ctx.splits, ctx.name = comm, (out_splits, in_splits), name
-        out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        comm.all_to_all(out, x.contiguous(), out_splits, in_splits, group="ep", name=name)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        out_splits, in_splits = ctx.splits
-        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        ctx.comm.all_to_all(back, grad.contiguous(), in_splits, out_splits, group="ep",
-                            name=f"{ctx.name} bwd")
-        return back, None, None, None, None
 
 
 class ExpertParallelPlan(Plan):
@@ -108,7 +90,7 @@ class ExpertParallelPlan(Plan):
         recv_counts = recv_counts.view(self.ep, self.experts_here)  # [source rank, local expert]
         out_splits = recv_counts.sum(1).tolist()
 
-        rows = _AllToAll.apply(flat[token], self.comm, out_splits, in_splits, f"all_to_all dispatch {name}")
+        rows = all_to_all_rows(flat[token], self.comm, out_splits, in_splits, "ep", f"all_to_all dispatch {name}")
         local = torch.arange(self.experts_here, device=flat.device).repeat(self.ep)
         local = local.repeat_interleave(recv_counts.reshape(-1).to(flat.device))
         out_rows = torch.zeros_like(rows)
@@ -116,7 +98,7 @@ class ExpertParallelPlan(Plan):
             # An expert with no rows still runs (on zero rows): its parameters get a (zero) gradient.
             idx = (local == e).nonzero(as_tuple=True)[0]
             out_rows = out_rows.index_add(0, idx, moe.experts[self.first_expert + e](rows[idx]))
-        back = _AllToAll.apply(out_rows, self.comm, in_splits, out_splits, f"all_to_all combine {name}")
+        back = all_to_all_rows(out_rows, self.comm, in_splits, out_splits, "ep", f"all_to_all combine {name}")
         return torch.zeros_like(flat).index_add(0, token, back * weight[:, None])
 
     def full_state(self, state: dict) -> dict:

@@ -2,6 +2,8 @@
 
     tokens[B, T] -> embed -> L x Block(RMSNorm -> rotary GQA attention -> RMSNorm -> SwiGLU or MoE) -> Head
 
+or, with `arch` mamba2 or hybrid, some or all layers a MambaBlock (RMSNorm -> Mamba-2 mixer, engine/mamba.py).
+
 The model is a flat list of *units* (embed, L0 .. L{n-1}, head). Every strategy runs the same units in
 the same order; sharded strategies swap in their own parameter tensors with `torch.func.functional_call`,
 so the model code knows nothing about parallelism (the torchtitan habit: a strategy is a plan applied to
@@ -16,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import ModelConfig, unit_forward_flops  # noqa: F401 - unit_forward_flops re-exported
+from engine.config import MAMBA, ModelConfig, unit_forward_flops  # noqa: F401 - unit_forward_flops re-exported
+from engine.mamba import Mamba2, init_mamba_
 
 
 class RMSNorm(nn.Module):
@@ -168,6 +171,18 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+class MambaBlock(nn.Module):
+    """A Mamba-2 model's layer: x + Mamba2(RMSNorm(x)) (Dao & Gu 2024 sec. 7; no MLP)."""
+
+    def __init__(self, m: ModelConfig):
+        super().__init__()
+        self.norm = RMSNorm(m.hidden)
+        self.mixer = Mamba2(m)
+
+    def forward(self, x):
+        return x + self.mixer(self.norm(x))
+
+
 class Embed(nn.Module):
     def __init__(self, m: ModelConfig):
         super().__init__()
@@ -187,11 +202,12 @@ class Head(nn.Module):
         return self.out(self.norm(x))
 
 
-class Transformer(nn.Module):
+class LanguageModel(nn.Module):
     def __init__(self, m: ModelConfig):
         super().__init__()
         self.config = m
-        self.units = nn.ModuleList([Embed(m), *(Block(m) for _ in range(m.layers)), Head(m)])
+        layers = (MambaBlock(m) if kind == MAMBA else Block(m) for kind in m.kinds)
+        self.units = nn.ModuleList([Embed(m), *layers, Head(m)])
 
     @property
     def unit_names(self) -> list[str]:
@@ -212,14 +228,15 @@ class Transformer(nn.Module):
         return x
 
 
-def build_model(m: ModelConfig, seed: int) -> Transformer:
+def build_model(m: ModelConfig, seed: int) -> LanguageModel:
     """The same weights on every rank and in the reference: built on CPU from `seed`, then moved."""
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
-    model = Transformer(m)
+    model = LanguageModel(m)
     for name, p in model.named_parameters():
         if not name.endswith("norm.weight"):
             nn.init.normal_(p, mean=0.0, std=0.02)
+    init_mamba_(model)
     torch.random.set_rng_state(gen_state)
     return model
 
@@ -244,4 +261,4 @@ def micro_batch_rows(batch_index: int, micro_batch: int, micro_batches: int, siz
 
 
 def param_count(m: ModelConfig) -> int:
-    return sum(p.numel() for p in Transformer(m).parameters())
+    return sum(p.numel() for p in LanguageModel(m).parameters())

@@ -37,6 +37,12 @@ def zigzag_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
     return torch.cat([early, late])
 
 
+def contiguous_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """Positions of rank `rank` when the sequence is cut into cp slices in order (Mamba-2 layers only)."""
+    n = seq_len // cp
+    return torch.arange(rank * n, (rank + 1) * n)
+
+
 def block_plan(rank: int, source: int, c: int) -> tuple[slice, slice, bool]:
     """(query rows, key columns, causal mask needed) of this rank's queries against `source`'s K/V."""
     if source == rank:

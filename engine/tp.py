@@ -59,8 +59,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import RunConfig
-from engine.model import Attention, Block, MoE, RMSNorm, Transformer
+from engine.config import ATTENTION, MAMBA, RunConfig
+from engine.model import Attention, Block, LanguageModel, MambaBlock, MoE, RMSNorm
 from engine.strategy import Plan
 from engine.tp_comm import TP, copy_to_tp, gather_from_sp, reduce_from_tp, scatter_to_sp, sum_over_replicas
 
@@ -201,7 +201,7 @@ class TensorParallelPlan(Plan):
     parameter names), computes the loss on vocabulary-sharded logits, and maps tp-local tensors back to
     full ones for verification. Applied to the whole model first (it needs the embedding and the head)."""
 
-    def __init__(self, model: Transformer, comm, sequence_parallel: bool, cp: int = 1):
+    def __init__(self, model: LanguageModel, comm, sequence_parallel: bool, cp: int = 1):
         self.tp = TPGroup(comm, sequence_parallel)
         self.config, self.cp = model.config, cp
         self.split: dict[str, tuple[str, int]] = {}  # name -> (ROWS|COLS|REPLICATED, replicas per row block)
@@ -228,7 +228,10 @@ class TensorParallelPlan(Plan):
         self.split[f"{prefix}.weight"] = (REPLICATED, 1)
         return EnterRegionNorm(norm, self.tp, where)
 
-    def _block(self, prefix: str, label: str, block: Block, m) -> None:
+    def _block(self, prefix: str, label: str, block: Block | MambaBlock, m) -> None:
+        if isinstance(block, MambaBlock):
+            self._mamba(prefix, label, block)
+            return
         attn, mlp = block.attn, block.mlp
         block.attn_norm = self._norm(f"{prefix}.attn_norm", f"{label} attn", block.attn_norm)
         self._attention(f"{prefix}.attn", label, attn, m)
@@ -259,6 +262,27 @@ class TensorParallelPlan(Plan):
                 lin = getattr(expert, proj)
                 setattr(expert, proj, SequenceShardLinear(lin.weight, self.tp, f"{label} expert {e} {proj}"))
 
+    def _mamba(self, prefix: str, label: str, block: MambaBlock) -> None:
+        """A Mamba-2 layer split by heads (Dao & Gu 2024 sec. 8): z, x, dt and the per-head parameters by
+        heads, B and C (and their conv) by groups, the gated norm by groups, all whole on this rank; only
+        out_proj's partial sums leave the region, one all-reduce forward (and the f's one backward)."""
+        block.norm = self._norm(f"{prefix}.norm", f"{label} mamba", block.norm)
+        mixer, p = block.mixer, f"{prefix}.mixer"
+        for proj in ("in_z", "in_x", "in_b", "in_c", "in_dt"):
+            weight = self._rows(f"{p}.{proj}.weight", getattr(mixer, proj).weight)
+            setattr(mixer, proj, ColumnParallelLinear(weight, self.tp))
+        for conv in ("conv_x", "conv_b", "conv_c"):
+            for kind in ("weight", "bias"):
+                module = getattr(mixer, conv)
+                setattr(module, kind, self._rows(f"{p}.{conv}.{kind}", getattr(module, kind)))
+        for name in ("dt_bias", "A_log", "D"):
+            setattr(mixer, name, self._rows(f"{p}.{name}", getattr(mixer, name)))
+        mixer.out_norm.weight = self._rows(f"{p}.out_norm.weight", mixer.out_norm.weight)
+        mixer.heads, mixer.groups = mixer.heads // self.tp.size, mixer.groups // self.tp.size
+        mixer.out_norm.groups = mixer.groups
+        mixer.out_proj = RowParallelLinear(self._cols(f"{p}.out_proj.weight", mixer.out_proj.weight), self.tp,
+                                           f"{label} mamba")
+
     def _attention(self, prefix: str, label: str, attn: Attention, m) -> None:
         n = self.tp.size
         replicas = max(1, n // m.kv_heads)  # ranks sharing one KV head when tp > kv_heads
@@ -279,7 +303,7 @@ class TensorParallelPlan(Plan):
         """A rank computes 1/tp of every split matmul; an MoE layer without sequence parallel is computed
         whole on every tp rank, on the tokens this rank holds (1/cp of each sequence)."""
         m, n = self.config, self.tp.size
-        if not (m.mlp == "moe" and 0 < i <= m.layers) or self.tp.sp:
+        if not (m.mlp == "moe" and 0 < i <= m.layers and m.kinds[i - 1] == ATTENTION) or self.tp.sp:
             return flops / n
         moe = 2.0 * sequences * m.seq_len / self.cp * (m.hidden * m.experts + m.top_k * 3 * m.hidden * m.ffn)
         return (flops - moe) / n + moe
@@ -318,24 +342,27 @@ def tp_comm_bytes(cfg: RunConfig) -> dict[str, int]:
 
     Per micro-batch of b sequences of s tokens, hidden h, L layers, A = b*s*h*4 bytes:
       blocks   4 L all-reduces of A (attention and MLP, forward g and backward f; Korthikanti et al. 2022
-               section 4.2.2) -- with sequence parallel 4 L (all-gather + reduce-scatter), the same bytes
+               section 4.2.2) -- with sequence parallel 4 L (all-gather + reduce-scatter), the same bytes;
+               a Mamba-2 layer is one region: 2 (Dao & Gu 2024 sec. 8)
       embed    1 all-reduce of A forward (sp: reduce-scatter forward, all-gather backward)
       head     1 all-reduce of A backward, the output layer's f (sp: all-gather forward, reduce-scatter back)
       loss     all-reduces of b*s floats (max) and 2*b*s floats (sum-exp, target logit)
       kv       with tp > kv_heads: per layer, the wk and wv gradients padded to kv_heads heads
-      norms    sequence parallel only: (2 L + 1) RMSNorm weight gradients of h floats
+      norms    sequence parallel only: one RMSNorm weight gradient of h floats per norm outside a region
+               (2 per attention layer, 1 per Mamba-2 layer, the head's)
     """
     m, n = cfg.model, cfg.parallel.degree("tp", cfg.world)
     tokens = cfg.micro_batch_size * m.seq_len
     act = tokens * m.hidden * 4
+    attention, mamba = m.kinds.count(ATTENTION), m.kinds.count(MAMBA)
     out = {
-        "blocks": 4 * m.layers * ring_all_reduce_bytes(act, n),
+        "blocks": (4 * attention + 2 * mamba) * ring_all_reduce_bytes(act, n),
         "embed": ring_all_reduce_bytes(act, n),
         "head": ring_all_reduce_bytes(act, n),
         "loss": ring_all_reduce_bytes(tokens * 4, n) + ring_all_reduce_bytes(2 * tokens * 4, n),
-        "kv": (2 * m.layers * ring_all_reduce_bytes(m.kv_heads * m.head_dim * m.hidden * 4, n)
+        "kv": (2 * attention * ring_all_reduce_bytes(m.kv_heads * m.head_dim * m.hidden * 4, n)
                if n > m.kv_heads else 0),
-        "norms": ((2 * m.layers + 1) * ring_all_reduce_bytes(m.hidden * 4, n)
+        "norms": ((2 * attention + mamba + 1) * ring_all_reduce_bytes(m.hidden * 4, n)
                   if cfg.parallel.sequence_parallel else 0),
     }
     return {k: v * cfg.micro_batches for k, v in out.items()}

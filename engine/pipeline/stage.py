@@ -38,13 +38,13 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from engine.model import Transformer
+from engine.model import LanguageModel
 
 
 class StageModel(nn.Module):
     """The units of one pipeline rank's chunks, in chunk order, with the full model's names."""
 
-    def __init__(self, full: Transformer, chunks: list[list[int]]):
+    def __init__(self, full: LanguageModel, chunks: list[list[int]]):
         super().__init__()
         self.config = full.config
         self.global_units = [u for chunk in chunks for u in chunk]
