@@ -10,11 +10,20 @@ curves), simulate (pipeline step time, breakdown), timeline (predicted Timeline)
 (enumeration, pruning, branch and bound), explain (words), api, presets, validation.
 """
 
-from planner.api import Estimate, SearchReport, estimate, search
+from planner.api import (
+    Estimate,
+    SearchReport,
+    compare_architectures,
+    estimate,
+    flops_per_token_by_seq,
+    layer_comm_bytes,
+    search,
+)
 from planner.case import Case, Cluster, Layout, Parallel, Training, parse_case
-from planner.models import DEFAULT_MODEL, MODEL_PRESETS, ModelSpec, SpecError
+from planner.models import DEFAULT_MODEL, MODEL_PRESETS, SSM_PRESETS, ModelSpec, SpecError
 from planner.presets import CLUSTER_PRESETS, DEFAULT_CLUSTER, make_case
 
 __all__ = ["CLUSTER_PRESETS", "Case", "Cluster", "DEFAULT_CLUSTER", "DEFAULT_MODEL", "Estimate", "Layout",
-           "MODEL_PRESETS", "ModelSpec", "Parallel", "SearchReport", "SpecError", "Training", "estimate",
-           "make_case", "parse_case", "search"]
+           "MODEL_PRESETS", "ModelSpec", "Parallel", "SSM_PRESETS", "SearchReport", "SpecError", "Training",
+           "compare_architectures", "estimate", "flops_per_token_by_seq", "layer_comm_bytes", "make_case",
+           "parse_case", "search"]

@@ -5,6 +5,11 @@
 
 A case may be a `Case`, a dict shaped like a case file, or a path to one. Null fields are chosen by
 the search (`est.chosen` says what was picked).
+
+For comparing architectures (Transformer, Mamba-2, hybrids): `compare_architectures` (the best layout
+of each model on one cluster), `flops_per_token_by_seq` (forward FLOPs per token as the sequence
+grows) and `layer_comm_bytes` (what each strategy moves for one layer). They call the functions the
+estimate uses (planner.flops, planner.costs), so their numbers are the estimate's.
 """
 
 from __future__ import annotations
@@ -14,14 +19,23 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from core.timeline import Timeline
-from hardware.chips import CHIPS
+from hardware.chips import CHIPS, get_chip
+from planner import costs
 from planner import layout_search as _search
-from planner.case import RECIPE_DEFAULTS, Case, load_case, parse_case
-from planner.simulate import StepResult, usable_hbm_bytes
+from planner.case import RECIPE_DEFAULTS, Case, Cluster, Layout, load_case, parse_case, ssm_alltoall_ok, ssm_tp_ok
+from planner.flops import (
+    attention_flops_per_token,
+    layer_params,
+    matmul_flops_per_token,
+    ssm_flops_per_token,
+    total_params,
+)
+from planner.models import MAMBA, ModelSpec, SpecError
+from planner.simulate import GRAD_COMM_BYTES, StepResult, usable_hbm_bytes
 
 _CHOICE_FIELDS = {
     "parallel": ("dp", "tp", "pp", "cp", "ep", "pp_schedule", "virtual_stages"),
-    "training": ("micro_batch", "recompute", "zero_stage", "sequence_parallel", *RECIPE_DEFAULTS),
+    "training": ("micro_batch", "recompute", "zero_stage", "sequence_parallel", *RECIPE_DEFAULTS, "ssm_cp"),
 }
 
 
@@ -39,6 +53,8 @@ def chosen_fields(case: Case, res: StepResult) -> dict:
     for block, names in _CHOICE_FIELDS.items():
         given = case.parallel if block == "parallel" else case.training
         for name in names:
+            if name == "ssm_cp" and not case.model.has_ssm:
+                continue  # only Mamba-2 layers have the choice
             if getattr(given, name) is None:
                 out.setdefault(block, {})[name] = getattr(res.layout, name)
     return out
@@ -182,3 +198,76 @@ def search(case_or_dict, top: int = 5) -> SearchReport:
 
 def dumps(obj: dict) -> str:
     return json.dumps(obj, indent=1, sort_keys=False)
+
+
+def compare_architectures(models: list[ModelSpec | str], cluster: Cluster | str, global_batch: int | None = None,
+                          top: int = 1, **training) -> list[dict]:
+    """The best layouts of each model on the same cluster, fastest first within each model:
+    [{"model", "params", "ranked": [SearchReport layout dicts (rank, step_time_s, mfu, layout, ...)],
+      "tokens_per_s"}] in the order given; `global_batch` and `training` as `make_case` takes them."""
+    from planner.presets import make_case
+    out = []
+    for model in models:
+        case = make_case(model, cluster, global_batch, **training)
+        report = search(case, top=top)
+        best = report.ranked[0].result if report.ranked else None
+        out.append({"model": case.model.name, "params": total_params(case.model),
+                    "ranked": report.as_dict()["layouts"],
+                    "tokens_per_s": (case.training.global_batch * case.model.seq_len / best.step_time_s
+                                     if best else 0.0)})
+    return out
+
+
+def flops_per_token_by_seq(spec: ModelSpec, seq_lens: list[int]) -> list[dict]:
+    """Forward FLOPs per token at each sequence length: [{"seq_len", "matmul", "attention", "ssm",
+    "total"}]. Attention's scores grow with S (quadratic per sequence); the SSD scan does not (linear)."""
+    rows = []
+    for s in seq_lens:
+        row = {"seq_len": s, "matmul": matmul_flops_per_token(spec), "attention": attention_flops_per_token(spec, s),
+               "ssm": ssm_flops_per_token(spec, s)}
+        row["total"] = row["matmul"] + row["attention"] + row["ssm"]
+        rows.append(row)
+    return rows
+
+
+def layer_comm_bytes(spec: ModelSpec, kind=None, *, tp: int = 1, cp: int = 1, dp: int = 1, micro_batch: int = 1,
+                     sequence_parallel: bool = False, chip: str = "h100", chips_per_node: int = 8) -> dict:
+    """What each strategy moves for one layer of `kind` on one chip, one micro-batch (the estimate's own
+    CommOps, planner.costs). `kind`: a pattern character ("M", "*", "-"), False / True for a dense / MoE
+    Transformer layer, None for the model's first Mamba layer or else its first layer. Returns
+    {strategy: {"ops_fwd", "ops_bwd", "bytes_fwd", "bytes_bwd", "time_s"}} for "tp", "cp_ring",
+    "cp_state", "cp_alltoall" (those that apply) and "dp" (once per step: the layer's gradient
+    all-reduce), bytes being each op's buffer times its sequential count (ring steps, chain hops)."""
+    if kind is None:
+        kind = MAMBA if spec.has_ssm else spec.layer_kinds[0]
+    if kind == MAMBA and not ssm_tp_ok(spec, tp):
+        raise SpecError("parallel.tp", f"{tp} must divide model.ssm_groups={spec.ssm_groups} and the "
+                        f"{spec.ssm_heads} SSM heads (Dao & Gu 2024 sec. 8.1)")
+    hw = costs.cluster_chip(get_chip(chip), tp * cp * dp, chips_per_node)
+    base = Layout(dp=dp, tp=tp, pp=1, cp=cp, micro_batch=micro_batch, sequence_parallel=sequence_parallel and tp > 1)
+    variants = {"": base}
+    if kind == MAMBA and cp > 1:
+        variants = {"state": base}
+        if ssm_alltoall_ok(spec, tp, cp):
+            variants["alltoall"] = Layout(**{**base.as_dict(), "ssm_cp": "alltoall"})
+    out: dict = {}
+    for variant, lay in variants.items():
+        lc = costs.layer_cost(spec, lay, hw, "bf16", kind, chips_per_node)
+        for direction, ops in (("fwd", lc.fwd_comms), ("bwd", lc.bwd_comms)):
+            for c in ops:
+                name = "cp_" + (variant or "ring") if c.group == "cp" else c.group
+                if c.group == "tp" and variant == "alltoall":
+                    continue  # counted with the first variant
+                row = out.setdefault(name, {"ops_fwd": 0, "ops_bwd": 0, "bytes_fwd": 0.0, "bytes_bwd": 0.0,
+                                            "time_s": 0.0})
+                row[f"ops_{direction}"] += c.count
+                row[f"bytes_{direction}"] += c.nbytes * c.count
+                row["time_s"] += c.time_s
+    if dp > 1:
+        lp = layer_params(spec, kind)
+        grads = (lp.total - lp.norms - lp.router) / tp + lp.norms + lp.router  # TP-sharded parameters
+        nbytes = grads * GRAD_COMM_BYTES["bf16"]
+        topo = costs.topology(hw, dp, lay.mesh.group_stride(("dp", "cp", "ep")), chips_per_node)
+        out["dp"] = {"ops_fwd": 0, "ops_bwd": 1, "bytes_fwd": 0.0, "bytes_bwd": nbytes,
+                     "time_s": costs.comm_s(topo, "all_reduce", nbytes)}
+    return out

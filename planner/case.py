@@ -45,6 +45,10 @@ RECIPE_DEFAULTS = {
     "ep_comm_overlap": False,
 }
 RECIPE_FLAGS = tuple(k for k in RECIPE_DEFAULTS if k != "attention")
+# Context parallelism for Mamba-2 layers (planner.costs): "state" passes each rank's final SSM state to
+# the next rank; "alltoall" reshards sequence -> heads around the scan (Megatron-Core). Null: the search
+# tries both where they apply, else "state".
+SSM_CP = ("state", "alltoall")
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,7 @@ class Training:
     param_gather_overlap: bool | None = None
     tp_comm_overlap: bool | None = None
     ep_comm_overlap: bool | None = None
+    ssm_cp: str | None = None  # SSM_CP
 
 
 @dataclass(frozen=True)
@@ -113,6 +118,7 @@ class Layout:
     param_gather_overlap: bool = True
     tp_comm_overlap: bool = True
     ep_comm_overlap: bool = False
+    ssm_cp: str = "state"
 
     @property
     def num_chips(self) -> int:
@@ -169,7 +175,9 @@ def _check_keys(block, allowed: set, prefix: str) -> dict:
 
 
 _MODEL_KEYS = {f.name for f in fields(ModelSpec)}
-MLP_KINDS = ("swiglu", "gelu")  # Llama-style gated MLP (3 matrices) or GPT-style GELU (2)
+# Llama-style gated MLP (3 matrices), GPT-style GELU (2), squared ReLU (2, Nemotron-H)
+MLP_KINDS = ("swiglu", "gelu", "relu2")
+SSM_FIELDS = ("ssm_state", "ssm_head_dim", "ssm_expand", "ssm_groups", "ssm_conv", "ssm_chunk")
 
 
 def parse_model(block, name: str = "case") -> ModelSpec:
@@ -177,9 +185,21 @@ def parse_model(block, name: str = "case") -> ModelSpec:
     kw = {"name": block.get("name", name)}
     if not isinstance(kw["name"], str):
         raise SpecError("model.name" if "name" in block else "name", f"must be a string, got {kw['name']!r}")
-    for key in ("layers", "hidden", "heads", "ffn", "vocab", "seq_len"):
+    pattern = block.get("layer_pattern", "")
+    if not isinstance(pattern, str):
+        raise SpecError("model.layer_pattern", f"must be a string of 'M', '*' and '-', got {pattern!r}")
+    kw["layer_pattern"] = pattern
+    for key in ("layers", "hidden", "vocab", "seq_len"):
         kw[key] = _int(block, key, "model", required=True, nullable=False)
-    kw["kv_heads"] = _int(block, "kv_heads", "model", required=False, nullable=False, default=kw["heads"])
+    # a pattern without attention ("*") or MLP ("-") layers needs no heads or ffn
+    for key, char in (("heads", "*"), ("ffn", "-")):
+        used = not pattern or char in pattern
+        kw[key] = _int(block, key, "model", required=used, nullable=False, minimum=1 if used else 0, default=0)
+    kw["kv_heads"] = _int(block, "kv_heads", "model", required=False, nullable=False,
+                          minimum=1 if kw["heads"] else 0, default=kw["heads"])
+    defaults = {f.name: f.default for f in fields(ModelSpec)}
+    for key in SSM_FIELDS:
+        kw[key] = _int(block, key, "model", required=False, nullable=False, default=defaults[key])
     for key in ("experts", "top_k", "shared_experts", "dense_layers", "q_lora_rank", "kv_lora_rank",
                 "rope_head_dim"):
         kw[key] = _int(block, key, "model", required=False, nullable=False, minimum=0, default=0)
@@ -211,7 +231,8 @@ def parse_case(data) -> Case:
         recompute=_choice(t, "recompute", "training", RECOMPUTE),
         dtype=_choice(t, "dtype", "training", DTYPES, "bf16"),
         optimizer=_choice(t, "optimizer", "training", OPTIMIZERS, "adam"),
-        zero_stage=zero, attention=_choice(t, "attention", "training", ATTENTION_KERNELS), **flags,
+        zero_stage=zero, attention=_choice(t, "attention", "training", ATTENTION_KERNELS),
+        ssm_cp=_choice(t, "ssm_cp", "training", SSM_CP), **flags,
     )
 
     p = _check_keys(data.get("parallel", {}), {f.name for f in fields(Parallel)}, "parallel")
@@ -261,6 +282,14 @@ def check_fixed(case: Case) -> None:
     if not _divides(prod, n) or (len(fixed) == 4 and prod != n):
         raise SpecError("parallel", f"dp*tp*pp*cp = {prod} must {'equal' if len(fixed) == 4 else 'divide'} "
                         f"cluster.num_chips={n} (given {fixed})")
+    if p.tp and m.has_ssm and not ssm_tp_ok(m, p.tp):
+        raise SpecError("parallel.tp", f"{p.tp} must divide model.ssm_groups={m.ssm_groups}: each TP rank holds "
+                        "whole B/C groups, so a Mamba-2 layer needs one all-reduce (Dao & Gu 2024 sec. 8.1); "
+                        f"use tp in {[d for d in range(1, m.ssm_groups + 1) if ssm_tp_ok(m, d)]}")
+    if case.training.ssm_cp == "alltoall" and p.tp and p.cp and m.has_ssm and not ssm_alltoall_ok(m, p.tp, p.cp):
+        raise SpecError("training.ssm_cp", f"\"alltoall\" reshards heads over tp*cp = {p.tp * p.cp} ranks, which "
+                        f"must divide the {m.ssm_heads} SSM heads and ssm_groups={m.ssm_groups}; use \"state\" "
+                        "or a smaller cp")
     if p.tp and not layout_tp_ok(m, p.tp):
         raise SpecError("parallel.tp", f"{p.tp} must divide heads={m.heads}, hidden={m.hidden} and "
                         f"ffn={m.ffn}, and divide or be divided by kv_heads={m.kv_heads}")
@@ -302,7 +331,19 @@ def recipe(t: Training, chip) -> dict:
     return out
 
 
+def ssm_tp_ok(m: ModelSpec, tp: int) -> bool:
+    """TP splits a Mamba-2 layer by heads with whole groups per rank (Dao & Gu 2024 sec. 8.1)."""
+    return m.ssm_groups % tp == 0 and m.ssm_heads % tp == 0
+
+
+def ssm_alltoall_ok(m: ModelSpec, tp: int, cp: int) -> bool:
+    """The all-to-all CP variant gives each of tp * cp ranks whole heads and groups (Megatron-Core)."""
+    return m.ssm_groups % (tp * cp) == 0 and m.ssm_heads % (tp * cp) == 0
+
+
 def layout_tp_ok(m: ModelSpec, tp: int) -> bool:
-    kv_ok = m.kv_heads % tp == 0 or tp % m.kv_heads == 0
+    if m.has_ssm and not ssm_tp_ok(m, tp):
+        return False
+    kv_ok = not m.kv_heads or m.kv_heads % tp == 0 or tp % m.kv_heads == 0
     ffns = [m.ffn] + ([m.dense_ffn_] if m.dense_layers else [])
     return m.heads % tp == 0 and m.hidden % tp == 0 and all(f % tp == 0 for f in ffns) and kv_ok

@@ -28,6 +28,7 @@ Communication (each a `CommOp` with its time alone on its links and the part the
   al. 2023; Transformer Engine userbuffers): only one chunk shows, max(0, c - g) + min(c, g) / t.
 * CP ring (Liu et al. 2023; Megatron-Core): cp - 1 K/V transfers forward, K/V and dK/dV backward, each
   hidden under one step's block of attention (1/cp of the layer's attention with the zig-zag split).
+* Mamba-2 layers (TP by heads, CP by state passing or all-to-all): `_mamba_layer_cost`.
 * EP (Lepikhin et al. 2020): dispatch and combine all-to-alls of T * top_k rows of D per direction,
   exposed unless `ep_comm_overlap` (another micro-batch's compute, DeepSeek-V3's DualPipe).
 * ZeRO-3 / FSDP (Rajbhandari et al. 2020 sec. 5.3): each layer's weights all-gathered forward and
@@ -51,8 +52,8 @@ from hardware import kernels
 from hardware.chips import Chip
 from hardware.collectives import Topology, group_topology
 from planner.case import Layout
-from planner.flops import layer_params
-from planner.models import ModelSpec
+from planner.flops import layer_forward_flops_per_token, layer_params, ssd_chunk, ssd_matmuls
+from planner.models import ATTENTION, MAMBA, MLP, ModelSpec
 
 OVERLAP_SLOWDOWN = 0.189  # arXiv 2507.03114 abstract: overlapped compute 18.9 % slower on average
 CAUSAL_FLASH_FRACTION = 0.5  # a causal flash kernel skips the masked upper triangle (Dao 2023, sec. 3.1)
@@ -136,9 +137,10 @@ class CommOp:
     group: str  # mesh axis: "tp", "cp", "ep", "dp"
     name: str
     kind: str  # all_gather | reduce_scatter | all_reduce | all_to_all | p2p
-    nbytes: float  # hardware.collectives' convention (the full array for gathers and reductions)
+    nbytes: float  # hardware.collectives' convention (the full array for gathers and reductions), one op
     time_s: float
     exposed_s: float
+    count: int = 1  # ops of `nbytes` in time_s run one after another (ring steps, chain hops)
 
     @property
     def hidden_s(self) -> float:
@@ -203,13 +205,16 @@ class LayerCost:
         return tuple(c for c in self.fwd_comms if c.group != "dp")
 
 
-def layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe: bool,
-               chips_per_node: int) -> LayerCost:
-    """One layer's costs; memoised on the layout fields a layer sees (layouts differing only in pp,
-    schedule or ZeRO-0/1/2 share them, which keeps the search fast)."""
+def layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe, chips_per_node: int) -> LayerCost:
+    """One layer's costs; `moe` is the layer kind (planner.models: False dense, True MoE, or a pattern
+    character). Memoised on the layout fields a layer sees (layouts differing only in pp, schedule or
+    ZeRO-0/1/2 share them, which keeps the search fast)."""
     z3 = lay.zero_stage == 3
+    ssm_cp = lay.ssm_cp if m.has_ssm and lay.cp > 1 else "state"
     key = replace(lay, pp=1, pp_schedule="1f1b", virtual_stages=1, zero_stage=3 if z3 else 0,
-                  dp=lay.dp if z3 else lay.ep, grad_reduce_overlap=True)  # the smallest dp with this ep
+                  dp=lay.dp if z3 else lay.ep, grad_reduce_overlap=True, ssm_cp=ssm_cp)  # the smallest dp
+    if moe == MAMBA:
+        return _mamba_layer_cost(m, key, chip, dtype, chips_per_node)
     return _layer_cost(m, key, chip, dtype, moe, chips_per_node)
 
 
@@ -222,11 +227,14 @@ class _Gemm:
     batch: float = 1.0
 
 
-def _gemms(m: ModelSpec, lay: Layout, moe: bool, tokens: float) -> tuple[list[_Gemm], list[_Gemm]]:
-    """(attention projections, MLP) GEMMs of one layer's forward on one chip."""
+def _gemms(m: ModelSpec, lay: Layout, moe, tokens: float) -> tuple[list[_Gemm], list[_Gemm]]:
+    """(attention projections, MLP) GEMMs of one layer's forward on one chip; a pattern's attention
+    ("*") or MLP ("-") layer has only its half."""
     t, h, hd = lay.tp, m.hidden, m.head_dim_
     kv_local = max(1.0, m.kv_heads / t)  # tp > kv_heads keeps a whole KV head per rank (Megatron-LM)
-    if m.is_mla:
+    if moe == MLP:
+        attn = []
+    elif m.is_mla:
         qk = hd + m.rope_head_dim
         attn = ([_Gemm("q down", tokens, h, m.q_lora_rank), _Gemm("q up", tokens, m.q_lora_rank, m.heads * qk / t)]
                 if m.q_lora_rank else [_Gemm("q", tokens, h, m.heads * qk / t)])
@@ -236,13 +244,15 @@ def _gemms(m: ModelSpec, lay: Layout, moe: bool, tokens: float) -> tuple[list[_G
     else:
         attn = [_Gemm("qkv", tokens, h, (m.heads / t + 2 * kv_local) * hd),
                 _Gemm("o", tokens, m.heads * hd / t, h)]
+    if moe == ATTENTION:
+        return attn, []
     n_in = 2 if m.mlp == "swiglu" else 1
     ffn = m.ffn if moe else m.dense_ffn_
     mlp = []
-    dense_mats = m.shared_experts if moe else 1
+    dense_mats = m.shared_experts if moe is True else 1
     if dense_mats:
         mlp += [_Gemm("fc1", tokens, h, dense_mats * n_in * ffn / t), _Gemm("fc2", tokens, dense_mats * ffn / t, h)]
-    if moe:
+    if moe is True:
         # routed experts: T * top_k token copies over E / ep local experts (balanced routing), grouped
         local = m.experts / lay.ep
         rows = max(1.0, tokens * m.top_k * lay.ep / m.experts)
@@ -264,7 +274,7 @@ def _wgrad_s(chip, dtype, g: _Gemm) -> float:
     return g.batch * kernels.matmul_s(chip, dtype, g.k, g.m, g.n)
 
 
-def _elementwise(m: ModelSpec, lay: Layout, moe: bool, tokens: float, dtype: str,
+def _elementwise(m: ModelSpec, lay: Layout, moe, tokens: float, dtype: str,
                  gemms: list[_Gemm]) -> dict[str, float]:
     """HBM bytes of one layer's memory-bound ops on one chip, by kernel class and direction.
 
@@ -274,7 +284,8 @@ def _elementwise(m: ModelSpec, lay: Layout, moe: bool, tokens: float, dtype: str
         14h/sp, backward reads dy and the mask, writes dx: 10h/sp; bias-GELU over f: fwd 4f, bwd 6f.
       Llama recipe: 2 RMSNorms as above; 2 residual adds (read 2, write 1): 12h/sp both ways; rotary on
         q and k: 4 (N + K) H / t both ways; SwiGLU reads gate and up, writes their product: 6f, backward
-        reads gate, up and dy, writes two gradients: 10f.
+        reads gate, up and dy, writes two gradients: 10f; squared ReLU as GELU, 4f and 6f.
+      A pattern's attention or MLP layer has one norm and one residual add, and only its block's terms.
       fp8: every GEMM's activation input is cast (read 2 + write 1 bytes per element) forward, and its
         output gradient backward.
       MoE: the token copies are permuted to their experts and back: read + write 4 k h per token each
@@ -283,16 +294,21 @@ def _elementwise(m: ModelSpec, lay: Layout, moe: bool, tokens: float, dtype: str
     t = lay.tp
     sp = t if lay.sequence_parallel else 1
     h, hd = m.hidden, m.head_dim_
-    ffn = (m.ffn * (m.top_k + m.shared_experts) if moe else m.dense_ffn_) / t
-    out = {"norm_fwd": 2 * 4 * h / sp, "norm_bwd": 2 * 6 * h / sp}
-    if m.mlp == "gelu":
-        out["point_fwd"] = 14 * h / sp + 4 * ffn
-        out["point_bwd"] = 10 * h / sp + 6 * ffn
+    blocks = 1 if moe in (ATTENTION, MLP) else 2
+    if moe is True:
+        ffn = m.ffn * (m.top_k + m.shared_experts) / t
     else:
-        rope = 4 * (m.heads + m.kv_heads) * hd / t
-        out["point_fwd"] = 12 * h / sp + rope + 6 * ffn
-        out["point_bwd"] = 12 * h / sp + rope + 10 * ffn
-    if moe:
+        ffn = 0.0 if moe == ATTENTION else m.dense_ffn_ / t
+    out = {"norm_fwd": blocks * 4 * h / sp, "norm_bwd": blocks * 6 * h / sp}
+    if m.mlp == "gelu":
+        out["point_fwd"] = blocks * 7 * h / sp + 4 * ffn
+        out["point_bwd"] = blocks * 5 * h / sp + 6 * ffn
+    else:
+        rope = 4 * (m.heads + m.kv_heads) * hd / t if moe != MLP else 0.0
+        act_fwd, act_bwd = (6, 10) if m.mlp == "swiglu" else (4, 6)
+        out["point_fwd"] = blocks * 6 * h / sp + rope + act_fwd * ffn
+        out["point_bwd"] = blocks * 6 * h / sp + rope + act_bwd * ffn
+    if moe is True:
         out["point_fwd"] += 4 * m.top_k * h
         out["point_bwd"] += 4 * m.top_k * h
     out = {k: v * tokens for k, v in out.items()}
@@ -302,7 +318,74 @@ def _elementwise(m: ModelSpec, lay: Layout, moe: bool, tokens: float, dtype: str
     return out
 
 
-def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe: bool,
+def tp_collective_bytes(m: ModelSpec, lay: Layout) -> float:
+    """The array of one TP collective: the layer's activation In[T, D], T the chip's tokens of a micro-batch."""
+    return lay.micro_batch * m.seq_len / lay.cp * m.hidden * ACT_BYTES
+
+
+def _tp_comms(lay: Layout, topo: Topology, column: list[str], row: list[str], gemm_fwd: dict, gemm_dgrad: dict,
+              gemm_wgrad: dict, act_bytes: float) -> tuple[list[CommOp], list[CommOp]]:
+    """TP's collectives around the column-parallel GEMMs that read a region's input and the row-parallel
+    ones whose partial sums leave it (module docstring): (forward, backward)."""
+    t, overlap = lay.tp, lay.tp_comm_overlap
+    fwd: list[CommOp] = []
+    bwd: list[CommOp] = []
+    if lay.sequence_parallel:
+        ag, rs = comm_s(topo, "all_gather", act_bytes), comm_s(topo, "reduce_scatter", act_bytes)
+        for g in column:  # forward: all-gather the sequence, then the column GEMM
+            exp = pipelined_exposed_s(ag, gemm_fwd[g], t) if overlap else ag
+            fwd.append(CommOp("tp", f"tp all-gather ({g})", "all_gather", act_bytes, ag, exp))
+        for g in row:  # forward: the row GEMM's partial sums reduce-scattered
+            exp = pipelined_exposed_s(rs, gemm_fwd[g], t) if overlap else rs
+            fwd.append(CommOp("tp", f"tp reduce-scatter ({g})", "reduce_scatter", act_bytes, rs, exp))
+        for g in row:  # backward: the output gradient all-gathered before the dgrad GEMM
+            exp = pipelined_exposed_s(ag, gemm_dgrad[g], t) if overlap else ag
+            bwd.append(CommOp("tp", f"tp all-gather ({g} grad)", "all_gather", act_bytes, ag, exp))
+        for g in column:  # backward: input re-gathered under dgrad, its gradient reduced under wgrad
+            bwd.append(CommOp("tp", f"tp all-gather ({g} input)", "all_gather", act_bytes, ag,
+                              max(0.0, ag - gemm_dgrad[g])))
+            bwd.append(CommOp("tp", f"tp reduce-scatter ({g} grad)", "reduce_scatter", act_bytes, rs,
+                              max(0.0, rs - gemm_wgrad[g])))
+    else:
+        ar = comm_s(topo, "all_reduce", act_bytes)
+        for g in row:
+            fwd.append(CommOp("tp", f"tp all-reduce ({g})", "all_reduce", act_bytes, ar, ar))
+        for g in column:  # the input gradient's all-reduce under the wgrad GEMM (async TP all-reduce)
+            exp = max(0.0, ar - gemm_wgrad[g]) if overlap else ar
+            bwd.append(CommOp("tp", f"tp all-reduce ({g} grad)", "all_reduce", act_bytes, ar, exp))
+    return fwd, bwd
+
+
+def _zero3_comms(lay: Layout, chip: Chip, chips_per_node: int, lp, fwd_s: float, bwd_s: float,
+                 fwd_comms: list[CommOp], bwd_comms: list[CommOp]) -> tuple[CommOp, CommOp]:
+    """ZeRO-3's weight all-gathers and gradient reduce-scatter of one layer (module docstring)."""
+    t, cp = lay.tp, lay.cp
+    data = lay.mesh.group_stride(("dp", "cp", "ep"))  # every data-parallel rank of the dense layers
+    topo = topology(chip, lay.dp * cp, data, chips_per_node)
+    w_bytes = 2 * ((lp.attention + lp.mlp + lp.ssm) / t + lp.norms + lp.router)
+    w_bytes += 2 * lp.experts / (t * lay.ep)  # local experts, gathered over their own replicas
+    ag = comm_s(topo, "all_gather", w_bytes)
+    rs = comm_s(topo, "reduce_scatter", 2 * w_bytes)  # fp32 gradient reduction
+    # the ring of CP, when it runs on the same links, competes for the window
+    shared = lay.cp > 1 and crosses_network(cp, lay.mesh.stride("cp"), chip, chips_per_node) == \
+        crosses_network(lay.dp * cp, data, chip, chips_per_node)
+    fwd_window = fwd_s - (sum(c.time_s for c in fwd_comms if c.group == "cp") if shared else 0.0)
+    bwd_window = bwd_s - (sum(c.time_s for c in bwd_comms if c.group == "cp") if shared else 0.0)
+    overlap = lay.param_gather_overlap
+    return (CommOp("dp", "zero-3 all-gather", "all_gather", w_bytes, ag,
+                   max(0.0, ag - max(0.0, fwd_window)) if overlap else ag),
+            CommOp("dp", "zero-3 all-gather + reduce-scatter", "reduce_scatter", w_bytes, ag + rs,
+                   max(0.0, ag + rs - max(0.0, bwd_window)) if overlap else ag + rs))
+
+
+def ring_kv_bytes(m: ModelSpec, lay: Layout) -> float:
+    """One step of the CP ring: this chip's K and V shard (kv heads split by TP, whole heads kept)."""
+    tokens = lay.micro_batch * m.seq_len / lay.cp
+    kv_width = m.heads * m.head_dim_ if m.is_mla else m.kv_heads * m.head_dim_
+    return 2 * tokens * kv_width / min(lay.tp, m.kv_heads if not m.is_mla else lay.tp) * ACT_BYTES
+
+
+def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
                 chips_per_node: int) -> LayerCost:
     t, cp = lay.tp, lay.cp
     tokens = lay.micro_batch * m.seq_len / cp  # tokens of one micro-batch on this chip's sequence shard
@@ -312,10 +395,12 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe: bool,
     gemms = attn_g + mlp_g
 
     # Attention core: per head Q[T, qk] . K^T[qk, S] and P[T, S] . V[S, H] for T local queries
-    heads_local = m.heads / t
+    heads_local = m.heads / t if attn_g else 0.0
     qk_dim = hd + m.rope_head_dim
     score_flops = 2.0 * tokens * m.seq_len * heads_local * (qk_dim + hd)  # full square, forward
-    if lay.attention in kernels.FLASH_KERNELS:
+    if not attn_g:
+        attn_fwd_s = attn_bwd_s = 0.0
+    elif lay.attention in kernels.FLASH_KERNELS:
         attn_fwd_s, attn_bwd_s = kernels.flash_attention_s(chip, score_flops * CAUSAL_FLASH_FRACTION,
                                                            m.seq_len / cp, lay.attention)
     else:
@@ -347,77 +432,43 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe: bool,
     bwd_comms: list[CommOp] = []
 
     # -- TP ------------------------------------------------------------------------------------------------
-    act_bytes = tokens * h * ACT_BYTES
+    act_bytes = tp_collective_bytes(m, lay)
     if t > 1:
         topo = topology(chip, t, lay.mesh.stride("tp"), chips_per_node)
         # the GEMMs that read a region's input (entered once: q, k, v or gate and up share it) and those
         # whose partial sums leave it
-        column = [attn_g[0].name, "fc1" if "fc1" in gemm_fwd else "experts fc1"]
-        row = ["o", "fc2" if "fc2" in gemm_fwd else "experts fc2"]
-        overlap = lay.tp_comm_overlap
-        if lay.sequence_parallel:
-            ag, rs = comm_s(topo, "all_gather", act_bytes), comm_s(topo, "reduce_scatter", act_bytes)
-            for g in column:  # forward: all-gather the sequence, then the column GEMM
-                exp = pipelined_exposed_s(ag, gemm_fwd[g], t) if overlap else ag
-                fwd_comms.append(CommOp("tp", f"tp all-gather ({g})", "all_gather", act_bytes, ag, exp))
-            for g in row:  # forward: the row GEMM's partial sums reduce-scattered
-                exp = pipelined_exposed_s(rs, gemm_fwd[g], t) if overlap else rs
-                fwd_comms.append(CommOp("tp", f"tp reduce-scatter ({g})", "reduce_scatter", act_bytes, rs, exp))
-            for g in row:  # backward: the output gradient all-gathered before the dgrad GEMM
-                exp = pipelined_exposed_s(ag, gemm_dgrad[g], t) if overlap else ag
-                bwd_comms.append(CommOp("tp", f"tp all-gather ({g} grad)", "all_gather", act_bytes, ag, exp))
-            for g in column:  # backward: input re-gathered under dgrad, its gradient reduced under wgrad
-                bwd_comms.append(CommOp("tp", f"tp all-gather ({g} input)", "all_gather", act_bytes, ag,
-                                        max(0.0, ag - gemm_dgrad[g])))
-                bwd_comms.append(CommOp("tp", f"tp reduce-scatter ({g} grad)", "reduce_scatter", act_bytes, rs,
-                                        max(0.0, rs - gemm_wgrad[g])))
-        else:
-            ar = comm_s(topo, "all_reduce", act_bytes)
-            for g in row:
-                fwd_comms.append(CommOp("tp", f"tp all-reduce ({g})", "all_reduce", act_bytes, ar, ar))
-            for g in column:  # the input gradient's all-reduce under the wgrad GEMM (async TP all-reduce)
-                exp = max(0.0, ar - gemm_wgrad[g]) if overlap else ar
-                bwd_comms.append(CommOp("tp", f"tp all-reduce ({g} grad)", "all_reduce", act_bytes, ar, exp))
+        column = ([attn_g[0].name] if attn_g else []) + \
+            (["fc1" if "fc1" in gemm_fwd else "experts fc1"] if mlp_g else [])
+        row = (["o"] if attn_g else []) + (["fc2" if "fc2" in gemm_fwd else "experts fc2"] if mlp_g else [])
+        f, b = _tp_comms(lay, topo, column, row, gemm_fwd, gemm_dgrad, gemm_wgrad, act_bytes)
+        fwd_comms += f
+        bwd_comms += b
 
     # -- CP ring -----------------------------------------------------------------------------------------------
-    if cp > 1:
+    if cp > 1 and attn_g:
         topo = topology(chip, cp, lay.mesh.stride("cp"), chips_per_node)
-        kv_width = m.heads * hd if m.is_mla else m.kv_heads * hd
-        kv_bytes = 2 * tokens * kv_width / min(t, m.kv_heads if not m.is_mla else t) * ACT_BYTES
+        kv_bytes = ring_kv_bytes(m, lay)
         step = comm_s(topo, "p2p", kv_bytes)
         fwd_comms.append(CommOp("cp", "cp k/v ring", "p2p", kv_bytes, (cp - 1) * step,
-                                (cp - 1) * max(0.0, step - attn_fwd_s / cp)))
+                                (cp - 1) * max(0.0, step - attn_fwd_s / cp), cp - 1))
         bwd_comms.append(CommOp("cp", "cp k/v + dk/dv ring", "p2p", 2 * kv_bytes, (cp - 1) * 2 * step,
-                                (cp - 1) * max(0.0, 2 * step - attn_bwd_s / cp)))
+                                (cp - 1) * max(0.0, 2 * step - attn_bwd_s / cp), cp - 1))
 
     # -- EP ------------------------------------------------------------------------------------------------------
-    if moe and lay.ep > 1:
+    if moe is True and lay.ep > 1:
         topo = topology(chip, lay.ep, lay.mesh.stride("ep"), chips_per_node)
         rows_bytes = tokens * m.top_k * h * ACT_BYTES / t
         a2a = 2 * comm_s(topo, "all_to_all", rows_bytes)
         fwd_comms.append(CommOp("ep", "ep dispatch + combine", "all_to_all", rows_bytes, a2a,
-                                max(0.0, a2a - fwd_s) if lay.ep_comm_overlap else a2a))
+                                max(0.0, a2a - fwd_s) if lay.ep_comm_overlap else a2a, 2))
         bwd_comms.append(CommOp("ep", "ep dispatch + combine (grad)", "all_to_all", rows_bytes, a2a,
-                                max(0.0, a2a - bwd_s) if lay.ep_comm_overlap else a2a))
+                                max(0.0, a2a - bwd_s) if lay.ep_comm_overlap else a2a, 2))
 
     # -- ZeRO-3 / FSDP ---------------------------------------------------------------------------------------
     if lay.zero_stage == 3 and lay.dp * cp > 1:
-        data = lay.mesh.group_stride(("dp", "cp", "ep"))  # every data-parallel rank of the dense layers
-        topo = topology(chip, lay.dp * cp, data, chips_per_node)
-        w_bytes = 2 * ((lp.attention + lp.mlp) / t + lp.norms + lp.router)
-        w_bytes += 2 * lp.experts / (t * lay.ep)  # local experts, gathered over their own replicas
-        ag = comm_s(topo, "all_gather", w_bytes)
-        rs = comm_s(topo, "reduce_scatter", 2 * w_bytes)  # fp32 gradient reduction
-        # the ring of CP, when it runs on the same links, competes for the window
-        shared = lay.cp > 1 and crosses_network(cp, lay.mesh.stride("cp"), chip, chips_per_node) == \
-            crosses_network(lay.dp * cp, data, chip, chips_per_node)
-        fwd_window = fwd_s - (sum(c.time_s for c in fwd_comms if c.group == "cp") if shared else 0.0)
-        bwd_window = bwd_s - (sum(c.time_s for c in bwd_comms if c.group == "cp") if shared else 0.0)
-        overlap = lay.param_gather_overlap
-        fwd_comms.append(CommOp("dp", "zero-3 all-gather", "all_gather", w_bytes, ag,
-                                max(0.0, ag - max(0.0, fwd_window)) if overlap else ag))
-        bwd_comms.append(CommOp("dp", "zero-3 all-gather + reduce-scatter", "reduce_scatter", w_bytes, ag + rs,
-                                max(0.0, ag + rs - max(0.0, bwd_window)) if overlap else ag + rs))
+        zf, zb = _zero3_comms(lay, chip, chips_per_node, lp, fwd_s, bwd_s, fwd_comms, bwd_comms)
+        fwd_comms.append(zf)
+        bwd_comms.append(zb)
 
     fwd_s += OVERLAP_SLOWDOWN * sum(c.hidden_s for c in fwd_comms)
     bwd_s += OVERLAP_SLOWDOWN * sum(c.hidden_s for c in bwd_comms)
@@ -433,8 +484,150 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe: bool,
         recompute_s = 0.0
 
     flops = 2.0 * tokens * (lp.attention + lp.mlp) / t + score_flops
-    if moe:
+    if moe is True:
         flops += 2.0 * tokens * m.top_k * lp.experts / m.experts / t
+    return LayerCost(fwd_s, bwd_s, recompute_s, tuple(fwd_comms), tuple(bwd_comms), flops, act_bytes, wgrad_s)
+
+
+STATE_BYTES = 4  # SSD states are kept and passed in fp32 (mamba_ssm ssd_combined: states_in_fp32=True)
+
+
+def ssm_state_bytes(m: ModelSpec, lay: Layout) -> float:
+    """One hop of the CP state chain: the final SSM state of this chip's slice, H/t x P x N per sequence."""
+    return lay.micro_batch * m.ssm_heads / lay.tp * m.ssm_head_dim * m.ssm_state * STATE_BYTES
+
+
+def ssm_halo_bytes(m: ModelSpec, lay: Layout) -> float:
+    """The causal conv's halo: the previous slice's last (conv - 1) positions of xBC's local channels."""
+    channels = (m.ssm_inner + 2 * m.ssm_groups * m.ssm_state) / lay.tp
+    return lay.micro_batch * (m.ssm_conv - 1) * channels * ACT_BYTES
+
+
+def ssm_alltoall_bytes(m: ModelSpec, lay: Layout) -> tuple[float, float]:
+    """(in, out) buffers of the CP all-to-alls on one chip: xBC and dt into the scan, y out of it, for
+    the chip's T tokens and local channels (hardware.collectives' convention: the local buffer)."""
+    tokens = lay.micro_batch * m.seq_len / lay.cp
+    xbc_dt = (m.ssm_inner + 2 * m.ssm_groups * m.ssm_state + m.ssm_heads) / lay.tp
+    return tokens * xbc_dt * ACT_BYTES, tokens * m.ssm_inner / lay.tp * ACT_BYTES
+
+
+def _bmm_s(chip: Chip, rows: float, k: float, n: float) -> float:
+    """A batched bf16 GEMM whose tiles spread over its batch as well as its rows: the chip fills as for
+    one GEMM of batch x M rows (the tile grid is the same), each tile still running K deep."""
+    return kernels.matmul_s(chip, "bf16", rows, k, n)
+
+
+def _mamba_layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chips_per_node: int) -> LayerCost:
+    """One Mamba-2 layer (planner.models), In[T, D] with T = micro_batch * seq_len / cp and t = tp:
+
+        in_proj   In[T, D] . W[D, (2e + 2GN + H) / t]       out_proj  Y[T, e / t] . W[e / t, D]
+        conv      depthwise over (e + 2GN) / t channels: memory-bound (read + write, SiLU fused)
+        SSD       `flops.ssd_matmuls` as batched GEMMs over the chunks and local heads / groups (the
+                  Triton kernels are tensor-core bmms: mamba_ssm `_bmm_chunk_fwd`, `_chunk_state_fwd`,
+                  `_chunk_scan_fwd`), against the bytes those kernels move through HBM (roofline: the
+                  slower of the two); the backward runs each bmm's two gradient bmms and rebuilds the
+                  chunk states once more (mamba_ssm's `_mamba_chunk_scan_combined_bwd`), moving about
+                  twice the forward's bytes
+        norms     the pre-norm (RMSNorm over D) and the gated RMSNorm over e / t: fwd reads y, z and
+                  writes 6e/t bytes per token, bwd reads y, z, dy and writes two gradients, 10e/t
+
+    Communication:
+    * TP (Dao & Gu 2024 sec. 8.1): heads and whole groups per rank, so in_proj is column-parallel and
+      out_proj row-parallel: one all-reduce forward, one backward, of In[T, D]; with SP the same
+      all-gather / reduce-scatter pair as a Transformer block (`_tp_comms`).
+    * CP "state": each rank scans its slice from a zero state; the true incoming state then passes
+      rank to rank in sequence order, H/t x P x N fp32 per sequence per hop, cp - 1 hops in a chain
+      no compute can hide (each rank waits for the previous one's state before it can pass on its
+      own); each rank then adds C . (decay h_in) to its outputs (one more state-output bmm). The conv
+      needs the previous slice's last conv - 1 positions (one hop, all ranks at once). Backward: the
+      state gradients chain back the other way, and the halo's gradient returns.
+    * CP "alltoall" (Megatron-Core's Mamba context parallel; Ulysses-style, Jacobs et al. 2023):
+      xBC and dt go from sequence-sharded to head-sharded before the conv and the scan, y comes back
+      after; two all-to-alls forward and two backward, on the critical path.
+    * ZeRO-3 as for any layer (`_zero3_comms`)."""
+    t, cp, b = lay.tp, lay.cp, lay.micro_batch
+    tokens = b * m.seq_len / cp
+    h, e, g, n, p = m.hidden, m.ssm_inner, m.ssm_groups, m.ssm_state, m.ssm_head_dim
+    lp = layer_params(m, MAMBA)
+    alltoall = cp > 1 and lay.ssm_cp == "alltoall"
+    gemms = [_Gemm("in_proj", tokens, h, (2 * e + 2 * g * n + m.ssm_heads) / t), _Gemm("out_proj", tokens, e / t, h)]
+    gemm_fwd = {x.name: _fwd_s(chip, dtype, x) for x in gemms}
+    gemm_dgrad = {x.name: _dgrad_s(chip, dtype, x) for x in gemms}
+    gemm_wgrad = {x.name: _wgrad_s(chip, dtype, x) for x in gemms}
+
+    # the scan: the state variant runs the local slice with H/t heads; the all-to-all one the whole
+    # sequence with H/(t cp) heads (the same work)
+    seq = m.seq_len if alltoall else m.seq_len / cp
+    split = t * cp if alltoall else t
+    q = ssd_chunk(m, int(seq))
+    chunks = b * seq / q
+    heads, groups = m.ssm_heads / split, g / split
+    count = {"head": heads, "group": groups}
+    bmms = [_Gemm(mm.name, mm.rows, mm.inner, mm.cols, chunks * count[mm.per]) for mm in ssd_matmuls(m, int(seq))]
+    if cp > 1 and not alltoall:
+        bmms.append(_Gemm("cp state correction C.h_in", q, n, p, chunks * heads))
+    # HBM bytes of the forward kernels: x, B, C, dt read by both the chunk-state and the chunk-scan
+    # kernel, y written; C.B^T written and read back; the fp32 chunk states written, read and rewritten
+    # by the state passing, read by the scan
+    scan_tokens = b * seq
+    scan_bytes = (ACT_BYTES * scan_tokens * (2 * (p * heads + 2 * n * groups + heads) + p * heads)
+                  + 2 * ACT_BYTES * chunks * groups * q * q + 4 * STATE_BYTES * chunks * heads * p * n)
+    scan_fwd_s = max(sum(_bmm_s(chip, x.batch * x.m, x.k, x.n) for x in bmms), kernels.pointwise_s(chip, scan_bytes))
+    grads = sum(_bmm_s(chip, x.batch * x.m, x.n, x.k) + _bmm_s(chip, x.batch * x.k, x.m, x.n) for x in bmms)
+    rebuild = _bmm_s(chip, bmms[2].batch * bmms[2].m, bmms[2].k, bmms[2].n)  # the chunk states, recomputed
+    scan_bwd_s = max(grads + rebuild, kernels.pointwise_s(chip, 2 * scan_bytes))
+
+    sp = t if lay.sequence_parallel else 1
+    conv_channels = (e + 2 * g * n) / t
+    norm_fwd = tokens * (4 * h / sp + 6 * e / t)
+    norm_bwd = tokens * (6 * h / sp + 10 * e / t)
+    point_fwd = tokens * (6 * h / sp + 4 * conv_channels)  # residual add; conv read + write
+    point_bwd = tokens * (6 * h / sp + 6 * conv_channels)  # conv: read x and dy, write dx
+    if dtype == "fp8":
+        point_fwd += sum(3 * x.m * x.k for x in gemms)
+        point_bwd += sum(3 * x.m * x.n for x in gemms)
+    ew_fwd_s = kernels.norm_s(chip, norm_fwd) + kernels.pointwise_s(chip, point_fwd)
+    ew_bwd_s = kernels.norm_s(chip, norm_bwd, backward=True) + kernels.pointwise_s(chip, point_bwd)
+
+    fwd_s = sum(gemm_fwd.values()) + scan_fwd_s + ew_fwd_s
+    wgrad_s = sum(gemm_wgrad.values())
+    bwd_s = sum(gemm_dgrad.values()) + wgrad_s + scan_bwd_s + ew_bwd_s
+
+    fwd_comms: list[CommOp] = []
+    bwd_comms: list[CommOp] = []
+    act_bytes = tp_collective_bytes(m, lay)
+    if t > 1:
+        topo = topology(chip, t, lay.mesh.stride("tp"), chips_per_node)
+        f, bw = _tp_comms(lay, topo, ["in_proj"], ["out_proj"], gemm_fwd, gemm_dgrad, gemm_wgrad, act_bytes)
+        fwd_comms += f
+        bwd_comms += bw
+    if cp > 1:
+        topo = topology(chip, cp, lay.mesh.stride("cp"), chips_per_node)
+        if alltoall:
+            into, out = ssm_alltoall_bytes(m, lay)
+            a_in, a_out = comm_s(topo, "all_to_all", into), comm_s(topo, "all_to_all", out)
+            fwd_comms += [CommOp("cp", "cp all-to-all xBC, dt (sequence -> heads)", "all_to_all", into, a_in, a_in),
+                          CommOp("cp", "cp all-to-all y (heads -> sequence)", "all_to_all", out, a_out, a_out)]
+            bwd_comms += [CommOp("cp", "cp all-to-all dy (sequence -> heads)", "all_to_all", out, a_out, a_out),
+                          CommOp("cp", "cp all-to-all dxBC, ddt (heads -> sequence)", "all_to_all", into, a_in,
+                                 a_in)]
+        else:
+            hop_bytes, halo_bytes = ssm_state_bytes(m, lay), ssm_halo_bytes(m, lay)
+            chain = (cp - 1) * comm_s(topo, "p2p", hop_bytes)
+            halo = comm_s(topo, "p2p", halo_bytes)
+            fwd_comms += [CommOp("cp", "cp conv halo", "p2p", halo_bytes, halo, halo),
+                          CommOp("cp", "cp ssm state chain", "p2p", hop_bytes, chain, chain, cp - 1)]
+            bwd_comms += [CommOp("cp", "cp ssm state-gradient chain", "p2p", hop_bytes, chain, chain, cp - 1),
+                          CommOp("cp", "cp conv halo (grad)", "p2p", halo_bytes, halo, halo)]
+    if lay.zero_stage == 3 and lay.dp * cp > 1:
+        zf, zb = _zero3_comms(lay, chip, chips_per_node, lp, fwd_s, bwd_s, fwd_comms, bwd_comms)
+        fwd_comms.append(zf)
+        bwd_comms.append(zb)
+
+    fwd_s += OVERLAP_SLOWDOWN * sum(c.hidden_s for c in fwd_comms)
+    bwd_s += OVERLAP_SLOWDOWN * sum(c.hidden_s for c in bwd_comms)
+    recompute_s = {"full": fwd_s, "selective": ew_fwd_s}.get(lay.recompute, 0.0)
+    flops = tokens * layer_forward_flops_per_token(m, MAMBA) / t
     return LayerCost(fwd_s, bwd_s, recompute_s, tuple(fwd_comms), tuple(bwd_comms), flops, act_bytes, wgrad_s)
 
 

@@ -56,8 +56,13 @@ def explain(res: StepResult, best: StepResult | None = None) -> list[str]:
                      f"{reason}; the bubble costs {_pct(bd['bubble'], step)} and the sends "
                      f"{_pct(bd['pp_comm'], step)}.")
     if lay.cp > 1:
+        if m.has_ssm:
+            ssm = {"state": "the SSM state chain", "alltoall": "the SSM all-to-alls"}[lay.ssm_cp]
+            comm = f"{ssm} and the K/V ring show" if m.attention_layers else f"{ssm} shows"
+        else:
+            comm = "the K/V ring shows"
         words.append(f"CP={lay.cp} splits each {m.seq_len}-token sequence into {m.seq_len // lay.cp}-token "
-                     f"shards; the K/V ring shows {_pct(bd['cp_comm'], step)}.")
+                     f"shards; {comm} {_pct(bd['cp_comm'], step)}.")
     if lay.ep > 1:
         local = m.experts // lay.ep
         experts = f"{local} expert{'s' if local != 1 else ''}"

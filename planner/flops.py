@@ -14,6 +14,13 @@ Definitions (Chowdhery et al. 2022, PaLM, Appendix B):
   ignored, as Narayanan et al. 2021 (eq. 3) does; the simulator separately knows that a causal
   flash-attention kernel skips about half of that work. `causal=True` gives the other convention
   (half the square); at long context the two MFUs differ a lot (128K tokens: ~1.4x for Llama 3 405B).
+* Mamba-2 layers (Dao & Gu 2024, arXiv 2405.21060): their projections are weight matmuls like any
+  other; the SSD scan's chunk matmuls and the depthwise conv are counted like attention's score FLOPs,
+  per layer, in `ssm_flops_per_token`. They are linear in the sequence: per token they depend on the
+  chunk length Q, not on S.
+
+Every total is a sum over the layers' kinds (`ModelSpec.layer_kinds`), so a hybrid's total is the sum
+over its pattern of the per-layer functions.
 """
 
 from __future__ import annotations
@@ -21,22 +28,59 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from planner.models import ModelSpec
+from planner.models import ATTENTION, MAMBA, MLP, ModelSpec
 
 
 @dataclass(frozen=True)
 class LayerParams:
-    """Parameters of one Transformer layer, split by how they shard."""
+    """Parameters of one layer, split by how they shard."""
 
     attention: int  # Q, K, V, O projections (sharded by TP)
     mlp: int  # dense MLP, or the shared experts of an MoE layer (sharded by TP)
     experts: int  # routed experts (sharded by EP, then TP)
     router: int  # MoE gate (replicated)
     norms: int  # norm scales/biases and projection biases (replicated across TP)
+    ssm: int = 0  # the Mamba-2 mixer (`MambaParams`), sharded by TP by heads and groups
 
     @property
     def total(self) -> int:
-        return self.attention + self.mlp + self.experts + self.router + self.norms
+        return self.attention + self.mlp + self.experts + self.router + self.norms + self.ssm
+
+
+@dataclass(frozen=True)
+class MambaParams:
+    """One Mamba-2 mixer (mamba_ssm `Mamba2`; Dao & Gu 2024 sec. 7.1, Figure 6), d = D hidden,
+    e = d_inner, H heads, G groups, N state, K conv width:
+
+        in_proj   In[T, D] . W[D, 2e + 2GN + H]     -> z (e), xBC (e + 2GN), dt (H)
+        conv1d    depthwise over the e + 2GN channels of xBC: K weights + 1 bias each
+        per head  dt_bias, A_log, D (the skip)      -> 3H
+        norm      the gated RMSNorm over e (scale only)
+        out_proj  In[T, e] . W[e, D]
+
+    With TP t (sec. 8.1) every part splits: heads and groups go to ranks whole (t | G), so in_proj is
+    column-parallel, the conv, the per-head vectors and the group-wise norm split with their channels,
+    and out_proj is row-parallel. Only the layer's pre-norm (in `LayerParams.norms`) is replicated."""
+
+    in_proj: int
+    conv: int
+    heads: int
+    norm: int
+    out_proj: int
+
+    @property
+    def matmul(self) -> int:
+        return self.in_proj + self.out_proj
+
+    @property
+    def total(self) -> int:
+        return self.in_proj + self.conv + self.heads + self.norm + self.out_proj
+
+
+def mamba_params(m: ModelSpec) -> MambaParams:
+    d, e, n, g, h = m.hidden, m.ssm_inner, m.ssm_state, m.ssm_groups, m.ssm_heads
+    conv_channels = e + 2 * g * n
+    return MambaParams(d * (2 * e + 2 * g * n + h), conv_channels * (m.ssm_conv + 1), 3 * h, e, e * d)
 
 
 def _mlp_params(m: ModelSpec, ffn: int) -> int:
@@ -64,9 +108,17 @@ def kv_projection_params(m: ModelSpec) -> int:
 
 
 @lru_cache(maxsize=256)
-def layer_params(m: ModelSpec, moe: bool) -> LayerParams:
-    """One layer's parameters; `moe` picks an MoE layer, else a dense one."""
+def layer_params(m: ModelSpec, kind) -> LayerParams:
+    """One layer's parameters; `kind` (planner.models): False dense, True MoE, or a pattern character."""
     d = m.hidden
+    # a pattern layer is one pre-norm (RMSNorm, no biases: Mamba-2, Nemotron-H) and one block
+    if kind == MAMBA:
+        return LayerParams(0, 0, 0, 0, d, mamba_params(m).total)
+    if kind == ATTENTION:
+        return LayerParams(attention_params(m), 0, 0, 0, d)
+    if kind == MLP:
+        return LayerParams(0, _mlp_params(m, m.ffn), 0, 0, d)
+    moe = kind
     gpt = m.mlp == "gelu"
     # GPT recipe: LayerNorm (scale + bias) x2 and biases on every projection; Llama recipe: RMSNorm x2
     norms = 4 * d if gpt else 2 * d
@@ -86,40 +138,121 @@ def embedding_params(m: ModelSpec) -> int:
     return m.vocab * m.hidden * (1 if m.tied_embeddings else 2) + pos + m.hidden  # + final norm
 
 
+@lru_cache(maxsize=256)
+def kind_counts(m: ModelSpec) -> tuple:
+    """((kind, number of layers), ...) in order of first appearance."""
+    kinds = m.layer_kinds
+    return tuple((k, kinds.count(k)) for k in m.kinds)
+
+
 def total_params(m: ModelSpec) -> int:
-    dense = m.layers - m.moe_layers
-    return (dense * layer_params(m, False).total + m.moe_layers * layer_params(m, True).total
-            + embedding_params(m))
+    return sum(n * layer_params(m, k).total for k, n in kind_counts(m)) + embedding_params(m)
 
 
 def active_params(m: ModelSpec) -> int:
     """Parameters one token passes through: routed experts count top_k of E (DeepSeek's "37B active")."""
-    moe = layer_params(m, True)
-    moe_active = moe.total - moe.experts + (moe.experts // m.experts) * m.top_k if m.is_moe else 0
-    dense = m.layers - m.moe_layers
-    return dense * layer_params(m, False).total + m.moe_layers * moe_active + embedding_params(m)
+    def active(k) -> int:
+        lp = layer_params(m, k)
+        return lp.total - lp.experts + (lp.experts // m.experts) * m.top_k if lp.experts else lp.total
+
+    return sum(n * active(k) for k, n in kind_counts(m)) + embedding_params(m)
+
+
+def layer_matmul_params(m: ModelSpec, kind) -> int:
+    """Weights one token multiplies by in one layer of `kind` (top_k of the routed experts)."""
+    lp = layer_params(m, kind)
+    per_expert = lp.experts // m.experts if lp.experts else 0
+    ssm = mamba_params(m).matmul if kind == MAMBA else 0
+    return lp.attention + lp.mlp + per_expert * m.top_k + lp.router + ssm
 
 
 def matmul_flops_per_token(m: ModelSpec) -> float:
     """Forward FLOPs per token of every weight matmul (2 per weight used), logits included."""
-    moe = layer_params(m, True)
-    dense = layer_params(m, False)
-    per_expert = moe.experts // m.experts if m.is_moe else 0
-    moe_w = moe.attention + moe.mlp + per_expert * m.top_k + moe.router
-    dense_w = dense.attention + dense.mlp
-    return 2.0 * ((m.layers - m.moe_layers) * dense_w + m.moe_layers * moe_w + m.vocab * m.hidden)
+    return 2.0 * (sum(n * layer_matmul_params(m, k) for k, n in kind_counts(m)) + m.vocab * m.hidden)
+
+
+def layer_attention_flops_per_token(m: ModelSpec, seq_len: int | None = None) -> float:
+    """One attention layer's forward Q.K^T and P.V FLOPs per token, full S x S square (Narayanan et al.
+    2021 eq. 3): 2 S N (qk + H), growing with the sequence."""
+    s = seq_len or m.seq_len
+    qk = m.head_dim_ + m.rope_head_dim
+    return 2.0 * s * m.heads * (qk + m.head_dim_)
 
 
 def attention_flops_per_token(m: ModelSpec, seq_len: int | None = None) -> float:
-    """Forward Q.K^T and P.V FLOPs per token over the full S x S square (Narayanan et al. 2021 eq. 3)."""
-    s = seq_len or m.seq_len
-    qk = m.head_dim_ + m.rope_head_dim
-    return 2.0 * s * m.heads * (qk + m.head_dim_) * m.layers
+    """Every attention layer's score FLOPs per token (see `layer_attention_flops_per_token`)."""
+    return layer_attention_flops_per_token(m, seq_len) * m.attention_layers
+
+
+def ssd_chunk(m: ModelSpec, seq_len: int | None = None) -> int:
+    """The SSD chunk length Q a sequence runs with: a sequence shorter than one chunk is one chunk."""
+    return min(m.ssm_chunk, seq_len or m.seq_len)
+
+
+@dataclass(frozen=True)
+class SsdMatmul:
+    """One of the chunked SSD algorithm's matmuls, once per chunk per head (or per group):
+    In[rows, inner] . W[inner, cols]."""
+
+    name: str
+    per: str  # "head" or "group"
+    rows: int
+    inner: int
+    cols: int
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.rows * self.inner * self.cols
+
+
+def ssd_matmuls(m: ModelSpec, seq_len: int | None = None) -> tuple[SsdMatmul, ...]:
+    """Dao & Gu 2024 sec. 6 and Listing 1 (`ssd_minimal_discrete`), chunk length Q, state N, head dim P:
+    within each chunk the scores C . B^T (Q x Q, once per group: mamba_ssm's `_bmm_chunk_fwd` takes
+    the groups' B and C), masked by the decays and applied to x (per head); each chunk's final state
+    B^T . x (N x P per head); after the recurrence over chunks, each chunk's incoming state read out
+    as C . h (per head). The masks and decays are elementwise and not counted."""
+    q, n, p = ssd_chunk(m, seq_len), m.ssm_state, m.ssm_head_dim
+    return (SsdMatmul("ssd scores C.B^T", "group", q, n, q),
+            SsdMatmul("ssd intra-chunk output", "head", q, q, p),
+            SsdMatmul("ssd chunk states B^T.x", "head", n, q, p),
+            SsdMatmul("ssd state output C.h", "head", q, n, p))
+
+
+def ssm_layer_flops_per_token(m: ModelSpec, seq_len: int | None = None) -> float:
+    """One Mamba-2 layer's forward FLOPs per token besides its projections: the SSD chunk matmuls
+    (`ssd_matmuls`, each once per chunk of Q tokens), the state recurrence between chunks (h = a h + s:
+    2 N P per head per chunk) and the depthwise conv (2 K per channel of xBC). Per token that is
+    2 Q (N G + P H) + 4 N P H + 2 N P H / Q + 2 K (e + 2 G N): linear in S, quadratic only in Q."""
+    q = ssd_chunk(m, seq_len)
+    count = {"head": m.ssm_heads, "group": m.ssm_groups}
+    chunk = sum(mm.flops * count[mm.per] for mm in ssd_matmuls(m, seq_len))
+    recurrence = 2.0 * m.ssm_state * m.ssm_head_dim * m.ssm_heads
+    conv = 2.0 * m.ssm_conv * (m.ssm_inner + 2 * m.ssm_groups * m.ssm_state)
+    return (chunk + recurrence) / q + conv
+
+
+def ssm_flops_per_token(m: ModelSpec, seq_len: int | None = None) -> float:
+    """Every Mamba-2 layer's scan and conv FLOPs per token (see `ssm_layer_flops_per_token`)."""
+    layers = m.layer_pattern.count(MAMBA)
+    return ssm_layer_flops_per_token(m, seq_len) * layers if layers else 0.0
+
+
+def layer_forward_flops_per_token(m: ModelSpec, kind, seq_len: int | None = None,
+                                  causal: bool = False) -> float:
+    """Forward FLOPs per token of one layer of `kind`: its weight matmuls, attention's scores, the SSD
+    scan; the model's forward is the sum over its layers plus the logits."""
+    flops = 2.0 * layer_matmul_params(m, kind)
+    if kind in (False, True, ATTENTION):
+        flops += layer_attention_flops_per_token(m, seq_len) * (0.5 if causal else 1.0)
+    if kind == MAMBA:
+        flops += ssm_layer_flops_per_token(m, seq_len)
+    return flops
 
 
 def forward_flops(m: ModelSpec, tokens: float, causal: bool = False) -> float:
     """`causal` counts only the unmasked half of the attention square (the other common convention)."""
-    return tokens * (matmul_flops_per_token(m) + attention_flops_per_token(m) * (0.5 if causal else 1.0))
+    return tokens * (matmul_flops_per_token(m) + attention_flops_per_token(m) * (0.5 if causal else 1.0)
+                     + ssm_flops_per_token(m))
 
 
 def model_flops(m: ModelSpec, tokens: float, causal: bool = False) -> float:
@@ -133,7 +266,7 @@ def hardware_flops(m: ModelSpec, tokens: float, recompute: str) -> float:
     full: every layer's forward again (the logits are not recomputed); selective: only the attention
     score/softmax part (Korthikanti et al. 2022, sec. 4.2).
     """
-    layers_fwd = tokens * (matmul_flops_per_token(m) - 2.0 * m.vocab * m.hidden)
+    layers_fwd = tokens * (matmul_flops_per_token(m) - 2.0 * m.vocab * m.hidden + ssm_flops_per_token(m))
     attn_fwd = tokens * attention_flops_per_token(m)
     if recompute == "full":
         return model_flops(m, tokens) + layers_fwd + attn_fwd

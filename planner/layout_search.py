@@ -17,6 +17,8 @@ Pruning, each rule exact within the simulator's model (so the search is complete
   tp > 1 moves the same bytes as plain TP and keeps and moves less through HBM, so SP on dominates;
   (d) GPipe has 1F1B's bubble and more memory, so 1F1B dominates; (e) TP stays inside one scale-up
   domain (NVLink node; TPU: the chip's scale-up domain) unless the case fixes it.
+* Mamba-2 layers: tp must divide ssm_groups (and the SSM heads); with cp > 1 both CP variants are
+  simulated (`training.ssm_cp`), the all-to-all one only where tp * cp divides the heads and groups.
   tests/planner/test_search.py checks (b)-(d) against brute force on small cases.
 
 How others search (for contrast): Alpa (Zheng et al. 2022) splits the problem into an inter-operator
@@ -30,6 +32,7 @@ enough to enumerate outright: no relaxation or heuristic is needed, hence comple
 from __future__ import annotations
 
 import bisect
+import itertools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -37,7 +40,7 @@ from dataclasses import dataclass, replace
 from hardware.chips import Chip, get_chip
 from hardware.kernels import FLASH_KERNELS
 from planner import costs
-from planner.case import Case, Layout, layout_tp_ok, recipe
+from planner.case import SSM_CP, Case, Layout, layout_tp_ok, recipe, ssm_alltoall_ok
 from planner.memory import memory_per_chip, stage_layer_ranges
 from planner.models import SpecError
 from planner.simulate import StepResult, pipeline_p2p_s, simulate, usable_hbm_bytes
@@ -124,9 +127,18 @@ def candidate_layouts(case: Case, chip: Chip) -> Iterator[Layout]:
                     continue
                 for sched, v in _schedules(case, pp, per_replica // b):
                     sps = [t.sequence_parallel] if t.sequence_parallel is not None else [tp > 1]
-                    for sp in sps:
+                    for sp, ssm_cp in itertools.product(sps, _ssm_cp_variants(case, tp, cp)):
                         yield Layout(dp, tp, pp, cp, ep, sched, v, b, 0, "none", bool(sp and tp > 1),
-                                     **how)
+                                     **how, ssm_cp=ssm_cp)
+
+
+def _ssm_cp_variants(case: Case, tp: int, cp: int) -> list[str]:
+    """How Mamba-2 layers run CP on this mesh: both variants where they differ and apply."""
+    m, fixed = case.model, case.training.ssm_cp
+    if not m.has_ssm or cp == 1:
+        return [fixed or "state"]
+    options = [fixed] if fixed else list(SSM_CP)
+    return [o for o in options if o != "alltoall" or ssm_alltoall_ok(m, tp, cp)]
 
 
 def _fitting_variants(case: Case, lay: Layout, hbm: float) -> Iterator[Layout]:
@@ -160,7 +172,7 @@ def lower_bound_s(case: Case, lay: Layout, chip: Chip) -> float:
     base = replace(lay, zero_stage=0, recompute="none")
     c = min(lc.fwd_compute_s + lc.bwd_compute_s + lc.tp_fwd_s + lc.tp_bwd_s + lc.cp_fwd_s + lc.cp_bwd_s
             + lc.ep_fwd_s + lc.ep_bwd_s
-            for lc in (costs.layer_cost(m, base, chip, t.dtype, moe, node) for moe in {False, m.is_moe}))
+            for lc in (costs.layer_cost(m, base, chip, t.dtype, kind, node) for kind in m.kinds))
     p2p = pipeline_p2p_s(m, lay, chip, node)
     ranges = stage_layer_ranges(m.layers, lay.pp, lay.virtual_stages)
     layers = [sum(n for _, n in chunks) for chunks in ranges]

@@ -10,6 +10,9 @@ Sources:
   5as/h); selective recompute + SP: 34 sbh/t; full recompute: 2sbh (the layer input only).
   `layer_activation_bytes` generalises the terms to GQA, SwiGLU, MoE, CP and FlashAttention and
   reduces to those forms for GPT shapes (tests check it).
+* Mamba-2 layers (`mamba_activation_terms`): the tensors Megatron-Core's MambaMixer (TE's fused
+  pre-norm + in_proj, then mamba_ssm's causal conv and `mamba_chunk_scan_combined`, the gated RMSNorm,
+  out_proj) keeps for backward, named term by term; what is an estimate is said there.
 * Pipeline in-flight micro-batches (Narayanan et al. 2021 sec. 2.2; Korthikanti et al. 2022 sec. 4.2.3):
   1F1B stage i holds min(p - i, m) micro-batches, so the first stage holds p; the interleaved schedule
   holds p * (1 + (p-1)/(p v)) stage-sized micro-batches on the first stage.
@@ -22,8 +25,8 @@ from functools import lru_cache
 from itertools import accumulate
 
 from planner.case import Layout
-from planner.flops import embedding_params, kv_projection_params, layer_params
-from planner.models import ModelSpec
+from planner.flops import embedding_params, kv_projection_params, layer_params, ssd_chunk
+from planner.models import ATTENTION, MAMBA, MLP, ModelSpec
 
 WEIGHT_BYTES = 2  # bf16/fp16 weights (fp8 training keeps bf16 master copies of the working weights)
 GRAD_BYTES = 2
@@ -84,8 +87,40 @@ def in_flight_layers(stage: int, lay: Layout, micro_batches: int, chunk_layers: 
     return total
 
 
-def layer_activation_bytes(m: ModelSpec, lay: Layout, moe: bool, *, recompute: str | None = None) -> float:
-    """Activation bytes one layer keeps for backward, for one micro-batch on one chip.
+def mamba_activation_terms(m: ModelSpec, lay: Layout) -> dict[str, float]:
+    """Bytes one Mamba-2 layer keeps for backward, for one micro-batch on one chip, by tensor (bf16 unless
+    said; sb = micro_batch * seq_len / cp tokens, t = tp, e = d_inner, H heads, G groups, N state, P head
+    dim; the replicated terms split by t with sequence parallelism):
+
+      layer input (pre-norm backward) and the normed input (in_proj's weight gradient)   2 x 2sbD
+      in_proj output zxBCdt (the conv's input, the gate z, dt)                           2sb(2e + 2GN + H)/t
+      conv output xBC after SiLU (the scan's x, B, C)                                    2sb(e + 2GN)/t
+      dt's cumulative decays dA_cumsum, fp32 (mamba_ssm `MambaChunkScanCombinedFn`)      4sbH/t
+      chunk states, fp32: (sb / Q) chunks x H x P x N                                    4 (sb/Q) H P N / t
+      scan output y (the gated norm's input) and the norm's output (out_proj's input)    2 x 2sbe/t
+      the norm's per-group reciprocal RMS, fp32                                          4sbG/t
+
+    The chunk states are an estimate on the high side: mamba_ssm's fused chunk-scan saves x, B, C, dt
+    and dA_cumsum and rebuilds the states in its backward, so they need not be held for every layer;
+    they are counted because they are the tensor the CP state passing hands on (planner.costs)."""
+    t, cp = lay.tp, lay.cp
+    sb = lay.micro_batch * m.seq_len / cp
+    sp_div = t if lay.sequence_parallel else 1
+    e, g, n, h = m.ssm_inner, m.ssm_groups, m.ssm_state, m.ssm_heads
+    return {
+        "layer input + normed input": 2 * 2 * sb * m.hidden / sp_div,
+        "in_proj output zxBCdt": 2 * sb * (2 * e + 2 * g * n + h) / t,
+        "conv output xBC": 2 * sb * (e + 2 * g * n) / t,
+        "dA_cumsum (fp32)": 4 * sb * h / t,
+        "chunk states (fp32)": 4 * sb / ssd_chunk(m) * h * m.ssm_head_dim * n / t,
+        "scan output y + norm output": 2 * 2 * sb * e / t,
+        "norm rstd (fp32)": 4 * sb * g / t,
+    }
+
+
+def layer_activation_bytes(m: ModelSpec, lay: Layout, moe, *, recompute: str | None = None) -> float:
+    """Activation bytes one layer keeps for backward, for one micro-batch on one chip; `moe` is the layer
+    kind (planner.models: False dense, True MoE, or a pattern character).
 
     Terms (bytes; sb = micro_batch * seq_len / cp tokens, t = tp):
       kept whole on every TP rank unless SP: inputs of the two norms, of QKV and of the MLP (4 x 2sbh),
@@ -93,6 +128,8 @@ def layer_activation_bytes(m: ModelSpec, lay: Layout, moe: bool, *, recompute: s
       split by TP: Q, K, V, attention output, MLP internals           -> 24sbh/t for GPT shapes
       attention scores (materialised kernels only): softmax output, dropout mask and output, 5as^2b/t
       FlashAttention keeps only the fp32 log-sum-exp, 4sba/t.
+    A pattern's attention ("*") or MLP ("-") layer keeps its half of these (one norm input, one block
+    input: 4sbh replicated); a Mamba-2 layer keeps `mamba_activation_terms`.
     """
     recompute = recompute or lay.recompute
     t, cp = lay.tp, lay.cp
@@ -103,18 +140,23 @@ def layer_activation_bytes(m: ModelSpec, lay: Layout, moe: bool, *, recompute: s
     sp_div = t if lay.sequence_parallel else 1
     if recompute == "full":
         return 2 * sb * h / sp_div  # Korthikanti et al. 2022 sec. 5: only the layer input is kept
-    replicated = sb * h * (10 if gpt else 8)
-    attn_split = 2 * sb * (2 * q_w + 2 * kv_w)  # Q, K, V, attention output
+    if moe == MAMBA:
+        return sum(mamba_activation_terms(m, lay).values())
+    has_attn, has_mlp = moe != MLP, moe != ATTENTION
+    replicated = sb * h * (10 if gpt else 8 if has_attn and has_mlp else 4)
+    attn_split = 2 * sb * (2 * q_w + 2 * kv_w) if has_attn else 0.0  # Q, K, V, attention output
     if m.is_mla:
         attn_split += 2 * sb * (m.kv_lora_rank + m.q_lora_rank + 2 * m.heads * m.rope_head_dim)
     ffn = m.ffn if moe else m.dense_ffn_
-    # GELU: its input and fc2's input (2 x 2sbf); SwiGLU: gate, up and down's input (3 x 2sbf)
-    mlp_one = (4 if gpt else 6) * sb * ffn + 2 * sb * h
-    mlp_split = mlp_one - 2 * sb * h  # the MLP input is already counted as replicated
-    if moe:
+    # GELU / squared ReLU: its input and fc2's input (2 x 2sbf); SwiGLU: gate, up and down's input (3 x 2sbf)
+    mlp_one = (6 if m.mlp == "swiglu" else 4) * sb * ffn + 2 * sb * h
+    mlp_split = mlp_one - 2 * sb * h if has_mlp else 0.0  # the MLP input is already counted as replicated
+    if moe is True:
         # each token's copies at its top_k experts (balanced routing), plus the shared experts
         mlp_split = m.top_k * mlp_one + m.shared_experts * mlp_split + 4 * sb * m.experts
-    if lay.attention == "materialized" and recompute != "selective":
+    if not has_attn:
+        scores = 0.0
+    elif lay.attention == "materialized" and recompute != "selective":
         scores = 5 * m.heads * sb * m.seq_len
     elif lay.attention in ("flash", "flash3"):
         scores = 4 * sb * m.heads
@@ -167,11 +209,11 @@ def stage_params(m: ModelSpec, lay: Layout, stage: int) -> tuple[float, float]:
 def _stage_params(m: ModelSpec, t: int, ep: int, pp: int, virtual: int, stage: int) -> tuple[float, float]:
     dense = moe = 0.0
     for first, n_layers in stage_layer_ranges(m.layers, pp, virtual)[stage]:
-        n_dense = max(0, min(first + n_layers, m.dense_layers) - first) if m.is_moe else n_layers
-        kv = kv_projection_params(m)
-        for n, lp in ((n_dense, layer_params(m, False)), (n_layers - n_dense, layer_params(m, True))):
-            attention = (lp.attention - kv) / t + kv / min(t, m.kv_heads)
-            dense += n * (attention + lp.mlp / t + lp.router + lp.norms)
+        for kind, n in layer_kind_counts(m, first, n_layers):
+            lp = layer_params(m, kind)
+            kv = kv_projection_params(m) if lp.attention else 0
+            attention = (lp.attention - kv) / t + (kv / min(t, m.kv_heads) if kv else 0.0)
+            dense += n * (attention + (lp.mlp + lp.ssm) / t + lp.router + lp.norms)
             moe += n * lp.experts / (t * ep)
     extra = embedding_params(m) - m.vocab * m.hidden * (1 if m.tied_embeddings else 2)  # positions, norm
     if stage == 0:
@@ -191,12 +233,14 @@ def stage_layer_ranges(layers: int, stages: int, virtual: int = 1) -> tuple[tupl
                  for i in range(stages))
 
 
-def layer_mix(m: ModelSpec, first: int, count: int) -> tuple[int, int]:
-    """(dense, MoE) layers among layers first .. first + count - 1."""
-    if not m.is_moe:
-        return count, 0
-    dense = max(0, min(first + count, m.dense_layers) - first)
-    return dense, count - dense
+@lru_cache(maxsize=65536)
+def layer_kind_counts(m: ModelSpec, first: int, count: int) -> tuple[tuple, ...]:
+    """((kind, layers), ...) among layers first .. first + count - 1, kinds in the model's order, none
+    with zero layers (planner.models: a kind is False dense, True MoE, or a pattern character)."""
+    if not m.layer_pattern and not m.is_moe:
+        return ((False, count),) if count else ()
+    kinds = m.layer_kinds[first:first + count]
+    return tuple((k, kinds.count(k)) for k in m.kinds if k in kinds)
 
 
 @lru_cache(maxsize=4096)
@@ -207,7 +251,7 @@ def stage_groups(m: ModelSpec, pp: int, virtual: int) -> tuple[int, ...]:
     firsts: dict = {}
     out = []
     for i, chunks in enumerate(stage_layer_ranges(m.layers, pp, virtual)):
-        key = (tuple(layer_mix(m, first, n) for first, n in chunks), i == 0, i == pp - 1)
+        key = (tuple(layer_kind_counts(m, first, n) for first, n in chunks), i == 0, i == pp - 1)
         out.append(firsts.setdefault(key, i))
     return tuple(out)
 
@@ -215,19 +259,32 @@ def stage_groups(m: ModelSpec, pp: int, virtual: int) -> tuple[int, ...]:
 def memory_per_chip(m: ModelSpec, lay: Layout, micro_batches: int, optimizer: str = "adam") -> Memory:
     """Peak bytes on the most loaded chip (max over pipeline stages)."""
     ranges = stage_layer_ranges(m.layers, lay.pp, lay.virtual_stages)
-    per_layer = max(layer_activation_bytes(m, lay, m.is_moe), layer_activation_bytes(m, lay, False))
+    per_layer = max(layer_activation_bytes(m, lay, k) for k in {False, m.is_moe})
     wd, gd, od = zero_bytes_per_param(lay.zero_stage, lay.dp * lay.cp, optimizer)
     we, ge, oe = zero_bytes_per_param(lay.zero_stage, max(1, lay.dp * lay.cp // lay.ep), optimizer)
     best = None
     for stage in sorted(set(stage_groups(m, lay.pp, lay.virtual_stages))):
         dense, moe = stage_params(m, lay, stage)
         params, grads, opt = dense * wd + moe * we, dense * gd + moe * ge, dense * od + moe * oe
+        if m.layer_pattern:
+            per_layer = _mean_layer_bytes(m, lay, ranges[stage])
         acts = in_flight_layers(stage, lay, micro_batches, [n for _, n in ranges[stage]]) * per_layer
         temp = _temporary_bytes(m, lay, stage, dense + moe * lay.tp)
         mem = Memory(params, grads, opt, acts, temp, stage)
         if best is None or mem.total_bytes > best.total_bytes:
             best = mem
     return best
+
+
+def _mean_layer_bytes(m: ModelSpec, lay: Layout, chunks) -> float:
+    """A pattern's stage holds layers of different kinds: the mean of its layers' activation bytes (each
+    in-flight micro-batch holds all of a chunk's layers)."""
+    total = layers = 0.0
+    for first, n_layers in chunks:
+        for kind, n in layer_kind_counts(m, first, n_layers):
+            total += n * layer_activation_bytes(m, lay, kind)
+            layers += n
+    return total / max(1.0, layers)
 
 
 def _temporary_bytes(m: ModelSpec, lay: Layout, stage: int, stage_params: float) -> float:
@@ -239,7 +296,8 @@ def _temporary_bytes(m: ModelSpec, lay: Layout, stage: int, stage_params: float)
     """
     temp = 0.0
     if lay.recompute == "full":
-        temp += layer_activation_bytes(m, lay, m.is_moe, recompute="none")
+        kinds = m.kinds if m.layer_pattern else (m.is_moe,)
+        temp += max(layer_activation_bytes(m, lay, k, recompute="none") for k in kinds)
     if stage == lay.pp - 1:
         temp += 8 * lay.micro_batch * m.seq_len / lay.cp * m.vocab / lay.tp
     if lay.zero_stage == 3:

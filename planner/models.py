@@ -4,13 +4,29 @@ A `ModelSpec` describes one decoder-only Transformer: dense (GELU or SwiGLU MLP)
 attention, Mixture-of-Experts (routed experts with top-k routing, optional always-on shared experts,
 optional dense first layers) and DeepSeek's multi-head latent attention (MLA, low-rank Q and KV
 projections). The arithmetic on these shapes lives in `planner.flops` and `planner.memory`.
+
+It also describes Mamba-2 and hybrid stacks with `layer_pattern`, one character per layer in
+Nemotron-H's notation (`hybrid_override_pattern`, NVIDIA 2025, arXiv 2504.03624): "M" a Mamba-2 mixer
+layer, "*" an attention layer, "-" an MLP layer, each one pre-norm block with its residual. An empty
+pattern is the Transformer layer (attention + MLP) every layer. The Mamba-2 mixer (Dao & Gu 2024,
+arXiv 2405.21060 sec. 7; mamba_ssm's `Mamba2` module), model width D:
+
+    d_inner = ssm_expand * D,  H = d_inner / ssm_head_dim SSM heads of P = ssm_head_dim channels,
+    G = ssm_groups groups of B and C (shared by H / G heads, like GQA's kv heads), N = ssm_state,
+    a causal depthwise conv of width ssm_conv, the SSD scan in chunks of ssm_chunk tokens.
+
+A layer kind, as `planner.flops`, `planner.memory` and `planner.costs` take it: False a dense
+Transformer layer, True an MoE one, or a pattern character ("M", "*", "-").
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-MLP_KINDS = ("gelu", "swiglu")
+# "relu2": squared ReLU, 2 matrices and no biases (So et al. 2021, Primer; Nemotron-H's MLP)
+MLP_KINDS = ("gelu", "swiglu", "relu2")
+MAMBA, ATTENTION, MLP = "M", "*", "-"
+PATTERN_CHARS = MAMBA + ATTENTION + MLP
 
 
 class SpecError(ValueError):
@@ -31,7 +47,7 @@ class ModelSpec:
     ffn: int  # MLP inner size (per expert for MoE)
     vocab: int
     seq_len: int
-    mlp: str = "swiglu"  # "gelu" (2 matrices) or "swiglu" (3 matrices)
+    mlp: str = "swiglu"  # "gelu" (2 matrices), "swiglu" (3 matrices) or "relu2" (2 matrices)
     experts: int = 0  # routed experts; 0 = dense
     top_k: int = 0
     head_dim: int | None = None  # None: hidden // heads (Gemma uses 256 with hidden 3072)
@@ -42,13 +58,49 @@ class ModelSpec:
     kv_lora_rank: int = 0  # MLA: rank of the joint KV latent; 0 = ordinary (GQA) attention
     rope_head_dim: int = 0  # MLA: extra decoupled-RoPE query/key width per head
     tied_embeddings: bool = False  # output projection shares the input embedding matrix
+    # Mamba-2 and hybrids (module docstring); defaults are Mamba-2 2.7B's (arXiv 2405.21060 sec. 9 setup)
+    layer_pattern: str = ""  # one of "M*-" per layer; "" = attention + MLP every layer
+    ssm_state: int = 128  # N, d_state
+    ssm_head_dim: int = 64  # P, headdim
+    ssm_expand: int = 2  # d_inner = expand * hidden
+    ssm_groups: int = 1  # G, ngroups
+    ssm_conv: int = 4  # d_conv
+    ssm_chunk: int = 256  # Q, chunk_size of the SSD algorithm
 
     def __post_init__(self):
         self.validate()
 
     @property
     def head_dim_(self) -> int:
-        return self.head_dim or self.hidden // self.heads
+        return self.head_dim or (self.hidden // self.heads if self.heads else 0)
+
+    @property
+    def layer_kinds(self) -> tuple:
+        """The kind of every layer, first to last (module docstring)."""
+        if self.layer_pattern:
+            return tuple(self.layer_pattern)
+        return tuple(self.is_moe and i >= self.dense_layers for i in range(self.layers))
+
+    @property
+    def kinds(self) -> tuple:
+        """The kinds present, each once, in order of first appearance."""
+        return tuple(dict.fromkeys(self.layer_kinds))
+
+    @property
+    def has_ssm(self) -> bool:
+        return MAMBA in self.layer_pattern
+
+    @property
+    def attention_layers(self) -> int:
+        return self.layer_pattern.count(ATTENTION) if self.layer_pattern else self.layers
+
+    @property
+    def ssm_inner(self) -> int:
+        return self.ssm_expand * self.hidden
+
+    @property
+    def ssm_heads(self) -> int:
+        return self.ssm_inner // self.ssm_head_dim
 
     @property
     def is_moe(self) -> bool:
@@ -68,12 +120,23 @@ class ModelSpec:
 
     def validate(self, prefix: str = "model") -> None:
         """Raise SpecError naming the first field that is wrong and saying what to change."""
+        self._validate_pattern(prefix)
+        pattern = self.layer_pattern
+        attention = not pattern or ATTENTION in pattern
+        needed = ["layers", "hidden", "vocab", "seq_len"] + (["heads", "kv_heads"] if attention else []) \
+            + (["ffn"] if not pattern or MLP in pattern else [])
         for f in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len"):
             v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise SpecError(f"{prefix}.{f}", f"must be a positive integer, got {v!r}")
+            if not isinstance(v, int) or isinstance(v, bool) or v < (1 if f in needed else 0):
+                what = "a positive integer" if f in needed else "a non-negative integer (unused here)"
+                raise SpecError(f"{prefix}.{f}", f"must be {what}, got {v!r}")
         if self.mlp not in MLP_KINDS:
             raise SpecError(f"{prefix}.mlp", f"must be one of {MLP_KINDS}, got {self.mlp!r}")
+        if pattern and len(pattern) != self.layers:
+            raise SpecError(f"{prefix}.layer_pattern", f"has {len(pattern)} characters for layers={self.layers}; "
+                            "give one per layer")
+        if not attention:
+            return
         if self.heads % self.kv_heads:
             raise SpecError(f"{prefix}.kv_heads", f"{self.kv_heads} does not divide heads={self.heads}")
         if self.head_dim is None and self.hidden % self.heads:
@@ -91,11 +154,43 @@ class ModelSpec:
         if self.dense_layers >= self.layers and self.experts:
             raise SpecError(f"{prefix}.dense_layers", f"must be below layers={self.layers}")
 
+    def _validate_pattern(self, prefix: str) -> None:
+        pattern = self.layer_pattern
+        if not isinstance(pattern, str):
+            raise SpecError(f"{prefix}.layer_pattern", f"must be a string, got {pattern!r}")
+        bad = sorted(set(pattern) - set(PATTERN_CHARS))
+        if bad:
+            raise SpecError(f"{prefix}.layer_pattern", f"has {bad}; use only 'M' (Mamba-2), '*' (attention) "
+                            "and '-' (MLP), one per layer")
+        if not pattern:
+            return
+        if self.experts or self.dense_layers:
+            raise SpecError(f"{prefix}.experts", "MoE layers in a layer pattern are not modelled; set experts "
+                            "and dense_layers to 0")
+        if self.mlp == "gelu":
+            raise SpecError(f"{prefix}.mlp", "a layer pattern uses the RMSNorm recipe without biases; choose "
+                            "\"swiglu\" or \"relu2\"")
+        for f in ("ssm_state", "ssm_head_dim", "ssm_expand", "ssm_groups", "ssm_conv", "ssm_chunk"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise SpecError(f"{prefix}.{f}", f"must be a positive integer, got {v!r}")
+        if MAMBA not in pattern:
+            return
+        if self.ssm_inner % self.ssm_head_dim:
+            raise SpecError(f"{prefix}.ssm_head_dim", f"{self.ssm_head_dim} does not divide d_inner = ssm_expand "
+                            f"x hidden = {self.ssm_inner}; the SSM heads d_inner / ssm_head_dim must be whole")
+        if self.ssm_heads % self.ssm_groups:
+            raise SpecError(f"{prefix}.ssm_groups", f"{self.ssm_groups} does not divide the {self.ssm_heads} SSM "
+                            "heads (d_inner / ssm_head_dim); each group serves a whole number of heads")
+
 
 # Shapes from each model's paper or released config.json.
 MODEL_PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
     # Brown et al. 2020, "Language Models are Few-Shot Learners", Table 2.1
     ModelSpec("GPT-3 175B", 96, 12288, 96, 96, 49152, 50257, 2048, "gelu"),
+    # Table 2.1's "GPT-3 2.7B": 32 layers, d_model 2560, 32 heads of 80, context 2048; the token embedding
+    # is shared with the output (GPT-2/3). A Transformer of Mamba-2 2.7B's size and width, for side by side.
+    ModelSpec("GPT-3 2.7B", 32, 2560, 32, 32, 10240, 50257, 2048, "gelu", tied_embeddings=True),
     # Meta Llama 3 8B / 70B config.json; Llama 3 405B: Dubey et al. 2024, Table 3
     ModelSpec("Llama 3 8B", 32, 4096, 32, 8, 14336, 128256, 8192),
     ModelSpec("Llama 3 70B", 80, 8192, 64, 8, 28672, 128256, 8192),
@@ -113,6 +208,23 @@ MODEL_PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
     ModelSpec("DeepSeek-V3", 61, 7168, 128, 128, 2048, 129280, 4096, "swiglu", experts=256, top_k=8,
               head_dim=128, shared_experts=1, dense_layers=3, dense_ffn=18432, q_lora_rank=1536,
               kv_lora_rank=512, rope_head_dim=64),
+]}
+
+# Mamba-2 and hybrid shapes, apart from MODEL_PRESETS so pages that assume attention in every layer
+# (heads > 0) keep their model list; `planner.presets.make_case` and the lesson take names from both.
+SSM_PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
+    # state-spaces/mamba2-2.7b config.json: d_model 2560, n_layer 64, d_intermediate 0 (no MLP), vocab
+    # 50277 padded to pad_vocab_size_multiple=16 -> 50288 rows, tie_embeddings true; Mamba2 defaults
+    # (mamba_ssm): d_state 128, headdim 64, expand 2, ngroups 1, d_conv 4, chunk_size 256. Trained at
+    # 2048 tokens (Dao & Gu 2024 sec. 9.2).
+    ModelSpec("Mamba-2 2.7B", 64, 2560, 0, 0, 0, 50288, 2048, layer_pattern=MAMBA * 64, tied_embeddings=True),
+    # nvidia/Nemotron-H-8B-Base-8K config.json (the 8B of NVIDIA 2025, arXiv 2504.03624): 52 layers, 24
+    # Mamba-2 + 24 MLP + 4 attention in hybrid_override_pattern; d_model 4096, squared-ReLU MLP 21504,
+    # 32 query heads / 8 kv heads of 128; 128 SSM heads of 64, state 128, 8 groups, conv 4, chunk 128;
+    # vocab 131072, untied; 8192-token context. QK-norms are left out.
+    ModelSpec("Nemotron-H 8B", 52, 4096, 32, 8, 21504, 131072, 8192, "relu2", head_dim=128,
+              layer_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-", ssm_state=128,
+              ssm_head_dim=64, ssm_expand=2, ssm_groups=8, ssm_conv=4, ssm_chunk=128),
 ]}
 
 DEFAULT_MODEL = "Llama 3 8B"

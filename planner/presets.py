@@ -1,8 +1,8 @@
 """Cluster presets and a builder for cases from objects (for the app's sidebar and the pages).
 
-Model presets live in `planner.models.MODEL_PRESETS`. A cluster here is a chip key from
-`hardware/chips.toml`, a chip count and, for GPUs, the NVLink domain size; a TPU cluster runs on the
-slice shape `planner.costs.tpu_slice_shape` gives for its chip count.
+Model presets live in `planner.models.MODEL_PRESETS` (and `SSM_PRESETS`, Mamba-2 and hybrids). A
+cluster here is a chip key from `hardware/chips.toml`, a chip count and, for GPUs, the NVLink domain
+size; a TPU cluster runs on the slice shape `planner.costs.tpu_slice_shape` gives for its chip count.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 from planner.case import Case, Cluster, Parallel, Training, check_fixed
-from planner.models import MODEL_PRESETS, ModelSpec, SpecError
+from planner.models import MODEL_PRESETS, SSM_PRESETS, ModelSpec, SpecError
 
 CLUSTER_PRESETS: dict[str, Cluster] = {
     # DGX/HGX H100: 8 GPUs on NVSwitch, one 400 Gb/s NIC each (NVIDIA DGX H100 user guide)
@@ -40,9 +40,10 @@ def make_case(model: ModelSpec | str, cluster: Cluster | str, global_batch: int 
     so any data-parallel degree divides it.
     """
     if isinstance(model, str):
-        if model not in MODEL_PRESETS:
-            raise SpecError("model", f"unknown preset {model!r}; known: {sorted(MODEL_PRESETS)}")
-        model = MODEL_PRESETS[model]
+        presets = {**MODEL_PRESETS, **SSM_PRESETS}
+        if model not in presets:
+            raise SpecError("model", f"unknown preset {model!r}; known: {sorted(presets)}")
+        model = presets[model]
     if isinstance(cluster, str):
         if cluster not in CLUSTER_PRESETS:
             raise SpecError("cluster", f"unknown preset {cluster!r}; known: {sorted(CLUSTER_PRESETS)}")

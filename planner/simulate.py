@@ -36,9 +36,8 @@ from dataclasses import dataclass, field, replace
 from hardware.chips import Chip
 from planner import costs
 from planner.case import Case, Layout
-from planner.costs import LayerCost
 from planner.flops import hardware_flops, model_flops
-from planner.memory import Memory, layer_mix, memory_per_chip, stage_groups, stage_layer_ranges, stage_params
+from planner.memory import Memory, layer_kind_counts, memory_per_chip, stage_groups, stage_layer_ranges, stage_params
 from planner.models import ModelSpec
 
 # Megatron-LM reduces bf16 gradients in fp32 (arguments.py: bf16 => accumulate_allreduce_grads_in_fp32)
@@ -135,13 +134,11 @@ class StepResult:
         return self.chip.peak_flops_per_s(self.case.training.dtype)
 
 
-def _chunk(m: ModelSpec, lay: Layout, dense_lc: LayerCost, moe_lc: LayerCost | None, n_dense: int,
-           n_moe: int, extra_fwd: float, extra_bwd: float, p2p_s: float) -> ChunkCost:
+def _chunk(lay: Layout, layer_costs: tuple, extra_fwd: float, extra_bwd: float, p2p_s: float) -> ChunkCost:
+    """`layer_costs`: ((LayerCost, number of layers), ...) of the chunk's layers."""
     parts = dict.fromkeys(BREAKDOWN_KEYS, 0.0)
     fwd = bwd = 0.0
-    for lc, n in ((dense_lc, n_dense), (moe_lc, n_moe)):
-        if not n:
-            continue
+    for lc, n in layer_costs:
         again = lc.recompute_comms if lay.recompute == "full" else ()
         f = lc.fwd_compute_s + sum(c.exposed_s for c in lc.fwd_comms)
         b = lc.bwd_compute_s + lc.recompute_s + sum(c.exposed_s for c in lc.bwd_comms + again)
@@ -155,8 +152,7 @@ def _chunk(m: ModelSpec, lay: Layout, dense_lc: LayerCost, moe_lc: LayerCost | N
     bwd += extra_bwd + p2p_s
     parts["compute"] += extra_fwd + extra_bwd
     parts["pp_comm"] += 2 * p2p_s
-    layer_costs = tuple((lc, n) for lc, n in ((dense_lc, n_dense), (moe_lc, n_moe)) if n)
-    return ChunkCost(fwd, bwd, parts, n_dense + n_moe, p2p_s, layer_costs,
+    return ChunkCost(fwd, bwd, parts, sum(n for _, n in layer_costs), p2p_s, layer_costs,
                      sum(lc.wgrad_s * n for lc, n in layer_costs))
 
 
@@ -164,8 +160,7 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
     m, tr = case.model, case.training
     micro_batches = tr.global_batch // (lay.dp * lay.micro_batch)
     node = case.cluster.chips_per_node or chip.scaleup_domain
-    dense_lc = costs.layer_cost(m, lay, chip, tr.dtype, False, node)
-    moe_lc = costs.layer_cost(m, lay, chip, tr.dtype, True, node) if m.is_moe else None
+    by_kind = {k: costs.layer_cost(m, lay, chip, tr.dtype, k, node) for k in m.kinds}
     logits_f, logits_b = costs.logits_cost(m, lay, chip, tr.dtype)
     embed_s = costs.embedding_s(m, lay, chip)
     pass_p2p_s = pipeline_p2p_s(m, lay, chip, node)
@@ -184,7 +179,7 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
     for i in sorted(set(groups)):
         chunks = []
         for c, (first, count) in enumerate(ranges[i]):
-            n_dense, n_moe = layer_mix(m, first, count)
+            counts = layer_kind_counts(m, first, count)
             ef = eb = 0.0
             if i == 0 and c == 0:
                 ef += embed_s
@@ -192,9 +187,9 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
             if i == lay.pp - 1 and c == lay.virtual_stages - 1:
                 ef += logits_f
                 eb += logits_b
-            key = (n_dense, n_moe, ef, eb)
+            key = (counts, ef, eb)
             if key not in chunk_cache:
-                chunk_cache[key] = _chunk(m, lay, dense_lc, moe_lc, n_dense, n_moe, ef, eb, pass_p2p_s)
+                chunk_cache[key] = _chunk(lay, tuple((by_kind[k], n) for k, n in counts), ef, eb, pass_p2p_s)
             chunks.append(chunk_cache[key])
         dense_p, expert_p = stage_params(m, lay, i)
         dp_total = exposed = per_micro_batch = 0.0
