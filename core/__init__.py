@@ -1,2 +1,2 @@
-"""Torch-free ideas both engines share: the mesh convention (and, in time, the timeline format and the
-pipeline schedules as data)."""
+"""Torch-free ideas both engines share: the mesh convention, the timeline format, the pipeline schedules as
+data, and the work of a Mamba-2 block."""

@@ -7,11 +7,12 @@ are raw timings; `hardware.this_machine` fits and caches them.
 
 Three kinds of measurement:
 
-* compute (`compute_task`, one rank alone): the engine model's own modules (engine/model.py) at a few
-  shapes each, forward and backward, so the fit captures both their fixed per-call overhead (Python,
-  the dispatcher, autograd: what dominates a small model on a CPU) and their per-FLOP or per-byte rate;
-  plus the optimizer update per tensor, the strategies' bookkeeping ops, and the roofline that the
-  hardware lesson plots (hardware/probe.py on one rank's thread: fp32 and bf16 matmuls, a large copy).
+* compute (`compute_task`, one rank alone): the engine model's own modules (engine/model.py, the Mamba-2
+  mixer of engine/mamba.py) at a few shapes each, forward and backward, so the fit captures both their
+  fixed per-call overhead (Python, the dispatcher, autograd: what dominates a small model on a CPU) and
+  their per-FLOP or per-byte rate; plus the optimizer update per tensor, the strategies' bookkeeping
+  ops, and the roofline that the hardware lesson plots (hardware/probe.py on one rank's thread: fp32
+  and bf16 matmuls, a large copy).
 * sharing (`compute_task` on every rank of a W-rank pool at once): how much slower the same work runs
   when W ranks share this machine's cores.
 * communication (`comm_task`): every gloo operation the strategies use, by group size n and world W
@@ -31,6 +32,7 @@ from dataclasses import asdict
 import torch
 
 from engine.config import ModelConfig
+from engine.mamba import Mamba2
 from engine.model import Attention, Block, Embed, Head, MoE, RMSNorm, SwiGLU, loss_fn
 from engine.optim import AdamW, adamw_
 from engine.ring_attention import block_backward, block_forward, expand_kv, merge, reduce_kv
@@ -147,6 +149,13 @@ def measure_compute(reps: int = 15, shapes: str = "all") -> list[dict]:
         f, b = _fwd_bwd(lambda: _module(MoE(m), torch.randn(bsz, t, d)), reps)
         out.append(_sample("moe", {"b": bsz, "t": t, "d": d, "ffn": 2 * d, "experts": experts,
                                    "top_k": top_k}, f, b))
+    # the Mamba-2 mixer (engine/mamba.py) at the local shapes of the live runs: whole, tp = 2's heads and
+    # groups, cp = 2 and 4's slices, a long sequence (more chunks, one scan loop step each) and a wide one
+    for bsz, t, d, expand, groups in ((2, 32, 64, 2, 4), (2, 16, 64, 1, 2), (2, 8, 64, 2, 4), (2, 64, 64, 2, 4),
+                                      (2, 32, 128, 2, 4)):
+        m = ModelConfig(hidden=d, seq_len=t, arch="mamba2", ssm_expand=expand, ssm_groups=groups)
+        f, b = _fwd_bwd(lambda: _module(Mamba2(m), torch.randn(bsz, t, d)), reps)
+        out.append(_sample("mamba", mamba_shape(m, bsz), f, b))
     for bsz, h, rows, cols, hd in ((2, 4, 16, 16, 16), (2, 4, 32, 16, 16), (2, 4, 64, 64, 16)):
         # one ring step as engine/cp.py runs it: K/V expanded to the query heads (GQA), the block's
         # attention and the merge into the running output; backward: the block's gradients, reduced back
@@ -188,6 +197,13 @@ def measure_compute(reps: int = 15, shapes: str = "all") -> list[dict]:
         out.append(_sample("cat", {"parts": parts, "numel": 256 * parts},
                            _mean_s(lambda: torch.cat([p.reshape(-1) for p in pieces]), reps), 0.0))
     return out + measure_roofline()
+
+
+def mamba_shape(m: ModelConfig, sequences: int) -> dict:
+    """The Mamba-2 mixer's shape as `hardware.this_machine.work("mamba", shape)` reads it."""
+    return {"b": sequences, "t": m.seq_len, "d": m.hidden, "inner": m.ssm_inner, "heads": m.ssm_heads,
+            "head_dim": m.ssm_head_dim, "groups": m.ssm_groups, "state": m.ssm_state, "conv": m.conv_width,
+            "chunk": m.ssm_chunk}
 
 
 def measure_roofline(budget_s: float = 1.0) -> list[dict]:

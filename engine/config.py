@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from core.mesh import AXES, Mesh
 from core.schedules import SCHEDULE_NAMES
+from core.ssd import mamba_block_flops
 
 STRATEGIES = ("dp", "fsdp", "cp", "ep", "pp", "tp")
 # The mesh axis a strategy splits over when no --mesh is given (all other strategies: dp = world); with
@@ -188,18 +189,9 @@ def unit_forward_flops(m: ModelConfig, unit: int, sequences: int) -> float:
 
 
 def mamba_forward_flops(m: ModelConfig, sequences: int) -> float:
-    """One Mamba-2 block as engine/mamba.py computes it: in_proj and out_proj, the conv (2 w per channel
-    and token), and the chunked SSD (Dao & Gu 2024 sec. 6) per head and token, with chunk length Q, head
-    width P, state N: C.B^T scores over the token's chunk (2 Q N), those scores times x (2 Q P), the
-    chunk's state B^T x (2 N P), the state's output C.h (2 N P), and the state recurrence between chunks
-    (2 N P per chunk). Linear in the sequence length: attention's scores are quadratic."""
-    tokens = sequences * m.seq_len
-    h, di, gn, nh = m.hidden, m.ssm_inner, m.ssm_groups * m.ssm_state, m.ssm_heads
-    q, p, n = m.ssm_chunk, m.ssm_head_dim, m.ssm_state
-    projections = 2.0 * tokens * (h * (2 * di + 2 * gn + nh) + di * h)
-    conv = 2.0 * tokens * (di + 2 * gn) * m.conv_width
-    ssd = tokens * nh * (2 * q * n + 2 * q * p + 4 * n * p) + sequences * (m.seq_len // q) * nh * 2 * n * p
-    return projections + conv + ssd
+    """One Mamba-2 block on `sequences` sequences (core/ssd.py counts it)."""
+    return mamba_block_flops(sequences, m.seq_len, m.hidden, m.ssm_inner, m.ssm_heads, m.ssm_head_dim,
+                             m.ssm_groups, m.ssm_state, m.ssm_chunk, m.conv_width)
 
 
 def step_flops(cfg: RunConfig) -> float:

@@ -98,10 +98,6 @@ def predicted(cfg, progress=None) -> dict:
     if cfg.device != "cpu":
         return {"step_time_s": None, "breakdown_s": {},
                 "why": "the live prediction is calibrated for CPU runs over gloo; this run is on CUDA"}
-    if cfg.model.arch != "transformer":
-        return {"step_time_s": None, "breakdown_s": {},
-                "why": "this machine's calibration does not time Mamba-2 blocks yet, so there is no honest "
-                       "prediction of this run (the planner's Mamba-2 costs cover real chips only)"}
     try:
         cal, messages = ensure_calibration([cfg.world], progress, collective_timeout_s=cfg.collective_timeout_s)
     except WorkerError as e:

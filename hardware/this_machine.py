@@ -4,16 +4,18 @@
 is torch-free: it fits them, keeps them in a file under the user's cache folder keyed by the machine,
 and says when that file is missing, stale or corrupt. A calibration holds
 
-* compute: per module of the engine's model (engine/model.py) and per piece of the engine's own
-  machinery, seconds = fixed + per-unit-of-work * work, forward and backward (`Fit`), least squares
-  over the shapes measured; the engine's own units at the default shape (`engine_units`);
+* compute: per module of the engine's model (engine/model.py, the Mamba-2 mixer of engine/mamba.py) and
+  per piece of the engine's own machinery, seconds = fixed + per-unit-of-work * work, forward and
+  backward (`Fit`), least squares over the shapes measured; the engine's own units at the default shape
+  (`engine_units`);
 * sharing: how much slower compute runs when W ranks run at once (`compute_share[W]`);
 * communication: per world W, operation, group size n and mode (sync / async), gloo's
   seconds = alpha + beta * bytes and the process CPU it keeps busy (`CommFit`);
 * the roofline: fp32 and bf16 matmul FLOP/s and copy bandwidth (the hardware lesson plots it).
 
 Cache: `$SHARDLAB_CACHE_DIR`, else `$XDG_CACHE_HOME/shardlab`, else `~/.cache/shardlab`; one JSON file per
-machine key (host, CPU model, cores, torch and Python versions). Writes are atomic.
+machine key (host, CPU model, cores, torch and Python versions). Writes are atomic. A file without
+one of `COMPUTE_FITS` (measured before that module was) is measured again, once: the new file has it.
 """
 
 from __future__ import annotations
@@ -28,11 +30,17 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from core.ssd import mamba_block_flops
+
 FORMAT = 3
 # The longest a "contended" measurement waits for an asynchronous operation under compute before it
 # stops computing (engine/calibrate.py); an operation that took this long made no progress at all.
 CONTENDED_CAP_S = 0.02
 STALE_AFTER_S = 30 * 24 * 3600  # a month: software updates and thermal changes drift the numbers
+# The module fits every prediction may need (`fit_compute` makes them all); a cached calibration lacking
+# one predates that module's measurement.
+COMPUTE_FITS = ("linear", "rmsnorm", "attention", "swiglu", "embed", "head", "moe", "mamba", "ring_block",
+                "adamw", "tiny_op", "cat", "block_glue")
 
 
 class CalibrationError(ValueError):
@@ -42,7 +50,7 @@ class CalibrationError(ValueError):
 @dataclass(frozen=True)
 class Fit:
     """seconds = fixed_s + per_unit_s * work (+ per_item_s * items: the MoE layer's experts, each a module
-    call even on no rows), forward and backward."""
+    call even on no rows; the Mamba-2 scan's steps from chunk to chunk), forward and backward."""
 
     fwd_fixed_s: float
     fwd_per_unit_s: float
@@ -194,6 +202,10 @@ def load(key: str, now_s: float | None = None) -> tuple[Calibration | None, str]
     age = (now_s or time.time()) - cal.created_s
     if age > STALE_AFTER_S:
         return None, f"the calibration is {age / 86400:.0f} days old; measuring again"
+    missing = [op for op in COMPUTE_FITS if op not in cal.compute]
+    if missing:
+        return None, (f"the calibration has no timing of {', '.join(missing)} (an older ShardLab measured it); "
+                      "measuring again")
     return cal, ""
 
 
@@ -286,6 +298,8 @@ def work(op: str, s: dict) -> float:
     if op == "moe":
         tokens = s["b"] * s["t"]
         return 2.0 * tokens * s["d"] * s["experts"] + 6.0 * tokens * s["top_k"] * s["d"] * s["ffn"]
+    if op == "mamba":
+        return _mamba_flops(s)
     if op == "ring_block":
         return 4.0 * s["b"] * s["heads"] * s["rows"] * s["cols"] * s["head_dim"]
     if op == "adamw":
@@ -293,6 +307,19 @@ def work(op: str, s: dict) -> float:
     if op == "cat":
         return float(s["parts"])
     return 0.0
+
+
+def _mamba_flops(s: dict) -> float:
+    """core/ssd.py's count of one Mamba-2 block, at a shape that may be one rank's (tp's heads and groups,
+    cp's tokens)."""
+    return mamba_block_flops(s["b"], s["t"], s["d"], s["inner"], s["heads"], s["head_dim"], s["groups"],
+                             s["state"], s["chunk"], s["conv"])
+
+
+def scan_steps(s: dict) -> int:
+    """Steps of the SSD scan's loop over chunks (engine/mamba.ssd_scan) in one call on the shape's sequence:
+    each a few tensor operations whatever the shape, so the Mamba fit counts them apart from the FLOPs."""
+    return max(1, s["t"] // s["chunk"])
 
 
 def fit_compute(samples: list[dict]) -> tuple[dict[str, Fit], dict[str, float], dict]:
@@ -308,6 +335,9 @@ def fit_compute(samples: list[dict]) -> tuple[dict[str, Fit], dict[str, float], 
         if op == "moe":
             # fixed + per expert (each expert runs, even on no rows) + per FLOP: three shapes, three unknowns
             fits["moe"] = _fit_moe(rows)
+            continue
+        if op == "mamba":  # fixed + per step of the scan's chunk loop + per FLOP
+            fits["mamba"] = _fit_items("mamba", rows, scan_steps, refit=True)
             continue
         f = _fit_line([(work(op, r["shape"]), r["fwd_s"]) for r in rows])
         b = _fit_line([(work(op, r["shape"]), r["bwd_s"]) for r in rows])
@@ -335,15 +365,25 @@ def fit_compute(samples: list[dict]) -> tuple[dict[str, Fit], dict[str, float], 
 
 
 def _fit_moe(rows: list[dict]) -> Fit:
+    return _fit_items("moe", rows, lambda shape: shape["experts"])
+
+
+def _fit_items(op: str, rows: list[dict], items, refit: bool = False) -> Fit:
+    """Least squares of t = a + e * items(shape) + c * work(op, shape), forward and backward. `refit`: a
+    negative term only fits noise (one slow measurement among five moved a Mamba fit's backward to
+    0 + 3.3 ms per scan step), so that direction is fitted again as fixed + per unit of work alone."""
     def solve(key: str) -> tuple[float, float, float]:
-        # least squares of t = a + e * experts + c * flops
-        xs = [(1.0, r["shape"]["experts"], work("moe", r["shape"])) for r in rows]
+        xs = [(1.0, items(r["shape"]), work(op, r["shape"])) for r in rows]
         ys = [r[key] for r in rows]
-        return _lstsq3(xs, ys)
+        a, e, c = _lstsq3(xs, ys)
+        if refit and min(a, e, c) < 0:
+            a, c = _fit_line([(x[2], y) for x, y in zip(xs, ys, strict=True)])
+            e = 0.0
+        return max(0.0, a), max(0.0, e), max(0.0, c)
 
     fa, fe, fc = solve("fwd_s")
     ba, be, bc = solve("bwd_s")
-    return Fit(max(0.0, fa), max(0.0, fc), max(0.0, ba), max(0.0, bc), max(0.0, fe), max(0.0, be))
+    return Fit(fa, fc, ba, bc, fe, be)
 
 
 def _lstsq3(xs: list[tuple[float, float, float]], ys: list[float]) -> tuple[float, float, float]:

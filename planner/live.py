@@ -13,6 +13,11 @@ receive waits for its send, computing ranks share the cores.
 
 `cfg` is an `engine.config.RunConfig` (read by attribute; the planner does not import the engine's run
 machinery). Byte counts follow engine/comm.py (fp32 tensors; the full array for gathers and reductions).
+
+A Mamba-2 layer (engine/mamba.py) is its norm, the mixer's input projections, the conv and scan, then
+in_z, the gated norm and out_proj: one tp region (heads split, whole groups per rank), and under cp the
+scan crosses ranks as engine/ssm_cp.py does it: the conv's halo in one batch of messages, then the states
+in a chain in sequence order (rank r waits for r - 1), reversed in backward; or two all-to-alls each way.
 """
 
 from __future__ import annotations
@@ -33,10 +38,11 @@ from core.schedules import (
     stage_units,
 )
 from core.timeline import Timeline, bubble_spans, span_kind, union_seconds
-from hardware.this_machine import Calibration, comm_key, work
+from hardware.this_machine import Calibration, CalibrationError, comm_key, scan_steps, work
 from planner.eventsim import Collective, Compute, Recv, Send, Wait, simulate
 
 F32 = 4
+MAMBA = "M"  # a Mamba-2 layer's letter in ModelConfig.kinds (engine/config.MAMBA)
 # Small tensor operations the strategies add around the modules (counted from engine/*.py): each costs
 # one calibrated tiny-op call.
 TP_REGION_OPS = 2  # f/g autograd function + contiguous copy, per region entry or exit
@@ -45,6 +51,14 @@ VOCAB_PARALLEL_OPS = 12  # masks, shifts, gathers of the vocabulary-parallel emb
 EP_DISPATCH_OPS = 18  # bincounts, argsort, repeat_interleave, index ops and .tolist() of one MoE dispatch
 RING_STEP_OPS = 2  # the query rows' slicing and the in-place write of one ring step (the rest is timed)
 FLAT_VIEW_OPS = 2  # per parameter: the flat buffer's view and reshape (ZeRO / FSDP functional_call)
+# engine/ssm_cp.py around the scan it shares with the plain mixer (backward about the same): per own slice
+# the halo's slicing, the split of x, B, C, the slice's decay, the incoming state's outputs (einsum,
+# cumsum, exp, add) and the skip; per layer the concatenations and stacks; per hop of the chain the
+# state's decay, the add and the contiguous copy sent
+SSM_STATE_SLICE_OPS = 9
+SSM_STATE_LAYER_OPS = 8
+SSM_STATE_HOP_OPS = 3
+SSM_ALLTOALL_OPS = 12  # reshapes, permutes, the concatenation and both reorderings around the all-to-alls
 
 
 @dataclass
@@ -65,7 +79,10 @@ def _params(m, tp: int = 1, ep: int = 1, ep_rank: int = 0) -> list[list[tuple[st
     d, hd = m.hidden, m.hidden // m.heads
     kv_local = max(1, m.kv_heads // tp)
     units = [[("tok", m.vocab // tp * d)]]
-    for _ in range(m.layers):
+    for kind in m.kinds:
+        if kind == MAMBA:
+            units.append(_mamba_params(m, tp))
+            continue
         block = [("attn_norm", d), ("wq", m.heads // tp * hd * d), ("wk", kv_local * hd * d),
                  ("wv", kv_local * hd * d), ("wo", d * m.heads // tp * hd), ("mlp_norm", d)]
         if m.mlp == "moe":
@@ -77,6 +94,16 @@ def _params(m, tp: int = 1, ep: int = 1, ep_rank: int = 0) -> list[list[tuple[st
         units.append(block)
     units.append([("norm", d), ("out", m.vocab // tp * d)])
     return units
+
+
+def _mamba_params(m, tp: int) -> list[tuple[str, int]]:
+    """A MambaBlock's parameters in its order (engine/model.py, engine/mamba.py): the norm whole, the
+    rest split by heads or whole groups over tp (engine/tp.py's _mamba)."""
+    d, di, gn, nh, w = m.hidden, m.ssm_inner // tp, m.ssm_groups * m.ssm_state // tp, m.ssm_heads // tp, m.conv_width
+    return [("norm", d), ("dt_bias", nh), ("A_log", nh), ("D", nh), ("in_z", di * d), ("in_x", di * d),
+            ("in_b", gn * d), ("in_c", gn * d), ("in_dt", nh * d), ("conv_x.weight", di * w), ("conv_x.bias", di),
+            ("conv_b.weight", gn * w), ("conv_b.bias", gn), ("conv_c.weight", gn * w), ("conv_c.bias", gn),
+            ("out_norm", di), ("out_proj", d * di)]
 
 
 class _Costs:
@@ -98,6 +125,8 @@ class _Costs:
         self.driver_bwd = max(0.0, statistics.fmean(blocks_b) - self._block(default, False)) if blocks_b else 0.0
 
     def fit(self, op: str, shape: dict, fwd: bool, items: float = 0.0) -> float:
+        if op not in self.cal.compute:
+            raise CalibrationError(f"this machine's calibration has no timing of {op}; measure it again")
         f = self.cal.compute[op]
         w = work(op, shape)
         return f.fwd(w, items) if fwd else f.bwd(w, items)
@@ -131,6 +160,21 @@ class _Costs:
         shape = {"b": b, "t": t, "d": m.hidden, "ffn": m.ffn, "experts": m.experts,
                  "top_k": m.top_k * local_experts / m.experts}
         return self.fit("moe", shape, fwd, items=local_experts)
+
+    def mamba(self, shape: dict, steps: int, fwd: bool) -> tuple[float, float, float]:
+        """(input projections x, B, C, dt; conv, scan and gated norm; in_z and out_proj) of the Mamba-2 mixer
+        at `shape` with `steps` chunk steps of its scan: the mixer's fit, less its linears as the linear
+        fit times them, so the pieces can sit either side of the scan's communication."""
+        rows, d = shape["b"] * shape["t"], shape["d"]
+        gn = shape["groups"] * shape["state"]
+
+        def linear(k: int, n: int) -> float:
+            return self.fit("linear", {"m": rows, "k": k, "n": n}, fwd)
+
+        into = sum(linear(d, n) for n in (shape["inner"], gn, gn, shape["heads"]))
+        out = linear(d, shape["inner"]) + linear(shape["inner"], d)
+        whole = self.fit("mamba", shape, fwd, items=steps)
+        return into, max(0.0, whole - into - out), out
 
     def embed(self, tokens: int, fwd: bool) -> float:
         return self.fit("embed", {"b": 1, "t": tokens, "d": self.m.hidden}, fwd)
@@ -434,6 +478,9 @@ class _Program:
 
     def _block(self, i: int, name: str, tokens: int, act: float, fwd: bool, flat_extra: float) -> None:
         r, c, m = self.r, self.c, self.m
+        if m.kinds[i - 1] == MAMBA:
+            self._mamba_block(name, tokens, act, fwd, flat_extra)
+            return
         t = self.tp
         heads, kv = m.heads // t, max(1, m.kv_heads // t)
         ffn = m.ffn // t if m.mlp == "dense" else m.ffn
@@ -481,6 +528,139 @@ class _Program:
             if self.sp:  # the two norms' weight gradients, summed over tp
                 r.coll(f"all_reduce {name} norm grad", self.g["tp"], "tp", "all_reduce", m.hidden * F32)
                 r.coll(f"all_reduce {name} norm grad", self.g["tp"], "tp", "all_reduce", m.hidden * F32)
+
+    # -- a Mamba-2 layer (engine/model.MambaBlock; engine/tp.py's _mamba, engine/ssm_cp.py) -------------
+    def _mamba_shape(self) -> dict:
+        """The mixer as this rank runs it: tp's heads and groups, the tokens it holds."""
+        m, t = self.m, self.tp
+        return {"b": self.b, "t": self.t_local, "d": m.hidden, "inner": m.ssm_inner // t, "heads": m.ssm_heads // t,
+                "head_dim": m.ssm_head_dim, "groups": m.ssm_groups // t, "state": m.ssm_state, "conv": m.conv_width,
+                "chunk": m.ssm_chunk}
+
+    def _mamba_block(self, name: str, tokens: int, act: float, fwd: bool, flat_extra: float) -> None:
+        r, c, m = self.r, self.c, self.m
+        label, where = f"{'fwd' if fwd else 'bwd'} {name}", f"{name} mamba"
+        shape = self._mamba_shape()
+        # the scan's chunk loop: over the whole sequence, or over the slices this rank holds (state passing)
+        whole = self.cp == 1 or self.cfg.parallel.ssm_cp == "alltoall"
+        steps = scan_steps({**shape, "t": m.seq_len}) if whole else scan_steps(shape)
+        into, scan, out = c.mamba(shape, steps, fwd)
+        norm = c.fit("rmsnorm", {"m": tokens // self.tp if self.sp else tokens, "d": m.hidden}, fwd)
+        rest = c.tiny + (c.driver_fwd if fwd else c.driver_bwd) + flat_extra  # the residual add, the driver
+        if fwd:
+            r.compute(label, norm + rest / 2)
+            self._tp_enter(act, where)
+            r.compute(label, into)
+            self._ssm_mix(name, label, shape, scan, True)
+            r.compute(label, out)
+            self._tp_exit(act, where)
+            r.compute(label, rest / 2)
+        else:
+            self._tp_exit_bwd(act, where)
+            r.compute(label, out + rest / 2)
+            self._ssm_mix(name, label, shape, scan, False)
+            r.compute(label, into)
+            self._tp_enter_bwd(act, where)
+            r.compute(label, norm + rest / 2)
+            if self.sp:  # the norm's weight gradient, summed over tp
+                r.coll(f"all_reduce {name} norm grad", self.g["tp"], "tp", "all_reduce", m.hidden * F32)
+
+    def _ssm_mix(self, name: str, label: str, s: dict, scan_s: float, fwd: bool) -> None:
+        """The conv and scan (`Mamba2.mix`), and under cp its messages (engine/ssm_cp.py)."""
+        if self.cp == 1:
+            self.r.compute(label, scan_s)
+            return
+        if self.cfg.parallel.ssm_cp == "alltoall":
+            self._ssm_alltoall(name, label, s, scan_s, fwd)
+        else:
+            self._ssm_state_passing(name, label, s, scan_s, fwd)
+
+    def _ssm_alltoall(self, name: str, label: str, s: dict, scan_s: float, fwd: bool) -> None:
+        """Sequence shards to head shards (x, B, C, dt), the whole sequence's scan, and back (y); backward
+        the gradients the same way in reverse. Bytes: this rank's input of each all-to-all."""
+        r = self.r
+        tokens = s["b"] * s["t"]
+        inputs = tokens * (s["inner"] + 2 * s["groups"] * s["state"] + s["heads"]) * F32
+        outputs = tokens * s["inner"] * F32
+        first, second = (("scan inputs", inputs), ("scan outputs", outputs)) if fwd else \
+            (("scan outputs", outputs), ("scan inputs", inputs))
+        suffix = "" if fwd else " bwd"
+        r.compute(label, SSM_ALLTOALL_OPS / 2 * self.c.tiny)
+        r.coll(f"all_to_all {first[0]} {name}{suffix}", self.g["cp"], "cp", "all_to_all", first[1])
+        r.compute(f"scan {name} whole sequence, {s['heads'] // self.cp} heads" if fwd else label, scan_s)
+        r.coll(f"all_to_all {second[0]} {name}{suffix}", self.g["cp"], "cp", "all_to_all", second[1])
+        r.compute(label, SSM_ALLTOALL_OPS / 2 * self.c.tiny)
+
+    def _slices(self) -> tuple[list[int], list[int], int]:
+        """(owner cp rank of every slice of the sequence, this rank's own slices in order, its cp rank): cp
+        slices in order, or 2 cp zig-zagged beside attention layers (engine/ssm_cp.Slices)."""
+        n, me = self.cp, self.g["cp"].index(self.r.rank)
+        owner = [min(g, 2 * n - 1 - g) for g in range(2 * n)] if self.m.has_attention else list(range(n))
+        return owner, [g for g, o in enumerate(owner) if o == me], me
+
+    def _ssm_state_passing(self, name: str, label: str, s: dict, scan_s: float, fwd: bool) -> None:
+        """Forward: the conv halo in one batch, every own slice scanned from zero, the states in a chain in
+        sequence order (receive from the previous slice's holder, add, send on), the outputs corrected.
+        Backward: the correction's, the chain reversed, the scan's, then the halo's gradients in a batch."""
+        r, c, cp = self.r, self.c, self.g["cp"]
+        owner, mine, me = self._slices()
+        halo_bytes = s["b"] * (s["conv"] - 1) * (s["inner"] + 2 * s["groups"] * s["state"]) * F32
+        state_bytes = s["b"] * s["heads"] * s["head_dim"] * s["state"] * F32
+        # the incoming state's outputs C_t . h0: 2 N P per head and position held, at the mixer's FLOP rate
+        f = c.cal.compute["mamba"]
+        correct = (2.0 * s["b"] * s["t"] * s["heads"] * s["state"] * s["head_dim"]
+                   * (f.fwd_per_unit_s if fwd else f.bwd_per_unit_s))
+        ops = (SSM_STATE_LAYER_OPS + SSM_STATE_SLICE_OPS * len(mine)) * c.tiny
+        hop_s, halo_s = c.message_s(len(cp), state_bytes), c.message_s(len(cp), halo_bytes)
+        phase = "fwd" if fwd else "bwd"
+
+        def before(g: int) -> int | None:
+            return owner[g - 1] if g > 0 else None
+
+        def after(g: int) -> int | None:
+            return owner[g + 1] if g + 1 < len(owner) else None
+
+        def halo() -> None:
+            # forward: each slice's tail to the next slice's holder; backward: its gradient back
+            src_of, dst_of = (before, after) if fwd else (after, before)
+            what = "conv halo" if fwd else "dhalo"
+            for g in mine:
+                dst = dst_of(g)
+                if dst is not None and dst != me:
+                    r.ops.append(Send(f"send {what} {name}", cp[dst], (name, what, phase, r.mb, g), halo_s,
+                                      int(halo_bytes), "cp", r.mb))
+            for g in mine:
+                src = src_of(g)
+                if src is not None and src != me:
+                    key_slice = g - 1 if fwd else g + 1
+                    r.ops.append(Recv(f"recv {what} {name}", cp[src], (name, what, phase, r.mb, key_slice), "cp",
+                                      r.mb))
+
+        def chain() -> None:
+            what = "state" if fwd else "dstate"
+            order = mine if fwd else list(reversed(mine))
+            src_of, dst_of = (before, after) if fwd else (after, before)
+            for g in order:
+                src = src_of(g)
+                if src is not None and src != me:
+                    r.ops.append(Recv(f"recv {what} {name}", cp[src], (name, what, r.mb, g), "cp", r.mb))
+                r.compute(label, SSM_STATE_HOP_OPS * c.tiny)
+                dst = dst_of(g)
+                if dst is not None and dst != me:
+                    nxt = g + 1 if fwd else g - 1
+                    r.ops.append(Send(f"send {what} {name}", cp[dst], (name, what, r.mb, nxt), hop_s,
+                                      int(state_bytes), "cp", r.mb))
+
+        if fwd:
+            halo()
+            r.compute(f"scan {name} own slices", scan_s + ops / 2)
+            chain()
+            r.compute(f"scan {name} correct with incoming state", correct + ops / 2)
+        else:
+            r.compute(label, correct + ops / 2)
+            chain()
+            r.compute(label, scan_s + ops / 2)
+            halo()
 
     def unit_bwd(self, i: int) -> None:
         r, c, m = self.r, self.c, self.m

@@ -31,7 +31,7 @@ def test_corrupt_calibration_is_measured_again_with_a_message(calibrated):
     cal, messages, steps = calibrated
     assert "unreadable" in messages[0] and "measuring again" in messages[0]
     assert cal.worlds == [2] and cal.cpus == tm.cpu_count()
-    assert {"linear", "attention", "swiglu", "adamw", "block_glue"} <= set(cal.compute)
+    assert {"linear", "attention", "swiglu", "mamba", "adamw", "block_glue"} <= set(cal.compute)
     assert cal.comm[tm.comm_key(2, "all_reduce", 2, "sync")].alpha_s > 0
     assert [f for f, _ in steps] == sorted(f for f, _ in steps) and steps[-1] == (1.0, "calibrated")
     again, messages = ensure_calibration([2])  # now from the cache
@@ -56,6 +56,14 @@ def test_predict_flag_prints_the_prediction(calibrated):
                           "--predict"], cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr
     assert "predicted step time (planner, this machine's calibration):" in out.stdout
+
+
+@pytest.mark.multiprocess
+def test_mamba_and_hybrid_runs_are_predicted(calibrated):
+    # from the session's calibration, which times the Mamba-2 mixer: no measuring again, no refusal
+    for flags in (["--arch", "mamba2", "--strategy", "tp"], ["--arch", "hybrid", "--strategy", "cp"]):
+        pred = predicted(config_from_args(run_parser("x").parse_args([*flags, "--world", "2"])))
+        assert pred["step_time_s"] > 0 and pred["calibration"] == [], pred.get("why")
 
 
 def test_no_prediction_for_cuda_says_why():

@@ -9,9 +9,10 @@ import pytest
 from hardware import this_machine as tm
 
 
-def _cal(key="abc", created_s=1000.0, **kw) -> tm.Calibration:
+def _cal(key="abc", created_s=1000.0, without=(), **kw) -> tm.Calibration:
+    fits = {op: tm.Fit(1e-5, 1e-10, 2e-5, 2e-10) for op in tm.COMPUTE_FITS if op not in without}
     return tm.Calibration(key=key, created_s=created_s, cpus=2, torch="2.13.0",
-                          compute={"linear": tm.Fit(1e-5, 1e-10, 2e-5, 2e-10)}, engine_units={"step": 0.01},
+                          compute=fits, engine_units={"step": 0.01},
                           compute_share={1: 1.0, 2: 1.1}, comm={tm.comm_key(2, "all_reduce", 2, "sync"):
                                                               tm.CommFit(4e-4, 2e-9, 0.6)},
                           probe={"matmul_flops_per_s": 5e10, "memory_bytes_per_s": 1e10, "threads": 1,
@@ -56,6 +57,57 @@ def test_other_machine_and_stale(cache):
     tm.save(_cal(key="abc", created_s=1000.0))
     cal, why = tm.load("abc", now_s=1000.0 + tm.STALE_AFTER_S + 86400)
     assert cal is None and "31 days old" in why
+
+
+def test_a_calibration_without_the_mamba_fit_is_measured_again_once(cache):
+    # a file from before the Mamba-2 mixer was timed: every fit but that one
+    tm.save(_cal(created_s=1000.0, without=("mamba",)))
+    cal, why = tm.load("abc", now_s=1001.0)
+    assert cal is None and "no timing of mamba" in why and "measuring again" in why
+    tm.save(_cal(created_s=1000.0))  # what the measurement then writes: sound from now on
+    cal, why = tm.load("abc", now_s=1001.0)
+    assert why == "" and "mamba" in cal.compute
+
+
+def test_mamba_work_is_the_engines_flop_count():
+    # the count is engine/config.mamba_forward_flops, at the whole model's shape or one rank's
+    from engine.config import ModelConfig, mamba_forward_flops
+
+    m = ModelConfig(arch="mamba2", seq_len=64, ssm_chunk=16)
+    shape = {"b": 3, "t": m.seq_len, "d": m.hidden, "inner": m.ssm_inner, "heads": m.ssm_heads,
+             "head_dim": m.ssm_head_dim, "groups": m.ssm_groups, "state": m.ssm_state, "conv": m.conv_width,
+             "chunk": m.ssm_chunk}
+    assert tm.work("mamba", shape) == mamba_forward_flops(m, 3)
+    # tp = 2 splits heads, groups and the inner width; cp = 2 halves the tokens: exactly a quarter each way
+    local = {**shape, "t": 32, "inner": m.ssm_inner // 2, "heads": m.ssm_heads // 2, "groups": m.ssm_groups // 2}
+    assert tm.work("mamba", local) == pytest.approx(mamba_forward_flops(m, 3) / 4)
+    assert tm.scan_steps(shape) == 4 and tm.scan_steps({**shape, "t": 8}) == 1
+
+
+def _mamba_rows(seconds):
+    rows = []
+    for t, inner, groups in [(32, 128, 4), (16, 64, 2), (8, 128, 4), (64, 128, 4), (32, 256, 4)]:
+        shape = {"b": 2, "t": t, "d": inner // 2, "inner": inner, "heads": inner // 16, "head_dim": 16,
+                 "groups": groups, "state": 16, "conv": 4, "chunk": 8}
+        rows.append({"op": "mamba", "shape": shape, **seconds(tm.work("mamba", shape), tm.scan_steps(shape))})
+    return rows
+
+
+def test_mamba_fit_separates_per_scan_step_and_per_flop_costs():
+    rows = _mamba_rows(lambda w, k: {"fwd_s": 900e-6 + 25e-6 * k + w * 8e-11, "bwd_s": 1.4e-3 + 140e-6 * k + w * 4e-11})
+    f = tm.fit_compute(rows)[0]["mamba"]
+    assert f.fwd_fixed_s == pytest.approx(900e-6) and f.fwd_per_item_s == pytest.approx(25e-6)
+    assert f.fwd_per_unit_s == pytest.approx(8e-11) and f.bwd_per_item_s == pytest.approx(140e-6)
+
+
+def test_mamba_fit_is_refitted_when_noise_makes_a_term_negative():
+    # one slow backward at the longest sequence: three terms would fit it with negative ones
+    def seconds(w, k):
+        return {"fwd_s": 1e-3 + w * 8e-11, "bwd_s": 2e-3 + w * 4e-11 + (30e-3 if k == 8 else 0.0)}
+
+    f = tm.fit_compute(_mamba_rows(seconds))[0]["mamba"]
+    assert f.bwd_per_item_s == 0.0 and f.bwd_fixed_s > 0 and f.bwd_per_unit_s >= 0
+    assert f.fwd_fixed_s == pytest.approx(1e-3) and f.fwd_per_unit_s == pytest.approx(8e-11)
 
 
 def test_machine_key_depends_on_torch():
