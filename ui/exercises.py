@@ -252,3 +252,43 @@ def axes_leaving_the_domain(mesh, chip: Chip) -> Exercise:
     worked.append(f"So **{answer}** {'cross' if len(leaving) != 1 else 'crosses'} the network"
                   if leaving else "So **none**: every group stays inside one domain.")
     return Exercise(f"Which axes of this mesh have groups that leave one {where} of {chip.name}?", answer, worked)
+
+
+def attention_crossover(m: ModelSpec) -> Exercise:
+    """From what sequence length do a Transformer layer's attention scores cost more than its weights?"""
+    from planner.flops import layer_attention_flops_per_token, layer_matmul_params
+
+    kind = m.layer_kinds[0]
+    weights = 2.0 * layer_matmul_params(m, kind)
+    per_position = layer_attention_flops_per_token(m, 1)
+    crossover = weights / per_position
+    return Exercise(
+        f"From what sequence length S do the attention scores (Q·Kᵀ and P·V) of one {m.name} layer cost more "
+        "FLOPs per token than all its weight matmuls together?",
+        crossover,
+        [f"Weights: 2 FLOPs per weight per token, 2 x {layer_matmul_params(m, kind):,} = **{weights:.4g}** "
+         "per token per layer, whatever S is.",
+         f"Scores: each token meets S keys, 2·S·N·(2·d_head) = S x {per_position:,.0f} FLOPs per token per "
+         "layer (the full S x S square).",
+         f"Equal at S = {weights:.4g} / {per_position:,.0f} = **{crossover:,.0f} tokens**"
+         + (f" (6·D for a GPT layer with a 4D MLP: 6 x {m.hidden:,})" if m.mlp == "gelu" and m.ffn == 4 * m.hidden
+            else "") + ". A Mamba-2 layer's scan costs the same per token at any S."])
+
+
+def state_passing_chain(m: ModelSpec, cp: int) -> Exercise:
+    """Hops and bytes of one Mamba-2 layer's state passing over cp ranks."""
+    from planner.case import Layout
+    from planner.costs import ssm_state_bytes
+
+    one = ssm_state_bytes(m, Layout(dp=1, tp=1, pp=1, cp=cp, micro_batch=1))
+    return Exercise(
+        f"{m.name} is trained with context parallel cp = {cp} by state passing. In one layer's forward, for "
+        "one sequence, how many transfers happen one after the other, and how many bytes is each?",
+        f"{cp - 1} hops of {one:,.0f} bytes",
+        [f"Rank r can pass its slice's final state on only after receiving rank r − 1's: the chain has "
+         f"cp − 1 = **{cp - 1} hops** in sequence (the backward has as many, reversed).",
+         f"Each hop carries one state per head: H x P x N = {m.ssm_heads} x {m.ssm_head_dim} x {m.ssm_state} "
+         f"numbers in fp32 (the scan keeps its states in fp32): **{one:,.0f} bytes**, "
+         f"{one / 2**20:.2f} MiB, whatever S is.",
+         "Compare ring attention: cp − 1 K/V blocks per layer that grow with S/cp, but each sent while the "
+         "previous block's attention computes."])

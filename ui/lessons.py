@@ -55,6 +55,11 @@ LESSONS: list[Lesson] = [
            "all-to-all's cost on real chips, and a real verified expert-parallel run on this machine.",
            params=("ep_tokens", "ep_experts", "ep_top_k", "ep_degree", "ep_capacity", "ep_skew",
                    "ep_micro_batch")),
+    Lesson("Transformer vs Mamba", "app_pages/mamba.py", "mamba", ":material/waves:",
+           "A state-space model mixes positions through a fixed-size state instead of attention: the Mamba-2 "
+           "block and its chunked scan, FLOPs per token as the sequence grows, what tensor and context "
+           "parallel move for each, the fastest layout of each on your chips, and real verified runs of both.",
+           params=("ssm_seq_len",)),
     Lesson("Putting it together: N-D meshes", "app_pages/meshes.py", "meshes", ":material/grid_on:",
            "How real runs combine the strategies on one mesh (Llama 3 405B, DeepSeek-V3): the rank order, "
            "each axis's groups drawn on the nodes, which stay inside NVLink and which cross the network, the "

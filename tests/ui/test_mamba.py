@@ -1,0 +1,104 @@
+"""The Transformer-vs-Mamba lesson: its models, FLOPs and per-layer traffic against the planner's own numbers,
+the layouts and why they differ, the exercises, the page in AppTest, and its live runs."""
+
+import pytest
+
+from hardware.chips import CHIPS
+from planner.flops import total_params
+from tests.ui.apptest_util import open_app
+from ui.exercises import attention_crossover, state_passing_chain
+from ui.mamba import (
+    HYBRID,
+    MAMBA2,
+    TRANSFORMER,
+    best_rows,
+    causal_mfu,
+    comm_rows,
+    flops_figure,
+    hybrid_spec,
+    lesson_models,
+    model_rows,
+)
+
+PAGE = "app_pages/mamba.py"
+
+
+def test_the_three_models_are_the_same_size():
+    specs = lesson_models(2048)
+    assert [s.name for s in specs] == [TRANSFORMER, MAMBA2, HYBRID]
+    sizes = [total_params(s) for s in specs]
+    assert max(sizes) / min(sizes) < 1.06
+    hybrid = hybrid_spec()
+    assert hybrid.layer_kinds.count("*") == 8 and hybrid.layer_kinds[7] == "*"
+
+
+def test_attention_grows_with_the_sequence_and_the_scan_does_not():
+    short, long = model_rows(lesson_models(2048), 2048), model_rows(lesson_models(131072), 131072)
+    gflop = [k for k in short[0] if k.startswith("forward")][0]
+    gflop_long = [k for k in long[0] if k.startswith("forward")][0]
+    assert float(long[0][gflop_long]) > 3 * float(short[0][gflop])  # the Transformer
+    assert float(long[1][gflop_long]) == float(short[1][gflop])  # Mamba-2: the same per token
+    fig = flops_figure(lesson_models(2048), [2048, 8192])
+    assert len(fig.data) == 6
+
+
+def test_the_traffic_table_says_why_mamba2_27b_cannot_use_tp():
+    rows = comm_rows(lesson_models(8192), tp=2, cp=4, dp=8, chip="h100")
+    mamba = [r for r in rows if r["model"] == MAMBA2]
+    assert mamba[0]["operations fwd + bwd"] == "impossible: 1 group"
+    hybrid = {r["strategy"]: r for r in rows if r["model"] == HYBRID}
+    # one all-reduce each way for a Mamba-2 layer under tp (Dao & Gu 2024 sec. 8); the chain is cp-1 hops
+    # plus the conv halo, each way
+    assert hybrid["TP"]["operations fwd + bwd"] == "1 + 1"
+    assert hybrid["CP: state passing"]["operations fwd + bwd"] == "4 + 4"
+    assert hybrid["CP: all-to-all"]["operations fwd + bwd"] == "2 + 2"
+    transformer = {r["strategy"]: r for r in rows if r["model"] == TRANSFORMER}
+    assert transformer["TP"]["operations fwd + bwd"] == "2 + 2"
+
+
+def test_causal_mfu_never_passes_one_at_long_context():
+    from planner.api import compare_architectures
+    from planner.case import Cluster
+
+    specs = lesson_models(131072)
+    results = compare_architectures(specs, Cluster("h100", 64), global_batch=64)
+    rows = best_rows(results, specs, CHIPS["h100"], 64)
+    for res, spec in zip(results, specs, strict=True):
+        assert 0 < causal_mfu(spec, res["tokens_per_s"], CHIPS["h100"], 64) < 1
+    assert {r["model"] for r in rows} == {TRANSFORMER, MAMBA2, HYBRID}
+
+
+def test_the_exercises_follow_the_model():
+    gpt = lesson_models(2048)[0]
+    assert attention_crossover(gpt).answer == 6 * gpt.hidden  # 24 D^2 weights against 4 D S per token
+    mamba = lesson_models(2048)[1]
+    ex = state_passing_chain(mamba, 8)
+    assert ex.answer == f"7 hops of {80 * 64 * 128 * 4:,} bytes"
+
+
+def test_the_page_opens_with_every_section():
+    at = open_app(PAGE, chip="h100", dp="8", cp="4", tp="2")
+    assert not at.exception, [e.value for e in at.exception]
+    headers = [h.value for h in at.header]
+    assert headers == ["Same size, two architectures", "What each strategy moves, per layer",
+                       "The fastest layout for each", "Run it for real"]
+    layouts = next(d.value for d in at.dataframe if "fastest layout" in d.value.columns)
+    assert list(layouts["model"]) == [TRANSFORMER, MAMBA2, HYBRID]
+    at.select_slider(key="ssm_seq_len").set_value(131072).run()
+    assert not at.exception, [e.value for e in at.exception]
+
+
+@pytest.mark.multiprocess
+def test_the_three_live_runs_match_the_reference():
+    at = open_app(PAGE)
+    at.select_slider(key="ssm_live_steps").set_value(1).run()
+    at.button(key="ssm_live_run").click().run(timeout=300)
+    assert not at.exception, [e.value for e in at.exception]
+    assert not at.error, [e.value for e in at.error]
+    table = next(d.value for d in at.dataframe if "transfers per layer, rank 0" in d.value.columns)
+    assert list(table["check"]) == ["passed"] * 3
+    # per layer, rank 0 of 2: ring 1 K/V send forward, 1 K/V and 2 dK/dV sends backward (3 cp - 2 per
+    # direction pair, engine/cp.py); state passing 1 state forward (+ the halo), 0 gradients back
+    ring, state, alltoall = (int(x) for x in table["transfers per layer, rank 0"])
+    assert ring == 4 and state == 2 and alltoall == 4
+    assert any(m.value.startswith("- Most bytes over cp") for m in at.markdown)
