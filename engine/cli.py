@@ -85,8 +85,8 @@ def run_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--kv-heads", type=int, default=ModelConfig.kv_heads, help="grouped key/value heads")
     p.add_argument("--ffn", type=int, default=ModelConfig.ffn, help="SwiGLU hidden size")
     p.add_argument("--layers", type=int, default=None,
-                   help=f"transformer layers (default: {ModelConfig.layers}, "
-                        f"or pp*virtual_stages when larger)")
+                   help=f"layers (default: {ModelConfig.layers}, or pp*virtual_stages when larger, or the "
+                        f"length of --pattern)")
     p.add_argument("--schedule", choices=list(SCHEDULE_NAMES), default=ParallelConfig.schedule,
                    help="pipeline schedule, when the mesh has pp > 1")
     p.add_argument("--virtual-stages", type=int, default=1,
@@ -109,9 +109,7 @@ def config_from_args(args, world: int | None = None) -> RunConfig:
                               schedule=args.schedule, virtual_stages=args.virtual_stages)
     layers = args.layers
     if layers is None:
-        # The smallest model every pipeline stage gets whole layers of: pp * v layers at least.
-        stages = RunConfig(parallel=parallel, world=world).pp * max(1, args.virtual_stages)
-        layers = max(ModelConfig.layers, stages)
+        layers = _default_layers(parallel, world, args.virtual_stages, args.pattern)
     mlp = args.mlp or ("moe" if strategy == "ep" else "dense")
     model = replace(ModelConfig(), mlp=mlp, layers=layers, experts=args.experts, top_k=args.top_k,
                     capacity_factor=args.capacity_factor, seq_len=args.seq_len, heads=args.heads,
@@ -124,12 +122,20 @@ def config_from_args(args, world: int | None = None) -> RunConfig:
                               seed=args.seed, device=args.device, timeout_s=args.timeout_s))
 
 
+def _default_layers(parallel: ParallelConfig, world: int, virtual_stages: int, pattern: str) -> int:
+    """One layer per letter of a hybrid's pattern; else the smallest model every pipeline stage gets whole
+    layers of: pp * v layers at least."""
+    if pattern:
+        return len(pattern)
+    return max(ModelConfig.layers, RunConfig(parallel=parallel, world=world).pp * max(1, virtual_stages))
+
+
 def argv_for(cfg: RunConfig) -> list[str]:
     """The `python -m engine run` arguments that build `cfg` again (config_from_args inverts it): the
     command line a page shows under a live run, so it can be reproduced in a terminal."""
     p, m, d = cfg.parallel, cfg.model, ModelConfig()
     argv = ["--strategy", p.strategy, "--world", str(cfg.world), "--steps", str(cfg.steps)]
-    default_layers = max(d.layers, RunConfig(parallel=p, world=cfg.world).pp * max(1, p.virtual_stages))
+    default_layers = _default_layers(p, cfg.world, p.virtual_stages, m.pattern)
     pairs = [
         ("--zero-stage", p.zero_stage, None), ("--mesh", ",".join(f"{a}={n}" for a, n in p.mesh) or None, None),
         ("--dp-comm", p.dp_comm, "bucketed"), ("--cp-variant", p.cp_variant, "ring"),

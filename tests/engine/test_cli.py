@@ -90,6 +90,9 @@ def test_same_worker_entry_under_torchrun_with_two_nodes(tmp_path):
     ["--strategy", "cp", "--cp-variant", "allgather", "--mesh", "dp=2,cp=2", "--world", "4"],
     ["--strategy", "ep", "--capacity-factor", "1.25", "--top-k", "1", "--seed", "3", "--steps", "5"],
     ["--mesh", "cp=2", "--world", "2", "--hidden", "96", "--vocab", "300", "--heads", "6", "--kv-heads", "3"],
+    ["--arch", "mamba2", "--strategy", "cp", "--ssm-cp", "alltoall", "--world", "4", "--ssm-chunk", "4"],
+    ["--arch", "hybrid", "--pattern", "MMAM", "--mesh", "pp=2", "--ssm-state", "8", "--ssm-groups", "2"],
+    ["--arch", "mamba2", "--strategy", "tp", "--ssm-head-dim", "32", "--ssm-groups", "2", "--layers", "3"],
 ])
 def test_argv_for_builds_the_same_config_again(flags):
     from engine.cli import argv_for, command_line, config_from_args, run_parser
