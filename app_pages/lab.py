@@ -8,7 +8,7 @@ import streamlit as st
 
 from app_pages.live_panel import run_live, show_live
 from engine.cli import argv_for, command_line
-from engine.config import ConfigError, ModelConfig, validate
+from engine.config import ARCHS, SSM_CP_VARIANTS, ConfigError, ModelConfig, validate
 from engine.predict import cached_calibration
 from hardware.this_machine import gpus
 from ui.lab import SCHEDULES, compare_figures, lab_config, mesh_label, results_json, run_rows, torchrun_command
@@ -25,23 +25,58 @@ st.markdown(
 st.subheader("Model")
 presets = {"tiny (2 layers, width 64)": ModelConfig(),
            "small (4 layers, width 128)": ModelConfig(layers=4, hidden=128, heads=8, kv_heads=4, ffn=256),
-           "MoE (2 layers, 4 experts, top-2)": ModelConfig(mlp="moe")}
-preset = presets[st.selectbox("Start from", list(presets), key="lab_preset")]
+           "MoE (2 layers, 4 experts, top-2)": ModelConfig(mlp="moe"),
+           "Mamba-2 (2 layers, width 64)": ModelConfig(arch="mamba2"),
+           "hybrid (4 layers: Mamba-2, attention, Mamba-2, attention)": ModelConfig(arch="hybrid", layers=4)}
+# Each model widget's key and the ModelConfig field it sets: choosing a preset loads all of them.
+MODEL_WIDGETS = {"lab_arch": "arch", "lab_pattern": "pattern", "lab_ssm_state": "ssm_state",
+                 "lab_ssm_groups": "ssm_groups", "lab_ssm_chunk": "ssm_chunk", "lab_layers": "layers",
+                 "lab_hidden": "hidden", "lab_heads": "heads", "lab_kv_heads": "kv_heads", "lab_ffn": "ffn",
+                 "lab_vocab": "vocab", "lab_seq": "seq_len", "lab_mlp": "mlp", "lab_experts": "experts",
+                 "lab_top_k": "top_k"}
+
+
+def _load_preset() -> None:
+    chosen = presets[st.session_state["lab_preset"]]
+    for key, name in MODEL_WIDGETS.items():
+        st.session_state[key] = getattr(chosen, name)
+
+
+st.selectbox("Start from", list(presets), key="lab_preset", on_change=_load_preset,
+             help="loads the preset's values into every model field below")
+if "lab_arch" not in st.session_state:  # a fresh session starts from the first preset
+    _load_preset()
 c = st.columns(5)
-layers = c[0].number_input("Layers", 1, 32, preset.layers, key="lab_layers")
-hidden = c[1].number_input("Hidden size", 8, 1024, preset.hidden, step=8, key="lab_hidden")
-heads = c[2].number_input("Attention heads", 1, 32, preset.heads, key="lab_heads")
-kv_heads = c[3].number_input("KV heads", 1, 32, preset.kv_heads, key="lab_kv_heads",
+arch = c[0].selectbox("Architecture", list(ARCHS), key="lab_arch",
+                      help="transformer: attention + MLP blocks; mamba2: Mamba-2 blocks (no MLP); hybrid: both, "
+                           "one letter per layer in the pattern")
+pattern = c[1].text_input("Layer pattern (hybrid)", key="lab_pattern", disabled=arch != "hybrid",
+                          help="one letter per layer, A attention or M Mamba-2; empty: M and A alternating")
+ssm_state = c[2].number_input("SSM state N", 1, 128, key="lab_ssm_state",
+                              disabled=arch == "transformer")
+ssm_groups = c[3].number_input("SSM groups", 1, 64, key="lab_ssm_groups",
+                               disabled=arch == "transformer",
+                               help="groups of Mamba-2 heads sharing B and C; tensor parallel needs tp to divide it")
+ssm_chunk = c[4].number_input("SSD chunk", 1, 256, key="lab_ssm_chunk",
+                              disabled=arch == "transformer", help="the chunked scan's chunk length; divides the "
+                              "sequence (and each context-parallel slice)")
+c = st.columns(5)
+layers = c[0].number_input("Layers", 1, 32, key="lab_layers")
+hidden = c[1].number_input("Hidden size", 8, 1024, step=8, key="lab_hidden")
+heads = c[2].number_input("Attention heads", 1, 32, key="lab_heads")
+kv_heads = c[3].number_input("KV heads", 1, 32, key="lab_kv_heads",
                              help="grouped-query attention: each KV head serves heads / kv_heads query heads")
-ffn = c[4].number_input("MLP width", 8, 4096, preset.ffn, step=8, key="lab_ffn")
+ffn = c[4].number_input("MLP width", 8, 4096, step=8, key="lab_ffn")
 c = st.columns(5)
-vocab = c[0].number_input("Vocabulary", 16, 32000, preset.vocab, key="lab_vocab")
-seq_len = c[1].number_input("Sequence length", 4, 1024, preset.seq_len, key="lab_seq")
-mlp = c[2].selectbox("MLP", ["dense", "moe"], index=["dense", "moe"].index(preset.mlp), key="lab_mlp")
-experts = c[3].number_input("Experts", 1, 16, preset.experts, key="lab_experts", disabled=mlp != "moe")
-top_k = c[4].number_input("Top-k", 1, 16, preset.top_k, key="lab_top_k", disabled=mlp != "moe")
+vocab = c[0].number_input("Vocabulary", 16, 32000, key="lab_vocab")
+seq_len = c[1].number_input("Sequence length", 4, 1024, key="lab_seq")
+mlp = c[2].selectbox("MLP", ["dense", "moe"], key="lab_mlp")
+experts = c[3].number_input("Experts", 1, 16, key="lab_experts", disabled=mlp != "moe")
+top_k = c[4].number_input("Top-k", 1, 16, key="lab_top_k", disabled=mlp != "moe")
 model = ModelConfig(layers=int(layers), hidden=int(hidden), heads=int(heads), kv_heads=int(kv_heads), ffn=int(ffn),
-                    vocab=int(vocab), seq_len=int(seq_len), mlp=mlp, experts=int(experts), top_k=int(top_k))
+                    vocab=int(vocab), seq_len=int(seq_len), mlp=mlp, experts=int(experts), top_k=int(top_k),
+                    arch=arch, pattern=pattern.strip().upper() if arch == "hybrid" else "",
+                    ssm_state=int(ssm_state), ssm_groups=int(ssm_groups), ssm_chunk=int(ssm_chunk))
 
 st.subheader("Mesh and schedule")
 st.caption("Any combination of the axes runs: ranks are laid out pp, dp, fsdp, cp, ep, tp with tp innermost "
@@ -49,7 +84,7 @@ st.caption("Any combination of the axes runs: ranks are laid out pp, dp, fsdp, c
            "dp, fsdp and ep ranks read different sequences, cp ranks different positions of them.")
 axis_help = {"pp": "pipeline stages", "dp": "data-parallel replicas (with fsdp too: HSDP, replicas of the shards)",
              "fsdp": "data-parallel ranks that ZeRO shards over (stage 3 unless you choose 1 or 2)",
-             "cp": "context parallel: the sequence split, K/V passed around a ring",
+             "cp": "context parallel: the sequence split, K/V passed around a ring (Mamba-2: states passed on)",
              "ep": "expert parallel: experts split, tokens sent by all-to-all (needs the MoE MLP)",
              "tp": "tensor parallel: heads and MLP columns split"}
 c = st.columns(6)
@@ -64,6 +99,9 @@ schedule = c[1].selectbox("Pipeline schedule", SCHEDULES, key="lab_schedule", di
 virtual = c[2].number_input("Virtual stages", 1, 4, 1, key="lab_virtual",
                             disabled=mesh["pp"] == 1 or schedule != "interleaved-1f1b")
 sequence_parallel = c[3].toggle("Sequence parallel (with tp)", key="lab_sp", disabled=mesh["tp"] == 1)
+ssm_cp = st.radio("A Mamba-2 layer under cp", SSM_CP_VARIANTS, horizontal=True, key="lab_ssm_cp",
+                  disabled=mesh["cp"] == 1 or arch == "transformer",
+                  format_func={"state": "state passing (rank to rank)", "alltoall": "all-to-all to heads"}.get)
 
 st.subheader("Batch and steps")
 c = st.columns(5)
@@ -86,6 +124,7 @@ cfg = lab_config(model, mesh, int(zero_stage), schedule, int(virtual), int(micro
                  int(steps), device)
 if sequence_parallel and mesh["tp"] > 1:
     cfg = replace(cfg, parallel=replace(cfg.parallel, sequence_parallel=True))
+cfg = replace(cfg, parallel=replace(cfg.parallel, ssm_cp=ssm_cp))
 problem = None
 try:
     validate(cfg)

@@ -51,7 +51,8 @@ def run_rows(runs: list[LiveRun], matmul_flops_per_s: float | None) -> list[dict
                if matmul_flops_per_s and cfg.device == "cpu" else None)
         err = prediction_error(run)
         rows.append({
-            "run": run.label, "mesh": mesh_label(cfg), "procs": cfg.world, "steps": cfg.steps,
+            "run": run.label, "model": cfg.model.arch, "mesh": mesh_label(cfg), "procs": cfg.world,
+            "steps": cfg.steps,
             "step (ms)": round(s.step_time_s * 1e3, 2),
             "tokens/s": round(tokens / s.step_time_s),
             "MFU": f"{mfu:.1%}" if mfu is not None else "n/a",

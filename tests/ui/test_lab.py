@@ -13,6 +13,8 @@ LAB = "app_pages/lab.py"
 
 def _lab(**widgets):
     at = open_app(LAB)
+    if "lab_preset" in widgets:  # the preset first: it enables the widgets of its architecture
+        at.selectbox(key="lab_preset").set_value(widgets.pop("lab_preset")).run()
     for key, value in widgets.items():
         at.number_input(key=key).set_value(value) if key in _NUMBERS else at.selectbox(key=key).set_value(value)
     at.run()
@@ -21,7 +23,7 @@ def _lab(**widgets):
 
 
 _NUMBERS = {"lab_pp", "lab_dp", "lab_fsdp", "lab_cp", "lab_ep", "lab_tp", "lab_heads", "lab_kv_heads",
-            "lab_layers", "lab_mb", "lab_steps", "lab_hidden"}
+            "lab_layers", "lab_mb", "lab_steps", "lab_hidden", "lab_ssm_groups", "lab_ssm_chunk"}
 
 
 def test_the_page_opens_with_a_runnable_default():
@@ -36,6 +38,8 @@ def test_the_page_opens_with_a_runnable_default():
     ({"lab_tp": 3}, "heads=4"),  # tp must divide the heads
     ({"lab_ep": 2}, "moe"),  # expert parallel needs experts
     ({"lab_pp": 4, "lab_layers": 2}, "layers"),  # whole layers per stage
+    ({"lab_preset": "Mamba-2 (2 layers, width 64)", "lab_dp": 1, "lab_tp": 2, "lab_ssm_groups": 1},
+     "ssm_groups=1 is not divisible by tp=2"),  # whole groups of Mamba-2 heads per tp rank
 ])
 def test_a_layout_that_cannot_run_is_refused_before_running(widgets, says):
     at = _lab(**widgets)
@@ -51,6 +55,25 @@ def test_the_command_lines_rebuild_the_same_config():
     cfg = config_from_args(run_parser("x").parse_args([a for a in argv if a not in ("--check", "--predict")]))
     assert cfg.parallel.axes(cfg.world) == (("tp", 2),) and cfg.steps == 2
     assert any(c.startswith("torchrun --nnodes") and "-m engine.worker" in c for c in commands)
+
+
+def test_a_preset_loads_every_model_field():
+    at = _lab(lab_preset="small (4 layers, width 128)")
+    assert (at.number_input(key="lab_layers").value, at.number_input(key="lab_hidden").value,
+            at.number_input(key="lab_heads").value) == (4, 128, 8)
+    at.selectbox(key="lab_preset").set_value("hybrid (4 layers: Mamba-2, attention, Mamba-2, attention)").run()
+    assert at.selectbox(key="lab_arch").value == "hybrid" and at.number_input(key="lab_hidden").value == 64
+
+
+def test_a_mamba_experiment_has_the_command_line_that_rebuilds_it():
+    at = _lab(lab_preset="Mamba-2 (2 layers, width 64)", lab_dp=1, lab_cp=2)
+    at.radio(key="lab_ssm_cp").set_value("alltoall").run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    line = next(c.value for c in at.code if c.value.startswith("python -m engine run"))
+    assert "--arch mamba2" in line and "--ssm-cp alltoall" in line
+    cfg = config_from_args(run_parser("x").parse_args([a for a in line.split()[4:]
+                                                        if a not in ("--check", "--predict")]))
+    assert cfg.model.arch == "mamba2" and cfg.parallel.ssm_cp == "alltoall" and cfg.world == 2
 
 
 @pytest.mark.multiprocess
