@@ -123,7 +123,9 @@ try:
 
     batch = max(n, round(2**22 / seq_len / n) * n)
     with st.spinner("Searching the layouts of each model ..."):
-        results = compare_architectures(specs, Cluster(chip.key, n), global_batch=batch)
+        # the same search for the same setup (a class opens the same page): computed once per server
+        search_all = st.cache_data(compare_architectures, max_entries=64, show_spinner=False)
+        results = search_all(specs, Cluster(chip.key, n), global_batch=batch)
 except SpecError as e:
     results = None
     st.warning(f"The planner cannot search this setup: {e}.")

@@ -27,6 +27,7 @@ per H100 node: 2,475).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from hardware.chips import Chip
@@ -116,3 +117,85 @@ def expert_parallel_bound(m: ModelSpec, chip: Chip, tokens_per_chip: float, ep: 
     rule = (f"Expert parallel on {chip.name} over {link} is compute-bound while the expert width F > "
             f"(2 / {n}) x (ep - 1) / ep x C / W = {limit:,.0f}; here F = {m.ffn:,}")
     return Bound("ep", math_s, comm_s, alpha, link, rule)
+
+
+@dataclass(frozen=True)
+class TradeoffRow:
+    """One way to split N chips into X-way FSDP x Y-way tensor parallel, per layer's forward pass."""
+
+    fsdp: int  # X
+    tp: int  # Y
+    fsdp_s: float  # all-gathering the weights: 4 D F / (Y W_X M_X)
+    tp_s: float  # gathering and reduce-scattering the activations: 4 B D / (X W_Y M_Y)
+    math_s: float  # 4 B D F / (N C)
+
+    @property
+    def comm_s(self) -> float:
+        return self.fsdp_s + self.tp_s
+
+
+@dataclass(frozen=True)
+class FsdpTpTradeoff:
+    rows: tuple[TradeoffRow, ...]  # every X dividing N (Y = N / X dividing the MLP width)
+    best: TradeoffRow  # the least communication
+    x_opt: float  # the continuous optimum at the best row's bandwidths
+    min_tokens_per_chip: float  # below this batch per chip even the best mix is communication-bound
+    rule: str
+
+
+def fsdp_tp_tradeoff(m: ModelSpec, chip: Chip, batch_tokens: float, n: int,
+                     chips_per_node: int | None = None) -> FsdpTpTradeoff:
+    """[SB] Part 5, "Combining FSDP and tensor parallelism", per layer's forward pass (the MLP's two
+    matmuls; the most communication per FLOP), B the batch in tokens over the N = X Y chips:
+
+        T_fsdp = 4 D F / (Y W_X M_X)     FSDP moves weights: less as Y grows
+        T_tp   = 4 B D / (X W_Y M_Y)     tensor parallel moves activations: less as X grows
+        T_math = 4 B D F / (N C)
+
+    The sum is least at X_opt = sqrt(B N W_X M_X / (F W_Y M_Y)) ([SB]'s quadratic, minimised) and stays
+    under the math for some X while B / N > 4 alpha_X alpha_Y / (F M_X M_Y), alpha = C / W: on TPU v5p with
+    [SB]'s M_X = 2 torus axes for FSDP and M_Y = 1 for TP, 2 x 2550^2 / F ([SB]: "432" for F = 30,000).
+    On GPUs M = 1 and each group gets its own links (`group_bandwidth`: tp innermost, so the FSDP group's
+    members are Y apart)."""
+    c = chip.peak_flops_per_s("bf16")
+    d, f = m.hidden, (m.dense_ffn_ if m.is_moe else m.ffn)
+    tpu = chip.kind != "gpu"
+    m_x, m_y = (2, 1) if tpu else (1, 1)
+    rows = []
+    for x in (x for x in range(1, n + 1) if n % x == 0):
+        y = n // x
+        if f % y:
+            continue
+        w_x, _ = group_bandwidth(chip, x, y, chips_per_node)
+        w_y, _ = group_bandwidth(chip, y, 1, chips_per_node)
+        rows.append(TradeoffRow(x, y, 4 * d * f / (y * w_x * m_x) if x > 1 else 0.0,
+                                4 * batch_tokens * d / (x * w_y * m_y) if y > 1 else 0.0,
+                                4 * batch_tokens * d * f / (n * c)))
+    best = min(rows, key=lambda r: r.comm_s)
+    w_x, _ = group_bandwidth(chip, max(best.fsdp, 2), best.tp, chips_per_node)
+    w_y, _ = group_bandwidth(chip, max(best.tp, 2), 1, chips_per_node)
+    x_opt = math.sqrt(batch_tokens * n * w_x * m_x / (f * w_y * m_y))
+    floor = 4 * (c / w_x) * (c / w_y) / (f * m_x * m_y)
+    per_chip = batch_tokens / n
+    verdict = "compute-bound" if best.comm_s <= best.math_s else "communication-bound"
+    rule = (f"Mixed FSDP + tensor parallel of {m.name} on {n:,} {chip.name} stays compute-bound while tokens per "
+            f"chip > 4 alpha_X alpha_Y / (F M_X M_Y) = {floor:,.0f} (F = {f:,}); here {per_chip:,.0f}. The "
+            f"least communication is at X = {best.fsdp:,} FSDP x Y = {best.tp:,} TP (X_opt = {x_opt:,.1f}): "
+            f"{verdict}.")
+    return FsdpTpTradeoff(tuple(rows), best, x_opt, floor, rule)
+
+
+def cross_pod_bound(m: ModelSpec, chip: Chip, tokens_per_pod: float) -> Bound:
+    """[SB] Part 5, "Scaling between pods": pure data parallel between pods (TPU) or NVLink nodes (GPU) over
+    the data-centre network, everything else inside: per pod and layer, the backward's math 4 B_pod P / C_pod
+    against the gradient all-reduce 4 P / W_pod: compute-bound while the batch per pod > C_pod / W_pod, which
+    is one chip's C over its own network bandwidth, whatever the pod's size (v5p: 4.59e14 / 6.25e9 =
+    73,440 tokens per pod; [SB] rounds to "about 76,000")."""
+    p = layer_params(m, False)
+    params = p.attention + p.mlp
+    c, w = chip.peak_flops_per_s("bf16"), chip.scaleout_bytes_per_s
+    alpha = c / w
+    pod = "pod" if chip.kind != "gpu" else "NVLink node"
+    rule = (f"Data parallel between {pod}s of {chip.name} over the data-centre network is compute-bound while "
+            f"tokens per {pod} > C / W_network = {c:.3g} / {w:.3g} = {alpha:,.0f}; here {tokens_per_pod:,.0f}")
+    return Bound("dp", 4 * tokens_per_pod * params / c, 4 * params / w, alpha, f"the network between {pod}s", rule)

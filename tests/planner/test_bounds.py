@@ -3,8 +3,8 @@
 import pytest
 
 from hardware.chips import CHIPS
-from planner.bounds import data_parallel_bound, tensor_parallel_bound
-from planner.models import MODEL_PRESETS
+from planner.bounds import cross_pod_bound, data_parallel_bound, fsdp_tp_tradeoff, tensor_parallel_bound
+from planner.models import MODEL_PRESETS, ModelSpec
 
 LLAMA_8B, LLAMA_70B = MODEL_PRESETS["Llama 3 8B"], MODEL_PRESETS["Llama 3 70B"]
 
@@ -47,3 +47,35 @@ def test_expert_parallel_inside_a_node_and_across_nodes():
     assert "= 1,282; here F = 2,048" in inside.rule and inside.compute_bound
     assert "= 12,981; here F = 2,048" in across.rule and not across.compute_bound
     assert "each GPU's own NIC" in across.link
+
+
+def _book_model(ffn: int) -> ModelSpec:
+    return ModelSpec("[SB] example", 1, 8192, 64, 8, ffn, 32000, 4096)
+
+
+def test_mixed_fsdp_and_tp_floor_is_the_books_2_alpha_squared_over_f():
+    # [SB] Part 5: "BS per device > 2 * 2550^2 / F", "432" for F = 30,000 (LLaMA-3 70B), "around 396" for
+    # F = 32,768 (the 4x4x4 example, B = 48,000 on 64 chips)
+    alpha = 4.59e14 / 1.8e11
+    for ffn, book in ((30000, 432), (32768, 396)):
+        t = fsdp_tp_tradeoff(_book_model(ffn), CHIPS["tpu-v5p"], 48000, 64)
+        assert t.min_tokens_per_chip == pytest.approx(2 * alpha ** 2 / ffn)
+        assert t.min_tokens_per_chip == pytest.approx(book, rel=0.01)
+
+
+def test_the_tradeoff_is_least_near_x_opt():
+    t = fsdp_tp_tradeoff(_book_model(32768), CHIPS["tpu-v5p"], 48000, 64)
+    # X_opt = sqrt(2 B N / F) with one bandwidth on both axes: sqrt(2 x 48,000 x 64 / 32,768) = 13.7
+    assert t.x_opt == pytest.approx(13.69, abs=0.01)
+    assert t.best.fsdp == 16 and t.best.tp == 4  # the divisor of 64 nearest the optimum in cost
+    assert [r.fsdp * r.tp for r in t.rows] == [64] * len(t.rows)
+    # more FSDP (larger X, smaller Y): more weight traffic, less activation traffic; the same math per chip
+    assert all(a.fsdp_s < b.fsdp_s and a.tp_s > b.tp_s for a, b in zip(t.rows[1:], t.rows[2:], strict=False))
+    assert len({r.math_s for r in t.rows}) == 1
+
+
+def test_data_parallel_between_pods_needs_c_over_w_dcn_tokens_per_pod():
+    # [SB] Part 5: "per pod batch size > C / W_DCN ... = 76,000" (its rounding of 4.59e14 / 6.25e9 = 73,440)
+    b = cross_pod_bound(_book_model(30000), CHIPS["tpu-v5p"], 3.5e6)
+    assert b.intensity == pytest.approx(73440) and b.compute_bound
+    assert not cross_pod_bound(_book_model(30000), CHIPS["tpu-v5p"], 50000).compute_bound
