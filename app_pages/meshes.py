@@ -7,11 +7,23 @@ from app_pages.exercise_panel import show_exercises
 from app_pages.live_panel import run_live, show_live
 from core.mesh import Mesh
 from hardware.chips import CHIPS
+from planner.bounds import cross_pod_bound, fsdp_tp_tradeoff
 from planner.case import Cluster, Parallel, SpecError
 from planner.models import MODEL_PRESETS
 from planner.presets import make_case
+from planner.simulate import sent_bytes_per_step
 from ui.exercises import axes_leaving_the_domain
-from ui.meshes import PRESETS, axis_rows, mesh_figure, scaled_down, search_rows, sidebar_mesh
+from ui.meshes import (
+    PRESETS,
+    axis_rows,
+    mesh_figure,
+    scaled_down,
+    search_figure,
+    search_rows,
+    sidebar_mesh,
+    tradeoff_figure,
+    tradeoff_text,
+)
 
 choices = st.session_state["choices"]
 
@@ -72,7 +84,8 @@ try:
     estimate = planner_estimate(case)
 except SpecError as e:
     st.warning(f"The planner cannot cost this layout: {e}. The mapping below still holds.")
-rows = axis_rows(mesh, chip, estimate.breakdown if estimate else None, estimate.step_time_s if estimate else None)
+rows = axis_rows(mesh, chip, estimate.breakdown if estimate else None, estimate.step_time_s if estimate else None,
+                 sent_bytes_per_step(estimate.result) if estimate else None)
 if not rows:
     st.info("One chip: nothing to split. Set a mesh in the sidebar or choose a published layout.")
 else:
@@ -83,9 +96,12 @@ else:
                "(pp) group chips far apart.")
     st.dataframe(rows, hide_index=True, width="stretch")
     st.caption("members apart: the stride, the product of the degrees of the axes inside this one "
-               "(core/mesh.py). links: the topology the group's collectives run on, at achievable bandwidth "
-               "(hardware/collectives.py). exposed per step: the planner's estimate of the communication of "
-               "this axis that compute does not hide, for this model with about 4M tokens per step.")
+               "(core/mesh.py). sent per step: what one chip of the first pipeline stage sends over the axis "
+               "in one optimizer step, ring algorithms (an all-reduce sends 2(n-1)/n of its array); dp and "
+               "fsdp share one count, the planner's data-parallel group. links: the topology the group's "
+               "collectives run on, at achievable bandwidth (hardware/collectives.py). exposed per step: the "
+               "planner's estimate of the communication of this axis that compute does not hide, for this "
+               "model with about 4M tokens per step.")
     if estimate is not None:
         m1, m2, m3 = st.columns(3)
         m1.metric("Predicted step time", f"{estimate.step_time_s:,.2f} s")
@@ -98,6 +114,32 @@ else:
                    "layout of this many chips.")
 
 show_exercises([axes_leaving_the_domain(mesh, chip)] if rows else [])
+
+st.markdown("### FSDP or tensor parallel?")
+chips = max(1, mesh.world // mesh.degree("pp"))
+tokens = max(mesh.world, round(2**22 / spec.seq_len / mesh.world) * mesh.world) * spec.seq_len
+st.markdown(
+    f"""
+Both split the {chips:,} chips of one pipeline stage, and they move different things: **FSDP moves weights**
+(each layer's are all-gathered before use), **tensor parallel moves activations** (gathered into and
+reduce-scattered out of every layer). Splitting the chips as X-way FSDP x Y-way TP (X · Y = {chips:,}), the
+weights each chip gathers shrink as Y grows and the activations it moves shrink as X grows, so their sum
+has a minimum (the scaling book, Part 5). For {spec.name} with {tokens:,} tokens per step on {chip.name},
+per layer's forward:
+"""
+)
+trade = fsdp_tp_tradeoff(spec, chip, tokens, chips)
+st.plotly_chart(tradeoff_figure(trade), key="mesh_tradeoff")
+st.markdown(f"{trade.rule} {tradeoff_text(trade)}")
+pod = chip.scaleup_domain if chip.kind != "gpu" else 8
+pods = max(1, mesh.world // pod)
+st.markdown(
+    f"""
+**Across pods.** Beyond one {'TPU pod' if chip.kind != 'gpu' else 'NVLink node'} the network is much slower,
+so real runs keep FSDP and TP inside and run plain data parallel between them: one gradient all-reduce per
+step, under the backward. {cross_pod_bound(spec, chip, tokens / pods).rule} ({pods:,} of them here).
+"""
+)
 
 st.markdown("### Let the planner choose")
 st.markdown(
@@ -118,6 +160,7 @@ if st.button("Search the layouts of this many chips", key="mesh_search"):
 report = st.session_state.get("mesh_search_report")
 if report is not None and (report.case.cluster.num_chips, report.case.model.name) == (mesh.world, spec.name):
     st.dataframe(search_rows(report), hide_index=True, width="stretch")
+    st.plotly_chart(search_figure(report), key="mesh_search_chart")
     st.caption(f"{report.considered:,} layouts considered, {report.evaluated:,} simulated in "
                f"{report.elapsed_s:.2f} s. The fastest, in words:")
     if report.ranked:

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from engine.recorder import Recorder
+from hardware.collectives import ring_sent_bytes
 
 
 def init(backend: str, init_method: str | None, rank: int, world: int, timeout_s: float) -> None:
@@ -97,14 +98,6 @@ def measure_clock_offset(device: torch.device, rounds: int = 5) -> float:
         dist.all_gather(readings, now)
         offsets.append(readings[0].item() - now.item())
     return statistics.median(offsets)
-
-
-def _ring_bytes(op: str, full_bytes: int, n: int) -> int:
-    if n <= 1:
-        return 0
-    if op == "all_reduce":
-        return 2 * (n - 1) * full_bytes // n
-    return (n - 1) * full_bytes // n
 
 
 class Handle:
@@ -209,7 +202,7 @@ class Comm:
         """Sum `t` over the group in place (`op="max"`: the elementwise maximum)."""
         n, wire = self.size(group), self._to_wire(t, group)
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-        return self._issue(name, group, _ring_bytes("all_reduce", t.numel() * t.element_size(), n), async_op,
+        return self._issue(name, group, ring_sent_bytes("all_reduce", t.numel() * t.element_size(), n), async_op,
                            lambda: dist.all_reduce(wire, op=reduce_op, group=self.groups[group],
                                                    async_op=True),
                            lambda: self._from_wire(wire, t, group))
@@ -220,7 +213,7 @@ class Comm:
         n = self.size(group)
         wire_out = self._wire_buffer(out)
         wire_in = self._to_wire(shard, group)
-        sent = _ring_bytes("all_gather", out.numel() * out.element_size(), n)
+        sent = ring_sent_bytes("all_gather", out.numel() * out.element_size(), n)
         return self._issue(name, group, sent, async_op,
                            lambda: dist.all_gather_single(wire_out.view(-1), wire_in.reshape(-1),
                                                                group=self.groups[group], async_op=True),
@@ -232,7 +225,7 @@ class Comm:
         n = self.size(group)
         wire_out = self._wire_buffer(out)
         wire_in = self._to_wire(full, group)
-        return self._issue(name, group, _ring_bytes("reduce_scatter", full.numel() * full.element_size(), n),
+        return self._issue(name, group, ring_sent_bytes("reduce_scatter", full.numel() * full.element_size(), n),
                            async_op,
                            lambda: dist.reduce_scatter_single(wire_out.view(-1), wire_in.reshape(-1),
                                                               group=self.groups[group], async_op=True),

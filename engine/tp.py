@@ -63,6 +63,7 @@ from engine.config import ATTENTION, MAMBA, RunConfig
 from engine.model import Attention, Block, LanguageModel, MambaBlock, MoE, RMSNorm
 from engine.strategy import Plan
 from engine.tp_comm import TP, copy_to_tp, gather_from_sp, reduce_from_tp, scatter_to_sp, sum_over_replicas
+from hardware.collectives import ring_sent_bytes
 
 ROWS, COLS, REPLICATED = "rows", "cols", "replicated"  # how a parameter [out, in] is split over tp
 
@@ -332,11 +333,6 @@ class TensorParallelPlan(Plan):
         return out
 
 
-def ring_all_reduce_bytes(full_bytes: int, n: int) -> int:
-    # ring all-reduce: each rank sends 2 (n-1)/n of the buffer (Patarasuk & Yuan 2009; engine/comm.py)
-    return 2 * (n - 1) * full_bytes // n
-
-
 def tp_comm_bytes(cfg: RunConfig) -> dict[str, int]:
     """Bytes one rank sends over the tp group per optimizer step, by cause (fp32, ring algorithm).
 
@@ -356,13 +352,13 @@ def tp_comm_bytes(cfg: RunConfig) -> dict[str, int]:
     act = tokens * m.hidden * 4
     attention, mamba = m.kinds.count(ATTENTION), m.kinds.count(MAMBA)
     out = {
-        "blocks": (4 * attention + 2 * mamba) * ring_all_reduce_bytes(act, n),
-        "embed": ring_all_reduce_bytes(act, n),
-        "head": ring_all_reduce_bytes(act, n),
-        "loss": ring_all_reduce_bytes(tokens * 4, n) + ring_all_reduce_bytes(2 * tokens * 4, n),
-        "kv": (2 * attention * ring_all_reduce_bytes(m.kv_heads * m.head_dim * m.hidden * 4, n)
+        "blocks": (4 * attention + 2 * mamba) * ring_sent_bytes("all_reduce", act, n),
+        "embed": ring_sent_bytes("all_reduce", act, n),
+        "head": ring_sent_bytes("all_reduce", act, n),
+        "loss": ring_sent_bytes("all_reduce", tokens * 4, n) + ring_sent_bytes("all_reduce", 2 * tokens * 4, n),
+        "kv": (2 * attention * ring_sent_bytes("all_reduce", m.kv_heads * m.head_dim * m.hidden * 4, n)
                if n > m.kv_heads else 0),
-        "norms": ((2 * attention + mamba + 1) * ring_all_reduce_bytes(m.hidden * 4, n)
+        "norms": ((2 * attention + mamba + 1) * ring_sent_bytes("all_reduce", m.hidden * 4, n)
                   if cfg.parallel.sequence_parallel else 0),
     }
     return {k: v * cfg.micro_batches for k, v in out.items()}

@@ -31,6 +31,19 @@ from dataclasses import dataclass
 from hardware.chips import Chip
 
 
+def ring_sent_bytes(collective: str, nbytes, n: int):
+    """Bytes one rank sends in `collective` over n ranks, `nbytes` in this module's convention: a ring
+    all-gather or reduce-scatter passes (n-1)/n of the array, an all-reduce twice that (Patarasuk & Yuan
+    2009), an all-to-all keeps 1/n of what it holds; a p2p sends its message. Integers stay integers (the
+    live engine counts the bytes it sends with this too)."""
+    if n <= 1:
+        return 0
+    if collective == "p2p":
+        return nbytes
+    passes = 2 if collective == "all_reduce" else 1
+    return passes * (n - 1) * nbytes // n
+
+
 @dataclass(frozen=True)
 class Link:
     bytes_per_s: float  # one direction

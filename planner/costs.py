@@ -50,7 +50,7 @@ from functools import lru_cache
 
 from hardware import kernels
 from hardware.chips import Chip
-from hardware.collectives import Topology, group_topology
+from hardware.collectives import Topology, group_topology, ring_sent_bytes
 from planner.case import Layout
 from planner.flops import layer_forward_flops_per_token, layer_params, ssd_chunk, ssd_matmuls
 from planner.models import ATTENTION, MAMBA, MLP, ModelSpec
@@ -141,6 +141,14 @@ class CommOp:
     time_s: float
     exposed_s: float
     count: int = 1  # ops of `nbytes` in time_s run one after another (ring steps, chain hops)
+    # (kind, nbytes) of each collective when this op stands for more than one (ZeRO-3's backward re-gather
+    # and reduce-scatter); empty: the op is one `kind` of `nbytes`
+    parts: tuple[tuple[str, float], ...] = ()
+
+    def sent_bytes(self, n: int) -> float:
+        """Bytes one of the group's n ranks sends for this op (all its `count` ops, every part)."""
+        parts = self.parts or ((self.kind, self.nbytes),)
+        return self.count * sum(ring_sent_bytes(kind, b, n) for kind, b in parts)
 
     @property
     def hidden_s(self) -> float:
@@ -375,7 +383,8 @@ def _zero3_comms(lay: Layout, chip: Chip, chips_per_node: int, lp, fwd_s: float,
     return (CommOp("dp", "zero-3 all-gather", "all_gather", w_bytes, ag,
                    max(0.0, ag - max(0.0, fwd_window)) if overlap else ag),
             CommOp("dp", "zero-3 all-gather + reduce-scatter", "reduce_scatter", w_bytes, ag + rs,
-                   max(0.0, ag + rs - max(0.0, bwd_window)) if overlap else ag + rs))
+                   max(0.0, ag + rs - max(0.0, bwd_window)) if overlap else ag + rs,
+                   parts=(("all_gather", w_bytes), ("reduce_scatter", 2 * w_bytes))))
 
 
 def ring_kv_bytes(m: ModelSpec, lay: Layout) -> float:

@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from hardware.chips import Chip
+from hardware.collectives import ring_sent_bytes
 from planner import costs
 from planner.case import Case, Layout
 from planner.flops import hardware_flops, model_flops
@@ -250,6 +251,41 @@ def pipeline_p2p_s(m: ModelSpec, lay: Layout, chip: Chip, node: int) -> float:
     if lay.tp > 1 and not lay.sequence_parallel:
         seconds += costs.comm_s(costs.topology(chip, lay.tp, 1, node), "all_gather", act_bytes)
     return seconds
+
+
+def sent_bytes_per_step(res: StepResult, stage: int = 0) -> dict[str, float]:
+    """Bytes one chip of pipeline stage `stage` sends per optimizer step over each mesh axis (ring
+    algorithms: hardware.collectives.ring_sent_bytes): every layer's collectives (planner/costs.py's own
+    records, a full recomputation's repeated ones too) per micro-batch, the gradient sync (and ZeRO's
+    weight all-gather) once per step, and the pipeline's activations and their gradients per micro-batch
+    and chunk boundary (with tp, each rank sends its 1/tp slice and the receivers all-gather it)."""
+    m, tr, lay = res.case.model, res.case.training, res.layout
+    n = {"tp": lay.tp, "cp": lay.cp, "ep": lay.ep, "dp": lay.dp * lay.cp}
+    out = {axis: 0.0 for axis in ("tp", "cp", "ep", "dp", "pp")}
+    st = res.stages[stage]
+    for chunk in st.chunks:
+        for lc, count in chunk.layer_costs:
+            ops = lc.fwd_comms + lc.bwd_comms + (lc.recompute_comms if lay.recompute == "full" else ())
+            for op in ops:
+                out[op.group] += res.micro_batches * count * op.sent_bytes(n[op.group])
+    if lay.zero_stage < 3:
+        dense_p, expert_p = stage_params(m, lay, min(stage, lay.pp - 1))
+        grad_bytes = GRAD_COMM_BYTES[tr.dtype]
+        for params, group in ((dense_p, n["dp"]), (expert_p, n["dp"] // lay.ep)):
+            if lay.zero_stage == 0:
+                out["dp"] += ring_sent_bytes("all_reduce", params * grad_bytes, group)
+            else:
+                syncs = res.micro_batches if lay.zero_stage == 2 else 1
+                out["dp"] += syncs * ring_sent_bytes("reduce_scatter", params * grad_bytes, group)
+                out["dp"] += ring_sent_bytes("all_gather", params * 2, group)
+    if lay.pp > 1:
+        act_bytes = lay.micro_batch * m.seq_len / lay.cp * m.hidden * costs.ACT_BYTES
+        v = lay.virtual_stages
+        sends = (v if stage < lay.pp - 1 else v - 1) + (v if stage > 0 else v - 1)  # forward + backward
+        out["pp"] += res.micro_batches * sends * act_bytes / lay.tp
+        if lay.tp > 1 and not lay.sequence_parallel:
+            out["tp"] += res.micro_batches * sends * ring_sent_bytes("all_gather", act_bytes, lay.tp)
+    return {axis: b for axis, b in out.items() if b}
 
 
 def pipeline_time_s(stage_totals: list[float], micro_batches: int, virtual: int,

@@ -12,7 +12,10 @@ import plotly.graph_objects as go
 from core.mesh import AXES, Mesh, label
 from hardware.chips import Chip
 from hardware.collectives import group_topology
+from planner.bounds import FsdpTpTradeoff
 from ui.charts import PALETTE
+from ui.collectives import format_bytes, format_seconds
+from ui.timeline import KIND_COLORS
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,9 @@ AXIS_TRAFFIC = {
     "fsdp": "weights (all-gather) and gradients (reduce-scatter) once per step, each layer ahead of use",
     "pp": "one activation per micro-batch per stage boundary, forward, and its gradient back",
 }
+# The planner's group (planner.simulate.sent_bytes_per_step) each axis's bytes are counted in: its dp
+# group is every data-parallel rank of a layer, so dp and fsdp share one count.
+AXIS_SENT = {"tp": "tp", "cp": "cp", "ep": "ep", "dp": "dp", "fsdp": "dp", "pp": "pp"}
 # The planner's breakdown keys (planner/simulate.BREAKDOWN_KEYS) each axis's communication lands in.
 AXIS_BREAKDOWN = {"tp": ("tp_comm",), "cp": ("cp_comm",), "ep": ("ep_comm",), "dp": ("dp_comm", "zero3_comm"),
                   "pp": ("pp_comm",)}
@@ -67,9 +73,10 @@ def placement(chip: Chip, n: int, stride: int) -> str:
 
 
 def axis_rows(mesh: Mesh, chip: Chip, breakdown: dict[str, float] | None = None,
-              step_s: float | None = None) -> list[dict]:
+              step_s: float | None = None, sent: dict[str, float] | None = None) -> list[dict]:
     """One row per axis of degree > 1, innermost first: its group, where it lands, what it moves, and (with
-    the planner's breakdown of this layout) the communication time it leaves exposed per step."""
+    the planner's estimate of this layout) the bytes one chip sends over it per step and the communication
+    time it leaves exposed."""
     rows = []
     for axis in reversed(mesh.names):
         n = mesh.degree(axis)
@@ -80,6 +87,8 @@ def axis_rows(mesh: Mesh, chip: Chip, breakdown: dict[str, float] | None = None,
         row = {"axis": axis, "degree": f"{n:,}", "members apart": f"{stride:,}",
                "rank 0's group": _group_text(mesh.group_of(0, axis)),
                "lands on": placement(chip, n, stride)}
+        if sent is not None:
+            row["sent per step, per chip"] = format_bytes(sent.get(AXIS_SENT[axis], 0.0))
         if breakdown is not None and step_s:
             exposed = sum(breakdown.get(k, 0.0) for k in AXIS_BREAKDOWN.get(axis, ()))
             row["exposed per step"] = f"{exposed:.3g} s ({exposed / step_s:.1%})"
@@ -160,3 +169,58 @@ def search_rows(report) -> list[dict]:
                      "schedule": f"{lay.pp_schedule} v={lay.virtual_stages}" if lay.pp > 1 else ""})
     return rows
 
+
+
+def tradeoff_figure(t: FsdpTpTradeoff) -> go.Figure:
+    """Per layer's forward, for every split of the chips into X-way FSDP x Y-way TP: the weights FSDP gathers,
+    the activations TP moves, their sum against the math, and the optimum X_opt marked."""
+    x = [r.fsdp for r in t.rows]
+    fig = go.Figure()
+    series = [("FSDP: weights all-gathered", [r.fsdp_s for r in t.rows], KIND_COLORS["all_gather"], "solid"),
+              ("TP: activations gathered and reduce-scattered", [r.tp_s for r in t.rows],
+               KIND_COLORS["all_reduce"], "solid"),
+              ("communication, both", [r.comm_s for r in t.rows], KIND_COLORS["send/recv"], "dash"),
+              ("the math it can hide under", [r.math_s for r in t.rows], KIND_COLORS["forward"], "dot")]
+    for name, ys, color, dash in series:
+        # nothing to move (no FSDP at X = 1, no TP at Y = 1) has no place on a log axis: a gap
+        fig.add_trace(go.Scatter(x=x, y=[v * 1e6 if v > 0 else None for v in ys], name=name, mode="lines+markers",
+                                 line={"color": color, "dash": dash},
+                                 customdata=[r.tp for r in t.rows],
+                                 hovertemplate="X = %{x} FSDP x Y = %{customdata} TP<br>%{y:,.1f} µs<extra>"
+                                               + name + "</extra>"))
+    if t.x_opt <= max(x):  # a shape on a log axis is placed in log10 units
+        fig.add_vline(x=math.log10(t.x_opt), line={"color": "#444", "dash": "dot"},
+                      annotation={"text": f"X_opt = {t.x_opt:,.1f}", "showarrow": False, "yanchor": "bottom"})
+    fig.update_layout(xaxis={"type": "log", "title": "X, the FSDP degree (Y = N / X tensor parallel)",
+                             "tickvals": x, "ticktext": [f"{v:,}" for v in x]},
+                      yaxis={"type": "log", "title": "per layer's forward (µs)", "dtick": 1}, height=400,
+                      legend={"orientation": "h", "y": -0.3}, margin={"t": 30})
+    return fig
+
+
+def search_figure(report) -> go.Figure:
+    """The ranked layouts of a planner search: step time (bars) and memory per chip (markers, right axis)."""
+    def name(i: int, lay) -> str:
+        schedule = f" {lay.pp_schedule} v={lay.virtual_stages}" if lay.pp > 1 else ""
+        return f"{i}. {label(sidebar_mesh(lay))}{schedule}"
+
+    names = [name(i, r.result.layout) for i, r in enumerate(report.ranked, start=1)]
+    fig = go.Figure()
+    fig.add_trace(go.Bar(x=names, y=[r.result.step_time_s for r in report.ranked], name="step time (s)",
+                         marker_color=KIND_COLORS["forward"],
+                         hovertemplate="%{x}<br>step %{y:.3f} s<extra></extra>"))
+    fig.add_trace(go.Scatter(x=names, y=[r.result.memory.total_bytes / 1e9 for r in report.ranked],
+                             name="memory per chip (GB)", mode="markers", yaxis="y2",
+                             marker={"color": KIND_COLORS["other compute"], "size": 12, "symbol": "diamond"},
+                             hovertemplate="%{x}<br>%{y:.1f} GB per chip<extra></extra>"))
+    fig.update_layout(yaxis={"title": "step time (s)", "rangemode": "tozero"},
+                      yaxis2={"title": "memory per chip (GB)", "overlaying": "y", "side": "right",
+                              "rangemode": "tozero"},
+                      height=360, legend={"orientation": "h", "y": -0.35}, margin={"t": 30})
+    return fig
+
+
+def tradeoff_text(t: FsdpTpTradeoff) -> str:
+    b = t.best
+    return (f"At X = {b.fsdp:,} x Y = {b.tp:,}, {format_seconds(b.comm_s)} of communication per layer's "
+            f"forward against {format_seconds(b.math_s)} of math.")

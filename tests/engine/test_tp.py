@@ -13,7 +13,8 @@ from engine.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, v
 from engine.launch import REPO_ROOT
 from engine.reference import reference_run
 from engine.run import assemble
-from engine.tp import ring_all_reduce_bytes, tp_comm_bytes
+from engine.tp import tp_comm_bytes
+from hardware.collectives import ring_sent_bytes
 
 LR = RunConfig.lr
 # quantity -> (rtol, atol, why); measured values from this model at world 2 and 4
@@ -92,13 +93,13 @@ def test_bytes_per_step_follow_the_formula(pools, world):
                       for sp in (False, True))
     m = tp_cfg.model
     a = 2 * m.seq_len * m.hidden * 4
-    expect = ((4 * m.layers + 2) * ring_all_reduce_bytes(a, world)
-              + ring_all_reduce_bytes(2 * m.seq_len * 4, world)
-              + ring_all_reduce_bytes(4 * m.seq_len * 4, world)
-              + (2 * m.layers * ring_all_reduce_bytes(m.kv_heads * m.head_dim * m.hidden * 4, world)
+    expect = ((4 * m.layers + 2) * ring_sent_bytes("all_reduce", a, world)
+              + ring_sent_bytes("all_reduce", 2 * m.seq_len * 4, world)
+              + ring_sent_bytes("all_reduce", 4 * m.seq_len * 4, world)
+              + (2 * m.layers * ring_sent_bytes("all_reduce", m.kv_heads * m.head_dim * m.hidden * 4, world)
                  if world > m.kv_heads else 0))
     assert sum(tp_comm_bytes(tp_cfg).values()) == expect
-    norms = (2 * m.layers + 1) * ring_all_reduce_bytes(m.hidden * 4, world)
+    norms = (2 * m.layers + 1) * ring_sent_bytes("all_reduce", m.hidden * 4, world)
     assert sum(tp_comm_bytes(sp_cfg).values()) == expect + norms
 
     _, tp, tp_timeline = _run(pools(world), tp_cfg, traced=True)
@@ -113,7 +114,7 @@ def test_bytes_per_step_follow_the_formula(pools, world):
     assert activation_bytes(sp_timeline) == activation_bytes(tp_timeline)
     # the all-gathers and reduce-scatters on the tp group are exactly the all-reduces of A they replace
     assert activation_bytes(sp_timeline, "all_gather") == activation_bytes(sp_timeline, "reduce_scatter") \
-        == (4 * m.layers + 2) * ring_all_reduce_bytes(a, world) // 2
+        == (4 * m.layers + 2) * ring_sent_bytes("all_reduce", a, world) // 2
     assert all(s.group == "tp" for s in sp_timeline.spans if s.lane == "comm")
     # sequence parallel stores the norms' and residuals' activations for S/tp positions only
     for tp_mem, sp_mem in zip(tp.memory_bytes, sp.memory_bytes, strict=True):

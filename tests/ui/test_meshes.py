@@ -5,9 +5,11 @@ import pytest
 
 from core.mesh import Mesh
 from hardware.chips import CHIPS
+from planner.bounds import fsdp_tp_tradeoff
+from planner.models import MODEL_PRESETS
 from tests.ui.apptest_util import open_app
 from ui.exercises import axes_leaving_the_domain
-from ui.meshes import PRESETS, axis_rows, mesh_figure, placement, scaled_down, sidebar_mesh
+from ui.meshes import PRESETS, axis_rows, mesh_figure, placement, scaled_down, sidebar_mesh, tradeoff_figure
 
 PAGE = "app_pages/meshes.py"
 
@@ -59,11 +61,28 @@ def test_the_group_picture_colours_one_group_per_colour():
     assert sorted(int(t) for t in fig.data[0].text) == [0, 2]
 
 
+def test_the_tradeoff_chart_marks_x_opt_and_leaves_gaps_where_nothing_moves():
+    t = fsdp_tp_tradeoff(MODEL_PRESETS["Llama 3 70B"], CHIPS["tpu-v5p"], 48000, 64)  # X_opt = 14.6
+    fig = tradeoff_figure(t)
+    assert [tr.name for tr in fig.data][:2] == ["FSDP: weights all-gathered",
+                                                 "TP: activations gathered and reduce-scattered"]
+    assert fig.data[0].y[0] is None and fig.data[1].y[-1] is None  # X = 1 gathers no weights, Y = 1 no activations
+    (line,) = fig.layout.shapes
+    assert 10 ** line.x0 == pytest.approx(t.x_opt)  # placed in log10 units on the log axis
+
+
+def test_the_axis_table_shows_the_bytes_each_axis_carries_per_step():
+    rows = axis_rows(Mesh({"dp": 4, "tp": 2}), CHIPS["h100"], sent={"tp": 3 * 2**30, "dp": 2**20})
+    assert {r["axis"]: r["sent per step, per chip"] for r in rows} == {"tp": "3 GiB", "dp": "1 MiB"}
+
+
 def test_the_page_shows_the_sidebar_mesh_and_the_presets():
     at = open_app(PAGE, model="Llama 3 8B", chip="h100", dp="4", tp="2")
     assert not at.exception, [e.value for e in at.exception]
     table = at.dataframe[0].value
     assert list(table["axis"]) == ["tp", "dp"]
+    assert all(v.endswith("B") for v in table["sent per step, per chip"])
+    assert any("FSDP + tensor parallel of Llama 3 8B" in m.value for m in at.markdown)
     for name in PRESETS:
         at.selectbox(key="mesh_preset").set_value(name).run()
         assert not at.exception, (name, [e.value for e in at.exception])
@@ -86,6 +105,7 @@ def test_search_ranks_layouts_and_apply_loads_the_fastest():
     assert not at.exception, [e.value for e in at.exception]
     table = next(d.value for d in at.dataframe if "rank" in d.value.columns)
     assert list(table["rank"]) == [1, 2, 3, 4, 5] and list(table["step s"]) == sorted(table["step s"])
+    assert len(at.get("plotly_chart")) >= 3  # the groups, the FSDP-TP trade-off, the ranked layouts
     best = at.session_state["mesh_search_report"].ranked[0].result.layout
     at.button(key="mesh_apply_best").click().run()
     assert not at.exception, [e.value for e in at.exception]

@@ -1,0 +1,47 @@
+"""Bytes one chip sends per step over each mesh axis (planner.simulate.sent_bytes_per_step), against
+hand-worked ring counts: an all-reduce sends 2 (n-1)/n of its array, a gather or scatter (n-1)/n."""
+
+import pytest
+
+from planner.api import estimate
+from planner.case import Cluster, Parallel
+from planner.flops import total_params
+from planner.models import MODEL_PRESETS
+from planner.presets import make_case
+from planner.simulate import sent_bytes_per_step
+
+LLAMA = MODEL_PRESETS["Llama 3 8B"]
+ACT = 8192 * 4096 * 2  # one sequence's activation [S, D] in bf16
+
+
+def _sent(n: int, batch: int, **layout) -> tuple[dict, object]:
+    degrees = {k: layout.pop(k, 1) for k in ("dp", "tp", "pp", "cp", "ep")}
+    schedule = {k: layout.pop(k) for k in ("pp_schedule", "virtual_stages") if k in layout}
+    case = make_case(LLAMA, Cluster("h100", n), global_batch=batch, parallel=Parallel(**degrees, **schedule),
+                     micro_batch=1,
+                     recompute="none", **layout)
+    res = estimate(case).result
+    return sent_bytes_per_step(res), res
+
+
+def test_data_parallel_sends_the_gradients_once_per_step():
+    sent, res = _sent(8, 64, dp=8, zero_stage=0)
+    assert res.micro_batches == 8
+    assert sent == {"dp": pytest.approx(2 * 7 / 8 * total_params(LLAMA) * 4)}  # fp32 gradients, Megatron's
+
+
+def test_zero_1_reduce_scatters_the_gradients_and_gathers_the_bf16_weights():
+    sent, _ = _sent(8, 64, dp=8, zero_stage=1)
+    assert sent["dp"] == pytest.approx(7 / 8 * total_params(LLAMA) * (4 + 2))
+
+
+def test_tensor_parallel_sends_four_activations_per_layer_and_micro_batch():
+    sent, res = _sent(8, 8, dp=4, tp=2, zero_stage=0, sequence_parallel=False)
+    # 2 all-reduces forward and 2 backward per layer, each 2 (t-1)/t = 1 activation at t = 2
+    assert sent["tp"] == pytest.approx(4 * ACT * LLAMA.layers * res.micro_batches)
+
+
+def test_a_pipeline_stage_sends_its_slice_of_each_activation():
+    sent, res = _sent(16, 16, dp=4, tp=2, pp=2, zero_stage=1, pp_schedule="1f1b", virtual_stages=1)
+    # stage 0: one forward send per micro-batch (its backward receives), 1/tp of the activation
+    assert sent["pp"] == pytest.approx(res.micro_batches * ACT / 2)
