@@ -16,10 +16,11 @@ from ui.tensor_parallel import (
     activation_bytes,
     activation_figure,
     live_rows,
+    refused_degrees_text,
     scaling_figure,
     scaling_rows,
     split_figure,
-    tp_config_error,
+    tp_degrees,
 )
 
 choices = st.session_state["choices"]
@@ -58,23 +59,30 @@ gradients are summed).
 Pick the tensor-parallel degree t for the model in the sidebar:
 """
 )
-default_tp = min(choices.mesh["tp"], MAX_TP) if choices.mesh["tp"] > 1 else min(8, domain, MAX_TP)
-tp = st.slider("Tensor-parallel degree t", 1, MAX_TP, default_tp, key="tp_degree", bind="query-params",
-               help="Chips one layer is split over. The sidebar's tp sets the starting value.")
+valid_tp, refused_tp = tp_degrees(spec)
+wanted = min(choices.mesh["tp"], MAX_TP) if choices.mesh["tp"] > 1 else min(8, domain, MAX_TP)
+default_tp = max(t for t in valid_tp if t <= wanted)
+# A degree that cannot split this model (from a link, or kept from another model) is replaced, and said.
+asked = st.session_state.get("tp_degree", st.query_params.get("tp_degree"))
+if asked is not None and str(asked) not in map(str, valid_tp):
+    why = refused_tp.get(int(asked), "not offered") if str(asked).isdigit() else "not a whole number"
+    st.info(f"t = {asked} cannot split {spec.name} ({why}); showing t = {default_tp}.", icon=":material/link_off:")
+    st.session_state["tp_degree"] = default_tp
+tp = st.select_slider("Tensor-parallel degree t", valid_tp, value=default_tp, key="tp_degree", bind="query-params",
+                      help="Chips one layer is split over: only the degrees that split this model's heads, "
+                           "KV heads and MLP. The sidebar's tp sets the starting value.")
+if refused_tp:
+    st.caption(f"Not offered for {spec.name}: {refused_degrees_text(refused_tp)}.")
 micro_batch = st.select_slider("Micro-batch b (sequences per chip)", [1, 2, 4, 8], value=1,
                                key="tp_micro_batch", bind="query-params")
-problem = tp_config_error(spec, tp)
-if problem:
-    st.error(f"tp = {tp} cannot split {spec.name}: {problem}.", icon=":material/block:")
-else:
-    st.plotly_chart(split_figure(spec.hidden, spec.ffn, spec.heads, spec.kv_heads, tp), key="tp_split")
-    per_rank = spec.heads // tp
-    kv = (f"{spec.kv_heads // tp} KV head(s) of its own" if spec.kv_heads >= tp
-          else f"a copy of one KV head, shared with {tp // spec.kv_heads - 1} neighbour(s)")
-    st.caption(f"{spec.name}: D = {spec.hidden:,}, F = {spec.ffn:,}"
-               f"{' per expert' if spec.is_moe else ''}, {spec.heads} query heads and {spec.kv_heads} KV "
-               f"heads. With t = {tp} each chip holds {spec.ffn // tp:,} of the F columns of W_in and rows "
-               f"of W_out, {per_rank} query head(s) and {kv}. Black outlines mark one KV head each.")
+st.plotly_chart(split_figure(spec.hidden, spec.ffn, spec.heads, spec.kv_heads, tp), key="tp_split")
+per_rank = spec.heads // tp
+kv = (f"{spec.kv_heads // tp} KV head(s) of its own" if spec.kv_heads >= tp
+      else f"a copy of one KV head, shared with {tp // spec.kv_heads - 1} neighbour(s)")
+st.caption(f"{spec.name}: D = {spec.hidden:,}, F = {spec.ffn:,}"
+           f"{' per expert' if spec.is_moe else ''}, {spec.heads} query heads and {spec.kv_heads} KV "
+           f"heads. With t = {tp} each chip holds {spec.ffn // tp:,} of the F columns of W_in and rows "
+           f"of W_out, {per_rank} query head(s) and {kv}. Black outlines mark one KV head each.")
 
 st.subheader("The conjugate operators f and g")
 st.markdown(
@@ -152,9 +160,8 @@ st.caption("The equations count the GPT recipe with materialised attention and d
            "FlashAttention for the planner.")
 
 st.header("Communication per layer, and why TP stays inside a node")
-splits = spec.heads % tp == 0 and spec.ffn % tp == 0  # a t that does not divide them has no cost to show
-rows = scaling_rows(spec, chip, micro_batch, sorted({1, 2, 4, 8, 16} | ({tp} if splits else set())))
-here = next((r for r in rows if r["tp"] == tp), None)
+rows = scaling_rows(spec, chip, micro_batch, sorted({1, 2, 4, 8, 16} | {tp}))
+here = next(r for r in rows if r["tp"] == tp)
 v_bytes = micro_batch * spec.seq_len * spec.hidden * 2
 st.markdown(
     f"""
@@ -165,9 +172,6 @@ Each of the 4 collectives per layer handles the whole activation array, V = b·s
 st.latex(r"4 \times \frac{2(t-1)}{t} \times b\,s\,h \times 2 \text{ bytes}")
 if tp == 1:
     st.markdown("With t = 1 there is nothing to send: move the slider.")
-elif here is None:
-    st.markdown(f"t = {tp} does not split {spec.name} (see the message above), so there is nothing to cost: "
-                "the chart below shows the degrees that do.")
 else:
     st.markdown(
         f"which at t = **{tp}** is **{format_bytes(here['comm_bytes'])}**, the same with and without "
@@ -177,7 +181,7 @@ else:
         f"(planner estimate): communication is **{here['comm_s'] / here['compute_s']:.0%}** of the compute "
         "time, and Megatron cannot hide it, because the next operation needs the sum."
     )
-if tp > 1 and splits:
+if tp > 1:
     bound = tensor_parallel_bound(spec, chip, micro_batch * spec.seq_len, tp)
     st.plotly_chart(bound_figure(bound, f"The bound meter at t = {tp}"), key="tp_bound")
     st.markdown(verdict_text(bound) + " Both sides grow with the tokens, so the batch does not help: only a "

@@ -76,6 +76,10 @@ def run_rank(ctx, cfg: RunConfig, traced: bool = True, check: bool = False,
     for step in range(cfg.steps):
         rec.step = step
         tokens, targets = global_batch(cfg.model, cfg.seed, step, cfg.global_batch)
+        # Every rank starts the step together, so a step's timeline shows the step's own waits, not the
+        # previous step's skew (a pipeline's last stage finishes its optimizer step later than the first).
+        with comm.untraced():
+            comm.barrier()
         start = time.perf_counter()
         loss = runner.step(tokens, targets, step)
         if sync:

@@ -82,7 +82,8 @@ def side_by_side(run: LiveRun) -> tuple[go.Figure | None, go.Figure, int]:
     x_max = max(measured.duration_s, run.summary.step_times_s[step],
                 run.prediction["step_time_s"] if predicted else 0.0) * 1e3
     meas_fig = timeline_figure(measured, x_max_ms=x_max, title=f"Measured: step {step}, the one nearest the mean "
-                               f"({run.summary.step_times_s[step] * 1e3:.1f} ms on the slowest rank)")
+                               f"({run.summary.step_times_s[step] * 1e3:.1f} ms on the slowest rank)<br><sup>the ranks "
+                               "start each step together, after a barrier; step 0, the warm-up, is left out</sup>")
     pred_fig = (timeline_figure(predicted, x_max_ms=x_max, title=f"Predicted by the planner for this machine "
                                 f"({run.prediction['step_time_s'] * 1e3:.1f} ms)")
                 if predicted else None)

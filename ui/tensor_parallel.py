@@ -17,6 +17,7 @@ without a browser.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import replace
 
 import plotly.colors
@@ -77,6 +78,27 @@ def tp_config_error(spec: ModelSpec, tp: int) -> str | None:
     except ConfigError as e:
         return str(e)
     return None
+
+
+def tp_degrees(spec: ModelSpec) -> tuple[list[int], dict[int, str]]:
+    """(the degrees 1..MAX_TP that split `spec`, {each other degree: why not}): the slider offers only the
+    first, the page says why the others are missing."""
+    valid, refused = [], {}
+    for t in range(1, MAX_TP + 1):
+        problem = tp_config_error(spec, t)
+        if problem:
+            refused[t] = problem
+        else:
+            valid.append(t)
+    return valid, refused
+
+
+def refused_degrees_text(refused: dict[int, str]) -> str:
+    """{t: the engine's message} -> "t = 3, 5, 6 (heads=32 is not divisible by tp); ...", one entry per reason."""
+    by_reason: dict[str, list[int]] = {}
+    for t, why in refused.items():
+        by_reason.setdefault(re.sub(r"tp=\d+", "tp", why.split(":")[0]), []).append(t)
+    return "; ".join(f"t = {', '.join(map(str, ts))} ({reason})" for reason, ts in by_reason.items())
 
 
 def head_owners(heads: int, kv_heads: int, tp: int) -> tuple[list[int], list[list[int]]]:

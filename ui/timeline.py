@@ -84,7 +84,7 @@ def timeline_figure(timeline: Timeline, title: str = "", frames: int = 30, anima
                              hoverinfo="skip", **cursor(t_end_ms)))
     fig.update_layout(
         title=title, barmode="overlay", height=max(260, 42 * len(rows) + 140), bargap=0.25,
-        margin={"l": 10, "r": 10, "t": 50 if title else 20, "b": 10},
+        margin={"l": 10, "r": 10, "t": (70 if "<br>" in title else 50) if title else 20, "b": 10},
         legend={"orientation": "v", "x": 1.01, "y": 1, "title": {"text": "work"}},
         xaxis={"title": "time (ms)", "range": [0, t_end_ms * 1.02 or 1.0]},
         yaxis={"categoryorder": "array", "categoryarray": list(reversed(rows))},

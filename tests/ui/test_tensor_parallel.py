@@ -164,7 +164,7 @@ def test_page_opens_with_numbers_for_the_sidebar_model():
     assert at.title[0].value == "Tensor and sequence parallel"
     assert not at.error
     text = _text(at)
-    assert at.slider(key="tp_degree").value == 8  # sidebar tp = 1: start at a full NVLink node
+    assert at.select_slider(key="tp_degree").value == 8  # sidebar tp = 1: start at a full NVLink node
     assert "which at t = **8** is **448 MiB**" in text
     assert "**1.78 GB** per layer per chip, sequence parallel **1.48 GB**" in text
     assert "At t = 16 the group spans 2 nodes of 8" in text
@@ -173,7 +173,7 @@ def test_page_opens_with_numbers_for_the_sidebar_model():
 
 def test_slider_changes_the_numbers():
     at = _page(model="Llama 3 8B", chip="h100")
-    at.slider(key="tp_degree").set_value(2).run()
+    at.select_slider(key="tp_degree").set_value(2).run()
     assert not at.exception and not at.error
     text = _text(at)
     # t = 2: 4 x 2(1/2) x 64 MiB = 256 MiB; TP keeps sbh(10 + 12 + 160) = 182 sbh = 6.11 GB per layer
@@ -181,12 +181,12 @@ def test_slider_changes_the_numbers():
     assert "tensor parallel alone keeps **6.11 GB**" in text
 
 
-def test_a_tp_that_does_not_divide_the_heads_is_a_message():
-    at = _page(model="Llama 3 8B", chip="h100")
-    at.slider(key="tp_degree").set_value(3).run()
+def test_a_linked_tp_that_does_not_divide_the_heads_is_replaced_and_said():
+    at = _page(model="Llama 3 8B", chip="h100", tp_degree="3")
     assert not at.exception
-    assert "heads=32 is not divisible by tp=3" in at.error[0].value
-    assert len(at.get("plotly_chart")) == 2  # no split picture, the rest still shown
+    assert "t = 3 cannot split Llama 3 8B (heads=32 is not divisible by tp=3" in at.info[0].value
+    assert at.select_slider(key="tp_degree").value == 8
+    assert len(at.get("plotly_chart")) == 4  # the split picture, activations, the bound meter, the scaling
 
 
 def test_a_bad_live_run_is_the_engine_message_without_starting_workers():
@@ -226,7 +226,7 @@ def test_live_tp_and_sp_runs_match_the_reference():
 def test_a_shared_link_opens_the_same_tp():
     at = _page(model="Llama 3 70B", chip="b200", tp_degree="4", tp_micro_batch="2")
     assert not at.exception and not at.error and not at.warning, [w.value for w in at.warning]
-    assert at.slider(key="tp_degree").value == 4 and at.select_slider(key="tp_micro_batch").value == 2
+    assert at.select_slider(key="tp_degree").value == 4 and at.select_slider(key="tp_micro_batch").value == 2
     # Llama 3 70B, b = 2: V = 2 x 8192 x 8192 x 2 bytes = 256 MiB; 4 x 2(3/4) x V = 1.5 GiB per layer
     assert "which at t = **4** is **1.5 GiB**" in _text(at)
 
@@ -240,10 +240,13 @@ def test_the_bound_meter_says_when_tp_is_communication_bound():
     assert text.startswith("**Communication-bound**") and "28,672 / 2,550 = 11.2" in text
 
 
-def test_a_tp_that_does_not_split_is_not_costed():
-    from tests.ui.apptest_util import open_app
+def test_the_slider_offers_only_the_degrees_that_split_the_model():
+    from ui.tensor_parallel import refused_degrees_text, tp_degrees
 
-    at = open_app("app_pages/tensor_parallel.py", model="Llama 3 8B", chip="h100", tp_degree="9")
-    assert not at.exception
-    text = " ".join(m.value for m in at.markdown)
-    assert "t = 9 does not split" in text and "which at t = **9**" not in text
+    valid, refused = tp_degrees(LLAMA3_8B)
+    assert valid == [1, 2, 4, 8, 16]  # 32 heads, 8 KV heads (replicated beyond 8), F = 14,336
+    assert refused_degrees_text(refused) == ("t = 3, 5, 6, 7, 9, 10, 11, 12, 13, 14, 15 "
+                                             "(heads=32 is not divisible by tp)")
+    at = open_app("app_pages/tensor_parallel.py", model="Llama 3 8B")
+    assert [int(o) for o in at.select_slider(key="tp_degree").options] == valid
+    assert any(c.value.startswith("Not offered for Llama 3 8B: t = 3, 5") for c in at.caption)
