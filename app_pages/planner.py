@@ -1,6 +1,5 @@
 """Lesson: plan a real training run: memory, step time and MFU of the sidebar setup, and the search."""
 
-import plotly.graph_objects as go
 import streamlit as st
 
 from app_pages.exercise_panel import show_exercises
@@ -9,7 +8,7 @@ from planner import estimate, make_case, search
 from planner.case import Cluster, Parallel
 from planner.flops import total_params
 from planner.models import MODEL_PRESETS, SpecError
-from ui.charts import MEMORY_COLORS
+from ui.charts import breakdown_figure, memory_figure
 from ui.exercises import training_state_chips
 from ui.timeline import timeline_figure
 
@@ -95,26 +94,18 @@ st.markdown("\n".join(f"- {line}" for line in est.explanation))
 
 left, right = st.columns(2)
 with left:
-    parts = [k for k in ("params", "grads", "optimizer", "activations", "temporary") if mem.get(k)]
-    fig = go.Figure([go.Bar(x=[mem[k] / 1e9], y=["per chip"], name=k, orientation="h", marker_color=MEMORY_COLORS[k])
-                     for k in parts])
-    fig.add_vline(x=chip.hbm_bytes / 1e9, line_dash="dash", annotation_text="HBM")
-    fig.update_layout(barmode="stack", height=260, xaxis_title="GB", title="Memory per chip",
-                      margin={"l": 10, "r": 10, "t": 50, "b": 10}, legend={"orientation": "h", "y": -0.4})
-    st.plotly_chart(fig, key="planner_memory")
+    st.plotly_chart(memory_figure(mem, chip.hbm_bytes), key="planner_memory")
 with right:
-    br = {k: v for k, v in est.breakdown.items() if v > 0}
-    fig = go.Figure(go.Bar(x=list(br.values()), y=list(br.keys()), orientation="h",
-                           text=[f"{100 * v / est.step_time_s:.1f} %" for v in br.values()]))
-    fig.update_layout(height=260, xaxis_title="seconds per step", title="Where the step time goes",
-                      margin={"l": 10, "r": 10, "t": 50, "b": 10}, yaxis={"autorange": "reversed"})
-    st.plotly_chart(fig, key="planner_breakdown")
+    st.plotly_chart(breakdown_figure(est.breakdown, est.step_time_s), key="planner_breakdown")
 
 timeline = est.timeline
-st.plotly_chart(timeline_figure(timeline, title="Predicted timeline (one chip per pipeline stage)",
-                                animate=len(timeline.spans) <= MAX_ANIMATED_SPANS), key="planner_timeline")
-st.caption("Compute, exposed communication and pipeline bubbles per stage, in the same format as the live "
-           "engine's measured timelines.")
+st.plotly_chart(timeline_figure(timeline, title="Predicted timeline of one step (one chip per pipeline stage)",
+                                animate=len(timeline.spans) <= MAX_ANIMATED_SPANS, rows_by_kind=True),
+                key="planner_timeline")
+st.caption("One row per kind of work on each stage's chip: forward and backward passes, each collective "
+           "(hidden ones overlap the compute rows, exposed ones add to the step), the optimizer and pipeline "
+           "bubbles; the same span format as the live engine's measured timelines. Hover a bar for its name, "
+           "bytes and micro-batch.")
 
 show_exercises([training_state_chips(total_params(spec), spec.name, chip)])
 
@@ -147,7 +138,8 @@ if st.button("Find the fastest layouts", type="primary"):
 report = st.session_state.get("planner_search")
 if report is not None:
     st.caption(f"{report.considered:,} layouts considered, {report.evaluated:,} simulated in "
-               f"{report.elapsed_s:.2f} s ({report.case.name}).")
+               f"{report.elapsed_s:.2f} s ({report.case.name}). Equal step times are ranked by memory per "
+               "chip, then by fewer chips in model-parallel groups (tp x pp x cp): the simpler layout first.")
     rows = []
     for i, r in enumerate(report.ranked, start=1):
         lay = r.result.layout

@@ -183,6 +183,14 @@ def lower_bound_s(case: Case, lay: Layout, chip: Chip) -> float:
     return micro_batches * (max(layers) * c + 2 * v * p2p) + fill
 
 
+def rank_key(res: StepResult) -> tuple:
+    """Fastest first; a tie (the same step time, e.g. context-parallel degrees whose K/V ring hides
+    completely under attention) goes to the layout with less memory per chip, then to the one with fewer
+    chips in its model-parallel groups (tp x pp x cp), the simpler to run."""
+    lay = res.layout
+    return res.step_time_s, res.memory.total_bytes, lay.tp * lay.pp * lay.cp
+
+
 def search(case: Case, top: int | None = None) -> SearchResult:
     """Rank every fitting layout of `case`'s free fields by simulated step time (fastest first).
 
@@ -215,7 +223,7 @@ def search(case: Case, top: int | None = None) -> SearchResult:
             if top:
                 bisect.insort(kth, res.step_time_s)
                 del kth[top:]
-    results.sort(key=lambda r: r.step_time_s)
+    results.sort(key=rank_key)
     elapsed = time.perf_counter() - start
     return SearchResult(results[:top] if top else results, len(results), len(layouts), elapsed)
 

@@ -119,7 +119,7 @@ def _merge_busy(spans: list[Span], min_idle_s: float) -> list[Span]:
         run: Span | None = None
         for s in sorted(rank_spans, key=lambda s: (s.start_s, s.end_s)):
             short_gap = s.lane == "idle" and s.duration_s < min_idle_s
-            if (s.lane == "idle" and not short_gap) or s.name in ("dp gradient sync", "optimizer step"):
+            if (s.lane == "idle" and not short_gap) or s.name.startswith("dp gradient") or s.name == "optimizer step":
                 out.append(s)
                 continue
             if s.lane == "comm" and s.is_async:
@@ -197,7 +197,9 @@ def predicted_timeline(res: StepResult, max_spans: int = 20000) -> Timeline:
         t = clock[r]
         if stage.dp_total_s > 0:
             hidden = stage.dp_total_s - stage.dp_exposed_s
-            spans.append(Span(rank_of[r], "comm", "dp gradient sync", t - hidden,
+            # named by its collective, so it is drawn in that collective's colour
+            sync = "dp gradient all-reduce" if lay.zero_stage == 0 else "dp gradient reduce-scatter (and weight gather)"
+            spans.append(Span(rank_of[r], "comm", sync, t - hidden,
                               t - hidden + stage.dp_total_s,
                               group="dp", is_async=hidden > 0))
             t += stage.dp_exposed_s

@@ -75,3 +75,24 @@ def roofline_figure(series: list[RooflineSeries], points: list[OperatingPoint] =
     fig.update_layout(title=title, height=520, margin={"l": 10, "r": 10, "t": 50, "b": 10},
                       legend={"orientation": "v", "x": 1.02, "y": 1})
     return fig
+
+
+def breakdown_figure(breakdown: dict[str, float], step_s: float, title: str = "Where the step time goes") -> go.Figure:
+    """Seconds per step by kind (the planner's breakdown), largest share labelled."""
+    parts = {k: v for k, v in breakdown.items() if v > 0}
+    fig = go.Figure(go.Bar(x=list(parts.values()), y=list(parts.keys()), orientation="h",
+                           marker_color=PALETTE[0], text=[f"{100 * v / step_s:.1f} %" for v in parts.values()]))
+    fig.update_layout(height=260, xaxis_title="seconds per step", title=title,
+                      margin={"l": 10, "r": 10, "t": 50, "b": 10}, yaxis={"autorange": "reversed"})
+    return fig
+
+
+def memory_figure(mem: dict[str, float], hbm_bytes: float, title: str = "Memory per chip") -> go.Figure:
+    """One chip's memory by kind (planner.memory's parts, in bytes), stacked against its HBM."""
+    parts = [k for k in ("params", "grads", "optimizer", "activations", "temporary") if mem.get(k)]
+    fig = go.Figure([go.Bar(x=[mem[k] / 1e9], y=["per chip"], name=k, orientation="h", marker_color=MEMORY_COLORS[k])
+                     for k in parts])
+    fig.add_vline(x=hbm_bytes / 1e9, line_dash="dash", annotation_text="HBM")
+    fig.update_layout(barmode="stack", height=260, xaxis_title="GB", title=title,
+                      margin={"l": 10, "r": 10, "t": 50, "b": 10}, legend={"orientation": "h", "y": -0.4})
+    return fig

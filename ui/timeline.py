@@ -37,63 +37,74 @@ def row_label(rank: int, lane: str) -> str:
     return f"rank {rank} · {lane}"
 
 
-def _rows(timeline: Timeline) -> list[str]:
+def _rows(timeline: Timeline, by_kind: bool = False) -> list[str]:
+    if by_kind:
+        used = {(s.rank, span_kind(s)) for s in timeline.spans}
+        return [row_label(r, kind) for r in timeline.ranks for kind in KIND_COLORS if (r, kind) in used]
     used = {(s.rank, s.lane) for s in timeline.spans}
     return [row_label(r, lane) for r in timeline.ranks for lane in LANES if (r, lane) in used]
 
 
 def timeline_figure(timeline: Timeline, title: str = "", frames: int = 30, animate: bool = True,
-                    x_max_ms: float | None = None) -> go.Figure:
-    """Gantt chart of `timeline` in milliseconds from its first span; with `animate`, play/pause
-    buttons and a slider sweep a cursor through it, revealing spans as they start. `x_max_ms` fixes the
-    time axis (two timelines drawn to compare share one); the cursor sweeps it all."""
+                    x_max_ms: float | None = None, rows_by_kind: bool = False) -> go.Figure:
+    """Gantt chart of `timeline` from its first span, in milliseconds (seconds for a step over 10 s); with
+    `animate`, play/pause buttons and a slider sweep a cursor through it, revealing spans as they start.
+    `x_max_ms` fixes the time axis (two timelines drawn to compare share one); the cursor sweeps it all.
+    `rows_by_kind`: one row per rank and kind of work (forward, backward, each collective) instead of one per
+    rank and lane, for a long step whose thousands of spans would merge into one strip."""
     tl = timeline.normalized()
     t_end_ms = max(tl.end_s * 1e3, x_max_ms or 0.0)
+    scale, unit = (1.0, "s") if t_end_ms > 10_000 else (1e3, "ms")
+    t_end = t_end_ms * scale / 1e3
     by_kind: dict[str, list[Span]] = defaultdict(list)
     for s in tl.spans:
         by_kind[span_kind(s)].append(s)
     kinds = [k for k in KIND_COLORS if k in by_kind]
-    rows = _rows(tl)
+    rows = _rows(tl, rows_by_kind)
 
-    def bars(kind: str, t_ms: float | None) -> dict:
+    def row(s: Span) -> str:
+        return row_label(s.rank, span_kind(s) if rows_by_kind else s.lane)
+
+    def bars(kind: str, t: float | None) -> dict:
         spans = by_kind[kind]
-        starts = [s.start_s * 1e3 for s in spans]
-        ends = [s.end_s * 1e3 for s in spans]
-        if t_ms is not None:
-            ends = [max(start, min(end, t_ms)) for start, end in zip(starts, ends, strict=True)]
+        starts = [s.start_s * scale for s in spans]
+        ends = [s.end_s * scale for s in spans]
+        if t is not None:
+            ends = [max(start, min(end, t)) for start, end in zip(starts, ends, strict=True)]
         return {"x": [max(e - b, 0.0) for b, e in zip(starts, ends, strict=True)], "base": starts}
 
-    def cursor(t_ms: float) -> dict:
-        return {"x": [t_ms, t_ms], "y": [rows[0], rows[-1]] if rows else []}
+    def cursor(t: float) -> dict:
+        return {"x": [t, t], "y": [rows[0], rows[-1]] if rows else []}
 
     fig = go.Figure()
     for kind in kinds:
         spans = by_kind[kind]
         full = bars(kind, None)
         fig.add_trace(go.Bar(
-            orientation="h", y=[row_label(s.rank, s.lane) for s in spans], name=kind,
-            marker={"color": KIND_COLORS[kind], "line": {"width": 0.5, "color": "white"}},
-            customdata=[[s.name, s.duration_s * 1e3, s.bytes, s.step,
+            orientation="h", y=[row(s) for s in spans], name=kind,
+            # a white edge separates a few bars; on thousands of thin ones it is all that shows
+            marker={"color": KIND_COLORS[kind], "line": {"width": 0.5 if len(spans) <= 300 else 0, "color": "white"}},
+            customdata=[[s.name, s.duration_s * scale, s.bytes, s.step,
                          "" if s.micro_batch is None else s.micro_batch, s.group] for s in spans],
-            hovertemplate=("%{customdata[0]}<br>start %{base:.3f} ms, %{customdata[1]:.3f} ms"
+            hovertemplate=(f"%{{customdata[0]}}<br>start %{{base:.3f}} {unit}, %{{customdata[1]:.3f}} {unit}"
                            "<br>%{customdata[2]:,} bytes %{customdata[5]}<br>step %{customdata[3]}"
                            " micro-batch %{customdata[4]}<extra></extra>"),
             **full,
         ))
     fig.add_trace(go.Scatter(mode="lines", line={"color": "black", "width": 2}, name="now", showlegend=False,
-                             hoverinfo="skip", **cursor(t_end_ms)))
+                             hoverinfo="skip", **cursor(t_end)))
     fig.update_layout(
         title=title, barmode="overlay", height=max(260, 42 * len(rows) + 140), bargap=0.25,
         margin={"l": 10, "r": 10, "t": (70 if "<br>" in title else 50) if title else 20, "b": 10},
         legend={"orientation": "v", "x": 1.01, "y": 1, "title": {"text": "work"}},
-        xaxis={"title": "time (ms)", "range": [0, t_end_ms * 1.02 or 1.0]},
+        xaxis={"title": f"time ({unit})", "range": [0, t_end * 1.02 or 1.0]},
         yaxis={"categoryorder": "array", "categoryarray": list(reversed(rows))},
     )
     if animate and rows and frames > 1:
-        times = [t_end_ms * i / (frames - 1) for i in range(frames)]
+        times = [t_end * i / (frames - 1) for i in range(frames)]
         fig.frames = [go.Frame(name=f"{t:.3f}", data=[go.Bar(**bars(k, t)) for k in kinds] + [go.Scatter(**cursor(t))],
                                traces=list(range(len(kinds) + 1))) for t in times]
-        add_time_animation(fig, times, [f"{t:.3f}" for t in times], "ms", frame_ms=80)
+        add_time_animation(fig, times, [f"{t:.3f}" for t in times], unit, frame_ms=80)
     return fig
 
 
