@@ -131,8 +131,9 @@ except SpecError as e:
     st.warning(f"The planner cannot search this setup: {e}.")
 if results is not None:
     st.dataframe(best_rows(results, specs, chip, n), hide_index=True, width="stretch")
-    st.caption("MFU here counts attention's scores over the causal half (what a causal kernel computes); "
-               "the planner page's MFU counts the full square, which overstates long-context Transformers.")
+    st.caption("MFU (model FLOPs utilisation): the model's FLOPs per second over all the chips' peak. Here "
+               "attention's scores count over the causal half (what a causal kernel computes); the planner "
+               "page's MFU counts the full square, which overstates long-context Transformers.")
     st.markdown("\n".join(f"- {line}" for line in why_they_differ(results, specs, seq_len)))
 
 show_exercises([attention_crossover(specs[0]), state_passing_chain(specs[1], max(cp, 4))])

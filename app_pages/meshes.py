@@ -105,7 +105,9 @@ else:
     if estimate is not None:
         m1, m2, m3 = st.columns(3)
         m1.metric("Predicted step time", f"{estimate.step_time_s:,.2f} s")
-        m2.metric("MFU", f"{estimate.mfu * 100:,.1f} %")
+        m2.metric("MFU", f"{estimate.mfu * 100:,.1f} %",
+                  help="Model FLOPs utilisation: the model's FLOPs per step (about 6 x parameters x tokens, plus "
+                       "attention) over step time x chips x each chip's peak bf16 FLOP/s.")
         m3.metric("Memory per chip", f"{estimate.memory.total_bytes / 1e9:,.1f} GB",
                   delta="fits" if estimate.fits else "does not fit",
                   delta_color="normal" if estimate.fits else "inverse")
