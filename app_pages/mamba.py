@@ -130,7 +130,7 @@ except SpecError as e:
     results = None
     st.warning(f"The planner cannot search this setup: {e}.")
 if results is not None:
-    st.dataframe(best_rows(results, specs, chip, n), hide_index=True, width="stretch")
+    st.dataframe(best_rows(results, specs, n), hide_index=True, width="stretch")
     st.caption("MFU (model FLOPs utilisation): the model's FLOPs per second over all the chips' peak. Here "
                "attention's scores count over the causal half (what a causal kernel computes); the planner "
                "page's MFU counts the full square, which overstates long-context Transformers.")

@@ -165,7 +165,7 @@ class Ranked:
 
     def as_dict(self, rank: int) -> dict:
         r = self.result
-        return {"rank": rank, "step_time_s": r.step_time_s, "mfu": r.mfu,
+        return {"rank": rank, "step_time_s": r.step_time_s, "mfu": r.mfu, "mfu_causal": r.mfu_causal,
                 "tflops_per_chip": r.tflops_per_chip,
                 "memory_bytes_per_chip": r.memory.total_bytes, "layout": r.layout.as_dict(),
                 "micro_batches": r.micro_batches, "breakdown_s": r.breakdown, "explanation": self.explanation}

@@ -8,9 +8,8 @@ from dataclasses import dataclass, replace
 import plotly.graph_objects as go
 
 from core.timeline import Timeline, union_seconds
-from hardware.chips import Chip
 from planner.api import flops_per_token_by_seq, layer_comm_bytes
-from planner.flops import model_flops, total_params
+from planner.flops import total_params
 from planner.models import ATTENTION, MAMBA, MODEL_PRESETS, SSM_PRESETS, ModelSpec, SpecError
 from ui.charts import PALETTE
 from ui.collectives import format_bytes, format_seconds
@@ -211,12 +210,6 @@ def _kind_label(kind) -> str:
     return {MAMBA: "Mamba-2", ATTENTION: "attention"}.get(kind, "attention + MLP")
 
 
-def causal_mfu(spec: ModelSpec, tokens_per_s: float, chip: Chip, chips: int) -> float:
-    """MFU with attention's scores counted over the causal half only (the work a causal kernel does); the
-    search's own MFU counts the full S x S square (planner/flops.py), which passes 100 % at long context."""
-    return model_flops(spec, 1.0, causal=True) * tokens_per_s / (chips * chip.peak_flops_per_s("bf16"))
-
-
 def layout_label(layout: dict, spec: ModelSpec) -> str:
     axes = [f"{a}={layout[a]}" for a in ("dp", "tp", "pp", "cp") if layout[a] > 1] or ["one chip"]
     extra = [f"mb {layout['micro_batch']}", f"ZeRO-{layout['zero_stage']}"]
@@ -227,7 +220,7 @@ def layout_label(layout: dict, spec: ModelSpec) -> str:
     return " x ".join(axes) + ", " + ", ".join(extra)
 
 
-def best_rows(results: list[dict], specs: list[ModelSpec], chip: Chip, chips: int) -> list[dict]:
+def best_rows(results: list[dict], specs: list[ModelSpec], chips: int) -> list[dict]:
     """One row per model from planner.api.compare_architectures: its fastest layout and what it costs."""
     rows = []
     for res, spec in zip(results, specs, strict=True):
@@ -241,7 +234,7 @@ def best_rows(results: list[dict], specs: list[ModelSpec], chip: Chip, chips: in
             "model": spec.name, "fastest layout": layout_label(best["layout"], spec),
             "step": format_seconds(best["step_time_s"]),
             "tokens/s per chip": f"{res['tokens_per_s'] / chips:,.0f}",
-            "MFU (causal)": f"{causal_mfu(spec, res['tokens_per_s'], chip, chips):.0%}",
+            "MFU (causal)": f"{best['mfu_causal']:.0%}",
             "memory per chip": format_bytes(best["memory_bytes_per_chip"]),
             "exposed comm": f"{comm / best['step_time_s']:.1%}",
         })

@@ -3,7 +3,6 @@ the layouts and why they differ, the exercises, the page in AppTest, and its liv
 
 import pytest
 
-from hardware.chips import CHIPS
 from planner.flops import total_params
 from tests.ui.apptest_util import open_app
 from ui.exercises import attention_crossover, state_passing_chain
@@ -12,7 +11,6 @@ from ui.mamba import (
     MAMBA2,
     TRANSFORMER,
     best_rows,
-    causal_mfu,
     comm_rows,
     flops_figure,
     hybrid_spec,
@@ -56,15 +54,16 @@ def test_the_traffic_table_says_why_mamba2_27b_cannot_use_tp():
     assert transformer["TP"]["operations fwd + bwd"] == "2 + 2"
 
 
-def test_causal_mfu_never_passes_one_at_long_context():
+def test_the_causal_mfu_stays_below_one_at_long_context():
     from planner.api import compare_architectures
     from planner.case import Cluster
 
     specs = lesson_models(131072)
     results = compare_architectures(specs, Cluster("h100", 64), global_batch=64)
-    rows = best_rows(results, specs, CHIPS["h100"], 64)
-    for res, spec in zip(results, specs, strict=True):
-        assert 0 < causal_mfu(spec, res["tokens_per_s"], CHIPS["h100"], 64) < 1
+    rows = best_rows(results, specs, 64)
+    for res in results:  # the full-square MFU of the Transformer passes 1 here; the causal one never does
+        best = res["ranked"][0]
+        assert 0 < best["mfu_causal"] < 1 and best["mfu_causal"] <= best["mfu"]
     assert {r["model"] for r in rows} == {TRANSFORMER, MAMBA2, HYBRID}
 
 
