@@ -8,7 +8,7 @@ import streamlit as st
 
 from app_pages.live_panel import run_live, show_live
 from engine.cli import argv_for, command_line
-from engine.config import ARCHS, SSM_CP_VARIANTS, ConfigError, ModelConfig, validate
+from engine.config import ARCHS, DTYPES, SSM_CP_VARIANTS, ConfigError, ModelConfig, validate
 from engine.predict import cached_calibration
 from hardware.this_machine import gpus
 from ui.lab import SCHEDULES, compare_figures, lab_config, mesh_label, results_json, run_rows, torchrun_command
@@ -108,9 +108,11 @@ c = st.columns(5)
 micro_batches = c[0].number_input("Micro-batches", 1, 16, 2 if mesh["pp"] > 1 else 1, key="lab_mb")
 micro_batch_size = c[1].number_input("Sequences per micro-batch", 1, 16, 2, key="lab_mbs")
 steps = c[2].number_input("Steps", 1, 20, 3, key="lab_steps")
-c[3].selectbox("Number format", ["fp32"], key="lab_dtype",
-               help="The engine computes in fp32 so that every result is checked to tight tolerances; bf16 "
-                    "runs are not available yet.")
+dtype = c[3].selectbox("Number format", DTYPES, key="lab_dtype",
+                       format_func={"float32": "fp32", "bfloat16": "bf16 mixed precision"}.get,
+                       help="fp32: checked to fp32 rounding. bf16: matmuls in bf16, weights, gradients and Adam "
+                            "state in fp32 (mixed precision), checked against a single-process bf16 run with "
+                            "bf16's tolerances (engine/verify.py); not with MoE layers, and not predicted.")
 found = gpus()
 devices = ["cpu"] + (["cuda"] if found else [])
 device = c[4].selectbox("Device", devices, key="lab_device",
@@ -121,7 +123,7 @@ else:
     st.caption("No NVIDIA GPU found on this machine (nvidia-smi): runs use CPU processes.")
 
 cfg = lab_config(model, mesh, int(zero_stage), schedule, int(virtual), int(micro_batches), int(micro_batch_size),
-                 int(steps), device)
+                 int(steps), device, dtype)
 if sequence_parallel and mesh["tp"] > 1:
     cfg = replace(cfg, parallel=replace(cfg.parallel, sequence_parallel=True))
 cfg = replace(cfg, parallel=replace(cfg.parallel, ssm_cp=ssm_cp))

@@ -21,6 +21,7 @@ from dataclasses import replace
 from core.schedules import SCHEDULE_NAMES
 from engine.config import (
     ARCHS,
+    DTYPES,
     SSM_CP_VARIANTS,
     ConfigError,
     ModelConfig,
@@ -47,6 +48,9 @@ def run_parser(prog: str) -> argparse.ArgumentParser:
                    help="gradient accumulation steps per optimizer step")
     p.add_argument("--micro-batch-size", type=int, default=2, help="sequences per rank per micro-batch")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--dtype", choices=list(DTYPES), default=RunConfig.dtype,
+                   help="compute precision: bfloat16 is mixed precision (bf16 matmuls, fp32 weights, gradients "
+                        "and Adam state), checked against a single-process run in the same precision")
     p.add_argument("--trace", metavar="FILE.json", help="write a Chrome trace (open in Perfetto)")
     p.add_argument("--check", action="store_true", help="compare with the single-process reference")
     p.add_argument("--json", action="store_true",
@@ -119,7 +123,7 @@ def config_from_args(args, world: int | None = None) -> RunConfig:
                     ssm_chunk=args.ssm_chunk)
     return validate(RunConfig(model=model, parallel=parallel, world=world, steps=args.steps,
                               micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
-                              seed=args.seed, device=args.device, timeout_s=args.timeout_s))
+                              seed=args.seed, device=args.device, dtype=args.dtype, timeout_s=args.timeout_s))
 
 
 def _default_layers(parallel: ParallelConfig, world: int, virtual_stages: int, pattern: str) -> int:
@@ -149,7 +153,8 @@ def argv_for(cfg: RunConfig) -> list[str]:
         ("--seq-len", m.seq_len, d.seq_len), ("--hidden", m.hidden, d.hidden), ("--vocab", m.vocab, d.vocab),
         ("--heads", m.heads, d.heads), ("--kv-heads", m.kv_heads, d.kv_heads),
         ("--ffn", m.ffn, d.ffn), ("--layers", m.layers, default_layers), ("--seed", cfg.seed, 0),
-        ("--device", cfg.device, "cpu"), ("--timeout-s", cfg.timeout_s, RunConfig.timeout_s),
+        ("--device", cfg.device, "cpu"), ("--dtype", cfg.dtype, RunConfig.dtype),
+        ("--timeout-s", cfg.timeout_s, RunConfig.timeout_s),
     ]
     for flag, value, default in pairs:
         if value != default and value is not None:

@@ -80,8 +80,19 @@ class _Ring:
 
 
 class _RingAttention(torch.autograd.Function):
+    """Forward and backward in fp32 whatever the run's compute precision: the blocks' partial outputs and
+    log-sum-exps are merged across ring steps, and a bf16 merge would lose the small blocks' share (the
+    fused attention kernels accumulate in fp32 too)."""
+
     @staticmethod
     def forward(ctx, q, k, v, ring: _Ring):
+        ctx.dtypes = q.dtype, k.dtype, v.dtype
+        with torch.autocast(q.device.type, enabled=False):
+            out = _RingAttention._forward(ctx, q.float(), k.float(), v.float(), ring)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def _forward(ctx, q, k, v, ring: _Ring):
         scale, heads = q.shape[-1] ** -0.5, q.shape[1]
         kv = torch.stack((k, v))
         out = lse = None
@@ -106,6 +117,11 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        dq, dk, dv = _RingAttention._backward(ctx, dout.float())
+        return (*(g.to(dtype) for g, dtype in zip((dq, dk, dv), ctx.dtypes, strict=True)), None)
+
+    @staticmethod
+    def _backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         ring = ctx.ring
         scale, heads, kv_heads = q.shape[-1] ** -0.5, q.shape[1], k.shape[1]
@@ -138,7 +154,7 @@ class _RingAttention(torch.autograd.Function):
                 kv = incoming
         for h in dkv_handles:  # the last hop brings this rank's own block home, complete
             h.wait()
-        return dq, dkv_in[0], dkv_in[1], None
+        return dq, dkv_in[0], dkv_in[1]
 
 
 class _GatherKV(torch.autograd.Function):

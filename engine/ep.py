@@ -97,7 +97,8 @@ class ExpertParallelPlan(Plan):
         for e in range(self.experts_here):
             # An expert with no rows still runs (on zero rows): its parameters get a (zero) gradient.
             idx = (local == e).nonzero(as_tuple=True)[0]
-            out_rows = out_rows.index_add(0, idx, moe.experts[self.first_expert + e](rows[idx]))
+            # an expert computes in the run's compute precision; the rows it returns join the others' dtype
+            out_rows = out_rows.index_add(0, idx, moe.experts[self.first_expert + e](rows[idx]).to(out_rows.dtype))
         back = all_to_all_rows(out_rows, self.comm, in_splits, out_splits, "ep", f"all_to_all combine {name}")
         return torch.zeros_like(flat).index_add(0, token, back * weight[:, None])
 

@@ -12,6 +12,7 @@ an unchanged model).
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -139,7 +140,11 @@ class MoE(nn.Module):
 
     def forward(self, x):
         flat = x.reshape(-1, x.shape[-1])
-        weights, chosen = route(self.router(flat), self.top_k)
+        # The router in fp32 whatever the compute precision (Megatron-Core's --moe-router-dtype fp32): a bf16
+        # logit rounds differently when the batch is split differently, and a near-tie then flips a
+        # token's experts, which no tolerance can absorb.
+        with torch.autocast(flat.device.type, enabled=False):
+            weights, chosen = route(self.router(flat.float()), self.top_k)
         keep = torch.ones_like(chosen, dtype=torch.bool)
         if self.capacity_factor is not None:
             cap = expert_capacity(self.capacity_factor, x.shape[1], self.top_k, len(self.experts))
@@ -154,7 +159,7 @@ class MoE(nn.Module):
             # An expert that no token chose still runs (on zero rows), so every parameter gets a
             # gradient on every rank and gradient hooks fire the same way everywhere.
             token, slot = ((chosen == e) & keep).nonzero(as_tuple=True)
-            out = out.index_add(0, token, expert(flat[token]) * weights[token, slot, None])
+            out = out.index_add(0, token, (expert(flat[token]) * weights[token, slot, None]).to(out.dtype))
         return out
 
 
@@ -241,9 +246,19 @@ def build_model(m: ModelConfig, seed: int) -> LanguageModel:
     return model
 
 
+def mixed_precision(dtype: str, device_type: str):
+    """The context every unit's forward runs in. "bfloat16": torch.autocast, the weights kept in fp32 (as
+    are their gradients and Adam's state) and cast to bf16 for each matmul, which computes in bf16, as
+    mixed-precision training does (Micikevicius et al. 2018; Megatron-LM's --bf16); elementwise work (norms,
+    the residual stream) stays in the precision of its inputs. "float32": no change."""
+    if dtype == "bfloat16":
+        return torch.autocast(device_type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
 def loss_fn(logits, targets):
-    """Mean next-token cross entropy over the tokens of this batch."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    """Mean next-token cross entropy over the tokens of this batch, in fp32 whatever the logits' dtype."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def global_batch(m: ModelConfig, seed: int, step: int, sequences: int) -> tuple[torch.Tensor, torch.Tensor]:

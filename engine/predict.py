@@ -98,6 +98,10 @@ def predicted(cfg, progress=None) -> dict:
     if cfg.device != "cpu":
         return {"step_time_s": None, "breakdown_s": {},
                 "why": "the live prediction is calibrated for CPU runs over gloo; this run is on CUDA"}
+    if cfg.dtype != "float32":
+        return {"step_time_s": None, "breakdown_s": {},
+                "why": "this machine's calibration times the engine's modules in fp32; a bf16 run's kernels "
+                       "are other ones, so it is not predicted"}
     try:
         cal, messages = ensure_calibration([cfg.world], progress, collective_timeout_s=cfg.collective_timeout_s)
     except WorkerError as e:

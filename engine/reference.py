@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import RunConfig
-from engine.model import build_model, global_batch, loss_fn
+from engine.model import build_model, global_batch, loss_fn, mixed_precision
 from engine.optim import AdamW, adamw_
 
 
@@ -40,7 +40,9 @@ def reference_run(cfg: RunConfig) -> list[StepState]:
     for step in range(cfg.steps):
         tokens, targets = global_batch(cfg.model, cfg.seed, step, cfg.global_batch)
         model.zero_grad(set_to_none=True)
-        loss = loss_fn(model(tokens), targets)
+        with mixed_precision(cfg.dtype, "cpu"):
+            logits = model(tokens)
+        loss = loss_fn(logits, targets)
         loss.backward()
         for n, p in params.items():
             adamw_(p, p.grad, exp_avg[n], exp_avg_sq[n], step + 1, h)

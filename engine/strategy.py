@@ -19,7 +19,7 @@ import torch
 
 from engine.comm import Comm
 from engine.config import RunConfig
-from engine.model import loss_fn, unit_forward_flops
+from engine.model import loss_fn, mixed_precision, unit_forward_flops
 from engine.optim import AdamW
 from engine.recorder import Recorder
 
@@ -97,6 +97,11 @@ class Strategy(ABC):
     def unit_forward(self, i: int, x):
         return self.model.units[i](x)
 
+    def run_unit(self, i: int, x):
+        """Unit i's forward in the run's compute precision (engine.model.mixed_precision)."""
+        with mixed_precision(self.cfg.dtype, self.comm.device.type):
+            return self.unit_forward(i, x)
+
     def before_forward(self, i: int) -> None:
         pass
 
@@ -118,6 +123,7 @@ class Strategy(ABC):
 
     def loss(self, logits, targets):
         """The last unit's output -> the mean loss (tensor parallel: logits sharded over the vocabulary)."""
+        logits = logits.float()  # the loss in fp32 whatever the compute precision (as loss_fn)
         for p in self.plans:
             out = p.loss(logits, targets)
             if out is not None:
@@ -185,7 +191,7 @@ class Strategy(ABC):
             with self.rec.compute(f"fwd {name}", flops=self._flops[i]):
                 if i > 0:
                     x = _OnBackward.apply(x, lambda i=i: self._backward_done(i))
-                x = self.unit_forward(i, x)
+                x = self.run_unit(i, x)
                 if i == last:
                     x = self.loss(x, targets)
                 x = _OnBackward.apply(x, lambda i=i: self._backward_begins(i))

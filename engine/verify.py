@@ -8,7 +8,8 @@ relative) and Adam's normalisation m / sqrt(v) can enlarge them for gradients ne
 get a tolerance proportional to the learning rate rather than pure rounding.
 
 Equalities that *are* exact (ZeRO against plain data parallel with the same reduction order) are
-asserted in the tests, not here.
+asserted in the tests, not here. A mixed-precision (bf16) run has its own, looser tolerances
+(`BF16_TOLERANCES`), measured against the same precision's single-process run.
 """
 
 from __future__ import annotations
@@ -32,6 +33,23 @@ TOLERANCES: dict[str, tuple[float, float, str]] = {
 }
 PARAM_ATOL_LR = 0.1
 
+# Mixed precision (dtype bfloat16, engine.model.mixed_precision) against the single-process run in the same
+# precision. bf16 keeps 8 significant bits, so every matmul output is rounded to about 2^-9 relative, and
+# each layout rounds at other points (a tensor-parallel partial sum, a shorter batch, a context slice): the
+# differences are noise of that size, not rounding of fp32's 2^-24, and an element near zero can differ by
+# more than itself. So tensors are compared by the norm of their difference against their own norm.
+# quantity -> (relative L2 error allowed, why); measured on 12 layouts at 2-8 ranks (dense, Mamba-2, hybrid).
+BF16_TOLERANCES: dict[str, tuple[float, str]] = {
+    "loss": (5e-4, "relative: a mean over thousands of bf16-rounded logits (measured up to 7e-5)"),
+    "grads": (0.1, "||a - b|| / ||b||: dense layers differ by 1-2 % (measured up to 1.6 %), Mamba-2's A_log by "
+                   "up to 7 %: its gradient is a small sum of many large bf16 terms"),
+    "exp_avg": (0.1, "a linear mix of the gradients: their relative error or less (measured up to 4 %)"),
+    "exp_avg_sq": (0.1, "squares of the gradients (measured up to 5 %)"),
+    "params": (2.0, "max |a - b| in units of lr per step: Adam moves a weight by about lr whatever its "
+                    "gradient's size, so a near-zero gradient whose sign differs moves it the other way (up to "
+                    "2 lr per step; measured 4.8 lr after 3 steps)"),
+}
+
 
 def _diff(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> tuple[float, bool]:
     a, b = a.double(), b.double()
@@ -39,12 +57,34 @@ def _diff(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> tuple[f
     return max_abs, bool(torch.allclose(a, b, rtol=rtol, atol=atol))
 
 
+def _bf16_ok(quantity: str, a: torch.Tensor, b: torch.Tensor, step: int, lr: float) -> tuple[float, bool, str]:
+    """(the difference reported, within tolerance, the bound in words) under BF16_TOLERANCES."""
+    a, b = a.double(), b.double()
+    bound, _ = BF16_TOLERANCES[quantity]
+    if quantity == "params":
+        diff = (a - b).abs().max().item() if a.numel() else 0.0
+        return diff, diff <= bound * lr * (step + 1), f"max |diff| <= {bound:g} lr x {step + 1} steps"
+    if quantity == "loss":
+        diff = abs(a.item() - b.item())
+        return diff, diff <= bound * abs(b.item()), f"rel {bound:g}"
+    diff = (a - b).norm().item()
+    return diff, diff <= bound * b.norm().item() + 1e-30, f"||diff|| <= {bound:g} ||reference||"
+
+
 def compare(cfg: RunConfig, reference: list, snapshots: list[dict], losses: list[float]) -> dict:
     """Return {passed, max_abs_diff, by_quantity: {q: max_abs_diff}, failures: [...], tolerances}."""
     by_quantity: dict[str, float] = {}
     failures: list[str] = []
+    bf16 = cfg.dtype == "bfloat16"
 
     def note(quantity: str, where: str, a, b) -> None:
+        if bf16:
+            step = int(where.split()[0])
+            diff, ok, bound = _bf16_ok(quantity, torch.as_tensor(a), torch.as_tensor(b), step, cfg.lr)
+            by_quantity[quantity] = max(by_quantity.get(quantity, 0.0), diff)
+            if not ok:
+                failures.append(f"step {where}: {quantity} differs by {diff:.3g} ({bound}, bf16)")
+            return
         rtol, atol, _ = TOLERANCES[quantity]
         if quantity == "params":
             atol = PARAM_ATOL_LR * cfg.lr
@@ -71,6 +111,17 @@ def compare(cfg: RunConfig, reference: list, snapshots: list[dict], losses: list
         "by_quantity": by_quantity,
         "failures": failures[:20],
         "steps": cfg.steps,
-        "tolerances": {q: {"rtol": r, "atol": PARAM_ATOL_LR * cfg.lr if q == "params" else a, "why": w}
-                       for q, (r, a, w) in TOLERANCES.items()},
+        "tolerances": _bf16_tolerances(cfg) if bf16 else
+        {q: {"rtol": r, "atol": PARAM_ATOL_LR * cfg.lr if q == "params" else a, "why": w}
+         for q, (r, a, w) in TOLERANCES.items()},
     }
+
+
+def _bf16_tolerances(cfg: RunConfig) -> dict:
+    out = {}
+    for q, (bound, why) in BF16_TOLERANCES.items():
+        if q == "params":
+            out[q] = {"rtol": 0.0, "atol": bound * cfg.lr * cfg.steps, "why": why}
+        else:
+            out[q] = {"rtol": bound, "atol": 0.0, "why": why}
+    return out

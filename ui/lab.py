@@ -19,7 +19,8 @@ SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1")
 
 
 def lab_config(model: ModelConfig, mesh: dict[str, int], zero_stage: int, schedule: str, virtual_stages: int,
-               micro_batches: int, micro_batch_size: int, steps: int, device: str) -> RunConfig:
+               micro_batches: int, micro_batch_size: int, steps: int, device: str,
+               dtype: str = "float32") -> RunConfig:
     """The run the page describes: the mesh's axes of degree > 1, the ZeRO stage over its data axes (an
     fsdp axis shards at least the optimizer state: stage 0 there becomes 3), the label from the mesh
     (engine.config.strategy_for)."""
@@ -32,7 +33,7 @@ def lab_config(model: ModelConfig, mesh: dict[str, int], zero_stage: int, schedu
     parallel = ParallelConfig(strategy=strategy, mesh=axes, zero_stage=stage, schedule=schedule,
                               virtual_stages=virtual_stages if dict(axes).get("pp", 1) > 1 else 1)
     return RunConfig(model=model, parallel=parallel, world=world, steps=steps, micro_batches=micro_batches,
-                     micro_batch_size=micro_batch_size, device=device)
+                     micro_batch_size=micro_batch_size, device=device, dtype=dtype)
 
 
 def mesh_label(cfg: RunConfig) -> str:
@@ -47,11 +48,13 @@ def run_rows(runs: list[LiveRun], matmul_flops_per_s: float | None) -> list[dict
     for run in runs:
         s, cfg = run.summary, run.cfg
         tokens = cfg.global_batch * cfg.model.seq_len
+        # against the calibrated fp32 matmul rate: a bf16 run has no rate of its own to compare with
         mfu = (step_flops(cfg) / (s.step_time_s * cfg.world * matmul_flops_per_s)
-               if matmul_flops_per_s and cfg.device == "cpu" else None)
+               if matmul_flops_per_s and cfg.device == "cpu" and cfg.dtype == "float32" else None)
         err = prediction_error(run)
         rows.append({
-            "run": run.label, "model": cfg.model.arch, "mesh": mesh_label(cfg), "procs": cfg.world,
+            "run": run.label, "model": cfg.model.arch, "dtype": cfg.dtype, "mesh": mesh_label(cfg),
+            "procs": cfg.world,
             "steps": cfg.steps,
             "step (ms)": round(s.step_time_s * 1e3, 2),
             "tokens/s": round(tokens / s.step_time_s),

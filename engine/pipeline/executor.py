@@ -174,7 +174,7 @@ class Pipeline:
         s = self.strategy
         for i in self.model.chunk_units[chunk]:
             s.before_forward(i)
-            x = s.unit_forward(i, x)
+            x = s.run_unit(i, x)
             # FSDP re-gathers unit i's parameters when its output gradient arrives.
             x = _OnBackward.apply(x, lambda i=i: s.before_backward(i))
             s.after_forward(i)

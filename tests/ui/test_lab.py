@@ -57,6 +57,15 @@ def test_the_command_lines_rebuild_the_same_config():
     assert any(c.startswith("torchrun --nnodes") and "-m engine.worker" in c for c in commands)
 
 
+def test_bf16_is_on_the_command_line_and_refused_with_moe():
+    at = _lab(lab_dtype="bfloat16")
+    assert not at.error
+    line = next(c.value for c in at.code if c.value.startswith("python -m engine run"))
+    assert "--dtype bfloat16" in line
+    at = _lab(lab_preset="MoE (2 layers, 4 experts, top-2)", lab_dtype="bfloat16")
+    assert at.error and "routing tie" in at.error[0].value
+
+
 def test_a_preset_loads_every_model_field():
     at = _lab(lab_preset="small (4 layers, width 128)")
     assert (at.number_input(key="lab_layers").value, at.number_input(key="lab_hidden").value,
