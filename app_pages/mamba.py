@@ -115,26 +115,33 @@ n = choices.num_chips
 st.markdown(
     f"""
 The planner searches every layout of the sidebar's **{n:,} {chip.name}** for each model at S = {seq_len:,},
-about 4M tokens per step, and keeps the fastest that fits in memory.
+about 4M tokens per step, and keeps the fastest that fits in memory (a few seconds for the three models).
 """
 )
-try:
+setup = (seq_len, chip.key, n)
+if st.button("Search the fastest layout of each", key="ssm_search", type="primary"):
     from planner.api import compare_architectures
 
     batch = max(n, round(2**22 / seq_len / n) * n)
     with st.spinner("Searching the layouts of each model ..."):
-        # the same search for the same setup (a class opens the same page): computed once per server
-        search_all = st.cache_data(compare_architectures, max_entries=64, show_spinner=False)
-        results = search_all(specs, Cluster(chip.key, n), global_batch=batch)
-except SpecError as e:
-    results = None
-    st.warning(f"The planner cannot search this setup: {e}.")
-if results is not None:
+        try:
+            # the same search for the same setup (a class opens the same page): computed once per server
+            search_all = st.cache_data(compare_architectures, max_entries=64, show_spinner=False)
+            st.session_state["ssm_search_results"] = (setup, search_all(specs, Cluster(chip.key, n),
+                                                                        global_batch=batch))
+        except SpecError as e:
+            st.session_state.pop("ssm_search_results", None)
+            st.warning(f"The planner cannot search this setup: {e}.")
+found = st.session_state.get("ssm_search_results")
+if found is not None and found[0] == setup:
+    results = found[1]
     st.dataframe(best_rows(results, specs, n), hide_index=True, width="stretch")
     st.caption("MFU (model FLOPs utilisation): the model's FLOPs per second over all the chips' peak. Here "
                "attention's scores count over the causal half (what a causal kernel computes); the planner "
                "page's MFU counts the full square, which overstates long-context Transformers.")
     st.markdown("\n".join(f"- {line}" for line in why_they_differ(results, specs, seq_len)))
+elif found is not None:
+    st.caption("The sequence length or the sidebar changed since the last search: search again.")
 
 show_exercises([attention_crossover(specs[0]), state_passing_chain(specs[1], max(cp, 4))])
 
