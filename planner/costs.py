@@ -394,6 +394,7 @@ def ring_kv_bytes(m: ModelSpec, lay: Layout) -> float:
     return 2 * tokens * kv_width / min(lay.tp, m.kv_heads if not m.is_mla else lay.tp) * ACT_BYTES
 
 
+@lru_cache(maxsize=65536)  # the memo `layer_cost` promises: the search asks for the same layers thousands of times
 def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
                 chips_per_node: int) -> LayerCost:
     t, cp = lay.tp, lay.cp
@@ -526,6 +527,7 @@ def _bmm_s(chip: Chip, rows: float, k: float, n: float) -> float:
     return kernels.matmul_s(chip, "bf16", rows, k, n)
 
 
+@lru_cache(maxsize=65536)
 def _mamba_layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chips_per_node: int) -> LayerCost:
     """One Mamba-2 layer (planner.models), In[T, D] with T = micro_batch * seq_len / cp and t = tp:
 

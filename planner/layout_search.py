@@ -41,7 +41,7 @@ from hardware.chips import Chip, get_chip
 from hardware.kernels import FLASH_KERNELS
 from planner import costs
 from planner.case import SSM_CP, Case, Layout, layout_tp_ok, recipe, ssm_alltoall_ok
-from planner.memory import memory_per_chip, stage_layer_ranges
+from planner.memory import layer_kind_counts, memory_per_chip, stage_layer_ranges
 from planner.models import SpecError
 from planner.simulate import StepResult, pipeline_p2p_s, simulate, usable_hbm_bytes
 
@@ -162,25 +162,31 @@ def lower_bound_s(case: Case, lay: Layout, chip: Chip) -> float:
     """A step time no variant of `lay` (any ZeRO stage, any recomputation) can beat.
 
     Every variant runs each layer's forward and backward compute and its TP / CP / EP collectives
-    (recomputation and ZeRO-3 only add to them), and each chunk's pipeline sends; so a stage with L
-    layers takes at least S(L) = L * c + 2 v * p2p per micro-batch, c being the cheaper layer kind's
-    share. The pipeline formula is increasing in every stage time, so
-    T >= m * S(L_max) + (p - 1) * S(L_min) / v.
+    (recomputation and ZeRO-3 only add to them), the last stage's logits, and each chunk's pipeline
+    sends; so stage s takes at least S_s = sum of its layers' c_kind (+ the logits) + 2 v * p2p per
+    micro-batch, c_kind the per-layer cost of each kind it holds (a DeepSeek-V3 stage of MoE layers costs
+    what MoE layers cost, not what its dense first layers do). The pipeline formula is increasing in
+    every stage time, so T >= m * max_s S_s + (p - 1) * min_s S_s / v.
     """
     m, t = case.model, case.training
     node = case.cluster.chips_per_node or chip.scaleup_domain
     base = replace(lay, zero_stage=0, recompute="none")
-    c = min(lc.fwd_compute_s + lc.bwd_compute_s + lc.tp_fwd_s + lc.tp_bwd_s + lc.cp_fwd_s + lc.cp_bwd_s
-            + lc.ep_fwd_s + lc.ep_bwd_s
-            for lc in (costs.layer_cost(m, base, chip, t.dtype, kind, node) for kind in m.kinds))
+    cost = {}
+    for kind in m.kinds:
+        lc = costs.layer_cost(m, base, chip, t.dtype, kind, node)
+        cost[kind] = (lc.fwd_compute_s + lc.bwd_compute_s + lc.tp_fwd_s + lc.tp_bwd_s + lc.cp_fwd_s
+                      + lc.cp_bwd_s + lc.ep_fwd_s + lc.ep_bwd_s)
+    logits = sum(costs.logits_cost(m, base, chip, t.dtype))
     p2p = pipeline_p2p_s(m, lay, chip, node)
-    ranges = stage_layer_ranges(m.layers, lay.pp, lay.virtual_stages)
-    layers = [sum(n for _, n in chunks) for chunks in ranges]
-    micro_batches = t.global_batch // (lay.dp * lay.micro_batch)
     v = lay.virtual_stages
+    stages = []
+    for s, chunks in enumerate(stage_layer_ranges(m.layers, lay.pp, v)):
+        work = sum(cost[k] * n for first, count in chunks for k, n in layer_kind_counts(m, first, count))
+        stages.append(work + (logits if s == lay.pp - 1 else 0.0) + 2 * v * p2p)
+    micro_batches = t.global_batch // (lay.dp * lay.micro_batch)
     # ZB-H1 fills with F + B - 2W, which this bound does not split out: count no fill for it
-    fill = 0.0 if lay.pp_schedule == "zb-h1" else (lay.pp - 1) * (min(layers) * c + 2 * v * p2p) / v
-    return micro_batches * (max(layers) * c + 2 * v * p2p) + fill
+    fill = 0.0 if lay.pp_schedule == "zb-h1" else (lay.pp - 1) * min(stages) / v
+    return micro_batches * max(stages) + fill
 
 
 def rank_key(res: StepResult) -> tuple:

@@ -22,6 +22,7 @@ Transformer layer, True an MoE one, or a pattern character ("M", "*", "-").
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 # "relu2": squared ReLU, 2 matrices and no biases (So et al. 2021, Primer; Nemotron-H's MLP)
 MLP_KINDS = ("gelu", "swiglu", "relu2")
@@ -74,14 +75,14 @@ class ModelSpec:
     def head_dim_(self) -> int:
         return self.head_dim or (self.hidden // self.heads if self.heads else 0)
 
-    @property
+    @cached_property  # asked for in the search's inner loop; a spec is frozen
     def layer_kinds(self) -> tuple:
         """The kind of every layer, first to last (module docstring)."""
         if self.layer_pattern:
             return tuple(self.layer_pattern)
         return tuple(self.is_moe and i >= self.dense_layers for i in range(self.layers))
 
-    @property
+    @cached_property
     def kinds(self) -> tuple:
         """The kinds present, each once, in order of first appearance."""
         return tuple(dict.fromkeys(self.layer_kinds))
