@@ -188,3 +188,18 @@ class Mesh:
 def group_key(axes: tuple[str, ...]) -> str:
     """The name a multi-axis group goes by (`"dp+cp"`)."""
     return "+".join(axes)
+
+
+def cp_slice_owners(cp: int, zigzag: bool) -> list[int]:
+    """The cp rank holding each slice of a sequence, in sequence order: cp slices, one per rank in order, or
+    2 cp zig-zagged, rank r holding slices r and 2 cp - 1 - r (one early, one late: the split that balances
+    causal attention's work, Llama 3 / Megatron-LM). Context parallel's one convention for where positions
+    live: ring attention, the Mamba-2 state chain and the planner all read it."""
+    return [min(g, 2 * cp - 1 - g) for g in range(2 * cp)] if zigzag else list(range(cp))
+
+
+def cp_chain_hops(cp: int, zigzag: bool) -> int:
+    """Slice boundaries whose two sides live on different ranks: the sequential hops of a state passed along
+    the sequence (cp - 1 in order; 2 (cp - 1) zig-zagged, out to the last rank and back)."""
+    owner = cp_slice_owners(cp, zigzag)
+    return sum(1 for a, b in zip(owner, owner[1:], strict=False) if a != b)

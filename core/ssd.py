@@ -19,3 +19,9 @@ def mamba_block_flops(sequences: int, seq_len: int, hidden: int, inner: int, hea
     q, p, n = chunk, head_dim, state
     ssd = tokens * heads * (2 * q * n + 2 * q * p + 4 * n * p) + sequences * (seq_len // q) * heads * 2 * n * p
     return projections + conv + ssd
+
+
+def state_correction_flops(tokens: float, heads: int, head_dim: int, state: int) -> float:
+    """What context parallel by state passing adds: each held position's output gains C_t . h_in, the
+    incoming state read out, 2 N P FLOPs per head."""
+    return 2.0 * tokens * heads * state * head_dim

@@ -356,9 +356,12 @@ def _validate_ssm_cp(cfg: RunConfig, cp: int, tp: int) -> None:
     of T/cp, or two of T/(2 cp) when attention layers need the load-balanced split: engine/ssm_cp.py)."""
     p, m = cfg.parallel, cfg.model
     _check(p.ssm_cp in SSM_CP_VARIANTS, f"ssm_cp={p.ssm_cp!r} must be one of {', '.join(SSM_CP_VARIANTS)}")
-    slices = 2 * cp if m.has_attention else cp
-    _check(m.seq_len % slices == 0, f"seq_len={m.seq_len} is not divisible by {slices}: context parallel cuts "
-           f"each sequence into {slices} equal slices; choose seq_len as a multiple of {slices}")
+    slices = 2 * cp if m.has_attention else cp  # with attention layers, their check says it (below)
+    _check(m.has_attention or m.seq_len % slices == 0, f"seq_len={m.seq_len} is not divisible by {slices}: "
+           f"context parallel cuts each sequence into {slices} equal slices; choose seq_len as a multiple of "
+           f"{slices}")
+    if m.seq_len % slices:
+        return
     if p.ssm_cp == "state":
         piece = m.seq_len // slices
         _check(piece % m.ssm_chunk == 0, f"ssm_chunk={m.ssm_chunk} does not divide the {piece} positions of "
@@ -381,6 +384,10 @@ def _validate_pp(cfg: RunConfig) -> None:
     _check(p.schedule in SCHEDULE_NAMES,
            f"schedule={p.schedule!r} must be one of {', '.join(SCHEDULE_NAMES)}")
     _check(v >= 1, f"virtual_stages={v} must be at least 1")
+    _check(p.schedule != "zb-h1" or MAMBA not in m.kinds,
+           "zb-h1 splits every module's backward into its input and weight parts, and a Mamba-2 block uses "
+           "its conv and per-head parameters outside any module's forward: use --schedule 1f1b or "
+           "interleaved-1f1b with Mamba-2 layers")
     _check(v == 1 or p.schedule == "interleaved-1f1b",
            f"{p.schedule} runs one stage per rank: set --virtual-stages 1 or use --schedule interleaved-1f1b")
     if pp == 1:

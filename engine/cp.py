@@ -40,6 +40,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from core.ssd import state_correction_flops
 from engine.config import MAMBA
 from engine.ring_attention import (
     block_backward,
@@ -80,16 +81,20 @@ class _Ring:
 
 
 class _RingAttention(torch.autograd.Function):
-    """Forward and backward in fp32 whatever the run's compute precision: the blocks' partial outputs and
-    log-sum-exps are merged across ring steps, and a bf16 merge would lose the small blocks' share (the
-    fused attention kernels accumulate in fp32 too)."""
+    """Under mixed precision the inputs are rounded to the compute dtype, as the reference's attention
+    rounds them under autocast, then every block and the merge of their partial outputs and log-sum-exps
+    run in fp32 (a fused attention kernel accumulates in fp32 too; a bf16 merge would lose the small
+    blocks' share)."""
 
     @staticmethod
     def forward(ctx, q, k, v, ring: _Ring):
         ctx.dtypes = q.dtype, k.dtype, v.dtype
-        with torch.autocast(q.device.type, enabled=False):
-            out = _RingAttention._forward(ctx, q.float(), k.float(), v.float(), ring)
-        return out.to(q.dtype)
+        device = q.device.type
+        low = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        q, k, v = (t.to(low).float() if low is not None else t for t in (q, k, v))
+        with torch.autocast(device, enabled=False):
+            out = _RingAttention._forward(ctx, q, k, v, ring)
+        return out.to(low) if low is not None else out
 
     @staticmethod
     def _forward(ctx, q, k, v, ring: _Ring):
@@ -212,7 +217,8 @@ class ContextParallelPlan(Plan):
         if m.kinds[i - 1] == MAMBA:
             # state passing adds the incoming state's outputs, C_t . h: 2 N P per head and position held
             extra = self.cfg.parallel.ssm_cp == "state"
-            return flops / cp + extra * 2.0 * sequences * m.seq_len / cp * m.ssm_heads * m.ssm_state * m.ssm_head_dim
+            tokens = sequences * m.seq_len / cp
+            return flops / cp + extra * state_correction_flops(tokens, m.ssm_heads, m.ssm_head_dim, m.ssm_state)
         attention = 4 * sequences * m.seq_len**2 * m.heads * m.head_dim  # as in unit_forward_flops
         c = m.seq_len // (2 * cp)
         if self.cfg.parallel.cp_variant == "ring":

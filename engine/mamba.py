@@ -142,11 +142,24 @@ class Mamba2(nn.Module):
 
     def mix(self, x, b, c, dt):
         """x[B, T, H P], b and c [B, T, G N], dt[B, T, H] -> y[B, T, H P]: conv, then the scan."""
-        xs, bs, cs = (causal_conv(t, conv.weight, conv.bias)
-                      for t, conv in ((x, self.conv_x), (b, self.conv_b), (c, self.conv_c)))
-        x_dt, log_a, b_h, c_h, x_h = scan_inputs(xs, bs, cs, dt, self.dt_bias, self.A_log, self.groups)
-        y, _ = ssd_scan(x_dt, log_a, b_h, c_h, self.chunk)
+        y, _, _, x_h, _ = conv_scan(x, b, c, dt, self.convs(), self.dt_bias, self.A_log, self.groups, self.chunk)
         return skip(y, x_h, self.D)
+
+    def convs(self) -> tuple:
+        """((weight, bias) of the conv over x, over B, over C)."""
+        return tuple((conv.weight, conv.bias) for conv in (self.conv_x, self.conv_b, self.conv_c))
+
+
+def conv_scan(x, b, c, dt, convs, dt_bias, a_log, groups: int, chunk: int, halos=(None, None, None)):
+    """The part of a Mamba-2 layer that mixes positions, from a zero state: the causal convs over x, B and C
+    (`convs`: their (weight, bias); `halos`: the inputs just before x where it continues a previous slice),
+    the scan's inputs and the chunked scan. Returns (y from a zero state [B, T, H, P] without the D skip,
+    dt A, C per head, x per head, the final state [B, H, P, N]): a context-parallel slice corrects y with the
+    state entering it (`state_output`) and passes the final state on."""
+    xs, bs, cs = (causal_conv(t, w, bias, halo) for t, (w, bias), halo in zip((x, b, c), convs, halos, strict=True))
+    x_dt, log_a, b_h, c_h, x_h = scan_inputs(xs, bs, cs, dt, dt_bias, a_log, groups)
+    y, final = ssd_scan(x_dt, log_a, b_h, c_h, chunk)
+    return y, log_a, c_h, x_h, final
 
 
 def scan_inputs(x, b, c, dt, dt_bias, a_log, groups: int):
@@ -169,8 +182,8 @@ def skip(y, x, d):
 def init_mamba_(model: nn.Module) -> None:
     """Mamba-2's own initialisation for the parameters a plain normal(0, 0.02) would break: A in [-16, -1]
     per head, dt between 1e-3 and 1e-1 after the softplus (log-spaced across heads, as the reference's
-    random draw spreads them), D = 1, conv weights at PyTorch's Conv1d scale 1/sqrt(w). Deterministic
-    given the generator's state."""
+    random draw spreads them), D = 1, conv weights normal with standard deviation 1/sqrt(w) (PyTorch's
+    Conv1d draws uniform within +-1/sqrt(w)), biases zero. Deterministic given the generator's state."""
     for module in model.modules():
         if isinstance(module, Mamba2):
             h = module.heads

@@ -28,19 +28,24 @@ from __future__ import annotations
 
 import torch
 
+from core.mesh import cp_slice_owners
+
+
+def _slice_positions(seq_len: int, cp: int, rank: int, zigzag: bool) -> torch.Tensor:
+    """Absolute positions of the slices `rank` holds (core/mesh.cp_slice_owners), in sequence order."""
+    owner = cp_slice_owners(cp, zigzag)
+    c = seq_len // len(owner)
+    return torch.cat([torch.arange(g * c, (g + 1) * c) for g, r in enumerate(owner) if r == rank])
+
 
 def zigzag_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
     """Absolute positions of the tokens rank `rank` holds: chunks rank and 2*cp-1-rank of 2*cp."""
-    c = seq_len // (2 * cp)
-    early = torch.arange(rank * c, (rank + 1) * c)
-    late = torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)
-    return torch.cat([early, late])
+    return _slice_positions(seq_len, cp, rank, zigzag=True)
 
 
 def contiguous_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
     """Positions of rank `rank` when the sequence is cut into cp slices in order (Mamba-2 layers only)."""
-    n = seq_len // cp
-    return torch.arange(rank * n, (rank + 1) * n)
+    return _slice_positions(seq_len, cp, rank, zigzag=False)
 
 
 def block_plan(rank: int, source: int, c: int) -> tuple[slice, slice, bool]:

@@ -12,11 +12,13 @@ rank r holds slices r and 2 cp - 1 - r.
   adding its slice's own final state to the incoming one carried through the slice (`slice_decay`), and
   each rank corrects its outputs with the state that came in. A pipeline over the sequence: one
   point-to-point of B x H x P x N floats per slice boundary and layer, and a chain (rank r waits for
-  r - 1), unlike ring attention's cp overlapped rounds. Backward passes the states' gradients the other
-  way. The causal conv also reaches w - 1 positions back, into the previous slice: those inputs (the
-  "halo") come from its holder first, all at once.
+  r - 1), unlike ring attention's cp overlapped rounds: cp - 1 hops in order, 2 (cp - 1) with the
+  zig-zag split (out to the last rank and back; core/mesh.cp_chain_hops). Backward passes the states'
+  gradients the other way. The causal conv also reaches w - 1 positions back, into the previous slice:
+  those inputs (the "halo") come from its holder first, all at once.
 
       forward, cp = 4:   r0 --h--> r1 --h--> r2 --h--> r3        backward: r3 --dh--> r2 --dh--> r1 --dh--> r0
+      zig-zag, cp = 2:   r0 (slice 0) --h--> r1 (slices 1, 2) --h--> r0 (slice 3)
 
 * ``alltoall`` (Megatron-Core's Mamba context parallel, the DeepSpeed-Ulysses switch): one all-to-all
   turns the scan's inputs from sequence shards of every head into the whole sequence of H/cp heads
@@ -30,8 +32,9 @@ from __future__ import annotations
 
 import torch
 
+from core.mesh import cp_slice_owners
 from engine.comm import all_to_all_rows
-from engine.mamba import causal_conv, scan_inputs, skip, slice_decay, ssd_scan, state_output
+from engine.mamba import conv_scan, skip, slice_decay, state_output
 
 _TAG_STATE, _TAG_DSTATE, _TAG_HALO, _TAG_DHALO = 3, 4, 5, 6  # ring attention uses 1 and 2
 
@@ -42,7 +45,7 @@ class Slices:
 
     def __init__(self, n: int, rank: int, zigzag: bool):
         self.n, self.rank = n, rank
-        self.owner = [min(g, 2 * n - 1 - g) for g in range(2 * n)] if zigzag else list(range(n))
+        self.owner = cp_slice_owners(n, zigzag)
         self.mine = [g for g, r in enumerate(self.owner) if r == rank]
 
     def before(self, g: int) -> int | None:
@@ -158,7 +161,6 @@ class StatePassing:
 
     def __call__(self, x, b, c, dt):
         mx, k = self.mixer, len(self.slices.mine)
-        convs = (mx.conv_x, mx.conv_b, mx.conv_c)
         widths = [t.shape[-1] for t in (x, b, c)]
         xbc = torch.cat((x, b, c), dim=-1)
         pieces = xbc.chunk(k, dim=1)
@@ -168,12 +170,8 @@ class StatePassing:
         scanned = []  # per own slice: (y from a zero state, dt A, C per head, x per head, own final state)
         with self.rec.compute(f"scan {self.name} own slices"):
             for j, (piece, dt_j) in enumerate(zip(pieces, dt.chunk(k, dim=1), strict=True)):
-                xs, bs, cs = (causal_conv(t, conv.weight, conv.bias, halo)
-                              for t, conv, halo in zip(piece.split(widths, -1), convs,
-                                                       halos[j].split(widths, -1), strict=True))
-                x_dt, log_a, b_h, c_h, x_h = scan_inputs(xs, bs, cs, dt_j, mx.dt_bias, mx.A_log, mx.groups)
-                y, own = ssd_scan(x_dt, log_a, b_h, c_h, mx.chunk)
-                scanned.append((y, log_a, c_h, x_h, own))
+                scanned.append(conv_scan(*piece.split(widths, -1), dt_j, mx.convs(), mx.dt_bias, mx.A_log,
+                                         mx.groups, mx.chunk, halos[j].split(widths, -1)))
         decays = torch.stack([slice_decay(log_a) for _, log_a, _, _, _ in scanned])
         owns = torch.stack([own for *_, own in scanned])
         entering = _PassStates.apply(decays, owns, self.slices, self.comm, self.name)
@@ -215,11 +213,8 @@ class AllToAll:
             mine = slice(r * heads * p, (r + 1) * heads * p)
             g_mine = slice(r * gn, (r + 1) * gn)
             h_mine = slice(r * heads, (r + 1) * heads)
-            xs = causal_conv(xw, mx.conv_x.weight[mine], mx.conv_x.bias[mine])
-            bs_ = causal_conv(bw, mx.conv_b.weight[g_mine], mx.conv_b.bias[g_mine])
-            cs = causal_conv(cw, mx.conv_c.weight[g_mine], mx.conv_c.bias[g_mine])
-            x_dt, log_a, b_h, c_h, x_h = scan_inputs(xs, bs_, cs, dtw, mx.dt_bias[h_mine], mx.A_log[h_mine], groups)
-            y, _ = ssd_scan(x_dt, log_a, b_h, c_h, mx.chunk)
+            convs = [(w[part], bias[part]) for (w, bias), part in zip(mx.convs(), (mine, g_mine, g_mine), strict=True)]
+            y, _, _, x_h, _ = conv_scan(xw, bw, cw, dtw, convs, mx.dt_bias[h_mine], mx.A_log[h_mine], groups, mx.chunk)
             y = skip(y, x_h, mx.D[h_mine])[:, self.unorder]  # back in rank order of positions
         back = y.reshape(bs, n, self.t_local, -1).permute(1, 0, 2, 3).reshape(n * bs, self.t_local, -1)
         got = self._exchange(back, "scan outputs").reshape(n, bs, self.t_local, -1)

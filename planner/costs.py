@@ -48,6 +48,7 @@ import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
+from core.mesh import cp_chain_hops
 from hardware import kernels
 from hardware.chips import Chip
 from hardware.collectives import Topology, group_topology, ring_sent_bytes
@@ -548,7 +549,7 @@ def _mamba_layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chips_p
       all-gather / reduce-scatter pair as a Transformer block (`_tp_comms`).
     * CP "state": each rank scans its slice from a zero state; the true incoming state then passes
       rank to rank in sequence order, H/t x P x N fp32 per sequence per hop, cp - 1 hops in a chain
-      no compute can hide (each rank waits for the previous one's state before it can pass on its
+      (2 (cp - 1) beside attention layers, whose zig-zag split sends it out and back) no compute can hide (each rank waits for the previous one's state before it can pass on its
       own); each rank then adds C . (decay h_in) to its outputs (one more state-output bmm). The conv
       needs the previous slice's last conv - 1 positions (one hop, all ranks at once). Backward: the
       state gradients chain back the other way, and the halo's gradient returns.
@@ -624,11 +625,13 @@ def _mamba_layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chips_p
                                  a_in)]
         else:
             hop_bytes, halo_bytes = ssm_state_bytes(m, lay), ssm_halo_bytes(m, lay)
-            chain = (cp - 1) * comm_s(topo, "p2p", hop_bytes)
+            # beside attention the slices are zig-zagged: the chain goes out to the last rank and back
+            hops = cp_chain_hops(cp, zigzag=m.attention_layers > 0)
+            chain = hops * comm_s(topo, "p2p", hop_bytes)
             halo = comm_s(topo, "p2p", halo_bytes)
             fwd_comms += [CommOp("cp", "cp conv halo", "p2p", halo_bytes, halo, halo),
-                          CommOp("cp", "cp ssm state chain", "p2p", hop_bytes, chain, chain, cp - 1)]
-            bwd_comms += [CommOp("cp", "cp ssm state-gradient chain", "p2p", hop_bytes, chain, chain, cp - 1),
+                          CommOp("cp", "cp ssm state chain", "p2p", hop_bytes, chain, chain, hops)]
+            bwd_comms += [CommOp("cp", "cp ssm state-gradient chain", "p2p", hop_bytes, chain, chain, hops),
                           CommOp("cp", "cp conv halo (grad)", "p2p", halo_bytes, halo, halo)]
     if lay.zero_stage == 3 and lay.dp * cp > 1:
         zf, zb = _zero3_comms(lay, chip, chips_per_node, lp, fwd_s, bwd_s, fwd_comms, bwd_comms)

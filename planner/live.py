@@ -26,7 +26,7 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-from core.mesh import Mesh, group_key
+from core.mesh import Mesh, cp_slice_owners, group_key
 from core.schedules import (
     BACKWARD,
     BACKWARD_INPUT,
@@ -37,6 +37,7 @@ from core.schedules import (
     make_schedule,
     stage_units,
 )
+from core.ssd import state_correction_flops
 from core.timeline import Timeline, bubble_spans, span_kind, union_seconds
 from hardware.this_machine import Calibration, CalibrationError, comm_key, scan_steps, work
 from planner.eventsim import Collective, Compute, Recv, Send, Wait, simulate
@@ -595,7 +596,7 @@ class _Program:
         """(owner cp rank of every slice of the sequence, this rank's own slices in order, its cp rank): cp
         slices in order, or 2 cp zig-zagged beside attention layers (engine/ssm_cp.Slices)."""
         n, me = self.cp, self.g["cp"].index(self.r.rank)
-        owner = [min(g, 2 * n - 1 - g) for g in range(2 * n)] if self.m.has_attention else list(range(n))
+        owner = cp_slice_owners(n, self.m.has_attention)
         return owner, [g for g, o in enumerate(owner) if o == me], me
 
     def _ssm_state_passing(self, name: str, label: str, s: dict, scan_s: float, fwd: bool) -> None:
@@ -608,7 +609,7 @@ class _Program:
         state_bytes = s["b"] * s["heads"] * s["head_dim"] * s["state"] * F32
         # the incoming state's outputs C_t . h0: 2 N P per head and position held, at the mixer's FLOP rate
         f = c.cal.compute["mamba"]
-        correct = (2.0 * s["b"] * s["t"] * s["heads"] * s["state"] * s["head_dim"]
+        correct = (state_correction_flops(s["b"] * s["t"], s["heads"], s["head_dim"], s["state"])
                    * (f.fwd_per_unit_s if fwd else f.bwd_per_unit_s))
         ops = (SSM_STATE_LAYER_OPS + SSM_STATE_SLICE_OPS * len(mine)) * c.tiny
         hop_s, halo_s = c.message_s(len(cp), state_bytes), c.message_s(len(cp), halo_bytes)

@@ -43,3 +43,13 @@ def test_labels_and_bad_names():
     assert label({"tp": 2, "dp": 1, "pp": 2}) == "pp=2,tp=2" and label({"dp": 1}) == "dp=1"
     with pytest.raises(ValueError, match="unknown"):
         canonical({"xx": 2})
+
+
+def test_cp_slices_in_order_and_zig_zagged():
+    from core.mesh import cp_chain_hops, cp_slice_owners
+
+    assert cp_slice_owners(3, zigzag=False) == [0, 1, 2]
+    assert cp_slice_owners(3, zigzag=True) == [0, 1, 2, 2, 1, 0]  # rank r: slices r and 2 cp - 1 - r
+    # a state passed along the sequence: cp - 1 hops in order; zig-zagged, out to the last rank and back
+    assert [cp_chain_hops(n, False) for n in (1, 2, 4)] == [0, 1, 3]
+    assert [cp_chain_hops(n, True) for n in (1, 2, 4)] == [0, 2, 6]

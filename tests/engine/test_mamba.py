@@ -183,6 +183,7 @@ def _bad(world=2, **kw):
     (_bad(arch="hybrid", pattern="MAX"), "pattern='MAX' must have one letter per layer"),
     (_bad(arch="transformer", pattern="MA"), "needs arch='hybrid'"),
     (_bad(arch="mamba2", seq_len=8, ssm_chunk=1, strategy="cp", world=4), "shorter than the conv's reach"),
+    (_bad(arch="mamba2", strategy="pp", schedule="zb-h1", layers=2), "use --schedule 1f1b or interleaved-1f1b"),
 ])
 def test_bad_inputs_say_what_to_change(cfg, says):
     with pytest.raises(ConfigError) as err:
