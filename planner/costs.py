@@ -549,8 +549,9 @@ def _mamba_layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chips_p
       all-gather / reduce-scatter pair as a Transformer block (`_tp_comms`).
     * CP "state": each rank scans its slice from a zero state; the true incoming state then passes
       rank to rank in sequence order, H/t x P x N fp32 per sequence per hop, cp - 1 hops in a chain
-      (2 (cp - 1) beside attention layers, whose zig-zag split sends it out and back) no compute can hide (each rank waits for the previous one's state before it can pass on its
-      own); each rank then adds C . (decay h_in) to its outputs (one more state-output bmm). The conv
+      (2 (cp - 1) beside attention layers, whose zig-zag split sends it out and back) that no compute
+      can hide (each rank waits for the previous one's state before it can pass on its own); each rank
+      then adds C . (decay h_in) to its outputs (one more state-output bmm). The conv
       needs the previous slice's last conv - 1 positions (one hop, all ranks at once). Backward: the
       state gradients chain back the other way, and the halo's gradient returns.
     * CP "alltoall" (Megatron-Core's Mamba context parallel; Ulysses-style, Jacobs et al. 2023):
