@@ -96,7 +96,8 @@ S = {seq_len:,}, in bf16. Set tp or cp above 1 in the sidebar to see them.
 - **Context parallel by state passing**: every rank scans its slice of the sequence from a zero state,
   in parallel; then the final states travel rank to rank in sequence order, each rank adding its own
   slice's state to the one it received, and each rank corrects its outputs with the state that came in.
-  One small P x N state per head per hop, but **cp − 1 hops one after the other**: rank r waits for r − 1.
+  One small P x N state per head per hop, but **cp − 1 hops one after the other**: rank r waits for r − 1
+  (2(cp − 1) in the hybrid, whose slices are zig-zagged for its attention layers: out and back).
   Backward sends the states' gradients the other way. (The conv's last 3 inputs also cross each boundary.)
 - **Context parallel by all-to-all** (Megatron-Core's way, as DeepSpeed-Ulysses does for attention): switch
   from "all heads, a slice of the sequence" to "H/cp heads, the whole sequence", scan, switch back. Two

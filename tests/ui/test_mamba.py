@@ -45,10 +45,10 @@ def test_the_traffic_table_says_why_mamba2_27b_cannot_use_tp():
     mamba = [r for r in rows if r["model"] == MAMBA2]
     assert mamba[0]["operations fwd + bwd"] == "impossible: 1 group"
     hybrid = {r["strategy"]: r for r in rows if r["model"] == HYBRID}
-    # one all-reduce each way for a Mamba-2 layer under tp (Dao & Gu 2024 sec. 8); the chain is cp-1 hops
-    # plus the conv halo, each way
+    # one all-reduce each way for a Mamba-2 layer under tp (Dao & Gu 2024 sec. 8); the hybrid's zig-zag
+    # chain is 2 (cp - 1) = 6 hops plus the conv halo, each way
     assert hybrid["TP"]["operations fwd + bwd"] == "1 + 1"
-    assert hybrid["CP: state passing"]["operations fwd + bwd"] == "4 + 4"
+    assert hybrid["CP: state passing"]["operations fwd + bwd"] == "7 + 7"
     assert hybrid["CP: all-to-all"]["operations fwd + bwd"] == "2 + 2"
     transformer = {r["strategy"]: r for r in rows if r["model"] == TRANSFORMER}
     assert transformer["TP"]["operations fwd + bwd"] == "2 + 2"
