@@ -75,7 +75,11 @@ def _accuracy():
 
 m1, m2, m3, m4 = st.columns(4)
 m1.metric("Step time", f"{est.step_time_s:,.2f} s")
-m2.metric("MFU", f"{est.mfu * 100:,.1f} %")
+m2.metric("MFU", f"{est.mfu * 100:,.1f} %",
+          help=f"Attention's scores counted over the full S x S square, the convention of Megatron-LM's papers "
+               f"(Narayanan et al. 2021) and PaLM's appendix: a causal kernel computes about half of it, so at "
+               f"long context this MFU overstates the work done and can pass 100 %. Counting the causal half "
+               f"only: {est.mfu_causal * 100:,.1f} %.")
 m3.metric("Model TFLOP/s per chip", f"{est.model_tflops_per_chip:,.0f}")
 mem = est.memory.as_dict()
 m4.metric("Memory per chip", f"{mem['total'] / 1e9:,.1f} GB", delta="fits" if est.fits else "does not fit",

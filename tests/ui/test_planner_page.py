@@ -54,3 +54,11 @@ def test_the_page_says_how_far_to_trust_it_from_the_published_runs():
     trust_text = trust.markdown[0].value
     assert f"{n} other published runs" in trust_text and f"mean error {mean:.1%}" in trust_text
     assert "MFU**: the model's FLOPs per step" in " ".join(m.value for m in at.markdown)
+
+
+def test_the_mfu_says_its_convention_and_gives_the_causal_one():
+    from tests.ui.apptest_util import open_app
+
+    at = open_app("app_pages/planner.py")
+    (mfu,) = [m for m in at.metric if m.label == "MFU"]
+    assert "full S x S square" in mfu.help and "causal half only:" in mfu.help
