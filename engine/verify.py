@@ -77,24 +77,26 @@ def compare(cfg: RunConfig, reference: list, snapshots: list[dict], losses: list
     failures: list[str] = []
     bf16 = cfg.dtype == "bfloat16"
 
-    def note(quantity: str, where: str, a, b) -> None:
+    def within(quantity: str, step: int, a: torch.Tensor, b: torch.Tensor) -> tuple[float, bool, str]:
+        """(the difference reported, within tolerance, the tolerance in words)."""
         if bf16:
-            step = int(where.split()[0])
-            diff, ok, bound = _bf16_ok(quantity, torch.as_tensor(a), torch.as_tensor(b), step, cfg.lr)
-            by_quantity[quantity] = max(by_quantity.get(quantity, 0.0), diff)
-            if not ok:
-                failures.append(f"step {where}: {quantity} differs by {diff:.3g} ({bound}, bf16)")
-            return
+            diff, ok, bound = _bf16_ok(quantity, a, b, step, cfg.lr)
+            return diff, ok, f"{bound}, bf16"
         rtol, atol, _ = TOLERANCES[quantity]
         if quantity == "params":
             atol = PARAM_ATOL_LR * cfg.lr
-        diff, ok = _diff(torch.as_tensor(a), torch.as_tensor(b), rtol, atol)
+        diff, ok = _diff(a, b, rtol, atol)
+        return diff, ok, f"rtol {rtol:g}, atol {atol:g}"
+
+    def note(quantity: str, step: int, name: str, a, b) -> None:
+        diff, ok, bound = within(quantity, step, torch.as_tensor(a), torch.as_tensor(b))
         by_quantity[quantity] = max(by_quantity.get(quantity, 0.0), diff)
         if not ok:
-            failures.append(f"step {where}: {quantity} differs by {diff:.3g} (rtol {rtol:g}, atol {atol:g})")
+            where = f"{step} {name}" if name else f"{step}"
+            failures.append(f"step {where}: {quantity} differs by {diff:.3g} ({bound})")
 
     for step, (ref, loss) in enumerate(zip(reference, losses, strict=True)):
-        note("loss", f"{step}", loss, ref.loss)
+        note("loss", step, "", loss, ref.loss)
     for step, (ref, snap) in enumerate(zip(reference, snapshots, strict=True)):
         for quantity in ("grads", "params", "exp_avg", "exp_avg_sq"):
             ref_tensors = getattr(ref, quantity)
@@ -104,7 +106,7 @@ def compare(cfg: RunConfig, reference: list, snapshots: list[dict], losses: list
                                 f"{sorted(missing)[:3]}")
                 continue
             for name, t in ref_tensors.items():
-                note(quantity, f"{step} {name}", snap[quantity][name], t)
+                note(quantity, step, name, snap[quantity][name], t)
     return {
         "passed": not failures,
         "max_abs_diff": max(by_quantity.values(), default=0.0),

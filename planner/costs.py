@@ -283,6 +283,12 @@ def _wgrad_s(chip, dtype, g: _Gemm) -> float:
     return g.batch * kernels.matmul_s(chip, dtype, g.k, g.m, g.n)
 
 
+def _gemm_times(chip, dtype, gemms: list[_Gemm]) -> tuple[dict, dict, dict]:
+    """Seconds of each GEMM by name: forward, input gradient, weight gradient."""
+    return ({g.name: _fwd_s(chip, dtype, g) for g in gemms}, {g.name: _dgrad_s(chip, dtype, g) for g in gemms},
+            {g.name: _wgrad_s(chip, dtype, g) for g in gemms})
+
+
 def _elementwise(m: ModelSpec, lay: Layout, moe, tokens: float, dtype: str,
                  gemms: list[_Gemm]) -> dict[str, float]:
     """HBM bytes of one layer's memory-bound ops on one chip, by kernel class and direction.
@@ -432,9 +438,7 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
     ew_fwd_s = kernels.norm_s(chip, ew["norm_fwd"]) + kernels.pointwise_s(chip, ew["point_fwd"])
     ew_bwd_s = kernels.norm_s(chip, ew["norm_bwd"], backward=True) + kernels.pointwise_s(chip, ew["point_bwd"])
 
-    gemm_fwd = {g.name: _fwd_s(chip, dtype, g) for g in gemms}
-    gemm_dgrad = {g.name: _dgrad_s(chip, dtype, g) for g in gemms}
-    gemm_wgrad = {g.name: _wgrad_s(chip, dtype, g) for g in gemms}
+    gemm_fwd, gemm_dgrad, gemm_wgrad = _gemm_times(chip, dtype, gemms)
     fwd_s = sum(gemm_fwd.values()) + attn_fwd_s + ew_fwd_s
     wgrad_s = sum(gemm_wgrad.values())
     bwd_s = sum(gemm_dgrad.values()) + wgrad_s + attn_bwd_s + ew_bwd_s
@@ -564,9 +568,7 @@ def _mamba_layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chips_p
     lp = layer_params(m, MAMBA)
     alltoall = cp > 1 and lay.ssm_cp == "alltoall"
     gemms = [_Gemm("in_proj", tokens, h, (2 * e + 2 * g * n + m.ssm_heads) / t), _Gemm("out_proj", tokens, e / t, h)]
-    gemm_fwd = {x.name: _fwd_s(chip, dtype, x) for x in gemms}
-    gemm_dgrad = {x.name: _dgrad_s(chip, dtype, x) for x in gemms}
-    gemm_wgrad = {x.name: _wgrad_s(chip, dtype, x) for x in gemms}
+    gemm_fwd, gemm_dgrad, gemm_wgrad = _gemm_times(chip, dtype, gemms)
 
     # the scan: the state variant runs the local slice with H/t heads; the all-to-all one the whole
     # sequence with H/(t cp) heads (the same work)

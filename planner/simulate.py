@@ -269,7 +269,7 @@ def sent_bytes_per_step(res: StepResult, stage: int = 0) -> dict[str, float]:
             for op in ops:
                 out[op.group] += res.micro_batches * count * op.sent_bytes(n[op.group])
     if lay.zero_stage < 3:
-        dense_p, expert_p = stage_params(m, lay, min(stage, lay.pp - 1))
+        dense_p, expert_p = stage_params(m, lay, stage)
         grad_bytes = GRAD_COMM_BYTES[tr.dtype]
         for params, group in ((dense_p, n["dp"]), (expert_p, n["dp"] // lay.ep)):
             if lay.zero_stage == 0:
