@@ -223,6 +223,11 @@ def simulate(programs: dict[int, list], cores: float,
         load = len(computing) + sum(p.op.cpu * len(p.members) for p in active)
         rate = min(1.0, cores / load) if load > 0 else 1.0
         dynamic = [(p, p.rate(computing)) for p in active if p.dynamic]
+        instant = [p for p, speed in dynamic if speed == math.inf]
+        if instant:  # a zero-second operation (a fit can reach 0 for a small buffer) is done as soon as it runs
+            for p in instant:
+                p.end = t
+            continue
         # the next event: a compute finishing, a collective ending or starting, a message arriving
         candidates = [t + remaining[r] / rate for r in computing]
         candidates += [p.end for p in posted.values() if p.end is not None and p.end > t]

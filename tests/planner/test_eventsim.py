@@ -84,3 +84,11 @@ def test_an_asynchronous_operation_slows_while_its_members_compute():
     # and it holds up the next operation of its group, as gloo's queue does
     _, ends = simulate({r: prog(math.inf)[:2] + [Collective("ar", g, "dp", 0.5), Wait("h")] for r in g}, cores=2)
     assert ends[0] == pytest.approx(2.5)
+
+
+def test_an_asynchronous_operation_of_zero_seconds_ends_at_once():
+    # A fit can reach 0 s for a small buffer; the ranks waiting for it must not deadlock.
+    progs = {r: [Collective("all_reduce", (0, 1), "dp", 0.0, handle="h", contended_s=0.001), Wait("h"),
+                 Compute("fwd", 0.002)] for r in (0, 1)}
+    _, ends = simulate(progs, cores=2)
+    assert ends == {0: pytest.approx(0.002), 1: pytest.approx(0.002)}
