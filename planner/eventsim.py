@@ -100,6 +100,9 @@ class _Posted:
         return 1.0 / seconds if seconds > 0 else math.inf
 
 
+_RESOLUTION_S = 1e-13  # per second of clock: events closer than this to the clock are taken as now
+
+
 class SimulationError(RuntimeError):
     """The programs cannot all finish (a collective some member never posts, a message never sent)."""
 
@@ -234,21 +237,24 @@ def simulate(programs: dict[int, list], cores: float,
         candidates += [p.start for p in posted.values() if p.start is not None and p.start > t]
         candidates += [t + p.left / speed for p, speed in dynamic if speed > 0]
         candidates += [a for a in arrivals.values() if a > t]
-        future = [c for c in candidates if c > t + 1e-15]
+        future = [c for c in candidates if c > t + _RESOLUTION_S * max(1.0, t)]
         if not future:
             stuck = ", ".join(f"rank {r} at {programs[r][pc[r]]}" for r in ranks if not done[r])
             raise SimulationError(f"the programs deadlock: {stuck}")
         t_next = min(future)
         for r in computing:
             remaining[r] -= (t_next - t) * rate
-            if remaining[r] <= 1e-12:
+            if remaining[r] <= 1e-12 or remaining[r] / rate <= _RESOLUTION_S * max(1.0, t_next):
                 op = programs[r][pc[r]]
                 spans.append(Span(r, "compute", op.name, started[r], t_next, micro_batch=op.micro_batch))
                 del remaining[r], started[r]
                 pc[r] += 1
         for p, speed in dynamic:
             p.left -= (t_next - t) * speed
-            if p.left <= 1e-12:
+            # done when the time it still needs is below the clock's resolution: the fraction left carries
+            # the rounding of t_next - t times its speed (a 10 us operation at t = 1 s keeps ~1e-11 of
+            # its work), and a remainder shorter than the next-event threshold would never be reached
+            if p.left <= 1e-12 or (speed > 0 and p.left / speed <= _RESOLUTION_S * max(1.0, t_next)):
                 p.end = t_next
         t = t_next
     else:

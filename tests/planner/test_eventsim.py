@@ -92,3 +92,16 @@ def test_an_asynchronous_operation_of_zero_seconds_ends_at_once():
                  Compute("fwd", 0.002)] for r in (0, 1)}
     _, ends = simulate(progs, cores=2)
     assert ends == {0: pytest.approx(0.002), 1: pytest.approx(0.002)}
+
+
+@pytest.mark.parametrize("start_s, op_s", [(1.919, 1.21e-07), (24.435, 6.61e-06), (33.502, 1.61e-05)])
+def test_a_short_asynchronous_operation_late_in_the_run_finishes(start_s, op_s):
+    # Its fraction left keeps the rounding of (t_next - t) * speed: a microsecond operation at t = 1 s was
+    # left with ~1e-11 of its work, which needed less time than the next-event threshold, and every rank
+    # waiting for it was reported deadlocked (seen in CI on a freshly measured calibration). These three
+    # failed before the fix, as did 1,903 of 4,000 random (start, duration) pairs of this program.
+    progs = {r: [Compute("fwd", start_s), Collective("ar", (0, 1), "dp", op_s, handle="h", contended_s=2 * op_s),
+                 Compute("bwd", op_s / 2), Wait("h"), Compute("opt", 0.001)] for r in (0, 1)}
+    _, ends = simulate(progs, cores=2)
+    # a quarter of it runs under the op_s / 2 of compute (at half speed), the other 3/4 idle in 3/4 op_s
+    assert ends[0] == pytest.approx(start_s + 1.25 * op_s + 0.001, rel=1e-9)
