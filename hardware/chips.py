@@ -108,6 +108,9 @@ class Chip:
     scaleup_topology: str = "switch"  # "switch" | "mesh" | "torus" (chips.toml header)
     sources: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
     fp32_flops_per_s: float | None = None  # only the probed CPU sets it: GPU/TPU tables quote bf16 and fp8
+    # Not a table field: the share of its measured kernel rates a job's slowest chip reaches, set for a
+    # cluster by planner.costs.cluster_chip (a synchronous step goes at the slowest chip's pace); 1 for one chip.
+    pace: float = 1.0
 
     def __post_init__(self):
         _validate(self)
@@ -160,6 +163,8 @@ class Chip:
 
 def _validate(chip: Chip) -> None:
     """The one place a chip's numbers are checked, for table entries and hand-made chips alike."""
+    if not 0 < chip.pace <= 1:
+        raise ChipTableError(chip.key, "pace", f"must be in (0, 1], got {chip.pace!r}")
     for name in _TEXT_FIELDS:
         value = getattr(chip, name)
         if not isinstance(value, str) or not value.strip():

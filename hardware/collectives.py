@@ -394,6 +394,20 @@ class Hierarchy(Topology):
                 f"inside: {self.inner.describe()}; across: {self.outer.describe()}")
 
 
+def deduplicated_all_to_all_s(topo: Topology, copies_bytes: float, node_bytes: float) -> float:
+    """An expert dispatch (or combine) that crosses the network once per destination node and fans out
+    over the scale-up links there (DeepSeek-V3, arXiv 2412.19437 sec. 3.2.2: a token goes over IB to the
+    GPU with the same in-node index on each target node, then over NVLink to its experts' GPUs; the DeepEP
+    library's normal kernels). `copies_bytes`: a rank's token copies, one per routed expert (what a plain
+    all-to-all sends); `node_bytes`: one copy per destination node. The two levels run at once, as in
+    `Hierarchy`; inside one scale-up domain it is the plain all-to-all."""
+    if not isinstance(topo, Hierarchy):
+        return topo.all_to_all_s(copies_bytes)
+    copies_bytes, node_bytes = _check_bytes(copies_bytes), _check_bytes(node_bytes)
+    return topo._with_fill(topo._pipelined(topo.inner._all_to_all_s, topo.outer._all_to_all_s, copies_bytes,
+                                           node_bytes))
+
+
 def ring(n: int, link: Link) -> Ring:
     """(a) A unidirectional ring of n ranks over ``link``."""
     return Ring(_check_n(n), link)

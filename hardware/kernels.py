@@ -16,6 +16,9 @@ which benchmark each field is read from); nothing here is fitted to end-to-end t
   sec. 3.1).
 * memory-bound ops: bytes through HBM at ``hbm_efficiency`` (pointwise kernels, copy-like) or
   ``norm_efficiency`` / ``norm_bwd_efficiency`` (kernels with row reductions: norms, softmax).
+
+Every rate is multiplied by ``chip.pace``: 1 for one chip; in a cluster, the share of the table's (one
+chip's) rates its slowest chip reaches, since a synchronous step waits for it (planner.costs.cluster_chip).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ def matmul_rate(chip: Chip, dtype: str, m: float, n: float, k: float) -> float:
             raise ValueError(f"{chip.name} has no fp8 tensor cores; choose bf16")
     else:
         efficiency = chip.matmul_efficiency
-    return chip.peak_flops_per_s(dtype) * efficiency * min(1.0, matmul_shape_factor(chip, m, n, k))
+    return chip.peak_flops_per_s(dtype) * efficiency * min(1.0, matmul_shape_factor(chip, m, n, k)) * chip.pace
 
 
 def matmul_s(chip: Chip, dtype: str, m: float, k: float, n: float, batch: float = 1.0) -> float:
@@ -54,7 +57,7 @@ def matmul_s(chip: Chip, dtype: str, m: float, k: float, n: float, batch: float 
     flops = 2.0 * m * k * n * batch
     compute_s = flops / matmul_rate(chip, dtype, m, n, k)
     width = DTYPE_BYTES["bf16" if dtype == "fp8" else dtype] if dtype in DTYPE_BYTES else 2
-    memory_s = batch * width * (m * k + k * n + m * n) / chip.hbm_bw(achievable=True)
+    memory_s = batch * width * (m * k + k * n + m * n) / (chip.hbm_bw(achievable=True) * chip.pace)
     return max(compute_s, memory_s)
 
 
@@ -78,16 +81,16 @@ def flash_attention_s(chip: Chip, fwd_flops: float, keys: float, kernel: str = "
         efficiency = chip.flash3_efficiency
     else:
         efficiency = chip.attention_efficiency
-    rate = chip.bf16_flops_per_s * efficiency * keys / (keys + ATTENTION_HALF_SEQ)
+    rate = chip.bf16_flops_per_s * efficiency * keys / (keys + ATTENTION_HALF_SEQ) * chip.pace
     return fwd_flops / rate, FLASH_BWD_FLOP_RATIO * fwd_flops / rate
 
 
 def pointwise_s(chip: Chip, nbytes: float) -> float:
     """A pointwise kernel (bias, activation, residual add, dropout, rotary): copy-like over HBM."""
-    return nbytes / chip.hbm_bw(achievable=True)
+    return nbytes / (chip.hbm_bw(achievable=True) * chip.pace)
 
 
 def norm_s(chip: Chip, nbytes: float, backward: bool = False) -> float:
     """A kernel with row reductions (LayerNorm, RMSNorm, softmax) moving `nbytes` through HBM."""
     efficiency = chip.norm_bwd_efficiency if backward else chip.norm_efficiency
-    return nbytes / (chip.hbm_bytes_per_s * efficiency)
+    return nbytes / (chip.hbm_bytes_per_s * efficiency * chip.pace)

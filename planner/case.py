@@ -43,8 +43,15 @@ RECIPE_DEFAULTS = {
     # expert all-to-all overlapped with another micro-batch's compute (DeepSeek-V3's DualPipe); off in
     # the common frameworks' default schedules
     "ep_comm_overlap": False,
+    # how tokens reach their experts (EP_DISPATCH): Megatron-Core's default token dispatcher is the NCCL
+    # all-to-all (moe_token_dispatcher_type "alltoall"); DeepEP is opt-in ("flex" + moe_enable_deepep)
+    "ep_dispatch": "all_to_all",
 }
-RECIPE_FLAGS = tuple(k for k in RECIPE_DEFAULTS if k != "attention")
+# "all_to_all": one copy of a token per routed expert, sent straight to the expert's rank (NCCL
+# all-to-all). "deepep": one copy per destination node over the network, forwarded to the experts' GPUs
+# over NVLink (DeepSeek-V3, arXiv 2412.19437 sec. 3.2.2; the DeepEP library's normal kernels).
+EP_DISPATCH = ("all_to_all", "deepep")
+RECIPE_FLAGS = tuple(k for k in RECIPE_DEFAULTS if k not in ("attention", "ep_dispatch"))
 # Context parallelism for Mamba-2 layers (planner.costs): "state" passes each rank's final SSM state to
 # the next rank; "alltoall" reshards sequence -> heads around the scan (Megatron-Core). Null: the search
 # tries both where they apply, else "state".
@@ -66,6 +73,7 @@ class Training:
     param_gather_overlap: bool | None = None
     tp_comm_overlap: bool | None = None
     ep_comm_overlap: bool | None = None
+    ep_dispatch: str | None = None  # EP_DISPATCH
     ssm_cp: str | None = None  # SSM_CP
 
 
@@ -118,6 +126,7 @@ class Layout:
     param_gather_overlap: bool = True
     tp_comm_overlap: bool = True
     ep_comm_overlap: bool = False
+    ep_dispatch: str = "all_to_all"
     ssm_cp: str = "state"
 
     @property
@@ -201,7 +210,7 @@ def parse_model(block, name: str = "case") -> ModelSpec:
     for key in SSM_FIELDS:
         kw[key] = _int(block, key, "model", required=False, nullable=False, default=defaults[key])
     for key in ("experts", "top_k", "shared_experts", "dense_layers", "q_lora_rank", "kv_lora_rank",
-                "rope_head_dim"):
+                "rope_head_dim", "expert_groups", "expert_groups_per_token"):
         kw[key] = _int(block, key, "model", required=False, nullable=False, minimum=0, default=0)
     for key in ("head_dim", "dense_ffn"):
         kw[key] = _int(block, key, "model", required=False, default=None)
@@ -232,7 +241,8 @@ def parse_case(data) -> Case:
         dtype=_choice(t, "dtype", "training", DTYPES, "bf16"),
         optimizer=_choice(t, "optimizer", "training", OPTIMIZERS, "adam"),
         zero_stage=zero, attention=_choice(t, "attention", "training", ATTENTION_KERNELS),
-        ssm_cp=_choice(t, "ssm_cp", "training", SSM_CP), **flags,
+        ssm_cp=_choice(t, "ssm_cp", "training", SSM_CP),
+        ep_dispatch=_choice(t, "ep_dispatch", "training", EP_DISPATCH), **flags,
     )
 
     p = _check_keys(data.get("parallel", {}), {f.name for f in fields(Parallel)}, "parallel")

@@ -30,7 +30,9 @@ Communication (each a `CommOp` with its time alone on its links and the part the
   hidden under one step's block of attention (1/cp of the layer's attention with the zig-zag split).
 * Mamba-2 layers (TP by heads, CP by state passing or all-to-all): `_mamba_layer_cost`.
 * EP (Lepikhin et al. 2020): dispatch and combine all-to-alls of T * top_k rows of D per direction,
-  exposed unless `ep_comm_overlap` (another micro-batch's compute, DeepSeek-V3's DualPipe).
+  exposed unless `ep_comm_overlap` (another micro-batch's compute, DeepSeek-V3's DualPipe). With
+  `ep_dispatch` "deepep" a token crosses the network once per destination node (`expert_nodes_per_token`,
+  fewer still with group-limited routing) and reaches its experts there over NVLink.
 * ZeRO-3 / FSDP (Rajbhandari et al. 2020 sec. 5.3): each layer's weights all-gathered forward and
   backward, gradients reduce-scattered; prefetched one layer ahead (`param_gather_overlap`), so a gather
   hides under the previous layer's compute; in the backward the gather and the reduce-scatter share the
@@ -51,7 +53,7 @@ from functools import lru_cache
 from core.mesh import cp_chain_hops
 from hardware import kernels
 from hardware.chips import Chip
-from hardware.collectives import Topology, group_topology, ring_sent_bytes
+from hardware.collectives import Hierarchy, Topology, deduplicated_all_to_all_s, group_topology, ring_sent_bytes
 from planner.case import Layout
 from planner.flops import layer_forward_flops_per_token, layer_params, ssd_chunk, ssd_matmuls
 from planner.models import ATTENTION, MAMBA, MLP, ModelSpec
@@ -106,15 +108,36 @@ def _factorisations(n: int, k: int) -> list[tuple[int, ...]]:
             if d <= rest[0]]
 
 
+# Identical GPUs are not equally fast: their power management runs each at its own clocks. Across whole
+# clusters the spread between the fastest and the slowest is 8 % of the median on average (Sinha et al.,
+# "Not All GPUs Are Created Equal", SC22, arXiv 2208.11035: GEMM-bound and other kernels on >90 % of the
+# GPUs of five clusters, NVIDIA and AMD; max 22 %, outliers 1.5x slower); inside one 8-GPU node "5 % and
+# higher" ([MLE] compute/accelerator, "Not all accelerators are created equal": MAMF of each GPU of a node).
+# A synchronous step waits for its slowest GPU: taking the table's one-GPU rates as the median, a job on one
+# node runs at 1 - 0.05 / 2 of them, a job across nodes at 1 - 0.08 / 2. TPUs: no measurement, 1.
+GPU_SPREAD_IN_NODE = 0.05
+GPU_SPREAD_IN_CLUSTER = 0.08
+
+
+def slowest_chip_pace(chip: Chip, num_chips: int, chips_per_node: int | None) -> float:
+    """The share of its table rates a job's slowest chip reaches (the module comment above)."""
+    if chip.kind != "gpu" or num_chips <= 1:
+        return 1.0
+    spread = GPU_SPREAD_IN_NODE if num_chips <= (chips_per_node or chip.scaleup_domain) else GPU_SPREAD_IN_CLUSTER
+    return 1.0 - spread / 2
+
+
 @lru_cache(maxsize=256)
 def cluster_chip(chip: Chip, num_chips: int, chips_per_node: int | None) -> Chip:
-    """The chip as this cluster wires it: a GPU node of `chips_per_node`, a TPU slice of `num_chips`."""
+    """The chip as this cluster wires it: a GPU node of `chips_per_node`, a TPU slice of `num_chips`, and the
+    pace of its slowest chip."""
+    pace = slowest_chip_pace(chip, num_chips, chips_per_node)
     if chip.kind == "tpu":
         shape = tpu_slice_shape(chip, num_chips)
-        return replace(chip, torus_shape=shape, scaleup_domain=math.prod(shape))
+        return replace(chip, torus_shape=shape, scaleup_domain=math.prod(shape), pace=pace)
     if chips_per_node and chips_per_node != chip.scaleup_domain:
-        return replace(chip, scaleup_domain=chips_per_node)
-    return chip
+        return replace(chip, scaleup_domain=chips_per_node, pace=pace)
+    return replace(chip, pace=pace) if pace != chip.pace else chip
 
 
 @lru_cache(maxsize=4096)
@@ -394,6 +417,20 @@ def _zero3_comms(lay: Layout, chip: Chip, chips_per_node: int, lp, fwd_s: float,
                    parts=(("all_gather", w_bytes), ("reduce_scatter", 2 * w_bytes))))
 
 
+def expert_nodes_per_token(m: ModelSpec, ep: int, ranks_per_node: int) -> float:
+    """Expected number of nodes a token's top_k experts sit on, for an EP group of `ep` ranks,
+    `ranks_per_node` of them per node, with balanced routing: k uniform draws over the C nodes it may use
+    hit C (1 - (1 - 1/C)^k) distinct ones. C is every node of the group, or with group-limited routing
+    the nodes that hold its expert_groups_per_token groups (a group spread over several nodes brings all
+    of them). DeepSeek-V3 on 8 nodes of 8 ranks: C = 4, 3.6 nodes per token for top-8."""
+    nodes = max(1.0, ep / ranks_per_node)
+    if m.expert_groups:
+        experts_per_node = m.experts / ep * ranks_per_node
+        nodes_per_group = max(1.0, m.experts / m.expert_groups / experts_per_node)
+        nodes = min(nodes, m.expert_groups_per_token * nodes_per_group)
+    return nodes * (1.0 - (1.0 - 1.0 / nodes) ** m.top_k)
+
+
 def ring_kv_bytes(m: ModelSpec, lay: Layout) -> float:
     """One step of the CP ring: this chip's K and V shard (kv heads split by TP, whole heads kept)."""
     tokens = lay.micro_batch * m.seq_len / lay.cp
@@ -473,7 +510,11 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
     if moe is True and lay.ep > 1:
         topo = topology(chip, lay.ep, lay.mesh.stride("ep"), chips_per_node)
         rows_bytes = tokens * m.top_k * h * ACT_BYTES / t
-        a2a = 2 * comm_s(topo, "all_to_all", rows_bytes)
+        if lay.ep_dispatch == "deepep" and isinstance(topo, Hierarchy):
+            node_bytes = rows_bytes / m.top_k * expert_nodes_per_token(m, topo.n, topo.domain_size)
+            a2a = 2 * deduplicated_all_to_all_s(topo, rows_bytes, node_bytes)
+        else:
+            a2a = 2 * comm_s(topo, "all_to_all", rows_bytes)
         fwd_comms.append(CommOp("ep", "ep dispatch + combine", "all_to_all", rows_bytes, a2a,
                                 max(0.0, a2a - fwd_s) if lay.ep_comm_overlap else a2a, 2))
         bwd_comms.append(CommOp("ep", "ep dispatch + combine (grad)", "all_to_all", rows_bytes, a2a,

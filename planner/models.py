@@ -59,6 +59,10 @@ class ModelSpec:
     kv_lora_rank: int = 0  # MLA: rank of the joint KV latent; 0 = ordinary (GQA) attention
     rope_head_dim: int = 0  # MLA: extra decoupled-RoPE query/key width per head
     tied_embeddings: bool = False  # output projection shares the input embedding matrix
+    # group-limited routing (DeepSeek-V2/V3): the experts form `expert_groups` groups and each token's
+    # top_k experts come from its best `expert_groups_per_token` groups; 0 = any expert
+    expert_groups: int = 0
+    expert_groups_per_token: int = 0
     # Mamba-2 and hybrids (module docstring); defaults are Mamba-2 2.7B's (arXiv 2405.21060 sec. 9 setup)
     layer_pattern: str = ""  # one of "M*-" per layer; "" = attention + MLP every layer
     ssm_state: int = 128  # N, d_state
@@ -144,7 +148,7 @@ class ModelSpec:
             raise SpecError(f"{prefix}.heads", f"{self.heads} does not divide hidden={self.hidden}; "
                             "set head_dim")
         for f in ("experts", "top_k", "shared_experts", "dense_layers", "q_lora_rank", "kv_lora_rank",
-                  "rope_head_dim"):
+                  "rope_head_dim", "expert_groups", "expert_groups_per_token"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise SpecError(f"{prefix}.{f}", f"must be a non-negative integer, got {v!r}")
@@ -152,6 +156,13 @@ class ModelSpec:
             raise SpecError(f"{prefix}.top_k", f"must be in 1..experts={self.experts}, got {self.top_k}")
         if not self.experts and (self.top_k or self.shared_experts):
             raise SpecError(f"{prefix}.experts", "top_k/shared_experts need experts > 0")
+        if self.expert_groups or self.expert_groups_per_token:
+            if not self.experts or not self.expert_groups or self.experts % self.expert_groups:
+                raise SpecError(f"{prefix}.expert_groups", f"must divide experts={self.experts} (or set both "
+                                "expert_groups and expert_groups_per_token to 0)")
+            if not 1 <= self.expert_groups_per_token <= self.expert_groups:
+                raise SpecError(f"{prefix}.expert_groups_per_token", f"must be in 1..expert_groups="
+                                f"{self.expert_groups}, got {self.expert_groups_per_token}")
         if self.dense_layers >= self.layers and self.experts:
             raise SpecError(f"{prefix}.dense_layers", f"must be below layers={self.layers}")
 
@@ -205,10 +216,12 @@ MODEL_PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
     ModelSpec("Mixtral 8x7B", 32, 4096, 32, 8, 14336, 32000, 4096, "swiglu", experts=8, top_k=2),
     # DeepSeek-V3 config.json (DeepSeek-AI 2024, arXiv 2412.19437 sec. 4.2): MLA with q rank 1536,
     # kv rank 512, 64-wide decoupled RoPE; 256 routed + 1 shared expert of 2048, top-8; first 3 layers
-    # dense (18432). Not modelled: multi-token prediction module, node-limited routing, FP8 recipe.
+    # dense (18432); the 256 experts in n_group = 8 groups, each token routed within topk_group = 4 of
+    # them (sec. 4.2: "each token will be sent to at most 4 nodes"). Not modelled: the multi-token
+    # prediction module, the FP8 recipe.
     ModelSpec("DeepSeek-V3", 61, 7168, 128, 128, 2048, 129280, 4096, "swiglu", experts=256, top_k=8,
               head_dim=128, shared_experts=1, dense_layers=3, dense_ffn=18432, q_lora_rank=1536,
-              kv_lora_rank=512, rope_head_dim=64),
+              kv_lora_rank=512, rope_head_dim=64, expert_groups=8, expert_groups_per_token=4),
 ]}
 
 # Mamba-2 and hybrid shapes, apart from MODEL_PRESETS so pages that assume attention in every layer

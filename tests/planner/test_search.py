@@ -8,6 +8,7 @@ import pytest
 
 from hardware.chips import get_chip
 from planner.case import Layout, layout_tp_ok, parse_case, recipe
+from planner.costs import cluster_chip
 from planner.layout_search import MAX_MICRO_BATCH, divisors, search
 from planner.memory import memory_per_chip
 from planner.models import MODEL_PRESETS
@@ -26,7 +27,7 @@ def _brute_force_best(case) -> float:
     """Every layout of the space with no dominance rule: all ZeRO stages, recompute levels, SP on/off,
     GPipe too; only divisibility, the TP-in-a-node rule and memory filter."""
     m, t, n = case.model, case.training, case.cluster.num_chips
-    chip = get_chip(case.cluster.chip)
+    chip = cluster_chip(get_chip(case.cluster.chip), n, case.cluster.chips_per_node)  # as the planner wires it
     hbm = usable_hbm_bytes(chip)
     how = recipe(t, chip)
     best = float("inf")

@@ -1,0 +1,102 @@
+"""Two cluster effects, each from op-level evidence: a synchronous step goes at its slowest GPU's pace, and a
+deduplicated expert dispatch (DeepEP) crosses the network once per destination node."""
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from hardware import kernels
+from hardware.chips import ChipTableError, get_chip
+from hardware.collectives import deduplicated_all_to_all_s, group_topology
+from planner.__main__ import main
+from planner.api import estimate
+from planner.costs import cluster_chip, expert_nodes_per_token, slowest_chip_pace
+from planner.models import MODEL_PRESETS, SpecError
+
+
+def test_one_chip_keeps_its_table_rates_a_node_and_a_cluster_wait_for_their_slowest_gpu():
+    h100 = get_chip("h100")
+    assert slowest_chip_pace(h100, 1, 8) == 1.0
+    assert slowest_chip_pace(h100, 8, 8) == pytest.approx(1 - 0.05 / 2)  # [MLE]: 5 % spread inside a node
+    assert slowest_chip_pace(h100, 64, 8) == pytest.approx(1 - 0.08 / 2)  # Sinha et al.: 8 % across clusters
+    assert slowest_chip_pace(get_chip("tpu-v5p"), 256, 4) == 1.0  # no TPU measurement: not applied
+    assert cluster_chip(h100, 64, 8).pace == pytest.approx(0.96)
+
+
+def test_every_kernel_runs_at_the_chips_pace():
+    h100 = get_chip("h100")
+    slow = replace(h100, pace=0.8)
+    assert kernels.matmul_s(slow, "bf16", 8192, 8192, 8192) == pytest.approx(
+        kernels.matmul_s(h100, "bf16", 8192, 8192, 8192) / 0.8)
+    assert kernels.flash_attention_s(slow, 1e12, 8192, "flash3")[1] == pytest.approx(
+        kernels.flash_attention_s(h100, 1e12, 8192, "flash3")[1] / 0.8)
+    assert kernels.pointwise_s(slow, 1e9) == pytest.approx(kernels.pointwise_s(h100, 1e9) / 0.8)
+    assert kernels.norm_s(slow, 1e9, backward=True) == pytest.approx(kernels.norm_s(h100, 1e9, backward=True) / 0.8)
+    with pytest.raises(ChipTableError, match="pace"):
+        replace(h100, pace=1.5)
+
+
+def test_mfu_is_still_against_the_datasheet_peak():
+    case = {"model": {"layers": 8, "hidden": 4096, "heads": 32, "kv_heads": 8, "ffn": 14336, "vocab": 128256,
+                      "seq_len": 4096},
+            "training": {"global_batch": 64, "micro_batch": 1, "recompute": "none", "zero_stage": 1},
+            "parallel": {"dp": 64, "tp": 1, "pp": 1, "cp": 1},
+            "cluster": {"chip": "h100", "num_chips": 64, "chips_per_node": 8}}
+    est = estimate(case)
+    assert est.mfu == pytest.approx(est.result.model_flops / (est.step_time_s * 64 * 989e12))
+
+
+def test_expected_nodes_per_token_by_hand():
+    ds = MODEL_PRESETS["DeepSeek-V3"]
+    # 8 nodes of 8 ranks, 4 experts a rank: a group of 32 experts is one node, 4 groups -> C = 4 nodes;
+    # 8 draws over 4 nodes hit 4 (1 - (3/4)^8) = 3.5995 of them
+    assert expert_nodes_per_token(ds, 64, 8) == pytest.approx(4 * (1 - 0.75 ** 8))
+    # 4 ranks a node (tp = 2 beside ep): a group spans 2 nodes, 4 groups -> C = 8 of the 16 nodes
+    assert expert_nodes_per_token(ds, 64, 4) == pytest.approx(8 * (1 - (7 / 8) ** 8))
+    free = replace(ds, expert_groups=0, expert_groups_per_token=0)
+    assert expert_nodes_per_token(free, 64, 8) == pytest.approx(8 * (1 - (7 / 8) ** 8))
+    assert expert_nodes_per_token(free, 8, 8) == pytest.approx(1.0)  # one node
+
+
+def test_deduplicated_dispatch_sends_fewer_bytes_over_the_network_and_is_plain_inside_a_node():
+    h100 = get_chip("h100")
+    across = group_topology(h100, 64, 1, achievable=True)
+    copies = 256e6
+    plain = across.all_to_all_s(copies)
+    dedup = deduplicated_all_to_all_s(across, copies, copies / 8 * 3.6)
+    assert dedup < 0.6 * plain  # 3.6 node copies instead of 8 expert copies cross the network
+    inside = group_topology(h100, 8, 1, achievable=True)
+    assert deduplicated_all_to_all_s(inside, copies, copies / 4) == inside.all_to_all_s(copies)
+
+
+def _moe_case(**training):
+    m = MODEL_PRESETS["DeepSeek-V3"]
+    model = {k: getattr(m, k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len", "mlp",
+                                        "experts", "top_k", "head_dim", "shared_experts", "dense_layers",
+                                        "dense_ffn", "q_lora_rank", "kv_lora_rank", "rope_head_dim",
+                                        "expert_groups", "expert_groups_per_token")}
+    return {"name": "ds", "model": model,
+            "training": {"global_batch": 512, "micro_batch": 1, "recompute": "full", "zero_stage": 1,
+                         "dtype": "bf16", **training},
+            "parallel": {"dp": 64, "tp": 1, "pp": 16, "cp": 1, "ep": 64, "pp_schedule": "1f1b"},
+            "cluster": {"chip": "h100", "num_chips": 1024, "chips_per_node": 8}}
+
+
+def test_deepep_shortens_the_expert_all_to_all_and_null_is_the_nccl_all_to_all():
+    plain = estimate(_moe_case())
+    deepep = estimate(_moe_case(ep_dispatch="deepep"))
+    assert plain.chosen["training"]["ep_dispatch"] == "all_to_all"
+    assert deepep.breakdown["ep_comm"] < 0.6 * plain.breakdown["ep_comm"]
+    assert deepep.breakdown["compute"] == pytest.approx(plain.breakdown["compute"], rel=0.05)
+
+
+def test_bad_dispatch_and_routing_groups_name_their_field(tmp_path, capsys):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(_moe_case(ep_dispatch="nvshmem")))
+    assert main(["estimate", str(path)]) == 2
+    assert "training.ep_dispatch" in capsys.readouterr().err
+    with pytest.raises(SpecError, match="model.expert_groups"):
+        replace(MODEL_PRESETS["DeepSeek-V3"], expert_groups=7)
+    with pytest.raises(SpecError, match="model.expert_groups_per_token"):
+        replace(MODEL_PRESETS["DeepSeek-V3"], expert_groups_per_token=9)
