@@ -153,7 +153,7 @@ def _fitting_variants(case: Case, lay: Layout, hbm: float) -> Iterator[Layout]:
     for z in zeros:
         for rc in recomputes:
             cand = replace(lay, zero_stage=z, recompute=rc)
-            if memory_per_chip(case.model, cand, m_batches, t.optimizer).total_bytes <= hbm:
+            if memory_per_chip(case.model, cand, m_batches, t.optimizer, t.dtype).total_bytes <= hbm:
                 yield cand
                 break
 
@@ -250,7 +250,7 @@ def choose(case: Case) -> StepResult:
         zero = t.zero_stage if t.zero_stage is not None else (3 if lay.dp * lay.cp > 1 else 0)
         cand = replace(lay, zero_stage=zero, recompute=t.recompute or "full")
         need = memory_per_chip(case.model, cand, t.global_batch // (lay.dp * lay.micro_batch),
-                               t.optimizer).total_bytes
+                               t.optimizer, t.dtype).total_bytes
         if need < best_bytes:
             best, best_bytes = cand, need
     if best is None:

@@ -118,7 +118,8 @@ def mamba_activation_terms(m: ModelSpec, lay: Layout) -> dict[str, float]:
     }
 
 
-def layer_activation_bytes(m: ModelSpec, lay: Layout, moe, *, recompute: str | None = None) -> float:
+def layer_activation_bytes(m: ModelSpec, lay: Layout, moe, *, recompute: str | None = None,
+                           dtype: str = "bf16") -> float:
     """Activation bytes one layer keeps for backward, for one micro-batch on one chip; `moe` is the layer
     kind (planner.models: False dense, True MoE, or a pattern character).
 
@@ -130,6 +131,9 @@ def layer_activation_bytes(m: ModelSpec, lay: Layout, moe, *, recompute: str | N
       FlashAttention keeps only the fp32 log-sum-exp, 4sba/t.
     A pattern's attention ("*") or MLP ("-") layer keeps its half of these (one norm input, one block
     input: 4sbh replicated); a Mamba-2 layer keeps `mamba_activation_terms`.
+    fp8: Transformer Engine keeps each GEMM's input for the weight gradient as its fp8 cast (the
+    column-wise fp8 copy, 1 byte: TE `Linear` / `LayerNormLinear` forward, `saved_inputmat`), so the
+    inputs of QKV, the output projection, fc1 and fc2 (and MLA's up-projections) count 1 byte, not 2.
     """
     recompute = recompute or lay.recompute
     t, cp = lay.tp, lay.cp
@@ -143,14 +147,18 @@ def layer_activation_bytes(m: ModelSpec, lay: Layout, moe, *, recompute: str | N
     if moe == MAMBA:
         return sum(mamba_activation_terms(m, lay).values())
     has_attn, has_mlp = moe != MLP, moe != ATTENTION
-    replicated = sb * h * (10 if gpt else 8 if has_attn and has_mlp else 4)
-    attn_split = 2 * sb * (2 * q_w + 2 * kv_w) if has_attn else 0.0  # Q, K, V, attention output
+    saved = 1 if dtype == "fp8" else 2  # bytes of a kept GEMM input (docstring)
+    blocks_in = 2 if has_attn and has_mlp else 1  # the GEMM inputs among the replicated tensors
+    replicated = sb * h * (10 if gpt else 8 if has_attn and has_mlp else 4) - (2 - saved) * blocks_in * sb * h
+    # Q, K, V, attention output (the output projection's input)
+    attn_split = 2 * sb * (q_w + 2 * kv_w) + saved * sb * q_w if has_attn else 0.0
     if m.is_mla:
-        attn_split += 2 * sb * (m.kv_lora_rank + m.q_lora_rank + 2 * m.heads * m.rope_head_dim)
+        attn_split += saved * sb * (m.kv_lora_rank + m.q_lora_rank) + 2 * sb * 2 * m.heads * m.rope_head_dim
     ffn = m.ffn if moe else m.dense_ffn_
-    # GELU / squared ReLU: its input and fc2's input (2 x 2sbf); SwiGLU: gate, up and down's input (3 x 2sbf)
-    mlp_one = (6 if m.mlp == "swiglu" else 4) * sb * ffn + 2 * sb * h
-    mlp_split = mlp_one - 2 * sb * h if has_mlp else 0.0  # the MLP input is already counted as replicated
+    # GELU / squared ReLU: its input and fc2's input (2 x 2sbf); SwiGLU: gate, up and down's input (3 x 2sbf);
+    # plus the MLP input (a GEMM input)
+    mlp_one = ((4 if m.mlp == "swiglu" else 2) + saved) * sb * ffn + saved * sb * h
+    mlp_split = mlp_one - saved * sb * h if has_mlp else 0.0  # the MLP input is already counted as replicated
     if moe is True:
         # each token's copies at its top_k experts (balanced routing), plus the shared experts
         mlp_split = m.top_k * mlp_one + m.shared_experts * mlp_split + 4 * sb * m.experts
@@ -256,10 +264,12 @@ def stage_groups(m: ModelSpec, pp: int, virtual: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def memory_per_chip(m: ModelSpec, lay: Layout, micro_batches: int, optimizer: str = "adam") -> Memory:
-    """Peak bytes on the most loaded chip (max over pipeline stages)."""
+def memory_per_chip(m: ModelSpec, lay: Layout, micro_batches: int, optimizer: str = "adam",
+                    dtype: str = "bf16") -> Memory:
+    """Peak bytes on the most loaded chip (max over pipeline stages); `dtype` the GEMMs' (fp8 keeps their
+    inputs in 1 byte: `layer_activation_bytes`)."""
     ranges = stage_layer_ranges(m.layers, lay.pp, lay.virtual_stages)
-    per_layer = max(layer_activation_bytes(m, lay, k) for k in {False, m.is_moe})
+    per_layer = max(layer_activation_bytes(m, lay, k, dtype=dtype) for k in {False, m.is_moe})
     wd, gd, od = zero_bytes_per_param(lay.zero_stage, lay.dp * lay.cp, optimizer)
     we, ge, oe = zero_bytes_per_param(lay.zero_stage, max(1, lay.dp * lay.cp // lay.ep), optimizer)
     best = None
@@ -267,27 +277,27 @@ def memory_per_chip(m: ModelSpec, lay: Layout, micro_batches: int, optimizer: st
         dense, moe = stage_params(m, lay, stage)
         params, grads, opt = dense * wd + moe * we, dense * gd + moe * ge, dense * od + moe * oe
         if m.layer_pattern:
-            per_layer = _mean_layer_bytes(m, lay, ranges[stage])
+            per_layer = _mean_layer_bytes(m, lay, ranges[stage], dtype)
         acts = in_flight_layers(stage, lay, micro_batches, [n for _, n in ranges[stage]]) * per_layer
-        temp = _temporary_bytes(m, lay, stage, dense + moe * lay.tp)
+        temp = _temporary_bytes(m, lay, stage, dense + moe * lay.tp, dtype)
         mem = Memory(params, grads, opt, acts, temp, stage)
         if best is None or mem.total_bytes > best.total_bytes:
             best = mem
     return best
 
 
-def _mean_layer_bytes(m: ModelSpec, lay: Layout, chunks) -> float:
+def _mean_layer_bytes(m: ModelSpec, lay: Layout, chunks, dtype: str) -> float:
     """A pattern's stage holds layers of different kinds: the mean of its layers' activation bytes (each
     in-flight micro-batch holds all of a chunk's layers)."""
     total = layers = 0.0
     for first, n_layers in chunks:
         for kind, n in layer_kind_counts(m, first, n_layers):
-            total += n * layer_activation_bytes(m, lay, kind)
+            total += n * layer_activation_bytes(m, lay, kind, dtype=dtype)
             layers += n
     return total / max(1.0, layers)
 
 
-def _temporary_bytes(m: ModelSpec, lay: Layout, stage: int, stage_params: float) -> float:
+def _temporary_bytes(m: ModelSpec, lay: Layout, stage: int, stage_params: float, dtype: str) -> float:
     """Buffers alive at the peak besides the kept activations:
     * the layer being back-propagated with full recomputation holds its un-recomputed activations;
     * the last stage's fp32 logits and their gradient, (b s/cp) x V/t x 8 bytes (Korthikanti sec. 4.1
@@ -297,7 +307,7 @@ def _temporary_bytes(m: ModelSpec, lay: Layout, stage: int, stage_params: float)
     temp = 0.0
     if lay.recompute == "full":
         kinds = m.kinds if m.layer_pattern else (m.is_moe,)
-        temp += max(layer_activation_bytes(m, lay, k, recompute="none") for k in kinds)
+        temp += max(layer_activation_bytes(m, lay, k, recompute="none", dtype=dtype) for k in kinds)
     if stage == lay.pp - 1:
         temp += 8 * lay.micro_batch * m.seq_len / lay.cp * m.vocab / lay.tp
     if lay.zero_stage == 3:

@@ -325,7 +325,7 @@ def simulate(case: Case, lay: Layout, chip: Chip, memory: Memory | None = None) 
     breakdown["optimizer"] = opt
     step = t_pipe + dp_exposed + opt
     tokens = tr.global_batch * m.seq_len
-    mem = memory or memory_per_chip(m, lay, micro_batches, tr.optimizer)
+    mem = memory or memory_per_chip(m, lay, micro_batches, tr.optimizer, tr.dtype)
     node = case.cluster.chips_per_node or chip.scaleup_domain
     return StepResult(case, lay, chip, micro_batches, step, t_pipe, breakdown, stages, mem,
                       model_flops(m, tokens), hardware_flops(m, tokens, lay.recompute),

@@ -84,3 +84,17 @@ def test_kv_heads_are_replicated_when_tp_exceeds_them():
     norms = 2 * 4096
     embed = 1000 * 4096 / 8 + 4096  # tied embedding shard + final norm
     assert dense == pytest.approx(q_o + kv + mlp + norms + embed)
+
+
+def test_fp8_keeps_each_gemm_input_in_one_byte():
+    # Transformer Engine saves the fp8 cast of a GEMM's input for its weight gradient: a Llama layer keeps
+    # the inputs of QKV and fc1 (2sbh), of the output projection (sb q) and of fc2 (sb f) in 1 byte, not 2
+    llama = ModelSpec("llama-8b", 32, 4096, 32, 8, 14336, 128256, 8192)
+    lay = Layout(dp=1, tp=1, pp=1, micro_batch=1, attention="flash3")
+    sb, q = 8192, 32 * 128
+    saved = layer_activation_bytes(llama, lay, False) - layer_activation_bytes(llama, lay, False, dtype="fp8")
+    assert saved == pytest.approx(sb * (2 * 4096 + q + 14336))
+    assert layer_activation_bytes(llama, lay, False, recompute="full", dtype="fp8") == 2 * sb * 4096
+    m = memory_per_chip(llama, lay, 1)
+    assert memory_per_chip(llama, lay, 1, dtype="fp8").activations_bytes == pytest.approx(
+        m.activations_bytes - 32 * saved)

@@ -50,7 +50,7 @@ def _brute_force_best(case) -> float:
                 if (sp and tp == 1) or (rc == "selective" and how["attention"] != "materialized"):
                     continue
                 lay = Layout(dp, tp, pp, cp, ep, sched, v, b, z, rc, sp, **how)
-                if memory_per_chip(m, lay, mb, t.optimizer).total_bytes > hbm:
+                if memory_per_chip(m, lay, mb, t.optimizer, t.dtype).total_bytes > hbm:
                     continue
                 best = min(best, simulate(case, lay, chip).step_time_s)
     return best
