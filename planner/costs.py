@@ -41,7 +41,10 @@ Communication (each a `CommOp` with its time alone on its links and the part the
 Overlapped communication still costs compute: while NCCL kernels run beside them, GEMMs and attention
 run 18.9 % slower on average (Agrawal et al. 2025, "Characterizing Compute-Communication Overlap in GPU-
 Accelerated Distributed Deep Learning", arXiv 2507.03114: GPT and Llama layers on A100, H100, MI250X,
-MI210; max 40 %). Each hidden second of communication adds `OVERLAP_SLOWDOWN` seconds of compute.
+MI210; max 40 %). Each hidden second of communication adds `overlap_slowdown(chip)` seconds of compute.
+The mechanism is the GPU's: NCCL's kernels occupy streaming multiprocessors beside the GEMMs. A TPU moves
+collective data with its DMA engines over ICI while the TensorCore computes ([SB] Part 2: the TensorCore,
+its MXUs and "multiple DMA engines"); no TPU measurement of the slowdown is published, so none is charged.
 """
 
 from __future__ import annotations
@@ -58,7 +61,12 @@ from planner.case import Layout
 from planner.flops import layer_forward_flops_per_token, layer_params, ssd_chunk, ssd_matmuls
 from planner.models import ATTENTION, MAMBA, MLP, ModelSpec
 
-OVERLAP_SLOWDOWN = 0.189  # arXiv 2507.03114 abstract: overlapped compute 18.9 % slower on average
+OVERLAP_SLOWDOWN = 0.189  # arXiv 2507.03114 abstract: overlapped compute 18.9 % slower on average (GPUs)
+
+
+def overlap_slowdown(chip: Chip) -> float:
+    """Seconds of compute one hidden second of communication adds on `chip` (module docstring)."""
+    return 0.0 if chip.kind == "tpu" else OVERLAP_SLOWDOWN
 CAUSAL_FLASH_FRACTION = 0.5  # a causal flash kernel skips the masked upper triangle (Dao 2023, sec. 3.1)
 ACT_BYTES = 2  # bf16 activations (fp8 recipes keep bf16 activations between GEMMs: Transformer Engine)
 # Bytes per parameter of the update: Adam reads fp32 master, m, v, grad and writes master, m, v and the bf16
@@ -526,8 +534,8 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
         fwd_comms.append(zf)
         bwd_comms.append(zb)
 
-    fwd_s += OVERLAP_SLOWDOWN * sum(c.hidden_s for c in fwd_comms)
-    bwd_s += OVERLAP_SLOWDOWN * sum(c.hidden_s for c in bwd_comms)
+    fwd_s += overlap_slowdown(chip) * sum(c.hidden_s for c in fwd_comms)
+    bwd_s += overlap_slowdown(chip) * sum(c.hidden_s for c in bwd_comms)
 
     if lay.recompute == "full":
         recompute_s = fwd_s
@@ -682,8 +690,8 @@ def _mamba_layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chips_p
         fwd_comms.append(zf)
         bwd_comms.append(zb)
 
-    fwd_s += OVERLAP_SLOWDOWN * sum(c.hidden_s for c in fwd_comms)
-    bwd_s += OVERLAP_SLOWDOWN * sum(c.hidden_s for c in bwd_comms)
+    fwd_s += overlap_slowdown(chip) * sum(c.hidden_s for c in fwd_comms)
+    bwd_s += overlap_slowdown(chip) * sum(c.hidden_s for c in bwd_comms)
     recompute_s = {"full": fwd_s, "selective": ew_fwd_s}.get(lay.recompute, 0.0)
     flops = tokens * layer_forward_flops_per_token(m, MAMBA) / t
     return LayerCost(fwd_s, bwd_s, recompute_s, tuple(fwd_comms), tuple(bwd_comms), flops, act_bytes, wgrad_s)

@@ -19,7 +19,7 @@ Overlap (the recipe fields of `planner.case`, per layer in `planner.costs`):
   (PyTorch DDP, Li et al. 2020; Megatron-Core overlap_grad_reduce); the last bucket (one layer) can never
   hide. Off (Megatron-LM 2021-22's "local" DDP): after the backward, exposed. ZeRO-1/2's parameter
   all-gather after the update hides under the next step's first forward (`param_gather_overlap`).
-  Hidden communication slows the compute it runs beside (costs.OVERLAP_SLOWDOWN).
+  Hidden communication slows the compute it runs beside (costs.overlap_slowdown: on GPUs).
 * Pipeline sends: one per chunk boundary, each direction, sized b*s*h/t with the scatter/gather
   optimisation (Narayanan et al. 2021 sec. 4.1), on the link between the stages (NVLink or the
   network, `costs.topology`). Each pass waits for its input to arrive (Megatron's batched
@@ -203,7 +203,7 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
                 if not lay.grad_reduce_overlap:
                     return sync
                 exposed = max(sync - last_bwd * (1 - 1 / layers_here), sync / layers_here)
-                return exposed + costs.OVERLAP_SLOWDOWN * (sync - exposed)
+                return exposed + costs.overlap_slowdown(chip) * (sync - exposed)
 
             for topo, n_params in ((dense_topo, dense_p), (expert_topo, expert_p)):
                 if topo is None or not n_params:

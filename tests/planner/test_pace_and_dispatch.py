@@ -1,5 +1,6 @@
-"""Two cluster effects, each from op-level evidence: a synchronous step goes at its slowest GPU's pace, and a
-deduplicated expert dispatch (DeepEP) crosses the network once per destination node."""
+"""Cluster effects, each from op-level evidence or a stated mechanism: a synchronous step goes at its slowest
+GPU's pace; a deduplicated expert dispatch (DeepEP) crosses the network once per destination node; hidden
+communication slows a GPU's compute (NCCL's kernels take SMs) but not a TPU's (DMA engines)."""
 
 import json
 from dataclasses import replace
@@ -11,7 +12,7 @@ from hardware.chips import ChipTableError, get_chip
 from hardware.collectives import deduplicated_all_to_all_s, group_topology
 from planner.__main__ import main
 from planner.api import estimate
-from planner.costs import cluster_chip, expert_nodes_per_token, slowest_chip_pace
+from planner.costs import OVERLAP_SLOWDOWN, cluster_chip, expert_nodes_per_token, overlap_slowdown, slowest_chip_pace
 from planner.models import MODEL_PRESETS, SpecError
 
 
@@ -100,3 +101,20 @@ def test_bad_dispatch_and_routing_groups_name_their_field(tmp_path, capsys):
         replace(MODEL_PRESETS["DeepSeek-V3"], expert_groups=7)
     with pytest.raises(SpecError, match="model.expert_groups_per_token"):
         replace(MODEL_PRESETS["DeepSeek-V3"], expert_groups_per_token=9)
+
+
+def _dense_compute_s(chip, node, zero_stage):
+    case = {"model": {"layers": 8, "hidden": 8192, "heads": 64, "kv_heads": 8, "ffn": 28672, "vocab": 32000,
+                      "seq_len": 4096},
+            "training": {"global_batch": 16, "micro_batch": 1, "recompute": "none", "zero_stage": zero_stage},
+            "parallel": {"dp": 16, "tp": 1, "pp": 1, "cp": 1},
+            "cluster": {"chip": chip, "num_chips": 16, "chips_per_node": node}}
+    return estimate(case).breakdown["compute"]
+
+
+def test_hidden_communication_slows_gpu_compute_only():
+    assert overlap_slowdown(get_chip("h100")) == OVERLAP_SLOWDOWN == 0.189
+    assert overlap_slowdown(get_chip("tpu-v5p")) == 0.0
+    # ZeRO-3's per-layer gathers hide under the layers: the GPU's compute grows by what hides, the TPU's not
+    assert _dense_compute_s("h100", 8, 3) > 1.01 * _dense_compute_s("h100", 8, 1)
+    assert _dense_compute_s("tpu-v5p", 4, 3) == pytest.approx(_dense_compute_s("tpu-v5p", 4, 1), rel=1e-9)
