@@ -44,7 +44,7 @@ def case(name: str, chip: str, chips: int, batch: int, parallel: dict | None = N
             "parallel": parallel or {}, "cluster": {"chip": chip, "num_chips": chips}}
 
 
-def validation_table(title: str, runs: list[dict]) -> None:
+def validation_table(title: str, runs: list[dict], by_source: bool = False) -> None:
     t0 = time.perf_counter()
     rows = validate(runs)
     elapsed = time.perf_counter() - t0
@@ -56,6 +56,13 @@ def validation_table(title: str, runs: list[dict]) -> None:
     errors = [abs(r.error) for r in rows]
     print(f"mean |error| {100 * sum(errors) / len(errors):.2f}%   max |error| {100 * max(errors):.2f}%   "
           f"({len(rows)} runs estimated in {elapsed:.2f} s)")
+    if by_source:
+        # the run names start with their source (megatron-, llmfoundry-, torchtitan-, nemo2511-, maxtext-...)
+        groups: dict[str, list[float]] = {}
+        for r in rows:
+            groups.setdefault(r.name.split("-")[0], []).append(r.error)
+        print("by source: " + "; ".join(f"{k} {len(v)} runs, mean {100 * sum(v) / len(v):+.1f}%"
+                                         for k, v in groups.items()))
 
 
 def unseen_runs() -> None:
@@ -99,7 +106,8 @@ def search_timings() -> None:
 
 if __name__ == "__main__":
     validation_table("The 18 A100 runs (../shared/validation/published-runs.json):", load_published_runs())
-    validation_table("Held-out published runs (planner/data/heldout-runs.json):", load_published_runs(HELDOUT_RUNS))
+    validation_table("Held-out published runs (planner/data/heldout-runs.json):", load_published_runs(HELDOUT_RUNS),
+                     by_source=True)
     unseen_runs()
     if "--quick" not in sys.argv:
         search_timings()
