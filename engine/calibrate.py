@@ -19,7 +19,9 @@ Three kinds of measurement:
   (the other groups of the world communicating at the same time, as a mesh does), at a few message
   sizes: blocking, each after `COMPUTE_GAP_S` of computing as in a training step (back to back they run
   2-3x faster: gloo's threads stay awake), and as a stream of asynchronous operations; with the process
-  CPU time each takes (gloo's threads keep a core busy while they move data).
+  CPU time each takes (gloo's threads keep a core busy while they move data). The ring shift (context
+  parallel's hop) goes through the engine's own `Comm.p2p`, and how long posting it blocks the rank is
+  timed too (its "post" mode).
 """
 
 from __future__ import annotations
@@ -296,6 +298,11 @@ def comm_task(ctx, group_sizes: list[int], sizes: tuple[int, ...] = COMM_SIZES, 
                 bursts[(kind, nbytes)] = lambda call=call: burst(call)
         for (kind, nbytes), sums in _rounds(sync, rounds, dist, COMPUTE_GAP_S).items():
             out.append(_row(kind, n, ctx.world, nbytes, "sync", sums))
+        for (kind, nbytes), call in sync.items():
+            if isinstance(call, _Shift):  # the posting of the same timed calls (after the two warm-up rounds)
+                posts = call.posts[2:]
+                out.append(_row(kind, n, ctx.world, nbytes, "post",
+                                [sum(w for w, _ in posts), sum(c for _, c in posts), len(posts)]))
         for (kind, nbytes), sums in _rounds(bursts, async_rounds, dist, 0.0).items():
             row = _row(kind, n, ctx.world, nbytes, "async", sums)
             out.append(row | {"burst": ASYNC_BURST, "compute_s": compute_s})
@@ -379,6 +386,34 @@ def _row(kind: str, n: int, world: int, nbytes: int, mode: str, sums: list) -> d
             "cpu_s": cpu / count}
 
 
+class _Shift:
+    """A ring shift exactly as engine/cp.py's ring attention makes one: through the engine's own
+    `Comm.p2p` (traced, as a live run is), the send to the next rank and the receive from the previous one
+    in one batch, then both waited for. It also times the posting alone (wall and this thread's CPU, per
+    call): gloo writes the message from the calling thread, and on busy cores that write now and then
+    waits a scheduler tick, so posting blocks the rank for part of the shift (ring_shift's "post" mode;
+    the planner lets the rest run beside the ring's compute)."""
+
+    def __init__(self, n: int, me: int, nbytes: int, group):
+        from engine.comm import Comm
+        from engine.recorder import Recorder
+
+        self.rec = Recorder(me)
+        self.comm = Comm(self.rec, torch.device("cpu"), {"cp": group})
+        self.msg, self.buf = torch.ones(max(1, nbytes // 4)), torch.empty(max(1, nbytes // 4))
+        self.nxt, self.prv = (me + 1) % n, (me - 1) % n
+        self.posts: list[tuple[float, float]] = []
+
+    def __call__(self) -> None:
+        cpu0, t0 = time.thread_time(), time.perf_counter()
+        handles = self.comm.p2p([("send", self.msg, self.nxt, "send kv"), ("recv", self.buf, self.prv, "recv kv")],
+                                "cp", 1)
+        self.posts.append((time.perf_counter() - t0, time.thread_time() - cpu0))
+        for h in handles:
+            h.wait()
+        self.rec.take()
+
+
 def _comm_call(kind: str, n: int, me: int, members: list[int], nbytes: int, group, async_op: bool = False):
     """A closure running one operation of `kind` with a message of `nbytes` (engine/comm.py's byte
     convention: the full array for gathers and reductions, this rank's input for all-to-all, the
@@ -388,7 +423,6 @@ def _comm_call(kind: str, n: int, me: int, members: list[int], nbytes: int, grou
     numel = max(n, nbytes // 4 // n * n)
     full, shard = torch.ones(numel), torch.ones(numel // n)
     out_full, out_shard = torch.empty(numel), torch.empty(numel // n)
-    nxt, prv = members[(me + 1) % n], members[(me - 1) % n]
     if kind == "all_reduce":
         return lambda: dist.all_reduce(full, group=group, async_op=async_op)
     if kind == "all_gather":
@@ -397,13 +431,9 @@ def _comm_call(kind: str, n: int, me: int, members: list[int], nbytes: int, grou
         return lambda: dist.reduce_scatter_tensor(out_shard, full, group=group, async_op=async_op)
     if kind == "all_to_all":
         return lambda: dist.all_to_all_single(out_full, full, group=group, async_op=async_op)
-    msg, buf = torch.ones(max(1, nbytes // 4)), torch.empty(max(1, nbytes // 4))
     if kind == "ring_shift":  # context parallel and pipeline hops: send to the next rank, receive from the previous
-        def shift():
-            ops = [dist.P2POp(dist.isend, msg, nxt, group=group), dist.P2POp(dist.irecv, buf, prv, group=group)]
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-        return shift
+        return _Shift(n, me, nbytes, group)
+    msg, buf = torch.ones(max(1, nbytes // 4)), torch.empty(max(1, nbytes // 4))
     # pairs exchange one message each way, an isend and a blocking receive
     peer = members[me ^ 1]
 

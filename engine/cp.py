@@ -52,7 +52,7 @@ from engine.ring_attention import (
     reduce_kv,
     zigzag_positions,
 )
-from engine.ssm_cp import AllToAll, Slices, StatePassing
+from engine.ssm_cp import AllToAll, Slices, StatePassing, wait_for
 from engine.strategy import Plan
 
 _TAG_KV, _TAG_DKV = 1, 2  # K/V and their gradients travel between the same ranks at the same time
@@ -69,15 +69,25 @@ class _Ring:
         self.diag_mask = positions[:, None] >= positions[None, :]
 
     def shift(self, t: torch.Tensor, what: str, tag: int):
-        """Send `t` to the next rank, receive the previous rank's into a new buffer; both in flight."""
+        """Send `t` to the next rank, receive the previous rank's into a new buffer; both in flight. Posting
+        them blocks this rank for a while (gloo writes the message from the calling thread; on busy cores
+        that write now and then waits a scheduler tick): a blocking span of its own, "post kv L0", so the
+        layer's span around it does not read as compute."""
         buf = torch.empty_like(t)
+        start = self.rec.now()
         handles = self.comm.p2p([("send", t, self.next, f"send {what} {self.name}"),
                                  ("recv", buf, self.prev, f"recv {what} {self.name}")], "cp", tag)
+        self.rec.add("comm", f"post {what} {self.name}", start, self.rec.now(), group="cp")
         return buf, handles
 
     def block(self, s: int):
         rows, cols, causal = block_plan(self.rank, (self.rank - s) % self.n, self.c)
         return rows, cols, self.diag_mask if causal else None
+
+    def wait(self, handles, what: str) -> None:
+        """Block until this ring's transfers of `what` have arrived (engine/ssm_cp.wait_for: the time
+        blocked becomes a wait span, so the layer's span around it does not read as compute)."""
+        wait_for(handles, self.rec, f"wait {what} {self.name}")
 
 
 class _RingAttention(torch.autograd.Function):
@@ -113,8 +123,7 @@ class _RingAttention(torch.autograd.Function):
                 else:
                     out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o_b, l_b)
             if s < ring.n - 1:
-                for h in handles:
-                    h.wait()
+                ring.wait(handles, "kv")
                 kv = incoming
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring = ring
@@ -149,16 +158,13 @@ class _RingAttention(torch.autograd.Function):
                 dkv[1][:, :, cols] = reduce_kv(dv_b, kv_heads)
             # This block's dK/dV so far (from the ranks it has visited) arrived during the compute above.
             if s > 0:
-                for h in dkv_handles:
-                    h.wait()
+                ring.wait(dkv_handles, "dkv")
                 dkv += dkv_in
             dkv_in, dkv_handles = ring.shift(dkv, "dkv", _TAG_DKV)
             if s < ring.n - 1:
-                for h in handles:
-                    h.wait()
+                ring.wait(handles, "kv")
                 kv = incoming
-        for h in dkv_handles:  # the last hop brings this rank's own block home, complete
-            h.wait()
+        ring.wait(dkv_handles, "dkv")  # the last hop brings this rank's own block home, complete
         return dq, dkv_in[0], dkv_in[1]
 
 

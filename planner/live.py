@@ -14,6 +14,12 @@ receive waits for its send, computing ranks share the cores.
 `cfg` is an `engine.config.RunConfig` (read by attribute; the planner does not import the engine's run
 machinery). Byte counts follow engine/comm.py (fp32 tensors; the full array for gathers and reductions).
 
+Context parallel's ring attention (engine/cp.py) runs as the engine runs it: each hop's K/V shift in
+flight beside the block's compute, the dK/dV of backward sent on after each block and waited for after the
+next one, and posting a hop holds the rank for the calibrated posting (gloo writes the message from the
+calling thread). DP's gradient buckets leave as soon as their last gradient exists, in the middle of a
+layer's backward (engine/dp.py's hooks).
+
 A Mamba-2 layer (engine/mamba.py) is its norm, the mixer's input projections, the conv and scan, then
 in_z, the gated norm and out_proj: one tp region (heads split, whole groups per rank), and under cp the
 scan crosses ranks as engine/ssm_cp.py does it: the conv's halo in one batch of messages, then the states
@@ -38,7 +44,7 @@ from core.schedules import (
     stage_units,
 )
 from core.ssd import state_correction_flops
-from core.timeline import Timeline, bubble_spans, span_kind, union_seconds
+from core.timeline import Timeline, bubble_spans, intersection_seconds, span_kind, union_seconds
 from hardware.this_machine import Calibration, CalibrationError, comm_key, scan_steps, work
 from planner.eventsim import Collective, Compute, Recv, Send, Wait, simulate
 
@@ -59,6 +65,7 @@ FLAT_VIEW_OPS = 2  # per parameter: the flat buffer's view and reshape (ZeRO / F
 SSM_STATE_SLICE_OPS = 9
 SSM_STATE_LAYER_OPS = 8
 SSM_STATE_HOP_OPS = 3
+FIRST_BUCKET_BYTES = 1024 * 1024  # engine/dp.py: DP's first gradient bucket holds at most this (torch DDP's)
 SSM_ALLTOALL_OPS = 12  # reshapes, permutes, the concatenation and both reorderings around the all-to-alls
 
 
@@ -210,6 +217,14 @@ class _Costs:
             return None
         return math.inf if fit.stalls else fit.seconds(nbytes)
 
+    def post(self, kind: str, n: int, nbytes: float):
+        """The calibrated posting of a point-to-point batch (engine/calibrate._Shift's "post" mode): the part
+        of the operation that blocks the rank that posts it, or None when not measured (older files)."""
+        if n <= 1:
+            return None
+        key = comm_key(self.cfg.world, kind, _nearest(n, self._sizes(kind, "post")), "post")
+        return self.cal.comm.get(key)
+
     def message_s(self, group: int, nbytes: float) -> float:
         """A pipeline message's delivery while the other ranks compute: the calibrated ring shift of the
         pipeline's ranks (each sends to its next and receives from its previous one, after compute)."""
@@ -332,7 +347,13 @@ def predict(cfg, cal: Calibration) -> LivePrediction:
     if cfg.pp > 1:  # as engine/run.py marks a measured pipeline's bubbles (waits are gaps otherwise)
         timeline.extend(bubble_spans(timeline))
     timeline.meta.update(world=cfg.world, strategy=cfg.parallel.strategy, steps=1, predicted_from="calibration")
-    return LivePrediction(step, breakdown(timeline, step), timeline)
+    notes = []
+    cp = mesh.degree("cp")
+    if cp > 1 and cfg.parallel.cp_variant == "ring" and cfg.model.has_attention and \
+            costs.post("ring_shift", cp, 1.0) is None:
+        notes.append("this machine's calibration predates the timing of a ring shift's posting, which blocks "
+                     "the rank: calibrate again (bench --remeasure) to predict it")
+    return LivePrediction(step, breakdown(timeline, step), timeline, notes)
 
 
 def breakdown(timeline: Timeline, step_s: float) -> dict[str, float]:
@@ -368,8 +389,10 @@ def per_step_by_kind(timeline: Timeline, skip_first: bool = True) -> dict[str, f
     """Seconds per rank per step spent on each kind of work (core.timeline.span_kind; communication by
     kind and group): what the rank's step is made of, so idle time and asynchronous operations (which
     run beside it, their spans including their time in gloo's queue) are left out, and the time a rank
-    spends on no blocking span, or in a blocking receive, counts as WAITING. A measured run's
-    first step (warm-up) is skipped when there are later ones."""
+    spends on no blocking span, in a blocking receive, or in a wait inside a layer's span (an idle span
+    there: the engine's ring attention and Mamba state passing mark the time they block on their
+    transfers) counts as WAITING. A measured run's first step (warm-up) is skipped when there are later
+    ones."""
     steps = sorted({s.step for s in timeline.spans})
     if skip_first and len(steps) > 1:
         steps = steps[1:]
@@ -380,23 +403,29 @@ def per_step_by_kind(timeline: Timeline, skip_first: bool = True) -> dict[str, f
     def blocking(s) -> bool:  # a blocking receive is a wait for a peer, whatever the engine names it
         return s.lane != "idle" and not s.is_async and span_kind(s) != "send/recv"
 
+    def inside(c, s) -> bool:
+        return c is not s and s.start_s <= c.start_s and c.end_s <= s.end_s and c.duration_s < s.duration_s
+
     for rank in timeline.ranks:
         of_rank = timeline.for_rank(rank)
         spans = [s for s in of_rank if blocking(s) and s.step in keep]
+        computes = [s for s in spans if s.lane == "compute"]
+        # waits inside a compute span (pipeline bubbles lie between them, and are idle time anyway)
+        waits = [w for w in of_rank if w.lane == "idle" and w.step in keep and any(inside(w, s) for s in computes)]
         for step in keep:  # waiting: the step's time on no blocking span (peers, asynchronous operations)
             in_step = [s for s in of_rank if s.step == step and s.lane != "idle"]
             if in_step:
                 window = max(s.end_s for s in in_step) - min(s.start_s for s in in_step)
-                busy = union_seconds([(s.start_s, s.end_s) for s in in_step if blocking(s)])
+                busy_spans = [(s.start_s, s.end_s) for s in in_step if blocking(s)]
+                busy = union_seconds(busy_spans) - intersection_seconds(
+                    busy_spans, [(w.start_s, w.end_s) for w in waits if w.step == step])
                 out[WAITING] = out.get(WAITING, 0.0) + max(0.0, window - busy) / ranks / len(keep)
         for s in spans:
             seconds = s.duration_s
             if s.lane == "compute":
-                # a layer's span encloses its ring steps and the blocking collectives it waits for: the
-                # compute is what is left, each second counted once
-                seconds -= union_seconds([(c.start_s, c.end_s) for c in spans if c is not s
-                                          and s.start_s <= c.start_s and c.end_s <= s.end_s
-                                          and c.duration_s < s.duration_s])
+                # a layer's span encloses its ring steps, the blocking collectives and the waits in it:
+                # the compute is what is left, each second counted once
+                seconds -= union_seconds([(c.start_s, c.end_s) for c in spans + waits if inside(c, s)])
             key = _label(span_kind(s), s.group if s.lane == "comm" else "")
             out[key] = out.get(key, 0.0) + seconds / ranks / len(keep)
     return out
@@ -445,6 +474,10 @@ class _Program:
         self.held = list(range(len(self.unit_names)))  # units this rank holds (a pipeline stage: fewer)
         self.flat = self.stage in (1, 2, 3)
         self.pending: list[str | None] = []
+        # DP's gradient buckets during the last micro-batch's backward (_grads_ready)
+        self.bucket_plan: list[tuple[list[tuple[int, int]], int]] = []
+        self.bucket_of: dict[tuple[int, int], int] = {}
+        self.bucket_left: list[int] = []
         self.gathered: dict[int, str | None] = {}
         self.done_gather: set[int] = set()
 
@@ -480,7 +513,7 @@ class _Program:
     def _block(self, i: int, name: str, tokens: int, act: float, fwd: bool, flat_extra: float) -> None:
         r, c, m = self.r, self.c, self.m
         if m.kinds[i - 1] == MAMBA:
-            self._mamba_block(name, tokens, act, fwd, flat_extra)
+            self._mamba_block(i, name, tokens, act, fwd, flat_extra)
             return
         t = self.tp
         heads, kv = m.heads // t, max(1, m.kv_heads // t)
@@ -488,7 +521,7 @@ class _Program:
         shape = _Shape(self.b, self.t_local, m.hidden, heads, kv, ffn)
         norm_rows = tokens // t if self.sp else tokens
         label = f"{'fwd' if fwd else 'bwd'} {name}"
-        if t == 1 and self.cp == 1 and m.mlp == "dense":
+        if fwd and t == 1 and self.cp == 1 and m.mlp == "dense":
             r.compute(label, c.block(shape, fwd) + flat_extra)
             return
         # the unit's work split around its collectives, in the order the engine runs them
@@ -505,24 +538,33 @@ class _Program:
         ring = self.cp > 1 and self.cfg.parallel.cp_variant == "ring"
         if ring:
             attn_part -= c.attention_core(shape, fwd)
+        # backward runs the output projection first, then the attention core, then the q, k, v projections
+        wo = min(attn_part, c.fit("linear", {"m": tokens, "k": heads * (m.hidden // m.heads), "n": m.hidden}, fwd))
         if fwd:
             r.compute(label, norm + rest / 2)
             self._tp_enter(act, f"{name} attn")
-            r.compute(label, attn_part)
+            r.compute(label, attn_part - wo)
             self._cp_attention(name, shape, True)
+            r.compute(label, wo)
             self._tp_exit(act, f"{name} attn")
             r.compute(label, norm + rest / 2)
             self._tp_enter(act, f"{name} mlp")
             self._ep_mlp(name, mlp, tokens, True)
             self._tp_exit(act, f"{name} mlp")
         else:
+            # the weights' gradients as the engine's backward produces them (DP's buckets leave on them)
             self._tp_exit_bwd(act, f"{name} mlp")
             self._ep_mlp(name, mlp, tokens, False)
+            self._grads_ready(i, ("w1", "w3", "w2", "router"))
             self._tp_enter_bwd(act, f"{name} mlp")
             r.compute(label, norm + rest / 2)
+            self._grads_ready(i, ("mlp_norm",))
             self._tp_exit_bwd(act, f"{name} attn")
+            r.compute(label, wo)
+            self._grads_ready(i, ("wo",))
             self._cp_attention(name, shape, False)
-            r.compute(label, attn_part)
+            r.compute(label, attn_part - wo)
+            self._grads_ready(i, ("wq", "wk", "wv"))
             self._tp_kv_replicas(name)
             self._tp_enter_bwd(act, f"{name} attn")
             r.compute(label, norm + rest / 2)
@@ -538,7 +580,7 @@ class _Program:
                 "head_dim": m.ssm_head_dim, "groups": m.ssm_groups // t, "state": m.ssm_state, "conv": m.conv_width,
                 "chunk": m.ssm_chunk}
 
-    def _mamba_block(self, name: str, tokens: int, act: float, fwd: bool, flat_extra: float) -> None:
+    def _mamba_block(self, i: int, name: str, tokens: int, act: float, fwd: bool, flat_extra: float) -> None:
         r, c, m = self.r, self.c, self.m
         label, where = f"{'fwd' if fwd else 'bwd'} {name}", f"{name} mamba"
         shape = self._mamba_shape()
@@ -559,8 +601,12 @@ class _Program:
         else:
             self._tp_exit_bwd(act, where)
             r.compute(label, out + rest / 2)
+            self._grads_ready(i, ("out_proj", "out_norm", "in_z"))
             self._ssm_mix(name, label, shape, scan, False)
+            self._grads_ready(i, ("dt_bias", "A_log", "D", "conv_x.weight", "conv_x.bias", "conv_b.weight",
+                                  "conv_b.bias", "conv_c.weight", "conv_c.bias"))
             r.compute(label, into)
+            self._grads_ready(i, ("in_x", "in_b", "in_c", "in_dt"))
             self._tp_enter_bwd(act, where)
             r.compute(label, norm + rest / 2)
             if self.sp:  # the norm's weight gradient, summed over tp
@@ -728,16 +774,37 @@ class _Program:
             kind = "all_gather" if fwd else "reduce_scatter"
             r.coll(f"{kind} kv {name}", self.g["cp"], "cp", kind, n * kv_bytes)
             return
+        # As _RingAttention runs it: each step's K/V shift in flight during the step's block; backward, the
+        # block's dK/dV so far leave after it (also in flight), the previous step's are waited for after
+        # the next block's compute, the last hop's after the loop.
+        dkv = None
         for step in range(n):
             rows, cols = (2 * chunk, 2 * chunk) if step == 0 else (2 * chunk, chunk)
-            shift = r.coll(f"send/recv kv {name}", self.g["cp"], "cp", "ring_shift", kv_bytes, asyn=True) \
-                if step < n - 1 else None
+            shift = self._ring_shift("kv", name, kv_bytes) if step < n - 1 else None
             if fwd:
                 r.compute(f"attn {name} ring {step}", c.ring_block(self.b, s.heads, rows, cols, True))
             else:
                 r.compute(f"attn bwd {name} ring {step}", c.ring_block(self.b, s.heads, rows, cols, False))
-                r.coll(f"send/recv dkv {name}", self.g["cp"], "cp", "ring_shift", kv_bytes)
+                if dkv is not None:
+                    r.wait(dkv)
+                    r.compute(f"bwd {name}", c.tiny)  # dkv += the incoming dK/dV
+                dkv = self._ring_shift("dkv", name, kv_bytes)
             r.wait(shift)
+        r.wait(dkv)
+
+    def _ring_shift(self, what: str, name: str, nbytes: float) -> str | None:
+        """One hop of the ring (engine/cp._Ring.shift): the shift runs for its calibrated time from when it
+        is posted, beside the rank's compute, and posting it holds the rank for the calibrated posting
+        ("post kv L0", as the engine's trace marks it: gloo writes the message from the calling thread);
+        returns the shift's handle."""
+        r, c, n = self.r, self.c, self.cp
+        handle = r.coll(f"send/recv {what} {name}", self.g["cp"], "cp", "ring_shift", nbytes, asyn=True)
+        post = c.post("ring_shift", n, nbytes)
+        post_s = min(c.comm("ring_shift", n, nbytes, "async"), post.seconds(nbytes)) if post is not None else 0.0
+        if post_s > 0:  # a blocking operation of this rank alone: it starts when posted
+            r.ops.append(Collective(f"post {what} {name}", (r.rank,), "cp", post_s, 0, None, post.cpu_fraction,
+                                    r.mb))
+        return handle
 
     # -- expert parallel (engine/ep.py) ----------------------------------------------------------------
     def _ep_mlp(self, name: str, mlp_s: float, tokens: int, fwd: bool) -> None:
@@ -759,19 +826,41 @@ class _Program:
             r.coll(f"all_to_all dispatch {name} bwd", self.g["ep"], "ep", "all_to_all", rows)
 
     # -- the data-parallel sharder (engine/dp.py, zero.py, fsdp.py) ---------------
-    def _buckets(self) -> list[tuple[int, int, int]]:
-        """(unit whose backward completes it, parameters, bytes) of DP's buckets, in reverse order."""
-        out, size, count = [], 0, 0
-        flat = [(u, n) for u, unit in enumerate(self.params) for _, n in unit]
-        for u, n in reversed(flat):
+    def _buckets(self) -> list[tuple[list[tuple[int, int]], int]]:
+        """DP's buckets in the order engine/dp.py makes them: (the (unit, parameter index) it holds, its
+        bytes), parameters taken in reverse order, the first bucket at most FIRST_BUCKET_BYTES."""
+        out, members, size = [], [], 0
+        flat = [((u, j), n) for u, unit in enumerate(self.params) for j, (_, n) in enumerate(unit)]
+        for key, n in reversed(flat):
+            members.append(key)
             size += n * F32
-            count += 1
-            if size >= self.cfg.parallel.bucket_bytes:
-                out.append((u, count, size))
-                size = count = 0
-        if count:
-            out.append((0, count, size))
+            if size >= (self.cfg.parallel.bucket_bytes if out else min(self.cfg.parallel.bucket_bytes,
+                                                                         FIRST_BUCKET_BYTES)):
+                out.append((members, size))
+                members, size = [], 0
+        if members:
+            out.append((members, size))
         return out
+
+    def _grads_ready(self, i: int, names: tuple[str, ...] | None = None) -> None:
+        """The backward has produced the gradients of unit i's parameters `names` (None: all that are left):
+        each bucket whose last gradient this was is all-reduced now (engine/dp.py's post-accumulate hooks),
+        so a bucket leaves in the middle of a layer's backward as soon as its weights' gradients exist."""
+        if not self.bucket_left:
+            return
+        ready = [j for j, (param, _) in enumerate(self.params[i])
+                 if (i, j) in self.bucket_of and (names is None or param in names)]
+        done = []
+        for key in ready:
+            b = self.bucket_of.pop((i, key))
+            self.bucket_left[b] -= 1
+            if self.bucket_left[b] == 0:
+                done.append(b)
+        for b in sorted(done):
+            members, nbytes = self.bucket_plan[b]
+            self.r.compute(f"bwd {self.unit_names[i]}", self.c.cat(len(members)))
+            self.pending.append(self.r.coll(f"all_reduce bucket {b}", self.g["dp"], "dp", "all_reduce", nbytes,
+                                            asyn=True))
 
     def build(self) -> None:
         if self.pp > 1:
@@ -790,18 +879,16 @@ class _Program:
                 self._before_forward(i)
                 self.unit_fwd(i)
                 self._after_forward(i)
-            buckets = {}
             if self.stage == 0 and self.dp > 1 and cfg.parallel.dp_comm == "bucketed" and last:
-                for k, (u, count, nbytes) in enumerate(self._buckets()):
-                    buckets.setdefault(u, []).append((k, count, nbytes))
+                self.bucket_plan = self._buckets()
+                self.bucket_of = {key: b for b, (members, _) in enumerate(self.bucket_plan) for key in members}
+                self.bucket_left = [len(members) for members, _ in self.bucket_plan]
             for i in reversed(range(n_units)):
                 self._before_backward(i)
                 self.unit_bwd(i)
-                for k, count, nbytes in buckets.get(i, []):
-                    r.compute(f"bwd {self.unit_names[i]}", self.c.cat(count))
-                    self.pending.append(r.coll(f"all_reduce bucket {k}", self.g["dp"], "dp", "all_reduce", nbytes,
-                                               asyn=True))
+                self._grads_ready(i)
                 self._grad_ready(i, last)
+            self.bucket_left = []
         r.mb = None
 
     def _neighbour(self, i: int, step: int) -> int | None:

@@ -148,6 +148,40 @@ def test_ring_trace_overlaps_transfers_with_attention(pools):
 
 
 @pytest.mark.multiprocess
+def test_ring_trace_says_where_the_layer_waited_and_posted(pools):
+    # A layer's span encloses its ring: the blocks (compute), the posting of each shift (a blocking comm
+    # span) and the waits for the shifts (idle spans), so what is left of the layer is its own compute.
+    from planner.live import WAITING, per_step_by_kind
+
+    cp = 2
+    _, timeline = run(_cfg(cp, steps=2), traced=True, pool=pools(cp))
+    for r in range(cp):
+        spans = timeline.for_rank(r)
+        layers = [s for s in spans if s.lane == "compute" and s.name in ("fwd L0", "fwd L1", "bwd L0", "bwd L1")]
+        posts = [s for s in spans if s.name.startswith("post ")]
+        waits = [s for s in spans if s.lane == "idle"]
+        # per layer and step: forward 1 K/V shift; backward 1 K/V and cp dK/dV shifts
+        assert len(posts) == 2 * 2 * ((cp - 1) + (cp - 1) + cp)
+        assert all(s.group == "cp" and not s.is_async and s.lane == "comm" for s in posts)
+        assert {s.name.split()[1] for s in waits} == {"kv", "dkv"}
+        for s in posts + waits:
+            assert any(x.start_s <= s.start_s and s.end_s <= x.end_s and x.name.endswith(s.name.split()[-1])
+                       for x in layers), s
+    kinds = per_step_by_kind(timeline)  # step 1 (step 0 is the warm-up)
+    step = [s for s in timeline.spans if s.step == 1]
+    waited = sum(s.duration_s for s in step if s.lane == "idle") / cp
+    posted = sum(s.duration_s for s in step if s.name.startswith("post ")) / cp
+    assert kinds["gloo other comm (cp)"] == pytest.approx(posted)
+    assert kinds[WAITING] >= waited * (1 - 1e-9)
+    # backward compute: the backward spans less the ring blocks, posts and waits inside them
+    inside = [x for x in step if x.name.startswith(("attn bwd", "post ")) or x.lane == "idle"]
+    bwd = [s for s in step if s.lane == "compute" and s.name.startswith("bwd ")]
+    own = sum(s.duration_s - sum(x.duration_s for x in inside if x.rank == s.rank and s.start_s <= x.start_s
+                                 and x.end_s <= s.end_s) for s in bwd) / cp
+    assert kinds["backward compute"] == pytest.approx(own)
+
+
+@pytest.mark.multiprocess
 def test_allgather_trace_moves_the_formula_bytes(pools):
     cp = 4
     _, timeline = run(_cfg(cp, "allgather", steps=1), traced=True, pool=pools(cp))
