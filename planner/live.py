@@ -326,9 +326,11 @@ def predict(cfg, cal: Calibration) -> LivePrediction:
     stage = cfg.parallel.stage
     grad_axes = mesh.grad_axes()
     # The data-parallel sharder's groups (engine/dp.py, flat.py): at stage 0 one all-reduce over every
-    # data axis; with ZeRO the shard axis, then the shards' replicas over the other data axes. (Under
-    # expert parallel the experts' gradients skip ep; that difference is not written out here.)
+    # data axis (an expert's weights: every data axis but ep, in buckets of their own, none when no other
+    # rank holds a replica); with ZeRO the shard axis, then the shards' replicas over the other data axes.
+    # (Under ZeRO the experts' flat buffers are reduced as the dense ones: not written out here.)
     sync_axes = grad_axes if stage == 0 else (mesh.shard_axis(),)
+    expert_axes = mesh.grad_axes(expert=True) if stage == 0 else sync_axes
     replica_axes = tuple(a for a in grad_axes if a != mesh.shard_axis()) if stage > 0 else ()
 
     def group_of(rank: int, axes) -> tuple[int, ...]:
@@ -340,7 +342,10 @@ def predict(cfg, cal: Calibration) -> LivePrediction:
         r = _Rank(rank, costs)
         g = {axis: group_of(rank, axis) for axis in ("tp", "cp", "ep", "pp")}
         g["dp"], g["replicas"] = group_of(rank, sync_axes), group_of(rank, replica_axes)
-        _Program(cfg, costs, r, g, mesh, group_key(replica_axes)).build()
+        g["dp expert"] = group_of(rank, expert_axes)
+        names = {"dp": group_key(tuple(a for a in sync_axes if mesh.degree(a) > 1)) or "dp",
+                 "dp expert": group_key(expert_axes) or "dp"}
+        _Program(cfg, costs, r, g, mesh, group_key(replica_axes), names).build()
         programs[rank] = r.ops
     timeline, ends = simulate(programs, cores=cal.cpus)
     step = max(ends.values())
@@ -453,9 +458,12 @@ class _Program:
     """Writes one rank's step as the engine runs it (engine/train.py, engine/pipeline/executor.py, the plans
     and the sharder)."""
 
-    def __init__(self, cfg, costs: _Costs, r: _Rank, g: dict, mesh: Mesh, replicas_group: str = ""):
+    def __init__(self, cfg, costs: _Costs, r: _Rank, g: dict, mesh: Mesh, replicas_group: str = "",
+                 group_names: dict | None = None):
         self.cfg, self.c, self.r, self.g, self.mesh = cfg, costs, r, g, mesh
         self.replicas_group = replicas_group  # the engine's name of the group the shards' replicas span
+        # the engine's names of the gradients' reduction groups (core.mesh.group_key of their axes)
+        self.group_names = group_names or {"dp": "dp", "dp expert": "dp"}
         p, m = cfg.parallel, cfg.model
         self.m = m
         self.tp = len(g["tp"])
@@ -470,12 +478,15 @@ class _Program:
         self.t_local = m.seq_len // self.cp  # tokens of a sequence this rank holds
         ep_rank = g["ep"].index(r.rank) if self.ep > 1 else 0
         self.params = _params(m, self.tp, self.ep, ep_rank)
+        # an MoE block's experts are its parameters after the router (_params' order)
+        self.expert_keys = {(u, j) for u, unit in enumerate(self.params) if any(n == "router" for n, _ in unit)
+                            for j in range(next(k for k, (n, _) in enumerate(unit) if n == "router") + 1, len(unit))}
         self.unit_names = ["embed", *(f"L{i}" for i in range(m.layers)), "head"]
         self.held = list(range(len(self.unit_names)))  # units this rank holds (a pipeline stage: fewer)
         self.flat = self.stage in (1, 2, 3)
         self.pending: list[str | None] = []
         # DP's gradient buckets during the last micro-batch's backward (_grads_ready)
-        self.bucket_plan: list[tuple[list[tuple[int, int]], int]] = []
+        self.bucket_plan: list[tuple[str, list[tuple[int, int]], int]] = []
         self.bucket_of: dict[tuple[int, int], int] = {}
         self.bucket_left: list[int] = []
         self.gathered: dict[int, str | None] = {}
@@ -826,21 +837,28 @@ class _Program:
             r.coll(f"all_to_all dispatch {name} bwd", self.g["ep"], "ep", "all_to_all", rows)
 
     # -- the data-parallel sharder (engine/dp.py, zero.py, fsdp.py) ---------------
-    def _buckets(self) -> list[tuple[list[tuple[int, int]], int]]:
-        """DP's buckets in the order engine/dp.py makes them: (the (unit, parameter index) it holds, its
-        bytes), parameters taken in reverse order, the first bucket at most FIRST_BUCKET_BYTES."""
-        out, members, size = [], [], 0
+    def _buckets(self) -> list[tuple[str, list[tuple[int, int]], int]]:
+        """DP's buckets in the order engine/dp.py makes them: (their reduction group: "dp", or "dp expert"
+        for experts' weights, the (unit, parameter index) it holds, its bytes); parameters taken in reverse
+        order, one open bucket per group, each group's first at most FIRST_BUCKET_BYTES; a parameter no
+        other rank holds a replica of (an expert whose only data axis is ep) is in none."""
+        out: list[tuple[str, list[tuple[int, int]], int]] = []
+        open_buckets: dict[str, tuple[list, list[int]]] = {}
+        started: set[str] = set()
         flat = [((u, j), n) for u, unit in enumerate(self.params) for j, (_, n) in enumerate(unit)]
         for key, n in reversed(flat):
+            group = "dp expert" if key in self.expert_keys else "dp"
+            if len(self.g[group]) <= 1:
+                continue
+            members, size = open_buckets.setdefault(group, ([], [0]))
             members.append(key)
-            size += n * F32
-            if size >= (self.cfg.parallel.bucket_bytes if out else min(self.cfg.parallel.bucket_bytes,
-                                                                         FIRST_BUCKET_BYTES)):
-                out.append((members, size))
-                members, size = [], 0
-        if members:
-            out.append((members, size))
-        return out
+            size[0] += n * F32
+            limit = self.cfg.parallel.bucket_bytes
+            if size[0] >= (limit if group in started else min(limit, FIRST_BUCKET_BYTES)):
+                out.append((group, members, size[0]))
+                started.add(group)
+                del open_buckets[group]
+        return out + [(group, members, size[0]) for group, (members, size) in open_buckets.items()]
 
     def _grads_ready(self, i: int, names: tuple[str, ...] | None = None) -> None:
         """The backward has produced the gradients of unit i's parameters `names` (None: all that are left):
@@ -857,10 +875,10 @@ class _Program:
             if self.bucket_left[b] == 0:
                 done.append(b)
         for b in sorted(done):
-            members, nbytes = self.bucket_plan[b]
+            group, members, nbytes = self.bucket_plan[b]
             self.r.compute(f"bwd {self.unit_names[i]}", self.c.cat(len(members)))
-            self.pending.append(self.r.coll(f"all_reduce bucket {b}", self.g["dp"], "dp", "all_reduce", nbytes,
-                                            asyn=True))
+            self.pending.append(self.r.coll(f"all_reduce bucket {b}", self.g[group], self.group_names[group],
+                                            "all_reduce", nbytes, asyn=True))
 
     def build(self) -> None:
         if self.pp > 1:
@@ -881,8 +899,8 @@ class _Program:
                 self._after_forward(i)
             if self.stage == 0 and self.dp > 1 and cfg.parallel.dp_comm == "bucketed" and last:
                 self.bucket_plan = self._buckets()
-                self.bucket_of = {key: b for b, (members, _) in enumerate(self.bucket_plan) for key in members}
-                self.bucket_left = [len(members) for members, _ in self.bucket_plan]
+                self.bucket_of = {key: b for b, (_, members, _) in enumerate(self.bucket_plan) for key in members}
+                self.bucket_left = [len(members) for _, members, _ in self.bucket_plan]
             for i in reversed(range(n_units)):
                 self._before_backward(i)
                 self.unit_bwd(i)
@@ -946,9 +964,13 @@ class _Program:
         held = [self.params[u] for u in self.held]
         all_params = [n for unit in held for _, n in unit]
         if self.stage == 0 and self.dp > 1:
-            if cfg.parallel.dp_comm == "naive":
-                for n in reversed(all_params):
-                    r.coll("all_reduce", self.g["dp"], "dp", "all_reduce", n * F32)
+            if cfg.parallel.dp_comm == "naive":  # each parameter over its own group (experts: not over ep)
+                for u in reversed(self.held):
+                    for j in reversed(range(len(self.params[u]))):
+                        group = "dp expert" if (u, j) in self.expert_keys else "dp"
+                        if len(self.g[group]) > 1:
+                            r.coll("all_reduce", self.g[group], self.group_names[group], "all_reduce",
+                                   self.params[u][j][1] * F32)
             r.compute("finish grads", 2 * len(all_params) * c.tiny)
         elif self.stage in (1, 2, 3) and self.dp > 1:
             r.compute("finish grads", 2 * len(held) * c.tiny)

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from planner.eventsim import Collective, Compute, Recv, Send, SimulationError, Wait, simulate
+from planner.eventsim import GLOO_THREADS, Collective, Compute, Recv, Send, SimulationError, Wait, simulate
 
 
 def _spans(timeline, rank, lane):
@@ -30,12 +30,16 @@ def test_asynchronous_collective_runs_under_compute_until_waited_for():
     assert [s.is_async for s in tl.for_rank(0) if s.lane == "comm"] == [True]
 
 
-def test_one_group_runs_its_operations_in_posting_order():
+def test_one_group_runs_its_operations_in_posting_order_two_at_a_time():
+    # gloo works a process group's queue with GLOO_THREADS = 2 worker threads: x and y run together,
+    # z starts when the first of them is done, in posting order
     g = (0, 1)
-    prog = [Collective("x", g, "dp", 1.0, handle="x"), Collective("y", g, "dp", 1.0, handle="y"),
-            Wait("x"), Wait("y")]
+    prog = [Collective("x", g, "dp", 1.0, handle="x"), Collective("y", g, "dp", 1.5, handle="y"),
+            Collective("z", g, "dp", 1.0, handle="z"), Wait("x"), Wait("y"), Wait("z")]
     tl, ends = simulate({0: list(prog), 1: list(prog)}, cores=2)
-    assert _spans(tl, 0, "comm") == [("x", 0.0, pytest.approx(1.0)), ("y", pytest.approx(1.0), pytest.approx(2.0))]
+    assert GLOO_THREADS == 2
+    assert _spans(tl, 0, "comm") == [("x", 0.0, pytest.approx(1.0)), ("y", 0.0, pytest.approx(1.5)),
+                                     ("z", pytest.approx(1.0), pytest.approx(2.0))]
     assert ends[0] == pytest.approx(2.0)
 
 
@@ -81,9 +85,15 @@ def test_an_asynchronous_operation_slows_while_its_members_compute():
     tl, ends = simulate({0: prog(math.inf), 1: prog(math.inf)}, cores=2)
     assert ends[0] == pytest.approx(2.0)
     assert [(s.start_s, s.end_s) for s in tl.for_rank(0) if s.lane == "comm"] == [(0.0, pytest.approx(2.0))]
-    # and it holds up the next operation of its group, as gloo's queue does
-    _, ends = simulate({r: prog(math.inf)[:2] + [Collective("ar", g, "dp", 0.5), Wait("h")] for r in g}, cores=2)
-    assert ends[0] == pytest.approx(2.5)
+    # it holds one of its group's two worker threads: the next operation runs beside it (1 - 1.5 s) while it
+    # progresses (no member computes), the one after that waits for a free thread (ar's, at 1.5 s)
+    progs = {r: prog(math.inf)[:2] + [Collective("ar", g, "dp", 0.5), Collective("ar2", g, "dp", 0.5)]
+             + [Wait("h")] for r in g}
+    tl, ends = simulate(progs, cores=2)
+    assert [(s.name, s.start_s, s.end_s) for s in tl.for_rank(0) if s.lane == "comm"] == [
+        ("ag", 0.0, pytest.approx(1.5 + 0.5)), ("ar", pytest.approx(1.0), pytest.approx(1.5)),
+        ("ar2", pytest.approx(1.5), pytest.approx(2.0))]
+    assert ends[0] == pytest.approx(2.0)
 
 
 def test_an_asynchronous_operation_of_zero_seconds_ends_at_once():

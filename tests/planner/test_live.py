@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from core.mesh import Mesh
 from core.timeline import Span, Timeline
 from engine.cli import config_from_args, run_parser
 from hardware.this_machine import Calibration, CalibrationError, CommFit, Fit
@@ -308,3 +309,22 @@ def test_dp_buckets_leave_as_their_gradients_exist():
     # every parameter in exactly one bucket
     m = _cfg("--strategy dp --world 2").model
     assert sum(s.bytes for s in buckets) == m.params * 4
+
+
+@pytest.mark.parametrize("flags, expert_reduced", [("--strategy ep --world 2", False),
+                                                    ("--strategy ep --world 4", False),
+                                                    ("--strategy ep --mesh dp=2,ep=2 --world 4", True)])
+def test_experts_gradients_skip_ep_as_the_engine_sums_them(flags, expert_reduced):
+    # engine/dp.py: an expert's gradient already holds every ep rank's tokens, so it is summed over the data
+    # axes but ep, in buckets of its own; with ep the only data axis it is summed over nothing. The dense
+    # weights' buckets go over every data axis, named as the engine names the group.
+    cfg = _cfg(flags)
+    pred = predict(cfg, CAL)
+    m, ep = cfg.model, Mesh(cfg.parallel.axes(cfg.world)).degree("ep")
+    local = _params(m, ep=ep)
+    expert = sum(n for unit in local for name, n in unit[next((k for k, (nm, _) in enumerate(unit)
+                                                               if nm == "router"), len(unit)) + 1:])
+    dense = sum(n for unit in local for _, n in unit) - expert
+    buckets = [s for s in pred.timeline.spans if s.rank == 0 and "bucket" in s.name]
+    assert sum(s.bytes for s in buckets) == 4 * (dense + (expert if expert_reduced else 0))
+    assert {s.group for s in buckets if s.bytes} >= ({"dp+ep", "dp"} if expert_reduced else {"ep"})
