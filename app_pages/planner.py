@@ -70,14 +70,10 @@ if est.chosen:
 def _accuracy():
     """(runs, mean |error|, max |error|) of the fitted-on and the held-out published runs, and the held-out
     runs' signed errors."""
-    from planner.validation import HELDOUT_RUNS, PUBLISHED_RUNS, load_published_runs, validate
-
-    def summary(rows):
-        errors = [abs(r.error) for r in rows]
-        return len(errors), sum(errors) / len(errors), max(errors)
+    from planner.validation import HELDOUT_RUNS, PUBLISHED_RUNS, load_published_runs, summarize, validate
 
     held = validate(load_published_runs(HELDOUT_RUNS))
-    return summary(validate(load_published_runs(PUBLISHED_RUNS))), summary(held), [r.error for r in held]
+    return summarize(validate(load_published_runs(PUBLISHED_RUNS))), summarize(held), [r.error for r in held]
 
 
 m1, m2, m3, m4 = st.columns(4)

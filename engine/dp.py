@@ -18,13 +18,10 @@ from __future__ import annotations
 
 import torch
 
+from core.buckets import plan_buckets
 from core.mesh import group_key
 from engine.optim import adamw_
 from engine.strategy import Strategy
-
-# torch DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES, 1 MiB): the gradients that are
-# ready first leave at once instead of waiting for a full bucket.
-FIRST_BUCKET_BYTES = 1024 * 1024
 
 
 class DataParallel(Strategy):
@@ -45,23 +42,11 @@ class DataParallel(Strategy):
         self.unbucketed = [p for p in self.params.values() if id(p) not in in_buckets]  # divided one by one
 
     def _make_buckets(self, bucket_bytes: int) -> None:
-        """Reverse parameter order (backward's), one bucket list per reduction group; the first bucket of
-        each group holds at most FIRST_BUCKET_BYTES, so that communication starts early in backward (as
-        DDP's first bucket does)."""
-        open_buckets: dict[str, tuple[list, list[int]]] = {}
-        started: set[str] = set()
-        for name, p in reversed(list(self.params.items())):
-            group = self.group[name]
-            if group is None:
-                continue
-            bucket, size = open_buckets.setdefault(group, ([], [0]))
-            bucket.append(p)
-            size[0] += p.numel() * p.element_size()
-            if size[0] >= (bucket_bytes if group in started else min(bucket_bytes, FIRST_BUCKET_BYTES)):
-                self.buckets.append((group, bucket))
-                started.add(group)
-                del open_buckets[group]
-        self.buckets += [(group, bucket) for group, (bucket, _) in open_buckets.items()]
+        """The buckets of core.buckets.plan_buckets (reverse parameter order, one bucket list per reduction
+        group, each group's first bucket at most FIRST_BUCKET_BYTES, as DDP's)."""
+        plan = plan_buckets(((name, p.numel() * p.element_size(), self.group[name]) for name, p in self.params.items()),
+                            bucket_bytes)
+        self.buckets = [(group, [self.params[name] for name in names]) for group, names in plan]
         self.flats = [torch.zeros(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
                       for _, bucket in self.buckets]
         self._ready = [0] * len(self.buckets)

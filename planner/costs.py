@@ -66,7 +66,7 @@ OVERLAP_SLOWDOWN = 0.189  # arXiv 2507.03114 abstract: overlapped compute 18.9 %
 
 def overlap_slowdown(chip: Chip) -> float:
     """Seconds of compute one hidden second of communication adds on `chip` (module docstring)."""
-    return 0.0 if chip.kind == "tpu" else OVERLAP_SLOWDOWN
+    return OVERLAP_SLOWDOWN if chip.kind == "gpu" else 0.0
 CAUSAL_FLASH_FRACTION = 0.5  # a causal flash kernel skips the masked upper triangle (Dao 2023, sec. 3.1)
 ACT_BYTES = 2  # bf16 activations (fp8 recipes keep bf16 activations between GEMMs: Transformer Engine)
 # Bytes per parameter of the update: Adam reads fp32 master, m, v, grad and writes master, m, v and the bf16
@@ -121,8 +121,10 @@ def _factorisations(n: int, k: int) -> list[tuple[int, ...]]:
 # "Not All GPUs Are Created Equal", SC22, arXiv 2208.11035: GEMM-bound and other kernels on >90 % of the
 # GPUs of five clusters, NVIDIA and AMD; max 22 %, outliers 1.5x slower); inside one 8-GPU node "5 % and
 # higher" ([MLE] compute/accelerator, "Not all accelerators are created equal": MAMF of each GPU of a node).
-# A synchronous step waits for its slowest GPU: taking the table's one-GPU rates as the median, a job on one
-# node runs at 1 - 0.05 / 2 of them, a job across nodes at 1 - 0.08 / 2. TPUs: no measurement, 1.
+# Sinha et al.'s applications stress different parts of the GPU, compute- and memory-bound alike, so the pace
+# applies to every kernel. A synchronous step waits for its slowest GPU: taking the table's one-GPU rates as
+# the median, a job on one node runs at 1 - 0.05 / 2 of them, a job across nodes at 1 - 0.08 / 2. TPUs: no
+# measurement, 1.
 GPU_SPREAD_IN_NODE = 0.05
 GPU_SPREAD_IN_CLUSTER = 0.08
 
@@ -428,14 +430,21 @@ def _zero3_comms(lay: Layout, chip: Chip, chips_per_node: int, lp, fwd_s: float,
 def expert_nodes_per_token(m: ModelSpec, ep: int, ranks_per_node: int) -> float:
     """Expected number of nodes a token's top_k experts sit on, for an EP group of `ep` ranks,
     `ranks_per_node` of them per node, with balanced routing: k uniform draws over the C nodes it may use
-    hit C (1 - (1 - 1/C)^k) distinct ones. C is every node of the group, or with group-limited routing
-    the nodes that hold its expert_groups_per_token groups (a group spread over several nodes brings all
-    of them). DeepSeek-V3 on 8 nodes of 8 ranks: C = 4, 3.6 nodes per token for top-8."""
+    hit C (1 - (1 - 1/C)^k) distinct ones. C is every node of the group, or with group-limited routing the
+    nodes that hold its expert_groups_per_token (M) groups: M x the nodes one group spans, or, where a node
+    holds g whole groups, the expected distinct nodes of M groups drawn from G, N (1 - C(G - g, M) / C(G, M))
+    for N nodes. DeepSeek-V3 on 8 nodes of 8 ranks: C = 4, 3.6 nodes per token for top-8."""
     nodes = max(1.0, ep / ranks_per_node)
     if m.expert_groups:
         experts_per_node = m.experts / ep * ranks_per_node
-        nodes_per_group = max(1.0, m.experts / m.expert_groups / experts_per_node)
-        nodes = min(nodes, m.expert_groups_per_token * nodes_per_group)
+        groups, chosen = m.expert_groups, m.expert_groups_per_token
+        per_node = experts_per_node * groups / m.experts  # groups a node holds
+        if per_node <= 1:
+            nodes = min(nodes, chosen / per_node)
+        elif per_node == int(per_node) and groups == int(nodes) * int(per_node):
+            nodes *= 1.0 - math.comb(groups - int(per_node), chosen) / math.comb(groups, chosen)
+        else:  # groups straddling nodes unevenly: at most one node per chosen group
+            nodes = min(nodes, float(chosen))
     return nodes * (1.0 - (1.0 - 1.0 / nodes) ** m.top_k)
 
 

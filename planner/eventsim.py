@@ -5,9 +5,9 @@ Each rank runs a list of operations in order:
     Compute(name, seconds)              `seconds` of work at one core's full speed
     Collective(name, group, seconds)    every member of `group` posts it; it starts when the last member
                                         has posted it, the group's previous operation has started and
-                                        the one before that has ended (a gloo process group works its
-                                        queue in posting order with GLOO_THREADS worker threads), and
-                                        takes `seconds`; blocking unless `handle`.
+                                        one of the group's GLOO_THREADS worker threads is free (a gloo
+                                        process group works its queue in posting order on a pool of
+                                        threads), and takes `seconds`; blocking unless `handle`.
                                         An asynchronous one with `contended_s` runs at 1/contended_s
                                         of its work per second while any member computes, 1/seconds
                                         while none does (gloo barely progresses under its ranks' compute)
@@ -133,9 +133,14 @@ def simulate(programs: dict[int, list], cores: float,
     t = 0.0
 
     def running() -> list[_Posted]:
-        return [p for p in posted.values() if p.start is not None and p.start <= t and (p.end is None or p.end > t)]
+        return [p for p in posted.values() if p.start is not None and p.start <= t and not reached(p.end)]
 
     in_flight: dict[tuple, list[_Posted]] = {}  # group -> its operations started and not yet ended
+
+    def reached(when: float | None) -> bool:
+        """Whether an event at `when` has happened by now, within the clock's resolution (one tolerance for
+        every check, so an event the next-event search skips as 'now' is also taken as done)."""
+        return when is not None and when <= t + _RESOLUTION_S * max(1.0, t)
 
     def start_ready() -> None:
         """Start each fully posted collective once the group's previous operation has started and one of
@@ -145,7 +150,7 @@ def simulate(programs: dict[int, list], cores: float,
             before = posted.get((group, n - 1))
             if before is not None and (before.start is None or before.start > t):
                 continue
-            running = [q for q in in_flight.get(group, []) if q.end is None or q.end > t]
+            running = [q for q in in_flight.get(group, []) if not reached(q.end)]
             in_flight[group] = running
             if len(running) >= GLOO_THREADS:
                 continue
@@ -187,7 +192,7 @@ def simulate(programs: dict[int, list], cores: float,
                         pc[r] += 1
                         continue
                 p = posted[cid]
-                if p.end is None or p.end > t:
+                if not reached(p.end):
                     return
                 del current[r]
                 pc[r] += 1
@@ -197,7 +202,7 @@ def simulate(programs: dict[int, list], cores: float,
                 if cid is None:
                     raise SimulationError(f"rank {r} waits for {op.handle!r}, which it never posted")
                 p = posted[cid]
-                if p.end is None or p.end > t:
+                if not reached(p.end):
                     return
                 pc[r] += 1
                 continue
@@ -209,7 +214,7 @@ def simulate(programs: dict[int, list], cores: float,
                 continue
             if isinstance(op, Recv):
                 arrival = arrivals.get((op.key, r))
-                if arrival is None or arrival > t:
+                if not reached(arrival):
                     blocked_since.setdefault(r, t)
                     return
                 since = blocked_since.pop(r, t)
@@ -250,7 +255,7 @@ def simulate(programs: dict[int, list], cores: float,
         candidates += [p.start for p in posted.values() if p.start is not None and p.start > t]
         candidates += [t + p.left / speed for p, speed in dynamic if speed > 0]
         candidates += [a for a in arrivals.values() if a > t]
-        future = [c for c in candidates if c > t + _RESOLUTION_S * max(1.0, t)]
+        future = [c for c in candidates if not reached(c)]
         if not future:
             stuck = ", ".join(f"rank {r} at {programs[r][pc[r]]}" for r in ranks if not done[r])
             raise SimulationError(f"the programs deadlock: {stuck}")

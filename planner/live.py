@@ -32,6 +32,7 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
+from core.buckets import plan_buckets
 from core.mesh import Mesh, cp_slice_owners, group_key
 from core.schedules import (
     BACKWARD,
@@ -65,7 +66,6 @@ FLAT_VIEW_OPS = 2  # per parameter: the flat buffer's view and reshape (ZeRO / F
 SSM_STATE_SLICE_OPS = 9
 SSM_STATE_LAYER_OPS = 8
 SSM_STATE_HOP_OPS = 3
-FIRST_BUCKET_BYTES = 1024 * 1024  # engine/dp.py: DP's first gradient bucket holds at most this (torch DDP's)
 SSM_ALLTOALL_OPS = 12  # reshapes, permutes, the concatenation and both reorderings around the all-to-alls
 
 
@@ -813,7 +813,8 @@ class _Program:
         post = c.post("ring_shift", n, nbytes)
         post_s = min(c.comm("ring_shift", n, nbytes, "async"), post.seconds(nbytes)) if post is not None else 0.0
         if post_s > 0:  # a blocking operation of this rank alone: it starts when posted
-            r.ops.append(Collective(f"post {what} {name}", (r.rank,), "cp", post_s, 0, None, post.cpu_fraction,
+            # no cpu of its own: the shift's cpu_fraction (process CPU over its whole time) includes the posting
+            r.ops.append(Collective(f"post {what} {name}", (r.rank,), "cp", post_s, 0, None, 0.0,
                                     r.mb))
         return handle
 
@@ -838,27 +839,21 @@ class _Program:
 
     # -- the data-parallel sharder (engine/dp.py, zero.py, fsdp.py) ---------------
     def _buckets(self) -> list[tuple[str, list[tuple[int, int]], int]]:
-        """DP's buckets in the order engine/dp.py makes them: (their reduction group: "dp", or "dp expert"
-        for experts' weights, the (unit, parameter index) it holds, its bytes); parameters taken in reverse
-        order, one open bucket per group, each group's first at most FIRST_BUCKET_BYTES; a parameter no
-        other rank holds a replica of (an expert whose only data axis is ep) is in none."""
-        out: list[tuple[str, list[tuple[int, int]], int]] = []
-        open_buckets: dict[str, tuple[list, list[int]]] = {}
-        started: set[str] = set()
-        flat = [((u, j), n) for u, unit in enumerate(self.params) for j, (_, n) in enumerate(unit)]
-        for key, n in reversed(flat):
-            group = "dp expert" if key in self.expert_keys else "dp"
-            if len(self.g[group]) <= 1:
-                continue
-            members, size = open_buckets.setdefault(group, ([], [0]))
-            members.append(key)
-            size[0] += n * F32
-            limit = self.cfg.parallel.bucket_bytes
-            if size[0] >= (limit if group in started else min(limit, FIRST_BUCKET_BYTES)):
-                out.append((group, members, size[0]))
-                started.add(group)
-                del open_buckets[group]
-        return out + [(group, members, size[0]) for group, (members, size) in open_buckets.items()]
+        """DP's buckets as engine/dp.py makes them (core.buckets.plan_buckets, on the engine's group names):
+        (their reduction group: "dp", or "dp expert" for experts' weights, which skip ep; the (unit,
+        parameter index) each holds; its bytes). An expert no other rank holds a replica of is in none."""
+        kind: dict[str, str] = {}  # the engine's group name -> this program's group ("dp" / "dp expert")
+        items = []
+        for u, unit in enumerate(self.params):
+            for j, (_, n) in enumerate(unit):
+                group = "dp expert" if (u, j) in self.expert_keys else "dp"
+                name = self.group_names[group] if len(self.g[group]) > 1 else None
+                if name is not None:
+                    kind.setdefault(name, group)
+                items.append(((u, j), n * F32, name))
+        sizes = {key: nbytes for key, nbytes, _ in items}
+        return [(kind[name], keys, sum(sizes[k] for k in keys))
+                for name, keys in plan_buckets(items, self.cfg.parallel.bucket_bytes)]
 
     def _grads_ready(self, i: int, names: tuple[str, ...] | None = None) -> None:
         """The backward has produced the gradients of unit i's parameters `names` (None: all that are left):

@@ -133,7 +133,10 @@ def layer_activation_bytes(m: ModelSpec, lay: Layout, moe, *, recompute: str | N
     input: 4sbh replicated); a Mamba-2 layer keeps `mamba_activation_terms`.
     fp8: Transformer Engine keeps each GEMM's input for the weight gradient as its fp8 cast (the
     column-wise fp8 copy, 1 byte: TE `Linear` / `LayerNormLinear` forward, `saved_inputmat`), so the
-    inputs of QKV, the output projection, fc1 and fc2 (and MLA's up-projections) count 1 byte, not 2.
+    inputs of QKV, fc1 and fc2 (and MLA's up-projections) count 1 byte, not 2: their bf16 originals are
+    not needed by any backward (a norm's backward reads its input, a SwiGLU's or GELU's its own input).
+    The attention output is the exception: a FlashAttention kernel's backward reads it, so it stays in
+    bf16 beside the output projection's fp8 copy (3 bytes).
     """
     recompute = recompute or lay.recompute
     t, cp = lay.tp, lay.cp
@@ -150,8 +153,10 @@ def layer_activation_bytes(m: ModelSpec, lay: Layout, moe, *, recompute: str | N
     saved = 1 if dtype == "fp8" else 2  # bytes of a kept GEMM input (docstring)
     blocks_in = 2 if has_attn and has_mlp else 1  # the GEMM inputs among the replicated tensors
     replicated = sb * h * (10 if gpt else 8 if has_attn and has_mlp else 4) - (2 - saved) * blocks_in * sb * h
-    # Q, K, V, attention output (the output projection's input)
-    attn_split = 2 * sb * (q_w + 2 * kv_w) + saved * sb * q_w if has_attn else 0.0
+    # Q, K, V, attention output (the output projection's input; a flash kernel keeps its own bf16 copy for
+    # its backward, so under fp8 it is held twice: bf16 for the kernel, fp8 for the projection)
+    out_bytes = saved + (2 if saved != 2 and lay.attention in ("flash", "flash3") else 0)
+    attn_split = 2 * sb * (q_w + 2 * kv_w) + out_bytes * sb * q_w if has_attn else 0.0
     if m.is_mla:
         attn_split += saved * sb * (m.kv_lora_rank + m.q_lora_rank) + 2 * sb * 2 * m.heads * m.rope_head_dim
     ffn = m.ffn if moe else m.dense_ffn_

@@ -77,8 +77,13 @@ def validate(runs: list[dict]) -> list[ValidationRow]:
     return rows
 
 
+def summarize(rows: list[ValidationRow]) -> tuple[int, float, float]:
+    """(runs, mean |error|, max |error|) of validated rows."""
+    errors = [abs(r.error) for r in rows]
+    return len(errors), sum(errors) / len(errors), max(errors)
+
+
 def accuracy(runs: list[dict]) -> tuple[int, float, float]:
     """(runs, mean |error|, max |error|) of the planner's step time on published runs."""
-    errors = [abs(r.error) for r in validate(runs)]
-    return len(errors), sum(errors) / len(errors), max(errors)
+    return summarize(validate(runs))
 

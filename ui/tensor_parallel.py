@@ -29,7 +29,7 @@ from engine.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, v
 from hardware.chips import Chip
 from hardware.collectives import Topology, group_topology
 from planner.case import Layout
-from planner.costs import layer_cost
+from planner.costs import cluster_chip, layer_cost
 from planner.memory import korthikanti_bytes
 from planner.models import ModelSpec
 from ui.timeline import span_kind
@@ -238,8 +238,8 @@ def scaling_rows(spec: ModelSpec, chip: Chip, micro_batch: int, tps: list[int]) 
     for t in tps:
         topo = group_topology(chip, t, achievable=True)
         spread = group_topology(chip, t, stride=chip.scaleup_domain, achievable=True)
-        cost = layer_cost(spec, Layout(dp=1, tp=t, pp=1, micro_batch=micro_batch), chip, "bf16", spec.is_moe,
-                          chip.scaleup_domain)
+        cost = layer_cost(spec, Layout(dp=1, tp=t, pp=1, micro_batch=micro_batch),
+                          cluster_chip(chip, t, chip.scaleup_domain), "bf16", spec.is_moe, chip.scaleup_domain)
         rows.append({"tp": t, "topology": topo.describe(), "inside_domain": t <= chip.scaleup_domain,
                      "comm_bytes": tp_comm_bytes_per_layer(spec, micro_batch, t),
                      "comm_s": tp_comm_seconds_per_layer(topo, spec, micro_batch, False),

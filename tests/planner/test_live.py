@@ -328,3 +328,22 @@ def test_experts_gradients_skip_ep_as_the_engine_sums_them(flags, expert_reduced
     buckets = [s for s in pred.timeline.spans if s.rank == 0 and "bucket" in s.name]
     assert sum(s.bytes for s in buckets) == 4 * (dense + (expert if expert_reduced else 0))
     assert {s.group for s in buckets if s.bytes} >= ({"dp+ep", "dp"} if expert_reduced else {"ep"})
+
+
+def test_the_predicted_buckets_are_the_engines():
+    # the engine's bucketing (engine/dp.py over the model's named parameters) and the prediction's (over
+    # planner.live._params) must cut the same buckets: an MoE model at ep = 1, experts and dense weights in one
+    # reduction group, is where they once differed
+    pytest.importorskip("torch")
+    from core.buckets import plan_buckets
+    from engine.model import LanguageModel
+
+    cfg = _cfg("--strategy dp --mlp moe --world 2")
+    model = LanguageModel(cfg.model)
+    engine = plan_buckets(((n, p.numel() * 4, "dp") for n, p in model.named_parameters()),
+                          cfg.parallel.bucket_bytes)
+    sizes = {n: p.numel() * 4 for n, p in model.named_parameters()}
+    pred = predict(cfg, CAL)
+    predicted = sorted((s for s in pred.timeline.spans if s.rank == 0 and "bucket" in s.name),
+                       key=lambda s: int(s.name.split()[-1]))
+    assert [s.bytes for s in predicted] == [sum(sizes[n] for n in names) for _, names in engine]

@@ -1,5 +1,7 @@
 """Memory per chip against the ZeRO paper's example and Korthikanti et al.'s activation formulas."""
 
+from dataclasses import replace
+
 import pytest
 
 from planner.case import Layout
@@ -88,12 +90,17 @@ def test_kv_heads_are_replicated_when_tp_exceeds_them():
 
 def test_fp8_keeps_each_gemm_input_in_one_byte():
     # Transformer Engine saves the fp8 cast of a GEMM's input for its weight gradient: a Llama layer keeps
-    # the inputs of QKV and fc1 (2sbh), of the output projection (sb q) and of fc2 (sb f) in 1 byte, not 2
+    # the inputs of QKV and fc1 (2sbh) and of fc2 (sb f) in 1 byte, not 2; the attention output, which the
+    # flash kernel's backward reads in bf16, gains the output projection's fp8 copy (sb q more)
     llama = ModelSpec("llama-8b", 32, 4096, 32, 8, 14336, 128256, 8192)
     lay = Layout(dp=1, tp=1, pp=1, micro_batch=1, attention="flash3")
     sb, q = 8192, 32 * 128
     saved = layer_activation_bytes(llama, lay, False) - layer_activation_bytes(llama, lay, False, dtype="fp8")
-    assert saved == pytest.approx(sb * (2 * 4096 + q + 14336))
+    assert saved == pytest.approx(sb * (2 * 4096 + 14336 - q))
+    # with materialised scores the attention output is read by no kernel's backward: 1 byte
+    mat = replace(lay, attention="materialized")
+    assert layer_activation_bytes(llama, mat, False) - layer_activation_bytes(llama, mat, False, dtype="fp8") == \
+        pytest.approx(sb * (2 * 4096 + 14336 + q))
     assert layer_activation_bytes(llama, lay, False, recompute="full", dtype="fp8") == 2 * sb * 4096
     m = memory_per_chip(llama, lay, 1)
     assert memory_per_chip(llama, lay, 1, dtype="fp8").activations_bytes == pytest.approx(

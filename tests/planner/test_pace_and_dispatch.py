@@ -55,6 +55,10 @@ def test_expected_nodes_per_token_by_hand():
     assert expert_nodes_per_token(ds, 64, 8) == pytest.approx(4 * (1 - 0.75 ** 8))
     # 4 ranks a node (tp = 2 beside ep): a group spans 2 nodes, 4 groups -> C = 8 of the 16 nodes
     assert expert_nodes_per_token(ds, 64, 4) == pytest.approx(8 * (1 - (7 / 8) ** 8))
+    # 2 nodes of 8 ranks hold 4 groups each: 4 groups of 8 miss a node with probability C(4,4)/C(8,4) = 1/70,
+    # so C = 2 (1 - 1/70) nodes, and 8 draws hit C (1 - (1 - 1/C)^8) of them
+    c = 2 * (1 - 1 / 70)
+    assert expert_nodes_per_token(ds, 16, 8) == pytest.approx(c * (1 - (1 - 1 / c) ** 8))
     free = replace(ds, expert_groups=0, expert_groups_per_token=0)
     assert expert_nodes_per_token(free, 64, 8) == pytest.approx(8 * (1 - (7 / 8) ** 8))
     assert expert_nodes_per_token(free, 8, 8) == pytest.approx(1.0)  # one node
