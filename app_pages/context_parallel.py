@@ -268,6 +268,8 @@ holds the whole sequence's K/V: activations kept for backward {ring['activations
 (the weights are replicated), and on shared CPU cores the measured overlap is only indicative.
 """
     )
-    st.caption("In the timelines above, brown bars (send/recv) are the K/V and dK/dV blocks; the grey "
-               "'attn L… ring k' spans inside each layer's forward and backward are the attention blocks "
-               "they overlap. Hover for names and bytes.")
+    st.caption("In the timelines above, brown bars (send/recv) are the K/V and dK/dV blocks in flight; the "
+               "yellow 'post kv L…' bars are the rank handing each block to gloo (its own thread writes the "
+               "message, so the rank cannot compute meanwhile); the grey 'attn L… ring k' spans inside each "
+               "layer's forward and backward are the attention blocks they overlap, and the idle row shows "
+               "where a rank waited for a block to arrive. Hover for names and bytes.")
