@@ -322,8 +322,7 @@ def _gemm_times(chip, dtype, gemms: list[_Gemm]) -> tuple[dict, dict, dict]:
             {g.name: _wgrad_s(chip, dtype, g) for g in gemms})
 
 
-def _elementwise(m: ModelSpec, lay: Layout, moe, tokens: float, dtype: str,
-                 gemms: list[_Gemm]) -> dict[str, float]:
+def _elementwise(m: ModelSpec, lay: Layout, moe, tokens: float) -> dict[str, float]:
     """HBM bytes of one layer's memory-bound ops on one chip, by kernel class and direction.
 
     Per token (h hidden, f the MLP width on this chip, sp = t with sequence parallel, else 1), bf16:
@@ -334,8 +333,6 @@ def _elementwise(m: ModelSpec, lay: Layout, moe, tokens: float, dtype: str,
         q and k: 4 (N + K) H / t both ways; SwiGLU reads gate and up, writes their product: 6f, backward
         reads gate, up and dy, writes two gradients: 10f; squared ReLU as GELU, 4f and 6f.
       A pattern's attention or MLP layer has one norm and one residual add, and only its block's terms.
-      fp8: every GEMM's activation input is cast (read 2 + write 1 bytes per element) forward, and its
-        output gradient backward.
       MoE: the token copies are permuted to their experts and back: read + write 4 k h per token each
         way.
     """
@@ -359,11 +356,19 @@ def _elementwise(m: ModelSpec, lay: Layout, moe, tokens: float, dtype: str,
     if moe is True:
         out["point_fwd"] += 4 * m.top_k * h
         out["point_bwd"] += 4 * m.top_k * h
-    out = {k: v * tokens for k, v in out.items()}
+    return {k: v * tokens for k, v in out.items()}
+
+
+def _memory_bound_s(chip: Chip, ew: dict[str, float], gemms: list[_Gemm], dtype: str) -> tuple[float, float]:
+    """(forward, backward) seconds of a layer's memory-bound ops from their HBM bytes by kernel class
+    (`_elementwise`'s keys: norm_fwd, norm_bwd, point_fwd, point_bwd). fp8 adds each GEMM's casts: its
+    activation input forward and its output gradient backward, read 2 + write 1 bytes per element."""
+    point_fwd, point_bwd = ew["point_fwd"], ew["point_bwd"]
     if dtype == "fp8":
-        out["point_fwd"] += sum(3 * g.m * g.k * g.batch for g in gemms)
-        out["point_bwd"] += sum(3 * g.m * g.n * g.batch for g in gemms)
-    return out
+        point_fwd += sum(3 * g.m * g.k * g.batch for g in gemms)
+        point_bwd += sum(3 * g.m * g.n * g.batch for g in gemms)
+    return (kernels.norm_s(chip, ew["norm_fwd"]) + kernels.pointwise_s(chip, point_fwd),
+            kernels.norm_s(chip, ew["norm_bwd"], backward=True) + kernels.pointwise_s(chip, point_bwd))
 
 
 def tp_collective_bytes(m: ModelSpec, lay: Layout) -> float:
@@ -488,9 +493,7 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
         attn_bwd_s = (sum(f(chip, "bf16", g) for g in (qk_g, pv_g) for f in (_dgrad_s, _wgrad_s))
                       + kernels.norm_s(chip, 4 * scores, backward=True) + dropout)
 
-    ew = _elementwise(m, lay, moe, tokens, dtype, gemms)
-    ew_fwd_s = kernels.norm_s(chip, ew["norm_fwd"]) + kernels.pointwise_s(chip, ew["point_fwd"])
-    ew_bwd_s = kernels.norm_s(chip, ew["norm_bwd"], backward=True) + kernels.pointwise_s(chip, ew["point_bwd"])
+    ew_fwd_s, ew_bwd_s = _memory_bound_s(chip, _elementwise(m, lay, moe, tokens), gemms, dtype)
 
     gemm_fwd, gemm_dgrad, gemm_wgrad = _gemm_times(chip, dtype, gemms)
     fwd_s = sum(gemm_fwd.values()) + attn_fwd_s + ew_fwd_s
@@ -652,15 +655,10 @@ def _mamba_layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chips_p
 
     sp = t if lay.sequence_parallel else 1
     conv_channels = (e + 2 * g * n) / t
-    norm_fwd = tokens * (4 * h / sp + 6 * e / t)
-    norm_bwd = tokens * (6 * h / sp + 10 * e / t)
-    point_fwd = tokens * (6 * h / sp + 4 * conv_channels)  # residual add; conv read + write
-    point_bwd = tokens * (6 * h / sp + 6 * conv_channels)  # conv: read x and dy, write dx
-    if dtype == "fp8":
-        point_fwd += sum(3 * x.m * x.k for x in gemms)
-        point_bwd += sum(3 * x.m * x.n for x in gemms)
-    ew_fwd_s = kernels.norm_s(chip, norm_fwd) + kernels.pointwise_s(chip, point_fwd)
-    ew_bwd_s = kernels.norm_s(chip, norm_bwd, backward=True) + kernels.pointwise_s(chip, point_bwd)
+    ew = {"norm_fwd": tokens * (4 * h / sp + 6 * e / t), "norm_bwd": tokens * (6 * h / sp + 10 * e / t),
+          "point_fwd": tokens * (6 * h / sp + 4 * conv_channels),  # residual add; conv read + write
+          "point_bwd": tokens * (6 * h / sp + 6 * conv_channels)}  # conv: read x and dy, write dx
+    ew_fwd_s, ew_bwd_s = _memory_bound_s(chip, ew, gemms, dtype)
 
     fwd_s = sum(gemm_fwd.values()) + scan_fwd_s + ew_fwd_s
     wgrad_s = sum(gemm_wgrad.values())
