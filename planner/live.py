@@ -337,15 +337,16 @@ def predict(cfg, cal: Calibration) -> LivePrediction:
         axes = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if mesh.degree(a) > 1)
         return tuple(mesh.group_of(rank, axes)) if axes else (rank,)
 
+    # the engine's names of the gradients' reduction groups (core.mesh.group_key of their axes)
+    group_names = {"dp": group_key(tuple(a for a in sync_axes if mesh.degree(a) > 1)) or "dp",
+                   "dp expert": group_key(expert_axes) or "dp"}
     programs = {}
     for rank in range(cfg.world):
         r = _Rank(rank, costs)
         g = {axis: group_of(rank, axis) for axis in ("tp", "cp", "ep", "pp")}
         g["dp"], g["replicas"] = group_of(rank, sync_axes), group_of(rank, replica_axes)
         g["dp expert"] = group_of(rank, expert_axes)
-        names = {"dp": group_key(tuple(a for a in sync_axes if mesh.degree(a) > 1)) or "dp",
-                 "dp expert": group_key(expert_axes) or "dp"}
-        _Program(cfg, costs, r, g, mesh, group_key(replica_axes), names).build()
+        _Program(cfg, costs, r, g, mesh, group_key(replica_axes), group_names).build()
         programs[rank] = r.ops
     timeline, ends = simulate(programs, cores=cal.cpus)
     step = max(ends.values())
@@ -479,8 +480,11 @@ class _Program:
         ep_rank = g["ep"].index(r.rank) if self.ep > 1 else 0
         self.params = _params(m, self.tp, self.ep, ep_rank)
         # an MoE block's experts are its parameters after the router (_params' order)
-        self.expert_keys = {(u, j) for u, unit in enumerate(self.params) if any(n == "router" for n, _ in unit)
-                            for j in range(next(k for k, (n, _) in enumerate(unit) if n == "router") + 1, len(unit))}
+        self.expert_keys: set[tuple[int, int]] = set()
+        for u, unit in enumerate(self.params):
+            names = [n for n, _ in unit]
+            if "router" in names:
+                self.expert_keys |= {(u, j) for j in range(names.index("router") + 1, len(unit))}
         self.unit_names = ["embed", *(f"L{i}" for i in range(m.layers)), "head"]
         self.held = list(range(len(self.unit_names)))  # units this rank holds (a pipeline stage: fewer)
         self.flat = self.stage in (1, 2, 3)
