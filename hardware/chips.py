@@ -97,7 +97,7 @@ class Chip:
     # kernel and collective efficiencies by shape and size (chips.toml header; hardware/kernels.py)
     matmul_half_area: float  # GEMM output area M*N at which the output-size factor is 1/2
     matmul_half_k: float  # GEMM inner dimension at which the K factor is 1/2
-    fp8_matmul_efficiency: float | None  # MAMF of fp8 GEMMs over the fp8 peak; None without fp8
+    fp8_matmul_efficiency: float | None  # sustained fp8 GEMM rate over the fp8 peak; None without fp8
     attention_efficiency: float  # FlashAttention-2 fwd+bwd FLOP/s at long sequences over peak
     flash3_efficiency: float | None  # the chip's newer attention kernels (FA3, cuDNN, FA4); None if none
     norm_efficiency: float  # fused norm / softmax kernels, forward, over HBM peak

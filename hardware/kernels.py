@@ -3,12 +3,12 @@
 Every efficiency comes from op-level measurements recorded per chip in ``chips.toml`` (its header says
 which benchmark each field is read from); nothing here is fitted to end-to-end training runs.
 
-* GEMM ``In[M, K] . W[K, N]``: the roofline's compute side at the chip's MAMF (the best a large GEMM
-  reaches), scaled by the shape curve ``g(M, N, K) / g(8192, 8192, 8192)`` with
-  ``g = MN / (MN + matmul_half_area) * K / (K + matmul_half_k)``, fitted per GPU generation to OpenXLA's
-  measured GEMM tables: a small output leaves SMs idle (tile and wave quantization), a short K cannot
-  hide the tile pipeline's prologue and epilogue. The memory side reads both operands and writes the
-  output once ([SB] Part 1).
+* GEMM ``In[M, K] . W[K, N]``: the roofline's compute side at the rate a large GEMM sustains on the chip
+  (its MSMF: at the power limit, every GPU of the node busy; else its MAMF burst), scaled by the shape
+  curve ``g(M, N, K) / g(8192, 8192, 8192)`` with ``g = MN / (MN + matmul_half_area) * K / (K +
+  matmul_half_k)``, fitted per GPU generation to OpenXLA's measured GEMM tables: a small output leaves
+  SMs idle (tile and wave quantization), a short K cannot hide the tile pipeline's prologue and
+  epilogue. The memory side reads both operands and writes the output once ([SB] Part 1).
 * FlashAttention kernels: forward + backward FLOP/s at ``attention_efficiency`` (FlashAttention-2) or
   ``flash3_efficiency`` (the chip's newer kernels: FA3 / cuDNN on Hopper, FA4 on Blackwell) of peak
   for long sequences, ``s / (s + 530)`` of that at s keys (both FlashAttention-2 curves, A100 and H100,
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from hardware.chips import DTYPE_BYTES, Chip
 
-_REFERENCE_DIM = 8192  # the MAMF tables' large shapes: g is normalised to 1 here
+_REFERENCE_DIM = 8192  # the MSMF / MAMF tables' large shapes: g is normalised to 1 here
 ATTENTION_HALF_SEQ = 530  # FlashAttention-2 benchmark: A100 and H100 reach half their plateau at ~530 tokens
 FLASH_BWD_FLOP_RATIO = 2.5  # backward FLOPs over forward FLOPs of a FlashAttention kernel (Dao 2023, sec. 3.1)
 
@@ -40,7 +40,7 @@ def matmul_shape_factor(chip: Chip, m: float, n: float, k: float) -> float:
 
 
 def matmul_rate(chip: Chip, dtype: str, m: float, n: float, k: float) -> float:
-    """FLOP/s a GEMM of this shape reaches on `chip` in `dtype` (fp8 at the fp8 MAMF)."""
+    """FLOP/s a GEMM of this shape reaches on `chip` in `dtype` (fp8 at the fp8 rate)."""
     if dtype == "fp8":
         efficiency = chip.fp8_matmul_efficiency
         if efficiency is None:

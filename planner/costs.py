@@ -119,13 +119,14 @@ def _factorisations(n: int, k: int) -> list[tuple[int, ...]]:
 # Identical GPUs are not equally fast: their power management runs each at its own clocks. Across whole
 # clusters the spread between the fastest and the slowest is 8 % of the median on average (Sinha et al.,
 # "Not All GPUs Are Created Equal", SC22, arXiv 2208.11035: GEMM-bound and other kernels on >90 % of the
-# GPUs of five clusters, NVIDIA and AMD; max 22 %, outliers 1.5x slower); inside one 8-GPU node "5 % and
-# higher" ([MLE] compute/accelerator, "Not all accelerators are created equal": MAMF of each GPU of a node).
-# Sinha et al.'s applications stress different parts of the GPU, compute- and memory-bound alike, so the pace
-# applies to every kernel. A synchronous step waits for its slowest GPU: taking the table's one-GPU rates as
-# the median, a job on one node runs at 1 - 0.05 / 2 of them, a job across nodes at 1 - 0.08 / 2. TPUs: no
-# measurement, 1.
-GPU_SPREAD_IN_NODE = 0.05
+# GPUs of five clusters, NVIDIA and AMD; max 22 %, outliers 1.5x slower). Inside one 8-GPU node, with all
+# eight at their power limit as in training, the sustained matmul rate spans 745-765 TFLOP/s on H200 (median
+# 755) and 1421-1460 on B200 (median 1439): 2.6-2.7 % ([MLE] compute/accelerator, "How precise these numbers
+# are"; a short boost burst spreads "5 % and higher"). Sinha et al.'s applications stress different parts of
+# the GPU, compute- and memory-bound alike, so the pace applies to every kernel. A synchronous step waits for
+# its slowest GPU: taking the table's rates as the median GPU's, a job on one node runs at 1 - 0.027 / 2 of
+# them, a job across nodes at 1 - 0.08 / 2. TPUs: no measurement, 1.
+GPU_SPREAD_IN_NODE = 0.027
 GPU_SPREAD_IN_CLUSTER = 0.08
 
 
