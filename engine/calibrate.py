@@ -15,11 +15,17 @@ Three kinds of measurement:
   and bf16 matmuls, a large copy).
 * sharing (`compute_task` on every rank of a W-rank pool at once): how much slower the same work runs
   when W ranks share this machine's cores.
+* resuming (`resume_task`, on every rank of a W-rank pool): how much longer a compute segment takes when
+  it starts right after the rank's own communication than when it follows other compute. A Block's
+  forward after a blocking all-reduce takes ~0.2 ms more on 2 cores whatever the message size or kind
+  (all-to-all and send/recv alike, and still after a 2 ms pause): the rank resumes on cold caches, as each
+  tensor-parallel or expert-parallel segment of a live run does.
 * communication (`comm_task`): every gloo operation the strategies use, by group size n and world W
   (the other groups of the world communicating at the same time, as a mesh does), at a few message
   sizes: blocking, each after `COMPUTE_GAP_S` of computing as in a training step (back to back they run
-  2-3x faster: gloo's threads stay awake), and as a stream of asynchronous operations; with the process
-  CPU time each takes (gloo's threads keep a core busy while they move data). The ring shift (context
+  2-3x faster: gloo's threads stay awake) and after a shorter and a longer gap (`SYNC_GAPS_S`), and as
+  a stream of asynchronous operations; with the process CPU time each takes (gloo's threads keep a core
+  busy while they move data). The ring shift (context
   parallel's hop) goes through the engine's own `Comm.p2p`, and how long posting it blocks the rank is
   timed too (its "post" mode).
 """
@@ -46,8 +52,15 @@ from hardware.this_machine import CONTENDED_CAP_S
 COMM_SIZES = (1024, 131072, 524288)
 # Calls of each operation and size (engine/calibrate.comm_task). A rank's gloo time has a heavy tail
 # (a stalled thread waits a scheduler tick, ~4 ms, about once in tens of calls): means over fewer rounds
-# moved a fit by up to 2x between two calibrations of this machine.
+# moved a fit by up to 2x between two calibrations of this machine. With 2 ranks the calls are ~5x
+# cheaper and a tenth of them stall, so they run twice the rounds (three calibrations predicted the
+# default 2-rank runs 7-24 % apart with 60).
 COMM_ROUNDS = 60
+
+
+def comm_rounds(world: int) -> int:
+    """Calls of each blocking operation and size at `world` (COMM_ROUNDS, twice that for 2 ranks)."""
+    return 2 * COMM_ROUNDS if world <= 2 else COMM_ROUNDS
 ASYNC_ROUNDS = 24
 COMM_BLOCK = 10
 CONTENDED_CHUNK_S = 25e-6  # the compute between two polls of an operation in flight (a few small matmuls)
@@ -56,6 +69,15 @@ COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ring_
 ASYNC_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 ASYNC_BURST = 6  # asynchronous operations issued back to back before waiting (DP buckets, FSDP units)
 COMPUTE_GAP_S = 300e-6  # compute before each blocking operation: a unit of the default model takes ~0.3 ms
+# A blocking operation costs more the longer its rank computed before it: gloo's threads slept that long,
+# and on busy cores waking them waits for a scheduler tick more often. Measured here (2 cores, 18 KB
+# all-to-all over 2 ranks, mean of 145 calls): 0.31 ms after 50 us of compute, 0.6 after 0.3 ms, 0.5-1.1
+# after 1 ms, 1.2-1.4 after 3 ms; over 4 ranks 2.5, 2.5-2.8, 3.1-3.3 and 5-6 ms. So blocking operations
+# are timed after each of these gaps ("sync" is COMPUTE_GAP_S), and planner.live reads each operation at
+# the compute that precedes it in the run.
+SYNC_GAPS_S = {"sync_short": 50e-6, "sync_long": 2e-3}
+SYNC_GAP_ROUNDS = 30
+SYNC_GAP_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")  # the live runs' blocking ones
 
 
 def _mean_s(fn, reps: int, warmup: int = 2) -> float:
@@ -230,6 +252,39 @@ def compute_task(ctx, reps: int = 15, shapes: str = "all") -> list[dict]:
     return out
 
 
+RESUME_REPS = 40
+RESUME_BYTES = 131072  # the message of the all-reduce before each timed forward (any size costs the same)
+
+
+def resume_task(ctx, reps: int = RESUME_REPS) -> list[dict]:
+    """Pool task: the median time of the default Block's forward right after a blocking all-reduce over the
+    world, and right after a small matmul (other compute), on every rank at once; `hardware.this_machine`
+    takes the difference (the module docstring)."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    m = ModelConfig()
+    block, x = Block(m), torch.randn(2, m.seq_len, m.hidden)
+    msg = torch.ones(RESUME_BYTES // 4)
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+
+    def median_after(before) -> float:
+        times = []
+        with torch.no_grad():
+            for _ in range(reps + 5):
+                before()
+                t0 = time.perf_counter()
+                block(x)
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times[5:])
+
+    dist.barrier()
+    after_comm = median_after(lambda: dist.all_reduce(msg))
+    dist.barrier()
+    after_compute = median_after(lambda: a @ b)
+    return [{"after_comm_s": after_comm, "after_compute_s": after_compute}]
+
+
 def engine_units(ctx, steps: int = 6) -> list[dict]:
     """The engine's data-parallel step at world 1 on the default model, unit by unit (its compute spans):
     what the driver adds around each module (recorder, backward markers, activation accounting) and the
@@ -256,7 +311,7 @@ def _groups(world: int, n: int) -> list[list[int]]:
     return [list(range(g * n, (g + 1) * n)) for g in range(world // n)]
 
 
-def comm_task(ctx, group_sizes: list[int], sizes: tuple[int, ...] = COMM_SIZES, rounds: int = COMM_ROUNDS,
+def comm_task(ctx, group_sizes: list[int], sizes: tuple[int, ...] = COMM_SIZES, rounds: int | None = None,
               async_rounds: int = ASYNC_ROUNDS) -> list[dict]:
     """Pool task: time every operation in COMM_KINDS (and ASYNC_KINDS as bursts) on groups of each size.
 
@@ -270,6 +325,7 @@ def comm_task(ctx, group_sizes: list[int], sizes: tuple[int, ...] = COMM_SIZES, 
 
     from engine import comm as engine_comm
 
+    rounds = comm_rounds(ctx.world) if rounds is None else rounds
     out = []
     for n in group_sizes:
         group = None
@@ -297,12 +353,17 @@ def comm_task(ctx, group_sizes: list[int], sizes: tuple[int, ...] = COMM_SIZES, 
                 call = _comm_call(kind, n, me, members, nbytes, group, async_op=True)
                 bursts[(kind, nbytes)] = lambda call=call: burst(call)
         for (kind, nbytes), sums in _rounds(sync, rounds, dist, COMPUTE_GAP_S).items():
-            out.append(_row(kind, n, ctx.world, nbytes, "sync", sums))
+            out.append(_row(kind, n, ctx.world, nbytes, "sync", sums) | {"gap_s": COMPUTE_GAP_S})
         for (kind, nbytes), call in sync.items():
             if isinstance(call, _Shift):  # the posting of the same timed calls (after the two warm-up rounds)
                 posts = call.posts[2:]
                 out.append(_row(kind, n, ctx.world, nbytes, "post",
                                 [sum(w for w, _ in posts), sum(c for _, c in posts), len(posts)]))
+        blocking = {key: call for key, call in sync.items() if key[0] in SYNC_GAP_KINDS}
+        for mode, gap_s in SYNC_GAPS_S.items():
+            gap_rounds = SYNC_GAP_ROUNDS * rounds // COMM_ROUNDS
+            for (kind, nbytes), sums in _rounds(blocking, gap_rounds, dist, gap_s).items():
+                out.append(_row(kind, n, ctx.world, nbytes, mode, sums) | {"gap_s": gap_s})
         for (kind, nbytes), sums in _rounds(bursts, async_rounds, dist, 0.0).items():
             row = _row(kind, n, ctx.world, nbytes, "async", sums)
             out.append(row | {"burst": ASYNC_BURST, "compute_s": compute_s})

@@ -34,7 +34,7 @@ def cached_calibration():
 
 def ensure_calibration(worlds, progress=None, remeasure: bool = False, collective_timeout_s: float = 30.0):
     """This machine's calibration with communication measured at every world in `worlds`: from the
-    cache when it is there and sound, else measured now (about 7 s for 2 ranks, 18 s for 4, on 2 cores) and saved.
+    cache when it is there and sound, else measured now (about 9 s for 2 ranks, 24 s more for 4, on 2 cores) and saved.
 
     Returns (calibration, messages): the messages say what was measured and why (missing, stale,
     corrupt, asked for), for the page or the command line to show. Raises `launch.WorkerError` when a
@@ -69,16 +69,17 @@ def ensure_calibration(worlds, progress=None, remeasure: bool = False, collectiv
         cal.compute_share[1] = 1.0
         messages.append("timed the engine's modules, its driver and this machine's roofline on one rank")
         done += 1
-        solo_block = next(s for s in solo if s["op"] == "block")
     for w in todo:
         report(done / steps, f"measuring gloo and shared cores with {w} ranks")
         shared = measure(w, "compute_task", {"reps": 15, "shapes": "sharing"})
         sizes = sorted({n for n in (2, w) if w % n == 0})
         comm = measure(w, "comm_task", {"group_sizes": sizes})
-        if solo_block is None:
+        resume = measure(w, "resume_task", {})
+        if solo_block is None:  # the block alone, timed as the ranks time it together
             solo_block = measure(1, "compute_task", {"reps": 15, "shapes": "sharing"})[0][0]
         cal.compute_share[w] = tm.fit_share(w, shared, cal.compute, solo_block)
         cal.comm.update(tm.fit_comm(w, comm))
+        cal.resume_s[w] = tm.fit_resume(resume)
         cal.worlds = sorted(set(cal.worlds) | {w})
         messages.append(f"measured gloo's collectives and core sharing with {w} ranks")
         done += 1

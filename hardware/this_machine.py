@@ -9,6 +9,8 @@ and says when that file is missing, stale or corrupt. A calibration holds
   backward (`Fit`), least squares over the shapes measured; the engine's own units at the default shape
   (`engine_units`);
 * sharing: how much slower compute runs when W ranks run at once (`compute_share[W]`);
+* resuming: the seconds a compute segment adds when it starts right after the rank's own communication
+  (`resume_s[W]`, engine/calibrate.resume_task);
 * communication: per world W, operation, group size n and mode (sync / async), gloo's
   seconds = alpha + beta * bytes and the process CPU it keeps busy (`CommFit`);
 * the roofline: fp32 and bf16 matmul FLOP/s and copy bandwidth (the hardware lesson plots it).
@@ -32,7 +34,7 @@ from pathlib import Path
 
 from core.ssd import mamba_block_flops
 
-FORMAT = 3
+FORMAT = 4
 # The longest a "contended" measurement waits for an asynchronous operation under compute before it
 # stops computing (engine/calibrate.py); an operation that took this long made no progress at all.
 CONTENDED_CAP_S = 0.02
@@ -70,7 +72,8 @@ class Fit:
 class CommFit:
     """One gloo operation on groups of n ranks while the world's W ranks all communicate.
 
-    Blocking operations ("sync"): `seconds` is what one costs after some compute. Asynchronous ones
+    Blocking operations ("sync", "sync_short", "sync_long"): `seconds` is what one costs after `gap_s` of
+    compute. Asynchronous ones
     ("async") are measured as a burst (`burst` operations each issued after `compute_s` of work, then
     all waited for): `seconds` is then the whole burst's time, and planner.live solves for one
     operation's duration in its simulation of that same pattern. "contended": one asynchronous
@@ -85,6 +88,7 @@ class CommFit:
     burst: int = 0
     compute_s: float = 0.0
     stalls: bool = False  # "contended" mode: it did not complete within CONTENDED_CAP_S under compute
+    gap_s: float = 0.0  # blocking modes: the compute before each timed call
 
     def seconds(self, nbytes: float) -> float:
         return self.alpha_s + self.beta_s_per_byte * max(0.0, nbytes)
@@ -99,6 +103,7 @@ class Calibration:
     compute: dict[str, Fit] = field(default_factory=dict)
     engine_units: dict[str, float] = field(default_factory=dict)  # seconds per engine span name
     compute_share: dict[int, float] = field(default_factory=dict)  # world -> slowdown when all compute
+    resume_s: dict[int, float] = field(default_factory=dict)  # world -> seconds compute adds after communicating
     comm: dict[str, CommFit] = field(default_factory=dict)  # comm_key(world, kind, n, mode) -> fit
     probe: dict = field(default_factory=dict)  # hardware.probe.ProbeResult's fields: the roofline
     worlds: list[int] = field(default_factory=list)  # worlds whose communication was measured
@@ -130,6 +135,7 @@ class Calibration:
         d = asdict(self)
         d["format"] = FORMAT
         d["compute_share"] = {str(k): v for k, v in self.compute_share.items()}
+        d["resume_s"] = {str(k): v for k, v in self.resume_s.items()}
         return d
 
     @classmethod
@@ -141,6 +147,7 @@ class Calibration:
                        compute={k: Fit(**v) for k, v in d["compute"].items()},
                        engine_units={k: float(v) for k, v in d["engine_units"].items()},
                        compute_share={int(k): float(v) for k, v in d["compute_share"].items()},
+                       resume_s={int(k): float(v) for k, v in d["resume_s"].items()},
                        comm={k: CommFit(**v) for k, v in d["comm"].items()},
                        probe=dict(d["probe"]),
                        worlds=[int(w) for w in d["worlds"]])
@@ -413,12 +420,14 @@ def fit_comm(world: int, rows: list[list[dict]]) -> dict[str, CommFit]:
     """Per operation: alpha and beta from the slowest rank's mean time at each size; the mean CPU share."""
     grouped: dict[tuple[str, int, str], dict[int, list[tuple[float, float]]]] = {}
     extra: dict[tuple[str, int, str], tuple[int, float]] = {}
+    gaps: dict[tuple[str, int, str], float] = {}
     for rank_rows in rows:
         for r in rank_rows:
             key = (r["kind"], r["n"], r["mode"])
             grouped.setdefault(key, {}).setdefault(r["bytes"], []).append((r["seconds"], r["cpu_s"]))
             if "compute_s" in r:
                 extra[key] = (r.get("burst", 0), max(extra.get(key, (0, 0.0))[1], r["compute_s"]))
+            gaps[key] = r.get("gap_s", 0.0)
     out = {}
     for (kind, n, mode), by_size in grouped.items():
         points = [(nbytes, max(t for t, _ in v)) for nbytes, v in by_size.items()]
@@ -428,7 +437,7 @@ def fit_comm(world: int, rows: list[list[dict]]) -> dict[str, CommFit]:
         burst, compute_s = extra.get((kind, n, mode), (0, 0.0))
         stalls = mode == "contended" and max(t for _, t in points) >= 0.9 * CONTENDED_CAP_S
         out[comm_key(world, kind, n, mode)] = CommFit(alpha, beta, min(1.0, cpu / wall) if wall > 0 else 0.0,
-                                                      burst, compute_s, stalls)
+                                                      burst, compute_s, stalls, gaps[(kind, n, mode)])
     return out
 
 
@@ -437,6 +446,12 @@ def fit_share(world: int, shared: list[list[dict]], solo: dict[str, Fit], solo_b
     alone = solo_block["fwd_s"] + solo_block["bwd_s"]
     together = [r[0]["fwd_s"] + r[0]["bwd_s"] for r in shared]
     return max(1.0, sum(together) / len(together) / alone) if alone > 0 else 1.0
+
+
+def fit_resume(rows: list[list[dict]]) -> float:
+    """Mean over the ranks of what a Block's forward adds right after communicating (never below 0)."""
+    extra = [r[0]["after_comm_s"] - r[0]["after_compute_s"] for r in rows]
+    return max(0.0, sum(extra) / len(extra)) if extra else 0.0
 
 
 def summary_lines(cal: Calibration) -> list[str]:
@@ -457,7 +472,8 @@ def summary_lines(cal: Calibration) -> list[str]:
         if ar:
             lines.append(f"{w} ranks: a gloo all-reduce costs {ar.alpha_s * 1e6:,.0f} us + "
                          f"{ar.beta_s_per_byte * 1e9:.2f} ns/byte; compute runs "
-                         f"{cal.share(w):.2f}x slower with all {w} ranks busy on {cal.cpus} cores")
+                         f"{cal.share(w):.2f}x slower with all {w} ranks busy on {cal.cpus} cores, and "
+                         f"{cal.resume_s.get(w, 0.0) * 1e3:.2f} ms longer right after communicating")
     return lines
 
 

@@ -6,7 +6,9 @@ synchronous or asynchronous, the same pipeline actions) with each operation's co
 `hardware.this_machine.Calibration`: the engine's modules by shape, the driver's own overhead per unit,
 gloo's measured time per operation, group size and world, and how the cores are shared. The ranks are
 then simulated together (`planner.eventsim`): a collective starts when its last member posts it, a
-receive waits for its send, computing ranks share the cores.
+receive waits for its send, computing ranks share the cores. Compute that starts right after the rank
+waited on its communication (a blocking collective, a wait, a receive) takes the calibrated `resume_s`
+longer: the rank resumes on cold caches.
 
     pred = predict(cfg, calibration)
     pred.step_time_s, pred.breakdown_s, pred.timeline          # one step, in the engine's span format
@@ -120,6 +122,7 @@ class _Costs:
     def __init__(self, cal: Calibration, cfg):
         self.cal, self.cfg, self.m = cal, cfg, cfg.model
         self._async_cache: dict = {}
+        self.resume_s = cal.resume_s.get(cfg.world, 0.0)
         c = cal.compute
         self.tiny = c["tiny_op"].fwd(0)
         m, b = self.m, cfg.micro_batch_size
@@ -197,14 +200,33 @@ class _Costs:
     def cat(self, parts: int) -> float:
         return self.cal.compute["cat"].fwd(parts)
 
-    def comm(self, kind: str, n: int, nbytes: float, mode: str = "sync") -> float:
+    def comm(self, kind: str, n: int, nbytes: float, mode: str = "sync", gap_s: float | None = None) -> float:
+        """Seconds of one operation; a blocking one ("sync") after `gap_s` of the rank's compute reads the
+        calibration at that gap (engine/calibrate.SYNC_GAPS_S), else at the calibration's usual gap."""
         if n <= 1:
             return 0.0
         size = _nearest(n, self._sizes(kind, mode))
         fit = self.cal.comm_fit(self.cfg.world, kind, size, mode)
         if mode == "async" and fit.burst:
             return self._async_op_s(kind, size, nbytes, fit)
+        if mode == "sync" and gap_s is not None:
+            return self._after_gap_s(kind, size, nbytes, gap_s, fit)
         return fit.seconds(nbytes)
+
+    def _after_gap_s(self, kind: str, n: int, nbytes: float, gap_s: float, fit) -> float:
+        """A blocking operation after `gap_s` of compute: linear in log(gap) between the two measured gaps
+        around it, the nearest measured one outside them."""
+        fits = [f for f in (self.cal.comm.get(comm_key(self.cfg.world, kind, n, mode))
+                            for mode in ("sync_short", "sync", "sync_long")) if f is not None and f.gap_s > 0]
+        if len(fits) < 2:
+            return fit.seconds(nbytes)
+        fits.sort(key=lambda f: f.gap_s)
+        g = min(max(gap_s, fits[0].gap_s), fits[-1].gap_s)
+        for lo, hi in zip(fits, fits[1:]):
+            if g <= hi.gap_s:
+                x = math.log(g / lo.gap_s) / math.log(hi.gap_s / lo.gap_s)
+                return (1 - x) * lo.seconds(nbytes) + x * hi.seconds(nbytes)
+        return fits[-1].seconds(nbytes)
 
     def contended_s(self, kind: str, n: int, nbytes: float) -> float | None:
         """An asynchronous operation's duration while its ranks compute (math.inf: it waits for them to
@@ -227,7 +249,8 @@ class _Costs:
 
     def message_s(self, group: int, nbytes: float) -> float:
         """A pipeline message's delivery while the other ranks compute: the calibrated ring shift of the
-        pipeline's ranks (each sends to its next and receives from its previous one, after compute)."""
+        pipeline's ranks (each sends to its next and receives from its previous one, after compute). Not
+        read at the sender's compute before it: the receiver usually waits for it, its threads awake."""
         return self.comm("ring_shift", group, nbytes)
 
     def _async_op_s(self, kind: str, n: int, nbytes: float, fit) -> float:
@@ -295,10 +318,26 @@ class _Rank:
         self.rank, self.costs, self.ops = rank, costs, []
         self.mb: int | None = None
         self._n = 0
+        self.since_comm = 0.0  # solo compute seconds since the rank's last communication
 
     def compute(self, name: str, seconds: float) -> None:
         if seconds > 0:
+            # a segment that starts right after the rank waited on its own communication resumes on cold
+            # caches (engine/calibrate.resume_task)
+            if self.ops and self._blocked_on_comm(self.ops[-1]):
+                seconds += self.costs.resume_s
             self.ops.append(Compute(name, seconds, self.mb))
+            self.since_comm += seconds
+
+    def comm_op(self, op) -> None:
+        """Append a communication operation built by the caller (a pipeline or state-passing message, a
+        posting)."""
+        self.ops.append(op)
+        self.since_comm = 0.0
+
+    @staticmethod
+    def _blocked_on_comm(op) -> bool:
+        return isinstance(op, (Wait, Recv)) or (isinstance(op, Collective) and op.handle is None)
 
     def coll(self, name: str, group: tuple[int, ...], axis: str, kind: str, nbytes: float, asyn: bool = False,
              mode: str | None = None) -> str | None:
@@ -308,14 +347,14 @@ class _Rank:
         mode = mode or ("async" if asyn else "sync")
         self._n += 1
         handle = f"h{self._n}" if asyn else None
-        self.ops.append(Collective(name, group, axis, self.costs.comm(kind, n, nbytes, mode), int(nbytes), handle,
-                                   self.costs.cpu(kind, n, mode), self.mb,
-                                   self.costs.contended_s(kind, n, nbytes) if asyn else None))
+        seconds = self.costs.comm(kind, n, nbytes, mode, gap_s=None if asyn else self.since_comm)
+        self.comm_op(Collective(name, group, axis, seconds, int(nbytes), handle, self.costs.cpu(kind, n, mode),
+                                self.mb, self.costs.contended_s(kind, n, nbytes) if asyn else None))
         return handle
 
     def wait(self, handle: str | None) -> None:
         if handle is not None:
-            self.ops.append(Wait(handle))
+            self.comm_op(Wait(handle))
 
 
 def predict(cfg, cal: Calibration) -> LivePrediction:
@@ -689,13 +728,13 @@ class _Program:
             for g in mine:
                 dst = dst_of(g)
                 if dst is not None and dst != me:
-                    r.ops.append(Send(f"send {what} {name}", cp[dst], (name, what, phase, r.mb, g), halo_s,
+                    r.comm_op(Send(f"send {what} {name}", cp[dst], (name, what, phase, r.mb, g), halo_s,
                                       int(halo_bytes), "cp", r.mb))
             for g in mine:
                 src = src_of(g)
                 if src is not None and src != me:
                     key_slice = g - 1 if fwd else g + 1
-                    r.ops.append(Recv(f"recv {what} {name}", cp[src], (name, what, phase, r.mb, key_slice), "cp",
+                    r.comm_op(Recv(f"recv {what} {name}", cp[src], (name, what, phase, r.mb, key_slice), "cp",
                                       r.mb))
 
         def chain() -> None:
@@ -705,12 +744,12 @@ class _Program:
             for g in order:
                 src = src_of(g)
                 if src is not None and src != me:
-                    r.ops.append(Recv(f"recv {what} {name}", cp[src], (name, what, r.mb, g), "cp", r.mb))
+                    r.comm_op(Recv(f"recv {what} {name}", cp[src], (name, what, r.mb, g), "cp", r.mb))
                 r.compute(label, SSM_STATE_HOP_OPS * c.tiny)
                 dst = dst_of(g)
                 if dst is not None and dst != me:
                     nxt = g + 1 if fwd else g - 1
-                    r.ops.append(Send(f"send {what} {name}", cp[dst], (name, what, r.mb, nxt), hop_s,
+                    r.comm_op(Send(f"send {what} {name}", cp[dst], (name, what, r.mb, nxt), hop_s,
                                       int(state_bytes), "cp", r.mb))
 
         if fwd:
@@ -818,8 +857,7 @@ class _Program:
         post_s = min(c.comm("ring_shift", n, nbytes, "async"), post.seconds(nbytes)) if post is not None else 0.0
         if post_s > 0:  # a blocking operation of this rank alone: it starts when posted
             # no cpu of its own: the shift's cpu_fraction (process CPU over its whole time) includes the posting
-            r.ops.append(Collective(f"post {what} {name}", (r.rank,), "cp", post_s, 0, None, 0.0,
-                                    r.mb))
+            r.comm_op(Collective(f"post {what} {name}", (r.rank,), "cp", post_s, 0, None, 0.0, r.mb))
         return handle
 
     # -- expert parallel (engine/ep.py) ----------------------------------------------------------------
@@ -1004,10 +1042,10 @@ class _Program:
             r.mb = a.micro_batch
             last = a.micro_batch == cfg.micro_batches - 1
             if a.kind == SEND:
-                r.ops.append(Send(f"send {a.tensor} s{a.stage}", self.g["pp"][a.peer], a.message,
-                                  self.c.message_s(self.pp, boundary), int(boundary), "pp", a.micro_batch))
+                r.comm_op(Send(f"send {a.tensor} s{a.stage}", self.g["pp"][a.peer], a.message,
+                               self.c.message_s(self.pp, boundary), int(boundary), "pp", a.micro_batch))
             elif a.kind == RECV:
-                r.ops.append(Recv(f"recv {a.tensor} s{a.stage}", self.g["pp"][a.peer], a.message, "pp", a.micro_batch))
+                r.comm_op(Recv(f"recv {a.tensor} s{a.stage}", self.g["pp"][a.peer], a.message, "pp", a.micro_batch))
             elif a.kind == FORWARD:
                 for u in units(a.stage):
                     self._before_forward(u)

@@ -13,8 +13,8 @@ def _cal(key="abc", created_s=1000.0, without=(), **kw) -> tm.Calibration:
     fits = {op: tm.Fit(1e-5, 1e-10, 2e-5, 2e-10) for op in tm.COMPUTE_FITS if op not in without}
     return tm.Calibration(key=key, created_s=created_s, cpus=2, torch="2.13.0",
                           compute=fits, engine_units={"step": 0.01},
-                          compute_share={1: 1.0, 2: 1.1}, comm={tm.comm_key(2, "all_reduce", 2, "sync"):
-                                                              tm.CommFit(4e-4, 2e-9, 0.6)},
+                          compute_share={1: 1.0, 2: 1.1}, resume_s={2: 1.5e-4},
+                          comm={tm.comm_key(2, "all_reduce", 2, "sync"): tm.CommFit(4e-4, 2e-9, 0.6, gap_s=3e-4)},
                           probe={"matmul_flops_per_s": 5e10, "memory_bytes_per_s": 1e10, "threads": 1,
                                  "bf16_matmul_flops_per_s": 2e10}, worlds=[2], **kw)
 
@@ -182,3 +182,16 @@ def test_an_operation_that_never_completes_under_compute_stalls():
     assert stalled[tm.comm_key(2, "reduce_scatter", 2, "contended")].stalls
     moving = tm.fit_comm(2, [[row(1e-3, 1024), row(2e-3, 131072)]])
     assert not moving[tm.comm_key(2, "reduce_scatter", 2, "contended")].stalls
+
+
+def test_resuming_after_communication_is_the_extra_over_resuming_after_compute():
+    rows = [[{"after_comm_s": 5e-4, "after_compute_s": 3e-4}], [{"after_comm_s": 4e-4, "after_compute_s": 3e-4}]]
+    assert tm.fit_resume(rows) == pytest.approx(1.5e-4)
+    assert tm.fit_resume([[{"after_comm_s": 2e-4, "after_compute_s": 3e-4}]]) == 0.0  # never below 0
+
+
+def test_blocking_fits_keep_the_compute_gap_they_were_measured_after():
+    rows = [[{"kind": "all_to_all", "n": 2, "world": 2, "bytes": b, "mode": "sync_long", "seconds": 1e-3 + b * 1e-9,
+              "cpu_s": 1e-4, "gap_s": 2e-3} for b in (1024, 131072)]]
+    fit = tm.fit_comm(2, rows)[tm.comm_key(2, "all_to_all", 2, "sync_long")]
+    assert fit.gap_s == 2e-3 and fit.alpha_s == pytest.approx(1e-3) and fit.beta_s_per_byte == pytest.approx(1e-9)

@@ -14,14 +14,12 @@ import pytest
 from core.mesh import Mesh
 from core.timeline import Span, Timeline
 from engine.cli import config_from_args, run_parser
-from hardware.this_machine import Calibration, CalibrationError, CommFit, Fit
-from planner.live import WAITING, _params, compare, per_step_by_kind, predict
+from hardware.this_machine import Calibration, CalibrationError, comm_key
+from planner.eventsim import Compute
+from planner.live import WAITING, _Costs, _params, _Rank, compare, per_step_by_kind, predict
 
+# A 2-core machine's calibration (engine/predict.ensure_calibration at worlds 2 and 4), every fit in it
 CAL = Calibration.from_dict(json.loads((Path(__file__).parent / "data" / "calibration-2core.json").read_text()))
-# The data file predates the Mamba-2 fit: this one was fitted on a 2-core machine's calibration (fixed +
-# per scan step + per FLOP, forward and backward), beside the file's own fits.
-CAL_MAMBA = dataclasses.replace(CAL, compute={**CAL.compute, "mamba": Fit(9.6e-4, 8.2e-11, 1.45e-3, 4.3e-11,
-                                                                          2.4e-5, 1.4e-4)})
 
 
 def _cfg(flags: str):
@@ -174,15 +172,16 @@ MAMBA_RUNS = [
 @pytest.mark.parametrize("flags", MAMBA_RUNS)
 def test_every_mamba_run_has_a_prediction(flags):
     cfg = _cfg(flags)
-    pred = predict(cfg, CAL_MAMBA)
+    pred = predict(cfg, CAL)
     assert pred.step_time_s > 0
     assert sum(pred.breakdown_s.values()) == pytest.approx(pred.step_time_s)
     assert pred.timeline.ranks == list(range(cfg.world))
 
 
 def test_a_calibration_without_the_mamba_fit_says_so():
+    older = dataclasses.replace(CAL, compute={k: v for k, v in CAL.compute.items() if k != "mamba"})
     with pytest.raises(CalibrationError, match="no timing of mamba"):
-        predict(_cfg("--arch mamba2 --strategy dp --world 2"), CAL)
+        predict(_cfg("--arch mamba2 --strategy dp --world 2"), older)
 
 
 @pytest.mark.parametrize("flags", ["--arch mamba2", "--arch hybrid", "--arch hybrid --pattern MMA --layers 3"])
@@ -201,7 +200,7 @@ def _spans(pred, name, rank=None):
 
 def test_tp_has_one_all_reduce_per_mamba_layer_each_way():
     cfg = _cfg("--arch mamba2 --strategy tp --world 2")
-    pred = predict(cfg, CAL_MAMBA)
+    pred = predict(cfg, CAL)
     act = cfg.micro_batch_size * cfg.model.seq_len * cfg.model.hidden * 4
     for rank in (0, 1):
         for layer in ("L0", "L1"):
@@ -210,7 +209,7 @@ def test_tp_has_one_all_reduce_per_mamba_layer_each_way():
                 assert len(spans) == 1 and spans[0].group == "tp" and spans[0].bytes == act
     tp_comm = {s.name for s in pred.timeline.spans if s.group == "tp"}
     assert not any("L0" in n and "mamba" not in n for n in tp_comm)  # nothing else in the layer
-    sp = predict(_cfg("--arch mamba2 --strategy tp --sequence-parallel --world 2"), CAL_MAMBA)
+    sp = predict(_cfg("--arch mamba2 --strategy tp --sequence-parallel --world 2"), CAL)
     for name in ("all_gather L0 mamba", "reduce_scatter L0 mamba", "all_gather L0 mamba grad",
                  "reduce_scatter L0 mamba grad", "all_reduce L0 norm grad"):
         assert len(_spans(sp, name, 0)) == 1, name
@@ -223,7 +222,7 @@ def test_state_passing_writes_the_engines_chain():
     m, b = cfg.model, cfg.micro_batch_size
     state_bytes = b * m.ssm_heads * m.ssm_head_dim * m.ssm_state * 4
     halo_bytes = b * (m.conv_width - 1) * (m.ssm_inner + 2 * m.ssm_groups * m.ssm_state) * 4
-    pred = predict(cfg, CAL_MAMBA)
+    pred = predict(cfg, CAL)
     for name, senders in (("send state L0", [0, 1, 2]), ("send dstate L0", [1, 2, 3]),
                           ("send conv halo L0", [0, 1, 2]), ("send dhalo L0", [1, 2, 3])):
         spans = _spans(pred, name)
@@ -246,7 +245,7 @@ def test_alltoall_switches_shards_twice_each_way():
     tokens = b * m.seq_len // 4
     inputs = tokens * (m.ssm_inner + 2 * m.ssm_groups * m.ssm_state + m.ssm_heads) * 4
     outputs = tokens * m.ssm_inner * 4
-    pred = predict(cfg, CAL_MAMBA)
+    pred = predict(cfg, CAL)
     for name, nbytes in (("all_to_all scan inputs L0", inputs), ("all_to_all scan outputs L0", outputs),
                          ("all_to_all scan outputs L0 bwd", outputs), ("all_to_all scan inputs L0 bwd", inputs)):
         spans = _spans(pred, name)
@@ -257,16 +256,15 @@ def test_alltoall_switches_shards_twice_each_way():
 def test_a_hybrid_mixes_both_kinds():
     # zig-zag slices beside attention: rank 0 holds slices 0 and 3, rank 1 slices 1 and 2; the state
     # goes 0 -> 1, stays on rank 1, then 1 -> 0; the attention layer passes K/V around the ring
-    pred = predict(_cfg("--arch hybrid --strategy cp --world 2"), CAL_MAMBA)
+    pred = predict(_cfg("--arch hybrid --strategy cp --world 2"), CAL)
     assert [s.rank for s in _spans(pred, "send state L0")] == [0, 1]
     assert _spans(pred, "send/recv kv L1") and not _spans(pred, "send state L1")
 
 
 # -- context parallel's ring and DP's buckets as the engine runs them --------------------------------------
 
-# The data file predates the ring shift's posting fit: one of this machine's (a 2-core machine's) beside it.
-CAL_POST = dataclasses.replace(CAL, comm={**CAL.comm, "w2/ring_shift/n2/post": CommFit(4.8e-4, 0.0, 0.13),
-                                          "w4/ring_shift/n4/post": CommFit(5.5e-4, 0.0, 0.16)})
+# A calibration from before the ring shift's posting was measured
+CAL_NO_POST = dataclasses.replace(CAL, comm={k: v for k, v in CAL.comm.items() if not k.endswith("/post")})
 
 
 def _ops(pred, rank, names):
@@ -275,7 +273,7 @@ def _ops(pred, rank, names):
 
 def test_the_ring_posts_each_hop_and_sends_dkv_on_after_each_block():
     cfg = _cfg("--strategy cp --world 2")
-    pred = predict(cfg, CAL_POST)
+    pred = predict(cfg, CAL)
     for rank in (0, 1):
         # per layer: forward 1 K/V hop, backward 1 K/V and 2 dK/dV hops, each posted (blocking) then in flight
         for layer in ("L0", "L1"):
@@ -290,8 +288,8 @@ def test_the_ring_posts_each_hop_and_sends_dkv_on_after_each_block():
             first_dkv = min(shifts, key=lambda s: s.start_s)
             assert first_dkv.start_s < second.end_s
     assert not pred.notes
-    assert "calibrate again" in predict(cfg, CAL).notes[0]  # the data file has no posting fit
-    assert not any(s.name.startswith("post") for s in predict(cfg, CAL).timeline.spans)
+    assert "calibrate again" in predict(cfg, CAL_NO_POST).notes[0]
+    assert not any(s.name.startswith("post") for s in predict(cfg, CAL_NO_POST).timeline.spans)
 
 
 def test_dp_buckets_leave_as_their_gradients_exist():
@@ -347,3 +345,42 @@ def test_the_predicted_buckets_are_the_engines():
     predicted = sorted((s for s in pred.timeline.spans if s.rank == 0 and "bucket" in s.name),
                        key=lambda s: int(s.name.split()[-1]))
     assert [s.bytes for s in predicted] == [sum(sizes[n] for n in names) for _, names in engine]
+
+
+# -- what a blocking operation does to the rank around it (engine/calibrate: resume_task, SYNC_GAPS_S) -----
+
+def test_compute_right_after_waiting_on_communication_resumes_slower():
+    costs = _Costs(CAL, _cfg("--strategy tp --world 2"))
+    assert costs.resume_s == CAL.resume_s[2] > 0
+    r = _Rank(0, costs)
+    r.compute("first", 1e-3)
+    r.coll("blocking", (0, 1), "tp", "all_reduce", 1024)
+    r.compute("after a blocking all-reduce", 1e-3)
+    h = r.coll("async", (0, 1), "tp", "all_reduce", 1024, asyn=True)
+    r.compute("beside an asynchronous one", 1e-3)
+    r.wait(h)
+    r.compute("after its wait", 1e-3)
+    seconds = {op.name: op.seconds for op in r.ops if isinstance(op, Compute)}
+    assert seconds["first"] == seconds["beside an asynchronous one"] == 1e-3
+    assert seconds["after a blocking all-reduce"] == seconds["after its wait"] == pytest.approx(1e-3 + costs.resume_s)
+
+
+def test_a_blocking_operation_costs_what_it_was_measured_at_after_as_much_compute():
+    costs = _Costs(CAL, _cfg("--strategy ep --world 2"))
+    fits = {mode: CAL.comm[comm_key(2, "all_to_all", 2, mode)] for mode in ("sync_short", "sync", "sync_long")}
+    assert fits["sync_short"].gap_s < fits["sync"].gap_s < fits["sync_long"].gap_s
+    nbytes = 18432
+    for mode, fit in fits.items():
+        assert costs.comm("all_to_all", 2, nbytes, gap_s=fit.gap_s) == pytest.approx(fit.seconds(nbytes))
+    # beyond the measured gaps: the nearest; between two: between their costs
+    assert costs.comm("all_to_all", 2, nbytes, gap_s=1.0) == pytest.approx(fits["sync_long"].seconds(nbytes))
+    assert costs.comm("all_to_all", 2, nbytes, gap_s=0.0) == pytest.approx(fits["sync_short"].seconds(nbytes))
+    middle = costs.comm("all_to_all", 2, nbytes, gap_s=1e-3)
+    ends = sorted((fits["sync"].seconds(nbytes), fits["sync_long"].seconds(nbytes)))
+    assert ends[0] <= middle <= ends[1]
+    # the rank's program reads each blocking operation at the compute since its last communication
+    r = _Rank(0, costs)
+    r.compute("long compute", 5e-3)
+    r.coll("a2a", (0, 1), "ep", "all_to_all", nbytes)
+    assert r.ops[-1].seconds == pytest.approx(fits["sync_long"].seconds(nbytes))
+    assert r.since_comm == 0.0
