@@ -1,7 +1,8 @@
 """Auto-parallel search: every layout of the case's free fields, pruned, ranked by simulated step time.
 
 The space: every factorisation num_chips = dp * tp * pp * cp, every ep dividing dp (core/mesh.py) and the
-expert count, every micro-batch size dividing the per-replica batch, every pipeline schedule and
+expert count, every micro-batch size dividing the per-replica batch (1 with pipeline stages, as current
+frameworks run them: `micro_batch_sizes`), every pipeline schedule and
 number of virtual stages, ZeRO stage 0-3, recomputation none / selective / full, sequence parallel
 on or off. Fields the case fixes are held; null fields are searched.
 
@@ -111,6 +112,16 @@ def _schedules(case: Case, pp: int, micro_batches: int) -> Iterator[tuple[str, i
                 yield sched, v
 
 
+def micro_batch_sizes(per_replica: int, pp: int) -> list[int]:
+    """The micro-batch sizes a null `training.micro_batch` may take: 1 under pipeline parallelism, as
+    current frameworks run pipelines (NeMo's pretraining recipes set micro_batch_size=1 with pp > 1, e.g.
+    llama3_70b at tp 4, pp 4, vp 5, and every H100 tensor-parallel overlap config they ship is for
+    micro-batch 1; Megatron-LM's example GPT-3 175B script: --micro-batch-size 1): the most micro-batches
+    shrink the bubble. Without pipeline stages, every divisor of the replica's batch (the fastest that
+    fits wins, as a run without gradient accumulation takes its whole local batch at once)."""
+    return [1] if pp > 1 else divisors(per_replica, up_to=MAX_MICRO_BATCH)
+
+
 def candidate_layouts(case: Case, chip: Chip) -> Iterator[Layout]:
     """Every layout that passes divisibility, with ZeRO and recompute left at their lightest values;
     `search` walks those two dimensions itself (dominance rules in the module docstring)."""
@@ -122,7 +133,7 @@ def candidate_layouts(case: Case, chip: Chip) -> Iterator[Layout]:
             if dp % ep or (m.is_moe and m.experts % ep) or (not m.is_moe and ep > 1):
                 continue
             per_replica = t.global_batch // dp
-            for b in [t.micro_batch] if t.micro_batch else divisors(per_replica, up_to=MAX_MICRO_BATCH):
+            for b in [t.micro_batch] if t.micro_batch else micro_batch_sizes(per_replica, pp):
                 if per_replica % b:
                     continue
                 for sched, v in _schedules(case, pp, per_replica // b):

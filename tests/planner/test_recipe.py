@@ -21,6 +21,14 @@ def _case(chip="h100", tp=8, dp=4, pp=1, **training):
             "cluster": {"chip": chip, "num_chips": dp * tp * pp, "chips_per_node": 8}}
 
 
+def test_a_null_micro_batch_is_1_under_pipeline_parallelism_else_the_fastest_that_fits():
+    # NeMo's pretraining recipes run pipelines at micro_batch_size=1 (layout_search.micro_batch_sizes)
+    piped = estimate(_case(tp=8, dp=2, pp=2, micro_batch=None))
+    assert piped.layout.micro_batch == 1 and piped.chosen["training"]["micro_batch"] == 1
+    flat = estimate(_case(tp=8, dp=2, pp=1, micro_batch=None))
+    assert flat.layout.micro_batch > 1  # 32 sequences per replica: no gradient accumulation is faster
+
+
 def test_null_recipe_is_what_a_current_framework_does_and_is_reported():
     est = estimate(_case())
     chosen = est.chosen["training"]
