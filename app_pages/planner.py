@@ -64,7 +64,8 @@ st.markdown(f"**Layout:** dp={lay.dp}, tp={lay.tp}, pp={lay.pp}, cp={lay.cp}, ep
             f"global batch {global_batch:,} sequences of {spec.seq_len:,} tokens.")
 if est.chosen:
     picked = {k: v for block in est.chosen.values() for k, v in block.items()}
-    st.caption("Chosen by the planner (fastest that fits): " + ", ".join(f"{k}={v}" for k, v in picked.items()))
+    st.caption("Chosen by the planner (what a current framework does; where frameworks differ, the fastest that "
+               "fits): " + ", ".join(f"{k}={v}" for k, v in picked.items()))
 
 @st.cache_data(show_spinner=False)
 def _accuracy():
