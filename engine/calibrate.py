@@ -44,7 +44,7 @@ from engine.mamba import Mamba2
 from engine.model import Attention, Block, Embed, Head, MoE, RMSNorm, SwiGLU, loss_fn
 from engine.optim import AdamW, adamw_
 from engine.ring_attention import block_backward, block_forward, expand_kv, merge, reduce_kv
-from hardware.this_machine import CONTENDED_CAP_S
+from hardware.this_machine import BLOCKING_MODES, CONTENDED_CAP_S
 
 # Message sizes of the communication sweep (bytes): the live models' collectives are 0.1-450 KB (the
 # whole-gradient all-reduce of cp and ep is 427 KB), where gloo's time is mostly per operation (thread
@@ -56,28 +56,29 @@ COMM_SIZES = (1024, 131072, 524288)
 # cheaper and a tenth of them stall, so they run twice the rounds (three calibrations predicted the
 # default 2-rank runs 7-24 % apart with 60).
 COMM_ROUNDS = 60
-
-
-def comm_rounds(world: int) -> int:
-    """Calls of each blocking operation and size at `world` (COMM_ROUNDS, twice that for 2 ranks)."""
-    return 2 * COMM_ROUNDS if world <= 2 else COMM_ROUNDS
 ASYNC_ROUNDS = 24
 COMM_BLOCK = 10
 CONTENDED_CHUNK_S = 25e-6  # the compute between two polls of an operation in flight (a few small matmuls)
-CONTENDED_ROUNDS = 8
+CONTENDED_ROUNDS = 24  # with 8, two calibrations put a 2-rank all-reduce under compute at 1.74 and 0.28 ms
 COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ring_shift", "send_recv")
 ASYNC_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 ASYNC_BURST = 6  # asynchronous operations issued back to back before waiting (DP buckets, FSDP units)
 COMPUTE_GAP_S = 300e-6  # compute before each blocking operation: a unit of the default model takes ~0.3 ms
 # A blocking operation costs more the longer its rank computed before it: gloo's threads slept that long,
-# and on busy cores waking them waits for a scheduler tick more often. Measured here (2 cores, 18 KB
-# all-to-all over 2 ranks, mean of 145 calls): 0.31 ms after 50 us of compute, 0.6 after 0.3 ms, 0.5-1.1
-# after 1 ms, 1.2-1.4 after 3 ms; over 4 ranks 2.5, 2.5-2.8, 3.1-3.3 and 5-6 ms. So blocking operations
-# are timed after each of these gaps ("sync" is COMPUTE_GAP_S), and planner.live reads each operation at
-# the compute that precedes it in the run.
-SYNC_GAPS_S = {"sync_short": 50e-6, "sync_long": 2e-3}
+# and on busy cores waking them waits for a scheduler tick more often. In an experiment here (2 cores, an
+# 18 KB all-to-all, mean of 145 calls per rank) it took 0.31 ms after 50 us of compute, 0.6 after 0.3 ms,
+# 0.5-1.1 after 1 ms and 1.2-1.4 after 3 ms over 2 ranks; 2.5, 2.5-2.8, 3.1-3.3 and 5-6 ms over 4. The
+# calibration times blocking operations after each of SYNC_GAPS_S too ("sync" is COMPUTE_GAP_S), on
+# fewer calls (SYNC_GAP_ROUNDS): single fits are noisy (one calibration put a 2-rank all-to-all at 0.82
+# ms after 2 ms and 0.85 after 0.3 ms), and planner.live reads each operation at the compute before it.
+SYNC_GAPS_S = {BLOCKING_MODES[0]: 50e-6, BLOCKING_MODES[2]: 2e-3}
 SYNC_GAP_ROUNDS = 30
 SYNC_GAP_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")  # the live runs' blocking ones
+
+
+def comm_rounds(world: int) -> int:
+    """Calls of each blocking operation and size at `world` (COMM_ROUNDS, twice that for 2 ranks)."""
+    return 2 * COMM_ROUNDS if world <= 2 else COMM_ROUNDS
 
 
 def _mean_s(fn, reps: int, warmup: int = 2) -> float:
@@ -252,14 +253,15 @@ def compute_task(ctx, reps: int = 15, shapes: str = "all") -> list[dict]:
     return out
 
 
-RESUME_REPS = 40
+RESUME_REPS = 200  # timed forwards of each kind; with 40, three calibrations read 0.00, 0.08 and 0.14 ms
+RESUME_BLOCK = 20  # the two kinds take turns in blocks (against the machine's drift); each block's first is dropped
 RESUME_BYTES = 131072  # the message of the all-reduce before each timed forward (any size costs the same)
 
 
 def resume_task(ctx, reps: int = RESUME_REPS) -> list[dict]:
     """Pool task: the median time of the default Block's forward right after a blocking all-reduce over the
-    world, and right after a small matmul (other compute), on every rank at once; `hardware.this_machine`
-    takes the difference (the module docstring)."""
+    world, and right after a small matmul (other compute), in alternating blocks, on every rank at once;
+    `hardware.this_machine` takes the difference (the module docstring)."""
     import torch.distributed as dist
 
     torch.manual_seed(0)
@@ -267,22 +269,19 @@ def resume_task(ctx, reps: int = RESUME_REPS) -> list[dict]:
     block, x = Block(m), torch.randn(2, m.seq_len, m.hidden)
     msg = torch.ones(RESUME_BYTES // 4)
     a, b = torch.randn(256, 256), torch.randn(256, 256)
-
-    def median_after(before) -> float:
-        times = []
-        with torch.no_grad():
-            for _ in range(reps + 5):
-                before()
-                t0 = time.perf_counter()
-                block(x)
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times[5:])
-
+    after = {"comm": [], "compute": []}
     dist.barrier()
-    after_comm = median_after(lambda: dist.all_reduce(msg))
-    dist.barrier()
-    after_compute = median_after(lambda: a @ b)
-    return [{"after_comm_s": after_comm, "after_compute_s": after_compute}]
+    with torch.no_grad():
+        for _ in range(max(1, reps // (RESUME_BLOCK - 1))):
+            for what, before in (("comm", lambda: dist.all_reduce(msg)), ("compute", lambda: a @ b)):
+                for i in range(RESUME_BLOCK):
+                    before()
+                    t0 = time.perf_counter()
+                    block(x)
+                    if i:  # the block's first follows the other kind
+                        after[what].append(time.perf_counter() - t0)
+    return [{"after_comm_s": statistics.median(after["comm"]),
+             "after_compute_s": statistics.median(after["compute"])}]
 
 
 def engine_units(ctx, steps: int = 6) -> list[dict]:
@@ -361,7 +360,7 @@ def comm_task(ctx, group_sizes: list[int], sizes: tuple[int, ...] = COMM_SIZES, 
                                 [sum(w for w, _ in posts), sum(c for _, c in posts), len(posts)]))
         blocking = {key: call for key, call in sync.items() if key[0] in SYNC_GAP_KINDS}
         for mode, gap_s in SYNC_GAPS_S.items():
-            gap_rounds = SYNC_GAP_ROUNDS * rounds // COMM_ROUNDS
+            gap_rounds = max(1, SYNC_GAP_ROUNDS * rounds // COMM_ROUNDS)
             for (kind, nbytes), sums in _rounds(blocking, gap_rounds, dist, gap_s).items():
                 out.append(_row(kind, n, ctx.world, nbytes, mode, sums) | {"gap_s": gap_s})
         for (kind, nbytes), sums in _rounds(bursts, async_rounds, dist, 0.0).items():

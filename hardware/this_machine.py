@@ -11,8 +11,9 @@ and says when that file is missing, stale or corrupt. A calibration holds
 * sharing: how much slower compute runs when W ranks run at once (`compute_share[W]`);
 * resuming: the seconds a compute segment adds when it starts right after the rank's own communication
   (`resume_s[W]`, engine/calibrate.resume_task);
-* communication: per world W, operation, group size n and mode (sync / async), gloo's
-  seconds = alpha + beta * bytes and the process CPU it keeps busy (`CommFit`);
+* communication: per world W, operation, group size n and mode (blocking after three gaps of compute:
+  `BLOCKING_MODES`; async bursts; contended, under compute; a ring shift's posting), gloo's seconds =
+  alpha + beta * bytes and the process CPU it keeps busy (`CommFit`);
 * the roofline: fp32 and bf16 matmul FLOP/s and copy bandwidth (the hardware lesson plots it).
 
 Cache: `$SHARDLAB_CACHE_DIR`, else `$XDG_CACHE_HOME/shardlab`, else `~/.cache/shardlab`; one JSON file per
@@ -38,6 +39,8 @@ FORMAT = 4
 # The longest a "contended" measurement waits for an asynchronous operation under compute before it
 # stops computing (engine/calibrate.py); an operation that took this long made no progress at all.
 CONTENDED_CAP_S = 0.02
+# Blocking operations are timed after three gaps of compute (engine/calibrate.SYNC_GAPS_S), shortest first
+BLOCKING_MODES = ("sync_short", "sync", "sync_long")
 STALE_AFTER_S = 30 * 24 * 3600  # a month: software updates and thermal changes drift the numbers
 # The module fits every prediction may need (`fit_compute` makes them all); a cached calibration lacking
 # one predates that module's measurement.

@@ -48,7 +48,7 @@ from core.schedules import (
 )
 from core.ssd import state_correction_flops
 from core.timeline import Timeline, bubble_spans, intersection_seconds, span_kind, union_seconds
-from hardware.this_machine import Calibration, CalibrationError, comm_key, scan_steps, work
+from hardware.this_machine import BLOCKING_MODES, Calibration, CalibrationError, comm_key, scan_steps, work
 from planner.eventsim import Collective, Compute, Recv, Send, Wait, simulate
 
 F32 = 4
@@ -122,7 +122,10 @@ class _Costs:
     def __init__(self, cal: Calibration, cfg):
         self.cal, self.cfg, self.m = cal, cfg, cfg.model
         self._async_cache: dict = {}
-        self.resume_s = cal.resume_s.get(cfg.world, 0.0)
+        # the calibration times resuming and gaps with every rank computing at once; the programs count
+        # one core's seconds (the simulator stretches them where ranks share the cores)
+        self.share = cal.share(cfg.world)
+        self.resume_s = cal.resume_s.get(cfg.world, 0.0) / self.share
         c = cal.compute
         self.tiny = c["tiny_op"].fwd(0)
         m, b = self.m, cfg.micro_batch_size
@@ -201,8 +204,9 @@ class _Costs:
         return self.cal.compute["cat"].fwd(parts)
 
     def comm(self, kind: str, n: int, nbytes: float, mode: str = "sync", gap_s: float | None = None) -> float:
-        """Seconds of one operation; a blocking one ("sync") after `gap_s` of the rank's compute reads the
-        calibration at that gap (engine/calibrate.SYNC_GAPS_S), else at the calibration's usual gap."""
+        """Seconds of one operation; a blocking one ("sync") after `gap_s` of the rank's compute (one
+        core's seconds) reads the calibration at that gap (engine/calibrate.SYNC_GAPS_S), else at the
+        calibration's usual gap."""
         if n <= 1:
             return 0.0
         size = _nearest(n, self._sizes(kind, mode))
@@ -210,17 +214,17 @@ class _Costs:
         if mode == "async" and fit.burst:
             return self._async_op_s(kind, size, nbytes, fit)
         if mode == "sync" and gap_s is not None:
-            return self._after_gap_s(kind, size, nbytes, gap_s, fit)
+            return self._after_gap_s(kind, size, nbytes, gap_s * self.share, fit)
         return fit.seconds(nbytes)
 
     def _after_gap_s(self, kind: str, n: int, nbytes: float, gap_s: float, fit) -> float:
         """A blocking operation after `gap_s` of compute: linear in log(gap) between the two measured gaps
         around it, the nearest measured one outside them."""
-        fits = [f for f in (self.cal.comm.get(comm_key(self.cfg.world, kind, n, mode))
-                            for mode in ("sync_short", "sync", "sync_long")) if f is not None and f.gap_s > 0]
-        if len(fits) < 2:
+        by_gap = {f.gap_s: f for f in (self.cal.comm.get(comm_key(self.cfg.world, kind, n, mode))
+                                       for mode in BLOCKING_MODES) if f is not None and f.gap_s > 0}
+        if len(by_gap) < 2:
             return fit.seconds(nbytes)
-        fits.sort(key=lambda f: f.gap_s)
+        fits = [by_gap[g] for g in sorted(by_gap)]
         g = min(max(gap_s, fits[0].gap_s), fits[-1].gap_s)
         for lo, hi in zip(fits, fits[1:]):
             if g <= hi.gap_s:
@@ -318,26 +322,29 @@ class _Rank:
         self.rank, self.costs, self.ops = rank, costs, []
         self.mb: int | None = None
         self._n = 0
-        self.since_comm = 0.0  # solo compute seconds since the rank's last communication
+        self.since_comm = 0.0  # one core's compute seconds since the rank's last communication
+        self.compute_scale = 1.0  # the share of a unit's compute a pass runs (ZB-H1's backward halves)
+        self._resumes = False  # the rank has waited on its communication since it last computed
 
     def compute(self, name: str, seconds: float) -> None:
+        seconds *= self.compute_scale
         if seconds > 0:
-            # a segment that starts right after the rank waited on its own communication resumes on cold
-            # caches (engine/calibrate.resume_task)
-            if self.ops and self._blocked_on_comm(self.ops[-1]):
+            # the first compute after the rank waited on its own communication resumes on cold caches
+            # (engine/calibrate.resume_task)
+            if self._resumes:
                 seconds += self.costs.resume_s
+                self._resumes = False
             self.ops.append(Compute(name, seconds, self.mb))
             self.since_comm += seconds
 
     def comm_op(self, op) -> None:
-        """Append a communication operation built by the caller (a pipeline or state-passing message, a
-        posting)."""
+        """Append a communication operation (built here or by the caller: a pipeline or state-passing
+        message, a posting)."""
         self.ops.append(op)
         self.since_comm = 0.0
-
-    @staticmethod
-    def _blocked_on_comm(op) -> bool:
-        return isinstance(op, (Wait, Recv)) or (isinstance(op, Collective) and op.handle is None)
+        # it blocks the rank: a wait, a receive, a blocking collective (not a send or an asynchronous one)
+        if isinstance(op, (Wait, Recv)) or (isinstance(op, Collective) and op.handle is None):
+            self._resumes = True
 
     def coll(self, name: str, group: tuple[int, ...], axis: str, kind: str, nbytes: float, asyn: bool = False,
              mode: str | None = None) -> str | None:
@@ -729,13 +736,13 @@ class _Program:
                 dst = dst_of(g)
                 if dst is not None and dst != me:
                     r.comm_op(Send(f"send {what} {name}", cp[dst], (name, what, phase, r.mb, g), halo_s,
-                                      int(halo_bytes), "cp", r.mb))
+                                   int(halo_bytes), "cp", r.mb))
             for g in mine:
                 src = src_of(g)
                 if src is not None and src != me:
                     key_slice = g - 1 if fwd else g + 1
                     r.comm_op(Recv(f"recv {what} {name}", cp[src], (name, what, phase, r.mb, key_slice), "cp",
-                                      r.mb))
+                                   r.mb))
 
         def chain() -> None:
             what = "state" if fwd else "dstate"
@@ -750,7 +757,7 @@ class _Program:
                 if dst is not None and dst != me:
                     nxt = g + 1 if fwd else g - 1
                     r.comm_op(Send(f"send {what} {name}", cp[dst], (name, what, r.mb, nxt), hop_s,
-                                      int(state_bytes), "cp", r.mb))
+                                   int(state_bytes), "cp", r.mb))
 
         if fwd:
             halo()
@@ -1064,11 +1071,14 @@ class _Program:
     def _stage_unit(self, u: int, fwd: bool, label: str, share: float = 1.0) -> None:
         """A unit inside a pipeline pass: its compute and collectives, under the pass's span name."""
         before = len(self.r.ops)
-        (self.unit_fwd if fwd else self.unit_bwd)(u)
+        self.r.compute_scale = share
+        try:
+            (self.unit_fwd if fwd else self.unit_bwd)(u)
+        finally:
+            self.r.compute_scale = 1.0
         for op in self.r.ops[before:]:
             if isinstance(op, Compute):
                 op.name = label
-                op.seconds *= share
 
     def _grad_ready_pp(self, u: int, last: bool) -> None:
         """The strategy over dp sees the stage's units as a model of their own (engine/pipeline/executor.py)."""

@@ -36,7 +36,7 @@ def test_corrupt_calibration_is_measured_again_with_a_message(calibrated):
     # blocking operations timed after three gaps of compute, and what compute loses after communicating
     gaps = [cal.comm[tm.comm_key(2, "all_to_all", 2, mode)].gap_s for mode in ("sync_short", "sync", "sync_long")]
     assert 0 < gaps[0] < gaps[1] < gaps[2]
-    assert set(cal.resume_s) == {2} and cal.resume_s[2] >= 0
+    assert set(cal.resume_s) == {2}
     assert [f for f, _ in steps] == sorted(f for f, _ in steps) and steps[-1] == (1.0, "calibrated")
     again, messages = ensure_calibration([2])  # now from the cache
     assert messages == [] and again == cal

@@ -5,6 +5,7 @@ measured timeline names what differs most."""
 
 import dataclasses
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -14,8 +15,8 @@ import pytest
 from core.mesh import Mesh
 from core.timeline import Span, Timeline
 from engine.cli import config_from_args, run_parser
-from hardware.this_machine import Calibration, CalibrationError, comm_key
-from planner.eventsim import Compute
+from hardware.this_machine import BLOCKING_MODES, Calibration, CalibrationError, comm_key
+from planner.eventsim import Compute, Send
 from planner.live import WAITING, _Costs, _params, _Rank, compare, per_step_by_kind, predict
 
 # A 2-core machine's calibration (engine/predict.ensure_calibration at worlds 2 and 4), every fit in it
@@ -351,7 +352,8 @@ def test_the_predicted_buckets_are_the_engines():
 
 def test_compute_right_after_waiting_on_communication_resumes_slower():
     costs = _Costs(CAL, _cfg("--strategy tp --world 2"))
-    assert costs.resume_s == CAL.resume_s[2] > 0
+    # calibrated with every rank computing at once; the programs count one core's seconds
+    assert costs.resume_s == pytest.approx(CAL.resume_s[2] / CAL.share(2)) and costs.resume_s > 0
     r = _Rank(0, costs)
     r.compute("first", 1e-3)
     r.coll("blocking", (0, 1), "tp", "all_reduce", 1024)
@@ -359,25 +361,33 @@ def test_compute_right_after_waiting_on_communication_resumes_slower():
     h = r.coll("async", (0, 1), "tp", "all_reduce", 1024, asyn=True)
     r.compute("beside an asynchronous one", 1e-3)
     r.wait(h)
-    r.compute("after its wait", 1e-3)
+    r.comm_op(Send("a send does not block", 1, ("k",), 1e-4))
+    r.compute("after its wait and a send", 1e-3)
+    r.compute_scale = 0.5  # half a unit's compute (ZB-H1's backward halves): the penalty is whole
+    r.coll("blocking again", (0, 1), "tp", "all_reduce", 1024)
+    r.compute("half a unit after a blocking all-reduce", 2e-3)
     seconds = {op.name: op.seconds for op in r.ops if isinstance(op, Compute)}
     assert seconds["first"] == seconds["beside an asynchronous one"] == 1e-3
-    assert seconds["after a blocking all-reduce"] == seconds["after its wait"] == pytest.approx(1e-3 + costs.resume_s)
+    for name in ("after a blocking all-reduce", "after its wait and a send", "half a unit after a blocking all-reduce"):
+        assert seconds[name] == pytest.approx(1e-3 + costs.resume_s)
 
 
 def test_a_blocking_operation_costs_what_it_was_measured_at_after_as_much_compute():
     costs = _Costs(CAL, _cfg("--strategy ep --world 2"))
-    fits = {mode: CAL.comm[comm_key(2, "all_to_all", 2, mode)] for mode in ("sync_short", "sync", "sync_long")}
+    fits = {mode: CAL.comm[comm_key(2, "all_to_all", 2, mode)] for mode in BLOCKING_MODES}
     assert fits["sync_short"].gap_s < fits["sync"].gap_s < fits["sync_long"].gap_s
-    nbytes = 18432
+    nbytes, share = 18432, CAL.share(2)
+
+    def after(gap_s):  # a gap of wall-clock compute with every rank computing: one core's seconds / share
+        return costs.comm("all_to_all", 2, nbytes, gap_s=gap_s / share)
+
     for mode, fit in fits.items():
-        assert costs.comm("all_to_all", 2, nbytes, gap_s=fit.gap_s) == pytest.approx(fit.seconds(nbytes))
-    # beyond the measured gaps: the nearest; between two: between their costs
-    assert costs.comm("all_to_all", 2, nbytes, gap_s=1.0) == pytest.approx(fits["sync_long"].seconds(nbytes))
-    assert costs.comm("all_to_all", 2, nbytes, gap_s=0.0) == pytest.approx(fits["sync_short"].seconds(nbytes))
-    middle = costs.comm("all_to_all", 2, nbytes, gap_s=1e-3)
-    ends = sorted((fits["sync"].seconds(nbytes), fits["sync_long"].seconds(nbytes)))
-    assert ends[0] <= middle <= ends[1]
+        assert after(fit.gap_s) == pytest.approx(fit.seconds(nbytes))
+    # beyond the measured gaps: the nearest; between two: linear in log(gap)
+    assert after(1.0) == pytest.approx(fits["sync_long"].seconds(nbytes))
+    assert after(0.0) == pytest.approx(fits["sync_short"].seconds(nbytes))
+    middle = math.sqrt(fits["sync"].gap_s * fits["sync_long"].gap_s)
+    assert after(middle) == pytest.approx((fits["sync"].seconds(nbytes) + fits["sync_long"].seconds(nbytes)) / 2)
     # the rank's program reads each blocking operation at the compute since its last communication
     r = _Rank(0, costs)
     r.compute("long compute", 5e-3)

@@ -9,7 +9,7 @@ import pytest
 from hardware.chips import get_chip
 from planner.case import Layout, layout_tp_ok, parse_case, recipe
 from planner.costs import cluster_chip
-from planner.layout_search import MAX_MICRO_BATCH, divisors, search
+from planner.layout_search import divisors, micro_batch_sizes, search
 from planner.memory import memory_per_chip
 from planner.models import MODEL_PRESETS
 from planner.simulate import simulate, usable_hbm_bytes
@@ -38,7 +38,7 @@ def _brute_force_best(case) -> float:
         if m.seq_len % cp or pp > m.layers or t.global_batch % dp:
             continue
         eps = [e for e in divisors(dp) if m.experts % e == 0] if m.is_moe else [1]
-        for ep, b in itertools.product(eps, divisors(t.global_batch // dp, up_to=MAX_MICRO_BATCH)):
+        for ep, b in itertools.product(eps, micro_batch_sizes(t.global_batch // dp, pp)):
             mb = t.global_batch // (dp * b)
             scheds = [("1f1b", 1)]
             if pp > 1:

@@ -2,10 +2,9 @@
 benchmarks (hardware/chips.toml): none is chosen on these runs any more (they are test data).
 
 Targets of the truth issue for published runs: mean absolute error <= 8 %, no case over 15 %. Null
-fields of a run (micro-batch size, virtual stages) are chosen by the search, as `python -m planner
-estimate` does. Since nothing is fitted to these runs any more, the largest pipelined Megatron-LM 2021
-runs come out 13-15 % fast (the 1008B run, whose micro-batch size and virtual stages are unpublished,
-15.2 %): the per-case bound here is 16 %, one point above the target, and the gap is reported, not hidden.
+fields of a run are chosen as `python -m planner estimate` chooses them (the micro-batch is 1 under
+pipeline parallelism, as current frameworks run pipelines; virtual stages by the search). The pipelined
+Megatron-LM 2021 runs come out 3-12 % fast (the 1008B run, whose virtual stages are unpublished, -12.0 %).
 """
 
 import pytest
@@ -27,9 +26,9 @@ def test_mean_error_within_eight_percent(rows):
     assert sum(errors) / len(errors) <= 0.08
 
 
-def test_no_case_over_sixteen_percent(rows):
+def test_no_case_over_fifteen_percent(rows):
     worst = max(rows, key=lambda r: abs(r.error))
-    assert abs(worst.error) <= 0.16, f"{worst.name}: {100 * worst.error:+.1f}%"
+    assert abs(worst.error) <= 0.15, f"{worst.name}: {100 * worst.error:+.1f}%"
 
 
 def test_recompute_ordering_holds(rows):
