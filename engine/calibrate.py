@@ -25,9 +25,8 @@ Three kinds of measurement:
   sizes: blocking, each after `COMPUTE_GAP_S` of computing as in a training step (back to back they run
   2-3x faster: gloo's threads stay awake) and after a shorter and a longer gap (`SYNC_GAPS_S`), and as
   a stream of asynchronous operations; with the process CPU time each takes (gloo's threads keep a core
-  busy while they move data). The ring shift (context
-  parallel's hop) goes through the engine's own `Comm.p2p`, and how long posting it blocks the rank is
-  timed too (its "post" mode).
+  busy while they move data). The ring shift (context parallel's hop) goes through the engine's own
+  `Comm.p2p`, and how long posting it blocks the rank is timed too (its "post" mode).
 """
 
 from __future__ import annotations

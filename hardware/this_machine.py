@@ -76,14 +76,13 @@ class CommFit:
     """One gloo operation on groups of n ranks while the world's W ranks all communicate.
 
     Blocking operations ("sync", "sync_short", "sync_long"): `seconds` is what one costs after `gap_s` of
-    compute. Asynchronous ones
-    ("async") are measured as a burst (`burst` operations each issued after `compute_s` of work, then
-    all waited for): `seconds` is then the whole burst's time, and planner.live solves for one
-    operation's duration in its simulation of that same pattern. "contended": one asynchronous
-    operation while every rank keeps computing until it completes; `stalls` when it did not complete
-    within CONTENDED_CAP_S (it waits for its ranks to stop computing). "post" (ring shifts only): how long
-    posting the send/recv batch blocks the rank that posts it (gloo writes the message from the calling
-    thread), measured on the same calls as "sync"."""
+    compute. Asynchronous ones ("async") are measured as a burst (`burst` operations each issued after
+    `compute_s` of work, then all waited for): `seconds` is then the whole burst's time, and planner.live
+    solves for one operation's duration in its simulation of that same pattern. "contended": one
+    asynchronous operation while every rank keeps computing until it completes; `stalls` when it did not
+    complete within CONTENDED_CAP_S (it waits for its ranks to stop computing). "post" (ring shifts only):
+    how long posting the send/recv batch blocks the rank that posts it (gloo writes the message from the
+    calling thread), measured on the same calls as "sync"."""
 
     alpha_s: float
     beta_s_per_byte: float

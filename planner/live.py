@@ -226,11 +226,9 @@ class _Costs:
             return fit.seconds(nbytes)
         fits = [by_gap[g] for g in sorted(by_gap)]
         g = min(max(gap_s, fits[0].gap_s), fits[-1].gap_s)
-        for lo, hi in zip(fits, fits[1:]):
-            if g <= hi.gap_s:
-                x = math.log(g / lo.gap_s) / math.log(hi.gap_s / lo.gap_s)
-                return (1 - x) * lo.seconds(nbytes) + x * hi.seconds(nbytes)
-        return fits[-1].seconds(nbytes)
+        lo, hi = next((lo, hi) for lo, hi in zip(fits, fits[1:]) if g <= hi.gap_s)
+        x = math.log(g / lo.gap_s) / math.log(hi.gap_s / lo.gap_s)
+        return (1 - x) * lo.seconds(nbytes) + x * hi.seconds(nbytes)
 
     def contended_s(self, kind: str, n: int, nbytes: float) -> float | None:
         """An asynchronous operation's duration while its ranks compute (math.inf: it waits for them to
@@ -505,12 +503,12 @@ class _Program:
     """Writes one rank's step as the engine runs it (engine/train.py, engine/pipeline/executor.py, the plans
     and the sharder)."""
 
-    def __init__(self, cfg, costs: _Costs, r: _Rank, g: dict, mesh: Mesh, replicas_group: str = "",
-                 group_names: dict | None = None):
+    def __init__(self, cfg, costs: _Costs, r: _Rank, g: dict, mesh: Mesh, replicas_group: str,
+                 group_names: dict[str, str]):
         self.cfg, self.c, self.r, self.g, self.mesh = cfg, costs, r, g, mesh
         self.replicas_group = replicas_group  # the engine's name of the group the shards' replicas span
         # the engine's names of the gradients' reduction groups (core.mesh.group_key of their axes)
-        self.group_names = group_names or {"dp": "dp", "dp expert": "dp"}
+        self.group_names = group_names
         p, m = cfg.parallel, cfg.model
         self.m = m
         self.tp = len(g["tp"])
