@@ -48,6 +48,8 @@ _NUMBER_FIELDS = (
     "scaleout_fill_s",
     "scaleout_efficiency",
 )
+# Yes/no facts (TOML true / false), sourced like the numbers: what current software does on the chip.
+_BOOL_FIELDS = ("tp_comm_overlap",)
 # Fields where the TOML value "none" means "this chip has no such thing".
 _NONE_ALLOWED = ("fp8_flops_per_s", "torus_shape", "fp8_matmul_efficiency", "flash3_efficiency")
 _INT_FIELDS = ("ici_axes", "scaleup_domain", "torus_wrap_multiple")
@@ -106,6 +108,9 @@ class Chip:
     scaleout_fill_s: float  # the same over the scale-out network
     scaleout_efficiency: float  # achievable fraction of the NIC line rate
     scaleup_topology: str = "switch"  # "switch" | "mesh" | "torus" (chips.toml header)
+    # a current framework pipelines TP collectives with their GEMMs on this chip (the recipe's null
+    # tp_comm_overlap, planner.case.recipe)
+    tp_comm_overlap: bool = False
     sources: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
     fp32_flops_per_s: float | None = None  # only the probed CPU sets it: GPU/TPU tables quote bf16 and fp8
     # Not a table field: the share of its measured kernel rates a job's slowest chip reaches, set for a
@@ -169,6 +174,9 @@ def _validate(chip: Chip) -> None:
         value = getattr(chip, name)
         if not isinstance(value, str) or not value.strip():
             raise ChipTableError(chip.key, name, f"must be a non-empty string, got {value!r}")
+    for name in _BOOL_FIELDS:
+        if not isinstance(getattr(chip, name), bool):
+            raise ChipTableError(chip.key, name, f"must be true or false, got {getattr(chip, name)!r}")
     if chip.kind not in KINDS:
         raise ChipTableError(chip.key, "kind", f"must be one of {KINDS}, got {chip.kind!r}")
     if chip.scaleup_topology not in SCALEUP_TOPOLOGIES:
@@ -297,7 +305,7 @@ def load_chips(path: str | Path = CHIPS_TOML) -> dict[str, Chip]:
 
 
 def _chip_from_entry(key: str, entry: dict, comments: dict[str, str]) -> Chip:
-    known = set(_TEXT_FIELDS) | set(_NUMBER_FIELDS)
+    known = set(_TEXT_FIELDS) | set(_NUMBER_FIELDS) | set(_BOOL_FIELDS)
     unknown = sorted(set(entry) - known)
     if unknown:
         raise ChipTableError(key, unknown[0], f"is not a chip field; the fields are {sorted(known)}")
@@ -324,15 +332,23 @@ def _chip_from_entry(key: str, entry: dict, comments: dict[str, str]) -> Chip:
                 raise ChipTableError(key, name, "has no source: add '# <datasheet URL or paper, table>' "
                                      "after the value")
         values[name] = value
+    for name in _BOOL_FIELDS:
+        if name not in entry:
+            raise ChipTableError(key, name, "is missing (write true or false)")
+        if not isinstance(entry[name], bool):
+            raise ChipTableError(key, name, f"must be true or false, got {entry[name]!r}")
+        if not comments.get(name):
+            raise ChipTableError(key, name, "has no source: add '# <where it says so>' after the value")
+        values[name] = entry[name]
     if not comments.get("scaleup_topology"):
         raise ChipTableError(key, "scaleup_topology", "has no source: add '# <where it says so>' after the value")
-    sources = {name: comments[name] for name in (*_NUMBER_FIELDS, "scaleup_topology")}
+    sources = {name: comments[name] for name in (*_NUMBER_FIELDS, *_BOOL_FIELDS, "scaleup_topology")}
     return Chip(key=key, sources=sources, **values)
 
 
 def chip_fields() -> tuple[str, ...]:
     """Field names of a table entry, in display order (text fields first)."""
-    return _TEXT_FIELDS + _NUMBER_FIELDS
+    return _TEXT_FIELDS + _NUMBER_FIELDS + _BOOL_FIELDS
 
 
 CHIPS: dict[str, Chip] = load_chips()

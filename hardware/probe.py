@@ -175,6 +175,7 @@ def as_chip(result: ProbeResult) -> Chip:
         "ici_axes": "not a TPU",
         "torus_shape": "not a TPU",
         "torus_wrap_multiple": "not a TPU",
+        "tp_comm_overlap": "false: the live engine's tensor-parallel collectives block their rank",
     }
     return Chip(
         key="this-machine",

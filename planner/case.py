@@ -24,8 +24,8 @@ OPTIMIZERS = ("adam", "sgd", "adafactor")
 # cuDNN fused attention, FA4); "materialized": the scores written out and softmaxed (Megatron-LM 2021-22)
 ATTENTION_KERNELS = ("flash", "flash3", "materialized")
 # How the run was executed, where it changes the cost. A null field means what a current framework does
-# (Megatron-Core / NeMo, torchtitan, MaxText in 2024-25): FlashAttention, every overlap below on. The
-# planner reports what it took in `chosen`.
+# (Megatron-Core / NeMo, torchtitan, MaxText in 2024-25): FlashAttention, every overlap below on where the
+# chip's software has it. The planner reports what it took in `chosen`.
 RECIPE_DEFAULTS = {
     # the chip's best FlashAttention kernel (hardware.kernels.best_flash_kernel): flash3 on Hopper and
     # Blackwell (Transformer Engine and PyTorch SDPA pick cuDNN / FA3 there), FlashAttention-2 elsewhere
@@ -38,8 +38,9 @@ RECIPE_DEFAULTS = {
     "param_gather_overlap": True,
     # TP all-gather / reduce-scatter pipelined with the GEMMs that consume / produce them (collective
     # matmul, Wang et al. 2023; Transformer Engine userbuffers, Megatron-Core --tp-comm-overlap;
-    # torchtitan async TP; XLA collective matmul on TPU)
-    "tp_comm_overlap": True,
+    # torchtitan async TP; XLA collective matmul on TPU) where current software does it on the chip:
+    # the chip table's tp_comm_overlap (on from Hopper, off on A100)
+    "tp_comm_overlap": None,
     # expert all-to-all overlapped with another micro-batch's compute (DeepSeek-V3's DualPipe); off in
     # the common frameworks' default schedules
     "ep_comm_overlap": False,
@@ -336,6 +337,8 @@ def recipe(t: Training, chip) -> dict:
     out = {k: default if getattr(t, k) is None else getattr(t, k) for k, default in RECIPE_DEFAULTS.items()}
     if out["attention"] is None:
         out["attention"] = best_flash_kernel(chip)
+    if out["tp_comm_overlap"] is None:
+        out["tp_comm_overlap"] = chip.tp_comm_overlap
     if out["attention"] == "flash3" and chip.flash3_efficiency is None:
         raise SpecError("training.attention", f"{chip.name} has no FlashAttention-3-class kernel; use \"flash\"")
     return out

@@ -155,6 +155,9 @@ def test_table_copy_loads_unchanged(tmp_path):
         ("h800", "torus_shape", "torus_shape = [8]  # a source", "only TPUs have a torus"),
         ("h100", "kind", 'kind = "fpga"', "must be one of"),
         ("tpu-v6e", "torus_shape", 'torus_shape = [16, "x"]  # a source', "positive integers"),
+        ("mi300x", "tp_comm_overlap", 'tp_comm_overlap = "yes"  # a source', "true or false"),
+        ("h100", "tp_comm_overlap", None, "is missing"),
+        ("a100-80gb", "tp_comm_overlap", "tp_comm_overlap = false", "has no source"),
     ],
 )
 def test_malformed_table_names_chip_and_field(tmp_path, chip, field, new_line, problem):

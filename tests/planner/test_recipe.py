@@ -37,6 +37,16 @@ def test_null_recipe_is_what_a_current_framework_does_and_is_reported():
     assert estimate(_case(chip="a100-80gb")).chosen["training"]["attention"] == "flash"
 
 
+def test_null_tp_overlap_follows_the_chip_and_a_stated_one_wins():
+    # current software pipelines TP collectives with the GEMMs from Hopper on, not on A100 (chips.toml)
+    assert estimate(_case(chip="h100")).chosen["training"]["tp_comm_overlap"] is True
+    a100 = estimate(_case(chip="a100-80gb"))
+    assert a100.chosen["training"]["tp_comm_overlap"] is False
+    stated = estimate(_case(chip="a100-80gb", tp_comm_overlap=True))
+    assert "tp_comm_overlap" not in stated.chosen.get("training", {})
+    assert stated.breakdown["tp_comm"] < a100.breakdown["tp_comm"]
+
+
 def test_each_overlap_switch_shows_in_the_breakdown():
     on = estimate(_case()).breakdown
     no_tp = estimate(_case(tp_comm_overlap=False)).breakdown
