@@ -158,6 +158,7 @@ def measure_compute(reps: int = 15, shapes: str = "all") -> list[dict]:
     f, b = _fwd_bwd(lambda: _module(Block(m), torch.randn(2, m.seq_len, m.hidden)), reps)
     out.append(_sample("block", {"b": 2, "t": m.seq_len, "d": m.hidden, "heads": m.heads,
                                  "kv_heads": m.kv_heads, "ffn": m.ffn}, f, b))
+    out.append(measure_zb_split())
     for bsz, t, vocab, d in ((2, 32, 256, 64), (2, 32, 128, 64), (2, 16, 256, 64), (4, 64, 1024, 128)):
         mm = _model(d, 4, 2, 2 * d, t, vocab=vocab)
         tokens = torch.randint(0, vocab, (bsz, t))
@@ -221,6 +222,51 @@ def measure_compute(reps: int = 15, shapes: str = "all") -> list[dict]:
         out.append(_sample("cat", {"parts": parts, "numel": 256 * parts},
                            _mean_s(lambda: torch.cat([p.reshape(-1) for p in pieces]), reps), 0.0))
     return out + measure_roofline()
+
+
+ZB_SPLIT_REPS = 120  # backward passes of each kind, taking turns (against the machine's drift)
+
+
+def measure_zb_split(reps: int = ZB_SPLIT_REPS) -> dict:
+    """ZB-H1's split backward of the default Block (engine/pipeline/stage.WeightGradSplit) beside its
+    plain backward: BI's and BW's seconds, and the plain backward's as `shape["plain_bwd_s"]`. On a small
+    model the split costs more than the backward it replaces: BI walks the whole graph for the modules'
+    output gradients, and BW is one autograd call per parameter module (on 2 cores 0.68 + 0.53 ms against
+    0.77)."""
+    from engine.pipeline.stage import WeightGradSplit
+
+    m = ModelConfig()
+    block = Block(m)
+    split = WeightGradSplit(block)
+    x0 = torch.randn(2, m.seq_len, m.hidden)
+
+    def forward(record: bool):
+        x = x0.detach().requires_grad_()
+        if not record:
+            return x, block(x), None
+        with split.record() as captured:
+            y = block(x)
+        return x, y, captured
+
+    plain, bi, bw = [], [], []
+    for i in range(reps + 5):
+        x, y, _ = forward(False)
+        t0 = time.perf_counter()
+        y.backward(torch.ones_like(y))
+        t1 = time.perf_counter()
+        x, y, captured = forward(True)
+        t2 = time.perf_counter()
+        _, work_left = split.backward_input(y, torch.ones_like(y), x, captured)
+        t3 = time.perf_counter()
+        split.backward_weight(work_left)
+        t4 = time.perf_counter()
+        if i >= 5:  # warm-up
+            plain.append(t1 - t0)
+            bi.append(t3 - t2)
+            bw.append(t4 - t3)
+    block.zero_grad(set_to_none=True)
+    shape = {"b": 2, "t": m.seq_len, "d": m.hidden, "plain_bwd_s": statistics.fmean(plain)}
+    return _sample("zb_split", shape, statistics.fmean(bi), statistics.fmean(bw))
 
 
 def mamba_shape(m: ModelConfig, sequences: int) -> dict:

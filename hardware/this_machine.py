@@ -45,7 +45,7 @@ STALE_AFTER_S = 30 * 24 * 3600  # a month: software updates and thermal changes 
 # The module fits every prediction may need (`fit_compute` makes them all); a cached calibration lacking
 # one predates that module's measurement.
 COMPUTE_FITS = ("linear", "rmsnorm", "attention", "swiglu", "embed", "head", "moe", "mamba", "ring_block",
-                "adamw", "tiny_op", "cat", "block_glue")
+                "adamw", "tiny_op", "cat", "block_glue", "zb_split")
 
 
 class CalibrationError(ValueError):
@@ -342,6 +342,12 @@ def fit_compute(samples: list[dict]) -> tuple[dict[str, Fit], dict[str, float], 
     fits: dict[str, Fit] = {}
     for op, rows in by_op.items():
         if op in ("engine_unit", "engine_step", "probe", "block", "copy"):
+            continue
+        if op == "zb_split":
+            # ZB-H1's two backward halves per second of the plain backward they replace (work = that
+            # backward's seconds): forward = BI, backward = BW
+            plain = rows[0]["shape"]["plain_bwd_s"]
+            fits["zb_split"] = Fit(0.0, rows[0]["fwd_s"] / plain, 0.0, rows[0]["bwd_s"] / plain)
             continue
         if op == "moe":
             # fixed + per expert (each expert runs, even on no rows) + per FLOP: three shapes, three unknowns

@@ -321,7 +321,7 @@ class _Rank:
         self.mb: int | None = None
         self._n = 0
         self.since_comm = 0.0  # one core's compute seconds since the rank's last communication
-        self.compute_scale = 1.0  # the share of a unit's compute a pass runs (ZB-H1's backward halves)
+        self.compute_scale = 1.0  # the share of a unit's backward a pass runs (ZB-H1's split halves)
         self._resumes = False  # the rank has waited on its communication since it last computed
 
     def compute(self, name: str, seconds: float) -> None:
@@ -1057,7 +1057,11 @@ class _Program:
                     self._stage_unit(u, True, f"F s{a.stage}")
                     self._after_forward(u)
             else:  # B, or ZB-H1's input (BI) and weight (BW) halves of it
-                share = {BACKWARD: 1.0, BACKWARD_INPUT: 0.5, BACKWARD_WEIGHT: 0.5}[a.kind]
+                # ZB-H1's halves cost what the calibration measured of the split (engine/calibrate.
+                # measure_zb_split: on a small model more than the backward they replace), every unit
+                # as the default Block
+                zb = self.c.cal.compute["zb_split"]
+                share = {BACKWARD: 1.0, BACKWARD_INPUT: zb.fwd(1.0), BACKWARD_WEIGHT: zb.bwd(1.0)}[a.kind]
                 for u in reversed(units(a.stage)):
                     if a.kind != BACKWARD_WEIGHT:
                         self._before_backward(u)

@@ -138,6 +138,14 @@ def test_fit_compute_on_synthetic_linear_samples():
     assert probe["matmul_flops_per_s"] == 4e10 and units == {}
 
 
+def test_zb_split_fit_is_each_half_per_second_of_the_plain_backward():
+    sample = {"op": "zb_split", "shape": {"b": 2, "t": 32, "d": 64, "plain_bwd_s": 0.8e-3},
+              "fwd_s": 0.72e-3, "bwd_s": 0.56e-3}
+    zb = tm.fit_compute([sample])[0]["zb_split"]
+    assert zb.fwd(1.0) == pytest.approx(0.9) and zb.bwd(1.0) == pytest.approx(0.7)
+    assert zb.fwd(2e-3) == pytest.approx(1.8e-3)  # work: the plain backward's seconds
+
+
 def test_fit_moe_separates_per_expert_and_per_flop_costs():
     rows = []
     for experts, top_k, ffn in [(2, 1, 32), (4, 2, 64), (8, 2, 32), (4, 1, 128)]:
