@@ -343,9 +343,16 @@ def engine_units(ctx, steps: int = 6) -> list[dict]:
         if span["lane"] == "compute" and span["step"] >= 2:
             by_name.setdefault(span["name"], []).append(span["end_s"] - span["start_s"])
     shape = asdict(cfg.model)
+    # the tensors the optimizer step updates, so the planner can tell the driver's share of it per tensor
+    # from the AdamW kernel's (hardware.this_machine.fit_compute)
+    from engine.model import LanguageModel
+
+    tensors = [p.numel() for p in LanguageModel(cfg.model).parameters()]
     return [_sample("engine_unit", {"name": name, **shape}, statistics.mean(v), 0.0)
             for name, v in sorted(by_name.items())] + [
-        _sample("engine_step", shape, statistics.mean(result["step_times_s"][2:]), 0.0)]
+        _sample("engine_step", shape, statistics.mean(result["step_times_s"][2:]), 0.0),
+        _sample("engine_optimizer", {"tensors": len(tensors), "numel": sum(tensors)},
+                statistics.mean(by_name["optimizer step"]), 0.0)]
 
 
 # -- communication --------------------------------------------------------------------------------------

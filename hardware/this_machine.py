@@ -45,7 +45,7 @@ STALE_AFTER_S = 30 * 24 * 3600  # a month: software updates and thermal changes 
 # The module fits every prediction may need (`fit_compute` makes them all); a cached calibration lacking
 # one predates that module's measurement.
 COMPUTE_FITS = ("linear", "rmsnorm", "attention", "swiglu", "embed", "head", "moe", "mamba", "ring_block",
-                "adamw", "tiny_op", "cat", "block_glue", "zb_split")
+                "adamw", "tiny_op", "cat", "block_glue", "zb_split", "optimizer_driver")
 
 
 class CalibrationError(ValueError):
@@ -341,7 +341,7 @@ def fit_compute(samples: list[dict]) -> tuple[dict[str, Fit], dict[str, float], 
         by_op.setdefault(smp["op"], []).append(smp)
     fits: dict[str, Fit] = {}
     for op, rows in by_op.items():
-        if op in ("engine_unit", "engine_step", "probe", "block", "copy"):
+        if op in ("engine_unit", "engine_step", "engine_optimizer", "probe", "block", "copy"):
             continue
         if op == "zb_split":
             # ZB-H1's two backward halves per second of the plain backward they replace (work = that
@@ -374,6 +374,13 @@ def fit_compute(samples: list[dict]) -> tuple[dict[str, Fit], dict[str, float], 
             parts_b += fits[op].bwd(w)
         fits["block_glue"] = Fit(max(0.0, blocks[0]["fwd_s"] - parts_f), 0.0,
                                  max(0.0, blocks[0]["bwd_s"] - parts_b), 0.0)
+    opt = by_op.get("engine_optimizer")
+    if opt and "adamw" in fits:
+        # what the engine's optimizer step adds per tensor around the AdamW kernel (its loop, the state
+        # lookups, the recorder): its own step at world 1 against the kernel's fit
+        n, numel = opt[0]["shape"]["tensors"], opt[0]["shape"]["numel"]
+        kernel = n * fits["adamw"].fwd_fixed_s + numel * fits["adamw"].fwd_per_unit_s
+        fits["optimizer_driver"] = Fit(max(0.0, opt[0]["fwd_s"] - kernel) / n, 0.0)
     units = {r["shape"]["name"]: r["fwd_s"] for r in by_op.get("engine_unit", [])}
     if by_op.get("engine_step"):
         units["step"] = by_op["engine_step"][0]["fwd_s"]

@@ -197,8 +197,10 @@ class _Costs:
         return self.fit("head", {"b": 1, "t": tokens, "d": self.m.hidden, "vocab": vocab}, fwd)
 
     def adamw(self, numels: list[int]) -> float:
-        f = self.cal.compute["adamw"]
-        return sum(f.fwd(n) for n in numels)
+        """The optimizer step over tensors of `numels`: the AdamW kernel's fit and the engine's step around
+        it, per tensor (hardware.this_machine.fit_compute's optimizer_driver)."""
+        f, driver = self.cal.compute["adamw"], self.cal.compute["optimizer_driver"]
+        return sum(f.fwd(n) + driver.fwd(0) for n in numels)
 
     def cat(self, parts: int) -> float:
         return self.cal.compute["cat"].fwd(parts)

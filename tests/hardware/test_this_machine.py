@@ -146,6 +146,15 @@ def test_zb_split_fit_is_each_half_per_second_of_the_plain_backward():
     assert zb.fwd(2e-3) == pytest.approx(1.8e-3)  # work: the plain backward's seconds
 
 
+def test_optimizer_driver_is_the_engines_step_less_the_adamw_kernel_per_tensor():
+    # AdamW: 20 us + 1 ns per element; the engine's step over 10 tensors of 1000 elements took 0.31 ms
+    samples = [{"op": "adamw", "shape": {"numel": n}, "fwd_s": 20e-6 + 1e-9 * n, "bwd_s": 0.0} for n in (64, 4096)]
+    samples.append({"op": "engine_optimizer", "shape": {"tensors": 10, "numel": 10_000}, "fwd_s": 0.31e-3,
+                    "bwd_s": 0.0})
+    driver = tm.fit_compute(samples)[0]["optimizer_driver"]
+    assert driver.fwd(0) == pytest.approx((0.31e-3 - 10 * 20e-6 - 10_000e-9) / 10)
+
+
 def test_fit_moe_separates_per_expert_and_per_flop_costs():
     rows = []
     for experts, top_k, ffn in [(2, 1, 32), (4, 2, 64), (8, 2, 32), (4, 1, 128)]:
