@@ -40,7 +40,7 @@ from server.settings import Settings
 WAITING, RUNNING, DONE, FAILED = "waiting", "running", "done", "failed"
 CANCELLED, REPLACED, STOPPED = "cancelled", "replaced", "stopped"
 FINISHED = (DONE, FAILED, CANCELLED, REPLACED, STOPPED)
-FIRST_GUESS_S = 10.0  # a run's duration before any has been measured (the first also calibrates: 9-35 s)
+FIRST_GUESS_S = 10.0  # a run's duration before any has been measured (the first also calibrates: 17-50 s)
 
 
 class Refused(ValueError):
