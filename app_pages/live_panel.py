@@ -18,7 +18,7 @@ import time
 import streamlit as st
 
 from app_pages.engine_errors import engine_error_message
-from ui.live import LiveRun, differences, prediction_error, side_by_side, tolerance_rows, verdict
+from ui.live import LiveRun, calibration_age, differences, prediction_error, side_by_side, tolerance_rows, verdict
 from ui.timeline import lane_summary
 
 
@@ -233,12 +233,16 @@ def _show_run(key: str, run: LiveRun) -> None:
         diffs = differences(run)
         st.markdown("**Where they differ most** (per rank per step):\n" + "\n".join(f"- {d}" for d in diffs)
                     if diffs else "Every kind of work took within 10 % of its predicted time.")
+        age = calibration_age(run)
         st.caption("The two timelines share one time axis and one set of colours; press Play under each to "
                    "watch its step. The prediction is made from this machine's calibration alone (each "
                    "module, gloo operation and core-sharing measured once, cached), never from this run, "
                    "and assumes nothing else keeps the cores busy (this server and your browser may). "
                    "Processes sharing a few cores stall now and then, which a single step shows and a "
-                   "prediction of the typical step does not.")
+                   "prediction of the typical step does not."
+                   + (f" The calibration was {age} old when it predicted this run; a shared machine's speed "
+                      "drifts (other programs, other users), so if every kind of work took longer or shorter "
+                      "than predicted, measure it again on the Hardware lesson." if age else ""))
     else:
         st.plotly_chart(meas_fig, key=f"{slug}_measured")
     st.dataframe(lane_summary(run.timeline), hide_index=True, width="stretch")

@@ -112,4 +112,6 @@ def predicted(cfg, progress=None) -> dict:
     except CalibrationError as e:
         return {"step_time_s": None, "breakdown_s": {}, "why": str(e)}
     out["calibration"] = messages
+    # a shared machine drifts: the pages say how old the calibration was when it predicted this run
+    out["calibrated_at_s"], out["predicted_at_s"] = cal.created_s, time.time()
     return out

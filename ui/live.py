@@ -66,6 +66,20 @@ def prediction_error(run: LiveRun) -> float | None:
     return (p["step_time_s"] - run.summary.step_time_s) / run.summary.step_time_s
 
 
+def calibration_age(run: LiveRun) -> str | None:
+    """'12 minutes' (or seconds, hours, days): how long before this run's prediction this machine was
+    calibrated; None when the prediction does not say."""
+    p = run.prediction or {}
+    if p.get("calibrated_at_s") is None or p.get("predicted_at_s") is None:
+        return None
+    age = max(0.0, p["predicted_at_s"] - p["calibrated_at_s"])
+    for unit, seconds in (("day", 86400), ("hour", 3600), ("minute", 60)):
+        if age >= seconds:
+            n = int(age // seconds)
+            return f"{n} {unit}{'s' if n != 1 else ''}"
+    return f"{int(age)} seconds"
+
+
 def differences(run: LiveRun, top: int = 3) -> list[str]:
     predicted = run.predicted_timeline
     if predicted is None:

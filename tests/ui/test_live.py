@@ -6,7 +6,16 @@ import pytest
 from core.timeline import Span, Timeline
 from engine.config import RunConfig
 from engine.run import RunSummary
-from ui.live import LiveRun, differences, prediction_error, representative_step, side_by_side, tolerance_rows, verdict
+from ui.live import (
+    LiveRun,
+    calibration_age,
+    differences,
+    prediction_error,
+    representative_step,
+    side_by_side,
+    tolerance_rows,
+    verdict,
+)
 
 
 def _run(pred_ms=8.0, step_times_ms=(30.0, 10.0, 12.0, 11.0), ok=True) -> LiveRun:
@@ -34,6 +43,15 @@ def test_the_error_is_against_the_runs_step_time():
     run = _run()
     run.summary.predicted = {"step_time_s": None, "why": "CUDA"}
     assert prediction_error(run) is None and differences(run) == []
+
+
+def test_the_calibrations_age_is_read_at_the_prediction():
+    run = _run()
+    assert calibration_age(run) is None  # an older prediction does not say
+    for seconds, words in ((42, "42 seconds"), (60, "1 minute"), (15 * 60 + 5, "15 minutes"), (2 * 3600, "2 hours"),
+                           (3 * 86400, "3 days")):
+        run.summary.predicted.update(calibrated_at_s=1000.0, predicted_at_s=1000.0 + seconds)
+        assert calibration_age(run) == words
 
 
 def test_the_step_shown_is_the_one_nearest_the_step_time():
