@@ -553,10 +553,13 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
     if lay.recompute == "full":
         recompute_s = fwd_s
     elif lay.recompute == "selective":
-        # Korthikanti et al. 2022 sec. 4.2: recompute the attention core (its scores and softmax); with
-        # FlashAttention there is no score tensor, and selective checkpointing recomputes the memory-bound
-        # ops instead (torchtitan / PyTorch selective activation checkpointing keep the GEMM outputs)
-        recompute_s = attn_fwd_s if lay.attention == "materialized" else ew_fwd_s
+        # Korthikanti et al. 2022 sec. 4.2: recompute the attention core (its scores and softmax), whatever
+        # kernel computes it: Megatron-Core's recompute_granularity "selective" checkpoints the core
+        # attention module by default (recompute_modules ["core_attn"]; attention.py runs it through
+        # _checkpointed_attention_forward, FlashAttention / cuDNN kernels included), so with a flash kernel
+        # its forward runs again. (torchtitan's "selective" is another policy, op-level SAC: every second
+        # matmul and the memory-bound ops again; the case format's "selective" is Megatron's.)
+        recompute_s = attn_fwd_s
     else:
         recompute_s = 0.0
 

@@ -47,6 +47,25 @@ def test_null_tp_overlap_follows_the_chip_and_a_stated_one_wins():
     assert stated.breakdown["tp_comm"] < a100.breakdown["tp_comm"]
 
 
+def test_selective_recompute_runs_the_core_attention_again_whatever_its_kernel():
+    # Megatron-Core's "selective" checkpoints the core attention module (recompute_modules ["core_attn"]),
+    # a flash kernel included: the recomputation is that kernel's forward
+    from hardware.chips import get_chip
+    from hardware.kernels import flash_attention_s
+    from planner.case import Layout
+    from planner.costs import CAUSAL_FLASH_FRACTION, layer_cost
+    from planner.models import MODEL_PRESETS
+
+    m, h100 = MODEL_PRESETS["Llama 3 8B"], get_chip("h100")
+    lay = Layout(dp=1, tp=1, pp=1, micro_batch=1, recompute="selective", attention="flash")
+    tokens = m.seq_len
+    score_flops = 2.0 * tokens * m.seq_len * m.heads * 2 * m.head_dim_
+    fwd, _ = flash_attention_s(h100, score_flops * CAUSAL_FLASH_FRACTION, m.seq_len, "flash")
+    lc = layer_cost(m, lay, h100, "bf16", False, 8)
+    assert lc.recompute_s == pytest.approx(fwd)
+    assert 0 < lc.recompute_s < 0.5 * lc.fwd_compute_s
+
+
 def test_each_overlap_switch_shows_in_the_breakdown():
     on = estimate(_case()).breakdown
     no_tp = estimate(_case(tp_comm_overlap=False)).breakdown
