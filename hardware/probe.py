@@ -208,6 +208,7 @@ def as_chip(result: ProbeResult) -> Chip:
         scaleout_fill_s=0.0,
         scaleout_efficiency=1.0,
         scaleup_topology="switch",
+        tp_comm_overlap=False,
         sources=sources,
         fp32_flops_per_s=result.matmul_flops_per_s,
     )

@@ -703,7 +703,8 @@ def _mamba_layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chips_p
 
     fwd_s += overlap_slowdown(chip) * sum(c.hidden_s for c in fwd_comms)
     bwd_s += overlap_slowdown(chip) * sum(c.hidden_s for c in bwd_comms)
-    recompute_s = {"full": fwd_s, "selective": ew_fwd_s}.get(lay.recompute, 0.0)
+    # "selective" recomputes the core attention (Megatron-Core's core_attn, _layer_cost): a Mamba layer has none
+    recompute_s = fwd_s if lay.recompute == "full" else 0.0
     flops = tokens * layer_forward_flops_per_token(m, MAMBA) / t
     return LayerCost(fwd_s, bwd_s, recompute_s, tuple(fwd_comms), tuple(bwd_comms), flops, act_bytes, wgrad_s)
 

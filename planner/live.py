@@ -138,10 +138,14 @@ class _Costs:
         self.driver_fwd = max(0.0, statistics.fmean(blocks_f) - self._block(default, True)) if blocks_f else 0.0
         self.driver_bwd = max(0.0, statistics.fmean(blocks_b) - self._block(default, False)) if blocks_b else 0.0
 
-    def fit(self, op: str, shape: dict, fwd: bool, items: float = 0.0) -> float:
+    def compute_fit(self, op: str):
+        """The calibration's fit of `op`; a file without it (measured before it was) says so."""
         if op not in self.cal.compute:
             raise CalibrationError(f"this machine's calibration has no timing of {op}; measure it again")
-        f = self.cal.compute[op]
+        return self.cal.compute[op]
+
+    def fit(self, op: str, shape: dict, fwd: bool, items: float = 0.0) -> float:
+        f = self.compute_fit(op)
         w = work(op, shape)
         return f.fwd(w, items) if fwd else f.bwd(w, items)
 
@@ -199,7 +203,7 @@ class _Costs:
     def adamw(self, numels: list[int]) -> float:
         """The optimizer step over tensors of `numels`: the AdamW kernel's fit and the engine's step around
         it, per tensor (hardware.this_machine.fit_compute's optimizer_driver)."""
-        f, driver = self.cal.compute["adamw"], self.cal.compute["optimizer_driver"]
+        f, driver = self.compute_fit("adamw"), self.compute_fit("optimizer_driver")
         return sum(f.fwd(n) + driver.fwd(0) for n in numels)
 
     def cat(self, parts: int) -> float:
@@ -1062,7 +1066,7 @@ class _Program:
                 # ZB-H1's halves cost what the calibration measured of the split (engine/calibrate.
                 # measure_zb_split: on a small model more than the backward they replace), every unit
                 # as the default Block
-                zb = self.c.cal.compute["zb_split"]
+                zb = self.c.compute_fit("zb_split")
                 share = {BACKWARD: 1.0, BACKWARD_INPUT: zb.fwd(1.0), BACKWARD_WEIGHT: zb.bwd(1.0)}[a.kind]
                 for u in reversed(units(a.stage)):
                     if a.kind != BACKWARD_WEIGHT:

@@ -77,7 +77,7 @@ def calibration_age(run: LiveRun) -> str | None:
         if age >= seconds:
             n = int(age // seconds)
             return f"{n} {unit}{'s' if n != 1 else ''}"
-    return f"{int(age)} seconds"
+    return "under a minute"
 
 
 def differences(run: LiveRun, top: int = 3) -> list[str]:

@@ -48,7 +48,7 @@ def test_the_error_is_against_the_runs_step_time():
 def test_the_calibrations_age_is_read_at_the_prediction():
     run = _run()
     assert calibration_age(run) is None  # an older prediction does not say
-    for seconds, words in ((42, "42 seconds"), (60, "1 minute"), (15 * 60 + 5, "15 minutes"), (2 * 3600, "2 hours"),
+    for seconds, words in ((42, "under a minute"), (60, "1 minute"), (15 * 60 + 5, "15 minutes"), (2 * 3600, "2 hours"),
                            (3 * 86400, "3 days")):
         run.summary.predicted.update(calibrated_at_s=1000.0, predicted_at_s=1000.0 + seconds)
         assert calibration_age(run) == words
