@@ -126,8 +126,7 @@ class _Costs:
         # one core's seconds (the simulator stretches them where ranks share the cores)
         self.share = cal.share(cfg.world)
         self.resume_s = cal.resume_s.get(cfg.world, 0.0) / self.share
-        c = cal.compute
-        self.tiny = c["tiny_op"].fwd(0)
+        self.tiny = self.compute_fit("tiny_op").fwd(0)
         m, b = self.m, cfg.micro_batch_size
         # what the engine's driver adds around a unit (recorder span, backward markers, activation
         # accounting), from its own default-shape step at world 1 against the modules alone
@@ -155,7 +154,7 @@ class _Costs:
         att = self.fit("attention", {"b": s.b, "t": s.t, "d": s.d, "heads": s.heads, "kv_heads": s.kv,
                                      "head_dim": self.m.hidden // self.m.heads}, fwd)
         mlp = self.fit("swiglu", {"b": s.b, "t": s.t, "d": s.d, "ffn": s.ffn}, fwd)
-        glue = self.cal.compute["block_glue"]
+        glue = self.compute_fit("block_glue")
         return norm + att + mlp + (glue.fwd(0) if fwd else glue.bwd(0))
 
     def block(self, s: _Shape, fwd: bool, norm_rows: int | None = None) -> float:
@@ -163,7 +162,7 @@ class _Costs:
 
     def attention_core(self, s: _Shape, fwd: bool) -> float:
         """The scaled-dot-product part of the attention fit (its FLOPs at the fitted rate)."""
-        f = self.cal.compute["attention"]
+        f = self.compute_fit("attention")
         flops = 4.0 * s.b * s.heads * s.t ** 2 * (self.m.hidden // self.m.heads)
         return flops * (f.fwd_per_unit_s if fwd else f.bwd_per_unit_s)
 
@@ -207,7 +206,7 @@ class _Costs:
         return sum(f.fwd(n) + driver.fwd(0) for n in numels)
 
     def cat(self, parts: int) -> float:
-        return self.cal.compute["cat"].fwd(parts)
+        return self.compute_fit("cat").fwd(parts)
 
     def comm(self, kind: str, n: int, nbytes: float, mode: str = "sync", gap_s: float | None = None) -> float:
         """Seconds of one operation; a blocking one ("sync") after `gap_s` of the rank's compute (one
@@ -593,7 +592,7 @@ class _Program:
         attn_part = c.fit("attention", {"b": self.b, "t": self.t_local, "d": m.hidden, "heads": heads,
                                         "kv_heads": kv, "head_dim": m.hidden // m.heads}, fwd)
         norm = c.fit("rmsnorm", {"m": norm_rows, "d": m.hidden}, fwd)
-        glue = c.cal.compute["block_glue"]
+        glue = c.compute_fit("block_glue")
         rest = (glue.fwd(0) if fwd else glue.bwd(0)) + (c.driver_fwd if fwd else c.driver_bwd) + flat_extra
         if m.mlp == "moe":
             mlp = c.moe(self.b, self.t_local, m.experts // self.ep, fwd)
@@ -719,7 +718,7 @@ class _Program:
         halo_bytes = s["b"] * (s["conv"] - 1) * (s["inner"] + 2 * s["groups"] * s["state"]) * F32
         state_bytes = s["b"] * s["heads"] * s["head_dim"] * s["state"] * F32
         # the incoming state's outputs C_t . h0: 2 N P per head and position held, at the mixer's FLOP rate
-        f = c.cal.compute["mamba"]
+        f = c.compute_fit("mamba")
         correct = (state_correction_flops(s["b"] * s["t"], s["heads"], s["head_dim"], s["state"])
                    * (f.fwd_per_unit_s if fwd else f.bwd_per_unit_s))
         ops = (SSM_STATE_LAYER_OPS + SSM_STATE_SLICE_OPS * len(mine)) * c.tiny
@@ -1066,8 +1065,10 @@ class _Program:
                 # ZB-H1's halves cost what the calibration measured of the split (engine/calibrate.
                 # measure_zb_split: on a small model more than the backward they replace), every unit
                 # as the default Block
-                zb = self.c.compute_fit("zb_split")
-                share = {BACKWARD: 1.0, BACKWARD_INPUT: zb.fwd(1.0), BACKWARD_WEIGHT: zb.bwd(1.0)}[a.kind]
+                share = 1.0
+                if a.kind != BACKWARD:
+                    zb = self.c.compute_fit("zb_split")
+                    share = zb.fwd(1.0) if a.kind == BACKWARD_INPUT else zb.bwd(1.0)
                 for u in reversed(units(a.stage)):
                     if a.kind != BACKWARD_WEIGHT:
                         self._before_backward(u)
