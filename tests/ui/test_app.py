@@ -101,9 +101,10 @@ def test_achievable_toggle_lowers_the_ridge_numbers():
 
 
 @pytest.mark.multiprocess
-def test_measure_this_machine_adds_its_roofline():
+def test_measure_this_machine_adds_its_roofline(monkeypatch, tmp_path):
     # the probe is the calibration the live prediction uses: measured on a rank, cached, shown again on
-    # the next visit without measuring
+    # the next visit without measuring (in a cache folder of its own: the session's holds a recorded one)
+    monkeypatch.setenv("SHARDLAB_CACHE_DIR", str(tmp_path))
     at = _page("app_pages/hardware.py")
     at.button[0].click().run(timeout=TIMEOUT_S)
     assert not at.exception and not at.error, [e.value for e in at.error]
