@@ -125,7 +125,7 @@ class Layout:
     attention: str = "flash"
     grad_reduce_overlap: bool = True
     param_gather_overlap: bool = True
-    tp_comm_overlap: bool = True
+    tp_comm_overlap: bool | None = None  # None: the chip's own (Chip.tp_comm_overlap; costs.tp_overlaps)
     ep_comm_overlap: bool = False
     ep_dispatch: str = "all_to_all"
     ssm_cp: str = "state"

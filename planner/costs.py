@@ -24,8 +24,9 @@ Communication (each a `CommOp` with its time alone on its links and the part the
   column layers' input gradients, re-gathers their inputs for the weight gradients (Megatron-LM keeps
   only the sharded input) and all-gathers the row layers' output gradients. Megatron-LM always runs the
   backward re-gather under the dgrad GEMM and the input-gradient reduction under the wgrad GEMM; with
-  `tp_comm_overlap` the others are pipelined with their GEMM in t chunks (collective matmul, Wang et
-  al. 2023; Transformer Engine userbuffers): only one chunk shows, max(0, c - g) + min(c, g) / t.
+  `tp_comm_overlap` (the layout's, else the chip's: `tp_overlaps`) the others are pipelined with their
+  GEMM in t chunks (collective matmul, Wang et al. 2023; Transformer Engine userbuffers): only one chunk
+  shows, max(0, c - g) + min(c, g) / t.
 * CP ring (Liu et al. 2023; Megatron-Core): cp - 1 K/V transfers forward, K/V and dK/dV backward, each
   hidden under one step's block of attention (1/cp of the layer's attention with the zig-zag split).
 * Mamba-2 layers (TP by heads, CP by state passing or all-to-all): `_mamba_layer_cost`.
@@ -377,11 +378,17 @@ def tp_collective_bytes(m: ModelSpec, lay: Layout) -> float:
     return lay.micro_batch * m.seq_len / lay.cp * m.hidden * ACT_BYTES
 
 
-def _tp_comms(lay: Layout, topo: Topology, column: list[str], row: list[str], gemm_fwd: dict, gemm_dgrad: dict,
-              gemm_wgrad: dict, act_bytes: float) -> tuple[list[CommOp], list[CommOp]]:
+def tp_overlaps(lay: Layout, chip: Chip) -> bool:
+    """Whether TP's collectives are pipelined with their GEMMs: the layout's choice, else the chip's (what a
+    current framework does there, chips.toml)."""
+    return chip.tp_comm_overlap if lay.tp_comm_overlap is None else lay.tp_comm_overlap
+
+
+def _tp_comms(lay: Layout, chip: Chip, topo: Topology, column: list[str], row: list[str], gemm_fwd: dict,
+              gemm_dgrad: dict, gemm_wgrad: dict, act_bytes: float) -> tuple[list[CommOp], list[CommOp]]:
     """TP's collectives around the column-parallel GEMMs that read a region's input and the row-parallel
     ones whose partial sums leave it (module docstring): (forward, backward)."""
-    t, overlap = lay.tp, lay.tp_comm_overlap
+    t, overlap = lay.tp, tp_overlaps(lay, chip)
     fwd: list[CommOp] = []
     bwd: list[CommOp] = []
     if lay.sequence_parallel:
@@ -513,7 +520,7 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
         column = ([attn_g[0].name] if attn_g else []) + \
             (["fc1" if "fc1" in gemm_fwd else "experts fc1"] if mlp_g else [])
         row = (["o"] if attn_g else []) + (["fc2" if "fc2" in gemm_fwd else "experts fc2"] if mlp_g else [])
-        f, b = _tp_comms(lay, topo, column, row, gemm_fwd, gemm_dgrad, gemm_wgrad, act_bytes)
+        f, b = _tp_comms(lay, chip, topo, column, row, gemm_fwd, gemm_dgrad, gemm_wgrad, act_bytes)
         fwd_comms += f
         bwd_comms += b
 
@@ -673,7 +680,7 @@ def _mamba_layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chips_p
     act_bytes = tp_collective_bytes(m, lay)
     if t > 1:
         topo = topology(chip, t, lay.mesh.stride("tp"), chips_per_node)
-        f, bw = _tp_comms(lay, topo, ["in_proj"], ["out_proj"], gemm_fwd, gemm_dgrad, gemm_wgrad, act_bytes)
+        f, bw = _tp_comms(lay, chip, topo, ["in_proj"], ["out_proj"], gemm_fwd, gemm_dgrad, gemm_wgrad, act_bytes)
         fwd_comms += f
         bwd_comms += bw
     if cp > 1:

@@ -238,7 +238,7 @@ def scaling_rows(spec: ModelSpec, chip: Chip, micro_batch: int, tps: list[int]) 
     for t in tps:
         topo = group_topology(chip, t, achievable=True)
         spread = group_topology(chip, t, stride=chip.scaleup_domain, achievable=True)
-        cost = layer_cost(spec, Layout(dp=1, tp=t, pp=1, micro_batch=micro_batch, tp_comm_overlap=chip.tp_comm_overlap),
+        cost = layer_cost(spec, Layout(dp=1, tp=t, pp=1, micro_batch=micro_batch),
                           cluster_chip(chip, t, chip.scaleup_domain), "bf16", spec.is_moe, chip.scaleup_domain)
         rows.append({"tp": t, "topology": topo.describe(), "inside_domain": t <= chip.scaleup_domain,
                      "comm_bytes": tp_comm_bytes_per_layer(spec, micro_batch, t),

@@ -47,6 +47,22 @@ def test_null_tp_overlap_follows_the_chip_and_a_stated_one_wins():
     assert stated.breakdown["tp_comm"] < a100.breakdown["tp_comm"]
 
 
+def test_a_layout_built_without_tp_overlap_takes_the_chips():
+    # pages cost single layers from a Layout they build themselves: no value means the chip's, not "on"
+    from hardware.chips import get_chip
+    from planner.case import Layout
+    from planner.costs import layer_cost
+    from planner.models import MODEL_PRESETS
+
+    m = MODEL_PRESETS["Llama 3 8B"]
+    for chip, own in (("a100-80gb", False), ("h100", True)):
+        hw = get_chip(chip)
+        costs = {flag: layer_cost(m, Layout(dp=1, tp=8, pp=1, sequence_parallel=True, tp_comm_overlap=flag), hw,
+                                  "bf16", False, 8) for flag in (None, own, not own)}
+        tp_s = {flag: sum(c.exposed_s for c in lc.fwd_comms + lc.bwd_comms) for flag, lc in costs.items()}
+        assert tp_s[None] == tp_s[own] != tp_s[not own], chip
+
+
 def test_selective_recompute_runs_the_core_attention_again_whatever_its_kernel():
     # Megatron-Core's "selective" checkpoints the core attention module (recompute_modules ["core_attn"]),
     # a flash kernel included: the recomputation is that kernel's forward
