@@ -48,6 +48,7 @@ from core.schedules import (
 )
 from core.ssd import state_correction_flops
 from core.timeline import Timeline, bubble_spans, intersection_seconds, span_kind, union_seconds
+from hardware.collectives import ring_sent_bytes
 from hardware.this_machine import BLOCKING_MODES, Calibration, CalibrationError, comm_key, scan_steps, work
 from planner.eventsim import Collective, Compute, Recv, Send, Wait, simulate
 
@@ -358,7 +359,10 @@ class _Rank:
         self._n += 1
         handle = f"h{self._n}" if asyn else None
         seconds = self.costs.comm(kind, n, nbytes, mode, gap_s=None if asyn else self.since_comm)
-        self.comm_op(Collective(name, group, axis, seconds, int(nbytes), handle, self.costs.cpu(kind, n, mode),
+        # the span's bytes are what one rank sends, as the engine records them (engine/comm.py); a ring
+        # shift sends its whole message
+        sent = ring_sent_bytes("p2p" if kind == "ring_shift" else kind, int(nbytes), n)
+        self.comm_op(Collective(name, group, axis, seconds, sent, handle, self.costs.cpu(kind, n, mode),
                                 self.mb, self.costs.contended_s(kind, n, nbytes) if asyn else None))
         return handle
 
@@ -542,6 +546,7 @@ class _Program:
         self.bucket_plan: list[tuple[str, list[tuple[int, int]], int]] = []
         self.bucket_of: dict[tuple[int, int], int] = {}
         self.bucket_left: list[int] = []
+        self.counting_grads = True  # a pipeline counts only its last micro-batch's weight gradients (_pipeline)
         self.gathered: dict[int, str | None] = {}
         self.done_gather: set[int] = set()
 
@@ -632,9 +637,9 @@ class _Program:
             self._tp_kv_replicas(name)
             self._tp_enter_bwd(act, f"{name} attn")
             r.compute(label, norm + rest / 2)
-            if self.sp:  # the two norms' weight gradients, summed over tp
-                r.coll(f"all_reduce {name} norm grad", self.g["tp"], "tp", "all_reduce", m.hidden * F32)
-                r.coll(f"all_reduce {name} norm grad", self.g["tp"], "tp", "all_reduce", m.hidden * F32)
+            if self.sp:  # the two norms' weight gradients, summed over tp (engine/tp.py names them by block)
+                for norm in ("mlp", "attn"):
+                    r.coll(f"all_reduce {name} {norm} norm grad", self.g["tp"], "tp", "all_reduce", m.hidden * F32)
 
     # -- a Mamba-2 layer (engine/model.MambaBlock; engine/tp.py's _mamba, engine/ssm_cp.py) -------------
     def _mamba_shape(self) -> dict:
@@ -674,7 +679,7 @@ class _Program:
             self._tp_enter_bwd(act, where)
             r.compute(label, norm + rest / 2)
             if self.sp:  # the norm's weight gradient, summed over tp
-                r.coll(f"all_reduce {name} norm grad", self.g["tp"], "tp", "all_reduce", m.hidden * F32)
+                r.coll(f"all_reduce {name} mamba norm grad", self.g["tp"], "tp", "all_reduce", m.hidden * F32)
 
     def _ssm_mix(self, name: str, label: str, s: dict, scan_s: float, fwd: bool) -> None:
         """The conv and scan (`Mamba2.mix`), and under cp its messages (engine/ssm_cp.py)."""
@@ -835,8 +840,8 @@ class _Program:
         n = self.cp
         chunk = self.t_local // 2
         if self.cfg.parallel.cp_variant != "ring":
-            kind = "all_gather" if fwd else "reduce_scatter"
-            r.coll(f"{kind} kv {name}", self.g["cp"], "cp", kind, n * kv_bytes)
+            kind, what = ("all_gather", "kv") if fwd else ("reduce_scatter", "dkv")  # engine/cp.py's names
+            r.coll(f"{kind} {what} {name}", self.g["cp"], "cp", kind, n * kv_bytes)
             return
         # As _RingAttention runs it: each step's K/V shift in flight during the step's block; backward, the
         # block's dK/dV so far leave after it (also in flight), the previous step's are waited for after
@@ -890,14 +895,15 @@ class _Program:
             r.coll(f"all_to_all dispatch {name} bwd", self.g["ep"], "ep", "all_to_all", rows)
 
     # -- the data-parallel sharder (engine/dp.py, zero.py, fsdp.py) ---------------
-    def _buckets(self) -> list[tuple[str, list[tuple[int, int]], int]]:
-        """DP's buckets as engine/dp.py makes them (core.buckets.plan_buckets, on the engine's group names):
+    def _buckets(self, units: list[int] | None = None) -> list[tuple[str, list[tuple[int, int]], int]]:
+        """DP's buckets as engine/dp.py makes them (core.buckets.plan_buckets, on the engine's group names)
+        over the parameters of `units` (None: every unit; a pipeline rank's strategy sees only its stage's):
         (their reduction group: "dp", or "dp expert" for experts' weights, which skip ep; the (unit,
         parameter index) each holds; its bytes). An expert no other rank holds a replica of is in none."""
         kind: dict[str, str] = {}  # the engine's group name -> this program's group ("dp" / "dp expert")
         items = []
-        for u, unit in enumerate(self.params):
-            for j, (_, n) in enumerate(unit):
+        for u in range(len(self.params)) if units is None else units:
+            for j, (_, n) in enumerate(self.params[u]):
                 group = "dp expert" if (u, j) in self.expert_keys else "dp"
                 name = self.group_names[group] if len(self.g[group]) > 1 else None
                 if name is not None:
@@ -907,11 +913,17 @@ class _Program:
         return [(kind[name], keys, sum(sizes[k] for k in keys))
                 for name, keys in plan_buckets(items, self.cfg.parallel.bucket_bytes)]
 
-    def _grads_ready(self, i: int, names: tuple[str, ...] | None = None) -> None:
+    def _open_buckets(self, units: list[int] | None = None) -> None:
+        """The buckets wait for their gradients: from now on each one leaves when its last one exists."""
+        self.bucket_plan = self._buckets(units)
+        self.bucket_of = {key: b for b, (_, members, _) in enumerate(self.bucket_plan) for key in members}
+        self.bucket_left = [len(members) for _, members, _ in self.bucket_plan]
+
+    def _grads_ready(self, i: int, names: tuple[str, ...] | None = None, forward_order: bool = False) -> None:
         """The backward has produced the gradients of unit i's parameters `names` (None: all that are left):
         each bucket whose last gradient this was is all-reduced now (engine/dp.py's post-accumulate hooks),
         so a bucket leaves in the middle of a layer's backward as soon as its weights' gradients exist."""
-        if not self.bucket_left:
+        if not self.bucket_left or not self.counting_grads:
             return
         ready = [j for j, (param, _) in enumerate(self.params[i])
                  if (i, j) in self.bucket_of and (names is None or param in names)]
@@ -921,7 +933,8 @@ class _Program:
             self.bucket_left[b] -= 1
             if self.bucket_left[b] == 0:
                 done.append(b)
-        for b in sorted(done):
+        # buckets hold parameters in reverse order: gradients made in forward order fill the later ones first
+        for b in sorted(done, reverse=forward_order):
             group, members, nbytes = self.bucket_plan[b]
             self.r.compute(f"bwd {self.unit_names[i]}", self.c.cat(len(members)))
             self.pending.append(self.r.coll(f"all_reduce bucket {b}", self.g[group], self.group_names[group],
@@ -945,9 +958,7 @@ class _Program:
                 self.unit_fwd(i)
                 self._after_forward(i)
             if self.stage == 0 and self.dp > 1 and cfg.parallel.dp_comm == "bucketed" and last:
-                self.bucket_plan = self._buckets()
-                self.bucket_of = {key: b for b, (_, members, _) in enumerate(self.bucket_plan) for key in members}
-                self.bucket_left = [len(members) for _, members, _ in self.bucket_plan]
+                self._open_buckets()
             for i in reversed(range(n_units)):
                 self._before_backward(i)
                 self.unit_bwd(i)
@@ -1048,6 +1059,9 @@ class _Program:
             return stage_units(m, num_stages, stage)
 
         self.held = sorted({u for c in range(v) for u in units(sched.stage_of(pp_rank, c))})
+        if self.stage == 0 and self.dp > 1 and cfg.parallel.dp_comm == "bucketed":
+            # the last micro-batch's gradients fill the buckets (engine/dp.py counts only those)
+            self._open_buckets(self.held)
         for a in sched.actions[pp_rank]:
             r.mb = a.micro_batch
             last = a.micro_batch == cfg.micro_batches - 1
@@ -1069,12 +1083,19 @@ class _Program:
                 if a.kind != BACKWARD:
                     zb = self.c.compute_fit("zb_split")
                     share = zb.fwd(1.0) if a.kind == BACKWARD_INPUT else zb.bwd(1.0)
-                for u in reversed(units(a.stage)):
-                    if a.kind != BACKWARD_WEIGHT:
+                # engine/dp.py's buckets count the weight gradients of the last micro-batch only: a fused
+                # backward's as autograd makes them, inside each unit; ZB-H1's input half makes none, and its
+                # weight half (engine/pipeline/stage.py backward_weight) makes them module by module in forward
+                # order, each unit's all at once here
+                weights = a.kind == BACKWARD_WEIGHT
+                for u in units(a.stage) if weights else reversed(units(a.stage)):
+                    self.counting_grads = last and a.kind == BACKWARD
+                    if not weights:
                         self._before_backward(u)
                     self._stage_unit(u, False, f"{a.kind} s{a.stage}", share)
+                    self.counting_grads = True
                     if a.kind != BACKWARD_INPUT:
-                        self._grad_ready_pp(u, last)
+                        self._grad_ready_pp(u, last, forward_order=weights)
         r.mb = None
 
     def _stage_unit(self, u: int, fwd: bool, label: str, share: float = 1.0) -> None:
@@ -1089,14 +1110,13 @@ class _Program:
             if isinstance(op, Compute):
                 op.name = label
 
-    def _grad_ready_pp(self, u: int, last: bool) -> None:
+    def _grad_ready_pp(self, u: int, last: bool, forward_order: bool = False) -> None:
         """The strategy over dp sees the stage's units as a model of their own (engine/pipeline/executor.py)."""
         if self.dp == 1:
             return
         if self.stage == 0 and self.cfg.parallel.dp_comm == "bucketed" and last:
-            nbytes = sum(n for _, n in self.params[u]) * F32
-            self.pending.append(self.r.coll(f"all_reduce {self.unit_names[u]}", self.g["dp"], "dp", "all_reduce",
-                                            nbytes, asyn=True))
+            # the stage's buckets, as engine/dp.py plans them over the stage's parameters
+            self._grads_ready(u, forward_order=forward_order)
         elif self.stage in (1, 2, 3):
             self._grad_ready(u, last)
 

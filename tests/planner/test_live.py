@@ -15,6 +15,7 @@ import pytest
 from core.mesh import Mesh
 from core.timeline import Span, Timeline
 from engine.cli import config_from_args, run_parser
+from hardware.collectives import ring_sent_bytes
 from hardware.this_machine import BLOCKING_MODES, Calibration, CalibrationError, comm_key
 from planner.eventsim import Compute, Send
 from planner.live import WAITING, _Costs, _params, _Rank, compare, per_step_by_kind, predict
@@ -212,7 +213,7 @@ def test_tp_has_one_all_reduce_per_mamba_layer_each_way():
     assert not any("L0" in n and "mamba" not in n for n in tp_comm)  # nothing else in the layer
     sp = predict(_cfg("--arch mamba2 --strategy tp --sequence-parallel --world 2"), CAL)
     for name in ("all_gather L0 mamba", "reduce_scatter L0 mamba", "all_gather L0 mamba grad",
-                 "reduce_scatter L0 mamba grad", "all_reduce L0 norm grad"):
+                 "reduce_scatter L0 mamba grad", "all_reduce L0 mamba norm grad"):
         assert len(_spans(sp, name, 0)) == 1, name
 
 
@@ -250,7 +251,8 @@ def test_alltoall_switches_shards_twice_each_way():
     for name, nbytes in (("all_to_all scan inputs L0", inputs), ("all_to_all scan outputs L0", outputs),
                          ("all_to_all scan outputs L0 bwd", outputs), ("all_to_all scan inputs L0 bwd", inputs)):
         spans = _spans(pred, name)
-        assert sorted(s.rank for s in spans) == [0, 1, 2, 3] and {s.bytes for s in spans} == {nbytes}, name
+        # a span's bytes are what the rank sends, as the engine records them: all but its own quarter
+        assert sorted(s.rank for s in spans) == [0, 1, 2, 3] and {s.bytes for s in spans} == {nbytes * 3 // 4}, name
     assert not any("state" in s.name for s in pred.timeline.spans if s.lane == "comm")
 
 
@@ -325,7 +327,12 @@ def test_experts_gradients_skip_ep_as_the_engine_sums_them(flags, expert_reduced
                                                                if nm == "router"), len(unit)) + 1:])
     dense = sum(n for unit in local for _, n in unit) - expert
     buckets = [s for s in pred.timeline.spans if s.rank == 0 and "bucket" in s.name]
-    assert sum(s.bytes for s in buckets) == 4 * (dense + (expert if expert_reduced else 0))
+    # a span's bytes are what the rank sends (engine/comm.py): a ring all-reduce over n sends 2 (n - 1) / n
+    dense_n = Mesh(cfg.parallel.axes(cfg.world)).batch_shards
+    expected = ring_sent_bytes("all_reduce", 4 * dense, dense_n)
+    if expert_reduced:
+        expected += ring_sent_bytes("all_reduce", 4 * expert, dense_n // ep)
+    assert sum(s.bytes for s in buckets) == expected
     assert {s.group for s in buckets if s.bytes} >= ({"dp+ep", "dp"} if expert_reduced else {"ep"})
 
 
@@ -410,3 +417,27 @@ def test_a_blocking_operation_costs_what_it_was_measured_at_after_as_much_comput
     r.coll("a2a", (0, 1), "ep", "all_to_all", nbytes)
     assert r.ops[-1].seconds == pytest.approx(fits["sync_long"].seconds(nbytes))
     assert r.since_comm == 0.0
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1"])
+def test_a_pipelines_dp_buckets_are_its_stages_and_leave_in_the_last_micro_batch(schedule):
+    # engine/dp.py plans the buckets over a pipeline rank's own stage and counts only the last micro-batch's
+    # gradients: every stage parameter in one bucket, none all-reduced before that micro-batch's backward;
+    # ZB-H1's weight half makes the gradients in forward order, so its buckets leave last-numbered first
+    from core.schedules.build import stage_units
+
+    cfg = _cfg(f"--mesh pp=2,dp=2 --schedule {schedule} --micro-batches 4 --world 4")
+    pred = predict(cfg, CAL)
+    params = _params(cfg.model)
+    for rank in range(4):
+        stage = Mesh(cfg.parallel.axes(4)).coord(rank, "pp")
+        spans = sorted(pred.timeline.for_rank(rank), key=lambda s: s.start_s)
+        buckets = [s for s in spans if "bucket" in s.name]
+        numbers = [int(s.name.rsplit(" ", 1)[1]) for s in buckets]
+        assert sorted(numbers) == list(range(len(buckets)))
+        assert numbers == sorted(numbers, reverse=schedule == "zb-h1")
+        assert sum(s.bytes for s in buckets) == 4 * sum(n for u in stage_units(cfg.model, 2, stage)
+                                                         for _, n in params[u])
+        last_backward = min(s.start_s for s in spans if s.lane == "compute" and s.micro_batch == 3
+                            and s.name.split()[0] in ("B", "BW"))
+        assert all(s.start_s >= last_backward for s in buckets)
