@@ -218,9 +218,8 @@ def simulate(programs: dict[int, list], cores: float,
                     blocked_since.setdefault(r, t)
                     return
                 since = blocked_since.pop(r, t)
-                if t > since:
-                    spans.append(Span(r, "comm", op.name, since, t, group=op.group_name,
-                                      micro_batch=op.micro_batch))
+                # recorded even when the message was already there (no wait), as the engine records it
+                spans.append(Span(r, "comm", op.name, since, t, group=op.group_name, micro_batch=op.micro_batch))
                 pc[r] += 1
                 continue
             raise TypeError(f"unknown operation {op!r}")

@@ -83,3 +83,28 @@ def test_no_prediction_for_cuda_says_why():
     cfg = config_from_args(run_parser("x").parse_args(["--device", "cuda"]))
     pred = predicted(cfg)
     assert pred["step_time_s"] is None and "CUDA" in pred["why"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("flags", ["--mesh pp=2,dp=2 --schedule zb-h1 --micro-batches 4 --world 4",
+                                   "--strategy tp --sequence-parallel --world 2", "--strategy fsdp --world 2"])
+def test_the_predicted_communication_is_the_engines_op_for_op(flags):
+    # the side-by-side view pairs the two timelines' spans: each rank's collectives in the prediction carry
+    # the engine's names and the bytes it records sending (the recorded calibration: no timing is compared)
+    import collections
+    from pathlib import Path
+
+    from engine.run import run
+    from planner.live import predict
+
+    recorded = tm.Calibration.from_dict(json.loads(
+        (Path(__file__).parents[1] / "planner" / "data" / "calibration-2core.json").read_text()))
+    cfg = config_from_args(run_parser("x").parse_args(flags.split() + ["--steps", "2"]))
+    pred = predict(cfg, recorded)
+    _, timeline = run(cfg)
+    last = max(s.step for s in timeline.spans)
+    for rank in range(cfg.world):
+        measured = collections.Counter((s.name, s.bytes) for s in timeline.for_rank(rank)
+                                       if s.lane == "comm" and s.step == last)
+        assert collections.Counter((s.name, s.bytes) for s in pred.timeline.for_rank(rank)
+                                   if s.lane == "comm") == measured, rank
