@@ -9,6 +9,7 @@ from core.schedules import SCHEDULE_NAMES, ScheduleError, formula_bubble_fractio
 from hardware.chips import CHIPS
 from planner.models import MODEL_PRESETS
 from ui.exercises import bubble_micro_batches, gpipe_bubble
+from ui.live import representative_step
 from ui.pipeline import (
     SCHEDULE_LABELS,
     comparison,
@@ -197,7 +198,8 @@ st.markdown(
 Below, a small Llama-style Transformer trains on **real processes of this machine**, its layers split into
 stages, each rank walking its action list of the schedule above (the same data) with point-to-point sends
 and receives over gloo. The run is checked against one process training the whole model on the whole
-batch. Step 0 warms up; the bubble is measured on step 1.
+batch. Step 0 warms up; the bubble is measured on the step after it whose time is nearest the run's mean
+(the one the measured timeline below draws).
 """
 )
 l1, l2, l3, l4 = st.columns(4)
@@ -216,7 +218,9 @@ if st.button("Run on this machine", type="primary"):
     v_live = live_v if live_schedule == "interleaved-1f1b" else 1
     # As the CLI builds it: the smallest model every stage gets whole layers of (engine/cli.py).
     model = replace(ModelConfig(), layers=max(ModelConfig.layers, live_world * v_live))
-    cfg = RunConfig(model=model, world=live_world, steps=2, micro_batches=live_m,
+    # 4 steps: the warm-up and three measured, so the step drawn and timed beside its prediction is the
+    # one nearest their mean, not whatever one step did on a machine the browser shares
+    cfg = RunConfig(model=model, world=live_world, steps=4, micro_batches=live_m,
                     parallel=ParallelConfig(strategy="pp", schedule=live_schedule, virtual_stages=v_live))
     run_live("live_pp", [(SCHEDULE_LABELS[live_schedule], cfg)], hint="try fewer micro-batches or processes")
 
@@ -225,14 +229,15 @@ for live in show_live("live_pp"):
 
     cfg, summary, timeline = live.cfg, live.summary, live.timeline
     name, pp_live, v_live = cfg.parallel.schedule, cfg.world, cfg.parallel.virtual_stages
-    measured = measured_bubble_fraction(timeline, 1)
-    op = measured_op_times(timeline, 1, v_live)
+    step = representative_step(summary)
+    measured = measured_bubble_fraction(timeline, step)
+    op = measured_op_times(timeline, step, v_live)
     predicted = simulate_schedule(name, pp_live, cfg.micro_batches, v_live, op)
     b1, b2, b3 = st.columns(3)
-    b1.metric("Bubble, measured (step 1)", f"{measured:.3f}")
+    b1.metric(f"Bubble, measured (step {step})", f"{measured:.3f}")
     b2.metric("Bubble, simulated with the measured op times", f"{predicted.bubble_fraction:.3f}")
     b3.metric("Bubble, formula", f"{formula_bubble_fraction(name, pp_live, cfg.micro_batches, v_live):.3f}")
-    st.caption(f"The simulation uses step 1's mean times per rank's layers, t_F = "
+    st.caption(f"The simulation uses step {step}'s mean times per rank's layers, t_F = "
                f"{op.forward_s * 1e3:.2f} ms and t_B = {op.backward_s * 1e3:.2f} ms, and no transfer time. "
                "The measured bubble also holds every send and receive and the Python overhead around them, "
                "which on this tiny model are not small against the compute (interleaving sends v times as "
