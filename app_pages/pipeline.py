@@ -245,7 +245,7 @@ for live in show_live("live_pp"):
                "is far larger and the formula holds better.")
     held = held_micro_batches(predicted)
     st.dataframe([{"rank": r, "activations held, measured peak (KiB)": round(mem["activations_peak"] / 1024),
-                   "micro-batches held, schedule": held[r], "bytes sent (KiB)": round(sent / 1024)}
+                   "micro-batches held, schedule": held[r], "bytes sent per step (KiB)": round(sent / cfg.steps / 1024)}
                   for r, (mem, sent) in enumerate(zip(summary.memory_bytes, summary.comm_bytes,
                                                       strict=True))],
                  hide_index=True, width="stretch")

@@ -256,7 +256,8 @@ def layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe, chips_per
     z3 = lay.zero_stage == 3
     ssm_cp = lay.ssm_cp if m.has_ssm and lay.cp > 1 else "state"
     key = replace(lay, pp=1, pp_schedule="1f1b", virtual_stages=1, zero_stage=3 if z3 else 0,
-                  dp=lay.dp if z3 else lay.ep, grad_reduce_overlap=True, ssm_cp=ssm_cp)  # the smallest dp
+                  dp=lay.dp if z3 else lay.ep, grad_reduce_overlap=True, ssm_cp=ssm_cp,  # the smallest dp
+                  tp_comm_overlap=tp_overlaps(lay, chip))
     if moe == MAMBA:
         return _mamba_layer_cost(m, key, chip, dtype, chips_per_node)
     return _layer_cost(m, key, chip, dtype, moe, chips_per_node)

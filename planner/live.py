@@ -1094,8 +1094,10 @@ class _Program:
                         self._before_backward(u)
                     self._stage_unit(u, False, f"{a.kind} s{a.stage}", share)
                     self.counting_grads = True
-                    if a.kind != BACKWARD_INPUT:
+                    if a.kind != BACKWARD_INPUT:  # a bucket's launch runs inside the pass, as in the engine
+                        before = len(r.ops)
                         self._grad_ready_pp(u, last, forward_order=weights)
+                        self._label_compute(before, f"{a.kind} s{a.stage}")
         r.mb = None
 
     def _stage_unit(self, u: int, fwd: bool, label: str, share: float = 1.0) -> None:
@@ -1106,6 +1108,11 @@ class _Program:
             (self.unit_fwd if fwd else self.unit_bwd)(u)
         finally:
             self.r.compute_scale = 1.0
+        self._label_compute(before, label)
+
+    def _label_compute(self, before: int, label: str) -> None:
+        """The compute this rank's program gained since op `before` runs inside the pass `label` (the engine
+        times a pass as one span, whatever it calls)."""
         for op in self.r.ops[before:]:
             if isinstance(op, Compute):
                 op.name = label

@@ -60,7 +60,7 @@ def test_run_json_carries_the_prediction(calibrated):
     pred = reply["predicted"]
     assert pred["step_time_s"] > 0 and reply["step_time_s"] > 0
     assert sum(pred["breakdown_s"].values()) == pytest.approx(pred["step_time_s"])
-    assert pred["calibration"] == []  # the session's calibration was reused
+    assert pred["calibration"] == []  # this module's calibration was reused
 
 
 @pytest.mark.multiprocess
@@ -73,7 +73,7 @@ def test_predict_flag_prints_the_prediction(calibrated):
 
 @pytest.mark.multiprocess
 def test_mamba_and_hybrid_runs_are_predicted(calibrated):
-    # from the session's calibration, which times the Mamba-2 mixer: no measuring again, no refusal
+    # from this module's calibration, which times the Mamba-2 mixer: no measuring again, no refusal
     for flags in (["--arch", "mamba2", "--strategy", "tp"], ["--arch", "hybrid", "--strategy", "cp"]):
         pred = predicted(config_from_args(run_parser("x").parse_args([*flags, "--world", "2"])))
         assert pred["step_time_s"] > 0 and pred["calibration"] == [], pred.get("why")
