@@ -246,9 +246,9 @@ def _show_run(key: str, run: LiveRun) -> None:
     else:
         st.plotly_chart(meas_fig, key=f"{slug}_measured")
     steps = run.cfg.steps
-    st.markdown(("Each rank over the whole run: its one step, a warm-up" if steps == 1 else
-                 f"Each rank over the whole run: all {steps} steps, the slower warm-up (step 0)")
-                + " (first calls, the optimizer's state allocated) included, and the bytes it sent.")
+    st.markdown("Each rank over the whole run, and the bytes it sent: "
+                + ("its one step, a warm-up" if steps == 1 else f"all {steps} steps, the slower warm-up (step 0)")
+                + " included, where the first calls run and the optimizer's state is allocated.")
     st.dataframe(lane_summary(run.timeline), hide_index=True, width="stretch")
     st.markdown("Run it again from a terminal:")
     st.code(command_line(run.cfg), language="bash")
