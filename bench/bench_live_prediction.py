@@ -1,10 +1,11 @@
 """Live-prediction benchmark: the planner's prediction of each default live run beside its measurement.
 
-    .venv/bin/python bench/bench_live_prediction.py [--worlds 2 4] [--steps 8] [--repeats 2] [--cached]
+    .venv/bin/python bench/bench_live_prediction.py [--worlds 2 4] [--steps 8] [--repeats 2] [--cached] [--more]
 
-For dp, fsdp (ZeRO-3), tp + sp, pp 1F1B, cp and ep at each world: calibrates this machine first, predicts
-the run (planner/live.py), then runs
-it `--repeats` times on the warm pool and prints predicted and measured step time, the error and the
+For dp, fsdp (ZeRO-3), tp + sp, pp 1F1B, cp and ep at each world (with --more, then in a second table the
+runs the targets do not name: the other pipeline schedules, other syncs and variants, Mamba, 2-D meshes):
+calibrates this machine first, predicts the run (planner/live.py), then runs it `--repeats` times on the
+warm pool and prints predicted and measured step time, the error and the
 kind of work that differs most. The measured step time is the engine's (engine/run.py: the mean over
 the steps after the first, slowest rank), here over every step after the first of every repeat; the
 median over the same steps is printed beside it with its own error (processes sharing a few cores
@@ -42,6 +43,23 @@ DEFAULT_RUNS = {
     "ep": "--strategy ep",
 }
 
+# Runs the targets do not name, checked the same way (--more): (flags, the worlds it runs at; None: every one).
+MORE_RUNS = {
+    "pp GPipe": ("--strategy pp --schedule gpipe --micro-batches 4", None),
+    "pp ZB-H1": ("--strategy pp --schedule zb-h1 --micro-batches 4", None),
+    "pp interleaved": ("--strategy pp --schedule interleaved-1f1b --virtual-stages 2 --micro-batches 4", None),
+    "dp naive sync": ("--strategy dp --dp-comm naive", None),
+    "ZeRO-1": ("--strategy dp --zero-stage 1", None),
+    "tp (no sp)": ("--strategy tp", None),
+    "cp all-gather": ("--strategy cp --cp-variant allgather", None),
+    "Mamba-2 cp": ("--arch mamba2 --strategy cp", None),
+    "hybrid tp": ("--arch hybrid --strategy tp", None),
+    "dp2 x tp2": ("--mesh dp=2,tp=2 --sequence-parallel", (4,)),
+    "pp2 x dp2": ("--mesh pp=2,dp=2 --micro-batches 4", (4,)),
+    "fsdp2 x tp2": ("--mesh fsdp=2,tp=2", (4,)),
+    "cp2 x dp2": ("--mesh cp=2,dp=2", (4,)),
+}
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -51,16 +69,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cached", action="store_true",
                     help="predict from the cached calibration when it is sound instead of measuring it again")
     ap.add_argument("--remeasure", action="store_true", help="measure the calibration again (the default)")
+    ap.add_argument("--more", action="store_true", help="then the runs the targets do not name (MORE_RUNS)")
     args = ap.parse_args(argv)
 
     t0 = time.perf_counter()
     cal, messages = ensure_calibration(args.worlds, remeasure=args.remeasure or not args.cached)
     print(f"calibration ({time.perf_counter() - t0:.1f} s): {'; '.join(messages) or 'from the cache'}")
+    named = {name: (flags, None) for name, flags in DEFAULT_RUNS.items()}
+    for title, runs in [("the default runs", named)] + ([("runs not named", MORE_RUNS)] if args.more else []):
+        _table(title, runs, cal, args)
+    launch.shutdown_all()
+    return 0
+
+
+def _table(title: str, runs: dict, cal, args) -> None:
     print(f"{'world':>5}  {'run':14s} {'predicted ms':>12} {'measured ms':>11} {'error':>7} "
           f"{'median ms':>9} {'error':>7}   differs most")
     errors, median_errors = [], []
     for world in args.worlds:
-        for name, flags in DEFAULT_RUNS.items():
+        for name, (flags, worlds) in runs.items():
+            if worlds is not None and world not in worlds:
+                continue
             cfg = config_from_args(run_parser("bench").parse_args(
                 flags.split() + ["--world", str(world), "--steps", str(args.steps)]))
             pred = predict(cfg, cal)
@@ -76,11 +105,12 @@ def main(argv: list[str] | None = None) -> int:
             worst = compare(pred.timeline, timeline, top=1)
             print(f"{world:>5}  {name:14s} {pred.step_time_s * 1e3:>12.2f} {mean * 1e3:>11.2f} {error:>+7.1%} "
                   f"{median * 1e3:>9.2f} {median_error:>+7.1%}   {worst[0]['text'] if worst else '-'}", flush=True)
-    print(f"step time (the engine's, a mean): mean |error| {statistics.mean(errors):.1%}, max {max(errors):.1%}; "
-          f"median step: mean |error| {statistics.mean(median_errors):.1%}, max {max(median_errors):.1%}; "
-          f"{len(errors)} runs")
-    launch.shutdown_all()
-    return 0
+    if not errors:
+        print(f"{title}: none runs at worlds {args.worlds}")
+        return
+    print(f"{title}, step time (the engine's, a mean): mean |error| {statistics.mean(errors):.1%}, "
+          f"max {max(errors):.1%}; median step: mean |error| {statistics.mean(median_errors):.1%}, "
+          f"max {max(median_errors):.1%}; {len(errors)} runs")
 
 
 if __name__ == "__main__":
