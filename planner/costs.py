@@ -385,11 +385,12 @@ def tp_overlaps(lay: Layout, chip: Chip) -> bool:
     return chip.tp_comm_overlap if lay.tp_comm_overlap is None else lay.tp_comm_overlap
 
 
-def _tp_comms(lay: Layout, chip: Chip, topo: Topology, column: list[str], row: list[str], gemm_fwd: dict,
-              gemm_dgrad: dict, gemm_wgrad: dict, act_bytes: float) -> tuple[list[CommOp], list[CommOp]]:
+def _tp_comms(lay: Layout, topo: Topology, column: list[str], row: list[str], gemm_fwd: dict, gemm_dgrad: dict,
+              gemm_wgrad: dict, act_bytes: float) -> tuple[list[CommOp], list[CommOp]]:
     """TP's collectives around the column-parallel GEMMs that read a region's input and the row-parallel
-    ones whose partial sums leave it (module docstring): (forward, backward)."""
-    t, overlap = lay.tp, tp_overlaps(lay, chip)
+    ones whose partial sums leave it (module docstring): (forward, backward). `lay` is layer_cost's key, whose
+    tp_comm_overlap is already resolved (tp_overlaps)."""
+    t, overlap = lay.tp, lay.tp_comm_overlap
     fwd: list[CommOp] = []
     bwd: list[CommOp] = []
     if lay.sequence_parallel:
@@ -521,7 +522,7 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
         column = ([attn_g[0].name] if attn_g else []) + \
             (["fc1" if "fc1" in gemm_fwd else "experts fc1"] if mlp_g else [])
         row = (["o"] if attn_g else []) + (["fc2" if "fc2" in gemm_fwd else "experts fc2"] if mlp_g else [])
-        f, b = _tp_comms(lay, chip, topo, column, row, gemm_fwd, gemm_dgrad, gemm_wgrad, act_bytes)
+        f, b = _tp_comms(lay, topo, column, row, gemm_fwd, gemm_dgrad, gemm_wgrad, act_bytes)
         fwd_comms += f
         bwd_comms += b
 
@@ -681,7 +682,7 @@ def _mamba_layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chips_p
     act_bytes = tp_collective_bytes(m, lay)
     if t > 1:
         topo = topology(chip, t, lay.mesh.stride("tp"), chips_per_node)
-        f, bw = _tp_comms(lay, chip, topo, ["in_proj"], ["out_proj"], gemm_fwd, gemm_dgrad, gemm_wgrad, act_bytes)
+        f, bw = _tp_comms(lay, topo, ["in_proj"], ["out_proj"], gemm_fwd, gemm_dgrad, gemm_wgrad, act_bytes)
         fwd_comms += f
         bwd_comms += bw
     if cp > 1:

@@ -23,13 +23,24 @@ os.environ["SHARDLAB_RESULT_CACHE"] = "0"
 RECORDED_CALIBRATION = Path(__file__).parent / "planner" / "data" / "calibration-2core.json"
 
 
+def _recorded():
+    from hardware.this_machine import Calibration
+
+    return Calibration.from_dict(json.loads(RECORDED_CALIBRATION.read_text()))
+
+
+@pytest.fixture
+def recorded_calibration():
+    """The recorded 2-core calibration, as it was measured (for tests that need a machine, not this one)."""
+    return _recorded()
+
+
 def seed_calibration() -> None:
     """File the recorded calibration under this machine's key in the current cache folder."""
     from engine.predict import torch_version
     from hardware import this_machine as tm
 
-    recorded = tm.Calibration.from_dict(json.loads(RECORDED_CALIBRATION.read_text()))
-    tm.save(dataclasses.replace(recorded, key=tm.machine_key(torch_version()), created_s=time.time(),
+    tm.save(dataclasses.replace(_recorded(), key=tm.machine_key(torch_version()), created_s=time.time(),
                                 cpus=tm.cpu_count(), torch=torch_version()))
 
 

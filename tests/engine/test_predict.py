@@ -88,19 +88,16 @@ def test_no_prediction_for_cuda_says_why():
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("flags", ["--mesh pp=2,dp=2 --schedule zb-h1 --micro-batches 4 --world 4",
                                    "--strategy tp --sequence-parallel --world 2", "--strategy fsdp --world 2"])
-def test_the_predicted_communication_is_the_engines_op_for_op(flags):
+def test_the_predicted_communication_is_the_engines_op_for_op(flags, recorded_calibration):
     # the side-by-side view pairs the two timelines' spans: each rank's collectives in the prediction carry
     # the engine's names and the bytes it records sending (the recorded calibration: no timing is compared)
     import collections
-    from pathlib import Path
 
     from engine.run import run
     from planner.live import predict
 
-    recorded = tm.Calibration.from_dict(json.loads(
-        (Path(__file__).parents[1] / "planner" / "data" / "calibration-2core.json").read_text()))
     cfg = config_from_args(run_parser("x").parse_args(flags.split() + ["--steps", "2"]))
-    pred = predict(cfg, recorded)
+    pred = predict(cfg, recorded_calibration)
     _, timeline = run(cfg)
     last = max(s.step for s in timeline.spans)
     for rank in range(cfg.world):
