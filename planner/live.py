@@ -6,7 +6,8 @@ synchronous or asynchronous, the same pipeline actions) with each operation's co
 `hardware.this_machine.Calibration`: the engine's modules by shape, the driver's own overhead per unit,
 gloo's measured time per operation, group size and world, and how the cores are shared. The ranks are
 then simulated together (`planner.eventsim`): a collective starts when its last member posts it, a
-receive waits for its send, computing ranks share the cores. Compute that starts right after the rank
+receive waits for its send, computing ranks share the cores (as many cores' worth as the world's ranks
+were measured to get together: `Calibration.cores`). Compute that starts right after the rank
 waited on its communication (a blocking collective, a wait, a receive) takes the calibrated `resume_s`
 longer: the rank resumes on cold caches.
 
@@ -282,7 +283,7 @@ class _Costs:
                     ops += [Compute("c", solo), Collective("x", group, "dp", d, handle=f"h{j}", cpu=cpu,
                                                            contended_s=contended)]
                 progs[rank] = ops + [Wait(f"h{j}") for j in range(fit.burst)]
-            return max(simulate(progs, cores=self.cal.cpus)[1].values())
+            return max(simulate(progs, cores=self.cal.cores(w))[1].values())
 
         lo, hi = 0.0, target
         for _ in range(30):
@@ -401,7 +402,7 @@ def predict(cfg, cal: Calibration) -> LivePrediction:
         g["dp expert"] = group_of(rank, expert_axes)
         _Program(cfg, costs, r, g, mesh, group_key(replica_axes), group_names).build()
         programs[rank] = r.ops
-    timeline, ends = simulate(programs, cores=cal.cpus)
+    timeline, ends = simulate(programs, cores=cal.cores(cfg.world))
     step = max(ends.values())
     if cfg.pp > 1:  # as engine/run.py marks a measured pipeline's bubbles (waits are gaps otherwise)
         timeline.extend(bubble_spans(timeline))

@@ -184,6 +184,15 @@ def test_missing_world_names_what_to_measure():
     assert _cal().share(1) == 1.0 and _cal().share(4) == pytest.approx(2.2)  # beyond measured: cores divide
 
 
+def test_cores_are_what_the_world_was_measured_to_get():
+    # 4 ranks each 2.5x slower than alone together got 4 / 2.5 = 1.6 of the 2 cores; up to one rank a core,
+    # or a world not measured, the machine's cores
+    cal = _cal()
+    cal.compute_share[4] = 2.5
+    assert cal.cores(4) == pytest.approx(1.6)
+    assert cal.cores(2) == 2.0 and cal.cores(1) == 2.0 and cal.cores(8) == 2.0
+
+
 def test_summary_lines_are_words():
     lines = tm.summary_lines(_cal())
     assert any("50.0 GFLOP/s fp32, 20.0 GFLOP/s bf16 (1 thread)" in line for line in lines)
