@@ -131,11 +131,12 @@ class Calibration:
         """The cores' worth of compute the ranks of a `world`-rank run share, as measured: with more ranks
         than cores, each of `world` ranks computing at once ran at 1 / share(world) of its solo speed (the
         scheduler's switches and the caches they cool included), so together they get world / share(world)
-        cores (1.80 of 2 for 4 ranks measured 2.22x slower; the cores divided evenly would be 2.0x). Worlds
-        not measured, or no more ranks than cores: the machine's cores."""
+        cores (1.80 of 2 for 4 ranks measured 2.22x slower; the cores divided evenly would be 2.0x), never
+        more than the machine has (a share below world / cores is the machine's drift between the solo and
+        the shared timing). Worlds not measured, or no more ranks than cores: the machine's cores."""
         if world <= self.cpus or world not in self.compute_share:
             return float(self.cpus)
-        return world / self.compute_share[world]
+        return min(float(self.cpus), world / self.compute_share[world])
 
     def probe_result(self):
         """The roofline as hardware.probe.ProbeResult (what the hardware lesson plots), or None."""
