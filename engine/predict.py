@@ -59,7 +59,6 @@ def ensure_calibration(worlds, progress=None, remeasure: bool = False, collectiv
         return pool(world).run(f"engine.calibrate:{task}", args, timeout_s=CALIBRATION_TIMEOUT_S)
 
     steps, done = (0 if cal is not None else 1) + len(todo), 0
-    solo_block = None
     if cal is None:
         report(0.0, "timing the engine's modules on one rank")
         solo = measure(1, "compute_task", {"reps": 15})[0]
@@ -71,13 +70,14 @@ def ensure_calibration(worlds, progress=None, remeasure: bool = False, collectiv
         done += 1
     for w in todo:
         report(done / steps, f"measuring gloo and shared cores with {w} ranks")
+        # the Block alone right before and after the ranks time it together (tm.fit_share)
+        alone = [measure(1, "compute_task", {"reps": 15, "shapes": "sharing"})[0][0]]
         shared = measure(w, "compute_task", {"reps": 15, "shapes": "sharing"})
+        alone.append(measure(1, "compute_task", {"reps": 15, "shapes": "sharing"})[0][0])
         sizes = sorted({n for n in (2, w) if w % n == 0})
         comm = measure(w, "comm_task", {"group_sizes": sizes})
         resume = measure(w, "resume_task", {})
-        if solo_block is None:  # the block alone, timed as the ranks time it together
-            solo_block = measure(1, "compute_task", {"reps": 15, "shapes": "sharing"})[0][0]
-        cal.compute_share[w] = tm.fit_share(w, shared, cal.compute, solo_block)
+        cal.compute_share[w] = tm.fit_share(shared, alone)
         cal.comm.update(tm.fit_comm(w, comm))
         cal.resume_s[w] = tm.fit_resume(resume)
         cal.worlds = sorted(set(cal.worlds) | {w})

@@ -467,11 +467,15 @@ def fit_comm(world: int, rows: list[list[dict]]) -> dict[str, CommFit]:
     return out
 
 
-def fit_share(world: int, shared: list[list[dict]], solo: dict[str, Fit], solo_block: dict) -> float:
-    """Mean slowdown of a Block's forward + backward when `world` ranks run it at once."""
-    alone = solo_block["fwd_s"] + solo_block["bwd_s"]
+def fit_share(shared: list[list[dict]], alone: list[dict]) -> float:
+    """Mean slowdown of a Block's forward + backward when the ranks of `shared` run it at once, against the
+    same Block timed alone right before and right after them (`alone`): one rank's speed on this machine
+    moves by a quarter from one second to the next (2.45-4.32 ms for the same Block within a minute), so a
+    single solo timing taken away from the shared one moved the share between calibrations (1.86-3.09)."""
+    solo = [r["fwd_s"] + r["bwd_s"] for r in alone]
     together = [r[0]["fwd_s"] + r[0]["bwd_s"] for r in shared]
-    return max(1.0, sum(together) / len(together) / alone) if alone > 0 else 1.0
+    mean_solo = sum(solo) / len(solo) if solo else 0.0
+    return max(1.0, sum(together) / len(together) / mean_solo) if mean_solo > 0 else 1.0
 
 
 def fit_resume(rows: list[list[dict]]) -> float:

@@ -167,6 +167,14 @@ def test_fit_moe_separates_per_expert_and_per_flop_costs():
     assert f.fwd_per_unit_s == pytest.approx(2e-10) and f.bwd_per_item_s == pytest.approx(25e-6)
 
 
+def test_share_is_against_the_solo_timings_around_the_shared_one():
+    def block(seconds):
+        return {"fwd_s": seconds / 2, "bwd_s": seconds / 2}
+    # 4 ranks at 8 ms each, the Block alone at 3 ms before and 5 ms after: 8 / 4 = 2.0x
+    assert tm.fit_share([[block(8e-3)]] * 4, [block(3e-3), block(5e-3)]) == pytest.approx(2.0)
+    assert tm.fit_share([[block(2e-3)]] * 2, [block(3e-3)]) == 1.0  # never faster than alone
+
+
 def test_fit_comm_takes_the_slowest_rank_and_the_cpu_share():
     def row(rank_slowdown, nbytes):
         seconds = (100e-6 + 1e-9 * nbytes) * rank_slowdown
