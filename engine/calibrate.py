@@ -73,6 +73,14 @@ COMPUTE_GAP_S = 300e-6  # compute before each blocking operation: a unit of the 
 SYNC_GAPS_S = {BLOCKING_MODES[0]: 50e-6, BLOCKING_MODES[2]: 2e-3}
 SYNC_GAP_ROUNDS = 30
 SYNC_GAP_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")  # the live runs' blocking ones
+# A receive posted after its send ("late" mode of send_recv): gloo's point-to-point is a rendezvous, so the
+# message moves only then (a pipeline's RECV, posted when its stage needs the tensor, long after the other
+# stage's SEND). Each pair's sender isends and computes LATE_SENDER_UNITS units of LATE_UNIT_S, its
+# receiver computes LATE_RECEIVER_UNITS units, then receives: its receive is posted while the sender still
+# computes, as in a pipeline's steady state. The roles alternate; LATE_ROUNDS timed receives per rank and size.
+LATE_UNIT_S = 1e-3
+LATE_SENDER_UNITS, LATE_RECEIVER_UNITS = 3, 2
+LATE_ROUNDS = 20
 
 
 def comm_rounds(world: int) -> int:
@@ -428,7 +436,47 @@ def comm_task(ctx, group_sizes: list[int], sizes: tuple[int, ...] = COMM_SIZES, 
                 contended[(kind, nbytes)] = lambda call=call: _under_compute(call, chunk)
         for (kind, nbytes), sums in _rounds(contended, CONTENDED_ROUNDS, dist, COMPUTE_GAP_S).items():
             out.append(_row(kind, n, ctx.world, nbytes, "contended", sums))
+        if n % 2 == 0:
+            for nbytes, sums in _late_receives(me, members, group, sizes).items():
+                out.append(_row("send_recv", n, ctx.world, nbytes, "late", sums))
     return out
+
+
+def _late_receives(me: int, members: list[int], group, sizes: tuple[int, ...],
+                   rounds: int = LATE_ROUNDS) -> dict[int, list]:
+    """{size: [wall seconds, CPU seconds, receives]} of receives posted after their send, while the sender
+    still computes (LATE_UNIT_S above): pairs of the group (local ranks 2i, 2i + 1) take turns sending."""
+    import torch.distributed as dist
+
+    from engine.comm import Comm
+    from engine.recorder import Recorder
+
+    comm = Comm(Recorder(me), torch.device("cpu"), {"pp": group})
+    peer = members[me ^ 1]
+    unit, _ = _fixed_compute(LATE_UNIT_S)
+    sums = {}
+    dist.barrier(group=group)
+    for nbytes in sizes:
+        msg, buf = torch.ones(max(1, nbytes // 4)), torch.empty(max(1, nbytes // 4))
+        acc = sums[nbytes] = [0.0, 0.0, 0]
+        for i in range(2 * (rounds + 1)):  # the first round of each role is a warm-up
+            if (i + me) % 2 == 0:
+                work = comm.send(msg, peer, name="send late", async_op=True, group="pp")
+                for _ in range(LATE_SENDER_UNITS):
+                    unit()
+                work.wait()
+            else:
+                for _ in range(LATE_RECEIVER_UNITS):
+                    unit()
+                cpu0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+                comm.recv(buf, peer, name="recv late", group="pp")
+                wall, cpu1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
+                if i >= 2:
+                    acc[0] += wall
+                    acc[1] += cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime
+                    acc[2] += 1
+            comm.recorder.take()
+    return sums
 
 
 def _under_compute(call, chunk) -> None:

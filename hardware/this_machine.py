@@ -82,7 +82,9 @@ class CommFit:
     asynchronous operation while every rank keeps computing until it completes; `stalls` when it did not
     complete within CONTENDED_CAP_S (it waits for its ranks to stop computing). "post" (ring shifts only):
     how long posting the send/recv batch blocks the rank that posts it (gloo writes the message from the
-    calling thread), measured on the same calls as "sync"."""
+    calling thread), measured on the same calls as "sync". "late" (send_recv only): a receive posted after
+    its send while the sender computes on, from the receive's posting (gloo's point-to-point is a
+    rendezvous: the message moves only then; engine/calibrate._late_receives)."""
 
     alpha_s: float
     beta_s_per_byte: float

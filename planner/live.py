@@ -262,6 +262,16 @@ class _Costs:
         read at the sender's compute before it: the receiver usually waits for it, its threads awake."""
         return self.comm("ring_shift", group, nbytes)
 
+    def late_s(self, group: int, nbytes: float) -> float | None:
+        """A point-to-point message whose receive is posted after its send: the calibrated late receive of a
+        pair (send_recv's "late" mode: the transfer from the receive's posting, the sender computing), or
+        None when the calibration predates it (older files: the message's own time then)."""
+        if group <= 1:
+            return None
+        key = comm_key(self.cfg.world, "send_recv", _nearest(group, self._sizes("send_recv", "late")), "late")
+        fit = self.cal.comm.get(key)
+        return fit.seconds(nbytes) if fit is not None else None
+
     def _async_op_s(self, kind: str, n: int, nbytes: float, fit) -> float:
         """The duration of one asynchronous operation that makes this simulator reproduce the measured
         burst (each of `fit.burst` operations issued after `fit.compute_s` of work, then all waited for,
@@ -365,6 +375,15 @@ class _Rank:
         sent = ring_sent_bytes("p2p" if kind == "ring_shift" else kind, int(nbytes), n)
         self.comm_op(Collective(name, group, axis, seconds, sent, handle, self.costs.cpu(kind, n, mode),
                                 self.mb, self.costs.contended_s(kind, n, nbytes) if asyn else None))
+        return handle
+
+    def send(self, name: str, dst: int, key: tuple, n: int, nbytes: float, group: str) -> str:
+        """An isend among `n` ranks (planner.eventsim.Send: it moves once its receive is posted, the
+        calibrated late receive after that); returns the handle a Wait blocks on until it has arrived."""
+        self._n += 1
+        handle = f"h{self._n}"
+        self.comm_op(Send(name, dst, key, self.costs.message_s(n, nbytes), int(nbytes), group, self.mb, handle,
+                          self.costs.late_s(n, nbytes)))
         return handle
 
     def wait(self, handle: str | None) -> None:
@@ -728,7 +747,6 @@ class _Program:
         correct = (state_correction_flops(s["b"] * s["t"], s["heads"], s["head_dim"], s["state"])
                    * (f.fwd_per_unit_s if fwd else f.bwd_per_unit_s))
         ops = (SSM_STATE_LAYER_OPS + SSM_STATE_SLICE_OPS * len(mine)) * c.tiny
-        hop_s, halo_s = c.message_s(len(cp), state_bytes), c.message_s(len(cp), halo_bytes)
         phase = "fwd" if fwd else "bwd"
 
         def before(g: int) -> int | None:
@@ -741,17 +759,16 @@ class _Program:
             # forward: each slice's tail to the next slice's holder; backward: its gradient back
             src_of, dst_of = (before, after) if fwd else (after, before)
             what = "conv halo" if fwd else "dhalo"
-            for g in mine:
-                dst = dst_of(g)
-                if dst is not None and dst != me:
-                    r.comm_op(Send(f"send {what} {name}", cp[dst], (name, what, phase, r.mb, g), halo_s,
-                                   int(halo_bytes), "cp", r.mb))
+            sent = [r.send(f"send {what} {name}", cp[dst_of(g)], (name, what, phase, r.mb, g), len(cp), halo_bytes,
+                           "cp") for g in mine if dst_of(g) is not None and dst_of(g) != me]
             for g in mine:
                 src = src_of(g)
                 if src is not None and src != me:
                     key_slice = g - 1 if fwd else g + 1
                     r.comm_op(Recv(f"recv {what} {name}", cp[src], (name, what, phase, r.mb, key_slice), "cp",
                                    r.mb))
+            for handle in sent:  # the batch's sends are waited for with its receives (engine/ssm_cp._Halo)
+                r.wait(handle)
 
         def chain() -> None:
             what = "state" if fwd else "dstate"
@@ -765,8 +782,8 @@ class _Program:
                 dst = dst_of(g)
                 if dst is not None and dst != me:
                     nxt = g + 1 if fwd else g - 1
-                    r.comm_op(Send(f"send {what} {name}", cp[dst], (name, what, r.mb, nxt), hop_s,
-                                   int(state_bytes), "cp", r.mb))
+                    # the rank waits for its send (engine/ssm_cp._StateChain): until the next holder receives
+                    r.wait(r.send(f"send {what} {name}", cp[dst], (name, what, r.mb, nxt), len(cp), state_bytes, "cp"))
 
         if fwd:
             halo()
@@ -1060,6 +1077,7 @@ class _Program:
             return stage_units(m, num_stages, stage)
 
         self.held = sorted({u for c in range(v) for u in units(sched.stage_of(pp_rank, c))})
+        sends = []
         if self.stage == 0 and self.dp > 1 and cfg.parallel.dp_comm == "bucketed":
             # the last micro-batch's gradients fill the buckets (engine/dp.py counts only those)
             self._open_buckets(self.held)
@@ -1067,8 +1085,8 @@ class _Program:
             r.mb = a.micro_batch
             last = a.micro_batch == cfg.micro_batches - 1
             if a.kind == SEND:
-                r.comm_op(Send(f"send {a.tensor} s{a.stage}", self.g["pp"][a.peer], a.message,
-                               self.c.message_s(self.pp, boundary), int(boundary), "pp", a.micro_batch))
+                sends.append(r.send(f"send {a.tensor} s{a.stage}", self.g["pp"][a.peer], a.message, self.pp,
+                                    boundary, "pp"))
             elif a.kind == RECV:
                 r.comm_op(Recv(f"recv {a.tensor} s{a.stage}", self.g["pp"][a.peer], a.message, "pp", a.micro_batch))
             elif a.kind == FORWARD:
@@ -1100,6 +1118,8 @@ class _Program:
                         self._grad_ready_pp(u, last, forward_order=weights)
                         self._label_compute(before, f"{a.kind} s{a.stage}")
         r.mb = None
+        for handle in sends:  # the executor waits for its isends after the last action
+            r.wait(handle)
 
     def _stage_unit(self, u: int, fwd: bool, label: str, share: float = 1.0) -> None:
         """A unit inside a pipeline pass: its compute and collectives, under the pass's span name."""

@@ -49,6 +49,23 @@ def test_send_and_recv():
     assert ("recv act", 0.0, pytest.approx(1.25)) in _spans(tl, 1, "comm")
 
 
+def test_a_message_moves_once_its_receive_is_posted():
+    # gloo's point-to-point is a rendezvous: sent at 0, received from 1.0, it arrives late_s after 1.0
+    tl, ends = simulate({0: [Send("send act", 1, ("act", 0), 0.25, late_s=0.1, handle="s"), Wait("s")],
+                         1: [Compute("f", 1.0), Recv("recv act", 0, ("act", 0)), Compute("g", 1.0)]}, cores=2)
+    assert ends == {0: pytest.approx(1.1), 1: pytest.approx(2.1)}  # the sender's wait ends with the transfer
+    assert ("recv act", pytest.approx(1.0), pytest.approx(1.1)) in _spans(tl, 1, "comm")
+    assert ("send act", 0.0, pytest.approx(1.1)) in _spans(tl, 0, "comm")
+    # without late_s the transfer takes the message's own time from the receive
+    _, ends = simulate({0: [Send("send act", 1, ("act", 0), 0.25)],
+                        1: [Compute("f", 1.0), Recv("recv act", 0, ("act", 0))]}, cores=2)
+    assert ends[1] == pytest.approx(1.25)
+    # a receive posted just after the send still waits the message's own time from the send
+    _, ends = simulate({0: [Send("send act", 1, ("act", 0), 0.25, late_s=0.1)],
+                        1: [Compute("f", 0.05), Recv("recv act", 0, ("act", 0))]}, cores=2)
+    assert ends[1] == pytest.approx(0.25)
+
+
 def test_ranks_share_the_cores():
     # two ranks computing 1 s each on one core: both at half speed, both end at 2 s
     _, ends = simulate({0: [Compute("a", 1.0)], 1: [Compute("b", 1.0)]}, cores=1)

@@ -16,7 +16,7 @@ from core.mesh import Mesh
 from core.timeline import Span, Timeline
 from engine.cli import config_from_args, run_parser
 from hardware.collectives import ring_sent_bytes
-from hardware.this_machine import BLOCKING_MODES, Calibration, CalibrationError, comm_key
+from hardware.this_machine import BLOCKING_MODES, Calibration, CalibrationError, CommFit, comm_key
 from planner.eventsim import Compute, Send
 from planner.live import WAITING, _Costs, _params, _Rank, compare, per_step_by_kind, predict
 
@@ -239,6 +239,25 @@ def test_state_passing_writes_the_engines_chain():
     assert all(corrected[r] >= sent[r - 1] for r in (1, 2, 3))
     assert corrected == sorted(corrected)
     assert not any(s.group == "cp" and "all_to_all" in s.name for s in pred.timeline.spans)
+    # and each sender waits for its state to be received before it computes on (engine/ssm_cp waits its sends)
+    for send in _spans(pred, "send state L0"):
+        after = [c.start_s for c in pred.timeline.spans if c.rank == send.rank and c.lane == "compute"
+                 and c.start_s >= send.start_s]
+        assert min(after) >= send.end_s - 1e-12
+
+
+def test_a_receive_posted_after_its_send_waits_the_late_transfer():
+    # gloo's point-to-point is a rendezvous: GPipe's stage 1 posts each RECV when it needs the activation,
+    # long after stage 0 sent it, and waits the calibrated late receive from there (engine/calibrate.
+    # _late_receives); the executor waits for its isends before the optimizer step
+    cfg = _cfg("--strategy pp --schedule gpipe --micro-batches 4 --world 2")
+    late = dataclasses.replace(CAL, comm={**CAL.comm, comm_key(2, "send_recv", 2, "late"): CommFit(5e-3, 0.0, 0.5)})
+    base, pred = predict(cfg, CAL), predict(cfg, late)  # the fixture predates the late mode
+    waits = [s.duration_s for s in _spans(pred, "recv act s1") if s.micro_batch > 0]
+    assert len(waits) == 3 and min(waits) >= 5e-3 - 1e-12
+    assert pred.step_time_s > base.step_time_s + 3 * 5e-3 - 1e-9
+    finish = _spans(pred, "optimizer step", 0)[0].start_s
+    assert finish >= max(s.end_s for s in _spans(pred, "send act s0")) - 1e-12
 
 
 def test_alltoall_switches_shards_twice_each_way():
