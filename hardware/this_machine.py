@@ -227,6 +227,9 @@ def load(key: str, now_s: float | None = None) -> tuple[Calibration | None, str]
     if age > STALE_AFTER_S:
         return None, f"the calibration is {age / 86400:.0f} days old; measuring again"
     missing = [op for op in COMPUTE_FITS if op not in cal.compute]
+    # a receive posted after its send (engine/calibrate._late_receives), timed on every even world's pairs
+    if any(comm_key(w, "send_recv", 2, "late") not in cal.comm for w in cal.worlds if w % 2 == 0):
+        missing.append("a receive posted after its send")
     if missing:
         return None, (f"the calibration has no timing of {', '.join(missing)} (an older ShardLab measured it); "
                       "measuring again")

@@ -14,7 +14,8 @@ def _cal(key="abc", created_s=1000.0, without=(), **kw) -> tm.Calibration:
     return tm.Calibration(key=key, created_s=created_s, cpus=2, torch="2.13.0",
                           compute=fits, engine_units={"step": 0.01},
                           compute_share={1: 1.0, 2: 1.1}, resume_s={2: 1.5e-4},
-                          comm={tm.comm_key(2, "all_reduce", 2, "sync"): tm.CommFit(4e-4, 2e-9, 0.6, gap_s=3e-4)},
+                          comm={tm.comm_key(2, "all_reduce", 2, "sync"): tm.CommFit(4e-4, 2e-9, 0.6, gap_s=3e-4),
+                                tm.comm_key(2, "send_recv", 2, "late"): tm.CommFit(8e-4, 2e-9, 0.5)},
                           probe={"matmul_flops_per_s": 5e10, "memory_bytes_per_s": 1e10, "threads": 1,
                                  "bf16_matmul_flops_per_s": 2e10}, worlds=[2], **kw)
 
@@ -67,6 +68,12 @@ def test_a_calibration_without_the_mamba_fit_is_measured_again_once(cache):
     tm.save(_cal(created_s=1000.0))  # what the measurement then writes: sound from now on
     cal, why = tm.load("abc", now_s=1001.0)
     assert why == "" and "mamba" in cal.compute
+    # and one from before receives posted after their send were timed
+    old = _cal(created_s=1000.0)
+    del old.comm[tm.comm_key(2, "send_recv", 2, "late")]
+    tm.save(old)
+    cal, why = tm.load("abc", now_s=1001.0)
+    assert cal is None and "a receive posted after its send" in why and "measuring again" in why
 
 
 def test_mamba_work_is_the_engines_flop_count():
