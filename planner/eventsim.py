@@ -174,14 +174,18 @@ def simulate(programs: dict[int, list], cores: float,
                 p.end = p.start + p.op.seconds
             waiting.remove(cid)
 
+    def send_span(mid: tuple, end: float) -> None:
+        sent, src, op = sends[mid]
+        spans.append(Span(src, "comm", op.name, sent, end, bytes=op.nbytes, group=op.group_name, is_async=True,
+                          micro_batch=op.micro_batch))
+
     def match(mid: tuple) -> None:
         """Once a message's send and receive are both posted: when it arrives, and its span."""
         if mid in arrivals or mid not in sends or mid not in receives:
             return
-        sent, src, op = sends[mid]
+        sent, _, op = sends[mid]
         arrivals[mid] = max(sent + op.seconds, receives[mid] + (op.seconds if op.late_s is None else op.late_s))
-        spans.append(Span(src, "comm", op.name, sent, arrivals[mid], bytes=op.nbytes, group=op.group_name,
-                          is_async=True, micro_batch=op.micro_batch))
+        send_span(mid, arrivals[mid])
 
     def advance(r: int) -> None:
         """Run rank r's instantaneous operations at time t until it computes, blocks or ends."""
@@ -308,10 +312,9 @@ def simulate(programs: dict[int, list], cores: float,
         t = t_next
     else:
         raise SimulationError("the simulation did not finish within its event budget")
-    for mid, (sent, src, op) in sends.items():  # never received: drawn for their own time
+    for mid, (sent, _, op) in sends.items():  # never received: drawn for their own time
         if mid not in arrivals:
-            spans.append(Span(src, "comm", op.name, sent, sent + op.seconds, bytes=op.nbytes, group=op.group_name,
-                              is_async=True, micro_batch=op.micro_batch))
+            send_span(mid, sent + op.seconds)
     for cid, members in spans_pending.items():
         p = posted[cid]
         for r, op in members:

@@ -759,8 +759,12 @@ class _Program:
             # forward: each slice's tail to the next slice's holder; backward: its gradient back
             src_of, dst_of = (before, after) if fwd else (after, before)
             what = "conv halo" if fwd else "dhalo"
-            sent = [r.send(f"send {what} {name}", cp[dst_of(g)], (name, what, phase, r.mb, g), len(cp), halo_bytes,
-                           "cp") for g in mine if dst_of(g) is not None and dst_of(g) != me]
+            sent = []
+            for g in mine:
+                dst = dst_of(g)
+                if dst is not None and dst != me:
+                    sent.append(r.send(f"send {what} {name}", cp[dst], (name, what, phase, r.mb, g), len(cp),
+                                       halo_bytes, "cp"))
             for g in mine:
                 src = src_of(g)
                 if src is not None and src != me:
