@@ -18,7 +18,16 @@ import time
 import streamlit as st
 
 from app_pages.engine_errors import engine_error_message
-from ui.live import LiveRun, calibration_age, differences, prediction_error, side_by_side, tolerance_rows, verdict
+from ui.live import (
+    LiveRun,
+    calibration_age,
+    differences,
+    prediction_error,
+    side_by_side,
+    speed_note,
+    tolerance_rows,
+    verdict,
+)
 from ui.timeline import lane_summary
 
 
@@ -242,7 +251,8 @@ def _show_run(key: str, run: LiveRun) -> None:
                    "prediction of the typical step does not."
                    + (f" The calibration was {age} old when it predicted this run; a shared machine's speed "
                       "drifts (other programs, other users), so if every kind of work took longer or shorter "
-                      "than predicted, measure it again on the Hardware lesson." if age else ""))
+                      "than predicted, measure it again on the Hardware lesson." if age else "")
+                   + (f" Checked before the run: {speed_note(run)}." if speed_note(run) else ""))
     else:
         st.plotly_chart(meas_fig, key=f"{slug}_measured")
     steps = run.cfg.steps

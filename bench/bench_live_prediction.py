@@ -4,17 +4,19 @@
 
 For dp, fsdp (ZeRO-3), tp + sp, pp 1F1B, cp and ep at each world (with --more, then in a second table the
 runs the targets do not name: the other pipeline schedules, other syncs and variants, Mamba, 2-D meshes):
-calibrates this machine first, predicts the run (planner/live.py), then runs it `--repeats` times on the
-warm pool and prints predicted and measured step time, the error and the
-kind of work that differs most. The measured step time is the engine's (engine/run.py: the mean over
-the steps after the first, slowest rank), here over every step after the first of every repeat; the
-median over the same steps is printed beside it with its own error (processes sharing a few cores
-stall now and then, so the two differ). No thresholds: the table is the result.
+calibrates this machine first, predicts the run (planner/live.py) from it at the machine's speed of the
+moment (the calibration's reference Block timed again right before: `speed` is how much slower it ran,
+engine/predict.at_speed_now, as every live run's prediction does), then runs it `--repeats` times on the
+warm pool and prints predicted and measured step time, the error and the kind of work that differs most.
+The measured step time is the engine's (engine/run.py: the mean over the steps after the first, slowest
+rank), here over every step after the first of every repeat; the median over the same steps is printed
+beside it with its own error (processes sharing a few cores stall now and then, so the two differ).
+No thresholds: the table is the result.
 
 The calibration is measured afresh unless --cached: a shared machine drifts, and its runs with it. On
 the 2-core machine this was built on, the engine's default step at world 1 took 4.6 ms and an hour later
 7.6 ms; a calibration 15 minutes old predicted the default runs 32 % off on average (50 % at worst),
-one measured right before them 12 % (30 % at worst). Measuring takes about 50 s on 2 cores.
+one measured right before them 12 % (30 % at worst). Measuring takes about 60 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine import launch  # noqa: E402
 from engine.cli import config_from_args, run_parser  # noqa: E402
-from engine.predict import ensure_calibration  # noqa: E402
+from engine.predict import at_speed_now, ensure_calibration  # noqa: E402
 from engine.run import run  # noqa: E402
 from planner.live import compare, predict  # noqa: E402
 
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _table(title: str, runs: dict, cal, args) -> None:
-    print(f"{'world':>5}  {'run':14s} {'predicted ms':>12} {'measured ms':>11} {'error':>7} "
+    print(f"{'world':>5}  {'run':14s} {'speed':>5} {'predicted ms':>12} {'measured ms':>11} {'error':>7} "
           f"{'median ms':>9} {'error':>7}   differs most")
     errors, median_errors = [], []
     for world in args.worlds:
@@ -92,7 +94,8 @@ def _table(title: str, runs: dict, cal, args) -> None:
                 continue
             cfg = config_from_args(run_parser("bench").parse_args(
                 flags.split() + ["--world", str(world), "--steps", str(args.steps)]))
-            pred = predict(cfg, cal)
+            now, speed = at_speed_now(cal)  # the machine's speed drifts: its reference Block timed again
+            pred = predict(cfg, now)
             run(cfg, traced=False)  # warm the pool and the ranks' caches
             measured, timeline = [], None
             for _ in range(args.repeats):
@@ -103,8 +106,9 @@ def _table(title: str, runs: dict, cal, args) -> None:
             errors.append(abs(error))
             median_errors.append(abs(median_error))
             worst = compare(pred.timeline, timeline, top=1)
-            print(f"{world:>5}  {name:14s} {pred.step_time_s * 1e3:>12.2f} {mean * 1e3:>11.2f} {error:>+7.1%} "
-                  f"{median * 1e3:>9.2f} {median_error:>+7.1%}   {worst[0]['text'] if worst else '-'}", flush=True)
+            print(f"{world:>5}  {name:14s} {speed:>5.2f} {pred.step_time_s * 1e3:>12.2f} {mean * 1e3:>11.2f} "
+                  f"{error:>+7.1%} {median * 1e3:>9.2f} {median_error:>+7.1%}   "
+                  f"{worst[0]['text'] if worst else '-'}", flush=True)
     if not errors:
         print(f"{title}: none runs at worlds {args.worlds}")
         return

@@ -43,7 +43,7 @@ from engine.mamba import Mamba2
 from engine.model import Attention, Block, Embed, Head, MoE, RMSNorm, SwiGLU, loss_fn
 from engine.optim import AdamW, adamw_
 from engine.ring_attention import block_backward, block_forward, expand_kv, merge, reduce_kv
-from hardware.this_machine import BLOCKING_MODES, CONTENDED_CAP_S
+from hardware.this_machine import BLOCKING_MODES, CONTENDED_CAP_S, late_mode
 
 # Message sizes of the communication sweep (bytes): the live models' collectives are 0.1-450 KB (the
 # whole-gradient all-reduce of cp and ep is 427 KB), where gloo's time is mostly per operation (thread
@@ -73,11 +73,13 @@ COMPUTE_GAP_S = 300e-6  # compute before each blocking operation: a unit of the 
 SYNC_GAPS_S = {BLOCKING_MODES[0]: 50e-6, BLOCKING_MODES[2]: 2e-3}
 SYNC_GAP_ROUNDS = 30
 SYNC_GAP_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")  # the live runs' blocking ones
-# A receive posted after its send ("late" mode of send_recv): gloo's point-to-point is a rendezvous, so the
+# A receive posted after its send (the "late" modes of send_recv): gloo's point-to-point is a rendezvous, so the
 # message moves only then (a pipeline's RECV, posted when its stage needs the tensor, long after the other
 # stage's SEND). Each pair's sender isends and computes LATE_SENDER_UNITS units of LATE_UNIT_S, its
 # receiver computes LATE_RECEIVER_UNITS units, then receives: its receive is posted while the sender still
 # computes, as in a pipeline's steady state. The roles alternate; LATE_ROUNDS timed receives per rank and size.
+# Timed with 1 .. world / 2 pairs at once (the others idle): on 2 cores a 1 KB late receive took 0.6-1.1 ms
+# with one sender computing and 4.5-6 ms with two (the sender's gloo thread waits for a core).
 LATE_UNIT_S = 1e-3
 LATE_SENDER_UNITS, LATE_RECEIVER_UNITS = 3, 2
 LATE_ROUNDS = 20
@@ -437,15 +439,19 @@ def comm_task(ctx, group_sizes: list[int], sizes: tuple[int, ...] = COMM_SIZES, 
         for (kind, nbytes), sums in _rounds(contended, CONTENDED_ROUNDS, dist, COMPUTE_GAP_S).items():
             out.append(_row(kind, n, ctx.world, nbytes, "contended", sums))
         if n % 2 == 0:
-            for nbytes, sums in _late_receives(me, members, group, sizes).items():
-                out.append(_row("send_recv", n, ctx.world, nbytes, "late", sums))
+            for pairs in range(1, ctx.world // 2 + 1):
+                for nbytes, sums in _late_receives(me, members, group, sizes, pairs).items():
+                    out.append(_row("send_recv", n, ctx.world, nbytes, late_mode(pairs), sums))
     return out
 
 
-def _late_receives(me: int, members: list[int], group, sizes: tuple[int, ...],
+def _late_receives(me: int, members: list[int], group, sizes: tuple[int, ...], pairs: int,
                    rounds: int = LATE_ROUNDS) -> dict[int, list]:
     """{size: [wall seconds, CPU seconds, receives]} of receives posted after their send, while the sender
-    still computes (LATE_UNIT_S above): pairs of the group (local ranks 2i, 2i + 1) take turns sending."""
+    still computes (LATE_UNIT_S above): pairs of the group (local ranks 2i, 2i + 1) take turns sending.
+    Only the world's first `pairs` pairs (global ranks 2i, 2i + 1 for i < pairs) exchange, the other ranks
+    stay idle and return nothing: `pairs` senders compute while their receivers wait, which decides whether
+    the sender's gloo thread finds a free core to move the message on (late_mode)."""
     import torch.distributed as dist
 
     from engine.comm import Comm
@@ -453,10 +459,13 @@ def _late_receives(me: int, members: list[int], group, sizes: tuple[int, ...],
 
     comm = Comm(Recorder(me), torch.device("cpu"), {"pp": group})
     peer = members[me ^ 1]
+    active = members[me] // 2 < pairs
     unit, _ = _fixed_compute(LATE_UNIT_S)
     sums = {}
-    dist.barrier(group=group)
     for nbytes in sizes:
+        dist.barrier()
+        if not active:
+            continue
         msg, buf = torch.ones(max(1, nbytes // 4)), torch.empty(max(1, nbytes // 4))
         acc = sums[nbytes] = [0.0, 0.0, 0]
         for i in range(2 * (rounds + 1)):  # the first round of each role is a warm-up
@@ -476,6 +485,7 @@ def _late_receives(me: int, members: list[int], group, sizes: tuple[int, ...],
                     acc[1] += cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime
                     acc[2] += 1
             comm.recorder.take()
+    dist.barrier()
     return sums
 
 

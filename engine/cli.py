@@ -199,12 +199,16 @@ def _human(summary) -> str:
 
 
 def prediction_line(measured_s: float, pred: dict) -> str:
+    from hardware.this_machine import speed_words
+
     if pred.get("step_time_s") is None:
         return f"no prediction: {pred.get('why', 'unavailable')}"
     error = (pred["step_time_s"] - measured_s) / measured_s
     parts = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in sorted(pred["breakdown_s"].items(), key=lambda kv: -kv[1]))
+    speed = pred.get("speed_factor", 1.0)
     return (f"predicted step time (planner, this machine's calibration): {pred['step_time_s'] * 1e3:.1f} ms, "
-            f"{error:+.0%} against measured ({parts} ms)")
+            f"{error:+.0%} against measured ({parts} ms)"
+            + (f"; {speed_words(speed)}" if speed != 1.0 else ""))
 
 
 def main(argv: list[str] | None = None) -> int:

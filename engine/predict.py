@@ -40,7 +40,6 @@ def ensure_calibration(worlds, progress=None, remeasure: bool = False, collectiv
     corrupt, asked for), for the page or the command line to show. Raises `launch.WorkerError` when a
     measuring rank fails or times out.
     """
-    from engine import launch
     from hardware import this_machine as tm
 
     report = progress or (lambda fraction, message: None)
@@ -52,19 +51,18 @@ def ensure_calibration(worlds, progress=None, remeasure: bool = False, collectiv
     if cal is not None and not todo:
         return cal, messages
 
-    def pool(world: int):
-        return launch.get_pool(world, "cpu", collective_timeout_s)
-
     def measure(world: int, task: str, args: dict) -> list:
-        return pool(world).run(f"engine.calibrate:{task}", args, timeout_s=CALIBRATION_TIMEOUT_S)
+        return _measure(world, task, args, collective_timeout_s)
 
     steps, done = (0 if cal is not None else 1) + len(todo), 0
     if cal is None:
         report(0.0, "timing the engine's modules on one rank")
+        before = reference_block_s(measure)
         solo = measure(1, "compute_task", {"reps": 15})[0]
         fits, units, probe = tm.fit_compute(solo)
         cal = tm.Calibration(key=key, created_s=time.time(), cpus=tm.cpu_count(), torch=torch_version(),
-                             compute=fits, engine_units=units, probe=probe)
+                             compute=fits, engine_units=units, probe=probe,
+                             reference_s=(before + reference_block_s(measure)) / 2)
         cal.compute_share[1] = 1.0
         messages.append("timed the engine's modules, its driver and this machine's roofline on one rank")
         done += 1
@@ -88,6 +86,33 @@ def ensure_calibration(worlds, progress=None, remeasure: bool = False, collectiv
     return cal, messages
 
 
+def reference_block_s(measure) -> float:
+    """The default Block's forward + backward on one rank alone (`Calibration.reference_s`), through
+    `measure(world, task, args)`: about 0.3 s on 2 cores."""
+    row = measure(1, "compute_task", {"reps": 15, "shapes": "sharing"})[0][0]
+    return row["fwd_s"] + row["bwd_s"]
+
+
+# a calibration younger than this is taken to run at the machine's present speed (not checked again)
+FRESH_S = 60.0
+
+
+def at_speed_now(cal, collective_timeout_s: float = 30.0):
+    """(`cal` at the speed this machine runs now, the factor): its reference Block timed again on one rank
+    (`Calibration.at_speed`); a calibration measured under FRESH_S ago is returned as it is."""
+    if time.time() - cal.created_s < FRESH_S or cal.reference_s <= 0:
+        return cal, 1.0
+    return cal.at_speed(reference_block_s(lambda world, task, args: _measure(world, task, args, collective_timeout_s)))
+
+
+def _measure(world: int, task: str, args: dict, collective_timeout_s: float) -> list:
+    """Run an `engine.calibrate` task on the worker pool of `world` CPU ranks: each rank's result."""
+    from engine import launch
+
+    return launch.get_pool(world, "cpu", collective_timeout_s).run(f"engine.calibrate:{task}", args,
+                                                                    timeout_s=CALIBRATION_TIMEOUT_S)
+
+
 def predicted(cfg, progress=None) -> dict:
     """The planner's prediction of the run `cfg` on this machine, as the JSON object the run's summary
     carries under "predicted": step_time_s, breakdown_s and the calibration messages, or step_time_s
@@ -105,13 +130,16 @@ def predicted(cfg, progress=None) -> dict:
                        "are other ones, so it is not predicted"}
     try:
         cal, messages = ensure_calibration([cfg.world], progress, collective_timeout_s=cfg.collective_timeout_s)
+        now, speed = at_speed_now(cal, cfg.collective_timeout_s)
     except WorkerError as e:
         return {"step_time_s": None, "breakdown_s": {}, "why": f"this machine could not be calibrated: {e}"}
     try:
-        out = predict(cfg, cal).as_dict()
+        out = predict(cfg, now).as_dict()
     except CalibrationError as e:
         return {"step_time_s": None, "breakdown_s": {}, "why": str(e)}
     out["calibration"] = messages
+    # the machine's speed now against the calibration's: the compute fits were scaled by it
+    out["speed_factor"] = speed
     # a shared machine drifts: the pages say how old the calibration was when it predicted this run
     out["calibrated_at_s"], out["predicted_at_s"] = cal.created_s, time.time()
     return out

@@ -30,7 +30,7 @@ import os
 import platform
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, astuple, dataclass, field, replace
 from pathlib import Path
 
 from core.ssd import mamba_block_flops
@@ -70,6 +70,9 @@ class Fit:
     def bwd(self, work: float, items: float = 0.0) -> float:
         return self.bwd_fixed_s + self.bwd_per_unit_s * work + self.bwd_per_item_s * items
 
+    def scaled(self, factor: float) -> Fit:
+        return Fit(*(factor * v for v in astuple(self)))
+
 
 @dataclass(frozen=True)
 class CommFit:
@@ -82,9 +85,10 @@ class CommFit:
     asynchronous operation while every rank keeps computing until it completes; `stalls` when it did not
     complete within CONTENDED_CAP_S (it waits for its ranks to stop computing). "post" (ring shifts only):
     how long posting the send/recv batch blocks the rank that posts it (gloo writes the message from the
-    calling thread), measured on the same calls as "sync". "late" (send_recv only): a receive posted after
-    its send while the sender computes on, from the receive's posting (gloo's point-to-point is a
-    rendezvous: the message moves only then; engine/calibrate._late_receives)."""
+    calling thread), measured on the same calls as "sync". "late1", "late2", ... (`late_mode`, send_recv
+    only): a receive posted after its send while the sender computes on, from the receive's posting
+    (gloo's point-to-point is a rendezvous: the message moves only then), with that many of the world's
+    pairs exchanging at once, so that many senders computing (engine/calibrate._late_receives)."""
 
     alpha_s: float
     beta_s_per_byte: float
@@ -111,6 +115,9 @@ class Calibration:
     comm: dict[str, CommFit] = field(default_factory=dict)  # comm_key(world, kind, n, mode) -> fit
     probe: dict = field(default_factory=dict)  # hardware.probe.ProbeResult's fields: the roofline
     worlds: list[int] = field(default_factory=list)  # worlds whose communication was measured
+    # the default Block's forward + backward on one rank alone, timed right before and right after the
+    # module fits (their speed reference: `at_speed`); 0: not measured (an older file)
+    reference_s: float = 0.0
 
     def comm_fit(self, world: int, kind: str, n: int, mode: str = "sync") -> CommFit:
         key = comm_key(world, kind, n, mode)
@@ -140,6 +147,19 @@ class Calibration:
             return float(self.cpus)
         return min(float(self.cpus), world / self.compute_share[world])
 
+    def at_speed(self, reference_now_s: float) -> tuple[Calibration, float]:
+        """(this calibration with its compute at the speed the machine runs now, the factor): the module fits
+        and the engine's units scaled by `reference_now_s`, the reference Block timed again now, over
+        `reference_s`. A shared machine's speed drifts (one rank's Block took 2.45-4.32 ms within a minute
+        here, the engine's default step 4.6-15.8 ms over days); communication and core sharing are kept as
+        measured. ZB-H1's split is a ratio of two timings and is kept too."""
+        if self.reference_s <= 0 or reference_now_s <= 0:
+            return self, 1.0
+        factor = reference_now_s / self.reference_s
+        compute = {op: f if op == "zb_split" else f.scaled(factor) for op, f in self.compute.items()}
+        units = {name: factor * s for name, s in self.engine_units.items()}
+        return replace(self, compute=compute, engine_units=units), factor
+
     def probe_result(self):
         """The roofline as hardware.probe.ProbeResult (what the hardware lesson plots), or None."""
         from hardware.probe import ProbeResult
@@ -165,13 +185,25 @@ class Calibration:
                        resume_s={int(k): float(v) for k, v in d["resume_s"].items()},
                        comm={k: CommFit(**v) for k, v in d["comm"].items()},
                        probe=dict(d["probe"]),
-                       worlds=[int(w) for w in d["worlds"]])
+                       worlds=[int(w) for w in d["worlds"]], reference_s=float(d.get("reference_s", 0.0)))
         except (KeyError, TypeError, ValueError) as e:
             raise CalibrationError(f"the calibration file is malformed ({type(e).__name__}: {e})") from None
 
 
+def speed_words(factor: float) -> str:
+    """`Calibration.at_speed`'s factor in words, for the pages and the command line."""
+    how = f"{factor:.2f}x slower" if factor >= 1 else f"{1 / factor:.2f}x faster"
+    return (f"this machine ran its reference Block {how} right before this run than when it was calibrated, "
+            "so the prediction's compute was scaled by that (its communication was not)")
+
+
 def comm_key(world: int, kind: str, n: int, mode: str) -> str:
     return f"w{world}/{kind}/n{n}/{mode}"
+
+
+def late_mode(senders: int) -> str:
+    """The send_recv mode of a receive posted after its send while `senders` ranks compute (CommFit)."""
+    return f"late{senders}"
 
 
 # -- the machine and its cache file ----------------------------------------------------------------------
@@ -227,8 +259,12 @@ def load(key: str, now_s: float | None = None) -> tuple[Calibration | None, str]
     if age > STALE_AFTER_S:
         return None, f"the calibration is {age / 86400:.0f} days old; measuring again"
     missing = [op for op in COMPUTE_FITS if op not in cal.compute]
-    # a receive posted after its send (engine/calibrate._late_receives), timed on every even world's pairs
-    if any(comm_key(w, "send_recv", 2, "late") not in cal.comm for w in cal.worlds if w % 2 == 0):
+    if cal.reference_s <= 0:
+        missing.append("the reference Block its speed is checked against")
+    # a receive posted after its send (engine/calibrate._late_receives), timed on every even world's pairs,
+    # with each number of them exchanging at once
+    if any(comm_key(w, "send_recv", 2, late_mode(k)) not in cal.comm
+           for w in cal.worlds if w % 2 == 0 for k in range(1, w // 2 + 1)):
         missing.append("a receive posted after its send")
     if missing:
         return None, (f"the calibration has no timing of {', '.join(missing)} (an older ShardLab measured it); "

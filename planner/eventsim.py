@@ -13,8 +13,9 @@ Each rank runs a list of operations in order:
                                         while none does (gloo barely progresses under its ranks' compute)
     Wait(handle)                        blocks until that asynchronous operation has completed
     Send(name, dst, key, seconds)       posts a message (isend): it arrives `seconds` after it is sent,
-                                        and not before `late_s` after its receive is posted; with
-                                        `handle`, Wait(handle) blocks the sender until it has arrived
+                                        and not before `late_s` after its receive is posted (a tuple:
+                                        its k-th entry when k ranks compute then, the last for more);
+                                        with `handle`, Wait(handle) blocks the sender until it has arrived
     Recv(name, src, key)                posts the receive and blocks until the message with `key` has
                                         arrived
 
@@ -22,6 +23,9 @@ Point-to-point is a rendezvous, as gloo's is: a message moves only once its rece
 receive posted long after the send still waits for the transfer (`late_s`, default `seconds`). Measured
 here: a receive posted 20 ms after its send took 0.5 ms for 1 KB (0.3 ms when posted first) and 1.7 ms
 for 1 MB (1.5 ms); the sender's wait on its isend returned only once the receive was posted (20.8 ms).
+How long that late transfer takes depends on whether the sender's gloo thread finds a core: on 2 cores
+0.6-1.1 ms with one sender computing, 4.5-6 ms with two (engine/calibrate._late_receives), so `late_s`
+may give it by the number of ranks computing when the receive is posted.
 
 The cores are shared as a processor-sharing server: while k ranks compute and c communication
 operations keep a thread busy (weight `cpu` each), a computing rank progresses at min(1, cores /
@@ -77,7 +81,9 @@ class Send:
     group_name: str = "pp"
     micro_batch: int | None = None
     handle: str | None = None  # Wait(handle) blocks the sender until the message has arrived
-    late_s: float | None = None  # its transfer when the receive is posted after the send (None: `seconds`)
+    # its transfer when the receive is posted after the send (None: `seconds`); a tuple: by the ranks
+    # computing at that moment (the k-th entry for k of them, the first for none, the last for more)
+    late_s: float | tuple[float, ...] | None = None
 
 
 @dataclass
@@ -184,7 +190,10 @@ def simulate(programs: dict[int, list], cores: float,
         if mid in arrivals or mid not in sends or mid not in receives:
             return
         sent, _, op = sends[mid]
-        arrivals[mid] = max(sent + op.seconds, receives[mid] + (op.seconds if op.late_s is None else op.late_s))
+        late = op.seconds if op.late_s is None else op.late_s
+        if isinstance(late, tuple):
+            late = late[min(max(len(remaining), 1), len(late)) - 1]
+        arrivals[mid] = max(sent + op.seconds, receives[mid] + late)
         send_span(mid, arrivals[mid])
 
     def advance(r: int) -> None:

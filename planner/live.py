@@ -50,7 +50,7 @@ from core.schedules import (
 from core.ssd import state_correction_flops
 from core.timeline import Timeline, bubble_spans, intersection_seconds, span_kind, union_seconds
 from hardware.collectives import ring_sent_bytes
-from hardware.this_machine import BLOCKING_MODES, Calibration, CalibrationError, comm_key, scan_steps, work
+from hardware.this_machine import BLOCKING_MODES, Calibration, CalibrationError, comm_key, late_mode, scan_steps, work
 from planner.eventsim import Collective, Compute, Recv, Send, Wait, simulate
 
 F32 = 4
@@ -262,15 +262,16 @@ class _Costs:
         read at the sender's compute before it: the receiver usually waits for it, its threads awake."""
         return self.comm("ring_shift", group, nbytes)
 
-    def late_s(self, group: int, nbytes: float) -> float | None:
+    def late_s(self, group: int, nbytes: float) -> tuple[float, ...] | None:
         """A point-to-point message whose receive is posted after its send: the calibrated late receive of a
-        pair (send_recv's "late" mode: the transfer from the receive's posting, the sender computing), or
-        None when the calibration predates it (older files: the message's own time then)."""
+        pair (send_recv's late modes: the transfer from the receive's posting, the sender computing) with 1,
+        2, ... senders computing at once (planner.eventsim.Send picks by the ranks computing then), or None
+        when the calibration predates them (older files: the message's own time then)."""
         if group <= 1:
             return None
-        key = comm_key(self.cfg.world, "send_recv", _nearest(group, self._sizes("send_recv", "late")), "late")
-        fit = self.cal.comm.get(key)
-        return fit.seconds(nbytes) if fit is not None else None
+        n, w = _nearest(group, self._sizes("send_recv", late_mode(1))), self.cfg.world
+        fits = [self.cal.comm.get(comm_key(w, "send_recv", n, late_mode(k))) for k in range(1, w // 2 + 1)]
+        return tuple(f.seconds(nbytes) for f in fits) if fits and None not in fits else None
 
     def _async_op_s(self, kind: str, n: int, nbytes: float, fit) -> float:
         """The duration of one asynchronous operation that makes this simulator reproduce the measured

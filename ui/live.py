@@ -10,6 +10,7 @@ from functools import cached_property
 import plotly.graph_objects as go
 
 from core.timeline import Timeline
+from hardware.this_machine import speed_words
 from planner.live import compare
 from ui.timeline import step_timeline, timeline_figure
 
@@ -78,6 +79,13 @@ def calibration_age(run: LiveRun) -> str | None:
             n = int(age // seconds)
             return f"{n} {unit}{'s' if n != 1 else ''}"
     return "under a minute"
+
+
+def speed_note(run: LiveRun) -> str | None:
+    """What the prediction did about the machine's speed of the moment (engine/predict.at_speed_now), in
+    words; None when it did not check it (a fresh calibration, an older prediction)."""
+    speed = (run.prediction or {}).get("speed_factor")
+    return None if speed is None or speed == 1.0 else speed_words(speed)
 
 
 def differences(run: LiveRun, top: int = 3) -> list[str]:

@@ -47,7 +47,7 @@ def test_corrupt_calibration_is_measured_again_with_a_message(calibrated):
     assert 0 < gaps[0] < gaps[1] < gaps[2]
     assert set(cal.resume_s) == {2}
     # a receive posted after its send (a pipeline's RECV): gloo moves the message only then
-    assert cal.comm[tm.comm_key(2, "send_recv", 2, "late")].seconds(1024) > 0
+    assert cal.comm[tm.comm_key(2, "send_recv", 2, tm.late_mode(1))].seconds(1024) > 0
     assert [f for f, _ in steps] == sorted(f for f, _ in steps) and steps[-1] == (1.0, "calibrated")
     again, messages = ensure_calibration([2])  # now from the cache
     assert messages == [] and again == cal

@@ -15,9 +15,9 @@ def _cal(key="abc", created_s=1000.0, without=(), **kw) -> tm.Calibration:
                           compute=fits, engine_units={"step": 0.01},
                           compute_share={1: 1.0, 2: 1.1}, resume_s={2: 1.5e-4},
                           comm={tm.comm_key(2, "all_reduce", 2, "sync"): tm.CommFit(4e-4, 2e-9, 0.6, gap_s=3e-4),
-                                tm.comm_key(2, "send_recv", 2, "late"): tm.CommFit(8e-4, 2e-9, 0.5)},
+                                tm.comm_key(2, "send_recv", 2, tm.late_mode(1)): tm.CommFit(8e-4, 2e-9, 0.5)},
                           probe={"matmul_flops_per_s": 5e10, "memory_bytes_per_s": 1e10, "threads": 1,
-                                 "bf16_matmul_flops_per_s": 2e10}, worlds=[2], **kw)
+                                 "bf16_matmul_flops_per_s": 2e10}, worlds=[2], **{"reference_s": 1.5e-3, **kw})
 
 
 @pytest.fixture
@@ -70,10 +70,40 @@ def test_a_calibration_without_the_mamba_fit_is_measured_again_once(cache):
     assert why == "" and "mamba" in cal.compute
     # and one from before receives posted after their send were timed
     old = _cal(created_s=1000.0)
-    del old.comm[tm.comm_key(2, "send_recv", 2, "late")]
+    del old.comm[tm.comm_key(2, "send_recv", 2, tm.late_mode(1))]
     tm.save(old)
     cal, why = tm.load("abc", now_s=1001.0)
     assert cal is None and "a receive posted after its send" in why and "measuring again" in why
+    # or with one pair at a time only, at a world where two pairs can exchange at once
+    four = _cal(created_s=1000.0)
+    four.worlds = [2, 4]
+    four.comm[tm.comm_key(4, "send_recv", 2, tm.late_mode(1))] = tm.CommFit(8e-4, 2e-9, 0.5)
+    tm.save(four)
+    assert tm.load("abc", now_s=1001.0)[0] is None
+    four.comm[tm.comm_key(4, "send_recv", 2, tm.late_mode(2))] = tm.CommFit(5e-3, 2e-9, 0.5)
+    tm.save(four)
+    assert tm.load("abc", now_s=1001.0)[0] == four
+
+
+def test_a_calibration_without_its_speed_reference_is_measured_again(cache):
+    tm.save(_cal(reference_s=0.0))
+    cal, why = tm.load("abc", now_s=1001.0)
+    assert cal is None and "reference Block" in why and "measuring again" in why
+
+
+def test_at_speed_scales_the_compute_by_the_reference_block_timed_now():
+    cal = _cal(reference_s=2e-3)
+    cal.compute["zb_split"] = tm.Fit(0.0, 0.6, 0.0, 0.5)  # a ratio of two timings, not seconds
+    slow, factor = cal.at_speed(3e-3)
+    assert factor == pytest.approx(1.5)
+    assert slow.compute["linear"].fwd(1e6) == pytest.approx(1.5 * cal.compute["linear"].fwd(1e6))
+    assert slow.compute["linear"].bwd(1e6, 2) == pytest.approx(1.5 * cal.compute["linear"].bwd(1e6, 2))
+    assert slow.engine_units["step"] == pytest.approx(0.015) and slow.compute["zb_split"] == cal.compute["zb_split"]
+    assert slow.comm == cal.comm and slow.compute_share == cal.compute_share  # measured as they are
+    assert cal.compute["linear"] == _cal().compute["linear"]  # the calibration itself is left alone
+    assert "1.50x slower" in tm.speed_words(factor) and "2.00x faster" in tm.speed_words(0.5)
+    # no reference (an older file) or no timing now: as calibrated
+    assert _cal(reference_s=0.0).at_speed(3e-3)[1] == 1.0 and cal.at_speed(0.0) == (cal, 1.0)
 
 
 def test_mamba_work_is_the_engines_flop_count():

@@ -66,6 +66,21 @@ def test_a_message_moves_once_its_receive_is_posted():
     assert ends[1] == pytest.approx(0.25)
 
 
+def test_a_late_transfer_takes_longer_while_more_ranks_compute():
+    # the sender's gloo thread moves the message once it finds a core: late_s by the ranks computing when
+    # the receive is posted (1 or none: the first entry; 2 or more: the second)
+    def received(others: int) -> float:
+        progs = {0: [Send("send act", 1, ("act", 0), 0.25, late_s=(0.1, 0.5), handle="s"), Compute("c", 2.0),
+                     Wait("s")],
+                 1: [Compute("f", 1.0), Recv("recv act", 0, ("act", 0))]}
+        progs.update({r: [Compute("busy", 3.0)] for r in range(2, 2 + others)})
+        return simulate(progs, cores=8)[1][1]
+
+    assert received(0) == pytest.approx(1.1)  # the sender alone computes
+    assert received(1) == pytest.approx(1.5)
+    assert received(3) == pytest.approx(1.5)
+
+
 def test_ranks_share_the_cores():
     # two ranks computing 1 s each on one core: both at half speed, both end at 2 s
     _, ends = simulate({0: [Compute("a", 1.0)], 1: [Compute("b", 1.0)]}, cores=1)

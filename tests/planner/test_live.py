@@ -16,7 +16,7 @@ from core.mesh import Mesh
 from core.timeline import Span, Timeline
 from engine.cli import config_from_args, run_parser
 from hardware.collectives import ring_sent_bytes
-from hardware.this_machine import BLOCKING_MODES, Calibration, CalibrationError, CommFit, comm_key
+from hardware.this_machine import BLOCKING_MODES, Calibration, CalibrationError, CommFit, comm_key, late_mode
 from planner.eventsim import Compute, Send
 from planner.live import WAITING, _Costs, _params, _Rank, compare, per_step_by_kind, predict
 
@@ -251,8 +251,10 @@ def test_a_receive_posted_after_its_send_waits_the_late_transfer():
     # long after stage 0 sent it, and waits the calibrated late receive from there (engine/calibrate.
     # _late_receives); the executor waits for its isends before the optimizer step
     cfg = _cfg("--strategy pp --schedule gpipe --micro-batches 4 --world 2")
-    late = dataclasses.replace(CAL, comm={**CAL.comm, comm_key(2, "send_recv", 2, "late"): CommFit(5e-3, 0.0, 0.5)})
-    base, pred = predict(cfg, CAL), predict(cfg, late)  # the fixture predates the late mode
+    late = dataclasses.replace(CAL, comm={**CAL.comm,
+                                          comm_key(2, "send_recv", 2, late_mode(1)): CommFit(5e-3, 0.0, 0.5)})
+    base = dataclasses.replace(CAL, comm={k: v for k, v in CAL.comm.items() if "/late" not in k})
+    base, pred = predict(cfg, base), predict(cfg, late)
     waits = [s.duration_s for s in _spans(pred, "recv act s1") if s.micro_batch > 0]
     assert len(waits) == 3 and min(waits) >= 5e-3 - 1e-12
     assert pred.step_time_s > base.step_time_s + 3 * 5e-3 - 1e-9

@@ -13,6 +13,7 @@ from ui.live import (
     prediction_error,
     representative_step,
     side_by_side,
+    speed_note,
     tolerance_rows,
     verdict,
 )
@@ -52,6 +53,15 @@ def test_the_calibrations_age_is_read_at_the_prediction():
                            (3 * 86400, "3 days")):
         run.summary.predicted.update(calibrated_at_s=1000.0, predicted_at_s=1000.0 + seconds)
         assert calibration_age(run) == words
+
+
+def test_the_speed_check_is_said_when_it_scaled_the_prediction():
+    run = _run()
+    assert speed_note(run) is None  # an older prediction does not say
+    run.summary.predicted["speed_factor"] = 1.0
+    assert speed_note(run) is None  # a fresh calibration is not checked again
+    run.summary.predicted["speed_factor"] = 1.25
+    assert "1.25x slower" in speed_note(run) and "communication was not" in speed_note(run)
 
 
 def test_the_step_shown_is_the_one_nearest_the_step_time():
