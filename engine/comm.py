@@ -185,8 +185,9 @@ class Comm:
             self.recorder.add("comm", "h2d", start, self.recorder.now(), group=group)
         return out
 
-    def _issue(self, name: str, group: str, sent_bytes: int, async_op: bool, call, finish) -> Handle:
-        start = self.recorder.now()
+    def _issue(self, name: str, group: str, sent_bytes: int, async_op: bool, call, finish,
+               start: float | None = None) -> Handle:
+        start = self.recorder.now() if start is None else start
         work = call()
         if self.tracing:
             self.sent_bytes += int(sent_bytes)
@@ -288,10 +289,11 @@ class Comm:
                 wire = self._wire_buffer(t)
                 batch.append(dist.P2POp(dist.irecv, wire, other, group=pg, tag=tag))
                 issued.append((name, 0, lambda w=wire, t=t: self._from_wire(w, t, group)))
+        start = self.recorder.now()  # posting the batch can block the rank: its spans start here
         works = dist.batch_isend_irecv(batch)
         # gloo returns one work per operation; a coalescing backend may return one for the whole batch.
         per_op = len(works) == len(batch)
-        return [self._issue(name, group, sent, True, lambda k=k: works[k] if per_op else works[-1], finish)
+        return [self._issue(name, group, sent, True, lambda k=k: works[k] if per_op else works[-1], finish, start)
                 for k, (name, sent, finish) in enumerate(issued)]
 
     def barrier(self, group: str = "world") -> None:

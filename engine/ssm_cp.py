@@ -56,18 +56,23 @@ class Slices:
         return self.owner[g + 1] if g + 1 < len(self.owner) else None
 
 
-def wait_for(handles, rec, name: str) -> None:
-    """Block until `handles` complete; the time blocked is recorded as a wait (an "idle" span named `name`),
-    so a layer's span around it says how much of it the rank computed and how much it waited for its
-    peers (planner.live.per_step_by_kind reads a wait inside a compute span as waiting)."""
-    start = rec.now()
+def wait_for(handles, rec, name: str, start: float | None = None) -> None:
+    """Block until `handles` complete; the time blocked (from `start` when given) is recorded as a wait (an
+    "idle" span named `name`), so a layer's span around it says how much of it the rank computed and how
+    much it waited for its peers (planner.live.per_step_by_kind reads a wait inside a compute span as
+    waiting)."""
+    start = rec.now() if start is None else start
     for h in handles:
         h.wait()
     rec.add("idle", name, start, rec.now())
 
 
-def _wait(handles, comm, what: str, name: str) -> None:
-    wait_for(handles, comm.recorder, f"wait {what} {name}")
+def _blocking_p2p(comm, ops: list, tag: int, what: str, name: str) -> None:
+    """Post `ops` (Comm.p2p) and block until they complete, the whole time a wait: posting a blocking
+    state or halo exchange can hold the rank too (2-6 ms in one step of three on 2 cores: gloo's receive
+    posting waits for its pair), and that is waiting for a peer, not the layer's compute."""
+    start = comm.recorder.now()
+    wait_for(comm.p2p(ops, "cp", tag), comm.recorder, f"wait {what} {name}", start)
 
 
 class _PassStates(torch.autograd.Function):
@@ -83,15 +88,13 @@ class _PassStates(torch.autograd.Function):
         for j, g in enumerate(slices.mine):
             prev = slices.before(g)
             if prev is not None and prev != slices.rank:
-                _wait(comm.p2p([("recv", entering[j], prev, f"recv state {name}")], "cp", _TAG_STATE), comm,
-                      "state", name)
+                _blocking_p2p(comm, [("recv", entering[j], prev, f"recv state {name}")], _TAG_STATE, "state", name)
             elif prev is not None:
                 entering[j] = end
             end = decay[j][..., None, None] * entering[j] + own[j]
             nxt = slices.after(g)
             if nxt is not None and nxt != slices.rank:
-                _wait(comm.p2p([("send", end.contiguous(), nxt, f"send state {name}")], "cp", _TAG_STATE), comm,
-                      "state", name)
+                _blocking_p2p(comm, [("send", end.contiguous(), nxt, f"send state {name}")], _TAG_STATE, "state", name)
         ctx.save_for_backward(decay, entering)
         return entering
 
@@ -105,8 +108,7 @@ class _PassStates(torch.autograd.Function):
             nxt = slices.after(g)
             d_end = torch.zeros_like(entering[j])
             if nxt is not None and nxt != slices.rank:
-                _wait(comm.p2p([("recv", d_end, nxt, f"recv dstate {name}")], "cp", _TAG_DSTATE), comm, "dstate",
-                      name)
+                _blocking_p2p(comm, [("recv", d_end, nxt, f"recv dstate {name}")], _TAG_DSTATE, "dstate", name)
             elif nxt is not None:
                 d_end = later
             d_own[j] = d_end
@@ -114,8 +116,8 @@ class _PassStates(torch.autograd.Function):
             later = d_entering[j] + decay[j][..., None, None] * d_end
             prev = slices.before(g)
             if prev is not None and prev != slices.rank:
-                _wait(comm.p2p([("send", later.contiguous(), prev, f"send dstate {name}")], "cp", _TAG_DSTATE),
-                      comm, "dstate", name)
+                _blocking_p2p(comm, [("send", later.contiguous(), prev, f"send dstate {name}")], _TAG_DSTATE, "dstate",
+                              name)
         return d_decay, d_own, None, None, None
 
 
@@ -139,7 +141,7 @@ class _Halo(torch.autograd.Function):
             if nxt is not None and nxt != slices.rank:
                 ops.append(("send", tails[j].contiguous(), nxt, f"send conv halo {name}"))
         if ops:
-            _wait(comm.p2p(ops, "cp", _TAG_HALO), comm, "conv halo", name)
+            _blocking_p2p(comm, ops, _TAG_HALO, "conv halo", name)
         for j, buf in received:
             halos[j] = buf
         return halos
@@ -160,7 +162,7 @@ class _Halo(torch.autograd.Function):
                 ops.append(("recv", buf, nxt, f"recv dhalo {name}"))
                 received.append((j, buf))
         if ops:
-            _wait(comm.p2p(ops, "cp", _TAG_DHALO), comm, "dhalo", name)
+            _blocking_p2p(comm, ops, _TAG_DHALO, "dhalo", name)
         for j, buf in received:
             d_tails[j] += buf
         return d_tails, None, None, None

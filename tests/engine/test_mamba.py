@@ -153,6 +153,12 @@ def test_state_passing_is_one_hop_per_slice_boundary_and_layer(pools):
         assert len(sends) == (m.layers * cfg.steps if rank < 3 else 0)
         assert len(dsends) == (m.layers * cfg.steps if rank > 0 else 0)
         assert all(s.bytes == state_bytes and s.group == "cp" for s in sends + dsends)
+        # each exchange is a wait from its posting on (posting it can hold the rank too): the wait span
+        # encloses the transfer's span, which starts when the batch is posted
+        waits = [s for s in timeline.spans if s.rank == rank and s.lane == "idle" and "state" in s.name]
+        for x in [s for s in spans if "state" in s.name]:
+            assert any(w.start_s <= x.start_s and w.step == x.step and w.name.split()[1] in x.name
+                       for w in waits), x
 
 
 @pytest.mark.multiprocess
