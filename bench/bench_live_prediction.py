@@ -94,7 +94,7 @@ def _table(title: str, runs: dict, cal, args) -> None:
                 continue
             cfg = config_from_args(run_parser("bench").parse_args(
                 flags.split() + ["--world", str(world), "--steps", str(args.steps)]))
-            now, speed = at_speed_now(cal)  # the machine's speed drifts: its reference Block timed again
+            now, speed = at_speed_now(cal, world)  # the machine's speed drifts: its reference Block timed again
             pred = predict(cfg, now)
             run(cfg, traced=False)  # warm the pool and the ranks' caches
             measured, timeline = [], None

@@ -308,6 +308,18 @@ def compute_task(ctx, reps: int = 15, shapes: str = "all") -> list[dict]:
     return out
 
 
+def reference_task(ctx, reps: int = 15) -> list[dict]:
+    """Pool task: the reference Block (the "sharing" shape) timed on rank 0 alone while the other ranks wait
+    at a barrier (blocked, not computing), so a prediction can check the machine's speed on the pool of the
+    run it predicts (engine/predict.at_speed_now) instead of starting a one-rank pool for it."""
+    import torch.distributed as dist
+
+    out = measure_compute(reps, "sharing") if ctx.rank == 0 else []
+    if ctx.world > 1:
+        dist.barrier()
+    return out
+
+
 RESUME_REPS = 200  # timed forwards of each kind; with 40, three calibrations read 0.00, 0.08 and 0.14 ms
 RESUME_BLOCK = 20  # the two kinds take turns in blocks (against the machine's drift); each block's first is dropped
 RESUME_BYTES = 131072  # the message of the all-reduce before each timed forward (any size costs the same)

@@ -86,10 +86,11 @@ def ensure_calibration(worlds, progress=None, remeasure: bool = False, collectiv
     return cal, messages
 
 
-def reference_block_s(measure) -> float:
+def reference_block_s(measure, world: int = 1) -> float:
     """The default Block's forward + backward on one rank alone (`Calibration.reference_s`), through
-    `measure(world, task, args)`: about 0.3 s on 2 cores."""
-    row = measure(1, "compute_task", {"reps": 15, "shapes": "sharing"})[0][0]
+    `measure(world, task, args)`: on a `world`-rank pool, rank 0 times it while the others wait (about 0.3 s
+    on 2 cores)."""
+    row = measure(world, "reference_task", {"reps": 15})[0][0]
     return row["fwd_s"] + row["bwd_s"]
 
 
@@ -97,12 +98,13 @@ def reference_block_s(measure) -> float:
 FRESH_S = 60.0
 
 
-def at_speed_now(cal, collective_timeout_s: float = 30.0):
-    """(`cal` at the speed this machine runs now, the factor): its reference Block timed again on one rank
-    (`Calibration.at_speed`); a calibration measured under FRESH_S ago is returned as it is."""
+def at_speed_now(cal, world: int = 1, collective_timeout_s: float = 30.0):
+    """(`cal` at the speed this machine runs now, the factor): its reference Block timed again, on the pool
+    of a `world`-rank run (the one the run will use: no other pool is started; `Calibration.at_speed`); a
+    calibration measured under FRESH_S ago is returned as it is."""
     if time.time() - cal.created_s < FRESH_S or cal.reference_s <= 0:
         return cal, 1.0
-    return cal.at_speed(reference_block_s(lambda world, task, args: _measure(world, task, args, collective_timeout_s)))
+    return cal.at_speed(reference_block_s(lambda w, task, args: _measure(w, task, args, collective_timeout_s), world))
 
 
 def _measure(world: int, task: str, args: dict, collective_timeout_s: float) -> list:
@@ -130,7 +132,7 @@ def predicted(cfg, progress=None) -> dict:
                        "are other ones, so it is not predicted"}
     try:
         cal, messages = ensure_calibration([cfg.world], progress, collective_timeout_s=cfg.collective_timeout_s)
-        now, speed = at_speed_now(cal, cfg.collective_timeout_s)
+        now, speed = at_speed_now(cal, cfg.world, cfg.collective_timeout_s)
     except WorkerError as e:
         return {"step_time_s": None, "breakdown_s": {}, "why": f"this machine could not be calibrated: {e}"}
     try:

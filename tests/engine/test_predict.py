@@ -107,3 +107,17 @@ def test_the_predicted_communication_is_the_engines_op_for_op(flags, recorded_ca
                                        if s.lane == "comm" and s.step == last)
         assert collections.Counter((s.name, s.bytes) for s in pred.timeline.for_rank(rank)
                                    if s.lane == "comm") == measured, rank
+
+
+@pytest.mark.multiprocess
+def test_the_speed_check_times_the_reference_on_the_runs_own_pool(monkeypatch):
+    # every prediction times the calibration's reference Block again first (engine/predict.at_speed_now),
+    # on the pool the run will use: a server keeps two pools warm, and a one-rank pool for the check would
+    # push out a run's pool each time
+    from engine import launch, predict
+
+    monkeypatch.setattr(predict, "FRESH_S", 0.0)
+    launch.shutdown_all()
+    pred = predicted(config_from_args(run_parser("x").parse_args(["--strategy", "dp", "--world", "2"])))
+    assert pred["step_time_s"] > 0 and pred["speed_factor"] > 0
+    assert set(launch._registry) == {("cpu", 2)}
