@@ -14,7 +14,8 @@ Each rank runs a list of operations in order:
     Wait(handle)                        blocks until that asynchronous operation has completed
     Send(name, dst, key, seconds)       posts a message (isend): it arrives `seconds` after it is sent,
                                         and not before `late_s` after its receive is posted (a tuple:
-                                        its k-th entry when k ranks compute then, the last for more);
+                                        its k-th entry when k cores' worth of work (computing ranks,
+                                        busy gloo threads) is wanted then, the last for more);
                                         with `handle`, Wait(handle) blocks the sender until it has arrived
     Recv(name, src, key)                posts the receive and blocks until the message with `key` has
                                         arrived
@@ -25,7 +26,8 @@ here: a receive posted 20 ms after its send took 0.5 ms for 1 KB (0.3 ms when po
 for 1 MB (1.5 ms); the sender's wait on its isend returned only once the receive was posted (20.8 ms).
 How long that late transfer takes depends on whether the sender's gloo thread finds a core: on 2 cores
 0.6-1.1 ms with one sender computing, 4.5-6 ms with two (engine/calibrate._late_receives), so `late_s`
-may give it by the number of ranks computing when the receive is posted.
+may give it by how busy the cores are when the receive is posted (computing ranks and gloo threads, as
+below).
 
 The cores are shared as a processor-sharing server: while k ranks compute and c communication
 operations keep a thread busy (weight `cpu` each), a computing rank progresses at min(1, cores /
@@ -81,8 +83,9 @@ class Send:
     group_name: str = "pp"
     micro_batch: int | None = None
     handle: str | None = None  # Wait(handle) blocks the sender until the message has arrived
-    # its transfer when the receive is posted after the send (None: `seconds`); a tuple: by the ranks
-    # computing at that moment (the k-th entry for k of them, the first for none, the last for more)
+    # its transfer when the receive is posted after the send (None: `seconds`); a tuple: by the load at that
+    # moment (the k-th entry for k cores' worth of computing ranks and busy gloo threads, rounded; the first
+    # for less, the last for more)
     late_s: float | tuple[float, ...] | None = None
 
 
@@ -154,6 +157,10 @@ def simulate(programs: dict[int, list], cores: float,
     def running() -> list[_Posted]:
         return [p for p in posted.values() if p.start is not None and p.start <= t and not reached(p.end)]
 
+    def load(active: list[_Posted]) -> float:
+        """Cores' worth of work wanted now: each computing rank, and each running operation's threads."""
+        return len(remaining) + sum(p.op.cpu * len(p.members) for p in active)
+
     in_flight: dict[tuple, list[_Posted]] = {}  # group -> its operations started and not yet ended
 
     def reached(when: float | None) -> bool:
@@ -191,8 +198,8 @@ def simulate(programs: dict[int, list], cores: float,
             return
         sent, _, op = sends[mid]
         late = op.seconds if op.late_s is None else op.late_s
-        if isinstance(late, tuple):
-            late = late[min(max(len(remaining), 1), len(late)) - 1]
+        if isinstance(late, tuple):  # by how busy the cores are as the receive is posted
+            late = late[min(max(round(load(running())), 1), len(late)) - 1]
         arrivals[mid] = max(sent + op.seconds, receives[mid] + late)
         send_span(mid, arrivals[mid])
 
@@ -285,8 +292,8 @@ def simulate(programs: dict[int, list], cores: float,
             break
         computing = {r for r in ranks if r in remaining}
         active = running()
-        load = len(computing) + sum(p.op.cpu * len(p.members) for p in active)
-        rate = min(1.0, cores / load) if load > 0 else 1.0
+        wanted = load(active)
+        rate = min(1.0, cores / wanted) if wanted > 0 else 1.0
         dynamic = [(p, p.rate(computing)) for p in active if p.dynamic]
         instant = [p for p, speed in dynamic if speed == math.inf]
         if instant:  # a zero-second operation (a fit can reach 0 for a small buffer) is done as soon as it runs
