@@ -33,6 +33,7 @@ from engine import launch  # noqa: E402
 from engine.cli import config_from_args, run_parser  # noqa: E402
 from engine.predict import at_speed_now, ensure_calibration  # noqa: E402
 from engine.run import run  # noqa: E402
+from hardware.this_machine import summary_lines  # noqa: E402
 from planner.live import compare, predict  # noqa: E402
 
 # The default live runs: the CLI's defaults for each strategy (the pages' defaults are the same model).
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     cal, messages = ensure_calibration(args.worlds, remeasure=args.remeasure or not args.cached)
     print(f"calibration ({time.perf_counter() - t0:.1f} s): {'; '.join(messages) or 'from the cache'}")
+    print("\n".join(f"  {line}" for line in summary_lines(cal)))
     named = {name: (flags, None) for name, flags in DEFAULT_RUNS.items()}
     for title, runs in [("the default runs", named)] + ([("runs not named", MORE_RUNS)] if args.more else []):
         _table(title, runs, cal, args)

@@ -545,6 +545,15 @@ def summary_lines(cal: Calibration) -> list[str]:
                          f"{ar.beta_s_per_byte * 1e9:.2f} ns/byte; compute runs "
                          f"{cal.share(w):.2f}x slower with all {w} ranks busy on {cal.cpus} cores, and "
                          f"{cal.resume_s.get(w, 0.0) * 1e3:.2f} ms longer right after communicating")
+        late = [cal.comm.get(comm_key(w, "send_recv", 2, late_mode(k))) for k in range(1, w // 2 + 1)]
+        if late and None not in late:
+            lines.append(f"{w} ranks: a 1 KB message whose receive is posted after its send arrives "
+                         + ", ".join(f"{f.seconds(1024) * 1e3:.1f} ms after the receive with {k} sender"
+                                     f"{'s' if k > 1 else ''} computing" for k, f in enumerate(late, 1)))
+    if cal.reference_s > 0:
+        lines.append(f"the reference Block (the engine's default layer, forward + backward) took "
+                     f"{cal.reference_s * 1e3:.2f} ms alone; each prediction times it again and scales compute by "
+                     "the ratio")
     return lines
 
 

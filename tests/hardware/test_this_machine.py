@@ -244,6 +244,8 @@ def test_summary_lines_are_words():
     lines = tm.summary_lines(_cal())
     assert any("50.0 GFLOP/s fp32, 20.0 GFLOP/s bf16 (1 thread)" in line for line in lines)
     assert any("2 ranks" in line for line in lines)
+    assert any("0.8 ms after the receive with 1 sender computing" in line for line in lines)
+    assert any("reference Block" in line and "1.50 ms" in line for line in lines)
     assert _cal().probe_result().ridge_point() == pytest.approx(5.0)
 
 
