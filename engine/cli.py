@@ -31,6 +31,7 @@ from engine.config import (
     strategy_for,
     validate,
 )
+from hardware.this_machine import speed_words
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_RANK_FAILED = 0, 1, 2, 3
 
@@ -199,8 +200,6 @@ def _human(summary) -> str:
 
 
 def prediction_line(measured_s: float, pred: dict) -> str:
-    from hardware.this_machine import speed_words
-
     if pred.get("step_time_s") is None:
         return f"no prediction: {pred.get('why', 'unavailable')}"
     error = (pred["step_time_s"] - measured_s) / measured_s

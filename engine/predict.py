@@ -51,9 +51,7 @@ def ensure_calibration(worlds, progress=None, remeasure: bool = False, collectiv
     if cal is not None and not todo:
         return cal, messages
 
-    def measure(world: int, task: str, args: dict) -> list:
-        return _measure(world, task, args, collective_timeout_s)
-
+    measure = _measurer(collective_timeout_s)
     steps, done = (0 if cal is not None else 1) + len(todo), 0
     if cal is None:
         report(0.0, "timing the engine's modules on one rank")
@@ -104,15 +102,19 @@ def at_speed_now(cal, world: int = 1, collective_timeout_s: float = 30.0):
     calibration measured under FRESH_S ago is returned as it is."""
     if time.time() - cal.created_s < FRESH_S or cal.reference_s <= 0:
         return cal, 1.0
-    return cal.at_speed(reference_block_s(lambda w, task, args: _measure(w, task, args, collective_timeout_s), world))
+    return cal.at_speed(reference_block_s(_measurer(collective_timeout_s), world))
 
 
-def _measure(world: int, task: str, args: dict, collective_timeout_s: float) -> list:
-    """Run an `engine.calibrate` task on the worker pool of `world` CPU ranks: each rank's result."""
+def _measurer(collective_timeout_s: float):
+    """measure(world, task, args): run an `engine.calibrate` task on the worker pool of `world` CPU ranks,
+    returning each rank's result."""
     from engine import launch
 
-    return launch.get_pool(world, "cpu", collective_timeout_s).run(f"engine.calibrate:{task}", args,
-                                                                    timeout_s=CALIBRATION_TIMEOUT_S)
+    def measure(world: int, task: str, args: dict) -> list:
+        return launch.get_pool(world, "cpu", collective_timeout_s).run(f"engine.calibrate:{task}", args,
+                                                                        timeout_s=CALIBRATION_TIMEOUT_S)
+
+    return measure
 
 
 def predicted(cfg, progress=None) -> dict:

@@ -160,6 +160,12 @@ class Calibration:
         units = {name: factor * s for name, s in self.engine_units.items()}
         return replace(self, compute=compute, engine_units=units), factor
 
+    def late_fits(self, world: int, n: int) -> list[CommFit] | None:
+        """The late receives (`late_mode`) of groups of `n` at `world`, with 1, 2, ... world / 2 senders
+        computing, in that order; None when any of them was not measured."""
+        fits = [self.comm.get(comm_key(world, "send_recv", n, late_mode(k))) for k in range(1, world // 2 + 1)]
+        return fits if fits and None not in fits else None
+
     def probe_result(self):
         """The roofline as hardware.probe.ProbeResult (what the hardware lesson plots), or None."""
         from hardware.probe import ProbeResult
@@ -263,8 +269,7 @@ def load(key: str, now_s: float | None = None) -> tuple[Calibration | None, str]
         missing.append("the reference Block its speed is checked against")
     # a receive posted after its send (engine/calibrate._late_receives), timed on every even world's pairs,
     # with each number of them exchanging at once
-    if any(comm_key(w, "send_recv", 2, late_mode(k)) not in cal.comm
-           for w in cal.worlds if w % 2 == 0 for k in range(1, w // 2 + 1)):
+    if any(cal.late_fits(w, 2) is None for w in cal.worlds if w % 2 == 0):
         missing.append("a receive posted after its send")
     if missing:
         return None, (f"the calibration has no timing of {', '.join(missing)} (an older ShardLab measured it); "
@@ -545,8 +550,8 @@ def summary_lines(cal: Calibration) -> list[str]:
                          f"{ar.beta_s_per_byte * 1e9:.2f} ns/byte; compute runs "
                          f"{cal.share(w):.2f}x slower with all {w} ranks busy on {cal.cpus} cores, and "
                          f"{cal.resume_s.get(w, 0.0) * 1e3:.2f} ms longer right after communicating")
-        late = [cal.comm.get(comm_key(w, "send_recv", 2, late_mode(k))) for k in range(1, w // 2 + 1)]
-        if late and None not in late:
+        late = cal.late_fits(w, 2)
+        if late:
             lines.append(f"{w} ranks: a 1 KB message whose receive is posted after its send arrives "
                          + ", ".join(f"{f.seconds(1024) * 1e3:.1f} ms after the receive with {k} sender"
                                      f"{'s' if k > 1 else ''} computing" for k, f in enumerate(late, 1)))

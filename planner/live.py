@@ -265,13 +265,12 @@ class _Costs:
     def late_s(self, group: int, nbytes: float) -> tuple[float, ...] | None:
         """A point-to-point message whose receive is posted after its send: the calibrated late receive of a
         pair (send_recv's late modes: the transfer from the receive's posting, the sender computing) with 1,
-        2, ... senders computing at once (planner.eventsim.Send picks by the ranks computing then), or None
+        2, ... senders computing at once (planner.eventsim.Send picks by the load on the cores then), or None
         when the calibration predates them (older files: the message's own time then)."""
         if group <= 1:
             return None
-        n, w = _nearest(group, self._sizes("send_recv", late_mode(1))), self.cfg.world
-        fits = [self.cal.comm.get(comm_key(w, "send_recv", n, late_mode(k))) for k in range(1, w // 2 + 1)]
-        return tuple(f.seconds(nbytes) for f in fits) if fits and None not in fits else None
+        fits = self.cal.late_fits(self.cfg.world, _nearest(group, self._sizes("send_recv", late_mode(1))))
+        return tuple(f.seconds(nbytes) for f in fits) if fits else None
 
     def _async_op_s(self, kind: str, n: int, nbytes: float, fit) -> float:
         """The duration of one asynchronous operation that makes this simulator reproduce the measured
