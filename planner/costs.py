@@ -121,13 +121,14 @@ def _factorisations(n: int, k: int) -> list[tuple[int, ...]]:
 # clusters the spread between the fastest and the slowest is 8 % of the median on average (Sinha et al.,
 # "Not All GPUs Are Created Equal", SC22, arXiv 2208.11035: GEMM-bound and other kernels on >90 % of the
 # GPUs of five clusters, NVIDIA and AMD; max 22 %, outliers 1.5x slower). Inside one 8-GPU node, with all
-# eight at their power limit as in training, the sustained matmul rate spans 745-765 TFLOP/s on H200 (median
-# 755) and 1421-1460 on B200 (median 1439): 2.6-2.7 % ([MLE] compute/accelerator, "How precise these numbers
-# are"; a short boost burst spreads "5 % and higher"). Sinha et al.'s applications stress different parts of
-# the GPU, compute- and memory-bound alike, so the pace applies to every kernel. A synchronous step waits for
-# its slowest GPU: taking the table's rates as the median GPU's, a job on one node runs at 1 - 0.027 / 2 of
-# them, a job across nodes at 1 - 0.08 / 2. TPUs: no measurement, 1.
-GPU_SPREAD_IN_NODE = 0.027
+# eight at their power limit as in training, the sustained matmul rate (MSMF) of 5 rounds on every GPU spans
+# 4.5 % on H200 (1405-1527 MHz) and 10.4 % on B200 ([MLE] compute/accelerator/benchmarks, "alone vs all-8
+# concurrent"; chips.toml). Sinha et al.'s applications stress different parts of the GPU, compute- and
+# memory-bound alike, so the pace applies to every kernel. A synchronous step waits for its slowest GPU:
+# taking the table's rates as the median GPU's, a job on one node runs at 1 - 0.045 / 2 of them (H200's
+# spread: the 700 W generation; B200's larger one, its 1000 W board sharing power and cooling, is not told
+# apart), a job across nodes at 1 - 0.08 / 2. TPUs: no measurement, 1.
+GPU_SPREAD_IN_NODE = 0.045
 GPU_SPREAD_IN_CLUSTER = 0.08
 
 

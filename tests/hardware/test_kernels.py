@@ -20,8 +20,13 @@ H100, A100, B200 = get_chip("h100"), get_chip("a100-80gb"), get_chip("b200")
 
 def test_large_gemms_reach_the_sustained_matmul_rate():
     # the shape curve is normalised at 8192^3, where the large shapes of the MSMF / MAMF tables sit
-    assert H100.matmul_efficiency * 989 == pytest.approx(755, rel=0.001)  # [MLE] MSMF, 8 H200s all busy
-    assert B200.matmul_efficiency * 2250 == pytest.approx(1439, rel=0.001)  # [MLE] MSMF, 8 B200s all busy
+    # [MLE] MSMF with the node's 8 GPUs all busy, 698.6 (H200) and 1426.4 (B200) TFLOP/s at their K = 20480
+    # shapes, taken to 8192^3 by the shape curve
+    assert H100.matmul_efficiency * 989 == pytest.approx(698.6 / 1.0187, rel=0.002)
+    assert B200.matmul_efficiency * 2250 == pytest.approx(1426.4 / 1.0225, rel=0.002)
+    # the curve is capped at 8192^3, so the measured shape itself gets the 8192^3 rate, within 2.5 % of its MSMF
+    for chip, m, n, k, msmf in ((H100, 8192, 8448, 20480, 698.6), (B200, 9472, 8192, 20480, 1426.4)):
+        assert matmul_rate(chip, "bf16", m, n, k) / 1e12 == pytest.approx(msmf, rel=0.025)
     for chip in (H100, A100, B200):
         assert matmul_shape_factor(chip, 8192, 8192, 8192) == pytest.approx(1.0)
         assert matmul_rate(chip, "bf16", 8192, 8192, 8192) == pytest.approx(
@@ -38,7 +43,7 @@ def test_h100_shape_curve_follows_the_measured_gemm_table():
     # shape of the curve: each shape's model / table ratio within 5 % of their geometric mean
     ratios = [matmul_rate(H100, "bf16", m, n, k) / 1e12 / tflops for m, n, k, tflops in XLA_SM90]
     level = math.prod(ratios) ** (1 / len(ratios))
-    assert level == pytest.approx(755 / 805, rel=0.05)  # sustained over the table's best burst
+    assert level == pytest.approx(686 / 805, rel=0.05)  # sustained over the table's best burst
     for r in ratios:
         assert r == pytest.approx(level, rel=0.05)
 
