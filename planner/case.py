@@ -16,7 +16,7 @@ from functools import cached_property
 from core.mesh import Mesh
 from planner.models import ModelSpec, SpecError
 
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "selective-op", "full")
 SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe", "zb-h1")
 DTYPES = ("bf16", "fp16", "fp8")
 OPTIMIZERS = ("adam", "sgd", "adafactor")

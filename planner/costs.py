@@ -59,7 +59,7 @@ from hardware import kernels
 from hardware.chips import Chip
 from hardware.collectives import Hierarchy, Topology, deduplicated_all_to_all_s, group_topology, ring_sent_bytes
 from planner.case import Layout
-from planner.flops import layer_forward_flops_per_token, layer_params, ssd_chunk, ssd_matmuls
+from planner.flops import layer_forward_flops_per_token, layer_params, op_sac_matmuls, ssd_chunk, ssd_matmuls
 from planner.models import ATTENTION, MAMBA, MLP, ModelSpec
 
 OVERLAP_SLOWDOWN = 0.189  # arXiv 2507.03114 abstract: overlapped compute 18.9 % slower on average (GPUs)
@@ -568,8 +568,10 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
         # attention module by default (recompute_modules ["core_attn"]; attention.py runs it through
         # _checkpointed_attention_forward, FlashAttention / cuDNN kernels included), so with a flash kernel
         # its forward runs again. (torchtitan's "selective" is another policy, op-level SAC: every second
-        # matmul and the memory-bound ops again; the case format's "selective" is Megatron's.)
+        # matmul and the memory-bound ops again, the case format's "selective-op".)
         recompute_s = attn_fwd_s
+    elif lay.recompute == "selective-op":
+        recompute_s = _op_sac_recompute_s(m, moe, gemm_fwd, ew_fwd_s)
     else:
         recompute_s = 0.0
 
@@ -577,6 +579,18 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
     if moe is True:
         flops += 2.0 * tokens * m.top_k * lp.experts / m.experts / t
     return LayerCost(fwd_s, bwd_s, recompute_s, tuple(fwd_comms), tuple(bwd_comms), flops, act_bytes, wgrad_s)
+
+
+def _op_sac_recompute_s(m: ModelSpec, kind, gemm_fwd: dict[str, float], memory_bound_fwd_s: float,
+                        extra_fwd_s: float = 0.0) -> float:
+    """What torchtitan's op-level selective checkpointing runs again before a layer's backward: every
+    second matmul (`flops.op_sac_matmuls`; their share of the layer's weight-matmul FLOPs taken from the
+    forward time of its GEMMs, routed experts left out, saved) and every memory-bound op of the forward,
+    plus `extra_fwd_s` of other unsaved kernels (a Mamba-2 layer's scan)."""
+    mats = op_sac_matmuls(m, kind)
+    share = sum(i * o for _, i, o, again in mats if again) / max(1, sum(i * o for _, i, o, _ in mats))
+    dense_s = sum(v for name, v in gemm_fwd.items() if not name.startswith("experts"))
+    return share * dense_s + memory_bound_fwd_s + extra_fwd_s
 
 
 STATE_BYTES = 4  # SSD states are kept and passed in fp32 (mamba_ssm ssd_combined: states_in_fp32=True)
@@ -713,8 +727,14 @@ def _mamba_layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chips_p
 
     fwd_s += overlap_slowdown(chip) * sum(c.hidden_s for c in fwd_comms)
     bwd_s += overlap_slowdown(chip) * sum(c.hidden_s for c in bwd_comms)
-    # "selective" recomputes the core attention (Megatron-Core's core_attn, _layer_cost): a Mamba layer has none
-    recompute_s = fwd_s if lay.recompute == "full" else 0.0
+    # "selective" recomputes the core attention (Megatron-Core's core_attn, _layer_cost): a Mamba layer has none;
+    # "selective-op" its out_proj, the scan (custom kernels, not saved) and the memory-bound ops
+    if lay.recompute == "full":
+        recompute_s = fwd_s
+    elif lay.recompute == "selective-op":
+        recompute_s = _op_sac_recompute_s(m, MAMBA, gemm_fwd, ew_fwd_s, scan_fwd_s)
+    else:
+        recompute_s = 0.0
     flops = tokens * layer_forward_flops_per_token(m, MAMBA) / t
     return LayerCost(fwd_s, bwd_s, recompute_s, tuple(fwd_comms), tuple(bwd_comms), flops, act_bytes, wgrad_s)
 

@@ -77,6 +77,7 @@ def explain(res: StepResult, best: StepResult | None = None) -> list[str]:
                      f"{_pct(bd['dp_comm'], step)}{z3}.")
     rc = {"none": "No recomputation: the activations fit",
           "selective": "Selective recomputation (attention core only)",
+          "selective-op": "Op-level selective recomputation (every second matmul and the memory-bound ops)",
           "full": "Full recomputation: only layer inputs are kept"}[lay.recompute]
     words.append(f"{rc}; peak memory {res.memory.total_bytes / 1e9:.1f} of {res.chip.hbm_bytes / 1e9:.0f} GB "
                  f"per chip; recomputation costs {_pct(bd['recompute'], step)}.")

@@ -166,6 +166,50 @@ def layer_matmul_params(m: ModelSpec, kind) -> int:
     return lp.attention + lp.mlp + per_expert * m.top_k + lp.router + ssm
 
 
+@lru_cache(maxsize=256)
+def op_sac_matmuls(m: ModelSpec, kind) -> tuple[tuple[str, int, int, bool], ...]:
+    """A layer's weight matmuls in the order its forward runs them, as torchtitan's op-level selective
+    activation checkpointing counts them (training.recompute "selective-op"): (name, in, out, recomputed).
+
+    torchtitan (parallelize_llama.py `_apply_ac_to_transformer_block` with selective_ac_option "op", its
+    Llama default since 2024; distributed/activation_checkpoint.py `SelectiveAC` since) saves the outputs of
+    every matmul, attention kernel and reduce-scatter of a block's forward except every second matmul,
+    counted afresh in each forward, and runs everything else again before the backward: those matmuls and
+    every memory-bound op. Its Llama runs q, k, v, o and then gate, up, down as separate matmuls, so k, o
+    and up run again; with a GPT MLP (up, down) k, o and down. An MoE layer's router is a matmul, its
+    routed experts a grouped matmul (not counted, saved) and its shared experts one MLP; MLA runs q (or q
+    down, q up), kv down, kv up, o; a Mamba-2 layer in_proj and out_proj. Widths are whole (before TP)."""
+    d, hd = m.hidden, m.head_dim_
+    mats: list[tuple[str, int, int]] = []
+    if kind == MAMBA:
+        e = m.ssm_inner
+        mats = [("in_proj", d, 2 * e + 2 * m.ssm_groups * m.ssm_state + m.ssm_heads), ("out_proj", e, d)]
+    else:
+        if kind != MLP:
+            if m.is_mla:
+                qk = m.heads * (hd + m.rope_head_dim)
+                mats += ([("q down", d, m.q_lora_rank), ("q up", m.q_lora_rank, qk)] if m.q_lora_rank
+                         else [("q", d, qk)])
+                mats += [("kv down", d, m.kv_lora_rank + m.rope_head_dim),
+                         ("kv up", m.kv_lora_rank, 2 * m.heads * hd)]
+            else:
+                mats += [("q", d, m.heads * hd), ("k", d, m.kv_heads * hd), ("v", d, m.kv_heads * hd)]
+            mats.append(("o", m.heads * hd, d))
+        if kind != ATTENTION:
+            if kind is True:
+                mats.append(("router", d, m.experts))
+            ffn = m.ffn * m.shared_experts if kind is True else (m.ffn if kind else m.dense_ffn_)
+            if ffn:
+                mats += [("gate", d, ffn), ("up", d, ffn)] if m.mlp == "swiglu" else [("up", d, ffn)]
+                mats.append(("down", ffn, d))
+    return tuple((name, i, o, n % 2 == 1) for n, (name, i, o) in enumerate(mats))
+
+
+def op_sac_recomputed_params(m: ModelSpec, kind) -> int:
+    """Weights of the matmuls op-level selective checkpointing runs again in one layer (`op_sac_matmuls`)."""
+    return sum(i * o for _, i, o, again in op_sac_matmuls(m, kind) if again)
+
+
 def matmul_flops_per_token(m: ModelSpec) -> float:
     """Forward FLOPs per token of every weight matmul (2 per weight used), logits included."""
     return 2.0 * (sum(n * layer_matmul_params(m, k) for k, n in kind_counts(m)) + m.vocab * m.hidden)
@@ -264,7 +308,8 @@ def hardware_flops(m: ModelSpec, tokens: float, recompute: str) -> float:
     """FLOPs the chips execute: model FLOPs plus what recomputation repeats.
 
     full: every layer's forward again (the logits are not recomputed); selective: only the attention
-    score/softmax part (Korthikanti et al. 2022, sec. 4.2).
+    score/softmax part (Korthikanti et al. 2022, sec. 4.2); selective-op: every second matmul of each
+    layer (`op_sac_matmuls`).
     """
     layers_fwd = tokens * (matmul_flops_per_token(m) - 2.0 * m.vocab * m.hidden + ssm_flops_per_token(m))
     attn_fwd = tokens * attention_flops_per_token(m)
@@ -272,6 +317,9 @@ def hardware_flops(m: ModelSpec, tokens: float, recompute: str) -> float:
         return model_flops(m, tokens) + layers_fwd + attn_fwd
     if recompute == "selective":
         return model_flops(m, tokens) + attn_fwd
+    if recompute == "selective-op":
+        again = sum(n * op_sac_recomputed_params(m, k) for k, n in kind_counts(m))
+        return model_flops(m, tokens) + 2.0 * tokens * again
     return model_flops(m, tokens)
 
 

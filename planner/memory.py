@@ -25,7 +25,7 @@ from functools import lru_cache
 from itertools import accumulate
 
 from planner.case import Layout
-from planner.flops import embedding_params, kv_projection_params, layer_params, ssd_chunk
+from planner.flops import embedding_params, kv_projection_params, layer_params, op_sac_matmuls, ssd_chunk
 from planner.models import ATTENTION, MAMBA, MLP, ModelSpec
 
 WEIGHT_BYTES = 2  # bf16/fp16 weights (fp8 training keeps bf16 master copies of the working weights)
@@ -118,6 +118,30 @@ def mamba_activation_terms(m: ModelSpec, lay: Layout) -> dict[str, float]:
     }
 
 
+ROW_PARALLEL = ("o", "down", "out_proj")  # their partial sums leave the TP region, reduced
+
+
+def _op_sac_kept_bytes(m: ModelSpec, lay: Layout, kind) -> float:
+    """What op-level selective checkpointing ("selective-op", `flops.op_sac_matmuls`) keeps of one layer,
+    bf16, in the terms of `layer_activation_bytes`: the block's input, the outputs of the matmuls it saves (a
+    column-parallel one's split by TP; a row-parallel one's as the reduced output, split by SP), the
+    attention kernel's output and fp32 log-sum-exp, and in an MoE layer the routed experts' grouped-matmul
+    outputs, top_k (n_in F + h) per token."""
+    t = lay.tp
+    sb = lay.micro_batch * m.seq_len / lay.cp
+    sp_div = t if lay.sequence_parallel else 1
+    kept = 2 * sb * m.hidden / sp_div
+    for name, _, out, again in op_sac_matmuls(m, kind):
+        if not again:
+            kept += 2 * sb * (out / sp_div if name in ROW_PARALLEL else out if name == "router" else out / t)
+    if kind not in (MLP, MAMBA):
+        kept += (2 * sb * m.heads * m.head_dim_ + 4 * sb * m.heads) / t
+    if kind is True:
+        n_in = 2 if m.mlp == "swiglu" else 1
+        kept += 2 * m.top_k * sb * (n_in * m.ffn + m.hidden) / t
+    return kept
+
+
 def layer_activation_bytes(m: ModelSpec, lay: Layout, moe, *, recompute: str | None = None,
                            dtype: str = "bf16") -> float:
     """Activation bytes one layer keeps for backward, for one micro-batch on one chip; `moe` is the layer
@@ -147,6 +171,8 @@ def layer_activation_bytes(m: ModelSpec, lay: Layout, moe, *, recompute: str | N
     sp_div = t if lay.sequence_parallel else 1
     if recompute == "full":
         return 2 * sb * h / sp_div  # Korthikanti et al. 2022 sec. 5: only the layer input is kept
+    if recompute == "selective-op":
+        return _op_sac_kept_bytes(m, lay, moe)
     if moe == MAMBA:
         return sum(mamba_activation_terms(m, lay).values())
     has_attn, has_mlp = moe != MLP, moe != ATTENTION
@@ -304,13 +330,14 @@ def _mean_layer_bytes(m: ModelSpec, lay: Layout, chunks, dtype: str) -> float:
 
 def _temporary_bytes(m: ModelSpec, lay: Layout, stage: int, stage_params: float, dtype: str) -> float:
     """Buffers alive at the peak besides the kept activations:
-    * the layer being back-propagated with full recomputation holds its un-recomputed activations;
+    * the layer being back-propagated with full (or op-level selective) recomputation holds its recomputed
+      activations;
     * the last stage's fp32 logits and their gradient, (b s/cp) x V/t x 8 bytes (Korthikanti sec. 4.1
       counts the output layer too);
     * ZeRO-3 all-gathers the current and the prefetched layer's weights whole (FSDP prefetch).
     """
     temp = 0.0
-    if lay.recompute == "full":
+    if lay.recompute in ("full", "selective-op"):
         kinds = m.kinds if m.layer_pattern else (m.is_moe,)
         temp += max(layer_activation_bytes(m, lay, k, recompute="none", dtype=dtype) for k in kinds)
     if stage == lay.pp - 1:

@@ -82,6 +82,38 @@ def test_selective_recompute_runs_the_core_attention_again_whatever_its_kernel()
     assert 0 < lc.recompute_s < 0.5 * lc.fwd_compute_s
 
 
+def test_op_level_selective_recompute_runs_every_second_matmul_and_the_memory_bound_ops():
+    # torchtitan's op policy on Llama (wq, wk, wv, wo, w1, w3, w2 in forward order): wk, wo and w3 run again,
+    # attention is saved; Llama 3 8B: (1024 + 4096 + 14336) / (4096 + 2 x 1024 + 4096 + 3 x 14336) of its
+    # matmul FLOPs = 19456 / 53248
+    from hardware.chips import get_chip
+    from planner.case import Layout
+    from planner.costs import layer_cost
+    from planner.flops import hardware_flops, model_flops, op_sac_matmuls
+    from planner.memory import layer_activation_bytes
+    from planner.models import MODEL_PRESETS
+
+    m, h100 = MODEL_PRESETS["Llama 3 8B"], get_chip("h100")
+    assert [name for name, _, _, again in op_sac_matmuls(m, False) if again] == ["k", "o", "up"]
+    gpt = MODEL_PRESETS["GPT-3 175B"]
+    assert [name for name, _, _, again in op_sac_matmuls(gpt, False) if again] == ["k", "o", "down"]
+    tokens = 1e6
+    extra = hardware_flops(m, tokens, "selective-op") - model_flops(m, tokens)
+    assert extra == pytest.approx(2 * tokens * m.layers * m.hidden * (1024 + 4096 + 14336))
+
+    def lc(recompute):
+        return layer_cost(m, Layout(dp=1, tp=1, pp=1, micro_batch=1, recompute=recompute, attention="flash"),
+                          h100, "bf16", False, 8)
+    none, op, full = lc("none"), lc("selective-op"), lc("full")
+    assert 19456 / 53248 * 0.8 * none.fwd_compute_s < op.recompute_s < full.recompute_s
+    lay = Layout(dp=1, tp=1, pp=1, micro_batch=1, attention="flash")
+    kept = {r: layer_activation_bytes(m, lay, False, recompute=r) for r in ("none", "selective-op", "full")}
+    assert kept["full"] < kept["selective-op"] < kept["none"]
+    # the block input, q, v, the attention output and its log-sum-exp, gate and down's outputs, bf16
+    s, h = m.seq_len, m.hidden
+    assert kept["selective-op"] == pytest.approx(2 * s * (h + 4096 + 1024 + 4096 + 14336 + h) + 4 * s * m.heads)
+
+
 def test_each_overlap_switch_shows_in_the_breakdown():
     on = estimate(_case()).breakdown
     no_tp = estimate(_case(tp_comm_overlap=False)).breakdown
