@@ -4,11 +4,12 @@ Every efficiency comes from op-level measurements recorded per chip in ``chips.t
 which benchmark each field is read from); nothing here is fitted to end-to-end training runs.
 
 * GEMM ``In[M, K] . W[K, N]``: the roofline's compute side at the rate a large GEMM sustains on the chip
-  (its MSMF: at the power limit, every GPU of the node busy; else its MAMF burst), scaled by the shape
-  curve ``g(M, N, K) / g(8192, 8192, 8192)`` with ``g = MN / (MN + matmul_half_area) * K / (K +
-  matmul_half_k)``, fitted per GPU generation to OpenXLA's measured GEMM tables: a small output leaves
-  SMs idle (tile and wave quantization), a short K cannot hide the tile pipeline's prologue and
-  epilogue. The memory side reads both operands and writes the output once ([SB] Part 1).
+  (its MSMF: at the power limit, every GPU of the node busy; else a rate measured at 8192^3, else its
+  MAMF burst), scaled by the shape curve ``g(M, N, K) / g(8192, 8192, 8192)`` with ``g = MN / (MN +
+  matmul_half_area) * K / (K + matmul_half_k)``, fitted per GPU generation to OpenXLA's measured GEMM
+  tables: a small output leaves SMs idle (tile and wave quantization), a short K cannot hide the tile
+  pipeline's prologue and epilogue. The memory side reads both operands and writes the output once
+  ([SB] Part 1).
 * FlashAttention kernels: forward + backward FLOP/s at ``attention_efficiency`` (FlashAttention-2) or
   ``flash3_efficiency`` (the chip's newer kernels: FA3 / cuDNN on Hopper, FA4 on Blackwell) of peak
   for long sequences, ``s / (s + 530)`` of that at s keys (both FlashAttention-2 curves, A100 and H100,
