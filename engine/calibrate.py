@@ -308,13 +308,31 @@ def compute_task(ctx, reps: int = 15, shapes: str = "all") -> list[dict]:
     return out
 
 
-def reference_task(ctx, reps: int = 15) -> list[dict]:
-    """Pool task: the reference Block (the "sharing" shape) timed on rank 0 alone while the other ranks wait
-    at a barrier (blocked, not computing), so a prediction can check the machine's speed on the pool of the
-    run it predicts (engine/predict.at_speed_now) instead of starting a one-rank pool for it."""
+REFERENCE_REPS = 200  # timed forward + backward passes of the reference Block (~0.5 s on this machine)
+
+
+def reference_task(ctx, reps: int = REFERENCE_REPS) -> list[dict]:
+    """Pool task: the reference Block (the "sharing" shape), forward + backward, timed on rank 0 alone while
+    the other ranks wait at a barrier (blocked, not computing), so a prediction can check the machine's
+    speed on the pool of the run it predicts (engine/predict.at_speed_now) instead of starting a one-rank
+    pool for it. The median of `reps` passes: other work bursting on the machine for part of the half
+    second moves a mean (one check read 1.55x the calibration's time and the run then took 0.65x of that
+    prediction), and the check scales a whole prediction by it."""
     import torch.distributed as dist
 
-    out = measure_compute(reps, "sharing") if ctx.rank == 0 else []
+    out = []
+    if ctx.rank == 0:
+        torch.manual_seed(0)
+        m = ModelConfig()
+        fwd, bwd = _module(Block(m), torch.randn(2, m.seq_len, m.hidden))
+        for _ in range(2):
+            bwd(fwd())
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            bwd(fwd())
+            times.append(time.perf_counter() - t0)
+        out = [{"block_s": statistics.median(times)}]
     if ctx.world > 1:
         dist.barrier()
     return out
