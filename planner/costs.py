@@ -37,7 +37,12 @@ Communication (each a `CommOp` with its time alone on its links and the part the
 * ZeRO-3 / FSDP (Rajbhandari et al. 2020 sec. 5.3): each layer's weights all-gathered forward and
   backward, gradients reduce-scattered; prefetched one layer ahead (`param_gather_overlap`), so a gather
   hides under the previous layer's compute; in the backward the gather and the reduce-scatter share the
-  data-parallel links and add up.
+  data-parallel links and add up. Under pipeline parallelism (torch.distributed.pipelining, the schedule
+  torchtitan runs FSDP with) a stage's weights stay gathered through all its micro-batches and its
+  gradients accumulate unsharded: PipelineStage turns FSDP's resharding and gradient sync off for every
+  backward but the last (`backward_maybe_with_nosync`) and torchtitan does not reshard after forward
+  when pp > 1. So a layer's passes carry no ZeRO-3 collectives there: planner.simulate charges one
+  gather and one reduce-scatter per step, planner.memory the whole weights and gradients.
 
 Overlapped communication still costs compute: while NCCL kernels run beside them, GEMMs and attention
 run 18.9 % slower on average (Agrawal et al. 2025, "Characterizing Compute-Communication Overlap in GPU-
@@ -254,7 +259,7 @@ def layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe, chips_per
     """One layer's costs; `moe` is the layer kind (planner.models: False dense, True MoE, or a pattern
     character). Memoised on the layout fields a layer sees (layouts differing only in pp, schedule or
     ZeRO-0/1/2 share them, which keeps the search fast)."""
-    z3 = lay.zero_stage == 3
+    z3 = lay.zero_stage == 3 and lay.pp == 1  # under pp, ZeRO-3 gathers once per step (module docstring)
     ssm_cp = lay.ssm_cp if m.has_ssm and lay.cp > 1 else "state"
     key = replace(lay, pp=1, pp_schedule="1f1b", virtual_stages=1, zero_stage=3 if z3 else 0,
                   dp=lay.dp if z3 else lay.ep, grad_reduce_overlap=True, ssm_cp=ssm_cp,  # the smallest dp

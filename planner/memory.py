@@ -307,6 +307,11 @@ def memory_per_chip(m: ModelSpec, lay: Layout, micro_batches: int, optimizer: st
     for stage in sorted(set(stage_groups(m, lay.pp, lay.virtual_stages))):
         dense, moe = stage_params(m, lay, stage)
         params, grads, opt = dense * wd + moe * we, dense * gd + moe * ge, dense * od + moe * oe
+        if lay.zero_stage == 3 and lay.pp > 1:
+            # pipelined FSDP keeps the stage's weights gathered (bf16) and accumulates its gradients unsharded
+            # in the reduction's fp32 until the last backward (planner.costs' docstring)
+            params += 2 * (dense + moe)
+            grads += 4 * (dense + moe)
         if m.layer_pattern:
             per_layer = _mean_layer_bytes(m, lay, ranges[stage], dtype)
         acts = in_flight_layers(stage, lay, micro_batches, [n for _, n in ranges[stage]]) * per_layer
@@ -334,7 +339,8 @@ def _temporary_bytes(m: ModelSpec, lay: Layout, stage: int, stage_params: float,
       activations;
     * the last stage's fp32 logits and their gradient, (b s/cp) x V/t x 8 bytes (Korthikanti sec. 4.1
       counts the output layer too);
-    * ZeRO-3 all-gathers the current and the prefetched layer's weights whole (FSDP prefetch).
+    * ZeRO-3 all-gathers the current and the prefetched layer's weights whole (FSDP prefetch); under
+      pipeline parallelism they stay whole and are counted with the weights.
     """
     temp = 0.0
     if lay.recompute in ("full", "selective-op"):
@@ -342,7 +348,7 @@ def _temporary_bytes(m: ModelSpec, lay: Layout, stage: int, stage_params: float,
         temp += max(layer_activation_bytes(m, lay, k, recompute="none", dtype=dtype) for k in kinds)
     if stage == lay.pp - 1:
         temp += 8 * lay.micro_batch * m.seq_len / lay.cp * m.vocab / lay.tp
-    if lay.zero_stage == 3:
+    if lay.zero_stage == 3 and lay.pp == 1:
         layers = max(1, sum(n for _, n in stage_layer_ranges(m.layers, lay.pp, lay.virtual_stages)[stage]))
         temp += 2 * WEIGHT_BYTES * stage_params / layers
     return temp

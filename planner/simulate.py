@@ -19,6 +19,9 @@ Overlap (the recipe fields of `planner.case`, per layer in `planner.costs`):
   (PyTorch DDP, Li et al. 2020; Megatron-Core overlap_grad_reduce); the last bucket (one layer) can never
   hide. Off (Megatron-LM 2021-22's "local" DDP): after the backward, exposed. ZeRO-1/2's parameter
   all-gather after the update hides under the next step's first forward (`param_gather_overlap`).
+  ZeRO-3 under pipeline parallelism gathers a stage's weights once per step, under its first forward,
+  and reduce-scatters its accumulated gradients once, by hand after the last backward: exposed
+  (planner.costs' docstring).
   Hidden communication slows the compute it runs beside (costs.overlap_slowdown: on GPUs).
 * Pipeline sends: one per chunk boundary, each direction, sized b*s*h/t with the scatter/gather
   optimisation (Narayanan et al. 2021 sec. 4.1), on the link between the stages (NVLink or the
@@ -194,7 +197,8 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
             chunks.append(chunk_cache[key])
         dense_p, expert_p = stage_params(m, lay, i)
         dp_total = exposed = per_micro_batch = 0.0
-        if lay.zero_stage < 3:
+        staged_z3 = lay.zero_stage == 3 and lay.pp > 1
+        if lay.zero_stage < 3 or staged_z3:
             layers_here = max(1, sum(ch.layers for ch in chunks))
             last_bwd = sum(ch.bwd_s for ch in chunks)
 
@@ -220,6 +224,9 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
                     # reduce-scattered as they are produced (DeepSpeed stage 2), not once per step
                     per_micro_batch += hidden_under_bwd(sync)
                     dp_total += micro_batches * sync + gather
+                elif staged_z3:
+                    exposed += sync  # after the last backward: nothing left to hide it under
+                    dp_total += sync + gather
                 else:
                     exposed += hidden_under_bwd(sync)
                     dp_total += sync + gather
@@ -268,7 +275,7 @@ def sent_bytes_per_step(res: StepResult, stage: int = 0) -> dict[str, float]:
             ops = lc.fwd_comms + lc.bwd_comms + (lc.recompute_comms if lay.recompute == "full" else ())
             for op in ops:
                 out[op.group] += res.micro_batches * count * op.sent_bytes(n[op.group])
-    if lay.zero_stage < 3:
+    if lay.zero_stage < 3 or lay.pp > 1:
         dense_p, expert_p = stage_params(m, lay, stage)
         grad_bytes = GRAD_COMM_BYTES[tr.dtype]
         for params, group in ((dense_p, n["dp"]), (expert_p, n["dp"] // lay.ep)):

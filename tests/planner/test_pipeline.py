@@ -88,9 +88,35 @@ def test_predicted_timeline_draws_hidden_and_exposed_communication_by_group():
     assert {"tp", "dp", "pp"} <= groups
     hidden = [s for s in comm if s.is_async]
     assert any(s.group == "dp" for s in hidden) and any(s.group == "tp" for s in hidden)
-    # a hidden collective runs while its rank computes
+    # a hidden collective runs while its rank computes: without pp, each layer's ZeRO-3 gathers
+    case = _case(pp=1, tp=4, dp=2, gb=16)
+    case["model"].update(hidden=8192, heads=64, kv_heads=8, ffn=28672, seq_len=4096, layers=8)
+    case["training"].update(zero_stage=3, sequence_parallel=True)
+    est = estimate(case)
+    tl = est.timeline
+    hidden = [s for s in tl.spans if s.lane == "comm" and s.is_async]
     rank = tl.ranks[0]
     compute = [(s.start_s, s.end_s) for s in tl.for_rank(rank) if s.lane == "compute"]
     z3 = next(s for s in hidden if s.rank == rank and s.name.startswith("zero-3"))
     assert any(a < z3.end_s and z3.start_s < b for a, b in compute)
     assert tl.meta["simulated_step_s"] == pytest.approx(est.step_time_s, rel=0.03)
+
+
+def test_pipelined_zero3_gathers_once_per_step_and_keeps_the_stage_whole():
+    # torch.distributed.pipelining with FSDP (torchtitan): no resharding or gradient sync between a stage's
+    # micro-batches, so one gather and one reduce-scatter per step whatever their number, the weights
+    # (bf16) and gradients (fp32) whole on the chip, and no ZeRO-3 collectives inside a layer's passes
+    from planner.simulate import sent_bytes_per_step
+
+    def est(gb, zero):
+        case = _case(pp=2, tp=1, dp=4, gb=gb)
+        case["training"].update(zero_stage=zero, micro_batch=1)
+        return estimate(case)
+
+    few, many = est(8, 3), est(32, 3)
+    assert sent_bytes_per_step(few.result)["dp"] == pytest.approx(sent_bytes_per_step(many.result)["dp"])
+    assert few.breakdown["zero3_comm"] == 0 and few.breakdown["dp_comm"] > 0
+    assert not any(c.group == "dp" for ch in few.result.stages[0].chunks for lc, _ in ch.layer_costs
+                   for c in lc.fwd_comms + lc.bwd_comms)
+    z1 = est(8, 1)
+    assert few.memory.params_bytes > z1.memory.params_bytes and few.memory.grads_bytes > z1.memory.grads_bytes
