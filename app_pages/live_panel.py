@@ -252,7 +252,7 @@ def _show_run(key: str, run: LiveRun) -> None:
                    + (f" The calibration was {age} old when it predicted this run; a shared machine's speed "
                       "drifts (other programs, other users), so if every kind of work took longer or shorter "
                       "than predicted, measure it again on the Hardware lesson." if age else "")
-                   + (f" Checked before the run: {speed_note(run)}." if speed_note(run) else ""))
+                   + (f" Checked before the run: {note}." if (note := speed_note(run)) else ""))
     else:
         st.plotly_chart(meas_fig, key=f"{slug}_measured")
     steps = run.cfg.steps

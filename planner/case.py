@@ -134,6 +134,12 @@ class Layout:
     def num_chips(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
 
+    @property
+    def staged_zero3(self) -> bool:
+        """ZeRO-3 under pipeline parallelism: a stage's weights gathered once per step and its gradients
+        reduce-scattered once, none per layer and micro-batch (planner.costs' docstring)."""
+        return self.zero_stage == 3 and self.pp > 1
+
     @cached_property
     def mesh(self) -> Mesh:
         """Computed once per layout (the search asks for strides in its inner loop)."""

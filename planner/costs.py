@@ -64,7 +64,14 @@ from hardware import kernels
 from hardware.chips import Chip
 from hardware.collectives import Hierarchy, Topology, deduplicated_all_to_all_s, group_topology, ring_sent_bytes
 from planner.case import Layout
-from planner.flops import layer_forward_flops_per_token, layer_params, op_sac_matmuls, ssd_chunk, ssd_matmuls
+from planner.flops import (
+    layer_forward_flops_per_token,
+    layer_params,
+    op_sac_matmuls,
+    op_sac_recomputed_params,
+    ssd_chunk,
+    ssd_matmuls,
+)
 from planner.models import ATTENTION, MAMBA, MLP, ModelSpec
 
 OVERLAP_SLOWDOWN = 0.189  # arXiv 2507.03114 abstract: overlapped compute 18.9 % slower on average (GPUs)
@@ -258,8 +265,9 @@ class LayerCost:
 def layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe, chips_per_node: int) -> LayerCost:
     """One layer's costs; `moe` is the layer kind (planner.models: False dense, True MoE, or a pattern
     character). Memoised on the layout fields a layer sees (layouts differing only in pp, schedule or
-    ZeRO-0/1/2 share them, which keeps the search fast)."""
-    z3 = lay.zero_stage == 3 and lay.pp == 1  # under pp, ZeRO-3 gathers once per step (module docstring)
+    ZeRO-0/1/2 share them, which keeps the search fast; so do ZeRO-3 layouts under pp, whose layers carry
+    no ZeRO-3 collectives: `Layout.staged_zero3`)."""
+    z3 = lay.zero_stage == 3 and not lay.staged_zero3
     ssm_cp = lay.ssm_cp if m.has_ssm and lay.cp > 1 else "state"
     key = replace(lay, pp=1, pp_schedule="1f1b", virtual_stages=1, zero_stage=3 if z3 else 0,
                   dp=lay.dp if z3 else lay.ep, grad_reduce_overlap=True, ssm_cp=ssm_cp,  # the smallest dp
@@ -592,8 +600,7 @@ def _op_sac_recompute_s(m: ModelSpec, kind, gemm_fwd: dict[str, float], memory_b
     second matmul (`flops.op_sac_matmuls`; their share of the layer's weight-matmul FLOPs taken from the
     forward time of its GEMMs, routed experts left out, saved) and every memory-bound op of the forward,
     plus `extra_fwd_s` of other unsaved kernels (a Mamba-2 layer's scan)."""
-    mats = op_sac_matmuls(m, kind)
-    share = sum(i * o for _, i, o, again in mats if again) / max(1, sum(i * o for _, i, o, _ in mats))
+    share = op_sac_recomputed_params(m, kind) / max(1, sum(i * o for _, i, o, _ in op_sac_matmuls(m, kind)))
     dense_s = sum(v for name, v in gemm_fwd.items() if not name.startswith("experts"))
     return share * dense_s + memory_bound_fwd_s + extra_fwd_s
 

@@ -166,6 +166,9 @@ def layer_matmul_params(m: ModelSpec, kind) -> int:
     return lp.attention + lp.mlp + per_expert * m.top_k + lp.router + ssm
 
 
+OP_SAC_ROW_PARALLEL = ("o", "down", "out_proj")  # `op_sac_matmuls` names whose partial sums leave the TP region
+
+
 @lru_cache(maxsize=256)
 def op_sac_matmuls(m: ModelSpec, kind) -> tuple[tuple[str, int, int, bool], ...]:
     """A layer's weight matmuls in the order its forward runs them, as torchtitan's op-level selective

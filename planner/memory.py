@@ -25,7 +25,14 @@ from functools import lru_cache
 from itertools import accumulate
 
 from planner.case import Layout
-from planner.flops import embedding_params, kv_projection_params, layer_params, op_sac_matmuls, ssd_chunk
+from planner.flops import (
+    OP_SAC_ROW_PARALLEL,
+    embedding_params,
+    kv_projection_params,
+    layer_params,
+    op_sac_matmuls,
+    ssd_chunk,
+)
 from planner.models import ATTENTION, MAMBA, MLP, ModelSpec
 
 WEIGHT_BYTES = 2  # bf16/fp16 weights (fp8 training keeps bf16 master copies of the working weights)
@@ -118,9 +125,6 @@ def mamba_activation_terms(m: ModelSpec, lay: Layout) -> dict[str, float]:
     }
 
 
-ROW_PARALLEL = ("o", "down", "out_proj")  # their partial sums leave the TP region, reduced
-
-
 def _op_sac_kept_bytes(m: ModelSpec, lay: Layout, kind) -> float:
     """What op-level selective checkpointing ("selective-op", `flops.op_sac_matmuls`) keeps of one layer,
     bf16, in the terms of `layer_activation_bytes`: the block's input, the outputs of the matmuls it saves (a
@@ -133,7 +137,7 @@ def _op_sac_kept_bytes(m: ModelSpec, lay: Layout, kind) -> float:
     kept = 2 * sb * m.hidden / sp_div
     for name, _, out, again in op_sac_matmuls(m, kind):
         if not again:
-            kept += 2 * sb * (out / sp_div if name in ROW_PARALLEL else out if name == "router" else out / t)
+            kept += 2 * sb * (out / sp_div if name in OP_SAC_ROW_PARALLEL else out if name == "router" else out / t)
     if kind not in (MLP, MAMBA):
         kept += (2 * sb * m.heads * m.head_dim_ + 4 * sb * m.heads) / t
     if kind is True:
@@ -307,7 +311,7 @@ def memory_per_chip(m: ModelSpec, lay: Layout, micro_batches: int, optimizer: st
     for stage in sorted(set(stage_groups(m, lay.pp, lay.virtual_stages))):
         dense, moe = stage_params(m, lay, stage)
         params, grads, opt = dense * wd + moe * we, dense * gd + moe * ge, dense * od + moe * oe
-        if lay.zero_stage == 3 and lay.pp > 1:
+        if lay.staged_zero3:
             # pipelined FSDP keeps the stage's weights gathered (bf16) and accumulates its gradients unsharded
             # in the reduction's fp32 until the last backward (planner.costs' docstring)
             params += 2 * (dense + moe)
@@ -348,7 +352,7 @@ def _temporary_bytes(m: ModelSpec, lay: Layout, stage: int, stage_params: float,
         temp += max(layer_activation_bytes(m, lay, k, recompute="none", dtype=dtype) for k in kinds)
     if stage == lay.pp - 1:
         temp += 8 * lay.micro_batch * m.seq_len / lay.cp * m.vocab / lay.tp
-    if lay.zero_stage == 3 and lay.pp == 1:
+    if lay.zero_stage == 3 and not lay.staged_zero3:
         layers = max(1, sum(n for _, n in stage_layer_ranges(m.layers, lay.pp, lay.virtual_stages)[stage]))
         temp += 2 * WEIGHT_BYTES * stage_params / layers
     return temp
