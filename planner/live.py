@@ -510,6 +510,9 @@ def per_step_by_kind(timeline: Timeline, skip_first: bool = True) -> dict[str, f
     return out
 
 
+NEGLIGIBLE_S = 5e-6  # under this a kind of work prints as 0.00 ms: compare says the prediction has none
+
+
 def compare(predicted: Timeline, measured: Timeline, top: int = 3) -> list[dict]:
     """Where a measured run differs most from its prediction: per kind of work, the seconds per rank per
     step of each, largest absolute difference first (at most `top`, only those over 10 % and 50 us)."""
@@ -519,9 +522,11 @@ def compare(predicted: Timeline, measured: Timeline, top: int = 3) -> list[dict]
         ps, ms = p.get(key, 0.0), m.get(key, 0.0)
         if abs(ms - ps) < 50e-6 or abs(ms - ps) < 0.1 * max(ps, ms):
             continue
-        ratio = ms / ps if ps > 0 else math.inf
+        # a few microseconds of prediction (the event simulation's rounding) is none: no 1e9x ratios
+        has = ps >= NEGLIGIBLE_S
+        ratio = ms / ps if has else math.inf
         text = (f"{key} took {ratio:.1f}x its predicted time ({ms * 1e3:.2f} ms against {ps * 1e3:.2f} ms "
-                "per rank per step)" if ps > 0 else f"{key} took {ms * 1e3:.2f} ms per rank per step; "
+                "per rank per step)" if has else f"{key} took {ms * 1e3:.2f} ms per rank per step; "
                 "the prediction has none")
         rows.append({"what": key, "predicted_s": ps, "measured_s": ms, "ratio": ratio, "text": text})
     rows.sort(key=lambda r: -abs(r["measured_s"] - r["predicted_s"]))

@@ -141,6 +141,17 @@ def test_compare_names_the_span_that_differs_most():
     assert rows[0]["text"].startswith("gloo all_reduce (dp) took 2.1x its predicted time")
 
 
+def test_compare_calls_a_few_predicted_microseconds_none():
+    # the event simulation can leave a wait of a few picoseconds: "2593067742.6x its predicted time" was printed
+    pred = _tl([Span(0, "compute", "fwd L0", 0.0, 1e-3), Span(0, "comm", "all_reduce", 1e-3, 1e-3 + 3e-12, group="dp")],
+               source="predicted")
+    meas = _tl([Span(0, "compute", "fwd L0", 0.0, 1e-3, step=s) for s in (0, 1)]
+               + [Span(0, "comm", "all_reduce", 1e-3, 3e-3, group="dp", step=s) for s in (0, 1)])
+    rows = compare(pred, meas)
+    assert rows and all("x its predicted" not in r["text"] for r in rows)
+    assert rows[0]["text"].endswith("the prediction has none")
+
+
 def test_the_planner_never_imports_the_engine_package():
     # the torch-free core (mesh, timeline, schedules) is below both; the planner reads a RunConfig by attribute
     code = ("import sys, planner.api, planner.live, planner.layout_search, planner.timeline, planner.simulate; "
