@@ -17,6 +17,9 @@ which benchmark each field is read from); nothing here is fitted to end-to-end t
   sec. 3.1).
 * memory-bound ops: bytes through HBM at ``hbm_efficiency`` (pointwise kernels, copy-like) or
   ``norm_efficiency`` / ``norm_bwd_efficiency`` (kernels with row reductions: norms, softmax).
+* eager PyTorch modules (an RMSNorm or a rotary embedding written as a chain of elementwise ops through
+  fp32, each op its own kernel): the seconds Liger-Kernel's published benchmarks measured for the Hugging
+  Face modules, as bytes moved at the chip's peak HBM bandwidth per element of the op (``EAGER_BYTES``).
 
 Every rate is multiplied by ``chip.pace``: 1 for one chip; in a cluster, the share of the table's (one
 chip's) rates its slowest chip reaches, since a synchronous step waits for it (planner.costs.cluster_chip).
@@ -84,6 +87,25 @@ def flash_attention_s(chip: Chip, fwd_flops: float, keys: float, kernel: str = "
         efficiency = chip.attention_efficiency
     rate = chip.bf16_flops_per_s * efficiency * keys / (keys + ATTENTION_HALF_SEQ) * chip.pace
     return fwd_flops / rate, FLASH_BWD_FLOP_RATIO * fwd_flops / rate
+
+
+# Effective bytes per element at peak HBM bandwidth of PyTorch eager modules: time x peak bandwidth /
+# elements, from Liger-Kernel's benchmark tables (github.com/linkedin/Liger-Kernel, benchmark/data:
+# h100_all_benchmark_data.csv, H100 NVL 3.9 TB/s, and all_benchmark_data.csv, A100-SXM4-80GB 2.04 TB/s;
+# provider "huggingface", bf16, the largest shapes, where every provider is bandwidth-bound), the mean of
+# the two chips (they differ by 10-20 %):
+#   RMSNorm (LlamaRMSNorm: fp32 cast, pow, mean, rsqrt, two multiplies), M = 2048 rows of H = 32768:
+#     forward 1.219 ms on H100 NVL (70.9 B), 1.919 ms on A100 (58.3 B); backward 3.029 ms (176 B),
+#     5.015 ms (152 B). Liger's fused kernel: 0.111 ms forward (6.4 B), torch.compile 0.156 ms (9.1 B).
+#   rotary (apply_rotary_pos_emb: rotate_half, cos/sin products), q and k of 16384 tokens, hidden 8192,
+#     32 query and 8 KV heads: forward 2.567 ms (59.7 B), 3.817 ms (46.4 B); backward 3.113 ms (72.4 B),
+#     4.557 ms (55.4 B). Liger's fused kernel: 0.200 ms (4.7 B) both ways.
+EAGER_BYTES = {"norm_fwd": 65.0, "norm_bwd": 164.0, "rope_fwd": 53.0, "rope_bwd": 64.0}
+
+
+def eager_s(chip: Chip, effective_bytes: float) -> float:
+    """Eager PyTorch modules whose cost is given as effective bytes at peak HBM bandwidth (EAGER_BYTES)."""
+    return effective_bytes / (chip.hbm_bytes_per_s * chip.pace)
 
 
 def pointwise_s(chip: Chip, nbytes: float) -> float:

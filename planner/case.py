@@ -47,12 +47,19 @@ RECIPE_DEFAULTS = {
     # how tokens reach their experts (EP_DISPATCH): Megatron-Core's default token dispatcher is the NCCL
     # all-to-all (moe_token_dispatcher_type "alltoall"); DeepEP is opt-in ("flex" + moe_enable_deepep)
     "ep_dispatch": "all_to_all",
+    # how the memory-bound ops run (FUSION): fused kernels (Transformer Engine / Megatron-Core, Apex,
+    # torch.compile, Liger) in every framework's tuned recipe; "eager" where a run says so (PyTorch eager
+    # RMSNorm and rotary: torchtitan with compile off)
+    "fusion": "fused",
 }
 # "all_to_all": one copy of a token per routed expert, sent straight to the expert's rank (NCCL
 # all-to-all). "deepep": one copy per destination node over the network, forwarded to the experts' GPUs
 # over NVLink (DeepSeek-V3, arXiv 2412.19437 sec. 3.2.2; the DeepEP library's normal kernels).
 EP_DISPATCH = ("all_to_all", "deepep")
-RECIPE_FLAGS = tuple(k for k in RECIPE_DEFAULTS if k not in ("attention", "ep_dispatch"))
+# "fused": each norm, rotary and gated activation one kernel over HBM; "eager": PyTorch eager modules, an
+# RMSNorm and a rotary embedding each a chain of elementwise kernels through fp32 (planner.costs._elementwise)
+FUSION = ("fused", "eager")
+RECIPE_FLAGS = tuple(k for k in RECIPE_DEFAULTS if k not in ("attention", "ep_dispatch", "fusion"))
 # Context parallelism for Mamba-2 layers (planner.costs): "state" passes each rank's final SSM state to
 # the next rank; "alltoall" reshards sequence -> heads around the scan (Megatron-Core). Null: the search
 # tries both where they apply, else "state".
@@ -75,6 +82,7 @@ class Training:
     tp_comm_overlap: bool | None = None
     ep_comm_overlap: bool | None = None
     ep_dispatch: str | None = None  # EP_DISPATCH
+    fusion: str | None = None  # FUSION
     ssm_cp: str | None = None  # SSM_CP
 
 
@@ -128,6 +136,7 @@ class Layout:
     tp_comm_overlap: bool | None = None  # None: the chip's own (Chip.tp_comm_overlap; costs.tp_overlaps)
     ep_comm_overlap: bool = False
     ep_dispatch: str = "all_to_all"
+    fusion: str = "fused"
     ssm_cp: str = "state"
 
     @property
@@ -249,7 +258,8 @@ def parse_case(data) -> Case:
         optimizer=_choice(t, "optimizer", "training", OPTIMIZERS, "adam"),
         zero_stage=zero, attention=_choice(t, "attention", "training", ATTENTION_KERNELS),
         ssm_cp=_choice(t, "ssm_cp", "training", SSM_CP),
-        ep_dispatch=_choice(t, "ep_dispatch", "training", EP_DISPATCH), **flags,
+        ep_dispatch=_choice(t, "ep_dispatch", "training", EP_DISPATCH),
+        fusion=_choice(t, "fusion", "training", FUSION), **flags,
     )
 
     p = _check_keys(data.get("parallel", {}), {f.name for f in fields(Parallel)}, "parallel")

@@ -352,24 +352,45 @@ def _elementwise(m: ModelSpec, lay: Layout, moe, tokens: float) -> dict[str, flo
       A pattern's attention or MLP layer has one norm and one residual add, and only its block's terms.
       MoE: the token copies are permuted to their experts and back: read + write 4 k h per token each
         way.
+    With `fusion` "eager" (PyTorch eager modules, no compiler) each op of a module is its own kernel:
+      Llama recipe: the RMSNorms and the rotary embedding cost what Liger-Kernel measured for the Hugging
+        Face modules (key "eager_*": effective bytes at peak bandwidth, hardware.kernels.EAGER_BYTES, per
+        element of the norm's input and of q and k); SwiGLU is silu (read 2, write 2) then a product
+        (read 4, write 2): 10f, backward the product's two gradients (read 4, write 2 each) and silu's
+        (read 4, write 2): 18f; squared ReLU 8f and 12f.
+      GPT recipe: LayerNorm and GELU are single native kernels either way; the bias, dropout and residual
+        add run apart: 15h/sp forward (bias 4, dropout 5, add 6) and 10h/sp backward per block, bias then
+        GELU 8f both ways.
     """
     t = lay.tp
     sp = t if lay.sequence_parallel else 1
     h, hd = m.hidden, m.head_dim_
     blocks = 1 if moe in (ATTENTION, MLP) else 2
+    eager = lay.fusion == "eager"
     if moe is True:
         ffn = m.ffn * (m.top_k + m.shared_experts) / t
     else:
         ffn = 0.0 if moe == ATTENTION else m.dense_ffn_ / t
     out = {"norm_fwd": blocks * 4 * h / sp, "norm_bwd": blocks * 6 * h / sp}
     if m.mlp == "gelu":
-        out["point_fwd"] = blocks * 7 * h / sp + 4 * ffn
-        out["point_bwd"] = blocks * 5 * h / sp + 6 * ffn
+        out["point_fwd"] = blocks * (15 if eager else 7) * h / sp + (8 if eager else 4) * ffn
+        out["point_bwd"] = blocks * (10 if eager else 5) * h / sp + (8 if eager else 6) * ffn
     else:
-        rope = 4 * (m.heads + m.kv_heads) * hd / t if moe != MLP else 0.0
-        act_fwd, act_bwd = (6, 10) if m.mlp == "swiglu" else (4, 6)
+        rope_elements = (m.heads + m.kv_heads) * hd / t if moe != MLP else 0.0
+        if m.mlp == "swiglu":
+            act_fwd, act_bwd = (10, 18) if eager else (6, 10)
+        else:
+            act_fwd, act_bwd = (8, 12) if eager else (4, 6)
+        rope = 0.0 if eager else 4 * rope_elements
         out["point_fwd"] = blocks * 6 * h / sp + rope + act_fwd * ffn
         out["point_bwd"] = blocks * 6 * h / sp + rope + act_bwd * ffn
+        if eager:
+            norm_elements = blocks * h / sp
+            out["norm_fwd"] = out["norm_bwd"] = 0.0
+            out["eager_fwd"] = (kernels.EAGER_BYTES["norm_fwd"] * norm_elements
+                                + kernels.EAGER_BYTES["rope_fwd"] * rope_elements)
+            out["eager_bwd"] = (kernels.EAGER_BYTES["norm_bwd"] * norm_elements
+                                + kernels.EAGER_BYTES["rope_bwd"] * rope_elements)
     if moe is True:
         out["point_fwd"] += 4 * m.top_k * h
         out["point_bwd"] += 4 * m.top_k * h
@@ -378,14 +399,16 @@ def _elementwise(m: ModelSpec, lay: Layout, moe, tokens: float) -> dict[str, flo
 
 def _memory_bound_s(chip: Chip, ew: dict[str, float], gemms: list[_Gemm], dtype: str) -> tuple[float, float]:
     """(forward, backward) seconds of a layer's memory-bound ops from their HBM bytes by kernel class
-    (`_elementwise`'s keys: norm_fwd, norm_bwd, point_fwd, point_bwd). fp8 adds each GEMM's casts: its
-    activation input forward and its output gradient backward, read 2 + write 1 bytes per element."""
+    (`_elementwise`'s keys: norm_*, point_*, and eager_* with fusion "eager"). fp8 adds each GEMM's casts:
+    its activation input forward and its output gradient backward, read 2 + write 1 bytes per element."""
     point_fwd, point_bwd = ew["point_fwd"], ew["point_bwd"]
     if dtype == "fp8":
         point_fwd += sum(3 * g.m * g.k * g.batch for g in gemms)
         point_bwd += sum(3 * g.m * g.n * g.batch for g in gemms)
-    return (kernels.norm_s(chip, ew["norm_fwd"]) + kernels.pointwise_s(chip, point_fwd),
-            kernels.norm_s(chip, ew["norm_bwd"], backward=True) + kernels.pointwise_s(chip, point_bwd))
+    return (kernels.norm_s(chip, ew["norm_fwd"]) + kernels.pointwise_s(chip, point_fwd)
+            + kernels.eager_s(chip, ew.get("eager_fwd", 0.0)),
+            kernels.norm_s(chip, ew["norm_bwd"], backward=True) + kernels.pointwise_s(chip, point_bwd)
+            + kernels.eager_s(chip, ew.get("eager_bwd", 0.0)))
 
 
 def tp_collective_bytes(m: ModelSpec, lay: Layout) -> float:
