@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from planner.memory import memory_per_chip
-from planner.simulate import StepResult, usable_hbm_bytes
+from planner.simulate import StepResult, simulate, usable_hbm_bytes
 
 _KIND_WORDS = {
     "compute": "compute", "recompute": "recomputation", "tp_comm": "exposed TP collectives",
@@ -81,5 +81,10 @@ def explain(res: StepResult, best: StepResult | None = None) -> list[str]:
           "full": "Full recomputation: only layer inputs are kept"}[lay.recompute]
     words.append(f"{rc}; peak memory {res.memory.total_bytes / 1e9:.1f} of {res.chip.hbm_bytes / 1e9:.0f} GB "
                  f"per chip; recomputation costs {_pct(bd['recompute'], step)}.")
+    if lay.fusion == "eager":
+        fused = simulate(case, replace(lay, fusion="fused"), res.chip).step_time_s
+        words.append("Norms and rotary embeddings run as eager PyTorch modules, each a chain of kernels: the "
+                     f"step takes {_pct(step - fused, fused)} longer than with fused kernels (torch.compile, "
+                     "Transformer Engine).")
     words.append(f"MFU {100 * res.mfu:.1f}%, {res.tflops_per_chip:.0f} TFLOP/s per chip.")
     return words

@@ -161,7 +161,11 @@ def test_eager_modules_cost_what_liger_kernel_measured_for_them():
     assert g["eager"].fwd_compute_s - g["fused"].fwd_compute_s == pytest.approx(extra, rel=1e-9)
     # a null field is fused, and the result says so
     assert estimate(_case()).chosen["training"]["fusion"] == "fused"
-    assert estimate(_case(fusion="eager")).step_time_s > estimate(_case()).step_time_s
+    eager_est = estimate(_case(fusion="eager"))
+    assert eager_est.step_time_s > estimate(_case()).step_time_s
+    said = [w for w in eager_est.explanation if "eager PyTorch modules" in w]
+    extra = eager_est.step_time_s / estimate(_case()).step_time_s - 1
+    assert len(said) == 1 and f"{100 * extra:.1f}% longer" in said[0]
 
 
 def test_attention_kernels_order_as_measured():
