@@ -83,8 +83,9 @@ def explain(res: StepResult, best: StepResult | None = None) -> list[str]:
                  f"per chip; recomputation costs {_pct(bd['recompute'], step)}.")
     if lay.fusion == "eager":
         fused = simulate(case, replace(lay, fusion="fused"), res.chip).step_time_s
-        words.append("Norms and rotary embeddings run as eager PyTorch modules, each a chain of kernels: the "
-                     f"step takes {_pct(step - fused, fused)} longer than with fused kernels (torch.compile, "
-                     "Transformer Engine).")
+        what = ("Bias, dropout and residual add run as separate eager PyTorch kernels" if m.mlp == "gelu" else
+                "Norms and rotary embeddings run as eager PyTorch modules, each a chain of kernels")
+        words.append(f"{what}: the step takes {_pct(step - fused, fused)} longer than with fused kernels "
+                     "(torch.compile, Transformer Engine).")
     words.append(f"MFU {100 * res.mfu:.1f}%, {res.tflops_per_chip:.0f} TFLOP/s per chip.")
     return words

@@ -166,6 +166,9 @@ def test_eager_modules_cost_what_liger_kernel_measured_for_them():
     said = [w for w in eager_est.explanation if "eager PyTorch modules" in w]
     extra = eager_est.step_time_s / estimate(_case()).step_time_s - 1
     assert len(said) == 1 and f"{100 * extra:.1f}% longer" in said[0]
+    gelu = _case(fusion="eager")
+    gelu["model"]["mlp"] = "gelu"
+    assert any(w.startswith("Bias, dropout and residual add run as separate") for w in estimate(gelu).explanation)
 
 
 def test_attention_kernels_order_as_measured():
