@@ -101,6 +101,19 @@ def _mean_s(fn, reps: int, warmup: int = 2) -> float:
     return (time.perf_counter() - t0) / reps
 
 
+def _median_s(fn, reps: int, warmup: int = 2) -> float:
+    """Median seconds of one call over `reps` calls after `warmup`: a machine's speed of the moment, which a
+    burst of other work during part of the calls would move if it were a mean (`reference_task`)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def _fwd_bwd(make, reps: int) -> tuple[float, float]:
     """(forward seconds, backward seconds) of `make() -> (forward fn, backward fn)`."""
     fwd, bwd_after = make()
@@ -127,6 +140,13 @@ def _module(module, x, extra=None):
     return fwd, bwd
 
 
+def _reference_block():
+    """Forward / backward closures of the reference Block: the engine's default layer on 2 sequences (the
+    "sharing" shape of `measure_compute`, the speed check of `reference_task`)."""
+    m = ModelConfig()
+    return _module(Block(m), torch.randn(2, m.seq_len, m.hidden))
+
+
 def _sample(op: str, shape: dict, fwd_s: float, bwd_s: float) -> dict:
     return {"op": op, "shape": shape, "fwd_s": fwd_s, "bwd_s": bwd_s}
 
@@ -142,8 +162,7 @@ def measure_compute(reps: int = 15, shapes: str = "all") -> list[dict]:
     if shapes == "sharing":
         # long enough (~0.3 s) that every rank's loop overlaps the others' whatever their start jitter
         m = ModelConfig()
-        x = torch.randn(2, m.seq_len, m.hidden)
-        f, b = _fwd_bwd(lambda: _module(Block(m), x), max(reps, 200))
+        f, b = _fwd_bwd(_reference_block, max(reps, 200))
         return [_sample("block", {"b": 2, "t": m.seq_len, "d": m.hidden, "heads": m.heads,
                                   "kv_heads": m.kv_heads, "ffn": m.ffn}, f, b)]
     for m_rows, k, n in ((64, 64, 64), (64, 64, 256), (256, 64, 256), (64, 256, 64), (512, 256, 512)):
@@ -323,16 +342,8 @@ def reference_task(ctx, reps: int = REFERENCE_REPS) -> list[dict]:
     out = []
     if ctx.rank == 0:
         torch.manual_seed(0)
-        m = ModelConfig()
-        fwd, bwd = _module(Block(m), torch.randn(2, m.seq_len, m.hidden))
-        for _ in range(2):
-            bwd(fwd())
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            bwd(fwd())
-            times.append(time.perf_counter() - t0)
-        out = [{"block_s": statistics.median(times)}]
+        fwd, bwd = _reference_block()
+        out = [{"block_s": _median_s(lambda: bwd(fwd()), reps)}]
     if ctx.world > 1:
         dist.barrier()
     return out
