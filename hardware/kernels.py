@@ -14,7 +14,8 @@ which benchmark each field is read from); nothing here is fitted to end-to-end t
   ``flash3_efficiency`` (the chip's newer kernels: FA3 / cuDNN on Hopper, FA4 on Blackwell) of peak
   for long sequences, ``s / (s + 530)`` of that at s keys (both FlashAttention-2 curves, A100 and H100,
   halve at ~530 tokens). The backward does 2.5x the forward's FLOPs (five matmuls to two; Dao 2023
-  sec. 3.1).
+  sec. 3.1). FlashAttention written in Triton (2022-23) takes 1.4x FlashAttention-2's forward time and 2x
+  its backward (Dao 2023 sec. 4.1).
 * memory-bound ops: bytes through HBM at ``hbm_efficiency`` (pointwise kernels, copy-like) or
   ``norm_efficiency`` / ``norm_bwd_efficiency`` (kernels with row reductions: norms, softmax).
 * eager PyTorch modules (an RMSNorm or a rotary embedding written as a chain of elementwise ops through
@@ -65,7 +66,14 @@ def matmul_s(chip: Chip, dtype: str, m: float, k: float, n: float, batch: float 
     return max(compute_s, memory_s)
 
 
-FLASH_KERNELS = ("flash", "flash3")
+# FlashAttention written in Triton (the flash-attention repository's flash_attn_triton.py, 2022-23, which
+# llm-foundry copied for its default attn_impl 'triton' on the pre-MLIR Triton): "FlashAttention-2 is around
+# 1.3-1.5x faster than FlashAttention in Triton in the forward pass and around 2x faster in the backward
+# pass" (Dao 2023, sec. 4.1, A100 80GB). Its time is FlashAttention-2's times these factors (the middle of
+# the forward's range), on every GPU: neither kernel uses Hopper's wgmma (FlashAttention-2 runs its Ampere
+# kernels on H100, and the pre-MLIR Triton emits Ampere's mma), so the ratio is taken to carry over.
+TRITON_FLASH_SLOWDOWN = (1.4, 2.0)  # (forward, backward) time over FlashAttention-2's
+FLASH_KERNELS = ("flash", "flash3", "flash-triton")
 
 
 def best_flash_kernel(chip: Chip) -> str:
@@ -75,8 +83,8 @@ def best_flash_kernel(chip: Chip) -> str:
 
 def flash_attention_s(chip: Chip, fwd_flops: float, keys: float, kernel: str = "flash") -> tuple[float, float]:
     """(forward, backward) seconds of a FlashAttention kernel ("flash": FlashAttention-2; "flash3": the
-    chip's newer kernels) doing `fwd_flops` of forward work (the causal mask's skipped half already left
-    out) with `keys` keys per query."""
+    chip's newer kernels; "flash-triton": the Triton one, TRITON_FLASH_SLOWDOWN) doing `fwd_flops` of
+    forward work (the causal mask's skipped half already left out) with `keys` keys per query."""
     if fwd_flops <= 0:
         return 0.0, 0.0
     if kernel == "flash3":
@@ -86,7 +94,10 @@ def flash_attention_s(chip: Chip, fwd_flops: float, keys: float, kernel: str = "
     else:
         efficiency = chip.attention_efficiency
     rate = chip.bf16_flops_per_s * efficiency * keys / (keys + ATTENTION_HALF_SEQ) * chip.pace
-    return fwd_flops / rate, FLASH_BWD_FLOP_RATIO * fwd_flops / rate
+    fwd_s, bwd_s = fwd_flops / rate, FLASH_BWD_FLOP_RATIO * fwd_flops / rate
+    if kernel == "flash-triton":
+        return fwd_s * TRITON_FLASH_SLOWDOWN[0], bwd_s * TRITON_FLASH_SLOWDOWN[1]
+    return fwd_s, bwd_s
 
 
 # Effective bytes per element at peak HBM bandwidth of PyTorch eager modules: time x peak bandwidth /

@@ -21,8 +21,10 @@ SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe", "zb-h1")
 DTYPES = ("bf16", "fp16", "fp8")
 OPTIMIZERS = ("adam", "sgd", "adafactor")
 # "flash": FlashAttention-2 (Dao 2023), on every GPU; "flash3": the chip's newer kernels (FlashAttention-3,
-# cuDNN fused attention, FA4); "materialized": the scores written out and softmaxed (Megatron-LM 2021-22)
-ATTENTION_KERNELS = ("flash", "flash3", "materialized")
+# cuDNN fused attention, FA4); "flash-triton": FlashAttention written in Triton (flash_attn_triton.py,
+# llm-foundry's attn_impl 'triton', 2023); "materialized": the scores written out and softmaxed (Megatron-LM
+# 2021-22)
+ATTENTION_KERNELS = ("flash", "flash3", "flash-triton", "materialized")
 # How the run was executed, where it changes the cost. A null field means what a current framework does
 # (Megatron-Core / NeMo, torchtitan, MaxText in 2024-25): FlashAttention, every overlap below on where the
 # chip's software has it. The planner reports what it took in `chosen`.
@@ -357,6 +359,9 @@ def recipe(t: Training, chip) -> dict:
         out["tp_comm_overlap"] = chip.tp_comm_overlap
     if out["attention"] == "flash3" and chip.flash3_efficiency is None:
         raise SpecError("training.attention", f"{chip.name} has no FlashAttention-3-class kernel; use \"flash\"")
+    if out["attention"] == "flash-triton" and chip.kind != "gpu":
+        raise SpecError("training.attention", f"{chip.name} is not a GPU: FlashAttention in Triton runs on GPUs; "
+                        "use \"flash\"")
     return out
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from itertools import accumulate
 
+from hardware.kernels import FLASH_KERNELS
 from planner.case import Layout
 from planner.flops import (
     OP_SAC_ROW_PARALLEL,
@@ -185,7 +186,7 @@ def layer_activation_bytes(m: ModelSpec, lay: Layout, moe, *, recompute: str | N
     replicated = sb * h * (10 if gpt else 8 if has_attn and has_mlp else 4) - (2 - saved) * blocks_in * sb * h
     # Q, K, V, attention output (the output projection's input; a flash kernel keeps its own bf16 copy for
     # its backward, so under fp8 it is held twice: bf16 for the kernel, fp8 for the projection)
-    out_bytes = saved + (2 if saved != 2 and lay.attention in ("flash", "flash3") else 0)
+    out_bytes = saved + (2 if saved != 2 and lay.attention in FLASH_KERNELS else 0)
     attn_split = 2 * sb * (q_w + 2 * kv_w) + out_bytes * sb * q_w if has_attn else 0.0
     if m.is_mla:
         attn_split += saved * sb * (m.kv_lora_rank + m.q_lora_rank) + 2 * sb * 2 * m.heads * m.rope_head_dim
@@ -201,7 +202,7 @@ def layer_activation_bytes(m: ModelSpec, lay: Layout, moe, *, recompute: str | N
         scores = 0.0
     elif lay.attention == "materialized" and recompute != "selective":
         scores = 5 * m.heads * sb * m.seq_len
-    elif lay.attention in ("flash", "flash3"):
+    elif lay.attention in FLASH_KERNELS:
         scores = 4 * sb * m.heads
     else:
         scores = 0.0

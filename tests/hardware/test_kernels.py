@@ -89,6 +89,14 @@ def test_the_newer_kernels_exist_only_where_published():
         flash_attention_s(A100, 1e15, 8192, "flash3")
 
 
+def test_triton_flash_attention_is_the_fa2_papers_ratio_to_fa2():
+    # Dao 2023 sec. 4.1: FlashAttention-2 is 1.3-1.5x faster than FlashAttention in Triton forward, ~2x backward
+    fa2_f, fa2_b = flash_attention_s(A100, 1e15, 2048, "flash")
+    tri_f, tri_b = flash_attention_s(A100, 1e15, 2048, "flash-triton")
+    assert 1.3 <= tri_f / fa2_f <= 1.5
+    assert tri_b / fa2_b == pytest.approx(2.0)
+
+
 def test_memory_bound_kernels():
     assert pointwise_s(H100, 1e9) == pytest.approx(1e9 / (3.35e12 * H100.hbm_efficiency))
     assert norm_s(H100, 1e9) == pytest.approx(1e9 / (3.35e12 * 0.58))

@@ -172,8 +172,8 @@ def test_eager_modules_cost_what_liger_kernel_measured_for_them():
 
 
 def test_attention_kernels_order_as_measured():
-    times = {k: estimate(_case(attention=k)).step_time_s for k in ("flash3", "flash", "materialized")}
-    assert times["flash3"] < times["flash"] < times["materialized"]
+    times = {k: estimate(_case(attention=k)).step_time_s for k in ("flash3", "flash", "flash-triton", "materialized")}
+    assert times["flash3"] < times["flash"] < times["flash-triton"] < times["materialized"]
 
 
 @pytest.mark.parametrize("field, value", [("grad_reduce_overlap", "yes"), ("tp_comm_overlap", 1),
@@ -189,6 +189,8 @@ def test_bad_recipe_values_exit_2_naming_the_field(tmp_path, capsys, field, valu
 def test_a_kernel_the_chip_does_not_have_is_refused_with_the_field():
     with pytest.raises(SpecError, match="training.attention"):
         estimate(_case(chip="a100-80gb", attention="flash3"))
+    with pytest.raises(SpecError, match="training.attention.*not a GPU"):
+        estimate(_case(chip="tpu-v5p", tp=4, attention="flash-triton"))
 
 
 def test_heldout_runs_are_sourced_and_parse():
