@@ -35,7 +35,8 @@ from planner.simulate import GRAD_COMM_BYTES, StepResult, usable_hbm_bytes
 
 _CHOICE_FIELDS = {
     "parallel": ("dp", "tp", "pp", "cp", "ep", "pp_schedule", "virtual_stages"),
-    "training": ("micro_batch", "recompute", "zero_stage", "sequence_parallel", *RECIPE_DEFAULTS, "ssm_cp"),
+    "training": ("micro_batch", "schedule_runs", "recompute", "zero_stage", "sequence_parallel", *RECIPE_DEFAULTS,
+                 "ssm_cp"),
 }
 
 
@@ -55,6 +56,8 @@ def chosen_fields(case: Case, res: StepResult) -> dict:
         for name in names:
             if name == "ssm_cp" and not case.model.has_ssm:
                 continue  # only Mamba-2 layers have the choice
+            if name == "schedule_runs" and res.layout.pp == 1:
+                continue  # without pipeline stages the runs are the same micro-batches
             if getattr(given, name) is None:
                 out.setdefault(block, {})[name] = getattr(res.layout, name)
     return out

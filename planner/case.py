@@ -72,6 +72,12 @@ SSM_CP = ("state", "alltoall")
 class Training:
     global_batch: int  # sequences per optimizer step
     micro_batch: int | None = None
+    # gradient accumulation around the pipeline schedule: the whole schedule (fill, steady state, drain)
+    # runs this many times per optimizer step, each over global_batch / (dp * schedule_runs) sequences, as
+    # loops around torch.distributed.pipelining's schedule.step() do (NeMo AutoModel's benchmark recipe);
+    # None: 1, one schedule over the whole local batch (Megatron-LM). Without pipeline stages the same
+    # micro-batches run either way.
+    schedule_runs: int | None = None
     recompute: str | None = None
     dtype: str = "bf16"
     optimizer: str = "adam"
@@ -140,6 +146,7 @@ class Layout:
     ep_dispatch: str = "all_to_all"
     fusion: str = "fused"
     ssm_cp: str = "state"
+    schedule_runs: int = 1  # Training.schedule_runs
 
     @property
     def num_chips(self) -> int:
@@ -255,6 +262,7 @@ def parse_case(data) -> Case:
     training = Training(
         global_batch=_int(t, "global_batch", "training", required=True, nullable=False),
         micro_batch=_int(t, "micro_batch", "training", required=False),
+        schedule_runs=_int(t, "schedule_runs", "training", required=False),
         recompute=_choice(t, "recompute", "training", RECOMPUTE),
         dtype=_choice(t, "dtype", "training", DTYPES, "bf16"),
         optimizer=_choice(t, "optimizer", "training", OPTIMIZERS, "adam"),
@@ -342,6 +350,10 @@ def check_fixed(case: Case) -> None:
     if p.dp and mb and not _divides(p.dp * mb, gb):
         raise SpecError("training.micro_batch", f"dp*micro_batch = {p.dp * mb} does not divide "
                         f"global_batch={gb}")
+    runs = case.training.schedule_runs
+    if runs and p.dp and not _divides(p.dp * (mb or 1) * runs, gb):
+        raise SpecError("training.schedule_runs", f"dp*micro_batch*schedule_runs = {p.dp * (mb or 1) * runs} "
+                        f"does not divide global_batch={gb}: each run of the schedule takes whole micro-batches")
     if p.pp_schedule == "interleaved-1f1b" and p.virtual_stages == 1:
         raise SpecError("parallel.virtual_stages", "interleaved-1f1b needs virtual_stages >= 2 (or null)")
     if p.pp_schedule in ("1f1b", "gpipe", "zb-h1") and p.virtual_stages and p.virtual_stages > 1:

@@ -52,7 +52,9 @@ def explain(res: StepResult, best: StepResult | None = None) -> list[str]:
                   if mem_pp1 is not None and mem_pp1.total_bytes > hbm else "it beats more DP or TP here")
         sched = (f"{lay.pp_schedule} with v={lay.virtual_stages}" if lay.virtual_stages > 1
                  else lay.pp_schedule)
-        words.append(f"PP={lay.pp} ({sched}, m={res.micro_batches} micro-batches of {lay.micro_batch}) "
+        runs = (f" in {lay.schedule_runs} runs of the schedule, each filling and draining the pipeline"
+                if lay.schedule_runs > 1 else "")
+        words.append(f"PP={lay.pp} ({sched}, m={res.micro_batches} micro-batches of {lay.micro_batch}{runs}) "
                      "because "
                      f"{reason}; the bubble costs {_pct(bd['bubble'], step)} and the sends "
                      f"{_pct(bd['pp_comm'], step)}.")

@@ -132,15 +132,18 @@ def candidate_layouts(case: Case, chip: Chip) -> Iterator[Layout]:
         for ep in eps:
             if dp % ep or (m.is_moe and m.experts % ep) or (not m.is_moe and ep > 1):
                 continue
-            per_replica = t.global_batch // dp
-            for b in [t.micro_batch] if t.micro_batch else micro_batch_sizes(per_replica, pp):
-                if per_replica % b:
+            runs = t.schedule_runs or 1
+            per_run = t.global_batch // dp // runs  # sequences one run of the schedule takes per replica
+            if (t.global_batch // dp) % runs:
+                continue
+            for b in [t.micro_batch] if t.micro_batch else micro_batch_sizes(per_run, pp):
+                if per_run % b:
                     continue
-                for sched, v in _schedules(case, pp, per_replica // b):
+                for sched, v in _schedules(case, pp, per_run // b):
                     sps = [t.sequence_parallel] if t.sequence_parallel is not None else [tp > 1]
                     for sp, ssm_cp in itertools.product(sps, _ssm_cp_variants(case, tp, cp)):
                         yield Layout(dp, tp, pp, cp, ep, sched, v, b, 0, "none", bool(sp and tp > 1),
-                                     **how, ssm_cp=ssm_cp)
+                                     **how, ssm_cp=ssm_cp, schedule_runs=runs)
 
 
 def _ssm_cp_variants(case: Case, tp: int, cp: int) -> list[str]:
@@ -195,9 +198,10 @@ def lower_bound_s(case: Case, lay: Layout, chip: Chip) -> float:
         work = sum(cost[k] * n for first, count in chunks for k, n in layer_kind_counts(m, first, count))
         stages.append(work + (logits if s == lay.pp - 1 else 0.0) + 2 * v * p2p)
     micro_batches = t.global_batch // (lay.dp * lay.micro_batch)
-    # ZB-H1 fills with F + B - 2W, which this bound does not split out: count no fill for it
+    # ZB-H1 fills with F + B - 2W, which this bound does not split out: count no fill for it; each run of
+    # the schedule fills and drains
     fill = 0.0 if lay.pp_schedule == "zb-h1" else (lay.pp - 1) * min(stages) / v
-    return micro_batches * max(stages) + fill
+    return micro_batches * max(stages) + lay.schedule_runs * fill
 
 
 def rank_key(res: StepResult) -> tuple:

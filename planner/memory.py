@@ -303,7 +303,9 @@ def stage_groups(m: ModelSpec, pp: int, virtual: int) -> tuple[int, ...]:
 def memory_per_chip(m: ModelSpec, lay: Layout, micro_batches: int, optimizer: str = "adam",
                     dtype: str = "bf16") -> Memory:
     """Peak bytes on the most loaded chip (max over pipeline stages); `dtype` the GEMMs' (fp8 keeps their
-    inputs in 1 byte: `layer_activation_bytes`)."""
+    inputs in 1 byte: `layer_activation_bytes`). `micro_batches` per optimizer step: a schedule holds at most
+    those of one of its `lay.schedule_runs` runs."""
+    micro_batches //= lay.schedule_runs
     ranges = stage_layer_ranges(m.layers, lay.pp, lay.virtual_stages)
     per_layer = max(layer_activation_bytes(m, lay, k, dtype=dtype) for k in {False, m.is_moe})
     wd, gd, od = zero_bytes_per_param(lay.zero_stage, lay.dp * lay.cp, optimizer)

@@ -19,9 +19,11 @@ Overlap (the recipe fields of `planner.case`, per layer in `planner.costs`):
   (PyTorch DDP, Li et al. 2020; Megatron-Core overlap_grad_reduce); the last bucket (one layer) can never
   hide. Off (Megatron-LM 2021-22's "local" DDP): after the backward, exposed. ZeRO-1/2's parameter
   all-gather after the update hides under the next step's first forward (`param_gather_overlap`).
-  ZeRO-3 under pipeline parallelism gathers a stage's weights once per step, under its first forward,
-  and reduce-scatters its accumulated gradients once, by hand after the last backward: exposed
-  (planner.costs' docstring).
+  ZeRO-3 under pipeline parallelism gathers a stage's weights once per run of the schedule, under its
+  first forward, and reduce-scatters its accumulated gradients once, by hand after the last backward:
+  exposed (planner.costs' docstring).
+* Gradient accumulation around the schedule (`schedule_runs` r): the schedule runs r times over m/r
+  micro-batches each, filling and draining every time: T_pipe = r * T_pipe(m/r).
   Hidden communication slows the compute it runs beside (costs.overlap_slowdown: on GPUs).
 * Pipeline sends: one per chunk boundary, each direction, sized b*s*h/t with the scatter/gather
   optimisation (Narayanan et al. 2021 sec. 4.1), on the link between the stages (NVLink or the
@@ -281,9 +283,10 @@ def sent_bytes_per_step(res: StepResult, stage: int = 0) -> dict[str, float]:
             if lay.zero_stage == 0:
                 out["dp"] += ring_sent_bytes("all_reduce", params * grad_bytes, group)
             else:
-                syncs = res.micro_batches if lay.zero_stage == 2 else 1
+                syncs = res.micro_batches if lay.zero_stage == 2 else lay.schedule_runs if lay.staged_zero3 else 1
+                gathers = lay.schedule_runs if lay.staged_zero3 else 1
                 out["dp"] += syncs * ring_sent_bytes("reduce_scatter", params * grad_bytes, group)
-                out["dp"] += ring_sent_bytes("all_gather", params * 2, group)
+                out["dp"] += gathers * ring_sent_bytes("all_gather", params * 2, group)
     if lay.pp > 1:
         act_bytes = lay.micro_batch * m.seq_len / lay.cp * m.hidden * costs.ACT_BYTES
         v = lay.virtual_stages
@@ -315,12 +318,15 @@ def simulate(case: Case, lay: Layout, chip: Chip, memory: Memory | None = None) 
     if lay.pp_schedule == "zb-h1":
         rep_fill = {i: max(0.0, stages[i].total_s - 2 * stages[i].wgrad_s) for i in rep_total}
         fill = [rep_fill[g] for g in groups]
-    t_pipe = pipeline_time_s(totals, micro_batches, lay.virtual_stages, fill)
+    runs = lay.schedule_runs  # each run of the schedule fills and drains the pipeline
+    t_pipe = runs * pipeline_time_s(totals, micro_batches // runs, lay.virtual_stages, fill)
     crit = max(range(len(stages)), key=lambda i: totals[i])
     # stage i's last backward ends about i chunk-backwards before stage 0's: that is its slack
     reps = sorted(rep_total)
     dp_exposed = max(max(0.0, stages[i].dp_exposed_s - i * stages[i].bwd_s / lay.virtual_stages)
                      for i in reps)
+    if lay.staged_zero3:
+        dp_exposed *= runs  # each run gathers the stage's weights and reduce-scatters its gradients again
     opt = max(stages[i].optimizer_s for i in reps)
     breakdown = dict.fromkeys(BREAKDOWN_KEYS, 0.0)
     for ch in stages[crit].chunks:

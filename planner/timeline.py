@@ -19,6 +19,7 @@ Where communication sits (planner.costs says how much of it hides):
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 from core.schedules import make_schedule
 from core.timeline import Span, Timeline
@@ -140,8 +141,8 @@ def _merge_busy(spans: list[Span], min_idle_s: float) -> list[Span]:
 
 def predicted_timeline(res: StepResult, max_spans: int = 20000) -> Timeline:
     lay, m = res.layout, res.micro_batches
-    p, v = lay.pp, lay.virtual_stages
-    sched = make_schedule(lay.pp_schedule, p, m, v)
+    p, v, runs = lay.pp, lay.virtual_stages, lay.schedule_runs
+    sched = make_schedule(lay.pp_schedule, p, m // runs, v)  # one run of the schedule; it runs `runs` times
     comms_per_layer = max((len(lc.fwd_comms) + len(lc.bwd_comms) for s in res.stages for c in s.chunks
                            for lc, _ in c.layer_costs), default=0)
     layers_per_pass = max(sum(c.layers for c in s.chunks) for s in res.stages) / v
@@ -149,7 +150,12 @@ def predicted_timeline(res: StepResult, max_spans: int = 20000) -> Timeline:
     rank_of = [i * lay.dp * lay.cp * lay.tp for i in range(p)]
     clock = [0.0] * p
     done: dict[tuple[str, int, int], float] = {}
-    order = [list(sched.compute_order(r)) for r in range(p)]
+    one_run = [list(sched.compute_order(r)) for r in range(p)]
+    per_run = m // runs
+    # every run's actions, its micro-batches numbered after the previous runs' (a run's sync marks its end)
+    order = [[replace(a, micro_batch=a.micro_batch + k * per_run) for k in range(runs) for a in actions]
+             for actions in one_run]
+    run_end = [{len(actions) * (k + 1) for k in range(runs - 1)} for actions in one_run]
     cursor = [0] * p
     spans: list[Span] = []
     num_stages = p * v
@@ -190,6 +196,12 @@ def predicted_timeline(res: StepResult, max_spans: int = 20000) -> Timeline:
                 clock[r] = end
                 cursor[r] += 1
                 progressed = True
+                stage = res.stages[r]
+                if cursor[r] in run_end[r] and lay.staged_zero3 and stage.dp_exposed_s > 0:
+                    # between runs: this stage's gradients reduce-scattered and its weights gathered again
+                    spans.append(Span(rank_of[r], "comm", "dp gradient reduce-scatter (and weight gather)",
+                                      clock[r], clock[r] + stage.dp_exposed_s, group="dp"))
+                    clock[r] += stage.dp_exposed_s
         if not progressed:
             raise RuntimeError(f"schedule {sched.name} deadlocked in the planner's timeline")
     pipe_end = max(clock)

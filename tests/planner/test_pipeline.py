@@ -120,3 +120,38 @@ def test_pipelined_zero3_gathers_once_per_step_and_keeps_the_stage_whole():
                    for c in lc.fwd_comms + lc.bwd_comms)
     z1 = est(8, 1)
     assert few.memory.params_bytes > z1.memory.params_bytes and few.memory.grads_bytes > z1.memory.grads_bytes
+
+
+def test_each_run_of_the_schedule_fills_and_drains_the_pipeline():
+    # gradient accumulation around schedule.step() (NeMo AutoModel): r runs of m/r micro-batches, so r
+    # fills and drains: T_pipe = r * T_pipe(m / r); with pipelined FSDP each run gathers and reduce-scatters
+    from planner.simulate import sent_bytes_per_step
+
+    def est(runs, gb=32, zero=0):
+        case = _case(pp=4, tp=1, dp=2, gb=gb)
+        case["training"].update(schedule_runs=runs, zero_stage=zero)
+        return estimate(case)
+
+    one, four, quarter = est(None), est(4), est(1, gb=8)
+    assert one.chosen["training"]["schedule_runs"] == 1
+    assert four.result.pipeline_s == pytest.approx(4 * quarter.result.pipeline_s)
+    assert four.breakdown["bubble"] == pytest.approx(4 * quarter.breakdown["bubble"])
+    assert four.breakdown["bubble"] > one.breakdown["bubble"]
+    z3_one, z3_four = est(None, zero=3), est(4, zero=3)
+    assert sent_bytes_per_step(z3_four.result)["dp"] == pytest.approx(4 * sent_bytes_per_step(z3_one.result)["dp"])
+    assert z3_four.breakdown["dp_comm"] == pytest.approx(4 * z3_one.breakdown["dp_comm"])
+    # the timeline runs the schedule four times: every micro-batch once, as long as the closed form
+    tl = four.timeline
+    assert {s.micro_batch for s in tl.spans if s.micro_batch is not None} == set(range(16))
+    assert tl.meta["simulated_step_s"] == pytest.approx(four.step_time_s, rel=0.03)
+    assert any("4 runs of the schedule" in w for w in four.explanation)
+
+
+@pytest.mark.parametrize("runs", [0, 3, "4"])
+def test_schedule_runs_that_do_not_divide_the_batch_are_refused_naming_the_field(runs):
+    from planner.models import SpecError
+
+    case = _case(pp=4, tp=1, dp=2, gb=32)
+    case["training"]["schedule_runs"] = runs
+    with pytest.raises(SpecError, match="training.schedule_runs"):
+        estimate(case)
