@@ -241,6 +241,8 @@ def parse_model(block, name: str = "case") -> ModelSpec:
         kw[key] = _int(block, key, "model", required=False, default=None)
     kw["mlp"] = _choice(block, "mlp", "model", MLP_KINDS, default="swiglu")
     kw["tied_embeddings"] = bool(_bool(block, "tied_embeddings", "model"))
+    causal = _bool(block, "causal", "model")
+    kw["causal"] = True if causal is None else causal
     return ModelSpec(**kw)
 
 

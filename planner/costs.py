@@ -524,8 +524,9 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
     if not attn_g:
         attn_fwd_s = attn_bwd_s = 0.0
     elif lay.attention in kernels.FLASH_KERNELS:
-        attn_fwd_s, attn_bwd_s = kernels.flash_attention_s(chip, score_flops * CAUSAL_FLASH_FRACTION,
-                                                           m.seq_len / cp, lay.attention)
+        computed = CAUSAL_FLASH_FRACTION if m.causal else 1.0  # a causal kernel skips the masked half
+        attn_fwd_s, attn_bwd_s = kernels.flash_attention_s(chip, score_flops * computed, m.seq_len / cp,
+                                                           lay.attention)
     else:
         # two batched GEMMs per head, then per score (bf16): the fused scale-mask-softmax reads and writes
         # it (4 bytes, a row-reduction kernel, both ways) and, in the GPT recipe, dropout reads it and

@@ -59,6 +59,9 @@ class ModelSpec:
     kv_lora_rank: int = 0  # MLA: rank of the joint KV latent; 0 = ordinary (GQA) attention
     rope_head_dim: int = 0  # MLA: extra decoupled-RoPE query/key width per head
     tied_embeddings: bool = False  # output projection shares the input embedding matrix
+    # causal attention (a decoder); False: every query attends to every key, twice a causal kernel's work
+    # (MaxText's October 2023 runs called its flash kernel with causal=False)
+    causal: bool = True
     # group-limited routing (DeepSeek-V2/V3): the experts form `expert_groups` groups and each token's
     # top_k experts come from its best `expert_groups_per_token` groups; 0 = any expert
     expert_groups: int = 0

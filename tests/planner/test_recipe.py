@@ -203,3 +203,28 @@ def test_heldout_runs_are_sourced_and_parse():
         assert r["source"].strip() and r["published"]["derived"].strip()
         assert r["published"]["step_time_s"] > 0
     assert any(r["model"].get("experts") for r in runs)  # MoE runs too
+
+
+def test_a_non_causal_model_runs_the_whole_square_of_scores():
+    # a causal flash kernel skips the masked half (Dao 2023 sec. 3.1): without the mask, twice the work
+    from hardware.chips import get_chip
+    from hardware.kernels import flash_attention_s
+    from planner.case import Layout, parse_case
+    from planner.costs import layer_cost
+
+    h100 = get_chip("h100")
+    lay = Layout(dp=1, tp=1, pp=1, micro_batch=1, attention="flash")
+
+    def fwd_s(causal):
+        case = _case(tp=1, dp=1)
+        case["model"]["causal"] = causal
+        return layer_cost(parse_case(case).model, lay, h100, "bf16", False, 8).fwd_compute_s
+
+    m = parse_case(_case(tp=1, dp=1)).model
+    score_flops = 2.0 * m.seq_len * m.seq_len * m.heads * 2 * m.head_dim_  # Q.K^T and P.V, full square
+    half, _ = flash_attention_s(h100, score_flops / 2, m.seq_len, "flash")
+    assert fwd_s(False) - fwd_s(True) == pytest.approx(half)
+    case = _case()
+    case["model"]["causal"] = "no"
+    with pytest.raises(SpecError, match="model.causal"):
+        estimate(case)
