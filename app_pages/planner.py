@@ -127,8 +127,9 @@ with st.expander("How far to trust these numbers"):
         f"constant chosen on them): mean error {held_mean:.1%}, worst {held_max:.1%}. {len(fast)} of the "
         f"{held_n} come out faster than published (by up to {-min(held_errors):.0%}), "
         f"{held_n - len(fast)} slower (by up to {max(held_errors):.0%}). It is too optimistic above all for "
-        "dense GPU runs of 2021-24 and of PyTorch-native stacks: its kernel rates are today's best benchmarks; "
-        "the newest runs (NeMo 2025, MaxText) come closest. `bench/bench_planner.py` prints every run and the "
+        "GPU runs of 2021-24, of PyTorch-native stacks and with experts (MoE): its kernel rates are today's best "
+        "benchmarks and it hides what the framework says it overlaps; NeMo's 2025 dense runs and MaxText's come "
+        "closest. `bench/bench_planner.py` prints every run and the "
         "error by source. Read its step times as the best this layout could do, and compare layouts with each "
         "other rather than with a cluster's stopwatch.")
 
