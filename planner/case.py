@@ -110,6 +110,10 @@ class Cluster:
     chip: str
     num_chips: int
     chips_per_node: int | None = None  # None: the chip's scale-up domain (8 for an HGX node)
+    # each chip's share of the scale-out network, bytes/s one way (a node's NIC line rate / its chips); None: the
+    # chip table's (e.g. 400 Gb/s InfiniBand per H100); for a cluster wired otherwise (BLOOM's Jean Zay: 4 x 100
+    # Gb/s Omni-Path per 8-GPU node = 6.25e9)
+    network_bytes_per_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -289,8 +293,12 @@ def parse_case(data) -> Case:
         get_chip(c["chip"])
     except ValueError as e:
         raise SpecError("cluster.chip", str(e)) from None
+    net = c.get("network_bytes_per_s")
+    if net is not None and (isinstance(net, bool) or not isinstance(net, (int, float)) or not net > 0):
+        raise SpecError("cluster.network_bytes_per_s", f"must be a positive number of bytes/s per chip (e.g. 50e9 for "
+                        f"400 Gb/s) or null, got {net!r}")
     cluster = Cluster(c["chip"], _int(c, "num_chips", "cluster", required=True, nullable=False),
-                      _int(c, "chips_per_node", "cluster", required=False))
+                      _int(c, "chips_per_node", "cluster", required=False), None if net is None else float(net))
     case = Case(model, training, parallel, cluster, name)
     check_fixed(case)
     return case

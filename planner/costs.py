@@ -153,9 +153,12 @@ def slowest_chip_pace(chip: Chip, num_chips: int, chips_per_node: int | None) ->
 
 
 @lru_cache(maxsize=256)
-def cluster_chip(chip: Chip, num_chips: int, chips_per_node: int | None) -> Chip:
-    """The chip as this cluster wires it: a GPU node of `chips_per_node`, a TPU slice of `num_chips`, and the
-    pace of its slowest chip."""
+def cluster_chip(chip: Chip, num_chips: int, chips_per_node: int | None,
+                 network_bytes_per_s: float | None = None) -> Chip:
+    """The chip as this cluster wires it: a GPU node of `chips_per_node`, a TPU slice of `num_chips`, its share
+    of the scale-out network where the cluster states one, and the pace of its slowest chip."""
+    if network_bytes_per_s is not None:
+        chip = replace(chip, scaleout_bytes_per_s=network_bytes_per_s)
     pace = slowest_chip_pace(chip, num_chips, chips_per_node)
     if chip.kind == "tpu":
         shape = tpu_slice_shape(chip, num_chips)

@@ -220,7 +220,7 @@ def search(case: Case, top: int | None = None) -> SearchResult:
     ranking and is skipped. The top `top` are exactly those of the full enumeration.
     """
     cl = case.cluster
-    chip = costs.cluster_chip(get_chip(cl.chip), cl.num_chips, cl.chips_per_node)
+    chip = costs.cluster_chip(get_chip(cl.chip), cl.num_chips, cl.chips_per_node, cl.network_bytes_per_s)
     if case.training.dtype == "fp16" and chip.kind == "tpu":
         raise SpecError("training.dtype", f"{chip.name} has no fp16 matrix unit; use bf16")
     if case.training.dtype == "fp8" and chip.fp8_flops_per_s is None:
@@ -259,7 +259,7 @@ def choose(case: Case) -> StepResult:
     if res.ranked:
         return res.ranked[0]
     cl, t = case.cluster, case.training
-    chip = costs.cluster_chip(get_chip(cl.chip), cl.num_chips, cl.chips_per_node)
+    chip = costs.cluster_chip(get_chip(cl.chip), cl.num_chips, cl.chips_per_node, cl.network_bytes_per_s)
     best, best_bytes = None, float("inf")
     for lay in candidate_layouts(case, chip):
         zero = t.zero_stage if t.zero_stage is not None else (3 if lay.dp * lay.cp > 1 else 0)

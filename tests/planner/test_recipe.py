@@ -228,3 +228,23 @@ def test_a_non_causal_model_runs_the_whole_square_of_scores():
     case["model"]["causal"] = "no"
     with pytest.raises(SpecError, match="model.causal"):
         estimate(case)
+
+
+def test_a_cluster_may_state_its_network_share_per_chip():
+    # BLOOM's Jean Zay: 4 x 100 Gb/s Omni-Path links per 8-GPU node, 6.25e9 bytes/s per GPU, not 400 Gb/s
+    from planner.simulate import sent_bytes_per_step
+
+    def est(net):
+        case = _case(dp=8, tp=8)
+        case["cluster"].update(num_chips=64, network_bytes_per_s=net)
+        return estimate(case)
+
+    fast, slow = est(None), est(6.25e9)
+    assert sent_bytes_per_step(fast.result) == sent_bytes_per_step(slow.result)  # the same bytes, slower links
+    assert slow.result.chip.scaleout_bytes_per_s == 6.25e9
+    assert slow.breakdown["dp_comm"] > fast.breakdown["dp_comm"]
+    for bad in (0, -1, "fast", True):
+        case = _case()
+        case["cluster"]["network_bytes_per_s"] = bad
+        with pytest.raises(SpecError, match="cluster.network_bytes_per_s"):
+            estimate(case)
