@@ -89,5 +89,9 @@ def explain(res: StepResult, best: StepResult | None = None) -> list[str]:
                 "Norms and rotary embeddings run as eager PyTorch modules, each a chain of kernels")
         words.append(f"{what}: the step takes {_pct(step - fused, fused)} longer than with fused kernels "
                      "(torch.compile, Transformer Engine).")
+    if lay.attention == "flash-triton":
+        fa2 = simulate(case, replace(lay, attention="flash"), res.chip).step_time_s
+        words.append(f"Attention runs FlashAttention written in Triton (1.4x FlashAttention-2's forward time, 2x its "
+                     f"backward): the step takes {_pct(step - fa2, fa2)} longer than with FlashAttention-2.")
     words.append(f"MFU {100 * res.mfu:.1f}%, {res.tflops_per_chip:.0f} TFLOP/s per chip.")
     return words

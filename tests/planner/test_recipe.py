@@ -248,3 +248,9 @@ def test_a_cluster_may_state_its_network_share_per_chip():
         case["cluster"]["network_bytes_per_s"] = bad
         with pytest.raises(SpecError, match="cluster.network_bytes_per_s"):
             estimate(case)
+
+
+def test_the_triton_kernel_says_what_it_costs():
+    words = estimate(_case(chip="a100-80gb", attention="flash-triton")).explanation
+    assert any(w.startswith("Attention runs FlashAttention written in Triton") and "longer than with" in w
+               for w in words)
