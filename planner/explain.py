@@ -83,15 +83,18 @@ def explain(res: StepResult, best: StepResult | None = None) -> list[str]:
           "full": "Full recomputation: only layer inputs are kept"}[lay.recompute]
     words.append(f"{rc}; peak memory {res.memory.total_bytes / 1e9:.1f} of {res.chip.hbm_bytes / 1e9:.0f} GB "
                  f"per chip; recomputation costs {_pct(bd['recompute'], step)}.")
+    def longer(**instead) -> str:
+        """How much longer the step is than with the layout's `instead` fields (its recipe's cost)."""
+        other = simulate(case, replace(lay, **instead), res.chip).step_time_s
+        return _pct(step - other, other)
+
     if lay.fusion == "eager":
-        fused = simulate(case, replace(lay, fusion="fused"), res.chip).step_time_s
         what = ("Bias, dropout and residual add run as separate eager PyTorch kernels" if m.mlp == "gelu" else
                 "Norms and rotary embeddings run as eager PyTorch modules, each a chain of kernels")
-        words.append(f"{what}: the step takes {_pct(step - fused, fused)} longer than with fused kernels "
+        words.append(f"{what}: the step takes {longer(fusion='fused')} longer than with fused kernels "
                      "(torch.compile, Transformer Engine).")
     if lay.attention == "flash-triton":
-        fa2 = simulate(case, replace(lay, attention="flash"), res.chip).step_time_s
-        words.append(f"Attention runs FlashAttention written in Triton (1.4x FlashAttention-2's forward time, 2x its "
-                     f"backward): the step takes {_pct(step - fa2, fa2)} longer than with FlashAttention-2.")
+        words.append("Attention runs FlashAttention written in Triton (1.4x FlashAttention-2's forward time, 2x its "
+                     f"backward): the step takes {longer(attention='flash')} longer than with FlashAttention-2.")
     words.append(f"MFU {100 * res.mfu:.1f}%, {res.tflops_per_chip:.0f} TFLOP/s per chip.")
     return words
