@@ -22,9 +22,9 @@ Overlap (the recipe fields of `planner.case`, per layer in `planner.costs`):
   ZeRO-3 under pipeline parallelism gathers a stage's weights once per run of the schedule, under its
   first forward, and reduce-scatters its accumulated gradients once, by hand after the last backward:
   exposed (planner.costs' docstring).
+  Hidden communication slows the compute it runs beside (costs.overlap_slowdown: on GPUs).
 * Gradient accumulation around the schedule (`schedule_runs` r): the schedule runs r times over m/r
   micro-batches each, filling and draining every time: T_pipe = r * T_pipe(m/r).
-  Hidden communication slows the compute it runs beside (costs.overlap_slowdown: on GPUs).
 * Pipeline sends: one per chunk boundary, each direction, sized b*s*h/t with the scatter/gather
   optimisation (Narayanan et al. 2021 sec. 4.1), on the link between the stages (NVLink or the
   network, `costs.topology`). Each pass waits for its input to arrive (Megatron's batched
