@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from hardware.kernels import TRITON_FLASH_SLOWDOWN
 from planner.memory import memory_per_chip
 from planner.simulate import StepResult, simulate, usable_hbm_bytes
 
@@ -83,6 +84,7 @@ def explain(res: StepResult, best: StepResult | None = None) -> list[str]:
           "full": "Full recomputation: only layer inputs are kept"}[lay.recompute]
     words.append(f"{rc}; peak memory {res.memory.total_bytes / 1e9:.1f} of {res.chip.hbm_bytes / 1e9:.0f} GB "
                  f"per chip; recomputation costs {_pct(bd['recompute'], step)}.")
+
     def longer(**instead) -> str:
         """How much longer the step is than with the layout's `instead` fields (its recipe's cost)."""
         other = simulate(case, replace(lay, **instead), res.chip).step_time_s
@@ -94,7 +96,9 @@ def explain(res: StepResult, best: StepResult | None = None) -> list[str]:
         words.append(f"{what}: the step takes {longer(fusion='fused')} longer than with fused kernels "
                      "(torch.compile, Transformer Engine).")
     if lay.attention == "flash-triton":
-        words.append("Attention runs FlashAttention written in Triton (1.4x FlashAttention-2's forward time, 2x its "
-                     f"backward): the step takes {longer(attention='flash')} longer than with FlashAttention-2.")
+        fwd, bwd = TRITON_FLASH_SLOWDOWN
+        words.append(f"Attention runs FlashAttention written in Triton ({fwd:g}x FlashAttention-2's forward time, "
+                     f"{bwd:g}x its backward): the step takes {longer(attention='flash')} longer than with "
+                     "FlashAttention-2.")
     words.append(f"MFU {100 * res.mfu:.1f}%, {res.tflops_per_chip:.0f} TFLOP/s per chip.")
     return words

@@ -133,9 +133,9 @@ def candidate_layouts(case: Case, chip: Chip) -> Iterator[Layout]:
             if dp % ep or (m.is_moe and m.experts % ep) or (not m.is_moe and ep > 1):
                 continue
             runs = t.schedule_runs or 1
-            per_run = t.global_batch // dp // runs  # sequences one run of the schedule takes per replica
             if (t.global_batch // dp) % runs:
                 continue
+            per_run = t.global_batch // dp // runs  # sequences one run of the schedule takes per replica
             for b in [t.micro_batch] if t.micro_batch else micro_batch_sizes(per_run, pp):
                 if per_run % b:
                     continue

@@ -283,8 +283,8 @@ def sent_bytes_per_step(res: StepResult, stage: int = 0) -> dict[str, float]:
             if lay.zero_stage == 0:
                 out["dp"] += ring_sent_bytes("all_reduce", params * grad_bytes, group)
             else:
-                syncs = res.micro_batches if lay.zero_stage == 2 else lay.schedule_runs if lay.staged_zero3 else 1
-                gathers = lay.schedule_runs if lay.staged_zero3 else 1
+                gathers = lay.schedule_runs if lay.staged_zero3 else 1  # pipelined FSDP: once per run
+                syncs = res.micro_batches if lay.zero_stage == 2 else gathers
                 out["dp"] += syncs * ring_sent_bytes("reduce_scatter", params * grad_bytes, group)
                 out["dp"] += gathers * ring_sent_bytes("all_gather", params * 2, group)
     if lay.pp > 1:
