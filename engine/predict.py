@@ -92,15 +92,14 @@ def reference_block_s(measure, world: int = 1) -> float:
     return measure(world, "reference_task", {})[0][0]["block_s"]
 
 
-# a calibration younger than this is taken to run at the machine's present speed (not checked again)
-FRESH_S = 60.0
-
-
 def at_speed_now(cal, world: int = 1, collective_timeout_s: float = 30.0):
     """(`cal` at the speed this machine runs now, the factor): its reference Block timed again, on the pool
-    of a `world`-rank run (the one the run will use: no other pool is started; `Calibration.at_speed`); a
-    calibration measured under FRESH_S ago is returned as it is."""
-    if time.time() - cal.created_s < FRESH_S or cal.reference_s <= 0:
+    of a `world`-rank run (the one the run will use: no other pool is started; `Calibration.at_speed`).
+    Always, even right after calibrating: the reference is timed at the start of a calibration, about a
+    minute before the first run, and this machine's speed moves that much within a minute (one
+    benchmark's 4-rank runs, a minute or two after calibrating, timed it at 0.61-1.32x; its 2-rank runs,
+    which a 60 s grace had spared the check, were all predicted too fast)."""
+    if cal.reference_s <= 0:
         return cal, 1.0
     return cal.at_speed(reference_block_s(_measurer(collective_timeout_s), world))
 

@@ -83,7 +83,7 @@ def calibration_age(run: LiveRun) -> str | None:
 
 def speed_note(run: LiveRun) -> str | None:
     """What the prediction did about the machine's speed of the moment (engine/predict.at_speed_now), in
-    words; None when it did not check it (a fresh calibration, an older prediction)."""
+    words; None when it ran at the calibration's speed or did not check it (an older prediction)."""
     speed = (run.prediction or {}).get("speed_factor")
     return None if speed is None or speed == 1.0 else speed_words(speed)
 

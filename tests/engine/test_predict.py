@@ -110,13 +110,12 @@ def test_the_predicted_communication_is_the_engines_op_for_op(flags, recorded_ca
 
 
 @pytest.mark.multiprocess
-def test_the_speed_check_times_the_reference_on_the_runs_own_pool(monkeypatch):
+def test_the_speed_check_times_the_reference_on_the_runs_own_pool():
     # every prediction times the calibration's reference Block again first (engine/predict.at_speed_now),
     # on the pool the run will use: a server keeps two pools warm, and a one-rank pool for the check would
     # push out a run's pool each time
-    from engine import launch, predict
+    from engine import launch
 
-    monkeypatch.setattr(predict, "FRESH_S", 0.0)
     launch.shutdown_all()
     pred = predicted(config_from_args(run_parser("x").parse_args(["--strategy", "dp", "--world", "2"])))
     assert pred["step_time_s"] > 0 and pred["speed_factor"] > 0

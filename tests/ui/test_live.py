@@ -59,7 +59,7 @@ def test_the_speed_check_is_said_when_it_scaled_the_prediction():
     run = _run()
     assert speed_note(run) is None  # an older prediction does not say
     run.summary.predicted["speed_factor"] = 1.0
-    assert speed_note(run) is None  # a fresh calibration is not checked again
+    assert speed_note(run) is None  # at the calibration's speed: nothing to say
     run.summary.predicted["speed_factor"] = 1.25
     assert "1.25x slower" in speed_note(run) and "communication was not" in speed_note(run)
 
