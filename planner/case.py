@@ -162,6 +162,11 @@ class Layout:
         reduce-scattered once, none per layer and micro-batch (planner.costs' docstring)."""
         return self.zero_stage == 3 and self.pp > 1
 
+    def per_run(self, micro_batches: int) -> int:
+        """The micro-batches of one run of the pipeline schedule, of a step's `micro_batches`
+        (`schedule_runs` runs each fill and drain the pipeline over an equal share)."""
+        return micro_batches // self.schedule_runs
+
     @cached_property
     def mesh(self) -> Mesh:
         """Computed once per layout (the search asks for strides in its inner loop)."""

@@ -305,7 +305,7 @@ def memory_per_chip(m: ModelSpec, lay: Layout, micro_batches: int, optimizer: st
     """Peak bytes on the most loaded chip (max over pipeline stages); `dtype` the GEMMs' (fp8 keeps their
     inputs in 1 byte: `layer_activation_bytes`). `micro_batches` per optimizer step: a schedule holds at most
     those of one of its `lay.schedule_runs` runs."""
-    micro_batches //= lay.schedule_runs
+    micro_batches = lay.per_run(micro_batches)
     ranges = stage_layer_ranges(m.layers, lay.pp, lay.virtual_stages)
     per_layer = max(layer_activation_bytes(m, lay, k, dtype=dtype) for k in {False, m.is_moe})
     wd, gd, od = zero_bytes_per_param(lay.zero_stage, lay.dp * lay.cp, optimizer)

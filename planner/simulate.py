@@ -319,7 +319,7 @@ def simulate(case: Case, lay: Layout, chip: Chip, memory: Memory | None = None) 
         rep_fill = {i: max(0.0, stages[i].total_s - 2 * stages[i].wgrad_s) for i in rep_total}
         fill = [rep_fill[g] for g in groups]
     runs = lay.schedule_runs  # each run of the schedule fills and drains the pipeline
-    t_pipe = runs * pipeline_time_s(totals, micro_batches // runs, lay.virtual_stages, fill)
+    t_pipe = runs * pipeline_time_s(totals, lay.per_run(micro_batches), lay.virtual_stages, fill)
     crit = max(range(len(stages)), key=lambda i: totals[i])
     # stage i's last backward ends about i chunk-backwards before stage 0's: that is its slack
     reps = sorted(rep_total)

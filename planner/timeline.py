@@ -142,7 +142,7 @@ def _merge_busy(spans: list[Span], min_idle_s: float) -> list[Span]:
 def predicted_timeline(res: StepResult, max_spans: int = 20000) -> Timeline:
     lay, m = res.layout, res.micro_batches
     p, v, runs = lay.pp, lay.virtual_stages, lay.schedule_runs
-    sched = make_schedule(lay.pp_schedule, p, m // runs, v)  # one run of the schedule; it runs `runs` times
+    sched = make_schedule(lay.pp_schedule, p, lay.per_run(m), v)  # one run of the schedule; it runs `runs` times
     comms_per_layer = max((len(lc.fwd_comms) + len(lc.bwd_comms) for s in res.stages for c in s.chunks
                            for lc, _ in c.layer_costs), default=0)
     layers_per_pass = max(sum(c.layers for c in s.chunks) for s in res.stages) / v
