@@ -5,7 +5,7 @@ point-to-point traffic in the trace.
 Tolerance (engine/verify.py): the reference runs one fused causal softmax per sequence; ring attention
 computes it in blocks merged by the log-sum-exp rule, in another order, and sums the weight gradients over
 cp ranks. Those are fp32 reordering errors (measured: loss 5e-7, grads 1e-6, params 1e-5 after 3 AdamW
-steps, well inside verify's rtol 1e-4 and params atol 0.05 lr)."""
+steps, well inside verify's rtol 1e-4 and params atol 0.1 lr per step)."""
 
 import os
 import subprocess

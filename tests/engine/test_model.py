@@ -52,6 +52,24 @@ def test_verify_catches_a_gradient_that_was_not_averaged():
     assert ok["passed"] and ok["max_abs_diff"] == 0.0
 
 
+def test_verify_params_bound_adds_up_per_step_and_still_catches_a_skipped_update():
+    cfg = RunConfig(world=2, steps=3)
+    ref = reference_run(cfg)
+
+    def moved(by_lr: float, step: int) -> dict:
+        """Every step's state equal to the reference's, except one weight moved at `step` and after."""
+        snaps = [dataclasses.asdict(s) for s in ref]
+        for s in snaps[step:]:
+            name = next(iter(s["params"]))
+            s["params"] = dict(s["params"], **{name: s["params"][name] + by_lr * cfg.lr})
+        return compare(cfg, ref, snaps, [s.loss for s in ref])
+
+    # 0.1 lr of difference per step taken: 0.15 lr is too much after one step, within bound after three.
+    assert not moved(0.15, 0)["passed"]
+    assert moved(0.15, 2)["passed"]
+    # A step not applied leaves the weight a whole lr away (Adam moves every weight by about lr).
+    assert not moved(1.0, 2)["passed"]
+
 def test_unit_flops_add_up_to_six_n_per_token_plus_attention():
     from engine.model import param_count, unit_forward_flops
 
