@@ -36,6 +36,11 @@ TOLERANCES: dict[str, tuple[float, float, str]] = {
 }
 PARAM_ATOL_LR = 0.1
 
+
+def param_atol(lr: float, steps: int) -> float:
+    """The params bound after `steps` optimizer steps (TOLERANCES["params"])."""
+    return PARAM_ATOL_LR * lr * steps
+
 # Mixed precision (dtype bfloat16, engine.model.mixed_precision) against the single-process run in the same
 # precision. bf16 keeps 8 significant bits, so every matmul output is rounded to about 2^-9 relative, and
 # each layout rounds at other points (a tensor-parallel partial sum, a shorter batch, a context slice): the
@@ -87,7 +92,7 @@ def compare(cfg: RunConfig, reference: list, snapshots: list[dict], losses: list
             return diff, ok, f"{bound}, bf16"
         rtol, atol, _ = TOLERANCES[quantity]
         if quantity == "params":
-            atol = PARAM_ATOL_LR * cfg.lr * (step + 1)
+            atol = param_atol(cfg.lr, step + 1)
         diff, ok = _diff(a, b, rtol, atol)
         return diff, ok, f"rtol {rtol:g}, atol {atol:g}"
 
@@ -117,7 +122,7 @@ def compare(cfg: RunConfig, reference: list, snapshots: list[dict], losses: list
         "failures": failures[:20],
         "steps": cfg.steps,
         "tolerances": _bf16_tolerances(cfg) if bf16 else
-        {q: {"rtol": r, "atol": PARAM_ATOL_LR * cfg.lr * cfg.steps if q == "params" else a, "why": w}
+        {q: {"rtol": r, "atol": param_atol(cfg.lr, cfg.steps) if q == "params" else a, "why": w}
          for q, (r, a, w) in TOLERANCES.items()},
     }
 

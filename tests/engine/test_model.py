@@ -70,6 +70,7 @@ def test_verify_params_bound_adds_up_per_step_and_still_catches_a_skipped_update
     # A step not applied leaves the weight a whole lr away (Adam moves every weight by about lr).
     assert not moved(1.0, 2)["passed"]
 
+
 def test_unit_flops_add_up_to_six_n_per_token_plus_attention():
     from engine.model import param_count, unit_forward_flops
 
