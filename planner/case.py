@@ -10,11 +10,12 @@ Every error is a `SpecError` naming the field, e.g. "parallel.tp: 3 does not div
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from functools import cached_property
 
 from core.mesh import Mesh
 from planner.models import ModelSpec, SpecError
+from planner.stages import check_layout, expand_layout
 
 RECOMPUTE = ("none", "selective", "selective-op", "full")
 SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe", "zb-h1")
@@ -103,6 +104,9 @@ class Parallel:
     ep: int | None = None
     pp_schedule: str | None = None
     virtual_stages: int | None = None
+    # which chunk holds which layers, in Megatron-Core's pipeline_model_parallel_layout syntax (planner.stages),
+    # kept expanded ("Et|tt|...|mL"); None: the layers spread evenly, embedding first, MTP and loss last
+    pp_layout: str | None = None
 
 
 @dataclass(frozen=True)
@@ -151,6 +155,7 @@ class Layout:
     fusion: str = "fused"
     ssm_cp: str = "state"
     schedule_runs: int = 1  # Training.schedule_runs
+    pp_layout: str | None = None  # Parallel.pp_layout
 
     @property
     def num_chips(self) -> int:
@@ -244,7 +249,7 @@ def parse_model(block, name: str = "case") -> ModelSpec:
     for key in SSM_FIELDS:
         kw[key] = _int(block, key, "model", required=False, nullable=False, default=defaults[key])
     for key in ("experts", "top_k", "shared_experts", "dense_layers", "q_lora_rank", "kv_lora_rank",
-                "rope_head_dim", "expert_groups", "expert_groups_per_token"):
+                "rope_head_dim", "expert_groups", "expert_groups_per_token", "mtp_layers"):
         kw[key] = _int(block, key, "model", required=False, nullable=False, minimum=0, default=0)
     for key in ("head_dim", "dense_ffn"):
         kw[key] = _int(block, key, "model", required=False, default=None)
@@ -289,6 +294,8 @@ def parse_case(data) -> Case:
            for k in ("dp", "tp", "pp", "cp", "ep", "virtual_stages")},
         pp_schedule=_choice(p, "pp_schedule", "parallel", SCHEDULES),
     )
+    if p.get("pp_layout") is not None:
+        parallel = _with_pp_layout(parallel, p["pp_layout"], model)
 
     c = _check_keys(data["cluster"], {f.name for f in fields(Cluster)}, "cluster")
     if "chip" not in c or not isinstance(c["chip"], str):
@@ -307,6 +314,25 @@ def parse_case(data) -> Case:
     case = Case(model, training, parallel, cluster, name)
     check_fixed(case)
     return case
+
+
+def _with_pp_layout(parallel: Parallel, text, model: ModelSpec) -> Parallel:
+    """`parallel` with its stated pipeline layout expanded and checked; the layout fixes the virtual stages
+    (chunks / pp) and, with more than one, the interleaved schedule."""
+    if not parallel.pp:
+        raise SpecError("parallel.pp_layout", "needs parallel.pp: the layout's chunks are dealt over the stages")
+    try:
+        expanded = expand_layout(text)
+        chunks = tuple(expanded.split("|"))
+        check_layout(chunks, model.layers, model.mtp_layers, parallel.pp)
+    except ValueError as e:
+        raise SpecError("parallel.pp_layout", str(e)) from None
+    virtual = len(chunks) // parallel.pp
+    if parallel.virtual_stages and parallel.virtual_stages != virtual:
+        raise SpecError("parallel.virtual_stages", f"{parallel.virtual_stages}, but pp_layout has {len(chunks)} "
+                        f"chunks over pp={parallel.pp} stages: {virtual} per stage")
+    schedule = parallel.pp_schedule or ("interleaved-1f1b" if virtual > 1 else None)
+    return replace(parallel, virtual_stages=virtual, pp_schedule=schedule, pp_layout=expanded)
 
 
 def load_case(path: str) -> Case:
@@ -347,7 +373,7 @@ def check_fixed(case: Case) -> None:
                         f"ffn={m.ffn}, and divide or be divided by kv_heads={m.kv_heads}")
     if p.pp and p.pp > m.layers:
         raise SpecError("parallel.pp", f"{p.pp} stages for {m.layers} layers")
-    if p.pp and p.virtual_stages and p.pp * p.virtual_stages > m.layers:
+    if p.pp and p.virtual_stages and p.pp * p.virtual_stages > m.layers and not p.pp_layout:
         raise SpecError("parallel.virtual_stages", f"pp*v = {p.pp * p.virtual_stages} > layers={m.layers}")
     if p.cp and not _divides(p.cp, m.seq_len):
         raise SpecError("parallel.cp", f"{p.cp} does not divide seq_len={m.seq_len}")

@@ -791,6 +791,24 @@ def logits_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str) -> tuple[floa
     return _fwd_s(chip, dtype, g) + ce_s, _dgrad_s(chip, dtype, g) + _wgrad_s(chip, dtype, g) + ce_s
 
 
+def mtp_extra_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str) -> tuple[float, float]:
+    """(forward, backward) seconds of one multi-token prediction module's own ops, beside its layer (costed as
+    a layer of the model's last kind) and its pass through the output head (`logits_cost`): the next tokens'
+    embedding, RMSNorms of the hidden state and of that embedding, their concatenation, the projection
+    In[T, 2D] . W[2D, D/t] (DeepSeek-V3 sec. 2.2, Megatron-Core's column-parallel eh_proj; the TP
+    collective beside it is left out) and the module's final RMSNorm."""
+    tokens = lay.micro_batch * m.seq_len / lay.cp
+    sp = lay.tp if lay.sequence_parallel else 1
+    g = _Gemm("mtp proj", tokens, 2 * m.hidden, m.hidden / lay.tp)
+    norm_fwd, norm_bwd = 3 * 4 * m.hidden / sp * tokens, 3 * 6 * m.hidden / sp * tokens  # _elementwise's bytes
+    concat = 2 * 2 * m.hidden * ACT_BYTES / sp * tokens  # read and write both halves
+    embed = embedding_s(m, lay, chip)
+    fwd = _fwd_s(chip, dtype, g) + kernels.norm_s(chip, norm_fwd) + kernels.pointwise_s(chip, concat) + embed
+    bwd = (_dgrad_s(chip, dtype, g) + _wgrad_s(chip, dtype, g) + kernels.norm_s(chip, norm_bwd, backward=True)
+           + kernels.pointwise_s(chip, concat) + embed)
+    return fwd, bwd
+
+
 def embedding_s(m: ModelSpec, lay: Layout, chip: Chip) -> float:
     """The embedding lookup (read the rows, write the activations), forward; the backward's scatter-add
     moves as much."""

@@ -146,6 +146,8 @@ def kind_counts(m: ModelSpec) -> tuple:
 
 
 def total_params(m: ModelSpec) -> int:
+    """The main model's parameters; multi-token prediction modules are counted apart, as DeepSeek-V3's
+    report does ("671B" plus 14B of MTP module)."""
     return sum(n * layer_params(m, k).total for k, n in kind_counts(m)) + embedding_params(m)
 
 
@@ -213,9 +215,27 @@ def op_sac_recomputed_params(m: ModelSpec, kind) -> int:
     return sum(i * o for _, i, o, again in op_sac_matmuls(m, kind) if again)
 
 
+def mtp_kind(m: ModelSpec):
+    """The kind of a multi-token prediction module's layer: the model's last (DeepSeek-V3: MoE)."""
+    return m.layer_kinds[-1]
+
+
+def mtp_proj_params(m: ModelSpec) -> int:
+    """A multi-token prediction module's projection of [hidden state; next embedding], W[2D, D]."""
+    return 2 * m.hidden * m.hidden
+
+
+def output_heads(m: ModelSpec) -> int:
+    """Output projections (and losses) per token: the model's and one per multi-token prediction module."""
+    return 1 + m.mtp_layers
+
+
 def matmul_flops_per_token(m: ModelSpec) -> float:
-    """Forward FLOPs per token of every weight matmul (2 per weight used), logits included."""
-    return 2.0 * (sum(n * layer_matmul_params(m, k) for k, n in kind_counts(m)) + m.vocab * m.hidden)
+    """Forward FLOPs per token of every weight matmul (2 per weight used), logits included; each
+    multi-token prediction module adds its projection, its layer and another pass through the head."""
+    mtp = m.mtp_layers * (mtp_proj_params(m) + layer_matmul_params(m, mtp_kind(m))) if m.mtp_layers else 0
+    return 2.0 * (sum(n * layer_matmul_params(m, k) for k, n in kind_counts(m)) + mtp
+                  + output_heads(m) * m.vocab * m.hidden)
 
 
 def layer_attention_flops_per_token(m: ModelSpec, seq_len: int | None = None) -> float:
@@ -227,8 +247,9 @@ def layer_attention_flops_per_token(m: ModelSpec, seq_len: int | None = None) ->
 
 
 def attention_flops_per_token(m: ModelSpec, seq_len: int | None = None) -> float:
-    """Every attention layer's score FLOPs per token (see `layer_attention_flops_per_token`)."""
-    return layer_attention_flops_per_token(m, seq_len) * m.attention_layers
+    """Every attention layer's score FLOPs per token (see `layer_attention_flops_per_token`), the
+    multi-token prediction modules' layers included."""
+    return layer_attention_flops_per_token(m, seq_len) * (m.attention_layers + m.mtp_layers)
 
 
 def ssd_chunk(m: ModelSpec, seq_len: int | None = None) -> int:
@@ -310,11 +331,12 @@ def model_flops(m: ModelSpec, tokens: float, causal: bool = False) -> float:
 def hardware_flops(m: ModelSpec, tokens: float, recompute: str) -> float:
     """FLOPs the chips execute: model FLOPs plus what recomputation repeats.
 
-    full: every layer's forward again (the logits are not recomputed); selective: only the attention
-    score/softmax part (Korthikanti et al. 2022, sec. 4.2); selective-op: every second matmul of each
-    layer (`op_sac_matmuls`).
+    full: every layer's forward again, the multi-token prediction modules' too (the logits are not
+    recomputed); selective: only the attention score/softmax part (Korthikanti et al. 2022, sec. 4.2);
+    selective-op: every second matmul of each layer (`op_sac_matmuls`).
     """
-    layers_fwd = tokens * (matmul_flops_per_token(m) - 2.0 * m.vocab * m.hidden + ssm_flops_per_token(m))
+    layers_fwd = tokens * (matmul_flops_per_token(m) - 2.0 * output_heads(m) * m.vocab * m.hidden
+                           + ssm_flops_per_token(m))
     attn_fwd = tokens * attention_flops_per_token(m)
     if recompute == "full":
         return model_flops(m, tokens) + layers_fwd + attn_fwd
@@ -322,6 +344,7 @@ def hardware_flops(m: ModelSpec, tokens: float, recompute: str) -> float:
         return model_flops(m, tokens) + attn_fwd
     if recompute == "selective-op":
         again = sum(n * op_sac_recomputed_params(m, k) for k, n in kind_counts(m))
+        again += m.mtp_layers * op_sac_recomputed_params(m, mtp_kind(m)) if m.mtp_layers else 0
         return model_flops(m, tokens) + 2.0 * tokens * again
     return model_flops(m, tokens)
 

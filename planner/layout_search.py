@@ -42,9 +42,11 @@ from hardware.chips import Chip, get_chip
 from hardware.kernels import FLASH_KERNELS
 from planner import costs
 from planner.case import SSM_CP, Case, Layout, layout_tp_ok, recipe, ssm_alltoall_ok
-from planner.memory import layer_kind_counts, memory_per_chip, stage_layer_ranges
+from planner.flops import mtp_kind, output_heads
+from planner.memory import layer_kind_counts, memory_per_chip
 from planner.models import SpecError
 from planner.simulate import StepResult, pipeline_p2p_s, simulate, usable_hbm_bytes
+from planner.stages import chunks_of
 
 ZERO_ORDER = (0, 1, 2, 3)
 # The largest micro-batch (sequences per chip) the search tries when the case leaves it free. Published
@@ -143,7 +145,7 @@ def candidate_layouts(case: Case, chip: Chip) -> Iterator[Layout]:
                     sps = [t.sequence_parallel] if t.sequence_parallel is not None else [tp > 1]
                     for sp, ssm_cp in itertools.product(sps, _ssm_cp_variants(case, tp, cp)):
                         yield Layout(dp, tp, pp, cp, ep, sched, v, b, 0, "none", bool(sp and tp > 1),
-                                     **how, ssm_cp=ssm_cp, schedule_runs=runs)
+                                     **how, ssm_cp=ssm_cp, schedule_runs=runs, pp_layout=p.pp_layout)
 
 
 def _ssm_cp_variants(case: Case, tp: int, cp: int) -> list[str]:
@@ -176,8 +178,9 @@ def lower_bound_s(case: Case, lay: Layout, chip: Chip) -> float:
     """A step time no variant of `lay` (any ZeRO stage, any recomputation) can beat.
 
     Every variant runs each layer's forward and backward compute and its TP / CP / EP collectives
-    (recomputation and ZeRO-3 only add to them), the last stage's logits, and each chunk's pipeline
-    sends; so stage s takes at least S_s = sum of its layers' c_kind (+ the logits) + 2 v * p2p per
+    (recomputation and ZeRO-3 only add to them), the loss chunk's logits (once per output head), the MTP
+    modules, and each chunk's pipeline sends; so stage s takes at least S_s = sum of its layers' c_kind
+    (+ the logits and MTP modules where it holds them) + 2 v * p2p per
     micro-batch, c_kind the per-layer cost of each kind it holds (a DeepSeek-V3 stage of MoE layers costs
     what MoE layers cost, not what its dense first layers do). The pipeline formula is increasing in
     every stage time, so T >= m * max_s S_s + (p - 1) * min_s S_s / v.
@@ -190,13 +193,15 @@ def lower_bound_s(case: Case, lay: Layout, chip: Chip) -> float:
         lc = costs.layer_cost(m, base, chip, t.dtype, kind, node)
         cost[kind] = (lc.fwd_compute_s + lc.bwd_compute_s + lc.tp_fwd_s + lc.tp_bwd_s + lc.cp_fwd_s
                       + lc.cp_bwd_s + lc.ep_fwd_s + lc.ep_bwd_s)
-    logits = sum(costs.logits_cost(m, base, chip, t.dtype))
+    logits = output_heads(m) * sum(costs.logits_cost(m, base, chip, t.dtype))
+    mtp = cost[mtp_kind(m)] + sum(costs.mtp_extra_cost(m, base, chip, t.dtype)) if m.mtp_layers else 0.0
     p2p = pipeline_p2p_s(m, lay, chip, node)
     v = lay.virtual_stages
     stages = []
-    for s, chunks in enumerate(stage_layer_ranges(m.layers, lay.pp, v)):
-        work = sum(cost[k] * n for first, count in chunks for k, n in layer_kind_counts(m, first, count))
-        stages.append(work + (logits if s == lay.pp - 1 else 0.0) + 2 * v * p2p)
+    for chunks in chunks_of(m, lay):
+        work = sum(cost[k] * n for c in chunks for k, n in layer_kind_counts(m, c.first, c.layers))
+        work += sum(c.mtp * mtp + (logits if c.loss else 0.0) for c in chunks)
+        stages.append(work + 2 * v * p2p)
     micro_batches = t.global_batch // (lay.dp * lay.micro_batch)
     # ZB-H1 fills with F + B - 2W, which this bound does not split out: count no fill for it; each run of
     # the schedule fills and drains

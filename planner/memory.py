@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from itertools import accumulate
 
 from hardware.kernels import FLASH_KERNELS
 from planner.case import Layout
@@ -31,10 +30,14 @@ from planner.flops import (
     embedding_params,
     kv_projection_params,
     layer_params,
+    mtp_kind,
+    mtp_proj_params,
     op_sac_matmuls,
+    output_heads,
     ssd_chunk,
 )
 from planner.models import ATTENTION, MAMBA, MLP, ModelSpec
+from planner.stages import Chunk, chunks_of, stage_chunks
 
 WEIGHT_BYTES = 2  # bf16/fp16 weights (fp8 training keeps bf16 master copies of the working weights)
 GRAD_BYTES = 2
@@ -50,15 +53,6 @@ def zero_bytes_per_param(stage: int, shards: int, optimizer: str = "adam") -> tu
     g = GRAD_BYTES / shards if stage >= 2 else GRAD_BYTES
     o = k / shards if stage >= 1 else k
     return w, g, o
-
-
-def layer_split(layers: int, stages: int, virtual: int = 1) -> list[list[int]]:
-    """Layers per model chunk for each stage: chunk c of stage i is model chunk c*p + i; the layers are
-    spread as evenly as possible (the first chunks take the remainder)."""
-    chunks = stages * virtual
-    base, extra = divmod(layers, chunks)
-    sizes = [base + (1 if c < extra else 0) for c in range(chunks)]
-    return [[sizes[c * stages + i] for c in range(virtual)] for i in range(stages)]
 
 
 def in_flight_chunks(stage: int, lay: Layout, micro_batches: int) -> float:
@@ -246,35 +240,38 @@ class Memory:
 
 def stage_params(m: ModelSpec, lay: Layout, stage: int) -> tuple[float, float]:
     """(TP-sharded dense, expert) parameters held by one chip of `stage`."""
-    return _stage_params(m, lay.tp, lay.ep, lay.pp, lay.virtual_stages, stage)
+    return _stage_params(m, lay.tp, lay.ep, lay.pp, lay.virtual_stages, lay.pp_layout, stage)
 
 
 @lru_cache(maxsize=65536)
-def _stage_params(m: ModelSpec, t: int, ep: int, pp: int, virtual: int, stage: int) -> tuple[float, float]:
+def _stage_params(m: ModelSpec, t: int, ep: int, pp: int, virtual: int, pp_layout: str | None,
+                  stage: int) -> tuple[float, float]:
     dense = moe = 0.0
-    for first, n_layers in stage_layer_ranges(m.layers, pp, virtual)[stage]:
-        for kind, n in layer_kind_counts(m, first, n_layers):
-            lp = layer_params(m, kind)
-            kv = kv_projection_params(m) if lp.attention else 0
-            attention = (lp.attention - kv) / t + (kv / min(t, m.kv_heads) if kv else 0.0)
-            dense += n * (attention + (lp.mlp + lp.ssm) / t + lp.router + lp.norms)
-            moe += n * lp.experts / (t * ep)
-    extra = embedding_params(m) - m.vocab * m.hidden * (1 if m.tied_embeddings else 2)  # positions, norm
-    if stage == 0:
-        dense += m.vocab * m.hidden / t + extra
-    if stage == pp - 1 and (not m.tied_embeddings or pp > 1):
-        dense += m.vocab * m.hidden / t  # output projection (a tied matrix is copied to the last stage)
+
+    def add(kind, n: int) -> None:
+        nonlocal dense, moe
+        lp = layer_params(m, kind)
+        kv = kv_projection_params(m) if lp.attention else 0
+        attention = (lp.attention - kv) / t + (kv / min(t, m.kv_heads) if kv else 0.0)
+        dense += n * (attention + (lp.mlp + lp.ssm) / t + lp.router + lp.norms)
+        moe += n * lp.experts / (t * ep)
+
+    chunks = stage_chunks(m.layers, m.mtp_layers, pp, virtual, pp_layout)[stage]
+    for c in chunks:
+        for kind, n in layer_kind_counts(m, c.first, c.layers):
+            add(kind, n)
+        if c.mtp:
+            add(mtp_kind(m), c.mtp)
+            dense += c.mtp * (mtp_proj_params(m) / t + 3 * m.hidden)  # + its two input norms and final norm
+    embedding = any(c.embedding for c in chunks)
+    rows = m.vocab * m.hidden / t
+    if embedding:
+        dense += rows + embedding_params(m) - m.vocab * m.hidden * (1 if m.tied_embeddings else 2)  # + positions, norm
+    if any(c.loss for c in chunks) and not (m.tied_embeddings and embedding):
+        dense += rows  # output projection (a tied matrix is copied to the stage with the loss)
+    if any(c.mtp for c in chunks) and not embedding:
+        dense += rows  # the MTP modules embed the next tokens with a copy of the embedding (Megatron-Core)
     return dense, moe
-
-
-@lru_cache(maxsize=4096)
-def stage_layer_ranges(layers: int, stages: int, virtual: int = 1) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """(first layer, layer count) of each chunk of each stage; model chunk c*p + i sits on stage i."""
-    split = layer_split(layers, stages, virtual)
-    sizes = [split[g % stages][g // stages] for g in range(stages * virtual)]
-    starts = [0, *accumulate(sizes)]
-    return tuple(tuple((starts[c * stages + i], sizes[c * stages + i]) for c in range(virtual))
-                 for i in range(stages))
 
 
 @lru_cache(maxsize=65536)
@@ -287,15 +284,19 @@ def layer_kind_counts(m: ModelSpec, first: int, count: int) -> tuple[tuple, ...]
     return tuple((k, kinds.count(k)) for k in m.kinds if k in kinds)
 
 
-@lru_cache(maxsize=4096)
-def stage_groups(m: ModelSpec, pp: int, virtual: int) -> tuple[int, ...]:
+def stage_groups(m: ModelSpec, lay: Layout) -> tuple[int, ...]:
     """For each stage, the first stage holding the same kinds of layers in its chunks (and the same
-    embedding / output role): stages of one group cost the same time and, holding no more in-flight
-    micro-batches than the first, need no more memory."""
+    embedding, MTP and output roles): stages of one group cost the same time and, holding no more
+    in-flight micro-batches than the first, need no more memory."""
+    return _stage_groups(m, lay.pp, lay.virtual_stages, lay.pp_layout)
+
+
+@lru_cache(maxsize=4096)
+def _stage_groups(m: ModelSpec, pp: int, virtual: int, pp_layout: str | None) -> tuple[int, ...]:
     firsts: dict = {}
     out = []
-    for i, chunks in enumerate(stage_layer_ranges(m.layers, pp, virtual)):
-        key = (tuple(layer_kind_counts(m, first, n) for first, n in chunks), i == 0, i == pp - 1)
+    for i, chunks in enumerate(stage_chunks(m.layers, m.mtp_layers, pp, virtual, pp_layout)):
+        key = tuple((layer_kind_counts(m, c.first, c.layers), c.embedding, c.mtp, c.loss) for c in chunks)
         out.append(firsts.setdefault(key, i))
     return tuple(out)
 
@@ -306,12 +307,12 @@ def memory_per_chip(m: ModelSpec, lay: Layout, micro_batches: int, optimizer: st
     inputs in 1 byte: `layer_activation_bytes`). `micro_batches` per optimizer step: a schedule holds at most
     those of one of its `lay.schedule_runs` runs."""
     micro_batches = lay.per_run(micro_batches)
-    ranges = stage_layer_ranges(m.layers, lay.pp, lay.virtual_stages)
+    stages = chunks_of(m, lay)
     per_layer = max(layer_activation_bytes(m, lay, k, dtype=dtype) for k in {False, m.is_moe})
     wd, gd, od = zero_bytes_per_param(lay.zero_stage, lay.dp * lay.cp, optimizer)
     we, ge, oe = zero_bytes_per_param(lay.zero_stage, max(1, lay.dp * lay.cp // lay.ep), optimizer)
     best = None
-    for stage in sorted(set(stage_groups(m, lay.pp, lay.virtual_stages))):
+    for stage in sorted(set(stage_groups(m, lay))):
         dense, moe = stage_params(m, lay, stage)
         params, grads, opt = dense * wd + moe * we, dense * gd + moe * ge, dense * od + moe * oe
         if lay.staged_zero3:
@@ -320,8 +321,9 @@ def memory_per_chip(m: ModelSpec, lay: Layout, micro_batches: int, optimizer: st
             params += 2 * (dense + moe)
             grads += 4 * (dense + moe)
         if m.layer_pattern:
-            per_layer = _mean_layer_bytes(m, lay, ranges[stage], dtype)
-        acts = in_flight_layers(stage, lay, micro_batches, [n for _, n in ranges[stage]]) * per_layer
+            per_layer = _mean_layer_bytes(m, lay, stages[stage], dtype)
+        # an MTP module keeps what one more layer keeps
+        acts = in_flight_layers(stage, lay, micro_batches, [c.layers + c.mtp for c in stages[stage]]) * per_layer
         temp = _temporary_bytes(m, lay, stage, dense + moe * lay.tp, dtype)
         mem = Memory(params, grads, opt, acts, temp, stage)
         if best is None or mem.total_bytes > best.total_bytes:
@@ -329,12 +331,12 @@ def memory_per_chip(m: ModelSpec, lay: Layout, micro_batches: int, optimizer: st
     return best
 
 
-def _mean_layer_bytes(m: ModelSpec, lay: Layout, chunks, dtype: str) -> float:
+def _mean_layer_bytes(m: ModelSpec, lay: Layout, chunks: tuple[Chunk, ...], dtype: str) -> float:
     """A pattern's stage holds layers of different kinds: the mean of its layers' activation bytes (each
     in-flight micro-batch holds all of a chunk's layers)."""
     total = layers = 0.0
-    for first, n_layers in chunks:
-        for kind, n in layer_kind_counts(m, first, n_layers):
+    for c in chunks:
+        for kind, n in layer_kind_counts(m, c.first, c.layers):
             total += n * layer_activation_bytes(m, lay, kind, dtype=dtype)
             layers += n
     return total / max(1.0, layers)
@@ -344,8 +346,8 @@ def _temporary_bytes(m: ModelSpec, lay: Layout, stage: int, stage_params: float,
     """Buffers alive at the peak besides the kept activations:
     * the layer being back-propagated with full (or op-level selective) recomputation holds its recomputed
       activations;
-    * the last stage's fp32 logits and their gradient, (b s/cp) x V/t x 8 bytes (Korthikanti sec. 4.1
-      counts the output layer too);
+    * the loss stage's fp32 logits and their gradient, (b s/cp) x V/t x 8 bytes (Korthikanti sec. 4.1
+      counts the output layer too), once per output head (multi-token prediction adds heads);
     * ZeRO-3 all-gathers the current and the prefetched layer's weights whole (FSDP prefetch); under
       pipeline parallelism they stay whole and are counted with the weights.
     """
@@ -353,9 +355,10 @@ def _temporary_bytes(m: ModelSpec, lay: Layout, stage: int, stage_params: float,
     if lay.recompute in ("full", "selective-op"):
         kinds = m.kinds if m.layer_pattern else (m.is_moe,)
         temp += max(layer_activation_bytes(m, lay, k, recompute="none", dtype=dtype) for k in kinds)
-    if stage == lay.pp - 1:
-        temp += 8 * lay.micro_batch * m.seq_len / lay.cp * m.vocab / lay.tp
+    chunks = chunks_of(m, lay)[stage]
+    if any(c.loss for c in chunks):
+        temp += output_heads(m) * 8 * lay.micro_batch * m.seq_len / lay.cp * m.vocab / lay.tp
     if lay.zero_stage == 3 and not lay.staged_zero3:
-        layers = max(1, sum(n for _, n in stage_layer_ranges(m.layers, lay.pp, lay.virtual_stages)[stage]))
+        layers = max(1, sum(c.layers + c.mtp for c in chunks))
         temp += 2 * WEIGHT_BYTES * stage_params / layers
     return temp

@@ -66,6 +66,11 @@ class ModelSpec:
     # top_k experts come from its best `expert_groups_per_token` groups; 0 = any expert
     expert_groups: int = 0
     expert_groups_per_token: int = 0
+    # multi-token prediction depth (DeepSeek-V3, arXiv 2412.19437 sec. 2.2; Hugging Face config
+    # num_nextn_predict_layers, Megatron-Core mtp_num_layers): each module norms the hidden state and the
+    # next token's embedding, projects their concatenation [2D -> D], runs one more layer of the model's
+    # last kind and the shared output head; trained beside the main model, counted apart from its parameters
+    mtp_layers: int = 0
     # Mamba-2 and hybrids (module docstring); defaults are Mamba-2 2.7B's (arXiv 2405.21060 sec. 9 setup)
     layer_pattern: str = ""  # one of "M*-" per layer; "" = attention + MLP every layer
     ssm_state: int = 128  # N, d_state
@@ -151,7 +156,7 @@ class ModelSpec:
             raise SpecError(f"{prefix}.heads", f"{self.heads} does not divide hidden={self.hidden}; "
                             "set head_dim")
         for f in ("experts", "top_k", "shared_experts", "dense_layers", "q_lora_rank", "kv_lora_rank",
-                  "rope_head_dim", "expert_groups", "expert_groups_per_token"):
+                  "rope_head_dim", "expert_groups", "expert_groups_per_token", "mtp_layers"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise SpecError(f"{prefix}.{f}", f"must be a non-negative integer, got {v!r}")
@@ -182,6 +187,9 @@ class ModelSpec:
         if self.experts or self.dense_layers:
             raise SpecError(f"{prefix}.experts", "MoE layers in a layer pattern are not modelled; set experts "
                             "and dense_layers to 0")
+        if self.mtp_layers:
+            raise SpecError(f"{prefix}.mtp_layers", "multi-token prediction with a layer pattern is not modelled; "
+                            "set mtp_layers to 0")
         if self.mlp == "gelu":
             raise SpecError(f"{prefix}.mlp", "a layer pattern uses the RMSNorm recipe without biases; choose "
                             "\"swiglu\" or \"relu2\"")
@@ -220,11 +228,11 @@ MODEL_PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
     # DeepSeek-V3 config.json (DeepSeek-AI 2024, arXiv 2412.19437 sec. 4.2): MLA with q rank 1536,
     # kv rank 512, 64-wide decoupled RoPE; 256 routed + 1 shared expert of 2048, top-8; first 3 layers
     # dense (18432); the 256 experts in n_group = 8 groups, each token routed within topk_group = 4 of
-    # them (sec. 4.2: "each token will be sent to at most 4 nodes"). Not modelled: the multi-token
-    # prediction module, the FP8 recipe.
+    # them (sec. 4.2: "each token will be sent to at most 4 nodes"); one multi-token prediction module
+    # (sec. 4.2: MTP depth D = 1; config.json num_nextn_predict_layers 1). Not modelled: the FP8 recipe.
     ModelSpec("DeepSeek-V3", 61, 7168, 128, 128, 2048, 129280, 4096, "swiglu", experts=256, top_k=8,
               head_dim=128, shared_experts=1, dense_layers=3, dense_ffn=18432, q_lora_rank=1536,
-              kv_lora_rank=512, rope_head_dim=64, expert_groups=8, expert_groups_per_token=4),
+              kv_lora_rank=512, rope_head_dim=64, expert_groups=8, expert_groups_per_token=4, mtp_layers=1),
 ]}
 
 # Mamba-2 and hybrid shapes, apart from MODEL_PRESETS so pages that assume attention in every layer

@@ -8,8 +8,9 @@ For equal stages this is (m + (p-1)/v) * S: the 1F1B bubble fraction (p-1)/m (Na
 sec. 2.2.1) and the interleaved one (p-1)/(v m) (sec. 2.2.2); GPipe has the same bubble as 1F1B
 (Huang et al. 2019) but keeps all m micro-batches in memory. ZB-H1 (Qi et al. 2023 sec. 2.1) defers the
 weight-gradient matmuls W into the drain, so each stage adds F + B - 2W instead of S = F + B to the
-fill and drain: bubble (p-1)(F + B_input - W). Unequal stages (embedding on the first,
-logits on the last) make the slowest stage pace the steady state. Then
+fill and drain: bubble (p-1)(F + B_input - W). Unequal stages (the embedding on the first chunk,
+multi-token prediction modules and the output heads on the last, or a run's own split: planner.stages)
+make the slowest stage pace the steady state. Then
 
     step = T_pipe + exposed data-parallel gradient sync + optimizer update.
 
@@ -42,9 +43,10 @@ from hardware.chips import Chip
 from hardware.collectives import ring_sent_bytes
 from planner import costs
 from planner.case import Case, Layout
-from planner.flops import hardware_flops, model_flops
-from planner.memory import Memory, layer_kind_counts, memory_per_chip, stage_groups, stage_layer_ranges, stage_params
+from planner.flops import hardware_flops, model_flops, mtp_kind, output_heads
+from planner.memory import Memory, layer_kind_counts, memory_per_chip, stage_groups, stage_params
 from planner.models import ModelSpec
+from planner.stages import chunks_of
 
 # Megatron-LM reduces bf16 gradients in fp32 (arguments.py: bf16 => accumulate_allreduce_grads_in_fp32)
 GRAD_COMM_BYTES = {"bf16": 4, "fp16": 2, "fp8": 4}
@@ -169,6 +171,7 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
     by_kind = {k: costs.layer_cost(m, lay, chip, tr.dtype, k, node) for k in m.kinds}
     logits_f, logits_b = costs.logits_cost(m, lay, chip, tr.dtype)
     embed_s = costs.embedding_s(m, lay, chip)
+    mtp_f, mtp_b = costs.mtp_extra_cost(m, lay, chip, tr.dtype)
     pass_p2p_s = pipeline_p2p_s(m, lay, chip, node)
     grad_bytes = GRAD_COMM_BYTES[tr.dtype]
     dp_group = lay.dp * lay.cp
@@ -178,21 +181,25 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
     expert_topo = (costs.topology(chip, expert_group, mesh.group_stride(("dp", "cp")), node)
                    if expert_group > 1 else None)
 
-    ranges = stage_layer_ranges(m.layers, lay.pp, lay.virtual_stages)
+    plan = chunks_of(m, lay)
     chunk_cache: dict = {}
-    groups = stage_groups(m, lay.pp, lay.virtual_stages)
+    groups = stage_groups(m, lay)
     by_rep: dict[int, StageCost] = {}
     for i in sorted(set(groups)):
         chunks = []
-        for c, (first, count) in enumerate(ranges[i]):
-            counts = layer_kind_counts(m, first, count)
+        for piece in plan[i]:
+            counts = layer_kind_counts(m, piece.first, piece.layers)
             ef = eb = 0.0
-            if i == 0 and c == 0:
+            if piece.embedding:
                 ef += embed_s
                 eb += embed_s
-            if i == lay.pp - 1 and c == lay.virtual_stages - 1:
-                ef += logits_f
-                eb += logits_b
+            if piece.mtp:  # each module: one more layer of the model's last kind and its own small ops
+                counts = _plus_layers(counts, mtp_kind(m), piece.mtp)
+                ef += piece.mtp * mtp_f
+                eb += piece.mtp * mtp_b
+            if piece.loss:  # the output head, once for the model and once per MTP module
+                ef += output_heads(m) * logits_f
+                eb += output_heads(m) * logits_b
             key = (counts, ef, eb)
             if key not in chunk_cache:
                 chunk_cache[key] = _chunk(lay, tuple((by_kind[k], n) for k, n in counts), ef, eb, pass_p2p_s)
@@ -241,6 +248,13 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
         opt = costs.optimizer_step_s(dense_p + expert_p, lay, chip, tr.optimizer)
         by_rep[i] = StageCost(chunks, exposed, dp_total, opt, dense_p + expert_p)
     return [by_rep[g] for g in groups]
+
+
+def _plus_layers(counts: tuple, kind, n: int) -> tuple:
+    """((kind, layers), ...) with `n` more layers of `kind`."""
+    merged = dict(counts)
+    merged[kind] = merged.get(kind, 0) + n
+    return tuple(merged.items())
 
 
 def pipeline_p2p_s(m: ModelSpec, lay: Layout, chip: Chip, node: int) -> float:
@@ -311,7 +325,7 @@ def simulate(case: Case, lay: Layout, chip: Chip, memory: Memory | None = None) 
     m, tr = case.model, case.training
     micro_batches = tr.global_batch // (lay.dp * lay.micro_batch)
     stages = stage_costs(case, lay, chip)
-    groups = stage_groups(m, lay.pp, lay.virtual_stages)
+    groups = stage_groups(m, lay)
     rep_total = {i: stages[i].total_s for i in set(groups)}
     totals = [rep_total[g] for g in groups]
     fill = None

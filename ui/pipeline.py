@@ -33,8 +33,9 @@ from hardware.chips import Chip
 from hardware.collectives import group_topology
 from planner.case import Layout
 from planner.flops import forward_flops
-from planner.memory import in_flight_layers, layer_activation_bytes, layer_split
+from planner.memory import in_flight_layers, layer_activation_bytes
 from planner.models import ModelSpec
+from planner.stages import layer_split
 from ui.timeline import BACKWARD_INPUT_COLOR, BACKWARD_WEIGHT_COLOR, add_time_animation
 from ui.timeline import KIND_COLORS as TIMELINE_COLORS
 

@@ -1,0 +1,110 @@
+"""Which model chunk holds which layers: the pipeline split, by default or as a run states it.
+
+A model runs as p * v chunks in model order; chunk g sits on stage g % p as its virtual chunk g // p
+(Megatron-LM's interleaved placement, Narayanan et al. 2021 sec. 2.2.2). By default the decoder layers
+spread as evenly as possible (the first chunks take the remainder), the embedding sits on chunk 0 and the
+output layer and loss on the last, after any multi-token-prediction modules (Megatron-Core puts MTP on
+the last pipeline stage).
+
+A run may state its split in Megatron-Core's `pipeline_model_parallel_layout` syntax (its docs, "Custom
+Pipeline Model Parallel Layout"): one letter per piece, chunks separated by "|": E the embedding, t a
+decoder layer, m a multi-token-prediction module, L the output layer and loss; "x*n" repeats a letter
+and "(...)*n" a group; commas and spaces are ignored. DeepSeek-V3 on H100 at p = 8, v = 4
+(Megatron-Bridge's performance script) is "Et|(tt|)*30mL": the embedding and one layer, thirty chunks
+of two, and a last chunk of MTP + loss.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from itertools import accumulate
+
+LAYOUT_PIECES = "EtmL"
+_GROUP = re.compile(r"\(([^()]*)\)\*(\d+)")
+_LETTER = re.compile(r"([EtmL])\*(\d+)")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One model chunk: decoder layers first .. first + layers - 1 and what else it holds."""
+    first: int
+    layers: int
+    embedding: bool = False
+    mtp: int = 0  # multi-token-prediction modules
+    loss: bool = False
+
+
+def expand_layout(text: str) -> str:
+    """The layout with every repetition written out, e.g. "E|(tt|)*2L" -> "E|tt|tt|L"; raises ValueError
+    saying what is wrong."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"must be a non-empty string such as \"Et|(tt|)*30mL\", got {text!r}")
+    out = text.replace(",", "").replace(" ", "")
+    while True:
+        expanded = _GROUP.sub(lambda g: g.group(1) * int(g.group(2)), out)
+        if expanded == out:
+            break
+        out = expanded
+    out = _LETTER.sub(lambda g: g.group(1) * int(g.group(2)), out)
+    bad = sorted(set(out) - set(LAYOUT_PIECES + "|"))
+    if bad:
+        raise ValueError(f"has {bad} after expanding repeats; use E (embedding), t (decoder layer), m (MTP "
+                         "module), L (loss), | between chunks, x*n and (...)*n to repeat")
+    return out
+
+
+def check_layout(chunks: tuple[str, ...], layers: int, mtp_layers: int, pp: int) -> None:
+    """Raise ValueError unless the expanded chunks hold the model once, in order, on whole stages."""
+    if len(chunks) % pp:
+        raise ValueError(f"has {len(chunks)} chunks, not a multiple of pp={pp} (one chunk per stage and virtual "
+                         "stage)")
+    text = "".join(chunks)
+    if text.count("t") != layers:
+        raise ValueError(f"has {text.count('t')} decoder layers (t), the model has layers={layers}")
+    if text.count("m") != mtp_layers:
+        raise ValueError(f"has {text.count('m')} MTP modules (m), the model has mtp_layers={mtp_layers}")
+    if text.count("E") != 1 or not chunks[0].startswith("E"):
+        raise ValueError("needs one E (embedding), first in the first chunk")
+    if text.count("L") != 1 or not chunks[-1].endswith("L"):
+        raise ValueError("needs one L (output layer and loss), last in the last chunk")
+    if "m" in text and text.rfind("t") > text.find("m"):
+        raise ValueError("puts an MTP module (m) before a decoder layer (t); MTP follows the decoder")
+
+
+def layer_split(layers: int, stages: int, virtual: int = 1) -> list[list[int]]:
+    """Layers per model chunk for each stage, spread as evenly as possible (the first chunks take the
+    remainder): [stage][virtual chunk]."""
+    chunks = stages * virtual
+    base, extra = divmod(layers, chunks)
+    sizes = [base + (1 if c < extra else 0) for c in range(chunks)]
+    return [[sizes[c * stages + i] for c in range(virtual)] for i in range(stages)]
+
+
+@lru_cache(maxsize=4096)
+def model_chunks(layers: int, mtp_layers: int, pp: int, virtual: int, pp_layout: str | None = None
+                 ) -> tuple[Chunk, ...]:
+    """Every chunk in model order; `pp_layout` the expanded layout (`expand_layout`), None the default."""
+    if pp_layout is None:
+        split = layer_split(layers, pp, virtual)
+        sizes = [split[g % pp][g // pp] for g in range(pp * virtual)]
+        last = pp * virtual - 1
+        starts = [0, *accumulate(sizes)]
+        return tuple(Chunk(starts[g], n, g == 0, mtp_layers if g == last else 0, g == last)
+                     for g, n in enumerate(sizes))
+    pieces = pp_layout.split("|")
+    starts = [0, *accumulate(p.count("t") for p in pieces)]
+    return tuple(Chunk(starts[g], p.count("t"), "E" in p, p.count("m"), "L" in p) for g, p in enumerate(pieces))
+
+
+def stage_chunks(layers: int, mtp_layers: int, pp: int, virtual: int, pp_layout: str | None = None
+                 ) -> tuple[tuple[Chunk, ...], ...]:
+    """[stage][virtual chunk]: model chunk c * pp + i sits on stage i."""
+    chunks = model_chunks(layers, mtp_layers, pp, virtual, pp_layout)
+    return tuple(tuple(chunks[c * pp + i] for c in range(virtual)) for i in range(pp))
+
+
+def chunks_of(m, lay) -> tuple[tuple[Chunk, ...], ...]:
+    """[stage][virtual chunk] of a model (`planner.models.ModelSpec`) under a layout (`planner.case.Layout`)."""
+    return stage_chunks(m.layers, m.mtp_layers, lay.pp, lay.virtual_stages, lay.pp_layout)
