@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from planner import layout_search  # noqa: E402
 from planner.api import as_case, estimate, search  # noqa: E402
-from planner.models import MODEL_PRESETS  # noqa: E402
+from planner.models import MODEL_PRESETS, ModelSpec  # noqa: E402
 from planner.validation import (  # noqa: E402
     HELDOUT_RUNS,
     llama3_table4_cases,
@@ -28,14 +29,12 @@ from planner.validation import (  # noqa: E402
     validate,
 )
 
-SHAPE_KEYS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len", "mlp", "experts", "top_k",
-              "head_dim", "shared_experts", "dense_layers", "dense_ffn", "q_lora_rank", "kv_lora_rank",
-              "rope_head_dim", "tied_embeddings")
-
 
 def model_block(name: str) -> dict:
+    """The preset as a case file's model block: every field of its spec (routing groups, MTP included)."""
     m = MODEL_PRESETS[name]
-    return {k: getattr(m, k) for k in SHAPE_KEYS if getattr(m, k) is not None}
+    return {f.name: getattr(m, f.name) for f in fields(ModelSpec)
+            if f.name != "name" and getattr(m, f.name) is not None}
 
 
 def case(name: str, chip: str, chips: int, batch: int, parallel: dict | None = None, **training) -> dict:
