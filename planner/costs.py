@@ -31,7 +31,8 @@ Communication (each a `CommOp` with its time alone on its links and the part the
   hidden under one step's block of attention (1/cp of the layer's attention with the zig-zag split).
 * Mamba-2 layers (TP by heads, CP by state passing or all-to-all): `_mamba_layer_cost`.
 * EP (Lepikhin et al. 2020): dispatch and combine all-to-alls of T * top_k rows of D per direction,
-  exposed unless `ep_comm_overlap` (another micro-batch's compute, DeepSeek-V3's DualPipe). With
+  exposed unless `ep_comm_overlap` (another micro-batch's compute, DeepSeek-V3's DualPipe; only in the
+  schedule's steady state: planner.simulate.unpaired_ep_s). With
   `ep_dispatch` "deepep" a token crosses the network once per destination node (`expert_nodes_per_token`,
   fewer still with group-limited routing) and reaches its experts there over NVLink.
 * ZeRO-3 / FSDP (Rajbhandari et al. 2020 sec. 5.3): each layer's weights all-gathered forward and
@@ -272,7 +273,7 @@ def layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe, chips_per
     no ZeRO-3 collectives: `Layout.staged_zero3`)."""
     z3 = lay.zero_stage == 3 and not lay.staged_zero3
     ssm_cp = lay.ssm_cp if m.has_ssm and lay.cp > 1 else "state"
-    key = replace(lay, pp=1, pp_schedule="1f1b", virtual_stages=1, zero_stage=3 if z3 else 0,
+    key = replace(lay, pp=1, pp_schedule="1f1b", virtual_stages=1, pp_layout=None, zero_stage=3 if z3 else 0,
                   dp=lay.dp if z3 else lay.ep, grad_reduce_overlap=True, ssm_cp=ssm_cp,  # the smallest dp
                   tp_comm_overlap=tp_overlaps(lay, chip))
     if moe == MAMBA:

@@ -46,13 +46,13 @@ def explain(res: StepResult, best: StepResult | None = None) -> list[str]:
     if lay.pp > 1:
         mem_pp1 = None
         if lay.pp > 1 and m.layers >= 1:
-            mem_pp1 = memory_per_chip(m, replace(lay, pp=1, virtual_stages=1, pp_schedule="1f1b",
+            mem_pp1 = memory_per_chip(m, replace(lay, pp=1, virtual_stages=1, pp_schedule="1f1b", pp_layout=None,
                                                  dp=lay.dp), res.micro_batches, case.training.optimizer,
                                       case.training.dtype)
         reason = (f"without it a chip would need {mem_pp1.total_bytes / 1e9:.0f} GB"
                   if mem_pp1 is not None and mem_pp1.total_bytes > hbm else "it beats more DP or TP here")
         sched = (f"{lay.pp_schedule} with v={lay.virtual_stages}" if lay.virtual_stages > 1
-                 else lay.pp_schedule)
+                 else lay.pp_schedule) + (", the layers split as the run states" if lay.pp_layout else "")
         runs = (f" in {lay.schedule_runs} runs of the schedule, each filling and draining the pipeline"
                 if lay.schedule_runs > 1 else "")
         words.append(f"PP={lay.pp} ({sched}, m={res.micro_batches} micro-batches of {lay.micro_batch}{runs}) "

@@ -44,7 +44,14 @@ from hardware.collectives import ring_sent_bytes
 from planner import costs
 from planner.case import Case, Layout
 from planner.flops import hardware_flops, model_flops, mtp_kind, output_heads
-from planner.memory import Memory, layer_kind_counts, memory_per_chip, stage_groups, stage_params
+from planner.memory import (
+    Memory,
+    in_flight_chunks,
+    layer_kind_counts,
+    memory_per_chip,
+    stage_groups,
+    stage_params,
+)
 from planner.models import ModelSpec
 from planner.stages import chunks_of
 
@@ -65,6 +72,23 @@ class ChunkCost:
     p2p_s: float  # the pipeline send included in each of fwd_s and bwd_s
     layer_costs: tuple  # ((LayerCost, count), ...) of the layers in the chunk
     wgrad_s: float  # weight-gradient part of bwd_s (deferrable under ZB-H1)
+
+    def showing_ep(self) -> ChunkCost:
+        """The chunk as a pass with no other micro-batch beside it runs it: every expert all-to-all
+        exposed (`unpaired_ep_s`)."""
+        def shown(comms):
+            return tuple(replace(c, exposed_s=c.time_s) if c.group == "ep" else c for c in comms)
+
+        def hidden(comms):
+            return sum(c.time_s - c.exposed_s for c in comms if c.group == "ep")
+
+        extra_f = sum(n * hidden(lc.fwd_comms) for lc, n in self.layer_costs)
+        extra_b = sum(n * hidden(lc.bwd_comms) for lc, n in self.layer_costs)
+        layers = tuple((replace(lc, fwd_comms=shown(lc.fwd_comms), bwd_comms=shown(lc.bwd_comms)), n)
+                       for lc, n in self.layer_costs)
+        parts = {**self.parts, "ep_comm": self.parts["ep_comm"] + extra_f + extra_b}
+        return replace(self, fwd_s=self.fwd_s + extra_f, bwd_s=self.bwd_s + extra_b, parts=parts,
+                       layer_costs=layers)
 
 
 @dataclass(frozen=True)
@@ -90,6 +114,13 @@ class StageCost:
     @property
     def wgrad_s(self) -> float:
         return sum(c.wgrad_s for c in self.chunks)
+
+    @property
+    def ep_hidden_s(self) -> float:
+        """Expert all-to-all time hidden under another micro-batch's compute, forward + backward of one
+        micro-batch through the stage (`ep_comm_overlap`)."""
+        return sum(n * (c.time_s - c.exposed_s) for ch in self.chunks for lc, n in ch.layer_costs
+                   for c in lc.fwd_comms + lc.bwd_comms if c.group == "ep")
 
 
 @dataclass(frozen=True)
@@ -335,6 +366,7 @@ def simulate(case: Case, lay: Layout, chip: Chip, memory: Memory | None = None) 
     runs = lay.schedule_runs  # each run of the schedule fills and drains the pipeline
     t_pipe = runs * pipeline_time_s(totals, lay.per_run(micro_batches), lay.virtual_stages, fill)
     crit = max(range(len(stages)), key=lambda i: totals[i])
+    ep_unpaired = runs * unpaired_ep_s([stages[g] for g in groups], lay, crit, lay.per_run(micro_batches))
     # stage i's last backward ends about i chunk-backwards before stage 0's: that is its slack
     reps = sorted(rep_total)
     dp_exposed = max(max(0.0, stages[i].dp_exposed_s - i * stages[i].bwd_s / lay.virtual_stages)
@@ -347,6 +379,8 @@ def simulate(case: Case, lay: Layout, chip: Chip, memory: Memory | None = None) 
         for k, v in ch.parts.items():
             breakdown[k] += micro_batches * v
     breakdown["bubble"] = t_pipe - micro_batches * totals[crit]
+    t_pipe += ep_unpaired
+    breakdown["ep_comm"] += ep_unpaired
     breakdown["dp_comm"] += dp_exposed
     breakdown["optimizer"] = opt
     step = t_pipe + dp_exposed + opt
@@ -357,6 +391,24 @@ def simulate(case: Case, lay: Layout, chip: Chip, memory: Memory | None = None) 
                       model_flops(m, tokens), hardware_flops(m, tokens, lay.recompute),
                       mem.total_bytes <= usable_hbm_bytes(chip),
                       {"critical_stage": crit, "chips_per_node": node})
+
+
+def unpaired_ep_s(stages: list[StageCost], lay: Layout, crit: int, micro_batches: int) -> float:
+    """Expert all-to-all that overlapping with another micro-batch cannot hide, one run of the schedule
+    whose slowest stage is `crit`. The overlap (DeepSeek-V3's DualPipe; Megatron-Core's
+    overlap_moe_expert_parallel_comm, its "combined 1F1B") runs one micro-batch's forward beside another's
+    backward, so it exists only in the steady state: a stage's warm-up forwards and the first steady
+    forward run before any backward, and as many backwards drain alone at the end. Those are the chunk
+    passes the stage holds at its peak (planner.memory.in_flight_chunks: warm-up + 1), each showing its
+    all-to-all whole: the slowest stage's add to its own m passes, and the other stages' passes that make
+    up the fill and drain (sum_i S_i - S_max) / v are all of that kind. Without pipeline stages that is
+    the first forward and the last backward; one micro-batch hides nothing. The predicted timeline,
+    list-scheduled with those passes, comes out the same (tests/planner/test_pipeline.py)."""
+    if not (lay.ep_comm_overlap and lay.ep > 1):
+        return 0.0
+    own = in_flight_chunks(crit, lay, micro_batches) * stages[crit].ep_hidden_s
+    fill = sum(s.ep_hidden_s for i, s in enumerate(stages) if i != crit)
+    return (own + fill) / lay.virtual_stages
 
 
 USABLE_HBM_FRACTION = 0.95  # CUDA/XLA runtime, NCCL buffers and allocator fragmentation take ~5% (estimate)

@@ -94,6 +94,8 @@ def model_chunks(layers: int, mtp_layers: int, pp: int, virtual: int, pp_layout:
         return tuple(Chunk(starts[g], n, g == 0, mtp_layers if g == last else 0, g == last)
                      for g, n in enumerate(sizes))
     pieces = pp_layout.split("|")
+    if len(pieces) != pp * virtual:
+        raise ValueError(f"the layout has {len(pieces)} chunks for pp x v = {pp * virtual}")
     starts = [0, *accumulate(p.count("t") for p in pieces)]
     return tuple(Chunk(starts[g], p.count("t"), "E" in p, p.count("m"), "L" in p) for g, p in enumerate(pieces))
 

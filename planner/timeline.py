@@ -13,7 +13,10 @@ Where communication sits (planner.costs says how much of it hides):
 * beyond that budget each pass is one compute span and one comm span per group, and if even that is
   over the budget, back-to-back work is merged into "busy" spans between bubbles;
 * the data-parallel gradient sync runs under the last backward (is_async) with its exposed tail after
-  it, then the optimizer step; pipeline sends end each pass.
+  it, then the optimizer step; pipeline sends end each pass;
+* expert all-to-alls overlapped with another micro-batch (`ep_comm_overlap`) show whole in the passes
+  that have none beside them, each run's warm-up forwards and draining backwards
+  (planner.simulate.unpaired_ep_s).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import replace
 from core.schedules import make_schedule
 from core.timeline import Span, Timeline
 from planner.costs import CommOp
+from planner.memory import in_flight_chunks
 from planner.simulate import ChunkCost, StepResult
 
 
@@ -139,6 +143,14 @@ def _merge_busy(spans: list[Span], min_idle_s: float) -> list[Span]:
     return out
 
 
+def _unpaired_passes(actions: list, count: float, runs: int) -> set[int]:
+    """Indices, in a rank's actions over every run, of each run's first `count` forwards and last `count`
+    backwards: the passes with no other micro-batch's pass beside them."""
+    forwards = [i for i, a in enumerate(actions) if a.kind == "F"][:int(count)]
+    backwards = [i for i, a in enumerate(actions) if a.kind in ("B", "BI")][-int(count):] if count >= 1 else []
+    return {i + k * len(actions) for k in range(runs) for i in forwards + backwards}
+
+
 def predicted_timeline(res: StepResult, max_spans: int = 20000) -> Timeline:
     lay, m = res.layout, res.micro_batches
     p, v, runs = lay.pp, lay.virtual_stages, lay.schedule_runs
@@ -156,6 +168,8 @@ def predicted_timeline(res: StepResult, max_spans: int = 20000) -> Timeline:
     order = [[replace(a, micro_batch=a.micro_batch + k * per_run) for k in range(runs) for a in actions]
              for actions in one_run]
     run_end = [{len(actions) * (k + 1) for k in range(runs - 1)} for actions in one_run]
+    unpaired = [_unpaired_passes(actions, in_flight_chunks(r, lay, per_run), runs)
+                if lay.ep_comm_overlap and lay.ep > 1 else set() for r, actions in enumerate(one_run)]
     cursor = [0] * p
     spans: list[Span] = []
     num_stages = p * v
@@ -165,6 +179,8 @@ def predicted_timeline(res: StepResult, max_spans: int = 20000) -> Timeline:
             while cursor[r] < len(order[r]):
                 a = order[r][cursor[r]]
                 chunk = res.stages[r].chunks[a.stage // p]
+                if cursor[r] in unpaired[r]:
+                    chunk = chunk.showing_ep()
                 if a.kind == "F":
                     deps = [("F", a.micro_batch, a.stage - 1)] if a.stage > 0 else []
                 elif a.kind == "BW":

@@ -155,3 +155,40 @@ def test_schedule_runs_that_do_not_divide_the_batch_are_refused_naming_the_field
     case["training"]["schedule_runs"] = runs
     with pytest.raises(SpecError, match="training.schedule_runs"):
         estimate(case)
+
+
+def _moe_case(pp, gb, overlap):
+    return {"name": "moe", "model": {"layers": 8, "hidden": 2048, "heads": 16, "kv_heads": 16, "ffn": 4096,
+                                     "vocab": 32000, "seq_len": 2048, "experts": 16, "top_k": 2},
+            "training": {"global_batch": gb, "micro_batch": 1, "recompute": "none", "zero_stage": 1,
+                         "sequence_parallel": False, "ep_comm_overlap": overlap},
+            "parallel": {"dp": 16, "tp": 1, "pp": pp, "cp": 1, "ep": 16, "pp_schedule": "1f1b"},
+            "cluster": {"chip": "h100", "num_chips": 16 * pp, "chips_per_node": 8}}
+
+
+def test_ep_overlap_hides_nothing_with_one_micro_batch():
+    # the overlap pairs one micro-batch's forward with another's backward: alone, each shows its all-to-all,
+    # and only the compute slowdown charged for the overlap is left between the two
+    from planner.costs import overlap_slowdown
+    on, off = estimate(_moe_case(1, 16, True)).result, estimate(_moe_case(1, 16, False)).result
+    hidden = on.stages[0].ep_hidden_s
+    assert hidden > 0 and on.micro_batches == 1
+    assert on.step_time_s - off.step_time_s == pytest.approx(overlap_slowdown(on.chip) * hidden, rel=1e-6)
+
+
+def test_ep_overlap_shows_the_all_to_all_of_the_warm_up_and_drain_passes():
+    # 1F1B on p = 4 stages, 8 micro-batches: stage i runs p - i - 1 warm-up forwards and one more before
+    # its first backward, and drains as many backwards alone (Narayanan et al. 2021 sec. 2.2.1): those
+    # show their all-to-all, the rest hide it. The last stage (the logits make it the slowest) paces the
+    # step with one unpaired forward and backward; the fill and drain before and after it are the other
+    # three stages' passes, all unpaired
+    est = estimate(_moe_case(4, 128, True))
+    res = est.result
+    crit = res.stages[res.extra["critical_stage"]]
+    exposed = sum(n * c.exposed_s for ch in crit.chunks for lc, n in ch.layer_costs
+                  for c in lc.fwd_comms + lc.bwd_comms if c.group == "ep")
+    assert res.micro_batches == 8 and crit.ep_hidden_s > 0 and res.extra["critical_stage"] == 3
+    shown = 1 * crit.ep_hidden_s + sum(s.ep_hidden_s for s in res.stages[:3])
+    assert res.breakdown["ep_comm"] == pytest.approx(8 * exposed + shown, rel=1e-9)
+    # the list-scheduled timeline, each pass with its own all-to-all shown or hidden, takes as long
+    assert est.timeline.meta["simulated_step_s"] == pytest.approx(res.step_time_s, rel=1e-9)

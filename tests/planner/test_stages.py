@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from planner.api import estimate
+from planner.api import estimate, search
 from planner.case import Layout, parse_case
 from planner.costs import layer_cost, logits_cost, mtp_extra_cost
 from planner.flops import layer_matmul_params, layer_params, matmul_flops_per_token, mtp_proj_params
@@ -124,3 +124,12 @@ def test_an_mtp_module_costs_one_layer_its_own_ops_and_one_more_head_per_micro_b
                        + sum(logits_cost(m, lay, chip, "bf16")))
     added = b.step_time_s - a.step_time_s - (b.breakdown["optimizer"] - a.breakdown["optimizer"])
     assert added == pytest.approx(4 * per_micro_batch, rel=1e-9)
+
+
+def test_the_explanation_says_the_split_is_the_runs_own_and_compares_against_one_stage():
+    case = _case(pp_layout="Et|(tt|)*30mL")
+    case["training"]["recompute"] = "full"  # 114 GB per chip without it
+    report = search(case, top=1)
+    pp = next(w for w in report.ranked[0].explanation if w.startswith("PP=8"))
+    assert "interleaved-1f1b with v=4, the layers split as the run states" in pp
+    assert "would need" in pp  # one stage holding all 61 layers and the MTP module does not fit
