@@ -18,6 +18,13 @@ from planner.models import ModelSpec, SpecError
 from planner.stages import check_layout, expand_layout
 
 RECOMPUTE = ("none", "selective", "selective-op", "full")
+# What "selective" runs again before each layer's backward, by Megatron-Core's module names
+# (TransformerConfig.recompute_modules, default ["core_attn"]): "core_attn" the attention kernel,
+# "mla_up_proj" MLA's query and key/value up-projections, "layernorm" the two pre-norms, "mlp" a dense
+# layer's MLP, "shared_experts" an MoE layer's shared experts, "moe_act" the routed experts' activation.
+# (Megatron's "moe", the whole MoE layer with its all-to-alls, is not modelled.)
+RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "layernorm", "mlp", "shared_experts", "moe_act")
+DEFAULT_RECOMPUTE_MODULES = ("core_attn",)
 SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe", "zb-h1")
 DTYPES = ("bf16", "fp16", "fp8")
 OPTIMIZERS = ("adam", "sgd", "adafactor")
@@ -80,6 +87,7 @@ class Training:
     # micro-batches run either way.
     schedule_runs: int | None = None
     recompute: str | None = None
+    recompute_modules: tuple[str, ...] | None = None  # RECOMPUTE_MODULES under "selective"; None: ["core_attn"]
     dtype: str = "bf16"
     optimizer: str = "adam"
     zero_stage: int | None = None
@@ -156,6 +164,7 @@ class Layout:
     ssm_cp: str = "state"
     schedule_runs: int = 1  # Training.schedule_runs
     pp_layout: str | None = None  # Parallel.pp_layout
+    recompute_modules: tuple[str, ...] = DEFAULT_RECOMPUTE_MODULES  # what "selective" runs again
 
     @property
     def num_chips(self) -> int:
@@ -280,6 +289,7 @@ def parse_case(data) -> Case:
         micro_batch=_int(t, "micro_batch", "training", required=False),
         schedule_runs=_int(t, "schedule_runs", "training", required=False),
         recompute=_choice(t, "recompute", "training", RECOMPUTE),
+        recompute_modules=_recompute_modules(t, model),
         dtype=_choice(t, "dtype", "training", DTYPES, "bf16"),
         optimizer=_choice(t, "optimizer", "training", OPTIMIZERS, "adam"),
         zero_stage=zero, attention=_choice(t, "attention", "training", ATTENTION_KERNELS),
@@ -288,6 +298,8 @@ def parse_case(data) -> Case:
         fusion=_choice(t, "fusion", "training", FUSION), **flags,
     )
 
+    if training.recompute_modules and training.recompute is None:
+        training = replace(training, recompute="selective")
     p = _check_keys(data.get("parallel", {}), {f.name for f in fields(Parallel)}, "parallel")
     parallel = Parallel(
         **{k: _int(p, k, "parallel", required=False)
@@ -314,6 +326,36 @@ def parse_case(data) -> Case:
     case = Case(model, training, parallel, cluster, name)
     check_fixed(case)
     return case
+
+
+def _recompute_modules(block: dict, model: ModelSpec) -> tuple[str, ...] | None:
+    """The stated modules of selective recomputation, checked against the recompute mode and the model."""
+    v = block.get("recompute_modules")
+    if v is None:
+        return None
+    field = "training.recompute_modules"
+    if not isinstance(v, list) or not v or not all(isinstance(x, str) for x in v):
+        raise SpecError(field, f"must be a non-empty list of {RECOMPUTE_MODULES} or null, got {v!r}")
+    unknown = [x for x in v if x not in RECOMPUTE_MODULES]
+    if unknown:
+        hint = (" (the whole MoE layer, all-to-alls included, is not modelled: name \"moe_act\" and "
+                "\"shared_experts\", or use recompute \"full\")" if "moe" in unknown else "")
+        raise SpecError(field, f"unknown {unknown}; use {RECOMPUTE_MODULES}{hint}")
+    if len(set(v)) != len(v):
+        raise SpecError(field, f"names a module twice: {v}")
+    if block.get("recompute") not in (None, "selective"):
+        raise SpecError(field, f"applies to recompute \"selective\" (or null), not {block.get('recompute')!r}")
+    if model.layer_pattern:
+        raise SpecError(field, "is not modelled for a layer pattern; use recompute \"selective\" without it")
+    needs = {"mla_up_proj": (model.is_mla, "an MLA model (kv_lora_rank > 0)"),
+             "mlp": (not model.is_moe or model.dense_layers > 0, "dense MLP layers"),
+             "shared_experts": (model.shared_experts > 0, "shared experts"),
+             "moe_act": (model.is_moe, "routed experts")}
+    for name in v:
+        ok, what = needs.get(name, (True, ""))
+        if not ok:
+            raise SpecError(field, f"{name!r} needs {what}; this model has none")
+    return tuple(v)
 
 
 def _with_pp_layout(parallel: Parallel, text, model: ModelSpec) -> Parallel:

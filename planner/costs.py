@@ -373,11 +373,14 @@ def _elementwise(m: ModelSpec, lay: Layout, moe, tokens: float) -> dict[str, flo
     eager = lay.fusion == "eager"
     if moe is True:
         ffn = m.ffn * (m.top_k + m.shared_experts) / t
+        routed = m.ffn * m.top_k / t
     else:
         ffn = 0.0 if moe == ATTENTION else m.dense_ffn_ / t
+        routed = 0.0
     out = {"norm_fwd": blocks * 4 * h / sp, "norm_bwd": blocks * 6 * h / sp}
     if m.mlp == "gelu":
-        out["point_fwd"] = blocks * (15 if eager else 7) * h / sp + (8 if eager else 4) * ffn
+        act_fwd = 8 if eager else 4
+        out["point_fwd"] = blocks * (15 if eager else 7) * h / sp + act_fwd * ffn
         out["point_bwd"] = blocks * (10 if eager else 5) * h / sp + (8 if eager else 6) * ffn
     else:
         rope_elements = (m.heads + m.kv_heads) * hd / t if moe != MLP else 0.0
@@ -395,9 +398,13 @@ def _elementwise(m: ModelSpec, lay: Layout, moe, tokens: float) -> dict[str, flo
                                 + kernels.EAGER_BYTES["rope_fwd"] * rope_elements)
             out["eager_bwd"] = (kernels.EAGER_BYTES["norm_bwd"] * norm_elements
                                 + kernels.EAGER_BYTES["rope_bwd"] * rope_elements)
+            out["eager_norm_fwd"] = kernels.EAGER_BYTES["norm_fwd"] * norm_elements
     if moe is True:
         out["point_fwd"] += 4 * m.top_k * h
         out["point_bwd"] += 4 * m.top_k * h
+    # parts of point_fwd and eager_fwd that selective recomputation may run again (`_selective_recompute_s`)
+    out["act_fwd_routed"] = act_fwd * routed
+    out["act_fwd_dense"] = act_fwd * (ffn - routed)
     return {k: v * tokens for k, v in out.items()}
 
 
@@ -545,7 +552,8 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
         attn_bwd_s = (sum(f(chip, "bf16", g) for g in (qk_g, pv_g) for f in (_dgrad_s, _wgrad_s))
                       + kernels.norm_s(chip, 4 * scores, backward=True) + dropout)
 
-    ew_fwd_s, ew_bwd_s = _memory_bound_s(chip, _elementwise(m, lay, moe, tokens), gemms, dtype)
+    ew = _elementwise(m, lay, moe, tokens)
+    ew_fwd_s, ew_bwd_s = _memory_bound_s(chip, ew, gemms, dtype)
 
     gemm_fwd, gemm_dgrad, gemm_wgrad = _gemm_times(chip, dtype, gemms)
     fwd_s = sum(gemm_fwd.values()) + attn_fwd_s + ew_fwd_s
@@ -604,13 +612,7 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
     if lay.recompute == "full":
         recompute_s = fwd_s
     elif lay.recompute == "selective":
-        # Korthikanti et al. 2022 sec. 4.2: recompute the attention core (its scores and softmax), whatever
-        # kernel computes it: Megatron-Core's recompute_granularity "selective" checkpoints the core
-        # attention module by default (recompute_modules ["core_attn"]; attention.py runs it through
-        # _checkpointed_attention_forward, FlashAttention / cuDNN kernels included), so with a flash kernel
-        # its forward runs again. (torchtitan's "selective" is another policy, op-level SAC: every second
-        # matmul and the memory-bound ops again, the case format's "selective-op".)
-        recompute_s = attn_fwd_s
+        recompute_s = _selective_recompute_s(chip, lay, moe, gemm_fwd, attn_fwd_s, ew)
     elif lay.recompute == "selective-op":
         recompute_s = _op_sac_recompute_s(m, moe, gemm_fwd, ew_fwd_s)
     else:
@@ -620,6 +622,33 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
     if moe is True:
         flops += 2.0 * tokens * m.top_k * lp.experts / m.experts / t
     return LayerCost(fwd_s, bwd_s, recompute_s, tuple(fwd_comms), tuple(bwd_comms), flops, act_bytes, wgrad_s)
+
+
+def _selective_recompute_s(chip: Chip, lay: Layout, moe, gemm_fwd: dict[str, float], attn_fwd_s: float,
+                           ew: dict[str, float]) -> float:
+    """The forward work Megatron-Core's selective recomputation runs again before a layer's backward, by
+    module (`lay.recompute_modules`, planner.case.RECOMPUTE_MODULES):
+      core_attn       the attention core, whatever kernel computes it (Korthikanti et al. 2022 sec. 4.2;
+                      Megatron-Core runs it through _checkpointed_attention_forward, flash and cuDNN kernels
+                      included; the default module)
+      mla_up_proj     MLA's q and kv up-projection GEMMs
+      layernorm       the pre-norms
+      mlp             a dense layer's MLP GEMMs and activation; shared_experts the same in an MoE layer
+      moe_act         the routed experts' activation
+    A recomputed dense MLP's own TP collectives, which run again with it, are not charged (3 of DeepSeek-V3's
+    61 layers). (torchtitan's "selective" is another policy, op-level SAC: every second matmul and the
+    memory-bound ops again, the case format's "selective-op".)"""
+    mods = lay.recompute_modules
+    out = attn_fwd_s if "core_attn" in mods else 0.0
+    if "mla_up_proj" in mods:
+        out += gemm_fwd.get("q up", 0.0) + gemm_fwd.get("kv up", 0.0)
+    if "layernorm" in mods:
+        out += kernels.norm_s(chip, ew["norm_fwd"]) + kernels.eager_s(chip, ew.get("eager_norm_fwd", 0.0))
+    if ("mlp" in mods and moe is not True) or ("shared_experts" in mods and moe is True):
+        out += gemm_fwd.get("fc1", 0.0) + gemm_fwd.get("fc2", 0.0) + kernels.pointwise_s(chip, ew["act_fwd_dense"])
+    if "moe_act" in mods:
+        out += kernels.pointwise_s(chip, ew["act_fwd_routed"])
+    return out
 
 
 def _op_sac_recompute_s(m: ModelSpec, kind, gemm_fwd: dict[str, float], memory_bound_fwd_s: float,

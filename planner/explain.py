@@ -79,7 +79,8 @@ def explain(res: StepResult, best: StepResult | None = None) -> list[str]:
         words.append(f"DP={lay.dp} with {zero[lay.zero_stage]}; gradient sync shows "
                      f"{_pct(bd['dp_comm'], step)}{z3}.")
     rc = {"none": "No recomputation: the activations fit",
-          "selective": "Selective recomputation (attention core only)",
+          "selective": ("Selective recomputation (attention core only)" if lay.recompute_modules == ("core_attn",)
+                        else f"Selective recomputation of {', '.join(lay.recompute_modules)}"),
           "selective-op": "Op-level selective recomputation (every second matmul and the memory-bound ops)",
           "full": "Full recomputation: only layer inputs are kept"}[lay.recompute]
     words.append(f"{rc}; peak memory {res.memory.total_bytes / 1e9:.1f} of {res.chip.hbm_bytes / 1e9:.0f} GB "

@@ -328,12 +328,14 @@ def model_flops(m: ModelSpec, tokens: float, causal: bool = False) -> float:
     return 3.0 * forward_flops(m, tokens, causal)
 
 
-def hardware_flops(m: ModelSpec, tokens: float, recompute: str) -> float:
+def hardware_flops(m: ModelSpec, tokens: float, recompute: str, modules: tuple[str, ...] = ("core_attn",)) -> float:
     """FLOPs the chips execute: model FLOPs plus what recomputation repeats.
 
     full: every layer's forward again, the multi-token prediction modules' too (the logits are not
-    recomputed); selective: only the attention score/softmax part (Korthikanti et al. 2022, sec. 4.2);
-    selective-op: every second matmul of each layer (`op_sac_matmuls`).
+    recomputed); selective: the matmuls of the `modules` it runs again (planner.case.RECOMPUTE_MODULES):
+    core_attn the attention score/softmax part (Korthikanti et al. 2022, sec. 4.2), mla_up_proj MLA's up-
+    projections, mlp the dense layers' MLPs, shared_experts the shared experts (the norms and activations
+    are no matmuls); selective-op: every second matmul of each layer (`op_sac_matmuls`).
     """
     layers_fwd = tokens * (matmul_flops_per_token(m) - 2.0 * output_heads(m) * m.vocab * m.hidden
                            + ssm_flops_per_token(m))
@@ -341,12 +343,27 @@ def hardware_flops(m: ModelSpec, tokens: float, recompute: str) -> float:
     if recompute == "full":
         return model_flops(m, tokens) + layers_fwd + attn_fwd
     if recompute == "selective":
-        return model_flops(m, tokens) + attn_fwd
+        return model_flops(m, tokens) + tokens * _selective_flops_per_token(m, modules)
     if recompute == "selective-op":
         again = sum(n * op_sac_recomputed_params(m, k) for k, n in kind_counts(m))
         again += m.mtp_layers * op_sac_recomputed_params(m, mtp_kind(m)) if m.mtp_layers else 0
         return model_flops(m, tokens) + 2.0 * tokens * again
     return model_flops(m, tokens)
+
+
+def _selective_flops_per_token(m: ModelSpec, modules: tuple[str, ...]) -> float:
+    """Forward matmul FLOPs per token that selective recomputation of `modules` repeats (`hardware_flops`)."""
+    out = attention_flops_per_token(m) if "core_attn" in modules else 0.0
+    layers = m.layers + m.mtp_layers
+    if "mla_up_proj" in modules:
+        out += 2.0 * layers * (m.q_lora_rank * m.heads * (m.head_dim_ + m.rope_head_dim)
+                               + m.kv_lora_rank * 2 * m.heads * m.head_dim_)
+    if "mlp" in modules:
+        dense = m.dense_layers if m.is_moe else m.layers
+        out += 2.0 * dense * _mlp_params(m, m.dense_ffn_)
+    if "shared_experts" in modules and m.is_moe:
+        out += 2.0 * (layers - m.dense_layers) * m.shared_experts * _mlp_params(m, m.ffn)
+    return out
 
 
 def megatron_flops(m: ModelSpec, global_batch: int) -> float:

@@ -41,7 +41,7 @@ from dataclasses import dataclass, replace
 from hardware.chips import Chip, get_chip
 from hardware.kernels import FLASH_KERNELS
 from planner import costs
-from planner.case import SSM_CP, Case, Layout, layout_tp_ok, recipe, ssm_alltoall_ok
+from planner.case import DEFAULT_RECOMPUTE_MODULES, SSM_CP, Case, Layout, layout_tp_ok, recipe, ssm_alltoall_ok
 from planner.flops import mtp_kind, output_heads
 from planner.memory import layer_kind_counts, memory_per_chip
 from planner.models import SpecError
@@ -145,7 +145,8 @@ def candidate_layouts(case: Case, chip: Chip) -> Iterator[Layout]:
                     sps = [t.sequence_parallel] if t.sequence_parallel is not None else [tp > 1]
                     for sp, ssm_cp in itertools.product(sps, _ssm_cp_variants(case, tp, cp)):
                         yield Layout(dp, tp, pp, cp, ep, sched, v, b, 0, "none", bool(sp and tp > 1),
-                                     **how, ssm_cp=ssm_cp, schedule_runs=runs, pp_layout=p.pp_layout)
+                                     **how, ssm_cp=ssm_cp, schedule_runs=runs, pp_layout=p.pp_layout,
+                                     recompute_modules=t.recompute_modules or DEFAULT_RECOMPUTE_MODULES)
 
 
 def _ssm_cp_variants(case: Case, tp: int, cp: int) -> list[str]:

@@ -160,6 +160,10 @@ def layer_activation_bytes(m: ModelSpec, lay: Layout, moe, *, recompute: str | N
     not needed by any backward (a norm's backward reads its input, a SwiGLU's or GELU's its own input).
     The attention output is the exception: a FlashAttention kernel's backward reads it, so it stays in
     bf16 beside the output projection's fp8 copy (3 bytes).
+    Selective recomputation keeps only the inputs of the modules it runs again (`lay.recompute_modules`):
+    core_attn the materialised scores, mla_up_proj MLA's full-width Q, K and V (the latents stay),
+    layernorm the norm outputs (the QKV and MLP inputs; the norm inputs stay), mlp / shared_experts the
+    MLP internals, moe_act the routed experts' activation output (fc2's input).
     """
     recompute = recompute or lay.recompute
     t, cp = lay.tp, lay.cp
@@ -181,20 +185,29 @@ def layer_activation_bytes(m: ModelSpec, lay: Layout, moe, *, recompute: str | N
     # Q, K, V, attention output (the output projection's input; a flash kernel keeps its own bf16 copy for
     # its backward, so under fp8 it is held twice: bf16 for the kernel, fp8 for the projection)
     out_bytes = saved + (2 if saved != 2 and lay.attention in FLASH_KERNELS else 0)
-    attn_split = 2 * sb * (q_w + 2 * kv_w) + out_bytes * sb * q_w if has_attn else 0.0
+    modules = lay.recompute_modules if recompute == "selective" else ()
+    if "layernorm" in modules:
+        replicated -= saved * blocks_in * sb * h
+    qkv = 2 * sb * (q_w + 2 * kv_w) + (2 * sb * 2 * m.heads * m.rope_head_dim if m.is_mla else 0.0)
+    if "mla_up_proj" in modules:
+        qkv = 0.0
+    attn_split = qkv + out_bytes * sb * q_w if has_attn else 0.0
     if m.is_mla:
-        attn_split += saved * sb * (m.kv_lora_rank + m.q_lora_rank) + 2 * sb * 2 * m.heads * m.rope_head_dim
+        attn_split += saved * sb * (m.kv_lora_rank + m.q_lora_rank)
     ffn = m.ffn if moe else m.dense_ffn_
     # GELU / squared ReLU: its input and fc2's input (2 x 2sbf); SwiGLU: gate, up and down's input (3 x 2sbf);
     # plus the MLP input (a GEMM input)
     mlp_one = ((4 if m.mlp == "swiglu" else 2) + saved) * sb * ffn + saved * sb * h
     mlp_split = mlp_one - saved * sb * h if has_mlp else 0.0  # the MLP input is already counted as replicated
+    if ("mlp" in modules and moe is not True) or ("shared_experts" in modules and moe is True):
+        mlp_split = 0.0
     if moe is True:
         # each token's copies at its top_k experts (balanced routing), plus the shared experts
-        mlp_split = m.top_k * mlp_one + m.shared_experts * mlp_split + 4 * sb * m.experts
+        routed = mlp_one - (saved * sb * m.ffn if "moe_act" in modules else 0.0)
+        mlp_split = m.top_k * routed + m.shared_experts * mlp_split + 4 * sb * m.experts
     if not has_attn:
         scores = 0.0
-    elif lay.attention == "materialized" and recompute != "selective":
+    elif lay.attention == "materialized" and "core_attn" not in modules:
         scores = 5 * m.heads * sb * m.seq_len
     elif lay.attention in FLASH_KERNELS:
         scores = 4 * sb * m.heads

@@ -178,7 +178,8 @@ def test_attention_kernels_order_as_measured():
 
 @pytest.mark.parametrize("field, value", [("grad_reduce_overlap", "yes"), ("tp_comm_overlap", 1),
                                           ("attention", "sdpa"), ("ep_comm_overlap", "no"),
-                                          ("fusion", "compiled"), ("schedule_runs", 0)])
+                                          ("fusion", "compiled"), ("schedule_runs", 0),
+                                          ("recompute_modules", ["moe"])])
 def test_bad_recipe_values_exit_2_naming_the_field(tmp_path, capsys, field, value):
     path = tmp_path / "c.json"
     path.write_text(json.dumps(_case(**{field: value})))

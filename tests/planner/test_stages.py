@@ -2,6 +2,7 @@
 prediction modules, checked against hand-worked splits and DeepSeek-V3's published parameter count."""
 
 import copy
+import json
 from dataclasses import replace
 
 import pytest
@@ -133,3 +134,11 @@ def test_the_explanation_says_the_split_is_the_runs_own_and_compares_against_one
     pp = next(w for w in report.ranked[0].explanation if w.startswith("PP=8"))
     assert "interleaved-1f1b with v=4, the layers split as the run states" in pp
     assert "would need" in pp  # one stage holding all 61 layers and the MTP module does not fit
+
+
+def test_a_bad_layout_exits_2_from_the_cli(tmp_path, capsys):
+    from planner.__main__ import main
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(_case(pp_layout="Et|(tt|)*30L")))
+    assert main(["estimate", str(path)]) == 2
+    assert "parallel.pp_layout" in capsys.readouterr().err

@@ -1,0 +1,117 @@
+"""Selective recomputation by module (Megatron-Core's recompute_modules): what each module runs again,
+what it stops keeping, its FLOPs, and the case-format checks."""
+
+import pytest
+
+from hardware import kernels
+from hardware.chips import get_chip
+from planner.case import Layout, parse_case
+from planner.costs import layer_cost
+from planner.flops import hardware_flops, model_flops
+from planner.memory import layer_activation_bytes
+from planner.models import MODEL_PRESETS, SpecError
+
+DSV3 = MODEL_PRESETS["DeepSeek-V3"]
+H100 = get_chip("h100")
+T, TP = 4096, 2  # tokens of one micro-batch; tensor parallel with sequence parallelism
+
+
+def _lay(*modules):
+    return Layout(dp=64, tp=TP, pp=1, ep=64, sequence_parallel=True, attention="flash3",
+                  recompute="selective" if modules else "none", recompute_modules=modules or ("core_attn",))
+
+
+def _recompute_s(kind, *modules):
+    return layer_cost(DSV3, _lay(*modules), H100, "bf16", kind, 8).recompute_s
+
+
+def test_each_module_runs_its_own_forward_again():
+    q_up = kernels.matmul_s(H100, "bf16", T, 1536, 128 * 192 / TP)  # q rank -> 128 heads of 128 + 64 rope
+    kv_up = kernels.matmul_s(H100, "bf16", T, 512, 128 * 256 / TP)  # kv rank -> K and V of 128 heads of 128
+    assert _recompute_s(True, "mla_up_proj") == pytest.approx(q_up + kv_up, rel=1e-12)
+    # two RMSNorms, read x + write y in bf16 over the sequence-parallel shard
+    norms = kernels.norm_s(H100, 2 * 4 * 7168 / TP * T)
+    assert _recompute_s(True, "layernorm") == pytest.approx(norms, rel=1e-12)
+    # SwiGLU reads gate and up, writes their product: 6 bytes per element of the 8 routed copies
+    assert _recompute_s(True, "moe_act") == pytest.approx(kernels.pointwise_s(H100, 6 * 8 * 2048 / TP * T), rel=1e-12)
+    # a dense layer's MLP: its three GEMMs and activation; the shared expert is the same in an MoE layer
+    fc1 = kernels.matmul_s(H100, "bf16", T, 7168, 2 * 18432 / TP)
+    fc2 = kernels.matmul_s(H100, "bf16", T, 18432 / TP, 7168)
+    act = kernels.pointwise_s(H100, 6 * 18432 / TP * T)
+    assert _recompute_s(False, "mlp") == pytest.approx(fc1 + fc2 + act, rel=1e-12)
+    assert _recompute_s(True, "mlp") == 0.0  # "mlp" is the dense layers' module
+    assert _recompute_s(True, "shared_experts") > 0.0
+    both = _recompute_s(True, "mla_up_proj", "layernorm")
+    assert both == pytest.approx(_recompute_s(True, "mla_up_proj") + _recompute_s(True, "layernorm"), rel=1e-12)
+
+
+def test_each_module_stops_keeping_what_it_recomputes():
+    sb, h = T, 7168
+
+    def kept(kind, *modules):
+        return layer_activation_bytes(DSV3, _lay(*modules), kind)
+
+    # MLA's full-width Q, K, V (128 heads of 128 + 64 rope for Q and K, 128 for V) and the rope parts of Q and K
+    qkv = 2 * sb * (128 * 128 + 2 * 128 * 128) + 2 * sb * 2 * 128 * 64
+    assert kept(True) - kept(True, "mla_up_proj") == pytest.approx(qkv / TP)
+    assert kept(True) - kept(True, "layernorm") == pytest.approx(2 * 2 * sb * h / TP)  # the QKV and MLP inputs
+    assert kept(True) - kept(True, "moe_act") == pytest.approx(8 * 2 * sb * 2048 / TP)  # fc2's input, 8 copies
+    # a dense layer keeps gate, up and fc2's input of its 18432-wide MLP
+    assert kept(False) - kept(False, "mlp") == pytest.approx((4 + 2) * sb * 18432 / TP)
+
+
+def test_recomputed_matmul_flops():
+    tokens = 1000.0
+    # MLA up-projections per token per layer: q 1536 x 128 x 192 and kv 512 x 128 x 256 weights, 2 FLOPs each,
+    # over 61 layers and the MTP module's
+    up = 2 * 62 * (1536 * 128 * 192 + 512 * 128 * 256)
+    assert hardware_flops(DSV3, tokens, "selective", ("mla_up_proj",)) - model_flops(DSV3, tokens) == \
+        pytest.approx(tokens * up, rel=1e-12)
+    dense = 2 * 3 * 3 * 7168 * 18432  # the 3 dense layers' SwiGLU MLPs
+    assert hardware_flops(DSV3, tokens, "selective", ("mlp",)) - model_flops(DSV3, tokens) == \
+        pytest.approx(tokens * dense, rel=1e-12)
+    assert hardware_flops(DSV3, tokens, "selective", ("layernorm", "moe_act")) == model_flops(DSV3, tokens)
+
+
+def _case(**training):
+    return {"name": "v3", "model": {k: getattr(DSV3, k) for k in (
+                "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len", "experts", "top_k", "head_dim",
+                "shared_experts", "dense_layers", "dense_ffn", "q_lora_rank", "kv_lora_rank", "rope_head_dim")},
+            "training": {"global_batch": 512, "micro_batch": 1, "zero_stage": 1, **training},
+            "parallel": {"dp": 16, "tp": 2, "pp": 8, "cp": 1, "ep": 16},
+            "cluster": {"chip": "h100", "num_chips": 256}}
+
+
+def test_stated_modules_make_recompute_selective_and_reach_the_layout():
+    case = parse_case(_case(recompute_modules=["mla_up_proj", "mlp"]))
+    assert case.training.recompute == "selective" and case.training.recompute_modules == ("mla_up_proj", "mlp")
+    from planner.api import estimate
+    assert estimate(case).layout.recompute_modules == ("mla_up_proj", "mlp")
+
+
+@pytest.mark.parametrize("training, words", [
+    ({"recompute_modules": ["moe"]}, "not modelled"),
+    ({"recompute_modules": ["attention"]}, "unknown ['attention']"),
+    ({"recompute_modules": []}, "non-empty list"),
+    ({"recompute_modules": "core_attn"}, "non-empty list"),
+    ({"recompute_modules": ["layernorm", "layernorm"]}, "twice"),
+    ({"recompute_modules": ["layernorm"], "recompute": "full"}, "applies to recompute \"selective\""),
+])
+def test_bad_module_lists_name_the_field(training, words):
+    with pytest.raises(SpecError) as err:
+        parse_case(_case(**training))
+    assert err.value.field == "training.recompute_modules" and words in str(err.value)
+
+
+def test_a_module_the_model_does_not_have_is_refused():
+    dense = _case(recompute_modules=["mla_up_proj"])
+    for key in ("experts", "top_k", "shared_experts", "dense_layers", "q_lora_rank", "kv_lora_rank", "rope_head_dim"):
+        dense["model"].pop(key)
+    dense["parallel"]["ep"] = 1
+    with pytest.raises(SpecError, match="needs an MLA model"):
+        parse_case(dense)
+    dense["training"]["recompute_modules"] = ["moe_act"]
+    with pytest.raises(SpecError, match="needs routed experts"):
+        parse_case(dense)
+    assert parse_case({**dense, "training": {**dense["training"], "recompute_modules": ["mlp"]}})
+
