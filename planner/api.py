@@ -54,6 +54,8 @@ def chosen_fields(case: Case, res: StepResult) -> dict:
     for block, names in _CHOICE_FIELDS.items():
         given = case.parallel if block == "parallel" else case.training
         for name in names:
+            if name == "fp8_casts" and case.training.dtype != "fp8":
+                continue  # only fp8 GEMMs cast their operands
             if name == "ssm_cp" and not case.model.has_ssm:
                 continue  # only Mamba-2 layers have the choice
             if name == "schedule_runs" and res.layout.pp == 1:

@@ -61,6 +61,9 @@ RECIPE_DEFAULTS = {
     # torch.compile, Liger) in every framework's tuned recipe; "eager" where a run says so (PyTorch eager
     # RMSNorm and rotary: torchtitan with compile off)
     "fusion": "fused",
+    # how fp8 GEMMs get their operands (FP8_CASTS), for dtype "fp8": Transformer Engine's fused casts
+    # (Megatron-Core / NeMo) unless a run says torchao's dynamic scaling (torchtitan's Float8Linear)
+    "fp8_casts": "fused",
 }
 # "all_to_all": one copy of a token per routed expert, sent straight to the expert's rank (NCCL
 # all-to-all). "deepep": one copy per destination node over the network, forwarded to the experts' GPUs
@@ -69,7 +72,11 @@ EP_DISPATCH = ("all_to_all", "deepep")
 # "fused": each norm, rotary and gated activation one kernel over HBM; "eager": PyTorch eager modules, an
 # RMSNorm and a rotary embedding each a chain of elementwise kernels through fp32 (planner.costs._elementwise)
 FUSION = ("fused", "eager")
-RECIPE_FLAGS = tuple(k for k in RECIPE_DEFAULTS if k not in ("attention", "ep_dispatch", "fusion"))
+# "fused": Transformer Engine casts each GEMM input once, in a kernel that writes its transposed copy too
+# (planner.costs: read 2 + write 1 bytes per element); "dynamic": torchao.float8's tensorwise dynamic scaling,
+# an amax pass and a cast for every operand of every GEMM, the weight's in each pass too
+FP8_CASTS = ("fused", "dynamic")
+RECIPE_FLAGS = tuple(k for k in RECIPE_DEFAULTS if k not in ("attention", "ep_dispatch", "fusion", "fp8_casts"))
 # Context parallelism for Mamba-2 layers (planner.costs): "state" passes each rank's final SSM state to
 # the next rank; "alltoall" reshards sequence -> heads around the scan (Megatron-Core). Null: the search
 # tries both where they apply, else "state".
@@ -100,6 +107,7 @@ class Training:
     ep_comm_overlap: bool | None = None
     ep_dispatch: str | None = None  # EP_DISPATCH
     fusion: str | None = None  # FUSION
+    fp8_casts: str | None = None  # FP8_CASTS, with dtype "fp8"
     ssm_cp: str | None = None  # SSM_CP
 
 
@@ -161,6 +169,7 @@ class Layout:
     ep_comm_overlap: bool = False
     ep_dispatch: str = "all_to_all"
     fusion: str = "fused"
+    fp8_casts: str = "fused"
     ssm_cp: str = "state"
     schedule_runs: int = 1  # Training.schedule_runs
     pp_layout: str | None = None  # Parallel.pp_layout
@@ -295,9 +304,12 @@ def parse_case(data) -> Case:
         zero_stage=zero, attention=_choice(t, "attention", "training", ATTENTION_KERNELS),
         ssm_cp=_choice(t, "ssm_cp", "training", SSM_CP),
         ep_dispatch=_choice(t, "ep_dispatch", "training", EP_DISPATCH),
-        fusion=_choice(t, "fusion", "training", FUSION), **flags,
+        fusion=_choice(t, "fusion", "training", FUSION), fp8_casts=_choice(t, "fp8_casts", "training", FP8_CASTS),
+        **flags,
     )
 
+    if training.fp8_casts and training.dtype != "fp8":
+        raise SpecError("training.fp8_casts", f"applies to dtype \"fp8\", not {training.dtype!r}")
     if training.recompute_modules and training.recompute is None:
         training = replace(training, recompute="selective")
     p = _check_keys(data.get("parallel", {}), {f.name for f in fields(Parallel)}, "parallel")

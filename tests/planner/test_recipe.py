@@ -179,7 +179,7 @@ def test_attention_kernels_order_as_measured():
 @pytest.mark.parametrize("field, value", [("grad_reduce_overlap", "yes"), ("tp_comm_overlap", 1),
                                           ("attention", "sdpa"), ("ep_comm_overlap", "no"),
                                           ("fusion", "compiled"), ("schedule_runs", 0),
-                                          ("recompute_modules", ["moe"])])
+                                          ("recompute_modules", ["moe"]), ("fp8_casts", "delayed")])
 def test_bad_recipe_values_exit_2_naming_the_field(tmp_path, capsys, field, value):
     path = tmp_path / "c.json"
     path.write_text(json.dumps(_case(**{field: value})))
@@ -255,3 +255,32 @@ def test_the_triton_kernel_says_what_it_costs():
     words = estimate(_case(chip="a100-80gb", attention="flash-triton")).explanation
     assert any(w.startswith("Attention runs FlashAttention written in Triton") and "longer than with" in w
                for w in words)
+
+
+@pytest.mark.parametrize("m, k, n, measured, within", [
+    (4096, 8192, 16384, 1.39, 0.05),  # torchao/float8 README, H100, "Example 2 (large shapes)"
+    (1024, 2048, 1024, 0.80, 0.10),  # "Example 1 (small shapes)": launches, not modelled, weigh more here
+])
+def test_torchao_dynamic_fp8_linear_speedup_matches_its_microbenchmark(m, k, n, measured, within):
+    # a float8 linear (forward + backward: three GEMMs and torchao's casts) against the bf16 one
+    from hardware.chips import get_chip
+    from planner.costs import _dgrad_s, _fwd_s, _Gemm, _memory_bound_s, _wgrad_s
+    chip, g = get_chip("h100"), _Gemm("linear", m, k, n)
+    nothing_else = {"point_fwd": 0.0, "point_bwd": 0.0, "norm_fwd": 0.0, "norm_bwd": 0.0}
+
+    def gemms(dtype):
+        return _fwd_s(chip, dtype, g) + _dgrad_s(chip, dtype, g) + _wgrad_s(chip, dtype, g)
+
+    speedup = gemms("bf16") / (gemms("fp8") + sum(_memory_bound_s(chip, nothing_else, [g], "fp8", "dynamic")))
+    assert speedup == pytest.approx(measured, rel=within)
+    fused = gemms("bf16") / (gemms("fp8") + sum(_memory_bound_s(chip, nothing_else, [g], "fp8", "fused")))
+    assert fused > speedup  # Transformer Engine's fused casts move fewer bytes
+
+
+def test_fp8_casts_apply_to_fp8_and_are_reported_only_there():
+    with pytest.raises(SpecError, match="training.fp8_casts.*dtype"):
+        parse_case(_case(fp8_casts="dynamic"))
+    fp8 = estimate(_case(dtype="fp8"))
+    assert fp8.chosen["training"]["fp8_casts"] == "fused"
+    assert "fp8_casts" not in estimate(_case()).chosen["training"]
+    assert estimate(_case(dtype="fp8", fp8_casts="dynamic")).step_time_s > fp8.step_time_s
