@@ -82,6 +82,9 @@ def overlap_slowdown(chip: Chip) -> float:
     """Seconds of compute one hidden second of communication adds on `chip` (module docstring)."""
     return OVERLAP_SLOWDOWN if chip.kind == "gpu" else 0.0
 CAUSAL_FLASH_FRACTION = 0.5  # a causal flash kernel skips the masked upper triangle (Dao 2023, sec. 3.1)
+# a norm's HBM bytes per element of its bf16 input: forward reads x and writes y, backward reads x and dy and
+# writes dx (planner.costs._elementwise; Korthikanti et al. 2022's norm terms)
+NORM_FWD_BYTES, NORM_BWD_BYTES = 4, 6
 ACT_BYTES = 2  # bf16 activations (fp8 recipes keep bf16 activations between GEMMs: Transformer Engine)
 # Bytes per parameter of the update: Adam reads fp32 master, m, v, grad and writes master, m, v and the bf16
 # copy (4*4 + 4*3 + 2 = 30); SGD with momentum 4*3 + 4*2 = 20; Adafactor reads master and grad, writes
@@ -377,7 +380,7 @@ def _elementwise(m: ModelSpec, lay: Layout, moe, tokens: float) -> dict[str, flo
     else:
         ffn = 0.0 if moe == ATTENTION else m.dense_ffn_ / t
         routed = 0.0
-    out = {"norm_fwd": blocks * 4 * h / sp, "norm_bwd": blocks * 6 * h / sp}
+    out = {"norm_fwd": blocks * NORM_FWD_BYTES * h / sp, "norm_bwd": blocks * NORM_BWD_BYTES * h / sp}
     if m.mlp == "gelu":
         act_fwd = 8 if eager else 4
         out["point_fwd"] = blocks * (15 if eager else 7) * h / sp + act_fwd * ffn
@@ -769,7 +772,8 @@ def _mamba_layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chips_p
 
     sp = t if lay.sequence_parallel else 1
     conv_channels = (e + 2 * g * n) / t
-    ew = {"norm_fwd": tokens * (4 * h / sp + 6 * e / t), "norm_bwd": tokens * (6 * h / sp + 10 * e / t),
+    ew = {"norm_fwd": tokens * (NORM_FWD_BYTES * h / sp + 6 * e / t),
+          "norm_bwd": tokens * (NORM_BWD_BYTES * h / sp + 10 * e / t),
           "point_fwd": tokens * (6 * h / sp + 4 * conv_channels),  # residual add; conv read + write
           "point_bwd": tokens * (6 * h / sp + 6 * conv_channels)}  # conv: read x and dy, write dx
     ew_fwd_s, ew_bwd_s = _memory_bound_s(chip, ew, gemms, dtype, lay.fp8_casts)
@@ -847,7 +851,7 @@ def mtp_extra_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str) -> tuple[f
     tokens = lay.micro_batch * m.seq_len / lay.cp
     sp = lay.tp if lay.sequence_parallel else 1
     g = _Gemm("mtp proj", tokens, 2 * m.hidden, m.hidden / lay.tp)
-    norm_fwd, norm_bwd = 3 * 4 * m.hidden / sp * tokens, 3 * 6 * m.hidden / sp * tokens  # _elementwise's bytes
+    norm_fwd, norm_bwd = (3 * b * m.hidden / sp * tokens for b in (NORM_FWD_BYTES, NORM_BWD_BYTES))
     concat = 2 * 2 * m.hidden * ACT_BYTES / sp * tokens  # read and write both halves
     embed = embedding_s(m, lay, chip)
     fwd = _fwd_s(chip, dtype, g) + kernels.norm_s(chip, norm_fwd) + kernels.pointwise_s(chip, concat) + embed

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hardware.kernels import TRITON_FLASH_SLOWDOWN
+from planner.case import DEFAULT_RECOMPUTE_MODULES
 from planner.memory import memory_per_chip
 from planner.simulate import StepResult, simulate, usable_hbm_bytes
 
@@ -79,7 +80,8 @@ def explain(res: StepResult, best: StepResult | None = None) -> list[str]:
         words.append(f"DP={lay.dp} with {zero[lay.zero_stage]}; gradient sync shows "
                      f"{_pct(bd['dp_comm'], step)}{z3}.")
     rc = {"none": "No recomputation: the activations fit",
-          "selective": ("Selective recomputation (attention core only)" if lay.recompute_modules == ("core_attn",)
+          "selective": ("Selective recomputation (attention core only)"
+                        if lay.recompute_modules == DEFAULT_RECOMPUTE_MODULES
                         else f"Selective recomputation of {', '.join(lay.recompute_modules)}"),
           "selective-op": "Op-level selective recomputation (every second matmul and the memory-bound ops)",
           "full": "Full recomputation: only layer inputs are kept"}[lay.recompute]

@@ -88,15 +88,20 @@ def _mlp_params(m: ModelSpec, ffn: int) -> int:
     return (3 if m.mlp == "swiglu" else 2) * m.hidden * ffn
 
 
+def mla_up_proj_params(m: ModelSpec) -> int:
+    """MLA's up-projections from the latents: W_UQ (with the RoPE part; 0 without a Q latent), W_UK, W_UV."""
+    q_up = m.q_lora_rank * m.heads * (m.head_dim_ + m.rope_head_dim)
+    return q_up + m.kv_lora_rank * m.heads * 2 * m.head_dim_
+
+
 def attention_params(m: ModelSpec) -> int:
     d, n, k, hd = m.hidden, m.heads, m.kv_heads, m.head_dim_
     if m.is_mla:
         # DeepSeek-V2 (arXiv 2405.04434) sec. 2.1.2: W_DQ, W_UQ (with the RoPE part), W_DKV + W_KR,
         # W_UK, W_UV, W_O
-        q = (d * m.q_lora_rank + m.q_lora_rank * n * (hd + m.rope_head_dim)) if m.q_lora_rank \
-            else d * n * (hd + m.rope_head_dim)
-        kv = d * (m.kv_lora_rank + m.rope_head_dim) + m.kv_lora_rank * n * 2 * hd
-        return q + kv + n * hd * d
+        q_down = d * m.q_lora_rank if m.q_lora_rank else d * n * (hd + m.rope_head_dim)
+        kv_down = d * (m.kv_lora_rank + m.rope_head_dim)
+        return q_down + kv_down + mla_up_proj_params(m) + n * hd * d
     # Q: D->N*H, K and V: D->K*H each, O: N*H->D (Ainslie et al. 2023 for GQA)
     return d * n * hd + 2 * d * k * hd + n * hd * d
 
@@ -356,8 +361,7 @@ def _selective_flops_per_token(m: ModelSpec, modules: tuple[str, ...]) -> float:
     out = attention_flops_per_token(m) if "core_attn" in modules else 0.0
     layers = m.layers + m.mtp_layers
     if "mla_up_proj" in modules:
-        out += 2.0 * layers * (m.q_lora_rank * m.heads * (m.head_dim_ + m.rope_head_dim)
-                               + m.kv_lora_rank * 2 * m.heads * m.head_dim_)
+        out += 2.0 * layers * mla_up_proj_params(m)
     if "mlp" in modules:
         dense = m.dense_layers if m.is_moe else m.layers
         out += 2.0 * dense * _mlp_params(m, m.dense_ffn_)

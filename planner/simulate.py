@@ -73,17 +73,19 @@ class ChunkCost:
     layer_costs: tuple  # ((LayerCost, count), ...) of the layers in the chunk
     wgrad_s: float  # weight-gradient part of bwd_s (deferrable under ZB-H1)
 
+    def ep_hidden_s(self, direction: str) -> float:
+        """Expert all-to-all time hidden under another micro-batch's compute in one pass, "fwd" or "bwd"
+        (`ep_comm_overlap`)."""
+        return sum(n * (c.time_s - c.exposed_s) for lc, n in self.layer_costs
+                   for c in getattr(lc, f"{direction}_comms") if c.group == "ep")
+
     def showing_ep(self) -> ChunkCost:
         """The chunk as a pass with no other micro-batch beside it runs it: every expert all-to-all
         exposed (`unpaired_ep_s`)."""
         def shown(comms):
             return tuple(replace(c, exposed_s=c.time_s) if c.group == "ep" else c for c in comms)
 
-        def hidden(comms):
-            return sum(c.time_s - c.exposed_s for c in comms if c.group == "ep")
-
-        extra_f = sum(n * hidden(lc.fwd_comms) for lc, n in self.layer_costs)
-        extra_b = sum(n * hidden(lc.bwd_comms) for lc, n in self.layer_costs)
+        extra_f, extra_b = self.ep_hidden_s("fwd"), self.ep_hidden_s("bwd")
         layers = tuple((replace(lc, fwd_comms=shown(lc.fwd_comms), bwd_comms=shown(lc.bwd_comms)), n)
                        for lc, n in self.layer_costs)
         parts = {**self.parts, "ep_comm": self.parts["ep_comm"] + extra_f + extra_b}
@@ -119,8 +121,7 @@ class StageCost:
     def ep_hidden_s(self) -> float:
         """Expert all-to-all time hidden under another micro-batch's compute, forward + backward of one
         micro-batch through the stage (`ep_comm_overlap`)."""
-        return sum(n * (c.time_s - c.exposed_s) for ch in self.chunks for lc, n in ch.layer_costs
-                   for c in lc.fwd_comms + lc.bwd_comms if c.group == "ep")
+        return sum(ch.ep_hidden_s("fwd") + ch.ep_hidden_s("bwd") for ch in self.chunks)
 
 
 @dataclass(frozen=True)
@@ -366,7 +367,7 @@ def simulate(case: Case, lay: Layout, chip: Chip, memory: Memory | None = None) 
     runs = lay.schedule_runs  # each run of the schedule fills and drains the pipeline
     t_pipe = runs * pipeline_time_s(totals, lay.per_run(micro_batches), lay.virtual_stages, fill)
     crit = max(range(len(stages)), key=lambda i: totals[i])
-    ep_unpaired = runs * unpaired_ep_s([stages[g] for g in groups], lay, crit, lay.per_run(micro_batches))
+    ep_unpaired = runs * unpaired_ep_s(stages, lay, crit, lay.per_run(micro_batches))
     # stage i's last backward ends about i chunk-backwards before stage 0's: that is its slack
     reps = sorted(rep_total)
     dp_exposed = max(max(0.0, stages[i].dp_exposed_s - i * stages[i].bwd_s / lay.virtual_stages)

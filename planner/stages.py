@@ -73,12 +73,15 @@ def check_layout(chunks: tuple[str, ...], layers: int, mtp_layers: int, pp: int)
         raise ValueError("puts an MTP module (m) before a decoder layer (t); MTP follows the decoder")
 
 
-def layer_split(layers: int, stages: int, virtual: int = 1) -> list[list[int]]:
-    """Layers per model chunk for each stage, spread as evenly as possible (the first chunks take the
-    remainder): [stage][virtual chunk]."""
-    chunks = stages * virtual
+def _even_sizes(layers: int, chunks: int) -> list[int]:
+    """Layers per model chunk in model order, spread as evenly as possible (the first take the remainder)."""
     base, extra = divmod(layers, chunks)
-    sizes = [base + (1 if c < extra else 0) for c in range(chunks)]
+    return [base + (1 if c < extra else 0) for c in range(chunks)]
+
+
+def layer_split(layers: int, stages: int, virtual: int = 1) -> list[list[int]]:
+    """Layers per model chunk for each stage of the even split: [stage][virtual chunk]."""
+    sizes = _even_sizes(layers, stages * virtual)
     return [[sizes[c * stages + i] for c in range(virtual)] for i in range(stages)]
 
 
@@ -87,8 +90,7 @@ def model_chunks(layers: int, mtp_layers: int, pp: int, virtual: int, pp_layout:
                  ) -> tuple[Chunk, ...]:
     """Every chunk in model order; `pp_layout` the expanded layout (`expand_layout`), None the default."""
     if pp_layout is None:
-        split = layer_split(layers, pp, virtual)
-        sizes = [split[g % pp][g // pp] for g in range(pp * virtual)]
+        sizes = _even_sizes(layers, pp * virtual)
         last = pp * virtual - 1
         starts = [0, *accumulate(sizes)]
         return tuple(Chunk(starts[g], n, g == 0, mtp_layers if g == last else 0, g == last)
