@@ -43,7 +43,7 @@ from engine.mamba import Mamba2
 from engine.model import Attention, Block, Embed, Head, MoE, RMSNorm, SwiGLU, loss_fn
 from engine.optim import AdamW, adamw_
 from engine.ring_attention import block_backward, block_forward, expand_kv, merge, reduce_kv
-from hardware.this_machine import BLOCKING_MODES, CONTENDED_CAP_S, late_mode
+from hardware.this_machine import BLOCKING_MODES, CONTENDED_CAP_S, early_mode, late_mode
 
 # Message sizes of the communication sweep (bytes): the live models' collectives are 0.1-450 KB (the
 # whole-gradient all-reduce of cp and ep is 427 KB), where gloo's time is mostly per operation (thread
@@ -73,13 +73,19 @@ COMPUTE_GAP_S = 300e-6  # compute before each blocking operation: a unit of the 
 SYNC_GAPS_S = {BLOCKING_MODES[0]: 50e-6, BLOCKING_MODES[2]: 2e-3}
 SYNC_GAP_ROUNDS = 30
 SYNC_GAP_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")  # the live runs' blocking ones
-# A receive posted after its send (the "late" modes of send_recv): gloo's point-to-point is a rendezvous, so the
-# message moves only then (a pipeline's RECV, posted when its stage needs the tensor, long after the other
-# stage's SEND). Each pair's sender isends and computes LATE_SENDER_UNITS units of LATE_UNIT_S, its
-# receiver computes LATE_RECEIVER_UNITS units, then receives: its receive is posted while the sender still
-# computes, as in a pipeline's steady state. The roles alternate; LATE_ROUNDS timed receives per rank and size.
-# Timed with 1 .. world / 2 pairs at once (the others idle): on 2 cores a 1 KB late receive took 0.6-1.1 ms
-# with one sender computing and 4.5-6 ms with two (the sender's gloo thread waits for a core).
+# A pipeline's messages (send_recv's "late" and "early" modes, engine/calibrate._pipeline_messages). gloo's
+# point-to-point is a rendezvous, so a message moves only once its receive is posted too. Each pair's sender
+# isends and computes LATE_SENDER_UNITS units of LATE_UNIT_S; its receiver either computes LATE_RECEIVER_UNITS
+# units, then receives ("late": posted while the sender still computes, as a pipeline's RECV posted when its
+# stage needs the tensor, long after the other stage's SEND; timed from the receive's posting), or receives
+# first and waits while the sender computes those units before its isend ("early": a stage waiting for its
+# input; timed one way, from the isend's posting to the receive's return, with the sender's clock reading
+# carried in the message: perf_counter is the machine's monotonic clock, the same in every process). The
+# roles alternate; LATE_ROUNDS timed receives per rank, size and mode. Timed with 1 .. world / 2 pairs at
+# once (the others idle), each the median message (`_median_sample`): on 2 cores a 1 KB late receive took
+# 0.6-1.1 ms (means) with one sender computing and 4.5-6 ms with two (the sender's gloo thread waits for a
+# core); an early one 0.1-0.4 ms with one, against 0.8-1.1 ms for a ring shift of both ranks at once (the
+# receiver's threads are awake and the sender writes the message from its own thread).
 LATE_UNIT_S = 1e-3
 LATE_SENDER_UNITS, LATE_RECEIVER_UNITS = 3, 2
 LATE_ROUNDS = 20
@@ -481,18 +487,20 @@ def comm_task(ctx, group_sizes: list[int], sizes: tuple[int, ...] = COMM_SIZES, 
             out.append(_row(kind, n, ctx.world, nbytes, "contended", sums))
         if n % 2 == 0:
             for pairs in range(1, ctx.world // 2 + 1):
-                for nbytes, sums in _late_receives(me, members, group, sizes, pairs).items():
-                    out.append(_row("send_recv", n, ctx.world, nbytes, late_mode(pairs), sums))
+                for (mode, nbytes), sums in _pipeline_messages(me, members, group, sizes, pairs).items():
+                    out.append(_row("send_recv", n, ctx.world, nbytes, mode, sums))
     return out
 
 
-def _late_receives(me: int, members: list[int], group, sizes: tuple[int, ...], pairs: int,
-                   rounds: int = LATE_ROUNDS) -> dict[int, list]:
-    """{size: [wall seconds, CPU seconds, receives]} of receives posted after their send, while the sender
-    still computes (LATE_UNIT_S above): pairs of the group (local ranks 2i, 2i + 1) take turns sending.
-    Only the world's first `pairs` pairs (global ranks 2i, 2i + 1 for i < pairs) exchange, the other ranks
-    stay idle and return nothing: `pairs` senders compute while their receivers wait, which decides whether
-    the sender's gloo thread finds a free core to move the message on (late_mode)."""
+def _pipeline_messages(me: int, members: list[int], group, sizes: tuple[int, ...], pairs: int,
+                       rounds: int = LATE_ROUNDS) -> dict[tuple[str, int], list]:
+    """{(mode, size): [wall seconds, CPU seconds, receives]} of a pipeline's messages while the sender
+    computes on (LATE_UNIT_S above): receives posted after their send (`late_mode`, timed from the posting)
+    and before it (`early_mode`, timed from the isend's posting, the receiver's CPU share over its wait).
+    Pairs of the group (local ranks 2i, 2i + 1) take turns sending, the sizes round-robin. Only the world's
+    first `pairs` pairs (global ranks 2i, 2i + 1 for i < pairs) exchange, the other ranks stay idle and
+    return nothing: `pairs` senders compute, which decides whether a gloo thread finds a free core to move
+    the message on. Each number is the median message (`_median_sample`)."""
     import torch.distributed as dist
 
     from engine.comm import Comm
@@ -502,16 +510,25 @@ def _late_receives(me: int, members: list[int], group, sizes: tuple[int, ...], p
     peer = members[me ^ 1]
     active = members[me] // 2 < pairs
     unit, _ = _fixed_compute(LATE_UNIT_S)
-    sums = {}
-    for nbytes in sizes:
+    dist.barrier()
+    if not active:
         dist.barrier()
-        if not active:
-            continue
-        msg, buf = torch.ones(max(1, nbytes // 4)), torch.empty(max(1, nbytes // 4))
-        acc = sums[nbytes] = [0.0, 0.0, 0]
-        for i in range(2 * (rounds + 1)):  # the first round of each role is a warm-up
+        return {}
+    # float64: the early messages carry the sender's clock reading in their first element
+    bufs = {nbytes: (torch.ones(max(1, nbytes // 8), dtype=torch.float64),
+                     torch.empty(max(1, nbytes // 8), dtype=torch.float64)) for nbytes in sizes}
+    samples: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for i in range(2 * (rounds + 1)):  # the first round of each role is a warm-up
+        for nbytes, (msg, buf) in bufs.items():
             if (i + me) % 2 == 0:
                 work = comm.send(msg, peer, name="send late", async_op=True, group="pp")
+                for _ in range(LATE_SENDER_UNITS):
+                    unit()
+                work.wait()
+                for _ in range(LATE_RECEIVER_UNITS):
+                    unit()
+                msg[0] = time.perf_counter()
+                work = comm.send(msg, peer, name="send early", async_op=True, group="pp")
                 for _ in range(LATE_SENDER_UNITS):
                     unit()
                 work.wait()
@@ -521,13 +538,35 @@ def _late_receives(me: int, members: list[int], group, sizes: tuple[int, ...], p
                 cpu0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
                 comm.recv(buf, peer, name="recv late", group="pp")
                 wall, cpu1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
+                late = (wall, cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime)
+                cpu0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+                comm.recv(buf, peer, name="recv early", group="pp")
+                t1, cpu1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+                one_way = max(0.0, t1 - float(buf[0]))
+                share = min(1.0, (cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime) / max(t1 - t0, 1e-9))
                 if i >= 2:
-                    acc[0] += wall
-                    acc[1] += cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime
-                    acc[2] += 1
+                    samples.setdefault((late_mode(pairs), nbytes), []).append(late)
+                    samples.setdefault((early_mode(pairs), nbytes), []).append((one_way, share * one_way))
+                for _ in range(LATE_SENDER_UNITS):  # as the sender did after its late send
+                    unit()
             comm.recorder.take()
     dist.barrier()
-    return sums
+    return {key: _median_sample(values) for key, values in samples.items()}
+
+
+def _median_sample(values: list[tuple[float, float]]) -> list:
+    """[wall seconds, CPU seconds, 1] of the median sample by wall (the two middle ones averaged).
+
+    A pipeline message's time here is a narrow body and a tail of scheduler stalls that comes in spells: 20
+    one-way 1 KB early messages on 2 ranks read 0.14 ms on average in one run of them and 1.07 or 1.55 ms in
+    others, their medians 0.13-0.43 ms; whole calibrations put the 20-message mean at 0.09-1.5 ms. The
+    engine's own pipeline messages in a 1F1B run (bench/bench_live_prediction.py's default pp run, 40-45
+    each way) read 0.14-0.22 ms mean, 0.09-0.11 ms median: the calibration's spells are not the run's, and
+    its mean moved the run's predicted step by a third. The median holds still across calibrations."""
+    ranked = sorted(values)
+    mid = len(ranked) // 2
+    wall, cpu = ranked[mid] if len(ranked) % 2 else tuple((a + b) / 2 for a, b in zip(ranked[mid - 1], ranked[mid]))
+    return [wall, cpu, 1]
 
 
 def _under_compute(call, chunk) -> None:

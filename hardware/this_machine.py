@@ -88,7 +88,9 @@ class CommFit:
     calling thread), measured on the same calls as "sync". "late1", "late2", ... (`late_mode`, send_recv
     only): a receive posted after its send while the sender computes on, from the receive's posting
     (gloo's point-to-point is a rendezvous: the message moves only then), with that many of the world's
-    pairs exchanging at once, so that many senders computing (engine/calibrate._late_receives)."""
+    pairs exchanging at once, so that many senders computing (engine/calibrate._pipeline_messages).
+    "early1", "early2", ... (`early_mode`, send_recv only): a message sent to a receive already waiting, the
+    sender computing on after its isend, timed one way from the isend's posting to the receive's return."""
 
     alpha_s: float
     beta_s_per_byte: float
@@ -163,7 +165,14 @@ class Calibration:
     def late_fits(self, world: int, n: int) -> list[CommFit] | None:
         """The late receives (`late_mode`) of groups of `n` at `world`, with 1, 2, ... world / 2 senders
         computing, in that order; None when any of them was not measured."""
-        fits = [self.comm.get(comm_key(world, "send_recv", n, late_mode(k))) for k in range(1, world // 2 + 1)]
+        return self._by_senders(world, n, late_mode)
+
+    def early_fits(self, world: int, n: int) -> list[CommFit] | None:
+        """The messages sent to a waiting receive (`early_mode`), as `late_fits`."""
+        return self._by_senders(world, n, early_mode)
+
+    def _by_senders(self, world: int, n: int, mode) -> list[CommFit] | None:
+        fits = [self.comm.get(comm_key(world, "send_recv", n, mode(k))) for k in range(1, world // 2 + 1)]
         return fits if fits and None not in fits else None
 
     def probe_result(self):
@@ -210,6 +219,11 @@ def comm_key(world: int, kind: str, n: int, mode: str) -> str:
 def late_mode(senders: int) -> str:
     """The send_recv mode of a receive posted after its send while `senders` ranks compute (CommFit)."""
     return f"late{senders}"
+
+
+def early_mode(senders: int) -> str:
+    """The send_recv mode of a message sent to a receive already waiting, `senders` ranks computing."""
+    return f"early{senders}"
 
 
 # -- the machine and its cache file ----------------------------------------------------------------------
@@ -267,10 +281,12 @@ def load(key: str, now_s: float | None = None) -> tuple[Calibration | None, str]
     missing = [op for op in COMPUTE_FITS if op not in cal.compute]
     if cal.reference_s <= 0:
         missing.append("the reference Block its speed is checked against")
-    # a receive posted after its send (engine/calibrate._late_receives), timed on every even world's pairs,
-    # with each number of them exchanging at once
+    # a pipeline's messages (engine/calibrate._pipeline_messages), timed on every even world's pairs, with
+    # each number of them exchanging at once
     if any(cal.late_fits(w, 2) is None for w in cal.worlds if w % 2 == 0):
         missing.append("a receive posted after its send")
+    if any(cal.early_fits(w, 2) is None for w in cal.worlds if w % 2 == 0):
+        missing.append("a message sent to a waiting receive")
     if missing:
         return None, (f"the calibration has no timing of {', '.join(missing)} (an older ShardLab measured it); "
                       "measuring again")
@@ -555,6 +571,11 @@ def summary_lines(cal: Calibration) -> list[str]:
             lines.append(f"{w} ranks: a 1 KB message whose receive is posted after its send arrives "
                          + ", ".join(f"{f.seconds(1024) * 1e3:.1f} ms after the receive with {k} sender"
                                      f"{'s' if k > 1 else ''} computing" for k, f in enumerate(late, 1)))
+        early = cal.early_fits(w, 2)
+        if early:
+            lines.append(f"{w} ranks: a 1 KB message sent to a receive already waiting arrives "
+                         + ", ".join(f"{f.seconds(1024) * 1e3:.2f} ms after its send with {k} sender"
+                                     f"{'s' if k > 1 else ''} computing" for k, f in enumerate(early, 1)))
     if cal.reference_s > 0:
         lines.append(f"the reference Block (the engine's default layer, forward + backward) took "
                      f"{cal.reference_s * 1e3:.2f} ms alone; each prediction times it again and scales compute by "

@@ -13,9 +13,10 @@ Each rank runs a list of operations in order:
                                         while none does (gloo barely progresses under its ranks' compute)
     Wait(handle)                        blocks until that asynchronous operation has completed
     Send(name, dst, key, seconds)       posts a message (isend): it arrives `seconds` after it is sent,
-                                        and not before `late_s` after its receive is posted (a tuple:
-                                        its k-th entry when k cores' worth of work (computing ranks,
-                                        busy gloo threads) is wanted then, the last for more);
+                                        and not before `late_s` after its receive is posted (either may
+                                        be a tuple: its k-th entry when k cores' worth of work (computing
+                                        ranks, busy gloo threads) is wanted as the second of the two is
+                                        posted, the last for more);
                                         with `handle`, Wait(handle) blocks the sender until it has arrived
     Recv(name, src, key)                posts the receive and blocks until the message with `key` has
                                         arrived
@@ -24,10 +25,11 @@ Point-to-point is a rendezvous, as gloo's is: a message moves only once its rece
 receive posted long after the send still waits for the transfer (`late_s`, default `seconds`). Measured
 here: a receive posted 20 ms after its send took 0.5 ms for 1 KB (0.3 ms when posted first) and 1.7 ms
 for 1 MB (1.5 ms); the sender's wait on its isend returned only once the receive was posted (20.8 ms).
-How long that late transfer takes depends on whether the sender's gloo thread finds a core: on 2 cores
-0.6-1.1 ms with one sender computing, 4.5-6 ms with two (engine/calibrate._late_receives), so `late_s`
-may give it by how busy the cores are when the receive is posted (computing ranks and gloo threads, as
-below).
+How long either takes depends on whether a gloo thread finds a core: on 2 cores a late 1 KB transfer took
+0.6-1.1 ms with one sender computing, 4.5-6 ms with two, a message to a waiting receive 0.1-0.2 ms with one
+and about 3 ms with two (engine/calibrate._pipeline_messages), so `seconds` and `late_s` may give it by how
+busy the cores are when the second side is posted (computing ranks and gloo threads, as below; a sender
+computing right after its isend counts).
 
 The cores are shared as a processor-sharing server: while k ranks compute and c communication
 operations keep a thread busy (weight `cpu` each), a computing rank progresses at min(1, cores /
@@ -78,7 +80,7 @@ class Send:
     name: str
     dst: int
     key: tuple
-    seconds: float
+    seconds: float | tuple[float, ...]  # a tuple: by the load as it is matched, as `late_s`
     nbytes: int = 0
     group_name: str = "pp"
     micro_batch: int | None = None
@@ -192,15 +194,21 @@ def simulate(programs: dict[int, list], cores: float,
         spans.append(Span(src, "comm", op.name, sent, end, bytes=op.nbytes, group=op.group_name, is_async=True,
                           micro_batch=op.micro_batch))
 
-    def match(mid: tuple) -> None:
-        """Once a message's send and receive are both posted: when it arrives, and its span."""
+    def match(mid: tuple, sender_computes: bool = False) -> None:
+        """Once a message's send and receive are both posted: when it arrives, and its span. A sender that
+        computes right after its isend counts as computing (it is between two operations now)."""
         if mid in arrivals or mid not in sends or mid not in receives:
             return
         sent, _, op = sends[mid]
-        late = op.seconds if op.late_s is None else op.late_s
-        if isinstance(late, tuple):  # by how busy the cores are as the receive is posted
-            late = late[min(max(round(load(running())), 1), len(late)) - 1]
-        arrivals[mid] = max(sent + op.seconds, receives[mid] + late)
+        busy = max(round(load(running()) + sender_computes), 1)  # cores' worth of work wanted now, at least 1
+
+        def by_load(value):  # a tuple by how busy the cores are as the second side is posted
+            return value[min(busy, len(value)) - 1] if isinstance(value, tuple) else value
+
+        arrival = sent + by_load(op.seconds)
+        if receives[mid] > sent:  # a late receive: the rendezvous moves the message only now
+            arrival = max(arrival, receives[mid] + by_load(op.seconds if op.late_s is None else op.late_s))
+        arrivals[mid] = arrival
         send_span(mid, arrivals[mid])
 
     def advance(r: int) -> None:
@@ -258,7 +266,7 @@ def simulate(programs: dict[int, list], cores: float,
                 sends[mid] = (t, r, op)
                 if op.handle is not None:
                     send_handles[(r, op.handle)] = mid
-                match(mid)
+                match(mid, pc[r] + 1 < len(prog) and isinstance(prog[pc[r] + 1], Compute))
                 pc[r] += 1
                 continue
             if isinstance(op, Recv):

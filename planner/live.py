@@ -50,7 +50,16 @@ from core.schedules import (
 from core.ssd import state_correction_flops
 from core.timeline import Timeline, bubble_spans, intersection_seconds, span_kind, union_seconds
 from hardware.collectives import ring_sent_bytes
-from hardware.this_machine import BLOCKING_MODES, Calibration, CalibrationError, comm_key, late_mode, scan_steps, work
+from hardware.this_machine import (
+    BLOCKING_MODES,
+    Calibration,
+    CalibrationError,
+    comm_key,
+    early_mode,
+    late_mode,
+    scan_steps,
+    work,
+)
 from planner.eventsim import Collective, Compute, Recv, Send, Wait, simulate
 
 F32 = 4
@@ -256,10 +265,16 @@ class _Costs:
         key = comm_key(self.cfg.world, kind, _nearest(n, self._sizes(kind, "post")), "post")
         return self.cal.comm.get(key)
 
-    def message_s(self, group: int, nbytes: float) -> float:
-        """A pipeline message's delivery while the other ranks compute: the calibrated ring shift of the
-        pipeline's ranks (each sends to its next and receives from its previous one, after compute). Not
-        read at the sender's compute before it: the receiver usually waits for it, its threads awake."""
+    def message_s(self, group: int, nbytes: float) -> float | tuple[float, ...]:
+        """A point-to-point message's delivery from its isend when its receive is already waiting: the
+        calibrated early messages of a pair (send_recv's early modes: one way, the sender computing on) with
+        1, 2, ... senders computing at once (planner.eventsim.Send picks by the load on the cores then). A
+        calibration that predates them gives the ring shift of the group's ranks instead (each sends to its
+        next and receives from its previous one after compute: 3-7x the early message on 2 cores, as both
+        ranks post at once and wait for each other's threads)."""
+        fits = self.cal.early_fits(self.cfg.world, _nearest(group, self._sizes("send_recv", early_mode(1))))
+        if fits and group > 1:
+            return tuple(f.seconds(nbytes) for f in fits)
         return self.comm("ring_shift", group, nbytes)
 
     def late_s(self, group: int, nbytes: float) -> tuple[float, ...] | None:

@@ -48,6 +48,8 @@ def test_corrupt_calibration_is_measured_again_with_a_message(calibrated):
     assert set(cal.resume_s) == {2}
     # a receive posted after its send (a pipeline's RECV): gloo moves the message only then
     assert cal.comm[tm.comm_key(2, "send_recv", 2, tm.late_mode(1))].seconds(1024) > 0
+    # and one sent to a receive already waiting, timed one way with the sender's clock in the message
+    assert cal.comm[tm.comm_key(2, "send_recv", 2, tm.early_mode(1))].seconds(1024) > 0
     assert [f for f, _ in steps] == sorted(f for f, _ in steps) and steps[-1] == (1.0, "calibrated")
     again, messages = ensure_calibration([2])  # now from the cache
     assert messages == [] and again == cal

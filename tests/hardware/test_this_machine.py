@@ -15,7 +15,8 @@ def _cal(key="abc", created_s=1000.0, without=(), **kw) -> tm.Calibration:
                           compute=fits, engine_units={"step": 0.01},
                           compute_share={1: 1.0, 2: 1.1}, resume_s={2: 1.5e-4},
                           comm={tm.comm_key(2, "all_reduce", 2, "sync"): tm.CommFit(4e-4, 2e-9, 0.6, gap_s=3e-4),
-                                tm.comm_key(2, "send_recv", 2, tm.late_mode(1)): tm.CommFit(8e-4, 2e-9, 0.5)},
+                                tm.comm_key(2, "send_recv", 2, tm.late_mode(1)): tm.CommFit(8e-4, 2e-9, 0.5),
+                                tm.comm_key(2, "send_recv", 2, tm.early_mode(1)): tm.CommFit(2e-4, 2e-9, 0.5)},
                           probe={"matmul_flops_per_s": 5e10, "memory_bytes_per_s": 1e10, "threads": 1,
                                  "bf16_matmul_flops_per_s": 2e10}, worlds=[2], **{"reference_s": 1.5e-3, **kw})
 
@@ -74,15 +75,26 @@ def test_a_calibration_without_the_mamba_fit_is_measured_again_once(cache):
     tm.save(old)
     cal, why = tm.load("abc", now_s=1001.0)
     assert cal is None and "a receive posted after its send" in why and "measuring again" in why
+    # or before messages sent to a waiting receive were
+    old = _cal(created_s=1000.0)
+    del old.comm[tm.comm_key(2, "send_recv", 2, tm.early_mode(1))]
+    tm.save(old)
+    cal, why = tm.load("abc", now_s=1001.0)
+    assert cal is None and "a message sent to a waiting receive" in why and "measuring again" in why
     # or with one pair at a time only, at a world where two pairs can exchange at once
     four = _cal(created_s=1000.0)
     four.worlds = [2, 4]
-    four.comm[tm.comm_key(4, "send_recv", 2, tm.late_mode(1))] = tm.CommFit(8e-4, 2e-9, 0.5)
+    for mode in (tm.late_mode, tm.early_mode):
+        four.comm[tm.comm_key(4, "send_recv", 2, mode(1))] = tm.CommFit(8e-4, 2e-9, 0.5)
     tm.save(four)
     assert tm.load("abc", now_s=1001.0)[0] is None
     four.comm[tm.comm_key(4, "send_recv", 2, tm.late_mode(2))] = tm.CommFit(5e-3, 2e-9, 0.5)
     tm.save(four)
+    assert tm.load("abc", now_s=1001.0)[0] is None
+    four.comm[tm.comm_key(4, "send_recv", 2, tm.early_mode(2))] = tm.CommFit(3e-3, 2e-9, 0.5)
+    tm.save(four)
     assert tm.load("abc", now_s=1001.0)[0] == four
+    assert [f.alpha_s for f in four.early_fits(4, 2)] == [8e-4, 3e-3]
 
 
 def test_a_calibration_without_its_speed_reference_is_measured_again(cache):

@@ -81,6 +81,19 @@ def test_a_late_transfer_takes_longer_while_more_ranks_compute():
     assert received(3) == pytest.approx(1.5)
 
 
+def test_a_message_to_a_waiting_receive_takes_longer_while_more_ranks_compute():
+    # the receive waits first; the message's own time from its isend by the load as it is sent
+    def received(others: int) -> float:
+        progs = {0: [Compute("f", 1.0), Send("send act", 1, ("act", 0), (0.1, 0.5)), Compute("c", 2.0)],
+                 1: [Recv("recv act", 0, ("act", 0))]}
+        progs.update({r: [Compute("busy", 3.0)] for r in range(2, 2 + others)})
+        return simulate(progs, cores=8)[1][1]
+
+    assert received(0) == pytest.approx(1.1)  # the sender alone computes
+    assert received(1) == pytest.approx(1.5)
+    assert received(3) == pytest.approx(1.5)
+
+
 def test_ranks_share_the_cores():
     # two ranks computing 1 s each on one core: both at half speed, both end at 2 s
     _, ends = simulate({0: [Compute("a", 1.0)], 1: [Compute("b", 1.0)]}, cores=1)

@@ -16,7 +16,15 @@ from core.mesh import Mesh
 from core.timeline import Span, Timeline
 from engine.cli import config_from_args, run_parser
 from hardware.collectives import ring_sent_bytes
-from hardware.this_machine import BLOCKING_MODES, Calibration, CalibrationError, CommFit, comm_key, late_mode
+from hardware.this_machine import (
+    BLOCKING_MODES,
+    Calibration,
+    CalibrationError,
+    CommFit,
+    comm_key,
+    early_mode,
+    late_mode,
+)
 from planner.eventsim import Compute, Send
 from planner.live import WAITING, _Costs, _params, _Rank, compare, per_step_by_kind, predict
 
@@ -260,7 +268,7 @@ def test_state_passing_writes_the_engines_chain():
 def test_a_receive_posted_after_its_send_waits_the_late_transfer():
     # gloo's point-to-point is a rendezvous: GPipe's stage 1 posts each RECV when it needs the activation,
     # long after stage 0 sent it, and waits the calibrated late receive from there (engine/calibrate.
-    # _late_receives); the executor waits for its isends before the optimizer step
+    # _pipeline_messages); the executor waits for its isends before the optimizer step
     cfg = _cfg("--strategy pp --schedule gpipe --micro-batches 4 --world 2")
     late = dataclasses.replace(CAL, comm={**CAL.comm,
                                           comm_key(2, "send_recv", 2, late_mode(1)): CommFit(5e-3, 0.0, 0.5)})
@@ -268,9 +276,30 @@ def test_a_receive_posted_after_its_send_waits_the_late_transfer():
     base, pred = predict(cfg, base), predict(cfg, late)
     waits = [s.duration_s for s in _spans(pred, "recv act s1") if s.micro_batch > 0]
     assert len(waits) == 3 and min(waits) >= 5e-3 - 1e-12
-    assert pred.step_time_s > base.step_time_s + 3 * 5e-3 - 1e-9
+    # each of those receives waits 5 ms where it waited what it did without the late transfer
+    before = sum(s.duration_s for s in _spans(base, "recv act s1") if s.micro_batch > 0)
+    assert pred.step_time_s > base.step_time_s + 3 * 5e-3 - before - 1e-9
     finish = _spans(pred, "optimizer step", 0)[0].start_s
     assert finish >= max(s.end_s for s in _spans(pred, "send act s0")) - 1e-12
+
+
+def test_a_message_to_a_waiting_receive_takes_the_calibrated_early_message():
+    # 1F1B's stage 1 waits for its first activation from the start: it arrives the calibrated early message
+    # (engine/calibrate._pipeline_messages: one way, the sender computing on) after stage 0's isend; a
+    # calibration without early messages gives the group's ring shift instead
+    cfg = _cfg("--strategy pp --schedule 1f1b --micro-batches 4 --world 2")
+    for early in (2e-4, 4e-3):
+        cal = dataclasses.replace(CAL, comm={**CAL.comm,
+                                             comm_key(2, "send_recv", 2, early_mode(1)): CommFit(early, 0.0, 0.5)})
+        pred = predict(cfg, cal)
+        first = min(_spans(pred, "recv act s1"), key=lambda s: s.start_s)
+        sent = min(s.start_s for s in _spans(pred, "send act s0"))
+        assert first.start_s < sent and first.end_s == pytest.approx(sent + early)
+    shift = CAL.comm[comm_key(2, "ring_shift", 2, "sync")]
+    pred = predict(cfg, dataclasses.replace(CAL, comm={k: v for k, v in CAL.comm.items() if "/early" not in k}))
+    first = min(_spans(pred, "recv act s1"), key=lambda s: s.start_s)
+    sent = min(s.start_s for s in _spans(pred, "send act s0"))
+    assert first.end_s >= sent + shift.alpha_s - 1e-12
 
 
 def test_alltoall_switches_shards_twice_each_way():
