@@ -561,6 +561,17 @@ def sweep_figure(result: MachineLink) -> go.Figure:
     return fig
 
 
+def _timed_as(mode: str, gap_s: float) -> str:
+    """How the calibration timed an operation (hardware.this_machine.CommFit's modes), in words."""
+    for prefix, words in (("late", "receive posted after its send"), ("early", "sent to a receive already waiting")):
+        if mode.startswith(prefix) and mode[len(prefix):].isdigit():
+            k = int(mode[len(prefix):])
+            return f"{words}, {k} sender{'s' if k > 1 else ''} computing"
+    if mode.startswith("sync"):
+        return f"blocking, after {format_seconds(gap_s)} of compute"
+    return {"contended": "while its ranks compute", "post": "posting it (the rank is blocked)"}.get(mode, mode)
+
+
 def calibration_rows(cal) -> list[dict]:
     """This machine's calibration of gloo (hardware.this_machine.Calibration), one row per world, group
     size and operation: what the live prediction charges per operation."""
@@ -571,6 +582,7 @@ def calibration_rows(cal) -> list[dict]:
         if mode == "async":
             continue  # measured as bursts; planner/live.py derives one operation's time from them
         rows.append({"ranks": int(world[1:]), "group": int(n[1:]), "operation": kind.replace("_", " "),
+                     "timed": _timed_as(mode, fit.gap_s),
                      "α (per operation)": format_seconds(fit.alpha_s),
                      "β (ns per byte)": round(fit.beta_s_per_byte * 1e9, 3),
                      "CPU busy": f"{fit.cpu_fraction:.0%}"})

@@ -292,3 +292,8 @@ def test_calibration_rows_list_every_blocking_operation():
     assert {r["operation"] for r in rows} >= {"all reduce", "all gather", "reduce scatter", "all to all"}
     ar = next(r for r in rows if r["ranks"] == 2 and r["operation"] == "all reduce")
     assert ar["α (per operation)"].endswith("ms") or ar["α (per operation)"].endswith("µs")
+    # a pipeline's messages, each row saying how it was timed
+    timed = {r["timed"] for r in rows if r["ranks"] == 4 and r["group"] == 2 and r["operation"] == "send recv"}
+    assert {"receive posted after its send, 2 senders computing",
+            "sent to a receive already waiting, 1 sender computing"} <= timed
+    assert all(r["timed"] and not r["timed"].startswith(("late", "early", "sync")) for r in rows)
