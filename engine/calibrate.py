@@ -518,40 +518,49 @@ def _pipeline_messages(me: int, members: list[int], group, sizes: tuple[int, ...
     bufs = {nbytes: (torch.ones(max(1, nbytes // 8), dtype=torch.float64),
                      torch.empty(max(1, nbytes // 8), dtype=torch.float64)) for nbytes in sizes}
     samples: dict[tuple[str, int], list[tuple[float, float]]] = {}
+
+    def compute(units: int) -> None:
+        for _ in range(units):
+            unit()
+
+    def send(msg, name: str) -> None:  # isend, compute on, then wait for it
+        work = comm.send(msg, peer, name=name, async_op=True, group="pp")
+        compute(LATE_SENDER_UNITS)
+        work.wait()
+
+    def timed_recv(buf, name: str) -> tuple[float, float, float]:  # (posted, returned, process CPU seconds)
+        cpu0, t0 = _process_cpu_s(), time.perf_counter()
+        comm.recv(buf, peer, name=name, group="pp")
+        t1 = time.perf_counter()
+        return t0, t1, _process_cpu_s() - cpu0
+
     for i in range(2 * (rounds + 1)):  # the first round of each role is a warm-up
         for nbytes, (msg, buf) in bufs.items():
             if (i + me) % 2 == 0:
-                work = comm.send(msg, peer, name="send late", async_op=True, group="pp")
-                for _ in range(LATE_SENDER_UNITS):
-                    unit()
-                work.wait()
-                for _ in range(LATE_RECEIVER_UNITS):
-                    unit()
+                send(msg, "send late")
+                compute(LATE_RECEIVER_UNITS)
                 msg[0] = time.perf_counter()
-                work = comm.send(msg, peer, name="send early", async_op=True, group="pp")
-                for _ in range(LATE_SENDER_UNITS):
-                    unit()
-                work.wait()
+                send(msg, "send early")
             else:
-                for _ in range(LATE_RECEIVER_UNITS):
-                    unit()
-                cpu0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-                comm.recv(buf, peer, name="recv late", group="pp")
-                wall, cpu1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
-                late = (wall, cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime)
-                cpu0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-                comm.recv(buf, peer, name="recv early", group="pp")
-                t1, cpu1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+                compute(LATE_RECEIVER_UNITS)
+                t0, t1, cpu = timed_recv(buf, "recv late")
+                late = (t1 - t0, cpu)
+                t0, t1, cpu = timed_recv(buf, "recv early")
                 one_way = max(0.0, t1 - float(buf[0]))
-                share = min(1.0, (cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime) / max(t1 - t0, 1e-9))
+                share = min(1.0, cpu / max(t1 - t0, 1e-9))
                 if i >= 2:
                     samples.setdefault((late_mode(pairs), nbytes), []).append(late)
                     samples.setdefault((early_mode(pairs), nbytes), []).append((one_way, share * one_way))
-                for _ in range(LATE_SENDER_UNITS):  # as the sender did after its late send
-                    unit()
+                compute(LATE_SENDER_UNITS)  # as the sender did after its late send
             comm.recorder.take()
     dist.barrier()
     return {key: _median_sample(values) for key, values in samples.items()}
+
+
+def _process_cpu_s() -> float:
+    """This process's CPU seconds so far, all its threads (gloo's included), user and system."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _median_sample(values: list[tuple[float, float]]) -> list:
@@ -617,14 +626,13 @@ def _rounds(calls: dict, rounds: int, dist, gap_s: float) -> dict:
             for _ in range(min(COMM_BLOCK, rounds - block)):
                 for key, call in of_kind:
                     _busy(gap_s)
-                    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+                    cpu0 = _process_cpu_s()
                     t0 = time.perf_counter()
                     call()
                     wall = time.perf_counter() - t0
-                    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
                     acc = sums[key]
                     acc[0] += wall
-                    acc[1] += cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime
+                    acc[1] += _process_cpu_s() - cpu0
                     acc[2] += 1
     return sums
 

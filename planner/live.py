@@ -272,19 +272,22 @@ class _Costs:
         calibration that predates them gives the ring shift of the group's ranks instead (each sends to its
         next and receives from its previous one after compute: 3-7x the early message on 2 cores, as both
         ranks post at once and wait for each other's threads)."""
-        fits = self.cal.early_fits(self.cfg.world, _nearest(group, self._sizes("send_recv", early_mode(1))))
-        if fits and group > 1:
-            return tuple(f.seconds(nbytes) for f in fits)
-        return self.comm("ring_shift", group, nbytes)
+        early = self._by_senders_s(group, nbytes, self.cal.early_fits, early_mode)
+        return early if early else self.comm("ring_shift", group, nbytes)
 
     def late_s(self, group: int, nbytes: float) -> tuple[float, ...] | None:
         """A point-to-point message whose receive is posted after its send: the calibrated late receive of a
         pair (send_recv's late modes: the transfer from the receive's posting, the sender computing) with 1,
         2, ... senders computing at once (planner.eventsim.Send picks by the load on the cores then), or None
         when the calibration predates them (older files: the message's own time then)."""
+        return self._by_senders_s(group, nbytes, self.cal.late_fits, late_mode)
+
+    def _by_senders_s(self, group: int, nbytes: float, fits_of, mode) -> tuple[float, ...] | None:
+        """A pair's calibrated messages of `mode` (Calibration.late_fits / early_fits) at the nearest group size
+        timed, by senders computing; None for a group of one or a calibration without them."""
         if group <= 1:
             return None
-        fits = self.cal.late_fits(self.cfg.world, _nearest(group, self._sizes("send_recv", late_mode(1))))
+        fits = fits_of(self.cfg.world, _nearest(group, self._sizes("send_recv", mode(1))))
         return tuple(f.seconds(nbytes) for f in fits) if fits else None
 
     def _async_op_s(self, kind: str, n: int, nbytes: float, fit) -> float:
