@@ -80,15 +80,22 @@ SYNC_GAP_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")  #
 # stage needs the tensor, long after the other stage's SEND; timed from the receive's posting), or receives
 # first and waits while the sender computes those units before its isend ("early": a stage waiting for its
 # input; timed one way, from the isend's posting to the receive's return, with the sender's clock reading
-# carried in the message: perf_counter is the machine's monotonic clock, the same in every process). The
-# roles alternate; LATE_ROUNDS timed receives per rank, size and mode. Timed with 1 .. world / 2 pairs at
-# once (the others idle), each the median message (`_median_sample`): on 2 cores a 1 KB late receive took
-# 0.6-1.1 ms (means) with one sender computing and 4.5-6 ms with two (the sender's gloo thread waits for a
-# core); an early one 0.1-0.4 ms with one, against 0.8-1.1 ms for a ring shift of both ranks at once (the
-# receiver's threads are awake and the sender writes the message from its own thread).
+# carried in the message: perf_counter is the machine's monotonic clock, the same in every process); with
+# one pair, a third late receive whose sender blocks in its wait right after the isend ("late0": nothing
+# computing, as a stage that has sent its last activation and waits for a gradient). The roles alternate;
+# 3 x LATE_WINDOW_ROUNDS timed receives per rank, size and mode, with 1 .. world / 2 pairs at once (the
+# others idle), each mode and size the mean message (`_typical_messages`). On 2 cores a 1 KB late receive
+# took 0.6-1.1 ms (means) with one sender computing and 4.5-6 ms with two (the sender's gloo thread waits
+# for a core); an early one 0.1-0.4 ms with one, against 0.8-1.1 ms for a ring shift of both ranks at once
+# (the receiver's threads are awake and the sender writes the message from its own thread).
+# The slow messages come in spells of ~0.5-1 s (one-way 1 KB messages on 2 ranks, windows of 25: mean 0.09
+# ms in most, 0.5-0.9 ms in a run of them 1.5-2.1 s in); one calibration whose 1.3 s of messages fell in a
+# spell put the median late receive at 1.14 ms against 0.10-0.15 for the engine's own. So the rounds are
+# timed in three windows of LATE_WINDOW_ROUNDS spread over comm_task (before, between and after its other
+# operations, seconds apart), and each number is over all of them.
 LATE_UNIT_S = 1e-3
 LATE_SENDER_UNITS, LATE_RECEIVER_UNITS = 3, 2
-LATE_ROUNDS = 20
+LATE_WINDOW_ROUNDS = 7
 
 
 def comm_rounds(world: int) -> int:
@@ -460,8 +467,18 @@ def comm_task(ctx, group_sizes: list[int], sizes: tuple[int, ...] = COMM_SIZES, 
             for nbytes in sizes:
                 call = _comm_call(kind, n, me, members, nbytes, group, async_op=True)
                 bursts[(kind, nbytes)] = lambda call=call: burst(call)
+        messages: dict[tuple[str, int], list] = {}  # (mode, size): samples of three windows
+
+        def time_messages() -> None:
+            if n % 2 == 0:
+                for pairs in range(1, ctx.world // 2 + 1):
+                    for key, samples in _pipeline_messages(me, members, group, sizes, pairs).items():
+                        messages.setdefault(key, []).extend(samples)
+
+        time_messages()
         for (kind, nbytes), sums in _rounds(sync, rounds, dist, COMPUTE_GAP_S).items():
             out.append(_row(kind, n, ctx.world, nbytes, "sync", sums) | {"gap_s": COMPUTE_GAP_S})
+        time_messages()
         for (kind, nbytes), call in sync.items():
             if isinstance(call, _Shift):  # the posting of the same timed calls (after the two warm-up rounds)
                 posts = call.posts[2:]
@@ -485,22 +502,22 @@ def comm_task(ctx, group_sizes: list[int], sizes: tuple[int, ...] = COMM_SIZES, 
                 contended[(kind, nbytes)] = lambda call=call: _under_compute(call, chunk)
         for (kind, nbytes), sums in _rounds(contended, CONTENDED_ROUNDS, dist, COMPUTE_GAP_S).items():
             out.append(_row(kind, n, ctx.world, nbytes, "contended", sums))
-        if n % 2 == 0:
-            for pairs in range(1, ctx.world // 2 + 1):
-                for (mode, nbytes), sums in _pipeline_messages(me, members, group, sizes, pairs).items():
-                    out.append(_row("send_recv", n, ctx.world, nbytes, mode, sums))
+        time_messages()
+        for (mode, nbytes), sums in _typical_messages(messages).items():
+            out.append(_row("send_recv", n, ctx.world, nbytes, mode, sums))
     return out
 
 
 def _pipeline_messages(me: int, members: list[int], group, sizes: tuple[int, ...], pairs: int,
-                       rounds: int = LATE_ROUNDS) -> dict[tuple[str, int], list]:
-    """{(mode, size): [wall seconds, CPU seconds, receives]} of a pipeline's messages while the sender
+                       rounds: int = LATE_WINDOW_ROUNDS) -> dict[tuple[str, int], list]:
+    """{(mode, size): [(wall seconds, CPU seconds), ...]} of a pipeline's messages while the sender
     computes on (LATE_UNIT_S above): receives posted after their send (`late_mode`, timed from the posting)
-    and before it (`early_mode`, timed from the isend's posting, the receiver's CPU share over its wait).
-    Pairs of the group (local ranks 2i, 2i + 1) take turns sending, the sizes round-robin. Only the world's
-    first `pairs` pairs (global ranks 2i, 2i + 1 for i < pairs) exchange, the other ranks stay idle and
-    return nothing: `pairs` senders compute, which decides whether a gloo thread finds a free core to move
-    the message on. Each number is the median message (`_median_sample`)."""
+    and before it (`early_mode`, timed from the isend's posting, the receiver's CPU share over its wait);
+    with one pair, also receives posted after a send whose sender then blocks in its wait (`late_mode(0)`:
+    no rank computing). Pairs of the group (local ranks 2i, 2i + 1) take turns sending, the sizes
+    round-robin. Only the world's first `pairs` pairs (global ranks 2i, 2i + 1 for i < pairs) exchange, the
+    other ranks stay idle and return nothing: `pairs` senders compute, which decides whether a gloo thread
+    finds a free core to move the message on. `comm_task` sums up three calls (`_typical_messages`)."""
     import torch.distributed as dist
 
     from engine.comm import Comm
@@ -541,6 +558,8 @@ def _pipeline_messages(me: int, members: list[int], group, sizes: tuple[int, ...
                 compute(LATE_RECEIVER_UNITS)
                 msg[0] = time.perf_counter()
                 send(msg, "send early")
+                if pairs == 1:  # isend, then block in its wait until the late receive takes it
+                    comm.send(msg, peer, name="send late", async_op=True, group="pp").wait()
             else:
                 compute(LATE_RECEIVER_UNITS)
                 t0, t1, cpu = timed_recv(buf, "recv late")
@@ -552,9 +571,14 @@ def _pipeline_messages(me: int, members: list[int], group, sizes: tuple[int, ...
                     samples.setdefault((late_mode(pairs), nbytes), []).append(late)
                     samples.setdefault((early_mode(pairs), nbytes), []).append((one_way, share * one_way))
                 compute(LATE_SENDER_UNITS)  # as the sender did after its late send
+                if pairs == 1:
+                    compute(LATE_RECEIVER_UNITS)
+                    t0, t1, cpu = timed_recv(buf, "recv late")
+                    if i >= 2:
+                        samples.setdefault((late_mode(0), nbytes), []).append((t1 - t0, cpu))
             comm.recorder.take()
     dist.barrier()
-    return {key: _median_sample(values) for key, values in samples.items()}
+    return samples
 
 
 def _process_cpu_s() -> float:
@@ -563,15 +587,29 @@ def _process_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _median_sample(values: list[tuple[float, float]]) -> list:
-    """[wall seconds, CPU seconds, 1] of the median sample by wall (the two middle ones averaged).
+def _typical_messages(samples: dict[tuple[str, int], list[tuple[float, float]]]) -> dict[tuple[str, int], list]:
+    """{(mode, size): [wall seconds, CPU seconds, 1]}: the mean message of each mode and size, estimated as
+    its median plus the mode's mean stall (every sample of the mode, all sizes, over its own size's median).
 
-    A pipeline message's time here is a narrow body and a tail of scheduler stalls that comes in spells: 20
-    one-way 1 KB early messages on 2 ranks read 0.14 ms on average in one run of them and 1.07 or 1.55 ms in
-    others, their medians 0.13-0.43 ms; whole calibrations put the 20-message mean at 0.09-1.5 ms. The
-    engine's own pipeline messages in a 1F1B run (bench/bench_live_prediction.py's default pp run, 40-45
-    each way) read 0.14-0.22 ms mean, 0.09-0.11 ms median: the calibration's spells are not the run's, and
-    its mean moved the run's predicted step by a third. The median holds still across calibrations."""
+    A pipeline message here is a narrow body (0.1-0.2 ms on 2 cores at 1-128 KB) and a tail of stalls of a
+    scheduler tick (3-4 ms) that a run pays on average: late receives of 1 KB and 128 KB, 300 each, read
+    0.09-0.19 ms median and 0.6-1.2 ms mean with the sender blocked (six runs; p90 2.4-4.0 ms), 0.18-1.1 ms
+    mean with it computing; the engine's interleaved 1F1B at world 2 had its late receives at 0.12-0.20 ms
+    median, 1.15-1.19 ms mean with the sender idle and 0.57-0.76 with it computing. Twenty messages of one
+    size put the mean anywhere in 0.09-1.5 ms (one or two stalls more or less), and the median alone
+    predicted the world-2 pipeline schedules 20-50 % fast. The stall is the machine's, not the size's (the
+    same at 1 KB and 128 KB), so each mode pools its sizes' samples for it (3 windows x LATE_WINDOW_ROUNDS x
+    3 sizes per rank)."""
+    medians = {key: _median_sample(values) for key, values in samples.items()}
+    excess: dict[str, list[float]] = {}
+    for (mode, nbytes), values in samples.items():
+        excess.setdefault(mode, []).extend(wall - medians[(mode, nbytes)][0] for wall, _ in values)
+    return {(mode, nbytes): [wall + statistics.fmean(excess[mode]), cpu, n]
+            for (mode, nbytes), (wall, cpu, n) in medians.items()}
+
+
+def _median_sample(values: list[tuple[float, float]]) -> list:
+    """[wall seconds, CPU seconds, 1] of the median sample by wall (the two middle ones averaged)."""
     ranked = sorted(values)
     mid = len(ranked) // 2
     wall, cpu = ranked[mid] if len(ranked) % 2 else tuple((a + b) / 2 for a, b in zip(ranked[mid - 1], ranked[mid]))

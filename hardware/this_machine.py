@@ -88,7 +88,8 @@ class CommFit:
     calling thread), measured on the same calls as "sync". "late1", "late2", ... (`late_mode`, send_recv
     only): a receive posted after its send while the sender computes on, from the receive's posting
     (gloo's point-to-point is a rendezvous: the message moves only then), with that many of the world's
-    pairs exchanging at once, so that many senders computing (engine/calibrate._pipeline_messages).
+    pairs exchanging at once, so that many senders computing (engine/calibrate._pipeline_messages);
+    "late0" the same with one pair whose sender blocks in its wait after the isend (no rank computing).
     "early1", "early2", ... (`early_mode`, send_recv only): a message sent to a receive already waiting, the
     sender computing on after its isend, timed one way from the isend's posting to the receive's return."""
 
@@ -171,6 +172,11 @@ class Calibration:
         """The messages sent to a waiting receive (`early_mode`), as `late_fits`."""
         return self._by_senders(world, n, early_mode)
 
+    def idle_late_fit(self, world: int, n: int) -> CommFit | None:
+        """The late receive of groups of `n` at `world` while no rank computes (`late_mode(0)`: the sender
+        blocked in its wait), or None when not measured."""
+        return self.comm.get(comm_key(world, "send_recv", n, late_mode(0)))
+
     def _by_senders(self, world: int, n: int, mode) -> list[CommFit] | None:
         fits = [self.comm.get(comm_key(world, "send_recv", n, mode(k))) for k in range(1, world // 2 + 1)]
         return fits if fits and None not in fits else None
@@ -217,7 +223,8 @@ def comm_key(world: int, kind: str, n: int, mode: str) -> str:
 
 
 def late_mode(senders: int) -> str:
-    """The send_recv mode of a receive posted after its send while `senders` ranks compute (CommFit)."""
+    """The send_recv mode of a receive posted after its send while `senders` ranks compute (CommFit; 0:
+    the sender blocked in its wait)."""
     return f"late{senders}"
 
 
@@ -285,6 +292,8 @@ def load(key: str, now_s: float | None = None) -> tuple[Calibration | None, str]
     # each number of them exchanging at once
     if any(cal.late_fits(w, 2) is None for w in cal.worlds if w % 2 == 0):
         missing.append("a receive posted after its send")
+    if any(cal.idle_late_fit(w, 2) is None for w in cal.worlds if w % 2 == 0):
+        missing.append("a receive posted after its send with the sender blocked")
     if any(cal.early_fits(w, 2) is None for w in cal.worlds if w % 2 == 0):
         missing.append("a message sent to a waiting receive")
     if missing:
@@ -568,8 +577,11 @@ def summary_lines(cal: Calibration) -> list[str]:
                          f"{cal.resume_s.get(w, 0.0) * 1e3:.2f} ms longer right after communicating")
         late = cal.late_fits(w, 2)
         if late:
+            idle = cal.idle_late_fit(w, 2)
             lines.append(f"{w} ranks: a 1 KB message whose receive is posted after its send arrives "
-                         + ", ".join(f"{f.seconds(1024) * 1e3:.1f} ms after the receive with {k} sender"
+                         + (f"{idle.seconds(1024) * 1e3:.2f} ms after the receive with its sender blocked, "
+                            if idle else "")
+                         + ", ".join(f"{f.seconds(1024) * 1e3:.2f} ms with {k} sender"
                                      f"{'s' if k > 1 else ''} computing" for k, f in enumerate(late, 1)))
         early = cal.early_fits(w, 2)
         if early:

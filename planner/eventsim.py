@@ -16,7 +16,9 @@ Each rank runs a list of operations in order:
                                         and not before `late_s` after its receive is posted (either may
                                         be a tuple: its k-th entry when k cores' worth of work (computing
                                         ranks, busy gloo threads) is wanted as the second of the two is
-                                        posted, the last for more);
+                                        posted, the last for more; `idle_late_s`
+                                        when nothing is wanted then: the sender
+                                        blocked, no rank computing);
                                         with `handle`, Wait(handle) blocks the sender until it has arrived
     Recv(name, src, key)                posts the receive and blocks until the message with `key` has
                                         arrived
@@ -29,7 +31,10 @@ How long either takes depends on whether a gloo thread finds a core: on 2 cores 
 0.6-1.1 ms with one sender computing, 4.5-6 ms with two, a message to a waiting receive 0.1-0.2 ms with one
 and about 3 ms with two (engine/calibrate._pipeline_messages), so `seconds` and `late_s` may give it by how
 busy the cores are when the second side is posted (computing ranks and gloo threads, as below; a sender
-computing right after its isend counts).
+computing right after its isend counts). A late receive while nothing computes (its sender blocked in a wait
+or a receive of its own) has a calibrated time of its own, `idle_late_s`: its median is the same 0.1-0.2 ms,
+but a tenth or more of them wait a scheduler tick (3-4 ms) for the blocked sender's thread, 0.6-1.2 ms on
+average against 0.2-1.1 with the sender computing.
 
 The cores are shared as a processor-sharing server: while k ranks compute and c communication
 operations keep a thread busy (weight `cpu` each), a computing rank progresses at min(1, cores /
@@ -89,6 +94,7 @@ class Send:
     # moment (the k-th entry for k cores' worth of computing ranks and busy gloo threads, rounded; the first
     # for less, the last for more)
     late_s: float | tuple[float, ...] | None = None
+    idle_late_s: float | None = None  # its transfer when the receive is posted late while no work is wanted
 
 
 @dataclass
@@ -200,14 +206,17 @@ def simulate(programs: dict[int, list], cores: float,
         if mid in arrivals or mid not in sends or mid not in receives:
             return
         sent, _, op = sends[mid]
-        busy = max(round(load(running()) + sender_computes), 1)  # cores' worth of work wanted now, at least 1
+        wanted = round(load(running()) + sender_computes)  # cores' worth of work wanted now
+        busy = max(wanted, 1)
 
         def by_load(value):  # a tuple by how busy the cores are as the second side is posted
             return value[min(busy, len(value)) - 1] if isinstance(value, tuple) else value
 
         arrival = sent + by_load(op.seconds)
         if receives[mid] > sent:  # a late receive: the rendezvous moves the message only now
-            arrival = max(arrival, receives[mid] + by_load(op.seconds if op.late_s is None else op.late_s))
+            late = op.idle_late_s if wanted == 0 and op.idle_late_s is not None else \
+                by_load(op.seconds if op.late_s is None else op.late_s)
+            arrival = max(arrival, receives[mid] + late)
         arrivals[mid] = arrival
         send_span(mid, arrivals[mid])
 

@@ -282,6 +282,14 @@ class _Costs:
         when the calibration predates them (older files: the message's own time then)."""
         return self._by_senders_s(group, nbytes, self.cal.late_fits, late_mode)
 
+    def idle_late_s(self, group: int, nbytes: float) -> float | None:
+        """A late receive while no rank computes (send_recv's late0: the sender blocked in its wait), or
+        None when the calibration predates it (`late_s` then)."""
+        if group <= 1:
+            return None
+        fit = self.cal.idle_late_fit(self.cfg.world, _nearest(group, self._sizes("send_recv", late_mode(0))))
+        return fit.seconds(nbytes) if fit else None
+
     def _by_senders_s(self, group: int, nbytes: float, fits_of, mode) -> tuple[float, ...] | None:
         """A pair's calibrated messages of `mode` (Calibration.late_fits / early_fits) at the nearest group size
         timed, by senders computing; None for a group of one or a calibration without them."""
@@ -401,7 +409,7 @@ class _Rank:
         self._n += 1
         handle = f"h{self._n}"
         self.comm_op(Send(name, dst, key, self.costs.message_s(n, nbytes), int(nbytes), group, self.mb, handle,
-                          self.costs.late_s(n, nbytes)))
+                          self.costs.late_s(n, nbytes), self.costs.idle_late_s(n, nbytes)))
         return handle
 
     def wait(self, handle: str | None) -> None:

@@ -566,7 +566,7 @@ def _timed_as(mode: str, gap_s: float) -> str:
     for prefix, words in (("late", "receive posted after its send"), ("early", "sent to a receive already waiting")):
         if mode.startswith(prefix) and mode[len(prefix):].isdigit():
             k = int(mode[len(prefix):])
-            return f"{words}, {k} sender{'s' if k > 1 else ''} computing"
+            return f"{words}, {k} sender{'s' if k > 1 else ''} computing" if k else f"{words}, its sender blocked"
     if mode.startswith("sync"):
         return f"blocking, after {format_seconds(gap_s)} of compute"
     return {"contended": "while its ranks compute", "post": "posting it (the rank is blocked)"}.get(mode, mode)

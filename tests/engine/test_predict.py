@@ -50,6 +50,8 @@ def test_corrupt_calibration_is_measured_again_with_a_message(calibrated):
     assert cal.comm[tm.comm_key(2, "send_recv", 2, tm.late_mode(1))].seconds(1024) > 0
     # and one sent to a receive already waiting, timed one way with the sender's clock in the message
     assert cal.comm[tm.comm_key(2, "send_recv", 2, tm.early_mode(1))].seconds(1024) > 0
+    # and a late receive with its sender blocked in its wait
+    assert cal.idle_late_fit(2, 2).seconds(1024) > 0
     assert [f for f, _ in steps] == sorted(f for f, _ in steps) and steps[-1] == (1.0, "calibrated")
     again, messages = ensure_calibration([2])  # now from the cache
     assert messages == [] and again == cal
@@ -122,3 +124,18 @@ def test_the_speed_check_times_the_reference_on_the_runs_own_pool():
     pred = predicted(config_from_args(run_parser("x").parse_args(["--strategy", "dp", "--world", "2"])))
     assert pred["step_time_s"] > 0 and pred["speed_factor"] > 0
     assert set(launch._registry) == {("cpu", 2)}
+
+
+def test_a_pipeline_message_is_its_median_plus_the_modes_mean_stall():
+    # engine/calibrate._typical_messages: a scheduler tick's stall in one 1 KB late receive is the mode's,
+    # spread over all its samples (both sizes), and another mode's messages keep their own
+    from engine.calibrate import _typical_messages
+
+    samples = {("late1", 1024): [(1e-4, 5e-5), (1e-4, 5e-5), (4.1e-3, 1e-4)],
+               ("late1", 131072): [(2e-4, 1e-4)] * 3,
+               ("early1", 1024): [(1e-4, 0.0)] * 3}
+    out = _typical_messages(samples)
+    stall = 4e-3 / 6
+    assert out[("late1", 1024)] == [pytest.approx(1e-4 + stall), 5e-5, 1]
+    assert out[("late1", 131072)][0] == pytest.approx(2e-4 + stall)
+    assert out[("early1", 1024)][0] == pytest.approx(1e-4)

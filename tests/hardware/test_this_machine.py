@@ -16,6 +16,7 @@ def _cal(key="abc", created_s=1000.0, without=(), **kw) -> tm.Calibration:
                           compute_share={1: 1.0, 2: 1.1}, resume_s={2: 1.5e-4},
                           comm={tm.comm_key(2, "all_reduce", 2, "sync"): tm.CommFit(4e-4, 2e-9, 0.6, gap_s=3e-4),
                                 tm.comm_key(2, "send_recv", 2, tm.late_mode(1)): tm.CommFit(8e-4, 2e-9, 0.5),
+                                tm.comm_key(2, "send_recv", 2, tm.late_mode(0)): tm.CommFit(9e-4, 2e-9, 0.4),
                                 tm.comm_key(2, "send_recv", 2, tm.early_mode(1)): tm.CommFit(2e-4, 2e-9, 0.5)},
                           probe={"matmul_flops_per_s": 5e10, "memory_bytes_per_s": 1e10, "threads": 1,
                                  "bf16_matmul_flops_per_s": 2e10}, worlds=[2], **{"reference_s": 1.5e-3, **kw})
@@ -75,6 +76,13 @@ def test_a_calibration_without_the_mamba_fit_is_measured_again_once(cache):
     tm.save(old)
     cal, why = tm.load("abc", now_s=1001.0)
     assert cal is None and "a receive posted after its send" in why and "measuring again" in why
+    # or before a late receive with its sender blocked was
+    old = _cal(created_s=1000.0)
+    del old.comm[tm.comm_key(2, "send_recv", 2, tm.late_mode(0))]
+    tm.save(old)
+    cal, why = tm.load("abc", now_s=1001.0)
+    assert cal is None and "with the sender blocked" in why and "measuring again" in why
+    assert _cal().idle_late_fit(2, 2).alpha_s == 9e-4 and old.idle_late_fit(2, 2) is None
     # or before messages sent to a waiting receive were
     old = _cal(created_s=1000.0)
     del old.comm[tm.comm_key(2, "send_recv", 2, tm.early_mode(1))]
@@ -86,6 +94,7 @@ def test_a_calibration_without_the_mamba_fit_is_measured_again_once(cache):
     four.worlds = [2, 4]
     for mode in (tm.late_mode, tm.early_mode):
         four.comm[tm.comm_key(4, "send_recv", 2, mode(1))] = tm.CommFit(8e-4, 2e-9, 0.5)
+    four.comm[tm.comm_key(4, "send_recv", 2, tm.late_mode(0))] = tm.CommFit(9e-4, 2e-9, 0.4)
     tm.save(four)
     assert tm.load("abc", now_s=1001.0)[0] is None
     four.comm[tm.comm_key(4, "send_recv", 2, tm.late_mode(2))] = tm.CommFit(5e-3, 2e-9, 0.5)
@@ -256,7 +265,8 @@ def test_summary_lines_are_words():
     lines = tm.summary_lines(_cal())
     assert any("50.0 GFLOP/s fp32, 20.0 GFLOP/s bf16 (1 thread)" in line for line in lines)
     assert any("2 ranks" in line for line in lines)
-    assert any("0.8 ms after the receive with 1 sender computing" in line for line in lines)
+    assert any("0.90 ms after the receive with its sender blocked, 0.80 ms with 1 sender computing" in line
+               for line in lines)
     assert any("reference Block" in line and "1.50 ms" in line for line in lines)
     assert _cal().probe_result().ridge_point() == pytest.approx(5.0)
 

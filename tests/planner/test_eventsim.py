@@ -81,6 +81,21 @@ def test_a_late_transfer_takes_longer_while_more_ranks_compute():
     assert received(3) == pytest.approx(1.5)
 
 
+def test_a_late_receive_while_nothing_computes_takes_its_own_time():
+    # the sender blocked in its wait, the receiver posting: nothing computes, so idle_late_s; the same
+    # message with the sender computing on takes late_s, and without idle_late_s late_s throughout
+    def received(sender_computes: bool, idle_late_s=0.3) -> float:
+        after = [Compute("c", 2.0), Wait("s")] if sender_computes else [Wait("s")]
+        progs = {0: [Send("send act", 1, ("act", 0), 0.25, late_s=0.1, idle_late_s=idle_late_s, handle="s"),
+                     *after],
+                 1: [Compute("f", 1.0), Recv("recv act", 0, ("act", 0))]}
+        return simulate(progs, cores=2)[1][1]
+
+    assert received(False) == pytest.approx(1.3)
+    assert received(True) == pytest.approx(1.1)
+    assert received(False, idle_late_s=None) == pytest.approx(1.1)
+
+
 def test_a_message_to_a_waiting_receive_takes_longer_while_more_ranks_compute():
     # the receive waits first; the message's own time from its isend by the load as it is sent
     def received(others: int) -> float:

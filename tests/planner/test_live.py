@@ -270,9 +270,10 @@ def test_a_receive_posted_after_its_send_waits_the_late_transfer():
     # long after stage 0 sent it, and waits the calibrated late receive from there (engine/calibrate.
     # _pipeline_messages); the executor waits for its isends before the optimizer step
     cfg = _cfg("--strategy pp --schedule gpipe --micro-batches 4 --world 2")
-    late = dataclasses.replace(CAL, comm={**CAL.comm,
-                                          comm_key(2, "send_recv", 2, late_mode(1)): CommFit(5e-3, 0.0, 0.5)})
     base = dataclasses.replace(CAL, comm={k: v for k, v in CAL.comm.items() if "/late" not in k})
+    # (without late0: a receive posted while nothing computes takes late1 too)
+    late = dataclasses.replace(CAL, comm={**base.comm,
+                                          comm_key(2, "send_recv", 2, late_mode(1)): CommFit(5e-3, 0.0, 0.5)})
     base, pred = predict(cfg, base), predict(cfg, late)
     waits = [s.duration_s for s in _spans(pred, "recv act s1") if s.micro_batch > 0]
     assert len(waits) == 3 and min(waits) >= 5e-3 - 1e-12
@@ -281,6 +282,19 @@ def test_a_receive_posted_after_its_send_waits_the_late_transfer():
     assert pred.step_time_s > base.step_time_s + 3 * 5e-3 - before - 1e-9
     finish = _spans(pred, "optimizer step", 0)[0].start_s
     assert finish >= max(s.end_s for s in _spans(pred, "send act s0")) - 1e-12
+
+
+def test_a_late_receive_while_nothing_computes_takes_the_blocked_sender_time():
+    # GPipe's stage 0 sends its last activation and blocks waiting for the first gradient; stage 1 posts that
+    # receive later, with nothing computing: the calibrated late receive with the sender blocked (late0)
+    cfg = _cfg("--strategy pp --schedule gpipe --micro-batches 4 --world 2")
+    base = dataclasses.replace(CAL, comm={k: v for k, v in CAL.comm.items() if not k.endswith("/late0")})
+    idle = dataclasses.replace(CAL, comm={**base.comm,
+                                          comm_key(2, "send_recv", 2, late_mode(0)): CommFit(5e-3, 0.0, 0.5)})
+    base, pred = predict(cfg, base), predict(cfg, idle)
+    assert max(s.duration_s for s in _spans(pred, "recv act s1")) >= 5e-3 - 1e-12
+    assert max(s.duration_s for s in _spans(base, "recv act s1")) < 5e-3
+    assert pred.step_time_s > base.step_time_s
 
 
 def test_a_message_to_a_waiting_receive_takes_the_calibrated_early_message():

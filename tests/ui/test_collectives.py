@@ -294,6 +294,6 @@ def test_calibration_rows_list_every_blocking_operation():
     assert ar["α (per operation)"].endswith("ms") or ar["α (per operation)"].endswith("µs")
     # a pipeline's messages, each row saying how it was timed
     timed = {r["timed"] for r in rows if r["ranks"] == 4 and r["group"] == 2 and r["operation"] == "send recv"}
-    assert {"receive posted after its send, 2 senders computing",
+    assert {"receive posted after its send, 2 senders computing", "receive posted after its send, its sender blocked",
             "sent to a receive already waiting, 1 sender computing"} <= timed
     assert all(r["timed"] and not r["timed"].startswith(("late", "early", "sync")) for r in rows)
