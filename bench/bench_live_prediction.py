@@ -8,6 +8,9 @@ calibrates this machine first, predicts the run (planner/live.py) from it at the
 moment (the calibration's reference Block timed again right before: `speed` is how much slower it ran,
 engine/predict.at_speed_now, as every live run's prediction does), then runs it `--repeats` times on the
 warm pool and prints predicted and measured step time, the error and the kind of work that differs most.
+The repeats go round the table's runs (all once, then all again), so that a run's repeats are spread over
+the table's minutes rather than caught together in one slow spell of the machine; each is predicted at
+the speed of its moment, and the prediction printed is the mean of the repeats' (weighted by steps).
 The measured step time is the engine's (engine/run.py: the mean over the steps after the first, slowest
 rank), here over every step after the first of every repeat; the median over the same steps is printed
 beside it with its own error (processes sharing a few cores stall now and then, so the two differ).
@@ -22,6 +25,7 @@ one measured right before them 12 % (30 % at worst). Measuring takes about 60 s 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -35,6 +39,8 @@ from engine.predict import at_speed_now, ensure_calibration  # noqa: E402
 from engine.run import run  # noqa: E402
 from hardware.this_machine import summary_lines  # noqa: E402
 from planner.live import compare, predict  # noqa: E402
+
+WARM_STEPS = 3  # an untimed run of this many steps right before each timed repeat
 
 # The default live runs: the CLI's defaults for each strategy (the pages' defaults are the same model).
 DEFAULT_RUNS = {
@@ -87,33 +93,49 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _table(title: str, runs: dict, cal, args) -> None:
+    cases = []
+    for world in args.worlds:
+        for name, (flags, worlds) in runs.items():
+            if worlds is None or world in worlds:
+                cases.append((world, name, config_from_args(run_parser("bench").parse_args(
+                    flags.split() + ["--world", str(world), "--steps", str(args.steps)]))))
+    if not cases:
+        print(f"{title}: none runs at worlds {args.worlds}")
+        return
+    # The repeats go round the cases (every case once, then every case again, ...) so that a case's
+    # measurements are minutes apart: this machine has slow spells of seconds (processes sharing its cores
+    # stall), and back-to-back repeats put a whole case in one. Each repeat is predicted at the speed of
+    # the moment (the reference Block timed again right before it).
+    keys = [(world, name) for world, name, _ in cases]
+    predicted, measured, speeds = ({key: [] for key in keys} for _ in range(3))
+    timelines = {}
+    for repeat in range(args.repeats):
+        print(f"{title}: repeat {repeat + 1} of {args.repeats}", file=sys.stderr, flush=True)
+        for world, name, cfg in cases:
+            now, speed = at_speed_now(cal, world)  # the machine's speed drifts: its reference Block timed again
+            pred = predict(cfg, now)
+            # warm the pool, its gloo threads and the ranks' caches, cold after the other cases' runs
+            run(cfg if repeat == 0 else dataclasses.replace(cfg, steps=WARM_STEPS), traced=False)
+            summary, timelines[(world, name)] = run(cfg)
+            steps = summary.step_times_s[1:]
+            predicted[(world, name)].append((pred, len(steps)))
+            measured[(world, name)] += steps
+            speeds[(world, name)].append(speed)
     print(f"{'world':>5}  {'run':14s} {'speed':>5} {'predicted ms':>12} {'measured ms':>11} {'error':>7} "
           f"{'median ms':>9} {'error':>7}   differs most")
     errors, median_errors = [], []
-    for world in args.worlds:
-        for name, (flags, worlds) in runs.items():
-            if worlds is not None and world not in worlds:
-                continue
-            cfg = config_from_args(run_parser("bench").parse_args(
-                flags.split() + ["--world", str(world), "--steps", str(args.steps)]))
-            now, speed = at_speed_now(cal, world)  # the machine's speed drifts: its reference Block timed again
-            pred = predict(cfg, now)
-            run(cfg, traced=False)  # warm the pool and the ranks' caches
-            measured, timeline = [], None
-            for _ in range(args.repeats):
-                summary, timeline = run(cfg)
-                measured += summary.step_times_s[1:]
-            mean, median = statistics.mean(measured), statistics.median(measured)
-            error, median_error = (pred.step_time_s - mean) / mean, (pred.step_time_s - median) / median
-            errors.append(abs(error))
-            median_errors.append(abs(median_error))
-            worst = compare(pred.timeline, timeline, top=1)
-            print(f"{world:>5}  {name:14s} {speed:>5.2f} {pred.step_time_s * 1e3:>12.2f} {mean * 1e3:>11.2f} "
-                  f"{error:>+7.1%} {median * 1e3:>9.2f} {median_error:>+7.1%}   "
-                  f"{worst[0]['text'] if worst else '-'}", flush=True)
-    if not errors:
-        print(f"{title}: none runs at worlds {args.worlds}")
-        return
+    for world, name, _ in cases:
+        preds, steps = predicted[(world, name)], measured[(world, name)]
+        # the prediction of the whole measurement: each repeat's, weighted by its measured steps
+        step_s = sum(p.step_time_s * n for p, n in preds) / sum(n for _, n in preds)
+        mean, median = statistics.mean(steps), statistics.median(steps)
+        error, median_error = (step_s - mean) / mean, (step_s - median) / median
+        errors.append(abs(error))
+        median_errors.append(abs(median_error))
+        worst = compare(preds[-1][0].timeline, timelines[(world, name)], top=1)
+        print(f"{world:>5}  {name:14s} {statistics.mean(speeds[(world, name)]):>5.2f} {step_s * 1e3:>12.2f} "
+              f"{mean * 1e3:>11.2f} {error:>+7.1%} {median * 1e3:>9.2f} {median_error:>+7.1%}   "
+              f"{worst[0]['text'] if worst else '-'}", flush=True)
     print(f"{title}, step time (the engine's, a mean): mean |error| {statistics.mean(errors):.1%}, "
           f"max {max(errors):.1%}; median step: mean |error| {statistics.mean(median_errors):.1%}, "
           f"max {max(median_errors):.1%}; {len(errors)} runs")
