@@ -518,3 +518,17 @@ def test_a_pipelines_dp_buckets_are_its_stages_and_leave_in_the_last_micro_batch
         assert all(s.start_s >= last_backward for s in buckets)
         # a bucket's launch runs inside its pass (the engine times the pass as one span), not as a bubble
         assert not [s.name for s in spans if s.lane == "compute" and s.name.startswith("bwd ")]
+
+
+def test_an_asynchronous_operation_takes_no_less_than_the_blocking_one():
+    # a burst whose compute alone accounts for its measured time (4 ranks on 2 cores) says nothing about its
+    # operations: one of them then takes the blocking operation's time, not the bisection's floor of 0
+    cfg = _cfg("--mesh pp=2,dp=2 --micro-batches 4 --world 4")
+    sync = CAL.comm[comm_key(4, "all_reduce", 2, "sync")]
+    burst = CommFit(1e-4, 0.0, 0.5, burst=6, compute_s=2e-3)
+    cal = dataclasses.replace(CAL, comm={**CAL.comm, comm_key(4, "all_reduce", 2, "async"): burst})
+    assert _Costs(cal, cfg).comm("all_reduce", 2, 32768, "async") == pytest.approx(sync.seconds(32768))
+    # a burst that takes longer than its compute and its operations back to back: longer than blocking
+    slow = CommFit(0.2, 0.0, 0.5, burst=6, compute_s=1e-4)
+    cal = dataclasses.replace(CAL, comm={**CAL.comm, comm_key(4, "all_reduce", 2, "async"): slow})
+    assert _Costs(cal, cfg).comm("all_reduce", 2, 32768, "async") > 2 * sync.seconds(32768)
