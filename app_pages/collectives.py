@@ -263,4 +263,6 @@ else:
         "sizes (1, 128 and 512 KiB), each after a few hundred microseconds of computing as in a training "
         "step (back to back, gloo's threads stay awake and run 2-3x faster), with every group of the "
         "world communicating at once. Its α is per operation, not per ring step as in the sweep above:")
-    st.dataframe(calibration_rows(calibration), hide_index=True, width="stretch")
+    st.dataframe(calibration_rows(calibration), hide_index=True, width="stretch", column_config={
+        "ranks": st.column_config.Column(width="small"), "group": st.column_config.Column(width="small"),
+        "timed": st.column_config.Column(width="large")})  # its longest label in full
