@@ -233,6 +233,14 @@ def early_mode(senders: int) -> str:
     return f"early{senders}"
 
 
+def message_mode(mode: str) -> tuple[str, int] | None:
+    """("late" or "early", senders computing) of a mode `late_mode` or `early_mode` made, else None."""
+    for prefix in ("late", "early"):
+        if mode.startswith(prefix) and mode[len(prefix):].isdigit():
+            return prefix, int(mode[len(prefix):])
+    return None
+
+
 # -- the machine and its cache file ----------------------------------------------------------------------
 
 def cpu_count() -> int:

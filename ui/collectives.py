@@ -563,11 +563,14 @@ def sweep_figure(result: MachineLink) -> go.Figure:
 
 def _timed_as(mode: str, gap_s: float) -> str:
     """How the calibration timed an operation (hardware.this_machine.CommFit's modes), in words."""
-    for prefix, words in (("late", "receive posted after its send"), ("early", "sent to a receive already waiting")):
-        if mode.startswith(prefix) and mode[len(prefix):].isdigit():
-            k = int(mode[len(prefix):])
-            return f"{words}, {k} sender{'s' if k > 1 else ''} computing" if k else f"{words}, its sender blocked"
-    if mode.startswith("sync"):
+    from hardware.this_machine import BLOCKING_MODES, message_mode
+
+    message = message_mode(mode)
+    if message:
+        how, k = message
+        words = {"late": "receive posted after its send", "early": "sent to a receive already waiting"}[how]
+        return f"{words}, {k} sender{'s' if k > 1 else ''} computing" if k else f"{words}, its sender blocked"
+    if mode in BLOCKING_MODES:
         return f"blocking, after {format_seconds(gap_s)} of compute"
     return {"contended": "while its ranks compute", "post": "posting it (the rank is blocked)"}.get(mode, mode)
 

@@ -292,3 +292,9 @@ def test_blocking_fits_keep_the_compute_gap_they_were_measured_after():
               "cpu_s": 1e-4, "gap_s": 2e-3} for b in (1024, 131072)]]
     fit = tm.fit_comm(2, rows)[tm.comm_key(2, "all_to_all", 2, "sync_long")]
     assert fit.gap_s == 2e-3 and fit.alpha_s == pytest.approx(1e-3) and fit.beta_s_per_byte == pytest.approx(1e-9)
+
+
+def test_message_modes_read_back():
+    assert tm.message_mode(tm.late_mode(0)) == ("late", 0)
+    assert tm.message_mode(tm.early_mode(2)) == ("early", 2)
+    assert tm.message_mode("sync_long") is None and tm.message_mode("late") is None
