@@ -520,7 +520,7 @@ def _pipeline_messages(me: int, members: list[int], group, sizes: tuple[int, ...
     no rank computing). Pairs of the group (local ranks 2i, 2i + 1) take turns sending, the sizes
     round-robin. Only the world's first `pairs` pairs (global ranks 2i, 2i + 1 for i < pairs) exchange, the
     other ranks stay idle and return nothing: `pairs` senders compute, which decides whether a gloo thread
-    finds a free core to move the message on. `comm_task` sums up three calls (`_typical_messages`)."""
+    finds a free core to move the message on. `comm_task` pools three calls' samples (`_typical_messages`)."""
     import torch.distributed as dist
 
     from engine.comm import Comm

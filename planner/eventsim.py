@@ -16,9 +16,9 @@ Each rank runs a list of operations in order:
                                         and not before `late_s` after its receive is posted (either may
                                         be a tuple: its k-th entry when k cores' worth of work (computing
                                         ranks, busy gloo threads) is wanted as the second of the two is
-                                        posted, the last for more; `idle_late_s`
-                                        when nothing is wanted then: the sender
-                                        blocked, no rank computing);
+                                        posted, the last for more; `idle_late_s` when
+                                        nothing is wanted then: the sender blocked, no rank
+                                        computing);
                                         with `handle`, Wait(handle) blocks the sender until it has arrived
     Recv(name, src, key)                posts the receive and blocks until the message with `key` has
                                         arrived
