@@ -285,18 +285,21 @@ class _Costs:
     def idle_late_s(self, group: int, nbytes: float) -> float | None:
         """A late receive while no rank computes (send_recv's late0: the sender blocked in its wait), or
         None when the calibration predates it (`late_s` then)."""
-        if group <= 1:
-            return None
-        fit = self.cal.idle_late_fit(self.cfg.world, _nearest(group, self._sizes("send_recv", late_mode(0))))
+        size = self._pair_size(group, late_mode(0))
+        fit = self.cal.idle_late_fit(self.cfg.world, size) if size else None
         return fit.seconds(nbytes) if fit else None
 
     def _by_senders_s(self, group: int, nbytes: float, fits_of, mode) -> tuple[float, ...] | None:
         """A pair's calibrated messages of `mode` (Calibration.late_fits / early_fits) at the nearest group size
         timed, by senders computing; None for a group of one or a calibration without them."""
-        if group <= 1:
-            return None
-        fits = fits_of(self.cfg.world, _nearest(group, self._sizes("send_recv", mode(1))))
+        size = self._pair_size(group, mode(1))
+        fits = fits_of(self.cfg.world, size) if size else None
         return tuple(f.seconds(nbytes) for f in fits) if fits else None
+
+    def _pair_size(self, group: int, mode: str) -> int | None:
+        """The group size nearest `group` at which the calibration timed send_recv's `mode`; None for a
+        group of one (no messages)."""
+        return _nearest(group, self._sizes("send_recv", mode)) if group > 1 else None
 
     def _async_op_s(self, kind: str, n: int, nbytes: float, fit) -> float:
         """The duration of one asynchronous operation that makes this simulator reproduce the measured
