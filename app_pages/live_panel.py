@@ -25,6 +25,7 @@ from ui.live import (
     prediction_error,
     side_by_side,
     speed_note,
+    spread_sentence,
     tolerance_rows,
     verdict,
 )
@@ -235,6 +236,9 @@ def _show_run(key: str, run: LiveRun) -> None:
         if s.steps == 1:
             st.caption("A run of one step measures its warm-up too (first calls allocate memory and fill "
                        "caches); the prediction is of a warm step. Run 2 or more steps to compare them.")
+        elif (spread := spread_sentence(run)) is not None:
+            st.caption(f"{spread} The measured step time is their mean: on a few shared cores one run's "
+                       "steps spread widely, and so does one prediction error.")
     pred_fig, meas_fig, step = side_by_side(run)
     if pred_fig is not None:
         st.plotly_chart(pred_fig, key=f"{slug}_predicted")

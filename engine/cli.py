@@ -32,6 +32,7 @@ from engine.config import (
     validate,
 )
 from hardware.this_machine import speed_words
+from planner.live import step_spread_words
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_RANK_FAILED = 0, 1, 2, 3
 
@@ -190,6 +191,8 @@ def _human(summary) -> str:
     pred = summary.predicted
     if pred is not None:
         lines.append(prediction_line(summary.step_time_s, pred))
+        if (spread := step_spread_words(summary.step_times_s, pred.get("step_time_s"))) is not None:
+            lines.append(f"measured: {spread}")
     check = summary.check
     if check is not None:
         verdict = "PASSED" if check["passed"] else "FAILED"

@@ -552,6 +552,29 @@ def per_step_by_kind(timeline: Timeline, skip_first: bool = True) -> dict[str, f
     return out
 
 
+def step_spread_words(step_times_s: list[float], predicted_s: float | None = None) -> str | None:
+    """The run's steps after the warm-up (step 0), fastest to slowest, and where the prediction falls among
+    them, in words; None with fewer than two such steps. A step-time error compares the prediction with
+    the steps' mean, and on a few shared cores one run's steps spread widely (a cp all-gather run at world
+    2 on this 2-core machine: 17.0-32.9 ms, mean 24.5, predicted 25.1), so the spread says how far one
+    error can be read."""
+    steps = step_times_s[1:]
+    if len(steps) < 2:
+        return None
+    lo, hi = min(steps), max(steps)
+    text = f"its {len(steps)} steps after the warm-up took {lo * 1e3:.1f} to {hi * 1e3:.1f} ms"
+    if predicted_s is None:
+        return text
+    faster = sum(t < predicted_s for t in steps)
+    if faster == 0:
+        where = "below every one of them"
+    elif faster == len(steps):
+        where = "above every one of them"
+    else:
+        where = f"between them ({faster} of the {len(steps)} were faster)"
+    return f"{text}; the prediction, {predicted_s * 1e3:.1f} ms, lies {where}"
+
+
 NEGLIGIBLE_S = 5e-6  # under this a kind of work prints as 0.00 ms: compare says the prediction has none
 
 

@@ -11,7 +11,7 @@ import plotly.graph_objects as go
 
 from core.timeline import Timeline
 from hardware.this_machine import speed_words
-from planner.live import compare
+from planner.live import compare, step_spread_words
 from ui.timeline import step_timeline, timeline_figure
 
 
@@ -65,6 +65,13 @@ def prediction_error(run: LiveRun) -> float | None:
     if not p or p.get("step_time_s") is None:
         return None
     return (p["step_time_s"] - run.summary.step_time_s) / run.summary.step_time_s
+
+
+def spread_sentence(run: LiveRun) -> str | None:
+    """'Its 7 steps after the warm-up took ... ms; the prediction ... lies ...' (planner.live.step_spread_words)
+    as a sentence; None for a run of fewer than three steps."""
+    words = step_spread_words(run.summary.step_times_s, (run.prediction or {}).get("step_time_s"))
+    return f"{words[0].upper()}{words[1:]}." if words else None
 
 
 def calibration_age(run: LiveRun) -> str | None:

@@ -71,10 +71,12 @@ def test_run_json_carries_the_prediction(calibrated):
 
 @pytest.mark.multiprocess
 def test_predict_flag_prints_the_prediction(calibrated):
-    out = subprocess.run([sys.executable, "-m", "engine", "run", "--strategy", "fsdp", "--world", "2", "--steps", "2",
+    out = subprocess.run([sys.executable, "-m", "engine", "run", "--strategy", "fsdp", "--world", "2", "--steps", "3",
                           "--predict"], cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr
     assert "predicted step time (planner, this machine's calibration):" in out.stdout
+    # where the prediction falls among the measured steps (planner.live.step_spread_words)
+    assert "measured: its 2 steps after the warm-up took " in out.stdout and "the prediction, " in out.stdout
 
 
 @pytest.mark.multiprocess

@@ -62,7 +62,7 @@ def test_live_run_matches_the_reference_and_draws_the_timeline():
     at = _page()
     at.select_slider(key="live_world").set_value(2)
     at.selectbox(key="live_strategy").set_value(list(LIVE_STRATEGIES)[4])  # ZeRO-3 / FSDP
-    at.select_slider(key="live_steps").set_value(2)
+    at.select_slider(key="live_steps").set_value(3)
     at.button[0].click().run(timeout=120)
     assert not at.exception, [e.value for e in at.exception]
     assert not at.error, [e.value for e in at.error]
@@ -72,9 +72,12 @@ def test_live_run_matches_the_reference_and_draws_the_timeline():
     metrics = {m.label: m.value for m in at.metric}
     assert metrics["Measured step time"].endswith(" ms") and metrics["Predicted step time"].endswith(" ms")
     assert metrics["Prediction error"].endswith("%")
+    # the steps' spread, with the prediction placed among them
+    assert any(c.value.startswith("Its 2 steps after the warm-up took ") and "the prediction, " in c.value
+               for c in at.caption)
     text = " ".join(m.value for m in at.markdown)
     assert "Where they differ most" in text or "within 10 % of its predicted time" in text
-    assert at.code[0].value.startswith("python -m engine run --strategy fsdp --world 2 --steps 2")
+    assert at.code[0].value.startswith("python -m engine run --strategy fsdp --world 2 --steps 3")
     assert at.get("download_button")
 
 

@@ -14,6 +14,7 @@ from ui.live import (
     representative_step,
     side_by_side,
     speed_note,
+    spread_sentence,
     tolerance_rows,
     verdict,
 )
@@ -62,6 +63,18 @@ def test_the_speed_check_is_said_when_it_scaled_the_prediction():
     assert speed_note(run) is None  # at the calibration's speed: nothing to say
     run.summary.predicted["speed_factor"] = 1.25
     assert "1.25x slower" in speed_note(run) and "communication was not" in speed_note(run)
+
+
+def test_the_spread_of_the_steps_places_the_prediction_among_them():
+    # steps after the warm-up (30 ms): 10, 12, 11 ms
+    assert spread_sentence(_run(pred_ms=11.5)) == ("Its 3 steps after the warm-up took 10.0 to 12.0 ms; the "
+                                                   "prediction, 11.5 ms, lies between them (2 of the 3 were faster).")
+    assert spread_sentence(_run(pred_ms=8.0)).endswith("8.0 ms, lies below every one of them.")
+    assert spread_sentence(_run(pred_ms=30.0)).endswith("30.0 ms, lies above every one of them.")
+    run = _run()
+    run.summary.predicted = {"step_time_s": None, "why": "CUDA"}
+    assert spread_sentence(run) == "Its 3 steps after the warm-up took 10.0 to 12.0 ms."
+    assert spread_sentence(_run(step_times_ms=(30.0, 10.0))) is None  # one step after the warm-up: no spread
 
 
 def test_the_step_shown_is_the_one_nearest_the_step_time():
