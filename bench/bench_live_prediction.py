@@ -13,7 +13,8 @@ the table's minutes rather than caught together in one slow spell of the machine
 the speed of its moment, and the prediction printed is the mean of the repeats' (weighted by steps).
 The measured step time is the engine's (engine/run.py: the mean over the steps after the first, slowest
 rank), here over every step after the first of every repeat; the median over the same steps is printed
-beside it with its own error (processes sharing a few cores stall now and then, so the two differ).
+beside it with its own error (processes sharing a few cores stall now and then, so the two differ), then
+the fastest and slowest of those steps and how many of them were faster than the prediction.
 No thresholds: the table is the result.
 
 The calibration is measured afresh unless --cached: a shared machine drifts, and its runs with it. On
@@ -122,8 +123,8 @@ def _table(title: str, runs: dict, cal, args) -> None:
             measured[(world, name)] += steps
             speeds[(world, name)].append(speed)
     print(f"{'world':>5}  {'run':14s} {'speed':>5} {'predicted ms':>12} {'measured ms':>11} {'error':>7} "
-          f"{'median ms':>9} {'error':>7}   differs most")
-    errors, median_errors = [], []
+          f"{'median ms':>9} {'error':>7} {'steps ms':>11} {'faster':>6}   differs most")
+    errors, median_errors, inside = [], [], 0
     for world, name, _ in cases:
         preds, steps = predicted[(world, name)], measured[(world, name)]
         # the prediction of the whole measurement: each repeat's, weighted by its measured steps
@@ -132,13 +133,17 @@ def _table(title: str, runs: dict, cal, args) -> None:
         error, median_error = (step_s - mean) / mean, (step_s - median) / median
         errors.append(abs(error))
         median_errors.append(abs(median_error))
+        faster = sum(t < step_s for t in steps)  # where the prediction falls among the measured steps
+        inside += 0 < faster < len(steps)
         worst = compare(preds[-1][0].timeline, timelines[(world, name)], top=1)
         print(f"{world:>5}  {name:14s} {statistics.mean(speeds[(world, name)]):>5.2f} {step_s * 1e3:>12.2f} "
-              f"{mean * 1e3:>11.2f} {error:>+7.1%} {median * 1e3:>9.2f} {median_error:>+7.1%}   "
+              f"{mean * 1e3:>11.2f} {error:>+7.1%} {median * 1e3:>9.2f} {median_error:>+7.1%} "
+              f"{min(steps) * 1e3:>5.1f}-{max(steps) * 1e3:<5.1f} {faster:>3}/{len(steps):<2}   "
               f"{worst[0]['text'] if worst else '-'}", flush=True)
     print(f"{title}, step time (the engine's, a mean): mean |error| {statistics.mean(errors):.1%}, "
           f"max {max(errors):.1%}; median step: mean |error| {statistics.mean(median_errors):.1%}, "
-          f"max {max(median_errors):.1%}; {len(errors)} runs")
+          f"max {max(median_errors):.1%}; {len(errors)} runs, {inside} predicted within their measured steps' "
+          "range")
 
 
 if __name__ == "__main__":
