@@ -26,7 +26,8 @@ Three kinds of measurement:
   2-3x faster: gloo's threads stay awake) and after a shorter and a longer gap (`SYNC_GAPS_S`), and as
   a stream of asynchronous operations; with the process CPU time each takes (gloo's threads keep a core
   busy while they move data). The ring shift (context parallel's hop) goes through the engine's own
-  `Comm.p2p`, and how long posting it blocks the rank is timed too (its "post" mode).
+  `Comm.p2p`, and how long posting it blocks the rank is timed too (its "post" mode). How long posting a
+  pipeline message's isend holds its sender is timed on the engine's own pipeline (`pipeline_posting`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from __future__ import annotations
 import resource
 import statistics
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 
@@ -43,7 +44,7 @@ from engine.mamba import Mamba2
 from engine.model import Attention, Block, Embed, Head, MoE, RMSNorm, SwiGLU, loss_fn
 from engine.optim import AdamW, adamw_
 from engine.ring_attention import block_backward, block_forward, expand_kv, merge, reduce_kv
-from hardware.this_machine import BLOCKING_MODES, CONTENDED_CAP_S, early_mode, late_mode
+from hardware.this_machine import BLOCKING_MODES, CONTENDED_CAP_S, POST_MODE, early_mode, late_mode
 
 # Message sizes of the communication sweep (bytes): the live models' collectives are 0.1-450 KB (the
 # whole-gradient all-reduce of cp and ep is 427 KB), where gloo's time is mostly per operation (thread
@@ -54,6 +55,7 @@ COMM_SIZES = (1024, 131072, 524288)
 # moved a fit by up to 2x between two calibrations of this machine. With 2 ranks the calls are ~5x
 # cheaper and a tenth of them stall, so they run twice the rounds (three calibrations predicted the
 # default 2-rank runs 7-24 % apart with 60).
+PIPELINE_POSTING_STEPS = 8  # steps of the engine's pipeline `pipeline_posting` times (the first two are warm-up)
 COMM_ROUNDS = 60
 ASYNC_ROUNDS = 24
 COMM_BLOCK = 10
@@ -419,6 +421,26 @@ def engine_units(ctx, steps: int = 6) -> list[dict]:
                 statistics.mean(by_name["optimizer step"]), 0.0)]
 
 
+def pipeline_posting(ctx, steps: int = PIPELINE_POSTING_STEPS) -> list[float]:
+    """Pool task: how long posting each pipeline message's isend held this rank (seconds, every message of
+    the steps after the first two), timed on the engine's own 1F1B pipeline over the whole world (pp =
+    world, 4 micro-batches, the default model with a layer per stage at least): the "post send ..." spans
+    engine/comm.Comm.send records. Gloo writes the message from the calling thread, and on busy cores that
+    write now and then waits a scheduler tick. Timed where it happens because no stand-alone pattern
+    reproduced it: one pair exchanging while the other two ranks wait held its senders 0.12 ms on average at
+    world 4, two pairs at once 2.55 ms, and the engine's 1F1B and interleaved pipelines there 0.6-1.0 ms
+    whether 1, 2 or 3 ranks computed as a message was posted (0.11-0.39 ms at world 2)."""
+    from engine.config import ParallelConfig, RunConfig
+    from engine.train import run_rank
+
+    cfg = RunConfig(model=replace(ModelConfig(), layers=max(ModelConfig.layers, ctx.world)),
+                    parallel=ParallelConfig(strategy="pp", schedule="1f1b"), world=ctx.world, steps=steps,
+                    micro_batches=4)
+    result = run_rank(ctx, cfg, traced=True)
+    return [span["end_s"] - span["start_s"] for span in result["spans"]
+            if span["lane"] == "comm" and span["name"].startswith("post ") and span["step"] >= 2]
+
+
 # -- communication --------------------------------------------------------------------------------------
 
 def _groups(world: int, n: int) -> list[list[int]]:
@@ -481,7 +503,7 @@ def comm_task(ctx, group_sizes: list[int], sizes: tuple[int, ...] = COMM_SIZES, 
         for (kind, nbytes), call in sync.items():
             if isinstance(call, _Shift):  # the posting of the same timed calls (after the two warm-up rounds)
                 posts = call.posts[2:]
-                out.append(_row(kind, n, ctx.world, nbytes, "post",
+                out.append(_row(kind, n, ctx.world, nbytes, POST_MODE,
                                 [sum(w for w, _ in posts), sum(c for _, c in posts), len(posts)]))
         blocking = {key: call for key, call in sync.items() if key[0] in SYNC_GAP_KINDS}
         for mode, gap_s in SYNC_GAPS_S.items():

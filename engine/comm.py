@@ -258,10 +258,16 @@ class Comm:
     def send(self, t: torch.Tensor, dst: int, name: str = "send", async_op: bool = False,
              group: str = "world"):
         """`dst` is a global rank; the send is recorded on `group` (e.g. "pp"). The caller keeps `t` alive
-        until the handle's wait() returns."""
+        until the handle's wait() returns. Posting an asynchronous send holds the rank (gloo writes the
+        message from the calling thread; on busy cores that write now and then waits a scheduler tick): a
+        blocking span of its own, "post <name>", as the ring attention's "post kv L0"."""
         wire = self._to_wire(t, group)
-        return self._issue(name, group, t.numel() * t.element_size(), async_op,
-                           lambda: dist.isend(wire, dst, group=self.groups[group]), lambda: t)
+        start = self.recorder.now()
+        handle = self._issue(name, group, t.numel() * t.element_size(), async_op,
+                             lambda: dist.isend(wire, dst, group=self.groups[group]), lambda: t, start)
+        if async_op and self.tracing:
+            self.recorder.add("comm", f"post {name}", start, self.recorder.now(), group=group)
+        return handle
 
     def recv(self, t: torch.Tensor, src: int, name: str = "recv", async_op: bool = False,
              group: str = "world"):

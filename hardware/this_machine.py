@@ -28,6 +28,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import tempfile
 import time
 from dataclasses import asdict, astuple, dataclass, field, replace
@@ -41,6 +42,7 @@ FORMAT = 4
 CONTENDED_CAP_S = 0.02
 # Blocking operations are timed after three gaps of compute (engine/calibrate.SYNC_GAPS_S), shortest first
 BLOCKING_MODES = ("sync_short", "sync", "sync_long")
+POST_MODE = "post"  # how long posting a point-to-point operation blocks the rank that posts it (CommFit)
 STALE_AFTER_S = 30 * 24 * 3600  # a month: software updates and thermal changes drift the numbers
 # The module fits every prediction may need (`fit_compute` makes them all); a cached calibration lacking
 # one predates that module's measurement.
@@ -83,12 +85,14 @@ class CommFit:
     `compute_s` of work, then all waited for): `seconds` is then the whole burst's time, and planner.live
     solves for one operation's duration in its simulation of that same pattern. "contended": one
     asynchronous operation while every rank keeps computing until it completes; `stalls` when it did not
-    complete within CONTENDED_CAP_S (it waits for its ranks to stop computing). "post" (ring shifts only):
-    how long posting the send/recv batch blocks the rank that posts it (gloo writes the message from the
-    calling thread), measured on the same calls as "sync". "late1", "late2", ... (`late_mode`, send_recv
-    only): a receive posted after its send while the sender computes on, from the receive's posting
-    (gloo's point-to-point is a rendezvous: the message moves only then), with that many of the world's
-    pairs exchanging at once, so that many senders computing (engine/calibrate._pipeline_messages);
+    complete within CONTENDED_CAP_S (it waits for its ranks to stop computing). "post" (`POST_MODE`; ring
+    shifts and send_recv): how long posting blocks the rank that posts it (gloo writes the message from the
+    calling thread): a ring shift's send/recv batch, measured on the same calls as "sync"; a pipeline
+    message's isend (send_recv, `fit_posting`), timed in the engine's own pipeline. "late1", "late2", ...
+    (`late_mode`, send_recv only): a receive posted after its send while the sender computes on, from the
+    receive's posting (gloo's point-to-point is a rendezvous: the message moves only then), with that many
+    of the world's pairs exchanging at once, so that many senders computing
+    (engine/calibrate._pipeline_messages);
     "late0" the same with one pair whose sender blocks in its wait after the isend (no rank computing).
     "early1", "early2", ... (`early_mode`, send_recv only): a message sent to a receive already waiting, the
     sender computing on after its isend, timed one way from the isend's posting to the receive's return."""
@@ -171,6 +175,11 @@ class Calibration:
     def early_fits(self, world: int, n: int) -> list[CommFit] | None:
         """The messages sent to a waiting receive (`early_mode`), as `late_fits`."""
         return self._by_senders(world, n, early_mode)
+
+    def send_post_fit(self, world: int) -> CommFit | None:
+        """How long posting a pipeline message's isend holds its sender at `world` (`fit_posting`), or None
+        when not measured."""
+        return self.comm.get(comm_key(world, "send_recv", 2, POST_MODE))
 
     def idle_late_fit(self, world: int, n: int) -> CommFit | None:
         """The late receive of groups of `n` at `world` while no rank computes (`late_mode(0)`: the sender
@@ -304,6 +313,8 @@ def load(key: str, now_s: float | None = None) -> tuple[Calibration | None, str]
         missing.append("a receive posted after its send with the sender blocked")
     if any(cal.early_fits(w, 2) is None for w in cal.worlds if w % 2 == 0):
         missing.append("a message sent to a waiting receive")
+    if any(cal.send_post_fit(w) is None for w in cal.worlds):
+        missing.append("the posting of a pipeline message")
     if missing:
         return None, (f"the calibration has no timing of {', '.join(missing)} (an older ShardLab measured it); "
                       "measuring again")
@@ -546,6 +557,17 @@ def fit_comm(world: int, rows: list[list[dict]]) -> dict[str, CommFit]:
     return out
 
 
+def fit_posting(world: int, per_rank: list[list[float]]) -> dict[str, CommFit]:
+    """How long posting a pipeline message's isend holds its sender (engine/calibrate.pipeline_posting: each
+    rank's postings in the engine's own 1F1B pipeline): the mean over every rank's messages, one number (the
+    default model's messages are all one size), as send_recv's POST_MODE of a pair. A posting holds one rank,
+    so it is the mean over the ranks, not the slowest rank's as for a collective."""
+    seconds = [s for rank in per_rank for s in rank]
+    if not seconds:
+        raise ValueError(f"the engine's pipeline at world {world} posted no message to time")
+    return {comm_key(world, "send_recv", 2, POST_MODE): CommFit(statistics.fmean(seconds), 0.0, 0.0)}
+
+
 def fit_share(shared: list[list[dict]], alone: list[dict]) -> float:
     """Mean slowdown of a Block's forward + backward when the ranks of `shared` run it at once, against the
     same Block timed alone right before and right after them (`alone`): one rank's speed on this machine
@@ -596,6 +618,10 @@ def summary_lines(cal: Calibration) -> list[str]:
             lines.append(f"{w} ranks: a 1 KB message sent to a receive already waiting arrives "
                          + ", ".join(f"{f.seconds(1024) * 1e3:.2f} ms after its send with {k} sender"
                                      f"{'s' if k > 1 else ''} computing" for k, f in enumerate(early, 1)))
+        post = cal.send_post_fit(w)
+        if post:
+            lines.append(f"{w} ranks: posting a pipeline message (its isend) holds the sender "
+                         f"{post.alpha_s * 1e3:.2f} ms on average (timed in the engine's own 1F1B pipeline)")
     if cal.reference_s > 0:
         lines.append(f"the reference Block (the engine's default layer, forward + backward) took "
                      f"{cal.reference_s * 1e3:.2f} ms alone; each prediction times it again and scales compute by "

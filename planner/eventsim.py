@@ -19,7 +19,9 @@ Each rank runs a list of operations in order:
                                         posted, the last for more; `idle_late_s` when
                                         nothing is wanted then: the sender blocked, no rank
                                         computing);
-                                        with `handle`, Wait(handle) blocks the sender until it has arrived
+                                        with `handle`, Wait(handle) blocks the sender until it has arrived;
+                                        posting it holds the sender `post_s` (by the load then, as
+                                        `late_s`; drawn as a blocking span "post <name>")
     Recv(name, src, key)                posts the receive and blocks until the message with `key` has
                                         arrived
 
@@ -31,10 +33,10 @@ How long either takes depends on whether a gloo thread finds a core: on 2 cores 
 0.6-1.1 ms with one sender computing, 4.5-6 ms with two, a message to a waiting receive 0.1-0.2 ms with one
 and about 3 ms with two (engine/calibrate._pipeline_messages), so `seconds` and `late_s` may give it by how
 busy the cores are when the second side is posted (computing ranks and gloo threads, as below; a sender
-computing right after its isend counts). A late receive while nothing computes (its sender blocked in a wait
-or a receive of its own) has a calibrated time of its own, `idle_late_s`: its median is the same 0.1-0.2 ms,
-but a tenth or more of them wait a scheduler tick (3-4 ms) for the blocked sender's thread, 0.6-1.2 ms on
-average against 0.2-1.1 with the sender computing.
+computing, or held posting it, right after its isend counts). A late receive while nothing computes (its
+sender blocked in a wait or a receive of its own) has a calibrated time of its own, `idle_late_s`: its
+median is the same 0.1-0.2 ms, but a tenth or more of them wait a scheduler tick (3-4 ms) for the blocked
+sender's thread, 0.6-1.2 ms on average against 0.2-1.1 with the sender computing.
 
 The cores are shared as a processor-sharing server: while k ranks compute and c communication
 operations keep a thread busy (weight `cpu` each), a computing rank progresses at min(1, cores /
@@ -95,6 +97,9 @@ class Send:
     # for less, the last for more)
     late_s: float | tuple[float, ...] | None = None
     idle_late_s: float | None = None  # its transfer when the receive is posted late while no work is wanted
+    # how long posting it holds the sender (None: not at all), by the load as it is posted (the sender
+    # counted) when a tuple, as `late_s`; drawn as a blocking span "post <name>"
+    post_s: float | tuple[float, ...] | None = None
 
 
 @dataclass
@@ -135,6 +140,12 @@ GLOO_THREADS = 2
 _RESOLUTION_S = 1e-13  # per second of clock: events closer than this to the clock are taken as now
 
 
+def _by_load(value: float | tuple[float, ...], busy: int) -> float:
+    """A Send's time given as a tuple by how busy the cores are (its `busy`-th entry, the last for more), or
+    as one number."""
+    return value[min(busy, len(value)) - 1] if isinstance(value, tuple) else value
+
+
 class SimulationError(RuntimeError):
     """The programs cannot all finish (a collective some member never posts, a message never sent)."""
 
@@ -142,6 +153,7 @@ class SimulationError(RuntimeError):
 def simulate(programs: dict[int, list], cores: float,
              max_events: int = 2_000_000) -> tuple[Timeline, dict[int, float]]:
     """Run every rank's program from time 0; return the timeline and each rank's end time."""
+    programs = {r: list(ops) for r, ops in programs.items()}  # a Send's posting is inserted as it runs
     ranks = sorted(programs)
     pc = dict.fromkeys(ranks, 0)
     clock = dict.fromkeys(ranks, 0.0)
@@ -202,20 +214,17 @@ def simulate(programs: dict[int, list], cores: float,
 
     def match(mid: tuple, sender_computes: bool = False) -> None:
         """Once a message's send and receive are both posted: when it arrives, and its span. A sender that
-        computes right after its isend counts as computing (it is between two operations now)."""
+        computes right after its isend, or is held posting it (an operation of the sender alone), counts
+        as computing (it is between two operations now)."""
         if mid in arrivals or mid not in sends or mid not in receives:
             return
         sent, _, op = sends[mid]
         wanted = round(load(running()) + sender_computes)  # cores' worth of work wanted now
         busy = max(wanted, 1)
-
-        def by_load(value):  # a tuple by how busy the cores are as the second side is posted
-            return value[min(busy, len(value)) - 1] if isinstance(value, tuple) else value
-
-        arrival = sent + by_load(op.seconds)
+        arrival = sent + _by_load(op.seconds, busy)
         if receives[mid] > sent:  # a late receive: the rendezvous moves the message only now
             late = op.idle_late_s if wanted == 0 and op.idle_late_s is not None else \
-                by_load(op.seconds if op.late_s is None else op.late_s)
+                _by_load(op.seconds if op.late_s is None else op.late_s, busy)
             arrival = max(arrival, receives[mid] + late)
         arrivals[mid] = arrival
         send_span(mid, arrivals[mid])
@@ -275,8 +284,15 @@ def simulate(programs: dict[int, list], cores: float,
                 sends[mid] = (t, r, op)
                 if op.handle is not None:
                     send_handles[(r, op.handle)] = mid
-                match(mid, pc[r] + 1 < len(prog) and isinstance(prog[pc[r] + 1], Compute))
+                after = prog[pc[r] + 1] if pc[r] + 1 < len(prog) else None
+                holds = op.post_s is not None
+                match(mid, holds or isinstance(after, Compute))
                 pc[r] += 1
+                if holds:  # posting holds the sender: an operation of its own, next in its program
+                    hold = _by_load(op.post_s, max(1, round(load(running()) + 1)))
+                    if hold > 0:
+                        prog.insert(pc[r], Collective(f"post {op.name}", (r,), op.group_name, hold,
+                                                      micro_batch=op.micro_batch))
                 continue
             if isinstance(op, Recv):
                 mid = (op.key, r)

@@ -52,6 +52,8 @@ def test_corrupt_calibration_is_measured_again_with_a_message(calibrated):
     assert cal.comm[tm.comm_key(2, "send_recv", 2, tm.early_mode(1))].seconds(1024) > 0
     # and a late receive with its sender blocked in its wait
     assert cal.idle_late_fit(2, 2).seconds(1024) > 0
+    # and how long posting a pipeline message holds its sender, timed in the engine's own 1F1B pipeline
+    assert cal.send_post_fit(2).seconds(16384) > 0
     assert [f for f, _ in steps] == sorted(f for f, _ in steps) and steps[-1] == (1.0, "calibrated")
     again, messages = ensure_calibration([2])  # now from the cache
     assert messages == [] and again == cal

@@ -17,7 +17,8 @@ def _cal(key="abc", created_s=1000.0, without=(), **kw) -> tm.Calibration:
                           comm={tm.comm_key(2, "all_reduce", 2, "sync"): tm.CommFit(4e-4, 2e-9, 0.6, gap_s=3e-4),
                                 tm.comm_key(2, "send_recv", 2, tm.late_mode(1)): tm.CommFit(8e-4, 2e-9, 0.5),
                                 tm.comm_key(2, "send_recv", 2, tm.late_mode(0)): tm.CommFit(9e-4, 2e-9, 0.4),
-                                tm.comm_key(2, "send_recv", 2, tm.early_mode(1)): tm.CommFit(2e-4, 2e-9, 0.5)},
+                                tm.comm_key(2, "send_recv", 2, tm.early_mode(1)): tm.CommFit(2e-4, 2e-9, 0.5),
+                                tm.comm_key(2, "send_recv", 2, tm.POST_MODE): tm.CommFit(3e-4, 0.0, 0.0)},
                           probe={"matmul_flops_per_s": 5e10, "memory_bytes_per_s": 1e10, "threads": 1,
                                  "bf16_matmul_flops_per_s": 2e10}, worlds=[2], **{"reference_s": 1.5e-3, **kw})
 
@@ -89,9 +90,17 @@ def test_a_calibration_without_the_mamba_fit_is_measured_again_once(cache):
     tm.save(old)
     cal, why = tm.load("abc", now_s=1001.0)
     assert cal is None and "a message sent to a waiting receive" in why and "measuring again" in why
+    # or before the posting of a pipeline message's isend was
+    old = _cal(created_s=1000.0)
+    del old.comm[tm.comm_key(2, "send_recv", 2, tm.POST_MODE)]
+    tm.save(old)
+    cal, why = tm.load("abc", now_s=1001.0)
+    assert cal is None and "the posting of a pipeline message" in why and "measuring again" in why
+    assert _cal().send_post_fit(2).alpha_s == 3e-4 and old.send_post_fit(2) is None
     # or with one pair at a time only, at a world where two pairs can exchange at once
     four = _cal(created_s=1000.0)
     four.worlds = [2, 4]
+    four.comm[tm.comm_key(4, "send_recv", 2, tm.POST_MODE)] = tm.CommFit(8e-4, 0.0, 0.0)
     for mode in (tm.late_mode, tm.early_mode):
         four.comm[tm.comm_key(4, "send_recv", 2, mode(1))] = tm.CommFit(8e-4, 2e-9, 0.5)
     four.comm[tm.comm_key(4, "send_recv", 2, tm.late_mode(0))] = tm.CommFit(9e-4, 2e-9, 0.4)
@@ -268,6 +277,8 @@ def test_summary_lines_are_words():
     assert any("0.90 ms after the receive with its sender blocked, 0.80 ms with 1 sender computing" in line
                for line in lines)
     assert any("reference Block" in line and "1.50 ms" in line for line in lines)
+    assert any("posting a pipeline message (its isend) holds the sender 0.30 ms on average" in line
+               for line in lines)
     assert _cal().probe_result().ridge_point() == pytest.approx(5.0)
 
 
@@ -285,6 +296,14 @@ def test_resuming_after_communication_is_the_extra_over_resuming_after_compute()
     rows = [[{"after_comm_s": 5e-4, "after_compute_s": 3e-4}], [{"after_comm_s": 4e-4, "after_compute_s": 3e-4}]]
     assert tm.fit_resume(rows) == pytest.approx(1.5e-4)
     assert tm.fit_resume([[{"after_comm_s": 2e-4, "after_compute_s": 3e-4}]]) == 0.0  # never below 0
+
+
+def test_the_posting_of_a_pipeline_message_is_the_mean_over_every_ranks_messages():
+    fits = tm.fit_posting(4, [[1e-4, 3e-4], [2e-4], [], [6e-4]])  # pooled: (1 + 3 + 2 + 6) / 4 x 1e-4
+    fit = fits[tm.comm_key(4, "send_recv", 2, tm.POST_MODE)]
+    assert fit.seconds(16384) == pytest.approx(3e-4) and fit.beta_s_per_byte == 0.0
+    with pytest.raises(ValueError, match="posted no message"):
+        tm.fit_posting(2, [[], []])
 
 
 def test_blocking_fits_keep_the_compute_gap_they_were_measured_after():

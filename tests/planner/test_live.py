@@ -284,6 +284,21 @@ def test_a_receive_posted_after_its_send_waits_the_late_transfer():
     assert finish >= max(s.end_s for s in _spans(pred, "send act s0")) - 1e-12
 
 
+def test_posting_a_pipeline_message_holds_its_sender_for_the_calibrated_posting():
+    # gloo writes the message from the calling thread: every isend of a pipeline holds its sender for the
+    # posting the calibration timed in the engine's own pipeline (a blocking "post send ..." span, as the
+    # engine records it); a calibration without it holds it for none
+    cfg = _cfg("--strategy pp --schedule 1f1b --micro-batches 4 --world 2")
+    without = dataclasses.replace(CAL, comm={k: v for k, v in CAL.comm.items() if not k.endswith("/send_recv/n2/post")})
+    held = dataclasses.replace(CAL, comm={**without.comm, comm_key(2, "send_recv", 2, "post"): CommFit(2e-3, 0.0, 0.0)})
+    base, pred = predict(cfg, without), predict(cfg, held)
+    posts = [s for s in pred.timeline.spans if s.name.startswith("post send")]
+    assert len(posts) == 8 and all(s.duration_s == pytest.approx(2e-3) and not s.is_async for s in posts)
+    assert {s.name for s in posts} == {"post send act s0", "post send grad s1"}
+    assert not any(s.name.startswith("post ") for s in base.timeline.spans)
+    assert pred.step_time_s > base.step_time_s + 4e-3
+
+
 def test_a_late_receive_while_nothing_computes_takes_the_blocked_sender_time():
     # GPipe's stage 0 sends its last activation and blocks waiting for the first gradient; stage 1 posts that
     # receive later, with nothing computing: the calibrated late receive with the sender blocked (late0)
