@@ -561,9 +561,12 @@ def sweep_figure(result: MachineLink) -> go.Figure:
     return fig
 
 
-def _timed_as(mode: str, gap_s: float) -> str:
+def _timed_as(mode: str, gap_s: float, kind: str = "") -> str:
     """How the calibration timed an operation (hardware.this_machine.CommFit's modes), in words."""
-    from hardware.this_machine import BLOCKING_MODES, message_mode
+    from hardware.this_machine import BLOCKING_MODES, POST_MODE, message_mode
+
+    if mode == POST_MODE and kind == "send_recv":
+        return "posting its isend (the sender is held), in the engine's own pipeline"
 
     message = message_mode(mode)
     if message:
@@ -578,6 +581,8 @@ def _timed_as(mode: str, gap_s: float) -> str:
 def calibration_rows(cal) -> list[dict]:
     """This machine's calibration of gloo (hardware.this_machine.Calibration), one row per world, group
     size and operation: what the live prediction charges per operation."""
+    from hardware.this_machine import POST_MODE
+
     rows = []
     for key in sorted(cal.comm, key=lambda k: (int(k.split("/")[0][1:]), k)):
         world, kind, n, mode = key.split("/")
@@ -585,8 +590,10 @@ def calibration_rows(cal) -> list[dict]:
         if mode == "async":
             continue  # measured as bursts; planner/live.py derives one operation's time from them
         rows.append({"ranks": int(world[1:]), "group": int(n[1:]), "operation": kind.replace("_", " "),
-                     "timed": _timed_as(mode, fit.gap_s),
+                     "timed": _timed_as(mode, fit.gap_s, kind),
                      "α (per operation)": format_seconds(fit.alpha_s),
                      "β (ns per byte)": round(fit.beta_s_per_byte * 1e9, 3),
-                     "CPU busy": f"{fit.cpu_fraction:.0%}"})
+                     # a pipeline's posting is read off the engine's trace, which has no CPU time
+                     "CPU busy": ("not timed" if (kind, mode) == ("send_recv", POST_MODE)
+                                  else f"{fit.cpu_fraction:.0%}")})
     return rows

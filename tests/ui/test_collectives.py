@@ -297,3 +297,6 @@ def test_calibration_rows_list_every_blocking_operation():
     assert {"receive posted after its send, 2 senders computing", "receive posted after its send, its sender blocked",
             "sent to a receive already waiting, 1 sender computing"} <= timed
     assert all(r["timed"] and not r["timed"].startswith(("late", "early", "sync")) for r in rows)
+    # and how long posting one holds its sender, read off the engine's own pipeline (no CPU time there)
+    post = [r for r in rows if r["operation"] == "send recv" and r["timed"].startswith("posting its isend")]
+    assert {r["ranks"] for r in post} == {2, 4} and all(r["CPU busy"] == "not timed" for r in post)
