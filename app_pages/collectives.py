@@ -255,7 +255,7 @@ st.subheader("What the live lessons predict with")
 calibration = cached_calibration()
 if calibration is None:
     st.caption("This machine is not calibrated yet: the first live run of a lesson (or **Measure this "
-               "machine** on the hardware page) measures it, in a few seconds, and this table appears.")
+               "machine** on the hardware page) measures it, in under a minute, and this table appears.")
 else:
     st.markdown(
         "Every live run is shown beside the planner's prediction of it, made from one calibration of this "

@@ -34,7 +34,7 @@ def cached_calibration():
 
 def ensure_calibration(worlds, progress=None, remeasure: bool = False, collective_timeout_s: float = 30.0):
     """This machine's calibration with communication measured at every world in `worlds`: from the
-    cache when it is there and sound, else measured now (about 17 s for 2 ranks, 31 s more for 4, on 2 cores) and saved.
+    cache when it is there and sound, else measured now (about 25 s for 2 ranks, 45 s more for 4, on 2 cores) and saved.
 
     Returns (calibration, messages): the messages say what was measured and why (missing, stale,
     corrupt, asked for), for the page or the command line to show. Raises `launch.WorkerError` when a
