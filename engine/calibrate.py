@@ -50,12 +50,12 @@ from hardware.this_machine import BLOCKING_MODES, CONTENDED_CAP_S, POST_MODE, ea
 # whole-gradient all-reduce of cp and ep is 427 KB), where gloo's time is mostly per operation (thread
 # hand-offs, syscalls); three sizes spanning that range fit alpha and beta without extrapolating.
 COMM_SIZES = (1024, 131072, 524288)
+PIPELINE_POSTING_STEPS = 8  # steps of the engine's pipeline `pipeline_posting` times (the first two are warm-up)
 # Calls of each operation and size (engine/calibrate.comm_task). A rank's gloo time has a heavy tail
 # (a stalled thread waits a scheduler tick, ~4 ms, about once in tens of calls): means over fewer rounds
 # moved a fit by up to 2x between two calibrations of this machine. With 2 ranks the calls are ~5x
 # cheaper and a tenth of them stall, so they run twice the rounds (three calibrations predicted the
 # default 2-rank runs 7-24 % apart with 60).
-PIPELINE_POSTING_STEPS = 8  # steps of the engine's pipeline `pipeline_posting` times (the first two are warm-up)
 COMM_ROUNDS = 60
 ASYNC_ROUNDS = 24
 COMM_BLOCK = 10

@@ -92,8 +92,8 @@ class CommFit:
     (`late_mode`, send_recv only): a receive posted after its send while the sender computes on, from the
     receive's posting (gloo's point-to-point is a rendezvous: the message moves only then), with that many
     of the world's pairs exchanging at once, so that many senders computing
-    (engine/calibrate._pipeline_messages);
-    "late0" the same with one pair whose sender blocks in its wait after the isend (no rank computing).
+    (engine/calibrate._pipeline_messages); "late0" the same with one pair whose sender blocks in its wait
+    after the isend (no rank computing).
     "early1", "early2", ... (`early_mode`, send_recv only): a message sent to a receive already waiting, the
     sender computing on after its isend, timed one way from the isend's posting to the receive's return."""
 

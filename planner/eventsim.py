@@ -20,8 +20,8 @@ Each rank runs a list of operations in order:
                                         nothing is wanted then: the sender blocked, no rank
                                         computing);
                                         with `handle`, Wait(handle) blocks the sender until it has arrived;
-                                        posting it holds the sender `post_s` (by the load then, as
-                                        `late_s`; drawn as a blocking span "post <name>")
+                                        posting it holds the sender `post_s` (drawn as a blocking
+                                        span "post <name>")
     Recv(name, src, key)                posts the receive and blocks until the message with `key` has
                                         arrived
 
@@ -97,9 +97,7 @@ class Send:
     # for less, the last for more)
     late_s: float | tuple[float, ...] | None = None
     idle_late_s: float | None = None  # its transfer when the receive is posted late while no work is wanted
-    # how long posting it holds the sender (None: not at all), by the load as it is posted (the sender
-    # counted) when a tuple, as `late_s`; drawn as a blocking span "post <name>"
-    post_s: float | tuple[float, ...] | None = None
+    post_s: float | None = None  # how long posting it holds the sender (None: not at all)
 
 
 @dataclass
@@ -288,11 +286,9 @@ def simulate(programs: dict[int, list], cores: float,
                 holds = op.post_s is not None
                 match(mid, holds or isinstance(after, Compute))
                 pc[r] += 1
-                if holds:  # posting holds the sender: an operation of its own, next in its program
-                    hold = _by_load(op.post_s, max(1, round(load(running()) + 1)))
-                    if hold > 0:
-                        prog.insert(pc[r], Collective(f"post {op.name}", (r,), op.group_name, hold,
-                                                      micro_batch=op.micro_batch))
+                if holds and op.post_s > 0:  # posting holds the sender: an operation of its own, next
+                    prog.insert(pc[r], Collective(f"post {op.name}", (r,), op.group_name, op.post_s,
+                                                  micro_batch=op.micro_batch))
                 continue
             if isinstance(op, Recv):
                 mid = (op.key, r)

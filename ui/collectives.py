@@ -561,12 +561,9 @@ def sweep_figure(result: MachineLink) -> go.Figure:
     return fig
 
 
-def _timed_as(mode: str, gap_s: float, kind: str = "") -> str:
+def _timed_as(mode: str, gap_s: float) -> str:
     """How the calibration timed an operation (hardware.this_machine.CommFit's modes), in words."""
     from hardware.this_machine import BLOCKING_MODES, POST_MODE, message_mode
-
-    if mode == POST_MODE and kind == "send_recv":
-        return "posting its isend (the sender is held), in the engine's own pipeline"
 
     message = message_mode(mode)
     if message:
@@ -575,7 +572,7 @@ def _timed_as(mode: str, gap_s: float, kind: str = "") -> str:
         return f"{words}, {k} sender{'s' if k > 1 else ''} computing" if k else f"{words}, its sender blocked"
     if mode in BLOCKING_MODES:
         return f"blocking, after {format_seconds(gap_s)} of compute"
-    return {"contended": "while its ranks compute", "post": "posting it (the rank is blocked)"}.get(mode, mode)
+    return {"contended": "while its ranks compute", POST_MODE: "posting it (the rank is blocked)"}.get(mode, mode)
 
 
 def calibration_rows(cal) -> list[dict]:
@@ -589,11 +586,12 @@ def calibration_rows(cal) -> list[dict]:
         fit = cal.comm[key]
         if mode == "async":
             continue  # measured as bursts; planner/live.py derives one operation's time from them
+        # a pipeline's posting is read off the engine's trace (hardware.this_machine.fit_posting): no CPU time
+        pipeline_post = (kind, mode) == ("send_recv", POST_MODE)
         rows.append({"ranks": int(world[1:]), "group": int(n[1:]), "operation": kind.replace("_", " "),
-                     "timed": _timed_as(mode, fit.gap_s, kind),
+                     "timed": ("posting its isend (the sender is held), in the engine's own pipeline"
+                               if pipeline_post else _timed_as(mode, fit.gap_s)),
                      "α (per operation)": format_seconds(fit.alpha_s),
                      "β (ns per byte)": round(fit.beta_s_per_byte * 1e9, 3),
-                     # a pipeline's posting is read off the engine's trace, which has no CPU time
-                     "CPU busy": ("not timed" if (kind, mode) == ("send_recv", POST_MODE)
-                                  else f"{fit.cpu_fraction:.0%}")})
+                     "CPU busy": "not timed" if pipeline_post else f"{fit.cpu_fraction:.0%}"})
     return rows
