@@ -20,7 +20,7 @@ No thresholds: the table is the result.
 The calibration is measured afresh unless --cached: a shared machine drifts, and its runs with it. On
 the 2-core machine this was built on, the engine's default step at world 1 took 4.6 ms and an hour later
 7.6 ms; a calibration 15 minutes old predicted the default runs 32 % off on average (50 % at worst),
-one measured right before them 12 % (30 % at worst). Measuring takes about 60 s on 2 cores.
+one measured right before them 12 % (30 % at worst). Measuring takes about 70 s on 2 cores.
 """
 
 from __future__ import annotations

@@ -44,7 +44,15 @@ from engine.mamba import Mamba2
 from engine.model import Attention, Block, Embed, Head, MoE, RMSNorm, SwiGLU, loss_fn
 from engine.optim import AdamW, adamw_
 from engine.ring_attention import block_backward, block_forward, expand_kv, merge, reduce_kv
-from hardware.this_machine import BLOCKING_MODES, CONTENDED_CAP_S, POST_MODE, early_mode, late_mode
+from hardware.this_machine import (
+    ALONE_MODE,
+    BLOCKING_MODES,
+    CONTENDED_CAP_S,
+    PAIR_MODE,
+    POST_MODE,
+    early_mode,
+    late_mode,
+)
 
 # Message sizes of the communication sweep (bytes): the live models' collectives are 0.1-450 KB (the
 # whole-gradient all-reduce of cp and ep is 427 KB), where gloo's time is mostly per operation (thread
@@ -64,6 +72,11 @@ CONTENDED_ROUNDS = 24  # with 8, two calibrations put a 2-rank all-reduce under 
 COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ring_shift", "send_recv")
 ASYNC_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 ASYNC_BURST = 6  # asynchronous operations issued back to back before waiting (DP buckets, FSDP units)
+# Two asynchronous operations of a group posted at once, against one alone, timed in the same window
+# (comm_task): how much gloo's second worker thread buys. Measured here with 14 DP-sized all-reduces
+# (25-100 KB) on 4 ranks: 63-65 ms one after another, 44-54 ms two at a time; the event simulation, which
+# ran two at once at full speed, predicted the data-parallel run at 4 ranks 21-37 % fast.
+PAIR_ROUNDS = 24
 COMPUTE_GAP_S = 300e-6  # compute before each blocking operation: a unit of the default model takes ~0.3 ms
 # A blocking operation costs more the longer its rank computed before it: gloo's threads slept that long,
 # and on busy cores waking them waits for a scheduler tick more often. In an experiment here (2 cores, an
@@ -481,8 +494,7 @@ def comm_task(ctx, group_sizes: list[int], sizes: tuple[int, ...] = COMM_SIZES, 
             for _ in range(ASYNC_BURST):
                 compute()
                 works.append(call())
-            for work in works:
-                work.wait()
+            _wait_all(works)
 
         bursts = {}
         for kind in ASYNC_KINDS:
@@ -517,6 +529,16 @@ def comm_task(ctx, group_sizes: list[int], sizes: tuple[int, ...] = COMM_SIZES, 
         for (kind, nbytes), sums in _rounds(bursts, async_rounds, dist, 0.0).items():
             row = _row(kind, n, ctx.world, nbytes, "async", sums)
             out.append(row | {"burst": ASYNC_BURST, "compute_s": compute_s})
+        # two of a group's asynchronous operations at once, against one alone in the same blocks
+        # (PAIR_ROUNDS): planner.eventsim's Collective.concurrency
+        together = {}
+        for kind in ASYNC_KINDS:
+            for nbytes in sizes:
+                one, two = (_comm_call(kind, n, me, members, nbytes, group, async_op=True) for _ in range(2))
+                together[(kind, nbytes, ALONE_MODE)] = lambda one=one: one().wait()
+                together[(kind, nbytes, PAIR_MODE)] = lambda one=one, two=two: _wait_all([one(), two()])
+        for (kind, nbytes, mode), sums in _rounds(together, PAIR_ROUNDS, dist, COMPUTE_GAP_S).items():
+            out.append(_row(kind, n, ctx.world, nbytes, mode, sums) | {"gap_s": COMPUTE_GAP_S})
         # the same operations while every rank keeps computing until they complete: how fast gloo
         # progresses under its ranks' compute (an FSDP prefetch, a DP bucket under backward)
         chunk, _ = _fixed_compute(CONTENDED_CHUNK_S)
@@ -698,6 +720,11 @@ def _rounds(calls: dict, rounds: int, dist, gap_s: float) -> dict:
                     acc[1] += _process_cpu_s() - cpu0
                     acc[2] += 1
     return sums
+
+
+def _wait_all(works: list) -> None:
+    for work in works:
+        work.wait()
 
 
 def _row(kind: str, n: int, world: int, nbytes: int, mode: str, sums: list) -> dict:

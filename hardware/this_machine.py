@@ -43,6 +43,8 @@ CONTENDED_CAP_S = 0.02
 # Blocking operations are timed after three gaps of compute (engine/calibrate.SYNC_GAPS_S), shortest first
 BLOCKING_MODES = ("sync_short", "sync", "sync_long")
 POST_MODE = "post"  # how long posting a point-to-point operation blocks the rank that posts it (CommFit)
+ALONE_MODE, PAIR_MODE = "alone", "pair"  # one asynchronous operation posted and waited; two posted at once
+PAIR_SUMMARY_BYTES = 131072  # the size `summary_lines` quotes (one of engine/calibrate.COMM_SIZES)
 STALE_AFTER_S = 30 * 24 * 3600  # a month: software updates and thermal changes drift the numbers
 # The module fits every prediction may need (`fit_compute` makes them all); a cached calibration lacking
 # one predates that module's measurement.
@@ -94,6 +96,9 @@ class CommFit:
     of the world's pairs exchanging at once, so that many senders computing
     (engine/calibrate._pipeline_messages); "late0" the same with one pair whose sender blocks in its wait
     after the isend (no rank computing).
+    "alone" and "pair" (`ALONE_MODE`, `PAIR_MODE`; asynchronous kinds): one operation posted and waited for,
+    and two of the group's posted at once and both waited for, timed in the same blocks after `gap_s` of
+    compute (`Calibration.pair_speedup`).
     "early1", "early2", ... (`early_mode`, send_recv only): a message sent to a receive already waiting, the
     sender computing on after its isend, timed one way from the isend's posting to the receive's return."""
 
@@ -180,6 +185,16 @@ class Calibration:
         """How long posting a pipeline message's isend holds its sender at `world` (`fit_posting`), or None
         when not measured."""
         return self.comm.get(comm_key(world, "send_recv", 2, POST_MODE))
+
+    def pair_speedup(self, world: int, kind: str, n: int, nbytes: float) -> float | None:
+        """Operations' worth of work two asynchronous operations of a group posted at once get through in
+        the time of one alone (2: gloo's two worker threads each run at full speed; 1: no faster than one
+        after the other), or None when not measured."""
+        alone = self.comm.get(comm_key(world, kind, n, ALONE_MODE))
+        pair = self.comm.get(comm_key(world, kind, n, PAIR_MODE))
+        if alone is None or pair is None or pair.seconds(nbytes) <= 0:
+            return None
+        return 2 * alone.seconds(nbytes) / pair.seconds(nbytes)
 
     def idle_late_fit(self, world: int, n: int) -> CommFit | None:
         """The late receive of groups of `n` at `world` while no rank computes (`late_mode(0)`: the sender
@@ -315,6 +330,8 @@ def load(key: str, now_s: float | None = None) -> tuple[Calibration | None, str]
         missing.append("a message sent to a waiting receive")
     if any(cal.send_post_fit(w) is None for w in cal.worlds):
         missing.append("the posting of a pipeline message")
+    if any(cal.pair_speedup(w, "all_reduce", w, 0) is None for w in cal.worlds):
+        missing.append("two asynchronous operations at once")
     if missing:
         return None, (f"the calibration has no timing of {', '.join(missing)} (an older ShardLab measured it); "
                       "measuring again")
@@ -618,6 +635,11 @@ def summary_lines(cal: Calibration) -> list[str]:
             lines.append(f"{w} ranks: a 1 KB message sent to a receive already waiting arrives "
                          + ", ".join(f"{f.seconds(1024) * 1e3:.2f} ms after its send with {k} sender"
                                      f"{'s' if k > 1 else ''} computing" for k, f in enumerate(early, 1)))
+        speedup = cal.pair_speedup(w, "all_reduce", w, PAIR_SUMMARY_BYTES)
+        if speedup:
+            lines.append(f"{w} ranks: two asynchronous all-reduces of {PAIR_SUMMARY_BYTES // 1024} KB posted at "
+                         f"once get through {speedup:.2f} operations' worth in the time of one alone (2 if "
+                         "gloo's two threads each ran at full speed)")
         post = cal.send_post_fit(w)
         if post:
             lines.append(f"{w} ranks: posting a pipeline message (its isend) holds the sender "

@@ -10,7 +10,9 @@ Each rank runs a list of operations in order:
                                         threads), and takes `seconds`; blocking unless `handle`.
                                         An asynchronous one with `contended_s` runs at 1/contended_s
                                         of its work per second while any member computes, 1/seconds
-                                        while none does (gloo barely progresses under its ranks' compute)
+                                        while none does (gloo barely progresses under its ranks' compute);
+                                        while two of its group's operations run at once, each gets
+                                        `concurrency` / 2 of that (both gloo threads want the same cores)
     Wait(handle)                        blocks until that asynchronous operation has completed
     Send(name, dst, key, seconds)       posts a message (isend): it arrives `seconds` after it is sent,
                                         and not before `late_s` after its receive is posted (either may
@@ -54,6 +56,13 @@ from dataclasses import dataclass, field
 
 from core.timeline import Span, Timeline
 
+# torch's ProcessGroupGloo runs each group's queue on 2 worker threads (its default options: threads =
+# 2 per device), so two operations of one group can be in flight at once. Measured here: back to back
+# asynchronous all-reduces of 1 KiB on 2 ranks take 330 us alone, 433 us for two, 917 us for four.
+# On busy cores the second thread buys less: there planner.live gives a group's operations the
+# calibrated `Collective.concurrency` (two posted at once against one alone, engine/calibrate.comm_task).
+GLOO_THREADS = 2
+
 
 @dataclass
 class Compute:
@@ -75,6 +84,9 @@ class Collective:
     # asynchronous only: its duration while a member computes (None: as `seconds`; math.inf: it makes
     # no progress until every member has stopped computing)
     contended_s: float | None = None
+    # asynchronous only: operations' worth of work its group gets through in `seconds` while two of its
+    # operations run at once (GLOO_THREADS: each at full speed; 1: the two together no faster than one)
+    concurrency: float = GLOO_THREADS
 
 
 @dataclass
@@ -122,19 +134,17 @@ class _Posted:
 
     @property
     def dynamic(self) -> bool:
-        return self.op.handle is not None and self.op.contended_s is not None
+        return self.op.handle is not None and (self.op.contended_s is not None
+                                               or self.op.concurrency < GLOO_THREADS)
 
-    def rate(self, computing: set[int]) -> float:
-        """Fraction of the operation done per second now."""
+    def rate(self, computing: set[int], together: int = 1) -> float:
+        """Fraction of the operation done per second now, `together` of its group's operations running."""
         busy = any(m in computing for m in self.members)
-        seconds = self.op.contended_s if busy else self.op.seconds
-        return 1.0 / seconds if seconds > 0 else math.inf
+        seconds = self.op.contended_s if busy and self.op.contended_s is not None else self.op.seconds
+        share = min(1.0, self.op.concurrency / together) if together > 1 else 1.0
+        return share / seconds if seconds > 0 else math.inf
 
 
-# torch's ProcessGroupGloo runs each group's queue on 2 worker threads (its default options: threads =
-# 2 per device), so two operations of one group can be in flight at once. Measured here: back to back
-# asynchronous all-reduces of 1 KiB on 2 ranks take 330 us alone, 433 us for two, 917 us for four.
-GLOO_THREADS = 2
 _RESOLUTION_S = 1e-13  # per second of clock: events closer than this to the clock are taken as now
 
 
@@ -323,7 +333,10 @@ def simulate(programs: dict[int, list], cores: float,
         active = running()
         wanted = load(active)
         rate = min(1.0, cores / wanted) if wanted > 0 else 1.0
-        dynamic = [(p, p.rate(computing)) for p in active if p.dynamic]
+        together: dict[tuple, int] = {}
+        for p in active:
+            together[p.op.group] = together.get(p.op.group, 0) + 1
+        dynamic = [(p, p.rate(computing, together[p.op.group])) for p in active if p.dynamic]
         instant = [p for p, speed in dynamic if speed == math.inf]
         if instant:  # a zero-second operation (a fit can reach 0 for a small buffer) is done as soon as it runs
             for p in instant:

@@ -21,7 +21,8 @@ Context parallel's ring attention (engine/cp.py) runs as the engine runs it: eac
 flight beside the block's compute, the dK/dV of backward sent on after each block and waited for after the
 next one, and posting a hop holds the rank for the calibrated posting (gloo writes the message from the
 calling thread). DP's gradient buckets leave as soon as their last gradient exists, in the middle of a
-layer's backward (engine/dp.py's hooks).
+layer's backward (engine/dp.py's hooks). Two asynchronous operations of one group in flight together get
+through what the calibration timed two of them posted at once getting through (`_Costs.concurrency`).
 
 A Mamba-2 layer (engine/mamba.py) is its norm, the mixer's input projections, the conv and scan, then
 in_z, the gated norm and out_proj: one tp region (heads split, whole groups per rank), and under cp the
@@ -52,6 +53,7 @@ from core.timeline import Timeline, bubble_spans, intersection_seconds, span_kin
 from hardware.collectives import ring_sent_bytes
 from hardware.this_machine import (
     BLOCKING_MODES,
+    PAIR_MODE,
     POST_MODE,
     Calibration,
     CalibrationError,
@@ -61,7 +63,7 @@ from hardware.this_machine import (
     scan_steps,
     work,
 )
-from planner.eventsim import Collective, Compute, Recv, Send, Wait, simulate
+from planner.eventsim import GLOO_THREADS, Collective, Compute, Recv, Send, Wait, simulate
 
 F32 = 4
 MAMBA = "M"  # a Mamba-2 layer's letter in ModelConfig.kinds (engine/config.MAMBA)
@@ -258,6 +260,16 @@ class _Costs:
             return None
         return math.inf if fit.stalls else fit.seconds(nbytes)
 
+    def concurrency(self, kind: str, n: int, nbytes: float) -> float:
+        """Operations' worth of work two asynchronous operations of a group in flight together get through
+        in the time of one (planner.eventsim.Collective.concurrency): as the calibration timed two posted at
+        once against one alone (`Calibration.pair_speedup`), between 1 and GLOO_THREADS; GLOO_THREADS for a
+        calibration without it. On 2 cores, 2 ranks got 1.5-1.9 and 4 ranks 1.2-1.45 in experiments with
+        14 data-parallel all-reduces: with 4 ranks, gloo's second thread mostly waits for a core."""
+        size = _nearest(n, self._sizes(kind, PAIR_MODE))
+        speedup = self.cal.pair_speedup(self.cfg.world, kind, size, nbytes) if n > 1 else None
+        return GLOO_THREADS if speedup is None else min(GLOO_THREADS, max(1.0, speedup))
+
     def post(self, kind: str, n: int, nbytes: float):
         """The calibrated posting of a point-to-point batch (engine/calibrate._Shift's "post" mode): the part
         of the operation that blocks the rank that posts it, or None when not measured (older files)."""
@@ -330,6 +342,7 @@ class _Costs:
         solo = fit.compute_s / self.cal.share(w)
         cpu = self.cpu(kind, n, "sync")
         contended = self.contended_s(kind, n, nbytes)
+        concurrency = self.concurrency(kind, n, nbytes)
 
         def simulated(d: float) -> float:
             progs = {}
@@ -338,7 +351,7 @@ class _Costs:
                 ops = []
                 for j in range(fit.burst):
                     ops += [Compute("c", solo), Collective("x", group, "dp", d, handle=f"h{j}", cpu=cpu,
-                                                           contended_s=contended)]
+                                                           contended_s=contended, concurrency=concurrency)]
                 progs[rank] = ops + [Wait(f"h{j}") for j in range(fit.burst)]
             return max(simulate(progs, cores=self.cal.cores(w))[1].values())
 
@@ -424,7 +437,8 @@ class _Rank:
         # shift sends its whole message
         sent = ring_sent_bytes("p2p" if kind == "ring_shift" else kind, int(nbytes), n)
         self.comm_op(Collective(name, group, axis, seconds, sent, handle, self.costs.cpu(kind, n, mode),
-                                self.mb, self.costs.contended_s(kind, n, nbytes) if asyn else None))
+                                self.mb, self.costs.contended_s(kind, n, nbytes) if asyn else None,
+                                self.costs.concurrency(kind, n, nbytes) if asyn else GLOO_THREADS))
         return handle
 
     def send(self, name: str, dst: int, key: tuple, n: int, nbytes: float, group: str) -> str:

@@ -563,7 +563,7 @@ def sweep_figure(result: MachineLink) -> go.Figure:
 
 def _timed_as(mode: str, gap_s: float) -> str:
     """How the calibration timed an operation (hardware.this_machine.CommFit's modes), in words."""
-    from hardware.this_machine import BLOCKING_MODES, POST_MODE, message_mode
+    from hardware.this_machine import ALONE_MODE, BLOCKING_MODES, PAIR_MODE, POST_MODE, message_mode
 
     message = message_mode(mode)
     if message:
@@ -572,7 +572,10 @@ def _timed_as(mode: str, gap_s: float) -> str:
         return f"{words}, {k} sender{'s' if k > 1 else ''} computing" if k else f"{words}, its sender blocked"
     if mode in BLOCKING_MODES:
         return f"blocking, after {format_seconds(gap_s)} of compute"
-    return {"contended": "while its ranks compute", POST_MODE: "posting it (the rank is blocked)"}.get(mode, mode)
+    after = f"after {format_seconds(gap_s)} of compute"
+    return {"contended": "while its ranks compute", POST_MODE: "posting it (the rank is blocked)",
+            ALONE_MODE: f"asynchronous, alone, {after}",
+            PAIR_MODE: f"asynchronous, two of the group's posted at once (both waited for), {after}"}.get(mode, mode)
 
 
 def calibration_rows(cal) -> list[dict]:

@@ -18,7 +18,9 @@ def _cal(key="abc", created_s=1000.0, without=(), **kw) -> tm.Calibration:
                                 tm.comm_key(2, "send_recv", 2, tm.late_mode(1)): tm.CommFit(8e-4, 2e-9, 0.5),
                                 tm.comm_key(2, "send_recv", 2, tm.late_mode(0)): tm.CommFit(9e-4, 2e-9, 0.4),
                                 tm.comm_key(2, "send_recv", 2, tm.early_mode(1)): tm.CommFit(2e-4, 2e-9, 0.5),
-                                tm.comm_key(2, "send_recv", 2, tm.POST_MODE): tm.CommFit(3e-4, 0.0, 0.0)},
+                                tm.comm_key(2, "send_recv", 2, tm.POST_MODE): tm.CommFit(3e-4, 0.0, 0.0),
+                                tm.comm_key(2, "all_reduce", 2, tm.ALONE_MODE): tm.CommFit(1e-3, 0.0, 0.6),
+                                tm.comm_key(2, "all_reduce", 2, tm.PAIR_MODE): tm.CommFit(1.6e-3, 0.0, 0.7)},
                           probe={"matmul_flops_per_s": 5e10, "memory_bytes_per_s": 1e10, "threads": 1,
                                  "bf16_matmul_flops_per_s": 2e10}, worlds=[2], **{"reference_s": 1.5e-3, **kw})
 
@@ -97,6 +99,13 @@ def test_a_calibration_without_the_mamba_fit_is_measured_again_once(cache):
     cal, why = tm.load("abc", now_s=1001.0)
     assert cal is None and "the posting of a pipeline message" in why and "measuring again" in why
     assert _cal().send_post_fit(2).alpha_s == 3e-4 and old.send_post_fit(2) is None
+    # or before two asynchronous operations at once were
+    old = _cal(created_s=1000.0)
+    del old.comm[tm.comm_key(2, "all_reduce", 2, tm.PAIR_MODE)]
+    tm.save(old)
+    cal, why = tm.load("abc", now_s=1001.0)
+    assert cal is None and "two asynchronous operations at once" in why and "measuring again" in why
+    assert old.pair_speedup(2, "all_reduce", 2, 1024) is None
     # or with one pair at a time only, at a world where two pairs can exchange at once
     four = _cal(created_s=1000.0)
     four.worlds = [2, 4]
@@ -104,6 +113,8 @@ def test_a_calibration_without_the_mamba_fit_is_measured_again_once(cache):
     for mode in (tm.late_mode, tm.early_mode):
         four.comm[tm.comm_key(4, "send_recv", 2, mode(1))] = tm.CommFit(8e-4, 2e-9, 0.5)
     four.comm[tm.comm_key(4, "send_recv", 2, tm.late_mode(0))] = tm.CommFit(9e-4, 2e-9, 0.4)
+    for mode in (tm.ALONE_MODE, tm.PAIR_MODE):
+        four.comm[tm.comm_key(4, "all_reduce", 4, mode)] = tm.CommFit(3e-3, 0.0, 0.4)
     tm.save(four)
     assert tm.load("abc", now_s=1001.0)[0] is None
     four.comm[tm.comm_key(4, "send_recv", 2, tm.late_mode(2))] = tm.CommFit(5e-3, 2e-9, 0.5)
@@ -279,7 +290,15 @@ def test_summary_lines_are_words():
     assert any("reference Block" in line and "1.50 ms" in line for line in lines)
     assert any("posting a pipeline message (its isend) holds the sender 0.30 ms on average" in line
                for line in lines)
+    assert any("two asynchronous all-reduces of 128 KB posted at once get through 1.25 operations' worth in the "
+               "time of one alone" in line for line in lines)
     assert _cal().probe_result().ridge_point() == pytest.approx(5.0)
+
+
+def test_two_operations_at_once_get_through_twice_one_alone_over_the_pair():
+    # one alone 1 ms, two posted at once 1.6 ms: 2 x 1 / 1.6 = 1.25 operations' worth in one's time
+    assert _cal().pair_speedup(2, "all_reduce", 2, 4096) == pytest.approx(1.25)
+    assert _cal().pair_speedup(2, "all_gather", 2, 4096) is None  # not timed
 
 
 def test_an_operation_that_never_completes_under_compute_stalls():

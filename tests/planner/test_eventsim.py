@@ -42,6 +42,23 @@ def test_one_group_runs_its_operations_in_posting_order_two_at_a_time():
     assert ends[0] == pytest.approx(2.0)
 
 
+def test_two_operations_of_a_group_at_once_share_its_concurrency():
+    # x takes 1 s alone, y 2 s; while both run, each goes at 1.5 / 2 = 0.75 of its own speed: x is done at
+    # 4/3 s with half of y done, whose other half then takes 1 s alone
+    g = (0, 1)
+    prog = [Collective("x", g, "dp", 1.0, handle="x", concurrency=1.5),
+            Collective("y", g, "dp", 2.0, handle="y", concurrency=1.5), Wait("x"), Wait("y")]
+    tl, ends = simulate({0: list(prog), 1: list(prog)}, cores=2)
+    assert _spans(tl, 0, "comm") == [("x", 0.0, pytest.approx(4 / 3)), ("y", 0.0, pytest.approx(7 / 3))]
+    assert ends[0] == pytest.approx(7 / 3)
+    # one alone runs at its full speed; and at concurrency 1, two take as long as one after the other
+    alone = [Collective("x", g, "dp", 1.0, handle="x", concurrency=1.0), Wait("x")]
+    assert simulate({0: list(alone), 1: list(alone)}, cores=2)[1][0] == pytest.approx(1.0)
+    serial = [Collective("x", g, "dp", 1.0, handle="x", concurrency=1.0),
+              Collective("y", g, "dp", 1.0, handle="y", concurrency=1.0), Wait("x"), Wait("y")]
+    assert simulate({0: list(serial), 1: list(serial)}, cores=2)[1][0] == pytest.approx(2.0)
+
+
 def test_send_and_recv():
     tl, ends = simulate({0: [Compute("f", 1.0), Send("send act", 1, ("act", 0), 0.25)],
                          1: [Recv("recv act", 0, ("act", 0)), Compute("f", 1.0)]}, cores=2)

@@ -300,3 +300,8 @@ def test_calibration_rows_list_every_blocking_operation():
     # and how long posting one holds its sender, read off the engine's own pipeline (no CPU time there)
     post = [r for r in rows if r["operation"] == "send recv" and r["timed"].startswith("posting its isend")]
     assert {r["ranks"] for r in post} == {2, 4} and all(r["CPU busy"] == "not timed" for r in post)
+    # two asynchronous operations posted at once, beside one alone in the same blocks
+    pair = {r["timed"] for r in rows if r["ranks"] == 4 and r["group"] == 4 and r["operation"] == "all reduce"}
+    assert {"asynchronous, alone, after 300 µs of compute",
+            "asynchronous, two of the group's posted at once (both waited for), after 300 µs of compute"} <= pair
+    assert all(r["timed"] not in ("alone", "pair") for r in rows)
