@@ -575,7 +575,7 @@ def _timed_as(mode: str, gap_s: float) -> str:
     after = f"after {format_seconds(gap_s)} of compute"
     return {"contended": "while its ranks compute", POST_MODE: "posting it (the rank is blocked)",
             ALONE_MODE: f"asynchronous, alone, {after}",
-            PAIR_MODE: f"asynchronous, two of the group's posted at once (both waited for), {after}"}.get(mode, mode)
+            PAIR_MODE: f"asynchronous, two at once (both ended), {after}"}.get(mode, mode)
 
 
 def calibration_rows(cal) -> list[dict]:
