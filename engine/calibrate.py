@@ -74,8 +74,9 @@ ASYNC_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 ASYNC_BURST = 6  # asynchronous operations issued back to back before waiting (DP buckets, FSDP units)
 # Two asynchronous operations of a group posted at once, against one alone, timed in the same window
 # (comm_task): how much gloo's second worker thread buys. Measured here with 14 DP-sized all-reduces
-# (25-100 KB) on 4 ranks: 63-65 ms one after another, 44-54 ms two at a time; the event simulation, which
-# ran two at once at full speed, predicted the data-parallel run at 4 ranks 21-37 % fast.
+# (25-100 KB) on 2 cores: 63-65 ms one after another and 44-54 ms two at a time on 4 ranks (1.2-1.5
+# operations' worth in one's time, not 2), 23 and 12 ms on 2 ranks; the event simulation, which ran two at
+# once at full speed, predicted the data-parallel run at 4 ranks 21-41 % fast.
 PAIR_ROUNDS = 24
 COMPUTE_GAP_S = 300e-6  # compute before each blocking operation: a unit of the default model takes ~0.3 ms
 # A blocking operation costs more the longer its rank computed before it: gloo's threads slept that long,
@@ -695,7 +696,7 @@ def _busy(seconds: float) -> None:
 
 
 def _rounds(calls: dict, rounds: int, dist, gap_s: float) -> dict:
-    """{(kind, size): [wall seconds, CPU seconds, calls]} over `rounds` calls of each: in blocks of
+    """{key: [wall seconds, CPU seconds, calls]} over `rounds` calls of each (keys (kind, size, ...)): in blocks of
     COMM_BLOCK calls of one kind (its sizes round-robin), the kinds taking turns block by block; each call
     after `gap_s` of computing (not counted); two untimed warm-up rounds first."""
     for _ in range(2):

@@ -44,6 +44,11 @@ CONTENDED_CAP_S = 0.02
 BLOCKING_MODES = ("sync_short", "sync", "sync_long")
 POST_MODE = "post"  # how long posting a point-to-point operation blocks the rank that posts it (CommFit)
 ALONE_MODE, PAIR_MODE = "alone", "pair"  # one asynchronous operation posted and waited; two posted at once
+# torch's ProcessGroupGloo runs each group's queue on 2 worker threads (its default options: threads =
+# 2 per device), so two operations of one group can be in flight at once. Measured here: back to back
+# asynchronous all-reduces of 1 KiB on 2 ranks take 330 us alone, 433 us for two, 917 us for four. On busy
+# cores the second thread buys less (`Calibration.pair_speedup`).
+GLOO_THREADS = 2
 PAIR_SUMMARY_BYTES = 131072  # the size `summary_lines` quotes (one of engine/calibrate.COMM_SIZES)
 STALE_AFTER_S = 30 * 24 * 3600  # a month: software updates and thermal changes drift the numbers
 # The module fits every prediction may need (`fit_compute` makes them all); a cached calibration lacking
@@ -188,8 +193,8 @@ class Calibration:
 
     def pair_speedup(self, world: int, kind: str, n: int, nbytes: float) -> float | None:
         """Operations' worth of work two asynchronous operations of a group posted at once get through in
-        the time of one alone (2: gloo's two worker threads each run at full speed; 1: no faster than one
-        after the other), or None when not measured."""
+        the time of one alone (GLOO_THREADS: gloo's worker threads each run at full speed; 1: no faster than
+        one after the other), or None when not measured."""
         alone = self.comm.get(comm_key(world, kind, n, ALONE_MODE))
         pair = self.comm.get(comm_key(world, kind, n, PAIR_MODE))
         if alone is None or pair is None or pair.seconds(nbytes) <= 0:
@@ -330,7 +335,7 @@ def load(key: str, now_s: float | None = None) -> tuple[Calibration | None, str]
         missing.append("a message sent to a waiting receive")
     if any(cal.send_post_fit(w) is None for w in cal.worlds):
         missing.append("the posting of a pipeline message")
-    if any(cal.pair_speedup(w, "all_reduce", w, 0) is None for w in cal.worlds):
+    if any(comm_key(w, "all_reduce", w, PAIR_MODE) not in cal.comm for w in cal.worlds):
         missing.append("two asynchronous operations at once")
     if missing:
         return None, (f"the calibration has no timing of {', '.join(missing)} (an older ShardLab measured it); "
@@ -638,8 +643,8 @@ def summary_lines(cal: Calibration) -> list[str]:
         speedup = cal.pair_speedup(w, "all_reduce", w, PAIR_SUMMARY_BYTES)
         if speedup:
             lines.append(f"{w} ranks: two asynchronous all-reduces of {PAIR_SUMMARY_BYTES // 1024} KB posted at "
-                         f"once get through {speedup:.2f} operations' worth in the time of one alone (2 if "
-                         "gloo's two threads each ran at full speed)")
+                         f"once get through {speedup:.2f} operations' worth in the time of one alone "
+                         f"({GLOO_THREADS} if gloo's {GLOO_THREADS} threads each ran at full speed)")
         post = cal.send_post_fit(w)
         if post:
             lines.append(f"{w} ranks: posting a pipeline message (its isend) holds the sender "

@@ -12,7 +12,8 @@ Each rank runs a list of operations in order:
                                         of its work per second while any member computes, 1/seconds
                                         while none does (gloo barely progresses under its ranks' compute);
                                         while two of its group's operations run at once, each gets
-                                        `concurrency` / 2 of that (both gloo threads want the same cores)
+                                        `concurrency` / 2 of its speed (the group's lowest: both gloo
+                                        threads want the same cores)
     Wait(handle)                        blocks until that asynchronous operation has completed
     Send(name, dst, key, seconds)       posts a message (isend): it arrives `seconds` after it is sent,
                                         and not before `late_s` after its receive is posted (either may
@@ -55,13 +56,7 @@ import math
 from dataclasses import dataclass, field
 
 from core.timeline import Span, Timeline
-
-# torch's ProcessGroupGloo runs each group's queue on 2 worker threads (its default options: threads =
-# 2 per device), so two operations of one group can be in flight at once. Measured here: back to back
-# asynchronous all-reduces of 1 KiB on 2 ranks take 330 us alone, 433 us for two, 917 us for four.
-# On busy cores the second thread buys less: there planner.live gives a group's operations the
-# calibrated `Collective.concurrency` (two posted at once against one alone, engine/calibrate.comm_task).
-GLOO_THREADS = 2
+from hardware.this_machine import GLOO_THREADS
 
 
 @dataclass
@@ -84,9 +79,13 @@ class Collective:
     # asynchronous only: its duration while a member computes (None: as `seconds`; math.inf: it makes
     # no progress until every member has stopped computing)
     contended_s: float | None = None
-    # asynchronous only: operations' worth of work its group gets through in `seconds` while two of its
-    # operations run at once (GLOO_THREADS: each at full speed; 1: the two together no faster than one)
+    # operations' worth of work its group gets through in `seconds` while GLOO_THREADS of its operations run
+    # at once (GLOO_THREADS: each at full speed; 1: together no faster than one after the other)
     concurrency: float = GLOO_THREADS
+
+    def __post_init__(self):
+        if not 1 <= self.concurrency <= GLOO_THREADS:
+            raise ValueError(f"{self.name}: concurrency must be within 1..{GLOO_THREADS}, got {self.concurrency!r}")
 
 
 @dataclass
@@ -134,14 +133,14 @@ class _Posted:
 
     @property
     def dynamic(self) -> bool:
-        return self.op.handle is not None and (self.op.contended_s is not None
-                                               or self.op.concurrency < GLOO_THREADS)
+        """Whether its progress is followed step by step (its speed can change while it runs): an
+        asynchronous one under compute, or any of a group whose operations can slow each other."""
+        return (self.op.handle is not None and self.op.contended_s is not None) or len(self.members) > 1
 
-    def rate(self, computing: set[int], together: int = 1) -> float:
-        """Fraction of the operation done per second now, `together` of its group's operations running."""
+    def rate(self, computing: set[int], share: float = 1.0) -> float:
+        """Fraction of the operation done per second now, with `share` of its speed (its group's)."""
         busy = any(m in computing for m in self.members)
         seconds = self.op.contended_s if busy and self.op.contended_s is not None else self.op.seconds
-        share = min(1.0, self.op.concurrency / together) if together > 1 else 1.0
         return share / seconds if seconds > 0 else math.inf
 
 
@@ -185,9 +184,19 @@ def simulate(programs: dict[int, list], cores: float,
     def running() -> list[_Posted]:
         return [p for p in posted.values() if p.start is not None and p.start <= t and not reached(p.end)]
 
+    def shares(active: list[_Posted]) -> dict[tuple, float]:
+        """Each group's share of its operations' speed now: with k > 1 of them running, the lowest
+        `concurrency` among them over k."""
+        by_group: dict[tuple, list[float]] = {}
+        for p in active:
+            by_group.setdefault(p.op.group, []).append(p.op.concurrency)
+        return {g: min(1.0, min(c) / len(c)) for g, c in by_group.items()}
+
     def load(active: list[_Posted]) -> float:
-        """Cores' worth of work wanted now: each computing rank, and each running operation's threads."""
-        return len(remaining) + sum(p.op.cpu * len(p.members) for p in active)
+        """Cores' worth of work wanted now: each computing rank, and each running operation's threads (an
+        operation slowed by its group's share keeps its threads that much less busy)."""
+        share = shares(active)
+        return len(remaining) + sum(p.op.cpu * len(p.members) * share[p.op.group] for p in active)
 
     in_flight: dict[tuple, list[_Posted]] = {}  # group -> its operations started and not yet ended
 
@@ -333,10 +342,8 @@ def simulate(programs: dict[int, list], cores: float,
         active = running()
         wanted = load(active)
         rate = min(1.0, cores / wanted) if wanted > 0 else 1.0
-        together: dict[tuple, int] = {}
-        for p in active:
-            together[p.op.group] = together.get(p.op.group, 0) + 1
-        dynamic = [(p, p.rate(computing, together[p.op.group])) for p in active if p.dynamic]
+        share = shares(active)
+        dynamic = [(p, p.rate(computing, share[p.op.group])) for p in active if p.dynamic]
         instant = [p for p, speed in dynamic if speed == math.inf]
         if instant:  # a zero-second operation (a fit can reach 0 for a small buffer) is done as soon as it runs
             for p in instant:

@@ -53,6 +53,7 @@ from core.timeline import Timeline, bubble_spans, intersection_seconds, span_kin
 from hardware.collectives import ring_sent_bytes
 from hardware.this_machine import (
     BLOCKING_MODES,
+    GLOO_THREADS,
     PAIR_MODE,
     POST_MODE,
     Calibration,
@@ -63,7 +64,7 @@ from hardware.this_machine import (
     scan_steps,
     work,
 )
-from planner.eventsim import GLOO_THREADS, Collective, Compute, Recv, Send, Wait, simulate
+from planner.eventsim import Collective, Compute, Recv, Send, Wait, simulate
 
 F32 = 4
 MAMBA = "M"  # a Mamba-2 layer's letter in ModelConfig.kinds (engine/config.MAMBA)
@@ -264,8 +265,7 @@ class _Costs:
         """Operations' worth of work two asynchronous operations of a group in flight together get through
         in the time of one (planner.eventsim.Collective.concurrency): as the calibration timed two posted at
         once against one alone (`Calibration.pair_speedup`), between 1 and GLOO_THREADS; GLOO_THREADS for a
-        calibration without it. On 2 cores, 2 ranks got 1.5-1.9 and 4 ranks 1.2-1.45 in experiments with
-        14 data-parallel all-reduces: with 4 ranks, gloo's second thread mostly waits for a core."""
+        calibration without it (engine/calibrate.PAIR_ROUNDS has what it was measured against)."""
         size = _nearest(n, self._sizes(kind, PAIR_MODE))
         speedup = self.cal.pair_speedup(self.cfg.world, kind, size, nbytes) if n > 1 else None
         return GLOO_THREADS if speedup is None else min(GLOO_THREADS, max(1.0, speedup))

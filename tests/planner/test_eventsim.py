@@ -59,6 +59,30 @@ def test_two_operations_of_a_group_at_once_share_its_concurrency():
     assert simulate({0: list(serial), 1: list(serial)}, cores=2)[1][0] == pytest.approx(2.0)
 
 
+def test_a_blocking_operation_beside_a_slowed_one_shares_its_group_too():
+    # a blocking b posted beside an asynchronous x of concurrency 1 on the same group: the two together take
+    # as long as one after the other, whichever of them is blocking
+    g = (0, 1)
+    prog = [Collective("x", g, "dp", 1.0, handle="x", concurrency=1.0), Collective("b", g, "dp", 1.0), Wait("x")]
+    tl, ends = simulate({0: list(prog), 1: list(prog)}, cores=2)
+    assert ends[0] == pytest.approx(2.0)
+    assert _spans(tl, 0, "comm") == [("x", 0.0, pytest.approx(2.0)), ("b", 0.0, pytest.approx(2.0))]
+
+
+def test_an_asynchronous_operation_under_compute_without_a_contended_time_runs_at_its_own():
+    # no contended_s: the operation keeps its speed while its ranks compute; two groups do not share
+    prog = {r: [Collective("x", (r & ~1, r | 1), "dp", 1.0, handle="x", concurrency=1.0), Compute("c", 3.0),
+                Wait("x")] for r in range(4)}
+    tl, ends = simulate(prog, cores=4)
+    assert _spans(tl, 0, "comm") == [("x", 0.0, pytest.approx(1.0))] and ends[0] == pytest.approx(3.0)
+    assert _spans(tl, 2, "comm") == [("x", 0.0, pytest.approx(1.0))]
+
+
+def test_concurrency_outside_one_to_gloo_threads_is_refused():
+    with pytest.raises(ValueError, match="concurrency must be within 1..2"):
+        Collective("x", (0, 1), "dp", 1.0, handle="x", concurrency=0.0)
+
+
 def test_send_and_recv():
     tl, ends = simulate({0: [Compute("f", 1.0), Send("send act", 1, ("act", 0), 0.25)],
                          1: [Recv("recv act", 0, ("act", 0)), Compute("f", 1.0)]}, cores=2)

@@ -17,7 +17,10 @@ from core.timeline import Span, Timeline
 from engine.cli import config_from_args, run_parser
 from hardware.collectives import ring_sent_bytes
 from hardware.this_machine import (
+    ALONE_MODE,
     BLOCKING_MODES,
+    GLOO_THREADS,
+    PAIR_MODE,
     Calibration,
     CalibrationError,
     CommFit,
@@ -297,6 +300,28 @@ def test_posting_a_pipeline_message_holds_its_sender_for_the_calibrated_posting(
     assert {s.name for s in posts} == {"post send act s0", "post send grad s1"}
     assert not any(s.name.startswith("post ") for s in base.timeline.spans)
     assert pred.step_time_s > base.step_time_s + 4e-3
+
+
+def test_two_asynchronous_operations_at_once_get_through_the_calibrated_pair():
+    # dp at world 4 drains its gradient buckets over one group of 4: they run two at a time at the calibrated
+    # speedup (2 x alone / pair, clamped to 1..GLOO_THREADS); without the pair timing, each at full speed
+    cfg = _cfg("--strategy dp --world 4")
+    def with_pair(alone_s, pair_s):
+        comm = {k: v for k, v in CAL.comm.items() if not k.endswith(("/alone", "/pair"))}
+        for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+            for n in (2, 4):
+                comm[comm_key(4, kind, n, ALONE_MODE)] = CommFit(alone_s, 0.0, 0.5)
+                comm[comm_key(4, kind, n, PAIR_MODE)] = CommFit(pair_s, 0.0, 0.5)
+        return dataclasses.replace(CAL, comm=comm)
+    assert _Costs(with_pair(2e-3, 4e-3), cfg).concurrency("all_reduce", 4, 65536) == pytest.approx(1.0)
+    assert _Costs(with_pair(2e-3, 3e-3), cfg).concurrency("all_reduce", 4, 65536) == pytest.approx(4 / 3)
+    assert _Costs(with_pair(2e-3, 1e-3), cfg).concurrency("all_reduce", 4, 65536) == GLOO_THREADS  # at most
+    assert _Costs(with_pair(2e-3, 9e-3), cfg).concurrency("all_reduce", 4, 65536) == 1.0  # at least
+    bare = dataclasses.replace(CAL, comm={k: v for k, v in CAL.comm.items() if not k.endswith(("/alone", "/pair"))})
+    assert _Costs(bare, cfg).concurrency("all_reduce", 4, 65536) == GLOO_THREADS
+    assert _Costs(CAL, cfg).concurrency("all_reduce", 1, 65536) == GLOO_THREADS  # a group of one
+    serial, full = predict(cfg, with_pair(2e-3, 4e-3)), predict(cfg, bare)
+    assert serial.step_time_s > full.step_time_s + 5e-3  # 14 buckets: two at once no faster than one by one
 
 
 def test_a_late_receive_while_nothing_computes_takes_the_blocked_sender_time():
