@@ -192,10 +192,11 @@ def simulate(programs: dict[int, list], cores: float,
             by_group.setdefault(p.op.group, []).append(p.op.concurrency)
         return {g: min(1.0, min(c) / len(c)) for g, c in by_group.items()}
 
-    def load(active: list[_Posted]) -> float:
+    def load(active: list[_Posted], share: dict[tuple, float] | None = None) -> float:
         """Cores' worth of work wanted now: each computing rank, and each running operation's threads (an
-        operation slowed by its group's share keeps its threads that much less busy)."""
-        share = shares(active)
+        operation slowed by its group's share keeps its threads that much less busy); `share`: `shares`
+        of `active`, when the caller has it."""
+        share = shares(active) if share is None else share
         return len(remaining) + sum(p.op.cpu * len(p.members) * share[p.op.group] for p in active)
 
     in_flight: dict[tuple, list[_Posted]] = {}  # group -> its operations started and not yet ended
@@ -340,9 +341,9 @@ def simulate(programs: dict[int, list], cores: float,
             break
         computing = {r for r in ranks if r in remaining}
         active = running()
-        wanted = load(active)
-        rate = min(1.0, cores / wanted) if wanted > 0 else 1.0
         share = shares(active)
+        wanted = load(active, share)
+        rate = min(1.0, cores / wanted) if wanted > 0 else 1.0
         dynamic = [(p, p.rate(computing, share[p.op.group])) for p in active if p.dynamic]
         instant = [p for p, speed in dynamic if speed == math.inf]
         if instant:  # a zero-second operation (a fit can reach 0 for a small buffer) is done as soon as it runs

@@ -570,9 +570,9 @@ def _timed_as(mode: str, gap_s: float) -> str:
         how, k = message
         words = {"late": "receive posted after its send", "early": "sent to a receive already waiting"}[how]
         return f"{words}, {k} sender{'s' if k > 1 else ''} computing" if k else f"{words}, its sender blocked"
-    if mode in BLOCKING_MODES:
-        return f"blocking, after {format_seconds(gap_s)} of compute"
     after = f"after {format_seconds(gap_s)} of compute"
+    if mode in BLOCKING_MODES:
+        return f"blocking, {after}"
     return {"contended": "while its ranks compute", POST_MODE: "posting it (the rank is blocked)",
             ALONE_MODE: f"asynchronous, alone, {after}",
             PAIR_MODE: f"asynchronous, two at once (both ended), {after}"}.get(mode, mode)
