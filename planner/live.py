@@ -142,15 +142,44 @@ class _Costs:
         self.share = cal.share(cfg.world)
         self.resume_s = cal.resume_s.get(cfg.world, 0.0) / self.share
         self.tiny = self.compute_fit("tiny_op").fwd(0)
-        m, b = self.m, cfg.micro_batch_size
-        # what the engine's driver adds around a unit (recorder span, backward markers, activation
-        # accounting), from its own default-shape step at world 1 against the modules alone
-        units = cal.engine_units
-        blocks_f = [v for k, v in units.items() if k.startswith("fwd L")]
-        blocks_b = [v for k, v in units.items() if k.startswith("bwd L")]
-        default = _Shape(b, m.seq_len, m.hidden, m.heads, m.kv_heads, m.ffn)
-        self.driver_fwd = max(0.0, statistics.fmean(blocks_f) - self._block(default, True)) if blocks_f else 0.0
-        self.driver_bwd = max(0.0, statistics.fmean(blocks_b) - self._block(default, False)) if blocks_b else 0.0
+        self._driver(cal.engine_units, type(cfg.model)(), type(cfg)().micro_batch_size)
+
+    def _driver(self, units: dict[str, float], ref, b: int) -> None:
+        """What the engine's driver adds around a unit (recorder span, backward markers, activation
+        accounting), from its own step at world 1 on the default model `ref` (`b` sequences; engine/
+        calibrate.engine_units) against the modules alone at that shape: per layer, and for the embedding
+        and the head of their own. A layer right after another of the same pass runs warm; the first of a
+        run of layers (after the embedding, a backward, a message) runs on code and data that went cold,
+        and takes the first layer's time over the next's (forward L0 after the embedding against L1 after
+        L0; backward the last layer, after the head, against the others): 1.31 against 1.14 ms forward on
+        the 2-core machine this was built on, 1.39 against 1.41 backward. An older calibration without
+        the per-unit timings: a layer's mean, and half of it around the embedding and the head."""
+        shape = _Shape(b, ref.seq_len, ref.hidden, ref.heads, ref.kv_heads, ref.ffn)
+        tokens, head_dim = b * ref.seq_len, ref.hidden // ref.heads
+        for fwd in (True, False):
+            word = "fwd" if fwd else "bwd"
+            layers = [units.get(f"{word} L{i}") for i in range(ref.layers)]
+            if None in layers or not layers:
+                blocks = [v for k, v in units.items() if k.startswith(f"{word} L")]
+                driver = max(0.0, statistics.fmean(blocks) - self._block(shape, fwd, head_dim=head_dim)) \
+                    if blocks else 0.0
+                ends = {"embed": driver / 2, "head": driver / 2}
+                cold = 0.0
+            else:
+                first = layers[0] if fwd else layers[-1]
+                rest = layers[1:] if fwd else layers[:-1]
+                warm = statistics.fmean(rest) if rest else first
+                driver = max(0.0, warm - self._block(shape, fwd, head_dim=head_dim))
+                cold = max(0.0, first - warm)
+                ends = {"embed": max(0.0, units.get(f"{word} embed", 0.0)
+                                     - self.fit("embed", {"b": 1, "t": tokens, "d": ref.hidden}, fwd)),
+                        "head": max(0.0, units.get(f"{word} head", 0.0)
+                                    - self.fit("head", {"b": 1, "t": tokens, "d": ref.hidden, "vocab": ref.vocab},
+                                               fwd))}
+            if fwd:
+                self.driver_fwd, self.cold_fwd, self.ends_fwd = driver, cold, ends
+            else:
+                self.driver_bwd, self.cold_bwd, self.ends_bwd = driver, cold, ends
 
     def compute_fit(self, op: str):
         """The calibration's fit of `op`; a file without it (measured before it was) says so."""
@@ -163,11 +192,11 @@ class _Costs:
         w = work(op, shape)
         return f.fwd(w, items) if fwd else f.bwd(w, items)
 
-    def _block(self, s: _Shape, fwd: bool, norm_rows: int | None = None) -> float:
+    def _block(self, s: _Shape, fwd: bool, norm_rows: int | None = None, head_dim: int | None = None) -> float:
         rows = norm_rows if norm_rows is not None else s.b * s.t
         norm = 2 * self.fit("rmsnorm", {"m": rows, "d": s.d}, fwd)
         att = self.fit("attention", {"b": s.b, "t": s.t, "d": s.d, "heads": s.heads, "kv_heads": s.kv,
-                                     "head_dim": self.m.hidden // self.m.heads}, fwd)
+                                     "head_dim": head_dim or self.m.hidden // self.m.heads}, fwd)
         mlp = self.fit("swiglu", {"b": s.b, "t": s.t, "d": s.d, "ffn": s.ffn}, fwd)
         glue = self.compute_fit("block_glue")
         return norm + att + mlp + (glue.fwd(0) if fwd else glue.bwd(0))
@@ -665,6 +694,7 @@ class _Program:
         self.counting_grads = True  # a pipeline counts only its last micro-batch's weight gradients (_pipeline)
         self.gathered: dict[int, str | None] = {}
         self.done_gather: set[int] = set()
+        self.last_unit: str | None = None  # the kind of unit this rank's program ran last (_cold)
 
     # -- per-unit compute and the collectives inside a unit ---------------------------------------------
     def _unit(self, i: int) -> tuple[str, int, float, float]:
@@ -677,7 +707,8 @@ class _Program:
         r, c, m = self.r, self.c, self.m
         name, tokens, act, flat_extra = self._unit(i)
         if i == 0:
-            r.compute(f"fwd {name}", c.embed(tokens, True) + c.driver_fwd * 0.5 + flat_extra
+            self.last_unit = "fwd embed"
+            r.compute(f"fwd {name}", c.embed(tokens, True) + c.ends_fwd["embed"] + flat_extra
                       + (VOCAB_PARALLEL_OPS / 2 * c.tiny if self.tp > 1 else 0.0))
             if self.tp > 1:
                 self._tp_exit(act, "embed")
@@ -686,14 +717,22 @@ class _Program:
             tp_entry = self.tp > 1
             if tp_entry:
                 self._tp_enter(act, "head")
-            r.compute(f"fwd {name}", c.head(tokens, m.vocab // self.tp, True) + c.driver_fwd * 0.5 + flat_extra
+            self.last_unit = "fwd head"
+            r.compute(f"fwd {name}", c.head(tokens, m.vocab // self.tp, True) + c.ends_fwd["head"] + flat_extra
                       + (VOCAB_PARALLEL_OPS * c.tiny if self.tp > 1 else 0.0))
             if self.tp > 1:  # vocabulary-parallel cross entropy: the max, then the sums
                 r.coll("all_reduce loss max", self.g["tp"], "tp", "all_reduce", tokens * F32)
                 r.coll("all_reduce loss sum-exp and target logit", self.g["tp"], "tp", "all_reduce",
                        2 * tokens * F32)
             return
-        self._block(i, name, tokens, act, True, flat_extra)
+        self._block(i, name, tokens, act, True, flat_extra + self._cold(True))
+
+    def _cold(self, fwd: bool) -> float:
+        """The first layer of a run of layers in one pass runs cold (`_Costs._driver`)."""
+        kind = "fwd layer" if fwd else "bwd layer"
+        cold = self.last_unit != kind
+        self.last_unit = kind
+        return (self.c.cold_fwd if fwd else self.c.cold_bwd) if cold else 0.0
 
     def _block(self, i: int, name: str, tokens: int, act: float, fwd: bool, flat_extra: float) -> None:
         r, c, m = self.r, self.c, self.m
@@ -902,16 +941,18 @@ class _Program:
         if i == 0:
             if self.tp > 1:
                 self._tp_exit_bwd(act, "embed")
-            r.compute(f"bwd {name}", c.embed(tokens, False) + c.driver_bwd * 0.5 + flat_extra)
+            self.last_unit = "bwd embed"
+            r.compute(f"bwd {name}", c.embed(tokens, False) + c.ends_bwd["embed"] + flat_extra)
             return
         if i == m.layers + 1:
-            r.compute(f"bwd {name}", c.head(tokens, m.vocab // self.tp, False) + c.driver_bwd * 0.5 + flat_extra)
+            self.last_unit = "bwd head"
+            r.compute(f"bwd {name}", c.head(tokens, m.vocab // self.tp, False) + c.ends_bwd["head"] + flat_extra)
             if self.tp > 1:
                 self._tp_enter_bwd(act, "head")
                 if self.sp:
                     r.coll("all_reduce head norm grad", self.g["tp"], "tp", "all_reduce", m.hidden * F32)
             return
-        self._block(i, name, tokens, act, False, flat_extra)
+        self._block(i, name, tokens, act, False, flat_extra + self._cold(False))
 
     # -- tensor parallel regions (engine/tp_comm.py) -----------------------------------------------------
     def _tp_enter(self, act: float, where: str) -> None:

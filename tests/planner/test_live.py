@@ -29,7 +29,7 @@ from hardware.this_machine import (
     late_mode,
 )
 from planner.eventsim import Compute, Send
-from planner.live import WAITING, _Costs, _params, _Rank, compare, per_step_by_kind, predict
+from planner.live import WAITING, _Costs, _params, _Rank, _Shape, compare, per_step_by_kind, predict
 
 # A 2-core machine's calibration (engine/predict.ensure_calibration at worlds 2 and 4), every fit in it
 CAL = Calibration.from_dict(json.loads((Path(__file__).parent / "data" / "calibration-2core.json").read_text()))
@@ -572,3 +572,76 @@ def test_an_asynchronous_operation_takes_no_less_than_the_blocking_one():
     slow = CommFit(0.2, 0.0, 0.5, burst=6, compute_s=1e-4)
     cal = dataclasses.replace(CAL, comm={**CAL.comm, comm_key(4, "all_reduce", 2, "async"): slow})
     assert _Costs(cal, cfg).comm("all_reduce", 2, 32768, "async") > 2 * sync.seconds(32768)
+
+
+def _units(**changes):
+    """CAL with some of its engine units (world 1, default model) replaced."""
+    return dataclasses.replace(CAL, engine_units={**CAL.engine_units, **changes})
+
+
+def test_the_drivers_overhead_is_read_per_unit_at_the_calibrations_own_shape():
+    u = CAL.engine_units
+    default = _Costs(CAL, _cfg("--strategy dp --world 2"))
+    # the first layer of a pass over the next: fwd L0 (after the embedding) against fwd L1 (after L0);
+    # backward the last layer (after the head) against the others
+    assert default.cold_fwd == pytest.approx(max(0.0, u["fwd L0"] - u["fwd L1"]))
+    assert default.cold_bwd == pytest.approx(max(0.0, u["bwd L1"] - u["bwd L0"]))
+    # a forward layer's driver is its warm time less the modules alone at the default shape
+    shape = _Shape(2, 32, 64, 4, 2, 128)
+    assert default.driver_fwd == pytest.approx(max(0.0, u["fwd L1"] - default._block(shape, True)))
+    # the embedding and the head have their own, from their own units
+    assert default.ends_fwd["embed"] == pytest.approx(
+        u["fwd embed"] - default.fit("embed", {"b": 1, "t": 64, "d": 64}, True))
+    # a model of another size reads the same overhead: the units were timed on the default model (the
+    # code before took the modules at the run's own shape, and a wider model's driver read 0)
+    wide = _Costs(CAL, _cfg("--strategy dp --world 2 --hidden 256 --ffn 512 --heads 8 --kv-heads 4"))
+    assert (wide.driver_fwd, wide.cold_fwd, wide.ends_fwd) == (default.driver_fwd, default.cold_fwd, default.ends_fwd)
+    assert wide.driver_fwd > 0
+
+
+def test_a_hand_worked_cold_layer():
+    # fwd L0 2 ms after the embedding, fwd L1 1.5 ms after L0: the first layer of every pass costs 0.5 ms more
+    costs = _Costs(_units(**{"fwd L0": 2e-3, "fwd L1": 1.5e-3}), _cfg("--strategy dp --world 2"))
+    assert costs.cold_fwd == pytest.approx(0.5e-3)
+    assert costs.driver_fwd == pytest.approx(1.5e-3 - costs._block(_Shape(2, 32, 64, 4, 2, 128), True))
+
+
+def test_a_calibration_without_per_layer_units_takes_a_layers_mean():
+    # an older file: the layers' mean, half of it around the embedding and the head, no cold layer
+    units = {k.replace(" L", " block "): v for k, v in CAL.engine_units.items()}
+    costs = _Costs(dataclasses.replace(CAL, engine_units={**units, "fwd Lx": CAL.engine_units["fwd L0"]}),
+                   _cfg("--strategy dp --world 2"))
+    shape = _Shape(2, 32, 64, 4, 2, 128)
+    assert costs.cold_fwd == 0.0
+    assert costs.driver_fwd == pytest.approx(max(0.0, CAL.engine_units["fwd L0"] - costs._block(shape, True)))
+    assert costs.ends_fwd == {"embed": costs.driver_fwd / 2, "head": costs.driver_fwd / 2}
+
+
+def test_the_first_layer_of_each_pass_runs_cold():
+    cal = _units(**{"fwd L0": 2e-3, "fwd L1": 1.5e-3})
+
+    def fwd_s(flags):
+        spans = predict(_cfg(flags), cal).timeline.spans
+        return {s.name: s.duration_s for s in spans if s.rank == 0 and s.step == 0 and s.lane == "compute"
+                and s.name.startswith(("fwd L", "F s"))}
+
+    # data parallel at world 2: L0 follows the embedding (cold), L1 follows L0 (warm); one rank per core
+    dp = fwd_s("--strategy dp --world 2 --layers 3")
+    assert dp["fwd L0"] == pytest.approx(dp["fwd L1"] + 0.5e-3, rel=1e-6)
+    assert dp["fwd L2"] == pytest.approx(dp["fwd L1"], rel=1e-6)
+    # a pipeline stage's forward begins with a cold layer each micro-batch, as the engine's first layer after
+    # the embedding does: with one layer per stage, stage 1's every F holds one
+    with_cold = predict(_cfg("--strategy pp --schedule gpipe --micro-batches 2 --world 2"), cal).timeline
+    without = predict(_cfg("--strategy pp --schedule gpipe --micro-batches 2 --world 2"),
+                      _units(**{"fwd L0": 1.5e-3, "fwd L1": 1.5e-3})).timeline
+
+    def per_micro_batch(tl):
+        out: dict[int, float] = {}
+        for s in tl.spans:
+            if s.rank == 1 and s.name == "F s1" and s.step == 0:
+                out[s.micro_batch] = out.get(s.micro_batch, 0.0) + s.duration_s
+        return out
+
+    f1, f0 = per_micro_batch(with_cold), per_micro_batch(without)
+    assert sorted(f1) == sorted(f0) == [0, 1]
+    assert all(f1[mb] - f0[mb] == pytest.approx(0.5e-3, rel=1e-3) for mb in f1)
