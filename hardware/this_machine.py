@@ -54,7 +54,10 @@ STALE_AFTER_S = 30 * 24 * 3600  # a month: software updates and thermal changes 
 # The module fits every prediction may need (`fit_compute` makes them all); a cached calibration lacking
 # one predates that module's measurement.
 COMPUTE_FITS = ("linear", "rmsnorm", "attention", "swiglu", "embed", "head", "moe", "mamba", "ring_block",
-                "adamw", "tiny_op", "cat", "block_glue", "zb_split", "optimizer_driver")
+                "adamw", "tiny_op", "cat", "block_glue", "zb_split", "zb_record", "optimizer_driver")
+# ZB-H1's fits are ratios of two timings of the same machine (`fit_compute`), not seconds: the machine's
+# speed of the moment scales neither (`Calibration.at_speed`)
+RATIO_FITS = ("zb_split", "zb_record")
 
 
 class CalibrationError(ValueError):
@@ -173,7 +176,7 @@ class Calibration:
         if self.reference_s <= 0 or reference_now_s <= 0:
             return self, 1.0
         factor = reference_now_s / self.reference_s
-        compute = {op: f if op == "zb_split" else f.scaled(factor) for op, f in self.compute.items()}
+        compute = {op: f if op in RATIO_FITS else f.scaled(factor) for op, f in self.compute.items()}
         units = {name: factor * s for name, s in self.engine_units.items()}
         return replace(self, compute=compute, engine_units=units), factor
 
@@ -471,6 +474,9 @@ def fit_compute(samples: list[dict]) -> tuple[dict[str, Fit], dict[str, float], 
             # backward's seconds): forward = BI, backward = BW
             plain = rows[0]["shape"]["plain_bwd_s"]
             fits["zb_split"] = Fit(0.0, rows[0]["fwd_s"] / plain, 0.0, rows[0]["bwd_s"] / plain)
+            s = rows[0]["shape"]
+            if "record_fwd_s" in s:  # its forward, recording for the split, per second of the plain one
+                fits["zb_record"] = Fit(0.0, s["record_fwd_s"] / s["plain_fwd_s"], 0.0, 0.0)
             continue
         if op == "moe":
             # fixed + per expert (each expert runs, even on no rows) + per FLOP: three shapes, three unknowns

@@ -1218,6 +1218,9 @@ class _Program:
             return stage_units(m, num_stages, stage)
 
         self.held = sorted({u for c in range(v) for u in units(sched.stage_of(pp_rank, c))})
+        # a forward that records for ZB-H1's split (a hook keeps every parameter module's output) costs what
+        # the calibration measured of it over the plain forward (engine/calibrate.measure_zb_split)
+        record = self.c.compute_fit("zb_record").fwd(1.0) if sched.split_backward else 1.0
         sends = []
         if self.stage == 0 and self.dp > 1 and cfg.parallel.dp_comm == "bucketed":
             # the last micro-batch's gradients fill the buckets (engine/dp.py counts only those)
@@ -1233,7 +1236,7 @@ class _Program:
             elif a.kind == FORWARD:
                 for u in units(a.stage):
                     self._before_forward(u)
-                    self._stage_unit(u, True, f"F s{a.stage}")
+                    self._stage_unit(u, True, f"F s{a.stage}", record)
                     self._after_forward(u)
             else:  # B, or ZB-H1's input (BI) and weight (BW) halves of it
                 # ZB-H1's halves cost what the calibration measured of the split (engine/calibrate.
