@@ -54,6 +54,12 @@ RECIPE_DEFAULTS = {
     # expert all-to-all overlapped with another micro-batch's compute (DeepSeek-V3's DualPipe); off in
     # the common frameworks' default schedules
     "ep_comm_overlap": False,
+    # each micro-batch's weight gradients added into the step's gradient inside the weight-gradient GEMM
+    # (Megatron-LM's gradient_accumulation_fusion since February 2022, commit 83b1e42f: cuBLAS accumulates
+    # into the fp32 main_grad; Megatron-Core's default): no pass of its own. False: a separate elementwise
+    # pass per micro-batch over the stage's gradients (simulate.grad_accumulation_s): Megatron-LM 2021's
+    # main_grad.add_ hook, autograd's in-place add, DeepSpeed's BF16_Optimizer update_hp_grads
+    "grad_accum_fusion": True,
     # how tokens reach their experts (EP_DISPATCH): Megatron-Core's default token dispatcher is the NCCL
     # all-to-all (moe_token_dispatcher_type "alltoall"); DeepEP is opt-in ("flex" + moe_enable_deepep)
     "ep_dispatch": "all_to_all",
@@ -105,6 +111,7 @@ class Training:
     param_gather_overlap: bool | None = None
     tp_comm_overlap: bool | None = None
     ep_comm_overlap: bool | None = None
+    grad_accum_fusion: bool | None = None
     ep_dispatch: str | None = None  # EP_DISPATCH
     fusion: str | None = None  # FUSION
     fp8_casts: str | None = None  # FP8_CASTS, with dtype "fp8"
@@ -167,6 +174,7 @@ class Layout:
     param_gather_overlap: bool = True
     tp_comm_overlap: bool | None = None  # None: the chip's own (Chip.tp_comm_overlap; costs.tp_overlaps)
     ep_comm_overlap: bool = False
+    grad_accum_fusion: bool = True
     ep_dispatch: str = "all_to_all"
     fusion: str = "fused"
     fp8_casts: str = "fused"

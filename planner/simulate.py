@@ -26,6 +26,9 @@ Overlap (the recipe fields of `planner.case`, per layer in `planner.costs`):
   Hidden communication slows the compute it runs beside (costs.overlap_slowdown: on GPUs).
 * Gradient accumulation around the schedule (`schedule_runs` r): the schedule runs r times over m/r
   micro-batches each, filling and draining every time: T_pipe = r * T_pipe(m/r).
+* Gradient accumulation across micro-batches (`grad_accum_fusion`): inside the weight-gradient GEMMs
+  (Megatron-LM since 2022), or a memory-bound pass over the stage's gradients in every micro-batch's
+  backward (`grad_accumulation_s`).
 * Pipeline sends: one per chunk boundary, each direction, sized b*s*h/t with the scatter/gather
   optimisation (Narayanan et al. 2021 sec. 4.1), on the link between the stages (NVLink or the
   network, `costs.topology`). Each pass waits for its input to arrive (Megatron's batched
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from hardware import kernels
 from hardware.chips import Chip
 from hardware.collectives import ring_sent_bytes
 from planner import costs
@@ -57,6 +61,21 @@ from planner.stages import chunks_of
 
 # Megatron-LM reduces bf16 gradients in fp32 (arguments.py: bf16 => accumulate_allreduce_grads_in_fp32)
 GRAD_COMM_BYTES = {"bf16": 4, "fp16": 2, "fp8": 4}
+WGRAD_BYTES = 2  # a weight-gradient GEMM writes its gradient in bf16 / fp16 (fp8 recipes too: Transformer Engine)
+
+
+def grad_accumulation_s(params: float, micro_batches: int, dtype: str, chip: Chip) -> float:
+    """Seconds per micro-batch, on average over the step, that accumulating the weight gradients of
+    `params` takes without `grad_accum_fusion`: an elementwise pass per micro-batch. Into an fp32
+    accumulator (bf16 and fp8 training: Megatron-LM's main_grad.add_(param.grad) hook, DeepSpeed's
+    BF16_Optimizer hp_grad.add_), every micro-batch reads the new gradient and reads and writes the
+    accumulator: 2 + 4 + 4 bytes per parameter (DeepSpeed first casts the gradient to fp32, a copy this
+    leaves out). fp16 without fp32 accumulation (Megatron-LM 2021's default for fp16): autograd adds into the
+    fp16 .grad in place from the second micro-batch on, 2 + 2 + 2 bytes."""
+    acc = GRAD_COMM_BYTES[dtype]
+    passes = micro_batches if acc > WGRAD_BYTES else micro_batches - 1
+    nbytes = params * (WGRAD_BYTES + 2 * acc) * passes / max(1, micro_batches)
+    return kernels.pointwise_s(chip, nbytes)
 
 BREAKDOWN_KEYS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "zero3_comm", "pp_comm",
                   "bubble", "dp_comm", "optimizer")
@@ -273,13 +292,24 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
                 exposed += max(0.0, gather - sum(ch.fwd_s for ch in chunks)) \
                     if lay.param_gather_overlap else gather
             if per_micro_batch:
-                first = chunks[0]  # a micro-batch's backward on this stage ends with its first chunk
-                parts = dict(first.parts)
-                parts["dp_comm"] += per_micro_batch
-                chunks[0] = replace(first, bwd_s=first.bwd_s + per_micro_batch, parts=parts)
+                chunks[0] = _plus_backward(chunks[0], "dp_comm", per_micro_batch)
+        if not lay.grad_accum_fusion:
+            # the gradient this chip keeps between micro-batches: the stage's whole (ZeRO-0/1, ZeRO-3 under
+            # pipeline parallelism), or the shard ZeRO-2/3 reduce-scatters every micro-batch to
+            whole = lay.zero_stage < 2 or lay.staged_zero3
+            kept = dense_p / (1 if whole else dp_group) + expert_p / (1 if whole else max(1, expert_group))
+            chunks[0] = _plus_backward(chunks[0], "compute", grad_accumulation_s(kept, micro_batches, tr.dtype, chip))
         opt = costs.optimizer_step_s(dense_p + expert_p, lay, chip, tr.optimizer)
         by_rep[i] = StageCost(chunks, exposed, dp_total, opt, dense_p + expert_p)
     return [by_rep[g] for g in groups]
+
+
+def _plus_backward(chunk: ChunkCost, part: str, seconds: float) -> ChunkCost:
+    """The chunk with `seconds` more in each micro-batch's backward, counted as `part` (a micro-batch's
+    backward on a stage ends with its first chunk)."""
+    parts = dict(chunk.parts)
+    parts[part] += seconds
+    return replace(chunk, bwd_s=chunk.bwd_s + seconds, parts=parts)
 
 
 def _plus_layers(counts: tuple, kind, n: int) -> tuple:

@@ -179,7 +179,8 @@ def test_attention_kernels_order_as_measured():
 @pytest.mark.parametrize("field, value", [("grad_reduce_overlap", "yes"), ("tp_comm_overlap", 1),
                                           ("attention", "sdpa"), ("ep_comm_overlap", "no"),
                                           ("fusion", "compiled"), ("schedule_runs", 0),
-                                          ("recompute_modules", ["moe"]), ("fp8_casts", "delayed")])
+                                          ("recompute_modules", ["moe"]), ("fp8_casts", "delayed"),
+                                          ("grad_accum_fusion", "unfused")])
 def test_bad_recipe_values_exit_2_naming_the_field(tmp_path, capsys, field, value):
     path = tmp_path / "c.json"
     path.write_text(json.dumps(_case(**{field: value})))
@@ -284,3 +285,34 @@ def test_fp8_casts_apply_to_fp8_and_are_reported_only_there():
     assert fp8.chosen["training"]["fp8_casts"] == "fused"
     assert "fp8_casts" not in estimate(_case()).chosen["training"]
     assert estimate(_case(dtype="fp8", fp8_casts="dynamic")).step_time_s > fp8.step_time_s
+
+
+def test_unfused_gradient_accumulation_is_a_pass_per_micro_batch_over_the_gradients():
+    from hardware.chips import get_chip
+    from planner.simulate import grad_accumulation_s
+
+    a100 = get_chip("a100-80gb")
+    bw = a100.hbm_bw(achievable=True) * a100.pace
+    # bf16 into an fp32 accumulator, every micro-batch: read the 2-byte gradient, read and write 4 bytes
+    assert grad_accumulation_s(1e9, 4, "bf16", a100) == pytest.approx(10e9 / bw)
+    # fp16 into the fp16 .grad (Megatron-LM 2021): from the second micro-batch on, 2 + 2 + 2 bytes
+    assert grad_accumulation_s(1e9, 4, "fp16", a100) == pytest.approx(6e9 * 3 / 4 / bw)
+    assert grad_accumulation_s(1e9, 1, "fp16", a100) == 0.0
+
+
+def test_unfused_gradient_accumulation_slows_each_micro_batch_by_its_pass():
+    from planner.memory import stage_params
+    from planner.simulate import grad_accumulation_s
+
+    fused, unfused = estimate(_case()), estimate(_case(grad_accum_fusion=False))
+    assert fused.chosen["training"]["grad_accum_fusion"] is True
+    res = unfused.result
+    dense, expert = stage_params(res.case.model, res.layout, 0)
+    per_micro_batch = grad_accumulation_s(dense + expert, res.micro_batches, "bf16", res.chip)
+    # 16 micro-batches of one sequence per replica, no pipeline: the step grows by 16 passes
+    assert res.micro_batches == 16
+    assert unfused.step_time_s - fused.step_time_s == pytest.approx(16 * per_micro_batch, rel=1e-6)
+    assert unfused.breakdown["compute"] - fused.breakdown["compute"] == pytest.approx(16 * per_micro_batch, rel=1e-6)
+    # ZeRO-2 reduce-scatters every micro-batch's gradients, so only its shard accumulates (a quarter at dp 4)
+    z2, z2_unfused = estimate(_case(zero_stage=2)), estimate(_case(zero_stage=2, grad_accum_fusion=False))
+    assert z2_unfused.step_time_s - z2.step_time_s == pytest.approx(16 * per_micro_batch / 4, rel=1e-6)
