@@ -142,9 +142,11 @@ class _Costs:
         self.share = cal.share(cfg.world)
         self.resume_s = cal.resume_s.get(cfg.world, 0.0) / self.share
         self.tiny = self.compute_fit("tiny_op").fwd(0)
-        self._driver(cal.engine_units, type(cfg.model)(), type(cfg)().micro_batch_size)
+        ref, b = type(cfg.model)(), type(cfg)().micro_batch_size
+        self.driver_fwd, self.cold_fwd, self.ends_fwd = self._driver(cal.engine_units, ref, b, True)
+        self.driver_bwd, self.cold_bwd, self.ends_bwd = self._driver(cal.engine_units, ref, b, False)
 
-    def _driver(self, units: dict[str, float], ref, b: int) -> None:
+    def _driver(self, units: dict[str, float], ref, b: int, fwd: bool) -> tuple[float, float, dict[str, float]]:
         """What the engine's driver adds around a unit (recorder span, backward markers, activation
         accounting), from its own step at world 1 on the default model `ref` (`b` sequences; engine/
         calibrate.engine_units) against the modules alone at that shape: per layer, and for the embedding
@@ -153,33 +155,22 @@ class _Costs:
         and takes the first layer's time over the next's (forward L0 after the embedding against L1 after
         L0; backward the last layer, after the head, against the others): 1.31 against 1.14 ms forward on
         the 2-core machine this was built on, 1.39 against 1.41 backward. An older calibration without
-        the per-unit timings: a layer's mean, and half of it around the embedding and the head."""
+        the per-unit timings: a layer's mean, and half of it around the embedding and the head.
+        Returns (a warm layer's overhead, a cold layer's extra, {"embed": ..., "head": ...}) of one pass."""
         shape = _Shape(b, ref.seq_len, ref.hidden, ref.heads, ref.kv_heads, ref.ffn)
-        tokens, head_dim = b * ref.seq_len, ref.hidden // ref.heads
-        for fwd in (True, False):
-            word = "fwd" if fwd else "bwd"
-            layers = [units.get(f"{word} L{i}") for i in range(ref.layers)]
-            if None in layers or not layers:
-                blocks = [v for k, v in units.items() if k.startswith(f"{word} L")]
-                driver = max(0.0, statistics.fmean(blocks) - self._block(shape, fwd, head_dim=head_dim)) \
-                    if blocks else 0.0
-                ends = {"embed": driver / 2, "head": driver / 2}
-                cold = 0.0
-            else:
-                first = layers[0] if fwd else layers[-1]
-                rest = layers[1:] if fwd else layers[:-1]
-                warm = statistics.fmean(rest) if rest else first
-                driver = max(0.0, warm - self._block(shape, fwd, head_dim=head_dim))
-                cold = max(0.0, first - warm)
-                ends = {"embed": max(0.0, units.get(f"{word} embed", 0.0)
-                                     - self.fit("embed", {"b": 1, "t": tokens, "d": ref.hidden}, fwd)),
-                        "head": max(0.0, units.get(f"{word} head", 0.0)
-                                    - self.fit("head", {"b": 1, "t": tokens, "d": ref.hidden, "vocab": ref.vocab},
-                                               fwd))}
-            if fwd:
-                self.driver_fwd, self.cold_fwd, self.ends_fwd = driver, cold, ends
-            else:
-                self.driver_bwd, self.cold_bwd, self.ends_bwd = driver, cold, ends
+        tokens, word = b * ref.seq_len, "fwd" if fwd else "bwd"
+        layers = [units.get(f"{word} L{i}") for i in range(ref.layers)]
+        if None in layers or not layers:
+            blocks = [v for k, v in units.items() if k.startswith(f"{word} L")]
+            modules = self._block(shape, fwd, head_dim=ref.hidden // ref.heads)
+            driver = max(0.0, statistics.fmean(blocks) - modules) if blocks else 0.0
+            return driver, 0.0, {"embed": driver / 2, "head": driver / 2}
+        first, rest = (layers[0], layers[1:]) if fwd else (layers[-1], layers[:-1])
+        warm = statistics.fmean(rest) if rest else first
+        driver = max(0.0, warm - self._block(shape, fwd, head_dim=ref.hidden // ref.heads))
+        alone = {"embed": self.embed(tokens, fwd, ref.hidden), "head": self.head(tokens, ref.vocab, fwd, ref.hidden)}
+        ends = {unit: max(0.0, units.get(f"{word} {unit}", 0.0) - s) for unit, s in alone.items()}
+        return driver, max(0.0, first - warm), ends
 
     def compute_fit(self, op: str):
         """The calibration's fit of `op`; a file without it (measured before it was) says so."""
@@ -237,11 +228,11 @@ class _Costs:
         whole = self.fit("mamba", shape, fwd, items=steps)
         return into, max(0.0, whole - into - out), out
 
-    def embed(self, tokens: int, fwd: bool) -> float:
-        return self.fit("embed", {"b": 1, "t": tokens, "d": self.m.hidden}, fwd)
+    def embed(self, tokens: int, fwd: bool, hidden: int | None = None) -> float:
+        return self.fit("embed", {"b": 1, "t": tokens, "d": hidden or self.m.hidden}, fwd)
 
-    def head(self, tokens: int, vocab: int, fwd: bool) -> float:
-        return self.fit("head", {"b": 1, "t": tokens, "d": self.m.hidden, "vocab": vocab}, fwd)
+    def head(self, tokens: int, vocab: int, fwd: bool, hidden: int | None = None) -> float:
+        return self.fit("head", {"b": 1, "t": tokens, "d": hidden or self.m.hidden, "vocab": vocab}, fwd)
 
     def adamw(self, numels: list[int]) -> float:
         """The optimizer step over tensors of `numels`: the AdamW kernel's fit and the engine's step around

@@ -62,6 +62,9 @@ from planner.stages import chunks_of
 # Megatron-LM reduces bf16 gradients in fp32 (arguments.py: bf16 => accumulate_allreduce_grads_in_fp32)
 GRAD_COMM_BYTES = {"bf16": 4, "fp16": 2, "fp8": 4}
 WGRAD_BYTES = 2  # a weight-gradient GEMM writes its gradient in bf16 / fp16 (fp8 recipes too: Transformer Engine)
+BREAKDOWN_KEYS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "zero3_comm", "pp_comm",
+                  "bubble", "dp_comm", "optimizer")
+COMM_PART = {"tp": "tp_comm", "cp": "cp_comm", "ep": "ep_comm", "dp": "zero3_comm"}
 
 
 def grad_accumulation_s(params: float, micro_batches: int, dtype: str, chip: Chip) -> float:
@@ -76,10 +79,6 @@ def grad_accumulation_s(params: float, micro_batches: int, dtype: str, chip: Chi
     passes = micro_batches if acc > WGRAD_BYTES else micro_batches - 1
     nbytes = params * (WGRAD_BYTES + 2 * acc) * passes / max(1, micro_batches)
     return kernels.pointwise_s(chip, nbytes)
-
-BREAKDOWN_KEYS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "zero3_comm", "pp_comm",
-                  "bubble", "dp_comm", "optimizer")
-COMM_PART = {"tp": "tp_comm", "cp": "cp_comm", "ep": "ep_comm", "dp": "zero3_comm"}
 
 
 @dataclass(frozen=True)
@@ -297,7 +296,7 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
             # the gradient this chip keeps between micro-batches: the stage's whole (ZeRO-0/1, ZeRO-3 under
             # pipeline parallelism), or the shard ZeRO-2/3 reduce-scatters every micro-batch to
             whole = lay.zero_stage < 2 or lay.staged_zero3
-            kept = dense_p / (1 if whole else dp_group) + expert_p / (1 if whole else max(1, expert_group))
+            kept = dense_p + expert_p if whole else dense_p / dp_group + expert_p / max(1, expert_group)
             chunks[0] = _plus_backward(chunks[0], "compute", grad_accumulation_s(kept, micro_batches, tr.dtype, chip))
         opt = costs.optimizer_step_s(dense_p + expert_p, lay, chip, tr.optimizer)
         by_rep[i] = StageCost(chunks, exposed, dp_total, opt, dense_p + expert_p)
