@@ -28,6 +28,10 @@ from functools import cached_property
 MLP_KINDS = ("gelu", "swiglu", "relu2")
 MAMBA, ATTENTION, MLP = "M", "*", "-"
 PATTERN_CHARS = MAMBA + ATTENTION + MLP
+# The most layers a model may have: the planner keeps a model's layer kinds one by one (ModelSpec.kinds), so
+# a mistyped count of billions would take minutes and gigabytes before any answer; published models have
+# at most a few hundred.
+MAX_LAYERS = 10_000
 
 
 class SpecError(ValueError):
@@ -143,6 +147,9 @@ class ModelSpec:
             if not isinstance(v, int) or isinstance(v, bool) or v < (1 if f in needed else 0):
                 what = "a positive integer" if f in needed else "a non-negative integer (unused here)"
                 raise SpecError(f"{prefix}.{f}", f"must be {what}, got {v!r}")
+        if self.layers > MAX_LAYERS:
+            raise SpecError(f"{prefix}.layers", f"{self.layers:,} is more than the {MAX_LAYERS:,} layers the planner "
+                            "models (published models have a few hundred at most); check the number")
         if self.mlp not in MLP_KINDS:
             raise SpecError(f"{prefix}.mlp", f"must be one of {MLP_KINDS}, got {self.mlp!r}")
         if pattern and len(pattern) != self.layers:

@@ -53,3 +53,10 @@ def test_selective_recompute_adds_only_attention_scores():
 def test_bad_model_names_the_field():
     with pytest.raises(SpecError, match="model.kv_heads"):
         ModelSpec("bad", 2, 64, 8, 3, 256, 100, 128)
+
+
+def test_a_mistyped_layer_count_is_refused_at_once():
+    # a fuzzed case file with 18,182,995,194 layers ran for minutes and 4 GB before this check
+    with pytest.raises(SpecError, match="model.layers"):
+        ModelSpec("huge", 18_182_995_194, 64, 8, 8, 256, 100, 128)
+    ModelSpec("deep", 10_000, 64, 8, 8, 256, 100, 128)  # the limit itself is a model
