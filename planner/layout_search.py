@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -43,7 +44,7 @@ from hardware.kernels import FLASH_KERNELS
 from planner import costs
 from planner.case import DEFAULT_RECOMPUTE_MODULES, SSM_CP, Case, Layout, layout_tp_ok, recipe, ssm_alltoall_ok
 from planner.flops import mtp_kind, output_heads
-from planner.memory import layer_kind_counts, memory_per_chip
+from planner.memory import layer_kind_counts, memory_per_chip, stage_groups
 from planner.models import SpecError
 from planner.simulate import StepResult, pipeline_p2p_s, simulate, usable_hbm_bytes
 from planner.stages import chunks_of
@@ -60,8 +61,18 @@ def divisors(n: int, up_to: int | None = None) -> list[int]:
     """The divisors of n (those <= `up_to` only, found without walking to sqrt(n): n may be huge)."""
     if up_to is not None:
         return [d for d in range(1, min(n, up_to) + 1) if n % d == 0]
-    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
+    powers, rest, p = {}, n, 2  # n's prime factors by trial division, stopping once what is left is prime
+    while p * p <= rest:
+        while rest % p == 0:
+            powers[p] = powers.get(p, 0) + 1
+            rest //= p
+        p += 1 if p == 2 else 2
+    if rest > 1:
+        powers[rest] = powers.get(rest, 0) + 1
+    out = [1]
+    for p, e in powers.items():
+        out = [d * p ** k for d in out for k in range(e + 1)]
+    return sorted(out)
 
 
 @dataclass(frozen=True)
@@ -76,14 +87,16 @@ def _mesh_shapes(case: Case, chip: Chip) -> Iterator[tuple[int, int, int, int]]:
     m, p, n = case.model, case.parallel, case.cluster.num_chips
     domain = case.cluster.chips_per_node or chip.scaleup_domain
     tp_cap = domain if chip.kind != "tpu" else max(domain, 1)
-    for tp in [p.tp] if p.tp else divisors(n):
+    # each degree's candidates are the divisors below its own cap (tp: the scale-up domain; cp: the sequence;
+    # pp: the layers), found without walking to sqrt(num_chips), which may be huge
+    for tp in [p.tp] if p.tp else divisors(n, up_to=tp_cap):
         if not p.tp and (tp > tp_cap or not layout_tp_ok(m, tp)):
             continue
-        for cp in [p.cp] if p.cp else divisors(n // tp if n % tp == 0 else 1):
+        for cp in [p.cp] if p.cp else divisors(math.gcd(n // tp if n % tp == 0 else 1, m.seq_len)):
             if n % (tp * cp) or m.seq_len % cp:
                 continue
             rest = n // (tp * cp)
-            for pp in [p.pp] if p.pp else divisors(rest):
+            for pp in [p.pp] if p.pp else divisors(rest, up_to=m.layers):
                 if rest % pp or pp > m.layers:
                     continue
                 dp = rest // pp
@@ -199,7 +212,9 @@ def lower_bound_s(case: Case, lay: Layout, chip: Chip) -> float:
     p2p = pipeline_p2p_s(m, lay, chip, node)
     v = lay.virtual_stages
     stages = []
-    for chunks in chunks_of(m, lay):
+    plan = chunks_of(m, lay)
+    for i in sorted(set(stage_groups(m, lay))):  # stages of one group cost the same
+        chunks = plan[i]
         work = sum(cost[k] * n for c in chunks for k, n in layer_kind_counts(m, c.first, c.layers))
         work += sum(c.mtp * mtp + (logits if c.loss else 0.0) for c in chunks)
         stages.append(work + 2 * v * p2p)

@@ -102,6 +102,7 @@ def model_chunks(layers: int, mtp_layers: int, pp: int, virtual: int, pp_layout:
     return tuple(Chunk(starts[g], p.count("t"), "E" in p, p.count("m"), "L" in p) for g, p in enumerate(pieces))
 
 
+@lru_cache(maxsize=1024)
 def stage_chunks(layers: int, mtp_layers: int, pp: int, virtual: int, pp_layout: str | None = None
                  ) -> tuple[tuple[Chunk, ...], ...]:
     """[stage][virtual chunk]: model chunk c * pp + i sits on stage i."""

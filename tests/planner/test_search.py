@@ -9,9 +9,11 @@ import pytest
 from hardware.chips import get_chip
 from planner.case import Layout, layout_tp_ok, parse_case, recipe
 from planner.costs import cluster_chip
+from planner import layout_search
+from planner.api import estimate
 from planner.layout_search import divisors, micro_batch_sizes, search
 from planner.memory import memory_per_chip
-from planner.models import MODEL_PRESETS
+from planner.models import MODEL_PRESETS, SpecError
 from planner.simulate import simulate, usable_hbm_bytes
 
 CASES = Path(__file__).resolve().parents[2] / "planner" / "cases"
@@ -75,6 +77,31 @@ def test_search_matches_brute_force(model, chips, batch, chip):
     res = search(case)
     assert res.ranked, "something must fit"
     assert res.ranked[0].step_time_s == pytest.approx(_brute_force_best(case), rel=1e-12)
+
+
+def test_divisors_by_their_prime_factors():
+    for n in range(1, 2000):
+        assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
+    assert divisors(10**15) == sorted(2**i * 5**j for i in range(16) for j in range(16))
+    assert divisors(2 * 999_999_937) == [1, 2, 999_999_937, 2 * 999_999_937]  # a large prime factor
+    assert divisors(360, up_to=10) == [1, 2, 3, 4, 5, 6, 8, 9, 10]
+
+
+def test_a_huge_chip_count_is_searched_without_walking_its_divisors(monkeypatch):
+    # a fuzzed case file with 10^15 chips kept the search walking divisors for minutes: each mesh degree's
+    # candidates are the divisors under its own cap (tp: the node, cp: the sequence, pp: the layers)
+    walked = []
+
+    def counting(n, up_to=None):
+        walked.append(min(n, up_to) if up_to else n)
+        return divisors(n, up_to)
+
+    monkeypatch.setattr(layout_search, "divisors", counting)
+    case = json.loads((CASES / "llama3-405b-16k-h100.json").read_text())
+    case["cluster"]["num_chips"] = 10**15
+    with pytest.raises(SpecError, match="no layout"):
+        estimate(case)
+    assert walked and max(walked) <= case["model"]["seq_len"]
 
 
 def test_search_respects_fixed_fields():
