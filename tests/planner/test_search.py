@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from hardware.chips import get_chip
-from planner.case import Layout, layout_tp_ok, parse_case, recipe
-from planner.costs import cluster_chip
 from planner import layout_search
 from planner.api import estimate
+from planner.case import Layout, layout_tp_ok, parse_case, recipe
+from planner.costs import cluster_chip
 from planner.layout_search import divisors, micro_batch_sizes, search
 from planner.memory import memory_per_chip
 from planner.models import MODEL_PRESETS, SpecError
