@@ -629,8 +629,10 @@ def summary_lines(cal: Calibration) -> list[str]:
     for w in sorted(cal.worlds):
         ar = cal.comm.get(comm_key(w, "all_reduce", w, "sync"))
         if ar:
-            lines.append(f"{w} ranks: a gloo all-reduce costs {ar.alpha_s * 1e6:,.0f} us + "
-                         f"{ar.beta_s_per_byte * 1e9:.2f} ns/byte; compute runs "
+            # a fit with no per-byte term: over the swept sizes the bytes' cost was lost in the timing noise
+            per_byte = (f"+ {ar.beta_s_per_byte * 1e9:.2f} ns/byte" if ar.beta_s_per_byte > 0 else
+                        "at every size swept (its per-byte cost was below the timing noise)")
+            lines.append(f"{w} ranks: a gloo all-reduce costs {ar.alpha_s * 1e6:,.0f} us {per_byte}; compute runs "
                          f"{cal.share(w):.2f}x slower with all {w} ranks busy on {cal.cpus} cores, and "
                          f"{cal.resume_s.get(w, 0.0) * 1e3:.2f} ms longer right after communicating")
         late = cal.late_fits(w, 2)

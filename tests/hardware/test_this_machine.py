@@ -306,6 +306,11 @@ def test_summary_lines_are_words():
     assert any("two asynchronous all-reduces of 128 KB posted at once get through 1.25 operations' worth in the "
                "time of one alone" in line for line in lines)
     assert _cal().probe_result().ridge_point() == pytest.approx(5.0)
+    assert any("2 ranks: a gloo all-reduce costs 400 us + 2.00 ns/byte;" in line for line in lines)
+    flat = _cal()
+    flat.comm[tm.comm_key(2, "all_reduce", 2, "sync")] = tm.CommFit(4.5e-3, 0.0, 0.6, gap_s=3e-4)
+    assert any("costs 4,500 us at every size swept (its per-byte cost was below the timing noise)" in line
+               and "0.00 ns/byte" not in line for line in tm.summary_lines(flat))
 
 
 def test_two_operations_at_once_get_through_twice_one_alone_over_the_pair():
