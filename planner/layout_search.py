@@ -58,10 +58,12 @@ RECOMPUTE_ORDER = ("none", "selective", "full")
 
 
 def divisors(n: int, up_to: int | None = None) -> list[int]:
-    """The divisors of n (those <= `up_to` only, found without walking to sqrt(n): n may be huge)."""
+    """The divisors of n, in order. With `up_to`, only those <= it, by walking 1 .. up_to; else from n's
+    prime factors by trial division, which stops once what is left is 1 or prime (n may be huge: 10^15
+    factors at once, a large prime still walks to its square root)."""
     if up_to is not None:
         return [d for d in range(1, min(n, up_to) + 1) if n % d == 0]
-    powers, rest, p = {}, n, 2  # n's prime factors by trial division, stopping once what is left is prime
+    powers, rest, p = {}, n, 2
     while p * p <= rest:
         while rest % p == 0:
             powers[p] = powers.get(p, 0) + 1
@@ -90,7 +92,7 @@ def _mesh_shapes(case: Case, chip: Chip) -> Iterator[tuple[int, int, int, int]]:
     # each degree's candidates are the divisors below its own cap (tp: the scale-up domain; cp: the sequence;
     # pp: the layers), found without walking to sqrt(num_chips), which may be huge
     for tp in [p.tp] if p.tp else divisors(n, up_to=tp_cap):
-        if not p.tp and (tp > tp_cap or not layout_tp_ok(m, tp)):
+        if not p.tp and not layout_tp_ok(m, tp):
             continue
         for cp in [p.cp] if p.cp else divisors(math.gcd(n // tp if n % tp == 0 else 1, m.seq_len)):
             if n % (tp * cp) or m.seq_len % cp:

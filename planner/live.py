@@ -159,15 +159,15 @@ class _Costs:
         Returns (a warm layer's overhead, a cold layer's extra, {"embed": ..., "head": ...}) of one pass."""
         shape = _Shape(b, ref.seq_len, ref.hidden, ref.heads, ref.kv_heads, ref.ffn)
         tokens, word = b * ref.seq_len, "fwd" if fwd else "bwd"
+        modules = self._block(shape, fwd, head_dim=ref.hidden // ref.heads)
         layers = [units.get(f"{word} L{i}") for i in range(ref.layers)]
         if None in layers or not layers:
             blocks = [v for k, v in units.items() if k.startswith(f"{word} L")]
-            modules = self._block(shape, fwd, head_dim=ref.hidden // ref.heads)
             driver = max(0.0, statistics.fmean(blocks) - modules) if blocks else 0.0
             return driver, 0.0, {"embed": driver / 2, "head": driver / 2}
         first, rest = (layers[0], layers[1:]) if fwd else (layers[-1], layers[:-1])
         warm = statistics.fmean(rest) if rest else first
-        driver = max(0.0, warm - self._block(shape, fwd, head_dim=ref.hidden // ref.heads))
+        driver = max(0.0, warm - modules)
         alone = {"embed": self.embed(tokens, fwd, ref.hidden), "head": self.head(tokens, ref.vocab, fwd, ref.hidden)}
         ends = {unit: max(0.0, units.get(f"{word} {unit}", 0.0) - s) for unit, s in alone.items()}
         return driver, max(0.0, first - warm), ends
