@@ -5,7 +5,9 @@
 Prints predicted vs published step time, with the mean and max absolute error of each set, for
 (1) the team's 18 A100 runs (../shared/validation/published-runs.json, recipes in planner/data),
 (2) the held-out runs of planner/data/heldout-runs.json (H100, H200, B200, GB200, A100, TPU; dense and
-MoE), (3) Llama 3 405B on 8K-16K H100s (Dubey et al. 2024 Table 4, MFU); then (4) the wall time of
+MoE), (3) Llama 3 405B on 8K-16K H100s (Dubey et al. 2024 Table 4, MFU), (4) llm-foundry's published
+throughput tables (planner/data/llmfoundry-sweep.json: MPT 125M-70B under FSDP on 8-512 H100s and A100s,
+printed apart from the held-out runs, by table and activation checkpointing); then (5) the wall time of
 full searches (skipped with --quick). No constant of the planner is chosen on any of these runs: they
 are test data (planner/costs.py and hardware/chips.toml cite the op-level evidence). No thresholds.
 """
@@ -25,6 +27,7 @@ from planner.models import MODEL_PRESETS, ModelSpec  # noqa: E402
 from planner.validation import (  # noqa: E402
     HELDOUT_RUNS,
     llama3_table4_cases,
+    llmfoundry_sweep_runs,
     load_published_runs,
     validate,
 )
@@ -43,7 +46,19 @@ def case(name: str, chip: str, chips: int, batch: int, parallel: dict | None = N
             "parallel": parallel or {}, "cluster": {"chip": chip, "num_chips": chips}}
 
 
-def validation_table(title: str, runs: list[dict], by_source: bool = False) -> None:
+def by_source(run: dict) -> str:
+    # the held-out run names start with their source (megatron-, llmfoundry-, torchtitan-, nemo2511-, ...)
+    return run["name"].split("-")[0]
+
+
+def by_sweep_table(run: dict) -> str:
+    """llm-foundry's tables: chip, scale (the large-scale table starts at 128 GPUs), checkpointing."""
+    scale = ">= 128 GPUs" if run["cluster"]["num_chips"] >= 128 else "8-64 GPUs"
+    checkpointing = "checkpointing" if run["training"]["recompute"] == "full" else "no checkpointing"
+    return f"{run['cluster']['chip']} {scale} {checkpointing}"
+
+
+def validation_table(title: str, runs: list[dict], group=None) -> None:
     t0 = time.perf_counter()
     rows = validate(runs)
     elapsed = time.perf_counter() - t0
@@ -55,13 +70,13 @@ def validation_table(title: str, runs: list[dict], by_source: bool = False) -> N
     errors = [abs(r.error) for r in rows]
     print(f"mean |error| {100 * sum(errors) / len(errors):.2f}%   max |error| {100 * max(errors):.2f}%   "
           f"({len(rows)} runs estimated in {elapsed:.2f} s)")
-    if by_source:
-        # the run names start with their source (megatron-, llmfoundry-, torchtitan-, nemo2511-, maxtext-...)
+    if group is not None:
         groups: dict[str, list[float]] = {}
-        for r in rows:
-            groups.setdefault(r.name.split("-")[0], []).append(r.error)
-        print("by source: " + "; ".join(f"{k} {len(v)} runs, mean {100 * sum(v) / len(v):+.1f}%"
-                                         for k, v in groups.items()))
+        for r, run in zip(rows, runs, strict=True):
+            groups.setdefault(group(run), []).append(r.error)
+        print(f"by {group.__name__.removeprefix('by_').replace('_', ' ')}: " + "; ".join(
+            f"{k} {len(v)} runs, mean {100 * sum(v) / len(v):+.1f}% (|error| {100 * sum(map(abs, v)) / len(v):.1f}%)"
+            for k, v in groups.items()))
 
 
 def unseen_runs() -> None:
@@ -106,7 +121,9 @@ def search_timings() -> None:
 if __name__ == "__main__":
     validation_table("The 18 A100 runs (../shared/validation/published-runs.json):", load_published_runs())
     validation_table("Held-out published runs (planner/data/heldout-runs.json):", load_published_runs(HELDOUT_RUNS),
-                     by_source=True)
+                     group=by_source)
     unseen_runs()
+    validation_table("llm-foundry's throughput tables (planner/data/llmfoundry-sweep.json; one source, apart):",
+                     llmfoundry_sweep_runs(), group=by_sweep_table)
     if "--quick" not in sys.argv:
         search_timings()

@@ -9,6 +9,10 @@ Two sets:
 * `HELDOUT_RUNS` (planner/data/heldout-runs.json): further published runs on H100, H200, B200, GB200,
   A100 and TPUs, dense and MoE, each with its source and how its step time was derived; kept apart so
   that the planner can be checked on runs it was never looked at while being built.
+* `LLMFOUNDRY_SWEEP` (planner/data/llmfoundry-sweep.json): llm-foundry's published throughput tables, MPT
+  models of 125M to 70B parameters under PyTorch FSDP on 8 to 512 H100s or A100s, the rows as printed;
+  `llmfoundry_sweep_runs` turns each into a case. One source's sweep, kept apart so that it does not
+  outweigh the other held-out runs.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ SHARED_PUBLISHED_RUNS = Path(__file__).resolve().parents[2] / "shared" / "valida
 BUNDLED_PUBLISHED_RUNS = Path(__file__).resolve().parent / "data" / "published-runs.json"
 PUBLISHED_RUNS = BUNDLED_PUBLISHED_RUNS
 HELDOUT_RUNS = Path(__file__).resolve().parent / "data" / "heldout-runs.json"
+LLMFOUNDRY_SWEEP = Path(__file__).resolve().parent / "data" / "llmfoundry-sweep.json"
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,40 @@ def llama3_table4_cases() -> list[tuple[dict, float]]:
 def load_published_runs(path: str | Path = PUBLISHED_RUNS) -> list[dict]:
     with open(path) as f:
         return json.load(f)
+
+
+def llmfoundry_sweep_runs(path: str | Path = LLMFOUNDRY_SWEEP) -> list[dict]:
+    """A case per row of llm-foundry's tables (the file's `about`), in heldout-runs.json's format: the layout
+    and micro-batch as printed, the attention kernel each table's benchmark script set, every other recipe
+    field null; rows already held out elsewhere are skipped."""
+    with open(path) as f:
+        sweep = json.load(f)
+    skip = {tuple(k) for k in sweep["held_out_elsewhere"]}
+    runs = []
+    for table in sweep["tables"]:
+        for row in table["rows"]:
+            r = dict(zip(sweep["columns"], row, strict=True))
+            size, chip, gpus, seq = r["model"], table["chip"], r["gpus"], r["seq_len"]
+            if (size, chip, gpus, seq) in skip:
+                continue
+            dims = sweep["models"][size]
+            runs.append({
+                "name": f"llmfoundry-sweep-mpt{size}-{chip}-{gpus}gpu-s{seq}-mb{r['micro_batch']}",
+                "source": f"{sweep['source']}; table '{table['title']}' (added in {table['added_in']})",
+                "model": {**dims, "kv_heads": dims["heads"], "ffn": 4 * dims["hidden"], "vocab": 50368,
+                          "seq_len": seq, "mlp": "gelu", "experts": 0, "top_k": 0, "tied_embeddings": True},
+                "training": {"global_batch": r["global_batch"], "micro_batch": r["micro_batch"],
+                             "recompute": "full" if r["activation_checkpointing"] else "none", "dtype": "bf16",
+                             "optimizer": "adam", "zero_stage": {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2}[r["sharding"]],
+                             "sequence_parallel": False,
+                             "attention": table["attention"].get(size, table["attention"].get("*"))},
+                "parallel": {"dp": gpus, "tp": 1, "pp": 1, "cp": 1, "ep": 1, "pp_schedule": None,
+                             "virtual_stages": 1},
+                "cluster": {"chip": chip, "num_chips": gpus, "chips_per_node": 8},
+                "published": {"step_time_s": r["global_batch_tokens"] / r["tokens_per_s"],
+                              "mfu": r["mfu_percent"] / 100},
+            })
+    return runs
 
 
 def validate(runs: list[dict]) -> list[ValidationRow]:
