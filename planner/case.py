@@ -70,6 +70,10 @@ RECIPE_DEFAULTS = {
     # how fp8 GEMMs get their operands (FP8_CASTS), for dtype "fp8": Transformer Engine's fused casts
     # (Megatron-Core / NeMo) unless a run says torchao's dynamic scaling (torchtitan's Float8Linear)
     "fp8_casts": "fused",
+    # how the loss runs over the logits (CROSS_ENTROPY): unfused passes over fp32 logits, Megatron-Core's
+    # vocab_parallel_cross_entropy (TransformerConfig cross_entropy_loss_fusion defaults to False: Megatron-LM
+    # core_r0.8.0, megatron/core/model_parallel_config.py) and torchtitan's cross_entropy(pred.float())
+    "cross_entropy": "fp32",
 }
 # "all_to_all": one copy of a token per routed expert, sent straight to the expert's rank (NCCL
 # all-to-all). "deepep": one copy per destination node over the network, forwarded to the experts' GPUs
@@ -82,7 +86,13 @@ FUSION = ("fused", "eager")
 # (planner.costs: read 2 + write 1 bytes per element); "dynamic": torchao.float8's tensorwise dynamic scaling,
 # an amax pass and a cast for every operand of every GEMM, the weight's in each pass too
 FP8_CASTS = ("fused", "dynamic")
-RECIPE_FLAGS = tuple(k for k in RECIPE_DEFAULTS if k not in ("attention", "ep_dispatch", "fusion", "fp8_casts"))
+# "fp32": the logits upcast to fp32 and softmaxed by separate kernels, about three passes each way
+# (planner.costs.logits_cost); "fused": one kernel reads the bf16 logits and keeps one value per token, the
+# backward reads them again and writes their gradient (flash-attention's csrc/xentropy, the default loss_fn
+# 'fused_crossentropy' of llm-foundry's MPT; Transformer Engine's and Liger's fused cross-entropy)
+CROSS_ENTROPY = ("fp32", "fused")
+RECIPE_FLAGS = tuple(k for k in RECIPE_DEFAULTS
+                     if k not in ("attention", "ep_dispatch", "fusion", "fp8_casts", "cross_entropy"))
 # Context parallelism for Mamba-2 layers (planner.costs): "state" passes each rank's final SSM state to
 # the next rank; "alltoall" reshards sequence -> heads around the scan (Megatron-Core). Null: the search
 # tries both where they apply, else "state".
@@ -115,6 +125,7 @@ class Training:
     ep_dispatch: str | None = None  # EP_DISPATCH
     fusion: str | None = None  # FUSION
     fp8_casts: str | None = None  # FP8_CASTS, with dtype "fp8"
+    cross_entropy: str | None = None  # CROSS_ENTROPY
     ssm_cp: str | None = None  # SSM_CP
 
 
@@ -178,6 +189,7 @@ class Layout:
     ep_dispatch: str = "all_to_all"
     fusion: str = "fused"
     fp8_casts: str = "fused"
+    cross_entropy: str = "fp32"
     ssm_cp: str = "state"
     schedule_runs: int = 1  # Training.schedule_runs
     pp_layout: str | None = None  # Parallel.pp_layout
@@ -313,6 +325,7 @@ def parse_case(data) -> Case:
         ssm_cp=_choice(t, "ssm_cp", "training", SSM_CP),
         ep_dispatch=_choice(t, "ep_dispatch", "training", EP_DISPATCH),
         fusion=_choice(t, "fusion", "training", FUSION), fp8_casts=_choice(t, "fp8_casts", "training", FP8_CASTS),
+        cross_entropy=_choice(t, "cross_entropy", "training", CROSS_ENTROPY),
         **flags,
     )
 

@@ -830,16 +830,26 @@ def _mamba_layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chips_p
 
 
 def logits_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str) -> tuple[float, float]:
-    """(forward, backward) seconds of the output projection and the fp32 cross-entropy on the last stage.
+    """(forward, backward) seconds of the output projection and the cross-entropy on the last stage.
 
-    In[T, D] . W[D, V/t], then softmax + loss over fp32 logits: read/write 4 bytes x V/t per token,
-    about three passes (max, exp-sum, gradient), Megatron's vocab-parallel cross-entropy (a softmax:
-    a row-reduction kernel).
+    In[T, D] . W[D, V/t], then the loss over the T x V/t logits (`lay.cross_entropy`, planner.case's
+    CROSS_ENTROPY):
+      fp32   softmax + loss over fp32 logits: read/write 4 bytes each, about three passes (max, exp-sum,
+             gradient) each way, Megatron's vocab-parallel cross-entropy (a softmax: a row-reduction kernel).
+      fused  flash-attention's csrc/xentropy kernels: the forward reads each bf16 logit twice (max and sum,
+             then the sum of exponentials) and writes one loss and one log-sum-exp per token, a row
+             reduction; the backward reads each logit once and writes its gradient, a pointwise pass:
+             4 + 4 bytes per logit.
     """
     tokens = lay.micro_batch * m.seq_len / lay.cp
     g = _Gemm("logits", tokens, m.hidden, m.vocab / lay.tp)
-    ce_s = kernels.norm_s(chip, 3 * 8 * tokens * m.vocab / lay.tp)
-    return _fwd_s(chip, dtype, g) + ce_s, _dgrad_s(chip, dtype, g) + _wgrad_s(chip, dtype, g) + ce_s
+    logits = tokens * m.vocab / lay.tp
+    if lay.cross_entropy == "fused":
+        fwd_ce_s = kernels.norm_s(chip, 2 * ACT_BYTES * logits)
+        bwd_ce_s = kernels.pointwise_s(chip, 2 * ACT_BYTES * logits)
+    else:
+        fwd_ce_s = bwd_ce_s = kernels.norm_s(chip, 3 * 8 * logits)
+    return _fwd_s(chip, dtype, g) + fwd_ce_s, _dgrad_s(chip, dtype, g) + _wgrad_s(chip, dtype, g) + bwd_ce_s
 
 
 def mtp_extra_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str) -> tuple[float, float]:

@@ -75,8 +75,8 @@ def load_published_runs(path: str | Path = PUBLISHED_RUNS) -> list[dict]:
 
 def llmfoundry_sweep_runs(path: str | Path = LLMFOUNDRY_SWEEP) -> list[dict]:
     """A case per row of llm-foundry's tables (the file's `about`), in heldout-runs.json's format: the layout
-    and micro-batch as printed, the attention kernel each table's benchmark script set, every other recipe
-    field null; rows already held out elsewhere are skipped."""
+    and micro-batch as printed, the attention kernel each table's benchmark script set, the fused
+    cross-entropy, every other recipe field null; rows already held out elsewhere are skipped."""
     with open(path) as f:
         sweep = json.load(f)
     skip = {tuple(k) for k in sweep["held_out_elsewhere"]}
@@ -97,7 +97,8 @@ def llmfoundry_sweep_runs(path: str | Path = LLMFOUNDRY_SWEEP) -> list[dict]:
                              "recompute": "full" if r["activation_checkpointing"] else "none", "dtype": "bf16",
                              "optimizer": "adam", "zero_stage": {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2}[r["sharding"]],
                              "sequence_parallel": False,
-                             "attention": table["attention"].get(size, table["attention"].get("*"))},
+                             "attention": table["attention"].get(size, table["attention"].get("*")),
+                             "cross_entropy": sweep["cross_entropy"]},
                 "parallel": {"dp": gpus, "tp": 1, "pp": 1, "cp": 1, "ep": 1, "pp_schedule": None,
                              "virtual_stages": 1},
                 "cluster": {"chip": chip, "num_chips": gpus, "chips_per_node": 8},

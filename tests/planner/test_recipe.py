@@ -2,6 +2,7 @@
 says, bad values name the field; and the held-out published runs are well-formed."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -180,7 +181,7 @@ def test_attention_kernels_order_as_measured():
                                           ("attention", "sdpa"), ("ep_comm_overlap", "no"),
                                           ("fusion", "compiled"), ("schedule_runs", 0),
                                           ("recompute_modules", ["moe"]), ("fp8_casts", "delayed"),
-                                          ("grad_accum_fusion", "unfused")])
+                                          ("grad_accum_fusion", "unfused"), ("cross_entropy", "liger")])
 def test_bad_recipe_values_exit_2_naming_the_field(tmp_path, capsys, field, value):
     path = tmp_path / "c.json"
     path.write_text(json.dumps(_case(**{field: value})))
@@ -285,6 +286,31 @@ def test_fp8_casts_apply_to_fp8_and_are_reported_only_there():
     assert fp8.chosen["training"]["fp8_casts"] == "fused"
     assert "fp8_casts" not in estimate(_case()).chosen["training"]
     assert estimate(_case(dtype="fp8", fp8_casts="dynamic")).step_time_s > fp8.step_time_s
+
+
+def test_a_fused_cross_entropy_moves_eight_bytes_per_logit_where_the_fp32_one_moves_forty_eight():
+    from hardware.chips import get_chip
+    from planner.case import Layout, parse_case
+    from planner.costs import logits_cost
+
+    h100 = get_chip("h100")
+    m = parse_case(_case(tp=1, dp=1)).model
+    lay = Layout(dp=1, tp=2, pp=1, micro_batch=2)
+    logits = 2 * m.seq_len * m.vocab / 2  # tokens x the vocabulary shard of one TP rank
+    fp32_f, fp32_b = logits_cost(m, lay, h100, "bf16")
+    fused_f, fused_b = logits_cost(m, replace(lay, cross_entropy="fused"), h100, "bf16")
+    # flash-attention's xentropy kernels: the forward reads each bf16 logit twice (a row reduction), the
+    # backward reads it once and writes its gradient; the fp32 path passes over 4-byte logits 3 x 2 times
+    norm_bw, copy_bw = h100.hbm_bytes_per_s * h100.norm_efficiency, h100.hbm_bw(achievable=True)
+    assert fp32_f - fused_f == pytest.approx(24 * logits / norm_bw - 4 * logits / norm_bw)
+    assert fp32_b - fused_b == pytest.approx(24 * logits / norm_bw - 4 * logits / copy_bw)
+
+
+def test_the_cross_entropy_is_reported_where_null_and_kept_where_stated():
+    assert estimate(_case()).chosen["training"]["cross_entropy"] == "fp32"
+    fused = estimate(_case(cross_entropy="fused"))
+    assert "cross_entropy" not in fused.chosen["training"]
+    assert fused.step_time_s < estimate(_case(cross_entropy="fp32")).step_time_s
 
 
 def test_unfused_gradient_accumulation_is_a_pass_per_micro_batch_over_the_gradients():
