@@ -51,6 +51,12 @@ RECIPE_DEFAULTS = {
     # torchtitan async TP; XLA collective matmul on TPU) where current software does it on the chip:
     # the chip table's tp_comm_overlap (on from Hopper, off on A100)
     "tp_comm_overlap": None,
+    # without sequence parallelism, the column-parallel GEMMs' input-gradient all-reduce issued before their
+    # weight-gradient GEMM and waited for after it (Megatron-LM's asynchronous tensor-parallel all-reduce:
+    # --no-async-tensor-model-parallel-allreduce, on by default since 2021-09-02, commit 3f65246911; always
+    # in Megatron-Core's LinearWithGradAccumulationAndAsyncCommunication). False: after the backward GEMMs,
+    # exposed (Megatron-LM before, and the Megatron-DeepSpeed forks' copy_to_tensor_model_parallel_region)
+    "tp_grad_allreduce_overlap": True,
     # expert all-to-all overlapped with another micro-batch's compute (DeepSeek-V3's DualPipe); off in
     # the common frameworks' default schedules
     "ep_comm_overlap": False,
@@ -120,6 +126,7 @@ class Training:
     grad_reduce_overlap: bool | None = None
     param_gather_overlap: bool | None = None
     tp_comm_overlap: bool | None = None
+    tp_grad_allreduce_overlap: bool | None = None
     ep_comm_overlap: bool | None = None
     grad_accum_fusion: bool | None = None
     ep_dispatch: str | None = None  # EP_DISPATCH
@@ -184,6 +191,7 @@ class Layout:
     grad_reduce_overlap: bool = True
     param_gather_overlap: bool = True
     tp_comm_overlap: bool | None = None  # None: the chip's own (Chip.tp_comm_overlap; costs.tp_overlaps)
+    tp_grad_allreduce_overlap: bool = True
     ep_comm_overlap: bool = False
     grad_accum_fusion: bool = True
     ep_dispatch: str = "all_to_all"

@@ -19,7 +19,8 @@ A layer, In[T, D] with T = micro_batch * seq_len / cp tokens on this chip and t 
 Communication (each a `CommOp` with its time alone on its links and the part the pass waits for):
 
 * TP (Shoeybi et al. 2019; Korthikanti et al. 2022 sec. 4.2.2), V = T * D * 2 bytes. Without SP two
-  all-reduces forward (after o and fc2), exposed, and two backward (the input gradients of qkv and fc1).
+  all-reduces forward (after o and fc2), exposed, and two backward (the input gradients of qkv and fc1),
+  each under its layer's wgrad GEMM (`tp_grad_allreduce_overlap`, Megatron-LM's async all-reduce) or after it.
   With SP: all-gather before qkv and fc1, reduce-scatter after o and fc2; backward reduce-scatters the
   column layers' input gradients, re-gathers their inputs for the weight gradients (Megatron-LM keeps
   only the sharded input) and all-gathers the row layers' output gradients. Megatron-LM always runs the
@@ -482,7 +483,7 @@ def _tp_comms(lay: Layout, topo: Topology, column: list[str], row: list[str], ge
         for g in row:
             fwd.append(CommOp("tp", f"tp all-reduce ({g})", "all_reduce", act_bytes, ar, ar))
         for g in column:  # the input gradient's all-reduce under the wgrad GEMM (async TP all-reduce)
-            exp = max(0.0, ar - gemm_wgrad[g]) if overlap else ar
+            exp = max(0.0, ar - gemm_wgrad[g]) if overlap or lay.tp_grad_allreduce_overlap else ar
             bwd.append(CommOp("tp", f"tp all-reduce ({g} grad)", "all_reduce", act_bytes, ar, exp))
     return fwd, bwd
 

@@ -181,7 +181,8 @@ def test_attention_kernels_order_as_measured():
                                           ("attention", "sdpa"), ("ep_comm_overlap", "no"),
                                           ("fusion", "compiled"), ("schedule_runs", 0),
                                           ("recompute_modules", ["moe"]), ("fp8_casts", "delayed"),
-                                          ("grad_accum_fusion", "unfused"), ("cross_entropy", "liger")])
+                                          ("grad_accum_fusion", "unfused"), ("cross_entropy", "liger"),
+                                          ("tp_grad_allreduce_overlap", "async")])
 def test_bad_recipe_values_exit_2_naming_the_field(tmp_path, capsys, field, value):
     path = tmp_path / "c.json"
     path.write_text(json.dumps(_case(**{field: value})))
@@ -311,6 +312,32 @@ def test_the_cross_entropy_is_reported_where_null_and_kept_where_stated():
     fused = estimate(_case(cross_entropy="fused"))
     assert "cross_entropy" not in fused.chosen["training"]
     assert fused.step_time_s < estimate(_case(cross_entropy="fp32")).step_time_s
+
+
+def test_one_layer_of_the_22b_model_against_korthikanti_table_4():
+    # Korthikanti et al. 2022 Table 4, one transformer layer of the 22B model (TP 8 on A100, micro-batch 4):
+    # forward / backward 7.7 / 11.9 ms without sequence parallelism, 7.2 / 11.8 ms with it. Without it the
+    # backward's two input-gradient all-reduces run under the weight-gradient GEMMs (Megatron-LM's
+    # asynchronous TP all-reduce, on since 2021-09): exposed, the backward would take 14 ms. Within 8 %: the
+    # planner's target for a whole step, its kernels measured elsewhere than in this table
+    from hardware.chips import get_chip
+    from planner.case import Layout
+    from planner.costs import cluster_chip, layer_cost
+    from planner.validation import load_published_runs
+
+    (run,) = [r for r in load_published_runs() if r["name"] == "korthikanti2022-22B-full"]
+    m, chip = parse_case(run).model, cluster_chip(get_chip("a100-80gb"), 8, 8)
+
+    def fwd_bwd_ms(**kw):
+        lay = Layout(dp=1, tp=8, pp=1, micro_batch=4, attention="materialized", tp_comm_overlap=False, **kw)
+        c = layer_cost(m, lay, chip, "bf16", False, 8)
+        return 1e3 * (c.fwd_compute_s + c.tp_fwd_s), 1e3 * (c.bwd_compute_s + c.tp_bwd_s)
+
+    for (fwd, bwd), (pub_fwd, pub_bwd) in ((fwd_bwd_ms(sequence_parallel=False), (7.7, 11.9)),
+                                           (fwd_bwd_ms(sequence_parallel=True), (7.2, 11.8))):
+        assert fwd == pytest.approx(pub_fwd, rel=0.08) and bwd == pytest.approx(pub_bwd, rel=0.08), (fwd, bwd)
+    exposed = fwd_bwd_ms(sequence_parallel=False, tp_grad_allreduce_overlap=False)[1]
+    assert exposed > 1.15 * 11.9 > fwd_bwd_ms(sequence_parallel=False)[1]
 
 
 def test_unfused_gradient_accumulation_is_a_pass_per_micro_batch_over_the_gradients():
