@@ -44,7 +44,7 @@ def test_planner_chooses_and_search_ranks_layouts():
 
 
 def test_the_page_says_how_far_to_trust_it_from_the_published_runs():
-    from planner.validation import HELDOUT_RUNS, accuracy, load_published_runs
+    from planner.validation import HELDOUT_RUNS, accuracy, llmfoundry_sweep_runs, load_published_runs
     from tests.ui.apptest_util import open_app
 
     at = open_app("app_pages/planner.py")
@@ -53,6 +53,8 @@ def test_the_page_says_how_far_to_trust_it_from_the_published_runs():
     n, mean, _ = accuracy(load_published_runs(HELDOUT_RUNS))
     trust_text = trust.markdown[0].value
     assert f"{n} other published runs" in trust_text and f"mean error {mean:.1%}" in trust_text
+    n, mean, worst = accuracy(llmfoundry_sweep_runs())  # llm-foundry's tables, said apart
+    assert f"throughput tables ({n} runs" in trust_text and f"mean error is {mean:.1%}, worst {worst:.1%}" in trust_text
     assert "MFU**: the model's FLOPs per step" in " ".join(m.value for m in at.markdown)
 
 
