@@ -75,6 +75,7 @@ def _accuracy():
     from planner.validation import (
         HELDOUT_RUNS,
         PUBLISHED_RUNS,
+        checkpointed,
         llmfoundry_sweep_runs,
         load_published_runs,
         summarize,
@@ -84,10 +85,11 @@ def _accuracy():
     held = validate(load_published_runs(HELDOUT_RUNS))
     sweep_runs = llmfoundry_sweep_runs()
     sweep = validate(sweep_runs)
-    by_checkpointing = {flag: [r.error for r, run in zip(sweep, sweep_runs, strict=True)
-                               if (run["training"]["recompute"] == "full") is flag] for flag in (True, False)}
+    by_checkpointing = {flag: [r.error for r, run in zip(sweep, sweep_runs, strict=True) if checkpointed(run) is flag]
+                        for flag in (True, False)}
+    gpus = [run["cluster"]["num_chips"] for run in sweep_runs]
     return (summarize(validate(load_published_runs(PUBLISHED_RUNS))), summarize(held), [r.error for r in held],
-            summarize(sweep), {k: sum(v) / len(v) for k, v in by_checkpointing.items()})
+            (*summarize(sweep), min(gpus), max(gpus)), {k: sum(v) / len(v) for k, v in by_checkpointing.items()})
 
 
 def _than_measured(error: float) -> str:
@@ -146,8 +148,8 @@ with st.expander("How far to trust these numbers"):
         f"{held_n - len(fast)} slower (by up to {max(held_errors):.0%}). It is too optimistic above all for "
         "GPU runs of 2021-24, of PyTorch-native stacks and with experts (MoE): its kernel rates are today's best "
         "benchmarks and it hides what the framework says it overlaps; NeMo's 2025 dense runs and MaxText's come "
-        f"closest. On llm-foundry's own throughput tables ({sweep[0]} runs of MPT models from 125M to 70B "
-        f"parameters under FSDP on 8 to 512 H100s or A100s) the mean error is {sweep[1]:.1%}, worst "
+        f"closest. On llm-foundry's own throughput tables ({sweep[0]} runs of its MPT models under FSDP on "
+        f"{sweep[3]} to {sweep[4]} H100s or A100s) the mean error is {sweep[1]:.1%}, worst "
         f"{sweep[2]:.1%}; on average the predicted step is {_than_measured(by_ckpt[True])} for runs with "
         f"activation checkpointing, {_than_measured(by_ckpt[False])} for runs without it. `bench/bench_planner.py` "
         "prints every run and the error by source. Read its step times as the best this layout could do, and "

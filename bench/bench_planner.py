@@ -26,6 +26,7 @@ from planner.api import as_case, estimate, search  # noqa: E402
 from planner.models import MODEL_PRESETS, ModelSpec  # noqa: E402
 from planner.validation import (  # noqa: E402
     HELDOUT_RUNS,
+    checkpointed,
     llama3_table4_cases,
     llmfoundry_sweep_runs,
     load_published_runs,
@@ -54,7 +55,7 @@ def by_source(run: dict) -> str:
 def by_sweep_table(run: dict) -> str:
     """llm-foundry's tables: chip, scale (the large-scale table starts at 128 GPUs), checkpointing."""
     scale = ">= 128 GPUs" if run["cluster"]["num_chips"] >= 128 else "8-64 GPUs"
-    checkpointing = "checkpointing" if run["training"]["recompute"] == "full" else "no checkpointing"
+    checkpointing = "checkpointing" if checkpointed(run) else "no checkpointing"
     return f"{run['cluster']['chip']} {scale} {checkpointing}"
 
 
@@ -70,6 +71,10 @@ def validation_table(title: str, runs: list[dict], group=None) -> None:
     errors = [abs(r.error) for r in rows]
     print(f"mean |error| {100 * sum(errors) / len(errors):.2f}%   max |error| {100 * max(errors):.2f}%   "
           f"({len(rows)} runs estimated in {elapsed:.2f} s)")
+    too_big = [r.name for r in rows if not r.fits]
+    if too_big:
+        print(f"{len(too_big)} of these runs ran but the planner's memory estimate does not fit them: "
+              + ", ".join(too_big))
     if group is not None:
         groups: dict[str, list[float]] = {}
         for r, run in zip(rows, runs, strict=True):

@@ -52,10 +52,11 @@ RECIPE_DEFAULTS = {
     # the chip table's tp_comm_overlap (on from Hopper, off on A100)
     "tp_comm_overlap": None,
     # without sequence parallelism, the column-parallel GEMMs' input-gradient all-reduce issued before their
-    # weight-gradient GEMM and waited for after it (Megatron-LM's asynchronous tensor-parallel all-reduce:
-    # --no-async-tensor-model-parallel-allreduce, on by default since 2021-09-02, commit 3f65246911; always
-    # in Megatron-Core's LinearWithGradAccumulationAndAsyncCommunication). False: after the backward GEMMs,
-    # exposed (Megatron-LM before, and the Megatron-DeepSpeed forks' copy_to_tensor_model_parallel_region)
+    # weight-gradient GEMM and waited for after it (Megatron-LM's asynchronous tensor-parallel all-reduce, on
+    # by default since 2021-09-02, commit 3f65246911, turned off by --no-async-tensor-model-parallel-allreduce;
+    # always in Megatron-Core's LinearWithGradAccumulationAndAsyncCommunication). False: after the backward
+    # GEMMs, exposed (Megatron-LM before, and the Megatron-DeepSpeed forks' copy_to_tensor_model_parallel_region),
+    # unless tp_comm_overlap is on, which overlaps this all-reduce with the others
     "tp_grad_allreduce_overlap": True,
     # expert all-to-all overlapped with another micro-batch's compute (DeepSeek-V3's DualPipe); off in
     # the common frameworks' default schedules

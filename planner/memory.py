@@ -360,7 +360,8 @@ def _temporary_bytes(m: ModelSpec, lay: Layout, stage: int, stage_params: float,
     * the layer being back-propagated with full (or op-level selective) recomputation holds its recomputed
       activations;
     * the loss stage's fp32 logits and their gradient, (b s/cp) x V/t x 8 bytes (Korthikanti sec. 4.1
-      counts the output layer too), once per output head (multi-token prediction adds heads);
+      counts the output layer too), or with a fused cross-entropy (`cross_entropy` "fused") the bf16 logits
+      and their bf16 gradient, 4 bytes; once per output head (multi-token prediction adds heads);
     * ZeRO-3 all-gathers the current and the prefetched layer's weights whole (FSDP prefetch); under
       pipeline parallelism they stay whole and are counted with the weights.
     """
@@ -370,7 +371,8 @@ def _temporary_bytes(m: ModelSpec, lay: Layout, stage: int, stage_params: float,
         temp += max(layer_activation_bytes(m, lay, k, recompute="none", dtype=dtype) for k in kinds)
     chunks = chunks_of(m, lay)[stage]
     if any(c.loss for c in chunks):
-        temp += output_heads(m) * 8 * lay.micro_batch * m.seq_len / lay.cp * m.vocab / lay.tp
+        per_logit = 4 if lay.cross_entropy == "fused" else 8
+        temp += output_heads(m) * per_logit * lay.micro_batch * m.seq_len / lay.cp * m.vocab / lay.tp
     if lay.zero_stage == 3 and not lay.staged_zero3:
         layers = max(1, sum(c.layers + c.mtp for c in chunks))
         temp += 2 * WEIGHT_BYTES * stage_params / layers

@@ -41,6 +41,7 @@ class ValidationRow:
     mfu: float
     tflops_per_chip: float
     chosen: dict
+    fits: bool = True  # whether the planner's memory estimate fits the chip (every published run did)
 
     @property
     def error(self) -> float:
@@ -91,8 +92,8 @@ def llmfoundry_sweep_runs(path: str | Path = LLMFOUNDRY_SWEEP) -> list[dict]:
             runs.append({
                 "name": f"llmfoundry-sweep-mpt{size}-{chip}-{gpus}gpu-s{seq}-mb{r['micro_batch']}",
                 "source": f"{sweep['source']}; table '{table['title']}' (added in {table['added_in']})",
-                "model": {**dims, "kv_heads": dims["heads"], "ffn": 4 * dims["hidden"], "vocab": 50368,
-                          "seq_len": seq, "mlp": "gelu", "experts": 0, "top_k": 0, "tied_embeddings": True},
+                "model": {**dims, "kv_heads": dims["heads"], "ffn": 4 * dims["hidden"], "seq_len": seq,
+                          "mlp": "gelu", "experts": 0, "top_k": 0, "tied_embeddings": True},
                 "training": {"global_batch": r["global_batch"], "micro_batch": r["micro_batch"],
                              "recompute": "full" if r["activation_checkpointing"] else "none", "dtype": "bf16",
                              "optimizer": "adam", "zero_stage": {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2}[r["sharding"]],
@@ -108,12 +109,17 @@ def llmfoundry_sweep_runs(path: str | Path = LLMFOUNDRY_SWEEP) -> list[dict]:
     return runs
 
 
+def checkpointed(run: dict) -> bool:
+    """Whether a run recomputes whole layers (activation checkpointing), the split the sweep is read by."""
+    return run["training"].get("recompute") == "full"
+
+
 def validate(runs: list[dict]) -> list[ValidationRow]:
     rows = []
     for run in runs:
         est = estimate(run)
         rows.append(ValidationRow(run["name"], run.get("source", ""), run["published"]["step_time_s"],
-                                  est.step_time_s, est.mfu, est.tflops_per_chip, est.chosen))
+                                  est.step_time_s, est.mfu, est.tflops_per_chip, est.chosen, est.fits))
     return rows
 
 

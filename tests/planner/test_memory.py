@@ -105,3 +105,12 @@ def test_fp8_keeps_each_gemm_input_in_one_byte():
     m = memory_per_chip(llama, lay, 1)
     assert memory_per_chip(llama, lay, 1, dtype="fp8").activations_bytes == pytest.approx(
         m.activations_bytes - 32 * saved)
+
+
+def test_a_fused_cross_entropy_keeps_the_bf16_logits_and_their_gradient_only():
+    # fp32 path: fp32 logits and their gradient, 8 bytes per logit on the loss stage; fused (flash-attention's
+    # kernels): the bf16 logits and their bf16 gradient, 4 bytes
+    m = ModelSpec("mpt-1b", 24, 2048, 16, 16, 8192, 50368, 2048, "gelu")
+    lay = Layout(dp=8, tp=2, pp=1, micro_batch=3, attention="flash")
+    fp32, fused = (memory_per_chip(m, replace(lay, cross_entropy=ce), 1).temporary_bytes for ce in ("fp32", "fused"))
+    assert fp32 - fused == pytest.approx(4 * 3 * 2048 * 50368 / 2)

@@ -340,6 +340,27 @@ def test_one_layer_of_the_22b_model_against_korthikanti_table_4():
     assert exposed > 1.15 * 11.9 > fwd_bwd_ms(sequence_parallel=False)[1]
 
 
+def test_a_stated_tp_grad_allreduce_overlap_reaches_the_estimate_where_it_applies():
+    no_sp = dict(chip="a100-80gb", sequence_parallel=False)  # A100: no collective-matmul overlap to cover it
+    hidden, exposed = (estimate(_case(**no_sp, tp_grad_allreduce_overlap=v)) for v in (True, False))
+    assert exposed.breakdown["tp_comm"] > hidden.breakdown["tp_comm"]
+    assert estimate(_case(**no_sp)).breakdown["tp_comm"] == hidden.breakdown["tp_comm"]  # null: overlapped
+    # with sequence parallelism there is no such all-reduce
+    assert (estimate(_case(chip="a100-80gb", tp_grad_allreduce_overlap=False)).step_time_s
+            == estimate(_case(chip="a100-80gb")).step_time_s)
+
+
+def test_the_layout_defaults_are_the_recipe_defaults():
+    from dataclasses import fields
+
+    from planner.case import RECIPE_DEFAULTS, Layout
+
+    defaults = {f.name: f.default for f in fields(Layout)}
+    for name, value in RECIPE_DEFAULTS.items():
+        if value is not None:  # attention and tp_comm_overlap depend on the chip (planner.case.recipe)
+            assert defaults[name] == value, name
+
+
 def test_unfused_gradient_accumulation_is_a_pass_per_micro_batch_over_the_gradients():
     from hardware.chips import get_chip
     from planner.simulate import grad_accumulation_s

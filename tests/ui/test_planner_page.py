@@ -44,7 +44,14 @@ def test_planner_chooses_and_search_ranks_layouts():
 
 
 def test_the_page_says_how_far_to_trust_it_from_the_published_runs():
-    from planner.validation import HELDOUT_RUNS, accuracy, llmfoundry_sweep_runs, load_published_runs
+    from planner.validation import (
+        HELDOUT_RUNS,
+        accuracy,
+        checkpointed,
+        llmfoundry_sweep_runs,
+        load_published_runs,
+        validate,
+    )
     from tests.ui.apptest_util import open_app
 
     at = open_app("app_pages/planner.py")
@@ -53,8 +60,13 @@ def test_the_page_says_how_far_to_trust_it_from_the_published_runs():
     n, mean, _ = accuracy(load_published_runs(HELDOUT_RUNS))
     trust_text = trust.markdown[0].value
     assert f"{n} other published runs" in trust_text and f"mean error {mean:.1%}" in trust_text
-    n, mean, worst = accuracy(llmfoundry_sweep_runs())  # llm-foundry's tables, said apart
+    runs = llmfoundry_sweep_runs()  # llm-foundry's tables, said apart, split by activation checkpointing
+    n, mean, worst = accuracy(runs)
     assert f"throughput tables ({n} runs" in trust_text and f"mean error is {mean:.1%}, worst {worst:.1%}" in trust_text
+    for flag, words in ((True, "for runs with activation checkpointing"), (False, "for runs without it")):
+        errors = [r.error for r, run in zip(validate(runs), runs, strict=True) if checkpointed(run) is flag]
+        mean = sum(errors) / len(errors)
+        assert f"{abs(mean):.0%} {'shorter' if mean < 0 else 'longer'} than measured {words}" in trust_text
     assert "MFU**: the model's FLOPs per step" in " ".join(m.value for m in at.markdown)
 
 
