@@ -277,12 +277,9 @@ def layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe, chips_per
     no ZeRO-3 collectives: `Layout.staged_zero3`)."""
     z3 = lay.zero_stage == 3 and not lay.staged_zero3
     ssm_cp = lay.ssm_cp if m.has_ssm and lay.cp > 1 else "state"
-    overlap = tp_overlaps(lay, chip)
-    # the async all-reduce only matters for TP without SP and without TP overlap; the loss is not a layer's
-    async_ar = lay.tp_grad_allreduce_overlap or lay.tp == 1 or lay.sequence_parallel or overlap
     key = replace(lay, pp=1, pp_schedule="1f1b", virtual_stages=1, pp_layout=None, zero_stage=3 if z3 else 0,
                   dp=lay.dp if z3 else lay.ep, grad_reduce_overlap=True, ssm_cp=ssm_cp,  # the smallest dp
-                  tp_comm_overlap=overlap, tp_grad_allreduce_overlap=async_ar, cross_entropy="fp32")
+                  tp_comm_overlap=tp_overlaps(lay, chip))
     if moe == MAMBA:
         return _mamba_layer_cost(m, key, chip, dtype, chips_per_node)
     return _layer_cost(m, key, chip, dtype, moe, chips_per_node)

@@ -41,7 +41,7 @@ class ValidationRow:
     mfu: float
     tflops_per_chip: float
     chosen: dict
-    fits: bool = True  # whether the planner's memory estimate fits the chip (every published run did)
+    fits: bool  # whether the planner's memory estimate fits the chip (every published run did)
 
     @property
     def error(self) -> float:

@@ -63,8 +63,9 @@ def test_the_page_says_how_far_to_trust_it_from_the_published_runs():
     runs = llmfoundry_sweep_runs()  # llm-foundry's tables, said apart, split by activation checkpointing
     n, mean, worst = accuracy(runs)
     assert f"throughput tables ({n} runs" in trust_text and f"mean error is {mean:.1%}, worst {worst:.1%}" in trust_text
+    rows = validate(runs)
     for flag, words in ((True, "for runs with activation checkpointing"), (False, "for runs without it")):
-        errors = [r.error for r, run in zip(validate(runs), runs, strict=True) if checkpointed(run) is flag]
+        errors = [r.error for r, run in zip(rows, runs, strict=True) if checkpointed(run) is flag]
         mean = sum(errors) / len(errors)
         assert f"{abs(mean):.0%} {'shorter' if mean < 0 else 'longer'} than measured {words}" in trust_text
     assert "MFU**: the model's FLOPs per step" in " ".join(m.value for m in at.markdown)
