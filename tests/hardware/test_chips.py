@@ -71,7 +71,7 @@ def test_published_values_pinned():
     assert get_chip("a100-80gb").bf16_flops_per_s == 312e12
     assert get_chip("tpu-v5p").bf16_flops_per_s == 4.59e14 and get_chip("tpu-v5p").scaleup_bytes_per_s == 9e10
     assert get_chip("tpu-v5e").bf16_flops_per_s == 1.97e14
-    assert get_chip("b200").hbm_bytes == 180e9
+    assert get_chip("b200").hbm_bytes == 192.3e9  # 183359 MiB, as nvidia-smi shows
     # H800: spec 200 GB/s per direction; DeepSeek-V3's measured 160 GB/s = spec x link_efficiency.
     assert get_chip("h800").scaleup_bw(achievable=True) == pytest.approx(160e9)
 
@@ -147,7 +147,7 @@ def test_table_copy_loads_unchanged(tmp_path):
         ("h100", "hbm_bytes", None, "is missing"),
         ("tpu-v5e", "hbm_bytes_per_s", "hbm_bytes_per_s = -8.19e11  # a source", "must be > 0"),
         ("b200", "bf16_flops_per_s", 'bf16_flops_per_s = "fast"  # a source', "must be a number"),
-        ("h200", "hbm_bytes", "hbm_bytes = 141e9", "has no source"),
+        ("h200", "hbm_bytes", "hbm_bytes = 150.8e9", "has no source"),
         ("a100-80gb", "scaleup_domain", "scaleup_domain = 8.5  # a source", "whole number"),
         ("h100", "link_efficiency", "link_efficiency = 1.3  # a source", "in (0, 1]"),
         ("tpu-v4", "ici_axes", "ici_axes = 2  # a source", "make them agree"),
@@ -175,7 +175,7 @@ def test_unknown_field_is_named(tmp_path):
 
 def test_invalid_toml_is_a_clear_error_not_a_traceback(tmp_path):
     path = tmp_path / "chips.toml"
-    path.write_text(CHIPS_TOML.read_text().replace("hbm_bytes = 80e9", "hbm_bytes = = 80e9", 1))
+    path.write_text(CHIPS_TOML.read_text().replace("hbm_bytes = 85.5e9", "hbm_bytes = = 85.5e9", 1))
     with pytest.raises(ChipTableError, match="is not valid TOML") as err:
         load_chips(path)
     assert err.value.__cause__ is None and err.value.__suppress_context__
@@ -195,7 +195,7 @@ def test_hash_in_a_url_stays_in_the_source(tmp_path):
 
 
 def test_continued_source_comment_is_joined():
-    assert "Why not 192 GB" in get_chip("b200").sources["hbm_bytes"]
+    assert "Why not 180e9" in get_chip("b200").sources["hbm_bytes"]
 
 
 def test_importing_hardware_does_not_import_torch():

@@ -89,11 +89,11 @@ def test_the_other_answers():
     assert ex.gpipe_bubble(4, 8).answer == pytest.approx(3 / 11)
     assert ex.a2a_leaving_share(8, 4096, 2, 4096).answer == pytest.approx(7 / 8)
     assert ex.ring_kv_held({"ring_kv_held_bytes": 2.0, "allgather_kv_held_bytes": 8.0}).answer == 4.0
-    # Llama 3 405B: 16 bytes x 405.9e9 = 6.49 TB over 80 GB -> 82 H100s
+    # Llama 3 405B: 16 bytes x 405.9e9 = 6.49 TB over 85.5 GB (80 GiB) -> 76 H100s
     from planner.flops import total_params
 
     psi = total_params(MODEL_PRESETS["Llama 3 405B"])
-    assert ex.training_state_chips(psi, "Llama 3 405B", H100).answer == math.ceil(16 * psi / 80e9)
+    assert ex.training_state_chips(psi, "Llama 3 405B", H100).answer == math.ceil(16 * psi / 85.5e9) == 76
     assert ex.tp_bytes_per_layer(8, 1, 8192, 4096, 12345.0).answer == 12345.0  # the page's own row
 
 
