@@ -164,12 +164,15 @@ if isinstance(topology, Ring | Switch):
     st.latex(ring_formula_latex("all_gather", group, link.latency_s, link.bytes_per_s, nbytes))
 elif isinstance(topology, Hierarchy):
     inner_s = topology.inner.all_gather_s(nbytes)
-    outer_s = topology.outer.all_gather_s(nbytes / topology.domain_size)
+    outer_s = topology.outer.all_gather_s(topology.outer_bytes(nbytes))
+    d = topology.domain_size
+    how = (f"NCCL runs one ring per network card through every chip of the group, so each card carries "
+           f"{group - 1}/{group} of a 1/{d} share, V/{d} = {format_bytes(nbytes / d)}"
+           if topology.flat else
+           f"across domains each chip only gathers 1/{d} of it, V/{d} = {format_bytes(nbytes / d)}")
     st.markdown(
-        f"The group spans {group // topology.domain_size} domains of {topology.domain_size} chips. Inside "
-        f"each domain the chips gather the full array over the fast links ({format_seconds(inner_s)}); "
-        f"across domains each chip only gathers 1/{topology.domain_size} of it, V/{topology.domain_size} = "
-        f"{format_bytes(nbytes / topology.domain_size)}, over the slower network "
+        f"The group spans {group // d} domains of {d} chips. Inside each domain the chips gather the full "
+        f"array over the fast links ({format_seconds(inner_s)}); {how}, over the slower network "
         f"({format_seconds(outer_s)}). "
         "The two levels run as one pipeline, so the slower sets the pace and both latencies add."
     )

@@ -212,10 +212,9 @@ if outside:
         f"* **Crossing the domain.** At t = {jump['tp']} the group spans {jump['tp'] // domain} nodes of "
         f"{domain} GPUs, whose network cards give each GPU {chip.scaleout_bytes_per_s / 1e9:.0f} GB/s "
         f"instead of NVLink's {chip.scaleup_bytes_per_s / 1e9:.0f} GB/s. {change}"
-        f"The hierarchical all-reduce costed here (reduce-scatter inside each node over NVLink, all-reduce "
-        f"each GPU's 1/{domain} share across nodes, all-gather inside the node) sends only about 1/{domain} "
-        "of the array through each "
-        "GPU's network card, which keeps the jump this small; it assumes the cards are free, but they also "
+        f"NCCL runs one ring per network card through every GPU of the group, so each card carries only "
+        f"about 1/{domain} of the array (twice for an all-reduce: reduce, then gather), "
+        "which keeps the jump this small; it assumes the cards are free, but they also "
         "carry the data- and pipeline-parallel traffic, contention this model does not count.")
 spread = by_tp[max(by_tp)]
 lines.append(

@@ -338,6 +338,13 @@ class Hierarchy(Topology):
     domain_size: int
     inner: Topology  # the ranks of one domain
     outer: Topology  # one rank from each domain (same local index), n // domain_size of them
+    # NCCL's rings run through every rank of the group (flat), not domain by domain: one ring per NIC rail
+    # crosses every domain border, so each NIC carries (n-1)/n of its rail's share of the array where the
+    # hierarchical algorithm sends (m-1)/m, m = n / domain_size. nccl-tests measures it so: 4-node plateaus
+    # of 350 (H100), 369 (H200), 382 (B200) GB/s busbw, ~8 x the 46-48 GB/s "per NIC" of 400G NDR
+    # ([NCCLT]; NVIDIA/nccl-tests issue 290). False: the hierarchical algorithm ([SB] Part 12; XLA across
+    # TPU slices: reduce inside the slice, then across on the shard).
+    flat: bool = False
 
     def __post_init__(self):
         _check_n(self.n)
@@ -363,19 +370,25 @@ class Hierarchy(Topology):
         # the levels' pipelines fill at the same time, as their bandwidth phases overlap
         return max(self.inner.fill_s, self.outer.fill_s)
 
+    def outer_bytes(self, v: float) -> float:
+        """Bytes the outer level's collective among m = n / d ranks is charged, so that its ring moves what
+        each NIC carries: (m-1)/m * V/d hierarchically, (n-1)/n * V/d for a flat ring (`flat`)."""
+        m = self.n // self.domain_size
+        return v / self.domain_size * ((self.n - 1) / self.n * m / (m - 1) if self.flat else 1.0)
+
     def _all_gather_s(self, v):
         # Across domains each rank gathers V/d (its slice of the domain's share), inside the domain the full
         # V: the network carries only 1/d of the array, i.e. (m-1)/m * V over the domain's d NICs.
-        return self._pipelined(self.inner._all_gather_s, self.outer._all_gather_s, v, v / self.domain_size)
+        return self._pipelined(self.inner._all_gather_s, self.outer._all_gather_s, v, self.outer_bytes(v))
 
     def _reduce_scatter_s(self, v):
         # Reduce-scatter inside on V, across domains on the V/d each rank then holds ([SB] Part 12).
         return self._pipelined(self.inner._reduce_scatter_s, self.outer._reduce_scatter_s, v,
-                               v / self.domain_size)
+                               self.outer_bytes(v))
 
     def _all_reduce_s(self, v):
         # RS inside, AR across domains on V/d, AG inside ([SB] Part 12; NCCL's hierarchical all-reduce).
-        return self._pipelined(self.inner._all_reduce_s, self.outer._all_reduce_s, v, v / self.domain_size)
+        return self._pipelined(self.inner._all_reduce_s, self.outer._all_reduce_s, v, self.outer_bytes(v))
 
     def _all_to_all_s(self, b):
         # Of b bytes, (n-d)/n leave the domain and (d-1)/n stay; both go at once on different links. With
@@ -475,7 +488,7 @@ def group_topology(chip: Chip, n: int, stride: int = 1, achievable: bool = False
         if domain % stride or n % per_domain:
             return Switch(n, outer, "scale-out network", trees=True)
         return Hierarchy(n, per_domain, Switch(per_domain, _mesh_share(chip, inner, per_domain, domain), label),
-                         Switch(n // per_domain, outer, "scale-out network", trees=True))
+                         Switch(n // per_domain, outer, "scale-out network", trees=True), flat=True)
     return _tpu_group(chip.torus_shape, chip.torus_wrap_multiple, n, stride, inner, outer)
 
 
