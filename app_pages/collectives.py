@@ -166,8 +166,9 @@ elif isinstance(topology, Hierarchy):
     inner_s = topology.inner.all_gather_s(nbytes)
     outer_s = topology.outer.all_gather_s(topology.outer_bytes(nbytes))
     d = topology.domain_size
-    how = (f"NCCL runs one ring per network card through every chip of the group, so each card carries "
-           f"{group - 1}/{group} of a 1/{d} share, V/{d} = {format_bytes(nbytes / d)}"
+    how = (f"across domains each of a domain's {d} network cards (one per chip) moves a 1/{d} share of the "
+           f"array, V/{d} = {format_bytes(nbytes / d)}: NCCL runs one ring per card through every chip of the "
+           f"group, so each card carries {group - 1}/{group} of that share"
            if topology.flat else
            f"across domains each chip only gathers 1/{d} of it, V/{d} = {format_bytes(nbytes / d)}")
     st.markdown(

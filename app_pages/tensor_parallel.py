@@ -214,7 +214,7 @@ if outside:
         f"instead of NVLink's {chip.scaleup_bytes_per_s / 1e9:.0f} GB/s. {change}"
         f"NCCL runs one ring per network card through every GPU of the group, so each card carries only "
         f"about 1/{domain} of the array (twice for an all-reduce: reduce, then gather), "
-        "which keeps the jump this small; it assumes the cards are free, but they also "
+        "which keeps the jump this small. This estimate assumes the cards are free, but they also "
         "carry the data- and pipeline-parallel traffic, contention this model does not count.")
 spread = by_tp[max(by_tp)]
 lines.append(
@@ -223,7 +223,7 @@ lines.append(
     f"{format_seconds(spread['comm_spread_s'])} per layer at t = {spread['tp']} instead of "
     f"{format_seconds(spread['comm_s'])}. That is why meshes put tp innermost, on consecutive chips.")
 lines.append(
-    "Narayanan et al. (2021, sec. 5.4, takeaway 1) measured the same: use tensor parallel up to the GPUs of "
+    "\nNarayanan et al. (2021, sec. 5.4, takeaway 1) measured the same: use tensor parallel up to the GPUs of "
     "one server, and pipeline parallel across servers.")
 st.markdown("\n".join(lines))
 if domain >= MAX_TP:

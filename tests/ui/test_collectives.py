@@ -235,7 +235,8 @@ def test_crossing_nodes_costs_more_than_staying_on_nvlink():
     inside = _page(group="16", stride="1")
     across = _page(group="16", stride="8")
     assert not inside.exception and not across.exception
-    assert any("2 domains of 8 chips" in m.value for m in inside.markdown)
+    text = next(m.value for m in inside.markdown if "2 domains of 8 chips" in m.value)
+    assert "one ring per card through every chip of the group" in text and "15/16 of that share" in text
     assert float(_metric(across, "All-gather").split()[0]) > float(_metric(inside, "All-gather").split()[0])
 
 
