@@ -418,8 +418,9 @@ def _memory_bound_s(chip: Chip, ew: dict[str, float], gemms: list[_Gemm], dtype:
     (`_elementwise`'s keys: norm_*, point_*, and eager_* with fusion "eager"), and the casts of fp8 GEMMs
     In[M, K] . W[K, N] (`casts`, planner.case.FP8_CASTS):
       fused    Transformer Engine: the activation input forward and the output gradient backward, each
-               cast once (its transposed copy written by the same kernel), read 2 + write 1 bytes per
-               element; each weight is cast once per step (Megatron's first micro-batch), not charged
+               cast once, its transposed copy (what Hopper's fp8 GEMMs need for the other pass) written by
+               the same kernel (fp8_cast_transpose_fused): read 2 + write 1 + 1 bytes per element; each weight
+               is cast once per step (Megatron's first micro-batch), not charged
       dynamic  torchao.float8, tensorwise dynamic scaling (torchtitan's Float8Linear): every cast is an amax
                pass (read 2) and a scaled cast (read 2, write 1), 5 bytes per element: forward the input
                (MK) and the weight (KN); backward the output gradient for each of its two GEMMs (2 MN),
@@ -435,8 +436,8 @@ def _memory_bound_s(chip: Chip, ew: dict[str, float], gemms: list[_Gemm], dtype:
         point_fwd += sum(5 * (g.m * g.k + g.k * g.n) * g.batch for g in gemms)
         point_bwd += sum(5 * (2 * g.m * g.n + g.k * g.n + g.m * g.k) * g.batch for g in gemms)
     elif dtype == "fp8":
-        point_fwd += sum(3 * g.m * g.k * g.batch for g in gemms)
-        point_bwd += sum(3 * g.m * g.n * g.batch for g in gemms)
+        point_fwd += sum(4 * g.m * g.k * g.batch for g in gemms)
+        point_bwd += sum(4 * g.m * g.n * g.batch for g in gemms)
     return (kernels.norm_s(chip, ew["norm_fwd"]) + kernels.pointwise_s(chip, point_fwd)
             + kernels.eager_s(chip, ew.get("eager_fwd", 0.0)),
             kernels.norm_s(chip, ew["norm_bwd"], backward=True) + kernels.pointwise_s(chip, point_bwd)
