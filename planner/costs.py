@@ -561,18 +561,22 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
         attn_fwd_s, attn_bwd_s = kernels.flash_attention_s(chip, score_flops * computed, m.seq_len / cp,
                                                            lay.attention)
     else:
-        # two batched GEMMs per head, then per score (bf16): the fused scale-mask-softmax reads and writes
-        # it (4 bytes, a row-reduction kernel, both ways) and, in the GPT recipe, dropout reads it and
-        # writes it and a mask (5 bytes, pointwise, both ways)
+        # two batched GEMMs per head, then per score (bf16), the fused scale-mask-softmax (a row-reduction
+        # kernel): forward it reads the scores and writes the probabilities, backward it reads the
+        # probabilities and their gradient and writes the scores' (4 and 6 bytes); with a causal mask
+        # (Megatron's scaled_upper_triang_masked_softmax) it reads only the lower triangle and writes zeros
+        # above it (3 and 4 bytes). In the GPT recipe dropout reads every score and writes it and a mask
+        # (5 bytes, pointwise, both ways)
         batch = lay.micro_batch * heads_local
         q_rows = m.seq_len / cp
         qk_g, pv_g = _Gemm("scores", q_rows, qk_dim, m.seq_len, batch), _Gemm("pv", q_rows, m.seq_len, hd, batch)
         scores = tokens * m.seq_len * heads_local
         dropout = kernels.pointwise_s(chip, 5 * scores) if m.mlp == "gelu" else 0.0
-        attn_fwd_s = _fwd_s(chip, "bf16", qk_g) + _fwd_s(chip, "bf16", pv_g) + kernels.norm_s(chip, 4 * scores) \
-            + dropout
+        softmax_fwd, softmax_bwd = (3, 4) if m.causal else (4, 6)
+        attn_fwd_s = _fwd_s(chip, "bf16", qk_g) + _fwd_s(chip, "bf16", pv_g) \
+            + kernels.norm_s(chip, softmax_fwd * scores) + dropout
         attn_bwd_s = (sum(f(chip, "bf16", g) for g in (qk_g, pv_g) for f in (_dgrad_s, _wgrad_s))
-                      + kernels.norm_s(chip, 4 * scores, backward=True) + dropout)
+                      + kernels.norm_s(chip, softmax_bwd * scores, backward=True) + dropout)
 
     ew = _elementwise(m, lay, moe, tokens)
     ew_fwd_s, ew_bwd_s = _memory_bound_s(chip, ew, gemms, dtype, lay.fp8_casts)
