@@ -456,36 +456,49 @@ def tp_overlaps(lay: Layout, chip: Chip) -> bool:
 
 
 def _tp_comms(lay: Layout, topo: Topology, column: list[str], row: list[str], gemm_fwd: dict, gemm_dgrad: dict,
-              gemm_wgrad: dict, act_bytes: float) -> tuple[list[CommOp], list[CommOp]]:
+              gemm_wgrad: dict, act_bytes: float, copies: dict[str, float] | None = None
+              ) -> tuple[list[CommOp], list[CommOp]]:
     """TP's collectives around the column-parallel GEMMs that read a region's input and the row-parallel
     ones whose partial sums leave it (module docstring): (forward, backward). `lay` is layer_cost's key, whose
-    tp_comm_overlap is already resolved (tp_overlaps)."""
+    tp_comm_overlap is already resolved (tp_overlaps). Each GEMM's collectives move `act_bytes`, times its
+    `copies` where given (routed experts: the top_k copies of every token)."""
     t, overlap = lay.tp, lay.tp_comm_overlap
     fwd: list[CommOp] = []
     bwd: list[CommOp] = []
+
+    def nbytes(g: str) -> float:
+        return act_bytes * (copies or {}).get(g, 1.0)
+
     if lay.sequence_parallel:
-        ag, rs = comm_s(topo, "all_gather", act_bytes), comm_s(topo, "reduce_scatter", act_bytes)
+        def ag(g):
+            return comm_s(topo, "all_gather", nbytes(g))
+
+        def rs(g):
+            return comm_s(topo, "reduce_scatter", nbytes(g))
+
         for g in column:  # forward: all-gather the sequence, then the column GEMM
-            exp = pipelined_exposed_s(ag, gemm_fwd[g], t) if overlap else ag
-            fwd.append(CommOp("tp", f"tp all-gather ({g})", "all_gather", act_bytes, ag, exp))
+            exp = pipelined_exposed_s(ag(g), gemm_fwd[g], t) if overlap else ag(g)
+            fwd.append(CommOp("tp", f"tp all-gather ({g})", "all_gather", nbytes(g), ag(g), exp))
         for g in row:  # forward: the row GEMM's partial sums reduce-scattered
-            exp = pipelined_exposed_s(rs, gemm_fwd[g], t) if overlap else rs
-            fwd.append(CommOp("tp", f"tp reduce-scatter ({g})", "reduce_scatter", act_bytes, rs, exp))
+            exp = pipelined_exposed_s(rs(g), gemm_fwd[g], t) if overlap else rs(g)
+            fwd.append(CommOp("tp", f"tp reduce-scatter ({g})", "reduce_scatter", nbytes(g), rs(g), exp))
         for g in row:  # backward: the output gradient all-gathered before the dgrad GEMM
-            exp = pipelined_exposed_s(ag, gemm_dgrad[g], t) if overlap else ag
-            bwd.append(CommOp("tp", f"tp all-gather ({g} grad)", "all_gather", act_bytes, ag, exp))
+            exp = pipelined_exposed_s(ag(g), gemm_dgrad[g], t) if overlap else ag(g)
+            bwd.append(CommOp("tp", f"tp all-gather ({g} grad)", "all_gather", nbytes(g), ag(g), exp))
         for g in column:  # backward: input re-gathered under dgrad, its gradient reduced under wgrad
-            bwd.append(CommOp("tp", f"tp all-gather ({g} input)", "all_gather", act_bytes, ag,
-                              max(0.0, ag - gemm_dgrad[g])))
-            bwd.append(CommOp("tp", f"tp reduce-scatter ({g} grad)", "reduce_scatter", act_bytes, rs,
-                              max(0.0, rs - gemm_wgrad[g])))
+            bwd.append(CommOp("tp", f"tp all-gather ({g} input)", "all_gather", nbytes(g), ag(g),
+                              max(0.0, ag(g) - gemm_dgrad[g])))
+            bwd.append(CommOp("tp", f"tp reduce-scatter ({g} grad)", "reduce_scatter", nbytes(g), rs(g),
+                              max(0.0, rs(g) - gemm_wgrad[g])))
     else:
-        ar = comm_s(topo, "all_reduce", act_bytes)
+        def ar(g):
+            return comm_s(topo, "all_reduce", nbytes(g))
+
         for g in row:
-            fwd.append(CommOp("tp", f"tp all-reduce ({g})", "all_reduce", act_bytes, ar, ar))
+            fwd.append(CommOp("tp", f"tp all-reduce ({g})", "all_reduce", nbytes(g), ar(g), ar(g)))
         for g in column:  # the input gradient's all-reduce under the wgrad GEMM (async TP all-reduce)
-            exp = max(0.0, ar - gemm_wgrad[g]) if overlap or lay.tp_grad_allreduce_overlap else ar
-            bwd.append(CommOp("tp", f"tp all-reduce ({g} grad)", "all_reduce", act_bytes, ar, exp))
+            exp = max(0.0, ar(g) - gemm_wgrad[g]) if overlap or lay.tp_grad_allreduce_overlap else ar(g)
+            bwd.append(CommOp("tp", f"tp all-reduce ({g} grad)", "all_reduce", nbytes(g), ar(g), exp))
     return fwd, bwd
 
 
@@ -595,10 +608,14 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
         topo = topology(chip, t, lay.mesh.stride("tp"), chips_per_node)
         # the GEMMs that read a region's input (entered once: q, k, v or gate and up share it) and those
         # whose partial sums leave it
-        column = ([attn_g[0].name] if attn_g else []) + \
-            (["fc1" if "fc1" in gemm_fwd else "experts fc1"] if mlp_g else [])
-        row = (["o"] if attn_g else []) + (["fc2" if "fc2" in gemm_fwd else "experts fc2"] if mlp_g else [])
-        f, b = _tp_comms(lay, topo, column, row, gemm_fwd, gemm_dgrad, gemm_wgrad, act_bytes)
+        # the routed experts' own: Megatron-Core's token dispatcher all-gathers the dispatched token copies
+        # (T * top_k rows on a rank, balanced routing) over TP before the experts and reduce-scatters their
+        # output after (moe/token_dispatcher.py, gather_from_sequence_parallel_region), beside the shared
+        # experts' collectives on the layer's T rows
+        column = ([attn_g[0].name] if attn_g else []) + [g for g in ("fc1", "experts fc1") if g in gemm_fwd]
+        row = (["o"] if attn_g else []) + [g for g in ("fc2", "experts fc2") if g in gemm_fwd]
+        copies = {"experts fc1": m.top_k, "experts fc2": m.top_k} if moe is True else None
+        f, b = _tp_comms(lay, topo, column, row, gemm_fwd, gemm_dgrad, gemm_wgrad, act_bytes, copies)
         fwd_comms += f
         bwd_comms += b
 

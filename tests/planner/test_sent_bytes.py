@@ -45,3 +45,21 @@ def test_a_pipeline_stage_sends_its_slice_of_each_activation():
     sent, res = _sent(16, 16, dp=4, tp=2, pp=2, zero_stage=1, pp_schedule="1f1b", virtual_stages=1)
     # stage 0: one forward send per micro-batch (its backward receives), 1/tp of the activation
     assert sent["pp"] == pytest.approx(res.micro_batches * ACT / 2)
+
+
+def test_routed_experts_tp_collectives_carry_every_tokens_top_k_copies():
+    """Megatron-Core's token dispatcher all-gathers the dispatched copies (T * top_k rows) over TP before the
+    experts and reduce-scatters them after; the shared experts' collectives carry the layer's T rows."""
+    from hardware.chips import get_chip
+    from planner.case import Layout
+    from planner.costs import layer_cost
+
+    lay = Layout(dp=1, tp=2, pp=1, ep=8, micro_batch=1, sequence_parallel=True)
+    for name in ("Mixtral 8x7B", "DeepSeek-V3"):
+        m = MODEL_PRESETS[name]
+        lc = layer_cost(m, lay, get_chip("h100"), "bf16", True, 8)
+        by_name = {c.name: c.nbytes for c in lc.fwd_comms if c.group == "tp"}
+        act = m.seq_len * m.hidden * 2
+        assert by_name["tp all-gather (experts fc1)"] == pytest.approx(m.top_k * act)
+        assert by_name["tp reduce-scatter (experts fc2)"] == pytest.approx(m.top_k * act)
+        assert by_name.get("tp all-gather (fc1)") == (pytest.approx(act) if m.shared_experts else None)
