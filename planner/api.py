@@ -31,7 +31,7 @@ from planner.flops import (
     total_params,
 )
 from planner.models import MAMBA, ModelSpec, SpecError
-from planner.simulate import GRAD_COMM_BYTES, StepResult, usable_hbm_bytes
+from planner.simulate import StepResult, usable_hbm_bytes
 
 _CHOICE_FIELDS = {
     "parallel": ("dp", "tp", "pp", "cp", "ep", "pp_schedule", "virtual_stages"),
@@ -271,7 +271,7 @@ def layer_comm_bytes(spec: ModelSpec, kind=None, *, tp: int = 1, cp: int = 1, dp
     if dp > 1:
         lp = layer_params(spec, kind)
         grads = (lp.total - lp.norms - lp.router) / tp + lp.norms + lp.router  # TP-sharded parameters
-        nbytes = grads * GRAD_COMM_BYTES["bf16"]
+        nbytes = grads * lay.grad_bytes
         topo = costs.topology(hw, dp, lay.mesh.group_stride(("dp", "cp", "ep")), chips_per_node)
         out["dp"] = {"ops_fwd": 0, "ops_bwd": 1, "bytes_fwd": 0.0, "bytes_bwd": nbytes,
                      "time_s": costs.comm_s(topo, "all_reduce", nbytes)}

@@ -81,6 +81,13 @@ RECIPE_DEFAULTS = {
     # vocab_parallel_cross_entropy (TransformerConfig cross_entropy_loss_fusion defaults to False: Megatron-LM
     # core_r0.8.0, megatron/core/model_parallel_config.py) and torchtitan's cross_entropy(pred.float())
     "cross_entropy": "fp32",
+    # the data-parallel gradients kept, accumulated and reduced in fp32 (4 bytes each) rather than in the
+    # working precision (2): null is by dtype, true for bf16 and fp8 (Megatron-LM's arguments.py forces
+    # accumulate_allreduce_grads_in_fp32 for bf16; Megatron-Bridge's model recipes set ddp.grad_reduce_in_fp32;
+    # torchtitan's FSDP reduces in fp32) and false for fp16 (Megatron-LM 2021). False where a run says so:
+    # Megatron-Bridge's performance recipes (perf_recipes/_common.py, 'cfg.ddp.grad_reduce_in_fp32 = False'),
+    # Composer's FSDP mixed precision 'DEFAULT' (reduce_dtype None: the bf16 param dtype)
+    "grad_reduce_in_fp32": None,
 }
 # "all_to_all": one copy of a token per routed expert, sent straight to the expert's rank (NCCL
 # all-to-all). "deepep": one copy per destination node over the network, forwarded to the experts' GPUs
@@ -90,7 +97,7 @@ EP_DISPATCH = ("all_to_all", "deepep")
 # RMSNorm and a rotary embedding each a chain of elementwise kernels through fp32 (planner.costs._elementwise)
 FUSION = ("fused", "eager")
 # "fused": Transformer Engine casts each GEMM input once, in a kernel that writes its transposed copy too
-# (planner.costs: read 2 + write 1 bytes per element); "dynamic": torchao.float8's tensorwise dynamic scaling,
+# (planner.costs: read 2 + write 1 + 1 bytes per element); "dynamic": torchao.float8's tensorwise dynamic scaling,
 # an amax pass and a cast for every operand of every GEMM, the weight's in each pass too
 FP8_CASTS = ("fused", "dynamic")
 # "fp32": the logits upcast to fp32 and softmaxed by separate kernels, about three passes each way
@@ -134,6 +141,7 @@ class Training:
     fusion: str | None = None  # FUSION
     fp8_casts: str | None = None  # FP8_CASTS, with dtype "fp8"
     cross_entropy: str | None = None  # CROSS_ENTROPY
+    grad_reduce_in_fp32: bool | None = None
     ssm_cp: str | None = None  # SSM_CP
 
 
@@ -199,6 +207,7 @@ class Layout:
     fusion: str = "fused"
     fp8_casts: str = "fused"
     cross_entropy: str = "fp32"
+    grad_reduce_in_fp32: bool = True
     ssm_cp: str = "state"
     schedule_runs: int = 1  # Training.schedule_runs
     pp_layout: str | None = None  # Parallel.pp_layout
@@ -207,6 +216,11 @@ class Layout:
     @property
     def num_chips(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes of one data-parallel gradient as it is kept, accumulated and reduced (grad_reduce_in_fp32)."""
+        return 4 if self.grad_reduce_in_fp32 else 2
 
     @property
     def staged_zero3(self) -> bool:
@@ -494,6 +508,8 @@ def recipe(t: Training, chip) -> dict:
         out["attention"] = best_flash_kernel(chip)
     if out["tp_comm_overlap"] is None:
         out["tp_comm_overlap"] = chip.tp_comm_overlap
+    if out["grad_reduce_in_fp32"] is None:
+        out["grad_reduce_in_fp32"] = t.dtype != "fp16"
     if out["attention"] == "flash3" and chip.flash3_efficiency is None:
         raise SpecError("training.attention", f"{chip.name} has no FlashAttention-3-class kernel; use \"flash\"")
     if out["attention"] == "flash-triton" and chip.kind != "gpu":

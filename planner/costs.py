@@ -511,7 +511,7 @@ def _zero3_comms(lay: Layout, chip: Chip, chips_per_node: int, lp, fwd_s: float,
     w_bytes = 2 * ((lp.attention + lp.mlp + lp.ssm) / t + lp.norms + lp.router)
     w_bytes += 2 * lp.experts / (t * lay.ep)  # local experts, gathered over their own replicas
     ag = comm_s(topo, "all_gather", w_bytes)
-    rs = comm_s(topo, "reduce_scatter", 2 * w_bytes)  # fp32 gradient reduction
+    rs = comm_s(topo, "reduce_scatter", w_bytes * lay.grad_bytes / 2)  # the bf16 weights' gradients
     # the ring of CP, when it runs on the same links, competes for the window
     shared = lay.cp > 1 and crosses_network(cp, lay.mesh.stride("cp"), chip, chips_per_node) == \
         crosses_network(lay.dp * cp, data, chip, chips_per_node)

@@ -40,17 +40,18 @@ from planner.models import ATTENTION, MAMBA, MLP, ModelSpec
 from planner.stages import Chunk, chunks_of, stage_chunks
 
 WEIGHT_BYTES = 2  # bf16/fp16 weights (fp8 training keeps bf16 master copies of the working weights)
-GRAD_BYTES = 2
+GRAD_BYTES = 2  # the ZeRO paper's half-precision gradients; a layout's own: Layout.grad_bytes
 # fp32 master + moments (ZeRO sec. 3.1); SGD: master + momentum; Adafactor: the master copy, its factored
 # second moment is one row and one column vector per matrix (Shazeer & Stern 2018, sec. 3) and no first moment
 OPTIMIZER_BYTES = {"adam": 12, "sgd": 8, "adafactor": 4}
 
 
-def zero_bytes_per_param(stage: int, shards: int, optimizer: str = "adam") -> tuple[float, float, float]:
+def zero_bytes_per_param(stage: int, shards: int, optimizer: str = "adam",
+                         grad_bytes: int = GRAD_BYTES) -> tuple[float, float, float]:
     """(weights, grads, optimizer) bytes per parameter, ZeRO `stage` over `shards` ranks (ZeRO Fig. 1)."""
     k = OPTIMIZER_BYTES[optimizer]
     w = WEIGHT_BYTES / shards if stage >= 3 else WEIGHT_BYTES
-    g = GRAD_BYTES / shards if stage >= 2 else GRAD_BYTES
+    g = grad_bytes / shards if stage >= 2 else grad_bytes
     o = k / shards if stage >= 1 else k
     return w, g, o
 
@@ -322,8 +323,8 @@ def memory_per_chip(m: ModelSpec, lay: Layout, micro_batches: int, optimizer: st
     micro_batches = lay.per_run(micro_batches)
     stages = chunks_of(m, lay)
     per_layer = max(layer_activation_bytes(m, lay, k, dtype=dtype) for k in {False, m.is_moe})
-    wd, gd, od = zero_bytes_per_param(lay.zero_stage, lay.dp * lay.cp, optimizer)
-    we, ge, oe = zero_bytes_per_param(lay.zero_stage, max(1, lay.dp * lay.cp // lay.ep), optimizer)
+    wd, gd, od = zero_bytes_per_param(lay.zero_stage, lay.dp * lay.cp, optimizer, lay.grad_bytes)
+    we, ge, oe = zero_bytes_per_param(lay.zero_stage, max(1, lay.dp * lay.cp // lay.ep), optimizer, lay.grad_bytes)
     best = None
     for stage in sorted(set(stage_groups(m, lay))):
         dense, moe = stage_params(m, lay, stage)

@@ -59,23 +59,20 @@ from planner.memory import (
 from planner.models import ModelSpec
 from planner.stages import chunks_of
 
-# Megatron-LM reduces bf16 gradients in fp32 (arguments.py: bf16 => accumulate_allreduce_grads_in_fp32)
-GRAD_COMM_BYTES = {"bf16": 4, "fp16": 2, "fp8": 4}
 WGRAD_BYTES = 2  # a weight-gradient GEMM writes its gradient in bf16 / fp16 (fp8 recipes too: Transformer Engine)
 BREAKDOWN_KEYS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "zero3_comm", "pp_comm",
                   "bubble", "dp_comm", "optimizer")
 COMM_PART = {"tp": "tp_comm", "cp": "cp_comm", "ep": "ep_comm", "dp": "zero3_comm"}
 
 
-def grad_accumulation_s(params: float, micro_batches: int, dtype: str, chip: Chip) -> float:
+def grad_accumulation_s(params: float, micro_batches: int, acc: int, chip: Chip) -> float:
     """Seconds per micro-batch, on average over the step, that accumulating the weight gradients of
-    `params` takes without `grad_accum_fusion`: an elementwise pass per micro-batch. Into an fp32
-    accumulator (bf16 and fp8 training: Megatron-LM's main_grad.add_(param.grad) hook, DeepSpeed's
-    BF16_Optimizer hp_grad.add_), every micro-batch reads the new gradient and reads and writes the
+    `params` takes without `grad_accum_fusion`: an elementwise pass per micro-batch into an accumulator of
+    `acc` bytes (Layout.grad_bytes). Into an fp32 one (Megatron-LM's main_grad.add_(param.grad) hook,
+    DeepSpeed's BF16_Optimizer hp_grad.add_), every micro-batch reads the new gradient and reads and writes the
     accumulator: 2 + 4 + 4 bytes per parameter (DeepSpeed first casts the gradient to fp32, a copy this
-    leaves out). fp16 without fp32 accumulation (Megatron-LM 2021's default for fp16): autograd adds into the
-    fp16 .grad in place from the second micro-batch on, 2 + 2 + 2 bytes."""
-    acc = GRAD_COMM_BYTES[dtype]
+    leaves out). In the working precision (Megatron-LM 2021's default for fp16): autograd adds into the
+    .grad in place from the second micro-batch on, 2 + 2 + 2 bytes."""
     passes = micro_batches if acc > WGRAD_BYTES else micro_batches - 1
     nbytes = params * (WGRAD_BYTES + 2 * acc) * passes / max(1, micro_batches)
     return kernels.pointwise_s(chip, nbytes)
@@ -223,7 +220,7 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
     embed_s = costs.embedding_s(m, lay, chip)
     mtp_f, mtp_b = costs.mtp_extra_cost(m, lay, chip, tr.dtype)
     pass_p2p_s = pipeline_p2p_s(m, lay, chip, node)
-    grad_bytes = GRAD_COMM_BYTES[tr.dtype]
+    grad_bytes = lay.grad_bytes
     dp_group = lay.dp * lay.cp
     mesh = lay.mesh  # strides from the one mesh convention (core/mesh.py)
     dense_topo = costs.topology(chip, dp_group, mesh.group_stride(("dp", "cp", "ep")), node) if dp_group > 1 else None
@@ -297,7 +294,8 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
             # pipeline parallelism), or the shard ZeRO-2/3 reduce-scatters every micro-batch to
             whole = lay.zero_stage < 2 or lay.staged_zero3
             kept = dense_p + expert_p if whole else dense_p / dp_group + expert_p / max(1, expert_group)
-            chunks[0] = _plus_backward(chunks[0], "compute", grad_accumulation_s(kept, micro_batches, tr.dtype, chip))
+            chunks[0] = _plus_backward(chunks[0], "compute",
+                                       grad_accumulation_s(kept, micro_batches, lay.grad_bytes, chip))
         opt = costs.optimizer_step_s(dense_p + expert_p, lay, chip, tr.optimizer)
         by_rep[i] = StageCost(chunks, exposed, dp_total, opt, dense_p + expert_p)
     return [by_rep[g] for g in groups]
@@ -342,7 +340,7 @@ def sent_bytes_per_step(res: StepResult, stage: int = 0) -> dict[str, float]:
     records, a full recomputation's repeated ones too) per micro-batch, the gradient sync (and ZeRO's
     weight all-gather) once per step, and the pipeline's activations and their gradients per micro-batch
     and chunk boundary (with tp, each rank sends its 1/tp slice and the receivers all-gather it)."""
-    m, tr, lay = res.case.model, res.case.training, res.layout
+    m, lay = res.case.model, res.layout
     n = {"tp": lay.tp, "cp": lay.cp, "ep": lay.ep, "dp": lay.dp * lay.cp}
     out = {axis: 0.0 for axis in ("tp", "cp", "ep", "dp", "pp")}
     st = res.stages[stage]
@@ -353,7 +351,7 @@ def sent_bytes_per_step(res: StepResult, stage: int = 0) -> dict[str, float]:
                 out[op.group] += res.micro_batches * count * op.sent_bytes(n[op.group])
     if lay.zero_stage < 3 or lay.staged_zero3:
         dense_p, expert_p = stage_params(m, lay, stage)
-        grad_bytes = GRAD_COMM_BYTES[tr.dtype]
+        grad_bytes = lay.grad_bytes
         for params, group in ((dense_p, n["dp"]), (expert_p, n["dp"] // lay.ep)):
             if lay.zero_stage == 0:
                 out["dp"] += ring_sent_bytes("all_reduce", params * grad_bytes, group)

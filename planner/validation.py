@@ -99,7 +99,10 @@ def llmfoundry_sweep_runs(path: str | Path = LLMFOUNDRY_SWEEP) -> list[dict]:
                              "optimizer": "adam", "zero_stage": {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2}[r["sharding"]],
                              "sequence_parallel": False,
                              "attention": table["attention"].get(size, table["attention"].get("*")),
-                             "cross_entropy": sweep["cross_entropy"]},
+                             "cross_entropy": sweep["cross_entropy"],
+                             # Composer's FSDP mixed precision DEFAULT and PURE reduce in the bf16 param dtype
+                             # (composer/trainer/mosaic_fsdp.py get_mixed_precision at v0.16.0); FULL in fp32
+                             "grad_reduce_in_fp32": r["mp_mode"] == "FULL"},
                 "parallel": {"dp": gpus, "tp": 1, "pp": 1, "cp": 1, "ep": 1, "pp_schedule": None,
                              "virtual_stages": 1},
                 "cluster": {"chip": chip, "num_chips": gpus, "chips_per_node": 8},

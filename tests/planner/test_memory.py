@@ -67,8 +67,11 @@ def test_memory_per_chip_splits_by_tp_and_pp():
     m = ModelSpec("gpt-175b", 96, 12288, 96, 96, 49152, 51200, 2048, "gelu")
     lay = Layout(dp=1, tp=8, pp=8, micro_batch=1, recompute="full", attention="materialized")
     mem = memory_per_chip(m, lay, 64)
-    # 175B / 64 chips ~ 2.7B params per chip -> 16 bytes each ~ 44 GB of model state
-    assert (mem.params_bytes + mem.grads_bytes + mem.optimizer_bytes) / GB == pytest.approx(44, rel=0.05)
+    # 175B / 64 chips ~ 2.7B params per chip -> 2 + 4 (fp32 gradients, the Layout default) + 12 = 18 bytes
+    # each ~ 49 GB of model state; 16 bytes (~44 GB) with half-precision gradients, the ZeRO paper's count
+    assert (mem.params_bytes + mem.grads_bytes + mem.optimizer_bytes) / GB == pytest.approx(49, rel=0.05)
+    half = memory_per_chip(m, replace(lay, grad_reduce_in_fp32=False), 64)
+    assert (half.params_bytes + half.grads_bytes + half.optimizer_bytes) / GB == pytest.approx(44, rel=0.05)
     # full recompute: first stage keeps 12 layers x 8 in-flight x 2sbh
     assert mem.activations_bytes == pytest.approx(12 * 8 * 2 * 2048 * 12288)
     zero3 = memory_per_chip(m, Layout(dp=8, tp=8, pp=1, micro_batch=1, zero_stage=3, recompute="full",

@@ -182,7 +182,8 @@ def test_attention_kernels_order_as_measured():
                                           ("fusion", "compiled"), ("schedule_runs", 0),
                                           ("recompute_modules", ["moe"]), ("fp8_casts", "delayed"),
                                           ("grad_accum_fusion", "unfused"), ("cross_entropy", "liger"),
-                                          ("tp_grad_allreduce_overlap", "async")])
+                                          ("tp_grad_allreduce_overlap", "async"),
+                                          ("grad_reduce_in_fp32", "bf16")])
 def test_bad_recipe_values_exit_2_naming_the_field(tmp_path, capsys, field, value):
     path = tmp_path / "c.json"
     path.write_text(json.dumps(_case(**{field: value})))
@@ -314,6 +315,23 @@ def test_the_cross_entropy_is_reported_where_null_and_kept_where_stated():
     assert fused.step_time_s < estimate(_case(cross_entropy="fp32")).step_time_s
 
 
+def test_gradients_are_kept_and_reduced_in_fp32_unless_the_run_says_otherwise():
+    from planner.simulate import sent_bytes_per_step
+
+    # null: fp32 for bf16 and fp8 (Megatron-LM forces it for bf16), the working precision for fp16
+    assert estimate(_case()).chosen["training"]["grad_reduce_in_fp32"] is True
+    assert estimate(_case(dtype="fp16")).chosen["training"]["grad_reduce_in_fp32"] is False
+    fp32, half = estimate(_case()), estimate(_case(grad_reduce_in_fp32=False))
+    assert "grad_reduce_in_fp32" not in half.chosen["training"]
+    # ZeRO-1 keeps the whole gradient: 4 bytes a parameter against 2
+    params = fp32.result.memory.params_bytes / 2  # bf16 weights, unsharded at ZeRO-1
+    assert fp32.result.memory.grads_bytes == pytest.approx(4 * params)
+    assert half.result.memory.grads_bytes == pytest.approx(2 * params)
+    # its reduce-scatter moves half the bytes (the bf16 weights' all-gather is the same)
+    dp_fp32, dp_half = (sent_bytes_per_step(r.result)["dp"] for r in (fp32, half))
+    assert dp_fp32 - dp_half == pytest.approx(3 / 4 * params * 2)
+
+
 def test_one_layer_of_the_22b_model_against_korthikanti_table_4():
     # Korthikanti et al. 2022 Table 4, one transformer layer of the 22B model (TP 8 on A100, micro-batch 4):
     # forward / backward 7.7 / 11.9 ms without sequence parallelism, 7.2 / 11.8 ms with it. Without it the
@@ -368,10 +386,10 @@ def test_unfused_gradient_accumulation_is_a_pass_per_micro_batch_over_the_gradie
     a100 = get_chip("a100-80gb")
     bw = a100.hbm_bw(achievable=True) * a100.pace
     # bf16 into an fp32 accumulator, every micro-batch: read the 2-byte gradient, read and write 4 bytes
-    assert grad_accumulation_s(1e9, 4, "bf16", a100) == pytest.approx(10e9 / bw)
+    assert grad_accumulation_s(1e9, 4, 4, a100) == pytest.approx(10e9 / bw)
     # fp16 into the fp16 .grad (Megatron-LM 2021): from the second micro-batch on, 2 + 2 + 2 bytes
-    assert grad_accumulation_s(1e9, 4, "fp16", a100) == pytest.approx(6e9 * 3 / 4 / bw)
-    assert grad_accumulation_s(1e9, 1, "fp16", a100) == 0.0
+    assert grad_accumulation_s(1e9, 4, 2, a100) == pytest.approx(6e9 * 3 / 4 / bw)
+    assert grad_accumulation_s(1e9, 1, 2, a100) == 0.0
 
 
 def test_unfused_gradient_accumulation_slows_each_micro_batch_by_its_pass():
@@ -382,7 +400,7 @@ def test_unfused_gradient_accumulation_slows_each_micro_batch_by_its_pass():
     assert fused.chosen["training"]["grad_accum_fusion"] is True
     res = unfused.result
     dense, expert = stage_params(res.case.model, res.layout, 0)
-    per_micro_batch = grad_accumulation_s(dense + expert, res.micro_batches, "bf16", res.chip)
+    per_micro_batch = grad_accumulation_s(dense + expert, res.micro_batches, 4, res.chip)
     # 16 micro-batches of one sequence per replica, no pipeline: the step grows by 16 passes
     assert res.micro_batches == 16
     assert unfused.step_time_s - fused.step_time_s == pytest.approx(16 * per_micro_batch, rel=1e-6)
