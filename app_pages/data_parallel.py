@@ -45,7 +45,9 @@ st.markdown(
     """
 Mixed-precision Adam keeps, per parameter: the bf16 weight (2 bytes), its bf16 gradient (2 bytes), and
 an fp32 master copy with two fp32 moments (12 bytes): **16 bytes per parameter**
-(Rajbhandari et al. 2019, "ZeRO", Figure 1). Plain data parallel repeats all of it on every chip.
+(Rajbhandari et al. 2019, "ZeRO", Figure 1). Megatron-LM keeps and reduces bf16 training's gradients in fp32
+(4 bytes, 18 per parameter); the planner counts what a run states (`grad_reduce_in_fp32`).
+Plain data parallel repeats all of it on every chip.
 **ZeRO** removes the repetition in three stages, each sharding one more item over the N_d data-parallel
 chips:
 """

@@ -374,7 +374,7 @@ class Hierarchy(Topology):
         """Bytes the outer level's collective among m = n / d ranks is charged, so that its ring moves what
         each NIC carries: (m-1)/m * V/d hierarchically, (n-1)/n * V/d for a flat ring (`flat`)."""
         m = self.n // self.domain_size
-        return v / self.domain_size * ((self.n - 1) / self.n * m / (m - 1) if self.flat else 1.0)
+        return v / self.domain_size * ((self.n - 1) / self.n * m / (m - 1) if self.flat and m > 1 else 1.0)
 
     def _all_gather_s(self, v):
         # Across domains each rank gathers V/d (its slice of the domain's share), inside the domain the full
