@@ -358,8 +358,9 @@ def _elementwise(m: ModelSpec, lay: Layout, moe, tokens: float) -> dict[str, flo
         q and k: 4 (N + K) H / t both ways; SwiGLU reads gate and up, writes their product: 6f, backward
         reads gate, up and dy, writes two gradients: 10f; squared ReLU as GELU, 4f and 6f.
       A pattern's attention or MLP layer has one norm and one residual add, and only its block's terms.
-      MoE: the token copies are permuted to their experts and back: read + write 4 k h per token each
-        way.
+      MoE: the token copies are permuted to their experts and back, each a gather that reads and writes
+        the k copies (Megatron-Core's moe_utils permute, an index_select, and unpermute, a scatter-add):
+        2 x (2 + 2) k h per token each way.
     With `fusion` "eager" (PyTorch eager modules, no compiler) each op of a module is its own kernel:
       Llama recipe: the RMSNorms and the rotary embedding cost what Liger-Kernel measured for the Hugging
         Face modules (key "eager_*": effective bytes at peak bandwidth, hardware.kernels.EAGER_BYTES, per
@@ -404,8 +405,8 @@ def _elementwise(m: ModelSpec, lay: Layout, moe, tokens: float) -> dict[str, flo
                                 + kernels.EAGER_BYTES["rope_bwd"] * rope_elements)
             out["eager_norm_fwd"] = kernels.EAGER_BYTES["norm_fwd"] * norm_elements
     if moe is True:
-        out["point_fwd"] += 4 * m.top_k * h
-        out["point_bwd"] += 4 * m.top_k * h
+        out["point_fwd"] += 8 * m.top_k * h
+        out["point_bwd"] += 8 * m.top_k * h
     # parts of point_fwd and eager_fwd that selective recomputation may run again (`_selective_recompute_s`)
     out["act_fwd_routed"] = act_fwd * routed
     out["act_fwd_dense"] = act_fwd * (ffn - routed)
