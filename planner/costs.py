@@ -466,40 +466,31 @@ def _tp_comms(lay: Layout, topo: Topology, column: list[str], row: list[str], ge
     t, overlap = lay.tp, lay.tp_comm_overlap
     fwd: list[CommOp] = []
     bwd: list[CommOp] = []
-
-    def nbytes(g: str) -> float:
-        return act_bytes * (copies or {}).get(g, 1.0)
-
+    nbytes = {g: act_bytes * (copies or {}).get(g, 1.0) for g in (*column, *row)}
     if lay.sequence_parallel:
-        def ag(g):
-            return comm_s(topo, "all_gather", nbytes(g))
-
-        def rs(g):
-            return comm_s(topo, "reduce_scatter", nbytes(g))
-
+        ag = {g: comm_s(topo, "all_gather", b) for g, b in nbytes.items()}
+        rs = {g: comm_s(topo, "reduce_scatter", b) for g, b in nbytes.items()}
         for g in column:  # forward: all-gather the sequence, then the column GEMM
-            exp = pipelined_exposed_s(ag(g), gemm_fwd[g], t) if overlap else ag(g)
-            fwd.append(CommOp("tp", f"tp all-gather ({g})", "all_gather", nbytes(g), ag(g), exp))
+            exp = pipelined_exposed_s(ag[g], gemm_fwd[g], t) if overlap else ag[g]
+            fwd.append(CommOp("tp", f"tp all-gather ({g})", "all_gather", nbytes[g], ag[g], exp))
         for g in row:  # forward: the row GEMM's partial sums reduce-scattered
-            exp = pipelined_exposed_s(rs(g), gemm_fwd[g], t) if overlap else rs(g)
-            fwd.append(CommOp("tp", f"tp reduce-scatter ({g})", "reduce_scatter", nbytes(g), rs(g), exp))
+            exp = pipelined_exposed_s(rs[g], gemm_fwd[g], t) if overlap else rs[g]
+            fwd.append(CommOp("tp", f"tp reduce-scatter ({g})", "reduce_scatter", nbytes[g], rs[g], exp))
         for g in row:  # backward: the output gradient all-gathered before the dgrad GEMM
-            exp = pipelined_exposed_s(ag(g), gemm_dgrad[g], t) if overlap else ag(g)
-            bwd.append(CommOp("tp", f"tp all-gather ({g} grad)", "all_gather", nbytes(g), ag(g), exp))
+            exp = pipelined_exposed_s(ag[g], gemm_dgrad[g], t) if overlap else ag[g]
+            bwd.append(CommOp("tp", f"tp all-gather ({g} grad)", "all_gather", nbytes[g], ag[g], exp))
         for g in column:  # backward: input re-gathered under dgrad, its gradient reduced under wgrad
-            bwd.append(CommOp("tp", f"tp all-gather ({g} input)", "all_gather", nbytes(g), ag(g),
-                              max(0.0, ag(g) - gemm_dgrad[g])))
-            bwd.append(CommOp("tp", f"tp reduce-scatter ({g} grad)", "reduce_scatter", nbytes(g), rs(g),
-                              max(0.0, rs(g) - gemm_wgrad[g])))
+            bwd.append(CommOp("tp", f"tp all-gather ({g} input)", "all_gather", nbytes[g], ag[g],
+                              max(0.0, ag[g] - gemm_dgrad[g])))
+            bwd.append(CommOp("tp", f"tp reduce-scatter ({g} grad)", "reduce_scatter", nbytes[g], rs[g],
+                              max(0.0, rs[g] - gemm_wgrad[g])))
     else:
-        def ar(g):
-            return comm_s(topo, "all_reduce", nbytes(g))
-
+        ar = {g: comm_s(topo, "all_reduce", b) for g, b in nbytes.items()}
         for g in row:
-            fwd.append(CommOp("tp", f"tp all-reduce ({g})", "all_reduce", nbytes(g), ar(g), ar(g)))
+            fwd.append(CommOp("tp", f"tp all-reduce ({g})", "all_reduce", nbytes[g], ar[g], ar[g]))
         for g in column:  # the input gradient's all-reduce under the wgrad GEMM (async TP all-reduce)
-            exp = max(0.0, ar(g) - gemm_wgrad[g]) if overlap or lay.tp_grad_allreduce_overlap else ar(g)
-            bwd.append(CommOp("tp", f"tp all-reduce ({g} grad)", "all_reduce", nbytes(g), ar(g), exp))
+            exp = max(0.0, ar[g] - gemm_wgrad[g]) if overlap or lay.tp_grad_allreduce_overlap else ar[g]
+            bwd.append(CommOp("tp", f"tp all-reduce ({g} grad)", "all_reduce", nbytes[g], ar[g], exp))
     return fwd, bwd
 
 

@@ -77,7 +77,8 @@ def load_published_runs(path: str | Path = PUBLISHED_RUNS) -> list[dict]:
 def llmfoundry_sweep_runs(path: str | Path = LLMFOUNDRY_SWEEP) -> list[dict]:
     """A case per row of llm-foundry's tables (the file's `about`), in heldout-runs.json's format: the layout
     and micro-batch as printed, the attention kernel each table's benchmark script set, the fused
-    cross-entropy, every other recipe field null; rows already held out elsewhere are skipped."""
+    cross-entropy, the gradient reduction Composer's mixed precision mode sets, every other recipe field
+    null; rows already held out elsewhere are skipped."""
     with open(path) as f:
         sweep = json.load(f)
     skip = {tuple(k) for k in sweep["held_out_elsewhere"]}
