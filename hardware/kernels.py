@@ -111,7 +111,13 @@ def flash_attention_s(chip: Chip, fwd_flops: float, keys: float, kernel: str = "
 #   rotary (apply_rotary_pos_emb: rotate_half, cos/sin products), q and k of 16384 tokens, hidden 8192,
 #     32 query and 8 KV heads: forward 2.567 ms (59.7 B), 3.817 ms (46.4 B); backward 3.113 ms (72.4 B),
 #     4.557 ms (55.4 B). Liger's fused kernel: 0.200 ms (4.7 B) both ways.
-EAGER_BYTES = {"norm_fwd": 65.0, "norm_bwd": 164.0, "rope_fwd": 53.0, "rope_bwd": 64.0}
+#   cross-entropy (torch.nn.CrossEntropyLoss: log_softmax then nll_loss) over fp32 logits, provider "huggingface"
+#     / "torch", the benchmark's own fp32 input: forward on A100 at B x T = 16384, V = 32768, 65536, 131072:
+#     5.317, 10.615, 20.726 ms (20.2, 20.2, 19.7 B), on B200 (all_benchmark_data_cutile.csv, 8 TB/s) at V =
+#     128256, B x T = 4096, 8192: 1.347, 2.643 ms (20.5, 20.1 B): mean 20.1. Backward on B200: 1.619, 3.161 ms
+#     (24.7, 24.1 B; A100's 2024 run, full minus forward, 38 B, an older PyTorch).
+EAGER_BYTES = {"norm_fwd": 65.0, "norm_bwd": 164.0, "rope_fwd": 53.0, "rope_bwd": 64.0, "ce_fwd": 20.1,
+               "ce_bwd": 24.4}
 
 
 def eager_s(chip: Chip, effective_bytes: float) -> float:

@@ -100,10 +100,11 @@ FUSION = ("fused", "eager")
 # (planner.costs: read 2 + write 1 + 1 bytes per element); "dynamic": torchao.float8's tensorwise dynamic scaling,
 # an amax pass and a cast for every operand of every GEMM, the weight's in each pass too
 FP8_CASTS = ("fused", "dynamic")
-# "fp32": the logits upcast to fp32 and softmaxed by separate kernels, about three passes each way
+# "fp32": the logits upcast to fp32 and softmaxed by separate kernels, 38 bytes per logit forward and 14 backward
 # (planner.costs.logits_cost); "fused": one kernel reads the bf16 logits and keeps one value per token, the
 # backward reads them again and writes their gradient (flash-attention's csrc/xentropy, the default loss_fn
-# 'fused_crossentropy' of llm-foundry's MPT; Transformer Engine's and Liger's fused cross-entropy)
+# 'fused_crossentropy' of llm-foundry's MPT; Transformer Engine's, which Megatron-Bridge's performance recipes set
+# with cross_entropy_fusion_impl "te", and Liger's)
 CROSS_ENTROPY = ("fp32", "fused")
 RECIPE_FLAGS = tuple(k for k in RECIPE_DEFAULTS
                      if k not in ("attention", "ep_dispatch", "fusion", "fp8_casts", "cross_entropy"))

@@ -87,6 +87,7 @@ CAUSAL_FLASH_FRACTION = 0.5  # a causal flash kernel skips the masked upper tria
 # writes dx (planner.costs._elementwise; Korthikanti et al. 2022's norm terms)
 NORM_FWD_BYTES, NORM_BWD_BYTES = 4, 6
 ACT_BYTES = 2  # bf16 activations (fp8 recipes keep bf16 activations between GEMMs: Transformer Engine)
+FP32_CE_BYTES = (38, 14)  # HBM bytes per logit of the unfused fp32 cross-entropy, forward and backward (logits_cost)
 # Bytes per parameter of the update: Adam reads fp32 master, m, v, grad and writes master, m, v and the bf16
 # copy (4*4 + 4*3 + 2 = 30); SGD with momentum 4*3 + 4*2 = 20; Adafactor reads master and grad, writes
 # master and the bf16 copy, and its row/column statistics are negligible (4*2 + 4 + 2 = 14)
@@ -849,8 +850,15 @@ def logits_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str) -> tuple[floa
 
     In[T, D] . W[D, V/t], then the loss over the T x V/t logits (`lay.cross_entropy`, planner.case's
     CROSS_ENTROPY):
-      fp32   softmax + loss over fp32 logits: read/write 4 bytes each, about three passes (max, exp-sum,
-             gradient) each way, Megatron's vocab-parallel cross-entropy (a softmax: a row-reduction kernel).
+      fp32   Megatron-Core's vocab_parallel_cross_entropy (tensor_parallel/cross_entropy.py), kernel by
+             kernel over the logits: forward the fp32 upcast (read 2, write 4), the row max (read 4), the max
+             subtracted in place (read 4, write 4), exp in place (4 + 4), the row sum (4), the division into the
+             softmax kept for the backward (4 + 4): FP32_CE_BYTES[0] = 38; backward the softmax times the
+             loss gradient in place (4 + 4) and the cast back to bf16 (4 + 2): FP32_CE_BYTES[1] = 14. Each
+             pass streams whole rows at the copy rate. torchtitan's cross_entropy(pred.float()) costs about
+             the same in all: PyTorch's fp32 cross-entropy measures 20.1 bytes per logit at peak bandwidth
+             forward and 24.4 backward (hardware.kernels.EAGER_BYTES), with the two casts (6 bytes each at
+             the copy rate) 57.8, as these 52 bytes at the copy rate (57.8).
       fused  flash-attention's csrc/xentropy kernels: the forward reads each bf16 logit twice (the row's
              max, then its sum of exponentials) and writes one loss and one log-sum-exp per token, a row
              reduction; the backward reads each logit once and writes its gradient, a pointwise pass:
@@ -863,7 +871,7 @@ def logits_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str) -> tuple[floa
         fwd_ce_s = kernels.norm_s(chip, 2 * ACT_BYTES * logits)
         bwd_ce_s = kernels.pointwise_s(chip, 2 * ACT_BYTES * logits)
     else:
-        fwd_ce_s = bwd_ce_s = kernels.norm_s(chip, 3 * 8 * logits)
+        fwd_ce_s, bwd_ce_s = (kernels.pointwise_s(chip, b * logits) for b in FP32_CE_BYTES)
     return _fwd_s(chip, dtype, g) + fwd_ce_s, _dgrad_s(chip, dtype, g) + _wgrad_s(chip, dtype, g) + bwd_ce_s
 
 
