@@ -88,6 +88,14 @@ RECIPE_DEFAULTS = {
     # Megatron-Bridge's performance recipes (perf_recipes/_common.py, 'cfg.ddp.grad_reduce_in_fp32 = False'),
     # Composer's FSDP mixed precision 'DEFAULT' (reduce_dtype None: the bf16 param dtype)
     "grad_reduce_in_fp32": None,
+    # full-vocabulary cross-entropies a trainer runs over each micro-batch's logits for the metrics it logs,
+    # beside the loss, under no_grad (planner.costs.logits_cost): none in Megatron-LM, NeMo, torchtitan,
+    # DeepSpeed or MaxText, which log the loss they computed. Composer runs every train metric of the model
+    # on every micro-batch after its backward (composer/trainer/trainer.py _train_microbatch ->
+    # _eval_train_metrics at v0.16.4), and llm-foundry's MPT has two, LanguageCrossEntropy and
+    # LanguagePerplexity, each a torch.nn.CrossEntropyLoss over the logits (use_train_metrics defaults to
+    # True: llmfoundry/models/mpt/modeling_mpt.py at b2a43a147): 2
+    "logit_metrics": 0,
 }
 # "all_to_all": one copy of a token per routed expert, sent straight to the expert's rank (NCCL
 # all-to-all). "deepep": one copy per destination node over the network, forwarded to the experts' GPUs
@@ -107,7 +115,7 @@ FP8_CASTS = ("fused", "dynamic")
 # with cross_entropy_fusion_impl "te", and Liger's)
 CROSS_ENTROPY = ("fp32", "fused")
 RECIPE_FLAGS = tuple(k for k in RECIPE_DEFAULTS
-                     if k not in ("attention", "ep_dispatch", "fusion", "fp8_casts", "cross_entropy"))
+                     if k not in ("attention", "ep_dispatch", "fusion", "fp8_casts", "cross_entropy", "logit_metrics"))
 # Context parallelism for Mamba-2 layers (planner.costs): "state" passes each rank's final SSM state to
 # the next rank; "alltoall" reshards sequence -> heads around the scan (Megatron-Core). Null: the search
 # tries both where they apply, else "state".
@@ -143,6 +151,7 @@ class Training:
     fp8_casts: str | None = None  # FP8_CASTS, with dtype "fp8"
     cross_entropy: str | None = None  # CROSS_ENTROPY
     grad_reduce_in_fp32: bool | None = None
+    logit_metrics: int | None = None
     ssm_cp: str | None = None  # SSM_CP
 
 
@@ -209,6 +218,7 @@ class Layout:
     fp8_casts: str = "fused"
     cross_entropy: str = "fp32"
     grad_reduce_in_fp32: bool = True
+    logit_metrics: int = 0
     ssm_cp: str = "state"
     schedule_runs: int = 1  # Training.schedule_runs
     pp_layout: str | None = None  # Parallel.pp_layout
@@ -350,6 +360,7 @@ def parse_case(data) -> Case:
         ep_dispatch=_choice(t, "ep_dispatch", "training", EP_DISPATCH),
         fusion=_choice(t, "fusion", "training", FUSION), fp8_casts=_choice(t, "fp8_casts", "training", FP8_CASTS),
         cross_entropy=_choice(t, "cross_entropy", "training", CROSS_ENTROPY),
+        logit_metrics=_int(t, "logit_metrics", "training", required=False, minimum=0),
         **flags,
     )
 

@@ -863,6 +863,10 @@ def logits_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str) -> tuple[floa
              max, then its sum of exponentials) and writes one loss and one log-sum-exp per token, a row
              reduction; the backward reads each logit once and writes its gradient, a pointwise pass:
              4 + 4 bytes per logit.
+    Then `lay.logit_metrics` cross-entropies for the trainer's logged metrics (planner.case's RECIPE_DEFAULTS),
+    each torch.nn.CrossEntropyLoss on the bf16 logits under autocast: the upcast to fp32 (read 2, write 4 at
+    the copy rate) and PyTorch's fp32 cross-entropy forward as measured (EAGER_BYTES "ce_fwd"); Composer runs
+    them after the micro-batch's backward, so they are charged there.
     """
     tokens = lay.micro_batch * m.seq_len / lay.cp
     g = _Gemm("logits", tokens, m.hidden, m.vocab / lay.tp)
@@ -872,6 +876,9 @@ def logits_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str) -> tuple[floa
         bwd_ce_s = kernels.pointwise_s(chip, 2 * ACT_BYTES * logits)
     else:
         fwd_ce_s, bwd_ce_s = (kernels.pointwise_s(chip, b * logits) for b in FP32_CE_BYTES)
+    if lay.logit_metrics:
+        bwd_ce_s += lay.logit_metrics * (kernels.pointwise_s(chip, (ACT_BYTES + 4) * logits)
+                                         + kernels.eager_s(chip, kernels.EAGER_BYTES["ce_fwd"] * logits))
     return _fwd_s(chip, dtype, g) + fwd_ce_s, _dgrad_s(chip, dtype, g) + _wgrad_s(chip, dtype, g) + bwd_ce_s
 
 

@@ -339,6 +339,10 @@ def memory_per_chip(m: ModelSpec, lay: Layout, micro_batches: int, optimizer: st
         # an MTP module keeps what one more layer keeps
         acts = in_flight_layers(stage, lay, micro_batches, [c.layers + c.mtp for c in stages[stage]]) * per_layer
         temp = _temporary_bytes(m, lay, stage, dense + moe * lay.tp, dtype)
+        if lay.logit_metrics and any(c.loss for c in stages[stage]):
+            # the metrics' cross-entropies run after the backward has freed the activations (Composer): the
+            # bf16 logits, their fp32 copy and its log-softmax, 10 bytes a logit, may set the peak instead
+            temp = max(temp, 10 * _logits(m, lay) - acts)
         mem = Memory(params, grads, opt, acts, temp, stage)
         if best is None or mem.total_bytes > best.total_bytes:
             best = mem
@@ -354,6 +358,11 @@ def _mean_layer_bytes(m: ModelSpec, lay: Layout, chunks: tuple[Chunk, ...], dtyp
             total += n * layer_activation_bytes(m, lay, kind, dtype=dtype)
             layers += n
     return total / max(1.0, layers)
+
+
+def _logits(m: ModelSpec, lay: Layout) -> float:
+    """Logits of one micro-batch on one chip of the loss stage: (b s/cp) x V/t."""
+    return lay.micro_batch * m.seq_len / lay.cp * m.vocab / lay.tp
 
 
 def _temporary_bytes(m: ModelSpec, lay: Layout, stage: int, stage_params: float, dtype: str) -> float:
@@ -373,7 +382,7 @@ def _temporary_bytes(m: ModelSpec, lay: Layout, stage: int, stage_params: float,
     chunks = chunks_of(m, lay)[stage]
     if any(c.loss for c in chunks):
         per_logit = 4 if lay.cross_entropy == "fused" else 8
-        temp += output_heads(m) * per_logit * lay.micro_batch * m.seq_len / lay.cp * m.vocab / lay.tp
+        temp += output_heads(m) * per_logit * _logits(m, lay)
     if lay.zero_stage == 3 and not lay.staged_zero3:
         layers = max(1, sum(c.layers + c.mtp for c in chunks))
         temp += 2 * WEIGHT_BYTES * stage_params / layers

@@ -117,3 +117,18 @@ def test_a_fused_cross_entropy_keeps_the_bf16_logits_and_their_gradient_only():
     lay = Layout(dp=8, tp=2, pp=1, micro_batch=3, attention="flash")
     fp32, fused = (memory_per_chip(m, replace(lay, cross_entropy=ce), 1).temporary_bytes for ce in ("fp32", "fused"))
     assert fp32 - fused == pytest.approx(4 * 3 * 2048 * 50368 / 2)
+
+
+def test_the_metrics_cross_entropies_set_the_peak_when_their_logits_outweigh_the_activations():
+    # they run after the backward has freed the activations: bf16 logits, their fp32 copy and its log-softmax,
+    # 10 bytes a logit; a small model with a large vocabulary and batch peaks there, a large one does not
+    small = ModelSpec("125m-llama3-vocab", 12, 768, 12, 12, 3072, 128256, 2048, "gelu")
+    lay = Layout(dp=8, tp=1, pp=1, micro_batch=32, attention="flash", cross_entropy="fused")
+    before, after = (memory_per_chip(small, replace(lay, logit_metrics=k), 1) for k in (0, 2))
+    logits = 32 * 2048 * 128256
+    assert 10 * logits > before.activations_bytes + before.temporary_bytes
+    assert after.total_bytes == pytest.approx(before.total_bytes - before.activations_bytes
+                                              - before.temporary_bytes + 10 * logits)
+    big = ModelSpec("mpt-7b", 32, 4096, 32, 32, 16384, 50368, 2048, "gelu")
+    lay7 = replace(lay, micro_batch=6)
+    assert memory_per_chip(big, replace(lay7, logit_metrics=2), 1) == memory_per_chip(big, lay7, 1)

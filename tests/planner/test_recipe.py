@@ -183,7 +183,8 @@ def test_attention_kernels_order_as_measured():
                                           ("recompute_modules", ["moe"]), ("fp8_casts", "delayed"),
                                           ("grad_accum_fusion", "unfused"), ("cross_entropy", "liger"),
                                           ("tp_grad_allreduce_overlap", "async"),
-                                          ("grad_reduce_in_fp32", "bf16")])
+                                          ("grad_reduce_in_fp32", "bf16"), ("logit_metrics", -1),
+                                          ("logit_metrics", "two"), ("logit_metrics", True)])
 def test_bad_recipe_values_exit_2_naming_the_field(tmp_path, capsys, field, value):
     path = tmp_path / "c.json"
     path.write_text(json.dumps(_case(**{field: value})))
@@ -322,6 +323,27 @@ def test_megatrons_fp32_cross_entropy_costs_what_pytorchs_measured_one_does():
         chip = get_chip(key)
         torch_ce = (2 * 6 / chip.hbm_efficiency + EAGER_BYTES["ce_fwd"] + EAGER_BYTES["ce_bwd"]) / chip.hbm_bytes_per_s
         assert sum(FP32_CE_BYTES) / chip.hbm_bw(achievable=True) == pytest.approx(torch_ce, rel=0.01)
+
+
+def test_each_logged_metric_runs_an_fp32_cross_entropy_over_the_logits_after_the_backward():
+    """Composer's two train metrics on llm-foundry's MPT: per micro-batch, each the upcast (read 2, write 4 at
+    the copy rate) and PyTorch's fp32 cross-entropy forward as measured (20.1 bytes at peak bandwidth)."""
+    from hardware.chips import get_chip
+    from planner.case import Layout, parse_case
+    from planner.costs import logits_cost
+
+    a100 = get_chip("a100-80gb")
+    m = parse_case(_case(tp=1, dp=1)).model
+    lay = Layout(dp=1, tp=2, pp=1, micro_batch=2, cross_entropy="fused")
+    logits = 2 * m.seq_len * m.vocab / 2
+    f0, b0 = logits_cost(m, lay, a100, "bf16")
+    f2, b2 = logits_cost(m, replace(lay, logit_metrics=2), a100, "bf16")
+    assert f2 == f0
+    assert b2 - b0 == pytest.approx(2 * (6 * logits / a100.hbm_bw(achievable=True) + 20.1 * logits / 2.039e12))
+    assert estimate(_case()).chosen["training"]["logit_metrics"] == 0
+    stated = estimate(_case(logit_metrics=2))
+    assert "logit_metrics" not in stated.chosen["training"]
+    assert stated.step_time_s > estimate(_case()).step_time_s
 
 
 def test_the_cross_entropy_is_reported_where_null_and_kept_where_stated():
