@@ -374,8 +374,9 @@ def test_one_layer_of_the_22b_model_against_korthikanti_table_4():
     # Korthikanti et al. 2022 Table 4, one transformer layer of the 22B model (TP 8 on A100, micro-batch 4):
     # forward / backward 7.7 / 11.9 ms without sequence parallelism, 7.2 / 11.8 ms with it. Without it the
     # backward's two input-gradient all-reduces run under the weight-gradient GEMMs (Megatron-LM's
-    # asynchronous TP all-reduce, on since 2021-09): exposed, the backward would take 14 ms. Within 8 %: the
-    # planner's target for a whole step, its kernels measured elsewhere than in this table
+    # asynchronous TP all-reduce, on since 2021-09): exposed, the backward would take 13 ms, outside the 8 %
+    # that the overlapped one keeps: the planner's target for a whole step, its kernels measured elsewhere
+    # than in this table
     from hardware.chips import get_chip
     from planner.case import Layout
     from planner.costs import cluster_chip, layer_cost
@@ -393,7 +394,7 @@ def test_one_layer_of_the_22b_model_against_korthikanti_table_4():
                                            (fwd_bwd_ms(sequence_parallel=True), (7.2, 11.8))):
         assert fwd == pytest.approx(pub_fwd, rel=0.08) and bwd == pytest.approx(pub_bwd, rel=0.08), (fwd, bwd)
     exposed = fwd_bwd_ms(sequence_parallel=False, tp_grad_allreduce_overlap=False)[1]
-    assert exposed > 1.15 * 11.9 > fwd_bwd_ms(sequence_parallel=False)[1]
+    assert exposed > 1.08 * 11.9 > fwd_bwd_ms(sequence_parallel=False)[1]
 
 
 def test_a_stated_tp_grad_allreduce_overlap_reaches_the_estimate_where_it_applies():
