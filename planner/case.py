@@ -96,6 +96,10 @@ RECIPE_DEFAULTS = {
     # LanguagePerplexity, each a torch.nn.CrossEntropyLoss over the logits (use_train_metrics defaults to
     # True: llmfoundry/models/mpt/modeling_mpt.py at b2a43a147): 2
     "logit_metrics": 0,
+    # how a fully sharded data-parallel implementation (ZeRO-3) moves the weights it gathers and the gradients
+    # it reduces through HBM besides the collectives (FSDP_IMPLS, planner.costs.fsdp_copy_bytes); None: "fsdp2"
+    # on GPUs (PyTorch's fully_shard, which torchtitan and NeMo AutoModel run), "in-place" on TPUs (XLA)
+    "fsdp_impl": None,
 }
 # "all_to_all": one copy of a token per routed expert, sent straight to the expert's rank (NCCL
 # all-to-all). "deepep": one copy per destination node over the network, forwarded to the experts' GPUs
@@ -114,8 +118,18 @@ FP8_CASTS = ("fused", "dynamic")
 # 'fused_crossentropy' of llm-foundry's MPT; Transformer Engine's, which Megatron-Bridge's performance recipes set
 # with cross_entropy_fusion_impl "te", and Liger's)
 CROSS_ENTROPY = ("fp32", "fused")
+# "fsdp2": PyTorch's fully_shard (torch >= 2.4; torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py): each
+# all-gather is copied out of its buffer into the parameters (split_with_sizes_copy), forward and backward, and
+# each reduce-scatter's gradients copied into its input (chunk_cat), averaged by NCCL itself. "fsdp1":
+# FullyShardedDataParallel's flat parameters (torch <= 2.3): the gathers land in the flat parameter the weights
+# are views of, and backward autograd concatenates the views' gradients into the flat gradient, which FSDP
+# divides in place before reducing (_runtime_utils._reduce_grad, gradient_predivide_factor > 1 from 4 ranks).
+# "in-place": gathers into and reductions out of the buffers the weights and gradients live in (Megatron-FSDP;
+# XLA on TPU): no pass of their own
+FSDP_IMPLS = ("fsdp2", "fsdp1", "in-place")
 RECIPE_FLAGS = tuple(k for k in RECIPE_DEFAULTS
-                     if k not in ("attention", "ep_dispatch", "fusion", "fp8_casts", "cross_entropy", "logit_metrics"))
+                     if k not in ("attention", "ep_dispatch", "fusion", "fp8_casts", "cross_entropy", "logit_metrics",
+                                  "fsdp_impl"))
 # Context parallelism for Mamba-2 layers (planner.costs): "state" passes each rank's final SSM state to
 # the next rank; "alltoall" reshards sequence -> heads around the scan (Megatron-Core). Null: the search
 # tries both where they apply, else "state".
@@ -152,6 +166,7 @@ class Training:
     cross_entropy: str | None = None  # CROSS_ENTROPY
     grad_reduce_in_fp32: bool | None = None
     logit_metrics: int | None = None
+    fsdp_impl: str | None = None  # FSDP_IMPLS
     ssm_cp: str | None = None  # SSM_CP
 
 
@@ -219,6 +234,7 @@ class Layout:
     cross_entropy: str = "fp32"
     grad_reduce_in_fp32: bool = True
     logit_metrics: int = 0
+    fsdp_impl: str = "fsdp2"
     ssm_cp: str = "state"
     schedule_runs: int = 1  # Training.schedule_runs
     pp_layout: str | None = None  # Parallel.pp_layout
@@ -361,6 +377,7 @@ def parse_case(data) -> Case:
         fusion=_choice(t, "fusion", "training", FUSION), fp8_casts=_choice(t, "fp8_casts", "training", FP8_CASTS),
         cross_entropy=_choice(t, "cross_entropy", "training", CROSS_ENTROPY),
         logit_metrics=_int(t, "logit_metrics", "training", required=False, minimum=0),
+        fsdp_impl=_choice(t, "fsdp_impl", "training", FSDP_IMPLS),
         **flags,
     )
 
@@ -522,6 +539,8 @@ def recipe(t: Training, chip) -> dict:
         out["tp_comm_overlap"] = chip.tp_comm_overlap
     if out["grad_reduce_in_fp32"] is None:
         out["grad_reduce_in_fp32"] = t.dtype != "fp16"
+    if out["fsdp_impl"] is None:
+        out["fsdp_impl"] = "in-place" if chip.kind == "tpu" else "fsdp2"
     if out["attention"] == "flash3" and chip.flash3_efficiency is None:
         raise SpecError("training.attention", f"{chip.name} has no FlashAttention-3-class kernel; use \"flash\"")
     if out["attention"] == "flash-triton" and chip.kind != "gpu":

@@ -518,6 +518,30 @@ def _zero3_comms(lay: Layout, chip: Chip, chips_per_node: int, lp, fwd_s: float,
                    parts=(("all_gather", w_bytes), ("reduce_scatter", 2 * w_bytes))))
 
 
+def fsdp_copy_bytes(lay: Layout) -> tuple[float, float]:
+    """HBM bytes per gathered weight that a ZeRO-3 layer's implementation (`lay.fsdp_impl`, planner.case's
+    FSDP_IMPLS) moves on the compute stream besides its collectives, (forward, backward) of one micro-batch:
+      fsdp2     each gather's copy-out, read 2 + write 2, both passes; the backward's reduce-scatter input
+                filled from the bf16 gradients, read 2 + write grad_bytes
+      fsdp1     backward only: the views' gradients concatenated into the flat gradient (2 + 2) and divided
+                in place before the reduce-scatter (2 + 2)
+      in-place  none
+    Under pipeline parallelism the weights stay gathered (staged ZeRO-3): no per-layer gathers, no copies."""
+    if lay.staged_zero3:
+        return 0.0, 0.0
+    return {"fsdp2": (4.0, 4.0 + 2.0 + lay.grad_bytes), "fsdp1": (0.0, 8.0), "in-place": (0.0, 0.0)}[lay.fsdp_impl]
+
+
+def _plus_fsdp_copies(chip: Chip, lay: Layout, gathered_bytes: float, fwd_s: float,
+                      bwd_s: float) -> tuple[float, float]:
+    """A ZeRO-3 layer's passes with its implementation's copies (`fsdp_copy_bytes`) of its `gathered_bytes` of
+    bf16 weights, copy-like kernels on the compute stream; added after the recomputation is priced, which runs
+    on the backward's gather."""
+    fwd_b, bwd_b = fsdp_copy_bytes(lay)
+    weights = gathered_bytes / 2
+    return fwd_s + kernels.pointwise_s(chip, fwd_b * weights), bwd_s + kernels.pointwise_s(chip, bwd_b * weights)
+
+
 def expert_nodes_per_token(m: ModelSpec, ep: int, ranks_per_node: int) -> float:
     """Expected number of nodes a token's top_k experts sit on, for an EP group of `ep` ranks,
     `ranks_per_node` of them per node, with balanced routing: k uniform draws over the C nodes it may use
@@ -641,7 +665,8 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
                                 max(0.0, a2a - bwd_s) if lay.ep_comm_overlap else a2a, 2))
 
     # -- ZeRO-3 / FSDP ---------------------------------------------------------------------------------------
-    if lay.zero_stage == 3 and lay.dp * cp > 1:
+    zero3 = lay.zero_stage == 3 and lay.dp * cp > 1
+    if zero3:
         zf, zb = _zero3_comms(lay, chip, chips_per_node, lp, fwd_s, bwd_s, fwd_comms, bwd_comms)
         fwd_comms.append(zf)
         bwd_comms.append(zb)
@@ -657,6 +682,8 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
         recompute_s = _op_sac_recompute_s(m, moe, gemm_fwd, ew_fwd_s)
     else:
         recompute_s = 0.0
+    if zero3:
+        fwd_s, bwd_s = _plus_fsdp_copies(chip, lay, zf.nbytes, fwd_s, bwd_s)
 
     flops = 2.0 * tokens * (lp.attention + lp.mlp) / t + score_flops
     if moe is True:
@@ -830,7 +857,8 @@ def _mamba_layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chips_p
                           CommOp("cp", "cp ssm state chain", "p2p", hop_bytes, chain, chain, hops)]
             bwd_comms += [CommOp("cp", "cp ssm state-gradient chain", "p2p", hop_bytes, chain, chain, hops),
                           CommOp("cp", "cp conv halo (grad)", "p2p", halo_bytes, halo, halo)]
-    if lay.zero_stage == 3 and lay.dp * cp > 1:
+    zero3 = lay.zero_stage == 3 and lay.dp * cp > 1
+    if zero3:
         zf, zb = _zero3_comms(lay, chip, chips_per_node, lp, fwd_s, bwd_s, fwd_comms, bwd_comms)
         fwd_comms.append(zf)
         bwd_comms.append(zb)
@@ -845,6 +873,8 @@ def _mamba_layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chips_p
         recompute_s = _op_sac_recompute_s(m, MAMBA, gemm_fwd, ew_fwd_s, scan_fwd_s)
     else:
         recompute_s = 0.0
+    if zero3:
+        fwd_s, bwd_s = _plus_fsdp_copies(chip, lay, zf.nbytes, fwd_s, bwd_s)
     flops = tokens * layer_forward_flops_per_token(m, MAMBA) / t
     return LayerCost(fwd_s, bwd_s, recompute_s, tuple(fwd_comms), tuple(bwd_comms), flops, act_bytes, wgrad_s)
 

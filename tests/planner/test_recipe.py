@@ -184,7 +184,8 @@ def test_attention_kernels_order_as_measured():
                                           ("grad_accum_fusion", "unfused"), ("cross_entropy", "liger"),
                                           ("tp_grad_allreduce_overlap", "async"),
                                           ("grad_reduce_in_fp32", "bf16"), ("logit_metrics", -1),
-                                          ("logit_metrics", "two"), ("logit_metrics", True)])
+                                          ("logit_metrics", "two"), ("logit_metrics", True),
+                                          ("fsdp_impl", "deepspeed")])
 def test_bad_recipe_values_exit_2_naming_the_field(tmp_path, capsys, field, value):
     path = tmp_path / "c.json"
     path.write_text(json.dumps(_case(**{field: value})))
@@ -344,6 +345,34 @@ def test_each_logged_metric_runs_an_fp32_cross_entropy_over_the_logits_after_the
     stated = estimate(_case(logit_metrics=2))
     assert "logit_metrics" not in stated.chosen["training"]
     assert stated.step_time_s > estimate(_case()).step_time_s
+
+
+def test_each_fsdp_implementation_copies_what_its_code_copies_around_the_collectives():
+    """Per gathered bf16 weight of a ZeRO-3 layer, on the compute stream: fully_shard copies every gather out
+    (2 + 2 bytes) and the gradients into the reduce-scatter's input (2 + grad_bytes); FSDP1 concatenates the
+    gradient views (2 + 2) and predivides them (2 + 2); in-place buffers copy nothing. A full recomputation
+    reuses the backward's gather."""
+    from hardware.chips import get_chip
+    from planner.case import Layout, parse_case
+    from planner.costs import layer_cost
+
+    h100 = get_chip("h100")
+    m = parse_case(_case(tp=1, dp=8)).model
+    lay = Layout(dp=8, tp=1, pp=1, micro_batch=1, zero_stage=3, recompute="full", fsdp_impl="in-place")
+    base = layer_cost(m, lay, h100, "bf16", False, 8)
+    weights = base.fwd_comms[-1].nbytes / 2
+    copy_bw = h100.hbm_bw(achievable=True)
+    for impl, grad_bytes, fwd_b, bwd_b in (("fsdp2", 4, 4, 10), ("fsdp2", 2, 4, 8), ("fsdp1", 4, 0, 8)):
+        c = layer_cost(m, replace(lay, fsdp_impl=impl, grad_reduce_in_fp32=grad_bytes == 4), h100, "bf16", False, 8)
+        ref = base if grad_bytes == 4 else layer_cost(m, replace(lay, grad_reduce_in_fp32=False), h100, "bf16",
+                                                      False, 8)
+        assert c.fwd_compute_s - ref.fwd_compute_s == pytest.approx(fwd_b * weights / copy_bw)
+        assert c.bwd_compute_s - ref.bwd_compute_s == pytest.approx(bwd_b * weights / copy_bw)
+        assert c.recompute_s == ref.recompute_s
+    # null: fully_shard on a GPU, XLA's in-place gathers on a TPU; stated, kept
+    assert estimate(_case(tp=1, dp=8, zero_stage=3)).chosen["training"]["fsdp_impl"] == "fsdp2"
+    assert estimate(_case(chip="tpu-v5p", tp=1, dp=8, zero_stage=3)).chosen["training"]["fsdp_impl"] == "in-place"
+    assert "fsdp_impl" not in estimate(_case(tp=1, dp=8, zero_stage=3, fsdp_impl="fsdp1")).chosen["training"]
 
 
 def test_the_cross_entropy_is_reported_where_null_and_kept_where_stated():
