@@ -100,6 +100,11 @@ RECIPE_DEFAULTS = {
     # it reduces through HBM besides the collectives (FSDP_IMPLS, planner.costs.fsdp_copy_bytes); None: "fsdp2"
     # on GPUs (PyTorch's fully_shard, which torchtitan and NeMo AutoModel run), "in-place" on TPUs (XLA)
     "fsdp_impl": None,
+    # Adam's update as one multi-tensor kernel (Apex / Transformer Engine FusedAdam in Megatron-LM, NeMo and
+    # DeepSpeed; torch.optim.AdamW(fused=True) in torchtitan): planner.costs.OPTIMIZER_STEP_BYTES. False: a loop
+    # of PyTorch elementwise ops per tensor (Composer's DecoupledAdamW, llm-foundry's default optimizer):
+    # UNFUSED_ADAM_BYTES
+    "optimizer_fused": True,
 }
 # "all_to_all": one copy of a token per routed expert, sent straight to the expert's rank (NCCL
 # all-to-all). "deepep": one copy per destination node over the network, forwarded to the experts' GPUs
@@ -167,6 +172,7 @@ class Training:
     grad_reduce_in_fp32: bool | None = None
     logit_metrics: int | None = None
     fsdp_impl: str | None = None  # FSDP_IMPLS
+    optimizer_fused: bool | None = None
     ssm_cp: str | None = None  # SSM_CP
 
 
@@ -235,6 +241,7 @@ class Layout:
     grad_reduce_in_fp32: bool = True
     logit_metrics: int = 0
     fsdp_impl: str = "fsdp2"
+    optimizer_fused: bool = True
     ssm_cp: str = "state"
     schedule_runs: int = 1  # Training.schedule_runs
     pp_layout: str | None = None  # Parallel.pp_layout

@@ -92,6 +92,12 @@ FP32_CE_BYTES = (38, 14)  # HBM bytes per logit of the unfused fp32 cross-entrop
 # copy (4*4 + 4*3 + 2 = 30); SGD with momentum 4*3 + 4*2 = 20; Adafactor reads master and grad, writes
 # master and the bf16 copy, and its row/column statistics are negligible (4*2 + 4 + 2 = 14)
 OPTIMIZER_STEP_BYTES = {"adam": 30, "sgd": 20, "adafactor": 14}
+# Adam as a loop of PyTorch elementwise ops over fp32 tensors (`optimizer_fused` false; Composer's DecoupledAdamW,
+# composer/optim/decoupled_weight_decay.py adamw at v0.16.4): exp_avg.mul_ (read 4, write 4) .add_(grad) (8 + 4),
+# exp_avg_sq.mul_ (4 + 4) .addcmul_(grad, grad) (8 + 4), sqrt (4 + 4), / sqrt(bias correction) (4 + 4), .add_(eps)
+# (4 + 4), param.addcdiv_ (12 + 4): 80 bytes; its weight decay (param.mul_, 4 + 4) is skipped at weight_decay 0, as
+# llm-foundry's benchmark YAMLs set it, and FSDP casts the fp32 weights to bf16 when it gathers them (no copy here)
+UNFUSED_ADAM_BYTES = 80
 
 
 def matmul_s(chip: Chip, dtype: str, m: float, k: float, n: float) -> float:
@@ -943,6 +949,9 @@ def embedding_s(m: ModelSpec, lay: Layout, chip: Chip) -> float:
 
 def optimizer_step_s(params_per_chip: float, lay: Layout, chip: Chip, optimizer: str) -> float:
     """The optimizer update is memory-bound: `OPTIMIZER_STEP_BYTES` per locally updated parameter
-    (a multi-tensor fused Adam reaches the copy bandwidth: PyTorch PR 119842 measured ~89 %)."""
+    (a multi-tensor fused Adam reaches the copy bandwidth: PyTorch PR 119842 measured ~89 %), or with
+    `optimizer_fused` false Adam's elementwise ops one by one (`UNFUSED_ADAM_BYTES`)."""
     shards = lay.dp * lay.cp if lay.zero_stage >= 1 else 1
-    return kernels.pointwise_s(chip, params_per_chip / shards * OPTIMIZER_STEP_BYTES[optimizer])
+    unfused = optimizer == "adam" and not lay.optimizer_fused
+    per_param = UNFUSED_ADAM_BYTES if unfused else OPTIMIZER_STEP_BYTES[optimizer]
+    return kernels.pointwise_s(chip, params_per_chip / shards * per_param)

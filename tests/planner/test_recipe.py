@@ -185,7 +185,7 @@ def test_attention_kernels_order_as_measured():
                                           ("tp_grad_allreduce_overlap", "async"),
                                           ("grad_reduce_in_fp32", "bf16"), ("logit_metrics", -1),
                                           ("logit_metrics", "two"), ("logit_metrics", True),
-                                          ("fsdp_impl", "deepspeed")])
+                                          ("fsdp_impl", "deepspeed"), ("optimizer_fused", "apex")])
 def test_bad_recipe_values_exit_2_naming_the_field(tmp_path, capsys, field, value):
     path = tmp_path / "c.json"
     path.write_text(json.dumps(_case(**{field: value})))
@@ -373,6 +373,22 @@ def test_each_fsdp_implementation_copies_what_its_code_copies_around_the_collect
     assert estimate(_case(tp=1, dp=8, zero_stage=3)).chosen["training"]["fsdp_impl"] == "fsdp2"
     assert estimate(_case(chip="tpu-v5p", tp=1, dp=8, zero_stage=3)).chosen["training"]["fsdp_impl"] == "in-place"
     assert "fsdp_impl" not in estimate(_case(tp=1, dp=8, zero_stage=3, fsdp_impl="fsdp1")).chosen["training"]
+
+
+def test_an_unfused_adam_moves_eighty_bytes_a_parameter_where_the_fused_one_moves_thirty():
+    """Composer's DecoupledAdamW at weight decay 0: mul_ and add_ on exp_avg (8 + 12), mul_ and addcmul_ on
+    exp_avg_sq (8 + 12), sqrt, a division and add_ building the denominator (8 each), addcdiv_ (16)."""
+    from hardware.chips import get_chip
+    from planner.case import Layout
+    from planner.costs import optimizer_step_s
+
+    h100 = get_chip("h100")
+    lay = Layout(dp=8, tp=1, pp=1, zero_stage=1)
+    fused, loop = (optimizer_step_s(8e9, replace(lay, optimizer_fused=f), h100, "adam") for f in (True, False))
+    assert loop - fused == pytest.approx(1e9 * (8 + 12 + 8 + 12 + 8 + 8 + 8 + 16 - 30) / h100.hbm_bw(achievable=True))
+    assert optimizer_step_s(8e9, replace(lay, optimizer_fused=False), h100, "sgd") == \
+        optimizer_step_s(8e9, lay, h100, "sgd")  # counted for Adam only
+    assert estimate(_case()).chosen["training"]["optimizer_fused"] is True
 
 
 def test_the_cross_entropy_is_reported_where_null_and_kept_where_stated():
