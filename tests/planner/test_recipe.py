@@ -373,6 +373,7 @@ def test_each_fsdp_implementation_copies_what_its_code_copies_around_the_collect
     assert estimate(_case(tp=1, dp=8, zero_stage=3)).chosen["training"]["fsdp_impl"] == "fsdp2"
     assert estimate(_case(chip="tpu-v5p", tp=1, dp=8, zero_stage=3)).chosen["training"]["fsdp_impl"] == "in-place"
     assert "fsdp_impl" not in estimate(_case(tp=1, dp=8, zero_stage=3, fsdp_impl="fsdp1")).chosen["training"]
+    assert "fsdp_impl" not in estimate(_case(tp=1, dp=8, zero_stage=1)).chosen["training"]  # nothing to copy
 
 
 def test_an_unfused_adam_moves_eighty_bytes_a_parameter_where_the_fused_one_moves_thirty():
