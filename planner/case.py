@@ -128,7 +128,8 @@ CROSS_ENTROPY = ("fp32", "fused")
 # each reduce-scatter's gradients copied into its input (chunk_cat), averaged by NCCL itself. "fsdp1":
 # FullyShardedDataParallel's flat parameters (torch <= 2.3): the gathers land in the flat parameter the weights
 # are views of, and backward autograd concatenates the views' gradients into the flat gradient, which FSDP
-# divides in place before reducing (_runtime_utils._reduce_grad, gradient_predivide_factor > 1 from 4 ranks).
+# divides in place before reducing (_runtime_utils._reduce_grad: gradient_predivide_factor is 2 or more for any
+# group of 2 or more ranks).
 # "in-place": gathers into and reductions out of the buffers the weights and gradients live in (Megatron-FSDP;
 # XLA on TPU): no pass of their own
 FSDP_IMPLS = ("fsdp2", "fsdp1", "in-place")

@@ -529,13 +529,16 @@ def fsdp_copy_bytes(lay: Layout) -> tuple[float, float]:
     FSDP_IMPLS) moves on the compute stream besides its collectives, (forward, backward) of one micro-batch:
       fsdp2     each gather's copy-out, read 2 + write 2, both passes; the backward's reduce-scatter input
                 filled from the bf16 gradients, read 2 + write grad_bytes
-      fsdp1     backward only: the views' gradients concatenated into the flat gradient (2 + 2) and divided
-                in place before the reduce-scatter (2 + 2)
+      fsdp1     backward only: the views' bf16 gradients concatenated into the flat gradient (2 + 2), cast
+                to the reduction's precision where it differs (2 + grad_bytes) and divided in place before the
+                reduce-scatter (2 x grad_bytes)
       in-place  none
     Under pipeline parallelism the weights stay gathered (staged ZeRO-3): no per-layer gathers, no copies."""
     if lay.staged_zero3:
         return 0.0, 0.0
-    return {"fsdp2": (4.0, 4.0 + 2.0 + lay.grad_bytes), "fsdp1": (0.0, 8.0), "in-place": (0.0, 0.0)}[lay.fsdp_impl]
+    gb = lay.grad_bytes
+    fsdp1_bwd = 4.0 + (2.0 + gb if gb != 2 else 0.0) + 2.0 * gb
+    return {"fsdp2": (4.0, 4.0 + 2.0 + gb), "fsdp1": (0.0, fsdp1_bwd), "in-place": (0.0, 0.0)}[lay.fsdp_impl]
 
 
 def _plus_fsdp_copies(chip: Chip, lay: Layout, gathered_bytes: float, fwd_s: float,
@@ -895,10 +898,10 @@ def logits_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str) -> tuple[floa
              subtracted in place (read 4, write 4), exp in place (4 + 4), the row sum (4), the division into the
              softmax kept for the backward (4 + 4): FP32_CE_BYTES[0] = 38; backward the softmax times the
              loss gradient in place (4 + 4) and the cast back to bf16 (4 + 2): FP32_CE_BYTES[1] = 14. Each
-             pass streams whole rows at the copy rate. torchtitan's cross_entropy(pred.float()) costs about
-             the same in all: PyTorch's fp32 cross-entropy measures 20.1 bytes per logit at peak bandwidth
-             forward and 24.4 backward (hardware.kernels.EAGER_BYTES), with the two casts (6 bytes each at
-             the copy rate) 57.8, as these 52 bytes at the copy rate (57.8).
+             pass streams whole rows at the copy rate. torchtitan's cross_entropy(pred.float()) costs the
+             same in all: PyTorch's fp32 cross-entropy measures 20.1 bytes per logit at peak bandwidth forward
+             and 24.4 backward (hardware.kernels.EAGER_BYTES); with its two casts (6 bytes each at the copy
+             rate) that is 57.8 bytes at peak, and these 52 at the copy rate are 57.8 too.
       fused  flash-attention's csrc/xentropy kernels: the forward reads each bf16 logit twice (the row's
              max, then its sum of exponentials) and writes one loss and one log-sum-exp per token, a row
              reduction; the backward reads each logit once and writes its gradient, a pointwise pass:

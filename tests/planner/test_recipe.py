@@ -350,8 +350,8 @@ def test_each_logged_metric_runs_an_fp32_cross_entropy_over_the_logits_after_the
 def test_each_fsdp_implementation_copies_what_its_code_copies_around_the_collectives():
     """Per gathered bf16 weight of a ZeRO-3 layer, on the compute stream: fully_shard copies every gather out
     (2 + 2 bytes) and the gradients into the reduce-scatter's input (2 + grad_bytes); FSDP1 concatenates the
-    gradient views (2 + 2) and predivides them (2 + 2); in-place buffers copy nothing. A full recomputation
-    reuses the backward's gather."""
+    gradient views (2 + 2), casts them to an fp32 reduction (2 + 4) and predivides them (2 x grad_bytes);
+    in-place buffers copy nothing. A full recomputation reuses the backward's gather."""
     from hardware.chips import get_chip
     from planner.case import Layout, parse_case
     from planner.costs import layer_cost
@@ -362,7 +362,8 @@ def test_each_fsdp_implementation_copies_what_its_code_copies_around_the_collect
     base = layer_cost(m, lay, h100, "bf16", False, 8)
     weights = base.fwd_comms[-1].nbytes / 2
     copy_bw = h100.hbm_bw(achievable=True)
-    for impl, grad_bytes, fwd_b, bwd_b in (("fsdp2", 4, 4, 10), ("fsdp2", 2, 4, 8), ("fsdp1", 4, 0, 8)):
+    for impl, grad_bytes, fwd_b, bwd_b in (("fsdp2", 4, 4, 10), ("fsdp2", 2, 4, 8), ("fsdp1", 2, 0, 8),
+                                           ("fsdp1", 4, 0, 4 + 6 + 8)):
         c = layer_cost(m, replace(lay, fsdp_impl=impl, grad_reduce_in_fp32=grad_bytes == 4), h100, "bf16", False, 8)
         ref = base if grad_bytes == 4 else layer_cost(m, replace(lay, grad_reduce_in_fp32=False), h100, "bf16",
                                                       False, 8)
