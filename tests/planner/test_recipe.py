@@ -494,3 +494,14 @@ def test_unfused_gradient_accumulation_slows_each_micro_batch_by_its_pass():
     # ZeRO-2 reduce-scatters every micro-batch's gradients, so only its shard accumulates (a quarter at dp 4)
     z2, z2_unfused = estimate(_case(zero_stage=2)), estimate(_case(zero_stage=2, grad_accum_fusion=False))
     assert z2_unfused.step_time_s - z2.step_time_s == pytest.approx(16 * per_micro_batch / 4, rel=1e-6)
+
+
+def test_every_recipe_field_is_in_the_readme():
+    """The README's case-format paragraph names every field a case may state about its recipe."""
+    from pathlib import Path
+
+    from planner.case import RECIPE_DEFAULTS
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    missing = [k for k in RECIPE_DEFAULTS if f"`{k}`" not in readme]
+    assert not missing, f"README.md does not describe {missing}"
