@@ -98,6 +98,19 @@ def explain(res: StepResult, best: StepResult | None = None) -> list[str]:
                 "Norms and rotary embeddings run as eager PyTorch modules, each a chain of kernels")
         words.append(f"{what}: the step takes {longer(fusion='fused')} longer than with fused kernels "
                      "(torch.compile, Transformer Engine).")
+    if lay.zero_stage == 3 and not lay.staged_zero3 and lay.fsdp_impl != "in-place":
+        what = {"fsdp2": "PyTorch's fully_shard copies every gathered layer out of its buffer and every "
+                         "gradient into the reduce-scatter's input",
+                "fsdp1": "FSDP's flat parameters concatenate and divide every layer's gradients before the "
+                         "reduce-scatter"}[lay.fsdp_impl]
+        words.append(f"{what}: the step takes {longer(fsdp_impl='in-place')} longer than gathering and reducing "
+                     "in place (Megatron FSDP).")
+    if lay.logit_metrics:
+        words.append(f"The trainer's {lay.logit_metrics} logged metric{'s' if lay.logit_metrics > 1 else ''} each "
+                     f"run a cross-entropy over the logits: the step takes {longer(logit_metrics=0)} longer.")
+    if not lay.optimizer_fused and case.training.optimizer == "adam":
+        words.append(f"Adam runs as PyTorch's elementwise ops one at a time: the step takes "
+                     f"{longer(optimizer_fused=True)} longer than with one fused multi-tensor kernel.")
     if lay.attention == "flash-triton":
         fwd, bwd = TRITON_FLASH_SLOWDOWN
         words.append(f"Attention runs FlashAttention written in Triton ({fwd:g}x FlashAttention-2's forward time, "

@@ -505,3 +505,13 @@ def test_every_recipe_field_is_in_the_readme():
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     missing = [k for k in RECIPE_DEFAULTS if f"`{k}`" not in readme]
     assert not missing, f"README.md does not describe {missing}"
+
+
+def test_the_explanation_prices_fsdp_copies_logged_metrics_and_an_unfused_adam():
+    est = estimate(_case(tp=1, dp=8, zero_stage=3, fsdp_impl="fsdp2", logit_metrics=2, optimizer_fused=False))
+    said = " ".join(est.explanation)
+    assert "fully_shard copies every gathered layer" in said
+    assert "2 logged metrics each run a cross-entropy" in said
+    assert "Adam runs as PyTorch's elementwise ops" in said
+    plain = " ".join(estimate(_case(tp=1, dp=8, zero_stage=3, fsdp_impl="in-place")).explanation)
+    assert "fully_shard" not in plain and "logged metric" not in plain and "elementwise ops" not in plain
