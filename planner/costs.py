@@ -205,14 +205,10 @@ class CommOp:
     time_s: float
     exposed_s: float
     count: int = 1  # ops of `nbytes` in time_s run one after another (ring steps, chain hops)
-    # (kind, nbytes) of each collective when this op stands for more than one (ZeRO-3's backward re-gather
-    # and reduce-scatter); empty: the op is one `kind` of `nbytes`
-    parts: tuple[tuple[str, float], ...] = ()
 
     def sent_bytes(self, n: int) -> float:
-        """Bytes one of the group's n ranks sends for this op (all its `count` ops, every part)."""
-        parts = self.parts or ((self.kind, self.nbytes),)
-        return self.count * sum(ring_sent_bytes(kind, b, n) for kind, b in parts)
+        """Bytes one of the group's n ranks sends for this op (all its `count` ops)."""
+        return self.count * ring_sent_bytes(self.kind, self.nbytes, n)
 
     @property
     def hidden_s(self) -> float:
@@ -502,8 +498,10 @@ def _tp_comms(lay: Layout, topo: Topology, column: list[str], row: list[str], ge
 
 
 def _zero3_comms(lay: Layout, chip: Chip, chips_per_node: int, lp, fwd_s: float, bwd_s: float,
-                 fwd_comms: list[CommOp], bwd_comms: list[CommOp]) -> tuple[CommOp, CommOp]:
-    """ZeRO-3's weight all-gathers and gradient reduce-scatter of one layer (module docstring)."""
+                 fwd_comms: list[CommOp], bwd_comms: list[CommOp]) -> tuple[CommOp, tuple[CommOp, CommOp]]:
+    """ZeRO-3's weight all-gathers and gradient reduce-scatter of one layer (module docstring): the forward's
+    gather, and the backward's re-gather and reduce-scatter, which share the backward's window (what of the
+    two shows is the reduce-scatter's first: it runs last)."""
     t, cp = lay.tp, lay.cp
     data = lay.mesh.group_stride(("dp", "cp", "ep"))  # every data-parallel rank of the dense layers
     topo = topology(chip, lay.dp * cp, data, chips_per_node)
@@ -517,11 +515,12 @@ def _zero3_comms(lay: Layout, chip: Chip, chips_per_node: int, lp, fwd_s: float,
     fwd_window = fwd_s - (sum(c.time_s for c in fwd_comms if c.group == "cp") if shared else 0.0)
     bwd_window = bwd_s - (sum(c.time_s for c in bwd_comms if c.group == "cp") if shared else 0.0)
     overlap = lay.param_gather_overlap
+    bwd_exposed = max(0.0, ag + rs - max(0.0, bwd_window)) if overlap else ag + rs
+    rs_exposed = min(rs, bwd_exposed)
     return (CommOp("dp", "zero-3 all-gather", "all_gather", w_bytes, ag,
                    max(0.0, ag - max(0.0, fwd_window)) if overlap else ag),
-            CommOp("dp", "zero-3 all-gather + reduce-scatter", "reduce_scatter", w_bytes, ag + rs,
-                   max(0.0, ag + rs - max(0.0, bwd_window)) if overlap else ag + rs,
-                   parts=(("all_gather", w_bytes), ("reduce_scatter", 2 * w_bytes))))
+            (CommOp("dp", "zero-3 all-gather (backward)", "all_gather", w_bytes, ag, bwd_exposed - rs_exposed),
+             CommOp("dp", "zero-3 reduce-scatter", "reduce_scatter", w_bytes * lay.grad_bytes / 2, rs, rs_exposed)))
 
 
 def fsdp_copy_bytes(lay: Layout) -> tuple[float, float]:
@@ -678,7 +677,7 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
     if zero3:
         zf, zb = _zero3_comms(lay, chip, chips_per_node, lp, fwd_s, bwd_s, fwd_comms, bwd_comms)
         fwd_comms.append(zf)
-        bwd_comms.append(zb)
+        bwd_comms.extend(zb)
 
     fwd_s += overlap_slowdown(chip) * sum(c.hidden_s for c in fwd_comms)
     bwd_s += overlap_slowdown(chip) * sum(c.hidden_s for c in bwd_comms)
@@ -870,7 +869,7 @@ def _mamba_layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chips_p
     if zero3:
         zf, zb = _zero3_comms(lay, chip, chips_per_node, lp, fwd_s, bwd_s, fwd_comms, bwd_comms)
         fwd_comms.append(zf)
-        bwd_comms.append(zb)
+        bwd_comms.extend(zb)
 
     fwd_s += overlap_slowdown(chip) * sum(c.hidden_s for c in fwd_comms)
     bwd_s += overlap_slowdown(chip) * sum(c.hidden_s for c in bwd_comms)
