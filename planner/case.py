@@ -101,9 +101,9 @@ RECIPE_DEFAULTS = {
     # on GPUs (PyTorch's fully_shard, which torchtitan and NeMo AutoModel run), "in-place" on TPUs (XLA)
     "fsdp_impl": None,
     # Adam's update as one multi-tensor kernel (Apex / Transformer Engine FusedAdam in Megatron-LM, NeMo and
-    # DeepSpeed; torch.optim.AdamW(fused=True) in torchtitan): planner.costs.OPTIMIZER_STEP_BYTES. False: a loop
-    # of PyTorch elementwise ops per tensor (Composer's DecoupledAdamW, llm-foundry's default optimizer):
-    # UNFUSED_ADAM_BYTES
+    # DeepSpeed; torch.optim.AdamW(fused=True), torchtitan's default since 2025-02): OPTIMIZER_STEP_BYTES. False:
+    # PyTorch's elementwise ops one at a time, per tensor or foreach (Composer's DecoupledAdamW, llm-foundry's
+    # optimizer; torchtitan's foreach AdamW before): planner.costs.UNFUSED_ADAM_BYTES
     "optimizer_fused": True,
 }
 # "all_to_all": one copy of a token per routed expert, sent straight to the expert's rank (NCCL

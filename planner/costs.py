@@ -96,7 +96,9 @@ OPTIMIZER_STEP_BYTES = {"adam": 30, "sgd": 20, "adafactor": 14}
 # composer/optim/decoupled_weight_decay.py adamw at v0.16.4): exp_avg.mul_ (read 4, write 4) .add_(grad) (8 + 4),
 # exp_avg_sq.mul_ (4 + 4) .addcmul_(grad, grad) (8 + 4), sqrt (4 + 4), / sqrt(bias correction) (4 + 4), .add_(eps)
 # (4 + 4), param.addcdiv_ (12 + 4): 80 bytes; its weight decay (param.mul_, 4 + 4) is skipped at weight_decay 0, as
-# llm-foundry's benchmark YAMLs set it, and FSDP casts the fp32 weights to bf16 when it gathers them (no copy here)
+# llm-foundry's benchmark YAMLs set it, and FSDP casts the fp32 weights to bf16 when it gathers them (no copy here).
+# torch.optim.AdamW(foreach=True), torchtitan's until 2025-02-24 (6e4988550 made fused the default), moves the same
+# 80: _foreach_mul_ for the decay (8), lerp_ (12), mul_ and addcmul_ (8 + 12), sqrt, div_, add_ (8 each), addcdiv_ (16)
 UNFUSED_ADAM_BYTES = 80
 
 
