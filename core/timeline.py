@@ -61,6 +61,8 @@ def span_kind(span: Span) -> str:
         if any(word in name for word in ("send", "recv", "p2p")):
             return "send/recv"
         return "other comm"
+    if name.startswith("recompute"):
+        return "recompute"  # a layer's forward run again before its backward (activation checkpointing)
     if name.startswith(("fwd", "forward", "f ")) or name == "f":
         return "forward"
     if name.startswith(("bwd", "backward", "b ", "bi", "bw")) or name == "b":

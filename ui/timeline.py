@@ -13,10 +13,12 @@ import plotly.graph_objects as go
 
 from core.timeline import LANES, Span, Timeline, span_kind
 
-# The app's one palette of work: compute in blues and teals (forward, backward), the optimizer green,
-# each collective its own warm colour, idle grey. Every chart of a step colours by it.
+# The app's one palette of work: compute in blues and teals (forward, its recomputation a lighter blue,
+# backward), the optimizer green, each collective its own warm colour, idle grey. Every chart of a step
+# colours by it.
 KIND_COLORS = {
     "forward": "#4C78A8",
+    "recompute": "#9ECAE9",
     "backward": "#72B7B2",
     "optimizer": "#54A24B",
     "all_gather": "#F58518",

@@ -22,6 +22,7 @@ def _tl():
     ("compute", "fwd L3", "forward"), ("compute", "bwd embed", "backward"), ("compute", "optimizer", "optimizer"),
     ("comm", "all_gather", "all_gather"), ("comm", "reduce-scatter grads", "reduce_scatter"),
     ("comm", "all_to_all dispatch", "all_to_all"), ("comm", "recv grad", "send/recv"), ("idle", "bubble", "idle"),
+    ("compute", "recompute s0 L2", "recompute"),
 ])
 def test_span_kind(lane, name, kind):
     assert span_kind(Span(0, lane, name, 0, 1)) == kind
