@@ -106,8 +106,9 @@ def explain(res: StepResult, best: StepResult | None = None) -> list[str]:
         words.append(f"{what}: the step takes {longer(fsdp_impl='in-place')} longer than gathering and reducing "
                      "in place (Megatron FSDP).")
     if lay.logit_metrics:
-        words.append(f"The trainer's {lay.logit_metrics} logged metric{'s' if lay.logit_metrics > 1 else ''} each "
-                     f"run a cross-entropy over the logits: the step takes {longer(logit_metrics=0)} longer.")
+        who = ("The trainer's logged metric runs" if lay.logit_metrics == 1 else
+               f"The trainer's {lay.logit_metrics} logged metrics each run")
+        words.append(f"{who} a cross-entropy over the logits: the step takes {longer(logit_metrics=0)} longer.")
     if not lay.optimizer_fused and case.training.optimizer == "adam":
         words.append(f"Adam runs as PyTorch's elementwise ops one at a time: the step takes "
                      f"{longer(optimizer_fused=True)} longer than with one fused multi-tensor kernel.")

@@ -513,5 +513,6 @@ def test_the_explanation_prices_fsdp_copies_logged_metrics_and_an_unfused_adam()
     assert "fully_shard copies every gathered layer" in said
     assert "2 logged metrics each run a cross-entropy" in said
     assert "Adam runs as PyTorch's elementwise ops" in said
+    assert "The trainer's logged metric runs a cross-entropy" in " ".join(estimate(_case(logit_metrics=1)).explanation)
     plain = " ".join(estimate(_case(tp=1, dp=8, zero_stage=3, fsdp_impl="in-place")).explanation)
     assert "fully_shard" not in plain and "logged metric" not in plain and "elementwise ops" not in plain
