@@ -263,6 +263,12 @@ class Layout:
         reduce-scattered once, none per layer and micro-batch (planner.costs' docstring)."""
         return self.zero_stage == 3 and self.pp > 1
 
+    @property
+    def layer_zero3(self) -> bool:
+        """ZeRO-3 without pipeline parallelism: every layer's weights gathered and its gradients
+        reduce-scattered in each micro-batch's passes (planner.costs._zero3_comms)."""
+        return self.zero_stage == 3 and not self.staged_zero3
+
     def per_run(self, micro_batches: int) -> int:
         """The micro-batches of one run of the pipeline schedule, of a step's `micro_batches`
         (`schedule_runs` runs each fill and drain the pipeline over an equal share)."""

@@ -280,7 +280,7 @@ def layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe, chips_per
     character). Memoised on the layout fields a layer sees (layouts differing only in pp, schedule or
     ZeRO-0/1/2 share them, which keeps the search fast; so do ZeRO-3 layouts under pp, whose layers carry
     no ZeRO-3 collectives: `Layout.staged_zero3`)."""
-    z3 = lay.zero_stage == 3 and not lay.staged_zero3
+    z3 = lay.layer_zero3
     ssm_cp = lay.ssm_cp if m.has_ssm and lay.cp > 1 else "state"
     key = replace(lay, pp=1, pp_schedule="1f1b", virtual_stages=1, pp_layout=None, zero_stage=3 if z3 else 0,
                   dp=lay.dp if z3 else lay.ep, grad_reduce_overlap=True, ssm_cp=ssm_cp,  # the smallest dp
@@ -534,9 +534,8 @@ def fsdp_copy_bytes(lay: Layout) -> tuple[float, float]:
                 to the reduction's precision where it differs (2 + grad_bytes) and divided in place before the
                 reduce-scatter (2 x grad_bytes)
       in-place  none
-    Under pipeline parallelism the weights stay gathered (staged ZeRO-3): no per-layer gathers, no copies."""
-    if lay.staged_zero3:
-        return 0.0, 0.0
+    Only a layer that gathers (`Layout.layer_zero3`) pays them: under pipeline parallelism the weights stay
+    gathered, and `layer_cost` prices such layers without ZeRO-3."""
     gb = lay.grad_bytes
     fsdp1_bwd = 4.0 + (2.0 + gb if gb != 2 else 0.0) + 2.0 * gb
     return {"fsdp2": (4.0, 4.0 + 2.0 + gb), "fsdp1": (0.0, fsdp1_bwd), "in-place": (0.0, 0.0)}[lay.fsdp_impl]

@@ -98,7 +98,7 @@ def explain(res: StepResult, best: StepResult | None = None) -> list[str]:
                 "Norms and rotary embeddings run as eager PyTorch modules, each a chain of kernels")
         words.append(f"{what}: the step takes {longer(fusion='fused')} longer than with fused kernels "
                      "(torch.compile, Transformer Engine).")
-    if lay.zero_stage == 3 and not lay.staged_zero3 and lay.fsdp_impl != "in-place":
+    if lay.layer_zero3 and lay.fsdp_impl != "in-place":
         what = {"fsdp2": "PyTorch's fully_shard copies every gathered layer out of its buffer and every "
                          "gradient into the reduce-scatter's input",
                 "fsdp1": "FSDP's flat parameters concatenate and divide every layer's gradients before the "

@@ -383,7 +383,7 @@ def _temporary_bytes(m: ModelSpec, lay: Layout, stage: int, stage_params: float,
     if any(c.loss for c in chunks):
         per_logit = 4 if lay.cross_entropy == "fused" else 8
         temp += output_heads(m) * per_logit * _logits(m, lay)
-    if lay.zero_stage == 3 and not lay.staged_zero3:
+    if lay.layer_zero3:
         layers = max(1, sum(c.layers + c.mtp for c in chunks))
         temp += 2 * WEIGHT_BYTES * stage_params / layers
     return temp

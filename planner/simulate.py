@@ -253,7 +253,7 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
             chunks.append(chunk_cache[key])
         dense_p, expert_p = stage_params(m, lay, i)
         dp_total = exposed = per_micro_batch = 0.0
-        if lay.zero_stage < 3 or lay.staged_zero3:
+        if not lay.layer_zero3:
             layers_here = max(1, sum(ch.layers for ch in chunks))
             last_bwd = sum(ch.bwd_s for ch in chunks)
 
@@ -349,7 +349,7 @@ def sent_bytes_per_step(res: StepResult, stage: int = 0) -> dict[str, float]:
             ops = lc.fwd_comms + lc.bwd_comms + (lc.recompute_comms if lay.recompute == "full" else ())
             for op in ops:
                 out[op.group] += res.micro_batches * count * op.sent_bytes(n[op.group])
-    if lay.zero_stage < 3 or lay.staged_zero3:
+    if not lay.layer_zero3:
         dense_p, expert_p = stage_params(m, lay, stage)
         grad_bytes = lay.grad_bytes
         for params, group in ((dense_p, n["dp"]), (expert_p, n["dp"] // lay.ep)):
