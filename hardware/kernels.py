@@ -15,7 +15,8 @@ which benchmark each field is read from); nothing here is fitted to end-to-end t
   for long sequences, ``s / (s + 530)`` of that at s keys (both FlashAttention-2 curves, A100 and H100,
   halve at ~530 tokens). The backward does 2.5x the forward's FLOPs (five matmuls to two; Dao 2023
   sec. 3.1). FlashAttention written in Triton (2022-23) takes 1.4x FlashAttention-2's forward time and 2x
-  its backward (Dao 2023 sec. 4.1).
+  its backward (Dao 2023 sec. 4.1). At head dim 64 a kernel reaches 0.91 (FlashAttention-2) or 0.82 (the
+  newer kernels) of its head-dim-128 rate ([FA3]'s H100 figures; ``head_dim_factor``).
 * memory-bound ops: bytes through HBM at ``hbm_efficiency`` (pointwise kernels, copy-like) or
   ``norm_efficiency`` / ``norm_bwd_efficiency`` (kernels with row reductions: norms, softmax).
 * eager PyTorch modules (an RMSNorm or a rotary embedding written as a chain of elementwise ops through
@@ -81,10 +82,37 @@ def best_flash_kernel(chip: Chip) -> str:
     return "flash3" if chip.flash3_efficiency is not None else "flash"
 
 
-def flash_attention_s(chip: Chip, fwd_flops: float, keys: float, kernel: str = "flash") -> tuple[float, float]:
+# The head dimension. Every attention efficiency in chips.toml is measured at head dim 128. At 64 the same
+# kernels do half the matmul work per K/V tile they load against the same softmax and bookkeeping, and run
+# slower per FLOP: the FlashAttention-3 paper's H100 SXM5 BF16 figures (Shah et al. 2024, Figures 5 and 6:
+# forward causal and unmasked, backward unmasked), forward + backward with the causal backward estimated as
+# the unmasked one times the forward's causal / unmasked ratio (as chips.toml's flash3_efficiency), head dim
+# 64 over 128 at 4k, 8k, 16k keys: FlashAttention-2 0.911, 0.910, 0.914 (e.g. at 8k: forward 295 / 333,
+# backward 287 / 318 TFLOP/s); cuDNN 0.824, 0.825, 0.826 (forward 379 / 529, backward 432 / 518);
+# FlashAttention-3 0.789, 0.819, 0.824 (forward 460 / 602, backward 472 / 559). FlashAttention-2's ratio is
+# taken for "flash" and "flash-triton" (whose time is FlashAttention-2's scaled), cuDNN's and
+# FlashAttention-3's together for "flash3". Linear in the head dim between 64 and 128; below 64 held at 64's
+# (not measured); above 128 none (the forward runs faster at 256, the backward was not measured there).
+# NVIDIA's GPUs only: no measurement by head dim of a TPU's splash attention or of AMD's kernels.
+HEAD_DIM_64_FACTOR = {"flash": 0.91, "flash-triton": 0.91, "flash3": 0.82}
+_MEASURED_HEAD_DIM = 128
+
+
+def head_dim_factor(chip: Chip, kernel: str, head_dim: float) -> float:
+    """The share of its head-dim-128 FLOP/s a FlashAttention kernel reaches at `head_dim` (HEAD_DIM_64_FACTOR)."""
+    if chip.vendor != "NVIDIA" or head_dim >= _MEASURED_HEAD_DIM:
+        return 1.0
+    at_64 = HEAD_DIM_64_FACTOR[kernel]
+    between = (max(head_dim, 64) - 64) / (_MEASURED_HEAD_DIM - 64)
+    return at_64 + (1.0 - at_64) * between
+
+
+def flash_attention_s(chip: Chip, fwd_flops: float, keys: float, kernel: str = "flash",
+                      head_dim: float = _MEASURED_HEAD_DIM) -> tuple[float, float]:
     """(forward, backward) seconds of a FlashAttention kernel ("flash": FlashAttention-2; "flash3": the
     chip's newer kernels; "flash-triton": the Triton one, TRITON_FLASH_SLOWDOWN) doing `fwd_flops` of
-    forward work (the causal mask's skipped half already left out) with `keys` keys per query."""
+    forward work (the causal mask's skipped half already left out) with `keys` keys per query, over heads
+    of `head_dim` (head_dim_factor)."""
     if fwd_flops <= 0:
         return 0.0, 0.0
     if kernel == "flash3":
@@ -93,6 +121,7 @@ def flash_attention_s(chip: Chip, fwd_flops: float, keys: float, kernel: str = "
         efficiency = chip.flash3_efficiency
     else:
         efficiency = chip.attention_efficiency
+    efficiency *= head_dim_factor(chip, kernel, head_dim)
     rate = chip.bf16_flops_per_s * efficiency * keys / (keys + ATTENTION_HALF_SEQ) * chip.pace
     fwd_s, bwd_s = fwd_flops / rate, FLASH_BWD_FLOP_RATIO * fwd_flops / rate
     if kernel == "flash-triton":

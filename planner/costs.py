@@ -598,7 +598,7 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
     elif lay.attention in kernels.FLASH_KERNELS:
         computed = CAUSAL_FLASH_FRACTION if m.causal else 1.0  # a causal kernel skips the masked half
         attn_fwd_s, attn_bwd_s = kernels.flash_attention_s(chip, score_flops * computed, m.seq_len / cp,
-                                                           lay.attention)
+                                                           lay.attention, hd)
     else:
         # two batched GEMMs per head, then per score (bf16), the fused scale-mask-softmax (a row-reduction
         # kernel): forward it reads the scores and writes the probabilities, backward it reads the

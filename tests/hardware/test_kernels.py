@@ -102,6 +102,39 @@ def test_the_newer_kernels_exist_only_where_published():
         flash_attention_s(A100, 1e15, 8192, "flash3")
 
 
+def _combined_tflops(fwd_causal, bwd_unmasked, fwd_unmasked):
+    """Forward + backward TFLOP/s of a causal kernel from the FlashAttention-3 paper's figures: the causal
+    backward is the unmasked one times the forward's causal / unmasked ratio (chips.toml, h100)."""
+    bwd_causal = bwd_unmasked * fwd_causal / fwd_unmasked
+    return 3.5 / (1 / fwd_causal + 2.5 / bwd_causal)
+
+
+@pytest.mark.parametrize("kernel, head_dim_64, head_dim_128", [
+    # FlashAttention-3 paper, H100 SXM5 BF16 at 8k: (forward causal, backward unmasked, forward unmasked)
+    ("flash", (295, 287, 322), (333, 318, 370)),  # FlashAttention-2
+    ("flash3", (379, 432, 412), (529, 518, 600)),  # cuDNN, the kernel flash3_efficiency is read from
+    ("flash3", (460, 472, 496), (602, 559, 646)),  # FlashAttention-3
+])
+def test_head_dim_64_runs_at_the_measured_share_of_head_dim_128(kernel, head_dim_64, head_dim_128):
+    def seconds(head_dim):
+        return sum(flash_attention_s(H100, 1e15, 8192, kernel, head_dim))
+
+    measured = _combined_tflops(*head_dim_64) / _combined_tflops(*head_dim_128)
+    assert seconds(128) / seconds(64) == pytest.approx(measured, rel=0.01)
+    # between the two measured head dims the rate moves linearly; at or above 128 it is the measured one
+    assert seconds(96) == pytest.approx(seconds(128) / ((1 + seconds(128) / seconds(64)) / 2))
+    assert seconds(256) == seconds(128) == sum(flash_attention_s(H100, 1e15, 8192, kernel))
+    # Triton's kernel is FlashAttention-2's time scaled, so it takes FlashAttention-2's ratio
+    tri = sum(flash_attention_s(A100, 1e15, 8192, "flash-triton", 64)) / sum(
+        flash_attention_s(A100, 1e15, 8192, "flash-triton"))
+    assert tri == pytest.approx(1 / 0.91)
+
+
+def test_head_dim_is_not_applied_where_it_was_not_measured():
+    tpu = get_chip("tpu-v5p")
+    assert flash_attention_s(tpu, 1e15, 8192, "flash", 64) == flash_attention_s(tpu, 1e15, 8192, "flash")
+
+
 def test_triton_flash_attention_is_the_fa2_papers_ratio_to_fa2():
     # Dao 2023 sec. 4.1: FlashAttention-2 is 1.3-1.5x faster than FlashAttention in Triton forward, ~2x backward
     fa2_f, fa2_b = flash_attention_s(A100, 1e15, 2048, "flash")
