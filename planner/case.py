@@ -351,7 +351,8 @@ def parse_model(block, name: str = "case") -> ModelSpec:
     for key in SSM_FIELDS:
         kw[key] = _int(block, key, "model", required=False, nullable=False, default=defaults[key])
     for key in ("experts", "top_k", "shared_experts", "dense_layers", "q_lora_rank", "kv_lora_rank",
-                "rope_head_dim", "expert_groups", "expert_groups_per_token", "mtp_layers"):
+                "rope_head_dim", "expert_groups", "expert_groups_per_token", "mtp_layers", "sliding_window",
+                "sliding_window_layers"):
         kw[key] = _int(block, key, "model", required=False, nullable=False, minimum=0, default=0)
     for key in ("head_dim", "dense_ffn"):
         kw[key] = _int(block, key, "model", required=False, default=None)

@@ -599,6 +599,18 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
         computed = CAUSAL_FLASH_FRACTION if m.causal else 1.0  # a causal kernel skips the masked half
         attn_fwd_s, attn_bwd_s = kernels.flash_attention_s(chip, score_flops * computed, m.seq_len / cp,
                                                            lay.attention, hd)
+        if m.windowed_share and m.sliding_window < m.seq_len and cp == 1:
+            # a windowed layer's kernel skips every key block outside the band (FlashAttention-2's
+            # window_size, cuDNN's sliding window): each query scores min(position + 1, W) keys, at the rate
+            # the kernels reach with W keys. Under context parallelism the K/V ring still passes every shard
+            # (charged as full attention), and materialised scores are computed over the whole square, then
+            # masked, so a window saves nothing there
+            window = m.sliding_window
+            band = (window * m.seq_len - window * (window - 1) / 2) / m.seq_len ** 2
+            w_fwd, w_bwd = kernels.flash_attention_s(chip, score_flops * band, window, lay.attention, hd)
+            share = m.windowed_share  # the layers' mean: a stage's layers are costed alike
+            attn_fwd_s = (1 - share) * attn_fwd_s + share * w_fwd
+            attn_bwd_s = (1 - share) * attn_bwd_s + share * w_bwd
     else:
         # two batched GEMMs per head, then per score (bf16), the fused scale-mask-softmax (a row-reduction
         # kernel): forward it reads the scores and writes the probabilities, backward it reads the

@@ -71,6 +71,10 @@ def _bad(**edits):
     (_bad(training__recompute="sometimes"), "training.recompute"),
     (_bad(parallel__cp=2, parallel__pp=4, model__seq_len=2047), "parallel.cp"),
     (_bad(model__heads=7, model__kv_heads=7), "model.heads"),  # 7 does not divide hidden
+    (_bad(model__sliding_window=-1), "model.sliding_window"),
+    (_bad(model__sliding_window=128, model__sliding_window_layers=500), "model.sliding_window_layers"),
+    (_bad(model__sliding_window_layers=4), "model.sliding_window_layers"),  # layers of a window not given
+    (_bad(model__sliding_window=128, model__causal=False), "model.sliding_window"),
     ("{not json", "malformed JSON"),
     ([1, 2], "case"),
 ])

@@ -516,3 +516,37 @@ def test_the_explanation_prices_fsdp_copies_logged_metrics_and_an_unfused_adam()
     assert "The trainer's logged metric runs a cross-entropy" in " ".join(estimate(_case(logit_metrics=1)).explanation)
     plain = " ".join(estimate(_case(tp=1, dp=8, zero_stage=3, fsdp_impl="in-place")).explanation)
     assert "fully_shard" not in plain and "logged metric" not in plain and "elementwise ops" not in plain
+
+
+def test_a_sliding_window_charges_its_layers_the_band_at_the_window_s_rate():
+    from hardware.chips import get_chip
+    from hardware.kernels import flash_attention_s
+    from planner.costs import CAUSAL_FLASH_FRACTION, cluster_chip, layer_cost
+
+    def attention_s(**window):
+        case = _case(tp=1, dp=8)
+        case["model"].update(window)
+        c = parse_case(case)
+        lay = estimate(case).layout
+        chip = cluster_chip(get_chip("h100"), 8, 8)
+        lc = layer_cost(c.model, lay, chip, "bf16", False, 8)
+        return lc.fwd_compute_s + lc.bwd_compute_s, c.model, lay, chip
+
+    full, m, lay, chip = attention_s()
+    # a quarter of the 16 layers windowed at 512 keys: each query of 8192 scores min(position + 1, 512) keys
+    quarter, mw, _, _ = attention_s(sliding_window=512, sliding_window_layers=4)
+    s, w, hd = m.seq_len, 512, m.head_dim_
+    score_flops = 2.0 * lay.micro_batch * s * s * m.heads * 2 * hd
+    causal = sum(flash_attention_s(chip, score_flops * CAUSAL_FLASH_FRACTION, s, lay.attention, hd))
+    band = sum(flash_attention_s(chip, score_flops * (w * s - w * (w - 1) / 2) / s ** 2, w, lay.attention, hd))
+    assert full - quarter == pytest.approx(0.25 * (causal - band), rel=1e-9)
+    assert band < causal / 3  # a 512-key band is 6 % of the causal triangle's work, at a lower rate
+    # every layer windowed when sliding_window_layers is left at 0; a window as long as the sequence is none
+    assert mw.windowed_share == 0.25 and attention_s(sliding_window=512)[1].windowed_share == 1.0
+    assert attention_s(sliding_window=8192)[0] == full
+
+
+def test_the_gpt_oss_case_states_its_alternating_window():
+    run = next(r for r in json.loads(HELDOUT_RUNS.read_text()) if r["name"].startswith("nemo2602-gptoss"))
+    m = parse_case(run).model
+    assert (m.sliding_window, m.windowed_share) == (128, 0.5)
