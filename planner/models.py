@@ -170,7 +170,8 @@ class ModelSpec:
             raise SpecError(f"{prefix}.heads", f"{self.heads} does not divide hidden={self.hidden}; "
                             "set head_dim")
         for f in ("experts", "top_k", "shared_experts", "dense_layers", "q_lora_rank", "kv_lora_rank",
-                  "rope_head_dim", "expert_groups", "expert_groups_per_token", "mtp_layers"):
+                  "rope_head_dim", "expert_groups", "expert_groups_per_token", "mtp_layers", "sliding_window",
+                  "sliding_window_layers"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise SpecError(f"{prefix}.{f}", f"must be a non-negative integer, got {v!r}")
@@ -187,10 +188,6 @@ class ModelSpec:
                                 f"{self.expert_groups}, got {self.expert_groups_per_token}")
         if self.dense_layers >= self.layers and self.experts:
             raise SpecError(f"{prefix}.dense_layers", f"must be below layers={self.layers}")
-        for f in ("sliding_window", "sliding_window_layers"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise SpecError(f"{prefix}.{f}", f"must be a non-negative integer, got {v!r}")
         if self.sliding_window_layers and not self.sliding_window:
             raise SpecError(f"{prefix}.sliding_window_layers", "needs sliding_window (the window's keys); set it "
                             "or set sliding_window_layers to 0")
