@@ -42,6 +42,8 @@ _NUMBER_FIELDS = (
     "fp8_matmul_efficiency",
     "attention_efficiency",
     "flash3_efficiency",
+    "attention_head_dim_64",
+    "flash3_head_dim_64",
     "norm_efficiency",
     "norm_bwd_efficiency",
     "scaleup_fill_s",
@@ -51,12 +53,14 @@ _NUMBER_FIELDS = (
 # Yes/no facts (TOML true / false), sourced like the numbers: what current software does on the chip.
 _BOOL_FIELDS = ("tp_comm_overlap",)
 # Fields where the TOML value "none" means "this chip has no such thing".
-_NONE_ALLOWED = ("fp8_flops_per_s", "torus_shape", "fp8_matmul_efficiency", "flash3_efficiency")
+_NONE_ALLOWED = ("fp8_flops_per_s", "torus_shape", "fp8_matmul_efficiency", "flash3_efficiency",
+                 "attention_head_dim_64", "flash3_head_dim_64")
 _INT_FIELDS = ("ici_axes", "scaleup_domain", "torus_wrap_multiple")
 # Whole-number fields where 0 means "not a TPU".
 _ZERO_ALLOWED = ("ici_axes", "torus_wrap_multiple", "scaleup_fill_s", "scaleout_fill_s")
 _FRACTION_FIELDS = ("matmul_efficiency", "hbm_efficiency", "link_efficiency", "fp8_matmul_efficiency",
-                    "attention_efficiency", "flash3_efficiency", "norm_efficiency", "norm_bwd_efficiency",
+                    "attention_efficiency", "flash3_efficiency", "attention_head_dim_64", "flash3_head_dim_64",
+                    "norm_efficiency", "norm_bwd_efficiency",
                     "scaleout_efficiency")
 SCALEUP_TOPOLOGIES = ("switch", "mesh", "torus")
 
@@ -102,6 +106,8 @@ class Chip:
     fp8_matmul_efficiency: float | None  # sustained fp8 GEMM rate over the fp8 peak; None without fp8
     attention_efficiency: float  # FlashAttention-2 fwd+bwd FLOP/s at long sequences over peak
     flash3_efficiency: float | None  # the chip's newer attention kernels (FA3, cuDNN, FA4); None if none
+    attention_head_dim_64: float | None  # FlashAttention-2's rate at head dim 64 over 128; None: not measured
+    flash3_head_dim_64: float | None  # the newer kernels' at head dim 64 over 128; None: not measured or none
     norm_efficiency: float  # fused norm / softmax kernels, forward, over HBM peak
     norm_bwd_efficiency: float  # their backward
     scaleup_fill_s: float  # pipeline fill of one scale-up collective (measured NCCL curves' ramp)

@@ -15,8 +15,9 @@ which benchmark each field is read from); nothing here is fitted to end-to-end t
   for long sequences, ``s / (s + 530)`` of that at s keys (both FlashAttention-2 curves, A100 and H100,
   halve at ~530 tokens). The backward does 2.5x the forward's FLOPs (five matmuls to two; Dao 2023
   sec. 3.1). FlashAttention written in Triton (2022-23) takes 1.4x FlashAttention-2's forward time and 2x
-  its backward (Dao 2023 sec. 4.1). At head dim 64 a kernel reaches 0.91 (FlashAttention-2) or 0.82 (the
-  newer kernels) of its head-dim-128 rate ([FA3]'s H100 figures; ``head_dim_factor``).
+  its backward (Dao 2023 sec. 4.1). At head dim 64 a kernel reaches ``attention_head_dim_64`` or
+  ``flash3_head_dim_64`` of its head-dim-128 rate (on Hopper 0.91 and 0.82, [FA3]'s H100 figures;
+  ``head_dim_factor``).
 * memory-bound ops: bytes through HBM at ``hbm_efficiency`` (pointwise kernels, copy-like) or
   ``norm_efficiency`` / ``norm_bwd_efficiency`` (kernels with row reductions: norms, softmax).
 * eager PyTorch modules (an RMSNorm or a rotary embedding written as a chain of elementwise ops through
@@ -84,25 +85,21 @@ def best_flash_kernel(chip: Chip) -> str:
 
 # The head dimension. Every attention efficiency in chips.toml is measured at head dim 128. At 64 the same
 # kernels do half the matmul work per K/V tile they load against the same softmax and bookkeeping, and run
-# slower per FLOP: the FlashAttention-3 paper's H100 SXM5 BF16 figures (Shah et al. 2024, Figures 5 and 6:
-# forward causal and unmasked, backward unmasked), forward + backward with the causal backward estimated as
-# the unmasked one times the forward's causal / unmasked ratio (as chips.toml's flash3_efficiency), head dim
-# 64 over 128 at 4k, 8k, 16k keys: FlashAttention-2 0.911, 0.910, 0.914 (e.g. at 8k: forward 295 / 333,
-# backward 287 / 318 TFLOP/s); cuDNN 0.824, 0.825, 0.826 (forward 379 / 529, backward 432 / 518);
-# FlashAttention-3 0.789, 0.819, 0.824 (forward 460 / 602, backward 472 / 559). FlashAttention-2's ratio is
-# taken for "flash" and "flash-triton" (whose time is FlashAttention-2's scaled), cuDNN's and
-# FlashAttention-3's together for "flash3". Linear in the head dim between 64 and 128; below 64 held at 64's
-# (not measured); above 128 none (the forward runs faster at 256, the backward was not measured there).
-# NVIDIA's GPUs only: no measurement by head dim of a TPU's splash attention or of AMD's kernels.
-HEAD_DIM_64_FACTOR = {"flash": 0.91, "flash-triton": 0.91, "flash3": 0.82}
+# slower per FLOP: chips.toml's attention_head_dim_64 and flash3_head_dim_64 give the share of the head-dim-128
+# rate reached at 64, from the FlashAttention-3 paper's H100 figures (FlashAttention-2 0.91, cuDNN and
+# FlashAttention-3 0.82). "flash-triton" takes FlashAttention-2's: its slowdown (TRITON_FLASH_SLOWDOWN) is
+# stated against FlashAttention-2 at the same head dim, over the FA2 paper's head-dim-64 and -128 figures.
+# Linear in the head dim between 64 and 128; below 64 held at 64's (not measured); from 128 up none (the
+# forward runs faster at 256, the backward was not measured there).
 _MEASURED_HEAD_DIM = 128
 
 
 def head_dim_factor(chip: Chip, kernel: str, head_dim: float) -> float:
-    """The share of its head-dim-128 FLOP/s a FlashAttention kernel reaches at `head_dim` (HEAD_DIM_64_FACTOR)."""
-    if chip.vendor != "NVIDIA" or head_dim >= _MEASURED_HEAD_DIM:
+    """The share of its head-dim-128 FLOP/s a FlashAttention kernel reaches at `head_dim` (1 where the chip
+    table has no measurement by head dim)."""
+    at_64 = chip.flash3_head_dim_64 if kernel == "flash3" else chip.attention_head_dim_64
+    if at_64 is None or head_dim >= _MEASURED_HEAD_DIM:
         return 1.0
-    at_64 = HEAD_DIM_64_FACTOR[kernel]
     between = (max(head_dim, 64) - 64) / (_MEASURED_HEAD_DIM - 64)
     return at_64 + (1.0 - at_64) * between
 

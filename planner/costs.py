@@ -83,6 +83,7 @@ def overlap_slowdown(chip: Chip) -> float:
     """Seconds of compute one hidden second of communication adds on `chip` (module docstring)."""
     return OVERLAP_SLOWDOWN if chip.kind == "gpu" else 0.0
 CAUSAL_FLASH_FRACTION = 0.5  # a causal flash kernel skips the masked upper triangle (Dao 2023, sec. 3.1)
+WINDOWED_KERNELS = ("flash", "flash3")  # the flash kernels that skip the key blocks outside a sliding window
 # a norm's HBM bytes per element of its bf16 input: forward reads x and writes y, backward reads x and dy and
 # writes dx (planner.costs._elementwise; Korthikanti et al. 2022's norm terms)
 NORM_FWD_BYTES, NORM_BWD_BYTES = 4, 6
@@ -599,15 +600,19 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
         computed = CAUSAL_FLASH_FRACTION if m.causal else 1.0  # a causal kernel skips the masked half
         attn_fwd_s, attn_bwd_s = kernels.flash_attention_s(chip, score_flops * computed, m.seq_len / cp,
                                                            lay.attention, hd)
-        if m.windowed_share and m.sliding_window < m.seq_len and cp == 1:
-            # a windowed layer's kernel skips every key block outside the band (FlashAttention-2's
-            # window_size, cuDNN's sliding window): each query scores min(position + 1, W) keys, at the rate
-            # the kernels reach with W keys. Under context parallelism the K/V ring still passes every shard
-            # (charged as full attention), and materialised scores are computed over the whole square, then
-            # masked, so a window saves nothing there
+        if m.windowed_share and m.sliding_window < m.seq_len and cp == 1 and lay.attention in WINDOWED_KERNELS:
+            # a windowed layer's kernel skips every key block outside the band (FlashAttention-2's window_size,
+            # from 2.3; cuDNN's and FlashAttention-3's sliding window): each query scores min(position + 1, W)
+            # keys. A row of query tiles then visits about W / tile + 1 key tiles, the last one masked, as the
+            # rows of a causal sequence of 2W do on average: the band runs at the kernels' rate for 2W tokens
+            # (an extrapolation below 512, the benchmarks' shortest). The Triton kernel has no window (it
+            # masks through a bias over the whole triangle); under context parallelism the K/V ring still
+            # passes every shard; materialised scores are computed over the whole square, then masked: none
+            # of them saves anything
             window = m.sliding_window
             band = (window * m.seq_len - window * (window - 1) / 2) / m.seq_len ** 2
-            w_fwd, w_bwd = kernels.flash_attention_s(chip, score_flops * band, window, lay.attention, hd)
+            keys = min(2 * window, m.seq_len)
+            w_fwd, w_bwd = kernels.flash_attention_s(chip, score_flops * band, keys, lay.attention, hd)
             share = m.windowed_share  # the layers' mean: a stage's layers are costed alike
             attn_fwd_s = (1 - share) * attn_fwd_s + share * w_fwd
             attn_bwd_s = (1 - share) * attn_bwd_s + share * w_bwd

@@ -161,8 +161,9 @@ class ModelSpec:
             raise SpecError(f"{prefix}.layer_pattern", f"has {len(pattern)} characters for layers={self.layers}; "
                             "give one per layer")
         if not attention:
-            if self.sliding_window or self.sliding_window_layers:
-                raise SpecError(f"{prefix}.sliding_window", "the model has no attention layers to window; set it to 0")
+            for f in ("sliding_window", "sliding_window_layers"):
+                if getattr(self, f):
+                    raise SpecError(f"{prefix}.{f}", "the model has no attention layers to window; set it to 0")
             return
         if self.heads % self.kv_heads:
             raise SpecError(f"{prefix}.kv_heads", f"{self.kv_heads} does not divide heads={self.heads}")

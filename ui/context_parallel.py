@@ -20,7 +20,7 @@ from plotly.subplots import make_subplots
 from core.timeline import Timeline
 from hardware.chips import Chip
 from hardware.collectives import group_topology
-from hardware.kernels import best_flash_kernel, flash_attention_s
+from hardware.kernels import best_flash_kernel, flash_attention_s, head_dim_factor
 from planner.models import ModelSpec
 from ui.tensor_parallel import rank_color
 from ui.timeline import KIND_COLORS
@@ -181,10 +181,12 @@ def block_flops(spec: ModelSpec, micro_batch: int, seq_len: int, cp: int, causal
     return full / 2 if causal_half else full
 
 
-def attention_flops_per_s(chip: Chip) -> float:
-    """The FLOP/s of the chip's best FlashAttention kernel at long sequences (hardware.kernels)."""
+def attention_flops_per_s(chip: Chip, head_dim: int) -> float:
+    """The FLOP/s of the chip's best FlashAttention kernel at long sequences over heads of `head_dim`
+    (hardware.kernels)."""
     kernel = best_flash_kernel(chip)
-    return chip.bf16_flops_per_s * (chip.flash3_efficiency if kernel == "flash3" else chip.attention_efficiency)
+    efficiency = chip.flash3_efficiency if kernel == "flash3" else chip.attention_efficiency
+    return chip.bf16_flops_per_s * efficiency * head_dim_factor(chip, kernel, head_dim)
 
 
 def hidden_threshold_tokens(spec: ModelSpec, chip: Chip, link_bytes_per_s: float,
@@ -192,7 +194,7 @@ def hidden_threshold_tokens(spec: ModelSpec, chip: Chip, link_bytes_per_s: float
     """S/cp above which the K/V transfer of a step hides under its (half-block) compute, latency ignored:
     2 B (S/cp) kv d e / W <= 2 B (S/cp)^2 H d / F  <=>  S/cp >= (kv / H) e F / W, F the attention
     kernel's FLOP/s (its long-sequence plateau)."""
-    return spec.kv_heads / spec.heads * dtype_bytes * attention_flops_per_s(chip) / link_bytes_per_s
+    return spec.kv_heads / spec.heads * dtype_bytes * attention_flops_per_s(chip, spec.head_dim_) / link_bytes_per_s
 
 
 def overlap_row(spec: ModelSpec, chip: Chip, cp: int, seq_len: int, micro_batch: int = 1,
@@ -205,7 +207,7 @@ def overlap_row(spec: ModelSpec, chip: Chip, cp: int, seq_len: int, micro_batch:
     kv_bytes = kv_block_bytes(spec, micro_batch, seq_len, cp)
     transfer_s = topo.p2p_s(kv_bytes)
     flops = block_flops(spec, micro_batch, seq_len, cp)
-    compute_s = flash_attention_s(chip, flops, seq_len / cp, best_flash_kernel(chip))[0]
+    compute_s = flash_attention_s(chip, flops, seq_len / cp, best_flash_kernel(chip), spec.head_dim_)[0]
     latency_s = topo.p2p_s(0.0)
     link_bytes_per_s = kv_bytes / (transfer_s - latency_s) if transfer_s > latency_s else None
     return {

@@ -75,6 +75,8 @@ def _bad(**edits):
     (_bad(model__sliding_window=128, model__sliding_window_layers=500), "model.sliding_window_layers"),
     (_bad(model__sliding_window_layers=4), "model.sliding_window_layers"),  # layers of a window not given
     (_bad(model__sliding_window=128, model__causal=False), "model.sliding_window"),
+    (_bad(model__layer_pattern="MMMM", model__layers=4, model__mlp="swiglu", model__sliding_window_layers=2),
+     "model.sliding_window_layers"),  # a pure Mamba model has no attention layer to window
     ("{not json", "malformed JSON"),
     ([1, 2], "case"),
 ])

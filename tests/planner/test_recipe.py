@@ -533,17 +533,25 @@ def test_a_sliding_window_charges_its_layers_the_band_at_the_window_s_rate():
         return lc.fwd_compute_s + lc.bwd_compute_s, c.model, lay, chip
 
     full, m, lay, chip = attention_s()
-    # a quarter of the 16 layers windowed at 512 keys: each query of 8192 scores min(position + 1, 512) keys
+    # a quarter of the 16 layers windowed at 512 keys: each query of 8192 scores min(position + 1, 512) keys,
+    # counted here query by query, at the kernels' rate for a causal sequence of 2 x 512
     quarter, mw, _, _ = attention_s(sliding_window=512, sliding_window_layers=4)
     s, w, hd = m.seq_len, 512, m.head_dim_
+    scored = sum(min(q + 1, w) for q in range(s)) / s ** 2
+    assert scored == pytest.approx(0.0606, abs=1e-4)  # W / S - W^2 / 2S^2: 6 % of the square
     score_flops = 2.0 * lay.micro_batch * s * s * m.heads * 2 * hd
     causal = sum(flash_attention_s(chip, score_flops * CAUSAL_FLASH_FRACTION, s, lay.attention, hd))
-    band = sum(flash_attention_s(chip, score_flops * (w * s - w * (w - 1) / 2) / s ** 2, w, lay.attention, hd))
+    band = sum(flash_attention_s(chip, score_flops * scored, 2 * w, lay.attention, hd))
     assert full - quarter == pytest.approx(0.25 * (causal - band), rel=1e-9)
-    assert band < causal / 3  # a 512-key band is 6 % of the causal triangle's work, at a lower rate
     # every layer windowed when sliding_window_layers is left at 0; a window as long as the sequence is none
     assert mw.windowed_share == 0.25 and attention_s(sliding_window=512)[1].windowed_share == 1.0
     assert attention_s(sliding_window=8192)[0] == full
+    # the Triton kernel has no window: it computes the whole causal triangle
+    triton = dict(sliding_window=512, sliding_window_layers=4)
+    case = _case(tp=1, dp=8, attention="flash-triton")
+    windowed = json.loads(json.dumps(case))
+    windowed["model"].update(triton)
+    assert estimate(windowed).step_time_s == estimate(case).step_time_s
 
 
 def test_the_gpt_oss_case_states_its_alternating_window():
