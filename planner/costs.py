@@ -73,6 +73,8 @@ from planner.flops import (
     op_sac_recomputed_params,
     ssd_chunk,
     ssd_matmuls,
+    window_band,
+    windowed_square,
 )
 from planner.models import ATTENTION, MAMBA, MLP, ModelSpec
 
@@ -609,9 +611,8 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
             # masks through a bias over the whole triangle); under context parallelism the K/V ring still
             # passes every shard; materialised scores are computed over the whole square, then masked: none
             # of them saves anything
-            window = m.sliding_window
-            band = (window * m.seq_len - window * (window - 1) / 2) / m.seq_len ** 2
-            keys = min(2 * window, m.seq_len)
+            band = window_band(m.sliding_window, m.seq_len)
+            keys = min(2 * m.sliding_window, m.seq_len)
             w_fwd, w_bwd = kernels.flash_attention_s(chip, score_flops * band, keys, lay.attention, hd)
             share = m.windowed_share  # the layers' mean: a stage's layers are costed alike
             attn_fwd_s = (1 - share) * attn_fwd_s + share * w_fwd
@@ -711,7 +712,7 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
     if zero3:
         fwd_s, bwd_s = _plus_fsdp_copies(chip, lay, zf.nbytes, fwd_s, bwd_s)
 
-    flops = 2.0 * tokens * (lp.attention + lp.mlp) / t + score_flops
+    flops = 2.0 * tokens * (lp.attention + lp.mlp) / t + score_flops * windowed_square(m)
     if moe is True:
         flops += 2.0 * tokens * m.top_k * lp.experts / m.experts / t
     return LayerCost(fwd_s, bwd_s, recompute_s, tuple(fwd_comms), tuple(bwd_comms), flops, act_bytes, wgrad_s)

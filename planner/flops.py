@@ -11,9 +11,10 @@ Definitions (Chowdhery et al. 2022, PaLM, Appendix B):
 * hardware FLOPs: what the chips actually execute, recomputation included. HFU is hardware FLOPs per
   second over peak. Megatron-LM's "TFLOP/s per GPU" (Narayanan et al. 2021, eq. 3) is hardware FLOPs.
 * attention score FLOPs (Q.K^T and P.V) are counted over the full S x S square, causal masking
-  ignored, as Narayanan et al. 2021 (eq. 3) does; the simulator separately knows that a causal
-  flash-attention kernel skips about half of that work. `causal=True` gives the other convention
-  (half the square); at long context the two MFUs differ a lot (128K tokens: ~1.4x for Llama 3 405B).
+  ignored, as Narayanan et al. 2021 (eq. 3) does (a sliding-window layer: twice its band,
+  `windowed_square`); the simulator separately knows that a causal flash-attention kernel skips about
+  half of that work. `causal=True` gives the other convention (half the square); at long context the
+  two MFUs differ a lot (128K tokens: ~1.4x for Llama 3 405B).
 * Mamba-2 layers (Dao & Gu 2024, arXiv 2405.21060): their projections are weight matmuls like any
   other; the SSD scan's chunk matmuls and the depthwise conv are counted like attention's score FLOPs,
   per layer, in `ssm_flops_per_token`. They are linear in the sequence: per token they depend on the
@@ -251,10 +252,29 @@ def layer_attention_flops_per_token(m: ModelSpec, seq_len: int | None = None) ->
     return 2.0 * s * m.heads * (qk + m.head_dim_)
 
 
+def window_band(window: int, seq_len: int) -> float:
+    """The share of the S x S score square that a causal sliding window of W keys computes: each query
+    scores min(position + 1, W) keys, (W S - W (W - 1) / 2) / S^2 (the causal triangle, 1/2 + 1/2S, from
+    W = S on)."""
+    w = min(window, seq_len)
+    return (w * seq_len - w * (w - 1) / 2) / seq_len ** 2
+
+
+def windowed_square(m: ModelSpec, seq_len: int | None = None) -> float:
+    """The attention layers' mean share of the full square in this module's convention (causal masking
+    ignored, so a causal layer counts 1): a windowed layer (`ModelSpec.sliding_window`) counts twice its
+    band, the causal masking ignored alike."""
+    if not m.windowed_share:
+        return 1.0
+    band = min(1.0, 2 * window_band(m.sliding_window, seq_len or m.seq_len))
+    return 1.0 - m.windowed_share + m.windowed_share * band
+
+
 def attention_flops_per_token(m: ModelSpec, seq_len: int | None = None) -> float:
-    """Every attention layer's score FLOPs per token (see `layer_attention_flops_per_token`), the
-    multi-token prediction modules' layers included."""
-    return layer_attention_flops_per_token(m, seq_len) * (m.attention_layers + m.mtp_layers)
+    """Every attention layer's score FLOPs per token (see `layer_attention_flops_per_token`; windowed
+    layers their band, `windowed_square`), the multi-token prediction modules' layers included."""
+    layers = m.attention_layers * windowed_square(m, seq_len) + m.mtp_layers
+    return layer_attention_flops_per_token(m, seq_len) * layers
 
 
 def ssd_chunk(m: ModelSpec, seq_len: int | None = None) -> int:
@@ -316,7 +336,7 @@ def layer_forward_flops_per_token(m: ModelSpec, kind, seq_len: int | None = None
     scan; the model's forward is the sum over its layers plus the logits."""
     flops = 2.0 * layer_matmul_params(m, kind)
     if kind in (False, True, ATTENTION):
-        flops += layer_attention_flops_per_token(m, seq_len) * (0.5 if causal else 1.0)
+        flops += layer_attention_flops_per_token(m, seq_len) * windowed_square(m, seq_len) * (0.5 if causal else 1.0)
     if kind == MAMBA:
         flops += ssm_layer_flops_per_token(m, seq_len)
     return flops

@@ -554,6 +554,18 @@ def test_a_sliding_window_charges_its_layers_the_band_at_the_window_s_rate():
     assert estimate(windowed).step_time_s == estimate(case).step_time_s
 
 
+def test_a_window_s_model_flops_count_twice_its_band_as_a_causal_layer_counts_its_square():
+    from planner.flops import attention_flops_per_token, layer_attention_flops_per_token, windowed_square
+
+    case = _case(tp=1, dp=8)
+    case["model"].update(sliding_window=512, sliding_window_layers=4)
+    m = parse_case(case).model
+    band = sum(min(q + 1, 512) for q in range(m.seq_len)) / m.seq_len ** 2  # each query's keys, counted
+    assert windowed_square(m) == pytest.approx(0.75 + 0.25 * 2 * band)
+    assert attention_flops_per_token(m) == pytest.approx(12 * layer_attention_flops_per_token(m)
+                                                         + 4 * 2 * band * layer_attention_flops_per_token(m))
+
+
 def test_the_gpt_oss_case_states_its_alternating_window():
     run = next(r for r in json.loads(HELDOUT_RUNS.read_text()) if r["name"].startswith("nemo2602-gptoss"))
     m = parse_case(run).model
