@@ -13,6 +13,9 @@ Two sets:
   models of 125M to 70B parameters under PyTorch FSDP on 8 to 512 H100s or A100s, the rows as printed;
   `llmfoundry_sweep_runs` turns each into a case. One source's sweep, kept apart so that it does not
   outweigh the other held-out runs.
+
+`attention_stated_only` writes a run as the issue's unseen runs are written (their attention kernel stated,
+every other recipe field null), so the held-out runs can be read under that convention too.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from planner.api import estimate
+from planner.case import RECIPE_DEFAULTS
 from planner.models import MODEL_PRESETS
 
 # the repository sits beside ../shared (DESIGN.md)
@@ -118,6 +122,16 @@ def llmfoundry_sweep_runs(path: str | Path = LLMFOUNDRY_SWEEP) -> list[dict]:
 def checkpointed(run: dict) -> bool:
     """Whether a run recomputes whole layers (activation checkpointing), the split the sweep is read by."""
     return run["training"].get("recompute") == "full"
+
+
+def attention_stated_only(run: dict) -> dict:
+    """The run as the issue's unseen runs are written: the attention kernel as stated, every other recipe
+    field (planner.case.RECIPE_DEFAULTS) null, i.e. "what a current framework does on this chip"."""
+    out = json.loads(json.dumps(run))
+    for key in RECIPE_DEFAULTS:
+        if key != "attention" and key in out["training"]:
+            out["training"][key] = None
+    return out
 
 
 def validate(runs: list[dict]) -> list[ValidationRow]:

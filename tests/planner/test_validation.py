@@ -72,3 +72,18 @@ def test_every_bundled_run_states_its_recipe_with_the_source():
         assert {"attention", "grad_reduce_overlap", "tp_comm_overlap"} <= set(run["training"])
         assert set(run["training"]) - {"global_batch", "micro_batch", "recompute", "dtype", "optimizer",
                                        "zero_stage", "sequence_parallel", "attention"} <= set(RECIPE_FLAGS)
+
+
+def test_a_run_written_as_the_unseen_runs_are_keeps_its_attention_and_nulls_the_rest_of_its_recipe():
+    from planner.case import RECIPE_DEFAULTS
+    from planner.validation import HELDOUT_RUNS, attention_stated_only
+
+    run = next(r for r in load_published_runs(HELDOUT_RUNS) if r["name"].startswith("llmfoundry-mpt7b-h100"))
+    written = attention_stated_only(run)
+    assert written["training"]["attention"] == run["training"]["attention"] == "flash-triton"
+    assert all(written["training"].get(k) is None for k in RECIPE_DEFAULTS if k != "attention")
+    assert run["training"]["fsdp_impl"] == "fsdp1"  # the original is left as it was
+    # what is not recipe (batch, layout, ZeRO stage) stays as the run states it
+    for key in ("global_batch", "micro_batch", "zero_stage", "recompute"):
+        assert written["training"][key] == run["training"][key]
+    assert written["parallel"] == run["parallel"] and written["model"] == run["model"]
