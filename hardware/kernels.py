@@ -104,22 +104,27 @@ def head_dim_factor(chip: Chip, kernel: str, head_dim: float) -> float:
     return at_64 + (1.0 - at_64) * between
 
 
-def flash_attention_s(chip: Chip, fwd_flops: float, keys: float, kernel: str = "flash",
-                      head_dim: float = _MEASURED_HEAD_DIM) -> tuple[float, float]:
-    """(forward, backward) seconds of a FlashAttention kernel ("flash": FlashAttention-2; "flash3": the
-    chip's newer kernels; "flash-triton": the Triton one, TRITON_FLASH_SLOWDOWN) doing `fwd_flops` of
-    forward work (the causal mask's skipped half already left out) with `keys` keys per query, over heads
-    of `head_dim` (head_dim_factor)."""
-    if fwd_flops <= 0:
-        return 0.0, 0.0
+def flash_plateau_flops_per_s(chip: Chip, kernel: str = "flash", head_dim: float = _MEASURED_HEAD_DIM) -> float:
+    """Forward + backward FLOP/s a FlashAttention kernel ("flash": FlashAttention-2; "flash3": the chip's
+    newer kernels; "flash-triton" FlashAttention-2's, before TRITON_FLASH_SLOWDOWN) reaches at long
+    sequences over heads of `head_dim` (head_dim_factor)."""
     if kernel == "flash3":
         if chip.flash3_efficiency is None:
             raise ValueError(f"{chip.name} has no FlashAttention-3-class kernel; use attention \"flash\"")
         efficiency = chip.flash3_efficiency
     else:
         efficiency = chip.attention_efficiency
-    efficiency *= head_dim_factor(chip, kernel, head_dim)
-    rate = chip.bf16_flops_per_s * efficiency * keys / (keys + ATTENTION_HALF_SEQ) * chip.pace
+    return chip.bf16_flops_per_s * efficiency * head_dim_factor(chip, kernel, head_dim) * chip.pace
+
+
+def flash_attention_s(chip: Chip, fwd_flops: float, keys: float, kernel: str = "flash",
+                      head_dim: float = _MEASURED_HEAD_DIM) -> tuple[float, float]:
+    """(forward, backward) seconds of a FlashAttention kernel (`flash_plateau_flops_per_s`; "flash-triton":
+    the Triton one, TRITON_FLASH_SLOWDOWN) doing `fwd_flops` of forward work (the causal mask's skipped half
+    already left out) with `keys` keys per query, over heads of `head_dim`."""
+    if fwd_flops <= 0:
+        return 0.0, 0.0
+    rate = flash_plateau_flops_per_s(chip, kernel, head_dim) * keys / (keys + ATTENTION_HALF_SEQ)
     fwd_s, bwd_s = fwd_flops / rate, FLASH_BWD_FLOP_RATIO * fwd_flops / rate
     if kernel == "flash-triton":
         return fwd_s * TRITON_FLASH_SLOWDOWN[0], bwd_s * TRITON_FLASH_SLOWDOWN[1]

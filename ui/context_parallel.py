@@ -20,7 +20,7 @@ from plotly.subplots import make_subplots
 from core.timeline import Timeline
 from hardware.chips import Chip
 from hardware.collectives import group_topology
-from hardware.kernels import best_flash_kernel, flash_attention_s, head_dim_factor
+from hardware.kernels import best_flash_kernel, flash_attention_s, flash_plateau_flops_per_s
 from planner.models import ModelSpec
 from ui.tensor_parallel import rank_color
 from ui.timeline import KIND_COLORS
@@ -184,9 +184,7 @@ def block_flops(spec: ModelSpec, micro_batch: int, seq_len: int, cp: int, causal
 def attention_flops_per_s(chip: Chip, head_dim: int) -> float:
     """The FLOP/s of the chip's best FlashAttention kernel at long sequences over heads of `head_dim`
     (hardware.kernels)."""
-    kernel = best_flash_kernel(chip)
-    efficiency = chip.flash3_efficiency if kernel == "flash3" else chip.attention_efficiency
-    return chip.bf16_flops_per_s * efficiency * head_dim_factor(chip, kernel, head_dim)
+    return flash_plateau_flops_per_s(chip, best_flash_kernel(chip), head_dim)
 
 
 def hidden_threshold_tokens(spec: ModelSpec, chip: Chip, link_bytes_per_s: float,
