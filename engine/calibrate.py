@@ -777,15 +777,17 @@ def _comm_call(kind: str, n: int, me: int, members: list[int], nbytes: int, grou
     message for point-to-point)."""
     import torch.distributed as dist
 
+    from engine.comm import all_gather_single, reduce_scatter_single
+
     numel = max(n, nbytes // 4 // n * n)
     full, shard = torch.ones(numel), torch.ones(numel // n)
     out_full, out_shard = torch.empty(numel), torch.empty(numel // n)
     if kind == "all_reduce":
         return lambda: dist.all_reduce(full, group=group, async_op=async_op)
     if kind == "all_gather":
-        return lambda: dist.all_gather_into_tensor(out_full, shard, group=group, async_op=async_op)
+        return lambda: all_gather_single(out_full, shard, group=group, async_op=async_op)
     if kind == "reduce_scatter":
-        return lambda: dist.reduce_scatter_tensor(out_shard, full, group=group, async_op=async_op)
+        return lambda: reduce_scatter_single(out_shard, full, group=group, async_op=async_op)
     if kind == "all_to_all":
         return lambda: dist.all_to_all_single(out_full, full, group=group, async_op=async_op)
     if kind == "ring_shift":  # context parallel and pipeline hops: send to the next rank, receive from the previous

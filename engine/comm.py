@@ -33,6 +33,12 @@ import torch.distributed as dist
 from engine.recorder import Recorder
 from hardware.collectives import ring_sent_bytes
 
+# torch 2.13 renamed the single-tensor collectives (all_gather_into_tensor -> all_gather_single,
+# reduce_scatter_tensor -> reduce_scatter_single) and deprecated the old names; a GPU machine's torch may
+# be older (seen: 2.11 on an H200, where the new names do not exist).
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def init(backend: str, init_method: str | None, rank: int, world: int, timeout_s: float) -> None:
     """Join the default process group; `init_method=None` reads torchrun's environment variables."""
@@ -216,7 +222,7 @@ class Comm:
         wire_in = self._to_wire(shard, group)
         sent = ring_sent_bytes("all_gather", out.numel() * out.element_size(), n)
         return self._issue(name, group, sent, async_op,
-                           lambda: dist.all_gather_single(wire_out.view(-1), wire_in.reshape(-1),
+                           lambda: all_gather_single(wire_out.view(-1), wire_in.reshape(-1),
                                                                group=self.groups[group], async_op=True),
                            lambda: self._from_wire(wire_out, out, group))
 
@@ -228,7 +234,7 @@ class Comm:
         wire_in = self._to_wire(full, group)
         return self._issue(name, group, ring_sent_bytes("reduce_scatter", full.numel() * full.element_size(), n),
                            async_op,
-                           lambda: dist.reduce_scatter_single(wire_out.view(-1), wire_in.reshape(-1),
+                           lambda: reduce_scatter_single(wire_out.view(-1), wire_in.reshape(-1),
                                                               group=self.groups[group], async_op=True),
                            lambda: self._from_wire(wire_out, out, group))
 
