@@ -1,0 +1,291 @@
+"""One GPU's training step of a Llama-style model, kernel by kernel: where a step's time goes beyond its kernels.
+
+    python bench/bench_gpu_step.py [--out DIR] [--layers 8] [--seq 8192] [--micro-batch 1]
+    python bench/bench_gpu_step.py --compare DIR_OR_STEP.json [--chip h200]    (no GPU needed)
+
+On a CUDA GPU: a Llama 3 8B-wide model (hidden 4096, 32 heads, 8 KV heads, SwiGLU 14336, vocabulary 128256)
+cut to --layers layers, bf16 weights, PyTorch eager as torchtitan writes it without torch.compile (fused
+RMSNorm kernel, rotary and SwiGLU's product as elementwise ops, the loss over fp32 logits, fused AdamW), for
+each attention backend (SDPA flash = FlashAttention-2, cudnn). Times ten steps with CUDA events and traces
+three with the PyTorch profiler, then writes one Chrome trace per backend and step.json (the step times and each
+trace's kernel classes) to --out.
+--compare reads them and prints, per kernel class (GEMM, attention, optimizer, the rest), the summed kernel
+time, the share of the step the GPU sat idle between kernels, and what the planner predicts for the same
+one-chip run (hardware/kernels.py's costs, class by class). No thresholds: a measurement, not a test.
+Recorded: bench/data/h200-step-2026-12-04-s8k.json and -s2k.json (one H200, PyTorch 2.11; 1 x 8192 and
+4 x 2048 tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+WIDTHS = {"hidden": 4096, "heads": 32, "kv_heads": 8, "ffn": 14336, "vocab": 128256}
+BACKENDS = ("flash", "cudnn")
+PLANNER_KERNEL = {"flash": "flash", "cudnn": "flash3"}
+
+
+def kernel_class(name: str) -> str:
+    """The class of a CUDA kernel by its name (cuBLAS / CUTLASS GEMMs, attention, the optimizer, the rest)."""
+    low = name.lower()
+    if any(k in low for k in ("flash", "fmha", "attention", "cudnn_generated", "sdpa")):
+        return "attention"
+    if any(k in low for k in ("gemm", "nvjet", "xmma", "cutlass", "gemv", "s16816", "s1688")):
+        return "gemm"
+    if any(k in low for k in ("adam", "multi_tensor")):
+        return "optimizer"
+    return "other"
+
+
+def measure(args) -> int:
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if not torch.cuda.is_available():
+        print("error: no CUDA device here; this benchmark measures a GPU step", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    h, heads, kv, ffn, vocab = (WIDTHS[k] for k in ("hidden", "heads", "kv_heads", "ffn", "vocab"))
+    hd = h // heads
+    options = {"expand_kv": False}
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn_norm, self.mlp_norm = nn.RMSNorm(h), nn.RMSNorm(h)
+            self.wqkv = nn.Linear(h, (heads + 2 * kv) * hd, bias=False)
+            self.wo = nn.Linear(heads * hd, h, bias=False)
+            self.w13 = nn.Linear(h, 2 * ffn, bias=False)
+            self.w2 = nn.Linear(ffn, h, bias=False)
+
+        def forward(self, x, cos, sin):
+            b, t, _ = x.shape
+            q, k, v = self.wqkv(self.attn_norm(x)).split([heads * hd, kv * hd, kv * hd], dim=-1)
+            q, k, v = q.view(b, t, heads, hd), k.view(b, t, kv, hd), v.view(b, t, kv, hd)
+
+            def rotate(u):  # rotary as elementwise ops (rotate-half form)
+                u1, u2 = u.chunk(2, dim=-1)
+                return u * cos + torch.cat((-u2, u1), dim=-1) * sin
+
+            q, k, v = rotate(q).transpose(1, 2), rotate(k).transpose(1, 2), v.transpose(1, 2)
+            if options["expand_kv"]:  # a backend without grouped-query support: K/V repeated per query head
+                k, v = k.repeat_interleave(heads // kv, dim=1), v.repeat_interleave(heads // kv, dim=1)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=not options["expand_kv"])
+            x = x + self.wo(o.transpose(1, 2).reshape(b, t, heads * hd))
+            a, g = self.w13(self.mlp_norm(x)).chunk(2, dim=-1)
+            return x + self.w2(F.silu(a) * g)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, h)
+            self.blocks = nn.ModuleList(Block() for _ in range(args.layers))
+            self.norm = nn.RMSNorm(h)
+            self.head = nn.Linear(h, vocab, bias=False)
+
+        def forward(self, tokens, cos, sin):
+            x = self.embed(tokens)
+            for block in self.blocks:
+                x = block(x, cos, sin)
+            return self.head(self.norm(x))
+
+    torch.manual_seed(0)
+    model = Model().to(dev, torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    tokens = torch.randint(0, vocab, (args.micro_batch, args.seq + 1), device=dev)
+    pos = torch.arange(args.seq, device=dev, dtype=torch.float32)
+    freqs = torch.outer(pos, 500000.0 ** (-torch.arange(0, hd, 2, device=dev) / hd))
+    cos = torch.cat((freqs.cos(), freqs.cos()), -1)[None, :, None, :].to(torch.bfloat16)
+    sin = torch.cat((freqs.sin(), freqs.sin()), -1)[None, :, None, :].to(torch.bfloat16)
+
+    def step():
+        logits = model(tokens[:, :-1], cos, sin)
+        loss = F.cross_entropy(logits.float().view(-1, vocab), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers,
+              "seq": args.seq, "micro_batch": args.micro_batch,
+              "params": sum(p.numel() for p in model.parameters()), "backends": {}}
+    for name in BACKENDS:
+        backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[name]
+        try:
+            with sdpa_kernel([backend]):
+                options["expand_kv"] = False
+                try:
+                    step()
+                except RuntimeError:
+                    opt.zero_grad(set_to_none=True)
+                    options["expand_kv"] = True
+                for _ in range(3):
+                    step()
+                torch.cuda.synchronize()
+                times = []
+                for _ in range(10):
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    step()
+                    end.record()
+                    torch.cuda.synchronize()
+                    times.append(start.elapsed_time(end) / 1e3)
+                from torch.profiler import ProfilerActivity, profile
+
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(3):
+                        step()
+                    torch.cuda.synchronize()
+                trace = out_dir / f"trace-{name}.json"
+                prof.export_chrome_trace(str(trace))
+        except Exception as exc:
+            result["backends"][name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            print(f"{name}: {result['backends'][name]['error']}", flush=True)
+            continue
+        result["backends"][name] = {"step_s": times, "median_step_s": statistics.median(times),
+                                    "kv_expanded": options["expand_kv"], "trace": trace_classes(trace)}
+        print(f"{name}: median step {statistics.median(times) * 1e3:.1f} ms over 10 "
+              f"({min(times) * 1e3:.1f}-{max(times) * 1e3:.1f}), K/V expanded: {options['expand_kv']}", flush=True)
+    (out_dir / "step.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def trace_classes(path: Path, steps: int = 3) -> dict:
+    """Summed kernel seconds per class over a trace, the GPU's busy (union) and span seconds, per step."""
+    events = json.loads(path.read_text())["traceEvents"]
+    kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                     if e.get("cat") == "kernel" and "dur" in e)
+    classes: dict[str, float] = {}
+    top: dict[str, float] = {}
+    busy, reach = 0.0, None
+    for start, end, name in kernels:
+        classes[kernel_class(name)] = classes.get(kernel_class(name), 0.0) + (end - start) / 1e6
+        top[name] = top.get(name, 0.0) + (end - start) / 1e6
+        if reach is None or start >= reach:
+            busy += end - start
+            reach = end
+        elif end > reach:
+            busy += end - reach
+            reach = end
+    span = (kernels[-1][1] - kernels[0][0]) / 1e6 if kernels else 0.0
+    return {"classes": {k: v / steps for k, v in classes.items()}, "busy_s": busy / 1e6 / steps,
+            "span_s": span / steps, "top": sorted(((k, v / steps) for k, v in top.items()), key=lambda kv: -kv[1])[:12]}
+
+
+# Which class of kernels a cost belongs to, by the planner function that asked for it (nearest caller first):
+# a layer's GEMMs, its attention core, its memory-bound ops; the output layer's GEMM and loss; the optimizer.
+_CALLERS = {"_gemm_times": "gemm", "_memory_bound_s": "other", "embedding_s": "other",
+            "optimizer_step_s": "optimizer", "logits_cost": None, "_layer_cost": "attention"}
+
+
+def planner_classes(layers: int, seq: int, micro_batch: int, chip_key: str, kernel: str, fusion: str) -> dict:
+    """The planner's seconds for the same one-chip step, by the kernel class each cost models."""
+    from hardware import kernels
+    from planner import costs
+    from planner.api import estimate
+
+    spent: dict[str, float] = {}
+    wrapped = ("matmul_s", "flash_attention_s", "pointwise_s", "norm_s", "eager_s")
+    originals = {name: getattr(kernels, name) for name in wrapped}
+
+    def spy(name):
+        def call(*a, **kw):
+            value = originals[name](*a, **kw)
+            seconds = sum(value) if isinstance(value, tuple) else value
+            frame, cls = sys._getframe(1), "uncounted"
+            while frame is not None:
+                caller = frame.f_code.co_name
+                if caller in _CALLERS:
+                    cls = _CALLERS[caller] or ("gemm" if name == "matmul_s" else "other")
+                    break
+                frame = frame.f_back
+            stack = {f.f_code.co_name for f in _frames(sys._getframe(1))}
+            if cls == "attention" and name != "flash_attention_s":
+                cls = "uncounted"
+            # a layer's costs are computed once (planner.costs memoises them) and charged to every layer;
+            # the rest counts as the step's simulation asks for it (the search's lower bound asks too, and
+            # a model without multi-token prediction charges mtp_extra_cost's GEMMs zero times)
+            if "_layer_cost" in stack:
+                times = layers
+            else:
+                times = 1 if "simulate" in stack and "mtp_extra_cost" not in stack else 0
+            spent[cls] = spent.get(cls, 0.0) + seconds * times
+            return value
+        return call
+
+    case = {"name": "one-gpu-step",
+            "model": {"layers": layers, "seq_len": seq, "mlp": "swiglu", "experts": 0, "top_k": 0, **WIDTHS},
+            "training": {"global_batch": micro_batch, "micro_batch": micro_batch, "recompute": "none",
+                         "dtype": "bf16", "optimizer": "adam", "zero_stage": 0, "sequence_parallel": False,
+                         "attention": kernel, "fusion": fusion},
+            "parallel": {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1},
+            "cluster": {"chip": chip_key, "num_chips": 1, "chips_per_node": 8}}
+    for name in wrapped:
+        setattr(kernels, name, spy(name))
+    try:
+        costs._layer_cost.cache_clear()
+        est = estimate(case)
+    finally:
+        for name, fn in originals.items():
+            setattr(kernels, name, fn)
+    return {"step_s": est.step_time_s, "breakdown": est.breakdown, "per_class": spent}
+
+
+def _frames(frame):
+    while frame is not None:
+        yield frame
+        frame = frame.f_back
+
+
+def compare(args) -> int:
+    path = Path(args.compare)
+    out_dir = path if path.is_dir() else path.parent
+    data = json.loads((path / "step.json" if path.is_dir() else path).read_text())
+    print(f"{data['device']}, torch {data['torch']}: {data['layers']} layers of Llama 3 8B's widths, "
+          f"{data['micro_batch']} x {data['seq']} tokens, {data['params'] / 1e9:.2f}B parameters")
+    for name, run in data["backends"].items():
+        if "error" in run:
+            print(f"\n{name}: {run['error']}")
+            continue
+        t = run.get("trace") or trace_classes(out_dir / f"trace-{name}.json")
+        step = run["median_step_s"]
+        print(f"\n{name}: step {step * 1e3:.1f} ms measured (10 steps, median); traced: kernels span "
+              f"{t['span_s'] * 1e3:.1f} ms per step, GPU busy {t['busy_s'] * 1e3:.1f} ms, idle "
+              f"{1 - t['busy_s'] / t['span_s']:.1%} of the span")
+        for cls, sec in sorted(t["classes"].items(), key=lambda kv: -kv[1]):
+            print(f"  {cls:10s} {sec * 1e3:8.1f} ms")
+        for fusion in ("eager", "fused"):
+            pred = planner_classes(data["layers"], data["seq"], data["micro_batch"], args.chip, PLANNER_KERNEL[name],
+                                   fusion)
+            print(f"  planner, fusion {fusion}: {pred['step_s'] * 1e3:.1f} ms ({(pred['step_s'] - step) / step:+.1%});",
+                  {k: round(v * 1e3, 1) for k, v in pred["per_class"].items() if v})
+        print("  top kernels:")
+        for kname, sec in t["top"]:
+            print(f"    {sec * 1e3:7.2f} ms  {kernel_class(kname):9s} {kname[:90]}")
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="gpu-step")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=8192)
+    ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--compare", metavar="DIR", help="print a recorded step beside the planner's prediction")
+    ap.add_argument("--chip", default="h200")
+    args = ap.parse_args()
+    return compare(args) if args.compare else measure(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
