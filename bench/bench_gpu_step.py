@@ -1,19 +1,24 @@
 """One GPU's training step of a Llama-style model, kernel by kernel: where a step's time goes beyond its kernels.
 
     python bench/bench_gpu_step.py [--out DIR] [--layers 8] [--seq 8192] [--micro-batch 1]
+                                   [--hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 --vocab 128256 --mlp swiglu]
     python bench/bench_gpu_step.py --compare DIR_OR_STEP.json [--chip h200]    (no GPU needed)
 
 On a CUDA GPU: a Llama 3 8B-wide model (hidden 4096, 32 heads, 8 KV heads, SwiGLU 14336, vocabulary 128256)
 cut to --layers layers, bf16 weights, PyTorch eager as torchtitan writes it without torch.compile (fused
-RMSNorm kernel, rotary and SwiGLU's product as elementwise ops, the loss over fp32 logits, fused AdamW), for
+RMSNorm kernel, rotary and SwiGLU's product as elementwise ops, the loss over fp32 logits, fused AdamW), or
+with --mlp gelu a GPT block (LayerNorm, biases, GELU) at the widths given, for
 each attention backend (SDPA flash = FlashAttention-2, cudnn). Times ten steps with CUDA events and traces
 three with the PyTorch profiler, then writes one Chrome trace per backend and step.json (the step times and each
 trace's kernel classes) to --out.
 --compare reads them and prints, per kernel class (GEMM, attention, optimizer, the rest), the summed kernel
 time, the share of the step the GPU sat idle between kernels, and what the planner predicts for the same
 one-chip run (hardware/kernels.py's costs, class by class). No thresholds: a measurement, not a test.
-Recorded: bench/data/h200-step-2026-12-04-s8k.json and -s2k.json (one H200, PyTorch 2.11; 1 x 8192 and
-4 x 2048 tokens).
+Recorded (one H200, PyTorch 2.11): bench/data/h200-step-2026-12-04-s8k.json and -s2k.json (1 x 8192 and
+4 x 2048 tokens), -gpt1.7b.json (Megatron-LM's weak-scaling GPT 1.7B, 4 x 4096 tokens, its load per GPU) and
+-gpt7.1b-8layers.json (8 layers of its 7.1B at tp 1, 2 x 4096 tokens). The eager rotary here (a cat and
+products over strided halves) costs ~50 ms of the GPT 1.7B's "other" class, which Megatron's fused rotary
+does not spend.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-WIDTHS = {"hidden": 4096, "heads": 32, "kv_heads": 8, "ffn": 14336, "vocab": 128256}
+WIDTHS = {"hidden": 4096, "heads": 32, "kv_heads": 8, "ffn": 14336, "vocab": 128256, "mlp": "swiglu"}
 BACKENDS = ("flash", "cudnn")
 PLANNER_KERNEL = {"flash": "flash", "cudnn": "flash3"}
 
@@ -54,18 +59,20 @@ def measure(args) -> int:
         print("error: no CUDA device here; this benchmark measures a GPU step", file=sys.stderr)
         return 2
     dev = torch.device("cuda")
-    h, heads, kv, ffn, vocab = (WIDTHS[k] for k in ("hidden", "heads", "kv_heads", "ffn", "vocab"))
+    h, heads, kv, ffn, vocab, mlp = args.hidden, args.heads, args.kv_heads, args.ffn, args.vocab, args.mlp
     hd = h // heads
+    gelu = mlp == "gelu"  # a GPT block: LayerNorm and biases, GELU (tanh) between two GEMMs
     options = {"expand_kv": False}
 
     class Block(nn.Module):
         def __init__(self):
             super().__init__()
-            self.attn_norm, self.mlp_norm = nn.RMSNorm(h), nn.RMSNorm(h)
-            self.wqkv = nn.Linear(h, (heads + 2 * kv) * hd, bias=False)
-            self.wo = nn.Linear(heads * hd, h, bias=False)
-            self.w13 = nn.Linear(h, 2 * ffn, bias=False)
-            self.w2 = nn.Linear(ffn, h, bias=False)
+            norm = nn.LayerNorm if gelu else nn.RMSNorm
+            self.attn_norm, self.mlp_norm = norm(h), norm(h)
+            self.wqkv = nn.Linear(h, (heads + 2 * kv) * hd, bias=gelu)
+            self.wo = nn.Linear(heads * hd, h, bias=gelu)
+            self.w13 = nn.Linear(h, ffn if gelu else 2 * ffn, bias=gelu)
+            self.w2 = nn.Linear(ffn, h, bias=gelu)
 
         def forward(self, x, cos, sin):
             b, t, _ = x.shape
@@ -81,6 +88,8 @@ def measure(args) -> int:
                 k, v = k.repeat_interleave(heads // kv, dim=1), v.repeat_interleave(heads // kv, dim=1)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=not options["expand_kv"])
             x = x + self.wo(o.transpose(1, 2).reshape(b, t, heads * hd))
+            if gelu:
+                return x + self.w2(F.gelu(self.w13(self.mlp_norm(x)), approximate="tanh"))
             a, g = self.w13(self.mlp_norm(x)).chunk(2, dim=-1)
             return x + self.w2(F.silu(a) * g)
 
@@ -89,7 +98,7 @@ def measure(args) -> int:
             super().__init__()
             self.embed = nn.Embedding(vocab, h)
             self.blocks = nn.ModuleList(Block() for _ in range(args.layers))
-            self.norm = nn.RMSNorm(h)
+            self.norm = (nn.LayerNorm if gelu else nn.RMSNorm)(h)
             self.head = nn.Linear(h, vocab, bias=False)
 
         def forward(self, tokens, cos, sin):
@@ -117,6 +126,7 @@ def measure(args) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers,
+              "model": {"hidden": h, "heads": heads, "kv_heads": kv, "ffn": ffn, "vocab": vocab, "mlp": mlp},
               "seq": args.seq, "micro_batch": args.micro_batch,
               "params": sum(p.numel() for p in model.parameters()), "backends": {}}
     for name in BACKENDS:
@@ -188,7 +198,8 @@ _CALLERS = {"_gemm_times": "gemm", "_memory_bound_s": "other", "embedding_s": "o
             "optimizer_step_s": "optimizer", "logits_cost": None, "_layer_cost": "attention"}
 
 
-def planner_classes(layers: int, seq: int, micro_batch: int, chip_key: str, kernel: str, fusion: str) -> dict:
+def planner_classes(layers: int, seq: int, micro_batch: int, chip_key: str, kernel: str, fusion: str,
+                    widths: dict | None = None) -> dict:
     """The planner's seconds for the same one-chip step, by the kernel class each cost models."""
     from hardware import kernels
     from planner import costs
@@ -224,7 +235,7 @@ def planner_classes(layers: int, seq: int, micro_batch: int, chip_key: str, kern
         return call
 
     case = {"name": "one-gpu-step",
-            "model": {"layers": layers, "seq_len": seq, "mlp": "swiglu", "experts": 0, "top_k": 0, **WIDTHS},
+            "model": {"layers": layers, "seq_len": seq, "experts": 0, "top_k": 0, **(widths or WIDTHS)},
             "training": {"global_batch": micro_batch, "micro_batch": micro_batch, "recompute": "none",
                          "dtype": "bf16", "optimizer": "adam", "zero_stage": 0, "sequence_parallel": False,
                          "attention": kernel, "fusion": fusion},
@@ -251,7 +262,8 @@ def compare(args) -> int:
     path = Path(args.compare)
     out_dir = path if path.is_dir() else path.parent
     data = json.loads((path / "step.json" if path.is_dir() else path).read_text())
-    print(f"{data['device']}, torch {data['torch']}: {data['layers']} layers of Llama 3 8B's widths, "
+    widths = data.get("model", WIDTHS)
+    print(f"{data['device']}, torch {data['torch']}: {data['layers']} layers, {widths}, "
           f"{data['micro_batch']} x {data['seq']} tokens, {data['params'] / 1e9:.2f}B parameters")
     for name, run in data["backends"].items():
         if "error" in run:
@@ -266,7 +278,7 @@ def compare(args) -> int:
             print(f"  {cls:10s} {sec * 1e3:8.1f} ms")
         for fusion in ("eager", "fused"):
             pred = planner_classes(data["layers"], data["seq"], data["micro_batch"], args.chip, PLANNER_KERNEL[name],
-                                   fusion)
+                                   fusion, data.get("model"))
             print(f"  planner, fusion {fusion}: {pred['step_s'] * 1e3:.1f} ms ({(pred['step_s'] - step) / step:+.1%});",
                   {k: round(v * 1e3, 1) for k, v in pred["per_class"].items() if v})
         print("  top kernels:")
@@ -281,6 +293,9 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--micro-batch", type=int, default=1)
+    for key in ("hidden", "heads", "kv_heads", "ffn", "vocab"):
+        ap.add_argument("--" + key.replace("_", "-"), type=int, default=WIDTHS[key])
+    ap.add_argument("--mlp", choices=["swiglu", "gelu"], default=WIDTHS["mlp"])
     ap.add_argument("--compare", metavar="DIR", help="print a recorded step beside the planner's prediction")
     ap.add_argument("--chip", default="h200")
     args = ap.parse_args()
