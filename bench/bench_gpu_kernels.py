@@ -17,8 +17,8 @@ The first form needs a CUDA GPU (exits 2 without one). Times, with CUDA events a
 Writes every number to --out (JSON) and prints a short table. No thresholds: a measurement, not a test.
 --compare prints a measurement file beside what hardware/kernels.py models for that chip: each GEMM's
 measured / modelled rate, attention by kernel, head dim and length, memory-bound kernels over the HBM peak.
-Recorded: bench/data/h200-kernels-2026-12-04.json (one H200, torch 2.11 + CUDA 13.0, cuDNN 9.19; the GEMMs
-ran at the 700 W limit, 1350-1515 MHz by nvidia-smi dmon, bench/data/h200-kernels-2026-12-04-dmon.log).
+Recorded: hardware/data/h200-kernels-2026-12-04.json (one H200, torch 2.11 + CUDA 13.0, cuDNN 9.19; the GEMMs
+ran at the 700 W limit, 1350-1515 MHz by nvidia-smi dmon, hardware/data/h200-kernels-2026-12-04-dmon.log).
 """
 
 from __future__ import annotations

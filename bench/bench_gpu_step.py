@@ -11,10 +11,10 @@ with --mlp gelu a GPT block (LayerNorm, biases, GELU) at the widths given, for
 each attention backend (SDPA flash = FlashAttention-2, cudnn). Times ten steps with CUDA events and traces
 three with the PyTorch profiler, then writes one Chrome trace per backend and step.json (the step times and each
 trace's kernel classes) to --out.
---compare reads them and prints, per kernel class (GEMM, attention, optimizer, the rest), the summed kernel
-time, the share of the step the GPU sat idle between kernels, and what the planner predicts for the same
-one-chip run (hardware/kernels.py's costs, class by class). No thresholds: a measurement, not a test.
-Recorded (one H200, PyTorch 2.11): bench/data/h200-step-2026-12-04-s8k.json and -s2k.json (1 x 8192 and
+--compare reads them and prints, per kernel class (GEMM, attention, optimizer, the rest: memory-bound), the
+summed kernel time, the share of the step the GPU sat idle between kernels, and what the planner predicts for
+the same one-chip run, class by class (planner.api.compute_by_class). No thresholds: a measurement, not a test.
+Recorded (one H200, PyTorch 2.11): hardware/data/h200-step-2026-12-04-s8k.json and -s2k.json (1 x 8192 and
 4 x 2048 tokens), -gpt1.7b.json (Megatron-LM's weak-scaling GPT 1.7B, 4 x 4096 tokens, its load per GPU) and
 -gpt7.1b-8layers.json (8 layers of its 7.1B at tp 1, 2 x 4096 tokens). The eager rotary here (a cat and
 products over strided halves) costs ~50 ms of the GPT 1.7B's "other" class, which Megatron's fused rotary
@@ -32,13 +32,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-WIDTHS = {"hidden": 4096, "heads": 32, "kv_heads": 8, "ffn": 14336, "vocab": 128256, "mlp": "swiglu"}
+from planner.gpu_steps import LLAMA3_8B_WIDTHS  # noqa: E402
+
 BACKENDS = ("flash", "cudnn")
-PLANNER_KERNEL = {"flash": "flash", "cudnn": "flash3"}
 
 
 def kernel_class(name: str) -> str:
-    """The class of a CUDA kernel by its name (cuBLAS / CUTLASS GEMMs, attention, the optimizer, the rest)."""
+    """The class of a CUDA kernel by its name, in planner.costs.KERNEL_CLASSES' words (cuBLAS / CUTLASS GEMMs,
+    attention, the optimizer, and the rest: memory-bound)."""
     low = name.lower()
     if any(k in low for k in ("flash", "fmha", "attention", "cudnn_generated", "sdpa")):
         return "attention"
@@ -46,7 +47,7 @@ def kernel_class(name: str) -> str:
         return "gemm"
     if any(k in low for k in ("adam", "multi_tensor")):
         return "optimizer"
-    return "other"
+    return "memory-bound"
 
 
 def measure(args) -> int:
@@ -192,98 +193,26 @@ def trace_classes(path: Path, steps: int = 3) -> dict:
             "span_s": span / steps, "top": sorted(((k, v / steps) for k, v in top.items()), key=lambda kv: -kv[1])[:12]}
 
 
-# Which class of kernels a cost belongs to, by the planner function that asked for it (nearest caller first):
-# a layer's GEMMs, its attention core, its memory-bound ops; the output layer's GEMM and loss; the optimizer.
-_CALLERS = {"_gemm_times": "gemm", "_memory_bound_s": "other", "embedding_s": "other",
-            "optimizer_step_s": "optimizer", "logits_cost": None, "_layer_cost": "attention"}
-
-
-def planner_classes(layers: int, seq: int, micro_batch: int, chip_key: str, kernel: str, fusion: str,
-                    widths: dict | None = None) -> dict:
-    """The planner's seconds for the same one-chip step, by the kernel class each cost models."""
-    from hardware import kernels
-    from planner import costs
-    from planner.api import estimate
-
-    spent: dict[str, float] = {}
-    wrapped = ("matmul_s", "flash_attention_s", "pointwise_s", "norm_s", "eager_s")
-    originals = {name: getattr(kernels, name) for name in wrapped}
-
-    def spy(name):
-        def call(*a, **kw):
-            value = originals[name](*a, **kw)
-            seconds = sum(value) if isinstance(value, tuple) else value
-            frame, cls = sys._getframe(1), "uncounted"
-            while frame is not None:
-                caller = frame.f_code.co_name
-                if caller in _CALLERS:
-                    cls = _CALLERS[caller] or ("gemm" if name == "matmul_s" else "other")
-                    break
-                frame = frame.f_back
-            stack = {f.f_code.co_name for f in _frames(sys._getframe(1))}
-            if cls == "attention" and name != "flash_attention_s":
-                cls = "uncounted"
-            # a layer's costs are computed once (planner.costs memoises them) and charged to every layer;
-            # the rest counts as the step's simulation asks for it (the search's lower bound asks too, and
-            # a model without multi-token prediction charges mtp_extra_cost's GEMMs zero times)
-            if "_layer_cost" in stack:
-                times = layers
-            else:
-                times = 1 if "simulate" in stack and "mtp_extra_cost" not in stack else 0
-            spent[cls] = spent.get(cls, 0.0) + seconds * times
-            return value
-        return call
-
-    case = {"name": "one-gpu-step",
-            "model": {"layers": layers, "seq_len": seq, "experts": 0, "top_k": 0, **(widths or WIDTHS)},
-            "training": {"global_batch": micro_batch, "micro_batch": micro_batch, "recompute": "none",
-                         "dtype": "bf16", "optimizer": "adam", "zero_stage": 0, "sequence_parallel": False,
-                         "attention": kernel, "fusion": fusion},
-            "parallel": {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1},
-            "cluster": {"chip": chip_key, "num_chips": 1, "chips_per_node": 8}}
-    for name in wrapped:
-        setattr(kernels, name, spy(name))
-    try:
-        costs._layer_cost.cache_clear()
-        est = estimate(case)
-    finally:
-        for name, fn in originals.items():
-            setattr(kernels, name, fn)
-    return {"step_s": est.step_time_s, "breakdown": est.breakdown, "per_class": spent}
-
-
-def _frames(frame):
-    while frame is not None:
-        yield frame
-        frame = frame.f_back
-
-
 def compare(args) -> int:
+    from planner.gpu_steps import comparisons
+
     path = Path(args.compare)
-    out_dir = path if path.is_dir() else path.parent
-    data = json.loads((path / "step.json" if path.is_dir() else path).read_text())
-    widths = data.get("model", WIDTHS)
-    print(f"{data['device']}, torch {data['torch']}: {data['layers']} layers, {widths}, "
-          f"{data['micro_batch']} x {data['seq']} tokens, {data['params'] / 1e9:.2f}B parameters")
-    for name, run in data["backends"].items():
-        if "error" in run:
-            print(f"\n{name}: {run['error']}")
-            continue
-        t = run.get("trace") or trace_classes(out_dir / f"trace-{name}.json")
-        step = run["median_step_s"]
-        print(f"\n{name}: step {step * 1e3:.1f} ms measured (10 steps, median); traced: kernels span "
-              f"{t['span_s'] * 1e3:.1f} ms per step, GPU busy {t['busy_s'] * 1e3:.1f} ms, idle "
-              f"{1 - t['busy_s'] / t['span_s']:.1%} of the span")
-        for cls, sec in sorted(t["classes"].items(), key=lambda kv: -kv[1]):
-            print(f"  {cls:10s} {sec * 1e3:8.1f} ms")
-        for fusion in ("eager", "fused"):
-            pred = planner_classes(data["layers"], data["seq"], data["micro_batch"], args.chip, PLANNER_KERNEL[name],
-                                   fusion, data.get("model"))
-            print(f"  planner, fusion {fusion}: {pred['step_s'] * 1e3:.1f} ms ({(pred['step_s'] - step) / step:+.1%});",
-                  {k: round(v * 1e3, 1) for k, v in pred["per_class"].items() if v})
-        print("  top kernels:")
-        for kname, sec in t["top"]:
-            print(f"    {sec * 1e3:7.2f} ms  {kernel_class(kname):9s} {kname[:90]}")
+    paths = [path / "step.json"] if path.is_dir() else [path]
+    for fusion in ("eager", "fused"):
+        print(f"\nThe planner with fusion {fusion} (the bench's model fuses its norms, not its rotary):")
+        for c in comparisons(paths, args.chip, fusion):
+            print(f"{c.label}, SDPA {c.backend}: step {c.measured_s * 1e3:.1f} ms measured, "
+                  f"{c.predicted_s * 1e3:.1f} predicted ({c.error:+.1%}); GPU idle {c.idle_share:.1%} of the span")
+            for cls in sorted(set(c.measured) | {k for k, v in c.predicted.items() if v}):
+                print(f"  {cls:12s} {c.measured.get(cls, 0.0) * 1e3:8.1f} ms traced  "
+                      f"{c.predicted.get(cls, 0.0) * 1e3:8.1f} ms predicted")
+    if path.is_dir():  # the traces are there: their longest kernels
+        record = json.loads((path / "step.json").read_text())
+        for backend in record["backends"]:
+            if (path / f"trace-{backend}.json").exists():
+                print(f"\nlongest kernels per step, SDPA {backend}:")
+                for kname, sec in trace_classes(path / f"trace-{backend}.json")["top"]:
+                    print(f"    {sec * 1e3:7.2f} ms  {kernel_class(kname):12s} {kname[:90]}")
     return 0
 
 
@@ -294,8 +223,8 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--micro-batch", type=int, default=1)
     for key in ("hidden", "heads", "kv_heads", "ffn", "vocab"):
-        ap.add_argument("--" + key.replace("_", "-"), type=int, default=WIDTHS[key])
-    ap.add_argument("--mlp", choices=["swiglu", "gelu"], default=WIDTHS["mlp"])
+        ap.add_argument("--" + key.replace("_", "-"), type=int, default=LLAMA3_8B_WIDTHS[key])
+    ap.add_argument("--mlp", choices=["swiglu", "gelu"], default=LLAMA3_8B_WIDTHS["mlp"])
     ap.add_argument("--compare", metavar="DIR", help="print a recorded step beside the planner's prediction")
     ap.add_argument("--chip", default="h200")
     args = ap.parse_args()

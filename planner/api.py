@@ -193,6 +193,34 @@ class SearchReport:
                 "layouts": [r.as_dict(i + 1) for i, r in enumerate(self.ranked)]}
 
 
+def compute_by_class(case_or_dict) -> dict[str, float]:
+    """Seconds one chip computes per step by kernel class (planner.costs.KERNEL_CLASSES): GEMMs, attention,
+    SSM scan, memory-bound kernels and the optimizer, as a trace of the chip's kernels sums them class by class
+    (bench/bench_gpu_step.py). Communication, and the compute it slows where it hides, are left out;
+    recomputation is its own entry. For layouts without pipeline stages (every chip runs every layer)."""
+    from planner.memory import layer_kind_counts
+
+    case = as_case(case_or_dict)
+    res = _search.choose(case)
+    lay, m, tr = res.layout, case.model, case.training
+    if lay.pp > 1 or m.mtp_layers:
+        raise SpecError("parallel.pp", "the kernel classes are summed for one chip running the whole model: "
+                                       "set pp to 1 (and a model without multi-token prediction)")
+    node = case.cluster.chips_per_node or res.chip.scaleup_domain
+    micro_batches = tr.global_batch // (lay.dp * lay.micro_batch)
+    out = dict.fromkeys(costs.KERNEL_CLASSES, 0.0)
+    for kind, n in layer_kind_counts(m, 0, m.layers):
+        for cls, seconds in costs.layer_cost(m, lay, res.chip, tr.dtype, kind, node).by_class:
+            out[cls] += micro_batches * n * seconds
+    for cls, (fwd_s, bwd_s) in costs.logits_by_class(m, lay, res.chip, tr.dtype).items():
+        out[cls] += micro_batches * (fwd_s + bwd_s)
+    out["memory-bound"] += micro_batches * 2 * costs.embedding_s(m, lay, res.chip)  # forward and backward
+    out["optimizer"] = res.breakdown["optimizer"]
+    if res.breakdown["recompute"]:
+        out["recompute"] = res.breakdown["recompute"]
+    return out
+
+
 def search(case_or_dict, top: int = 5) -> SearchReport:
     """The `top` fastest layouts that fit, each with an explanation in words."""
     from planner.explain import explain

@@ -84,6 +84,10 @@ OVERLAP_SLOWDOWN = 0.189  # arXiv 2507.03114 abstract: overlapped compute 18.9 %
 def overlap_slowdown(chip: Chip) -> float:
     """Seconds of compute one hidden second of communication adds on `chip` (module docstring)."""
     return OVERLAP_SLOWDOWN if chip.kind == "gpu" else 0.0
+# The classes a step's compute kernels fall into (LayerCost.by_class, planner.api.compute_by_class): GEMMs, the
+# attention core (flash kernels, or materialised scores with their softmax), the SSM scan, memory-bound kernels
+# (norms, activations, rotary, residuals, casts, the loss), the optimizer
+KERNEL_CLASSES = ("gemm", "attention", "ssm scan", "memory-bound", "optimizer")
 CAUSAL_FLASH_FRACTION = 0.5  # a causal flash kernel skips the masked upper triangle (Dao 2023, sec. 3.1)
 WINDOWED_KERNELS = ("flash", "flash3")  # the flash kernels that skip the key blocks outside a sliding window
 # a norm's HBM bytes per element of its bf16 input: forward reads x and writes y, backward reads x and dy and
@@ -238,6 +242,9 @@ class LayerCost:
     fwd_flops: float
     tp_bytes: float  # bytes of one TP collective's array
     wgrad_s: float  # the weight-gradient GEMMs inside bwd_compute_s (what ZB-H1 defers)
+    # forward + backward seconds by kernel class (KERNEL_CLASSES), before recomputation and before the slowdown
+    # hidden communication causes: what a trace of the chip's kernels sums to, class by class
+    by_class: tuple[tuple[str, float], ...] = ()
 
     @property
     def tp_fwd_s(self) -> float:
@@ -647,6 +654,8 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
     wgrad_s = sum(gemm_wgrad.values())
     bwd_s = sum(gemm_dgrad.values()) + wgrad_s + attn_bwd_s + ew_bwd_s
 
+    by_class = (("gemm", sum(gemm_fwd.values()) + sum(gemm_dgrad.values()) + wgrad_s),
+                ("attention", attn_fwd_s + attn_bwd_s), ("memory-bound", ew_fwd_s + ew_bwd_s))
     fwd_comms: list[CommOp] = []
     bwd_comms: list[CommOp] = []
 
@@ -715,7 +724,8 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
     flops = 2.0 * tokens * (lp.attention + lp.mlp) / t + score_flops * windowed_square(m)
     if moe is True:
         flops += 2.0 * tokens * m.top_k * lp.experts / m.experts / t
-    return LayerCost(fwd_s, bwd_s, recompute_s, tuple(fwd_comms), tuple(bwd_comms), flops, act_bytes, wgrad_s)
+    return LayerCost(fwd_s, bwd_s, recompute_s, tuple(fwd_comms), tuple(bwd_comms), flops, act_bytes, wgrad_s,
+                     by_class)
 
 
 def _selective_recompute_s(chip: Chip, lay: Layout, moe, gemm_fwd: dict[str, float], attn_fwd_s: float,
@@ -855,6 +865,8 @@ def _mamba_layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chips_p
     fwd_s = sum(gemm_fwd.values()) + scan_fwd_s + ew_fwd_s
     wgrad_s = sum(gemm_wgrad.values())
     bwd_s = sum(gemm_dgrad.values()) + wgrad_s + scan_bwd_s + ew_bwd_s
+    by_class = (("gemm", sum(gemm_fwd.values()) + sum(gemm_dgrad.values()) + wgrad_s),
+                ("ssm scan", scan_fwd_s + scan_bwd_s), ("memory-bound", ew_fwd_s + ew_bwd_s))
 
     fwd_comms: list[CommOp] = []
     bwd_comms: list[CommOp] = []
@@ -903,11 +915,20 @@ def _mamba_layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chips_p
     if zero3:
         fwd_s, bwd_s = _plus_fsdp_copies(chip, lay, zf.nbytes, fwd_s, bwd_s)
     flops = tokens * layer_forward_flops_per_token(m, MAMBA) / t
-    return LayerCost(fwd_s, bwd_s, recompute_s, tuple(fwd_comms), tuple(bwd_comms), flops, act_bytes, wgrad_s)
+    return LayerCost(fwd_s, bwd_s, recompute_s, tuple(fwd_comms), tuple(bwd_comms), flops, act_bytes, wgrad_s,
+                     by_class)
 
 
 def logits_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str) -> tuple[float, float]:
-    """(forward, backward) seconds of the output projection and the cross-entropy on the last stage.
+    """(forward, backward) seconds of the output projection and the cross-entropy on the last stage
+    (`logits_by_class`, summed)."""
+    parts = logits_by_class(m, lay, chip, dtype).values()
+    return sum(f for f, _ in parts), sum(b for _, b in parts)
+
+
+def logits_by_class(m: ModelSpec, lay: Layout, chip: Chip, dtype: str) -> dict[str, tuple[float, float]]:
+    """(forward, backward) seconds of the output projection ("gemm") and the cross-entropy ("memory-bound")
+    on the last stage.
 
     In[T, D] . W[D, V/t], then the loss over the T x V/t logits (`lay.cross_entropy`, planner.case's
     CROSS_ENTROPY):
@@ -940,7 +961,8 @@ def logits_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str) -> tuple[floa
     if lay.logit_metrics:
         bwd_ce_s += lay.logit_metrics * (kernels.pointwise_s(chip, (ACT_BYTES + 4) * logits)
                                          + kernels.eager_s(chip, kernels.EAGER_BYTES["ce_fwd"] * logits))
-    return _fwd_s(chip, dtype, g) + fwd_ce_s, _dgrad_s(chip, dtype, g) + _wgrad_s(chip, dtype, g) + bwd_ce_s
+    return {"gemm": (_fwd_s(chip, dtype, g), _dgrad_s(chip, dtype, g) + _wgrad_s(chip, dtype, g)),
+            "memory-bound": (fwd_ce_s, bwd_ce_s)}
 
 
 def mtp_extra_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str) -> tuple[float, float]:

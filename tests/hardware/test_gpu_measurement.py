@@ -1,4 +1,4 @@
-"""The kernel model against one H200 measured here (bench/data/h200-kernels-2026-12-04.json, recorded by
+"""The kernel model against one H200 measured here (hardware/data/h200-kernels-2026-12-04.json, recorded by
 bench/bench_gpu_kernels.py): the chip table's Hopper fields were read from published benchmarks, and this
 measurement checks them where the planner uses them. Bounds are the spread of the measurement itself."""
 
@@ -14,7 +14,7 @@ from hardware import kernels
 from hardware.chips import get_chip
 
 ROOT = Path(__file__).resolve().parents[2]
-MEASURED = ROOT / "bench" / "data" / "h200-kernels-2026-12-04.json"
+MEASURED = ROOT / "hardware" / "data" / "h200-kernels-2026-12-04.json"
 BENCH = ROOT / "bench" / "bench_gpu_kernels.py"
 
 

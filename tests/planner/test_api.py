@@ -43,3 +43,31 @@ def test_estimate_explains_itself():
     est = planner.estimate(planner.make_case("Mixtral 8x7B", "1,024x H100 (128 nodes)"))
     words = " ".join(est.explanation)
     assert f"EP={est.layout.ep}" in words and "MFU" in words
+
+
+def test_compute_by_class_is_one_chips_step_class_by_class():
+    from planner.api import compute_by_class
+    from planner.case import Cluster, Parallel
+
+    def one_chip(global_batch):
+        return planner.make_case("Llama 3 8B", Cluster("h100", 1), global_batch=global_batch, micro_batch=1,
+                                 recompute="none", zero_stage=0, parallel=Parallel(dp=1, tp=1, pp=1, cp=1, ep=1))
+
+    classes, est = compute_by_class(one_chip(2)), planner.estimate(one_chip(2))
+    # one chip, no communication: the classes are the whole step
+    assert sum(classes.values()) == pytest.approx(est.step_time_s, rel=1e-9)
+    assert classes["gemm"] > classes["attention"] > 0 and classes["ssm scan"] == 0
+    # two micro-batches: every class but the optimizer twice one micro-batch's
+    half = compute_by_class(one_chip(1))
+    assert classes["gemm"] == pytest.approx(2 * half["gemm"]) and classes["optimizer"] == half["optimizer"]
+
+
+def test_compute_by_class_has_the_scan_of_mamba_and_refuses_pipelines():
+    from planner.api import compute_by_class
+    from planner.case import Parallel
+    from planner.models import SpecError
+
+    mamba = compute_by_class(planner.make_case("Mamba-2 2.7B", "8x H100 (one node)", parallel=Parallel(pp=1)))
+    assert mamba["ssm scan"] > 0 and mamba["attention"] == 0
+    with pytest.raises(SpecError, match="pp"):
+        compute_by_class(planner.make_case("Llama 3 70B", "1,024x H100 (128 nodes)", parallel=Parallel(tp=8, pp=4)))

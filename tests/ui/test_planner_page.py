@@ -37,7 +37,7 @@ def test_planner_chooses_and_search_ranks_layouts():
     assert at.caption[0].value.startswith("Chosen by the planner")
     at.button[0].click().run(timeout=120)
     assert not at.exception
-    table = at.dataframe[0].value
+    table = next(d.value for d in at.dataframe if "step s" in d.value.columns)  # the search's ranking
     assert len(table) >= 3
     assert list(table["step s"]) == sorted(table["step s"])  # ranked fastest first
     assert (table["dp"] * table["tp"] * table["pp"] * table["cp"]).eq(16).all()
@@ -77,3 +77,20 @@ def test_the_mfu_says_its_convention_and_gives_the_causal_one():
     at = open_app("app_pages/planner.py")
     (mfu,) = [m for m in at.metric if m.label == "MFU"]
     assert "full S x S square" in mfu.help and "causal half only:" in mfu.help
+
+
+def test_the_page_shows_real_gpu_steps_beside_their_prediction():
+    from planner.gpu_steps import comparisons
+    from tests.ui.apptest_util import open_app
+
+    at = open_app("app_pages/planner.py")
+    assert not at.exception
+    trust = next(e for e in at.expander if e.label == "How far to trust these numbers")
+    table = trust.dataframe[0].value
+    steps = comparisons()
+    assert len(table) == len(steps) == 8
+    assert list(table["measured ms"]) == [round(c.measured_s * 1e3, 1) for c in steps]
+    assert list(table["predicted ms"]) == [round(c.predicted_s * 1e3, 1) for c in steps]
+    text = " ".join(m.value for m in trust.markdown)
+    worst = max(abs(c.error) for c in steps)
+    assert "Checked on a real GPU" in text and f"{worst:.0%}" in text.replace("+", "").replace("-", "")
