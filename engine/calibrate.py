@@ -22,8 +22,8 @@ Three kinds of measurement:
   tensor-parallel or expert-parallel segment of a live run does.
 * communication (`comm_task`): every gloo operation the strategies use, by group size n and world W
   (the other groups of the world communicating at the same time, as a mesh does), at a few message
-  sizes: blocking, each after `COMPUTE_GAP_S` of computing as in a training step (back to back they run
-  2-3x faster: gloo's threads stay awake) and after a shorter and a longer gap (`SYNC_GAPS_S`), and as
+  sizes: blocking, each after `COMPUTE_GAP_S` of computing as in a training step, after a shorter and a
+  longer gap (`SYNC_GAPS_S`) and back to back (they run 2-3x faster: gloo's threads stay awake), and as
   a stream of asynchronous operations; with the process CPU time each takes (gloo's threads keep a core
   busy while they move data). The ring shift (context parallel's hop) goes through the engine's own
   `Comm.p2p`, and how long posting it blocks the rank is timed too (its "post" mode). How long posting a
@@ -46,6 +46,7 @@ from engine.optim import AdamW, adamw_
 from engine.ring_attention import block_backward, block_forward, expand_kv, merge, reduce_kv
 from hardware.this_machine import (
     ALONE_MODE,
+    BACK_TO_BACK_MODE,
     BLOCKING_MODES,
     CONTENDED_CAP_S,
     PAIR_MODE,
@@ -527,10 +528,14 @@ def comm_task(ctx, group_sizes: list[int], sizes: tuple[int, ...] = COMM_SIZES, 
                 out.append(_row(kind, n, ctx.world, nbytes, POST_MODE,
                                 [sum(w for w, _ in posts), sum(c for _, c in posts), len(posts)]))
         blocking = {key: call for key, call in sync.items() if key[0] in SYNC_GAP_KINDS}
+        gap_rounds = max(1, SYNC_GAP_ROUNDS * rounds // COMM_ROUNDS)
         for mode, gap_s in SYNC_GAPS_S.items():
-            gap_rounds = max(1, SYNC_GAP_ROUNDS * rounds // COMM_ROUNDS)
             for (kind, nbytes), sums in _rounds(blocking, gap_rounds, dist, gap_s).items():
                 out.append(_row(kind, n, ctx.world, nbytes, mode, sums) | {"gap_s": gap_s})
+        # back to back: each call right after the one before (the sizes round-robin, as a naive sync's
+        # parameters of different sizes follow each other)
+        for (kind, nbytes), sums in _rounds(blocking, gap_rounds, dist, 0.0).items():
+            out.append(_row(kind, n, ctx.world, nbytes, BACK_TO_BACK_MODE, sums) | {"gap_s": 0.0})
         # the middle window sits here, not right before the blocking operations after a gap, which it
         # slowed: a 2-rank all-reduce after 50 us of compute read 1.35 ms on average over six calibrations
         # with it there (above the 1.3 ms it takes after 300 us), 0.94 ms over seven with it here

@@ -52,6 +52,7 @@ from core.ssd import state_correction_flops
 from core.timeline import Timeline, bubble_spans, intersection_seconds, span_kind, union_seconds
 from hardware.collectives import ring_sent_bytes
 from hardware.this_machine import (
+    BACK_TO_BACK_MODE,
     BLOCKING_MODES,
     GLOO_THREADS,
     PAIR_MODE,
@@ -243,16 +244,21 @@ class _Costs:
     def cat(self, parts: int) -> float:
         return self.compute_fit("cat").fwd(parts)
 
-    def comm(self, kind: str, n: int, nbytes: float, mode: str = "sync", gap_s: float | None = None) -> float:
+    def comm(self, kind: str, n: int, nbytes: float, mode: str = "sync", gap_s: float | None = None,
+             back_to_back: bool = False) -> float:
         """Seconds of one operation; a blocking one ("sync") after `gap_s` of the rank's compute (one
         core's seconds) reads the calibration at that gap (engine/calibrate.SYNC_GAPS_S), else at the
-        calibration's usual gap."""
+        calibration's usual gap; `back_to_back`, right after a blocking one of its kind on the same group,
+        its back-to-back fit (BACK_TO_BACK_MODE)."""
         if n <= 1:
             return 0.0
         size = _nearest(n, self._sizes(kind, mode))
         fit = self.cal.comm_fit(self.cfg.world, kind, size, mode)
         if mode == "async" and fit.burst:
             return self._async_op_s(kind, size, nbytes, fit)
+        b2b = self.cal.comm.get(comm_key(self.cfg.world, kind, size, BACK_TO_BACK_MODE)) if back_to_back else None
+        if mode == "sync" and b2b is not None:
+            return b2b.seconds(nbytes)
         if mode == "sync" and gap_s is not None:
             return self._after_gap_s(kind, size, nbytes, gap_s * self.share, fit)
         return fit.seconds(nbytes)
@@ -421,6 +427,7 @@ class _Rank:
         self.mb: int | None = None
         self._n = 0
         self.since_comm = 0.0  # one core's compute seconds since the rank's last communication
+        self.last_blocking: tuple | None = None  # (kind, group) when the rank's last op was that blocking collective
         self.compute_scale = 1.0  # the share of a unit's backward a pass runs (ZB-H1's split halves)
         self._resumes = False  # the rank has waited on its communication since it last computed
 
@@ -434,12 +441,14 @@ class _Rank:
                 self._resumes = False
             self.ops.append(Compute(name, seconds, self.mb))
             self.since_comm += seconds
+            self.last_blocking = None
 
     def comm_op(self, op) -> None:
         """Append a communication operation (built here or by the caller: a pipeline or state-passing
         message, a posting)."""
         self.ops.append(op)
         self.since_comm = 0.0
+        self.last_blocking = None
         # it blocks the rank: a wait, a receive, a blocking collective (not a send or an asynchronous one)
         if isinstance(op, (Wait, Recv)) or (isinstance(op, Collective) and op.handle is None):
             self._resumes = True
@@ -452,13 +461,16 @@ class _Rank:
         mode = mode or ("async" if asyn else "sync")
         self._n += 1
         handle = f"h{self._n}" if asyn else None
-        seconds = self.costs.comm(kind, n, nbytes, mode, gap_s=None if asyn else self.since_comm)
+        seconds = self.costs.comm(kind, n, nbytes, mode, gap_s=None if asyn else self.since_comm,
+                                  back_to_back=not asyn and self.last_blocking == (kind, group))
         # the span's bytes are what one rank sends, as the engine records them (engine/comm.py); a ring
         # shift sends its whole message
         sent = ring_sent_bytes("p2p" if kind == "ring_shift" else kind, int(nbytes), n)
         self.comm_op(Collective(name, group, axis, seconds, sent, handle, self.costs.cpu(kind, n, mode),
                                 self.mb, self.costs.contended_s(kind, n, nbytes) if asyn else None,
                                 self.costs.concurrency(kind, n, nbytes) if asyn else GLOO_THREADS))
+        if not asyn:
+            self.last_blocking = (kind, group)
         return handle
 
     def send(self, name: str, dst: int, key: tuple, n: int, nbytes: float, group: str) -> str:
