@@ -1,5 +1,7 @@
 """Lesson: plan a real training run: memory, step time and MFU of the sidebar setup, and the search."""
 
+import math
+
 import streamlit as st
 
 from app_pages.exercise_panel import show_exercises
@@ -111,11 +113,15 @@ def _gpu_steps():
     gemm = [c.predicted["gemm"] / c.measured["gemm"] - 1 for c in steps]
     cudnn = [abs(c.predicted["attention"] / c.measured["attention"] - 1) for c in steps if c.backend == "cudnn"]
     fa2 = [1 - c.predicted["attention"] / c.measured["attention"] for c in steps if c.backend == "flash"]
-    words = (f"The GPU sits idle under {max(c.idle_share for c in steps):.0%} of a step; the planner's GEMMs come "
+
+    def up(x):  # a bound, rounded up to a whole percent
+        return f"{math.ceil(100 * x)}%"
+
+    words = (f"The GPU sits idle under {up(max(c.idle_share for c in steps))} of a step; the planner's GEMMs come "
              f"out {min(gemm):.0%}-{max(gemm):.0%} slower than the traced ones (inside a step the clock runs higher "
-             f"than in the GEMM-only benchmarks the chip table cites), cuDNN attention within {max(cudnn):.0%}, "
-             f"PyTorch's FlashAttention-2 {min(fa2):.0%}-{max(fa2):.0%} faster than traced; whole steps "
-             f"{min(c.error for c in steps):+.0%} to {max(c.error for c in steps):+.0%}.")
+             f"than in the GEMM-only benchmarks the chip table cites), its cuDNN attention within {up(max(cudnn))} "
+             f"of the traced, its FlashAttention-2 {min(fa2):.0%}-{max(fa2):.0%} shorter than PyTorch's traced one; "
+             f"whole steps {min(c.error for c in steps):+.0%} to {max(c.error for c in steps):+.0%}.")
     return rows, words
 
 
@@ -183,11 +189,11 @@ with st.expander("How far to trust these numbers"):
         "compare layouts with each other rather than with a cluster's stopwatch.")
     gpu_rows, gpu_words = _gpu_steps()
     st.markdown(
-        "**Checked on a real GPU, kernel by kernel.** One H200 ran single-GPU training steps of four models in "
-        "PyTorch (`bench/bench_gpu_step.py`); each step's kernels were traced and summed by class, beside the "
-        f"planner's prediction of the same step (the class columns: traced / predicted ms). {gpu_words} The "
-        "memory-bound column is high where the model's "
-        "rotary embedding ran as separate elementwise kernels. What one GPU cannot show is the rest of a "
+        "**Checked on a real GPU, kernel by kernel.** One H200 ran single-GPU training steps of three models in "
+        "PyTorch, one of them at two sequence lengths (`bench/bench_gpu_step.py`); each step's kernels were "
+        "traced and summed by class, beside the planner's prediction of the same step (the class columns: traced "
+        f"/ predicted ms). {gpu_words} In the GPT rows the memory-bound column is high: the bench runs a rotary "
+        "embedding there that the planner's GPT recipe does not have. What one GPU cannot show is the rest of a "
         "cluster: communication, waiting on the slowest GPU, the framework's own time.")
     st.dataframe(gpu_rows, hide_index=True, width="stretch", column_config={
         "measured ms": st.column_config.NumberColumn(format="%.1f"),

@@ -7,8 +7,9 @@ The first form needs a CUDA GPU (exits 2 without one). Times, with CUDA events a
 - GEMMs: cuBLAS bf16 (and fp8 through torch._scaled_mm, tensor-wise scales) at 8192^3, the curve's
   reference shape, three times (start, middle, end: the clock can drift); every (M, K, N) that the planner
   costs for the Hopper runs of planner/data (held-out, fitted-on, llm-foundry); and a grid of M, N, K. Each
-  shape runs as `F.linear(In[M, K], W[N, K])`, replayed from a CUDA graph (no launch gaps) over enough
-  input sets to overflow the L2 cache. Inputs are random normal: zeros run faster (METHOD.md).
+  shape runs as `In[M, K] @ W[N, K]^T` (torch.matmul into a preallocated output), replayed from a CUDA graph
+  (no launch gaps) over enough input sets to overflow the L2 cache. Inputs are random normal: zeros can run
+  faster than real data.
 - attention: torch's scaled-dot-product backends (flash = FlashAttention-2, cudnn, efficient), causal,
   bf16, head dims 64 and 128, 1k-16k keys, 16k tokens per call at width 2048, forward and forward +
   backward, counted as the kernels' benchmarks count (forward 4 s^2 d h / 2, backward 2.5x).
@@ -18,7 +19,8 @@ Writes every number to --out (JSON) and prints a short table. No thresholds: a m
 --compare prints a measurement file beside what hardware/kernels.py models for that chip: each GEMM's
 measured / modelled rate, attention by kernel, head dim and length, memory-bound kernels over the HBM peak.
 Recorded: hardware/data/h200-kernels-2026-12-04.json (one H200, torch 2.11 + CUDA 13.0, cuDNN 9.19; the GEMMs
-ran at the 700 W limit, 1350-1515 MHz by nvidia-smi dmon, hardware/data/h200-kernels-2026-12-04-dmon.log).
+ran at the 700 W limit, 1350-1485 MHz from the 10th to the 90th percentile by nvidia-smi dmon:
+hardware/data/h200-kernels-2026-12-04-dmon.log).
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ def compare(path: str, chip_key: str) -> int:
     """Print a measurement file beside the chip table's model of the same kernels."""
     from hardware import kernels
     from hardware.chips import get_chip
+    from planner.gpu_steps import PLANNER_KERNEL
 
     chip = get_chip(chip_key)
     data = json.loads(Path(path).read_text())
@@ -83,7 +86,7 @@ def compare(path: str, chip_key: str) -> int:
               f"median {pick[2]:.2f}  p90 {pick[3]:.2f}  max {pick[4]:.2f}")
     print("attention fwd+bwd TFLOP/s (causal; backward counted 2.5x the forward), measured / modelled:")
     for a in data.get("attention", []):
-        kernel = {"flash": "flash", "cudnn": "flash3"}.get(a["kernel"])
+        kernel = PLANNER_KERNEL.get(a["kernel"])
         if kernel is None or "error" in a:
             continue
         fwd_s, bwd_s = kernels.flash_attention_s(chip, 1e12, a["seq"], kernel, a["head_dim"])

@@ -1,4 +1,4 @@
-"""One GPU's training step of a Llama-style model, kernel by kernel: where a step's time goes beyond its kernels.
+"""One GPU's training step of a Llama- or GPT-style model, kernel by kernel, beside the planner's prediction.
 
     python bench/bench_gpu_step.py [--out DIR] [--layers 8] [--seq 8192] [--micro-batch 1]
                                    [--hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 --vocab 128256 --mlp swiglu]
@@ -11,9 +11,10 @@ with --mlp gelu a GPT block (LayerNorm, biases, GELU) at the widths given, for
 each attention backend (SDPA flash = FlashAttention-2, cudnn). Times ten steps with CUDA events and traces
 three with the PyTorch profiler, then writes one Chrome trace per backend and step.json (the step times and each
 trace's kernel classes) to --out.
---compare reads them and prints, per kernel class (GEMM, attention, optimizer, the rest: memory-bound), the
-summed kernel time, the share of the step the GPU sat idle between kernels, and what the planner predicts for
-the same one-chip run, class by class (planner.api.compute_by_class). No thresholds: a measurement, not a test.
+--compare reads them and prints, per kernel class (GEMM, attention, optimizer, the rest: memory-bound, copies
+and memsets among them), the summed kernel time, the share of the step the GPU sat idle between kernels, and
+what the planner predicts for the same one-chip run, class by class (planner.gpu_steps). No thresholds: a
+measurement, not a test.
 Recorded (one H200, PyTorch 2.11): hardware/data/h200-step-2026-12-04-s8k.json and -s2k.json (1 x 8192 and
 4 x 2048 tokens), -gpt1.7b.json (Megatron-LM's weak-scaling GPT 1.7B, 4 x 4096 tokens, its load per GPU) and
 -gpt7.1b-8layers.json (8 layers of its 7.1B at tp 1, 2 x 4096 tokens). The eager rotary here (a cat and
@@ -35,6 +36,8 @@ sys.path.insert(0, str(ROOT))
 from planner.gpu_steps import LLAMA3_8B_WIDTHS  # noqa: E402
 
 BACKENDS = ("flash", "cudnn")
+TIMED_STEPS, TRACED_STEPS = 10, 3  # steps timed with CUDA events (their median is the step), then traced
+GPU_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")  # the profiler's categories of GPU work
 
 
 def kernel_class(name: str) -> str:
@@ -140,11 +143,11 @@ def measure(args) -> int:
                 except RuntimeError:
                     opt.zero_grad(set_to_none=True)
                     options["expand_kv"] = True
-                for _ in range(3):
+                for _ in range(3):  # warm-up
                     step()
                 torch.cuda.synchronize()
                 times = []
-                for _ in range(10):
+                for _ in range(TIMED_STEPS):
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     start.record()
                     step()
@@ -154,7 +157,7 @@ def measure(args) -> int:
                 from torch.profiler import ProfilerActivity, profile
 
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    for _ in range(3):
+                    for _ in range(TRACED_STEPS):
                         step()
                     torch.cuda.synchronize()
                 trace = out_dir / f"trace-{name}.json"
@@ -165,17 +168,18 @@ def measure(args) -> int:
             continue
         result["backends"][name] = {"step_s": times, "median_step_s": statistics.median(times),
                                     "kv_expanded": options["expand_kv"], "trace": trace_classes(trace)}
-        print(f"{name}: median step {statistics.median(times) * 1e3:.1f} ms over 10 "
+        print(f"{name}: median step {statistics.median(times) * 1e3:.1f} ms over {TIMED_STEPS} "
               f"({min(times) * 1e3:.1f}-{max(times) * 1e3:.1f}), K/V expanded: {options['expand_kv']}", flush=True)
     (out_dir / "step.json").write_text(json.dumps(result, indent=1))
     return 0
 
 
-def trace_classes(path: Path, steps: int = 3) -> dict:
-    """Summed kernel seconds per class over a trace, the GPU's busy (union) and span seconds, per step."""
+def trace_classes(path: Path, steps: int = TRACED_STEPS) -> dict:
+    """Summed GPU seconds per class over a trace of `steps` steps (kernels, and copies and memsets as
+    memory-bound), the GPU's busy (union) and span seconds, per step."""
     events = json.loads(path.read_text())["traceEvents"]
     kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
-                     if e.get("cat") == "kernel" and "dur" in e)
+                     if e.get("cat") in GPU_EVENTS and "dur" in e)
     classes: dict[str, float] = {}
     top: dict[str, float] = {}
     busy, reach = 0.0, None
@@ -188,7 +192,7 @@ def trace_classes(path: Path, steps: int = 3) -> dict:
         elif end > reach:
             busy += end - reach
             reach = end
-    span = (kernels[-1][1] - kernels[0][0]) / 1e6 if kernels else 0.0
+    span = (max(end for _, end, _ in kernels) - kernels[0][0]) / 1e6 if kernels else 0.0
     return {"classes": {k: v / steps for k, v in classes.items()}, "busy_s": busy / 1e6 / steps,
             "span_s": span / steps, "top": sorted(((k, v / steps) for k, v in top.items()), key=lambda kv: -kv[1])[:12]}
 
@@ -225,7 +229,8 @@ def main() -> int:
     for key in ("hidden", "heads", "kv_heads", "ffn", "vocab"):
         ap.add_argument("--" + key.replace("_", "-"), type=int, default=LLAMA3_8B_WIDTHS[key])
     ap.add_argument("--mlp", choices=["swiglu", "gelu"], default=LLAMA3_8B_WIDTHS["mlp"])
-    ap.add_argument("--compare", metavar="DIR", help="print a recorded step beside the planner's prediction")
+    ap.add_argument("--compare", metavar="DIR_OR_STEP.json",
+                    help="print a recorded step beside the planner's prediction")
     ap.add_argument("--chip", default="h200")
     args = ap.parse_args()
     return compare(args) if args.compare else measure(args)

@@ -223,7 +223,7 @@ class Comm:
         sent = ring_sent_bytes("all_gather", out.numel() * out.element_size(), n)
         return self._issue(name, group, sent, async_op,
                            lambda: all_gather_single(wire_out.view(-1), wire_in.reshape(-1),
-                                                               group=self.groups[group], async_op=True),
+                                                     group=self.groups[group], async_op=True),
                            lambda: self._from_wire(wire_out, out, group))
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, group: str = "world",
@@ -235,7 +235,7 @@ class Comm:
         return self._issue(name, group, ring_sent_bytes("reduce_scatter", full.numel() * full.element_size(), n),
                            async_op,
                            lambda: reduce_scatter_single(wire_out.view(-1), wire_in.reshape(-1),
-                                                              group=self.groups[group], async_op=True),
+                                                         group=self.groups[group], async_op=True),
                            lambda: self._from_wire(wire_out, out, group))
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None = None,

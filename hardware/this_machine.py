@@ -12,7 +12,8 @@ and says when that file is missing, stale or corrupt. A calibration holds
 * resuming: the seconds a compute segment adds when it starts right after the rank's own communication
   (`resume_s[W]`, engine/calibrate.resume_task);
 * communication: per world W, operation, group size n and mode (blocking after three gaps of compute:
-  `BLOCKING_MODES`; async bursts; contended, under compute; a ring shift's posting), gloo's seconds =
+  `BLOCKING_MODES`, and back to back: `BACK_TO_BACK_MODE`; async bursts; contended, under compute; a ring
+  shift's posting), gloo's seconds =
   alpha + beta * bytes and the process CPU it keeps busy (`CommFit`);
 * the roofline: fp32 and bf16 matmul FLOP/s and copy bandwidth (the hardware lesson plots it).
 

@@ -194,27 +194,28 @@ class SearchReport:
 
 
 def compute_by_class(case_or_dict) -> dict[str, float]:
-    """Seconds one chip computes per step by kernel class (planner.costs.KERNEL_CLASSES): GEMMs, attention,
-    SSM scan, memory-bound kernels and the optimizer, as a trace of the chip's kernels sums them class by class
-    (bench/bench_gpu_step.py). Communication, and the compute it slows where it hides, are left out;
-    recomputation is its own entry. For layouts without pipeline stages (every chip runs every layer)."""
+    """Seconds a one-chip case's step computes by kernel class (planner.costs.KERNEL_CLASSES), as a trace of one
+    GPU's kernels sums them (bench/bench_gpu_step.py, planner.gpu_steps): each micro-batch's layers and output
+    layer by class (LayerCost.by_class, logits_by_class); the rest of the step's compute (the embedding, and
+    the gradient accumulation a run without its fusion does) memory-bound; the optimizer; recomputation, if
+    any, its own entry."""
     from planner.memory import layer_kind_counts
 
     case = as_case(case_or_dict)
+    m, tr = case.model, case.training
+    if case.cluster.num_chips != 1 or m.mtp_layers:
+        raise SpecError("cluster.num_chips", "the kernel classes are summed for a step on one chip (of a model "
+                                             "without multi-token prediction): set num_chips to 1")
     res = _search.choose(case)
-    lay, m, tr = res.layout, case.model, case.training
-    if lay.pp > 1 or m.mtp_layers:
-        raise SpecError("parallel.pp", "the kernel classes are summed for one chip running the whole model: "
-                                       "set pp to 1 (and a model without multi-token prediction)")
+    lay = res.layout
     node = case.cluster.chips_per_node or res.chip.scaleup_domain
-    micro_batches = tr.global_batch // (lay.dp * lay.micro_batch)
     out = dict.fromkeys(costs.KERNEL_CLASSES, 0.0)
     for kind, n in layer_kind_counts(m, 0, m.layers):
         for cls, seconds in costs.layer_cost(m, lay, res.chip, tr.dtype, kind, node).by_class:
-            out[cls] += micro_batches * n * seconds
+            out[cls] += res.micro_batches * n * seconds
     for cls, (fwd_s, bwd_s) in costs.logits_by_class(m, lay, res.chip, tr.dtype).items():
-        out[cls] += micro_batches * (fwd_s + bwd_s)
-    out["memory-bound"] += micro_batches * 2 * costs.embedding_s(m, lay, res.chip)  # forward and backward
+        out[cls] += res.micro_batches * (fwd_s + bwd_s)
+    out["memory-bound"] += res.breakdown["compute"] - sum(out.values())
     out["optimizer"] = res.breakdown["optimizer"]
     if res.breakdown["recompute"]:
         out["recompute"] = res.breakdown["recompute"]

@@ -14,18 +14,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from planner.api import compute_by_class, estimate
+from planner.models import MODEL_PRESETS
 
 RECORDED = sorted((Path(__file__).resolve().parents[1] / "hardware" / "data").glob("*-step-*.json"))
 # the bench's SDPA backends as the planner's attention kernels: PyTorch's FlashAttention-2, cuDNN's fused attention
 PLANNER_KERNEL = {"flash": "flash", "cudnn": "flash3"}
-# the widths bench_gpu_step.py uses when a recording names none (Llama 3 8B's)
-LLAMA3_8B_WIDTHS = {"hidden": 4096, "heads": 32, "kv_heads": 8, "ffn": 14336, "vocab": 128256, "mlp": "swiglu"}
+# the widths bench_gpu_step.py runs by default (Llama 3 8B's, from its preset)
+LLAMA3_8B_WIDTHS = {k: getattr(MODEL_PRESETS["Llama 3 8B"], k) for k in ("hidden", "heads", "kv_heads", "ffn", "vocab",
+                                                                         "mlp")}
 
 
 def step_case(record: dict, backend: str, chip: str = "h200", fusion: str = "eager") -> dict:
     """The planner's case for one recorded step: one chip, one micro-batch, no recomputation or sharding.
-    The bench's model runs its rotary embedding as eager elementwise ops and its norms as fused kernels;
-    fusion "eager" charges both eager, "fused" both fused, which brackets it."""
+    The bench's model runs its norms as fused kernels and its rotary embedding as elementwise ops; fusion
+    "eager" charges the planner's Llama recipe both eager, "fused" both fused (its GPT recipe has no rotary)."""
     widths = record.get("model", LLAMA3_8B_WIDTHS)
     return {"name": f"{record['device']} one-GPU step",
             "model": {"layers": record["layers"], "seq_len": record["seq"], "experts": 0, "top_k": 0, **widths},
@@ -53,7 +55,8 @@ class StepComparison:
 
 def _label(record: dict) -> str:
     w = record.get("model", LLAMA3_8B_WIDTHS)
-    kind = "Llama 3 8B-wide" if w == LLAMA3_8B_WIDTHS else f"GPT {w['hidden']}-wide"
+    family = "GPT" if w["mlp"] == "gelu" else "Llama"
+    kind = "Llama 3 8B-wide" if w == LLAMA3_8B_WIDTHS else f"{family} {w['hidden']}-wide"
     return f"{kind} ×{record['layers']}, {record['micro_batch']}×{record['seq']} tokens"
 
 

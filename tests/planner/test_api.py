@@ -48,26 +48,36 @@ def test_estimate_explains_itself():
 def test_compute_by_class_is_one_chips_step_class_by_class():
     from planner.api import compute_by_class
     from planner.case import Cluster, Parallel
+    from planner.models import SpecError
 
-    def one_chip(global_batch):
+    def one_chip(global_batch, **training):
         return planner.make_case("Llama 3 8B", Cluster("h100", 1), global_batch=global_batch, micro_batch=1,
-                                 recompute="none", zero_stage=0, parallel=Parallel(dp=1, tp=1, pp=1, cp=1, ep=1))
+                                 recompute="none", zero_stage=0, parallel=Parallel(dp=1, tp=1, pp=1, cp=1, ep=1),
+                                 **training)
 
     classes, est = compute_by_class(one_chip(2)), planner.estimate(one_chip(2))
     # one chip, no communication: the classes are the whole step
     assert sum(classes.values()) == pytest.approx(est.step_time_s, rel=1e-9)
     assert classes["gemm"] > classes["attention"] > 0 and classes["ssm scan"] == 0
-    # two micro-batches: every class but the optimizer twice one micro-batch's
+    # two micro-batches: every class of the passes twice one micro-batch's, the optimizer once
     half = compute_by_class(one_chip(1))
-    assert classes["gemm"] == pytest.approx(2 * half["gemm"]) and classes["optimizer"] == half["optimizer"]
-
-
-def test_compute_by_class_has_the_scan_of_mamba_and_refuses_pipelines():
-    from planner.api import compute_by_class
-    from planner.case import Parallel
-    from planner.models import SpecError
-
-    mamba = compute_by_class(planner.make_case("Mamba-2 2.7B", "8x H100 (one node)", parallel=Parallel(pp=1)))
-    assert mamba["ssm scan"] > 0 and mamba["attention"] == 0
-    with pytest.raises(SpecError, match="pp"):
+    for cls in ("gemm", "attention", "memory-bound"):
+        assert classes[cls] == pytest.approx(2 * half[cls])
+    assert classes["optimizer"] == half["optimizer"]
+    # gradient accumulation without its fusion: an elementwise pass, memory-bound, and still the whole step
+    unfused = one_chip(4, grad_accum_fusion=False)
+    split, est = compute_by_class(unfused), planner.estimate(unfused)
+    assert sum(split.values()) == pytest.approx(est.step_time_s, rel=1e-9)
+    assert split["memory-bound"] > compute_by_class(one_chip(4))["memory-bound"]
+    assert split["gemm"] == pytest.approx(compute_by_class(one_chip(4))["gemm"])
+    with pytest.raises(SpecError, match="one chip"):
         compute_by_class(planner.make_case("Llama 3 70B", "1,024x H100 (128 nodes)", parallel=Parallel(tp=8, pp=4)))
+
+
+def test_compute_by_class_has_the_scan_of_mamba():
+    from planner.api import compute_by_class
+    from planner.case import Cluster, Parallel
+
+    mamba = compute_by_class(planner.make_case("Mamba-2 2.7B", Cluster("h100", 1), global_batch=1, micro_batch=1,
+                                               parallel=Parallel(dp=1, tp=1, pp=1, cp=1, ep=1)))
+    assert mamba["ssm scan"] > 0 and mamba["attention"] == 0

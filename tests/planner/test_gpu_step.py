@@ -26,15 +26,16 @@ def test_every_recording_is_compared():
 def test_one_gpu_step_kernel_classes_against_the_planner(c):
     # one chip, no communication: the predicted classes are the whole predicted step
     assert sum(c.predicted.values()) == pytest.approx(c.predicted_s, rel=1e-9)
-    # eager PyTorch at these sizes keeps the GPU busy: under 1 % of the step between kernels
-    assert c.idle_share < 0.02
-    # GEMMs run 1470-1770 MHz inside the step (nvidia-smi dmon) against 1350-1515 when only GEMMs run, the
-    # MSMF regime the chip table's rate is read in: the planner's GEMM seconds are 7-15 % over the trace's
-    assert 1.0 < c.predicted["gemm"] / c.measured["gemm"] < 1.2
+    # eager PyTorch at these sizes keeps the GPU busy: under 1 % of the step between kernels (0.5-0.8 %)
+    assert c.idle_share < 0.01
+    # GEMMs run 1500-1755 MHz inside the step (nvidia-smi dmon, 10th-90th percentile) against 1350-1485 when
+    # only GEMMs run, the MSMF regime the chip table's rate is read in: the planner's GEMM seconds are 7-15 %
+    # over the trace's (7.1-14.6 %)
+    assert 1.05 < c.predicted["gemm"] / c.measured["gemm"] < 1.16
     if c.backend == "cudnn":  # the chip table's flash3 curve describes today's cuDNN kernels to within 3 % here
-        assert c.predicted["attention"] == pytest.approx(c.measured["attention"], rel=0.05)
-    # the whole step within the eager / fused recipe bracket's reach
-    assert abs(c.error) < 0.15
+        assert c.predicted["attention"] == pytest.approx(c.measured["attention"], rel=0.03)
+    # the whole step within 10 % (-8.8 ... +9.0 %)
+    assert abs(c.error) < 0.10
 
 
 def test_the_bench_sorts_kernels_into_the_planners_classes():

@@ -673,7 +673,8 @@ def test_back_to_back_blocking_collectives_take_the_back_to_back_fit():
     def calibration(b2b_alpha_s):
         comm = {k: v for k, v in CAL.comm.items() if not k.endswith("/" + BACK_TO_BACK_MODE)}
         if b2b_alpha_s is not None:
-            comm[comm_key(2, "all_reduce", 2, BACK_TO_BACK_MODE)] = CommFit(b2b_alpha_s, 0.0, 0.5)
+            for kind in ("all_reduce", "all_to_all"):
+                comm[comm_key(2, kind, 2, BACK_TO_BACK_MODE)] = CommFit(b2b_alpha_s, 0.0, 0.5)
         return dataclasses.replace(CAL, comm=comm)
 
     def all_reduces(pred):
@@ -683,6 +684,9 @@ def test_back_to_back_blocking_collectives_take_the_back_to_back_fit():
     assert len(without) == len(fast) > 10  # one per parameter
     assert fast[0] == pytest.approx(without[0])  # after the backward's compute: the gap fit
     assert all(s == pytest.approx(20e-6) for s in fast[1:]) and min(without[1:]) > 1e-4
-    # the bucketed sync's all-reduces are asynchronous, under the backward: no back-to-back fit applies
-    bucketed = _cfg("--strategy dp --world 2")
-    assert predict(bucketed, calibration(20e-6)).step_time_s == predict(bucketed, calibration(None)).step_time_s
+    # two blocking collectives that follow each other in the program but not in the engine, which computes
+    # between them (tp: the loss's max, then its exp and sum; ep: the counts, then the tokens gathered for
+    # dispatch), each at its gap
+    for flags in ("--strategy tp --world 2", "--strategy ep --world 2"):
+        cfg = _cfg(flags)
+        assert predict(cfg, calibration(20e-6)).step_time_s == predict(cfg, calibration(None)).step_time_s
