@@ -22,8 +22,8 @@ Three kinds of measurement:
   tensor-parallel or expert-parallel segment of a live run does.
 * communication (`comm_task`): every gloo operation the strategies use, by group size n and world W
   (the other groups of the world communicating at the same time, as a mesh does), at a few message
-  sizes: blocking, each after `COMPUTE_GAP_S` of computing as in a training step, after a shorter and a
-  longer gap (`SYNC_GAPS_S`) and back to back (they run 2-3x faster: gloo's threads stay awake), and as
+  sizes: blocking, each after `COMPUTE_GAP_S` of computing as in a training step (back to back they run
+  2-3x faster: gloo's threads stay awake) and after a shorter and a longer gap (`SYNC_GAPS_S`), and as
   a stream of asynchronous operations; with the process CPU time each takes (gloo's threads keep a core
   busy while they move data). The ring shift (context parallel's hop) goes through the engine's own
   `Comm.p2p`, and how long posting it blocks the rank is timed too (its "post" mode). How long posting a
@@ -46,7 +46,6 @@ from engine.optim import AdamW, adamw_
 from engine.ring_attention import block_backward, block_forward, expand_kv, merge, reduce_kv
 from hardware.this_machine import (
     ALONE_MODE,
-    BACK_TO_BACK_MODE,
     BLOCKING_MODES,
     CONTENDED_CAP_S,
     PAIR_MODE,
@@ -528,14 +527,10 @@ def comm_task(ctx, group_sizes: list[int], sizes: tuple[int, ...] = COMM_SIZES, 
                 out.append(_row(kind, n, ctx.world, nbytes, POST_MODE,
                                 [sum(w for w, _ in posts), sum(c for _, c in posts), len(posts)]))
         blocking = {key: call for key, call in sync.items() if key[0] in SYNC_GAP_KINDS}
-        gap_rounds = max(1, SYNC_GAP_ROUNDS * rounds // COMM_ROUNDS)
         for mode, gap_s in SYNC_GAPS_S.items():
+            gap_rounds = max(1, SYNC_GAP_ROUNDS * rounds // COMM_ROUNDS)
             for (kind, nbytes), sums in _rounds(blocking, gap_rounds, dist, gap_s).items():
                 out.append(_row(kind, n, ctx.world, nbytes, mode, sums) | {"gap_s": gap_s})
-        # back to back: each call right after the one before (the sizes round-robin, as a naive sync's
-        # parameters of different sizes follow each other)
-        for (kind, nbytes), sums in _rounds(blocking, gap_rounds, dist, 0.0).items():
-            out.append(_row(kind, n, ctx.world, nbytes, BACK_TO_BACK_MODE, sums) | {"gap_s": 0.0})
         # the middle window sits here, not right before the blocking operations after a gap, which it
         # slowed: a 2-rank all-reduce after 50 us of compute read 1.35 ms on average over six calibrations
         # with it there (above the 1.3 ms it takes after 300 us), 0.94 ms over seven with it here
@@ -787,14 +782,15 @@ def _comm_call(kind: str, n: int, me: int, members: list[int], nbytes: int, grou
     numel = max(n, nbytes // 4 // n * n)
     full, shard = torch.ones(numel), torch.ones(numel // n)
     out_full, out_shard = torch.empty(numel), torch.empty(numel // n)
-    if kind == "all_reduce":
-        return lambda: dist.all_reduce(full, group=group, async_op=async_op)
-    if kind == "all_gather":
-        return lambda: all_gather_single(out_full, shard, group=group, async_op=async_op)
-    if kind == "reduce_scatter":
-        return lambda: reduce_scatter_single(out_shard, full, group=group, async_op=async_op)
-    if kind == "all_to_all":
-        return lambda: dist.all_to_all_single(out_full, full, group=group, async_op=async_op)
+    issue = {"all_reduce": lambda: dist.all_reduce(full, group=group, async_op=True),
+             "all_gather": lambda: all_gather_single(out_full, shard, group=group, async_op=True),
+             "reduce_scatter": lambda: reduce_scatter_single(out_shard, full, group=group, async_op=True),
+             "all_to_all": lambda: dist.all_to_all_single(out_full, full, group=group, async_op=True)}.get(kind)
+    if issue is not None:
+        # a blocking operation issued and waited for, as engine/comm.py runs every collective: gloo's own
+        # blocking call (async_op=False) is another, slower path (torch 2.13, 2 ranks on 2 cores: 21 all-reduces
+        # of the default model's gradients in a row, 1.14 ms each blocking, 0.65 ms issued and waited for)
+        return issue if async_op else lambda: issue().wait()
     if kind == "ring_shift":  # context parallel and pipeline hops: send to the next rank, receive from the previous
         return _Shift(n, me, nbytes, group)
     msg, buf = torch.ones(max(1, nbytes // 4)), torch.empty(max(1, nbytes // 4))

@@ -12,8 +12,7 @@ and says when that file is missing, stale or corrupt. A calibration holds
 * resuming: the seconds a compute segment adds when it starts right after the rank's own communication
   (`resume_s[W]`, engine/calibrate.resume_task);
 * communication: per world W, operation, group size n and mode (blocking after three gaps of compute:
-  `BLOCKING_MODES`, and back to back: `BACK_TO_BACK_MODE`; async bursts; contended, under compute; a ring
-  shift's posting), gloo's seconds =
+  `BLOCKING_MODES`; async bursts; contended, under compute; a ring shift's posting), gloo's seconds =
   alpha + beta * bytes and the process CPU it keeps busy (`CommFit`);
 * the roofline: fp32 and bf16 matmul FLOP/s and copy bandwidth (the hardware lesson plots it).
 
@@ -43,10 +42,6 @@ FORMAT = 4
 CONTENDED_CAP_S = 0.02
 # Blocking operations are timed after three gaps of compute (engine/calibrate.SYNC_GAPS_S), shortest first
 BLOCKING_MODES = ("sync_short", "sync", "sync_long")
-# ... and back to back, with no compute between one and the next of the group (a naive data-parallel sync's
-# all-reduce per parameter): gloo's threads stay awake, and the ranks arrive together. Optional: a file
-# measured before it has none, and planner.live then costs such an operation at its gap, as it did
-BACK_TO_BACK_MODE = "sync_b2b"
 POST_MODE = "post"  # how long posting a point-to-point operation blocks the rank that posts it (CommFit)
 ALONE_MODE, PAIR_MODE = "alone", "pair"  # one asynchronous operation posted and waited; two posted at once
 # torch's ProcessGroupGloo runs each group's queue on 2 worker threads (its default options: threads =
@@ -96,9 +91,8 @@ class CommFit:
     """One gloo operation on groups of n ranks while the world's W ranks all communicate.
 
     Blocking operations ("sync", "sync_short", "sync_long"): `seconds` is what one costs after `gap_s` of
-    compute; "sync_b2b" (`BACK_TO_BACK_MODE`) right after another of its kind on the same group.
-    Asynchronous ones ("async") are measured as a burst (`burst` operations each issued after `compute_s` of
-    work, then all waited for): `seconds` is then the whole burst's time, and planner.live
+    compute. Asynchronous ones ("async") are measured as a burst (`burst` operations each issued after
+    `compute_s` of work, then all waited for): `seconds` is then the whole burst's time, and planner.live
     solves for one operation's duration in its simulation of that same pattern. "contended": one
     asynchronous operation while every rank keeps computing until it completes; `stalls` when it did not
     complete within CONTENDED_CAP_S (it waits for its ranks to stop computing). "post" (`POST_MODE`; ring

@@ -52,7 +52,6 @@ from core.ssd import state_correction_flops
 from core.timeline import Timeline, bubble_spans, intersection_seconds, span_kind, union_seconds
 from hardware.collectives import ring_sent_bytes
 from hardware.this_machine import (
-    BACK_TO_BACK_MODE,
     BLOCKING_MODES,
     GLOO_THREADS,
     PAIR_MODE,
@@ -244,21 +243,16 @@ class _Costs:
     def cat(self, parts: int) -> float:
         return self.compute_fit("cat").fwd(parts)
 
-    def comm(self, kind: str, n: int, nbytes: float, mode: str = "sync", gap_s: float | None = None,
-             back_to_back: bool = False) -> float:
+    def comm(self, kind: str, n: int, nbytes: float, mode: str = "sync", gap_s: float | None = None) -> float:
         """Seconds of one operation; a blocking one ("sync") after `gap_s` of the rank's compute (one
         core's seconds) reads the calibration at that gap (engine/calibrate.SYNC_GAPS_S), else at the
-        calibration's usual gap; `back_to_back`, right after a blocking one of its kind on the same group,
-        its back-to-back fit (BACK_TO_BACK_MODE)."""
+        calibration's usual gap."""
         if n <= 1:
             return 0.0
         size = _nearest(n, self._sizes(kind, mode))
         fit = self.cal.comm_fit(self.cfg.world, kind, size, mode)
         if mode == "async" and fit.burst:
             return self._async_op_s(kind, size, nbytes, fit)
-        b2b = self.cal.comm.get(comm_key(self.cfg.world, kind, size, BACK_TO_BACK_MODE)) if back_to_back else None
-        if mode == "sync" and b2b is not None:
-            return b2b.seconds(nbytes)
         if mode == "sync" and gap_s is not None:
             return self._after_gap_s(kind, size, nbytes, gap_s * self.share, fit)
         return fit.seconds(nbytes)
@@ -275,9 +269,6 @@ class _Costs:
         lo, hi = next((lo, hi) for lo, hi in zip(fits, fits[1:]) if g <= hi.gap_s)
         x = math.log(g / lo.gap_s) / math.log(hi.gap_s / lo.gap_s)
         return (1 - x) * lo.seconds(nbytes) + x * hi.seconds(nbytes)
-
-    def has_fit(self, kind: str, n: int, mode: str) -> bool:
-        return n > 1 and comm_key(self.cfg.world, kind, _nearest(n, self._sizes(kind, "sync")), mode) in self.cal.comm
 
     def contended_s(self, kind: str, n: int, nbytes: float) -> float | None:
         """An asynchronous operation's duration while its ranks compute (math.inf: it waits for them to
@@ -430,7 +421,6 @@ class _Rank:
         self.mb: int | None = None
         self._n = 0
         self.since_comm = 0.0  # one core's compute seconds since the rank's last communication
-        self.last_blocking: tuple | None = None  # (kind, group) when the rank's last op was that in-a-row collective
         self.compute_scale = 1.0  # the share of a unit's backward a pass runs (ZB-H1's split halves)
         self._resumes = False  # the rank has waited on its communication since it last computed
 
@@ -444,41 +434,31 @@ class _Rank:
                 self._resumes = False
             self.ops.append(Compute(name, seconds, self.mb))
             self.since_comm += seconds
-            self.last_blocking = None
 
     def comm_op(self, op) -> None:
         """Append a communication operation (built here or by the caller: a pipeline or state-passing
         message, a posting)."""
         self.ops.append(op)
         self.since_comm = 0.0
-        self.last_blocking = None
         # it blocks the rank: a wait, a receive, a blocking collective (not a send or an asynchronous one)
         if isinstance(op, (Wait, Recv)) or (isinstance(op, Collective) and op.handle is None):
             self._resumes = True
 
     def coll(self, name: str, group: tuple[int, ...], axis: str, kind: str, nbytes: float, asyn: bool = False,
-             mode: str | None = None, in_a_row: bool = False) -> str | None:
-        """A collective; `in_a_row`: one of a loop of blocking ones that the engine issues with nothing between
-        them (a naive sync's all-reduce per parameter, ZeRO's per-unit all-gathers), which costs the
-        back-to-back fit when the rank's previous op was one of them on the same group."""
+             mode: str | None = None) -> str | None:
         n = len(group)
         if n <= 1:
             return None
         mode = mode or ("async" if asyn else "sync")
         self._n += 1
         handle = f"h{self._n}" if asyn else None
-        back_to_back = in_a_row and not asyn and self.last_blocking == (kind, group)
-        seconds = self.costs.comm(kind, n, nbytes, mode, gap_s=None if asyn else self.since_comm,
-                                  back_to_back=back_to_back)
+        seconds = self.costs.comm(kind, n, nbytes, mode, gap_s=None if asyn else self.since_comm)
         # the span's bytes are what one rank sends, as the engine records them (engine/comm.py); a ring
         # shift sends its whole message
         sent = ring_sent_bytes("p2p" if kind == "ring_shift" else kind, int(nbytes), n)
-        cpu_mode = BACK_TO_BACK_MODE if back_to_back and self.costs.has_fit(kind, n, BACK_TO_BACK_MODE) else mode
-        self.comm_op(Collective(name, group, axis, seconds, sent, handle, self.costs.cpu(kind, n, cpu_mode),
+        self.comm_op(Collective(name, group, axis, seconds, sent, handle, self.costs.cpu(kind, n, mode),
                                 self.mb, self.costs.contended_s(kind, n, nbytes) if asyn else None,
                                 self.costs.concurrency(kind, n, nbytes) if asyn else GLOO_THREADS))
-        if in_a_row and not asyn:
-            self.last_blocking = (kind, group)
         return handle
 
     def send(self, name: str, dst: int, key: tuple, n: int, nbytes: float, group: str) -> str:
@@ -1198,14 +1178,14 @@ class _Program:
                         group = "dp expert" if (u, j) in self.expert_keys else "dp"
                         if len(self.g[group]) > 1:
                             r.coll("all_reduce", self.g[group], self.group_names[group], "all_reduce",
-                                   self.params[u][j][1] * F32, in_a_row=True)
+                                   self.params[u][j][1] * F32)
             r.compute("finish grads", 2 * len(all_params) * c.tiny)
         elif self.stage in (1, 2, 3) and self.dp > 1:
             r.compute("finish grads", 2 * len(held) * c.tiny)
         if self.stage in (1, 2, 3) and len(self.g["replicas"]) > 1:
             for u in self.held:  # the shards' gradients summed over their replicas (HSDP, cp, ep)
                 r.coll("all_reduce grad shards", self.g["replicas"], self.replicas_group, "all_reduce",
-                       self._unit_bytes(u) // self.dp, in_a_row=True)
+                       self._unit_bytes(u) // self.dp)
         if self.flat:
             opt = c.adamw([-(-sum(n for _, n in unit) // self.dp) for unit in held])
         else:
@@ -1213,7 +1193,7 @@ class _Program:
         r.compute("optimizer step", opt)
         if self.stage in (1, 2) and self.dp > 1 and self.flat:
             for u in self.held:
-                r.coll("all_gather params", self.g["dp"], "dp", "all_gather", self._unit_bytes(u), in_a_row=True)
+                r.coll("all_gather params", self.g["dp"], "dp", "all_gather", self._unit_bytes(u))
 
     # -- pipeline (engine/pipeline/executor.py) -----------------------------------------------------------------------
     def _pipeline(self) -> None:

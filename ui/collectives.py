@@ -563,7 +563,7 @@ def sweep_figure(result: MachineLink) -> go.Figure:
 
 def _timed_as(mode: str, gap_s: float) -> str:
     """How the calibration timed an operation (hardware.this_machine.CommFit's modes), in words."""
-    from hardware.this_machine import ALONE_MODE, BACK_TO_BACK_MODE, BLOCKING_MODES, PAIR_MODE, POST_MODE, message_mode
+    from hardware.this_machine import ALONE_MODE, BLOCKING_MODES, PAIR_MODE, POST_MODE, message_mode
 
     message = message_mode(mode)
     if message:
@@ -574,7 +574,6 @@ def _timed_as(mode: str, gap_s: float) -> str:
     if mode in BLOCKING_MODES:
         return f"blocking, {after}"
     return {"contended": "while its ranks compute", POST_MODE: "posting it (the rank is blocked)",
-            BACK_TO_BACK_MODE: "blocking, right after another of its kind",
             ALONE_MODE: f"asynchronous, alone, {after}",
             PAIR_MODE: f"asynchronous, two at once (both ended), {after}"}.get(mode, mode)
 

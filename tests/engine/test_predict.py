@@ -47,10 +47,6 @@ def test_corrupt_calibration_is_measured_again_with_a_message(calibrated):
     # blocking operations timed after three gaps of compute, and what compute loses after communicating
     gaps = [cal.comm[tm.comm_key(2, "all_to_all", 2, mode)].gap_s for mode in ("sync_short", "sync", "sync_long")]
     assert 0 < gaps[0] < gaps[1] < gaps[2]
-    # and back to back, each blocking kind the live runs use (a naive sync's all-reduce per parameter)
-    for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
-        b2b = cal.comm[tm.comm_key(2, kind, 2, tm.BACK_TO_BACK_MODE)]
-        assert b2b.gap_s == 0 and b2b.seconds(1024) > 0
     assert set(cal.resume_s) == {2}
     # a receive posted after its send (a pipeline's RECV): gloo moves the message only then
     assert cal.comm[tm.comm_key(2, "send_recv", 2, tm.late_mode(1))].seconds(1024) > 0

@@ -660,33 +660,3 @@ def test_the_first_layer_of_each_pass_runs_cold():
     f1, f0 = per_micro_batch(with_cold), per_micro_batch(without)
     assert sorted(f1) == sorted(f0) == [0, 1]
     assert all(f1[mb] - f0[mb] == pytest.approx(0.5e-3, rel=1e-3) for mb in f1)
-
-
-def test_back_to_back_blocking_collectives_take_the_back_to_back_fit():
-    # the naive sync's all-reduce per parameter, one right after the other: the first (after the backward)
-    # costs the fit at its gap of compute, each next one the calibration's back-to-back fit (gloo's threads
-    # awake, the ranks together); a calibration without that fit, the gap fits as before
-    from hardware.this_machine import BACK_TO_BACK_MODE
-
-    cfg = _cfg("--strategy dp --world 2 --dp-comm naive")
-
-    def calibration(b2b_alpha_s):
-        comm = {k: v for k, v in CAL.comm.items() if not k.endswith("/" + BACK_TO_BACK_MODE)}
-        if b2b_alpha_s is not None:
-            for kind in ("all_reduce", "all_to_all"):
-                comm[comm_key(2, kind, 2, BACK_TO_BACK_MODE)] = CommFit(b2b_alpha_s, 0.0, 0.5)
-        return dataclasses.replace(CAL, comm=comm)
-
-    def all_reduces(pred):
-        return [s.end_s - s.start_s for s in pred.timeline.spans if s.rank == 0 and s.lane == "comm"]
-
-    without, fast = all_reduces(predict(cfg, calibration(None))), all_reduces(predict(cfg, calibration(20e-6)))
-    assert len(without) == len(fast) > 10  # one per parameter
-    assert fast[0] == pytest.approx(without[0])  # after the backward's compute: the gap fit
-    assert all(s == pytest.approx(20e-6) for s in fast[1:]) and min(without[1:]) > 1e-4
-    # two blocking collectives that follow each other in the program but not in the engine, which computes
-    # between them (tp: the loss's max, then its exp and sum; ep: the counts, then the tokens gathered for
-    # dispatch), each at its gap
-    for flags in ("--strategy tp --world 2", "--strategy ep --world 2"):
-        cfg = _cfg(flags)
-        assert predict(cfg, calibration(20e-6)).step_time_s == predict(cfg, calibration(None)).step_time_s
