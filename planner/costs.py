@@ -590,6 +590,13 @@ def ring_kv_bytes(m: ModelSpec, lay: Layout) -> float:
 
 
 @lru_cache(maxsize=65536)  # the memo `layer_cost` promises: the search asks for the same layers thousands of times
+def window_skips_keys(m: ModelSpec, lay: Layout) -> bool:
+    """Whether the model's sliding windows save attention work under this layout: a flash kernel with a window
+    (WINDOWED_KERNELS), no context parallelism (the K/V ring still passes every shard), a window shorter than
+    the sequence (_layer_cost says how)."""
+    return bool(m.windowed_share) and m.sliding_window < m.seq_len and lay.cp == 1 and lay.attention in WINDOWED_KERNELS
+
+
 def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
                 chips_per_node: int) -> LayerCost:
     t, cp = lay.tp, lay.cp
@@ -609,7 +616,7 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
         computed = CAUSAL_FLASH_FRACTION if m.causal else 1.0  # a causal kernel skips the masked half
         attn_fwd_s, attn_bwd_s = kernels.flash_attention_s(chip, score_flops * computed, m.seq_len / cp,
                                                            lay.attention, hd)
-        if m.windowed_share and m.sliding_window < m.seq_len and cp == 1 and lay.attention in WINDOWED_KERNELS:
+        if window_skips_keys(m, lay):
             # a windowed layer's kernel skips every key block outside the band (FlashAttention-2's window_size,
             # from 2.3; cuDNN's and FlashAttention-3's sliding window): each query scores min(position + 1, W)
             # keys. A row of query tiles then visits about W / tile + 1 key tiles, the last one masked, as the

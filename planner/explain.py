@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hardware.kernels import TRITON_FLASH_SLOWDOWN
+from hardware.kernels import FLASH_KERNELS, TRITON_FLASH_SLOWDOWN, head_dim_factor
 from planner.case import DEFAULT_RECOMPUTE_MODULES
+from planner.costs import window_skips_keys
 from planner.memory import memory_per_chip
 from planner.simulate import StepResult, simulate, usable_hbm_bytes
 
@@ -112,6 +113,24 @@ def explain(res: StepResult, best: StepResult | None = None) -> list[str]:
     if not lay.optimizer_fused and case.training.optimizer == "adam":
         words.append(f"Adam runs as PyTorch's elementwise ops one at a time: the step takes "
                      f"{longer(optimizer_fused=True)} longer than with one fused multi-tensor kernel.")
+    if m.attention_layers and lay.attention in FLASH_KERNELS:
+        factor = head_dim_factor(res.chip, "flash" if lay.attention == "flash-triton" else lay.attention, m.head_dim_)
+        if factor < 1:
+            words.append(f"Attention heads are {m.head_dim_:g} wide: the attention kernel runs at {factor:.0%} of its "
+                         f"FLOP rate at head dim 128 on {res.chip.name} (half the matmul work per tile of keys it "
+                         "loads; the chip table's measured ratio).")
+    if m.windowed_share and m.sliding_window < m.seq_len:
+        layers = round(m.windowed_share * m.attention_layers)
+        if window_skips_keys(m, lay):
+            how = (f"the kernel computes only that band of each score matrix, about {m.sliding_window:,} keys per "
+                   f"query instead of up to {m.seq_len:,}")
+        else:
+            why = {"flash-triton": "the Triton kernel has no window and computes the whole causal triangle",
+                   "materialized": "materialised scores are computed over the whole square, then masked"}
+            how = why.get(lay.attention, "under context parallelism the K/V ring still passes every shard") \
+                + ": the window saves nothing here"
+        words.append(f"{layers} of the {m.attention_layers} attention layers attend within a sliding window of "
+                     f"{m.sliding_window:,} tokens: {how}.")
     if lay.attention == "flash-triton":
         fwd, bwd = TRITON_FLASH_SLOWDOWN
         words.append(f"Attention runs FlashAttention written in Triton ({fwd:g}x FlashAttention-2's forward time, "

@@ -81,3 +81,20 @@ def test_compute_by_class_has_the_scan_of_mamba():
     mamba = compute_by_class(planner.make_case("Mamba-2 2.7B", Cluster("h100", 1), global_batch=1, micro_batch=1,
                                                parallel=Parallel(dp=1, tp=1, pp=1, cp=1, ep=1)))
     assert mamba["ssm scan"] > 0 and mamba["attention"] == 0
+
+
+def test_the_explanation_names_narrow_heads_and_sliding_windows():
+    import json
+
+    from planner.validation import HELDOUT_RUNS, load_published_runs
+
+    run = next(r for r in load_published_runs(HELDOUT_RUNS) if r["name"].startswith("nemo2602-gptoss"))
+    words = " ".join(planner.estimate(run).explanation)
+    # gpt-oss: heads 64 wide (cuDNN at 82 % of its head-dim-128 rate on H100), 18 of 36 layers windowed at 128
+    assert "Attention heads are 64 wide" in words and "82%" in words
+    assert "18 of the 36 attention layers attend within a sliding window of 128 tokens" in words
+    assert "only that band" in words
+    scored = json.loads(json.dumps(run))
+    scored["training"]["attention"] = "materialized"
+    words = " ".join(planner.estimate(scored).explanation)
+    assert "the window saves nothing here" in words and "64 wide" not in words  # no flash kernel, no head-dim rate
