@@ -589,7 +589,6 @@ def ring_kv_bytes(m: ModelSpec, lay: Layout) -> float:
     return 2 * tokens * kv_width / min(lay.tp, m.kv_heads if not m.is_mla else lay.tp) * ACT_BYTES
 
 
-@lru_cache(maxsize=65536)  # the memo `layer_cost` promises: the search asks for the same layers thousands of times
 def window_skips_keys(m: ModelSpec, lay: Layout) -> bool:
     """Whether the model's sliding windows save attention work under this layout: a flash kernel with a window
     (WINDOWED_KERNELS), no context parallelism (the K/V ring still passes every shard), a window shorter than
@@ -597,6 +596,7 @@ def window_skips_keys(m: ModelSpec, lay: Layout) -> bool:
     return bool(m.windowed_share) and m.sliding_window < m.seq_len and lay.cp == 1 and lay.attention in WINDOWED_KERNELS
 
 
+@lru_cache(maxsize=65536)  # the memo `layer_cost` promises: the search asks for the same layers thousands of times
 def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
                 chips_per_node: int) -> LayerCost:
     t, cp = lay.tp, lay.cp
