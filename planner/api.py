@@ -193,12 +193,12 @@ class SearchReport:
                 "layouts": [r.as_dict(i + 1) for i, r in enumerate(self.ranked)]}
 
 
-def compute_by_class(case_or_dict) -> dict[str, float]:
+def compute_by_class(case_or_dict, result: StepResult | None = None) -> dict[str, float]:
     """Seconds a one-chip case's step computes by kernel class (planner.costs.KERNEL_CLASSES), as a trace of one
     GPU's kernels sums them (bench/bench_gpu_step.py, planner.gpu_steps): each micro-batch's layers and output
     layer by class (LayerCost.by_class, logits_by_class); the rest of the step's compute (the embedding, and
     the gradient accumulation a run without its fusion does) memory-bound; the optimizer; recomputation, if
-    any, its own entry."""
+    any, its own entry. `result`: the case's simulated step where the caller has it (`estimate(...).result`)."""
     from planner.memory import layer_kind_counts
 
     case = as_case(case_or_dict)
@@ -206,7 +206,7 @@ def compute_by_class(case_or_dict) -> dict[str, float]:
     if case.cluster.num_chips != 1 or m.mtp_layers:
         raise SpecError("cluster.num_chips", "the kernel classes are summed for a step on one chip (of a model "
                                              "without multi-token prediction): set num_chips to 1")
-    res = _search.choose(case)
+    res = result or _search.choose(case)
     lay = res.layout
     node = case.cluster.chips_per_node or res.chip.scaleup_domain
     out = dict.fromkeys(costs.KERNEL_CLASSES, 0.0)

@@ -114,7 +114,7 @@ def explain(res: StepResult, best: StepResult | None = None) -> list[str]:
         words.append(f"Adam runs as PyTorch's elementwise ops one at a time: the step takes "
                      f"{longer(optimizer_fused=True)} longer than with one fused multi-tensor kernel.")
     if m.attention_layers and lay.attention in FLASH_KERNELS:
-        factor = head_dim_factor(res.chip, "flash" if lay.attention == "flash-triton" else lay.attention, m.head_dim_)
+        factor = head_dim_factor(res.chip, lay.attention, m.head_dim_)
         if factor < 1:
             words.append(f"Attention heads are {m.head_dim_:g} wide: the attention kernel runs at {factor:.0%} of its "
                          f"FLOP rate at head dim 128 on {res.chip.name} (half the matmul work per tile of keys it "

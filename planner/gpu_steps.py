@@ -70,7 +70,8 @@ def comparisons(paths=RECORDED, chip: str = "h200", fusion: str = "eager") -> li
                 continue
             trace = run["trace"]
             case = step_case(record, backend, chip, fusion)
+            est = estimate(case)
             out.append(StepComparison(_label(record), backend, run["median_step_s"],
                                       1 - trace["busy_s"] / trace["span_s"], trace["classes"],
-                                      estimate(case).step_time_s, compute_by_class(case)))
+                                      est.step_time_s, compute_by_class(case, est.result)))
     return out
