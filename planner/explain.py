@@ -117,7 +117,7 @@ def explain(res: StepResult, best: StepResult | None = None) -> list[str]:
         factor = head_dim_factor(res.chip, lay.attention, m.head_dim_)
         if factor < 1:
             words.append(f"Attention heads are {m.head_dim_:g} wide: the attention kernel runs at {factor:.0%} of its "
-                         f"FLOP rate at head dim 128 on {res.chip.name} (half the matmul work per tile of keys it "
+                         f"FLOP rate at head dim 128 on {res.chip.name} (less matmul work per tile of keys it "
                          "loads; the chip table's measured ratio).")
     if m.windowed_share and m.sliding_window < m.seq_len:
         layers = round(m.windowed_share * m.attention_layers)
