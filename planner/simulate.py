@@ -264,6 +264,13 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
                 exposed = max(sync - last_bwd * (1 - 1 / layers_here), sync / layers_here)
                 return exposed + costs.overlap_slowdown(chip) * (sync - exposed)
 
+            def hidden_under_fwd(gather: float) -> float:
+                """The updated weights' gather under the next step's forward (`param_gather_overlap`), likewise."""
+                if not lay.param_gather_overlap:
+                    return gather
+                exposed = max(0.0, gather - sum(ch.fwd_s for ch in chunks))
+                return exposed + costs.overlap_slowdown(chip) * (gather - exposed)
+
             for topo, n_params in ((dense_topo, dense_p), (expert_topo, expert_p)):
                 if topo is None or not n_params:
                     continue
@@ -285,8 +292,7 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
                 else:
                     exposed += hidden_under_bwd(sync)
                     dp_total += sync + gather
-                exposed += max(0.0, gather - sum(ch.fwd_s for ch in chunks)) \
-                    if lay.param_gather_overlap else gather
+                exposed += hidden_under_fwd(gather)
             if per_micro_batch:
                 chunks[0] = _plus_backward(chunks[0], "dp_comm", per_micro_batch)
         if not lay.grad_accum_fusion:

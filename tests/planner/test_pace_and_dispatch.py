@@ -122,3 +122,34 @@ def test_hidden_communication_slows_gpu_compute_only():
     # ZeRO-3's per-layer gathers hide under the layers: the GPU's compute grows by what hides, the TPU's not
     assert _dense_compute_s("h100", 8, 3) > 1.01 * _dense_compute_s("h100", 8, 1)
     assert _dense_compute_s("tpu-v5p", 4, 3) == pytest.approx(_dense_compute_s("tpu-v5p", 4, 1), rel=1e-9)
+
+
+def _zero1_dp_seconds(chip, node, **training):
+    """(exposed data-parallel seconds, gather, reduce-scatter, forward, backward) of a ZeRO-1 case."""
+    from planner import costs
+
+    case = {"model": {"layers": 4, "hidden": 4096, "heads": 32, "kv_heads": 8, "ffn": 14336, "vocab": 32000,
+                      "seq_len": 2048},
+            "training": {"global_batch": 64, "micro_batch": 1, "recompute": "none", "zero_stage": 1,
+                         "grad_reduce_in_fp32": False, **training},
+            "parallel": {"dp": 64, "tp": 1, "pp": 1, "cp": 1},
+            "cluster": {"chip": chip, "num_chips": 64, "chips_per_node": node}}
+    res = estimate(case).result
+    st, lay = res.stages[0], res.layout
+    topo = costs.topology(res.chip, 64, 1, node)
+    chunk = st.chunks[0]
+    return (st.dp_exposed_s, costs.comm_s(topo, "all_gather", st.params * 2),
+            costs.comm_s(topo, "reduce_scatter", st.params * lay.grad_bytes), chunk.fwd_s, chunk.bwd_s)
+
+
+@pytest.mark.parametrize("chip,node", [("h100", 8), ("tpu-v5p", 4)])
+def test_the_hidden_weight_gather_slows_compute_like_the_hidden_gradient_sync(chip, node):
+    # ZeRO-1 gathers the updated weights under the next forward (param_gather_overlap) and reduce-scatters the
+    # gradients under the backward: what hides of either costs overlap_slowdown of compute, what does not shows
+    both = _zero1_dp_seconds(chip, node, grad_reduce_overlap=True, param_gather_overlap=True)
+    exposed, gather, sync, fwd, bwd = both
+    assert 0 < gather < fwd and 0 < sync < bwd * 3 / 4  # each hides but for the last layer's gradients
+    slow = overlap_slowdown(get_chip(chip))
+    assert exposed == pytest.approx(sync / 4 + slow * (gather + sync * 3 / 4), rel=1e-9)
+    neither = _zero1_dp_seconds(chip, node, grad_reduce_overlap=False, param_gather_overlap=False)[0]
+    assert neither == pytest.approx(gather + sync, rel=1e-9)
