@@ -551,6 +551,22 @@ def fsdp_copy_bytes(lay: Layout) -> tuple[float, float]:
     return {"fsdp2": (4.0, 4.0 + 2.0 + gb), "fsdp1": (0.0, fsdp1_bwd), "in-place": (0.0, 0.0)}[lay.fsdp_impl]
 
 
+def _with_zero3_and_slowdown(lay: Layout, chip: Chip, chips_per_node: int, lp, fwd_s: float, bwd_s: float,
+                             fwd_comms: list[CommOp], bwd_comms: list[CommOp]) -> tuple[float, float, float]:
+    """A layer's passes once its ZeRO-3 collectives (`_zero3_comms`, when it gathers its weights) join its other
+    communication in `fwd_comms` / `bwd_comms`, and every hidden second of them all slows its compute
+    (`overlap_slowdown`): (forward s, backward s, the bytes of weights it gathers, 0 without ZeRO-3)."""
+    gathered = 0.0
+    if lay.zero_stage == 3 and lay.dp * lay.cp > 1:
+        zf, zb = _zero3_comms(lay, chip, chips_per_node, lp, fwd_s, bwd_s, fwd_comms, bwd_comms)
+        fwd_comms.append(zf)
+        bwd_comms.extend(zb)
+        gathered = zf.nbytes
+    slow = overlap_slowdown(chip)
+    return (fwd_s + slow * sum(c.hidden_s for c in fwd_comms), bwd_s + slow * sum(c.hidden_s for c in bwd_comms),
+            gathered)
+
+
 def _plus_fsdp_copies(chip: Chip, lay: Layout, gathered_bytes: float, fwd_s: float,
                       bwd_s: float) -> tuple[float, float]:
     """A ZeRO-3 layer's passes with its implementation's copies (`fsdp_copy_bytes`) of its `gathered_bytes` of
@@ -707,15 +723,9 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
         bwd_comms.append(CommOp("ep", "ep dispatch + combine (grad)", "all_to_all", rows_bytes, a2a,
                                 max(0.0, a2a - bwd_s) if lay.ep_comm_overlap else a2a, 2))
 
-    # -- ZeRO-3 / FSDP ---------------------------------------------------------------------------------------
-    zero3 = lay.zero_stage == 3 and lay.dp * cp > 1
-    if zero3:
-        zf, zb = _zero3_comms(lay, chip, chips_per_node, lp, fwd_s, bwd_s, fwd_comms, bwd_comms)
-        fwd_comms.append(zf)
-        bwd_comms.extend(zb)
-
-    fwd_s += overlap_slowdown(chip) * sum(c.hidden_s for c in fwd_comms)
-    bwd_s += overlap_slowdown(chip) * sum(c.hidden_s for c in bwd_comms)
+    # -- ZeRO-3 / FSDP, and what the hidden communication slows ----------------------------------------------
+    fwd_s, bwd_s, gathered = _with_zero3_and_slowdown(lay, chip, chips_per_node, lp, fwd_s, bwd_s, fwd_comms,
+                                                      bwd_comms)
 
     if lay.recompute == "full":
         recompute_s = fwd_s
@@ -725,8 +735,8 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
         recompute_s = _op_sac_recompute_s(m, moe, gemm_fwd, ew_fwd_s)
     else:
         recompute_s = 0.0
-    if zero3:
-        fwd_s, bwd_s = _plus_fsdp_copies(chip, lay, zf.nbytes, fwd_s, bwd_s)
+    if gathered:
+        fwd_s, bwd_s = _plus_fsdp_copies(chip, lay, gathered, fwd_s, bwd_s)
 
     flops = 2.0 * tokens * (lp.attention + lp.mlp) / t + score_flops * windowed_square(m)
     if moe is True:
@@ -903,14 +913,8 @@ def _mamba_layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chips_p
                           CommOp("cp", "cp ssm state chain", "p2p", hop_bytes, chain, chain, hops)]
             bwd_comms += [CommOp("cp", "cp ssm state-gradient chain", "p2p", hop_bytes, chain, chain, hops),
                           CommOp("cp", "cp conv halo (grad)", "p2p", halo_bytes, halo, halo)]
-    zero3 = lay.zero_stage == 3 and lay.dp * cp > 1
-    if zero3:
-        zf, zb = _zero3_comms(lay, chip, chips_per_node, lp, fwd_s, bwd_s, fwd_comms, bwd_comms)
-        fwd_comms.append(zf)
-        bwd_comms.extend(zb)
-
-    fwd_s += overlap_slowdown(chip) * sum(c.hidden_s for c in fwd_comms)
-    bwd_s += overlap_slowdown(chip) * sum(c.hidden_s for c in bwd_comms)
+    fwd_s, bwd_s, gathered = _with_zero3_and_slowdown(lay, chip, chips_per_node, lp, fwd_s, bwd_s, fwd_comms,
+                                                      bwd_comms)
     # "selective" recomputes the core attention (Megatron-Core's core_attn, _layer_cost): a Mamba layer has none;
     # "selective-op" its out_proj, the scan (custom kernels, not saved) and the memory-bound ops
     if lay.recompute == "full":
@@ -919,8 +923,8 @@ def _mamba_layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chips_p
         recompute_s = _op_sac_recompute_s(m, MAMBA, gemm_fwd, ew_fwd_s, scan_fwd_s)
     else:
         recompute_s = 0.0
-    if zero3:
-        fwd_s, bwd_s = _plus_fsdp_copies(chip, lay, zf.nbytes, fwd_s, bwd_s)
+    if gathered:
+        fwd_s, bwd_s = _plus_fsdp_copies(chip, lay, gathered, fwd_s, bwd_s)
     flops = tokens * layer_forward_flops_per_token(m, MAMBA) / t
     return LayerCost(fwd_s, bwd_s, recompute_s, tuple(fwd_comms), tuple(bwd_comms), flops, act_bytes, wgrad_s,
                      by_class)
