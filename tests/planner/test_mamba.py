@@ -197,3 +197,23 @@ def test_best_layouts_transformer_vs_mamba2_vs_hybrid_on_one_cluster(capsys):
     gpt, mamba = rows[0]["ranked"][0], rows[1]["ranked"][0]
     assert mamba["layout"]["tp"] == 1  # ngroups = 1 leaves it no TP
     assert gpt["mfu"] > mamba["mfu"]  # SSD's small chunk matmuls and memory-bound passes
+
+
+def test_a_mamba_layer_under_zero3_gathers_its_weights_and_pays_for_what_hides():
+    # the same collectives and slowdown as any ZeRO-3 layer (costs._with_zero3_and_slowdown): one gather of its
+    # bf16 weights forward, a re-gather and a gradient reduce-scatter backward, each second that hides costing
+    # overlap_slowdown of compute, and FSDP's copies of the gathered weights on the compute stream
+    from dataclasses import replace
+
+    from planner.costs import overlap_slowdown
+    from planner.flops import layer_params
+
+    lay = Layout(dp=8, tp=1, pp=1, micro_batch=1, zero_stage=3, recompute="none")
+    z3, z0 = (layer_cost(NEMOTRON, replace(lay, zero_stage=s), H100, "bf16", "M", 8) for s in (3, 0))
+    assert not [c for c in z0.fwd_comms + z0.bwd_comms if c.group == "dp"]
+    (gather,) = [c for c in z3.fwd_comms if c.group == "dp"]
+    assert [c.kind for c in z3.bwd_comms if c.group == "dp"] == ["all_gather", "reduce_scatter"]
+    lp = layer_params(NEMOTRON, "M")
+    assert gather.nbytes == pytest.approx(2 * (lp.ssm + lp.norms), rel=1e-9)
+    hidden_fwd = sum(c.hidden_s for c in z3.fwd_comms)
+    assert hidden_fwd > 0 and z3.fwd_compute_s > z0.fwd_compute_s + overlap_slowdown(H100) * hidden_fwd
