@@ -47,9 +47,9 @@ Communication (each a `CommOp` with its time alone on its links and the part the
   gather and one reduce-scatter per step, planner.memory the whole weights and gradients.
 
 Overlapped communication still costs compute: while NCCL kernels run beside them, GEMMs and attention
-run 18.9 % slower on average (Agrawal et al. 2025, "Characterizing Compute-Communication Overlap in GPU-
-Accelerated Distributed Deep Learning", arXiv 2507.03114: GPT and Llama layers on A100, H100, MI250X,
-MI210; max 40 %). Each hidden second of communication adds `overlap_slowdown(chip)` seconds of compute.
+run 18.9 % slower on average (Lee et al. 2025, "Characterizing Compute-Communication Overlap in GPU-
+Accelerated Distributed Deep Learning", arXiv 2507.03114: GPT and Llama models on 4 A100s, H100s, MI250s
+or MI210s; max 40 %). Each hidden second of communication adds `overlap_slowdown(chip)` seconds of compute.
 The mechanism is the GPU's: NCCL's kernels occupy streaming multiprocessors beside the GEMMs. A TPU moves
 collective data with its DMA engines over ICI while the TensorCore computes ([SB] Part 2: the TensorCore,
 its MXUs and "multiple DMA engines"); no TPU measurement of the slowdown is published, so none is charged.
