@@ -14,7 +14,7 @@ which benchmark each field is read from); nothing here is fitted to end-to-end t
   ``flash3_efficiency`` (the chip's newer kernels: FA3 / cuDNN on Hopper, FA4 on Blackwell) of peak
   for long sequences, ``s / (s + 530)`` of that at s keys (both FlashAttention-2 curves, A100 and H100,
   halve at ~530 tokens). The backward does 2.5x the forward's FLOPs (five matmuls to two; Dao 2023
-  sec. 3.1). FlashAttention written in Triton (2022-23) takes 1.4x FlashAttention-2's forward time and 2x
+  sec. 4.1). FlashAttention written in Triton (2022-23) takes 1.4x FlashAttention-2's forward time and 2x
   its backward (Dao 2023 sec. 4.1). At head dim 64 a kernel reaches ``attention_head_dim_64`` or
   ``flash3_head_dim_64`` of its head-dim-128 rate (on Hopper 0.91 and 0.82, [FA3]'s H100 figures;
   ``head_dim_factor``).
@@ -34,7 +34,7 @@ from hardware.chips import DTYPE_BYTES, Chip
 
 _REFERENCE_DIM = 8192  # the MSMF / MAMF tables' large shapes: g is normalised to 1 here
 ATTENTION_HALF_SEQ = 530  # FlashAttention-2 benchmark: A100 and H100 reach half their plateau at ~530 tokens
-FLASH_BWD_FLOP_RATIO = 2.5  # backward FLOPs over forward FLOPs of a FlashAttention kernel (Dao 2023, sec. 3.1)
+FLASH_BWD_FLOP_RATIO = 2.5  # backward FLOPs over forward FLOPs of a FlashAttention kernel (Dao 2023, sec. 4.1)
 
 
 def matmul_shape_factor(chip: Chip, m: float, n: float, k: float) -> float:

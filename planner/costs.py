@@ -152,12 +152,13 @@ def _factorisations(n: int, k: int) -> list[tuple[int, ...]]:
 
 # Identical GPUs are not equally fast: their power management runs each at its own clocks. Across whole
 # clusters the spread between the fastest and the slowest is 8 % of the median on average (Sinha et al.,
-# "Not All GPUs Are Created Equal", SC22, arXiv 2208.11035: GEMM-bound and other kernels on >90 % of the
-# GPUs of five clusters, NVIDIA and AMD; max 22 %, outliers 1.5x slower). Inside one 8-GPU node, with all
-# eight at their power limit as in training, the sustained matmul rate (MSMF) of 5 rounds on every GPU spans
-# 4.5 % on H200 (1405-1527 MHz) and 10.4 % on B200 ([MLE] compute/accelerator/benchmarks, "alone vs all-8
-# concurrent"; chips.toml). Sinha et al.'s applications stress different parts of the GPU, compute- and
-# memory-bound alike, so the pace applies to every kernel. A synchronous step waits for its slowest GPU:
+# "Not All GPUs Are Created Equal", arXiv 2208.11035v3, whose figures these are; the SC22 abstract gives others:
+# GEMM-bound and other kernels on >90 % of the GPUs of five clusters, NVIDIA and AMD; max 22 %, outliers 1.5x
+# slower). Inside one 8-GPU node, with all eight at their power limit as in training, the sustained matmul rate
+# (MSMF) of 5 rounds on every GPU spans 4.5 % on H200 (1405-1527 MHz) and 10.4 % on B200 ([MLE]
+# compute/accelerator/benchmarks, "alone vs all-8 concurrent", branch fast-mamf at 082816f; chips.toml). Sinha et
+# al.'s applications stress different parts of the GPU, compute- and memory-bound alike, so the pace applies to
+# every kernel. A synchronous step waits for its slowest GPU:
 # taking the table's rates as the median GPU's, a job on one node runs at 1 - 0.045 / 2 of them (H200's
 # spread: the 700 W generation; B200's larger one, its 1000 W board sharing power and cooling, is not told
 # apart), a job across nodes at 1 - 0.08 / 2. TPUs: no measurement, 1.
@@ -749,7 +750,7 @@ def _selective_recompute_s(chip: Chip, lay: Layout, moe, gemm_fwd: dict[str, flo
                            ew: dict[str, float]) -> float:
     """The forward work Megatron-Core's selective recomputation runs again before a layer's backward, by
     module (`lay.recompute_modules`, planner.case.RECOMPUTE_MODULES):
-      core_attn       the attention core, whatever kernel computes it (Korthikanti et al. 2022 sec. 4.2;
+      core_attn       the attention core, whatever kernel computes it (Korthikanti et al. 2022 sec. 5;
                       Megatron-Core runs it through _checkpointed_attention_forward, flash and cuDNN kernels
                       included; the default module)
       mla_up_proj     MLA's q and kv up-projection GEMMs
@@ -1003,7 +1004,8 @@ def embedding_s(m: ModelSpec, lay: Layout, chip: Chip) -> float:
 
 def optimizer_step_s(params_per_chip: float, lay: Layout, chip: Chip, optimizer: str) -> float:
     """The optimizer update is memory-bound: `OPTIMIZER_STEP_BYTES` per locally updated parameter
-    (a multi-tensor fused Adam reaches the copy bandwidth: PyTorch PR 119842 measured ~89 %), or with
+    (a multi-tensor fused Adam reaches the copy bandwidth: PyTorch PR 119842's times, fused Adam 3.578 ms on a
+    1/128 shard of Llama-2-70B on a 500 W H100, come to ~89 % of it by this byte count), or with
     `optimizer_fused` false Adam's elementwise ops one by one (`UNFUSED_ADAM_BYTES`)."""
     shards = lay.dp * lay.cp if lay.zero_stage >= 1 else 1
     unfused = optimizer == "adam" and not lay.optimizer_fused

@@ -358,7 +358,7 @@ def hardware_flops(m: ModelSpec, tokens: float, recompute: str, modules: tuple[s
 
     full: every layer's forward again, the multi-token prediction modules' too (the logits are not
     recomputed); selective: the matmuls of the `modules` it runs again (planner.case.RECOMPUTE_MODULES):
-    core_attn the attention score/softmax part (Korthikanti et al. 2022, sec. 4.2), mla_up_proj MLA's up-
+    core_attn the attention score/softmax part (Korthikanti et al. 2022, sec. 5), mla_up_proj MLA's up-
     projections, mlp the dense layers' MLPs, shared_experts the shared experts (the norms and activations
     are no matmuls); selective-op: every second matmul of each layer (`op_sac_matmuls`).
     """

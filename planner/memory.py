@@ -62,8 +62,10 @@ def in_flight_chunks(stage: int, lay: Layout, micro_batches: int) -> float:
     if lay.pp_schedule == "gpipe":
         return m * v
     if lay.pp_schedule == "zb-h1":
-        # 1F1B's activations plus up to i + 1 micro-batches' deferred weight-gradient inputs (Qi et al.
-        # 2023 Table 1), counted as whole micro-batches: an upper bound
+        # 1F1B's activations plus the deferred weight-gradient inputs: stage i's peaks in the simulated schedule
+        # are p - i forwards held and i + 1 BW pending (core.schedules.simulate); each pending one keeps less than
+        # a micro-batch's activations (Qi et al. 2023 sec. 2.3: (p - i + 1) M_B + (i - 1) M_W for 1-indexed i,
+        # M_W < M_B), so counting both peaks as whole micro-batches is an upper bound
         return min(p - stage, m) + min(stage + 1, m)
     if v > 1:
         # Megatron-LM interleaved warm-up: (p - i - 1) * 2 + (v - 1) * p micro-batch chunks, then 1 more
@@ -369,7 +371,7 @@ def _temporary_bytes(m: ModelSpec, lay: Layout, stage: int, stage_params: float,
     """Buffers alive at the peak besides the kept activations:
     * the layer being back-propagated with full (or op-level selective) recomputation holds its recomputed
       activations;
-    * the loss stage's fp32 logits and their gradient, (b s/cp) x V/t x 8 bytes (Korthikanti sec. 4.1
+    * the loss stage's fp32 logits and their gradient, (b s/cp) x V/t x 8 bytes (Korthikanti sec. 4.3
       counts the output layer too), or with a fused cross-entropy (`cross_entropy` "fused") the bf16 logits
       and their bf16 gradient, 4 bytes; once per output head (multi-token prediction adds heads);
     * ZeRO-3 all-gathers the current and the prefetched layer's weights whole (FSDP prefetch); under
