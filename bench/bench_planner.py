@@ -101,7 +101,7 @@ def unseen_runs() -> None:
 
 SEARCH_CASES = [("Llama 3 8B", "h100", 8, 64), ("Llama 3 70B", "h100", 1024, 1024),
                 ("Mixtral 8x7B", "h100", 256, 1024), ("DeepSeek-V3", "h800", 2048, 4096),
-                ("Llama 3 405B", "tpu-v5p", 8960, 2048), ("Llama 3 405B", "h100", 16384, 2048)]
+                ("Llama 3 405B", "tpu-v5p", 6144, 2048), ("Llama 3 405B", "h100", 16384, 2048)]
 
 
 def _summary(report) -> str:

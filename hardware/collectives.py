@@ -532,7 +532,7 @@ def _tpu_group(shape: tuple[int, ...], wrap_multiple: int, n: int, stride: int, 
 
 
 def _own_axes(shape: tuple[int, ...], wrap_multiple: int, n: int, inner: Link, outer: Link) -> Topology:
-    """A group whose ranks do not tile ``shape`` in rank order (e.g. 64 on v5p's 16x20x28).
+    """A group whose ranks do not tile ``shape`` in rank order (e.g. 64 ranks 16 apart on a 16x20x28 torus).
 
     Assume the slice is laid out so the group gets axes of its own, as a mesh is usually mapped onto
     ICI: factor n over the axes, longest first, each factor the largest divisor of what is left that fits.

@@ -128,9 +128,10 @@ def pipelined_exposed_s(comm: float, compute: float, chunks: int) -> float:
 
 
 def tpu_slice_shape(chip: Chip, num_chips: int) -> tuple[int, ...]:
-    """The torus a TPU job of `num_chips` runs on: the whole pod when it needs it, else the most
-    cube-like slice with axes that are multiples of 4 (2 for tiny slices) inside the pod, as Cloud TPU
-    slice shapes go (v5p: 4x4x4 = 64 chips, 4x4x8, 4x8x8, 8x8x8, ... 16x20x28)."""
+    """The torus a TPU job of `num_chips` runs on: the largest slice (chips.toml's torus_shape) when it needs
+    it, else the most cube-like slice with axes that are multiples of 4 (2 for tiny slices) inside it, as Cloud
+    TPU slice shapes go (v5p: 4x4x4 = 64 chips, 4x4x8, 4x8x8, 8x8x8, ... 16x16x24). More chips than the largest
+    slice run multislice: a group larger than it crosses the data-center network (collectives.group_topology)."""
     pod = tuple(chip.torus_shape)
     if num_chips >= math.prod(pod):
         return pod

@@ -25,7 +25,7 @@ CLUSTER_PRESETS: dict[str, Cluster] = {
     "TPU v5p-128 (64 chips, 4x4x4)": Cluster("tpu-v5p", 64),
     "TPU v5p-1024 (512 chips, 8x8x8)": Cluster("tpu-v5p", 512),
     "TPU v5p-8192 (4,096 chips, 16x16x16)": Cluster("tpu-v5p", 4096),
-    "TPU v5p-17920 (full pod, 8,960 chips, 16x20x28)": Cluster("tpu-v5p", 8960),
+    "TPU v5p-12288 (6,144 chips, 16x16x24, the largest slice)": Cluster("tpu-v5p", 6144),
 }
 DEFAULT_CLUSTER = "8x H100 (one node)"
 

@@ -286,8 +286,8 @@ def test_tpu_group_topology():
     assert isinstance(two_pods, Hierarchy) and two_pods.outer.link.bytes_per_s == v5e.scaleout_bytes_per_s
     across = group_topology(v5e, 2, stride=256)
     assert isinstance(across, Switch) and "DCN" in across.describe()
-    # 64 ranks 16 apart do not tile v5p's 16x20x28 in rank order: the group gets axes of its own,
-    # 20 does not divide 64, so 16 on the 28-axis and 4 on the 20-axis, both multiples of 4 -> wrapped.
+    # 64 ranks 16 apart on v5p's largest slice, 16x16x24: 16 along the second axis and 4 along the third, both
+    # multiples of 4 -> wrapped.
     own = group_topology(v5p, 64, stride=16)
     assert isinstance(own, Torus) and [(a.size, a.wraparound) for a in own.axes] == [(16, True), (4, True)]
     # 3 ranks 300 apart on v5e (a 256-chip pod): each in another pod.

@@ -32,7 +32,7 @@ def test_mixtral_uses_expert_parallelism_when_free():
 
 
 @pytest.mark.parametrize("chips, shape", [(64, (4, 4, 4)), (512, (8, 8, 8)), (1024, (8, 8, 16)),
-                                          (4096, (16, 16, 16)), (8960, (16, 20, 28))])
+                                          (4096, (16, 16, 16)), (6144, (16, 16, 24))])
 def test_tpu_v5p_slice_shapes(chips, shape):
     assert tpu_slice_shape(get_chip("tpu-v5p"), chips) == shape
 
