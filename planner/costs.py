@@ -84,6 +84,14 @@ OVERLAP_SLOWDOWN = 0.189  # arXiv 2507.03114 abstract: overlapped compute 18.9 %
 def overlap_slowdown(chip: Chip) -> float:
     """Seconds of compute one hidden second of communication adds on `chip` (module docstring)."""
     return OVERLAP_SLOWDOWN if chip.kind == "gpu" else 0.0
+
+
+def charged_s(chip: Chip, total: float, exposed: float) -> float:
+    """What `total` seconds of communication cost a step when `exposed` of them show: those, plus the compute
+    the hidden rest slows (`overlap_slowdown`)."""
+    return exposed + overlap_slowdown(chip) * (total - exposed)
+
+
 # The classes a step's compute kernels fall into (LayerCost.by_class, planner.api.compute_by_class): GEMMs, the
 # attention core (flash kernels, or materialised scores with their softmax), the SSM scan, memory-bound kernels
 # (norms, activations, rotary, residuals, casts, the loss), the optimizer

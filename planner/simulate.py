@@ -258,18 +258,14 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
             last_bwd = sum(ch.bwd_s for ch in chunks)
 
             def hidden_under_bwd(sync: float) -> float:
-                """What the step waits for; what hides slows the backward it runs beside."""
-                if not lay.grad_reduce_overlap:
-                    return sync
-                exposed = max(sync - last_bwd * (1 - 1 / layers_here), sync / layers_here)
-                return exposed + costs.overlap_slowdown(chip) * (sync - exposed)
+                """What the gradient sync costs the step: what shows, and what hides under the backward slows it."""
+                shown = max(sync - last_bwd * (1 - 1 / layers_here), sync / layers_here)
+                return costs.charged_s(chip, sync, shown if lay.grad_reduce_overlap else sync)
 
             def hidden_under_fwd(gather: float) -> float:
                 """The updated weights' gather under the next step's forward (`param_gather_overlap`), likewise."""
-                if not lay.param_gather_overlap:
-                    return gather
-                exposed = max(0.0, gather - sum(ch.fwd_s for ch in chunks))
-                return exposed + costs.overlap_slowdown(chip) * (gather - exposed)
+                shown = max(0.0, gather - sum(ch.fwd_s for ch in chunks))
+                return costs.charged_s(chip, gather, shown if lay.param_gather_overlap else gather)
 
             for topo, n_params in ((dense_topo, dense_p), (expert_topo, expert_p)):
                 if topo is None or not n_params:
