@@ -92,6 +92,31 @@ def charged_s(chip: Chip, total: float, exposed: float) -> float:
     return exposed + overlap_slowdown(chip) * (total - exposed)
 
 
+# A layer's forward GEMMs whose outputs only feed the residual sum (attention's o, the MLP's and the experts' down
+# projections, Mamba-2's out_proj; planner.flops.residual_output_params counts their weights): a backward needs
+# their inputs and weights, never their outputs
+RESIDUAL_OUTPUT_GEMMS = ("o", "fc2", "experts fc2", "out_proj")
+
+
+def full_recompute(chip: Chip, fwd_s: float, gemm_fwd: dict[str, float],
+                   fwd_comms: list[CommOp]) -> tuple[float, tuple[str, ...]]:
+    """What a full recomputation of a layer runs again before its backward: (seconds, names of the forward
+    collectives it does not repeat).
+
+    PyTorch (torch.utils.checkpoint, Megatron's recompute) calls the layer's forward again: every kernel and
+    every collective of it. On a TPU the step is one XLA program built by JAX, whose jax.checkpoint stages the
+    recomputation as a jaxpr and removes from it everything the backward does not use (ad_checkpoint.py
+    remat_partial_eval: pe.dce_jaxpr "keeping only instantiated outputs which are unknown"): the GEMMs of
+    RESIDUAL_OUTPUT_GEMMS, and the TP reductions of their partial sums, are not run again. PaLM, on TPU v4,
+    counts 75 % of its non-attention forward FLOPs recomputed (Chowdhery et al. 2022, Appendix B), where
+    this leaves 65 % of PaLM 540B's layer matmuls."""
+    if chip.kind != "tpu":
+        return fwd_s, ()
+    dead = [g for g in RESIDUAL_OUTPUT_GEMMS if g in gemm_fwd]
+    skipped = tuple(c.name for c in fwd_comms if c.group == "tp" and any(c.name.endswith(f"({g})") for g in dead))
+    return fwd_s - sum(gemm_fwd[g] for g in dead), skipped
+
+
 # The classes a step's compute kernels fall into (LayerCost.by_class, planner.api.compute_by_class): GEMMs, the
 # attention core (flash kernels, or materialised scores with their softmax), the SSM scan, memory-bound kernels
 # (norms, activations, rotary, residuals, casts, the loss), the optimizer
@@ -255,6 +280,7 @@ class LayerCost:
     # forward + backward seconds by kernel class (KERNEL_CLASSES), before recomputation and before the slowdown
     # hidden communication causes: what a trace of the chip's kernels sums to, class by class
     by_class: tuple[tuple[str, float], ...] = ()
+    recompute_skips: tuple[str, ...] = ()  # forward collectives a full recomputation does not repeat (full_recompute)
 
     @property
     def tp_fwd_s(self) -> float:
@@ -291,8 +317,8 @@ class LayerCost:
     @property
     def recompute_comms(self) -> tuple[CommOp, ...]:
         """What a full recomputation repeats: the forward's TP / CP / EP collectives (not the ZeRO-3
-        gathers, which the backward does anyway)."""
-        return tuple(c for c in self.fwd_comms if c.group != "dp")
+        gathers, which the backward does anyway), less those whose results it does not need (full_recompute)."""
+        return tuple(c for c in self.fwd_comms if c.group != "dp" and c.name not in self.recompute_skips)
 
 
 def layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe, chips_per_node: int) -> LayerCost:
@@ -737,8 +763,9 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
     fwd_s, bwd_s, gathered = _with_zero3_and_slowdown(lay, chip, chips_per_node, lp, fwd_s, bwd_s, fwd_comms,
                                                       bwd_comms)
 
+    skipped: tuple[str, ...] = ()
     if lay.recompute == "full":
-        recompute_s = fwd_s
+        recompute_s, skipped = full_recompute(chip, fwd_s, gemm_fwd, fwd_comms)
     elif lay.recompute == "selective":
         recompute_s = _selective_recompute_s(chip, lay, moe, gemm_fwd, attn_fwd_s, ew)
     elif lay.recompute == "selective-op":
@@ -752,7 +779,7 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
     if moe is True:
         flops += 2.0 * tokens * m.top_k * lp.experts / m.experts / t
     return LayerCost(fwd_s, bwd_s, recompute_s, tuple(fwd_comms), tuple(bwd_comms), flops, act_bytes, wgrad_s,
-                     by_class)
+                     by_class, skipped)
 
 
 def _selective_recompute_s(chip: Chip, lay: Layout, moe, gemm_fwd: dict[str, float], attn_fwd_s: float,
@@ -927,8 +954,9 @@ def _mamba_layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chips_p
                                                       bwd_comms)
     # "selective" recomputes the core attention (Megatron-Core's core_attn, _layer_cost): a Mamba layer has none;
     # "selective-op" its out_proj, the scan (custom kernels, not saved) and the memory-bound ops
+    skipped: tuple[str, ...] = ()
     if lay.recompute == "full":
-        recompute_s = fwd_s
+        recompute_s, skipped = full_recompute(chip, fwd_s, gemm_fwd, fwd_comms)
     elif lay.recompute == "selective-op":
         recompute_s = _op_sac_recompute_s(m, MAMBA, gemm_fwd, ew_fwd_s, scan_fwd_s)
     else:
@@ -937,7 +965,7 @@ def _mamba_layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chips_p
         fwd_s, bwd_s = _plus_fsdp_copies(chip, lay, gathered, fwd_s, bwd_s)
     flops = tokens * layer_forward_flops_per_token(m, MAMBA) / t
     return LayerCost(fwd_s, bwd_s, recompute_s, tuple(fwd_comms), tuple(bwd_comms), flops, act_bytes, wgrad_s,
-                     by_class)
+                     by_class, skipped)
 
 
 def logits_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str) -> tuple[float, float]:

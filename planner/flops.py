@@ -353,19 +353,40 @@ def model_flops(m: ModelSpec, tokens: float, causal: bool = False) -> float:
     return 3.0 * forward_flops(m, tokens, causal)
 
 
-def hardware_flops(m: ModelSpec, tokens: float, recompute: str, modules: tuple[str, ...] = ("core_attn",)) -> float:
+def residual_output_params(m: ModelSpec, kind) -> int:
+    """Weights a token meets in one layer's matmuls whose outputs only feed the residual sum: attention's O,
+    the MLP's down projection (a MoE layer's shared experts' and its top_k routed experts'), Mamba-2's
+    out_proj. A backward needs their inputs and weights, never their outputs (planner.costs.full_recompute)."""
+    d = m.hidden
+    if kind == MAMBA:
+        return m.ssm_inner * d
+    out = m.heads * m.head_dim_ * d if kind != MLP else 0
+    if kind == ATTENTION:
+        return out
+    if kind is True:
+        return out + (m.shared_experts + m.top_k) * m.ffn * d
+    return out + (m.ffn if kind == MLP else m.dense_ffn_) * d
+
+
+def hardware_flops(m: ModelSpec, tokens: float, recompute: str, modules: tuple[str, ...] = ("core_attn",),
+                   skips_residual_outputs: bool = False) -> float:
     """FLOPs the chips execute: model FLOPs plus what recomputation repeats.
 
     full: every layer's forward again, the multi-token prediction modules' too (the logits are not
-    recomputed); selective: the matmuls of the `modules` it runs again (planner.case.RECOMPUTE_MODULES):
-    core_attn the attention score/softmax part (Korthikanti et al. 2022, sec. 5), mla_up_proj MLA's up-
-    projections, mlp the dense layers' MLPs, shared_experts the shared experts (the norms and activations
-    are no matmuls); selective-op: every second matmul of each layer (`op_sac_matmuls`).
+    recomputed), less the matmuls whose outputs only feed the residual sum (`residual_output_params`) where
+    the recomputation drops them (`skips_residual_outputs`: JAX / XLA on TPU, planner.costs.full_recompute);
+    selective: the matmuls of the `modules` it runs again (planner.case.RECOMPUTE_MODULES): core_attn the
+    attention score/softmax part (Korthikanti et al. 2022, sec. 5), mla_up_proj MLA's up-projections, mlp the
+    dense layers' MLPs, shared_experts the shared experts (the norms and activations are no matmuls);
+    selective-op: every second matmul of each layer (`op_sac_matmuls`).
     """
     layers_fwd = tokens * (matmul_flops_per_token(m) - 2.0 * output_heads(m) * m.vocab * m.hidden
                            + ssm_flops_per_token(m))
     attn_fwd = tokens * attention_flops_per_token(m)
     if recompute == "full":
+        if skips_residual_outputs:
+            dead = sum(n * residual_output_params(m, k) for k, n in kind_counts(m))
+            layers_fwd -= 2.0 * tokens * (dead + (m.mtp_layers * residual_output_params(m, mtp_kind(m))))
         return model_flops(m, tokens) + layers_fwd + attn_fwd
     if recompute == "selective":
         return model_flops(m, tokens) + tokens * _selective_flops_per_token(m, modules)

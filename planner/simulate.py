@@ -418,7 +418,8 @@ def simulate(case: Case, lay: Layout, chip: Chip, memory: Memory | None = None) 
     mem = memory or memory_per_chip(m, lay, micro_batches, tr.optimizer, tr.dtype)
     node = case.cluster.chips_per_node or chip.scaleup_domain
     return StepResult(case, lay, chip, micro_batches, step, t_pipe, breakdown, stages, mem,
-                      model_flops(m, tokens), hardware_flops(m, tokens, lay.recompute, lay.recompute_modules),
+                      model_flops(m, tokens),
+                      hardware_flops(m, tokens, lay.recompute, lay.recompute_modules, chip.kind == "tpu"),
                       mem.total_bytes <= usable_hbm_bytes(chip),
                       {"critical_stage": crit, "chips_per_node": node})
 

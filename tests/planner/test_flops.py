@@ -35,6 +35,24 @@ def test_hardware_flops_with_full_recompute_is_megatron_eq3():
     assert hardware_flops(m, batch * m.seq_len, "full") == pytest.approx(megatron_flops(m, batch), rel=1e-12)
 
 
+def test_a_recomputation_that_drops_dead_code_skips_the_matmuls_feeding_the_residual():
+    # PaLM 540B (Chowdhery et al. 2022 Table 1 / Appendix B): d 18432, 48 query heads of 256, one KV head,
+    # SwiGLU d_ff 4d. Per token: q 18432 x 12288, k and v 18432 x 256 each, o 12288 x 18432, gate, up, down
+    # 18432 x 73728 each: 4,539.3 M weights, of which o (226.5 M) and down (1,358.95 M) feed only the residual,
+    # leaving 2,953.8 / 4,539.3 = 65.07 % of the layer matmuls to run again (the paper counts 75 % for its own
+    # rematerialisation policy)
+    m = ModelSpec("palm", 118, 18432, 48, 1, 4 * 18432, 256000, 2048, "swiglu", head_dim=256, tied_embeddings=True)
+    tokens = 2048.0
+    full = hardware_flops(m, tokens, "full") - model_flops(m, tokens)
+    dropped = hardware_flops(m, tokens, "full", skips_residual_outputs=True) - model_flops(m, tokens)
+    per_layer = 2 * tokens * (12288 * 18432 + 73728 * 18432)
+    assert full - dropped == pytest.approx(m.layers * per_layer, rel=1e-12)
+    layer_matmuls = 2 * tokens * m.layers * (2 * 18432 * 12288 + 2 * 18432 * 256 + 3 * 18432 * 73728)
+    assert 1 - m.layers * per_layer / layer_matmuls == pytest.approx(0.6507, abs=1e-4)
+    # nothing changes for the other policies
+    assert hardware_flops(m, tokens, "selective", skips_residual_outputs=True) == hardware_flops(m, tokens, "selective")
+
+
 def test_model_flops_is_six_n_d_plus_attention():
     m = MODEL_PRESETS["Llama 3 8B"]
     tokens = 1e6
