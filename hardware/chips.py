@@ -51,7 +51,7 @@ _NUMBER_FIELDS = (
     "scaleout_efficiency",
 )
 # Yes/no facts (TOML true / false), sourced like the numbers: what current software does on the chip.
-_BOOL_FIELDS = ("tp_comm_overlap",)
+_BOOL_FIELDS = ("tp_comm_overlap", "deepep_dispatch")
 # Fields where the TOML value "none" means "this chip has no such thing".
 _NONE_ALLOWED = ("fp8_flops_per_s", "torus_shape", "fp8_matmul_efficiency", "flash3_efficiency",
                  "attention_head_dim_64", "flash3_head_dim_64")
@@ -117,6 +117,9 @@ class Chip:
     # a current framework pipelines TP collectives with their GEMMs on this chip (the recipe's null
     # tp_comm_overlap, planner.case.recipe)
     tp_comm_overlap: bool = False
+    # a current framework sends MoE tokens once per destination node on this chip (DeepEP / HybridEP: the
+    # recipe's null ep_dispatch, planner.case.recipe)
+    deepep_dispatch: bool = False
     sources: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
     fp32_flops_per_s: float | None = None  # only the probed CPU sets it: GPU/TPU tables quote bf16 and fp8
     # Not a table field: the share of its measured kernel rates a job's slowest chip reaches, set for a

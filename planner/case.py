@@ -67,9 +67,11 @@ RECIPE_DEFAULTS = {
     # pass per micro-batch over the stage's gradients (simulate.grad_accumulation_s): Megatron-LM 2021's
     # main_grad.add_ hook, autograd's in-place add, DeepSpeed's BF16_Optimizer update_hp_grads
     "grad_accum_fusion": True,
-    # how tokens reach their experts (EP_DISPATCH): Megatron-Core's default token dispatcher is the NCCL
-    # all-to-all (moe_token_dispatcher_type "alltoall"); DeepEP is opt-in ("flex" + moe_enable_deepep)
-    "ep_dispatch": "all_to_all",
+    # how tokens reach their experts (EP_DISPATCH): the chip table's deepep_dispatch, "deepep" where a current
+    # framework's MoE recipes run a deduplicating dispatcher on the chip (Megatron-Bridge's flex dispatcher with
+    # DeepEP or HybridEP on Hopper and Blackwell), else the NCCL all-to-all (A100, AMD, XLA on TPU). Inside one
+    # node the two cost the same (planner.costs)
+    "ep_dispatch": None,
     # how the memory-bound ops run (FUSION): fused kernels (Transformer Engine / Megatron-Core, Apex,
     # torch.compile, Liger) in every framework's tuned recipe; "eager" where a run says so (PyTorch eager
     # RMSNorm and rotary: torchtitan with compile off)
@@ -552,6 +554,8 @@ def recipe(t: Training, chip) -> dict:
         out["attention"] = best_flash_kernel(chip)
     if out["tp_comm_overlap"] is None:
         out["tp_comm_overlap"] = chip.tp_comm_overlap
+    if out["ep_dispatch"] is None:
+        out["ep_dispatch"] = "deepep" if chip.deepep_dispatch else "all_to_all"
     if out["grad_reduce_in_fp32"] is None:
         out["grad_reduce_in_fp32"] = t.dtype != "fp16"
     if out["fsdp_impl"] is None:

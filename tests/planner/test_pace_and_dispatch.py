@@ -75,7 +75,7 @@ def test_deduplicated_dispatch_sends_fewer_bytes_over_the_network_and_is_plain_i
     assert deduplicated_all_to_all_s(inside, copies, copies / 4) == inside.all_to_all_s(copies)
 
 
-def _moe_case(**training):
+def _moe_case(chip="h100", **training):
     m = MODEL_PRESETS["DeepSeek-V3"]
     model = {k: getattr(m, k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len", "mlp",
                                         "experts", "top_k", "head_dim", "shared_experts", "dense_layers",
@@ -85,15 +85,24 @@ def _moe_case(**training):
             "training": {"global_batch": 512, "micro_batch": 1, "recompute": "full", "zero_stage": 1,
                          "dtype": "bf16", **training},
             "parallel": {"dp": 64, "tp": 1, "pp": 16, "cp": 1, "ep": 64, "pp_schedule": "1f1b"},
-            "cluster": {"chip": "h100", "num_chips": 1024, "chips_per_node": 8}}
+            "cluster": {"chip": chip, "num_chips": 1024, "chips_per_node": 8}}
 
 
-def test_deepep_shortens_the_expert_all_to_all_and_null_is_the_nccl_all_to_all():
-    plain = estimate(_moe_case())
+def test_deepep_shortens_the_expert_all_to_all():
+    plain = estimate(_moe_case(ep_dispatch="all_to_all"))
     deepep = estimate(_moe_case(ep_dispatch="deepep"))
-    assert plain.chosen["training"]["ep_dispatch"] == "all_to_all"
     assert deepep.breakdown["ep_comm"] < 0.6 * plain.breakdown["ep_comm"]
     assert deepep.breakdown["compute"] == pytest.approx(plain.breakdown["compute"], rel=0.05)
+
+
+@pytest.mark.parametrize("chip, dispatch", [("h100", "deepep"), ("b200", "deepep"), ("gb200-nvl72", "deepep"),
+                                            ("a100-80gb", "all_to_all"), ("mi300x", "all_to_all")])
+def test_a_null_dispatch_is_what_the_chips_moe_recipes_run(chip, dispatch):
+    # chips.toml deepep_dispatch: Megatron-Bridge's MoE recipes run DeepEP / HybridEP on Hopper and Blackwell;
+    # DeepEP needs SM90 (its README), so A100 and AMD keep the NCCL / RCCL all-to-all
+    null = estimate(_moe_case(chip))
+    assert null.chosen["training"]["ep_dispatch"] == dispatch
+    assert null.step_time_s == estimate(_moe_case(chip, ep_dispatch=dispatch)).step_time_s
 
 
 def test_bad_dispatch_and_routing_groups_name_their_field(tmp_path, capsys):
