@@ -102,6 +102,13 @@ RECIPE_DEFAULTS = {
     # it reduces through HBM besides the collectives (FSDP_IMPLS, planner.costs.fsdp_copy_bytes); None: "fsdp2"
     # on GPUs (PyTorch's fully_shard, which torchtitan and NeMo AutoModel run), "in-place" on TPUs (XLA)
     "fsdp_impl": None,
+    # when a fully sharded layer's backward gathers its weights (BACKWARD_PREFETCH): "pre", the next layer's gather
+    # issued before this layer's gradients are computed, so it hides under them (PyTorch FSDP2's fully_shard, which
+    # torchtitan and NeMo AutoModel run; FullyShardedDataParallel's default BackwardPrefetch.BACKWARD_PRE;
+    # Megatron-FSDP); "post", issued after them (BackwardPrefetch.BACKWARD_POST, the default of Composer's FSDP
+    # config: composer/trainer/mosaic_fsdp.py fsdp_config.get('backward_prefetch', 'BACKWARD_POST')), so each
+    # layer's backward waits for its own gather (planner.costs._zero3_comms)
+    "fsdp_backward_prefetch": "pre",
     # Adam's update as one multi-tensor kernel (Apex / Transformer Engine FusedAdam in Megatron-LM, NeMo and
     # DeepSpeed; torch.optim.AdamW(fused=True), torchtitan's default since 2025-02): OPTIMIZER_STEP_BYTES. False:
     # PyTorch's elementwise ops one at a time, per tensor or foreach (Composer's DecoupledAdamW, llm-foundry's
@@ -135,9 +142,10 @@ CROSS_ENTROPY = ("fp32", "fused")
 # "in-place": gathers into and reductions out of the buffers the weights and gradients live in (Megatron-FSDP;
 # XLA on TPU): no pass of their own
 FSDP_IMPLS = ("fsdp2", "fsdp1", "in-place")
+BACKWARD_PREFETCH = ("pre", "post")
 RECIPE_FLAGS = tuple(k for k in RECIPE_DEFAULTS
                      if k not in ("attention", "ep_dispatch", "fusion", "fp8_casts", "cross_entropy", "logit_metrics",
-                                  "fsdp_impl"))
+                                  "fsdp_impl", "fsdp_backward_prefetch"))
 # Context parallelism for Mamba-2 layers (planner.costs): "state" passes each rank's final SSM state to
 # the next rank; "alltoall" reshards sequence -> heads around the scan (Megatron-Core). Null: the search
 # tries both where they apply, else "state".
@@ -175,6 +183,7 @@ class Training:
     grad_reduce_in_fp32: bool | None = None
     logit_metrics: int | None = None
     fsdp_impl: str | None = None  # FSDP_IMPLS
+    fsdp_backward_prefetch: str | None = None  # BACKWARD_PREFETCH
     optimizer_fused: bool | None = None
     ssm_cp: str | None = None  # SSM_CP
 
@@ -244,6 +253,7 @@ class Layout:
     grad_reduce_in_fp32: bool = True
     logit_metrics: int = 0
     fsdp_impl: str = "fsdp2"
+    fsdp_backward_prefetch: str = "pre"
     optimizer_fused: bool = True
     ssm_cp: str = "state"
     schedule_runs: int = 1  # Training.schedule_runs
@@ -395,6 +405,7 @@ def parse_case(data) -> Case:
         cross_entropy=_choice(t, "cross_entropy", "training", CROSS_ENTROPY),
         logit_metrics=_int(t, "logit_metrics", "training", required=False, minimum=0),
         fsdp_impl=_choice(t, "fsdp_impl", "training", FSDP_IMPLS),
+        fsdp_backward_prefetch=_choice(t, "fsdp_backward_prefetch", "training", BACKWARD_PREFETCH),
         **flags,
     )
 

@@ -39,7 +39,9 @@ Communication (each a `CommOp` with its time alone on its links and the part the
 * ZeRO-3 / FSDP (Rajbhandari et al. 2020 sec. 5.3): each layer's weights all-gathered forward and
   backward, gradients reduce-scattered; prefetched one layer ahead (`param_gather_overlap`), so a gather
   hides under the previous layer's compute; in the backward the gather and the reduce-scatter share the
-  data-parallel links and add up. Under pipeline parallelism (torch.distributed.pipelining, the schedule
+  data-parallel links and add up, unless the gather waits for the layer after's gradients
+  (`fsdp_backward_prefetch` "post", Composer's BACKWARD_POST): then every layer's backward waits for its
+  own gather. Under pipeline parallelism (torch.distributed.pipelining, the schedule
   torchtitan runs FSDP with) a stage's weights stay gathered through all its micro-batches and its
   gradients accumulate unsharded: PipelineStage turns FSDP's resharding and gradient sync off for every
   backward but the last (`backward_maybe_with_nosync`) and torchtitan does not reshard after forward
@@ -549,7 +551,8 @@ def _zero3_comms(lay: Layout, chip: Chip, chips_per_node: int, lp, fwd_s: float,
                  fwd_comms: list[CommOp], bwd_comms: list[CommOp]) -> tuple[CommOp, tuple[CommOp, CommOp]]:
     """ZeRO-3's weight all-gathers and gradient reduce-scatter of one layer (module docstring): the forward's
     gather, and the backward's re-gather and reduce-scatter, which share the backward's window (what of the
-    two shows is the reduce-scatter's first: it runs last)."""
+    two shows is the reduce-scatter's first: it runs last), or with `fsdp_backward_prefetch` "post" the gather
+    shows whole and the reduce-scatter has the window to itself."""
     t, cp = lay.tp, lay.cp
     data = lay.mesh.group_stride(("dp", "cp", "ep"))  # every data-parallel rank of the dense layers
     topo = topology(chip, lay.dp * cp, data, chips_per_node)
@@ -563,12 +566,20 @@ def _zero3_comms(lay: Layout, chip: Chip, chips_per_node: int, lp, fwd_s: float,
     fwd_window = fwd_s - (sum(c.time_s for c in fwd_comms if c.group == "cp") if shared else 0.0)
     bwd_window = bwd_s - (sum(c.time_s for c in bwd_comms if c.group == "cp") if shared else 0.0)
     overlap = lay.param_gather_overlap
-    bwd_exposed = max(0.0, ag + rs - max(0.0, bwd_window)) if overlap else ag + rs
-    rs_exposed = min(rs, bwd_exposed)
+    if not overlap:
+        ag_shown, rs_shown = ag, rs
+    elif lay.fsdp_backward_prefetch == "post":
+        # the gather is issued once the layer after has its gradients, so this layer's backward waits for all of
+        # it; its reduce-scatter then runs under the next layer's backward
+        ag_shown, rs_shown = ag, max(0.0, rs - max(0.0, bwd_window))
+    else:
+        shown = max(0.0, ag + rs - max(0.0, bwd_window))
+        rs_shown = min(rs, shown)
+        ag_shown = shown - rs_shown
     return (CommOp("dp", "zero-3 all-gather", "all_gather", w_bytes, ag,
                    max(0.0, ag - max(0.0, fwd_window)) if overlap else ag),
-            (CommOp("dp", "zero-3 all-gather (backward)", "all_gather", w_bytes, ag, bwd_exposed - rs_exposed),
-             CommOp("dp", "zero-3 reduce-scatter", "reduce_scatter", w_bytes * lay.grad_bytes / 2, rs, rs_exposed)))
+            (CommOp("dp", "zero-3 all-gather (backward)", "all_gather", w_bytes, ag, ag_shown),
+             CommOp("dp", "zero-3 reduce-scatter", "reduce_scatter", w_bytes * lay.grad_bytes / 2, rs, rs_shown)))
 
 
 def fsdp_copy_bytes(lay: Layout) -> tuple[float, float]:

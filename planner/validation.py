@@ -107,6 +107,7 @@ def llmfoundry_sweep_runs(path: str | Path = LLMFOUNDRY_SWEEP) -> list[dict]:
                              "attention": table["attention"].get(size, table["attention"].get("*")),
                              "cross_entropy": sweep["cross_entropy"], "logit_metrics": sweep["logit_metrics"],
                              "fsdp_impl": sweep["fsdp_impl"], "optimizer_fused": sweep["optimizer_fused"],
+                             "fsdp_backward_prefetch": table["fsdp_backward_prefetch"],
                              # Composer's FSDP mixed precision DEFAULT and PURE reduce in the bf16 param dtype
                              # (composer/trainer/mosaic_fsdp.py get_mixed_precision at v0.16.0); FULL in fp32
                              "grad_reduce_in_fp32": r["mp_mode"] == "FULL"},

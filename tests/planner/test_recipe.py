@@ -185,7 +185,8 @@ def test_attention_kernels_order_as_measured():
                                           ("tp_grad_allreduce_overlap", "async"),
                                           ("grad_reduce_in_fp32", "bf16"), ("logit_metrics", -1),
                                           ("logit_metrics", "two"), ("logit_metrics", True),
-                                          ("fsdp_impl", "deepspeed"), ("optimizer_fused", "apex")])
+                                          ("fsdp_impl", "deepspeed"), ("optimizer_fused", "apex"),
+                                          ("fsdp_backward_prefetch", "BACKWARD_POST")])
 def test_bad_recipe_values_exit_2_naming_the_field(tmp_path, capsys, field, value):
     path = tmp_path / "c.json"
     path.write_text(json.dumps(_case(**{field: value})))
@@ -375,6 +376,32 @@ def test_each_fsdp_implementation_copies_what_its_code_copies_around_the_collect
     assert estimate(_case(chip="tpu-v5p", tp=1, dp=8, zero_stage=3)).chosen["training"]["fsdp_impl"] == "in-place"
     assert "fsdp_impl" not in estimate(_case(tp=1, dp=8, zero_stage=3, fsdp_impl="fsdp1")).chosen["training"]
     assert "fsdp_impl" not in estimate(_case(tp=1, dp=8, zero_stage=1)).chosen["training"]  # nothing to copy
+
+
+def test_a_backward_gather_issued_after_the_layer_above_has_its_gradients_shows_whole():
+    """FSDP's BACKWARD_POST (Composer's default) gathers a layer's weights for its backward only once the layer
+    above has its gradients: the layer waits for the whole gather, and its reduce-scatter runs under the next
+    layer's backward. BACKWARD_PRE (FSDP2, FSDP1's own default) issues it one layer ahead, under the backward."""
+    from hardware.chips import get_chip
+    from planner.case import Layout, parse_case
+    from planner.costs import layer_cost
+
+    h100 = get_chip("h100")
+    m = parse_case(_case(tp=1, dp=64)).model
+    lay = Layout(dp=64, tp=1, pp=1, micro_batch=1, zero_stage=3, fsdp_impl="fsdp1")
+    pre = {c.name: c for c in layer_cost(m, lay, h100, "bf16", False, 8).bwd_comms}
+    post = {c.name: c for c in layer_cost(m, replace(lay, fsdp_backward_prefetch="post"), h100, "bf16", False,
+                                          8).bwd_comms}
+    gather, reduce = "zero-3 all-gather (backward)", "zero-3 reduce-scatter"
+    assert pre[gather].exposed_s == pre[reduce].exposed_s == 0.0  # 64 ranks, an 8K-token layer: all hidden
+    assert post[gather].exposed_s == post[gather].time_s > 0.0
+    assert post[reduce].exposed_s == 0.0
+    # the forward's gathers are unchanged; a case states it or gets "pre", reported only under ZeRO-3
+    assert estimate(_case(tp=1, dp=8, zero_stage=3)).chosen["training"]["fsdp_backward_prefetch"] == "pre"
+    stated = estimate(_case(tp=1, dp=8, zero_stage=3, fsdp_backward_prefetch="post"))
+    assert "fsdp_backward_prefetch" not in stated.chosen["training"]
+    assert stated.step_time_s > estimate(_case(tp=1, dp=8, zero_stage=3)).step_time_s
+    assert "fsdp_backward_prefetch" not in estimate(_case(tp=1, dp=8, zero_stage=1)).chosen["training"]
 
 
 def test_an_unfused_adam_moves_eighty_bytes_a_parameter_where_the_fused_one_moves_thirty():
