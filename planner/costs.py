@@ -100,10 +100,10 @@ def charged_s(chip: Chip, total: float, exposed: float) -> float:
 RESIDUAL_OUTPUT_GEMMS = ("o", "fc2", "experts fc2", "out_proj")
 
 
-def full_recompute(chip: Chip, fwd_s: float, gemm_fwd: dict[str, float],
-                   fwd_comms: list[CommOp]) -> tuple[float, tuple[str, ...]]:
+def full_recompute(chip: Chip, fwd_s: float, gemms: list[_Gemm], gemm_fwd: dict[str, float],
+                   fwd_comms: list[CommOp]) -> tuple[float, tuple[str, ...], float]:
     """What a full recomputation of a layer runs again before its backward: (seconds, names of the forward
-    collectives it does not repeat).
+    collectives it does not repeat, FLOPs of the forward GEMMs it leaves out).
 
     PyTorch (torch.utils.checkpoint, Megatron's recompute) calls the layer's forward again: every kernel and
     every collective of it. On a TPU the step is one XLA program built by JAX, whose jax.checkpoint stages the
@@ -113,10 +113,11 @@ def full_recompute(chip: Chip, fwd_s: float, gemm_fwd: dict[str, float],
     counts 75 % of its non-attention forward FLOPs recomputed (Chowdhery et al. 2022, Appendix B), where
     this leaves 65 % of PaLM 540B's layer matmuls."""
     if chip.kind != "tpu":
-        return fwd_s, ()
+        return fwd_s, (), 0.0
     dead = [g for g in RESIDUAL_OUTPUT_GEMMS if g in gemm_fwd]
     skipped = tuple(c.name for c in fwd_comms if c.group == "tp" and any(c.name.endswith(f"({g})") for g in dead))
-    return fwd_s - sum(gemm_fwd[g] for g in dead), skipped
+    return (fwd_s - sum(gemm_fwd[g] for g in dead), skipped,
+            sum(2.0 * g.m * g.k * g.n * g.batch for g in gemms if g.name in dead))
 
 
 # The classes a step's compute kernels fall into (LayerCost.by_class, planner.api.compute_by_class): GEMMs, the
@@ -283,6 +284,7 @@ class LayerCost:
     # hidden communication causes: what a trace of the chip's kernels sums to, class by class
     by_class: tuple[tuple[str, float], ...] = ()
     recompute_skips: tuple[str, ...] = ()  # forward collectives a full recomputation does not repeat (full_recompute)
+    recompute_skipped_flops: float = 0.0  # forward GEMM FLOPs it leaves out (full_recompute)
 
     @property
     def tp_fwd_s(self) -> float:
@@ -315,6 +317,11 @@ class LayerCost:
     @property
     def zero3_bwd_s(self) -> float:
         return _sum_exposed(self.bwd_comms, "dp")
+
+    @property
+    def full_recompute_flops(self) -> float:
+        """FLOPs a full recomputation runs again: the forward's, less the GEMMs it leaves out."""
+        return self.fwd_flops - self.recompute_skipped_flops
 
     @property
     def recompute_comms(self) -> tuple[CommOp, ...]:
@@ -774,9 +781,9 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
     fwd_s, bwd_s, gathered = _with_zero3_and_slowdown(lay, chip, chips_per_node, lp, fwd_s, bwd_s, fwd_comms,
                                                       bwd_comms)
 
-    skipped: tuple[str, ...] = ()
+    skipped, skipped_flops = (), 0.0
     if lay.recompute == "full":
-        recompute_s, skipped = full_recompute(chip, fwd_s, gemm_fwd, fwd_comms)
+        recompute_s, skipped, skipped_flops = full_recompute(chip, fwd_s, gemms, gemm_fwd, fwd_comms)
     elif lay.recompute == "selective":
         recompute_s = _selective_recompute_s(chip, lay, moe, gemm_fwd, attn_fwd_s, ew)
     elif lay.recompute == "selective-op":
@@ -790,7 +797,7 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
     if moe is True:
         flops += 2.0 * tokens * m.top_k * lp.experts / m.experts / t
     return LayerCost(fwd_s, bwd_s, recompute_s, tuple(fwd_comms), tuple(bwd_comms), flops, act_bytes, wgrad_s,
-                     by_class, skipped)
+                     by_class, skipped, skipped_flops)
 
 
 def _selective_recompute_s(chip: Chip, lay: Layout, moe, gemm_fwd: dict[str, float], attn_fwd_s: float,
@@ -965,9 +972,9 @@ def _mamba_layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chips_p
                                                       bwd_comms)
     # "selective" recomputes the core attention (Megatron-Core's core_attn, _layer_cost): a Mamba layer has none;
     # "selective-op" its out_proj, the scan (custom kernels, not saved) and the memory-bound ops
-    skipped: tuple[str, ...] = ()
+    skipped, skipped_flops = (), 0.0
     if lay.recompute == "full":
-        recompute_s, skipped = full_recompute(chip, fwd_s, gemm_fwd, fwd_comms)
+        recompute_s, skipped, skipped_flops = full_recompute(chip, fwd_s, gemms, gemm_fwd, fwd_comms)
     elif lay.recompute == "selective-op":
         recompute_s = _op_sac_recompute_s(m, MAMBA, gemm_fwd, ew_fwd_s, scan_fwd_s)
     else:
@@ -976,7 +983,7 @@ def _mamba_layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chips_p
         fwd_s, bwd_s = _plus_fsdp_copies(chip, lay, gathered, fwd_s, bwd_s)
     flops = tokens * layer_forward_flops_per_token(m, MAMBA) / t
     return LayerCost(fwd_s, bwd_s, recompute_s, tuple(fwd_comms), tuple(bwd_comms), flops, act_bytes, wgrad_s,
-                     by_class, skipped)
+                     by_class, skipped, skipped_flops)
 
 
 def logits_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str) -> tuple[float, float]:

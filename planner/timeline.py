@@ -78,7 +78,8 @@ def _pass_spans(rank: int, chunk: ChunkCost, kind: str, start: float, mb: int, r
                     p.block(f"fwd {label} L{idx}", lc.fwd_compute_s, lc.fwd_comms, lc.fwd_flops)
                 else:
                     if recompute == "full":
-                        p.block(f"recompute {label} L{idx}", lc.recompute_s, lc.recompute_comms, lc.fwd_flops)
+                        p.block(f"recompute {label} L{idx}", lc.recompute_s, lc.recompute_comms,
+                                lc.full_recompute_flops)
                     elif lc.recompute_s:
                         p.block(f"recompute {label} L{idx}", lc.recompute_s, ())
                     p.block(f"bwd {label} L{idx}", lc.bwd_compute_s, lc.bwd_comms, 2 * lc.fwd_flops)

@@ -26,6 +26,9 @@ def test_on_a_tpu_the_recomputation_skips_the_gemms_and_reductions_that_feed_the
     o = kernels.matmul_s(chip, "bf16", TOKENS, 32 * 128 / TP, 4096)  # attention's output projection
     down = kernels.matmul_s(chip, "bf16", TOKENS, 14336 / TP, 4096)  # the MLP's down projection
     assert full.recompute_s == pytest.approx(none.fwd_compute_s - o - down, rel=1e-12)
+    # and their FLOPs, which the timeline's recompute spans carry: 2 T (4096 x 4096 + 14336 x 4096) / t
+    skipped = 2 * TOKENS * (32 * 128 * 4096 + 14336 * 4096) / TP
+    assert full.full_recompute_flops == pytest.approx(full.fwd_flops - skipped, rel=1e-12)
     # the sequence all-gathers before qkv and fc1 run again; the reduce-scatters after o and fc2 do not
     assert [c.name for c in full.recompute_comms] == ["tp all-gather (qkv)", "tp all-gather (fc1)"]
     assert {c.name for c in full.fwd_comms} == {"tp all-gather (qkv)", "tp all-gather (fc1)",
@@ -37,3 +40,4 @@ def test_on_a_gpu_the_recomputation_runs_the_whole_forward_again():
     full, none = _cost(chip, "full"), _cost(chip, "none")
     assert full.recompute_s == none.fwd_compute_s
     assert full.recompute_comms == full.fwd_comms
+    assert full.full_recompute_flops == full.fwd_flops
