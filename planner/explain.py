@@ -72,7 +72,10 @@ def explain(res: StepResult, best: StepResult | None = None) -> list[str]:
     if lay.ep > 1:
         local = m.experts // lay.ep
         experts = f"{local} expert{'s' if local != 1 else ''}"
-        words.append(f"EP={lay.ep} puts {experts} on each chip; the all-to-alls cost "
+        link = _link(res, lay.ep, lay.mesh.stride("ep"))
+        how = (" (DeepEP: a token crosses the network once per node its experts are on)"
+               if lay.ep_dispatch == "deepep" and link == "the network" else "")
+        words.append(f"EP={lay.ep} puts {experts} on each chip; the all-to-alls over {link}{how} cost "
                      f"{_pct(bd['ep_comm'], step)}.")
     if lay.dp > 1:
         zero = {0: "replicated optimizer state", 1: "ZeRO-1 (sharded optimizer state)",

@@ -105,6 +105,14 @@ def test_a_null_dispatch_is_what_the_chips_moe_recipes_run(chip, dispatch):
     assert null.step_time_s == estimate(_moe_case(chip, ep_dispatch=dispatch)).step_time_s
 
 
+def test_the_explanation_names_the_dispatch_and_the_links_the_all_to_alls_take():
+    def ep_sentence(chip):
+        return next(w for w in estimate(_moe_case(chip)).explanation if w.startswith("EP="))
+
+    assert "over the network (DeepEP" in ep_sentence("h100")  # 64 ranks over 8 nodes
+    assert "over the network cost" in ep_sentence("a100-80gb")  # the NCCL all-to-all
+
+
 def test_bad_dispatch_and_routing_groups_name_their_field(tmp_path, capsys):
     path = tmp_path / "c.json"
     path.write_text(json.dumps(_moe_case(ep_dispatch="nvshmem")))
