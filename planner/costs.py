@@ -39,7 +39,7 @@ Communication (each a `CommOp` with its time alone on its links and the part the
 * ZeRO-3 / FSDP (Rajbhandari et al. 2020 sec. 5.3): each layer's weights all-gathered forward and
   backward, gradients reduce-scattered; prefetched one layer ahead (`param_gather_overlap`), so a gather
   hides under the previous layer's compute; in the backward the gather and the reduce-scatter share the
-  data-parallel links and add up, unless the gather waits for the layer after's gradients
+  data-parallel links and add up, unless the gather is issued only once the layer above has its gradients
   (`fsdp_backward_prefetch` "post", Composer's BACKWARD_POST): then every layer's backward waits for its
   own gather. Under pipeline parallelism (torch.distributed.pipelining, the schedule
   torchtitan runs FSDP with) a stage's weights stay gathered through all its micro-batches and its
@@ -576,8 +576,8 @@ def _zero3_comms(lay: Layout, chip: Chip, chips_per_node: int, lp, fwd_s: float,
     if not overlap:
         ag_shown, rs_shown = ag, rs
     elif lay.fsdp_backward_prefetch == "post":
-        # the gather is issued once the layer after has its gradients, so this layer's backward waits for all of
-        # it; its reduce-scatter then runs under the next layer's backward
+        # the gather is issued once the layer above (whose backward runs first) has its gradients, so this
+        # layer's backward waits for all of it; its reduce-scatter then runs under the next layer's backward
         ag_shown, rs_shown = ag, max(0.0, rs - max(0.0, bwd_window))
     else:
         shown = max(0.0, ag + rs - max(0.0, bwd_window))
