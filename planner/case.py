@@ -105,9 +105,11 @@ RECIPE_DEFAULTS = {
     # when a fully sharded layer's backward gathers its weights (BACKWARD_PREFETCH): "pre", the next layer's gather
     # issued before this layer's gradients are computed, so it hides under them (PyTorch FSDP2's fully_shard, which
     # torchtitan and NeMo AutoModel run; FullyShardedDataParallel's default BackwardPrefetch.BACKWARD_PRE;
-    # Megatron-FSDP); "post", issued after them (BackwardPrefetch.BACKWARD_POST, the default of Composer's FSDP
-    # config: composer/trainer/dist_strategy.py at v0.16, fsdp_config.setdefault('backward_prefetch',
-    # 'BACKWARD_POST')), so each layer's backward waits for its own gather (planner.costs._zero3_comms)
+    # Megatron-FSDP); "post", issued after them (BackwardPrefetch.BACKWARD_POST: torch/distributed/fsdp/
+    # _runtime_utils.py _get_handle_to_prefetch prefetches from a handle's post-backward state; the default of
+    # Composer's FSDP config: composer/trainer/dist_strategy.py at v0.16, fsdp_config.setdefault(
+    # 'backward_prefetch', 'BACKWARD_POST')), so each layer's backward waits for its own gather
+    # (planner.costs._zero3_comms)
     "fsdp_backward_prefetch": "pre",
     # Adam's update as one multi-tensor kernel (Apex / Transformer Engine FusedAdam in Megatron-LM, NeMo and
     # DeepSpeed; torch.optim.AdamW(fused=True), torchtitan's default since 2025-02): OPTIMIZER_STEP_BYTES. False:
