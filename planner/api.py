@@ -61,7 +61,7 @@ def chosen_fields(case: Case, res: StepResult) -> dict:
             if name == "schedule_runs" and res.layout.pp == 1:
                 continue  # without pipeline stages the runs are the same micro-batches
             if name in ("fsdp_impl", "fsdp_backward_prefetch") and not res.layout.layer_zero3:
-                continue  # only ZeRO-3's per-layer gathers and reductions copy (costs.fsdp_copy_bytes)
+                continue  # only ZeRO-3's per-layer gathers and reductions copy and prefetch (costs._zero3_comms)
             if getattr(given, name) is None:
                 out.setdefault(block, {})[name] = getattr(res.layout, name)
     return out

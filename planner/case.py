@@ -372,6 +372,7 @@ def parse_model(block, name: str = "case") -> ModelSpec:
         kw[key] = _int(block, key, "model", required=False, default=None)
     kw["mlp"] = _choice(block, "mlp", "model", MLP_KINDS, default="swiglu")
     kw["tied_embeddings"] = bool(_bool(block, "tied_embeddings", "model"))
+    kw["parallel_block"] = bool(_bool(block, "parallel_block", "model"))
     causal = _bool(block, "causal", "model")
     kw["causal"] = True if causal is None else causal
     return ModelSpec(**kw)
@@ -411,6 +412,9 @@ def parse_case(data) -> Case:
         **flags,
     )
 
+    if training.fsdp_backward_prefetch == "post" and training.fsdp_impl != "fsdp1":
+        raise SpecError("training.fsdp_backward_prefetch", "\"post\" is FullyShardedDataParallel's BACKWARD_POST: "
+                        "state fsdp_impl \"fsdp1\" with it (fully_shard and XLA always gather one layer ahead)")
     if training.fp8_casts and training.dtype != "fp8":
         raise SpecError("training.fp8_casts", f"applies to dtype \"fp8\", not {training.dtype!r}")
     if training.recompute_modules and training.recompute is None:

@@ -73,6 +73,7 @@ from planner.flops import (
     layer_params,
     op_sac_matmuls,
     op_sac_recomputed_params,
+    residual_output_matmuls,
     ssd_chunk,
     ssd_matmuls,
     window_band,
@@ -94,28 +95,28 @@ def charged_s(chip: Chip, total: float, exposed: float) -> float:
     return exposed + overlap_slowdown(chip) * (total - exposed)
 
 
-# A layer's forward GEMMs whose outputs only feed the residual sum (attention's o, the MLP's and the experts' down
-# projections, Mamba-2's out_proj; planner.flops.residual_output_params counts their weights): a backward needs
-# their inputs and weights, never their outputs
-RESIDUAL_OUTPUT_GEMMS = ("o", "fc2", "experts fc2", "out_proj")
+def recompute_drops_dead_code(chip: Chip) -> bool:
+    """Whether a full recomputation on `chip` leaves out what the backward does not read (`full_recompute`): on a
+    TPU the step is one XLA program built by JAX."""
+    return chip.kind == "tpu"
 
 
-def full_recompute(chip: Chip, fwd_s: float, gemms: list[_Gemm], gemm_fwd: dict[str, float],
+def full_recompute(chip: Chip, m: ModelSpec, kind, fwd_s: float, gemms: list[_Gemm], gemm_fwd: dict[str, float],
                    fwd_comms: list[CommOp]) -> tuple[float, tuple[str, ...], float]:
-    """What a full recomputation of a layer runs again before its backward: (seconds, names of the forward
-    collectives it does not repeat, FLOPs of the forward GEMMs it leaves out).
+    """What a full recomputation of a layer of `kind` runs again before its backward: (seconds, names of the
+    forward collectives it does not repeat, FLOPs of the forward GEMMs it leaves out).
 
     PyTorch (torch.utils.checkpoint, Megatron's recompute) calls the layer's forward again: every kernel and
-    every collective of it. On a TPU the step is one XLA program built by JAX, whose jax.checkpoint stages the
-    recomputation as a jaxpr and removes from it everything the backward does not use (ad_checkpoint.py
-    remat_partial_eval: pe.dce_jaxpr "keeping only instantiated outputs which are unknown"): the GEMMs of
-    RESIDUAL_OUTPUT_GEMMS, and the TP reductions of their partial sums, are not run again. PaLM, on TPU v4,
-    counts 75 % of its non-attention forward FLOPs recomputed (Chowdhery et al. 2022, Appendix B), where
-    this leaves 65 % of PaLM 540B's layer matmuls."""
-    if chip.kind != "tpu":
+    every collective of it. JAX's jax.checkpoint stages the recomputation as a jaxpr and removes from it
+    everything the backward does not use (ad_checkpoint.py remat_partial_eval: pe.dce_jaxpr "keeping only
+    instantiated outputs which are unknown"; `recompute_drops_dead_code`): the GEMMs whose outputs only feed the
+    residual sum (planner.flops.residual_output_matmuls), and the TP reductions of their partial sums, are not
+    run again. For PaLM 540B (a parallel block) that leaves 65 % of the layer matmuls; the paper counts 75 %
+    recomputed for its own policy (Chowdhery et al. 2022, Appendix B)."""
+    if not recompute_drops_dead_code(chip):
         return fwd_s, (), 0.0
-    dead = [g for g in RESIDUAL_OUTPUT_GEMMS if g in gemm_fwd]
-    skipped = tuple(c.name for c in fwd_comms if c.group == "tp" and any(c.name.endswith(f"({g})") for g in dead))
+    dead = [g for g in residual_output_matmuls(m, kind) if g in gemm_fwd]
+    skipped = tuple(c.name for c in fwd_comms if c.gemm in dead)
     return (fwd_s - sum(gemm_fwd[g] for g in dead), skipped,
             sum(2.0 * g.m * g.k * g.n * g.batch for g in gemms if g.name in dead))
 
@@ -252,6 +253,7 @@ class CommOp:
     time_s: float
     exposed_s: float
     count: int = 1  # ops of `nbytes` in time_s run one after another (ring steps, chain hops)
+    gemm: str = ""  # the GEMM whose input it gathers or whose partial sums it reduces (TP collectives)
 
     def sent_bytes(self, n: int) -> float:
         """Bytes one of the group's n ranks sends for this op (all its `count` ops)."""
@@ -532,25 +534,25 @@ def _tp_comms(lay: Layout, topo: Topology, column: list[str], row: list[str], ge
         rs = {g: comm_s(topo, "reduce_scatter", b) for g, b in nbytes.items()}
         for g in column:  # forward: all-gather the sequence, then the column GEMM
             exp = pipelined_exposed_s(ag[g], gemm_fwd[g], t) if overlap else ag[g]
-            fwd.append(CommOp("tp", f"tp all-gather ({g})", "all_gather", nbytes[g], ag[g], exp))
+            fwd.append(CommOp("tp", f"tp all-gather ({g})", "all_gather", nbytes[g], ag[g], exp, gemm=g))
         for g in row:  # forward: the row GEMM's partial sums reduce-scattered
             exp = pipelined_exposed_s(rs[g], gemm_fwd[g], t) if overlap else rs[g]
-            fwd.append(CommOp("tp", f"tp reduce-scatter ({g})", "reduce_scatter", nbytes[g], rs[g], exp))
+            fwd.append(CommOp("tp", f"tp reduce-scatter ({g})", "reduce_scatter", nbytes[g], rs[g], exp, gemm=g))
         for g in row:  # backward: the output gradient all-gathered before the dgrad GEMM
             exp = pipelined_exposed_s(ag[g], gemm_dgrad[g], t) if overlap else ag[g]
-            bwd.append(CommOp("tp", f"tp all-gather ({g} grad)", "all_gather", nbytes[g], ag[g], exp))
+            bwd.append(CommOp("tp", f"tp all-gather ({g} grad)", "all_gather", nbytes[g], ag[g], exp, gemm=g))
         for g in column:  # backward: input re-gathered under dgrad, its gradient reduced under wgrad
             bwd.append(CommOp("tp", f"tp all-gather ({g} input)", "all_gather", nbytes[g], ag[g],
-                              max(0.0, ag[g] - gemm_dgrad[g])))
+                              max(0.0, ag[g] - gemm_dgrad[g]), gemm=g))
             bwd.append(CommOp("tp", f"tp reduce-scatter ({g} grad)", "reduce_scatter", nbytes[g], rs[g],
-                              max(0.0, rs[g] - gemm_wgrad[g])))
+                              max(0.0, rs[g] - gemm_wgrad[g]), gemm=g))
     else:
         ar = {g: comm_s(topo, "all_reduce", b) for g, b in nbytes.items()}
         for g in row:
-            fwd.append(CommOp("tp", f"tp all-reduce ({g})", "all_reduce", nbytes[g], ar[g], ar[g]))
+            fwd.append(CommOp("tp", f"tp all-reduce ({g})", "all_reduce", nbytes[g], ar[g], ar[g], gemm=g))
         for g in column:  # the input gradient's all-reduce under the wgrad GEMM (async TP all-reduce)
             exp = max(0.0, ar[g] - gemm_wgrad[g]) if overlap or lay.tp_grad_allreduce_overlap else ar[g]
-            bwd.append(CommOp("tp", f"tp all-reduce ({g} grad)", "all_reduce", nbytes[g], ar[g], exp))
+            bwd.append(CommOp("tp", f"tp all-reduce ({g} grad)", "all_reduce", nbytes[g], ar[g], exp, gemm=g))
     return fwd, bwd
 
 
@@ -783,7 +785,7 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
 
     skipped, skipped_flops = (), 0.0
     if lay.recompute == "full":
-        recompute_s, skipped, skipped_flops = full_recompute(chip, fwd_s, gemms, gemm_fwd, fwd_comms)
+        recompute_s, skipped, skipped_flops = full_recompute(chip, m, moe, fwd_s, gemms, gemm_fwd, fwd_comms)
     elif lay.recompute == "selective":
         recompute_s = _selective_recompute_s(chip, lay, moe, gemm_fwd, attn_fwd_s, ew)
     elif lay.recompute == "selective-op":
@@ -974,7 +976,7 @@ def _mamba_layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chips_p
     # "selective-op" its out_proj, the scan (custom kernels, not saved) and the memory-bound ops
     skipped, skipped_flops = (), 0.0
     if lay.recompute == "full":
-        recompute_s, skipped, skipped_flops = full_recompute(chip, fwd_s, gemms, gemm_fwd, fwd_comms)
+        recompute_s, skipped, skipped_flops = full_recompute(chip, m, MAMBA, fwd_s, gemms, gemm_fwd, fwd_comms)
     elif lay.recompute == "selective-op":
         recompute_s = _op_sac_recompute_s(m, MAMBA, gemm_fwd, ew_fwd_s, scan_fwd_s)
     else:

@@ -23,10 +23,9 @@ def _pct(x: float, total: float) -> str:
 
 
 def _link(res: StepResult, n: int, stride: int) -> str:
-    node = res.extra["chips_per_node"]
     if res.chip.kind == "tpu":
-        return "ICI"
-    return "NVLink" if n * stride <= node else "the network"
+        return "ICI" if n * stride <= res.chip.scaleup_domain else "the data-center network"
+    return "NVLink" if n * stride <= res.extra["chips_per_node"] else "the network"
 
 
 def explain(res: StepResult, best: StepResult | None = None) -> list[str]:

@@ -3,7 +3,8 @@
 Notation (scaling-book style): B batch, S sequence, D hidden, F MLP inner size, N query heads,
 K kv heads, H head dim, V vocabulary, L layers. A matmul `In[B, D] . W[D, F]` costs 2*B*D*F FLOPs
 forward and twice that backward (one matmul for the input gradient, one for the weight gradient),
-so a training pass costs 3x the forward and a fully recomputed one 4x.
+so a training pass costs 3x the forward and a fully recomputed one 4x (a little less where the recomputation
+drops what the backward does not read: `hardware_flops`).
 
 Definitions (Chowdhery et al. 2022, PaLM, Appendix B):
 * model FLOPs: what the model needs per step with no recomputation, 3 * forward FLOPs. MFU is
@@ -353,19 +354,33 @@ def model_flops(m: ModelSpec, tokens: float, causal: bool = False) -> float:
     return 3.0 * forward_flops(m, tokens, causal)
 
 
-def residual_output_params(m: ModelSpec, kind) -> int:
-    """Weights a token meets in one layer's matmuls whose outputs only feed the residual sum: attention's O,
-    the MLP's down projection (a MoE layer's shared experts' and its top_k routed experts'), Mamba-2's
-    out_proj. A backward needs their inputs and weights, never their outputs (planner.costs.full_recompute)."""
-    d = m.hidden
+def residual_output_matmuls(m: ModelSpec, kind) -> tuple[str, ...]:
+    """A layer's matmuls (planner.costs' GEMM names) whose outputs only feed the residual sum, so a backward
+    needs their inputs and weights but never their outputs (planner.costs.full_recompute): the dense MLP's or
+    the shared experts' down projection ("fc2"), Mamba-2's "out_proj", and attention's output projection ("o")
+    where nothing else reads its sum with the residual: in an attention-only layer, or a parallel block
+    (`ModelSpec.parallel_block`). In a sequential block the MLP's norm reads x + o, so "o" is live; a MoE
+    layer's routed experts' outputs are live too (the combine weighs them by the router's probabilities, whose
+    gradient reads them)."""
     if kind == MAMBA:
-        return m.ssm_inner * d
-    out = m.heads * m.head_dim_ * d if kind != MLP else 0
-    if kind == ATTENTION:
-        return out
-    if kind is True:
-        return out + (m.shared_experts + m.top_k) * m.ffn * d
-    return out + (m.ffn if kind == MLP else m.dense_ffn_) * d
+        return ("out_proj",)
+    has_mlp = kind != ATTENTION and (kind is not True or m.shared_experts > 0)
+    out_is_dead = kind == ATTENTION or (m.parallel_block and kind != MLP)
+    return (("o",) if out_is_dead else ()) + (("fc2",) if has_mlp else ())
+
+
+def residual_output_params(m: ModelSpec, kind) -> int:
+    """Weights a token meets in `residual_output_matmuls`' matmuls of one layer."""
+    d = m.hidden
+    sizes = {"out_proj": m.ssm_inner * d, "o": m.heads * m.head_dim_ * d,
+             "fc2": (m.shared_experts * m.ffn if kind is True else m.ffn if kind == MLP else m.dense_ffn_) * d}
+    return sum(sizes[name] for name in residual_output_matmuls(m, kind))
+
+
+def _every_layer(m: ModelSpec, per_layer) -> float:
+    """`per_layer(m, kind)` summed over the model's layers and its multi-token prediction modules' layers."""
+    total = sum(n * per_layer(m, k) for k, n in kind_counts(m))
+    return total + (m.mtp_layers * per_layer(m, mtp_kind(m)) if m.mtp_layers else 0)
 
 
 def hardware_flops(m: ModelSpec, tokens: float, recompute: str, modules: tuple[str, ...] = ("core_attn",),
@@ -385,15 +400,12 @@ def hardware_flops(m: ModelSpec, tokens: float, recompute: str, modules: tuple[s
     attn_fwd = tokens * attention_flops_per_token(m)
     if recompute == "full":
         if skips_residual_outputs:
-            dead = sum(n * residual_output_params(m, k) for k, n in kind_counts(m))
-            layers_fwd -= 2.0 * tokens * (dead + (m.mtp_layers * residual_output_params(m, mtp_kind(m))))
+            layers_fwd -= 2.0 * tokens * _every_layer(m, residual_output_params)
         return model_flops(m, tokens) + layers_fwd + attn_fwd
     if recompute == "selective":
         return model_flops(m, tokens) + tokens * _selective_flops_per_token(m, modules)
     if recompute == "selective-op":
-        again = sum(n * op_sac_recomputed_params(m, k) for k, n in kind_counts(m))
-        again += m.mtp_layers * op_sac_recomputed_params(m, mtp_kind(m)) if m.mtp_layers else 0
-        return model_flops(m, tokens) + 2.0 * tokens * again
+        return model_flops(m, tokens) + 2.0 * tokens * _every_layer(m, op_sac_recomputed_params)
     return model_flops(m, tokens)
 
 

@@ -63,6 +63,11 @@ class ModelSpec:
     kv_lora_rank: int = 0  # MLA: rank of the joint KV latent; 0 = ordinary (GQA) attention
     rope_head_dim: int = 0  # MLA: extra decoupled-RoPE query/key width per head
     tied_embeddings: bool = False  # output projection shares the input embedding matrix
+    # PaLM's parallel formulation (Chowdhery et al. 2022 sec. 2; MaxText's default decoder layer): attention and
+    # the MLP read the same normed input and their outputs join the residual together, y = x + attn(ln(x)) +
+    # mlp(ln(x)), so attention's output projection only feeds the residual (planner.flops.residual_output_matmuls).
+    # The block's one shared norm and its one three-way add are still costed as a sequential block's two of each
+    parallel_block: bool = False
     # causal attention (a decoder); False: every query attends to every key, twice a causal kernel's work
     # (MaxText's October 2023 runs called its flash kernel with causal=False)
     causal: bool = True

@@ -419,7 +419,8 @@ def simulate(case: Case, lay: Layout, chip: Chip, memory: Memory | None = None) 
     node = case.cluster.chips_per_node or chip.scaleup_domain
     return StepResult(case, lay, chip, micro_batches, step, t_pipe, breakdown, stages, mem,
                       model_flops(m, tokens),
-                      hardware_flops(m, tokens, lay.recompute, lay.recompute_modules, chip.kind == "tpu"),
+                      hardware_flops(m, tokens, lay.recompute, lay.recompute_modules,
+                                     costs.recompute_drops_dead_code(chip)),
                       mem.total_bytes <= usable_hbm_bytes(chip),
                       {"critical_stage": crit, "chips_per_node": node})
 

@@ -1,5 +1,7 @@
 """Parameter and FLOP counts against published numbers and hand-worked formulas."""
 
+from dataclasses import replace
+
 import pytest
 
 from planner.flops import active_params, hardware_flops, megatron_flops, model_flops, total_params
@@ -41,7 +43,8 @@ def test_a_recomputation_that_drops_dead_code_skips_the_matmuls_feeding_the_resi
     # 18432 x 73728 each: 4,539.3 M weights, of which o (226.5 M) and down (1,358.95 M) feed only the residual,
     # leaving 2,953.8 / 4,539.3 = 65.07 % of the layer matmuls to run again (the paper counts 75 % for its own
     # rematerialisation policy)
-    m = ModelSpec("palm", 118, 18432, 48, 1, 4 * 18432, 256000, 2048, "swiglu", head_dim=256, tied_embeddings=True)
+    m = ModelSpec("palm", 118, 18432, 48, 1, 4 * 18432, 256000, 2048, "swiglu", head_dim=256, tied_embeddings=True,
+                  parallel_block=True)
     tokens = 2048.0
     full = hardware_flops(m, tokens, "full") - model_flops(m, tokens)
     dropped = hardware_flops(m, tokens, "full", skips_residual_outputs=True) - model_flops(m, tokens)
@@ -51,6 +54,10 @@ def test_a_recomputation_that_drops_dead_code_skips_the_matmuls_feeding_the_resi
     assert 1 - m.layers * per_layer / layer_matmuls == pytest.approx(0.6507, abs=1e-4)
     # nothing changes for the other policies
     assert hardware_flops(m, tokens, "selective", skips_residual_outputs=True) == hardware_flops(m, tokens, "selective")
+    # as a sequential block (x + o feeds the MLP's norm) only the down projection is left out
+    seq = replace(m, parallel_block=False)
+    dropped_seq = hardware_flops(seq, tokens, "full", skips_residual_outputs=True) - model_flops(seq, tokens)
+    assert full - dropped_seq == pytest.approx(m.layers * 2 * tokens * 73728 * 18432, rel=1e-12)
 
 
 def test_model_flops_is_six_n_d_plus_attention():

@@ -1,5 +1,7 @@
 """Full recomputation: what runs again before a layer's backward, on a GPU (the whole forward, PyTorch's
-checkpoint) and on a TPU (JAX / XLA drop what the backward does not use: planner.costs.full_recompute)."""
+checkpoint) and on a TPU (JAX / XLA drop what the backward does not read: planner.costs.full_recompute)."""
+
+from dataclasses import replace
 
 import pytest
 
@@ -14,25 +16,47 @@ TP = 4
 TOKENS = 8192  # one sequence of the preset
 
 
-def _cost(chip, recompute):
-    lay = Layout(dp=1, tp=TP, pp=1, sequence_parallel=True, attention="flash", recompute=recompute)
-    return layer_cost(LLAMA, lay, chip, "bf16", False, 4 if chip.kind == "tpu" else 8)
+def _cost(chip, recompute, m=LLAMA, kind=False, **lay):
+    lay = Layout(dp=lay.pop("dp", 1), tp=TP, pp=1, sequence_parallel=True, attention="flash", recompute=recompute,
+                 **lay)
+    return layer_cost(m, lay, chip, "bf16", kind, 4 if chip.kind == "tpu" else 8)
 
 
 @pytest.mark.parametrize("chip_name", ["tpu-v5p", "tpu-v6e"])
-def test_on_a_tpu_the_recomputation_skips_the_gemms_and_reductions_that_feed_the_residual(chip_name):
+def test_on_a_tpu_a_sequential_layer_skips_only_the_down_projection(chip_name):
+    # the MLP's norm reads x + o, so attention's output projection runs again; the down projection's output
+    # only joins the residual, so neither it nor the reduce-scatter of its partial sums does
     chip = get_chip(chip_name)
     full, none = _cost(chip, "full"), _cost(chip, "none")
-    o = kernels.matmul_s(chip, "bf16", TOKENS, 32 * 128 / TP, 4096)  # attention's output projection
-    down = kernels.matmul_s(chip, "bf16", TOKENS, 14336 / TP, 4096)  # the MLP's down projection
+    down = kernels.matmul_s(chip, "bf16", TOKENS, 14336 / TP, 4096)
+    assert full.recompute_s == pytest.approx(none.fwd_compute_s - down, rel=1e-12)
+    assert [c.name for c in full.recompute_comms] == ["tp all-gather (qkv)", "tp all-gather (fc1)",
+                                                      "tp reduce-scatter (o)"]
+    assert full.full_recompute_flops == pytest.approx(full.fwd_flops - 2 * TOKENS * 14336 * 4096 / TP, rel=1e-12)
+
+
+def test_on_a_tpu_a_parallel_block_skips_both_projections_that_feed_the_residual():
+    # PaLM's y = x + attn(ln(x)) + mlp(ln(x)): o and down only feed the sum
+    chip = get_chip("tpu-v5p")
+    m = replace(LLAMA, parallel_block=True)
+    full, none = _cost(chip, "full", m), _cost(chip, "none", m)
+    o = kernels.matmul_s(chip, "bf16", TOKENS, 32 * 128 / TP, 4096)
+    down = kernels.matmul_s(chip, "bf16", TOKENS, 14336 / TP, 4096)
     assert full.recompute_s == pytest.approx(none.fwd_compute_s - o - down, rel=1e-12)
-    # and their FLOPs, which the timeline's recompute spans carry: 2 T (4096 x 4096 + 14336 x 4096) / t
+    assert [c.name for c in full.recompute_comms] == ["tp all-gather (qkv)", "tp all-gather (fc1)"]
     skipped = 2 * TOKENS * (32 * 128 * 4096 + 14336 * 4096) / TP
     assert full.full_recompute_flops == pytest.approx(full.fwd_flops - skipped, rel=1e-12)
-    # the sequence all-gathers before qkv and fc1 run again; the reduce-scatters after o and fc2 do not
-    assert [c.name for c in full.recompute_comms] == ["tp all-gather (qkv)", "tp all-gather (fc1)"]
-    assert {c.name for c in full.fwd_comms} == {"tp all-gather (qkv)", "tp all-gather (fc1)",
-                                                "tp reduce-scatter (o)", "tp reduce-scatter (fc2)"}
+
+
+def test_on_a_tpu_a_moe_layer_runs_its_routed_experts_again():
+    # the combine weighs the routed experts' outputs by the router's probabilities, whose gradient reads them:
+    # only the shared expert's down projection is left out
+    chip = get_chip("tpu-v5p")
+    ds = MODEL_PRESETS["DeepSeek-V3"]
+    full = _cost(chip, "full", ds, True, dp=8, ep=8)
+    shared_down = 2 * ds.seq_len * ds.shared_experts * ds.ffn * ds.hidden / TP  # one sequence of 4,096 tokens
+    assert full.fwd_flops - full.full_recompute_flops == pytest.approx(shared_down, rel=1e-12)
+    assert "tp reduce-scatter (experts fc2)" in [c.name for c in full.recompute_comms]
 
 
 def test_on_a_gpu_the_recomputation_runs_the_whole_forward_again():

@@ -113,6 +113,20 @@ def test_the_explanation_names_the_dispatch_and_the_links_the_all_to_alls_take()
     assert "over the network cost" in ep_sentence("a100-80gb")  # the NCCL all-to-all
 
 
+def test_the_links_named_are_the_group_s_own():
+    from types import SimpleNamespace
+
+    from planner.costs import cluster_chip
+    from planner.explain import _link
+
+    v5e = cluster_chip(get_chip("tpu-v5e"), 512, 4)  # two 256-chip slices
+    tpu = SimpleNamespace(chip=v5e, extra={"chips_per_node": 4})
+    assert _link(tpu, 8, 1) == "ICI"
+    assert _link(tpu, 8, 64) == "the data-center network"  # 8 ranks 64 apart span 512 chips
+    gpu = SimpleNamespace(chip=get_chip("h100"), extra={"chips_per_node": 8})
+    assert (_link(gpu, 8, 1), _link(gpu, 16, 1)) == ("NVLink", "the network")
+
+
 def test_bad_dispatch_and_routing_groups_name_their_field(tmp_path, capsys):
     path = tmp_path / "c.json"
     path.write_text(json.dumps(_moe_case(ep_dispatch="nvshmem")))

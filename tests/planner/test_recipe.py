@@ -398,9 +398,13 @@ def test_a_backward_gather_issued_after_the_layer_above_has_its_gradients_shows_
     assert post[reduce].exposed_s == 0.0
     # the forward's gathers are unchanged; a case states it or gets "pre", reported only under ZeRO-3
     assert estimate(_case(tp=1, dp=8, zero_stage=3)).chosen["training"]["fsdp_backward_prefetch"] == "pre"
-    stated = estimate(_case(tp=1, dp=8, zero_stage=3, fsdp_backward_prefetch="post"))
+    stated = estimate(_case(tp=1, dp=8, zero_stage=3, fsdp_impl="fsdp1", fsdp_backward_prefetch="post"))
     assert "fsdp_backward_prefetch" not in stated.chosen["training"]
-    assert stated.step_time_s > estimate(_case(tp=1, dp=8, zero_stage=3)).step_time_s
+    assert stated.step_time_s > estimate(_case(tp=1, dp=8, zero_stage=3, fsdp_impl="fsdp1")).step_time_s
+    # BACKWARD_POST is FullyShardedDataParallel's: fully_shard and XLA always gather one layer ahead
+    for impl in (None, "fsdp2", "in-place"):
+        with pytest.raises(SpecError, match="training.fsdp_backward_prefetch"):
+            parse_case(_case(tp=1, dp=8, zero_stage=3, fsdp_impl=impl, fsdp_backward_prefetch="post"))
     assert "fsdp_backward_prefetch" not in estimate(_case(tp=1, dp=8, zero_stage=1)).chosen["training"]
 
 
