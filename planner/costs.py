@@ -101,10 +101,10 @@ def recompute_drops_dead_code(chip: Chip) -> bool:
     return chip.kind == "tpu"
 
 
-def full_recompute(chip: Chip, m: ModelSpec, kind, fwd_s: float, gemms: list[_Gemm], gemm_fwd: dict[str, float],
-                   fwd_comms: list[CommOp]) -> tuple[float, tuple[str, ...], float]:
-    """What a full recomputation of a layer of `kind` runs again before its backward: (seconds, names of the
-    forward collectives it does not repeat, FLOPs of the forward GEMMs it leaves out).
+def full_recompute(chip: Chip, m: ModelSpec, kind, fwd_s: float, gemms: list[_Gemm], gemm_fwd: dict[str, float]
+                   ) -> tuple[float, tuple[str, ...], float]:
+    """What a full recomputation of a layer of `kind` runs again before its backward: (seconds, the GEMMs it
+    leaves out, whose TP collectives it does not repeat either (`CommOp.gemm`), their FLOPs).
 
     PyTorch (torch.utils.checkpoint, Megatron's recompute) calls the layer's forward again: every kernel and
     every collective of it. JAX's jax.checkpoint stages the recomputation as a jaxpr and removes from it
@@ -115,9 +115,8 @@ def full_recompute(chip: Chip, m: ModelSpec, kind, fwd_s: float, gemms: list[_Ge
     recomputed for its own policy (Chowdhery et al. 2022, Appendix B)."""
     if not recompute_drops_dead_code(chip):
         return fwd_s, (), 0.0
-    dead = [g for g in residual_output_matmuls(m, kind) if g in gemm_fwd]
-    skipped = tuple(c.name for c in fwd_comms if c.gemm in dead)
-    return (fwd_s - sum(gemm_fwd[g] for g in dead), skipped,
+    dead = tuple(g for g in residual_output_matmuls(m, kind) if g in gemm_fwd)
+    return (fwd_s - sum(gemm_fwd[g] for g in dead), dead,
             sum(2.0 * g.m * g.k * g.n * g.batch for g in gemms if g.name in dead))
 
 
@@ -285,7 +284,7 @@ class LayerCost:
     # forward + backward seconds by kernel class (KERNEL_CLASSES), before recomputation and before the slowdown
     # hidden communication causes: what a trace of the chip's kernels sums to, class by class
     by_class: tuple[tuple[str, float], ...] = ()
-    recompute_skips: tuple[str, ...] = ()  # forward collectives a full recomputation does not repeat (full_recompute)
+    recompute_skips: tuple[str, ...] = ()  # GEMMs a full recomputation leaves out, TP collectives too (full_recompute)
     recompute_skipped_flops: float = 0.0  # forward GEMM FLOPs it leaves out (full_recompute)
 
     @property
@@ -329,7 +328,7 @@ class LayerCost:
     def recompute_comms(self) -> tuple[CommOp, ...]:
         """What a full recomputation repeats: the forward's TP / CP / EP collectives (not the ZeRO-3
         gathers, which the backward does anyway), less those whose results it does not need (full_recompute)."""
-        return tuple(c for c in self.fwd_comms if c.group != "dp" and c.name not in self.recompute_skips)
+        return tuple(c for c in self.fwd_comms if c.group != "dp" and c.gemm not in self.recompute_skips)
 
 
 def layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe, chips_per_node: int) -> LayerCost:
@@ -785,7 +784,7 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
 
     skipped, skipped_flops = (), 0.0
     if lay.recompute == "full":
-        recompute_s, skipped, skipped_flops = full_recompute(chip, m, moe, fwd_s, gemms, gemm_fwd, fwd_comms)
+        recompute_s, skipped, skipped_flops = full_recompute(chip, m, moe, fwd_s, gemms, gemm_fwd)
     elif lay.recompute == "selective":
         recompute_s = _selective_recompute_s(chip, lay, moe, gemm_fwd, attn_fwd_s, ew)
     elif lay.recompute == "selective-op":
@@ -976,7 +975,7 @@ def _mamba_layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chips_p
     # "selective-op" its out_proj, the scan (custom kernels, not saved) and the memory-bound ops
     skipped, skipped_flops = (), 0.0
     if lay.recompute == "full":
-        recompute_s, skipped, skipped_flops = full_recompute(chip, m, MAMBA, fwd_s, gemms, gemm_fwd, fwd_comms)
+        recompute_s, skipped, skipped_flops = full_recompute(chip, m, MAMBA, fwd_s, gemms, gemm_fwd)
     elif lay.recompute == "selective-op":
         recompute_s = _op_sac_recompute_s(m, MAMBA, gemm_fwd, ew_fwd_s, scan_fwd_s)
     else:
