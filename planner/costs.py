@@ -73,6 +73,7 @@ from planner.flops import (
     layer_params,
     op_sac_matmuls,
     op_sac_recomputed_params,
+    pre_norms,
     residual_output_matmuls,
     ssd_chunk,
     ssd_matmuls,
@@ -419,6 +420,12 @@ def _elementwise(m: ModelSpec, lay: Layout, moe, tokens: float) -> dict[str, flo
         q and k: 4 (N + K) H / t both ways; SwiGLU reads gate and up, writes their product: 6f, backward
         reads gate, up and dy, writes two gradients: 10f; squared ReLU as GELU, 4f and 6f.
       A pattern's attention or MLP layer has one norm and one residual add, and only its block's terms.
+      A parallel block (`ModelSpec.parallel_block`) runs one norm for both branches (planner.flops.pre_norms)
+        and adds both outputs to the residual in one pass (MaxText's DecoderLayer, one XLA fusion: read the
+        two outputs and the residual, write the sum): forward 8h/sp for the adds where a sequential block's
+        two cost 12h/sp (GPT recipe: one dropout over the sum, 9h/sp for 14h/sp; eager, each op apart: two
+        biases, two adds, one dropout, 25h/sp for 30h/sp). Its backward sums the two branches' input
+        gradients before the norm and adds the residual's after it, a sequential block's two adds: unchanged.
       MoE: the token copies are permuted to their experts and back, each a gather that reads and writes
         the k copies (Megatron-Core's moe_utils permute, an index_select, and unpermute, a scatter-add):
         2 x (2 + 2) k h per token each way.
@@ -436,6 +443,8 @@ def _elementwise(m: ModelSpec, lay: Layout, moe, tokens: float) -> dict[str, flo
     sp = t if lay.sequence_parallel else 1
     h, hd = m.hidden, m.head_dim_
     blocks = 1 if moe in (ATTENTION, MLP) else 2
+    norms = pre_norms(m, moe)
+    shared = m.parallel_block and blocks == 2  # both branches' outputs join the residual in one add
     eager = lay.fusion == "eager"
     if moe is True:
         ffn = m.ffn * (m.top_k + m.shared_experts) / t
@@ -443,10 +452,11 @@ def _elementwise(m: ModelSpec, lay: Layout, moe, tokens: float) -> dict[str, flo
     else:
         ffn = 0.0 if moe == ATTENTION else m.dense_ffn_ / t
         routed = 0.0
-    out = {"norm_fwd": blocks * NORM_FWD_BYTES * h / sp, "norm_bwd": blocks * NORM_BWD_BYTES * h / sp}
+    out = {"norm_fwd": norms * NORM_FWD_BYTES * h / sp, "norm_bwd": norms * NORM_BWD_BYTES * h / sp}
     if m.mlp == "gelu":
         act_fwd = 8 if eager else 4
-        out["point_fwd"] = blocks * (15 if eager else 7) * h / sp + act_fwd * ffn
+        residual_fwd = (25 if eager else 9) if shared else blocks * (15 if eager else 7)
+        out["point_fwd"] = residual_fwd * h / sp + act_fwd * ffn
         out["point_bwd"] = blocks * (10 if eager else 5) * h / sp + (8 if eager else 6) * ffn
     else:
         rope_elements = (m.heads + m.kv_heads) * hd / t if moe != MLP else 0.0
@@ -455,10 +465,10 @@ def _elementwise(m: ModelSpec, lay: Layout, moe, tokens: float) -> dict[str, flo
         else:
             act_fwd, act_bwd = (8, 12) if eager else (4, 6)
         rope = 0.0 if eager else 4 * rope_elements
-        out["point_fwd"] = blocks * 6 * h / sp + rope + act_fwd * ffn
+        out["point_fwd"] = (8 if shared else blocks * 6) * h / sp + rope + act_fwd * ffn
         out["point_bwd"] = blocks * 6 * h / sp + rope + act_bwd * ffn
         if eager:
-            norm_elements = blocks * h / sp
+            norm_elements = norms * h / sp
             out["norm_fwd"] = out["norm_bwd"] = 0.0
             out["eager_fwd"] = (kernels.EAGER_BYTES["norm_fwd"] * norm_elements
                                 + kernels.EAGER_BYTES["rope_fwd"] * rope_elements)

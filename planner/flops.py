@@ -114,6 +114,16 @@ def kv_projection_params(m: ModelSpec) -> int:
     return 0 if m.is_mla else 2 * m.hidden * m.kv_heads * m.head_dim_
 
 
+def pre_norms(m: ModelSpec, kind) -> int:
+    """The norms one layer runs on its residual stream: one per block of a sequential layer (before attention,
+    before the MLP), one in a pattern layer (a single block), and one in a parallel block
+    (`ModelSpec.parallel_block`), whose attention and MLP read the same normed input (MaxText's default
+    DecoderLayer at 76bd53b0f: `lnx = RMSNorm(name='pre_self_attention_norm')(inputs)` feeds both)."""
+    if kind in (MAMBA, ATTENTION, MLP) or m.parallel_block:
+        return 1
+    return 2
+
+
 @lru_cache(maxsize=256)
 def layer_params(m: ModelSpec, kind) -> LayerParams:
     """One layer's parameters; `kind` (planner.models): False dense, True MoE, or a pattern character."""
@@ -127,8 +137,8 @@ def layer_params(m: ModelSpec, kind) -> LayerParams:
         return LayerParams(0, _mlp_params(m, m.ffn), 0, 0, d)
     moe = kind
     gpt = m.mlp == "gelu"
-    # GPT recipe: LayerNorm (scale + bias) x2 and biases on every projection; Llama recipe: RMSNorm x2
-    norms = 4 * d if gpt else 2 * d
+    # GPT recipe: LayerNorms (scale + bias) and biases on every projection; Llama recipe: RMSNorms (scale)
+    norms = pre_norms(m, kind) * (2 * d if gpt else d)
     if m.is_mla:
         norms += m.kv_lora_rank + m.q_lora_rank  # RMSNorms on the latents (DeepSeek-V2 config)
     if gpt:

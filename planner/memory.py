@@ -34,6 +34,7 @@ from planner.flops import (
     mtp_proj_params,
     op_sac_matmuls,
     output_heads,
+    pre_norms,
     ssd_chunk,
 )
 from planner.models import ATTENTION, MAMBA, MLP, ModelSpec
@@ -152,6 +153,7 @@ def layer_activation_bytes(m: ModelSpec, lay: Layout, moe, *, recompute: str | N
     Terms (bytes; sb = micro_batch * seq_len / cp tokens, t = tp):
       kept whole on every TP rank unless SP: inputs of the two norms, of QKV and of the MLP (4 x 2sbh),
         plus two dropout masks (2 x sbh) in the GPT recipe            -> 10sbh GPT / 8sbh Llama
+        (a parallel block: its one norm's input and output, one mask  ->  5sbh GPT / 4sbh Llama)
       split by TP: Q, K, V, attention output, MLP internals           -> 24sbh/t for GPT shapes
       attention scores (materialised kernels only): softmax output, dropout mask and output, 5as^2b/t
       FlashAttention keeps only the fp32 log-sum-exp, 4sba/t.
@@ -183,8 +185,12 @@ def layer_activation_bytes(m: ModelSpec, lay: Layout, moe, *, recompute: str | N
         return sum(mamba_activation_terms(m, lay).values())
     has_attn, has_mlp = moe != MLP, moe != ATTENTION
     saved = 1 if dtype == "fp8" else 2  # bytes of a kept GEMM input (docstring)
-    blocks_in = 2 if has_attn and has_mlp else 1  # the GEMM inputs among the replicated tensors
-    replicated = sb * h * (10 if gpt else 8 if has_attn and has_mlp else 4) - (2 - saved) * blocks_in * sb * h
+    # each norm's input and its output, a GEMM input (planner.flops.pre_norms: two in a sequential layer, one in
+    # a pattern layer or a parallel block), plus the GPT recipe's dropout masks (one per block; one over the
+    # parallel block's sum)
+    blocks_in = pre_norms(m, moe)
+    masks = (1 if m.parallel_block or not (has_attn and has_mlp) else 2) if gpt else 0
+    replicated = sb * h * ((2 + saved) * blocks_in + masks)
     # Q, K, V, attention output (the output projection's input; a flash kernel keeps its own bf16 copy for
     # its backward, so under fp8 it is held twice: bf16 for the kernel, fp8 for the projection)
     out_bytes = saved + (2 if saved != 2 and lay.attention in FLASH_KERNELS else 0)

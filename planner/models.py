@@ -65,8 +65,9 @@ class ModelSpec:
     tied_embeddings: bool = False  # output projection shares the input embedding matrix
     # PaLM's parallel formulation (Chowdhery et al. 2022 sec. 2; MaxText's default decoder layer): attention and
     # the MLP read the same normed input and their outputs join the residual together, y = x + attn(ln(x)) +
-    # mlp(ln(x)), so attention's output projection only feeds the residual (planner.flops.residual_output_matmuls).
-    # The block's one shared norm and its one three-way add are still costed as a sequential block's two of each
+    # mlp(ln(x)), so attention's output projection only feeds the residual (planner.flops.residual_output_matmuls);
+    # one norm (planner.flops.pre_norms) and one three-way add (planner.costs._elementwise). GPT-NeoX's parallel
+    # residual, two norms of the same x, is not this block. TP collectives are costed as a sequential block's
     parallel_block: bool = False
     # causal attention (a decoder); False: every query attends to every key, twice a causal kernel's work
     # (MaxText's October 2023 runs called its flash kernel with causal=False)

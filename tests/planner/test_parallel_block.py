@@ -1,0 +1,50 @@
+"""A parallel block (PaLM's y = x + attn(ln(x)) + mlp(ln(x)), MaxText's default DecoderLayer): one norm for both
+branches, one add into the residual, and what that leaves in memory."""
+
+from dataclasses import replace
+
+import pytest
+
+from hardware import kernels
+from hardware.chips import get_chip
+from planner.case import Layout
+from planner.costs import layer_cost
+from planner.flops import layer_params, pre_norms
+from planner.memory import layer_activation_bytes
+from planner.models import ModelSpec
+
+
+def test_a_parallel_block_keeps_one_norms_input_and_output():
+    # PaLM's y = x + attn(ln(x)) + mlp(ln(x)) (MaxText's DecoderLayer): of the tensors replicated across TP,
+    # a sequential Llama layer keeps x, ln1(x), x + o and ln2(x + o) (8sbh bytes), a parallel one x and ln(x)
+    # (4sbh); the GPT recipe adds a dropout mask per block (2sbh), one over the parallel block's sum (sbh)
+    sb, h = 8192, 4096
+    lay = Layout(dp=1, tp=4, pp=1, micro_batch=1, attention="flash")
+    for mlp, seq_minus_par in (("swiglu", 4 * sb * h), ("gelu", 5 * sb * h)):
+        m = ModelSpec("m", 32, h, 32, 8, 14336, 128256, 8192, mlp)
+        par = replace(m, parallel_block=True)
+        assert layer_activation_bytes(m, lay, False) - layer_activation_bytes(par, lay, False) == \
+            pytest.approx(seq_minus_par)
+    # fp8 keeps the one shared GEMM input in 1 byte, not 2 (and fc2's input; the flash kernel's output gains
+    # the output projection's fp8 copy), as test_fp8_keeps_each_gemm_input_in_one_byte counts them
+    par = ModelSpec("m", 32, h, 32, 8, 14336, 128256, 8192, parallel_block=True)
+    fp8 = layer_activation_bytes(par, lay, False) - layer_activation_bytes(par, lay, False, dtype="fp8")
+    assert fp8 == pytest.approx(sb * h + sb * (14336 - 32 * 128) / 4)
+    llama = ModelSpec("llama", 32, h, 32, 8, 14336, 128256, 8192)
+    assert pre_norms(llama, False) == 2 and pre_norms(replace(llama, parallel_block=True), False) == 1
+    assert layer_params(llama, False).norms - layer_params(replace(llama, parallel_block=True), False).norms == h
+
+
+@pytest.mark.parametrize("chip_name", ["h100", "tpu-v5p"])
+def test_a_parallel_block_runs_one_norm_and_one_three_way_add(chip_name):
+    # per token, forward: one norm fewer (read x, write y: 4h bytes; backward 6h) and one add of three
+    # tensors (read 3, write 1: 8h) for two of two (12h); the backward's adds are as many
+    chip = get_chip(chip_name)
+    m = ModelSpec("m", 32, 4096, 32, 8, 14336, 128256, 8192)
+    lay = Layout(dp=1, tp=1, pp=1, micro_batch=1, attention="flash")
+    tokens, h = 8192, 4096
+    seq, par = (dict(layer_cost(x, lay, chip, "bf16", False, 8).by_class)["memory-bound"]
+                for x in (m, replace(m, parallel_block=True)))
+    saved = (kernels.norm_s(chip, 4 * h * tokens) + kernels.norm_s(chip, 6 * h * tokens, backward=True)
+             + kernels.pointwise_s(chip, 4 * h * tokens))
+    assert seq - par == pytest.approx(saved, rel=1e-9)
