@@ -17,7 +17,10 @@ from core.mesh import Mesh
 from planner.models import ModelSpec, SpecError
 from planner.stages import check_layout, expand_layout
 
-RECOMPUTE = ("none", "selective", "selective-op", "full")
+RECOMPUTE = ("none", "selective", "selective-op", "dots", "full")
+# "dots": JAX's jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims, MaxText's remat_policy "minimal"
+# (MaxText/layers/models.py at 76bd53b0f): the outputs of the weight matmuls are saved, everything else (norms,
+# activations, adds, the attention core) runs again before the backward (planner.flops.dots_saved_matmuls)
 # What "selective" runs again before each layer's backward, by Megatron-Core's module names
 # (TransformerConfig.recompute_modules, default ["core_attn"]): "core_attn" the attention kernel,
 # "mla_up_proj" MLA's query and key/value up-projections, "layernorm" the two pre-norms, "mlp" a dense
@@ -417,6 +420,9 @@ def parse_case(data) -> Case:
                         "state fsdp_impl \"fsdp1\" with it (fully_shard and XLA always gather one layer ahead)")
     if training.fp8_casts and training.dtype != "fp8":
         raise SpecError("training.fp8_casts", f"applies to dtype \"fp8\", not {training.dtype!r}")
+    if training.recompute == "dots" and (model.is_moe or model.layer_pattern):
+        raise SpecError("training.recompute", "\"dots\" (JAX's checkpoint_dots_with_no_batch_dims) is modelled for "
+                        "dense attention + MLP layers only, not MoE or Mamba layers: use \"full\" or \"selective\"")
     if training.recompute_modules and training.recompute is None:
         training = replace(training, recompute="selective")
     p = _check_keys(data.get("parallel", {}), {f.name for f in fields(Parallel)}, "parallel")

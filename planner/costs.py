@@ -799,6 +799,10 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
         recompute_s = _selective_recompute_s(chip, lay, moe, gemm_fwd, attn_fwd_s, ew)
     elif lay.recompute == "selective-op":
         recompute_s = _op_sac_recompute_s(m, moe, gemm_fwd, ew_fwd_s)
+    elif lay.recompute == "dots":
+        # JAX's checkpoint_dots_with_no_batch_dims (planner.flops.dots_saved_matmuls): no weight matmul, hence no
+        # TP collective, runs again; the attention core (batched dots or a kernel) and every memory-bound op do
+        recompute_s = attn_fwd_s + ew_fwd_s
     else:
         recompute_s = 0.0
     if gathered:

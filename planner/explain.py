@@ -87,6 +87,8 @@ def explain(res: StepResult, best: StepResult | None = None) -> list[str]:
                         if lay.recompute_modules == DEFAULT_RECOMPUTE_MODULES
                         else f"Selective recomputation of {', '.join(lay.recompute_modules)}"),
           "selective-op": "Op-level selective recomputation (every second matmul and the memory-bound ops)",
+          "dots": ("Matmul outputs kept, everything else recomputed (JAX's checkpoint_dots_with_no_batch_dims: "
+                   "norms, activations and the attention core run again)"),
           "full": "Full recomputation: only layer inputs are kept"}[lay.recompute]
     words.append(f"{rc}; peak memory {res.memory.total_bytes / 1e9:.1f} of {res.chip.hbm_bytes / 1e9:.0f} GB "
                  f"per chip; recomputation costs {_pct(bd['recompute'], step)}.")

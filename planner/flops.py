@@ -227,6 +227,20 @@ def op_sac_matmuls(m: ModelSpec, kind) -> tuple[tuple[str, int, int, bool], ...]
     return tuple((name, i, o, n % 2 == 1) for n, (name, i, o) in enumerate(mats))
 
 
+def dots_saved_matmuls(m: ModelSpec, kind) -> tuple[tuple[str, int, int], ...]:
+    """The weight matmuls whose outputs JAX's checkpoint_dots_with_no_batch_dims (training.recompute "dots",
+    MaxText's remat_policy "minimal") keeps for one dense layer's backward: (name, in, out) in
+    `op_sac_matmuls`' names. The policy makes every dot_general without batch dimensions saveable (the attention
+    core's batched dots are not), and jax.checkpoint then drops the saved values the backward never reads
+    (ad_checkpoint.remat_partial_eval: pe.dce_jaxpr over the staged part): the outputs that only feed the
+    residual sum (`residual_output_matmuls`). jax 0.10.2's print_saved_residuals on a toy layer lists x, q, k,
+    v and the MLP's up projection for a parallel block, and attention's output projection too for a
+    sequential one (its sum with x feeds the MLP's norm); never the down projection."""
+    dead = {"fc2": "down"}
+    dropped = {dead.get(name, name) for name in residual_output_matmuls(m, kind)}
+    return tuple((name, i, o) for name, i, o, _ in op_sac_matmuls(m, kind) if name not in dropped)
+
+
 def op_sac_recomputed_params(m: ModelSpec, kind) -> int:
     """Weights of the matmuls op-level selective checkpointing runs again in one layer (`op_sac_matmuls`)."""
     return sum(i * o for _, i, o, again in op_sac_matmuls(m, kind) if again)
@@ -403,7 +417,8 @@ def hardware_flops(m: ModelSpec, tokens: float, recompute: str, modules: tuple[s
     selective: the matmuls of the `modules` it runs again (planner.case.RECOMPUTE_MODULES): core_attn the
     attention score/softmax part (Korthikanti et al. 2022, sec. 5), mla_up_proj MLA's up-projections, mlp the
     dense layers' MLPs, shared_experts the shared experts (the norms and activations are no matmuls);
-    selective-op: every second matmul of each layer (`op_sac_matmuls`).
+    selective-op: every second matmul of each layer (`op_sac_matmuls`);
+    dots: the attention core only (every weight matmul's output is kept: `dots_saved_matmuls`).
     """
     layers_fwd = tokens * (matmul_flops_per_token(m) - 2.0 * output_heads(m) * m.vocab * m.hidden
                            + ssm_flops_per_token(m))
@@ -416,6 +431,8 @@ def hardware_flops(m: ModelSpec, tokens: float, recompute: str, modules: tuple[s
         return model_flops(m, tokens) + tokens * _selective_flops_per_token(m, modules)
     if recompute == "selective-op":
         return model_flops(m, tokens) + 2.0 * tokens * _every_layer(m, op_sac_recomputed_params)
+    if recompute == "dots":
+        return model_flops(m, tokens) + attn_fwd
     return model_flops(m, tokens)
 
 

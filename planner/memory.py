@@ -27,6 +27,7 @@ from hardware.kernels import FLASH_KERNELS
 from planner.case import Layout
 from planner.flops import (
     OP_SAC_ROW_PARALLEL,
+    dots_saved_matmuls,
     embedding_params,
     kv_projection_params,
     layer_params,
@@ -124,6 +125,19 @@ def mamba_activation_terms(m: ModelSpec, lay: Layout) -> dict[str, float]:
     }
 
 
+def _input_and_outputs_bytes(m: ModelSpec, lay: Layout, saved) -> float:
+    """bf16 bytes of a layer's input and of the outputs of its `saved` matmuls ((name, in, out), in
+    `flops.op_sac_matmuls`' names): a column-parallel one's split by TP, a row-parallel one's as the reduced
+    output, split by SP, the router's whole."""
+    t = lay.tp
+    sb = lay.micro_batch * m.seq_len / lay.cp
+    sp_div = t if lay.sequence_parallel else 1
+    kept = 2 * sb * m.hidden / sp_div
+    for name, _, out in saved:
+        kept += 2 * sb * (out / sp_div if name in OP_SAC_ROW_PARALLEL else out if name == "router" else out / t)
+    return kept
+
+
 def _op_sac_kept_bytes(m: ModelSpec, lay: Layout, kind) -> float:
     """What op-level selective checkpointing ("selective-op", `flops.op_sac_matmuls`) keeps of one layer,
     bf16, in the terms of `layer_activation_bytes`: the block's input, the outputs of the matmuls it saves (a
@@ -132,11 +146,8 @@ def _op_sac_kept_bytes(m: ModelSpec, lay: Layout, kind) -> float:
     outputs, top_k (n_in F + h) per token."""
     t = lay.tp
     sb = lay.micro_batch * m.seq_len / lay.cp
-    sp_div = t if lay.sequence_parallel else 1
-    kept = 2 * sb * m.hidden / sp_div
-    for name, _, out, again in op_sac_matmuls(m, kind):
-        if not again:
-            kept += 2 * sb * (out / sp_div if name in OP_SAC_ROW_PARALLEL else out if name == "router" else out / t)
+    kept = _input_and_outputs_bytes(m, lay, [(name, i, o) for name, i, o, again in op_sac_matmuls(m, kind)
+                                             if not again])
     if kind not in (MLP, MAMBA):
         kept += (2 * sb * m.heads * m.head_dim_ + 4 * sb * m.heads) / t
     if kind is True:
@@ -181,6 +192,8 @@ def layer_activation_bytes(m: ModelSpec, lay: Layout, moe, *, recompute: str | N
         return 2 * sb * h / sp_div  # Korthikanti et al. 2022 sec. 5: only the layer input is kept
     if recompute == "selective-op":
         return _op_sac_kept_bytes(m, lay, moe)
+    if recompute == "dots":  # the layer input and the matmul outputs the backward reads; the attention core reruns
+        return _input_and_outputs_bytes(m, lay, dots_saved_matmuls(m, moe))
     if moe == MAMBA:
         return sum(mamba_activation_terms(m, lay).values())
     has_attn, has_mlp = moe != MLP, moe != ATTENTION
@@ -375,8 +388,8 @@ def _logits(m: ModelSpec, lay: Layout) -> float:
 
 def _temporary_bytes(m: ModelSpec, lay: Layout, stage: int, stage_params: float, dtype: str) -> float:
     """Buffers alive at the peak besides the kept activations:
-    * the layer being back-propagated with full (or op-level selective) recomputation holds its recomputed
-      activations;
+    * the layer being back-propagated with full, op-level selective or "dots" recomputation holds its
+      recomputed activations;
     * the loss stage's fp32 logits and their gradient, (b s/cp) x V/t x 8 bytes (Korthikanti sec. 4.3
       counts the output layer too), or with a fused cross-entropy (`cross_entropy` "fused") the bf16 logits
       and their bf16 gradient, 4 bytes; once per output head (multi-token prediction adds heads);
@@ -384,7 +397,7 @@ def _temporary_bytes(m: ModelSpec, lay: Layout, stage: int, stage_params: float,
       pipeline parallelism they stay whole and are counted with the weights.
     """
     temp = 0.0
-    if lay.recompute in ("full", "selective-op"):
+    if lay.recompute in ("full", "selective-op", "dots"):
         kinds = m.kinds if m.layer_pattern else (m.is_moe,)
         temp += max(layer_activation_bytes(m, lay, k, recompute="none", dtype=dtype) for k in kinds)
     chunks = chunks_of(m, lay)[stage]

@@ -115,6 +115,47 @@ def test_op_level_selective_recompute_runs_every_second_matmul_and_the_memory_bo
     assert kept["selective-op"] == pytest.approx(2 * s * (h + 4096 + 1024 + 4096 + 14336 + h) + 4 * s * m.heads)
 
 
+def test_jax_dots_policy_keeps_the_matmul_outputs_the_backward_reads_and_reruns_the_rest():
+    # JAX's checkpoint_dots_with_no_batch_dims (MaxText's remat_policy "minimal"). jax 0.10.2's
+    # print_saved_residuals on a toy layer (rms norm, q/k/v/o einsums, relu MLP): a parallel block keeps x, q, k,
+    # v and the MLP's up projection; a sequential one attention's output projection too; never the down projection
+    from hardware.chips import get_chip
+    from planner.case import Layout
+    from planner.costs import layer_cost
+    from planner.flops import attention_flops_per_token, dots_saved_matmuls, hardware_flops, model_flops
+    from planner.memory import layer_activation_bytes
+    from planner.models import ModelSpec
+
+    seq = ModelSpec("gpt", 32, 10240, 32, 32, 32768, 32768, 2048, "gelu", head_dim=256)
+    par = replace(seq, parallel_block=True)
+    assert [n for n, _, _ in dots_saved_matmuls(par, False)] == ["q", "k", "v", "up"]
+    assert [n for n, _, _ in dots_saved_matmuls(seq, False)] == ["q", "k", "v", "o", "up"]
+    tokens = 1e6
+    assert hardware_flops(par, tokens, "dots") - model_flops(par, tokens) == pytest.approx(
+        tokens * attention_flops_per_token(par))
+    # kept, bf16, tp 4 with sequence parallelism, 2 sequences of 2048: the layer input (sp-split), q, k, v (8192
+    # wide each) and up (32768) split by TP; a sequential block adds o's reduced output, sp-split
+    lay = Layout(dp=1, tp=4, pp=1, micro_batch=2, attention="flash", sequence_parallel=True)
+    sb = 2 * 2048
+    assert layer_activation_bytes(par, lay, False, recompute="dots") == pytest.approx(
+        2 * sb * (10240 / 4 + 3 * 8192 / 4 + 32768 / 4))
+    assert layer_activation_bytes(seq, lay, False, recompute="dots") - layer_activation_bytes(
+        par, lay, False, recompute="dots") == pytest.approx(2 * sb * 10240 / 4)
+    # before its backward the layer runs its attention core and memory-bound ops again, no matmul, no collective
+    v5p = get_chip("tpu-v5p")
+    dots, attn_only, none = (layer_cost(par, replace(lay, recompute=r), v5p, "bf16", False, 4)
+                             for r in ("dots", "selective", "none"))
+    by_class = dict(none.by_class)
+    assert attn_only.recompute_s < dots.recompute_s < by_class["attention"] + by_class["memory-bound"]
+    assert not dots.recompute_skips  # (the step repeats a layer's collectives only under "full")
+    assert (dots.fwd_compute_s, dots.bwd_compute_s) == (none.fwd_compute_s, none.bwd_compute_s)
+    # a MoE or Mamba model is refused, naming the field
+    moe = _case(recompute="dots")
+    moe["model"].update(experts=8, top_k=2)
+    with pytest.raises(SpecError, match="training.recompute"):
+        parse_case(moe)
+
+
 def test_each_overlap_switch_shows_in_the_breakdown():
     on = estimate(_case()).breakdown
     no_tp = estimate(_case(tp_comm_overlap=False)).breakdown
