@@ -385,7 +385,9 @@ def residual_output_matmuls(m: ModelSpec, kind) -> tuple[str, ...]:
     where nothing else reads its sum with the residual: in an attention-only layer, or a parallel block
     (`ModelSpec.parallel_block`). In a sequential block the MLP's norm reads x + o, so "o" is live; a MoE
     layer's routed experts' outputs are live too (the combine weighs them by the router's probabilities, whose
-    gradient reads them)."""
+    gradient reads them). Checked with jax 0.10.2 on a toy layer (q, k, v, scores, p.v, o, up, down): the
+    jaxpr of the gradient through jax.checkpoint runs 6 of the 8 forward dot_generals again for a parallel
+    block (not o, not down) and 7 for a sequential one (not down)."""
     if kind == MAMBA:
         return ("out_proj",)
     has_mlp = kind != ATTENTION and (kind is not True or m.shared_experts > 0)
