@@ -420,9 +420,6 @@ def parse_case(data) -> Case:
                         "state fsdp_impl \"fsdp1\" with it (fully_shard and XLA always gather one layer ahead)")
     if training.fp8_casts and training.dtype != "fp8":
         raise SpecError("training.fp8_casts", f"applies to dtype \"fp8\", not {training.dtype!r}")
-    if training.recompute == "dots" and (model.is_moe or model.layer_pattern):
-        raise SpecError("training.recompute", "\"dots\" (JAX's checkpoint_dots_with_no_batch_dims) is modelled for "
-                        "dense attention + MLP layers only, not MoE or Mamba layers: use \"full\" or \"selective\"")
     if training.recompute_modules and training.recompute is None:
         training = replace(training, recompute="selective")
     p = _check_keys(data.get("parallel", {}), {f.name for f in fields(Parallel)}, "parallel")
@@ -520,6 +517,9 @@ def _divides(a: int, b: int) -> bool:
 def check_fixed(case: Case) -> None:
     """Divisibility checks on the fields the case fixes, each naming the field to change."""
     m, p, n = case.model, case.parallel, case.cluster.num_chips
+    if case.training.recompute == "dots" and (m.is_moe or m.layer_pattern):
+        raise SpecError("training.recompute", "\"dots\" (JAX's checkpoint_dots_with_no_batch_dims) is modelled for "
+                        "dense attention + MLP layers only, not MoE or Mamba layers: use \"full\" or \"selective\"")
     fixed = {k: getattr(p, k) for k in ("dp", "tp", "pp", "cp") if getattr(p, k) is not None}
     prod = 1
     for v in fixed.values():

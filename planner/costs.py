@@ -423,9 +423,10 @@ def _elementwise(m: ModelSpec, lay: Layout, moe, tokens: float) -> dict[str, flo
       A parallel block (`ModelSpec.parallel_block`) runs one norm for both branches (planner.flops.pre_norms)
         and adds both outputs to the residual in one pass (MaxText's DecoderLayer, one XLA fusion: read the
         two outputs and the residual, write the sum): forward 8h/sp for the adds where a sequential block's
-        two cost 12h/sp (GPT recipe: one dropout over the sum, 9h/sp for 14h/sp; eager, each op apart: two
-        biases, two adds, one dropout, 25h/sp for 30h/sp). Its backward sums the two branches' input
-        gradients before the norm and adds the residual's after it, a sequential block's two adds: unchanged.
+        two cost 12h/sp (GPT recipe: one dropout over the sum, 9h/sp for 14h/sp; eager, each op apart, x + a
+        + m is two adds: 12h/sp, GPT two biases, two adds, one dropout, 25h/sp for 30h/sp). Its backward sums
+        the two branches' input gradients before the norm and adds the residual's after it, a sequential
+        block's two adds: unchanged.
       MoE: the token copies are permuted to their experts and back, each a gather that reads and writes
         the k copies (Megatron-Core's moe_utils permute, an index_select, and unpermute, a scatter-add):
         2 x (2 + 2) k h per token each way.
@@ -465,7 +466,7 @@ def _elementwise(m: ModelSpec, lay: Layout, moe, tokens: float) -> dict[str, flo
         else:
             act_fwd, act_bwd = (8, 12) if eager else (4, 6)
         rope = 0.0 if eager else 4 * rope_elements
-        out["point_fwd"] = (8 if shared else blocks * 6) * h / sp + rope + act_fwd * ffn
+        out["point_fwd"] = (8 if shared and not eager else blocks * 6) * h / sp + rope + act_fwd * ffn
         out["point_bwd"] = blocks * 6 * h / sp + rope + act_bwd * ffn
         if eager:
             norm_elements = norms * h / sp
@@ -801,7 +802,9 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
         recompute_s = _op_sac_recompute_s(m, moe, gemm_fwd, ew_fwd_s)
     elif lay.recompute == "dots":
         # JAX's checkpoint_dots_with_no_batch_dims (planner.flops.dots_saved_matmuls): no weight matmul, hence no
-        # TP collective, runs again; the attention core (batched dots or a kernel) and every memory-bound op do
+        # TP collective, runs again; the attention core (batched dots or a kernel) and the memory-bound ops do.
+        # Charged whole: JAX also drops the last residual add (its output only feeds the next layer), about
+        # 0.2 % of MaxText's 32B step; a context-parallel K/V ring that reruns with the attention is not charged
         recompute_s = attn_fwd_s + ew_fwd_s
     else:
         recompute_s = 0.0

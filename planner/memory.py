@@ -7,7 +7,8 @@ Sources:
   also the gradients, stage 3 also the weights. Megatron-LM's distributed optimizer is stage 1.
 * Korthikanti et al. 2022 (arXiv 2205.05198) sec. 4, eqs. 1-2 and Table 2: activations per layer of a
   GPT layer, sbh(34 + 5as/h) bytes; with TP t: sbh(10 + 24/t + 5as/(ht)); with TP+SP: sbh/t (34 +
-  5as/h); selective recompute + SP: 34 sbh/t; full recompute: 2sbh (the layer input only).
+  5as/h); selective recompute + SP: 34 sbh/t; full recompute: 2sbh (the layer input only). JAX's
+  checkpoint_dots_with_no_batch_dims ("dots") keeps the layer input and the matmul outputs its backward reads.
   `layer_activation_bytes` generalises the terms to GQA, SwiGLU, MoE, CP and FlashAttention and
   reduces to those forms for GPT shapes (tests check it).
 * Mamba-2 layers (`mamba_activation_terms`): the tensors Megatron-Core's MambaMixer (TE's fused
@@ -198,12 +199,14 @@ def layer_activation_bytes(m: ModelSpec, lay: Layout, moe, *, recompute: str | N
         return sum(mamba_activation_terms(m, lay).values())
     has_attn, has_mlp = moe != MLP, moe != ATTENTION
     saved = 1 if dtype == "fp8" else 2  # bytes of a kept GEMM input (docstring)
-    # each norm's input and its output, a GEMM input (planner.flops.pre_norms: two in a sequential layer, one in
-    # a pattern layer or a parallel block), plus the GPT recipe's dropout masks (one per block; one over the
-    # parallel block's sum)
-    blocks_in = pre_norms(m, moe)
+    # each norm's input and its output, the GEMM inputs (planner.flops.pre_norms: two norms in a sequential layer,
+    # one in a pattern layer or a parallel block), plus the GPT recipe's dropout masks (one per block; one over
+    # the parallel block's sum)
+    norms = pre_norms(m, moe)
+    # a parallel block's QKV and MLP share ln(x) in bf16; under fp8 each Transformer Engine module keeps its own cast
+    blocks_in = 2 if m.parallel_block and has_attn and has_mlp and saved != 2 else norms
     masks = (1 if m.parallel_block or not (has_attn and has_mlp) else 2) if gpt else 0
-    replicated = sb * h * ((2 + saved) * blocks_in + masks)
+    replicated = sb * h * (2 * norms + saved * blocks_in + masks)
     # Q, K, V, attention output (the output projection's input; a flash kernel keeps its own bf16 copy for
     # its backward, so under fp8 it is held twice: bf16 for the kernel, fp8 for the projection)
     out_bytes = saved + (2 if saved != 2 and lay.attention in FLASH_KERNELS else 0)
@@ -389,7 +392,7 @@ def _logits(m: ModelSpec, lay: Layout) -> float:
 def _temporary_bytes(m: ModelSpec, lay: Layout, stage: int, stage_params: float, dtype: str) -> float:
     """Buffers alive at the peak besides the kept activations:
     * the layer being back-propagated with full, op-level selective or "dots" recomputation holds its
-      recomputed activations;
+      recomputed activations (the whole layer's less what it keeps anyway);
     * the loss stage's fp32 logits and their gradient, (b s/cp) x V/t x 8 bytes (Korthikanti sec. 4.3
       counts the output layer too), or with a fused cross-entropy (`cross_entropy` "fused") the bf16 logits
       and their bf16 gradient, 4 bytes; once per output head (multi-token prediction adds heads);
@@ -399,7 +402,9 @@ def _temporary_bytes(m: ModelSpec, lay: Layout, stage: int, stage_params: float,
     temp = 0.0
     if lay.recompute in ("full", "selective-op", "dots"):
         kinds = m.kinds if m.layer_pattern else (m.is_moe,)
-        temp += max(layer_activation_bytes(m, lay, k, recompute="none", dtype=dtype) for k in kinds)
+        # what the recomputation adds to the activations the layer already keeps
+        temp += max(layer_activation_bytes(m, lay, k, recompute="none", dtype=dtype)
+                    - layer_activation_bytes(m, lay, k, dtype=dtype) for k in kinds)
     chunks = chunks_of(m, lay)[stage]
     if any(c.loss for c in chunks):
         per_logit = 4 if lay.cross_entropy == "fused" else 8

@@ -132,4 +132,3 @@ def test_the_metrics_cross_entropies_set_the_peak_when_their_logits_outweigh_the
     big = ModelSpec("mpt-7b", 32, 4096, 32, 32, 16384, 50368, 2048, "gelu")
     lay7 = replace(lay, micro_batch=6)
     assert memory_per_chip(big, replace(lay7, logit_metrics=2), 1) == memory_per_chip(big, lay7, 1)
-

@@ -154,6 +154,9 @@ def test_jax_dots_policy_keeps_the_matmul_outputs_the_backward_reads_and_reruns_
     moe["model"].update(experts=8, top_k=2)
     with pytest.raises(SpecError, match="training.recompute"):
         parse_case(moe)
+    from planner import make_case
+    with pytest.raises(SpecError, match="training.recompute"):
+        estimate(make_case("Mixtral 8x7B", "8x H100 (one node)", recompute="dots"))
 
 
 def test_each_overlap_switch_shows_in_the_breakdown():
