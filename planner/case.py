@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields, replace
 from functools import cached_property
 
 from core.mesh import Mesh
-from planner.models import ModelSpec, SpecError
+from planner.models import LAYER_STYLES, MLP_KINDS, ModelSpec, SpecError
 from planner.stages import check_layout, expand_layout
 
 RECOMPUTE = ("none", "selective", "selective-op", "dots", "full")
@@ -342,8 +342,6 @@ def _check_keys(block, allowed: set, prefix: str) -> dict:
 
 
 _MODEL_KEYS = {f.name for f in fields(ModelSpec)}
-# Llama-style gated MLP (3 matrices), GPT-style GELU (2), squared ReLU (2, Nemotron-H)
-MLP_KINDS = ("swiglu", "gelu", "relu2")
 SSM_FIELDS = ("ssm_state", "ssm_head_dim", "ssm_expand", "ssm_groups", "ssm_conv", "ssm_chunk")
 
 
@@ -374,6 +372,7 @@ def parse_model(block, name: str = "case") -> ModelSpec:
     for key in ("head_dim", "dense_ffn"):
         kw[key] = _int(block, key, "model", required=False, default=None)
     kw["mlp"] = _choice(block, "mlp", "model", MLP_KINDS, default="swiglu")
+    kw["layer_style"] = _choice(block, "layer_style", "model", LAYER_STYLES)
     kw["tied_embeddings"] = bool(_bool(block, "tied_embeddings", "model"))
     kw["parallel_block"] = bool(_bool(block, "parallel_block", "model"))
     causal = _bool(block, "causal", "model")

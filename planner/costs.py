@@ -454,7 +454,7 @@ def _elementwise(m: ModelSpec, lay: Layout, moe, tokens: float) -> dict[str, flo
         ffn = 0.0 if moe == ATTENTION else m.dense_ffn_ / t
         routed = 0.0
     out = {"norm_fwd": norms * NORM_FWD_BYTES * h / sp, "norm_bwd": norms * NORM_BWD_BYTES * h / sp}
-    if m.mlp == "gelu":
+    if m.gpt_style:
         act_fwd = 8 if eager else 4
         residual_fwd = (25 if eager else 9) if shared else blocks * (15 if eager else 7)
         out["point_fwd"] = residual_fwd * h / sp + act_fwd * ffn
@@ -728,7 +728,7 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
         q_rows = m.seq_len / cp
         qk_g, pv_g = _Gemm("scores", q_rows, qk_dim, m.seq_len, batch), _Gemm("pv", q_rows, m.seq_len, hd, batch)
         scores = tokens * m.seq_len * heads_local
-        dropout = kernels.pointwise_s(chip, 5 * scores) if m.mlp == "gelu" else 0.0
+        dropout = kernels.pointwise_s(chip, 5 * scores) if m.gpt_style else 0.0
         softmax_fwd, softmax_bwd = (3, 4) if m.causal else (4, 6)
         attn_fwd_s = _fwd_s(chip, "bf16", qk_g) + _fwd_s(chip, "bf16", pv_g) \
             + kernels.norm_s(chip, softmax_fwd * scores) + dropout

@@ -136,7 +136,7 @@ def layer_params(m: ModelSpec, kind) -> LayerParams:
     if kind == MLP:
         return LayerParams(0, _mlp_params(m, m.ffn), 0, 0, d)
     moe = kind
-    gpt = m.mlp == "gelu"
+    gpt = m.gpt_style
     # GPT recipe: LayerNorms (scale + bias) and biases on every projection; Llama recipe: RMSNorms (scale)
     norms = pre_norms(m, kind) * (2 * d if gpt else d)
     if m.is_mla:
@@ -151,7 +151,7 @@ def layer_params(m: ModelSpec, kind) -> LayerParams:
 
 def embedding_params(m: ModelSpec) -> int:
     """Input embedding plus the output projection unless tied (plus GPT's learned positions)."""
-    pos = m.seq_len * m.hidden if m.mlp == "gelu" else 0
+    pos = m.seq_len * m.hidden if m.gpt_style else 0
     return m.vocab * m.hidden * (1 if m.tied_embeddings else 2) + pos + m.hidden  # + final norm
 
 

@@ -187,7 +187,7 @@ def layer_activation_bytes(m: ModelSpec, lay: Layout, moe, *, recompute: str | N
     sb = lay.micro_batch * m.seq_len / cp
     h, hd = m.hidden, m.head_dim_
     q_w, kv_w = m.heads * hd, m.kv_heads * hd
-    gpt = m.mlp == "gelu"
+    gpt = m.gpt_style
     sp_div = t if lay.sequence_parallel else 1
     if recompute == "full":
         return 2 * sb * h / sp_div  # Korthikanti et al. 2022 sec. 5: only the layer input is kept

@@ -25,7 +25,12 @@ from dataclasses import dataclass
 from functools import cached_property
 
 # "relu2": squared ReLU, 2 matrices and no biases (So et al. 2021, Primer; Nemotron-H's MLP)
-MLP_KINDS = ("gelu", "swiglu", "relu2")
+# Llama-style gated MLP (3 matrices), GPT-style GELU (2), squared ReLU (2, Nemotron-H)
+MLP_KINDS = ("swiglu", "gelu", "relu2")
+# What surrounds the matmuls of a layer (ModelSpec.layer_style): "gpt" (GPT-2/3, Megatron-LM's GPT): LayerNorm with
+# a bias, biases on every projection, learned position embeddings, a dropout after attention and after the MLP;
+# "llama": RMSNorm, no biases, rotary embeddings, no dropout
+LAYER_STYLES = ("gpt", "llama")
 MAMBA, ATTENTION, MLP = "M", "*", "-"
 PATTERN_CHARS = MAMBA + ATTENTION + MLP
 # The most layers a model may have: the planner keeps a model's layer kinds one by one (ModelSpec.kinds), so
@@ -69,6 +74,9 @@ class ModelSpec:
     # one norm (planner.flops.pre_norms) and one three-way add (planner.costs._elementwise). GPT-NeoX's parallel
     # residual, two norms of the same x, is not this block. TP collectives are costed as a sequential block's
     parallel_block: bool = False
+    # LAYER_STYLES; None: "gpt" with a GELU MLP, else "llama" (MaxText's GPT-3-like models run a GELU or ReLU MLP
+    # with RMSNorm, no biases, rotary and no dropout: "llama")
+    layer_style: str | None = None
     # causal attention (a decoder); False: every query attends to every key, twice a causal kernel's work
     # (MaxText's October 2023 runs called its flash kernel with causal=False)
     causal: bool = True
@@ -97,6 +105,11 @@ class ModelSpec:
 
     def __post_init__(self):
         self.validate()
+
+    @property
+    def gpt_style(self) -> bool:
+        """The "gpt" layer style (LAYER_STYLES), stated or taken from a GELU MLP."""
+        return self.layer_style == "gpt" if self.layer_style else self.mlp == "gelu"
 
     @property
     def head_dim_(self) -> int:
@@ -163,6 +176,11 @@ class ModelSpec:
                             "models (published models have a few hundred at most); check the number")
         if self.mlp not in MLP_KINDS:
             raise SpecError(f"{prefix}.mlp", f"must be one of {MLP_KINDS}, got {self.mlp!r}")
+        if self.layer_style is not None and self.layer_style not in LAYER_STYLES:
+            raise SpecError(f"{prefix}.layer_style", f"must be one of {LAYER_STYLES} or null, got {self.layer_style!r}")
+        if self.layer_style == "gpt" and self.mlp == "swiglu":
+            raise SpecError(f"{prefix}.layer_style", "\"gpt\" (biases, LayerNorm, dropout) is modelled with a GELU or "
+                            "squared-ReLU MLP, not a gated one: use \"llama\" or null with mlp \"swiglu\"")
         if pattern and len(pattern) != self.layers:
             raise SpecError(f"{prefix}.layer_pattern", f"has {len(pattern)} characters for layers={self.layers}; "
                             "give one per layer")
@@ -228,9 +246,10 @@ class ModelSpec:
         if self.mtp_layers:
             raise SpecError(f"{prefix}.mtp_layers", "multi-token prediction with a layer pattern is not modelled; "
                             "set mtp_layers to 0")
-        if self.mlp == "gelu":
-            raise SpecError(f"{prefix}.mlp", "a layer pattern uses the RMSNorm recipe without biases; choose "
-                            "\"swiglu\" or \"relu2\"")
+        if self.mlp == "gelu" or self.layer_style == "gpt":
+            field = "mlp" if self.mlp == "gelu" else "layer_style"
+            raise SpecError(f"{prefix}.{field}", "a layer pattern uses the RMSNorm recipe without biases; choose "
+                            "mlp \"swiglu\" or \"relu2\" and layer_style \"llama\" or null")
         for f in ("ssm_state", "ssm_head_dim", "ssm_expand", "ssm_groups", "ssm_conv", "ssm_chunk"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:

@@ -55,3 +55,26 @@ def test_a_parallel_block_runs_one_norm_and_one_three_way_add(chip_name):
                 for x in (m, replace(m, parallel_block=True)))
     assert seq - par == pytest.approx(kernels.eager_s(chip, (kernels.EAGER_BYTES["norm_fwd"]
                                                              + kernels.EAGER_BYTES["norm_bwd"]) * h * tokens), rel=1e-9)
+
+
+def test_layer_style_says_what_surrounds_the_matmuls_not_the_mlp():
+    # a GELU MLP in a Llama-style layer (MaxText's GPT-3-like models): RMSNorm without biases, rotary, no dropout
+    from planner.case import parse_model
+    from planner.flops import total_params
+    from planner.models import SpecError
+
+    gelu = ModelSpec("m", 32, 4096, 32, 32, 16384, 32000, 2048, "gelu")
+    llama = replace(gelu, layer_style="llama")
+    assert gelu.gpt_style and not llama.gpt_style and replace(llama, layer_style="gpt").gpt_style
+    # per layer: the GPT style's LayerNorm biases (2 x 4096) and projection biases (q, k, v, o, up, down),
+    # and the learned positions (2048 x 4096) once
+    biases = 2 * 4096 + 3 * 4096 + 4096 + 16384 + 4096
+    assert total_params(gelu) - total_params(llama) == 32 * biases + 2048 * 4096
+    lay = Layout(dp=1, tp=1, pp=1, micro_batch=1, attention="flash")
+    # the two dropout masks (1 byte each per element of the residual stream) leave the kept activations
+    assert layer_activation_bytes(gelu, lay, False) - layer_activation_bytes(llama, lay, False) == 2 * 2048 * 4096
+    assert parse_model({"layers": 2, "hidden": 64, "heads": 4, "vocab": 100, "seq_len": 16, "ffn": 256,
+                        "mlp": "gelu", "layer_style": "llama"}).layer_style == "llama"
+    for bad in ({"layer_style": "bert"}, {"layer_style": "gpt", "mlp": "swiglu"}):
+        with pytest.raises(SpecError, match="model.layer_style"):
+            parse_model({"layers": 2, "hidden": 64, "heads": 4, "vocab": 100, "seq_len": 16, "ffn": 256, **bad})
