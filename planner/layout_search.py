@@ -14,7 +14,8 @@ Pruning, each rule exact within the simulator's model (so the search is complete
 * dominance: (a) every ZeRO stage is simulated: sharding shortens the optimizer update and splits the
   gradient sync into a reduce-scatter and an all-gather that hide differently, ZeRO-2 reduce-scatters
   every micro-batch and ZeRO-3 gathers every layer, so no stage always wins; (b) recomputation only
-  adds time, so for each ZeRO stage only the lightest level that fits is simulated; (c) SP with
+  adds time, so for each ZeRO stage only the lightest level that fits is simulated (`recompute_order`:
+  none, Megatron's selective, on a TPU JAX's "dots", full); (c) SP with
   tp > 1 moves the same bytes as plain TP and keeps and moves less through HBM, so SP on dominates;
   (d) GPipe has 1F1B's bubble and more memory, so 1F1B dominates; (e) TP stays inside one scale-up
   domain (NVLink node; TPU: the chip's scale-up domain) unless the case fixes it.
@@ -45,7 +46,7 @@ from planner import costs
 from planner.case import DEFAULT_RECOMPUTE_MODULES, SSM_CP, Case, Layout, layout_tp_ok, recipe, ssm_alltoall_ok
 from planner.flops import mtp_kind, output_heads
 from planner.memory import layer_kind_counts, memory_per_chip, stage_groups
-from planner.models import SpecError
+from planner.models import ModelSpec, SpecError
 from planner.simulate import StepResult, pipeline_p2p_s, simulate, usable_hbm_bytes
 from planner.stages import chunks_of
 
@@ -55,6 +56,15 @@ ZERO_ORDER = (0, 1, 2, 3)
 # divisors of the per-replica batch alone took the search a minute.
 MAX_MICRO_BATCH = 64
 RECOMPUTE_ORDER = ("none", "selective", "full")
+
+
+def recompute_order(m: ModelSpec, chip: Chip) -> tuple[str, ...]:
+    """The recomputation policies the search tries, lightest first: on a TPU also JAX's "dots" (MaxText's
+    remat_policy 'minimal', the matmul outputs kept; planner.case.RECOMPUTE), which the planner models for
+    dense models, between the attention core alone and the whole layer."""
+    if chip.kind == "tpu" and not (m.is_moe or m.layer_pattern):
+        return ("none", "selective", "dots", "full")
+    return RECOMPUTE_ORDER
 
 
 def divisors(n: int, up_to: int | None = None) -> list[int]:
@@ -173,10 +183,10 @@ def _ssm_cp_variants(case: Case, tp: int, cp: int) -> list[str]:
     return [o for o in options if o != "alltoall" or ssm_alltoall_ok(m, tp, cp)]
 
 
-def _fitting_variants(case: Case, lay: Layout, hbm: float) -> Iterator[Layout]:
+def _fitting_variants(case: Case, lay: Layout, hbm: float, chip: Chip) -> Iterator[Layout]:
     """For each ZeRO stage, the lightest recomputation that fits (dominance rule (a), (b))."""
     t = case.training
-    recomputes = [t.recompute] if t.recompute else [r for r in RECOMPUTE_ORDER
+    recomputes = [t.recompute] if t.recompute else [r for r in recompute_order(case.model, chip)
                                                      if not (r == "selective" and lay.attention in FLASH_KERNELS)]
     zeros = [t.zero_stage] if t.zero_stage is not None else list(ZERO_ORDER)
     if lay.dp * lay.cp == 1 and t.zero_stage is None:
@@ -261,7 +271,7 @@ def search(case: Case, top: int | None = None) -> SearchResult:
     for bound, lay in order:
         if top and len(kth) >= top and bound >= kth[-1]:
             break
-        for cand in _fitting_variants(case, lay, hbm):
+        for cand in _fitting_variants(case, lay, hbm, chip):
             res = simulate(case, cand, chip)
             results.append(res)
             if top:

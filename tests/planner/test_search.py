@@ -47,7 +47,7 @@ def _brute_force_best(case) -> float:
                 scheds += [("gpipe", 1)] + [("zb-h1", 1)] * (mb >= pp)
                 vs = [v for v in divisors(m.layers // pp) if v >= 2 and mb % pp == 0]
                 scheds += [("interleaved-1f1b", v) for v in vs]
-            variants = itertools.product(scheds, range(4), ("none", "selective", "full"), (False, True))
+            variants = itertools.product(scheds, range(4), layout_search.recompute_order(m, chip), (False, True))
             for (sched, v), z, rc, sp in variants:
                 if (sp and tp == 1) or (rc == "selective" and how["attention"] != "materialized"):
                     continue
@@ -63,6 +63,9 @@ SMALL_DENSE = {"layers": 8, "hidden": 1024, "heads": 16, "kv_heads": 4, "ffn": 2
                "seq_len": 2048, "mlp": "swiglu"}
 SMALL_GPT = {"layers": 12, "hidden": 2048, "heads": 16, "kv_heads": 16, "ffn": 8192, "vocab": 50257,
              "seq_len": 1024, "mlp": "gelu"}
+# long sequences on 16 GB chips: at dp 1, tp 2, cp 2 without ZeRO-3 only a recomputation fits
+LONG_DENSE = {"layers": 8, "hidden": 4096, "heads": 32, "kv_heads": 8, "ffn": 14336, "vocab": 32000,
+              "seq_len": 16384, "mlp": "swiglu"}
 SMALL_MOE = {"layers": 4, "hidden": 1024, "heads": 8, "kv_heads": 8, "ffn": 1024, "vocab": 32000,
              "seq_len": 1024, "mlp": "swiglu", "experts": 8, "top_k": 2}
 
@@ -71,6 +74,7 @@ SMALL_MOE = {"layers": 4, "hidden": 1024, "heads": 8, "kv_heads": 8, "ffn": 1024
     (SMALL_DENSE, 16, 32, "a100-80gb"),
     (SMALL_GPT, 8, 16, "h100"),
     (SMALL_MOE, 8, 16, "h100"),
+    (LONG_DENSE, 4, 4, "tpu-v5e"),
 ])
 def test_search_matches_brute_force(model, chips, batch, chip):
     case = parse_case(_free_case(model, chips, batch, chip))
@@ -158,5 +162,19 @@ def test_lower_bound_never_exceeds_any_variant():
     case = parse_case(_free_case(SMALL_DENSE, 16, 32))
     chip = get_chip("a100-80gb")
     for lay in candidate_layouts(case, chip):
-        for cand in _fitting_variants(case, lay, usable_hbm_bytes(chip)):
+        for cand in _fitting_variants(case, lay, usable_hbm_bytes(chip), chip):
             assert lower_bound_s(case, lay, chip) <= simulate(case, cand, chip).step_time_s * (1 + 1e-12)
+
+
+def test_on_a_tpu_the_search_tries_jax_dots_policy_between_none_and_full():
+    # JAX's checkpoint_dots_with_no_batch_dims (MaxText's 'minimal'): where nothing lighter fits, it beats
+    # recomputing the whole layer; GPUs keep Megatron's policies, MoE and Mamba models are not modelled with it
+    fixed = _free_case(LONG_DENSE, 4, 4, "tpu-v5e")
+    fixed["parallel"] = {"dp": 1, "tp": 2, "cp": 2, "pp": 1}
+    fixed["training"]["zero_stage"] = 2
+    ranked = search(parse_case(fixed)).ranked
+    assert ranked[0].layout.recompute == "dots"
+    full = [r for r in ranked if r.layout.recompute == "full"]
+    assert full and ranked[0].step_time_s < full[0].step_time_s
+    assert "dots" not in layout_search.recompute_order(MODEL_PRESETS["Llama 3 8B"], get_chip("h100"))
+    assert "dots" not in layout_search.recompute_order(MODEL_PRESETS["Mixtral 8x7B"], get_chip("tpu-v5p"))
