@@ -140,5 +140,7 @@ def explain(res: StepResult, best: StepResult | None = None) -> list[str]:
         words.append(f"Attention runs FlashAttention written in Triton ({fwd:g}x FlashAttention-2's forward time, "
                      f"{bwd:g}x its backward): the step takes {longer(attention='flash')} longer than with "
                      "FlashAttention-2.")
-    words.append(f"MFU {100 * res.mfu:.1f}%, {res.tflops_per_chip:.0f} TFLOP/s per chip.")
+    executed = ("" if abs(res.tflops_per_chip - res.model_tflops_per_chip) < 0.5 else
+                f" ({res.tflops_per_chip:.0f} executed, recomputation included)")
+    words.append(f"MFU {100 * res.mfu:.1f}%, {res.model_tflops_per_chip:.0f} model TFLOP/s per chip{executed}.")
     return words
