@@ -435,7 +435,7 @@ def _elementwise(m: ModelSpec, lay: Layout, moe, tokens: float) -> dict[str, flo
         Face modules (key "eager_*": effective bytes at peak bandwidth, hardware.kernels.EAGER_BYTES, per
         element of the norm's input and of q and k); SwiGLU is silu (read 2, write 2) then a product
         (read 4, write 2): 10f, backward the product's two gradients (read 4, write 2 each) and silu's
-        (read 4, write 2): 18f; squared ReLU 8f and 12f.
+        (read 4, write 2): 18f; squared ReLU 8f and 12f; a GELU (no bias) one native kernel, 4f and 6f.
       GPT recipe: LayerNorm and GELU are single native kernels either way; the bias, dropout and residual
         add run apart: 15h/sp forward (bias 4, dropout 5, add 6) and 10h/sp backward per block, bias then
         GELU 8f both ways.
@@ -463,8 +463,10 @@ def _elementwise(m: ModelSpec, lay: Layout, moe, tokens: float) -> dict[str, flo
         rope_elements = (m.heads + m.kv_heads) * hd / t if moe != MLP else 0.0
         if m.mlp == "swiglu":
             act_fwd, act_bwd = (10, 18) if eager else (6, 10)
-        else:
+        elif m.mlp == "relu2":
             act_fwd, act_bwd = (8, 12) if eager else (4, 6)
+        else:  # GELU without a bias (layer_style "llama"): one native kernel either way
+            act_fwd, act_bwd = 4, 6
         rope = 0.0 if eager else 4 * rope_elements
         out["point_fwd"] = (8 if shared and not eager else blocks * 6) * h / sp + rope + act_fwd * ffn
         out["point_bwd"] = blocks * 6 * h / sp + rope + act_bwd * ffn

@@ -45,6 +45,16 @@ def test_estimate_explains_itself():
     assert f"EP={est.layout.ep}" in words and "MFU" in words
 
 
+def test_the_closing_sentence_gives_model_tflops_and_the_executed_rate_apart():
+    # the figure beside MFU is the page's metric (model FLOPs); recomputation's repeated FLOPs are named apart
+    plain = planner.estimate(planner.make_case("Llama 3 8B", "8x H100 (one node)", recompute="none"))
+    assert plain.explanation[-1] == (f"MFU {100 * plain.mfu:.1f}%, {plain.model_tflops_per_chip:.0f} model TFLOP/s "
+                                     "per chip.")
+    full = planner.estimate(planner.make_case("Llama 3 8B", "8x H100 (one node)", recompute="full"))
+    assert full.tflops_per_chip > full.model_tflops_per_chip + 1
+    assert full.explanation[-1].endswith(f"({full.tflops_per_chip:.0f} executed, recomputation included).")
+
+
 def test_compute_by_class_is_one_chips_step_class_by_class():
     from planner.api import compute_by_class
     from planner.case import Cluster, Parallel

@@ -78,3 +78,17 @@ def test_layer_style_says_what_surrounds_the_matmuls_not_the_mlp():
     for bad in ({"layer_style": "bert"}, {"layer_style": "gpt", "mlp": "swiglu"}):
         with pytest.raises(SpecError, match="model.layer_style"):
             parse_model({"layers": 2, "hidden": 64, "heads": 4, "vocab": 100, "seq_len": 16, "ffn": 256, **bad})
+
+
+def test_a_gelu_without_a_bias_is_one_kernel_even_eager():
+    # layer_style "llama" with a GELU MLP: no bias add before the activation, so eager PyTorch runs one GELU kernel
+    # (4 bytes an element forward, 6 backward), not squared ReLU's two
+    chip = get_chip("h100")
+    lay = Layout(dp=1, tp=1, pp=1, micro_batch=1, attention="flash")
+    gelu = ModelSpec("m", 32, 4096, 32, 8, 14336, 128256, 8192, "gelu", layer_style="llama")
+    for fusion in ("fused", "eager"):
+        lay_f = replace(lay, fusion=fusion)
+        gap = (dict(layer_cost(replace(gelu, mlp="relu2"), lay_f, chip, "bf16", False, 8).by_class)["memory-bound"]
+               - dict(layer_cost(gelu, lay_f, chip, "bf16", False, 8).by_class)["memory-bound"])
+        extra = kernels.pointwise_s(chip, (4 + 6) * 14336 * 8192) if fusion == "eager" else 0.0
+        assert gap == pytest.approx(extra, rel=1e-9)
