@@ -119,6 +119,13 @@ RECIPE_DEFAULTS = {
     # PyTorch's elementwise ops one at a time, per tensor or foreach (Composer's DecoupledAdamW, llm-foundry's
     # optimizer; torchtitan's foreach AdamW before): planner.costs.UNFUSED_ADAM_BYTES
     "optimizer_fused": True,
+    # dropout on the attention and MLP outputs before the residual add (and on materialised attention scores):
+    # null takes the layer style's (model.layer_style): on in the gpt style (Megatron-LM's --hidden-dropout and
+    # --attention-dropout default 0.1), off in the llama style. False where a run sets the probabilities to 0,
+    # which PyTorch skips (torch.nn.functional.dropout returns its input when p is 0): llm-foundry's MPT
+    # (MPTConfig resid_pdrop and attn_config attn_pdrop default 0.0, llmfoundry/models/mpt/configuration_mpt.py
+    # at b2a43a147, which its benchmark YAMLs leave)
+    "dropout": None,
 }
 # "all_to_all": one copy of a token per routed expert, sent straight to the expert's rank (NCCL
 # all-to-all). "deepep": one copy per destination node over the network, forwarded to the experts' GPUs
@@ -190,6 +197,7 @@ class Training:
     fsdp_impl: str | None = None  # FSDP_IMPLS
     fsdp_backward_prefetch: str | None = None  # BACKWARD_PREFETCH
     optimizer_fused: bool | None = None
+    dropout: bool | None = None
     ssm_cp: str | None = None  # SSM_CP
 
 
@@ -260,6 +268,7 @@ class Layout:
     fsdp_impl: str = "fsdp2"
     fsdp_backward_prefetch: str = "pre"
     optimizer_fused: bool = True
+    dropout: bool | None = None  # None: the model's layer style (`dropout_on`)
     ssm_cp: str = "state"
     schedule_runs: int = 1  # Training.schedule_runs
     pp_layout: str | None = None  # Parallel.pp_layout
@@ -268,6 +277,10 @@ class Layout:
     @property
     def num_chips(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
+
+    def dropout_on(self, m: ModelSpec) -> bool:
+        """Whether the layers run dropout (RECIPE_DEFAULTS "dropout"; None: the gpt layer style does)."""
+        return m.gpt_style if self.dropout is None else self.dropout
 
     @property
     def grad_bytes(self) -> int:
@@ -417,6 +430,9 @@ def parse_case(data) -> Case:
     if training.fsdp_backward_prefetch == "post" and training.fsdp_impl != "fsdp1":
         raise SpecError("training.fsdp_backward_prefetch", "\"post\" is FullyShardedDataParallel's BACKWARD_POST: "
                         "state fsdp_impl \"fsdp1\" with it (fully_shard and XLA always gather one layer ahead)")
+    if training.dropout and not model.gpt_style:
+        raise SpecError("training.dropout", "dropout is modelled in the gpt layer style (bias, dropout and residual "
+                        "add per block); a llama-style layer runs none: set model.layer_style \"gpt\" or leave it null")
     if training.fp8_casts and training.dtype != "fp8":
         raise SpecError("training.fp8_casts", f"applies to dtype \"fp8\", not {training.dtype!r}")
     if training.recompute_modules and training.recompute is None:
@@ -567,11 +583,13 @@ def check_fixed(case: Case) -> None:
         raise SpecError("parallel.pp_schedule", f"virtual_stages={p.virtual_stages} needs interleaved-1f1b")
 
 
-def recipe(t: Training, chip) -> dict:
+def recipe(t: Training, chip, m: ModelSpec) -> dict:
     """The case's recipe with every null field replaced by RECIPE_DEFAULTS (what a current framework does)."""
     from hardware.kernels import best_flash_kernel
 
     out = {k: default if getattr(t, k) is None else getattr(t, k) for k, default in RECIPE_DEFAULTS.items()}
+    if out["dropout"] is None:
+        out["dropout"] = m.gpt_style
     if out["attention"] is None:
         out["attention"] = best_flash_kernel(chip)
     if out["tp_comm_overlap"] is None:

@@ -439,6 +439,10 @@ def _elementwise(m: ModelSpec, lay: Layout, moe, tokens: float) -> dict[str, flo
       GPT recipe: LayerNorm and GELU are single native kernels either way; the bias, dropout and residual
         add run apart: 15h/sp forward (bias 4, dropout 5, add 6) and 10h/sp backward per block, bias then
         GELU 8f both ways.
+    Without dropout (`lay.dropout_on`, the recipe's "dropout"; PyTorch skips a dropout of p = 0) the GPT recipe's
+    blocks keep the bias and residual adds: fused 6h/sp forward (read both, write the sum) and nothing backward
+    (the residual passes its gradient on; the bias gradient comes with the weight gradient), eager 10h/sp and the
+    bias gradient's pass, 5h/sp.
     """
     t = lay.tp
     sp = t if lay.sequence_parallel else 1
@@ -456,9 +460,14 @@ def _elementwise(m: ModelSpec, lay: Layout, moe, tokens: float) -> dict[str, flo
     out = {"norm_fwd": norms * NORM_FWD_BYTES * h / sp, "norm_bwd": norms * NORM_BWD_BYTES * h / sp}
     if m.gpt_style:
         act_fwd = 8 if eager else 4
-        residual_fwd = (25 if eager else 9) if shared else blocks * (15 if eager else 7)
+        if lay.dropout_on(m):
+            residual_fwd = (25 if eager else 9) if shared else blocks * (15 if eager else 7)
+            residual_bwd = blocks * (10 if eager else 5)
+        else:  # no mask: the bias and residual adds; backward the bias gradient's pass when eager
+            residual_fwd = (20 if eager else 8) if shared else blocks * (10 if eager else 6)
+            residual_bwd = blocks * 5 if eager else 0
         out["point_fwd"] = residual_fwd * h / sp + act_fwd * ffn
-        out["point_bwd"] = blocks * (10 if eager else 5) * h / sp + (8 if eager else 6) * ffn
+        out["point_bwd"] = residual_bwd * h / sp + (8 if eager else 6) * ffn
     else:
         rope_elements = (m.heads + m.kv_heads) * hd / t if moe != MLP else 0.0
         if m.mlp == "swiglu":
@@ -730,7 +739,7 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
         q_rows = m.seq_len / cp
         qk_g, pv_g = _Gemm("scores", q_rows, qk_dim, m.seq_len, batch), _Gemm("pv", q_rows, m.seq_len, hd, batch)
         scores = tokens * m.seq_len * heads_local
-        dropout = kernels.pointwise_s(chip, 5 * scores) if m.gpt_style else 0.0
+        dropout = kernels.pointwise_s(chip, 5 * scores) if lay.dropout_on(m) else 0.0
         softmax_fwd, softmax_bwd = (3, 4) if m.causal else (4, 6)
         attn_fwd_s = _fwd_s(chip, "bf16", qk_g) + _fwd_s(chip, "bf16", pv_g) \
             + kernels.norm_s(chip, softmax_fwd * scores) + dropout

@@ -99,7 +99,8 @@ def explain(res: StepResult, best: StepResult | None = None) -> list[str]:
         return _pct(step - other, other)
 
     if lay.fusion == "eager":
-        what = ("Bias, dropout and residual add run as separate eager PyTorch kernels" if m.gpt_style else
+        parts = "Bias, dropout and residual add" if lay.dropout_on(m) else "Bias and residual add"
+        what = (f"{parts} run as separate eager PyTorch kernels" if m.gpt_style else
                 "Norms and rotary embeddings run as eager PyTorch modules, each a chain of kernels")
         words.append(f"{what}: the step takes {longer(fusion='fused')} longer than with fused kernels "
                      "(torch.compile, Transformer Engine).")

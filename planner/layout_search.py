@@ -153,7 +153,7 @@ def candidate_layouts(case: Case, chip: Chip) -> Iterator[Layout]:
     """Every layout that passes divisibility, with ZeRO and recompute left at their lightest values;
     `search` walks those two dimensions itself (dominance rules in the module docstring)."""
     m, t, p = case.model, case.training, case.parallel
-    how = recipe(t, chip)
+    how = recipe(t, chip, case.model)
     for dp, tp, pp, cp in _mesh_shapes(case, chip):
         eps = [p.ep] if p.ep else ([e for e in divisors(dp) if m.experts % e == 0] if m.is_moe else [1])
         for ep in eps:

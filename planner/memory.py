@@ -168,6 +168,7 @@ def layer_activation_bytes(m: ModelSpec, lay: Layout, moe, *, recompute: str | N
         (a parallel block: its one norm's input and output, one mask  ->  5sbh GPT / 4sbh Llama)
       split by TP: Q, K, V, attention output, MLP internals           -> 24sbh/t for GPT shapes
       attention scores (materialised kernels only): softmax output, dropout mask and output, 5as^2b/t
+        (without dropout, `Layout.dropout_on`, the softmax output alone: 2as^2b/t)
       FlashAttention keeps only the fp32 log-sum-exp, 4sba/t.
     A pattern's attention ("*") or MLP ("-") layer keeps its half of these (one norm input, one block
     input: 4sbh replicated); a Mamba-2 layer keeps `mamba_activation_terms`.
@@ -205,7 +206,7 @@ def layer_activation_bytes(m: ModelSpec, lay: Layout, moe, *, recompute: str | N
     norms = pre_norms(m, moe)
     # a parallel block's QKV and MLP share ln(x) in bf16; under fp8 each Transformer Engine module keeps its own cast
     blocks_in = 2 if m.parallel_block and has_attn and has_mlp and saved != 2 else norms
-    masks = (1 if m.parallel_block or not (has_attn and has_mlp) else 2) if gpt else 0
+    masks = (1 if m.parallel_block or not (has_attn and has_mlp) else 2) if gpt and lay.dropout_on(m) else 0
     replicated = sb * h * (2 * norms + saved * blocks_in + masks)
     # Q, K, V, attention output (the output projection's input; a flash kernel keeps its own bf16 copy for
     # its backward, so under fp8 it is held twice: bf16 for the kernel, fp8 for the projection)
@@ -233,7 +234,7 @@ def layer_activation_bytes(m: ModelSpec, lay: Layout, moe, *, recompute: str | N
     if not has_attn:
         scores = 0.0
     elif lay.attention == "materialized" and "core_attn" not in modules:
-        scores = 5 * m.heads * sb * m.seq_len
+        scores = (5 if lay.dropout_on(m) else 2) * m.heads * sb * m.seq_len  # without dropout: the softmax only
     elif lay.attention in FLASH_KERNELS:
         scores = 4 * sb * m.heads
     else:

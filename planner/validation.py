@@ -81,8 +81,8 @@ def load_published_runs(path: str | Path = PUBLISHED_RUNS) -> list[dict]:
 def llmfoundry_sweep_runs(path: str | Path = LLMFOUNDRY_SWEEP) -> list[dict]:
     """A case per row of llm-foundry's tables (the file's `about`), in heldout-runs.json's format: the layout
     and micro-batch as printed, the attention kernel each table's benchmark script set, the fused
-    cross-entropy and the two metrics' cross-entropies, PyTorch's FSDP of the time, Composer's unfused Adam,
-    the gradient reduction Composer's mixed precision mode sets, every other recipe field null; rows already
+    cross-entropy and the two metrics' cross-entropies, PyTorch's FSDP of the time, Composer's unfused Adam, no
+    dropout, the gradient reduction Composer's mixed precision mode sets, every other recipe field null; rows already
     held out elsewhere are skipped."""
     with open(path) as f:
         sweep = json.load(f)
@@ -107,6 +107,7 @@ def llmfoundry_sweep_runs(path: str | Path = LLMFOUNDRY_SWEEP) -> list[dict]:
                              "attention": table["attention"].get(size, table["attention"].get("*")),
                              "cross_entropy": sweep["cross_entropy"], "logit_metrics": sweep["logit_metrics"],
                              "fsdp_impl": sweep["fsdp_impl"], "optimizer_fused": sweep["optimizer_fused"],
+                             "dropout": sweep["dropout"],
                              "fsdp_backward_prefetch": table["fsdp_backward_prefetch"],
                              # Composer's FSDP mixed precision DEFAULT and PURE reduce in the bf16 param dtype
                              # (composer/trainer/mosaic_fsdp.py get_mixed_precision at v0.16.0); FULL in fp32

@@ -34,7 +34,8 @@ def test_null_recipe_is_what_a_current_framework_does_and_is_reported():
     est = estimate(_case())
     chosen = est.chosen["training"]
     assert chosen["attention"] == "flash3"  # H100: cuDNN / FlashAttention-3 class
-    assert all(chosen[f] is (f != "ep_comm_overlap") for f in RECIPE_FLAGS)
+    assert all(chosen[f] is (f not in ("ep_comm_overlap", "dropout")) for f in RECIPE_FLAGS)
+    assert chosen["dropout"] is False  # a Llama-style layer; a GELU model's null takes the gpt style's dropout
     assert estimate(_case(chip="a100-80gb")).chosen["training"]["attention"] == "flash"
 
 
@@ -230,7 +231,8 @@ def test_attention_kernels_order_as_measured():
                                           ("grad_reduce_in_fp32", "bf16"), ("logit_metrics", -1),
                                           ("logit_metrics", "two"), ("logit_metrics", True),
                                           ("fsdp_impl", "deepspeed"), ("optimizer_fused", "apex"),
-                                          ("fsdp_backward_prefetch", "BACKWARD_POST")])
+                                          ("fsdp_backward_prefetch", "BACKWARD_POST"), ("dropout", 0.1),
+                                          ("dropout", True)])  # true: the case's layer is Llama-style
 def test_bad_recipe_values_exit_2_naming_the_field(tmp_path, capsys, field, value):
     path = tmp_path / "c.json"
     path.write_text(json.dumps(_case(**{field: value})))
@@ -645,3 +647,33 @@ def test_the_gpt_oss_case_states_its_alternating_window():
     run = next(r for r in json.loads(HELDOUT_RUNS.read_text()) if r["name"].startswith("nemo2602-gptoss"))
     m = parse_case(run).model
     assert (m.sliding_window, m.windowed_share) == (128, 0.5)
+
+
+def test_dropout_follows_the_layer_style_unless_stated():
+    # null: on in the gpt style (Megatron-LM's 0.1 defaults), off in the llama style; false where a run sets p = 0
+    # (llm-foundry's MPT), which PyTorch skips: no mask kept, no dropout pass
+    from hardware import kernels
+    from hardware.chips import get_chip
+    from planner.case import Layout
+    from planner.costs import layer_cost
+    from planner.memory import layer_activation_bytes
+    from planner.models import ModelSpec
+
+    gpt = ModelSpec("gpt", 24, 2048, 16, 16, 8192, 50368, 2048, "gelu")
+    sb, h, a, s = 2048, 2048, 16, 2048
+    on = Layout(dp=1, tp=1, pp=1, micro_batch=1, attention="materialized")
+    off = replace(on, dropout=False)
+    assert on.dropout_on(gpt) and not off.dropout_on(gpt)
+    assert not on.dropout_on(replace(gpt, layer_style="llama"))
+    # kept: two 1-byte masks on the residual stream, and the materialised scores' dropout mask and output (3 of 5
+    # bytes a score)
+    assert layer_activation_bytes(gpt, on, False) - layer_activation_bytes(gpt, off, False) == \
+        pytest.approx(2 * sb * h + 3 * a * sb * s)
+    # time: the mask's byte and the dropout pass leave each block's bias-dropout-add (fused: 7h -> 6h forward,
+    # 5h -> 0 backward) and the materialised scores' dropout (5 bytes a score both ways)
+    h100 = get_chip("h100")
+    by_class = {lay.dropout: dict(layer_cost(gpt, lay, h100, "bf16", False, 8).by_class) for lay in (on, off)}
+    mem = {k: v["memory-bound"] for k, v in by_class.items()}
+    attn = {k: v["attention"] for k, v in by_class.items()}
+    assert mem[None] - mem[False] == pytest.approx(kernels.pointwise_s(h100, 2 * (1 + 5) * h * sb), rel=1e-9)
+    assert attn[None] - attn[False] == pytest.approx(kernels.pointwise_s(h100, 2 * 5 * a * sb * s), rel=1e-9)

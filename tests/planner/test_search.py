@@ -31,7 +31,7 @@ def _brute_force_best(case) -> float:
     m, t, n = case.model, case.training, case.cluster.num_chips
     chip = cluster_chip(get_chip(case.cluster.chip), n, case.cluster.chips_per_node)  # as the planner wires it
     hbm = usable_hbm_bytes(chip)
-    how = recipe(t, chip)
+    how = recipe(t, chip, m)
     best = float("inf")
     for tp, cp, pp in itertools.product(divisors(n), repeat=3):
         if n % (tp * cp * pp) or tp > case.cluster.chips_per_node or not layout_tp_ok(m, tp):
