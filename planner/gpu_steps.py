@@ -27,13 +27,15 @@ LLAMA3_8B_WIDTHS = {k: getattr(MODEL_PRESETS["Llama 3 8B"], k) for k in ("hidden
 def step_case(record: dict, backend: str, chip: str = "h200", fusion: str = "eager") -> dict:
     """The planner's case for one recorded step: one chip, one micro-batch, no recomputation or sharding.
     The bench's model runs its norms as fused kernels and its rotary embedding as elementwise ops; fusion
-    "eager" charges the planner's Llama recipe both eager, "fused" both fused (its GPT recipe has no rotary)."""
+    "eager" charges the planner's Llama recipe both eager, "fused" both fused (its GPT recipe has no rotary). It
+    runs no dropout (bench_gpu_step.py's Block): "dropout" false."""
     widths = record.get("model", LLAMA3_8B_WIDTHS)
     return {"name": f"{record['device']} one-GPU step",
             "model": {"layers": record["layers"], "seq_len": record["seq"], "experts": 0, "top_k": 0, **widths},
             "training": {"global_batch": record["micro_batch"], "micro_batch": record["micro_batch"],
                          "recompute": "none", "dtype": "bf16", "optimizer": "adam", "zero_stage": 0,
-                         "sequence_parallel": False, "attention": PLANNER_KERNEL[backend], "fusion": fusion},
+                         "sequence_parallel": False, "attention": PLANNER_KERNEL[backend], "fusion": fusion,
+                         "dropout": False},
             "parallel": {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1},
             "cluster": {"chip": chip, "num_chips": 1, "chips_per_node": 8}}
 
