@@ -21,6 +21,13 @@ RECOMPUTE = ("none", "selective", "selective-op", "dots", "full")
 # "dots": JAX's jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims, MaxText's remat_policy "minimal"
 # (MaxText/layers/models.py at 76bd53b0f): the outputs of the weight matmuls are saved, everything else (norms,
 # activations, adds, the attention core) runs again before the backward (planner.flops.dots_saved_matmuls)
+
+
+def dots_modelled(m: ModelSpec) -> bool:
+    """Whether the planner models "dots" for `m`: dense attention + MLP layers (not MoE or Mamba layers)."""
+    return not (m.is_moe or m.layer_pattern)
+
+
 # What "selective" runs again before each layer's backward, by Megatron-Core's module names
 # (TransformerConfig.recompute_modules, default ["core_attn"]): "core_attn" the attention kernel,
 # "mla_up_proj" MLA's query and key/value up-projections, "layernorm" the two pre-norms, "mlp" a dense
@@ -427,12 +434,6 @@ def parse_case(data) -> Case:
         **flags,
     )
 
-    if training.fsdp_backward_prefetch == "post" and training.fsdp_impl != "fsdp1":
-        raise SpecError("training.fsdp_backward_prefetch", "\"post\" is FullyShardedDataParallel's BACKWARD_POST: "
-                        "state fsdp_impl \"fsdp1\" with it (fully_shard and XLA always gather one layer ahead)")
-    if training.dropout and not model.gpt_style:
-        raise SpecError("training.dropout", "dropout is modelled in the gpt layer style (bias, dropout and residual "
-                        "add per block); a llama-style layer runs none: set model.layer_style \"gpt\" or leave it null")
     if training.fp8_casts and training.dtype != "fp8":
         raise SpecError("training.fp8_casts", f"applies to dtype \"fp8\", not {training.dtype!r}")
     if training.recompute_modules and training.recompute is None:
@@ -531,10 +532,16 @@ def _divides(a: int, b: int) -> bool:
 
 def check_fixed(case: Case) -> None:
     """Divisibility checks on the fields the case fixes, each naming the field to change."""
-    m, p, n = case.model, case.parallel, case.cluster.num_chips
-    if case.training.recompute == "dots" and (m.is_moe or m.layer_pattern):
+    m, p, n, t = case.model, case.parallel, case.cluster.num_chips, case.training
+    if t.recompute == "dots" and not dots_modelled(m):
         raise SpecError("training.recompute", "\"dots\" (JAX's checkpoint_dots_with_no_batch_dims) is modelled for "
                         "dense attention + MLP layers only, not MoE or Mamba layers: use \"full\" or \"selective\"")
+    if t.fsdp_backward_prefetch == "post" and t.fsdp_impl != "fsdp1":
+        raise SpecError("training.fsdp_backward_prefetch", "\"post\" is FullyShardedDataParallel's BACKWARD_POST: "
+                        "state fsdp_impl \"fsdp1\" with it (fully_shard and XLA always gather one layer ahead)")
+    if t.dropout and not m.gpt_style:
+        raise SpecError("training.dropout", "dropout is modelled in the gpt layer style (bias, dropout and residual "
+                        "add per block); a llama-style layer runs none: set model.layer_style \"gpt\" or leave it null")
     fixed = {k: getattr(p, k) for k in ("dp", "tp", "pp", "cp") if getattr(p, k) is not None}
     prod = 1
     for v in fixed.values():

@@ -43,7 +43,16 @@ from dataclasses import dataclass, replace
 from hardware.chips import Chip, get_chip
 from hardware.kernels import FLASH_KERNELS
 from planner import costs
-from planner.case import DEFAULT_RECOMPUTE_MODULES, SSM_CP, Case, Layout, layout_tp_ok, recipe, ssm_alltoall_ok
+from planner.case import (
+    DEFAULT_RECOMPUTE_MODULES,
+    SSM_CP,
+    Case,
+    Layout,
+    dots_modelled,
+    layout_tp_ok,
+    recipe,
+    ssm_alltoall_ok,
+)
 from planner.flops import mtp_kind, output_heads
 from planner.memory import layer_kind_counts, memory_per_chip, stage_groups
 from planner.models import ModelSpec, SpecError
@@ -62,7 +71,7 @@ def recompute_order(m: ModelSpec, chip: Chip) -> tuple[str, ...]:
     """The recomputation policies the search tries, lightest first: on a TPU also JAX's "dots" (MaxText's
     remat_policy 'minimal', the matmul outputs kept; planner.case.RECOMPUTE), which the planner models for
     dense models, between the attention core alone and the whole layer."""
-    if chip.kind == "tpu" and not (m.is_moe or m.layer_pattern):
+    if chip.kind == "tpu" and dots_modelled(m):
         return ("none", "selective", "dots", "full")
     return RECOMPUTE_ORDER
 

@@ -158,6 +158,11 @@ def test_jax_dots_policy_keeps_the_matmul_outputs_the_backward_reads_and_reruns_
     from planner import make_case
     with pytest.raises(SpecError, match="training.recompute"):
         estimate(make_case("Mixtral 8x7B", "8x H100 (one node)", recompute="dots"))
+    # the other cross-field checks hold for presets too, not only for case files
+    with pytest.raises(SpecError, match="training.dropout"):
+        make_case("Llama 3 8B", "8x H100 (one node)", dropout=True)
+    with pytest.raises(SpecError, match="training.fsdp_backward_prefetch"):
+        make_case("Llama 3 8B", "8x H100 (one node)", fsdp_backward_prefetch="post")
 
 
 def test_each_overlap_switch_shows_in_the_breakdown():
