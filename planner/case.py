@@ -434,8 +434,6 @@ def parse_case(data) -> Case:
         **flags,
     )
 
-    if training.fp8_casts and training.dtype != "fp8":
-        raise SpecError("training.fp8_casts", f"applies to dtype \"fp8\", not {training.dtype!r}")
     if training.recompute_modules and training.recompute is None:
         training = replace(training, recompute="selective")
     p = _check_keys(data.get("parallel", {}), {f.name for f in fields(Parallel)}, "parallel")
@@ -539,6 +537,8 @@ def check_fixed(case: Case) -> None:
     if t.fsdp_backward_prefetch == "post" and t.fsdp_impl != "fsdp1":
         raise SpecError("training.fsdp_backward_prefetch", "\"post\" is FullyShardedDataParallel's BACKWARD_POST: "
                         "state fsdp_impl \"fsdp1\" with it (fully_shard and XLA always gather one layer ahead)")
+    if t.fp8_casts and t.dtype != "fp8":
+        raise SpecError("training.fp8_casts", f"applies to dtype \"fp8\", not {t.dtype!r}")
     if t.dropout and not m.gpt_style:
         raise SpecError("training.dropout", "dropout is modelled in the gpt layer style (bias, dropout and residual "
                         "add per block); a llama-style layer runs none: set model.layer_style \"gpt\" or leave it null")

@@ -287,6 +287,7 @@ class LayerCost:
     by_class: tuple[tuple[str, float], ...] = ()
     recompute_skips: tuple[str, ...] = ()  # GEMMs a full recomputation leaves out, TP collectives too (full_recompute)
     recompute_skipped_flops: float = 0.0  # forward GEMM FLOPs it leaves out (full_recompute)
+    recompute: str = "none"  # the layout's recompute mode the layer was costed under (training.recompute)
 
     @property
     def tp_fwd_s(self) -> float:
@@ -327,8 +328,12 @@ class LayerCost:
 
     @property
     def recompute_comms(self) -> tuple[CommOp, ...]:
-        """What a full recomputation repeats: the forward's TP / CP / EP collectives (not the ZeRO-3
-        gathers, which the backward does anyway), less those whose results it does not need (full_recompute)."""
+        """What the recomputation repeats of the forward's communication: under "full" its TP / CP / EP
+        collectives (not the ZeRO-3 gathers, which the backward does anyway), less those whose results it
+        does not need (full_recompute); the other modes rerun no collective (selective, op lists and dots
+        recompute what lies between them)."""
+        if self.recompute != "full":
+            return ()
         return tuple(c for c in self.fwd_comms if c.group != "dp" and c.gemm not in self.recompute_skips)
 
 
@@ -826,7 +831,7 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
     if moe is True:
         flops += 2.0 * tokens * m.top_k * lp.experts / m.experts / t
     return LayerCost(fwd_s, bwd_s, recompute_s, tuple(fwd_comms), tuple(bwd_comms), flops, act_bytes, wgrad_s,
-                     by_class, skipped, skipped_flops)
+                     by_class, skipped, skipped_flops, lay.recompute)
 
 
 def _selective_recompute_s(chip: Chip, lay: Layout, moe, gemm_fwd: dict[str, float], attn_fwd_s: float,
@@ -1012,7 +1017,7 @@ def _mamba_layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chips_p
         fwd_s, bwd_s = _plus_fsdp_copies(chip, lay, gathered, fwd_s, bwd_s)
     flops = tokens * layer_forward_flops_per_token(m, MAMBA) / t
     return LayerCost(fwd_s, bwd_s, recompute_s, tuple(fwd_comms), tuple(bwd_comms), flops, act_bytes, wgrad_s,
-                     by_class, skipped, skipped_flops)
+                     by_class, skipped, skipped_flops, lay.recompute)
 
 
 def logits_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str) -> tuple[float, float]:

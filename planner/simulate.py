@@ -194,7 +194,7 @@ def _chunk(lay: Layout, layer_costs: tuple, extra_fwd: float, extra_bwd: float, 
     parts = dict.fromkeys(BREAKDOWN_KEYS, 0.0)
     fwd = bwd = 0.0
     for lc, n in layer_costs:
-        again = lc.recompute_comms if lay.recompute == "full" else ()
+        again = lc.recompute_comms
         f = lc.fwd_compute_s + sum(c.exposed_s for c in lc.fwd_comms)
         b = lc.bwd_compute_s + lc.recompute_s + sum(c.exposed_s for c in lc.bwd_comms + again)
         fwd += n * f
@@ -348,7 +348,7 @@ def sent_bytes_per_step(res: StepResult, stage: int = 0) -> dict[str, float]:
     st = res.stages[stage]
     for chunk in st.chunks:
         for lc, count in chunk.layer_costs:
-            ops = lc.fwd_comms + lc.bwd_comms + (lc.recompute_comms if lay.recompute == "full" else ())
+            ops = lc.fwd_comms + lc.bwd_comms + lc.recompute_comms
             for op in ops:
                 out[op.group] += res.micro_batches * count * op.sent_bytes(n[op.group])
     if not lay.layer_zero3:

@@ -94,7 +94,7 @@ def _pass_spans(rank: int, chunk: ChunkCost, kind: str, start: float, mb: int, r
         comms: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
         compute = 0.0
         for lc, n in chunk.layer_costs:
-            ops = lc.fwd_comms if kind == "F" else lc.bwd_comms + (lc.recompute_comms if recompute == "full" else ())
+            ops = lc.fwd_comms if kind == "F" else lc.bwd_comms + lc.recompute_comms
             compute += n * (lc.fwd_compute_s if kind == "F" else lc.bwd_compute_s + lc.recompute_s)
             for c in ops:
                 comms[c.group][0] += n * c.time_s

@@ -65,3 +65,10 @@ def test_on_a_gpu_the_recomputation_runs_the_whole_forward_again():
     assert full.recompute_s == none.fwd_compute_s
     assert full.recompute_comms == full.fwd_comms
     assert full.full_recompute_flops == full.fwd_flops
+
+
+@pytest.mark.parametrize("mode", ["none", "selective", "dots"])
+def test_only_a_full_recomputation_repeats_collectives(mode):
+    # selective, op lists and dots rerun what lies between the collectives, never a collective itself
+    cost = _cost(get_chip("h100"), mode)
+    assert cost.fwd_comms and cost.recompute_comms == ()

@@ -163,6 +163,8 @@ def test_jax_dots_policy_keeps_the_matmul_outputs_the_backward_reads_and_reruns_
         make_case("Llama 3 8B", "8x H100 (one node)", dropout=True)
     with pytest.raises(SpecError, match="training.fsdp_backward_prefetch"):
         make_case("Llama 3 8B", "8x H100 (one node)", fsdp_backward_prefetch="post")
+    with pytest.raises(SpecError, match="training.fp8_casts"):
+        make_case("Llama 3 8B", "8x H100 (one node)", fp8_casts="dynamic")
 
 
 def test_each_overlap_switch_shows_in_the_breakdown():
