@@ -28,6 +28,7 @@ Communication (each a `CommOp` with its time alone on its links and the part the
   `tp_comm_overlap` (the layout's, else the chip's: `tp_overlaps`) the others are pipelined with their
   GEMM in t chunks (collective matmul, Wang et al. 2023; Transformer Engine userbuffers): only one chunk
   shows, max(0, c - g) + min(c, g) / t.
+  The embedding and the output head are vocabulary-parallel: `vocab_parallel_comms` (their chunk's).
 * CP ring (Liu et al. 2023; Megatron-Core): cp - 1 K/V transfers forward, K/V and dK/dV backward, each
   hidden under one step's block of attention (1/cp of the layer's attention with the zig-zag split).
 * Mamba-2 layers (TP by heads, CP by state passing or all-to-all): `_mamba_layer_cost`.
@@ -1064,6 +1065,51 @@ def logits_by_class(m: ModelSpec, lay: Layout, chip: Chip, dtype: str) -> dict[s
                                          + kernels.eager_s(chip, kernels.EAGER_BYTES["ce_fwd"] * logits))
     return {"gemm": (_fwd_s(chip, dtype, g), _dgrad_s(chip, dtype, g) + _wgrad_s(chip, dtype, g)),
             "memory-bound": (fwd_ce_s, bwd_ce_s)}
+
+
+def vocab_parallel_comms(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chips_per_node: int
+                         ) -> dict[str, tuple[tuple[CommOp, ...], tuple[CommOp, ...]]]:
+    """TP's collectives around the vocabulary-parallel embedding and output head, one micro-batch:
+    {"embedding": (forward, backward), "head": (forward, backward)}; empty without TP. Megatron-Core shards
+    both over the vocabulary (VocabParallelEmbedding and the ColumnParallelLinear output layer,
+    tensor_parallel/layers.py), as torchtitan's TP plan does:
+      embedding  each rank looks up the rows of its vocabulary shard and the partial activations are summed:
+                 an all-reduce forward, or with SP a reduce-scatter forward and an all-gather of its gradient
+                 backward; no GEMM to hide them under
+      head       a column-parallel GEMM In[T, D] . W[D, V/t] (`_tp_comms`): without SP its input gradient is
+                 all-reduced under the weight-gradient GEMM (`tp_grad_allreduce_overlap`) or after it; with SP
+                 its input is all-gathered forward (and again under the backward's dgrad GEMM) and its input
+                 gradient reduce-scattered under the wgrad GEMM. On GPUs never pipelined with the GEMM:
+                 Megatron-Core's output layer is not a Transformer Engine module (tp_comm_buffer_name "Not
+                 used"), so userbuffers leave it out; on TPUs as the layers' (`tp_overlaps`: XLA's collective
+                 matmul does not tell the output projection apart)
+      the loss   the vocabulary-parallel cross-entropy's reductions over the tp ranks, forward, each waited
+                 for: `lay.cross_entropy` "fp32" (vocab_parallel_cross_entropy, tensor_parallel/
+                 cross_entropy.py) all-reduces the row max, the target logit and the sum of exponentials, 4
+                 bytes a token each; "fused" (Transformer Engine's triton cross_entropy, Megatron-Bridge's
+                 cross_entropy_fusion_impl "te") all-gathers 3 floats a token
+    """
+    t = lay.tp
+    if t == 1:
+        return {}
+    topo = topology(chip, t, lay.mesh.stride("tp"), chips_per_node)
+    tokens = lay.micro_batch * m.seq_len / lay.cp
+    act_bytes = tp_collective_bytes(m, lay)
+    plain = replace(lay, tp_comm_overlap=chip.kind == "tpu" and tp_overlaps(lay, chip))
+    zero = {"embedding": 0.0}
+    embed = _tp_comms(replace(plain, tp_comm_overlap=False), topo, [], ["embedding"], zero, zero, zero, act_bytes)
+    g = _Gemm("logits", tokens, m.hidden, m.vocab / t)
+    f, b = _tp_comms(plain, topo, ["logits"], [], {"logits": _fwd_s(chip, dtype, g)},
+                     {"logits": _dgrad_s(chip, dtype, g)}, {"logits": _wgrad_s(chip, dtype, g)}, act_bytes)
+    if lay.cross_entropy == "fused":
+        stats = 12 * tokens * t  # the gathered array: 3 fp32 a token from each rank
+        loss = [CommOp("tp", "tp all-gather (loss statistics)", "all_gather", stats, comm_s(topo, "all_gather", stats),
+                       comm_s(topo, "all_gather", stats))]
+    else:
+        one = comm_s(topo, "all_reduce", 4 * tokens)
+        loss = [CommOp("tp", f"tp all-reduce (loss {what})", "all_reduce", 4 * tokens, one, one)
+                for what in ("max", "target logit", "sum of exponentials")]
+    return {"embedding": (tuple(embed[0]), tuple(embed[1])), "head": (tuple(f + loss), tuple(b))}
 
 
 def mtp_extra_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str) -> tuple[float, float]:

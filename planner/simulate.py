@@ -14,6 +14,12 @@ make the slowest stage pace the steady state. Then
 
     step = T_pipe + exposed data-parallel gradient sync + optimizer update.
 
+The first and last chunks carry the embedding and the output heads with their TP collectives (the
+vocabulary-parallel lookup's reduction, the head's input gradient, the cross-entropy's reductions:
+costs.vocab_parallel_comms). A word embedding shared across stages (tied to the head, or looked up again
+by multi-token-prediction modules on the last stage) has its gradient summed between them after the flush
+(`tied_embedding_sync_s`), a part of the gradient sync that nothing hides.
+
 Overlap (the recipe fields of `planner.case`, per layer in `planner.costs`):
 * TP/SP collectives, the CP K/V ring, EP all-to-alls, ZeRO-3 gathers: costs.py.
 * DP gradient reduction (`grad_reduce_overlap`): bucketed under the backward of the last micro-batch
@@ -87,6 +93,9 @@ class ChunkCost:
     p2p_s: float  # the pipeline send included in each of fwd_s and bwd_s
     layer_costs: tuple  # ((LayerCost, count), ...) of the layers in the chunk
     wgrad_s: float  # weight-gradient part of bwd_s (deferrable under ZB-H1)
+    # TP's collectives of the chunk's embedding and output head (costs.vocab_parallel_comms), (forward,
+    # backward): their exposed parts are in fwd_s and bwd_s
+    end_comms: tuple = ((), ())
 
     def ep_hidden_s(self, direction: str) -> float:
         """Expert all-to-all time hidden under another micro-batch's compute in one pass, "fwd" or "bwd"
@@ -115,6 +124,9 @@ class StageCost:
     dp_total_s: float
     optimizer_s: float
     params: float  # parameters on one chip of this stage (TP/EP-sharded, before ZeRO)
+    # the shared word embedding's gradient all-reduced between the stages that hold a copy (`tied_sync_s`),
+    # after the flush: in dp_exposed_s too, apart here for the timeline and the bytes
+    tied_sync_s: float = 0.0
 
     @property
     def fwd_s(self) -> float:
@@ -189,8 +201,11 @@ class StepResult:
         return self.chip.peak_flops_per_s(self.case.training.dtype)
 
 
-def _chunk(lay: Layout, layer_costs: tuple, extra_fwd: float, extra_bwd: float, p2p_s: float) -> ChunkCost:
-    """`layer_costs`: ((LayerCost, number of layers), ...) of the chunk's layers."""
+def _chunk(lay: Layout, chip: Chip, layer_costs: tuple, extra_fwd: float, extra_bwd: float, p2p_s: float,
+           end_comms: tuple = ((), ())) -> ChunkCost:
+    """`layer_costs`: ((LayerCost, number of layers), ...) of the chunk's layers; `end_comms` the TP
+    collectives of its embedding and output head, (forward, backward), whose hidden parts slow the compute
+    beside them (`costs.charged_s`)."""
     parts = dict.fromkeys(BREAKDOWN_KEYS, 0.0)
     fwd = bwd = 0.0
     for lc, n in layer_costs:
@@ -203,12 +218,20 @@ def _chunk(lay: Layout, layer_costs: tuple, extra_fwd: float, extra_bwd: float, 
         parts["recompute"] += n * lc.recompute_s
         for c in lc.fwd_comms + lc.bwd_comms + again:
             parts[COMM_PART[c.group]] += n * c.exposed_s
-    fwd += extra_fwd + p2p_s
-    bwd += extra_bwd + p2p_s
+    ends = []
+    for ops in end_comms:
+        slowed = sum(costs.charged_s(chip, c.time_s, c.exposed_s) - c.exposed_s for c in ops)
+        for c in ops:
+            parts[COMM_PART[c.group]] += c.exposed_s
+        ends.append((slowed, sum(c.exposed_s for c in ops)))
+    extra_fwd += ends[0][0]
+    extra_bwd += ends[1][0]
+    fwd += extra_fwd + p2p_s + ends[0][1]
+    bwd += extra_bwd + p2p_s + ends[1][1]
     parts["compute"] += extra_fwd + extra_bwd
     parts["pp_comm"] += 2 * p2p_s
     return ChunkCost(fwd, bwd, parts, sum(n for _, n in layer_costs), p2p_s, layer_costs,
-                     sum(lc.wgrad_s * n for lc, n in layer_costs))
+                     sum(lc.wgrad_s * n for lc, n in layer_costs), tuple(tuple(ops) for ops in end_comms))
 
 
 def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
@@ -218,6 +241,9 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
     by_kind = {k: costs.layer_cost(m, lay, chip, tr.dtype, k, node) for k in m.kinds}
     logits_f, logits_b = costs.logits_cost(m, lay, chip, tr.dtype)
     embed_s = costs.embedding_s(m, lay, chip)
+    vocab_comms = costs.vocab_parallel_comms(m, lay, chip, tr.dtype, node)
+    no_comms = ((), ())
+    embed_comms, head_comms = vocab_comms.get("embedding", no_comms), vocab_comms.get("head", no_comms)
     mtp_f, mtp_b = costs.mtp_extra_cost(m, lay, chip, tr.dtype)
     pass_p2p_s = pipeline_p2p_s(m, lay, chip, node)
     grad_bytes = lay.grad_bytes
@@ -229,6 +255,7 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
                    if expert_group > 1 else None)
 
     plan = chunks_of(m, lay)
+    tied_s, holders = tied_embedding_sync_s(m, lay, chip, node, plan)
     chunk_cache: dict = {}
     groups = stage_groups(m, lay)
     by_rep: dict[int, StageCost] = {}
@@ -237,6 +264,10 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
         for piece in plan[i]:
             counts = layer_kind_counts(m, piece.first, piece.layers)
             ef = eb = 0.0
+            # the TP collectives of the embedding lookups (the model's and each MTP module's) and the heads
+            lookups = int(piece.embedding) + piece.mtp
+            heads = output_heads(m) if piece.loss else 0
+            ends = tuple(lookups * embed_comms[d] + heads * head_comms[d] for d in (0, 1))
             if piece.embedding:
                 ef += embed_s
                 eb += embed_s
@@ -245,11 +276,12 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
                 ef += piece.mtp * mtp_f
                 eb += piece.mtp * mtp_b
             if piece.loss:  # the output head, once for the model and once per MTP module
-                ef += output_heads(m) * logits_f
-                eb += output_heads(m) * logits_b
-            key = (counts, ef, eb)
+                ef += heads * logits_f
+                eb += heads * logits_b
+            key = (counts, ef, eb, ends)
             if key not in chunk_cache:
-                chunk_cache[key] = _chunk(lay, tuple((by_kind[k], n) for k, n in counts), ef, eb, pass_p2p_s)
+                chunk_cache[key] = _chunk(lay, chip, tuple((by_kind[k], n) for k, n in counts), ef, eb, pass_p2p_s,
+                                          ends)
             chunks.append(chunk_cache[key])
         dense_p, expert_p = stage_params(m, lay, i)
         dp_total = exposed = per_micro_batch = 0.0
@@ -299,8 +331,33 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
             chunks[0] = _plus_backward(chunks[0], "compute",
                                        grad_accumulation_s(kept, micro_batches, lay.grad_bytes, chip))
         opt = costs.optimizer_step_s(dense_p + expert_p, lay, chip, tr.optimizer)
-        by_rep[i] = StageCost(chunks, exposed, dp_total, opt, dense_p + expert_p)
+        tied = tied_s if i in holders else 0.0
+        by_rep[i] = StageCost(chunks, exposed + tied, dp_total, opt, dense_p + expert_p, tied)
     return [by_rep[g] for g in groups]
+
+
+def shared_embedding_stages(m: ModelSpec, plan) -> list[int]:
+    """The pipeline stages holding a copy of the word embedding that another stage shares: its lookup (E),
+    a multi-token-prediction module's lookup (m) or, with tied embeddings, the output head (L); none when
+    one stage holds them all."""
+    holders = [i for i, pieces in enumerate(plan)
+               if any(p.embedding or p.mtp or (p.loss and m.tied_embeddings) for p in pieces)]
+    return holders if len(holders) > 1 else []
+
+
+def tied_embedding_sync_s(m: ModelSpec, lay: Layout, chip: Chip, node: int, plan) -> tuple[float, list[int]]:
+    """(seconds, the stages that pay them) of summing the shared word embedding's gradient between the
+    stages that hold a copy, after the flush and before the optimizer step, with nothing left to hide it:
+    Megatron-Core's finalize_model_grads (_allreduce_word_embedding_grads, over the embedding group of the
+    first and last stage, whose ranks default_embedding_ranks names) all-reduces the V/t x D main gradient
+    (`Layout.grad_bytes`), as DeepSpeed's pipeline engine does in its ReduceTiedGrads step."""
+    holders = shared_embedding_stages(m, plan)
+    if not holders:
+        return 0.0, []
+    n = len(holders)
+    stride = lay.mesh.stride("pp") * ((lay.pp - 1) if n == 2 else 1)
+    topo = costs.topology(chip, n, stride, node)
+    return costs.comm_s(topo, "all_reduce", m.vocab / lay.tp * m.hidden * lay.grad_bytes), holders
 
 
 def _plus_backward(chunk: ChunkCost, part: str, seconds: float) -> ChunkCost:
@@ -351,6 +408,11 @@ def sent_bytes_per_step(res: StepResult, stage: int = 0) -> dict[str, float]:
             ops = lc.fwd_comms + lc.bwd_comms + lc.recompute_comms
             for op in ops:
                 out[op.group] += res.micro_batches * count * op.sent_bytes(n[op.group])
+        for op in chunk.end_comms[0] + chunk.end_comms[1]:
+            out[op.group] += res.micro_batches * op.sent_bytes(n[op.group])
+    if st.tied_sync_s:
+        holders = len(shared_embedding_stages(m, chunks_of(m, lay)))
+        out["pp"] += ring_sent_bytes("all_reduce", m.vocab / lay.tp * m.hidden * lay.grad_bytes, holders)
     if not lay.layer_zero3:
         dense_p, expert_p = stage_params(m, lay, stage)
         grad_bytes = lay.grad_bytes

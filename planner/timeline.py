@@ -87,8 +87,9 @@ def _pass_spans(rank: int, chunk: ChunkCost, kind: str, start: float, mb: int, r
         if kind != "F" and chunk.parts["dp_comm"] > 0:
             p.block("", 0.0, [CommOp("dp", "zero-2 reduce-scatter", "reduce_scatter", 0.0,
                                      chunk.parts["dp_comm"], chunk.parts["dp_comm"])])
-        extra = start + total - chunk.p2p_s - p.t
-        p.block(f"{'fwd' if kind == 'F' else 'bwd'} {label} embed/logits", extra, ())
+        ends = chunk.end_comms[0 if kind == "F" else 1]  # the embedding's and the head's TP collectives
+        extra = start + total - chunk.p2p_s - p.t - sum(c.exposed_s for c in ends)
+        p.block(f"{'fwd' if kind == 'F' else 'bwd'} {label} embed/logits", extra, ends)
     else:
         # one compute span, one comm span per group: totals of the chunk's layers for this direction
         comms: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
@@ -99,6 +100,9 @@ def _pass_spans(rank: int, chunk: ChunkCost, kind: str, start: float, mb: int, r
             for c in ops:
                 comms[c.group][0] += n * c.time_s
                 comms[c.group][1] += n * c.exposed_s
+        for c in chunk.end_comms[0 if kind == "F" else 1]:
+            comms[c.group][0] += c.time_s
+            comms[c.group][1] += c.exposed_s
         if kind != "F":
             comms["dp"][0] += chunk.parts["dp_comm"]
             comms["dp"][1] += chunk.parts["dp_comm"]
@@ -224,14 +228,19 @@ def predicted_timeline(res: StepResult, max_spans: int = 20000) -> Timeline:
     pipe_end = max(clock)
     for r, stage in enumerate(res.stages):
         t = clock[r]
+        dp_exposed = stage.dp_exposed_s - stage.tied_sync_s
         if stage.dp_total_s > 0:
-            hidden = stage.dp_total_s - stage.dp_exposed_s
+            hidden = stage.dp_total_s - dp_exposed
             # named by its collective, so it is drawn in that collective's colour
             sync = "dp gradient all-reduce" if lay.zero_stage == 0 else "dp gradient reduce-scatter (and weight gather)"
             spans.append(Span(rank_of[r], "comm", sync, t - hidden,
                               t - hidden + stage.dp_total_s,
                               group="dp", is_async=hidden > 0))
-            t += stage.dp_exposed_s
+            t += dp_exposed
+        if stage.tied_sync_s > 0:  # the shared word embedding's gradient, summed with the other stage's
+            spans.append(Span(rank_of[r], "comm", "tied embedding gradient all-reduce", t, t + stage.tied_sync_s,
+                              group="pp"))
+            t += stage.tied_sync_s
         spans.append(Span(rank_of[r], "compute", "optimizer step", t, t + stage.optimizer_s))
         t += stage.optimizer_s
         if t < pipe_end:

@@ -37,8 +37,11 @@ def test_zero_1_reduce_scatters_the_gradients_and_gathers_the_bf16_weights():
 
 def test_tensor_parallel_sends_four_activations_per_layer_and_micro_batch():
     sent, res = _sent(8, 8, dp=4, tp=2, zero_stage=0, sequence_parallel=False)
-    # 2 all-reduces forward and 2 backward per layer, each 2 (t-1)/t = 1 activation at t = 2
-    assert sent["tp"] == pytest.approx(4 * ACT * LLAMA.layers * res.micro_batches)
+    # 2 all-reduces forward and 2 backward per layer, each 2 (t-1)/t = 1 activation at t = 2; the
+    # vocabulary-parallel embedding's forward all-reduce, the head's input-gradient all-reduce and the fp32
+    # cross-entropy's three all-reduces of 4 bytes a token (costs.vocab_parallel_comms)
+    per_micro_batch = 4 * ACT * LLAMA.layers + 2 * ACT + 3 * 4 * 8192
+    assert sent["tp"] == pytest.approx(per_micro_batch * res.micro_batches)
 
 
 def test_a_pipeline_stage_sends_its_slice_of_each_activation():
