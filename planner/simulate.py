@@ -23,9 +23,12 @@ by multi-token-prediction modules on the last stage) has its gradient summed bet
 Overlap (the recipe fields of `planner.case`, per layer in `planner.costs`):
 * TP/SP collectives, the CP K/V ring, EP all-to-alls, ZeRO-3 gathers: costs.py.
 * DP gradient reduction (`grad_reduce_overlap`): bucketed under the backward of the last micro-batch
-  (PyTorch DDP, Li et al. 2020; Megatron-Core overlap_grad_reduce); the last bucket (one layer) can never
+  (PyTorch DDP, Li et al. 2020; Megatron-Core overlap_grad_reduce); the last bucket (one layer, and on
+  the first stage the word embedding, whose gradient is finished last: `edge_bucket_share`) can never
   hide. Off (Megatron-LM 2021-22's "local" DDP): after the backward, exposed. ZeRO-1/2's parameter
-  all-gather after the update hides under the next step's first forward (`param_gather_overlap`).
+  all-gather after the update hides under the next step's first forward (`param_gather_overlap`), but for
+  its first bucket, which that forward waits for. The sync's own passes over the gradient buffer (zeroing,
+  NaN check, scaling: `grad_buffer_passes_s`) run on the compute stream and add to the step.
   ZeRO-3 under pipeline parallelism gathers a stage's weights once per run of the schedule, under its
   first forward, and reduce-scatters its accumulated gradients once, by hand after the last backward:
   exposed (planner.costs' docstring).
@@ -69,6 +72,22 @@ WGRAD_BYTES = 2  # a weight-gradient GEMM writes its gradient in bf16 / fp16 (fp
 BREAKDOWN_KEYS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "zero3_comm", "pp_comm",
                   "bubble", "dp_comm", "optimizer")
 COMM_PART = {"tp": "tp_comm", "cp": "cp_comm", "ep": "ep_comm", "dp": "zero3_comm"}
+
+
+def grad_buffer_passes_s(params: float, lay: Layout, chip: Chip, dp_group: int) -> float:
+    """Seconds a step spends on the compute stream passing over the gradient buffer that a data-parallel
+    all-reduce or ZeRO-1 reduce-scatter syncs once per step, each of `params` gradients of
+    `Layout.grad_bytes`: Megatron-Core zeroes it before the step (ParamAndGradBuffer.reset: grad_data.zero_(),
+    1 write), and before each bucket's collective takes its norm to refuse NaNs (check_for_nan_in_grad,
+    which Megatron-LM's --no-check-for-nan-in-loss-and-grad leaves on: 1 read) and scales it by 1/dp in
+    place (gradient_scaling_factor, average_in_collective being off by default: 1 read, 1 write)
+    (megatron/core/distributed/param_and_grad_buffer.py at core_r0.8.0 and today). DeepSpeed and PyTorch DDP
+    also divide in place and zero or refill their buckets; their count is taken as Megatron-Core's. None
+    without data parallelism, with ZeRO-2 or ZeRO-3 (whose gradients are reduced as they come:
+    costs.fsdp_copy_bytes has FSDP's own passes), or on a TPU (XLA fuses the scaling into the update)."""
+    if dp_group <= 1 or lay.zero_stage >= 2 or lay.layer_zero3 or chip.kind != "gpu":
+        return 0.0
+    return kernels.pointwise_s(chip, params * 4 * lay.grad_bytes)
 
 
 def grad_accumulation_s(params: float, micro_batches: int, acc: int, chip: Chip) -> float:
@@ -127,6 +146,7 @@ class StageCost:
     # the shared word embedding's gradient all-reduced between the stages that hold a copy (`tied_sync_s`),
     # after the flush: in dp_exposed_s too, apart here for the timeline and the bytes
     tied_sync_s: float = 0.0
+    grad_passes_s: float = 0.0  # the gradient buffer's zeroing, NaN check and scaling (grad_buffer_passes_s)
 
     @property
     def fwd_s(self) -> float:
@@ -288,18 +308,21 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
         if not lay.layer_zero3:
             layers_here = max(1, sum(ch.layers for ch in chunks))
             last_bwd = sum(ch.bwd_s for ch in chunks)
+            dense_edge = edge_bucket_share(m, lay, any(p.embedding for p in plan[i]), dense_p, layers_here)
 
-            def hidden_under_bwd(sync: float) -> float:
-                """What the gradient sync costs the step: what shows, and what hides under the backward slows it."""
-                shown = max(sync - last_bwd * (1 - 1 / layers_here), sync / layers_here)
+            def hidden_under_bwd(sync: float, edge: float) -> float:
+                """What the gradient sync costs the step: what shows (at least the last bucket's, `edge` of
+                it), and what hides under the backward slows it."""
+                shown = max(sync - last_bwd * (1 - 1 / layers_here), sync * edge)
                 return costs.charged_s(chip, sync, shown if lay.grad_reduce_overlap else sync)
 
-            def hidden_under_fwd(gather: float) -> float:
-                """The updated weights' gather under the next step's forward (`param_gather_overlap`), likewise."""
-                shown = max(0.0, gather - sum(ch.fwd_s for ch in chunks))
+            def hidden_under_fwd(gather: float, edge: float) -> float:
+                """The updated weights' gather under the next step's forward (`param_gather_overlap`), likewise:
+                the first forward waits for the first bucket's."""
+                shown = max(gather - sum(ch.fwd_s for ch in chunks), gather * edge)
                 return costs.charged_s(chip, gather, shown if lay.param_gather_overlap else gather)
 
-            for topo, n_params in ((dense_topo, dense_p), (expert_topo, expert_p)):
+            for topo, n_params, edge in ((dense_topo, dense_p, dense_edge), (expert_topo, expert_p, 1 / layers_here)):
                 if topo is None or not n_params:
                     continue
                 nbytes = n_params * grad_bytes
@@ -312,15 +335,15 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
                 if lay.zero_stage == 2 and micro_batches > 1:
                     # ZeRO-2 keeps only its gradient shard, so every micro-batch's gradients are
                     # reduce-scattered as they are produced (DeepSpeed stage 2), not once per step
-                    per_micro_batch += hidden_under_bwd(sync)
+                    per_micro_batch += hidden_under_bwd(sync, edge)
                     dp_total += micro_batches * sync + gather
                 elif lay.staged_zero3:
                     exposed += sync  # after the last backward: nothing left to hide it under
                     dp_total += sync + gather
                 else:
-                    exposed += hidden_under_bwd(sync)
+                    exposed += hidden_under_bwd(sync, edge)
                     dp_total += sync + gather
-                exposed += hidden_under_fwd(gather)
+                exposed += hidden_under_fwd(gather, edge)
             if per_micro_batch:
                 chunks[0] = _plus_backward(chunks[0], "dp_comm", per_micro_batch)
         if not lay.grad_accum_fusion:
@@ -332,8 +355,23 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
                                        grad_accumulation_s(kept, micro_batches, lay.grad_bytes, chip))
         opt = costs.optimizer_step_s(dense_p + expert_p, lay, chip, tr.optimizer)
         tied = tied_s if i in holders else 0.0
-        by_rep[i] = StageCost(chunks, exposed + tied, dp_total, opt, dense_p + expert_p, tied)
+        passes = grad_buffer_passes_s(dense_p + expert_p, lay, chip, dp_group)
+        by_rep[i] = StageCost(chunks, exposed + tied, dp_total, opt, dense_p + expert_p, tied, passes)
     return [by_rep[g] for g in groups]
+
+
+def edge_bucket_share(m: ModelSpec, lay: Layout, embedding: bool, params: float, layers: int) -> float:
+    """The share of a stage's dense gradients in its last bucket, which its backward finishes last, so
+    that their reduction shows whole; in the first, the one the next step's first forward waits for: one
+    layer's, and on the stage with the embedding lookup its V/t x D rows besides. Buckets fill in reverse
+    order of the parameters (Megatron-Core's param_and_grad_buffer, PyTorch DDP), so the word embedding,
+    the model's first parameter, lands in the last bucket, and its gradient is complete only after the
+    lookup's backward, the last op of the step's backward (tied to the head, the head's half arrives
+    first)."""
+    rows = m.vocab * m.hidden / lay.tp if embedding else 0.0
+    if params <= 0:
+        return 1 / layers
+    return min(1.0, (rows + (params - rows) / layers) / params)
 
 
 def shared_embedding_stages(m: ModelSpec, plan) -> list[int]:
@@ -466,6 +504,7 @@ def simulate(case: Case, lay: Layout, chip: Chip, memory: Memory | None = None) 
     if lay.staged_zero3:
         dp_exposed *= runs  # each run gathers the stage's weights and reduce-scatters its gradients again
     opt = max(stages[i].optimizer_s for i in reps)
+    passes = max(stages[i].optimizer_s + stages[i].grad_passes_s for i in reps) - opt
     breakdown = dict.fromkeys(BREAKDOWN_KEYS, 0.0)
     for ch in stages[crit].chunks:
         for k, v in ch.parts.items():
@@ -475,7 +514,8 @@ def simulate(case: Case, lay: Layout, chip: Chip, memory: Memory | None = None) 
     breakdown["ep_comm"] += ep_unpaired
     breakdown["dp_comm"] += dp_exposed
     breakdown["optimizer"] = opt
-    step = t_pipe + dp_exposed + opt
+    breakdown["compute"] += passes
+    step = t_pipe + dp_exposed + opt + passes
     tokens = tr.global_batch * m.seq_len
     mem = memory or memory_per_chip(m, lay, micro_batches, tr.optimizer, tr.dtype)
     node = case.cluster.chips_per_node or chip.scaleup_domain

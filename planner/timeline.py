@@ -13,7 +13,9 @@ Where communication sits (planner.costs says how much of it hides):
 * beyond that budget each pass is one compute span and one comm span per group, and if even that is
   over the budget, back-to-back work is merged into "busy" spans between bubbles;
 * the data-parallel gradient sync runs under the last backward (is_async) with its exposed tail after
-  it, then the optimizer step; pipeline sends end each pass;
+  it, then a shared embedding's gradient sync between stages, the gradient buffer's passes (which the
+  step runs before and during its backward: drawn together there) and the optimizer step; pipeline
+  sends end each pass;
 * expert all-to-alls overlapped with another micro-batch (`ep_comm_overlap`) show whole in the passes
   that have none beside them, each run's warm-up forwards and draining backwards
   (planner.simulate.unpaired_ep_s).
@@ -241,6 +243,9 @@ def predicted_timeline(res: StepResult, max_spans: int = 20000) -> Timeline:
             spans.append(Span(rank_of[r], "comm", "tied embedding gradient all-reduce", t, t + stage.tied_sync_s,
                               group="pp"))
             t += stage.tied_sync_s
+        if stage.grad_passes_s > 0:
+            spans.append(Span(rank_of[r], "compute", "gradient buffer passes", t, t + stage.grad_passes_s))
+            t += stage.grad_passes_s
         spans.append(Span(rank_of[r], "compute", "optimizer step", t, t + stage.optimizer_s))
         t += stage.optimizer_s
         if t < pipe_end:

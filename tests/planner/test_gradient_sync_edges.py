@@ -1,0 +1,66 @@
+"""What of the data-parallel gradient sync a step always waits for: the edge buckets (the word embedding's
+gradient is finished last and its weights are needed first: planner.simulate.edge_bucket_share) and the
+passes over the gradient buffer on the compute stream (planner.simulate.grad_buffer_passes_s)."""
+
+import pytest
+
+from hardware import kernels
+from hardware.chips import get_chip
+from planner.api import estimate
+from planner.case import Layout
+from planner.models import MODEL_PRESETS
+from planner.simulate import edge_bucket_share, grad_buffer_passes_s
+from planner.timeline import predicted_timeline
+
+LLAMA = MODEL_PRESETS["Llama 3 8B"]  # vocab 128256, d 4096
+H100 = get_chip("h100")
+
+
+def test_the_stage_with_the_embedding_holds_its_rows_in_the_edge_bucket():
+    lay = Layout(dp=8, tp=2, pp=1)
+    params = 4.0e9
+    rows = 128256 * 4096 / 2
+    assert edge_bucket_share(LLAMA, lay, True, params, 32) == pytest.approx((rows + (params - rows) / 32) / params)
+    assert edge_bucket_share(LLAMA, lay, False, params, 32) == pytest.approx(1 / 32)
+
+
+def test_megatron_passes_over_the_gradient_buffer_once_a_step():
+    # zero (1 write), NaN-check norm (1 read), scale by 1/dp in place (1 read + 1 write), 4-byte gradients
+    lay = Layout(dp=8, tp=1, pp=1, zero_stage=1, grad_reduce_in_fp32=True)
+    assert grad_buffer_passes_s(1e9, lay, H100, 8) == pytest.approx(kernels.pointwise_s(H100, 16e9))
+    assert grad_buffer_passes_s(1e9, lay, H100, 1) == 0.0  # no data parallelism: no sync buffer
+    assert grad_buffer_passes_s(1e9, Layout(dp=8, tp=1, pp=1, zero_stage=2), H100, 8) == 0.0
+    assert grad_buffer_passes_s(1e9, Layout(dp=8, tp=1, pp=1, zero_stage=3), H100, 8) == 0.0
+    assert grad_buffer_passes_s(1e9, lay, get_chip("tpu-v5p"), 8) == 0.0  # XLA fuses the scaling
+
+
+def _case(**training):
+    return {"model": {"layers": 4, "hidden": 4096, "heads": 32, "kv_heads": 8, "ffn": 14336, "vocab": 128256,
+                      "seq_len": 2048},
+            "training": {"global_batch": 64, "micro_batch": 1, "recompute": "none", "zero_stage": 1,
+                         "grad_reduce_overlap": True, "param_gather_overlap": True, **training},
+            "parallel": {"dp": 8, "tp": 1, "pp": 1, "cp": 1},
+            "cluster": {"chip": "h100", "num_chips": 8, "chips_per_node": 8}}
+
+
+def test_the_step_waits_for_the_passes_and_draws_them():
+    res = estimate(_case()).result
+    stage = res.stages[0]
+    # at the pace of the job's slowest GPU (res.chip)
+    assert stage.grad_passes_s == pytest.approx(kernels.pointwise_s(res.chip, stage.params * 16))
+    assert res.step_time_s == pytest.approx(res.pipeline_s + stage.dp_exposed_s + stage.optimizer_s
+                                            + stage.grad_passes_s, rel=1e-12)
+    spans = [s for s in predicted_timeline(res).spans if s.name == "gradient buffer passes"]
+    assert [s.duration_s for s in spans] == [pytest.approx(stage.grad_passes_s)]
+
+
+def test_a_big_vocabulary_keeps_more_of_the_sync_in_view():
+    # with 4 layers and an untied 128K x 4096 embedding (0.53 G rows in the edge bucket of 1.92 G parameters,
+    # the head's as many), the edge buckets are nearly half the sync: both the reduce-scatter's last and the
+    # gather's first show
+    res = estimate(_case()).result
+    stage = res.stages[0]
+    share = edge_bucket_share(res.case.model, res.layout, True, stage.params, 4)
+    assert share == pytest.approx((128256 * 4096 + (stage.params - 128256 * 4096) / 4) / stage.params)
+    assert share > 0.45
+    assert stage.dp_exposed_s > share * stage.dp_total_s
