@@ -1053,7 +1053,7 @@ def logits_by_class(m: ModelSpec, lay: Layout, chip: Chip, dtype: str) -> dict[s
     them after the micro-batch's backward, so they are charged there.
     """
     tokens = lay.micro_batch * m.seq_len / lay.cp
-    g = _Gemm("logits", tokens, m.hidden, m.vocab / lay.tp)
+    g = _logits_gemm(m, lay)
     logits = tokens * m.vocab / lay.tp
     if lay.cross_entropy == "fused":
         fwd_ce_s = kernels.norm_s(chip, 2 * ACT_BYTES * logits)
@@ -1067,6 +1067,11 @@ def logits_by_class(m: ModelSpec, lay: Layout, chip: Chip, dtype: str) -> dict[s
             "memory-bound": (fwd_ce_s, bwd_ce_s)}
 
 
+def _logits_gemm(m: ModelSpec, lay: Layout) -> _Gemm:
+    """The output projection of one micro-batch on one chip: In[T, D] . W[D, V/t]."""
+    return _Gemm("logits", lay.micro_batch * m.seq_len / lay.cp, m.hidden, m.vocab / lay.tp)
+
+
 def vocab_parallel_comms(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chips_per_node: int
                          ) -> dict[str, tuple[tuple[CommOp, ...], tuple[CommOp, ...]]]:
     """TP's collectives around the vocabulary-parallel embedding and output head, one micro-batch:
@@ -1075,7 +1080,10 @@ def vocab_parallel_comms(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chip
     tensor_parallel/layers.py), as torchtitan's TP plan does:
       embedding  each rank looks up the rows of its vocabulary shard and the partial activations are summed:
                  an all-reduce forward, or with SP a reduce-scatter forward and an all-gather of its gradient
-                 backward; no GEMM to hide them under
+                 backward; but with learned absolute positions (the gpt layer style), which are added to the
+                 whole sum, the all-reduce and then the scatter to the sequence shards, whose backward
+                 all-gathers (LanguageModelEmbedding.reduce_scatter_embeddings, models/common/embeddings/
+                 language_model_embedding.py); no GEMM to hide any of them under
       head       a column-parallel GEMM In[T, D] . W[D, V/t] (`_tp_comms`): without SP its input gradient is
                  all-reduced under the weight-gradient GEMM (`tp_grad_allreduce_overlap`) or after it; with SP
                  its input is all-gathered forward (and again under the backward's dgrad GEMM) and its input
@@ -1097,8 +1105,14 @@ def vocab_parallel_comms(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chip
     act_bytes = tp_collective_bytes(m, lay)
     plain = replace(lay, tp_comm_overlap=chip.kind == "tpu" and tp_overlaps(lay, chip))
     zero = {"embedding": 0.0}
-    embed = _tp_comms(replace(plain, tp_comm_overlap=False), topo, [], ["embedding"], zero, zero, zero, act_bytes)
-    g = _Gemm("logits", tokens, m.hidden, m.vocab / t)
+    positions_after_sum = m.gpt_style and lay.sequence_parallel
+    embed_lay = replace(plain, tp_comm_overlap=False, sequence_parallel=lay.sequence_parallel and not m.gpt_style)
+    embed = _tp_comms(embed_lay, topo, [], ["embedding"], zero, zero, zero, act_bytes)
+    if positions_after_sum:  # the scatter to the sequence shards is local; its backward all-gathers
+        ag = comm_s(topo, "all_gather", act_bytes)
+        embed[1].append(CommOp("tp", "tp all-gather (embedding grad)", "all_gather", act_bytes, ag, ag,
+                               gemm="embedding"))
+    g = _logits_gemm(m, lay)
     f, b = _tp_comms(plain, topo, ["logits"], [], {"logits": _fwd_s(chip, dtype, g)},
                      {"logits": _dgrad_s(chip, dtype, g)}, {"logits": _wgrad_s(chip, dtype, g)}, act_bytes)
     if lay.cross_entropy == "fused":

@@ -149,6 +149,12 @@ def layer_params(m: ModelSpec, kind) -> LayerParams:
     return LayerParams(attention_params(m), _mlp_params(m, m.dense_ffn_), 0, 0, norms)
 
 
+def vocab_rows(m: ModelSpec, tp: int) -> float:
+    """One chip's share of the word embedding, or of an untied output projection: V/t x D parameters, the
+    vocabulary split over the tp ranks (Megatron-Core's VocabParallelEmbedding and output layer)."""
+    return m.vocab * m.hidden / tp
+
+
 def embedding_params(m: ModelSpec) -> int:
     """Input embedding plus the output projection unless tied (plus GPT's learned positions)."""
     pos = m.seq_len * m.hidden if m.gpt_style else 0

@@ -38,9 +38,10 @@ from planner.flops import (
     output_heads,
     pre_norms,
     ssd_chunk,
+    vocab_rows,
 )
 from planner.models import ATTENTION, MAMBA, MLP, ModelSpec
-from planner.stages import Chunk, chunks_of, stage_chunks
+from planner.stages import Chunk, chunks_of, holds_untied_head, holds_word_embedding, stage_chunks
 
 WEIGHT_BYTES = 2  # bf16/fp16 weights (fp8 training keeps bf16 master copies of the working weights)
 GRAD_BYTES = 2  # the ZeRO paper's half-precision gradients; a layout's own: Layout.grad_bytes
@@ -302,14 +303,10 @@ def _stage_params(m: ModelSpec, t: int, ep: int, pp: int, virtual: int, pp_layou
         if c.mtp:
             add(mtp_kind(m), c.mtp)
             dense += c.mtp * (mtp_proj_params(m) / t + 3 * m.hidden)  # + its two input norms and final norm
-    embedding = any(c.embedding for c in chunks)
-    rows = m.vocab * m.hidden / t
-    if embedding:
-        dense += rows + embedding_params(m) - m.vocab * m.hidden * (1 if m.tied_embeddings else 2)  # + positions, norm
-    if any(c.loss for c in chunks) and not (m.tied_embeddings and embedding):
-        dense += rows  # output projection (a tied matrix is copied to the stage with the loss)
-    if any(c.mtp for c in chunks) and not embedding:
-        dense += rows  # the MTP modules embed the next tokens with a copy of the embedding (Megatron-Core)
+    # the word embedding (a copy on every stage that looks it up or, tied, projects with it) and an untied head
+    dense += vocab_rows(m, t) * (holds_word_embedding(m, chunks) + holds_untied_head(m, chunks))
+    if any(c.embedding for c in chunks):
+        dense += embedding_params(m) - m.vocab * m.hidden * (1 if m.tied_embeddings else 2)  # positions, final norm
     return dense, moe
 
 

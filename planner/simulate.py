@@ -56,7 +56,7 @@ from hardware.chips import Chip
 from hardware.collectives import ring_sent_bytes
 from planner import costs
 from planner.case import Case, Layout
-from planner.flops import hardware_flops, model_flops, mtp_kind, output_heads
+from planner.flops import hardware_flops, model_flops, mtp_kind, output_heads, vocab_rows
 from planner.memory import (
     Memory,
     in_flight_chunks,
@@ -66,7 +66,7 @@ from planner.memory import (
     stage_params,
 )
 from planner.models import ModelSpec
-from planner.stages import chunks_of
+from planner.stages import chunks_of, holds_word_embedding
 
 WGRAD_BYTES = 2  # a weight-gradient GEMM writes its gradient in bf16 / fp16 (fp8 recipes too: Transformer Engine)
 BREAKDOWN_KEYS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "zero3_comm", "pp_comm",
@@ -82,9 +82,12 @@ def grad_buffer_passes_s(params: float, lay: Layout, chip: Chip, dp_group: int) 
     which Megatron-LM's --no-check-for-nan-in-loss-and-grad leaves on: 1 read) and scales it by 1/dp in
     place (gradient_scaling_factor, average_in_collective being off by default: 1 read, 1 write)
     (megatron/core/distributed/param_and_grad_buffer.py at core_r0.8.0 and today). DeepSpeed and PyTorch DDP
-    also divide in place and zero or refill their buckets; their count is taken as Megatron-Core's. None
-    without data parallelism, with ZeRO-2 or ZeRO-3 (whose gradients are reduced as they come:
-    costs.fsdp_copy_bytes has FSDP's own passes), or on a TPU (XLA fuses the scaling into the update)."""
+    also divide in place and zero or refill their buckets; their count is taken as Megatron-Core's, and so is
+    the NaN check, which Megatron-Bridge's performance recipes switch off (ddp.check_for_nan_in_grad false:
+    a quarter of these bytes too many for its runs; no case field says it). None without data parallelism
+    (Megatron-Core would still zero and check its buffer; PyTorch's optimizers set the gradients to None),
+    with ZeRO-2 or ZeRO-3 (whose gradients are reduced as they come: costs.fsdp_copy_bytes has FSDP's own
+    passes), or on a TPU (XLA fuses the scaling into the update)."""
     if dp_group <= 1 or lay.zero_stage >= 2 or lay.layer_zero3 or chip.kind != "gpu":
         return 0.0
     return kernels.pointwise_s(chip, params * 4 * lay.grad_bytes)
@@ -143,8 +146,8 @@ class StageCost:
     dp_total_s: float
     optimizer_s: float
     params: float  # parameters on one chip of this stage (TP/EP-sharded, before ZeRO)
-    # the shared word embedding's gradient all-reduced between the stages that hold a copy (`tied_sync_s`),
-    # after the flush: in dp_exposed_s too, apart here for the timeline and the bytes
+    # the shared word embedding's gradient all-reduced between the stages that hold a copy, after their
+    # gradient sync (`tied_embedding_sync_s`); 0 on the other stages
     tied_sync_s: float = 0.0
     grad_passes_s: float = 0.0  # the gradient buffer's zeroing, NaN check and scaling (grad_buffer_passes_s)
 
@@ -356,7 +359,7 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
         opt = costs.optimizer_step_s(dense_p + expert_p, lay, chip, tr.optimizer)
         tied = tied_s if i in holders else 0.0
         passes = grad_buffer_passes_s(dense_p + expert_p, lay, chip, dp_group)
-        by_rep[i] = StageCost(chunks, exposed + tied, dp_total, opt, dense_p + expert_p, tied, passes)
+        by_rep[i] = StageCost(chunks, exposed, dp_total, opt, dense_p + expert_p, tied, passes)
     return [by_rep[g] for g in groups]
 
 
@@ -368,34 +371,36 @@ def edge_bucket_share(m: ModelSpec, lay: Layout, embedding: bool, params: float,
     the model's first parameter, lands in the last bucket, and its gradient is complete only after the
     lookup's backward, the last op of the step's backward (tied to the head, the head's half arrives
     first)."""
-    rows = m.vocab * m.hidden / lay.tp if embedding else 0.0
+    rows = vocab_rows(m, lay.tp) if embedding else 0.0
     if params <= 0:
         return 1 / layers
     return min(1.0, (rows + (params - rows) / layers) / params)
 
 
-def shared_embedding_stages(m: ModelSpec, plan) -> list[int]:
-    """The pipeline stages holding a copy of the word embedding that another stage shares: its lookup (E),
-    a multi-token-prediction module's lookup (m) or, with tied embeddings, the output head (L); none when
-    one stage holds them all."""
-    holders = [i for i, pieces in enumerate(plan)
-               if any(p.embedding or p.mtp or (p.loss and m.tied_embeddings) for p in pieces)]
-    return holders if len(holders) > 1 else []
+def tied_embedding_sync(m: ModelSpec, lay: Layout, plan) -> tuple[list[int], float]:
+    """(the pipeline stages that hold a copy of a shared word embedding, the bytes of its gradient each
+    sums with the others): a copy for the lookup, for multi-token-prediction modules' lookups or for an
+    output head tied to it (stages.holds_word_embedding), V/t x D gradients of `Layout.grad_bytes`; no
+    stages when one holds every use."""
+    holders = [i for i, chunks in enumerate(plan) if holds_word_embedding(m, chunks)]
+    if len(holders) < 2:
+        return [], 0.0
+    return holders, vocab_rows(m, lay.tp) * lay.grad_bytes
 
 
 def tied_embedding_sync_s(m: ModelSpec, lay: Layout, chip: Chip, node: int, plan) -> tuple[float, list[int]]:
     """(seconds, the stages that pay them) of summing the shared word embedding's gradient between the
-    stages that hold a copy, after the flush and before the optimizer step, with nothing left to hide it:
-    Megatron-Core's finalize_model_grads (_allreduce_word_embedding_grads, over the embedding group of the
-    first and last stage, whose ranks default_embedding_ranks names) all-reduces the V/t x D main gradient
-    (`Layout.grad_bytes`), as DeepSpeed's pipeline engine does in its ReduceTiedGrads step."""
-    holders = shared_embedding_stages(m, plan)
+    stages that hold a copy (`tied_embedding_sync`), after their gradient sync and before the optimizer
+    step, with nothing left to hide it: Megatron-Core's finalize_model_grads (_allreduce_word_embedding_grads
+    over the embedding group, the first and last stage by default_embedding_ranks) all-reduces the main
+    gradient, as DeepSpeed's pipeline engine does in its ReduceTiedGrads step; any framework that keeps
+    one weight on two stages has to."""
+    holders, nbytes = tied_embedding_sync(m, lay, plan)
     if not holders:
         return 0.0, []
-    n = len(holders)
-    stride = lay.mesh.stride("pp") * ((lay.pp - 1) if n == 2 else 1)
-    topo = costs.topology(chip, n, stride, node)
-    return costs.comm_s(topo, "all_reduce", m.vocab / lay.tp * m.hidden * lay.grad_bytes), holders
+    stride = lay.mesh.stride("pp") * (holders[1] - holders[0] if len(holders) == 2 else 1)
+    topo = costs.topology(chip, len(holders), stride, node)
+    return costs.comm_s(topo, "all_reduce", nbytes), holders
 
 
 def _plus_backward(chunk: ChunkCost, part: str, seconds: float) -> ChunkCost:
@@ -448,9 +453,9 @@ def sent_bytes_per_step(res: StepResult, stage: int = 0) -> dict[str, float]:
                 out[op.group] += res.micro_batches * count * op.sent_bytes(n[op.group])
         for op in chunk.end_comms[0] + chunk.end_comms[1]:
             out[op.group] += res.micro_batches * op.sent_bytes(n[op.group])
-    if st.tied_sync_s:
-        holders = len(shared_embedding_stages(m, chunks_of(m, lay)))
-        out["pp"] += ring_sent_bytes("all_reduce", m.vocab / lay.tp * m.hidden * lay.grad_bytes, holders)
+    holders, tied_bytes = tied_embedding_sync(m, lay, chunks_of(m, lay))
+    if stage in holders:
+        out["pp"] += ring_sent_bytes("all_reduce", tied_bytes, len(holders))
     if not lay.layer_zero3:
         dense_p, expert_p = stage_params(m, lay, stage)
         grad_bytes = lay.grad_bytes
@@ -499,10 +504,18 @@ def simulate(case: Case, lay: Layout, chip: Chip, memory: Memory | None = None) 
     ep_unpaired = runs * unpaired_ep_s(stages, lay, crit, lay.per_run(micro_batches))
     # stage i's last backward ends about i chunk-backwards before stage 0's: that is its slack
     reps = sorted(rep_total)
-    dp_exposed = max(max(0.0, stages[i].dp_exposed_s - i * stages[i].bwd_s / lay.virtual_stages)
-                     for i in reps)
-    if lay.staged_zero3:
-        dp_exposed *= runs  # each run gathers the stage's weights and reduce-scatters its gradients again
+
+    def dp_tail(i: int) -> float:
+        """Stage i's exposed gradient sync past the pipeline's end, each run's under staged ZeRO-3 (each
+        gathers the stage's weights and reduce-scatters its gradients again)."""
+        tail = max(0.0, stages[i].dp_exposed_s - i * stages[i].bwd_s / lay.virtual_stages)
+        return tail * runs if lay.staged_zero3 else tail
+
+    dp_exposed = max(dp_tail(i) for i in reps)
+    # a shared embedding's gradient, summed once its holders' syncs are done (stage 0's is the last)
+    holders = [i for i, st in enumerate(stages) if st.tied_sync_s]
+    tied_shown = max(0.0, max((dp_tail(i) for i in holders), default=0.0)
+                     + max((stages[i].tied_sync_s for i in holders), default=0.0) - dp_exposed)
     opt = max(stages[i].optimizer_s for i in reps)
     passes = max(stages[i].optimizer_s + stages[i].grad_passes_s for i in reps) - opt
     breakdown = dict.fromkeys(BREAKDOWN_KEYS, 0.0)
@@ -513,9 +526,10 @@ def simulate(case: Case, lay: Layout, chip: Chip, memory: Memory | None = None) 
     t_pipe += ep_unpaired
     breakdown["ep_comm"] += ep_unpaired
     breakdown["dp_comm"] += dp_exposed
+    breakdown["pp_comm"] += tied_shown
     breakdown["optimizer"] = opt
     breakdown["compute"] += passes
-    step = t_pipe + dp_exposed + opt + passes
+    step = t_pipe + dp_exposed + tied_shown + opt + passes
     tokens = tr.global_batch * m.seq_len
     mem = memory or memory_per_chip(m, lay, micro_batches, tr.optimizer, tr.dtype)
     node = case.cluster.chips_per_node or chip.scaleup_domain

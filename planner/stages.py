@@ -36,6 +36,18 @@ class Chunk:
     loss: bool = False
 
 
+def holds_word_embedding(m, chunks) -> bool:
+    """Whether a stage with these chunks holds the word embedding matrix: for its lookup (E), a
+    multi-token-prediction module's lookup of the next tokens (m, Megatron-Core), or an output head tied to
+    it (L with tied embeddings)."""
+    return any(c.embedding or c.mtp or (c.loss and m.tied_embeddings) for c in chunks)
+
+
+def holds_untied_head(m, chunks) -> bool:
+    """Whether a stage with these chunks holds an output projection of its own (L, untied embeddings)."""
+    return not m.tied_embeddings and any(c.loss for c in chunks)
+
+
 def expand_layout(text: str) -> str:
     """The layout with every repetition written out, e.g. "E|(tt|)*2L" -> "E|tt|tt|L"; raises ValueError
     saying what is wrong."""

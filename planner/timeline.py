@@ -9,7 +9,9 @@ predicted and a measured pipeline line up; the durations come from the step simu
 Where communication sits (planner.costs says how much of it hides):
 * a pass is split into its layers while the span count stays under `max_spans`: each layer's compute,
   then its collectives, each as one comm span on its group ("tp", "cp", "ep", "dp"): the part that
-  hides runs under the layer's compute, the part the pass waits for extends past it;
+  hides runs under the layer's compute, the part the pass waits for extends past it; the embedding's and
+  the output heads' work and their collectives close the pass as one block (the lookup, which opens a
+  forward, is drawn there too);
 * beyond that budget each pass is one compute span and one comm span per group, and if even that is
   over the budget, back-to-back work is merged into "busy" spans between bubbles;
 * the data-parallel gradient sync runs under the last backward (is_async) with its exposed tail after
@@ -228,21 +230,25 @@ def predicted_timeline(res: StepResult, max_spans: int = 20000) -> Timeline:
         if not progressed:
             raise RuntimeError(f"schedule {sched.name} deadlocked in the planner's timeline")
     pipe_end = max(clock)
+    synced = {r: clock[r] + (stage.dp_exposed_s if stage.dp_total_s > 0 else 0.0) for r, stage in enumerate(res.stages)}
+    # a shared embedding's gradient is summed once every stage holding it has synced its own gradients
+    tied_start = max((synced[r] for r, stage in enumerate(res.stages) if stage.tied_sync_s), default=0.0)
     for r, stage in enumerate(res.stages):
         t = clock[r]
-        dp_exposed = stage.dp_exposed_s - stage.tied_sync_s
         if stage.dp_total_s > 0:
-            hidden = stage.dp_total_s - dp_exposed
+            hidden = stage.dp_total_s - stage.dp_exposed_s
             # named by its collective, so it is drawn in that collective's colour
             sync = "dp gradient all-reduce" if lay.zero_stage == 0 else "dp gradient reduce-scatter (and weight gather)"
             spans.append(Span(rank_of[r], "comm", sync, t - hidden,
                               t - hidden + stage.dp_total_s,
                               group="dp", is_async=hidden > 0))
-            t += dp_exposed
-        if stage.tied_sync_s > 0:  # the shared word embedding's gradient, summed with the other stage's
-            spans.append(Span(rank_of[r], "comm", "tied embedding gradient all-reduce", t, t + stage.tied_sync_s,
-                              group="pp"))
-            t += stage.tied_sync_s
+            t += stage.dp_exposed_s
+        if stage.tied_sync_s > 0:
+            if tied_start > t:
+                spans.append(Span(rank_of[r], "idle", "wait", t, tied_start))
+            spans.append(Span(rank_of[r], "comm", "tied embedding gradient all-reduce", tied_start,
+                              tied_start + stage.tied_sync_s, group="pp"))
+            t = tied_start + stage.tied_sync_s
         if stage.grad_passes_s > 0:
             spans.append(Span(rank_of[r], "compute", "gradient buffer passes", t, t + stage.grad_passes_s))
             t += stage.grad_passes_s
