@@ -461,9 +461,11 @@ def group_topology(chip: Chip, n: int, stride: int = 1, achievable: bool = False
     ``scaleup_domain`` overrides the chip's domain size (a cluster with fewer GPUs per NVLink domain, e.g. a
     case file's ``chips_per_node``); GPUs only.
 
-    TPU: ranks fill ``chip.torus_shape`` with axis 0 fastest. A group that strides over whole axes and
-    fills axes up to some point maps onto those axes; an axis wraps around where the slice spans a
-    multiple of ``chip.torus_wrap_multiple`` chips along it (or the whole axis).
+    TPU: ranks fill ``chip.torus_shape`` (the job's slice) with axis 0 fastest. A group that strides over
+    whole axes and fills axes up to some point maps onto those axes; it goes round an axis's wraparound
+    links only where it spans the whole axis and the slice wraps it: a slice axis that is a multiple of
+    ``chip.torus_wrap_multiple`` chips ([SB] Part 2). A group along part of an axis is a line (its ring's
+    closing hop would cross the chips of the neighbouring groups, busy with the same collective).
     A group stepping ``s`` chips along an axis shares that axis's links with the s-1 interleaved groups
     doing the same collective, so each gets 1/s of the link and pays s hops of latency. Groups larger
     than the slice span slices over DCN (a hierarchy). A group that does not tile the axes in rank order
@@ -522,10 +524,11 @@ def _tpu_group(shape: tuple[int, ...], wrap_multiple: int, n: int, stride: int, 
         if size % block or remaining % take:
             return _own_axes(shape, wrap_multiple, n, inner, outer)
         link = Link(inner.bytes_per_s / block, inner.latency_s * block)
-        # The slice axis holding the group spans take*block chips; ICI wraps it around when that is a
-        # multiple of the chip's wrap length ([SB] Part 2: multiples of 4 on v4/v5p, the full 16 on v5e/v6e).
+        # The group spans take*block chips of the slice axis; it wraps around when that is the whole axis
+        # and the slice wraps the axis: a multiple of the chip's wrap length ([SB] Part 2: multiples of 4
+        # on v4/v5p, the full 16 on v5e/v6e).
         span = take * block
-        axes.append(TorusAxis(take, link, wraparound=span == size or span % wrap_multiple == 0))
+        axes.append(TorusAxis(take, link, wraparound=_wraps(span, size, wrap_multiple)))
         remaining //= take
         block = 1
     return _with_dcn(n, axes, remaining, outer)
@@ -542,9 +545,14 @@ def _own_axes(shape: tuple[int, ...], wrap_multiple: int, n: int, inner: Link, o
     for size in sorted(shape, reverse=True):
         take = max(d for d in range(1, min(size, remaining) + 1) if remaining % d == 0)
         if take > 1:
-            axes.append(TorusAxis(take, inner, wraparound=take == size or take % wrap_multiple == 0))
+            axes.append(TorusAxis(take, inner, wraparound=_wraps(take, size, wrap_multiple)))
         remaining //= take
     return _with_dcn(n, axes, remaining, outer)
+
+
+def _wraps(span: int, size: int, wrap_multiple: int) -> bool:
+    """Whether a group spanning `span` chips of a slice axis of `size` goes round its wraparound links."""
+    return span == size and size % wrap_multiple == 0
 
 
 def _with_dcn(n: int, axes: list[TorusAxis], remaining: int, outer: Link) -> Topology:

@@ -231,6 +231,10 @@ class Cluster:
     # chip table's (e.g. 400 Gb/s InfiniBand per H100); for a cluster wired otherwise (BLOOM's Jean Zay: 4 x 100
     # Gb/s Omni-Path per 8-GPU node = 6.25e9)
     network_bytes_per_s: float | None = None
+    # TPU multislice: the job's slices, each num_chips / slices chips joined over the data-center network (a
+    # group larger than a slice crosses it); None: one slice, or the fewest equal ones the chips need
+    # (planner.costs.tpu_slices)
+    slices: int | None = None
 
 
 @dataclass(frozen=True)
@@ -458,7 +462,8 @@ def parse_case(data) -> Case:
         raise SpecError("cluster.network_bytes_per_s", f"must be a positive number of bytes/s per chip (e.g. 50e9 for "
                         f"400 Gb/s) or null, got {net!r}")
     cluster = Cluster(c["chip"], _int(c, "num_chips", "cluster", required=True, nullable=False),
-                      _int(c, "chips_per_node", "cluster", required=False), None if net is None else float(net))
+                      _int(c, "chips_per_node", "cluster", required=False), None if net is None else float(net),
+                      _int(c, "slices", "cluster", required=False))
     case = Case(model, training, parallel, cluster, name)
     check_fixed(case)
     return case
@@ -537,6 +542,7 @@ def check_fixed(case: Case) -> None:
     if t.fsdp_backward_prefetch == "post" and t.fsdp_impl != "fsdp1":
         raise SpecError("training.fsdp_backward_prefetch", "\"post\" is FullyShardedDataParallel's BACKWARD_POST: "
                         "state fsdp_impl \"fsdp1\" with it (fully_shard and XLA always gather one layer ahead)")
+    _check_slices(case.cluster)
     if t.fp8_casts and t.dtype != "fp8":
         raise SpecError("training.fp8_casts", f"applies to dtype \"fp8\", not {t.dtype!r}")
     if t.dropout and not m.gpt_style:
@@ -588,6 +594,24 @@ def check_fixed(case: Case) -> None:
         raise SpecError("parallel.virtual_stages", "interleaved-1f1b needs virtual_stages >= 2 (or null)")
     if p.pp_schedule in ("1f1b", "gpipe", "zb-h1") and p.virtual_stages and p.virtual_stages > 1:
         raise SpecError("parallel.pp_schedule", f"virtual_stages={p.virtual_stages} needs interleaved-1f1b")
+
+
+def _check_slices(cl: Cluster) -> None:
+    """A stated slice count: TPUs only, dividing the chips into slices the largest slice holds."""
+    if cl.slices is None:
+        return
+    from hardware.chips import get_chip
+
+    chip = get_chip(cl.chip)
+    if chip.kind != "tpu":
+        raise SpecError("cluster.slices", f"TPU multislice only; {chip.name} clusters state chips_per_node and "
+                        "network_bytes_per_s instead")
+    pod = 1
+    for a in chip.torus_shape:
+        pod *= a
+    if cl.slices < 1 or cl.num_chips % cl.slices or cl.num_chips // cl.slices > pod:
+        raise SpecError("cluster.slices", f"{cl.slices} must divide num_chips={cl.num_chips} into slices of at most "
+                        f"{pod} chips ({chip.name}'s largest slice)")
 
 
 def recipe(t: Training, chip, m: ModelSpec) -> dict:

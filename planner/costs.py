@@ -66,7 +66,7 @@ from functools import lru_cache
 
 from core.mesh import cp_chain_hops
 from hardware import kernels
-from hardware.chips import Chip
+from hardware.chips import Chip, get_chip
 from hardware.collectives import Hierarchy, Topology, deduplicated_all_to_all_s, group_topology, ring_sent_bytes
 from planner.case import Layout
 from planner.flops import (
@@ -165,11 +165,20 @@ def pipelined_exposed_s(comm: float, compute: float, chunks: int) -> float:
     return max(0.0, comm - compute) + min(comm, compute) / max(1, chunks)
 
 
+def tpu_slices(chip: Chip, num_chips: int) -> int:
+    """The slices of a TPU job that does not say: one where the largest slice holds the chips, else the fewest
+    equal slices that each fit in it (a multislice job's slices are alike: MaxText's dcn_* axes; PaLM's 6144
+    chips were two pods' 3072)."""
+    pod = math.prod(chip.torus_shape)
+    return next(s for s in range(1, num_chips + 1) if num_chips % s == 0 and num_chips // s <= pod)
+
+
 def tpu_slice_shape(chip: Chip, num_chips: int) -> tuple[int, ...]:
-    """The torus a TPU job of `num_chips` runs on: the largest slice (chips.toml's torus_shape) when it needs
-    it, else the most cube-like slice with axes that are multiples of 4 (2 for tiny slices) inside it, as Cloud
-    TPU slice shapes go (v5p: 4x4x4 = 64 chips, 4x4x8, 4x8x8, 8x8x8, ... 16x16x24). More chips than the largest
-    slice run multislice: a group larger than it crosses the data-center network (collectives.group_topology)."""
+    """The torus of a TPU slice of `num_chips`: the largest slice (chips.toml's torus_shape) when it needs it,
+    else the most cube-like slice with axes that are multiples of 4 (2 for tiny slices) inside it, as Cloud
+    TPU slice shapes go (v5p: 4x4x4 = 64 chips, 4x4x8, 4x8x8, 8x8x8, ... 16x16x24). A multislice job
+    (`tpu_slices`, or the case's cluster.slices) runs one per slice, and a group larger than a slice crosses
+    the data-center network (collectives.group_topology)."""
     pod = tuple(chip.torus_shape)
     if num_chips >= math.prod(pod):
         return pod
@@ -213,16 +222,23 @@ def slowest_chip_pace(chip: Chip, num_chips: int, chips_per_node: int | None) ->
     return 1.0 - spread / 2
 
 
+def case_chip(cluster) -> Chip:
+    """The chip of a case's cluster (planner.case.Cluster) as the cluster wires it (`cluster_chip`)."""
+    return cluster_chip(get_chip(cluster.chip), cluster.num_chips, cluster.chips_per_node,
+                        cluster.network_bytes_per_s, cluster.slices)
+
+
 @lru_cache(maxsize=256)
 def cluster_chip(chip: Chip, num_chips: int, chips_per_node: int | None,
-                 network_bytes_per_s: float | None = None) -> Chip:
-    """The chip as this cluster wires it: a GPU node of `chips_per_node`, a TPU slice of `num_chips`, its share
-    of the scale-out network where the cluster states one, and the pace of its slowest chip."""
+                 network_bytes_per_s: float | None = None, slices: int | None = None) -> Chip:
+    """The chip as this cluster wires it: a GPU node of `chips_per_node`, a TPU slice of `num_chips` (of
+    num_chips / `slices` on a multislice job), its share of the scale-out network where the cluster states
+    one, and the pace of its slowest chip."""
     if network_bytes_per_s is not None:
         chip = replace(chip, scaleout_bytes_per_s=network_bytes_per_s)
     pace = slowest_chip_pace(chip, num_chips, chips_per_node)
     if chip.kind == "tpu":
-        shape = tpu_slice_shape(chip, num_chips)
+        shape = tpu_slice_shape(chip, num_chips // (slices or tpu_slices(chip, num_chips)))
         return replace(chip, torus_shape=shape, scaleup_domain=math.prod(shape), pace=pace)
     if chips_per_node and chips_per_node != chip.scaleup_domain:
         return replace(chip, scaleup_domain=chips_per_node, pace=pace)

@@ -40,7 +40,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
-from hardware.chips import Chip, get_chip
+from hardware.chips import Chip
 from hardware.kernels import FLASH_KERNELS
 from planner import costs
 from planner.case import (
@@ -262,7 +262,7 @@ def search(case: Case, top: int | None = None) -> SearchResult:
     ranking and is skipped. The top `top` are exactly those of the full enumeration.
     """
     cl = case.cluster
-    chip = costs.cluster_chip(get_chip(cl.chip), cl.num_chips, cl.chips_per_node, cl.network_bytes_per_s)
+    chip = costs.case_chip(cl)
     if case.training.dtype == "fp16" and chip.kind == "tpu":
         raise SpecError("training.dtype", f"{chip.name} has no fp16 matrix unit; use bf16")
     if case.training.dtype == "fp8" and chip.fp8_flops_per_s is None:
@@ -301,7 +301,7 @@ def choose(case: Case) -> StepResult:
     if res.ranked:
         return res.ranked[0]
     cl, t = case.cluster, case.training
-    chip = costs.cluster_chip(get_chip(cl.chip), cl.num_chips, cl.chips_per_node, cl.network_bytes_per_s)
+    chip = costs.case_chip(cl)
     best, best_bytes = None, float("inf")
     for lay in candidate_layouts(case, chip):
         zero = t.zero_stage if t.zero_stage is not None else (3 if lay.dp * lay.cp > 1 else 0)

@@ -4,6 +4,9 @@
 term so it can be compared with the book's bandwidth-only numbers exactly.
 """
 
+import math
+from dataclasses import replace
+
 import pytest
 
 from hardware.chips import get_chip
@@ -42,6 +45,11 @@ def test_sb_v5p_compute_over_ici():
     assert v5p.bf16_flops_per_s / (2 * v5p.scaleup_bytes_per_s) == pytest.approx(2550)
 
 
+def _slice(chip, shape):
+    """The chip as a job on a slice of `shape` sees it (planner.costs.cluster_chip does the same)."""
+    return replace(chip, torus_shape=shape, scaleup_domain=math.prod(shape))
+
+
 def test_sb_v4p_4x4x4_all_gathers():
     # [SB] Part 3, Question 2: TPU v4p 4x4x4, bf16[B_X, D_Y], B=1024, D=4096, W_bidi = 9e10.
     # AllGather_X moves the gathered 2BD/Y = 2,097,152 B over one wrapped axis of 4:
@@ -52,8 +60,8 @@ def test_sb_v4p_4x4x4_all_gathers():
     assert torus((4,), link).all_gather_s(v) * 4 / 3 == pytest.approx(23.3e-6, rel=2e-3)
     # AllGather_XY of the whole 2BD over two axes: [SB] 2BD / (2 * 9e10) = 46.6 us (x 15/16 here).
     assert torus((4, 4), link).all_gather_s(4 * v) * 16 / 15 == pytest.approx(46.6e-6, rel=2e-3)
-    # On the chip table: a v4 group of 4 along one axis wraps around (multiple of 4), plus 2 hops of 1 us.
-    v4_group = group_topology(get_chip("tpu-v4"), 4)
+    # On the chip table: the 4x4x4 slice's axis of 4 wraps around (a multiple of 4), plus 2 hops of 1 us.
+    v4_group = group_topology(_slice(get_chip("tpu-v4"), (4, 4, 4)), 4)
     assert v4_group.all_gather_s(v) == pytest.approx(3 / 4 * v / 9e10 + 2 * US)
 
 
@@ -273,9 +281,13 @@ def test_tpu_group_topology():
     v5e, v5p = get_chip("tpu-v5e"), get_chip("tpu-v5p")
     full_axis = group_topology(v5e, 16)
     assert isinstance(full_axis, Torus) and [(a.size, a.wraparound) for a in full_axis.axes] == [(16, True)]
-    # v5e wraps only a full 16 axis; v5p any multiple of 4 ([SB] Part 2).
+    # v5e wraps only a full 16 axis; v5p any slice axis that is a multiple of 4 ([SB] Part 2), and a group
+    # wraps only where it spans the whole axis: 4 chips of a 16-long axis are a line, those of a 4x4x4 slice
+    # a ring
     assert [a.wraparound for a in group_topology(v5e, 4).axes] == [False]
-    assert [a.wraparound for a in group_topology(v5p, 4).axes] == [True]
+    assert [a.wraparound for a in group_topology(v5p, 4).axes] == [False]
+    assert [a.wraparound for a in group_topology(_slice(v5p, (4, 4, 4)), 4).axes] == [True]
+    assert [a.wraparound for a in group_topology(_slice(v5e, (4, 4)), 4).axes] == [False]
     pod = group_topology(v5e, 256)
     assert [a.size for a in pod.axes] == [16, 16]
     # A group stepping 4 chips along an axis shares its links with 3 interleaved groups.
@@ -286,10 +298,10 @@ def test_tpu_group_topology():
     assert isinstance(two_pods, Hierarchy) and two_pods.outer.link.bytes_per_s == v5e.scaleout_bytes_per_s
     across = group_topology(v5e, 2, stride=256)
     assert isinstance(across, Switch) and "DCN" in across.describe()
-    # 64 ranks 16 apart on v5p's largest slice, 16x16x24: 16 along the second axis and 4 along the third, both
-    # multiples of 4 -> wrapped.
+    # 64 ranks 16 apart on v5p's largest slice, 16x16x24: the whole second axis, wrapped, and 4 chips of the
+    # 24-long third, a line
     own = group_topology(v5p, 64, stride=16)
-    assert isinstance(own, Torus) and [(a.size, a.wraparound) for a in own.axes] == [(16, True), (4, True)]
+    assert isinstance(own, Torus) and [(a.size, a.wraparound) for a in own.axes] == [(16, True), (4, False)]
     # 3 ranks 300 apart on v5e (a 256-chip pod): each in another pod.
     assert "DCN" in group_topology(v5e, 3, stride=300).describe()
     # The same AllGather is twice as fast on a wrapped 16-ring as on a unidirectional ring of 16.
