@@ -42,7 +42,9 @@ Communication (each a `CommOp` with its time alone on its links and the part the
   hides under the previous layer's compute; in the backward the gather and the reduce-scatter share the
   data-parallel links and add up, unless the gather is issued only once the layer above has its gradients
   (`fsdp_backward_prefetch` "post", Composer's BACKWARD_POST): then every layer's backward waits for its
-  own gather. Under pipeline parallelism (torch.distributed.pipelining, the schedule
+  own gather. The parameters outside the layers (embedding, head, final norm) are gathered before the
+  lookup and reduce-scattered after its backward, in full view (`zero3_root_comms`, on the first chunk).
+  Under pipeline parallelism (torch.distributed.pipelining, the schedule
   torchtitan runs FSDP with) a stage's weights stay gathered through all its micro-batches and its
   gradients accumulate unsharded: PipelineStage turns FSDP's resharding and gradient sync off for every
   backward but the last (`backward_maybe_with_nosync`) and torchtitan does not reshard after forward
@@ -76,6 +78,7 @@ from planner.flops import (
     op_sac_recomputed_params,
     pre_norms,
     residual_output_matmuls,
+    root_params,
     ssd_chunk,
     ssd_matmuls,
     window_band,
@@ -1081,6 +1084,23 @@ def logits_by_class(m: ModelSpec, lay: Layout, chip: Chip, dtype: str) -> dict[s
                                          + kernels.eager_s(chip, kernels.EAGER_BYTES["ce_fwd"] * logits))
     return {"gemm": (_fwd_s(chip, dtype, g), _dgrad_s(chip, dtype, g) + _wgrad_s(chip, dtype, g)),
             "memory-bound": (fwd_ce_s, bwd_ce_s)}
+
+
+def zero3_root_comms(m: ModelSpec, lay: Layout, chip: Chip, chips_per_node: int
+                     ) -> tuple[tuple[CommOp, ...], tuple[CommOp, ...]]:
+    """Per-layer ZeRO-3's collectives of the parameters outside the layers (`flops.root_params`: the
+    embedding, the head, the final norm), one micro-batch, (forward, backward): gathered before the
+    embedding lookup, with no compute before it to hide under, and reduce-scattered after the lookup's
+    backward, the micro-batch's last, so both show whole. torchtitan wraps them in the root unit
+    (fully_shard(model) after its blocks), which FSDP keeps gathered from the lookup through the head
+    (a root's reshard_after_forward does not apply); Composer's FSDP1 root and DeepSpeed's ZeRO-3 module
+    hooks gather and reduce them at the same two points."""
+    topo = topology(chip, lay.dp * lay.cp, lay.mesh.group_stride(("dp", "cp", "ep")), chips_per_node)
+    params = root_params(m, lay.tp)
+    ag, rs = comm_s(topo, "all_gather", 2 * params), comm_s(topo, "reduce_scatter", params * lay.grad_bytes)
+    return ((CommOp("dp", "zero-3 all-gather (embedding, head)", "all_gather", 2 * params, ag, ag),),
+            (CommOp("dp", "zero-3 reduce-scatter (embedding, head)", "reduce_scatter", params * lay.grad_bytes,
+                    rs, rs),))
 
 
 def _logits_gemm(m: ModelSpec, lay: Layout) -> _Gemm:

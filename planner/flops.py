@@ -155,6 +155,14 @@ def vocab_rows(m: ModelSpec, tp: int) -> float:
     return m.vocab * m.hidden / tp
 
 
+def root_params(m: ModelSpec, tp: int) -> float:
+    """One chip's share of the parameters outside the layers: the word embedding and an untied output head
+    (`vocab_rows` each), learned positions and the final norm: what FSDP's root unit holds beside the
+    wrapped layers."""
+    matrices = 1 if m.tied_embeddings else 2
+    return vocab_rows(m, tp) * matrices + embedding_params(m) - m.vocab * m.hidden * matrices
+
+
 def embedding_params(m: ModelSpec) -> int:
     """Input embedding plus the output projection unless tied (plus GPT's learned positions)."""
     pos = m.seq_len * m.hidden if m.gpt_style else 0

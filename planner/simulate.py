@@ -267,6 +267,9 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
     vocab_comms = costs.vocab_parallel_comms(m, lay, chip, tr.dtype, node)
     no_comms = ((), ())
     embed_comms, head_comms = vocab_comms.get("embedding", no_comms), vocab_comms.get("head", no_comms)
+    if lay.layer_zero3 and lay.dp * lay.cp > 1:  # the root unit's gather and reduce-scatter, beside the lookup's
+        root = costs.zero3_root_comms(m, lay, chip, node)
+        embed_comms = (embed_comms[0] + root[0], embed_comms[1] + root[1])
     mtp_f, mtp_b = costs.mtp_extra_cost(m, lay, chip, tr.dtype)
     pass_p2p_s = pipeline_p2p_s(m, lay, chip, node)
     grad_bytes = lay.grad_bytes

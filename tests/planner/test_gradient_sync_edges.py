@@ -64,3 +64,23 @@ def test_a_big_vocabulary_keeps_more_of_the_sync_in_view():
     assert share == pytest.approx((128256 * 4096 + (stage.params - 128256 * 4096) / 4) / stage.params)
     assert share > 0.45
     assert stage.dp_exposed_s > share * stage.dp_total_s
+
+
+def test_zero3_gathers_the_root_unit_before_the_lookup_and_reduces_it_last():
+    # the embedding and the untied head (2 x 128256 x 4096) and the final norm, outside the wrapped layers:
+    # gathered before the lookup and reduce-scattered after its backward, both with nothing to hide under
+    from planner.costs import comm_s, topology
+    from planner.flops import root_params
+
+    res = estimate(_case(zero_stage=3)).result
+    fwd, bwd = res.stages[0].chunks[0].end_comms
+    params = root_params(res.case.model, 1)
+    assert params == pytest.approx(2 * 128256 * 4096 + 4096)
+    topo = topology(res.chip, 8, 1, 8)
+    (gather,) = [c for c in fwd if c.name == "zero-3 all-gather (embedding, head)"]
+    (reduce,) = [c for c in bwd if c.name == "zero-3 reduce-scatter (embedding, head)"]
+    assert (gather.nbytes, gather.exposed_s) == (2 * params, pytest.approx(comm_s(topo, "all_gather", 2 * params)))
+    assert reduce.exposed_s == reduce.time_s == pytest.approx(comm_s(topo, "reduce_scatter", 4 * params))
+    # ZeRO-1 keeps the weights whole: nothing to gather
+    assert not any("embedding, head" in c.name for ops in estimate(_case()).result.stages[0].chunks[0].end_comms
+                   for c in ops)
