@@ -37,6 +37,7 @@ from planner.flops import (
     op_sac_matmuls,
     output_heads,
     pre_norms,
+    root_params,
     ssd_chunk,
     vocab_rows,
 )
@@ -394,8 +395,10 @@ def _temporary_bytes(m: ModelSpec, lay: Layout, stage: int, stage_params: float,
     * the loss stage's fp32 logits and their gradient, (b s/cp) x V/t x 8 bytes (Korthikanti sec. 4.3
       counts the output layer too), or with a fused cross-entropy (`cross_entropy` "fused") the bf16 logits
       and their bf16 gradient, 4 bytes; once per output head (multi-token prediction adds heads);
-    * ZeRO-3 all-gathers the current and the prefetched layer's weights whole (FSDP prefetch); under
-      pipeline parallelism they stay whole and are counted with the weights.
+    * ZeRO-3 all-gathers the current and the prefetched layer's weights whole (FSDP prefetch), and keeps
+      the parameters outside the layers (`root_params`: embedding, head) gathered from the lookup through
+      the backward (FSDP's root unit); under pipeline parallelism they stay whole and are counted with the
+      weights.
     """
     temp = 0.0
     if lay.recompute in ("full", "selective-op", "dots"):
@@ -409,5 +412,6 @@ def _temporary_bytes(m: ModelSpec, lay: Layout, stage: int, stage_params: float,
         temp += output_heads(m) * per_logit * _logits(m, lay)
     if lay.layer_zero3:
         layers = max(1, sum(c.layers + c.mtp for c in chunks))
-        temp += 2 * WEIGHT_BYTES * stage_params / layers
+        root = root_params(m, lay.tp)  # one stage: ZeRO-3 layers are unstaged
+        temp += WEIGHT_BYTES * (2 * (stage_params - root) / layers + root)
     return temp

@@ -84,3 +84,16 @@ def test_zero3_gathers_the_root_unit_before_the_lookup_and_reduces_it_last():
     # ZeRO-1 keeps the weights whole: nothing to gather
     assert not any("embedding, head" in c.name for ops in estimate(_case()).result.stages[0].chunks[0].end_comms
                    for c in ops)
+
+
+def test_zero3_keeps_the_root_unit_gathered_beside_two_layers():
+    # the peak holds the current and the prefetched layer's bf16 weights and the gathered root unit
+    from planner.flops import root_params
+
+    res = estimate(_case(zero_stage=3)).result
+    root = root_params(res.case.model, 1)
+    layer = (res.stages[0].params - root) / 4
+    one = estimate(_case(zero_stage=3, recompute="none")).result
+    assert one.memory.temporary_bytes >= 2 * (2 * layer + root)
+    # the logits' fp32 buffers are the rest of the temporaries: 2048 tokens x 128256 x 8 bytes
+    assert one.memory.temporary_bytes == pytest.approx(2 * (2 * layer + root) + 2048 * 128256 * 8)
