@@ -9,6 +9,7 @@ from app_pages.exercise_panel import show_exercises
 from app_pages.live_panel import run_live, show_live
 from engine.config import ConfigError  # torch-free: the page checks the input before any worker starts
 from hardware.chips import CHIPS
+from planner.costs import cluster_chip
 from planner.memory import korthikanti_bytes
 from planner.models import MODEL_PRESETS
 from ui.collectives import format_bytes, format_seconds
@@ -173,7 +174,8 @@ cp = c1.select_slider("Context-parallel degree cp", CP_DEGREES, value=default_cp
 seq_len = c2.select_slider("Sequence length S", SEQ_LENS, value=131072, key="cp_seq_len", bind="query-params",
                            format_func=seq_label)
 stride = choices.device_mesh().stride("cp")  # the cp group strides over the ep and tp ranks inside it
-row = overlap_row(spec, chip, cp, seq_len, stride=stride)
+# the links of a job as large as the mesh (a TPU's slice: planner.costs.cluster_chip)
+row = overlap_row(spec, cluster_chip(chip, max(choices.num_chips, cp * stride), None), cp, seq_len, stride=stride)
 shard = seq_len // cp
 if row["hidden"]:
     cover = row["compute_s"] / row["transfer_s"]

@@ -9,6 +9,7 @@ from core.mesh import Mesh
 from hardware.chips import CHIPS
 from planner.bounds import cross_pod_bound, fsdp_tp_tradeoff
 from planner.case import Cluster, Parallel, SpecError
+from planner.costs import cluster_chip
 from planner.models import MODEL_PRESETS
 from planner.presets import make_case
 from planner.simulate import sent_bytes_per_step
@@ -84,7 +85,9 @@ try:
     estimate = planner_estimate(case)
 except SpecError as e:
     st.warning(f"The planner cannot cost this layout: {e}. The mapping below still holds.")
-rows = axis_rows(mesh, chip, estimate.breakdown if estimate else None, estimate.step_time_s if estimate else None,
+# the links of a job of the mesh's chips (a TPU's slice: planner.costs.cluster_chip)
+rows = axis_rows(mesh, cluster_chip(chip, mesh.world, None), estimate.breakdown if estimate else None,
+                 estimate.step_time_s if estimate else None,
                  sent_bytes_per_step(estimate.result) if estimate else None)
 if not rows:
     st.info("One chip: nothing to split. Set a mesh in the sidebar or choose a published layout.")

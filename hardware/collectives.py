@@ -463,9 +463,9 @@ def group_topology(chip: Chip, n: int, stride: int = 1, achievable: bool = False
 
     TPU: ranks fill ``chip.torus_shape`` (the job's slice) with axis 0 fastest. A group that strides over
     whole axes and fills axes up to some point maps onto those axes; it goes round an axis's wraparound
-    links only where it spans the whole axis and the slice wraps it: a slice axis that is a multiple of
-    ``chip.torus_wrap_multiple`` chips ([SB] Part 2). A group along part of an axis is a line (its ring's
-    closing hop would cross the chips of the neighbouring groups, busy with the same collective).
+    links only where it spans the whole axis and the slice wraps it (`_wraps`). A group along part of an
+    axis is a line (its ring's closing hop would cross the chips of the neighbouring groups, busy with the
+    same collective).
     A group stepping ``s`` chips along an axis shares that axis's links with the s-1 interleaved groups
     doing the same collective, so each gets 1/s of the link and pays s hops of latency. Groups larger
     than the slice span slices over DCN (a hierarchy). A group that does not tile the axes in rank order
@@ -528,7 +528,7 @@ def _tpu_group(shape: tuple[int, ...], wrap_multiple: int, n: int, stride: int, 
         # and the slice wraps the axis: a multiple of the chip's wrap length ([SB] Part 2: multiples of 4
         # on v4/v5p, the full 16 on v5e/v6e).
         span = take * block
-        axes.append(TorusAxis(take, link, wraparound=_wraps(span, size, wrap_multiple)))
+        axes.append(TorusAxis(take, link, wraparound=_wraps(span, size, shape, wrap_multiple)))
         remaining //= take
         block = 1
     return _with_dcn(n, axes, remaining, outer)
@@ -538,21 +538,34 @@ def _own_axes(shape: tuple[int, ...], wrap_multiple: int, n: int, inner: Link, o
     """A group whose ranks do not tile ``shape`` in rank order (e.g. 64 ranks 16 apart on a 16x20x28 torus).
 
     Assume the slice is laid out so the group gets axes of its own, as a mesh is usually mapped onto
-    ICI: factor n over the axes, longest first, each factor the largest divisor of what is left that fits.
+    ICI: first the whole axes that divide n (longest first), which can wrap around, then the rest of n
+    over the other axes, longest first, each factor the largest divisor of what is left that fits.
     """
     axes: list[TorusAxis] = []
     remaining = n
-    for size in sorted(shape, reverse=True):
-        take = max(d for d in range(1, min(size, remaining) + 1) if remaining % d == 0)
+    sizes = sorted(shape, reverse=True)
+    whole = []
+    for i, size in enumerate(sizes):
+        if size > 1 and remaining % size == 0:
+            whole.append(i)
+            remaining //= size
+    for i, size in enumerate(sizes):
+        take = size if i in whole else max(d for d in range(1, min(size, remaining) + 1) if remaining % d == 0)
+        if i not in whole:
+            remaining //= take
         if take > 1:
-            axes.append(TorusAxis(take, inner, wraparound=_wraps(take, size, wrap_multiple)))
-        remaining //= take
+            axes.append(TorusAxis(take, inner, wraparound=_wraps(take, size, shape, wrap_multiple)))
     return _with_dcn(n, axes, remaining, outer)
 
 
-def _wraps(span: int, size: int, wrap_multiple: int) -> bool:
-    """Whether a group spanning `span` chips of a slice axis of `size` goes round its wraparound links."""
-    return span == size and size % wrap_multiple == 0
+def _wraps(span: int, size: int, shape: tuple[int, ...], wrap_multiple: int) -> bool:
+    """Whether a group spanning `span` chips of a slice axis of `size` goes round its wraparound links: it
+    spans the whole axis, and the slice wraps it. [SB] Part 2: a 3-D pod (v4, v5p, v7) is built of 4x4x4
+    cubes whose optical switches supply the wraparound, so only a slice of whole cubes wraps (every axis a
+    multiple of `wrap_multiple`, 4: "a 2x2x4 won't have any wraparounds"); a 2-D pod (v5e, v6e) wraps an
+    axis of the full 16 ("a TPU v5e 8x16 will have a wraparound on the longer axis")."""
+    whole_cubes = len(shape) < 3 or all(a % wrap_multiple == 0 for a in shape)
+    return span == size and size % wrap_multiple == 0 and whole_cubes
 
 
 def _with_dcn(n: int, axes: list[TorusAxis], remaining: int, outer: Link) -> Topology:

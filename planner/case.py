@@ -601,17 +601,16 @@ def _check_slices(cl: Cluster) -> None:
     if cl.slices is None:
         return
     from hardware.chips import get_chip
+    from planner.costs import slice_shape
 
     chip = get_chip(cl.chip)
     if chip.kind != "tpu":
         raise SpecError("cluster.slices", f"TPU multislice only; {chip.name} clusters state chips_per_node and "
                         "network_bytes_per_s instead")
-    pod = 1
-    for a in chip.torus_shape:
-        pod *= a
-    if cl.slices < 1 or cl.num_chips % cl.slices or cl.num_chips // cl.slices > pod:
-        raise SpecError("cluster.slices", f"{cl.slices} must divide num_chips={cl.num_chips} into slices of at most "
-                        f"{pod} chips ({chip.name}'s largest slice)")
+    if cl.slices < 1 or cl.num_chips % cl.slices or not slice_shape(chip, cl.num_chips // cl.slices):
+        shape = "x".join(map(str, chip.torus_shape))
+        raise SpecError("cluster.slices", f"{cl.slices} must divide num_chips={cl.num_chips} into slices of a TPU "
+                        f"slice shape inside {chip.name}'s largest, {shape} (axes that are multiples of 4)")
 
 
 def recipe(t: Training, chip, m: ModelSpec) -> dict:

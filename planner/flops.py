@@ -159,8 +159,12 @@ def root_params(m: ModelSpec, tp: int) -> float:
     """One chip's share of the parameters outside the layers: the word embedding and an untied output head
     (`vocab_rows` each), learned positions and the final norm: what FSDP's root unit holds beside the
     wrapped layers."""
-    matrices = 1 if m.tied_embeddings else 2
-    return vocab_rows(m, tp) * matrices + embedding_params(m) - m.vocab * m.hidden * matrices
+    return vocab_rows(m, tp) * (1 if m.tied_embeddings else 2) + embedding_extras(m)
+
+
+def embedding_extras(m: ModelSpec) -> int:
+    """What `embedding_params` holds besides the vocabulary matrices: learned positions and the final norm."""
+    return embedding_params(m) - m.vocab * m.hidden * (1 if m.tied_embeddings else 2)
 
 
 def embedding_params(m: ModelSpec) -> int:

@@ -106,8 +106,9 @@ class SearchResult:
 
 def _mesh_shapes(case: Case, chip: Chip) -> Iterator[tuple[int, int, int, int]]:
     m, p, n = case.model, case.parallel, case.cluster.num_chips
-    domain = case.cluster.chips_per_node or chip.scaleup_domain
-    tp_cap = domain if chip.kind != "tpu" else max(domain, 1)
+    # tp stays inside the scale-up domain: a GPU node (the case's chips_per_node), a TPU's slice (its ICI
+    # torus; a TPU case's chips_per_node is the chips of one host, which ICI does not stop at)
+    tp_cap = chip.scaleup_domain if chip.kind == "tpu" else case.cluster.chips_per_node or chip.scaleup_domain
     # each degree's candidates are the divisors below its own cap (tp: the scale-up domain; cp: the sequence;
     # pp: the layers), found without walking to sqrt(num_chips), which may be huge
     for tp in [p.tp] if p.tp else divisors(n, up_to=tp_cap):

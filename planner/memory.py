@@ -29,7 +29,7 @@ from planner.case import Layout
 from planner.flops import (
     OP_SAC_ROW_PARALLEL,
     dots_saved_matmuls,
-    embedding_params,
+    embedding_extras,
     kv_projection_params,
     layer_params,
     mtp_kind,
@@ -307,7 +307,7 @@ def _stage_params(m: ModelSpec, t: int, ep: int, pp: int, virtual: int, pp_layou
     # the word embedding (a copy on every stage that looks it up or, tied, projects with it) and an untied head
     dense += vocab_rows(m, t) * (holds_word_embedding(m, chunks) + holds_untied_head(m, chunks))
     if any(c.embedding for c in chunks):
-        dense += embedding_params(m) - m.vocab * m.hidden * (1 if m.tied_embeddings else 2)  # positions, final norm
+        dense += embedding_extras(m)  # positions, final norm
     return dense, moe
 
 

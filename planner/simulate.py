@@ -267,15 +267,14 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
     vocab_comms = costs.vocab_parallel_comms(m, lay, chip, tr.dtype, node)
     no_comms = ((), ())
     embed_comms, head_comms = vocab_comms.get("embedding", no_comms), vocab_comms.get("head", no_comms)
-    if lay.layer_zero3 and lay.dp * lay.cp > 1:  # the root unit's gather and reduce-scatter, beside the lookup's
-        root = costs.zero3_root_comms(m, lay, chip, node)
-        embed_comms = (embed_comms[0] + root[0], embed_comms[1] + root[1])
+    # per-layer ZeRO-3's gather and reduce-scatter of the parameters outside the layers, once a micro-batch
+    root_comms = costs.zero3_root_comms(m, lay, chip, node) if lay.layer_zero3 and lay.dp * lay.cp > 1 else no_comms
     mtp_f, mtp_b = costs.mtp_extra_cost(m, lay, chip, tr.dtype)
     pass_p2p_s = pipeline_p2p_s(m, lay, chip, node)
     grad_bytes = lay.grad_bytes
     dp_group = lay.dp * lay.cp
     mesh = lay.mesh  # strides from the one mesh convention (core/mesh.py)
-    dense_topo = costs.topology(chip, dp_group, mesh.group_stride(("dp", "cp", "ep")), node) if dp_group > 1 else None
+    dense_topo = costs.data_topology(chip, lay, node) if dp_group > 1 else None
     expert_group = dp_group // lay.ep  # an expert's gradient skips ep
     expert_topo = (costs.topology(chip, expert_group, mesh.group_stride(("dp", "cp")), node)
                    if expert_group > 1 else None)
@@ -293,7 +292,8 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
             # the TP collectives of the embedding lookups (the model's and each MTP module's) and the heads
             lookups = int(piece.embedding) + piece.mtp
             heads = output_heads(m) if piece.loss else 0
-            ends = tuple(lookups * embed_comms[d] + heads * head_comms[d] for d in (0, 1))
+            ends = tuple(lookups * embed_comms[d] + (root_comms[d] if piece.embedding else ()) + heads * head_comms[d]
+                         for d in (0, 1))
             if piece.embedding:
                 ef += embed_s
                 eb += embed_s

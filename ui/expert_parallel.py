@@ -29,6 +29,7 @@ from engine.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, v
 from hardware.chips import Chip
 from hardware.collectives import group_topology
 from hardware.kernels import matmul_s
+from planner.costs import cluster_chip
 from planner.flops import active_params, layer_params, total_params
 from planner.models import MODEL_PRESETS, ModelSpec
 from ui.tensor_parallel import log_ticks, rank_color
@@ -271,15 +272,17 @@ def expert_mlp_s(spec: ModelSpec, chip: Chip, tokens: int, ep: int) -> float:
 def cost_rows(spec: ModelSpec, chip: Chip, tokens: int, eps: list[int]) -> list[dict]:
     """Per ep that divides E: bytes and seconds of the 4 all-to-alls of one MoE layer (forward +
     backward) with the ep group on consecutive chips (`a2a_s`) and one chip per scale-up domain
-    (`a2a_spread_s`), the experts' compute, and the expert weights each chip holds (bf16, all MoE layers)."""
+    (`a2a_spread_s`), the experts' compute, and the expert weights each chip holds (bf16, all MoE layers).
+    Each row's links are those of a job of ep chips (`cluster_chip`: a TPU's slice of ep chips)."""
     domain = chip.scaleup_domain
     rows = []
     for ep in eps:
         if spec.experts % ep:
             continue
         b = a2a_bytes(tokens, spec.top_k, spec.hidden, ep)
-        near = group_topology(chip, ep, achievable=True)
-        spread = group_topology(chip, ep, stride=domain, achievable=True)
+        links = cluster_chip(chip, ep, None)
+        near = group_topology(links, ep, achievable=True)
+        spread = group_topology(links, ep, stride=links.scaleup_domain, achievable=True)
         rows.append({"ep": ep, "inside_domain": ep <= domain, "topology": near.describe(),
                      "bytes": b["per_layer_step"],
                      "a2a_s": A2A_PER_LAYER * near.all_to_all_s(b["held"]),

@@ -233,13 +233,15 @@ def scaling_rows(spec: ModelSpec, chip: Chip, micro_batch: int, tps: list[int]) 
 
     `comm_s` is tp innermost in the mesh (consecutive ranks, stride 1: NVLink while t fits the scale-up
     domain); `comm_spread_s` puts the tp group's members a whole domain apart (tp outermost), so every
-    byte crosses the scale-out network."""
+    byte crosses the scale-out network. Each row is a job of t chips (`cluster_chip`: a TPU's slice of
+    t chips, whose small axes do not wrap around)."""
     rows = []
     for t in tps:
-        topo = group_topology(chip, t, achievable=True)
-        spread = group_topology(chip, t, stride=chip.scaleup_domain, achievable=True)
-        cost = layer_cost(spec, Layout(dp=1, tp=t, pp=1, micro_batch=micro_batch),
-                          cluster_chip(chip, t, chip.scaleup_domain), "bf16", spec.is_moe, chip.scaleup_domain)
+        hw = cluster_chip(chip, t, chip.scaleup_domain)
+        topo = group_topology(hw, t, achievable=True)
+        spread = group_topology(hw, t, stride=hw.scaleup_domain, achievable=True)
+        cost = layer_cost(spec, Layout(dp=1, tp=t, pp=1, micro_batch=micro_batch), hw, "bf16", spec.is_moe,
+                          chip.scaleup_domain)
         rows.append({"tp": t, "topology": topo.describe(), "inside_domain": t <= chip.scaleup_domain,
                      "comm_bytes": tp_comm_bytes_per_layer(spec, micro_batch, t),
                      "comm_s": tp_comm_seconds_per_layer(topo, spec, micro_batch, False),

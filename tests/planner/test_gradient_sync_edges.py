@@ -97,3 +97,19 @@ def test_zero3_keeps_the_root_unit_gathered_beside_two_layers():
     assert one.memory.temporary_bytes >= 2 * (2 * layer + root)
     # the logits' fp32 buffers are the rest of the temporaries: 2048 tokens x 128256 x 8 bytes
     assert one.memory.temporary_bytes == pytest.approx(2 * (2 * layer + root) + 2048 * 128256 * 8)
+
+
+def test_the_root_unit_is_gathered_once_a_micro_batch_whatever_the_lookups():
+    # multi-token prediction looks the embedding up again, but FSDP gathers the root unit once
+    from dataclasses import replace
+
+    from planner.case import Cluster, Parallel
+    from planner.presets import make_case
+
+    for mtp in (0, 2):
+        m = replace(LLAMA, mtp_layers=mtp)
+        res = estimate(make_case(m, Cluster("a100-80gb", 64), global_batch=128, parallel=Parallel(dp=64, tp=1, pp=1),
+                                 zero_stage=3, micro_batch=1)).result
+        fwd, bwd = res.stages[0].chunks[0].end_comms
+        assert [c.name for c in fwd].count("zero-3 all-gather (embedding, head)") == 1
+        assert [c.name for c in bwd].count("zero-3 reduce-scatter (embedding, head)") == 1

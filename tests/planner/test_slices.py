@@ -46,10 +46,43 @@ def test_twelve_chips_of_a_sixteen_long_axis_are_a_line():
 @pytest.mark.parametrize("cluster,words", [
     ({"chip": "h100", "num_chips": 64, "tp": 8, "slices": 2}, "TPU multislice only"),
     ({"chip": "tpu-v5p", "num_chips": 512, "tp": 8, "slices": 3}, "must divide num_chips=512"),
-    ({"chip": "tpu-v5e", "num_chips": 512, "tp": 8, "slices": 1}, "at most 256 chips"),
+    ({"chip": "tpu-v5e", "num_chips": 512, "tp": 8, "slices": 1}, "inside TPU v5e's largest, 16x16"),
+    ({"chip": "tpu-v5p", "num_chips": 6000, "tp": 8, "slices": 2}, "slice shape"),  # 3000: no TPU shape
     ({"chip": "tpu-v5e", "num_chips": 512, "tp": 8, "slices": 0}, "cluster.slices"),
 ])
 def test_a_bad_slice_count_names_the_field(cluster, words):
     with pytest.raises(SpecError, match="cluster.slices") as err:
         parse_case(_case(cluster.pop("chip"), cluster.pop("num_chips"), cluster.pop("tp"), **cluster))
     assert words in str(err.value)
+
+
+def test_only_a_slice_of_whole_cubes_wraps_round_a_3d_torus():
+    # [SB] Part 2: the optical switches that close a v4 / v5p axis join whole 4x4x4 cubes, so a 2x2x4 slice
+    # has no wraparound; a v5e 8x16 wraps its 16 axis
+    v5p, v5e = get_chip("tpu-v5p"), get_chip("tpu-v5e")
+    assert cluster_chip(v5p, 16, 4).torus_shape == (2, 2, 4)
+    assert [a.wraparound for a in topology(cluster_chip(v5p, 16, 4), 16, 1, 4).axes] == [False, False, False]
+    assert [a.wraparound for a in topology(cluster_chip(v5p, 64, 4), 64, 1, 4).axes] == [True, True, True]
+    small = cluster_chip(v5e, 128, 4)
+    assert sorted(small.torus_shape) == [8, 16]
+    wraps = {a.size: a.wraparound for a in topology(small, 128, 1, 4).axes}
+    assert wraps == {8: False, 16: True}
+
+
+def test_a_group_that_does_not_tile_the_slice_takes_whole_axes_first():
+    # 16 ranks 3 apart on v5p's 16x16x24: a whole 16-long axis, which wraps, not 16 chips of the 24-long one
+    from hardware.collectives import group_topology
+
+    own = group_topology(get_chip("tpu-v5p"), 16, stride=3)
+    assert [(a.size, a.wraparound) for a in own.axes] == [(16, True)]
+
+
+def test_a_job_whose_chips_have_no_slice_shape_splits_into_slices_that_do():
+    # 37 chips make no TPU slice (nothing to factor into a torus), so 37 one-chip slices over DCN; 3000 v5p
+    # chips (no shape with axes that are multiples of 4) are 75 slices of 40 (2x2x10)
+    from planner.costs import slice_shape
+
+    v5p = get_chip("tpu-v5p")
+    assert slice_shape(v5p, 37) is None and tpu_slices(v5p, 37) == 37
+    assert slice_shape(v5p, 3000) is None and tpu_slices(v5p, 3000) == 75
+    assert cluster_chip(v5p, 3000, 4).torus_shape == (2, 2, 10)
