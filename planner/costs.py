@@ -651,6 +651,23 @@ def _zero3_comms(lay: Layout, chip: Chip, chips_per_node: int, lp, fwd_s: float,
              CommOp("dp", "zero-3 reduce-scatter", "reduce_scatter", w_bytes * lay.grad_bytes / 2, rs, rs_shown)))
 
 
+def zero3_first_layer(lc: LayerCost, chip: Chip) -> LayerCost:
+    """The model's first layer under per-layer ZeRO-3: its forward gather has only the embedding lookup
+    before it to hide under and its reduce-scatter only the lookup's backward after it, so both show whole
+    (the root unit's own gather and reduce-scatter, `zero3_root_comms`, run beside them), and the compute
+    their hidden parts had slowed (`overlap_slowdown`) is given back."""
+    slow = overlap_slowdown(chip)
+
+    def shown(ops: tuple[CommOp, ...], name: str) -> tuple[tuple[CommOp, ...], float]:
+        given_back = sum(slow * c.hidden_s for c in ops if c.name == name)
+        return tuple(replace(c, exposed_s=c.time_s) if c.name == name else c for c in ops), given_back
+
+    fwd, fwd_back = shown(lc.fwd_comms, "zero-3 all-gather")
+    bwd, bwd_back = shown(lc.bwd_comms, "zero-3 reduce-scatter")
+    return replace(lc, fwd_comms=fwd, bwd_comms=bwd, fwd_compute_s=lc.fwd_compute_s - fwd_back,
+                   bwd_compute_s=lc.bwd_compute_s - bwd_back)
+
+
 def fsdp_copy_bytes(lay: Layout) -> tuple[float, float]:
     """HBM bytes per gathered weight that a ZeRO-3 layer's implementation (`lay.fsdp_impl`, planner.case's
     FSDP_IMPLS) moves on the compute stream besides its collectives, (forward, backward) of one micro-batch:

@@ -304,10 +304,12 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
             if piece.loss:  # the output head, once for the model and once per MTP module
                 ef += heads * logits_f
                 eb += heads * logits_b
-            key = (counts, ef, eb, ends)
+            layers = tuple((by_kind[k], n) for k, n in counts)
+            if piece.embedding and piece.layers and root_comms[0]:
+                layers = _first_layer_in_view(m, piece.first, counts, by_kind, chip)
+            key = (counts, ef, eb, ends, layers)
             if key not in chunk_cache:
-                chunk_cache[key] = _chunk(lay, chip, tuple((by_kind[k], n) for k, n in counts), ef, eb, pass_p2p_s,
-                                          ends)
+                chunk_cache[key] = _chunk(lay, chip, layers, ef, eb, pass_p2p_s, ends)
             chunks.append(chunk_cache[key])
         dense_p, expert_p = stage_params(m, lay, i)
         dp_total = exposed = per_micro_batch = 0.0
@@ -404,6 +406,15 @@ def tied_embedding_sync_s(m: ModelSpec, lay: Layout, chip: Chip, node: int, plan
     stride = lay.mesh.stride("pp") * (holders[1] - holders[0] if len(holders) == 2 else 1)
     topo = costs.topology(chip, len(holders), stride, node)
     return costs.comm_s(topo, "all_reduce", nbytes), holders
+
+
+def _first_layer_in_view(m: ModelSpec, first: int, counts: tuple, by_kind: dict, chip: Chip) -> tuple:
+    """((LayerCost, layers), ...) of a chunk whose first layer follows the embedding lookup under per-layer
+    ZeRO-3: that layer apart (`costs.zero3_first_layer`: nothing but the lookup to hide its gather under,
+    nothing but the lookup's backward after its reduce-scatter), the others as they are."""
+    kind = m.layer_kinds[first] if (m.layer_pattern or m.is_moe) else False
+    rest = tuple((by_kind[k], n - (k == kind)) for k, n in counts if n - (k == kind))
+    return ((costs.zero3_first_layer(by_kind[kind], chip), 1),) + rest
 
 
 def _plus_backward(chunk: ChunkCost, part: str, seconds: float) -> ChunkCost:

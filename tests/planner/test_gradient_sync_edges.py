@@ -113,3 +113,25 @@ def test_the_root_unit_is_gathered_once_a_micro_batch_whatever_the_lookups():
         fwd, bwd = res.stages[0].chunks[0].end_comms
         assert [c.name for c in fwd].count("zero-3 all-gather (embedding, head)") == 1
         assert [c.name for c in bwd].count("zero-3 reduce-scatter (embedding, head)") == 1
+
+
+def test_zero3_shows_the_first_layers_gather_and_reduce_scatter_whole():
+    # the first layer follows only the lookup: its gather cannot hide under a previous layer, and its
+    # reduce-scatter has only the lookup's backward after it; the other layers keep theirs hidden
+    from planner.costs import overlap_slowdown
+
+    res = estimate(_case(zero_stage=3)).result
+    (first, one), (other, three) = res.stages[0].chunks[0].layer_costs
+    assert (one, three) == (1, 3)
+
+    def op(lc, ops, name):
+        (c,) = [c for c in getattr(lc, ops) if c.name == name]
+        return c
+
+    for ops, name in (("fwd_comms", "zero-3 all-gather"), ("bwd_comms", "zero-3 reduce-scatter")):
+        assert op(first, ops, name).exposed_s == op(first, ops, name).time_s
+        assert op(other, ops, name).exposed_s < op(other, ops, name).time_s
+    # the compute the hidden parts slowed is given back
+    slow = overlap_slowdown(res.chip)
+    gather = op(other, "fwd_comms", "zero-3 all-gather")
+    assert other.fwd_compute_s - first.fwd_compute_s == pytest.approx(slow * (gather.time_s - gather.exposed_s))
