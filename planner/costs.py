@@ -43,7 +43,8 @@ Communication (each a `CommOp` with its time alone on its links and the part the
   data-parallel links and add up, unless the gather is issued only once the layer above has its gradients
   (`fsdp_backward_prefetch` "post", Composer's BACKWARD_POST): then every layer's backward waits for its
   own gather. The parameters outside the layers (embedding, head, final norm) are gathered before the
-  lookup and reduce-scattered after its backward, in full view (`zero3_root_comms`, on the first chunk).
+  lookup and reduce-scattered after its backward, in full view (`zero3_root_comms`, on the first chunk),
+  and so are the first layer's gather and reduce-scatter (`zero3_first_layer`).
   Under pipeline parallelism (torch.distributed.pipelining, the schedule
   torchtitan runs FSDP with) a stage's weights stay gathered through all its micro-batches and its
   gradients accumulate unsharded: PipelineStage turns FSDP's resharding and gradient sync off for every
