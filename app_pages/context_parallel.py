@@ -174,8 +174,9 @@ cp = c1.select_slider("Context-parallel degree cp", CP_DEGREES, value=default_cp
 seq_len = c2.select_slider("Sequence length S", SEQ_LENS, value=131072, key="cp_seq_len", bind="query-params",
                            format_func=seq_label)
 stride = choices.device_mesh().stride("cp")  # the cp group strides over the ep and tp ranks inside it
-# the links of a job as large as the mesh (a TPU's slice: planner.costs.cluster_chip)
-row = overlap_row(spec, cluster_chip(chip, max(choices.num_chips, cp * stride), None), cp, seq_len, stride=stride)
+# the links of a job as large as the mesh (a TPU's slice: planner.costs.cluster_chip), for the row and its chart
+job_chip = cluster_chip(chip, max(choices.num_chips, cp * stride), None)
+row = overlap_row(spec, job_chip, cp, seq_len, stride=stride)
 shard = seq_len // cp
 if row["hidden"]:
     cover = row["compute_s"] / row["transfer_s"]
@@ -194,7 +195,7 @@ its attention step computes {row['block_flops'] / 1e12:,.3g} TFLOP in **{format_
 {verdict} Threshold on this link: S/cp ≥ **{row['threshold_tokens']:,.0f}** tokens.
 """
 )
-st.plotly_chart(overlap_figure(spec, chip, cp, seq_len, stride=stride), key="cp_overlap")
+st.plotly_chart(overlap_figure(spec, job_chip, cp, seq_len, stride=stride), key="cp_overlap")
 st.caption("Bandwidth W and latency α are those of the cp group's link in hardware/collectives.py at "
            "achievable efficiency; F is the chip's achievable bf16 rate. Tensor parallel inside the cp "
            "ranks would divide the heads, and so the bytes and the FLOPs of a step alike, by tp. The "

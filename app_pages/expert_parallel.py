@@ -193,7 +193,7 @@ fast_links, unit = ("NVLink's", "node") if gpu else ("the scale-up links'", "sli
 micro_batch = st.select_slider("Micro-batch b (sequences per chip)", [1, 2, 4], value=1, key="ep_micro_batch",
                                bind="query-params")
 tokens = micro_batch * spec.seq_len
-rows = cost_rows(spec, chip, tokens, [1, 2, 4, 8, 16, 32, 64, 128, 256])
+rows = cost_rows(spec, chip, tokens, [1, 2, 4, 8, 16, 32, 64, 128, 256], choices.num_chips)
 here = next(r for r in rows if r["ep"] == model_ep)
 one = a2a_bytes(tokens, spec.top_k, spec.hidden, model_ep)
 if model_ep == 1:

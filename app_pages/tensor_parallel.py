@@ -160,7 +160,7 @@ st.caption("The equations count the GPT recipe with materialised attention and d
            "FlashAttention for the planner.")
 
 st.header("Communication per layer, and why TP stays inside a node")
-rows = scaling_rows(spec, chip, micro_batch, sorted({1, 2, 4, 8, 16} | {tp}))
+rows = scaling_rows(spec, chip, micro_batch, sorted({1, 2, 4, 8, 16} | {tp}), choices.num_chips)
 here = next(r for r in rows if r["tp"] == tp)
 v_bytes = micro_batch * spec.seq_len * spec.hidden * 2
 st.markdown(

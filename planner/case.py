@@ -511,6 +511,9 @@ def _with_pp_layout(parallel: Parallel, text, model: ModelSpec) -> Parallel:
     except ValueError as e:
         raise SpecError("parallel.pp_layout", str(e)) from None
     virtual = len(chunks) // parallel.pp
+    if parallel.pp == 1 and virtual > 1:
+        raise SpecError("parallel.pp_layout", f"has {len(chunks)} chunks, but pp=1 runs the model as one: join them "
+                        "(drop the |) or set parallel.pp")
     if parallel.virtual_stages and parallel.virtual_stages != virtual:
         raise SpecError("parallel.virtual_stages", f"{parallel.virtual_stages}, but pp_layout has {len(chunks)} "
                         f"chunks over pp={parallel.pp} stages: {virtual} per stage")

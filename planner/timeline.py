@@ -75,19 +75,17 @@ def _pass_spans(rank: int, chunk: ChunkCost, kind: str, start: float, mb: int, r
     p = _Pass(rank, start, mb)
     total = chunk.fwd_s if kind == "F" else chunk.bwd_s - deferred_s
     if detailed:
-        idx = 0
-        for lc, n in chunk.layer_costs:
-            for _ in range(n):
-                if kind == "F":
-                    p.block(f"fwd {label} L{idx}", lc.fwd_compute_s, lc.fwd_comms, lc.fwd_flops)
-                else:
-                    if recompute == "full":
-                        p.block(f"recompute {label} L{idx}", lc.recompute_s, lc.recompute_comms,
-                                lc.full_recompute_flops)
-                    elif lc.recompute_s:
-                        p.block(f"recompute {label} L{idx}", lc.recompute_s, ())
-                    p.block(f"bwd {label} L{idx}", lc.bwd_compute_s, lc.bwd_comms, 2 * lc.fwd_flops)
-                idx += 1
+        layers = list(enumerate(lc for lc, n in chunk.layer_costs for _ in range(n)))
+        for idx, lc in (layers if kind == "F" else reversed(layers)):  # the backward runs the layers last first
+            if kind == "F":
+                p.block(f"fwd {label} L{idx}", lc.fwd_compute_s, lc.fwd_comms, lc.fwd_flops)
+            else:
+                if recompute == "full":
+                    p.block(f"recompute {label} L{idx}", lc.recompute_s, lc.recompute_comms,
+                            lc.full_recompute_flops)
+                elif lc.recompute_s:
+                    p.block(f"recompute {label} L{idx}", lc.recompute_s, ())
+                p.block(f"bwd {label} L{idx}", lc.bwd_compute_s, lc.bwd_comms, 2 * lc.fwd_flops)
         if kind != "F" and chunk.parts["dp_comm"] > 0:
             p.block("", 0.0, [CommOp("dp", "zero-2 reduce-scatter", "reduce_scatter", 0.0,
                                      chunk.parts["dp_comm"], chunk.parts["dp_comm"])])

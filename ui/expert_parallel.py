@@ -269,18 +269,19 @@ def expert_mlp_s(spec: ModelSpec, chip: Chip, tokens: int, ep: int) -> float:
     return 3 * fwd
 
 
-def cost_rows(spec: ModelSpec, chip: Chip, tokens: int, eps: list[int]) -> list[dict]:
+def cost_rows(spec: ModelSpec, chip: Chip, tokens: int, eps: list[int], job_chips: int = 1) -> list[dict]:
     """Per ep that divides E: bytes and seconds of the 4 all-to-alls of one MoE layer (forward +
     backward) with the ep group on consecutive chips (`a2a_s`) and one chip per scale-up domain
     (`a2a_spread_s`), the experts' compute, and the expert weights each chip holds (bf16, all MoE layers).
-    Each row's links are those of a job of ep chips (`cluster_chip`: a TPU's slice of ep chips)."""
+    A TPU row's links are those of the slice a job of `job_chips` (the sidebar's mesh; at least ep) takes
+    (`cluster_chip`); a GPU's are its node's."""
     domain = chip.scaleup_domain
     rows = []
     for ep in eps:
         if spec.experts % ep:
             continue
         b = a2a_bytes(tokens, spec.top_k, spec.hidden, ep)
-        links = cluster_chip(chip, ep, None)
+        links = cluster_chip(chip, max(ep, job_chips) if chip.kind == "tpu" else ep, None)
         near = group_topology(links, ep, achievable=True)
         spread = group_topology(links, ep, stride=links.scaleup_domain, achievable=True)
         rows.append({"ep": ep, "inside_domain": ep <= domain, "topology": near.describe(),

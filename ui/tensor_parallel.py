@@ -227,17 +227,18 @@ def tp_comm_seconds_per_layer(topo: Topology, spec: ModelSpec, micro_batch: int,
     return TP_COLLECTIVES_PER_LAYER * one
 
 
-def scaling_rows(spec: ModelSpec, chip: Chip, micro_batch: int, tps: list[int]) -> list[dict]:
+def scaling_rows(spec: ModelSpec, chip: Chip, micro_batch: int, tps: list[int], job_chips: int = 1) -> list[dict]:
     """Per tp: the group's topology, TP bytes and seconds per layer, and the layer's compute seconds
     (forward + backward matmuls and memory-bound ops, `planner.costs.layer_cost`, FlashAttention).
 
     `comm_s` is tp innermost in the mesh (consecutive ranks, stride 1: NVLink while t fits the scale-up
     domain); `comm_spread_s` puts the tp group's members a whole domain apart (tp outermost), so every
-    byte crosses the scale-out network. Each row is a job of t chips (`cluster_chip`: a TPU's slice of
-    t chips, whose small axes do not wrap around)."""
+    byte crosses the scale-out network. A TPU group's links are those of the slice a job of `job_chips`
+    (the sidebar's mesh; at least t) takes (`cluster_chip`: small slices do not wrap around); a GPU's are
+    its node's, and each row's compute that of a job of t chips, as before."""
     rows = []
     for t in tps:
-        hw = cluster_chip(chip, t, chip.scaleup_domain)
+        hw = cluster_chip(chip, max(t, job_chips) if chip.kind == "tpu" else t, chip.scaleup_domain)
         topo = group_topology(hw, t, achievable=True)
         spread = group_topology(hw, t, stride=hw.scaleup_domain, achievable=True)
         cost = layer_cost(spec, Layout(dp=1, tp=t, pp=1, micro_batch=micro_batch), hw, "bf16", spec.is_moe,

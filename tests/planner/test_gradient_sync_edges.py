@@ -135,3 +135,12 @@ def test_zero3_shows_the_first_layers_gather_and_reduce_scatter_whole():
     slow = overlap_slowdown(res.chip)
     gather = op(other, "fwd_comms", "zero-3 all-gather")
     assert other.fwd_compute_s - first.fwd_compute_s == pytest.approx(slow * (gather.time_s - gather.exposed_s))
+
+
+def test_the_timeline_draws_the_backward_from_the_last_layer_to_the_first():
+    # so the first layer's reduce-scatter, which nothing hides, closes the backward
+    res = estimate(_case(zero_stage=3, global_batch=8)).result
+    spans = [s for s in predicted_timeline(res).spans if s.rank == 0 and s.micro_batch == 0]
+    bwd = {s.name: s.start_s for s in spans if s.name.startswith("bwd") and " L" in s.name}
+    order = sorted(bwd, key=bwd.get)
+    assert [name.rsplit(" ", 1)[1] for name in order] == ["L3", "L2", "L1", "L0"]

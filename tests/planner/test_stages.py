@@ -73,6 +73,7 @@ def test_a_stated_layout_fixes_the_virtual_stages_and_the_interleaved_schedule()
     ({"pp_layout": 7}, "parallel.pp_layout", "non-empty string"),
     ({"pp_layout": "Et|(tt|)*30mL", "virtual_stages": 2}, "parallel.virtual_stages", "4 per stage"),
     ({"pp_layout": "Et|(tt|)*30mL", "pp": None, "dp": None}, "parallel.pp_layout", "needs parallel.pp"),
+    ({"pp_layout": "Et*31|t*30mL", "pp": 1, "dp": 128}, "parallel.pp_layout", "pp=1 runs the model as one"),
 ])
 def test_bad_layouts_name_the_field_and_what_to_change(parallel, field, words):
     with pytest.raises(SpecError) as err:
