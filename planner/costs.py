@@ -1188,8 +1188,8 @@ def vocab_parallel_comms(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chip
                      {"logits": _dgrad_s(chip, dtype, g)}, {"logits": _wgrad_s(chip, dtype, g)}, act_bytes)
     if lay.cross_entropy == "fused":
         stats = 12 * tokens * t  # the gathered array: 3 fp32 a token from each rank
-        loss = [CommOp("tp", "tp all-gather (loss statistics)", "all_gather", stats, comm_s(topo, "all_gather", stats),
-                       comm_s(topo, "all_gather", stats))]
+        gather = comm_s(topo, "all_gather", stats)
+        loss = [CommOp("tp", "tp all-gather (loss statistics)", "all_gather", stats, gather, gather)]
     else:
         one = comm_s(topo, "all_reduce", 4 * tokens)
         loss = [CommOp("tp", f"tp all-reduce (loss {what})", "all_reduce", 4 * tokens, one, one)

@@ -304,11 +304,11 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
             if piece.loss:  # the output head, once for the model and once per MTP module
                 ef += heads * logits_f
                 eb += heads * logits_b
-            layers = tuple((by_kind[k], n) for k, n in counts)
-            if piece.embedding and piece.layers and root_comms[0]:
-                layers = _first_layer_in_view(m, piece.first, counts, by_kind, chip)
-            key = (counts, ef, eb, ends, layers)
+            key = (counts, ef, eb, lookups, heads, piece.embedding)  # all the chunk's cost depends on
             if key not in chunk_cache:
+                layers = tuple((by_kind[k], n) for k, n in counts)
+                if piece.embedding and piece.layers and root_comms[0]:
+                    layers = _first_layer_in_view(m, piece.first, counts, by_kind, chip)
                 chunk_cache[key] = _chunk(lay, chip, layers, ef, eb, pass_p2p_s, ends)
             chunks.append(chunk_cache[key])
         dense_p, expert_p = stage_params(m, lay, i)
@@ -412,7 +412,7 @@ def _first_layer_in_view(m: ModelSpec, first: int, counts: tuple, by_kind: dict,
     """((LayerCost, layers), ...) of a chunk whose first layer follows the embedding lookup under per-layer
     ZeRO-3: that layer apart (`costs.zero3_first_layer`: nothing but the lookup to hide its gather under,
     nothing but the lookup's backward after its reduce-scatter), the others as they are."""
-    kind = m.layer_kinds[first] if (m.layer_pattern or m.is_moe) else False
+    ((kind, _),) = layer_kind_counts(m, first, 1)
     rest = tuple((by_kind[k], n - (k == kind)) for k, n in counts if n - (k == kind))
     return ((costs.zero3_first_layer(by_kind[kind], chip), 1),) + rest
 

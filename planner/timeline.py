@@ -228,9 +228,9 @@ def predicted_timeline(res: StepResult, max_spans: int = 20000) -> Timeline:
         if not progressed:
             raise RuntimeError(f"schedule {sched.name} deadlocked in the planner's timeline")
     pipe_end = max(clock)
-    synced = {r: clock[r] + (stage.dp_exposed_s if stage.dp_total_s > 0 else 0.0) for r, stage in enumerate(res.stages)}
     # a shared embedding's gradient is summed once every stage holding it has synced its own gradients
-    tied_start = max((synced[r] for r, stage in enumerate(res.stages) if stage.tied_sync_s), default=0.0)
+    tied_start = max((clock[r] + (stage.dp_exposed_s if stage.dp_total_s > 0 else 0.0)
+                      for r, stage in enumerate(res.stages) if stage.tied_sync_s), default=0.0)
     for r, stage in enumerate(res.stages):
         t = clock[r]
         if stage.dp_total_s > 0:

@@ -29,10 +29,9 @@ from engine.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, v
 from hardware.chips import Chip
 from hardware.collectives import group_topology
 from hardware.kernels import matmul_s
-from planner.costs import cluster_chip
 from planner.flops import active_params, layer_params, total_params
 from planner.models import MODEL_PRESETS, ModelSpec
-from ui.tensor_parallel import log_ticks, rank_color
+from ui.tensor_parallel import group_links_chip, log_ticks, rank_color
 
 BF16_BYTES = 2  # tokens travel in bf16 (DeepSeek-V3 dispatches in FP8: 1 byte; arXiv 2412.19437 sec. 3.3)
 # Dispatch + combine forward, and their transposes backward: GShard (Lepikhin et al. 2020) Algorithm 2.
@@ -281,7 +280,7 @@ def cost_rows(spec: ModelSpec, chip: Chip, tokens: int, eps: list[int], job_chip
         if spec.experts % ep:
             continue
         b = a2a_bytes(tokens, spec.top_k, spec.hidden, ep)
-        links = cluster_chip(chip, max(ep, job_chips) if chip.kind == "tpu" else ep, None)
+        links = group_links_chip(chip, ep, job_chips)
         near = group_topology(links, ep, achievable=True)
         spread = group_topology(links, ep, stride=links.scaleup_domain, achievable=True)
         rows.append({"ep": ep, "inside_domain": ep <= domain, "topology": near.describe(),

@@ -227,6 +227,13 @@ def tp_comm_seconds_per_layer(topo: Topology, spec: ModelSpec, micro_batch: int,
     return TP_COLLECTIVES_PER_LAYER * one
 
 
+def group_links_chip(chip: Chip, group: int, job_chips: int) -> Chip:
+    """The chip a lesson's row of a `group`-chip group is costed on (`cluster_chip`): a TPU's is the slice
+    a job of `job_chips` (the sidebar's mesh, at least the group) takes, small slices not wrapping round; a
+    GPU's is a job of the group alone, its node as the chip table has it."""
+    return cluster_chip(chip, max(group, job_chips) if chip.kind == "tpu" else group, None)
+
+
 def scaling_rows(spec: ModelSpec, chip: Chip, micro_batch: int, tps: list[int], job_chips: int = 1) -> list[dict]:
     """Per tp: the group's topology, TP bytes and seconds per layer, and the layer's compute seconds
     (forward + backward matmuls and memory-bound ops, `planner.costs.layer_cost`, FlashAttention).
@@ -238,7 +245,7 @@ def scaling_rows(spec: ModelSpec, chip: Chip, micro_batch: int, tps: list[int], 
     its node's, and each row's compute that of a job of t chips, as before."""
     rows = []
     for t in tps:
-        hw = cluster_chip(chip, max(t, job_chips) if chip.kind == "tpu" else t, chip.scaleup_domain)
+        hw = group_links_chip(chip, t, job_chips)
         topo = group_topology(hw, t, achievable=True)
         spread = group_topology(hw, t, stride=hw.scaleup_domain, achievable=True)
         cost = layer_cost(spec, Layout(dp=1, tp=t, pp=1, micro_batch=micro_batch), hw, "bf16", spec.is_moe,
