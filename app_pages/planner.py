@@ -61,7 +61,7 @@ except SpecError as e:
 
 lay = est.layout
 st.markdown(f"**Layout:** dp={lay.dp}, tp={lay.tp}, pp={lay.pp}, cp={lay.cp}, ep={lay.ep}; "
-            f"ZeRO-{lay.zero_stage}; micro-batch {lay.micro_batch}; recompute {lay.recompute}; "
+            f"ZeRO-{lay.zero_stage}; micro-batch {lay.micro_batch}; recompute {lay.recompute_label}; "
             f"schedule {lay.pp_schedule} (v={lay.virtual_stages}); "
             f"global batch {global_batch:,} sequences of {spec.seq_len:,} tokens.")
 if est.chosen:
@@ -223,7 +223,7 @@ if report is not None:
         lay = r.result.layout
         rows.append({"rank": i, "step s": round(r.result.step_time_s, 3), "MFU %": round(100 * r.result.mfu, 1),
                      "dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep,
-                     "ZeRO": lay.zero_stage, "micro-batch": lay.micro_batch, "recompute": lay.recompute,
+                     "ZeRO": lay.zero_stage, "micro-batch": lay.micro_batch, "recompute": lay.recompute_label,
                      "schedule": f"{lay.pp_schedule} v={lay.virtual_stages}" if lay.pp > 1 else "",
                      "GB/chip": round(r.result.memory.total_bytes / 1e9, 1)})
     st.dataframe(rows, hide_index=True, width="stretch")

@@ -35,8 +35,8 @@ from planner.simulate import StepResult, usable_hbm_bytes
 
 _CHOICE_FIELDS = {
     "parallel": ("dp", "tp", "pp", "cp", "ep", "pp_schedule", "virtual_stages"),
-    "training": ("micro_batch", "schedule_runs", "recompute", "zero_stage", "sequence_parallel", *RECIPE_DEFAULTS,
-                 "ssm_cp"),
+    "training": ("micro_batch", "schedule_runs", "recompute", "recompute_layers", "zero_stage", "sequence_parallel",
+                 *RECIPE_DEFAULTS, "ssm_cp"),
 }
 
 
@@ -60,6 +60,8 @@ def chosen_fields(case: Case, res: StepResult) -> dict:
                 continue  # only Mamba-2 layers have the choice
             if name == "schedule_runs" and res.layout.pp == 1:
                 continue  # without pipeline stages the runs are the same micro-batches
+            if name == "recompute_layers" and res.layout.recompute_layers is None:
+                continue  # every layer of a chunk, or a mode other than full: `recompute` says it
             if name in ("fsdp_impl", "fsdp_backward_prefetch") and not res.layout.layer_zero3:
                 continue  # only ZeRO-3's per-layer gathers and reductions copy and prefetch (costs._zero3_comms)
             if getattr(given, name) is None:

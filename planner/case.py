@@ -183,6 +183,12 @@ class Training:
     schedule_runs: int | None = None
     recompute: str | None = None
     recompute_modules: tuple[str, ...] | None = None  # RECOMPUTE_MODULES under "selective"; None: ["core_attn"]
+    # under "full": how many layers of each pipeline chunk run again whole, counted from the chunk's first
+    # (Megatron-Core's recompute_method "block" with recompute_num_layers; NeMo's performance recipes recompute
+    # 1-5 layers this way to fit, e.g. Llama 3 8B on 8 H100 in fp8: 5 of 32); the others keep everything.
+    # None: every layer, or, with recompute null too, the fewest that fit where a GPU case needs full
+    # recomputation (planner.layout_search)
+    recompute_layers: int | None = None
     dtype: str = "bf16"
     optimizer: str = "adam"
     zero_stage: int | None = None
@@ -284,10 +290,25 @@ class Layout:
     schedule_runs: int = 1  # Training.schedule_runs
     pp_layout: str | None = None  # Parallel.pp_layout
     recompute_modules: tuple[str, ...] = DEFAULT_RECOMPUTE_MODULES  # what "selective" runs again
+    recompute_layers: int | None = None  # Training.recompute_layers; None: every layer of a chunk
 
     @property
     def num_chips(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
+
+    def recomputed(self, layers: int) -> int:
+        """How many of a chunk's `layers` run again whole before their backward: its first
+        `recompute_layers` under "full", none under the other modes (which rerun parts of every layer)."""
+        if self.recompute != "full":
+            return 0
+        return layers if self.recompute_layers is None else min(layers, self.recompute_layers)
+
+    @property
+    def recompute_label(self) -> str:
+        """The recomputation in a few words, for tables: the mode, and how many layers per chunk full covers."""
+        if self.recompute == "full" and self.recompute_layers is not None:
+            return f"full ({self.recompute_layers} layers a chunk)"
+        return self.recompute
 
     def dropout_on(self, m: ModelSpec) -> bool:
         """Whether the layers run dropout (RECIPE_DEFAULTS "dropout"; None: the gpt layer style does)."""
@@ -425,6 +446,7 @@ def parse_case(data) -> Case:
         schedule_runs=_int(t, "schedule_runs", "training", required=False),
         recompute=_choice(t, "recompute", "training", RECOMPUTE),
         recompute_modules=_recompute_modules(t, model),
+        recompute_layers=_recompute_layers(t, model),
         dtype=_choice(t, "dtype", "training", DTYPES, "bf16"),
         optimizer=_choice(t, "optimizer", "training", OPTIMIZERS, "adam"),
         zero_stage=zero, attention=_choice(t, "attention", "training", ATTENTION_KERNELS),
@@ -440,6 +462,8 @@ def parse_case(data) -> Case:
 
     if training.recompute_modules and training.recompute is None:
         training = replace(training, recompute="selective")
+    if training.recompute_layers and training.recompute is None:
+        training = replace(training, recompute="full")
     p = _check_keys(data.get("parallel", {}), {f.name for f in fields(Parallel)}, "parallel")
     parallel = Parallel(
         **{k: _int(p, k, "parallel", required=False)
@@ -497,6 +521,20 @@ def _recompute_modules(block: dict, model: ModelSpec) -> tuple[str, ...] | None:
         if not ok:
             raise SpecError(field, f"{name!r} needs {what}; this model has none")
     return tuple(v)
+
+
+def _recompute_layers(block: dict, model: ModelSpec) -> int | None:
+    """The stated number of layers per chunk that full recomputation runs again, checked against the mode."""
+    n = _int(block, "recompute_layers", "training", required=False)
+    if n is None:
+        return None
+    field = "training.recompute_layers"
+    if block.get("recompute") not in (None, "full"):
+        raise SpecError(field, f"applies to recompute \"full\" (or null), not {block.get('recompute')!r}")
+    if n > model.layers + model.mtp_layers:
+        raise SpecError(field, f"{n} is more than the model's {model.layers + model.mtp_layers} layers; "
+                        "null recomputes every layer")
+    return n
 
 
 def _with_pp_layout(parallel: Parallel, text, model: ModelSpec) -> Parallel:

@@ -374,12 +374,13 @@ class LayerCost:
 
 def layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe, chips_per_node: int) -> LayerCost:
     """One layer's costs; `moe` is the layer kind (planner.models: False dense, True MoE, or a pattern
-    character). Memoised on the layout fields a layer sees (layouts differing only in pp, schedule or
-    ZeRO-0/1/2 share them, which keeps the search fast; so do ZeRO-3 layouts under pp, whose layers carry
-    no ZeRO-3 collectives: `Layout.staged_zero3`)."""
+    character). Memoised on the layout fields a layer sees (layouts differing only in pp, schedule,
+    ZeRO-0/1/2 or how many layers full recomputation covers share them, which keeps the search fast; so
+    do ZeRO-3 layouts under pp, whose layers carry no ZeRO-3 collectives: `Layout.staged_zero3`)."""
     z3 = lay.layer_zero3
     ssm_cp = lay.ssm_cp if m.has_ssm and lay.cp > 1 else "state"
-    key = replace(lay, pp=1, pp_schedule="1f1b", virtual_stages=1, pp_layout=None, zero_stage=3 if z3 else 0,
+    key = replace(lay, pp=1, pp_schedule="1f1b", virtual_stages=1, pp_layout=None, recompute_layers=None,
+                  zero_stage=3 if z3 else 0,
                   dp=lay.dp if z3 else lay.ep, grad_reduce_overlap=True, ssm_cp=ssm_cp,  # the smallest dp
                   tp_comm_overlap=tp_overlaps(lay, chip))
     if moe == MAMBA:

@@ -89,7 +89,9 @@ def explain(res: StepResult, best: StepResult | None = None) -> list[str]:
           "selective-op": "Op-level selective recomputation (every second matmul and the memory-bound ops)",
           "dots": ("Matmul outputs kept, everything else recomputed (JAX's checkpoint_dots_with_no_batch_dims: "
                    "norms, activations and the attention core run again)"),
-          "full": "Full recomputation: only layer inputs are kept"}[lay.recompute]
+          "full": ("Full recomputation: only layer inputs are kept" if lay.recompute_layers is None else
+                   f"Full recomputation of the first {lay.recompute_layers} layer(s) of each chunk (only their "
+                   "inputs kept); the others keep everything")}[lay.recompute]
     words.append(f"{rc}; peak memory {res.memory.total_bytes / 1e9:.1f} of {res.chip.hbm_bytes / 1e9:.0f} GB "
                  f"per chip; recomputation costs {_pct(bd['recompute'], step)}.")
 

@@ -15,7 +15,9 @@ Pruning, each rule exact within the simulator's model (so the search is complete
   gradient sync into a reduce-scatter and an all-gather that hide differently, ZeRO-2 reduce-scatters
   every micro-batch and ZeRO-3 gathers every layer, so no stage always wins; (b) recomputation only
   adds time, so for each ZeRO stage only the lightest level that fits is simulated (`recompute_order`:
-  none, Megatron's selective, on a TPU JAX's "dots", full); (c) SP with
+  none, Megatron's selective, on a TPU JAX's "dots", full); on a GPU, full recomputation covers only the
+  fewest layers per chunk that fit (Megatron-Core's recompute_num_layers), and where a lighter mode fits
+  but not none, that fewest-layers variant is simulated beside it, since either may cost less; (c) SP with
   tp > 1 moves the same bytes as plain TP and keeps and moves less through HBM, so SP on dominates;
   (d) GPipe has 1F1B's bubble and more memory, so 1F1B dominates; (e) TP stays inside one scale-up
   domain (NVLink node; TPU: the chip's scale-up domain) unless the case fixes it.
@@ -181,7 +183,8 @@ def candidate_layouts(case: Case, chip: Chip) -> Iterator[Layout]:
                     for sp, ssm_cp in itertools.product(sps, _ssm_cp_variants(case, tp, cp)):
                         yield Layout(dp, tp, pp, cp, ep, sched, v, b, 0, "none", bool(sp and tp > 1),
                                      **how, ssm_cp=ssm_cp, schedule_runs=runs, pp_layout=p.pp_layout,
-                                     recompute_modules=t.recompute_modules or DEFAULT_RECOMPUTE_MODULES)
+                                     recompute_modules=t.recompute_modules or DEFAULT_RECOMPUTE_MODULES,
+                                     recompute_layers=t.recompute_layers)
 
 
 def _ssm_cp_variants(case: Case, tp: int, cp: int) -> list[str]:
@@ -194,7 +197,9 @@ def _ssm_cp_variants(case: Case, tp: int, cp: int) -> list[str]:
 
 
 def _fitting_variants(case: Case, lay: Layout, hbm: float, chip: Chip) -> Iterator[Layout]:
-    """For each ZeRO stage, the lightest recomputation that fits (dominance rule (a), (b))."""
+    """For each ZeRO stage, the lightest recomputation that fits (dominance rule (a), (b)), and, on a GPU
+    with the recomputation free, full recomputation of the fewest layers per chunk that fits
+    (`_fewest_recomputed`) wherever a lighter mode than full fits only by recomputing something."""
     t = case.training
     recomputes = [t.recompute] if t.recompute else [r for r in recompute_order(case.model, chip)
                                                      if not (r == "selective" and lay.attention in FLASH_KERNELS)]
@@ -202,12 +207,42 @@ def _fitting_variants(case: Case, lay: Layout, hbm: float, chip: Chip) -> Iterat
     if lay.dp * lay.cp == 1 and t.zero_stage is None:
         zeros = [0]  # nothing to shard over
     m_batches = t.global_batch // (lay.dp * lay.micro_batch)
+
+    def fits(cand: Layout) -> bool:
+        return memory_per_chip(case.model, cand, m_batches, t.optimizer, t.dtype).total_bytes <= hbm
+
+    some_layers = t.recompute is None and t.recompute_layers is None and chip.kind == "gpu"
     for z in zeros:
         for rc in recomputes:
             cand = replace(lay, zero_stage=z, recompute=rc)
-            if memory_per_chip(case.model, cand, m_batches, t.optimizer, t.dtype).total_bytes <= hbm:
-                yield cand
-                break
+            if not fits(cand):
+                continue
+            if some_layers and rc != "none":
+                fewer = _fewest_recomputed(case.model, replace(cand, recompute="full"), fits)
+                if rc == "full":
+                    cand = fewer  # it recomputes no more than every layer
+                elif fewer is not None and fewer.recompute_layers is not None:
+                    yield fewer  # it may cost less than the lighter mode on every layer
+            yield cand
+            break
+
+
+def _fewest_recomputed(m: ModelSpec, lay: Layout, fits) -> Layout | None:
+    """`lay` (full recomputation) with the fewest layers per chunk recomputed whose memory `fits`
+    (Megatron-Core's recompute_num_layers, block method); None (every layer) when only all of them fit,
+    and None too when even all do not. Memory falls as more layers are recomputed, so the smallest
+    count is found by bisection."""
+    if not fits(lay):
+        return None
+    most = max(c.layers + c.mtp for stage in chunks_of(m, lay) for c in stage)
+    low, high = 1, most  # `high` layers fit (every layer: `lay` itself)
+    while low < high:
+        mid = (low + high) // 2
+        if fits(replace(lay, recompute_layers=mid)):
+            high = mid
+        else:
+            low = mid + 1
+    return replace(lay, recompute_layers=None if high == most else high)
 
 
 def lower_bound_s(case: Case, lay: Layout, chip: Chip) -> float:

@@ -21,7 +21,7 @@ Sources:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from hardware.kernels import FLASH_KERNELS
@@ -78,8 +78,9 @@ def in_flight_chunks(stage: int, lay: Layout, micro_batches: int) -> float:
     return min(p - stage, m)
 
 
-def in_flight_layers(stage: int, lay: Layout, micro_batches: int, chunk_layers: list[int]) -> float:
-    """Layer x micro-batch activations the stage holds at its peak.
+def in_flight_layers(stage: int, lay: Layout, micro_batches: int, chunk_layers: list[float]) -> float:
+    """Layer x micro-batch activations the stage holds at its peak; given each chunk's bytes instead of its
+    layers, the bytes.
 
     Interleaved: Megatron-LM runs forward k on chunk (k // p) % v, so of the first W + 1 forwards
     (W the warm-up count) each chunk gets whole groups of p plus part of one; chunks differ in layer
@@ -345,7 +346,6 @@ def memory_per_chip(m: ModelSpec, lay: Layout, micro_batches: int, optimizer: st
     those of one of its `lay.schedule_runs` runs."""
     micro_batches = lay.per_run(micro_batches)
     stages = chunks_of(m, lay)
-    per_layer = max(layer_activation_bytes(m, lay, k, dtype=dtype) for k in {False, m.is_moe})
     wd, gd, od = zero_bytes_per_param(lay.zero_stage, lay.dp * lay.cp, optimizer, lay.grad_bytes)
     we, ge, oe = zero_bytes_per_param(lay.zero_stage, max(1, lay.dp * lay.cp // lay.ep), optimizer, lay.grad_bytes)
     best = None
@@ -357,10 +357,18 @@ def memory_per_chip(m: ModelSpec, lay: Layout, micro_batches: int, optimizer: st
             # in the reduction's fp32 until the last backward (planner.costs' docstring)
             params += 2 * (dense + moe)
             grads += 4 * (dense + moe)
-        if m.layer_pattern:
-            per_layer = _mean_layer_bytes(m, lay, stages[stage], dtype)
-        # an MTP module keeps what one more layer keeps
-        acts = in_flight_layers(stage, lay, micro_batches, [c.layers + c.mtp for c in stages[stage]]) * per_layer
+        # an MTP module keeps what one more layer keeps; each chunk's first lay.recomputed(layers) keep only their
+        # inputs, the others everything
+        layers = [c.layers + c.mtp for c in stages[stage]]
+        again = [lay.recomputed(n) for n in layers]
+        per_layer = _per_layer_bytes(m, lay, stages[stage], dtype)
+        if 0 < sum(again) < sum(layers):
+            # the layers beside them keep everything (`Layout.recomputed`: training.recompute_layers)
+            keeps_all = _per_layer_bytes(m, replace(lay, recompute="none"), stages[stage], dtype)
+            per_chunk = [a * per_layer + (n - a) * keeps_all for n, a in zip(layers, again, strict=True)]
+            acts = in_flight_layers(stage, lay, micro_batches, per_chunk)
+        else:
+            acts = in_flight_layers(stage, lay, micro_batches, layers) * per_layer
         temp = _temporary_bytes(m, lay, stage, dense + moe * lay.tp, dtype)
         if lay.logit_metrics and any(c.loss for c in stages[stage]):
             # the metrics' cross-entropies run after the backward has freed the activations (Composer): the
@@ -370,6 +378,13 @@ def memory_per_chip(m: ModelSpec, lay: Layout, micro_batches: int, optimizer: st
         if best is None or mem.total_bytes > best.total_bytes:
             best = mem
     return best
+
+
+def _per_layer_bytes(m: ModelSpec, lay: Layout, chunks: tuple[Chunk, ...], dtype: str) -> float:
+    """What one layer of a stage keeps, one micro-batch: the larger kind's (dense or MoE), or a pattern's mean."""
+    if m.layer_pattern:
+        return _mean_layer_bytes(m, lay, chunks, dtype)
+    return max(layer_activation_bytes(m, lay, k, dtype=dtype) for k in {False, m.is_moe})
 
 
 def _mean_layer_bytes(m: ModelSpec, lay: Layout, chunks: tuple[Chunk, ...], dtype: str) -> float:

@@ -262,6 +262,11 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
     micro_batches = tr.global_batch // (lay.dp * lay.micro_batch)
     node = case.cluster.chips_per_node or chip.scaleup_domain
     by_kind = {k: costs.layer_cost(m, lay, chip, tr.dtype, k, node) for k in m.kinds}
+    # under full recomputation of only some layers per chunk (training.recompute_layers), the others keep everything
+    keeps_all = by_kind
+    if lay.recompute == "full" and lay.recompute_layers is not None:
+        kept = replace(lay, recompute="none")
+        keeps_all = {k: costs.layer_cost(m, kept, chip, tr.dtype, k, node) for k in m.kinds}
     logits_f, logits_b = costs.logits_cost(m, lay, chip, tr.dtype)
     embed_s = costs.embedding_s(m, lay, chip)
     vocab_comms = costs.vocab_parallel_comms(m, lay, chip, tr.dtype, node)
@@ -304,11 +309,13 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
             if piece.loss:  # the output head, once for the model and once per MTP module
                 ef += heads * logits_f
                 eb += heads * logits_b
-            key = (counts, ef, eb, lookups, heads, piece.embedding)  # all the chunk's cost depends on
+            again, rest = _recomputed_counts(m, lay, piece, counts)
+            key = (again, rest, ef, eb, lookups, heads, piece.embedding)  # all the chunk's cost depends on
             if key not in chunk_cache:
-                layers = tuple((by_kind[k], n) for k, n in counts)
+                layers = tuple((by_kind[k], n) for k, n in again)
                 if piece.embedding and piece.layers and root_comms[0]:
-                    layers = _first_layer_in_view(m, piece.first, counts, by_kind, chip)
+                    layers = _first_layer_in_view(m, piece.first, again, by_kind, chip)
+                layers += tuple((keeps_all[k], n) for k, n in rest)
                 chunk_cache[key] = _chunk(lay, chip, layers, ef, eb, pass_p2p_s, ends)
             chunks.append(chunk_cache[key])
         dense_p, expert_p = stage_params(m, lay, i)
@@ -406,6 +413,23 @@ def tied_embedding_sync_s(m: ModelSpec, lay: Layout, chip: Chip, node: int, plan
     stride = lay.mesh.stride("pp") * (holders[1] - holders[0] if len(holders) == 2 else 1)
     topo = costs.topology(chip, len(holders), stride, node)
     return costs.comm_s(topo, "all_reduce", nbytes), holders
+
+
+def _recomputed_counts(m: ModelSpec, lay: Layout, piece, counts: tuple) -> tuple[tuple, tuple]:
+    """A chunk's ((kind, layers), ...) split into those costed under the layout's recomputation and those that
+    keep everything: under "full" with `recompute_layers`, its first that many (its MTP modules, which follow
+    its layers, last); otherwise all of `counts` and none."""
+    n = piece.layers + piece.mtp
+    again = lay.recomputed(n)
+    if lay.recompute != "full" or again == n:
+        return counts, ()
+    in_layers = min(again, piece.layers)
+    first = layer_kind_counts(m, piece.first, in_layers)
+    rest = layer_kind_counts(m, piece.first + in_layers, piece.layers - in_layers)
+    if piece.mtp:
+        first = _plus_layers(first, mtp_kind(m), again - in_layers) if again > in_layers else first
+        rest = _plus_layers(rest, mtp_kind(m), n - max(again, piece.layers))
+    return first, rest
 
 
 def _first_layer_in_view(m: ModelSpec, first: int, counts: tuple, by_kind: dict, chip: Chip) -> tuple:
@@ -547,10 +571,13 @@ def simulate(case: Case, lay: Layout, chip: Chip, memory: Memory | None = None) 
     tokens = tr.global_batch * m.seq_len
     mem = memory or memory_per_chip(m, lay, micro_batches, tr.optimizer, tr.dtype)
     node = case.cluster.chips_per_node or chip.scaleup_domain
-    return StepResult(case, lay, chip, micro_batches, step, t_pipe, breakdown, stages, mem,
-                      model_flops(m, tokens),
-                      hardware_flops(m, tokens, lay.recompute, lay.recompute_modules,
-                                     costs.recompute_drops_dead_code(chip)),
+    flops = model_flops(m, tokens)
+    again = hardware_flops(m, tokens, lay.recompute, lay.recompute_modules, costs.recompute_drops_dead_code(chip))
+    if lay.recompute == "full" and lay.recompute_layers is not None:  # only some layers run again
+        chunks = [c for stage in chunks_of(m, lay) for c in stage]
+        share = sum(lay.recomputed(c.layers + c.mtp) for c in chunks) / sum(c.layers + c.mtp for c in chunks)
+        again = flops + share * (again - flops)
+    return StepResult(case, lay, chip, micro_batches, step, t_pipe, breakdown, stages, mem, flops, again,
                       mem.total_bytes <= usable_hbm_bytes(chip),
                       {"critical_stage": crit, "chips_per_node": node})
 

@@ -68,8 +68,8 @@ class _Pass:
         self.t = tail
 
 
-def _pass_spans(rank: int, chunk: ChunkCost, kind: str, start: float, mb: int, recompute: str,
-                detailed: bool, label: str, deferred_s: float = 0.0) -> list[Span]:
+def _pass_spans(rank: int, chunk: ChunkCost, kind: str, start: float, mb: int, detailed: bool, label: str,
+                deferred_s: float = 0.0) -> list[Span]:
     """Spans of one forward ("F") or backward ("B") of one micro-batch through one chunk; a ZB-H1
     backward-input pass leaves out the `deferred_s` of weight-gradient work."""
     p = _Pass(rank, start, mb)
@@ -80,7 +80,7 @@ def _pass_spans(rank: int, chunk: ChunkCost, kind: str, start: float, mb: int, r
             if kind == "F":
                 p.block(f"fwd {label} L{idx}", lc.fwd_compute_s, lc.fwd_comms, lc.fwd_flops)
             else:
-                if recompute == "full":
+                if lc.recompute == "full":
                     p.block(f"recompute {label} L{idx}", lc.recompute_s, lc.recompute_comms,
                             lc.full_recompute_flops)
                 elif lc.recompute_s:
@@ -209,8 +209,8 @@ def predicted_timeline(res: StepResult, max_spans: int = 20000) -> Timeline:
                 else:
                     kind = "F" if a.kind == "F" else "B"
                     deferred = chunk.wgrad_s if a.kind == "BI" else 0.0
-                    spans.extend(_pass_spans(rank_of[r], chunk, kind, start, a.micro_batch, lay.recompute,
-                                             detailed and not deferred, f"s{a.stage}", deferred))
+                    spans.extend(_pass_spans(rank_of[r], chunk, kind, start, a.micro_batch, detailed and not deferred,
+                                             f"s{a.stage}", deferred))
                     end = start + (chunk.fwd_s if kind == "F" else chunk.bwd_s - deferred)
                     if chunk.p2p_s > 0:
                         spans.append(Span(rank_of[r], "comm", "send act" if kind == "F" else "send grad",

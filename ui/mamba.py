@@ -214,7 +214,8 @@ def layout_label(layout: dict, spec: ModelSpec) -> str:
     axes = [f"{a}={layout[a]}" for a in ("dp", "tp", "pp", "cp") if layout[a] > 1] or ["one chip"]
     extra = [f"mb {layout['micro_batch']}", f"ZeRO-{layout['zero_stage']}"]
     if layout["recompute"] != "none":
-        extra.append(f"{layout['recompute']} recompute")
+        layers = layout.get("recompute_layers")
+        extra.append(f"{layout['recompute']} recompute" + (f" of {layers} layers a chunk" if layers else ""))
     if layout["cp"] > 1 and spec.has_ssm:
         extra.append("state passing" if layout.get("ssm_cp") == "state" else "all-to-all")
     return " x ".join(axes) + ", " + ", ".join(extra)
