@@ -27,7 +27,8 @@ Communication (each a `CommOp` with its time alone on its links and the part the
   backward re-gather under the dgrad GEMM and the input-gradient reduction under the wgrad GEMM; with
   `tp_comm_overlap` (the layout's, else the chip's: `tp_overlaps`) the others are pipelined with their
   GEMM in t chunks (collective matmul, Wang et al. 2023; Transformer Engine userbuffers): only one chunk
-  shows, max(0, c - g) + min(c, g) / t.
+  shows, max(0, c - g) + min(c, g) / t, and the GEMM runs as t GEMMs of T / t rows, each less efficient
+  than the whole (`_chunked_gemm_times`).
   The embedding and the output head are vocabulary-parallel: `vocab_parallel_comms` (their chunk's).
 * CP ring (Liu et al. 2023; Megatron-Core): cp - 1 K/V transfers forward, K/V and dK/dV backward, each
   hidden under one step's block of attention (1/cp of the layer's attention with the zig-zag split).
@@ -450,6 +451,26 @@ def _gemm_times(chip, dtype, gemms: list[_Gemm]) -> tuple[dict, dict, dict]:
             {g.name: _wgrad_s(chip, dtype, g) for g in gemms})
 
 
+def _chunked_gemm_times(chip, dtype, gemms: list[_Gemm], column: list[str], row: list[str], gemm_fwd: dict,
+                        gemm_dgrad: dict, t: int) -> tuple[dict, dict]:
+    """(forward, input-gradient) seconds by GEMM name when TP's collectives are pipelined with the GEMMs
+    (`tp_comm_overlap`): each pipelined GEMM runs as t GEMMs of T / t rows, one per ring step, and a GEMM of
+    fewer rows reaches less of the chip (hardware.kernels' shape curve). Transformer Engine's userbuffers
+    ring exchange computes one chunk of the gathered input per step (num_splits = tp, not aggregated: the
+    default in transformer_engine/pytorch/module/base.py and in every Megatron-Bridge H100 / B200 config,
+    comm_overlap.py) for the column GEMMs' forward and the row GEMMs' input gradient; the row GEMMs' forward
+    reduce-scatter is chunked too (ring exchange in the fp8 configs; "pipeline" in 4 splits in the bf16
+    ones, counted here as t like the exposure in `_tp_comms`). torch's async TP (fused all-gather matmul)
+    and XLA's collective matmul decompose the same way."""
+    fwd, dgrad = dict(gemm_fwd), dict(gemm_dgrad)
+    for g in gemms:
+        if g.name in column or g.name in row:
+            fwd[g.name] = t * g.batch * kernels.matmul_s(chip, dtype, g.m / t, g.k, g.n)
+        if g.name in row:
+            dgrad[g.name] = t * g.batch * kernels.matmul_s(chip, dtype, g.m / t, g.n, g.k)
+    return fwd, dgrad
+
+
 def _elementwise(m: ModelSpec, lay: Layout, moe, tokens: float) -> dict[str, float]:
     """HBM bytes of one layer's memory-bound ops on one chip, by kernel class and direction.
 
@@ -808,6 +829,12 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
     ew_fwd_s, ew_bwd_s = _memory_bound_s(chip, ew, gemms, dtype, lay.fp8_casts)
 
     gemm_fwd, gemm_dgrad, gemm_wgrad = _gemm_times(chip, dtype, gemms)
+    # the GEMMs whose TP collective is pipelined with them (`_tp_comms`): the column GEMMs read the input
+    # gathered, and the row GEMMs' partial sums leave reduce-scattered, region by region
+    column = ([attn_g[0].name] if attn_g else []) + [g for g in ("fc1", "experts fc1") if g in gemm_fwd]
+    row = (["o"] if attn_g else []) + [g for g in ("fc2", "experts fc2") if g in gemm_fwd]
+    if t > 1 and lay.sequence_parallel and lay.tp_comm_overlap:
+        gemm_fwd, gemm_dgrad = _chunked_gemm_times(chip, dtype, gemms, column, row, gemm_fwd, gemm_dgrad, t)
     fwd_s = sum(gemm_fwd.values()) + attn_fwd_s + ew_fwd_s
     wgrad_s = sum(gemm_wgrad.values())
     bwd_s = sum(gemm_dgrad.values()) + wgrad_s + attn_bwd_s + ew_bwd_s
@@ -827,8 +854,6 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
         # (T * top_k rows on a rank, balanced routing) over TP before the experts and reduce-scatters their
         # output after (moe/token_dispatcher.py, gather_from_sequence_parallel_region), beside the shared
         # experts' collectives on the layer's T rows
-        column = ([attn_g[0].name] if attn_g else []) + [g for g in ("fc1", "experts fc1") if g in gemm_fwd]
-        row = (["o"] if attn_g else []) + [g for g in ("fc2", "experts fc2") if g in gemm_fwd]
         copies = {"experts fc1": m.top_k, "experts fc2": m.top_k} if moe is True else None
         f, b = _tp_comms(lay, topo, column, row, gemm_fwd, gemm_dgrad, gemm_wgrad, act_bytes, copies)
         fwd_comms += f

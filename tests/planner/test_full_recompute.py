@@ -28,7 +28,8 @@ def test_on_a_tpu_a_sequential_layer_skips_only_the_down_projection(chip_name):
     # only joins the residual, so neither it nor the reduce-scatter of its partial sums does
     chip = get_chip(chip_name)
     full, none = _cost(chip, "full"), _cost(chip, "none")
-    down = kernels.matmul_s(chip, "bf16", TOKENS, 14336 / TP, 4096)
+    # XLA's collective matmul runs it as TP GEMMs of TOKENS / TP rows (planner.costs._chunked_gemm_times)
+    down = TP * kernels.matmul_s(chip, "bf16", TOKENS / TP, 14336 / TP, 4096)
     assert full.recompute_s == pytest.approx(none.fwd_compute_s - down, rel=1e-12)
     assert [c.name for c in full.recompute_comms] == ["tp all-gather (qkv)", "tp all-gather (fc1)",
                                                       "tp reduce-scatter (o)"]
@@ -40,8 +41,8 @@ def test_on_a_tpu_a_parallel_block_skips_both_projections_that_feed_the_residual
     chip = get_chip("tpu-v5p")
     m = replace(LLAMA, parallel_block=True)
     full, none = _cost(chip, "full", m), _cost(chip, "none", m)
-    o = kernels.matmul_s(chip, "bf16", TOKENS, 32 * 128 / TP, 4096)
-    down = kernels.matmul_s(chip, "bf16", TOKENS, 14336 / TP, 4096)
+    o = TP * kernels.matmul_s(chip, "bf16", TOKENS / TP, 32 * 128 / TP, 4096)
+    down = TP * kernels.matmul_s(chip, "bf16", TOKENS / TP, 14336 / TP, 4096)
     assert full.recompute_s == pytest.approx(none.fwd_compute_s - o - down, rel=1e-12)
     assert [c.name for c in full.recompute_comms] == ["tp all-gather (qkv)", "tp all-gather (fc1)"]
     skipped = 2 * TOKENS * (32 * 128 * 4096 + 14336 * 4096) / TP

@@ -65,6 +65,36 @@ def test_a_layout_built_without_tp_overlap_takes_the_chips():
         assert tp_s[None] == tp_s[own] != tp_s[not own], chip
 
 
+def test_gemms_pipelined_with_their_tp_collective_run_in_tp_chunks_of_fewer_rows():
+    """Transformer Engine's ring exchange (num_splits = tp), torch's async TP and XLA's collective matmul compute
+    a pipelined GEMM as tp GEMMs of T / tp rows: the column GEMMs' forward, the row GEMMs' forward and input
+    gradient. A GEMM of fewer rows reaches less of the chip (the shape curve), so the layer's GEMMs take longer."""
+    from hardware import kernels
+    from hardware.chips import get_chip
+    from planner.case import Layout
+    from planner.costs import layer_cost
+    from planner.models import MODEL_PRESETS
+
+    m, h100, t = MODEL_PRESETS["Llama 3 8B"], get_chip("h100"), 8
+    T = m.seq_len  # one sequence, gathered
+    by = {flag: dict(layer_cost(m, Layout(dp=1, tp=t, pp=1, sequence_parallel=True, tp_comm_overlap=flag), h100,
+                                "bf16", False, 8).by_class)["gemm"] for flag in (True, False)}
+
+    def chunked(mm, k, n):  # what pipelining adds to one GEMM
+        return t * kernels.matmul_s(h100, "bf16", mm / t, k, n) - kernels.matmul_s(h100, "bf16", mm, k, n)
+
+    qkv_n, d, f = (32 + 2 * 8) * 128 / t, 4096, 2 * 14336 / t
+    extra = (chunked(T, d, qkv_n) + chunked(T, d, f)  # qkv, fc1 forward
+             + chunked(T, 32 * 128 / t, d) + chunked(T, 14336 / t, d)  # o, fc2 forward
+             + chunked(T, d, 32 * 128 / t) + chunked(T, d, 14336 / t))  # o, fc2 input gradient
+    assert extra > 0
+    assert by[True] - by[False] == pytest.approx(extra, rel=1e-9)
+    # without sequence parallelism the all-reduces are not pipelined: nothing is chunked
+    plain = {flag: dict(layer_cost(m, Layout(dp=1, tp=t, pp=1, tp_comm_overlap=flag), h100, "bf16", False,
+                                   8).by_class)["gemm"] for flag in (True, False)}
+    assert plain[True] == plain[False]
+
+
 def test_selective_recompute_runs_the_core_attention_again_whatever_its_kernel():
     # Megatron-Core's "selective" checkpoints the core attention module (recompute_modules ["core_attn"]),
     # a flash kernel included: the recomputation is that kernel's forward
