@@ -110,7 +110,7 @@ def _summary(report) -> str:
     best = report.ranked[0].result
     lay = best.layout
     return (f"dp={lay.dp} tp={lay.tp} pp={lay.pp} cp={lay.cp} ep={lay.ep} v={lay.virtual_stages} "
-            f"b={lay.micro_batch} zero={lay.zero_stage} rc={lay.recompute}, MFU {100 * best.mfu:.1f}%")
+            f"b={lay.micro_batch} zero={lay.zero_stage} rc={lay.recompute_label}, MFU {100 * best.mfu:.1f}%")
 
 
 def search_timings() -> None:

@@ -296,12 +296,11 @@ class Layout:
     def num_chips(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
 
-    def recomputed(self, layers: int) -> int:
-        """How many of a chunk's `layers` run again whole before their backward: its first
-        `recompute_layers` under "full", none under the other modes (which rerun parts of every layer)."""
-        if self.recompute != "full":
-            return 0
-        return layers if self.recompute_layers is None else min(layers, self.recompute_layers)
+    @property
+    def recompute_split(self) -> int | None:
+        """How many layers of each chunk full recomputation covers when it covers only some
+        (`recompute_layers`, planner.memory.recompute_split); None: every layer, or another mode."""
+        return self.recompute_layers if self.recompute == "full" else None
 
     @property
     def recompute_label(self) -> str:
@@ -446,7 +445,7 @@ def parse_case(data) -> Case:
         schedule_runs=_int(t, "schedule_runs", "training", required=False),
         recompute=_choice(t, "recompute", "training", RECOMPUTE),
         recompute_modules=_recompute_modules(t, model),
-        recompute_layers=_recompute_layers(t, model),
+        recompute_layers=_int(t, "recompute_layers", "training", required=False),
         dtype=_choice(t, "dtype", "training", DTYPES, "bf16"),
         optimizer=_choice(t, "optimizer", "training", OPTIMIZERS, "adam"),
         zero_stage=zero, attention=_choice(t, "attention", "training", ATTENTION_KERNELS),
@@ -460,10 +459,7 @@ def parse_case(data) -> Case:
         **flags,
     )
 
-    if training.recompute_modules and training.recompute is None:
-        training = replace(training, recompute="selective")
-    if training.recompute_layers and training.recompute is None:
-        training = replace(training, recompute="full")
+    training = implied_recompute(training)
     p = _check_keys(data.get("parallel", {}), {f.name for f in fields(Parallel)}, "parallel")
     parallel = Parallel(
         **{k: _int(p, k, "parallel", required=False)
@@ -523,18 +519,14 @@ def _recompute_modules(block: dict, model: ModelSpec) -> tuple[str, ...] | None:
     return tuple(v)
 
 
-def _recompute_layers(block: dict, model: ModelSpec) -> int | None:
-    """The stated number of layers per chunk that full recomputation runs again, checked against the mode."""
-    n = _int(block, "recompute_layers", "training", required=False)
-    if n is None:
-        return None
-    field = "training.recompute_layers"
-    if block.get("recompute") not in (None, "full"):
-        raise SpecError(field, f"applies to recompute \"full\" (or null), not {block.get('recompute')!r}")
-    if n > model.layers + model.mtp_layers:
-        raise SpecError(field, f"{n} is more than the model's {model.layers + model.mtp_layers} layers; "
-                        "null recomputes every layer")
-    return n
+def implied_recompute(t: Training) -> Training:
+    """A null recompute mode that the stated details imply: modules name what "selective" reruns, a layer
+    count what "full" covers."""
+    if t.recompute is None and t.recompute_modules:
+        return replace(t, recompute="selective")
+    if t.recompute is None and t.recompute_layers is not None:
+        return replace(t, recompute="full")
+    return t
 
 
 def _with_pp_layout(parallel: Parallel, text, model: ModelSpec) -> Parallel:
@@ -580,6 +572,14 @@ def check_fixed(case: Case) -> None:
     if t.recompute == "dots" and not dots_modelled(m):
         raise SpecError("training.recompute", "\"dots\" (JAX's checkpoint_dots_with_no_batch_dims) is modelled for "
                         "dense attention + MLP layers only, not MoE or Mamba layers: use \"full\" or \"selective\"")
+    if t.recompute_layers is not None:
+        if t.recompute != "full":
+            raise SpecError("training.recompute_layers", f"applies to recompute \"full\" (or null), not "
+                            f"{t.recompute!r}" + (" (recompute_modules makes it \"selective\")"
+                                                  if t.recompute_modules else ""))
+        if not 1 <= t.recompute_layers <= m.layers:
+            raise SpecError("training.recompute_layers", f"must be 1 to the model's {m.layers} layers, got "
+                            f"{t.recompute_layers}; null recomputes every layer")
     if t.fsdp_backward_prefetch == "post" and t.fsdp_impl != "fsdp1":
         raise SpecError("training.fsdp_backward_prefetch", "\"post\" is FullyShardedDataParallel's BACKWARD_POST: "
                         "state fsdp_impl \"fsdp1\" with it (fully_shard and XLA always gather one layer ahead)")

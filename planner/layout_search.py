@@ -181,10 +181,13 @@ def candidate_layouts(case: Case, chip: Chip) -> Iterator[Layout]:
                 for sched, v in _schedules(case, pp, per_run // b):
                     sps = [t.sequence_parallel] if t.sequence_parallel is not None else [tp > 1]
                     for sp, ssm_cp in itertools.product(sps, _ssm_cp_variants(case, tp, cp)):
-                        yield Layout(dp, tp, pp, cp, ep, sched, v, b, 0, "none", bool(sp and tp > 1),
+                        lay = Layout(dp, tp, pp, cp, ep, sched, v, b, 0, "none", bool(sp and tp > 1),
                                      **how, ssm_cp=ssm_cp, schedule_runs=runs, pp_layout=p.pp_layout,
                                      recompute_modules=t.recompute_modules or DEFAULT_RECOMPUTE_MODULES,
                                      recompute_layers=t.recompute_layers)
+                        if t.recompute_layers and t.recompute_layers >= _most_layers(m, lay):
+                            lay = replace(lay, recompute_layers=None)  # every layer of every chunk
+                        yield lay
 
 
 def _ssm_cp_variants(case: Case, tp: int, cp: int) -> list[str]:
@@ -227,6 +230,12 @@ def _fitting_variants(case: Case, lay: Layout, hbm: float, chip: Chip) -> Iterat
             break
 
 
+def _most_layers(m: ModelSpec, lay: Layout) -> int:
+    """The most transformer layers one chunk of `lay` holds: a recompute_layers count this large covers every
+    layer of every chunk."""
+    return max(c.layers for stage in chunks_of(m, lay) for c in stage)
+
+
 def _fewest_recomputed(m: ModelSpec, lay: Layout, fits) -> Layout | None:
     """`lay` (full recomputation) with the fewest layers per chunk recomputed whose memory `fits`
     (Megatron-Core's recompute_num_layers, block method); None (every layer) when only all of them fit,
@@ -234,7 +243,7 @@ def _fewest_recomputed(m: ModelSpec, lay: Layout, fits) -> Layout | None:
     count is found by bisection."""
     if not fits(lay):
         return None
-    most = max(c.layers + c.mtp for stage in chunks_of(m, lay) for c in stage)
+    most = _most_layers(m, lay)
     low, high = 1, most  # `high` layers fit (every layer: `lay` itself)
     while low < high:
         mid = (low + high) // 2

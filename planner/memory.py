@@ -326,15 +326,16 @@ def stage_groups(m: ModelSpec, lay: Layout) -> tuple[int, ...]:
     """For each stage, the first stage holding the same kinds of layers in its chunks (and the same
     embedding, MTP and output roles): stages of one group cost the same time and, holding no more
     in-flight micro-batches than the first, need no more memory."""
-    return _stage_groups(m, lay.pp, lay.virtual_stages, lay.pp_layout)
+    return _stage_groups(m, lay.pp, lay.virtual_stages, lay.pp_layout, lay.recompute_split)
 
 
 @lru_cache(maxsize=4096)
-def _stage_groups(m: ModelSpec, pp: int, virtual: int, pp_layout: str | None) -> tuple[int, ...]:
+def _stage_groups(m: ModelSpec, pp: int, virtual: int, pp_layout: str | None, split: int | None) -> tuple[int, ...]:
     firsts: dict = {}
     out = []
     for i, chunks in enumerate(stage_chunks(m.layers, m.mtp_layers, pp, virtual, pp_layout)):
-        key = tuple((layer_kind_counts(m, c.first, c.layers), c.embedding, c.mtp, c.loss) for c in chunks)
+        # which of its layers full recomputation covers, when it covers only some (`recompute_split`)
+        key = tuple((recompute_split(m, c, split), c.embedding, c.mtp, c.loss) for c in chunks)
         out.append(firsts.setdefault(key, i))
     return tuple(out)
 
@@ -357,19 +358,18 @@ def memory_per_chip(m: ModelSpec, lay: Layout, micro_batches: int, optimizer: st
             # in the reduction's fp32 until the last backward (planner.costs' docstring)
             params += 2 * (dense + moe)
             grads += 4 * (dense + moe)
-        # an MTP module keeps what one more layer keeps; each chunk's first lay.recomputed(layers) keep only their
-        # inputs, the others everything
-        layers = [c.layers + c.mtp for c in stages[stage]]
-        again = [lay.recomputed(n) for n in layers]
-        per_layer = _per_layer_bytes(m, lay, stages[stage], dtype)
-        if 0 < sum(again) < sum(layers):
-            # the layers beside them keep everything (`Layout.recomputed`: training.recompute_layers)
-            keeps_all = _per_layer_bytes(m, replace(lay, recompute="none"), stages[stage], dtype)
-            per_chunk = [a * per_layer + (n - a) * keeps_all for n, a in zip(layers, again, strict=True)]
-            acts = in_flight_layers(stage, lay, micro_batches, per_chunk)
+        room = 0.0  # what a chunk's backward has freed when it reaches a layer to recompute
+        if lay.recompute_split is None:
+            # an MTP module keeps what one more layer keeps
+            acts = (in_flight_layers(stage, lay, micro_batches, [c.layers + c.mtp for c in stages[stage]])
+                    * _per_layer_bytes(m, lay, stages[stage], dtype))
         else:
-            acts = in_flight_layers(stage, lay, micro_batches, layers) * per_layer
-        temp = _temporary_bytes(m, lay, stage, dense + moe * lay.tp, dtype)
+            # each chunk's first recompute_layers keep only their inputs, the others everything; the backward
+            # reaches those after the others have freed theirs, the room the recomputation's buffer takes
+            split = [_split_bytes(m, lay, stages[stage], c, dtype) for c in stages[stage]]
+            acts = in_flight_layers(stage, lay, micro_batches, [again + rest for again, rest in split])
+            room = min((rest for again, rest in split if again), default=float("inf"))
+        temp = _temporary_bytes(m, lay, stage, dense + moe * lay.tp, dtype, room)
         if lay.logit_metrics and any(c.loss for c in stages[stage]):
             # the metrics' cross-entropies run after the backward has freed the activations (Composer): the
             # bf16 logits, their fp32 copy and its log-softmax, 10 bytes a logit, may set the peak instead
@@ -378,6 +378,39 @@ def memory_per_chip(m: ModelSpec, lay: Layout, micro_batches: int, optimizer: st
         if best is None or mem.total_bytes > best.total_bytes:
             best = mem
     return best
+
+
+def recompute_split(m: ModelSpec, c: Chunk, layers: int | None) -> tuple[tuple, tuple]:
+    """A chunk's ((kind, layers), ...) split into those full recomputation covers and those that keep
+    everything, when it covers only its first `layers` (`Layout.recompute_split`, Megatron-Core's block
+    method); its MTP modules, which Megatron-Core does not recompute then ("block-based recompute for MTP"
+    is a TODO in multi_token_prediction.py, which skips it), keep everything. `layers` None: all, none."""
+    counts = layer_kind_counts(m, c.first, c.layers)
+    if layers is None:
+        return plus_layers(counts, mtp_kind(m), c.mtp) if c.mtp else counts, ()
+    k = min(layers, c.layers)
+    rest = layer_kind_counts(m, c.first + k, c.layers - k)
+    return layer_kind_counts(m, c.first, k), plus_layers(rest, mtp_kind(m), c.mtp) if c.mtp else rest
+
+
+def plus_layers(counts: tuple, kind, n: int) -> tuple:
+    """((kind, layers), ...) with `n` more layers of `kind`."""
+    merged = dict(counts)
+    merged[kind] = merged.get(kind, 0) + n
+    return tuple(merged.items())
+
+
+def _split_bytes(m: ModelSpec, lay: Layout, chunks: tuple[Chunk, ...], c: Chunk, dtype: str) -> tuple[float, float]:
+    """(bytes kept by a chunk's fully recomputed layers, by its other layers), one micro-batch: each layer
+    at its own kind's bytes in a layer pattern, else at the larger kind's (`_per_layer_bytes`)."""
+    kept = replace(lay, recompute="none")
+    out = []
+    for part, how in zip(recompute_split(m, c, lay.recompute_split), (lay, kept), strict=True):
+        if m.layer_pattern:
+            out.append(sum(n * layer_activation_bytes(m, how, kind, dtype=dtype) for kind, n in part))
+        else:
+            out.append(sum(n for _, n in part) * _per_layer_bytes(m, how, chunks, dtype))
+    return out[0], out[1]
 
 
 def _per_layer_bytes(m: ModelSpec, lay: Layout, chunks: tuple[Chunk, ...], dtype: str) -> float:
@@ -403,10 +436,12 @@ def _logits(m: ModelSpec, lay: Layout) -> float:
     return lay.micro_batch * m.seq_len / lay.cp * m.vocab / lay.tp
 
 
-def _temporary_bytes(m: ModelSpec, lay: Layout, stage: int, stage_params: float, dtype: str) -> float:
+def _temporary_bytes(m: ModelSpec, lay: Layout, stage: int, stage_params: float, dtype: str,
+                     room: float = 0.0) -> float:
     """Buffers alive at the peak besides the kept activations:
     * the layer being back-propagated with full, op-level selective or "dots" recomputation holds its
-      recomputed activations (the whole layer's less what it keeps anyway);
+      recomputed activations (the whole layer's less what it keeps anyway), less the `room` the backward
+      has freed before it gets there (full recomputation of only some layers: the others' activations);
     * the loss stage's fp32 logits and their gradient, (b s/cp) x V/t x 8 bytes (Korthikanti sec. 4.3
       counts the output layer too), or with a fused cross-entropy (`cross_entropy` "fused") the bf16 logits
       and their bf16 gradient, 4 bytes; once per output head (multi-token prediction adds heads);
@@ -419,8 +454,8 @@ def _temporary_bytes(m: ModelSpec, lay: Layout, stage: int, stage_params: float,
     if lay.recompute in ("full", "selective-op", "dots"):
         kinds = m.kinds if m.layer_pattern else (m.is_moe,)
         # what the recomputation adds to the activations the layer already keeps
-        temp += max(layer_activation_bytes(m, lay, k, recompute="none", dtype=dtype)
-                    - layer_activation_bytes(m, lay, k, dtype=dtype) for k in kinds)
+        temp += max(0.0, max(layer_activation_bytes(m, lay, k, recompute="none", dtype=dtype)
+                             - layer_activation_bytes(m, lay, k, dtype=dtype) for k in kinds) - room)
     chunks = chunks_of(m, lay)[stage]
     if any(c.loss for c in chunks):
         per_logit = 4 if lay.cross_entropy == "fused" else 8

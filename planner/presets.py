@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from planner.case import Case, Cluster, Parallel, Training, check_fixed
+from planner.case import Case, Cluster, Parallel, Training, check_fixed, implied_recompute
 from planner.models import MODEL_PRESETS, SSM_PRESETS, ModelSpec, SpecError
 
 CLUSTER_PRESETS: dict[str, Cluster] = {
@@ -55,7 +55,8 @@ def make_case(model: ModelSpec | str, cluster: Cluster | str, global_batch: int 
     for key in training:
         if key not in known:
             raise SpecError(f"training.{key}", f"unknown field; known: {sorted(known)}")
-    case = Case(model, Training(global_batch=global_batch, **training), parallel or Parallel(), cluster,
+    t = implied_recompute(Training(global_batch=global_batch, **training))
+    case = Case(model, t, parallel or Parallel(), cluster,
                 f"{model.name} on {cluster.num_chips} x {cluster.chip}")
     from hardware.chips import get_chip
     try:

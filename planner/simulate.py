@@ -56,12 +56,13 @@ from hardware.chips import Chip
 from hardware.collectives import ring_sent_bytes
 from planner import costs
 from planner.case import Case, Layout
-from planner.flops import hardware_flops, model_flops, mtp_kind, output_heads, vocab_rows
+from planner.flops import hardware_flops, model_flops, output_heads, vocab_rows
 from planner.memory import (
     Memory,
     in_flight_chunks,
     layer_kind_counts,
     memory_per_chip,
+    recompute_split,
     stage_groups,
     stage_params,
 )
@@ -264,7 +265,7 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
     by_kind = {k: costs.layer_cost(m, lay, chip, tr.dtype, k, node) for k in m.kinds}
     # under full recomputation of only some layers per chunk (training.recompute_layers), the others keep everything
     keeps_all = by_kind
-    if lay.recompute == "full" and lay.recompute_layers is not None:
+    if lay.recompute_split is not None:
         kept = replace(lay, recompute="none")
         keeps_all = {k: costs.layer_cost(m, kept, chip, tr.dtype, k, node) for k in m.kinds}
     logits_f, logits_b = costs.logits_cost(m, lay, chip, tr.dtype)
@@ -292,7 +293,6 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
     for i in sorted(set(groups)):
         chunks = []
         for piece in plan[i]:
-            counts = layer_kind_counts(m, piece.first, piece.layers)
             ef = eb = 0.0
             # the TP collectives of the embedding lookups (the model's and each MTP module's) and the heads
             lookups = int(piece.embedding) + piece.mtp
@@ -303,20 +303,23 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
                 ef += embed_s
                 eb += embed_s
             if piece.mtp:  # each module: one more layer of the model's last kind and its own small ops
-                counts = _plus_layers(counts, mtp_kind(m), piece.mtp)
                 ef += piece.mtp * mtp_f
                 eb += piece.mtp * mtp_b
             if piece.loss:  # the output head, once for the model and once per MTP module
                 ef += heads * logits_f
                 eb += heads * logits_b
-            again, rest = _recomputed_counts(m, lay, piece, counts)
+            # its layers (MTP modules among them), those full recomputation covers and the rest
+            again, rest = recompute_split(m, piece, lay.recompute_split)
             key = (again, rest, ef, eb, lookups, heads, piece.embedding)  # all the chunk's cost depends on
             if key not in chunk_cache:
-                layers = tuple((by_kind[k], n) for k, n in again)
-                if piece.embedding and piece.layers and root_comms[0]:
-                    layers = _first_layer_in_view(m, piece.first, again, by_kind, chip)
-                layers += tuple((keeps_all[k], n) for k, n in rest)
-                chunk_cache[key] = _chunk(lay, chip, layers, ef, eb, pass_p2p_s, ends)
+                again_costs = tuple((by_kind[k], n) for k, n in again)
+                rest_costs = tuple((keeps_all[k], n) for k, n in rest)
+                if piece.embedding and piece.layers and root_comms[0]:  # whichever part holds the first layer
+                    if again:
+                        again_costs = _first_layer_in_view(m, piece.first, again, by_kind, chip)
+                    else:
+                        rest_costs = _first_layer_in_view(m, piece.first, rest, keeps_all, chip)
+                chunk_cache[key] = _chunk(lay, chip, again_costs + rest_costs, ef, eb, pass_p2p_s, ends)
             chunks.append(chunk_cache[key])
         dense_p, expert_p = stage_params(m, lay, i)
         dp_total = exposed = per_micro_batch = 0.0
@@ -415,23 +418,6 @@ def tied_embedding_sync_s(m: ModelSpec, lay: Layout, chip: Chip, node: int, plan
     return costs.comm_s(topo, "all_reduce", nbytes), holders
 
 
-def _recomputed_counts(m: ModelSpec, lay: Layout, piece, counts: tuple) -> tuple[tuple, tuple]:
-    """A chunk's ((kind, layers), ...) split into those costed under the layout's recomputation and those that
-    keep everything: under "full" with `recompute_layers`, its first that many (its MTP modules, which follow
-    its layers, last); otherwise all of `counts` and none."""
-    n = piece.layers + piece.mtp
-    again = lay.recomputed(n)
-    if lay.recompute != "full" or again == n:
-        return counts, ()
-    in_layers = min(again, piece.layers)
-    first = layer_kind_counts(m, piece.first, in_layers)
-    rest = layer_kind_counts(m, piece.first + in_layers, piece.layers - in_layers)
-    if piece.mtp:
-        first = _plus_layers(first, mtp_kind(m), again - in_layers) if again > in_layers else first
-        rest = _plus_layers(rest, mtp_kind(m), n - max(again, piece.layers))
-    return first, rest
-
-
 def _first_layer_in_view(m: ModelSpec, first: int, counts: tuple, by_kind: dict, chip: Chip) -> tuple:
     """((LayerCost, layers), ...) of a chunk whose first layer follows the embedding lookup under per-layer
     ZeRO-3: that layer apart (`costs.zero3_first_layer`: nothing but the lookup to hide its gather under,
@@ -447,13 +433,6 @@ def _plus_backward(chunk: ChunkCost, part: str, seconds: float) -> ChunkCost:
     parts = dict(chunk.parts)
     parts[part] += seconds
     return replace(chunk, bwd_s=chunk.bwd_s + seconds, parts=parts)
-
-
-def _plus_layers(counts: tuple, kind, n: int) -> tuple:
-    """((kind, layers), ...) with `n` more layers of `kind`."""
-    merged = dict(counts)
-    merged[kind] = merged.get(kind, 0) + n
-    return tuple(merged.items())
 
 
 def pipeline_p2p_s(m: ModelSpec, lay: Layout, chip: Chip, node: int) -> float:
@@ -573,9 +552,10 @@ def simulate(case: Case, lay: Layout, chip: Chip, memory: Memory | None = None) 
     node = case.cluster.chips_per_node or chip.scaleup_domain
     flops = model_flops(m, tokens)
     again = hardware_flops(m, tokens, lay.recompute, lay.recompute_modules, costs.recompute_drops_dead_code(chip))
-    if lay.recompute == "full" and lay.recompute_layers is not None:  # only some layers run again
-        chunks = [c for stage in chunks_of(m, lay) for c in stage]
-        share = sum(lay.recomputed(c.layers + c.mtp) for c in chunks) / sum(c.layers + c.mtp for c in chunks)
+    if lay.recompute_split is not None:  # only some layers run again: their share of what all would
+        layers = [(lc, n) for st in stages for ch in st.chunks for lc, n in ch.layer_costs]
+        share = (sum(n * lc.full_recompute_flops for lc, n in layers if lc.recompute == "full")
+                 / sum(n * lc.full_recompute_flops for lc, n in layers))
         again = flops + share * (again - flops)
     return StepResult(case, lay, chip, micro_batches, step, t_pipe, breakdown, stages, mem, flops, again,
                       mem.total_bytes <= usable_hbm_bytes(chip),
