@@ -328,15 +328,23 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
             last_bwd = sum(ch.bwd_s for ch in chunks)
             dense_edge = edge_bucket_share(m, lay, any(p.embedding for p in plan[i]), dense_p, layers_here)
 
-            def hidden_under_bwd(sync: float, edge: float) -> float:
+            windows = chunk_sync_windows(chunks, lay, i)
+
+            def hidden_under_bwd(sync: float, edge: float, step_end: bool = True) -> float:
                 """What the gradient sync costs the step: what shows (at least the last bucket's, `edge` of
-                it), and what hides under the backward slows it."""
+                it), and what hides under the backward slows it; at the step's end, under the interleaved
+                schedule, chunk by chunk (`chunk_sync_windows`)."""
                 shown = max(sync - last_bwd * (1 - 1 / layers_here), sync * edge)
+                if windows and step_end:
+                    shown = max(sync * edge, _queued(sync, chunks, windows))
                 return costs.charged_s(chip, sync, shown if lay.grad_reduce_overlap else sync)
 
             def hidden_under_fwd(gather: float, edge: float) -> float:
                 """The updated weights' gather under the next step's forward (`param_gather_overlap`), likewise:
-                the first forward waits for the first bucket's."""
+                the first forward waits for the first bucket's. Megatron-Core gathers one bucket ahead (each
+                launched once the previous is waited for: distrib_optimizer.py _finish_param_sync_helper, "we
+                can't pre-launch all-gathers for all buckets at once"), so under the interleaved schedule too
+                a chunk's weights arrive during its own first forward."""
                 shown = max(gather - sum(ch.fwd_s for ch in chunks), gather * edge)
                 return costs.charged_s(chip, gather, shown if lay.param_gather_overlap else gather)
 
@@ -353,7 +361,7 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
                 if lay.zero_stage == 2 and micro_batches > 1:
                     # ZeRO-2 keeps only its gradient shard, so every micro-batch's gradients are
                     # reduce-scattered as they are produced (DeepSpeed stage 2), not once per step
-                    per_micro_batch += hidden_under_bwd(sync, edge)
+                    per_micro_batch += hidden_under_bwd(sync, edge, step_end=False)
                     dp_total += micro_batches * sync + gather
                 elif lay.staged_zero3:
                     exposed += sync  # after the last backward: nothing left to hide it under
@@ -376,6 +384,41 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
         passes = grad_buffer_passes_s(dense_p + expert_p, lay, chip, dp_group)
         by_rep[i] = StageCost(chunks, exposed, dp_total, opt, dense_p + expert_p, tied, passes)
     return [by_rep[g] for g in groups]
+
+
+def chunk_sync_windows(chunks: list[ChunkCost], lay: Layout, rank: int) -> list[float] | None:
+    """Under Megatron-Core's interleaved 1F1B each model chunk syncs its own gradients (a DDP buffer per
+    chunk), once its last micro-batch's backward is done, so each hides under the backward left after it,
+    not only under one micro-batch's (schedules.py forward_backward_pipelining_with_interleaving, at
+    core_r0.8.0 and since): the seconds after chunk c's sync is launched, for each of the stage's chunks c;
+    None for the other schedules, whose one chunk's buckets go out as its last backward produces them
+    (planner.simulate.stage_costs).
+
+    Backward: micro-batches go round in groups of p per chunk, so the last group runs p backwards of chunk
+    v - 1, then of v - 2, ..., then of 0, all in the cool-down (rank r's warm-up, 2 (p - 1 - r) + (v - 1) p
+    chunk-forwards, is at least the (v - 1) p that follow chunk v - 1's last backward). Chunk c's sync is
+    started (grad_sync_func, the chunk's start_grad_sync) r backwards after its last one ("delay ... grad
+    reductions in all but first PP stage", --delay-grad-reduce, on by default; since 2024 --align-grad-reduce),
+    leaving p x (backwards of chunks 0 .. c - 1) less those r."""
+    v, p = len(chunks), lay.pp
+    if v == 1 or lay.pp_schedule != "interleaved-1f1b":
+        return None
+    mean_bwd = sum(ch.bwd_s for ch in chunks) / v
+    return [max(0.0, p * sum(ch.bwd_s for ch in chunks[:c]) - rank * mean_bwd) for c in range(v)]
+
+
+def _queued(total: float, chunks: list[ChunkCost], windows: list[float]) -> float:
+    """What shows of `total` seconds of a stage's gradient syncs split over its chunks by their layers and run
+    one after another on the same links, chunk c's with `windows[c]` of compute after its launch (growing
+    with c): they go out from the last chunk down, and what is still queued once chunk c's is launched, its
+    own and those of chunks below it, must fit in the compute left after it. What shows is the most that
+    the syncs of chunks 0 .. c overrun window c."""
+    layers = max(1, sum(ch.layers for ch in chunks))
+    shown = queued = 0.0
+    for ch, window in zip(chunks, windows, strict=True):
+        queued += total * ch.layers / layers
+        shown = max(shown, queued - window)
+    return shown
 
 
 def edge_bucket_share(m: ModelSpec, lay: Layout, embedding: bool, params: float, layers: int) -> float:

@@ -144,3 +144,46 @@ def test_the_timeline_draws_the_backward_from_the_last_layer_to_the_first():
     bwd = {s.name: s.start_s for s in spans if s.name.startswith("bwd") and " L" in s.name}
     order = sorted(bwd, key=bwd.get)
     assert [name.rsplit(" ", 1)[1] for name in order] == ["L3", "L2", "L1", "L0"]
+
+
+def _interleaved(dp=8, pp=2, v=2, layers=8):
+    case = _case()
+    case["model"]["layers"] = layers
+    case["training"]["global_batch"] = 8 * dp
+    case["parallel"].update(dp=dp, pp=pp, virtual_stages=v, pp_schedule="interleaved-1f1b" if v > 1 else "1f1b")
+    case["cluster"]["num_chips"] = dp * pp
+    case["cluster"]["chips_per_node"] = 8 if dp * pp >= 8 else dp * pp
+    return estimate(case).result
+
+
+def test_interleaved_chunks_sync_their_gradients_one_by_one_under_the_backward_left():
+    """Megatron-Core's interleaved schedule starts each chunk's gradient sync once that chunk's last micro-batch
+    backward is done (rank r: r backwards later), the last chunk first; the syncs queue on the same links and
+    chunk c's has p x (the backwards of chunks 0 .. c - 1), less the delay, to hide under."""
+    from planner import costs
+    from planner.simulate import chunk_sync_windows
+
+    res = _interleaved()
+    lay, p = res.layout, res.layout.pp
+    for i in (0, 1):
+        stage = res.stages[i]
+        b0, b1 = (ch.bwd_s for ch in stage.chunks)
+        windows = chunk_sync_windows(stage.chunks, lay, i)
+        assert windows == pytest.approx([0.0, max(0.0, p * b0 - i * (b0 + b1) / 2)])
+        # ZeRO-1: the reduce-scatter, the chunks' halves of it (equal layers), then the gather under the next forward
+        rs = costs.comm_s(costs.data_topology(res.chip, lay, 8), "reduce_scatter", stage.params * lay.grad_bytes)
+        ag = stage.dp_total_s - rs
+        shown_rs = max(rs / 2 - windows[0], rs - windows[1])
+        fwd = sum(ch.fwd_s for ch in stage.chunks)
+        edge = edge_bucket_share(res.case.model, lay, i == 0, stage.params, 4)
+        want = (costs.charged_s(res.chip, rs, max(shown_rs, rs * edge))
+                + costs.charged_s(res.chip, ag, max(ag - fwd, ag * edge)))
+        assert stage.dp_exposed_s == pytest.approx(want, rel=1e-9), i
+
+
+def test_one_chunk_a_stage_keeps_the_buckets_of_its_last_backward():
+    """1F1B: the stage's buckets go out as its last backward produces them (no per-chunk windows)."""
+    from planner.simulate import chunk_sync_windows
+
+    res = _interleaved(v=1)
+    assert chunk_sync_windows(res.stages[0].chunks, res.layout, 0) is None
