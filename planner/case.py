@@ -306,7 +306,9 @@ class Layout:
     def recompute_label(self) -> str:
         """The recomputation in a few words, for tables: the mode, and how many layers per chunk full covers."""
         if self.recompute == "full" and self.recompute_layers is not None:
-            return f"full ({self.recompute_layers} layers a chunk)"
+            whole = self.pp * self.virtual_stages == 1  # one chunk: the model
+            n = self.recompute_layers
+            return f"full ({n} layer{'s' if n != 1 else ''}{'' if whole else ' a chunk'})"
         return self.recompute
 
     def dropout_on(self, m: ModelSpec) -> bool:
