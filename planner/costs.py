@@ -451,22 +451,36 @@ def _gemm_times(chip, dtype, gemms: list[_Gemm]) -> tuple[dict, dict, dict]:
             {g.name: _wgrad_s(chip, dtype, g) for g in gemms})
 
 
+# Transformer Engine's userbuffers overlap (transformer_engine/pytorch/module/base.py get_default_config, and
+# common/comm_gemm_overlap): the column GEMMs' forward and the row GEMMs' input gradient by "ring_exchange",
+# num_splits = tp, not aggregated: tp GEMMs of T / tp rows, one per ring step (CommOverlapP2PBase::
+# split_overlap_ag); the row GEMMs' forward by "pipeline", num_splits 4: four GEMMs of all T rows and a
+# quarter of the output features each, reduce-scattered one by one (CommOverlapBase::split_overlap_rs).
+# XLA's collective matmul on a TPU decomposes both ways over the tp ring steps, by rows.
+RS_PIPELINE_SPLITS = 4
+
+
+def row_forward_splits(chip: Chip, t: int) -> int:
+    """How many pieces a row GEMM's forward and its reduce-scatter are pipelined in (RS_PIPELINE_SPLITS)."""
+    return RS_PIPELINE_SPLITS if chip.kind == "gpu" else t
+
+
 def _chunked_gemm_times(chip, dtype, gemms: list[_Gemm], column: list[str], row: list[str], gemm_fwd: dict,
                         gemm_dgrad: dict, t: int) -> tuple[dict, dict]:
     """(forward, input-gradient) seconds by GEMM name when TP's collectives are pipelined with the GEMMs
-    (`tp_comm_overlap`): each pipelined GEMM runs as t GEMMs of T / t rows, one per ring step, and a GEMM of
-    fewer rows reaches less of the chip (hardware.kernels' shape curve). Transformer Engine's userbuffers
-    ring exchange computes one chunk of the gathered input per step (num_splits = tp, not aggregated: the
-    default in transformer_engine/pytorch/module/base.py and in every Megatron-Bridge H100 / B200 config,
-    comm_overlap.py) for the column GEMMs' forward and the row GEMMs' input gradient; the row GEMMs' forward
-    reduce-scatter is chunked too (ring exchange in the fp8 configs; "pipeline" in 4 splits in the bf16
-    ones, counted here as t like the exposure in `_tp_comms`). torch's async TP (fused all-gather matmul)
-    and XLA's collective matmul decompose the same way."""
+    (`tp_comm_overlap`): each pipelined GEMM runs in pieces (RS_PIPELINE_SPLITS' note), and a smaller GEMM
+    reaches less of the chip (hardware.kernels' shape curve): the column GEMMs' forward and the row GEMMs'
+    input gradient as t GEMMs of T / t rows, the row GEMMs' forward as `row_forward_splits` GEMMs (on a GPU,
+    of all T rows and a quarter of the outputs; on a TPU of T / t rows). torch's async TP decomposes like
+    the ring exchange."""
     fwd, dgrad = dict(gemm_fwd), dict(gemm_dgrad)
+    pieces = row_forward_splits(chip, t)
     for g in gemms:
-        if g.name in column or g.name in row:
+        if g.name in column:
             fwd[g.name] = t * g.batch * kernels.matmul_s(chip, dtype, g.m / t, g.k, g.n)
         if g.name in row:
+            rows, outputs = (g.m, g.n / pieces) if chip.kind == "gpu" else (g.m / pieces, g.n)
+            fwd[g.name] = pieces * g.batch * kernels.matmul_s(chip, dtype, rows, g.k, outputs)
             dgrad[g.name] = t * g.batch * kernels.matmul_s(chip, dtype, g.m / t, g.n, g.k)
     return fwd, dgrad
 
@@ -601,13 +615,22 @@ def tp_overlaps(lay: Layout, chip: Chip) -> bool:
     return chip.tp_comm_overlap if lay.tp_comm_overlap is None else lay.tp_comm_overlap
 
 
+# The routed experts' GEMMs: their TP collectives are the token dispatcher's own all-gather and
+# reduce-scatter (plain NCCL collectives, autograd's backward of each the other), not pipelined with the
+# GEMMs: Megatron-Core's experts are TEGroupedLinear modules, which have no userbuffers path
+# (custom_layers/transformer_engine.py at core_r0.8.0 passes them no ub_overlap flags)
+DISPATCHED = ("experts fc1", "experts fc2")
+
+
 def _tp_comms(lay: Layout, topo: Topology, column: list[str], row: list[str], gemm_fwd: dict, gemm_dgrad: dict,
-              gemm_wgrad: dict, act_bytes: float, copies: dict[str, float] | None = None
+              gemm_wgrad: dict, act_bytes: float, copies: dict[str, float] | None = None, rs_splits: int = 0
               ) -> tuple[list[CommOp], list[CommOp]]:
     """TP's collectives around the column-parallel GEMMs that read a region's input and the row-parallel
     ones whose partial sums leave it (module docstring): (forward, backward). `lay` is layer_cost's key, whose
     tp_comm_overlap is already resolved (tp_overlaps). Each GEMM's collectives move `act_bytes`, times its
-    `copies` where given (routed experts: the top_k copies of every token)."""
+    `copies` where given (routed experts: the top_k copies of every token). A row GEMM's forward reduce-
+    scatter is pipelined in `rs_splits` pieces (`row_forward_splits`; 0: t); the routed experts' collectives
+    (DISPATCHED) are never pipelined, and their gathered input is kept for the weight gradient."""
     t, overlap = lay.tp, lay.tp_comm_overlap
     fwd: list[CommOp] = []
     bwd: list[CommOp] = []
@@ -615,16 +638,24 @@ def _tp_comms(lay: Layout, topo: Topology, column: list[str], row: list[str], ge
     if lay.sequence_parallel:
         ag = {g: comm_s(topo, "all_gather", b) for g, b in nbytes.items()}
         rs = {g: comm_s(topo, "reduce_scatter", b) for g, b in nbytes.items()}
+
+        def piped(g: str) -> bool:
+            return overlap and g not in DISPATCHED
+
         for g in column:  # forward: all-gather the sequence, then the column GEMM
-            exp = pipelined_exposed_s(ag[g], gemm_fwd[g], t) if overlap else ag[g]
+            exp = pipelined_exposed_s(ag[g], gemm_fwd[g], t) if piped(g) else ag[g]
             fwd.append(CommOp("tp", f"tp all-gather ({g})", "all_gather", nbytes[g], ag[g], exp, gemm=g))
         for g in row:  # forward: the row GEMM's partial sums reduce-scattered
-            exp = pipelined_exposed_s(rs[g], gemm_fwd[g], t) if overlap else rs[g]
+            exp = pipelined_exposed_s(rs[g], gemm_fwd[g], rs_splits or t) if piped(g) else rs[g]
             fwd.append(CommOp("tp", f"tp reduce-scatter ({g})", "reduce_scatter", nbytes[g], rs[g], exp, gemm=g))
         for g in row:  # backward: the output gradient all-gathered before the dgrad GEMM
-            exp = pipelined_exposed_s(ag[g], gemm_dgrad[g], t) if overlap else ag[g]
+            exp = pipelined_exposed_s(ag[g], gemm_dgrad[g], t) if piped(g) else ag[g]
             bwd.append(CommOp("tp", f"tp all-gather ({g} grad)", "all_gather", nbytes[g], ag[g], exp, gemm=g))
         for g in column:  # backward: input re-gathered under dgrad, its gradient reduced under wgrad
+            if g in DISPATCHED:  # the all-gather's backward, after the experts' GEMMs
+                bwd.append(CommOp("tp", f"tp reduce-scatter ({g} grad)", "reduce_scatter", nbytes[g], rs[g], rs[g],
+                                  gemm=g))
+                continue
             bwd.append(CommOp("tp", f"tp all-gather ({g} input)", "all_gather", nbytes[g], ag[g],
                               max(0.0, ag[g] - gemm_dgrad[g]), gemm=g))
             bwd.append(CommOp("tp", f"tp reduce-scatter ({g} grad)", "reduce_scatter", nbytes[g], rs[g],
@@ -834,7 +865,8 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
     column = ([attn_g[0].name] if attn_g else []) + [g for g in ("fc1", "experts fc1") if g in gemm_fwd]
     row = (["o"] if attn_g else []) + [g for g in ("fc2", "experts fc2") if g in gemm_fwd]
     if t > 1 and lay.sequence_parallel and lay.tp_comm_overlap:
-        gemm_fwd, gemm_dgrad = _chunked_gemm_times(chip, dtype, gemms, column, row, gemm_fwd, gemm_dgrad, t)
+        gemm_fwd, gemm_dgrad = _chunked_gemm_times(chip, dtype, gemms, [g for g in column if g not in DISPATCHED],
+                                                   [g for g in row if g not in DISPATCHED], gemm_fwd, gemm_dgrad, t)
     fwd_s = sum(gemm_fwd.values()) + attn_fwd_s + ew_fwd_s
     wgrad_s = sum(gemm_wgrad.values())
     bwd_s = sum(gemm_dgrad.values()) + wgrad_s + attn_bwd_s + ew_bwd_s
@@ -855,7 +887,8 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
         # output after (moe/token_dispatcher.py, gather_from_sequence_parallel_region), beside the shared
         # experts' collectives on the layer's T rows
         copies = {"experts fc1": m.top_k, "experts fc2": m.top_k} if moe is True else None
-        f, b = _tp_comms(lay, topo, column, row, gemm_fwd, gemm_dgrad, gemm_wgrad, act_bytes, copies)
+        f, b = _tp_comms(lay, topo, column, row, gemm_fwd, gemm_dgrad, gemm_wgrad, act_bytes, copies,
+                         row_forward_splits(chip, t))
         fwd_comms += f
         bwd_comms += b
 
@@ -1015,6 +1048,9 @@ def _mamba_layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chips_p
     alltoall = cp > 1 and lay.ssm_cp == "alltoall"
     gemms = [_Gemm("in_proj", tokens, h, (2 * e + 2 * g * n + m.ssm_heads) / t), _Gemm("out_proj", tokens, e / t, h)]
     gemm_fwd, gemm_dgrad, gemm_wgrad = _gemm_times(chip, dtype, gemms)
+    if t > 1 and lay.sequence_parallel and lay.tp_comm_overlap:  # Megatron-Core's mixer: TE's fc1 / fc2 overlap
+        gemm_fwd, gemm_dgrad = _chunked_gemm_times(chip, dtype, gemms, ["in_proj"], ["out_proj"], gemm_fwd,
+                                                   gemm_dgrad, t)
 
     # the scan: the state variant runs the local slice with H/t heads; the all-to-all one the whole
     # sequence with H/(t cp) heads (the same work)
@@ -1057,7 +1093,8 @@ def _mamba_layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chips_p
     act_bytes = tp_collective_bytes(m, lay)
     if t > 1:
         topo = topology(chip, t, lay.mesh.stride("tp"), chips_per_node)
-        f, bw = _tp_comms(lay, topo, ["in_proj"], ["out_proj"], gemm_fwd, gemm_dgrad, gemm_wgrad, act_bytes)
+        f, bw = _tp_comms(lay, topo, ["in_proj"], ["out_proj"], gemm_fwd, gemm_dgrad, gemm_wgrad, act_bytes,
+                          rs_splits=row_forward_splits(chip, t))
         fwd_comms += f
         bwd_comms += bw
     if cp > 1:

@@ -288,28 +288,48 @@ def stage_params(m: ModelSpec, lay: Layout, stage: int) -> tuple[float, float]:
 @lru_cache(maxsize=65536)
 def _stage_params(m: ModelSpec, t: int, ep: int, pp: int, virtual: int, pp_layout: str | None,
                   stage: int) -> tuple[float, float]:
-    dense = moe = 0.0
+    parts = _chunk_params(m, t, ep, stage_chunks(m.layers, m.mtp_layers, pp, virtual, pp_layout)[stage])
+    return sum(d for d, _ in parts), sum(e for _, e in parts)
 
-    def add(kind, n: int) -> None:
-        nonlocal dense, moe
-        lp = layer_params(m, kind)
-        kv = kv_projection_params(m) if lp.attention else 0
-        attention = (lp.attention - kv) / t + (kv / min(t, m.kv_heads) if kv else 0.0)
-        dense += n * (attention + (lp.mlp + lp.ssm) / t + lp.router + lp.norms)
-        moe += n * lp.experts / (t * ep)
 
-    chunks = stage_chunks(m.layers, m.mtp_layers, pp, virtual, pp_layout)[stage]
+def chunk_params(m: ModelSpec, lay: Layout, stage: int) -> tuple[tuple[float, float], ...]:
+    """(TP-sharded dense, expert) parameters of each of a stage's chunks on one chip, which together are the
+    stage's (`stage_params`): each chunk its layers, the word embedding with the first chunk that needs it
+    (its lookup, an MTP module's, or a tied head), an untied head with the loss chunk, positions and the
+    final norm with the lookup's."""
+    return _chunk_params(m, lay.tp, lay.ep, chunks_of(m, lay)[stage])
+
+
+@lru_cache(maxsize=65536)
+def _chunk_params(m: ModelSpec, t: int, ep: int, chunks: tuple[Chunk, ...]) -> tuple[tuple[float, float], ...]:
+    out = []
+    rows_held = False  # a stage holds one copy of the word embedding (`holds_word_embedding`)
+
     for c in chunks:
+        dense = moe = 0.0
+
+        def add(kind, n: int) -> None:
+            nonlocal dense, moe
+            lp = layer_params(m, kind)
+            kv = kv_projection_params(m) if lp.attention else 0
+            attention = (lp.attention - kv) / t + (kv / min(t, m.kv_heads) if kv else 0.0)
+            dense += n * (attention + (lp.mlp + lp.ssm) / t + lp.router + lp.norms)
+            moe += n * lp.experts / (t * ep)
+
         for kind, n in layer_kind_counts(m, c.first, c.layers):
             add(kind, n)
         if c.mtp:
             add(mtp_kind(m), c.mtp)
             dense += c.mtp * (mtp_proj_params(m) / t + 3 * m.hidden)  # + its two input norms and final norm
-    # the word embedding (a copy on every stage that looks it up or, tied, projects with it) and an untied head
-    dense += vocab_rows(m, t) * (holds_word_embedding(m, chunks) + holds_untied_head(m, chunks))
-    if any(c.embedding for c in chunks):
-        dense += embedding_extras(m)  # positions, final norm
-    return dense, moe
+        # the word embedding (a copy on every stage that looks it up or, tied, projects with it) and an untied head
+        if not rows_held and holds_word_embedding(m, (c,)):
+            dense += vocab_rows(m, t)
+            rows_held = True
+        dense += vocab_rows(m, t) * holds_untied_head(m, (c,))
+        if c.embedding:
+            dense += embedding_extras(m)  # positions, final norm
+        out.append((dense, moe))
+    return tuple(out)
 
 
 @lru_cache(maxsize=65536)

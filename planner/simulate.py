@@ -59,6 +59,7 @@ from planner.case import Case, Layout
 from planner.flops import hardware_flops, model_flops, output_heads, vocab_rows
 from planner.memory import (
     Memory,
+    chunk_params,
     in_flight_chunks,
     layer_kind_counts,
     memory_per_chip,
@@ -329,14 +330,16 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
             dense_edge = edge_bucket_share(m, lay, any(p.embedding for p in plan[i]), dense_p, layers_here)
 
             windows = chunk_sync_windows(chunks, lay, i)
+            per_chunk = chunk_params(m, lay, i) if windows else ()
 
-            def hidden_under_bwd(sync: float, edge: float, step_end: bool = True) -> float:
+            def hidden_under_bwd(sync: float, edge: float, part: int = 0, step_end: bool = True) -> float:
                 """What the gradient sync costs the step: what shows (at least the last bucket's, `edge` of
                 it), and what hides under the backward slows it; at the step's end, under the interleaved
-                schedule, chunk by chunk (`chunk_sync_windows`)."""
+                schedule, chunk by chunk (`chunk_sync_windows`), each its share of the `part` (0 dense, 1
+                expert) parameters."""
                 shown = max(sync - last_bwd * (1 - 1 / layers_here), sync * edge)
                 if windows and step_end:
-                    shown = max(sync * edge, _queued(sync, chunks, windows))
+                    shown = max(sync * edge, _queued(sync, [p[part] for p in per_chunk], windows))
                 return costs.charged_s(chip, sync, shown if lay.grad_reduce_overlap else sync)
 
             def hidden_under_fwd(gather: float, edge: float) -> float:
@@ -348,7 +351,8 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
                 shown = max(gather - sum(ch.fwd_s for ch in chunks), gather * edge)
                 return costs.charged_s(chip, gather, shown if lay.param_gather_overlap else gather)
 
-            for topo, n_params, edge in ((dense_topo, dense_p, dense_edge), (expert_topo, expert_p, 1 / layers_here)):
+            for part, (topo, n_params, edge) in enumerate(((dense_topo, dense_p, dense_edge),
+                                                           (expert_topo, expert_p, 1 / layers_here))):
                 if topo is None or not n_params:
                     continue
                 nbytes = n_params * grad_bytes
@@ -367,7 +371,7 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
                     exposed += sync  # after the last backward: nothing left to hide it under
                     dp_total += sync + gather
                 else:
-                    exposed += hidden_under_bwd(sync, edge)
+                    exposed += hidden_under_bwd(sync, edge, part)
                     dp_total += sync + gather
                 exposed += hidden_under_fwd(gather, edge)
             if per_micro_batch:
@@ -403,20 +407,21 @@ def chunk_sync_windows(chunks: list[ChunkCost], lay: Layout, rank: int) -> list[
     v, p = len(chunks), lay.pp
     if v == 1 or lay.pp_schedule != "interleaved-1f1b":
         return None
-    mean_bwd = sum(ch.bwd_s for ch in chunks) / v
-    return [max(0.0, p * sum(ch.bwd_s for ch in chunks[:c]) - rank * mean_bwd) for c in range(v)]
+    # the r backwards of the delay are chunk c - 1's (r < p of them)
+    return [max(0.0, p * sum(ch.bwd_s for ch in chunks[:c]) - rank * chunks[c - 1].bwd_s) if c else 0.0
+            for c in range(v)]
 
 
-def _queued(total: float, chunks: list[ChunkCost], windows: list[float]) -> float:
-    """What shows of `total` seconds of a stage's gradient syncs split over its chunks by their layers and run
-    one after another on the same links, chunk c's with `windows[c]` of compute after its launch (growing
+def _queued(total: float, params: list[float], windows: list[float]) -> float:
+    """What shows of `total` seconds of a stage's gradient syncs split over its chunks by their `params` and
+    run one after another on the same links, chunk c's with `windows[c]` of compute after its launch (growing
     with c): they go out from the last chunk down, and what is still queued once chunk c's is launched, its
     own and those of chunks below it, must fit in the compute left after it. What shows is the most that
     the syncs of chunks 0 .. c overrun window c."""
-    layers = max(1, sum(ch.layers for ch in chunks))
+    whole = sum(params) or 1.0
     shown = queued = 0.0
-    for ch, window in zip(chunks, windows, strict=True):
-        queued += total * ch.layers / layers
+    for share, window in zip(params, windows, strict=True):
+        queued += total * share / whole
         shown = max(shown, queued - window)
     return shown
 

@@ -158,24 +158,31 @@ def _interleaved(dp=8, pp=2, v=2, layers=8):
 
 def test_interleaved_chunks_sync_their_gradients_one_by_one_under_the_backward_left():
     """Megatron-Core's interleaved schedule starts each chunk's gradient sync once that chunk's last micro-batch
-    backward is done (rank r: r backwards later), the last chunk first; the syncs queue on the same links and
-    chunk c's has p x (the backwards of chunks 0 .. c - 1), less the delay, to hide under."""
+    backward is done (rank r: r backwards of the chunk below later), the last chunk first; the syncs queue on
+    the same links, each its chunk's share of the stage's parameters (the word embedding's rows with the chunk
+    that looks them up), and chunk c's has p x (the backwards of chunks 0 .. c - 1), less the delay, to hide
+    under."""
     from planner import costs
+    from planner.memory import chunk_params
     from planner.simulate import chunk_sync_windows
 
     res = _interleaved()
-    lay, p = res.layout, res.layout.pp
+    lay, p, m = res.layout, res.layout.pp, res.case.model
     for i in (0, 1):
         stage = res.stages[i]
         b0, b1 = (ch.bwd_s for ch in stage.chunks)
         windows = chunk_sync_windows(stage.chunks, lay, i)
-        assert windows == pytest.approx([0.0, max(0.0, p * b0 - i * (b0 + b1) / 2)])
-        # ZeRO-1: the reduce-scatter, the chunks' halves of it (equal layers), then the gather under the next forward
+        assert windows == pytest.approx([0.0, max(0.0, p * b0 - i * b0)])
+        (d0, _), (d1, _) = chunk_params(m, lay, i)
+        # tp 1, untied: the lookup's rows (and the final norm) on stage 0's first chunk, the head's on the last's
+        rows = m.vocab * m.hidden
+        assert (d0 - d1 == pytest.approx(rows + m.hidden)) if i == 0 else (d1 - d0 == pytest.approx(rows))
+        # ZeRO-1: the reduce-scatter, queued chunk by chunk, then the gather under the next forward
         rs = costs.comm_s(costs.data_topology(res.chip, lay, 8), "reduce_scatter", stage.params * lay.grad_bytes)
         ag = stage.dp_total_s - rs
-        shown_rs = max(rs / 2 - windows[0], rs - windows[1])
+        shown_rs = max(rs * d0 / (d0 + d1) - windows[0], rs - windows[1])
         fwd = sum(ch.fwd_s for ch in stage.chunks)
-        edge = edge_bucket_share(res.case.model, lay, i == 0, stage.params, 4)
+        edge = edge_bucket_share(m, lay, i == 0, stage.params, 4)
         want = (costs.charged_s(res.chip, rs, max(shown_rs, rs * edge))
                 + costs.charged_s(res.chip, ag, max(ag - fwd, ag * edge)))
         assert stage.dp_exposed_s == pytest.approx(want, rel=1e-9), i

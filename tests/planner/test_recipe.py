@@ -65,10 +65,11 @@ def test_a_layout_built_without_tp_overlap_takes_the_chips():
         assert tp_s[None] == tp_s[own] != tp_s[not own], chip
 
 
-def test_gemms_pipelined_with_their_tp_collective_run_in_tp_chunks_of_fewer_rows():
-    """Transformer Engine's ring exchange (num_splits = tp), torch's async TP and XLA's collective matmul compute
-    a pipelined GEMM as tp GEMMs of T / tp rows: the column GEMMs' forward, the row GEMMs' forward and input
-    gradient. A GEMM of fewer rows reaches less of the chip (the shape curve), so the layer's GEMMs take longer."""
+def test_gemms_pipelined_with_their_tp_collective_run_in_smaller_pieces():
+    """Transformer Engine's userbuffers: ring exchange (num_splits = tp) computes the column GEMMs' forward and
+    the row GEMMs' input gradient as tp GEMMs of T / tp rows; "pipeline" (num_splits 4) the row GEMMs' forward
+    as 4 GEMMs of a quarter of the outputs. A smaller GEMM reaches less of the chip (the shape curve), so the
+    layer's GEMMs take longer."""
     from hardware import kernels
     from hardware.chips import get_chip
     from planner.case import Layout
@@ -80,12 +81,15 @@ def test_gemms_pipelined_with_their_tp_collective_run_in_tp_chunks_of_fewer_rows
     by = {flag: dict(layer_cost(m, Layout(dp=1, tp=t, pp=1, sequence_parallel=True, tp_comm_overlap=flag), h100,
                                 "bf16", False, 8).by_class)["gemm"] for flag in (True, False)}
 
-    def chunked(mm, k, n):  # what pipelining adds to one GEMM
+    def chunked(mm, k, n):  # what ring exchange adds to one GEMM
         return t * kernels.matmul_s(h100, "bf16", mm / t, k, n) - kernels.matmul_s(h100, "bf16", mm, k, n)
+
+    def piped(mm, k, n):  # what the 4-way pipeline adds
+        return 4 * kernels.matmul_s(h100, "bf16", mm, k, n / 4) - kernels.matmul_s(h100, "bf16", mm, k, n)
 
     qkv_n, d, f = (32 + 2 * 8) * 128 / t, 4096, 2 * 14336 / t
     extra = (chunked(T, d, qkv_n) + chunked(T, d, f)  # qkv, fc1 forward
-             + chunked(T, 32 * 128 / t, d) + chunked(T, 14336 / t, d)  # o, fc2 forward
+             + piped(T, 32 * 128 / t, d) + piped(T, 14336 / t, d)  # o, fc2 forward
              + chunked(T, d, 32 * 128 / t) + chunked(T, d, 14336 / t))  # o, fc2 input gradient
     assert extra > 0
     assert by[True] - by[False] == pytest.approx(extra, rel=1e-9)
@@ -93,6 +97,32 @@ def test_gemms_pipelined_with_their_tp_collective_run_in_tp_chunks_of_fewer_rows
     plain = {flag: dict(layer_cost(m, Layout(dp=1, tp=t, pp=1, tp_comm_overlap=flag), h100, "bf16", False,
                                    8).by_class)["gemm"] for flag in (True, False)}
     assert plain[True] == plain[False]
+
+
+def test_routed_experts_keep_whole_gemms_and_the_dispatchers_plain_collectives():
+    """Megatron-Core's experts (TEGroupedLinear) have no userbuffers path: their TP all-gather and reduce-scatter
+    are the token dispatcher's own, before and after the grouped GEMMs, and show whole; the GEMMs stay whole."""
+    from hardware.chips import get_chip
+    from planner.case import Layout
+    from planner.costs import DISPATCHED, layer_cost
+    from planner.models import MODEL_PRESETS
+
+    m, h100 = MODEL_PRESETS["Mixtral 8x7B"], get_chip("h100")
+    lc = {flag: layer_cost(m, Layout(dp=1, tp=4, pp=1, sequence_parallel=True, tp_comm_overlap=flag), h100, "bf16",
+                           True, 8) for flag in (True, False)}
+    for flag in (True, False):
+        experts = [c for c in lc[flag].fwd_comms + lc[flag].bwd_comms if c.gemm in DISPATCHED]
+        assert len(experts) == 4 and all(c.exposed_s == c.time_s for c in experts)
+        assert not any("input" in c.name for c in experts)  # the gathered tokens are kept, not gathered again
+    # only attention's qkv and o run in pieces: what they add is all the layer's GEMMs gain
+    from hardware import kernels
+    T, d, t = m.seq_len, m.hidden, 4
+    qkv_n, o_k = (m.heads + 2 * m.kv_heads) * m.head_dim_ / t, m.heads * m.head_dim_ / t
+    extra = (t * kernels.matmul_s(h100, "bf16", T / t, d, qkv_n) - kernels.matmul_s(h100, "bf16", T, d, qkv_n)
+             + 4 * kernels.matmul_s(h100, "bf16", T, o_k, d / 4) - kernels.matmul_s(h100, "bf16", T, o_k, d)
+             + t * kernels.matmul_s(h100, "bf16", T / t, d, o_k) - kernels.matmul_s(h100, "bf16", T, d, o_k))
+    gemm = {flag: dict(lc[flag].by_class)["gemm"] for flag in (True, False)}
+    assert gemm[True] - gemm[False] == pytest.approx(extra, rel=1e-9)
 
 
 def test_selective_recompute_runs_the_core_attention_again_whatever_its_kernel():

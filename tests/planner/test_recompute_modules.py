@@ -35,9 +35,10 @@ def test_each_module_runs_its_own_forward_again():
     # SwiGLU reads gate and up, writes their product: 6 bytes per element of the 8 routed copies
     assert _recompute_s(True, "moe_act") == pytest.approx(kernels.pointwise_s(H100, 6 * 8 * 2048 / TP * T), rel=1e-12)
     # a dense layer's MLP: its three GEMMs and activation; the shared expert is the same in an MoE layer
-    # (each pipelined with its TP collective on H100: TP GEMMs of T / TP rows, planner.costs._chunked_gemm_times)
+    # (each pipelined with its TP collective on H100, planner.costs._chunked_gemm_times: fc1 as TP GEMMs of T / TP
+    # rows, fc2 as 4 GEMMs of a quarter of its outputs)
     fc1 = TP * kernels.matmul_s(H100, "bf16", T / TP, 7168, 2 * 18432 / TP)
-    fc2 = TP * kernels.matmul_s(H100, "bf16", T / TP, 18432 / TP, 7168)
+    fc2 = 4 * kernels.matmul_s(H100, "bf16", T, 18432 / TP, 7168 / 4)
     act = kernels.pointwise_s(H100, 6 * 18432 / TP * T)
     assert _recompute_s(False, "mlp") == pytest.approx(fc1 + fc2 + act, rel=1e-12)
     assert _recompute_s(True, "mlp") == 0.0  # "mlp" is the dense layers' module
