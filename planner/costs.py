@@ -407,9 +407,12 @@ def _gemms(m: ModelSpec, lay: Layout, moe, tokens: float) -> tuple[list[_Gemm], 
         attn = []
     elif m.is_mla:
         qk = hd + m.rope_head_dim
-        attn = ([_Gemm("q down", tokens, h, m.q_lora_rank), _Gemm("q up", tokens, m.q_lora_rank, m.heads * qk / t)]
+        # the down projections are duplicated on every TP rank (Megatron-Core's MLA: TELinear, parallel_mode
+        # "duplicated"), over the rank's sequence shard under sequence parallelism, else over all T tokens
+        local = tokens / t if lay.sequence_parallel else tokens
+        attn = ([_Gemm("q down", local, h, m.q_lora_rank), _Gemm("q up", tokens, m.q_lora_rank, m.heads * qk / t)]
                 if m.q_lora_rank else [_Gemm("q", tokens, h, m.heads * qk / t)])
-        attn += [_Gemm("kv down", tokens, h, m.kv_lora_rank + m.rope_head_dim),
+        attn += [_Gemm("kv down", local, h, m.kv_lora_rank + m.rope_head_dim),
                  _Gemm("kv up", tokens, m.kv_lora_rank, 2 * m.heads * hd / t),
                  _Gemm("o", tokens, m.heads * hd / t, h)]
     else:
@@ -431,6 +434,25 @@ def _gemms(m: ModelSpec, lay: Layout, moe, tokens: float) -> tuple[list[_Gemm], 
                 _Gemm("experts fc1", rows, h, n_in * ffn / t, local),
                 _Gemm("experts fc2", rows, ffn / t, h, local)]
     return attn, mlp
+
+
+def _attention_columns(m: ModelSpec, attn_g: list[_Gemm]) -> list[str]:
+    """The attention GEMMs that read the TP region's gathered input: qkv; in MLA the up projections (and q
+    itself without a q rank), whose inputs are the latents the duplicated down projections made on the
+    sequence shard (Megatron-Core's MLA gathers those, not the hidden states)."""
+    if not attn_g:
+        return []
+    if m.is_mla:
+        return ["q up" if m.q_lora_rank else "q", "kv up"]
+    return [attn_g[0].name]
+
+
+def _column_widths(m: ModelSpec) -> dict[str, float]:
+    """Per token, the width of what MLA's column GEMMs gather, over the hidden size (`_attention_columns`):
+    the q latent, and the kv latent with the shared rotary key (gathered beside it)."""
+    if not m.is_mla:
+        return {}
+    return {"q up": m.q_lora_rank / m.hidden, "kv up": (m.kv_lora_rank + m.rope_head_dim) / m.hidden}
 
 
 def _fwd_s(chip, dtype, g: _Gemm) -> float:
@@ -862,7 +884,7 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
     gemm_fwd, gemm_dgrad, gemm_wgrad = _gemm_times(chip, dtype, gemms)
     # the GEMMs whose TP collective is pipelined with them (`_tp_comms`): the column GEMMs read the input
     # gathered, and the row GEMMs' partial sums leave reduce-scattered, region by region
-    column = ([attn_g[0].name] if attn_g else []) + [g for g in ("fc1", "experts fc1") if g in gemm_fwd]
+    column = _attention_columns(m, attn_g) + [g for g in ("fc1", "experts fc1") if g in gemm_fwd]
     row = (["o"] if attn_g else []) + [g for g in ("fc2", "experts fc2") if g in gemm_fwd]
     if t > 1 and lay.sequence_parallel and lay.tp_comm_overlap:
         gemm_fwd, gemm_dgrad = _chunked_gemm_times(chip, dtype, gemms, [g for g in column if g not in DISPATCHED],
@@ -886,7 +908,7 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
         # (T * top_k rows on a rank, balanced routing) over TP before the experts and reduce-scatters their
         # output after (moe/token_dispatcher.py, gather_from_sequence_parallel_region), beside the shared
         # experts' collectives on the layer's T rows
-        copies = {"experts fc1": m.top_k, "experts fc2": m.top_k} if moe is True else None
+        copies = {**_column_widths(m), **({"experts fc1": m.top_k, "experts fc2": m.top_k} if moe is True else {})}
         f, b = _tp_comms(lay, topo, column, row, gemm_fwd, gemm_dgrad, gemm_wgrad, act_bytes, copies,
                          row_forward_splits(chip, t))
         fwd_comms += f

@@ -26,8 +26,9 @@ def _recompute_s(kind, *modules):
 
 
 def test_each_module_runs_its_own_forward_again():
-    q_up = kernels.matmul_s(H100, "bf16", T, 1536, 128 * 192 / TP)  # q rank -> 128 heads of 128 + 64 rope
-    kv_up = kernels.matmul_s(H100, "bf16", T, 512, 128 * 256 / TP)  # kv rank -> K and V of 128 heads of 128
+    # (the up projections read the gathered latents, pipelined on H100: TP GEMMs of T / TP rows)
+    q_up = TP * kernels.matmul_s(H100, "bf16", T / TP, 1536, 128 * 192 / TP)  # q rank -> 128 heads of 128 + 64 rope
+    kv_up = TP * kernels.matmul_s(H100, "bf16", T / TP, 512, 128 * 256 / TP)  # kv rank -> K and V of 128 heads
     assert _recompute_s(True, "mla_up_proj") == pytest.approx(q_up + kv_up, rel=1e-12)
     # two RMSNorms, read x + write y in bf16 over the sequence-parallel shard
     norms = kernels.norm_s(H100, 2 * 4 * 7168 / TP * T)
@@ -117,3 +118,22 @@ def test_a_module_the_model_does_not_have_is_refused():
         parse_case(dense)
     assert parse_case({**dense, "training": {**dense["training"], "recompute_modules": ["mlp"]}})
 
+
+
+def test_mla_gathers_its_latents_and_runs_its_down_projections_on_the_sequence_shard():
+    """Megatron-Core's MLA under TP with sequence parallelism: the q and kv down projections are duplicated on
+    every rank over its sequence shard, and the up projections all-gather the latents (q rank, kv rank and the
+    shared rotary key), not the hidden states."""
+    from planner.costs import tp_collective_bytes
+
+    lay = _lay()
+    lc = layer_cost(DSV3, lay, H100, "bf16", True, 8)
+    gathers = {c.gemm: c.nbytes for c in lc.fwd_comms if c.kind == "all_gather" and c.gemm in ("q up", "kv up")}
+    per_token = tp_collective_bytes(DSV3, lay) / 7168  # bytes per hidden unit of the micro-batch's tokens
+    assert gathers == pytest.approx({"q up": 1536 * per_token, "kv up": (512 + 64) * per_token})
+    assert not [c for c in lc.fwd_comms if c.gemm in ("q down", "kv down")]
+    # with SP each rank projects its T / TP tokens down; without it, all T
+    from planner.costs import _gemms
+    for sp, rows in ((True, T / TP), (False, T)):
+        attn, _ = _gemms(DSV3, Layout(dp=64, tp=TP, pp=1, ep=64, sequence_parallel=sp), True, T)
+        assert {g.name: g.m for g in attn if "down" in g.name} == {"q down": rows, "kv down": rows}
