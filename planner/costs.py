@@ -29,7 +29,8 @@ Communication (each a `CommOp` with its time alone on its links and the part the
   GEMM in t chunks (collective matmul, Wang et al. 2023; Transformer Engine userbuffers): only one chunk
   shows, max(0, c - g) + min(c, g) / t, and the GEMM runs as t GEMMs of T / t rows, each less efficient
   than the whole (`_chunked_gemm_times`).
-  The embedding and the output head are vocabulary-parallel: `vocab_parallel_comms` (their chunk's).
+  The embedding and the output head are vocabulary-parallel: `vocab_parallel_comms` (their chunk's). MLA
+  gathers its latents for the up projections instead of the layer's input (`_column_widths`).
 * CP ring (Liu et al. 2023; Megatron-Core): cp - 1 K/V transfers forward, K/V and dK/dV backward, each
   hidden under one step's block of attention (1/cp of the layer's attention with the zig-zag split).
 * Mamba-2 layers (TP by heads, CP by state passing or all-to-all): `_mamba_layer_cost`.
