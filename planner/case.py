@@ -656,6 +656,14 @@ def _check_slices(cl: Cluster) -> None:
                         f"slice shape inside {chip.name}'s largest, {shape} (axes that are multiples of 4)")
 
 
+def default_tp_overlap(chip, m: ModelSpec) -> bool:
+    """Whether a current framework pipelines TP's collectives with the GEMMs of `m` on `chip`: the chip
+    table's tp_comm_overlap, except MLA models on GPUs: Megatron-Core's TELinear turns userbuffers off for the
+    whole model when it builds a module whose buffer name is not qkv, proj, fc1 or fc2, as MLA's down
+    projections are (megatron/core/extensions/transformer_engine.py, since core_v0.14)."""
+    return bool(chip.tp_comm_overlap) and not (m.is_mla and chip.kind == "gpu")
+
+
 def recipe(t: Training, chip, m: ModelSpec) -> dict:
     """The case's recipe with every null field replaced by RECIPE_DEFAULTS (what a current framework does)."""
     from hardware.kernels import best_flash_kernel
@@ -666,7 +674,7 @@ def recipe(t: Training, chip, m: ModelSpec) -> dict:
     if out["attention"] is None:
         out["attention"] = best_flash_kernel(chip)
     if out["tp_comm_overlap"] is None:
-        out["tp_comm_overlap"] = chip.tp_comm_overlap
+        out["tp_comm_overlap"] = default_tp_overlap(chip, m)
     if out["ep_dispatch"] is None:
         out["ep_dispatch"] = "deepep" if chip.deepep_dispatch else "all_to_all"
     if out["grad_reduce_in_fp32"] is None:

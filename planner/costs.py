@@ -73,7 +73,7 @@ from core.mesh import cp_chain_hops
 from hardware import kernels
 from hardware.chips import Chip, get_chip
 from hardware.collectives import Hierarchy, Topology, deduplicated_all_to_all_s, group_topology, ring_sent_bytes
-from planner.case import Layout
+from planner.case import Layout, default_tp_overlap
 from planner.flops import (
     layer_forward_flops_per_token,
     layer_params,
@@ -384,7 +384,7 @@ def layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe, chips_per
     key = replace(lay, pp=1, pp_schedule="1f1b", virtual_stages=1, pp_layout=None, recompute_layers=None,
                   zero_stage=3 if z3 else 0,
                   dp=lay.dp if z3 else lay.ep, grad_reduce_overlap=True, ssm_cp=ssm_cp,  # the smallest dp
-                  tp_comm_overlap=tp_overlaps(lay, chip))
+                  tp_comm_overlap=tp_overlaps(lay, chip, m))
     if moe == MAMBA:
         return _mamba_layer_cost(m, key, chip, dtype, chips_per_node)
     return _layer_cost(m, key, chip, dtype, moe, chips_per_node)
@@ -450,10 +450,24 @@ def _attention_columns(m: ModelSpec, attn_g: list[_Gemm]) -> list[str]:
 
 def _column_widths(m: ModelSpec) -> dict[str, float]:
     """Per token, the width of what MLA's column GEMMs gather, over the hidden size (`_attention_columns`):
-    the q latent, and the kv latent with the shared rotary key (gathered beside it)."""
+    the q latent and the kv latent. (Megatron-Core's scheme; torchtitan's DeepSeek-V3 plan gathers the hidden
+    states before attention and replicates the down projections over every token, as for other models.)"""
     if not m.is_mla:
         return {}
-    return {"q up": m.q_lora_rank / m.hidden, "kv up": (m.kv_lora_rank + m.rope_head_dim) / m.hidden}
+    return {"q up": m.q_lora_rank / m.hidden, "kv up": m.kv_lora_rank / m.hidden}
+
+
+def _shared_rope_key_comms(m: ModelSpec, lay: Layout, topo: Topology, act_bytes: float
+                           ) -> tuple[list[CommOp], list[CommOp]]:
+    """MLA's shared rotary key under sequence parallelism, gathered on its own over TP before attention
+    (gather_from_sequence_parallel_region: a plain collective, never pipelined) and its gradient reduce-
+    scattered back: rope_head_dim wide, both in full view. Without SP it is replicated: nothing."""
+    if not (m.is_mla and lay.sequence_parallel):
+        return [], []
+    nbytes = act_bytes * m.rope_head_dim / m.hidden
+    ag, rs = comm_s(topo, "all_gather", nbytes), comm_s(topo, "reduce_scatter", nbytes)
+    return ([CommOp("tp", "tp all-gather (rotary key)", "all_gather", nbytes, ag, ag, gemm="kv up")],
+            [CommOp("tp", "tp reduce-scatter (rotary key grad)", "reduce_scatter", nbytes, rs, rs, gemm="kv up")])
 
 
 def _fwd_s(chip, dtype, g: _Gemm) -> float:
@@ -632,10 +646,10 @@ def tp_collective_bytes(m: ModelSpec, lay: Layout) -> float:
     return lay.micro_batch * m.seq_len / lay.cp * m.hidden * ACT_BYTES
 
 
-def tp_overlaps(lay: Layout, chip: Chip) -> bool:
-    """Whether TP's collectives are pipelined with their GEMMs: the layout's choice, else the chip's (what a
-    current framework does there, chips.toml)."""
-    return chip.tp_comm_overlap if lay.tp_comm_overlap is None else lay.tp_comm_overlap
+def tp_overlaps(lay: Layout, chip: Chip, m: ModelSpec) -> bool:
+    """Whether TP's collectives are pipelined with their GEMMs: the layout's choice, else what a current
+    framework does there (planner.case.default_tp_overlap: the chip's, chips.toml, but not for MLA on GPUs)."""
+    return default_tp_overlap(chip, m) if lay.tp_comm_overlap is None else lay.tp_comm_overlap
 
 
 # The routed experts' GEMMs: their TP collectives are the token dispatcher's own all-gather and
@@ -912,8 +926,9 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
         copies = {**_column_widths(m), **({"experts fc1": m.top_k, "experts fc2": m.top_k} if moe is True else {})}
         f, b = _tp_comms(lay, topo, column, row, gemm_fwd, gemm_dgrad, gemm_wgrad, act_bytes, copies,
                          row_forward_splits(chip, t))
-        fwd_comms += f
-        bwd_comms += b
+        rope_f, rope_b = _shared_rope_key_comms(m, lay, topo, act_bytes) if attn_g else ([], [])
+        fwd_comms += f + rope_f
+        bwd_comms += b + rope_b
 
     # -- CP ring -----------------------------------------------------------------------------------------------
     if cp > 1 and attn_g:
@@ -1261,7 +1276,7 @@ def vocab_parallel_comms(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chip
     topo = topology(chip, t, lay.mesh.stride("tp"), chips_per_node)
     tokens = lay.micro_batch * m.seq_len / lay.cp
     act_bytes = tp_collective_bytes(m, lay)
-    plain = replace(lay, tp_comm_overlap=chip.kind == "tpu" and tp_overlaps(lay, chip))
+    plain = replace(lay, tp_comm_overlap=chip.kind == "tpu" and tp_overlaps(lay, chip, m))
     zero = {"embedding": 0.0}
     positions_after_sum = m.gpt_style and lay.sequence_parallel
     embed_lay = replace(plain, tp_comm_overlap=False, sequence_parallel=lay.sequence_parallel and not m.gpt_style)

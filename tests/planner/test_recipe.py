@@ -49,6 +49,19 @@ def test_null_tp_overlap_follows_the_chip_and_a_stated_one_wins():
     assert stated.breakdown["tp_comm"] < a100.breakdown["tp_comm"]
 
 
+def test_an_mla_model_runs_no_tp_overlap_on_a_gpu():
+    """Megatron-Core's TELinear switches userbuffers off for the whole model once it builds MLA's down
+    projections (buffer names other than qkv, proj, fc1, fc2); XLA's collective matmul on a TPU is unaffected."""
+    from hardware.chips import get_chip
+    from planner.case import default_tp_overlap
+    from planner.models import MODEL_PRESETS
+
+    dsv3, llama = MODEL_PRESETS["DeepSeek-V3"], MODEL_PRESETS["Llama 3 8B"]
+    assert default_tp_overlap(get_chip("h100"), dsv3) is False
+    assert default_tp_overlap(get_chip("h100"), llama) is True
+    assert default_tp_overlap(get_chip("tpu-v5p"), dsv3) is True
+
+
 def test_a_layout_built_without_tp_overlap_takes_the_chips():
     # pages cost single layers from a Layout they build themselves: no value means the chip's, not "on"
     from hardware.chips import get_chip

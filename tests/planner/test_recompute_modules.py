@@ -26,9 +26,9 @@ def _recompute_s(kind, *modules):
 
 
 def test_each_module_runs_its_own_forward_again():
-    # (the up projections read the gathered latents, pipelined on H100: TP GEMMs of T / TP rows)
-    q_up = TP * kernels.matmul_s(H100, "bf16", T / TP, 1536, 128 * 192 / TP)  # q rank -> 128 heads of 128 + 64 rope
-    kv_up = TP * kernels.matmul_s(H100, "bf16", T / TP, 512, 128 * 256 / TP)  # kv rank -> K and V of 128 heads
+    # (whole GEMMs: an MLA model runs no TP overlap in Megatron-Core, planner.case.default_tp_overlap)
+    q_up = kernels.matmul_s(H100, "bf16", T, 1536, 128 * 192 / TP)  # q rank -> 128 heads of 128 + 64 rope
+    kv_up = kernels.matmul_s(H100, "bf16", T, 512, 128 * 256 / TP)  # kv rank -> K and V of 128 heads of 128
     assert _recompute_s(True, "mla_up_proj") == pytest.approx(q_up + kv_up, rel=1e-12)
     # two RMSNorms, read x + write y in bf16 over the sequence-parallel shard
     norms = kernels.norm_s(H100, 2 * 4 * 7168 / TP * T)
@@ -36,10 +36,8 @@ def test_each_module_runs_its_own_forward_again():
     # SwiGLU reads gate and up, writes their product: 6 bytes per element of the 8 routed copies
     assert _recompute_s(True, "moe_act") == pytest.approx(kernels.pointwise_s(H100, 6 * 8 * 2048 / TP * T), rel=1e-12)
     # a dense layer's MLP: its three GEMMs and activation; the shared expert is the same in an MoE layer
-    # (each pipelined with its TP collective on H100, planner.costs._chunked_gemm_times: fc1 as TP GEMMs of T / TP
-    # rows, fc2 as 4 GEMMs of a quarter of its outputs)
-    fc1 = TP * kernels.matmul_s(H100, "bf16", T / TP, 7168, 2 * 18432 / TP)
-    fc2 = 4 * kernels.matmul_s(H100, "bf16", T, 18432 / TP, 7168 / 4)
+    fc1 = kernels.matmul_s(H100, "bf16", T, 7168, 2 * 18432 / TP)
+    fc2 = kernels.matmul_s(H100, "bf16", T, 18432 / TP, 7168)
     act = kernels.pointwise_s(H100, 6 * 18432 / TP * T)
     assert _recompute_s(False, "mlp") == pytest.approx(fc1 + fc2 + act, rel=1e-12)
     assert _recompute_s(True, "mlp") == 0.0  # "mlp" is the dense layers' module
@@ -122,16 +120,26 @@ def test_a_module_the_model_does_not_have_is_refused():
 
 def test_mla_gathers_its_latents_and_runs_its_down_projections_on_the_sequence_shard():
     """Megatron-Core's MLA under TP with sequence parallelism: the q and kv down projections are duplicated on
-    every rank over its sequence shard, and the up projections all-gather the latents (q rank, kv rank and the
-    shared rotary key), not the hidden states."""
+    every rank over its sequence shard, the up projections all-gather the latents (q rank, kv rank), not the
+    hidden states, and the shared rotary key is gathered on its own, in full view; without SP only the up
+    projections' input gradients are all-reduced."""
     from planner.costs import tp_collective_bytes
 
     lay = _lay()
     lc = layer_cost(DSV3, lay, H100, "bf16", True, 8)
-    gathers = {c.gemm: c.nbytes for c in lc.fwd_comms if c.kind == "all_gather" and c.gemm in ("q up", "kv up")}
     per_token = tp_collective_bytes(DSV3, lay) / 7168  # bytes per hidden unit of the micro-batch's tokens
-    assert gathers == pytest.approx({"q up": 1536 * per_token, "kv up": (512 + 64) * per_token})
-    assert not [c for c in lc.fwd_comms if c.gemm in ("q down", "kv down")]
+    gathers = {c.name: c.nbytes for c in lc.fwd_comms if c.kind == "all_gather" and "fc" not in c.name}
+    assert gathers == pytest.approx({"tp all-gather (q up)": 1536 * per_token,
+                                     "tp all-gather (kv up)": 512 * per_token,
+                                     "tp all-gather (rotary key)": 64 * per_token})
+    rope = [c for c in lc.fwd_comms + lc.bwd_comms if "rotary key" in c.name]
+    assert len(rope) == 2 and all(c.exposed_s == c.time_s for c in rope)
+    plain = layer_cost(DSV3, Layout(dp=64, tp=TP, pp=1, ep=64, attention="flash3"), H100, "bf16", True, 8)
+    attention_ars = {c.name: c.nbytes for c in plain.bwd_comms if c.kind == "all_reduce" and "experts" not in c.name
+                     and "fc" not in c.name}
+    assert attention_ars == pytest.approx({"tp all-reduce (q up grad)": 1536 * per_token,
+                                           "tp all-reduce (kv up grad)": 512 * per_token})
+    assert not [c for c in plain.fwd_comms if c.gemm in ("q up", "kv up")]
     # with SP each rank projects its T / TP tokens down; without it, all T
     from planner.costs import _gemms
     for sp, rows in ((True, T / TP), (False, T)):
