@@ -25,7 +25,7 @@ from planner import layout_search as _search
 from planner.case import RECIPE_DEFAULTS, Case, Cluster, Layout, load_case, parse_case, ssm_alltoall_ok, ssm_tp_ok
 from planner.flops import (
     attention_flops_per_token,
-    layer_params,
+    layer_params_on_chip,
     matmul_flops_per_token,
     ssm_flops_per_token,
     total_params,
@@ -302,9 +302,7 @@ def layer_comm_bytes(spec: ModelSpec, kind=None, *, tp: int = 1, cp: int = 1, dp
                 row[f"bytes_{direction}"] += c.nbytes * c.count
                 row["time_s"] += c.time_s
     if dp > 1:
-        lp = layer_params(spec, kind)
-        grads = (lp.total - lp.norms - lp.router) / tp + lp.norms + lp.router  # TP-sharded parameters
-        nbytes = grads * lay.grad_bytes
+        nbytes = sum(layer_params_on_chip(spec, kind, tp, 1)) * lay.grad_bytes  # the layer's share on this chip
         topo = costs.topology(hw, dp, lay.mesh.group_stride(("dp", "cp", "ep")), chips_per_node)
         out["dp"] = {"ops_fwd": 0, "ops_bwd": 1, "bytes_fwd": 0.0, "bytes_bwd": nbytes,
                      "time_s": costs.comm_s(topo, "all_reduce", nbytes)}

@@ -77,6 +77,7 @@ from planner.case import Layout, default_tp_overlap
 from planner.flops import (
     layer_forward_flops_per_token,
     layer_params,
+    layer_params_on_chip,
     op_sac_matmuls,
     op_sac_recomputed_params,
     pre_norms,
@@ -707,17 +708,18 @@ def _tp_comms(lay: Layout, topo: Topology, column: list[str], row: list[str], ge
     return fwd, bwd
 
 
-def _zero3_comms(lay: Layout, chip: Chip, chips_per_node: int, lp, fwd_s: float, bwd_s: float,
-                 fwd_comms: list[CommOp], bwd_comms: list[CommOp]) -> tuple[CommOp, tuple[CommOp, CommOp]]:
+def _zero3_comms(lay: Layout, chip: Chip, chips_per_node: int, on_chip: tuple[float, float], fwd_s: float,
+                 bwd_s: float, fwd_comms: list[CommOp], bwd_comms: list[CommOp]
+                 ) -> tuple[CommOp, tuple[CommOp, CommOp]]:
     """ZeRO-3's weight all-gathers and gradient reduce-scatter of one layer (module docstring): the forward's
     gather, and the backward's re-gather and reduce-scatter, which share the backward's window (what of the
     two shows is the reduce-scatter's first: it runs last), or with `fsdp_backward_prefetch` "post" the gather
     shows whole and the reduce-scatter has the window to itself."""
-    t, cp = lay.tp, lay.cp
+    cp = lay.cp
     data = lay.mesh.group_stride(("dp", "cp", "ep"))
     topo = data_topology(chip, lay, chips_per_node)
-    w_bytes = 2 * ((lp.attention + lp.mlp + lp.ssm) / t + lp.norms + lp.router)
-    w_bytes += 2 * lp.experts / (t * lay.ep)  # local experts, gathered over their own replicas
+    # the layer's weights on this chip, the local experts too (gathered over their own replicas)
+    w_bytes = 2 * sum(on_chip)
     ag = comm_s(topo, "all_gather", w_bytes)
     rs = comm_s(topo, "reduce_scatter", w_bytes * lay.grad_bytes / 2)  # the bf16 weights' gradients
     # the ring of CP, when it runs on the same links, competes for the window
@@ -775,14 +777,15 @@ def fsdp_copy_bytes(lay: Layout) -> tuple[float, float]:
     return {"fsdp2": (4.0, 4.0 + 2.0 + gb), "fsdp1": (0.0, fsdp1_bwd), "in-place": (0.0, 0.0)}[lay.fsdp_impl]
 
 
-def _with_zero3_and_slowdown(lay: Layout, chip: Chip, chips_per_node: int, lp, fwd_s: float, bwd_s: float,
+def _with_zero3_and_slowdown(lay: Layout, chip: Chip, chips_per_node: int, on_chip: tuple[float, float],
+                             fwd_s: float, bwd_s: float,
                              fwd_comms: list[CommOp], bwd_comms: list[CommOp]) -> tuple[float, float, float]:
     """A layer's passes once its ZeRO-3 collectives (`_zero3_comms`, when it gathers its weights) join its other
     communication in `fwd_comms` / `bwd_comms`, and every hidden second of them all slows its compute
     (`overlap_slowdown`): (forward s, backward s, the bytes of weights it gathers, 0 without ZeRO-3)."""
     gathered = 0.0
     if lay.zero_stage == 3 and lay.dp * lay.cp > 1:
-        zf, zb = _zero3_comms(lay, chip, chips_per_node, lp, fwd_s, bwd_s, fwd_comms, bwd_comms)
+        zf, zb = _zero3_comms(lay, chip, chips_per_node, on_chip, fwd_s, bwd_s, fwd_comms, bwd_comms)
         fwd_comms.append(zf)
         bwd_comms.extend(zb)
         gathered = zf.nbytes
@@ -955,7 +958,8 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
                                 max(0.0, a2a - bwd_s) if lay.ep_comm_overlap else a2a, 2))
 
     # -- ZeRO-3 / FSDP, and what the hidden communication slows ----------------------------------------------
-    fwd_s, bwd_s, gathered = _with_zero3_and_slowdown(lay, chip, chips_per_node, lp, fwd_s, bwd_s, fwd_comms,
+    on_chip = layer_params_on_chip(m, moe, t, lay.ep)
+    fwd_s, bwd_s, gathered = _with_zero3_and_slowdown(lay, chip, chips_per_node, on_chip, fwd_s, bwd_s, fwd_comms,
                                                       bwd_comms)
 
     skipped, skipped_flops = (), 0.0
@@ -1082,7 +1086,6 @@ def _mamba_layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chips_p
     t, cp, b = lay.tp, lay.cp, lay.micro_batch
     tokens = b * m.seq_len / cp
     h, e, g, n, p = m.hidden, m.ssm_inner, m.ssm_groups, m.ssm_state, m.ssm_head_dim
-    lp = layer_params(m, MAMBA)
     alltoall = cp > 1 and lay.ssm_cp == "alltoall"
     gemms = [_Gemm("in_proj", tokens, h, (2 * e + 2 * g * n + m.ssm_heads) / t), _Gemm("out_proj", tokens, e / t, h)]
     gemm_fwd, gemm_dgrad, gemm_wgrad = _gemm_times(chip, dtype, gemms)
@@ -1155,8 +1158,8 @@ def _mamba_layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chips_p
                           CommOp("cp", "cp ssm state chain", "p2p", hop_bytes, chain, chain, hops)]
             bwd_comms += [CommOp("cp", "cp ssm state-gradient chain", "p2p", hop_bytes, chain, chain, hops),
                           CommOp("cp", "cp conv halo (grad)", "p2p", halo_bytes, halo, halo)]
-    fwd_s, bwd_s, gathered = _with_zero3_and_slowdown(lay, chip, chips_per_node, lp, fwd_s, bwd_s, fwd_comms,
-                                                      bwd_comms)
+    fwd_s, bwd_s, gathered = _with_zero3_and_slowdown(lay, chip, chips_per_node, layer_params_on_chip(m, MAMBA, t, 1),
+                                                      fwd_s, bwd_s, fwd_comms, bwd_comms)
     # "selective" recomputes the core attention (Megatron-Core's core_attn, _layer_cost): a Mamba layer has none;
     # "selective-op" its out_proj, the scan (custom kernels, not saved) and the memory-bound ops
     skipped, skipped_flops = (), 0.0

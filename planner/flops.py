@@ -114,6 +114,27 @@ def kv_projection_params(m: ModelSpec) -> int:
     return 0 if m.is_mla else 2 * m.hidden * m.kv_heads * m.head_dim_
 
 
+def mla_down_params(m: ModelSpec) -> int:
+    """MLA's down projections W_DQ and W_DKV + W_KR, which Megatron-Core duplicates on every TP rank
+    (TELinear, parallel_mode "duplicated", since core_v0.14): 0 for other attention."""
+    if not m.is_mla:
+        return 0
+    return m.hidden * (m.q_lora_rank + m.kv_lora_rank + m.rope_head_dim) if m.q_lora_rank else \
+        m.hidden * (m.kv_lora_rank + m.rope_head_dim)
+
+
+def layer_params_on_chip(m: ModelSpec, kind, tp: int, ep: int) -> tuple[float, float]:
+    """(dense, routed-expert) parameters of one layer held by one chip of a tp x ep layout: attention and MLP
+    split tp ways, except what every TP rank keeps whole (K and V beyond kv_heads ranks, `kv_projection_params`;
+    MLA's duplicated down projections, `mla_down_params`); norms and the router whole; the routed experts over
+    tp x ep."""
+    lp = layer_params(m, kind)
+    kv = kv_projection_params(m) if lp.attention else 0
+    whole = mla_down_params(m) if lp.attention else 0
+    attention = (lp.attention - kv - whole) / tp + (kv / min(tp, m.kv_heads) if kv else 0.0) + whole
+    return attention + (lp.mlp + lp.ssm) / tp + lp.router + lp.norms, lp.experts / (tp * ep)
+
+
 def pre_norms(m: ModelSpec, kind) -> int:
     """The norms one layer runs on its residual stream: one per block of a sequential layer (before attention,
     before the MLP), one in a pattern layer (a single block), and one in a parallel block

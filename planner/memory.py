@@ -30,8 +30,7 @@ from planner.flops import (
     OP_SAC_ROW_PARALLEL,
     dots_saved_matmuls,
     embedding_extras,
-    kv_projection_params,
-    layer_params,
+    layer_params_on_chip,
     mtp_kind,
     mtp_proj_params,
     op_sac_matmuls,
@@ -310,11 +309,9 @@ def _chunk_params(m: ModelSpec, t: int, ep: int, chunks: tuple[Chunk, ...]) -> t
 
         def add(kind, n: int) -> None:
             nonlocal dense, moe
-            lp = layer_params(m, kind)
-            kv = kv_projection_params(m) if lp.attention else 0
-            attention = (lp.attention - kv) / t + (kv / min(t, m.kv_heads) if kv else 0.0)
-            dense += n * (attention + (lp.mlp + lp.ssm) / t + lp.router + lp.norms)
-            moe += n * lp.experts / (t * ep)
+            layer_dense, layer_experts = layer_params_on_chip(m, kind, t, ep)
+            dense += n * layer_dense
+            moe += n * layer_experts
 
         for kind, n in layer_kind_counts(m, c.first, c.layers):
             add(kind, n)

@@ -145,3 +145,17 @@ def test_mla_gathers_its_latents_and_runs_its_down_projections_on_the_sequence_s
     for sp, rows in ((True, T / TP), (False, T)):
         attn, _ = _gemms(DSV3, Layout(dp=64, tp=TP, pp=1, ep=64, sequence_parallel=sp), True, T)
         assert {g.name: g.m for g in attn if "down" in g.name} == {"q down": rows, "kv down": rows}
+
+
+def test_mla_keeps_its_duplicated_down_projections_whole_on_every_tp_rank():
+    """One layer's parameters on a chip (planner.flops.layer_params_on_chip, which memory, ZeRO-3's gathers and
+    the pages' gradient bytes all use): MLA's down projections are not split by TP."""
+    from planner.flops import layer_params, layer_params_on_chip, mla_down_params
+
+    down = 7168 * (1536 + 512 + 64)
+    assert mla_down_params(DSV3) == down
+    lp = layer_params(DSV3, True)
+    dense, experts = layer_params_on_chip(DSV3, True, 4, 8)
+    assert dense == pytest.approx((lp.attention - down + lp.mlp) / 4 + down + lp.router + lp.norms)
+    assert experts == pytest.approx(lp.experts / 32)
+    assert mla_down_params(MODEL_PRESETS["Llama 3 8B"]) == 0
