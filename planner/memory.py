@@ -220,8 +220,10 @@ def layer_activation_bytes(m: ModelSpec, lay: Layout, moe, *, recompute: str | N
     if "mla_up_proj" in modules:
         qkv = 0.0
     attn_split = qkv + out_bytes * sb * q_w if has_attn else 0.0
-    if m.is_mla:
-        attn_split += saved * sb * (m.kv_lora_rank + m.q_lora_rank)
+    if m.is_mla and has_attn:
+        # the latents, the up projections' inputs: made by the duplicated down projections, so on the sequence
+        # shard under SP and whole on every TP rank without it
+        replicated += saved * sb * (m.kv_lora_rank + m.q_lora_rank)
     ffn = m.ffn if moe else m.dense_ffn_
     # GELU / squared ReLU: its input and fc2's input (2 x 2sbf); SwiGLU: gate, up and down's input (3 x 2sbf);
     # plus the MLP input (a GEMM input)
