@@ -19,6 +19,7 @@ import sys
 from dataclasses import replace
 
 from core.schedules import SCHEDULE_NAMES
+from core.stdout import write_result
 from engine.config import (
     ARCHS,
     DTYPES,
@@ -245,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_RANK_FAILED
     if args.trace:
         timeline.write_chrome_trace(args.trace)
-    print(json.dumps(summary.to_dict()) if args.json else _human(summary))
+    write_result(json.dumps(summary.to_dict()) if args.json else _human(summary))
     if args.trace and not args.json:
         print(f"trace: {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)")
     return EXIT_OK if summary.ok else EXIT_CHECK_FAILED

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from core.stdout import write_result
 from planner.api import dumps, estimate, search
 from planner.case import load_case
 from planner.models import SpecError
@@ -30,13 +31,13 @@ def main(argv: list[str] | None = None) -> int:
         case = load_case(args.case)
         if args.command == "estimate":
             result = estimate(case)
-            print(dumps(result.as_dict()))
             if args.timeline:
                 result.timeline.write_chrome_trace(args.timeline)
+            write_result(dumps(result.as_dict()))
         else:
             if args.top < 1:
                 raise SpecError("--top", f"must be >= 1, got {args.top}")
-            print(dumps(search(case, top=args.top).as_dict()))
+            write_result(dumps(search(case, top=args.top).as_dict()))
     except SpecError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -100,3 +100,20 @@ def test_layout_that_does_not_fit_is_reported_not_rejected(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["fits"] is False and out["memory_bytes_per_chip"]["total"] > out["hbm_bytes"]
     assert "a100-80gb" not in out["fits_on"]
+
+
+def test_a_reader_that_closes_the_pipe_early_gets_no_traceback(tmp_path):
+    """`python -m planner estimate case.json | head -1`: the reader goes before the JSON is written; the CLI stops
+    quietly with its own status."""
+    from pathlib import Path
+
+    case = tmp_path / "case.json"
+    case.write_text(json.dumps({"model": {"layers": 4, "hidden": 1024, "heads": 8, "kv_heads": 8, "ffn": 4096,
+                                          "vocab": 32000, "seq_len": 1024},
+                                "training": {"global_batch": 8}, "parallel": {"dp": 8},
+                                "cluster": {"chip": "h100", "num_chips": 8}}))
+    proc = subprocess.Popen([sys.executable, "-m", "planner", "estimate", str(case)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=Path(__file__).resolve().parents[2])
+    proc.stdout.close()  # before the child, still importing, writes anything
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and b"Traceback" not in err, err.decode()
