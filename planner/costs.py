@@ -326,6 +326,7 @@ class LayerCost:
     recompute_skips: tuple[str, ...] = ()  # GEMMs a full recomputation leaves out, TP collectives too (full_recompute)
     recompute_skipped_flops: float = 0.0  # forward GEMM FLOPs it leaves out (full_recompute)
     recompute: str = "none"  # the layout's recompute mode the layer was costed under (training.recompute)
+    recompute_reruns: tuple[str, ...] = ()  # under "selective", the GEMMs whose TP collectives run again with them
 
     @property
     def tp_fwd_s(self) -> float:
@@ -368,8 +369,11 @@ class LayerCost:
     def recompute_comms(self) -> tuple[CommOp, ...]:
         """What the recomputation repeats of the forward's communication: under "full" its TP / CP / EP
         collectives (not the ZeRO-3 gathers, which the backward does anyway), less those whose results it
-        does not need (full_recompute); the other modes rerun no collective (selective, op lists and dots
-        recompute what lies between them)."""
+        does not need (full_recompute); under "selective" the TP collectives of the modules it runs again
+        (`recompute_reruns`: MLA's up projections, an MLP); op lists and dots recompute what lies between
+        collectives."""
+        if self.recompute == "selective":
+            return tuple(c for c in self.fwd_comms if c.group == "tp" and c.gemm in self.recompute_reruns)
         if self.recompute != "full":
             return ()
         return tuple(c for c in self.fwd_comms if c.group != "dp" and c.gemm not in self.recompute_skips)
@@ -984,7 +988,7 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
     if moe is True:
         flops += 2.0 * tokens * m.top_k * lp.experts / m.experts / t
     return LayerCost(fwd_s, bwd_s, recompute_s, tuple(fwd_comms), tuple(bwd_comms), flops, act_bytes, wgrad_s,
-                     by_class, skipped, skipped_flops, lay.recompute)
+                     by_class, skipped, skipped_flops, lay.recompute, selective_reruns(lay, moe))
 
 
 def _selective_recompute_s(chip: Chip, lay: Layout, moe, gemm_fwd: dict[str, float], attn_fwd_s: float,
@@ -998,9 +1002,9 @@ def _selective_recompute_s(chip: Chip, lay: Layout, moe, gemm_fwd: dict[str, flo
       layernorm       the pre-norms
       mlp             a dense layer's MLP GEMMs and activation; shared_experts the same in an MoE layer
       moe_act         the routed experts' activation
-    A recomputed dense MLP's own TP collectives, which run again with it, are not charged (3 of DeepSeek-V3's
-    61 layers). (torchtitan's "selective" is another policy, op-level SAC: every second matmul and the
-    memory-bound ops again, the case format's "selective-op".)"""
+    The TP collectives of the modules it runs again run again with them (`selective_reruns`, charged with the
+    layer's `recompute_comms`). (torchtitan's "selective" is another policy, op-level SAC: every second matmul
+    and the memory-bound ops again, the case format's "selective-op".)"""
     mods = lay.recompute_modules
     out = attn_fwd_s if "core_attn" in mods else 0.0
     if "mla_up_proj" in mods:
@@ -1011,6 +1015,19 @@ def _selective_recompute_s(chip: Chip, lay: Layout, moe, gemm_fwd: dict[str, flo
         out += gemm_fwd.get("fc1", 0.0) + gemm_fwd.get("fc2", 0.0) + kernels.pointwise_s(chip, ew["act_fwd_dense"])
     if "moe_act" in mods:
         out += kernels.pointwise_s(chip, ew["act_fwd_routed"])
+    return out
+
+
+def selective_reruns(lay: Layout, moe) -> tuple[str, ...]:
+    """The GEMMs whose TP collectives Megatron-Core's selective recomputation runs again with their modules: MLA's
+    up projections (with their gathers of the latents), a dense layer's MLP or an MoE layer's shared experts
+    (`_selective_recompute_s`); none for the others (core_attn, layernorm and moe_act lie between collectives)."""
+    mods = lay.recompute_modules if lay.recompute == "selective" else ()
+    out: tuple[str, ...] = ()
+    if "mla_up_proj" in mods:
+        out += ("q up", "kv up")
+    if ("mlp" in mods and moe is not True) or ("shared_experts" in mods and moe is True):
+        out += ("fc1", "fc2")
     return out
 
 

@@ -84,7 +84,7 @@ def _pass_spans(rank: int, chunk: ChunkCost, kind: str, start: float, mb: int, d
                     p.block(f"recompute {label} L{idx}", lc.recompute_s, lc.recompute_comms,
                             lc.full_recompute_flops)
                 elif lc.recompute_s:
-                    p.block(f"recompute {label} L{idx}", lc.recompute_s, ())
+                    p.block(f"recompute {label} L{idx}", lc.recompute_s, lc.recompute_comms)
                 p.block(f"bwd {label} L{idx}", lc.bwd_compute_s, lc.bwd_comms, 2 * lc.fwd_flops)
         if kind != "F" and chunk.parts["dp_comm"] > 0:
             p.block("", 0.0, [CommOp("dp", "zero-2 reduce-scatter", "reduce_scatter", 0.0,

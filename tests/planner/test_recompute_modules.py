@@ -159,3 +159,18 @@ def test_mla_keeps_its_duplicated_down_projections_whole_on_every_tp_rank():
     assert dense == pytest.approx((lp.attention - down + lp.mlp) / 4 + down + lp.router + lp.norms)
     assert experts == pytest.approx(lp.experts / 32)
     assert mla_down_params(MODEL_PRESETS["Llama 3 8B"]) == 0
+
+
+def test_the_recomputed_modules_run_their_tp_collectives_again():
+    """Megatron-Core reruns a checkpointed module whole: MLA's up projections with their gathers of the latents
+    (and the rotary key's), a dense MLP with its gather and reduce-scatter; the norms and the activations lie
+    between collectives and rerun none."""
+    def again(kind, *modules):
+        return sorted(c.name for c in layer_cost(DSV3, _lay(*modules), H100, "bf16", kind, 8).recompute_comms)
+
+    assert again(True, "mla_up_proj") == ["tp all-gather (kv up)", "tp all-gather (q up)",
+                                          "tp all-gather (rotary key)"]
+    assert again(False, "mlp") == ["tp all-gather (fc1)", "tp reduce-scatter (fc2)"]
+    assert again(True, "mlp") == []  # "mlp" is the dense layers' module; an MoE layer's is shared_experts
+    assert again(True, "shared_experts") == ["tp all-gather (fc1)", "tp reduce-scatter (fc2)"]
+    assert again(True, "layernorm", "moe_act") == []
