@@ -23,6 +23,17 @@ def test_sidebar_mesh_is_estimated_with_timeline_and_explanation():
     assert any("TP=8" in m.value for m in at.markdown)
 
 
+def test_a_partial_recomputation_is_named_with_its_layers():
+    # Llama 3 70B on 64 H100 at dp 8 x tp 8 and 4M tokens fits only recomputing some layers: the layout line,
+    # the chosen fields and the explanation say how many
+    at = _page(model="Llama 3 70B", chip="h100", dp="8", tp="8")
+    assert not at.exception
+    layout = next(m.value for m in at.markdown if m.value.startswith("**Layout:**"))
+    assert "recompute full (" in layout and " layers)" in layout
+    assert "recompute_layers=" in at.caption[0].value
+    assert any("Full recomputation of the first" in m.value for m in at.markdown)
+
+
 def test_a_mesh_that_does_not_divide_the_model_is_a_message():
     # Llama 3 8B: 32 heads are not divisible by tp=3; a dense model has no experts to spread over ep=2
     for params, field in (({"tp": "3"}, "parallel.tp"), ({"ep": "2"}, "parallel.ep")):
