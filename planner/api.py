@@ -303,7 +303,7 @@ def layer_comm_bytes(spec: ModelSpec, kind=None, *, tp: int = 1, cp: int = 1, dp
                 row["time_s"] += c.time_s
     if dp > 1:
         nbytes = sum(layer_params_on_chip(spec, kind, tp, 1)) * lay.grad_bytes  # the layer's share on this chip
-        topo = costs.topology(hw, dp, lay.mesh.group_stride(("dp", "cp", "ep")), chips_per_node)
+        topo = costs.topology(hw, dp, costs.data_stride(lay), chips_per_node)
         out["dp"] = {"ops_fwd": 0, "ops_bwd": 1, "bytes_fwd": 0.0, "bytes_bwd": nbytes,
                      "time_s": costs.comm_s(topo, "all_reduce", nbytes)}
     return out

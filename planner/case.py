@@ -303,12 +303,16 @@ class Layout:
         return self.recompute_layers if self.recompute == "full" else None
 
     @property
+    def one_chunk(self) -> bool:
+        """Whether the model runs as one chunk (no pipeline stages, no virtual ones)."""
+        return self.pp * self.virtual_stages == 1
+
+    @property
     def recompute_label(self) -> str:
         """The recomputation in a few words, for tables: the mode, and how many layers per chunk full covers."""
         if self.recompute == "full" and self.recompute_layers is not None:
-            whole = self.pp * self.virtual_stages == 1  # one chunk: the model
             n = self.recompute_layers
-            return f"full ({n} layer{'s' if n != 1 else ''}{'' if whole else ' a chunk'})"
+            return f"full ({n} layer{'s' if n != 1 else ''}{'' if self.one_chunk else ' a chunk'})"
         return self.recompute
 
     def dropout_on(self, m: ModelSpec) -> bool:

@@ -268,10 +268,15 @@ def topology(chip: Chip, n: int, stride: int, chips_per_node: int) -> Topology:
     return group_topology(chip, n, stride, achievable=True)
 
 
+def data_stride(lay: Layout) -> int:
+    """How far apart the members of the dense layers' data-parallel group (`data_topology`) are."""
+    return lay.mesh.group_stride(("dp", "cp", "ep"))
+
+
 def data_topology(chip: Chip, lay: Layout, chips_per_node: int) -> Topology:
     """The group a dense weight's gradient is summed over (and ZeRO shards it over): every data-parallel rank
     of the dense layers, dp x cp, in the mesh's rank order (core/mesh.py: the ep ranks among them)."""
-    return topology(chip, lay.dp * lay.cp, lay.mesh.group_stride(("dp", "cp", "ep")), chips_per_node)
+    return topology(chip, lay.dp * lay.cp, data_stride(lay), chips_per_node)
 
 
 def crosses_network(n: int, stride: int, chip: Chip, chips_per_node: int) -> bool:
@@ -719,8 +724,7 @@ def _zero3_comms(lay: Layout, chip: Chip, chips_per_node: int, on_chip: tuple[fl
     gather, and the backward's re-gather and reduce-scatter, which share the backward's window (what of the
     two shows is the reduce-scatter's first: it runs last), or with `fsdp_backward_prefetch` "post" the gather
     shows whole and the reduce-scatter has the window to itself."""
-    cp = lay.cp
-    data = lay.mesh.group_stride(("dp", "cp", "ep"))
+    cp, data = lay.cp, data_stride(lay)
     topo = data_topology(chip, lay, chips_per_node)
     # the layer's weights on this chip, the local experts too (gathered over their own replicas)
     w_bytes = 2 * sum(on_chip)

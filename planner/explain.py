@@ -91,7 +91,7 @@ def explain(res: StepResult, best: StepResult | None = None) -> list[str]:
                    "norms, activations and the attention core run again)"),
           "full": ("Full recomputation: only layer inputs are kept" if lay.recompute_layers is None else
                    f"Full recomputation of the first {lay.recompute_layers} layer(s)"
-                   f"{'' if lay.pp * lay.virtual_stages == 1 else ' of each chunk'} (only their inputs kept); "
+                   f"{'' if lay.one_chunk else ' of each chunk'} (only their inputs kept); "
                    "the others keep everything")}[lay.recompute]
     words.append(f"{rc}; peak memory {res.memory.total_bytes / 1e9:.1f} of {res.chip.hbm_bytes / 1e9:.0f} GB "
                  f"per chip; recomputation costs {_pct(bd['recompute'], step)}.")

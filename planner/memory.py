@@ -307,18 +307,13 @@ def _chunk_params(m: ModelSpec, t: int, ep: int, chunks: tuple[Chunk, ...]) -> t
     rows_held = False  # a stage holds one copy of the word embedding (`holds_word_embedding`)
 
     for c in chunks:
-        dense = moe = 0.0
-
-        def add(kind, n: int) -> None:
-            nonlocal dense, moe
-            layer_dense, layer_experts = layer_params_on_chip(m, kind, t, ep)
-            dense += n * layer_dense
-            moe += n * layer_experts
-
-        for kind, n in layer_kind_counts(m, c.first, c.layers):
-            add(kind, n)
+        # its layers, an MTP module as one more of the model's last kind
+        kinds = plus_layers(layer_kind_counts(m, c.first, c.layers), mtp_kind(m), c.mtp) if c.mtp else \
+            layer_kind_counts(m, c.first, c.layers)
+        on_chip = [(n, layer_params_on_chip(m, kind, t, ep)) for kind, n in kinds]
+        dense = sum(n * d for n, (d, _) in on_chip)
+        moe = sum(n * e for n, (_, e) in on_chip)
         if c.mtp:
-            add(mtp_kind(m), c.mtp)
             dense += c.mtp * (mtp_proj_params(m) / t + 3 * m.hidden)  # + its two input norms and final norm
         # the word embedding (a copy on every stage that looks it up or, tied, projects with it) and an untied head
         if not rows_held and holds_word_embedding(m, (c,)):
@@ -385,7 +380,8 @@ def memory_per_chip(m: ModelSpec, lay: Layout, micro_batches: int, optimizer: st
         else:
             # each chunk's first recompute_layers keep only their inputs, the others everything; the backward
             # reaches those after the others have freed theirs, the room the recomputation's buffer takes
-            split = [_split_bytes(m, lay, stages[stage], c, dtype) for c in stages[stage]]
+            kept = replace(lay, recompute="none")  # how the layers beside the recomputed ones run
+            split = [_split_bytes(m, lay, kept, stages[stage], c, dtype) for c in stages[stage]]
             acts = in_flight_layers(stage, lay, micro_batches, [again + rest for again, rest in split])
             room = min((rest for again, rest in split if again), default=float("inf"))
         temp = _temporary_bytes(m, lay, stage, dense + moe * lay.tp, dtype, room)
@@ -419,10 +415,11 @@ def plus_layers(counts: tuple, kind, n: int) -> tuple:
     return tuple(merged.items())
 
 
-def _split_bytes(m: ModelSpec, lay: Layout, chunks: tuple[Chunk, ...], c: Chunk, dtype: str) -> tuple[float, float]:
-    """(bytes kept by a chunk's fully recomputed layers, by its other layers), one micro-batch: each layer
-    at its own kind's bytes in a layer pattern, else at the larger kind's (`_per_layer_bytes`)."""
-    kept = replace(lay, recompute="none")
+def _split_bytes(m: ModelSpec, lay: Layout, kept: Layout, chunks: tuple[Chunk, ...], c: Chunk,
+                 dtype: str) -> tuple[float, float]:
+    """(bytes kept by a chunk's fully recomputed layers under `lay`, by its other layers under `kept`), one
+    micro-batch: each layer at its own kind's bytes in a layer pattern, else at the larger kind's
+    (`_per_layer_bytes`)."""
     out = []
     for part, how in zip(recompute_split(m, c, lay.recompute_split), (lay, kept), strict=True):
         if m.layer_pattern:

@@ -226,7 +226,7 @@ class StepResult:
         return self.chip.peak_flops_per_s(self.case.training.dtype)
 
 
-def _chunk(lay: Layout, chip: Chip, layer_costs: tuple, extra_fwd: float, extra_bwd: float, p2p_s: float,
+def _chunk(chip: Chip, layer_costs: tuple, extra_fwd: float, extra_bwd: float, p2p_s: float,
            end_comms: tuple = ((), ())) -> ChunkCost:
     """`layer_costs`: ((LayerCost, number of layers), ...) of the chunk's layers; `end_comms` the TP
     collectives of its embedding and output head, (forward, backward), whose hidden parts slow the compute
@@ -320,7 +320,7 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
                         again_costs = _first_layer_in_view(m, piece.first, again, by_kind, chip)
                     else:
                         rest_costs = _first_layer_in_view(m, piece.first, rest, keeps_all, chip)
-                chunk_cache[key] = _chunk(lay, chip, again_costs + rest_costs, ef, eb, pass_p2p_s, ends)
+                chunk_cache[key] = _chunk(chip, again_costs + rest_costs, ef, eb, pass_p2p_s, ends)
             chunks.append(chunk_cache[key])
         dense_p, expert_p = stage_params(m, lay, i)
         dp_total = exposed = per_micro_batch = 0.0
