@@ -110,18 +110,22 @@ def recompute_drops_dead_code(chip: Chip) -> bool:
     return chip.kind == "tpu"
 
 
-def full_recompute(chip: Chip, m: ModelSpec, kind, fwd_s: float, gemms: list[_Gemm], gemm_fwd: dict[str, float]
-                   ) -> tuple[float, tuple[str, ...], float]:
+def full_recompute(chip: Chip, m: ModelSpec, kind, fwd_s: float, fwd_comms, gemms: list[_Gemm],
+                   gemm_fwd: dict[str, float]) -> tuple[float, tuple[str, ...], float]:
     """What a full recomputation of a layer of `kind` runs again before its backward: (seconds, the GEMMs it
-    leaves out, whose TP collectives it does not repeat either (`CommOp.gemm`), their FLOPs).
+    leaves out, whose TP collectives it does not repeat either (`CommOp.gemm`), their FLOPs), from the forward's
+    `fwd_s` and its collectives `fwd_comms`.
 
     PyTorch (torch.utils.checkpoint, Megatron's recompute) calls the layer's forward again: every kernel and
-    every collective of it. JAX's jax.checkpoint stages the recomputation as a jaxpr and removes from it
-    everything the backward does not use (ad_checkpoint.py remat_partial_eval: pe.dce_jaxpr "keeping only
-    instantiated outputs which are unknown"; `recompute_drops_dead_code`): the GEMMs whose outputs only feed the
-    residual sum (planner.flops.residual_output_matmuls), and the TP reductions of their partial sums, are not
-    run again. For PaLM 540B (a parallel block) that leaves 65 % of the layer matmuls; the paper counts 75 %
-    recomputed for its own policy (Chowdhery et al. 2022, Appendix B)."""
+    every collective of it but a ZeRO-3 gather (`LayerCost.recompute_comms`: the backward's gather serves it), so
+    not the compute that gather's hidden part slowed (`overlap_slowdown`) either. JAX's jax.checkpoint stages
+    the recomputation as a jaxpr and removes from it everything the backward does not use (ad_checkpoint.py
+    remat_partial_eval: pe.dce_jaxpr "keeping only instantiated outputs which are unknown";
+    `recompute_drops_dead_code`): the GEMMs whose outputs only feed the residual sum
+    (planner.flops.residual_output_matmuls), and the TP reductions of their partial sums, are not run again.
+    For PaLM 540B (a parallel block) that leaves 65 % of the layer matmuls; the paper counts 75 % recomputed for
+    its own policy (Chowdhery et al. 2022, Appendix B)."""
+    fwd_s -= overlap_slowdown(chip) * sum(c.hidden_s for c in fwd_comms if c.group == "dp")
     if not recompute_drops_dead_code(chip):
         return fwd_s, (), 0.0
     dead = tuple(g for g in residual_output_matmuls(m, kind) if g in gemm_fwd)
@@ -592,7 +596,12 @@ def _elementwise(m: ModelSpec, lay: Layout, moe, tokens: float) -> dict[str, flo
         out["point_fwd"] = residual_fwd * h / sp + act_fwd * ffn
         out["point_bwd"] = residual_bwd * h / sp + (8 if eager else 6) * ffn
     else:
-        rope_elements = (m.heads + m.kv_heads) * hd / t if moe != MLP else 0.0
+        if moe == MLP:
+            rope_elements = 0.0
+        elif m.is_mla:  # MLA rotates only each query head's decoupled part and the one shared key
+            rope_elements = m.rope_head_dim * (m.heads / t + 1)
+        else:
+            rope_elements = (m.heads + m.kv_heads) * hd / t
         if m.mlp == "swiglu":
             act_fwd, act_bwd = (10, 18) if eager else (6, 10)
         elif m.mlp == "relu2":
@@ -972,7 +981,7 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
 
     skipped, skipped_flops = (), 0.0
     if lay.recompute == "full":
-        recompute_s, skipped, skipped_flops = full_recompute(chip, m, moe, fwd_s, gemms, gemm_fwd)
+        recompute_s, skipped, skipped_flops = full_recompute(chip, m, moe, fwd_s, fwd_comms, gemms, gemm_fwd)
     elif lay.recompute == "selective":
         recompute_s = _selective_recompute_s(chip, lay, moe, gemm_fwd, attn_fwd_s, ew)
     elif lay.recompute == "selective-op":
@@ -1185,7 +1194,7 @@ def _mamba_layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chips_p
     # "selective-op" its out_proj, the scan (custom kernels, not saved) and the memory-bound ops
     skipped, skipped_flops = (), 0.0
     if lay.recompute == "full":
-        recompute_s, skipped, skipped_flops = full_recompute(chip, m, MAMBA, fwd_s, gemms, gemm_fwd)
+        recompute_s, skipped, skipped_flops = full_recompute(chip, m, MAMBA, fwd_s, fwd_comms, gemms, gemm_fwd)
     elif lay.recompute == "selective-op":
         recompute_s = _op_sac_recompute_s(m, MAMBA, gemm_fwd, ew_fwd_s, scan_fwd_s)
     else:
@@ -1348,12 +1357,15 @@ def embedding_s(m: ModelSpec, lay: Layout, chip: Chip) -> float:
     return kernels.pointwise_s(chip, 2 * ACT_BYTES * tokens * m.hidden / (lay.tp if lay.sequence_parallel else 1))
 
 
-def optimizer_step_s(params_per_chip: float, lay: Layout, chip: Chip, optimizer: str) -> float:
+def optimizer_step_s(dense_params: float, expert_params: float, lay: Layout, chip: Chip, optimizer: str) -> float:
     """The optimizer update is memory-bound: `OPTIMIZER_STEP_BYTES` per locally updated parameter
     (a multi-tensor fused Adam reaches the copy bandwidth: PyTorch PR 119842's times, fused Adam 3.578 ms on a
     1/128 shard of Llama-2-70B on a 500 W H100, come to ~89 % of it by this byte count), or with
     `optimizer_fused` false Adam's elementwise ops one by one (`UNFUSED_ADAM_BYTES`)."""
-    shards = lay.dp * lay.cp if lay.zero_stage >= 1 else 1
+    if lay.zero_stage >= 1:  # each shards over its data-parallel group: an expert's skips ep
+        local = dense_params / (lay.dp * lay.cp) + expert_params / max(1, lay.dp * lay.cp // lay.ep)
+    else:
+        local = dense_params + expert_params
     unfused = optimizer == "adam" and not lay.optimizer_fused
     per_param = UNFUSED_ADAM_BYTES if unfused else OPTIMIZER_STEP_BYTES[optimizer]
-    return kernels.pointwise_s(chip, params_per_chip / shards * per_param)
+    return kernels.pointwise_s(chip, local * per_param)

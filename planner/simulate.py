@@ -383,7 +383,7 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
             kept = dense_p + expert_p if whole else dense_p / dp_group + expert_p / max(1, expert_group)
             chunks[0] = _plus_backward(chunks[0], "compute",
                                        grad_accumulation_s(kept, micro_batches, lay.grad_bytes, chip))
-        opt = costs.optimizer_step_s(dense_p + expert_p, lay, chip, tr.optimizer)
+        opt = costs.optimizer_step_s(dense_p, expert_p, lay, chip, tr.optimizer)
         tied = tied_s if i in holders else 0.0
         passes = grad_buffer_passes_s(dense_p + expert_p, lay, chip, dp_group)
         by_rep[i] = StageCost(chunks, exposed, dp_total, opt, dense_p + expert_p, tied, passes)

@@ -68,6 +68,24 @@ def test_on_a_gpu_the_recomputation_runs_the_whole_forward_again():
     assert full.full_recompute_flops == full.fwd_flops
 
 
+def test_a_gpu_recomputation_leaves_out_the_zero3_gather_and_what_its_hidden_part_slows():
+    # the backward's gather serves the recomputation: the forward's gather is not repeated, nor the compute the
+    # hidden part of it slowed (planner.costs.overlap_slowdown), nor FSDP's copy out of it; the TP collectives
+    # and theirs are
+    from planner.costs import fsdp_copy_bytes, overlap_slowdown
+
+    chip = get_chip("h100")
+    full = _cost(chip, "full", dp=8, zero_stage=3)
+    gather = [c for c in full.fwd_comms if c.group == "dp"]
+    assert gather and gather[0].hidden_s > 0
+    lay = Layout(dp=8, tp=TP, pp=1, zero_stage=3)  # FSDP2 (the GPU default) copies the gathered bf16 weights out
+    copies = kernels.pointwise_s(chip, fsdp_copy_bytes(lay)[0] * gather[0].nbytes / 2)
+    assert lay.fsdp_impl == "fsdp2" and copies > 0
+    assert full.recompute_s == pytest.approx(
+        full.fwd_compute_s - copies - overlap_slowdown(chip) * gather[0].hidden_s, rel=1e-12)
+    assert gather[0] not in full.recompute_comms
+
+
 @pytest.mark.parametrize("mode", ["none", "selective", "dots"])
 def test_only_a_full_recomputation_repeats_collectives(mode):
     # selective, op lists and dots rerun what lies between the collectives, never a collective itself

@@ -544,11 +544,27 @@ def test_an_unfused_adam_moves_eighty_bytes_a_parameter_where_the_fused_one_move
 
     h100 = get_chip("h100")
     lay = Layout(dp=8, tp=1, pp=1, zero_stage=1)
-    fused, loop = (optimizer_step_s(8e9, replace(lay, optimizer_fused=f), h100, "adam") for f in (True, False))
+    fused, loop = (optimizer_step_s(8e9, 0.0, replace(lay, optimizer_fused=f), h100, "adam")
+                   for f in (True, False))
     assert loop - fused == pytest.approx(1e9 * (8 + 12 + 8 + 12 + 8 + 8 + 8 + 16 - 30) / h100.hbm_bw(achievable=True))
-    assert optimizer_step_s(8e9, replace(lay, optimizer_fused=False), h100, "sgd") == \
-        optimizer_step_s(8e9, lay, h100, "sgd")  # counted for Adam only
+    assert optimizer_step_s(8e9, 0.0, replace(lay, optimizer_fused=False), h100, "sgd") == \
+        optimizer_step_s(8e9, 0.0, lay, h100, "sgd")  # counted for Adam only
     assert estimate(_case()).chosen["training"]["optimizer_fused"] is True
+
+
+def test_zero_shards_an_experts_update_over_its_own_data_parallel_group():
+    """An expert's weights are sharded over dp x cp / ep ranks (its gradient skips ep), a dense one's over dp x cp:
+    at dp 8, ep 4 each of 2 ranks updates half an expert's parameters."""
+    from hardware.chips import get_chip
+    from planner.case import Layout
+    from planner.costs import OPTIMIZER_STEP_BYTES, optimizer_step_s
+
+    h100 = get_chip("h100")
+    lay = Layout(dp=8, tp=1, pp=1, ep=4, zero_stage=1)
+    assert optimizer_step_s(0.0, 1e9, lay, h100, "adam") == pytest.approx(
+        1e9 / 2 * OPTIMIZER_STEP_BYTES["adam"] / h100.hbm_bw(achievable=True))
+    expert = optimizer_step_s(0.0, 1e9, lay, h100, "adam")
+    assert optimizer_step_s(1e9, 0.0, lay, h100, "adam") == pytest.approx(expert / 4)
 
 
 def test_the_cross_entropy_is_reported_where_null_and_kept_where_stated():

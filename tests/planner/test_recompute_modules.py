@@ -174,3 +174,16 @@ def test_the_recomputed_modules_run_their_tp_collectives_again():
     assert again(True, "mlp") == []  # "mlp" is the dense layers' module; an MoE layer's is shared_experts
     assert again(True, "shared_experts") == ["tp all-gather (fc1)", "tp reduce-scatter (fc2)"]
     assert again(True, "layernorm", "moe_act") == []
+
+
+def test_mla_rotates_only_the_decoupled_query_parts_and_the_shared_key():
+    # DeepSeek-V3: 128 query heads each with a 64-wide rotary part, one shared rotary key; the fused rotary
+    # kernel reads and writes 2 + 2 bytes an element, so 64 more rotary dims cost 4 x 64 x (heads / t + 1)
+    from dataclasses import replace
+
+    from planner.costs import _elementwise
+
+    ds = MODEL_PRESETS["DeepSeek-V3"]
+    lay = Layout(dp=1, tp=2, pp=1, sequence_parallel=True, attention="flash")
+    wide, narrow = (_elementwise(replace(ds, rope_head_dim=r), lay, False, 4096)["point_fwd"] for r in (128, 64))
+    assert wide - narrow == pytest.approx(4 * 64 * (ds.heads / 2 + 1) * 4096, rel=1e-12)
