@@ -483,8 +483,8 @@ def _selective_flops_per_token(m: ModelSpec, modules: tuple[str, ...]) -> float:
     layers = m.layers + m.mtp_layers
     if "mla_up_proj" in modules:
         out += 2.0 * layers * mla_up_proj_params(m)
-    if "mlp" in modules:
-        dense = m.dense_layers if m.is_moe else m.layers
+    if "mlp" in modules:  # the layers with a dense MLP: a pattern's "-" layers, an MoE model's first dense ones
+        dense = m.layer_pattern.count(MLP) if m.layer_pattern else m.dense_layers if m.is_moe else m.layers
         out += 2.0 * dense * _mlp_params(m, m.dense_ffn_)
     if "shared_experts" in modules and m.is_moe:
         out += 2.0 * (layers - m.dense_layers) * m.shared_experts * _mlp_params(m, m.ffn)

@@ -66,12 +66,15 @@ def in_flight_chunks(stage: int, lay: Layout, micro_batches: int) -> float:
     if lay.pp_schedule == "gpipe":
         return m * v
     if lay.pp_schedule == "zb-h1":
-        # 1F1B's activations plus the deferred weight-gradient inputs: stage i's peaks in the simulated schedule
-        # are p - i forwards held and i + 1 BW pending (core.schedules.simulate); each pending one keeps less than
-        # a micro-batch's activations (Qi et al. 2023 sec. 2.3: (p - i + 1) M_B + (i - 1) M_W for 1-indexed i,
-        # M_W < M_B), so counting both peaks as whole micro-batches is an upper bound
-        return min(p - stage, m) + min(stage + 1, m)
+        # 1F1B's first stage's peak on every stage: stage i (0-indexed) holds p - i forwards and i deferred
+        # weight-gradient inputs at once (Qi et al. 2023 sec. 2.3: (p - i + 1) M_B + (i - 1) M_W for 1-indexed
+        # i; the two counts' separate peaks, p - i and i + 1, never fall together), never more than m; each
+        # pending one keeps less than a micro-batch's activations (M_W < M_B), so counting it whole is an
+        # upper bound
+        return min(p, m)
     if v > 1:
+        if m == p:  # Megatron-LM runs every forward first then (all_warmup_microbatches; core.schedules too)
+            return m * v
         # Megatron-LM interleaved warm-up: (p - i - 1) * 2 + (v - 1) * p micro-batch chunks, then 1 more
         return min((p - stage - 1) * 2 + (v - 1) * p + 1, m * v)
     return min(p - stage, m)
@@ -370,8 +373,10 @@ def memory_per_chip(m: ModelSpec, lay: Layout, micro_batches: int, optimizer: st
         if lay.staged_zero3:
             # pipelined FSDP keeps the stage's weights gathered (bf16) and accumulates its gradients unsharded
             # in the reduction's fp32 until the last backward (planner.costs' docstring)
-            params += 2 * (dense + moe)
-            grads += 4 * (dense + moe)
+            # a group of one shard holds its weights whole already and accumulates into its own gradient
+            gathered = dense * (lay.dp * lay.cp > 1) + moe * (lay.dp * lay.cp // lay.ep > 1)
+            params += 2 * gathered
+            grads += 4 * gathered
         room = 0.0  # what a chunk's backward has freed when it reaches a layer to recompute
         if lay.recompute_split is None:
             # an MTP module keeps what one more layer keeps
@@ -384,7 +389,7 @@ def memory_per_chip(m: ModelSpec, lay: Layout, micro_batches: int, optimizer: st
             split = [_split_bytes(m, lay, kept, stages[stage], c, dtype) for c in stages[stage]]
             acts = in_flight_layers(stage, lay, micro_batches, [again + rest for again, rest in split])
             room = min((rest for again, rest in split if again), default=float("inf"))
-        temp = _temporary_bytes(m, lay, stage, dense + moe * lay.tp, dtype, room)
+        temp = _temporary_bytes(m, lay, stage, dense + moe, dtype, room)
         if lay.logit_metrics and any(c.loss for c in stages[stage]):
             # the metrics' cross-entropies run after the backward has freed the activations (Composer): the
             # bf16 logits, their fp32 copy and its log-softmax, 10 bytes a logit, may set the peak instead
@@ -475,7 +480,8 @@ def _temporary_bytes(m: ModelSpec, lay: Layout, stage: int, stage_params: float,
     chunks = chunks_of(m, lay)[stage]
     if any(c.loss for c in chunks):
         per_logit = 4 if lay.cross_entropy == "fused" else 8
-        temp += output_heads(m) * per_logit * _logits(m, lay)
+        # freed once the loss's backward has handed the head its gradient, before any layer recomputes
+        temp = max(temp, output_heads(m) * per_logit * _logits(m, lay))
     if lay.layer_zero3:
         layers = max(1, sum(c.layers + c.mtp for c in chunks))
         root = root_params(m, lay.tp)  # one stage: ZeRO-3 layers are unstaged

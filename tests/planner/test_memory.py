@@ -6,13 +6,15 @@ import pytest
 
 from planner.case import Layout
 from planner.memory import (
+    WEIGHT_BYTES,
     in_flight_chunks,
     korthikanti_bytes,
     layer_activation_bytes,
     memory_per_chip,
+    stage_params,
     zero_bytes_per_param,
 )
-from planner.models import ModelSpec
+from planner.models import MODEL_PRESETS, ModelSpec
 
 GB = 1e9
 
@@ -61,6 +63,36 @@ def test_in_flight_micro_batches():
     # Korthikanti et al. 2022 sec. 4.2.3: first stage holds p (1 + (p-1)/(p v)) stage-sized micro-batches
     assert in_flight_chunks(0, inter, m) / v == pytest.approx(p * (1 + (p - 1) / (p * v)))
     assert in_flight_chunks(0, Layout(dp=1, tp=1, pp=p, pp_schedule="gpipe"), m) == m
+
+
+def _held_peak(actions) -> int:
+    """The most chunk-micro-batches a rank keeps activations for at once: forwards not yet back-propagated,
+    and (ZB-H1) input gradients whose weight gradient still waits for them, counted whole."""
+    from core.schedules import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
+
+    step = {FORWARD: 1, BACKWARD: -1, BACKWARD_WEIGHT: -1}  # a BI moves one from held to pending: no change
+    now = peak = 0
+    for a in actions:
+        now += step.get(a.kind, 0) if a.kind != BACKWARD_INPUT else 0
+        peak = max(peak, now)
+    return peak
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b", "zb-h1", "gpipe"])
+def test_in_flight_chunks_match_the_schedules_built_step_by_step(schedule):
+    # every rank's peak in core.schedules' own orders: interleaved with m == p runs every forward first
+    # (Megatron-LM's all_warmup_microbatches), ZB-H1 never holds more than 1F1B's p (Qi et al. 2023 sec. 2.3)
+    from core.schedules.build import make_schedule
+
+    for p in (2, 3, 4, 8):
+        for v in ((2, 3, 4) if schedule == "interleaved-1f1b" else (1,)):
+            for m in (p, 2 * p, 3 * p) if schedule == "interleaved-1f1b" else (1, p - 1, p, 2 * p + 1):
+                if m < 1:
+                    continue
+                built = make_schedule(schedule, p, m, v)
+                lay = Layout(dp=1, tp=1, pp=p, pp_schedule=schedule, virtual_stages=v)
+                assert [in_flight_chunks(r, lay, m) for r in range(p)] == \
+                    [_held_peak(built.actions[r]) for r in range(p)], (p, v, m)
 
 
 def test_memory_per_chip_splits_by_tp_and_pp():
@@ -132,3 +164,29 @@ def test_the_metrics_cross_entropies_set_the_peak_when_their_logits_outweigh_the
     big = ModelSpec("mpt-7b", 32, 4096, 32, 32, 16384, 50368, 2048, "gelu")
     lay7 = replace(lay, micro_batch=6)
     assert memory_per_chip(big, replace(lay7, logit_metrics=2), 1) == memory_per_chip(big, lay7, 1)
+
+
+def test_pipelined_zero3_gathers_no_copy_of_experts_it_shards_over_one_rank():
+    # dp 8 with ep 8 leaves each expert a data-parallel group of one: its weights are whole already and take
+    # their gradient in place (AutoModel passes them to FSDP as ignored_params); the dense weights, sharded
+    # over 8, are gathered whole in bf16 and their gradients accumulated whole in fp32
+    m = MODEL_PRESETS["Mixtral 8x7B"]
+    lay = Layout(dp=8, tp=1, pp=2, ep=8, micro_batch=1, zero_stage=3, recompute="full", attention="flash")
+    mem = memory_per_chip(m, lay, 16)
+    dense, moe = stage_params(m, lay, mem.stage)
+    w, g, _ = zero_bytes_per_param(3, 8, "adam", lay.grad_bytes)
+    we, ge, _ = zero_bytes_per_param(3, 1, "adam", lay.grad_bytes)
+    assert (we, ge) == (WEIGHT_BYTES, lay.grad_bytes)
+    assert mem.params_bytes == pytest.approx(dense * (w + WEIGHT_BYTES) + moe * we)
+    assert mem.grads_bytes == pytest.approx(dense * (g + 4) + moe * ge)
+
+
+def test_a_zero3_layers_gather_holds_its_experts_tp_share():
+    # per-layer ZeRO-3 gathers each layer's weights as the chip holds them: experts split over ep and tp
+    m = MODEL_PRESETS["Mixtral 8x7B"]
+    lay = Layout(dp=8, tp=2, pp=1, ep=4, micro_batch=1, zero_stage=3, recompute="full", attention="flash",
+                 sequence_parallel=True)
+    one, two = (memory_per_chip(replace(m, experts=e), lay, 1).temporary_bytes for e in (8, 16))
+    per_layer_experts = 8 * 3 * m.hidden * m.ffn / (4 * 2)  # 8 more experts' SwiGLU weights on a chip
+    router = 8 * m.hidden  # and 8 more router columns, on every rank
+    assert two - one == pytest.approx(WEIGHT_BYTES * 2 * (per_layer_experts + router), rel=1e-9)

@@ -187,3 +187,13 @@ def test_mla_rotates_only_the_decoupled_query_parts_and_the_shared_key():
     lay = Layout(dp=1, tp=2, pp=1, sequence_parallel=True, attention="flash")
     wide, narrow = (_elementwise(replace(ds, rope_head_dim=r), lay, False, 4096)["point_fwd"] for r in (128, 64))
     assert wide - narrow == pytest.approx(4 * 64 * (ds.heads / 2 + 1) * 4096, rel=1e-12)
+
+
+def test_a_patterns_selective_mlp_recomputation_counts_only_its_mlp_layers():
+    # a hybrid stack "M-*-": two of its four layers have an MLP, the Mamba and attention layers none
+    from planner.models import ModelSpec
+
+    m = ModelSpec("hybrid", 4, 256, 4, 4, 1024, 1000, 512, "swiglu", layer_pattern="M-*-", ssm_head_dim=64)
+    tokens = 512
+    extra = hardware_flops(m, tokens, "selective", ("mlp",)) - model_flops(m, tokens)
+    assert extra == pytest.approx(2.0 * tokens * 2 * 3 * 256 * 1024, rel=1e-12)
