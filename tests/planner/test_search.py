@@ -169,10 +169,11 @@ def test_lower_bound_never_exceeds_any_variant():
 def test_on_a_tpu_the_search_tries_jax_dots_policy_between_none_and_full():
     # JAX's checkpoint_dots_with_no_batch_dims (MaxText's 'minimal'): where nothing lighter fits, it beats
     # recomputing the whole layer; GPUs keep Megatron's policies, MoE and Mamba models are not modelled with it
-    fixed = _free_case(LONG_DENSE, 4, 4, "tpu-v5e")
+    fixed = _free_case(dict(LONG_DENSE, seq_len=20480), 4, 4, "tpu-v5e")  # no recomputation does not fit
     fixed["parallel"] = {"dp": 1, "tp": 2, "cp": 2, "pp": 1}
     fixed["training"]["zero_stage"] = 2
     ranked = search(parse_case(fixed)).ranked
+    assert "none" not in {r.layout.recompute for r in ranked}
     assert ranked[0].layout.recompute == "dots"
     full = [r for r in ranked if r.layout.recompute == "full"]
     assert full and ranked[0].step_time_s < full[0].step_time_s
