@@ -60,7 +60,9 @@ except SpecError as e:
     st.stop()
 
 lay = est.layout
-st.markdown(f"**Layout:** dp={lay.dp}, tp={lay.tp}, pp={lay.pp}, cp={lay.cp}, ep={lay.ep}; "
+etp = f" (etp={lay.etp}: experts {'whole' if lay.experts_folded else 'split by tp'})" \
+    if spec.is_moe and lay.tp > 1 else ""
+st.markdown(f"**Layout:** dp={lay.dp}, tp={lay.tp}, pp={lay.pp}, cp={lay.cp}, ep={lay.ep}{etp}; "
             f"ZeRO-{lay.zero_stage}; micro-batch {lay.micro_batch}; recompute {lay.recompute_label}; "
             f"schedule {lay.pp_schedule} (v={lay.virtual_stages}); "
             f"global batch {global_batch:,} sequences of {spec.seq_len:,} tokens.")

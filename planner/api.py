@@ -34,7 +34,7 @@ from planner.models import MAMBA, ModelSpec, SpecError
 from planner.simulate import StepResult, usable_hbm_bytes
 
 _CHOICE_FIELDS = {
-    "parallel": ("dp", "tp", "pp", "cp", "ep", "pp_schedule", "virtual_stages"),
+    "parallel": ("dp", "tp", "pp", "cp", "ep", "etp", "pp_schedule", "virtual_stages"),
     "training": ("micro_batch", "schedule_runs", "recompute", "recompute_layers", "zero_stage", "sequence_parallel",
                  *RECIPE_DEFAULTS, "ssm_cp"),
 }
@@ -62,6 +62,8 @@ def chosen_fields(case: Case, res: StepResult) -> dict:
                 continue  # without pipeline stages the runs are the same micro-batches
             if name == "recompute_layers" and res.layout.recompute_layers is None:
                 continue  # every layer of a chunk, or a mode other than full: `recompute` says it
+            if name == "etp" and not (case.model.is_moe and res.layout.tp > 1):
+                continue  # only routed experts under tensor parallelism have the choice
             if name in ("fsdp_impl", "fsdp_backward_prefetch") and not res.layout.layer_zero3:
                 continue  # only ZeRO-3's per-layer gathers and reductions copy and prefetch (costs._zero3_comms)
             if getattr(given, name) is None:
@@ -302,7 +304,7 @@ def layer_comm_bytes(spec: ModelSpec, kind=None, *, tp: int = 1, cp: int = 1, dp
                 row[f"bytes_{direction}"] += c.nbytes * c.count
                 row["time_s"] += c.time_s
     if dp > 1:
-        nbytes = sum(layer_params_on_chip(spec, kind, tp, 1)) * lay.grad_bytes  # the layer's share on this chip
+        nbytes = sum(layer_params_on_chip(spec, kind, tp, 1, lay.etp)) * lay.grad_bytes  # the layer's share here
         topo = costs.topology(hw, dp, costs.data_stride(lay), chips_per_node)
         out["dp"] = {"ops_fwd": 0, "ops_bwd": 1, "bytes_fwd": 0.0, "bytes_bwd": nbytes,
                      "time_s": costs.comm_s(topo, "all_reduce", nbytes)}

@@ -221,6 +221,13 @@ class Parallel:
     pp: int | None = None
     cp: int | None = None
     ep: int | None = None
+    # expert tensor parallel (Megatron-Core's expert_tensor_parallel_size): how many of the tp ranks split each
+    # routed expert, 1 or tp. 1 folds the tp ranks into the experts' own layout (Megatron-Core's MoE parallel
+    # folding: ep x etp x expert-dp = tp x cp x dp): each expert whole on its rank, the tokens a rank holds on
+    # its sequence shard sent over ep, no TP collective around the experts; tp splits them as the dense layers
+    # (Megatron-Core's default when unset). None: 1, what current MoE recipes set (Megatron-Bridge's DeepSeek,
+    # Qwen3 MoE, GPT-OSS and other recipes: expert_tensor_parallel_size = 1)
+    etp: int | None = None
     pp_schedule: str | None = None
     virtual_stages: int | None = None
     # which chunk holds which layers, in Megatron-Core's pipeline_model_parallel_layout syntax (planner.stages),
@@ -291,6 +298,7 @@ class Layout:
     pp_layout: str | None = None  # Parallel.pp_layout
     recompute_modules: tuple[str, ...] = DEFAULT_RECOMPUTE_MODULES  # what "selective" runs again
     recompute_layers: int | None = None  # Training.recompute_layers; None: every layer of a chunk
+    etp: int = 1  # Parallel.etp: 1, or tp
 
     @property
     def num_chips(self) -> int:
@@ -341,10 +349,28 @@ class Layout:
         (`schedule_runs` runs each fill and drain the pipeline over an equal share)."""
         return micro_batches // self.schedule_runs
 
+    @property
+    def experts_folded(self) -> bool:
+        """Whether the experts fold the tp ranks into their own layout (`Parallel.etp` 1 under tp > 1)."""
+        return self.etp < self.tp
+
+    @property
+    def expert_dp(self) -> int:
+        """The ranks an expert's weights are replicated over, its gradient summed over and ZeRO shards it over:
+        tp x cp x dp / (ep x etp) (Megatron-Core's expert data parallel); dp x cp / ep when etp is tp."""
+        return max(1, self.tp * self.cp * self.dp // (self.ep * self.etp))
+
+    @property
+    def expert_dp_stride(self) -> int:
+        """How far apart the members of an expert's data-parallel group are: past its etp x ep ranks."""
+        return self.etp * self.ep
+
     @cached_property
     def mesh(self) -> Mesh:
-        """Computed once per layout (the search asks for strides in its inner loop)."""
-        return Mesh.from_megatron(self.dp, self.tp, self.pp, self.cp, self.ep)
+        """Computed once per layout (the search asks for strides in its inner loop). Experts that fold the tp
+        ranks (`experts_folded`) have their ep over tp ranks too (their strides: `etp`, `expert_dp_stride`):
+        the dense layers' mesh then holds no ep."""
+        return Mesh.from_megatron(self.dp, self.tp, self.pp, self.cp, 1 if self.experts_folded else self.ep)
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -469,7 +495,7 @@ def parse_case(data) -> Case:
     p = _check_keys(data.get("parallel", {}), {f.name for f in fields(Parallel)}, "parallel")
     parallel = Parallel(
         **{k: _int(p, k, "parallel", required=False)
-           for k in ("dp", "tp", "pp", "cp", "ep", "virtual_stages")},
+           for k in ("dp", "tp", "pp", "cp", "ep", "etp", "virtual_stages")},
         pp_schedule=_choice(p, "pp_schedule", "parallel", SCHEDULES),
     )
     if p.get("pp_layout") is not None:
@@ -624,9 +650,19 @@ def check_fixed(case: Case) -> None:
             raise SpecError("parallel.ep", "ep > 1 needs an MoE model (model.experts > 0)")
         if not _divides(p.ep, m.experts):
             raise SpecError("parallel.ep", f"{p.ep} does not divide experts={m.experts}")
-        if p.dp and not _divides(p.ep, p.dp):
+        folded = (p.etp or 1) < (p.tp or 1)  # the experts fold the tp ranks into ep (Parallel.etp)
+        if folded and p.dp and p.tp and not _divides(p.ep, p.dp * p.tp * (p.cp or 1)):
+            raise SpecError("parallel.ep", f"{p.ep} must divide tp*cp*dp = {p.dp * p.tp * (p.cp or 1)}: with etp 1 "
+                                           "the expert-parallel ranks are the tp, cp and dp ranks")
+        if not folded and p.dp and not _divides(p.ep, p.dp):
             raise SpecError("parallel.ep", f"{p.ep} must divide dp={p.dp}: expert-parallel ranks are "
                                            "data-parallel ranks of the dense layers (core/mesh.py)")
+    if p.etp and p.etp > 1:
+        if not m.is_moe:
+            raise SpecError("parallel.etp", "etp > 1 needs an MoE model (model.experts > 0); use 1 or null")
+        if p.tp and p.etp != p.tp:
+            raise SpecError("parallel.etp", f"{p.etp} must be 1 (experts whole, the tp ranks folded into ep) or "
+                                            f"tp={p.tp} (experts split as the dense layers)")
     gb, mb = case.training.global_batch, case.training.micro_batch
     if p.dp and not _divides(p.dp, gb):
         raise SpecError("parallel.dp", f"{p.dp} does not divide training.global_batch={gb}")

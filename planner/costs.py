@@ -442,12 +442,14 @@ def _gemms(m: ModelSpec, lay: Layout, moe, tokens: float) -> tuple[list[_Gemm], 
     if dense_mats:
         mlp += [_Gemm("fc1", tokens, h, dense_mats * n_in * ffn / t), _Gemm("fc2", tokens, dense_mats * ffn / t, h)]
     if moe is True:
-        # routed experts: T * top_k token copies over E / ep local experts (balanced routing), grouped
-        local = m.experts / lay.ep
-        rows = max(1.0, tokens * m.top_k * lay.ep / m.experts)
+        # routed experts: the token copies of an etp group over E / ep local experts (balanced routing),
+        # grouped: T * top_k rows split etp ways (Parallel.etp = tp); or, the tp ranks folded into ep (etp 1),
+        # the T / tp tokens of a rank's sequence shard, each expert whole
+        local, e = m.experts / lay.ep, lay.etp
+        rows = max(1.0, tokens * e / t * m.top_k * lay.ep / m.experts)
         mlp += [_Gemm("router", tokens, h, m.experts),
-                _Gemm("experts fc1", rows, h, n_in * ffn / t, local),
-                _Gemm("experts fc2", rows, ffn / t, h, local)]
+                _Gemm("experts fc1", rows, h, n_in * ffn / e, local),
+                _Gemm("experts fc2", rows, ffn / e, h, local)]
     return attn, mlp
 
 
@@ -919,8 +921,10 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
     gemm_fwd, gemm_dgrad, gemm_wgrad = _gemm_times(chip, dtype, gemms)
     # the GEMMs whose TP collective is pipelined with them (`_tp_comms`): the column GEMMs read the input
     # gathered, and the row GEMMs' partial sums leave reduce-scattered, region by region
-    column = _attention_columns(m, attn_g) + [g for g in ("fc1", "experts fc1") if g in gemm_fwd]
-    row = (["o"] if attn_g else []) + [g for g in ("fc2", "experts fc2") if g in gemm_fwd]
+    # (experts that fold the tp ranks into ep have no TP collective: `Layout.experts_folded`)
+    experts = () if lay.experts_folded else DISPATCHED
+    column = _attention_columns(m, attn_g) + [g for g in ("fc1", *experts[:1]) if g in gemm_fwd]
+    row = (["o"] if attn_g else []) + [g for g in ("fc2", *experts[1:]) if g in gemm_fwd]
     if t > 1 and lay.sequence_parallel and lay.tp_comm_overlap:
         gemm_fwd, gemm_dgrad = _chunked_gemm_times(chip, dtype, gemms, [g for g in column if g not in DISPATCHED],
                                                    [g for g in row if g not in DISPATCHED], gemm_fwd, gemm_dgrad, t)
@@ -962,7 +966,7 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
 
     # -- EP ------------------------------------------------------------------------------------------------------
     if moe is True and lay.ep > 1:
-        topo = topology(chip, lay.ep, lay.mesh.stride("ep"), chips_per_node)
+        topo = topology(chip, lay.ep, lay.etp, chips_per_node)  # ep's stride: past its etp ranks
         rows_bytes = tokens * m.top_k * h * ACT_BYTES / t
         if lay.ep_dispatch == "deepep" and isinstance(topo, Hierarchy):
             node_bytes = rows_bytes / m.top_k * expert_nodes_per_token(m, topo.n, topo.domain_size)
@@ -975,7 +979,7 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
                                 max(0.0, a2a - bwd_s) if lay.ep_comm_overlap else a2a, 2))
 
     # -- ZeRO-3 / FSDP, and what the hidden communication slows ----------------------------------------------
-    on_chip = layer_params_on_chip(m, moe, t, lay.ep)
+    on_chip = layer_params_on_chip(m, moe, t, lay.ep, lay.etp)
     fwd_s, bwd_s, gathered = _with_zero3_and_slowdown(lay, chip, chips_per_node, on_chip, fwd_s, bwd_s, fwd_comms,
                                                       bwd_comms)
 
@@ -1188,8 +1192,9 @@ def _mamba_layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chips_p
                           CommOp("cp", "cp ssm state chain", "p2p", hop_bytes, chain, chain, hops)]
             bwd_comms += [CommOp("cp", "cp ssm state-gradient chain", "p2p", hop_bytes, chain, chain, hops),
                           CommOp("cp", "cp conv halo (grad)", "p2p", halo_bytes, halo, halo)]
-    fwd_s, bwd_s, gathered = _with_zero3_and_slowdown(lay, chip, chips_per_node, layer_params_on_chip(m, MAMBA, t, 1),
-                                                      fwd_s, bwd_s, fwd_comms, bwd_comms)
+    fwd_s, bwd_s, gathered = _with_zero3_and_slowdown(lay, chip, chips_per_node,
+                                                      layer_params_on_chip(m, MAMBA, t, 1, lay.etp), fwd_s, bwd_s,
+                                                      fwd_comms, bwd_comms)
     # "selective" recomputes the core attention (Megatron-Core's core_attn, _layer_cost): a Mamba layer has none;
     # "selective-op" its out_proj, the scan (custom kernels, not saved) and the memory-bound ops
     skipped, skipped_flops = (), 0.0
@@ -1362,8 +1367,8 @@ def optimizer_step_s(dense_params: float, expert_params: float, lay: Layout, chi
     (a multi-tensor fused Adam reaches the copy bandwidth: PyTorch PR 119842's times, fused Adam 3.578 ms on a
     1/128 shard of Llama-2-70B on a 500 W H100, come to ~89 % of it by this byte count), or with
     `optimizer_fused` false Adam's elementwise ops one by one (`UNFUSED_ADAM_BYTES`)."""
-    if lay.zero_stage >= 1:  # each shards over its data-parallel group: an expert's skips ep
-        local = dense_params / (lay.dp * lay.cp) + expert_params / max(1, lay.dp * lay.cp // lay.ep)
+    if lay.zero_stage >= 1:  # each shards over its data-parallel group (an expert's: Layout.expert_dp)
+        local = dense_params / (lay.dp * lay.cp) + expert_params / lay.expert_dp
     else:
         local = dense_params + expert_params
     unfused = optimizer == "adam" and not lay.optimizer_fused

@@ -70,8 +70,10 @@ def explain(res: StepResult, best: StepResult | None = None) -> list[str]:
                      f"shards; {comm} {_pct(bd['cp_comm'], step)}.")
     if lay.ep > 1:
         local = m.experts // lay.ep
-        experts = f"{local} expert{'s' if local != 1 else ''}"
-        link = _link(res, lay.ep, lay.mesh.stride("ep"))
+        experts = f"{local} expert{'s' if local != 1 else ''}" + (
+            " whole (the tp ranks folded into ep)" if lay.experts_folded else
+            f", each split {lay.tp} ways by tp," if lay.tp > 1 else "")
+        link = _link(res, lay.ep, lay.etp)
         how = (" (DeepEP: a token crosses the network once per node its experts are on)"
                if lay.ep_dispatch == "deepep" and link == "the network" else "")
         words.append(f"EP={lay.ep} puts {experts} on each chip; the all-to-alls over {link}{how} cost "

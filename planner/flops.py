@@ -123,16 +123,16 @@ def mla_down_params(m: ModelSpec) -> int:
         m.hidden * (m.kv_lora_rank + m.rope_head_dim)
 
 
-def layer_params_on_chip(m: ModelSpec, kind, tp: int, ep: int) -> tuple[float, float]:
+def layer_params_on_chip(m: ModelSpec, kind, tp: int, ep: int, etp: int) -> tuple[float, float]:
     """(dense, routed-expert) parameters of one layer held by one chip of a tp x ep layout: attention and MLP
     split tp ways, except what every TP rank keeps whole (K and V beyond kv_heads ranks, `kv_projection_params`;
     MLA's duplicated down projections, `mla_down_params`); norms and the router whole; the routed experts over
-    tp x ep."""
+    etp x ep (planner.case.Parallel.etp)."""
     lp = layer_params(m, kind)
     kv = kv_projection_params(m) if lp.attention else 0
     whole = mla_down_params(m) if lp.attention else 0
     attention = (lp.attention - kv - whole) / tp + (kv / min(tp, m.kv_heads) if kv else 0.0) + whole
-    return attention + (lp.mlp + lp.ssm) / tp + lp.router + lp.norms, lp.experts / (tp * ep)
+    return attention + (lp.mlp + lp.ssm) / tp + lp.router + lp.norms, lp.experts / (etp * ep)
 
 
 def pre_norms(m: ModelSpec, kind) -> int:

@@ -1,7 +1,8 @@
 """Auto-parallel search: every layout of the case's free fields, pruned, ranked by simulated step time.
 
-The space: every factorisation num_chips = dp * tp * pp * cp, every ep dividing dp (core/mesh.py) and the
-expert count, every micro-batch size dividing the per-replica batch (1 with pipeline stages, as current
+The space: every factorisation num_chips = dp * tp * pp * cp, every ep dividing the expert count and
+the ranks it is carved from (dp, core/mesh.py; tp x cp x dp where the experts fold the tp ranks,
+Parallel.etp), every micro-batch size dividing the per-replica batch (1 with pipeline stages, as current
 frameworks run them: `micro_batch_sizes`), every pipeline schedule and
 number of virtual stages, ZeRO stage 0-3, recomputation none / selective / full, sequence parallel
 on or off. Fields the case fixes are held; null fields are searched.
@@ -167,9 +168,14 @@ def candidate_layouts(case: Case, chip: Chip) -> Iterator[Layout]:
     m, t, p = case.model, case.training, case.parallel
     how = recipe(t, chip, case.model)
     for dp, tp, pp, cp in _mesh_shapes(case, chip):
-        eps = [p.ep] if p.ep else ([e for e in divisors(dp) if m.experts % e == 0] if m.is_moe else [1])
+        etp = p.etp or 1  # Parallel.etp: null is 1 (the experts fold the tp ranks into ep)
+        if etp > 1 and etp != tp:
+            continue
+        # the ranks ep is carved from: the dense layers' data-parallel ones, or with folded experts tp x cp x dp
+        pool = dp * tp * cp if etp < tp else dp
+        eps = [p.ep] if p.ep else ([e for e in divisors(pool) if m.experts % e == 0] if m.is_moe else [1])
         for ep in eps:
-            if dp % ep or (m.is_moe and m.experts % ep) or (not m.is_moe and ep > 1):
+            if pool % ep or (m.is_moe and m.experts % ep) or (not m.is_moe and ep > 1):
                 continue
             runs = t.schedule_runs or 1
             if (t.global_batch // dp) % runs:
@@ -184,7 +190,7 @@ def candidate_layouts(case: Case, chip: Chip) -> Iterator[Layout]:
                         lay = Layout(dp, tp, pp, cp, ep, sched, v, b, 0, "none", bool(sp and tp > 1),
                                      **how, ssm_cp=ssm_cp, schedule_runs=runs, pp_layout=p.pp_layout,
                                      recompute_modules=t.recompute_modules or DEFAULT_RECOMPUTE_MODULES,
-                                     recompute_layers=t.recompute_layers)
+                                     recompute_layers=t.recompute_layers, etp=etp)
                         if t.recompute_layers and t.recompute_layers >= _most_layers(m, lay):
                             lay = replace(lay, recompute_layers=None)  # every layer of every chunk
                         yield lay

@@ -286,13 +286,13 @@ class Memory:
 
 def stage_params(m: ModelSpec, lay: Layout, stage: int) -> tuple[float, float]:
     """(TP-sharded dense, expert) parameters held by one chip of `stage`."""
-    return _stage_params(m, lay.tp, lay.ep, lay.pp, lay.virtual_stages, lay.pp_layout, stage)
+    return _stage_params(m, lay.tp, lay.ep, lay.etp, lay.pp, lay.virtual_stages, lay.pp_layout, stage)
 
 
 @lru_cache(maxsize=65536)
-def _stage_params(m: ModelSpec, t: int, ep: int, pp: int, virtual: int, pp_layout: str | None,
+def _stage_params(m: ModelSpec, t: int, ep: int, etp: int, pp: int, virtual: int, pp_layout: str | None,
                   stage: int) -> tuple[float, float]:
-    parts = _chunk_params(m, t, ep, stage_chunks(m.layers, m.mtp_layers, pp, virtual, pp_layout)[stage])
+    parts = _chunk_params(m, t, ep, etp, stage_chunks(m.layers, m.mtp_layers, pp, virtual, pp_layout)[stage])
     return sum(d for d, _ in parts), sum(e for _, e in parts)
 
 
@@ -301,11 +301,12 @@ def chunk_params(m: ModelSpec, lay: Layout, stage: int) -> tuple[tuple[float, fl
     stage's (`stage_params`): each chunk its layers, the word embedding with the first chunk that needs it
     (its lookup, an MTP module's, or a tied head), an untied head with the loss chunk, positions and the
     final norm with the lookup's."""
-    return _chunk_params(m, lay.tp, lay.ep, chunks_of(m, lay)[stage])
+    return _chunk_params(m, lay.tp, lay.ep, lay.etp, chunks_of(m, lay)[stage])
 
 
 @lru_cache(maxsize=65536)
-def _chunk_params(m: ModelSpec, t: int, ep: int, chunks: tuple[Chunk, ...]) -> tuple[tuple[float, float], ...]:
+def _chunk_params(m: ModelSpec, t: int, ep: int, etp: int, chunks: tuple[Chunk, ...]
+                  ) -> tuple[tuple[float, float], ...]:
     out = []
     rows_held = False  # a stage holds one copy of the word embedding (`holds_word_embedding`)
 
@@ -313,7 +314,7 @@ def _chunk_params(m: ModelSpec, t: int, ep: int, chunks: tuple[Chunk, ...]) -> t
         # its layers, an MTP module as one more of the model's last kind
         kinds = plus_layers(layer_kind_counts(m, c.first, c.layers), mtp_kind(m), c.mtp) if c.mtp else \
             layer_kind_counts(m, c.first, c.layers)
-        on_chip = [(n, layer_params_on_chip(m, kind, t, ep)) for kind, n in kinds]
+        on_chip = [(n, layer_params_on_chip(m, kind, t, ep, etp)) for kind, n in kinds]
         dense = sum(n * d for n, (d, _) in on_chip)
         moe = sum(n * e for n, (_, e) in on_chip)
         if c.mtp:
@@ -365,7 +366,7 @@ def memory_per_chip(m: ModelSpec, lay: Layout, micro_batches: int, optimizer: st
     micro_batches = lay.per_run(micro_batches)
     stages = chunks_of(m, lay)
     wd, gd, od = zero_bytes_per_param(lay.zero_stage, lay.dp * lay.cp, optimizer, lay.grad_bytes)
-    we, ge, oe = zero_bytes_per_param(lay.zero_stage, max(1, lay.dp * lay.cp // lay.ep), optimizer, lay.grad_bytes)
+    we, ge, oe = zero_bytes_per_param(lay.zero_stage, lay.expert_dp, optimizer, lay.grad_bytes)
     best = None
     for stage in sorted(set(stage_groups(m, lay))):
         dense, moe = stage_params(m, lay, stage)
@@ -374,7 +375,7 @@ def memory_per_chip(m: ModelSpec, lay: Layout, micro_batches: int, optimizer: st
             # pipelined FSDP keeps the stage's weights gathered (bf16) and accumulates its gradients unsharded
             # in the reduction's fp32 until the last backward (planner.costs' docstring)
             # a group of one shard holds its weights whole already and accumulates into its own gradient
-            gathered = dense * (lay.dp * lay.cp > 1) + moe * (lay.dp * lay.cp // lay.ep > 1)
+            gathered = dense * (lay.dp * lay.cp > 1) + moe * (lay.expert_dp > 1)
             params += 2 * gathered
             grads += 4 * gathered
         room = 0.0  # what a chunk's backward has freed when it reaches a layer to recompute

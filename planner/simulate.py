@@ -280,11 +280,9 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
     pass_p2p_s = pipeline_p2p_s(m, lay, chip, node)
     grad_bytes = lay.grad_bytes
     dp_group = lay.dp * lay.cp
-    mesh = lay.mesh  # strides from the one mesh convention (core/mesh.py)
     dense_topo = costs.data_topology(chip, lay, node) if dp_group > 1 else None
-    expert_group = dp_group // lay.ep  # an expert's gradient skips ep
-    expert_topo = (costs.topology(chip, expert_group, mesh.group_stride(("dp", "cp")), node)
-                   if expert_group > 1 else None)
+    expert_group = lay.expert_dp  # an expert's gradient skips its ep (and etp) ranks
+    expert_topo = costs.topology(chip, expert_group, lay.expert_dp_stride, node) if expert_group > 1 else None
 
     plan = chunks_of(m, lay)
     tied_s, holders = tied_embedding_sync_s(m, lay, chip, node, plan)
@@ -524,7 +522,7 @@ def sent_bytes_per_step(res: StepResult, stage: int = 0) -> dict[str, float]:
     if not lay.layer_zero3:
         dense_p, expert_p = stage_params(m, lay, stage)
         grad_bytes = lay.grad_bytes
-        for params, group in ((dense_p, n["dp"]), (expert_p, n["dp"] // lay.ep)):
+        for params, group in ((dense_p, n["dp"]), (expert_p, lay.expert_dp)):
             if lay.zero_stage == 0:
                 out["dp"] += ring_sent_bytes("all_reduce", params * grad_bytes, group)
             else:

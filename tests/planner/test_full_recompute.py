@@ -54,7 +54,7 @@ def test_on_a_tpu_a_moe_layer_runs_its_routed_experts_again():
     # only the shared expert's down projection is left out
     chip = get_chip("tpu-v5p")
     ds = MODEL_PRESETS["DeepSeek-V3"]
-    full = _cost(chip, "full", ds, True, dp=8, ep=8)
+    full = _cost(chip, "full", ds, True, dp=8, ep=8, etp=TP)  # the experts split by tp too
     shared_down = 2 * ds.seq_len * ds.shared_experts * ds.ffn * ds.hidden / TP  # one sequence of 4,096 tokens
     assert full.fwd_flops - full.full_recompute_flops == pytest.approx(shared_down, rel=1e-12)
     assert "tp reduce-scatter (experts fc2)" in [c.name for c in full.recompute_comms]

@@ -185,7 +185,7 @@ def test_a_zero3_layers_gather_holds_its_experts_tp_share():
     # per-layer ZeRO-3 gathers each layer's weights as the chip holds them: experts split over ep and tp
     m = MODEL_PRESETS["Mixtral 8x7B"]
     lay = Layout(dp=8, tp=2, pp=1, ep=4, micro_batch=1, zero_stage=3, recompute="full", attention="flash",
-                 sequence_parallel=True)
+                 sequence_parallel=True, etp=2)
     one, two = (memory_per_chip(replace(m, experts=e), lay, 1).temporary_bytes for e in (8, 16))
     per_layer_experts = 8 * 3 * m.hidden * m.ffn / (4 * 2)  # 8 more experts' SwiGLU weights on a chip
     router = 8 * m.hidden  # and 8 more router columns, on every rank

@@ -121,8 +121,8 @@ def test_routed_experts_keep_whole_gemms_and_the_dispatchers_plain_collectives()
     from planner.models import MODEL_PRESETS
 
     m, h100 = MODEL_PRESETS["Mixtral 8x7B"], get_chip("h100")
-    lc = {flag: layer_cost(m, Layout(dp=1, tp=4, pp=1, sequence_parallel=True, tp_comm_overlap=flag), h100, "bf16",
-                           True, 8) for flag in (True, False)}
+    lc = {flag: layer_cost(m, Layout(dp=1, tp=4, pp=1, sequence_parallel=True, tp_comm_overlap=flag, etp=4), h100,
+                           "bf16", True, 8) for flag in (True, False)}  # experts split by tp (Parallel.etp)
     for flag in (True, False):
         experts = [c for c in lc[flag].fwd_comms + lc[flag].bwd_comms if c.gemm in DISPATCHED]
         assert len(experts) == 4 and all(c.exposed_s == c.time_s for c in experts)

@@ -155,9 +155,10 @@ def test_mla_keeps_its_duplicated_down_projections_whole_on_every_tp_rank():
     down = 7168 * (1536 + 512 + 64)
     assert mla_down_params(DSV3) == down
     lp = layer_params(DSV3, True)
-    dense, experts = layer_params_on_chip(DSV3, True, 4, 8)
+    dense, experts = layer_params_on_chip(DSV3, True, 4, 8, 4)
     assert dense == pytest.approx((lp.attention - down + lp.mlp) / 4 + down + lp.router + lp.norms)
     assert experts == pytest.approx(lp.experts / 32)
+    assert layer_params_on_chip(DSV3, True, 4, 8, 1) == (dense, pytest.approx(lp.experts / 8))  # whole experts
     assert mla_down_params(MODEL_PRESETS["Llama 3 8B"]) == 0
 
 

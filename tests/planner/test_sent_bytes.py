@@ -57,7 +57,7 @@ def test_routed_experts_tp_collectives_carry_every_tokens_top_k_copies():
     from planner.case import Layout
     from planner.costs import layer_cost
 
-    lay = Layout(dp=1, tp=2, pp=1, ep=8, micro_batch=1, sequence_parallel=True)
+    lay = Layout(dp=1, tp=2, pp=1, ep=8, micro_batch=1, sequence_parallel=True, etp=2)  # experts split by tp
     for name in ("Mixtral 8x7B", "DeepSeek-V3"):
         m = MODEL_PRESETS[name]
         lc = layer_cost(m, lay, get_chip("h100"), "bf16", True, 8)

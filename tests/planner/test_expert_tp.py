@@ -1,0 +1,101 @@
+"""Expert tensor parallelism (parallel.etp, Megatron-Core's expert_tensor_parallel_size): the routed experts
+either split by tp as the dense layers do (etp = tp), or fold the tp ranks into ep (etp = 1, the null default:
+what Megatron-Bridge's MoE recipes set): each expert whole, the tokens of a rank's sequence shard dispatched
+over ep, no TP collective around the experts, ep carved from tp x cp x dp."""
+
+import pytest
+
+from hardware import kernels
+from hardware.chips import get_chip
+from planner.api import estimate
+from planner.case import Layout
+from planner.costs import layer_cost
+from planner.models import MODEL_PRESETS, SpecError
+
+MIXTRAL = MODEL_PRESETS["Mixtral 8x7B"]  # 8 experts of SwiGLU 14336, top-2, d 4096, 4096 tokens a sequence
+H100 = get_chip("h100")
+
+
+def _layer(etp, tp=2, ep=4):
+    lay = Layout(dp=8, tp=tp, pp=1, ep=ep, micro_batch=1, sequence_parallel=True, etp=etp)
+    return lay, layer_cost(MIXTRAL, lay, H100, "bf16", True, 8)
+
+
+def test_folded_experts_run_whole_on_a_ranks_own_tokens_with_no_tp_collective():
+    lay, folded = _layer(etp=1)
+    _, split = _layer(etp=2)
+    names = {c.name for c in folded.fwd_comms + folded.bwd_comms}
+    assert not any("experts" in n for n in names)  # the token dispatcher's TP gather and reduce-scatter are gone
+    assert any("experts" in c.name for c in split.fwd_comms + split.bwd_comms)
+    # each of a rank's 2 local experts: its T / tp tokens' top-2 copies over 4 ep ranks, the whole 14336 wide;
+    # split by tp, the pair's gathered T tokens' copies, half as wide: the same FLOPs in another shape
+    T, d, f = MIXTRAL.seq_len, MIXTRAL.hidden, MIXTRAL.ffn
+
+    def experts_s(rows, width):  # forward, input gradient and weight gradient of fc1 (gate and up) and fc2
+        mm = kernels.matmul_s
+        fc1 = mm(H100, "bf16", rows, d, 2 * width) + mm(H100, "bf16", rows, 2 * width, d) \
+            + mm(H100, "bf16", d, rows, 2 * width)
+        fc2 = mm(H100, "bf16", rows, width, d) + mm(H100, "bf16", rows, d, width) + mm(H100, "bf16", width, rows, d)
+        return 2 * (fc1 + fc2)
+
+    assert dict(folded.by_class)["gemm"] - dict(split.by_class)["gemm"] == pytest.approx(
+        experts_s(T / 2 * 2 * 4 / 8, f) - experts_s(T * 2 * 4 / 8, f / 2), rel=1e-9)
+    # the all-to-all carries the same bytes either way: each rank's T / tp tokens' copies
+    for layer in (folded, split):
+        (a2a,) = [c for c in layer.fwd_comms if c.group == "ep"]
+        assert a2a.nbytes == pytest.approx(T / 2 * 2 * d * 2)
+
+
+def test_folded_experts_spread_over_fewer_ranks_apart():
+    # ep 4 over consecutive ranks (stride etp 1) stays in a node of 8; split by tp 2 it strides 2, still in one
+    lay1, lay2 = Layout(dp=8, tp=2, pp=1, ep=4, etp=1), Layout(dp=8, tp=2, pp=1, ep=4, etp=2)
+    assert (lay1.etp, lay2.etp) == (1, 2)
+    # an expert's replicas: tp x cp x dp / (ep x etp) ranks, etp x ep apart
+    assert (lay1.expert_dp, lay1.expert_dp_stride) == (4, 4)
+    assert (lay2.expert_dp, lay2.expert_dp_stride) == (2, 8)
+    assert Layout(dp=8, tp=1, pp=1, ep=4).expert_dp == 2  # without tp the two agree
+
+
+def _moe_case(**parallel):
+    m = MIXTRAL
+    return {"name": "etp", "model": {k: getattr(m, k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn",
+                                                                  "vocab", "seq_len", "mlp", "experts", "top_k")},
+            "training": {"global_batch": 64, "micro_batch": 1, "recompute": "full", "zero_stage": 1,
+                         "sequence_parallel": True},
+            "parallel": {"dp": 8, "tp": 2, "pp": 4, "cp": 1, **parallel},
+            "cluster": {"chip": "h100", "num_chips": 64, "chips_per_node": 8}}
+
+
+def test_a_null_etp_is_one_and_is_reported():
+    est = estimate(_moe_case(ep=8))
+    assert est.layout.etp == 1 and est.chosen["parallel"]["etp"] == 1
+    assert "etp" not in estimate(_moe_case(ep=8, etp=2)).chosen.get("parallel", {})
+
+
+def test_folded_experts_may_take_more_ep_ranks_than_dp():
+    # 16 experts, ep 16 over tp 2 x dp 8: only with the tp ranks folded into ep
+    def case(**parallel):
+        out = _moe_case(**parallel)
+        out["model"]["experts"] = 16
+        return out
+
+    assert estimate(case(ep=16, etp=1)).layout.ep == 16
+    with pytest.raises(SpecError, match="parallel.ep"):
+        estimate(case(ep=16, etp=2))
+    from planner.case import parse_case
+    from planner.layout_search import candidate_layouts
+
+    assert {lay.ep for lay in candidate_layouts(parse_case(case(ep=None)), H100)} == {1, 2, 4, 8, 16}
+
+
+@pytest.mark.parametrize("etp, match", [(4, "must be 1"), (3, "must be 1")])
+def test_etp_is_one_or_tp(etp, match):
+    with pytest.raises(SpecError, match="parallel.etp"):
+        estimate(_moe_case(ep=8, etp=etp))
+
+
+def test_etp_needs_an_moe_model():
+    case = _moe_case(ep=1, etp=2)
+    case["model"]["experts"] = case["model"]["top_k"] = 0
+    with pytest.raises(SpecError, match="parallel.etp"):
+        estimate(case)
