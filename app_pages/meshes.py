@@ -8,7 +8,7 @@ from app_pages.live_panel import run_live, show_live
 from core.mesh import Mesh
 from hardware.chips import CHIPS
 from planner.bounds import cross_pod_bound, fsdp_tp_tradeoff
-from planner.case import Cluster, Parallel, SpecError
+from planner.case import Cluster, Parallel, SpecError, mesh_parallel
 from planner.costs import cluster_chip
 from planner.models import MODEL_PRESETS
 from planner.presets import make_case
@@ -81,7 +81,7 @@ try:
 
     n = mesh.world
     case = make_case(spec, Cluster(chip.key, n), global_batch=max(n, round(2**22 / spec.seq_len / n) * n),
-                     parallel=Parallel(**mesh.megatron_degrees()), zero_stage=zero_stage or None)
+                     parallel=mesh_parallel(mesh, spec), zero_stage=zero_stage or None)
     estimate = planner_estimate(case)
 except SpecError as e:
     st.warning(f"The planner cannot cost this layout: {e}. The mapping below still holds.")
@@ -157,7 +157,9 @@ if st.button("Search the layouts of this many chips", key="mesh_search"):
     n = mesh.world
     with st.spinner("Searching ..."):
         try:  # the same model, chips and batch, every layout field left for the planner to choose
-            free = make_case(spec, Cluster(chip.key, n), global_batch=max(n, round(2**22 / spec.seq_len / n) * n))
+            # the experts split by tp, as the sidebar's mesh draws its ep axis (Parallel.etp)
+            free = make_case(spec, Cluster(chip.key, n), global_batch=max(n, round(2**22 / spec.seq_len / n) * n),
+                             parallel=Parallel(etp="tp" if spec.is_moe else None))
             st.session_state["mesh_search_report"] = search(free, top=5)
         except SpecError as e:
             st.session_state.pop("mesh_search_report", None)

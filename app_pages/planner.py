@@ -7,7 +7,7 @@ import streamlit as st
 from app_pages.exercise_panel import show_exercises
 from hardware.chips import CHIPS
 from planner import estimate, make_case, search
-from planner.case import Cluster, Parallel
+from planner.case import Cluster, Parallel, mesh_parallel
 from planner.flops import total_params
 from planner.models import MODEL_PRESETS, SpecError
 from ui.charts import breakdown_figure, memory_figure
@@ -48,7 +48,7 @@ top = c3.select_slider("Layouts to rank in the search", [3, 5, 10], value=5, key
 global_batch = max(n, round(tokens / spec.seq_len / n) * n)
 # The sidebar's ep is a mesh axis of its own; the planner (like Megatron-LM) counts expert-parallel ranks
 # inside the data-parallel group, since attention and dense layers are data parallel over them too.
-parallel = Parallel(**choices.device_mesh().megatron_degrees()) if mode.startswith("my") else Parallel()
+parallel = mesh_parallel(choices.device_mesh(), spec) if mode.startswith("my") else Parallel()
 try:
     case = make_case(spec, Cluster(chip.key, n), global_batch=global_batch, parallel=parallel)
     with st.spinner("Simulating the step ..."):

@@ -222,12 +222,13 @@ class Parallel:
     cp: int | None = None
     ep: int | None = None
     # expert tensor parallel (Megatron-Core's expert_tensor_parallel_size): how many of the tp ranks split each
-    # routed expert, 1 or tp. 1 folds the tp ranks into the experts' own layout (Megatron-Core's MoE parallel
-    # folding: ep x etp x expert-dp = tp x cp x dp): each expert whole on its rank, the tokens a rank holds on
-    # its sequence shard sent over ep, no TP collective around the experts; tp splits them as the dense layers
-    # (Megatron-Core's default when unset). None: 1, what current MoE recipes set (Megatron-Bridge's DeepSeek,
-    # Qwen3 MoE, GPT-OSS and other recipes: expert_tensor_parallel_size = 1)
-    etp: int | None = None
+    # routed expert, 1 or tp ("tp": whatever tp is). 1 folds the tp ranks into the experts' own layout
+    # (Megatron-Core's MoE parallel folding: ep x etp x expert-dp = tp x cp x dp): each expert whole on its rank,
+    # the tokens a rank holds on its sequence shard sent over ep, no TP collective around the experts; tp splits
+    # them as the dense layers (Megatron-Core's default when unset; the sidebar mesh's ep axis, core/mesh.py).
+    # None: 1, what current MoE recipes set (Megatron-Bridge's DeepSeek, Qwen3 MoE, GPT-OSS and other recipes:
+    # expert_tensor_parallel_size = 1)
+    etp: int | str | None = None
     pp_schedule: str | None = None
     virtual_stages: int | None = None
     # which chunk holds which layers, in Megatron-Core's pipeline_model_parallel_layout syntax (planner.stages),
@@ -392,6 +393,20 @@ def _int(block: dict, key: str, prefix: str, *, required: bool, nullable: bool =
     return v
 
 
+def _etp(block: dict) -> int | str | None:
+    """parallel.etp: 1, tp's degree, "tp" or null (Parallel.etp)."""
+    v = block.get("etp")
+    if isinstance(v, str) and v != "tp":
+        raise SpecError("parallel.etp", f"must be 1, tp's degree, \"tp\" or null, got {v!r}")
+    return v if v == "tp" else _int(block, "etp", "parallel", required=False)
+
+
+def mesh_parallel(mesh: Mesh, model: ModelSpec) -> Parallel:
+    """A mesh in the one convention (core/mesh.py: the sidebar's) as a case's layout: Megatron-LM's degrees, ep
+    among the data-parallel ranks, the experts split by tp as the mesh's ep axis beside tp draws them."""
+    return Parallel(**mesh.megatron_degrees(), etp="tp" if model.is_moe else None)
+
+
 def _bool(block: dict, key: str, prefix: str) -> bool | None:
     v = block.get(key)
     if v is not None and not isinstance(v, bool):
@@ -495,7 +510,8 @@ def parse_case(data) -> Case:
     p = _check_keys(data.get("parallel", {}), {f.name for f in fields(Parallel)}, "parallel")
     parallel = Parallel(
         **{k: _int(p, k, "parallel", required=False)
-           for k in ("dp", "tp", "pp", "cp", "ep", "etp", "virtual_stages")},
+           for k in ("dp", "tp", "pp", "cp", "ep", "virtual_stages")},
+        etp=_etp(p),
         pp_schedule=_choice(p, "pp_schedule", "parallel", SCHEDULES),
     )
     if p.get("pp_layout") is not None:
@@ -650,19 +666,29 @@ def check_fixed(case: Case) -> None:
             raise SpecError("parallel.ep", "ep > 1 needs an MoE model (model.experts > 0)")
         if not _divides(p.ep, m.experts):
             raise SpecError("parallel.ep", f"{p.ep} does not divide experts={m.experts}")
-        folded = (p.etp or 1) < (p.tp or 1)  # the experts fold the tp ranks into ep (Parallel.etp)
-        if folded and p.dp and p.tp and not _divides(p.ep, p.dp * p.tp * (p.cp or 1)):
-            raise SpecError("parallel.ep", f"{p.ep} must divide tp*cp*dp = {p.dp * p.tp * (p.cp or 1)}: with etp 1 "
-                                           "the expert-parallel ranks are the tp, cp and dp ranks")
-        if not folded and p.dp and not _divides(p.ep, p.dp):
-            raise SpecError("parallel.ep", f"{p.ep} must divide dp={p.dp}: expert-parallel ranks are "
-                                           "data-parallel ranks of the dense layers (core/mesh.py)")
-    if p.etp and p.etp > 1:
+        # the ranks ep is carved from: the dense layers' data-parallel ones, or with the experts folding the tp
+        # ranks (etp 1 under tp > 1) tp x cp x dp; dp as the stated degrees imply it when it is null
+        free = [k for k in ("dp", "tp", "pp", "cp") if getattr(p, k) is None]
+        dp = p.dp or (case.cluster.num_chips // (p.tp * p.pp * p.cp) if free == ["dp"] else None)
+        if dp and p.tp:
+            folded = p.etp not in ("tp", p.tp) and p.tp > 1
+            pool = dp * p.tp * (p.cp or 1) if folded else dp
+            if not _divides(p.ep, pool):
+                raise SpecError("parallel.ep", f"{p.ep} must divide tp*cp*dp = {pool}: with etp 1 the "
+                                               "expert-parallel ranks are the tp, cp and dp ranks" if folded else
+                                f"{p.ep} must divide dp={dp}: expert-parallel ranks are data-parallel ranks of "
+                                "the dense layers (core/mesh.py)")
+    if p.etp is not None and p.etp != 1:
         if not m.is_moe:
-            raise SpecError("parallel.etp", "etp > 1 needs an MoE model (model.experts > 0); use 1 or null")
-        if p.tp and p.etp != p.tp:
+            raise SpecError("parallel.etp", f"{p.etp!r} needs an MoE model (model.experts > 0); use 1 or null")
+        if p.etp != "tp" and p.tp is None:
+            raise SpecError("parallel.etp", f"{p.etp} needs parallel.tp stated: etp is 1 or tp, or \"tp\"")
+        if p.etp != "tp" and p.etp != p.tp:
             raise SpecError("parallel.etp", f"{p.etp} must be 1 (experts whole, the tp ranks folded into ep) or "
-                                            f"tp={p.tp} (experts split as the dense layers)")
+                                            f"tp={p.tp} (experts split as the dense layers), or \"tp\"")
+    if m.is_moe and p.tp and p.tp > 1 and case.training.sequence_parallel is False:
+        raise SpecError("training.sequence_parallel", "an MoE model under tp > 1 needs sequence parallelism "
+                                                      "(Megatron-Core refuses to train without it): use true or null")
     gb, mb = case.training.global_batch, case.training.micro_batch
     if p.dp and not _divides(p.dp, gb):
         raise SpecError("parallel.dp", f"{p.dp} does not divide training.global_batch={gb}")

@@ -447,7 +447,8 @@ def _gemms(m: ModelSpec, lay: Layout, moe, tokens: float) -> tuple[list[_Gemm], 
         # the T / tp tokens of a rank's sequence shard, each expert whole
         local, e = m.experts / lay.ep, lay.etp
         rows = max(1.0, tokens * e / t * m.top_k * lay.ep / m.experts)
-        mlp += [_Gemm("router", tokens, h, m.experts),
+        # the router scores the layer's input: the rank's sequence shard under SP (which MoE under tp needs)
+        mlp += [_Gemm("router", tokens / t if lay.sequence_parallel else tokens, h, m.experts),
                 _Gemm("experts fc1", rows, h, n_in * ffn / e, local),
                 _Gemm("experts fc2", rows, ffn / e, h, local)]
     return attn, mlp
@@ -737,10 +738,16 @@ def _zero3_comms(lay: Layout, chip: Chip, chips_per_node: int, on_chip: tuple[fl
     shows whole and the reduce-scatter has the window to itself."""
     cp, data = lay.cp, data_stride(lay)
     topo = data_topology(chip, lay, chips_per_node)
-    # the layer's weights on this chip, the local experts too (gathered over their own replicas)
-    w_bytes = 2 * sum(on_chip)
-    ag = comm_s(topo, "all_gather", w_bytes)
-    rs = comm_s(topo, "reduce_scatter", w_bytes * lay.grad_bytes / 2)  # the bf16 weights' gradients
+    # the layer's weights on this chip: the dense ones over the data-parallel group, the local experts over their
+    # own replicas (`Layout.expert_dp`), none where an expert has no other (AutoModel leaves those out of FSDP)
+    dense_bytes, expert_bytes = 2 * on_chip[0], 2 * on_chip[1] * (lay.expert_dp > 1)
+    w_bytes = dense_bytes + expert_bytes
+    ag = comm_s(topo, "all_gather", dense_bytes)
+    rs = comm_s(topo, "reduce_scatter", dense_bytes * lay.grad_bytes / 2)  # the bf16 weights' gradients
+    if expert_bytes:
+        experts = topology(chip, lay.expert_dp, lay.expert_dp_stride, chips_per_node)
+        ag += comm_s(experts, "all_gather", expert_bytes)
+        rs += comm_s(experts, "reduce_scatter", expert_bytes * lay.grad_bytes / 2)
     # the ring of CP, when it runs on the same links, competes for the window
     shared = lay.cp > 1 and crosses_network(cp, lay.mesh.stride("cp"), chip, chips_per_node) == \
         crosses_network(lay.dp * cp, data, chip, chips_per_node)

@@ -168,8 +168,8 @@ def candidate_layouts(case: Case, chip: Chip) -> Iterator[Layout]:
     m, t, p = case.model, case.training, case.parallel
     how = recipe(t, chip, case.model)
     for dp, tp, pp, cp in _mesh_shapes(case, chip):
-        etp = p.etp or 1  # Parallel.etp: null is 1 (the experts fold the tp ranks into ep)
-        if etp > 1 and etp != tp:
+        etp = tp if p.etp == "tp" else p.etp or 1  # Parallel.etp: null is 1 (the experts fold the tp ranks)
+        if etp not in (1, tp):
             continue
         # the ranks ep is carved from: the dense layers' data-parallel ones, or with folded experts tp x cp x dp
         pool = dp * tp * cp if etp < tp else dp

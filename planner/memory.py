@@ -73,8 +73,6 @@ def in_flight_chunks(stage: int, lay: Layout, micro_batches: int) -> float:
         # upper bound
         return min(p, m)
     if v > 1:
-        if m == p:  # Megatron-LM runs every forward first then (all_warmup_microbatches; core.schedules too)
-            return m * v
         # Megatron-LM interleaved warm-up: (p - i - 1) * 2 + (v - 1) * p micro-batch chunks, then 1 more
         return min((p - stage - 1) * 2 + (v - 1) * p + 1, m * v)
     return min(p - stage, m)
@@ -238,6 +236,8 @@ def layer_activation_bytes(m: ModelSpec, lay: Layout, moe, *, recompute: str | N
         # each token's copies at its top_k experts (balanced routing), plus the shared experts
         routed = mlp_one - (saved * sb * m.ffn if "moe_act" in modules else 0.0)
         mlp_split = m.top_k * routed + m.shared_experts * mlp_split + 4 * sb * m.experts
+        if not lay.experts_folded:  # split by tp, the experts keep the dispatcher's gathered input whole on a rank
+            mlp_split += (t - 1) * m.top_k * saved * sb * h
     if not has_attn:
         scores = 0.0
     elif lay.attention == "materialized" and "core_attn" not in modules:
@@ -390,7 +390,8 @@ def memory_per_chip(m: ModelSpec, lay: Layout, micro_batches: int, optimizer: st
             split = [_split_bytes(m, lay, kept, stages[stage], c, dtype) for c in stages[stage]]
             acts = in_flight_layers(stage, lay, micro_batches, [again + rest for again, rest in split])
             room = min((rest for again, rest in split if again), default=float("inf"))
-        temp = _temporary_bytes(m, lay, stage, dense + moe, dtype, room)
+        # per-layer ZeRO-3 gathers the experts too, where an expert has replicas to shard over
+        temp = _temporary_bytes(m, lay, stage, dense + moe * (lay.expert_dp > 1), dtype, room)
         if lay.logit_metrics and any(c.loss for c in stages[stage]):
             # the metrics' cross-entropies run after the backward has freed the activations (Composer): the
             # bf16 logits, their fp32 copy and its log-softmax, 10 bytes a logit, may set the peak instead

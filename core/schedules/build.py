@@ -43,7 +43,7 @@ GPipe, (p - 1) / m = 0.375, but rank r holds p - r activations instead of m: hel
 Interleaved 1F1B (Narayanan et al. 2021 §2.2, in Megatron-LM's order): each rank holds v chunks and a
 micro-batch visits every rank v times, each visit 1/v as long, so fill and drain shrink v-fold: bubble
 (p - 1) / (v m) = 0.1875 for v = 2. Micro-batches go round in groups of p, so m must be a multiple of p.
-Rank r warms up with 2 (p - 1 - r) + (v - 1) p chunk-forwards (all of them when m = p), so it holds
+Rank r warms up with 2 (p - 1 - r) + (v - 1) p chunk-forwards (at most all m v of them), so it holds
 more: (micro-batch, chunk) pairs [11, 9, 7, 5], i.e. [5.5, 4.5, 3.5, 2.5] micro-batches' worth of
 activations. Cells show micro-batch and chunk, `3B` = forward of micro-batch 3 on chunk b (stage
 p + r), `3b` its backward::
@@ -293,8 +293,9 @@ def interleaved_1f1b(num_ranks: int, num_micro_batches: int, virtual_stages: int
     total = m * v
     orders = []
     for r in range(p):
-        # Megatron-LM: (p - r - 1) * 2 + (v - 1) * p warm-up chunk-forwards, all of them when m == p.
-        warmup = total if m == p else min((p - r - 1) * 2 + (v - 1) * p, total)
+        # Megatron-LM: (p - r - 1) * 2 + (v - 1) * p warm-up chunk-forwards (schedules.py
+        # get_pp_rank_microbatches; since 4295be1a6c, core_r0.10.0, not all of them when m == p)
+        warmup = min((p - r - 1) * 2 + (v - 1) * p, total)
 
         fwd = [_interleaved_action(FORWARD, k, r, p, v) for k in range(total)]
         bwd = [_interleaved_action(BACKWARD, k, r, p, v) for k in range(total)]

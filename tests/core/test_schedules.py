@@ -124,13 +124,14 @@ def test_one_f_one_b_hand_worked_p2_m2():
 
 def test_interleaved_hand_worked_p2_m2_v2():
     """p = 2, m = 2, v = 2: stages s0, s2 on rank 0, s1, s3 on rank 1; a chunk's F takes 0.5, B 1.
-    m = p, so (as in Megatron-LM) every forward is warm-up. Forwards end at 2.5 on rank 1; the backward
-    wave then runs s3 [2.5,4.5], s2 [3.5,5.5], s1 [4.5,6.5], s0 [5.5,7.5]: makespan 7.5 = ideal 6 plus a
-    bubble of 1.5, fraction 0.25 = (p - 1) / (v m)."""
+    Rank 0 warms up with all 4 chunk-forwards, rank 1 with 2 (Megatron-Core's (p - r - 1) 2 + (v - 1) p, since
+    core_r0.10.0 also when m = p), then F mb0 s3 [1.5,2], B mb0 s3 [2,3], F mb1 s3 [3,3.5], B mb1 s3 [3.5,4.5];
+    rank 0's s2 backwards follow each s3 one, [3,4] and [4.5,5.5], then s1 [4.5,5.5], [5.5,6.5] and s0 [5.5,6.5],
+    [6.5,7.5]: makespan 7.5 = ideal 6 plus a bubble of 1.5, fraction 0.25 = (p - 1) / (v m)."""
     sim = simulate(make_schedule("interleaved-1f1b", 2, 2, 2))
     rank0 = [(str(a), iv) for a, iv in zip(sim.schedule.actions[0], sim.intervals_s[0]) if a.is_compute]
     assert rank0 == [("F mb0 s0", (0, 0.5)), ("F mb1 s0", (0.5, 1)), ("F mb0 s2", (1, 1.5)),
-                     ("F mb1 s2", (1.5, 2)), ("B mb0 s2", (3.5, 4.5)), ("B mb1 s2", (4.5, 5.5)),
+                     ("F mb1 s2", (1.5, 2)), ("B mb0 s2", (3, 4)), ("B mb1 s2", (4.5, 5.5)),
                      ("B mb0 s0", (5.5, 6.5)), ("B mb1 s0", (6.5, 7.5))]
     assert (sim.makespan_s, sim.ideal_s, sim.bubble_fraction) == (7.5, 6, 0.25)
 

@@ -77,6 +77,8 @@ def _bad(**edits):
     (_bad(model__sliding_window=128, model__causal=False), "model.sliding_window"),
     (_bad(model__layer_pattern="MMMM", model__layers=4, model__mlp="swiglu", model__sliding_window_layers=2),
      "model.sliding_window_layers"),  # a pure Mamba model has no attention layer to window
+    (_bad(parallel__etp=2), "parallel.etp"),  # a dense model has no experts to split
+    (_bad(parallel__etp="half"), "parallel.etp"),
     ("{not json", "malformed JSON"),
     ([1, 2], "case"),
 ])

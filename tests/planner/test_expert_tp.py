@@ -99,3 +99,55 @@ def test_etp_needs_an_moe_model():
     case["model"]["experts"] = case["model"]["top_k"] = 0
     with pytest.raises(SpecError, match="parallel.etp"):
         estimate(case)
+
+
+def test_etp_tp_keeps_the_experts_split_whatever_tp_the_search_takes():
+    est = estimate(_moe_case(ep=8, etp="tp"))
+    assert est.layout.etp == est.layout.tp == 2 and not est.layout.experts_folded
+    free = _moe_case(ep=None, etp="tp")
+    free["parallel"].update(tp=None, dp=None)
+    from planner.case import parse_case
+    from planner.layout_search import candidate_layouts
+
+    assert all(lay.etp == lay.tp for lay in candidate_layouts(parse_case(free), H100))
+
+
+@pytest.mark.parametrize("parallel, training, field", [
+    ({"tp": None, "dp": None, "ep": 8, "etp": 2}, {}, "parallel.etp"),  # etp > 1 needs the tp it equals
+    ({"tp": 2, "dp": None, "pp": 8, "ep": 64}, {}, "parallel.ep: 64 must divide tp.cp.dp = 8"),  # dp 64 / 16 = 4
+    ({"ep": 8}, {"sequence_parallel": False}, "training.sequence_parallel"),  # MoE under tp needs SP
+])
+def test_bad_expert_layouts_name_their_field(parallel, training, field):
+    case = _moe_case(**parallel)
+    case["model"]["experts"] = 64  # every ep here divides the experts
+    case["training"].update(training)
+    with pytest.raises(SpecError, match=field):
+        estimate(case)
+
+
+def test_a_null_tp_leaves_ep_to_the_search():
+    # dp 4 x pp 2 on 64 chips with ep 8: tp 8 folded would hold it, so no error before the search tries it
+    case = _moe_case(tp=None, dp=4, pp=2, ep=8)
+    assert estimate(case).layout.ep == 8
+
+
+def test_per_layer_zero3_gathers_experts_over_their_own_replicas_and_none_without():
+    # ep 8 over dp 8 leaves an expert no replica: its weights are not sharded, so not gathered either
+    lay = Layout(dp=8, tp=1, pp=1, ep=8, micro_batch=1, zero_stage=3)
+    gather = [c for c in layer_cost(MIXTRAL, lay, H100, "bf16", True, 8).fwd_comms if c.group == "dp"][0]
+    from planner.flops import layer_params_on_chip
+
+    dense, experts = layer_params_on_chip(MIXTRAL, True, 1, 8, 1)
+    assert experts > 0 and gather.nbytes == pytest.approx(2 * dense)
+    lay4 = Layout(dp=8, tp=1, pp=1, ep=4, micro_batch=1, zero_stage=3)
+    gather4 = [c for c in layer_cost(MIXTRAL, lay4, H100, "bf16", True, 8).fwd_comms if c.group == "dp"][0]
+    assert gather4.nbytes == pytest.approx(2 * sum(layer_params_on_chip(MIXTRAL, True, 1, 4, 1)))
+
+
+def test_the_sidebar_mesh_splits_experts_by_tp():
+    from core.mesh import Mesh
+    from planner.case import mesh_parallel
+
+    mesh = Mesh((("dp", 2), ("ep", 4), ("tp", 2)))
+    assert mesh_parallel(mesh, MIXTRAL).etp == "tp"
+    assert mesh_parallel(mesh, MODEL_PRESETS["Llama 3 8B"]).etp is None

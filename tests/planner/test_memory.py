@@ -80,8 +80,8 @@ def _held_peak(actions) -> int:
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b", "zb-h1", "gpipe"])
 def test_in_flight_chunks_match_the_schedules_built_step_by_step(schedule):
-    # every rank's peak in core.schedules' own orders: interleaved with m == p runs every forward first
-    # (Megatron-LM's all_warmup_microbatches), ZB-H1 never holds more than 1F1B's p (Qi et al. 2023 sec. 2.3)
+    # every rank's peak in core.schedules' own orders: interleaved with m == p warms up as with more micro-batches
+    # (Megatron-Core since core_r0.10.0), ZB-H1 never holds more than 1F1B's p (Qi et al. 2023 sec. 2.3)
     from core.schedules.build import make_schedule
 
     for p in (2, 3, 4, 8):
