@@ -330,25 +330,34 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
             windows = chunk_sync_windows(chunks, lay, i)
             per_chunk = chunk_params(m, lay, i) if windows else ()
 
-            def hidden_under_bwd(sync: float, edge: float, part: int = 0, step_end: bool = True) -> float:
+            def hidden_under_bwd(sync: float, edge: float, part: int = 0, step_end: bool = True,
+                                 ahead: float = 0.0) -> float:
                 """What the gradient sync costs the step: what shows (at least the last bucket's, `edge` of
                 it), and what hides under the backward slows it; at the step's end, under the interleaved
                 schedule, chunk by chunk (`chunk_sync_windows`), each its share of the `part` (0 dense, 1
-                expert) parameters."""
-                shown = max(sync - last_bwd * (1 - 1 / layers_here), sync * edge)
+                expert) parameters. `ahead`: seconds of another sync on the same links in the same window."""
+                shown = max(sync - max(0.0, last_bwd * (1 - 1 / layers_here) - ahead), sync * edge)
                 if windows and step_end:
-                    shown = max(sync * edge, _queued(sync, [p[part] for p in per_chunk], windows))
+                    left = [max(0.0, w - ahead) for w in windows]
+                    shown = max(sync * edge, _queued(sync, [p[part] for p in per_chunk], left))
                 return costs.charged_s(chip, sync, shown if lay.grad_reduce_overlap else sync)
 
-            def hidden_under_fwd(gather: float, edge: float) -> float:
+            def hidden_under_fwd(gather: float, edge: float, ahead: float = 0.0) -> float:
                 """The updated weights' gather under the next step's forward (`param_gather_overlap`), likewise:
                 the first forward waits for the first bucket's. Megatron-Core gathers one bucket ahead (each
                 launched once the previous is waited for: distrib_optimizer.py _finish_param_sync_helper, "we
                 can't pre-launch all-gathers for all buckets at once"), so under the interleaved schedule too
                 a chunk's weights arrive during its own first forward."""
-                shown = max(gather - sum(ch.fwd_s for ch in chunks), gather * edge)
+                shown = max(gather - max(0.0, sum(ch.fwd_s for ch in chunks) - ahead), gather * edge)
                 return costs.charged_s(chip, gather, shown if lay.param_gather_overlap else gather)
 
+            # the experts' sync and gather run in the same windows as the dense ones (Megatron-Core launches both
+            # buffers' buckets as the backward makes them), on the same links where both groups leave the node
+            # or both stay in it: they queue there
+            shared = dense_topo is not None and expert_topo is not None and \
+                costs.crosses_network(dp_group, costs.data_stride(lay), chip, node) == \
+                costs.crosses_network(lay.expert_dp, lay.expert_dp_stride, chip, node)
+            ahead_sync = ahead_gather = 0.0
             for part, (topo, n_params, edge) in enumerate(((dense_topo, dense_p, dense_edge),
                                                            (expert_topo, expert_p, 1 / layers_here))):
                 if topo is None or not n_params:
@@ -363,15 +372,17 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
                 if lay.zero_stage == 2 and micro_batches > 1:
                     # ZeRO-2 keeps only its gradient shard, so every micro-batch's gradients are
                     # reduce-scattered as they are produced (DeepSpeed stage 2), not once per step
-                    per_micro_batch += hidden_under_bwd(sync, edge, step_end=False)
+                    per_micro_batch += hidden_under_bwd(sync, edge, step_end=False, ahead=ahead_sync)
                     dp_total += micro_batches * sync + gather
                 elif lay.staged_zero3:
                     exposed += sync  # after the last backward: nothing left to hide it under
                     dp_total += sync + gather
                 else:
-                    exposed += hidden_under_bwd(sync, edge, part)
+                    exposed += hidden_under_bwd(sync, edge, part, ahead=ahead_sync)
                     dp_total += sync + gather
-                exposed += hidden_under_fwd(gather, edge)
+                exposed += hidden_under_fwd(gather, edge, ahead_gather)
+                if shared:
+                    ahead_sync, ahead_gather = ahead_sync + sync, ahead_gather + gather
             if per_micro_batch:
                 chunks[0] = _plus_backward(chunks[0], "dp_comm", per_micro_batch)
         if not lay.grad_accum_fusion:

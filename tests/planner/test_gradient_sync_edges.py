@@ -194,3 +194,38 @@ def test_one_chunk_a_stage_keeps_the_buckets_of_its_last_backward():
 
     res = _interleaved(v=1)
     assert chunk_sync_windows(res.stages[0].chunks, res.layout, 0) is None
+
+
+def test_dense_and_expert_syncs_that_share_the_network_queue_in_one_window():
+    # Mixtral on 2 nodes, dp 16, ep 2: both the dense group (16 ranks) and an expert's (8 ranks, 2 apart) leave
+    # the node, so the experts' reduce-scatter hides only under what the dense one left of the backward (short
+    # sequences: a backward shorter than the experts' sync)
+    from planner import costs
+    from planner.simulate import stage_params
+
+    m = MODEL_PRESETS["Mixtral 8x7B"]
+    case = {"model": {k: getattr(m, k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len",
+                                                  "mlp", "experts", "top_k")},
+            "training": {"global_batch": 16, "micro_batch": 1, "recompute": "none", "zero_stage": 1},
+            "parallel": {"dp": 16, "tp": 1, "pp": 1, "cp": 1, "ep": 2},
+            "cluster": {"chip": "h100", "num_chips": 16, "chips_per_node": 8}}
+    case["model"]["seq_len"] = 512
+    res = estimate(case).result
+    lay, chip, st = res.layout, res.chip, res.stages[0]
+    dense_p, expert_p = stage_params(m, lay, 0)
+    dense = costs.topology(chip, 16, costs.data_stride(lay), 8)
+    experts = costs.topology(chip, lay.expert_dp, lay.expert_dp_stride, 8)
+    assert costs.crosses_network(16, costs.data_stride(lay), chip, 8)
+    assert costs.crosses_network(lay.expert_dp, lay.expert_dp_stride, chip, 8)
+    s_d, s_e = (costs.comm_s(t, "reduce_scatter", p * lay.grad_bytes) for t, p in ((dense, dense_p),
+                                                                                    (experts, expert_p)))
+    g_d, g_e = (costs.comm_s(t, "all_gather", p * 2) for t, p in ((dense, dense_p), (experts, expert_p)))
+    layers = m.layers
+    window, fwd = sum(c.bwd_s for c in st.chunks) * (1 - 1 / layers), st.fwd_s
+    edge = edge_bucket_share(m, lay, True, dense_p, layers)
+    shown = (max(s_d - window, s_d * edge), max(s_e - max(0.0, window - s_d), s_e / layers),
+             max(g_d - fwd, g_d * edge), max(g_e - max(0.0, fwd - g_d), g_e / layers))
+    expected = sum(costs.charged_s(chip, total, part) for total, part in zip((s_d, s_e, g_d, g_e), shown))
+    assert st.dp_exposed_s == pytest.approx(expected, rel=1e-9)
+    apart = (max(s_e - window, s_e / layers), max(g_e - fwd, g_e / layers))  # each alone in the window
+    assert s_d > 0 and apart[0] < shown[1] and apart[1] < shown[3]
