@@ -10,6 +10,7 @@ from planner import estimate, make_case, search
 from planner.case import Cluster, Parallel, mesh_parallel
 from planner.flops import total_params
 from planner.models import MODEL_PRESETS, SpecError
+from planner.simulate import USABLE_HBM_FRACTION, usable_hbm_bytes
 from ui.charts import breakdown_figure, memory_figure
 from ui.exercises import training_state_chips
 from ui.timeline import timeline_figure
@@ -147,16 +148,20 @@ if chip.kind == "gpu":
                "H100 and A100 GPUs the planner predicts faster steps (higher MFU) than were measured; "
                "'How far to trust these numbers' below has the errors.")
 if not est.fits:
-    st.warning(f"This layout needs {mem['total'] / 1e9:,.1f} GB per chip, more than {chip.name}'s "
-               f"{chip.hbm_bytes / 1e9:,.0f} GB. Shard more (ZeRO-3, tp, pp), recompute activations, or let "
-               "the planner choose.")
+    usable = usable_hbm_bytes(est.result.chip)
+    advice = ("No layout of this many chips fits: use more chips, a chip with more HBM or a smaller batch."
+              if not mode.startswith("my") else
+              "Shard more (ZeRO-3, tp, pp), recompute activations, or let the planner choose.")
+    st.warning(f"This layout needs {mem['total'] / 1e9:,.1f} GB per chip, more than the "
+               f"{usable / 1e9:,.1f} GB of {chip.name}'s {chip.hbm_bytes / 1e9:,.0f} GB it can use (the runtime, "
+               f"communication buffers and fragmentation take about {1 - USABLE_HBM_FRACTION:.0%}). {advice}")
 
 st.subheader("Why it costs what it does")
 st.markdown("\n".join(f"- {line}" for line in est.explanation))
 
 left, right = st.columns(2)
 with left:
-    st.plotly_chart(memory_figure(mem, chip.hbm_bytes), key="planner_memory")
+    st.plotly_chart(memory_figure(mem, usable_hbm_bytes(est.result.chip)), key="planner_memory")
 with right:
     st.plotly_chart(breakdown_figure(est.breakdown, est.step_time_s), key="planner_breakdown")
 
@@ -204,9 +209,10 @@ with st.expander("How far to trust these numbers"):
 st.header("Search every layout")
 st.markdown(
     f"""
-The search enumerates every way to factor {n:,} chips into dp x tp x pp x cp x ep, with each ZeRO
-stage, micro-batch size, recomputation choice and pipeline schedule; drops what does not divide the
-model or does not fit in memory; and ranks the rest by simulated step time. The space is small enough
+The search enumerates every way to factor {n:,} chips into dp x tp x pp x cp (dp counting the ep ranks, in
+Megatron-LM's notation, where the sidebar's mesh keeps ep an axis of its own), with each ep, ZeRO stage,
+micro-batch size, recomputation choice and pipeline schedule; drops what does not divide the model or does not
+fit in memory; and ranks the rest by simulated step time. The space is small enough
 to cover completely (no sampling, unlike learned or heuristic searches), with branch and bound to skip
 layouts that cannot enter the top {top}.
 """
@@ -225,6 +231,7 @@ if report is not None:
         lay = r.result.layout
         rows.append({"rank": i, "step s": round(r.result.step_time_s, 3), "MFU %": round(100 * r.result.mfu, 1),
                      "dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep,
+                     **({"etp": lay.etp} if spec.is_moe else {}),
                      "ZeRO": lay.zero_stage, "micro-batch": lay.micro_batch, "recompute": lay.recompute_label,
                      "schedule": f"{lay.pp_schedule} v={lay.virtual_stages}" if lay.pp > 1 else "",
                      "GB/chip": round(r.result.memory.total_bytes / 1e9, 1)})

@@ -43,7 +43,7 @@ def explain(res: StepResult, best: StepResult | None = None) -> list[str]:
         words.append(f"TP={lay.tp} splits every layer's matmuls over {lay.tp} chips; its collectives stay on "
                      f"{_link(res, lay.tp, 1)} and cost {_pct(bd['tp_comm'], step)} of the step.")
     else:
-        words.append("No TP: each chip holds whole layers, so no per-layer collectives are exposed.")
+        words.append("No TP: each chip holds whole layers, so no tensor-parallel collectives run.")
     if lay.pp > 1:
         mem_pp1 = None
         if lay.pp > 1 and m.layers >= 1:
@@ -78,11 +78,12 @@ def explain(res: StepResult, best: StepResult | None = None) -> list[str]:
                if lay.ep_dispatch == "deepep" and link == "the network" else "")
         words.append(f"EP={lay.ep} puts {experts} on each chip; the all-to-alls over {link}{how} cost "
                      f"{_pct(bd['ep_comm'], step)}.")
-    if lay.dp > 1:
+    if lay.dp * lay.cp > 1:  # the gradient sync and ZeRO's shards span dp x cp
         zero = {0: "replicated optimizer state", 1: "ZeRO-1 (sharded optimizer state)",
                 2: "ZeRO-2 (sharded optimizer state and gradients)", 3: "ZeRO-3 (everything sharded)"}
         z3 = f" and ZeRO-3 gathers {_pct(bd['zero3_comm'], step)}" if lay.zero_stage == 3 else ""
-        words.append(f"DP={lay.dp} with {zero[lay.zero_stage]}; gradient sync shows "
+        group = f"DP={lay.dp}" + (f" (x CP={lay.cp}: {lay.dp * lay.cp} ranks sum each gradient)" if lay.cp > 1 else "")
+        words.append(f"{group} with {zero[lay.zero_stage]}; gradient sync shows "
                      f"{_pct(bd['dp_comm'], step)}{z3}.")
     rc = {"none": "No recomputation: the activations fit",
           "selective": ("Selective recomputation (attention core only)"

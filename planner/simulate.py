@@ -470,7 +470,10 @@ def tied_embedding_sync_s(m: ModelSpec, lay: Layout, chip: Chip, node: int, plan
     holders, nbytes = tied_embedding_sync(m, lay, plan)
     if not holders:
         return 0.0, []
-    stride = lay.mesh.stride("pp") * (holders[1] - holders[0] if len(holders) == 2 else 1)
+    pp_stride = lay.mesh.stride("pp")
+    stride = pp_stride * (holders[1] - holders[0] if len(holders) == 2 else 1)
+    if chip.kind == "gpu" and pp_stride * lay.pp <= node and node % (pp_stride * lay.pp) == 0:
+        stride = 1  # every pipeline group lies in one node, so the holders meet on its switch wherever they sit
     topo = costs.topology(chip, len(holders), stride, node)
     return costs.comm_s(topo, "all_reduce", nbytes), holders
 

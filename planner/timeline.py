@@ -203,7 +203,7 @@ def predicted_timeline(res: StepResult, max_spans: int = 20000) -> Timeline:
                     spans.append(Span(rank_of[r], "idle", "bubble", clock[r], start))
                 if a.kind == "BW":
                     end = start + chunk.wgrad_s
-                    spans.append(Span(rank_of[r], "compute", f"wgrad s{a.stage}", start, end,
+                    spans.append(Span(rank_of[r], "compute", f"BW s{a.stage}", start, end,  # as the engine names it
                                       micro_batch=a.micro_batch))
                     done[("BW", a.micro_batch, a.stage)] = end
                 else:

@@ -88,11 +88,12 @@ def breakdown_figure(breakdown: dict[str, float], step_s: float, title: str = "W
 
 
 def memory_figure(mem: dict[str, float], hbm_bytes: float, title: str = "Memory per chip") -> go.Figure:
-    """One chip's memory by kind (planner.memory's parts, in bytes), stacked against its HBM."""
+    """One chip's memory by kind (planner.memory's parts, in bytes), stacked against the HBM `hbm_bytes` it can
+    use."""
     parts = [k for k in ("params", "grads", "optimizer", "activations", "temporary") if mem.get(k)]
     fig = go.Figure([go.Bar(x=[mem[k] / 1e9], y=["per chip"], name=k, orientation="h", marker_color=MEMORY_COLORS[k])
                      for k in parts])
-    fig.add_vline(x=hbm_bytes / 1e9, line_dash="dash", annotation_text="HBM")
+    fig.add_vline(x=hbm_bytes / 1e9, line_dash="dash", annotation_text="usable HBM")
     fig.update_layout(barmode="stack", height=260, xaxis_title="GB", title=title,
                       margin={"l": 10, "r": 10, "t": 50, "b": 10}, legend={"orientation": "h", "y": -0.4})
     return fig

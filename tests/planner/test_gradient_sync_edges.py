@@ -229,3 +229,21 @@ def test_dense_and_expert_syncs_that_share_the_network_queue_in_one_window():
     assert st.dp_exposed_s == pytest.approx(expected, rel=1e-9)
     apart = (max(s_e - window, s_e / layers), max(g_e - fwd, g_e / layers))  # each alone in the window
     assert s_d > 0 and apart[0] < shown[1] and apart[1] < shown[3]
+
+
+def test_a_tied_embedding_inside_one_node_is_summed_over_nvlink():
+    # pp 4 x tp 2 on one 8-GPU node: the first and last stages (ranks 0 and 6) share the node's switch
+    from planner import costs
+    from planner.memory import chunks_of
+    from planner.simulate import tied_embedding_sync, tied_embedding_sync_s
+
+    m = MODEL_PRESETS["Gemma 7B"] if "Gemma 7B" in MODEL_PRESETS else None
+    if m is None or not m.tied_embeddings:
+        from dataclasses import replace
+        m = replace(LLAMA, tied_embeddings=True)
+    lay = Layout(dp=1, tp=2, pp=4)
+    seconds, holders = tied_embedding_sync_s(m, lay, H100, 8, chunks_of(m, lay))
+    _, nbytes = tied_embedding_sync(m, lay, chunks_of(m, lay))
+    assert holders == [0, 3]
+    assert seconds == pytest.approx(costs.comm_s(costs.topology(H100, 2, 1, 8), "all_reduce", nbytes))
+    assert not costs.crosses_network(2, 1, H100, 8)
