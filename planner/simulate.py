@@ -152,6 +152,9 @@ class StageCost:
     # gradient sync (`tied_embedding_sync_s`); 0 on the other stages
     tied_sync_s: float = 0.0
     grad_passes_s: float = 0.0  # the gradient buffer's zeroing, NaN check and scaling (grad_buffer_passes_s)
+    # of dp_total_s, what runs around the step's end (the sync under the last backward, the weights' gather
+    # under the next forward), not inside every micro-batch's backward (ZeRO-2's reduce-scatters)
+    dp_step_s: float = 0.0
 
     @property
     def fwd_s(self) -> float:
@@ -321,7 +324,7 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
                 chunk_cache[key] = _chunk(chip, again_costs + rest_costs, ef, eb, pass_p2p_s, ends)
             chunks.append(chunk_cache[key])
         dense_p, expert_p = stage_params(m, lay, i)
-        dp_total = exposed = per_micro_batch = 0.0
+        dp_total = dp_step = exposed = per_micro_batch = 0.0
         if not lay.layer_zero3:
             layers_here = max(1, sum(ch.layers for ch in chunks))
             last_bwd = sum(ch.bwd_s for ch in chunks)
@@ -374,12 +377,15 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
                     # reduce-scattered as they are produced (DeepSpeed stage 2), not once per step
                     per_micro_batch += hidden_under_bwd(sync, edge, step_end=False, ahead=ahead_sync)
                     dp_total += micro_batches * sync + gather
+                    dp_step += gather
                 elif lay.staged_zero3:
                     exposed += sync  # after the last backward: nothing left to hide it under
                     dp_total += sync + gather
+                    dp_step += sync + gather
                 else:
                     exposed += hidden_under_bwd(sync, edge, part, ahead=ahead_sync)
                     dp_total += sync + gather
+                    dp_step += sync + gather
                 exposed += hidden_under_fwd(gather, edge, ahead_gather)
                 if shared:
                     ahead_sync, ahead_gather = ahead_sync + sync, ahead_gather + gather
@@ -395,7 +401,7 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
         opt = costs.optimizer_step_s(dense_p, expert_p, lay, chip, tr.optimizer)
         tied = tied_s if i in holders else 0.0
         passes = grad_buffer_passes_s(dense_p + expert_p, lay, chip, dp_group)
-        by_rep[i] = StageCost(chunks, exposed, dp_total, opt, dense_p + expert_p, tied, passes)
+        by_rep[i] = StageCost(chunks, exposed, dp_total, opt, dense_p + expert_p, tied, passes, dp_step)
     return [by_rep[g] for g in groups]
 
 

@@ -233,12 +233,13 @@ def predicted_timeline(res: StepResult, max_spans: int = 20000) -> Timeline:
                       for r, stage in enumerate(res.stages) if stage.tied_sync_s), default=0.0)
     for r, stage in enumerate(res.stages):
         t = clock[r]
-        if stage.dp_total_s > 0:
-            hidden = stage.dp_total_s - stage.dp_exposed_s
+        if stage.dp_step_s > 0:
+            # what runs around the step's end (ZeRO-2's per-micro-batch reduce-scatters are in the backwards)
+            hidden = max(0.0, stage.dp_step_s - stage.dp_exposed_s)
             # named by its collective, so it is drawn in that collective's colour
-            sync = "dp gradient all-reduce" if lay.zero_stage == 0 else "dp gradient reduce-scatter (and weight gather)"
-            spans.append(Span(rank_of[r], "comm", sync, t - hidden,
-                              t - hidden + stage.dp_total_s,
+            sync = ("dp gradient all-reduce" if lay.zero_stage == 0 else "dp weight all-gather" if
+                    stage.dp_step_s < stage.dp_total_s else "dp gradient reduce-scatter (and weight gather)")
+            spans.append(Span(rank_of[r], "comm", sync, t - hidden, t - hidden + stage.dp_step_s,
                               group="dp", is_async=hidden > 0))
             t += stage.dp_exposed_s
         if stage.tied_sync_s > 0:
