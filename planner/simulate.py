@@ -123,9 +123,10 @@ class ChunkCost:
 
     def ep_hidden_s(self, direction: str) -> float:
         """Expert all-to-all time hidden under another micro-batch's compute in one pass, "fwd" or "bwd"
-        (`ep_comm_overlap`)."""
-        return sum(n * (c.time_s - c.exposed_s) for lc, n in self.layer_costs
-                   for c in getattr(lc, f"{direction}_comms") if c.group == "ep")
+        (`ep_comm_overlap`); the backward's with a full recomputation's repeated ones."""
+        def comms(lc):
+            return lc.fwd_comms if direction == "fwd" else lc.bwd_comms + lc.recompute_comms
+        return sum(n * (c.time_s - c.exposed_s) for lc, n in self.layer_costs for c in comms(lc) if c.group == "ep")
 
     def showing_ep(self) -> ChunkCost:
         """The chunk as a pass with no other micro-batch beside it runs it: every expert all-to-all

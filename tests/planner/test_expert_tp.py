@@ -151,3 +151,25 @@ def test_the_sidebar_mesh_splits_experts_by_tp():
     mesh = Mesh((("dp", 2), ("ep", 4), ("tp", 2)))
     assert mesh_parallel(mesh, MIXTRAL).etp == "tp"
     assert mesh_parallel(mesh, MODEL_PRESETS["Llama 3 8B"]).etp is None
+
+
+def test_an_overlapped_expert_all_to_all_hides_its_recomputed_twin_too():
+    # a full recomputation repeats the forward's all-to-alls; under ep_comm_overlap the pass with no other
+    # micro-batch beside it shows them (ChunkCost.showing_ep), and the step counts what that adds
+    from planner.case import Cluster, Parallel
+    from planner.presets import make_case
+
+    case = make_case("DeepSeek-V3", Cluster("h100", 256, 8), zero_stage=3, recompute="full", micro_batch=1,
+                     ep_comm_overlap=True, parallel=Parallel(dp=64, tp=1, pp=4, cp=1, ep=8, pp_schedule="1f1b"))
+    est = estimate(case)
+    chunk = est.result.stages[0].chunks[0]
+    def hidden(comms):
+        return sum(c.time_s - c.exposed_s for c in comms if c.group == "ep")
+
+    rerun = sum(n * hidden(lc.recompute_comms) for lc, n in chunk.layer_costs)
+    assert rerun > 0
+    assert chunk.ep_hidden_s("bwd") == pytest.approx(sum(n * hidden(lc.bwd_comms) for lc, n in chunk.layer_costs)
+                                                     + rerun)
+    spans = est.timeline.spans
+    assert all(s.end_s >= s.start_s for s in spans)
+    assert max(s.end_s for s in spans) == pytest.approx(est.step_time_s, rel=1e-9)
