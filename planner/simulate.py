@@ -390,8 +390,10 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
                 exposed += hidden_under_fwd(gather, edge, ahead_gather)
                 if shared:
                     ahead_sync, ahead_gather = ahead_sync + sync, ahead_gather + gather
-            if per_micro_batch:
-                chunks[0] = _plus_backward(chunks[0], "dp_comm", per_micro_batch)
+            if per_micro_batch:  # each chunk's backward reduce-scatters its own parameters' gradients
+                shares = [d + e for d, e in chunk_params(m, lay, i)]
+                chunks = [_plus_backward(ch, "dp_comm", per_micro_batch * s / sum(shares))
+                          for ch, s in zip(chunks, shares)]
         if not lay.grad_accum_fusion:
             # the gradient this chip keeps between micro-batches: the stage's whole (ZeRO-0/1, ZeRO-3 under
             # pipeline parallelism), or the shard ZeRO-2/3 reduce-scatters every micro-batch to

@@ -262,3 +262,19 @@ def test_zero2_draws_its_step_end_gather_alone_beside_the_per_micro_batch_reduce
     assert dp[-1].name == "dp weight all-gather" and dp[-1].duration_s == pytest.approx(stage.dp_step_s)
     assert all(a.end_s <= b.start_s + 1e-12 for a, b in zip(dp, dp[1:]))
     assert max(s.end_s for s in est.timeline.spans) == pytest.approx(est.step_time_s, rel=1e-9)
+
+
+def test_zero2_under_interleaving_reduce_scatters_each_chunks_gradients_in_its_own_backward():
+    from planner.case import Parallel
+    from planner.presets import make_case
+    from planner.simulate import chunk_params
+
+    est = estimate(make_case("Llama 3 70B", "2,048x H800 (DeepSeek-V3 scale)", zero_stage=2,
+                             parallel=Parallel(pp=2, pp_schedule="interleaved-1f1b", virtual_stages=5)))
+    res = est.result
+    assert res.layout.virtual_stages == 5 and res.micro_batches > 1
+    chunks = res.stages[0].chunks
+    shares = [d + e for d, e in chunk_params(res.case.model, res.layout, 0)]
+    parts = [c.parts["dp_comm"] for c in chunks]
+    assert all(p > 0 for p in parts)
+    assert [p / sum(parts) for p in parts] == pytest.approx([s / sum(shares) for s in shares], rel=1e-9)
