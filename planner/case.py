@@ -368,10 +368,12 @@ class Layout:
 
     @cached_property
     def mesh(self) -> Mesh:
-        """Computed once per layout (the search asks for strides in its inner loop). Experts that fold the tp
-        ranks (`experts_folded`) have their ep over tp ranks too (their strides: `etp`, `expert_dp_stride`):
-        the dense layers' mesh then holds no ep."""
-        return Mesh.from_megatron(self.dp, self.tp, self.pp, self.cp, 1 if self.experts_folded else self.ep)
+        """The dense layers' groups, computed once per layout (the search asks for strides in its inner loop): as
+        Megatron-Core builds them, with ep = 1 (tp, then cp, then dp, then pp: parallel_state's decoder rank
+        generator), so a cp group's members are tp apart whether the model has experts or not. The experts'
+        groups are apart from it (Megatron-Core's expert rank generator, etp-ep-dp-pp): ep `etp` apart, an
+        expert's replicas `expert_dp_stride` apart."""
+        return Mesh.from_megatron(self.dp, self.tp, self.pp, self.cp)
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -153,9 +153,9 @@ def scaled_down(mesh: dict[str, int], max_world: int = 8) -> dict[str, int]:
 
 
 def sidebar_mesh(layout) -> dict[str, int]:
-    """A planner layout (Megatron-LM's degrees, planner.case.Layout) as the sidebar's axes (core/mesh.py)."""
-    mesh = layout.mesh
-    return {a: mesh.degree(a) for a in ("dp", "tp", "pp", "cp", "ep")}
+    """A planner layout (Megatron-LM's degrees, planner.case.Layout, its experts split by tp) as the sidebar's
+    axes (core/mesh.py): ep carved out of dp."""
+    return {"dp": layout.dp // layout.ep, "tp": layout.tp, "pp": layout.pp, "cp": layout.cp, "ep": layout.ep}
 
 
 def search_rows(report) -> list[dict]:

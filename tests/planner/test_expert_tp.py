@@ -173,3 +173,15 @@ def test_an_overlapped_expert_all_to_all_hides_its_recomputed_twin_too():
     spans = est.timeline.spans
     assert all(s.end_s >= s.start_s for s in spans)
     assert max(s.end_s for s in spans) == pytest.approx(est.step_time_s, rel=1e-9)
+
+
+def test_a_cp_group_is_tp_apart_with_experts_or_without():
+    # Megatron-Core builds the dense layers' groups with ep = 1 (tp, cp, dp, pp): Mixtral at tp 1, cp 2, ep 8
+    # keeps its K/V ring between neighbours on NVLink, not 8 ranks apart across the node
+    from planner import costs
+
+    lay = Layout(dp=16, tp=1, pp=1, cp=2, ep=8, micro_batch=1)
+    assert lay.mesh.stride("cp") == 1 and costs.data_stride(lay) == 1
+    ring = [c for c in layer_cost(MIXTRAL, lay, H100, "bf16", True, 8).fwd_comms if c.group == "cp"][0]
+    step = costs.comm_s(costs.topology(H100, 2, 1, 8), "p2p", ring.nbytes)
+    assert ring.time_s == pytest.approx(step) and not costs.crosses_network(2, 1, H100, 8)
