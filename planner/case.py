@@ -79,8 +79,8 @@ RECIPE_DEFAULTS = {
     "grad_accum_fusion": True,
     # how tokens reach their experts (EP_DISPATCH): the chip table's deepep_dispatch, "deepep" where a current
     # framework's MoE recipes run a deduplicating dispatcher on the chip (Megatron-Bridge's flex dispatcher with
-    # DeepEP or HybridEP on Hopper and Blackwell), else the NCCL all-to-all (A100, AMD, XLA on TPU). Inside one
-    # node the two cost the same (planner.costs)
+    # DeepEP or HybridEP on Hopper and Blackwell), else the NCCL all-to-all (A100, AMD, XLA on TPU). DeepEP sends
+    # a token once per node, then once per rank that holds any of its experts (planner.costs)
     "ep_dispatch": None,
     # how the memory-bound ops run (FUSION): fused kernels (Transformer Engine / Megatron-Core, Apex,
     # torch.compile, Liger) in every framework's tuned recipe; "eager" where a run says so (PyTorch eager

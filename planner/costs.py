@@ -975,9 +975,15 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
     if moe is True and lay.ep > 1:
         topo = topology(chip, lay.ep, lay.etp, chips_per_node)  # ep's stride: past its etp ranks
         rows_bytes = tokens * m.top_k * h * ACT_BYTES / t
-        if lay.ep_dispatch == "deepep" and isinstance(topo, Hierarchy):
-            node_bytes = rows_bytes / m.top_k * expert_nodes_per_token(m, topo.n, topo.domain_size)
-            a2a = 2 * deduplicated_all_to_all_s(topo, rows_bytes, node_bytes)
+        if lay.ep_dispatch == "deepep":
+            # DeepEP sends a token once to each rank that holds any of its experts (is_token_in_rank in its
+            # layout kernel, csrc/kernels/legacy), and across nodes once to each node first
+            rank_bytes = rows_bytes / m.top_k * expert_nodes_per_token(m, lay.ep, 1)
+            if isinstance(topo, Hierarchy):
+                node_bytes = rows_bytes / m.top_k * expert_nodes_per_token(m, topo.n, topo.domain_size)
+                a2a = 2 * deduplicated_all_to_all_s(topo, rank_bytes, node_bytes)
+            else:
+                a2a = 2 * comm_s(topo, "all_to_all", rank_bytes)
         else:
             a2a = 2 * comm_s(topo, "all_to_all", rows_bytes)
         fwd_comms.append(CommOp("ep", "ep dispatch + combine", "all_to_all", rows_bytes, a2a,

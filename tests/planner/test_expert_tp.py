@@ -3,6 +3,8 @@ either split by tp as the dense layers do (etp = tp), or fold the tp ranks into 
 what Megatron-Bridge's MoE recipes set): each expert whole, the tokens of a rank's sequence shard dispatched
 over ep, no TP collective around the experts, ep carved from tp x cp x dp."""
 
+from dataclasses import replace
+
 import pytest
 
 from hardware import kernels
@@ -185,3 +187,16 @@ def test_a_cp_group_is_tp_apart_with_experts_or_without():
     ring = [c for c in layer_cost(MIXTRAL, lay, H100, "bf16", True, 8).fwd_comms if c.group == "cp"][0]
     step = costs.comm_s(costs.topology(H100, 2, 1, 8), "p2p", ring.nbytes)
     assert ring.time_s == pytest.approx(step) and not costs.crosses_network(2, 1, H100, 8)
+
+
+def test_deepep_sends_a_token_once_to_each_rank_holding_any_of_its_experts():
+    # inside a node: Mixtral's top-2 of 8 experts over 8 ranks reach 8 (1 - (7/8)^2) = 1.875 ranks a token, where
+    # the plain all-to-all sends both copies
+    from planner import costs
+
+    lay = Layout(dp=8, tp=1, pp=1, ep=8, micro_batch=1)
+    plain, deepep = ([c for c in layer_cost(MIXTRAL, replace(lay, ep_dispatch=d), H100, "bf16", True, 8).fwd_comms
+                      if c.group == "ep"][0] for d in ("all_to_all", "deepep"))
+    topo = costs.topology(H100, 8, 1, 8)
+    assert plain.time_s == pytest.approx(2 * costs.comm_s(topo, "all_to_all", plain.nbytes))
+    assert deepep.time_s == pytest.approx(2 * costs.comm_s(topo, "all_to_all", plain.nbytes / 2 * 1.875))
