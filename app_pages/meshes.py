@@ -138,11 +138,13 @@ st.plotly_chart(tradeoff_figure(trade), key="mesh_tradeoff")
 st.markdown(f"{trade.rule} {tradeoff_text(trade)}")
 pod = chip.scaleup_domain if chip.kind != "gpu" else 8
 pods = max(1, mesh.world // pod)
+replicas = max(1, pods // mesh.degree("pp"))  # the pods of one pipeline stage read different sequences
 st.markdown(
     f"""
 **Across pods.** Beyond one {'TPU pod' if chip.kind != 'gpu' else 'NVLink node'} the network is much slower,
 so real runs keep FSDP and TP inside and run plain data parallel between them: one gradient all-reduce per
-step, under the backward. {cross_pod_bound(spec, chip, tokens / pods).rule} ({pods:,} of them here).
+step, under the backward. {cross_pod_bound(spec, chip, tokens / replicas).rule} ({pods:,} of them here, each
+pipeline stage's {replicas:,} reading different sequences).
 """
 )
 

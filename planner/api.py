@@ -280,6 +280,9 @@ def layer_comm_bytes(spec: ModelSpec, kind=None, *, tp: int = 1, cp: int = 1, dp
     all-reduce), bytes being each op's buffer times its sequential count (ring steps, chain hops)."""
     if kind is None:
         kind = MAMBA if spec.has_ssm else spec.layer_kinds[0]
+    if kind is True and tp > 1 and not sequence_parallel:
+        raise SpecError("training.sequence_parallel", "an MoE layer under tp > 1 needs sequence parallelism "
+                                                      "(Megatron-Core refuses to train without it)")
     if kind == MAMBA and not ssm_tp_ok(spec, tp):
         raise SpecError("parallel.tp", f"{tp} must divide model.ssm_groups={spec.ssm_groups} and the "
                         f"{spec.ssm_heads} SSM heads (Dao & Gu 2024 sec. 8.1)")
