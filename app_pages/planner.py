@@ -209,8 +209,9 @@ with st.expander("How far to trust these numbers"):
 st.header("Search every layout")
 st.markdown(
     f"""
-The search enumerates every way to factor {n:,} chips into dp x tp x pp x cp (dp counting the ep ranks, in
-Megatron-LM's notation, where the sidebar's mesh keeps ep an axis of its own), with each ep, ZeRO stage,
+The search enumerates every way to factor {n:,} chips into dp x tp x pp x cp (in Megatron-LM's notation, where
+ep is carved from the dp ranks, or with whole experts, etp 1, from tp x cp x dp; the sidebar's mesh keeps ep an
+axis of its own), with each ep, ZeRO stage,
 micro-batch size, recomputation choice and pipeline schedule; drops what does not divide the model or does not
 fit in memory; and ranks the rest by simulated step time. The space is small enough
 to cover completely (no sampling, unlike learned or heuristic searches), with branch and bound to skip

@@ -287,7 +287,8 @@ def layer_comm_bytes(spec: ModelSpec, kind=None, *, tp: int = 1, cp: int = 1, dp
         raise SpecError("parallel.tp", f"{tp} must divide model.ssm_groups={spec.ssm_groups} and the "
                         f"{spec.ssm_heads} SSM heads (Dao & Gu 2024 sec. 8.1)")
     hw = costs.cluster_chip(get_chip(chip), tp * cp * dp, chips_per_node)
-    base = Layout(dp=dp, tp=tp, pp=1, cp=cp, micro_batch=micro_batch, sequence_parallel=sequence_parallel and tp > 1)
+    base = Layout(dp=dp, tp=tp, pp=1, cp=cp, micro_batch=micro_batch, sequence_parallel=sequence_parallel and tp > 1,
+                  etp=tp)  # an MoE layer's experts split by tp, as the lessons' TP draws them
     variants = {"": base}
     if kind == MAMBA and cp > 1:
         variants = {"state": base}

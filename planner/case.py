@@ -672,9 +672,9 @@ def check_fixed(case: Case) -> None:
         # ranks (etp 1 under tp > 1) tp x cp x dp; dp as the stated degrees imply it when it is null
         free = [k for k in ("dp", "tp", "pp", "cp") if getattr(p, k) is None]
         dp = p.dp or (case.cluster.num_chips // (p.tp * p.pp * p.cp) if free == ["dp"] else None)
-        if dp and p.tp:
-            folded = p.etp not in ("tp", p.tp) and p.tp > 1
-            pool = dp * p.tp * (p.cp or 1) if folded else dp
+        folded = p.tp is not None and p.etp not in ("tp", p.tp) and p.tp > 1
+        if dp and p.tp and (p.cp is not None or not folded):  # a null cp may still give the folded ep its ranks
+            pool = dp * p.tp * p.cp if folded else dp
             if not _divides(p.ep, pool):
                 raise SpecError("parallel.ep", f"{p.ep} must divide tp*cp*dp = {pool}: with etp 1 the "
                                                "expert-parallel ranks are the tp, cp and dp ranks" if folded else

@@ -397,7 +397,7 @@ def layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe, chips_per
     ssm_cp = lay.ssm_cp if m.has_ssm and lay.cp > 1 else "state"
     key = replace(lay, pp=1, pp_schedule="1f1b", virtual_stages=1, pp_layout=None, recompute_layers=None,
                   zero_stage=3 if z3 else 0,
-                  dp=lay.dp if z3 else lay.ep, grad_reduce_overlap=True, ssm_cp=ssm_cp,  # the smallest dp
+                  dp=lay.dp if z3 else lay.ep, grad_reduce_overlap=True, ssm_cp=ssm_cp,  # dp only matters to ZeRO-3
                   tp_comm_overlap=tp_overlaps(lay, chip, m))
     if moe == MAMBA:
         return _mamba_layer_cost(m, key, chip, dtype, chips_per_node)
@@ -984,6 +984,7 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
                 a2a = 2 * deduplicated_all_to_all_s(topo, rank_bytes, node_bytes)
             else:
                 a2a = 2 * comm_s(topo, "all_to_all", rank_bytes)
+            rows_bytes = rank_bytes  # what the rank sends
         else:
             a2a = 2 * comm_s(topo, "all_to_all", rows_bytes)
         fwd_comms.append(CommOp("ep", "ep dispatch + combine", "all_to_all", rows_bytes, a2a,

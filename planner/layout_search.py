@@ -187,6 +187,8 @@ def candidate_layouts(case: Case, chip: Chip) -> Iterator[Layout]:
                 for sched, v in _schedules(case, pp, per_run // b):
                     sps = [t.sequence_parallel] if t.sequence_parallel is not None else [tp > 1]
                     for sp, ssm_cp in itertools.product(sps, _ssm_cp_variants(case, tp, cp)):
+                        if m.is_moe and tp > 1 and not sp:
+                            continue  # Megatron-Core refuses MoE under tp without sequence parallelism
                         lay = Layout(dp, tp, pp, cp, ep, sched, v, b, 0, "none", bool(sp and tp > 1),
                                      **how, ssm_cp=ssm_cp, schedule_runs=runs, pp_layout=p.pp_layout,
                                      recompute_modules=t.recompute_modules or DEFAULT_RECOMPUTE_MODULES,

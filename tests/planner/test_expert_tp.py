@@ -200,3 +200,20 @@ def test_deepep_sends_a_token_once_to_each_rank_holding_any_of_its_experts():
     topo = costs.topology(H100, 8, 1, 8)
     assert plain.time_s == pytest.approx(2 * costs.comm_s(topo, "all_to_all", plain.nbytes))
     assert deepep.time_s == pytest.approx(2 * costs.comm_s(topo, "all_to_all", plain.nbytes / 2 * 1.875))
+
+
+def test_the_search_never_offers_moe_under_tp_without_sequence_parallelism():
+    from planner.case import parse_case
+    from planner.layout_search import candidate_layouts
+
+    case = _moe_case(tp=None, dp=None, ep=None)
+    case["training"]["sequence_parallel"] = False
+    assert all(lay.tp == 1 for lay in candidate_layouts(parse_case(case), H100))
+
+
+def test_a_null_cp_may_still_give_a_folded_ep_its_ranks():
+    # 16 experts, ep 16 on 64 chips at dp 4, tp 2, pp 4: tp x dp = 8 ranks, but cp 2 (null here) makes 16
+    case = _moe_case(dp=4, tp=2, pp=4, cp=None, ep=16)
+    case["model"]["experts"] = 16
+    est = estimate(case)
+    assert (est.layout.ep, est.layout.cp, est.layout.etp) == (16, 2, 1)
