@@ -50,7 +50,6 @@ from hardware.this_machine import (
     CONTENDED_CAP_S,
     PAIR_MODE,
     POST_MODE,
-    ROW_MODE,
     early_mode,
     late_mode,
 )
@@ -90,10 +89,6 @@ COMPUTE_GAP_S = 300e-6  # compute before each blocking operation: a unit of the 
 SYNC_GAPS_S = {BLOCKING_MODES[0]: 50e-6, BLOCKING_MODES[2]: 2e-3}
 SYNC_GAP_ROUNDS = 30
 SYNC_GAP_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")  # the live runs' blocking ones
-# Blocking operations one after another (hardware.this_machine.ROW_MODE): rows of ROW_BURST after the usual
-# compute gap, ROW_ROUNDS rows per size (each call the row's mean), for the kinds the engine issues in a row
-# (the naive data-parallel sync's per-parameter all-reduces)
-ROW_BURST, ROW_ROUNDS, ROW_KINDS = 8, 12, ("all_reduce",)
 # A pipeline's messages (send_recv's "late" and "early" modes, engine/calibrate._pipeline_messages). gloo's
 # point-to-point is a rendezvous, so a message moves only once its receive is posted too. Each pair's sender
 # isends and computes LATE_SENDER_UNITS units of LATE_UNIT_S; its receiver either computes LATE_RECEIVER_UNITS
@@ -536,12 +531,6 @@ def comm_task(ctx, group_sizes: list[int], sizes: tuple[int, ...] = COMM_SIZES, 
             gap_rounds = max(1, SYNC_GAP_ROUNDS * rounds // COMM_ROUNDS)
             for (kind, nbytes), sums in _rounds(blocking, gap_rounds, dist, gap_s).items():
                 out.append(_row(kind, n, ctx.world, nbytes, mode, sums) | {"gap_s": gap_s})
-        rows = {key: (lambda call=call: [call() for _ in range(ROW_BURST)])
-                for key, call in blocking.items() if key[0] in ROW_KINDS}
-        for (kind, nbytes), (wall, cpu, count) in _rounds(rows, max(1, ROW_ROUNDS * rounds // COMM_ROUNDS), dist,
-                                                          COMPUTE_GAP_S).items():
-            out.append(_row(kind, n, ctx.world, nbytes, ROW_MODE, [wall, cpu, count * ROW_BURST])
-                       | {"gap_s": COMPUTE_GAP_S})
         # the middle window sits here, not right before the blocking operations after a gap, which it
         # slowed: a 2-rank all-reduce after 50 us of compute read 1.35 ms on average over six calibrations
         # with it there (above the 1.3 ms it takes after 300 us), 0.94 ms over seven with it here

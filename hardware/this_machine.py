@@ -44,13 +44,6 @@ CONTENDED_CAP_S = 0.02
 BLOCKING_MODES = ("sync_short", "sync", "sync_long")
 POST_MODE = "post"  # how long posting a point-to-point operation blocks the rank that posts it (CommFit)
 ALONE_MODE, PAIR_MODE = "alone", "pair"  # one asynchronous operation posted and waited; two posted at once
-# Blocking operations issued one after another with no compute between them (a data-parallel sync that
-# all-reduces each parameter on its own), timed as a row of ROW_BURST after the usual compute gap, each call
-# the row's mean (engine/calibrate.py). The first of a row waits for gloo's threads to wake; the rest find them
-# awake. Measured here (2 ranks on 2 cores, the engine's 21 parameter sizes in a row after 5 ms of compute, 3
-# trials of 20 rows each per rank): 0.39-0.43 ms a call, median 0.13 ms, against 0.98-1.26 ms for one blocking
-# all-reduce after 0.05-0.3 ms of compute in the same calibration; the engine's naive sync measured 0.43 ms
-ROW_MODE = "row"
 # torch's ProcessGroupGloo runs each group's queue on 2 worker threads (its default options: threads =
 # 2 per device), so two operations of one group can be in flight at once. Measured here: back to back
 # asynchronous all-reduces of 1 KiB on 2 ranks take 330 us alone, 433 us for two, 917 us for four. On busy
@@ -150,8 +143,8 @@ class Calibration:
         key = comm_key(world, kind, n, mode)
         if key in self.comm:
             return self.comm[key]
-        if mode in ("async", ROW_MODE) and comm_key(world, kind, n, "sync") in self.comm:
-            return self.comm[comm_key(world, kind, n, "sync")]  # an older file: the plain blocking fit
+        if mode == "async" and comm_key(world, kind, n, "sync") in self.comm:
+            return self.comm[comm_key(world, kind, n, "sync")]
         raise CalibrationError(f"no calibration of {kind} on groups of {n} at world {world}; measure world {world}")
 
     def share(self, world: int) -> float:
