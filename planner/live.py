@@ -56,7 +56,6 @@ from hardware.this_machine import (
     GLOO_THREADS,
     PAIR_MODE,
     POST_MODE,
-    ROW_MODE,
     Calibration,
     CalibrationError,
     comm_key,
@@ -247,7 +246,7 @@ class _Costs:
     def comm(self, kind: str, n: int, nbytes: float, mode: str = "sync", gap_s: float | None = None) -> float:
         """Seconds of one operation; a blocking one ("sync") after `gap_s` of the rank's compute (one
         core's seconds) reads the calibration at that gap (engine/calibrate.SYNC_GAPS_S), else at the
-        calibration's usual gap; one of a row of blocking operations (ROW_MODE) the row's mean."""
+        calibration's usual gap."""
         if n <= 1:
             return 0.0
         size = _nearest(n, self._sizes(kind, mode))
@@ -256,8 +255,6 @@ class _Costs:
             return self._async_op_s(kind, size, nbytes, fit)
         if mode == "sync" and gap_s is not None:
             return self._after_gap_s(kind, size, nbytes, gap_s * self.share, fit)
-        if mode == ROW_MODE and comm_key(self.cfg.world, kind, size, ROW_MODE) not in self.cal.comm:
-            return self.comm(kind, n, nbytes, "sync", gap_s)  # a calibration from before rows were timed
         return fit.seconds(nbytes)
 
     def _after_gap_s(self, kind: str, n: int, nbytes: float, gap_s: float, fit) -> float:
@@ -1179,9 +1176,9 @@ class _Program:
                 for u in reversed(self.held):
                     for j in reversed(range(len(self.params[u]))):
                         group = "dp expert" if (u, j) in self.expert_keys else "dp"
-                        if len(self.g[group]) > 1:  # one after another: each at the row's pace
+                        if len(self.g[group]) > 1:
                             r.coll("all_reduce", self.g[group], self.group_names[group], "all_reduce",
-                                   self.params[u][j][1] * F32, mode=ROW_MODE)
+                                   self.params[u][j][1] * F32)
             r.compute("finish grads", 2 * len(all_params) * c.tiny)
         elif self.stage in (1, 2, 3) and self.dp > 1:
             r.compute("finish grads", 2 * len(held) * c.tiny)

@@ -38,8 +38,6 @@ def test_corrupt_calibration_is_measured_again_with_a_message(calibrated):
     assert "unreadable" in messages[0] and "measuring again" in messages[0]
     assert cal.worlds == [2] and cal.cpus == tm.cpu_count()
     assert set(tm.COMPUTE_FITS) <= set(cal.compute)
-    row = cal.comm[tm.comm_key(2, "all_reduce", 2, tm.ROW_MODE)]  # blocking all-reduces one after another
-    assert row.alpha_s > 0 and row.gap_s > 0
     # ZB-H1's split backward, timed beside the fused one: the two halves do the fused pass's work between them
     zb = cal.compute["zb_split"]
     assert zb.fwd(1.0) > 0 and zb.bwd(1.0) > 0 and zb.fwd(1.0) + zb.bwd(1.0) > 0.9

@@ -660,21 +660,3 @@ def test_the_first_layer_of_each_pass_runs_cold():
     f1, f0 = per_micro_batch(with_cold), per_micro_batch(without)
     assert sorted(f1) == sorted(f0) == [0, 1]
     assert all(f1[mb] - f0[mb] == pytest.approx(0.5e-3, rel=1e-3) for mb in f1)
-
-
-def test_a_naive_sync_runs_its_all_reduces_at_the_calibrated_row_pace():
-    """The naive sync all-reduces each parameter right after the previous one: each at the calibration's row
-    mean (ROW_MODE) where the file has it, and as one blocking operation after its gap where it does not (a
-    file from before rows were timed)."""
-    from hardware.this_machine import ROW_MODE
-
-    cfg = _cfg("--strategy dp --world 2 --dp-comm naive")
-    assert comm_key(2, "all_reduce", 2, ROW_MODE) not in CAL.comm  # the recorded file predates rows
-    old = predict(cfg, CAL)
-    row = CommFit(alpha_s=1e-4, beta_s_per_byte=0.0, cpu_fraction=0.5, gap_s=300e-6)
-    cal = dataclasses.replace(CAL, comm={**CAL.comm, comm_key(2, "all_reduce", 2, ROW_MODE): row})
-    new = predict(cfg, cal)
-    spans = [s for s in new.timeline.spans if s.rank == 0 and s.lane == "comm" and s.name == "all_reduce"]
-    assert len(spans) == sum(len(unit) for unit in _params(cfg.model))  # one per parameter
-    assert all(s.duration_s == pytest.approx(1e-4) for s in spans)
-    assert new.step_time_s < old.step_time_s
