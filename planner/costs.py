@@ -283,6 +283,12 @@ def data_topology(chip: Chip, lay: Layout, chips_per_node: int) -> Topology:
     return topology(chip, lay.dp * lay.cp, data_stride(lay), chips_per_node)
 
 
+def expert_data_topology(chip: Chip, lay: Layout, chips_per_node: int) -> Topology:
+    """The group a routed expert's gradient is summed over (and ZeRO shards it over): its replicas,
+    `Layout.expert_dp` ranks `Layout.expert_dp_stride` apart."""
+    return topology(chip, lay.expert_dp, lay.expert_dp_stride, chips_per_node)
+
+
 def crosses_network(n: int, stride: int, chip: Chip, chips_per_node: int) -> bool:
     """Whether a group of n ranks `stride` apart leaves the scale-up domain (NVLink node, TPU slice)."""
     domain = chips_per_node if chip.kind == "gpu" else chip.scaleup_domain
@@ -745,7 +751,7 @@ def _zero3_comms(lay: Layout, chip: Chip, chips_per_node: int, on_chip: tuple[fl
     ag = comm_s(topo, "all_gather", dense_bytes)
     rs = comm_s(topo, "reduce_scatter", dense_bytes * lay.grad_bytes / 2)  # the bf16 weights' gradients
     if expert_bytes:
-        experts = topology(chip, lay.expert_dp, lay.expert_dp_stride, chips_per_node)
+        experts = expert_data_topology(chip, lay, chips_per_node)
         ag += comm_s(experts, "all_gather", expert_bytes)
         rs += comm_s(experts, "reduce_scatter", expert_bytes * lay.grad_bytes / 2)
     # the ring of CP, when it runs on the same links, competes for the window

@@ -285,8 +285,8 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
     grad_bytes = lay.grad_bytes
     dp_group = lay.dp * lay.cp
     dense_topo = costs.data_topology(chip, lay, node) if dp_group > 1 else None
-    expert_group = lay.expert_dp  # an expert's gradient skips its ep (and etp) ranks
-    expert_topo = costs.topology(chip, expert_group, lay.expert_dp_stride, node) if expert_group > 1 else None
+    # an expert's gradient skips its ep (and etp) ranks
+    expert_topo = costs.expert_data_topology(chip, lay, node) if lay.expert_dp > 1 else None
 
     plan = chunks_of(m, lay)
     tied_s, holders = tied_embedding_sync_s(m, lay, chip, node, plan)
@@ -398,7 +398,7 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
             # the gradient this chip keeps between micro-batches: the stage's whole (ZeRO-0/1, ZeRO-3 under
             # pipeline parallelism), or the shard ZeRO-2/3 reduce-scatters every micro-batch to
             whole = lay.zero_stage < 2 or lay.staged_zero3
-            kept = dense_p + expert_p if whole else dense_p / dp_group + expert_p / max(1, expert_group)
+            kept = dense_p + expert_p if whole else dense_p / dp_group + expert_p / lay.expert_dp
             chunks[0] = _plus_backward(chunks[0], "compute",
                                        grad_accumulation_s(kept, micro_batches, lay.grad_bytes, chip))
         opt = costs.optimizer_step_s(dense_p, expert_p, lay, chip, tr.optimizer)

@@ -233,12 +233,12 @@ def predicted_timeline(res: StepResult, max_spans: int = 20000) -> Timeline:
                       for r, stage in enumerate(res.stages) if stage.tied_sync_s), default=0.0)
     for r, stage in enumerate(res.stages):
         t = clock[r]
+        hidden = max(0.0, stage.dp_step_s - stage.dp_exposed_s)  # of what runs around the step's end
         if stage.dp_step_s > 0 and stage.dp_step_s < stage.dp_total_s:
             # ZeRO-2: its gradients were reduce-scattered in every backward; what is left is the updated
             # weights' gather, which the next step's first forward hides (simulate's window is one forward):
             # drawn under this step's first forward, as the previous step's gather runs there, and what shows
             first = min((s.start_s for s in spans if s.rank == rank_of[r] and s.lane == "compute"), default=0.0)
-            hidden = max(0.0, stage.dp_step_s - stage.dp_exposed_s)
             if hidden > 0:
                 spans.append(Span(rank_of[r], "comm", "dp weight all-gather", first, first + hidden, group="dp",
                                   is_async=True))
@@ -246,8 +246,7 @@ def predicted_timeline(res: StepResult, max_spans: int = 20000) -> Timeline:
                 spans.append(Span(rank_of[r], "comm", "dp weight all-gather", t, t + stage.dp_exposed_s, group="dp"))
             t += stage.dp_exposed_s
         elif stage.dp_step_s > 0:
-            # the sync under the last backward and the weights' gather, what shows of them at the step's end
-            hidden = max(0.0, stage.dp_step_s - stage.dp_exposed_s)
+            # the sync under the last backward and the weights' gather, what shows of them at the step's end:
             # named by its collective, so it is drawn in that collective's colour
             sync = "dp gradient all-reduce" if lay.zero_stage == 0 else "dp gradient reduce-scatter (and weight gather)"
             spans.append(Span(rank_of[r], "comm", sync, t - hidden, t - hidden + stage.dp_step_s,
