@@ -123,7 +123,7 @@ def search_timings() -> None:
               f"{report.evaluated:6d} simulated, {elapsed:6.2f} s wall; best {_summary(report)}")
     full = layout_search.search(as_case(case("Llama 3 405B", "h100", 16384, 2048)))
     print(f"  Llama 3 405B on 16,384 H100, full ranking of every fitting layout: {full.evaluated} simulated "
-          f"in {full.elapsed_s:.2f} s wall")
+          f"(closed-form pipeline) in {full.elapsed_s:.2f} s wall")
     print("  explanation of the 405B / 16,384 H100 winner:")
     for line in report.ranked[0].explanation:
         print(f"    {line}")

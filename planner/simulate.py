@@ -10,9 +10,13 @@ sec. 2.2.1) and the interleaved one (p-1)/(v m) (sec. 2.2.2); GPipe has the same
 weight-gradient matmuls W into the drain, so each stage adds F + B - 2W instead of S = F + B to the
 fill and drain: bubble (p-1)(F + B_input - W). Unequal stages (the embedding on the first chunk,
 multi-token prediction modules and the output heads on the last, or a run's own split: planner.stages)
-make the slowest stage pace the steady state. Then
+make the slowest stage pace the steady state. That closed form is what the search ranks layouts with;
+the step time itself runs the schedule pass by pass with each chunk's own costs (planner.passes), which
+the closed form matches for equal chunks and falls short of where chunks differ. Then
 
-    step = T_pipe + exposed data-parallel gradient sync + optimizer update.
+    step = T_pipe + exposed data-parallel gradient sync + optimizer update
+
+(per rank after its last pass, planner.passes.tails; the step ends with the last rank's).
 
 The first and last chunks carry the embedding and the output heads with their TP collectives (the
 vocabulary-parallel lookup's reduction, the head's input gradient, the cross-entropy's reductions:
@@ -54,7 +58,7 @@ from dataclasses import dataclass, field, replace
 from hardware import kernels
 from hardware.chips import Chip
 from hardware.collectives import ring_sent_bytes
-from planner import costs
+from planner import costs, passes
 from planner.case import Case, Layout
 from planner.flops import hardware_flops, model_flops, output_heads, vocab_rows
 from planner.memory import (
@@ -572,8 +576,10 @@ def pipeline_time_s(stage_totals: list[float], micro_batches: int, virtual: int,
     return micro_batches * s_max + (sum(fill) - fill[crit]) / virtual
 
 
-def simulate(case: Case, lay: Layout, chip: Chip, memory: Memory | None = None) -> StepResult:
-    """Step time, breakdown, FLOPs and memory of `case` run with layout `lay` on `chip`."""
+def simulate(case: Case, lay: Layout, chip: Chip, memory: Memory | None = None, exact: bool = True) -> StepResult:
+    """Step time, breakdown, FLOPs and memory of `case` run with layout `lay` on `chip`: the pipeline run
+    pass by pass (planner.passes), or with `exact` False by the closed form (`pipeline_time_s`, what the
+    search ranks with)."""
     m, tr = case.model, case.training
     micro_batches = tr.global_batch // (lay.dp * lay.micro_batch)
     stages = stage_costs(case, lay, chip)
@@ -585,37 +591,35 @@ def simulate(case: Case, lay: Layout, chip: Chip, memory: Memory | None = None) 
         rep_fill = {i: max(0.0, stages[i].total_s - 2 * stages[i].wgrad_s) for i in rep_total}
         fill = [rep_fill[g] for g in groups]
     runs = lay.schedule_runs  # each run of the schedule fills and drains the pipeline
-    t_pipe = runs * pipeline_time_s(totals, lay.per_run(micro_batches), lay.virtual_stages, fill)
     crit = max(range(len(stages)), key=lambda i: totals[i])
     ep_unpaired = runs * unpaired_ep_s(stages, lay, crit, lay.per_run(micro_batches))
-    # stage i's last backward ends about i chunk-backwards before stage 0's: that is its slack
-    reps = sorted(rep_total)
-
-    def dp_tail(i: int) -> float:
-        """Stage i's exposed gradient sync past the pipeline's end, each run's under staged ZeRO-3 (each
-        gathers the stage's weights and reduce-scatters its gradients again)."""
-        tail = max(0.0, stages[i].dp_exposed_s - i * stages[i].bwd_s / lay.virtual_stages)
-        return tail * runs if lay.staged_zero3 else tail
-
-    dp_exposed = max(dp_tail(i) for i in reps)
-    # a shared embedding's gradient, summed once its holders' syncs are done (stage 0's is the last)
-    holders = [i for i, st in enumerate(stages) if st.tied_sync_s]
-    tied_shown = max(0.0, max((dp_tail(i) for i in holders), default=0.0)
-                     + max((stages[i].tied_sync_s for i in holders), default=0.0) - dp_exposed)
-    opt = max(stages[i].optimizer_s for i in reps)
-    passes = max(stages[i].optimizer_s + stages[i].grad_passes_s for i in reps) - opt
+    if exact and lay.pp > 1:
+        clocks = passes.run(stages, lay, micro_batches).clocks
+    else:
+        closed = runs * pipeline_time_s(totals, lay.per_run(micro_batches), lay.virtual_stages, fill) + ep_unpaired
+        clocks = [closed - _slack(st, i, lay) + (runs - 1) * max(0.0, st.dp_exposed_s - _slack(st, i, lay))
+                  if lay.staged_zero3 else closed - _slack(st, i, lay) for i, st in enumerate(stages)]
+    t_pipe = max(clocks)
+    ends = passes.tails(stages, clocks)
+    last = max(range(len(stages)), key=lambda i: ends[i].end_s)
     breakdown = dict.fromkeys(BREAKDOWN_KEYS, 0.0)
     for ch in stages[crit].chunks:
         for k, v in ch.parts.items():
             breakdown[k] += micro_batches * v
-    breakdown["bubble"] = t_pipe - micro_batches * totals[crit]
-    t_pipe += ep_unpaired
-    breakdown["ep_comm"] += ep_unpaired
-    breakdown["dp_comm"] += dp_exposed
-    breakdown["pp_comm"] += tied_shown
-    breakdown["optimizer"] = opt
-    breakdown["compute"] += passes
-    step = t_pipe + dp_exposed + tied_shown + opt + passes
+    # the pipeline past the slowest stage's own passes: its unpaired all-to-alls, then the bubble
+    ep_shown = min(ep_unpaired, max(0.0, t_pipe - micro_batches * totals[crit]))
+    breakdown["ep_comm"] += ep_shown
+    breakdown["bubble"] = t_pipe - micro_batches * totals[crit] - ep_shown
+    if lay.staged_zero3:  # the waits between runs for each run's reduce-scatter and gather (planner.passes)
+        gaps = min(breakdown["bubble"], (runs - 1) * stages[last].dp_exposed_s)
+        breakdown["dp_comm"] += gaps
+        breakdown["bubble"] -= gaps
+    # the last rank's tail, each part as far as it runs past the pipeline's end
+    tail = ends[last]
+    for key, (start, end) in (("dp_comm", tail.sync), ("pp_comm", tail.tied_wait), ("pp_comm", tail.tied),
+                              ("compute", tail.passes), ("optimizer", tail.optimizer)):
+        breakdown[key] += max(0.0, end - max(start, t_pipe))
+    step = max(t_pipe, tail.end_s)
     tokens = tr.global_batch * m.seq_len
     mem = memory or memory_per_chip(m, lay, micro_batches, tr.optimizer, tr.dtype)
     node = case.cluster.chips_per_node or chip.scaleup_domain
@@ -628,7 +632,13 @@ def simulate(case: Case, lay: Layout, chip: Chip, memory: Memory | None = None) 
         again = flops + share * (again - flops)
     return StepResult(case, lay, chip, micro_batches, step, t_pipe, breakdown, stages, mem, flops, again,
                       mem.total_bytes <= usable_hbm_bytes(chip),
-                      {"critical_stage": crit, "chips_per_node": node})
+                      {"critical_stage": crit, "chips_per_node": node, "exact": exact})
+
+
+def _slack(stage: StageCost, i: int, lay: Layout) -> float:
+    """The closed form's end of stage i's last pass before the pipeline's: i chunk backwards (each stage's
+    last backward hands its input gradient to the stage before it)."""
+    return i * stage.bwd_s / lay.virtual_stages
 
 
 def unpaired_ep_s(stages: list[StageCost], lay: Layout, crit: int, micro_batches: int) -> float:

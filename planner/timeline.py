@@ -26,12 +26,10 @@ Where communication sits (planner.costs says how much of it hides):
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import replace
 
-from core.schedules import make_schedule
 from core.timeline import Span, Timeline
+from planner import passes
 from planner.costs import CommOp
-from planner.memory import in_flight_chunks
 from planner.simulate import ChunkCost, StepResult
 
 
@@ -150,89 +148,47 @@ def _merge_busy(spans: list[Span], min_idle_s: float) -> list[Span]:
     return out
 
 
-def _unpaired_passes(actions: list, count: float, runs: int) -> set[int]:
-    """Indices, in a rank's actions over every run, of each run's first `count` forwards and last `count`
-    backwards: the passes with no other micro-batch's pass beside them."""
-    forwards = [i for i, a in enumerate(actions) if a.kind == "F"][:int(count)]
-    backwards = [i for i, a in enumerate(actions) if a.kind in ("B", "BI")][-int(count):] if count >= 1 else []
-    return {i + k * len(actions) for k in range(runs) for i in forwards + backwards}
-
-
 def predicted_timeline(res: StepResult, max_spans: int = 20000) -> Timeline:
     lay, m = res.layout, res.micro_batches
-    p, v, runs = lay.pp, lay.virtual_stages, lay.schedule_runs
-    sched = make_schedule(lay.pp_schedule, p, lay.per_run(m), v)  # one run of the schedule; it runs `runs` times
+    p, v = lay.pp, lay.virtual_stages
     comms_per_layer = max((len(lc.fwd_comms) + len(lc.bwd_comms) for s in res.stages for c in s.chunks
                            for lc, _ in c.layer_costs), default=0)
     layers_per_pass = max(sum(c.layers for c in s.chunks) for s in res.stages) / v
     detailed = p * m * v * layers_per_pass * (3 + comms_per_layer) <= max_spans
     rank_of = [i * lay.dp * lay.cp * lay.tp for i in range(p)]
+    # every pass's start and end: the same run of the schedule the step time comes from (planner.passes)
+    sched = passes.run(res.stages, lay, m)
+    pl = sched.plan
     clock = [0.0] * p
-    done: dict[tuple[str, int, int], float] = {}
-    one_run = [list(sched.compute_order(r)) for r in range(p)]
-    per_run = m // runs
-    # every run's actions, its micro-batches numbered after the previous runs' (a run's sync marks its end)
-    order = [[replace(a, micro_batch=a.micro_batch + k * per_run) for k in range(runs) for a in actions]
-             for actions in one_run]
-    run_end = [{len(actions) * (k + 1) for k in range(runs - 1)} for actions in one_run]
-    unpaired = [_unpaired_passes(actions, in_flight_chunks(r, lay, per_run), runs)
-                if lay.ep_comm_overlap and lay.ep > 1 else set() for r, actions in enumerate(one_run)]
-    cursor = [0] * p
     spans: list[Span] = []
-    num_stages = p * v
-    while any(cursor[r] < len(order[r]) for r in range(p)):
-        progressed = False
-        for r in range(p):
-            while cursor[r] < len(order[r]):
-                a = order[r][cursor[r]]
-                chunk = res.stages[r].chunks[a.stage // p]
-                if cursor[r] in unpaired[r]:
-                    chunk = chunk.showing_ep()
-                if a.kind == "F":
-                    deps = [("F", a.micro_batch, a.stage - 1)] if a.stage > 0 else []
-                elif a.kind == "BW":
-                    deps = [("B", a.micro_batch, a.stage)]
-                else:  # B, or BI: the input gradient, which the previous stage waits for
-                    deps = [("F", a.micro_batch, a.stage)]
-                    if a.stage < num_stages - 1:
-                        deps.append(("B", a.micro_batch, a.stage + 1))
-                if any(d not in done for d in deps):
-                    break
-                start = max([clock[r]] + [done[d] for d in deps])
-                if start > clock[r]:
-                    spans.append(Span(rank_of[r], "idle", "bubble", clock[r], start))
-                if a.kind == "BW":
-                    end = start + chunk.wgrad_s
-                    spans.append(Span(rank_of[r], "compute", f"BW s{a.stage}", start, end,  # as the engine names it
-                                      micro_batch=a.micro_batch))
-                    done[("BW", a.micro_batch, a.stage)] = end
-                else:
-                    kind = "F" if a.kind == "F" else "B"
-                    deferred = chunk.wgrad_s if a.kind == "BI" else 0.0
-                    spans.extend(_pass_spans(rank_of[r], chunk, kind, start, a.micro_batch, detailed and not deferred,
-                                             f"s{a.stage}", deferred))
-                    end = start + (chunk.fwd_s if kind == "F" else chunk.bwd_s - deferred)
-                    if chunk.p2p_s > 0:
-                        spans.append(Span(rank_of[r], "comm", "send act" if kind == "F" else "send grad",
-                                          end - chunk.p2p_s, end, micro_batch=a.micro_batch, group="pp"))
-                    done[(kind, a.micro_batch, a.stage)] = end
-                clock[r] = end
-                cursor[r] += 1
-                progressed = True
-                stage = res.stages[r]
-                if cursor[r] in run_end[r] and lay.staged_zero3 and stage.dp_exposed_s > 0:
-                    # between runs: this stage's gradients reduce-scattered and its weights gathered again
-                    spans.append(Span(rank_of[r], "comm", "dp gradient reduce-scatter (and weight gather)",
-                                      clock[r], clock[r] + stage.dp_exposed_s, group="dp"))
-                    clock[r] += stage.dp_exposed_s
-        if not progressed:
-            raise RuntimeError(f"schedule {sched.name} deadlocked in the planner's timeline")
-    pipe_end = max(clock)
-    # a shared embedding's gradient is summed once every stage holding it has synced its own gradients
-    tied_start = max((clock[r] + (stage.dp_exposed_s if stage.dp_total_s > 0 else 0.0)
-                      for r, stage in enumerate(res.stages) if stage.tied_sync_s), default=0.0)
-    for r, stage in enumerate(res.stages):
-        t = clock[r]
+    for i, r in enumerate(pl.ranks):
+        start, end = sched.starts[i], sched.ends[i]
+        if start > clock[r]:
+            spans.append(Span(rank_of[r], "idle", "bubble", clock[r], start))
+        clock[r] = end
+        kind, a = pl.kinds[i], pl.actions[i]
+        if kind == passes.GAP:
+            if end > start:  # between runs: this stage's gradients reduce-scattered and its weights gathered again
+                spans.append(Span(rank_of[r], "comm", "dp gradient reduce-scatter (and weight gather)", start, end,
+                                  group="dp"))
+            continue
+        chunk = res.stages[r].chunks[pl.chunks[i]]
+        if pl.showing[i]:
+            chunk = chunk.showing_ep()
+        if kind == "BW":
+            spans.append(Span(rank_of[r], "compute", f"BW s{a.stage}", start, end,  # as the engine names it
+                              micro_batch=a.micro_batch))
+            continue
+        direction = "F" if kind == "F" else "B"
+        deferred = chunk.wgrad_s if kind == "BI" else 0.0
+        spans.extend(_pass_spans(rank_of[r], chunk, direction, start, a.micro_batch, detailed and not deferred,
+                                 f"s{a.stage}", deferred))
+        if chunk.p2p_s > 0:
+            spans.append(Span(rank_of[r], "comm", "send act" if direction == "F" else "send grad",
+                              end - chunk.p2p_s, end, micro_batch=a.micro_batch, group="pp"))
+    pipe_end = sched.end_s
+    for r, (stage, tail) in enumerate(zip(res.stages, passes.tails(res.stages, sched.clocks))):
+        (t, synced) = tail.sync
         hidden = max(0.0, stage.dp_step_s - stage.dp_exposed_s)  # of what runs around the step's end
         if stage.dp_step_s > 0 and stage.dp_step_s < stage.dp_total_s:
             # ZeRO-2: its gradients were reduce-scattered in every backward; what is left is the updated
@@ -242,29 +198,23 @@ def predicted_timeline(res: StepResult, max_spans: int = 20000) -> Timeline:
             if hidden > 0:
                 spans.append(Span(rank_of[r], "comm", "dp weight all-gather", first, first + hidden, group="dp",
                                   is_async=True))
-            if stage.dp_exposed_s > 0:
-                spans.append(Span(rank_of[r], "comm", "dp weight all-gather", t, t + stage.dp_exposed_s, group="dp"))
-            t += stage.dp_exposed_s
+            if synced > t:
+                spans.append(Span(rank_of[r], "comm", "dp weight all-gather", t, synced, group="dp"))
         elif stage.dp_step_s > 0:
             # the sync under the last backward and the weights' gather, what shows of them at the step's end:
             # named by its collective, so it is drawn in that collective's colour
             sync = "dp gradient all-reduce" if lay.zero_stage == 0 else "dp gradient reduce-scatter (and weight gather)"
             spans.append(Span(rank_of[r], "comm", sync, t - hidden, t - hidden + stage.dp_step_s,
                               group="dp", is_async=hidden > 0))
-            t += stage.dp_exposed_s
-        if stage.tied_sync_s > 0:
-            if tied_start > t:
-                spans.append(Span(rank_of[r], "idle", "wait", t, tied_start))
-            spans.append(Span(rank_of[r], "comm", "tied embedding gradient all-reduce", tied_start,
-                              tied_start + stage.tied_sync_s, group="pp"))
-            t = tied_start + stage.tied_sync_s
-        if stage.grad_passes_s > 0:
-            spans.append(Span(rank_of[r], "compute", "gradient buffer passes", t, t + stage.grad_passes_s))
-            t += stage.grad_passes_s
-        spans.append(Span(rank_of[r], "compute", "optimizer step", t, t + stage.optimizer_s))
-        t += stage.optimizer_s
-        if t < pipe_end:
-            spans.append(Span(rank_of[r], "idle", "wait", t, pipe_end))
+        if tail.tied_wait[1] > tail.tied_wait[0]:
+            spans.append(Span(rank_of[r], "idle", "wait", *tail.tied_wait))
+        if tail.tied[1] > tail.tied[0]:
+            spans.append(Span(rank_of[r], "comm", "tied embedding gradient all-reduce", *tail.tied, group="pp"))
+        if tail.passes[1] > tail.passes[0]:
+            spans.append(Span(rank_of[r], "compute", "gradient buffer passes", *tail.passes))
+        spans.append(Span(rank_of[r], "compute", "optimizer step", *tail.optimizer))
+        if tail.end_s < pipe_end:
+            spans.append(Span(rank_of[r], "idle", "wait", tail.end_s, pipe_end))
     coarse = len(spans) > max_spans
     if coarse:
         # an idle gap under half of one span's share of the step would not show: fold it in

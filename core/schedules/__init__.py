@@ -17,6 +17,7 @@ from core.schedules.build import (
     Action,
     Schedule,
     ScheduleError,
+    compute_orders,
     gpipe,
     interleaved_1f1b,
     make_schedule,
@@ -31,6 +32,6 @@ from core.schedules.simulate import OpTimes, Simulation, formula_bubble_fraction
 __all__ = [
     "ACTION_KINDS", "ACTIVATION", "BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT", "COMPUTE_KINDS", "FORWARD",
     "GRADIENT", "RECV", "SCHEDULE_NAMES", "SEND", "Action", "OpTimes", "Schedule", "ScheduleError", "Simulation",
-    "check_schedule", "formula_bubble_fraction", "gpipe", "interleaved_1f1b", "make_schedule", "one_f_one_b",
-    "render_ascii", "simulate", "stage_units", "zb_h1",
+    "check_schedule", "compute_orders", "formula_bubble_fraction", "gpipe", "interleaved_1f1b", "make_schedule",
+    "one_f_one_b", "render_ascii", "simulate", "stage_units", "zb_h1",
 ]

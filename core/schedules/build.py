@@ -243,11 +243,14 @@ def _with_comm(name: str, num_ranks: int, num_micro_batches: int, virtual_stages
 
 def gpipe(num_ranks: int, num_micro_batches: int) -> Schedule:
     """All forwards, then all backwards (Huang et al. 2019)."""
+    return _with_comm("gpipe", num_ranks, num_micro_batches, 1, _gpipe_orders(num_ranks, num_micro_batches))
+
+
+def _gpipe_orders(num_ranks: int, num_micro_batches: int) -> list[list[Action]]:
     _check_sizes(num_ranks, num_micro_batches)
     p, m = num_ranks, num_micro_batches
-    orders = [[_compute(FORWARD, i, r, p) for i in range(m)] + [_compute(BACKWARD, i, r, p) for i in range(m)]
-              for r in range(p)]
-    return _with_comm("gpipe", p, m, 1, orders)
+    return [[_compute(FORWARD, i, r, p) for i in range(m)] + [_compute(BACKWARD, i, r, p) for i in range(m)]
+            for r in range(p)]
 
 
 def one_f_one_b(num_ranks: int, num_micro_batches: int) -> Schedule:
@@ -256,6 +259,10 @@ def one_f_one_b(num_ranks: int, num_micro_batches: int) -> Schedule:
     With m < p the warm-up of the first ranks takes every micro-batch (GPipe's order there; correct, but
     the bubble grows as (p - 1) / m says).
     """
+    return _with_comm("1f1b", num_ranks, num_micro_batches, 1, _one_f_one_b_orders(num_ranks, num_micro_batches))
+
+
+def _one_f_one_b_orders(num_ranks: int, num_micro_batches: int) -> list[list[Action]]:
     _check_sizes(num_ranks, num_micro_batches)
     p, m = num_ranks, num_micro_batches
     orders = []
@@ -266,7 +273,7 @@ def one_f_one_b(num_ranks: int, num_micro_batches: int) -> Schedule:
             order += [_compute(FORWARD, warmup + i, r, p), _compute(BACKWARD, i, r, p)]
         order += [_compute(BACKWARD, i, r, p) for i in range(m - warmup, m)]
         orders.append(order)
-    return _with_comm("1f1b", p, m, 1, orders)
+    return orders
 
 
 def _interleaved_action(kind: str, k: int, rank: int, num_ranks: int, virtual_stages: int) -> Action:
@@ -283,6 +290,11 @@ def _interleaved_action(kind: str, k: int, rank: int, num_ranks: int, virtual_st
 
 def interleaved_1f1b(num_ranks: int, num_micro_batches: int, virtual_stages: int) -> Schedule:
     """Interleaved 1F1B with v chunks per rank (Narayanan et al. 2021 §2.2; Megatron-LM's order)."""
+    return _with_comm("interleaved-1f1b", num_ranks, num_micro_batches, virtual_stages,
+                      _interleaved_orders(num_ranks, num_micro_batches, virtual_stages))
+
+
+def _interleaved_orders(num_ranks: int, num_micro_batches: int, virtual_stages: int) -> list[list[Action]]:
     _check_sizes(num_ranks, num_micro_batches, virtual_stages)
     p, m, v = num_ranks, num_micro_batches, virtual_stages
     if m % p:
@@ -304,11 +316,15 @@ def interleaved_1f1b(num_ranks: int, num_micro_batches: int, virtual_stages: int
             order += [fwd[warmup + k], bwd[k]]
         order += bwd[total - warmup:]
         orders.append(order)
-    return _with_comm("interleaved-1f1b", p, m, v, orders)
+    return orders
 
 
 def zb_h1(num_ranks: int, num_micro_batches: int) -> Schedule:
     """ZB-H1 (Qi et al. 2023 §2.1): 1F1B with BI on the critical path and rank r's BW deferred by r."""
+    return _with_comm("zb-h1", num_ranks, num_micro_batches, 1, _zb_h1_orders(num_ranks, num_micro_batches))
+
+
+def _zb_h1_orders(num_ranks: int, num_micro_batches: int) -> list[list[Action]]:
     _check_sizes(num_ranks, num_micro_batches)
     p, m = num_ranks, num_micro_batches
     orders = []
@@ -323,19 +339,27 @@ def zb_h1(num_ranks: int, num_micro_batches: int) -> Schedule:
                 order.append(_compute(BACKWARD_WEIGHT, i - r, r, p))
         order += [_compute(BACKWARD_WEIGHT, i, r, p) for i in range(max(0, m - r), m)]
         orders.append(order)
-    return _with_comm("zb-h1", p, m, 1, orders)
+    return orders
 
 
 def make_schedule(name: str, num_ranks: int, num_micro_batches: int, virtual_stages: int = 1) -> Schedule:
     """Build a schedule by its CLI name (one of SCHEDULE_NAMES)."""
+    return _with_comm(name, num_ranks, num_micro_batches, virtual_stages,
+                      compute_orders(name, num_ranks, num_micro_batches, virtual_stages))
+
+
+def compute_orders(name: str, num_ranks: int, num_micro_batches: int, virtual_stages: int = 1) -> list[list[Action]]:
+    """Each rank's compute actions of the schedule `name`, in order (its Schedule without the messages:
+    `Schedule.compute_order`)."""
     if name == "interleaved-1f1b":
-        return interleaved_1f1b(num_ranks, num_micro_batches, virtual_stages)
+        return _interleaved_orders(num_ranks, num_micro_batches, virtual_stages)
     if name not in SCHEDULE_NAMES:
         raise ScheduleError(f"unknown schedule {name!r}: choose one of {SCHEDULE_NAMES}")
     if virtual_stages != 1:
         raise ScheduleError(f"{name} runs one stage per rank: set virtual_stages to 1 "
                             f"(got {virtual_stages}) or use interleaved-1f1b")
-    return {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1}[name](num_ranks, num_micro_batches)
+    return {"gpipe": _gpipe_orders, "1f1b": _one_f_one_b_orders, "zb-h1": _zb_h1_orders}[name](num_ranks,
+                                                                                             num_micro_batches)
 
 
 def stage_units(m, num_stages: int, stage: int) -> list[int]:
