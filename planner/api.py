@@ -277,7 +277,7 @@ def layer_comm_bytes(spec: ModelSpec, kind=None, *, tp: int = 1, cp: int = 1, dp
     Transformer layer, None for the model's first Mamba layer or else its first layer. Returns
     {strategy: {"ops_fwd", "ops_bwd", "bytes_fwd", "bytes_bwd", "time_s"}} for "tp", "cp_ring",
     "cp_state", "cp_alltoall" (those that apply) and "dp" (once per step: the layer's gradient
-    all-reduce), bytes being each op's buffer times its sequential count (ring steps, chain hops)."""
+    all-reduce over dp x cp), bytes being each op's buffer times its sequential count (ring steps, chain hops)."""
     if kind is None:
         kind = MAMBA if spec.has_ssm else spec.layer_kinds[0]
     if kind is True and tp > 1 and not sequence_parallel:
@@ -307,9 +307,9 @@ def layer_comm_bytes(spec: ModelSpec, kind=None, *, tp: int = 1, cp: int = 1, dp
                 row[f"ops_{direction}"] += c.count
                 row[f"bytes_{direction}"] += c.nbytes * c.count
                 row["time_s"] += c.time_s
-    if dp > 1:
+    if dp * cp > 1:  # summed over every data-parallel rank of the dense layers, dp x cp
         nbytes = sum(layer_params_on_chip(spec, kind, tp, 1, lay.etp)) * lay.grad_bytes  # the layer's share here
-        topo = costs.topology(hw, dp, costs.data_stride(lay), chips_per_node)
+        topo = costs.data_topology(hw, lay, chips_per_node)
         out["dp"] = {"ops_fwd": 0, "ops_bwd": 1, "bytes_fwd": 0.0, "bytes_bwd": nbytes,
                      "time_s": costs.comm_s(topo, "all_reduce", nbytes)}
     return out

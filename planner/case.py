@@ -668,18 +668,19 @@ def check_fixed(case: Case) -> None:
             raise SpecError("parallel.ep", "ep > 1 needs an MoE model (model.experts > 0)")
         if not _divides(p.ep, m.experts):
             raise SpecError("parallel.ep", f"{p.ep} does not divide experts={m.experts}")
-        # the ranks ep is carved from: the dense layers' data-parallel ones, or with the experts folding the tp
-        # ranks (etp 1 under tp > 1) tp x cp x dp; dp as the stated degrees imply it when it is null
+        # the ranks ep is carved from (Megatron-Core's expert rank generator: world = etp x ep x expert dp x pp):
+        # the dense layers' context- and data-parallel ones, with the experts folding the tp ranks (etp 1 under
+        # tp > 1) tp x cp x dp; dp as the stated degrees imply it when it is null
         free = [k for k in ("dp", "tp", "pp", "cp") if getattr(p, k) is None]
         dp = p.dp or (case.cluster.num_chips // (p.tp * p.pp * p.cp) if free == ["dp"] else None)
         folded = p.tp is not None and p.etp not in ("tp", p.tp) and p.tp > 1
-        if dp and p.tp and (p.cp is not None or not folded):  # a null cp may still give the folded ep its ranks
-            pool = dp * p.tp * p.cp if folded else dp
+        if dp and p.tp and p.cp is not None:  # a null cp may still give ep its ranks
+            pool = dp * p.tp * p.cp if folded else dp * p.cp
             if not _divides(p.ep, pool):
                 raise SpecError("parallel.ep", f"{p.ep} must divide tp*cp*dp = {pool}: with etp 1 the "
                                                "expert-parallel ranks are the tp, cp and dp ranks" if folded else
-                                f"{p.ep} must divide dp={dp}: expert-parallel ranks are data-parallel ranks of "
-                                "the dense layers (core/mesh.py)")
+                                f"{p.ep} must divide cp*dp = {pool}: expert-parallel ranks are context- and "
+                                "data-parallel ranks of the dense layers (core/mesh.py)")
     if p.etp is not None and p.etp != 1:
         if not m.is_moe:
             raise SpecError("parallel.etp", f"{p.etp!r} needs an MoE model (model.experts > 0); use 1 or null")
@@ -705,6 +706,20 @@ def check_fixed(case: Case) -> None:
         raise SpecError("parallel.virtual_stages", "interleaved-1f1b needs virtual_stages >= 2 (or null)")
     if p.pp_schedule in ("1f1b", "gpipe", "zb-h1") and p.virtual_stages and p.virtual_stages > 1:
         raise SpecError("parallel.pp_schedule", f"virtual_stages={p.virtual_stages} needs interleaved-1f1b")
+    if p.pp == 1 and ((p.virtual_stages or 1) > 1 or p.pp_schedule == "interleaved-1f1b"):
+        field = "parallel.virtual_stages" if (p.virtual_stages or 1) > 1 else "parallel.pp_schedule"
+        raise SpecError(field, "interleaving needs pipeline stages: with pp=1 there is one stage and no chunks to "
+                               "interleave; set pp > 1, or virtual_stages 1 and another schedule (or null)")
+    if p.pp and p.pp > 1 and p.dp and mb and p.pp_schedule in ("interleaved-1f1b", "zb-h1"):
+        per_run = gb // (p.dp * mb * (runs or 1))  # micro-batches of one run of the schedule
+        if p.pp_schedule == "interleaved-1f1b" and per_run % p.pp:
+            raise SpecError("training.global_batch", f"interleaved-1f1b runs micro-batches in groups of pp={p.pp}, "
+                            f"but a run has global_batch / (dp x micro_batch x schedule_runs) = {per_run}: choose "
+                            f"a global batch that gives a multiple of {p.pp}, or another schedule")
+        if p.pp_schedule == "zb-h1" and per_run < p.pp:
+            raise SpecError("training.global_batch", f"zb-h1 needs at least pp={p.pp} micro-batches a run, but "
+                            f"global_batch / (dp x micro_batch x schedule_runs) = {per_run}: choose a larger "
+                            "global batch or a smaller micro-batch, or another schedule")
 
 
 def _check_slices(cl: Cluster) -> None:

@@ -565,7 +565,8 @@ def _elementwise(m: ModelSpec, lay: Layout, moe, tokens: float) -> dict[str, flo
         block's two adds: unchanged.
       MoE: the token copies are permuted to their experts and back, each a gather that reads and writes
         the k copies (Megatron-Core's moe_utils permute, an index_select, and unpermute, a scatter-add):
-        2 x (2 + 2) k h per token each way.
+        2 x (2 + 2) k h per token each way, of the tp group's gathered tokens where tp splits the experts,
+        of the rank's own sequence shard (/sp) where the experts fold the tp ranks (etp 1: no gather).
     With `fusion` "eager" (PyTorch eager modules, no compiler) each op of a module is its own kernel:
       Llama recipe: the RMSNorms and the rotary embedding cost what Liger-Kernel measured for the Hugging
         Face modules (key "eager_*": effective bytes at peak bandwidth, hardware.kernels.EAGER_BYTES, per
@@ -628,9 +629,10 @@ def _elementwise(m: ModelSpec, lay: Layout, moe, tokens: float) -> dict[str, flo
             out["eager_bwd"] = (kernels.EAGER_BYTES["norm_bwd"] * norm_elements
                                 + kernels.EAGER_BYTES["rope_bwd"] * rope_elements)
             out["eager_norm_fwd"] = kernels.EAGER_BYTES["norm_fwd"] * norm_elements
-    if moe is True:
-        out["point_fwd"] += 8 * m.top_k * h
-        out["point_bwd"] += 8 * m.top_k * h
+    if moe is True:  # experts folded into ep: each rank permutes its own sequence shard's tokens
+        permute = 8 * m.top_k * h / (sp if lay.experts_folded else 1)
+        out["point_fwd"] += permute
+        out["point_bwd"] += permute
     # parts of point_fwd and eager_fwd that selective recomputation may run again (`_selective_recompute_s`)
     out["act_fwd_routed"] = act_fwd * routed
     out["act_fwd_dense"] = act_fwd * (ffn - routed)

@@ -178,8 +178,8 @@ def candidate_layouts(case: Case, chip: Chip) -> Iterator[Layout]:
         etp = tp if p.etp == "tp" else p.etp or 1  # Parallel.etp: null is 1 (the experts fold the tp ranks)
         if etp not in (1, tp):
             continue
-        # the ranks ep is carved from: the dense layers' data-parallel ones, or with folded experts tp x cp x dp
-        pool = dp * tp * cp if etp < tp else dp
+        # the ranks ep is carved from: the dense layers' cp x dp ones, or with folded experts tp x cp x dp
+        pool = dp * tp * cp if etp < tp else dp * cp
         eps = [p.ep] if p.ep else ([e for e in divisors(pool) if m.experts % e == 0] if m.is_moe else [1])
         for ep in eps:
             if pool % ep or (m.is_moe and m.experts % ep) or (not m.is_moe and ep > 1):

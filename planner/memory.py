@@ -373,11 +373,13 @@ def memory_per_chip(m: ModelSpec, lay: Layout, micro_batches: int, optimizer: st
         params, grads, opt = dense * wd + moe * we, dense * gd + moe * ge, dense * od + moe * oe
         if lay.staged_zero3:
             # pipelined FSDP keeps the stage's weights gathered (bf16) and accumulates its gradients unsharded
-            # in the reduction's fp32 until the last backward (planner.costs' docstring)
-            # a group of one shard holds its weights whole already and accumulates into its own gradient
+            # in the reduction's dtype until the last backward (planner.costs' docstring; FSDP2 accumulates in
+            # its reduce_dtype: _fsdp_param.py to_accumulated_grad_if_needed), fp32 or the working bf16
+            # (grad_reduce_in_fp32); a group of one shard holds its weights whole already and accumulates into
+            # its own gradient
             gathered = dense * (lay.dp * lay.cp > 1) + moe * (lay.expert_dp > 1)
             params += 2 * gathered
-            grads += 4 * gathered
+            grads += lay.grad_bytes * gathered
         room = 0.0  # what a chunk's backward has freed when it reaches a layer to recompute
         if lay.recompute_split is None:
             # an MTP module keeps what one more layer keeps

@@ -117,12 +117,22 @@ def plan(schedule: str, p: int, micro_batches: int, v: int, runs: int, unpaired_
     return Plan(tuple(ranks), tuple(acts), tuple(kinds), tuple(chunks), tuple(showing), tuple(deps))
 
 
+def unpaired_count(stage: int, lay: Layout, micro_batches: int) -> float:
+    """Passes at each end of a run of the schedule with no other micro-batch's pass beside them: the
+    forwards the stage runs before its first backward, its warm-up and one more (planner.memory's
+    in_flight_chunks, the chunks it holds at its peak). ZB-H1 runs 1F1B's order, p - i of them on stage i,
+    where its memory bound counts min(p, m) for the deferred weight-gradient inputs it also keeps."""
+    if lay.pp_schedule == "zb-h1":
+        return min(lay.pp - stage, micro_batches)
+    return in_flight_chunks(stage, lay, micro_batches)
+
+
 def layout_plan(lay: Layout, micro_batches: int) -> Plan:
     """The plan of `lay`'s schedule over `micro_batches` micro-batches."""
     runs = lay.schedule_runs
     counts = None
     if lay.ep_comm_overlap and lay.ep > 1:
-        counts = tuple(in_flight_chunks(r, lay, lay.per_run(micro_batches)) for r in range(lay.pp))
+        counts = tuple(unpaired_count(r, lay, lay.per_run(micro_batches)) for r in range(lay.pp))
     return plan(lay.pp_schedule, lay.pp, micro_batches, lay.virtual_stages, runs, counts, lay.staged_zero3)
 
 

@@ -64,7 +64,6 @@ from planner.flops import hardware_flops, model_flops, output_heads, vocab_rows
 from planner.memory import (
     Memory,
     chunk_params,
-    in_flight_chunks,
     layer_kind_counts,
     memory_per_chip,
     recompute_split,
@@ -647,14 +646,14 @@ def unpaired_ep_s(stages: list[StageCost], lay: Layout, crit: int, micro_batches
     overlap_moe_expert_parallel_comm, its "combined 1F1B") runs one micro-batch's forward beside another's
     backward, so it exists only in the steady state: a stage's warm-up forwards and the first steady
     forward run before any backward, and as many backwards drain alone at the end. Those are the chunk
-    passes the stage holds at its peak (planner.memory.in_flight_chunks: warm-up + 1), each showing its
+    passes before its first backward (planner.passes.unpaired_count: warm-up + 1), each showing its
     all-to-all whole: the slowest stage's add to its own m passes, and the other stages' passes that make
     up the fill and drain (sum_i S_i - S_max) / v are all of that kind. Without pipeline stages that is
-    the first forward and the last backward; one micro-batch hides nothing. The predicted timeline,
-    list-scheduled with those passes, comes out the same (tests/planner/test_pipeline.py)."""
+    the first forward and the last backward; one micro-batch hides nothing. The step runs those passes
+    with their all-to-all whole (planner.passes); this is the part of it the breakdown counts as ep_comm."""
     if not (lay.ep_comm_overlap and lay.ep > 1):
         return 0.0
-    own = in_flight_chunks(crit, lay, micro_batches) * stages[crit].ep_hidden_s
+    own = passes.unpaired_count(crit, lay, micro_batches) * stages[crit].ep_hidden_s
     fill = sum(s.ep_hidden_s for i, s in enumerate(stages) if i != crit)
     return (own + fill) / lay.virtual_stages
 

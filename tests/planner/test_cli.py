@@ -96,7 +96,8 @@ def test_module_entry_point_exit_code(tmp_path):
 
 def test_layout_that_does_not_fit_is_reported_not_rejected(tmp_path, capsys):
     case = json.loads(json.dumps(RUN))
-    case["parallel"].update(tp=8, pp=1, dp=8)  # 175B on one pipeline stage: ~350 GB of weights per chip
+    # 175B on one pipeline stage: ~350 GB of weights per chip (one stage: no interleaving)
+    case["parallel"].update(tp=8, pp=1, dp=8, virtual_stages=1, pp_schedule="1f1b")
     case["training"]["recompute"] = "none"
     assert main(["estimate", _write(tmp_path, case)]) == 0
     out = json.loads(capsys.readouterr().out)

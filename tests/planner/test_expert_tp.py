@@ -217,3 +217,43 @@ def test_a_null_cp_may_still_give_a_folded_ep_its_ranks():
     case["model"]["experts"] = 16
     est = estimate(case)
     assert (est.layout.ep, est.layout.cp, est.layout.etp) == (16, 2, 1)
+
+
+def test_folded_experts_permute_only_a_ranks_own_tokens():
+    # Megatron-Core's permute (index_select) and unpermute (scatter-add) read and write each token's top-k
+    # copies, 2 x (2 + 2) k h bytes per token each way: split by tp, over the pair's gathered T tokens; with
+    # the tp ranks folded into ep, over the rank's own T / tp (no gather; planner.costs._elementwise)
+    from planner.costs import _elementwise
+
+    folded, split = (Layout(dp=8, tp=2, pp=1, ep=4, sequence_parallel=True, etp=e) for e in (1, 2))
+    T, h, k = MIXTRAL.seq_len, MIXTRAL.hidden, MIXTRAL.top_k
+    dense = _elementwise(MIXTRAL, replace(folded, etp=1), False, T)["point_fwd"]  # no experts: no permute
+    moe_split = _elementwise(MIXTRAL, split, True, T)["point_fwd"]
+    moe_folded = _elementwise(MIXTRAL, folded, True, T)["point_fwd"]
+    assert moe_split - moe_folded == pytest.approx(8 * k * h * T * (1 - 1 / 2))
+    assert moe_folded > dense
+
+
+def test_experts_split_by_tp_take_their_ep_ranks_from_cp_and_dp():
+    # Megatron-Core's expert ranks: world = etp x ep x expert dp x pp, so ep divides tp x cp x dp / etp: with
+    # the experts split by tp (etp = tp) the dense layers' cp x dp ranks, 8 = 2 x 4 here
+    from planner import make_case
+    from planner.case import Cluster, Parallel
+
+    def case(dp):
+        return make_case("Mixtral 8x7B", Cluster("h100", 2 * dp, 8), global_batch=64,
+                         parallel=Parallel(dp=dp, tp=1, pp=1, cp=2, ep=8))
+
+    est = estimate(case(4))
+    assert (est.layout.ep, est.layout.expert_dp) == (8, 1)
+    with pytest.raises(SpecError, match="parallel.ep: 8 must divide cp\\*dp = 4"):
+        estimate(case(2))
+
+
+def test_a_layers_gradient_sync_is_summed_over_cp_and_dp():
+    from planner.api import layer_comm_bytes
+
+    llama = MODEL_PRESETS["Llama 3 8B"]
+    assert "dp" in layer_comm_bytes(llama, False, cp=2)  # dp 1, cp 2: two ranks still sum the gradient
+    four, two = layer_comm_bytes(llama, False, cp=2, dp=2)["dp"], layer_comm_bytes(llama, False, dp=2)["dp"]
+    assert four["time_s"] > two["time_s"]

@@ -190,3 +190,14 @@ def test_a_zero3_layers_gather_holds_its_experts_tp_share():
     per_layer_experts = 8 * 3 * m.hidden * m.ffn / (4 * 2)  # 8 more experts' SwiGLU weights on a chip
     router = 8 * m.hidden  # and 8 more router columns, on every rank
     assert two - one == pytest.approx(WEIGHT_BYTES * 2 * (per_layer_experts + router), rel=1e-9)
+
+
+def test_pipelined_fsdp_accumulates_its_unsharded_gradients_in_the_reduction_dtype():
+    # staged ZeRO-3 keeps the stage's gradients whole until the last backward, in the dtype it reduces them
+    # in (FSDP2's reduce_dtype): fp32 with grad_reduce_in_fp32, else the working bf16, 2 bytes less a parameter,
+    # besides the reduced shard of 1 / dp of them it keeps for the optimizer
+    m = MODEL_PRESETS["Llama 3 8B"]
+    lay = Layout(dp=4, tp=1, pp=4, zero_stage=3, recompute="full")
+    fp32, bf16 = (memory_per_chip(m, replace(lay, grad_reduce_in_fp32=f), 16, "adam", "bf16") for f in (True, False))
+    dense, experts = stage_params(m, lay, 3)  # the most loaded stage: the head's (and the final norm's)
+    assert fp32.grads_bytes - bf16.grads_bytes == pytest.approx(2 * (dense + experts) * (1 + 1 / 4), rel=1e-9)

@@ -239,3 +239,34 @@ def test_a_model_whose_layers_do_not_split_evenly_costs_what_its_passes_take():
     assert sum(est.breakdown.values()) == pytest.approx(est.step_time_s, rel=1e-9)
     closed = simulate(case, est.layout, est.result.chip, exact=False)
     assert est.step_time_s > 1.05 * closed.step_time_s
+
+
+def test_zb_h1_leaves_as_few_passes_unpaired_as_1f1b():
+    # ZB-H1 runs 1F1B's order (p - i forwards before stage i's first backward): with expert all-to-alls
+    # overlapped, those and as many draining backwards show their all-to-all, not memory's min(p, m) bound
+    lay = Layout(dp=8, tp=1, pp=4, ep=8, pp_schedule="zb-h1", ep_comm_overlap=True)
+    assert [passes.unpaired_count(i, lay, 16) for i in range(4)] == [4, 3, 2, 1]
+    plan = passes.layout_plan(lay, 16)
+    last = [i for i, r in enumerate(plan.ranks) if r == 3]
+    shown = [plan.kinds[i] for i in last if plan.showing[i]]
+    assert sorted(shown) == ["BI", "F"]
+
+
+@pytest.mark.parametrize("parallel, training, field", [
+    ({"pp": 1, "tp": 2, "dp": 1, "virtual_stages": 2, "pp_schedule": None}, {}, "parallel.virtual_stages"),
+    ({"pp": 1, "tp": 2, "dp": 1, "virtual_stages": None, "pp_schedule": "interleaved-1f1b"}, {},
+     "parallel.pp_schedule"),
+    # 6 micro-batches over 4 stages: interleaving runs them in groups of 4
+    ({"pp": 4, "tp": 1, "dp": 1, "virtual_stages": 2, "pp_schedule": "interleaved-1f1b"}, {"global_batch": 6},
+     "training.global_batch"),
+    ({"pp": 4, "tp": 1, "dp": 1, "pp_schedule": "zb-h1"}, {"global_batch": 2}, "training.global_batch"),
+])
+def test_a_schedule_that_cannot_run_names_the_field_to_change(parallel, training, field):
+    from planner.models import SpecError
+
+    case = _case()
+    case["parallel"].update(parallel)
+    case["training"].update(training)
+    case["cluster"]["num_chips"] = case["parallel"]["pp"] * case["parallel"]["tp"]
+    with pytest.raises(SpecError, match=f"^{field}"):
+        estimate(case)
