@@ -20,10 +20,15 @@ DEFAULT_CHIP = "h100"
 
 st.set_page_config(page_title="ShardLab", page_icon=":material/grid_view:", layout="wide")
 
-# Check what the link carries once per session, before the bound widgets silently drop bad values.
+# Check what the link carries once per session, before the bound widgets silently drop bad values. The mesh
+# sizes start from what the check made of the link: their widgets are not bound to it (a bound number widget
+# reads the link itself, 2.5 as 2, 1e3 as 1000, "inf" as an error, before anything could say what it used)
+# and write it back below.
 if "link_problems" not in st.session_state:
-    _, st.session_state["link_problems"] = parse_choices(
+    _from_link, st.session_state["link_problems"] = parse_choices(
         dict(st.query_params), CHIPS, MODEL_PRESETS, DEFAULT_CHIP, DEFAULT_MODEL, page_params())
+    for _axis in MESH_AXES:
+        st.session_state[_axis] = _from_link.mesh[_axis]
 # A value like "inf" would stop a bound number widget with an error (Streamlit catches only ValueError):
 # take it out of the link before any widget reads it, and say so.
 for _key in non_finite_params(st.query_params.to_dict()):
@@ -50,8 +55,13 @@ with st.sidebar:
     cols = st.columns(len(MESH_AXES))
     mesh = {}
     for col, axis in zip(cols, MESH_AXES, strict=True):
-        mesh[axis] = col.number_input(axis, min_value=1, max_value=MAX_AXIS_DEGREE, value=DEFAULT_MESH[axis],
-                                      step=1, key=axis, bind="query-params", help=MESH_AXIS_HELP[axis])
+        mesh[axis] = col.number_input(axis, min_value=1, max_value=MAX_AXIS_DEGREE, step=1, key=axis,
+                                      help=MESH_AXIS_HELP[axis])
+        if mesh[axis] == DEFAULT_MESH[axis]:  # the link keeps what differs from the defaults
+            if axis in st.query_params:
+                del st.query_params[axis]
+        else:
+            st.query_params[axis] = str(int(mesh[axis]))
     choices = Choices(model, chip, {axis: int(d) for axis, d in mesh.items()})
     st.caption(f"{choices.mesh_label()} = **{choices.num_chips:,} chips** of {CHIPS[chip].name}")
     for problem in st.session_state["link_problems"]:

@@ -57,3 +57,17 @@ def test_a_link_with_infinity_opens_with_a_message():
     assert not at.exception
     warnings = " ".join(w.value for w in at.sidebar.warning)
     assert "dp='INF'" in warnings and "stages='inf'" in warnings
+
+
+def test_the_sidebar_uses_the_mesh_size_its_link_message_names():
+    # the mesh widgets start from what parse_choices made of the link (not Streamlit's own reading of a bound
+    # widget's parameter, which took 2.5 as 2 and 1e3 as 1000 while the message said "using dp=8")
+    from tests.ui.apptest_util import open_app
+
+    at = open_app(None, dp="1e3", tp="2")
+    assert not at.exception
+    assert at.sidebar.number_input(key="dp").value == 8 and at.sidebar.number_input(key="tp").value == 2
+    assert "using dp=8" in " ".join(w.value for w in at.sidebar.warning)
+    assert at.query_params["tp"] == "2" and "dp" not in at.query_params  # the link keeps what it uses
+    at.sidebar.number_input(key="dp").set_value(16).run()
+    assert at.query_params["dp"] == "16"
