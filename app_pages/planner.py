@@ -30,7 +30,8 @@ Every lesson before this one looked at one strategy. Real runs combine them on a
 chips are arranged as a grid whose axes are data parallel (dp), tensor parallel (tp), pipeline parallel
 (pp), context parallel (cp) and expert parallel (ep), and the product of the degrees is the chip count.
 The **planner** predicts what one training step of **{spec.name}** costs on **{n:,} x {chip.name}**
-with the mesh in the sidebar ({choices.mesh_label()}): memory per chip, step time, **model FLOPs
+with the mesh in the sidebar ({choices.mesh_label()}), or with the layout it picks for that many chips: memory per
+chip, step time, **model FLOPs
 utilisation (MFU**: the model's FLOPs per step, about 6 x parameters x tokens plus attention, over step time
 x chips x the chip's peak FLOP/s; recomputation does not count), where the time goes, and a predicted timeline
 in the same format as the live runs.
@@ -67,8 +68,16 @@ st.markdown(f"**Layout:** dp={lay.dp}, tp={lay.tp}, pp={lay.pp}, cp={lay.cp}, ep
             f"ZeRO-{lay.zero_stage}; micro-batch {lay.micro_batch}; recompute {lay.recompute_label}; "
             f"schedule {lay.pp_schedule} (v={lay.virtual_stages}); "
             f"global batch {global_batch:,} sequences of {spec.seq_len:,} tokens.")
+if lay.ep > 1:
+    sidebar = (f": here the sidebar's dp={choices.mesh['dp']} x ep={choices.mesh['ep']}" if mode.startswith("my")
+               else "")
+    st.caption(f"In Megatron-LM's degrees, which the planner uses, dp counts every data-parallel rank of the attention "
+               f"and dense layers, the expert-parallel ranks among them{sidebar}.")
+# fields that do nothing for this model: experts' on a dense one, the SSM's on one without
+IRRELEVANT = (set() if spec.is_moe else {"ep", "etp", "ep_dispatch", "ep_comm_overlap"}) | \
+    (set() if spec.has_ssm else {"ssm_cp"})
 if est.chosen:
-    picked = {k: v for block in est.chosen.values() for k, v in block.items()}
+    picked = {k: v for block in est.chosen.values() for k, v in block.items() if k not in IRRELEVANT}
     st.caption("Chosen by the planner (what a current framework does; where frameworks differ, the fastest that "
                "fits): " + ", ".join(f"{k}={v}" for k, v in picked.items()))
 
@@ -149,9 +158,12 @@ if chip.kind == "gpu":
                "'How far to trust these numbers' below has the errors.")
 if not est.fits:
     usable = usable_hbm_bytes(est.result.chip)
+    untried = [what for what, used in (("ZeRO-3", lay.zero_stage == 3), ("more tp", lay.tp >= chip.scaleup_domain),
+                                       ("pp", lay.pp > 1), ("full recomputation", lay.recompute == "full")) if not used]
     advice = ("No layout of this many chips fits: use more chips, a chip with more HBM or a smaller batch."
               if not mode.startswith("my") else
-              "Shard more (ZeRO-3, tp, pp), recompute activations, or let the planner choose.")
+              f"Try {', '.join(untried)}, or let the planner choose, or use more chips." if untried else
+              "Use more chips (a larger tp or pp), a chip with more HBM, or let the planner choose.")
     st.warning(f"This layout needs {mem['total'] / 1e9:,.1f} GB per chip, more than the "
                f"{usable / 1e9:,.1f} GB of {chip.name}'s {chip.hbm_bytes / 1e9:,.0f} GB it can use (the runtime, "
                f"communication buffers and fragmentation take about {1 - USABLE_HBM_FRACTION:.0%}). {advice}")
@@ -172,7 +184,8 @@ st.plotly_chart(timeline_figure(timeline, title="Predicted timeline of one step 
 st.caption("One row per kind of work on each stage's chip: forward and backward passes, each collective "
            "(hidden ones overlap the compute rows, exposed ones add to the step), the optimizer and pipeline "
            "bubbles; the same span format as the live engine's measured timelines. Hover a bar for its name, "
-           "bytes and micro-batch.")
+           "timing, micro-batch and, for a collective, its bytes where the planner counts them. With many layers "
+           "each pass is drawn whole, its collectives as one block per kind.")
 
 show_exercises([training_state_chips(total_params(spec), spec.name, chip)])
 

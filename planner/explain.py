@@ -58,7 +58,7 @@ def explain(res: StepResult, best: StepResult | None = None) -> list[str]:
                 if lay.schedule_runs > 1 else "")
         words.append(f"PP={lay.pp} ({sched}, m={res.micro_batches} micro-batches of {lay.micro_batch}{runs}) "
                      "because "
-                     f"{reason}; the bubble costs {_pct(bd['bubble'], step)} and the sends "
+                     f"{reason}; on the slowest stage the bubble costs {_pct(bd['bubble'], step)} and the sends "
                      f"{_pct(bd['pp_comm'], step)}.")
     if lay.cp > 1:
         if m.has_ssm:
@@ -96,8 +96,10 @@ def explain(res: StepResult, best: StepResult | None = None) -> list[str]:
                    f"Full recomputation of the first {lay.recompute_layers} layer(s)"
                    f"{'' if lay.one_chunk else ' of each chunk'} (only their inputs kept); "
                    "the others keep everything")}[lay.recompute]
-    words.append(f"{rc}; peak memory {res.memory.total_bytes / 1e9:.1f} of {res.chip.hbm_bytes / 1e9:.0f} GB "
-                 f"per chip; recomputation costs {_pct(bd['recompute'], step)}.")
+    usable = usable_hbm_bytes(res.chip)
+    fit = "of the" if res.fits else "per chip, more than the"
+    words.append(f"{rc}; peak memory {res.memory.total_bytes / 1e9:.1f} GB {fit} {usable / 1e9:.1f} GB a chip can "
+                 f"use (of its {res.chip.hbm_bytes / 1e9:.0f} GB); recomputation costs {_pct(bd['recompute'], step)}.")
 
     def longer(**instead) -> str:
         """How much longer the step is than with the layout's `instead` fields (its recipe's cost)."""

@@ -7,12 +7,13 @@ forward and backward passes is the engine's own schedule (`core.schedules`, torc
 predicted and a measured pipeline line up; the durations come from the step simulator.
 
 Where communication sits (planner.costs says how much of it hides):
-* a pass is split into its layers while the span count stays under `max_spans`: each layer's compute,
+* a pass is split into its layers while the span count stays under `max_spans` and each rank's layers stay
+  wide enough to tell apart on a chart (`MAX_LAYER_PASSES`): each layer's compute,
   then its collectives, each as one comm span on its group ("tp", "cp", "ep", "dp"): the part that
   hides runs under the layer's compute, the part the pass waits for extends past it; the embedding's and
   the output heads' work and their collectives close the pass as one block (the lookup, which opens a
   forward, is drawn there too);
-* beyond that budget each pass is one compute span and one comm span per group, and if even that is
+* beyond that each pass is one compute span and one comm span per group and collective, and if even that is
   over the budget, back-to-back work is merged into "busy" spans between bubbles;
 * the data-parallel gradient sync runs under the last backward (is_async) with its exposed tail after
   it, then a shared embedding's gradient sync between stages, the gradient buffer's passes (which the
@@ -91,30 +92,41 @@ def _pass_spans(rank: int, chunk: ChunkCost, kind: str, start: float, mb: int, d
         extra = start + total - chunk.p2p_s - p.t - sum(c.exposed_s for c in ends)
         p.block(f"{'fwd' if kind == 'F' else 'bwd'} {label} embed/logits", extra, ends)
     else:
-        # one compute span, one comm span per group: totals of the chunk's layers for this direction
-        comms: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+        # one compute span, one comm span per group and collective: totals of the chunk's layers for this
+        # direction, named by the collective (so drawn in its colour, as the layer-by-layer spans are)
+        comms: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
         compute = 0.0
         for lc, n in chunk.layer_costs:
             ops = lc.fwd_comms if kind == "F" else lc.bwd_comms + lc.recompute_comms
             compute += n * (lc.fwd_compute_s if kind == "F" else lc.bwd_compute_s + lc.recompute_s)
             for c in ops:
-                comms[c.group][0] += n * c.time_s
-                comms[c.group][1] += n * c.exposed_s
+                total_of = comms[c.group, c.kind]
+                total_of[0] += n * c.time_s
+                total_of[1] += n * c.exposed_s
+                total_of[2] += n * c.nbytes * c.count
         for c in chunk.end_comms[0 if kind == "F" else 1]:
-            comms[c.group][0] += c.time_s
-            comms[c.group][1] += c.exposed_s
+            total_of = comms[c.group, c.kind]
+            total_of[0] += c.time_s
+            total_of[1] += c.exposed_s
+            total_of[2] += c.nbytes * c.count
         if kind != "F":
-            comms["dp"][0] += chunk.parts["dp_comm"]
-            comms["dp"][1] += chunk.parts["dp_comm"]
-        exposed = sum(e for _, e in comms.values())
+            comms["dp", "reduce_scatter"][0] += chunk.parts["dp_comm"]
+            comms["dp", "reduce_scatter"][1] += chunk.parts["dp_comm"]
+        exposed = sum(e for _, e, _ in comms.values())
         compute = max(0.0, total - chunk.p2p_s - exposed)
         name = "fwd" if kind == "F" else "bwd-input" if deferred_s else "bwd"
-        ops = [CommOp(g, f"{g} collectives", "", 0.0, t, e) for g, (t, e) in comms.items() if t > 0]
+        ops = [CommOp(g, f"{g} {'ring' if k == 'p2p' else k}", k, b, t, e) for (g, k), (t, e, b) in comms.items()
+               if t > 0]
         p.block(f"{name} {label}", compute, ops)
     return p.spans
 
 
 BUSY = "busy (passes, collectives, short waits)"
+# Layer passes (forward and backward) on one rank above which the timeline draws passes, not layers: on a
+# chart ~900 px wide each layer would get under ~2 px, and its collectives, each a sliver, would merge into a
+# band that looks busy the whole step (TPU v5p, Llama 3 8B, dp 16 tp 4: 512 layer passes, the all-gather
+# row solid though busy 16 % of it)
+MAX_LAYER_PASSES = 400
 
 
 def _merge_busy(spans: list[Span], min_idle_s: float) -> list[Span]:
@@ -148,13 +160,16 @@ def _merge_busy(spans: list[Span], min_idle_s: float) -> list[Span]:
     return out
 
 
-def predicted_timeline(res: StepResult, max_spans: int = 20000) -> Timeline:
+def predicted_timeline(res: StepResult, max_spans: int = 20000, max_layer_passes: int | None = None) -> Timeline:
     lay, m = res.layout, res.micro_batches
     p, v = lay.pp, lay.virtual_stages
     comms_per_layer = max((len(lc.fwd_comms) + len(lc.bwd_comms) for s in res.stages for c in s.chunks
                            for lc, _ in c.layer_costs), default=0)
     layers_per_pass = max(sum(c.layers for c in s.chunks) for s in res.stages) / v
-    detailed = p * m * v * layers_per_pass * (3 + comms_per_layer) <= max_spans
+    # layer by layer while the spans stay under the budget and a rank's layers stay wide enough to tell apart
+    # on a chart (`MAX_LAYER_PASSES`); else a pass's work and collectives as a few blocks
+    detailed = (p * m * v * layers_per_pass * (3 + comms_per_layer) <= max_spans
+                and 2 * m * v * layers_per_pass <= (max_layer_passes or MAX_LAYER_PASSES))
     rank_of = [i * lay.dp * lay.cp * lay.tp for i in range(p)]
     # every pass's start and end: the same run of the schedule the step time comes from (planner.passes)
     sched = passes.run(res.stages, lay, m)

@@ -8,12 +8,27 @@ from dataclasses import dataclass
 import plotly.graph_objects as go
 
 from hardware.roofline import roofline_curve
+from ui.timeline import KIND_COLORS
 
 PALETTE = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#FF9DA6", "#9D755D",
            "#BAB0AC", "#EECA3B", "#1F77B4", "#2CA02C"]
-# One colour per kind of memory, on every memory chart (the lessons' and the planner's).
-MEMORY_COLORS = {"params": "#54A24B", "grads": "#EECA3B", "optimizer": "#9D755D", "activations": "#BAB0AC",
-                 "temporary": "#1F77B4", "gathered_params_peak": "#2CA02C"}
+# One colour per kind of memory, on every memory chart (the lessons' and the planner's); the optimizer's state
+# in the optimizer's colour of the step's charts (ui/timeline.KIND_COLORS), the others in colours those leave free
+MEMORY_COLORS = {"params": "#5E3C99", "grads": "#E7BA52", "optimizer": KIND_COLORS["optimizer"],
+                 "activations": "#BAB0AC", "temporary": "#1F77B4", "gathered_params_peak": "#9E9AC8"}
+# The planner's breakdown (planner.simulate.BREAKDOWN_KEYS): a label and the step charts' colour of its work
+BREAKDOWN_STYLE = {
+    "compute": ("compute", KIND_COLORS["forward"]),
+    "recompute": ("recomputation", KIND_COLORS["recompute"]),
+    "tp_comm": ("tensor-parallel collectives", KIND_COLORS["reduce_scatter"]),
+    "cp_comm": ("context-parallel ring", KIND_COLORS["other comm"]),
+    "ep_comm": ("expert all-to-alls", KIND_COLORS["all_to_all"]),
+    "zero3_comm": ("ZeRO-3 weight gathers", KIND_COLORS["all_gather"]),
+    "pp_comm": ("pipeline sends", KIND_COLORS["send/recv"]),
+    "bubble": ("pipeline bubble (idle)", "#AAAAAA"),
+    "dp_comm": ("data-parallel gradient sync", KIND_COLORS["all_reduce"]),
+    "optimizer": ("optimizer step", KIND_COLORS["optimizer"]),
+}
 
 
 @dataclass(frozen=True)
@@ -78,12 +93,17 @@ def roofline_figure(series: list[RooflineSeries], points: list[OperatingPoint] =
 
 
 def breakdown_figure(breakdown: dict[str, float], step_s: float, title: str = "Where the step time goes") -> go.Figure:
-    """Seconds per step by kind (the planner's breakdown), largest share labelled."""
+    """Seconds per step by kind (the planner's breakdown), each bar in its work's colour and labelled with its
+    share of the step beside it."""
     parts = {k: v for k, v in breakdown.items() if v > 0}
-    fig = go.Figure(go.Bar(x=list(parts.values()), y=list(parts.keys()), orientation="h",
-                           marker_color=PALETTE[0], text=[f"{100 * v / step_s:.1f} %" for v in parts.values()]))
-    fig.update_layout(height=260, xaxis_title="seconds per step", title=title,
-                      margin={"l": 10, "r": 10, "t": 50, "b": 10}, yaxis={"autorange": "reversed"})
+    style = [BREAKDOWN_STYLE.get(k, (k, PALETTE[0])) for k in parts]
+    fig = go.Figure(go.Bar(x=list(parts.values()), y=[label for label, _ in style], orientation="h",
+                           marker_color=[color for _, color in style], textposition="outside", cliponaxis=False,
+                           text=[f"{100 * v / step_s:.1f} %" for v in parts.values()],
+                           hovertemplate="%{y}: %{x:.3g} s<extra></extra>"))
+    fig.update_layout(height=max(260, 32 * len(parts) + 110), xaxis_title="seconds per step", title=title,
+                      margin={"l": 10, "r": 40, "t": 50, "b": 10}, yaxis={"autorange": "reversed"},
+                      xaxis={"range": [0, 1.2 * max(parts.values(), default=1.0)]})
     return fig
 
 
@@ -93,7 +113,12 @@ def memory_figure(mem: dict[str, float], hbm_bytes: float, title: str = "Memory 
     parts = [k for k in ("params", "grads", "optimizer", "activations", "temporary") if mem.get(k)]
     fig = go.Figure([go.Bar(x=[mem[k] / 1e9], y=["per chip"], name=k, orientation="h", marker_color=MEMORY_COLORS[k])
                      for k in parts])
-    fig.add_vline(x=hbm_bytes / 1e9, line_dash="dash", annotation_text="usable HBM")
+    # the limit as a dashed line named in the legend: a label on the chart would sit on the bars
+    usable = hbm_bytes / 1e9
+    line = {"color": "black", "dash": "dash", "width": 2}
+    fig.add_vline(x=usable, line=line)
+    fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", line=line, name=f"usable HBM ({usable:,.1f} GB)"))
     fig.update_layout(barmode="stack", height=260, xaxis_title="GB", title=title,
-                      margin={"l": 10, "r": 10, "t": 50, "b": 10}, legend={"orientation": "h", "y": -0.4})
+                      margin={"l": 10, "r": 10, "t": 50, "b": 10}, legend={"orientation": "h", "y": -0.4},
+                      xaxis={"range": [0, 1.08 * max(usable, sum(mem[k] for k in parts) / 1e9)]})
     return fig

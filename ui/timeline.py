@@ -78,23 +78,32 @@ def timeline_figure(timeline: Timeline, title: str = "", frames: int = 30, anima
     def cursor(t: float) -> dict:
         return {"x": [t, t], "y": [rows[0], rows[-1]] if rows else []}
 
+    def hover(s: Span) -> str:
+        parts = [s.name, f"from {s.start_s * scale:.3f} {unit}, lasting {s.duration_s * scale:.3f} {unit}"]
+        if s.bytes:
+            parts.append(f"{s.bytes:,} bytes" + (f" over {s.group}" if s.group else ""))
+        elif s.group:
+            parts.append(f"group {s.group}")
+        parts.append(f"step {s.step}" + ("" if s.micro_batch is None else f", micro-batch {s.micro_batch}"))
+        return "<br>".join(parts)
+
+    animated = animate and bool(rows) and frames > 1
     fig = go.Figure()
     for kind in kinds:
         spans = by_kind[kind]
         full = bars(kind, None)
+        # a white edge separates neighbouring bars that are wide enough to show it; on a thin one it is all
+        # that shows, and a row of them reads paler than its colour
+        edges = [0.5 if len(spans) <= 300 and s.duration_s * scale >= t_end / 150 else 0 for s in spans]
         fig.add_trace(go.Bar(
             orientation="h", y=[row(s) for s in spans], name=kind,
-            # a white edge separates a few bars; on thousands of thin ones it is all that shows
-            marker={"color": KIND_COLORS[kind], "line": {"width": 0.5 if len(spans) <= 300 else 0, "color": "white"}},
-            customdata=[[s.name, s.duration_s * scale, s.bytes, s.step,
-                         "" if s.micro_batch is None else s.micro_batch, s.group] for s in spans],
-            hovertemplate=(f"%{{customdata[0]}}<br>start %{{base:.3f}} {unit}, %{{customdata[1]:.3f}} {unit}"
-                           "<br>%{customdata[2]:,} bytes %{customdata[5]}<br>step %{customdata[3]}"
-                           " micro-batch %{customdata[4]}<extra></extra>"),
+            marker={"color": KIND_COLORS[kind], "line": {"width": edges, "color": "white"}},
+            customdata=[hover(s) for s in spans], hovertemplate="%{customdata}<extra></extra>",
             **full,
         ))
-    fig.add_trace(go.Scatter(mode="lines", line={"color": "black", "width": 2}, name="now", showlegend=False,
-                             hoverinfo="skip", **cursor(t_end)))
+    if animated:  # the cursor the animation sweeps; a still chart has none
+        fig.add_trace(go.Scatter(mode="lines", line={"color": "black", "width": 2}, name="now", showlegend=False,
+                                 hoverinfo="skip", **cursor(t_end)))
     fig.update_layout(
         title=title, barmode="overlay", height=max(260, 42 * len(rows) + 140), bargap=0.25,
         margin={"l": 10, "r": 10, "t": (70 if "<br>" in title else 50) if title else 20, "b": 10},
@@ -102,7 +111,7 @@ def timeline_figure(timeline: Timeline, title: str = "", frames: int = 30, anima
         xaxis={"title": f"time ({unit})", "range": [0, t_end * 1.02 or 1.0]},
         yaxis={"categoryorder": "array", "categoryarray": list(reversed(rows))},
     )
-    if animate and rows and frames > 1:
+    if animated:
         times = [t_end * i / (frames - 1) for i in range(frames)]
         fig.frames = [go.Frame(name=f"{t:.3f}", data=[go.Bar(**bars(k, t)) for k in kinds] + [go.Scatter(**cursor(t))],
                                traces=list(range(len(kinds) + 1))) for t in times]
