@@ -104,7 +104,12 @@ else:
                "fsdp share one count, the planner's data-parallel group. links: the topology the group's "
                "collectives run on, at achievable bandwidth (hardware/collectives.py). exposed per step: the "
                "planner's estimate of the communication of this axis that compute does not hide, for this "
-               "model with about 4M tokens per step.")
+               "model with about 4M tokens per step."
+               + (f" Under ZeRO-2 each of the step's {estimate.result.micro_batches} micro-batches reduce-scatters "
+                  "its own gradients (a chip keeps only its shard between them), so the data-parallel axis sends "
+                  "that many times the gradients, mostly hidden under the backward."
+                  if estimate is not None and estimate.layout.zero_stage == 2 and estimate.result.micro_batches > 1
+                  else ""))
     if estimate is not None:
         m1, m2, m3 = st.columns(3)
         m1.metric("Predicted step time", f"{estimate.step_time_s:,.2f} s")
@@ -139,12 +144,16 @@ st.markdown(f"{trade.rule} {tradeoff_text(trade)}")
 pod = chip.scaleup_domain if chip.kind != "gpu" else 8
 pods = max(1, mesh.world // pod)
 replicas = max(1, pods // mesh.degree("pp"))  # the pods of one pipeline stage read different sequences
+unit = "pod" if chip.kind != "gpu" else "node"
+pods_here = (f"This mesh fits in one {unit}: nothing crosses the network." if pods == 1 else
+             f"This mesh spans {pods:,} {unit}s; each pipeline stage's {replicas:,} read different sequences."
+             if replicas > 1 else f"This mesh spans {pods:,} {unit}s, split between its pipeline stages: no "
+             "data-parallel sync crosses the network.")
 st.markdown(
     f"""
 **Across pods.** Beyond one {'TPU pod' if chip.kind != 'gpu' else 'NVLink node'} the network is much slower,
 so real runs keep FSDP and TP inside and run plain data parallel between them: one gradient all-reduce per
-step, under the backward. {cross_pod_bound(spec, chip, tokens / replicas).rule} ({pods:,} of them here, each
-pipeline stage's {replicas:,} reading different sequences).
+step, under the backward. {cross_pod_bound(spec, chip, tokens / replicas).rule} {pods_here}
 """
 )
 

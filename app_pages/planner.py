@@ -56,9 +56,9 @@ try:
     with st.spinner("Simulating the step ..."):
         est = estimate(case)
 except SpecError as e:
-    st.error(f"The planner cannot use this setup: {e}. Change the mesh in the sidebar (the degrees must "
-             "divide the model: heads and kv heads by tp, layers by pp, experts by ep), or let the planner "
-             "choose.")
+    st.error(f"The planner cannot use this setup: {e}. Change the mesh in the sidebar (the degrees must fit "
+             "the model: tp divides the heads and kv heads, ep the experts, pp at most the layers), or let the "
+             "planner choose.")
     st.stop()
 
 lay = est.layout

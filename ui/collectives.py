@@ -398,9 +398,10 @@ SIZE_AXIS_TITLE = "message size (bytes; all-to-all: per rank)"
 
 def format_bytes(nbytes: float) -> str:
     """Binary units, as array sizes are usually quoted: 32 MiB, 1.5 GiB."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= scale:
-            return f"{nbytes / scale:.3g} {unit}"
+            value = nbytes / scale
+            return f"{value:,.0f} {unit}" if value >= 100 else f"{value:.3g} {unit}"
     return f"{nbytes:.0f} B"
 
 
