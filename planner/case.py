@@ -710,16 +710,12 @@ def check_fixed(case: Case) -> None:
         field = "parallel.virtual_stages" if (p.virtual_stages or 1) > 1 else "parallel.pp_schedule"
         raise SpecError(field, "interleaving needs pipeline stages: with pp=1 there is one stage and no chunks to "
                                "interleave; set pp > 1, or virtual_stages 1 and another schedule (or null)")
-    if p.pp and p.pp > 1 and p.dp and mb and p.pp_schedule in ("interleaved-1f1b", "zb-h1"):
+    if p.pp and p.pp > 1 and p.dp and mb and p.pp_schedule == "interleaved-1f1b":
         per_run = gb // (p.dp * mb * (runs or 1))  # micro-batches of one run of the schedule
-        if p.pp_schedule == "interleaved-1f1b" and per_run % p.pp:
+        if per_run % p.pp:
             raise SpecError("training.global_batch", f"interleaved-1f1b runs micro-batches in groups of pp={p.pp}, "
                             f"but a run has global_batch / (dp x micro_batch x schedule_runs) = {per_run}: choose "
                             f"a global batch that gives a multiple of {p.pp}, or another schedule")
-        if p.pp_schedule == "zb-h1" and per_run < p.pp:
-            raise SpecError("training.global_batch", f"zb-h1 needs at least pp={p.pp} micro-batches a run, but "
-                            f"global_batch / (dp x micro_batch x schedule_runs) = {per_run}: choose a larger "
-                            "global batch or a smaller micro-batch, or another schedule")
 
 
 def _check_slices(cl: Cluster) -> None:

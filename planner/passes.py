@@ -7,8 +7,10 @@ backward, a deferred weight-gradient pass its input-gradient pass. This is list 
 schedule's fixed order per rank, and its end is the pipeline's time. The closed form that
 `planner.simulate.pipeline_time_s` gives, m S_max + (sum S - S_max) / v, is exact for equal chunks; where
 stages hold chunks of different sizes (layers that do not split evenly, the embedding and the output
-heads, a run's own split) the dependencies between chunks can stall a rank the closed form leaves busy:
-DeepSeek-V3's 61 layers over 16 stages of 3 chunks run 11 % longer pass by pass than the closed form says.
+heads, a run's own split) it misses either way: the dependencies between chunks can stall a rank the closed
+form leaves busy (DeepSeek-V3's 61 layers over 16 stages of 3 chunks run 11 % longer pass by pass), and a
+heavy stage's warm-up can hide fill the closed form charges (17 of 32 layers on the first of 4 stages: 19 %
+shorter).
 
 Around that, per rank:
 * with `schedule_runs` r > 1 under staged ZeRO-3, each run but the last ends with the stage's gradients
@@ -28,29 +30,38 @@ here, so the timeline ends where the step does. The search ranks layouts with th
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
 from dataclasses import dataclass
 from functools import lru_cache
 
 from core.schedules import compute_orders
-from core.schedules.build import Action
 from planner.case import Layout
 from planner.memory import in_flight_chunks
 
 GAP = "gap"  # a rank's wait between runs of the schedule (staged ZeRO-3)
 
 
+KINDS = ("F", "B", "BI", "BW", GAP)  # a pass's kind, stored as its index here
+
+
 @dataclass(frozen=True)
 class Plan:
-    """Every pass of one step in an order that respects the dependencies (each pass after its inputs):
-    parallel tuples, one entry per pass."""
+    """Every pass of one step in an order that respects the dependencies (each pass after its inputs), as
+    parallel arrays, one entry per pass (a step of a large pipeline has hundreds of thousands)."""
 
-    ranks: tuple[int, ...]
-    actions: tuple[Action | None, ...]  # None for a gap
-    kinds: tuple[str, ...]  # F, B, BI, BW or GAP
-    chunks: tuple[int, ...]  # the rank's chunk index (stage // p)
-    showing: tuple[bool, ...]  # an unpaired pass: its expert all-to-all shows whole
-    deps: tuple[tuple[int, ...], ...]  # indices of the passes whose ends it waits for
+    ranks: array  # the rank that runs it
+    kind_codes: bytes  # index into KINDS
+    micro_batches: array
+    stages: array  # the global model stage (chunk = stage // p); 0 for a gap
+    chunks: array  # the rank's chunk index
+    showing: bytes  # 1: an unpaired pass, its expert all-to-all shows whole
+    dep1: array  # index of a pass whose end it waits for, or -1
+    dep2: array
+
+    @property
+    def kinds(self) -> list[str]:
+        return [KINDS[c] for c in self.kind_codes]
 
 
 def unpaired_passes(actions: list, count: float, runs: int) -> set[int]:
@@ -61,7 +72,7 @@ def unpaired_passes(actions: list, count: float, runs: int) -> set[int]:
     return {i + k * len(actions) for k in range(runs) for i in forwards + backwards}
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=16)
 def plan(schedule: str, p: int, micro_batches: int, v: int, runs: int, unpaired_counts: tuple | None,
          gaps: bool) -> Plan:
     """The passes of `runs` runs of the schedule over `micro_batches` // `runs` micro-batches each;
@@ -75,11 +86,24 @@ def plan(schedule: str, p: int, micro_batches: int, v: int, runs: int, unpaired_
     unpaired = [unpaired_passes(actions, unpaired_counts[r], runs) if unpaired_counts else set()
                 for r, actions in enumerate(one_run)]
     last_stage = p * v - 1
-    ranks, acts, kinds, chunks, showing, deps = [], [], [], [], [], []
+    ranks, chunks, mbs, stages = array("H"), array("H"), array("l"), array("l")
+    codes, showing, dep1, dep2 = bytearray(), bytearray(), array("l"), array("l")
     done: dict[tuple[str, int, int], int] = {}
     waiting: dict[tuple[str, int, int], list[int]] = {}  # a pass not yet placed -> the ranks blocked on it
     cursor = [0] * p
     ready = deque(range(p))
+
+    def place(r: int, code: int, mb: int, stage: int, show: bool, need: tuple) -> None:
+        ranks.append(r)
+        codes.append(code)
+        mbs.append(mb)
+        stages.append(stage)
+        chunks.append(stage // p)
+        showing.append(show)
+        deps = [done[d] for d in need]
+        dep1.append(deps[0] if deps else -1)
+        dep2.append(deps[1] if len(deps) > 1 else -1)
+
     while ready:
         r = ready.popleft()
         actions = order[r]
@@ -95,26 +119,16 @@ def plan(schedule: str, p: int, micro_batches: int, v: int, runs: int, unpaired_
             if missing is not None:
                 waiting.setdefault(missing, []).append(r)
                 break
+            place(r, KINDS.index(kind), mb, stage, cursor[r] in unpaired[r], need)
             key = (kind if kind in ("F", "BW") else "B", mb, stage)
-            done[key] = len(ranks)
-            ranks.append(r)
-            acts.append(Action(kind, mb, stage, stage // p))
-            kinds.append(kind)
-            chunks.append(stage // p)
-            showing.append(cursor[r] in unpaired[r])
-            deps.append(tuple(done[d] for d in need))
+            done[key] = len(ranks) - 1
             ready.extend(waiting.pop(key, ()))
             cursor[r] += 1
             if cursor[r] in run_end[r]:
-                ranks.append(r)
-                acts.append(None)
-                kinds.append(GAP)
-                chunks.append(0)
-                showing.append(False)
-                deps.append(())
+                place(r, KINDS.index(GAP), 0, 0, False, ())
     if any(cursor[r] < len(order[r]) for r in range(p)):
         raise RuntimeError(f"schedule {schedule} deadlocked when run pass by pass")
-    return Plan(tuple(ranks), tuple(acts), tuple(kinds), tuple(chunks), tuple(showing), tuple(deps))
+    return Plan(ranks, bytes(codes), mbs, stages, chunks, bytes(showing), dep1, dep2)
 
 
 def unpaired_count(stage: int, lay: Layout, micro_batches: int) -> float:
@@ -153,25 +167,28 @@ class Run:
 def run(stages, lay: Layout, micro_batches: int) -> Run:
     """Start and end of every pass of one step of `lay` (planner.simulate.StageCost per rank)."""
     pl = layout_plan(lay, micro_batches)
-    durations = {}  # (rank, chunk, showing) -> {kind: seconds}
+    durations = {}  # (rank, chunk, showing) -> seconds by kind code
     shows = (False, True) if any(pl.showing) else (False,)
     for r, st in enumerate(stages):
         gap = st.dp_exposed_s if lay.staged_zero3 else 0.0
         for c, chunk in enumerate(st.chunks):
             for show in shows:
                 ch = chunk.showing_ep() if show else chunk
-                durations[r, c, show] = {"F": ch.fwd_s, "B": ch.bwd_s, "BI": ch.bwd_s - ch.wgrad_s,
-                                         "BW": ch.wgrad_s, GAP: gap}
+                durations[r, c, show] = (ch.fwd_s, ch.bwd_s, ch.bwd_s - ch.wgrad_s, ch.wgrad_s, gap)
     clock = [0.0] * lay.pp
     n = len(pl.ranks)
     starts, ends = [0.0] * n, [0.0] * n
+    ranks, chunks, showing, codes, dep1, dep2 = pl.ranks, pl.chunks, pl.showing, pl.kind_codes, pl.dep1, pl.dep2
     for i in range(n):
-        r = pl.ranks[i]
+        r = ranks[i]
         start = clock[r]
-        for d in pl.deps[i]:
-            if ends[d] > start:
-                start = ends[d]
-        end = start + durations[r, pl.chunks[i], pl.showing[i]][pl.kinds[i]]
+        d = dep1[i]
+        if d >= 0 and ends[d] > start:
+            start = ends[d]
+        d = dep2[i]
+        if d >= 0 and ends[d] > start:
+            start = ends[d]
+        end = start + durations[r, chunks[i], bool(showing[i])][codes[i]]
         starts[i], ends[i], clock[r] = start, end, end
     return Run(pl, starts, ends, clock)
 

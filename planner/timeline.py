@@ -27,6 +27,7 @@ Where communication sits (planner.costs says how much of it hides):
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 from core.timeline import Span, Timeline
 from planner import passes
@@ -115,10 +116,37 @@ def _pass_spans(rank: int, chunk: ChunkCost, kind: str, start: float, mb: int, d
         exposed = sum(e for _, e, _ in comms.values())
         compute = max(0.0, total - chunk.p2p_s - exposed)
         name = "fwd" if kind == "F" else "bwd-input" if deferred_s else "bwd"
-        ops = [CommOp(g, f"{g} {'ring' if k == 'p2p' else k}", k, b, t, e) for (g, k), (t, e, b) in comms.items()
-               if t > 0]
-        p.block(f"{name} {label}", compute, ops)
-    return p.spans
+        # one window per group, as its collectives queue on its links; inside it, each kind back to back
+        groups: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+        for (g, _), (t, e, _) in comms.items():
+            groups[g][0] += t
+            groups[g][1] += e
+        p.block(f"{name} {label}", compute, [CommOp(g, g, "", 0.0, t, e) for g, (t, e) in groups.items() if t > 0])
+        spans = []
+        for sp in p.spans:
+            if sp.lane != "comm" or sp.name not in groups:
+                spans.append(sp)
+                continue
+            t0 = sp.start_s
+            for (g, k), (t, _, b) in comms.items():
+                if g == sp.name and t > 0:
+                    spans.append(replace(sp, name=f"{g} {'ring' if k == 'p2p' else k}", start_s=t0, end_s=t0 + t,
+                                         bytes=int(b)))
+                    t0 += t
+        return _within(spans, start, start + total)
+    return _within(p.spans, start, start + total)
+
+
+def _within(spans: list[Span], start: float, end: float) -> list[Span]:
+    """A pass's spans with its collectives inside it: one queued behind the others on its links past the pass's
+    end (the output head's, behind the last layer's) is drawn ending there, where the planner's pass, which
+    counts what of it shows, ends."""
+    out = []
+    for sp in spans:
+        if sp.lane == "comm" and sp.end_s > end:
+            sp = replace(sp, start_s=max(start, end - sp.duration_s), end_s=end)
+        out.append(sp)
+    return out
 
 
 BUSY = "busy (passes, collectives, short waits)"
@@ -176,12 +204,13 @@ def predicted_timeline(res: StepResult, max_spans: int = 20000, max_layer_passes
     pl = sched.plan
     clock = [0.0] * p
     spans: list[Span] = []
+    kinds = pl.kinds
     for i, r in enumerate(pl.ranks):
         start, end = sched.starts[i], sched.ends[i]
         if start > clock[r]:
             spans.append(Span(rank_of[r], "idle", "bubble", clock[r], start))
         clock[r] = end
-        kind, a = pl.kinds[i], pl.actions[i]
+        kind, mb, stage = kinds[i], pl.micro_batches[i], pl.stages[i]
         if kind == passes.GAP:
             if end > start:  # between runs: this stage's gradients reduce-scattered and its weights gathered again
                 spans.append(Span(rank_of[r], "comm", "dp gradient reduce-scatter (and weight gather)", start, end,
@@ -191,16 +220,16 @@ def predicted_timeline(res: StepResult, max_spans: int = 20000, max_layer_passes
         if pl.showing[i]:
             chunk = chunk.showing_ep()
         if kind == "BW":
-            spans.append(Span(rank_of[r], "compute", f"BW s{a.stage}", start, end,  # as the engine names it
-                              micro_batch=a.micro_batch))
+            spans.append(Span(rank_of[r], "compute", f"BW s{stage}", start, end,  # as the engine names it
+                              micro_batch=mb))
             continue
         direction = "F" if kind == "F" else "B"
         deferred = chunk.wgrad_s if kind == "BI" else 0.0
-        spans.extend(_pass_spans(rank_of[r], chunk, direction, start, a.micro_batch, detailed and not deferred,
-                                 f"s{a.stage}", deferred))
+        spans.extend(_pass_spans(rank_of[r], chunk, direction, start, mb, detailed and not deferred,
+                                 f"s{stage}", deferred))
         if chunk.p2p_s > 0:
             spans.append(Span(rank_of[r], "comm", "send act" if direction == "F" else "send grad",
-                              end - chunk.p2p_s, end, micro_batch=a.micro_batch, group="pp"))
+                              end - chunk.p2p_s, end, micro_batch=mb, group="pp"))
     pipe_end = sched.end_s
     for r, (stage, tail) in enumerate(zip(res.stages, passes.tails(res.stages, sched.clocks))):
         (t, synced) = tail.sync
