@@ -317,7 +317,10 @@ def lower_bound_s(case: Case, lay: Layout, chip: Chip) -> float:
 # step is this much above the top-th pass-by-pass step is taken not to enter the ranking. A split a run states
 # (pp_layout) can put one stage far heavier than the rest (17 layers of 32 on the first of 4: 19 % below),
 # and such a variant can then be missed; branch and bound's own bound (`lower_bound_s`) holds pass by pass.
-CLOSED_FORM_SLACK = 0.1
+CLOSED_FORM_SLACK = 0.05
+# How far above the closed form a pass-by-pass step can come out (DeepSeek-V3's 61 layers on 16 stages of 3
+# chunks: 11 %): branch and bound keeps every layout whose floor is within this of the top-th closed form.
+CLOSED_FORM_ABOVE = 0.15
 
 
 def rank_key(res: StepResult) -> tuple:
@@ -333,10 +336,9 @@ def search(case: Case, top: int | None = None) -> SearchResult:
     `top`, the `top` best run pass by pass (planner.passes); without, every fitting layout by the closed
     form (the module docstring's "Ranking").
 
-    With `top`, branch and bound: layouts are simulated in order of `lower_bound_s`, closed-form, and those
-    that could still enter the top `top` pass by pass; once `top` layouts are known, any layout whose bound,
-    or closed-form step, is not below the top-th pass-by-pass step time (less CLOSED_FORM_SLACK) cannot enter
-    the ranking and is skipped.
+    With `top`, branch and bound: layouts are simulated closed-form in order of `lower_bound_s`, until the
+    bound passes the top-th closed-form step by CLOSED_FORM_ABOVE; then they run pass by pass, best closed form
+    first, until a closed-form step less CLOSED_FORM_SLACK is not below the top-th pass-by-pass one.
     """
     cl = case.cluster
     chip = costs.case_chip(cl)
@@ -353,23 +355,29 @@ def search(case: Case, top: int | None = None) -> SearchResult:
     else:
         order = [(0.0, lay) for lay in layouts]
     results: list[StepResult] = []
-    ranked: list[StepResult] = []  # with `top`: the layouts run pass by pass
-    kth = []  # the `top` best pass-by-pass step times so far, ascending
+    kth = []  # the `top` best closed-form step times so far, ascending
     for bound, lay in order:
-        if top and len(kth) >= top and bound * (1 - CLOSED_FORM_SLACK) >= kth[-1]:
+        # a layout whose bound (a floor pass by pass too) is this far above the top-th closed-form step cannot
+        # enter the pass-by-pass top
+        if top and len(kth) >= top and bound >= kth[-1] * (1 + CLOSED_FORM_ABOVE):
             break
         for cand in _fitting_variants(case, lay, hbm, chip):
             res = simulate(case, cand, chip, exact=False)
             results.append(res)
-            if not top or (len(kth) >= top and res.step_time_s * (1 - CLOSED_FORM_SLACK) >= kth[-1]):
-                continue
-            res = simulate(case, cand, chip, res.memory)  # near the top: pass by pass
-            ranked.append(res)
-            bisect.insort(kth, res.step_time_s)
-            del kth[top:]
-    # a full ranking (no `top`) stays closed-form: pass by pass, a pipelined layout costs milliseconds to
-    # seconds, and a full ranking holds thousands
-    ranked = sorted(ranked, key=rank_key)[:top] if top else sorted(results, key=rank_key)
+            if top:
+                bisect.insort(kth, res.step_time_s)
+                del kth[top:]
+    if not top:  # a full ranking stays closed-form: pass by pass, thousands of pipelined layouts take minutes
+        ranked = sorted(results, key=rank_key)
+    else:  # pass by pass, best closed form first, until the closed form (less the slack) cannot enter the top
+        ranked, best = [], []
+        for res in sorted(results, key=rank_key):
+            if len(best) >= top and res.step_time_s * (1 - CLOSED_FORM_SLACK) >= best[-1]:
+                break
+            ranked.append(simulate(case, res.layout, chip, res.memory))
+            bisect.insort(best, ranked[-1].step_time_s)
+            del best[top:]
+        ranked = sorted(ranked, key=rank_key)[:top]
     elapsed = time.perf_counter() - start
     return SearchResult(ranked, len(results), len(layouts), elapsed)
 

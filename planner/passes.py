@@ -72,7 +72,7 @@ def unpaired_passes(actions: list, count: float, runs: int) -> set[int]:
     return {i + k * len(actions) for k in range(runs) for i in forwards + backwards}
 
 
-@lru_cache(maxsize=16)
+@lru_cache(maxsize=32)
 def plan(schedule: str, p: int, micro_batches: int, v: int, runs: int, unpaired_counts: tuple | None,
          gaps: bool) -> Plan:
     """The passes of `runs` runs of the schedule over `micro_batches` // `runs` micro-batches each;
@@ -93,39 +93,43 @@ def plan(schedule: str, p: int, micro_batches: int, v: int, runs: int, unpaired_
     cursor = [0] * p
     ready = deque(range(p))
 
-    def place(r: int, code: int, mb: int, stage: int, show: bool, need: tuple) -> None:
-        ranks.append(r)
-        codes.append(code)
-        mbs.append(mb)
-        stages.append(stage)
-        chunks.append(stage // p)
-        showing.append(show)
-        deps = [done[d] for d in need]
-        dep1.append(deps[0] if deps else -1)
-        dep2.append(deps[1] if len(deps) > 1 else -1)
-
+    gap = KINDS.index(GAP)
+    code_of = {k: KINDS.index(k) for k in KINDS}
     while ready:
         r = ready.popleft()
-        actions = order[r]
+        actions, here, ends_run = order[r], unpaired[r], run_end[r]
         while cursor[r] < len(actions):
             kind, mb, stage = actions[cursor[r]]
+            # the passes it waits for: F the previous stage's F; BW its own B; B (or BI) its F and the next stage's B
             if kind == "F":
-                need = (("F", mb, stage - 1),) if stage > 0 else ()
+                first, second = ("F", mb, stage - 1) if stage > 0 else None, None
             elif kind == "BW":
-                need = (("B", mb, stage),)
-            else:  # B, or BI: the input gradient, which the previous stage waits for
-                need = (("F", mb, stage), ("B", mb, stage + 1)) if stage < last_stage else (("F", mb, stage),)
-            missing = next((d for d in need if d not in done), None)
-            if missing is not None:
-                waiting.setdefault(missing, []).append(r)
+                first, second = ("B", mb, stage), None
+            else:
+                first, second = ("F", mb, stage), ("B", mb, stage + 1) if stage < last_stage else None
+            if first is not None and first not in done:
+                waiting.setdefault(first, []).append(r)
                 break
-            place(r, KINDS.index(kind), mb, stage, cursor[r] in unpaired[r], need)
+            if second is not None and second not in done:
+                waiting.setdefault(second, []).append(r)
+                break
             key = (kind if kind in ("F", "BW") else "B", mb, stage)
-            done[key] = len(ranks) - 1
+            done[key] = len(ranks)
+            ranks.append(r)
+            codes.append(code_of[kind])
+            mbs.append(mb)
+            stages.append(stage)
+            chunks.append(stage // p)
+            showing.append(cursor[r] in here)
+            dep1.append(done[first] if first is not None else -1)
+            dep2.append(done[second] if second is not None else -1)
             ready.extend(waiting.pop(key, ()))
             cursor[r] += 1
-            if cursor[r] in run_end[r]:
-                place(r, KINDS.index(GAP), 0, 0, False, ())
+            if cursor[r] in ends_run:
+                for arr, value in ((ranks, r), (mbs, 0), (stages, 0), (chunks, 0), (dep1, -1), (dep2, -1)):
+                    arr.append(value)
+                codes.append(gap)
+                showing.append(False)
     if any(cursor[r] < len(order[r]) for r in range(p)):
         raise RuntimeError(f"schedule {schedule} deadlocked when run pass by pass")
     return Plan(ranks, bytes(codes), mbs, stages, chunks, bytes(showing), dep1, dep2)
