@@ -374,7 +374,8 @@ def search(case: Case, top: int | None = None) -> SearchResult:
         for res in sorted(results, key=rank_key):
             if len(best) >= top and res.step_time_s * (1 - CLOSED_FORM_SLACK) >= best[-1]:
                 break
-            ranked.append(simulate(case, res.layout, chip, res.memory))
+            # one stage: no schedule to run, the closed form is the step
+            ranked.append(res if res.layout.pp == 1 else simulate(case, res.layout, chip, res.memory))
             bisect.insort(best, ranked[-1].step_time_s)
             del best[top:]
         ranked = sorted(ranked, key=rank_key)[:top]

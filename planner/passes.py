@@ -93,8 +93,8 @@ def plan(schedule: str, p: int, micro_batches: int, v: int, runs: int, unpaired_
     cursor = [0] * p
     ready = deque(range(p))
 
-    gap = KINDS.index(GAP)
     code_of = {k: KINDS.index(k) for k in KINDS}
+    gap = code_of[GAP]
     while ready:
         r = ready.popleft()
         actions, here, ends_run = order[r], unpaired[r], run_end[r]

@@ -598,8 +598,10 @@ def simulate(case: Case, lay: Layout, chip: Chip, memory: Memory | None = None, 
         clocks = passes.run(stages, lay, micro_batches).clocks
     else:
         closed = runs * pipeline_time_s(totals, lay.per_run(micro_batches), lay.virtual_stages, fill) + ep_unpaired
-        clocks = [closed - _slack(st, i, lay) + (runs - 1) * max(0.0, st.dp_exposed_s - _slack(st, i, lay))
-                  if lay.staged_zero3 else closed - _slack(st, i, lay) for i, st in enumerate(stages)]
+        slack = [_slack(st, i, lay) for i, st in enumerate(stages)]
+        # staged ZeRO-3 waits between runs for what of each run's sync its slack does not cover
+        clocks = [closed - s + ((runs - 1) * max(0.0, st.dp_exposed_s - s) if lay.staged_zero3 else 0.0)
+                  for st, s in zip(stages, slack)]
     t_pipe = max(clocks)
     ends = passes.tails(stages, clocks)
     last = max(range(len(stages)), key=lambda i: ends[i].end_s)
@@ -633,7 +635,7 @@ def simulate(case: Case, lay: Layout, chip: Chip, memory: Memory | None = None, 
         again = flops + share * (again - flops)
     return StepResult(case, lay, chip, micro_batches, step, t_pipe, breakdown, stages, mem, flops, again,
                       mem.total_bytes <= usable_hbm_bytes(chip),
-                      {"critical_stage": crit, "chips_per_node": node, "exact": exact})
+                      {"critical_stage": crit, "chips_per_node": node})
 
 
 def _slack(stage: StageCost, i: int, lay: Layout) -> float:
