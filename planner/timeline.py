@@ -205,6 +205,8 @@ def predicted_timeline(res: StepResult, max_spans: int = 20000, max_layer_passes
     clock = [0.0] * p
     spans: list[Span] = []
     kinds = pl.kinds
+    # a pass's spans depend on its rank, chunk and kind only: laid out once from 0, then moved to each start
+    shapes: dict[tuple, list[Span]] = {}
     for i, r in enumerate(pl.ranks):
         start, end = sched.starts[i], sched.ends[i]
         if start > clock[r]:
@@ -225,8 +227,12 @@ def predicted_timeline(res: StepResult, max_spans: int = 20000, max_layer_passes
             continue
         direction = "F" if kind == "F" else "B"
         deferred = chunk.wgrad_s if kind == "BI" else 0.0
-        spans.extend(_pass_spans(rank_of[r], chunk, direction, start, mb, detailed and not deferred,
-                                 f"s{stage}", deferred))
+        key = (r, pl.chunks[i], stage, bool(pl.showing[i]), kind)
+        if key not in shapes:
+            shapes[key] = _pass_spans(rank_of[r], chunk, direction, 0.0, None, detailed and not deferred,
+                                      f"s{stage}", deferred)
+        spans.extend(Span(s.rank, s.lane, s.name, start + s.start_s, start + s.end_s, s.bytes, s.flops, 0, mb,
+                          s.group, s.is_async) for s in shapes[key])
         if chunk.p2p_s > 0:
             spans.append(Span(rank_of[r], "comm", "send act" if direction == "F" else "send grad",
                               end - chunk.p2p_s, end, micro_batch=mb, group="pp"))
