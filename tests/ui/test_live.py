@@ -85,8 +85,8 @@ def test_side_by_side_shares_the_time_axis_and_the_rows():
     pred_fig, meas_fig, step = side_by_side(_run(pred_ms=20.0))
     assert pred_fig.layout.xaxis.range == meas_fig.layout.xaxis.range
     assert pred_fig.layout.xaxis.range[1] == pytest.approx(20.0 * 1.02)
-    rows = {y for trace in pred_fig.data for y in (trace.y or ())}
-    assert rows == {y for trace in meas_fig.data for y in (trace.y or ())}
+    rows = {y for trace in pred_fig.data for y in (() if trace.y is None else trace.y)}
+    assert rows == {y for trace in meas_fig.data for y in (() if trace.y is None else trace.y)}
     assert pred_fig.frames and meas_fig.frames  # both animated
     assert "Measured: step" in meas_fig.layout.title.text and "20.0 ms" in pred_fig.layout.title.text
 
