@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from core.stdout import write_result
-from planner.api import dumps, estimate, search
+from planner.api import dumps, estimate, no_fit_error, search
 from planner.case import load_case
 from planner.models import SpecError
 
@@ -32,12 +32,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "estimate":
             result = estimate(case)
             if args.timeline:
-                result.timeline.write_chrome_trace(args.timeline)
+                try:
+                    result.timeline.write_chrome_trace(args.timeline)
+                except OSError as e:
+                    raise SpecError("--timeline", f"cannot write {args.timeline}: {e.strerror}") from None
             write_result(dumps(result.as_dict()))
         else:
             if args.top < 1:
                 raise SpecError("--top", f"must be >= 1, got {args.top}")
-            write_result(dumps(search(case, top=args.top).as_dict()))
+            report = search(case, top=args.top)
+            if not report.ranked:
+                raise no_fit_error(case, report)
+            write_result(dumps(report.as_dict()))
     except SpecError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -236,6 +236,21 @@ def search(case_or_dict, top: int = 5) -> SearchReport:
     return SearchReport(case, ranked, res.evaluated, res.considered, res.elapsed_s)
 
 
+def no_fit_error(case: Case, report: SearchReport) -> SpecError:
+    """What to change when a search ranks nothing: the field that leaves no layout dividing evenly, or, where
+    layouts divide but none fits, the least memory one needs."""
+    if not report.considered:
+        return _search.no_layout_error(case, costs.case_chip(case.cluster))
+    least = _search.choose(case)
+    lay = least.layout
+    shape = (f"dp {lay.dp}, tp {lay.tp}, pp {lay.pp}, cp {lay.cp}" + (f", ep {lay.ep}" if lay.ep > 1 else "")
+             + f", ZeRO-{lay.zero_stage}, recompute {lay.recompute_label}")
+    return SpecError("cluster.num_chips", f"none of the {report.considered:,} layouts fits: the leanest ({shape}) "
+                     f"needs {least.memory.total_bytes / 1e9:,.1f} GB per chip of the "
+                     f"{usable_hbm_bytes(least.chip) / 1e9:,.1f} GB a {least.chip.name} can use; add chips, or free "
+                     "fixed fields (null)")
+
+
 def dumps(obj: dict) -> str:
     return json.dumps(obj, indent=1, sort_keys=False)
 

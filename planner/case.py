@@ -10,6 +10,7 @@ Every error is a `SpecError` naming the field, e.g. "parallel.tp: 3 does not div
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, fields, replace
 from functools import cached_property
 
@@ -456,6 +457,11 @@ def parse_model(block, name: str = "case") -> ModelSpec:
     kw["kv_heads"] = _int(block, "kv_heads", "model", required=False, nullable=False,
                           minimum=1 if kw["heads"] else 0, default=kw["heads"])
     defaults = {f.name: f.default for f in fields(ModelSpec)}
+    # (a block written from a ModelSpec carries the defaults: those are harmless)
+    stated = [key for key in SSM_FIELDS if block.get(key) not in (None, defaults[key])]
+    if stated and "M" not in pattern:
+        raise SpecError(f"model.{stated[0]}", "applies to Mamba-2 layers, which the model has none of: give a "
+                        "layer_pattern with 'M' layers or leave the ssm_ fields out")
     for key in SSM_FIELDS:
         kw[key] = _int(block, key, "model", required=False, nullable=False, default=defaults[key])
     for key in ("experts", "top_k", "shared_experts", "dense_layers", "q_lora_rank", "kv_lora_rank",
@@ -486,7 +492,7 @@ def parse_case(data) -> Case:
     t = _check_keys(data["training"], {f.name for f in fields(Training)}, "training")
     flags = {k: _bool(t, k, "training") for k in ("sequence_parallel", *RECIPE_FLAGS)}
     zero = t.get("zero_stage")
-    if zero is not None and zero not in (0, 1, 2, 3):
+    if zero is not None and (isinstance(zero, bool) or not isinstance(zero, int) or zero not in (0, 1, 2, 3)):
         raise SpecError("training.zero_stage", f"must be 0, 1, 2, 3 or null, got {zero!r}")
     training = Training(
         global_batch=_int(t, "global_batch", "training", required=True, nullable=False),
@@ -528,9 +534,9 @@ def parse_case(data) -> Case:
     except ValueError as e:
         raise SpecError("cluster.chip", str(e)) from None
     net = c.get("network_bytes_per_s")
-    if net is not None and (isinstance(net, bool) or not isinstance(net, (int, float)) or not net > 0):
-        raise SpecError("cluster.network_bytes_per_s", f"must be a positive number of bytes/s per chip (e.g. 50e9 for "
-                        f"400 Gb/s) or null, got {net!r}")
+    if net is not None and (isinstance(net, bool) or not isinstance(net, (int, float)) or not 1e6 <= net < math.inf):
+        raise SpecError("cluster.network_bytes_per_s", f"must be a finite number of bytes/s per chip, at least 1e6 "
+                        f"(e.g. 50e9 for 400 Gb/s), or null, got {net!r}")
     cluster = Cluster(c["chip"], _int(c, "num_chips", "cluster", required=True, nullable=False),
                       _int(c, "chips_per_node", "cluster", required=False), None if net is None else float(net),
                       _int(c, "slices", "cluster", required=False))
@@ -603,10 +609,14 @@ def _with_pp_layout(parallel: Parallel, text, model: ModelSpec) -> Parallel:
 
 def load_case(path: str) -> Case:
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except json.JSONDecodeError as e:
         raise SpecError("case", f"malformed JSON in {path}: {e}") from None
+    except UnicodeDecodeError:
+        raise SpecError("case", f"{path} is not UTF-8 text: save the case as a UTF-8 JSON file") from None
+    except RecursionError:
+        raise SpecError("case", f"{path} nests its JSON too deeply to be a case file") from None
     except OSError as e:
         raise SpecError("case", f"cannot read {path}: {e.strerror}") from None
     return parse_case(data)
@@ -616,9 +626,18 @@ def _divides(a: int, b: int) -> bool:
     return b % a == 0
 
 
+# The most sequences a step may take: twice the largest published batch (65,536 sequences of 128 tokens, You
+# et al. 2020, "Large Batch Optimization for Deep Learning: Training BERT in 76 minutes", LAMB). A pipeline
+# runs its micro-batches pass by pass (planner.passes), so a mistyped 10^15 would never finish.
+MAX_GLOBAL_BATCH = 2 ** 17
+
+
 def check_fixed(case: Case) -> None:
     """Divisibility checks on the fields the case fixes, each naming the field to change."""
     m, p, n, t = case.model, case.parallel, case.cluster.num_chips, case.training
+    if t.global_batch > MAX_GLOBAL_BATCH:
+        raise SpecError("training.global_batch", f"{t.global_batch:,} sequences is more than the {MAX_GLOBAL_BATCH:,} "
+                        "the planner models (the largest published batch is 65,536); check the number")
     if t.recompute == "dots" and not dots_modelled(m):
         raise SpecError("training.recompute", "\"dots\" (JAX's checkpoint_dots_with_no_batch_dims) is modelled for "
                         "dense attention + MLP layers only, not MoE or Mamba layers: use \"full\" or \"selective\"")
@@ -650,6 +669,12 @@ def check_fixed(case: Case) -> None:
         raise SpecError("parallel.tp", f"{p.tp} must divide model.ssm_groups={m.ssm_groups}: each TP rank holds "
                         "whole B/C groups, so a Mamba-2 layer needs one all-reduce (Dao & Gu 2024 sec. 8.1); "
                         f"use tp in {[d for d in range(1, m.ssm_groups + 1) if ssm_tp_ok(m, d)]}")
+    if case.training.ssm_cp is not None and not m.has_ssm:
+        raise SpecError("training.ssm_cp", "applies to Mamba-2 layers, which the model has none of: leave it null")
+    per_node = case.cluster.chips_per_node
+    if per_node and n > per_node and n % per_node:
+        raise SpecError("cluster.chips_per_node", f"{per_node} does not divide num_chips={n}: a cluster is whole nodes "
+                        f"(use a num_chips that is a multiple of {per_node}, or fewer chips than one node)")
     if case.training.ssm_cp == "alltoall" and p.tp and p.cp and m.has_ssm and not ssm_alltoall_ok(m, p.tp, p.cp):
         raise SpecError("training.ssm_cp", f"\"alltoall\" reshards heads over tp*cp = {p.tp * p.cp} ranks, which "
                         f"must divide the {m.ssm_heads} SSM heads and ssm_groups={m.ssm_groups}; use \"state\" "

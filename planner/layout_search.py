@@ -141,7 +141,10 @@ def _mesh_shapes(case: Case, chip: Chip) -> Iterator[tuple[int, int, int, int]]:
 def _schedules(case: Case, pp: int, micro_batches: int) -> Iterator[tuple[str, int]]:
     p, layers = case.parallel, case.model.layers
     if pp == 1:
-        yield "1f1b", 1  # one stage: every schedule is the same sequence of passes
+        # one stage: every schedule is the same sequence of passes; a case that states a pipeline's schedule
+        # (other than plain 1F1B) or its model chunks asks for stages
+        if p.pp_schedule in (None, "1f1b") and p.virtual_stages in (None, 1):
+            yield "1f1b", 1
         return
     schedules = [p.pp_schedule] if p.pp_schedule else ["1f1b", "interleaved-1f1b", "zb-h1"]
     for sched in schedules:
@@ -403,7 +406,39 @@ def choose(case: Case) -> StepResult:
         if need < best_bytes:
             best, best_bytes = cand, need
     if best is None:
-        raise SpecError("parallel", f"no layout of {case.model.name} on {cl.num_chips} x {cl.chip} divides "
-                        "evenly (heads, hidden, ffn, layers, sequence and batch against the mesh); "
-                        "free more fields (null) or change the chip count")
+        raise no_layout_error(case, chip)
     return simulate(case, best, chip)
+
+
+# the stated fields that can leave no layout, in the order a message names them (the batch's split first)
+_BLOCKING = (("training", "micro_batch"), ("training", "schedule_runs"), ("parallel", "virtual_stages"),
+             ("parallel", "pp_schedule"), ("parallel", "ep"), ("parallel", "etp"), ("parallel", "pp"),
+             ("parallel", "cp"), ("parallel", "tp"), ("parallel", "dp"), ("training", "sequence_parallel"),
+             ("training", "ssm_cp"))
+
+
+def no_layout_error(case: Case, chip: Chip) -> SpecError:
+    """Why no layout divides evenly: the first stated field (`_BLOCKING`) without which one would, named with
+    its value; else the cluster's size."""
+    cl = case.cluster
+    where = f"{case.model.name} on {cl.num_chips} x {cl.chip}"
+    for block, name in _BLOCKING:
+        value = getattr(case.training if block == "training" else case.parallel, name)
+        if value is None:
+            continue
+        if block == "training":
+            relaxed = replace(case, training=replace(case.training, **{name: None}))
+        else:
+            relaxed = replace(case, parallel=replace(case.parallel, **{name: None}))
+        try:
+            if next(candidate_layouts(relaxed, chip), None) is not None:
+                hint = (" (ep's ranks are carved from the data-parallel ones, dp x cp, and from tp's too when the "
+                        "experts fold them, etp 1)") if name == "ep" else ""
+                return SpecError(f"{block}.{name}", f"{value!r} leaves no layout of {where} that divides evenly (the "
+                                 f"global batch of {case.training.global_batch:,} into data-parallel replicas, "
+                                 "micro-batches and pipeline runs; heads, hidden, ffn, layers, experts and sequence "
+                                 f"against the mesh){hint}: change it, or set it to null for the planner to choose")
+        except SpecError:
+            continue
+    return SpecError("parallel", f"no layout of {where} divides evenly (heads, hidden, ffn, layers, sequence and "
+                     "batch against the mesh); free more fields (null) or change the chip count")

@@ -37,6 +37,10 @@ PATTERN_CHARS = MAMBA + ATTENTION + MLP
 # a mistyped count of billions would take minutes and gigabytes before any answer; published models have
 # at most a few hundred.
 MAX_LAYERS = 10_000
+# The largest width, vocabulary or sequence a model may state: 2^26 is ~64x the widest published model's
+# hidden size and 6x the longest published context (Llama 4 Scout's 10M), and keeps every FLOP and byte count
+# a float can hold (a mistyped 10^200 would overflow them).
+MAX_DIM = 2 ** 26
 
 
 class SpecError(ValueError):
@@ -171,6 +175,11 @@ class ModelSpec:
             if not isinstance(v, int) or isinstance(v, bool) or v < (1 if f in needed else 0):
                 what = "a positive integer" if f in needed else "a non-negative integer (unused here)"
                 raise SpecError(f"{prefix}.{f}", f"must be {what}, got {v!r}")
+        for f in ("hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len", "head_dim", "dense_ffn"):
+            v = getattr(self, f)
+            if isinstance(v, int) and v > MAX_DIM:
+                raise SpecError(f"{prefix}.{f}", f"{v:,} is more than the {MAX_DIM:,} the planner models; check the "
+                                "number")
         if self.layers > MAX_LAYERS:
             raise SpecError(f"{prefix}.layers", f"{self.layers:,} is more than the {MAX_LAYERS:,} layers the planner "
                             "models (published models have a few hundred at most); check the number")
@@ -200,6 +209,11 @@ class ModelSpec:
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise SpecError(f"{prefix}.{f}", f"must be a non-negative integer, got {v!r}")
+        if not self.is_mla:
+            for f in ("q_lora_rank", "rope_head_dim"):
+                if getattr(self, f):
+                    raise SpecError(f"{prefix}.{f}", "applies to multi-head latent attention (MLA), which kv_lora_rank "
+                                    "> 0 turns on; set kv_lora_rank or set this to 0")
         if self.experts and not 1 <= self.top_k <= self.experts:
             raise SpecError(f"{prefix}.top_k", f"must be in 1..experts={self.experts}, got {self.top_k}")
         if not self.experts and (self.top_k or self.shared_experts):

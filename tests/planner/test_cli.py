@@ -81,6 +81,17 @@ def _bad(**edits):
     (_bad(parallel__etp="half"), "parallel.etp"),
     ("{not json", "malformed JSON"),
     ([1, 2], "case"),
+    ("[" * 100_000 + "]" * 100_000, "too deeply"),
+    (_bad(training__zero_stage=True), "training.zero_stage"),  # bool is an int to Python: 1
+    (_bad(training__zero_stage=1.0), "training.zero_stage"),
+    (_bad(training__global_batch=10**15), "training.global_batch"),  # its pipeline would never finish
+    (_bad(cluster__network_bytes_per_s=1e-300), "cluster.network_bytes_per_s"),  # overflowed to a NaN sync
+    (_bad(cluster__chips_per_node=3), "cluster.chips_per_node"),  # 64 chips are not whole nodes of 3
+    (_bad(model__hidden=10**200), "model.hidden"),
+    (_bad(model__rope_head_dim=64), "model.rope_head_dim"),  # no MLA: it was added to attention's FLOPs
+    (_bad(model__ssm_state=16), "model.ssm_state"),  # no Mamba-2 layer
+    (_bad(training__ssm_cp="alltoall"), "training.ssm_cp"),
+    (_bad(training__micro_batch=5), "training.micro_batch"),  # named, not "no layout divides"
 ])
 def test_bad_input_exits_2_naming_the_field(tmp_path, capsys, case, field):
     assert main(["estimate", _write(tmp_path, case)]) == 2
@@ -120,3 +131,37 @@ def test_a_reader_that_closes_the_pipe_early_gets_no_traceback(tmp_path):
     proc.stdout.close()  # before the child, still importing, writes anything
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0 and b"Traceback" not in err, err.decode()
+
+
+def test_a_file_that_is_not_utf8_exits_2(tmp_path, capsys):
+    path = tmp_path / "case.json"
+    path.write_bytes(b"\xff\xfe{")
+    assert main(["estimate", str(path)]) == 2
+    assert "UTF-8" in capsys.readouterr().err
+
+
+def test_infinite_network_exits_2(tmp_path, capsys):
+    text = json.dumps(RUN).replace('"num_chips"', '"network_bytes_per_s": Infinity, "num_chips"')
+    assert main(["estimate", _write(tmp_path, text)]) == 2
+    assert "cluster.network_bytes_per_s" in capsys.readouterr().err
+
+
+def test_an_unwritable_timeline_path_exits_2(tmp_path, capsys):
+    out = tmp_path / "no-such-folder" / "t.json"
+    assert main(["estimate", _write(tmp_path, RUN), "--timeline", str(out)]) == 2
+    assert "--timeline" in capsys.readouterr().err and not out.parent.exists()
+
+
+def test_search_that_ranks_nothing_exits_2_and_says_why(tmp_path, capsys):
+    free = json.loads(json.dumps(RUN))
+    for k in ("dp", "tp", "pp", "pp_schedule", "virtual_stages"):
+        free["parallel"][k] = None
+    free["training"]["micro_batch"] = 5  # divides no replica's share of the batch
+    assert main(["search", _write(tmp_path, free)]) == 2
+    captured = capsys.readouterr()
+    assert "training.micro_batch" in captured.err and not captured.out
+    free["training"]["micro_batch"] = None
+    free["cluster"]["num_chips"] = 8  # 175B in 8 chips: layouts divide, none fits
+    free["parallel"]["dp"] = None
+    assert main(["search", _write(tmp_path, free)]) == 2
+    assert "none of the" in capsys.readouterr().err

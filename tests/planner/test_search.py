@@ -179,3 +179,20 @@ def test_on_a_tpu_the_search_tries_jax_dots_policy_between_none_and_full():
     assert full and ranked[0].step_time_s < full[0].step_time_s
     assert "dots" not in layout_search.recompute_order(MODEL_PRESETS["Llama 3 8B"], get_chip("h100"))
     assert "dots" not in layout_search.recompute_order(MODEL_PRESETS["Mixtral 8x7B"], get_chip("tpu-v5p"))
+
+
+@pytest.mark.parametrize("parallel", [{"virtual_stages": 2}, {"pp_schedule": "interleaved-1f1b"},
+                                      {"pp_schedule": "zb-h1"}, {"pp_schedule": "gpipe"}])
+def test_a_stated_schedule_asks_for_pipeline_stages(parallel):
+    """A case that states a pipeline's schedule or model chunks but leaves pp null gets stages: one stage has no
+    schedule, and the search had answered pp 1 with 1F1B, dropping the stated field (and estimating the case again
+    with what it chose then failed)."""
+    raw = _free_case(SMALL_DENSE, 8, 32)
+    raw["parallel"] = dict(parallel)
+    est = estimate(raw)
+    lay = est.result.layout
+    assert lay.pp > 1
+    assert all(getattr(lay, k) == v for k, v in parallel.items())
+    again = {**raw, "parallel": {**parallel, **est.chosen.get("parallel", {})},
+             "training": {**raw["training"], **est.chosen.get("training", {})}}
+    assert estimate(again).step_time_s == pytest.approx(est.step_time_s)
