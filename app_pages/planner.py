@@ -73,11 +73,8 @@ if lay.ep > 1:
                else "")
     st.caption(f"In Megatron-LM's degrees, which the planner uses, dp counts every data-parallel rank of the attention "
                f"and dense layers, the expert-parallel ranks among them{sidebar}.")
-# fields that do nothing for this model: experts' on a dense one, the SSM's on one without
-IRRELEVANT = (set() if spec.is_moe else {"ep", "etp", "ep_dispatch", "ep_comm_overlap"}) | \
-    (set() if spec.has_ssm else {"ssm_cp"})
-if est.chosen:
-    picked = {k: v for block in est.chosen.values() for k, v in block.items() if k not in IRRELEVANT}
+if est.chosen:  # (planner.api.chosen_fields leaves out what does nothing for this model and layout)
+    picked = {k: v for block in est.chosen.values() for k, v in block.items()}
     st.caption("Chosen by the planner (what a current framework does; where frameworks differ, the fastest that "
                "fits): " + ", ".join(f"{k}={v}" for k, v in picked.items()))
 

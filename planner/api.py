@@ -64,6 +64,10 @@ def chosen_fields(case: Case, res: StepResult) -> dict:
                 continue  # every layer of a chunk, or a mode other than full: `recompute` says it
             if name == "etp" and not (case.model.is_moe and res.layout.tp > 1):
                 continue  # only routed experts under tensor parallelism have the choice
+            if name in ("ep", "ep_dispatch", "ep_comm_overlap") and not case.model.is_moe:
+                continue  # a dense model has no experts to place or tokens to route
+            if name in ("tp_comm_overlap", "tp_grad_allreduce_overlap") and res.layout.tp == 1:
+                continue  # one tensor-parallel rank has no tp collectives to overlap
             if name in ("fsdp_impl", "fsdp_backward_prefetch") and not res.layout.layer_zero3:
                 continue  # only ZeRO-3's per-layer gathers and reductions copy and prefetch (costs._zero3_comms)
             if getattr(given, name) is None:
