@@ -42,6 +42,9 @@ FORMAT = 4
 CONTENDED_CAP_S = 0.02
 # Blocking operations are timed after three gaps of compute (engine/calibrate.SYNC_GAPS_S), shortest first
 BLOCKING_MODES = ("sync_short", "sync", "sync_long")
+# ... and back to back, each right after the one before it (no compute between: gloo's threads awake), as a
+# naive data-parallel sync all-reduces one parameter after another
+BACK_TO_BACK_MODE = "sync_b2b"
 POST_MODE = "post"  # how long posting a point-to-point operation blocks the rank that posts it (CommFit)
 ALONE_MODE, PAIR_MODE = "alone", "pair"  # one asynchronous operation posted and waited; two posted at once
 # torch's ProcessGroupGloo runs each group's queue on 2 worker threads (its default options: threads =
@@ -632,6 +635,9 @@ def summary_lines(cal: Calibration) -> list[str]:
             # a fit with no per-byte term: over the swept sizes the bytes' cost was lost in the timing noise
             per_byte = (f"+ {ar.beta_s_per_byte * 1e9:.2f} ns/byte" if ar.beta_s_per_byte > 0 else
                         "at every size swept (its per-byte cost was below the timing noise)")
+            b2b = cal.comm.get(comm_key(w, "all_reduce", w, BACK_TO_BACK_MODE))
+            if b2b:
+                per_byte += f" ({b2b.seconds(1024) * 1e6:,.0f} us for 1 KB right after another)"
             lines.append(f"{w} ranks: a gloo all-reduce costs {ar.alpha_s * 1e6:,.0f} us {per_byte}; compute runs "
                          f"{cal.share(w):.2f}x slower with all {w} ranks busy on {cal.cpus} cores, and "
                          f"{cal.resume_s.get(w, 0.0) * 1e3:.2f} ms longer right after communicating")

@@ -52,6 +52,7 @@ from core.ssd import state_correction_flops
 from core.timeline import Timeline, bubble_spans, intersection_seconds, span_kind, union_seconds
 from hardware.collectives import ring_sent_bytes
 from hardware.this_machine import (
+    BACK_TO_BACK_MODE,
     BLOCKING_MODES,
     GLOO_THREADS,
     PAIR_MODE,
@@ -259,12 +260,18 @@ class _Costs:
 
     def _after_gap_s(self, kind: str, n: int, nbytes: float, gap_s: float, fit) -> float:
         """A blocking operation after `gap_s` of compute: linear in log(gap) between the two measured gaps
-        around it, the nearest measured one outside them."""
+        around it, the nearest measured one outside them; right after another operation (no compute
+        between) as the calibration timed them back to back, and below the shortest measured gap linear
+        between the two."""
         by_gap = {f.gap_s: f for f in (self.cal.comm.get(comm_key(self.cfg.world, kind, n, mode))
                                        for mode in BLOCKING_MODES) if f is not None and f.gap_s > 0}
         if len(by_gap) < 2:
             return fit.seconds(nbytes)
         fits = [by_gap[g] for g in sorted(by_gap)]
+        b2b = self.cal.comm.get(comm_key(self.cfg.world, kind, n, BACK_TO_BACK_MODE))
+        if b2b is not None and gap_s < fits[0].gap_s:
+            x = max(0.0, gap_s) / fits[0].gap_s
+            return (1 - x) * b2b.seconds(nbytes) + x * fits[0].seconds(nbytes)
         g = min(max(gap_s, fits[0].gap_s), fits[-1].gap_s)
         lo, hi = next((lo, hi) for lo, hi in zip(fits, fits[1:]) if g <= hi.gap_s)
         x = math.log(g / lo.gap_s) / math.log(hi.gap_s / lo.gap_s)

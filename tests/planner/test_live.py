@@ -18,6 +18,7 @@ from engine.cli import config_from_args, run_parser
 from hardware.collectives import ring_sent_bytes
 from hardware.this_machine import (
     ALONE_MODE,
+    BACK_TO_BACK_MODE,
     BLOCKING_MODES,
     GLOO_THREADS,
     PAIR_MODE,
@@ -660,3 +661,22 @@ def test_the_first_layer_of_each_pass_runs_cold():
     f1, f0 = per_micro_batch(with_cold), per_micro_batch(without)
     assert sorted(f1) == sorted(f0) == [0, 1]
     assert all(f1[mb] - f0[mb] == pytest.approx(0.5e-3, rel=1e-3) for mb in f1)
+
+
+def test_a_blocking_operation_right_after_another_costs_what_back_to_back_ones_did():
+    """A naive data-parallel sync all-reduces one parameter after another: gloo's threads stay awake, and
+    each costs what the calibration timed back to back (BACK_TO_BACK_MODE), not what it costs after 50 us of
+    compute (3-4x more here); between no compute and the shortest measured gap, linear."""
+    short = CAL.comm[comm_key(2, "all_reduce", 2, "sync_short")]
+    b2b = dataclasses.replace(short, alpha_s=short.alpha_s / 4, gap_s=0.0)
+    cal = dataclasses.replace(CAL, comm={**CAL.comm, comm_key(2, "all_reduce", 2, BACK_TO_BACK_MODE): b2b})
+    costs, nbytes = _Costs(cal, _cfg("--strategy dp --dp-comm naive --world 2")), 4096
+    assert costs.comm("all_reduce", 2, nbytes, gap_s=0.0) == pytest.approx(b2b.seconds(nbytes))
+    half = short.gap_s / 2 / cal.share(2)  # half the shortest gap, in one core's seconds
+    assert costs.comm("all_reduce", 2, nbytes, gap_s=half) == pytest.approx(
+        (b2b.seconds(nbytes) + short.seconds(nbytes)) / 2)
+    # a calibration without it (older files) reads the shortest gap, as before
+    assert _Costs(CAL, _cfg("--strategy dp --world 2")).comm("all_reduce", 2, nbytes, gap_s=0.0) == \
+        pytest.approx(short.seconds(nbytes))
+    naive = predict(_cfg("--strategy dp --dp-comm naive --world 2"), cal).step_time_s
+    assert naive < predict(_cfg("--strategy dp --dp-comm naive --world 2"), CAL).step_time_s
