@@ -138,7 +138,26 @@ def _mesh_shapes(case: Case, chip: Chip) -> Iterator[tuple[int, int, int, int]]:
                 yield dp, tp, pp, cp
 
 
-def _schedules(case: Case, pp: int, micro_batches: int) -> Iterator[tuple[str, int]]:
+# The most passes (forwards and backwards over every rank's model chunks) of one step's pipeline the planner
+# runs pass by pass (planner.passes): 2^17 take it about a second; a 32M-token batch through pp 16 at dp 1 is
+# 1.4M passes per candidate schedule, a minute of search. Layouts past it are left out (`no_layout_error` says so).
+MAX_PIPELINE_PASSES = 2 ** 17
+
+
+def _pipeline_passes(pp: int, v: int, micro_batches: int, runs: int) -> int:
+    return 2 * pp * v * micro_batches * runs
+
+
+def _schedules(case: Case, pp: int, micro_batches: int, capped: bool = True) -> Iterator[tuple[str, int]]:
+    """The (schedule, virtual stages) a layout of `pp` stages may run `micro_batches` per run with; `capped`:
+    only those within MAX_PIPELINE_PASSES."""
+    for sched, v in _all_schedules(case, pp, micro_batches):
+        runs = case.training.schedule_runs or 1
+        if not capped or pp == 1 or _pipeline_passes(pp, v, micro_batches, runs) <= MAX_PIPELINE_PASSES:
+            yield sched, v
+
+
+def _all_schedules(case: Case, pp: int, micro_batches: int) -> Iterator[tuple[str, int]]:
     p, layers = case.parallel, case.model.layers
     if pp == 1:
         # one stage: every schedule is the same sequence of passes; a case that states a pipeline's schedule
@@ -172,9 +191,10 @@ def micro_batch_sizes(per_replica: int, pp: int) -> list[int]:
     return [1] if pp > 1 else divisors(per_replica, up_to=MAX_MICRO_BATCH)
 
 
-def candidate_layouts(case: Case, chip: Chip) -> Iterator[Layout]:
+def candidate_layouts(case: Case, chip: Chip, capped: bool = True) -> Iterator[Layout]:
     """Every layout that passes divisibility, with ZeRO and recompute left at their lightest values;
-    `search` walks those two dimensions itself (dominance rules in the module docstring)."""
+    `search` walks those two dimensions itself (dominance rules in the module docstring). `capped`: pipelines
+    within MAX_PIPELINE_PASSES only."""
     m, t, p = case.model, case.training, case.parallel
     how = recipe(t, chip, case.model)
     for dp, tp, pp, cp in _mesh_shapes(case, chip):
@@ -194,7 +214,7 @@ def candidate_layouts(case: Case, chip: Chip) -> Iterator[Layout]:
             for b in [t.micro_batch] if t.micro_batch else micro_batch_sizes(per_run, pp):
                 if per_run % b:
                     continue
-                for sched, v in _schedules(case, pp, per_run // b):
+                for sched, v in _schedules(case, pp, per_run // b, capped):
                     sps = [t.sequence_parallel] if t.sequence_parallel is not None else [tp > 1]
                     for sp, ssm_cp in itertools.product(sps, _ssm_cp_variants(case, tp, cp)):
                         if m.is_moe and tp > 1 and not sp:
@@ -422,6 +442,14 @@ def no_layout_error(case: Case, chip: Chip) -> SpecError:
     its value; else the cluster's size."""
     cl = case.cluster
     where = f"{case.model.name} on {cl.num_chips} x {cl.chip}"
+    fewest = min((_pipeline_passes(lay.pp, lay.virtual_stages, case.training.global_batch // lay.dp
+                                   // lay.micro_batch // lay.schedule_runs, lay.schedule_runs)
+                  for lay in itertools.islice(candidate_layouts(case, chip, capped=False), 10_000)), default=0)
+    if fewest > MAX_PIPELINE_PASSES:  # layouts divide, but only as pipelines too long to run pass by pass
+        return SpecError("training.global_batch", f"its {case.training.global_batch:,} sequences make every pipeline "
+                         f"layout of {where} that divides evenly run {fewest:,} passes or more a step, more than "
+                         f"the {MAX_PIPELINE_PASSES:,} the planner simulates: fewer micro-batches per pipeline (a "
+                         "smaller global batch, a larger micro_batch, more dp) or no pipeline stages")
     for block, name in _BLOCKING:
         value = getattr(case.training if block == "training" else case.parallel, name)
         if value is None:

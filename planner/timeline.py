@@ -207,8 +207,24 @@ def predicted_timeline(res: StepResult, max_spans: int = 20000, max_layer_passes
     kinds = pl.kinds
     # a pass's spans depend on its rank, chunk and kind only: laid out once from 0, then moved to each start
     shapes: dict[tuple, list[Span]] = {}
+    # more passes than the span budget (thousands of micro-batches): each rank's passes are folded into busy
+    # spans as they come, its idle gaps under half a span's share of the step with them (`_merge_busy`)
+    min_idle_s = res.step_time_s * p / (2 * max_spans)
+    folding = len(pl.ranks) > max_spans
+    busy: list[list[float] | None] = [None] * p
     for i, r in enumerate(pl.ranks):
         start, end = sched.starts[i], sched.ends[i]
+        if folding:
+            run = busy[r]
+            if run is not None and start <= run[1] + min_idle_s:
+                run[1] = end
+                continue
+            if run is not None:
+                spans.append(Span(rank_of[r], "compute", BUSY, run[0], run[1]))
+            if start > clock[r]:
+                spans.append(Span(rank_of[r], "idle", "bubble", clock[r], start))
+            busy[r], clock[r] = [start, end], end
+            continue
         if start > clock[r]:
             spans.append(Span(rank_of[r], "idle", "bubble", clock[r], start))
         clock[r] = end
@@ -236,6 +252,10 @@ def predicted_timeline(res: StepResult, max_spans: int = 20000, max_layer_passes
         if chunk.p2p_s > 0:
             spans.append(Span(rank_of[r], "comm", "send act" if direction == "F" else "send grad",
                               end - chunk.p2p_s, end, micro_batch=mb, group="pp"))
+    for r, run in enumerate(busy):
+        if run is not None:
+            spans.append(Span(rank_of[r], "compute", BUSY, run[0], run[1]))
+            clock[r] = run[1]
     pipe_end = sched.end_s
     for r, (stage, tail) in enumerate(zip(res.stages, passes.tails(res.stages, sched.clocks))):
         (t, synced) = tail.sync
@@ -265,10 +285,14 @@ def predicted_timeline(res: StepResult, max_spans: int = 20000, max_layer_passes
         spans.append(Span(rank_of[r], "compute", "optimizer step", *tail.optimizer))
         if tail.end_s < pipe_end:
             spans.append(Span(rank_of[r], "idle", "wait", tail.end_s, pipe_end))
-    coarse = len(spans) > max_spans
-    if coarse:
-        # an idle gap under half of one span's share of the step would not show: fold it in
-        spans = _merge_busy(spans, min_idle_s=res.step_time_s * p / (2 * max_spans))
+    coarse = folding or len(spans) > max_spans
+    while len(spans) > max_spans:
+        # an idle gap under half of one span's share of the step would not show: fold it in (and longer ones,
+        # doubling, until the spans fit the budget: a browser stalls for minutes on a chart of 200k bars)
+        before, spans = len(spans), _merge_busy(spans, min_idle_s=min_idle_s)
+        if min_idle_s > res.step_time_s and len(spans) >= before:
+            break  # nothing left to fold: every rank's step is one busy span and its syncs
+        min_idle_s *= 2
     tl = Timeline(spans, source="predicted", meta={
         "case": res.case.name, "chip": res.chip.key, "schedule": lay.pp_schedule, "pp": p,
         "virtual_stages": v,

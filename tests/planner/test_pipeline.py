@@ -4,8 +4,9 @@ import pytest
 
 from planner import passes
 from planner.api import estimate
-from planner.case import Layout
+from planner.case import Cluster, Layout, Parallel
 from planner.simulate import BREAKDOWN_KEYS, ChunkCost, StageCost, pipeline_time_s, simulate
+from planner.timeline import predicted_timeline
 
 
 @pytest.mark.parametrize("p, m, v", [(4, 8, 1), (8, 64, 1), (8, 64, 3), (64, 512, 1), (35, 280, 3)])
@@ -298,3 +299,34 @@ def test_the_timeline_of_a_published_run_ends_at_its_step(name):
     run = next(r for r in load_published_runs(HELDOUT_RUNS) if r["name"] == name)
     est = estimate(run)
     assert est.timeline.end_s == pytest.approx(est.step_time_s, rel=1e-9)
+
+
+def test_a_pipeline_too_long_to_run_pass_by_pass_is_refused_naming_the_batch():
+    """A 16,384-sequence batch through pp 16 at dp 1 is 524,288 passes a step: the search had run five such
+    schedules pass by pass for a minute (the planner page's 'Global batch' slider at 32M tokens); now the
+    layout is left out and the case is told what to change."""
+    from planner.layout_search import MAX_PIPELINE_PASSES
+    from planner.models import SpecError
+    from planner.presets import make_case
+
+    case = make_case("GPT-3 175B", Cluster("a100-80gb", 128, 8), 16384, Parallel(dp=1, tp=8, pp=16, cp=1, ep=1),
+                     micro_batch=1)
+    with pytest.raises(SpecError, match="training.global_batch") as err:
+        estimate(case)
+    assert "524,288 passes" in str(err.value) and f"{MAX_PIPELINE_PASSES:,}" in str(err.value)
+    free = make_case("GPT-3 175B", Cluster("a100-80gb", 128, 8), 16384, Parallel(tp=8))
+    lay = estimate(free).result.layout  # the search picks among the layouts it can run
+    assert 2 * lay.pp * lay.virtual_stages * 16384 // (lay.dp * lay.micro_batch) <= MAX_PIPELINE_PASSES
+
+
+def test_a_timeline_of_thousands_of_micro_batches_stays_within_its_span_budget():
+    """A browser stalled for minutes on the planner page's chart of 262k bars: passes over the budget fold
+    into busy spans as they come, and the idle gaps kept double until the spans fit."""
+    from planner.presets import make_case
+
+    case = make_case("GPT-3 175B", Cluster("a100-80gb", 128, 8), 4096, Parallel(dp=1, tp=8, pp=16, cp=1, ep=1),
+                     micro_batch=1)
+    est = estimate(case)
+    tl = predicted_timeline(est.result, max_spans=2000)
+    assert len(tl.spans) <= 2000 and tl.meta["merged"]
+    assert tl.end_s == pytest.approx(est.step_time_s)
