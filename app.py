@@ -52,7 +52,8 @@ with st.sidebar:
     chip = st.selectbox("Chip", list(CHIPS), index=list(CHIPS).index(DEFAULT_CHIP), key="chip",
                         bind="query-params", help="Keys of hardware/chips.toml; the full name is shown below.")
     st.markdown("**Mesh shape**")
-    cols = st.columns(len(MESH_AXES))
+    # three boxes a row: five in one cut a degree of 1,024 to "10" in the sidebar's width
+    cols = [col for row in range(0, len(MESH_AXES), 3) for col in st.columns(3)][:len(MESH_AXES)]
     mesh = {}
     for col, axis in zip(cols, MESH_AXES, strict=True):
         mesh[axis] = col.number_input(axis, min_value=1, max_value=MAX_AXIS_DEGREE, step=1, key=axis,

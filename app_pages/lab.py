@@ -81,7 +81,8 @@ model = ModelConfig(layers=int(layers), hidden=int(hidden), heads=int(heads), kv
 st.subheader("Mesh and schedule")
 st.caption("Any combination of the axes runs: ranks are laid out pp, dp, fsdp, cp, ep, tp with tp innermost "
            "(consecutive ranks), whatever you set first; the number of processes is the product of the degrees. "
-           "dp, fsdp and ep ranks read different sequences, cp ranks different positions of them.")
+           "dp, fsdp and ep ranks read different sequences, cp ranks different positions of them. Each axis takes "
+           "1 to 8 ranks: a number typed above 8 is not taken (the box marks it), the run keeps the last one taken.")
 axis_help = {"pp": "pipeline stages", "dp": "data-parallel replicas (with fsdp too: HSDP, replicas of the shards)",
              "fsdp": "data-parallel ranks that ZeRO shards over (stage 3 unless you choose 1 or 2)",
              "cp": "context parallel: the sequence split, K/V passed around a ring (Mamba-2: states passed on)",

@@ -234,7 +234,8 @@ if st.button("Find the fastest layouts", type="primary"):
     st.session_state["planner_search"] = report
 report = st.session_state.get("planner_search")
 if report is not None:
-    st.caption(f"{report.considered:,} layouts considered, {report.evaluated:,} simulated in "
+    st.caption(f"{report.considered:,} layouts considered ({report.evaluated:,} simulations of them and their "
+               "ZeRO and recomputation variants) in "
                f"{report.elapsed_s:.2f} s ({report.case.name}). Equal step times are ranked by memory per "
                "chip, then by fewer chips in model-parallel groups (tp x pp x cp): the simpler layout first.")
     rows = []
