@@ -12,6 +12,7 @@ from ui.exercises import bubble_micro_batches, gpipe_bubble
 from ui.live import representative_step
 from ui.pipeline import (
     SCHEDULE_LABELS,
+    bubble_in_words,
     comparison,
     formula_latex,
     held_micro_batches,
@@ -183,7 +184,7 @@ In[S, D] = {spec.seq_len:,} x {spec.hidden:,} bf16 values{f", split over tp = {t
 **{view.p2p_bytes / 1e6:,.1f} MB**, sent in **{view.p2p_s * 1e6:,.0f} µs** over {view.link}. Its forward
 through one stage takes at least **{view.stage_forward_s * 1e3:,.2f} ms** at the chip's peak bf16 FLOP/s, so
 the transfer is about {view.p2p_s / view.stage_forward_s:.1%} of it: pipeline parallel is cheap in bytes,
-and its real cost is the bubble, (p - 1)/m = **{(real_pp - 1) / real_m:.2f}** of the step here with 1F1B.
+and its real cost is the bubble: {bubble_in_words(real_pp, real_m)}.
 """
 )
 st.caption(f"Planner arithmetic (planner/memory.py, hardware/collectives.py): bf16, flash attention, no "

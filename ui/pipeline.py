@@ -235,6 +235,15 @@ def comparison(p: int, m: int, v: int, times: OpTimes) -> tuple[dict[str, Simula
     return sims, rows
 
 
+def bubble_in_words(p: int, m: int) -> str:
+    """1F1B's bubble on real chips, in markdown. (p - 1)/m is the idle time over the ideal compute time
+    (Narayanan et al. 2021 eq. 1), not a share of the step: the step is compute plus bubble, so the idle
+    share is (p - 1)/(m + p - 1)."""
+    ratio = (p - 1) / m
+    return (f"with 1F1B it idles (p − 1)/m = **{ratio:.3g}×** the compute time here, so **{ratio / (1 + ratio):.1%}** "
+            "of the step is bubble, (p − 1)/(m + p − 1)")
+
+
 @dataclass(frozen=True)
 class RealChipView:
     """What pipeline parallel means for one real model on one real chip (planner/ arithmetic)."""

@@ -13,6 +13,7 @@ from tests.ui.apptest_util import open_app
 from ui.pipeline import (
     KIND_LABELS,
     SCHEDULE_LABELS,
+    bubble_in_words,
     comparison,
     grid_cells,
     held_micro_batches,
@@ -96,6 +97,13 @@ def test_comparison_keeps_the_reason_a_schedule_cannot_run():
     assert set(sims) == {"gpipe", "1f1b", "zb-h1"}
 
 
+def test_bubble_in_words_is_a_ratio_to_the_compute_time_not_a_share_of_the_step():
+    # (p-1)/m = 31: the bubble lasts 31 compute times; the step is 32 of them, 31/32 idle
+    words = bubble_in_words(32, 1)
+    assert "**31×** the compute time" in words and "**96.9%** of the step" in words
+    assert "**0.375×**" in bubble_in_words(4, 8) and "**27.3%**" in bubble_in_words(4, 8)  # 3/11
+
+
 def test_activations_held_1f1b_against_gpipe():
     held = {name: held_micro_batches(simulate_schedule(name, 4, 8, 2, EQUAL))
             for name in ("gpipe", "1f1b", "interleaved-1f1b")}
@@ -160,6 +168,16 @@ def test_invalid_interleaved_micro_batches_say_what_to_change():
     assert not at.exception
     assert "multiple of num_ranks (4), got 6: use 4 or 8 micro-batches" in at.error[0].value
     assert len(at.get("plotly_chart")) == 1  # the grid is gone, the other schedules' memory stays
+
+
+def test_page_words_the_real_chip_bubble_as_a_ratio_and_a_share():
+    at = _page(schedule="Interleaved 1F1B", stages="8", micro_batches="1")
+    at.select_slider(key="real_pp").set_value(32)
+    at.select_slider(key="real_m").set_value(1).run()
+    assert not at.exception, [e.value for e in at.exception]
+    text = " ".join(md.value for md in at.markdown)
+    assert "**31×** the compute time here, so **96.9%** of the step is bubble" in text
+    assert "31.00" not in text
 
 
 def test_link_opens_the_chosen_schedule():
