@@ -14,6 +14,7 @@ from ui.pipeline import (
     SCHEDULE_LABELS,
     bubble_in_words,
     comparison,
+    comparison_table,
     formula_latex,
     held_micro_batches,
     in_flight_figure,
@@ -130,14 +131,12 @@ st.subheader("All four schedules, same p and m")
 st.caption(f"p = {p}, m = {m}, interleaved with v = {v}; times as above. \"held\": peak micro-batches of "
            "activations a chip keeps.")
 sims, rows = comparison(p, m, v, times)
-st.dataframe(rows, hide_index=True, width="stretch", column_config={
-    "formula bubble": st.column_config.NumberColumn(format="%.3f"),
-    "simulated bubble": st.column_config.NumberColumn(format="%.3f"),
-    "held, rank 0": st.column_config.NumberColumn(help="peak micro-batches of activations on the first chip",
-                                                  format="%.3g"),
-    "held, last rank": st.column_config.NumberColumn(format="%.3g"),
-    "note": st.column_config.TextColumn(width="large"),
+table, notes = comparison_table(rows)
+st.dataframe(table, hide_index=True, width="stretch", column_config={
+    "held, rank 0": st.column_config.TextColumn(help="peak micro-batches of activations on the first chip"),
 })
+for note in notes:
+    st.caption(note)
 st.markdown(
     f"""
 The memory side: a micro-batch's activations stay on a chip from its forward until its backward
