@@ -240,6 +240,25 @@ def test_the_bound_meter_says_when_tp_is_communication_bound():
     assert text.startswith("**Communication-bound**") and "28,672 / 2,550 = 11.2" in text
 
 
+def test_the_bound_meter_and_the_estimate_each_say_what_they_count():
+    import json
+
+    at = _page(model="Llama 3 8B", chip="h100")  # t = 8: the rule says communication-bound, the estimate 36%
+    assert not at.exception
+    text = _text(at)
+    assert "planner estimate of the whole layer" in text and "communication is **36%** of the compute" in text
+    verdict = next(m.value for m in at.markdown if "Y < F / (C / W)" in m.value)
+    assert verdict.startswith("**Communication-bound** by the rule: one MLP's matmuls take 0.82x")
+    assert "per layer" not in verdict  # the rule counts one MLP, one pass
+    table = next(m.value for m in at.markdown if "| bound meter (the rule) |" in m.value)
+    assert "| 243 µs | 298 µs | **0.82x** |" in table  # 4 s D F / (t C) against 4 s D / W
+    assert "| 4.21 ms | 1.53 ms | **2.75x** |" in table  # 1 / 36%
+    meter = json.loads(at.get("plotly_chart")[2].proto.spec)["layout"]
+    assert meter["title"]["text"] == ("The scaling book's rule at t = 8, one MLP, one pass: "
+                                      "communication-bound")
+    assert meter["xaxis"]["title"]["text"].startswith("µs per MLP pass")
+
+
 def test_the_slider_offers_only_the_degrees_that_split_the_model():
     from ui.tensor_parallel import refused_degrees_text, tp_degrees
 
