@@ -12,7 +12,7 @@ from hardware.chips import CHIPS
 from planner.costs import cluster_chip
 from planner.memory import korthikanti_bytes
 from planner.models import MODEL_PRESETS
-from ui.collectives import format_bytes, format_seconds
+from ui.collectives import format_bytes, format_seconds, markdown_text
 from ui.context_parallel import (
     CP_DEGREES,
     SEQ_LENS,
@@ -247,7 +247,7 @@ try:
                for variant in ("ring", "allgather")}
 except ConfigError as e:
     configs = None
-    st.error(f"This run cannot start: {e}.", icon=":material/block:")
+    st.error(markdown_text(f"This run cannot start: {e}."), icon=":material/block:")
 
 if st.button("Run ring and all-gather on this machine", type="primary", disabled=configs is None):
     run_live("live_cp", list(configs.items()), hint="try 2 processes or fewer steps")

@@ -8,6 +8,7 @@ from app_pages.live_panel import run_live, show_live
 from core.schedules import SCHEDULE_NAMES, ScheduleError, formula_bubble_fraction
 from hardware.chips import CHIPS
 from planner.models import MODEL_PRESETS
+from ui.collectives import markdown_text
 from ui.exercises import bubble_micro_batches, gpipe_bubble
 from ui.live import representative_step
 from ui.pipeline import (
@@ -106,7 +107,7 @@ try:
     sim = simulate_schedule(schedule, p, m, v, times)
 except ScheduleError as e:
     sim = None
-    st.error(f"{SCHEDULE_LABELS[schedule]} cannot run with p = {p}, m = {m}: {e}.")
+    st.error(markdown_text(f"{SCHEDULE_LABELS[schedule]} cannot run with p = {p}, m = {m}: {e}."))
 
 if sim is not None:
     v_used = sim.schedule.virtual_stages
@@ -136,7 +137,7 @@ st.dataframe(table, hide_index=True, width="stretch", column_config={
     "held, rank 0": st.column_config.TextColumn(help="peak micro-batches of activations on the first chip"),
 })
 for note in notes:
-    st.caption(note)
+    st.caption(markdown_text(note))
 st.markdown(
     f"""
 The memory side: a micro-batch's activations stay on a chip from its forward until its backward
@@ -164,7 +165,7 @@ stride = choices.device_mesh().stride("pp")
 try:
     view = real_chip_view(spec, chip, real_pp, real_m, tp=tp, stride=stride)
 except ValueError as e:
-    st.error(f"{e}.")
+    st.error(markdown_text(f"{e}."))
     st.stop()
 if len(set(view.layers_per_stage)) > 1:
     st.warning(f"{spec.layers} layers do not split evenly into {real_pp} stages "

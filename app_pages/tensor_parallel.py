@@ -8,7 +8,7 @@ from hardware.chips import CHIPS
 from planner.bounds import tensor_parallel_bound
 from planner.models import MODEL_PRESETS
 from ui.bound_meter import bound_figure
-from ui.collectives import format_bytes, format_seconds
+from ui.collectives import format_bytes, format_seconds, markdown_text
 from ui.exercises import largest_compute_bound_tp, tp_bytes_per_layer
 from ui.tensor_parallel import (
     MAX_TP,
@@ -67,7 +67,8 @@ default_tp = max(t for t in valid_tp if t <= wanted)
 asked = st.session_state.get("tp_degree", st.query_params.get("tp_degree"))
 if asked is not None and str(asked) not in map(str, valid_tp):
     why = refused_tp.get(int(asked), "not offered") if str(asked).isdigit() else "not a whole number"
-    st.info(f"t = {asked} cannot split {spec.name} ({why}); showing t = {default_tp}.", icon=":material/link_off:")
+    st.info(markdown_text(f"t = {asked} cannot split {spec.name} ({why}); showing t = {default_tp}."),
+            icon=":material/link_off:")
     st.session_state["tp_degree"] = default_tp
 tp = st.select_slider("Tensor-parallel degree t", valid_tp, value=default_tp, key="tp_degree", bind="query-params",
                       help="Chips one layer is split over: only the degrees that split this model's heads, "
@@ -280,7 +281,7 @@ if st.button("Run TP and TP + SP on this machine", type="primary"):
         run_live("live_tp", configs, hint="try 2 processes or fewer steps")
     except ConfigError as e:
         st.session_state.pop("live_tp", None)
-        st.error(f"This run cannot start: {e}.", icon=":material/block:")
+        st.error(markdown_text(f"This run cannot start: {e}."), icon=":material/block:")
 
 live = show_live("live_tp")
 if live:

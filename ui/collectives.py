@@ -18,6 +18,7 @@ communication operations in MPICH"; scaling book Part 3 "Sharded matmuls", with 
 from __future__ import annotations
 
 import math
+import re
 import statistics
 import textwrap
 from collections.abc import Callable
@@ -411,6 +412,12 @@ def format_seconds(seconds: float) -> str:
     if seconds >= 1e-3:
         return f"{seconds * 1e3:.3g} ms"
     return f"{seconds * 1e6:.3g} µs"
+
+
+def markdown_text(message: str) -> str:
+    """An engine or planner message made safe for markdown: a product such as tp*cp reads tp × cp, any other
+    * is escaped, so markdown does not eat two of them and set the words between in italics."""
+    return re.sub(r"(?<=\w)\*(?=\w)", " × ", message).replace("*", "\\*")
 
 
 def crossover_bytes(cost_s: Callable[[float], float]) -> float | None:

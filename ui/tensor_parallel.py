@@ -33,7 +33,7 @@ from planner.case import Layout
 from planner.costs import cluster_chip, layer_cost
 from planner.memory import korthikanti_bytes
 from planner.models import ModelSpec
-from ui.collectives import format_seconds
+from ui.collectives import format_seconds, markdown_text
 from ui.timeline import span_kind
 
 RANK_COLORS = plotly.colors.qualitative.Dark24[:16]
@@ -96,11 +96,12 @@ def tp_degrees(spec: ModelSpec) -> tuple[list[int], dict[int, str]]:
 
 
 def refused_degrees_text(refused: dict[int, str]) -> str:
-    """{t: the engine's message} -> "t = 3, 5, 6 (heads=32 is not divisible by tp); ...", one entry per reason."""
+    """{t: the engine's message} -> "t = 3, 5, 6 (heads=32 is not divisible by tp); ...", one entry per reason,
+    in markdown. This lesson has no cp, so the engine's tp*cp is tp."""
     by_reason: dict[str, list[int]] = {}
     for t, why in refused.items():
-        by_reason.setdefault(re.sub(r"tp=\d+", "tp", why.split(":")[0]), []).append(t)
-    return "; ".join(f"t = {', '.join(map(str, ts))} ({reason})" for reason, ts in by_reason.items())
+        by_reason.setdefault(re.sub(r"tp(\*cp)?=\d+", "tp", why.split(":")[0]), []).append(t)
+    return markdown_text("; ".join(f"t = {', '.join(map(str, ts))} ({reason})" for reason, ts in by_reason.items()))
 
 
 def head_owners(heads: int, kv_heads: int, tp: int) -> tuple[list[int], list[list[int]]]:

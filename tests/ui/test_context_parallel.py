@@ -172,7 +172,9 @@ def test_a_sequence_not_divisible_by_2cp_is_a_message():
     at = _page()
     at.number_input(key="cp_live_seq_len").set_value(30).run()
     assert not at.exception
-    assert "seq_len=30 is not divisible by 2*cp=4" in at.error[0].value
+    # 2*cp written out: two * in one message would set the words between them in italics
+    assert ("seq_len=30 is not divisible by 2 × cp=4: the load-balanced split cuts each sequence into "
+            "2 × cp equal chunks") in at.error[0].value
     assert at.button[0].disabled
 
 

@@ -240,6 +240,21 @@ def test_the_bound_meter_says_when_tp_is_communication_bound():
     assert text.startswith("**Communication-bound**") and "28,672 / 2,550 = 11.2" in text
 
 
+def test_a_product_in_an_engine_message_is_written_out_not_eaten_by_markdown():
+    from ui.collectives import markdown_text
+    from ui.tensor_parallel import refused_degrees_text, tp_degrees
+
+    # GPT-3 175B: seq_len 2,048 is not divisible by 3, 6 or 12, which sequence parallel needs
+    assert refused_degrees_text(tp_degrees(GPT3)[1]).startswith(
+        "t = 3, 6, 12 (seq_len=2048 is not divisible by tp); t = 5, 7, 9")
+    assert markdown_text("2*cp chunks, a * b, V*") == "2 × cp chunks, a \\* b, V\\*"
+    at = _page(model="GPT-3 175B", chip="h100", tp_degree="3")
+    assert not at.exception
+    caption = next(c.value for c in at.caption if c.value.startswith("Not offered for GPT-3 175B"))
+    assert "*" not in caption and "(seq_len=2048 is not divisible by tp)" in caption
+    assert "seq_len=2048 is not divisible by tp × cp=3: sequence parallel" in at.info[0].value
+
+
 def test_the_bound_meter_and_the_estimate_each_say_what_they_count():
     import json
 
