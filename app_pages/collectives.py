@@ -12,6 +12,7 @@ from ui.collectives import (
     COLLECTIVES,
     MAX_RING,
     MIN_RING,
+    all_reduce_note,
     calibration_rows,
     cost_figure,
     crossover_bytes,
@@ -22,6 +23,7 @@ from ui.collectives import (
     ring_figure,
     ring_formula_latex,
     sweep_figure,
+    tree_level,
 )
 from ui.exercises import latency_crossover, ring_bytes
 
@@ -145,23 +147,32 @@ with right:
     st.plotly_chart(cost_figure(topology, sizes, nbytes, title=title), key="cost")
     st.caption(f"Topology: {topology.describe()}. Stars: your array, {array} = {format_bytes(nbytes)}. "
                "Diamonds: each collective's crossover.")
+note = all_reduce_note(topology, sizes[0])
+if note:
+    st.markdown(note)
 
 times = {op: topology.cost_s(op, nbytes) for op in COLLECTIVES}
 crossover = crossover_bytes(topology.all_gather_s)
+trees = tree_level(topology) is not None
 m = st.columns(5)
 for col, op in zip(m, COLLECTIVES, strict=False):
-    col.metric(COLLECTIVE_NAMES[op], format_seconds(times[op]))
+    col.metric(COLLECTIVE_NAMES[op], format_seconds(times[op]),
+               help="double binary trees, not the ring: see below" if op == "all_reduce" and trees else None)
 m[4].metric("Crossover V* (all-gather)", format_bytes(crossover) if crossover else "none")
 bound = "bandwidth" if crossover is not None and nbytes > crossover else "latency"
 st.markdown(
     f"**Worked example.** All-gather of {array} ({format_bytes(nbytes)}) over {group} {chip.name} chips, "
     f"stride {stride}: **{format_seconds(times['all_gather'])}**, {bound}-bound. All-reduce of the same "
-    f"array: {format_seconds(times['all_reduce'])}; all-to-all of {format_bytes(nbytes)} per chip: "
-    f"{format_seconds(times['all_to_all'])}."
+    f"array: {format_seconds(times['all_reduce'])}{' (double binary trees)' if trees else ''}; all-to-all "
+    f"of {format_bytes(nbytes)} per chip: {format_seconds(times['all_to_all'])}"
+    f"{' (straight through the switch)' if isinstance(topology, Switch) else ''}."
 )
 if isinstance(topology, Ring | Switch):
     link = topology.link
-    st.latex(ring_formula_latex("all_gather", group, link.latency_s, link.bytes_per_s, nbytes))
+    st.latex(ring_formula_latex("all_gather", group, link.latency_s, link.bytes_per_s, nbytes, topology.fill_s))
+    if topology.fill_s:
+        st.caption(f"fill: the {format_seconds(topology.fill_s)} the links' pipeline takes to fill, once per "
+                   "collective, measured from NCCL's curves (the achievable links only).")
 elif isinstance(topology, Hierarchy):
     inner_s = topology.inner.all_gather_s(nbytes)
     outer_s = topology.outer.all_gather_s(topology.outer_bytes(nbytes))
@@ -193,7 +204,8 @@ for s, label in placements.items():
     topo = group_topology(chip, group, s, achievable=achievable)
     rows_out.append({"Placement": label, "Topology": topo.describe(),
                      "All-gather": format_seconds(topo.all_gather_s(nbytes)),
-                     "All-reduce": format_seconds(topo.all_reduce_s(nbytes)),
+                     "All-reduce": format_seconds(topo.all_reduce_s(nbytes))
+                     + (" (trees)" if tree_level(topo) is not None else ""),
                      "All-to-all": format_seconds(topo.all_to_all_s(nbytes))})
 st.dataframe(rows_out, hide_index=True, width="stretch")
 

@@ -12,12 +12,13 @@ from hardware.chips import CHIPS
 from planner.costs import cluster_chip
 from planner.memory import korthikanti_bytes
 from planner.models import MODEL_PRESETS
-from ui.collectives import format_bytes, format_seconds
+from ui.collectives import format_bytes, format_seconds, markdown_text
 from ui.context_parallel import (
     CP_DEGREES,
     SEQ_LENS,
     block_attention,
     causal_split_figure,
+    format_flops,
     imbalance,
     live_rows,
     merge_partials,
@@ -150,16 +151,19 @@ and achievable FLOP/s F:
 )
 st.latex(r"""
 \begin{array}{ll}
-\text{transfer of one block:} & T_{comm} = \alpha + \dfrac{2 \cdot B \cdot \frac{S}{cp} \cdot H_{kv} \cdot d
-\cdot e}{W} \\[1.2em]
+\text{transfer of one block:} & T_{comm} = \alpha + T_{fill} + \dfrac{2 \cdot B \cdot \frac{S}{cp} \cdot
+H_{kv} \cdot d \cdot e}{W} \\[1.2em]
 \text{attention of one step:} &
 T_{comp} = \dfrac{\tfrac12 \cdot 4 \cdot B \left(\frac{S}{cp}\right)^2 H\, d}{F}
 \end{array}""")
 st.markdown(
     """
-The 4·B·(S/cp)²·H·d are the two matmuls Q·Kᵀ and P·V of a full block (2 FLOPs per multiply-add); the ½
-is the causal mask with the zig-zag split, where every off-diagonal step computes exactly half a block.
-The ratio does not depend on B or d: the transfer **hides** (latency aside) when
+α is the link's latency and T_fill the time a message spends filling the link's pipeline before it
+flows at W, once per message (measured from NCCL's bandwidth curves: `Link.fill_s` in
+hardware/collectives.py); for small blocks these two, not the bytes, decide. The 4·B·(S/cp)²·H·d are the
+two matmuls Q·Kᵀ and P·V of a full block (2 FLOPs per multiply-add); the ½ is the causal mask with the
+zig-zag split, where every off-diagonal step computes exactly half a block. The ratio of the bandwidth
+term to the compute does not depend on B or d: the transfer **hides** (α and T_fill aside) when
 """
 )
 st.latex(r"\frac{S}{cp} \;\ge\; \frac{H_{kv}}{H} \cdot e \cdot \frac{F}{W}")
@@ -190,9 +194,11 @@ st.markdown(
 For {spec.name} (H = {spec.heads}, H_kv = {spec.kv_heads}, d = {spec.head_dim_}) on {chip.name}, B = 1,
 S = {seq_label(seq_len)}, cp = **{cp}** (group: {row['topology']}; members {stride} ranks apart, past the
 ep x tp ranks inside each, whole heads on each): each rank holds S/cp = **{shard:,}** tokens, a K/V block is
-**{format_bytes(row['kv_block_bytes'])}** and takes **{format_seconds(row['transfer_s'])}** to pass on, while
-its attention step computes {row['block_flops'] / 1e12:,.3g} TFLOP in **{format_seconds(row['compute_s'])}**.
-{verdict} Threshold on this link: S/cp ≥ **{row['threshold_tokens']:,.0f}** tokens.
+**{format_bytes(row['kv_block_bytes'])}** and takes **{format_seconds(row['transfer_s'])}** to pass on
+(α {format_seconds(row['alpha_s'])} + T_fill {format_seconds(row['fill_s'])} + bytes/W
+{format_seconds(row['bandwidth_s'])}), while its attention step computes {format_flops(row['block_flops'])} in
+**{format_seconds(row['compute_s'])}**. {verdict} Threshold on this link: S/cp ≥
+**{row['threshold_tokens']:,.0f}** tokens (the bytes alone; α and T_fill come on top).
 """
 )
 st.plotly_chart(overlap_figure(spec, job_chip, cp, seq_len, stride=stride), key="cp_overlap")
@@ -247,7 +253,7 @@ try:
                for variant in ("ring", "allgather")}
 except ConfigError as e:
     configs = None
-    st.error(f"This run cannot start: {e}.", icon=":material/block:")
+    st.error(markdown_text(f"This run cannot start: {e}."), icon=":material/block:")
 
 if st.button("Run ring and all-gather on this machine", type="primary", disabled=configs is None):
     run_live("live_cp", list(configs.items()), hint="try 2 processes or fewer steps")

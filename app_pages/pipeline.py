@@ -8,11 +8,14 @@ from app_pages.live_panel import run_live, show_live
 from core.schedules import SCHEDULE_NAMES, ScheduleError, formula_bubble_fraction
 from hardware.chips import CHIPS
 from planner.models import MODEL_PRESETS
+from ui.collectives import markdown_text
 from ui.exercises import bubble_micro_batches, gpipe_bubble
 from ui.live import representative_step
 from ui.pipeline import (
     SCHEDULE_LABELS,
+    bubble_in_words,
     comparison,
+    comparison_table,
     formula_latex,
     held_micro_batches,
     in_flight_figure,
@@ -104,7 +107,7 @@ try:
     sim = simulate_schedule(schedule, p, m, v, times)
 except ScheduleError as e:
     sim = None
-    st.error(f"{SCHEDULE_LABELS[schedule]} cannot run with p = {p}, m = {m}: {e}.")
+    st.error(markdown_text(f"{SCHEDULE_LABELS[schedule]} cannot run with p = {p}, m = {m}: {e}."))
 
 if sim is not None:
     v_used = sim.schedule.virtual_stages
@@ -129,14 +132,12 @@ st.subheader("All four schedules, same p and m")
 st.caption(f"p = {p}, m = {m}, interleaved with v = {v}; times as above. \"held\": peak micro-batches of "
            "activations a chip keeps.")
 sims, rows = comparison(p, m, v, times)
-st.dataframe(rows, hide_index=True, width="stretch", column_config={
-    "formula bubble": st.column_config.NumberColumn(format="%.3f"),
-    "simulated bubble": st.column_config.NumberColumn(format="%.3f"),
-    "held, rank 0": st.column_config.NumberColumn(help="peak micro-batches of activations on the first chip",
-                                                  format="%.3g"),
-    "held, last rank": st.column_config.NumberColumn(format="%.3g"),
-    "note": st.column_config.TextColumn(width="large"),
+table, notes = comparison_table(rows)
+st.dataframe(table, hide_index=True, width="stretch", column_config={
+    "held, rank 0": st.column_config.TextColumn(help="peak micro-batches of activations on the first chip"),
 })
+for note in notes:
+    st.caption(markdown_text(note))
 st.markdown(
     f"""
 The memory side: a micro-batch's activations stay on a chip from its forward until its backward
@@ -164,7 +165,7 @@ stride = choices.device_mesh().stride("pp")
 try:
     view = real_chip_view(spec, chip, real_pp, real_m, tp=tp, stride=stride)
 except ValueError as e:
-    st.error(f"{e}.")
+    st.error(markdown_text(f"{e}."))
     st.stop()
 if len(set(view.layers_per_stage)) > 1:
     st.warning(f"{spec.layers} layers do not split evenly into {real_pp} stages "
@@ -183,7 +184,7 @@ In[S, D] = {spec.seq_len:,} x {spec.hidden:,} bf16 values{f", split over tp = {t
 **{view.p2p_bytes / 1e6:,.1f} MB**, sent in **{view.p2p_s * 1e6:,.0f} µs** over {view.link}. Its forward
 through one stage takes at least **{view.stage_forward_s * 1e3:,.2f} ms** at the chip's peak bf16 FLOP/s, so
 the transfer is about {view.p2p_s / view.stage_forward_s:.1%} of it: pipeline parallel is cheap in bytes,
-and its real cost is the bubble, (p - 1)/m = **{(real_pp - 1) / real_m:.2f}** of the step here with 1F1B.
+and its real cost is the bubble: {bubble_in_words(real_pp, real_m)}.
 """
 )
 st.caption(f"Planner arithmetic (planner/memory.py, hardware/collectives.py): bf16, flash attention, no "

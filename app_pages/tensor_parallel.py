@@ -7,14 +7,15 @@ from app_pages.live_panel import run_live, show_live
 from hardware.chips import CHIPS
 from planner.bounds import tensor_parallel_bound
 from planner.models import MODEL_PRESETS
-from ui.bound_meter import bound_figure, verdict_text
-from ui.collectives import format_bytes, format_seconds
+from ui.bound_meter import bound_figure
+from ui.collectives import format_bytes, format_seconds, markdown_text
 from ui.exercises import largest_compute_bound_tp, tp_bytes_per_layer
 from ui.tensor_parallel import (
     MAX_TP,
     MEMORY_MODES,
     activation_bytes,
     activation_figure,
+    bound_bases_table,
     live_rows,
     refused_degrees_text,
     scaling_figure,
@@ -66,7 +67,8 @@ default_tp = max(t for t in valid_tp if t <= wanted)
 asked = st.session_state.get("tp_degree", st.query_params.get("tp_degree"))
 if asked is not None and str(asked) not in map(str, valid_tp):
     why = refused_tp.get(int(asked), "not offered") if str(asked).isdigit() else "not a whole number"
-    st.info(f"t = {asked} cannot split {spec.name} ({why}); showing t = {default_tp}.", icon=":material/link_off:")
+    st.info(markdown_text(f"t = {asked} cannot split {spec.name} ({why}); showing t = {default_tp}."),
+            icon=":material/link_off:")
     st.session_state["tp_degree"] = default_tp
 tp = st.select_slider("Tensor-parallel degree t", valid_tp, value=default_tp, key="tp_degree", bind="query-params",
                       help="Chips one layer is split over: only the degrees that split this model's heads, "
@@ -178,16 +180,29 @@ else:
         f"sequence parallel. On {chip.name} ({here['topology']}) that takes "
         f"**{format_seconds(here['comm_s'])}** per layer, against **{format_seconds(here['compute_s'])}** "
         "of forward and backward compute "
-        f"(planner estimate): communication is **{here['comm_s'] / here['compute_s']:.0%}** of the compute "
-        "time, and Megatron cannot hide it, because the next operation needs the sum."
+        "(planner estimate of the whole layer, attention, MLP and memory-bound ops, at achievable FLOP/s and "
+        f"bandwidth): communication is **{here['comm_s'] / here['compute_s']:.0%}** of the compute time, "
+        "and Megatron cannot hide it, because the next operation needs the sum."
     )
 if tp > 1:
     bound = tensor_parallel_bound(spec, chip, micro_batch * spec.seq_len, tp)
-    st.plotly_chart(bound_figure(bound, f"The bound meter at t = {tp}"), key="tp_bound")
-    st.markdown(verdict_text(bound) + " Both sides grow with the tokens, so the batch does not help: only a "
-                "wider MLP (larger F) or a smaller t does. (The scaling book's rule: peak FLOP/s, the links' "
-                "bandwidth, latency left out; Megatron's all-reduces cannot overlap at all, so on a GPU even "
-                "compute-bound TP pays its communication in full, as the numbers above say.)")
+    meter = bound_figure(bound, f"The scaling book's rule at t = {tp}, one MLP, one pass")
+    meter.update_xaxes(title_text=meter.layout.xaxis.title.text.replace("per layer", "per MLP pass"))
+    st.plotly_chart(meter, key="tp_bound")
+    verdict = "Compute-bound" if bound.compute_bound else "Communication-bound"
+    st.markdown(f"**{verdict}** by the rule: one MLP's matmuls take {bound.math_s / bound.comm_s:,.2f}x its "
+                f"all-gather + reduce-scatter, per pass at peak rates. {bound.rule}. Both sides grow with "
+                "the tokens, so the batch does not help: only a wider MLP (larger F) or a smaller t does. "
+                "(Latency left out; Megatron's all-reduces cannot overlap at all, so on a GPU even "
+                "compute-bound TP pays its communication in full.)")
+    st.markdown(
+        "The meter and the estimate above count different things, so their ratios differ:\n\n"
+        + bound_bases_table(bound, here) + "\n\n"
+        "The rule asks whether one MLP's matmuls could hide its own communication. The estimate adds up "
+        "what the whole layer spends: attention (long at s = "
+        f"{spec.seq_len:,}) and the memory-bound ops add time but no TP bytes, so the layer has more math "
+        "to set against its communication than its MLP alone. Both ratios fall as t grows."
+    )
 title = f"{spec.name} on {chip.name}: one layer, b = {micro_batch}, s = {spec.seq_len:,}"
 st.plotly_chart(scaling_figure(rows, tp, domain, title), key="tp_scaling")
 by_tp = {r["tp"]: r for r in rows}
@@ -266,7 +281,7 @@ if st.button("Run TP and TP + SP on this machine", type="primary"):
         run_live("live_tp", configs, hint="try 2 processes or fewer steps")
     except ConfigError as e:
         st.session_state.pop("live_tp", None)
-        st.error(f"This run cannot start: {e}.", icon=":material/block:")
+        st.error(markdown_text(f"This run cannot start: {e}."), icon=":material/block:")
 
 live = show_live("live_tp")
 if live:

@@ -18,6 +18,7 @@ communication operations in MPICH"; scaling book Part 3 "Sharded matmuls", with 
 from __future__ import annotations
 
 import math
+import re
 import statistics
 import textwrap
 from collections.abc import Callable
@@ -413,6 +414,12 @@ def format_seconds(seconds: float) -> str:
     return f"{seconds * 1e6:.3g} µs"
 
 
+def markdown_text(message: str) -> str:
+    """An engine or planner message made safe for markdown: a product such as tp*cp reads tp × cp, any other
+    * is escaped, so markdown does not eat two of them and set the words between in italics."""
+    return re.sub(r"(?<=\w)\*(?=\w)", " × ", message).replace("*", "\\*")
+
+
 def crossover_bytes(cost_s: Callable[[float], float]) -> float | None:
     """The message size where the bandwidth term equals the latency term (alpha = bytes * beta).
 
@@ -479,16 +486,67 @@ def cost_figure(topology, sizes_bytes: list[int], example_bytes: float | None = 
     return fig
 
 
-def ring_formula_latex(op: str, n: int, alpha_s: float, bytes_per_s: float, nbytes: float) -> str:
-    """The ring / switch formula with this case's numbers substituted, as LaTeX."""
+def _latex_seconds(seconds: float) -> str:
+    """`format_seconds` in LaTeX: 24.6\\,\\text{ms}, 72.2\\,\\mu\\text{s}."""
+    value, unit = format_seconds(seconds).split(" ")
+    return rf"{value}\,\mu\text{{s}}" if unit == "µs" else rf"{value}\,\text{{{unit}}}"
+
+
+def _latex_bytes(nbytes: float) -> str:
+    """Decimal units, to sit over a bandwidth in GB/s: 33.55\\,\\text{MB}."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return rf"{nbytes / scale:.4g}\,\text{{{unit}}}"
+    return rf"{nbytes:.4g}\,\text{{B}}"
+
+
+def ring_formula_latex(op: str, n: int, alpha_s: float, bytes_per_s: float, nbytes: float,
+                       fill_s: float = 0.0) -> str:
+    """The ring / switch formula with this case's numbers substituted, as LaTeX, each time in the unit its
+    size reads best in; `fill_s`, the links' measured pipeline fill (`Link.fill_s`), is added once."""
     # [SB] Part 3 and Thakur et al. 2005: T = (N-1) alpha + (N-1)/N V/W; all-reduce twice that.
     factor = 2 if op == "all_reduce" else 1
     lead = "2" if factor == 2 else ""
-    latency_us = factor * (n - 1) * alpha_s * 1e6
-    bw_us = factor * (n - 1) / n * nbytes / bytes_per_s * 1e6
-    return (rf"T = {lead}\Big[({n}-1)\,{alpha_s * 1e6:.3g}\,\mu s + \tfrac{{{n}-1}}{{{n}}}\cdot"
-            rf"\tfrac{{{nbytes / 1e6:.4g}\,\text{{MB}}}}{{{bytes_per_s / 1e9:.4g}\,\text{{GB/s}}}}\Big]"
-            rf" = {latency_us:.3g}\,\mu s + {bw_us:.4g}\,\mu s = {latency_us + bw_us:.4g}\,\mu s")
+    latency_s = factor * (n - 1) * alpha_s
+    bw_s = factor * (n - 1) / n * nbytes / bytes_per_s
+    fill = rf" + {_latex_seconds(fill_s)}_\text{{fill}}" if fill_s else ""
+    return (rf"T = {lead}\Big[({n}-1)\,{_latex_seconds(alpha_s)} + \tfrac{{{n}-1}}{{{n}}}\cdot"
+            rf"\tfrac{{{_latex_bytes(nbytes)}}}{{{bytes_per_s / 1e9:.4g}\,\text{{GB/s}}}}\Big]{fill}"
+            rf" = {_latex_seconds(latency_s)} + {_latex_seconds(bw_s)}{fill}"
+            rf" = {_latex_seconds(latency_s + bw_s + fill_s)}")
+
+
+def tree_level(topology) -> object | None:
+    """The switch on which `topology`'s all-reduce runs NCCL's double binary trees instead of the ring
+    (hardware.collectives.Switch with `trees`: 2 log2 N latency steps beat the ring's 2(N-1) from N = 3
+    on, at the ring's bandwidth), the outer level of a hierarchy included; None where it is the ring."""
+    from hardware.collectives import Hierarchy, Switch
+
+    level = topology.outer if isinstance(topology, Hierarchy) else topology
+    return level if isinstance(level, Switch) and level.trees and level.n > 2 else None
+
+
+def all_reduce_note(topology, small_bytes: float) -> str | None:
+    """In markdown, why the all-reduce is not the ring of the formula on `topology` (None where it is): the
+    trees' latency against the ring's, and whether that puts its curve under the all-gather's at
+    `small_bytes`."""
+    level = tree_level(topology)
+    if level is None:
+        return None
+    n, alpha_s = level.n, level.link.latency_s
+    steps = 2 * math.ceil(math.log2(n))
+    where = (f"between the {n:,} domains (inside each, the ring)" if level is not topology
+             else f"over the {n:,} chips")
+    under = ""
+    if topology.all_reduce_s(small_bytes) < topology.all_gather_s(small_bytes):
+        under = (" So at small sizes, where latency dominates, its curve lies under the all-gather's"
+                 + (f", whose ring still pays (N − 1)α = {format_seconds((n - 1) * alpha_s)}."
+                    if level is topology else "."))
+    return (f"**All-reduce here is not the ring of the formulas.** Across many nodes NCCL runs it as double "
+            f"binary trees {where} when they are faster (Sanders et al. 2009): 2⌈log₂ {n:,}⌉ = {steps} "
+            f"latency steps, {format_seconds(steps * alpha_s)}, instead of the ring's 2({n:,} − 1) = "
+            f"{2 * (n - 1):,}, {format_seconds(2 * (n - 1) * alpha_s)}; the bandwidth term stays the ring's "
+            f"2(N − 1)/N · V/W.{under}")
 
 
 # ---- live sweep -----------------------------------------------------------------------------------

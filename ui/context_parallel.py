@@ -36,6 +36,14 @@ def seq_label(tokens: int) -> str:
     return f"{tokens // 2**20}M" if tokens >= 2**20 else f"{tokens // 2**10}K"
 
 
+def format_flops(flops: float) -> str:
+    """FLOPs in the decimal unit their size reads best in: 134 MFLOP, 2.2 TFLOP."""
+    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
+        if flops >= scale:
+            return f"{flops / scale:.3g} {unit}"
+    return f"{flops:.3g} FLOP"
+
+
 # ---- which rank computes which block of the causal attention matrix ----------------------------------
 
 def chunk_owner(chunk: int, cp: int, split: str) -> int:
@@ -206,11 +214,13 @@ def overlap_row(spec: ModelSpec, chip: Chip, cp: int, seq_len: int, micro_batch:
     transfer_s = topo.p2p_s(kv_bytes)
     flops = block_flops(spec, micro_batch, seq_len, cp)
     compute_s = flash_attention_s(chip, flops, seq_len / cp, best_flash_kernel(chip), spec.head_dim_)[0]
-    latency_s = topo.p2p_s(0.0)
+    latency_s = topo.p2p_s(0.0)  # alpha and the link's pipeline fill (Link.fill_s), once per message
     link_bytes_per_s = kv_bytes / (transfer_s - latency_s) if transfer_s > latency_s else None
     return {
         "cp": cp, "seq_len": seq_len, "topology": topo.describe(),
         "kv_block_bytes": kv_bytes, "transfer_s": transfer_s, "block_flops": flops, "compute_s": compute_s,
+        # transfer_s = alpha_s + fill_s + bandwidth_s, each shown on the page
+        "alpha_s": latency_s - topo.fill_s, "fill_s": topo.fill_s, "bandwidth_s": transfer_s - latency_s,
         "hidden": transfer_s <= compute_s,
         # cp-1 transfers per layer's forward; whatever each step's compute cannot cover waits
         "ring_exposed_s": (cp - 1) * max(0.0, transfer_s - compute_s),

@@ -235,6 +235,37 @@ def comparison(p: int, m: int, v: int, times: OpTimes) -> tuple[dict[str, Simula
     return sims, rows
 
 
+NO_VALUE = "—"  # a schedule that cannot run has no bubble or memory to show
+
+
+def comparison_table(rows: list[dict]) -> tuple[list[dict], list[str]]:
+    """`comparison`'s rows for display: numbers as text, "—" where a schedule cannot run (a table shows a
+    missing number as "None"), and the notes taken out of the table as one line each (a grid cell cuts a
+    sentence off), schedules with the same note named together."""
+    shown = []
+    notes: dict[str, list[str]] = {}
+    for row in rows:
+        runs = row["simulated bubble"] is not None
+        shown.append({
+            "schedule": row["schedule"], "formula": row["formula"],
+            **{k: f"{row[k]:.3f}" if runs else NO_VALUE for k in ("formula bubble", "simulated bubble")},
+            **{k: f"{row[k]:.3g}" if runs else NO_VALUE for k in ("held, rank 0", "held, last rank")},
+        })
+        if row["note"]:
+            note = row["note"] if runs else f"cannot run here: {row['note']}"
+            notes.setdefault(note, []).append(row["schedule"])
+    return shown, [f"{', '.join(names)}: {note}." for note, names in notes.items()]
+
+
+def bubble_in_words(p: int, m: int) -> str:
+    """1F1B's bubble on real chips, in markdown. (p - 1)/m is the idle time over the ideal compute time
+    (Narayanan et al. 2021 eq. 1), not a share of the step: the step is compute plus bubble, so the idle
+    share is (p - 1)/(m + p - 1)."""
+    ratio = (p - 1) / m
+    return (f"with 1F1B it idles (p − 1)/m = **{ratio:.3g}×** the compute time here, so **{ratio / (1 + ratio):.1%}** "
+            "of the step is bubble, (p − 1)/(m + p − 1)")
+
+
 @dataclass(frozen=True)
 class RealChipView:
     """What pipeline parallel means for one real model on one real chip (planner/ arithmetic)."""

@@ -28,10 +28,12 @@ from core.timeline import Timeline
 from engine.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, validate
 from hardware.chips import Chip
 from hardware.collectives import Topology, group_topology
+from planner.bounds import Bound
 from planner.case import Layout
 from planner.costs import cluster_chip, layer_cost
 from planner.memory import korthikanti_bytes
 from planner.models import ModelSpec
+from ui.collectives import format_seconds, markdown_text
 from ui.timeline import span_kind
 
 RANK_COLORS = plotly.colors.qualitative.Dark24[:16]
@@ -94,11 +96,12 @@ def tp_degrees(spec: ModelSpec) -> tuple[list[int], dict[int, str]]:
 
 
 def refused_degrees_text(refused: dict[int, str]) -> str:
-    """{t: the engine's message} -> "t = 3, 5, 6 (heads=32 is not divisible by tp); ...", one entry per reason."""
+    """{t: the engine's message} -> "t = 3, 5, 6 (heads=32 is not divisible by tp); ...", one entry per reason,
+    in markdown. This lesson has no cp, so the engine's tp*cp is tp."""
     by_reason: dict[str, list[int]] = {}
     for t, why in refused.items():
-        by_reason.setdefault(re.sub(r"tp=\d+", "tp", why.split(":")[0]), []).append(t)
-    return "; ".join(f"t = {', '.join(map(str, ts))} ({reason})" for reason, ts in by_reason.items())
+        by_reason.setdefault(re.sub(r"tp(\*cp)?=\d+", "tp", why.split(":")[0]), []).append(t)
+    return markdown_text("; ".join(f"t = {', '.join(map(str, ts))} ({reason})" for reason, ts in by_reason.items()))
 
 
 def head_owners(heads: int, kv_heads: int, tp: int) -> tuple[list[int], list[list[int]]]:
@@ -257,6 +260,21 @@ def scaling_rows(spec: ModelSpec, chip: Chip, micro_batch: int, tps: list[int], 
                      "comm_spread_s": tp_comm_seconds_per_layer(spread, spec, micro_batch, False),
                      "compute_s": cost.fwd_compute_s + cost.bwd_compute_s})
     return rows
+
+
+def bound_bases_table(bound: Bound, row: dict) -> str:
+    """The bound meter's and the planner estimate's math against communication side by side, in markdown,
+    each saying what it counts: the meter is the scaling book's rule (one MLP, one pass, peak rates), the
+    estimate `row` of `scaling_rows` is the whole layer, forward and backward, at achievable rates."""
+    lines = ["| | counts | math | communication | math / communication |", "|---|---|---|---|---|"]
+    lines.append(f"| bound meter (the rule) | one MLP, one pass: its matmuls at peak FLOP/s, its all-gather + "
+                 f"reduce-scatter at the links' full bandwidth | {format_seconds(bound.math_s)} | "
+                 f"{format_seconds(bound.comm_s)} | **{bound.math_s / bound.comm_s:,.2f}x** |")
+    lines.append(f"| planner estimate | the whole layer, forward and backward: attention, MLP and the "
+                 f"memory-bound ops, and its {TP_COLLECTIVES_PER_LAYER} all-reduces, at achievable FLOP/s "
+                 f"and bandwidth | {format_seconds(row['compute_s'])} | {format_seconds(row['comm_s'])} | "
+                 f"**{row['compute_s'] / row['comm_s']:,.2f}x** |")
+    return "\n".join(lines)
 
 
 def scaling_figure(rows: list[dict], chosen_tp: int, domain: int, title: str) -> go.Figure:

@@ -148,7 +148,11 @@ def test_worked_example_all_gather_of_bf16_1024_by_16384_on_8_h100():
     # scaling book Part 12 style: (N-1)/N V/W = 7/8 * 33.55 MB / 450 GB/s = 65.2 us, plus 7 x 1 us latency
     nbytes = 2 * 1024 * 16384
     latex = ring_formula_latex("all_gather", 8, 1e-6, 450e9, nbytes)
-    assert "65.24" in latex and "72.24" in latex
+    assert r"= 7\,\mu\text{s} + 65.2\,\mu\text{s} = 72.2\,\mu\text{s}" in latex
+    assert r"\tfrac{33.55\,\text{MB}}{450\,\text{GB/s}}" in latex
+    # the measured pipeline fill is a term of its own, so the sum is the cost model's
+    assert r"+ 3\,\mu\text{s}_\text{fill} = 75.2\,\mu\text{s}" in ring_formula_latex(
+        "all_gather", 8, 1e-6, 450e9, nbytes, fill_s=3e-6)
     # the table's H100: 7 ring steps of 1.5 us on the spec link; achievable adds the measured
     # efficiency and pipeline fill
     h100 = CHIPS["h100"]
@@ -238,6 +242,30 @@ def test_crossing_nodes_costs_more_than_staying_on_nvlink():
     text = next(m.value for m in inside.markdown if "2 domains of 8 chips" in m.value)
     assert "one ring per card through every chip of the group" in text and "15/16 of that share" in text
     assert float(_metric(across, "All-gather").split()[0]) > float(_metric(inside, "All-gather").split()[0])
+
+
+def test_a_tree_all_reduce_is_named_and_the_equation_reads_in_ms():
+    # 4,096 chips one per node: 2 GiB gathered over the network; NCCL's all-reduce runs double binary trees
+    at = _page(group="4096", stride="4096", rows="65536")
+    assert not at.exception, [e.value for e in at.exception]
+    assert (_metric(at, "All-gather"), _metric(at, "All-reduce")) == ("67.5 ms", "86 ms")
+    assert next(m for m in at.metric if m.label == "All-reduce").proto.help.startswith("double binary trees")
+    note = next(m.value for m in at.markdown if "not the ring of the formulas" in m.value)
+    assert "2⌈log₂ 4,096⌉ = 24 latency steps, 144 µs, instead of the ring's 2(4,096 − 1) = 8,190" in note
+    assert "its curve lies under the all-gather's" in note
+    assert any("86 ms (double binary trees)" in m.value for m in at.markdown if "Worked example" in m.value)
+    latex = [e.proto.body for e in at.get("latex")]
+    assert any(r"= 24.6\,\text{ms} + 42.9\,\text{ms} = 67.5\,\text{ms}" in b for b in latex), latex
+    table = next(d.value for d in at.dataframe if "Placement" in d.value.columns)
+    assert table["All-reduce"].iloc[-1] == "86 ms (trees)"  # one chip per node, the placement asked for
+
+
+def test_the_worked_equation_adds_the_achievable_links_fill():
+    at = _page(achievable="true")
+    assert not at.exception
+    body = next(e.proto.body for e in at.get("latex") if "_\\text{fill}" in e.proto.body)
+    assert f"= {_metric(at, 'All-gather').replace(' µs', '')}\\,\\mu\\text{{s}}\n$$" in body
+    assert not any("not the ring of the formulas" in m.value for m in at.markdown)  # NVLink: rings
 
 
 def test_engine_failure_shows_an_error_not_a_traceback(monkeypatch):

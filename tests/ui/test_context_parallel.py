@@ -13,6 +13,7 @@ from ui.context_parallel import (
     block_attention,
     block_owners,
     causal_split_figure,
+    format_flops,
     imbalance,
     kv_overlap_fraction,
     live_kv_bytes_formula,
@@ -111,6 +112,17 @@ def test_a_short_shard_across_nodes_is_exposed():
                                               + row["kv_block_bytes"] / w)
     assert not row["hidden"]
     assert row["ring_exposed_s"] == pytest.approx(15 * (row["transfer_s"] - row["compute_s"]))
+    # the page shows the three terms, and they add up to the transfer
+    assert (row["alpha_s"], row["fill_s"]) == (pytest.approx(H100.scaleout_latency_s),
+                                               pytest.approx(H100.scaleout_fill_s))
+    assert row["bandwidth_s"] == pytest.approx(row["kv_block_bytes"] / w)
+    assert row["alpha_s"] + row["fill_s"] + row["bandwidth_s"] == pytest.approx(row["transfer_s"])
+
+
+def test_flops_read_in_the_unit_their_size_needs():
+    assert format_flops(134217728) == "134 MFLOP"
+    assert [format_flops(f) for f in (2.2e12, 3.44e10, 1.5e15, 999)] == ["2.2 TFLOP", "34.4 GFLOP",
+                                                                          "1.5 PFLOP", "999 FLOP"]
 
 
 # ---- live-run bookkeeping ----------------------------------------------------------------------------
@@ -157,6 +169,17 @@ def test_page_opens_with_numbers_for_the_sidebar_model():
     assert len(at.get("plotly_chart")) == 2  # split picture, overlap; no live run yet
 
 
+def test_a_small_block_shows_the_fill_that_makes_up_its_transfer():
+    # cp = 64 at S = 8K across 8 nodes: 512 KiB take 11 µs of bytes but 154 µs in all, mostly the fill
+    at = _page(model="Llama 3 8B", chip="h100", cp_degree="64", cp_seq_len="8K")
+    assert not at.exception
+    text = _text(at)
+    assert ("a K/V block is **512 KiB** and takes **154 µs** to pass on (α 6 µs + T_fill 137 µs + bytes/W "
+            "11.2 µs), while its attention step computes 134 MFLOP in") in text
+    assert "TFLOP" not in text
+    assert any(r"T_{comm} = \alpha + T_{fill} +" in e.proto.body for e in at.get("latex"))
+
+
 def test_sliders_change_the_numbers():
     at = _page(model="Llama 3 8B", chip="h100")
     at.select_slider(key="cp_degree").set_value(16)
@@ -172,7 +195,9 @@ def test_a_sequence_not_divisible_by_2cp_is_a_message():
     at = _page()
     at.number_input(key="cp_live_seq_len").set_value(30).run()
     assert not at.exception
-    assert "seq_len=30 is not divisible by 2*cp=4" in at.error[0].value
+    # 2*cp written out: two * in one message would set the words between them in italics
+    assert ("seq_len=30 is not divisible by 2 × cp=4: the load-balanced split cuts each sequence into "
+            "2 × cp equal chunks") in at.error[0].value
     assert at.button[0].disabled
 
 

@@ -13,7 +13,9 @@ from tests.ui.apptest_util import open_app
 from ui.pipeline import (
     KIND_LABELS,
     SCHEDULE_LABELS,
+    bubble_in_words,
     comparison,
+    comparison_table,
     grid_cells,
     held_micro_batches,
     in_flight_figure,
@@ -96,6 +98,26 @@ def test_comparison_keeps_the_reason_a_schedule_cannot_run():
     assert set(sims) == {"gpipe", "1f1b", "zb-h1"}
 
 
+def test_comparison_table_shows_a_dash_where_a_schedule_cannot_run_and_its_notes_in_full():
+    _, rows = comparison(8, 1, 2, op_times(2.0, 0.5))
+    table, notes = comparison_table(rows)
+    interleaved = next(r for r in table if r["schedule"] == "Interleaved 1F1B")
+    assert [interleaved[k] for k in ("formula bubble", "simulated bubble", "held, rank 0", "held, last rank")] \
+        == ["—"] * 4
+    assert "note" not in interleaved  # a grid cell cut the sentence off: the notes go under the table
+    assert next(r for r in table if r["schedule"] == "GPipe")["formula bubble"] == "7.000"
+    assert notes == ["GPipe, 1F1B, ZB-H1: the formula leaves communication out.",
+                     "Interleaved 1F1B: cannot run here: interleaved-1f1b needs num_micro_batches to be a "
+                     "multiple of num_ranks (8), got 1: use 8 micro-batches."]
+
+
+def test_bubble_in_words_is_a_ratio_to_the_compute_time_not_a_share_of_the_step():
+    # (p-1)/m = 31: the bubble lasts 31 compute times; the step is 32 of them, 31/32 idle
+    words = bubble_in_words(32, 1)
+    assert "**31×** the compute time" in words and "**96.9%** of the step" in words
+    assert "**0.375×**" in bubble_in_words(4, 8) and "**27.3%**" in bubble_in_words(4, 8)  # 3/11
+
+
 def test_activations_held_1f1b_against_gpipe():
     held = {name: held_micro_batches(simulate_schedule(name, 4, 8, 2, EQUAL))
             for name in ("gpipe", "1f1b", "interleaved-1f1b")}
@@ -160,6 +182,21 @@ def test_invalid_interleaved_micro_batches_say_what_to_change():
     assert not at.exception
     assert "multiple of num_ranks (4), got 6: use 4 or 8 micro-batches" in at.error[0].value
     assert len(at.get("plotly_chart")) == 1  # the grid is gone, the other schedules' memory stays
+
+
+def test_page_words_the_real_chip_bubble_and_leaves_no_none_in_the_table():
+    at = _page(schedule="Interleaved 1F1B", stages="8", micro_batches="1")
+    at.select_slider(key="real_pp").set_value(32)
+    at.select_slider(key="real_m").set_value(1).run()
+    assert not at.exception, [e.value for e in at.exception]
+    text = " ".join(md.value for md in at.markdown)
+    assert "**31×** the compute time here, so **96.9%** of the step is bubble" in text
+    assert "31.00" not in text
+    table = at.dataframe[0].value
+    assert "note" not in table.columns and not table.isna().any().any()
+    assert (table[table["schedule"] == "Interleaved 1F1B"].iloc[0, 2:] == "—").all()
+    assert any("Interleaved 1F1B: cannot run here" in c.value and "use 8 micro-batches" in c.value
+               for c in at.caption)
 
 
 def test_link_opens_the_chosen_schedule():

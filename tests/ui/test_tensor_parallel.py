@@ -240,6 +240,40 @@ def test_the_bound_meter_says_when_tp_is_communication_bound():
     assert text.startswith("**Communication-bound**") and "28,672 / 2,550 = 11.2" in text
 
 
+def test_a_product_in_an_engine_message_is_written_out_not_eaten_by_markdown():
+    from ui.collectives import markdown_text
+    from ui.tensor_parallel import refused_degrees_text, tp_degrees
+
+    # GPT-3 175B: seq_len 2,048 is not divisible by 3, 6 or 12, which sequence parallel needs
+    assert refused_degrees_text(tp_degrees(GPT3)[1]).startswith(
+        "t = 3, 6, 12 (seq_len=2048 is not divisible by tp); t = 5, 7, 9")
+    assert markdown_text("2*cp chunks, a * b, V*") == "2 × cp chunks, a \\* b, V\\*"
+    at = _page(model="GPT-3 175B", chip="h100", tp_degree="3")
+    assert not at.exception
+    caption = next(c.value for c in at.caption if c.value.startswith("Not offered for GPT-3 175B"))
+    assert "*" not in caption and "(seq_len=2048 is not divisible by tp)" in caption
+    assert "seq_len=2048 is not divisible by tp × cp=3: sequence parallel" in at.info[0].value
+
+
+def test_the_bound_meter_and_the_estimate_each_say_what_they_count():
+    import json
+
+    at = _page(model="Llama 3 8B", chip="h100")  # t = 8: the rule says communication-bound, the estimate 36%
+    assert not at.exception
+    text = _text(at)
+    assert "planner estimate of the whole layer" in text and "communication is **36%** of the compute" in text
+    verdict = next(m.value for m in at.markdown if "Y < F / (C / W)" in m.value)
+    assert verdict.startswith("**Communication-bound** by the rule: one MLP's matmuls take 0.82x")
+    assert "per layer" not in verdict  # the rule counts one MLP, one pass
+    table = next(m.value for m in at.markdown if "| bound meter (the rule) |" in m.value)
+    assert "| 243 µs | 298 µs | **0.82x** |" in table  # 4 s D F / (t C) against 4 s D / W
+    assert "| 4.21 ms | 1.53 ms | **2.75x** |" in table  # 1 / 36%
+    meter = json.loads(at.get("plotly_chart")[2].proto.spec)["layout"]
+    assert meter["title"]["text"] == ("The scaling book's rule at t = 8, one MLP, one pass: "
+                                      "communication-bound")
+    assert meter["xaxis"]["title"]["text"].startswith("µs per MLP pass")
+
+
 def test_the_slider_offers_only_the_degrees_that_split_the_model():
     from ui.tensor_parallel import refused_degrees_text, tp_degrees
 
