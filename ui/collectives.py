@@ -622,13 +622,15 @@ def sweep_figure(result: MachineLink) -> go.Figure:
 
 def _timed_as(mode: str, gap_s: float) -> str:
     """How the calibration timed an operation (hardware.this_machine.CommFit's modes), in words."""
-    from hardware.this_machine import ALONE_MODE, BLOCKING_MODES, PAIR_MODE, POST_MODE, message_mode
+    from hardware.this_machine import ALONE_MODE, BACK_TO_BACK_MODE, BLOCKING_MODES, PAIR_MODE, POST_MODE, message_mode
 
     message = message_mode(mode)
     if message:
         how, k = message
         words = {"late": "receive posted after its send", "early": "sent to a receive already waiting"}[how]
         return f"{words}, {k} sender{'s' if k > 1 else ''} computing" if k else f"{words}, its sender blocked"
+    if mode == BACK_TO_BACK_MODE:
+        return "blocking, right after another (no compute between)"
     after = f"after {format_seconds(gap_s)} of compute"
     if mode in BLOCKING_MODES:
         return f"blocking, {after}"

@@ -124,7 +124,7 @@ def ring_hiding_shard(spec: ModelSpec, chip: Chip, cp: int, seq_len: int, row: d
          f"H_kv / H = {spec.kv_heads} / {spec.heads}, e = 2 bytes, F / W on this link (achievable): "
          f"S/cp ≥ **{t:,.0f} tokens**.",
          f"S/cp = {shard:,} is {'above' if shard >= t else 'below'} it: the ring is "
-         f"{'hidden' if shard >= t else 'exposed'} (latency aside)."])
+         f"{'hidden' if shard >= t else 'exposed'} by its bytes (latency and the links' fill aside)."])
 
 
 def compute_bound_tokens(chip: Chip, d: int, f: int, dtype: str = "bf16") -> Exercise:
