@@ -245,7 +245,7 @@ def no_fit_error(case: Case, report: SearchReport) -> SpecError:
     layouts divide but none fits, the least memory one needs."""
     if not report.considered:
         return _search.no_layout_error(case, costs.case_chip(case.cluster))
-    least = _search.choose(case)
+    least = _search.leanest(case)  # the search itself ranked nothing
     lay = least.layout
     shape = (f"dp {lay.dp}, tp {lay.tp}, pp {lay.pp}, cp {lay.cp}" + (f", ep {lay.ep}" if lay.ep > 1 else "")
              + f", ZeRO-{lay.zero_stage}, recompute {lay.recompute_label}")

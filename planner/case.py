@@ -626,10 +626,11 @@ def _divides(a: int, b: int) -> bool:
     return b % a == 0
 
 
-# The most sequences a step may take: twice the largest published batch (65,536 sequences of 128 tokens, You
-# et al. 2020, "Large Batch Optimization for Deep Learning: Training BERT in 76 minutes", LAMB). A pipeline
-# runs its micro-batches pass by pass (planner.passes), so a mistyped 10^15 would never finish.
-MAX_GLOBAL_BATCH = 2 ** 17
+# The most sequences a step may take: 2^24, 256x the largest published batch (65,536 sequences of 128 tokens,
+# You et al. 2020, "Large Batch Optimization for Deep Learning: Training BERT in 76 minutes", LAMB), room for a
+# sequence per chip on the largest clusters. A mistyped 10^15 is refused here (pipelines also stop at
+# layout_search.MAX_PIPELINE_PASSES).
+MAX_GLOBAL_BATCH = 2 ** 24
 
 
 def check_fixed(case: Case) -> None:
@@ -637,7 +638,8 @@ def check_fixed(case: Case) -> None:
     m, p, n, t = case.model, case.parallel, case.cluster.num_chips, case.training
     if t.global_batch > MAX_GLOBAL_BATCH:
         raise SpecError("training.global_batch", f"{t.global_batch:,} sequences is more than the {MAX_GLOBAL_BATCH:,} "
-                        "the planner models (the largest published batch is 65,536); check the number")
+                        "the planner models (the largest published batch is 65,536; a step takes at least one "
+                        "sequence per chip, so fewer chips or a smaller batch)")
     if t.recompute == "dots" and not dots_modelled(m):
         raise SpecError("training.recompute", "\"dots\" (JAX's checkpoint_dots_with_no_batch_dims) is modelled for "
                         "dense attention + MLP layers only, not MoE or Mamba layers: use \"full\" or \"selective\"")
@@ -671,10 +673,6 @@ def check_fixed(case: Case) -> None:
                         f"use tp in {[d for d in range(1, m.ssm_groups + 1) if ssm_tp_ok(m, d)]}")
     if case.training.ssm_cp is not None and not m.has_ssm:
         raise SpecError("training.ssm_cp", "applies to Mamba-2 layers, which the model has none of: leave it null")
-    per_node = case.cluster.chips_per_node
-    if per_node and n > per_node and n % per_node:
-        raise SpecError("cluster.chips_per_node", f"{per_node} does not divide num_chips={n}: a cluster is whole nodes "
-                        f"(use a num_chips that is a multiple of {per_node}, or fewer chips than one node)")
     if case.training.ssm_cp == "alltoall" and p.tp and p.cp and m.has_ssm and not ssm_alltoall_ok(m, p.tp, p.cp):
         raise SpecError("training.ssm_cp", f"\"alltoall\" reshards heads over tp*cp = {p.tp * p.cp} ranks, which "
                         f"must divide the {m.ssm_heads} SSM heads and ssm_groups={m.ssm_groups}; use \"state\" "

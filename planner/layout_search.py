@@ -144,16 +144,18 @@ def _mesh_shapes(case: Case, chip: Chip) -> Iterator[tuple[int, int, int, int]]:
 MAX_PIPELINE_PASSES = 2 ** 17
 
 
-def _pipeline_passes(pp: int, v: int, micro_batches: int, runs: int) -> int:
-    return 2 * pp * v * micro_batches * runs
+def _pipeline_passes(sched: str, pp: int, v: int, micro_batches: int, runs: int) -> int:
+    """The passes planner.passes.plan builds for a step (at most: the gaps between runs are staged ZeRO-3's):
+    a forward and a backward of each micro-batch through each model chunk, ZB-H1's backward in two."""
+    return (3 if sched == "zb-h1" else 2) * pp * v * micro_batches * runs + (runs - 1) * pp
 
 
 def _schedules(case: Case, pp: int, micro_batches: int, capped: bool = True) -> Iterator[tuple[str, int]]:
     """The (schedule, virtual stages) a layout of `pp` stages may run `micro_batches` per run with; `capped`:
     only those within MAX_PIPELINE_PASSES."""
+    runs = case.training.schedule_runs or 1
     for sched, v in _all_schedules(case, pp, micro_batches):
-        runs = case.training.schedule_runs or 1
-        if not capped or pp == 1 or _pipeline_passes(pp, v, micro_batches, runs) <= MAX_PIPELINE_PASSES:
+        if not capped or pp == 1 or _pipeline_passes(sched, pp, v, micro_batches, runs) <= MAX_PIPELINE_PASSES:
             yield sched, v
 
 
@@ -162,7 +164,7 @@ def _all_schedules(case: Case, pp: int, micro_batches: int) -> Iterator[tuple[st
     if pp == 1:
         # one stage: every schedule is the same sequence of passes; a case that states a pipeline's schedule
         # (other than plain 1F1B) or its model chunks asks for stages
-        if p.pp_schedule in (None, "1f1b") and p.virtual_stages in (None, 1):
+        if p.pp is not None or (p.pp_schedule in (None, "1f1b") and p.virtual_stages in (None, 1)):
             yield "1f1b", 1
         return
     schedules = [p.pp_schedule] if p.pp_schedule else ["1f1b", "interleaved-1f1b", "zb-h1"]
@@ -415,6 +417,11 @@ def choose(case: Case) -> StepResult:
     res = search(case, top=1)
     if res.ranked:
         return res.ranked[0]
+    return leanest(case)
+
+
+def leanest(case: Case) -> StepResult:
+    """The layout needing the least memory per chip, simulated (fits False where nothing fits)."""
     cl, t = case.cluster, case.training
     chip = costs.case_chip(cl)
     best, best_bytes = None, float("inf")
@@ -442,8 +449,8 @@ def no_layout_error(case: Case, chip: Chip) -> SpecError:
     its value; else the cluster's size."""
     cl = case.cluster
     where = f"{case.model.name} on {cl.num_chips} x {cl.chip}"
-    fewest = min((_pipeline_passes(lay.pp, lay.virtual_stages, case.training.global_batch // lay.dp
-                                   // lay.micro_batch // lay.schedule_runs, lay.schedule_runs)
+    fewest = min((_pipeline_passes(lay.pp_schedule, lay.pp, lay.virtual_stages, case.training.global_batch
+                                   // lay.dp // lay.micro_batch // lay.schedule_runs, lay.schedule_runs)
                   for lay in itertools.islice(candidate_layouts(case, chip, capped=False), 10_000)), default=0)
     if fewest > MAX_PIPELINE_PASSES:  # layouts divide, but only as pipelines too long to run pass by pass
         return SpecError("training.global_batch", f"its {case.training.global_batch:,} sequences make every pipeline "

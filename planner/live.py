@@ -244,10 +244,12 @@ class _Costs:
     def cat(self, parts: int) -> float:
         return self.compute_fit("cat").fwd(parts)
 
-    def comm(self, kind: str, n: int, nbytes: float, mode: str = "sync", gap_s: float | None = None) -> float:
+    def comm(self, kind: str, n: int, nbytes: float, mode: str = "sync", gap_s: float | None = None,
+             after_collective: bool = False) -> float:
         """Seconds of one operation; a blocking one ("sync") after `gap_s` of the rank's compute (one
         core's seconds) reads the calibration at that gap (engine/calibrate.SYNC_GAPS_S), else at the
-        calibration's usual gap."""
+        calibration's usual gap; `after_collective`: the rank's last communication was a blocking collective
+        (below the shortest measured gap it then reads toward the back-to-back timing)."""
         if n <= 1:
             return 0.0
         size = _nearest(n, self._sizes(kind, mode))
@@ -255,21 +257,21 @@ class _Costs:
         if mode == "async" and fit.burst:
             return self._async_op_s(kind, size, nbytes, fit)
         if mode == "sync" and gap_s is not None:
-            return self._after_gap_s(kind, size, nbytes, gap_s * self.share, fit)
+            return self._after_gap_s(kind, size, nbytes, gap_s * self.share, fit, after_collective)
         return fit.seconds(nbytes)
 
-    def _after_gap_s(self, kind: str, n: int, nbytes: float, gap_s: float, fit) -> float:
+    def _after_gap_s(self, kind: str, n: int, nbytes: float, gap_s: float, fit, after_collective: bool) -> float:
         """A blocking operation after `gap_s` of compute: linear in log(gap) between the two measured gaps
-        around it, the nearest measured one outside them; right after another operation (no compute
+        around it, the nearest measured one outside them; right after another blocking collective (no compute
         between) as the calibration timed them back to back, and below the shortest measured gap linear
-        between the two."""
+        between the two (after a wait or a message, not a collective, at the shortest measured gap)."""
         by_gap = {f.gap_s: f for f in (self.cal.comm.get(comm_key(self.cfg.world, kind, n, mode))
                                        for mode in BLOCKING_MODES) if f is not None and f.gap_s > 0}
         if len(by_gap) < 2:
             return fit.seconds(nbytes)
         fits = [by_gap[g] for g in sorted(by_gap)]
         b2b = self.cal.comm.get(comm_key(self.cfg.world, kind, n, BACK_TO_BACK_MODE))
-        if b2b is not None and gap_s < fits[0].gap_s:
+        if b2b is not None and after_collective and gap_s < fits[0].gap_s:
             x = max(0.0, gap_s) / fits[0].gap_s
             return (1 - x) * b2b.seconds(nbytes) + x * fits[0].seconds(nbytes)
         g = min(max(gap_s, fits[0].gap_s), fits[-1].gap_s)
@@ -430,6 +432,7 @@ class _Rank:
         self.since_comm = 0.0  # one core's compute seconds since the rank's last communication
         self.compute_scale = 1.0  # the share of a unit's backward a pass runs (ZB-H1's split halves)
         self._resumes = False  # the rank has waited on its communication since it last computed
+        self._after_collective = False  # its last communication was a blocking collective
 
     def compute(self, name: str, seconds: float) -> None:
         seconds *= self.compute_scale
@@ -447,6 +450,7 @@ class _Rank:
         message, a posting)."""
         self.ops.append(op)
         self.since_comm = 0.0
+        self._after_collective = isinstance(op, Collective) and op.handle is None
         # it blocks the rank: a wait, a receive, a blocking collective (not a send or an asynchronous one)
         if isinstance(op, (Wait, Recv)) or (isinstance(op, Collective) and op.handle is None):
             self._resumes = True
@@ -459,7 +463,8 @@ class _Rank:
         mode = mode or ("async" if asyn else "sync")
         self._n += 1
         handle = f"h{self._n}" if asyn else None
-        seconds = self.costs.comm(kind, n, nbytes, mode, gap_s=None if asyn else self.since_comm)
+        seconds = self.costs.comm(kind, n, nbytes, mode, gap_s=None if asyn else self.since_comm,
+                                  after_collective=self._after_collective)
         # the span's bytes are what one rank sends, as the engine records them (engine/comm.py); a ring
         # shift sends its whole message
         sent = ring_sent_bytes("p2p" if kind == "ring_shift" else kind, int(nbytes), n)

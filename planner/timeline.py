@@ -217,7 +217,7 @@ def predicted_timeline(res: StepResult, max_spans: int = 20000, max_layer_passes
         if folding:
             run = busy[r]
             if run is not None and start <= run[1] + min_idle_s:
-                run[1] = end
+                run[1] = clock[r] = end
                 continue
             if run is not None:
                 spans.append(Span(rank_of[r], "compute", BUSY, run[0], run[1]))

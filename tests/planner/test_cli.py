@@ -86,7 +86,6 @@ def _bad(**edits):
     (_bad(training__zero_stage=1.0), "training.zero_stage"),
     (_bad(training__global_batch=10**15), "training.global_batch"),  # its pipeline would never finish
     (_bad(cluster__network_bytes_per_s=1e-300), "cluster.network_bytes_per_s"),  # overflowed to a NaN sync
-    (_bad(cluster__chips_per_node=3), "cluster.chips_per_node"),  # 64 chips are not whole nodes of 3
     (_bad(model__hidden=10**200), "model.hidden"),
     (_bad(model__rope_head_dim=64), "model.rope_head_dim"),  # no MLA: it was added to attention's FLOPs
     (_bad(model__ssm_state=16), "model.ssm_state"),  # no Mamba-2 layer

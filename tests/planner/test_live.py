@@ -671,12 +671,22 @@ def test_a_blocking_operation_right_after_another_costs_what_back_to_back_ones_d
     b2b = dataclasses.replace(short, alpha_s=short.alpha_s / 4, gap_s=0.0)
     cal = dataclasses.replace(CAL, comm={**CAL.comm, comm_key(2, "all_reduce", 2, BACK_TO_BACK_MODE): b2b})
     costs, nbytes = _Costs(cal, _cfg("--strategy dp --dp-comm naive --world 2")), 4096
-    assert costs.comm("all_reduce", 2, nbytes, gap_s=0.0) == pytest.approx(b2b.seconds(nbytes))
+    assert costs.comm("all_reduce", 2, nbytes, gap_s=0.0, after_collective=True) == pytest.approx(b2b.seconds(nbytes))
     half = short.gap_s / 2 / cal.share(2)  # half the shortest gap, in one core's seconds
-    assert costs.comm("all_reduce", 2, nbytes, gap_s=half) == pytest.approx(
+    assert costs.comm("all_reduce", 2, nbytes, gap_s=half, after_collective=True) == pytest.approx(
         (b2b.seconds(nbytes) + short.seconds(nbytes)) / 2)
-    # a calibration without it (older files) reads the shortest gap, as before
-    assert _Costs(CAL, _cfg("--strategy dp --world 2")).comm("all_reduce", 2, nbytes, gap_s=0.0) == \
+    # after a wait or a message (not what the calibration timed back to back), and from a calibration without
+    # it (older files): the shortest gap, as before
+    assert costs.comm("all_reduce", 2, nbytes, gap_s=0.0) == pytest.approx(short.seconds(nbytes))
+    assert _Costs(CAL, _cfg("--strategy dp --world 2")).comm("all_reduce", 2, nbytes, gap_s=0.0,
+                                                             after_collective=True) == \
         pytest.approx(short.seconds(nbytes))
+    r = _Rank(0, costs)
+    r.coll("first", (0, 1), "dp", "all_reduce", nbytes)
+    r.coll("second", (0, 1), "dp", "all_reduce", nbytes)
+    assert r.ops[-1].seconds == pytest.approx(b2b.seconds(nbytes))
+    r.wait(r.coll("async", (0, 1), "dp", "all_reduce", nbytes, asyn=True))
+    r.coll("after a wait", (0, 1), "dp", "all_reduce", nbytes)
+    assert r.ops[-1].seconds == pytest.approx(short.seconds(nbytes))
     naive = predict(_cfg("--strategy dp --dp-comm naive --world 2"), cal).step_time_s
     assert naive < predict(_cfg("--strategy dp --dp-comm naive --world 2"), CAL).step_time_s

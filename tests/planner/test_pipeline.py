@@ -330,3 +330,13 @@ def test_a_timeline_of_thousands_of_micro_batches_stays_within_its_span_budget()
     tl = predicted_timeline(est.result, max_spans=2000)
     assert len(tl.spans) <= 2000 and tl.meta["merged"]
     assert tl.end_s == pytest.approx(est.step_time_s)
+    # 32k passes over the default budget, bubbles kept: each starts where the busy span before it ends, never
+    # under one (the first folding drew them from the run's first pass, over the whole run)
+    small = make_case("GPT-3 2.7B", Cluster("h100", 64, 8), 2048, Parallel(dp=1, tp=8, pp=8, cp=1, ep=1),
+                      micro_batch=1)
+    tl = estimate(small).timeline
+    assert tl.meta["merged"] and any(s.lane == "idle" for s in tl.spans)
+    for rank in tl.ranks:
+        busy = [(s.start_s, s.end_s) for s in tl.spans if s.rank == rank and s.lane == "compute"]
+        for idle in (s for s in tl.spans if s.rank == rank and s.lane == "idle"):
+            assert all(idle.end_s <= a + 1e-9 or idle.start_s >= b - 1e-9 for a, b in busy)

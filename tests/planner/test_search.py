@@ -196,3 +196,11 @@ def test_a_stated_schedule_asks_for_pipeline_stages(parallel):
     again = {**raw, "parallel": {**parallel, **est.chosen.get("parallel", {})},
              "training": {**raw["training"], **est.chosen.get("training", {})}}
     assert estimate(again).step_time_s == pytest.approx(est.step_time_s)
+
+
+def test_a_stated_single_stage_runs_whatever_schedule_it_names():
+    """pp 1 stated with a schedule: one stage runs every schedule as the same passes (not refused as a layout
+    that does not divide)."""
+    raw = _free_case(SMALL_DENSE, 8, 32)
+    raw["parallel"] = {"pp": 1, "pp_schedule": "gpipe"}
+    assert estimate(raw).result.layout.pp == 1
