@@ -1,4 +1,5 @@
-"""Table builders: pure functions, data in, rows out (st.dataframe takes a list of dicts)."""
+"""Table builders and the units numbers are read in: pure functions, data in, rows or text out
+(st.dataframe takes a list of dicts)."""
 
 from __future__ import annotations
 
@@ -39,3 +40,27 @@ def chip_table_rows(chips: Iterable) -> list[dict]:
             "Scale-up domain": domain,
         })
     return rows
+
+
+def _decimal(value: float, unit: str, prefixes: tuple[tuple[str, float], ...]) -> str:
+    for prefix, scale in prefixes:
+        if value >= scale:
+            scaled = value / scale
+            return f"{scaled:,.0f} {prefix}{unit}" if scaled >= 100 else f"{scaled:.3g} {prefix}{unit}"
+    return f"{value:,.3g} {unit}"
+
+
+def format_flops(flops: float) -> str:
+    """Decimal units, as datasheets quote them: 4.29 GFLOP, 157 MFLOP."""
+    return _decimal(flops, "FLOP", (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)))
+
+
+def format_flops_per_s(flops_per_s: float) -> str:
+    """In TFLOP/s, as the chips table quotes C: 989 TFLOP/s, 2,250 TFLOP/s."""
+    return _decimal(flops_per_s, "FLOP/s", (("T", 1e12), ("G", 1e9), ("M", 1e6)))
+
+
+def format_bytes_per_s(bytes_per_s: float) -> str:
+    """Decimal units, as bandwidths are quoted: 450 GB/s, 3.35 TB/s."""
+    return _decimal(bytes_per_s, "B/s", (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)))
+
