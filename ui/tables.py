@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+NO_VALUE = "—"
+
 CHIP_COLUMN_HELP = {
     "bf16 TFLOP/s": "Peak dense matrix-multiply rate in bf16 (C).",
-    "fp8 TFLOP/s": "Peak dense rate in fp8; empty where the chip has no fp8 matrix units.",
+    "fp8 TFLOP/s": "Peak dense rate in fp8; a dash where the chip has no fp8 matrix units.",
     "HBM GB": ("High-bandwidth memory per chip: what weights, gradients, optimizer state and activations share. "
                "In 10^9 bytes, as software sees it: NVIDIA's '80GB' is 80 GiB, 85.5 GB."),
     "HBM TB/s": "Memory bandwidth (W_hbm): how fast the matrix units can be fed.",
@@ -31,7 +33,8 @@ def chip_table_rows(chips: Iterable) -> list[dict]:
         rows.append({
             "Chip": c.name,
             "bf16 TFLOP/s": round(c.bf16_flops_per_s / 1e12),
-            "fp8 TFLOP/s": round(c.fp8_flops_per_s / 1e12) if c.fp8_flops_per_s else None,
+            # text: a table draws a missing number as "None"
+            "fp8 TFLOP/s": f"{c.fp8_flops_per_s / 1e12:.0f}" if c.fp8_flops_per_s else NO_VALUE,
             "HBM GB": round(c.hbm_bytes / 1e9, 1),
             "HBM TB/s": round(c.hbm_bytes_per_s / 1e12, 2),
             "Ridge (bf16 FLOP/B)": round(c.bf16_flops_per_s / c.hbm_bytes_per_s),
