@@ -17,6 +17,7 @@ from ui.exercises import axes_leaving_the_domain
 from ui.meshes import (
     PRESETS,
     axis_rows,
+    mesh_caption,
     mesh_figure,
     scaled_down,
     search_figure,
@@ -94,9 +95,7 @@ if not rows:
 else:
     axis = st.radio("Draw the groups of", shown_axes, horizontal=True, key="mesh_axis")
     st.plotly_chart(mesh_figure(mesh, chip, axis), key="mesh_groups")
-    st.caption("Each square is a rank (a chip), one row per node; squares of one colour form one group of the "
-               "chosen axis, and rank 0's group is outlined. Inner axes (tp) group neighbours, outer axes "
-               "(pp) group chips far apart.")
+    st.caption(mesh_caption(mesh, axis))
     st.dataframe(rows, hide_index=True, width="stretch")
     st.caption("members apart: the stride, the product of the degrees of the axes inside this one "
                "(core/mesh.py). sent per step: what one chip of the first pipeline stage sends over the axis "

@@ -8,10 +8,22 @@ from hardware.chips import CHIPS
 from planner.bounds import fsdp_tp_tradeoff
 from planner.models import MODEL_PRESETS
 from tests.ui.apptest_util import open_app
+from ui.charts import PALETTE
 from ui.exercises import axes_leaving_the_domain
-from ui.meshes import PRESETS, axis_rows, mesh_figure, placement, scaled_down, sidebar_mesh, tradeoff_figure
+from ui.meshes import (
+    PRESETS,
+    axis_rows,
+    mesh_caption,
+    mesh_figure,
+    placement,
+    scaled_down,
+    sidebar_mesh,
+    tradeoff_figure,
+)
+from ui.timeline import KIND_COLORS
 
 PAGE = "app_pages/meshes.py"
+LLAMA_405B = "Llama 3 405B on 16,384 H100"
 
 
 def test_llama3_405b_axes_land_where_the_paper_says():
@@ -59,6 +71,21 @@ def test_the_group_picture_colours_one_group_per_colour():
     fig = mesh_figure(Mesh({"pp": 2, "dp": 2, "tp": 2}), CHIPS["h100"], "dp")
     assert len(fig.data) == 4  # four dp groups of 2
     assert sorted(int(t) for t in fig.data[0].text) == [0, 2]
+
+
+def test_the_group_picture_and_its_caption_agree():
+    mesh = Mesh(PRESETS[LLAMA_405B].mesh)
+    # pp groups are 1,024 ranks apart: each of the 64 drawn ranks is in a group of its own, drawn grey
+    fig = mesh_figure(mesh, CHIPS["h100"], "pp")
+    assert len(fig.data) == 64 and {t.marker.color for t in fig.data} == {KIND_COLORS["idle"]}
+    caption = mesh_caption(mesh, "pp")
+    assert "one colour form one group" not in caption and "1,024 ranks apart" in caption
+    # tp: 8 groups of 8 neighbours, each a colour of its own
+    fig = mesh_figure(mesh, CHIPS["h100"], "tp")
+    assert len({t.marker.color for t in fig.data}) == len(fig.data) == 8
+    assert "Squares of one colour form one group of the chosen axis." in mesh_caption(mesh, "tp")
+    # 32 groups of 2 drawn: the colours repeat, and the caption says so
+    assert len(PALETTE) < 32 and f"share {len(PALETTE)} colours" in mesh_caption(Mesh({"dp": 64, "tp": 2}), "tp")
 
 
 def test_the_tradeoff_chart_marks_x_opt_and_leaves_gaps_where_nothing_moves():
