@@ -94,7 +94,7 @@ def axis_rows(mesh: Mesh, chip: Chip, breakdown: dict[str, float] | None = None,
             row["sent per step, per chip"] = format_bytes(sent.get(AXIS_SENT[axis], 0.0))
         if breakdown is not None and step_s:
             exposed = sum(breakdown.get(k, 0.0) for k in AXIS_BREAKDOWN.get(axis, ()))
-            row["exposed per step"] = f"{exposed:.3g} s ({exposed / step_s:.1%})"
+            row["exposed per step"] = f"{format_seconds(exposed)} ({exposed / step_s:.1%})"
         row["moves"] = AXIS_TRAFFIC[axis]
         row["links"] = group_topology(chip, n, stride, achievable=True).describe()
         rows.append(row)

@@ -1,6 +1,8 @@
 """The N-D mesh lesson: how each axis lands on the hardware (strides and placements against hand-worked
 numbers), the published layouts, "apply" setting the sidebar, the exercise, and the scaled-down live run."""
 
+import re
+
 import pytest
 
 from core.mesh import Mesh
@@ -24,6 +26,7 @@ from ui.timeline import KIND_COLORS
 
 PAGE = "app_pages/meshes.py"
 LLAMA_405B = "Llama 3 405B on 16,384 H100"
+SCIENTIFIC = re.compile(r"\de[+-]\d")  # 9.89e+14: not for students
 
 
 def test_llama3_405b_axes_land_where_the_paper_says():
@@ -114,6 +117,24 @@ def test_the_page_shows_the_sidebar_mesh_and_the_presets():
         at.selectbox(key="mesh_preset").set_value(name).run()
         assert not at.exception, (name, [e.value for e in at.exception])
         assert PRESETS[name].source[:20] in " ".join(c.value for c in at.caption)
+
+
+def test_the_page_states_the_real_batch_in_words_and_units():
+    at = open_app(PAGE)  # Llama 3 8B on 8 H100: about 4M tokens, 512 sequences
+    assert not at.exception, [e.value for e in at.exception]
+    text = " ".join(m.value for m in at.markdown)
+    assert "C / W_network = 989 TFLOP/s / 50 GB/s = 19,780; here 4,194,304. This mesh fits" in text
+    assert "4,194,304 tokens per step (512 sequences of 8,192)" in " ".join(c.value for c in at.caption)
+    at.selectbox(key="mesh_preset").set_value(LLAMA_405B).run()
+    at.radio(key="mesh_axis").set_value("pp").run()
+    assert not at.exception, [e.value for e in at.exception]
+    captions = " ".join(c.value for c in at.caption)
+    # one 8,192-token sequence per chip at least (planner.presets.make_case): 16,384 x 8,192 tokens, not ~4M
+    assert "about 4M" not in captions and "134,217,728 tokens per step (16,384 sequences of 8,192" in captions
+    assert "one colour form one group" not in captions
+    text = " ".join(m.value for m in at.markdown)
+    assert "with 134,217,728 tokens per step" in text and not SCIENTIFIC.search(text)
+    assert not any(SCIENTIFIC.search(v) for v in at.dataframe[0].value["exposed per step"])
 
 
 def test_apply_loads_the_preset_into_the_sidebar():
