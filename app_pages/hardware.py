@@ -9,8 +9,9 @@ from hardware.chips import CHIPS
 from hardware.roofline import matmul_cost
 from hardware.this_machine import summary_lines
 from ui.charts import OperatingPoint, RooflineSeries, roofline_figure
+from ui.collectives import format_bytes
 from ui.exercises import compute_bound_tokens, ridge_point
-from ui.tables import CHIP_COLUMN_HELP, chip_table_rows
+from ui.tables import CHIP_COLUMN_HELP, chip_table_rows, format_flops
 
 POW2_SIZES = [2**i for i in range(0, 17)]  # 1 .. 65,536
 DTYPES = ["bf16", "fp16", "fp8"]
@@ -37,7 +38,9 @@ st.header("The chips side by side")
 st.caption("Dense (no sparsity) peak numbers from the vendors' datasheets; bandwidths per direction. "
            "Hover a column name for its meaning; the sources are listed below the table.")
 st.dataframe(chip_table_rows(CHIPS.values()), hide_index=True, width="stretch", column_config={
-    name: st.column_config.Column(help=text) for name, text in CHIP_COLUMN_HELP.items()})
+    # fp8 is text (a dash where a chip has none): aligned as the numbers beside it
+    name: st.column_config.Column(help=text, alignment="right" if name == "fp8 TFLOP/s" else None)
+    for name, text in CHIP_COLUMN_HELP.items()})
 with st.expander("Sources for every number"):
     for c in CHIPS.values():
         st.markdown(f"**{c.name}**")
@@ -69,9 +72,10 @@ with left:
     achievable = st.toggle("Achievable instead of spec", key="achievable", bind="query-params",
                            help="Datasheet peaks are never reached. Achievable numbers are what large "
                                 "matmuls and copies really get (sources in the chip table).")
+    # wrap: in a column the chips would stay on one scrolling row, hiding the third
     compare = st.multiselect("Compare with", [k for k in CHIPS if k != chip.key],
                              default=[k for k in ("a100-80gb", "b200", "tpu-v5e") if k != chip.key],
-                             format_func=lambda k: CHIPS[k].name)
+                             format_func=lambda k: CHIPS[k].name, wrap=True)
 
 if dtype not in chip.dtypes:
     st.warning(f"{chip.name} has no {dtype} matrix units, so this uses bf16. It supports: "
@@ -101,7 +105,10 @@ point = OperatingPoint(f"B={tokens}, D={d_model}, F={d_ff}", cost.intensity, cos
 kind = "achievable" if achievable else "spec"
 
 with right:
-    st.plotly_chart(roofline_figure(series, [point], title=f"Roofline ({kind})"), key="roofline")
+    roofline = roofline_figure(series, [point], title=f"Roofline ({kind})")
+    # the legend names the star: written beside it, the label lay across the other chips' lines
+    roofline.update_traces(mode="markers", selector={"name": point.label})
+    st.plotly_chart(roofline, key="roofline")
     if skipped:
         st.caption(f"Not drawn (no {dtype} matrix units): {', '.join(skipped)}.")
 
@@ -112,8 +119,8 @@ m2.metric(f"Ridge point ({chip.name})", f"{cost.ridge:,.1f} FLOP/B")
 m3.metric("Time", f"{cost.time_s * 1e6:,.2f} µs")
 m4.metric("Bound by", cost.bound)
 st.markdown(
-    f"On **{chip.name}** ({kind} numbers, {dtype}) this matmul does {cost.flops:.3g} FLOPs and moves "
-    f"{cost.bytes:.3g} bytes: {cost.compute_s * 1e6:,.2f} µs of math against {cost.memory_s * 1e6:,.2f} µs "
+    f"On **{chip.name}** ({kind} numbers, {dtype}) this matmul does {format_flops(cost.flops)} and moves "
+    f"{format_bytes(cost.bytes)}: {cost.compute_s * 1e6:,.2f} µs of math against {cost.memory_s * 1e6:,.2f} µs "
     f"of memory traffic, so it is **{verdict}** and reaches {cost.achieved_flops_per_s / 1e12:,.1f} TFLOP/s "
     f"of the {chip.peak_flops_per_s(dtype, achievable) / 1e12:,.0f} available."
 )

@@ -22,9 +22,11 @@ from ui.mamba import (
     live_findings,
     live_rows,
     model_rows,
+    position_embedding_note,
     seq_label,
     why_they_differ,
 )
+from ui.tables import batch_words, step_sequences
 
 choices = st.session_state["choices"]
 chip = CHIPS[choices.chip]
@@ -76,6 +78,8 @@ Nemotron-H has) so that tensor parallel can split it.
 """
 )
 st.dataframe(model_rows(specs, seq_len), hide_index=True, width="stretch")
+if note := position_embedding_note(specs[0]):
+    st.caption(note)
 st.plotly_chart(flops_figure(specs, SEQ_LENS), key="ssm_flops")
 st.caption("Forward FLOPs per token (planner/flops.py; attention's scores over the full S x S square, the "
            "convention of Narayanan et al. 2021). Dotted: the part that mixes positions, attention's "
@@ -83,10 +87,12 @@ st.caption("Forward FLOPs per token (planner/flops.py; attention's scores over t
 
 st.header("What each strategy moves, per layer")
 tp, cp, dp = mesh.get("tp", 1), mesh.get("cp", 1), mesh.get("dp", 1)
+unset = [name for name, degree in (("tp", tp), ("cp", cp)) if degree == 1]
+hint = f" Set {' or '.join(unset)} above 1 in the sidebar to see {'them' if len(unset) > 1 else 'it'}." if unset else ""
 st.markdown(
     f"""
 For the sidebar's mesh (tp = {tp}, cp = {cp}, dp = {dp}) on {chip.name}, one layer, one sequence of
-S = {seq_len:,}, in bf16. Set tp or cp above 1 in the sidebar to see them.
+S = {seq_len:,}, in bf16.{hint}
 
 - **Tensor parallel** splits a Mamba-2 layer by heads (Dao & Gu sec. 8): z, x and Δ by heads, B and C by
   groups, so **each rank must hold whole groups**, and then the conv, the scan and the group-wise norm need
@@ -116,14 +122,14 @@ n = choices.num_chips
 st.markdown(
     f"""
 The planner searches every layout of the sidebar's **{n:,} {chip.name}** for each model at S = {seq_len:,},
-about 4M tokens per step, and keeps the fastest that fits in memory (a few seconds for the three models).
+{batch_words(seq_len, n)}, and keeps the fastest that fits in memory (a few seconds for the three models).
 """
 )
 setup = (seq_len, chip.key, n)
 if st.button("Search the fastest layout of each", key="ssm_search", type="primary"):
     from planner.api import compare_architectures
 
-    batch = max(n, round(2**22 / seq_len / n) * n)
+    batch = step_sequences(seq_len, n)
     with st.spinner("Searching the layouts of each model ..."):
         try:
             # the same search for the same setup (a class opens the same page): computed once per server

@@ -13,10 +13,12 @@ from planner.costs import cluster_chip
 from planner.models import MODEL_PRESETS
 from planner.presets import make_case
 from planner.simulate import sent_bytes_per_step
+from ui.bound_meter import readable_rule
 from ui.exercises import axes_leaving_the_domain
 from ui.meshes import (
     PRESETS,
     axis_rows,
+    mesh_caption,
     mesh_figure,
     scaled_down,
     search_figure,
@@ -25,6 +27,7 @@ from ui.meshes import (
     tradeoff_figure,
     tradeoff_text,
 )
+from ui.tables import batch_words, step_sequences
 
 choices = st.session_state["choices"]
 
@@ -80,7 +83,7 @@ try:
     from planner.api import estimate as planner_estimate
 
     n = mesh.world
-    case = make_case(spec, Cluster(chip.key, n), global_batch=max(n, round(2**22 / spec.seq_len / n) * n),
+    case = make_case(spec, Cluster(chip.key, n), global_batch=step_sequences(spec.seq_len, n),
                      parallel=mesh_parallel(mesh, spec), zero_stage=zero_stage or None)
     estimate = planner_estimate(case)
 except SpecError as e:
@@ -94,9 +97,7 @@ if not rows:
 else:
     axis = st.radio("Draw the groups of", shown_axes, horizontal=True, key="mesh_axis")
     st.plotly_chart(mesh_figure(mesh, chip, axis), key="mesh_groups")
-    st.caption("Each square is a rank (a chip), one row per node; squares of one colour form one group of the "
-               "chosen axis, and rank 0's group is outlined. Inner axes (tp) group neighbours, outer axes "
-               "(pp) group chips far apart.")
+    st.caption(mesh_caption(mesh, axis))
     st.dataframe(rows, hide_index=True, width="stretch")
     st.caption("members apart: the stride, the product of the degrees of the axes inside this one "
                "(core/mesh.py). sent per step: what one chip of the first pipeline stage sends over the axis "
@@ -104,7 +105,7 @@ else:
                "fsdp share one count, the planner's data-parallel group. links: the topology the group's "
                "collectives run on, at achievable bandwidth (hardware/collectives.py). exposed per step: the "
                "planner's estimate of the communication of this axis that compute does not hide, for this "
-               "model with about 4M tokens per step."
+               f"model with {batch_words(spec.seq_len, mesh.world)}."
                + (f" Under ZeRO-2 each of the step's {estimate.result.micro_batches} micro-batches reduce-scatters "
                   "its own gradients (a chip keeps only its shard between them), so the data-parallel axis sends "
                   "that many times the gradients, mostly hidden under the backward."
@@ -127,7 +128,7 @@ show_exercises([axes_leaving_the_domain(mesh, chip)] if rows else [])
 
 st.markdown("### FSDP or tensor parallel?")
 chips = max(1, mesh.world // mesh.degree("pp"))
-tokens = max(mesh.world, round(2**22 / spec.seq_len / mesh.world) * mesh.world) * spec.seq_len
+tokens = step_sequences(spec.seq_len, mesh.world) * spec.seq_len
 st.markdown(
     f"""
 Both split the {chips:,} chips of one pipeline stage, and they move different things: **FSDP moves weights**
@@ -153,7 +154,7 @@ st.markdown(
     f"""
 **Across pods.** Beyond one {'TPU pod' if chip.kind != 'gpu' else 'NVLink node'} the network is much slower,
 so real runs keep FSDP and TP inside and run plain data parallel between them: one gradient all-reduce per
-step, under the backward. {cross_pod_bound(spec, chip, tokens / replicas).rule} {pods_here}
+step, under the backward. {readable_rule(cross_pod_bound(spec, chip, tokens / replicas).rule)}. {pods_here}
 """
 )
 
@@ -169,7 +170,7 @@ if st.button("Search the layouts of this many chips", key="mesh_search"):
     with st.spinner("Searching ..."):
         try:  # the same model, chips and batch, every layout field left for the planner to choose
             # the experts split by tp, as the sidebar's mesh draws its ep axis (Parallel.etp)
-            free = make_case(spec, Cluster(chip.key, n), global_batch=max(n, round(2**22 / spec.seq_len / n) * n),
+            free = make_case(spec, Cluster(chip.key, n), global_batch=step_sequences(spec.seq_len, n),
                              parallel=Parallel(etp="tp" if spec.is_moe else None))
             st.session_state["mesh_search_report"] = search(free, top=5)
         except SpecError as e:

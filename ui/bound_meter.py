@@ -3,13 +3,17 @@ bars in the app's palette, with the verdict and the rule in words. No Streamlit 
 
 from __future__ import annotations
 
+import re
+
 import plotly.graph_objects as go
 
 from planner.bounds import Bound
+from ui.tables import format_bytes_per_s, format_flops_per_s
 from ui.timeline import KIND_COLORS
 
-# the collective each strategy's bound is about, for its colour
-COLLECTIVE = {"dp": "all_reduce", "fsdp": "all_gather", "tp": "all_gather", "ep": "all_to_all"}
+# One colour for the communication on every meter, whatever its collectives: the meters set math against
+# communication, and a colour per strategy would read as a different kind of thing on each lesson.
+MATH_COLOR, COMM_COLOR = KIND_COLORS["forward"], KIND_COLORS["other comm"]
 WHAT = {"dp": ("backward math", "gradient all-reduce"), "fsdp": ("forward math", "weight all-gather"),
         "tp": ("MLP math per pass", "activation all-gather + reduce-scatter"),
         "ep": ("expert math (forward)", "dispatch + combine all-to-all")}
@@ -21,8 +25,7 @@ def bound_figure(bound: Bound, what: str) -> go.Figure:
     longest = max(bound.math_s, bound.comm_s)
     scale, unit = (1e3, "ms") if longest >= 1e-3 else (1e6, "µs")
     fig = go.Figure()
-    for label, seconds, color in ((math_label, bound.math_s, KIND_COLORS["forward"]),
-                                  (comm_label, bound.comm_s, KIND_COLORS[COLLECTIVE[bound.strategy]])):
+    for label, seconds, color in ((math_label, bound.math_s, MATH_COLOR), (comm_label, bound.comm_s, COMM_COLOR)):
         fig.add_trace(go.Bar(y=[label], x=[seconds * scale], orientation="h", marker_color=color,
                              text=[f"{seconds * scale:,.2f} {unit}"], textposition="outside", cliponaxis=False,
                              showlegend=False))
@@ -37,4 +40,19 @@ def bound_figure(bound: Bound, what: str) -> go.Figure:
 def verdict_text(bound: Bound) -> str:
     ratio = bound.math_s / bound.comm_s if bound.comm_s else float("inf")
     return (f"**{bound.verdict.split(':')[0].capitalize()}**: the math takes {ratio:,.2f}x the communication "
-            f"per layer. {bound.rule}.")
+            f"per layer. {readable_rule(bound.rule)}.")
+
+
+# planner.bounds writes C / W as bare numbers ("C / W = 9.89e+14 / 4.5e+11 = 2,198")
+_C_OVER_W = re.compile(r"(C / W\S*) = (\S+) / (\S+) =")
+
+
+def readable_rule(rule: str) -> str:
+    """A planner.bounds rule with its C / W in the units the chips table uses: 989 TFLOP/s / 450 GB/s."""
+    def units(m: re.Match) -> str:
+        try:
+            flops_per_s, bytes_per_s = float(m[2]), float(m[3])
+        except ValueError:  # already words
+            return m[0]
+        return f"{m[1]} = {format_flops_per_s(flops_per_s)} / {format_bytes_per_s(bytes_per_s)} ="
+    return _C_OVER_W.sub(units, rule)

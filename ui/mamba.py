@@ -174,6 +174,24 @@ def model_rows(specs: list[ModelSpec], seq_len: int) -> list[dict]:
     return rows
 
 
+def position_embedding_note(spec: ModelSpec) -> str | None:
+    """Why a GPT-style model grows with S: it learns one position embedding of D numbers per position
+    (planner.flops.total_params), so past the length its preset was trained at, the table counts what the
+    model would need, not what was released. None within that length."""
+    preset = {**MODEL_PRESETS, **SSM_PRESETS}.get(spec.name)
+    if preset is None or not spec.gpt_style or spec.seq_len <= preset.seq_len:
+        return None
+    grown = (spec.seq_len - preset.seq_len) * spec.hidden
+    return (f"{spec.name} learns one position embedding ({spec.hidden:,} numbers) per position: at "
+            f"S = {spec.seq_len:,} that is {_millions(grown)} parameters more than the released model, trained "
+            f"at S = {preset.seq_len:,}, so {total_params(spec) / 1e9:.2f} B in all. The other two models learn "
+            "no position embeddings.")
+
+
+def _millions(n: float) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:,.0f} M"
+
+
 def _layers_label(kinds) -> str:
     mamba, attention = kinds.count(MAMBA), sum(1 for k in kinds if k in (ATTENTION, False, True))
     parts = [f"{attention} attention + MLP" if mamba == 0 else f"{attention} attention" if attention else "",

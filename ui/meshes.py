@@ -60,6 +60,9 @@ AXIS_BREAKDOWN = {"tp": ("tp_comm",), "cp": ("cp_comm",), "ep": ("ep_comm",), "d
                   "pp": ("pp_comm",)}
 
 
+MAX_DRAWN = 64  # ranks drawn in the mesh figure
+
+
 def placement(chip: Chip, n: int, stride: int) -> str:
     """Where a group of n ranks `stride` apart runs: inside one scale-up domain, across domains, or both."""
     domain = chip.scaleup_domain
@@ -91,7 +94,7 @@ def axis_rows(mesh: Mesh, chip: Chip, breakdown: dict[str, float] | None = None,
             row["sent per step, per chip"] = format_bytes(sent.get(AXIS_SENT[axis], 0.0))
         if breakdown is not None and step_s:
             exposed = sum(breakdown.get(k, 0.0) for k in AXIS_BREAKDOWN.get(axis, ()))
-            row["exposed per step"] = f"{exposed:.3g} s ({exposed / step_s:.1%})"
+            row["exposed per step"] = f"{format_seconds(exposed)} ({exposed / step_s:.1%})"
         row["moves"] = AXIS_TRAFFIC[axis]
         row["links"] = group_topology(chip, n, stride, achievable=True).describe()
         rows.append(row)
@@ -104,28 +107,39 @@ def _group_text(ranks: list[int]) -> str:
     return "{" + f"{ranks[0]}, {ranks[1]}, ..., {ranks[-1]}" + "}"
 
 
-def mesh_figure(mesh: Mesh, chip: Chip, axis: str, max_ranks: int = 64) -> go.Figure:
-    """The first `max_ranks` ranks as squares, one row per node (GPU) or per 16 chips (TPU), each coloured
-    by the group of `axis` it belongs to; rank 0's group is outlined."""
+def _shown_groups(mesh: Mesh, axis: str, shown: int) -> dict[int, list[int]]:
+    """The groups of `axis` among the first `shown` ranks: {group's first member: its shown ranks}. A group is
+    named by its first member (the rank with this axis's coordinate 0): computed per shown rank, so a mesh of
+    any size draws at once."""
+    groups: dict[int, list[int]] = {}
+    for r in range(shown):
+        groups.setdefault(mesh.rank_of({**mesh.coords(r), axis: 0}), []).append(r)
+    return groups
+
+
+def mesh_figure(mesh: Mesh, chip: Chip, axis: str, max_ranks: int = MAX_DRAWN) -> go.Figure:
+    """The first `max_ranks` ranks as squares, one row per node (GPU) or per 16 chips (TPU), each group of
+    `axis` with two or more of them drawn in a colour of its own (colours repeat after len(PALETTE) groups);
+    a rank whose partners are all beyond the drawn ones in grey. Rank 0's group is outlined."""
     per_row = chip.scaleup_domain if chip.kind == "gpu" and chip.scaleup_domain <= 16 else 16
     shown = min(mesh.world, max_ranks)
-    # A group is named by its first member (the rank with this axis's coordinate 0): computed per shown
-    # rank, so a mesh of any size draws at once.
-    first = [mesh.rank_of({**mesh.coords(r), axis: 0}) for r in range(shown)]
-    index = {f: i for i, f in enumerate(dict.fromkeys(first))}
-    group_of = {r: index[f] for r, f in enumerate(first)}
     count = mesh.group_count(axis)
     mine = set(mesh.group_of(0, axis))
     fig = go.Figure()
-    for g in sorted({group_of[r] for r in range(shown)}):
-        ranks = [r for r in range(shown) if group_of[r] == g]
+    colored = 0
+    for first, ranks in _shown_groups(mesh, axis, shown).items():
+        if len(ranks) > 1:
+            color, text_color = PALETTE[colored % len(PALETTE)], "white"
+            colored += 1
+        else:
+            color, text_color = KIND_COLORS["idle"], "#333"
         fig.add_trace(go.Scatter(
             x=[r % per_row for r in ranks], y=[r // per_row for r in ranks], mode="markers+text",
-            text=[str(r) for r in ranks], textfont={"color": "white", "size": 11},
-            marker={"symbol": "square", "size": 30, "color": PALETTE[g % len(PALETTE)],
+            text=[str(r) for r in ranks], textfont={"color": text_color, "size": 11},
+            marker={"symbol": "square", "size": 30, "color": color,
                     "line": {"width": [3 if r in mine else 0 for r in ranks], "color": "black"}},
-            name=f"{axis} group {g}", showlegend=False,
-            hovertemplate=f"rank %{{text}}<br>{axis} group {g} of {count:,}<extra></extra>"))
+            name=f"{axis} group of rank {first}", showlegend=False,
+            hovertemplate=f"rank %{{text}}<br>{axis} group of rank {first} ({count:,} groups)<extra></extra>"))
     rows = math.ceil(shown / per_row)
     unit = "node" if chip.kind == "gpu" else "chips"
     labels = [f"{unit} {i}" if chip.kind == "gpu" else f"{i * per_row}-{(i + 1) * per_row - 1}"
@@ -141,6 +155,26 @@ def mesh_figure(mesh: Mesh, chip: Chip, axis: str, max_ranks: int = 64) -> go.Fi
                "showgrid": False, "zeroline": False},
         plot_bgcolor="white")
     return fig
+
+
+def mesh_caption(mesh: Mesh, axis: str, max_ranks: int = MAX_DRAWN) -> str:
+    """What the colours of mesh_figure(mesh, chip, axis) mean, for the groups it draws."""
+    shown = min(mesh.world, max_ranks)
+    sizes = [len(ranks) for ranks in _shown_groups(mesh, axis, shown).values()]
+    colored = sum(1 for n in sizes if n > 1)
+    stride = mesh.stride(axis)
+    text = "Each square is a rank (a chip), one row per node. "
+    if not colored:
+        text += (f"The {axis} groups' members are {stride:,} ranks apart, so the {shown} ranks drawn are each in "
+                 "a different group (grey): their partners are beyond them. ")
+    else:
+        text += "Squares of one colour form one group of the chosen axis"
+        if colored > len(PALETTE):
+            text += f" (the {colored} groups drawn share {len(PALETTE)} colours: hover a square for its group)"
+        text += (f"; a grey square's partners, {stride:,} ranks apart, are beyond the ranks drawn. "
+                 if colored < len(sizes) else ". ")
+    return text + ("Rank 0's group is outlined. Inner axes (tp) group neighbours, outer axes (pp) group chips far "
+                   "apart.")
 
 
 def scaled_down(mesh: dict[str, int], max_world: int = 8) -> dict[str, int]:

@@ -1,12 +1,17 @@
-"""Table builders: pure functions, data in, rows out (st.dataframe takes a list of dicts)."""
+"""Table builders and the units numbers are read in: pure functions, data in, rows or text out
+(st.dataframe takes a list of dicts)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from planner.presets import TOKENS_PER_BATCH
+
+NO_VALUE = "—"
+
 CHIP_COLUMN_HELP = {
     "bf16 TFLOP/s": "Peak dense matrix-multiply rate in bf16 (C).",
-    "fp8 TFLOP/s": "Peak dense rate in fp8; empty where the chip has no fp8 matrix units.",
+    "fp8 TFLOP/s": "Peak dense rate in fp8; a dash where the chip has no fp8 matrix units.",
     "HBM GB": ("High-bandwidth memory per chip: what weights, gradients, optimizer state and activations share. "
                "In 10^9 bytes, as software sees it: NVIDIA's '80GB' is 80 GiB, 85.5 GB."),
     "HBM TB/s": "Memory bandwidth (W_hbm): how fast the matrix units can be fed.",
@@ -30,7 +35,8 @@ def chip_table_rows(chips: Iterable) -> list[dict]:
         rows.append({
             "Chip": c.name,
             "bf16 TFLOP/s": round(c.bf16_flops_per_s / 1e12),
-            "fp8 TFLOP/s": round(c.fp8_flops_per_s / 1e12) if c.fp8_flops_per_s else None,
+            # text: a table draws a missing number as "None"
+            "fp8 TFLOP/s": f"{c.fp8_flops_per_s / 1e12:.0f}" if c.fp8_flops_per_s else NO_VALUE,
             "HBM GB": round(c.hbm_bytes / 1e9, 1),
             "HBM TB/s": round(c.hbm_bytes_per_s / 1e12, 2),
             "Ridge (bf16 FLOP/B)": round(c.bf16_flops_per_s / c.hbm_bytes_per_s),
@@ -39,3 +45,41 @@ def chip_table_rows(chips: Iterable) -> list[dict]:
             "Scale-up domain": domain,
         })
     return rows
+
+
+def _decimal(value: float, unit: str, prefixes: tuple[tuple[str, float], ...]) -> str:
+    for prefix, scale in prefixes:
+        if value >= scale:
+            scaled = value / scale
+            return f"{scaled:,.0f} {prefix}{unit}" if scaled >= 100 else f"{scaled:.3g} {prefix}{unit}"
+    return f"{value:,.3g} {unit}"
+
+
+def format_flops(flops: float) -> str:
+    """Decimal units, as datasheets quote them: 4.29 GFLOP, 157 MFLOP."""
+    return _decimal(flops, "FLOP", (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)))
+
+
+def format_flops_per_s(flops_per_s: float) -> str:
+    """In TFLOP/s, as the chips table quotes C: 989 TFLOP/s, 2,250 TFLOP/s."""
+    return _decimal(flops_per_s, "FLOP/s", (("T", 1e12), ("G", 1e9), ("M", 1e6)))
+
+
+def format_bytes_per_s(bytes_per_s: float) -> str:
+    """Decimal units, as bandwidths are quoted: 450 GB/s, 3.35 TB/s."""
+    return _decimal(bytes_per_s, "B/s", (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)))
+
+
+def step_sequences(seq_len: int, chips: int) -> int:
+    """The planner's default batch in sequences (planner.presets.make_case): about TOKENS_PER_BATCH tokens,
+    a multiple of the chips, and at least one sequence per chip."""
+    return max(chips, round(TOKENS_PER_BATCH / seq_len / chips) * chips)
+
+
+def batch_words(seq_len: int, chips: int) -> str:
+    """That batch in words: "134,217,728 tokens per step (16,384 sequences of 8,192: ...)"."""
+    sequences = step_sequences(seq_len, chips)
+    words = f"{sequences * seq_len:,} tokens per step ({sequences:,} sequences of {seq_len:,}"
+    if sequences * seq_len > 1.5 * TOKENS_PER_BATCH:
+        words += f": one per chip, more than the planner's usual {TOKENS_PER_BATCH / 2**20:.0f}M tokens"
+    return words + ")"

@@ -94,3 +94,12 @@ def test_the_bound_meter_gives_the_scaling_books_verdict(chip, dp, tokens, verdi
     assert not at.exception
     texts = [m.value for m in at.markdown if "C / W" in m.value and "tokens per chip >" in m.value]
     assert len(texts) == 2 and all(t.startswith(f"**{verdict}**") for t in texts), texts
+
+
+def test_the_meters_rule_is_in_units_students_read():
+    at = _page(chip="h100", dp="8")
+    assert not at.exception, [e.value for e in at.exception]
+    rules = [m.value for m in at.markdown if "C / W" in m.value and "tokens per chip >" in m.value]
+    assert len(rules) == 2, rules
+    for rule in rules:  # H100: 989 TFLOP/s of bf16 over 450 GB/s of NVLink (was "9.89e+14 / 4.5e+11")
+        assert "C / W = 989 TFLOP/s / 450 GB/s = 2,198" in rule and "e+" not in rule

@@ -16,6 +16,7 @@ from ui.mamba import (
     hybrid_spec,
     lesson_models,
     model_rows,
+    position_embedding_note,
 )
 
 PAGE = "app_pages/mamba.py"
@@ -106,3 +107,31 @@ def test_the_three_live_runs_match_the_reference():
     ring, state, alltoall = (int(x) for x in table["transfers per layer, rank 0"])
     assert ring == 4 and state == 2 and alltoall == 4
     assert any(m.value.startswith("- Most bytes over cp") for m in at.markdown)
+
+
+def test_the_page_says_what_is_unset_and_the_real_batch():
+    at = open_app(PAGE, chip="h100", dp="8")
+    text = " ".join(m.value for m in at.markdown)
+    assert "Set tp or cp above 1 in the sidebar to see them." in text
+    assert "4,194,304 tokens per step (128 sequences of 32,768)" in text
+    at = open_app(PAGE, chip="h100", dp="8", cp="4")
+    assert "Set tp above 1 in the sidebar to see it." in " ".join(m.value for m in at.markdown)
+    at = open_app(PAGE, chip="h100", dp="16", cp="2", tp="2")
+    at.select_slider(key="ssm_seq_len").set_value(524288).run()
+    assert not at.exception, [e.value for e in at.exception]
+    text = " ".join(m.value for m in at.markdown)
+    assert "Set tp" not in text and "Set cp" not in text and "about 4M" not in text
+    # one 512K sequence per chip at least (planner.presets.make_case): 64 x 524,288 tokens
+    assert "33,554,432 tokens per step (64 sequences of 524,288: one per chip" in text
+
+
+def test_gpt3_growing_with_the_sequence_is_explained():
+    assert position_embedding_note(lesson_models(2048)[0]) is None  # as released
+    assert all(position_embedding_note(s) is None for s in lesson_models(524288)[1:])  # no position embeddings
+    at = open_app(PAGE)
+    at.select_slider(key="ssm_seq_len").set_value(524288).run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.dataframe[0].value["parameters"][0] == "3.99 B"
+    # 2,560 learned numbers per position: (524,288 - 2,048) x 2,560 = 1.34 B more than GPT-3 2.7B as released
+    note = next(c.value for c in at.caption if "position embedding" in c.value)
+    assert "1.34 B parameters more than the released model" in note and "3.99 B in all" in note

@@ -1,6 +1,8 @@
 """The N-D mesh lesson: how each axis lands on the hardware (strides and placements against hand-worked
 numbers), the published layouts, "apply" setting the sidebar, the exercise, and the scaled-down live run."""
 
+import re
+
 import pytest
 
 from core.mesh import Mesh
@@ -8,10 +10,23 @@ from hardware.chips import CHIPS
 from planner.bounds import fsdp_tp_tradeoff
 from planner.models import MODEL_PRESETS
 from tests.ui.apptest_util import open_app
+from ui.charts import PALETTE
 from ui.exercises import axes_leaving_the_domain
-from ui.meshes import PRESETS, axis_rows, mesh_figure, placement, scaled_down, sidebar_mesh, tradeoff_figure
+from ui.meshes import (
+    PRESETS,
+    axis_rows,
+    mesh_caption,
+    mesh_figure,
+    placement,
+    scaled_down,
+    sidebar_mesh,
+    tradeoff_figure,
+)
+from ui.timeline import KIND_COLORS
 
 PAGE = "app_pages/meshes.py"
+LLAMA_405B = "Llama 3 405B on 16,384 H100"
+SCIENTIFIC = re.compile(r"\de[+-]\d")  # 9.89e+14: not for students
 
 
 def test_llama3_405b_axes_land_where_the_paper_says():
@@ -61,6 +76,21 @@ def test_the_group_picture_colours_one_group_per_colour():
     assert sorted(int(t) for t in fig.data[0].text) == [0, 2]
 
 
+def test_the_group_picture_and_its_caption_agree():
+    mesh = Mesh(PRESETS[LLAMA_405B].mesh)
+    # pp groups are 1,024 ranks apart: each of the 64 drawn ranks is in a group of its own, drawn grey
+    fig = mesh_figure(mesh, CHIPS["h100"], "pp")
+    assert len(fig.data) == 64 and {t.marker.color for t in fig.data} == {KIND_COLORS["idle"]}
+    caption = mesh_caption(mesh, "pp")
+    assert "one colour form one group" not in caption and "1,024 ranks apart" in caption
+    # tp: 8 groups of 8 neighbours, each a colour of its own
+    fig = mesh_figure(mesh, CHIPS["h100"], "tp")
+    assert len({t.marker.color for t in fig.data}) == len(fig.data) == 8
+    assert "Squares of one colour form one group of the chosen axis." in mesh_caption(mesh, "tp")
+    # 32 groups of 2 drawn: the colours repeat, and the caption says so
+    assert len(PALETTE) < 32 and f"share {len(PALETTE)} colours" in mesh_caption(Mesh({"dp": 64, "tp": 2}), "tp")
+
+
 def test_the_tradeoff_chart_marks_x_opt_and_leaves_gaps_where_nothing_moves():
     t = fsdp_tp_tradeoff(MODEL_PRESETS["Llama 3 70B"], CHIPS["tpu-v5p"], 48000, 64)  # X_opt = 14.6
     fig = tradeoff_figure(t)
@@ -87,6 +117,24 @@ def test_the_page_shows_the_sidebar_mesh_and_the_presets():
         at.selectbox(key="mesh_preset").set_value(name).run()
         assert not at.exception, (name, [e.value for e in at.exception])
         assert PRESETS[name].source[:20] in " ".join(c.value for c in at.caption)
+
+
+def test_the_page_states_the_real_batch_in_words_and_units():
+    at = open_app(PAGE)  # Llama 3 8B on 8 H100: about 4M tokens, 512 sequences
+    assert not at.exception, [e.value for e in at.exception]
+    text = " ".join(m.value for m in at.markdown)
+    assert "C / W_network = 989 TFLOP/s / 50 GB/s = 19,780; here 4,194,304. This mesh fits" in text
+    assert "4,194,304 tokens per step (512 sequences of 8,192)" in " ".join(c.value for c in at.caption)
+    at.selectbox(key="mesh_preset").set_value(LLAMA_405B).run()
+    at.radio(key="mesh_axis").set_value("pp").run()
+    assert not at.exception, [e.value for e in at.exception]
+    captions = " ".join(c.value for c in at.caption)
+    # one 8,192-token sequence per chip at least (planner.presets.make_case): 16,384 x 8,192 tokens, not ~4M
+    assert "about 4M" not in captions and "134,217,728 tokens per step (16,384 sequences of 8,192" in captions
+    assert "one colour form one group" not in captions
+    text = " ".join(m.value for m in at.markdown)
+    assert "with 134,217,728 tokens per step" in text and not SCIENTIFIC.search(text)
+    assert not any(SCIENTIFIC.search(v) for v in at.dataframe[0].value["exposed per step"])
 
 
 def test_apply_loads_the_preset_into_the_sidebar():

@@ -1,0 +1,41 @@
+"""The bound meter (ui/bound_meter.py): the rule in readable units and one colour for communication on every
+lesson's meter."""
+
+import re
+
+import pytest
+
+from hardware.chips import CHIPS
+from planner.bounds import cross_pod_bound, data_parallel_bound, expert_parallel_bound, tensor_parallel_bound
+from planner.models import MODEL_PRESETS
+from ui.bound_meter import COMM_COLOR, MATH_COLOR, bound_figure, readable_rule, verdict_text
+from ui.tables import format_bytes_per_s, format_flops, format_flops_per_s
+
+SCIENTIFIC = re.compile(r"\de[+-]\d")  # 9.89e+14: not for students
+
+
+def test_the_formatters_write_the_units_datasheets_quote():
+    assert format_flops_per_s(989e12) == "989 TFLOP/s" and format_flops_per_s(2.25e15) == "2,250 TFLOP/s"
+    assert format_bytes_per_s(450e9) == "450 GB/s" and format_bytes_per_s(3.35e12) == "3.35 TB/s"
+    assert format_bytes_per_s(6.25e9) == "6.25 GB/s"
+    assert format_flops(4.29e9) == "4.29 GFLOP" and format_flops(1.573e8) == "157 MFLOP"
+
+
+def test_the_rule_says_c_over_w_in_tflops_and_gbs():
+    llama = MODEL_PRESETS["Llama 3 8B"]
+    dp = data_parallel_bound(llama, CHIPS["h100"], 4096, 8)
+    # H100: 989 TFLOP/s bf16 over 450 GB/s of NVLink = 2,198 (the scaling book's rule)
+    assert "C / W = 989 TFLOP/s / 450 GB/s = 2,198; here 4,096" in verdict_text(dp)
+    pod = readable_rule(cross_pod_bound(llama, CHIPS["tpu-v5p"], 2**22).rule)
+    assert "C / W_network = 459 TFLOP/s / 6.25 GB/s = 73,440" in pod
+    assert not SCIENTIFIC.search(verdict_text(dp) + pod)
+    assert readable_rule("no numbers: C / W = a / b = c") == "no numbers: C / W = a / b = c"
+
+
+@pytest.mark.parametrize("chip", ["h100", "tpu-v5p"])
+def test_every_meter_draws_communication_in_one_colour(chip):
+    c, llama, mixtral = CHIPS[chip], MODEL_PRESETS["Llama 3 8B"], MODEL_PRESETS["Mixtral 8x7B"]
+    bounds = [data_parallel_bound(llama, c, 4096, 8), data_parallel_bound(llama, c, 4096, 8, fsdp=True),
+              tensor_parallel_bound(llama, c, 4096, 4), expert_parallel_bound(mixtral, c, 4096, 8)]
+    colours = {tuple(bar.marker.color for bar in bound_figure(b, "x").data) for b in bounds}
+    assert colours == {(MATH_COLOR, COMM_COLOR)}
