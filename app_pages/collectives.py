@@ -16,8 +16,6 @@ from ui.collectives import (
     calibration_rows,
     cost_figure,
     crossover_bytes,
-    format_bytes,
-    format_seconds,
     machine_link,
     pow2_sizes,
     ring_figure,
@@ -26,6 +24,7 @@ from ui.collectives import (
     tree_level,
 )
 from ui.exercises import latency_crossover, ring_bytes
+from ui.tables import format_bytes, format_seconds
 
 POW2 = [2**i for i in range(0, 17)]  # 1 .. 65,536
 GROUP_SIZES = [2**i for i in range(1, 13)]  # 2 .. 4,096

@@ -12,7 +12,7 @@ from hardware.chips import CHIPS
 from planner.costs import cluster_chip
 from planner.memory import korthikanti_bytes
 from planner.models import MODEL_PRESETS
-from ui.collectives import format_bytes, format_seconds, markdown_text
+from ui.collectives import markdown_text
 from ui.context_parallel import (
     CP_DEGREES,
     SEQ_LENS,
@@ -29,6 +29,7 @@ from ui.context_parallel import (
     seq_label,
 )
 from ui.exercises import ring_hiding_shard, ring_kv_held
+from ui.tables import format_bytes, format_seconds
 
 
 def live_config(world: int, seq_len: int, variant: str, steps: int = 1):

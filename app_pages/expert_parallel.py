@@ -9,7 +9,6 @@ from hardware.chips import CHIPS
 from planner.bounds import expert_parallel_bound
 from planner.models import MODEL_PRESETS
 from ui.bound_meter import bound_figure, verdict_text
-from ui.collectives import format_bytes, format_seconds
 from ui.exercises import a2a_leaving_share, ep_expert_width
 from ui.expert_parallel import (
     MOE_PRESETS,
@@ -27,6 +26,7 @@ from ui.expert_parallel import (
     placement_figure,
     simulate_routing,
 )
+from ui.tables import format_bytes, format_seconds
 
 choices = st.session_state["choices"]
 chip = CHIPS[choices.chip]

@@ -9,9 +9,8 @@ from hardware.chips import CHIPS
 from hardware.roofline import matmul_cost
 from hardware.this_machine import summary_lines
 from ui.charts import OperatingPoint, RooflineSeries, roofline_figure
-from ui.collectives import format_bytes
 from ui.exercises import compute_bound_tokens, ridge_point
-from ui.tables import CHIP_COLUMN_HELP, chip_table_rows, format_flops
+from ui.tables import CHIP_COLUMN_HELP, chip_table_rows, format_bytes, format_flops
 
 POW2_SIZES = [2**i for i in range(0, 17)]  # 1 .. 65,536
 DTYPES = ["bf16", "fp16", "fp8"]

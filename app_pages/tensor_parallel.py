@@ -8,8 +8,9 @@ from hardware.chips import CHIPS
 from planner.bounds import tensor_parallel_bound
 from planner.models import MODEL_PRESETS
 from ui.bound_meter import bound_figure
-from ui.collectives import format_bytes, format_seconds, markdown_text
+from ui.collectives import markdown_text
 from ui.exercises import largest_compute_bound_tp, tp_bytes_per_layer
+from ui.tables import format_bytes, format_seconds
 from ui.tensor_parallel import (
     MAX_TP,
     MEMORY_MODES,

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import plotly.graph_objects as go
 
 from ui.charts import PALETTE
+from ui.tables import format_seconds
 from ui.timeline import KIND_COLORS
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
@@ -396,23 +397,6 @@ def ring_figure(collective: str, n: int, frame_ms: int = 1000) -> go.Figure:
 # ---- alpha-beta cost ------------------------------------------------------------------------------
 
 SIZE_AXIS_TITLE = "message size (bytes; all-to-all: per rank)"
-
-def format_bytes(nbytes: float) -> str:
-    """Binary units, as array sizes are usually quoted: 32 MiB, 1.5 GiB."""
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            value = nbytes / scale
-            return f"{value:,.0f} {unit}" if value >= 100 else f"{value:.3g} {unit}"
-    return f"{nbytes:.0f} B"
-
-
-def format_seconds(seconds: float) -> str:
-    if seconds >= 1:
-        return f"{seconds:.3g} s"
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:.3g} ms"
-    return f"{seconds * 1e6:.3g} µs"
-
 
 def markdown_text(message: str) -> str:
     """An engine or planner message made safe for markdown: a product such as tp*cp reads tp × cp, any other

@@ -12,6 +12,7 @@ from hardware.chips import Chip
 from planner.bounds import data_parallel_bound, expert_parallel_bound, tensor_parallel_bound
 from planner.memory import zero_bytes_per_param
 from planner.models import ModelSpec
+from ui.tables import format_bytes_per_s, format_flops, format_flops_per_s
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ def ridge_point(chip: Chip, dtype: str = "bf16") -> Exercise:
         "compute-bound rather than memory-bound?",
         c / w,
         ["The ridge point is peak FLOP/s over HBM bandwidth: I* = C / W_HBM.",
-         f"I* = {c:.3g} / {w:.3g} = **{c / w:,.0f} FLOPs per byte**.",
+         f"I* = {format_flops_per_s(c)} / {format_bytes_per_s(w)} = **{c / w:,.0f} FLOPs per byte**.",
          "A matmul of an (M x K) by a (K x N) bf16 matrix does 2MKN FLOPs over 2(MK + KN + MN) bytes: with "
          f"M = K = N = n that is n / 3 FLOPs per byte, so square matmuls need n > {3 * c / w:,.0f}."])
 
@@ -41,8 +42,8 @@ def fsdp_batch(m: ModelSpec, chip: Chip, dp: int, stride: int) -> Exercise:
         b.intensity,
         ["Per layer of P parameters, the forward's math is 2·B·P / C and the weight all-gather 2P / W bytes "
          "per second; they are equal at B = C / W, whatever P is.",
-         f"The dp group uses {b.link}: W = {chip.peak_flops_per_s('bf16') / b.intensity:.3g} bytes/s, "
-         f"C = {chip.peak_flops_per_s('bf16'):.3g} FLOP/s.",
+         f"The dp group uses {b.link}: W = {format_bytes_per_s(chip.peak_flops_per_s('bf16') / b.intensity)}, "
+         f"C = {format_flops_per_s(chip.peak_flops_per_s('bf16'))}.",
          f"B > C / W = **{b.intensity:,.0f} tokens per chip** (the scaling book's rule; latency left out)."])
 
 
@@ -266,11 +267,11 @@ def attention_crossover(m: ModelSpec) -> Exercise:
         f"From what sequence length S do the attention scores (Q·Kᵀ and P·V) of one {m.name} layer cost more "
         "FLOPs per token than all its weight matmuls together?",
         crossover,
-        [f"Weights: 2 FLOPs per weight per token, 2 x {layer_matmul_params(m, kind):,} = **{weights:.4g}** "
+        [f"Weights: 2 FLOPs per weight per token, 2 x {layer_matmul_params(m, kind):,} = **{format_flops(weights)}** "
          "per token per layer, whatever S is.",
          f"Scores: each token meets S keys, 2·S·N·(2·d_head) = S x {per_position:,.0f} FLOPs per token per "
          "layer (the full S x S square).",
-         f"Equal at S = {weights:.4g} / {per_position:,.0f} = **{crossover:,.0f} tokens**"
+         f"Equal at S = {weights:,.0f} / {per_position:,.0f} = **{crossover:,.0f} tokens**"
          + (f" (6·D for a GPT layer with a 4D MLP: 6 x {m.hidden:,})" if m.mlp == "gelu" and m.ffn == 4 * m.hidden
             else "") + ". A Mamba-2 layer's scan costs the same per token at any S."])
 

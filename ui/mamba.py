@@ -12,7 +12,7 @@ from planner.api import flops_per_token_by_seq, layer_comm_bytes
 from planner.flops import total_params
 from planner.models import ATTENTION, MAMBA, MODEL_PRESETS, SSM_PRESETS, ModelSpec, SpecError
 from ui.charts import PALETTE
-from ui.collectives import format_bytes, format_seconds
+from ui.tables import format_bytes, format_seconds
 
 # The three ways the lesson splits a sequence over cp ranks, as `python -m engine run` arguments.
 LIVE_VARIANTS: dict[str, list[str]] = {

@@ -14,7 +14,7 @@ from hardware.chips import Chip
 from hardware.collectives import group_topology
 from planner.bounds import FsdpTpTradeoff
 from ui.charts import PALETTE
-from ui.collectives import format_bytes, format_seconds
+from ui.tables import format_bytes, format_seconds
 from ui.timeline import KIND_COLORS
 
 

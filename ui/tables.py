@@ -47,6 +47,23 @@ def chip_table_rows(chips: Iterable) -> list[dict]:
     return rows
 
 
+def format_bytes(nbytes: float) -> str:
+    """Binary units, as array sizes are usually quoted: 32 MiB, 1.5 GiB."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            value = nbytes / scale
+            return f"{value:,.0f} {unit}" if value >= 100 else f"{value:.3g} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def format_seconds(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.3g} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds * 1e6:.3g} µs"
+
+
 def _decimal(value: float, unit: str, prefixes: tuple[tuple[str, float], ...]) -> str:
     for prefix, scale in prefixes:
         if value >= scale:

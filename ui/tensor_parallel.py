@@ -33,7 +33,8 @@ from planner.case import Layout
 from planner.costs import cluster_chip, layer_cost
 from planner.memory import korthikanti_bytes
 from planner.models import ModelSpec
-from ui.collectives import format_seconds, markdown_text
+from ui.collectives import markdown_text
+from ui.tables import format_seconds
 from ui.timeline import span_kind
 
 RANK_COLORS = plotly.colors.qualitative.Dark24[:16]

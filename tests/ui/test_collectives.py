@@ -12,8 +12,6 @@ from ui.collectives import (
     Block,
     cost_figure,
     crossover_bytes,
-    format_bytes,
-    format_seconds,
     machine_link,
     pow2_sizes,
     ring_figure,
@@ -21,6 +19,7 @@ from ui.collectives import (
     ring_steps,
     sweep_figure,
 )
+from ui.tables import format_bytes, format_seconds
 
 RING_SIZES = range(2, 9)
 PAGE = "app_pages/collectives.py"
