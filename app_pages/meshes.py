@@ -13,7 +13,6 @@ from planner.costs import cluster_chip
 from planner.models import MODEL_PRESETS
 from planner.presets import make_case
 from planner.simulate import sent_bytes_per_step
-from ui.bound_meter import readable_rule
 from ui.exercises import axes_leaving_the_domain
 from ui.meshes import (
     PRESETS,
@@ -154,7 +153,7 @@ st.markdown(
     f"""
 **Across pods.** Beyond one {'TPU pod' if chip.kind != 'gpu' else 'NVLink node'} the network is much slower,
 so real runs keep FSDP and TP inside and run plain data parallel between them: one gradient all-reduce per
-step, under the backward. {readable_rule(cross_pod_bound(spec, chip, tokens / replicas).rule)}. {pods_here}
+step, under the backward. {cross_pod_bound(spec, chip, tokens / replicas).rule}. {pods_here}
 """
 )
 

@@ -69,6 +69,13 @@ def group_bandwidth(chip: Chip, n: int, stride: int, chips_per_node: int | None 
     return chip.scaleout_bytes_per_s, "the network between nodes (each GPU's own NIC)"
 
 
+def _c_over_w(c: float, w: float) -> str:
+    """C / W in the units the chips table quotes them in: 989 TFLOP/s / 450 GB/s."""
+    def sig(x: float) -> str:
+        return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+    return f"{sig(c / 1e12)} TFLOP/s / {sig(w / 1e9)} GB/s"
+
+
 def data_parallel_bound(m: ModelSpec, chip: Chip, tokens_per_chip: float, dp: int, stride: int = 1,
                         fsdp: bool = False, chips_per_node: int | None = None) -> Bound:
     """DP or FSDP over `dp` chips `stride` apart with `tokens_per_chip` tokens each per step, per dense
@@ -84,7 +91,7 @@ def data_parallel_bound(m: ModelSpec, chip: Chip, tokens_per_chip: float, dp: in
     alpha = c / w
     name = "FSDP" if fsdp else "Data parallel"
     rule = (f"{name} on {chip.name} over {link} is compute-bound while tokens per chip > C / W = "
-            f"{c:.3g} / {w:.3g} = {alpha:,.0f}; here {tokens_per_chip:,.0f}")
+            f"{_c_over_w(c, w)} = {alpha:,.0f}; here {tokens_per_chip:,.0f}")
     return Bound("fsdp" if fsdp else "dp", math_s, comm_s, alpha, link, rule)
 
 
@@ -197,5 +204,5 @@ def cross_pod_bound(m: ModelSpec, chip: Chip, tokens_per_pod: float) -> Bound:
     alpha = c / w
     pod = "pod" if chip.kind != "gpu" else "NVLink node"
     rule = (f"Data parallel between {pod}s of {chip.name} over the data-centre network is compute-bound while "
-            f"tokens per {pod} > C / W_network = {c:.3g} / {w:.3g} = {alpha:,.0f}; here {tokens_per_pod:,.0f}")
+            f"tokens per {pod} > C / W_network = {_c_over_w(c, w)} = {alpha:,.0f}; here {tokens_per_pod:,.0f}")
     return Bound("dp", 4 * tokens_per_pod * params / c, 4 * params / w, alpha, f"the network between {pod}s", rule)

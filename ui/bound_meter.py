@@ -3,12 +3,9 @@ bars in the app's palette, with the verdict and the rule in words. No Streamlit 
 
 from __future__ import annotations
 
-import re
-
 import plotly.graph_objects as go
 
 from planner.bounds import Bound
-from ui.tables import format_bytes_per_s, format_flops_per_s
 from ui.timeline import KIND_COLORS
 
 # One colour for the communication on every meter, whatever its collectives: the meters set math against
@@ -40,19 +37,7 @@ def bound_figure(bound: Bound, what: str) -> go.Figure:
 def verdict_text(bound: Bound) -> str:
     ratio = bound.math_s / bound.comm_s if bound.comm_s else float("inf")
     return (f"**{bound.verdict.split(':')[0].capitalize()}**: the math takes {ratio:,.2f}x the communication "
-            f"per layer. {readable_rule(bound.rule)}.")
+            f"per layer. {bound.rule}.")
 
 
 # planner.bounds writes C / W as bare numbers ("C / W = 9.89e+14 / 4.5e+11 = 2,198")
-_C_OVER_W = re.compile(r"(C / W\S*) = (\S+) / (\S+) =")
-
-
-def readable_rule(rule: str) -> str:
-    """A planner.bounds rule with its C / W in the units the chips table uses: 989 TFLOP/s / 450 GB/s."""
-    def units(m: re.Match) -> str:
-        try:
-            flops_per_s, bytes_per_s = float(m[2]), float(m[3])
-        except ValueError:  # already words
-            return m[0]
-        return f"{m[1]} = {format_flops_per_s(flops_per_s)} / {format_bytes_per_s(bytes_per_s)} ="
-    return _C_OVER_W.sub(units, rule)
