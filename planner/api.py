@@ -66,6 +66,11 @@ def chosen_fields(case: Case, res: StepResult) -> dict:
                 continue  # only routed experts under tensor parallelism have the choice
             if name in ("ep", "ep_dispatch", "ep_comm_overlap") and not case.model.is_moe:
                 continue  # a dense model has no experts to place or tokens to route
+            if name in ("ep_dispatch", "ep_comm_overlap") and res.layout.ep == 1:
+                continue  # every expert on every rank: no tokens leave it
+            if name in ("grad_reduce_overlap", "param_gather_overlap") and \
+                    res.layout.dp * res.layout.cp == 1 and res.layout.expert_dp == 1:
+                continue  # one data-parallel rank: no gradients to sum, no weights to gather
             if name in ("tp_comm_overlap", "tp_grad_allreduce_overlap") and res.layout.tp == 1:
                 continue  # one tensor-parallel rank has no tp collectives to overlap
             if name in ("fsdp_impl", "fsdp_backward_prefetch") and not res.layout.layer_zero3:
