@@ -10,6 +10,7 @@ from engine.config import ConfigError  # torch-free: the page checks the input b
 from hardware.chips import CHIPS
 from planner.case import Cluster
 from planner.models import SpecError
+from planner.presets import default_global_batch
 from ui.exercises import attention_crossover, state_passing_chain
 from ui.mamba import (
     LIVE_VARIANTS,
@@ -26,7 +27,7 @@ from ui.mamba import (
     seq_label,
     why_they_differ,
 )
-from ui.tables import batch_words, step_sequences
+from ui.tables import batch_words
 
 choices = st.session_state["choices"]
 chip = CHIPS[choices.chip]
@@ -129,7 +130,7 @@ setup = (seq_len, chip.key, n)
 if st.button("Search the fastest layout of each", key="ssm_search", type="primary"):
     from planner.api import compare_architectures
 
-    batch = step_sequences(seq_len, n)
+    batch = default_global_batch(seq_len, n)
     with st.spinner("Searching the layouts of each model ..."):
         try:
             # the same search for the same setup (a class opens the same page): computed once per server

@@ -11,7 +11,7 @@ from planner.bounds import cross_pod_bound, fsdp_tp_tradeoff
 from planner.case import Cluster, Parallel, SpecError, mesh_parallel
 from planner.costs import cluster_chip
 from planner.models import MODEL_PRESETS
-from planner.presets import make_case
+from planner.presets import default_global_batch, make_case
 from planner.simulate import sent_bytes_per_step
 from ui.exercises import axes_leaving_the_domain
 from ui.meshes import (
@@ -26,7 +26,7 @@ from ui.meshes import (
     tradeoff_figure,
     tradeoff_text,
 )
-from ui.tables import batch_words, step_sequences
+from ui.tables import batch_words
 
 choices = st.session_state["choices"]
 
@@ -82,7 +82,7 @@ try:
     from planner.api import estimate as planner_estimate
 
     n = mesh.world
-    case = make_case(spec, Cluster(chip.key, n), global_batch=step_sequences(spec.seq_len, n),
+    case = make_case(spec, Cluster(chip.key, n), global_batch=default_global_batch(spec.seq_len, n),
                      parallel=mesh_parallel(mesh, spec), zero_stage=zero_stage or None)
     estimate = planner_estimate(case)
 except SpecError as e:
@@ -127,7 +127,7 @@ show_exercises([axes_leaving_the_domain(mesh, chip)] if rows else [])
 
 st.markdown("### FSDP or tensor parallel?")
 chips = max(1, mesh.world // mesh.degree("pp"))
-tokens = step_sequences(spec.seq_len, mesh.world) * spec.seq_len
+tokens = default_global_batch(spec.seq_len, mesh.world) * spec.seq_len
 st.markdown(
     f"""
 Both split the {chips:,} chips of one pipeline stage, and they move different things: **FSDP moves weights**
@@ -169,7 +169,7 @@ if st.button("Search the layouts of this many chips", key="mesh_search"):
     with st.spinner("Searching ..."):
         try:  # the same model, chips and batch, every layout field left for the planner to choose
             # the experts split by tp, as the sidebar's mesh draws its ep axis (Parallel.etp)
-            free = make_case(spec, Cluster(chip.key, n), global_batch=step_sequences(spec.seq_len, n),
+            free = make_case(spec, Cluster(chip.key, n), global_batch=default_global_batch(spec.seq_len, n),
                              parallel=Parallel(etp="tp" if spec.is_moe else None))
             st.session_state["mesh_search_report"] = search(free, top=5)
         except SpecError as e:

@@ -10,6 +10,7 @@ from planner import estimate, make_case, search
 from planner.case import Cluster, Parallel, mesh_parallel
 from planner.flops import total_params
 from planner.models import MODEL_PRESETS, SpecError
+from planner.presets import default_global_batch
 from planner.simulate import USABLE_HBM_FRACTION, usable_hbm_bytes
 from ui.charts import breakdown_figure, memory_figure
 from ui.exercises import training_state_chips
@@ -47,7 +48,7 @@ mode = c2.radio("Layout", ["my mesh (sidebar)", "let the planner choose"], key="
                 bind="query-params", help="With 'choose', only the chip count of the sidebar is kept.")
 top = c3.select_slider("Layouts to rank in the search", [3, 5, 10], value=5, key="search_top")
 
-global_batch = max(n, round(tokens / spec.seq_len / n) * n)
+global_batch = default_global_batch(spec.seq_len, n, tokens)
 # The sidebar's ep is a mesh axis of its own; the planner (like Megatron-LM) counts expert-parallel ranks
 # inside the data-parallel group, since attention and dense layers are data parallel over them too.
 parallel = mesh_parallel(choices.device_mesh(), spec) if mode.startswith("my") else Parallel()

@@ -528,15 +528,12 @@ def comm_task(ctx, group_sizes: list[int], sizes: tuple[int, ...] = COMM_SIZES, 
                 out.append(_row(kind, n, ctx.world, nbytes, POST_MODE,
                                 [sum(w for w, _ in posts), sum(c for _, c in posts), len(posts)]))
         blocking = {key: call for key, call in sync.items() if key[0] in SYNC_GAP_KINDS}
-        for mode, gap_s in SYNC_GAPS_S.items():
-            gap_rounds = max(1, SYNC_GAP_ROUNDS * rounds // COMM_ROUNDS)
+        gap_rounds = max(1, SYNC_GAP_ROUNDS * rounds // COMM_ROUNDS)
+        # and back to back (no gap): a naive data-parallel sync's all-reduces run 3-4x faster than after any
+        # compute (2 ranks here, 1 KB: 0.18 ms back to back, 0.27 ms after 50 us of compute, 0.47 ms after 0.3 ms)
+        for mode, gap_s in [*SYNC_GAPS_S.items(), (BACK_TO_BACK_MODE, 0.0)]:
             for (kind, nbytes), sums in _rounds(blocking, gap_rounds, dist, gap_s).items():
                 out.append(_row(kind, n, ctx.world, nbytes, mode, sums) | {"gap_s": gap_s})
-        # and back to back: a naive data-parallel sync's all-reduces run 3-4x faster than after any compute
-        # (2 ranks here, 1 KB: 0.18 ms back to back, 0.27 ms after 50 us of compute, 0.47 ms after 0.3 ms)
-        for (kind, nbytes), sums in _rounds(blocking, max(1, SYNC_GAP_ROUNDS * rounds // COMM_ROUNDS), dist,
-                                            0.0).items():
-            out.append(_row(kind, n, ctx.world, nbytes, BACK_TO_BACK_MODE, sums) | {"gap_s": 0.0})
         # the middle window sits here, not right before the blocking operations after a gap, which it
         # slowed: a 2-rank all-reduce after 50 us of compute read 1.35 ms on average over six calibrations
         # with it there (above the 1.3 ms it takes after 300 us), 0.94 ms over seven with it here

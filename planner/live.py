@@ -452,7 +452,7 @@ class _Rank:
         self.since_comm = 0.0
         self._after_collective = isinstance(op, Collective) and op.handle is None
         # it blocks the rank: a wait, a receive, a blocking collective (not a send or an asynchronous one)
-        if isinstance(op, (Wait, Recv)) or (isinstance(op, Collective) and op.handle is None):
+        if isinstance(op, (Wait, Recv)) or self._after_collective:
             self._resumes = True
 
     def coll(self, name: str, group: tuple[int, ...], axis: str, kind: str, nbytes: float, asyn: bool = False,

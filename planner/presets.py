@@ -32,6 +32,12 @@ DEFAULT_CLUSTER = "8x H100 (one node)"
 TOKENS_PER_BATCH = 4 * 2 ** 20  # ~4M tokens per step, a common pre-training batch (GPT-3 used 3.2M for 175B)
 
 
+def default_global_batch(seq_len: int, chips: int, tokens: int = TOKENS_PER_BATCH) -> int:
+    """Sequences per step for about `tokens` tokens, rounded to a multiple of the chip count (so any
+    data-parallel degree divides it) and at least one sequence per chip."""
+    return max(chips, round(tokens / seq_len / chips) * chips)
+
+
 def make_case(model: ModelSpec | str, cluster: Cluster | str, global_batch: int | None = None,
               parallel: Parallel | None = None, **training) -> Case:
     """A case from objects or preset names; unset layout fields are left for the planner to choose.
@@ -49,8 +55,7 @@ def make_case(model: ModelSpec | str, cluster: Cluster | str, global_batch: int 
             raise SpecError("cluster", f"unknown preset {cluster!r}; known: {sorted(CLUSTER_PRESETS)}")
         cluster = CLUSTER_PRESETS[cluster]
     if global_batch is None:
-        n = cluster.num_chips
-        global_batch = max(n, round(TOKENS_PER_BATCH / model.seq_len / n) * n)
+        global_batch = default_global_batch(model.seq_len, cluster.num_chips)
     known = {f.name for f in fields(Training)} - {"global_batch"}
     for key in training:
         if key not in known:

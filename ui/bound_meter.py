@@ -39,5 +39,3 @@ def verdict_text(bound: Bound) -> str:
     return (f"**{bound.verdict.split(':')[0].capitalize()}**: the math takes {ratio:,.2f}x the communication "
             f"per layer. {bound.rule}.")
 
-
-# planner.bounds writes C / W as bare numbers ("C / W = 9.89e+14 / 4.5e+11 = 2,198")

@@ -36,6 +36,7 @@ from planner.flops import forward_flops
 from planner.memory import in_flight_layers, layer_activation_bytes
 from planner.models import ModelSpec
 from planner.stages import layer_split
+from ui.tables import NO_VALUE
 from ui.timeline import BACKWARD_INPUT_COLOR, BACKWARD_WEIGHT_COLOR, add_time_animation
 from ui.timeline import KIND_COLORS as TIMELINE_COLORS
 
@@ -233,9 +234,6 @@ def comparison(p: int, m: int, v: int, times: OpTimes) -> tuple[dict[str, Simula
             row["note"] = "the formula assumes m >= p"
         rows.append(row)
     return sims, rows
-
-
-NO_VALUE = "—"  # a schedule that cannot run has no bubble or memory to show
 
 
 def comparison_table(rows: list[dict]) -> tuple[list[dict], list[str]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from planner.presets import TOKENS_PER_BATCH
+from planner.presets import TOKENS_PER_BATCH, default_global_batch
 
 NO_VALUE = "—"
 
@@ -87,15 +87,9 @@ def format_bytes_per_s(bytes_per_s: float) -> str:
     return _decimal(bytes_per_s, "B/s", (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)))
 
 
-def step_sequences(seq_len: int, chips: int) -> int:
-    """The planner's default batch in sequences (planner.presets.make_case): about TOKENS_PER_BATCH tokens,
-    a multiple of the chips, and at least one sequence per chip."""
-    return max(chips, round(TOKENS_PER_BATCH / seq_len / chips) * chips)
-
-
 def batch_words(seq_len: int, chips: int) -> str:
     """That batch in words: "134,217,728 tokens per step (16,384 sequences of 8,192: ...)"."""
-    sequences = step_sequences(seq_len, chips)
+    sequences = default_global_batch(seq_len, chips)
     words = f"{sequences * seq_len:,} tokens per step ({sequences:,} sequences of {seq_len:,}"
     if sequences * seq_len > 1.5 * TOKENS_PER_BATCH:
         words += f": one per chip, more than the planner's usual {TOKENS_PER_BATCH / 2**20:.0f}M tokens"
