@@ -18,7 +18,6 @@ from ui.context_parallel import (
     SEQ_LENS,
     block_attention,
     causal_split_figure,
-    format_flops,
     imbalance,
     live_rows,
     merge_partials,
@@ -29,7 +28,7 @@ from ui.context_parallel import (
     seq_label,
 )
 from ui.exercises import ring_hiding_shard, ring_kv_held
-from ui.tables import format_bytes, format_seconds
+from ui.tables import format_bytes, format_flops, format_seconds
 
 
 def live_config(world: int, seq_len: int, variant: str, steps: int = 1):

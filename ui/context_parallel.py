@@ -36,14 +36,6 @@ def seq_label(tokens: int) -> str:
     return f"{tokens // 2**20}M" if tokens >= 2**20 else f"{tokens // 2**10}K"
 
 
-def format_flops(flops: float) -> str:
-    """FLOPs in the decimal unit their size reads best in: 134 MFLOP, 2.2 TFLOP."""
-    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
-        if flops >= scale:
-            return f"{flops / scale:.3g} {unit}"
-    return f"{flops:.3g} FLOP"
-
-
 # ---- which rank computes which block of the causal attention matrix ----------------------------------
 
 def chunk_owner(chunk: int, cp: int, split: str) -> int:

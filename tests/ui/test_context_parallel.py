@@ -13,7 +13,6 @@ from ui.context_parallel import (
     block_attention,
     block_owners,
     causal_split_figure,
-    format_flops,
     imbalance,
     kv_overlap_fraction,
     live_kv_bytes_formula,
@@ -22,6 +21,7 @@ from ui.context_parallel import (
     rank_work,
     ring_source,
 )
+from ui.tables import format_flops
 
 PAGE = "app_pages/context_parallel.py"
 LLAMA3_8B = MODEL_PRESETS["Llama 3 8B"]
