@@ -127,6 +127,14 @@ RECIPE_DEFAULTS = {
     # PyTorch's elementwise ops one at a time, per tensor or foreach (Composer's DecoupledAdamW, llm-foundry's
     # optimizer; torchtitan's foreach AdamW before): planner.costs.UNFUSED_ADAM_BYTES
     "optimizer_fused": True,
+    # the optimizer updates an fp32 master copy of the weights and keeps its moments in fp32, the bf16 weights a
+    # copy of it (mixed-precision training, Micikevicius et al. 2018 sec. 3.1; Megatron-LM's and DeepSpeed's
+    # optimizers; FSDP2's fp32 sharded parameters under a bf16 MixedPrecisionPolicy, torchtitan and NeMo
+    # AutoModel's default). False: the parameters themselves kept in bf16 and the moments in their dtype
+    # (torch.optim's zeros_like(param)): NeMo AutoModel's DeepSeek-V3 benchmark casts the model to bf16
+    # (deepseek_v3/model.py, self.to(dtype)) before building AdamW (planner.memory.optimizer_state_bytes,
+    # planner.costs.optimizer_step_s)
+    "master_weights": True,
     # dropout on the attention and MLP outputs before the residual add (and on materialised attention scores):
     # null takes the layer style's (model.layer_style): on in the gpt style (Megatron-LM's --hidden-dropout and
     # --attention-dropout default 0.1), off in the llama style. False where a run sets the probabilities to 0,
@@ -211,6 +219,7 @@ class Training:
     fsdp_impl: str | None = None  # FSDP_IMPLS
     fsdp_backward_prefetch: str | None = None  # BACKWARD_PREFETCH
     optimizer_fused: bool | None = None
+    master_weights: bool | None = None
     dropout: bool | None = None
     ssm_cp: str | None = None  # SSM_CP
 
@@ -294,6 +303,7 @@ class Layout:
     fsdp_impl: str = "fsdp2"
     fsdp_backward_prefetch: str = "pre"
     optimizer_fused: bool = True
+    master_weights: bool = True
     dropout: bool | None = None  # None: the model's layer style (`dropout_on`)
     ssm_cp: str = "state"
     schedule_runs: int = 1  # Training.schedule_runs

@@ -148,6 +148,9 @@ FP32_CE_BYTES = (38, 14)  # HBM bytes per logit of the unfused fp32 cross-entrop
 # copy (4*4 + 4*3 + 2 = 30); SGD with momentum 4*3 + 4*2 = 20; Adafactor reads master and grad, writes
 # master and the bf16 copy, and its row/column statistics are negligible (4*2 + 4 + 2 = 14)
 OPTIMIZER_STEP_BYTES = {"adam": 30, "sgd": 20, "adafactor": 14}
+# Without master weights (`master_weights` false) every tensor of the update is bf16: Adam reads the weight, m, v
+# and grad and writes the weight, m and v (2*4 + 2*3 = 14); SGD 2*3 + 2*2 = 10; Adafactor 2*2 + 2 = 6
+BF16_OPTIMIZER_STEP_BYTES = {"adam": 14, "sgd": 10, "adafactor": 6}
 # Adam as a loop of PyTorch elementwise ops over fp32 tensors (`optimizer_fused` false; Composer's DecoupledAdamW,
 # composer/optim/decoupled_weight_decay.py adamw at v0.16.4): exp_avg.mul_ (read 4, write 4) .add_(grad) (8 + 4),
 # exp_avg_sq.mul_ (4 + 4) .addcmul_(grad, grad) (8 + 4), sqrt (4 + 4), / sqrt(bias correction) (4 + 4), .add_(eps)
@@ -1388,11 +1391,15 @@ def optimizer_step_s(dense_params: float, expert_params: float, lay: Layout, chi
     """The optimizer update is memory-bound: `OPTIMIZER_STEP_BYTES` per locally updated parameter
     (a multi-tensor fused Adam reaches the copy bandwidth: PyTorch PR 119842's times, fused Adam 3.578 ms on a
     1/128 shard of Llama-2-70B on a 500 W H100, come to ~89 % of it by this byte count), or with
-    `optimizer_fused` false Adam's elementwise ops one by one (`UNFUSED_ADAM_BYTES`)."""
+    `optimizer_fused` false Adam's elementwise ops one by one (`UNFUSED_ADAM_BYTES`); without master weights
+    (`master_weights` false) over bf16 tensors (`BF16_OPTIMIZER_STEP_BYTES`)."""
     if lay.zero_stage >= 1:  # each shards over its data-parallel group (an expert's: Layout.expert_dp)
         local = dense_params / (lay.dp * lay.cp) + expert_params / lay.expert_dp
     else:
         local = dense_params + expert_params
     unfused = optimizer == "adam" and not lay.optimizer_fused
-    per_param = UNFUSED_ADAM_BYTES if unfused else OPTIMIZER_STEP_BYTES[optimizer]
+    if lay.master_weights:
+        per_param = UNFUSED_ADAM_BYTES if unfused else OPTIMIZER_STEP_BYTES[optimizer]
+    else:  # the same passes over bf16 tensors: half the bytes of the fp32 loop
+        per_param = UNFUSED_ADAM_BYTES / 2 if unfused else BF16_OPTIMIZER_STEP_BYTES[optimizer]
     return kernels.pointwise_s(chip, local * per_param)

@@ -7,7 +7,7 @@ from dataclasses import replace
 from hardware.kernels import FLASH_KERNELS, TRITON_FLASH_SLOWDOWN, head_dim_factor
 from planner.case import DEFAULT_RECOMPUTE_MODULES
 from planner.costs import window_skips_keys
-from planner.memory import memory_per_chip
+from planner.memory import memory_per_chip, optimizer_state_bytes
 from planner.simulate import StepResult, simulate, usable_hbm_bytes
 
 _KIND_WORDS = {
@@ -126,6 +126,11 @@ def explain(res: StepResult, best: StepResult | None = None) -> list[str]:
     if not lay.optimizer_fused and case.training.optimizer == "adam":
         words.append(f"Adam runs as PyTorch's elementwise ops one at a time: the step takes "
                      f"{longer(optimizer_fused=True)} longer than with one fused multi-tensor kernel.")
+    if not lay.master_weights:
+        opt = case.training.optimizer
+        words.append(f"No fp32 master weights: the weights stay in bf16 and the optimizer keeps "
+                     f"{optimizer_state_bytes(opt, False)} bytes of state a parameter, not "
+                     f"{optimizer_state_bytes(opt)}.")
     if m.attention_layers and lay.attention in FLASH_KERNELS:
         factor = head_dim_factor(res.chip, lay.attention, m.head_dim_)
         if factor < 1:

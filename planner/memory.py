@@ -45,15 +45,25 @@ from planner.stages import Chunk, chunks_of, holds_untied_head, holds_word_embed
 
 WEIGHT_BYTES = 2  # bf16/fp16 weights (fp8 training keeps bf16 master copies of the working weights)
 GRAD_BYTES = 2  # the ZeRO paper's half-precision gradients; a layout's own: Layout.grad_bytes
-# fp32 master + moments (ZeRO sec. 3.1); SGD: master + momentum; Adafactor: the master copy, its factored
-# second moment is one row and one column vector per matrix (Shazeer & Stern 2018, sec. 3) and no first moment
-OPTIMIZER_BYTES = {"adam": 12, "sgd": 8, "adafactor": 4}
+# Full-size moment tensors each optimizer keeps per parameter: Adam's first and second moments; SGD's momentum;
+# Adafactor none (its factored second moment is one row and one column vector per matrix, Shazeer & Stern 2018
+# sec. 3, and it keeps no first moment)
+OPTIMIZER_MOMENTS = {"adam": 2, "sgd": 1, "adafactor": 0}
 
 
-def zero_bytes_per_param(stage: int, shards: int, optimizer: str = "adam",
-                         grad_bytes: int = GRAD_BYTES) -> tuple[float, float, float]:
+def optimizer_state_bytes(optimizer: str = "adam", master_weights: bool = True) -> int:
+    """Optimizer state bytes per parameter: the fp32 master copy and fp32 moments of mixed precision (ZeRO sec.
+    3.1: K = 12 for Adam; SGD 8, Adafactor 4), or, without master weights (`master_weights` false: the
+    parameters themselves in bf16), the moments alone in the parameters' dtype, as torch.optim creates them
+    (torch.zeros_like(param): Adam 4, SGD 2, Adafactor 0)."""
+    moments = OPTIMIZER_MOMENTS[optimizer]
+    return 4 * (1 + moments) if master_weights else 2 * moments
+
+
+def zero_bytes_per_param(stage: int, shards: int, optimizer: str = "adam", grad_bytes: int = GRAD_BYTES,
+                         master_weights: bool = True) -> tuple[float, float, float]:
     """(weights, grads, optimizer) bytes per parameter, ZeRO `stage` over `shards` ranks (ZeRO Fig. 1)."""
-    k = OPTIMIZER_BYTES[optimizer]
+    k = optimizer_state_bytes(optimizer, master_weights)
     w = WEIGHT_BYTES / shards if stage >= 3 else WEIGHT_BYTES
     g = grad_bytes / shards if stage >= 2 else grad_bytes
     o = k / shards if stage >= 1 else k
@@ -365,8 +375,8 @@ def memory_per_chip(m: ModelSpec, lay: Layout, micro_batches: int, optimizer: st
     those of one of its `lay.schedule_runs` runs."""
     micro_batches = lay.per_run(micro_batches)
     stages = chunks_of(m, lay)
-    wd, gd, od = zero_bytes_per_param(lay.zero_stage, lay.dp * lay.cp, optimizer, lay.grad_bytes)
-    we, ge, oe = zero_bytes_per_param(lay.zero_stage, lay.expert_dp, optimizer, lay.grad_bytes)
+    wd, gd, od = zero_bytes_per_param(lay.zero_stage, lay.dp * lay.cp, optimizer, lay.grad_bytes, lay.master_weights)
+    we, ge, oe = zero_bytes_per_param(lay.zero_stage, lay.expert_dp, optimizer, lay.grad_bytes, lay.master_weights)
     best = None
     for stage in sorted(set(stage_groups(m, lay))):
         dense, moe = stage_params(m, lay, stage)

@@ -775,3 +775,36 @@ def test_dropout_follows_the_layer_style_unless_stated():
     attn = {k: v["attention"] for k, v in by_class.items()}
     assert mem[None] - mem[False] == pytest.approx(kernels.pointwise_s(h100, 2 * (1 + 5) * h * sb), rel=1e-9)
     assert attn[None] - attn[False] == pytest.approx(kernels.pointwise_s(h100, 2 * 5 * a * sb * s), rel=1e-9)
+
+
+def test_without_master_weights_the_optimizer_keeps_its_moments_in_bf16_only():
+    """Mixed precision keeps an fp32 master copy and fp32 moments (ZeRO sec. 3.1: K = 12 for Adam, 8 for SGD with
+    momentum, 4 for Adafactor); a run whose parameters are bf16 themselves keeps the moments alone, in bf16, as
+    torch.optim creates them (zeros_like(param)): Adam 2 + 2 bytes. Its update reads and writes bf16 tensors:
+    weight, m, v and grad read, weight, m and v written, 2 * 7 = 14 bytes against 30."""
+    from planner.costs import BF16_OPTIMIZER_STEP_BYTES, OPTIMIZER_STEP_BYTES
+    from planner.memory import optimizer_state_bytes
+
+    assert [optimizer_state_bytes(o) for o in ("adam", "sgd", "adafactor")] == [12, 8, 4]
+    assert [optimizer_state_bytes(o, master_weights=False) for o in ("adam", "sgd", "adafactor")] == [4, 2, 0]
+    mixed, pure = estimate(_case()), estimate(_case(master_weights=False))
+    assert pure.memory.optimizer_bytes == pytest.approx(mixed.memory.optimizer_bytes / 3)
+    assert pure.memory.params_bytes == mixed.memory.params_bytes
+    assert pure.breakdown["optimizer"] == pytest.approx(
+        mixed.breakdown["optimizer"] * BF16_OPTIMIZER_STEP_BYTES["adam"] / OPTIMIZER_STEP_BYTES["adam"])
+    assert mixed.chosen["training"]["master_weights"] is True and "master_weights" not in pure.chosen["training"]
+    assert any("No fp32 master weights" in line for line in pure.explanation)
+    assert not any("master weights" in line for line in mixed.explanation)
+    with pytest.raises(SpecError, match="training.master_weights"):
+        parse_case(_case(master_weights="no"))
+
+
+def test_the_held_out_run_without_master_weights_fits_as_it_ran():
+    """NeMo AutoModel's DeepSeek-V3 on 256 H100 ran with the model cast to bf16 (no fp32 master copy): with mixed
+    precision's 12 bytes of Adam state a parameter the planner had it 3 GB over the chip, with the run's 4 it fits."""
+    run = next(r for r in load_published_runs(HELDOUT_RUNS)
+               if r["name"] == "automodel-deepseekv3-671b-pp4-ep64-256gpu-bf16-h100")
+    assert run["training"]["master_weights"] is False
+    assert estimate(run).fits
+    run["training"]["master_weights"] = None
+    assert not estimate(run).fits
