@@ -198,7 +198,8 @@ class Timeline:
                 "otherData": {"source": self.source, **{k: str(v) for k, v in self.meta.items()}}}
 
     def write_chrome_trace(self, path: str) -> None:
-        """Write atomically, so a crash never leaves a half-written trace file."""
+        """Write atomically, so a crash never leaves a half-written trace file; the file gets the permissions
+        of any new file here (the umask), not the private ones of the temporary file it is written as."""
         import os
         import tempfile
 
@@ -207,11 +208,29 @@ class Timeline:
         try:
             with os.fdopen(fd, "w") as f:
                 json.dump(self.to_chrome_trace(), f)
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
             os.replace(tmp, path)
         except BaseException:
             if os.path.exists(tmp):
                 os.unlink(tmp)
             raise
+
+
+def unwritable_reason(path: str) -> str | None:
+    """Why a trace cannot be written at `path` (it is a folder; its folder is missing or read-only), or None:
+    checked before a run, so a bad path costs no run."""
+    import os
+
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return "it is a folder; name a file, e.g. trace.json"
+    if not os.path.isdir(directory):
+        return f"its folder {directory} does not exist"
+    if not os.access(directory, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        return "it is not writable; choose another path"
+    return None
 
 
 # -- pipeline steps on the timeline ---------------------------------------------------------------------

@@ -1,14 +1,15 @@
 """`python -m engine run ...`: one live run from the command line.
 
-    python -m engine run --strategy {dp,fsdp} [--zero-stage {0,1,2,3}] [--world N] [--steps N]
+    python -m engine run --strategy {dp,fsdp,tp,pp,cp,ep} [--zero-stage {0,1,2,3}] [--world N] [--steps N]
                          [--micro-batches N] [--device {cpu,cuda}] [--trace FILE.json] [--check] [--json]
                          [--predict]
                          [--mesh dp=N] [--dp-comm {naive,bucketed}] [--mlp {dense,moe}] [--seed N]
                          [--arch {transformer,mamba2,hybrid}] [--pattern MA..] [--ssm-cp {state,alltoall}] ...
 
-Exit codes: 0 fine, 1 check failed, 2 bad input (message on stderr), 3 a rank failed or timed out.
-With --json, stdout holds exactly one JSON object (also on exit 1 and 3); on success it carries
-"predicted", the planner's prediction of the same run on this machine's calibration.
+Exit codes: 0 fine, 1 check failed, 2 bad input (message on stderr), 3 a rank failed or timed out, 130
+interrupted (Ctrl-C; the workers are stopped). With --json, stdout holds exactly one JSON object whatever the
+exit code: a run's summary, which carries "predicted", the planner's prediction of the same run on this
+machine's calibration, or {"ok": false, "error": ...} for a run that was refused, failed or interrupted.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import replace
 
 from core.schedules import SCHEDULE_NAMES
 from core.stdout import write_result
+from core.timeline import unwritable_reason
 from engine.config import (
     ARCHS,
     DTYPES,
@@ -35,12 +37,19 @@ from engine.config import (
 from hardware.this_machine import speed_words
 from planner.live import step_spread_words
 
-EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_RANK_FAILED = 0, 1, 2, 3
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_RANK_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad flags raise ConfigError (exit 2 with a message, and the JSON object under --json) instead of
+    argparse's own exit."""
+
+    def error(self, message: str):
+        raise ConfigError(f"{message} (see: {self.prog} -h)")
 
 
 def run_parser(prog: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Train a small Transformer, Mamba-2 or hybrid model "
-                                                       "on N local processes.")
+    p = _Parser(prog=prog, description="Train a small Transformer, Mamba-2 or hybrid model on N local processes.")
     p.add_argument("--strategy", choices=["dp", "fsdp", "cp", "ep", "tp", "pp"], default=None,
                    help="default: what --mesh needs (cp or ep when it has them), else dp")
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
@@ -217,22 +226,47 @@ def prediction_line(measured_s: float, pred: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] != "run":
-        print("usage: python -m engine run --strategy {dp,fsdp} [options]   (see: python -m engine run -h)",
-              file=sys.stderr)
+        print("usage: python -m engine run --strategy {dp,fsdp,tp,pp,cp,ep} [options]   "
+              "(see: python -m engine run -h)", file=sys.stderr)
         return EXIT_BAD_INPUT
-    args = run_parser("python -m engine run").parse_args(argv[1:])
+    try:
+        args = run_parser("python -m engine run").parse_args(argv[1:])
+    except ConfigError as e:
+        return _fail(argparse.Namespace(json="--json" in argv), str(e), EXIT_BAD_INPUT)
+    try:
+        return _run(args)
+    except KeyboardInterrupt:  # the pool's workers are stopped by its own cleanup (engine/launch.py)
+        return _fail(args, "interrupted", EXIT_INTERRUPTED)
+
+
+def _fail(args, message: str, code: int, **extra) -> int:
+    """Say why on stderr (and, with --json, as the one JSON object on stdout); return the exit code."""
+    print(f"error: {message}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"ok": False, "error": message, **extra}))
+    return code
+
+
+def _run(args) -> int:
+    from engine.config import check_fits_machine
+
     try:
         cfg = config_from_args(args)
+        if cfg.parallel.degree("pp", cfg.world) == 1 and args.schedule != ParallelConfig.schedule:
+            raise ConfigError(f"--schedule {args.schedule} orders pipeline stages, and this mesh has no pp axis: "
+                              "add one (e.g. --mesh pp=2) or drop --schedule")
+        check_fits_machine(cfg, args.check)
+        reason = args.trace and unwritable_reason(args.trace)
+        if reason:
+            raise ConfigError(f"--trace {args.trace}: {reason}")
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return _fail(args, str(e), EXIT_BAD_INPUT)
 
     if cfg.device == "cuda":
         import torch  # only here: a cpu run's parent process never imports torch
 
         if torch.cuda.device_count() == 0:
-            print("error: --device cuda, but torch sees no CUDA device here; use --device cpu", file=sys.stderr)
-            return EXIT_BAD_INPUT
+            return _fail(args, "--device cuda, but torch sees no CUDA device here; use --device cpu", EXIT_BAD_INPUT)
 
     from engine.launch import WorkerError
     from engine.run import run
@@ -240,12 +274,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary, timeline = run(cfg, traced=bool(args.trace), check=args.check, predict=args.json or args.predict)
     except WorkerError as e:
-        print(f"error: {e}", file=sys.stderr)
-        if args.json:
-            print(json.dumps({"ok": False, "error": str(e), "check": None, "world": cfg.world}))
-        return EXIT_RANK_FAILED
+        return _fail(args, str(e), EXIT_RANK_FAILED, check=None, world=cfg.world)
     if args.trace:
-        timeline.write_chrome_trace(args.trace)
+        try:
+            timeline.write_chrome_trace(args.trace)
+        except OSError as e:  # checked before the run; the disk may still fill or the folder go
+            print(f"error: cannot write the trace {args.trace}: {e.strerror}", file=sys.stderr)
+            args.trace = None
     write_result(json.dumps(summary.to_dict()) if args.json else _human(summary))
     if args.trace and not args.json:
         print(f"trace: {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)")

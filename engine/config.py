@@ -7,6 +7,7 @@ before they start any worker).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from core.mesh import AXES, Mesh
@@ -217,7 +218,7 @@ def parse_mesh(text: str) -> tuple[tuple[str, int], ...]:
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, sep, value = part.partition("=")
         name = name.strip()
-        if not sep or not value.strip().isdigit():
+        if not sep or not value.strip().isdecimal() or not value.strip().isascii():
             raise ConfigError(f"mesh entry {part!r} must look like name=degree, e.g. --mesh dp=2,tp=2")
         if name not in AXES:
             raise ConfigError(f"mesh axis {name!r} is unknown; use one of {', '.join(AXES)}")
@@ -243,6 +244,10 @@ def validate_model(m: ModelConfig) -> None:
         _check(m.mlp == "dense", "a Mamba-2 stack has no MLP to make MoE: use --arch hybrid for MoE layers "
                "beside Mamba-2 layers, or drop --mlp moe")
         return
+    # one token attends to itself alone: its softmax is 1 whatever the query and key, so wq and wk get no
+    # gradient but rounding noise, which Adam scales to full-size updates that no layout reproduces
+    _check(m.seq_len >= 2, f"seq_len={m.seq_len}: attention over a single token teaches the query and key weights "
+           "nothing; use --seq-len 2 or more")
     _check(m.hidden % m.heads == 0, f"hidden={m.hidden} is not divisible by heads={m.heads}; "
            f"choose hidden as a multiple of {m.heads}")
     _check(m.head_dim % 2 == 0, f"head_dim=hidden/heads={m.head_dim} must be even for rotary embeddings; "
@@ -252,8 +257,8 @@ def validate_model(m: ModelConfig) -> None:
     if m.mlp == "moe":
         _check(m.experts >= 1, f"experts={m.experts} must be at least 1 for mlp='moe'")
         _check(1 <= m.top_k <= m.experts, f"top_k={m.top_k} must be between 1 and experts={m.experts}")
-        _check(m.capacity_factor is None or m.capacity_factor > 0,
-               f"capacity_factor={m.capacity_factor} must be positive (or None for no limit)")
+        _check(m.capacity_factor is None or 0 < m.capacity_factor < math.inf,
+               f"capacity_factor={m.capacity_factor} must be a positive number (or None for no limit)")
 
 
 def _validate_mamba(m: ModelConfig) -> None:
@@ -289,6 +294,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(cfg.device in DEVICES, f"device={cfg.device!r} must be one of {', '.join(DEVICES)}")
     _check(cfg.dtype in DTYPES, f"dtype={cfg.dtype!r} is not supported; use {', '.join(DTYPES)}")
     _check(cfg.lr > 0, f"lr={cfg.lr} must be positive")
+    _check(0 <= cfg.seed < 2**63, f"seed={cfg.seed} must be between 0 and 2**63 - 1")
     _check(cfg.timeout_s > 0 and cfg.collective_timeout_s > 0, "timeouts must be positive seconds")
     _check(p.strategy in STRATEGIES, f"strategy={p.strategy!r} is not available; use one of "
            f"{', '.join(STRATEGIES)}")
@@ -391,6 +397,8 @@ def _validate_pp(cfg: RunConfig) -> None:
     _check(v == 1 or p.schedule == "interleaved-1f1b",
            f"{p.schedule} runs one stage per rank: set --virtual-stages 1 or use --schedule interleaved-1f1b")
     if pp == 1:
+        _check(v == 1, f"virtual_stages={v} splits each pipeline rank's layers into chunks, and this mesh has no "
+               "pp axis: add one (e.g. --mesh pp=2) or drop --virtual-stages")
         return
     _check(m.layers % (pp * v) == 0,
            f"layers={m.layers} is not divisible by pp*virtual_stages={pp * v}: each pipeline stage holds "
@@ -400,6 +408,37 @@ def _validate_pp(cfg: RunConfig) -> None:
         below, above = mb - mb % pp, mb - mb % pp + pp
         _check(mb % pp == 0, f"interleaved-1f1b needs micro_batches to be a multiple of pp={pp} (got {mb}): "
                f"use --micro-batches {f'{below} or {above}' if below else above}")
+
+
+def machine_memory_bytes() -> int | None:
+    """This machine's physical memory, or None where the OS does not say."""
+    import os
+
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def least_memory_bytes(cfg: RunConfig, check: bool = False) -> float:
+    """Bytes a CPU run needs at the least, over all its processes: every parameter's fp32 weight, gradient and
+    two Adam moments once (16 bytes, however the ranks shard them; once more in the single-process reference
+    of --check), and one micro-batch's fp32 logits and their gradient on a rank of the loss (split over tp)."""
+    m = cfg.model
+    logits = cfg.micro_batch_size * m.seq_len * m.vocab / cfg.parallel.degree("tp", cfg.world)
+    return 16 * m.params * (2 if check else 1) + 2 * 4 * logits
+
+
+def check_fits_machine(cfg: RunConfig, check: bool = False) -> None:
+    """Refuse (ConfigError) a CPU run that cannot fit this machine's memory before any worker allocates it."""
+    total = machine_memory_bytes()
+    need = least_memory_bytes(cfg, check)
+    _check(cfg.device != "cpu" or total is None or need <= total,
+           f"this run needs at least {need / 2**30:,.1f} GiB ({cfg.model.params:,} parameters' fp32 weights, "
+           f"gradients and Adam moments{', twice with --check' if check else ''}, and the logits of "
+           f"{cfg.micro_batch_size} x {cfg.model.seq_len} tokens over {cfg.model.vocab:,} words), and this machine "
+           f"has {total / 2**30 if total else 0:,.1f} GiB: make the model smaller (--vocab, --hidden, --layers, "
+           "--ffn, --experts) or the batch (--micro-batch-size, --seq-len)")
 
 
 def _tp_sizes(heads: int, kv_heads: int) -> str:

@@ -85,7 +85,11 @@ def ensure_calibration(worlds, progress=None, remeasure: bool = False, collectiv
         cal.worlds = sorted(set(cal.worlds) | {w})
         messages.append(f"measured gloo's collectives and core sharing with {w} ranks")
         done += 1
-    tm.save(cal)
+    try:
+        tm.save(cal)
+    except OSError as e:  # a read-only or missing cache folder: the calibration still serves this process
+        messages.append(f"could not keep the calibration in {tm.cache_path(cal.key).parent} ({e.strerror}); it "
+                        "will be measured again next time (set SHARDLAB_CACHE_DIR to a writable folder)")
     report(1.0, "calibrated")
     return cal, messages
 

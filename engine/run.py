@@ -13,7 +13,7 @@ import statistics
 from dataclasses import asdict, dataclass
 
 from core.timeline import Span, Timeline, bubble_spans
-from engine.config import RunConfig, validate
+from engine.config import RunConfig, check_fits_machine, validate
 
 
 @dataclass
@@ -82,6 +82,7 @@ def run(cfg: RunConfig, traced: bool = True, check: bool = False, pool=None,
     from engine import launch
 
     validate(cfg)
+    check_fits_machine(cfg, check)
     prediction = None
     if predict:
         from engine.predict import predicted

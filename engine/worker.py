@@ -168,10 +168,10 @@ def torchrun_main(argv: list[str]) -> int:
 
     parser = cli.run_parser("python -m engine.worker")
     parser.add_argument("--out", required=True, help="where rank 0 writes the result JSON")
-    args = parser.parse_args(argv)
     env = os.environ
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     try:
+        args = parser.parse_args(argv)
         cfg = cli.config_from_args(args, world=world)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

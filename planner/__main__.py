@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from core.stdout import write_result
+from core.timeline import unwritable_reason
 from planner.api import dumps, estimate, no_fit_error, search
 from planner.case import load_case
 from planner.models import SpecError
@@ -29,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         case = load_case(args.case)
+        reason = args.command == "estimate" and args.timeline and unwritable_reason(args.timeline)
+        if reason:
+            raise SpecError("--timeline", f"{args.timeline}: {reason}")
         if args.command == "estimate":
             result = estimate(case)
             if args.timeline:

@@ -665,6 +665,7 @@ def check_fixed(case: Case) -> None:
         raise SpecError("training.fsdp_backward_prefetch", "\"post\" is FullyShardedDataParallel's BACKWARD_POST: "
                         "state fsdp_impl \"fsdp1\" with it (fully_shard and XLA always gather one layer ahead)")
     _check_slices(case.cluster)
+    _check_node(case.cluster)
     if t.fp8_casts and t.dtype != "fp8":
         raise SpecError("training.fp8_casts", f"applies to dtype \"fp8\", not {t.dtype!r}")
     if t.dropout and not m.gpt_style:
@@ -749,6 +750,21 @@ def check_fixed(case: Case) -> None:
             raise SpecError("training.global_batch", f"interleaved-1f1b runs micro-batches in groups of pp={p.pp}, "
                             f"but a run has global_batch / (dp x micro_batch x schedule_runs) = {per_run}: choose "
                             f"a global batch that gives a multiple of {p.pp}, or another schedule")
+
+
+def _check_node(cl: Cluster) -> None:
+    """A stated node: no more chips than the chip's scale-up domain joins (an HGX H100 node's NVSwitch joins 8,
+    a GB200 NVL72 rack's 72); fewer is a partly used node or rack, as NeMo's 64 GPUs of a 72-GPU rack."""
+    if cl.chips_per_node is None:
+        return
+    from hardware.chips import get_chip
+
+    chip = get_chip(cl.chip)
+    if cl.chips_per_node > chip.scaleup_domain:
+        link = "its ICI" if chip.kind == "tpu" else "NVLink" if chip.vendor == "NVIDIA" else "its scale-up links"
+        raise SpecError("cluster.chips_per_node", f"{cl.chips_per_node} is more than {chip.name}'s scale-up domain "
+                        f"of {chip.scaleup_domain} chips on {link}; state the chips one node joins, at most "
+                        f"{chip.scaleup_domain}")
 
 
 def _check_slices(cl: Cluster) -> None:

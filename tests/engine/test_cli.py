@@ -33,6 +33,44 @@ def test_bad_input_exits_2_with_a_message(args, says):
     assert out.stdout == ""
 
 
+@pytest.mark.parametrize("args, says", [
+    (["--seq-len", "1"], "seq_len=1: attention over a single token"),
+    (["--mesh", "dp=\u00b2"], "must look like name=degree"),  # "²" is a digit to str.isdigit, not to int()
+    (["--seed", str(2**64)], "seed=18446744073709551616 must be between 0 and 2**63 - 1"),
+    (["--strategy", "ep", "--capacity-factor", "inf"], "capacity_factor=inf must be a positive number"),
+    (["--schedule", "interleaved-1f1b", "--virtual-stages", "3"], "this mesh has no pp axis"),
+    (["--schedule", "gpipe"], "--schedule gpipe orders pipeline stages, and this mesh has no pp axis"),
+    (["--vocab", "50000000"], "this run needs at least 119.2 GiB"),
+    (["--trace", "/"], "--trace /: it is a folder"),
+    (["--trace", "/no/such/folder/t.json"], "its folder /no/such/folder does not exist"),
+    (["--world", "abc"], "argument --world: invalid int value: 'abc' (see: python -m engine run -h)"),
+])
+def test_refused_before_any_worker_starts_with_json_too(args, says, capsys, monkeypatch):
+    """Each is refused with exit 2 and a message before a rank starts (a model too big for this machine before
+    any allocates it; a trace path that cannot be written before the run, not after); under --json the
+    message is also the one JSON object on stdout."""
+    from engine import cli, config
+
+    monkeypatch.setattr(config, "machine_memory_bytes", lambda: 24 * 2**30)
+    args = [a.encode().decode("unicode_escape") for a in args]
+    assert cli.main(["run", *args]) == 2
+    out = capsys.readouterr()
+    assert says in out.err and out.out == ""
+    assert cli.main(["run", *args, "--json"]) == 2
+    assert json.loads(capsys.readouterr().out) == {"ok": False, "error": out.err.removeprefix("error: ").strip()}
+
+
+def test_a_run_needs_its_model_state_and_logits_at_the_least():
+    """16 bytes a parameter (fp32 weight, gradient, two Adam moments), twice with --check's reference, and one
+    micro-batch's fp32 logits and their gradient on a loss rank."""
+    from engine.config import ModelConfig, RunConfig, least_memory_bytes
+
+    cfg = RunConfig(model=ModelConfig(vocab=1000), micro_batch_size=2)
+    logits = 2 * cfg.model.seq_len * 1000 * 4 * 2
+    assert least_memory_bytes(cfg) == 16 * cfg.model.params + logits
+    assert least_memory_bytes(cfg, check=True) == 32 * cfg.model.params + logits
+
+
 def test_unknown_choice_exits_2():
     out = _engine("run", "--strategy", "zz")
     assert out.returncode == 2 and "invalid choice" in out.stderr

@@ -134,7 +134,7 @@ def test_trace_shows_the_all_to_alls(pools):
     (["--experts", "6", "--world", "4"], "experts=6 is not divisible by ep=4"),
     (["--mlp", "dense"], "use --mlp moe"),
     (["--experts", "8", "--top-k", "9"], "top_k=9 must be between 1 and experts=8"),
-    (["--capacity-factor", "0"], "capacity_factor=0.0 must be positive"),
+    (["--capacity-factor", "0"], "capacity_factor=0.0 must be a positive number"),
     (["--mesh", "ep=2,tp=2", "--world", "4", "--sequence-parallel", "--capacity-factor", "1"],
      "drop --capacity-factor or --sequence-parallel"),
 ])

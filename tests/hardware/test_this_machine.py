@@ -56,6 +56,19 @@ def test_corrupt_file_says_why_and_is_measured_again(cache, content, says):
     assert cal is None and says in why and "measuring again" in why
 
 
+@pytest.mark.parametrize("content, says", [
+    (b"\xff\xfe not utf-8", "unreadable"),
+    (b"[" * 100_000, "unreadable"),  # nested past Python's recursion limit
+    (b"[1, 2]", "another version"),
+    (json.dumps({**_cal().to_dict(), "comm": None}).encode(), "unreadable"),
+    (json.dumps({**_cal().to_dict(), "compute": [1]}).encode(), "unreadable"),
+])
+def test_a_file_of_any_other_shape_is_measured_again_not_a_traceback(cache, content, says):
+    tm.cache_path("abc").write_bytes(content)
+    cal, why = tm.load("abc")
+    assert cal is None and says in why and "measuring again" in why
+
+
 def test_other_machine_and_stale(cache):
     tm.save(_cal(key="abc", created_s=1000.0))
     os.replace(tm.cache_path("abc"), tm.cache_path("xyz"))

@@ -151,6 +151,25 @@ def test_an_unwritable_timeline_path_exits_2(tmp_path, capsys):
     assert "--timeline" in capsys.readouterr().err and not out.parent.exists()
 
 
+def test_a_timeline_path_that_is_a_folder_exits_2_before_estimating(tmp_path, capsys, monkeypatch):
+    import planner.__main__ as cli
+
+    monkeypatch.setattr(cli, "estimate", lambda case: pytest.fail("estimated a case whose output cannot be written"))
+    assert main(["estimate", _write(tmp_path, RUN), "--timeline", str(tmp_path)]) == 2
+    assert f"--timeline: {tmp_path}: it is a folder" in capsys.readouterr().err
+
+
+def test_a_node_larger_than_the_chips_scale_up_domain_exits_2(tmp_path, capsys):
+    """An HGX A100's NVSwitch joins 8 GPUs: a 1,000-GPU node would cost every collective as NVLink; 7 (a node
+    partly used) and 8 are taken."""
+    big = json.loads(json.dumps(RUN))
+    big["cluster"]["chips_per_node"] = 1000
+    assert main(["estimate", _write(tmp_path, big)]) == 2
+    assert "cluster.chips_per_node: 1000 is more than" in capsys.readouterr().err
+    big["cluster"]["chips_per_node"] = 8
+    assert main(["estimate", _write(tmp_path, big)]) == 0
+
+
 def test_search_that_ranks_nothing_exits_2_and_says_why(tmp_path, capsys):
     free = json.loads(json.dumps(RUN))
     for k in ("dp", "tp", "pp", "pp_schedule", "virtual_stages"):
