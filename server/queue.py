@@ -35,6 +35,7 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass, field, replace
 
+from engine.config import ConfigError, check_fits_machine
 from server.settings import Settings
 
 WAITING, RUNNING, DONE, FAILED = "waiting", "running", "done", "failed"
@@ -160,6 +161,10 @@ class RunQueue:
                 raise Refused(f"{label}: the model has {cfg.model.params:,} parameters, more than this server "
                               f"allows ({s.max_params:,}); make it smaller (fewer layers, a smaller hidden size "
                               "or vocabulary)")
+            try:  # the live panel's runs are checked against the reference (engine_runner)
+                check_fits_machine(cfg, check=True)
+            except ConfigError as e:
+                raise Refused(f"{label}: {e}") from None
 
     def submit(self, session: str, runs, alive=None) -> Job:
         runs = tuple((label, w if isinstance(w, Task) else

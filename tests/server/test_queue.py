@@ -122,6 +122,19 @@ def test_caps_refuse_before_anything_runs(change, says):
     assert gate.ran == [] and q.snapshot()["waiting"] == 0
 
 
+def test_a_run_this_machine_cannot_hold_is_refused_before_it_queues(monkeypatch):
+    """A teacher may raise max_params past what the server's memory holds: such a run is refused with the
+    engine's own message (engine.config.check_fits_machine) instead of failing in its ranks."""
+    from engine import config
+
+    monkeypatch.setattr(config, "machine_memory_bytes", lambda: 2**20)  # a 1 MiB machine
+    gate = Gate()
+    q = queue(gate)
+    with pytest.raises(Refused, match=re.escape("this machine has 0.0 GiB")):
+        q.submit("s", [("small", cfg())])
+    assert gate.ran == [] and q.snapshot()["waiting"] == 0
+
+
 def test_wall_clock_cap_lowers_each_runs_timeout():
     gate = Gate()
     q = queue(gate, max_run_s=5)
