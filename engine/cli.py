@@ -232,11 +232,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = run_parser("python -m engine run").parse_args(argv[1:])
     except ConfigError as e:
-        return _fail(argparse.Namespace(json="--json" in argv), str(e), EXIT_BAD_INPUT)
+        as_json = any(len(a) > 2 and "--json".startswith(a) for a in argv)  # argparse takes --js for --json
+        return _fail(argparse.Namespace(json=as_json), str(e), EXIT_BAD_INPUT)
     try:
         return _run(args)
     except KeyboardInterrupt:  # the pool's workers are stopped by its own cleanup (engine/launch.py)
         return _fail(args, "interrupted", EXIT_INTERRUPTED)
+
+
+def check_trace_path(path: str | None) -> None:
+    """Refuse (ConfigError) a --trace path that cannot be written, before the run it would record."""
+    if path is not None and not path.strip():
+        raise ConfigError("--trace names no file; give a path such as trace.json, or drop --trace")
+    reason = path and unwritable_reason(path)
+    if reason:
+        raise ConfigError(f"--trace {path}: {reason}")
 
 
 def _fail(args, message: str, code: int, **extra) -> int:
@@ -252,13 +262,8 @@ def _run(args) -> int:
 
     try:
         cfg = config_from_args(args)
-        if cfg.parallel.degree("pp", cfg.world) == 1 and args.schedule != ParallelConfig.schedule:
-            raise ConfigError(f"--schedule {args.schedule} orders pipeline stages, and this mesh has no pp axis: "
-                              "add one (e.g. --mesh pp=2) or drop --schedule")
         check_fits_machine(cfg, args.check)
-        reason = args.trace and unwritable_reason(args.trace)
-        if reason:
-            raise ConfigError(f"--trace {args.trace}: {reason}")
+        check_trace_path(args.trace)
     except ConfigError as e:
         return _fail(args, str(e), EXIT_BAD_INPUT)
 
@@ -275,13 +280,17 @@ def _run(args) -> int:
         summary, timeline = run(cfg, traced=bool(args.trace), check=args.check, predict=args.json or args.predict)
     except WorkerError as e:
         return _fail(args, str(e), EXIT_RANK_FAILED, check=None, world=cfg.world)
+    trace_error = None
     if args.trace:
         try:
             timeline.write_chrome_trace(args.trace)
         except OSError as e:  # checked before the run; the disk may still fill or the folder go
-            print(f"error: cannot write the trace {args.trace}: {e.strerror}", file=sys.stderr)
-            args.trace = None
-    write_result(json.dumps(summary.to_dict()) if args.json else _human(summary))
-    if args.trace and not args.json:
+            trace_error = f"cannot write the trace {args.trace}: {e.strerror}"
+            print(f"error: {trace_error}", file=sys.stderr)
+    reply = summary.to_dict() | ({"trace_error": trace_error} if trace_error else {})
+    write_result(json.dumps(reply) if args.json else _human(summary))
+    if args.trace and not trace_error and not args.json:
         print(f"trace: {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)")
+    if trace_error:
+        return EXIT_BAD_INPUT
     return EXIT_OK if summary.ok else EXIT_CHECK_FAILED

@@ -294,7 +294,9 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(cfg.device in DEVICES, f"device={cfg.device!r} must be one of {', '.join(DEVICES)}")
     _check(cfg.dtype in DTYPES, f"dtype={cfg.dtype!r} is not supported; use {', '.join(DTYPES)}")
     _check(cfg.lr > 0, f"lr={cfg.lr} must be positive")
-    _check(0 <= cfg.seed < 2**63, f"seed={cfg.seed} must be between 0 and 2**63 - 1")
+    largest = (2**64 - cfg.steps) // SEED_STRIDE  # data_seed(seed, steps - 1) < 2**64
+    _check(0 <= cfg.seed <= largest, f"seed={cfg.seed} must be between 0 and {largest:,} (each step's batch is "
+           f"seeded with seed x 1,000,003 + step, at most 2**64 - 1)")
     _check(cfg.timeout_s > 0 and cfg.collective_timeout_s > 0, "timeouts must be positive seconds")
     _check(p.strategy in STRATEGIES, f"strategy={p.strategy!r} is not available; use one of "
            f"{', '.join(STRATEGIES)}")
@@ -399,6 +401,8 @@ def _validate_pp(cfg: RunConfig) -> None:
     if pp == 1:
         _check(v == 1, f"virtual_stages={v} splits each pipeline rank's layers into chunks, and this mesh has no "
                "pp axis: add one (e.g. --mesh pp=2) or drop --virtual-stages")
+        _check(p.schedule == ParallelConfig.schedule, f"--schedule {p.schedule} orders pipeline stages, and this mesh "
+               "has no pp axis: add one (e.g. --mesh pp=2) or drop --schedule")
         return
     _check(m.layers % (pp * v) == 0,
            f"layers={m.layers} is not divisible by pp*virtual_stages={pp * v}: each pipeline stage holds "
@@ -408,6 +412,14 @@ def _validate_pp(cfg: RunConfig) -> None:
         below, above = mb - mb % pp, mb - mb % pp + pp
         _check(mb % pp == 0, f"interleaved-1f1b needs micro_batches to be a multiple of pp={pp} (got {mb}): "
                f"use --micro-batches {f'{below} or {above}' if below else above}")
+
+
+SEED_STRIDE = 1_000_003  # a prime: different (seed, step) pairs of a run seed different batches
+
+
+def data_seed(seed: int, step: int) -> int:
+    """The seed of one optimizer step's batch (engine.model.global_batch): torch takes 0 .. 2**64 - 1."""
+    return seed * SEED_STRIDE + step
 
 
 def machine_memory_bytes() -> int | None:
@@ -420,23 +432,32 @@ def machine_memory_bytes() -> int | None:
         return None
 
 
+# The engine trains in fp32: each parameter's weight and gradient, and Adam's two moments (ui/dp_lesson's ZeRO table)
+FP32_WEIGHT_BYTES, FP32_GRAD_BYTES, ADAM_STATE_BYTES = 4, 4, 8
+
+
 def least_memory_bytes(cfg: RunConfig, check: bool = False) -> float:
-    """Bytes a CPU run needs at the least, over all its processes: every parameter's fp32 weight, gradient and
-    two Adam moments once (16 bytes, however the ranks shard them; once more in the single-process reference
-    of --check), and one micro-batch's fp32 logits and their gradient on a rank of the loss (split over tp)."""
+    """Bytes a CPU run needs at the least, over all its processes: every parameter's weight and Adam moments
+    once, however the ranks shard them, with either its gradient or, where a strategy frees the gradients for
+    the step (fsdp, the naive dp sync), one micro-batch's fp32 logits and their gradient on a rank of the loss
+    (split over tp); --check's single-process reference holds one more whole model beside them."""
     m = cfg.model
     logits = cfg.micro_batch_size * m.seq_len * m.vocab / cfg.parallel.degree("tp", cfg.world)
-    return 16 * m.params * (2 if check else 1) + 2 * 4 * logits
+    state = (FP32_WEIGHT_BYTES + ADAM_STATE_BYTES) * m.params
+    run = state + max(FP32_GRAD_BYTES * m.params, 2 * 4 * logits)
+    whole = (FP32_WEIGHT_BYTES + FP32_GRAD_BYTES + ADAM_STATE_BYTES) * m.params
+    return run + (whole if check else 0)
 
 
 def check_fits_machine(cfg: RunConfig, check: bool = False) -> None:
     """Refuse (ConfigError) a CPU run that cannot fit this machine's memory before any worker allocates it."""
     total = machine_memory_bytes()
     need = least_memory_bytes(cfg, check)
+    reference = ", and --check's reference model" if check else ""
     _check(cfg.device != "cpu" or total is None or need <= total,
-           f"this run needs at least {need / 2**30:,.1f} GiB ({cfg.model.params:,} parameters' fp32 weights, "
-           f"gradients and Adam moments{', twice with --check' if check else ''}, and the logits of "
-           f"{cfg.micro_batch_size} x {cfg.model.seq_len} tokens over {cfg.model.vocab:,} words), and this machine "
+           f"this run needs at least {need / 2**30:,.1f} GiB ({cfg.model.params:,} parameters' fp32 weights and Adam "
+           f"moments, and their gradients or the logits of {cfg.micro_batch_size} x {cfg.model.seq_len} tokens over "
+           f"{cfg.model.vocab:,} words{reference}), and this machine "
            f"has {total / 2**30 if total else 0:,.1f} GiB: make the model smaller (--vocab, --hidden, --layers, "
            "--ffn, --experts) or the batch (--micro-batch-size, --seq-len)")
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import MAMBA, ModelConfig, unit_forward_flops  # noqa: F401 - unit_forward_flops re-exported
+from engine.config import MAMBA, ModelConfig, data_seed, unit_forward_flops  # noqa: F401 - unit_forward_flops re-exported
 from engine.mamba import Mamba2, init_mamba_
 
 
@@ -263,7 +263,7 @@ def loss_fn(logits, targets):
 
 def global_batch(m: ModelConfig, seed: int, step: int, sequences: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens and next-token targets of one optimizer step, the same on every rank."""
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    gen = torch.Generator().manual_seed(data_seed(seed, step))
     data = torch.randint(0, m.vocab, (sequences, m.seq_len + 1), generator=gen)
     return data[:, :-1], data[:, 1:]
 

@@ -173,6 +173,7 @@ def torchrun_main(argv: list[str]) -> int:
     try:
         args = parser.parse_args(argv)
         cfg = cli.config_from_args(args, world=world)
+        cli.check_trace_path(args.trace)  # (not the memory check: torchrun's ranks may be on other machines)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -189,10 +190,14 @@ def torchrun_main(argv: list[str]) -> int:
     if rank != 0:
         return 0
     summary, timeline = assemble(cfg, everything)
-    if args.trace:
-        timeline.write_chrome_trace(args.trace)
-    with open(args.out, "w") as f:
+    with open(args.out, "w") as f:  # the result first: a trace that cannot be written loses nothing else
         json.dump(summary.to_dict(), f, indent=1)
+    if args.trace:
+        try:
+            timeline.write_chrome_trace(args.trace)
+        except OSError as e:
+            print(f"error: cannot write the trace {args.trace}: {e.strerror}", file=sys.stderr)
+            return 2
     return 0 if summary.ok else 1
 
 

@@ -234,16 +234,29 @@ class Calibration:
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise CalibrationError("the calibration file is from another version of ShardLab")
         try:
+            probe = dict(d["probe"])
+            if probe:
+                from hardware.probe import ProbeResult
+
+                ProbeResult(**probe)  # the roofline the hardware lesson draws: its fields, or a TypeError
             return cls(key=str(d["key"]), created_s=float(d["created_s"]), cpus=int(d["cpus"]), torch=str(d["torch"]),
-                       compute={k: Fit(**v) for k, v in d["compute"].items()},
+                       compute={k: Fit(**_numbers(v)) for k, v in d["compute"].items()},
                        engine_units={k: float(v) for k, v in d["engine_units"].items()},
                        compute_share={int(k): float(v) for k, v in d["compute_share"].items()},
                        resume_s={int(k): float(v) for k, v in d["resume_s"].items()},
-                       comm={k: CommFit(**v) for k, v in d["comm"].items()},
-                       probe=dict(d["probe"]),
+                       comm={k: CommFit(**_numbers(v)) for k, v in d["comm"].items()},
+                       probe=probe,
                        worlds=[int(w) for w in d["worlds"]], reference_s=float(d.get("reference_s", 0.0)))
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, ArithmeticError) as e:  # int(1e400): OverflowError
             raise CalibrationError(f"the calibration file is malformed ({type(e).__name__}: {e})") from None
+
+
+def _numbers(fields: dict) -> dict:
+    """A fit's fields as read from the file, each a finite number (a string "1" or a null is not a timing)."""
+    for name, value in fields.items():
+        if not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{name} is {value!r}, not a finite number")
+    return fields
 
 
 def speed_words(factor: float) -> str:

@@ -7,6 +7,8 @@ read (4 + 4 + 8) Psi with the same sharding per stage as the mixed-precision (2 
 
 from __future__ import annotations
 
+from engine.config import ADAM_STATE_BYTES, FP32_GRAD_BYTES, FP32_WEIGHT_BYTES
+
 # label -> (engine strategy, zero stage, dp gradient communication)
 LIVE_STRATEGIES = {
     "DDP, all-reduce after backward": ("dp", 0, "naive"),
@@ -15,7 +17,6 @@ LIVE_STRATEGIES = {
     "ZeRO-2 (+ gradients sharded)": ("dp", 2, "bucketed"),
     "ZeRO-3 / FSDP (+ weights, prefetched)": ("fsdp", 3, "bucketed"),
 }
-FP32_WEIGHT_BYTES, FP32_GRAD_BYTES, ADAM_STATE_BYTES = 4, 4, 8
 
 
 def expected_memory(psi: int, stage: int, world: int) -> dict[str, float]:

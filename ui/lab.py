@@ -30,8 +30,10 @@ def lab_config(model: ModelConfig, mesh: dict[str, int], zero_stage: int, schedu
         world *= d
     strategy = strategy_for(axes)
     stage = 3 if dict(axes).get("fsdp", 1) > 1 and zero_stage == 0 else zero_stage
-    parallel = ParallelConfig(strategy=strategy, mesh=axes, zero_stage=stage, schedule=schedule,
-                              virtual_stages=virtual_stages if dict(axes).get("pp", 1) > 1 else 1)
+    piped = dict(axes).get("pp", 1) > 1  # without a pp axis the schedule and chunks are the engine's defaults
+    parallel = ParallelConfig(strategy=strategy, mesh=axes, zero_stage=stage,
+                              schedule=schedule if piped else ParallelConfig.schedule,
+                              virtual_stages=virtual_stages if piped else 1)
     return RunConfig(model=model, parallel=parallel, world=world, steps=steps, micro_batches=micro_batches,
                      micro_batch_size=micro_batch_size, device=device, dtype=dtype)
 

@@ -60,8 +60,13 @@ def test_corrupt_file_says_why_and_is_measured_again(cache, content, says):
     (b"\xff\xfe not utf-8", "unreadable"),
     (b"[" * 100_000, "unreadable"),  # nested past Python's recursion limit
     (b"[1, 2]", "another version"),
-    (json.dumps({**_cal().to_dict(), "comm": None}).encode(), "unreadable"),
-    (json.dumps({**_cal().to_dict(), "compute": [1]}).encode(), "unreadable"),
+    (json.dumps({**_cal().to_dict(), "comm": None}).encode(), "malformed"),
+    (json.dumps({**_cal().to_dict(), "compute": [1]}).encode(), "malformed"),
+    # loaded once, then a TypeError or OverflowError wherever the value was used: refused when read
+    (json.dumps({**_cal().to_dict(), "cpus": 1e400}).replace("Infinity", "1e400").encode(), "malformed"),
+    (json.dumps({**_cal().to_dict(), "compute": {"linear": {"fwd_fixed_s": "1", "fwd_per_unit_s": 1}}}).encode(),
+     "malformed"),
+    (json.dumps({**_cal().to_dict(), "probe": [1, 2]}).encode(), "malformed"),
 ])
 def test_a_file_of_any_other_shape_is_measured_again_not_a_traceback(cache, content, says):
     tm.cache_path("abc").write_bytes(content)

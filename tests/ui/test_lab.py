@@ -138,3 +138,16 @@ def test_the_command_line_shown_reproduces_the_pages_run():
     reply = json.loads(out.stdout)
     assert reply["check"]["passed"] and reply["mesh"] == page_run.summary.mesh
     assert reply["loss"] == page_run.summary.loss  # the same seed, data and layout: the same numbers
+
+
+def test_a_schedule_left_from_a_pipeline_is_dropped_when_the_mesh_has_none():
+    """The schedule box keeps its value when pp goes back to 1 (disabled, not reset): the run and its command
+    line take the engine's default then, which the CLI accepts (a schedule without a pp axis exits 2)."""
+    from engine.cli import command_line, main
+    from engine.config import ModelConfig, ParallelConfig
+    from ui.lab import lab_config
+
+    cfg = lab_config(ModelConfig(), {"dp": 2}, 0, "gpipe", 2, 1, 2, 3, "cpu")
+    assert cfg.parallel.schedule == ParallelConfig.schedule and cfg.parallel.virtual_stages == 1
+    assert "gpipe" not in command_line(cfg)
+    assert main(["run", "--schedule", "gpipe", "--world", "2"]) == 2
