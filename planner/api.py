@@ -58,8 +58,8 @@ def chosen_fields(case: Case, res: StepResult) -> dict:
                 continue  # only fp8 GEMMs cast their operands
             if name == "ssm_cp" and not case.model.has_ssm:
                 continue  # only Mamba-2 layers have the choice
-            if name == "schedule_runs" and res.layout.pp == 1:
-                continue  # without pipeline stages the runs are the same micro-batches
+            if name in ("schedule_runs", "pp_p2p") and res.layout.pp == 1:
+                continue  # without pipeline stages the runs are the same micro-batches, and nothing is sent
             if name == "recompute_layers" and res.layout.recompute_layers is None:
                 continue  # every layer of a chunk, or a mode other than full: `recompute` says it
             if name == "etp" and not (case.model.is_moe and res.layout.tp > 1):
@@ -73,6 +73,8 @@ def chosen_fields(case: Case, res: StepResult) -> dict:
                 continue  # one data-parallel rank: no gradients to sum, no weights to gather
             if name in ("tp_comm_overlap", "tp_grad_allreduce_overlap") and res.layout.tp == 1:
                 continue  # one tensor-parallel rank has no tp collectives to overlap
+            if name == "grad_accum_cast" and (res.layout.grad_accum_fusion or not res.layout.grad_reduce_in_fp32):
+                continue  # only a separate accumulation pass into an fp32 buffer casts the gradient first
             if name in ("fsdp_impl", "fsdp_backward_prefetch") and not res.layout.layer_zero3:
                 continue  # only ZeRO-3's per-layer gathers and reductions copy and prefetch (costs._zero3_comms)
             if getattr(given, name) is None:

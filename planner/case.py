@@ -78,6 +78,11 @@ RECIPE_DEFAULTS = {
     # pass per micro-batch over the stage's gradients (simulate.grad_accumulation_s): Megatron-LM 2021's
     # main_grad.add_ hook, autograd's in-place add, DeepSpeed's BF16_Optimizer update_hp_grads
     "grad_accum_fusion": True,
+    # without grad_accum_fusion, each micro-batch's bf16 gradient cast to the fp32 accumulator's dtype in a copy of
+    # its own before the add (DeepSpeed's BF16_Optimizer.update_hp_grads: hp_grad.data.add_(lp.grad.data.to(
+    # hp_grad.dtype)), deepspeed/runtime/bf16_optimizer.py): 8 bytes more a parameter per micro-batch. False: the
+    # add reads the bf16 gradient itself (Megatron-LM's main_grad.add_, PyTorch's type-promoting add_)
+    "grad_accum_cast": False,
     # how tokens reach their experts (EP_DISPATCH): the chip table's deepep_dispatch, "deepep" where a current
     # framework's MoE recipes run a deduplicating dispatcher on the chip (Megatron-Bridge's flex dispatcher with
     # DeepEP or HybridEP on Hopper and Blackwell), else the NCCL all-to-all (A100, AMD, XLA on TPU). DeepEP sends
@@ -127,6 +132,14 @@ RECIPE_DEFAULTS = {
     # PyTorch's elementwise ops one at a time, per tensor or foreach (Composer's DecoupledAdamW, llm-foundry's
     # optimizer; torchtitan's foreach AdamW before): planner.costs.UNFUSED_ADAM_BYTES
     "optimizer_fused": True,
+    # how a pipeline stage exchanges a micro-batch's activation and gradient with its neighbours (PP_P2P):
+    # "batched", a pass's send and the next pass's receive as one exchange both ways at once (Megatron-LM's
+    # send_forward_recv_backward and send_backward_recv_forward, p2p_communication.py's batch_isend_irecv;
+    # torch.distributed.pipelining's _sorted_batch_p2p); "sequential", each a blocking operation of its own
+    # (DeepSpeed's PipelineEngine: TrainSchedule issues SendActivation then RecvGrad, and RecvActivation then
+    # SendGrad, deepspeed/runtime/pipe/schedule.py; p2p.py's send and recv block until the peer posts the match):
+    # two transfers on a pass's critical path instead of one (planner.simulate.pipeline_p2p_s)
+    "pp_p2p": "batched",
     # the optimizer updates an fp32 master copy of the weights and keeps its moments in fp32, the bf16 weights a
     # copy of it (mixed-precision training, Micikevicius et al. 2018 sec. 3.1; Megatron-LM's and DeepSpeed's
     # optimizers; FSDP2's fp32 sharded parameters under a bf16 MixedPrecisionPolicy, torchtitan and NeMo
@@ -171,9 +184,10 @@ CROSS_ENTROPY = ("fp32", "fused")
 # XLA on TPU): no pass of their own
 FSDP_IMPLS = ("fsdp2", "fsdp1", "in-place")
 BACKWARD_PREFETCH = ("pre", "post")
+PP_P2P = ("batched", "sequential")
 RECIPE_FLAGS = tuple(k for k in RECIPE_DEFAULTS
                      if k not in ("attention", "ep_dispatch", "fusion", "fp8_casts", "cross_entropy", "logit_metrics",
-                                  "fsdp_impl", "fsdp_backward_prefetch"))
+                                  "fsdp_impl", "fsdp_backward_prefetch", "pp_p2p"))
 # Context parallelism for Mamba-2 layers (planner.costs): "state" passes each rank's final SSM state to
 # the next rank; "alltoall" reshards sequence -> heads around the scan (Megatron-Core). Null: the search
 # tries both where they apply, else "state".
@@ -210,6 +224,7 @@ class Training:
     tp_grad_allreduce_overlap: bool | None = None
     ep_comm_overlap: bool | None = None
     grad_accum_fusion: bool | None = None
+    grad_accum_cast: bool | None = None
     ep_dispatch: str | None = None  # EP_DISPATCH
     fusion: str | None = None  # FUSION
     fp8_casts: str | None = None  # FP8_CASTS, with dtype "fp8"
@@ -219,6 +234,7 @@ class Training:
     fsdp_impl: str | None = None  # FSDP_IMPLS
     fsdp_backward_prefetch: str | None = None  # BACKWARD_PREFETCH
     optimizer_fused: bool | None = None
+    pp_p2p: str | None = None  # PP_P2P
     master_weights: bool | None = None
     dropout: bool | None = None
     ssm_cp: str | None = None  # SSM_CP
@@ -294,6 +310,7 @@ class Layout:
     tp_grad_allreduce_overlap: bool = True
     ep_comm_overlap: bool = False
     grad_accum_fusion: bool = True
+    grad_accum_cast: bool = False
     ep_dispatch: str = "all_to_all"
     fusion: str = "fused"
     fp8_casts: str = "fused"
@@ -303,6 +320,7 @@ class Layout:
     fsdp_impl: str = "fsdp2"
     fsdp_backward_prefetch: str = "pre"
     optimizer_fused: bool = True
+    pp_p2p: str = "batched"
     master_weights: bool = True
     dropout: bool | None = None  # None: the model's layer style (`dropout_on`)
     ssm_cp: str = "state"
@@ -521,6 +539,7 @@ def parse_case(data) -> Case:
         logit_metrics=_int(t, "logit_metrics", "training", required=False, minimum=0),
         fsdp_impl=_choice(t, "fsdp_impl", "training", FSDP_IMPLS),
         fsdp_backward_prefetch=_choice(t, "fsdp_backward_prefetch", "training", BACKWARD_PREFETCH),
+        pp_p2p=_choice(t, "pp_p2p", "training", PP_P2P),
         **flags,
     )
 
@@ -666,6 +685,9 @@ def check_fixed(case: Case) -> None:
                         "state fsdp_impl \"fsdp1\" with it (fully_shard and XLA always gather one layer ahead)")
     _check_slices(case.cluster)
     _check_node(case.cluster)
+    if t.grad_accum_cast and t.grad_accum_fusion is not False:
+        raise SpecError("training.grad_accum_cast", "casts the gradient before a separate accumulation pass: state "
+                        "grad_accum_fusion false with it (a fused accumulation adds inside the GEMM)")
     if t.fp8_casts and t.dtype != "fp8":
         raise SpecError("training.fp8_casts", f"applies to dtype \"fp8\", not {t.dtype!r}")
     if t.dropout and not m.gpt_style:

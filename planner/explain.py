@@ -126,6 +126,14 @@ def explain(res: StepResult, best: StepResult | None = None) -> list[str]:
     if not lay.optimizer_fused and case.training.optimizer == "adam":
         words.append(f"Adam runs as PyTorch's elementwise ops one at a time: the step takes "
                      f"{longer(optimizer_fused=True)} longer than with one fused multi-tensor kernel.")
+    if lay.grad_accum_cast and not lay.grad_accum_fusion and lay.grad_reduce_in_fp32:
+        words.append(f"Each micro-batch's gradient is cast to fp32 in a copy of its own before it is added "
+                     f"(DeepSpeed's BF16 optimizer): the step takes {longer(grad_accum_cast=False)} longer than "
+                     "adding the bf16 gradient directly.")
+    if lay.pp > 1 and lay.pp_p2p == "sequential":
+        words.append(f"Each stage sends and receives its micro-batches' activations and gradients as blocking "
+                     f"operations one after the other (DeepSpeed's pipeline engine): the step takes "
+                     f"{longer(pp_p2p='batched')} longer than exchanging both ways at once (Megatron-LM).")
     if not lay.master_weights:
         opt = case.training.optimizer
         words.append(f"No fp32 master weights: the weights stay in bf16 and the optimizer keeps "

@@ -100,16 +100,18 @@ def grad_buffer_passes_s(params: float, lay: Layout, chip: Chip, dp_group: int) 
     return kernels.pointwise_s(chip, params * 4 * lay.grad_bytes)
 
 
-def grad_accumulation_s(params: float, micro_batches: int, acc: int, chip: Chip) -> float:
+def grad_accumulation_s(params: float, micro_batches: int, acc: int, chip: Chip, cast: bool = False) -> float:
     """Seconds per micro-batch, on average over the step, that accumulating the weight gradients of
     `params` takes without `grad_accum_fusion`: an elementwise pass per micro-batch into an accumulator of
     `acc` bytes (Layout.grad_bytes). Into an fp32 one (Megatron-LM's main_grad.add_(param.grad) hook,
     DeepSpeed's BF16_Optimizer hp_grad.add_), every micro-batch reads the new gradient and reads and writes the
-    accumulator: 2 + 4 + 4 bytes per parameter (DeepSpeed first casts the gradient to fp32, a copy this
-    leaves out). In the working precision (Megatron-LM 2021's default for fp16): autograd adds into the
-    .grad in place from the second micro-batch on, 2 + 2 + 2 bytes."""
+    accumulator: 2 + 4 + 4 bytes per parameter; with `cast` (`grad_accum_cast`: DeepSpeed's BF16_Optimizer
+    first casts the gradient to fp32 in a copy of its own, lp.grad.to(hp_grad.dtype)) that copy is written and
+    read again: 4 + 4 more. In the working precision (Megatron-LM 2021's default for fp16): autograd adds
+    into the .grad in place from the second micro-batch on, 2 + 2 + 2 bytes."""
+    widened = cast and acc > WGRAD_BYTES
     passes = micro_batches if acc > WGRAD_BYTES else micro_batches - 1
-    nbytes = params * (WGRAD_BYTES + 2 * acc) * passes / max(1, micro_batches)
+    nbytes = params * (WGRAD_BYTES + 2 * acc + (2 * acc if widened else 0)) * passes / max(1, micro_batches)
     return kernels.pointwise_s(chip, nbytes)
 
 
@@ -405,7 +407,8 @@ def stage_costs(case: Case, lay: Layout, chip: Chip) -> list[StageCost]:
             whole = lay.zero_stage < 2 or lay.staged_zero3
             kept = dense_p + expert_p if whole else dense_p / dp_group + expert_p / lay.expert_dp
             chunks[0] = _plus_backward(chunks[0], "compute",
-                                       grad_accumulation_s(kept, micro_batches, lay.grad_bytes, chip))
+                                       grad_accumulation_s(kept, micro_batches, lay.grad_bytes, chip,
+                                                           lay.grad_accum_cast))
         opt = costs.optimizer_step_s(dense_p, expert_p, lay, chip, tr.optimizer)
         tied = tied_s if i in holders else 0.0
         passes = grad_buffer_passes_s(dense_p + expert_p, lay, chip, dp_group)
@@ -510,7 +513,9 @@ def _plus_backward(chunk: ChunkCost, part: str, seconds: float) -> ChunkCost:
 
 
 def pipeline_p2p_s(m: ModelSpec, lay: Layout, chip: Chip, node: int) -> float:
-    """One pipeline transfer of a micro-batch's activation (or its gradient) across a stage boundary.
+    """The pipeline communication on one pass's critical path: one transfer of a micro-batch's activation
+    (or its gradient) across a stage boundary, the send of this pass and the receive of the next exchanged
+    at once; two with `pp_p2p` "sequential" (DeepSpeed's PipelineEngine blocks on each in turn).
 
     With tp > 1 each rank of the tp group sends only its 1/t slice over the inter-stage link and the
     receiving stage re-assembles the whole activation with an all-gather over the tp group (Narayanan
@@ -524,7 +529,7 @@ def pipeline_p2p_s(m: ModelSpec, lay: Layout, chip: Chip, node: int) -> float:
     seconds = costs.comm_s(topo, "p2p", act_bytes / lay.tp)
     if lay.tp > 1 and not lay.sequence_parallel:
         seconds += costs.comm_s(costs.topology(chip, lay.tp, 1, node), "all_gather", act_bytes)
-    return seconds
+    return seconds * (2 if lay.pp_p2p == "sequential" else 1)
 
 
 def sent_bytes_per_step(res: StepResult, stage: int = 0) -> dict[str, float]:

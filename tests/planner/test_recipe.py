@@ -34,8 +34,9 @@ def test_null_recipe_is_what_a_current_framework_does_and_is_reported():
     est = estimate(_case())
     chosen = est.chosen["training"]
     assert chosen["attention"] == "flash3"  # H100: cuDNN / FlashAttention-3 class
-    assert all(chosen[f] is (f != "dropout") for f in RECIPE_FLAGS if f != "ep_comm_overlap")
+    assert all(chosen[f] is (f != "dropout") for f in RECIPE_FLAGS if f not in ("ep_comm_overlap", "grad_accum_cast"))
     assert "ep_comm_overlap" not in chosen and "ep_dispatch" not in chosen  # a dense model routes no tokens
+    assert "grad_accum_cast" not in chosen  # a fused accumulation has no pass of its own to cast for
     assert chosen["dropout"] is False  # a Llama-style layer; a GELU model's null takes the gpt style's dropout
     assert estimate(_case(chip="a100-80gb")).chosen["training"]["attention"] == "flash"
 
@@ -808,3 +809,43 @@ def test_the_held_out_run_without_master_weights_fits_as_it_ran():
     assert estimate(run).fits
     run["training"]["master_weights"] = None
     assert not estimate(run).fits
+
+
+def test_sequential_pipeline_messages_put_two_transfers_on_each_pass():
+    """DeepSpeed's pipeline engine sends, then receives, each a blocking operation; Megatron-LM exchanges a pass's
+    send and the next pass's receive at once: twice the pass's transfer time on its critical path."""
+    from hardware.chips import get_chip
+    from planner.case import Layout
+    from planner.simulate import pipeline_p2p_s
+
+    lay = Layout(dp=1, tp=8, pp=4, micro_batch=1, sequence_parallel=True)
+    m = estimate(_case(tp=8, dp=1, pp=4)).result.case.model
+    one = pipeline_p2p_s(m, lay, get_chip("h100"), 8)
+    assert one > 0 and pipeline_p2p_s(m, replace(lay, pp_p2p="sequential"), get_chip("h100"), 8) == 2 * one
+    batched, sequential = estimate(_case(tp=8, dp=1, pp=4)), estimate(_case(tp=8, dp=1, pp=4, pp_p2p="sequential"))
+    assert sequential.breakdown["pp_comm"] == pytest.approx(2 * batched.breakdown["pp_comm"])
+    assert sequential.step_time_s > batched.step_time_s
+    assert batched.chosen["training"]["pp_p2p"] == "batched" and "pp_p2p" not in estimate(_case()).chosen["training"]
+    assert any("blocking operations one after the other" in line for line in sequential.explanation)
+    with pytest.raises(SpecError, match="training.pp_p2p"):
+        parse_case(_case(pp_p2p="async"))
+
+
+def test_a_gradient_cast_before_its_accumulation_adds_a_copy_written_and_read():
+    """DeepSpeed's BF16_Optimizer adds lp.grad.to(fp32) into its fp32 accumulator: the cast writes 4 bytes a
+    parameter and the add reads them, on top of the 2 + 4 + 4 of the add itself (18 against 10)."""
+    from hardware.chips import get_chip
+    from planner.simulate import grad_accumulation_s
+
+    a100 = get_chip("a100-80gb")
+    plain, cast = grad_accumulation_s(1e9, 8, 4, a100), grad_accumulation_s(1e9, 8, 4, a100, cast=True)
+    assert cast / plain == pytest.approx(18 / 10)
+    assert grad_accumulation_s(1e9, 8, 2, a100, cast=True) == grad_accumulation_s(1e9, 8, 2, a100)  # nothing to widen
+    unfused = estimate(_case(grad_accum_fusion=False, micro_batch=1))
+    with_cast = estimate(_case(grad_accum_fusion=False, grad_accum_cast=True, micro_batch=1))
+    assert with_cast.step_time_s > unfused.step_time_s
+    assert unfused.chosen["training"]["grad_accum_cast"] is False
+    assert "grad_accum_cast" not in estimate(_case()).chosen["training"]  # fused: no pass to cast for
+    assert any("cast to fp32 in a copy" in line for line in with_cast.explanation)
+    with pytest.raises(SpecError, match="training.grad_accum_cast"):
+        parse_case(_case(grad_accum_cast=True))
