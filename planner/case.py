@@ -136,9 +136,10 @@ RECIPE_DEFAULTS = {
     # "batched", a pass's send and the next pass's receive as one exchange both ways at once (Megatron-LM's
     # send_forward_recv_backward and send_backward_recv_forward, p2p_communication.py's batch_isend_irecv;
     # torch.distributed.pipelining's _sorted_batch_p2p); "sequential", each a blocking operation of its own
-    # (DeepSpeed's PipelineEngine: TrainSchedule issues SendActivation then RecvGrad, and RecvActivation then
-    # SendGrad, deepspeed/runtime/pipe/schedule.py; p2p.py's send and recv block until the peer posts the match):
-    # two transfers on a pass's critical path instead of one (planner.simulate.pipeline_p2p_s)
+    # (DeepSpeed's PipelineEngine, 1F1B only: before v0.8.3 its TrainSchedule issued SendActivation then RecvGrad,
+    # and RecvActivation then SendGrad, in the step before a pass; PR 2862 reordered them, still two; p2p.py's
+    # send and recv block until the peer posts the match): two transfers on a pass's critical path instead of
+    # one (planner.simulate.pipeline_p2p_s)
     "pp_p2p": "batched",
     # the optimizer updates an fp32 master copy of the weights and keeps its moments in fp32, the bf16 weights a
     # copy of it (mixed-precision training, Micikevicius et al. 2018 sec. 3.1; Megatron-LM's and DeepSpeed's
@@ -688,6 +689,12 @@ def check_fixed(case: Case) -> None:
     if t.grad_accum_cast and t.grad_accum_fusion is not False:
         raise SpecError("training.grad_accum_cast", "casts the gradient before a separate accumulation pass: state "
                         "grad_accum_fusion false with it (a fused accumulation adds inside the GEMM)")
+    if t.grad_accum_cast and (t.grad_reduce_in_fp32 is False or (t.grad_reduce_in_fp32 is None and t.dtype == "fp16")):
+        raise SpecError("training.grad_accum_cast", "casts the gradient to an fp32 accumulator, and this run keeps its "
+                        "gradients in the working precision (grad_reduce_in_fp32): drop one of the two")
+    if t.pp_p2p == "sequential" and case.parallel.pp_schedule not in (None, "1f1b"):
+        raise SpecError("training.pp_p2p", f"\"sequential\" is DeepSpeed's pipeline engine, which runs 1F1B only, not "
+                        f"{case.parallel.pp_schedule!r}: state pp_schedule \"1f1b\" with it")
     if t.fp8_casts and t.dtype != "fp8":
         raise SpecError("training.fp8_casts", f"applies to dtype \"fp8\", not {t.dtype!r}")
     if t.dropout and not m.gpt_style:

@@ -167,7 +167,9 @@ def _all_schedules(case: Case, pp: int, micro_batches: int) -> Iterator[tuple[st
         if p.pp is not None or (p.pp_schedule in (None, "1f1b") and p.virtual_stages in (None, 1)):
             yield "1f1b", 1
         return
-    schedules = [p.pp_schedule] if p.pp_schedule else ["1f1b", "interleaved-1f1b", "zb-h1"]
+    # DeepSpeed's pipeline engine (pp_p2p "sequential") runs 1F1B only
+    free = ["1f1b"] if case.training.pp_p2p == "sequential" else ["1f1b", "interleaved-1f1b", "zb-h1"]
+    schedules = [p.pp_schedule] if p.pp_schedule else free
     for sched in schedules:
         if sched in ("1f1b", "gpipe", "zb-h1"):
             # the search leaves out ZB-H1 with fewer micro-batches than stages (it runs, with little to defer)

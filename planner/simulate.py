@@ -48,7 +48,10 @@ Overlap (the recipe fields of `planner.case`, per layer in `planner.costs`):
   optimisation (Narayanan et al. 2021 sec. 4.1), on the link between the stages (NVLink or the
   network, `costs.topology`). Each pass waits for its input to arrive (Megatron's batched
   send/receive pairs; the engine's blocking receives): one transfer per pass, every schedule, so the
-  interleaved schedule's v-fold transfers show. Megatron-Core's overlap_p2p_comm, which can hide some
+  interleaved schedule's v-fold transfers show; two with `pp_p2p` "sequential" (DeepSpeed's 1F1B, whose
+  send and receive block one after the other). DeepSpeed's warm-up and drain passes pay one each, which
+  this counts as two: about 2p + 4 transfers a step too many (a simulation of its TrainSchedule; ~0.2 %
+  of BLOOM's and MT-NLG's steps). Megatron-Core's overlap_p2p_comm, which can hide some
   of them behind another chunk when the schedule has slack, is not modelled (the schedule simulated
   with tiny transfers already puts 2 (p-1) to 7 p of them on the critical path, core.schedules).
 """
@@ -121,7 +124,7 @@ class ChunkCost:
     bwd_s: float  # backward (and recomputation), exposed comm included
     parts: dict  # seconds by BREAKDOWN_KEYS kind for fwd + bwd of one micro-batch
     layers: int
-    p2p_s: float  # the pipeline send included in each of fwd_s and bwd_s
+    p2p_s: float  # the pipeline transfers included in each of fwd_s and bwd_s (`pipeline_p2p_s`)
     layer_costs: tuple  # ((LayerCost, count), ...) of the layers in the chunk
     wgrad_s: float  # weight-gradient part of bwd_s (deferrable under ZB-H1)
     # TP's collectives of the chunk's embedding and output head (costs.vocab_parallel_comms), (forward,

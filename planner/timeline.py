@@ -250,8 +250,9 @@ def predicted_timeline(res: StepResult, max_spans: int = 20000, max_layer_passes
         spans.extend(Span(s.rank, s.lane, s.name, start + s.start_s, start + s.end_s, s.bytes, s.flops, 0, mb,
                           s.group, s.is_async) for s in shapes[key])
         if chunk.p2p_s > 0:
-            spans.append(Span(rank_of[r], "comm", "send act" if direction == "F" else "send grad",
-                              end - chunk.p2p_s, end, micro_batch=mb, group="pp"))
+            what = "act" if direction == "F" else "grad"
+            name = f"send/recv {what}" if lay.pp_p2p == "sequential" else f"send {what}"
+            spans.append(Span(rank_of[r], "comm", name, end - chunk.p2p_s, end, micro_batch=mb, group="pp"))
     for r, run in enumerate(busy):
         if run is not None:
             spans.append(Span(rank_of[r], "compute", BUSY, run[0], run[1]))

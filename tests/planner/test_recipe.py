@@ -849,3 +849,18 @@ def test_a_gradient_cast_before_its_accumulation_adds_a_copy_written_and_read():
     assert any("cast to fp32 in a copy" in line for line in with_cast.explanation)
     with pytest.raises(SpecError, match="training.grad_accum_cast"):
         parse_case(_case(grad_accum_cast=True))
+
+
+def test_deepspeeds_recipe_fields_are_refused_where_deepspeed_could_not_run_them():
+    """Its pipeline engine runs 1F1B only (and a null schedule searches 1F1B alone); its BF16 optimizer's cast
+    widens into an fp32 accumulator, which a run that keeps its gradients in bf16 does not have."""
+    with pytest.raises(SpecError, match="training.pp_p2p.*1F1B only"):
+        parse_case(_case(tp=8, dp=1, pp=4, pp_p2p="sequential") | {
+            "parallel": {"dp": 1, "tp": 8, "pp": 4, "cp": 1, "ep": 1, "pp_schedule": "zb-h1"}})
+    free = _case(tp=8, dp=1, pp=4, pp_p2p="sequential")
+    free["parallel"]["pp_schedule"] = None
+    assert estimate(free).layout.pp_schedule == "1f1b"
+    with pytest.raises(SpecError, match="training.grad_accum_cast"):
+        parse_case(_case(grad_accum_fusion=False, grad_accum_cast=True, grad_reduce_in_fp32=False))
+    with pytest.raises(SpecError, match="training.grad_accum_cast"):
+        parse_case(_case(grad_accum_fusion=False, grad_accum_cast=True, dtype="fp16"))
