@@ -187,9 +187,7 @@ else:
     )
 if tp > 1:
     bound = tensor_parallel_bound(spec, chip, micro_batch * spec.seq_len, tp)
-    meter = bound_figure(bound, f"The scaling book's rule at t = {tp}, one MLP, one pass")
-    meter.update_xaxes(title_text=meter.layout.xaxis.title.text.replace("per layer", "per MLP pass"))
-    st.plotly_chart(meter, key="tp_bound")
+    st.plotly_chart(bound_figure(bound, f"The scaling book's rule at t = {tp}, one MLP, one pass"), key="tp_bound")
     verdict = "Compute-bound" if bound.compute_bound else "Communication-bound"
     st.markdown(f"**{verdict}** by the rule: one MLP's matmuls take {bound.math_s / bound.comm_s:,.2f}x its "
                 f"all-gather + reduce-scatter, per pass at peak rates. {bound.rule}. Both sides grow with "

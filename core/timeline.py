@@ -219,17 +219,19 @@ class Timeline:
 
 
 def unwritable_reason(path: str) -> str | None:
-    """Why a trace cannot be written at `path` (it is a folder; its folder is missing or read-only), or None:
-    checked before a run, so a bad path costs no run."""
+    """Why a file cannot be written at `path`, the path first ("/tmp: it is a folder; ..."), or None: checked
+    before a run, so a bad path costs no run."""
     import os
 
+    if not path.strip():
+        return "'': it names no file; give a path such as out.json"
     directory = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
-        return "it is a folder; name a file, e.g. trace.json"
+        return f"{path}: it is a folder; name a file, e.g. out.json"
     if not os.path.isdir(directory):
-        return f"its folder {directory} does not exist"
+        return f"{path}: its folder {directory} does not exist"
     if not os.access(directory, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        return "it is not writable; choose another path"
+        return f"{path}: it is not writable; choose another path"
     return None
 
 

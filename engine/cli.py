@@ -242,11 +242,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def check_trace_path(path: str | None) -> None:
     """Refuse (ConfigError) a --trace path that cannot be written, before the run it would record."""
-    if path is not None and not path.strip():
-        raise ConfigError("--trace names no file; give a path such as trace.json, or drop --trace")
-    reason = path and unwritable_reason(path)
+    reason = path is not None and unwritable_reason(path)
     if reason:
-        raise ConfigError(f"--trace {path}: {reason}")
+        raise ConfigError(f"--trace {reason}")
 
 
 def _fail(args, message: str, code: int, **extra) -> int:
@@ -258,11 +256,8 @@ def _fail(args, message: str, code: int, **extra) -> int:
 
 
 def _run(args) -> int:
-    from engine.config import check_fits_machine
-
     try:
         cfg = config_from_args(args)
-        check_fits_machine(cfg, args.check)
         check_trace_path(args.trace)
     except ConfigError as e:
         return _fail(args, str(e), EXIT_BAD_INPUT)
@@ -278,6 +273,8 @@ def _run(args) -> int:
 
     try:
         summary, timeline = run(cfg, traced=bool(args.trace), check=args.check, predict=args.json or args.predict)
+    except ConfigError as e:  # engine.run's check that the run fits this machine, before any worker starts
+        return _fail(args, str(e), EXIT_BAD_INPUT)
     except WorkerError as e:
         return _fail(args, str(e), EXIT_RANK_FAILED, check=None, world=cfg.world)
     trace_error = None

@@ -296,7 +296,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(cfg.lr > 0, f"lr={cfg.lr} must be positive")
     largest = (2**64 - cfg.steps) // SEED_STRIDE  # data_seed(seed, steps - 1) < 2**64
     _check(0 <= cfg.seed <= largest, f"seed={cfg.seed} must be between 0 and {largest:,} (each step's batch is "
-           f"seeded with seed x 1,000,003 + step, at most 2**64 - 1)")
+           f"seeded with seed x {SEED_STRIDE:,} + step, at most 2**64 - 1)")
     _check(cfg.timeout_s > 0 and cfg.collective_timeout_s > 0, "timeouts must be positive seconds")
     _check(p.strategy in STRATEGIES, f"strategy={p.strategy!r} is not available; use one of "
            f"{', '.join(STRATEGIES)}")

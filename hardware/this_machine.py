@@ -334,19 +334,10 @@ def load(key: str, now_s: float | None = None) -> tuple[Calibration | None, str]
         cal = Calibration.from_dict(json.loads(path.read_text()))
     except CalibrationError as e:
         return None, f"{e}; measuring again"
-    # not JSON, not UTF-8, nested past Python's limit, or JSON of another shape (a list, a null where a table
-    # belongs): whatever wrote it, it is not a calibration
-    except (OSError, ValueError, TypeError, AttributeError, KeyError, RecursionError) as e:
+    # not JSON, not UTF-8, or nested past Python's limit (JSON of another shape is Calibration.from_dict's)
+    except (OSError, ValueError, RecursionError) as e:
         reason = "nested too deeply" if isinstance(e, RecursionError) else str(e) or type(e).__name__
         return None, f"the calibration file {path} is unreadable ({reason}); measuring again"
-    try:
-        return _sound(cal, key, now_s)
-    except (ValueError, TypeError, AttributeError, KeyError) as e:
-        return None, f"the calibration file {path} is malformed ({e}); measuring again"
-
-
-def _sound(cal: Calibration, key: str, now_s: float | None) -> tuple[Calibration | None, str]:
-    """`load`'s checks of a calibration read from the cache: its machine, its age, every timing it needs."""
     if cal.key != key:
         return None, "the calibration file belongs to another machine; measuring again"
     age = (now_s or time.time()) - cal.created_s

@@ -30,11 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         case = load_case(args.case)
-        if args.command == "estimate" and args.timeline is not None and not args.timeline.strip():
-            raise SpecError("--timeline", "names no file; give a path such as timeline.json, or drop --timeline")
-        reason = args.command == "estimate" and args.timeline and unwritable_reason(args.timeline)
+        reason = args.command == "estimate" and args.timeline is not None and unwritable_reason(args.timeline)
         if reason:
-            raise SpecError("--timeline", f"{args.timeline}: {reason}")
+            raise SpecError("--timeline", reason)
         if args.command == "estimate":
             result = estimate(case)
             if args.timeline:

@@ -73,7 +73,7 @@ def chosen_fields(case: Case, res: StepResult) -> dict:
                 continue  # one data-parallel rank: no gradients to sum, no weights to gather
             if name in ("tp_comm_overlap", "tp_grad_allreduce_overlap") and res.layout.tp == 1:
                 continue  # one tensor-parallel rank has no tp collectives to overlap
-            if name == "grad_accum_cast" and (res.layout.grad_accum_fusion or not res.layout.grad_reduce_in_fp32):
+            if name == "grad_accum_cast" and not res.layout.fp32_accumulation_pass:
                 continue  # only a separate accumulation pass into an fp32 buffer casts the gradient first
             if name in ("fsdp_impl", "fsdp_backward_prefetch") and not res.layout.layer_zero3:
                 continue  # only ZeRO-3's per-layer gathers and reductions copy and prefetch (costs._zero3_comms)

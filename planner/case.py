@@ -359,6 +359,12 @@ class Layout:
         return m.gpt_style if self.dropout is None else self.dropout
 
     @property
+    def fp32_accumulation_pass(self) -> bool:
+        """Whether each micro-batch's gradients are added into an fp32 buffer by a pass of their own (no
+        grad_accum_fusion), the pass `grad_accum_cast` casts for."""
+        return not self.grad_accum_fusion and self.grad_reduce_in_fp32
+
+    @property
     def grad_bytes(self) -> int:
         """Bytes of one data-parallel gradient as it is kept, accumulated and reduced (grad_reduce_in_fp32)."""
         return 4 if self.grad_reduce_in_fp32 else 2
@@ -689,7 +695,7 @@ def check_fixed(case: Case) -> None:
     if t.grad_accum_cast and t.grad_accum_fusion is not False:
         raise SpecError("training.grad_accum_cast", "casts the gradient before a separate accumulation pass: state "
                         "grad_accum_fusion false with it (a fused accumulation adds inside the GEMM)")
-    if t.grad_accum_cast and (t.grad_reduce_in_fp32 is False or (t.grad_reduce_in_fp32 is None and t.dtype == "fp16")):
+    if t.grad_accum_cast and not grads_in_fp32(t):
         raise SpecError("training.grad_accum_cast", "casts the gradient to an fp32 accumulator, and this run keeps its "
                         "gradients in the working precision (grad_reduce_in_fp32): drop one of the two")
     if t.pp_p2p == "sequential" and case.parallel.pp_schedule not in (None, "1f1b"):
@@ -821,6 +827,12 @@ def default_tp_overlap(chip, m: ModelSpec) -> bool:
     return bool(chip.tp_comm_overlap) and not (m.is_mla and chip.kind == "gpu")
 
 
+def grads_in_fp32(t: Training) -> bool:
+    """Whether the run keeps and reduces its gradients in fp32 (RECIPE_DEFAULTS "grad_reduce_in_fp32"; null: every
+    dtype but fp16)."""
+    return t.dtype != "fp16" if t.grad_reduce_in_fp32 is None else t.grad_reduce_in_fp32
+
+
 def recipe(t: Training, chip, m: ModelSpec) -> dict:
     """The case's recipe with every null field replaced by RECIPE_DEFAULTS (what a current framework does)."""
     from hardware.kernels import best_flash_kernel
@@ -834,8 +846,7 @@ def recipe(t: Training, chip, m: ModelSpec) -> dict:
         out["tp_comm_overlap"] = default_tp_overlap(chip, m)
     if out["ep_dispatch"] is None:
         out["ep_dispatch"] = "deepep" if chip.deepep_dispatch else "all_to_all"
-    if out["grad_reduce_in_fp32"] is None:
-        out["grad_reduce_in_fp32"] = t.dtype != "fp16"
+    out["grad_reduce_in_fp32"] = grads_in_fp32(t)
     if out["fsdp_impl"] is None:
         out["fsdp_impl"] = "in-place" if chip.kind == "tpu" else "fsdp2"
     if out["attention"] == "flash3" and chip.flash3_efficiency is None:

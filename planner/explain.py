@@ -126,7 +126,7 @@ def explain(res: StepResult, best: StepResult | None = None) -> list[str]:
     if not lay.optimizer_fused and case.training.optimizer == "adam":
         words.append(f"Adam runs as PyTorch's elementwise ops one at a time: the step takes "
                      f"{longer(optimizer_fused=True)} longer than with one fused multi-tensor kernel.")
-    if lay.grad_accum_cast and not lay.grad_accum_fusion and lay.grad_reduce_in_fp32:
+    if lay.grad_accum_cast and lay.fp32_accumulation_pass:
         words.append(f"Each micro-batch's gradient is cast to fp32 in a copy of its own before it is added "
                      f"(DeepSpeed's BF16 optimizer): the step takes {longer(grad_accum_cast=False)} longer than "
                      "adding the bf16 gradient directly.")

@@ -14,6 +14,8 @@ MATH_COLOR, COMM_COLOR = KIND_COLORS["forward"], KIND_COLORS["other comm"]
 WHAT = {"dp": ("backward math", "gradient all-reduce"), "fsdp": ("forward math", "weight all-gather"),
         "tp": ("MLP math per pass", "activation all-gather + reduce-scatter"),
         "ep": ("expert math (forward)", "dispatch + combine all-to-all")}
+# what each bound's two times are counted over (planner.bounds): a layer, or TP's one MLP in one pass
+PER = {"dp": "layer", "fsdp": "layer", "tp": "MLP pass", "ep": "layer"}
 
 
 def bound_figure(bound: Bound, what: str) -> go.Figure:
@@ -28,7 +30,7 @@ def bound_figure(bound: Bound, what: str) -> go.Figure:
                              showlegend=False))
     fig.update_layout(title=f"{what}: {'compute' if bound.compute_bound else 'communication'}-bound",
                       height=170, margin={"l": 10, "r": 60, "t": 40, "b": 30},
-                      xaxis={"title": f"{unit} per layer (peak FLOP/s, link bandwidth)",
+                      xaxis={"title": f"{unit} per {PER[bound.strategy]} (peak FLOP/s, link bandwidth)",
                              "range": [0, 1.25 * longest * scale]},
                       yaxis={"autorange": "reversed"})
     return fig
@@ -37,5 +39,4 @@ def bound_figure(bound: Bound, what: str) -> go.Figure:
 def verdict_text(bound: Bound) -> str:
     ratio = bound.math_s / bound.comm_s if bound.comm_s else float("inf")
     return (f"**{bound.verdict.split(':')[0].capitalize()}**: the math takes {ratio:,.2f}x the communication "
-            f"per layer. {bound.rule}.")
-
+            f"per {PER[bound.strategy]}. {bound.rule}.")
