@@ -358,12 +358,40 @@ class Hierarchy(Topology):
         """Both levels' latencies add up; their bandwidth phases overlap, so the slower one sets the pace.
 
         [SB] Part 12, cross-node collectives: T = max(T_node, T_scale-out), the levels pipelined as in
-        NCCL's rings that run through NVLink inside a node and the NIC between nodes.
+        NCCL's rings that run through NVLink inside a node and the NIC between nodes. A flat ring
+        (`flat`) passes every rank, so it takes the domain's scale-up steps once in each of the m domains
+        (`_flat_ring_latency_s`).
         """
         inner_latency, outer_latency = inner_s(0.0), outer_s(0.0)
         inner_bw = inner_s(inner_bytes) - inner_latency
         outer_bw = outer_s(outer_bytes) - outer_latency
+        if self.flat:
+            inner_latency = self._flat_ring_latency_s(inner_latency)
         return inner_latency + outer_latency + max(inner_bw, outer_bw)
+
+    def _flat_ring_latency_s(self, domain_latency_s: float) -> float:
+        """The scale-up latency of a ring through all n ranks: of its n - 1 steps (an all-gather's), m - 1 cross
+        a domain border and n - m stay inside one, m times the d - 1 of one domain's own ring. NCCL's
+        tuning model counts a ring so (src/graph/tuning.cc: (nsteps - nInterSteps) * intraLat + nInterSteps *
+        interLat, nInterSteps = nNodes - 1, twice that for an all-reduce): over 64 nodes of 8 GPUs, 448
+        NVLink steps and 63 network steps, not 7 and 63."""
+        return domain_latency_s * (self.n // self.domain_size)
+
+    def _all_reduce_s(self, v):
+        # RS inside, AR across domains on V/d, AG inside ([SB] Part 12; NCCL's hierarchical all-reduce).
+        ring_s = self._pipelined(self.inner._all_reduce_s, self.outer._all_reduce_s, v, self.outer_bytes(v))
+        outer = self.outer
+        if not (self.flat and isinstance(outer, Switch) and outer.trees):
+            return ring_s
+        # NCCL's double binary trees run inside each domain as a chain (d - 1 scale-up steps each way) and
+        # across the domains as trees (2 log2 m network steps): tuning.cc's 2 * ((nRanks / nNodes - 1) *
+        # intraLat + log2(nNodes) * interLat). NCCL runs whichever is faster, at the ring's bandwidth here
+        # (Switch._all_reduce_s).
+        inner_latency = self.inner._all_reduce_s(0.0)
+        charged = self._flat_ring_latency_s(inner_latency) + outer._all_reduce_s(0.0)
+        ring_latency = self._flat_ring_latency_s(inner_latency) + 2 * (outer.n - 1) * outer.link.latency_s
+        tree_latency = inner_latency + 2 * math.ceil(math.log2(outer.n)) * outer.link.latency_s
+        return ring_s - charged + min(ring_latency, tree_latency)
 
     @property
     def fill_s(self) -> float:
@@ -386,9 +414,6 @@ class Hierarchy(Topology):
         return self._pipelined(self.inner._reduce_scatter_s, self.outer._reduce_scatter_s, v,
                                self.outer_bytes(v))
 
-    def _all_reduce_s(self, v):
-        # RS inside, AR across domains on V/d, AG inside ([SB] Part 12; NCCL's hierarchical all-reduce).
-        return self._pipelined(self.inner._all_reduce_s, self.outer._all_reduce_s, v, self.outer_bytes(v))
 
     def _all_to_all_s(self, b):
         # Of b bytes, (n-d)/n leave the domain and (d-1)/n stay; both go at once on different links. With

@@ -69,8 +69,8 @@ RECIPE_DEFAULTS = {
     # GEMMs, exposed (Megatron-LM before, and the Megatron-DeepSpeed forks' copy_to_tensor_model_parallel_region),
     # unless tp_comm_overlap is on, which overlaps this all-reduce with the others
     "tp_grad_allreduce_overlap": True,
-    # expert all-to-all overlapped with another micro-batch's compute (DeepSeek-V3's DualPipe); off in
-    # the common frameworks' default schedules
+    # expert all-to-all overlapped with another micro-batch's compute (DeepSeek-V3's DualPipe, Megatron-Core's
+    # overlap_moe_expert_parallel_comm; costs.paired_ep_exposed_s); off in the common frameworks' default schedules
     "ep_comm_overlap": False,
     # each micro-batch's weight gradients added into the step's gradient inside the weight-gradient GEMM
     # (Megatron-LM's gradient_accumulation_fusion since February 2022, commit 83b1e42f: cuBLAS accumulates

@@ -221,6 +221,24 @@ def test_nccls_flat_rings_load_each_nic_with_n_minus_1_over_n_of_its_rail():
     assert flat.all_reduce_s(1.6e9) == pytest.approx(2 * 63 / 64 * 2e8 / 50e9)
 
 
+def test_a_flat_ring_pays_the_scale_up_latency_in_every_domain_it_passes():
+    # 512 ranks = 64 nodes x 8, 1 us an NVLink step, 10 us a network step. NCCL's ring all-gather takes 511
+    # steps, 63 of them between nodes (src/graph/tuning.cc: (nsteps - nInterSteps) intra + nInterSteps inter):
+    # 448 us + 630 us; the hierarchical algorithm 7 + 630
+    inner, outer = Switch(8, Link(450e9, US)), Switch(64, Link(50e9, 10 * US), trees=True)
+    flat = Hierarchy(512, 8, inner, outer, flat=True)
+    assert flat.all_gather_s(0) == pytest.approx(448 * US + 630 * US)
+    assert flat.reduce_scatter_s(0) == pytest.approx(448 * US + 630 * US)
+    assert Hierarchy(512, 8, inner, outer).all_gather_s(0) == pytest.approx(7 * US + 630 * US)
+    # all-reduce: the ring's 2 x (448 + 630) us against the trees' 2 x (7 + log2(64) x 10) = 134 us: the trees
+    assert flat.all_reduce_s(0) == pytest.approx(2 * 7 * US + 2 * 6 * 10 * US)
+    # where the network runs no trees (its Switch's `trees` false) the ring through all 16: 2 x (14 + 1 x 10) us
+    halves = Hierarchy(16, 8, inner, Switch(2, Link(50e9, 10 * US)), flat=True)
+    assert halves.all_reduce_s(0) == pytest.approx(2 * 14 * US + 2 * 10 * US)
+    # the bandwidth term is the flat ring's as before
+    assert flat.all_gather_s(1.6e9) - flat.all_gather_s(0) == pytest.approx(511 / 512 * 1.6e9 / 8 / 50e9)
+
+
 @pytest.mark.parametrize("chip, plateau", [("h100", 350e9), ("h200", 369e9), ("b200", 382e9)])
 def test_four_node_all_reduce_reaches_the_measured_busbw(chip, plateau):
     # [NCCLT] 4 nodes x 8 GPUs, all_reduce busbw at 16 GiB: ~350 (H100, read off arXiv 2411.13055's figure),

@@ -257,3 +257,36 @@ def test_a_layers_gradient_sync_is_summed_over_cp_and_dp():
     assert "dp" in layer_comm_bytes(llama, False, cp=2)  # dp 1, cp 2: two ranks still sum the gradient
     four, two = layer_comm_bytes(llama, False, cp=2, dp=2)["dp"], layer_comm_bytes(llama, False, dp=2)["dp"]
     assert four["time_s"] > two["time_s"]
+
+
+def test_an_overlapped_dispatch_or_combine_hides_only_under_the_compute_paired_with_it():
+    # Megatron-Core's combined 1F1B (Megatron-LM PR 2719's table): the backward's combine beside the
+    # attention forward, the forward's dispatch beside the MoE input gradient, the backward's dispatch beside
+    # the MoE weight gradient and forward, the forward's combine beside the attention backward. Hand-worked:
+    # 4 ms of all-to-all each way, 2 ms dispatch and 2 ms combine; attention 1 ms forward, 3 ms backward; the MoE
+    # block 0.5 ms forward, 1.5 ms input gradient, 0.5 ms weight gradient
+    from planner.costs import MoeSides, paired_ep_exposed_s
+
+    sides = MoeSides(attention_fwd_s=1e-3, moe_fwd_s=0.5e-3, attention_bwd_s=3e-3, moe_dgrad_s=1.5e-3,
+                     moe_wgrad_s=0.5e-3)
+    fwd, bwd = paired_ep_exposed_s(4e-3, 4e-3, sides)
+    # forward: dispatch 2 - 1.5 = 0.5 ms shows, the combine hides under 3 ms; backward: combine 2 - 1 = 1 ms,
+    # dispatch 2 - (0.5 + 0.5) = 1 ms
+    assert fwd == pytest.approx(0.5e-3) and bwd == pytest.approx(2e-3)
+    # the same compute as one block each way would have hidden everything (4 ms under 5 and 1.5 under 4)
+    assert paired_ep_exposed_s(1e-3, 1e-3, sides) == (0.0, 0.0)
+
+
+def test_the_layer_split_for_the_overlap_adds_up_to_its_compute():
+    # moe_sides cuts a layer's compute into the MoE block (its GEMMs and pointwise bytes) and the rest, whole
+    from planner.costs import MoeSides, moe_sides
+
+    ew = {"moe_point_fwd": 0.0, "moe_point_bwd": 0.0}
+    sides = moe_sides(H100, ew, ["experts fc1"], {"experts fc1": 1.0, "qkv": 2.0}, {"experts fc1": 3.0, "qkv": 4.0},
+                      {"experts fc1": 5.0, "qkv": 6.0}, fwd_s=10.0, bwd_s=30.0)
+    assert sides == MoeSides(attention_fwd_s=9.0, moe_fwd_s=1.0, attention_bwd_s=22.0, moe_dgrad_s=3.0,
+                             moe_wgrad_s=5.0)
+    # and a MoE layer under the overlap shows part of its all-to-all, not all of it, nor none (Mixtral on 8 H100)
+    lay = Layout(dp=8, tp=1, pp=1, ep=8, micro_batch=1, ep_comm_overlap=True)
+    a2a = [c for c in layer_cost(MIXTRAL, lay, H100, "bf16", True, 8).fwd_comms if c.group == "ep"][0]
+    assert 0.0 <= a2a.exposed_s < a2a.time_s
