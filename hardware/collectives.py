@@ -354,18 +354,18 @@ class Hierarchy(Topology):
                              f"{self.domain_size}; "
                              "choose a group size that is a multiple of the domain size")
 
-    def _pipelined(self, inner_s, outer_s, inner_bytes: float, outer_bytes: float) -> float:
+    def _pipelined(self, inner_s, outer_s, inner_bytes: float, outer_bytes: float, ring: bool = True) -> float:
         """Both levels' latencies add up; their bandwidth phases overlap, so the slower one sets the pace.
 
         [SB] Part 12, cross-node collectives: T = max(T_node, T_scale-out), the levels pipelined as in
         NCCL's rings that run through NVLink inside a node and the NIC between nodes. A flat ring
-        (`flat`) passes every rank, so it takes the domain's scale-up steps once in each of the m domains
-        (`_flat_ring_latency_s`).
+        (`flat`; `ring`: a ring collective, not an all-to-all) passes every rank, so it takes the domain's
+        scale-up steps once in each of the m domains (`_flat_ring_latency_s`).
         """
         inner_latency, outer_latency = inner_s(0.0), outer_s(0.0)
         inner_bw = inner_s(inner_bytes) - inner_latency
         outer_bw = outer_s(outer_bytes) - outer_latency
-        if self.flat:
+        if self.flat and ring:
             inner_latency = self._flat_ring_latency_s(inner_latency)
         return inner_latency + outer_latency + max(inner_bw, outer_bw)
 
@@ -420,7 +420,7 @@ class Hierarchy(Topology):
         # m = n/d domains, (n-d)/n = (m-1)/m: what a flat all-to-all among m ranks sends away; inside, a
         # flat all-to-all of b*d/n sends (d-1)/n of b.
         inner_bytes = b * self.domain_size / self.n
-        return self._pipelined(self.inner._all_to_all_s, self.outer._all_to_all_s, inner_bytes, b)
+        return self._pipelined(self.inner._all_to_all_s, self.outer._all_to_all_s, inner_bytes, b, ring=False)
 
     def _p2p_s(self, b):
         # The group's neighbours at a domain border talk over the network; in a pipeline the slowest hop
@@ -443,7 +443,7 @@ def deduplicated_all_to_all_s(topo: Topology, copies_bytes: float, node_bytes: f
         return topo.all_to_all_s(copies_bytes)
     copies_bytes, node_bytes = _check_bytes(copies_bytes), _check_bytes(node_bytes)
     return topo._with_fill(topo._pipelined(topo.inner._all_to_all_s, topo.outer._all_to_all_s, copies_bytes,
-                                           node_bytes))
+                                           node_bytes, ring=False))
 
 
 def ring(n: int, link: Link) -> Ring:

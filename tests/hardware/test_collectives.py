@@ -16,6 +16,7 @@ from hardware.collectives import (
     Ring,
     Switch,
     Torus,
+    deduplicated_all_to_all_s,
     group_topology,
     hierarchy,
     ring,
@@ -341,3 +342,12 @@ def test_bad_arguments_are_clear():
         group_topology(get_chip("h100"), 2, stride=0)
     with pytest.raises(ValueError, match="torus axes"):
         torus((), link)
+
+
+def test_an_all_to_all_over_a_flat_group_is_not_a_ring():
+    # an all-to-all posts its sends to every peer at once: one scale-up step of latency inside the domain
+    # and the network's, however many domains (the flat ring's m x (d - 1) steps are for ring collectives)
+    inner, outer = Switch(8, Link(450e9, US)), Switch(64, Link(50e9, 10 * US), trees=True)
+    flat = Hierarchy(512, 8, inner, outer, flat=True)
+    assert flat.all_to_all_s(0) == pytest.approx(US + 10 * US)
+    assert deduplicated_all_to_all_s(flat, 0, 0) == pytest.approx(US + 10 * US)
