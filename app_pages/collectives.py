@@ -185,7 +185,9 @@ elif isinstance(topology, Hierarchy):
         f"The group spans {group // d} domains of {d} chips. Inside each domain the chips gather the full "
         f"array over the fast links ({format_seconds(inner_s)}); {how}, over the slower network "
         f"({format_seconds(outer_s)}). "
-        "The two levels run as one pipeline, so the slower sets the pace and both latencies add."
+        "The two levels run as one pipeline, so the slower sets the pace and both latencies add"
+        + (f": a ring through every chip takes the domain's {d - 1} fast steps in each of the "
+           f"{group // d} domains it passes, {group - group // d} in all." if topology.flat else ".")
     )
 else:
     st.markdown("On a TPU torus the group spans one or more ICI axes with links in both directions, so each "

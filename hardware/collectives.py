@@ -378,20 +378,14 @@ class Hierarchy(Topology):
         return domain_latency_s * (self.n // self.domain_size)
 
     def _all_reduce_s(self, v):
-        # RS inside, AR across domains on V/d, AG inside ([SB] Part 12; NCCL's hierarchical all-reduce).
-        ring_s = self._pipelined(self.inner._all_reduce_s, self.outer._all_reduce_s, v, self.outer_bytes(v))
-        outer = self.outer
-        if not (self.flat and isinstance(outer, Switch) and outer.trees):
-            return ring_s
-        # NCCL's double binary trees run inside each domain as a chain (d - 1 scale-up steps each way) and
-        # across the domains as trees (2 log2 m network steps): tuning.cc's 2 * ((nRanks / nNodes - 1) *
-        # intraLat + log2(nNodes) * interLat). NCCL runs whichever is faster, at the ring's bandwidth here
-        # (Switch._all_reduce_s).
-        inner_latency = self.inner._all_reduce_s(0.0)
-        charged = self._flat_ring_latency_s(inner_latency) + outer._all_reduce_s(0.0)
-        ring_latency = self._flat_ring_latency_s(inner_latency) + 2 * (outer.n - 1) * outer.link.latency_s
-        tree_latency = inner_latency + 2 * math.ceil(math.log2(outer.n)) * outer.link.latency_s
-        return ring_s - charged + min(ring_latency, tree_latency)
+        # RS inside, AR across domains on V/d, AG inside ([SB] Part 12; NCCL's hierarchical all-reduce). Where
+        # the network runs NCCL's double binary trees (a Switch with `trees`), the all-reduce is a chain of
+        # d - 1 scale-up steps inside each domain and trees across them (tuning.cc: 2 * ((nRanks / nNodes - 1)
+        # * intraLat + log2(nNodes) * interLat)), never slower than the flat ring's m (d - 1) steps: the
+        # domain's own latency, not the flat ring's
+        trees = isinstance(self.outer, Switch) and self.outer.trees
+        return self._pipelined(self.inner._all_reduce_s, self.outer._all_reduce_s, v, self.outer_bytes(v),
+                               ring=not trees)
 
     @property
     def fill_s(self) -> float:

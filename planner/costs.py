@@ -638,7 +638,7 @@ def _elementwise(m: ModelSpec, lay: Layout, moe, tokens: float) -> dict[str, flo
         permute = 8 * m.top_k * h / (sp if lay.experts_folded else 1)
         out["point_fwd"] += permute
         out["point_bwd"] += permute
-        # the MoE block's own (`_moe_sides`): the experts' activation and the permutations, each way
+        # the MoE block's own (`moe_sides`): the experts' activation and the permutations, each way
         out["moe_point_fwd"] = act_fwd * ffn + permute
         out["moe_point_bwd"] = act_bwd * ffn + permute
     # parts of point_fwd and eager_fwd that selective recomputation may run again (`_selective_recompute_s`)
@@ -894,7 +894,7 @@ def moe_sides(chip: Chip, ew: dict[str, float], moe_gemms: list[str], gemm_fwd: 
 def paired_ep_exposed_s(fwd_a2a: float, bwd_a2a: float, sides: MoeSides) -> tuple[float, float]:
     """(forward's, backward's) expert all-to-all seconds that show when one micro-batch's forward runs beside
     another's backward (`ep_comm_overlap`): each direction's dispatch and combine, half of its all-to-all
-    time each, hide only under the compute the schedule pairs them with, phase by phase. Megatron-Core's
+    time each, hide only under the compute the schedule runs beside them. Megatron-Core's
     overlap_moe_expert_parallel_comm ("combined 1F1B") runs, per layer, on its communication and compute
     streams (NVIDIA/Megatron-LM PR 2719's description of the schedule):
 
@@ -904,18 +904,24 @@ def paired_ep_exposed_s(fwd_a2a: float, bwd_a2a: float, sides: MoeSides) -> tupl
         phase 3   combine forward         beside  attention backward
 
     each phase waiting for the last; DeepSeek-V3's DualPipe pairs the same blocks (DeepSeek-V3 report,
-    sec. 3.2.1 and fig. 4: attention forward with the combine backward, the MoE backward with the dispatch
-    forward, the MoE forward with the dispatch backward, the attention backward with the combine forward).
-    So a phase lasts its longer stream: the forward's dispatch shows by what it outlasts the MoE input
-    gradient, its combine by what it outlasts the attention backward; the backward's combine by what it
-    outlasts the attention forward, its dispatch by what it outlasts the MoE weight gradient and forward.
-    Hiding the whole all-to-all under the whole of the other pass's compute gave the held-out DeepSeek-V3
-    runs' overlap 2-3x the gain Megatron-LM PR 6311 measured (+7.8 %, 64 H100, EP 16): the pairing is what
-    leaves some of it in view."""
+    sec. 3.2.1 and fig. 4). Phases 1 and 3 last their longer stream. Phase 2 has two dependencies across
+    its streams: the backward's dispatch sends the MoE input gradient, so it starts once that is done, and
+    the MoE forward computes on what the forward's dispatch brings, so it starts once that arrives:
+
+        phase 2 = max(max(dispatch_f, dgrad) + dispatch_b, max(dgrad + wgrad, dispatch_f) + moe_f)
+
+    What a phase lasts beyond its compute shows: phase 1's is the backward's, phase 3's the forward's, and
+    phase 2's the forward's as far as its dispatch alone outlasts the MoE input and weight gradients, the rest
+    the backward's. Hiding the whole all-to-all under the whole of the other pass's compute instead can hide
+    what a phase cannot (a dispatch longer than the block beside it)."""
     dispatch_f = combine_f = fwd_a2a / 2
     dispatch_b = combine_b = bwd_a2a / 2
-    fwd = max(0.0, dispatch_f - sides.moe_dgrad_s) + max(0.0, combine_f - sides.attention_bwd_s)
-    bwd = max(0.0, combine_b - sides.attention_fwd_s) + max(0.0, dispatch_b - sides.moe_wgrad_s - sides.moe_fwd_s)
+    dgrad, wgrad, moe_f = sides.moe_dgrad_s, sides.moe_wgrad_s, sides.moe_fwd_s
+    phase2 = max(max(dispatch_f, dgrad) + dispatch_b, max(dgrad + wgrad, dispatch_f) + moe_f)
+    shown2 = max(0.0, phase2 - (dgrad + wgrad + moe_f))
+    fwd2 = min(shown2, max(0.0, dispatch_f - dgrad - wgrad))
+    fwd = fwd2 + max(0.0, combine_f - sides.attention_bwd_s)
+    bwd = shown2 - fwd2 + max(0.0, combine_b - sides.attention_fwd_s)
     return fwd, bwd
 
 
@@ -1057,7 +1063,9 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
             a2a = 2 * comm_s(topo, "all_to_all", rows_bytes)
         fwd_shown = bwd_shown = a2a
         if lay.ep_comm_overlap:
-            sides = moe_sides(chip, ew, [g.name for g in mlp_g], gemm_fwd, gemm_dgrad, gemm_wgrad, fwd_s, bwd_s)
+            # the router runs with attention (Megatron-Core's post-attention node), the experts in the MoE block
+            sides = moe_sides(chip, ew, [g.name for g in mlp_g if g.name != "router"], gemm_fwd, gemm_dgrad,
+                              gemm_wgrad, fwd_s, bwd_s)
             fwd_shown, bwd_shown = paired_ep_exposed_s(a2a, a2a, sides)
         fwd_comms.append(CommOp("ep", "ep dispatch + combine", "all_to_all", rows_bytes, a2a, fwd_shown, 2))
         bwd_comms.append(CommOp("ep", "ep dispatch + combine (grad)", "all_to_all", rows_bytes, a2a, bwd_shown, 2))

@@ -260,21 +260,28 @@ def test_a_layers_gradient_sync_is_summed_over_cp_and_dp():
 
 
 def test_an_overlapped_dispatch_or_combine_hides_only_under_the_compute_paired_with_it():
-    # Megatron-Core's combined 1F1B (Megatron-LM PR 2719's table): the backward's combine beside the
-    # attention forward, the forward's dispatch beside the MoE input gradient, the backward's dispatch beside
-    # the MoE weight gradient and forward, the forward's combine beside the attention backward. Hand-worked:
-    # 4 ms of all-to-all each way, 2 ms dispatch and 2 ms combine; attention 1 ms forward, 3 ms backward; the MoE
-    # block 0.5 ms forward, 1.5 ms input gradient, 0.5 ms weight gradient
+    # Megatron-Core's combined 1F1B (Megatron-LM PR 2719's table), hand-worked: 4 ms of all-to-all each way,
+    # 2 ms of dispatch and 2 of combine; attention 0.5 ms forward, 1 ms backward; the MoE block 2 ms forward,
+    # 4 ms input gradient, 2 ms weight gradient
     from planner.costs import MoeSides, paired_ep_exposed_s
 
-    sides = MoeSides(attention_fwd_s=1e-3, moe_fwd_s=0.5e-3, attention_bwd_s=3e-3, moe_dgrad_s=1.5e-3,
-                     moe_wgrad_s=0.5e-3)
+    sides = MoeSides(attention_fwd_s=0.5e-3, moe_fwd_s=2e-3, attention_bwd_s=1e-3, moe_dgrad_s=4e-3,
+                     moe_wgrad_s=2e-3)
     fwd, bwd = paired_ep_exposed_s(4e-3, 4e-3, sides)
-    # forward: dispatch 2 - 1.5 = 0.5 ms shows, the combine hides under 3 ms; backward: combine 2 - 1 = 1 ms,
-    # dispatch 2 - (0.5 + 0.5) = 1 ms
-    assert fwd == pytest.approx(0.5e-3) and bwd == pytest.approx(2e-3)
-    # the same compute as one block each way would have hidden everything (4 ms under 5 and 1.5 under 4)
-    assert paired_ep_exposed_s(1e-3, 1e-3, sides) == (0.0, 0.0)
+    # phase 1: the backward's combine outlasts the attention forward by 1.5 ms; phase 2: both dispatches hide
+    # (max(max(2, 4) + 2, max(6, 2) + 2) = 8 ms, the compute's own); phase 3: the forward's combine outlasts
+    # the attention backward by 1 ms
+    assert fwd == pytest.approx(1e-3) and bwd == pytest.approx(1.5e-3)
+    # hidden under the whole other pass instead, the forward's 4 ms would show 1.5 (the forward computes 2.5)
+    # and the backward's none (it computes 7): 1.5 ms in all, where the pairing leaves 2.5 in view
+    # phase 2's cross-stream waits: a forward dispatch 0.1 ms longer than the MoE input gradient is absorbed
+    # by the weight gradient before the MoE forward needs it, and the backward's dispatch fits beside both
+    sides2 = MoeSides(attention_fwd_s=5e-3, moe_fwd_s=0.5e-3, attention_bwd_s=5e-3, moe_dgrad_s=1.5e-3,
+                      moe_wgrad_s=0.5e-3)
+    assert paired_ep_exposed_s(3.2e-3, 1e-3, sides2) == (0.0, 0.0)
+    # ... and a backward dispatch that waits for the input gradient and then outlasts the rest shows
+    fwd3, bwd3 = paired_ep_exposed_s(3.2e-3, 4e-3, sides2)  # max(1.6, 1.5) + 2 = 3.6 against 2.5 of compute
+    assert fwd3 == 0.0 and bwd3 == pytest.approx(1.1e-3)
 
 
 def test_the_layer_split_for_the_overlap_adds_up_to_its_compute():
@@ -286,7 +293,10 @@ def test_the_layer_split_for_the_overlap_adds_up_to_its_compute():
                       {"experts fc1": 5.0, "qkv": 6.0}, fwd_s=10.0, bwd_s=30.0)
     assert sides == MoeSides(attention_fwd_s=9.0, moe_fwd_s=1.0, attention_bwd_s=22.0, moe_dgrad_s=3.0,
                              moe_wgrad_s=5.0)
-    # and a MoE layer under the overlap shows part of its all-to-all, not all of it, nor none (Mixtral on 8 H100)
-    lay = Layout(dp=8, tp=1, pp=1, ep=8, micro_batch=1, ep_comm_overlap=True)
-    a2a = [c for c in layer_cost(MIXTRAL, lay, H100, "bf16", True, 8).fwd_comms if c.group == "ep"][0]
-    assert 0.0 <= a2a.exposed_s < a2a.time_s
+    # DeepSeek-V3 over EP 64 (8 nodes) on H100: the backward's combine outlasts the MLA forward beside it, so part
+    # of the backward's all-to-all shows though the whole forward pass would have hidden it; the forward's hides
+    lay = Layout(dp=64, tp=1, pp=1, ep=64, micro_batch=1, ep_comm_overlap=True)
+    lc = layer_cost(MODEL_PRESETS["DeepSeek-V3"], lay, H100, "bf16", True, 8)
+    fwd, bwd = ([c for c in comms if c.group == "ep"][0] for comms in (lc.fwd_comms, lc.bwd_comms))
+    assert fwd.exposed_s == 0.0 and 0.0 < bwd.exposed_s < bwd.time_s
+    assert bwd.time_s < lc.bwd_compute_s  # the whole backward pass would have hidden it
