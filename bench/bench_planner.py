@@ -8,8 +8,9 @@ Prints predicted vs published step time, with the mean and max absolute error of
 MoE), then the same runs written as the issue's unseen runs are (attention stated, every other recipe
 field null), (3) Llama 3 405B on 8K-16K H100s (Dubey et al. 2024 Table 4, MFU), (4) llm-foundry's published
 throughput tables (planner/data/llmfoundry-sweep.json: MPT 125M-70B under FSDP on 8-512 H100s and A100s,
-printed apart from the held-out runs, by table and activation checkpointing); then (5) the wall time of
-full searches (skipped with --quick). No constant of the planner is chosen on any of these runs: they
+printed apart from the held-out runs, by table and activation checkpointing), (5) published A/Bs of one
+recipe field (planner/data/feature-ab.json: the gain measured and the gain predicted); then (6) the wall
+time of full searches (skipped with --quick). No constant of the planner is chosen on any of these runs: they
 are test data (planner/costs.py and hardware/chips.toml cite the op-level evidence). No thresholds.
 """
 
@@ -29,6 +30,7 @@ from planner.validation import (  # noqa: E402
     HELDOUT_RUNS,
     attention_stated_only,
     checkpointed,
+    feature_ab,
     llama3_table4_cases,
     llmfoundry_sweep_runs,
     load_published_runs,
@@ -139,5 +141,9 @@ if __name__ == "__main__":
     unseen_runs()
     validation_table("llm-foundry's throughput tables (planner/data/llmfoundry-sweep.json; one source, apart):",
                      llmfoundry_sweep_runs(), group=by_sweep_table)
+    print("\nPublished A/Bs of one recipe field (planner/data/feature-ab.json), the throughput gain:")
+    for ab in feature_ab():
+        print(f"  {ab.name:52s} {ab.field}: measured {ab.measured_gain:+.1%}, predicted {ab.predicted_gain:+.1%} "
+              f"({ab.predicted_s[0]:.2f} -> {ab.predicted_s[1]:.2f} s)")
     if "--quick" not in sys.argv:
         search_timings()

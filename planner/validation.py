@@ -14,6 +14,9 @@ Two sets:
   `llmfoundry_sweep_runs` turns each into a case. One source's sweep, kept apart so that it does not
   outweigh the other held-out runs.
 
+* `FEATURE_AB` (planner/data/feature-ab.json): published A/B measurements of one recipe field (the same run
+  with it off and on); `feature_ab` gives the gain each predicts beside the one measured.
+
 `attention_stated_only` writes a run as the issue's unseen runs are written (their attention kernel stated,
 every other recipe field null), so the held-out runs can be read under that convention too.
 """
@@ -34,6 +37,7 @@ BUNDLED_PUBLISHED_RUNS = Path(__file__).resolve().parent / "data" / "published-r
 PUBLISHED_RUNS = BUNDLED_PUBLISHED_RUNS
 HELDOUT_RUNS = Path(__file__).resolve().parent / "data" / "heldout-runs.json"
 LLMFOUNDRY_SWEEP = Path(__file__).resolve().parent / "data" / "llmfoundry-sweep.json"
+FEATURE_AB = Path(__file__).resolve().parent / "data" / "feature-ab.json"
 
 
 @dataclass(frozen=True)
@@ -119,6 +123,35 @@ def llmfoundry_sweep_runs(path: str | Path = LLMFOUNDRY_SWEEP) -> list[dict]:
                               "mfu": r["mfu_percent"] / 100},
             })
     return runs
+
+
+@dataclass(frozen=True)
+class FeatureAB:
+    """One published A/B of a recipe field: the throughput gain measured and the one the planner predicts
+    (step time with the first arm's value over the step time with the second's, less one)."""
+
+    name: str
+    field: str
+    measured_gain: float
+    predicted_gain: float
+    predicted_s: tuple[float, float]
+
+
+def feature_ab(path: str | Path = FEATURE_AB) -> list[FeatureAB]:
+    """Every A/B of `path` (feature-ab.json's `about`), both arms estimated."""
+    with open(path) as f:
+        data = json.load(f)
+    out = []
+    for ab in data["ab"]:
+        (off, off_measured), (on, on_measured) = ab["arms"]
+        times = []
+        for value in (off, on):
+            case = {**ab["case"], "name": f"{ab['name']} ({ab['field']} {value})"}
+            case["training"] = {**case["training"], ab["field"]: value}
+            times.append(estimate(case).step_time_s)
+        out.append(FeatureAB(ab["name"], ab["field"], on_measured / off_measured - 1, times[0] / times[1] - 1,
+                             (times[0], times[1])))
+    return out
 
 
 def checkpointed(run: dict) -> bool:
