@@ -408,7 +408,6 @@ class Hierarchy(Topology):
         return self._pipelined(self.inner._reduce_scatter_s, self.outer._reduce_scatter_s, v,
                                self.outer_bytes(v))
 
-
     def _all_to_all_s(self, b):
         # Of b bytes, (n-d)/n leave the domain and (d-1)/n stay; both go at once on different links. With
         # m = n/d domains, (n-d)/n = (m-1)/m: what a flat all-to-all among m ranks sends away; inside, a

@@ -108,12 +108,17 @@ def test_comm_bytes_are_four_ring_all_reduces_of_bsh():
 
 @pytest.mark.parametrize("tp", [2, 8, 16])
 def test_sequence_parallel_costs_what_tp_costs(tp):
-    # the same bytes over the same links; SP's two operations per all-reduce each fill their pipeline
-    topo = group_topology(CHIPS["h100"], tp, achievable=True)
+    # the same bytes over the same links; SP's two operations per all-reduce each fill their pipeline. Across
+    # two nodes (t = 16) the all-gather and reduce-scatter are flat rings through all 16 GPUs, 2 x 7 NVLink
+    # steps each, where the all-reduce runs NCCL's trees, 7 each way (hardware.collectives.Hierarchy): SP
+    # pays 14 NVLink steps more per pair of collectives
+    h100 = CHIPS["h100"]
+    topo = group_topology(h100, tp, achievable=True)
     v = 8192 * 4096 * 2
     assert tp_comm_seconds_per_layer(topo, LLAMA3_8B, 1, False) == pytest.approx(4 * topo.all_reduce_s(v))
+    ring_steps = 4 * 14 * h100.scaleup_latency_s if tp > h100.scaleup_domain else 0.0
     assert tp_comm_seconds_per_layer(topo, LLAMA3_8B, 1, True) == pytest.approx(
-        tp_comm_seconds_per_layer(topo, LLAMA3_8B, 1, False) + 4 * topo.fill_s)
+        tp_comm_seconds_per_layer(topo, LLAMA3_8B, 1, False) + 4 * topo.fill_s + ring_steps)
 
 
 def test_scaling_rows_cross_the_nvlink_domain():
