@@ -131,6 +131,7 @@ class FeatureAB:
     (step time with the first arm's value over the step time with the second's, less one)."""
 
     name: str
+    label: str  # the source and the run, in a few words
     field: str
     measured_gain: float
     predicted_gain: float
@@ -149,8 +150,8 @@ def feature_ab(path: str | Path = FEATURE_AB) -> list[FeatureAB]:
             case = {**ab["case"], "name": f"{ab['name']} ({ab['field']} {value})"}
             case["training"] = {**case["training"], ab["field"]: value}
             times.append(estimate(case).step_time_s)
-        out.append(FeatureAB(ab["name"], ab["field"], on_measured / off_measured - 1, times[0] / times[1] - 1,
-                             (times[0], times[1])))
+        out.append(FeatureAB(ab["name"], ab["label"], ab["field"], on_measured / off_measured - 1,
+                             times[0] / times[1] - 1, (times[0], times[1])))
     return out
 
 

@@ -10,7 +10,7 @@ def test_every_ab_states_its_source_and_its_two_arms_and_each_arm_is_a_valid_cas
     data = json.loads(FEATURE_AB.read_text())
     assert data["ab"]
     for ab in data["ab"]:
-        assert ab["source"] and ab["assumed"]
+        assert ab["source"] and ab["assumed"] and ab["label"]
         (off, off_measured), (on, on_measured) = ab["arms"]
         assert off != on and off_measured > 0 and on_measured > 0
         assert ab["field"] not in ab["case"]["training"]  # the arms alone set it

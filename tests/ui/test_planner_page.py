@@ -105,3 +105,16 @@ def test_the_page_shows_real_gpu_steps_beside_their_prediction():
     text = " ".join(m.value for m in trust.markdown)
     lo, hi = min(c.error for c in steps), max(c.error for c in steps)
     assert "Checked on a real GPU" in text and f"whole steps {lo:+.0%} to {hi:+.0%}" in text
+
+
+def test_the_page_shows_the_published_ab_gains_beside_the_predicted():
+    from planner.validation import feature_ab
+    from tests.ui.apptest_util import open_app
+
+    at = open_app("app_pages/planner.py")
+    assert not at.exception
+    trust = next(e for e in at.expander if e.label == "How far to trust these numbers")
+    text = " ".join(m.value for m in trust.markdown)
+    assert "Checked against published A/Bs" in text
+    for ab in feature_ab():
+        assert f"{ab.label}: measured **{ab.measured_gain:+.0%}**, predicted **{ab.predicted_gain:+.0%}**" in text
