@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_planner.py [--quick]
 
-Prints predicted vs published step time, with the mean and max absolute error of each set, for
+Prints predicted vs published step time (for the A/Bs, the gain), with the mean and max absolute error of each set, for
 (1) the team's 18 A100 runs (../shared/validation/published-runs.json, recipes in planner/data),
 (2) the held-out runs of planner/data/heldout-runs.json (H100, H200, B200, GB200, A100, TPU; dense and
 MoE), then the same runs written as the issue's unseen runs are (attention stated, every other recipe

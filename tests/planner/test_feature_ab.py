@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from planner.api import as_case
 from planner.validation import FEATURE_AB, feature_ab
 
@@ -20,8 +22,11 @@ def test_every_ab_states_its_source_and_its_two_arms_and_each_arm_is_a_valid_cas
 
 def test_the_planner_predicts_each_arm_and_the_gain_is_the_ratio_of_their_steps():
     rows = feature_ab()
-    assert [r.name for r in rows] == [ab["name"] for ab in json.loads(FEATURE_AB.read_text())["ab"]]
-    for r in rows:
+    data = json.loads(FEATURE_AB.read_text())["ab"]
+    assert [r.name for r in rows] == [ab["name"] for ab in data]
+    for r, ab in zip(rows, data, strict=True):
+        (_, off_measured), (_, on_measured) = ab["arms"]
+        assert r.measured_gain == pytest.approx(on_measured / off_measured - 1)
         off_s, on_s = r.predicted_s
         assert r.predicted_gain == off_s / on_s - 1
         # the expert all-to-all overlap hides communication: the arm with it is faster, measured and predicted

@@ -118,3 +118,6 @@ def test_the_page_shows_the_published_ab_gains_beside_the_predicted():
     assert "Checked against published A/Bs" in text
     for ab in feature_ab():
         assert f"{ab.label}: measured **{ab.measured_gain:+.0%}**, predicted **{ab.predicted_gain:+.0%}**" in text
+        # what the sentence after them says of the expert all-to-all overlap
+        assert ab.field != "ep_comm_overlap" or ab.predicted_gain > ab.measured_gain
+    assert "read its gain as an upper bound" in text
