@@ -127,15 +127,26 @@ def llmfoundry_sweep_runs(path: str | Path = LLMFOUNDRY_SWEEP) -> list[dict]:
 
 @dataclass(frozen=True)
 class FeatureAB:
-    """One published A/B of a recipe field: the throughput gain measured and the one the planner predicts
-    (step time with the first arm's value over the step time with the second's, less one)."""
+    """One published A/B of a recipe field: the throughput gain measured, and the planner's step time in
+    each arm."""
 
     name: str
     label: str  # the source and the run, in a few words
     field: str
     measured_gain: float
-    predicted_gain: float
-    predicted_s: tuple[float, float]
+    predicted_s: tuple[float, float]  # with the first arm's value, with the second's
+
+    @property
+    def predicted_gain(self) -> float:
+        """The throughput gain the planner predicts: the first arm's step over the second's, less one."""
+        return self.predicted_s[0] / self.predicted_s[1] - 1
+
+
+def ab_arm_case(ab: dict, value) -> dict:
+    """One arm of an A/B of feature-ab.json: its case with the A/B's field set to `value`."""
+    case = {**ab["case"], "name": f"{ab['name']} ({ab['field']} {value})"}
+    case["training"] = {**case["training"], ab["field"]: value}
+    return case
 
 
 def feature_ab(path: str | Path = FEATURE_AB) -> list[FeatureAB]:
@@ -145,13 +156,8 @@ def feature_ab(path: str | Path = FEATURE_AB) -> list[FeatureAB]:
     out = []
     for ab in data["ab"]:
         (off, off_measured), (on, on_measured) = ab["arms"]
-        times = []
-        for value in (off, on):
-            case = {**ab["case"], "name": f"{ab['name']} ({ab['field']} {value})"}
-            case["training"] = {**case["training"], ab["field"]: value}
-            times.append(estimate(case).step_time_s)
-        out.append(FeatureAB(ab["name"], ab["label"], ab["field"], on_measured / off_measured - 1,
-                             times[0] / times[1] - 1, (times[0], times[1])))
+        times = tuple(estimate(ab_arm_case(ab, value)).step_time_s for value in (off, on))
+        out.append(FeatureAB(ab["name"], ab["label"], ab["field"], on_measured / off_measured - 1, times))
     return out
 
 

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from planner.api import as_case
-from planner.validation import FEATURE_AB, feature_ab
+from planner.validation import FEATURE_AB, ab_arm_case, feature_ab
 
 
 def test_every_ab_states_its_source_and_its_two_arms_and_each_arm_is_a_valid_case():
@@ -17,7 +17,7 @@ def test_every_ab_states_its_source_and_its_two_arms_and_each_arm_is_a_valid_cas
         assert off != on and off_measured > 0 and on_measured > 0
         assert ab["field"] not in ab["case"]["training"]  # the arms alone set it
         for value in (off, on):
-            as_case({**ab["case"], "name": ab["name"], "training": {**ab["case"]["training"], ab["field"]: value}})
+            assert getattr(as_case(ab_arm_case(ab, value)).training, ab["field"]) == value
 
 
 def test_the_planner_predicts_each_arm_and_the_gain_is_the_ratio_of_their_steps():
