@@ -2,16 +2,17 @@
 
     .venv/bin/python bench/bench_planner.py [--quick]
 
-Prints predicted vs published step time (for the A/Bs, the gain), with the mean and max absolute error of each set, for
-(1) the team's 18 A100 runs (../shared/validation/published-runs.json, recipes in planner/data),
+Prints predicted vs published step time (for the A/Bs, the gain), with the mean and max absolute error of each
+set, for (1) the team's 18 A100 runs (../shared/validation/published-runs.json, recipes in planner/data),
 (2) the held-out runs of planner/data/heldout-runs.json (H100, H200, B200, GB200, A100, TPU; dense and
 MoE), then the same runs written as the issue's unseen runs are (attention stated, every other recipe
-field null), (3) Llama 3 405B on 8K-16K H100s (Dubey et al. 2024 Table 4, MFU), (4) llm-foundry's published
-throughput tables (planner/data/llmfoundry-sweep.json: MPT 125M-70B under FSDP on 8-512 H100s and A100s,
-printed apart from the held-out runs, by table and activation checkpointing), (5) published A/Bs of one
-recipe field (planner/data/feature-ab.json: the gain measured and the gain predicted); then (6) the wall
-time of full searches (skipped with --quick). No constant of the planner is chosen on any of these runs: they
-are test data (planner/costs.py and hardware/chips.toml cite the op-level evidence). No thresholds.
+field null), with the step times those null fields span one at a time, (3) Llama 3 405B on 8K-16K H100s
+(Dubey et al. 2024 Table 4, MFU), (4) llm-foundry's published throughput tables
+(planner/data/llmfoundry-sweep.json: MPT 125M-70B under FSDP on 8-512 H100s and A100s, printed apart from
+the held-out runs, by table and activation checkpointing), (5) published A/Bs of one recipe field
+(planner/data/feature-ab.json: the gain measured and the gain predicted); then (6) the wall time of full
+searches (skipped with --quick). No constant of the planner is chosen on any of these runs: they are test
+data (planner/costs.py and hardware/chips.toml cite the op-level evidence). No thresholds.
 """
 
 from __future__ import annotations
@@ -67,18 +68,26 @@ def by_sweep_table(run: dict) -> str:
     return f"{run['cluster']['chip']} {scale} {checkpointing}"
 
 
-def validation_table(title: str, runs: list[dict], group=None) -> None:
+def validation_table(title: str, runs: list[dict], group=None, bands: bool = False) -> None:
+    """One set's table; `bands`: with the step times the runs' null recipe fields span, as errors against the
+    published step (planner.validation.validate)."""
     t0 = time.perf_counter()
-    rows = validate(runs)
+    rows = validate(runs, bands=bands)
     elapsed = time.perf_counter() - t0
     print(f"\n{title}")
-    print(f"{'run':52s} {'chip':>11s} {'published s':>12s} {'predicted s':>12s} {'error':>8s} {'MFU':>6s}")
+    print(f"{'run':52s} {'chip':>11s} {'published s':>12s} {'predicted s':>12s} {'error':>8s} {'MFU':>6s}"
+          + (f"  {'unstated fields span':>22s}" if bands else ""))
     for r, run in zip(rows, runs, strict=True):
+        span = (f"  {100 * (r.band_s[0] / r.published_s - 1):+7.1f}% .. "
+                f"{100 * (r.band_s[1] / r.published_s - 1):+6.1f}% {'in' if r.within_band else '  '}") if bands else ""
         print(f"{r.name:52s} {run['cluster']['chip']:>11s} {r.published_s:12.3f} {r.predicted_s:12.3f} "
-              f"{100 * r.error:+7.1f}% {100 * r.mfu:5.1f}%")
+              f"{100 * r.error:+7.1f}% {100 * r.mfu:5.1f}%{span}")
     errors = [abs(r.error) for r in rows]
     print(f"mean |error| {100 * sum(errors) / len(errors):.2f}%   max |error| {100 * max(errors):.2f}%   "
           f"({len(rows)} runs estimated in {elapsed:.2f} s)")
+    if bands:
+        print(f"the published step lies within the span of the run's unstated recipe fields (each null field's "
+              f"other values, one at a time, on the same layout) in {sum(r.within_band for r in rows)} of {len(rows)}")
     too_big = [r.name for r in rows if not r.fits]
     if too_big:
         print(f"{len(too_big)} of these runs ran but the planner's memory estimate does not fit them: "
@@ -137,7 +146,7 @@ if __name__ == "__main__":
                      group=by_source)
     validation_table("The same held-out runs as the issue's unseen runs are written (attention as stated, every "
                      "other recipe field null):", [attention_stated_only(r) for r in load_published_runs(HELDOUT_RUNS)],
-                     group=by_model_kind)
+                     group=by_model_kind, bands=True)
     unseen_runs()
     validation_table("llm-foundry's throughput tables (planner/data/llmfoundry-sweep.json; one source, apart):",
                      llmfoundry_sweep_runs(), group=by_sweep_table)

@@ -1,8 +1,10 @@
 """CLI: `python -m planner estimate CASE.json` and `python -m planner search CASE.json [--top K]`.
 
-Prints one JSON object on stdout. Bad input (malformed JSON, a missing or unknown field, an unknown
-chip, sizes that do not divide, nothing that fits) exits with status 2 and a message on stderr that
-names the field.
+Prints one JSON object on stdout. An estimate carries `assumptions`: each recipe field the case left null, the
+value the planner took and what the same layout's step takes with each other value (planner.api.assumptions),
+and `step_time_band_s`, the fastest and slowest of those steps. Bad input (malformed JSON, a missing or unknown
+field, an unknown chip, sizes that do not divide, nothing that fits) exits with status 2 and a message on stderr
+that names the field.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import sys
 
 from core.stdout import write_result
 from core.timeline import unwritable_reason
-from planner.api import dumps, estimate, no_fit_error, search
+from planner.api import assumptions, dumps, estimate, no_fit_error, search, step_time_band_s
 from planner.case import load_case
 from planner.models import SpecError
 
@@ -40,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
                     result.timeline.write_chrome_trace(args.timeline)
                 except OSError as e:
                     raise SpecError("--timeline", f"cannot write {args.timeline}: {e.strerror}") from None
-            write_result(dumps(result.as_dict()))
+            found = assumptions(case, result)
+            write_result(dumps({**result.as_dict(), "assumptions": [a.as_dict() for a in found],
+                                "step_time_band_s": step_time_band_s(result, found)}))
         else:
             if args.top < 1:
                 raise SpecError("--top", f"must be >= 1, got {args.top}")

@@ -15,14 +15,26 @@ estimate uses (planner.flops, planner.costs), so their numbers are the estimate'
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from core.timeline import Timeline
 from hardware.chips import CHIPS, get_chip
 from planner import costs
 from planner import layout_search as _search
-from planner.case import RECIPE_DEFAULTS, Case, Cluster, Layout, load_case, parse_case, ssm_alltoall_ok, ssm_tp_ok
+from planner.case import (
+    RECIPE_CHOICES,
+    RECIPE_DEFAULTS,
+    Case,
+    Cluster,
+    Layout,
+    check_fixed,
+    load_case,
+    parse_case,
+    recipe_choices,
+    ssm_alltoall_ok,
+    ssm_tp_ok,
+)
 from planner.flops import (
     attention_flops_per_token,
     layer_params_on_chip,
@@ -178,6 +190,64 @@ def estimate(case_or_dict) -> Estimate:
     case = as_case(case_or_dict)
     res = _search.choose(case)
     return Estimate(res, chosen_fields(case, res))
+
+
+@dataclass(frozen=True)
+class Assumption:
+    """A recipe field the case left null: the value the planner took for it (`assumed`), another value it can
+    take, and the step the same layout takes with that one instead."""
+
+    field: str  # "training.<name>"
+    assumed: object
+    alternative: object
+    step_time_s: float
+    fits: bool  # the same layout still fits in memory with the alternative
+    base_step_time_s: float  # the estimate's step, with every assumed value
+
+    @property
+    def change(self) -> float:
+        """The alternative's step over the estimate's, less one (+0.2: 20 % slower)."""
+        return self.step_time_s / self.base_step_time_s - 1
+
+    def as_dict(self) -> dict:
+        return {"field": self.field, "assumed": self.assumed, "alternative": self.alternative,
+                "step_time_s": self.step_time_s, "change": self.change, "fits": self.fits}
+
+
+def assumptions(case_or_dict, est: Estimate | None = None) -> list[Assumption]:
+    """What each unstated recipe field is worth: for every recipe field the case leaves null (RECIPE_DEFAULTS,
+    what a current framework does), each other value it can take on the chip (planner.case.recipe_choices),
+    simulated one at a time on the estimate's own layout (mesh, micro-batch, ZeRO stage, recomputation), largest
+    change first. A value the layout cannot run (e.g. DeepSpeed's sequential sends under an interleaved
+    schedule) is left out. `est`: the case's estimate where the caller has it."""
+    case = as_case(case_or_dict)
+    est = est or estimate(case)
+    picked = est.chosen.get("training", {})
+    layout = {k: v for k, v in picked.items() if k not in RECIPE_CHOICES}
+    fixed = replace(case, parallel=replace(case.parallel, **est.chosen.get("parallel", {})),
+                    training=replace(case.training, **layout))
+    chip = costs.case_chip(case.cluster)
+    out = []
+    for name, assumed in picked.items():
+        for value in recipe_choices(name, chip):
+            if value == assumed:
+                continue
+            alt = replace(fixed, training=replace(fixed.training, **{name: value}))
+            try:
+                check_fixed(alt)
+                res = _search.choose(alt)
+            except SpecError:
+                continue
+            out.append(Assumption(f"training.{name}", assumed, value, res.step_time_s, res.fits, est.step_time_s))
+    return sorted(out, key=lambda a: -abs(a.change))
+
+
+def step_time_band_s(est: Estimate, found: list[Assumption]) -> tuple[float, float]:
+    """The fastest and the slowest step among the estimate and its one-field alternatives (`assumptions`) that
+    fit (all of them where the estimate's own layout does not): how far the unstated recipe alone can move the
+    prediction."""
+    steps = [est.step_time_s] + [a.step_time_s for a in found if a.fits or not est.fits]
+    return min(steps), max(steps)
 
 
 @dataclass(frozen=True)

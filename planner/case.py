@@ -189,6 +189,11 @@ PP_P2P = ("batched", "sequential")
 RECIPE_FLAGS = tuple(k for k in RECIPE_DEFAULTS
                      if k not in ("attention", "ep_dispatch", "fusion", "fp8_casts", "cross_entropy", "logit_metrics",
                                   "fsdp_impl", "fsdp_backward_prefetch", "pp_p2p"))
+# The values each recipe field can take (`recipe_choices`), for the planner's table of what its assumptions are
+# worth (planner.api.assumptions); logit_metrics, a count, is left out.
+RECIPE_CHOICES = {"attention": ATTENTION_KERNELS, "ep_dispatch": EP_DISPATCH, "fusion": FUSION, "fp8_casts": FP8_CASTS,
+                  "cross_entropy": CROSS_ENTROPY, "fsdp_impl": FSDP_IMPLS, "fsdp_backward_prefetch": BACKWARD_PREFETCH,
+                  "pp_p2p": PP_P2P, **{k: (False, True) for k in RECIPE_FLAGS}}
 # Context parallelism for Mamba-2 layers (planner.costs): "state" passes each rank's final SSM state to
 # the next rank; "alltoall" reshards sequence -> heads around the scan (Megatron-Core). Null: the search
 # tries both where they apply, else "state".
@@ -855,6 +860,19 @@ def recipe(t: Training, chip, m: ModelSpec) -> dict:
         raise SpecError("training.attention", f"{chip.name} is not a GPU: FlashAttention in Triton runs on GPUs; "
                         "use \"flash\"")
     return out
+
+
+def recipe_choices(name: str, chip) -> tuple:
+    """The values recipe field `name` can take on `chip` (RECIPE_CHOICES): on a TPU, XLA's kernels and
+    collectives only (no FlashAttention-3-class or Triton kernels, no DeepEP, no PyTorch FSDP); FlashAttention-3
+    where the chip has such a kernel."""
+    values = RECIPE_CHOICES.get(name, ())
+    if name == "attention":
+        return tuple(v for v in values if (v != "flash3" or chip.flash3_efficiency is not None)
+                     and (v != "flash-triton" or chip.kind == "gpu"))
+    if chip.kind != "gpu" and name in ("ep_dispatch", "fsdp_impl", "fsdp_backward_prefetch"):
+        return {"ep_dispatch": ("all_to_all",), "fsdp_impl": ("in-place",), "fsdp_backward_prefetch": ("pre",)}[name]
+    return values
 
 
 def ssm_tp_ok(m: ModelSpec, tp: int) -> bool:

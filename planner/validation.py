@@ -18,7 +18,9 @@ Two sets:
   with it off and on); `feature_ab` gives the gain each predicts beside the one measured.
 
 `attention_stated_only` writes a run as the issue's unseen runs are written (their attention kernel stated,
-every other recipe field null), so the held-out runs can be read under that convention too.
+every other recipe field null), so the held-out runs can be read under that convention too; `validate(...,
+bands=True)` adds the step times those null fields span one at a time (planner.api.assumptions), and whether the
+published step falls inside.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from planner.api import estimate
+from planner.api import assumptions, estimate, step_time_band_s
 from planner.case import RECIPE_DEFAULTS
 from planner.models import MODEL_PRESETS
 
@@ -50,11 +52,18 @@ class ValidationRow:
     tflops_per_chip: float
     chosen: dict
     fits: bool  # whether the planner's memory estimate fits the chip (every published run did)
+    # the fastest and slowest step among the run's null recipe fields' values one at a time (`validate`'s bands)
+    band_s: tuple[float, float] | None = None
 
     @property
     def error(self) -> float:
         """(predicted - published) / published."""
         return (self.predicted_s - self.published_s) / self.published_s
+
+    @property
+    def within_band(self) -> bool:
+        """Whether the published step lies within the steps the run's unstated recipe fields span (`band_s`)."""
+        return self.band_s[0] <= self.published_s <= self.band_s[1]
 
 
 # Dubey et al. 2024 (Llama 3), Table 4: Llama 3 405B on H100s, TP 8, PP 16, 16M-token batches, BF16 MFU.
@@ -176,12 +185,15 @@ def attention_stated_only(run: dict) -> dict:
     return out
 
 
-def validate(runs: list[dict]) -> list[ValidationRow]:
+def validate(runs: list[dict], bands: bool = False) -> list[ValidationRow]:
+    """Each run predicted beside its published step; `bands`: with the steps its null recipe fields span
+    (`ValidationRow.band_s`)."""
     rows = []
     for run in runs:
         est = estimate(run)
+        band = step_time_band_s(est, assumptions(run, est)) if bands else None
         rows.append(ValidationRow(run["name"], run.get("source", ""), run["published"]["step_time_s"],
-                                  est.step_time_s, est.mfu, est.tflops_per_chip, est.chosen, est.fits))
+                                  est.step_time_s, est.mfu, est.tflops_per_chip, est.chosen, est.fits, band))
     return rows
 
 

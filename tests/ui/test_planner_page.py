@@ -121,3 +121,28 @@ def test_the_page_shows_the_published_ab_gains_beside_the_predicted():
         # what the sentence after them says of the expert all-to-all overlap
         assert ab.field != "ep_comm_overlap" or ab.predicted_gain > ab.measured_gain
     assert "read its gain as an upper bound" in text
+
+
+def test_the_page_says_what_each_unstated_recipe_field_is_worth():
+    from planner import assumptions, estimate, make_case
+    from planner.case import Cluster, Parallel
+    from planner.models import MODEL_PRESETS
+    from planner.presets import default_global_batch
+    from planner.validation import HELDOUT_RUNS, attention_stated_only, load_published_runs, validate
+
+    at = _page(model="Llama 3 70B", chip="h100", dp="8", tp="8")
+    assert not at.exception
+    worth = next(e for e in at.expander if e.label == "What the unstated recipe is worth")
+    table = worth.dataframe[0].value
+    spec = MODEL_PRESETS["Llama 3 70B"]
+    case = make_case(spec, Cluster("h100", 64), global_batch=default_global_batch(spec.seq_len, 64, 2**22),
+                     parallel=Parallel(dp=8, tp=8, pp=1, cp=1, ep=1))
+    found = assumptions(case, estimate(case))
+    assert list(table["field"]) == [a.field.removeprefix("training.") for a in found]
+    assert list(table["change"]) == [f"{a.change:+.1%}" for a in found]
+    assert "one at a time on this same layout" in worth.markdown[0].value
+    # the trust section counts the held-out runs whose published step the unstated fields' span holds
+    trust = next(e for e in at.expander if e.label == "How far to trust these numbers")
+    rows = validate([attention_stated_only(r) for r in load_published_runs(HELDOUT_RUNS)], bands=True)
+    text = " ".join(m.value for m in trust.markdown)
+    assert f"in **{sum(r.within_band for r in rows)} of {len(rows)}**" in text
