@@ -204,8 +204,11 @@ if found:
             f"same layout, moves the predicted step between **{fastest:,.2f} s** and **{slowest:,.2f} s** "
             f"({fastest / est.step_time_s - 1:+.0%} to {slowest / est.step_time_s - 1:+.0%}): a run that states "
             "how it was executed can be predicted more closely than one that does not.")
-        st.dataframe([{"field": a.field.removeprefix("training."), "assumed": str(a.assumed),
-                       "instead": str(a.alternative), "step instead, s": round(a.step_time_s, 3),
+        def word(value):  # a flag as the pages say it
+            return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else str(value)
+
+        st.dataframe([{"field": a.field.removeprefix("training."), "assumed": word(a.assumed),
+                       "instead": word(a.alternative), "step instead, s": round(a.step_time_s, 3),
                        "change": f"{a.change:+.1%}", "fits": "yes" if a.fits else "no"} for a in found],
                      hide_index=True, width="stretch")
 
@@ -265,8 +268,9 @@ with st.expander("How far to trust these numbers"):
         "**What the unstated recipe explains.** Written as an unseen run is written (its attention kernel stated, "
         "every other recipe field left to the planner), the published step of the held-out runs lies within the "
         f"span of their unstated fields (each field's other values, one at a time, on the same layout: the table "
-        f"'What the unstated recipe is worth' above) in **{within} of {runs}**; {above} ran slower than any of "
-        f"those values gives, {below} faster. So the planner's misses are not only its guesses of the recipe.")
+        f"'What the unstated recipe is worth' above) in **{within} of {runs}**; {above} ran slower than the slowest "
+        f"of those predictions, {below} faster than the fastest. So the planner's misses are not only its guesses "
+        "of the recipe.")
 
     ab_words = "; ".join(
         f"{ab.label}: measured **{ab.measured_gain:+.0%}**, predicted **{ab.predicted_gain:+.0%}**"
