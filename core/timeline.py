@@ -199,19 +199,26 @@ class Timeline:
 
     def write_chrome_trace(self, path: str) -> None:
         """Write atomically, so a crash never leaves a half-written trace file; the file gets the permissions
-        of any new file here (the umask), not the private ones of the temporary file it is written as."""
+        of any new file here (the umask), not the private ones of the temporary file it is written as. A link is
+        written through, to the file it names; a device or a pipe (/dev/null, /dev/stdout, a FIFO) is written
+        into, never replaced."""
         import os
+        import stat
         import tempfile
 
-        directory = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+        target = os.path.realpath(path)
+        if os.path.exists(target) and not stat.S_ISREG(os.stat(target).st_mode):
+            with open(target, "w") as f:
+                json.dump(self.to_chrome_trace(), f)
+            return
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), suffix=".tmp")
         try:
             with os.fdopen(fd, "w") as f:
                 json.dump(self.to_chrome_trace(), f)
             umask = os.umask(0)
             os.umask(umask)
             os.chmod(tmp, 0o666 & ~umask)
-            os.replace(tmp, path)
+            os.replace(tmp, target)
         except BaseException:
             if os.path.exists(tmp):
                 os.unlink(tmp)
@@ -225,12 +232,15 @@ def unwritable_reason(path: str) -> str | None:
 
     if not path.strip():
         return "'': it names no file; give a path such as out.json"
-    directory = os.path.dirname(os.path.abspath(path))
+    target = os.path.realpath(path)  # a link names the file written (Timeline.write_chrome_trace)
+    directory = os.path.dirname(target)
     if os.path.isdir(path):
         return f"{path}: it is a folder; name a file, e.g. out.json"
+    if os.path.exists(target) and not os.path.isfile(target):  # a device or a pipe: written into, in place
+        return None if os.access(target, os.W_OK) else f"{path}: it is not writable; choose another path"
     if not os.path.isdir(directory):
         return f"{path}: its folder {directory} does not exist"
-    if not os.access(directory, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+    if not os.access(directory, os.W_OK | os.X_OK) or (os.path.exists(target) and not os.access(target, os.W_OK)):
         return f"{path}: it is not writable; choose another path"
     return None
 

@@ -18,6 +18,8 @@ from planner.api import assumptions, dumps, estimate, no_fit_error, search, step
 from planner.case import load_case
 from planner.models import SpecError
 
+MAX_TOP = 100  # the most layouts `search --top` ranks
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m planner", description=__doc__.splitlines()[0])
@@ -28,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
                      help="also write the predicted timeline (Chrome trace JSON)")
     sea = sub.add_parser("search", help="rank the layouts of the case's null fields")
     sea.add_argument("case", help="case JSON file")
-    sea.add_argument("--top", type=int, default=5, help="how many layouts to print (default 5)")
+    sea.add_argument("--top", type=int, default=5, help="how many layouts to print (default 5, at most 100)")
     args = parser.parse_args(argv)
     try:
         case = load_case(args.case)
@@ -46,8 +48,10 @@ def main(argv: list[str] | None = None) -> int:
             write_result(dumps({**result.as_dict(), "assumptions": [a.as_dict() for a in found],
                                 "step_time_band_s": step_time_band_s(result, found)}))
         else:
-            if args.top < 1:
-                raise SpecError("--top", f"must be >= 1, got {args.top}")
+            if not 1 <= args.top <= MAX_TOP:
+                raise SpecError("--top", f"must be 1 to {MAX_TOP}, got {args.top} (each ranked layout is simulated "
+                                "pass by pass; more than a hundred take minutes and say nothing the first hundred "
+                                "do not)")
             report = search(case, top=args.top)
             if not report.ranked:
                 raise no_fit_error(case, report)

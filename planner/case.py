@@ -519,6 +519,10 @@ def parse_model(block, name: str = "case") -> ModelSpec:
     return ModelSpec(**kw)
 
 
+# A case file's top-level keys: the four blocks, and what the published-run files say of a run beside them
+CASE_KEYS = {"model", "training", "parallel", "cluster", "name", "source", "published", "recipe_source", "confidence"}
+
+
 def parse_case(data) -> Case:
     """Build a validated Case from a decoded JSON object; raises SpecError naming the bad field."""
     if not isinstance(data, dict):
@@ -526,6 +530,7 @@ def parse_case(data) -> Case:
     for key in ("model", "training", "cluster"):
         if key not in data:
             raise SpecError(key, "missing (required block)")
+    _check_keys(data, CASE_KEYS, "case")
     name = data.get("name", "case")
     model = parse_model(data["model"], name)
 
@@ -578,6 +583,9 @@ def parse_case(data) -> Case:
     if net is not None and (isinstance(net, bool) or not isinstance(net, (int, float)) or not 1e6 <= net < math.inf):
         raise SpecError("cluster.network_bytes_per_s", f"must be a finite number of bytes/s per chip, at least 1e6 "
                         f"(e.g. 50e9 for 400 Gb/s), or null, got {net!r}")
+    if _int(c, "num_chips", "cluster", required=True, nullable=False) > MAX_NUM_CHIPS:
+        raise SpecError("cluster.num_chips", f"{c['num_chips']:,} is more than the {MAX_NUM_CHIPS:,} chips the planner "
+                        "models (the largest clusters built hold a few hundred thousand); use fewer chips")
     cluster = Cluster(c["chip"], _int(c, "num_chips", "cluster", required=True, nullable=False),
                       _int(c, "chips_per_node", "cluster", required=False), None if net is None else float(net),
                       _int(c, "slices", "cluster", required=False))
@@ -632,7 +640,7 @@ def _with_pp_layout(parallel: Parallel, text, model: ModelSpec) -> Parallel:
     if not parallel.pp:
         raise SpecError("parallel.pp_layout", "needs parallel.pp: the layout's chunks are dealt over the stages")
     try:
-        expanded = expand_layout(text)
+        expanded = expand_layout(text, limit=2 * (model.layers + model.mtp_layers + 2))
         chunks = tuple(expanded.split("|"))
         check_layout(chunks, model.layers, model.mtp_layers, parallel.pp)
     except ValueError as e:
@@ -648,14 +656,32 @@ def _with_pp_layout(parallel: Parallel, text, model: ModelSpec) -> Parallel:
     return replace(parallel, virtual_stages=virtual, pp_schedule=schedule, pp_layout=expanded)
 
 
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_keys(pairs: list) -> dict:
+    """A JSON object's pairs as a dict, refusing a key stated twice (json keeps the last one silently)."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
 def load_case(path: str) -> Case:
     try:
         with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+            data = json.load(f, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as e:
         raise SpecError("case", f"malformed JSON in {path}: {e}") from None
+    except _DuplicateKey as e:
+        raise SpecError("case", f"{path} states {str(e)!r} twice in one object; keep one") from None
     except UnicodeDecodeError:
         raise SpecError("case", f"{path} is not UTF-8 text: save the case as a UTF-8 JSON file") from None
+    except ValueError as e:  # e.g. an integer of more digits than Python converts
+        raise SpecError("case", f"malformed JSON in {path}: {e}") from None
     except RecursionError:
         raise SpecError("case", f"{path} nests its JSON too deeply to be a case file") from None
     except OSError as e:
@@ -672,6 +698,11 @@ def _divides(a: int, b: int) -> bool:
 # sequence per chip on the largest clusters. A mistyped 10^15 is refused here (pipelines also stop at
 # layout_search.MAX_PIPELINE_PASSES).
 MAX_GLOBAL_BATCH = 2 ** 24
+# The most chips a case may state: 2^24, about 50x the largest training clusters announced (xAI's Colossus, some
+# 200,000 GPUs in 2025), room for what-ifs. A mistyped 10^12 is refused here rather than searched.
+MAX_NUM_CHIPS = 2 ** 24
+# The most full-vocabulary metrics a case may say its trainer computes beside the loss (training.logit_metrics)
+MAX_LOGIT_METRICS = 16
 
 
 def check_fixed(case: Case) -> None:
@@ -706,6 +737,13 @@ def check_fixed(case: Case) -> None:
     if t.pp_p2p == "sequential" and case.parallel.pp_schedule not in (None, "1f1b"):
         raise SpecError("training.pp_p2p", f"\"sequential\" is DeepSpeed's pipeline engine, which runs 1F1B only, not "
                         f"{case.parallel.pp_schedule!r}: state pp_schedule \"1f1b\" with it")
+    if not m.is_moe:
+        for name in ("ep_dispatch", "ep_comm_overlap"):
+            if getattr(t, name) is not None:
+                raise SpecError(f"training.{name}", "routes tokens to experts, and this model has none: set it to null")
+    if t.logit_metrics is not None and t.logit_metrics > MAX_LOGIT_METRICS:
+        raise SpecError("training.logit_metrics", f"{t.logit_metrics} cross-entropies over every micro-batch's logits: "
+                        f"trainers log a few (Composer's MPT 2); at most {MAX_LOGIT_METRICS}")
     if t.fp8_casts and t.dtype != "fp8":
         raise SpecError("training.fp8_casts", f"applies to dtype \"fp8\", not {t.dtype!r}")
     if t.dropout and not m.gpt_style:
@@ -800,6 +838,9 @@ def _check_node(cl: Cluster) -> None:
     from hardware.chips import get_chip
 
     chip = get_chip(cl.chip)
+    if cl.num_chips > cl.chips_per_node and cl.num_chips % cl.chips_per_node:
+        raise SpecError("cluster.chips_per_node", f"{cl.chips_per_node} does not divide num_chips={cl.num_chips}: "
+                        "a cluster of more than one node is whole nodes; state the chips each node holds")
     if cl.chips_per_node > chip.scaleup_domain:
         link = "its ICI" if chip.kind == "tpu" else "NVLink" if chip.vendor == "NVIDIA" else "its scale-up links"
         raise SpecError("cluster.chips_per_node", f"{cl.chips_per_node} is more than {chip.name}'s scale-up domain "

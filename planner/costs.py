@@ -184,7 +184,28 @@ def tpu_slices(chip: Chip, num_chips: int) -> int:
     """The slices of a TPU job that does not say: one where a slice holds the chips, else the fewest equal
     slices that each have a slice shape (`slice_shape`; a multislice job's slices are alike: MaxText's dcn_*
     axes; PaLM's 6144 chips were two pods' 3072)."""
-    return next(s for s in range(1, num_chips + 1) if num_chips % s == 0 and slice_shape(chip, num_chips // s))
+    fewest = -(-num_chips // math.prod(chip.torus_shape))  # a slice holds at most the largest slice's chips
+    return next(s for s in divisors(num_chips) if s >= fewest and slice_shape(chip, num_chips // s))
+
+
+def divisors(n: int, up_to: int | None = None) -> list[int]:
+    """The divisors of n, in order. With `up_to`, only those <= it, by walking 1 .. up_to; else from n's
+    prime factors by trial division, which stops once what is left is 1 or prime (n may be huge: 10^15
+    factors at once, a large prime still walks to its square root)."""
+    if up_to is not None:
+        return [d for d in range(1, min(n, up_to) + 1) if n % d == 0]
+    powers, rest, p = {}, n, 2
+    while p * p <= rest:
+        while rest % p == 0:
+            powers[p] = powers.get(p, 0) + 1
+            rest //= p
+        p += 1 if p == 2 else 2
+    if rest > 1:
+        powers[rest] = powers.get(rest, 0) + 1
+    out = [1]
+    for p, e in powers.items():
+        out = [d * p ** k for d in out for k in range(e + 1)]
+    return sorted(out)
 
 
 def tpu_slice_shape(chip: Chip, num_chips: int) -> tuple[int, ...]:

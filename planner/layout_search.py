@@ -62,6 +62,7 @@ from planner.case import (
     recipe,
     ssm_alltoall_ok,
 )
+from planner.costs import divisors
 from planner.flops import mtp_kind, output_heads
 from planner.memory import layer_kind_counts, memory_per_chip, stage_groups
 from planner.models import ModelSpec, SpecError
@@ -83,26 +84,6 @@ def recompute_order(m: ModelSpec, chip: Chip) -> tuple[str, ...]:
     if chip.kind == "tpu" and dots_modelled(m):
         return ("none", "selective", "dots", "full")
     return RECOMPUTE_ORDER
-
-
-def divisors(n: int, up_to: int | None = None) -> list[int]:
-    """The divisors of n, in order. With `up_to`, only those <= it, by walking 1 .. up_to; else from n's
-    prime factors by trial division, which stops once what is left is 1 or prime (n may be huge: 10^15
-    factors at once, a large prime still walks to its square root)."""
-    if up_to is not None:
-        return [d for d in range(1, min(n, up_to) + 1) if n % d == 0]
-    powers, rest, p = {}, n, 2
-    while p * p <= rest:
-        while rest % p == 0:
-            powers[p] = powers.get(p, 0) + 1
-            rest //= p
-        p += 1 if p == 2 else 2
-    if rest > 1:
-        powers[rest] = powers.get(rest, 0) + 1
-    out = [1]
-    for p, e in powers.items():
-        out = [d * p ** k for d in out for k in range(e + 1)]
-    return sorted(out)
 
 
 @dataclass(frozen=True)

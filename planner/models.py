@@ -227,6 +227,15 @@ class ModelSpec:
                                 f"{self.expert_groups}, got {self.expert_groups_per_token}")
         if self.dense_layers >= self.layers and self.experts:
             raise SpecError(f"{prefix}.dense_layers", f"must be below layers={self.layers}")
+        if not self.experts and self.dense_layers:
+            raise SpecError(f"{prefix}.dense_layers", "applies to MoE models (the first layers, whose MLP is dense, "
+                            "before the experts'); every layer of a dense model has its ffn: set it to 0")
+        if self.dense_ffn is not None and not self.dense_layers:
+            raise SpecError(f"{prefix}.dense_ffn", "sizes the MLP of an MoE model's dense_layers, and this model has "
+                            "none: set dense_layers, or drop dense_ffn (a dense model's MLP is ffn)")
+        if self.mtp_layers > self.layers:
+            raise SpecError(f"{prefix}.mtp_layers", f"{self.mtp_layers} multi-token prediction modules for "
+                            f"{self.layers} layers; published models add 1 (DeepSeek-V3): check the number")
         if self.sliding_window_layers and not self.sliding_window:
             raise SpecError(f"{prefix}.sliding_window_layers", "needs sliding_window (the window's keys); set it "
                             "or set sliding_window_layers to 0")

@@ -82,3 +82,26 @@ def test_union_and_intersection():
     assert union_seconds([(0, 2), (1, 3), (5, 6)]) == 4
     assert union_seconds([]) == 0
     assert intersection_seconds([(0, 2), (4, 8)], [(1, 5), (7, 9)]) == 1 + 1 + 1
+
+
+def test_a_trace_is_written_through_a_link_and_into_a_pipe_never_over_them(tmp_path):
+    import os
+    import threading
+
+    from core.timeline import unwritable_reason
+
+    real, link = tmp_path / "real.json", tmp_path / "link.json"
+    link.symlink_to(real)
+    assert unwritable_reason(str(link)) is None
+    _tl().write_chrome_trace(str(link))
+    assert link.is_symlink() and json.loads(real.read_text())["traceEvents"]  # the link still names the file
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()))
+    reader.start()
+    assert unwritable_reason(str(fifo)) is None
+    _tl().write_chrome_trace(str(fifo))
+    reader.join(timeout=10)
+    assert json.loads(got[0])["traceEvents"] and not os.path.isfile(fifo)  # still a pipe
+    assert unwritable_reason(os.devnull) is None  # written into, as any program writes /dev/null

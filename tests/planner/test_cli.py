@@ -91,6 +91,19 @@ def _bad(**edits):
     (_bad(model__ssm_state=16), "model.ssm_state"),  # no Mamba-2 layer
     (_bad(training__ssm_cp="alltoall"), "training.ssm_cp"),
     (_bad(training__micro_batch=5), "training.micro_batch"),  # named, not "no layout divides"
+    (_bad(cluster__chips_per_node=7), "cluster.chips_per_node"),  # 7 does not divide 64: no whole nodes
+    (_bad(cluster__num_chips=10**15), "cluster.num_chips"),  # refused, not searched
+    (_bad(parallel__pp_layout="E|t*99999999999|L"), "parallel.pp_layout"),  # refused before it is written out
+    (_bad(parallel__pp_layout="E(((t|)*100000)*100000)L"), "parallel.pp_layout"),
+    ({**_bad(), "paralel": {"tp": 3}}, "case.paralel"),  # a misspelt block was dropped, the layout chosen instead
+    (json.dumps(RUN)[:-1] + ', "cluster": {"chip": "h100", "num_chips": 8}}', "'cluster' twice"),
+    (json.dumps(RUN).replace('"global_batch": 64', '"global_batch": ' + "9" * 5000), "malformed JSON"),
+    (_bad(model__dense_ffn=1001), "model.dense_ffn"),  # a dense model's MLP is ffn: it replaced it unchecked
+    (_bad(model__dense_layers=2), "model.dense_layers"),
+    (_bad(model__mtp_layers=9999), "model.mtp_layers"),
+    (_bad(training__ep_comm_overlap=True), "training.ep_comm_overlap"),  # no experts to route to
+    (_bad(training__ep_dispatch="deepep"), "training.ep_dispatch"),
+    (_bad(training__logit_metrics=10**9), "training.logit_metrics"),
 ])
 def test_bad_input_exits_2_naming_the_field(tmp_path, capsys, case, field):
     assert main(["estimate", _write(tmp_path, case)]) == 2
@@ -160,8 +173,8 @@ def test_a_timeline_path_that_is_a_folder_exits_2_before_estimating(tmp_path, ca
 
 
 def test_a_node_larger_than_the_chips_scale_up_domain_exits_2(tmp_path, capsys):
-    """An HGX A100's NVSwitch joins 8 GPUs: a 1,000-GPU node would cost every collective as NVLink; 7 (a node
-    partly used) and 8 are taken."""
+    """An HGX A100's NVSwitch joins 8 GPUs: a 1,000-GPU node would cost every collective as NVLink; 8 is taken (and
+    fewer, a node partly used, where they divide the chips)."""
     big = json.loads(json.dumps(RUN))
     big["cluster"]["chips_per_node"] = 1000
     assert main(["estimate", _write(tmp_path, big)]) == 2
@@ -183,3 +196,9 @@ def test_search_that_ranks_nothing_exits_2_and_says_why(tmp_path, capsys):
     free["parallel"]["dp"] = None
     assert main(["search", _write(tmp_path, free)]) == 2
     assert "none of the" in capsys.readouterr().err
+
+
+def test_search_ranks_at_most_a_hundred_layouts(tmp_path, capsys):
+    # each ranked layout is simulated pass by pass: --top 10^9 ran for minutes
+    assert main(["search", _write(tmp_path, RUN), "--top", "101"]) == 2
+    assert "--top: must be 1 to 100" in capsys.readouterr().err

@@ -106,7 +106,8 @@ def test_bad_module_lists_name_the_field(training, words):
 
 def test_a_module_the_model_does_not_have_is_refused():
     dense = _case(recompute_modules=["mla_up_proj"])
-    for key in ("experts", "top_k", "shared_experts", "dense_layers", "q_lora_rank", "kv_lora_rank", "rope_head_dim"):
+    for key in ("experts", "top_k", "shared_experts", "dense_layers", "dense_ffn", "q_lora_rank", "kv_lora_rank",
+                "rope_head_dim"):
         dense["model"].pop(key)
     dense["parallel"]["ep"] = 1
     with pytest.raises(SpecError, match="needs an MLA model"):

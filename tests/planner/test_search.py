@@ -9,7 +9,7 @@ import pytest
 from hardware.chips import get_chip
 from planner import layout_search
 from planner.api import estimate
-from planner.case import Layout, layout_tp_ok, parse_case, recipe
+from planner.case import MAX_NUM_CHIPS, Layout, layout_tp_ok, parse_case, recipe
 from planner.costs import cluster_chip
 from planner.layout_search import divisors, micro_batch_sizes, search
 from planner.memory import memory_per_chip
@@ -102,10 +102,23 @@ def test_a_huge_chip_count_is_searched_without_walking_its_divisors(monkeypatch)
 
     monkeypatch.setattr(layout_search, "divisors", counting)
     case = json.loads((CASES / "llama3-405b-16k-h100.json").read_text())
-    case["cluster"]["num_chips"] = 10**15
+    case["cluster"]["num_chips"] = MAX_NUM_CHIPS - 3  # a prime near the most a case may state
+    case["cluster"]["chips_per_node"] = None  # (8 would not divide it: a message of its own)
     with pytest.raises(SpecError, match="no layout"):
         estimate(case)
     assert walked and max(walked) <= case["model"]["seq_len"]
+    case["cluster"]["num_chips"] = 10**15  # a mistyped count is refused before any search
+    with pytest.raises(SpecError, match="cluster.num_chips"):
+        estimate(case)
+
+
+def test_a_huge_prime_tpu_chip_count_is_answered_at_once():
+    # a TPU job's slices were found by trying every count from 1 to num_chips: a prime near 10^12 ran for hours
+    from planner.costs import tpu_slices
+
+    chip = get_chip("tpu-v5p")
+    assert tpu_slices(chip, 16_777_213) == 16_777_213  # prime: slices of one chip each
+    assert tpu_slices(chip, 6144 * 4) == 4  # whole pods
 
 
 def test_search_respects_fixed_fields():
