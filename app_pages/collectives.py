@@ -196,7 +196,7 @@ else:
 
 st.markdown("**Where the group sits.** The same collective on the same number of chips costs very "
             f"different amounts depending on whether the members share fast links ({chip.name}: "
-            f"{chip.scaleup_domain} chips per {'TPU slice' if chip.kind == 'tpu' else 'NVLink domain'}):")
+            f"{chip.scaleup_domain} chips per {'TPU slice' if chip.kind == 'tpu' else chip.scaleup_link + ' domain'}):")
 placements = {1: "consecutive ranks (stride 1)",
               chip.scaleup_domain: f"one chip per domain (stride {chip.scaleup_domain})"}
 placements.setdefault(stride, f"your stride ({stride})")

@@ -189,7 +189,7 @@ stays on the fast scale-up links decides its price:
 """
 )
 gpu = chip.kind == "gpu"
-fast_links, unit = ("NVLink's", "node") if gpu else ("the scale-up links'", "slice")
+fast_links, unit = (f"{chip.scaleup_link}'s", "node") if gpu else ("the scale-up links'", "slice")
 micro_batch = st.select_slider("Micro-batch b (sequences per chip)", [1, 2, 4], value=1, key="ep_micro_batch",
                                bind="query-params")
 tokens = micro_batch * spec.seq_len

@@ -51,12 +51,14 @@ parallel for the dense layers and split the experts), cp ranks different positio
 
 options = ["the sidebar's setup", *PRESETS]
 which = st.selectbox("Layout", options, key="mesh_preset")
+published_batch, recipe = None, {}  # a published layout's own batch and recipe (Preset.global_batch, .recipe)
 if which == options[0]:
     model_name, chip_key, mesh_axes, zero_stage = choices.model, choices.chip, dict(choices.mesh), 0
     st.caption("The sidebar's model, chip and mesh. Choose one of the published layouts above to compare.")
 else:
     preset = PRESETS[which]
     model_name, chip_key, mesh_axes, zero_stage = preset.model, preset.chip, dict(preset.mesh), preset.zero_stage
+    published_batch, recipe = preset.global_batch, dict(preset.recipe)
     st.caption(preset.source)
 
     def _apply(p=preset) -> None:
@@ -73,6 +75,7 @@ chip = CHIPS[chip_key]
 mesh = Mesh(mesh_axes)
 spec = MODEL_PRESETS[model_name]
 label = " x ".join(f"{a}={d}" for a, d in mesh.axes if d > 1) or "one chip"
+global_batch = published_batch or default_global_batch(spec.seq_len, mesh.world)  # sequences per step
 st.subheader(f"{spec.name} on {mesh.world:,} {chip.name}: {label}")
 
 st.markdown("### How each axis lands on the hardware")
@@ -82,8 +85,8 @@ try:
     from planner.api import estimate as planner_estimate
 
     n = mesh.world
-    case = make_case(spec, Cluster(chip.key, n), global_batch=default_global_batch(spec.seq_len, n),
-                     parallel=mesh_parallel(mesh, spec), zero_stage=zero_stage or None)
+    case = make_case(spec, Cluster(chip.key, n), global_batch=global_batch,
+                     parallel=mesh_parallel(mesh, spec), zero_stage=zero_stage or None, **recipe)
     estimate = planner_estimate(case)
 except SpecError as e:
     st.warning(f"The planner cannot cost this layout: {e}. The mapping below still holds.")
@@ -104,7 +107,7 @@ else:
                "fsdp share one count, the planner's data-parallel group. links: the topology the group's "
                "collectives run on, at achievable bandwidth (hardware/collectives.py). exposed per step: the "
                "planner's estimate of the communication of this axis that compute does not hide, for this "
-               f"model with {batch_words(spec.seq_len, mesh.world)}."
+               f"model with {batch_words(spec.seq_len, mesh.world, published_batch)}."
                + (f" Under ZeRO-2 each of the step's {estimate.result.micro_batches} micro-batches reduce-scatters "
                   "its own gradients (a chip keeps only its shard between them), so the data-parallel axis sends "
                   "that many times the gradients, mostly hidden under the backward."
@@ -127,7 +130,7 @@ show_exercises([axes_leaving_the_domain(mesh, chip)] if rows else [])
 
 st.markdown("### FSDP or tensor parallel?")
 chips = max(1, mesh.world // mesh.degree("pp"))
-tokens = default_global_batch(spec.seq_len, mesh.world) * spec.seq_len
+tokens = global_batch * spec.seq_len
 st.markdown(
     f"""
 Both split the {chips:,} chips of one pipeline stage, and they move different things: **FSDP moves weights**
@@ -151,8 +154,8 @@ pods_here = (f"This mesh fits in one {unit}: nothing crosses the network." if po
              "data-parallel sync crosses the network.")
 st.markdown(
     f"""
-**Across pods.** Beyond one {'TPU pod' if chip.kind != 'gpu' else 'NVLink node'} the network is much slower,
-so real runs keep FSDP and TP inside and run plain data parallel between them: one gradient all-reduce per
+**Across pods.** Beyond one {'TPU pod' if chip.kind != 'gpu' else chip.scaleup_link + ' node'} the network is much
+slower, so real runs keep FSDP and TP inside and run plain data parallel between them: one gradient all-reduce per
 step, under the backward. {cross_pod_bound(spec, chip, tokens / replicas).rule}. {pods_here}
 """
 )
@@ -169,8 +172,8 @@ if st.button("Search the layouts of this many chips", key="mesh_search"):
     with st.spinner("Searching ..."):
         try:  # the same model, chips and batch, every layout field left for the planner to choose
             # the experts split by tp, as the sidebar's mesh draws its ep axis (Parallel.etp)
-            free = make_case(spec, Cluster(chip.key, n), global_batch=default_global_batch(spec.seq_len, n),
-                             parallel=Parallel(etp="tp" if spec.is_moe else None))
+            free = make_case(spec, Cluster(chip.key, n), global_batch=global_batch,
+                             parallel=Parallel(etp="tp" if spec.is_moe else None), **recipe)
             st.session_state["mesh_search_report"] = search(free, top=5)
         except SpecError as e:
             st.session_state.pop("mesh_search_report", None)

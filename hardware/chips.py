@@ -165,6 +165,14 @@ class Chip:
         return self.scaleout_bytes_per_s * (self.scaleout_efficiency if achievable else 1.0)
 
     @property
+    def scaleup_link(self) -> str:
+        """The name of the chip's scale-up links, as pages and messages say it: NVLink (NVIDIA), Infinity Fabric
+        (AMD's GPUs), ICI (TPUs)."""
+        if self.kind == "tpu":
+            return "ICI"
+        return "NVLink" if self.vendor == "NVIDIA" else "Infinity Fabric" if self.kind == "gpu" else "scale-up links"
+
+    @property
     def dtypes(self) -> tuple[str, ...]:
         """The dtypes ``peak_flops_per_s`` accepts for this chip."""
         out = ["bf16"] + (["fp16"] if self.kind == "gpu" else [])

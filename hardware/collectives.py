@@ -499,7 +499,7 @@ def group_topology(chip: Chip, n: int, stride: int = 1, achievable: bool = False
     if chip.kind == "tpu" and scaleup_domain is not None:
         raise ValueError("a TPU's scale-up domain is its torus slice; set torus_shape in chips.toml instead")
     if chip.kind != "tpu":
-        label = "NVLink" if chip.vendor == "NVIDIA" else "Infinity Fabric" if chip.kind == "gpu" else "scale-up"
+        label = chip.scaleup_link
         if n * stride <= domain:
             return Switch(n, _mesh_share(chip, inner, n, domain), label)
         if stride >= domain:

@@ -202,7 +202,7 @@ def cross_pod_bound(m: ModelSpec, chip: Chip, tokens_per_pod: float) -> Bound:
     params = p.attention + p.mlp
     c, w = chip.peak_flops_per_s("bf16"), chip.scaleout_bytes_per_s
     alpha = c / w
-    pod = "pod" if chip.kind != "gpu" else "NVLink node"
+    pod = "pod" if chip.kind != "gpu" else f"{chip.scaleup_link} node"
     rule = (f"Data parallel between {pod}s of {chip.name} over the data-centre network is compute-bound while "
             f"tokens per {pod} > C / W_network = {_c_over_w(c, w)} = {alpha:,.0f}; here {tokens_per_pod:,.0f}")
     return Bound("dp", 4 * tokens_per_pod * params / c, 4 * params / w, alpha, f"the network between {pod}s", rule)

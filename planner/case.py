@@ -842,10 +842,9 @@ def _check_node(cl: Cluster) -> None:
         raise SpecError("cluster.chips_per_node", f"{cl.chips_per_node} does not divide num_chips={cl.num_chips}: "
                         "a cluster of more than one node is whole nodes; state the chips each node holds")
     if cl.chips_per_node > chip.scaleup_domain:
-        link = "its ICI" if chip.kind == "tpu" else "NVLink" if chip.vendor == "NVIDIA" else "its scale-up links"
         raise SpecError("cluster.chips_per_node", f"{cl.chips_per_node} is more than {chip.name}'s scale-up domain "
-                        f"of {chip.scaleup_domain} chips on {link}; state the chips one node joins, at most "
-                        f"{chip.scaleup_domain}")
+                        f"of {chip.scaleup_domain} chips on {chip.scaleup_link}; state the chips one node joins, at "
+                        f"most {chip.scaleup_domain}")
 
 
 def _check_slices(cl: Cluster) -> None:

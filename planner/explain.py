@@ -25,7 +25,7 @@ def _pct(x: float, total: float) -> str:
 def _link(res: StepResult, n: int, stride: int) -> str:
     if res.chip.kind == "tpu":
         return "ICI" if n * stride <= res.chip.scaleup_domain else "the data-center network"
-    return "NVLink" if n * stride <= res.extra["chips_per_node"] else "the network"
+    return res.chip.scaleup_link if n * stride <= res.extra["chips_per_node"] else "the network"
 
 
 def explain(res: StepResult, best: StepResult | None = None) -> list[str]:

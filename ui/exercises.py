@@ -241,7 +241,7 @@ def axes_leaving_the_domain(mesh, chip: Chip) -> Exercise:
     from planner.costs import crosses_network
 
     domain = chip.scaleup_domain
-    where = "NVLink domain" if chip.kind == "gpu" else "slice"
+    where = f"{chip.scaleup_link} domain" if chip.kind == "gpu" else "slice"
     axes = [a for a in reversed(mesh.names) if mesh.degree(a) > 1]
     leaving = [a for a in axes if crosses_network(mesh.degree(a), mesh.stride(a), chip, domain)]
     worked = [f"A group of n ranks whose members are s ranks apart spans n x s consecutive ranks; it stays in one "

@@ -25,18 +25,24 @@ class Preset:
     mesh: dict[str, int]  # the sidebar's axes (dp, tp, pp, cp, ep)
     zero_stage: int
     source: str
+    global_batch: int | None = None  # sequences per step as published; None: planner.presets.default_global_batch
+    recipe: tuple[tuple[str, object], ...] = ()  # training fields as published (planner.case.Training), as pairs
 
 
 PRESETS = {
     "Llama 3 405B on 16,384 H100": Preset(
         "Llama 3 405B", "h100", {"dp": 128, "tp": 8, "pp": 16, "cp": 1, "ep": 1}, 3,
         "Dubey et al. 2024, *The Llama 3 Herd of Models*, Table 4: TP 8, CP 1, PP 16, DP 128 for 8K-token "
-        "sequences (the 128K-token phase used CP 16 and DP 8); the data-parallel axis shards with FSDP."),
+        "sequences (the 128K-token phase used CP 16 and DP 8), 16M-token batches: 2,048 sequences of 8,192; the "
+        "data-parallel axis shards with FSDP.", global_batch=2048),
     "DeepSeek-V3 on 2,048 H800": Preset(
         "DeepSeek-V3", "h800", {"dp": 2, "tp": 1, "pp": 16, "cp": 1, "ep": 64}, 1,
         "DeepSeek-AI 2024, arXiv 2412.19437, section 3.2: 16-way pipeline, 64-way expert parallel over 8 "
         "nodes, ZeRO-1 data parallel, no tensor parallel. Its 128 data-parallel ranks per stage are ep 64 x "
-        "dp 2 in this guide's mesh (ep ranks are data parallel for the dense layers)."),
+        "dp 2 in this guide's mesh (ep ranks are data parallel for the dense layers). Batch: 15,360 sequences of "
+        "4,096 tokens (section 4.2, after a ramp from 3,072 over the first 469B tokens); FP8 training (section "
+        "3.3) and DualPipe, which hides the all-to-alls under another micro-batch's compute (section 3.2.1).",
+        global_batch=15360, recipe=(("dtype", "fp8"), ("ep_comm_overlap", True))),
     "Llama 3 8B on 64 TPU v5p": Preset(
         "Llama 3 8B", "tpu-v5p", {"dp": 16, "tp": 4, "pp": 1, "cp": 1, "ep": 1}, 3,
         "An example layout, not a published run: FSDP over 16 chips and tensor parallel over 4 neighbours "
@@ -66,7 +72,7 @@ MAX_DRAWN = 64  # ranks drawn in the mesh figure
 def placement(chip: Chip, n: int, stride: int) -> str:
     """Where a group of n ranks `stride` apart runs: inside one scale-up domain, across domains, or both."""
     domain = chip.scaleup_domain
-    inside = "one NVLink domain" if chip.kind == "gpu" else "one slice (ICI)"
+    inside = f"one {chip.scaleup_link} domain" if chip.kind == "gpu" else "one slice (ICI)"
     across = "the network between nodes" if chip.kind == "gpu" else "DCN between slices"
     if n * stride <= domain:
         return inside

@@ -87,10 +87,13 @@ def format_bytes_per_s(bytes_per_s: float) -> str:
     return _decimal(bytes_per_s, "B/s", (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)))
 
 
-def batch_words(seq_len: int, chips: int) -> str:
-    """That batch in words: "134,217,728 tokens per step (16,384 sequences of 8,192: ...)"."""
-    sequences = default_global_batch(seq_len, chips)
+def batch_words(seq_len: int, chips: int, published: int | None = None) -> str:
+    """That batch in words: "134,217,728 tokens per step (16,384 sequences of 8,192: ...)"; `published`: a
+    published run's own batch (sequences), said as such."""
+    sequences = published or default_global_batch(seq_len, chips)
     words = f"{sequences * seq_len:,} tokens per step ({sequences:,} sequences of {seq_len:,}"
-    if sequences * seq_len > 1.5 * TOKENS_PER_BATCH:
+    if published:
+        words += ", as published"
+    elif sequences * seq_len > 1.5 * TOKENS_PER_BATCH:
         words += f": one per chip, more than the planner's usual {TOKENS_PER_BATCH / 2**20:.0f}M tokens"
     return words + ")"

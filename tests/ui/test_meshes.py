@@ -129,11 +129,12 @@ def test_the_page_states_the_real_batch_in_words_and_units():
     at.radio(key="mesh_axis").set_value("pp").run()
     assert not at.exception, [e.value for e in at.exception]
     captions = " ".join(c.value for c in at.caption)
-    # one 8,192-token sequence per chip at least (planner.presets.make_case): 16,384 x 8,192 tokens, not ~4M
-    assert "about 4M" not in captions and "134,217,728 tokens per step (16,384 sequences of 8,192" in captions
+    # the published batch (ui.meshes.Preset.global_batch): Table 4's 16M tokens, 2,048 sequences of 8,192
+    assert "about 4M" not in captions
+    assert "16,777,216 tokens per step (2,048 sequences of 8,192, as published)" in captions
     assert "one colour form one group" not in captions
     text = " ".join(m.value for m in at.markdown)
-    assert "with 134,217,728 tokens per step" in text and not SCIENTIFIC.search(text)
+    assert "with 16,777,216 tokens per step" in text and not SCIENTIFIC.search(text)
     assert not any(SCIENTIFIC.search(v) for v in at.dataframe[0].value["exposed per step"])
 
 
@@ -174,3 +175,26 @@ def test_the_scaled_down_mesh_runs_and_matches_the_reference():
     assert not at.exception, [e.value for e in at.exception]
     assert not at.error, [e.value for e in at.error]
     assert any("matches the single-process reference" in s.value for s in at.success)
+
+
+def test_a_published_layout_is_costed_with_its_own_batch_and_recipe():
+    # DeepSeek-V3 at 2,048 sequences (one per chip) left its 16 pipeline stages 16 micro-batches: a 28 % bubble and
+    # 510 tokens/s a GPU against the report's ~1,540; it ran 15,360 sequences, in FP8, with DualPipe's overlap
+    at = open_app(PAGE)
+    at.selectbox(key="mesh_preset").set_value("DeepSeek-V3 on 2,048 H800").run()
+    at.radio(key="mesh_axis").set_value("ep").run()
+    assert not at.exception, [e.value for e in at.exception]
+    captions = " ".join(c.value for c in at.caption)
+    assert "62,914,560 tokens per step (15,360 sequences of 4,096, as published)" in captions
+    assert "FP8 training" in captions and "DualPipe" in captions
+    from core.mesh import Mesh
+    from planner.api import estimate
+    from planner.case import Cluster, mesh_parallel
+    from planner.models import MODEL_PRESETS
+    from planner.presets import make_case
+    from ui.meshes import PRESETS
+
+    preset, spec = PRESETS["DeepSeek-V3 on 2,048 H800"], MODEL_PRESETS["DeepSeek-V3"]
+    est = estimate(make_case(spec, Cluster("h800", 2048), global_batch=15360, parallel=mesh_parallel(
+        Mesh(preset.mesh), spec), zero_stage=1, dtype="fp8", ep_comm_overlap=True))
+    assert next(m.value for m in at.metric if m.label == "Predicted step time") == f"{est.step_time_s:,.2f} s"
