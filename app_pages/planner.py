@@ -12,6 +12,7 @@ from planner.flops import total_params
 from planner.models import MODEL_PRESETS, SpecError
 from planner.presets import default_global_batch
 from planner.simulate import USABLE_HBM_FRACTION, usable_hbm_bytes
+from planner.timeline import DRAWN
 from ui.charts import breakdown_figure, memory_figure
 from ui.exercises import training_state_chips
 from ui.timeline import timeline_figure
@@ -228,8 +229,8 @@ st.plotly_chart(timeline_figure(timeline, title="Predicted timeline of one step 
 st.caption("One row per kind of work on each stage's chip: forward and backward passes, each collective "
            "(hidden ones overlap the compute rows, exposed ones add to the step), the optimizer and pipeline "
            "bubbles; the same span format as the live engine's measured timelines. Hover a bar for its name, "
-           "timing, micro-batch and, for a collective, its bytes where the planner counts them. With many layers "
-           "each pass is drawn whole, its collectives as one block per kind.")
+           "timing, micro-batch and, for a collective, its bytes where the planner counts them. Drawn here: "
+           f"{DRAWN[timeline.meta['drawn']]}.")
 
 show_exercises([training_state_chips(total_params(spec), spec.name, chip)])
 

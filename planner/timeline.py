@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import replace
 
-from core.timeline import Span, Timeline
+from core.timeline import Span, Timeline, span_kind
 from planner import passes
 from planner.costs import CommOp
 from planner.simulate import ChunkCost, StepResult
@@ -155,6 +155,41 @@ BUSY = "busy (passes, collectives, short waits)"
 # band that looks busy the whole step (TPU v5p, Llama 3 8B, dp 16 tp 4: 512 layer passes, the all-gather
 # row solid though busy 16 % of it)
 MAX_LAYER_PASSES = 400
+
+
+# How much a predicted timeline draws (its meta "drawn"), finest first: every layer and its collectives; each
+# pass as one compute span with one span per collective kind; each pass alone, its collectives left out (over
+# the span budget); every rank's passes folded into busy spans (far over it)
+DRAWN = {"layers": "each layer's forward and backward and each of its collectives",
+         "passes": "each pass (a micro-batch through a pipeline chunk) whole, its collectives as one block per kind",
+         "passes only": "each pass (a micro-batch through a pipeline chunk) as one bar, what its collectives add "
+                        "to it drawn inside it: too many to draw one by one",
+         "busy": "each stage's back-to-back passes as grey busy blocks between its bubbles: far too many passes "
+                 "to draw one by one"}
+# the collectives of the step's end, around the passes (drawn at every level of detail)
+STEP_SYNCS = ("dp gradient", "dp weight", "tied embedding")
+
+
+def _passes_only(spans: list[Span]) -> list[Span]:
+    """Over the span budget, first: each pass as one span of its kind (forward, recomputation, backward), the
+    collectives inside the passes left out (what of them shows is drawn as part of its pass), the bubbles, the
+    data-parallel sync and the optimizer kept."""
+    out: list[Span] = []
+    last: dict[int, Span] = {}
+    for s in sorted(spans, key=lambda s: (s.rank, s.start_s, s.end_s)):
+        prev = last.get(s.rank)
+        if s.lane == "comm" and not s.name.startswith(STEP_SYNCS):
+            if not s.is_async and prev is not None and prev.lane == "compute" and prev.micro_batch == s.micro_batch \
+                    and s.start_s <= prev.end_s + 1e-12:  # exposed: its pass waits for it
+                out[-1] = last[s.rank] = replace(prev, end_s=max(prev.end_s, s.end_s))
+            continue
+        if (prev is not None and s.lane == "compute" and prev.lane == "compute" and s.micro_batch == prev.micro_batch
+                and span_kind(s) == span_kind(prev) and s.start_s <= prev.end_s + 1e-12):
+            out[-1] = last[s.rank] = replace(prev, end_s=max(prev.end_s, s.end_s), flops=prev.flops + s.flops)
+            continue
+        out.append(s)
+        last[s.rank] = s
+    return out
 
 
 def _merge_busy(spans: list[Span], min_idle_s: float) -> list[Span]:
@@ -287,6 +322,11 @@ def predicted_timeline(res: StepResult, max_spans: int = 20000, max_layer_passes
         if tail.end_s < pipe_end:
             spans.append(Span(rank_of[r], "idle", "wait", tail.end_s, pipe_end))
     coarse = folding or len(spans) > max_spans
+    drawn = "busy" if folding else "layers" if detailed else "passes"  # the level of detail (DRAWN)
+    if len(spans) > max_spans:
+        spans, drawn = _passes_only(spans), "passes only"
+    if len(spans) > max_spans:
+        drawn = "busy"
     while len(spans) > max_spans:
         # an idle gap under half of one span's share of the step would not show: fold it in (and longer ones,
         # doubling, until the spans fit the budget: a browser stalls for minutes on a chart of 200k bars)
@@ -298,7 +338,7 @@ def predicted_timeline(res: StepResult, max_spans: int = 20000, max_layer_passes
         "case": res.case.name, "chip": res.chip.key, "schedule": lay.pp_schedule, "pp": p,
         "virtual_stages": v,
         "micro_batches": m, "ranks": "one chip per pipeline stage (tp/cp/dp rank 0)",
-        "analytic_step_s": res.step_time_s, "detailed": detailed, "merged": coarse,
+        "analytic_step_s": res.step_time_s, "detailed": detailed, "merged": coarse, "drawn": drawn,
     })
     tl.meta["simulated_step_s"] = tl.end_s
     return tl

@@ -5,6 +5,7 @@ import pytest
 from planner import passes
 from planner.api import estimate
 from planner.case import Cluster, Layout, Parallel
+from planner.models import MODEL_PRESETS
 from planner.simulate import BREAKDOWN_KEYS, ChunkCost, StageCost, pipeline_time_s, simulate
 from planner.timeline import predicted_timeline
 
@@ -340,3 +341,25 @@ def test_a_timeline_of_thousands_of_micro_batches_stays_within_its_span_budget()
         busy = [(s.start_s, s.end_s) for s in tl.spans if s.rank == rank and s.lane == "compute"]
         for idle in (s for s in tl.spans if s.rank == rank and s.lane == "idle"):
             assert all(idle.end_s <= a + 1e-9 or idle.start_s >= b - 1e-9 for a, b in busy)
+
+
+def test_over_the_budget_each_pass_is_drawn_whole_before_anything_folds_into_busy_spans():
+    """A page reviewer's: Llama 3 405B on 1,024 MI300X (dp 16, tp 8, pp 8, v 5, 64 micro-batches) drew only grey
+    "busy" blocks, its 5,120 passes and their collectives being over the 20,000-span budget: each pass is now one
+    span of its kind, what its collectives add drawn inside it."""
+    from collections import Counter
+
+    from core.timeline import span_kind
+    from planner.presets import default_global_batch, make_case
+    from planner.timeline import DRAWN
+
+    spec = MODEL_PRESETS["Llama 3 405B"]
+    est = estimate(make_case(spec, Cluster("mi300x", 1024), default_global_batch(spec.seq_len, 1024, 2 ** 22),
+                             Parallel(dp=16, tp=8, pp=8, cp=1, ep=1)))
+    tl = est.timeline
+    kinds = Counter(span_kind(s) for s in tl.spans)
+    passes = 2 * est.result.micro_batches * est.layout.virtual_stages * est.layout.pp
+    assert tl.meta["drawn"] == "passes only" and tl.meta["drawn"] in DRAWN
+    assert kinds["forward"] + kinds["backward"] == passes and len(tl.spans) <= 20000
+    assert tl.end_s == pytest.approx(est.step_time_s)
+    assert not [s for s in tl.spans if s.lane == "comm" and s.group in ("tp", "pp")]
