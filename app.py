@@ -15,6 +15,7 @@ from hardware.chips import CHIPS
 from planner.models import DEFAULT_MODEL, MODEL_PRESETS
 from ui.lessons import LESSONS, page_params
 from ui.state import DEFAULT_MESH, MAX_AXIS_DEGREE, MESH_AXES, MESH_AXIS_HELP, Choices, non_finite_params, parse_choices
+from ui.tables import count
 
 DEFAULT_CHIP = "h100"
 
@@ -64,7 +65,7 @@ with st.sidebar:
         else:
             st.query_params[axis] = str(int(mesh[axis]))
     choices = Choices(model, chip, {axis: int(d) for axis, d in mesh.items()})
-    st.caption(f"{choices.mesh_label()} = **{choices.num_chips:,} chips** of {CHIPS[chip].name}")
+    st.caption(f"{choices.mesh_label()} = **{count(choices.num_chips, 'chip')}** of {CHIPS[chip].name}")
     for problem in st.session_state["link_problems"]:
         st.warning(problem, icon=":material/link_off:")
     if st.session_state["link_problems"] and st.button("Dismiss link messages"):

@@ -28,7 +28,7 @@ from ui.context_parallel import (
     seq_label,
 )
 from ui.exercises import ring_hiding_shard, ring_kv_held
-from ui.tables import format_bytes, format_flops, format_seconds
+from ui.tables import count, format_bytes, format_flops, format_seconds
 
 
 def live_config(world: int, seq_len: int, variant: str, steps: int = 1):
@@ -192,7 +192,7 @@ else:
 st.markdown(
     f"""
 For {spec.name} (H = {spec.heads}, H_kv = {spec.kv_heads}, d = {spec.head_dim_}) on {chip.name}, B = 1,
-S = {seq_label(seq_len)}, cp = **{cp}** (group: {row['topology']}; members {stride} ranks apart, past the
+S = {seq_label(seq_len)}, cp = **{cp}** (group: {row['topology']}; members {count(stride, 'rank')} apart, past the
 ep x tp ranks inside each, whole heads on each): each rank holds S/cp = **{shard:,}** tokens, a K/V block is
 **{format_bytes(row['kv_block_bytes'])}** and takes **{format_seconds(row['transfer_s'])}** to pass on
 (α {format_seconds(row['alpha_s'])} + T_fill {format_seconds(row['fill_s'])} + bytes/W

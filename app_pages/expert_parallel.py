@@ -26,7 +26,7 @@ from ui.expert_parallel import (
     placement_figure,
     simulate_routing,
 )
-from ui.tables import format_bytes, format_seconds
+from ui.tables import count, format_bytes, format_seconds
 
 choices = st.session_state["choices"]
 chip = CHIPS[choices.chip]
@@ -96,7 +96,7 @@ model_ep = st.select_slider("Expert-parallel degree ep for this model", ep_choic
                             key="ep_model_degree", help="The sidebar's ep sets the starting value.")
 st.plotly_chart(placement_figure(spec.experts, model_ep), key="ep_placement")
 expert_gb = spec.experts // model_ep * nums["per_expert"] * spec.moe_layers * 2 / 1e9
-st.caption(f"{spec.name} at ep = {model_ep}: each chip holds {spec.experts // model_ep} experts per MoE "
+st.caption(f"{spec.name} at ep = {model_ep}: each chip holds {count(spec.experts // model_ep, 'expert')} per MoE "
            f"layer, {expert_gb:,.1f} GB of expert weights in bf16 over all {spec.moe_layers} MoE layers "
            f"(against {chip.hbm_bytes / 1e9:.0f} GB of HBM on {chip.name}).")
 

@@ -131,8 +131,14 @@ if cost.bound == "memory":
                 f"compute-bound on {chip.name}: the weights are too small to be reused enough. "
                 "Make D and F larger.")
     else:
-        st.info(f"Batch at least **{needed:,} tokens** to cross the ridge on {chip.name}. This is why "
-                "training uses large batches per chip, and why decoding one token at a time is memory-bound.")
+        lo, hi = needed // 2, needed  # the smallest batch that is compute-bound lies in (lo, hi]: bisect
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if matmul_cost(mid, d_model, d_ff, dtype, chip, achievable=achievable).bound == \
+                "compute" else (mid, hi)
+        st.info(f"Batch at least **{hi:,} tokens** ({needed:,} in the powers of two the slider steps through) to "
+                f"cross the ridge on {chip.name}. This is why training uses large batches per chip, and why "
+                "decoding one token at a time is memory-bound.")
 
 st.subheader("Spec versus achievable")
 st.markdown(

@@ -1,6 +1,7 @@
 """Lesson: putting it together, N-D meshes: how real runs combine the strategies, how each axis lands on the
 hardware, what the planner predicts for the layout, and the same mesh scaled down and run for real."""
 
+import pandas
 import streamlit as st
 
 from app_pages.exercise_panel import show_exercises
@@ -100,7 +101,8 @@ else:
     axis = st.radio("Draw the groups of", shown_axes, horizontal=True, key="mesh_axis")
     st.plotly_chart(mesh_figure(mesh, chip, axis), key="mesh_groups")
     st.caption(mesh_caption(mesh, axis))
-    st.dataframe(rows, hide_index=True, width="stretch")
+    # a table, not a data grid: its long "moves" and "links" texts wrap instead of being cut; the axis names rows
+    st.table(pandas.DataFrame(rows).set_index("axis"))
     st.caption("members apart: the stride, the product of the degrees of the axes inside this one "
                "(core/mesh.py). sent per step: what one chip of the first pipeline stage sends over the axis "
                "in one optimizer step, ring algorithms (an all-reduce sends 2(n-1)/n of its array); dp and "
@@ -138,7 +140,9 @@ Both split the {chips:,} chips of one pipeline stage, and they move different th
 reduce-scattered out of every layer). Splitting the chips as X-way FSDP x Y-way TP (X · Y = {chips:,}), the
 weights each chip gathers shrink as Y grows and the activations it moves shrink as X grows, so their sum
 has a minimum (the scaling book, Part 5). For {spec.name} with {tokens:,} tokens per step on {chip.name},
-per layer's forward:
+per layer's forward, counted as the scaling book counts it: the MLP's two matmuls of D = {spec.hidden:,} by
+F = {(spec.dense_ffn_ if spec.is_moe else spec.ffn):,}, the most communication per FLOP of the layer{
+" (a dense MLP's width: the experts' own all-to-all is the expert-parallel page's)" if spec.is_moe else ""}:
 """
 )
 trade = fsdp_tp_tradeoff(spec, chip, tokens, chips)

@@ -93,7 +93,8 @@ def explain(res: StepResult, best: StepResult | None = None) -> list[str]:
           "dots": ("Matmul outputs kept, everything else recomputed (JAX's checkpoint_dots_with_no_batch_dims: "
                    "norms, activations and the attention core run again)"),
           "full": ("Full recomputation: only layer inputs are kept" if lay.recompute_layers is None else
-                   f"Full recomputation of the first {lay.recompute_layers} layer(s)"
+                   f"Full recomputation of the first {lay.recompute_layers} "
+                   f"layer{'s' if lay.recompute_layers > 1 else ''}"
                    f"{'' if lay.one_chunk else ' of each chunk'} (only their inputs kept); "
                    "the others keep everything")}[lay.recompute]
     usable = usable_hbm_bytes(res.chip)

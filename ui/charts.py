@@ -118,7 +118,8 @@ def memory_figure(mem: dict[str, float], hbm_bytes: float, title: str = "Memory 
     line = {"color": "black", "dash": "dash", "width": 2}
     fig.add_vline(x=usable, line=line)
     fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", line=line, name=f"usable HBM ({usable:,.1f} GB)"))
-    fig.update_layout(barmode="stack", height=260, xaxis_title="GB", title=title,
-                      margin={"l": 10, "r": 10, "t": 50, "b": 10}, legend={"orientation": "h", "y": -0.4},
+    fig.update_layout(barmode="stack", height=280, xaxis_title="GB", title=title,
+                      margin={"l": 10, "r": 10, "t": 50, "b": 10},
+                      legend={"orientation": "h", "y": -0.55, "yanchor": "top"},  # below the axis title
                       xaxis={"range": [0, 1.08 * max(usable, sum(mem[k] for k in parts) / 1e9)]})
     return fig

@@ -640,6 +640,8 @@ def calibration_rows(cal) -> list[dict]:
                      "timed": ("posting its isend (the sender is held), in the engine's own pipeline"
                                if pipeline_post else _timed_as(mode, fit.gap_s)),
                      "α (per operation)": format_seconds(fit.alpha_s),
-                     "β (ns per byte)": round(fit.beta_s_per_byte * 1e9, 3),
+                     # a fit at 0: the time did not grow with the message size, within the timing's noise
+                     "β (ns per byte)": f"{fit.beta_s_per_byte * 1e9:.3f}" if fit.beta_s_per_byte > 0 else
+                     "~0 (not seen: size made no difference)",
                      "CPU busy": "not timed" if pipeline_post else f"{fit.cpu_fraction:.0%}"})
     return rows

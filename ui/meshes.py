@@ -216,11 +216,12 @@ def tradeoff_figure(t: FsdpTpTradeoff) -> go.Figure:
     the activations TP moves, their sum against the math, and the optimum X_opt marked."""
     x = [r.fsdp for r in t.rows]
     fig = go.Figure()
-    series = [("FSDP: weights all-gathered", [r.fsdp_s for r in t.rows], KIND_COLORS["all_gather"], "solid"),
-              ("TP: activations gathered and reduce-scattered", [r.tp_s for r in t.rows],
+    series = [("FSDP: the MLP's weights all-gathered", [r.fsdp_s for r in t.rows], KIND_COLORS["all_gather"], "solid"),
+              ("TP: its activations gathered and reduce-scattered", [r.tp_s for r in t.rows],
                KIND_COLORS["all_reduce"], "solid"),
               ("communication, both", [r.comm_s for r in t.rows], KIND_COLORS["send/recv"], "dash"),
-              ("the math it can hide under", [r.math_s for r in t.rows], KIND_COLORS["forward"], "dot")]
+              ("the MLP's two matmuls (the math to hide under)", [r.math_s for r in t.rows], KIND_COLORS["forward"],
+               "dot")]
     for name, ys, color, dash in series:
         # nothing to move (no FSDP at X = 1, no TP at Y = 1) has no place on a log axis: a gap
         fig.add_trace(go.Scatter(x=x, y=[v * 1e6 if v > 0 else None for v in ys], name=name, mode="lines+markers",

@@ -198,8 +198,9 @@ def in_flight_figure(sims: dict[str, Simulation], chosen: str) -> go.Figure:
         held = held_micro_batches(sim)
         fig.add_trace(go.Bar(
             x=[_rank_label(r) for r in range(len(held))], y=held, name=SCHEDULE_LABELS[name],
-            marker_color=SCHEDULE_COLORS[name], opacity=1.0 if name == chosen else 0.35,
-            text=[f"{h:g}" for h in held], textposition="outside",
+            # the bars faded, not their numbers: a trace's opacity would fade its labels too
+            marker={"color": SCHEDULE_COLORS[name], "opacity": 1.0 if name == chosen else 0.35},
+            text=[f"{h:g}" for h in held], textposition="outside", textfont={"color": "#333"},
             hovertemplate=f"{SCHEDULE_LABELS[name]}, %{{x}}: %{{y:g}} micro-batches<extra></extra>",
         ))
     fig.update_layout(barmode="group", height=340, yaxis_title="micro-batches of activations held (peak)",

@@ -47,6 +47,11 @@ def chip_table_rows(chips: Iterable) -> list[dict]:
     return rows
 
 
+def count(n: int, noun: str) -> str:
+    """A count with its noun, singular for one: "1 chip", "8 chips"."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
 def format_bytes(nbytes: float) -> str:
     """Binary units, as array sizes are usually quoted: 32 MiB, 1.5 GiB."""
     for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):

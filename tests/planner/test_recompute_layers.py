@@ -64,10 +64,10 @@ def test_stated_layers_make_recompute_full_and_reach_the_layout_and_the_words():
     assert case.training.recompute == "full" and case.training.recompute_layers == 2
     est = estimate(case)
     assert est.layout.recompute_layers == 2
-    assert any("first 2 layer(s) (only their inputs kept)" in line for line in est.explanation)
+    assert any("first 2 layers (only their inputs kept)" in line for line in est.explanation)
     assert est.layout.recompute_label == "full (2 layers)"  # one chunk: the model
     piped = estimate(_case(recompute_layers=1, pp=2, v=2))
-    assert any("first 1 layer(s) of each chunk" in line for line in piped.explanation)
+    assert any("first 1 layer of each chunk" in line for line in piped.explanation)
     assert piped.layout.recompute_label == "full (1 layer a chunk)"
 
 

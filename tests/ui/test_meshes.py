@@ -94,8 +94,8 @@ def test_the_group_picture_and_its_caption_agree():
 def test_the_tradeoff_chart_marks_x_opt_and_leaves_gaps_where_nothing_moves():
     t = fsdp_tp_tradeoff(MODEL_PRESETS["Llama 3 70B"], CHIPS["tpu-v5p"], 48000, 64)  # X_opt = 14.6
     fig = tradeoff_figure(t)
-    assert [tr.name for tr in fig.data][:2] == ["FSDP: weights all-gathered",
-                                                 "TP: activations gathered and reduce-scattered"]
+    assert [tr.name for tr in fig.data][:2] == ["FSDP: the MLP's weights all-gathered",
+                                                 "TP: its activations gathered and reduce-scattered"]
     assert fig.data[0].y[0] is None and fig.data[1].y[-1] is None  # X = 1 gathers no weights, Y = 1 no activations
     (line,) = fig.layout.shapes
     assert 10 ** line.x0 == pytest.approx(t.x_opt)  # placed in log10 units on the log axis
@@ -109,8 +109,8 @@ def test_the_axis_table_shows_the_bytes_each_axis_carries_per_step():
 def test_the_page_shows_the_sidebar_mesh_and_the_presets():
     at = open_app(PAGE, model="Llama 3 8B", chip="h100", dp="4", tp="2")
     assert not at.exception, [e.value for e in at.exception]
-    table = at.dataframe[0].value
-    assert list(table["axis"]) == ["tp", "dp"]
+    table = at.table[0].value
+    assert list(table.index) == ["tp", "dp"]
     assert all(v.endswith("B") for v in table["sent per step, per chip"])
     assert any("FSDP + tensor parallel of Llama 3 8B" in m.value for m in at.markdown)
     for name in PRESETS:
@@ -135,7 +135,7 @@ def test_the_page_states_the_real_batch_in_words_and_units():
     assert "one colour form one group" not in captions
     text = " ".join(m.value for m in at.markdown)
     assert "with 16,777,216 tokens per step" in text and not SCIENTIFIC.search(text)
-    assert not any(SCIENTIFIC.search(v) for v in at.dataframe[0].value["exposed per step"])
+    assert not any(SCIENTIFIC.search(v) for v in at.table[0].value["exposed per step"])
 
 
 def test_apply_loads_the_preset_into_the_sidebar():

@@ -125,7 +125,7 @@ def test_activations_held_1f1b_against_gpipe():
     assert held["1f1b"] == [4, 3, 2, 1]
     assert held["interleaved-1f1b"] == [5.5, 4.5, 3.5, 2.5]  # (micro-batch, chunk) pairs / v
     fig = in_flight_figure({n: simulate_schedule(n, 4, 8, 2, EQUAL) for n in held}, "1f1b")
-    assert [t.opacity for t in fig.data] == [0.35, 1.0, 0.35]
+    assert [t.marker.opacity for t in fig.data] == [0.35, 1.0, 0.35]  # the bars faded, not their numbers
     assert list(fig.data[1].y) == [4, 3, 2, 1]
 
 
