@@ -263,7 +263,8 @@ def _show_run(key: str, run: LiveRun) -> None:
     st.markdown("Each rank over the whole run, and the bytes it sent: "
                 + ("its one step, a warm-up" if steps == 1 else f"all {steps} steps, the slower warm-up (step 0)")
                 + " included, where the first calls run and the optimizer's state is allocated.")
-    st.dataframe(lane_summary(run.timeline), hide_index=True, width="stretch")
+    st.dataframe(lane_summary(run.timeline), hide_index=True, width="stretch",
+                 column_config={"comm bytes": st.column_config.NumberColumn(format="localized")})  # 1,824,000
     st.markdown("Run it again from a terminal:")
     st.code(command_line(run.cfg), language="bash")
     st.download_button("Download the trace (open it in ui.perfetto.dev or chrome://tracing)",

@@ -363,3 +363,13 @@ def test_over_the_budget_each_pass_is_drawn_whole_before_anything_folds_into_bus
     assert kinds["forward"] + kinds["backward"] == passes and len(tl.spans) <= 20000
     assert tl.end_s == pytest.approx(est.step_time_s)
     assert not [s for s in tl.spans if s.lane == "comm" and s.group in ("tp", "pp")]
+
+
+def test_the_kv_ring_is_drawn_as_the_point_to_point_sends_it_is():
+    # a page reviewer's: the planner's K/V ring came out as "other comm", where the live engine's ring is send/recv
+    from core.timeline import span_kind
+    from planner.presets import make_case
+
+    est = estimate(make_case("Llama 3 8B", Cluster("h100", 16, 8), 16, Parallel(dp=2, tp=1, pp=1, cp=8, ep=1)))
+    cp = [s for s in est.timeline.spans if s.group == "cp"]
+    assert cp and {span_kind(s) for s in cp} == {"send/recv"}
