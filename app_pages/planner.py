@@ -19,6 +19,7 @@ from ui.timeline import timeline_figure
 
 TOKENS_PER_BATCH = [2**i for i in range(19, 26)]  # 0.5M .. 32M tokens
 MAX_ANIMATED_SPANS = 3000  # above this the browser struggles to animate; the chart is drawn still
+SAME_STEP = 0.0005  # a recipe value that moves the step by less is listed as making no difference
 
 choices = st.session_state["choices"]
 chip = CHIPS[choices.chip]
@@ -208,10 +209,15 @@ if found:
         def word(value):  # a flag as the pages say it
             return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else str(value)
 
+        moving = [a for a in found if abs(a.change) >= SAME_STEP]
         st.dataframe([{"field": a.field.removeprefix("training."), "assumed": word(a.assumed),
                        "instead": word(a.alternative), "step instead, s": round(a.step_time_s, 3),
-                       "change": f"{a.change:+.1%}", "fits": "yes" if a.fits else "no"} for a in found],
+                       "change": f"{a.change:+.1%}", "fits": "yes" if a.fits else "no"} for a in moving],
                      hide_index=True, width="stretch")
+        idle = sorted({a.field.removeprefix("training.") for a in found if abs(a.change) < SAME_STEP}
+                      - {a.field.removeprefix("training.") for a in moving})
+        if idle:
+            st.caption(f"Making no difference to this step (under {SAME_STEP:.2%}): {', '.join(idle)}.")
 
 st.subheader("Why it costs what it does")
 st.markdown("\n".join(f"- {line}" for line in est.explanation))

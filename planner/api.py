@@ -70,6 +70,8 @@ def chosen_fields(case: Case, res: StepResult) -> dict:
                 continue  # only fp8 GEMMs cast their operands
             if name == "ssm_cp" and not case.model.has_ssm:
                 continue  # only Mamba-2 layers have the choice
+            if name == "attention" and not case.model.attention_layers:
+                continue  # a model of Mamba-2 layers alone runs no attention kernel
             if name in ("schedule_runs", "pp_p2p") and res.layout.pp == 1:
                 continue  # without pipeline stages the runs are the same micro-batches, and nothing is sent
             if name == "recompute_layers" and res.layout.recompute_layers is None:

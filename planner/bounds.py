@@ -63,7 +63,7 @@ def group_bandwidth(chip: Chip, n: int, stride: int, chips_per_node: int | None 
         return 2 * chip.scaleup_bytes_per_s, "one ICI axis (two links each way)"
     node = chips_per_node or chip.scaleup_domain
     if n * stride <= node:
-        return chip.scaleup_bytes_per_s, f"NVLink inside a node of {node}"
+        return chip.scaleup_bytes_per_s, f"{chip.scaleup_link} inside a node of {node}"
     if hierarchical:
         return chip.scaleout_bytes_per_s * node, f"the network between nodes ({node} NICs per node)"
     return chip.scaleout_bytes_per_s, "the network between nodes (each GPU's own NIC)"

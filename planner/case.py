@@ -583,9 +583,6 @@ def parse_case(data) -> Case:
     if net is not None and (isinstance(net, bool) or not isinstance(net, (int, float)) or not 1e6 <= net < math.inf):
         raise SpecError("cluster.network_bytes_per_s", f"must be a finite number of bytes/s per chip, at least 1e6 "
                         f"(e.g. 50e9 for 400 Gb/s), or null, got {net!r}")
-    if _int(c, "num_chips", "cluster", required=True, nullable=False) > MAX_NUM_CHIPS:
-        raise SpecError("cluster.num_chips", f"{c['num_chips']:,} is more than the {MAX_NUM_CHIPS:,} chips the planner "
-                        "models (the largest clusters built hold a few hundred thousand); use fewer chips")
     cluster = Cluster(c["chip"], _int(c, "num_chips", "cluster", required=True, nullable=False),
                       _int(c, "chips_per_node", "cluster", required=False), None if net is None else float(net),
                       _int(c, "slices", "cluster", required=False))
@@ -640,7 +637,9 @@ def _with_pp_layout(parallel: Parallel, text, model: ModelSpec) -> Parallel:
     if not parallel.pp:
         raise SpecError("parallel.pp_layout", "needs parallel.pp: the layout's chunks are dealt over the stages")
     try:
-        expanded = expand_layout(text, limit=2 * (model.layers + model.mtp_layers + 2))
+        # a piece (E, t, m, L) per letter, and a | per chunk: at most one chunk per piece on each of pp stages, as
+        # empty chunks may pad a stage's virtual stages
+        expanded = expand_layout(text, limit=(model.layers + model.mtp_layers + 2) * (parallel.pp + 1))
         chunks = tuple(expanded.split("|"))
         check_layout(chunks, model.layers, model.mtp_layers, parallel.pp)
     except ValueError as e:
@@ -708,6 +707,9 @@ MAX_LOGIT_METRICS = 16
 def check_fixed(case: Case) -> None:
     """Divisibility checks on the fields the case fixes, each naming the field to change."""
     m, p, n, t = case.model, case.parallel, case.cluster.num_chips, case.training
+    if n > MAX_NUM_CHIPS:  # before anything walks the chips' divisors (planner.costs.tpu_slices)
+        raise SpecError("cluster.num_chips", f"{n:,} is more than the {MAX_NUM_CHIPS:,} chips the planner models (the "
+                        "largest clusters built hold a few hundred thousand); use fewer chips")
     if t.global_batch > MAX_GLOBAL_BATCH:
         raise SpecError("training.global_batch", f"{t.global_batch:,} sequences is more than the {MAX_GLOBAL_BATCH:,} "
                         "the planner models (the largest published batch is 65,536; a step takes at least one "
@@ -894,25 +896,31 @@ def recipe(t: Training, chip, m: ModelSpec) -> dict:
     out["grad_reduce_in_fp32"] = grads_in_fp32(t)
     if out["fsdp_impl"] is None:
         out["fsdp_impl"] = "in-place" if chip.kind == "tpu" else "fsdp2"
-    if out["attention"] == "flash3" and chip.flash3_efficiency is None:
-        raise SpecError("training.attention", f"{chip.name} has no FlashAttention-3-class kernel; use \"flash\"")
-    if out["attention"] == "flash-triton" and chip.kind != "gpu":
-        raise SpecError("training.attention", f"{chip.name} is not a GPU: FlashAttention in Triton runs on GPUs; "
-                        "use \"flash\"")
+    for name in ("attention", "ep_dispatch", "fsdp_impl"):
+        why = recipe_refusal(name, out[name], chip)
+        if why:
+            raise SpecError(f"training.{name}", why)
     return out
 
 
+def recipe_refusal(name: str, value, chip) -> str | None:
+    """Why `chip` cannot run recipe field `name` at `value` (what to use instead), or None: the one rule both the
+    case's checks (`recipe`) and the values the planner tries (`recipe_choices`) read."""
+    if name == "attention" and value == "flash3" and chip.flash3_efficiency is None:
+        return f"{chip.name} has no FlashAttention-3-class kernel; use \"flash\""
+    if name == "attention" and value == "flash-triton" and chip.kind != "gpu":
+        return f"{chip.name} is not a GPU: FlashAttention in Triton runs on GPUs; use \"flash\""
+    if name == "ep_dispatch" and value == "deepep" and not (chip.kind == "gpu" and chip.vendor == "NVIDIA"):
+        return (f"DeepEP runs on NVIDIA GPUs (NVSHMEM over NVLink and InfiniBand), not {chip.name}: use "
+                "\"all_to_all\"")
+    if name == "fsdp_impl" and value in ("fsdp1", "fsdp2") and chip.kind == "tpu":
+        return f"PyTorch's FSDP runs on GPUs; XLA on {chip.name} gathers and reduces in place: use \"in-place\""
+    return None
+
+
 def recipe_choices(name: str, chip) -> tuple:
-    """The values recipe field `name` can take on `chip` (RECIPE_CHOICES): on a TPU, XLA's kernels and
-    collectives only (no FlashAttention-3-class or Triton kernels, no DeepEP, no PyTorch FSDP); FlashAttention-3
-    where the chip has such a kernel."""
-    values = RECIPE_CHOICES.get(name, ())
-    if name == "attention":
-        return tuple(v for v in values if (v != "flash3" or chip.flash3_efficiency is not None)
-                     and (v != "flash-triton" or chip.kind == "gpu"))
-    if chip.kind != "gpu" and name in ("ep_dispatch", "fsdp_impl", "fsdp_backward_prefetch"):
-        return {"ep_dispatch": ("all_to_all",), "fsdp_impl": ("in-place",), "fsdp_backward_prefetch": ("pre",)}[name]
-    return values
+    """The values recipe field `name` can take on `chip` (RECIPE_CHOICES less what `recipe_refusal` refuses)."""
+    return tuple(v for v in RECIPE_CHOICES.get(name, ()) if not recipe_refusal(name, v, chip))
 
 
 def ssm_tp_ok(m: ModelSpec, tp: int) -> bool:

@@ -50,16 +50,16 @@ def holds_untied_head(m, chunks) -> bool:
 
 def expand_layout(text: str, limit: int | None = None) -> str:
     """The layout with every repetition written out, e.g. "E|(tt|)*2L" -> "E|tt|tt|L"; raises ValueError
-    saying what is wrong. `limit`: the most characters a layout of the model can have (a letter and a | for
-    each piece); a repeat that would write out more is refused before it is written."""
+    saying what is wrong. `limit`: the most characters a layout of the model can have; a repeat that would write
+    out more is refused before it is written, and so is a layout written out that long."""
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"must be a non-empty string such as \"Et|(tt|)*30mL\", got {text!r}")
     out = text.replace(",", "").replace(" ", "")
+    too_long = f"into more than the {limit} characters a layout of this model can have: check the repeat counts"
 
     def repeat(g):
         if limit is not None and len(g.group(1)) * int(g.group(2)) > limit:
-            raise ValueError(f"repeats {g.group(0)!r} into more than the {limit} characters a layout of this model "
-                             "can have (one letter and one | per piece): check the repeat counts")
+            raise ValueError(f"repeats {g.group(0)!r} {too_long}")
         return g.group(1) * int(g.group(2))
 
     while True:
@@ -67,10 +67,11 @@ def expand_layout(text: str, limit: int | None = None) -> str:
         if expanded == out:
             break
         if limit is not None and len(expanded) > limit:
-            raise ValueError(f"writes out to more than the {limit} characters a layout of this model can have (one "
-                             "letter and one | per piece): check the repeat counts")
+            raise ValueError(f"writes out {too_long}")
         out = expanded
     out = _LETTER.sub(repeat, out)
+    if limit is not None and len(out) > limit:
+        raise ValueError(f"writes out {too_long}")
     bad = sorted(set(out) - set(LAYOUT_PIECES + "|"))
     if bad:
         raise ValueError(f"has {bad} after expanding repeats; use E (embedding), t (decoder layer), m (MTP "

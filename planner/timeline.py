@@ -181,8 +181,10 @@ def _passes_only(spans: list[Span]) -> list[Span]:
     for s in sorted(spans, key=lambda s: (s.rank, s.start_s, s.end_s)):
         prev = last.get(s.rank)
         if s.lane == "comm" and not s.name.startswith(STEP_SYNCS):
-            if not s.is_async and prev is not None and prev.lane == "compute" and prev.micro_batch == s.micro_batch \
-                    and s.start_s <= prev.end_s + 1e-12:  # exposed: its pass waits for it
+            # what of it runs past the pass's compute is exposed (a collective partly hidden too, and the pass's
+            # pipeline send): its pass waits for it, so the bar runs to its end
+            if prev is not None and prev.lane == "compute" and prev.micro_batch == s.micro_batch \
+                    and s.start_s <= prev.end_s + 1e-12:
                 out[-1] = last[s.rank] = replace(prev, end_s=max(prev.end_s, s.end_s))
             continue
         if (prev is not None and s.lane == "compute" and prev.lane == "compute" and s.micro_batch == prev.micro_batch

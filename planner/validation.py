@@ -61,9 +61,10 @@ class ValidationRow:
         return (self.predicted_s - self.published_s) / self.published_s
 
     @property
-    def within_band(self) -> bool:
-        """Whether the published step lies within the steps the run's unstated recipe fields span (`band_s`)."""
-        return self.band_s[0] <= self.published_s <= self.band_s[1]
+    def within_band(self) -> bool | None:
+        """Whether the published step lies within the steps the run's unstated recipe fields span (`band_s`); None
+        where the row was validated without them."""
+        return None if self.band_s is None else self.band_s[0] <= self.published_s <= self.band_s[1]
 
 
 # Dubey et al. 2024 (Llama 3), Table 4: Llama 3 405B on H100s, TP 8, PP 16, 16M-token batches, BF16 MFU.

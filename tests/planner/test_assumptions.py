@@ -114,3 +114,27 @@ def test_the_cli_estimate_carries_the_assumptions_and_the_band(tmp_path, capsys)
     assert out["assumptions"] and all(set(a) == {"field", "assumed", "alternative", "step_time_s", "change", "fits"}
                                       for a in out["assumptions"])
     assert {a["field"] for a in out["assumptions"]} >= {"training.fusion", "training.grad_reduce_overlap"}
+
+
+def test_what_a_chip_cannot_run_is_refused_where_stated_and_never_offered():
+    # one rule (planner.case.recipe_refusal) for the case's checks and the values tried: a reviewer found a TPU case
+    # stating PyTorch's FSDP accepted while the table offered only XLA's in-place, and DeepEP offered on MI300X
+    from planner.models import SpecError
+
+    assert recipe_choices("ep_dispatch", get_chip("mi300x")) == ("all_to_all",)
+    case = json.loads(json.dumps(HELD["maxtext-v5p-128b-256chips"]))
+    case["training"]["fsdp_impl"] = "fsdp2"
+    with pytest.raises(SpecError, match="training.fsdp_impl"):
+        estimate(case)
+
+
+def test_a_model_without_attention_layers_has_no_attention_kernel_to_assume():
+    # a reviewer's: a pure Mamba-2 model was offered three attention kernels, each "+0.0 %"
+    from planner.case import Cluster
+    from planner.models import SSM_PRESETS
+    from planner.presets import make_case
+
+    name = next(k for k, m in SSM_PRESETS.items() if not m.attention_layers)
+    est = estimate(make_case(name, Cluster("h100", 8), 64))
+    assert "attention" not in est.chosen["training"]
+    assert not [a for a in assumptions(est.result.case, est) if a.field == "training.attention"]

@@ -138,8 +138,9 @@ def test_the_page_says_what_each_unstated_recipe_field_is_worth():
     case = make_case(spec, Cluster("h100", 64), global_batch=default_global_batch(spec.seq_len, 64, 2**22),
                      parallel=Parallel(dp=8, tp=8, pp=1, cp=1, ep=1))
     found = assumptions(case, estimate(case))
-    assert list(table["field"]) == [a.field.removeprefix("training.") for a in found]
-    assert list(table["change"]) == [f"{a.change:+.1%}" for a in found]
+    moving = [a for a in found if abs(a.change) >= 0.0005]  # the rest: "making no difference", in a caption
+    assert list(table["field"]) == [a.field.removeprefix("training.") for a in moving]
+    assert list(table["change"]) == [f"{a.change:+.1%}" for a in moving]
     assert "one at a time on this same layout" in worth.markdown[0].value
     # the trust section counts the held-out runs whose published step the unstated fields' span holds
     trust = next(e for e in at.expander if e.label == "How far to trust these numbers")
