@@ -126,8 +126,8 @@ sim_experts = c2.select_slider("Experts E", [4, 6, 8, 16, 32, 64, 128, 256], val
                                key="ep_experts", bind="query-params")
 sim_k = c3.select_slider("Top k", [1, 2, 4, 8], value=2, key="ep_top_k", bind="query-params")
 c4, c5, c6 = st.columns(3)
-sim_ep = c4.select_slider("Expert-parallel degree ep", [1, 2, 4, 8, 16, 32], value=4, key="ep_degree",
-                          bind="query-params")
+sim_ep = c4.select_slider("Expert-parallel degree ep of the simulated layer", [1, 2, 4, 8, 16, 32], value=4,
+                          key="ep_degree", bind="query-params")
 sim_c = c5.select_slider("Capacity factor C", ["0.5", "0.75", "1.0", "1.25", "1.5", "2.0", "none"],
                          value="1.25", key="ep_capacity", bind="query-params",
                          help="none: no limit, no token dropped")

@@ -76,7 +76,10 @@ def placement_figure(experts: int, ep: int) -> go.Figure:
     fig.update_layout(barmode="stack", height=min(60 + 28 * ep, 420),
                       margin={"l": 10, "r": 10, "t": 40, "b": 10},
                       title=f"{experts} experts over ep = {ep} ranks: {per_rank} whole expert{plural} each",
-                      xaxis={"title": "local expert slot", "showticklabels": per_rank <= 32},
+                      # slot j is the bar from j to j + 1: its number under its middle
+                      xaxis={"title": "local expert slot", "showticklabels": per_rank <= 32,
+                             "tickvals": [j + 0.5 for j in range(per_rank)],
+                             "ticktext": [str(j) for j in range(per_rank)]},
                       yaxis={"autorange": "reversed"}, plot_bgcolor="white")
     return fig
 
