@@ -158,7 +158,8 @@ st.markdown(
     "copying a large array gives **W** (bytes read plus bytes written), measured on one of the engine's "
     "ranks. They are part of one calibration of this machine that the live lessons also use to predict "
     "every run (each module of the engine, every gloo operation, how the cores are shared): measured once, "
-    "in 25-70 s, and kept in your cache folder. Its roofline joins the chips in the chart above."
+    "in about 25 s for 2-process runs (a 4-process run measures about 45 s more the first time it comes), and "
+    "kept in your cache folder for 30 days. Its roofline joins the chips in the chart above."
 )
 c1, c2 = st.columns([1, 3])
 measure = c1.button("Measure this machine" if probe is None else "Measure again", type="primary")

@@ -70,7 +70,7 @@ def _yield_check():
 
 def run_live(key: str, runs: list[tuple[str, object]], hint: str) -> list[LiveRun] | None:
     """Run each (label, RunConfig) through this server's run queue (server/queue.py), checked against the
-    reference and predicted by the planner (the first run calibrates this machine: 17-50 s). While it
+    reference and predicted by the planner (the first run calibrates this machine: engine/predict.py). While it
     waits the bar says its place in line and the expected wait; while it runs, the steps done and the
     loss, beside a Stop button. Moving a widget meanwhile does not lose the run: `show_live(key)` picks it
     up again. The results are kept in st.session_state[key]; a failure is shown and clears them."""

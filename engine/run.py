@@ -76,7 +76,7 @@ def run(cfg: RunConfig, traced: bool = True, check: bool = False, pool=None,
     input and `launch.WorkerError` when a rank fails or the run times out.
 
     With `predict`, the summary also carries "predicted": the planner's prediction of this very run on
-    this machine (engine/predict.py), calibrating the machine first if it has not been (17-50 s on 2 cores;
+    this machine (engine/predict.py), calibrating the machine first if it has not been (engine/predict.py;
     `progress(fraction, message)` hears about it). `on_step(steps_done, loss)` hears each finished step;
     setting the `stop` event ends the run (`launch.RunStopped`)."""
     from engine import launch

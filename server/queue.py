@@ -41,7 +41,7 @@ from server.settings import Settings
 WAITING, RUNNING, DONE, FAILED = "waiting", "running", "done", "failed"
 CANCELLED, REPLACED, STOPPED = "cancelled", "replaced", "stopped"
 FINISHED = (DONE, FAILED, CANCELLED, REPLACED, STOPPED)
-FIRST_GUESS_S = 10.0  # a run's duration before any has been measured (the first also calibrates: 17-50 s)
+FIRST_GUESS_S = 10.0  # a run's duration before any has been measured (the first also calibrates: engine/predict.py)
 
 
 class Refused(ValueError):
