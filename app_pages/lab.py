@@ -123,18 +123,20 @@ if found:
 else:
     st.caption("No NVIDIA GPU found on this machine (nvidia-smi): runs use CPU processes.")
 
-cfg = lab_config(model, mesh, int(zero_stage), schedule, int(virtual), int(micro_batches), int(micro_batch_size),
-                 int(steps), device, dtype)
+interleaved = mesh["pp"] > 1 and schedule == "interleaved-1f1b"  # a greyed-out control's value does not count
+cfg = lab_config(model, mesh, int(zero_stage), schedule, int(virtual) if interleaved else 1, int(micro_batches),
+                 int(micro_batch_size), int(steps), device, dtype)
 if sequence_parallel and mesh["tp"] > 1:
     cfg = replace(cfg, parallel=replace(cfg.parallel, sequence_parallel=True))
-cfg = replace(cfg, parallel=replace(cfg.parallel, ssm_cp=ssm_cp))
+if mesh["cp"] > 1 and arch != "transformer":  # else greyed out: the default stays
+    cfg = replace(cfg, parallel=replace(cfg.parallel, ssm_cp=ssm_cp))
 problem = None
 try:
     validate(cfg)
 except ConfigError as e:
     problem = str(e)
-st.markdown(f"**{mesh_label(cfg)}** on **{cfg.world} process{'es' if cfg.world > 1 else ''}**, "
-            f"{cfg.model.params:,} parameters, {cfg.global_batch} sequences per step.")
+st.markdown((f"**{mesh_label(cfg)}** on **{cfg.world} processes**, " if cfg.world > 1 else "**One process**, ")
+            + f"{cfg.model.params:,} parameters, {cfg.global_batch} sequences per step.")
 if problem:
     st.error(f"This layout cannot run: {problem}.", icon=":material/block:")
 

@@ -77,6 +77,11 @@ def run_live(key: str, runs: list[tuple[str, object]], hint: str) -> list[LiveRu
     from engine.config import ConfigError, validate
     from server.queue import Refused
 
+    pending = st.session_state.get(_pending_key(key))
+    if pending is not None and not pending[0].wait(0):  # one run of a panel at a time: the first is not dropped
+        st.warning("Your previous run is still going: it finishes first (or press Stop), then press Run again for "
+                   "this one.", icon=":material/hourglass_top:")
+        return _follow(key)
     try:
         for label, cfg in runs:
             try:
@@ -134,9 +139,10 @@ def _follow(key: str):
     if st.session_state.get(stop_key):
         queue.stop(job)
     if not job.wait(0):
+        notice_slot = st.empty()  # gone once the job ends, as the bar and the button are
         if job.notice:
-            st.info(job.notice, icon=":material/schedule:")
-        stop_slot = st.empty()  # gone once the job ends
+            notice_slot.info(job.notice, icon=":material/schedule:")
+        stop_slot = st.empty()
         if not is_task:
             stop_slot.button("Stop this run", key=stop_key, icon=":material/stop_circle:",
                              help="End the run now: its worker processes are stopped, the next run starts fresh ones")
@@ -150,6 +156,7 @@ def _follow(key: str):
                 shown = now
         bar.empty()
         stop_slot.empty()
+        notice_slot.empty()
     del st.session_state[_pending_key(key)]
     if job.state == DONE:
         if is_task:

@@ -175,8 +175,11 @@ def argv_for(cfg: RunConfig) -> list[str]:
     return argv
 
 
+COMMAND = ".venv/bin/python -m engine run"  # from the repository, with the Python ./run.sh installed torch into
+
+
 def command_line(cfg: RunConfig, check: bool = True) -> str:
-    return " ".join(["python -m engine run", *argv_for(cfg), *(["--check"] if check else []), "--predict"])
+    return " ".join([COMMAND, *argv_for(cfg), *(["--check"] if check else []), "--predict"])
 
 
 def _human(summary) -> str:

@@ -149,7 +149,10 @@ class Pool:
                 raise WorkerError(f"workers did not connect within {self.start_timeout_s:g} s")
             while accepted:
                 conn = accepted.pop()
-                _, rank, _pid, tid = _recv(conn)
+                hello = _recv(conn)
+                if hello is None:  # it went before saying who it is (e.g. a Python without torch): its exit says why
+                    continue
+                _, rank, _pid, tid = hello
                 by_rank[rank], tids[rank] = conn, tid
             time.sleep(0.01)
         self.conns = [by_rank[r] for r in range(self.world)]

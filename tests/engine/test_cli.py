@@ -153,7 +153,7 @@ def test_argv_for_builds_the_same_config_again(flags):
 
     cfg = config_from_args(run_parser("x").parse_args(flags))
     assert config_from_args(run_parser("x").parse_args(argv_for(cfg))) == cfg
-    assert command_line(cfg).startswith("python -m engine run --strategy ")
+    assert command_line(cfg).startswith(".venv/bin/python -m engine run --strategy ")
 
 
 def test_a_mesh_without_a_strategy_runs_what_it_needs():

@@ -50,8 +50,8 @@ def test_a_layout_that_cannot_run_is_refused_before_running(widgets, says):
 def test_the_command_lines_rebuild_the_same_config():
     at = _lab(lab_tp=2, lab_dp=1, lab_steps=2)
     commands = [c.value for c in at.code]
-    engine_line = next(c for c in commands if c.startswith("python -m engine run"))
-    argv = engine_line.split()[4:]
+    engine_line = next(c for c in commands if c.startswith(".venv/bin/python -m engine run"))
+    argv = engine_line.split()[4:]  # after ".venv/bin/python -m engine run"
     cfg = config_from_args(run_parser("x").parse_args([a for a in argv if a not in ("--check", "--predict")]))
     assert cfg.parallel.axes(cfg.world) == (("tp", 2),) and cfg.steps == 2
     assert any(c.startswith("torchrun --nnodes") and "-m engine.worker" in c for c in commands)
@@ -60,7 +60,7 @@ def test_the_command_lines_rebuild_the_same_config():
 def test_bf16_is_on_the_command_line_and_refused_with_moe():
     at = _lab(lab_dtype="bfloat16")
     assert not at.error
-    line = next(c.value for c in at.code if c.value.startswith("python -m engine run"))
+    line = next(c.value for c in at.code if c.value.startswith(".venv/bin/python -m engine run"))
     assert "--dtype bfloat16" in line
     at = _lab(lab_preset="MoE (2 layers, 4 experts, top-2)", lab_dtype="bfloat16")
     assert at.error and "routing tie" in at.error[0].value
@@ -78,7 +78,7 @@ def test_a_mamba_experiment_has_the_command_line_that_rebuilds_it():
     at = _lab(lab_preset="Mamba-2 (2 layers, width 64)", lab_dp=1, lab_cp=2)
     at.radio(key="lab_ssm_cp").set_value("alltoall").run()
     assert not at.exception and not at.error, [e.value for e in at.error]
-    line = next(c.value for c in at.code if c.value.startswith("python -m engine run"))
+    line = next(c.value for c in at.code if c.value.startswith(".venv/bin/python -m engine run"))
     assert "--arch mamba2" in line and "--ssm-cp alltoall" in line
     cfg = config_from_args(run_parser("x").parse_args([a for a in line.split()[4:]
                                                         if a not in ("--check", "--predict")]))
@@ -115,7 +115,7 @@ def test_results_json_carries_every_run():
     from engine.cli import command_line
 
     out = json.loads(results_json([run], [command_line(run.cfg)]))
-    assert out[0]["label"] == "run 1" and out[0]["command"].startswith("python -m engine run")
+    assert out[0]["label"] == "run 1" and out[0]["command"].startswith(".venv/bin/python -m engine run")
 
 
 @pytest.mark.multiprocess
@@ -130,7 +130,7 @@ def test_the_command_line_shown_reproduces_the_pages_run():
     next(b for b in at.button if b.label == "Run this experiment").click().run(timeout=240)
     assert not at.exception and at.success
     page_run = at.session_state["lab_runs"][-1]
-    line = next(c.value for c in at.code if c.value.startswith("python -m engine run"))
+    line = next(c.value for c in at.code if c.value.startswith(".venv/bin/python -m engine run"))
     argv = line.split()[1:] + ["--json"]
     out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=300,
                          cwd=Path(APP).parent)
@@ -151,3 +151,33 @@ def test_a_schedule_left_from_a_pipeline_is_dropped_when_the_mesh_has_none():
     assert cfg.parallel.schedule == ParallelConfig.schedule and cfg.parallel.virtual_stages == 1
     assert "gpipe" not in command_line(cfg)
     assert main(["run", "--schedule", "gpipe", "--world", "2"]) == 2
+
+
+def test_a_greyed_out_control_does_not_block_the_run():
+    # a reviewer's: virtual stages set to 2 under the interleaved schedule, then the schedule put back to 1F1B: the
+    # greyed-out box still made "1f1b runs one stage per rank" and Run stayed disabled
+    at = _lab(lab_pp=2, lab_dp=1)
+    at.selectbox(key="lab_schedule").set_value("interleaved-1f1b").run()
+    at.number_input(key="lab_virtual").set_value(2).run()
+    at.selectbox(key="lab_schedule").set_value("1f1b").run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    assert not next(b for b in at.button if b.label == "Run this experiment").disabled
+    assert "--virtual-stages" not in next(c.value for c in at.code if c.value.startswith(".venv/bin/python"))
+
+
+def test_a_second_run_while_the_first_is_in_flight_does_not_drop_it(monkeypatch):
+    # a reviewer's: Run pressed again mid-run replaced the pending job, so the first run never reached the table
+    import streamlit as st
+
+    import app_pages.live_panel as panel
+
+    class Going:
+        def wait(self, timeout):
+            return False
+
+    st.session_state.clear()
+    st.session_state[panel._pending_key("k")] = (Going(), "hint", "run")
+    monkeypatch.setattr(panel, "_submit", lambda *a: pytest.fail("submitted a second run over the first"))
+    monkeypatch.setattr(panel, "_follow", lambda key: "following the first")
+    assert panel.run_live("k", [("run 2", None)], hint="") == "following the first"
+    st.session_state.clear()
