@@ -77,7 +77,7 @@ def test_live_run_matches_the_reference_and_draws_the_timeline():
                for c in at.caption)
     text = " ".join(m.value for m in at.markdown)
     assert "Where they differ most" in text or "within 10 % of its predicted time" in text
-    assert at.code[0].value.startswith("python -m engine run --strategy fsdp --world 2 --steps 3")
+    assert at.code[0].value.startswith(".venv/bin/python -m engine run --strategy fsdp --world 2 --steps 3")
     assert at.get("download_button")
 
 
