@@ -11,7 +11,7 @@ if ! [ -x /usr/bin/chromium ]; then
       echo "NOTE: could not install chromium; the browser tests need it at /usr/bin/chromium and will be skipped." >&2
   else
     echo "NOTE: the browser tests need Debian's Chromium at /usr/bin/chromium and will be skipped." >&2
-    echo "      Install it with: sudo apt-get install -y chromium" >&2
+    echo "      Install it with: sudo apt-get install -y chromium (Debian; on Ubuntu, a Chromium at that path)" >&2
   fi
 fi
 # Style is kept by the tools: pyflakes, import order and line length (pyproject.toml), before any test runs.

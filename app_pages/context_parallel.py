@@ -7,6 +7,7 @@ import streamlit as st
 
 from app_pages.exercise_panel import show_exercises
 from app_pages.live_panel import run_live, show_live
+from engine.cli import COMMAND
 from engine.config import ConfigError  # torch-free: the page checks the input before any worker starts
 from hardware.chips import CHIPS
 from planner.costs import cluster_chip
@@ -245,7 +246,7 @@ live_seq = c2.number_input("Sequence length (tokens)", min_value=2, max_value=25
                            key="cp_live_seq_len", help="Must be a multiple of 2·cp: the zig-zag split cuts "
                            "each sequence into 2·cp equal chunks.")
 steps = c3.select_slider("Optimizer steps", [1, 2, 3], value=3, key="cp_live_steps")
-st.code(f"python -m engine run --strategy cp --cp-variant {{ring,allgather}} --world {world} "
+st.code(f"{COMMAND} --strategy cp --cp-variant {{ring,allgather}} --world {world} "
         f"--seq-len {live_seq} --steps {steps} --check", language="bash")
 
 try:

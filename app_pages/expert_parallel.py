@@ -5,6 +5,7 @@ import streamlit as st
 
 from app_pages.exercise_panel import show_exercises
 from app_pages.live_panel import run_live, show_live
+from engine.cli import COMMAND
 from hardware.chips import CHIPS
 from planner.bounds import expert_parallel_bound
 from planner.models import MODEL_PRESETS
@@ -272,7 +273,7 @@ live_c = l4.select_slider("Capacity factor", ["none", "0.5", "1.0", "1.25", "2.0
 steps = l5.select_slider("Optimizer steps", [1, 2, 3], value=2, key="ep_live_steps")
 argv = ["--strategy", "ep", "--world", str(world), "--experts", str(live_experts), "--top-k", str(live_k),
         "--steps", str(steps), "--check"] + ([] if live_c == "none" else ["--capacity-factor", live_c])
-st.code("python -m engine run " + " ".join(argv), language="bash")
+st.code(f"{COMMAND} " + " ".join(argv), language="bash")
 
 if st.button("Run expert parallel on this machine", type="primary"):
     from engine.cli import config_from_args, run_parser

@@ -73,10 +73,15 @@ seq_len = c[1].number_input("Sequence length", 4, 1024, key="lab_seq")
 mlp = c[2].selectbox("MLP", ["dense", "moe"], key="lab_mlp")
 experts = c[3].number_input("Experts", 1, 16, key="lab_experts", disabled=mlp != "moe")
 top_k = c[4].number_input("Top-k", 1, 16, key="lab_top_k", disabled=mlp != "moe")
+unset = ModelConfig()  # a greyed-out field's value does not count: the default stands
+moe, ssm = mlp == "moe", arch != "transformer"
 model = ModelConfig(layers=int(layers), hidden=int(hidden), heads=int(heads), kv_heads=int(kv_heads), ffn=int(ffn),
-                    vocab=int(vocab), seq_len=int(seq_len), mlp=mlp, experts=int(experts), top_k=int(top_k),
+                    vocab=int(vocab), seq_len=int(seq_len), mlp=mlp,
+                    experts=int(experts) if moe else unset.experts, top_k=int(top_k) if moe else unset.top_k,
                     arch=arch, pattern=pattern.strip().upper() if arch == "hybrid" else "",
-                    ssm_state=int(ssm_state), ssm_groups=int(ssm_groups), ssm_chunk=int(ssm_chunk))
+                    ssm_state=int(ssm_state) if ssm else unset.ssm_state,
+                    ssm_groups=int(ssm_groups) if ssm else unset.ssm_groups,
+                    ssm_chunk=int(ssm_chunk) if ssm else unset.ssm_chunk)
 
 st.subheader("Mesh and schedule")
 st.caption("Any combination of the axes runs: ranks are laid out pp, dp, fsdp, cp, ep, tp with tp innermost "

@@ -78,9 +78,10 @@ def run_live(key: str, runs: list[tuple[str, object]], hint: str) -> list[LiveRu
     from server.queue import Refused
 
     pending = st.session_state.get(_pending_key(key))
-    if pending is not None and not pending[0].wait(0):  # one run of a panel at a time: the first is not dropped
+    if pending is not None:  # one run of a panel at a time: the first is collected, never dropped
         st.warning("Your previous run is still going: it finishes first (or press Stop), then press Run again for "
-                   "this one.", icon=":material/hourglass_top:")
+                   "this one." if not pending[0].wait(0) else "Your previous run has just finished: it is shown "
+                   "below. Press Run again for this one.", icon=":material/hourglass_top:")
         return _follow(key)
     try:
         for label, cfg in runs:

@@ -6,6 +6,7 @@ import streamlit as st
 
 from app_pages.exercise_panel import show_exercises
 from app_pages.live_panel import run_live, show_live
+from engine.cli import COMMAND
 from engine.config import ConfigError  # torch-free: the page checks the input before any worker starts
 from hardware.chips import CHIPS
 from planner.case import Cluster
@@ -167,7 +168,7 @@ every rank before it has passed its state on.
 c1, c2 = st.columns(2)
 world = c1.select_slider("Processes (cp)", [2, 4], value=2, key="ssm_live_world")
 steps = c2.select_slider("Optimizer steps", [1, 2, 3], value=3, key="ssm_live_steps")
-st.code("\n".join("python -m engine run " + " ".join(live_argv(v, world, steps)) + " --check"
+st.code("\n".join(f"{COMMAND} " + " ".join(live_argv(v, world, steps)) + " --check"
                   for v in LIVE_VARIANTS), language="bash")
 try:
     from engine.cli import config_from_args, run_parser

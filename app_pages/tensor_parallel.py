@@ -4,6 +4,7 @@ import streamlit as st
 
 from app_pages.exercise_panel import show_exercises
 from app_pages.live_panel import run_live, show_live
+from engine.cli import COMMAND
 from hardware.chips import CHIPS
 from planner.bounds import tensor_parallel_bound
 from planner.models import MODEL_PRESETS
@@ -262,7 +263,7 @@ world = c1.select_slider("Processes (tp)", [2, 4], value=2, key="tp_live_world")
 heads = c2.select_slider("Query heads", [1, 2, 4, 8], value=4, key="tp_live_heads")
 kv_heads = c3.select_slider("KV heads", [1, 2, 4, 8], value=2, key="tp_live_kv_heads")
 steps = c4.select_slider("Optimizer steps", [1, 2, 3], value=2, key="tp_live_steps")
-st.code(f"python -m engine run --strategy tp [--sequence-parallel] --world {world} --heads {heads} "
+st.code(f"{COMMAND} --strategy tp [--sequence-parallel] --world {world} --heads {heads} "
         f"--kv-heads {kv_heads} --steps {steps} --check", language="bash")
 
 if st.button("Run TP and TP + SP on this machine", type="primary"):

@@ -639,7 +639,8 @@ def _with_pp_layout(parallel: Parallel, text, model: ModelSpec) -> Parallel:
     try:
         # a piece (E, t, m, L) per letter, and a | per chunk: at most one chunk per piece on each of pp stages, as
         # empty chunks may pad a stage's virtual stages
-        expanded = expand_layout(text, limit=(model.layers + model.mtp_layers + 2) * (parallel.pp + 1))
+        expanded = expand_layout(text, limit=min((model.layers + model.mtp_layers + 2) * (parallel.pp + 1),
+                                                 MAX_LAYOUT_CHARS))
         chunks = tuple(expanded.split("|"))
         check_layout(chunks, model.layers, model.mtp_layers, parallel.pp)
     except ValueError as e:
@@ -700,6 +701,8 @@ MAX_GLOBAL_BATCH = 2 ** 24
 # The most chips a case may state: 2^24, about 50x the largest training clusters announced (xAI's Colossus, some
 # 200,000 GPUs in 2025), room for what-ifs. A mistyped 10^12 is refused here rather than searched.
 MAX_NUM_CHIPS = 2 ** 24
+# The longest pipeline layout written out (parallel.pp_layout), whatever pp says: pp is checked after the layout
+MAX_LAYOUT_CHARS = 2 ** 20
 # The most full-vocabulary metrics a case may say its trainer computes beside the loss (training.logit_metrics)
 MAX_LOGIT_METRICS = 16
 

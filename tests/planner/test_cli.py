@@ -95,6 +95,7 @@ def _bad(**edits):
     (_bad(cluster__num_chips=10**15), "cluster.num_chips"),  # refused, not searched
     (_bad(parallel__pp_layout="E|t*99999999999|L"), "parallel.pp_layout"),  # refused before it is written out
     (_bad(parallel__pp_layout="E(((t|)*100000)*100000)L"), "parallel.pp_layout"),
+    (_bad(parallel__pp=10**9, parallel__pp_layout="E|t*99999999999|L"), "parallel.pp_layout"),  # pp is unchecked yet
     ({**_bad(), "paralel": {"tp": 3}}, "case.paralel"),  # a misspelt block was dropped, the layout chosen instead
     (json.dumps(RUN)[:-1] + ', "cluster": {"chip": "h100", "num_chips": 8}}', "'cluster' twice"),
     (json.dumps(RUN).replace('"global_batch": 64', '"global_batch": ' + "9" * 5000), "malformed JSON"),

@@ -175,9 +175,27 @@ def test_a_second_run_while_the_first_is_in_flight_does_not_drop_it(monkeypatch)
         def wait(self, timeout):
             return False
 
-    st.session_state.clear()
-    st.session_state[panel._pending_key("k")] = (Going(), "hint", "run")
+    class Done:
+        def wait(self, timeout):
+            return True
+
     monkeypatch.setattr(panel, "_submit", lambda *a: pytest.fail("submitted a second run over the first"))
     monkeypatch.setattr(panel, "_follow", lambda key: "following the first")
-    assert panel.run_live("k", [("run 2", None)], hint="") == "following the first"
+    # going, or finished while the second press's rerun interrupted its panel (a reviewer's race): collected first
+    for first in (Going(), Done()):
+        st.session_state.clear()
+        st.session_state[panel._pending_key("k")] = (first, "hint", "run")
+        assert panel.run_live("k", [("run 2", None)], hint="") == "following the first"
     st.session_state.clear()
+
+
+def test_greyed_out_model_fields_stay_out_of_the_run():
+    # a reviewer's: a dense transformer carried --experts, --top-k and the SSM fields it cannot use into its command,
+    # its JSON and the queue's cache key
+    at = open_app(LAB)
+    at.session_state["lab_experts"] = 8
+    at.session_state["lab_ssm_state"] = 32
+    at.run()
+    assert not at.exception
+    line = next(c.value for c in at.code if c.value.startswith(".venv/bin/python"))
+    assert "--experts" not in line and "--ssm-state" not in line
