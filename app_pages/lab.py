@@ -11,6 +11,8 @@ from engine.cli import argv_for, command_line
 from engine.config import ARCHS, DTYPES, SSM_CP_VARIANTS, ConfigError, ModelConfig, validate
 from engine.predict import cached_calibration
 from hardware.this_machine import gpus
+from server.queue import Refused, get_queue
+from server.settings import SettingsError
 from ui.lab import SCHEDULES, compare_figures, lab_config, mesh_label, results_json, run_rows, torchrun_command
 
 st.title("The Lab")
@@ -135,17 +137,20 @@ if sequence_parallel and mesh["tp"] > 1:
     cfg = replace(cfg, parallel=replace(cfg.parallel, sequence_parallel=True))
 if mesh["cp"] > 1 and arch != "transformer":  # else greyed out: the default stays
     cfg = replace(cfg, parallel=replace(cfg.parallel, ssm_cp=ssm_cp))
+label = f"run {len(st.session_state.get('lab_runs', [])) + 1}"
 problem = None
 try:
     validate(cfg)
-except ConfigError as e:
+    get_queue().check([(label, cfg)])  # the server's caps too (server/queue.py): said now, not at Run
+except (ConfigError, Refused) as e:
     problem = str(e)
+except SettingsError:
+    pass  # a misconfigured server: "About this server" below says so
 st.markdown((f"**{mesh_label(cfg)}** on **{cfg.world} processes**, " if cfg.world > 1 else "**One process**, ")
             + f"{cfg.model.params:,} parameters, {cfg.global_batch} sequences per step.")
 if problem:
     st.error(f"This layout cannot run: {problem}.", icon=":material/block:")
 
-label = f"run {len(st.session_state.get('lab_runs', [])) + 1}"
 if st.button("Run this experiment", type="primary", disabled=problem is not None):
     run_live("lab_current", [(label, cfg)], hint="try fewer processes, steps or a smaller model")
 current = show_live("lab_current")

@@ -199,3 +199,19 @@ def test_greyed_out_model_fields_stay_out_of_the_run():
     assert not at.exception
     line = next(c.value for c in at.code if c.value.startswith(".venv/bin/python"))
     assert "--experts" not in line and "--ssm-state" not in line
+
+
+def test_the_servers_caps_are_said_before_run(monkeypatch):
+    # a reviewer's: 16 processes or a 569M-parameter model looked runnable until Run was pressed
+    import server.queue
+    from server.queue import RunQueue
+    from server.settings import Settings
+
+    q = RunQueue(Settings(max_concurrent=1, max_world=2))
+    monkeypatch.setattr(server.queue, "_queue", q)
+    try:
+        at = _lab(lab_dp=4)
+        assert at.error and "more than this server allows (2)" in at.error[0].value
+        assert next(b for b in at.button if b.label == "Run this experiment").disabled
+    finally:
+        q.shutdown()
