@@ -327,7 +327,7 @@ def predicted_timeline(res: StepResult, max_spans: int = 20000, max_layer_passes
             spans.append(Span(rank_of[r], "idle", "wait", tail.end_s, pipe_end))
     coarse = folding or len(spans) > max_spans
     drawn = "busy" if folding else "layers" if detailed else "passes"  # the level of detail (DRAWN)
-    if len(spans) > max_spans:
+    if len(spans) > max_spans and not folding:  # folded spans are busy blocks already, not passes
         spans, drawn = _passes_only(spans), "passes only"
     if len(spans) > max_spans:
         drawn = "busy"

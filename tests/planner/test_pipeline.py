@@ -329,7 +329,7 @@ def test_a_timeline_of_thousands_of_micro_batches_stays_within_its_span_budget()
                      micro_batch=1)
     est = estimate(case)
     tl = predicted_timeline(est.result, max_spans=2000)
-    assert len(tl.spans) <= 2000 and tl.meta["merged"]
+    assert len(tl.spans) <= 2000 and tl.meta["merged"] and tl.meta["drawn"] == "busy"
     assert tl.end_s == pytest.approx(est.step_time_s)
     # 32k passes over the default budget, bubbles kept: each starts where the busy span before it ends, never
     # under one (the first folding drew them from the run's first pass, over the whole run)
