@@ -38,7 +38,8 @@ for _key in non_finite_params(st.query_params.to_dict()):
             f"Ignored {_key}='{st.query_params[_key]}' from the link: not a finite number; using the default.")
     del st.query_params[_key]
 
-home = st.Page("app_pages/home.py", title="Start here", icon=":material/home:", url_path="home", default=True)
+# the default page is served at "/" (Streamlit serves no other path for it, so it is given none)
+home = st.Page("app_pages/home.py", title="Start here", icon=":material/home:", default=True)
 lesson_pages = [st.Page(lesson.path, title=lesson.title, icon=lesson.icon, url_path=lesson.url_path)
                 for lesson in LESSONS]
 lab = st.Page("app_pages/lab.py", title="The Lab", icon=":material/science:", url_path="lab")

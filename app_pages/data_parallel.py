@@ -15,6 +15,7 @@ from ui.bound_meter import bound_figure, verdict_text
 from ui.charts import MEMORY_COLORS
 from ui.dp_lesson import LIVE_STRATEGIES, comm_formula_text, expected_comm_bytes_per_step, expected_memory
 from ui.exercises import fsdp_batch, smallest_fitting_zero_stage
+from ui.tables import count
 
 choices = st.session_state["choices"]
 chip = CHIPS[choices.chip]
@@ -69,7 +70,7 @@ for i, (part, kind) in enumerate((("weights", "params"), ("gradients", "grads"),
                          marker_color=MEMORY_COLORS[kind]))
 fig.add_hline(y=chip.hbm_bytes / 1e9, line_dash="dash", annotation_text=f"{chip.name} HBM")
 fig.update_layout(barmode="stack", yaxis_title="GB per chip (no activations)", height=380,
-                  title=f"{spec.name} ({psi / 1e9:.1f}B parameters) over dp={dp} chips",
+                  title=f"{spec.name} ({psi / 1e9:.1f}B parameters) over dp = {count(dp, 'chip')}",
                   margin={"l": 10, "r": 10, "t": 50, "b": 10})
 st.plotly_chart(fig, key="zero_memory")
 fits = [s for s, p in zip(stages, per_stage, strict=True) if sum(p) * psi <= chip.hbm_bytes]
@@ -102,9 +103,13 @@ rows = [
      "bytes per chip": f"{3 * (dp - 1) / dp * grad_bytes / 1e9:,.2f} GB",
      "time": f"{(2 * topo.all_gather_s(grad_bytes) + topo.reduce_scatter_s(grad_bytes)) * 1e3:,.1f} ms"},
 ]
-st.dataframe(rows, hide_index=True, width="stretch")
-st.caption(f"bf16 gradients of {spec.name} ({grad_bytes / 1e9:,.1f} GB) over {topo.describe()}, achievable "
-           "link bandwidth. Whether this time is exposed depends on how much backward compute it hides under.")
+if dp == 1:  # a group of one sends nothing: no table of zeros over a link that is not used
+    st.caption("With dp = 1 in the sidebar there is one replica and no gradient sync: nothing is sent. Set dp "
+               "above 1 to see what each stage moves.")
+else:
+    st.dataframe(rows, hide_index=True, width="stretch")
+    st.caption(f"bf16 gradients of {spec.name} ({grad_bytes / 1e9:,.1f} GB) over {topo.describe()}, achievable "
+               "link bandwidth. Whether this time is exposed depends on how much backward compute it hides under.")
 
 st.subheader("The bound meter: can the communication hide under the math?")
 st.markdown(

@@ -5,6 +5,8 @@ import streamlit as st
 
 
 def show_exercises(exercises) -> None:
+    if not exercises:  # no heading over nothing: a page whose settings leave no question shows none
+        return
     st.subheader("Try it yourself")
     st.caption("Each answer follows the page's current settings: change a slider or the sidebar and the "
                "question changes with it. Work it out, then open the answer.")

@@ -27,7 +27,7 @@ from ui.meshes import (
     tradeoff_figure,
     tradeoff_text,
 )
-from ui.tables import batch_words
+from ui.tables import batch_words, count, format_step
 
 choices = st.session_state["choices"]
 
@@ -115,27 +115,32 @@ else:
                   "that many times the gradients, mostly hidden under the backward."
                   if estimate is not None and estimate.layout.zero_stage == 2 and estimate.result.micro_batches > 1
                   else ""))
-    if estimate is not None:
-        m1, m2, m3 = st.columns(3)
-        m1.metric("Predicted step time", f"{estimate.step_time_s:,.2f} s")
-        m2.metric("MFU", f"{estimate.mfu * 100:,.1f} %",
-                  help="Model FLOPs utilisation: the model's FLOPs per step (about 6 x parameters x tokens, plus "
-                       "attention) over step time x chips x each chip's peak bf16 FLOP/s.")
-        m3.metric("Memory per chip", f"{estimate.memory.total_bytes / 1e9:,.1f} GB",
-                  delta="fits" if estimate.fits else "does not fit",
-                  delta_color="normal" if estimate.fits else "inverse")
-        st.markdown("\n".join(f"- {line}" for line in estimate.explanation))
-        st.caption("The planner page has the full breakdown, the predicted timeline and a search over every "
-                   "layout of this many chips.")
+if estimate is not None:
+    m1, m2, m3 = st.columns(3)
+    m1.metric("Predicted step time", format_step(estimate.step_time_s))
+    m2.metric("MFU", f"{estimate.mfu * 100:,.1f} %",
+              help="Model FLOPs utilisation: the model's FLOPs per step (about 6 x parameters x tokens, plus "
+                   "attention) over step time x chips x each chip's peak bf16 FLOP/s.")
+    m3.metric("Memory per chip", f"{estimate.memory.total_bytes / 1e9:,.1f} GB",
+              delta="fits" if estimate.fits else "does not fit",
+              delta_color="normal" if estimate.fits else "inverse")
+    st.markdown("\n".join(f"- {line}" for line in estimate.explanation))
+    st.caption("The planner page has the full breakdown, the predicted timeline and a search over every "
+               "layout of this many chips.")
+
 
 show_exercises([axes_leaving_the_domain(mesh, chip)] if rows else [])
 
 st.markdown("### FSDP or tensor parallel?")
 chips = max(1, mesh.world // mesh.degree("pp"))
 tokens = global_batch * spec.seq_len
-st.markdown(
-    f"""
-Both split the {chips:,} chips of one pipeline stage, and they move different things: **FSDP moves weights**
+if chips == 1:
+    st.markdown("Each pipeline stage here is one chip: there is nothing for FSDP or tensor parallel to split. "
+                "Give the stage more chips (dp or tp in the sidebar) to see the trade-off.")
+else:
+    st.markdown(
+        f"""
+Both split the {count(chips, 'chip')} of one pipeline stage, and they move different things: **FSDP moves weights**
 (each layer's are all-gathered before use), **tensor parallel moves activations** (gathered into and
 reduce-scattered out of every layer). Splitting the chips as X-way FSDP x Y-way TP (X · Y = {chips:,}), the
 weights each chip gathers shrink as Y grows and the activations it moves shrink as X grows, so their sum
@@ -144,10 +149,10 @@ per layer's forward, counted as the scaling book counts it: the MLP's two matmul
 F = {(spec.dense_ffn_ if spec.is_moe else spec.ffn):,}, the most communication per FLOP of the layer{
 " (a dense MLP's width: the experts' own all-to-all is the expert-parallel page's)" if spec.is_moe else ""}:
 """
-)
-trade = fsdp_tp_tradeoff(spec, chip, tokens, chips)
-st.plotly_chart(tradeoff_figure(trade), key="mesh_tradeoff")
-st.markdown(f"{trade.rule} {tradeoff_text(trade)}")
+    )
+    trade = fsdp_tp_tradeoff(spec, chip, tokens, chips)
+    st.plotly_chart(tradeoff_figure(trade), key="mesh_tradeoff")
+    st.markdown(f"{trade.rule} {tradeoff_text(trade)}")
 pod = chip.scaleup_domain if chip.kind != "gpu" else 8
 pods = max(1, mesh.world // pod)
 replicas = max(1, pods // mesh.degree("pp"))  # the pods of one pipeline stage read different sequences
@@ -166,7 +171,8 @@ step, under the backward. {cross_pod_bound(spec, chip, tokens / replicas).rule}.
 
 st.markdown("### Let the planner choose")
 st.markdown(
-    f"The planner's search ranks every way to factor {mesh.world:,} chips into pp x dp x cp x ep x tp (with each "
+    f"The planner's search ranks every way to factor {count(mesh.world, 'chip')} into pp x dp x cp x ep x tp "
+    "(with each "
     "ZeRO stage, micro-batch size, recomputation and schedule) that fits in memory, by simulated step time. "
     "**Apply** loads a layout's mesh into the sidebar, so every page shows it.")
 if st.button("Search the layouts of this many chips", key="mesh_search"):
@@ -209,7 +215,7 @@ st.markdown(
 The same kinds of groups, small enough for this machine: every axis of degree > 1 at degree 2 (at most 8
 processes; the axes with the smallest degrees go first when there are more than three), on a small model
 of the same family. Each run is checked against a single-process run of the same model, as on every lesson.
-This layout: **{small_label}** on {Mesh(small).world} processes.
+This layout: **{small_label}** on {count(Mesh(small).world, 'process')}.
 """
 )
 if st.button("Run it", type="primary", key="mesh_run"):

@@ -181,7 +181,9 @@ st.markdown(
     f"""
 One micro-batch (1 sequence of {spec.seq_len:,} tokens) leaves a stage as
 In[S, D] = {spec.seq_len:,} x {spec.hidden:,} bf16 values{f", split over tp = {tp}" if tp > 1 else ""}:
-**{view.p2p_bytes / 1e6:,.1f} MB**, sent in **{view.p2p_s * 1e6:,.0f} µs** over {view.link}. Its forward
+**{view.p2p_bytes / 1e6:,.1f} MB**, sent to the next stage in **{view.p2p_s * 1e6:,.0f} µs** (α
+{(view.latency_s - view.fill_s) * 1e6:,.1f} µs + T_fill {view.fill_s * 1e6:,.0f} µs, the time a message spends filling
+the link's pipeline, + bytes/W {view.bandwidth_s * 1e6:,.0f} µs) on the links of the pp group: {view.link}. Its forward
 through one stage takes at least **{view.stage_forward_s * 1e3:,.2f} ms** at the chip's peak bf16 FLOP/s, so
 the transfer is about {view.p2p_s / view.stage_forward_s:.1%} of it: pipeline parallel is cheap in bytes,
 and its real cost is the bubble: {bubble_in_words(real_pp, real_m)}.

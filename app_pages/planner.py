@@ -15,10 +15,12 @@ from planner.simulate import USABLE_HBM_FRACTION, usable_hbm_bytes
 from planner.timeline import DRAWN
 from ui.charts import breakdown_figure, memory_figure
 from ui.exercises import training_state_chips
-from ui.timeline import timeline_figure
+from ui.tables import format_step
+from ui.timeline import densest_row, timeline_figure
 
 TOKENS_PER_BATCH = [2**i for i in range(19, 26)]  # 0.5M .. 32M tokens
 MAX_ANIMATED_SPANS = 3000  # above this the browser struggles to animate; the chart is drawn still
+FINE_BARS = 500  # more bars than this in one row of the timeline: each is under a pixel of the page's width
 SAME_STEP = 0.0005  # a recipe value that moves the step by less is listed as making no difference
 
 choices = st.session_state["choices"]
@@ -161,7 +163,7 @@ def _than_measured(error: float) -> str:
 
 
 m1, m2, m3, m4 = st.columns(4)
-m1.metric("Step time", f"{est.step_time_s:,.2f} s")
+m1.metric("Step time", format_step(est.step_time_s))
 m2.metric("MFU", f"{est.mfu * 100:,.1f} %",
           help=f"Attention's scores counted over the full S x S square, the convention of Megatron-LM's papers "
                f"(Narayanan et al. 2021) and PaLM's appendix: a causal kernel computes about half of it, so at "
@@ -226,7 +228,8 @@ left, right = st.columns(2)
 with left:
     st.plotly_chart(memory_figure(mem, usable_hbm_bytes(est.result.chip)), key="planner_memory")
 with right:
-    st.plotly_chart(breakdown_figure(est.breakdown, est.step_time_s), key="planner_breakdown")
+    st.plotly_chart(breakdown_figure(est.breakdown, est.step_time_s, zero_stage=est.layout.zero_stage),
+                    key="planner_breakdown")
 
 timeline = est.timeline
 st.plotly_chart(timeline_figure(timeline, title="Predicted timeline of one step (one chip per pipeline stage)",
@@ -236,7 +239,10 @@ st.caption("One row per kind of work on each stage's chip: forward and backward 
            "(hidden ones overlap the compute rows, exposed ones add to the step), the optimizer and pipeline "
            "bubbles; the same span format as the live engine's measured timelines. Hover a bar for its name, "
            "timing, micro-batch and, for a collective, its bytes where the planner counts them. Drawn here: "
-           f"{DRAWN[timeline.meta['drawn']]}.")
+           f"{DRAWN[timeline.meta['drawn']]}."
+           + (f" With up to {densest:,} bars in one row, each is narrower than a pixel and a row that alternates "
+              "with another (forward with backward) looks solid: drag across the chart to zoom in and see them "
+              "apart." if (densest := densest_row(timeline)) > FINE_BARS else ""))
 
 show_exercises([training_state_chips(total_params(spec), spec.name, chip)])
 

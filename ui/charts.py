@@ -92,11 +92,16 @@ def roofline_figure(series: list[RooflineSeries], points: list[OperatingPoint] =
     return fig
 
 
-def breakdown_figure(breakdown: dict[str, float], step_s: float, title: str = "Where the step time goes") -> go.Figure:
+def breakdown_figure(breakdown: dict[str, float], step_s: float, title: str = "Where the step time goes",
+                     zero_stage: int = 0) -> go.Figure:
     """Seconds per step by kind (the planner's breakdown), each bar in its work's colour and labelled with its
-    share of the step beside it."""
+    share of the step beside it. Under ZeRO (`zero_stage` >= 1) the gradient sync is a reduce-scatter, drawn in
+    its colour as the timeline draws it, not the all-reduce's."""
     parts = {k: v for k, v in breakdown.items() if v > 0}
-    style = [BREAKDOWN_STYLE.get(k, (k, PALETTE[0])) for k in parts]
+    styles = dict(BREAKDOWN_STYLE)
+    if zero_stage >= 1:
+        styles["dp_comm"] = ("data-parallel sync (reduce-scatter, weight gather)", KIND_COLORS["reduce_scatter"])
+    style = [styles.get(k, (k, PALETTE[0])) for k in parts]
     fig = go.Figure(go.Bar(x=list(parts.values()), y=[label for label, _ in style], orientation="h",
                            marker_color=[color for _, color in style], textposition="outside", cliponaxis=False,
                            text=[f"{100 * v / step_s:.1f} %" for v in parts.values()],

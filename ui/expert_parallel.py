@@ -32,6 +32,7 @@ from hardware.kernels import matmul_s
 from planner.flops import active_params, layer_params, total_params
 from planner.models import MODEL_PRESETS, ModelSpec
 from ui.tensor_parallel import group_links_chip, log_ticks, rank_color
+from ui.timeline import KIND_COLORS
 
 BF16_BYTES = 2  # tokens travel in bf16 (DeepSeek-V3 dispatches in FP8: 1 byte; arXiv 2412.19437 sec. 3.3)
 # Dispatch + combine forward, and their transposes backward: GShard (Lepikhin et al. 2020) Algorithm 2.
@@ -302,12 +303,13 @@ def cost_figure(rows: list[dict], chosen_ep: int, domain: int, title: str, unit:
     rows = [r for r in rows if r["ep"] > 1]
     eps = [r["ep"] for r in rows]
     fig = go.Figure()
+    compute, a2a = KIND_COLORS["forward"], KIND_COLORS["all_to_all"]  # the app's palette (ui/timeline)
     fig.add_trace(go.Scatter(x=eps, y=[r["compute_s"] * 1e3 for r in rows], mode="lines+markers",
-                             name="expert MLP compute (fwd + bwd)"))
+                             line={"color": compute}, name="expert MLP compute (fwd + bwd)"))
     fig.add_trace(go.Scatter(x=eps, y=[r["a2a_s"] * 1e3 for r in rows], mode="lines+markers",
-                             name="4 all-to-alls, ep group on consecutive chips"))
+                             line={"color": a2a}, name="4 all-to-alls, ep group on consecutive chips"))
     fig.add_trace(go.Scatter(x=eps, y=[r["a2a_spread_s"] * 1e3 for r in rows], mode="lines+markers",
-                             line={"dash": "dot"}, name=f"4 all-to-alls, one chip per {unit}"))
+                             line={"dash": "dot", "color": a2a}, name=f"4 all-to-alls, one chip per {unit}"))
     chosen = next((r for r in rows if r["ep"] == chosen_ep), None)
     if chosen is not None:
         fig.add_trace(go.Scatter(x=[chosen_ep] * 2, y=[chosen["compute_s"] * 1e3, chosen["a2a_s"] * 1e3],

@@ -216,16 +216,20 @@ def tradeoff_figure(t: FsdpTpTradeoff) -> go.Figure:
     the activations TP moves, their sum against the math, and the optimum X_opt marked."""
     x = [r.fsdp for r in t.rows]
     fig = go.Figure()
+    # the sum wide, pale and underneath (zorder), so that where one part is nearly all of it both lines show
     series = [("FSDP: the MLP's weights all-gathered", [r.fsdp_s for r in t.rows], KIND_COLORS["all_gather"], "solid"),
               ("TP: its activations gathered and reduce-scattered", [r.tp_s for r in t.rows],
-               KIND_COLORS["all_reduce"], "solid"),
-              ("communication, both", [r.comm_s for r in t.rows], KIND_COLORS["send/recv"], "dash"),
+               KIND_COLORS["reduce_scatter"], "solid"),
+              ("communication, both", [r.comm_s for r in t.rows], KIND_COLORS["send/recv"], "wide"),
               ("the MLP's two matmuls (the math to hide under)", [r.math_s for r in t.rows], KIND_COLORS["forward"],
                "dot")]
     for name, ys, color, dash in series:
+        wide = dash == "wide"
         # nothing to move (no FSDP at X = 1, no TP at Y = 1) has no place on a log axis: a gap
         fig.add_trace(go.Scatter(x=x, y=[v * 1e6 if v > 0 else None for v in ys], name=name, mode="lines+markers",
-                                 line={"color": color, "dash": dash},
+                                 line={"color": color, "dash": "solid" if wide else dash, "width": 8 if wide else 2},
+                                 opacity=0.45 if wide else 1.0, marker={"size": 10 if wide else 6},
+                                 zorder=0 if wide else 1,
                                  customdata=[r.tp for r in t.rows],
                                  hovertemplate="X = %{x} FSDP x Y = %{customdata} TP<br>%{y:,.1f} µs<extra>"
                                                + name + "</extra>"))

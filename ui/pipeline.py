@@ -276,6 +276,13 @@ class RealChipView:
     p2p_s: float
     stage_forward_s: float  # lower bound: one micro-batch's forward on one stage at peak bf16 FLOP/s
     link: str
+    latency_s: float = 0.0  # of p2p_s: the link's alpha and its pipeline fill (Link.fill_s), once per message
+    fill_s: float = 0.0  # of latency_s: the fill
+
+    @property
+    def bandwidth_s(self) -> float:
+        """Of p2p_s: the bytes over the link's bandwidth."""
+        return self.p2p_s - self.latency_s
 
 
 def real_chip_view(spec: ModelSpec, chip: Chip, pp: int, micro_batches: int, tp: int = 1,
@@ -300,7 +307,8 @@ def real_chip_view(spec: ModelSpec, chip: Chip, pp: int, micro_batches: int, tp:
     topo = group_topology(chip, pp, stride=stride, achievable=True)
     stage_forward_s = forward_flops(spec, tokens) / pp / tp / chip.bf16_flops_per_s
     return RealChipView(tuple(sum(chunks) for chunks in layer_split(spec.layers, pp)), acts["1f1b"],
-                        acts["gpipe"], p2p_bytes, topo.p2p_s(p2p_bytes), stage_forward_s, topo.describe())
+                        acts["gpipe"], p2p_bytes, topo.p2p_s(p2p_bytes), stage_forward_s, topo.describe(),
+                        topo.p2p_s(0.0), topo.fill_s)
 
 
 def measured_op_times(timeline: Timeline, step: int, virtual_stages: int) -> OpTimes:

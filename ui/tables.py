@@ -48,8 +48,10 @@ def chip_table_rows(chips: Iterable) -> list[dict]:
 
 
 def count(n: int, noun: str) -> str:
-    """A count with its noun, singular for one: "1 chip", "8 chips"."""
-    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+    """A count with its noun, singular for one: "1 chip", "8 chips", "2 processes"."""
+    if n == 1:
+        return f"{n:,} {noun}"
+    return f"{n:,} {noun}{'es' if noun.endswith(('s', 'x', 'ch', 'sh')) else 's'}"
 
 
 def format_bytes(nbytes: float) -> str:
@@ -62,11 +64,21 @@ def format_bytes(nbytes: float) -> str:
 
 
 def format_seconds(seconds: float) -> str:
+    if seconds >= 7200:  # a student reads hours, not 5.72e+04 s
+        return f"{seconds / 3600:.3g} h"
+    if seconds >= 120:
+        return f"{seconds / 60:.3g} min"
     if seconds >= 1:
         return f"{seconds:.3g} s"
     if seconds >= 1e-3:
         return f"{seconds * 1e3:.3g} ms"
     return f"{seconds * 1e6:.3g} µs"
+
+
+def format_step(seconds: float) -> str:
+    """A step time as a metric shows it: seconds to the hundredth, and in minutes or hours beside a long one."""
+    text = f"{seconds:,.2f} s"
+    return text if seconds < 120 else f"{text} ({format_seconds(seconds)})"
 
 
 def _decimal(value: float, unit: str, prefixes: tuple[tuple[str, float], ...]) -> str:

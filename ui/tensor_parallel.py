@@ -35,7 +35,7 @@ from planner.memory import korthikanti_bytes
 from planner.models import ModelSpec
 from ui.collectives import markdown_text
 from ui.tables import format_seconds
-from ui.timeline import span_kind
+from ui.timeline import KIND_COLORS, span_kind
 
 RANK_COLORS = plotly.colors.qualitative.Dark24[:16]
 MAX_TP = 16
@@ -282,15 +282,17 @@ def scaling_figure(rows: list[dict], chosen_tp: int, domain: int, title: str) ->
     """Compute and TP communication per layer against tp (log-log), the scale-up domain's edge shaded."""
     tps = [r["tp"] for r in rows]
     fig = go.Figure()
+    # the app's palette (ui/timeline.KIND_COLORS, as the planner's breakdown colours tensor-parallel collectives)
+    compute, comm = KIND_COLORS["forward"], KIND_COLORS["reduce_scatter"]
     fig.add_trace(go.Scatter(x=tps, y=[r["compute_s"] * 1e3 for r in rows], name="compute (fwd + bwd)",
-                             mode="lines+markers"))
+                             mode="lines+markers", line={"color": compute}))
     sending = [r for r in rows if r["tp"] > 1]  # t = 1 sends nothing, which a log axis cannot show
     fig.add_trace(go.Scatter(x=[r["tp"] for r in sending], y=[r["comm_s"] * 1e3 for r in sending],
-                             mode="lines+markers",
+                             mode="lines+markers", line={"color": comm},
                              name="TP communication, tp innermost (= SP's all-gathers + reduce-scatters)"))
     fig.add_trace(go.Scatter(x=[r["tp"] for r in sending], y=[r["comm_spread_s"] * 1e3 for r in sending],
                              mode="lines+markers",
-                             line={"dash": "dot"}, name="TP communication, tp group spread over nodes"))
+                             line={"dash": "dot", "color": comm}, name="TP communication, tp group spread over nodes"))
     chosen = next((r for r in rows if r["tp"] == chosen_tp), None)
     if chosen is not None:
         marked = [chosen["compute_s"] * 1e3] + ([chosen["comm_s"] * 1e3] if chosen_tp > 1 else [])

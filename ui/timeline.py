@@ -7,7 +7,7 @@ cursor through the step and reveals each span as it happens, so overlap of commu
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import numpy as np
 import plotly.graph_objects as go
@@ -40,6 +40,12 @@ def row_label(rank: int, lane: str) -> str:
     return f"rank {rank} · {lane}"
 
 
+def densest_row(timeline: Timeline, by_kind: bool = True) -> int:
+    """The most spans any one row of `timeline_figure` draws (a rank's kind of work, or its lane)."""
+    rows = Counter((s.rank, span_kind(s) if by_kind else s.lane) for s in timeline.spans)
+    return max(rows.values(), default=0)
+
+
 def _rows(timeline: Timeline, by_kind: bool = False) -> list[str]:
     if by_kind:
         used = {(s.rank, span_kind(s)) for s in timeline.spans}
@@ -50,14 +56,17 @@ def _rows(timeline: Timeline, by_kind: bool = False) -> list[str]:
 
 def timeline_figure(timeline: Timeline, title: str = "", frames: int = 30, animate: bool = True,
                     x_max_ms: float | None = None, rows_by_kind: bool = False) -> go.Figure:
-    """Gantt chart of `timeline` from its first span, in milliseconds (seconds for a step over 10 s); with
+    """Gantt chart of `timeline` from its first span, in milliseconds (seconds for a step over 10 s, minutes over
+    10 min, hours over 2 h); with
     `animate`, play/pause buttons and a slider sweep a cursor through it, revealing spans as they start.
     `x_max_ms` fixes the time axis (two timelines drawn to compare share one); the cursor sweeps it all.
     `rows_by_kind`: one row per rank and kind of work (forward, backward, each collective) instead of one per
     rank and lane, for a long step whose thousands of spans would merge into one strip."""
     tl = timeline.normalized()
     t_end_ms = max(tl.end_s * 1e3, x_max_ms or 0.0)
-    scale, unit = (1.0, "s") if t_end_ms > 10_000 else (1e3, "ms")
+    # the axis's unit: ms, s, then minutes and hours for the steps of huge models on few chips
+    scale, unit = ((1 / 3600, "h") if t_end_ms > 7.2e6 else (1 / 60, "min") if t_end_ms > 6e5
+                   else (1.0, "s") if t_end_ms > 10_000 else (1e3, "ms"))
     t_end = t_end_ms * scale / 1e3
     by_kind: dict[str, list[Span]] = defaultdict(list)
     for s in tl.spans:

@@ -24,3 +24,22 @@ def test_axis_range_covers_every_ridge_and_point():
     fig = roofline_figure([low, high], [OperatingPoint("tiny", 0.5, 5e9)])
     xs = fig.data[0].x
     assert xs[0] <= 0.5 and xs[-1] >= 166
+
+
+def test_the_breakdown_colours_a_zero_sync_as_the_timeline_does():
+    from ui.charts import breakdown_figure
+    from ui.timeline import KIND_COLORS
+
+    parts = {"compute": 1.0, "dp_comm": 0.1}
+    plain, zero = breakdown_figure(parts, 1.1), breakdown_figure(parts, 1.1, zero_stage=1)
+    assert list(plain.data[0].marker.color)[1] == KIND_COLORS["all_reduce"]
+    assert list(zero.data[0].marker.color)[1] == KIND_COLORS["reduce_scatter"]
+    assert "reduce-scatter" in list(zero.data[0].y)[1]
+
+
+def test_counts_and_long_times_read_as_a_student_reads_them():
+    from ui.tables import count, format_seconds, format_step
+
+    assert (count(1, "chip"), count(8, "chip"), count(2, "process")) == ("1 chip", "8 chips", "2 processes")
+    assert (format_seconds(57162.19), format_seconds(300), format_seconds(2.5)) == ("15.9 h", "5 min", "2.5 s")
+    assert format_step(1.234) == "1.23 s" and format_step(57162.19) == "57,162.19 s (15.9 h)"

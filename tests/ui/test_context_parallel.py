@@ -222,3 +222,15 @@ def test_live_ring_and_allgather_runs_match_the_reference():
     assert rows["K/V transfer under attention"].iloc[0].endswith("%")
     assert rows["K/V transfer under attention"].iloc[1] == "-"
     assert len(at.get("plotly_chart")) == 6  # the 2 lesson charts + predicted and measured per variant
+
+
+def test_the_overlap_chart_writes_out_its_log_ticks_and_says_what_the_dotted_line_is():
+    from hardware.chips import CHIPS
+    from planner.models import MODEL_PRESETS
+    from ui.context_parallel import overlap_figure
+
+    fig = overlap_figure(MODEL_PRESETS["Llama 3 8B"], CHIPS["h100"], 4, 131072)
+    ticks = list(fig.layout.yaxis.tickvals)
+    assert ticks and all(str(t)[0] in "125" for t in ticks)  # 1-2-5 only, no minor-tick labels
+    assert len(fig.layout.yaxis.ticktext) == len(ticks)
+    assert "dotted line: your S = 128K" in fig.layout.title.text

@@ -103,3 +103,11 @@ def test_the_meters_rule_is_in_units_students_read():
     assert len(rules) == 2, rules
     for rule in rules:  # H100: 989 TFLOP/s of bf16 over 450 GB/s of NVLink (was "9.89e+14 / 4.5e+11")
         assert "C / W = 989 TFLOP/s / 450 GB/s = 2,198" in rule and "e+" not in rule
+
+
+def test_one_replica_sends_nothing_and_the_page_says_so():
+    at = _page(dp="1")
+    assert not at.exception, [e.value for e in at.exception]
+    captions = " ".join(c.value for c in at.caption)
+    assert "no gradient sync" in captions and "1 ranks" not in captions
+    assert not at.dataframe or all("all-reduce (= reduce-scatter" not in str(d.value) for d in at.dataframe)

@@ -198,3 +198,16 @@ def test_a_published_layout_is_costed_with_its_own_batch_and_recipe():
     est = estimate(make_case(spec, Cluster("h800", 2048), global_batch=15360, parallel=mesh_parallel(
         Mesh(preset.mesh), spec), zero_stage=1, dtype="fp8", ep_comm_overlap=True))
     assert next(m.value for m in at.metric if m.label == "Predicted step time") == f"{est.step_time_s:,.2f} s"
+
+
+def test_one_chip_says_there_is_nothing_to_split_and_whether_it_fits():
+    at = open_app(PAGE, model="Llama 3 405B", chip="a100-80gb", dp="1")
+    assert not at.exception, [e.value for e in at.exception]
+    text = " ".join(m.value for m in at.markdown)
+    assert "nothing for FSDP or tensor parallel to split" in text
+    assert "X_opt" not in text and "1 chips" not in text and "1 processes" not in text
+    assert "Try it yourself" not in [h.value for h in at.subheader]  # no heading over no question
+    memory = next(m for m in at.metric if m.label == "Memory per chip")
+    assert memory.delta == "does not fit"  # 405B parameters' training state on one A100
+    step = next(m for m in at.metric if m.label == "Predicted step time").value
+    assert step.endswith(" h)")  # hours beside the seconds
