@@ -13,6 +13,7 @@ import streamlit as st
 
 from hardware.chips import CHIPS
 from planner.models import DEFAULT_MODEL, MODEL_PRESETS
+from ui.lab import LAB_PARAMS
 from ui.lessons import LESSONS, page_params
 from ui.state import DEFAULT_MESH, MAX_AXIS_DEGREE, MESH_AXES, MESH_AXIS_HELP, Choices, non_finite_params, parse_choices
 from ui.tables import count
@@ -27,7 +28,7 @@ st.set_page_config(page_title="ShardLab", page_icon=":material/grid_view:", layo
 # and write it back below.
 if "link_problems" not in st.session_state:
     _from_link, st.session_state["link_problems"] = parse_choices(
-        dict(st.query_params), CHIPS, MODEL_PRESETS, DEFAULT_CHIP, DEFAULT_MODEL, page_params())
+        dict(st.query_params), CHIPS, MODEL_PRESETS, DEFAULT_CHIP, DEFAULT_MODEL, page_params() | LAB_PARAMS)
     for _axis in MESH_AXES:
         st.session_state[_axis] = _from_link.mesh[_axis]
 # A value like "inf" would stop a bound number widget with an error (Streamlit catches only ValueError):

@@ -8,12 +8,23 @@ import streamlit as st
 
 from app_pages.live_panel import run_live, show_live
 from engine.cli import argv_for, command_line
-from engine.config import ARCHS, DTYPES, SSM_CP_VARIANTS, ConfigError, ModelConfig, validate
+from engine.config import ConfigError, ModelConfig, validate
 from engine.predict import cached_calibration
 from hardware.this_machine import gpus
 from server.queue import Refused, get_queue
 from server.settings import SettingsError
-from ui.lab import SCHEDULES, compare_figures, lab_config, mesh_label, results_json, run_rows, torchrun_command
+from ui.lab import (
+    LAB_CHOICES,
+    LAB_NUMBERS,
+    compare_figures,
+    lab_config,
+    lab_label,
+    lab_link_problems,
+    mesh_label,
+    results_json,
+    run_rows,
+    torchrun_command,
+)
 
 st.title("The Lab")
 st.markdown(
@@ -23,6 +34,31 @@ st.markdown(
     "run, and shows the measured step beside the planner's prediction for this machine. Every run of this "
     "session is kept in the table below, where two of them can be compared step against step."
 )
+
+# A shared link carries every control below (bound to the query parameter of its key). What a control cannot
+# take is said and taken out of the link before the controls read it, so none of them guesses.
+found = gpus()
+devices = ["cpu"] + (["cuda"] if found else [])
+bad_link = lab_link_problems({k: v for k, v in st.query_params.to_dict().items() if k.startswith("lab_")}, devices)
+if bad_link:
+    st.info("Ignored from the link: " + "; ".join(f"{k}='{st.query_params[k]}' (it takes {what})"
+                                                  for k, what in bad_link.items())
+            + ". The page's own values are used instead.", icon=":material/link_off:")
+    for key in bad_link:
+        del st.query_params[key]
+
+
+def _number(col, label: str, key: str, **kwargs):
+    """A whole-number box of the Lab, its range from ui/lab.LAB_NUMBERS, bound to the link."""
+    low, high, step = LAB_NUMBERS[key]
+    return col.number_input(label, low, high, step=step, key=key, bind="query-params", **kwargs)
+
+
+def _choice(col, label: str, key: str, options=None, **kwargs):
+    """A selectbox of the Lab, its options from ui/lab.LAB_CHOICES labelled as a link writes them."""
+    return col.selectbox(label, list(options or LAB_CHOICES[key]), key=key, bind="query-params",
+                         format_func=lambda o: lab_label(key, o), **kwargs)
+
 
 st.subheader("Model")
 presets = {"tiny (2 layers, width 64)": ModelConfig(),
@@ -49,32 +85,29 @@ st.selectbox("Start from", list(presets), key="lab_preset", on_change=_load_pres
 if "lab_arch" not in st.session_state:  # a fresh session starts from the first preset
     _load_preset()
 c = st.columns(5)
-arch = c[0].selectbox("Architecture", list(ARCHS), key="lab_arch",
-                      help="transformer: attention + MLP blocks; mamba2: Mamba-2 blocks (no MLP); hybrid: both, "
+arch = _choice(c[0], "Architecture", "lab_arch",
+               help="transformer: attention + MLP blocks; mamba2: Mamba-2 blocks (no MLP); hybrid: both, "
                            "one letter per layer in the pattern")
-pattern = c[1].text_input("Layer pattern (hybrid)", key="lab_pattern", disabled=arch != "hybrid",
+pattern = c[1].text_input("Layer pattern (hybrid)", key="lab_pattern", disabled=arch != "hybrid", bind="query-params",
                           help="one letter per layer, A attention or M Mamba-2; empty: M and A alternating")
-ssm_state = c[2].number_input("SSM state N", 1, 128, key="lab_ssm_state",
-                              disabled=arch == "transformer")
-ssm_groups = c[3].number_input("SSM groups", 1, 64, key="lab_ssm_groups",
-                               disabled=arch == "transformer",
-                               help="groups of Mamba-2 heads sharing B and C; tensor parallel needs tp to divide it")
-ssm_chunk = c[4].number_input("SSD chunk", 1, 256, key="lab_ssm_chunk",
-                              disabled=arch == "transformer", help="the chunked scan's chunk length; divides the "
-                              "sequence (and each context-parallel slice)")
+ssm_state = _number(c[2], "SSM state N", "lab_ssm_state", disabled=arch == "transformer")
+ssm_groups = _number(c[3], "SSM groups", "lab_ssm_groups", disabled=arch == "transformer",
+                     help="groups of Mamba-2 heads sharing B and C; tensor parallel needs tp to divide it")
+ssm_chunk = _number(c[4], "SSD chunk", "lab_ssm_chunk", disabled=arch == "transformer",
+                    help="the chunked scan's chunk length; divides the sequence (and each context-parallel slice)")
 c = st.columns(5)
-layers = c[0].number_input("Layers", 1, 32, key="lab_layers")
-hidden = c[1].number_input("Hidden size", 8, 1024, step=8, key="lab_hidden")
-heads = c[2].number_input("Attention heads", 1, 32, key="lab_heads")
-kv_heads = c[3].number_input("KV heads", 1, 32, key="lab_kv_heads",
-                             help="grouped-query attention: each KV head serves heads / kv_heads query heads")
-ffn = c[4].number_input("MLP width", 8, 4096, step=8, key="lab_ffn")
+layers = _number(c[0], "Layers", "lab_layers")
+hidden = _number(c[1], "Hidden size", "lab_hidden")
+heads = _number(c[2], "Attention heads", "lab_heads")
+kv_heads = _number(c[3], "KV heads", "lab_kv_heads",
+                   help="grouped-query attention: each KV head serves heads / kv_heads query heads")
+ffn = _number(c[4], "MLP width", "lab_ffn")
 c = st.columns(5)
-vocab = c[0].number_input("Vocabulary", 16, 32000, key="lab_vocab")
-seq_len = c[1].number_input("Sequence length", 4, 1024, key="lab_seq")
-mlp = c[2].selectbox("MLP", ["dense", "moe"], key="lab_mlp")
-experts = c[3].number_input("Experts", 1, 16, key="lab_experts", disabled=mlp != "moe")
-top_k = c[4].number_input("Top-k", 1, 16, key="lab_top_k", disabled=mlp != "moe")
+vocab = _number(c[0], "Vocabulary", "lab_vocab")
+seq_len = _number(c[1], "Sequence length", "lab_seq")
+mlp = _choice(c[2], "MLP", "lab_mlp")
+experts = _number(c[3], "Experts", "lab_experts", disabled=mlp != "moe")
+top_k = _number(c[4], "Top-k", "lab_top_k", disabled=mlp != "moe")
 unset = ModelConfig()  # a greyed-out field's value does not count: the default stands
 moe, ssm = mlp == "moe", arch != "transformer"
 model = ModelConfig(layers=int(layers), hidden=int(hidden), heads=int(heads), kv_heads=int(kv_heads), ffn=int(ffn),
@@ -96,35 +129,33 @@ axis_help = {"pp": "pipeline stages", "dp": "data-parallel replicas (with fsdp t
              "ep": "expert parallel: experts split, tokens sent by all-to-all (needs the MoE MLP)",
              "tp": "tensor parallel: heads and MLP columns split"}
 c = st.columns(6)
-mesh = {axis: int(col.number_input(axis, 1, 8, 2 if axis == "dp" else 1, key=f"lab_{axis}", help=axis_help[axis]))
+mesh = {axis: int(_number(col, axis, f"lab_{axis}", value=2 if axis == "dp" else 1, help=axis_help[axis]))
         for col, axis in zip(c, ("pp", "dp", "fsdp", "cp", "ep", "tp"), strict=True)}
 c = st.columns(4)
-zero_stage = c[0].selectbox("ZeRO stage", [0, 1, 2, 3], key="lab_zero",
-                            help="over the data axes: 0 replicates; 1 shards Adam's state, 2 also the gradients, "
+zero_stage = _choice(c[0], "ZeRO stage", "lab_zero",
+                     help="over the data axes: 0 replicates; 1 shards Adam's state, 2 also the gradients, "
                                  "3 also the weights, over fsdp when the mesh has it, else over dp (the other "
                                  "data axes keep replicas of the shards)")
-schedule = c[1].selectbox("Pipeline schedule", SCHEDULES, key="lab_schedule", disabled=mesh["pp"] == 1)
-virtual = c[2].number_input("Virtual stages", 1, 4, 1, key="lab_virtual",
-                            disabled=mesh["pp"] == 1 or schedule != "interleaved-1f1b")
-sequence_parallel = c[3].toggle("Sequence parallel (with tp)", key="lab_sp", disabled=mesh["tp"] == 1)
-ssm_cp = st.radio("A Mamba-2 layer under cp", SSM_CP_VARIANTS, horizontal=True, key="lab_ssm_cp",
-                  disabled=mesh["cp"] == 1 or arch == "transformer",
-                  format_func={"state": "state passing (rank to rank)", "alltoall": "all-to-all to heads"}.get)
+schedule = _choice(c[1], "Pipeline schedule", "lab_schedule", disabled=mesh["pp"] == 1)
+virtual = _number(c[2], "Virtual stages", "lab_virtual", value=1,
+                  disabled=mesh["pp"] == 1 or schedule != "interleaved-1f1b")
+sequence_parallel = c[3].toggle("Sequence parallel (with tp)", key="lab_sp", disabled=mesh["tp"] == 1,
+                                bind="query-params")
+ssm_cp = st.radio("A Mamba-2 layer under cp", LAB_CHOICES["lab_ssm_cp"], horizontal=True, key="lab_ssm_cp",
+                  disabled=mesh["cp"] == 1 or arch == "transformer", bind="query-params",
+                  format_func=lambda o: lab_label("lab_ssm_cp", o))
 
 st.subheader("Batch and steps")
 c = st.columns(5)
-micro_batches = c[0].number_input("Micro-batches", 1, 16, 2 if mesh["pp"] > 1 else 1, key="lab_mb")
-micro_batch_size = c[1].number_input("Sequences per micro-batch", 1, 16, 2, key="lab_mbs")
-steps = c[2].number_input("Steps", 1, 20, 3, key="lab_steps")
-dtype = c[3].selectbox("Number format", DTYPES, key="lab_dtype",
-                       format_func={"float32": "fp32", "bfloat16": "bf16 mixed precision"}.get,
-                       help="fp32: checked to fp32 rounding. bf16: matmuls in bf16, weights, gradients and Adam "
+micro_batches = _number(c[0], "Micro-batches", "lab_mb", value=2 if mesh["pp"] > 1 else 1)
+micro_batch_size = _number(c[1], "Sequences per micro-batch", "lab_mbs", value=2)
+steps = _number(c[2], "Steps", "lab_steps", value=3)
+dtype = _choice(c[3], "Number format", "lab_dtype",
+                help="fp32: checked to fp32 rounding. bf16: matmuls in bf16, weights, gradients and Adam "
                             "state in fp32 (mixed precision), checked against a single-process bf16 run with "
                             "bf16's tolerances (engine/verify.py); not with MoE layers, and not predicted.")
-found = gpus()
-devices = ["cpu"] + (["cuda"] if found else [])
-device = c[4].selectbox("Device", devices, key="lab_device",
-                        help="cuda: NCCL when each rank has its own GPU, otherwise GPU compute with gloo")
+device = _choice(c[4], "Device", "lab_device", options=devices,
+                 help="cuda: NCCL when each rank has its own GPU, otherwise GPU compute with gloo")
 if found:
     st.caption("GPUs here: " + "; ".join(f"{name} ({gib:,.0f} GiB)" for name, gib in found))
 else:

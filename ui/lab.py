@@ -6,16 +6,69 @@ from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 
 import plotly.graph_objects as go
 
 from core.mesh import AXES
-from engine.config import ModelConfig, ParallelConfig, RunConfig, step_flops, strategy_for
+from engine.config import (
+    ARCHS,
+    DTYPES,
+    SSM_CP_VARIANTS,
+    ModelConfig,
+    ParallelConfig,
+    RunConfig,
+    step_flops,
+    strategy_for,
+)
 from ui.live import LiveRun, prediction_error, representative_step
 from ui.timeline import step_timeline, timeline_figure
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1")
+
+# The Lab's controls, each bound to the link's query parameter of its key, so that a shared link opens the same
+# experiment. Whole numbers: (lowest, highest, step) of their boxes; choices: their options, written in the link
+# as the page labels them (LAB_LABELS; Streamlit's bound selectboxes and radios read and write the label).
+LAB_NUMBERS = {"lab_ssm_state": (1, 128, 1), "lab_ssm_groups": (1, 64, 1), "lab_ssm_chunk": (1, 256, 1),
+               "lab_layers": (1, 32, 1), "lab_hidden": (8, 1024, 8), "lab_heads": (1, 32, 1),
+               "lab_kv_heads": (1, 32, 1), "lab_ffn": (8, 4096, 8), "lab_vocab": (16, 32000, 1),
+               "lab_seq": (4, 1024, 1), "lab_experts": (1, 16, 1), "lab_top_k": (1, 16, 1),
+               **{f"lab_{axis}": (1, 8, 1) for axis in ("pp", "dp", "fsdp", "cp", "ep", "tp")},
+               "lab_virtual": (1, 4, 1), "lab_mb": (1, 16, 1), "lab_mbs": (1, 16, 1), "lab_steps": (1, 20, 1)}
+LAB_CHOICES = {"lab_arch": ARCHS, "lab_mlp": ("dense", "moe"), "lab_zero": (0, 1, 2, 3), "lab_schedule": SCHEDULES,
+               "lab_dtype": DTYPES, "lab_ssm_cp": SSM_CP_VARIANTS, "lab_device": ("cpu", "cuda")}
+LAB_LABELS = {"lab_dtype": {"float32": "fp32", "bfloat16": "bf16 mixed precision"},
+              "lab_ssm_cp": {"state": "state passing (rank to rank)", "alltoall": "all-to-all to heads"}}
+LAB_SWITCHES = ("lab_sp",)  # toggles: "true" or "false" in the link
+LAB_TEXTS = ("lab_pattern",)  # any text: the engine's check says what it makes of it
+LAB_PARAMS = frozenset({*LAB_NUMBERS, *LAB_CHOICES, *LAB_SWITCHES, *LAB_TEXTS})
+
+
+def lab_label(key: str, option) -> str:
+    """How the Lab shows `option` of the control `key`, and how a link writes it."""
+    return LAB_LABELS.get(key, {}).get(option, str(option))
+
+
+def lab_link_problems(params: Mapping[str, str], devices: Sequence[str]) -> dict[str, str]:
+    """The Lab's parameters in a link that its controls cannot take, each with what it should be: a whole number
+    in the box's range, one of the options (`devices`: the ones this server has), true or false."""
+    bad = {}
+    for key, text in params.items():
+        text = str(text).strip()
+        if key in LAB_NUMBERS:
+            low, high, _ = LAB_NUMBERS[key]
+            if not (text.isdigit() and low <= int(text) <= high):
+                bad[key] = f"a whole number from {low} to {high}"
+        elif key in LAB_CHOICES:
+            options = [o for o in LAB_CHOICES[key] if key != "lab_device" or o in devices]
+            if text not in [lab_label(key, o) for o in options]:
+                gpu_less = key == "lab_device" and "cuda" not in devices
+                bad[key] = "one of " + ", ".join(lab_label(key, o) for o in options) + (
+                    ": this server has no GPU" if gpu_less else "")
+        elif key in LAB_SWITCHES and text not in ("true", "false"):
+            bad[key] = "true or false"
+    return bad
 
 
 def lab_config(model: ModelConfig, mesh: dict[str, int], zero_stage: int, schedule: str, virtual_stages: int,

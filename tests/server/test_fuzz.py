@@ -53,6 +53,21 @@ def test_every_page_opens_with_a_mangled_link(lesson):
     opens()
 
 
+def test_the_lab_opens_with_a_mangled_link():
+    from ui.lab import LAB_PARAMS
+
+    @settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(st.dictionaries(st.sampled_from(sorted(LAB_PARAMS)), junk, min_size=1, max_size=6))
+    def opens(params):
+        at = open_app("app_pages/lab.py", **params)
+        assert not at.exception, (params, [e.value for e in at.exception])
+        warned = " ".join(w.value for w in at.sidebar.warning)
+        assert "unknown link parameter" not in warned, warned  # the Lab's keys are known to the app
+        assert at.button  # the page rendered down to its Run button
+
+    opens()
+
+
 # -- the engine's configuration ------------------------------------------------------------------------
 
 FLAGS = {

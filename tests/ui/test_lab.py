@@ -215,3 +215,28 @@ def test_the_servers_caps_are_said_before_run(monkeypatch):
         assert next(b for b in at.button if b.label == "Run this experiment").disabled
     finally:
         q.shutdown()
+
+
+def test_a_shared_link_opens_the_same_experiment_and_says_what_it_could_not_take():
+    at = open_app(LAB, lab_layers="4", lab_hidden="128", lab_dp="1", lab_tp="2", lab_sp="true",
+                  lab_dtype="bf16 mixed precision", lab_zero="9", lab_steps="999", lab_device="cuda")
+    assert not at.exception, [e.value for e in at.exception]
+    assert (at.number_input(key="lab_layers").value, at.number_input(key="lab_hidden").value) == (4, 128)
+    assert at.toggle(key="lab_sp").value and at.selectbox(key="lab_dtype").value == "bfloat16"
+    said = at.info[0].value
+    assert "lab_zero='9' (it takes one of 0, 1, 2, 3)" in said and "lab_steps='999'" in said
+    assert "this server has no GPU" in said or "cuda" not in said
+    assert at.selectbox(key="lab_zero").value == 0 and at.number_input(key="lab_steps").value == 3
+    assert "lab_zero" not in at.query_params and "lab_steps" not in at.query_params  # taken out of the link
+    assert any("**tp=2** on **2 processes**" in m.value for m in at.markdown)
+
+
+def test_link_problems_name_the_range_or_the_options():
+    from ui.lab import LAB_PARAMS, lab_link_problems
+
+    bad = lab_link_problems({"lab_layers": "2.5", "lab_hidden": "4", "lab_mlp": "sparse", "lab_sp": "yes",
+                             "lab_pattern": "<b>", "lab_ssm_cp": "all-to-all to heads", "lab_device": "cuda"},
+                            devices=["cpu", "cuda"])
+    assert bad == {"lab_layers": "a whole number from 1 to 32", "lab_hidden": "a whole number from 8 to 1024",
+                   "lab_mlp": "one of dense, moe", "lab_sp": "true or false"}
+    assert {"lab_layers", "lab_pp", "lab_tp", "lab_device", "lab_pattern"} <= LAB_PARAMS
