@@ -236,10 +236,17 @@ def unwritable_reason(path: str) -> str | None:
     directory = os.path.dirname(target)
     if os.path.isdir(path):
         return f"{path}: it is a folder; name a file, e.g. out.json"
+    if path.endswith(("/", os.sep)):  # "out/" names a folder, even one not made yet
+        return f"{path}: it ends in '/', so it names a folder; name a file, e.g. {path}out.json"
     if os.path.exists(target) and not os.path.isfile(target):  # a device or a pipe: written into, in place
         return None if os.access(target, os.W_OK) else f"{path}: it is not writable; choose another path"
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        return f"{path}: {directory} is a file, not a folder"
     if not os.path.isdir(directory):
         return f"{path}: its folder {directory} does not exist"
+    longest = os.pathconf(directory, "PC_NAME_MAX") if hasattr(os, "pathconf") else 255
+    if len(os.fsencode(os.path.basename(target))) > longest:
+        return f"{path}: its file name is longer than the {longest} bytes a name may have here; choose a shorter one"
     if not os.access(directory, os.W_OK | os.X_OK) or (os.path.exists(target) and not os.access(target, os.W_OK)):
         return f"{path}: it is not writable; choose another path"
     return None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from dataclasses import replace
 
@@ -25,6 +26,7 @@ from core.timeline import unwritable_reason
 from engine.config import (
     ARCHS,
     DTYPES,
+    MAX_MODEL,
     SSM_CP_VARIANTS,
     ConfigError,
     ModelConfig,
@@ -126,6 +128,11 @@ def config_from_args(args, world: int | None = None) -> RunConfig:
     layers = args.layers
     if layers is None:
         layers = _default_layers(parallel, world, args.virtual_stages, args.pattern)
+        most = MAX_MODEL["layers"]
+        if layers > most:  # the layers were not given: name what made them so many
+            raise ConfigError(f"--pattern has {layers:,} letters, one layer each, and the engine runs at most {most:,}"
+                              if args.pattern else f"pp x --virtual-stages = {layers:,} layers, one per chunk, and "
+                              f"the engine runs at most {most:,}: use a smaller --virtual-stages")
     mlp = args.mlp or ("moe" if strategy == "ep" else "dense")
     model = replace(ModelConfig(), mlp=mlp, layers=layers, experts=args.experts, top_k=args.top_k,
                     capacity_factor=args.capacity_factor, seq_len=args.seq_len, heads=args.heads,
@@ -203,6 +210,8 @@ def _human(summary) -> str:
                      f"dropped {load['dropped_fraction']:.1%}")
     pred = summary.predicted
     if pred is not None:
+        # what the calibration said (measured now, could not be kept, ...): the JSON's "calibration"
+        lines += [f"calibration: {message}" for message in pred.get("calibration", [])]
         lines.append(prediction_line(summary.step_time_s, pred))
         if (spread := step_spread_words(summary.step_times_s, pred.get("step_time_s"))) is not None:
             lines.append(f"measured: {spread}")
@@ -226,21 +235,47 @@ def prediction_line(measured_s: float, pred: dict) -> str:
             + (f"; {speed_words(speed)}" if speed != 1.0 else ""))
 
 
+USAGE = ("usage: python -m engine run [--strategy {dp,fsdp,tp,pp,cp,ep}] [--mesh AXIS=N,...] [options]\n"
+         "Runs real sharded training steps on local processes, optionally checked against a single process\n"
+         "(--check), predicted by the planner (--predict) and traced (--trace). Every option: "
+         "python -m engine run -h")
+
+
+class Terminated(KeyboardInterrupt):
+    """A SIGTERM, turned into the interrupt the run already cleans up after (its workers, its temporary folder)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _on_terminate(signum, frame):
+    raise Terminated(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return EXIT_OK
     if not argv or argv[0] != "run":
-        print("usage: python -m engine run --strategy {dp,fsdp,tp,pp,cp,ep} [options]   "
-              "(see: python -m engine run -h)", file=sys.stderr)
+        unknown = f"unknown command '{argv[0]}': the engine's one command is run\n" if argv else ""
+        print(unknown + USAGE, file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
         args = run_parser("python -m engine run").parse_args(argv[1:])
     except ConfigError as e:
         as_json = any(len(a) > 2 and "--json".startswith(a) for a in argv)  # argparse takes --js for --json
         return _fail(argparse.Namespace(json=as_json), str(e), EXIT_BAD_INPUT)
+    previous = signal.signal(signal.SIGTERM, _on_terminate)
     try:
         return _run(args)
+    except Terminated as e:  # as an interrupt: cleaned up, said, one JSON object; the shell's 128 + signal
+        return _fail(args, "terminated", 128 + e.signum)
     except KeyboardInterrupt:  # the pool's workers are stopped by its own cleanup (engine/launch.py)
         return _fail(args, "interrupted", EXIT_INTERRUPTED)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def check_trace_path(path: str | None) -> None:
@@ -254,7 +289,7 @@ def _fail(args, message: str, code: int, **extra) -> int:
     """Say why on stderr (and, with --json, as the one JSON object on stdout); return the exit code."""
     print(f"error: {message}", file=sys.stderr)
     if args.json:
-        print(json.dumps({"ok": False, "error": message, **extra}))
+        write_result(json.dumps({"ok": False, "error": message, **extra}))
     return code
 
 

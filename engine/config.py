@@ -7,7 +7,6 @@ before they start any worker).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from core.mesh import AXES, Mesh
@@ -28,6 +27,14 @@ DP_COMM_MODES = ("naive", "bucketed")
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16")  # bfloat16: mixed precision, engine.model.mixed_precision
 MAX_WORLD = 64  # more local processes than this only thrashes a laptop-sized machine
+# The largest model and batch a run may state, checked before anything is built or counted from them (a model
+# of 10^12 layers spelled its layer kinds out as a 10^12-letter string): far beyond what fits this machine's
+# memory or a GPU's, so only a typo reaches them.
+MAX_MODEL = {"layers": 4096, "hidden": 65536, "heads": 4096, "kv_heads": 4096, "ffn": 262144, "vocab": 1048576,
+             "seq_len": 1048576, "experts": 4096, "ssm_state": 4096, "ssm_head_dim": 4096, "ssm_expand": 64,
+             "ssm_groups": 4096, "conv_width": 1024, "ssm_chunk": 1048576}
+MAX_MICRO_BATCHES = 4096  # micro-batches per step, and sequences per micro-batch
+MAX_CAPACITY_FACTOR = 1000.0  # any factor from experts / top_k up already keeps every token an expert is sent
 
 
 class ConfigError(ValueError):
@@ -238,11 +245,17 @@ def _check(ok: bool, message: str) -> None:
 def validate_model(m: ModelConfig) -> None:
     for name in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len"):
         _check(getattr(m, name) >= 1, f"model {name}={getattr(m, name)} must be at least 1")
+    for name, most in MAX_MODEL.items():
+        _check(getattr(m, name) <= most, f"model {name}={getattr(m, name):,} is more than the engine runs (at most "
+               f"{most:,}): choose a smaller --{name.replace('_', '-')}")
     _check(m.mlp in ("dense", "moe"), f"mlp={m.mlp!r} must be 'dense' or 'moe'")
+    _check(m.capacity_factor is None or m.mlp == "moe",
+           f"capacity_factor={m.capacity_factor} limits the tokens each expert takes, and this model has no experts: "
+           "drop --capacity-factor or use --mlp moe")
     _validate_mamba(m)
     if not m.has_attention:
         _check(m.mlp == "dense", "a Mamba-2 stack has no MLP to make MoE: use --arch hybrid for MoE layers "
-               "beside Mamba-2 layers, or drop --mlp moe")
+               "beside Mamba-2 layers, or a dense MLP (no --mlp moe, no --strategy ep or ep axis)")
         return
     # one token attends to itself alone: its softmax is 1 whatever the query and key, so wq and wk get no
     # gradient but rounding noise, which Adam scales to full-size updates that no layout reproduces
@@ -257,8 +270,10 @@ def validate_model(m: ModelConfig) -> None:
     if m.mlp == "moe":
         _check(m.experts >= 1, f"experts={m.experts} must be at least 1 for mlp='moe'")
         _check(1 <= m.top_k <= m.experts, f"top_k={m.top_k} must be between 1 and experts={m.experts}")
-        _check(m.capacity_factor is None or 0 < m.capacity_factor < math.inf,
-               f"capacity_factor={m.capacity_factor} must be a positive number (or None for no limit)")
+        _check(m.capacity_factor is None or 0 < m.capacity_factor <= MAX_CAPACITY_FACTOR,
+               f"capacity_factor={m.capacity_factor} must be a positive number up to {MAX_CAPACITY_FACTOR:,.0f} "
+               f"(from experts / top_k = {m.experts / m.top_k:g} up every token an expert is sent is kept), "
+               "or left out for no limit")
 
 
 def _validate_mamba(m: ModelConfig) -> None:
@@ -267,7 +282,7 @@ def _validate_mamba(m: ModelConfig) -> None:
     if m.pattern:
         _check(len(m.pattern) == m.layers and set(m.pattern) <= {ATTENTION, MAMBA},
                f"pattern={m.pattern!r} must have one letter per layer (layers={m.layers}), "
-               f"{ATTENTION} for attention or {MAMBA} for Mamba-2, e.g. {'MA' * (m.layers // 2) or 'M'}")
+               f"{ATTENTION} for attention or {MAMBA} for Mamba-2, e.g. {('MA' * m.layers)[:m.layers]}")
     if MAMBA not in m.kinds:
         return
     for name in ("ssm_state", "ssm_head_dim", "ssm_expand", "ssm_groups", "conv_width", "ssm_chunk"):
@@ -289,15 +304,23 @@ def validate(cfg: RunConfig) -> RunConfig:
     p = cfg.parallel
     _check(1 <= cfg.world <= MAX_WORLD, f"world={cfg.world} must be between 1 and {MAX_WORLD}")
     _check(cfg.steps >= 1, f"steps={cfg.steps} must be at least 1")
-    _check(cfg.micro_batches >= 1, f"micro_batches={cfg.micro_batches} must be at least 1")
-    _check(cfg.micro_batch_size >= 1, f"micro_batch_size={cfg.micro_batch_size} must be at least 1")
+    _check(1 <= cfg.micro_batches <= MAX_MICRO_BATCHES,
+           f"micro_batches={cfg.micro_batches:,} must be between 1 and {MAX_MICRO_BATCHES:,}: "
+           "use fewer --micro-batches")
+    _check(1 <= cfg.micro_batch_size <= MAX_MICRO_BATCHES, f"micro_batch_size={cfg.micro_batch_size:,} must be "
+           f"between 1 and {MAX_MICRO_BATCHES:,}: use a smaller --micro-batch-size")
+    _check(1 <= p.virtual_stages <= cfg.model.layers,
+           f"virtual_stages={p.virtual_stages:,} must be between 1 and layers={cfg.model.layers}: each chunk of a "
+           "pipeline rank holds at least one layer; use a smaller --virtual-stages")
     _check(cfg.device in DEVICES, f"device={cfg.device!r} must be one of {', '.join(DEVICES)}")
     _check(cfg.dtype in DTYPES, f"dtype={cfg.dtype!r} is not supported; use {', '.join(DTYPES)}")
     _check(cfg.lr > 0, f"lr={cfg.lr} must be positive")
     largest = (2**64 - cfg.steps) // SEED_STRIDE  # data_seed(seed, steps - 1) < 2**64
     _check(0 <= cfg.seed <= largest, f"seed={cfg.seed} must be between 0 and {largest:,} (each step's batch is "
            f"seeded with seed x {SEED_STRIDE:,} + step, at most 2**64 - 1)")
-    _check(cfg.timeout_s > 0 and cfg.collective_timeout_s > 0, "timeouts must be positive seconds")
+    _check(cfg.timeout_s > 0, f"timeout_s={cfg.timeout_s} must be a positive number of seconds (--timeout-s)")
+    _check(cfg.collective_timeout_s > 0,
+           f"collective_timeout_s={cfg.collective_timeout_s} must be a positive number of seconds")
     _check(p.strategy in STRATEGIES, f"strategy={p.strategy!r} is not available; use one of "
            f"{', '.join(STRATEGIES)}")
     _check(p.stage in (0, 1, 2, 3), f"zero_stage={p.stage} must be 0, 1, 2 or 3")
@@ -440,13 +463,23 @@ def least_memory_bytes(cfg: RunConfig, check: bool = False) -> float:
     """Bytes a CPU run needs at the least, over all its processes: every parameter's weight and Adam moments
     once, however the ranks shard them, with either its gradient or, where a strategy frees the gradients for
     the step (fsdp, the naive dp sync), one micro-batch's fp32 logits and their gradient on a rank of the loss
-    (split over tp); --check's single-process reference holds one more whole model beside them."""
+    (split over tp); each process's copy of the step's token ids (`batch_bytes`); --check's single-process
+    reference holds one more whole model and batch beside them."""
     m = cfg.model
     logits = cfg.micro_batch_size * m.seq_len * m.vocab / cfg.parallel.degree("tp", cfg.world)
     state = (FP32_WEIGHT_BYTES + ADAM_STATE_BYTES) * m.params
     run = state + max(FP32_GRAD_BYTES * m.params, 2 * 4 * logits)
     whole = (FP32_WEIGHT_BYTES + FP32_GRAD_BYTES + ADAM_STATE_BYTES) * m.params
-    return run + (whole if check else 0)
+    return run + (whole if check else 0) + batch_bytes(cfg) * (cfg.world + check)
+
+
+TOKEN_BYTES = 8  # torch.randint's int64 token ids
+
+
+def batch_bytes(cfg: RunConfig) -> float:
+    """The step's token ids, which every process draws whole (engine.model.global_batch): the global batch of
+    seq_len + 1 tokens (inputs and their next-token targets are views of it)."""
+    return cfg.global_batch * (cfg.model.seq_len + 1) * TOKEN_BYTES
 
 
 def check_fits_machine(cfg: RunConfig, check: bool = False) -> None:
@@ -457,9 +490,9 @@ def check_fits_machine(cfg: RunConfig, check: bool = False) -> None:
     _check(cfg.device != "cpu" or total is None or need <= total,
            f"this run needs at least {need / 2**30:,.1f} GiB ({cfg.model.params:,} parameters' fp32 weights and Adam "
            f"moments, and their gradients or the logits of {cfg.micro_batch_size} x {cfg.model.seq_len} tokens over "
-           f"{cfg.model.vocab:,} words{reference}), and this machine "
-           f"has {total / 2**30 if total else 0:,.1f} GiB: make the model smaller (--vocab, --hidden, --layers, "
-           "--ffn, --experts) or the batch (--micro-batch-size, --seq-len)")
+           f"{cfg.model.vocab:,} words, and each process's {cfg.global_batch:,} sequences of token ids{reference}), "
+           f"and this machine has {total / 2**30 if total else 0:,.1f} GiB: make the model smaller (--vocab, --hidden, "
+           "--layers, --ffn, --experts) or the batch (--micro-batches, --micro-batch-size, --seq-len)")
 
 
 def _tp_sizes(heads: int, kv_heads: int) -> str:

@@ -239,16 +239,26 @@ class Calibration:
                 from hardware.probe import ProbeResult
 
                 ProbeResult(**probe)  # the roofline the hardware lesson draws: its fields, or a TypeError
-            return cls(key=str(d["key"]), created_s=float(d["created_s"]), cpus=int(d["cpus"]), torch=str(d["torch"]),
+                _numbers({k: probe[k] for k in ("matmul_flops_per_s", "memory_bytes_per_s")})
+            return cls(key=str(d["key"]), created_s=_finite(d["created_s"]), cpus=int(d["cpus"]),
+                       torch=str(d["torch"]),
                        compute={k: Fit(**_numbers(v)) for k, v in d["compute"].items()},
-                       engine_units={k: float(v) for k, v in d["engine_units"].items()},
-                       compute_share={int(k): float(v) for k, v in d["compute_share"].items()},
-                       resume_s={int(k): float(v) for k, v in d["resume_s"].items()},
+                       engine_units={k: _finite(v) for k, v in d["engine_units"].items()},
+                       compute_share={int(k): _finite(v) for k, v in d["compute_share"].items()},
+                       resume_s={int(k): _finite(v) for k, v in d["resume_s"].items()},
                        comm={k: CommFit(**_numbers(v)) for k, v in d["comm"].items()},
                        probe=probe,
-                       worlds=[int(w) for w in d["worlds"]], reference_s=float(d.get("reference_s", 0.0)))
+                       worlds=[int(w) for w in d["worlds"]], reference_s=_finite(d.get("reference_s", 0.0)))
         except (KeyError, TypeError, ValueError, AttributeError, ArithmeticError) as e:  # int(1e400): OverflowError
             raise CalibrationError(f"the calibration file is malformed ({type(e).__name__}: {e})") from None
+
+
+def _finite(value) -> float:
+    """One number of the file: finite (a NaN speed or age would pass every comparison that guards it)."""
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{value!r} is not a finite number")
+    return number
 
 
 def _numbers(fields: dict) -> dict:

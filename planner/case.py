@@ -672,7 +672,7 @@ def _unique_keys(pairs: list) -> dict:
 
 def load_case(path: str) -> Case:
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # a BOM (Windows editors write one) is not part of the JSON
             data = json.load(f, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as e:
         raise SpecError("case", f"malformed JSON in {path}: {e}") from None

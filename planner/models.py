@@ -41,6 +41,12 @@ MAX_LAYERS = 10_000
 # hidden size and 6x the longest published context (Llama 4 Scout's 10M), and keeps every FLOP and byte count
 # a float can hold (a mistyped 10^200 would overflow them).
 MAX_DIM = 2 ** 26
+MAX_SSM_EXPAND = 64  # d_inner = ssm_expand x hidden: published Mamba models expand 2x
+
+
+def _count(v: int) -> str:
+    """A count as a message quotes it: digits with separators, or 1.23e+200 for a mistyped giant."""
+    return f"{v:,}" if v < 10**15 else f"{float(v):.3g}" if v < 10**308 else f"a {len(str(v))}-digit number"
 
 
 class SpecError(ValueError):
@@ -178,8 +184,8 @@ class ModelSpec:
         for f in ("hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len", "head_dim", "dense_ffn"):
             v = getattr(self, f)
             if isinstance(v, int) and v > MAX_DIM:
-                raise SpecError(f"{prefix}.{f}", f"{v:,} is more than the {MAX_DIM:,} the planner models; check the "
-                                "number")
+                raise SpecError(f"{prefix}.{f}", f"{_count(v)} is more than the {MAX_DIM:,} the planner models; "
+                                "check the number")
         if self.layers > MAX_LAYERS:
             raise SpecError(f"{prefix}.layers", f"{self.layers:,} is more than the {MAX_LAYERS:,} layers the planner "
                             "models (published models have a few hundred at most); check the number")
@@ -209,6 +215,9 @@ class ModelSpec:
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise SpecError(f"{prefix}.{f}", f"must be a non-negative integer, got {v!r}")
+            if v > MAX_DIM:
+                raise SpecError(f"{prefix}.{f}", f"{_count(v)} is more than the {MAX_DIM:,} the planner models; "
+                                "check the number")
         if not self.is_mla:
             for f in ("q_lora_rank", "rope_head_dim"):
                 if getattr(self, f):
@@ -277,6 +286,10 @@ class ModelSpec:
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise SpecError(f"{prefix}.{f}", f"must be a positive integer, got {v!r}")
+            most = MAX_SSM_EXPAND if f == "ssm_expand" else MAX_DIM
+            if v > most:
+                raise SpecError(f"{prefix}.{f}", f"{_count(v)} is more than the {most:,} the planner models; "
+                                "check the number")
         if MAMBA not in pattern:
             return
         if self.ssm_inner % self.ssm_head_dim:

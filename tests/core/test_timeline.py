@@ -105,3 +105,14 @@ def test_a_trace_is_written_through_a_link_and_into_a_pipe_never_over_them(tmp_p
     reader.join(timeout=10)
     assert json.loads(got[0])["traceEvents"] and not os.path.isfile(fifo)  # still a pipe
     assert unwritable_reason(os.devnull) is None  # written into, as any program writes /dev/null
+
+
+def test_a_path_that_names_a_folder_or_too_long_a_name_is_refused_before_the_run(tmp_path):
+    from core.timeline import unwritable_reason
+
+    assert "it ends in '/', so it names a folder" in unwritable_reason(str(tmp_path / "not-made-yet") + "/")
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert unwritable_reason(str(afile / "x.json")).endswith(f"{afile} is a file, not a folder")
+    assert "longer than the" in unwritable_reason(str(tmp_path / ("a" * 300 + ".json")))
+    assert unwritable_reason(str(tmp_path / "fine.json")) is None

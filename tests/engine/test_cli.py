@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -41,10 +42,22 @@ def test_bad_input_exits_2_with_a_message(args, says):
     (["--strategy", "ep", "--capacity-factor", "inf"], "capacity_factor=inf must be a positive number"),
     (["--schedule", "interleaved-1f1b", "--virtual-stages", "3"], "this mesh has no pp axis"),
     (["--schedule", "gpipe"], "--schedule gpipe orders pipeline stages, and this mesh has no pp axis"),
-    (["--vocab", "50000000"], "this run needs at least 95.4 GiB"),
+    (["--vocab", "1000000", "--hidden", "4096"], "this run needs at least 123.6 GiB"),
     (["--trace", "/"], "--trace /: it is a folder"),
     (["--trace", "/no/such/folder/t.json"], "its folder /no/such/folder does not exist"),
     (["--world", "abc"], "argument --world: invalid int value: 'abc' (see: python -m engine run -h)"),
+    # sizes past anything this machine or a GPU holds are refused before anything is built from them (10^12
+    # layers had spelled out 10^12 layer kinds; 10^9 micro-batches had drawn a terabyte of token ids per rank)
+    (["--layers", "1000000000000"], "model layers=1,000,000,000,000 is more than the engine runs (at most 4,096)"),
+    (["--mesh", "pp=2", "--schedule", "interleaved-1f1b", "--virtual-stages", "1000000000000"],
+     "use a smaller --virtual-stages"),
+    (["--heads", "1000000000", "--hidden", "2000000000"], "choose a smaller --hidden"),
+    (["--micro-batches", "1000000000"], "use fewer --micro-batches"),
+    (["--strategy", "ep", "--capacity-factor", "1e20"], "up to 1,000 (from experts / top_k = 2 up"),
+    (["--capacity-factor", "nan"], "this model has no experts: drop --capacity-factor"),
+    (["--timeout-s", "nan"], "timeout_s=nan must be a positive number of seconds (--timeout-s)"),
+    (["--arch", "hybrid", "--layers", "3", "--pattern", "MAX"], "e.g. MAM"),
+    (["--trace", "/no/such/folder/"], "it ends in '/', so it names a folder"),
 ])
 def test_refused_before_any_worker_starts_with_json_too(args, says, capsys, monkeypatch):
     """Each is refused with exit 2 and a message before a rank starts (a model too big for this machine before
@@ -167,3 +180,43 @@ def test_a_mesh_without_a_strategy_runs_what_it_needs():
     assert strategy("--mesh", "fsdp=2", "--world", "2") == "fsdp"
     assert strategy("--mesh", "pp=2,dp=2,tp=2", "--world", "8") == "dp"
     assert strategy() == "dp"
+
+
+def test_help_and_unknown_commands():
+    from engine import cli
+
+    assert cli.main(["--help"]) == 0 and cli.main(["-h"]) == 0
+    assert cli.main(["sweep"]) == 2
+
+
+def test_unknown_command_is_named(capsys):
+    from engine import cli
+
+    assert cli.main(["calibrate"]) == 2
+    assert "unknown command 'calibrate'" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_an_unwritable_stdout_is_said_not_a_traceback():
+    with open("/dev/full", "w") as full:
+        out = subprocess.run([sys.executable, "-m", "engine", "run", "--world", "0", "--json"], cwd=ROOT,
+                             stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert "Traceback" not in out.stderr and out.returncode == 2
+
+
+@pytest.mark.multiprocess
+def test_sigterm_ends_the_run_like_an_interrupt(tmp_path):
+    """A TERM (a scheduler's, `kill`'s) is cleaned up after as Ctrl-C is: the workers stopped, their log folder
+    removed, one JSON object on stdout; the exit status is the shell's 128 + 15."""
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-m", "engine", "run", "--world", "2", "--steps", "100000", "--json"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob("shardlab-pool-*")) and time.monotonic() < deadline:  # the workers are up
+        time.sleep(0.1)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert json.loads(out) == {"ok": False, "error": "terminated"}
+    assert not list(tmp_path.glob("shardlab-pool-*"))

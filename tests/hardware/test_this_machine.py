@@ -67,6 +67,14 @@ def test_corrupt_file_says_why_and_is_measured_again(cache, content, says):
     (json.dumps({**_cal().to_dict(), "compute": {"linear": {"fwd_fixed_s": "1", "fwd_per_unit_s": 1}}}).encode(),
      "malformed"),
     (json.dumps({**_cal().to_dict(), "probe": [1, 2]}).encode(), "malformed"),
+    # a NaN passes every comparison that guards it: "ran its reference Block nanx faster", a prediction
+    # without compute; refused wherever a number is read
+    (json.dumps({**_cal().to_dict(), "reference_s": float("nan")}).encode(), "malformed"),
+    (json.dumps({**_cal().to_dict(), "created_s": float("inf")}).encode(), "malformed"),
+    (json.dumps({**_cal().to_dict(), "compute_share": {"2": float("nan")}}).encode(), "malformed"),
+    (json.dumps({**_cal().to_dict(), "engine_units": {"step": float("nan")}}).encode(), "malformed"),
+    (json.dumps({**_cal().to_dict(), "probe": {**_cal().probe, "matmul_flops_per_s": float("nan")}}).encode(),
+     "malformed"),
 ])
 def test_a_file_of_any_other_shape_is_measured_again_not_a_traceback(cache, content, says):
     tm.cache_path("abc").write_bytes(content)

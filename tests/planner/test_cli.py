@@ -1,6 +1,7 @@
 """`python -m planner estimate|search`: output keys, and exit 2 with the field named on bad input."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -105,6 +106,13 @@ def _bad(**edits):
     (_bad(training__ep_comm_overlap=True), "training.ep_comm_overlap"),  # no experts to route to
     (_bad(training__ep_dispatch="deepep"), "training.ep_dispatch"),
     (_bad(training__logit_metrics=10**9), "training.logit_metrics"),
+    # sizes no model has, each named: they had given NaN MFU and 1e298-second steps with exit 0
+    (_bad(model__experts=10**300), "model.experts"),
+    (_bad(model__kv_lora_rank=10**300), "model.kv_lora_rank"),
+    (_bad(model__layer_pattern="MMMM", model__layers=4, model__mlp="swiglu", model__ssm_expand=2**40),
+     "model.ssm_expand"),
+    (_bad(model__layer_pattern="MMMM", model__layers=4, model__mlp="swiglu", model__ssm_conv=10**300),
+     "model.ssm_conv"),
 ])
 def test_bad_input_exits_2_naming_the_field(tmp_path, capsys, case, field):
     assert main(["estimate", _write(tmp_path, case)]) == 2
@@ -203,3 +211,19 @@ def test_search_ranks_at_most_a_hundred_layouts(tmp_path, capsys):
     # each ranked layout is simulated pass by pass: --top 10^9 ran for minutes
     assert main(["search", _write(tmp_path, RUN), "--top", "101"]) == 2
     assert "--top: must be 1 to 100" in capsys.readouterr().err
+
+
+def test_a_case_saved_with_a_byte_order_mark_reads(tmp_path, capsys):
+    path = tmp_path / "bom.json"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(RUN).encode())  # as Windows editors save UTF-8
+    assert main(["estimate", str(path)]) == 0
+    assert json.loads(capsys.readouterr().out)["step_time_s"] > 0
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_an_unwritable_stdout_is_said_not_a_traceback(tmp_path):
+    path = _write(tmp_path, RUN)
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "planner", "estimate", path], stdout=full,
+                              stderr=subprocess.PIPE, text=True)
+    assert proc.returncode == 2 and "cannot write the result" in proc.stderr and "Traceback" not in proc.stderr
