@@ -11,11 +11,21 @@ import numpy  # noqa: F401
 import pandas  # noqa: F401
 import streamlit as st
 
+from app_pages.link_params import drop_from_link
 from hardware.chips import CHIPS
 from planner.models import DEFAULT_MODEL, MODEL_PRESETS
 from ui.lab import LAB_PARAMS
 from ui.lessons import LESSONS, page_params
-from ui.state import DEFAULT_MESH, MAX_AXIS_DEGREE, MESH_AXES, MESH_AXIS_HELP, Choices, non_finite_params, parse_choices
+from ui.state import (
+    DEFAULT_MESH,
+    MAX_AXIS_DEGREE,
+    MESH_AXES,
+    MESH_AXIS_HELP,
+    Choices,
+    link_value,
+    non_finite_params,
+    parse_choices,
+)
 from ui.tables import count
 
 DEFAULT_CHIP = "h100"
@@ -34,10 +44,10 @@ if "link_problems" not in st.session_state:
 # A value like "inf" would stop a bound number widget with an error (Streamlit catches only ValueError):
 # take it out of the link before any widget reads it, and say so.
 for _key in non_finite_params(st.query_params.to_dict()):
-    if not any(f"{_key}='" in problem for problem in st.session_state["link_problems"]):  # said once
-        st.session_state["link_problems"].append(
-            f"Ignored {_key}='{st.query_params[_key]}' from the link: not a finite number; using the default.")
-    del st.query_params[_key]
+    _said = f"Ignored {link_value(_key)}={link_value(st.query_params[_key])} from the link: not a finite number; "
+    if not any(problem.startswith(_said) for problem in st.session_state["link_problems"]):  # said once
+        st.session_state["link_problems"].append(_said + "using the default.")
+    drop_from_link(_key)
 
 # the default page is served at "/" (Streamlit serves no other path for it, so it is given none)
 home = st.Page("app_pages/home.py", title="Start here", icon=":material/home:", default=True)

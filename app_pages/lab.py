@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import streamlit as st
 
+from app_pages.link_params import drop_from_link
 from app_pages.live_panel import run_live, show_live
 from engine.cli import argv_for, command_line
 from engine.config import ConfigError, ModelConfig, validate
@@ -25,6 +26,7 @@ from ui.lab import (
     run_rows,
     torchrun_command,
 )
+from ui.state import inert_markdown, link_value
 
 st.title("The Lab")
 st.markdown(
@@ -41,11 +43,11 @@ found = gpus()
 devices = ["cpu"] + (["cuda"] if found else [])
 bad_link = lab_link_problems({k: v for k, v in st.query_params.to_dict().items() if k.startswith("lab_")}, devices)
 if bad_link:
-    st.info("Ignored from the link: " + "; ".join(f"{k}='{st.query_params[k]}' (it takes {what})"
+    st.info("Ignored from the link: " + "; ".join(f"{k}={link_value(st.query_params[k])} (it takes {what})"
                                                   for k, what in bad_link.items())
             + ". The page's own values are used instead.", icon=":material/link_off:")
     for key in bad_link:
-        del st.query_params[key]
+        drop_from_link(key)
 
 
 def _number(col, label: str, key: str, **kwargs):
@@ -82,32 +84,38 @@ def _load_preset() -> None:
 
 st.selectbox("Start from", list(presets), key="lab_preset", on_change=_load_preset,
              help="loads the preset's values into every model field below")
-if "lab_arch" not in st.session_state:  # a fresh session starts from the first preset
-    _load_preset()
+# A fresh session starts from the first preset: each model box's default is its value, so a link leaves out
+# exactly the values the first preset has (a bound widget at its default is not written to the link).
+first = next(iter(presets.values()))
+
+
+def _model_number(col, label: str, key: str, **kwargs):
+    return _number(col, label, key, value=getattr(first, MODEL_WIDGETS[key]), **kwargs)
+
 c = st.columns(5)
 arch = _choice(c[0], "Architecture", "lab_arch",
                help="transformer: attention + MLP blocks; mamba2: Mamba-2 blocks (no MLP); hybrid: both, "
                            "one letter per layer in the pattern")
 pattern = c[1].text_input("Layer pattern (hybrid)", key="lab_pattern", disabled=arch != "hybrid", bind="query-params",
                           help="one letter per layer, A attention or M Mamba-2; empty: M and A alternating")
-ssm_state = _number(c[2], "SSM state N", "lab_ssm_state", disabled=arch == "transformer")
-ssm_groups = _number(c[3], "SSM groups", "lab_ssm_groups", disabled=arch == "transformer",
+ssm_state = _model_number(c[2], "SSM state N", "lab_ssm_state", disabled=arch == "transformer")
+ssm_groups = _model_number(c[3], "SSM groups", "lab_ssm_groups", disabled=arch == "transformer",
                      help="groups of Mamba-2 heads sharing B and C; tensor parallel needs tp to divide it")
-ssm_chunk = _number(c[4], "SSD chunk", "lab_ssm_chunk", disabled=arch == "transformer",
+ssm_chunk = _model_number(c[4], "SSD chunk", "lab_ssm_chunk", disabled=arch == "transformer",
                     help="the chunked scan's chunk length; divides the sequence (and each context-parallel slice)")
 c = st.columns(5)
-layers = _number(c[0], "Layers", "lab_layers")
-hidden = _number(c[1], "Hidden size", "lab_hidden")
-heads = _number(c[2], "Attention heads", "lab_heads")
-kv_heads = _number(c[3], "KV heads", "lab_kv_heads",
+layers = _model_number(c[0], "Layers", "lab_layers")
+hidden = _model_number(c[1], "Hidden size", "lab_hidden")
+heads = _model_number(c[2], "Attention heads", "lab_heads")
+kv_heads = _model_number(c[3], "KV heads", "lab_kv_heads",
                    help="grouped-query attention: each KV head serves heads / kv_heads query heads")
-ffn = _number(c[4], "MLP width", "lab_ffn")
+ffn = _model_number(c[4], "MLP width", "lab_ffn")
 c = st.columns(5)
-vocab = _number(c[0], "Vocabulary", "lab_vocab")
-seq_len = _number(c[1], "Sequence length", "lab_seq")
+vocab = _model_number(c[0], "Vocabulary", "lab_vocab")
+seq_len = _model_number(c[1], "Sequence length", "lab_seq")
 mlp = _choice(c[2], "MLP", "lab_mlp")
-experts = _number(c[3], "Experts", "lab_experts", disabled=mlp != "moe")
-top_k = _number(c[4], "Top-k", "lab_top_k", disabled=mlp != "moe")
+experts = _model_number(c[3], "Experts", "lab_experts", disabled=mlp != "moe")
+top_k = _model_number(c[4], "Top-k", "lab_top_k", disabled=mlp != "moe")
 unset = ModelConfig()  # a greyed-out field's value does not count: the default stands
 moe, ssm = mlp == "moe", arch != "transformer"
 model = ModelConfig(layers=int(layers), hidden=int(hidden), heads=int(heads), kv_heads=int(kv_heads), ffn=int(ffn),
@@ -180,7 +188,7 @@ except SettingsError:
 st.markdown((f"**{mesh_label(cfg)}** on **{cfg.world} processes**, " if cfg.world > 1 else "**One process**, ")
             + f"{cfg.model.params:,} parameters, {cfg.global_batch} sequences per step.")
 if problem:
-    st.error(f"This layout cannot run: {problem}.", icon=":material/block:")
+    st.error(f"This layout cannot run: {inert_markdown(problem)}.", icon=":material/block:")
 
 if st.button("Run this experiment", type="primary", disabled=problem is not None):
     run_live("lab_current", [(label, cfg)], hint="try fewer processes, steps or a smaller model")

@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 import sys
 
-EXIT_UNWRITABLE = 2  # as a --trace or --timeline path that cannot be written: the output's place is bad input
+# The exit code of bad input, in both command-line tools (engine and planner); a stdout that cannot be written is
+# answered with it too, as a --trace or --timeline path that cannot be: the output's place is bad input.
+EXIT_BAD_INPUT = 2
 
 
 def _silence_stdout() -> None:
@@ -19,7 +21,7 @@ def _silence_stdout() -> None:
 def write_result(text: str) -> None:
     """Print `text` to stdout. If the reader closed the pipe, stop writing quietly (no traceback) and leave the
     exit status to the caller; if stdout cannot be written at all, say why on stderr and exit
-    EXIT_UNWRITABLE."""
+    EXIT_BAD_INPUT."""
     try:
         print(text, flush=True)
     except BrokenPipeError:
@@ -27,4 +29,4 @@ def write_result(text: str) -> None:
     except OSError as e:
         _silence_stdout()
         print(f"error: cannot write the result to standard output: {e.strerror or e}", file=sys.stderr)
-        raise SystemExit(EXIT_UNWRITABLE) from None
+        raise SystemExit(EXIT_BAD_INPUT) from None

@@ -244,8 +244,11 @@ def unwritable_reason(path: str) -> str | None:
         return f"{path}: {directory} is a file, not a folder"
     if not os.path.isdir(directory):
         return f"{path}: its folder {directory} does not exist"
-    longest = os.pathconf(directory, "PC_NAME_MAX") if hasattr(os, "pathconf") else 255
-    if len(os.fsencode(os.path.basename(target))) > longest:
+    try:
+        longest = os.pathconf(directory, "PC_NAME_MAX")
+    except (AttributeError, ValueError, OSError):  # no pathconf here, or this file system does not say
+        longest = -1
+    if 0 < longest < len(os.fsencode(os.path.basename(target))):  # -1: no limit
         return f"{path}: its file name is longer than the {longest} bytes a name may have here; choose a shorter one"
     if not os.access(directory, os.W_OK | os.X_OK) or (os.path.exists(target) and not os.access(target, os.W_OK)):
         return f"{path}: it is not writable; choose another path"

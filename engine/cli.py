@@ -6,8 +6,9 @@
                          [--mesh dp=N] [--dp-comm {naive,bucketed}] [--mlp {dense,moe}] [--seed N]
                          [--arch {transformer,mamba2,hybrid}] [--pattern MA..] [--ssm-cp {state,alltoall}] ...
 
-Exit codes: 0 fine, 1 check failed, 2 bad input (message on stderr), 3 a rank failed or timed out, 130
-interrupted (Ctrl-C; the workers are stopped). With --json, stdout holds exactly one JSON object whatever the
+Exit codes: 0 fine, 1 check failed, 2 bad input (message on stderr; also a result stdout cannot take, whatever
+the run's outcome), 3 a rank failed or timed out, 130 interrupted (Ctrl-C), 143 terminated (SIGTERM); the
+workers are stopped either way. With --json, stdout holds exactly one JSON object whatever the
 exit code: a run's summary, which carries "predicted", the planner's prediction of the same run on this
 machine's calibration, or {"ok": false, "error": ...} for a run that was refused, failed or interrupted.
 """
@@ -21,13 +22,16 @@ import sys
 from dataclasses import replace
 
 from core.schedules import SCHEDULE_NAMES
-from core.stdout import write_result
+from core.stdout import EXIT_BAD_INPUT, write_result
 from core.timeline import unwritable_reason
 from engine.config import (
     ARCHS,
     DTYPES,
     MAX_MODEL,
+    MLPS,
     SSM_CP_VARIANTS,
+    STRATEGIES,
+    ZERO_STAGES,
     ConfigError,
     ModelConfig,
     ParallelConfig,
@@ -39,7 +43,7 @@ from engine.config import (
 from hardware.this_machine import speed_words
 from planner.live import step_spread_words
 
-EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_RANK_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_RANK_FAILED, EXIT_INTERRUPTED = 0, 1, 3, 130  # EXIT_BAD_INPUT: core.stdout
 
 
 class _Parser(argparse.ArgumentParser):
@@ -54,7 +58,7 @@ def run_parser(prog: str) -> argparse.ArgumentParser:
     p = _Parser(prog=prog, description="Train a small Transformer, Mamba-2 or hybrid model on N local processes.")
     p.add_argument("--strategy", choices=["dp", "fsdp", "cp", "ep", "tp", "pp"], default=None,
                    help="default: what --mesh needs (cp or ep when it has them), else dp")
-    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
+    p.add_argument("--zero-stage", type=int, choices=ZERO_STAGES, default=None,
                    help="ZeRO stage (default: 0 for dp, 3 for fsdp)")
     p.add_argument("--world", type=int, default=2, help="number of ranks (processes)")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps")
@@ -75,7 +79,7 @@ def run_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--mesh", help="named mesh axes, e.g. dp=4 (default: dp=world)")
     p.add_argument("--dp-comm", choices=["naive", "bucketed"], default="bucketed",
                    help="dp gradient sync: after backward, or bucketed and overlapped")
-    p.add_argument("--mlp", choices=["dense", "moe"], default=None, help="default: moe for ep, else dense")
+    p.add_argument("--mlp", choices=MLPS, default=None, help="default: moe for ep, else dense")
     p.add_argument("--experts", type=int, default=ModelConfig.experts, help="experts per MoE layer")
     p.add_argument("--top-k", type=int, default=ModelConfig.top_k, help="experts each token is routed to")
     p.add_argument("--capacity-factor", type=float, default=None,
@@ -235,7 +239,7 @@ def prediction_line(measured_s: float, pred: dict) -> str:
             + (f"; {speed_words(speed)}" if speed != 1.0 else ""))
 
 
-USAGE = ("usage: python -m engine run [--strategy {dp,fsdp,tp,pp,cp,ep}] [--mesh AXIS=N,...] [options]\n"
+USAGE = (f"usage: python -m engine run [--strategy {{{','.join(STRATEGIES)}}}] [--mesh AXIS=N,...] [options]\n"
          "Runs real sharded training steps on local processes, optionally checked against a single process\n"
          "(--check), predicted by the planner (--predict) and traced (--trace). Every option: "
          "python -m engine run -h")
@@ -250,6 +254,7 @@ class Terminated(KeyboardInterrupt):
 
 
 def _on_terminate(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second TERM must not break the cleanup it started
     raise Terminated(signum)
 
 
@@ -323,6 +328,7 @@ def _run(args) -> int:
             trace_error = f"cannot write the trace {args.trace}: {e.strerror}"
             print(f"error: {trace_error}", file=sys.stderr)
     reply = summary.to_dict() | ({"trace_error": trace_error} if trace_error else {})
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the run is over: its result is the one answer, TERM or not
     write_result(json.dumps(reply) if args.json else _human(summary))
     if args.trace and not trace_error and not args.json:
         print(f"trace: {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)")

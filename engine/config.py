@@ -12,8 +12,11 @@ from dataclasses import dataclass, field
 from core.mesh import AXES, Mesh
 from core.schedules import SCHEDULE_NAMES
 from core.ssd import mamba_block_flops
+from planner.models import MAX_SSM_EXPAND
 
 STRATEGIES = ("dp", "fsdp", "cp", "ep", "pp", "tp")
+MLPS = ("dense", "moe")
+ZERO_STAGES = (0, 1, 2, 3)
 # The mesh axis a strategy splits over when no --mesh is given (all other strategies: dp = world); with
 # a --mesh the strategy is only the run's label and fsdp's default ZeRO stage.
 DEFAULT_AXIS = {"cp": "cp", "ep": "ep", "pp": "pp", "tp": "tp"}
@@ -31,8 +34,9 @@ MAX_WORLD = 64  # more local processes than this only thrashes a laptop-sized ma
 # of 10^12 layers spelled its layer kinds out as a 10^12-letter string): far beyond what fits this machine's
 # memory or a GPU's, so only a typo reaches them.
 MAX_MODEL = {"layers": 4096, "hidden": 65536, "heads": 4096, "kv_heads": 4096, "ffn": 262144, "vocab": 1048576,
-             "seq_len": 1048576, "experts": 4096, "ssm_state": 4096, "ssm_head_dim": 4096, "ssm_expand": 64,
+             "seq_len": 1048576, "experts": 4096, "ssm_state": 4096, "ssm_head_dim": 4096, "ssm_expand": MAX_SSM_EXPAND,
              "ssm_groups": 4096, "conv_width": 1024, "ssm_chunk": 1048576}
+NO_FLAG = ("ssm_expand", "conv_width")  # model fields `python -m engine run` has no flag for
 MAX_MICRO_BATCHES = 4096  # micro-batches per step, and sequences per micro-batch
 MAX_CAPACITY_FACTOR = 1000.0  # any factor from experts / top_k up already keeps every token an expert is sent
 
@@ -246,12 +250,13 @@ def validate_model(m: ModelConfig) -> None:
     for name in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len"):
         _check(getattr(m, name) >= 1, f"model {name}={getattr(m, name)} must be at least 1")
     for name, most in MAX_MODEL.items():
+        flag = "" if name in NO_FLAG else f" (--{name.replace('_', '-')})"
         _check(getattr(m, name) <= most, f"model {name}={getattr(m, name):,} is more than the engine runs (at most "
-               f"{most:,}): choose a smaller --{name.replace('_', '-')}")
-    _check(m.mlp in ("dense", "moe"), f"mlp={m.mlp!r} must be 'dense' or 'moe'")
+               f"{most:,}): choose a smaller {name}{flag}")
+    _check(m.mlp in MLPS, f"mlp={m.mlp!r} must be one of {', '.join(MLPS)}")
     _check(m.capacity_factor is None or m.mlp == "moe",
            f"capacity_factor={m.capacity_factor} limits the tokens each expert takes, and this model has no experts: "
-           "drop --capacity-factor or use --mlp moe")
+           "drop --capacity-factor" + (" or use --mlp moe" if m.has_attention else ""))
     _validate_mamba(m)
     if not m.has_attention:
         _check(m.mlp == "dense", "a Mamba-2 stack has no MLP to make MoE: use --arch hybrid for MoE layers "
@@ -270,9 +275,11 @@ def validate_model(m: ModelConfig) -> None:
     if m.mlp == "moe":
         _check(m.experts >= 1, f"experts={m.experts} must be at least 1 for mlp='moe'")
         _check(1 <= m.top_k <= m.experts, f"top_k={m.top_k} must be between 1 and experts={m.experts}")
-        _check(m.capacity_factor is None or 0 < m.capacity_factor <= MAX_CAPACITY_FACTOR,
-               f"capacity_factor={m.capacity_factor} must be a positive number up to {MAX_CAPACITY_FACTOR:,.0f} "
-               f"(from experts / top_k = {m.experts / m.top_k:g} up every token an expert is sent is kept), "
+        keeps_all = m.experts / m.top_k  # from this factor up every token an expert is sent is kept
+        most = max(MAX_CAPACITY_FACTOR, keeps_all)
+        _check(m.capacity_factor is None or 0 < m.capacity_factor <= most,
+               f"capacity_factor={m.capacity_factor} must be a positive number up to {most:,.0f} "
+               f"(from experts / top_k = {keeps_all:g} up every token an expert is sent is kept), "
                "or left out for no limit")
 
 
@@ -309,9 +316,6 @@ def validate(cfg: RunConfig) -> RunConfig:
            "use fewer --micro-batches")
     _check(1 <= cfg.micro_batch_size <= MAX_MICRO_BATCHES, f"micro_batch_size={cfg.micro_batch_size:,} must be "
            f"between 1 and {MAX_MICRO_BATCHES:,}: use a smaller --micro-batch-size")
-    _check(1 <= p.virtual_stages <= cfg.model.layers,
-           f"virtual_stages={p.virtual_stages:,} must be between 1 and layers={cfg.model.layers}: each chunk of a "
-           "pipeline rank holds at least one layer; use a smaller --virtual-stages")
     _check(cfg.device in DEVICES, f"device={cfg.device!r} must be one of {', '.join(DEVICES)}")
     _check(cfg.dtype in DTYPES, f"dtype={cfg.dtype!r} is not supported; use {', '.join(DTYPES)}")
     _check(cfg.lr > 0, f"lr={cfg.lr} must be positive")
@@ -414,7 +418,8 @@ def _validate_pp(cfg: RunConfig) -> None:
            "--strategy pp needs a pp axis in --mesh, e.g. --mesh pp=2,dp=2")
     _check(p.schedule in SCHEDULE_NAMES,
            f"schedule={p.schedule!r} must be one of {', '.join(SCHEDULE_NAMES)}")
-    _check(v >= 1, f"virtual_stages={v} must be at least 1")
+    _check(1 <= v <= MAX_MODEL["layers"], f"virtual_stages={v:,} must be between 1 and {MAX_MODEL['layers']:,}: "
+           "each chunk of a pipeline rank holds at least one layer; use a smaller --virtual-stages")
     _check(p.schedule != "zb-h1" or MAMBA not in m.kinds,
            "zb-h1 splits every module's backward into its input and weight parts, and a Mamba-2 block uses "
            "its conv and per-head parameters outside any module's forward: use --schedule 1f1b or "

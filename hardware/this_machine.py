@@ -239,7 +239,7 @@ class Calibration:
                 from hardware.probe import ProbeResult
 
                 ProbeResult(**probe)  # the roofline the hardware lesson draws: its fields, or a TypeError
-                _numbers({k: probe[k] for k in ("matmul_flops_per_s", "memory_bytes_per_s")})
+                _numbers({k: v for k, v in probe.items() if k not in ("threads", "dtype", "details") and v is not None})
             return cls(key=str(d["key"]), created_s=_finite(d["created_s"]), cpus=int(d["cpus"]),
                        torch=str(d["torch"]),
                        compute={k: Fit(**_numbers(v)) for k, v in d["compute"].items()},

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from core.stdout import write_result
+from core.stdout import EXIT_BAD_INPUT, write_result
 from core.timeline import unwritable_reason
 from planner.api import assumptions, dumps, estimate, no_fit_error, search, step_time_band_s
 from planner.case import load_case
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             write_result(dumps(report.as_dict()))
     except SpecError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     return 0
 
 

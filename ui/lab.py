@@ -12,10 +12,14 @@ from dataclasses import asdict
 import plotly.graph_objects as go
 
 from core.mesh import AXES
+from core.schedules import SCHEDULE_NAMES
 from engine.config import (
     ARCHS,
+    DEVICES,
     DTYPES,
+    MLPS,
     SSM_CP_VARIANTS,
+    ZERO_STAGES,
     ModelConfig,
     ParallelConfig,
     RunConfig,
@@ -23,9 +27,10 @@ from engine.config import (
     strategy_for,
 )
 from ui.live import LiveRun, prediction_error, representative_step
+from ui.state import whole_number
 from ui.timeline import step_timeline, timeline_figure
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1")
+SCHEDULES = ("1f1b", *(s for s in SCHEDULE_NAMES if s != "1f1b"))  # the engine's, its default first
 
 # The Lab's controls, each bound to the link's query parameter of its key, so that a shared link opens the same
 # experiment. Whole numbers: (lowest, highest, step) of their boxes; choices: their options, written in the link
@@ -36,8 +41,8 @@ LAB_NUMBERS = {"lab_ssm_state": (1, 128, 1), "lab_ssm_groups": (1, 64, 1), "lab_
                "lab_seq": (4, 1024, 1), "lab_experts": (1, 16, 1), "lab_top_k": (1, 16, 1),
                **{f"lab_{axis}": (1, 8, 1) for axis in ("pp", "dp", "fsdp", "cp", "ep", "tp")},
                "lab_virtual": (1, 4, 1), "lab_mb": (1, 16, 1), "lab_mbs": (1, 16, 1), "lab_steps": (1, 20, 1)}
-LAB_CHOICES = {"lab_arch": ARCHS, "lab_mlp": ("dense", "moe"), "lab_zero": (0, 1, 2, 3), "lab_schedule": SCHEDULES,
-               "lab_dtype": DTYPES, "lab_ssm_cp": SSM_CP_VARIANTS, "lab_device": ("cpu", "cuda")}
+LAB_CHOICES = {"lab_arch": ARCHS, "lab_mlp": MLPS, "lab_zero": ZERO_STAGES, "lab_schedule": SCHEDULES,
+               "lab_dtype": DTYPES, "lab_ssm_cp": SSM_CP_VARIANTS, "lab_device": DEVICES}
 LAB_LABELS = {"lab_dtype": {"float32": "fp32", "bfloat16": "bf16 mixed precision"},
               "lab_ssm_cp": {"state": "state passing (rank to rank)", "alltoall": "all-to-all to heads"}}
 LAB_SWITCHES = ("lab_sp",)  # toggles: "true" or "false" in the link
@@ -55,18 +60,19 @@ def lab_link_problems(params: Mapping[str, str], devices: Sequence[str]) -> dict
     in the box's range, one of the options (`devices`: the ones this server has), true or false."""
     bad = {}
     for key, text in params.items():
-        text = str(text).strip()
+        text = str(text)
         if key in LAB_NUMBERS:
             low, high, _ = LAB_NUMBERS[key]
-            if not (text.isdigit() and low <= int(text) <= high):
+            number = whole_number(text)
+            if number is None or not low <= number <= high:
                 bad[key] = f"a whole number from {low} to {high}"
-        elif key in LAB_CHOICES:
+        elif key in LAB_CHOICES:  # as Streamlit's bound selectbox reads it: the label exactly
             options = [o for o in LAB_CHOICES[key] if key != "lab_device" or o in devices]
             if text not in [lab_label(key, o) for o in options]:
                 gpu_less = key == "lab_device" and "cuda" not in devices
                 bad[key] = "one of " + ", ".join(lab_label(key, o) for o in options) + (
                     ": this server has no GPU" if gpu_less else "")
-        elif key in LAB_SWITCHES and text not in ("true", "false"):
+        elif key in LAB_SWITCHES and text.lower() not in ("true", "false"):  # as Streamlit reads a toggle
             bad[key] = "true or false"
     return bad
 

@@ -48,12 +48,38 @@ class Choices:
         return " x ".join(parts) or "1 chip"
 
 
-def _positive_int(text: str) -> int | None:
+def whole_number(text) -> int | None:
+    """A link's whole number, written in ASCII digits ("²", "٣" and "2.5" are not one), or None."""
+    text = str(text).strip()
+    if not text.isascii():
+        return None
     try:
-        value = int(str(text).strip())
+        return int(text)
     except ValueError:
         return None
-    return value if 1 <= value <= MAX_AXIS_DEGREE else None
+
+
+def _positive_int(text: str) -> int | None:
+    value = whole_number(text)
+    return value if value is not None and 1 <= value <= MAX_AXIS_DEGREE else None
+
+
+LINK_VALUE_CHARS = 60  # the most of a link's value a message repeats
+
+
+def link_value(text) -> str:
+    """A value from a link as a message quotes it: in a code span, so Markdown shows it as typed (a link or
+    markup in it stays text), and cut to LINK_VALUE_CHARS characters."""
+    text = str(text)
+    if len(text) > LINK_VALUE_CHARS:
+        text = text[:LINK_VALUE_CHARS] + "…"
+    return "`" + text.replace("`", "'").replace("\n", " ") + "`"
+
+
+def inert_markdown(message: str) -> str:
+    """A message that may repeat what a user typed (a layer pattern, a link's value), with the characters that
+    would make Markdown links, HTML, code or LaTeX of it escaped: [ ] < > ` $."""
+    return "".join("\\" + c if c in "[]<>`$" else c for c in message)
 
 
 def parse_choices(
@@ -74,13 +100,13 @@ def parse_choices(
 
     chip = params.get("chip", default_chip)
     if chip not in chip_keys:
-        problems.append(f"Unknown chip '{chip}' in the link; using {default_chip}. "
+        problems.append(f"Unknown chip {link_value(chip)} in the link; using {default_chip}. "
                         f"Known chips: {', '.join(chip_keys)}.")
         chip = default_chip
 
     model = params.get("model", default_model)
     if model not in model_names:
-        problems.append(f"Unknown model preset '{model}' in the link; using {default_model}.")
+        problems.append(f"Unknown model preset {link_value(model)} in the link; using {default_model}.")
         model = default_model
 
     mesh = dict(DEFAULT_MESH)
@@ -88,7 +114,7 @@ def parse_choices(
         if axis in params:
             value = _positive_int(params[axis])
             if value is None:
-                problems.append(f"Mesh size {axis}='{params[axis]}' is not a whole number from 1 to "
+                problems.append(f"Mesh size {axis}={link_value(params[axis])} is not a whole number from 1 to "
                                 f"{MAX_AXIS_DEGREE}; using {axis}={DEFAULT_MESH[axis]}.")
             else:
                 mesh[axis] = value
@@ -96,7 +122,7 @@ def parse_choices(
     known = {"chip", "model", *MESH_AXES, *page_params}
     unknown = sorted(k for k in params if k not in known and not k.startswith("_"))
     if unknown:
-        problems.append(f"Ignored unknown link parameter(s): {', '.join(unknown)}. "
+        problems.append(f"Ignored unknown link parameter(s): {', '.join(link_value(k) for k in unknown)}. "
                         f"Known: {', '.join(sorted(known))}.")
     return Choices(model, chip, mesh), problems
 

@@ -51,7 +51,7 @@ def test_bad_input_exits_2_with_a_message(args, says):
     (["--layers", "1000000000000"], "model layers=1,000,000,000,000 is more than the engine runs (at most 4,096)"),
     (["--mesh", "pp=2", "--schedule", "interleaved-1f1b", "--virtual-stages", "1000000000000"],
      "use a smaller --virtual-stages"),
-    (["--heads", "1000000000", "--hidden", "2000000000"], "choose a smaller --hidden"),
+    (["--heads", "1000000000", "--hidden", "2000000000"], "choose a smaller hidden (--hidden)"),
     (["--micro-batches", "1000000000"], "use fewer --micro-batches"),
     (["--strategy", "ep", "--capacity-factor", "1e20"], "up to 1,000 (from experts / top_k = 2 up"),
     (["--capacity-factor", "nan"], "this model has no experts: drop --capacity-factor"),
@@ -202,6 +202,7 @@ def test_an_unwritable_stdout_is_said_not_a_traceback():
         out = subprocess.run([sys.executable, "-m", "engine", "run", "--world", "0", "--json"], cwd=ROOT,
                              stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
     assert "Traceback" not in out.stderr and out.returncode == 2
+    assert "cannot write the result to standard output" in out.stderr  # the refusal's JSON could not be written
 
 
 @pytest.mark.multiprocess

@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 junk = st.one_of(
     st.integers(-10**12, 10**12).map(str), st.floats(allow_nan=True, allow_infinity=True).map(str),
     st.text(max_size=40), st.sampled_from(["", " ", "0", "-1", "1e9", "nan", "inf", "h100", "<script>", "%00",
-                                          "../../etc/passwd", "x" * 5000, "1,2", "None", "true"]),
+                                          "../../etc/passwd", "x" * 5000, "1,2", "None", "true", "²", "٣",
+                                          "[a](http://x)"]),
 )
 shared_keys = ["chip", "model", *MESH_AXES]
 

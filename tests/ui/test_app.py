@@ -53,7 +53,7 @@ def test_bad_link_shows_messages_and_uses_defaults():
     at = _app(chip="h900", dp="-3", tp="zero", bogus="1")
     assert not at.exception
     warnings = " ".join(w.value for w in at.sidebar.warning)
-    assert "h900" in warnings and "dp='-3'" in warnings and "tp='zero'" in warnings and "bogus" in warnings
+    assert "h900" in warnings and "dp=`-3`" in warnings and "tp=`zero`" in warnings and "bogus" in warnings
     assert at.sidebar.selectbox(key="chip").value == "h100"
     assert at.session_state["choices"].mesh["dp"] == 8
     at.sidebar.button[0].click().run()

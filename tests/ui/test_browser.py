@@ -122,8 +122,8 @@ def test_bad_link_shows_a_message_not_a_traceback(server, browser):
     page = _open(browser, f"{server}/hardware?chip=h900&dp=-1")
     try:
         _assert_no_exception(page, "bad link")
-        page.get_by_test_id("stSidebar").get_by_text("Unknown chip 'h900'").wait_for(timeout=WAIT_MS)
-        page.get_by_test_id("stSidebar").get_by_text("dp='-1'").wait_for(timeout=WAIT_MS)
+        page.get_by_test_id("stSidebar").get_by_text("Unknown chip h900 in the link").wait_for(timeout=WAIT_MS)
+        page.get_by_test_id("stSidebar").get_by_text("Mesh size dp=-1").wait_for(timeout=WAIT_MS)
         page.wait_for_selector(".js-plotly-plot .main-svg", timeout=WAIT_MS)
     finally:
         page.close()

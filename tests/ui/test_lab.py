@@ -224,7 +224,7 @@ def test_a_shared_link_opens_the_same_experiment_and_says_what_it_could_not_take
     assert (at.number_input(key="lab_layers").value, at.number_input(key="lab_hidden").value) == (4, 128)
     assert at.toggle(key="lab_sp").value and at.selectbox(key="lab_dtype").value == "bfloat16"
     said = at.info[0].value
-    assert "lab_zero='9' (it takes one of 0, 1, 2, 3)" in said and "lab_steps='999'" in said
+    assert "lab_zero=`9` (it takes one of 0, 1, 2, 3)" in said and "lab_steps=`999`" in said
     assert "this server has no GPU" in said or "cuda" not in said
     assert at.selectbox(key="lab_zero").value == 0 and at.number_input(key="lab_steps").value == 3
     assert "lab_zero" not in at.query_params and "lab_steps" not in at.query_params  # taken out of the link
@@ -240,3 +240,26 @@ def test_link_problems_name_the_range_or_the_options():
     assert bad == {"lab_layers": "a whole number from 1 to 32", "lab_hidden": "a whole number from 8 to 1024",
                    "lab_mlp": "one of dense, moe", "lab_sp": "true or false"}
     assert {"lab_layers", "lab_pp", "lab_tp", "lab_device", "lab_pattern"} <= LAB_PARAMS
+
+
+def test_a_link_keeps_the_smallest_values_and_a_bad_value_coming_back_is_said_again():
+    # a box at its default is left out of the link: the defaults are the first preset's, so 1s stay in it
+    at = open_app(LAB, lab_mlp="moe", lab_top_k="1", lab_kv_heads="1", lab_layers="1")
+    assert not at.exception, [e.value for e in at.exception]
+    assert (at.number_input(key="lab_top_k").value, at.number_input(key="lab_kv_heads").value,
+            at.number_input(key="lab_layers").value) == (1, 1, 1)
+    assert not at.info
+    # the browser's Back brings a bad link back into a session whose boxes are bound: said, not a crash
+    at.query_params["lab_zero"] = "9"
+    at.query_params["lab_layers"] = "²"
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert "lab_zero=`9`" in at.info[0].value and "lab_layers=`²`" in at.info[0].value
+    assert at.number_input(key="lab_layers").value == 1
+
+
+def test_typed_text_from_a_link_cannot_make_a_link_or_markup():
+    at = open_app(LAB, lab_arch="hybrid", lab_pattern="[CLICK](HTTPS://EVIL.EXAMPLE)")
+    assert not at.exception, [e.value for e in at.exception]
+    said = at.error[0].value
+    assert "\\[CLICK\\]" in said and "](HTTPS" not in said.replace("\\]", "")

@@ -56,7 +56,7 @@ def test_a_link_with_infinity_opens_with_a_message():
     at = open_app("app_pages/pipeline.py", dp="INF", stages="inf")
     assert not at.exception
     warnings = " ".join(w.value for w in at.sidebar.warning)
-    assert "dp='INF'" in warnings and "stages='inf'" in warnings
+    assert "dp=`INF`" in warnings and "`stages`=`inf`" in warnings
 
 
 def test_the_sidebar_uses_the_mesh_size_its_link_message_names():
