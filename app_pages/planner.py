@@ -15,7 +15,7 @@ from planner.simulate import USABLE_HBM_FRACTION, usable_hbm_bytes
 from planner.timeline import DRAWN
 from ui.charts import breakdown_figure, memory_figure
 from ui.exercises import training_state_chips
-from ui.tables import format_step
+from ui.tables import count, format_step
 from ui.timeline import densest_row, timeline_figure
 
 TOKENS_PER_BATCH = [2**i for i in range(19, 26)]  # 0.5M .. 32M tokens
@@ -297,7 +297,7 @@ with st.expander("How far to trust these numbers"):
 st.header("Search every layout")
 st.markdown(
     f"""
-The search enumerates every way to factor {n:,} chips into dp x tp x pp x cp (in Megatron-LM's notation, where
+The search enumerates every way to factor {count(n, 'chip')} into dp x tp x pp x cp (in Megatron-LM's notation, where
 ep is carved from the dp ranks, or with whole experts, etp 1, from tp x cp x dp; the sidebar's mesh keeps ep an
 axis of its own), with each ep, ZeRO stage,
 micro-batch size, recomputation choice and pipeline schedule; drops what does not divide the model or does not

@@ -76,9 +76,9 @@ def format_seconds(seconds: float) -> str:
 
 
 def format_step(seconds: float) -> str:
-    """A step time as a metric shows it: seconds to the hundredth, and in minutes or hours beside a long one."""
-    text = f"{seconds:,.2f} s"
-    return text if seconds < 120 else f"{text} ({format_seconds(seconds)})"
+    """A step time as a metric shows it: seconds to the hundredth, a long one in minutes or hours (a metric's
+    column is narrow)."""
+    return f"{seconds:,.2f} s" if seconds < 120 else format_seconds(seconds)
 
 
 def _decimal(value: float, unit: str, prefixes: tuple[tuple[str, float], ...]) -> str:

@@ -210,4 +210,4 @@ def test_one_chip_says_there_is_nothing_to_split_and_whether_it_fits():
     memory = next(m for m in at.metric if m.label == "Memory per chip")
     assert memory.delta == "does not fit"  # 405B parameters' training state on one A100
     step = next(m for m in at.metric if m.label == "Predicted step time").value
-    assert step.endswith(" h)")  # hours beside the seconds
+    assert step.endswith(" h")  # in hours, not 57,162.19 s
