@@ -38,6 +38,38 @@ from multiprocessing.connection import Listener, wait
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+
+# The workers' log folder, named by the process that owns the pool: one that its owner left behind (killed
+# with SIGKILL, which no cleanup survives) is removed when any later pool starts.
+LOGDIR_PREFIX = "shardlab-pool-"
+_OWNED = re.compile(re.escape(LOGDIR_PREFIX) + r"(\d+)-")
+
+
+def remove_orphaned_logdirs(root: str | None = None) -> list[str]:
+    """Remove the pool log folders under `root` (the temporary folder) whose owning process is gone; the
+    folders removed."""
+    root = root or tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    for name in names:
+        owner = _OWNED.match(name)
+        if owner is None or int(owner.group(1)) == os.getpid():
+            continue
+        try:
+            os.kill(int(owner.group(1)), 0)
+            continue  # alive
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OverflowError, OSError):
+            continue  # another user's, or not a process id: not ours to judge
+        path = os.path.join(root, name)
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
 class WorkerError(RuntimeError):
     """A run did not complete on every rank; the pool has been torn down."""
 
@@ -106,7 +138,8 @@ class Pool:
 
     def _start_once(self) -> None:
         self.shutdown()
-        self.logdir = tempfile.mkdtemp(prefix="shardlab-pool-")
+        remove_orphaned_logdirs()
+        self.logdir = tempfile.mkdtemp(prefix=f"{LOGDIR_PREFIX}{os.getpid()}-")
         key = secrets.token_bytes(16)
         # A backlog for every rank: with multiprocessing's default of 1, ranks that connect together beyond
         # the first have their SYNs dropped and retried after 1, 2, 4 ... s (Linux), which at 8 ranks on a

@@ -1,5 +1,6 @@
 """The worker pool: reuse, a raising rank, a hanging rank, no orphans, usable afterwards."""
 
+import os
 import subprocess
 import sys
 import time
@@ -92,3 +93,19 @@ def test_registry_keeps_a_bounded_number_of_pools():
     assert launch.get_pool(3, collective_timeout_s=7.5) is made[2]
     assert made[0] not in launch._registry.values() and len(launch._registry) <= launch.MAX_POOLS
     launch.shutdown_all()
+
+
+def test_log_folders_left_by_a_killed_owner_are_removed_and_live_ones_kept(tmp_path):
+    """A pool's log folder is named by its owner's pid; SIGKILL leaves it behind, and the next pool to start
+    removes it. A live owner's folder, another process's files and the older unnamed folders are left."""
+    from engine.launch import LOGDIR_PREFIX, remove_orphaned_logdirs
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = tmp_path / f"{LOGDIR_PREFIX}{int(gone.stdout)}-abc"
+    alive = tmp_path / f"{LOGDIR_PREFIX}{os.getppid()}-def"
+    unnamed = tmp_path / f"{LOGDIR_PREFIX}xyz"
+    for folder in (dead, alive, unnamed):
+        folder.mkdir()
+        (folder / "rank0.log").write_text("log")
+    assert remove_orphaned_logdirs(str(tmp_path)) == [str(dead)]
+    assert not dead.exists() and alive.exists() and unnamed.exists()
