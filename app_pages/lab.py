@@ -17,6 +17,7 @@ from server.settings import SettingsError
 from ui.lab import (
     LAB_CHOICES,
     LAB_NUMBERS,
+    LAB_PRESETS,
     compare_figures,
     lab_config,
     lab_label,
@@ -63,11 +64,7 @@ def _choice(col, label: str, key: str, options=None, **kwargs):
 
 
 st.subheader("Model")
-presets = {"tiny (2 layers, width 64)": ModelConfig(),
-           "small (4 layers, width 128)": ModelConfig(layers=4, hidden=128, heads=8, kv_heads=4, ffn=256),
-           "MoE (2 layers, 4 experts, top-2)": ModelConfig(mlp="moe"),
-           "Mamba-2 (2 layers, width 64)": ModelConfig(arch="mamba2"),
-           "hybrid (4 layers: Mamba-2, attention, Mamba-2, attention)": ModelConfig(arch="hybrid", layers=4)}
+presets = LAB_PRESETS
 # Each model widget's key and the ModelConfig field it sets: choosing a preset loads all of them.
 MODEL_WIDGETS = {"lab_arch": "arch", "lab_pattern": "pattern", "lab_ssm_state": "ssm_state",
                  "lab_ssm_groups": "ssm_groups", "lab_ssm_chunk": "ssm_chunk", "lab_layers": "layers",
@@ -82,7 +79,7 @@ def _load_preset() -> None:
         st.session_state[key] = getattr(chosen, name)
 
 
-st.selectbox("Start from", list(presets), key="lab_preset", on_change=_load_preset,
+st.selectbox("Start from", list(presets), key="lab_preset", on_change=_load_preset, bind="query-params",
              help="loads the preset's values into every model field below")
 # A fresh session starts from the first preset: each model box's default is its value, so a link leaves out
 # exactly the values the first preset has (a bound widget at its default is not written to the link).
@@ -97,6 +94,7 @@ arch = _choice(c[0], "Architecture", "lab_arch",
                help="transformer: attention + MLP blocks; mamba2: Mamba-2 blocks (no MLP); hybrid: both, "
                            "one letter per layer in the pattern")
 pattern = c[1].text_input("Layer pattern (hybrid)", key="lab_pattern", disabled=arch != "hybrid", bind="query-params",
+                          max_chars=LAB_NUMBERS["lab_layers"][1],
                           help="one letter per layer, A attention or M Mamba-2; empty: M and A alternating")
 ssm_state = _model_number(c[2], "SSM state N", "lab_ssm_state", disabled=arch == "transformer")
 ssm_groups = _model_number(c[3], "SSM groups", "lab_ssm_groups", disabled=arch == "transformer",
@@ -155,7 +153,9 @@ ssm_cp = st.radio("A Mamba-2 layer under cp", LAB_CHOICES["lab_ssm_cp"], horizon
 
 st.subheader("Batch and steps")
 c = st.columns(5)
-micro_batches = _number(c[0], "Micro-batches", "lab_mb", value=2 if mesh["pp"] > 1 else 1)
+# a default that no other control moves: a link leaves a box out when it is at its default, and a default
+# that followed pp (2 with a pipeline) made the teacher's 1 and the student's 2 the same link
+micro_batches = _number(c[0], "Micro-batches", "lab_mb", value=1)
 micro_batch_size = _number(c[1], "Sequences per micro-batch", "lab_mbs", value=2)
 steps = _number(c[2], "Steps", "lab_steps", value=3)
 dtype = _choice(c[3], "Number format", "lab_dtype",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import signal
 import sys
 from dataclasses import replace
@@ -190,7 +191,9 @@ COMMAND = ".venv/bin/python -m engine run"  # from the repository, with the Pyth
 
 
 def command_line(cfg: RunConfig, check: bool = True) -> str:
-    return " ".join([COMMAND, *argv_for(cfg), *(["--check"] if check else []), "--predict"])
+    """The shell command that repeats `cfg`, each argument quoted for the shell (a pattern typed on a page, or
+    brought by a link, is one argument and never shell syntax)."""
+    return " ".join([COMMAND, shlex.join([*argv_for(cfg), *(["--check"] if check else []), "--predict"])])
 
 
 def _human(summary) -> str:

@@ -5,6 +5,7 @@ No Streamlit here."""
 from __future__ import annotations
 
 import json
+import math
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
@@ -27,7 +28,6 @@ from engine.config import (
     strategy_for,
 )
 from ui.live import LiveRun, prediction_error, representative_step
-from ui.state import whole_number
 from ui.timeline import step_timeline, timeline_figure
 
 SCHEDULES = ("1f1b", *(s for s in SCHEDULE_NAMES if s != "1f1b"))  # the engine's, its default first
@@ -41,13 +41,31 @@ LAB_NUMBERS = {"lab_ssm_state": (1, 128, 1), "lab_ssm_groups": (1, 64, 1), "lab_
                "lab_seq": (4, 1024, 1), "lab_experts": (1, 16, 1), "lab_top_k": (1, 16, 1),
                **{f"lab_{axis}": (1, 8, 1) for axis in ("pp", "dp", "fsdp", "cp", "ep", "tp")},
                "lab_virtual": (1, 4, 1), "lab_mb": (1, 16, 1), "lab_mbs": (1, 16, 1), "lab_steps": (1, 20, 1)}
-LAB_CHOICES = {"lab_arch": ARCHS, "lab_mlp": MLPS, "lab_zero": ZERO_STAGES, "lab_schedule": SCHEDULES,
+# The Lab's starting points ("Start from"): each loads every model field
+LAB_PRESETS = {"tiny (2 layers, width 64)": ModelConfig(),
+               "small (4 layers, width 128)": ModelConfig(layers=4, hidden=128, heads=8, kv_heads=4, ffn=256),
+               "MoE (2 layers, 4 experts, top-2)": ModelConfig(mlp="moe"),
+               "Mamba-2 (2 layers, width 64)": ModelConfig(arch="mamba2"),
+               "hybrid (4 layers: Mamba-2, attention, Mamba-2, attention)": ModelConfig(arch="hybrid", layers=4)}
+LAB_CHOICES = {"lab_preset": tuple(LAB_PRESETS), "lab_arch": ARCHS, "lab_mlp": MLPS, "lab_zero": ZERO_STAGES,
+               "lab_schedule": SCHEDULES,
                "lab_dtype": DTYPES, "lab_ssm_cp": SSM_CP_VARIANTS, "lab_device": DEVICES}
 LAB_LABELS = {"lab_dtype": {"float32": "fp32", "bfloat16": "bf16 mixed precision"},
               "lab_ssm_cp": {"state": "state passing (rank to rank)", "alltoall": "all-to-all to heads"}}
 LAB_SWITCHES = ("lab_sp",)  # toggles: "true" or "false" in the link
 LAB_TEXTS = ("lab_pattern",)  # any text: the engine's check says what it makes of it
 LAB_PARAMS = frozenset({*LAB_NUMBERS, *LAB_CHOICES, *LAB_SWITCHES, *LAB_TEXTS})
+
+
+def bound_number(text: str) -> int | None:
+    """A whole-number box's value in a link as Streamlit reads it for a box bound to the link (a float, then cut
+    to an int: "2.5" is 2, "1e3" 1000, "٣" 3), or None where it takes none: the link check must agree with it,
+    for Streamlit sets the box from the link as the page first loads, whatever the check said."""
+    try:
+        number = float(text)
+    except ValueError:
+        return None
+    return int(number) if math.isfinite(number) else None
 
 
 def lab_label(key: str, option) -> str:
@@ -63,7 +81,7 @@ def lab_link_problems(params: Mapping[str, str], devices: Sequence[str]) -> dict
         text = str(text)
         if key in LAB_NUMBERS:
             low, high, _ = LAB_NUMBERS[key]
-            number = whole_number(text)
+            number = bound_number(text)
             if number is None or not low <= number <= high:
                 bad[key] = f"a whole number from {low} to {high}"
         elif key in LAB_CHOICES:  # as Streamlit's bound selectbox reads it: the label exactly

@@ -234,7 +234,7 @@ def test_a_shared_link_opens_the_same_experiment_and_says_what_it_could_not_take
 def test_link_problems_name_the_range_or_the_options():
     from ui.lab import LAB_PARAMS, lab_link_problems
 
-    bad = lab_link_problems({"lab_layers": "2.5", "lab_hidden": "4", "lab_mlp": "sparse", "lab_sp": "yes",
+    bad = lab_link_problems({"lab_layers": "x", "lab_hidden": "4", "lab_mlp": "sparse", "lab_sp": "yes",
                              "lab_pattern": "<b>", "lab_ssm_cp": "all-to-all to heads", "lab_device": "cuda"},
                             devices=["cpu", "cuda"])
     assert bad == {"lab_layers": "a whole number from 1 to 32", "lab_hidden": "a whole number from 8 to 1024",
@@ -263,3 +263,25 @@ def test_typed_text_from_a_link_cannot_make_a_link_or_markup():
     assert not at.exception, [e.value for e in at.exception]
     said = at.error[0].value
     assert "\\[CLICK\\]" in said and "](HTTPS" not in said.replace("\\]", "")
+
+
+def test_the_link_check_reads_a_number_as_streamlit_does_and_the_command_is_quoted():
+    from ui.lab import bound_number
+
+    # what the message calls ignored is what the box does not take: Streamlit reads a float and cuts it
+    assert [bound_number(t) for t in ("2.5", "1e3", "٣", " 4 ", "²", "inf", "x")] == [2, 1000, 3, 4, None, None, None]
+    at = open_app(LAB, lab_layers="4.9", lab_heads="٣", lab_vocab="1e3", lab_mb="x")
+    assert not at.exception, [e.value for e in at.exception]
+    assert (at.number_input(key="lab_layers").value, at.number_input(key="lab_vocab").value) == (4, 1000)
+    said = at.info[0].value
+    assert "lab_mb=`x`" in said and "lab_layers" not in said and "lab_vocab" not in said
+    # a pattern is one shell argument, never shell syntax, whatever a link typed into it
+    at = open_app(LAB, lab_arch="hybrid", lab_pattern="MA;A=ECHO;${A,,} X;#")
+    shown = next(c.value for c in at.code if "engine run" in c.value)
+    assert "--pattern 'MA;A=ECHO;${A,,} X;#'" in shown
+
+
+def test_the_micro_batches_default_does_not_follow_the_mesh():
+    at = open_app(LAB, lab_pp="2", lab_dp="1")
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.number_input(key="lab_mb").value == 1  # as on the page that made the link, whatever its pp
