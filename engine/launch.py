@@ -45,6 +45,22 @@ LOGDIR_PREFIX = "shardlab-pool-"
 _OWNED = re.compile(re.escape(LOGDIR_PREFIX) + r"(\d+)-")
 
 
+def exit_words(code: int | None) -> str:
+    """How a worker process ended, in words: its exit code, or the signal that killed it (SIGKILL with no one
+    sending it is, on Linux, the kernel's out-of-memory killer)."""
+    if code is None:
+        return "exited (its code unknown)"
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    oom = (" (on Linux, usually the kernel's out-of-memory killer: this run needs more memory than is free; make "
+           "the model or the batch smaller)") if -code == signal.SIGKILL else ""
+    return f"was killed by {name}{oom}"
+
+
 def remove_orphaned_logdirs(root: str | None = None) -> list[str]:
     """Remove the pool log folders under `root` (the temporary folder) whose owning process is gone; the
     folders removed."""
@@ -354,12 +370,12 @@ class Pool:
 
     def _exit_detail(self, rank: int, since: int = 0) -> str:
         code = self.procs[rank].wait(timeout=5) if self.procs else None
-        return f"worker exited with code {code}\n{self._log_tail(rank, since)}"
+        return f"worker {exit_words(code)}\n{self._log_tail(rank, since)}"
 
     def _raise_if_exited(self, when: str, ranks=None) -> None:
         for rank, p in enumerate(self.procs):
             if (ranks is None or rank in ranks) and p.poll() is not None:
-                raise RankFailed(rank, f"worker exited with code {p.returncode} {when}\n"
+                raise RankFailed(rank, f"worker {exit_words(p.returncode)} {when}\n"
                                        f"{self._log_tail(rank)}")
 
     def _where(self, ranks) -> dict[int, str]:

@@ -109,3 +109,13 @@ def test_log_folders_left_by_a_killed_owner_are_removed_and_live_ones_kept(tmp_p
         (folder / "rank0.log").write_text("log")
     assert remove_orphaned_logdirs(str(tmp_path)) == [str(dead)]
     assert not dead.exists() and alive.exists() and unnamed.exists()
+
+
+def test_a_worker_killed_by_a_signal_is_said_so():
+    import signal
+
+    from engine.launch import exit_words
+
+    assert exit_words(3) == "exited with code 3"
+    assert exit_words(-signal.SIGKILL).startswith("was killed by SIGKILL (on Linux, usually the kernel's out-of-memory")
+    assert exit_words(-signal.SIGSEGV) == "was killed by SIGSEGV"
