@@ -72,6 +72,12 @@ def span_kind(span: Span) -> str:
     return "other compute"
 
 
+def kind_label(kind: str) -> str:
+    """A kind of work (`span_kind`) as a page or a message writes it: the collectives hyphenated as in prose
+    ("all-reduce"), the rest as they are."""
+    return kind.replace("_", "-") if kind in _COMM_KINDS else kind
+
+
 def _merged(intervals) -> list[tuple[float, float]]:
     out: list[list[float]] = []
     for a, b in sorted(intervals):

@@ -49,7 +49,7 @@ from core.schedules import (
     stage_units,
 )
 from core.ssd import state_correction_flops
-from core.timeline import Timeline, bubble_spans, intersection_seconds, span_kind, union_seconds
+from core.timeline import Timeline, bubble_spans, intersection_seconds, kind_label, span_kind, union_seconds
 from hardware.collectives import ring_sent_bytes
 from hardware.this_machine import (
     BACK_TO_BACK_MODE,
@@ -561,7 +561,7 @@ def _label(kind: str, group: str) -> str:
         return f"{kind} compute"
     if kind == "other compute":
         return kind
-    return f"gloo {kind}" + (f" ({group})" if group else "")
+    return f"gloo {kind_label(kind)}" + (f" ({group})" if group else "")
 
 
 def per_step_by_kind(timeline: Timeline, skip_first: bool = True) -> dict[str, float]:

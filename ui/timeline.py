@@ -12,7 +12,7 @@ from collections import Counter, defaultdict
 import numpy as np
 import plotly.graph_objects as go
 
-from core.timeline import LANES, Span, Timeline, span_kind
+from core.timeline import LANES, Span, Timeline, kind_label, span_kind
 
 # The app's one palette of work: compute in blues and teals (forward, its recomputation a lighter blue,
 # backward), the optimizer green, each collective its own warm colour, idle grey. Every chart of a step
@@ -49,7 +49,7 @@ def densest_row(timeline: Timeline, by_kind: bool = True) -> int:
 def _rows(timeline: Timeline, by_kind: bool = False) -> list[str]:
     if by_kind:
         used = {(s.rank, span_kind(s)) for s in timeline.spans}
-        return [row_label(r, kind) for r in timeline.ranks for kind in KIND_COLORS if (r, kind) in used]
+        return [row_label(r, kind_label(kind)) for r in timeline.ranks for kind in KIND_COLORS if (r, kind) in used]
     used = {(s.rank, s.lane) for s in timeline.spans}
     return [row_label(r, lane) for r in timeline.ranks for lane in LANES if (r, lane) in used]
 
@@ -75,7 +75,7 @@ def timeline_figure(timeline: Timeline, title: str = "", frames: int = 30, anima
     rows = _rows(tl, rows_by_kind)
 
     def row(s: Span) -> str:
-        return row_label(s.rank, span_kind(s) if rows_by_kind else s.lane)
+        return row_label(s.rank, kind_label(span_kind(s)) if rows_by_kind else s.lane)
 
     # arrays, not lists: Plotly checks a list element by element (3 s for a 58k-span pipeline step)
     start_of = {k: np.array([s.start_s for s in by_kind[k]]) * scale for k in by_kind}
@@ -108,7 +108,7 @@ def timeline_figure(timeline: Timeline, title: str = "", frames: int = 30, anima
         # that shows, and a row of them reads paler than its colour
         edges = [0.5 if len(spans) <= 300 and s.duration_s * scale >= t_end / 150 else 0 for s in spans]
         fig.add_trace(go.Bar(
-            orientation="h", y=np.array([row(s) for s in spans], dtype=object), name=kind,
+            orientation="h", y=np.array([row(s) for s in spans], dtype=object), name=kind_label(kind),
             marker={"color": KIND_COLORS[kind], "line": {"width": np.array(edges), "color": "white"}},
             customdata=np.array([hover(s) for s in spans], dtype=object),
             hovertemplate="%{customdata}<extra></extra>",

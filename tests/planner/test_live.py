@@ -117,7 +117,7 @@ def test_per_step_counts_nested_spans_once_and_measures_waiting():
     kinds = per_step_by_kind(_tl(spans))  # step 0 (warm-up) left out
     assert kinds["forward compute"] == pytest.approx(3.0)
     assert kinds["other compute"] == pytest.approx(1.0)
-    assert kinds["gloo all_reduce (dp)"] == pytest.approx(1.0)
+    assert kinds["gloo all-reduce (dp)"] == pytest.approx(1.0)
     assert kinds["optimizer compute"] == pytest.approx(1.0)
     assert kinds[WAITING] == pytest.approx(9.0 - 6.0)  # the window is 9 s, blocking spans cover 6 s
     assert not any("all_gather" in k for k in kinds)  # asynchronous: runs beside the step
@@ -148,9 +148,9 @@ def test_compare_names_the_span_that_differs_most():
     meas = _tl([Span(0, "compute", "fwd L0", 0.0, 1.05e-3, step=s) for s in (0, 1)]
                + [Span(0, "comm", "all_reduce", 1.05e-3, 3.15e-3, group="dp", step=s) for s in (0, 1)])
     rows = compare(pred, meas)
-    assert [r["what"] for r in rows] == ["gloo all_reduce (dp)"]  # forward differs by only 5 %
+    assert [r["what"] for r in rows] == ["gloo all-reduce (dp)"]  # forward differs by only 5 %
     assert rows[0]["ratio"] == pytest.approx(2.1)
-    assert rows[0]["text"].startswith("gloo all_reduce (dp) took 2.1x its predicted time")
+    assert rows[0]["text"].startswith("gloo all-reduce (dp) took 2.1x its predicted time")
 
 
 def test_compare_calls_a_few_predicted_microseconds_none():

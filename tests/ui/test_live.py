@@ -93,7 +93,7 @@ def test_side_by_side_shares_the_time_axis_and_the_rows():
 
 def test_differences_name_the_slow_collective():
     texts = differences(_run(pred_ms=4.0))
-    assert texts and texts[0].startswith("gloo all_reduce (dp) took")
+    assert texts and texts[0].startswith("gloo all-reduce (dp) took")
 
 
 def test_verdict_and_tolerances():

@@ -35,7 +35,7 @@ def test_bars_start_and_last_in_milliseconds_from_the_first_span():
     assert list(fwd.base) == pytest.approx([0.0, 1.0])
     assert list(fwd.x) == pytest.approx([4.0, 4.0])
     assert list(fwd.y) == ["rank 0 · compute", "rank 1 · compute"]
-    assert list(by_name["all_reduce"].y) == ["rank 0 · comm"]
+    assert list(by_name["all-reduce"].y) == ["rank 0 · comm"]  # a collective named as prose writes it
     # rows: rank 0 compute+comm, rank 1 compute+comm+idle (top to bottom = reversed category array)
     assert list(fig.layout.yaxis.categoryarray)[::-1] == [
         "rank 0 · compute", "rank 0 · comm", "rank 1 · compute", "rank 1 · comm", "rank 1 · idle"]
