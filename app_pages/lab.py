@@ -28,6 +28,7 @@ from ui.lab import (
     torchrun_command,
 )
 from ui.state import inert_markdown, link_value
+from ui.tables import count
 
 st.title("The Lab")
 st.markdown(
@@ -79,6 +80,14 @@ def _load_preset() -> None:
         st.session_state[key] = getattr(chosen, name)
 
 
+# A link that names a preset and none of its fields (written by hand: the page's own links carry every field
+# that differs) loads it, as choosing it would: a link's value reaches the box without its on_change.
+linked = st.query_params.to_dict()
+if ("lab_preset_from_link" not in st.session_state and linked.get("lab_preset") in presets
+        and not set(MODEL_WIDGETS) & set(linked)):
+    st.session_state["lab_preset"] = linked["lab_preset"]
+    _load_preset()
+st.session_state["lab_preset_from_link"] = True
 st.selectbox("Start from", list(presets), key="lab_preset", on_change=_load_preset, bind="query-params",
              help="loads the preset's values into every model field below")
 # A fresh session starts from the first preset: each model box's default is its value, so a link leaves out
@@ -185,6 +194,11 @@ except (ConfigError, Refused) as e:
     problem = str(e)
 except SettingsError:
     pass  # a misconfigured server: "About this server" below says so
+if mesh["pp"] > 1 and micro_batches < mesh["pp"]:
+    st.caption(f"With {count(int(micro_batches), 'micro-batch')} through {mesh['pp']} stages, each stage waits for "
+               f"the others most of the step (the bubble is (p - 1) / (m + p - 1) = "
+               f"{(mesh['pp'] - 1) / (micro_batches + mesh['pp'] - 1):.0%} of it): raise Micro-batches to see the "
+               "stages overlap.")
 st.markdown((f"**{mesh_label(cfg)}** on **{cfg.world} processes**, " if cfg.world > 1 else "**One process**, ")
             + f"{cfg.model.params:,} parameters, {cfg.global_batch} sequences per step.")
 if problem:

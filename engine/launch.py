@@ -39,10 +39,25 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 
-# The workers' log folder, named by the process that owns the pool: one that its owner left behind (killed
-# with SIGKILL, which no cleanup survives) is removed when any later pool starts.
+# The workers' log folder, named by the process that owns the pool (its pid namespace and pid): one that its owner
+# left behind (killed with SIGKILL, which no cleanup survives) is removed when any later pool of the same
+# namespace starts.
 LOGDIR_PREFIX = "shardlab-pool-"
-_OWNED = re.compile(re.escape(LOGDIR_PREFIX) + r"(\d+)-")
+_OWNED = re.compile(re.escape(LOGDIR_PREFIX) + r"ns(\d+)-(\d+)-")
+
+
+def _pid_namespace() -> int | None:
+    """This process's pid namespace (the inode of /proc/self/ns/pid), or None where the OS does not say: a pid
+    means something only inside its namespace, and containers may share one /tmp."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def logdir_prefix() -> str:
+    """The log folder's name up to its random part: the owner's pid namespace and pid."""
+    return f"{LOGDIR_PREFIX}ns{_pid_namespace() or 0}-{os.getpid()}-"
 
 
 def exit_words(code: int | None) -> str:
@@ -61,21 +76,31 @@ def exit_words(code: int | None) -> str:
     return f"was killed by {name}{oom}"
 
 
+def exit_report(code: int | None, log_tail: str, when: str = "") -> str:
+    """A dead worker's detail: how it ended and what it last wrote. A page's one-line summary quotes the last
+    line, so a signal (nothing the worker could write about) comes last, and an exit with a code (a Python error
+    whose last line says what went wrong) comes first."""
+    ended = f"worker {exit_words(code)}" + (f" {when}" if when else "")
+    return f"{log_tail.rstrip()}\n{ended}".lstrip() if code is not None and code < 0 else f"{ended}\n{log_tail}"
+
+
 def remove_orphaned_logdirs(root: str | None = None) -> list[str]:
     """Remove the pool log folders under `root` (the temporary folder) whose owning process is gone; the
     folders removed."""
     root = root or tempfile.gettempdir()
     removed = []
+    namespace = _pid_namespace()
     try:
-        names = os.listdir(root)
+        names = os.listdir(root) if namespace is not None else []
     except OSError:
         return removed
     for name in names:
         owner = _OWNED.match(name)
-        if owner is None or int(owner.group(1)) == os.getpid():
+        # only ours to judge: a folder of this pid namespace (another container's pids mean other processes)
+        if owner is None or int(owner.group(1)) != namespace or int(owner.group(2)) == os.getpid():
             continue
         try:
-            os.kill(int(owner.group(1)), 0)
+            os.kill(int(owner.group(2)), 0)
             continue  # alive
         except ProcessLookupError:
             pass
@@ -83,7 +108,8 @@ def remove_orphaned_logdirs(root: str | None = None) -> list[str]:
             continue  # another user's, or not a process id: not ours to judge
         path = os.path.join(root, name)
         shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
+        if not os.path.exists(path):
+            removed.append(path)
     return removed
 
 class WorkerError(RuntimeError):
@@ -155,7 +181,7 @@ class Pool:
     def _start_once(self) -> None:
         self.shutdown()
         remove_orphaned_logdirs()
-        self.logdir = tempfile.mkdtemp(prefix=f"{LOGDIR_PREFIX}{os.getpid()}-")
+        self.logdir = tempfile.mkdtemp(prefix=logdir_prefix())
         key = secrets.token_bytes(16)
         # A backlog for every rank: with multiprocessing's default of 1, ranks that connect together beyond
         # the first have their SYNs dropped and retried after 1, 2, 4 ... s (Linux), which at 8 ranks on a
@@ -370,13 +396,12 @@ class Pool:
 
     def _exit_detail(self, rank: int, since: int = 0) -> str:
         code = self.procs[rank].wait(timeout=5) if self.procs else None
-        return f"worker {exit_words(code)}\n{self._log_tail(rank, since)}"
+        return exit_report(code, self._log_tail(rank, since))
 
     def _raise_if_exited(self, when: str, ranks=None) -> None:
         for rank, p in enumerate(self.procs):
             if (ranks is None or rank in ranks) and p.poll() is not None:
-                raise RankFailed(rank, f"worker {exit_words(p.returncode)} {when}\n"
-                                       f"{self._log_tail(rank)}")
+                raise RankFailed(rank, exit_report(p.returncode, self._log_tail(rank), when))
 
     def _where(self, ranks) -> dict[int, str]:
         """Ask each unfinished rank for its Python stack (faulthandler on SIGUSR1) and name the frame."""

@@ -90,6 +90,8 @@ def lab_link_problems(params: Mapping[str, str], devices: Sequence[str]) -> dict
                 gpu_less = key == "lab_device" and "cuda" not in devices
                 bad[key] = "one of " + ", ".join(lab_label(key, o) for o in options) + (
                     ": this server has no GPU" if gpu_less else "")
+        elif key in LAB_TEXTS and len(text) > LAB_NUMBERS["lab_layers"][1]:  # the box would cut it, unsaid
+            bad[key] = f"at most {LAB_NUMBERS['lab_layers'][1]} letters, one per layer"
         elif key in LAB_SWITCHES and text.lower() not in ("true", "false"):  # as Streamlit reads a toggle
             bad[key] = "true or false"
     return bad

@@ -98,24 +98,31 @@ def test_registry_keeps_a_bounded_number_of_pools():
 def test_log_folders_left_by_a_killed_owner_are_removed_and_live_ones_kept(tmp_path):
     """A pool's log folder is named by its owner's pid; SIGKILL leaves it behind, and the next pool to start
     removes it. A live owner's folder, another process's files and the older unnamed folders are left."""
-    from engine.launch import LOGDIR_PREFIX, remove_orphaned_logdirs
+    from engine.launch import LOGDIR_PREFIX, _pid_namespace, remove_orphaned_logdirs
 
+    ns = _pid_namespace()
+    if ns is None:
+        pytest.skip("no /proc/self/ns/pid: pids cannot be judged here")
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead = tmp_path / f"{LOGDIR_PREFIX}{int(gone.stdout)}-abc"
-    alive = tmp_path / f"{LOGDIR_PREFIX}{os.getppid()}-def"
+    dead = tmp_path / f"{LOGDIR_PREFIX}ns{ns}-{int(gone.stdout)}-abc"
+    alive = tmp_path / f"{LOGDIR_PREFIX}ns{ns}-{os.getppid()}-def"
     unnamed = tmp_path / f"{LOGDIR_PREFIX}xyz"
-    for folder in (dead, alive, unnamed):
+    elsewhere = tmp_path / f"{LOGDIR_PREFIX}ns{ns + 1}-{int(gone.stdout)}-ghi"  # another container's pid
+    for folder in (dead, alive, unnamed, elsewhere):
         folder.mkdir()
         (folder / "rank0.log").write_text("log")
     assert remove_orphaned_logdirs(str(tmp_path)) == [str(dead)]
-    assert not dead.exists() and alive.exists() and unnamed.exists()
+    assert not dead.exists() and alive.exists() and unnamed.exists() and elsewhere.exists()
 
 
 def test_a_worker_killed_by_a_signal_is_said_so():
     import signal
 
-    from engine.launch import exit_words
+    from engine.launch import exit_report, exit_words
 
     assert exit_words(3) == "exited with code 3"
     assert exit_words(-signal.SIGKILL).startswith("was killed by SIGKILL (on Linux, usually the kernel's out-of-memory")
     assert exit_words(-signal.SIGSEGV) == "was killed by SIGSEGV"
+    # a page's summary quotes the detail's last line: the signal for a kill, the error for an exit with a code
+    assert exit_report(-signal.SIGKILL, "a warning\n").splitlines()[-1].startswith("worker was killed by SIGKILL")
+    assert exit_report(1, "ValueError: bad").splitlines()[-1] == "ValueError: bad"

@@ -285,3 +285,13 @@ def test_the_micro_batches_default_does_not_follow_the_mesh():
     at = open_app(LAB, lab_pp="2", lab_dp="1")
     assert not at.exception, [e.value for e in at.exception]
     assert at.number_input(key="lab_mb").value == 1  # as on the page that made the link, whatever its pp
+
+
+def test_a_hand_written_preset_link_loads_the_preset_and_a_long_pattern_is_said():
+    at = open_app(LAB, lab_preset="Mamba-2 (2 layers, width 64)")
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.selectbox(key="lab_arch").value == "mamba2"  # as choosing it on the page would
+    at = open_app(LAB, lab_arch="hybrid", lab_pattern="MA" * 100)
+    assert "lab_pattern=" in at.info[0].value and "at most 32 letters, one per layer" in at.info[0].value
+    at = open_app(LAB, lab_pp="2", lab_dp="1")
+    assert any("each stage waits for the others" in c.value for c in at.caption)  # 1 micro-batch, 2 stages
