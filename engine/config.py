@@ -285,11 +285,11 @@ def validate_model(m: ModelConfig) -> None:
 
 def _validate_mamba(m: ModelConfig) -> None:
     _check(m.arch in ARCHS, f"arch={m.arch!r} must be one of {', '.join(ARCHS)}")
-    _check(not m.pattern or m.arch == "hybrid", f"a layer pattern ({m.pattern!r}) needs arch='hybrid'")
+    shown = m.pattern if len(m.pattern) <= 40 else m.pattern[:40] + "…"  # a typo of thousands of letters
+    _check(not m.pattern or m.arch == "hybrid", f"a layer pattern ({shown!r}) needs arch='hybrid'")
     if m.pattern:
-        shown = m.pattern if len(m.pattern) <= 40 else m.pattern[:40] + "…"  # a typo of thousands of letters
         _check(len(m.pattern) == m.layers and set(m.pattern) <= {ATTENTION, MAMBA},
-               f"pattern={shown!r} ({len(m.pattern):,} letters) must have one letter per layer (layers={m.layers}), "
+               f"pattern={shown!r} must have one letter per layer (layers={m.layers}; it has {len(m.pattern):,}), "
                f"{ATTENTION} for attention or {MAMBA} for Mamba-2, e.g. {('MA' * m.layers)[:m.layers]}")
     if MAMBA not in m.kinds:
         return
