@@ -4,6 +4,10 @@ fits the block's time against it, at one rank's shape)."""
 
 from __future__ import annotations
 
+# The largest Mamba-2 expansion (d_inner = ssm_expand x hidden) the planner and the engine take: published Mamba
+# models expand 2x, so a larger one is a typo (10^200 had overflowed the planner's FLOP counts)
+MAX_SSM_EXPAND = 64
+
 
 def mamba_block_flops(sequences: int, seq_len: int, hidden: int, inner: int, heads: int, head_dim: int,
                       groups: int, state: int, chunk: int, conv_width: int) -> float:

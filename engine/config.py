@@ -11,8 +11,7 @@ from dataclasses import dataclass, field
 
 from core.mesh import AXES, Mesh
 from core.schedules import SCHEDULE_NAMES
-from core.ssd import mamba_block_flops
-from planner.models import MAX_SSM_EXPAND
+from core.ssd import MAX_SSM_EXPAND, mamba_block_flops
 
 STRATEGIES = ("dp", "fsdp", "cp", "ep", "pp", "tp")
 MLPS = ("dense", "moe")

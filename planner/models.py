@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+from core.ssd import MAX_SSM_EXPAND
+
 # "relu2": squared ReLU, 2 matrices and no biases (So et al. 2021, Primer; Nemotron-H's MLP)
 # Llama-style gated MLP (3 matrices), GPT-style GELU (2), squared ReLU (2, Nemotron-H)
 MLP_KINDS = ("swiglu", "gelu", "relu2")
@@ -41,7 +43,6 @@ MAX_LAYERS = 10_000
 # hidden size and 6x the longest published context (Llama 4 Scout's 10M), and keeps every FLOP and byte count
 # a float can hold (a mistyped 10^200 would overflow them).
 MAX_DIM = 2 ** 26
-MAX_SSM_EXPAND = 64  # d_inner = ssm_expand x hidden: published Mamba models expand 2x
 
 
 def _count(v: int) -> str:
