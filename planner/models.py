@@ -45,9 +45,12 @@ MAX_LAYERS = 10_000
 MAX_DIM = 2 ** 26
 
 
-def _count(v: int) -> str:
-    """A count as a message quotes it: digits with separators, or 1.23e+200 for a mistyped giant."""
-    return f"{v:,}" if v < 10**15 else f"{float(v):.3g}" if v < 10**308 else f"a {len(str(v))}-digit number"
+def _at_most(field: str, v: int, most: int = MAX_DIM) -> None:
+    """Raise SpecError for a size `v` of `field` above `most`, quoting a mistyped giant as 1.23e+200 (or its digit
+    count), not its hundreds of digits."""
+    if v > most:
+        shown = f"{v:,}" if v < 10**15 else f"{float(v):.3g}" if v < 10**308 else f"a {len(str(v))}-digit number"
+        raise SpecError(field, f"{shown} is more than the {most:,} the planner models; check the number")
 
 
 class SpecError(ValueError):
@@ -184,9 +187,8 @@ class ModelSpec:
                 raise SpecError(f"{prefix}.{f}", f"must be {what}, got {v!r}")
         for f in ("hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len", "head_dim", "dense_ffn"):
             v = getattr(self, f)
-            if isinstance(v, int) and v > MAX_DIM:
-                raise SpecError(f"{prefix}.{f}", f"{_count(v)} is more than the {MAX_DIM:,} the planner models; "
-                                "check the number")
+            if isinstance(v, int):
+                _at_most(f"{prefix}.{f}", v)
         if self.layers > MAX_LAYERS:
             raise SpecError(f"{prefix}.layers", f"{self.layers:,} is more than the {MAX_LAYERS:,} layers the planner "
                             "models (published models have a few hundred at most); check the number")
@@ -216,9 +218,7 @@ class ModelSpec:
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise SpecError(f"{prefix}.{f}", f"must be a non-negative integer, got {v!r}")
-            if v > MAX_DIM:
-                raise SpecError(f"{prefix}.{f}", f"{_count(v)} is more than the {MAX_DIM:,} the planner models; "
-                                "check the number")
+            _at_most(f"{prefix}.{f}", v)
         if not self.is_mla:
             for f in ("q_lora_rank", "rope_head_dim"):
                 if getattr(self, f):
@@ -287,10 +287,7 @@ class ModelSpec:
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise SpecError(f"{prefix}.{f}", f"must be a positive integer, got {v!r}")
-            most = MAX_SSM_EXPAND if f == "ssm_expand" else MAX_DIM
-            if v > most:
-                raise SpecError(f"{prefix}.{f}", f"{_count(v)} is more than the {most:,} the planner models; "
-                                "check the number")
+            _at_most(f"{prefix}.{f}", v, MAX_SSM_EXPAND if f == "ssm_expand" else MAX_DIM)
         if MAMBA not in pattern:
             return
         if self.ssm_inner % self.ssm_head_dim:
