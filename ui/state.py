@@ -48,20 +48,17 @@ class Choices:
         return " x ".join(parts) or "1 chip"
 
 
-def whole_number(text) -> int | None:
-    """A link's whole number, written in ASCII digits ("²", "٣" and "2.5" are not one), or None."""
+def _positive_int(text: str) -> int | None:
+    """A sidebar size from a link: a whole number in ASCII digits ("²", "٣" and "2.5" are not one) from 1 to
+    MAX_AXIS_DEGREE, or None."""
     text = str(text).strip()
     if not text.isascii():
         return None
     try:
-        return int(text)
+        value = int(text)
     except ValueError:
         return None
-
-
-def _positive_int(text: str) -> int | None:
-    value = whole_number(text)
-    return value if value is not None and 1 <= value <= MAX_AXIS_DEGREE else None
+    return value if 1 <= value <= MAX_AXIS_DEGREE else None
 
 
 LINK_VALUE_CHARS = 60  # the most of a link's value a message repeats
