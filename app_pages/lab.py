@@ -107,15 +107,16 @@ pattern = c[1].text_input("Layer pattern (hybrid)", key="lab_pattern", disabled=
                           help="one letter per layer, A attention or M Mamba-2; empty: M and A alternating")
 ssm_state = _model_number(c[2], "SSM state N", "lab_ssm_state", disabled=arch == "transformer")
 ssm_groups = _model_number(c[3], "SSM groups", "lab_ssm_groups", disabled=arch == "transformer",
-                     help="groups of Mamba-2 heads sharing B and C; tensor parallel needs tp to divide it")
+                           help="groups of Mamba-2 heads sharing B and C; tensor parallel needs tp to divide it")
 ssm_chunk = _model_number(c[4], "SSD chunk", "lab_ssm_chunk", disabled=arch == "transformer",
-                    help="the chunked scan's chunk length; divides the sequence (and each context-parallel slice)")
+                          help="the chunked scan's chunk length; divides the sequence (and each context-parallel "
+                               "slice)")
 c = st.columns(5)
 layers = _model_number(c[0], "Layers", "lab_layers")
 hidden = _model_number(c[1], "Hidden size", "lab_hidden")
 heads = _model_number(c[2], "Attention heads", "lab_heads")
 kv_heads = _model_number(c[3], "KV heads", "lab_kv_heads",
-                   help="grouped-query attention: each KV head serves heads / kv_heads query heads")
+                         help="grouped-query attention: each KV head serves heads / kv_heads query heads")
 ffn = _model_number(c[4], "MLP width", "lab_ffn")
 c = st.columns(5)
 vocab = _model_number(c[0], "Vocabulary", "lab_vocab")
