@@ -7,6 +7,7 @@ widgets see it, so a bad link gives a message saying what was wrong and which de
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -119,9 +120,26 @@ def parse_choices(
     known = {"chip", "model", *MESH_AXES, *page_params}
     unknown = sorted(k for k in params if k not in known and not k.startswith("_"))
     if unknown:
-        problems.append(f"Ignored unknown link parameter(s): {', '.join(link_value(k) for k in unknown)}. "
-                        f"Known: {', '.join(sorted(known))}.")
+        problems.append(unknown_params_message(unknown, known))
     return Choices(model, chip, mesh), problems
+
+
+UNKNOWN_LISTED = 5  # unknown link parameters named one by one; the rest are counted
+
+
+def unknown_params_message(unknown: list[str], known: Iterable[str]) -> str:
+    """What a link's unknown parameters are told: the first few by name, each with the known one it is
+    closest to (a misspelt "chp" reads "did you mean `chip`?"), the rest counted. Every page and the Lab
+    together know about a hundred names: listing them all had buried the one a typo meant."""
+    known = sorted(known)
+    named = []
+    for key in unknown[:UNKNOWN_LISTED]:
+        close = difflib.get_close_matches(key[:64], known, n=1)
+        named.append(link_value(key) + (f" (did you mean {link_value(close[0])}?)" if close else ""))
+    more = len(unknown) - UNKNOWN_LISTED
+    return (f"Ignored unknown link parameter(s): {', '.join(named)}"
+            + (f" and {more} more" if more > 0 else "") + ". The sidebar's are chip, model and "
+            + ", ".join(MESH_AXES) + "; each page's own are in the link it writes.")
 
 
 def non_finite_params(params: Mapping[str, str]) -> list[str]:

@@ -64,13 +64,17 @@ def format_bytes(nbytes: float) -> str:
 
 
 def format_seconds(seconds: float) -> str:
-    if seconds >= 7200:  # a student reads hours, not 5.72e+04 s
-        return f"{seconds / 3600:.3g} h"
-    if seconds >= 120:
+    """Three significant figures in the unit a student reads: µs, ms, s, min, h. The unit is chosen after
+    rounding, so 0.99996 s reads "1 s" (not "1e+03 ms") and 119.96 s "2 min" (not "120 s")."""
+    rounded = float(f"{seconds:.3g}")
+    if rounded >= 7200:  # a student reads hours, not 5.72e+04 s
+        hours = seconds / 3600
+        return f"{hours:,.0f} h" if hours >= 1000 else f"{hours:.3g} h"
+    if rounded >= 120:
         return f"{seconds / 60:.3g} min"
-    if seconds >= 1:
+    if rounded >= 1:
         return f"{seconds:.3g} s"
-    if seconds >= 1e-3:
+    if rounded >= 1e-3:
         return f"{seconds * 1e3:.3g} ms"
     return f"{seconds * 1e6:.3g} µs"
 
@@ -78,7 +82,7 @@ def format_seconds(seconds: float) -> str:
 def format_step(seconds: float) -> str:
     """A step time as a metric shows it: seconds to the hundredth, a long one in minutes or hours (a metric's
     column is narrow)."""
-    return f"{seconds:,.2f} s" if seconds < 120 else format_seconds(seconds)
+    return f"{seconds:,.2f} s" if round(seconds, 2) < 120 else format_seconds(seconds)
 
 
 def _decimal(value: float, unit: str, prefixes: tuple[tuple[str, float], ...]) -> str:

@@ -43,3 +43,7 @@ def test_counts_and_long_times_read_as_a_student_reads_them():
     assert (count(1, "chip"), count(8, "chip"), count(2, "process")) == ("1 chip", "8 chips", "2 processes")
     assert (format_seconds(57162.19), format_seconds(300), format_seconds(2.5)) == ("15.9 h", "5 min", "2.5 s")
     assert format_step(1.234) == "1.23 s" and format_step(57162.19) == "15.9 h"
+    # the unit is chosen after rounding to three figures: no "1e+03 ms", no "120 s" where minutes start
+    assert [format_seconds(s) for s in (0.99996, 119.96, 7199.99, 0.00099996, 1e9)] == [
+        "1 s", "2 min", "2 h", "1 ms", "277,778 h"]
+    assert (format_step(119.996), format_step(119.99)) == ("2 min", "119.99 s")

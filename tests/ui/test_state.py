@@ -40,7 +40,17 @@ def test_zero_negative_and_nonsense_sizes_fall_back():
 
 def test_unknown_parameters_are_reported_but_page_parameters_are_not():
     _, problems = _parse({"chp": "h100", "tokens": "64"}, page_params={"tokens"})
-    assert len(problems) == 1 and "chp" in problems[0]
+    assert len(problems) == 1 and "`chp` (did you mean `chip`?)" in problems[0]
+
+
+def test_many_unknown_parameters_are_counted_not_listed():
+    from ui.state import UNKNOWN_LISTED
+
+    junk = {f"zz{i:03d}": "1" for i in range(40)}
+    _, problems = _parse({**junk, "lab_mbb": "2"}, page_params={"lab_mb", "lab_pp"})
+    message = problems[-1]
+    assert message.count("`") == 2 * (UNKNOWN_LISTED + 1)  # five names and the one suggestion
+    assert "`lab_mbb` (did you mean `lab_mb`?)" in message and f"and {41 - UNKNOWN_LISTED} more" in message
 
 
 def test_non_finite_link_values_are_found():
