@@ -61,6 +61,11 @@ class Plan:
         """This rank's (plan-local) named tensors -> the full model's; may communicate (untraced)."""
         return state
 
+    def copies_differing(self) -> list[str]:
+        """The tensors whose copies on several ranks the last `full_state` kept one of and found differing
+        (engine.verify, replicas)."""
+        return []
+
     def stats(self) -> dict:
         return {}
 
@@ -146,6 +151,10 @@ class Strategy(ABC):
         for p in reversed(self.plans):
             state = p.full_state(state)
         return state
+
+    def copies_differing(self) -> list[str]:
+        """What the plans' last `full_state` found differing among copies it kept one of (Plan.copies_differing)."""
+        return [name for p in self.plans for name in p.copies_differing()]
 
     def stats(self) -> dict:
         """Plan-specific figures for the summary (e.g. expert load); called on every rank after the last

@@ -310,11 +310,16 @@ class TensorParallelPlan(Plan):
         return (flops - moe) / n + moe
 
     def full_state(self, state: dict) -> dict:
-        return {quantity: self.unshard(tensors) for quantity, tensors in state.items()}
+        self._differing = []
+        return {quantity: self.unshard(tensors, quantity) for quantity, tensors in state.items()}
+
+    def copies_differing(self) -> list[str]:
+        return list(getattr(self, "_differing", []))
 
     # -- verification: tp-local tensors back to full ones ----------------------------------------------
-    def unshard(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Collective over tp (untraced): every rank calls it with the same names in the same order."""
+    def unshard(self, tensors: dict[str, torch.Tensor], quantity: str = "") -> dict[str, torch.Tensor]:
+        """Collective over tp (untraced): every rank calls it with the same names in the same order. A KV head
+        repeated on several ranks (tp > kv_heads) is kept once; its copies must agree (`copies_differing`)."""
         comm, n = self.tp.comm, self.tp.size
         out = {}
         with comm.untraced():
@@ -327,6 +332,8 @@ class TensorParallelPlan(Plan):
                 parts = torch.empty(n, *t.shape, dtype=t.dtype, device=t.device)
                 comm.all_gather(parts, t.contiguous(), TP)
                 if kind == ROWS:
+                    if replicas > 1 and not all(torch.equal(parts[i], parts[i - i % replicas]) for i in range(n)):
+                        self._differing.append(f"{quantity} {name}")
                     out[name] = torch.cat(list(parts[::replicas]), dim=0)
                 else:
                     out[name] = torch.cat(list(parts), dim=1)

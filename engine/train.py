@@ -22,7 +22,7 @@ from engine.model import global_batch, micro_batch_rows
 from engine.parallelize import group_spans, parallelize
 from engine.recorder import Recorder
 from engine.reference import reference_run
-from engine.verify import compare
+from engine.verify import compare, replica_failures, state_digest
 
 
 class Sequential:
@@ -72,7 +72,7 @@ def run_rank(ctx, cfg: RunConfig, traced: bool = True, check: bool = False,
     # After full_state every rank of a pipeline stage holds that stage's whole state: one rank per stage
     # sends it to rank 0.
     keeps_state = all(c == 0 for axis, c in mesh.coords(ctx.rank).items() if axis != "pp")
-    losses, step_times_s, snapshots = [], [], []
+    losses, step_times_s, snapshots, digests, differing = [], [], [], [], []
     for step in range(cfg.steps):
         rec.step = step
         tokens, targets = global_batch(cfg.model, cfg.seed, step, cfg.global_batch)
@@ -91,9 +91,13 @@ def run_rank(ctx, cfg: RunConfig, traced: bool = True, check: bool = False,
             state = runner.strategy.full_state()  # collective over this rank's stage
             if keeps_state:
                 snapshots.append(_to_cpu(state))
+            if check:  # every copy of the stage's state must agree (engine.verify, replicas)
+                digests.append(state_digest(state))
+                differing.append(runner.strategy.copies_differing())
     with comm.untraced():
         everyone = comm.gather_objects(losses)
         states = comm.gather_to_root(snapshots if keeps_state else None) if (check or return_states) else None
+        copies = comm.gather_to_root((mesh.coords(ctx.rank).get("pp", 0), digests, differing)) if check else None
     # Every rank's loss is the mean over its own tokens, and every rank holding the last stage holds as
     # many: the global loss is the mean over those ranks.
     last = [ls for ls in everyone if ls[0] is not None]
@@ -108,7 +112,7 @@ def run_rank(ctx, cfg: RunConfig, traced: bool = True, check: bool = False,
         if return_states:
             result["states"] = merged
         if check:
-            result["check"] = compare(cfg, reference_run(cfg), merged, step_losses)
+            result["check"] = compare(cfg, reference_run(cfg), merged, step_losses, replica_failures(copies))
     return result
 
 

@@ -59,3 +59,43 @@ def comm_gaps(ctx):
     total = handle.wait()
     return {"received": received.tolist(), "shard": shard.tolist(), "total": total.tolist(),
             "spans": [(s.name, s.bytes, s.is_async) for s in comm.recorder.take()]}
+
+
+def train_with_one_rank_off(ctx, cfg, rank, lr_scale=3.0):
+    """engine.train.run_rank with --check, where `rank` alone steps with `lr_scale` times the learning rate: a
+    replica that drifts from the others (the reference is compared with one rank of each stage only)."""
+    from dataclasses import replace
+
+    import engine.dp as dp
+    import engine.flat as flat
+    from engine.train import run_rank
+
+    original = dp.adamw_, flat.adamw_
+
+    def drifting(param, grad, exp_avg, exp_avg_sq, step, hyper):
+        original[0](param, grad, exp_avg, exp_avg_sq, step, replace(hyper, lr=hyper.lr * lr_scale))
+
+    if ctx.rank == rank:
+        dp.adamw_ = flat.adamw_ = drifting
+    try:
+        return run_rank(ctx, cfg, traced=False, check=True)
+    finally:
+        dp.adamw_, flat.adamw_ = original
+
+
+def train_with_weights_never_written(ctx, cfg):
+    """engine.train.run_rank with --check, where Adam's moments move and the weights never do (every rank)."""
+    import engine.dp as dp
+    import engine.flat as flat
+    from engine.train import run_rank
+
+    original = dp.adamw_, flat.adamw_
+
+    def stale(param, grad, exp_avg, exp_avg_sq, step, hyper):
+        original[0](param.clone(), grad, exp_avg, exp_avg_sq, step, hyper)
+
+    dp.adamw_ = flat.adamw_ = stale
+    try:
+        return run_rank(ctx, cfg, traced=False, check=True)
+    finally:
+        dp.adamw_, flat.adamw_ = original

@@ -68,3 +68,64 @@ def test_from_the_second_step_a_gradient_may_differ_by_a_share_of_its_norm():
     assert not first["passed"]  # the first step starts from the same weights: elementwise only
     far = [g * (1 + 3 * DIVERGED_REL) for g in grads]
     assert not compare(cfg, [ref, ref], [_snapshot(ref), _snapshot(ref, grads=far)], [1.0, 1.0])["passed"]
+
+
+def test_a_replica_that_differs_from_its_stage_fails_the_check():
+    from engine.verify import replica_failures
+
+    same = {("params", "w"): "aa", ("grads", "w"): "bb"}
+    other = {("params", "w"): "ab", ("grads", "w"): "bb"}
+    # ranks 0 and 1 hold stage 0, rank 2 and 3 stage 1; one step
+    reports = [(0, [same], [[]]), (0, [other], [[]]), (1, [other], [[]]), (1, [other], [["params wk"]])]
+    failures = replica_failures(reports)
+    assert failures == [
+        "step 0 w: rank 1's gathered params differs from rank 0's, a replica of the same pipeline stage "
+        "(replicas must agree bit for bit)",
+        "step 0 params wk: the copies of this tensor on rank 3 differ (every copy must agree bit for bit)"]
+    assert not compare(RunConfig(steps=1), [], [], [], failures)["passed"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world, mesh, rank, found", [
+    (2, "dp=2", 1, "rank 1's gathered params differs from rank 0's"),
+    (4, "dp=2,tp=2", 3, "rank 2's gathered params differs from rank 0's"),
+    # tp = 4 > kv_heads = 2: ranks 0 and 1 hold copies of one KV head, kept once when the state is gathered
+    (4, "tp=4", 1, "params units.1.attn.wk.weight: the copies of this tensor on rank"),
+])
+def test_a_rank_that_drifts_from_its_replicas_is_caught(pools, world, mesh, rank, found):
+    """Only one rank per pipeline stage is compared with the reference: a replica stepping with 3x the learning
+    rate had passed (a reviewer's case), as had one skipping the last step."""
+    from engine.cli import config_from_args, run_parser
+
+    cfg = config_from_args(run_parser("x").parse_args(["--mesh", mesh, "--world", str(world), "--steps", "1"]
+                                                      + (["--kv-heads", "2"] if mesh == "tp=4" else [])))
+    results = pools(world).run("tests.engine.pool_tasks:train_with_one_rank_off", {"cfg": cfg, "rank": rank},
+                               timeout_s=120)
+    check = results[0]["check"]
+    assert not check["passed"]
+    assert any(found in f for f in check["failures"]), check["failures"]
+
+
+def test_a_gradient_below_every_absolute_floor_is_still_compared_in_norm():
+    """Mamba-2's A_log gradients are all below the gradients' atol: at half their size they had passed."""
+    grads = [4e-6, -7e-6, 2e-6]
+    ref = _state(grads, [1.0, 1.0, 1.0])
+    half = [g / 2 for g in grads]
+    result = compare(RunConfig(steps=1), [ref], [_snapshot(ref, grads=half)], [1.0])
+    assert not result["passed"] and "grads differs" in result["failures"][0]
+    rounding = [g * (1 + 1e-6) for g in grads]
+    assert compare(RunConfig(steps=1), [ref], [_snapshot(ref, grads=rounding)], [1.0])["passed"]
+
+
+@pytest.mark.multiprocess
+def test_bf16_weights_that_never_move_fail_the_check(pools):
+    """bf16's elementwise params bound (2 lr a step) is more than one Adam step: weights that were never written
+    back had passed after one step (a reviewer's case). The move since initialisation is compared too."""
+    from engine.cli import config_from_args, run_parser
+
+    cfg = config_from_args(run_parser("x").parse_args(["--strategy", "dp", "--world", "2", "--steps", "1",
+                                                       "--dtype", "bfloat16"]))
+    check = pools(2).run("tests.engine.pool_tasks:train_with_weights_never_written", {"cfg": cfg},
+                         timeout_s=120)[0]["check"]
+    assert not check["passed"]
+    assert any("move since initialised" in f for f in check["failures"]), check["failures"]
