@@ -229,6 +229,7 @@ repeats = right.slider("Repeats per size", 1, 10, 3, key="live_repeats",
 live_sizes = pow2_sizes(LIVE_MIN_BYTES, live_max)[::2]
 st.caption(f"Sizes {format_bytes(live_sizes[0])} to {format_bytes(live_sizes[-1])}, every 4x "
            f"({len(live_sizes)} sizes) x 4 collectives x {repeats} repeats on {live_world} ranks.")
+task = None
 if st.button("Run the sweep", type="primary"):
     from engine.sweep import run_collective_sweep
     from server.queue import Task
@@ -241,10 +242,11 @@ if st.button("Run the sweep", type="primary"):
             measurements += run_collective_sweep(world, [op], list(sizes), repeats, SWEEP_TIMEOUT_S)
         return measurements
 
-    measured = run_task("Collective sweep", Task(f"sweep:{live_world}:{live_sizes}:{repeats}", live_world, sweep),
-                        what="sweep", hint="try fewer sizes, fewer repeats or fewer ranks")
-    if measured is not None:
-        st.session_state["this_machine_link"] = machine_link(measured, live_world)
+    task = Task(f"sweep:{live_world}:{live_sizes}:{repeats}", live_world, sweep)
+# followed on every run of the page: a widget moved while the sweep waits or runs does not lose it
+measured = run_task("Collective sweep", task, what="sweep", hint="try fewer sizes, fewer repeats or fewer ranks")
+if measured is not None:
+    st.session_state["this_machine_link"] = machine_link(measured, measured[0]["world"] if measured else live_world)
 
 result = st.session_state.get("this_machine_link")
 if result is not None:

@@ -163,6 +163,7 @@ st.markdown(
 )
 c1, c2 = st.columns([1, 3])
 measure = c1.button("Measure this machine" if probe is None else "Measure again", type="primary")
+task = None
 if measure:
     from engine.predict import ensure_calibration
     from server.queue import Task
@@ -170,13 +171,14 @@ if measure:
     def calibrate(progress, remeasure=probe is not None):
         return ensure_calibration([2], remeasure=remeasure, progress=progress)
 
-    done = run_task("Measuring this machine", Task("calibration:2", 2, calibrate), what="measurement",
-                    hint="close other programs and measure again")
-    if done is not None:
-        cal, _messages = done
-        st.session_state["probe"] = cal.probe_result()
-        st.session_state["calibration_lines"] = summary_lines(cal)
-        st.rerun()
+    task = Task("calibration:2", 2, calibrate)
+# followed on every run of the page: a widget moved while the measurement waits or runs does not lose it
+done = run_task("Measuring this machine", task, what="measurement", hint="close other programs and measure again")
+if done is not None:
+    cal, _messages = done
+    st.session_state["probe"] = cal.probe_result()
+    st.session_state["calibration_lines"] = summary_lines(cal)
+    st.rerun()
 if probe is not None:
     p1, p2, p3 = st.columns(3)
     p1.metric("Matmul (fp32)", f"{probe.matmul_flops_per_s / 1e9:,.1f} GFLOP/s")

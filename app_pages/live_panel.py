@@ -100,10 +100,19 @@ def run_live(key: str, runs: list[tuple[str, object]], hint: str) -> list[LiveRu
 
 
 def run_task(label: str, task, hint: str, what: str = "run"):
-    """Queue other work on the worker processes (server.queue.Task: the calibration, a sweep) like a run;
-    its result, or None after the failure has been shown."""
+    """Other work on the worker processes (server.queue.Task: the calibration, a sweep), queued like a run.
+    The page calls it on every run of its script: with the `task` its button just made (else None), which is
+    queued unless one of `label` is still going; and whichever is pending is followed, so that moving a widget
+    while it waits or runs does not lose it (the rerun picks it up again). Its result once it finishes, else
+    None (nothing pending, or a failure, which has been shown)."""
     key = f"task_{label}"
-    if not _submit(key, [(label, task)], hint, what):
+    pending = st.session_state.get(_pending_key(key))
+    if task is not None and pending is not None and not pending[0].wait(0):
+        st.warning(f"Your previous {what} is still going: it is shown when it finishes.",
+                   icon=":material/hourglass_top:")
+    elif task is not None and not _submit(key, [(label, task)], hint, what):
+        return None
+    if _pending_key(key) not in st.session_state:
         return None
     job = _follow(key)
     return job.results[0] if job is not None else None

@@ -11,13 +11,14 @@ What it guarantees (settings in `server/settings.py`):
 * at most `max_concurrent` runs execute at once, first come first served; a run identical to one that is
   executing waits for it and is then answered from the cache;
 * caps per run (processes, steps, model size, wall clock) are checked before anything starts;
-* fairness: a session has at most one run waiting. Pressing Run again while one waits replaces it (it
-  keeps its place in line); pressing while one runs queues the new one behind it. Either way the job's
-  `notice` says so;
+* fairness: a session has at most one run waiting and one running. Pressing Run again while one waits
+  replaces it (it keeps its place in line); pressing while one runs queues the new one behind it, and it
+  starts only after it, even where another slot is free. Either way the job's `notice` says so;
 * identical runs (same configurations, labels included) are answered from an in-memory cache of the last
   `result_cache` results, marked `cached` with the time the original finished;
-* a waiting job whose page has gone (tab closed: `alive()` says so) is skipped when its turn comes; a
-  running one finishes and fills the cache; `stop(job)` ends one on request (its workers are killed);
+* a waiting job whose page has gone (tab closed: `alive()` says so) leaves the line (it holds no place, no
+  share of `max_queue`); a running one finishes and fills the cache; `stop(job)` ends one on request (its
+  workers are killed);
 * other work on the worker processes (the calibration, a collective sweep) queues the same way as a
   `Task`;
 * a failed run (a rank that raised, hung, was killed) fails only its job: `engine.launch` has already torn
@@ -167,13 +168,15 @@ class RunQueue:
                 raise Refused(f"{label}: {e}") from None
 
     def submit(self, session: str, runs, alive=None) -> Job:
-        runs = tuple((label, w if isinstance(w, Task) else
-                      replace(w, timeout_s=min(w.timeout_s, self.settings.max_run_s))) for label, w in runs)
+        # the server's limit is each run's (RunConfig.timeout_s, 60 s by default, had capped it below 120)
+        runs = tuple((label, w if isinstance(w, Task) else replace(w, timeout_s=self.settings.max_run_s))
+                     for label, w in runs)
         self.check(runs)
         key = run_key(runs)
         with self._cond:
             if self._closed:
                 raise Refused("the server is stopping; reload the page in a minute")
+            self._drop_closed_tabs()
             self._next_id += 1
             job = Job(self._next_id, session, runs, key, time.monotonic(), alive=alive)
             hit = self._cache_get(key) if cacheable(runs) else None
@@ -218,6 +221,7 @@ class RunQueue:
     def position(self, job: Job) -> tuple[int, int]:
         """(1-based place in line, runs waiting); (0, n) once it is running or finished."""
         with self._cond:
+            self._drop_closed_tabs()
             n = len(self._waiting)
             return (self._waiting.index(job) + 1 if job in self._waiting else 0), n
 
@@ -225,16 +229,19 @@ class RunQueue:
         """Seconds until `job` starts: the jobs ahead of it placed on the slots as they free up, each taking
         what its configuration took last time (a result the cache will answer takes nothing)."""
         with self._cond:
+            self._drop_closed_tabs()
             now = time.monotonic()
             free = [max(0.0, self._duration(j.key) - (now - j.started_at)) for j in self._running]
             free += [0.0] * (self.settings.max_concurrent - len(free))
-            answered = {j.key for j in self._running} | set(self._cache)
+            # only the cache answers an identical run: with it off (or for work it does not keep) each runs
+            answered = ({j.key for j in self._running} | set(self._cache)) if self.settings.result_cache else set()
             for ahead in self._waiting:
                 if ahead is job:
                     break
-                if ahead.key in answered:
+                if ahead.key in answered and cacheable(ahead.runs):
                     continue
-                answered.add(ahead.key)
+                if self.settings.result_cache and cacheable(ahead.runs):
+                    answered.add(ahead.key)
                 i = free.index(min(free))
                 free[i] += self._duration(ahead.key)
             return min(free) if free else 0.0
@@ -298,12 +305,22 @@ class RunQueue:
         self._end(job, DONE)
 
     def _next(self) -> Job | None:
-        """The first waiting job not identical to a running one (that one will answer it)."""
+        """The first waiting job not identical to a running one (that one will answer it) whose session has no
+        run executing: a session's second press queues behind its first (one slot per session at a time), so
+        one student cannot take every slot."""
         busy = {j.key for j in self._running}
+        sessions = {j.session for j in self._running}
         for job in self._waiting:
-            if job.key not in busy:
+            if job.key not in busy and job.session not in sessions:
                 return job
         return None
+
+    def _drop_closed_tabs(self) -> None:
+        """Take the waiting jobs whose page has gone (a closed tab: `alive()` says so) out of the line (called
+        with the lock held), so they hold no place, no share of `max_queue` and no part of anyone's wait."""
+        for job in [j for j in self._waiting if j.alive is not None and not _still(j.alive)]:
+            self._waiting.remove(job)
+            self._end(job, CANCELLED)
 
     def _slot(self) -> None:
         while True:

@@ -57,6 +57,9 @@ class Settings:
             least = 0 if f.name == "result_cache" else 1
             if not value >= least or value != value:  # NaN fails both
                 raise SettingsError(f"{name}={raw!r} must be at least {least}")
+            most, why = MOST.get(f.name, (None, ""))
+            if most is not None and not value <= most:  # infinity too
+                raise SettingsError(f"{name}={raw!r} must be at most {most:,}: {why}")
             values[f.name] = value
         return cls(**values)
 
@@ -69,6 +72,14 @@ class Settings:
 def _show(value) -> str:
     return f"{value:,}" if isinstance(value, int) else f"{value:g}"
 
+
+# Upper bounds, each with why: a value past them is a typo, not a machine.
+MOST = {
+    "max_concurrent": (64, "each run at once is a thread starting its own processes (100,000 of them had "
+                           "exhausted the machine's threads); a run gets about one core per process, so more runs "
+                           "at once than cores only slows every one"),
+    "max_run_s": (86_400, "one day"),
+}
 
 ENV_NAMES = {
     "max_concurrent": "SHARDLAB_MAX_CONCURRENT",

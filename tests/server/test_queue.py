@@ -135,12 +135,58 @@ def test_a_run_this_machine_cannot_hold_is_refused_before_it_queues(monkeypatch)
     assert gate.ran == [] and q.snapshot()["waiting"] == 0
 
 
-def test_wall_clock_cap_lowers_each_runs_timeout():
+@pytest.mark.parametrize("limit", [5, 300])
+def test_the_wall_clock_cap_is_each_runs_timeout(limit):
+    """Above RunConfig's own 60 s too: the server's 120 s default had been capped at 60."""
     gate = Gate()
-    q = queue(gate, max_run_s=5)
+    q = queue(gate, max_run_s=limit)
     job = q.submit("s", [("a", cfg(1, timeout_s=60))])
     gate.release.release()
-    assert job.wait(10) and job.runs[0][1].timeout_s == 5
+    assert job.wait(10) and job.runs[0][1].timeout_s == limit
+
+
+def test_a_closed_tabs_waiting_run_leaves_the_line_at_once():
+    """It had kept its place, its share of max_queue and its part of everyone's expected wait until its turn."""
+    gate = Gate()
+    q = queue(gate, max_queue=3)
+    q.submit("s0", [("a", cfg(0))])
+    assert gate.started.acquire(timeout=5)
+    gone = [q.submit(f"gone{i}", [("a", cfg(10 + i))], alive=lambda: False) for i in range(3)]
+    live = q.submit("live", [("a", cfg(20))])  # the queue is not full: the closed tabs' runs hold no place
+    assert q.position(live) == (1, 1) and all(j.state == CANCELLED for j in gone)
+    gate.release.release()
+    gate.release.release()
+    assert live.wait(10) and live.state == DONE and gate.ran == [0, 20]
+
+
+def test_with_the_cache_off_identical_runs_each_count_in_the_wait():
+    gate = Gate()
+    q = queue(gate, result_cache=0)
+    first = q.submit("s0", [("a", cfg(1))])
+    assert gate.started.acquire(timeout=5)
+    q._durations[first.key] = 5.0
+    jobs = [q.submit(f"s{i}", [("a", cfg(1))]) for i in range(1, 5)]
+    # each identical run runs again (no cache answers it): the last waits for the running one and three more
+    assert q.estimated_wait_s(jobs[-1]) >= 15.0
+    for _ in range(5):
+        gate.release.release()
+    assert all(j.wait(10) for j in jobs)
+
+
+def test_one_session_runs_one_job_at_a_time_even_with_a_free_slot():
+    """Its second press had started at once beside the first (on the second slot), taking every slot, while its
+    notice said it would start after it."""
+    gate = Gate()
+    q = queue(gate, max_concurrent=2)
+    first = q.submit("me", [("a", cfg(1))])
+    assert gate.started.acquire(timeout=5)
+    second = q.submit("me", [("b", cfg(2))])
+    other = q.submit("you", [("c", cfg(3))])
+    assert gate.started.acquire(timeout=5)  # the other session's run takes the free slot
+    assert gate.ran == [1, 3] and second.state == WAITING and "starts after it" in second.notice
+    for _ in range(3):
+        gate.release.release()
+    assert first.wait(10) and second.wait(10) and other.wait(10) and gate.ran == [1, 3, 2]
 
 
 def test_a_full_queue_refuses_with_a_message():
@@ -203,4 +249,9 @@ def test_settings_from_the_environment():
         Settings.from_env({"SHARDLAB_MAX_WORLD": "lots"})
     with pytest.raises(SettingsError, match="SHARDLAB_MAX_CONCURRENT='0' must be at least 1"):
         Settings.from_env({"SHARDLAB_MAX_CONCURRENT": "0"})
+    # a typo's size: 100,000 slots had started 22,000 threads before the machine refused more
+    with pytest.raises(SettingsError, match="SHARDLAB_MAX_CONCURRENT='100000' must be at most 64"):
+        Settings.from_env({"SHARDLAB_MAX_CONCURRENT": "100000"})
+    with pytest.raises(SettingsError, match="SHARDLAB_MAX_RUN_S='inf' must be at most 86,400"):
+        Settings.from_env({"SHARDLAB_MAX_RUN_S": "inf"})
     assert {r["environment variable"] for r in s.rows()} >= {"SHARDLAB_MAX_CONCURRENT", "SHARDLAB_MAX_RUN_S"}

@@ -157,6 +157,9 @@ def test_collectives_ring_plays_and_the_live_sweep_runs(server, browser):
             "() => document.querySelector('.js-plotly-plot .gtitle').textContent.includes('step 2/2')",
             timeout=WAIT_MS)
         page.get_by_role("button", name="Run the sweep").click()
+        page.wait_for_timeout(1500)
+        # a widget moved while the sweep runs reruns the page: the sweep is followed again, not lost
+        page.get_by_test_id("stRadio").filter(has_text="Ranks").get_by_text("3", exact=True).click()
         page.get_by_text("α (latency per step)").wait_for(timeout=120_000)
         _assert_no_exception(page, "collectives after the sweep")
         assert page.locator('[data-testid="stAlert"]').filter(has_text="failed").count() == 0
