@@ -10,7 +10,7 @@ from hardware.roofline import matmul_cost
 from hardware.this_machine import summary_lines
 from ui.charts import OperatingPoint, RooflineSeries, roofline_figure
 from ui.exercises import compute_bound_tokens, ridge_point
-from ui.tables import CHIP_COLUMN_HELP, chip_table_rows, format_bytes, format_flops
+from ui.tables import CHIP_COLUMN_HELP, chip_table_rows, format_bytes, format_flops, format_seconds
 
 POW2_SIZES = [2**i for i in range(0, 17)]  # 1 .. 65,536
 DTYPES = ["bf16", "fp16", "fp8"]
@@ -115,11 +115,11 @@ verdict = f"{cost.bound}-bound"
 m1, m2, m3, m4 = st.columns(4)
 m1.metric("Arithmetic intensity", f"{cost.intensity:,.1f} FLOP/B")
 m2.metric(f"Ridge point ({chip.name})", f"{cost.ridge:,.1f} FLOP/B")
-m3.metric("Time", f"{cost.time_s * 1e6:,.2f} µs")
+m3.metric("Time", format_seconds(cost.time_s))
 m4.metric("Bound by", cost.bound)
 st.markdown(
     f"On **{chip.name}** ({kind} numbers, {dtype}) this matmul does {format_flops(cost.flops)} and moves "
-    f"{format_bytes(cost.bytes)}: {cost.compute_s * 1e6:,.2f} µs of math against {cost.memory_s * 1e6:,.2f} µs "
+    f"{format_bytes(cost.bytes)}: {format_seconds(cost.compute_s)} of math against {format_seconds(cost.memory_s)} "
     f"of memory traffic, so it is **{verdict}** and reaches {cost.achieved_flops_per_s / 1e12:,.1f} TFLOP/s "
     f"of the {chip.peak_flops_per_s(dtype, achievable) / 1e12:,.0f} available."
 )

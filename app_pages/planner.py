@@ -52,10 +52,14 @@ mode = c2.radio("Layout", ["my mesh (sidebar)", "let the planner choose"], key="
                 bind="query-params", help="With 'choose', only the chip count of the sidebar is kept.")
 top = c3.select_slider("Layouts to rank in the search", [3, 5, 10], value=5, key="search_top")
 
-global_batch = default_global_batch(spec.seq_len, n, tokens)
 # The sidebar's ep is a mesh axis of its own; the planner (like Megatron-LM) counts expert-parallel ranks
 # inside the data-parallel group, since attention and dense layers are data parallel over them too.
 parallel = mesh_parallel(choices.device_mesh(), spec) if mode.startswith("my") else Parallel()
+# The batch the slider asks for, in whole sequences: a multiple of the mesh's data-parallel degree (each
+# data-parallel rank reads its own sequences; tp, pp and cp ranks share theirs), and with the planner
+# choosing, as many as asked (it keeps the layouts whose dp divides them). It had been rounded to a multiple
+# of the chip count: 0.5M tokens on 16,384 chips became 134M, whatever the slider said.
+global_batch = default_global_batch(spec.seq_len, parallel.dp or 1, tokens)
 try:
     case = make_case(spec, Cluster(chip.key, n), global_batch=global_batch, parallel=parallel)
     with st.spinner("Simulating the step ..."):
@@ -72,7 +76,10 @@ etp = f" (etp={lay.etp}: experts {'whole' if lay.experts_folded else 'split by t
 st.markdown(f"**Layout:** dp={lay.dp}, tp={lay.tp}, pp={lay.pp}, cp={lay.cp}, ep={lay.ep}{etp}; "
             f"ZeRO-{lay.zero_stage}; micro-batch {lay.micro_batch}; recompute {lay.recompute_label}; "
             f"schedule {lay.pp_schedule} (v={lay.virtual_stages}); "
-            f"global batch {global_batch:,} sequences of {spec.seq_len:,} tokens.")
+            f"global batch {global_batch:,} sequences of {spec.seq_len:,} tokens"
+            + (f" ({global_batch * spec.seq_len / 2**20:,.3g}M tokens: the slider's {tokens / 2**20:g}M rounded to "
+               f"whole sequences, at least one per data-parallel rank, dp={parallel.dp})."
+               if abs(global_batch * spec.seq_len / tokens - 1) > 0.1 else "."))
 if lay.ep > 1:
     sidebar = (f": here the sidebar's dp={choices.mesh['dp']} x ep={choices.mesh['ep']}" if mode.startswith("my")
                else "")
@@ -80,8 +87,9 @@ if lay.ep > 1:
                f"and dense layers, the expert-parallel ranks among them{sidebar}.")
 if est.chosen:  # (planner.api.chosen_fields leaves out what does nothing for this model and layout)
     picked = {k: v for block in est.chosen.values() for k, v in block.items()}
-    st.caption("Chosen by the planner (what a current framework does; where frameworks differ, the fastest that "
-               "fits): " + ", ".join(f"{k}={v}" for k, v in picked.items()))
+    st.caption("Chosen by the planner (what a current framework does; where frameworks differ, the fastest"
+               + (" that fits" if est.fits else ": none fits") + "): "
+               + ", ".join(f"{k}={v}" for k, v in picked.items()))
 
 @st.cache_data(show_spinner=False)
 def _accuracy():
@@ -179,8 +187,11 @@ if chip.kind == "gpu":
                "'How far to trust these numbers' below has the errors.")
 if not est.fits:
     usable = usable_hbm_bytes(est.result.chip)
-    untried = [what for what, used in (("ZeRO-3", lay.zero_stage == 3), ("more tp", lay.tp >= chip.scaleup_domain),
-                                       ("pp", lay.pp > 1), ("full recomputation", lay.recompute == "full")) if not used]
+    # ZeRO, tp and pp split the model over chips: on one chip only recomputation is left to try
+    untried = [what for what, used in (("ZeRO-3", lay.zero_stage == 3 or n == 1),
+                                       ("more tp", lay.tp >= chip.scaleup_domain or n == 1),
+                                       ("pp", lay.pp > 1 or n == 1), ("full recomputation", lay.recompute == "full"))
+               if not used]
     advice = ("No layout of this many chips fits: use more chips, a chip with more HBM or a smaller batch."
               if not mode.startswith("my") else
               f"Try {', '.join(untried)}, or let the planner choose, or use more chips." if untried else
@@ -206,8 +217,10 @@ if found:
             "fields here: attention kernel, overlaps, fused kernels, precision of the gradients, ...) it leaves "
             "to the planner, which takes what a current framework does. Each other value, one at a time on this "
             f"same layout, moves the predicted step between **{fastest:,.2f} s** and **{slowest:,.2f} s** "
-            f"({fastest / est.step_time_s - 1:+.0%} to {slowest / est.step_time_s - 1:+.0%}): a run that states "
-            "how it was executed can be predicted more closely than one that does not.")
+            f"({fastest / est.step_time_s - 1:+.0%} to {slowest / est.step_time_s - 1:+.0%}"
+            + ("; values that would not fit in memory are in the table, not in that span"
+               if est.fits and any(not a.fits for a in found) else "")
+            + "): a run that states how it was executed can be predicted more closely than one that does not.")
         def word(value):  # a flag as the pages say it
             return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else str(value)
 
@@ -306,11 +319,17 @@ to cover completely (no sampling, unlike learned or heuristic searches), with br
 layouts that cannot enter the top {top}.
 """
 )
+search_case = make_case(spec, Cluster(chip.key, n), global_batch=global_batch)
 if st.button("Find the fastest layouts", type="primary"):
     with st.spinner("Searching ..."):
-        report = search(make_case(spec, Cluster(chip.key, n), global_batch=global_batch), top=top)
-    st.session_state["planner_search"] = report
-report = st.session_state.get("planner_search")
+        st.session_state["planner_search"] = (search_case, top, search(search_case, top=top))
+searched_case, searched_top, report = st.session_state.get("planner_search", (None, None, None))
+if report is not None and (searched_case, searched_top) != (search_case, top):
+    # the sidebar, the batch or the count moved since: the results were another setup's (they had stayed, under
+    # this one's heading)
+    del st.session_state["planner_search"]
+    report = None
+    st.caption("The setup changed since the last search: press the button to search this one.")
 if report is not None:
     st.caption(f"{report.considered:,} layouts considered ({report.evaluated:,} simulations of them and their "
                "ZeRO and recomputation variants) in "

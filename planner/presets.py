@@ -32,10 +32,12 @@ DEFAULT_CLUSTER = "8x H100 (one node)"
 TOKENS_PER_BATCH = 4 * 2 ** 20  # ~4M tokens per step, a common pre-training batch (GPT-3 used 3.2M for 175B)
 
 
-def default_global_batch(seq_len: int, chips: int, tokens: int = TOKENS_PER_BATCH) -> int:
-    """Sequences per step for about `tokens` tokens, rounded to a multiple of the chip count (so any
-    data-parallel degree divides it) and at least one sequence per chip."""
-    return max(chips, round(tokens / seq_len / chips) * chips)
+def default_global_batch(seq_len: int, multiple: int, tokens: int = TOKENS_PER_BATCH) -> int:
+    """Sequences per step for about `tokens` tokens, rounded to a multiple of `multiple` and at least that:
+    the chip count, so that any data-parallel degree divides it, or a mesh's data-parallel degree (one
+    sequence per data-parallel rank at the least; a tensor, pipeline or context parallel group shares its
+    sequences)."""
+    return max(multiple, round(tokens / seq_len / multiple) * multiple)
 
 
 def make_case(model: ModelSpec | str, cluster: Cluster | str, global_batch: int | None = None,

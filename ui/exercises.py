@@ -12,7 +12,7 @@ from hardware.chips import Chip
 from planner.bounds import data_parallel_bound, expert_parallel_bound, tensor_parallel_bound
 from planner.memory import zero_bytes_per_param
 from planner.models import ModelSpec
-from ui.tables import format_bytes_per_s, format_flops, format_flops_per_s
+from ui.tables import format_bytes, format_bytes_per_s, format_flops, format_flops_per_s
 
 
 @dataclass(frozen=True)
@@ -152,14 +152,14 @@ def ring_bytes(collective_name: str, n: int, nbytes: float) -> Exercise:
     formula = "2 (N − 1) / N · V" if collective_name == "all-reduce" else "(N − 1) / N · V"
     return Exercise(
         f"On a ring of N = {n} chips, how many bytes does each chip send in an {collective_name} of the "
-        f"{nbytes / 2**20:,.0f} MiB array?",
+        f"{format_bytes(nbytes)} array?",
         factor * nbytes,
         [("An all-reduce is a reduce-scatter then an all-gather: each passes N − 1 shards of V / N per chip."
           if collective_name == "all-reduce" else
           "N − 1 steps, each passing one shard of V / N to the next chip."),
-         f"{formula} = {factor:.3f} · {nbytes:,.0f} = **{factor * nbytes / 2**20:,.1f} MiB**, nearly "
-         f"{'2V' if collective_name == 'all-reduce' else 'V'} whatever N: why a large ring's time is close "
-         "to the bandwidth bound."])
+         f"{formula} = {factor:.3f} · {nbytes:,.0f} = **{format_bytes(factor * nbytes)}**, nearly "
+         f"{'2V' if collective_name == 'all-reduce' else 'V'} whatever N: a larger ring sends hardly more bytes "
+         "per chip, it only adds steps (each a latency)."])
 
 
 def latency_crossover(topology, crossover: float | None) -> Exercise:
@@ -169,7 +169,7 @@ def latency_crossover(topology, crossover: float | None) -> Exercise:
         "latency-bound?",
         crossover if crossover is not None else "always bandwidth-bound",
         ["The alpha-beta model: T(V) = α·steps + V·(N − 1)/N / W. The two terms are equal at the crossover.",
-         (f"V* = T(0) / slope = **{crossover / 2**20:,.2f} MiB**: below it adding bytes costs almost "
+         (f"V* = T(0) / slope = **{format_bytes(crossover)}**: below it adding bytes costs almost "
           "nothing, above it time grows with the bytes." if crossover is not None else
           "No latency term on this link: every size is bandwidth-bound.")])
 
@@ -183,7 +183,7 @@ def tp_bytes_per_layer(t: int, b: int, s: int, h: int, comm_bytes: float) -> Exe
         ["Four collectives of the activation array V = b·s·h·2 bytes per layer (two all-reduces forward, two "
          "backward; or their all-gather + reduce-scatter halves with sequence parallel), each sending "
          "2(t − 1)/t · V per chip.",
-         f"4 · 2·({t} − 1)/{t} · {b}·{s:,}·{h:,}·2 = **{comm_bytes / 2**20:,.0f} MiB**."])
+         f"4 · 2·({t} − 1)/{t} · {b}·{s:,}·{h:,}·2 = **{format_bytes(comm_bytes)}**."])
 
 
 def gpipe_bubble(p: int, m: int) -> Exercise:
@@ -209,7 +209,7 @@ def a2a_leaving_share(ep: int, tokens: int, top_k: int, hidden: int) -> Exercise
         share,
         ["Each copy lands on a uniformly chosen rank of the group; 1/ep of them stay.",
          f"(ep − 1)/ep = **{share:.1%}**: {tokens:,} · {top_k} · {hidden:,} · 2 · {share:.3f} = "
-         f"**{nbytes / 2**20:,.0f} MiB** per dispatch (the combine sends as much back)."])
+         f"**{format_bytes(nbytes)}** per dispatch (the combine sends as much back)."])
 
 
 def ring_kv_held(row: dict) -> Exercise:
@@ -218,8 +218,8 @@ def ring_kv_held(row: dict) -> Exercise:
         "How much K/V does a rank hold per layer with the ring, and with the all-gather variant?",
         row["allgather_kv_held_bytes"] / row["ring_kv_held_bytes"],
         ["The ring holds the block in use and the one arriving: 2 blocks; the all-gather holds all cp blocks.",
-         f"Ring: **{row['ring_kv_held_bytes'] / 2**20:,.1f} MiB**, all-gather: "
-         f"**{row['allgather_kv_held_bytes'] / 2**20:,.1f} MiB**, "
+         f"Ring: **{format_bytes(row['ring_kv_held_bytes'])}**, all-gather: "
+         f"**{format_bytes(row['allgather_kv_held_bytes'])}**, "
          f"{row['allgather_kv_held_bytes'] / row['ring_kv_held_bytes']:,.1f}x as much."])
 
 
@@ -290,6 +290,6 @@ def state_passing_chain(m: ModelSpec, cp: int) -> Exercise:
          f"cp − 1 = **{cp - 1} hops** in sequence (the backward has as many, reversed).",
          f"Each hop carries one state per head: H x P x N = {m.ssm_heads} x {m.ssm_head_dim} x {m.ssm_state} "
          f"numbers in fp32 (the scan keeps its states in fp32): **{one:,.0f} bytes**, "
-         f"{one / 2**20:.2f} MiB, whatever S is.",
+         f"{format_bytes(one)}, whatever S is.",
          "Compare ring attention: cp − 1 K/V blocks per layer that grow with S/cp, but each sent while the "
          "previous block's attention computes."])

@@ -47,3 +47,4 @@ def test_counts_and_long_times_read_as_a_student_reads_them():
     assert [format_seconds(s) for s in (0.99996, 119.96, 7199.99, 0.00099996, 1e9)] == [
         "1 s", "2 min", "2 h", "1 ms", "277,778 h"]
     assert (format_step(119.996), format_step(119.99)) == ("2 min", "119.99 s")
+    assert (format_seconds(1e-8), format_seconds(0.0)) == ("10 ns", "0 µs")  # a tiny matmul had read 0.00 µs

@@ -103,3 +103,11 @@ def test_every_lesson_has_exercises(page):
     at = open_app(page, tp_degree="4") if "tensor" in page else open_app(page)
     assert not at.exception
     assert sum(e.label == "Show the worked answer" for e in at.expander) >= 1
+
+
+def test_a_small_array_is_quoted_in_its_own_unit():
+    """A 128 B array had been asked about as "the 0 MiB array", its answer "0.0 MiB"."""
+    from ui.exercises import ring_bytes
+
+    ex = ring_bytes("all-gather", 4, 128)
+    assert "the 128 B array" in ex.question and "**96 B**" in " ".join(ex.worked)

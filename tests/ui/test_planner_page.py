@@ -52,6 +52,29 @@ def test_planner_chooses_and_search_ranks_layouts():
     assert len(table) >= 3
     assert list(table["step s"]) == sorted(table["step s"])  # ranked fastest first
     assert (table["dp"] * table["tp"] * table["pp"] * table["cp"]).eq(16).all()
+    # another chip in the sidebar: the ranking was the H100's, shown under the new setup's heading
+    at.sidebar.selectbox(key="chip").set_value("tpu-v5p").run(timeout=120)
+    assert not at.exception and not any("step s" in d.value.columns for d in at.dataframe)
+    assert any("The setup changed since the last search" in c.value for c in at.caption)
+
+
+def test_the_batch_slider_sets_the_batch_at_any_chip_count():
+    """Rounded to a multiple of the chip count, 0.5M and 32M tokens on 16,384 chips had both been 134M."""
+    at = _page(model="Llama 3 405B", chip="h100", dp="128", tp="8", pp="16")
+    layouts = {}
+    for tokens in (2**19, 2**25):
+        at.select_slider(key="batch_tokens").set_value(tokens).run(timeout=120)
+        assert not at.exception
+        layouts[tokens] = next(m.value for m in at.markdown if m.value.startswith("**Layout:**"))
+    assert "global batch 128 sequences of 8,192 tokens (1M tokens: the slider's 0.5M rounded" in layouts[2**19]
+    assert "global batch 4,096 sequences of 8,192 tokens." in layouts[2**25]
+
+
+def test_out_of_memory_advice_on_one_chip_names_only_what_one_chip_can_do():
+    at = _page(model="Llama 3 8B", chip="h100", dp="1")
+    warning = next(w.value for w in at.warning if "more than the" in w.value)
+    assert "Try full recomputation" in warning or "Use more chips" in warning
+    assert "ZeRO-3" not in warning and "more tp" not in warning
 
 
 def test_the_page_says_how_far_to_trust_it_from_the_published_runs():
