@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import replace
 
-from core.timeline import Span, Timeline, span_kind
+from core.timeline import Span, Timeline, kind_label, span_kind
 from planner import passes
 from planner.costs import CommOp
 from planner.simulate import ChunkCost, StepResult
@@ -62,12 +62,23 @@ class _Pass:
             else:
                 start = max(t0, self.group_free[c.group])
             end = start + c.time_s
-            # a point-to-point op (the K/V ring, a state chain) named as one, so it is drawn as the engine's sends
-            name = f"{c.name} (send/recv)" if c.kind == "p2p" else c.name
+            name = _drawn_name(c)
             self.spans.append(Span(self.rank, "comm", name, start, end, bytes=int(c.nbytes), micro_batch=self.mb,
                                    group=c.group, is_async=c.exposed_s < c.time_s))
             self.group_free[c.group] = end
         self.t = tail
+
+
+def _drawn_name(c: CommOp) -> str:
+    """A collective's span name with its kind in it, so that it is drawn in its kind's row and colour
+    (core.timeline.span_kind reads the kind from the name), as the engine's spans of the same work are: a
+    point-to-point op (the K/V ring, a state chain) as a send, "ep dispatch + combine" as an all-to-all (it had
+    been drawn as "other comm", where the step's breakdown coloured it as an all-to-all)."""
+    if c.kind == "p2p":
+        return f"{c.name} (send/recv)"
+    if c.kind and span_kind(Span(0, "comm", c.name, 0.0, 0.0)) != c.kind:
+        return f"{c.name} ({kind_label(c.kind)})"
+    return c.name
 
 
 def _pass_spans(rank: int, chunk: ChunkCost, kind: str, start: float, mb: int, detailed: bool, label: str,
@@ -118,6 +129,11 @@ def _pass_spans(rank: int, chunk: ChunkCost, kind: str, start: float, mb: int, d
         exposed = sum(e for _, e, _ in comms.values())
         compute = max(0.0, total - chunk.p2p_s - exposed)
         name = "fwd" if kind == "F" else "bwd-input" if deferred_s else "bwd"
+        # recomputation drawn apart, before the backward it serves, in its own colour (the breakdown has it)
+        recompute = 0.0 if kind == "F" else min(compute, sum(n * lc.recompute_s for lc, n in chunk.layer_costs))
+        if recompute > 0:
+            p.block(f"recompute {label}", recompute, [])
+            compute -= recompute
         # one window per group, as its collectives queue on its links; inside it, each kind back to back
         groups: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
         for (g, _), (t, e, _) in comms.items():

@@ -21,7 +21,7 @@ BREAKDOWN_STYLE = {
     "compute": ("compute", KIND_COLORS["forward"]),
     "recompute": ("recomputation", KIND_COLORS["recompute"]),
     "tp_comm": ("tensor-parallel collectives", KIND_COLORS["reduce_scatter"]),
-    "cp_comm": ("context-parallel ring", KIND_COLORS["other comm"]),
+    "cp_comm": ("context-parallel ring", KIND_COLORS["send/recv"]),  # sends round the ring, as the timeline draws
     "ep_comm": ("expert all-to-alls", KIND_COLORS["all_to_all"]),
     "zero3_comm": ("ZeRO-3 weight gathers", KIND_COLORS["all_gather"]),
     "pp_comm": ("pipeline sends", KIND_COLORS["send/recv"]),
