@@ -234,12 +234,12 @@ if st.button("Run the sweep", type="primary"):
     from engine.sweep import run_collective_sweep
     from server.queue import Task
 
-    def sweep(progress, world=live_world, sizes=tuple(live_sizes), repeats=repeats):
+    def sweep(progress, stop, world=live_world, sizes=tuple(live_sizes), repeats=repeats):
         measurements = []
         for i, op in enumerate(COLLECTIVES):
             first = " (the first run also starts the worker processes)" if i == 0 else ""
             progress(i / len(COLLECTIVES), f"{COLLECTIVE_NAMES[op]} on {world} ranks{first}")
-            measurements += run_collective_sweep(world, [op], list(sizes), repeats, SWEEP_TIMEOUT_S)
+            measurements += run_collective_sweep(world, [op], list(sizes), repeats, SWEEP_TIMEOUT_S, stop=stop)
         return measurements
 
     task = Task(f"sweep:{live_world}:{live_sizes}:{repeats}", live_world, sweep)

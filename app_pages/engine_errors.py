@@ -23,8 +23,10 @@ def engine_error_message(exc: BaseException, what: str = "sweep",
                 f" The workers were stopped; {hint}.",
                 str(exc))
     if isinstance(exc, RunStopped):
-        return (f"Stopped, as asked, after {exc.steps_done} step(s). The workers were stopped; the next run "
-                "starts fresh ones.", None)
+        done = f", after {exc.steps_done} step(s)" if what == "run" else ""
+        return (f"Stopped, as asked{done}. The workers were stopped; the next run starts fresh ones.", None)
+    if isinstance(exc, TimeoutError):  # the server's time limit (server.queue: a Task past max_run_s)
+        return f"The {what} was stopped: {exc}; {hint}.", None
     if isinstance(exc, WorkerError):
         return f"The worker processes failed: {exc}", None
     return f"The {what} failed ({type(exc).__name__}): {exc}", None

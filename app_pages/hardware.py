@@ -168,8 +168,8 @@ if measure:
     from engine.predict import ensure_calibration
     from server.queue import Task
 
-    def calibrate(progress, remeasure=probe is not None):
-        return ensure_calibration([2], remeasure=remeasure, progress=progress)
+    def calibrate(progress, stop, remeasure=probe is not None):
+        return ensure_calibration([2], remeasure=remeasure, progress=progress, stop=stop)
 
     task = Task("calibration:2", 2, calibrate)
 # followed on every run of the page: a widget moved while the measurement waits or runs does not lose it

@@ -153,9 +153,8 @@ def _follow(key: str):
         if job.notice:
             notice_slot.info(job.notice, icon=":material/schedule:")
         stop_slot = st.empty()
-        if not is_task:
-            stop_slot.button("Stop this run", key=stop_key, icon=":material/stop_circle:",
-                             help="End the run now: its worker processes are stopped, the next run starts fresh ones")
+        stop_slot.button(f"Stop this {what}", key=stop_key, icon=":material/stop_circle:",
+                         help=f"End the {what} now: its worker processes are stopped, the next run starts fresh ones")
         bar = st.progress(0.0, text="Starting ...")
         check, shown = _yield_check(), None
         while not job.wait(0.25):

@@ -71,8 +71,8 @@ def exit_words(code: int | None) -> str:
         name = signal.Signals(-code).name
     except ValueError:
         name = f"signal {-code}"
-    oom = (" (on Linux, usually the kernel's out-of-memory killer: this run needs more memory than is free; make "
-           "the model or the batch smaller)") if -code == signal.SIGKILL else ""
+    oom = (" (on Linux, usually the kernel's out-of-memory killer, unless someone sent it: then this run needs more "
+           "memory than is free; make the model or the batch smaller)") if -code == signal.SIGKILL else ""
     return f"was killed by {name}{oom}"
 
 

@@ -32,13 +32,15 @@ def cached_calibration():
     return tm.load(tm.machine_key(torch_version()))[0]
 
 
-def ensure_calibration(worlds, progress=None, remeasure: bool = False, collective_timeout_s: float = 30.0):
+def ensure_calibration(worlds, progress=None, remeasure: bool = False, collective_timeout_s: float = 30.0,
+                       stop=None):
     """This machine's calibration with communication measured at every world in `worlds`: from the
     cache when it is there and sound, else measured now (about 25 s for 2 ranks, 45 s more for 4, on 2 cores) and saved.
 
     Returns (calibration, messages): the messages say what was measured and why (missing, stale,
     corrupt, asked for), for the page or the command line to show. Raises `launch.WorkerError` when a
-    measuring rank fails or times out.
+    measuring rank fails or times out, and `launch.RunStopped` once the `stop` event is set (between its
+    measurements and inside one: a live panel's Stop, which had waited the calibration's half minute out).
     """
     from hardware import this_machine as tm
 
@@ -51,7 +53,7 @@ def ensure_calibration(worlds, progress=None, remeasure: bool = False, collectiv
     if cal is not None and not todo:
         return cal, messages
 
-    measure = _measurer(collective_timeout_s)
+    measure = _measurer(collective_timeout_s, stop)
     steps, done = (0 if cal is not None else 1) + len(todo), 0
     if cal is None:
         report(0.0, "timing the engine's modules on one rank")
@@ -113,23 +115,25 @@ def at_speed_now(cal, world: int = 1, collective_timeout_s: float = 30.0):
     return cal.at_speed(reference_block_s(_measurer(collective_timeout_s), world))
 
 
-def _measurer(collective_timeout_s: float):
+def _measurer(collective_timeout_s: float, stop=None):
     """measure(world, task, args): run an `engine.calibrate` task on the worker pool of `world` CPU ranks,
-    returning each rank's result."""
+    returning each rank's result; setting `stop` ends it (`launch.RunStopped`)."""
     from engine import launch
 
     def measure(world: int, task: str, args: dict) -> list:
+        if stop is not None and stop.is_set():
+            raise launch.RunStopped(0)
         return launch.get_pool(world, "cpu", collective_timeout_s).run(f"engine.calibrate:{task}", args,
-                                                                        timeout_s=CALIBRATION_TIMEOUT_S)
+                                                                        timeout_s=CALIBRATION_TIMEOUT_S, stop=stop)
 
     return measure
 
 
-def predicted(cfg, progress=None) -> dict:
+def predicted(cfg, progress=None, stop=None) -> dict:
     """The planner's prediction of the run `cfg` on this machine, as the JSON object the run's summary
     carries under "predicted": step_time_s, breakdown_s and the calibration messages, or step_time_s
     None and `why` when there is no prediction (a CUDA run; the calibration could not be measured)."""
-    from engine.launch import WorkerError
+    from engine.launch import RunStopped, WorkerError
     from hardware.this_machine import CalibrationError
     from planner.live import predict
 
@@ -141,8 +145,11 @@ def predicted(cfg, progress=None) -> dict:
                 "why": "this machine's calibration times the engine's modules in fp32; a bf16 run's kernels "
                        "are other ones, so it is not predicted"}
     try:
-        cal, messages = ensure_calibration([cfg.world], progress, collective_timeout_s=cfg.collective_timeout_s)
+        cal, messages = ensure_calibration([cfg.world], progress, collective_timeout_s=cfg.collective_timeout_s,
+                                           stop=stop)
         now, speed = at_speed_now(cal, cfg.world, cfg.collective_timeout_s)
+    except RunStopped:
+        raise  # the run's Stop: the run does not start
     except WorkerError as e:
         return {"step_time_s": None, "breakdown_s": {}, "why": f"this machine could not be calibrated: {e}"}
     try:

@@ -87,7 +87,7 @@ def run(cfg: RunConfig, traced: bool = True, check: bool = False, pool=None,
     if predict:
         from engine.predict import predicted
 
-        prediction = predicted(cfg, progress)  # before the run: calibrating warms the run's pool
+        prediction = predicted(cfg, progress, stop)  # before the run: calibrating warms the run's pool
     pool = pool or launch.get_pool(cfg.world, cfg.device, cfg.collective_timeout_s)
     results = pool.run("engine.train:run_rank", {"cfg": cfg, "traced": traced, "check": check},
                        timeout_s=cfg.timeout_s, on_progress=on_step, stop=stop)

@@ -59,8 +59,9 @@ def sweep_rank(ctx, ops: list[str], sizes_bytes: list[int], repeats: int) -> lis
 
 
 def run_collective_sweep(world: int, ops: list[str], sizes_bytes: list[int], repeats: int = 3,
-                         timeout_s: float = 60) -> list[dict]:
-    """[{op, bytes, seconds (median over repeats of the slowest rank), world}] from the warm pool."""
+                         timeout_s: float = 60, stop=None) -> list[dict]:
+    """[{op, bytes, seconds (median over repeats of the slowest rank), world}] from the warm pool; setting the
+    `stop` event ends it (launch.RunStopped)."""
     from engine import launch
 
     if not 2 <= world <= MAX_WORLD:
@@ -73,7 +74,7 @@ def run_collective_sweep(world: int, ops: list[str], sizes_bytes: list[int], rep
     if repeats < 1:
         raise ConfigError(f"repeats={repeats} must be at least 1")
     task = {"ops": list(ops), "sizes_bytes": list(sizes_bytes), "repeats": repeats}
-    results = launch.get_pool(world).run("engine.sweep:sweep_rank", task, timeout_s=timeout_s)
+    results = launch.get_pool(world).run("engine.sweep:sweep_rank", task, timeout_s=timeout_s, stop=stop)
     measurements = []
     for i, first in enumerate(results[0]):
         slowest = [max(r[i]["times_s"][k] for r in results) for k in range(repeats)]

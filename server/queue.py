@@ -52,7 +52,9 @@ class Refused(ValueError):
 @dataclass(frozen=True)
 class Task:
     """Work on the worker processes other than a training run (the calibration, a collective sweep),
-    queued like one: `fn(progress)` with `progress(fraction, message)` returns the result."""
+    queued like one: `fn(progress, stop)` with `progress(fraction, message)` returns the result; `stop` is a
+    threading.Event set by the page's Stop or at the server's time limit (`max_run_s`), after which `fn`
+    ends soon (engine.launch's pool runs take it and raise RunStopped)."""
 
     what: str  # identifies the work: identical `what` of a cacheable task is answered from the cache
     world: int
@@ -82,6 +84,7 @@ class Job:
     cached: bool = False
     cached_from: float | None = None  # when the run that is being reused finished (time.time())
     alive: object = None  # () -> bool: is the page that asked still there? (a closed tab's run is skipped)
+    timed_out: bool = False  # a Task stopped at the server's time limit
     stop_event: threading.Event = field(default_factory=threading.Event, repr=False)
     _event: threading.Event = field(default_factory=threading.Event, repr=False)
 
@@ -371,14 +374,34 @@ class RunQueue:
                 def progress(fraction, message):
                     job.task_fraction, job.calibrating = fraction, message
 
-                results.append(cfg.fn(progress) if isinstance(cfg, Task) else
+                results.append(self._task(job, cfg, progress) if isinstance(cfg, Task) else
                                self._runner(cfg, on_step, progress, job.stop_event))
                 job.calibrating = None
             job.results = results
             return DONE
         except BaseException as e:  # noqa: BLE001 - reported to the job's page, never lost
             job.error = e
+            if job.timed_out:
+                job.error = TimeoutError(f"it ran past this server's limit of {self.settings.max_run_s:g} s "
+                                         "(SHARDLAB_MAX_RUN_S)")
+                return FAILED
             return STOPPED if job.stop_event.is_set() else FAILED
+
+    def _task(self, job: Job, task: Task, progress):
+        """A Task under the server's time limit (a training run has its own, RunConfig.timeout_s): its stop event
+        is set once `max_run_s` has passed. A sweep of 4 ranks had held its slot for minutes, and no Stop ended
+        it."""
+        def over():
+            job.timed_out = True
+            job.stop_event.set()
+
+        limit = threading.Timer(self.settings.max_run_s, over)
+        limit.daemon = True
+        limit.start()
+        try:
+            return task.fn(progress, job.stop_event)
+        finally:
+            limit.cancel()
 
 
 def _still(alive) -> bool:

@@ -145,3 +145,26 @@ def test_a_pipeline_message_is_its_median_plus_the_modes_mean_stall():
     assert out[("late1", 1024)] == [pytest.approx(1e-4 + stall), 5e-5, 1]
     assert out[("late1", 131072)][0] == pytest.approx(2e-4 + stall)
     assert out[("early1", 1024)][0] == pytest.approx(1e-4)
+
+
+@pytest.mark.multiprocess
+def test_stop_ends_a_first_time_calibration_and_keeps_nothing(tmp_path, monkeypatch):
+    """A live panel's Stop during the run's first calibration had waited its half minute out."""
+    import threading
+
+    from engine.launch import RunStopped
+    from engine.run import run
+
+    monkeypatch.setenv("SHARDLAB_CACHE_DIR", str(tmp_path))
+    stop = threading.Event()
+    heard = []
+
+    def progress(fraction, message):  # Stop pressed as the calibration says what it starts with
+        heard.append(message)
+        stop.set()
+
+    cfg = config_from_args(run_parser("x").parse_args(["--strategy", "dp", "--world", "2", "--steps", "2"]))
+    with pytest.raises(RunStopped):
+        run(cfg, predict=True, progress=progress, stop=stop)
+    assert heard == ["timing the engine's modules on one rank"]  # no later measurement started
+    assert not tm.cache_path(tm.machine_key(torch_version())).exists()

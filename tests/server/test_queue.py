@@ -255,3 +255,23 @@ def test_settings_from_the_environment():
     with pytest.raises(SettingsError, match="SHARDLAB_MAX_RUN_S='inf' must be at most 86,400"):
         Settings.from_env({"SHARDLAB_MAX_RUN_S": "inf"})
     assert {r["environment variable"] for r in s.rows()} >= {"SHARDLAB_MAX_CONCURRENT", "SHARDLAB_MAX_RUN_S"}
+
+
+def test_a_task_is_stopped_at_the_servers_time_limit_and_by_stop():
+    """Tasks (the calibration, a sweep) had run past SHARDLAB_MAX_RUN_S, and Stop did nothing to them."""
+    from server.queue import STOPPED, Task
+
+    def work(progress, stop):
+        assert stop.wait(30), "never stopped"
+        raise RuntimeError("ended by its stop event")
+
+    q = queue(Gate(), max_run_s=1)
+    over = q.submit("s", [("sweep", Task("a", 2, work))])
+    assert over.wait(30) and over.state == FAILED and isinstance(over.error, TimeoutError)
+    assert "this server's limit of 1 s (SHARDLAB_MAX_RUN_S)" in str(over.error)
+    q = queue(Gate(), max_run_s=600)
+    asked = q.submit("s", [("sweep", Task("b", 2, work))])
+    while asked.state == WAITING:
+        asked.wait(0.05)
+    q.stop(asked)
+    assert asked.wait(30) and asked.state == STOPPED
