@@ -72,9 +72,10 @@ with left:
                            help="Datasheet peaks are never reached. Achievable numbers are what large "
                                 "matmuls and copies really get (sources in the chip table).")
     # wrap: in a column the chips would stay on one scrolling row, hiding the third
+    # in the link too (the chips' keys), so a shared view compares the same chips
     compare = st.multiselect("Compare with", [k for k in CHIPS if k != chip.key],
                              default=[k for k in ("a100-80gb", "b200", "tpu-v5e") if k != chip.key],
-                             format_func=lambda k: CHIPS[k].name, wrap=True)
+                             format_func=lambda k: CHIPS[k].name, wrap=True, key="compare", bind="query-params")
 
 if dtype not in chip.dtypes:
     st.warning(f"{chip.name} has no {dtype} matrix units, so this uses bf16. It supports: "

@@ -50,7 +50,7 @@ tokens = c1.select_slider("Global batch (tokens per step)", TOKENS_PER_BATCH, va
                           bind="query-params", format_func=lambda t: f"{t / 2**20:g}M")
 mode = c2.radio("Layout", ["my mesh (sidebar)", "let the planner choose"], key="layout_mode",
                 bind="query-params", help="With 'choose', only the chip count of the sidebar is kept.")
-top = c3.select_slider("Layouts to rank in the search", [3, 5, 10], value=5, key="search_top")
+top = c3.select_slider("Layouts to rank in the search", [3, 5, 10], value=5, key="search_top", bind="query-params")
 
 # The sidebar's ep is a mesh axis of its own; the planner (like Megatron-LM) counts expert-parallel ranks
 # inside the data-parallel group, since attention and dense layers are data parallel over them too.

@@ -23,7 +23,7 @@ LESSONS: list[Lesson] = [
     Lesson("Hardware & roofline", "app_pages/hardware.py", "hardware", ":material/memory:",
            "What a chip can do: FLOP/s, memory bandwidth, links. Arithmetic intensity and the ridge point "
            "decide whether a matmul is compute-bound or memory-bound. Measure this machine too.",
-           params=("tokens", "d_model", "d_ff", "dtype", "achievable")),
+           params=("tokens", "d_model", "d_ff", "dtype", "achievable", "compare")),
     Lesson("Collectives", "app_pages/collectives.py", "collectives", ":material/hub:",
            "All-gather, reduce-scatter, all-reduce and all-to-all, step by step on a ring; what they cost "
            "(latency against bandwidth, inside a node or across nodes); and this machine's own alpha and beta.",
@@ -68,7 +68,7 @@ LESSONS: list[Lesson] = [
     Lesson("Plan a training run", "app_pages/planner.py", "planner", ":material/query_stats:",
            "Combine the strategies on a device mesh for a real model on real chips: memory per chip, step "
            "time, MFU and a predicted timeline; then search every layout for the fastest that fits.",
-           params=("batch_tokens", "layout_mode")),
+           params=("batch_tokens", "layout_mode", "search_top")),
 ]
 
 # The rest of the route, in teaching order; each becomes a page when its live engine or planner lands.

@@ -114,6 +114,14 @@ def test_batch_slider_moves_the_operating_point(server, browser):
         _assert_no_exception(page, "hardware after slider")
         assert _trace_points(page) != before_plot
         assert "tokens=4096" in page.url
+        # the chips compared are in the link too: a chip added here is there when the link is opened again
+        picker = page.get_by_test_id("stMultiSelect").first.locator("input").first
+        picker.click()
+        picker.fill("MI300X")
+        page.keyboard.press("Enter")
+        page.wait_for_function("() => location.search.includes('MI300X')", timeout=WAIT_MS)
+        page.goto(page.url)
+        page.get_by_test_id("stMultiSelect").first.get_by_text("MI300X").wait_for(timeout=WAIT_MS)
     finally:
         page.close()
 
