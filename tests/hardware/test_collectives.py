@@ -323,6 +323,11 @@ def test_tpu_group_topology():
     assert isinstance(own, Torus) and [(a.size, a.wraparound) for a in own.axes] == [(16, True), (4, False)]
     # 3 ranks 300 apart on v5e (a 256-chip pod): each in another pod.
     assert "DCN" in group_topology(v5e, 3, stride=300).describe()
+    # 4,096 ranks 4,096 apart span 16.7M chips: not axes of one 6,144-chip slice (as they had been), DCN; 16
+    # ranks 1,000 apart: 4 to a slice (6 fit, 4 divides 16), the slices joined over DCN
+    assert "DCN" in group_topology(v5p, 4096, stride=4096).describe()
+    spread = group_topology(v5p, 16, stride=1000)
+    assert isinstance(spread, Hierarchy) and spread.domain_size == 4 and "DCN" in spread.outer.describe()
     # The same AllGather is twice as fast on a wrapped 16-ring as on a unidirectional ring of 16.
     link = Link(v5e.scaleup_bytes_per_s, v5e.scaleup_latency_s)
     assert full_axis.all_gather_s(1e9) < Ring(16, link).all_gather_s(1e9) / 1.9
