@@ -44,8 +44,11 @@ if "link_problems" not in st.session_state:
 # A value like "inf" would stop a bound number widget with an error (Streamlit catches only ValueError):
 # take it out of the link before any widget reads it, and say so.
 for _key in non_finite_params(st.query_params.to_dict()):
-    _said = f"Ignored {link_value(_key)}={link_value(st.query_params[_key])} from the link: not a finite number; "
-    if not any(problem.startswith(_said) for problem in st.session_state["link_problems"]):  # said once
+    _value = link_value(st.query_params[_key])
+    _said = f"Ignored {link_value(_key)}={_value} from the link: not a finite number; "
+    # said once: not again on a rerun, nor where the sidebar's check has said it ("Mesh size dp=`inf` ...")
+    if not any(problem.startswith(_said) or problem.startswith(f"Mesh size {_key}={_value}")
+               for problem in st.session_state["link_problems"]):
         st.session_state["link_problems"].append(_said + "using the default.")
     drop_from_link(_key)
 

@@ -79,7 +79,8 @@ with left:
 
 if dtype not in chip.dtypes:
     st.warning(f"{chip.name} has no {dtype} matrix units, so this uses bf16. It supports: "
-               f"{', '.join(chip.dtypes)}. For fp8 pick a chip such as H100, H200 or B200.")
+               f"{', '.join(chip.dtypes)}." + (" For fp8 pick a chip such as H100, H200 or B200."
+                                               if dtype == "fp8" else ""))
     dtype = "bf16"
 
 cost = matmul_cost(tokens, d_model, d_ff, dtype, chip, achievable=achievable)
@@ -151,7 +152,7 @@ redraws every roofline with them. The planner uses the achievable numbers, never
 """
 )
 
-show_exercises([ridge_point(chip), compute_bound_tokens(chip, d_model, d_ff)])
+show_exercises([ridge_point(chip, dtype, achievable), compute_bound_tokens(chip, d_model, d_ff, dtype, achievable)])
 
 st.header("Measure this machine")
 st.markdown(

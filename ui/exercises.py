@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hardware.chips import Chip
+from hardware.chips import DTYPE_BYTES, Chip
 from planner.bounds import data_parallel_bound, expert_parallel_bound, tensor_parallel_bound
 from planner.memory import zero_bytes_per_param
 from planner.models import ModelSpec
@@ -22,16 +22,22 @@ class Exercise:
     worked: list[str]  # the worked solution, line by line (markdown)
 
 
-def ridge_point(chip: Chip, dtype: str = "bf16") -> Exercise:
-    c, w = chip.peak_flops_per_s(dtype), chip.hbm_bytes_per_s
+def _numbers(achievable: bool) -> str:
+    return "achievable" if achievable else "spec"
+
+
+def ridge_point(chip: Chip, dtype: str = "bf16", achievable: bool = False) -> Exercise:
+    """The ridge point in the page's number format and numbers (spec or achievable)."""
+    c, w, e = chip.peak_flops_per_s(dtype, achievable), chip.hbm_bw(achievable), DTYPE_BYTES[dtype]
     return Exercise(
         f"Above what arithmetic intensity (FLOPs per byte of HBM traffic) is a {dtype} matmul on {chip.name} "
-        "compute-bound rather than memory-bound?",
+        f"compute-bound rather than memory-bound ({_numbers(achievable)} numbers)?",
         c / w,
         ["The ridge point is peak FLOP/s over HBM bandwidth: I* = C / W_HBM.",
          f"I* = {format_flops_per_s(c)} / {format_bytes_per_s(w)} = **{c / w:,.0f} FLOPs per byte**.",
-         "A matmul of an (M x K) by a (K x N) bf16 matrix does 2MKN FLOPs over 2(MK + KN + MN) bytes: with "
-         f"M = K = N = n that is n / 3 FLOPs per byte, so square matmuls need n > {3 * c / w:,.0f}."])
+         f"A matmul of an (M x K) by a (K x N) {dtype} matrix ({e:g} byte{'s' if e != 1 else ''} an element) does "
+         f"2MKN FLOPs over {e:g}(MK + KN + MN) bytes: with M = K = N = n that is {2 / (3 * e):.3g} n FLOPs per "
+         f"byte, so square matmuls need n > {3 * e * c / w / 2:,.0f}."])
 
 
 def fsdp_batch(m: ModelSpec, chip: Chip, dp: int, stride: int) -> Exercise:
@@ -128,22 +134,26 @@ def ring_hiding_shard(spec: ModelSpec, chip: Chip, cp: int, seq_len: int, row: d
          f"{'hidden' if shard >= t else 'exposed'} by its bytes (latency and the links' fill aside)."])
 
 
-def compute_bound_tokens(chip: Chip, d: int, f: int, dtype: str = "bf16") -> Exercise:
-    """The hardware page's matmul In[B, D] . W[D, F]: from how many tokens B is it compute-bound?"""
-    ridge = chip.peak_flops_per_s(dtype) / chip.hbm_bytes_per_s
-    # intensity 2BDF / (2(BD + DF + BF)) >= I*  <=>  B (DF - I*(D + F)) >= I* D F
-    denominator = d * f - ridge * (d + f)
-    answer: float | str = ridge * d * f / denominator if denominator > 0 else "never: the weights alone cost more"
+def compute_bound_tokens(chip: Chip, d: int, f: int, dtype: str = "bf16", achievable: bool = False) -> Exercise:
+    """The hardware page's matmul In[B, D] . W[D, F] in its number format and numbers (hardware.roofline.
+    matmul_cost): from how many tokens B is it compute-bound?"""
+    ridge = chip.peak_flops_per_s(dtype, achievable) / chip.hbm_bw(achievable)
+    e = DTYPE_BYTES[dtype]
+    # intensity 2BDF / (e(BD + DF + BF)) >= I*  <=>  B (2DF - e I*(D + F)) >= e I* D F
+    denominator = 2 * d * f - e * ridge * (d + f)
+    answer: float | str = (e * ridge * d * f / denominator if denominator > 0
+                           else "never: the weights alone cost more")
     shown = f"**{answer:,.0f} tokens**" if isinstance(answer, float) else f"**{answer}**"
     return Exercise(
         f"With D = {d:,} and F = {f:,} (the sliders), from how many tokens B is the {dtype} matmul "
-        f"In[B, D] · W[D, F] on {chip.name} compute-bound?",
+        f"In[B, D] · W[D, F] on {chip.name} compute-bound ({_numbers(achievable)} numbers)?",
         answer,
-        ["Its arithmetic intensity is 2·B·D·F FLOPs over 2·(B·D + D·F + B·F) bytes, compute-bound once it "
-         f"reaches the ridge point I* = {ridge:,.0f}.",
-         "B·D·F ≥ I*·(B·D + D·F + B·F)  ⇒  B ≥ I*·D·F / (D·F − I*·(D + F)).",
-         f"B ≥ {ridge:,.0f} · {d:,} · {f:,} / ({d * f:,} − {ridge:,.0f} · {d + f:,}) = {shown} "
-         "(for D, F much larger than I*, B ≈ I*: the rule of thumb)."])
+        [f"Its arithmetic intensity is 2·B·D·F FLOPs over e·(B·D + D·F + B·F) bytes, e = {e:g} byte"
+         f"{'s' if e != 1 else ''} an element of {dtype}, compute-bound once it reaches the ridge point "
+         f"I* = {ridge:,.0f}.",
+         "2·B·D·F ≥ e·I*·(B·D + D·F + B·F)  ⇒  B ≥ e·I*·D·F / (2·D·F − e·I*·(D + F)).",
+         f"B ≥ {e:g} · {ridge:,.0f} · {d:,} · {f:,} / (2 · {d * f:,} − {e:g} · {ridge:,.0f} · {d + f:,}) = {shown} "
+         f"(for D, F much larger than I*, B ≈ {e / 2:g} I*: the rule of thumb)."])
 
 
 def ring_bytes(collective_name: str, n: int, nbytes: float) -> Exercise:

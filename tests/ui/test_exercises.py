@@ -75,6 +75,19 @@ def test_compute_bound_tokens_reaches_the_ridge_point():
     assert isinstance(ex.compute_bound_tokens(H100, 256, 256).answer, str)  # 256-wide weights never get there
 
 
+@pytest.mark.parametrize("dtype, achievable", [("fp8", False), ("fp8", True), ("bf16", True)])
+def test_the_hardware_exercises_follow_the_pages_number_format_and_numbers(dtype, achievable):
+    """They had stayed bf16 and spec after the page switched to fp8 or achievable numbers."""
+    from hardware.roofline import matmul_cost
+
+    ridge = ex.ridge_point(H100, dtype, achievable)
+    assert ridge.answer == pytest.approx(matmul_cost(1, 1, 1, dtype, H100, achievable).ridge)
+    e = ex.compute_bound_tokens(H100, 8192, 8192, dtype, achievable)
+    below, above = (matmul_cost(b, 8192, 8192, dtype, H100, achievable) for b in (int(e.answer), int(e.answer) + 1))
+    assert below.bound == "memory" and above.bound == "compute"  # the page's own matmul turns at the answer
+    assert dtype in e.question and ("achievable" if achievable else "spec") in e.question
+
+
 def test_ring_bytes_and_the_latency_crossover():
     assert ex.ring_bytes("all-reduce", 4, 1000).answer == 1500
     assert ex.ring_bytes("all-gather", 4, 1000).answer == 750

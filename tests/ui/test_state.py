@@ -67,6 +67,7 @@ def test_a_link_with_infinity_opens_with_a_message():
     assert not at.exception
     warnings = " ".join(w.value for w in at.sidebar.warning)
     assert "dp=`INF`" in warnings and "`stages`=`inf`" in warnings
+    assert warnings.count("`INF`") == 1  # the sidebar's own check says it; the finite check does not again
 
 
 def test_the_sidebar_uses_the_mesh_size_its_link_message_names():
