@@ -1,6 +1,7 @@
 """Lesson 1: Hardware & roofline."""
 
 import streamlit as st
+from plotly import colors as plotly_colors
 
 from app_pages.exercise_panel import show_exercises
 from app_pages.live_panel import run_task
@@ -84,15 +85,21 @@ if dtype not in chip.dtypes:
     dtype = "bf16"
 
 cost = matmul_cost(tokens, d_model, d_ff, dtype, chip, achievable=achievable)
+# each chip its colour by its place in the chip table, this machine one of its own (green): a chip had kept
+# its colour only while the chips before it in "Compare with" stayed
+MACHINE_COLOR = "#1CA71C"
+_chip_palette = [c for c in plotly_colors.qualitative.Dark24 if c != MACHINE_COLOR]
+chip_color = {key: _chip_palette[i % len(_chip_palette)] for i, key in enumerate(CHIPS)}
 series = [RooflineSeries(f"{chip.name} ({dtype})", chip.peak_flops_per_s(dtype, achievable),
-                         chip.hbm_bw(achievable), highlight=True)]
+                         chip.hbm_bw(achievable), highlight=True, color=chip_color[chip.key])]
 skipped = []
 for key in compare:
     other = CHIPS[key]
     if dtype not in other.dtypes:
         skipped.append(other.name)
         continue
-    series.append(RooflineSeries(other.name, other.peak_flops_per_s(dtype, achievable), other.hbm_bw(achievable)))
+    series.append(RooflineSeries(other.name, other.peak_flops_per_s(dtype, achievable), other.hbm_bw(achievable),
+                                 color=chip_color[key]))
 if "probe" not in st.session_state:  # a calibration already cached on this machine: no need to measure
     cached = cached_calibration()
     if cached is not None:
@@ -101,7 +108,7 @@ if "probe" not in st.session_state:  # a calibration already cached on this mach
 probe = st.session_state.get("probe")
 if probe is not None:
     series.append(RooflineSeries("This machine (CPU, fp32, measured)", probe.matmul_flops_per_s,
-                                 probe.memory_bytes_per_s))
+                                 probe.memory_bytes_per_s, color=MACHINE_COLOR))
 point = OperatingPoint(f"B={tokens}, D={d_model}, F={d_ff}", cost.intensity, cost.achieved_flops_per_s)
 kind = "achievable" if achievable else "spec"
 

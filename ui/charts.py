@@ -38,6 +38,7 @@ class RooflineSeries:
     peak_flops_per_s: float
     bw_bytes_per_s: float
     highlight: bool = False
+    color: str | None = None  # a colour of its own (the same chip the same colour whatever else is drawn)
 
     @property
     def ridge(self) -> float:
@@ -65,7 +66,7 @@ def roofline_figure(series: list[RooflineSeries], points: list[OperatingPoint] =
     grid = _log_grid(lo, hi)
     fig = go.Figure()
     for i, s in enumerate(series):
-        color = PALETTE[i % len(PALETTE)]
+        color = s.color or PALETTE[i % len(PALETTE)]
         y = [f / 1e12 for f in roofline_curve(s.peak_flops_per_s, s.bw_bytes_per_s, grid)]
         fig.add_trace(go.Scatter(
             x=grid, y=y, mode="lines", name=s.label,

@@ -33,3 +33,20 @@ def test_the_star_is_named_in_the_legend_not_on_the_lines():
     at = open_app(PAGE, chip="h100")
     chart = next(c for c in at.get("plotly_chart") if "Roofline" in c.proto.spec)
     assert '"mode":"markers+text"' not in chart.proto.spec.replace(" ", "")
+
+
+def test_a_chip_keeps_its_colour_whatever_else_is_compared():
+    """The colours had gone by place in "Compare with": B200's line changed colour when A100 was taken out."""
+    import json
+
+    def colours(at):
+        chart = next(c for c in at.get("plotly_chart") if "Roofline" in c.proto.spec)
+        return {t["name"]: t["line"]["color"] for t in json.loads(chart.proto.spec)["data"] if t.get("mode") == "lines"}
+
+    at = open_app(PAGE, chip="h100")
+    before = colours(at)
+    at.multiselect[0].unselect("a100-80gb").run()
+    after = colours(at)
+    assert "A100 80GB SXM" in before and "A100 80GB SXM" not in after
+    assert after["B200 (HGX)"] == before["B200 (HGX)"] and after["TPU v5e"] == before["TPU v5e"]
+    assert len(set(before.values())) == len(before)
