@@ -59,7 +59,8 @@ parallel = mesh_parallel(choices.device_mesh(), spec) if mode.startswith("my") e
 # data-parallel rank reads its own sequences; tp, pp and cp ranks share theirs), and with the planner
 # choosing, as many as asked (it keeps the layouts whose dp divides them). It had been rounded to a multiple
 # of the chip count: 0.5M tokens on 16,384 chips became 134M, whatever the slider said.
-global_batch = default_global_batch(spec.seq_len, parallel.dp or 1, tokens)
+data_ranks = parallel.dp or 1  # with the planner choosing: any dp that divides the batch
+global_batch = default_global_batch(spec.seq_len, data_ranks, tokens)
 try:
     case = make_case(spec, Cluster(chip.key, n), global_batch=global_batch, parallel=parallel)
     with st.spinner("Simulating the step ..."):
@@ -78,7 +79,8 @@ st.markdown(f"**Layout:** dp={lay.dp}, tp={lay.tp}, pp={lay.pp}, cp={lay.cp}, ep
             f"schedule {lay.pp_schedule} (v={lay.virtual_stages}); "
             f"global batch {global_batch:,} sequences of {spec.seq_len:,} tokens"
             + (f" ({global_batch * spec.seq_len / 2**20:,.3g}M tokens: the slider's {tokens / 2**20:g}M rounded to "
-               f"whole sequences, at least one per data-parallel rank, dp={parallel.dp})."
+               + (f"whole sequences, at least one per data-parallel rank, dp={data_ranks})." if parallel.dp else
+                  "whole sequences).")
                if abs(global_batch * spec.seq_len / tokens - 1) > 0.1 else "."))
 if lay.ep > 1:
     sidebar = (f": here the sidebar's dp={choices.mesh['dp']} x ep={choices.mesh['ep']}" if mode.startswith("my")

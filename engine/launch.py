@@ -292,21 +292,33 @@ class Pool:
         `on_progress(steps_done, loss)` hears each training step once every rank has finished it
         (`Context.step_done`), with the step's loss. Setting the `stop` event (a threading.Event) ends the
         run: the workers are killed (a rank may be inside a collective) and `RunStopped` is raised; the
-        next run starts fresh ones."""
-        with self._lock:
-            if not self.alive or not self._answering():
-                self.start()
-            per_rank = kwargs if isinstance(kwargs, list) else [kwargs or {}] * self.world
-            self._task_id += 1
-            self.runs += 1
-            log_sizes = [self._log_size(r) for r in range(self.world)]
-            for rank, conn in enumerate(self.conns):
-                conn.send_bytes(pickle.dumps(("task", self._task_id, target, per_rank[rank])))
-            try:
-                return self._collect(timeout_s, log_sizes, on_progress, stop)
-            except BaseException:
-                self.kill()
-                raise
+        next run starts fresh ones, and a stop set while it waits for the pool (another run holds it) ends
+        the wait."""
+        while not self._lock.acquire(timeout=0.2):
+            if stop is not None and stop.is_set():
+                raise RunStopped(0)
+        try:
+            return self._run_locked(target, kwargs, timeout_s, on_progress, stop)
+        finally:
+            self._lock.release()
+
+    def _run_locked(self, target, kwargs, timeout_s, on_progress, stop) -> list:
+        """`run` with the pool's lock held."""
+        if stop is not None and stop.is_set():
+            raise RunStopped(0)
+        if not self.alive or not self._answering():
+            self.start()
+        per_rank = kwargs if isinstance(kwargs, list) else [kwargs or {}] * self.world
+        self._task_id += 1
+        self.runs += 1
+        log_sizes = [self._log_size(r) for r in range(self.world)]
+        for rank, conn in enumerate(self.conns):
+            conn.send_bytes(pickle.dumps(("task", self._task_id, target, per_rank[rank])))
+        try:
+            return self._collect(timeout_s, log_sizes, on_progress, stop)
+        except BaseException:
+            self.kill()
+            raise
 
     def _answering(self, timeout_s: float = 2.0) -> bool:
         """Whether every worker answers a ping: a worker killed a moment ago can still look alive to

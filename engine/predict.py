@@ -103,7 +103,7 @@ def reference_block_s(measure, world: int = 1) -> float:
     return measure(world, "reference_task", {})[0][0]["block_s"]
 
 
-def at_speed_now(cal, world: int = 1, collective_timeout_s: float = 30.0):
+def at_speed_now(cal, world: int = 1, collective_timeout_s: float = 30.0, stop=None):
     """(`cal` at the speed this machine runs now, the factor): its reference Block timed again, on the pool
     of a `world`-rank run (the one the run will use: no other pool is started; `Calibration.at_speed`).
     Always, even right after calibrating: the reference is timed at the start of a calibration, about a
@@ -112,7 +112,7 @@ def at_speed_now(cal, world: int = 1, collective_timeout_s: float = 30.0):
     which a 60 s grace had spared the check, were all predicted too fast)."""
     if cal.reference_s <= 0:
         return cal, 1.0
-    return cal.at_speed(reference_block_s(_measurer(collective_timeout_s), world))
+    return cal.at_speed(reference_block_s(_measurer(collective_timeout_s, stop), world))
 
 
 def _measurer(collective_timeout_s: float, stop=None):
@@ -147,7 +147,7 @@ def predicted(cfg, progress=None, stop=None) -> dict:
     try:
         cal, messages = ensure_calibration([cfg.world], progress, collective_timeout_s=cfg.collective_timeout_s,
                                            stop=stop)
-        now, speed = at_speed_now(cal, cfg.world, cfg.collective_timeout_s)
+        now, speed = at_speed_now(cal, cfg.world, cfg.collective_timeout_s, stop)
     except RunStopped:
         raise  # the run's Stop: the run does not start
     except WorkerError as e:

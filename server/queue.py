@@ -16,9 +16,11 @@ What it guarantees (settings in `server/settings.py`):
   starts only after it, even where another slot is free. Either way the job's `notice` says so;
 * identical runs (same configurations, labels included) are answered from an in-memory cache of the last
   `result_cache` results, marked `cached` with the time the original finished;
-* a waiting job whose page has gone (tab closed: `alive()` says so) leaves the line (it holds no place, no
-  share of `max_queue`); a running one finishes and fills the cache; `stop(job)` ends one on request (its
-  workers are killed);
+* a waiting job whose page has gone (tab closed: `alive()` has said so for CLOSED_TAB_S) leaves the line (it
+  holds no place, no share of `max_queue`); a running one finishes and fills the cache; `stop(job)` ends one
+  on request (its workers are killed);
+* one job at a time on a worker pool (engine.launch keeps one per world and device): two would take a slot
+  each and run one after the other on the pool's lock;
 * other work on the worker processes (the calibration, a collective sweep) queues the same way as a
   `Task`;
 * a failed run (a rank that raised, hung, was killed) fails only its job: `engine.launch` has already torn
@@ -43,6 +45,9 @@ WAITING, RUNNING, DONE, FAILED = "waiting", "running", "done", "failed"
 CANCELLED, REPLACED, STOPPED = "cancelled", "replaced", "stopped"
 FINISHED = (DONE, FAILED, CANCELLED, REPLACED, STOPPED)
 FIRST_GUESS_S = 10.0  # a run's duration before any has been measured (the first also calibrates: engine/predict.py)
+# A waiting run's page gone this long leaves the line: a browser reconnects within seconds after a network blip
+# (Streamlit takes the session out of its active ones meanwhile), a closed tab never does
+CLOSED_TAB_S = 10.0
 
 
 class Refused(ValueError):
@@ -85,6 +90,7 @@ class Job:
     cached_from: float | None = None  # when the run that is being reused finished (time.time())
     alive: object = None  # () -> bool: is the page that asked still there? (a closed tab's run is skipped)
     timed_out: bool = False  # a Task stopped at the server's time limit
+    gone_since: float | None = None  # when `alive()` first said the page had gone (time.monotonic())
     stop_event: threading.Event = field(default_factory=threading.Event, repr=False)
     _event: threading.Event = field(default_factory=threading.Event, repr=False)
 
@@ -229,25 +235,38 @@ class RunQueue:
             return (self._waiting.index(job) + 1 if job in self._waiting else 0), n
 
     def estimated_wait_s(self, job: Job) -> float:
-        """Seconds until `job` starts: the jobs ahead of it placed on the slots as they free up, each taking
-        what its configuration took last time (a result the cache will answer takes nothing)."""
+        """Seconds until `job` starts: the jobs ahead of it, and it, placed as `_next` starts them, each taking
+        what its configuration took last time (a result the cache will answer takes nothing): on the first
+        slot to free up, once its worker pools are free (one job at a time on a pool) and its session's
+        earlier job has ended (one job at a time a session)."""
         with self._cond:
             self._drop_closed_tabs()
             now = time.monotonic()
-            free = [max(0.0, self._duration(j.key) - (now - j.started_at)) for j in self._running]
-            free += [0.0] * (self.settings.max_concurrent - len(free))
+            slots = [max(0.0, self._duration(j.key) - (now - j.started_at)) for j in self._running]
+            slots += [0.0] * (self.settings.max_concurrent - len(slots))
+            pools: dict[tuple, float] = {}
+            sessions: dict[str, float] = {}
+            for j, ends in zip(self._running, slots, strict=False):
+                for pool in _pools(j):
+                    pools[pool] = max(pools.get(pool, 0.0), ends)
+                sessions[j.session] = max(sessions.get(j.session, 0.0), ends)
             # only the cache answers an identical run: with it off (or for work it does not keep) each runs
             answered = ({j.key for j in self._running} | set(self._cache)) if self.settings.result_cache else set()
             for ahead in self._waiting:
+                ready = max([sessions.get(ahead.session, 0.0)] + [pools.get(p, 0.0) for p in _pools(ahead)])
+                i = slots.index(min(slots))
+                start = max(slots[i], ready)
                 if ahead is job:
-                    break
+                    return start
                 if ahead.key in answered and cacheable(ahead.runs):
                     continue
                 if self.settings.result_cache and cacheable(ahead.runs):
                     answered.add(ahead.key)
-                i = free.index(min(free))
-                free[i] += self._duration(ahead.key)
-            return min(free) if free else 0.0
+                slots[i] = start + self._duration(ahead.key)
+                for pool in _pools(ahead):
+                    pools[pool] = slots[i]
+                sessions[ahead.session] = slots[i]
+            return 0.0
 
     def status(self, job: Job) -> str:
         """One line for the page's progress bar."""
@@ -309,21 +328,31 @@ class RunQueue:
 
     def _next(self) -> Job | None:
         """The first waiting job not identical to a running one (that one will answer it) whose session has no
-        run executing: a session's second press queues behind its first (one slot per session at a time), so
-        one student cannot take every slot."""
+        run executing (a session's second press queues behind its first, so one student cannot take every
+        slot) and whose worker pools no running job holds (a run waits for the pool's lock: two jobs on one
+        pool took a slot each and ran one after the other, the second's time limit spent waiting)."""
         busy = {j.key for j in self._running}
         sessions = {j.session for j in self._running}
+        held = {pool for j in self._running for pool in _pools(j)}
         for job in self._waiting:
-            if job.key not in busy and job.session not in sessions:
+            if job.key not in busy and job.session not in sessions and not held & _pools(job):
                 return job
         return None
 
     def _drop_closed_tabs(self) -> None:
-        """Take the waiting jobs whose page has gone (a closed tab: `alive()` says so) out of the line (called
-        with the lock held), so they hold no place, no share of `max_queue` and no part of anyone's wait."""
-        for job in [j for j in self._waiting if j.alive is not None and not _still(j.alive)]:
-            self._waiting.remove(job)
-            self._end(job, CANCELLED)
+        """Take the waiting jobs whose page has gone (a closed tab: `alive()` has said so for CLOSED_TAB_S) out of
+        the line (called with the lock held), so they hold no place, no share of `max_queue` and no part of
+        anyone's wait. A page that comes back within CLOSED_TAB_S (a browser reconnecting after a network blip)
+        keeps its place."""
+        now = time.monotonic()
+        for job in [j for j in self._waiting if j.alive is not None]:
+            if _still(job.alive):
+                job.gone_since = None
+                continue
+            job.gone_since = job.gone_since or now
+            if now - job.gone_since >= CLOSED_TAB_S:
+                self._waiting.remove(job)
+                self._end(job, CANCELLED)
 
     def _slot(self) -> None:
         while True:
@@ -342,9 +371,12 @@ class RunQueue:
                     self._finish_cached(job, *hit)
                     self._cond.notify_all()
                     continue
-                if job.alive is not None and not _still(job.alive):  # its tab was closed: skip it
-                    self._end(job, CANCELLED)
-                    continue
+                if job.alive is not None and not _still(job.alive):  # its page has gone: since when?
+                    job.gone_since = job.gone_since or time.monotonic()
+                    if time.monotonic() - job.gone_since >= CLOSED_TAB_S:  # a closed tab: skip it
+                        self._end(job, CANCELLED)
+                        continue
+                    # else a browser reconnecting, perhaps: run it (a tab that never comes back fills the cache)
                 job.state, job.started_at = RUNNING, time.monotonic()
                 self._running.append(job)
             state = self._execute(job)
@@ -392,8 +424,9 @@ class RunQueue:
         is set once `max_run_s` has passed. A sweep of 4 ranks had held its slot for minutes, and no Stop ended
         it."""
         def over():
-            job.timed_out = True
-            job.stop_event.set()
+            if not job.stop_event.is_set():  # a Stop pressed first is the reason it ends
+                job.timed_out = True
+                job.stop_event.set()
 
         limit = threading.Timer(self.settings.max_run_s, over)
         limit.daemon = True
@@ -402,6 +435,11 @@ class RunQueue:
             return task.fn(progress, job.stop_event)
         finally:
             limit.cancel()
+
+
+def _pools(job: Job) -> set[tuple]:
+    """The worker pools a job's runs take (engine.launch keeps one per world and device): a Task's on the CPU."""
+    return {(w.world, "cpu") if isinstance(w, Task) else (w.world, w.device) for _, w in job.runs}
 
 
 def _still(alive) -> bool:

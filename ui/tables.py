@@ -69,7 +69,7 @@ def format_seconds(seconds: float) -> str:
     rounded = float(f"{seconds:.3g}")
     if rounded >= 7200:  # a student reads hours, not 5.72e+04 s
         hours = seconds / 3600
-        return f"{hours:,.0f} h" if hours >= 1000 else f"{hours:.3g} h"
+        return f"{hours:,.0f} h" if float(f"{hours:.3g}") >= 1000 else f"{hours:.3g} h"
     if rounded >= 120:
         return f"{seconds / 60:.3g} min"
     if rounded >= 1:

@@ -126,3 +126,19 @@ def test_a_worker_killed_by_a_signal_is_said_so():
     # a page's summary quotes the detail's last line: the signal for a kill, the error for an exit with a code
     assert exit_report(-signal.SIGKILL, "a warning\n").splitlines()[-1].startswith("worker was killed by SIGKILL")
     assert exit_report(1, "ValueError: bad").splitlines()[-1] == "ValueError: bad"
+
+
+@pytest.mark.multiprocess
+def test_a_stop_ends_the_wait_for_a_pool_another_run_holds(pools):
+    """A sweep queued behind another job's run on the same pool had waited for its lock whatever Stop said."""
+    import threading
+
+    from engine.launch import RunStopped
+
+    pool = pools(2)
+    stop = threading.Event()
+    stop.set()
+    with pool._lock:  # another run holds the pool
+        with pytest.raises(RunStopped):
+            pool.run("tests.engine.pool_tasks:whoami", stop=stop)
+    assert [r["rank"] for r in pool.run("tests.engine.pool_tasks:whoami")] == [0, 1]

@@ -145,8 +145,11 @@ def test_the_wall_clock_cap_is_each_runs_timeout(limit):
     assert job.wait(10) and job.runs[0][1].timeout_s == limit
 
 
-def test_a_closed_tabs_waiting_run_leaves_the_line_at_once():
+def test_a_closed_tabs_waiting_run_leaves_the_line(monkeypatch):
     """It had kept its place, its share of max_queue and its part of everyone's expected wait until its turn."""
+    from server import queue as queue_module
+
+    monkeypatch.setattr(queue_module, "CLOSED_TAB_S", 0.0)  # gone for good at once
     gate = Gate()
     q = queue(gate, max_queue=3)
     q.submit("s0", [("a", cfg(0))])
@@ -178,10 +181,10 @@ def test_one_session_runs_one_job_at_a_time_even_with_a_free_slot():
     notice said it would start after it."""
     gate = Gate()
     q = queue(gate, max_concurrent=2)
-    first = q.submit("me", [("a", cfg(1))])
+    first = q.submit("me", [("a", cfg(1, world=2))])
     assert gate.started.acquire(timeout=5)
-    second = q.submit("me", [("b", cfg(2))])
-    other = q.submit("you", [("c", cfg(3))])
+    second = q.submit("me", [("b", cfg(2, world=4))])
+    other = q.submit("you", [("c", cfg(3, world=4))])
     assert gate.started.acquire(timeout=5)  # the other session's run takes the free slot
     assert gate.ran == [1, 3] and second.state == WAITING and "starts after it" in second.notice
     for _ in range(3):
@@ -232,7 +235,8 @@ def test_cancel_takes_a_waiting_job_out_and_shutdown_cancels_the_rest():
 def test_concurrent_slots_run_side_by_side():
     gate = Gate()
     q = queue(gate, max_concurrent=2)
-    a, b = q.submit("s1", [("a", cfg(1))]), q.submit("s2", [("b", cfg(2))])
+    # different worlds: different worker pools (one job at a time on a pool)
+    a, b = q.submit("s1", [("a", cfg(1, world=2))]), q.submit("s2", [("b", cfg(2, world=4))])
     assert gate.started.acquire(timeout=5) and gate.started.acquire(timeout=5)
     assert q.snapshot()["running"] == 2
     gate.release.release()
@@ -275,3 +279,37 @@ def test_a_task_is_stopped_at_the_servers_time_limit_and_by_stop():
         asked.wait(0.05)
     q.stop(asked)
     assert asked.wait(30) and asked.state == STOPPED
+
+
+def test_a_page_that_comes_back_within_the_grace_keeps_its_place():
+    """A browser reconnecting after a network blip is not a closed tab: its run keeps its place in line."""
+    gate = Gate()
+    q = queue(gate)
+    q.submit("s0", [("a", cfg(0))])
+    assert gate.started.acquire(timeout=5)
+    there = [False]
+    blip = q.submit("blip", [("a", cfg(1))], alive=lambda: there[0])
+    assert q.position(blip) == (1, 1) and blip.gone_since is not None  # gone a moment: still in line
+    there[0] = True
+    assert q.position(blip) == (1, 1) and blip.gone_since is None
+    gate.release.release()
+    gate.release.release()
+    assert blip.wait(10) and blip.state == DONE
+
+
+def test_jobs_on_one_worker_pool_take_turns_and_the_wait_says_so():
+    """Two jobs of one world had taken a slot each and then waited on the pool's lock, the second's time limit
+    spent waiting; and a session's second press had been told 'you are next, about 1 s' behind its own 100 s
+    run."""
+    gate = Gate()
+    q = queue(gate, max_concurrent=2)
+    first = q.submit("me", [("a", cfg(1, world=2))])
+    assert gate.started.acquire(timeout=5)
+    q._durations[first.key] = 100.0
+    mine = q.submit("me", [("b", cfg(2, world=4))])  # another pool, but my session's run is going
+    same_pool = q.submit("you", [("c", cfg(3, world=2))])
+    assert q.estimated_wait_s(mine) > 90 and q.estimated_wait_s(same_pool) > 90
+    assert not gate.started.acquire(timeout=0.5) and gate.ran == [1]  # a free slot, and neither may start
+    for _ in range(3):
+        gate.release.release()
+    assert all(j.wait(10) for j in (first, mine, same_pool))

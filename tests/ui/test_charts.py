@@ -48,3 +48,4 @@ def test_counts_and_long_times_read_as_a_student_reads_them():
         "1 s", "2 min", "2 h", "1 ms", "277,778 h"]
     assert (format_step(119.996), format_step(119.99)) == ("2 min", "119.99 s")
     assert (format_seconds(1e-8), format_seconds(0.0)) == ("10 ns", "0 µs")  # a tiny matmul had read 0.00 µs
+    assert (format_seconds(999.6 * 3600), format_seconds(999.4 * 3600)) == ("1,000 h", "999 h")  # not "1e+03 h"
