@@ -335,7 +335,8 @@ if report is not None and (searched_case, searched_top) != (search_case, top):
 if report is not None:
     st.caption(f"{report.considered:,} layouts considered ({report.evaluated:,} simulations of them and their "
                "ZeRO and recomputation variants) in "
-               f"{report.elapsed_s:.2f} s ({report.case.name}). Equal step times are ranked by memory per "
+               f"{report.elapsed_s:.2f} s ({spec.name} on {n:,} x {chip.name}). Equal step times are ranked by "
+               "memory per "
                "chip, then by fewer chips in model-parallel groups (tp x pp x cp): the simpler layout first.")
     rows = []
     for i, r in enumerate(report.ranked, start=1):
