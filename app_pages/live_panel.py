@@ -260,8 +260,12 @@ def _show_run(key: str, run: LiveRun) -> None:
         st.plotly_chart(pred_fig, key=f"{slug}_predicted")
         st.plotly_chart(meas_fig, key=f"{slug}_measured")
         diffs = differences(run)
-        st.markdown("**Where they differ most** (per rank per step):\n" + "\n".join(f"- {d}" for d in diffs)
-                    if diffs else "Every kind of work took within 10 % of its predicted time.")
+        # compare() averages the steps after the warm-up: said so, under a chart of one of them
+        steps = max(1, len(run.summary.step_times_s) - 1)
+        over = "the run's step" if len(run.summary.step_times_s) == 1 else f"the {steps} steps after the warm-up"
+        st.markdown(f"**Where they differ most** (per rank per step, averaged over {over}, not only the step "
+                    "drawn):\n" + "\n".join(f"- {d}" for d in diffs)
+                    if diffs else f"Every kind of work took within 10 % of its predicted time, averaged over {over}.")
         age = calibration_age(run)
         st.caption("The two timelines share one time axis and one set of colours; press Play under each to "
                    "watch its step. The prediction is made from this machine's calibration alone (each "

@@ -272,7 +272,7 @@ def simulate(programs: dict[int, list], cores: float,
                     if len(p.members) == len(op.group):
                         waiting.append(cid)
                         start_ready()
-                    spans_pending.setdefault(cid, []).append((r, op))
+                    spans_pending.setdefault(cid, []).append((r, op, t))
                     if op.handle is not None:
                         del current[r]
                         pc[r] += 1
@@ -383,7 +383,11 @@ def simulate(programs: dict[int, list], cores: float,
             send_span(mid, sent + op.seconds)
     for cid, members in spans_pending.items():
         p = posted[cid]
-        for r, op in members:
-            spans.append(Span(r, "comm", op.name, p.start, p.end, bytes=op.nbytes, group=op.group_name,
-                              is_async=op.handle is not None, micro_batch=op.micro_batch))
+        # from when this rank posted it, as the engine's spans are drawn (engine/comm.py: from the call): a
+        # blocking collective's wait for its peers and for the operations queued before it is its own time on
+        # both timelines (drawn from its start, the wait had read as "waiting for a peer" in the prediction
+        # and as the collective in the measurement: "reduce-scatter took 6.1x its predicted time")
+        for r, op, posted_at in members:
+            spans.append(Span(r, "comm", op.name, min(posted_at, p.start), p.end, bytes=op.nbytes,
+                              group=op.group_name, is_async=op.handle is not None, micro_batch=op.micro_batch))
     return Timeline(spans, source="predicted", meta={"cores": cores}), {r: clock[r] for r in ranks}

@@ -553,7 +553,9 @@ def breakdown(timeline: Timeline, step_s: float) -> dict[str, float]:
     return out
 
 
-WAITING = "waiting for a peer or an asynchronous operation"
+# the time a rank spends on no blocking span: waits for peers and asynchronous operations, and the driver's own
+# Python between spans (a 1-process run has no peers and still shows some: "waiting for a peer" had said so)
+WAITING = "waiting or untraced time (peers, asynchronous operations, the driver between spans)"
 
 
 def _label(kind: str, group: str) -> str:

@@ -54,14 +54,22 @@ def _rows(timeline: Timeline, by_kind: bool = False) -> list[str]:
     return [row_label(r, lane) for r in timeline.ranks for lane in LANES if (r, lane) in used]
 
 
+def shared_rows(*timelines: Timeline) -> list[str]:
+    """The rows of several timelines together (rank by rank, lane by lane), for figures drawn to be compared:
+    a lane only one of them uses (the engine's idle waits) gets its row in both, so their rows line up."""
+    return _rows(Timeline([s for t in timelines for s in t.spans]))
+
+
 def timeline_figure(timeline: Timeline, title: str = "", frames: int = 30, animate: bool = True,
-                    x_max_ms: float | None = None, rows_by_kind: bool = False) -> go.Figure:
+                    x_max_ms: float | None = None, rows_by_kind: bool = False,
+                    rows: list[str] | None = None) -> go.Figure:
     """Gantt chart of `timeline` from its first span, in milliseconds (seconds for a step over 10 s, minutes over
     10 min, hours over 2 h); with
     `animate`, play/pause buttons and a slider sweep a cursor through it, revealing spans as they start.
     `x_max_ms` fixes the time axis (two timelines drawn to compare share one); the cursor sweeps it all.
     `rows_by_kind`: one row per rank and kind of work (forward, backward, each collective) instead of one per
-    rank and lane, for a long step whose thousands of spans would merge into one strip."""
+    rank and lane, for a long step whose thousands of spans would merge into one strip. `rows`: the rows to
+    draw (`shared_rows`), else the timeline's own."""
     tl = timeline.normalized()
     t_end_ms = max(tl.end_s * 1e3, x_max_ms or 0.0)
     # the axis's unit: ms, s, then minutes and hours for the steps of huge models on few chips
@@ -72,7 +80,7 @@ def timeline_figure(timeline: Timeline, title: str = "", frames: int = 30, anima
     for s in tl.spans:
         by_kind[span_kind(s)].append(s)
     kinds = [k for k in KIND_COLORS if k in by_kind]
-    rows = _rows(tl, rows_by_kind)
+    rows = rows if rows is not None else _rows(tl, rows_by_kind)
 
     def row(s: Span) -> str:
         return row_label(s.rank, kind_label(span_kind(s)) if rows_by_kind else s.lane)

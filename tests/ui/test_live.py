@@ -102,3 +102,22 @@ def test_verdict_and_tolerances():
     bad, text = verdict(_run(ok=False))
     assert not bad and "DOES NOT match" in text
     assert tolerance_rows(_run().summary.check)[0]["why"] == "summation order"
+
+
+def test_both_charts_draw_the_same_rows_when_only_the_measurement_waits():
+    """The engine marks a ring's waits as idle spans the prediction has no row for: the measured chart had drawn
+    extra rows, so its ranks sat lower than the predicted chart's."""
+    from dataclasses import replace
+
+    run = _run()
+    waits = [Span(r, "idle", "wait kv", 100 * s + 1e-3, 100 * s + 2e-3, step=s) for s in range(4) for r in (0, 1)]
+    run = replace(run, timeline=Timeline(run.timeline.spans + waits))
+    pred_fig, meas_fig, _ = side_by_side(run)
+    assert list(pred_fig.layout.yaxis.categoryarray) == list(meas_fig.layout.yaxis.categoryarray)
+    assert any("idle" in row for row in pred_fig.layout.yaxis.categoryarray)
+
+
+def test_a_one_step_runs_chart_says_it_is_the_warm_up():
+    _, meas_fig, step = side_by_side(_run(step_times_ms=(30.0,)))
+    assert step == 0 and "the run's only step (its warm-up)" in meas_fig.layout.title.text
+    assert "nearest the mean" not in meas_fig.layout.title.text and "is left out" not in meas_fig.layout.title.text
