@@ -117,7 +117,9 @@ else:
                   else ""))
 if estimate is not None:
     m1, m2, m3 = st.columns(3)
-    m1.metric("Predicted step time", format_step(estimate.step_time_s))
+    # "on the cluster": the live run below has a "Predicted step time" of its own, on this machine
+    m1.metric("Predicted step time (this cluster)", format_step(estimate.step_time_s),
+              help=f"The planner's step on {mesh.world:,} {chip.name}, not the live run's on this machine below")
     m2.metric("MFU", f"{estimate.mfu * 100:,.1f} %",
               help="Model FLOPs utilisation: the model's FLOPs per step (about 6 x parameters x tokens, plus "
                    "attention) over step time x chips x each chip's peak bf16 FLOP/s.")
