@@ -95,17 +95,29 @@ def data_parallel_bound(m: ModelSpec, chip: Chip, tokens_per_chip: float, dp: in
     return Bound("fsdp" if fsdp else "dp", math_s, comm_s, alpha, link, rule)
 
 
+def mlp_matrices(m: ModelSpec) -> int:
+    """The MLP's weight matrices: a SwiGLU MLP's gate, up and down, else two."""
+    return 3 if m.mlp == "swiglu" else 2
+
+
 def tensor_parallel_bound(m: ModelSpec, chip: Chip, tokens_per_chip: float, tp: int,
                           chips_per_node: int | None = None) -> Bound:
-    """TP over `tp` consecutive chips: each MLP's activations gathered in and reduced out."""
+    """TP over `tp` consecutive chips: each MLP's activations gathered in and reduced out. The scaling book's
+    rule, Y < F / (C / W), is for an MLP of two matrices; a SwiGLU MLP's third (its gate reads the same gathered
+    input) adds half the math and nothing to send: Y < 1.5 x F / (C / W), as `expert_parallel_bound` counts
+    its n matrices (the meter had counted two for Llama, and called its TP communication-bound at 6.5)."""
     c = chip.peak_flops_per_s("bf16")
     w, link = group_bandwidth(chip, tp, 1, chips_per_node)
     f, d = (m.dense_ffn_ if m.is_moe else m.ffn), m.hidden
-    math_s = 4 * tokens_per_chip * d * f / (tp * c)
+    n = mlp_matrices(m)
+    math_s = 2 * n * tokens_per_chip * d * f / (tp * c)
     comm_s = 4 * tokens_per_chip * d / w
     alpha = c / w
-    rule = (f"Tensor parallel on {chip.name} over {link} is compute-bound while Y < F / (C / W) = "
-            f"{f:,} / {alpha:,.0f} = {f / alpha:,.1f}; here Y = {tp}")
+    limit = n / 2 * f / alpha
+    factor = "" if n == 2 else f"{n / 2:g} x "
+    rule = (f"Tensor parallel on {chip.name} over {link} is compute-bound while Y < {factor}F / (C / W) = "
+            f"{factor}{f:,} / {alpha:,.0f} = {limit:,.1f}" + (" (a SwiGLU MLP's three matrices)" if n == 3 else "")
+            + f"; here Y = {tp}")
     return Bound("tp", math_s, comm_s, alpha, link, rule)
 
 
@@ -115,7 +127,7 @@ def expert_parallel_bound(m: ModelSpec, chip: Chip, tokens_per_chip: float, ep: 
     combine all-to-alls."""
     c = chip.peak_flops_per_s("bf16")
     w, link = group_bandwidth(chip, ep, stride, chips_per_node, hierarchical=False)
-    n = 3 if m.mlp == "swiglu" else 2
+    n = mlp_matrices(m)
     copies = tokens_per_chip * max(1, m.top_k)
     math_s = 2 * n * copies * m.hidden * m.ffn / c
     comm_s = 2 * 2 * copies * m.hidden * (ep - 1) / ep / w

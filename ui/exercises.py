@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 
 from hardware.chips import DTYPE_BYTES, Chip
-from planner.bounds import data_parallel_bound, expert_parallel_bound, tensor_parallel_bound
+from planner.bounds import data_parallel_bound, expert_parallel_bound, mlp_matrices, tensor_parallel_bound
 from planner.memory import zero_bytes_per_param
 from planner.models import ModelSpec
 from ui.tables import format_bytes, format_bytes_per_s, format_flops, format_flops_per_s
@@ -74,16 +74,18 @@ def smallest_fitting_zero_stage(m_params: float, name: str, chip: Chip, dp: int)
 
 def largest_compute_bound_tp(m: ModelSpec, chip: Chip, tokens: float) -> Exercise:
     b = tensor_parallel_bound(m, chip, tokens, 1)
-    f = m.dense_ffn_ if m.is_moe else m.ffn
-    limit = f / b.intensity
+    f, n = (m.dense_ffn_ if m.is_moe else m.ffn), mlp_matrices(m)
+    limit = b.math_s / b.comm_s  # the math shrinks as 1 / Y, the communication does not: equal at this Y
     largest = max(1, math.ceil(limit) - 1 if limit == int(limit) else math.floor(limit))
+    factor = "" if n == 2 else f"{n / 2:g} · "
     return Exercise(
         f"Up to how many chips can tensor parallel split {m.name}'s MLP on {chip.name} (inside one node) "
         "before its communication outgrows its math?",
         largest,
-        ["Per pass, the MLP's math is 4·B·D·F / (Y·C); the activations' all-gather and reduce-scatter 4·B·D / W. "
-         "They are equal at Y = F / (C / W), whatever the batch.",
-         f"C / W = {b.intensity:,.0f} ({b.link}); F = {f:,}: Y < {f:,} / {b.intensity:,.0f} = {limit:,.1f}.",
+        [f"Per pass, the MLP's math is {2 * n}·B·D·F / (Y·C) ({n} matrices{', SwiGLU' if n == 3 else ''}); the "
+         f"activations' all-gather and reduce-scatter 4·B·D / W. They are equal at Y = {factor}F / (C / W), "
+         "whatever the batch.",
+         f"C / W = {b.intensity:,.0f} ({b.link}); F = {f:,}: Y < {factor}{f:,} / {b.intensity:,.0f} = {limit:,.1f}.",
          f"Answer: **{largest}** (a degree that divides the heads, in practice)."])
 
 

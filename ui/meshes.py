@@ -233,8 +233,8 @@ def tradeoff_figure(t: FsdpTpTradeoff) -> go.Figure:
                                  customdata=[r.tp for r in t.rows],
                                  hovertemplate="X = %{x} FSDP x Y = %{customdata} TP<br>%{y:,.1f} µs<extra>"
                                                + name + "</extra>"))
-    if t.x_opt <= max(x):  # a shape on a log axis is placed in log10 units
-        fig.add_vline(x=math.log10(t.x_opt), line={"color": "#444", "dash": "dot"},
+    if t.x_opt <= max(x):  # in data units: this Plotly places a vline on a log axis itself (log10 had put it at 2.7)
+        fig.add_vline(x=t.x_opt, line={"color": "#444", "dash": "dot"},
                       annotation={"text": f"X_opt = {t.x_opt:,.1f}", "showarrow": False, "yanchor": "bottom"})
     fig.update_layout(xaxis={"type": "log", "title": "X, the FSDP degree (Y = N / X tensor parallel)",
                              "tickvals": x, "ticktext": [f"{v:,}" for v in x]},

@@ -24,11 +24,20 @@ def test_data_parallel_and_fsdp_turn_compute_bound_at_c_over_w(chip, dp, stride,
 
 
 def test_tensor_parallel_limit_is_f_over_c_over_w():
-    # [SB]: "Y > n_axes * F / 2550 ~ n_axes * 11" for F = 28,672 (Llama 3 70B) on TPU v5p, one axis
+    # [SB]: "Y > n_axes * F / 2550 ~ n_axes * 11" for F = 28,672 (Llama 3 70B) on TPU v5p, one axis: the rule
+    # of an MLP of two matrices, as [SB] derives it
+    from dataclasses import replace
+
     v5p = CHIPS["tpu-v5p"]
-    assert tensor_parallel_bound(LLAMA_70B, v5p, 4096, 11).compute_bound
-    assert not tensor_parallel_bound(LLAMA_70B, v5p, 4096, 12).compute_bound
-    assert "28,672 / 2,550 = 11.2" in tensor_parallel_bound(LLAMA_70B, v5p, 4096, 8).rule
+    two = replace(LLAMA_70B, mlp="gelu")
+    assert tensor_parallel_bound(two, v5p, 4096, 11).compute_bound
+    assert not tensor_parallel_bound(two, v5p, 4096, 12).compute_bound
+    assert "28,672 / 2,550 = 11.2" in tensor_parallel_bound(two, v5p, 4096, 8).rule
+    # Llama's SwiGLU MLP has a third matrix on the same gathered input: 1.5x the math, the same bytes
+    swiglu = tensor_parallel_bound(LLAMA_70B, v5p, 4096, 16)
+    assert swiglu.compute_bound and not tensor_parallel_bound(LLAMA_70B, v5p, 4096, 17).compute_bound
+    assert "1.5 x 28,672 / 2,550 = 16.9" in swiglu.rule
+    assert swiglu.math_s == pytest.approx(1.5 * tensor_parallel_bound(two, v5p, 4096, 16).math_s)
 
 
 def test_tensor_parallel_does_not_depend_on_the_batch():
