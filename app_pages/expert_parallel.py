@@ -52,7 +52,7 @@ else:
             "MLP, it has no experts to spread. Pick an MoE preset to follow here (or choose one in the "
             "sidebar).",
             icon=":material/info:")
-    spec = MODEL_PRESETS[st.selectbox("MoE model", MOE_PRESETS, key="ep_moe_model")]
+    spec = MODEL_PRESETS[st.selectbox("MoE model", MOE_PRESETS, key="ep_moe_model", bind="query-params")]
 nums = moe_numbers(spec)
 shared = f" plus {spec.shared_experts} always-on shared expert" if spec.shared_experts else ""
 dense_first = f" (its first {spec.dense_layers} layers keep a dense MLP)" if spec.dense_layers else ""
@@ -94,7 +94,8 @@ The backward pass runs both all-to-alls in reverse, so a training step moves eac
 ep_choices = [e for e in (1, 2, 4, 8, 16, 32, 64) if e <= spec.experts and spec.experts % e == 0]
 sidebar_ep = choices.mesh["ep"] if choices.mesh["ep"] in ep_choices[1:] else min(8, ep_choices[-1])
 model_ep = st.select_slider("Expert-parallel degree ep for this model", ep_choices, value=sidebar_ep,
-                            key="ep_model_degree", help="The sidebar's ep sets the starting value.")
+                            key="ep_model_degree", bind="query-params",
+                            help="The sidebar's ep sets the starting value.")
 st.plotly_chart(placement_figure(spec.experts, model_ep), key="ep_placement")
 expert_gb = spec.experts // model_ep * nums["per_expert"] * spec.moe_layers * 2 / 1e9
 st.caption(f"{spec.name} at ep = {model_ep}: each chip holds {count(spec.experts // model_ep, 'expert')} per MoE "

@@ -51,7 +51,7 @@ parallel for the dense layers and split the experts), cp ranks different positio
 )
 
 options = ["the sidebar's setup", *PRESETS]
-which = st.selectbox("Layout", options, key="mesh_preset")
+which = st.selectbox("Layout", options, key="mesh_preset", bind="query-params")
 published_batch, recipe = None, {}  # a published layout's own batch and recipe (Preset.global_batch, .recipe)
 if which == options[0]:
     model_name, chip_key, mesh_axes, zero_stage = choices.model, choices.chip, dict(choices.mesh), 0
@@ -98,7 +98,7 @@ rows = axis_rows(mesh, cluster_chip(chip, mesh.world, None), estimate.breakdown 
 if not rows:
     st.info("One chip: nothing to split. Set a mesh in the sidebar or choose a published layout.")
 else:
-    axis = st.radio("Draw the groups of", shown_axes, horizontal=True, key="mesh_axis")
+    axis = st.radio("Draw the groups of", shown_axes, horizontal=True, key="mesh_axis", bind="query-params")
     st.plotly_chart(mesh_figure(mesh, chip, axis), key="mesh_groups")
     st.caption(mesh_caption(mesh, axis))
     # a table, not a data grid: its long "moves" and "links" texts wrap instead of being cut; the axis names rows

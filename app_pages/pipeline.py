@@ -158,8 +158,9 @@ st.header(f"On real chips: {spec.name} on {chip.name}")
 sidebar_pp = choices.mesh["pp"]
 r1, r2 = st.columns(2)
 real_pp = r1.select_slider("Stages p", REAL_PP, value=sidebar_pp if sidebar_pp in REAL_PP else 4,
-                           key="real_pp", help="Starts at the sidebar mesh's pp when that is one of these.")
-real_m = r2.select_slider("Micro-batches m per step", REAL_M, value=16, key="real_m")
+                           key="real_pp", bind="query-params",
+                           help="Starts at the sidebar mesh's pp when that is one of these.")
+real_m = r2.select_slider("Micro-batches m per step", REAL_M, value=16, key="real_m", bind="query-params")
 tp = choices.mesh["tp"]
 stride = choices.device_mesh().stride("pp")
 try:

@@ -43,7 +43,7 @@ LESSONS: list[Lesson] = [
            "Split the layers into stages and pass activations chip to chip. GPipe, 1F1B, interleaved and "
            "zero-bubble schedules drawn step by step, their bubbles and activation memory, the cost on real "
            "chips, and a real verified pipeline run on this machine.",
-           params=("schedule", "stages", "micro_batches", "virtual", "t_b", "t_comm")),
+           params=("schedule", "stages", "micro_batches", "virtual", "t_b", "t_comm", "real_pp", "real_m")),
     Lesson("Context parallel", "app_pages/context_parallel.py", "context-parallel", ":material/all_inclusive:",
            "Split long sequences over chips: the causal load balance of the zig-zag split, ring attention "
            "step by step with the log-sum-exp merge, when the K/V ring hides under the attention on real "
@@ -54,7 +54,7 @@ LESSONS: list[Lesson] = [
            "and the dispatch and combine all-to-alls; a routing simulation with capacity and skew, the "
            "all-to-all's cost on real chips, and a real verified expert-parallel run on this machine.",
            params=("ep_tokens", "ep_experts", "ep_top_k", "ep_degree", "ep_capacity", "ep_skew",
-                   "ep_micro_batch")),
+                   "ep_micro_batch", "ep_moe_model", "ep_model_degree")),
     Lesson("Transformer vs Mamba", "app_pages/mamba.py", "mamba", ":material/waves:",
            "A state-space model mixes positions through a fixed-size state instead of attention: the Mamba-2 "
            "block and its chunked scan, FLOPs per token as the sequence grows, what tensor and context "
@@ -64,7 +64,7 @@ LESSONS: list[Lesson] = [
            "How real runs combine the strategies on one mesh (Llama 3 405B, DeepSeek-V3): the rank order, "
            "each axis's groups drawn on the nodes, which stay inside NVLink and which cross the network, the "
            "planner's cost of the layout, and the same mesh scaled down and run for real on this machine.",
-           params=()),
+           params=("mesh_preset", "mesh_axis")),
     Lesson("Plan a training run", "app_pages/planner.py", "planner", ":material/query_stats:",
            "Combine the strategies on a device mesh for a real model on real chips: memory per chip, step "
            "time, MFU and a predicted timeline; then search every layout for the fastest that fits.",
