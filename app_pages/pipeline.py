@@ -151,8 +151,11 @@ if sims:
     st.plotly_chart(in_flight_figure(sims, schedule), key="in_flight")
 if "zb-h1" in sims:
     pending = sims["zb-h1"].peak_weight_grads_pending
-    st.caption(f"ZB-H1 also keeps, per chip, the inputs of up to {list(pending)} deferred BW (layer inputs "
-               "and output gradients, smaller than a full activation set: Qi et al. 2023 Table 1).")
+    # in words, rank by rank (a Python list had been printed: "up to [1, 2, 3, 4]")
+    counts = (f"{', '.join(map(str, pending[:-1]))} and {pending[-1]} deferred BW on ranks 0 to {len(pending) - 1}"
+              if len(pending) > 1 else f"{pending[0]} deferred BW")
+    st.caption(f"ZB-H1 also keeps, per chip, the inputs of up to {counts} (layer inputs and output gradients, "
+               "smaller than a full activation set: Qi et al. 2023 Table 1).")
 
 st.header(f"On real chips: {spec.name} on {chip.name}")
 sidebar_pp = choices.mesh["pp"]

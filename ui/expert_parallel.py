@@ -74,9 +74,11 @@ def placement_figure(experts: int, ep: int) -> go.Figure:
                              hovertext=[f"expert {r * per_rank + j} on rank {r}" for j in range(per_rank)],
                              hoverinfo="text", showlegend=False))
     plural = "s" if per_rank > 1 else ""
+    ranks = (f"ep = {ep} ranks: {per_rank} whole expert{plural} each" if ep != 1
+             else f"ep = 1 rank: all {per_rank} on it")
     fig.update_layout(barmode="stack", height=min(60 + 28 * ep, 420),
                       margin={"l": 10, "r": 10, "t": 40, "b": 10},
-                      title=f"{experts} experts over ep = {ep} ranks: {per_rank} whole expert{plural} each",
+                      title=f"{experts} experts over {ranks}",
                       # slot j is the bar from j to j + 1: its number under its middle
                       xaxis={"title": "local expert slot", "showticklabels": per_rank <= 32,
                              "tickvals": [j + 0.5 for j in range(per_rank)],

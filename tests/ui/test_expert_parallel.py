@@ -304,3 +304,10 @@ def test_the_bound_meter_shows_deepseek_v3_communication_bound_across_nodes():
     assert not at.exception
     text = next((m.value for m in at.markdown if "expert width F >" in m.value), None)
     assert text is not None and text.startswith("**Communication-bound**"), text
+
+
+def test_one_rank_holds_every_expert_in_words():
+    from ui.expert_parallel import placement_figure
+
+    assert placement_figure(8, 1).layout.title.text == "8 experts over ep = 1 rank: all 8 on it"
+    assert placement_figure(8, 4).layout.title.text == "8 experts over ep = 4 ranks: 2 whole experts each"

@@ -229,3 +229,12 @@ def test_the_transfer_time_adds_up_from_its_parts():
     assert view.fill_s == chip.scaleout_fill_s
     assert view.latency_s - view.fill_s == pytest.approx(chip.scaleout_latency_s)
     assert view.bandwidth_s == pytest.approx(view.p2p_bytes / chip.scaleout_bw(True), rel=1e-9)
+
+
+def test_the_zb_h1_caption_counts_in_words():
+    """It had printed a Python list: "the inputs of up to [1, 2, 3, 4] deferred BW"."""
+    from tests.ui.apptest_util import open_app
+
+    at = open_app("app_pages/pipeline.py")
+    caption = next(c.value for c in at.caption if c.value.startswith("ZB-H1 also keeps"))
+    assert "[" not in caption and " deferred BW on ranks 0 to " in caption
