@@ -120,9 +120,7 @@ def _measurer(collective_timeout_s: float, stop=None):
     returning each rank's result; setting `stop` ends it (`launch.RunStopped`)."""
     from engine import launch
 
-    def measure(world: int, task: str, args: dict) -> list:
-        if stop is not None and stop.is_set():
-            raise launch.RunStopped(0)
+    def measure(world: int, task: str, args: dict) -> list:  # Pool.run checks `stop` before it starts anything
         return launch.get_pool(world, "cpu", collective_timeout_s).run(f"engine.calibrate:{task}", args,
                                                                         timeout_s=CALIBRATION_TIMEOUT_S, stop=stop)
 

@@ -206,6 +206,7 @@ class TensorParallelPlan(Plan):
         self.tp = TPGroup(comm, sequence_parallel)
         self.config, self.cp = model.config, cp
         self.split: dict[str, tuple[str, int]] = {}  # name -> (ROWS|COLS|REPLICATED, replicas per row block)
+        self._differing: list[str] = []  # what the last full_state found differing (copies_differing)
         m = model.config
         units = model.units
         units[0].tok = VocabParallelEmbedding(self._rows("units.0.tok.weight", units[0].tok.weight), self.tp)
@@ -314,7 +315,7 @@ class TensorParallelPlan(Plan):
         return {quantity: self.unshard(tensors, quantity) for quantity, tensors in state.items()}
 
     def copies_differing(self) -> list[str]:
-        return list(getattr(self, "_differing", []))
+        return list(self._differing)
 
     # -- verification: tp-local tensors back to full ones ----------------------------------------------
     def unshard(self, tensors: dict[str, torch.Tensor], quantity: str = "") -> dict[str, torch.Tensor]:

@@ -359,6 +359,7 @@ class RunQueue:
             with self._cond:
                 job = None
                 while not self._closed:
+                    self._drop_closed_tabs()  # a page gone CLOSED_TAB_S is skipped; one back sooner runs
                     job = self._next()
                     if job is not None:
                         break
@@ -371,12 +372,6 @@ class RunQueue:
                     self._finish_cached(job, *hit)
                     self._cond.notify_all()
                     continue
-                if job.alive is not None and not _still(job.alive):  # its page has gone: since when?
-                    job.gone_since = job.gone_since or time.monotonic()
-                    if time.monotonic() - job.gone_since >= CLOSED_TAB_S:  # a closed tab: skip it
-                        self._end(job, CANCELLED)
-                        continue
-                    # else a browser reconnecting, perhaps: run it (a tab that never comes back fills the cache)
                 job.state, job.started_at = RUNNING, time.monotonic()
                 self._running.append(job)
             state = self._execute(job)
