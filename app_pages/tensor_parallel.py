@@ -68,7 +68,7 @@ default_tp = max(t for t in valid_tp if t <= wanted)
 # A degree that cannot split this model (from a link, or kept from another model) is replaced, and said.
 asked = st.session_state.get("tp_degree", st.query_params.get("tp_degree"))
 if asked is not None and str(asked) not in map(str, valid_tp):
-    why = refused_tp.get(int(asked), "not offered") if str(asked).isdigit() else "not a whole number"
+    why = refused_tp.get(int(asked), "not offered") if str(asked).isdecimal() else "not a whole number"
     st.info(markdown_text(f"t = {asked} cannot split {spec.name} ({why}); showing t = {default_tp}."),
             icon=":material/link_off:")
     st.session_state["tp_degree"] = default_tp

@@ -302,3 +302,11 @@ def test_the_lessons_open_on_a_gpu_mesh_of_links(page, params):
 
     at = open_app(page, chip="mi300x", **params)
     assert not at.exception, [e.value for e in at.exception]
+
+
+def test_a_superscript_degree_in_a_link_is_not_a_number():
+    """str.isdigit() takes "²", which int() refuses: the page had stopped (found by the link fuzz test)."""
+    from tests.ui.apptest_util import open_app
+
+    at = open_app("app_pages/tensor_parallel.py", tp_degree="²")
+    assert not at.exception and any("not a whole number" in i.value for i in at.info)
