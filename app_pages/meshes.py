@@ -8,7 +8,7 @@ from app_pages.exercise_panel import show_exercises
 from app_pages.live_panel import run_live, show_live
 from core.mesh import Mesh
 from hardware.chips import CHIPS
-from planner.bounds import cross_pod_bound, fsdp_tp_tradeoff
+from planner.bounds import cross_pod_bound, fsdp_tp_tradeoff, mlp_matrices
 from planner.case import Cluster, Parallel, SpecError, mesh_parallel
 from planner.costs import cluster_chip
 from planner.models import MODEL_PRESETS
@@ -147,8 +147,10 @@ Both split the {count(chips, 'chip')} of one pipeline stage, and they move diffe
 reduce-scattered out of every layer). Splitting the chips as X-way FSDP x Y-way TP (X · Y = {chips:,}), the
 weights each chip gathers shrink as Y grows and the activations it moves shrink as X grows, so their sum
 has a minimum (the scaling book, Part 5). For {spec.name} with {tokens:,} tokens per step on {chip.name},
-per layer's forward, counted as the scaling book counts it: the MLP's two matmuls of D = {spec.hidden:,} by
-F = {(spec.dense_ffn_ if spec.is_moe else spec.ffn):,}, the most communication per FLOP of the layer{
+per layer's forward, counted as the scaling book counts it: the MLP's {
+"three matmuls (SwiGLU's gate, up and down; the book's MLP has two)" if mlp_matrices(spec) == 3 else "two matmuls"
+} of D = {spec.hidden:,} by F = {(spec.dense_ffn_ if spec.is_moe else spec.ffn):,}, the most communication per
+FLOP of the layer{
 " (a dense MLP's width: the experts' own all-to-all is the expert-parallel page's)" if spec.is_moe else ""}:
 """
     )

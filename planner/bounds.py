@@ -144,9 +144,9 @@ class TradeoffRow:
 
     fsdp: int  # X
     tp: int  # Y
-    fsdp_s: float  # all-gathering the weights: 4 D F / (Y W_X M_X)
+    fsdp_s: float  # all-gathering the n matrices' bf16 weights: 2 n D F / (Y W_X M_X)
     tp_s: float  # gathering and reduce-scattering the activations: 4 B D / (X W_Y M_Y)
-    math_s: float  # 4 B D F / (N C)
+    math_s: float  # 2 n B D F / (N C)
 
     @property
     def comm_s(self) -> float:
@@ -160,24 +160,28 @@ class FsdpTpTradeoff:
     x_opt: float  # the continuous optimum at the best row's bandwidths
     min_tokens_per_chip: float  # below this batch per chip even the best mix is communication-bound
     rule: str
+    matrices: int  # the MLP's weight matrices counted (`mlp_matrices`)
 
 
 def fsdp_tp_tradeoff(m: ModelSpec, chip: Chip, batch_tokens: float, n: int,
                      chips_per_node: int | None = None) -> FsdpTpTradeoff:
-    """[SB] Part 5, "Combining FSDP and tensor parallelism", per layer's forward pass (the MLP's two
-    matmuls; the most communication per FLOP), B the batch in tokens over the N = X Y chips:
+    """[SB] Part 5, "Combining FSDP and tensor parallelism", per layer's forward pass (the MLP's matmuls; the
+    most communication per FLOP), B the batch in tokens over the N = X Y chips, n the MLP's matrices:
 
-        T_fsdp = 4 D F / (Y W_X M_X)     FSDP moves weights: less as Y grows
+        T_fsdp = 2 n D F / (Y W_X M_X)   FSDP moves bf16 weights: less as Y grows
         T_tp   = 4 B D / (X W_Y M_Y)     tensor parallel moves activations: less as X grows
-        T_math = 4 B D F / (N C)
+        T_math = 2 n B D F / (N C)
 
-    The sum is least at X_opt = sqrt(B N W_X M_X / (F W_Y M_Y)) ([SB]'s quadratic, minimised) and stays
-    under the math for some X while B / N > 4 alpha_X alpha_Y / (F M_X M_Y), alpha = C / W: on TPU v5p with
-    [SB]'s M_X = 2 torus axes for FSDP and M_Y = 1 for TP, 2 x 2550^2 / F ([SB]: "432" for F = 30,000).
+    The sum is least at X_opt = sqrt((2 / n) B N W_X M_X / (F W_Y M_Y)) ([SB]'s quadratic, minimised) and
+    stays under the math for some X while B / N > (8 / n) alpha_X alpha_Y / (F M_X M_Y), alpha = C / W: on TPU
+    v5p with [SB]'s two-matrix MLP (n = 2), M_X = 2 torus axes for FSDP and M_Y = 1 for TP, 2 x 2550^2 / F
+    ([SB]: "432" for F = 30,000). A SwiGLU MLP's third matrix (n = 3) adds weights to gather and math, not
+    activations (its gate reads the same gathered input): X_opt falls by sqrt(2/3), the floor by 2/3.
     On GPUs M = 1 and each group gets its own links (`group_bandwidth`: tp innermost, so the FSDP group's
     members are Y apart)."""
     c = chip.peak_flops_per_s("bf16")
     d, f = m.hidden, (m.dense_ffn_ if m.is_moe else m.ffn)
+    n_mat = mlp_matrices(m)
     tpu = chip.kind != "gpu"
     m_x, m_y = (2, 1) if tpu else (1, 1)
     rows = []
@@ -187,21 +191,22 @@ def fsdp_tp_tradeoff(m: ModelSpec, chip: Chip, batch_tokens: float, n: int,
             continue
         w_x, _ = group_bandwidth(chip, x, y, chips_per_node)
         w_y, _ = group_bandwidth(chip, y, 1, chips_per_node)
-        rows.append(TradeoffRow(x, y, 4 * d * f / (y * w_x * m_x) if x > 1 else 0.0,
+        rows.append(TradeoffRow(x, y, 2 * n_mat * d * f / (y * w_x * m_x) if x > 1 else 0.0,
                                 4 * batch_tokens * d / (x * w_y * m_y) if y > 1 else 0.0,
-                                4 * batch_tokens * d * f / (n * c)))
+                                2 * n_mat * batch_tokens * d * f / (n * c)))
     best = min(rows, key=lambda r: r.comm_s)
     w_x, _ = group_bandwidth(chip, max(best.fsdp, 2), best.tp, chips_per_node)
     w_y, _ = group_bandwidth(chip, max(best.tp, 2), 1, chips_per_node)
-    x_opt = math.sqrt(batch_tokens * n * w_x * m_x / (f * w_y * m_y))
-    floor = 4 * (c / w_x) * (c / w_y) / (f * m_x * m_y)
+    x_opt = math.sqrt(2 / n_mat * batch_tokens * n * w_x * m_x / (f * w_y * m_y))
+    floor = 8 / n_mat * (c / w_x) * (c / w_y) / (f * m_x * m_y)
     per_chip = batch_tokens / n
     verdict = "compute-bound" if best.comm_s <= best.math_s else "communication-bound"
     rule = (f"Mixed FSDP + tensor parallel of {m.name} on {n:,} {chip.name} stays compute-bound while tokens per "
-            f"chip > 4 alpha_X alpha_Y / (F M_X M_Y) = {floor:,.0f} (F = {f:,}); here {per_chip:,.0f}. The "
+            f"chip > (8 / n) alpha_X alpha_Y / (F M_X M_Y) = {floor:,.0f} (F = {f:,}, n = {n_mat} matrices); here "
+            f"{per_chip:,.0f}. The "
             f"least communication is at X = {best.fsdp:,} FSDP x Y = {best.tp:,} TP (X_opt = {x_opt:,.1f}"
             + (f", beyond the {n:,} chips: pure FSDP moves least" if x_opt >= n else "") + f"): {verdict}.")
-    return FsdpTpTradeoff(tuple(rows), best, x_opt, floor, rule)
+    return FsdpTpTradeoff(tuple(rows), best, x_opt, floor, rule, n_mat)
 
 
 def cross_pod_bound(m: ModelSpec, chip: Chip, tokens_per_pod: float) -> Bound:

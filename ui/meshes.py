@@ -221,8 +221,8 @@ def tradeoff_figure(t: FsdpTpTradeoff) -> go.Figure:
               ("TP: its activations gathered and reduce-scattered", [r.tp_s for r in t.rows],
                KIND_COLORS["reduce_scatter"], "solid"),
               ("communication, both", [r.comm_s for r in t.rows], KIND_COLORS["send/recv"], "wide"),
-              ("the MLP's two matmuls (the math to hide under)", [r.math_s for r in t.rows], KIND_COLORS["forward"],
-               "dot")]
+              (f"the MLP's {'three' if t.matrices == 3 else 'two'} matmuls (the math to hide under)",
+               [r.math_s for r in t.rows], KIND_COLORS["forward"], "dot")]
     for name, ys, color, dash in series:
         wide = dash == "wide"
         # nothing to move (no FSDP at X = 1, no TP at Y = 1) has no place on a log axis: a gap

@@ -1,5 +1,7 @@
 """The bound meter's rules against the scaling book's worked numbers ([SB] Part 5 and Part 12)."""
 
+import math
+
 import pytest
 
 from hardware.chips import CHIPS
@@ -58,8 +60,8 @@ def test_expert_parallel_inside_a_node_and_across_nodes():
     assert "each GPU's own NIC" in across.link
 
 
-def _book_model(ffn: int) -> ModelSpec:
-    return ModelSpec("[SB] example", 1, 8192, 64, 8, ffn, 32000, 4096)
+def _book_model(ffn: int, mlp: str = "gelu") -> ModelSpec:
+    return ModelSpec("[SB] example", 1, 8192, 64, 8, ffn, 32000, 4096, mlp=mlp)  # [SB]'s MLP: two matrices
 
 
 def test_mixed_fsdp_and_tp_floor_is_the_books_2_alpha_squared_over_f():
@@ -70,6 +72,18 @@ def test_mixed_fsdp_and_tp_floor_is_the_books_2_alpha_squared_over_f():
         t = fsdp_tp_tradeoff(_book_model(ffn), CHIPS["tpu-v5p"], 48000, 64)
         assert t.min_tokens_per_chip == pytest.approx(2 * alpha ** 2 / ffn)
         assert t.min_tokens_per_chip == pytest.approx(book, rel=0.01)
+
+
+def test_a_swiglu_mlp_gathers_half_more_weights_for_half_more_math():
+    # its gate's matrix adds D F weights and 2 B D F FLOPs, no activations (the gate reads the gathered input):
+    # X_opt = sqrt((2 / n) B N / F) falls by sqrt(2/3), the floor (8 / n) alpha^2 / F by 2/3
+    two, three = (fsdp_tp_tradeoff(_book_model(32768, mlp), CHIPS["tpu-v5p"], 48000, 64) for mlp in ("gelu", "swiglu"))
+    assert three.matrices == 3 and two.matrices == 2
+    assert three.x_opt == pytest.approx(two.x_opt * math.sqrt(2 / 3))
+    assert three.min_tokens_per_chip == pytest.approx(two.min_tokens_per_chip * 2 / 3)
+    for a, b in zip(two.rows, three.rows, strict=True):
+        assert b.fsdp_s == pytest.approx(1.5 * a.fsdp_s) and b.math_s == pytest.approx(1.5 * a.math_s)
+        assert b.tp_s == a.tp_s
 
 
 def test_the_tradeoff_is_least_near_x_opt():

@@ -92,14 +92,16 @@ def test_the_group_picture_and_its_caption_agree():
 
 
 def test_the_tradeoff_chart_marks_x_opt_and_leaves_gaps_where_nothing_moves():
-    t = fsdp_tp_tradeoff(MODEL_PRESETS["Llama 3 70B"], CHIPS["tpu-v5p"], 48000, 64)  # X_opt = 14.6
+    # X_opt = 12.0 (SwiGLU: three matrices)
+    t = fsdp_tp_tradeoff(MODEL_PRESETS["Llama 3 70B"], CHIPS["tpu-v5p"], 48000, 64)
     fig = tradeoff_figure(t)
     assert [tr.name for tr in fig.data][:2] == ["FSDP: the MLP's weights all-gathered",
                                                  "TP: its activations gathered and reduce-scattered"]
     assert fig.data[0].y[0] is None and fig.data[1].y[-1] is None  # X = 1 gathers no weights, Y = 1 no activations
     (line,) = fig.layout.shapes
     # in data units: this Plotly places a vertical line on a log axis itself (in log10 units it had been drawn at
-    # X = 1.2 for an X_opt of 14.6; checked in Chromium against the crossing of the two lines)
+    # X = 1.2 for an X_opt of 14.6, two matrices counted then; checked in Chromium against the crossing of the
+    # two lines)
     assert line.x0 == pytest.approx(t.x_opt)
 
 
