@@ -254,6 +254,9 @@ if model_ep > 1:
 if model_ep > 1:
     show_exercises([ep_expert_width(spec, chip, model_ep),
                     a2a_leaving_share(model_ep, tokens, spec.top_k, spec.hidden)])
+else:
+    st.info("At ep = 1 one chip holds every expert: no token leaves it, there is no all-to-all to hide, so no "
+            "bound meter and no exercises here. Choose ep > 1 above to see them.", icon=":material/info:")
 
 st.header("Run it for real")
 st.markdown(

@@ -22,7 +22,8 @@ from hardware.chips import Chip
 from hardware.collectives import group_topology
 from hardware.kernels import best_flash_kernel, flash_attention_s, flash_plateau_flops_per_s
 from planner.models import ModelSpec
-from ui.tensor_parallel import log_ticks, rank_color
+from ui.charts import log_axis
+from ui.tensor_parallel import rank_color
 from ui.timeline import KIND_COLORS
 
 SPLITS = ("contiguous", "zig-zag")
@@ -243,15 +244,14 @@ def overlap_figure(spec: ModelSpec, chip: Chip, cp: int, seq_len: int, stride: i
     fig.add_vline(x=seq_len, line={"dash": "dot", "color": "black"})
     state = "hidden" if here["hidden"] else "exposed"
     ys = [r[k] * 1e6 for r in rows for k in ("transfer_s", "compute_s") if r[k] > 0]
-    ticks = [t for t in log_ticks(ys) if min(ys) / 2 <= t <= max(ys) * 2] if ys else None
     fig.update_layout(title=f"{spec.name} on {chip.name}, cp = {cp}: one ring step of one layer "
                             f"(dotted line: your S = {seq_label(seq_len)}, the transfer {state} there)",
                       height=380, margin={"l": 10, "r": 10, "t": 50, "b": 10},
                       xaxis={"title": "sequence length S (tokens)", "type": "log", "tickvals": x,
                              "ticktext": [seq_label(s) for s in x]},
                       # 1-2-5 ticks with their values written out: Plotly's own label every minor tick
-                      yaxis={"title": "time per step (µs)", "type": "log", "tickvals": ticks,
-                             "ticktext": [f"{t:,.0f}" if t >= 1 else f"{t:g}" for t in ticks] if ticks else None},
+                      yaxis=log_axis(ys, title="time per step (µs)") if ys else
+                      {"title": "time per step (µs)", "type": "log"},
                       legend={"orientation": "h", "y": -0.25})
     return fig
 

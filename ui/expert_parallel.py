@@ -31,7 +31,8 @@ from hardware.collectives import group_topology
 from hardware.kernels import matmul_s
 from planner.flops import active_params, layer_params, total_params
 from planner.models import MODEL_PRESETS, ModelSpec
-from ui.tensor_parallel import group_links_chip, log_ticks, rank_color
+from ui.charts import log_axis, span_legend
+from ui.tensor_parallel import group_links_chip, rank_color
 from ui.timeline import KIND_COLORS
 
 BF16_BYTES = 2  # tokens travel in bf16 (DeepSeek-V3 dispatches in FP8: 1 byte; arXiv 2412.19437 sec. 3.3)
@@ -319,13 +320,12 @@ def cost_figure(rows: list[dict], chosen_ep: int, domain: int, title: str, unit:
                                  marker={"size": 14, "symbol": "circle-open", "color": "black"}))
     if eps and domain < max(eps):
         fig.add_vrect(x0=domain * math.sqrt(2), x1=max(eps), fillcolor="#E45756", opacity=0.08, line_width=0)
-        fig.add_annotation(x=math.log10(max(eps)), y=1, yref="paper", xanchor="right", yanchor="top",
-                           showarrow=False, text=f"ep group spans several {domain}-chip {unit}s")
+        fig.add_trace(span_legend(f"shaded: the ep group spans several {domain}-chip {unit}s", "#E45756"))
     values = [r[k] * 1e3 for r in rows for k in ("compute_s", "a2a_s", "a2a_spread_s") if r[k] > 0]
     fig.update_layout(height=400, title=title, margin={"l": 10, "r": 10, "t": 50, "b": 10},
                       xaxis={"type": "log", "tickvals": eps, "title": "expert-parallel degree ep"},
-                      yaxis={"type": "log", "title": "ms per MoE layer per micro-batch",
-                             "tickvals": log_ticks(values) if values else None},
+                      yaxis=log_axis(values, title="ms per MoE layer per micro-batch") if values else
+                      {"type": "log", "title": "ms per MoE layer per micro-batch"},
                       legend={"orientation": "h", "y": -0.25})
     return fig
 

@@ -33,6 +33,7 @@ from planner.case import Layout
 from planner.costs import cluster_chip, layer_cost
 from planner.memory import korthikanti_bytes
 from planner.models import ModelSpec
+from ui.charts import log_axis, span_legend
 from ui.collectives import markdown_text
 from ui.tables import format_seconds
 from ui.timeline import KIND_COLORS, span_kind
@@ -55,12 +56,6 @@ MEMORY_MODES = {
 
 def rank_color(rank: int) -> str:
     return RANK_COLORS[rank % len(RANK_COLORS)]
-
-
-def log_ticks(values: list[float]) -> list[float]:
-    """1-2-5 tick values covering `values` (all > 0), for a readable log axis."""
-    lo, hi = math.floor(math.log10(min(values))), math.ceil(math.log10(max(values)))
-    return [m * 10.0**e for e in range(lo, hi + 1) for m in (1, 2, 5)]
 
 
 # ---- which tp fits a model --------------------------------------------------------------------------
@@ -205,7 +200,7 @@ def activation_figure(spec: ModelSpec, micro_batch: int, chosen_tp: int, hbm_byt
                              name=f"HBM / {spec.layers} layers: above it activations alone fill the chip"))
     values = [p[m] / 1e9 for p in per_tp for m in MEMORY_MODES] + [hbm_bytes / spec.layers / 1e9]
     fig.update_layout(height=440, xaxis_title="tensor-parallel degree t",
-                      yaxis={"type": "log", "title": "GB per layer per chip", "tickvals": log_ticks(values)},
+                      yaxis=log_axis(values, title="GB per layer per chip"),
                       margin={"l": 10, "r": 10, "t": 50, "b": 10}, legend={"orientation": "h", "y": -0.2},
                       title=f"{spec.name}: activations of one layer, s={spec.seq_len:,}, b={micro_batch}, "
                             f"h={spec.hidden:,}, a={spec.heads}")
@@ -302,13 +297,10 @@ def scaling_figure(rows: list[dict], chosen_tp: int, domain: int, title: str) ->
     if domain < max(tps):
         # shaded from halfway (on the log axis) between the domain size and the next power of two
         fig.add_vrect(x0=domain * math.sqrt(2), x1=max(tps), fillcolor="#E45756", opacity=0.08, line_width=0)
-        # annotations on a log axis take log10 coordinates (shapes take data coordinates)
-        fig.add_annotation(x=math.log10(max(tps)), y=1, yref="paper", xanchor="right", yanchor="top",
-                           showarrow=False, text=f"tp group spans several {domain}-chip domains")
+        fig.add_trace(span_legend(f"shaded: the tp group spans several {domain}-chip domains", "#E45756"))
     values = [r[k] * 1e3 for r in rows for k in ("compute_s", "comm_s", "comm_spread_s") if r[k] > 0]
     fig.update_layout(height=400, xaxis={"type": "log", "tickvals": tps, "title": "tensor-parallel degree t"},
-                      yaxis={"type": "log", "title": "ms per layer per micro-batch",
-                             "tickvals": log_ticks(values)},
+                      yaxis=log_axis(values, title="ms per layer per micro-batch"),
                       title=title, margin={"l": 10, "r": 10, "t": 50, "b": 10},
                       legend={"orientation": "h", "y": -0.25})
     return fig

@@ -1,8 +1,10 @@
 """Chart builders return figures whose data match the formulas they draw."""
 
+import math
+
 import pytest
 
-from ui.charts import OperatingPoint, RooflineSeries, roofline_figure
+from ui.charts import OperatingPoint, RooflineSeries, log_axis, roofline_figure
 
 
 def test_roofline_is_min_of_peak_and_bandwidth_line():
@@ -49,3 +51,14 @@ def test_counts_and_long_times_read_as_a_student_reads_them():
     assert (format_step(119.996), format_step(119.99)) == ("2 min", "119.99 s")
     assert (format_seconds(1e-8), format_seconds(0.0)) == ("10 ns", "0 µs")  # a tiny matmul had read 0.00 µs
     assert (format_seconds(999.6 * 3600), format_seconds(999.4 * 3600)) == ("1,000 h", "999 h")  # not "1e+03 h"
+
+
+def test_a_log_axis_is_labelled_at_both_ends():
+    # the expert-parallel cost chart's values, 2.3 to 42 ms: Plotly's own range had stopped at the data, so the
+    # ticks above 20 fell outside it and the top third of the chart carried no label
+    axis = log_axis([2.3, 13.0, 42.0], title="ms")
+    assert axis["tickvals"] == [2, 5, 10, 20, 50] and axis["ticktext"] == ["2", "5", "10", "20", "50"]
+    assert axis["range"] == pytest.approx([math.log10(2), math.log10(50)]) and axis["title"] == "ms"
+    one = log_axis([3.0])  # a single value still gets a range with a tick at each end
+    assert one["tickvals"] == [2, 5] and one["ticktext"] == ["2", "5"]
+    assert log_axis([0.004, 0.03])["ticktext"] == ["0.002", "0.005", "0.01", "0.02", "0.05"]

@@ -233,6 +233,14 @@ def test_an_moe_sidebar_model_is_used_directly():
     assert "At ep = 16 the group spans 2 nodes: 8 of every 16 rows leave the node" in text
 
 
+def test_ep_1_says_why_the_meter_and_the_exercises_are_gone():
+    at = open_app(PAGE, model="DeepSeek-V3", chip="h100", ep="16")
+    at.select_slider(key="ep_model_degree").set_value(1).run()
+    assert not at.exception
+    assert any("At ep = 1 one chip holds every expert" in i.value for i in at.info)
+    assert len(at.get("plotly_chart")) == 4  # placement, load, matrix, cost: no bound meter
+
+
 def test_a_tpu_slice_is_named_as_such():
     at = open_app(PAGE, model="Mixtral 8x7B", chip="tpu-v5p")
     assert not at.exception and not at.error
