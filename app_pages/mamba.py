@@ -94,7 +94,7 @@ hint = f" Set {' or '.join(unset)} above 1 in the sidebar to see {'them' if len(
 st.markdown(
     f"""
 For the sidebar's mesh (tp = {tp}, cp = {cp}, dp = {dp}) on {chip.name}, one layer, one sequence of
-S = {seq_len:,}, in bf16.{hint}
+S = {seq_len:,}, in bf16 (the SSM states in fp32), counted as what the busiest chip sends.{hint}
 
 - **Tensor parallel** splits a Mamba-2 layer by heads (Dao & Gu sec. 8): z, x and Δ by heads, B and C by
   groups, so **each rank must hold whole groups**, and then the conv, the scan and the group-wise norm need
@@ -107,17 +107,25 @@ S = {seq_len:,}, in bf16.{hint}
   One small P x N state per head per hop, but **cp − 1 hops one after the other**: rank r waits for r − 1
   (2(cp − 1) in the hybrid, whose slices are zig-zagged for its attention layers: out and back).
   Backward sends the states' gradients the other way. (The conv's last 3 inputs also cross each boundary.)
-- **Context parallel by all-to-all** (Megatron-Core's way, as DeepSpeed-Ulysses does for attention): switch
-  from "all heads, a slice of the sequence" to "H/cp heads, the whole sequence", scan, switch back. Two
-  all-to-alls of the layer's activations each way, no chain; needs tp x cp to divide the heads and groups.
+- **Context parallel by all-to-all** (as DeepSpeed-Ulysses does for attention): switch from "all heads, a
+  slice of the sequence" to "H/cp heads, the whole sequence", scan, switch back. Two all-to-alls each way
+  (x, B, C and Δ in, y out), no chain. As ShardLab's engine runs it, tp x cp must divide the heads and the
+  groups; Megatron-Core's also moves the gate z and repeats B and C when cp exceeds the groups.
 - **Ring attention** (the context-parallel lesson) sends K/V blocks around the ring, overlapped with the
   attention blocks they meet.
 """
 )
-st.dataframe(comm_rows(specs, tp, cp, dp, chip.key), hide_index=True, width="stretch")
-st.caption("From the planner's own records of each operation (planner/costs.py): operations counted with "
-           "their sequential hops or ring steps; time at the link's achievable bandwidth, before overlap. "
-           "For the hybrid, its Mamba-2 layers; its attention layers move what the Transformer's do.")
+moved_rows = comm_rows(specs, tp, cp, dp, chip.key)
+if moved_rows:
+    st.dataframe(moved_rows, hide_index=True, width="stretch", height="content")  # all 13 rows, no scrolling
+    st.caption("From the planner's own records of each operation (planner/costs.py). Operations count a ring's "
+               "steps and a chain's hops one after the other; bytes are what the busiest chip sends (the "
+               "chain's hops run on different chips: one state per chip, two in the hybrid's zig-zag; an "
+               "all-reduce sends 2 (n − 1)/n of its buffer, an all-to-all (n − 1)/n); time at the link's "
+               "achievable bandwidth, before overlap.")
+else:
+    st.info("On one chip (tp = cp = dp = 1) nothing moves between chips: set tp, cp or dp above 1 in the sidebar.",
+            icon=":material/info:")
 
 st.header("The fastest layout for each")
 n = choices.num_chips
@@ -152,7 +160,7 @@ if found is not None and found[0] == setup:
 elif found is not None:
     st.caption("The sequence length or the sidebar changed since the last search: search again.")
 
-show_exercises([attention_crossover(specs[0]), state_passing_chain(specs[1], max(cp, 4))])
+show_exercises([attention_crossover(specs[0]), state_passing_chain(specs[1], cp if cp > 1 else 4)])
 
 st.header("Run it for real")
 st.markdown(

@@ -203,3 +203,16 @@ def cp_chain_hops(cp: int, zigzag: bool) -> int:
     the sequence (cp - 1 in order; 2 (cp - 1) zig-zagged, out to the last rank and back)."""
     owner = cp_slice_owners(cp, zigzag)
     return sum(1 for a, b in zip(owner, owner[1:], strict=False) if a != b)
+
+
+def cp_chain_sends(cp: int, zigzag: bool) -> int:
+    """The most of those hops one rank sends: 1 in order; 2 zig-zagged beyond cp = 2 (a middle rank passes
+    the state on from its early slice and again from its late one). What one chip sends, where
+    `cp_chain_hops` is how long the chain waits."""
+    owner = cp_slice_owners(cp, zigzag)
+    sends = [0] * max(cp, 1)
+    for a, b in zip(owner, owner[1:], strict=False):
+        if a != b:
+            sends[a] += 1
+    return max(sends)
+

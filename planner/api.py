@@ -20,6 +20,7 @@ from functools import cached_property
 
 from core.timeline import Timeline
 from hardware.chips import CHIPS, get_chip
+from hardware.collectives import ring_sent_bytes
 from planner import costs
 from planner import layout_search as _search
 from planner.case import (
@@ -34,6 +35,7 @@ from planner.case import (
     recipe_choices,
     ssm_alltoall_ok,
     ssm_tp_ok,
+    transformer_tp_ok,
 )
 from planner.flops import (
     attention_flops_per_token,
@@ -375,7 +377,9 @@ def layer_comm_bytes(spec: ModelSpec, kind=None, *, tp: int = 1, cp: int = 1, dp
     Transformer layer, None for the model's first Mamba layer or else its first layer. Returns
     {strategy: {"ops_fwd", "ops_bwd", "bytes_fwd", "bytes_bwd", "time_s"}} for "tp", "cp_ring",
     "cp_state", "cp_alltoall" (those that apply) and "dp" (once per step: the layer's gradient
-    all-reduce over dp x cp), bytes being each op's buffer times its sequential count (ring steps, chain hops)."""
+    all-reduce over dp x cp), bytes being what the busiest chip sends (`CommOp.sent_bytes`: a ring all-reduce
+    sends 2 (n - 1) / n of its buffer, an all-to-all (n - 1) / n, one rank of a state chain its one or two
+    hops, not the chain's all), ops counting a ring's steps and a chain's hops one after the other."""
     if kind is None:
         kind = MAMBA if spec.has_ssm else spec.layer_kinds[0]
     if kind is True and tp > 1 and not sequence_parallel:
@@ -384,6 +388,9 @@ def layer_comm_bytes(spec: ModelSpec, kind=None, *, tp: int = 1, cp: int = 1, dp
     if kind == MAMBA and not ssm_tp_ok(spec, tp):
         raise SpecError("parallel.tp", f"{tp} must divide model.ssm_groups={spec.ssm_groups} and the "
                         f"{spec.ssm_heads} SSM heads (Dao & Gu 2024 sec. 8.1)")
+    if kind != MAMBA and not transformer_tp_ok(spec, tp):
+        raise SpecError("parallel.tp", f"{tp} must divide the {spec.heads} attention heads, the hidden size "
+                        f"{spec.hidden:,} and the MLP width {spec.ffn:,}")
     hw = costs.cluster_chip(get_chip(chip), tp * cp * dp, chips_per_node)
     base = Layout(dp=dp, tp=tp, pp=1, cp=cp, micro_batch=micro_batch, sequence_parallel=sequence_parallel and tp > 1,
                   etp=tp)  # an MoE layer's experts split by tp, as the lessons' TP draws them
@@ -403,11 +410,12 @@ def layer_comm_bytes(spec: ModelSpec, kind=None, *, tp: int = 1, cp: int = 1, dp
                 row = out.setdefault(name, {"ops_fwd": 0, "ops_bwd": 0, "bytes_fwd": 0.0, "bytes_bwd": 0.0,
                                             "time_s": 0.0})
                 row[f"ops_{direction}"] += c.count
-                row[f"bytes_{direction}"] += c.nbytes * c.count
+                row[f"bytes_{direction}"] += c.sent_bytes({"tp": tp, "cp": cp}[c.group])
                 row["time_s"] += c.time_s
     if dp * cp > 1:  # summed over every data-parallel rank of the dense layers, dp x cp
         nbytes = sum(layer_params_on_chip(spec, kind, tp, 1, lay.etp)) * lay.grad_bytes  # the layer's share here
         topo = costs.data_topology(hw, lay, chips_per_node)
-        out["dp"] = {"ops_fwd": 0, "ops_bwd": 1, "bytes_fwd": 0.0, "bytes_bwd": nbytes,
+        out["dp"] = {"ops_fwd": 0, "ops_bwd": 1, "bytes_fwd": 0.0,
+                     "bytes_bwd": ring_sent_bytes("all_reduce", nbytes, dp * cp),
                      "time_s": costs.comm_s(topo, "all_reduce", nbytes)}
     return out

@@ -936,9 +936,12 @@ def ssm_alltoall_ok(m: ModelSpec, tp: int, cp: int) -> bool:
     return m.ssm_groups % (tp * cp) == 0 and m.ssm_heads % (tp * cp) == 0
 
 
-def layout_tp_ok(m: ModelSpec, tp: int) -> bool:
-    if m.has_ssm and not ssm_tp_ok(m, tp):
-        return False
+def transformer_tp_ok(m: ModelSpec, tp: int) -> bool:
+    """TP splits attention by heads (KV heads split or repeated) and the MLP by its width."""
     kv_ok = not m.kv_heads or m.kv_heads % tp == 0 or tp % m.kv_heads == 0
     ffns = [m.ffn] + ([m.dense_ffn_] if m.dense_layers else [])
     return m.heads % tp == 0 and m.hidden % tp == 0 and all(f % tp == 0 for f in ffns) and kv_ok
+
+
+def layout_tp_ok(m: ModelSpec, tp: int) -> bool:
+    return (not m.has_ssm or ssm_tp_ok(m, tp)) and transformer_tp_ok(m, tp)

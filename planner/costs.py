@@ -70,7 +70,7 @@ import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from core.mesh import cp_chain_hops
+from core.mesh import cp_chain_hops, cp_chain_sends
 from hardware import kernels
 from hardware.chips import Chip, get_chip
 from hardware.collectives import Hierarchy, Topology, deduplicated_all_to_all_s, group_topology, ring_sent_bytes
@@ -332,10 +332,12 @@ class CommOp:
     exposed_s: float
     count: int = 1  # ops of `nbytes` in time_s run one after another (ring steps, chain hops)
     gemm: str = ""  # the GEMM whose input it gathers or whose partial sums it reduces (TP collectives)
+    sends: int | None = None  # ops of `nbytes` the busiest rank sends, where not `count`: a chain's hops run
+    # on different ranks (core.mesh.cp_chain_sends), each rank's conv halo beside the others'
 
     def sent_bytes(self, n: int) -> float:
-        """Bytes one of the group's n ranks sends for this op (all its `count` ops)."""
-        return self.count * ring_sent_bytes(self.kind, self.nbytes, n)
+        """Bytes the busiest of the group's n ranks sends for this op (all its ops)."""
+        return (self.count if self.sends is None else self.sends) * ring_sent_bytes(self.kind, self.nbytes, n)
 
     @property
     def hidden_s(self) -> float:
@@ -1298,13 +1300,15 @@ def _mamba_layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chips_p
         else:
             hop_bytes, halo_bytes = ssm_state_bytes(m, lay), ssm_halo_bytes(m, lay)
             # beside attention the slices are zig-zagged: the chain goes out to the last rank and back
-            hops = cp_chain_hops(cp, zigzag=m.attention_layers > 0)
+            zigzag = m.attention_layers > 0
+            hops, sends = cp_chain_hops(cp, zigzag), cp_chain_sends(cp, zigzag)
             chain = hops * comm_s(topo, "p2p", hop_bytes)
-            halo = comm_s(topo, "p2p", halo_bytes)
-            fwd_comms += [CommOp("cp", "cp conv halo", "p2p", halo_bytes, halo, halo),
-                          CommOp("cp", "cp ssm state chain", "p2p", hop_bytes, chain, chain, hops)]
-            bwd_comms += [CommOp("cp", "cp ssm state-gradient chain", "p2p", hop_bytes, chain, chain, hops),
-                          CommOp("cp", "cp conv halo (grad)", "p2p", halo_bytes, halo, halo)]
+            halo = comm_s(topo, "p2p", halo_bytes)  # a rank's halos go to different peers, side by side
+            fwd_comms += [CommOp("cp", "cp conv halo", "p2p", halo_bytes, halo, halo, sends=sends),
+                          CommOp("cp", "cp ssm state chain", "p2p", hop_bytes, chain, chain, hops, sends=sends)]
+            bwd_comms += [CommOp("cp", "cp ssm state-gradient chain", "p2p", hop_bytes, chain, chain, hops,
+                                 sends=sends),
+                          CommOp("cp", "cp conv halo (grad)", "p2p", halo_bytes, halo, halo, sends=sends)]
     fwd_s, bwd_s, gathered = _with_zero3_and_slowdown(lay, chip, chips_per_node,
                                                       layer_params_on_chip(m, MAMBA, t, 1, lay.etp), fwd_s, bwd_s,
                                                       fwd_comms, bwd_comms)

@@ -11,8 +11,8 @@ from core.timeline import Timeline, union_seconds
 from planner.api import flops_per_token_by_seq, layer_comm_bytes
 from planner.flops import total_params
 from planner.models import ATTENTION, MAMBA, MODEL_PRESETS, SSM_PRESETS, ModelSpec, SpecError
-from ui.charts import PALETTE
-from ui.tables import format_bytes, format_seconds
+from ui.charts import PALETTE, log_axis
+from ui.tables import count, format_bytes, format_seconds
 
 # The three ways the lesson splits a sequence over cp ranks, as `python -m engine run` arguments.
 LIVE_VARIANTS: dict[str, list[str]] = {
@@ -140,8 +140,10 @@ def flops_figure(specs: list[ModelSpec], seq_lens: list[int]) -> go.Figure:
     """Forward FLOPs per token against the sequence length: the weights' part is flat, attention's scores
     grow with S, the SSD scan's does not."""
     fig = go.Figure()
+    values: list[float] = []
     for i, spec in enumerate(specs):
         rows = flops_per_token_by_seq(spec, seq_lens)
+        values += [v / 1e9 for r in rows for v in (r["total"], r["attention"] + r["ssm"]) if v > 0]
         color = PALETTE[i % len(PALETTE)]
         fig.add_trace(go.Scatter(x=seq_lens, y=[r["total"] / 1e9 for r in rows], mode="lines+markers",
                                  name=f"{spec.name}: total", line={"color": color, "width": 3},
@@ -154,7 +156,7 @@ def flops_figure(specs: list[ModelSpec], seq_lens: list[int]) -> go.Figure:
                                                "<extra>" + spec.name + "</extra>"))
     fig.update_layout(xaxis={"type": "log", "title": "sequence length S (tokens)", "tickvals": seq_lens,
                              "ticktext": [seq_label(s) for s in seq_lens]},
-                      yaxis={"type": "log", "title": "forward GFLOP per token", "dtick": 1}, height=420,
+                      yaxis=log_axis(values, title="forward GFLOP per token"), height=420,
                       legend={"orientation": "h", "y": -0.25}, margin={"t": 30})
     return fig
 
@@ -204,23 +206,28 @@ STRATEGY_NAMES = {"tp": "TP", "cp_ring": "CP: ring attention", "cp_state": "CP: 
 
 
 def comm_rows(specs: list[ModelSpec], tp: int, cp: int, dp: int, chip: str, micro_batch: int = 1) -> list[dict]:
-    """Per model and strategy: what one layer moves on one chip per micro-batch (the planner's own
-    communication records), or why the strategy cannot split that layer."""
+    """Per model, layer kind (a hybrid's Mamba-2 and attention layers apart) and strategy: what one layer
+    sends from its busiest chip per micro-batch (the planner's own communication records), or why tensor
+    parallel cannot split that layer (the layer's other strategies then shown at tp = 1)."""
     rows = []
     for spec in specs:
-        kind = MAMBA if spec.has_ssm else spec.layer_kinds[0]
-        try:
-            moved = layer_comm_bytes(spec, kind, tp=tp, cp=cp, dp=dp, micro_batch=micro_batch, chip=chip)
-        except SpecError:
-            rows.append({"model": spec.name, "layer": _kind_label(kind), "strategy": f"TP = {tp}",
-                         "operations fwd + bwd": f"impossible: {spec.ssm_groups} group", "bytes fwd + bwd": "-",
-                         "time": "-"})
-            moved = layer_comm_bytes(spec, kind, tp=1, cp=cp, dp=dp, micro_batch=micro_batch, chip=chip)
-        for name, r in moved.items():
-            rows.append({"model": spec.name, "layer": _kind_label(kind), "strategy": STRATEGY_NAMES.get(name, name),
-                         "operations fwd + bwd": f"{r['ops_fwd']} + {r['ops_bwd']}",
-                         "bytes fwd + bwd": f"{format_bytes(r['bytes_fwd'])} + {format_bytes(r['bytes_bwd'])}",
-                         "time": format_seconds(r["time_s"])})
+        kinds = [MAMBA, ATTENTION] if spec.has_ssm and ATTENTION in spec.layer_kinds else (
+            [MAMBA] if spec.has_ssm else [spec.layer_kinds[0]])
+        for kind in kinds:
+            layer = _kind_label(kind)
+            try:
+                moved = layer_comm_bytes(spec, kind, tp=tp, cp=cp, dp=dp, micro_batch=micro_batch, chip=chip)
+            except SpecError:
+                why = count(spec.ssm_groups, "SSM group") if kind == MAMBA else f"{spec.heads} heads"
+                rows.append({"model": spec.name, "layer": layer, "strategy": f"TP = {tp}",
+                             "operations fwd + bwd": f"impossible: {why}", "bytes fwd + bwd": "-", "time": "-"})
+                moved = layer_comm_bytes(spec, kind, tp=1, cp=cp, dp=dp, micro_batch=micro_batch, chip=chip)
+                layer += " at tp = 1"
+            for name, r in moved.items():
+                rows.append({"model": spec.name, "layer": layer, "strategy": STRATEGY_NAMES.get(name, name),
+                             "operations fwd + bwd": f"{r['ops_fwd']} + {r['ops_bwd']}",
+                             "bytes fwd + bwd": f"{format_bytes(r['bytes_fwd'])} + {format_bytes(r['bytes_bwd'])}",
+                             "time": format_seconds(r["time_s"])})
     return rows
 
 
@@ -254,7 +261,7 @@ def best_rows(results: list[dict], specs: list[ModelSpec], chips: int) -> list[d
             "step": format_seconds(best["step_time_s"]),
             "tokens/s per chip": f"{res['tokens_per_s'] / chips:,.0f}",
             "MFU (causal)": f"{best['mfu_causal']:.0%}",
-            "memory per chip": format_bytes(best["memory_bytes_per_chip"]),
+            "memory per chip": f"{best['memory_bytes_per_chip'] / 1e9:.1f} GB",  # the planner's (decimal) GB
             "exposed comm": f"{comm / best['step_time_s']:.1%}",
         })
     return rows
@@ -286,7 +293,10 @@ def why_they_differ(results: list[dict], specs: list[ModelSpec], seq_len: int) -
                        "price of a K/V ring; Mamba-2's state passing sends one small state per layer, but the "
                        "hops are a chain that no compute hides.")
         for name, (res, _) in by_name.items():
+            # the explanation's recomputation line (its peak memory with it), not the MFU line that mentions
+            # recomputation: that MFU counts attention's full square, the table's the causal half
             for line in res["ranked"][0]["explanation"]:
-                if "recomput" in line.lower() and res["ranked"][0]["layout"]["recompute"] != "none":
+                if ("recomput" in line.lower() and not line.startswith("MFU")
+                        and res["ranked"][0]["layout"]["recompute"] != "none"):
                     out.append(f"{name}: {line}")
     return out

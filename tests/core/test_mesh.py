@@ -46,10 +46,14 @@ def test_labels_and_bad_names():
 
 
 def test_cp_slices_in_order_and_zig_zagged():
-    from core.mesh import cp_chain_hops, cp_slice_owners
+    from core.mesh import cp_chain_hops, cp_chain_sends, cp_slice_owners
 
     assert cp_slice_owners(3, zigzag=False) == [0, 1, 2]
     assert cp_slice_owners(3, zigzag=True) == [0, 1, 2, 2, 1, 0]  # rank r: slices r and 2 cp - 1 - r
     # a state passed along the sequence: cp - 1 hops in order; zig-zagged, out to the last rank and back
     assert [cp_chain_hops(n, False) for n in (1, 2, 4)] == [0, 1, 3]
     assert [cp_chain_hops(n, True) for n in (1, 2, 4)] == [0, 2, 6]
+    # but one rank sends at most one of them in order, two zig-zagged (cp = 4: ranks send 1, 2, 2, 1, as the
+    # engine's state passing does, engine/ssm_cp.py)
+    assert [cp_chain_sends(n, False) for n in (1, 2, 4, 8)] == [0, 1, 1, 1]
+    assert [cp_chain_sends(n, True) for n in (1, 2, 4, 8)] == [0, 1, 2, 2]

@@ -44,8 +44,9 @@ def test_attention_grows_with_the_sequence_and_the_scan_does_not():
 def test_the_traffic_table_says_why_mamba2_27b_cannot_use_tp():
     rows = comm_rows(lesson_models(8192), tp=2, cp=4, dp=8, chip="h100")
     mamba = [r for r in rows if r["model"] == MAMBA2]
-    assert mamba[0]["operations fwd + bwd"] == "impossible: 1 group"
-    hybrid = {r["strategy"]: r for r in rows if r["model"] == HYBRID}
+    assert mamba[0]["operations fwd + bwd"] == "impossible: 1 SSM group"
+    assert {r["layer"] for r in mamba[1:]} == {"Mamba-2 at tp = 1"}  # its other rows say which tp they show
+    hybrid = {r["strategy"]: r for r in rows if r["model"] == HYBRID and r["layer"] == "Mamba-2"}
     # one all-reduce each way for a Mamba-2 layer under tp (Dao & Gu 2024 sec. 8); the hybrid's zig-zag
     # chain is 2 (cp - 1) = 6 hops plus the conv halo, each way
     assert hybrid["TP"]["operations fwd + bwd"] == "1 + 1"
@@ -53,6 +54,46 @@ def test_the_traffic_table_says_why_mamba2_27b_cannot_use_tp():
     assert hybrid["CP: all-to-all"]["operations fwd + bwd"] == "2 + 2"
     transformer = {r["strategy"]: r for r in rows if r["model"] == TRANSFORMER}
     assert transformer["TP"]["operations fwd + bwd"] == "2 + 2"
+    # the hybrid's attention layers have rows of their own: attention only (one TP all-reduce, not the
+    # Transformer's two), 8 KV heads (a quarter of GPT-3's ring bytes)
+    attention = {r["strategy"]: r for r in rows if r["model"] == HYBRID and r["layer"] == "attention"}
+    assert attention["TP"]["operations fwd + bwd"] == "1 + 1"
+    assert attention["CP: ring attention"]["bytes fwd + bwd"] == "7.5 MiB + 15 MiB"
+    assert transformer["CP: ring attention"]["bytes fwd + bwd"] == "30 MiB + 60 MiB"
+
+
+def test_one_chip_of_a_state_chain_sends_one_state_whatever_cp():
+    # the chain's hops run on different chips: the busiest chip sends one state (80 heads x 64 x 128 fp32 =
+    # 2.5 MiB) and one conv halo (3 x 5,376 x 2 B), at cp = 4 as at 128 (the table had summed the chain's hops:
+    # 318 MiB at cp = 128, as much as GPT-3's ring)
+    for cp in (4, 128):
+        rows = comm_rows(lesson_models(32768), tp=1, cp=cp, dp=1, chip="h100")
+        state = next(r for r in rows if r["model"] == MAMBA2 and r["strategy"] == "CP: state passing")
+        assert state["bytes fwd + bwd"] == "2.53 MiB + 2.53 MiB"
+        assert state["operations fwd + bwd"] == f"{cp} + {cp}"  # cp - 1 hops one after the other, and the halo
+
+
+def test_a_tp_that_does_not_divide_the_heads_is_impossible_and_one_chip_moves_nothing():
+    rows = comm_rows(lesson_models(32768), tp=3, cp=1, dp=1, chip="h100")
+    assert {(r["model"], r["operations fwd + bwd"]) for r in rows} == {
+        (TRANSFORMER, "impossible: 32 heads"), (MAMBA2, "impossible: 1 SSM group"),
+        (HYBRID, "impossible: 8 SSM groups"), (HYBRID, "impossible: 32 heads")}
+    assert comm_rows(lesson_models(32768), tp=1, cp=1, dp=1, chip="h100") == []
+
+
+def test_the_search_bullets_leave_out_the_full_square_mfu():
+    from ui.mamba import why_they_differ
+
+    def result(tp: int, lines: list[str]) -> dict:
+        return {"tokens_per_s": 1e5, "ranked": [{"layout": {"tp": tp, "cp": 1, "recompute": "selective"},
+                                                 "explanation": lines}]}
+
+    specs = lesson_models(32768)
+    lines = ["Selective recomputation (attention core only); peak memory 70.1 GB of the 79.0 GB a chip can use",
+             "MFU 58.4%, 570 model TFLOP/s per chip (600 executed, recomputation included)."]
+    out = why_they_differ([result(2, lines), result(1, lines), result(2, lines)], specs, 32768)
+    assert any(line.startswith(f"{TRANSFORMER}: Selective recomputation") for line in out)
+    assert not any("MFU" in line for line in out)
 
 
 def test_the_causal_mfu_stays_below_one_at_long_context():
