@@ -14,6 +14,7 @@ a measured pipeline timeline gets in the calling process (engine/run.py) so that
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 
@@ -204,31 +205,52 @@ class Timeline:
                 "otherData": {"source": self.source, **{k: str(v) for k, v in self.meta.items()}}}
 
     def write_chrome_trace(self, path: str) -> None:
-        """Write atomically, so a crash never leaves a half-written trace file; the file gets the permissions
-        of any new file here (the umask), not the private ones of the temporary file it is written as. A link is
-        written through, to the file it names; a device or a pipe (/dev/null, /dev/stdout, a FIFO) is written
-        into, never replaced."""
-        import os
-        import stat
-        import tempfile
+        """Write atomically (`write_json`)."""
+        write_json(path, self.to_chrome_trace())
 
-        target = os.path.realpath(path)
-        if os.path.exists(target) and not stat.S_ISREG(os.stat(target).st_mode):
-            with open(target, "w") as f:
-                json.dump(self.to_chrome_trace(), f)
-            return
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.to_chrome_trace(), f)
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)
-            os.replace(tmp, target)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+
+def strict_json(obj, indent: int | None = None) -> str:
+    """JSON that strict parsers read: a non-finite float (a diverged run's loss) becomes null, where Python's
+    json writes NaN or Infinity, which are not JSON."""
+    def finite(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: finite(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [finite(v) for v in x]
+        return x
+
+    return json.dumps(finite(obj), indent=indent, allow_nan=False)
+
+
+def write_json(path: str, obj, indent: int | None = None) -> None:
+    """Write `obj` as strict JSON (no NaN or Infinity tokens), atomically, so a crash never leaves a half-written
+    file; the file gets the permissions of any new file here (the umask), not the private ones of the temporary
+    file it is written as. A link is written through, to the file it names; a device or a pipe (/dev/null,
+    /dev/stdout, a FIFO) is written into, never replaced."""
+    import os
+    import stat
+    import tempfile
+
+    text = strict_json(obj, indent=indent)
+    target = os.path.realpath(path)
+    if os.path.exists(target) and not stat.S_ISREG(os.stat(target).st_mode):
+        with open(target, "w") as f:
+            f.write(text)
+        return
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 def unwritable_reason(path: str) -> str | None:

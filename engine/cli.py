@@ -16,7 +16,6 @@ machine's calibration, or {"ok": false, "error": ...} for a run that was refused
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import signal
 import sys
@@ -24,7 +23,7 @@ from dataclasses import replace
 
 from core.schedules import SCHEDULE_NAMES
 from core.stdout import EXIT_BAD_INPUT, write_result
-from core.timeline import unwritable_reason
+from core.timeline import strict_json, unwritable_reason
 from engine.config import (
     ARCHS,
     DTYPES,
@@ -123,7 +122,7 @@ def run_parser(prog: str) -> argparse.ArgumentParser:
 def config_from_args(args, world: int | None = None) -> RunConfig:
     """Build and validate; raises ConfigError with a message that says what to change."""
     world = args.world if world is None else world
-    mesh = parse_mesh(args.mesh) if args.mesh else ()
+    mesh = parse_mesh(args.mesh) if args.mesh is not None else ()  # an empty --mesh is refused, not ignored
     strategy = args.strategy or strategy_for(mesh)
     parallel = ParallelConfig(strategy=strategy, zero_stage=args.zero_stage, dp_comm=args.dp_comm,
                               mesh=mesh, prefetch=not args.no_prefetch,
@@ -182,9 +181,16 @@ def argv_for(cfg: RunConfig) -> list[str]:
     ]
     for flag, value, default in pairs:
         if value != default and value is not None:
-            argv += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+            argv += [flag, _number(value) if isinstance(value, float) else str(value)]
     argv += ["--sequence-parallel"] * p.sequence_parallel + ["--no-prefetch"] * (not p.prefetch)
     return argv
+
+
+def _number(value: float) -> str:
+    """A float as short as it reads ("1.25", "120") and exact: `:g` keeps six digits, and 1234567 s had come
+    back as 1.23457e+06."""
+    short = f"{value:g}"
+    return short if float(short) == value else repr(value)
 
 
 COMMAND = ".venv/bin/python -m engine run"  # from the repository, with the Python ./run.sh installed torch into
@@ -264,7 +270,7 @@ def _on_terminate(signum, frame):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("-h", "--help"):
-        print(USAGE)
+        write_result(USAGE)
         return EXIT_OK
     if not argv or argv[0] != "run":
         unknown = f"unknown command '{argv[0]}': the engine's one command is run\n" if argv else ""
@@ -297,7 +303,7 @@ def _fail(args, message: str, code: int, **extra) -> int:
     """Say why on stderr (and, with --json, as the one JSON object on stdout); return the exit code."""
     print(f"error: {message}", file=sys.stderr)
     if args.json:
-        write_result(json.dumps({"ok": False, "error": message, **extra}))
+        write_result(strict_json({"ok": False, "error": message, **extra}))
     return code
 
 
@@ -332,7 +338,7 @@ def _run(args) -> int:
             print(f"error: {trace_error}", file=sys.stderr)
     reply = summary.to_dict() | ({"trace_error": trace_error} if trace_error else {})
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the run is over: its result is the one answer, TERM or not
-    write_result(json.dumps(reply) if args.json else _human(summary))
+    write_result(strict_json(reply) if args.json else _human(summary))
     if args.trace and not trace_error and not args.json:
         print(f"trace: {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)")
     if trace_error:

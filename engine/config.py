@@ -7,6 +7,7 @@ before they start any worker).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from core.mesh import AXES, Mesh
@@ -37,6 +38,7 @@ MAX_MODEL = {"layers": 4096, "hidden": 65536, "heads": 4096, "kv_heads": 4096, "
              "ssm_groups": 4096, "conv_width": 1024, "ssm_chunk": 1048576}
 NO_FLAG = ("ssm_expand", "conv_width")  # model fields `python -m engine run` has no flag for
 MAX_MICRO_BATCHES = 4096  # micro-batches per step, and sequences per micro-batch
+MAX_STEPS = 1_000_000  # a million optimizer steps of a small model is days here; the seed range needs a bound
 MAX_CAPACITY_FACTOR = 1000.0  # any factor from experts / top_k up already keeps every token an expert is sent
 
 
@@ -287,7 +289,10 @@ def _validate_mamba(m: ModelConfig) -> None:
     shown = m.pattern if len(m.pattern) <= 40 else m.pattern[:40] + "…"  # a typo of thousands of letters
     _check(not m.pattern or m.arch == "hybrid", f"a layer pattern ({shown!r}) needs arch='hybrid'")
     if m.pattern:
-        _check(len(m.pattern) == m.layers and set(m.pattern) <= {ATTENTION, MAMBA},
+        others = sorted(set(m.pattern) - {ATTENTION, MAMBA})
+        _check(not others, f"pattern={shown!r} has {', '.join(map(repr, others[:5]))}: each layer is "
+               f"{ATTENTION} for attention or {MAMBA} for Mamba-2 (capitals), e.g. {('MA' * m.layers)[:m.layers]}")
+        _check(len(m.pattern) == m.layers,
                f"pattern={shown!r} must have one letter per layer (layers={m.layers}; it has {len(m.pattern):,}), "
                f"{ATTENTION} for attention or {MAMBA} for Mamba-2, e.g. {('MA' * m.layers)[:m.layers]}")
     if MAMBA not in m.kinds:
@@ -310,7 +315,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     validate_model(cfg.model)
     p = cfg.parallel
     _check(1 <= cfg.world <= MAX_WORLD, f"world={cfg.world} must be between 1 and {MAX_WORLD}")
-    _check(cfg.steps >= 1, f"steps={cfg.steps} must be at least 1")
+    _check(1 <= cfg.steps <= MAX_STEPS, f"steps={cfg.steps:,} must be between 1 and {MAX_STEPS:,} (--steps)")
     _check(1 <= cfg.micro_batches <= MAX_MICRO_BATCHES,
            f"micro_batches={cfg.micro_batches:,} must be between 1 and {MAX_MICRO_BATCHES:,}: "
            "use fewer --micro-batches")
@@ -318,13 +323,15 @@ def validate(cfg: RunConfig) -> RunConfig:
            f"between 1 and {MAX_MICRO_BATCHES:,}: use a smaller --micro-batch-size")
     _check(cfg.device in DEVICES, f"device={cfg.device!r} must be one of {', '.join(DEVICES)}")
     _check(cfg.dtype in DTYPES, f"dtype={cfg.dtype!r} is not supported; use {', '.join(DTYPES)}")
-    _check(cfg.lr > 0, f"lr={cfg.lr} must be positive")
+    _check(math.isfinite(cfg.lr) and cfg.lr > 0, f"lr={cfg.lr} must be a positive finite number")
     largest = (2**64 - cfg.steps) // SEED_STRIDE  # data_seed(seed, steps - 1) < 2**64
     _check(0 <= cfg.seed <= largest, f"seed={cfg.seed} must be between 0 and {largest:,} (each step's batch is "
            f"seeded with seed x {SEED_STRIDE:,} + step, at most 2**64 - 1)")
-    _check(cfg.timeout_s > 0, f"timeout_s={cfg.timeout_s} must be a positive number of seconds (--timeout-s)")
-    _check(cfg.collective_timeout_s > 0,
-           f"collective_timeout_s={cfg.collective_timeout_s} must be a positive number of seconds")
+    # finite: a run without a limit could hang the app, and JSON has no Infinity
+    _check(math.isfinite(cfg.timeout_s) and cfg.timeout_s > 0,
+           f"timeout_s={cfg.timeout_s} must be a positive, finite number of seconds (--timeout-s)")
+    _check(math.isfinite(cfg.collective_timeout_s) and cfg.collective_timeout_s > 0,
+           f"collective_timeout_s={cfg.collective_timeout_s} must be a positive, finite number of seconds")
     _check(p.strategy in STRATEGIES, f"strategy={p.strategy!r} is not available; use one of "
            f"{', '.join(STRATEGIES)}")
     _check(p.stage in (0, 1, 2, 3), f"zero_stage={p.stage} must be 0, 1, 2 or 3")
@@ -464,15 +471,35 @@ def machine_memory_bytes() -> int | None:
 FP32_WEIGHT_BYTES, FP32_GRAD_BYTES, ADAM_STATE_BYTES = 4, 4, 8
 
 
+def least_activation_bytes(cfg: RunConfig) -> float:
+    """The fewest fp32 activation bytes autograd keeps for the backward, over all processes: one micro-batch
+    per data-parallel replica (tp, cp and pp split it, ep's ranks each read their own), each layer keeping at
+    least the inputs its backward cannot do without. An attention + MLP layer: the two norms' inputs, the
+    attention projection's input, q, k and v, the output projection's input, the MLP's input and (dense) two
+    of its F-wide inputs (a SwiGLU MLP keeps three); a Mamba-2 or MoE block less surely, two of D. The engine
+    keeps 2 to 30 times this (measured, summed over two ranks at 64 x 256 tokens a micro-batch: the default dp
+    run 380 MB against 185 MB here, D = 256 and F = 1,024 with 2 KV heads at 16 x 256 tokens 488 MB against
+    243 MB, Mamba-2 943 MB against 34 MB), so the floor refuses no run that fits; without it, a run of about
+    46 GiB had passed as 4 GiB."""
+    m, p = cfg.model, cfg.parallel
+    replicas = cfg.world // (p.degree("tp", cfg.world) * p.degree("cp", cfg.world) * p.degree("pp", cfg.world))
+    kv = 2 * m.kv_heads * (m.hidden // m.heads)
+    attention = 5 * m.hidden + kv + (2 * m.hidden if m.mlp == "moe" else m.hidden + 2 * m.ffn)
+    per_token = sum(attention if kind == ATTENTION else 2 * m.hidden for kind in m.kinds)
+    value_bytes = 2 if cfg.dtype == "bfloat16" else 4
+    return value_bytes * replicas * cfg.micro_batch_size * m.seq_len * per_token
+
+
 def least_memory_bytes(cfg: RunConfig, check: bool = False) -> float:
     """Bytes a CPU run needs at the least, over all its processes: every parameter's weight and Adam moments
     once, however the ranks shard them, with either its gradient or, where a strategy frees the gradients for
     the step (fsdp, the naive dp sync), one micro-batch's fp32 logits and their gradient on a rank of the loss
-    (split over tp); each process's copy of the step's token ids (`batch_bytes`); --check's single-process
-    reference holds one more whole model and batch beside them."""
+    (split over tp); the layers' activations (`least_activation_bytes`); each process's copy of the step's
+    token ids (`batch_bytes`); --check's single-process reference holds one more whole model and batch beside
+    them."""
     m = cfg.model
     logits = cfg.micro_batch_size * m.seq_len * m.vocab / cfg.parallel.degree("tp", cfg.world)
-    state = (FP32_WEIGHT_BYTES + ADAM_STATE_BYTES) * m.params
+    state = (FP32_WEIGHT_BYTES + ADAM_STATE_BYTES) * m.params + least_activation_bytes(cfg)
     run = state + max(FP32_GRAD_BYTES * m.params, 2 * 4 * logits)
     whole = (FP32_WEIGHT_BYTES + FP32_GRAD_BYTES + ADAM_STATE_BYTES) * m.params
     return run + (whole if check else 0) + batch_bytes(cfg) * (cfg.world + check)
@@ -495,7 +522,8 @@ def check_fits_machine(cfg: RunConfig, check: bool = False) -> None:
     _check(cfg.device != "cpu" or total is None or need <= total,
            f"this run needs at least {need / 2**30:,.1f} GiB ({cfg.model.params:,} parameters' fp32 weights and Adam "
            f"moments, and their gradients or the logits of {cfg.micro_batch_size} x {cfg.model.seq_len} tokens over "
-           f"{cfg.model.vocab:,} words, and each process's {cfg.global_batch:,} sequences of token ids{reference}), "
+           f"{cfg.model.vocab:,} words, the layers' activations, and each process's {cfg.global_batch:,} sequences "
+           f"of token ids{reference}), "
            f"and this machine has {total / 2**30 if total else 0:,.1f} GiB: make the model smaller (--vocab, --hidden, "
            "--layers, --ffn, --experts) or the batch (--micro-batches, --micro-batch-size, --seq-len)")
 

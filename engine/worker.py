@@ -161,8 +161,7 @@ def pool_main() -> None:
 
 def torchrun_main(argv: list[str]) -> int:
     """One run under torchrun; rank 0 writes the same JSON object `python -m engine run --json` prints."""
-    import json
-
+    from core.timeline import unwritable_reason, write_json
     from engine import cli
     from engine.config import ConfigError
 
@@ -174,6 +173,8 @@ def torchrun_main(argv: list[str]) -> int:
         args = parser.parse_args(argv)
         cfg = cli.config_from_args(args, world=world)
         cli.check_trace_path(args.trace)  # (not the memory check: torchrun's ranks may be on other machines)
+        if reason := unwritable_reason(args.out):
+            raise ConfigError(f"--out {reason}")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -190,8 +191,15 @@ def torchrun_main(argv: list[str]) -> int:
     if rank != 0:
         return 0
     summary, timeline = assemble(cfg, everything)
-    with open(args.out, "w") as f:  # the result first: a trace that cannot be written loses nothing else
-        json.dump(summary.to_dict(), f, indent=1)
+    # the same object as `python -m engine run --json`, whose prediction is of this machine's calibration
+    summary.predicted = {"step_time_s": None, "breakdown_s": {},
+                         "why": "under torchrun the ranks may run on other machines than the one calibrated; "
+                                "python -m engine run --json predicts a run on this machine"}
+    try:  # the result first: a trace that cannot be written loses nothing else
+        write_json(args.out, summary.to_dict(), indent=1)
+    except OSError as e:  # checked before the run; the disk may still fill or the folder go
+        print(f"error: cannot write the result {args.out}: {e.strerror}", file=sys.stderr)
+        return 2
     if args.trace:
         try:
             timeline.write_chrome_trace(args.trace)

@@ -3,8 +3,9 @@
 Prints one JSON object on stdout. An estimate carries `assumptions`: each recipe field the case left null, the
 value the planner took and what the same layout's step takes with each other value (planner.api.assumptions),
 and `step_time_band_s`, the fastest and slowest of those steps. Bad input (malformed JSON, a missing or unknown
-field, an unknown chip, sizes that do not divide, nothing that fits) exits with status 2 and a message on stderr
-that names the field.
+field, an unknown chip, sizes that do not divide, a search that finds nothing that fits) exits with status 2 and a
+message on stderr that names the field; an estimate of a layout that does not fit is an answer (`"fits": false`,
+status 0).
 """
 
 from __future__ import annotations

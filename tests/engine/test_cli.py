@@ -55,8 +55,14 @@ def test_bad_input_exits_2_with_a_message(args, says):
     (["--micro-batches", "1000000000"], "use fewer --micro-batches"),
     (["--strategy", "ep", "--capacity-factor", "1e20"], "up to 1,000 (from experts / top_k = 2 up"),
     (["--capacity-factor", "nan"], "this model has no experts: drop --capacity-factor"),
-    (["--timeout-s", "nan"], "timeout_s=nan must be a positive number of seconds (--timeout-s)"),
+    (["--timeout-s", "nan"], "timeout_s=nan must be a positive, finite number of seconds (--timeout-s)"),
+    # inf had run without a limit and printed "timeout_s": Infinity, which is not JSON
+    (["--timeout-s", "inf"], "timeout_s=inf must be a positive, finite number of seconds (--timeout-s)"),
+    # 10^23 steps had blamed the seed: "seed=0 must be between 0 and -99,981,253,312,166,354"
+    (["--steps", "1" + "0" * 23], "must be between 1 and 1,000,000 (--steps)"),
+    (["--arch", "hybrid", "--layers", "3", "--pattern", "MAX"], "pattern='MAX' has 'X'"),
     (["--arch", "hybrid", "--layers", "3", "--pattern", "MAX"], "e.g. MAM"),
+    (["--mesh", ""], "--mesh '' names no axis"),  # had been taken for no --mesh at all
     (["--trace", "/no/such/folder/"], "it ends in '/', so it names a folder"),
 ])
 def test_refused_before_any_worker_starts_with_json_too(args, says, capsys, monkeypatch):
@@ -75,18 +81,25 @@ def test_refused_before_any_worker_starts_with_json_too(args, says, capsys, monk
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("flags", ["--strategy fsdp", "--strategy tp", "--strategy dp --dp-comm naive"])
+@pytest.mark.parametrize("flags", ["--strategy fsdp", "--strategy tp", "--strategy dp --dp-comm naive",
+                                   # activations large beside the weights: their floor must stay a floor
+                                   "--micro-batch-size 32 --seq-len 128 --vocab 256",
+                                   "--hidden 256 --ffn 1024 --heads 8 --kv-heads 2 --micro-batch-size 16",
+                                   "--strategy ep --micro-batch-size 32 --seq-len 128 --vocab 256",
+                                   "--strategy cp --micro-batch-size 16 --seq-len 128 --vocab 256",
+                                   "--arch mamba2 --strategy cp --micro-batch-size 16 --seq-len 128 --vocab 256",
+                                   "--mesh pp=2 --micro-batches 2 --micro-batch-size 16 --seq-len 128 --vocab 256"])
 def test_the_memory_a_run_is_refused_by_is_at_most_what_it_holds(flags):
     """engine.config.least_memory_bytes is a floor: the engine's own count of what its ranks hold (weights,
     gradients, Adam state, gathered weights, the activations' peak, logits among them) never comes under it,
-    with a vocabulary large enough that the logits count."""
+    with a vocabulary large enough that the logits count, or a batch large enough that the activations do."""
     from engine import launch
     from engine.cli import config_from_args, run_parser
     from engine.config import least_memory_bytes
     from engine.run import run
 
-    cfg = config_from_args(run_parser("x").parse_args(flags.split() + ["--world", "2", "--steps", "2",
-                                                                      "--vocab", "4096"]))
+    extra = [] if "--vocab" in flags else ["--vocab", "4096"]
+    cfg = config_from_args(run_parser("x").parse_args(flags.split() + ["--world", "2", "--steps", "2", *extra]))
     summary, _ = run(cfg, traced=False)
     launch.shutdown_all()
     assert least_memory_bytes(cfg) <= sum(rank["total"] for rank in summary.memory_bytes)
@@ -148,6 +161,26 @@ def test_same_worker_entry_under_torchrun_with_two_nodes(tmp_path):
     assert [n.returncode for n in nodes] == [0, 0], logs
     reply = json.loads(result.read_text())
     assert reply["ok"] and reply["check"]["passed"] and reply["world"] == 2
+    # the same keys as --json: a prediction that says why it has no step time (the ranks may be anywhere)
+    assert reply["predicted"]["step_time_s"] is None and "torchrun" in reply["predicted"]["why"]
+
+
+def test_torchrun_refuses_an_out_path_it_cannot_write_before_the_run(tmp_path, monkeypatch, capsys):
+    from engine import worker
+
+    # the run's result had been written after the whole run, into a folder that was not there: a traceback
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    code = worker.torchrun_main(["--steps", "1", "--out", str(tmp_path / "missing" / "result.json")])
+    assert code == 2 and "--out" in capsys.readouterr().err
+
+
+def test_json_has_no_nan_or_infinity_tokens():
+    from core.timeline import strict_json
+
+    # a diverged run's loss is null, as strict JSON readers need
+    assert json.loads(strict_json({"loss": [1.0, float("nan")], "x": float("inf")})) == {"loss": [1.0, None],
+                                                                                         "x": None}
 
 
 @pytest.mark.parametrize("flags", [
@@ -160,6 +193,8 @@ def test_same_worker_entry_under_torchrun_with_two_nodes(tmp_path):
     ["--arch", "mamba2", "--strategy", "cp", "--ssm-cp", "alltoall", "--world", "4", "--ssm-chunk", "4"],
     ["--arch", "hybrid", "--pattern", "MMAM", "--mesh", "pp=2", "--ssm-state", "8", "--ssm-groups", "2"],
     ["--arch", "mamba2", "--strategy", "tp", "--ssm-head-dim", "32", "--ssm-groups", "2", "--layers", "3"],
+    # seven digits: ':g' had written 1.23457e+06 and 1.23457
+    ["--timeout-s", "1234567", "--strategy", "ep", "--capacity-factor", "1.2345678"],
 ])
 def test_argv_for_builds_the_same_config_again(flags):
     from engine.cli import argv_for, command_line, config_from_args, run_parser
