@@ -145,7 +145,7 @@ with right:
     title = f"{group} x {chip.name}, stride {stride} ({kind})"
     st.plotly_chart(cost_figure(topology, sizes, nbytes, title=title), key="cost")
     st.caption(f"Topology: {topology.describe()}. Stars: your array, {array} = {format_bytes(nbytes)}. "
-               "Diamonds: each collective's crossover.")
+               "Diamonds: each collective's crossover; the shading is the all-gather's (each collective has its own).")
 note = all_reduce_note(topology, sizes[0])
 if note:
     st.markdown(note)
@@ -158,6 +158,10 @@ for col, op in zip(m, COLLECTIVES, strict=False):
     col.metric(COLLECTIVE_NAMES[op], format_seconds(times[op]),
                help="double binary trees, not the ring: see below" if op == "all_reduce" and trees else None)
 m[4].metric("Crossover V* (all-gather)", format_bytes(crossover) if crossover else "none")
+if topology.fill_s and crossover:
+    st.caption(f"With the achievable links, the {format_seconds(topology.fill_s)} the pipeline takes to fill, once "
+               "per collective, counts with the latency: (N − 1) α + fill = (N − 1)/N · V*/W, so V* = N (α + "
+               f"fill / (N − 1)) W = {format_bytes(crossover)}, above the ideal links' N α W.")
 bound = "bandwidth" if crossover is not None and nbytes > crossover else "latency"
 st.markdown(
     f"**Worked example.** All-gather of {array} ({format_bytes(nbytes)}) over {group} {chip.name} chips, "
@@ -186,7 +190,7 @@ elif isinstance(topology, Hierarchy):
         f"array over the fast links ({format_seconds(inner_s)}); {how}, over the slower network "
         f"({format_seconds(outer_s)}). "
         "The two levels run as one pipeline, so the slower sets the pace and both latencies add"
-        + (f": a ring through every chip takes the domain's {d - 1} fast steps in each of the "
+        + (f": a ring through every chip takes the domain's {d - 1} fast step{'s' if d > 2 else ''} in each of the "
            f"{group // d} domains it passes, {group - group // d} in all." if topology.flat else ".")
     )
 else:
@@ -200,15 +204,17 @@ st.markdown("**Where the group sits.** The same collective on the same number of
 placements = {1: "consecutive ranks (stride 1)",
               chip.scaleup_domain: f"one chip per domain (stride {chip.scaleup_domain})"}
 placements.setdefault(stride, f"your stride ({stride})")
-rows_out = []
+rows_out, described = [], []
 for s, label in placements.items():
     topo = group_topology(chip, group, s, achievable=achievable)
-    rows_out.append({"Placement": label, "Topology": topo.describe(),
+    rows_out.append({"Placement": label,
                      "All-gather": format_seconds(topo.all_gather_s(nbytes)),
                      "All-reduce": format_seconds(topo.all_reduce_s(nbytes))
                      + (" (trees)" if tree_level(topo) is not None else ""),
                      "All-to-all": format_seconds(topo.all_to_all_s(nbytes))})
+    described.append(f"{label}: {topo.describe()}")
 st.dataframe(rows_out, hide_index=True, width="stretch")
+st.caption("; ".join(described) + ".")  # below the table, in full: a column had cut them off
 
 show_exercises([ring_bytes(COLLECTIVE_NAMES[collective].lower(), ring_n, nbytes),
                 latency_crossover(topology, crossover)])
@@ -217,8 +223,10 @@ st.header("Measure this machine")
 st.markdown(
     "The same four collectives on real processes of the computer running ShardLab: N worker ranks "
     "talk through gloo over the loopback network, every operation runs at several message sizes, and "
-    "a least-squares fit of the ring model gives this machine's α and β. The first run starts the "
-    "workers (a few seconds); later runs reuse them."
+    "a least-squares fit (each point's error relative to its time) gives this machine's α and β: the ring's "
+    "model for all-gather, reduce-scatter and all-reduce, and for all-to-all gloo's pairwise exchange, "
+    "(N − 1) α + (N − 1)/N · b / W, not the ring's (N − 1)/2. The first run starts the workers (a few "
+    "seconds); later runs reuse them."
 )
 left, mid, right = st.columns(3)
 live_world = left.radio("Ranks", LIVE_WORLDS, horizontal=True, key="live_world")
@@ -280,8 +288,10 @@ else:
         "Every live run is shown beside the planner's prediction of it, made from one calibration of this "
         "machine. For communication it times each gloo operation the engine uses, at the engine's message "
         "sizes (1, 128 and 512 KiB), each after a few hundred microseconds of computing as in a training "
-        "step (back to back, gloo's threads stay awake and run 2-3x faster), with every group of the "
-        "world communicating at once. Its α is per operation, not per ring step as in the sweep above:")
+        "step, with every group of the world communicating at once: back to back (as the sweep above runs "
+        "them) gloo's threads can stay awake; in one measurement on this kind of virtual machine, cores kept "
+        "awake made blocking all-reduces 3.4x faster. The rows timed both ways show what it is here. Its α "
+        "is per operation, not per ring step as in the sweep above:")
     st.dataframe(calibration_rows(calibration), hide_index=True, width="stretch", column_config={
         "ranks": st.column_config.Column(width="small"), "group": st.column_config.Column(width="small"),
         "timed": st.column_config.Column(width="large")})  # its longest label in full

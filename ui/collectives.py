@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import plotly.graph_objects as go
 
-from ui.charts import PALETTE
+from ui.charts import PALETTE, log_axis
 from ui.tables import format_seconds
 from ui.timeline import KIND_COLORS
 
@@ -524,7 +524,9 @@ def all_reduce_note(topology, small_bytes: float) -> str | None:
     under = ""
     if topology.all_reduce_s(small_bytes) < topology.all_gather_s(small_bytes):
         under = (" So at small sizes, where latency dominates, its curve lies under the all-gather's"
-                 + (f", whose ring still pays (N − 1)α = {format_seconds((n - 1) * alpha_s)}."
+                 + (f", whose ring still pays (N − 1)α = {format_seconds((n - 1) * alpha_s)} here. (With one "
+                    "GPU per node, NCCL 2.23 and later run all-gather and reduce-scatter as PAT, whose latency "
+                    "also grows as log N; this model keeps the ring for them.)"
                     if level is topology else "."))
     return (f"**All-reduce here is not the ring of the formulas.** Across many nodes NCCL runs it as double "
             f"binary trees {where} when they are faster (Sanders et al. 2009): 2⌈log₂ {n:,}⌉ = {steps} "
@@ -575,11 +577,13 @@ def sweep_figure(result: MachineLink) -> go.Figure:
     from hardware.this_machine import ring_terms
 
     fig = go.Figure()
+    values: list[float] = []
     for op in COLLECTIVES:
         if op not in result.per_op:
             continue
         color = KIND_COLORS[op]
         rows = sorted((m["bytes"], m["seconds"]) for m in result.measurements if m["op"] == op)
+        values += [s * 1e6 for _, s in rows if s > 0]
         fig.add_trace(go.Scatter(
             x=[b for b, _ in rows], y=[s * 1e6 for _, s in rows], mode="markers",
             name=f"{COLLECTIVE_NAMES[op]} measured",
@@ -592,13 +596,16 @@ def sweep_figure(result: MachineLink) -> go.Figure:
         for size in grid:
             alpha_terms, beta_terms = ring_terms(op, result.world, size)
             model.append((alpha_terms * alpha + beta_terms * beta) * 1e6)
+        values += [v for v in model if v > 0]
         fig.add_trace(go.Scatter(
             x=grid, y=model, mode="lines", name=f"{COLLECTIVE_NAMES[op]} fit",
             line={"color": color, "width": 2, "dash": "dot"},
             hovertemplate=f"{COLLECTIVE_NAMES[op]} model<br>%{{x:.3s}}B<br>%{{y:.4g}} µs<extra></extra>",
         ))
     fig.update_xaxes(type="log", dtick=1, exponentformat="SI", title=SIZE_AXIS_TITLE)
-    fig.update_yaxes(type="log", title="time (µs), slowest rank, median of repeats")
+    # every tick written out: Plotly's own had labelled 900 µs "9" and 20,000 "2"
+    fig.update_yaxes(**log_axis(values, title="time (µs), slowest rank, median of repeats") if values else
+                     {"type": "log", "title": "time (µs), slowest rank, median of repeats"})
     fig.update_layout(title=f"This machine, {result.world} local ranks (gloo over loopback)", height=460,
                       margin={"l": 10, "r": 10, "t": 50, "b": 10}, legend={"orientation": "h", "y": -0.2})
     return fig
@@ -642,6 +649,6 @@ def calibration_rows(cal) -> list[dict]:
                      "α (per operation)": format_seconds(fit.alpha_s),
                      # a fit at 0: the time did not grow with the message size, within the timing's noise
                      "β (ns per byte)": f"{fit.beta_s_per_byte * 1e9:.3f}" if fit.beta_s_per_byte > 0 else
-                     "~0 (not seen: size made no difference)",
+                     "~0 (size made no difference)",
                      "CPU busy": "not timed" if pipeline_post else f"{fit.cpu_fraction:.0%}"})
     return rows

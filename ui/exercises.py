@@ -159,7 +159,19 @@ def compute_bound_tokens(chip: Chip, d: int, f: int, dtype: str = "bf16", achiev
 
 
 def ring_bytes(collective_name: str, n: int, nbytes: float) -> Exercise:
-    """Bytes each chip sends in a ring collective of an array of `nbytes` over n chips."""
+    """Bytes each chip sends in a ring collective of an array of `nbytes` over n chips (for an all-to-all,
+    `nbytes` per chip, each chip's piece for the chip d steps on forwarded d times)."""
+    if collective_name == "all-to-all":
+        factor = (n - 1) / 2
+        return Exercise(
+            f"On a ring of N = {n} chips, each chip holds b = {format_bytes(nbytes)}, one piece of b / N for "
+            "every chip. How many bytes does each chip send in a ring all-to-all?",
+            factor * nbytes,
+            ["The piece for the chip d steps on travels d links: each chip sends its own N − 1 pieces and "
+             "forwards the others' that pass through it, Σ d · b / N for d = 1 … N − 1.",
+             f"(N − 1) / 2 · b = {factor:g} · {nbytes:,.0f} = **{format_bytes(factor * nbytes)}**: unlike the "
+             "other three, it grows with N, which is why an all-to-all wants a switch (each piece straight to "
+             "its chip) or a torus."])
     factor = 2 * (n - 1) / n if collective_name == "all-reduce" else (n - 1) / n
     formula = "2 (N − 1) / N · V" if collective_name == "all-reduce" else "(N − 1) / N · V"
     return Exercise(
@@ -176,11 +188,13 @@ def ring_bytes(collective_name: str, n: int, nbytes: float) -> Exercise:
 
 def latency_crossover(topology, crossover: float | None) -> Exercise:
     """`crossover`: ui.collectives.crossover_bytes of the page's all-gather on its topology."""
+    fill = topology.fill_s
     return Exercise(
         f"Over {topology.describe()}, from what array size is an all-gather bandwidth-bound rather than "
         "latency-bound?",
         crossover if crossover is not None else "always bandwidth-bound",
-        ["The alpha-beta model: T(V) = α·steps + V·(N − 1)/N / W. The two terms are equal at the crossover.",
+        ["The alpha-beta model: T(V) = α·steps " + ("+ fill " if fill else "") + "+ V·(N − 1)/N / W. The two "
+         "terms are equal at the crossover" + (": the fill counts with the latency, once." if fill else "."),
          (f"V* = T(0) / slope = **{format_bytes(crossover)}**: below it adding bytes costs almost "
           "nothing, above it time grows with the bytes." if crossover is not None else
           "No latency term on this link: every size is bandwidth-bound.")])

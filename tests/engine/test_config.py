@@ -71,6 +71,17 @@ def test_alpha_beta_fit_recovers_the_model():
         assert fit == pytest.approx((alpha, beta), rel=1e-6)  # exact data: only float rounding
 
 
+def test_one_slow_small_message_does_not_set_the_latency():
+    # the collectives page's sweep at 2 ranks, 1 KiB to 4 MiB every 4x: 300 us per step and 0.5 GB/s, but the
+    # 1 KiB point 12x slow (a woken core); fitted in absolute seconds alpha had come out at 921 us
+    alpha, beta = 300e-6, 1 / 0.5e9
+    ms = [{"op": "all_gather", "world": 2, "bytes": size, "seconds": alpha + size / 2 * beta}
+          for size in (2**10, 2**12, 2**14, 2**16, 2**18, 2**20, 2**22)]
+    ms[0]["seconds"] *= 12
+    fitted_alpha, fitted_beta = fit_alpha_beta(ms, "all_gather")
+    assert fitted_alpha == pytest.approx(alpha, rel=0.1) and fitted_beta == pytest.approx(beta, rel=0.1)  # 309 us
+
+
 def test_alpha_beta_fit_never_negative():
     ms = [{"op": "all_reduce", "world": 4, "bytes": b, "seconds": t} for b, t in ((1e3, 5e-3), (1e6, 1e-3))]
     alpha, beta = fit_alpha_beta(ms, "all_reduce")

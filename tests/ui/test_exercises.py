@@ -98,6 +98,16 @@ def test_ring_bytes_and_the_latency_crossover():
 
     topo = group_topology(H100, 8, 1)
     assert ex.latency_crossover(topo, crossover_bytes(topo.all_gather_s)).answer == crossover_bytes(topo.all_gather_s)
+    # a ring all-to-all forwards the piece for the chip d steps on d times: (N - 1) / 2 of b, growing with N (the
+    # page had answered an all-gather's (N - 1) / N: 28 MiB for 112 on 8 chips)
+    assert ex.ring_bytes("all-to-all", 8, 32 * 2**20).answer == 112 * 2**20
+    # with achievable links the pipeline's fill counts with the latency: the question says it, V* = N (α + fill /
+    # (N - 1)) W (21.5 MiB on 8 H100, where N α W without the fill is 4.2 MiB)
+    real = group_topology(H100, 8, 1, achievable=True)
+    crossover = crossover_bytes(real.all_gather_s)
+    link = real.link
+    assert crossover == pytest.approx(8 * (link.latency_s + real.fill_s / 7) * link.bytes_per_s)
+    assert "43 us fill per collective" in ex.latency_crossover(real, crossover).question
 
 
 def test_the_other_answers():
