@@ -306,8 +306,10 @@ def _interleaved_orders(num_ranks: int, num_micro_batches: int, virtual_stages: 
     orders = []
     for r in range(p):
         # Megatron-LM: (p - r - 1) * 2 + (v - 1) * p warm-up chunk-forwards (schedules.py
-        # get_pp_rank_microbatches; since 4295be1a6c, core_r0.10.0, not all of them when m == p)
-        warmup = min((p - r - 1) * 2 + (v - 1) * p, total)
+        # get_pp_rank_microbatches; since 4295be1a6c, core_r0.10.0, not all of them when m == p). One chunk
+        # is not interleaved: Megatron runs it as 1F1B, p - 1 - r warm-up forwards (2 (p - 1 - r) had held
+        # twice 1F1B's activations: 7 against 4 on rank 0 at p = 4)
+        warmup = min((p - r - 1) * 2 + (v - 1) * p if v > 1 else p - 1 - r, total)
 
         fwd = [_interleaved_action(FORWARD, k, r, p, v) for k in range(total)]
         bwd = [_interleaved_action(BACKWARD, k, r, p, v) for k in range(total)]

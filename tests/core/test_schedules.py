@@ -158,6 +158,17 @@ def test_zb_h1_bubble_is_below_1f1b_and_a_third_of_it_for_equal_op_times():
             assert zb == pytest.approx(formula_bubble_fraction("zb-h1", p, m)), (p, m)
 
 
+def test_zb_h1_formula_holds_when_the_weight_gradient_outlasts_the_forward():
+    # t_B = 3 t_F split evenly, BW = 1.5 t_F > t_F: Qi et al.'s (p - 1)(t_F + t_BI - t_BW) had said 0.094 at
+    # p = 4, m = 8; rank 0 idles (p - 1) t_BI before its first BW can run: 4.5 / 32 = 0.141
+    for ratio in (1.0, 2.0, 3.0, 4.0):
+        times = OpTimes(1.0, ratio / 2, ratio / 2)
+        for p, m in itertools.product((2, 4, 8), (8, 16)):
+            zb = simulate(make_schedule("zb-h1", p, m), times).bubble_fraction
+            assert zb == pytest.approx(formula_bubble_fraction("zb-h1", p, m, times=times)), (ratio, p, m)
+    assert formula_bubble_fraction("zb-h1", 4, 8, times=OpTimes(1.0, 1.5, 1.5)) == pytest.approx(4.5 / 32)
+
+
 def test_peak_in_flight_activations():
     assert simulate(make_schedule("1f1b", 4, 8)).peak_in_flight == (4, 3, 2, 1)
     assert simulate(make_schedule("gpipe", 4, 8)).peak_in_flight == (8, 8, 8, 8)
@@ -167,6 +178,8 @@ def test_peak_in_flight_activations():
     # Megatron-LM's warm-up 2 (p - 1 - r) + (v - 1) p, plus the first steady forward.
     assert simulate(make_schedule("interleaved-1f1b", 4, 8, 2)).peak_in_flight == (11, 9, 7, 5)
     assert simulate(make_schedule("1f1b", 4, 2)).peak_in_flight == (2, 2, 2, 1)
+    # one chunk is not interleaved: 1F1B's order and memory (Megatron-LM runs v = 1 as 1F1B)
+    assert simulate(make_schedule("interleaved-1f1b", 4, 8, 1)).peak_in_flight == (4, 3, 2, 1)
 
 
 def test_communication_time_delays_the_consumer():

@@ -189,7 +189,7 @@ def _bad(world=2, **kw):
      "choose ssm_groups as a multiple of 4, or --ssm-cp state"),
     (_bad(arch="mamba2", mlp="moe"), "a Mamba-2 stack has no MLP"),
     (_bad(arch="mamba2", strategy="ep", mlp="dense"), "expert parallel splits the experts"),
-    (_bad(arch="hybrid", pattern="MAX"), "pattern='MAX' must have one letter per layer"),
+    (_bad(arch="hybrid", pattern="MAX"), "pattern='MAX' has 'X'"),
     (_bad(arch="transformer", pattern="MA"), "needs arch='hybrid'"),
     (_bad(arch="mamba2", seq_len=8, ssm_chunk=1, strategy="cp", world=4), "shorter than the conv's reach"),
     (_bad(arch="mamba2", strategy="pp", schedule="zb-h1", layers=2), "use --schedule 1f1b or interleaved-1f1b"),
