@@ -204,7 +204,8 @@ ep x tp ranks inside each, whole heads on each): each rank holds S/cp = **{shard
 )
 st.plotly_chart(overlap_figure(spec, job_chip, cp, seq_len, stride=stride), key="cp_overlap")
 st.caption("Bandwidth W and latency α are those of the cp group's link in hardware/collectives.py at "
-           "achievable efficiency; F is the chip's achievable bf16 rate. Tensor parallel inside the cp "
+           "achievable efficiency; F is the attention kernel's rate at the shard's length (hardware/kernels.py). "
+           "Tensor parallel inside the cp "
            "ranks would divide the heads, and so the bytes and the FLOPs of a step alike, by tp. The "
            "backward sends K/V again plus dK/dV (2x the bytes) against about 2.5x the compute "
            "(FlashAttention's 5 matmuls to 2), so it hides sooner; the planner (planner/costs.py) charges "

@@ -189,8 +189,10 @@ In[S, D] = {spec.seq_len:,} x {spec.hidden:,} bf16 values{f", split over tp = {t
 {(view.latency_s - view.fill_s) * 1e6:,.1f} µs + T_fill {view.fill_s * 1e6:,.0f} µs, the time a message spends filling
 the link's pipeline, + bytes/W {view.bandwidth_s * 1e6:,.0f} µs) on the links of the pp group: {view.link}. Its forward
 through one stage takes at least **{view.stage_forward_s * 1e3:,.2f} ms** at the chip's peak bf16 FLOP/s, so
-the transfer is about {view.p2p_s / view.stage_forward_s:.1%} of it: pipeline parallel is cheap in bytes,
-and its real cost is the bubble: {bubble_in_words(real_pp, real_m)}.
+the transfer is about {view.p2p_s / view.stage_forward_s:.1%} of it{
+": pipeline parallel is cheap in bytes, and its real cost is the bubble" if view.p2p_s < 0.2 * view.stage_forward_s else
+": with stages this thin the sends are not small beside the work, unless they overlap it, and the bubble comes on top"
+}: {bubble_in_words(real_pp, real_m)}.
 """
 )
 st.caption(f"Planner arithmetic (planner/memory.py, hardware/collectives.py): bf16, flash attention, no "

@@ -375,9 +375,9 @@ def _validate_cp_ep(cfg: RunConfig) -> None:
     if cp > 1 and MAMBA in m.kinds:
         _validate_ssm_cp(cfg, cp, tp)
     if cp > 1 and m.has_attention:
-        _check(m.seq_len % (2 * cp) == 0, f"seq_len={m.seq_len} is not divisible by 2*cp={2 * cp}: the "
-               f"load-balanced split cuts each sequence into 2*cp equal chunks; choose seq_len as a multiple "
-               f"of {2 * cp} or a smaller cp")
+        _check(m.seq_len % (2 * cp) == 0, f"seq_len={m.seq_len} is not divisible by 2 × cp = {2 * cp} (cp={cp}): "
+               f"the load-balanced split cuts each sequence into 2 × cp equal chunks; choose seq_len as a "
+               f"multiple of {2 * cp}" + (" or a smaller cp" if cp > 2 else ""))
         _check(m.mlp == "dense" or m.capacity_factor is None,
                "capacity_factor counts an expert's tokens per whole sequence, which cp splits across ranks: "
                "drop --capacity-factor with a cp axis")

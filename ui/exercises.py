@@ -130,8 +130,9 @@ def ring_hiding_shard(spec: ModelSpec, chip: Chip, cp: int, seq_len: int, row: d
         t,
         ["A step sends 2·B·(S/cp)·H_kv·d·e bytes and computes ½·4·B·(S/cp)²·H·d FLOPs: the transfer hides "
          "when S/cp ≥ (H_kv / H) · e · F / W.",
-         f"H_kv / H = {spec.kv_heads} / {spec.heads}, e = 2 bytes, F / W on this link (achievable): "
-         f"S/cp ≥ **{t:,.0f} tokens**.",
+         f"H_kv / H = {spec.kv_heads} / {spec.heads}, e = 2 bytes, F = {row['attention_flops_per_s'] / 1e12:,.0f} "
+         f"TFLOP/s (the attention kernel at this shard) and W = {row['link_bytes_per_s'] / 1e9:,.0f} GB/s (this "
+         f"link, achievable): S/cp ≥ **{t:,.0f} tokens**.",
          f"S/cp = {shard:,} is {'above' if shard >= t else 'below'} it: the ring is "
          f"{'hidden' if shard >= t else 'exposed'} by its bytes (latency and the links' fill aside)."])
 
@@ -221,8 +222,9 @@ def gpipe_bubble(p: int, m: int) -> Exercise:
         "stages sit idle?",
         f / (1 + f),
         ["Bubble time over ideal compute is (p − 1)/m, so the idle share of the step is (p − 1)/(m + p − 1).",
-         f"({p} − 1)/({m} + {p} − 1) = **{f / (1 + f):.1%}** of the step. 1F1B idles as long; it holds fewer "
-         "micro-batches' activations (p instead of m)."])
+         f"({p} − 1)/({m} + {p} − 1) = **{f / (1 + f):.1%}** of the step. 1F1B idles as long; "
+         + ("it holds fewer micro-batches' activations (p instead of m)." if m > p else
+            f"with m ≤ p it holds as many as GPipe ({m}): 1F1B saves memory only when m > p.")])
 
 
 def a2a_leaving_share(ep: int, tokens: int, top_k: int, hidden: int) -> Exercise:

@@ -196,7 +196,7 @@ def test_allgather_trace_moves_the_formula_bytes(pools):
 
 
 @pytest.mark.parametrize("args, says", [
-    (["--world", "4", "--seq-len", "30"], "seq_len=30 is not divisible by 2*cp=8"),
+    (["--world", "4", "--seq-len", "30"], "seq_len=30 is not divisible by 2 × cp = 8 (cp=4)"),
     (["--mesh", "cp=2,tp=4", "--world", "8", "--seq-len", "20", "--sequence-parallel"],
      "seq_len=20 is not divisible by tp*cp=8"),
     (["--mlp", "moe", "--capacity-factor", "1"], "drop --capacity-factor"),
