@@ -18,6 +18,7 @@ from ui.lab import (
     LAB_CHOICES,
     LAB_NUMBERS,
     LAB_PRESETS,
+    LAB_TEXTS,
     compare_figures,
     lab_config,
     lab_label,
@@ -44,12 +45,18 @@ st.markdown(
 found = gpus()
 devices = ["cpu"] + (["cuda"] if found else [])
 bad_link = lab_link_problems({k: v for k, v in st.query_params.to_dict().items() if k.startswith("lab_")}, devices)
+# a text box takes a long text from the link cut to its length, whatever the page does: said, not dropped
+cut = {k: bad_link.pop(k) for k in LAB_TEXTS if k in bad_link}
 if bad_link:
     st.info("Ignored from the link: " + "; ".join(f"{k}={link_value(st.query_params[k])} (it takes {what})"
                                                   for k, what in bad_link.items())
             + ". The page's own values are used instead.", icon=":material/link_off:")
     for key in bad_link:
         drop_from_link(key)
+for key, what in cut.items():
+    st.warning(f"The link's {key}={link_value(st.query_params[key])} is longer than the box takes ({what}): "
+               f"the box keeps its first {LAB_NUMBERS['lab_layers'][1]}. Check the pattern before you run.",
+               icon=":material/content_cut:")
 
 
 def _number(col, label: str, key: str, **kwargs):
@@ -215,10 +222,14 @@ if current and (not history or current[0] is not history[-1]):
 st.subheader("The same experiment elsewhere")
 st.markdown("From a terminal in this repository (`--json` prints every number of the table, `--trace` "
             "writes the timeline):")
-st.code(command_line(cfg), language="bash")
+try:  # with this server's time limit, as the run above gets it (server.queue.submit): one command everywhere
+    as_run = replace(cfg, timeout_s=get_queue().settings.max_run_s)
+except SettingsError:  # a misconfigured server is said where the run is; the command stands without it
+    as_run = cfg
+st.code(command_line(as_run), language="bash")
 st.markdown("Across machines with `torchrun` (each machine runs it with its node rank; HOST0 is node 0's "
             "address):")
-st.code(torchrun_command(cfg, argv_for(cfg)), language="bash")
+st.code(torchrun_command(as_run, argv_for(as_run)), language="bash")
 
 st.subheader("This session's runs")
 if not history:
@@ -229,7 +240,7 @@ else:
     st.dataframe(run_rows(history, probe.matmul_flops_per_s if probe else None), hide_index=True, width="stretch")
     st.caption("Step: mean over the steps after the first, slowest rank. MFU (on this machine): the model's "
                "FLOPs per step over (step time x processes x this machine's calibrated fp32 matmul rate of one "
-               "core), so it says how much of each core went into matmuls. Peak MB / rank: weights, gradients, "
+               "core), so it says how much of each core went into matmuls. Peak MiB / rank: weights, gradients, "
                "optimizer state and the activations' peak on the busiest rank. Predicted and error: the "
                "planner's prediction of the run for this machine, and (predicted - measured) / measured.")
     everything = results_json(history, [command_line(r.cfg) for r in history])
@@ -238,9 +249,12 @@ else:
     if len(history) >= 2:
         st.markdown("**Compare two runs**, each at its typical step, on one time axis:")
         names = [r.label for r in history]
+        if st.session_state.get("lab_cmp_runs") != len(names):  # a new run: compare the latest two again
+            st.session_state["lab_cmp_runs"] = len(names)
+            st.session_state["lab_cmp_a"], st.session_state["lab_cmp_b"] = names[-2], names[-1]
         c1, c2 = st.columns(2)
-        a = c1.selectbox("First", names, index=len(names) - 2, key="lab_cmp_a")
-        b = c2.selectbox("Second", names, index=len(names) - 1, key="lab_cmp_b")
+        a = c1.selectbox("First", names, key="lab_cmp_a")
+        b = c2.selectbox("Second", names, key="lab_cmp_b")
         run_a, run_b = history[names.index(a)], history[names.index(b)]
         fig_a, fig_b = compare_figures(run_a, run_b)
         st.plotly_chart(fig_a, key="lab_fig_a")

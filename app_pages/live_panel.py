@@ -34,8 +34,13 @@ from ui.timeline import lane_summary
 
 def show_engine_failure(exc: BaseException, hint: str, what: str = "run") -> None:
     """One sentence, and the workers' words folded away."""
+    from engine.launch import RunStopped
+
     message, details = engine_error_message(exc, what=what, hint=hint)
-    st.error(message, icon=":material/error:")
+    if isinstance(exc, RunStopped):  # asked for: a notice, as a stop before the start is, not an error
+        st.warning(message, icon=":material/stop_circle:")
+    else:
+        st.error(message, icon=":material/error:")
     if details:
         with st.expander("What the workers said"):
             st.code(details, language=None)

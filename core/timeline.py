@@ -305,7 +305,8 @@ def measured_bubble_fraction(timeline: Timeline, step: int) -> float:
 
 def bubble_spans(timeline: Timeline) -> list[Span]:
     """Per step and rank, an idle "bubble" span for every gap between its pipeline compute spans, from the
-    step's first pipeline op on any rank to its last (what the simulator draws as `.`)."""
+    step's first pipeline op on any rank to its last (what the simulator draws as `.`), less the rank's other
+    compute in it: a rank done early runs its optimizer step there (drawn as idle under it, it had been)."""
     out = []
     for step in sorted({s.step for s in timeline.spans}):
         spans = _pipeline_spans(timeline, step)
@@ -313,11 +314,11 @@ def bubble_spans(timeline: Timeline) -> list[Span]:
             continue
         first_s, last_s = min(s.start_s for s in spans), max(s.end_s for s in spans)
         for rank in sorted({s.rank for s in spans}):
-            busy_until = first_s
-            for s in sorted((s for s in spans if s.rank == rank), key=lambda s: s.start_s):
-                if s.start_s > busy_until:
-                    out.append(Span(rank, "idle", "bubble", busy_until, s.start_s, step=step))
-                busy_until = max(busy_until, s.end_s)
-            if last_s > busy_until:
-                out.append(Span(rank, "idle", "bubble", busy_until, last_s, step=step))
+            busy = _merged((s.start_s, s.end_s) for s in timeline.spans
+                           if s.rank == rank and s.step == step and s.lane == "compute")
+            idle_from = first_s
+            for start, end in [*busy, (last_s, last_s)]:
+                if start > idle_from and idle_from < last_s:
+                    out.append(Span(rank, "idle", "bubble", idle_from, min(start, last_s), step=step))
+                idle_from = max(idle_from, end)
     return out

@@ -140,9 +140,9 @@ def run_rows(runs: list[LiveRun], matmul_flops_per_s: float | None) -> list[dict
             "step (ms)": round(s.step_time_s * 1e3, 2),
             "tokens/s": round(tokens / s.step_time_s),
             "MFU": f"{mfu:.1%}" if mfu is not None else "n/a",
-            "peak MB / rank": round(max(m["total"] for m in s.memory_bytes) / 2**20, 2),
+            "peak MiB / rank": round(max(m["total"] for m in s.memory_bytes) / 2**20, 2),
             "check": "passed" if s.check and s.check["passed"] else "FAILED" if s.check else "not run",
-            "predicted (ms)": round(run.prediction["step_time_s"] * 1e3, 2) if err is not None else None,
+            "predicted (ms)": round(run.prediction["step_time_s"] * 1e3, 2) if err is not None else "n/a",
             "error": f"{err:+.0%}" if err is not None else "n/a",
         })
     return rows

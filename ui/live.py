@@ -12,7 +12,7 @@ import plotly.graph_objects as go
 from core.timeline import Timeline
 from hardware.this_machine import speed_words
 from planner.live import compare, step_spread_words
-from ui.timeline import shared_rows, step_timeline, timeline_figure
+from ui.timeline import shared_kinds, shared_rows, step_timeline, timeline_figure
 
 
 @dataclass
@@ -113,13 +113,15 @@ def side_by_side(run: LiveRun) -> tuple[go.Figure | None, go.Figure, int]:
     # one set of rows for both: the engine's idle waits (a ring's "wait kv") had given the measured chart rows
     # the predicted one lacked, so its ranks sat lower
     rows = shared_rows(measured, predicted) if predicted else None
+    kinds = shared_kinds(measured, predicted) if predicted else None
     which = ("step 0, the run's only step (its warm-up)" if len(run.summary.step_times_s) == 1 else
              f"step {step}, the one nearest the mean")
     left_out = "" if len(run.summary.step_times_s) == 1 else "; step 0, the warm-up, is left out"
-    meas_fig = timeline_figure(measured, x_max_ms=x_max, rows=rows, title=f"Measured: {which} "
+    meas_fig = timeline_figure(measured, x_max_ms=x_max, rows=rows, kinds=kinds, title=f"Measured: {which} "
                                f"({run.summary.step_times_s[step] * 1e3:.1f} ms on the slowest rank)<br><sup>the ranks "
                                f"start each step together, after a barrier{left_out}</sup>")
-    pred_fig = (timeline_figure(predicted, x_max_ms=x_max, rows=rows, title=f"Predicted by the planner for this "
-                                f"machine ({run.prediction['step_time_s'] * 1e3:.1f} ms)")
+    pred_fig = (timeline_figure(predicted, x_max_ms=x_max, rows=rows, kinds=kinds,
+                                title=f"Predicted by the planner for this machine "
+                                      f"({run.prediction['step_time_s'] * 1e3:.1f} ms)")
                 if predicted else None)
     return pred_fig, meas_fig, step

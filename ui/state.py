@@ -76,8 +76,8 @@ def link_value(text) -> str:
 
 def inert_markdown(message: str) -> str:
     """A message that may repeat what a user typed (a layer pattern, a link's value), with the characters that
-    would make Markdown links, HTML, code or LaTeX of it escaped: [ ] < > ` $."""
-    return "".join("\\" + c if c in "[]<>`$" else c for c in message)
+    would make Markdown links, HTML, code, LaTeX or emphasis of it escaped: [ ] < > ` $ * _ ~."""
+    return "".join("\\" + c if c in "[]<>`$*_~" else c for c in message)
 
 
 def parse_choices(

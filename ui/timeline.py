@@ -60,16 +60,25 @@ def shared_rows(*timelines: Timeline) -> list[str]:
     return _rows(Timeline([s for t in timelines for s in t.spans]))
 
 
+def shared_kinds(*timelines: Timeline) -> list[str]:
+    """The kinds of work of several timelines together, in the palette's order, for figures drawn to be
+    compared: both legends list the same entries, so they are as wide and the plots' time axes line up to the
+    pixel (a kind in one legend only had shifted the other chart's 10 ms by 8 px)."""
+    used = {span_kind(s) for t in timelines for s in t.spans}
+    return [k for k in KIND_COLORS if k in used]
+
+
 def timeline_figure(timeline: Timeline, title: str = "", frames: int = 30, animate: bool = True,
                     x_max_ms: float | None = None, rows_by_kind: bool = False,
-                    rows: list[str] | None = None) -> go.Figure:
+                    rows: list[str] | None = None, kinds: list[str] | None = None) -> go.Figure:
     """Gantt chart of `timeline` from its first span, in milliseconds (seconds for a step over 10 s, minutes over
     10 min, hours over 2 h); with
     `animate`, play/pause buttons and a slider sweep a cursor through it, revealing spans as they start.
     `x_max_ms` fixes the time axis (two timelines drawn to compare share one); the cursor sweeps it all.
     `rows_by_kind`: one row per rank and kind of work (forward, backward, each collective) instead of one per
     rank and lane, for a long step whose thousands of spans would merge into one strip. `rows`: the rows to
-    draw (`shared_rows`), else the timeline's own."""
+    draw (`shared_rows`), else the timeline's own; `kinds`: the kinds in the legend (`shared_kinds`), else the
+    timeline's own."""
     tl = timeline.normalized()
     t_end_ms = max(tl.end_s * 1e3, x_max_ms or 0.0)
     # the axis's unit: ms, s, then minutes and hours for the steps of huge models on few chips
@@ -79,15 +88,15 @@ def timeline_figure(timeline: Timeline, title: str = "", frames: int = 30, anima
     by_kind: dict[str, list[Span]] = defaultdict(list)
     for s in tl.spans:
         by_kind[span_kind(s)].append(s)
-    kinds = [k for k in KIND_COLORS if k in by_kind]
+    kinds = kinds if kinds is not None else [k for k in KIND_COLORS if k in by_kind]
     rows = rows if rows is not None else _rows(tl, rows_by_kind)
 
     def row(s: Span) -> str:
         return row_label(s.rank, kind_label(span_kind(s)) if rows_by_kind else s.lane)
 
     # arrays, not lists: Plotly checks a list element by element (3 s for a 58k-span pipeline step)
-    start_of = {k: np.array([s.start_s for s in by_kind[k]]) * scale for k in by_kind}
-    end_of = {k: np.array([s.end_s for s in by_kind[k]]) * scale for k in by_kind}
+    start_of = {k: np.array([s.start_s for s in by_kind[k]], dtype=float) * scale for k in kinds}
+    end_of = {k: np.array([s.end_s for s in by_kind[k]], dtype=float) * scale for k in kinds}
 
     def bars(kind: str, t: float | None) -> dict:
         starts, ends = start_of[kind], end_of[kind]

@@ -116,3 +116,15 @@ def test_a_path_that_names_a_folder_or_too_long_a_name_is_refused_before_the_run
     assert unwritable_reason(str(afile / "x.json")).endswith(f"{afile} is a file, not a folder")
     assert "longer than the" in unwritable_reason(str(tmp_path / ("a" * 300 + ".json")))
     assert unwritable_reason(str(tmp_path / "fine.json")) is None
+
+
+def test_a_pipeline_bubble_is_not_drawn_under_the_ranks_other_compute():
+    # rank 1 finishes its F/B at 4 ms and runs its optimizer step 4.5-5 ms while rank 0 works on to 6 ms: its
+    # bubble is 4-4.5 and 5-6, not 4-6 under the optimizer (the Lab's pp = 2 chart had drawn that)
+    from core.timeline import bubble_spans
+
+    spans = [Span(0, "compute", "F s0", 0.0, 1.0), Span(0, "compute", "B s0", 3.0, 6.0),
+             Span(1, "compute", "F s1", 1.0, 2.0), Span(1, "compute", "B s1", 2.0, 4.0),
+             Span(1, "compute", "optimizer", 4.5, 5.0)]
+    idle = sorted((s.rank, s.start_s, s.end_s) for s in bubble_spans(Timeline(spans)))
+    assert idle == [(0, 1.0, 3.0), (1, 0.0, 1.0), (1, 4.0, 4.5), (1, 5.0, 6.0)]

@@ -43,7 +43,8 @@ def test_the_page_opens_with_a_runnable_default():
 ])
 def test_a_layout_that_cannot_run_is_refused_before_running(widgets, says):
     at = _lab(**widgets)
-    assert at.error and says in at.error[0].value.lower(), [e.value for e in at.error]
+    shown = at.error[0].value.replace("\\", "") if at.error else ""  # as rendered: Markdown's escapes gone
+    assert says in shown.lower(), [e.value for e in at.error]
     assert next(b for b in at.button if b.label == "Run this experiment").disabled
 
 
@@ -54,7 +55,10 @@ def test_the_command_lines_rebuild_the_same_config():
     argv = engine_line.split()[4:]  # after ".venv/bin/python -m engine run"
     cfg = config_from_args(run_parser("x").parse_args([a for a in argv if a not in ("--check", "--predict")]))
     assert cfg.parallel.axes(cfg.world) == (("tp", 2),) and cfg.steps == 2
-    assert any(c.startswith("torchrun --nnodes") and "-m engine.worker" in c for c in commands)
+    # with the server's time limit, as its run gets it (the panel's "run it again" had it, this one had not)
+    assert cfg.timeout_s == 120
+    torchrun = next(c for c in commands if c.startswith("torchrun --nnodes"))
+    assert "-m engine.worker" in torchrun and "--timeout-s 120" in torchrun
 
 
 def test_bf16_is_on_the_command_line_and_refused_with_moe():
@@ -99,6 +103,11 @@ def test_runs_are_collected_compared_and_exported():
     assert set(table["check"]) == {"passed"}
     charts = at.get("plotly_chart")
     assert len(charts) >= 4  # the live panel's predicted and measured steps, then the two compared runs
+    # a third run: the comparison moves to the latest two (it had stayed on runs 1 and 2)
+    at.number_input(key="lab_steps").set_value(3).run()
+    next(b for b in at.button if b.label == "Run this experiment").click().run(timeout=240)
+    assert not at.exception and at.success, [e.value for e in at.error]
+    assert (at.selectbox(key="lab_cmp_a").value, at.selectbox(key="lab_cmp_b").value) == ("run 2", "run 3")
 
 
 def test_results_json_carries_every_run():
@@ -292,6 +301,9 @@ def test_a_hand_written_preset_link_loads_the_preset_and_a_long_pattern_is_said(
     assert not at.exception, [e.value for e in at.exception]
     assert at.selectbox(key="lab_arch").value == "mamba2"  # as choosing it on the page would
     at = open_app(LAB, lab_arch="hybrid", lab_pattern="MA" * 100)
-    assert "lab_pattern=" in at.info[0].value and "at most 32 letters, one per layer" in at.info[0].value
+    # the box keeps the first 32 letters, whatever the page does: said as such, not "ignored"
+    said = at.warning[0].value
+    assert "lab_pattern=" in said and "at most 32 letters, one per layer" in said and "keeps its first 32" in said
+    assert not at.info or "lab_pattern" not in at.info[0].value
     at = open_app(LAB, lab_pp="2", lab_dp="1")
     assert any("each stage waits for the others" in c.value for c in at.caption)  # 1 micro-batch, 2 stages

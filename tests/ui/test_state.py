@@ -82,3 +82,11 @@ def test_the_sidebar_uses_the_mesh_size_its_link_message_names():
     assert at.query_params["tp"] == "2" and "dp" not in at.query_params  # the link keeps what it uses
     at.sidebar.number_input(key="dp").set_value(16).run()
     assert at.query_params["dp"] == "16"
+
+
+def test_typed_text_in_a_message_stays_as_typed():
+    from ui.state import inert_markdown
+
+    # a pattern typed as "MA *x* [l](http://e.com)" had shown x in italics
+    assert inert_markdown("pattern='MA *x* _y_ ~~z~~ [l](h) `c` $m$'") == (
+        "pattern='MA \\*x\\* \\_y\\_ \\~\\~z\\~\\~ \\[l\\](h) \\`c\\` \\$m\\$'")
