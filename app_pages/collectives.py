@@ -158,7 +158,7 @@ for col, op in zip(m, COLLECTIVES, strict=False):
     col.metric(COLLECTIVE_NAMES[op], format_seconds(times[op]),
                help="double binary trees, not the ring: see below" if op == "all_reduce" and trees else None)
 m[4].metric("Crossover V* (all-gather)", format_bytes(crossover) if crossover else "none")
-if topology.fill_s and crossover:
+if topology.fill_s and crossover and isinstance(topology, Ring | Switch):  # one level: the formula is exact
     st.caption(f"With the achievable links, the {format_seconds(topology.fill_s)} the pipeline takes to fill, once "
                "per collective, counts with the latency: (N − 1) α + fill = (N − 1)/N · V*/W, so V* = N (α + "
                f"fill / (N − 1)) W = {format_bytes(crossover)}, above the ideal links' N α W.")

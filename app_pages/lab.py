@@ -1,13 +1,13 @@
 """The Lab: a real small experiment on this machine's CPU (or GPUs), any layout the engine runs, each run
 verified, predicted and kept in a table for this browser session."""
 
-import json
 from dataclasses import replace
 
 import streamlit as st
 
 from app_pages.link_params import drop_from_link
 from app_pages.live_panel import run_live, show_live
+from core.timeline import strict_json
 from engine.cli import argv_for, command_line
 from engine.config import ConfigError, ModelConfig, validate
 from engine.predict import cached_calibration
@@ -261,6 +261,6 @@ else:
         st.plotly_chart(fig_b, key="lab_fig_b")
         d1, d2 = st.columns(2)
         for col, run, slot in ((d1, run_a, "a"), (d2, run_b, "b")):
-            col.download_button(f"Trace of {run.label} (Perfetto)", json.dumps(run.timeline.to_chrome_trace()),
+            col.download_button(f"Trace of {run.label} (Perfetto)", strict_json(run.timeline.to_chrome_trace()),
                                 file_name=f"shardlab-lab-{run.label.replace(' ', '-')}-trace.json",
                                 mime="application/json", key=f"lab_trace_{slot}")

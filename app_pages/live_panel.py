@@ -12,12 +12,12 @@ the trace download and the command line that reproduces the run. Figures and wor
 
 from __future__ import annotations
 
-import json
 import time
 
 import streamlit as st
 
 from app_pages.engine_errors import engine_error_message
+from core.timeline import strict_json
 from ui.live import (
     LiveRun,
     calibration_age,
@@ -293,6 +293,6 @@ def _show_run(key: str, run: LiveRun) -> None:
     st.markdown("Run it again from a terminal:")
     st.code(command_line(run.cfg), language="bash")
     st.download_button("Download the trace (open it in ui.perfetto.dev or chrome://tracing)",
-                       json.dumps(run.timeline.to_chrome_trace()), key=f"{slug}_trace",
+                       strict_json(run.timeline.to_chrome_trace()), key=f"{slug}_trace",
                        file_name=f"shardlab-{run.label.lower().replace(' ', '-').replace('+', '')}-trace.json",
                        mime="application/json")

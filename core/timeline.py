@@ -209,7 +209,7 @@ class Timeline:
         write_json(path, self.to_chrome_trace())
 
 
-def strict_json(obj, indent: int | None = None) -> str:
+def strict_json(obj, indent: int | None = None, default=None) -> str:
     """JSON that strict parsers read: a non-finite float (a diverged run's loss) becomes null, where Python's
     json writes NaN or Infinity, which are not JSON."""
     def finite(x):
@@ -221,7 +221,7 @@ def strict_json(obj, indent: int | None = None) -> str:
             return [finite(v) for v in x]
         return x
 
-    return json.dumps(finite(obj), indent=indent, allow_nan=False)
+    return json.dumps(finite(obj), indent=indent, allow_nan=False, default=default)
 
 
 def write_json(path: str, obj, indent: int | None = None) -> None:

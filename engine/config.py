@@ -472,15 +472,15 @@ FP32_WEIGHT_BYTES, FP32_GRAD_BYTES, ADAM_STATE_BYTES = 4, 4, 8
 
 
 def least_activation_bytes(cfg: RunConfig) -> float:
-    """The fewest fp32 activation bytes autograd keeps for the backward, over all processes: one micro-batch
-    per data-parallel replica (tp, cp and pp split it, ep's ranks each read their own), each layer keeping at
-    least the inputs its backward cannot do without. An attention + MLP layer: the two norms' inputs, the
-    attention projection's input, q, k and v, the output projection's input, the MLP's input and (dense) two
-    of its F-wide inputs (a SwiGLU MLP keeps three); a Mamba-2 or MoE block less surely, two of D. The engine
-    keeps 2 to 30 times this (measured, summed over two ranks at 64 x 256 tokens a micro-batch: the default dp
-    run 380 MB against 185 MB here, D = 256 and F = 1,024 with 2 KV heads at 16 x 256 tokens 488 MB against
-    243 MB, Mamba-2 943 MB against 34 MB), so the floor refuses no run that fits; without it, a run of about
-    46 GiB had passed as 4 GiB."""
+    """The fewest activation bytes (4 a value, 2 in a bf16 run) autograd keeps for the backward, over all
+    processes: one micro-batch per data-parallel replica (tp, cp and pp split it, ep's ranks each read their
+    own), each layer keeping at least the inputs its backward cannot do without. An attention + MLP layer: the
+    two norms' inputs, the attention projection's input, q, k and v, the output projection's input, the MLP's
+    input and (dense) two of its F-wide inputs (a SwiGLU MLP keeps three); a Mamba-2 or MoE block less surely,
+    two of D. The engine keeps 2 to 30 times this (measured, summed over two ranks: the default dp run at
+    64 x 256 tokens a micro-batch 380 MB against 185 MB here; D = 256, F = 1,024, 8 heads of which 2 KV, at
+    16 x 256 tokens 488 MB against 243 MB; Mamba-2 943 MB against 34 MB), so the floor refuses no run that
+    fits; without it, a run of about 46 GiB had passed as 4 GiB."""
     m, p = cfg.model, cfg.parallel
     replicas = cfg.world // (p.degree("tp", cfg.world) * p.degree("cp", cfg.world) * p.degree("pp", cfg.world))
     kv = 2 * m.kv_heads * (m.hidden // m.heads)

@@ -173,7 +173,7 @@ def torchrun_main(argv: list[str]) -> int:
         args = parser.parse_args(argv)
         cfg = cli.config_from_args(args, world=world)
         cli.check_trace_path(args.trace)  # (not the memory check: torchrun's ranks may be on other machines)
-        if reason := unwritable_reason(args.out):
+        if rank == 0 and (reason := unwritable_reason(args.out)):  # only rank 0 writes it, maybe on node 0 only
             raise ConfigError(f"--out {reason}")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

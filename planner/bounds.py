@@ -202,7 +202,7 @@ def fsdp_tp_tradeoff(m: ModelSpec, chip: Chip, batch_tokens: float, n: int,
     per_chip = batch_tokens / n
     verdict = "compute-bound" if best.comm_s <= best.math_s else "communication-bound"
     rule = (f"Mixed FSDP + tensor parallel of {m.name} on {n:,} {chip.name} stays compute-bound while tokens per "
-            f"chip > (8 / n) alpha_X alpha_Y / (F M_X M_Y) = {floor:,.0f} (F = {f:,}, n = {n_mat} matrices); here "
+            f"chip > (8 / {n_mat} MLP matrices) alpha_X alpha_Y / (F M_X M_Y) = {floor:,.0f} (F = {f:,}); here "
             f"{per_chip:,.0f}. The "
             f"least communication is at X = {best.fsdp:,} FSDP x Y = {best.tp:,} TP (X_opt = {x_opt:,.1f}"
             + (f", beyond the {n:,} chips: pure FSDP moves least" if x_opt >= n else "") + f"): {verdict}.")

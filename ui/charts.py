@@ -66,8 +66,10 @@ def log_axis(values: list[float], **axis) -> dict:
     lo = max(t for t in ticks if t <= min(values))
     hi = min((t for t in ticks if t >= max(values) and t > lo), default=ticks[-1])
     shown = [t for t in ticks if lo <= t <= hi]
-    if hi / lo > 1e4:  # over four decades, 1-2-5 crowds the axis: powers of ten only
-        shown = [t for t in shown if round(t / 10 ** math.floor(math.log10(t) + 1e-9)) == 1] or shown
+    if hi / lo > 1e4:  # over four decades, 1-2-5 crowds the axis: powers of ten only, the range snapped to them
+        lo = 10.0 ** math.floor(math.log10(min(values)) + 1e-9)
+        hi = 10.0 ** math.ceil(math.log10(max(values)) - 1e-9)
+        shown = [10.0 ** e for e in range(round(math.log10(lo)), round(math.log10(hi)) + 1)]
     return {"type": "log", "tickvals": shown, "ticktext": [f"{t:,.0f}" if t >= 1 else f"{t:g}" for t in shown],
             "range": [math.log10(lo), math.log10(hi)], **axis}
 

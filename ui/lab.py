@@ -4,7 +4,6 @@ No Streamlit here."""
 
 from __future__ import annotations
 
-import json
 import math
 import shlex
 from collections.abc import Mapping, Sequence
@@ -14,6 +13,7 @@ import plotly.graph_objects as go
 
 from core.mesh import AXES
 from core.schedules import SCHEDULE_NAMES
+from core.timeline import strict_json
 from engine.config import (
     ARCHS,
     DEVICES,
@@ -28,7 +28,7 @@ from engine.config import (
     strategy_for,
 )
 from ui.live import LiveRun, prediction_error, representative_step
-from ui.timeline import step_timeline, timeline_figure
+from ui.timeline import shared_kinds, step_timeline, timeline_figure
 
 SCHEDULES = ("1f1b", *(s for s in SCHEDULE_NAMES if s != "1f1b"))  # the engine's, its default first
 
@@ -154,7 +154,10 @@ def compare_figures(a: LiveRun, b: LiveRun) -> tuple[go.Figure, go.Figure]:
     timelines = [step_timeline(r.timeline, s) for r, s in zip((a, b), steps, strict=True)]
     x_max = max(max(t.duration_s for t in timelines),
                 *(r.summary.step_times_s[s] for r, s in zip((a, b), steps, strict=True))) * 1e3
-    return tuple(timeline_figure(t, x_max_ms=x_max, title=f"{r.label}: {mesh_label(r.cfg)}, step {s} "
+    # the same legend on both (ui.timeline.shared_kinds), so their time axes line up to the pixel; each keeps
+    # its own rows (two layouts' ranks and lanes differ)
+    kinds = shared_kinds(*timelines)
+    return tuple(timeline_figure(t, x_max_ms=x_max, kinds=kinds, title=f"{r.label}: {mesh_label(r.cfg)}, step {s} "
                                  f"({r.summary.step_times_s[s] * 1e3:.1f} ms)")
                  for r, t, s in zip((a, b), timelines, steps, strict=True))
 
@@ -162,8 +165,8 @@ def compare_figures(a: LiveRun, b: LiveRun) -> tuple[go.Figure, go.Figure]:
 def results_json(runs: list[LiveRun], commands: list[str]) -> str:
     """Every run of the session: its configuration, the command line that reproduces it (the page passes
     engine.cli.command_line's), the measured summary (the prediction included)."""
-    return json.dumps([{"label": r.label, "command": c, "config": asdict(r.cfg), "summary": r.summary.to_dict()}
-                       for r, c in zip(runs, commands, strict=True)], default=str, indent=1)
+    return strict_json([{"label": r.label, "command": c, "config": asdict(r.cfg), "summary": r.summary.to_dict()}
+                        for r, c in zip(runs, commands, strict=True)], default=str, indent=1)
 
 
 def torchrun_command(cfg: RunConfig, argv: list[str], nodes: int = 2) -> str:

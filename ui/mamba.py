@@ -218,7 +218,8 @@ def comm_rows(specs: list[ModelSpec], tp: int, cp: int, dp: int, chip: str, micr
             try:
                 moved = layer_comm_bytes(spec, kind, tp=tp, cp=cp, dp=dp, micro_batch=micro_batch, chip=chip)
             except SpecError:
-                why = count(spec.ssm_groups, "SSM group") if kind == MAMBA else f"{spec.heads} heads"
+                why = (count(spec.ssm_groups, "SSM group") if kind == MAMBA else
+                       f"{spec.heads} heads" if spec.heads % tp else "its widths")  # what tp does not divide
                 rows.append({"model": spec.name, "layer": layer, "strategy": f"TP = {tp}",
                              "operations fwd + bwd": f"impossible: {why}", "bytes fwd + bwd": "-", "time": "-"})
                 moved = layer_comm_bytes(spec, kind, tp=1, cp=cp, dp=dp, micro_batch=micro_batch, chip=chip)

@@ -49,7 +49,7 @@ KIND_COLORS = {FORWARD: TIMELINE_COLORS["forward"], BACKWARD: TIMELINE_COLORS["b
                BACKWARD_INPUT: BACKWARD_INPUT_COLOR, BACKWARD_WEIGHT: BACKWARD_WEIGHT_COLOR,
                "bubble": TIMELINE_COLORS["idle"]}
 FORMULA_TEXT = {"gpipe": "(p-1)/m", "1f1b": "(p-1)/m", "interleaved-1f1b": "(p-1)/(v m)",
-                "zb-h1": "(p-1) max(tBI, tF+tBI-tBW) / (m (tF+tBI+tBW))"}
+                "zb-h1": "(p-1) max(tF, tBI, tF+tBI-tBW) / (m (tF+tBI+tBW))"}
 CHUNK_LETTERS = "abcdefghijklmnopqrstuvwxyz"
 ACTIVATION_BYTES_PER_VALUE = 2  # bf16 activations sent between stages
 
@@ -62,7 +62,7 @@ def formula_latex(name: str) -> str:
         return r"\frac{p-1}{v\,m}"  # Narayanan et al. 2021 §2.2
     if name == "zb-h1":
         # Qi et al. 2023 §2.1, T_B being our BI; the max for t_BW > t_F (core.schedules.formula_bubble_fraction)
-        return r"\frac{(p-1)\,\max(t_{BI},\; t_F + t_{BI} - t_{BW})}{m\,(t_F + t_{BI} + t_{BW})}"
+        return r"\frac{(p-1)\,\max(t_F,\; t_{BI},\; t_F + t_{BI} - t_{BW})}{m\,(t_F + t_{BI} + t_{BW})}"
     raise ScheduleError(f"unknown schedule {name!r}: choose one of {SCHEDULE_NAMES}")
 
 

@@ -88,7 +88,8 @@ def timeline_figure(timeline: Timeline, title: str = "", frames: int = 30, anima
     by_kind: dict[str, list[Span]] = defaultdict(list)
     for s in tl.spans:
         by_kind[span_kind(s)].append(s)
-    kinds = kinds if kinds is not None else [k for k in KIND_COLORS if k in by_kind]
+    own = [k for k in KIND_COLORS if k in by_kind]
+    kinds = own if kinds is None else [*kinds, *(k for k in own if k not in kinds)]  # never a span left out
     rows = rows if rows is not None else _rows(tl, rows_by_kind)
 
     def row(s: Span) -> str:

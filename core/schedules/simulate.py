@@ -33,11 +33,12 @@ def formula_bubble_fraction(name: str, num_ranks: int, num_micro_batches: int, v
         return (p - 1) / (v * m)  # Narayanan et al. 2021 §2.2
     if name == "zb-h1":
         t = times or OpTimes()
-        # Qi et al. 2023 §2.1: ZB-H1 bubble (p - 1)(T_F + T_B - T_W), T_B being our BI, derived with T_W <= T_F.
-        # A longer BW cannot fill more: rank 0 holds at most p forwards (1F1B's memory), so its first BI waits
-        # (p - 1) T_B for the others' with no BW yet to run: at least (p - 1) T_B idle (t_B = 3 t_F: 0.141, where
-        # the paper's expression gives 0.094).
-        bubble = (p - 1) * max(t.backward_input_s, t.forward_s + t.backward_input_s - t.backward_weight_s)
+        # Qi et al. 2023 §2.1: ZB-H1 bubble (p - 1)(T_F + T_B - T_W), T_B being our BI, derived with equal op times.
+        # Its deferred BWs fill the gaps only as far as they go: rank 0 holds at most p forwards (1F1B's memory),
+        # so it idles at least (p - 1) T_B before its first BI, and the last rank at least (p - 1) T_F before its
+        # first F. With t_B = 3 t_F the paper's expression gives 0.094 at p = 4, m = 8, the schedule 0.141.
+        bubble = (p - 1) * max(t.forward_s, t.backward_input_s,
+                               t.forward_s + t.backward_input_s - t.backward_weight_s)
         return bubble / (m * (t.forward_s + t.backward_s))
     raise ScheduleError(f"unknown schedule {name!r}: choose one of {SCHEDULE_NAMES}")
 

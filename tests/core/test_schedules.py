@@ -161,11 +161,13 @@ def test_zb_h1_bubble_is_below_1f1b_and_a_third_of_it_for_equal_op_times():
 def test_zb_h1_formula_holds_when_the_weight_gradient_outlasts_the_forward():
     # t_B = 3 t_F split evenly, BW = 1.5 t_F > t_F: Qi et al.'s (p - 1)(t_F + t_BI - t_BW) had said 0.094 at
     # p = 4, m = 8; rank 0 idles (p - 1) t_BI before its first BW can run: 4.5 / 32 = 0.141
-    for ratio in (1.0, 2.0, 3.0, 4.0):
-        times = OpTimes(1.0, ratio / 2, ratio / 2)
+    # and uneven splits of the backward, either way (a short BI beside a long BW leaves (p - 1) t_F)
+    cases = [OpTimes(1.0, r / 2, r / 2) for r in (1.0, 2.0, 3.0, 4.0)] + [
+        OpTimes(1.0, 0.5, 2.0), OpTimes(1.0, 0.8, 1.0), OpTimes(1.0, 2.0, 0.5), OpTimes(1.0, 0.3, 0.3)]
+    for times in cases:
         for p, m in itertools.product((2, 4, 8), (8, 16)):
             zb = simulate(make_schedule("zb-h1", p, m), times).bubble_fraction
-            assert zb == pytest.approx(formula_bubble_fraction("zb-h1", p, m, times=times)), (ratio, p, m)
+            assert zb == pytest.approx(formula_bubble_fraction("zb-h1", p, m, times=times)), (times, p, m)
     assert formula_bubble_fraction("zb-h1", 4, 8, times=OpTimes(1.0, 1.5, 1.5)) == pytest.approx(4.5 / 32)
 
 
