@@ -107,10 +107,10 @@ st.markdown(
     """
 A router is not told to be fair. If it likes a few experts, their chips get more rows than the others,
 and the whole MoE layer waits for the busiest chip. Real systems bound the damage with a **capacity
-factor** C: each expert accepts at most
+factor** CF: each expert accepts at most
 """
 )
-st.latex(r"\text{capacity} = \left\lceil C \cdot \frac{T \cdot k}{E} \right\rceil")
+st.latex(r"\text{capacity} = \left\lceil \mathrm{CF} \cdot \frac{T \cdot k}{E} \right\rceil")
 st.markdown(
     """
 token copies from each group of T tokens (GShard, sec. 3.2); the rest are **dropped**: that expert's
@@ -130,7 +130,7 @@ sim_k = c3.select_slider("Top k", [1, 2, 4, 8], value=2, key="ep_top_k", bind="q
 c4, c5, c6 = st.columns(3)
 sim_ep = c4.select_slider("Expert-parallel degree ep of the simulated layer", [1, 2, 4, 8, 16, 32], value=4,
                           key="ep_degree", bind="query-params")
-sim_c = c5.select_slider("Capacity factor C", ["0.5", "0.75", "1.0", "1.25", "1.5", "2.0", "none"],
+sim_c = c5.select_slider("Capacity factor CF", ["0.5", "0.75", "1.0", "1.25", "1.5", "2.0", "none"],
                          value="1.25", key="ep_capacity", bind="query-params",
                          help="none: no limit, no token dropped")
 sim_skew = c6.slider("Router skew s (Zipf exponent)", 0.0, 1.5, 0.0, 0.1, key="ep_skew", bind="query-params")
@@ -156,8 +156,8 @@ else:
         f"(**{stats['dropped_fraction']:.1%}**). The busiest expert got "
         f"**{stats['expert_max_over_mean']:.2f}x** the mean load; the busiest rank processes "
         f"**{stats['rank_max_over_mean']:.2f}x** the mean number of rows, and every rank waits for it. "
-        "A larger C drops fewer tokens but lets the busiest rank run longer (and reserve more buffer); "
-        "C below 1 drops tokens even from a perfectly balanced router, "
+        "A larger CF drops fewer tokens but lets the busiest rank run longer (and reserve more buffer); "
+        "CF below 1 drops tokens even from a perfectly balanced router, "
         "because random routing is never exactly even."
     )
     st.plotly_chart(matrix_figure(routing.matrix, "The dispatch all-to-all: rows each rank sends to each "
@@ -310,7 +310,7 @@ for live in show_live("live_ep"):
                                group_tokens=m.seq_len)
         st.plotly_chart(load_figure(sim.tokens_per_expert, sim.dropped_per_expert, load["ep"],
                                     sim.capacity_line,
-                                    "Simulated: a balanced random router, same T, E, k, C"),
+                                    "Simulated: a balanced random router, same T, E, k, CF"),
                         key="ep_live_sim")
     st.caption(f"The engine counts capacity per sequence of {m.seq_len} tokens ({sequences} sequences in the "
                "run), so the red line is the capacity per sequence times the sequences. Its router is a "

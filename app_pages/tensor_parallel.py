@@ -121,6 +121,9 @@ st.latex(r"""
 \xrightarrow{\text{reduce-scatter}} \text{Out}[B, S_{tp}, D] \\
 \text{enter the column-parallel layer (}g\text{):} & X[B, S_{tp}, D] \xrightarrow{\text{all-gather}} X[B, S, D]
 \end{array}""")
+st.caption("Korthikanti et al. name these two g and ḡ, in their own notation: their g (the all-gather) is not "
+           "the g of the table above (Shoeybi et al.'s all-reduce), which sequence parallel splits into this "
+           "reduce-scatter and that all-gather.")
 st.markdown(
     """
 On a ring a reduce-scatter and an all-gather each send (t−1)/t of the array, together exactly the
