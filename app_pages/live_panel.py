@@ -29,6 +29,7 @@ from ui.live import (
     tolerance_rows,
     verdict,
 )
+from ui.tables import count
 from ui.timeline import lane_summary
 
 
@@ -88,6 +89,7 @@ def run_live(key: str, runs: list[tuple[str, object]], hint: str) -> list[LiveRu
                    "this one." if not pending[0].wait(0) else "Your previous run has just finished: it is shown "
                    "below. Press Run again for this one.", icon=":material/hourglass_top:")
         return _follow(key)
+    runs = _within_step_cap(runs)
     try:
         for label, cfg in runs:
             try:
@@ -102,6 +104,25 @@ def run_live(key: str, runs: list[tuple[str, object]], hint: str) -> list[LiveRu
         st.session_state.pop(key, None)
         return None
     return _follow(key)
+
+
+def _within_step_cap(runs: list[tuple[str, object]]) -> list[tuple[str, object]]:
+    """The runs with at most this server's steps (SHARDLAB_MAX_STEPS), said when it shortens them: a page whose
+    steps are fixed had been refused with advice it has no control for."""
+    from dataclasses import replace
+
+    from server.queue import get_queue
+    from server.settings import SettingsError
+
+    try:
+        cap = get_queue().settings.max_steps
+    except SettingsError:  # said by the queue when the run is submitted
+        return runs
+    if all(cfg.steps <= cap for _, cfg in runs):
+        return runs
+    st.info(f"This server runs at most {count(cap, 'optimizer step')} a run (SHARDLAB_MAX_STEPS): these run "
+            f"{cap}.", icon=":material/info:")
+    return [(label, replace(cfg, steps=min(cfg.steps, cap))) for label, cfg in runs]
 
 
 def run_task(label: str, task, hint: str, what: str = "run"):

@@ -38,3 +38,19 @@ def test_about_this_server_shows_the_settings(cached_queue):
     assert "share one queue" in text
     rows = about.dataframe[0].value
     assert "SHARDLAB_MAX_CONCURRENT" in set(rows["environment variable"])
+
+
+def test_a_page_with_more_steps_than_the_server_allows_runs_fewer_and_says_so(monkeypatch):
+    # a teacher's SHARDLAB_MAX_STEPS below a page's own steps had refused the run with advice to choose fewer
+    # steps, on pages without a steps control
+    q = RunQueue(Settings(max_concurrent=1, max_steps=1))
+    monkeypatch.setattr(server.queue, "_queue", q)
+    try:
+        at = open_app("app_pages/data_parallel.py")
+        at.button[0].click().run(timeout=180)
+        assert not at.exception and at.success, [e.value for e in at.error]
+        assert any("at most 1 optimizer step a run" in i.value for i in at.info)
+        assert all(run.summary.steps == 1 for run in at.session_state["live_dp"])
+    finally:
+        q.shutdown()
+
