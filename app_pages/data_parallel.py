@@ -61,7 +61,11 @@ st.latex(r"""
 \text{ZeRO-3 / FSDP (+ weights):} & (2 + 2 + 12)\,\Psi / N_d &
 \end{array}""")
 
-psi = total_params(spec)
+# each data-parallel rank holds its tp x pp shard of the model: the states ZeRO divides over dp are those
+psi_model = total_params(spec)
+shard = choices.mesh.get("tp", 1) * choices.mesh.get("pp", 1)
+psi = psi_model / shard
+shard_words = f" (each chip's 1/{shard} shard under tp x pp = {shard})" if shard > 1 else ""
 stages = ["DP", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
 per_stage = [zero_bytes_per_param(stage, dp) for stage in range(4)]
 fig = go.Figure()
@@ -70,16 +74,19 @@ for i, (part, kind) in enumerate((("weights", "params"), ("gradients", "grads"),
                          marker_color=MEMORY_COLORS[kind]))
 fig.add_hline(y=chip.hbm_bytes / 1e9, line_dash="dash", annotation_text=f"{chip.name} HBM")
 fig.update_layout(barmode="stack", yaxis_title="GB per chip (no activations)", height=380,
-                  title=f"{spec.name} ({psi / 1e9:.1f}B parameters) over dp = {count(dp, 'chip')}",
+                  title=f"{spec.name} ({psi_model / 1e9:.1f}B parameters"
+                        + (f", {psi / 1e9:.2f}B per tp x pp shard" if shard > 1 else "")
+                        + f") over dp = {count(dp, 'chip')}",
                   margin={"l": 10, "r": 10, "t": 50, "b": 10})
 st.plotly_chart(fig, key="zero_memory")
 fits = [s for s, p in zip(stages, per_stage, strict=True) if sum(p) * psi <= chip.hbm_bytes]
 st.markdown(
-    f"With dp = **{dp}** (sidebar), the model states of {spec.name} need "
+    f"With dp = **{dp}** (sidebar), the model states of {spec.name}{shard_words} need "
     + ", ".join(f"{s} **{sum(p) * psi / 1e9:,.1f} GB**" for s, p in zip(stages, per_stage, strict=True))
     + f" per chip, against {chip.hbm_bytes / 1e9:.0f} GB of HBM on {chip.name}: "
     + (f"{', '.join(fits)} fit{'s' if len(fits) == 1 else ''} before any activation."
-       if fits else "none fits: shard the model itself too (tensor or pipeline parallel), or raise dp.")
+       if fits else "none fits: shard the model " + ("further (more" if shard > 1 else "itself too (")
+       + "tensor or pipeline parallel), or raise dp.")
 )
 
 st.header("Communication: what each stage costs")
@@ -108,8 +115,9 @@ if dp == 1:  # a group of one sends nothing: no table of zeros over a link that 
                "above 1 to see what each stage moves.")
 else:
     st.dataframe(rows, hide_index=True, width="stretch")
-    st.caption(f"bf16 gradients of {spec.name} ({grad_bytes / 1e9:,.1f} GB) over {topo.describe()}, achievable "
-               "link bandwidth. Whether this time is exposed depends on how much backward compute it hides under.")
+    st.caption(f"bf16 gradients of {spec.name}{shard_words} ({grad_bytes / 1e9:,.1f} GB) over {topo.describe()}, "
+               "achievable link bandwidth. Whether this time is exposed depends on how much backward compute it "
+               "hides under.")
 
 st.subheader("The bound meter: can the communication hide under the math?")
 st.markdown(
@@ -132,7 +140,7 @@ else:
         col.markdown(verdict_text(bound))
 
 show_exercises(([fsdp_batch(spec, chip, dp, dp_stride)]
-                if dp > 1 else []) + [smallest_fitting_zero_stage(psi, spec.name, chip, dp)])
+                if dp > 1 else []) + [smallest_fitting_zero_stage(psi, spec.name, chip, dp, shard)])
 
 st.header("Run it for real")
 st.markdown(

@@ -517,13 +517,18 @@ def group_topology(chip: Chip, n: int, stride: int = 1, achievable: bool = False
     return _tpu_group(chip.torus_shape, chip.torus_wrap_multiple, n, stride, inner, outer)
 
 
-def _mesh_share(chip: Chip, link: Link, n: int, domain: int) -> Link:
-    """A full mesh gives each GPU one link per peer: a group of n of the domain's GPUs uses n-1 of its
-    domain-1 links (MI300X: 64 GB/s per peer, 448 to all seven; [MLE] measures 47.7 GB/s all-reduce on 2
-    GPUs against 313 on 8). A switch gives any group the full bandwidth."""
+def mesh_share(chip: Chip, n: int, domain: int) -> float:
+    """The share of a GPU's scale-up bandwidth a group of n of the domain's GPUs uses. A full mesh gives each
+    GPU one link per peer: n-1 of its domain-1 links (MI300X: 64 GB/s per peer, 448 to all seven; [MLE]
+    measures 47.7 GB/s all-reduce on 2 GPUs against 313 on 8). A switch gives any group the full bandwidth;
+    a group of one uses no link (its n - 1 = 0 links had made a bandwidth of 0: a ValueError)."""
     if chip.scaleup_topology != "mesh" or domain <= 1 or n >= domain or n <= 1:
-        return link  # a group of one uses no link (its n - 1 = 0 links had made a bandwidth of 0: a ValueError)
-    return Link(link.bytes_per_s * (n - 1) / (domain - 1), link.latency_s, link.fill_s)
+        return 1.0
+    return (n - 1) / (domain - 1)
+
+
+def _mesh_share(chip: Chip, link: Link, n: int, domain: int) -> Link:
+    return Link(link.bytes_per_s * mesh_share(chip, n, domain), link.latency_s, link.fill_s)
 
 
 def _tpu_group(shape: tuple[int, ...], wrap_multiple: int, n: int, stride: int, inner: Link,

@@ -47,14 +47,10 @@ def matmul_shape_factor(chip: Chip, m: float, n: float, k: float) -> float:
 
 
 def matmul_rate(chip: Chip, dtype: str, m: float, n: float, k: float) -> float:
-    """FLOP/s a GEMM of this shape reaches on `chip` in `dtype` (fp8 at the fp8 rate)."""
-    if dtype == "fp8":
-        efficiency = chip.fp8_matmul_efficiency
-        if efficiency is None:
-            raise ValueError(f"{chip.name} has no fp8 tensor cores; choose bf16")
-    else:
-        efficiency = chip.matmul_efficiency
-    return chip.peak_flops_per_s(dtype) * efficiency * min(1.0, matmul_shape_factor(chip, m, n, k)) * chip.pace
+    """FLOP/s a GEMM of this shape reaches on `chip` in `dtype` (fp8 at the fp8 rate and its own measured share,
+    `Chip.peak_flops_per_s(..., achievable=True)`)."""
+    return (chip.peak_flops_per_s(dtype, achievable=True) * min(1.0, matmul_shape_factor(chip, m, n, k))
+            * chip.pace)
 
 
 def matmul_s(chip: Chip, dtype: str, m: float, k: float, n: float, batch: float = 1.0) -> float:

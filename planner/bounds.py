@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass
 
 from hardware.chips import Chip
+from hardware.collectives import mesh_share
 from planner.flops import layer_params
 from planner.models import ModelSpec
 
@@ -63,9 +64,15 @@ def group_bandwidth(chip: Chip, n: int, stride: int, chips_per_node: int | None 
         return 2 * chip.scaleup_bytes_per_s, "one ICI axis (two links each way)"
     node = chips_per_node or chip.scaleup_domain
     if n * stride <= node:
-        return chip.scaleup_bytes_per_s, f"{chip.scaleup_link} inside a node of {node}"
-    if hierarchical:
-        return chip.scaleout_bytes_per_s * node, f"the network between nodes ({node} NICs per node)"
+        share = mesh_share(chip, n, node)  # a mesh-linked node (MI300X): a pair shares one of seven links
+        links = "" if share == 1 else f" ({share * (node - 1):g} of its {node - 1} links)"
+        return chip.scaleup_bytes_per_s * share, f"{chip.scaleup_link} inside a node of {node}{links}"
+    # reducing inside the node first, the group's members in one node share their NICs: all of them only when
+    # the group is consecutive (tp inside the node leaves one member per node, with one NIC: 50 GB/s, not 400)
+    per_node = max(1, min(n, node // stride))
+    if hierarchical and per_node > 1:
+        return (chip.scaleout_bytes_per_s * per_node,
+                f"the network between nodes ({per_node} of the group's NICs per node)")
     return chip.scaleout_bytes_per_s, "the network between nodes (each GPU's own NIC)"
 
 

@@ -53,23 +53,25 @@ def fsdp_batch(m: ModelSpec, chip: Chip, dp: int, stride: int) -> Exercise:
          f"B > C / W = **{b.intensity:,.0f} tokens per chip** (the scaling book's rule; latency left out)."])
 
 
-def smallest_fitting_zero_stage(m_params: float, name: str, chip: Chip, dp: int) -> Exercise:
+def smallest_fitting_zero_stage(m_params: float, name: str, chip: Chip, dp: int, shard: int = 1) -> Exercise:
+    """`m_params`: the parameters each data-parallel rank holds, its 1/`shard` of the model under tp x pp."""
     rows = []
     answer: int | str = "none: even ZeRO-3 does not fit; raise dp"
     for stage in range(4):
         per = sum(zero_bytes_per_param(stage, dp)) * m_params
-        rows.append(f"ZeRO-{stage}: {per / 1e9:,.1f} GB")
+        rows.append(f"{'ZeRO-' + str(stage) if stage else 'DP'}: {per / 1e9:,.1f} GB")
         if per <= chip.hbm_bytes and not isinstance(answer, int):
             answer = stage
+    of = f" (each chip's 1/{shard} shard of them, under tp x pp = {shard})" if shard > 1 else ""
     return Exercise(
-        f"What is the smallest ZeRO stage at which {name}'s weights, gradients and Adam state "
+        f"What is the smallest ZeRO stage at which {name}'s weights, gradients and Adam state{of} "
         f"(16 bytes per parameter in mixed precision) fit in {chip.name}'s {chip.hbm_bytes / 1e9:.0f} GB at "
         f"dp = {dp}?",
         answer,
         ["Per chip: ZeRO-1 shards the 12 bytes of Adam state, ZeRO-2 also the 2 of gradients, ZeRO-3 also "
          f"the 2 of weights, each over dp = {dp}.",
          ", ".join(rows) + " (activations come on top).",
-         f"Answer: **{'ZeRO-' + str(answer) if isinstance(answer, int) else answer}**."])
+         f"Answer: **{('ZeRO-' + str(answer) if answer else 'DP') if isinstance(answer, int) else answer}**."])
 
 
 def largest_compute_bound_tp(m: ModelSpec, chip: Chip, tokens: float) -> Exercise:
@@ -144,9 +146,11 @@ def compute_bound_tokens(chip: Chip, d: int, f: int, dtype: str = "bf16", achiev
     e = DTYPE_BYTES[dtype]
     # intensity 2BDF / (e(BD + DF + BF)) >= I*  <=>  B (2DF - e I*(D + F)) >= e I* D F
     denominator = 2 * d * f - e * ridge * (d + f)
-    answer: float | str = (e * ridge * d * f / denominator if denominator > 0
-                           else "never: the weights alone cost more")
-    shown = f"**{answer:,.0f} tokens**" if isinstance(answer, float) else f"**{answer}**"
+    least = e * ridge * d * f / denominator if denominator > 0 else None
+    # the first whole token count past the bound, as the page's info box says it (rounding to the nearest had
+    # answered 188 where 188.16 is needed: 188 tokens are still memory-bound)
+    answer: float | str = float(math.ceil(least)) if least is not None else "never: the weights alone cost more"
+    shown = (f"{least:,.1f}, so **{answer:,.0f} tokens**" if least is not None else f"**{answer}**")
     return Exercise(
         f"With D = {d:,} and F = {f:,} (the sliders), from how many tokens B is the {dtype} matmul "
         f"In[B, D] · W[D, F] on {chip.name} compute-bound ({_numbers(achievable)} numbers)?",

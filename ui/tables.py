@@ -13,7 +13,7 @@ CHIP_COLUMN_HELP = {
     "bf16 TFLOP/s": "Peak dense matrix-multiply rate in bf16 (C).",
     "fp8 TFLOP/s": "Peak dense rate in fp8; a dash where the chip has no fp8 matrix units.",
     "HBM GB": ("High-bandwidth memory per chip: what weights, gradients, optimizer state and activations share. "
-               "In 10^9 bytes, as software sees it: NVIDIA's '80GB' is 80 GiB, 85.5 GB."),
+               "In 10^9 bytes, as software sees it: an '80GB' H100 shows 81,559 MiB in nvidia-smi, 85.5 GB."),
     "HBM TB/s": "Memory bandwidth (W_hbm): how fast the matrix units can be fed.",
     "Ridge (bf16 FLOP/B)": "C / W_hbm: the arithmetic intensity an operation needs to be compute-bound.",
     "Scale-up GB/s per direction": "NVLink per GPU, or ICI per link for TPUs (W_ici), one direction.",

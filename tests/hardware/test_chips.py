@@ -89,6 +89,8 @@ def test_peak_flops_by_dtype():
     assert h100.peak_flops_per_s("fp16") == 989e12
     assert h100.peak_flops_per_s("fp8") == 1979e12
     assert h100.peak_flops_per_s("bf16", achievable=True) == pytest.approx(989e12 * h100.matmul_efficiency)
+    # fp8 at its own measured share, as hardware.kernels prices fp8 GEMMs
+    assert h100.peak_flops_per_s("fp8", achievable=True) == pytest.approx(1979e12 * h100.fp8_matmul_efficiency)
     assert h100.hbm_bw(achievable=True) == pytest.approx(3.35e12 * h100.hbm_efficiency)
     with pytest.raises(ValueError, match="A100 80GB SXM has no fp8 tensor cores; choose bf16"):
         get_chip("a100-80gb").peak_flops_per_s("fp8")

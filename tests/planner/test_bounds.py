@@ -25,6 +25,21 @@ def test_data_parallel_and_fsdp_turn_compute_bound_at_c_over_w(chip, dp, stride,
     assert f"= {low.intensity:,.0f};" in low.rule
 
 
+def test_a_group_spread_over_nodes_or_on_a_mesh_gets_only_its_own_links():
+    h100, mi300x = CHIPS["h100"], CHIPS["mi300x"]
+    # dp = 8 under tp = 8: one member per node, its own 50 GB/s NIC (the meter had given it the node's 400:
+    # C / W 2,472, compute-bound at 4,096 tokens; it is 19,780, communication-bound)
+    spread = data_parallel_bound(LLAMA_8B, h100, 4096, 8, stride=8)
+    assert spread.intensity == pytest.approx(989e12 / 50e9, rel=0.01) and not spread.compute_bound
+    # dp = 16 under tp = 2: four members per node share four NICs
+    assert data_parallel_bound(LLAMA_8B, h100, 4096, 16, stride=2).intensity == pytest.approx(989e12 / 200e9,
+                                                                                              rel=0.01)
+    # a pair of MI300X shares one of the seven Infinity Fabric links, as hardware.collectives prices it
+    pair = data_parallel_bound(LLAMA_8B, mi300x, 4096, 2)
+    assert pair.intensity == pytest.approx(mi300x.peak_flops_per_s("bf16") / (mi300x.scaleup_bytes_per_s / 7))
+    assert "1 of its 7 links" in pair.link
+
+
 def test_tensor_parallel_limit_is_f_over_c_over_w():
     # [SB]: "Y > n_axes * F / 2550 ~ n_axes * 11" for F = 28,672 (Llama 3 70B) on TPU v5p, one axis: the rule
     # of an MLP of two matrices, as [SB] derives it

@@ -32,6 +32,16 @@ def test_expected_comm_is_two_or_three_ring_passes():
     assert expected_comm_bytes_per_step(1000, 3, 4, micro_batches=2, last_unit_params=100) == 17400
 
 
+def test_zero_divides_each_chips_tp_x_pp_shard():
+    # GPT-3 175B at tp = 8, pp = 8: each dp rank holds 1/64 of the model, so every stage fits (the page had
+    # counted the whole model: "ZeRO-3 350.4 GB, none fits: shard the model" with the model already sharded)
+    at = _page(model="GPT-3 175B", chip="h100", dp="8", tp="8", pp="8")
+    assert not at.exception, [e.value for e in at.exception]
+    text = " ".join(m.value for m in at.markdown)
+    assert "(each chip's 1/64 shard under tp x pp = 64)" in text and "none fits" not in text
+    assert "DP, ZeRO-1, ZeRO-2, ZeRO-3 fit" in text
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("strategy, stage, mb", [("dp", 0, 4), ("dp", 2, 2), ("dp", 2, 4), ("fsdp", 3, 1),
                                                  ("fsdp", 3, 4)])
