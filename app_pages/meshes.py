@@ -70,7 +70,9 @@ else:
         st.session_state["mesh_preset"] = options[0]
 
     st.button("Apply to the sidebar (and the link)", on_click=_apply,
-              help="Loads this model, chip and mesh into the sidebar, so every page shows this layout.")
+              help="Loads this model, chip and mesh into the sidebar, so every page shows this layout. The "
+                   "sidebar has no batch, ZeRO stage or recipe: the published ones stay with this preset, so "
+                   "the sidebar's numbers (with its default batch) differ from the ones shown here.")
 
 chip = CHIPS[chip_key]
 mesh = Mesh(mesh_axes)
@@ -157,10 +159,10 @@ FLOP of the layer{
     trade = fsdp_tp_tradeoff(spec, chip, tokens, chips)
     st.plotly_chart(tradeoff_figure(trade), key="mesh_tradeoff")
     st.markdown(f"{trade.rule} {tradeoff_text(trade)}")
-pod = chip.scaleup_domain if chip.kind != "gpu" else 8
+pod = chip.scaleup_domain  # an NVLink domain (8 GPUs in a node, 72 in a GB200 NVL72 rack) or a TPU slice
 pods = max(1, mesh.world // pod)
 replicas = max(1, pods // mesh.degree("pp"))  # the pods of one pipeline stage read different sequences
-unit = "pod" if chip.kind != "gpu" else "node"
+unit = "pod" if chip.kind != "gpu" else "node" if pod <= 8 else "NVLink domain"
 pods_here = (f"This mesh fits in one {unit}: nothing crosses the network." if pods == 1 else
              f"This mesh spans {pods:,} {unit}s; each pipeline stage's {replicas:,} read different sequences."
              if replicas > 1 else f"This mesh spans {pods:,} {unit}s, split between its pipeline stages: no "

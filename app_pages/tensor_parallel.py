@@ -128,9 +128,10 @@ st.markdown(
     """
 On a ring a reduce-scatter and an all-gather each send (t−1)/t of the array, together exactly the
 2(t−1)/t of the all-reduce they replace: **sequence parallel moves the same bytes** (backward swaps the
-two). What falls is the memory. Per layer and chip, for the GPT layer Korthikanti et al. analyse (s sequence
-length, b micro-batch, h hidden, a heads, t tensor-parallel degree, 16-bit activations; their eq. 1-2 and
-Table 2):
+two), as long as the gathered input is kept for the weight gradient. Megatron-LM frees it to save that memory
+too and gathers it again in the backward: 1.25x the bytes, which the planner counts. What falls is the memory.
+Per layer and chip, for the GPT layer Korthikanti et al. analyse (s sequence length, b micro-batch, h hidden,
+a heads, t tensor-parallel degree, 16-bit activations; their eq. 1-2 and Table 2):
 """
 )
 st.latex(r"""
@@ -187,7 +188,8 @@ else:
         "of forward and backward compute "
         "(planner estimate of the whole layer, attention, MLP and memory-bound ops, at achievable FLOP/s and "
         f"bandwidth): communication is **{here['comm_s'] / here['compute_s']:.0%}** of the compute time, "
-        "and Megatron cannot hide it, because the next operation needs the sum."
+        "and in the forward Megatron cannot hide it, because the next operation needs the sum (the backward's "
+        "input-gradient all-reduces can run under the weight-gradient matmuls)."
     )
 if tp > 1:
     bound = tensor_parallel_bound(spec, chip, micro_batch * spec.seq_len, tp)
@@ -196,8 +198,9 @@ if tp > 1:
     st.markdown(f"**{verdict}** by the rule: one MLP's matmuls take {bound.math_s / bound.comm_s:,.2f}x its "
                 f"all-gather + reduce-scatter, per pass at peak rates. {bound.rule}. Both sides grow with "
                 "the tokens, so the batch does not help: only a wider MLP (larger F) or a smaller t does. "
-                "(Latency left out; Megatron's all-reduces cannot overlap at all, so on a GPU even "
-                "compute-bound TP pays its communication in full.)")
+                "(Latency left out. Megatron's forward all-reduces cannot overlap, for the next operation needs the "
+                "sum, so on a GPU even compute-bound TP pays that communication in full, unless a collective "
+                "matmul or userbuffers overlap splits it.)")
     st.markdown(
         "The meter and the estimate above count different things, so their ratios differ:\n\n"
         + bound_bases_table(bound, here) + "\n\n"

@@ -145,6 +145,12 @@ def expert_parallel_bound(m: ModelSpec, chip: Chip, tokens_per_chip: float, ep: 
     return Bound("ep", math_s, comm_s, alpha, link, rule)
 
 
+def divisors(n: int) -> list[int]:
+    """The divisors of n in order, in sqrt(n) steps (a loop to n had hung the meshes page at 2^32 chips)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
 @dataclass(frozen=True)
 class TradeoffRow:
     """One way to split N chips into X-way FSDP x Y-way tensor parallel, per layer's forward pass."""
@@ -164,7 +170,7 @@ class TradeoffRow:
 class FsdpTpTradeoff:
     rows: tuple[TradeoffRow, ...]  # every X dividing N (Y = N / X dividing the MLP width)
     best: TradeoffRow  # the least communication
-    x_opt: float  # the continuous optimum at the best row's bandwidths
+    x_opt: float | None  # the continuous optimum, where every split has the same links (else None)
     min_tokens_per_chip: float  # below this batch per chip even the best mix is communication-bound
     rule: str
     matrices: int  # the MLP's weight matrices counted (`mlp_matrices`)
@@ -191,28 +197,46 @@ def fsdp_tp_tradeoff(m: ModelSpec, chip: Chip, batch_tokens: float, n: int,
     n_mat = mlp_matrices(m)
     tpu = chip.kind != "gpu"
     m_x, m_y = (2, 1) if tpu else (1, 1)
-    rows = []
-    for x in (x for x in range(1, n + 1) if n % x == 0):
+    rows, w_xs, w_ys = [], set(), set()
+    for x in divisors(n):
         y = n // x
         if f % y:
             continue
         w_x, _ = group_bandwidth(chip, x, y, chips_per_node)
         w_y, _ = group_bandwidth(chip, y, 1, chips_per_node)
+        w_xs.update([w_x] if x > 1 else [])
+        w_ys.update([w_y] if y > 1 else [])
         rows.append(TradeoffRow(x, y, 2 * n_mat * d * f / (y * w_x * m_x) if x > 1 else 0.0,
                                 4 * batch_tokens * d / (x * w_y * m_y) if y > 1 else 0.0,
                                 2 * n_mat * batch_tokens * d * f / (n * c)))
     best = min(rows, key=lambda r: r.comm_s)
-    w_x, _ = group_bandwidth(chip, max(best.fsdp, 2), best.tp, chips_per_node)
-    w_y, _ = group_bandwidth(chip, max(best.tp, 2), 1, chips_per_node)
-    x_opt = math.sqrt(2 / n_mat * batch_tokens * n * w_x * m_x / (f * w_y * m_y))
-    floor = 8 / n_mat * (c / w_x) * (c / w_y) / (f * m_x * m_y)
     per_chip = batch_tokens / n
     verdict = "compute-bound" if best.comm_s <= best.math_s else "communication-bound"
-    rule = (f"Mixed FSDP + tensor parallel of {m.name} on {n:,} {chip.name} stays compute-bound while tokens per "
-            f"chip > (8 / {n_mat} MLP matrices) alpha_X alpha_Y / (F M_X M_Y) = {floor:,.0f} (F = {f:,}); here "
-            f"{per_chip:,.0f}. The "
-            f"least communication is at X = {best.fsdp:,} FSDP x Y = {best.tp:,} TP (X_opt = {x_opt:,.1f}"
-            + (f", beyond the {n:,} chips: pure FSDP moves least" if x_opt >= n else "") + f"): {verdict}.")
+    if len(w_xs) <= 1 and len(w_ys) <= 1:  # every split on the same links: [SB]'s closed form holds
+        w_x, _ = group_bandwidth(chip, max(best.fsdp, 2), best.tp, chips_per_node)
+        w_y, _ = group_bandwidth(chip, max(best.tp, 2), 1, chips_per_node)
+        x_opt = math.sqrt(2 / n_mat * batch_tokens * n * w_x * m_x / (f * w_y * m_y))
+        floor = 8 / n_mat * (c / w_x) * (c / w_y) / (f * m_x * m_y)
+        rule = (f"Mixed FSDP + tensor parallel of {m.name} on {n:,} {chip.name} stays compute-bound while tokens "
+                f"per chip > (8 / {n_mat} MLP matrices) alpha_X alpha_Y / (F M_X M_Y) = {floor:,.0f} (F = {f:,}); "
+                f"here {per_chip:,.0f}. The least communication is at X = {best.fsdp:,} FSDP x Y = {best.tp:,} TP "
+                f"(X_opt = {x_opt:,.1f}" + (f", beyond the {n:,} chips: pure FSDP moves least" if x_opt >= n else "")
+                + f"): {verdict}.")
+    else:
+        # across GPU nodes a group's links change with the split (a node's NICs are shared by its members of
+        # the group, `group_bandwidth`): no closed form; each split is compute-bound from its own batch, its
+        # weights' time over what the math beats the activations by, and the floor is the least of them
+        def threshold(r: TradeoffRow) -> float:
+            margin = (r.math_s - r.tp_s) / batch_tokens
+            return r.fsdp_s / margin if margin > 0 else math.inf
+
+        x_opt = None
+        floor = min(threshold(r) for r in rows) / n
+        rule = (f"Mixed FSDP + tensor parallel of {m.name} on {n:,} {chip.name} stays compute-bound while tokens "
+                f"per chip > {floor:,.0f} (F = {f:,}, {n_mat} MLP matrices; the best split's own threshold, for "
+                f"across nodes the links a group gets change with the split, so [SB]'s closed form does not hold); "
+                f"here {per_chip:,.0f}. The least communication is at X = {best.fsdp:,} FSDP x Y = {best.tp:,} TP: "
+                f"{verdict}.")
     return FsdpTpTradeoff(tuple(rows), best, x_opt, floor, rule, n_mat)
 
 

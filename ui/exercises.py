@@ -78,7 +78,9 @@ def largest_compute_bound_tp(m: ModelSpec, chip: Chip, tokens: float) -> Exercis
     b = tensor_parallel_bound(m, chip, tokens, 1)
     f, n = (m.dense_ffn_ if m.is_moe else m.ffn), mlp_matrices(m)
     limit = b.math_s / b.comm_s  # the math shrinks as 1 / Y, the communication does not: equal at this Y
-    largest = max(1, math.ceil(limit) - 1 if limit == int(limit) else math.floor(limit))
+    # a degree the node holds and the heads divide by (9.8 had been answered 9 on 8-GPU nodes, 32 heads)
+    node = chip.scaleup_domain
+    largest = max([y for y in range(1, node + 1) if y <= limit and m.heads % y == 0], default=1)
     factor = "" if n == 2 else f"{n / 2:g} · "
     return Exercise(
         f"Up to how many chips can tensor parallel split {m.name}'s MLP on {chip.name} (inside one node) "
@@ -88,7 +90,8 @@ def largest_compute_bound_tp(m: ModelSpec, chip: Chip, tokens: float) -> Exercis
          f"activations' all-gather and reduce-scatter 4·B·D / W. They are equal at Y = {factor}F / (C / W), "
          "whatever the batch.",
          f"C / W = {b.intensity:,.0f} ({b.link}); F = {f:,}: Y < {factor}{f:,} / {b.intensity:,.0f} = {limit:,.1f}.",
-         f"Answer: **{largest}** (a degree that divides the heads, in practice)."])
+         f"Answer: **{largest}**: the largest degree up to that which divides the {m.heads} heads and fits the "
+         f"{node}-chip {'node' if chip.kind == 'gpu' else 'slice'}."])
 
 
 def bubble_micro_batches(p: int, target: float = 0.10) -> Exercise:

@@ -147,8 +147,8 @@ def mesh_figure(mesh: Mesh, chip: Chip, axis: str, max_ranks: int = MAX_DRAWN) -
             name=f"{axis} group of rank {first}", showlegend=False,
             hovertemplate=f"rank %{{text}}<br>{axis} group of rank {first} ({count:,} groups)<extra></extra>"))
     rows = math.ceil(shown / per_row)
-    unit = "node" if chip.kind == "gpu" else "chips"
-    labels = [f"{unit} {i}" if chip.kind == "gpu" else f"{i * per_row}-{(i + 1) * per_row - 1}"
+    unit = "node" if chip.kind == "gpu" and chip.scaleup_domain <= 16 else "chips"
+    labels = [f"{unit} {i}" if unit == "node" else f"{i * per_row}-{(i + 1) * per_row - 1}"
               for i in range(rows)]
     n, stride = mesh.degree(axis), mesh.stride(axis)
     which = f"the first {shown} of {mesh.world:,} ranks" if shown < mesh.world else "all ranks"
@@ -169,7 +169,7 @@ def mesh_caption(mesh: Mesh, axis: str, max_ranks: int = MAX_DRAWN) -> str:
     sizes = [len(ranks) for ranks in _shown_groups(mesh, axis, shown).values()]
     colored = sum(1 for n in sizes if n > 1)
     stride = mesh.stride(axis)
-    text = "Each square is a rank (a chip), one row per node. "
+    text = "Each square is a rank (a chip), one row per node (16 chips a row on a TPU or an NVL72 rack). "
     if not colored:
         text += (f"The {axis} groups' members are {stride:,} ranks apart, so the {shown} ranks drawn are each in "
                  "a different group (grey): their partners are beyond them. ")
@@ -233,7 +233,8 @@ def tradeoff_figure(t: FsdpTpTradeoff) -> go.Figure:
                                  customdata=[r.tp for r in t.rows],
                                  hovertemplate="X = %{x} FSDP x Y = %{customdata} TP<br>%{y:,.1f} µs<extra>"
                                                + name + "</extra>"))
-    if t.x_opt <= max(x):  # in data units: this Plotly places a vline on a log axis itself (log10 had put it at 2.7)
+    # in data units: this Plotly places a vline on a log axis itself (log10 had put it at 2.7)
+    if t.x_opt is not None and t.x_opt <= max(x):
         fig.add_vline(x=t.x_opt, line={"color": "#444", "dash": "dot"},
                       annotation={"text": f"X_opt = {t.x_opt:,.1f}", "showarrow": False, "yanchor": "bottom"})
     fig.update_layout(xaxis={"type": "log", "title": "X, the FSDP degree (Y = N / X tensor parallel)",

@@ -88,7 +88,7 @@ def timeline_figure(timeline: Timeline, title: str = "", frames: int = 30, anima
     by_kind: dict[str, list[Span]] = defaultdict(list)
     for s in tl.spans:
         by_kind[span_kind(s)].append(s)
-    own = [k for k in KIND_COLORS if k in by_kind]
+    own = [k for k in KIND_COLORS if by_kind.get(k)]
     kinds = own if kinds is None else [*kinds, *(k for k in own if k not in kinds)]  # never a span left out
     rows = rows if rows is not None else _rows(tl, rows_by_kind)
 
@@ -118,6 +118,8 @@ def timeline_figure(timeline: Timeline, title: str = "", frames: int = 30, anima
         return "<br>".join(parts)
 
     animated = animate and bool(rows) and frames > 1
+    legend = kinds  # every kind named, in this order (legendrank): another chart drawn to compare lists the same
+    kinds = [k for k in legend if by_kind[k]]
     fig = go.Figure()
     for kind in kinds:
         spans = by_kind[kind]
@@ -129,12 +131,16 @@ def timeline_figure(timeline: Timeline, title: str = "", frames: int = 30, anima
             orientation="h", y=np.array([row(s) for s in spans], dtype=object), name=kind_label(kind),
             marker={"color": KIND_COLORS[kind], "line": {"width": np.array(edges), "color": "white"}},
             customdata=np.array([hover(s) for s in spans], dtype=object),
-            hovertemplate="%{customdata}<extra></extra>",
+            hovertemplate="%{customdata}<extra></extra>", legendrank=legend.index(kind),
             **full,
         ))
     if animated:  # the cursor the animation sweeps; a still chart has none
         fig.add_trace(go.Scatter(mode="lines", line={"color": "black", "width": 2}, name="now", showlegend=False,
                                  hoverinfo="skip", **cursor(t_end)))
+    for kind in (k for k in legend if k not in kinds):  # named only: Plotly lists no empty bar trace
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=kind_label(kind), hoverinfo="skip",
+                                 marker={"symbol": "square", "size": 12, "color": KIND_COLORS[kind]},
+                                 legendrank=legend.index(kind)))
     fig.update_layout(
         title=title, barmode="overlay", height=max(260, 42 * len(rows) + 140), bargap=0.25,
         margin={"l": 10, "r": 10, "t": (70 if "<br>" in title else 50) if title else 20, "b": 10},

@@ -117,3 +117,19 @@ def test_data_parallel_between_pods_needs_c_over_w_dcn_tokens_per_pod():
     b = cross_pod_bound(_book_model(30000), CHIPS["tpu-v5p"], 3.5e6)
     assert b.intensity == pytest.approx(73440) and b.compute_bound
     assert not cross_pod_bound(_book_model(30000), CHIPS["tpu-v5p"], 50000).compute_bound
+
+
+def test_across_gpu_nodes_the_tradeoff_takes_its_floor_from_the_splits():
+    # with the links changing with the split (a node's NICs shared by its members of the group), [SB]'s closed
+    # form had drawn X_opt = 437 where the total still fell, and a floor of 272 tokens where pure FSDP over
+    # 400 GB/s needs C / W = 2,472
+    from planner.bounds import divisors
+
+    t = fsdp_tp_tradeoff(MODEL_PRESETS["Llama 3 405B"], CHIPS["h100"], 1024 * 8192, 1024)
+    assert t.x_opt is None and t.best.fsdp == 1024
+    assert 2_000 < t.min_tokens_per_chip < 2_472  # the best split's own threshold, a little under pure FSDP's
+    at_floor = t.min_tokens_per_chip * 1024 / (1024 * 8192)  # rows scale with the batch: math and TP linearly
+    # at the floor one split's communication just equals its math, and none is below it
+    slack = [r.math_s * at_floor - (r.fsdp_s + r.tp_s * at_floor) for r in t.rows]
+    assert max(slack) == pytest.approx(0, abs=1e-12)
+    assert divisors(36) == [1, 2, 3, 4, 6, 9, 12, 18, 36] and len(divisors(2**32)) == 33  # in sqrt(n) steps

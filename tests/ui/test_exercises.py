@@ -43,7 +43,8 @@ def test_largest_compute_bound_tp():
     # 1.5 F / (C / W) for SwiGLU's three matrices: Llama 3 70B on v5p 1.5 x 28,672 / 2,550 = 16.9 -> 16; Llama 3 8B
     # on H100 1.5 x 14,336 / 2,198 = 9.8 -> 9; F / (C / W) for two ([SB]'s): GPT-3 2.7B on v5p 10,240 / 2,550 -> 4
     assert ex.largest_compute_bound_tp(LLAMA_70B, V5P, 4096).answer == 16
-    assert ex.largest_compute_bound_tp(LLAMA_8B, H100, 4096).answer == 9
+    # the rule allows 9.8 on H100; 9 fits no 8-GPU node and divides no 32 heads: 8
+    assert ex.largest_compute_bound_tp(LLAMA_8B, H100, 4096).answer == 8
     assert ex.largest_compute_bound_tp(MODEL_PRESETS["GPT-3 2.7B"], V5P, 4096).answer == 4
 
 

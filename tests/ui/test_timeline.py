@@ -62,3 +62,16 @@ def test_lane_summary_measures_overlap_of_comm_with_compute():
     assert rows[0]["comm under compute %"] == pytest.approx(66.7)
     assert rows[0]["comm bytes"] == 1000
     assert rows[1]["comm under compute %"] == 0.0
+
+
+def test_a_kind_named_for_the_legend_only_is_listed():
+    # Plotly lists no empty bar trace: the shared legend had still been one entry short on the chart without
+    # that kind, and the two charts' time axes 24 px apart
+    from core.timeline import Span, Timeline
+    from ui.timeline import timeline_figure
+
+    tl = Timeline([Span(0, "compute", "forward", 0.0, 1e-3)])
+    fig = timeline_figure(tl, kinds=["forward", "all_reduce"])
+    named = sorted((t.legendrank, t.name) for t in fig.data if t.showlegend is not False)
+    assert [name for _, name in named] == ["forward", "all-reduce"]
+    assert fig.data[-1].x == (None,) and fig.data[-1].marker.color  # a legend entry, no bar
