@@ -27,7 +27,7 @@ from ui.meshes import (
     tradeoff_figure,
     tradeoff_text,
 )
-from ui.tables import batch_words, count, format_step
+from ui.tables import batch_words, count, format_step, search_counts
 
 choices = st.session_state["choices"]
 
@@ -198,8 +198,7 @@ report = st.session_state.get("mesh_search_report")
 if report is not None and (report.case.cluster.num_chips, report.case.model.name) == (mesh.world, spec.name):
     st.dataframe(search_rows(report), hide_index=True, width="stretch")
     st.plotly_chart(search_figure(report), key="mesh_search_chart")
-    st.caption(f"{report.considered:,} layouts considered, {report.evaluated:,} simulated in "
-               f"{report.elapsed_s:.2f} s. The fastest, in words:")
+    st.caption(f"{search_counts(report)}. The fastest, in words:")
     if report.ranked:
         st.markdown("\n".join(f"- {line}" for line in report.ranked[0].explanation))
 

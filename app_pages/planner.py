@@ -15,7 +15,7 @@ from planner.simulate import USABLE_HBM_FRACTION, usable_hbm_bytes
 from planner.timeline import DRAWN
 from ui.charts import breakdown_figure, memory_figure
 from ui.exercises import training_state_chips
-from ui.tables import count, format_step
+from ui.tables import count, format_step, search_counts
 from ui.timeline import densest_row, timeline_figure
 
 TOKENS_PER_BATCH = [2**i for i in range(19, 26)]  # 0.5M .. 32M tokens
@@ -333,9 +333,7 @@ if report is not None and (searched_case, searched_top) != (search_case, top):
     report = None
     st.caption("The setup changed since the last search: press the button to search this one.")
 if report is not None:
-    st.caption(f"{report.considered:,} layouts considered ({report.evaluated:,} simulations of them and their "
-               "ZeRO and recomputation variants) in "
-               f"{report.elapsed_s:.2f} s ({spec.name} on {n:,} x {chip.name}). Equal step times are ranked by "
+    st.caption(f"{search_counts(report)} ({spec.name} on {n:,} x {chip.name}). Equal step times are ranked by "
                "memory per "
                "chip, then by fewer chips in model-parallel groups (tp x pp x cp): the simpler layout first.")
     rows = []

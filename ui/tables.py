@@ -120,3 +120,11 @@ def batch_words(seq_len: int, chips: int, published: int | None = None) -> str:
     elif sequences * seq_len > 1.5 * TOKENS_PER_BATCH:
         words += f": one per chip, more than the planner's usual {TOKENS_PER_BATCH / 2**20:.0f}M tokens"
     return words + ")"
+
+
+def search_counts(report) -> str:
+    """What a layout search did (planner.layout_search.SearchResult), in words: its simulations outnumber its
+    layouts, for each layout is simulated with its ZeRO and recomputation variants."""
+    return (f"{report.considered:,} layouts considered ({report.evaluated:,} simulations of them and their ZeRO and "
+            f"recomputation variants) in {report.elapsed_s:.2f} s")
+

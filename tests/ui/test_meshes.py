@@ -159,6 +159,8 @@ def test_search_ranks_layouts_and_apply_loads_the_fastest():
     table = next(d.value for d in at.dataframe if "rank" in d.value.columns)
     assert list(table["rank"]) == [1, 2, 3, 4, 5] and list(table["step s"]) == sorted(table["step s"])
     assert len(at.get("plotly_chart")) >= 3  # the groups, the FSDP-TP trade-off, the ranked layouts
+    # the planner page's words: "125 layouts considered, 244 simulated" had read as a contradiction
+    assert any("simulations of them and their ZeRO and recomputation variants" in c.value for c in at.caption)
     best = at.session_state["mesh_search_report"].ranked[0].result.layout
     at.button(key="mesh_apply_best").click().run()
     assert not at.exception, [e.value for e in at.exception]
