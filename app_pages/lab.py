@@ -222,8 +222,8 @@ if current and (not history or current[0] is not history[-1]):
 st.subheader("The same experiment elsewhere")
 st.markdown("From a terminal in this repository (`--json` prints every number of the table, `--trace` "
             "writes the timeline):")
-try:  # with this server's time limit, as the run above gets it (server.queue.submit): one command everywhere
-    as_run = replace(cfg, timeout_s=get_queue().settings.max_run_s)
+try:  # with this server's time limit, as the run above gets it: one command everywhere
+    as_run = get_queue().as_run(cfg)
 except SettingsError:  # a misconfigured server is said where the run is; the command stands without it
     as_run = cfg
 st.code(command_line(as_run), language="bash")

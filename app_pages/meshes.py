@@ -8,7 +8,7 @@ from app_pages.exercise_panel import show_exercises
 from app_pages.live_panel import run_live, show_live
 from core.mesh import Mesh
 from hardware.chips import CHIPS
-from planner.bounds import cross_pod_bound, fsdp_tp_tradeoff, mlp_matrices
+from planner.bounds import cross_pod_bound, fsdp_tp_tradeoff
 from planner.case import Cluster, Parallel, SpecError, mesh_parallel
 from planner.costs import cluster_chip
 from planner.models import MODEL_PRESETS
@@ -142,6 +142,7 @@ if chips == 1:
     st.markdown("Each pipeline stage here is one chip: there is nothing for FSDP or tensor parallel to split. "
                 "Give the stage more chips (dp or tp in the sidebar) to see the trade-off.")
 else:
+    trade = fsdp_tp_tradeoff(spec, chip, tokens, chips)
     st.markdown(
         f"""
 Both split the {count(chips, 'chip')} of one pipeline stage, and they move different things: **FSDP moves weights**
@@ -150,13 +151,12 @@ reduce-scattered out of every layer). Splitting the chips as X-way FSDP x Y-way 
 weights each chip gathers shrink as Y grows and the activations it moves shrink as X grows, so their sum
 has a minimum (the scaling book, Part 5). For {spec.name} with {tokens:,} tokens per step on {chip.name},
 per layer's forward, counted as the scaling book counts it: the MLP's {
-"three matmuls (SwiGLU's gate, up and down; the book's MLP has two)" if mlp_matrices(spec) == 3 else "two matmuls"
+"three matmuls (SwiGLU's gate, up and down; the book's MLP has two)" if trade.matrices == 3 else "two matmuls"
 } of D = {spec.hidden:,} by F = {(spec.dense_ffn_ if spec.is_moe else spec.ffn):,}, the most communication per
 FLOP of the layer{
 " (a dense MLP's width: the experts' own all-to-all is the expert-parallel page's)" if spec.is_moe else ""}:
 """
     )
-    trade = fsdp_tp_tradeoff(spec, chip, tokens, chips)
     st.plotly_chart(tradeoff_figure(trade), key="mesh_tradeoff")
     st.markdown(f"{trade.rule} {tradeoff_text(trade)}")
 pod = chip.scaleup_domain  # an NVLink domain (8 GPUs in a node, 72 in a GB200 NVL72 rack) or a TPU slice

@@ -307,6 +307,10 @@ def bubble_spans(timeline: Timeline) -> list[Span]:
     """Per step and rank, an idle "bubble" span for every gap between its pipeline compute spans, from the
     step's first pipeline op on any rank to its last (what the simulator draws as `.`), less the rank's other
     compute in it: a rank done early runs its optimizer step there (drawn as idle under it, it had been)."""
+    compute: dict[tuple[int, int], list[tuple[float, float]]] = {}  # (step, rank) -> its compute, one pass
+    for s in timeline.spans:
+        if s.lane == "compute":
+            compute.setdefault((s.step, s.rank), []).append((s.start_s, s.end_s))
     out = []
     for step in sorted({s.step for s in timeline.spans}):
         spans = _pipeline_spans(timeline, step)
@@ -314,8 +318,7 @@ def bubble_spans(timeline: Timeline) -> list[Span]:
             continue
         first_s, last_s = min(s.start_s for s in spans), max(s.end_s for s in spans)
         for rank in sorted({s.rank for s in spans}):
-            busy = _merged((s.start_s, s.end_s) for s in timeline.spans
-                           if s.rank == rank and s.step == step and s.lane == "compute")
+            busy = _merged(compute[step, rank])
             idle_from = first_s
             for start, end in [*busy, (last_s, last_s)]:
                 if start > idle_from and idle_from < last_s:

@@ -176,10 +176,13 @@ class RunQueue:
             except ConfigError as e:
                 raise Refused(f"{label}: {e}") from None
 
+    def as_run(self, cfg):
+        """`cfg` as this server runs it: the server's limit is each run's (RunConfig.timeout_s, 60 s by default,
+        had capped it below 120). The Lab shows its commands so, to repeat the run exactly."""
+        return replace(cfg, timeout_s=self.settings.max_run_s)
+
     def submit(self, session: str, runs, alive=None) -> Job:
-        # the server's limit is each run's (RunConfig.timeout_s, 60 s by default, had capped it below 120)
-        runs = tuple((label, w if isinstance(w, Task) else replace(w, timeout_s=self.settings.max_run_s))
-                     for label, w in runs)
+        runs = tuple((label, w if isinstance(w, Task) else self.as_run(w)) for label, w in runs)
         self.check(runs)
         key = run_key(runs)
         with self._cond:

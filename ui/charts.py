@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import plotly.graph_objects as go
 
 from hardware.roofline import roofline_curve
-from ui.timeline import KIND_COLORS
+from ui.timeline import KIND_COLORS, legend_marker
 
 PALETTE = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#FF9DA6", "#9D755D",
            "#BAB0AC", "#EECA3B", "#1F77B4", "#2CA02C"]
@@ -76,8 +76,7 @@ def log_axis(values: list[float], **axis) -> dict:
 
 def span_legend(text: str, color: str) -> go.Scatter:
     """A legend entry for a shaded region (`add_vrect`): the words in the legend, not over the lines."""
-    return go.Scatter(x=[None], y=[None], mode="markers", name=text,
-                      marker={"symbol": "square", "size": 14, "color": color, "opacity": 0.25})
+    return legend_marker(text, color, size=14, opacity=0.25)
 
 
 def _log_grid(lo: float, hi: float, n: int = 200) -> list[float]:

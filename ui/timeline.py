@@ -54,6 +54,12 @@ def _rows(timeline: Timeline, by_kind: bool = False) -> list[str]:
     return [row_label(r, lane) for r in timeline.ranks for lane in LANES if (r, lane) in used]
 
 
+def legend_marker(name: str, color: str, size: int = 12, opacity: float = 1.0, **trace) -> go.Scatter:
+    """A legend entry with nothing drawn: a kind of work a chart has none of, or a shaded region."""
+    return go.Scatter(x=[None], y=[None], mode="markers", name=name, hoverinfo="skip",
+                      marker={"symbol": "square", "size": size, "color": color, "opacity": opacity}, **trace)
+
+
 def shared_rows(*timelines: Timeline) -> list[str]:
     """The rows of several timelines together (rank by rank, lane by lane), for figures drawn to be compared:
     a lane only one of them uses (the engine's idle waits) gets its row in both, so their rows line up."""
@@ -88,16 +94,18 @@ def timeline_figure(timeline: Timeline, title: str = "", frames: int = 30, anima
     by_kind: dict[str, list[Span]] = defaultdict(list)
     for s in tl.spans:
         by_kind[span_kind(s)].append(s)
-    own = [k for k in KIND_COLORS if by_kind.get(k)]
-    kinds = own if kinds is None else [*kinds, *(k for k in own if k not in kinds)]  # never a span left out
+    drawn = [k for k in KIND_COLORS if by_kind.get(k)]
+    # every kind named, in this order (legendrank): another chart drawn to compare lists the same; never a span
+    # left out of it
+    legend = drawn if kinds is None else [*kinds, *(k for k in drawn if k not in kinds)]
     rows = rows if rows is not None else _rows(tl, rows_by_kind)
 
     def row(s: Span) -> str:
         return row_label(s.rank, kind_label(span_kind(s)) if rows_by_kind else s.lane)
 
     # arrays, not lists: Plotly checks a list element by element (3 s for a 58k-span pipeline step)
-    start_of = {k: np.array([s.start_s for s in by_kind[k]], dtype=float) * scale for k in kinds}
-    end_of = {k: np.array([s.end_s for s in by_kind[k]], dtype=float) * scale for k in kinds}
+    start_of = {k: np.array([s.start_s for s in by_kind[k]]) * scale for k in drawn}
+    end_of = {k: np.array([s.end_s for s in by_kind[k]]) * scale for k in drawn}
 
     def bars(kind: str, t: float | None) -> dict:
         starts, ends = start_of[kind], end_of[kind]
@@ -118,10 +126,8 @@ def timeline_figure(timeline: Timeline, title: str = "", frames: int = 30, anima
         return "<br>".join(parts)
 
     animated = animate and bool(rows) and frames > 1
-    legend = kinds  # every kind named, in this order (legendrank): another chart drawn to compare lists the same
-    kinds = [k for k in legend if by_kind[k]]
     fig = go.Figure()
-    for kind in kinds:
+    for kind in drawn:
         spans = by_kind[kind]
         full = bars(kind, None)
         # a white edge separates neighbouring bars that are wide enough to show it; on a thin one it is all
@@ -137,10 +143,8 @@ def timeline_figure(timeline: Timeline, title: str = "", frames: int = 30, anima
     if animated:  # the cursor the animation sweeps; a still chart has none
         fig.add_trace(go.Scatter(mode="lines", line={"color": "black", "width": 2}, name="now", showlegend=False,
                                  hoverinfo="skip", **cursor(t_end)))
-    for kind in (k for k in legend if k not in kinds):  # named only: Plotly lists no empty bar trace
-        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=kind_label(kind), hoverinfo="skip",
-                                 marker={"symbol": "square", "size": 12, "color": KIND_COLORS[kind]},
-                                 legendrank=legend.index(kind)))
+    for kind in (k for k in legend if k not in drawn):  # named only: Plotly lists no empty bar trace
+        fig.add_trace(legend_marker(kind_label(kind), KIND_COLORS[kind], legendrank=legend.index(kind)))
     fig.update_layout(
         title=title, barmode="overlay", height=max(260, 42 * len(rows) + 140), bargap=0.25,
         margin={"l": 10, "r": 10, "t": (70 if "<br>" in title else 50) if title else 20, "b": 10},
@@ -150,8 +154,8 @@ def timeline_figure(timeline: Timeline, title: str = "", frames: int = 30, anima
     )
     if animated:
         times = [t_end * i / (frames - 1) for i in range(frames)]
-        fig.frames = [go.Frame(name=f"{t:.3f}", data=[go.Bar(**bars(k, t)) for k in kinds] + [go.Scatter(**cursor(t))],
-                               traces=list(range(len(kinds) + 1))) for t in times]
+        fig.frames = [go.Frame(name=f"{t:.3f}", data=[go.Bar(**bars(k, t)) for k in drawn] + [go.Scatter(**cursor(t))],
+                               traces=list(range(len(drawn) + 1))) for t in times]
         add_time_animation(fig, times, [f"{t:.3f}" for t in times], unit, frame_ms=80)
     return fig
 
