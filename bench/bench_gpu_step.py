@@ -201,7 +201,13 @@ def compare(args) -> int:
     from planner.gpu_steps import comparisons
 
     path = Path(args.compare)
-    paths = [path / "step.json"] if path.is_dir() else [path]
+    if path.is_dir():  # a --out folder of this script, or a folder of recordings such as hardware/data
+        paths = [path / "step.json"] if (path / "step.json").exists() else sorted(path.glob("*-step-*.json"))
+    else:
+        paths = [path] if path.is_file() else []
+    if not paths:
+        print(f"error: --compare {path}: no step.json or *-step-*.json recording there", file=sys.stderr)
+        return 2
     for fusion in ("eager", "fused"):
         print(f"\nThe planner with fusion {fusion} (the bench's model fuses its norms, not its rotary):")
         for c in comparisons(paths, args.chip, fusion):
@@ -210,7 +216,7 @@ def compare(args) -> int:
             for cls in sorted(set(c.measured) | {k for k, v in c.predicted.items() if v}):
                 print(f"  {cls:12s} {c.measured.get(cls, 0.0) * 1e3:8.1f} ms traced  "
                       f"{c.predicted.get(cls, 0.0) * 1e3:8.1f} ms predicted")
-    if path.is_dir():  # the traces are there: their longest kernels
+    if path.is_dir() and (path / "step.json").exists():  # the traces are there: their longest kernels
         record = json.loads((path / "step.json").read_text())
         for backend in record["backends"]:
             if (path / f"trace-{backend}.json").exists():
@@ -230,7 +236,8 @@ def main() -> int:
         ap.add_argument("--" + key.replace("_", "-"), type=int, default=LLAMA3_8B_WIDTHS[key])
     ap.add_argument("--mlp", choices=["swiglu", "gelu"], default=LLAMA3_8B_WIDTHS["mlp"])
     ap.add_argument("--compare", metavar="DIR_OR_STEP.json",
-                    help="print a recorded step beside the planner's prediction")
+                    help="print recorded steps beside the planner's prediction: a --out folder, a folder of "
+                         "recordings (hardware/data) or one recording")
     ap.add_argument("--chip", default="h200")
     args = ap.parse_args()
     return compare(args) if args.compare else measure(args)

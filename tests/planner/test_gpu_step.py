@@ -56,6 +56,17 @@ def test_compare_prints_a_recorded_step_without_a_gpu():
     assert "GPU idle" in out.stdout and "fusion fused" in out.stdout
 
 
+def test_compare_reads_a_folder_of_recordings_and_refuses_a_missing_path(tmp_path):
+    # hardware/data holds recordings, not a --out folder's step.json: every recording is compared
+    out = subprocess.run([sys.executable, str(BENCH), "--compare", str(RECORDED[0].parent)], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("measured") == 2 * len(STEPS)  # each step printed with fusion eager and fused
+    out = subprocess.run([sys.executable, str(BENCH), "--compare", str(tmp_path / "none")], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 2 and "no step.json" in out.stderr and "Traceback" not in out.stderr
+
+
 def test_measuring_without_a_gpu_exits_2_with_a_message(tmp_path):
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
