@@ -16,6 +16,7 @@ from ui.charts import MEMORY_COLORS
 from ui.dp_lesson import LIVE_STRATEGIES, comm_formula_text, expected_comm_bytes_per_step, expected_memory
 from ui.exercises import fsdp_batch, smallest_fitting_zero_stage
 from ui.tables import count
+from ui.tensor_parallel import group_links_chip
 
 choices = st.session_state["choices"]
 chip = CHIPS[choices.chip]
@@ -101,7 +102,10 @@ gather prefetched one layer ahead so it hides under compute.
 )
 grad_bytes = 2 * psi
 dp_stride = choices.device_mesh().stride("dp")  # the dp group's members are this many ranks apart
-topo = group_topology(chip, dp, stride=dp_stride, achievable=True)
+# the dp group's links in a job of the sidebar's mesh (a TPU's slice: ui.tensor_parallel.group_links_chip), for the
+# table, the bound meter and the exercise alike
+links = group_links_chip(chip, dp * dp_stride, choices.num_chips)
+topo = group_topology(links, dp, stride=dp_stride, achievable=True)
 rows = [
     {"strategy": "DP / ZeRO-1 / ZeRO-2", "collectives per step": "all-reduce (= reduce-scatter + all-gather)",
      "bytes per chip": f"{2 * (dp - 1) / dp * grad_bytes / 1e9:,.2f} GB",
@@ -134,12 +138,12 @@ if dp == 1:
     st.caption("With dp = 1 in the sidebar there is nothing to communicate: set dp above 1.")
 else:
     for col, fsdp in zip(st.columns(2), (False, True), strict=True):
-        bound = data_parallel_bound(spec, chip, bound_tokens, dp, dp_stride, fsdp=fsdp)
+        bound = data_parallel_bound(spec, links, bound_tokens, dp, dp_stride, fsdp=fsdp)
         col.plotly_chart(bound_figure(bound, "FSDP / ZeRO-3" if fsdp else "DP / ZeRO-1/2"),
                          key=f"bound_{'fsdp' if fsdp else 'dp'}")
         col.markdown(verdict_text(bound))
 
-show_exercises(([fsdp_batch(spec, chip, dp, dp_stride)]
+show_exercises(([fsdp_batch(spec, links, dp, dp_stride)]
                 if dp > 1 else []) + [smallest_fitting_zero_stage(psi, spec.name, chip, dp, shard)])
 
 st.header("Run it for real")

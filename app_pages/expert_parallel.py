@@ -28,6 +28,7 @@ from ui.expert_parallel import (
     simulate_routing,
 )
 from ui.tables import count, format_bytes, format_seconds
+from ui.tensor_parallel import group_links_chip
 
 choices = st.session_state["choices"]
 chip = CHIPS[choices.chip]
@@ -244,7 +245,8 @@ lines.append(
     "cards free of other traffic.")
 st.markdown(" ".join(lines))
 if model_ep > 1:
-    bound = expert_parallel_bound(spec, chip, tokens, model_ep)
+    ep_links = group_links_chip(chip, model_ep, choices.num_chips)  # a TPU's: the job's slice
+    bound = expert_parallel_bound(spec, ep_links, tokens, model_ep)
     st.plotly_chart(bound_figure(bound, f"The bound meter at ep = {model_ep}"), key="ep_bound")
     st.markdown(verdict_text(bound) + " Both sides grow with the tokens and with k, so only a wider expert "
                 "or faster links help; across nodes an all-to-all cannot reduce inside the node first, so each "
@@ -252,7 +254,7 @@ if model_ep > 1:
                 "links' bandwidth, latency left out; the table above uses achievable numbers.)")
 
 if model_ep > 1:
-    show_exercises([ep_expert_width(spec, chip, model_ep),
+    show_exercises([ep_expert_width(spec, ep_links, model_ep),
                     a2a_leaving_share(model_ep, tokens, spec.top_k, spec.hidden)])
 else:
     st.info("At ep = 1 one chip holds every expert: no token leaves it, there is no all-to-all to hide, so no "

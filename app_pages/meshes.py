@@ -142,7 +142,7 @@ if chips == 1:
     st.markdown("Each pipeline stage here is one chip: there is nothing for FSDP or tensor parallel to split. "
                 "Give the stage more chips (dp or tp in the sidebar) to see the trade-off.")
 else:
-    trade = fsdp_tp_tradeoff(spec, chip, tokens, chips)
+    trade = fsdp_tp_tradeoff(spec, cluster_chip(chip, mesh.world, None), tokens, chips)  # the job's slice on a TPU
     st.markdown(
         f"""
 Both split the {count(chips, 'chip')} of one pipeline stage, and they move different things: **FSDP moves weights**

@@ -18,6 +18,7 @@ from ui.tensor_parallel import (
     activation_bytes,
     activation_figure,
     bound_bases_table,
+    group_links_chip,
     live_rows,
     refused_degrees_text,
     scaling_figure,
@@ -192,7 +193,7 @@ else:
         "input-gradient all-reduces can run under the weight-gradient matmuls)."
     )
 if tp > 1:
-    bound = tensor_parallel_bound(spec, chip, micro_batch * spec.seq_len, tp)
+    bound = tensor_parallel_bound(spec, group_links_chip(chip, tp, choices.num_chips), micro_batch * spec.seq_len, tp)
     st.plotly_chart(bound_figure(bound, f"The scaling book's rule at t = {tp}, one MLP, one pass"), key="tp_bound")
     verdict = "Compute-bound" if bound.compute_bound else "Communication-bound"
     st.markdown(f"**{verdict}** by the rule: one MLP's matmuls take {bound.math_s / bound.comm_s:,.2f}x its "
@@ -251,7 +252,7 @@ if domain >= MAX_TP:
     st.caption(f"{chip.name}'s scale-up domain holds {domain:,} chips, so no tp on this slider leaves it; "
                "pick an 8-GPU node such as h100 in the sidebar to see the crossing.")
 
-show_exercises([largest_compute_bound_tp(spec, chip, micro_batch * spec.seq_len)]
+show_exercises([largest_compute_bound_tp(spec, chip, micro_batch * spec.seq_len, choices.num_chips)]
                + ([tp_bytes_per_layer(tp, micro_batch, spec.seq_len, spec.hidden, here["comm_bytes"])]
                   if here is not None and tp > 1 else []))
 

@@ -19,7 +19,9 @@ FLOP/s C and the bandwidth W the strategy's collectives use, latency left out:
   batch and of k (derived the same way; an all-to-all cannot reduce inside the node first, so across
   nodes W is one GPU's network card, not the node's).
 
-W, as [SB] uses it: a TPU torus axis carries two links in each direction (W = 2 x one link x axes); a GPU
+W, as [SB] uses it: a TPU group on a wrapped torus axis gets two links in each direction, over M axes M times
+that, read from the job's slice by the collective model (`torus_bandwidth`: a line along part of an axis
+gets one, a group across slices the DCN); a GPU
 group inside its NVLink node gets the GPU's NVLink bandwidth (H100: 989e12 / 450e9 = 2,200); a group
 that crosses nodes, reducing inside the node first, gets the node's network egress (8 x 50 GB/s = 400 GB/s
 per H100 node: 2,475).
@@ -31,7 +33,7 @@ import math
 from dataclasses import dataclass
 
 from hardware.chips import Chip
-from hardware.collectives import mesh_share
+from hardware.collectives import Hierarchy, Torus, group_topology, mesh_share
 from planner.flops import layer_params
 from planner.models import ModelSpec
 
@@ -61,7 +63,7 @@ def group_bandwidth(chip: Chip, n: int, stride: int, chips_per_node: int | None 
     """(W in bytes/s, the links in words) for a group of n chips `stride` apart, as [SB] counts it;
     `hierarchical`: the collective reduces inside a node before crossing the network (not an all-to-all)."""
     if chip.kind != "gpu":
-        return 2 * chip.scaleup_bytes_per_s, "one ICI axis (two links each way)"
+        return torus_bandwidth(chip, n, stride, all_to_all=not hierarchical)
     node = chips_per_node or chip.scaleup_domain
     if n * stride <= node:
         share = mesh_share(chip, n, node)  # a mesh-linked node (MI300X): a pair shares one of seven links
@@ -74,6 +76,41 @@ def group_bandwidth(chip: Chip, n: int, stride: int, chips_per_node: int | None 
         return (chip.scaleout_bytes_per_s * per_node,
                 f"the network between nodes ({per_node} of the group's NICs per node)")
     return chip.scaleout_bytes_per_s, "the network between nodes (each GPU's own NIC)"
+
+
+def torus_bandwidth(chip: Chip, n: int, stride: int, all_to_all: bool = False) -> tuple[float, str]:
+    """(W, the links in words) of a TPU group on `chip`'s slice (`chip.torus_shape`: pass the job's slice,
+    planner.costs.cluster_chip), read from the collective model (hardware.collectives.group_topology, peak
+    links as [SB] counts them): the bytes per second its all-gather (or all-to-all) moves per chip,
+    (n - 1) / n V over the time V adds, latency left out. On a wrapped axis that is two links each way, [SB]'s
+    W; over M axes M times that ([SB]'s M_X: "850" for FSDP over a 16 x 16 x 16 slice's three); a line along
+    part of an axis has one link at its ends; a group across slices shares the DCN. (The meter had given every
+    group one wrapped axis.)"""
+    n = max(n, 2)  # a group of one sends nothing: the smallest group's links, for the rule's C / W
+    topo = group_topology(chip, n, stride)
+    cost = topo.all_to_all_s if all_to_all else topo.all_gather_s
+    w = (n - 1) / n * _PROBE_BYTES / (cost(2 * _PROBE_BYTES) - cost(_PROBE_BYTES))
+    if isinstance(topo, Hierarchy):
+        slices = topo.n // topo.domain_size
+        if isinstance(topo.inner, Torus):
+            return w, f"{_torus_words(topo.inner)} in each of {slices} slices, the DCN between them"
+        return w, f"the DCN between {slices} slices"
+    return w, _torus_words(topo) if isinstance(topo, Torus) else "the DCN between slices"
+
+
+def _torus_words(topo: Torus) -> str:
+    axes = [a for a in topo.axes if a.size > 1]
+    sizes = " x ".join(f"{a.size}" for a in axes)
+    if all(a.wraparound for a in axes):
+        links = "wrapped: two links each way" if len(axes) == 1 else "each wrapped: two links each way on each"
+    elif not any(a.wraparound for a in axes):
+        links = "no wraparound: one link at a line's ends"
+    else:
+        links = "; ".join(f"{a.size} {'wrapped' if a.wraparound else 'without wraparound'}" for a in axes)
+    return f"{len(axes)} ICI ax{'is' if len(axes) == 1 else 'es'} of {sizes} chips ({links})"
+
+
+_PROBE_BYTES = 1e9  # the message sizes the slope of a collective's time is read between (any two sizes do)
 
 
 def _c_over_w(c: float, w: float) -> str:
@@ -157,8 +194,8 @@ class TradeoffRow:
 
     fsdp: int  # X
     tp: int  # Y
-    fsdp_s: float  # all-gathering the n matrices' bf16 weights: 2 n D F / (Y W_X M_X)
-    tp_s: float  # gathering and reduce-scattering the activations: 4 B D / (X W_Y M_Y)
+    fsdp_s: float  # all-gathering the n matrices' bf16 weights: 2 n D F / (Y W_X)
+    tp_s: float  # gathering and reduce-scattering the activations: 4 B D / (X W_Y)
     math_s: float  # 2 n B D F / (N C)
 
     @property
@@ -170,7 +207,7 @@ class TradeoffRow:
 class FsdpTpTradeoff:
     rows: tuple[TradeoffRow, ...]  # every X dividing N (Y = N / X dividing the MLP width)
     best: TradeoffRow  # the least communication
-    x_opt: float | None  # the continuous optimum, where every split has the same links (else None)
+    x_opt: float | None  # the continuous optimum, where [SB]'s closed form is used (else None)
     min_tokens_per_chip: float  # below this batch per chip even the best mix is communication-bound
     rule: str
     matrices: int  # the MLP's weight matrices counted (`mlp_matrices`)
@@ -181,22 +218,21 @@ def fsdp_tp_tradeoff(m: ModelSpec, chip: Chip, batch_tokens: float, n: int,
     """[SB] Part 5, "Combining FSDP and tensor parallelism", per layer's forward pass (the MLP's matmuls; the
     most communication per FLOP), B the batch in tokens over the N = X Y chips, n the MLP's matrices:
 
-        T_fsdp = 2 n D F / (Y W_X M_X)   FSDP moves bf16 weights: less as Y grows
-        T_tp   = 4 B D / (X W_Y M_Y)     tensor parallel moves activations: less as X grows
+        T_fsdp = 2 n D F / (Y W_X)   FSDP moves bf16 weights: less as Y grows
+        T_tp   = 4 B D / (X W_Y)     tensor parallel moves activations: less as X grows
         T_math = 2 n B D F / (N C)
 
-    The sum is least at X_opt = sqrt((2 / n) B N W_X M_X / (F W_Y M_Y)) ([SB]'s quadratic, minimised) and
-    stays under the math for some X while B / N > (8 / n) alpha_X alpha_Y / (F M_X M_Y), alpha = C / W: on TPU
-    v5p with [SB]'s two-matrix MLP (n = 2), M_X = 2 torus axes for FSDP and M_Y = 1 for TP, 2 x 2550^2 / F
-    ([SB]: "432" for F = 30,000). A SwiGLU MLP's third matrix (n = 3) adds weights to gather and math, not
-    activations (its gate reads the same gathered input): X_opt falls by sqrt(2/3), the floor by 2/3.
-    On GPUs M = 1 and each group gets its own links (`group_bandwidth`: tp innermost, so the FSDP group's
-    members are Y apart)."""
+    W_X and W_Y are the links each split's groups get (`group_bandwidth`: tp innermost, so the FSDP group's
+    members are Y apart). On a TPU they count the torus axes the group spans ([SB]'s W M_X and W M_Y), read
+    from `chip`'s slice: pass the job's (planner.costs.cluster_chip). The sum is least at X_opt = sqrt((2 / n)
+    B N W_X / (F W_Y)) ([SB]'s quadratic, minimised) and stays under the math for some X while B / N > (8 / n)
+    alpha_X alpha_Y / F, alpha = C / W: on a 4 x 4 x 4 TPU v5p slice with [SB]'s two-matrix MLP (n = 2), the
+    16-way FSDP group spans two wrapped axes and the 4-way TP group one, 2 x 1275 x 2550 / F ([SB]: "around
+    396" for F = 32,768). A SwiGLU MLP's third matrix (n = 3) adds weights to gather and math, not activations
+    (its gate reads the same gathered input): X_opt falls by sqrt(2/3), the floor by 2/3."""
     c = chip.peak_flops_per_s("bf16")
     d, f = m.hidden, (m.dense_ffn_ if m.is_moe else m.ffn)
     n_mat = mlp_matrices(m)
-    tpu = chip.kind != "gpu"
-    m_x, m_y = (2, 1) if tpu else (1, 1)
     rows, w_xs, w_ys = [], set(), set()
     for x in divisors(n):
         y = n // x
@@ -206,19 +242,22 @@ def fsdp_tp_tradeoff(m: ModelSpec, chip: Chip, batch_tokens: float, n: int,
         w_y, _ = group_bandwidth(chip, y, 1, chips_per_node)
         w_xs.update([w_x] if x > 1 else [])
         w_ys.update([w_y] if y > 1 else [])
-        rows.append(TradeoffRow(x, y, 2 * n_mat * d * f / (y * w_x * m_x) if x > 1 else 0.0,
-                                4 * batch_tokens * d / (x * w_y * m_y) if y > 1 else 0.0,
+        rows.append(TradeoffRow(x, y, 2 * n_mat * d * f / (y * w_x) if x > 1 else 0.0,
+                                4 * batch_tokens * d / (x * w_y) if y > 1 else 0.0,
                                 2 * n_mat * batch_tokens * d * f / (n * c)))
     best = min(rows, key=lambda r: r.comm_s)
     per_chip = batch_tokens / n
     verdict = "compute-bound" if best.comm_s <= best.math_s else "communication-bound"
-    if len(w_xs) <= 1 and len(w_ys) <= 1:  # every split on the same links: [SB]'s closed form holds
+    # [SB]'s closed form where every split has the same links, and on a TPU, as [SB] uses it there: with the
+    # best split's axes (its M_X, M_Y), which the splits near the optimum share
+    if chip.kind != "gpu" or (len(w_xs) <= 1 and len(w_ys) <= 1):
         w_x, _ = group_bandwidth(chip, max(best.fsdp, 2), best.tp, chips_per_node)
         w_y, _ = group_bandwidth(chip, max(best.tp, 2), 1, chips_per_node)
-        x_opt = math.sqrt(2 / n_mat * batch_tokens * n * w_x * m_x / (f * w_y * m_y))
-        floor = 8 / n_mat * (c / w_x) * (c / w_y) / (f * m_x * m_y)
+        x_opt = math.sqrt(2 / n_mat * batch_tokens * n * w_x / (f * w_y))
+        floor = 8 / n_mat * (c / w_x) * (c / w_y) / f
         rule = (f"Mixed FSDP + tensor parallel of {m.name} on {n:,} {chip.name} stays compute-bound while tokens "
-                f"per chip > (8 / {n_mat} MLP matrices) alpha_X alpha_Y / (F M_X M_Y) = {floor:,.0f} (F = {f:,}); "
+                f"per chip > (8 / {n_mat} MLP matrices) alpha_X alpha_Y / F = {floor:,.0f} (F = {f:,}; alpha_X = "
+                f"{c / w_x:,.0f}, alpha_Y = {c / w_y:,.0f}); "
                 f"here {per_chip:,.0f}. The least communication is at X = {best.fsdp:,} FSDP x Y = {best.tp:,} TP "
                 f"(X_opt = {x_opt:,.1f}" + (f", beyond the {n:,} chips: pure FSDP moves least" if x_opt >= n else "")
                 + f"): {verdict}.")

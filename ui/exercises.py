@@ -74,24 +74,36 @@ def smallest_fitting_zero_stage(m_params: float, name: str, chip: Chip, dp: int,
          f"Answer: **{('ZeRO-' + str(answer) if answer else 'DP') if isinstance(answer, int) else answer}**."])
 
 
-def largest_compute_bound_tp(m: ModelSpec, chip: Chip, tokens: float) -> Exercise:
-    b = tensor_parallel_bound(m, chip, tokens, 1)
+def largest_compute_bound_tp(m: ModelSpec, chip: Chip, tokens: float, job_chips: int = 1) -> Exercise:
+    """`job_chips`: the sidebar's mesh, whose slice a TPU's TP group lies on (ui.tensor_parallel.group_links_chip):
+    there a group spanning more torus axes gets more links, so the rule's limit grows with Y."""
+    from ui.tensor_parallel import group_links_chip
+
     f, n = (m.dense_ffn_ if m.is_moe else m.ffn), mlp_matrices(m)
-    limit = b.math_s / b.comm_s  # the math shrinks as 1 / Y, the communication does not: equal at this Y
-    # a degree the node holds and the heads divide by (9.8 had been answered 9 on 8-GPU nodes, 32 heads)
+    # a degree the node (a TPU's slice) holds and the heads divide by (9.8 had been answered 9 on 8-GPU nodes,
+    # 32 heads), and whose own links keep it compute-bound
     node = chip.scaleup_domain
-    largest = max([y for y in range(1, node + 1) if y <= limit and m.heads % y == 0], default=1)
+    degrees = [y for y in range(1, min(node, m.heads) + 1) if m.heads % y == 0]
+    bounds = {y: tensor_parallel_bound(m, group_links_chip(chip, y, job_chips), tokens, y) for y in degrees}
+    largest = max([y for y, b in bounds.items() if b.compute_bound], default=1)
+    b = bounds[largest]
+    limit = n / 2 * f / b.intensity
     factor = "" if n == 2 else f"{n / 2:g} · "
     return Exercise(
-        f"Up to how many chips can tensor parallel split {m.name}'s MLP on {chip.name} (inside one node) "
-        "before its communication outgrows its math?",
+        f"Up to how many chips can tensor parallel split {m.name}'s MLP on {chip.name} (inside one "
+        f"{'node' if chip.kind == 'gpu' else 'slice'}) before its communication outgrows its math?",
         largest,
         [f"Per pass, the MLP's math is {2 * n}·B·D·F / (Y·C) ({n} matrices{', SwiGLU' if n == 3 else ''}); the "
          f"activations' all-gather and reduce-scatter 4·B·D / W. They are equal at Y = {factor}F / (C / W), "
          "whatever the batch.",
-         f"C / W = {b.intensity:,.0f} ({b.link}); F = {f:,}: Y < {factor}{f:,} / {b.intensity:,.0f} = {limit:,.1f}.",
-         f"Answer: **{largest}**: the largest degree up to that which divides the {m.heads} heads and fits the "
-         f"{node}-chip {'node' if chip.kind == 'gpu' else 'slice'}."])
+         f"At Y = {largest}: C / W = {b.intensity:,.0f} ({b.link}); F = {f:,}: Y < {factor}{f:,} / "
+         f"{b.intensity:,.0f} = {limit:,.1f}."
+         + (" On a TPU each degree's group gets the links of the torus axes it spans on the slice (more axes, "
+            "more links; part of an axis, no wraparound), so C / W changes with Y."
+            if chip.kind != "gpu" else ""),
+         f"Answer: **{largest}**: the largest degree that stays under its own limit and divides the {m.heads} "
+         "heads" + (f", on a slice of the sidebar's {job_chips:,} chips (or of Y, if more)." if chip.kind != "gpu"
+                    else f" and fits the {node:,}-chip node.")])
 
 
 def bubble_micro_batches(p: int, target: float = 0.10) -> Exercise:

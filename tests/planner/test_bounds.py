@@ -5,21 +5,35 @@ import math
 import pytest
 
 from hardware.chips import CHIPS
-from planner.bounds import cross_pod_bound, data_parallel_bound, fsdp_tp_tradeoff, tensor_parallel_bound
+from planner.bounds import (
+    cross_pod_bound,
+    data_parallel_bound,
+    fsdp_tp_tradeoff,
+    group_bandwidth,
+    tensor_parallel_bound,
+)
+from planner.costs import cluster_chip
 from planner.models import MODEL_PRESETS, ModelSpec
 
 LLAMA_8B, LLAMA_70B = MODEL_PRESETS["Llama 3 8B"], MODEL_PRESETS["Llama 3 70B"]
 
 
+def v5p_slice(chips: int):
+    """TPU v5p as a job of `chips` wires it: its slice's torus (4 x 4 x 4 for 64, wrapped)."""
+    return cluster_chip(CHIPS["tpu-v5p"], chips, None)
+
+
 @pytest.mark.parametrize("chip, dp, stride, threshold", [
-    ("tpu-v5p", 4, 1, 2550),  # [SB]: 4.59e14 / 1.8e11 = 2550 over one ICI axis
-    ("h100", 8, 1, 2200),  # inside a node: 989e12 / 450e9 ~ 2200
-    ("h100", 16, 1, 2475),  # across nodes: 989e12 / 400e9 (node egress) ~ 2475
-])
+    (v5p_slice(64), 4, 1, 2550),  # [SB]: 4.59e14 / 1.8e11 = 2550 over one wrapped ICI axis
+    (v5p_slice(64), 64, 1, 850),  # [SB]: FSDP over all three axes, "850"
+    (v5p_slice(4096), 4096, 1, 850),  # the same on 16 x 16 x 16
+    (CHIPS["h100"], 8, 1, 2200),  # inside a node: 989e12 / 450e9 ~ 2200
+    (CHIPS["h100"], 16, 1, 2475),  # across nodes: 989e12 / 400e9 (node egress) ~ 2475
+], ids=["v5p-axis", "v5p-3-axes", "v5p-4096", "h100-node", "h100-2-nodes"])
 @pytest.mark.parametrize("fsdp", [False, True])
 def test_data_parallel_and_fsdp_turn_compute_bound_at_c_over_w(chip, dp, stride, threshold, fsdp):
-    low = data_parallel_bound(LLAMA_8B, CHIPS[chip], 0.98 * threshold, dp, stride, fsdp=fsdp)
-    high = data_parallel_bound(LLAMA_8B, CHIPS[chip], 1.02 * threshold, dp, stride, fsdp=fsdp)
+    low = data_parallel_bound(LLAMA_8B, chip, 0.98 * threshold, dp, stride, fsdp=fsdp)
+    high = data_parallel_bound(LLAMA_8B, chip, 1.02 * threshold, dp, stride, fsdp=fsdp)
     assert low.intensity == pytest.approx(threshold, rel=0.005)
     assert not low.compute_bound and high.compute_bound
     assert f"= {low.intensity:,.0f};" in low.rule
@@ -41,20 +55,38 @@ def test_a_group_spread_over_nodes_or_on_a_mesh_gets_only_its_own_links():
 
 
 def test_tensor_parallel_limit_is_f_over_c_over_w():
-    # [SB]: "Y > n_axes * F / 2550 ~ n_axes * 11" for F = 28,672 (Llama 3 70B) on TPU v5p, one axis: the rule
-    # of an MLP of two matrices, as [SB] derives it
+    # [SB]: "Y < M_Y * F / 2550 ~ M_Y * 11" for F = 28,672 (Llama 3 70B) on TPU v5p, M_Y the axes the TP group
+    # spans: the rule of an MLP of two matrices, as [SB] derives it. On a 4 x 4 x 4 slice a group of 4 spans one
+    # wrapped axis, 16 two, 64 all three
     from dataclasses import replace
 
-    v5p = CHIPS["tpu-v5p"]
+    v5p = v5p_slice(64)
     two = replace(LLAMA_70B, mlp="gelu")
-    assert tensor_parallel_bound(two, v5p, 4096, 11).compute_bound
-    assert not tensor_parallel_bound(two, v5p, 4096, 12).compute_bound
-    assert "28,672 / 2,550 = 11.2" in tensor_parallel_bound(two, v5p, 4096, 8).rule
+    assert "28,672 / 2,550 = 11.2" in tensor_parallel_bound(two, v5p, 4096, 4).rule
+    assert "28,672 / 1,275 = 22.5" in tensor_parallel_bound(two, v5p, 4096, 16).rule
+    assert tensor_parallel_bound(two, v5p, 4096, 16).compute_bound
+    assert "28,672 / 850 = 33.7" in tensor_parallel_bound(two, v5p, 4096, 64).rule
+    assert not tensor_parallel_bound(two, v5p, 4096, 64).compute_bound
     # Llama's SwiGLU MLP has a third matrix on the same gathered input: 1.5x the math, the same bytes
-    swiglu = tensor_parallel_bound(LLAMA_70B, v5p, 4096, 16)
-    assert swiglu.compute_bound and not tensor_parallel_bound(LLAMA_70B, v5p, 4096, 17).compute_bound
-    assert "1.5 x 28,672 / 2,550 = 16.9" in swiglu.rule
-    assert swiglu.math_s == pytest.approx(1.5 * tensor_parallel_bound(two, v5p, 4096, 16).math_s)
+    swiglu = tensor_parallel_bound(LLAMA_70B, v5p, 4096, 4)
+    assert "1.5 x 28,672 / 2,550 = 16.9" in swiglu.rule and swiglu.compute_bound
+    assert not tensor_parallel_bound(LLAMA_70B, v5p, 4096, 64).compute_bound  # 1.5 x 33.7 = 50.6
+    assert swiglu.math_s == pytest.approx(1.5 * tensor_parallel_bound(two, v5p, 4096, 4).math_s)
+
+
+def test_a_tpu_group_gets_the_links_of_the_axes_it_spans_on_its_slice():
+    # the collective model's links (hardware.collectives.group_topology), the meter's W: a line along part of an
+    # axis has one link at its ends (4 of a 16-chip axis: 5,100, where the meter had said 2,550), a group across
+    # two slices all-gathers over ICI inside each (the DCN carries 1/512 of it), a group of one chip per slice
+    # the DCN alone (4.59e14 / 6.25e9 = 73,440)
+    v5p = CHIPS["tpu-v5p"]
+    line = data_parallel_bound(LLAMA_8B, cluster_chip(v5p, 4096, None), 4096, 4)
+    assert line.intensity == pytest.approx(5100) and "no wraparound" in line.link
+    two_slices = cluster_chip(v5p, 1024, None, slices=2)
+    across = data_parallel_bound(LLAMA_8B, two_slices, 4096, 1024)
+    assert across.intensity == pytest.approx(850, rel=0.01) and "2 slices" in across.link
+    dcn = data_parallel_bound(LLAMA_8B, two_slices, 4096, 2, stride=512)
+    assert dcn.intensity == pytest.approx(73440) and "DCN" in dcn.link
 
 
 def test_tensor_parallel_does_not_depend_on_the_batch():
@@ -84,7 +116,7 @@ def test_mixed_fsdp_and_tp_floor_is_the_books_2_alpha_squared_over_f():
     # F = 32,768 (the 4x4x4 example, B = 48,000 on 64 chips)
     alpha = 4.59e14 / 1.8e11
     for ffn, book in ((30000, 432), (32768, 396)):
-        t = fsdp_tp_tradeoff(_book_model(ffn), CHIPS["tpu-v5p"], 48000, 64)
+        t = fsdp_tp_tradeoff(_book_model(ffn), v5p_slice(64), 48000, 64)
         assert t.min_tokens_per_chip == pytest.approx(2 * alpha ** 2 / ffn)
         assert t.min_tokens_per_chip == pytest.approx(book, rel=0.01)
 
@@ -92,7 +124,9 @@ def test_mixed_fsdp_and_tp_floor_is_the_books_2_alpha_squared_over_f():
 def test_a_swiglu_mlp_gathers_half_more_weights_for_half_more_math():
     # its gate's matrix adds D F weights and 2 B D F FLOPs, no activations (the gate reads the gathered input):
     # X_opt = sqrt((2 / n) B N / F) falls by sqrt(2/3), the floor (8 / n) alpha^2 / F by 2/3
-    two, three = (fsdp_tp_tradeoff(_book_model(32768, mlp), CHIPS["tpu-v5p"], 48000, 64) for mlp in ("gelu", "swiglu"))
+    # (inside one H100 node every split gets the same NVLink: the closed form's X_opt moves with n alone; on a
+    # TPU slice the best split, and so its axes, can change with n)
+    two, three = (fsdp_tp_tradeoff(_book_model(32768, mlp), CHIPS["h100"], 48000, 8) for mlp in ("gelu", "swiglu"))
     assert three.matrices == 3 and two.matrices == 2
     assert three.x_opt == pytest.approx(two.x_opt * math.sqrt(2 / 3))
     assert three.min_tokens_per_chip == pytest.approx(two.min_tokens_per_chip * 2 / 3)
@@ -102,13 +136,17 @@ def test_a_swiglu_mlp_gathers_half_more_weights_for_half_more_math():
 
 
 def test_the_tradeoff_is_least_near_x_opt():
-    t = fsdp_tp_tradeoff(_book_model(32768), CHIPS["tpu-v5p"], 48000, 64)
+    t = fsdp_tp_tradeoff(_book_model(32768), v5p_slice(64), 48000, 64)
     # X_opt = sqrt(2 B N / F) with one bandwidth on both axes: sqrt(2 x 48,000 x 64 / 32,768) = 13.7
     assert t.x_opt == pytest.approx(13.69, abs=0.01)
     assert t.best.fsdp == 16 and t.best.tp == 4  # the divisor of 64 nearest the optimum in cost
     assert [r.fsdp * r.tp for r in t.rows] == [64] * len(t.rows)
-    # more FSDP (larger X, smaller Y): more weight traffic, less activation traffic; the same math per chip
-    assert all(a.fsdp_s < b.fsdp_s and a.tp_s > b.tp_s for a, b in zip(t.rows[1:], t.rows[2:], strict=False))
+    # each split with its own groups' links: more FSDP (larger X, smaller Y) gathers more weights over more axes
+    for r in t.rows:
+        w_x, w_y = group_bandwidth(v5p_slice(64), r.fsdp, r.tp)[0], group_bandwidth(v5p_slice(64), r.tp, 1)[0]
+        assert r.fsdp_s == (pytest.approx(2 * 2 * 8192 * 32768 / (r.tp * w_x)) if r.fsdp > 1 else 0.0)
+        assert r.tp_s == (pytest.approx(4 * 48000 * 8192 / (r.fsdp * w_y)) if r.tp > 1 else 0.0)
+    assert all(a.tp_s > b.tp_s for a, b in zip(t.rows[1:], t.rows[2:], strict=False))
     assert len({r.math_s for r in t.rows}) == 1
 
 

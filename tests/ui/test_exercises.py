@@ -6,6 +6,7 @@ import math
 import pytest
 
 from hardware.chips import CHIPS
+from planner.costs import cluster_chip
 from planner.models import MODEL_PRESETS
 from tests.ui.apptest_util import open_app
 from ui import exercises as ex
@@ -19,7 +20,10 @@ def test_ridge_point_is_peak_over_bandwidth():
     assert ex.ridge_point(V5P).answer == pytest.approx(4.59e14 / 2.765e12, rel=0.01)
 
 
-@pytest.mark.parametrize("chip, dp, stride, answer", [(V5P, 4, 1, 2550), (H100, 8, 1, 2198), (H100, 32, 1, 2473)])
+@pytest.mark.parametrize("chip, dp, stride, answer", [
+    (cluster_chip(V5P, 64, None), 4, 1, 2550),  # one wrapped axis of a 4 x 4 x 4 slice ([SB])
+    (cluster_chip(V5P, 4096, None), 4, 1, 5100),  # 4 of a 16-chip axis: a line, one link at its ends
+    (H100, 8, 1, 2198), (H100, 32, 1, 2473)])
 def test_fsdp_batch_is_c_over_w(chip, dp, stride, answer):
     assert ex.fsdp_batch(LLAMA_8B, chip, dp, stride).answer == pytest.approx(answer, abs=1)
 
@@ -46,6 +50,11 @@ def test_largest_compute_bound_tp():
     # the rule allows 9.8 on H100; 9 fits no 8-GPU node and divides no 32 heads: 8
     assert ex.largest_compute_bound_tp(LLAMA_8B, H100, 4096).answer == 8
     assert ex.largest_compute_bound_tp(MODEL_PRESETS["GPT-3 2.7B"], V5P, 4096).answer == 4
+    # on a TPU each degree gets its own group's links on the job's slice: on 4 x 4 x 4, Y = 32 spans two wrapped
+    # axes and half the third (C / W 1,152: 1.5 x 28,672 / 1,152 = 37.3); on 16 x 16 x 16 a group of 4 is a
+    # line along part of an axis (5,100: 10,240 / 5,100 = 2.0)
+    assert ex.largest_compute_bound_tp(LLAMA_70B, V5P, 4096, job_chips=64).answer == 32
+    assert ex.largest_compute_bound_tp(MODEL_PRESETS["GPT-3 2.7B"], V5P, 4096, job_chips=4096).answer == 2
 
 
 @pytest.mark.parametrize("p, m", [(2, 10), (4, 30), (8, 70)])

@@ -242,7 +242,10 @@ def test_the_bound_meter_says_when_tp_is_communication_bound():
     at = open_app("app_pages/tensor_parallel.py", chip="tpu-v5p", model="GPT-3 2.7B", tp_degree="8")
     assert not at.exception
     text = next(m.value for m in at.markdown if "Y < F / (C / W)" in m.value)  # GPT-3's MLP: two matrices
-    assert text.startswith("**Communication-bound**") and "10,240 / 2,550 = 4.0" in text
+    # t = 8 on the 2 x 2 x 2 slice of the sidebar's 8 chips spans all three axes, one link each way on each:
+    # W = 3 x 90 GB/s, C / W = 4.59e14 / 2.7e11 = 1,700 (one wrapped axis would be [SB]'s 2,550)
+    assert text.startswith("**Communication-bound**") and "10,240 / 1,700 = 6.0" in text
+    assert "3 ICI axes of 2 x 2 x 2 chips" in text
 
 
 def test_a_product_in_an_engine_message_is_written_out_not_eaten_by_markdown():
