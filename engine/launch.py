@@ -384,6 +384,15 @@ class Pool:
                 deadline = min(deadline, time.monotonic() + 1.0)
         if failures:
             rank = _root_cause(failures)
+            pending = sorted(set(range(self.world)) - set(results) - set(failures))
+            if _secondary(failures[rank]) and pending:
+                # every rank that failed was waiting in a collective for one still running: that one is stuck (a
+                # hung rank had been reported as the failure of the rank its collective timed out on)
+                where = self._where(pending)
+                stuck = pending[0]
+                waited = failures[rank].strip().splitlines()[-1]
+                raise RankFailed(stuck, f"did not reach a collective that the other ranks waited in; it was "
+                                        f"{where[stuck]}\n(rank {rank}, waiting for it: {waited})")
             raise RankFailed(rank, failures[rank])
         return [results[r] for r in range(self.world)]
 
@@ -455,14 +464,16 @@ def _recv(conn):
         return None
 
 
-def _root_cause(failures: dict[int, str]) -> int:
-    """The rank whose error is not just a consequence of another rank dying (a broken connection or a
+def _secondary(detail: str) -> bool:
+    """Whether a rank's error is just a consequence of another rank dying or stalling (a broken connection or a
     collective timeout in gloo)."""
-    secondary = ("connection closed by peer", "connection reset", "timed out", "timeout", "gloo")
-    for rank in sorted(failures):
-        if not any(s in failures[rank].lower() for s in secondary):
-            return rank
-    return min(failures)
+    return any(s in detail.lower() for s in ("connection closed by peer", "connection reset", "timed out", "timeout",
+                                              "gloo"))
+
+
+def _root_cause(failures: dict[int, str]) -> int:
+    """The rank whose error is not `_secondary`, else the lowest."""
+    return next((rank for rank in sorted(failures) if not _secondary(failures[rank])), min(failures))
 
 
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')

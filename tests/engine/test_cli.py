@@ -256,3 +256,28 @@ def test_sigterm_ends_the_run_like_an_interrupt(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert json.loads(out) == {"ok": False, "error": "terminated"}
     assert not list(tmp_path.glob("shardlab-pool-*"))
+
+
+def test_a_failed_check_exits_1_even_when_its_trace_cannot_be_written(tmp_path, monkeypatch, capsys):
+    # a reviewer's case: the trace's folder went during the run, and the failed check exited 2 (bad input)
+    import errno
+
+    import engine.run
+    from core.timeline import Timeline
+    from engine.cli import EXIT_CHECK_FAILED, main
+    from engine.run import RunSummary
+
+    failed = RunSummary(ok=False, check={"passed": False, "exact": False, "max_abs_diff": 0.01, "steps": 1,
+                                         "failures": ["step 0 w: grads differs by 0.01"]},
+                        world=2, strategy="dp", zero_stage=0, mesh={"dp": 2}, steps=1, micro_batches=1,
+                        device="cpu", loss=[5.0], step_time_s=0.01, step_times_s=[0.01], memory_bytes=[{}, {}],
+                        comm_bytes=[0, 0], stats={}, config={})
+
+    def unwritable(self, path):
+        raise OSError(errno.ENOENT, "No such file or directory")
+
+    monkeypatch.setattr(engine.run, "run", lambda *a, **k: (failed, Timeline([])))
+    monkeypatch.setattr(Timeline, "write_chrome_trace", unwritable)
+    code = main(["run", "--world", "2", "--steps", "1", "--check", "--trace", str(tmp_path / "t.json")])
+    out = capsys.readouterr()
+    assert code == EXIT_CHECK_FAILED and "FAILED" in out.out and "cannot write the trace" in out.err

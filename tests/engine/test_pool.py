@@ -75,6 +75,23 @@ def test_hanging_rank_times_out_with_its_location(fault_pool):
     assert fault_pool.run(f"{TASKS}:all_reduce_ranks") == [1.0, 1.0]
 
 
+def test_a_rank_that_hangs_past_the_collective_timeout_is_the_one_reported():
+    # the collective timeout fires before the run's: rank 0's gloo timeout had been the only failure reported,
+    # naming rank 0 and never rank 1 (a reviewer's case)
+    pool = Pool(2, collective_timeout_s=2)
+    try:
+        pool.start()
+        pids = pool.pids
+        with pytest.raises(RankFailed) as err:
+            pool.run(f"{TASKS}:hang_on", {"rank": 1}, timeout_s=60)
+        assert err.value.rank == 1
+        assert "did not reach a collective" in err.value.detail and "hang_on" in err.value.detail
+        assert "rank 0, waiting for it" in err.value.detail
+        assert _all_gone(pids), "workers of the hung run are still alive"
+    finally:
+        pool.shutdown()
+
+
 def test_workers_exit_when_their_parent_dies(tmp_path):
     # A server killed with SIGKILL runs no cleanup; its workers must notice and exit on their own.
     script = ("import sys; from engine.launch import Pool; p = Pool(2); p.start(); "

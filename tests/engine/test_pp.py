@@ -16,13 +16,12 @@ from core.schedules import SCHEDULE_NAMES, stage_units
 from core.timeline import intersection_seconds, measured_bubble_fraction
 from engine.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, parse_mesh, validate
 from engine.launch import Pool, RankFailed
-from engine.model import build_model, global_batch, loss_fn
-from engine.optim import adamw_
-from engine.reference import hyper
+from engine.reference import reference_run
 from engine.run import assemble, run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MICRO_BATCHES = 4
+QUANTITIES = ("grads", "params", "exp_avg", "exp_avg_sq")
 
 
 def _cfg(schedule: str, p: int, mesh=None, world=None, micro_batches=MICRO_BATCHES, steps=3, strategy="pp",
@@ -43,33 +42,20 @@ def _run_states(pool, cfg, traced=False):
 
 
 def _accumulated_states(cfg):
-    """The non-pipeline answer in this process: the same micro-batches, each loss / m, one backward each,
-    gradients accumulated in micro-batch order (as engine/train.py does with one rank), AdamW."""
+    """The non-pipeline answer in this process: engine.reference.reference_run, which for a pp-only mesh takes the
+    run's own micro-batches, each loss / m, one backward each, gradients accumulated in micro-batch order (as
+    engine/train.py does with one rank), AdamW."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as on the workers: BLAS blocks sums the same way
     try:
-        model = build_model(cfg.model, cfg.seed)
-        params = dict(model.named_parameters())
-        moments = {n: (torch.zeros_like(p), torch.zeros_like(p)) for n, p in params.items()}
-        states, m, mbs = [], cfg.micro_batches, cfg.micro_batch_size
-        for step in range(cfg.steps):
-            tokens, targets = global_batch(cfg.model, cfg.seed, step, cfg.global_batch)
-            model.zero_grad(set_to_none=True)
-            for k in range(m):
-                rows = slice(k * mbs, (k + 1) * mbs)
-                (loss_fn(model(tokens[rows]), targets[rows]) / m).backward()
-            for n, p in params.items():
-                adamw_(p, p.grad, *moments[n], step + 1, hyper(cfg))
-            states.append({"grads": {n: p.grad.clone() for n, p in params.items()},
-                           "params": {n: p.detach().clone() for n, p in params.items()}})
-        return states
+        return [{q: getattr(s, q) for q in QUANTITIES} for s in reference_run(cfg)]
     finally:
         torch.set_num_threads(threads)
 
 
 def _assert_equal(a, b, label):
     for step, (sa, sb) in enumerate(zip(a, b, strict=True)):
-        for quantity in ("grads", "params"):
+        for quantity in QUANTITIES:
             assert sa[quantity].keys() == sb[quantity].keys()
             for name, t in sa[quantity].items():
                 assert torch.equal(t, sb[quantity][name]), f"{label}: step {step} {quantity} {name}"

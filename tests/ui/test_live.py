@@ -125,3 +125,13 @@ def test_a_one_step_runs_chart_says_it_is_the_warm_up():
     _, meas_fig, step = side_by_side(_run(step_times_ms=(30.0,)))
     assert step == 0 and "the run's only step (its warm-up)" in meas_fig.layout.title.text
     assert "nearest the mean" not in meas_fig.layout.title.text and "is left out" not in meas_fig.layout.title.text
+
+
+def test_a_run_compared_bit_for_bit_says_so():
+    from ui.live import verdict
+
+    run = _run()
+    assert "largest difference 1.00e-06" in verdict(run)[1]
+    run.summary.check["exact"] = True
+    ok, words = verdict(run)
+    assert ok and "bit for bit" in words and "largest difference" not in words
