@@ -5,8 +5,10 @@ import math
 import streamlit as st
 
 from app_pages.exercise_panel import show_exercises
+from app_pages.link_params import drop_from_link
 from hardware.chips import CHIPS
 from planner import assumptions, estimate, make_case, search, step_time_band_s
+from planner.api import leanest
 from planner.case import Cluster, Parallel, mesh_parallel
 from planner.flops import total_params
 from planner.models import MODEL_PRESETS, SpecError
@@ -15,10 +17,13 @@ from planner.simulate import USABLE_HBM_FRACTION, usable_hbm_bytes
 from planner.timeline import DRAWN
 from ui.charts import breakdown_figure, memory_figure
 from ui.exercises import training_state_chips
+from ui.state import choice_link_problems, ignored_link_message
 from ui.tables import count, format_step, search_counts
 from ui.timeline import densest_row, timeline_figure
 
 TOKENS_PER_BATCH = [2**i for i in range(19, 26)]  # 0.5M .. 32M tokens
+LAYOUT_MODES = ["my mesh (sidebar)", "let the planner choose"]
+SEARCH_TOPS = [3, 5, 10]
 MAX_ANIMATED_SPANS = 3000  # above this the browser struggles to animate; the chart is drawn still
 FINE_BARS = 500  # more bars than this in one row of the timeline: each is under a pixel of the page's width
 SAME_STEP = 0.0005  # a recipe value that moves the step by less is listed as making no difference
@@ -45,12 +50,38 @@ nccl-tests) and published formulas; how far to trust them is measured on publish
 """
 )
 
+
+def tokens_label(tokens: int) -> str:
+    """A batch as the slider shows it and a link writes it: "0.5M", "4M"."""
+    return f"{tokens / 2**20:g}M"
+
+
+def word(value) -> str:
+    """A picked value as the page says it: a flag on or off, as the recipe table below writes it."""
+    return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else str(value)
+
+
+def schedule_words(lay) -> str:
+    """A layout's pipeline schedule, "1f1b v=1"; "" without pipeline stages, where there is none to run."""
+    return f"{lay.pp_schedule} v={lay.virtual_stages}" if lay.pp > 1 else ""
+
+
+# A bound widget drops a link value that is none of its options without a word: said here, and taken out of the
+# link before the widgets read it, as the Lab does (a value that is no finite number the app shell has said)
+_bound = {"batch_tokens": [tokens_label(t) for t in TOKENS_PER_BATCH], "layout_mode": LAYOUT_MODES,
+          "search_top": SEARCH_TOPS}
+_bad_link = choice_link_problems({k: st.query_params.get_all(k) for k in _bound if k in st.query_params}, _bound)
+if _bad_link:
+    st.info(ignored_link_message(_bad_link, st.query_params.to_dict()), icon=":material/link_off:")
+    for _key in _bad_link:
+        drop_from_link(_key)
+
 c1, c2, c3 = st.columns(3)
 tokens = c1.select_slider("Global batch (tokens per step)", TOKENS_PER_BATCH, value=2**22, key="batch_tokens",
-                          bind="query-params", format_func=lambda t: f"{t / 2**20:g}M")
-mode = c2.radio("Layout", ["my mesh (sidebar)", "let the planner choose"], key="layout_mode",
+                          bind="query-params", format_func=tokens_label)
+mode = c2.radio("Layout", LAYOUT_MODES, key="layout_mode",
                 bind="query-params", help="With 'choose', only the chip count of the sidebar is kept.")
-top = c3.select_slider("Layouts to rank in the search", [3, 5, 10], value=5, key="search_top", bind="query-params")
+top = c3.select_slider("Layouts to rank in the search", SEARCH_TOPS, value=5, key="search_top", bind="query-params")
 
 # The sidebar's ep is a mesh axis of its own; the planner (like Megatron-LM) counts expert-parallel ranks
 # inside the data-parallel group, since attention and dense layers are data parallel over them too.
@@ -62,13 +93,25 @@ parallel = mesh_parallel(choices.device_mesh(), spec) if mode.startswith("my") e
 data_ranks = parallel.dp or 1  # with the planner choosing: any dp that divides the batch
 global_batch = default_global_batch(spec.seq_len, data_ranks, tokens)
 try:
+    # every layout of these chips and this batch: what the search ranks, and what is left where none of them fits
+    search_case = make_case(spec, Cluster(chip.key, n), global_batch=global_batch)
     case = make_case(spec, Cluster(chip.key, n), global_batch=global_batch, parallel=parallel)
     with st.spinner("Simulating the step ..."):
         est = estimate(case)
 except SpecError as e:
-    st.error(f"The planner cannot use this setup: {e}. Change the mesh in the sidebar (the degrees must fit "
-             "the model: tp divides the heads and kv heads, ep the experts, pp at most the layers), or let the "
-             "planner choose.")
+    # what to change, by the field that failed: letting the planner choose keeps the chip count and the batch,
+    # so it is offered for a mesh that does not fit the model only
+    if e.field.startswith("parallel."):
+        advice = ("Change the mesh in the sidebar (the degrees must fit the model: tp divides the heads and kv "
+                  "heads, ep the experts, pp at most the layers)" + (", or let the planner choose."
+                                                                     if mode.startswith("my") else "."))
+    elif e.field.startswith(("cluster.", "parallel")):
+        advice = f"Change the mesh in the sidebar: its degrees multiply to the chip count ({n:,} now)."
+    elif e.field == "training.global_batch":
+        advice = "Choose another global batch with the slider above, or another mesh in the sidebar."
+    else:
+        advice = "Change the setup in the sidebar or the global batch above."
+    st.error(f"The planner cannot use this setup: {e}. {advice}")
     st.stop()
 
 lay = est.layout
@@ -76,9 +119,9 @@ etp = f" (etp={lay.etp}: experts {'whole' if lay.experts_folded else 'split by t
     if spec.is_moe and lay.tp > 1 else ""
 st.markdown(f"**Layout:** dp={lay.dp}, tp={lay.tp}, pp={lay.pp}, cp={lay.cp}, ep={lay.ep}{etp}; "
             f"ZeRO-{lay.zero_stage}; micro-batch {lay.micro_batch}; recompute {lay.recompute_label}; "
-            f"schedule {lay.pp_schedule} (v={lay.virtual_stages}); "
-            f"global batch {global_batch:,} sequences of {spec.seq_len:,} tokens"
-            + (f" ({global_batch * spec.seq_len / 2**20:,.3g}M tokens: the slider's {tokens / 2**20:g}M rounded to "
+            + (f"schedule {schedule_words(lay)}; " if lay.pp > 1 else "")
+            + f"global batch {global_batch:,} sequences of {spec.seq_len:,} tokens"
+            + (f" ({global_batch * spec.seq_len / 2**20:,.3g}M tokens: the slider's {tokens_label(tokens)} rounded to "
                + (f"whole sequences, at least one per data-parallel rank, dp={data_ranks})." if parallel.dp else
                   "whole sequences).")
                if abs(global_batch * spec.seq_len / tokens - 1) > 0.1 else "."))
@@ -89,9 +132,10 @@ if lay.ep > 1:
                f"and dense layers, the expert-parallel ranks among them{sidebar}.")
 if est.chosen:  # (planner.api.chosen_fields leaves out what does nothing for this model and layout)
     picked = {k: v for block in est.chosen.values() for k, v in block.items()}
-    st.caption("Chosen by the planner (what a current framework does; where frameworks differ, the fastest"
-               + (" that fits" if est.fits else ": none fits") + "): "
-               + ", ".join(f"{k}={v}" for k, v in picked.items()))
+    # with nothing that fits, planner.layout_search.choose returns the layout needing the least memory
+    st.caption("Chosen by the planner (what a current framework does; where frameworks differ, "
+               + ("the fastest that fits" if est.fits else "the leanest (none fits)") + "): "
+               + ", ".join(f"{k}={word(v)}" for k, v in picked.items()))
 
 @st.cache_data(show_spinner=False)
 def _accuracy():
@@ -181,26 +225,70 @@ m2.metric("MFU", f"{est.mfu * 100:,.1f} %",
                f"only: {est.mfu_causal * 100:,.1f} %.")
 m3.metric("Model TFLOP/s per chip", f"{est.model_tflops_per_chip:,.0f}")
 mem = est.memory.as_dict()
+# no arrow: "fits" is no rise, and an arrow up beside "does not fit" read as more room
 m4.metric("Memory per chip", f"{mem['total'] / 1e9:,.1f} GB", delta="fits" if est.fits else "does not fit",
-          delta_color="normal" if est.fits else "inverse")
+          delta_color="normal" if est.fits else "inverse", delta_arrow="off")
 if chip.kind == "gpu":
     st.caption("Read the step time as the best this layout could do: on published runs of dense models on "
                "H100 and A100 GPUs the planner predicts faster steps (higher MFU) than were measured; "
                "'How far to trust these numbers' below has the errors.")
+
+
+@st.cache_data(show_spinner=False, max_entries=32)
+def _leanest(case):
+    """The layout of `case`'s free fields needing the least memory per chip (planner.api.leanest); None where no
+    layout divides the model and the batch (the sidebar's tp may be wider than the search's scale-up domain)."""
+    try:
+        return leanest(case)
+    except SpecError:
+        return None
+
+
+def either(items: list[str]) -> str:
+    """"a", "a or b", "a, b or c"."""
+    return ", ".join(items[:-1]) + (" or " if len(items) > 1 else "") + items[-1]
+
+
+def no_fit_advice(shown, others_fit: bool, untried: list[str]) -> str:
+    """What could make the layout `shown` (an estimate that does not fit) fit, and nothing that cannot: another
+    layout of these chips where one fits (`others_fit`; `untried`: what the sidebar's mesh leaves to try), more
+    chips, a chip whose HBM holds `shown` (Estimate.fits_on), a smaller batch where the weights, gradients and
+    optimizer state alone fit (the batch moves only the activations: 16 bytes a parameter of Llama 3 405B on one
+    chip fit no batch)."""
+    fixes = ["more chips"]
+    bigger = [k for k in shown.fits_on if CHIPS[k].hbm_bytes > chip.hbm_bytes]  # as the sidebar lists them
+    if bigger:
+        fixes.append(f"a chip with more HBM ({', '.join(bigger[:3])}{' or another' if len(bigger) > 3 else ''})")
+    held = shown.memory.as_dict()
+    states = held["total"] - held["activations"]
+    usable = usable_hbm_bytes(shown.result.chip)
+    if states <= usable and global_batch > default_global_batch(spec.seq_len, data_ranks, TOKENS_PER_BATCH[0]):
+        fixes.append("a smaller batch")
+    words = (f"Another layout of these {n:,} chips fits: try "
+             + (f"{either(untried)} in the sidebar's mesh, or " if untried else "")
+             + f"let the planner choose; or use {either(fixes)}.") if others_fit else f"Use {either(fixes)}."
+    if states > usable:
+        words += (f" The weights, gradients and optimizer state alone take {states / 1e9:,.0f} GB per chip here, "
+                  "whatever the batch.")
+    return words
+
+
 if not est.fits:
     usable = usable_hbm_bytes(est.result.chip)
-    # ZeRO, tp and pp split the model over chips: on one chip only recomputation is left to try
-    untried = [what for what, used in (("ZeRO-3", lay.zero_stage == 3 or n == 1),
-                                       ("more tp", lay.tp >= chip.scaleup_domain or n == 1),
-                                       ("pp", lay.pp > 1 or n == 1), ("full recomputation", lay.recompute == "full"))
-               if not used]
-    advice = ("No layout of this many chips fits: use more chips, a chip with more HBM or a smaller batch."
-              if not mode.startswith("my") else
-              f"Try {', '.join(untried)}, or let the planner choose, or use more chips." if untried else
-              "Use more chips (a larger tp or pp), a chip with more HBM, or let the planner choose.")
+    if mode.startswith("my"):
+        # what the sidebar's mesh could still change; ZeRO shards nothing over one data-parallel rank
+        untried = [what for what, used in (("ZeRO-3", lay.zero_stage == 3 or lay.dp * lay.cp == 1),
+                                           ("more tp", lay.tp >= chip.scaleup_domain), ("pp", lay.pp > 1),
+                                           ("full recomputation", lay.recompute == "full"))
+                   if not used]
+        # one chip has one layout; else whether any layout of these chips fits (the planner's leanest)
+        advice = no_fit_advice(est, n > 1 and getattr(_leanest(search_case), "fits", False), untried)
+    else:  # the planner's choice is the leanest layout of these chips already
+        advice = f"No layout of {count(n, 'chip')} fits. {no_fit_advice(est, False, [])}"
     st.warning(f"This layout needs {mem['total'] / 1e9:,.1f} GB per chip, more than the "
                f"{usable / 1e9:,.1f} GB of {chip.name}'s {chip.hbm_bytes / 1e9:,.0f} GB it can use (the runtime, "
                f"communication buffers and fragmentation take about {1 - USABLE_HBM_FRACTION:.0%}). {advice}")
+
 
 @st.cache_data(show_spinner=False, max_entries=32)
 def _assumptions(case, _est):
@@ -218,14 +306,12 @@ if found:
             f"The case states the model, the chips and the batch; how the framework runs it ({len(fields)} recipe "
             "fields here: attention kernel, overlaps, fused kernels, precision of the gradients, ...) it leaves "
             "to the planner, which takes what a current framework does. Each other value, one at a time on this "
-            f"same layout, moves the predicted step between **{fastest:,.2f} s** and **{slowest:,.2f} s** "
+            f"same layout, moves the predicted step between **{format_step(fastest, est.step_time_s)}** and "
+            f"**{format_step(slowest, est.step_time_s)}** "
             f"({fastest / est.step_time_s - 1:+.0%} to {slowest / est.step_time_s - 1:+.0%}"
             + ("; values that would not fit in memory are in the table, not in that span"
                if est.fits and any(not a.fits for a in found) else "")
             + "): a run that states how it was executed can be predicted more closely than one that does not.")
-        def word(value):  # a flag as the pages say it
-            return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else str(value)
-
         moving = [a for a in found if abs(a.change) >= SAME_STEP]
         st.dataframe([{"field": a.field.removeprefix("training."), "assumed": word(a.assumed),
                        "instead": word(a.alternative), "step instead, s": round(a.step_time_s, 3),
@@ -321,7 +407,6 @@ to cover completely (no sampling, unlike learned or heuristic searches), with br
 layouts that cannot enter the top {top}.
 """
 )
-search_case = make_case(spec, Cluster(chip.key, n), global_batch=global_batch)
 if st.button("Find the fastest layouts", type="primary"):
     with st.spinner("Searching ..."):
         st.session_state["planner_search"] = (search_case, top, search(search_case, top=top))
@@ -343,11 +428,15 @@ if report is not None:
                      "dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep,
                      **({"etp": lay.etp} if spec.is_moe else {}),
                      "ZeRO": lay.zero_stage, "micro-batch": lay.micro_batch, "recompute": lay.recompute_label,
-                     "schedule": f"{lay.pp_schedule} v={lay.virtual_stages}" if lay.pp > 1 else "",
+                     "schedule": schedule_words(lay),
                      "GB/chip": round(r.result.memory.total_bytes / 1e9, 1)})
-    st.dataframe(rows, hide_index=True, width="stretch")
+    if rows:  # an empty table had been drawn above "No layout fits"
+        st.dataframe(rows, hide_index=True, width="stretch")
     for i, r in enumerate(report.ranked, start=1):
         with st.expander(f"#{i}: why", expanded=i == 1):
             st.markdown("\n".join(f"- {line}" for line in r.explanation))
     if not report.ranked:
-        st.warning("No layout fits in memory: use more chips, a chip with more HBM, or a smaller batch.")
+        lean = _leanest(search_case)
+        st.warning(f"No layout of {count(n, 'chip')} fits in memory. {no_fit_advice(lean, False, [])}"
+                   if lean is not None else f"No layout of {count(n, 'chip')} divides the model and the batch: "
+                   "change the mesh's chip count in the sidebar or the batch above.")

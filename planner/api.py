@@ -4,7 +4,8 @@
     est.step_time_s, est.mfu, est.memory.as_dict(), est.fits, est.breakdown, est.timeline
 
 A case may be a `Case`, a dict shaped like a case file, or a path to one. Null fields are chosen by
-the search (`est.chosen` says what was picked).
+the search (`est.chosen` says what was picked, less the fields that do nothing for the layout picked: a
+pipeline schedule without pipeline stages, say; `chosen_fields`).
 
 For comparing architectures (Transformer, Mamba-2, hybrids): `compare_architectures` (the best layout
 of each model on one cluster), `flops_per_token_by_seq` (forward FLOPs per token as the sequence
@@ -63,7 +64,10 @@ def as_case(case_or_dict) -> Case:
 
 
 def chosen_fields(case: Case, res: StepResult) -> dict:
-    """The values picked for the case's null fields, in the case file's block structure."""
+    """The values picked for the case's null fields, in the case file's block structure, less those that do
+    nothing for this model and layout (each rule below says why): what the CLI prints as "chosen" and the pages
+    list as chosen by the planner. `assumptions` writes them back into the case: one left out stays null there,
+    and is picked the same way again."""
     out: dict = {}
     for block, names in _CHOICE_FIELDS.items():
         given = case.parallel if block == "parallel" else case.training
@@ -74,8 +78,11 @@ def chosen_fields(case: Case, res: StepResult) -> dict:
                 continue  # only Mamba-2 layers have the choice
             if name == "attention" and not case.model.attention_layers:
                 continue  # a model of Mamba-2 layers alone runs no attention kernel
-            if name in ("schedule_runs", "pp_p2p") and res.layout.pp == 1:
-                continue  # without pipeline stages the runs are the same micro-batches, and nothing is sent
+            if name in ("schedule_runs", "pp_p2p", "pp_schedule", "virtual_stages") and res.layout.pp == 1:
+                continue  # without pipeline stages the runs are the same micro-batches, nothing is sent, and every
+                # schedule is the same sequence of passes (layout_search._all_schedules)
+            if name == "sequence_parallel" and res.layout.tp == 1:
+                continue  # one tensor-parallel rank holds the whole sequence already
             if name == "recompute_layers" and res.layout.recompute_layers is None:
                 continue  # every layer of a chunk, or a mode other than full: `recompute` says it
             if name == "etp" and not (case.model.is_moe and res.layout.tp > 1):
@@ -84,9 +91,10 @@ def chosen_fields(case: Case, res: StepResult) -> dict:
                 continue  # a dense model has no experts to place or tokens to route
             if name in ("ep_dispatch", "ep_comm_overlap") and res.layout.ep == 1:
                 continue  # every expert on every rank: no tokens leave it
-            if name in ("grad_reduce_overlap", "param_gather_overlap") and \
+            if name in ("grad_reduce_overlap", "param_gather_overlap", "zero_stage") and \
                     res.layout.dp * res.layout.cp == 1 and res.layout.expert_dp == 1:
-                continue  # one data-parallel rank: no gradients to sum, no weights to gather
+                continue  # one data-parallel rank: no gradients to sum, no weights to gather, nothing to shard
+            # (grad_reduce_in_fp32 stays: it sets the bytes a gradient is kept in, on one rank too)
             if name in ("tp_comm_overlap", "tp_grad_allreduce_overlap") and res.layout.tp == 1:
                 continue  # one tensor-parallel rank has no tp collectives to overlap
             if name == "grad_accum_cast" and not res.layout.fp32_accumulation_pass:
@@ -193,6 +201,15 @@ def estimate(case_or_dict) -> Estimate:
     """Simulate the case; null fields take the values of the fastest layout that fits."""
     case = as_case(case_or_dict)
     res = _search.choose(case)
+    return Estimate(res, chosen_fields(case, res))
+
+
+def leanest(case_or_dict) -> Estimate:
+    """The layout of the case's null fields needing the least memory per chip, simulated (fits False where none
+    fits): whether any layout of these chips fits at all, and on which chips the leanest would (`fits_on`), which
+    is what a page can advise when the layout it shows does not fit."""
+    case = as_case(case_or_dict)
+    res = _search.leanest(case)
     return Estimate(res, chosen_fields(case, res))
 
 

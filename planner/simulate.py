@@ -535,6 +535,12 @@ def pipeline_p2p_s(m: ModelSpec, lay: Layout, chip: Chip, node: int) -> float:
     return seconds * (2 if lay.pp_p2p == "sequential" else 1)
 
 
+def comm_group_sizes(lay: Layout) -> dict[str, int]:
+    """The ranks of each group a layer's collectives run over, by CommOp.group: the data-parallel ones over dp x cp
+    (a dense weight's gradient is summed over every rank that read other tokens)."""
+    return {"tp": lay.tp, "cp": lay.cp, "ep": lay.ep, "dp": lay.dp * lay.cp}
+
+
 def sent_bytes_per_step(res: StepResult, stage: int = 0) -> dict[str, float]:
     """Bytes one chip of pipeline stage `stage` sends per optimizer step over each mesh axis (ring
     algorithms: hardware.collectives.ring_sent_bytes): every layer's collectives (planner/costs.py's own
@@ -542,7 +548,7 @@ def sent_bytes_per_step(res: StepResult, stage: int = 0) -> dict[str, float]:
     weight all-gather) once per step, and the pipeline's activations and their gradients per micro-batch
     and chunk boundary (with tp, each rank sends its 1/tp slice and the receivers all-gather it)."""
     m, lay = res.case.model, res.layout
-    n = {"tp": lay.tp, "cp": lay.cp, "ep": lay.ep, "dp": lay.dp * lay.cp}
+    n = comm_group_sizes(lay)
     out = {axis: 0.0 for axis in ("tp", "cp", "ep", "dp", "pp")}
     st = res.stages[stage]
     for chunk in st.chunks:

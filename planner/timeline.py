@@ -32,7 +32,7 @@ from dataclasses import replace
 from core.timeline import Span, Timeline, kind_label, span_kind
 from planner import passes
 from planner.costs import CommOp
-from planner.simulate import ChunkCost, StepResult
+from planner.simulate import ChunkCost, StepResult, comm_group_sizes
 
 
 class _Pass:
@@ -40,8 +40,8 @@ class _Pass:
     block's collectives hide under it (from its start, one after another per group) and whatever of
     them is exposed runs after it, in order."""
 
-    def __init__(self, rank: int, start: float, mb: int):
-        self.rank, self.t, self.mb = rank, start, mb
+    def __init__(self, rank: int, start: float, mb: int, sizes: dict[str, int]):
+        self.rank, self.t, self.mb, self.sizes = rank, start, mb, sizes
         self.spans: list[Span] = []
         self.group_free: dict[str, float] = defaultdict(float)
 
@@ -63,8 +63,9 @@ class _Pass:
                 start = max(t0, self.group_free[c.group])
             end = start + c.time_s
             name = _drawn_name(c)
-            self.spans.append(Span(self.rank, "comm", name, start, end, bytes=int(c.nbytes), micro_batch=self.mb,
-                                   group=c.group, is_async=c.exposed_s < c.time_s))
+            # what this rank sends in the span's time_s (all `count` ops of it), as a span's bytes are counted
+            self.spans.append(Span(self.rank, "comm", name, start, end, bytes=int(c.sent_bytes(self.sizes[c.group])),
+                                   micro_batch=self.mb, group=c.group, is_async=c.exposed_s < c.time_s))
             self.group_free[c.group] = end
         self.t = tail
 
@@ -82,10 +83,11 @@ def _drawn_name(c: CommOp) -> str:
 
 
 def _pass_spans(rank: int, chunk: ChunkCost, kind: str, start: float, mb: int, detailed: bool, label: str,
-                deferred_s: float = 0.0) -> list[Span]:
+                sizes: dict[str, int], deferred_s: float = 0.0) -> list[Span]:
     """Spans of one forward ("F") or backward ("B") of one micro-batch through one chunk; a ZB-H1
-    backward-input pass leaves out the `deferred_s` of weight-gradient work."""
-    p = _Pass(rank, start, mb)
+    backward-input pass leaves out the `deferred_s` of weight-gradient work. A comm span's bytes are those this
+    rank sends (core.timeline.Span; CommOp.sent_bytes over the group's `sizes`)."""
+    p = _Pass(rank, start, mb, sizes)
     total = chunk.fwd_s if kind == "F" else chunk.bwd_s - deferred_s
     if detailed:
         layers = list(enumerate(lc for lc, n in chunk.layer_costs for _ in range(n)))
@@ -117,12 +119,12 @@ def _pass_spans(rank: int, chunk: ChunkCost, kind: str, start: float, mb: int, d
                 total_of = comms[c.group, c.kind]
                 total_of[0] += n * c.time_s
                 total_of[1] += n * c.exposed_s
-                total_of[2] += n * c.nbytes * c.count
+                total_of[2] += n * c.sent_bytes(sizes[c.group])
         for c in chunk.end_comms[0 if kind == "F" else 1]:
             total_of = comms[c.group, c.kind]
             total_of[0] += c.time_s
             total_of[1] += c.exposed_s
-            total_of[2] += c.nbytes * c.count
+            total_of[2] += c.sent_bytes(sizes[c.group])
         if kind != "F":
             comms["dp", "reduce_scatter"][0] += chunk.parts["dp_comm"]
             comms["dp", "reduce_scatter"][1] += chunk.parts["dp_comm"]
@@ -254,6 +256,7 @@ def predicted_timeline(res: StepResult, max_spans: int = 20000, max_layer_passes
     detailed = (p * m * v * layers_per_pass * (3 + comms_per_layer) <= max_spans
                 and 2 * m * v * layers_per_pass <= (max_layer_passes or MAX_LAYER_PASSES))
     rank_of = [i * lay.dp * lay.cp * lay.tp for i in range(p)]
+    sizes = comm_group_sizes(lay)
     # every pass's start and end: the same run of the schedule the step time comes from (planner.passes)
     sched = passes.run(res.stages, lay, m)
     pl = sched.plan
@@ -301,7 +304,7 @@ def predicted_timeline(res: StepResult, max_spans: int = 20000, max_layer_passes
         key = (r, pl.chunks[i], stage, bool(pl.showing[i]), kind)
         if key not in shapes:
             shapes[key] = _pass_spans(rank_of[r], chunk, direction, 0.0, None, detailed and not deferred,
-                                      f"s{stage}", deferred)
+                                      f"s{stage}", sizes, deferred)
         spans.extend(Span(s.rank, s.lane, s.name, start + s.start_s, start + s.end_s, s.bytes, s.flops, 0, mb,
                           s.group, s.is_async) for s in shapes[key])
         if chunk.p2p_s > 0:

@@ -67,8 +67,11 @@ LINK_VALUE_CHARS = 60  # the most of a link's value a message repeats
 
 def link_value(text) -> str:
     """A value from a link as a message quotes it: in a code span, so Markdown shows it as typed (a link or
-    markup in it stays text), and cut to LINK_VALUE_CHARS characters."""
+    markup in it stays text), and cut to LINK_VALUE_CHARS characters. An empty or blank one is said in words:
+    Markdown shows an empty code span as two backticks ("Unknown chip `` in the link")."""
     text = str(text)
+    if not text.strip():
+        return "(empty)" if not text else "(blank)"
     if len(text) > LINK_VALUE_CHARS:
         text = text[:LINK_VALUE_CHARS] + "…"
     return "`" + text.replace("`", "'").replace("\n", " ") + "`"
@@ -140,6 +143,31 @@ def unknown_params_message(unknown: list[str], known: Iterable[str]) -> str:
     return (f"Ignored unknown link parameter(s): {', '.join(named)}"
             + (f" and {more} more" if more > 0 else "") + ". The sidebar's are chip, model and "
             + ", ".join(MESH_AXES) + "; each page's own are in the link it writes.")
+
+
+def choice_link_problems(params: Mapping[str, str | list[str]],
+                         options: Mapping[str, Iterable[str]]) -> dict[str, str]:
+    """A page's bound choices in a link (`options`: each key's options as its widget writes them in the link) that
+    are none of them, each with what it takes: Streamlit's bound widgets drop such a value without a word, so the
+    page says so (`ignored_link_message`) and takes it out of the link first. A repeated key is checked value by
+    value; a value that is not a finite number is left to the app's own check (`non_finite_params`)."""
+    bad = {}
+    finite = set(params) - set(non_finite_params(params))
+    for key, allowed in options.items():
+        if key not in finite:
+            continue
+        allowed = [str(o) for o in allowed]
+        values = params[key] if isinstance(params[key], list) else [params[key]]
+        if any(str(v) not in allowed for v in values):
+            bad[key] = "one of " + ", ".join(allowed)
+    return bad
+
+
+def ignored_link_message(bad: Mapping[str, str], params: Mapping[str, str]) -> str:
+    """What a page tells about its own link values it ignores (`bad`: key -> what it takes), as the Lab does."""
+    return ("Ignored from the link: " + "; ".join(f"{k}={link_value(params[k])} (it takes {what})"
+                                                 for k, what in bad.items())
+            + ". The page's own values are used instead.")
 
 
 def non_finite_params(params: Mapping[str, str]) -> list[str]:

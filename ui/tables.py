@@ -63,13 +63,17 @@ def format_bytes(nbytes: float) -> str:
     return f"{nbytes:.0f} B"
 
 
+def _three_figures(value: float, unit: str) -> str:
+    """`value` to three significant figures, a thousand or more whole and with separators ("1,234 h")."""
+    return f"{value:,.0f} {unit}" if float(f"{value:.3g}") >= 1000 else f"{value:.3g} {unit}"
+
+
 def format_seconds(seconds: float) -> str:
     """Three significant figures in the unit a student reads: ns, µs, ms, s, min, h. The unit is chosen after
     rounding, so 0.99996 s reads "1 s" (not "1e+03 ms") and 119.96 s "2 min" (not "120 s")."""
     rounded = float(f"{seconds:.3g}")
     if rounded >= 7200:  # a student reads hours, not 5.72e+04 s
-        hours = seconds / 3600
-        return f"{hours:,.0f} h" if float(f"{hours:.3g}") >= 1000 else f"{hours:.3g} h"
+        return _three_figures(seconds / 3600, "h")
     if rounded >= 120:
         return f"{seconds / 60:.3g} min"
     if rounded >= 1:
@@ -81,10 +85,22 @@ def format_seconds(seconds: float) -> str:
     return f"{seconds * 1e9:.3g} ns"  # a tiny matmul: 0.01 µs read "0.00 µs" of math
 
 
-def format_step(seconds: float) -> str:
-    """A step time as a metric shows it: seconds to the hundredth, a long one in minutes or hours (a metric's
-    column is narrow)."""
-    return f"{seconds:,.2f} s" if round(seconds, 2) < 120 else format_seconds(seconds)
+def step_unit(seconds: float) -> tuple[float, str]:
+    """The unit a step of `seconds` is read in, as (seconds in one unit, its name): seconds while the step reads
+    under 120 to the hundredth, then minutes and from two hours hours, as format_seconds switches (chosen after
+    its rounding). One rule for everything that says a step: the metric, the span of steps around it, the time
+    axis of its timeline (ui.timeline)."""
+    if round(seconds, 2) < 120:
+        return 1.0, "s"
+    return (3600.0, "h") if float(f"{seconds:.3g}") >= 7200 else (60.0, "min")
+
+
+def format_step(seconds: float, unit_of: float | None = None) -> str:
+    """A step time as a metric shows it: seconds to the hundredth, a long one in minutes or hours to three figures
+    (a metric's column is narrow). `unit_of`: the step whose unit (`step_unit`) this time is said in, so that a
+    span of steps around it reads in the unit the step does."""
+    scale, unit = step_unit(seconds if unit_of is None else unit_of)
+    return f"{seconds:,.2f} s" if unit == "s" else _three_figures(seconds / scale, unit)
 
 
 def _decimal(value: float, unit: str, prefixes: tuple[tuple[str, float], ...]) -> str:
@@ -123,8 +139,16 @@ def batch_words(seq_len: int, chips: int, published: int | None = None) -> str:
 
 
 def search_counts(report) -> str:
-    """What a layout search did (planner.layout_search.SearchResult), in words: its simulations outnumber its
-    layouts, for each layout is simulated with its ZeRO and recomputation variants."""
-    return (f"{report.considered:,} layouts considered ({report.evaluated:,} simulations of them and their ZeRO and "
-            f"recomputation variants) in {report.elapsed_s:.2f} s")
-
+    """What a layout search did (planner.layout_search.SearchResult), in words: how many layouts divide the model
+    and the batch (`considered`, counted before any pruning), how many simulations ranked them (`evaluated`: the
+    layouts' ZeRO and recomputation variants each one, so they may outnumber the layouts), and that any others
+    were ruled out unsimulated, by memory or by a bound on their step (the search's pruning): "considered" had
+    read as if every layout had been simulated with its variants."""
+    layouts = f"{report.considered:,} {'layout divides' if report.considered == 1 else 'layouts divide'}"
+    searched = f"{layouts} the model and the batch, searched in {report.elapsed_s:.2f} s"
+    if not report.considered:
+        return searched
+    if not report.evaluated:
+        return f"{searched}: none fits in memory, so none was simulated"
+    return (f"{searched}: {report.evaluated:,} simulations of them and their ZeRO and recomputation variants; "
+            "any others were ruled out unsimulated, by memory or by a bound on their step time")

@@ -13,6 +13,7 @@ import numpy as np
 import plotly.graph_objects as go
 
 from core.timeline import LANES, Span, Timeline, kind_label, span_kind
+from ui.tables import step_unit
 
 # The app's one palette of work: compute in blues and teals (forward, its recomputation a lighter blue,
 # backward), the optimizer green, each collective its own warm colour, idle grey. Every chart of a step
@@ -77,8 +78,8 @@ def shared_kinds(*timelines: Timeline) -> list[str]:
 def timeline_figure(timeline: Timeline, title: str = "", frames: int = 30, animate: bool = True,
                     x_max_ms: float | None = None, rows_by_kind: bool = False,
                     rows: list[str] | None = None, kinds: list[str] | None = None) -> go.Figure:
-    """Gantt chart of `timeline` from its first span, in milliseconds (seconds for a step over 10 s, minutes over
-    10 min, hours over 2 h); with
+    """Gantt chart of `timeline` from its first span, in milliseconds (over 10 s in the unit a step time of its
+    length is read in, ui.tables.step_unit: seconds, minutes from 2 min, hours from 2 h); with
     `animate`, play/pause buttons and a slider sweep a cursor through it, revealing spans as they start.
     `x_max_ms` fixes the time axis (two timelines drawn to compare share one); the cursor sweeps it all.
     `rows_by_kind`: one row per rank and kind of work (forward, backward, each collective) instead of one per
@@ -87,9 +88,13 @@ def timeline_figure(timeline: Timeline, title: str = "", frames: int = 30, anima
     timeline's own."""
     tl = timeline.normalized()
     t_end_ms = max(tl.end_s * 1e3, x_max_ms or 0.0)
-    # the axis's unit: ms, s, then minutes and hours for the steps of huge models on few chips
-    scale, unit = ((1 / 3600, "h") if t_end_ms > 7.2e6 else (1 / 60, "min") if t_end_ms > 6e5
-                   else (1.0, "s") if t_end_ms > 10_000 else (1e3, "ms"))
+    # the axis's unit: ms, then the unit the step's own time is said in (minutes and hours for the steps of huge
+    # models on few chips): it had switched to minutes at 10 min, where the step's metric had at 2 min
+    if t_end_ms > 10_000:
+        seconds_per_unit, unit = step_unit(t_end_ms / 1e3)
+        scale = 1 / seconds_per_unit
+    else:
+        scale, unit = 1e3, "ms"
     t_end = t_end_ms * scale / 1e3
     by_kind: dict[str, list[Span]] = defaultdict(list)
     for s in tl.spans:

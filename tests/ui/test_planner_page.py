@@ -1,5 +1,8 @@
 """The planner lesson through AppTest: the sidebar setup is estimated, bad meshes explained, search ranks."""
 
+import json
+import re
+
 from streamlit.testing.v1 import AppTest
 
 from tests.ui.apptest_util import open_app
@@ -170,3 +173,103 @@ def test_the_page_says_what_each_unstated_recipe_field_is_worth():
     rows = validate([attention_stated_only(r) for r in load_published_runs(HELDOUT_RUNS)], bands=True)
     text = " ".join(m.value for m in trust.markdown)
     assert f"in **{sum(r.within_band for r in rows)} of {len(rows)}**" in text
+
+
+def _chosen_caption(at) -> str:
+    return next(c.value for c in at.caption if c.value.startswith("Chosen by the planner"))
+
+
+def _layout_line(at) -> str:
+    return next(m.value for m in at.markdown if m.value.startswith("**Layout:**"))
+
+
+def test_fields_that_do_nothing_for_the_layout_are_not_listed_and_flags_read_on_or_off():
+    """At dp 8 (pp 1, tp 1) the caption had listed pp_schedule=1f1b, virtual_stages=1 and sequence_parallel=False,
+    and the Layout line "schedule 1f1b (v=1)", where the search's table leaves the schedule blank; flags had read
+    True / False there and on / off in the recipe table."""
+    at = _page()
+    assert not at.exception
+    chosen = _chosen_caption(at)
+    assert not any(f in chosen for f in ("pp_schedule", "virtual_stages", "sequence_parallel"))
+    assert "grad_reduce_overlap=on" in chosen and "=True" not in chosen and "=False" not in chosen
+    assert "schedule" not in _layout_line(at)
+    piped = _page(model="Llama 3 405B", dp="128", tp="8", pp="16")
+    assert "schedule 1f1b v=1;" in _layout_line(piped)  # as the search's table writes it
+
+
+def test_the_memory_metric_says_fits_without_an_arrow():
+    from streamlit.proto.Metric_pb2 import Metric
+
+    at = _page()
+    (memory,) = [m for m in at.metric if m.label == "Memory per chip"]
+    assert memory.proto.delta == "fits" and memory.proto.direction == Metric.MetricDirection.NONE
+
+
+def test_one_step_is_said_in_one_unit_on_the_page():
+    """One chip of Llama 3 8B: the metric had read "8.33 min", the timeline's axis "time (s)" up to 500 and the
+    span of the unstated recipe "between 492.30 s and 833.85 s"."""
+    at = _page(dp="1")
+    assert not at.exception
+    step = _metric(at, "Step time")
+    assert step.endswith(" min")
+    timeline = next(c.proto.spec for c in at.get("plotly_chart") if "Predicted timeline" in c.proto.spec)
+    assert json.loads(timeline)["layout"]["xaxis"]["title"]["text"] == "time (min)"
+    worth = next(e for e in at.expander if e.label == "What the unstated recipe is worth")
+    band = re.search(r"between \*\*(.+?)\*\* and \*\*(.+?)\*\*", worth.markdown[0].value)
+    assert band and all(b.endswith(" min") for b in band.groups())
+
+
+def test_out_of_memory_advice_offers_only_what_can_help():
+    # one chip: no other layout to choose; 16 bytes a parameter of Llama 3 8B fit no batch, a B200 holds them
+    one = next(w.value for w in _page(dp="1").warning if "more than the" in w.value)
+    assert "let the planner choose" not in one and "smaller batch" not in one
+    assert "Use more chips or a chip with more HBM (" in one and "whatever the batch" in one
+    # Llama 3 405B on one chip: 6.5 TB of training state fits no chip and no batch
+    at = _page(model="Llama 3 405B", dp="1", layout_mode="let the planner choose")
+    assert not at.exception
+    huge = next(w.value for w in at.warning if "more than the" in w.value)
+    assert "No layout of 1 chip fits. Use more chips. The weights, gradients and optimizer state" in huge
+    assert "the leanest (none fits)" in _chosen_caption(at)  # not "the fastest: none fits"
+    # the search ranks nothing: no empty table above its warning, and the counts say none was simulated
+    at.button[0].click().run(timeout=120)
+    assert not at.exception
+    assert not any("step s" in d.value.columns for d in at.dataframe)
+    counts = next(c.value for c in at.caption if "divide the model" in c.value)
+    assert counts.startswith("7 layouts divide the model and the batch") and "none was simulated" in counts
+    assert any(w.value.startswith("No layout of 1 chip fits in memory. Use more chips.") for w in at.warning)
+    assert not any("smaller batch" in w.value or "more HBM" in w.value for w in at.warning)
+
+
+def test_another_layout_of_the_same_chips_is_offered_where_one_fits():
+    at = _page(model="Llama 3 405B", dp="128")  # ZeRO-3 over 128 does not fit; tp 8 x pp 16 does
+    warning = next(w.value for w in at.warning if "more than the" in w.value)
+    assert "Another layout of these 128 chips fits: try more tp or pp in the sidebar's mesh, or let the planner " \
+           "choose" in warning
+
+
+def test_a_setup_the_planner_cannot_use_gets_advice_for_the_field_that_failed():
+    # too many chips: letting the planner choose keeps the count
+    at = _page(dp="65536", tp="8", pp="126", cp="64")
+    (error,) = [e.value for e in at.error]
+    assert "cluster.num_chips" in error and "let the planner choose" not in error
+    assert "its degrees multiply to the chip count" in error
+    # a batch too long to run pass by pass: the slider fixes it
+    at = _page(model="GPT-3 175B", chip="a100-80gb", dp="1", tp="8", pp="12", batch_tokens="32M")
+    (error,) = [e.value for e in at.error]
+    assert "training.global_batch" in error and "global batch with the slider above" in error
+    assert "the degrees must fit the model" not in error
+
+
+def test_bad_values_of_the_pages_own_link_parameters_are_said():
+    at = _page(batch_tokens="123", layout_mode="foo", search_top="7")
+    assert not at.exception
+    (info,) = [i.value for i in at.info if i.value.startswith("Ignored from the link")]
+    for said in ("batch_tokens=`123` (it takes one of 0.5M, 1M, 2M, 4M, 8M, 16M, 32M)",
+                 "layout_mode=`foo` (it takes one of my mesh (sidebar), let the planner choose)",
+                 "search_top=`7` (it takes one of 3, 5, 10)"):
+        assert said in info
+    assert not any(k in at.query_params for k in ("batch_tokens", "layout_mode", "search_top"))
+    # good values pass without a word
+    at = _page(batch_tokens="1M", layout_mode="let the planner choose", search_top="10")
+    assert not any(i.value.startswith("Ignored from the link") for i in at.info)
+    assert at.select_slider(key="batch_tokens").value == 2**20 and at.select_slider(key="search_top").value == 10

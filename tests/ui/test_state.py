@@ -90,3 +90,26 @@ def test_typed_text_in_a_message_stays_as_typed():
     # a pattern typed as "MA *x* [l](http://e.com)" had shown x in italics
     assert inert_markdown("pattern='MA *x* _y_ ~~z~~ [l](h) `c` $m$'") == (
         "pattern='MA \\*x\\* \\_y\\_ \\~\\~z\\~\\~ \\[l\\](h) \\`c\\` \\$m\\$'")
+
+
+def test_an_empty_link_value_is_said_in_words():
+    """An empty code span renders as two backticks: "Unknown chip `` in the link"."""
+    _, problems = _parse({"chip": "", "model": " "})
+    assert "Unknown chip (empty) in the link" in problems[0]
+    assert "Unknown model preset (blank) in the link" in problems[1]
+    assert not any("``" in p or "` `" in p for p in problems)
+
+
+def test_a_pages_bound_choices_are_checked_against_their_options():
+    from ui.state import choice_link_problems, ignored_link_message
+
+    options = {"batch_tokens": ["0.5M", "1M", "4M"], "search_top": [3, 5, 10], "layout_mode": ["a", "b"]}
+    params = {"batch_tokens": "123", "search_top": "7", "layout_mode": "a", "chip": "h100", "other": "1e999"}
+    bad = choice_link_problems(params, options)
+    assert bad == {"batch_tokens": "one of 0.5M, 1M, 4M", "search_top": "one of 3, 5, 10"}
+    assert ignored_link_message(bad, params) == (
+        "Ignored from the link: batch_tokens=`123` (it takes one of 0.5M, 1M, 4M); search_top=`7` (it takes one of "
+        "3, 5, 10). The page's own values are used instead.")
+    # a value that is not a finite number is the app's own message ("not a finite number"), said once
+    assert choice_link_problems({"search_top": "inf"}, options) == {}
+    assert choice_link_problems({"search_top": ["5", "8"]}, options) == {"search_top": "one of 3, 5, 10"}

@@ -75,3 +75,16 @@ def test_a_kind_named_for_the_legend_only_is_listed():
     named = sorted((t.legendrank, t.name) for t in fig.data if t.showlegend is not False)
     assert [name for _, name in named] == ["forward", "all-reduce"]
     assert fig.data[-1].x == (None,) and fig.data[-1].marker.color  # a legend entry, no bar
+
+
+@pytest.mark.parametrize(("seconds", "unit"), [(5.0, "ms"), (60.0, "s"), (500.0, "min"), (9000.0, "h")])
+def test_a_long_steps_axis_is_in_the_unit_its_step_time_reads(seconds, unit):
+    """A 500 s step had read "8.33 min" in its metric (ui.tables.format_step) and "time (s)" on its axis (minutes
+    from 10 min only)."""
+    from ui.tables import format_step
+
+    fig = timeline_figure(Timeline([Span(0, "compute", "fwd L0", 0.0, seconds)]), animate=False)
+    assert fig.layout.xaxis.title.text == f"time ({unit})"
+    assert unit == "ms" or format_step(seconds).endswith(f" {unit}")
+    assert fig.layout.xaxis.range[1] == pytest.approx(1.02 * seconds * {"ms": 1e3, "s": 1, "min": 1 / 60,
+                                                                         "h": 1 / 3600}[unit])
