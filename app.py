@@ -1,8 +1,8 @@
 """ShardLab entry point: `streamlit run app.py`.
 
 Runs before every page: sets up the navigation and the sidebar whose choices (model preset, chip,
-mesh shape) all pages share. The choices live in the URL query parameters, so a shared link opens the
-same view.
+mesh shape) the lessons share (the Lab has its own model and mesh, and says so in the sidebar). The
+choices live in the URL query parameters, so a shared link opens the same view.
 """
 
 # Import these fully before any page: Plotly looks them up in sys.modules without taking the import lock,
@@ -61,7 +61,10 @@ nav = st.navigation({"ShardLab": [home], "Lessons": lesson_pages, "Experiment": 
 
 with st.sidebar:
     st.markdown("### Your setup")
-    st.caption("Shared by every page and kept in the link: copy the URL to share this view.")
+    if nav.url_path == lab.url_path:  # shown on every page, read by the lessons only: said where it is not
+        st.caption(":material/info: **The Lab does not use this setup**: it runs its own small model and mesh, set "
+                   "on the page. The lessons use it.")
+    st.caption("Shared by the lessons and kept in the link: copy the URL to share this view.")
     model = st.selectbox("Model", list(MODEL_PRESETS), index=list(MODEL_PRESETS).index(DEFAULT_MODEL),
                          key="model", bind="query-params")
     # Options are the table keys, not display names: a bound widget puts its option text in the link.
@@ -80,7 +83,10 @@ with st.sidebar:
         else:
             st.query_params[axis] = str(int(mesh[axis]))
     choices = Choices(model, chip, {axis: int(d) for axis, d in mesh.items()})
-    st.caption(f"{choices.mesh_label()} = **{count(choices.num_chips, 'chip')}** of {CHIPS[chip].name}")
+    if choices.num_chips == 1:  # "1 chip = **1 chip**" had said it twice
+        st.caption(f"**One chip** of {CHIPS[chip].name}, nothing split: raise a degree above to share the work.")
+    else:
+        st.caption(f"{choices.mesh_label()} = **{count(choices.num_chips, 'chip')}** of {CHIPS[chip].name}")
     for problem in st.session_state["link_problems"]:
         st.warning(problem, icon=":material/link_off:")
     if st.session_state["link_problems"] and st.button("Dismiss link messages"):

@@ -5,13 +5,29 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 source scripts/venv.sh
+# The SHARDLAB_* settings, checked before the server starts: a malformed one had shown no sign (health said
+# ok) until a student opened a page. It prints what to change and exits 2.
+.venv/bin/python -m server.settings || exit 2
 args=()
+network=0
+port=${STREAMLIT_SERVER_PORT:-8501}  # .streamlit/config.toml's; an argument below overrides it, as for Streamlit
+previous=""
 for a in "$@"; do
-  if [ "$a" = "--network" ]; then
-    args+=(--server.address 0.0.0.0)
-    echo "Listening on every network address of this machine: students open http://$(hostname -I 2>/dev/null | cut -d' ' -f1 || hostname):8501 (or the --server.port you chose)" >&2
-  else
-    args+=("$a")
-  fi
+  case "$a" in
+    "--network") network=1; args+=(--server.address 0.0.0.0) ;;
+    --server.port=*) port=${a#--server.port=}; args+=("$a") ;;
+    *) if [ "$previous" = "--server.port" ]; then port=$a; fi; args+=("$a") ;;
+  esac
+  previous=$a
 done
+if [ "$network" = 1 ]; then
+  # the first address `hostname -I` gives, else the machine's name; neither: no "http://:8501" to copy
+  host=$(hostname -I 2>/dev/null | awk '{print $1}') || host=""
+  if [ -z "$host" ]; then host=$(hostname 2>/dev/null) || host=""; fi
+  if [ -n "$host" ]; then
+    echo "Listening on every network address of this machine: students open http://$host:$port" >&2
+  else
+    echo "Listening on every network address of this machine: students open port $port of its address (ip addr shows it)" >&2
+  fi
+fi
 exec .venv/bin/python -m streamlit run app.py --server.headless true --browser.gatherUsageStats false ${args[@]+"${args[@]}"}

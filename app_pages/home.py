@@ -17,8 +17,8 @@ best layouts combine several. ShardLab lets you *see* and *try* them:
   machine you are using, checks every result against a single-process run, and records what every
   rank computed and communicated.
 
-The sidebar holds your setup (model, chip, mesh shape). Every page reads it, and the page's link
-keeps it: copy the URL to share exactly what you see.
+The sidebar holds your setup (model, chip, mesh shape). Every lesson reads it (the Lab has its own model
+and mesh, on its page), and the page's link keeps it: copy the URL to share exactly what you see.
 """
 )
 

@@ -23,6 +23,7 @@ from ui.lab import (
     lab_config,
     lab_label,
     lab_link_problems,
+    lab_numbers,
     mesh_label,
     results_json,
     run_rows,
@@ -44,7 +45,12 @@ st.markdown(
 # take is said and taken out of the link before the controls read it, so none of them guesses.
 found = gpus()
 devices = ["cpu"] + (["cuda"] if found else [])
-bad_link = lab_link_problems({k: v for k, v in st.query_params.to_dict().items() if k.startswith("lab_")}, devices)
+try:  # the Steps box goes up to this server's SHARDLAB_MAX_STEPS (a raised limit had stopped at the box's 20)
+    numbers = lab_numbers(get_queue().settings.max_steps)
+except SettingsError:  # a misconfigured server is said where the run is ("About this server")
+    numbers = lab_numbers()
+bad_link = lab_link_problems({k: v for k, v in st.query_params.to_dict().items() if k.startswith("lab_")}, devices,
+                             numbers)
 # a text box takes a long text from the link cut to its length, whatever the page does: said, not dropped
 cut = {k: bad_link.pop(k) for k in LAB_TEXTS if k in bad_link}
 if bad_link:
@@ -60,8 +66,8 @@ for key, what in cut.items():
 
 
 def _number(col, label: str, key: str, **kwargs):
-    """A whole-number box of the Lab, its range from ui/lab.LAB_NUMBERS, bound to the link."""
-    low, high, step = LAB_NUMBERS[key]
+    """A whole-number box of the Lab, its range from ui/lab.lab_numbers, bound to the link."""
+    low, high, step = numbers[key]
     return col.number_input(label, low, high, step=step, key=key, bind="query-params", **kwargs)
 
 
@@ -174,7 +180,9 @@ c = st.columns(5)
 # that followed pp (2 with a pipeline) made the teacher's 1 and the student's 2 the same link
 micro_batches = _number(c[0], "Micro-batches", "lab_mb", value=1)
 micro_batch_size = _number(c[1], "Sequences per micro-batch", "lab_mbs", value=2)
-steps = _number(c[2], "Steps", "lab_steps", value=3)
+most_steps = numbers["lab_steps"][1]
+steps = _number(c[2], "Steps", "lab_steps", value=min(3, most_steps),
+                help=f"at most {most_steps:,}: this server's limit (SHARDLAB_MAX_STEPS, set by whoever runs it)")
 dtype = _choice(c[3], "Number format", "lab_dtype",
                 help="fp32: checked to fp32 rounding. bf16: matmuls in bf16, weights, gradients and Adam "
                             "state in fp32 (mixed precision), checked against a single-process bf16 run with "

@@ -130,7 +130,9 @@ def run_task(label: str, task, hint: str, what: str = "run"):
     The page calls it on every run of its script: with the `task` its button just made (else None), which is
     queued unless one of `label` is still going; and whichever is pending is followed, so that moving a widget
     while it waits or runs does not lose it (the rerun picks it up again). Its result once it finishes, else
-    None (nothing pending, or a failure, which has been shown)."""
+    None (nothing pending, or a failure, which has been shown). Shows "About this server" above it, as a live
+    run's panel does (the Hardware and Collectives pages had not said what the queue and its limits were)."""
+    about_server()
     key = f"task_{label}"
     pending = st.session_state.get(_pending_key(key))
     if task is not None and pending is not None and not pending[0].wait(0):

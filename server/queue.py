@@ -10,7 +10,11 @@ What it guarantees (settings in `server/settings.py`):
 
 * at most `max_concurrent` runs execute at once, first come first served; a run identical to one that is
   executing waits for it and is then answered from the cache;
-* caps per run (processes, steps, model size, wall clock) are checked before anything starts;
+* caps per run (processes, steps, model size) are checked before anything starts;
+* one wall-clock limit per job, `max_run_s`, over all its runs together (a page's press may carry several
+  configurations), the prediction and a first calibration included: a slot is free again after at most this
+  long. Each run is given what is left of it as its own timeout, and the job's stop event is set when it
+  runs out;
 * fairness: a session has at most one run waiting and one running. Pressing Run again while one waits
   replaces it (it keeps its place in line); pressing while one runs queues the new one behind it, and it
   starts only after it, even where another slot is free. Either way the job's `notice` says so;
@@ -58,7 +62,7 @@ class Refused(ValueError):
 class Task:
     """Work on the worker processes other than a training run (the calibration, a collective sweep),
     queued like one: `fn(progress, stop)` with `progress(fraction, message)` returns the result; `stop` is a
-    threading.Event set by the page's Stop or at the server's time limit (`max_run_s`), after which `fn`
+    threading.Event set by the page's Stop or at the job's time limit (`max_run_s`), after which `fn`
     ends soon (engine.launch's pool runs take it and raise RunStopped)."""
 
     what: str  # identifies the work: identical `what` of a cacheable task is answered from the cache
@@ -89,7 +93,7 @@ class Job:
     cached: bool = False
     cached_from: float | None = None  # when the run that is being reused finished (time.time())
     alive: object = None  # () -> bool: is the page that asked still there? (a closed tab's run is skipped)
-    timed_out: bool = False  # a Task stopped at the server's time limit
+    timed_out: bool = False  # stopped at the server's time limit (max_run_s, the whole job's)
     gone_since: float | None = None  # when `alive()` first said the page had gone (time.monotonic())
     stop_event: threading.Event = field(default_factory=threading.Event, repr=False)
     _event: threading.Event = field(default_factory=threading.Event, repr=False)
@@ -177,8 +181,9 @@ class RunQueue:
                 raise Refused(f"{label}: {e}") from None
 
     def as_run(self, cfg):
-        """`cfg` as this server runs it: the server's limit is each run's (RunConfig.timeout_s, 60 s by default,
-        had capped it below 120). The Lab shows its commands so, to repeat the run exactly."""
+        """`cfg` as this server runs it: with the server's limit as its timeout (RunConfig.timeout_s, 60 s by
+        default, had capped it below 120); a job of several runs gives each what is left of the limit
+        (`_execute`). The Lab shows its commands so, to repeat the run exactly."""
         return replace(cfg, timeout_s=self.settings.max_run_s)
 
     def submit(self, session: str, runs, alive=None) -> Job:
@@ -272,14 +277,17 @@ class RunQueue:
             return 0.0
 
     def status(self, job: Job) -> str:
-        """One line for the page's progress bar."""
-        if job.state == WAITING:
-            place, n = self.position(job)
-            wait = self.estimated_wait_s(job)
-            ahead = "you are next" if place == 1 else f"position {place} of {n}"
-            k = self.settings.max_concurrent
-            at_once = "one run at a time" if k == 1 else f"{k} runs at a time"
-            return f"Waiting in this server's run queue: {ahead}, about {_rough_seconds(wait)} s ({at_once})"
+        """One line for the page's progress bar. Read under the lock: a state read before it, with the slot
+        taking the job before `position` took it, had shown a waiting student "position 0 of 0"."""
+        with self._cond:  # a Condition's lock is reentrant: position and estimated_wait_s take it again
+            if job.state == WAITING:
+                place, n = self.position(job)  # may take a closed tab's job out of the line: said below, as ended
+            if job.state == WAITING:
+                wait = self.estimated_wait_s(job)
+                ahead = "you are next" if place == 1 else f"position {place} of {n}"
+                k = self.settings.max_concurrent
+                at_once = "one run at a time" if k == 1 else f"{k} runs at a time"
+                return f"Waiting in this server's run queue: {ahead}, about {_rough_seconds(wait)} s ({at_once})"
         if job.state == RUNNING:
             label, cfg = job.runs[job.run_index]
             if isinstance(cfg, Task):
@@ -392,10 +400,28 @@ class RunQueue:
                 self._cond.notify_all()
 
     def _execute(self, job: Job) -> str:
-        """Run the job's work; the state it ends in (DONE, FAILED or STOPPED), its results or error set."""
+        """Run the job's work under one limit, `max_run_s`, across all its runs (`_Clock`); the state it ends in
+        (DONE, FAILED or STOPPED), its results or error set. The limit is the job's, not each run's: a press of k
+        configurations had held its slot k times the limit, plus each run's prediction (made before a run's own
+        timeout starts: engine/run.py). When it is used up the stop event is set, which ends the prediction and
+        the run (RunStopped); each run's timeout is also what is left, should a rank not hear the stop."""
+        limit = self.settings.max_run_s
+        clock, finished = _Clock(job), threading.Event()
+
+        def watch():
+            while not finished.wait(WATCH_S):
+                if clock.used() >= limit:
+                    if not job.stop_event.is_set():  # a Stop pressed first is the reason it ends
+                        job.timed_out = True
+                        job.stop_event.set()
+                    return
+
+        threading.Thread(target=watch, daemon=True, name="shardlab-job-limit").start()
         results = []
         try:
             for i, (_label, cfg) in enumerate(job.runs):
+                if job.timed_out:  # the limit ran out during the runs before: this one does not start
+                    raise TimeoutError("no time left")
                 job.run_index, job.steps_done, job.loss = i, 0, None
 
                 def on_step(steps_done, loss):
@@ -404,35 +430,56 @@ class RunQueue:
                 def progress(fraction, message):
                     job.task_fraction, job.calibrating = fraction, message
 
-                results.append(self._task(job, cfg, progress) if isinstance(cfg, Task) else
-                               self._runner(cfg, on_step, progress, job.stop_event))
+                if isinstance(cfg, Task):
+                    results.append(cfg.fn(progress, job.stop_event))
+                else:
+                    # what is left of the job's limit (at least a millisecond: validate wants a positive timeout;
+                    # the stop event, set by then, ends the run at once)
+                    left = max(1e-3, min(cfg.timeout_s, limit - clock.used()))
+                    results.append(self._runner(replace(cfg, timeout_s=left), on_step, progress, job.stop_event))
                 job.calibrating = None
             job.results = results
             return DONE
         except BaseException as e:  # noqa: BLE001 - reported to the job's page, never lost
             job.error = e
-            if job.timed_out:
-                job.error = TimeoutError(f"it ran past this server's limit of {self.settings.max_run_s:g} s "
-                                         "(SHARDLAB_MAX_RUN_S)")
+            # a run's own timeout is what was left of the limit: once it is used up, the server's limit is the
+            # reason, whether or not the watch has seen it yet
+            if job.timed_out or (not job.stop_event.is_set() and clock.used() >= limit - WATCH_S):
+                job.timed_out = True
+                what = "it" if len(job.runs) == 1 else f"its {len(job.runs)} runs, together,"
+                job.error = TimeoutError(f"{what} ran past this server's limit of {limit:g} s (SHARDLAB_MAX_RUN_S, "
+                                         "for one press)")
                 return FAILED
             return STOPPED if job.stop_event.is_set() else FAILED
-
-    def _task(self, job: Job, task: Task, progress):
-        """A Task under the server's time limit (a training run has its own, RunConfig.timeout_s): its stop event
-        is set once `max_run_s` has passed. A sweep of 4 ranks had held its slot for minutes, and no Stop ended
-        it."""
-        def over():
-            if not job.stop_event.is_set():  # a Stop pressed first is the reason it ends
-                job.timed_out = True
-                job.stop_event.set()
-
-        limit = threading.Timer(self.settings.max_run_s, over)
-        limit.daemon = True
-        limit.start()
-        try:
-            return task.fn(progress, job.stop_event)
         finally:
-            limit.cancel()
+            finished.set()
+
+
+WATCH_S = 0.1  # how often a job's limit is looked at
+
+
+class _Clock:
+    """The seconds a job has used of its limit (`max_run_s`): all of its time but a first calibration of the
+    machine's. That is measured once per machine and kept (tens of seconds: about 25 for 2 processes, 45 more for
+    4, on 2 cores); it is kept only once finished, so a limit that stopped it would stop every press after it
+    too, and the machine would never be calibrated. The page says while it calibrates."""
+
+    def __init__(self, job: Job):
+        self.job, self.last, self.spent = job, time.monotonic(), 0.0
+        self.lock = threading.Lock()
+
+    def calibrating(self) -> bool:
+        job = self.job
+        return (job.calibrating is not None and job.task_fraction < 1.0
+                and not isinstance(job.runs[job.run_index][1], Task))
+
+    def used(self) -> float:
+        with self.lock:
+            now = time.monotonic()
+            if not self.calibrating():
+                self.spent += now - self.last
+            self.last = now
+            return self.spent
 
 
 def _pools(job: Job) -> set[tuple]:

@@ -3,21 +3,28 @@
     SHARDLAB_MAX_CONCURRENT   live runs executing at once              default: CPU cores // 4, at least 1
     SHARDLAB_MAX_QUEUE        runs waiting before new ones are refused  default: 100
     SHARDLAB_MAX_WORLD        processes one run may start               default: 8
-    SHARDLAB_MAX_STEPS        training steps of one run                 default: 20
+    SHARDLAB_MAX_STEPS        training steps of one run (and the Lab's Steps box)  default: 20
     SHARDLAB_MAX_PARAMS       parameters of one run's model             default: 5,000,000
-    SHARDLAB_MAX_RUN_S        wall-clock seconds of one run             default: 120
+    SHARDLAB_MAX_RUN_S        wall-clock seconds of one press of Run, all its runs together  default: 120
     SHARDLAB_RESULT_CACHE     identical runs answered from memory       default: 64 (0 turns it off)
 
-A run uses `world` processes; on a machine with C cores, C // 4 runs at once keeps a 4-process run's
-timings meaningful (each process gets about one core) and the server responsive. Every value is shown on
-the "About this server" expander of the live panel. A malformed value is reported on every page that
-runs something, naming the variable, and no run starts until it is fixed (never a half-configured queue).
+A run uses `world` processes; on a machine with C cores (the ones this process may use: a container's CPU
+set), C // 4 runs at once keeps a 4-process run's timings meaningful (each process gets about one core) and
+the server responsive. Every value is shown on the "About this server" expander of the live panel.
+`./run.sh` checks them before it starts the server (`python -m server.settings`), so a malformed value stops
+it at once, naming the variable; a server started otherwise reports it on every page that runs something,
+and no run starts until it is fixed (never a half-configured queue).
 """
 
 from __future__ import annotations
 
+import math
 import os
+import re
+import sys
 from dataclasses import MISSING, dataclass, fields
+
+from engine.config import MAX_WORLD
 
 
 class SettingsError(ValueError):
@@ -36,7 +43,11 @@ class Settings:
 
     @staticmethod
     def default_concurrency(cores: int | None = None) -> int:
-        return max(1, (cores or os.cpu_count() or 1) // 4)
+        """A quarter of the cores this process may run on: the container's CPU set (sched_getaffinity), not the
+        host's cores, which os.cpu_count() gives. A cgroup CPU quota (docker --cpus) is seen by neither."""
+        from hardware.this_machine import cpu_count
+
+        return max(1, (cores or cpu_count() or 1) // 4)
 
     @classmethod
     def from_env(cls, env: dict | None = None) -> Settings:
@@ -47,26 +58,56 @@ class Settings:
             raw = env.get(name)
             if raw is None or raw.strip() == "":
                 continue
-            kind = float if f.name == "max_run_s" else int
-            try:
-                value = kind(raw.strip())
-            except ValueError:
+            seconds = f.name == "max_run_s"
+            value = _number(raw, whole=not seconds)
+            shown = f"{name}={_quoted(raw)}"
+            if value is None:
                 example = f.default if f.default is not MISSING else cls.default_concurrency()
-                raise SettingsError(f"{name}={raw!r} is not a number; set it to e.g. "
-                                    f"{example if isinstance(example, int) else format(example, 'g')}") from None
+                what = "a number of seconds" if seconds else "a whole number"
+                raise SettingsError(f"{shown} must be {what}, e.g. {format(example, 'g') if seconds else example}")
             least = 0 if f.name == "result_cache" else 1
-            if not value >= least or value != value:  # NaN fails both
-                raise SettingsError(f"{name}={raw!r} must be at least {least}")
-            most, why = MOST.get(f.name, (None, ""))
-            if most is not None and not value <= most:  # infinity too
-                raise SettingsError(f"{name}={raw!r} must be at most {most:,}: {why}")
-            values[f.name] = value
+            if not value >= least:
+                raise SettingsError(f"{shown} must be at least {least}")
+            most, why = MOST.get(f.name, (math.inf, ""))
+            if not value <= most:  # infinity too
+                raise SettingsError(f"{shown} must be at most {most:,}: {why}")
+            values[f.name] = float(value) if seconds else value
         return cls(**values)
 
     def rows(self) -> list[dict]:
         """What the "About this server" expander shows."""
         return [{"setting": DESCRIPTIONS[f.name], "value": _show(getattr(self, f.name)),
                  "environment variable": ENV_NAMES[f.name]} for f in fields(self)]
+
+
+# A whole number as people write one: 5000000, 5_000_000, 5,000,000 (the docs' own format), 5e6 or 10.0
+_GROUPED = re.compile(r"[+-]?\d{1,3}(,\d{3})+(\.\d*)?")
+
+
+def _number(raw: str, whole: bool) -> int | float | None:
+    """The value of `raw`, or None where it is no number (or, for `whole`, no whole one). NaN is none."""
+    text = raw.strip()
+    if _GROUPED.fullmatch(text):
+        text = text.replace(",", "")
+    try:
+        return int(text)  # exact (a float would round 99999999999999999999)
+    except ValueError:
+        if re.fullmatch(r"[+-]?\d+", text):  # digits past Python's 4,300 for int(): a number, far too big
+            return -math.inf if text.startswith("-") else math.inf
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    if math.isnan(value) or (whole and not (math.isfinite(value) and value.is_integer())):
+        return None  # inf, by contrast, is a number: "must be at most" says what is wrong with it
+    return int(value) if whole else value
+
+
+def _quoted(raw: str, most: int = 40) -> str:
+    """`raw` as a message quotes it, cut to `most` characters: a value 5,000 digits long had been echoed whole."""
+    if len(raw) <= most:
+        return repr(raw)
+    return f"{raw[:most]!r}... ({len(raw):,} characters)"
 
 
 def _show(value) -> str:
@@ -78,6 +119,11 @@ MOST = {
     "max_concurrent": (64, "each run at once is a thread starting its own processes (100,000 of them had "
                            "exhausted the machine's threads); a run gets about one core per process, so more runs "
                            "at once than cores only slows every one"),
+    "max_queue": (10_000, "each waiting run holds its student's page open on the server, polling it; a class "
+                          "is tens of students, and a queue this long would wait hours"),
+    "max_world": (MAX_WORLD, f"the engine starts at most {MAX_WORLD} local processes (engine/config.py)"),
+    "max_steps": (100_000, "the Lab's Steps box goes up to it, and one day (the most SHARDLAB_MAX_RUN_S "
+                           "allows) ends a run long before"),
     "max_run_s": (86_400, "one day"),
 }
 
@@ -96,6 +142,22 @@ DESCRIPTIONS = {
     "max_world": "processes one run may start",
     "max_steps": "training steps of one run",
     "max_params": "parameters of one run's model",
-    "max_run_s": "wall-clock seconds one run may take",
+    "max_run_s": "wall-clock seconds of one press of Run, all its runs together",
     "result_cache": "identical runs answered from memory (0: off)",
 }
+
+
+def main() -> int:
+    """`python -m server.settings`: check the environment's settings, as ./run.sh does before it starts the
+    server (a malformed value had shown no sign until a student opened a page). Exit 2 with the message."""
+    try:
+        Settings.from_env()
+    except SettingsError as e:
+        print(f"ShardLab's settings: {e}. Fix it (docs/classroom.md, \"The knobs\") and start again.",
+              file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -33,7 +33,8 @@ from ui.timeline import shared_kinds, step_timeline, timeline_figure
 SCHEDULES = ("1f1b", *(s for s in SCHEDULE_NAMES if s != "1f1b"))  # the engine's, its default first
 
 # The Lab's controls, each bound to the link's query parameter of its key, so that a shared link opens the same
-# experiment. Whole numbers: (lowest, highest, step) of their boxes; choices: their options, written in the link
+# experiment. Whole numbers: (lowest, highest, step) of their boxes (the Steps box's highest is the server's
+# SHARDLAB_MAX_STEPS where the page can read it: lab_numbers); choices: their options, written in the link
 # as the page labels them (LAB_LABELS; Streamlit's bound selectboxes and radios read and write the label).
 LAB_NUMBERS = {"lab_ssm_state": (1, 128, 1), "lab_ssm_groups": (1, 64, 1), "lab_ssm_chunk": (1, 256, 1),
                "lab_layers": (1, 32, 1), "lab_hidden": (8, 1024, 8), "lab_heads": (1, 32, 1),
@@ -68,19 +69,30 @@ def bound_number(text: str) -> int | None:
     return int(number) if math.isfinite(number) else None
 
 
+def lab_numbers(max_steps: int | None = None) -> dict[str, tuple[int, int, int]]:
+    """LAB_NUMBERS with the Steps box going up to `max_steps`, the server's SHARDLAB_MAX_STEPS (None: the
+    default's 20): a teacher's raised limit had done nothing in the Lab, whose box stopped at 20."""
+    if max_steps is None:
+        return LAB_NUMBERS
+    low, _, step = LAB_NUMBERS["lab_steps"]
+    return {**LAB_NUMBERS, "lab_steps": (low, max_steps, step)}
+
+
 def lab_label(key: str, option) -> str:
     """How the Lab shows `option` of the control `key`, and how a link writes it."""
     return LAB_LABELS.get(key, {}).get(option, str(option))
 
 
-def lab_link_problems(params: Mapping[str, str], devices: Sequence[str]) -> dict[str, str]:
+def lab_link_problems(params: Mapping[str, str], devices: Sequence[str],
+                      numbers: Mapping[str, tuple[int, int, int]] = LAB_NUMBERS) -> dict[str, str]:
     """The Lab's parameters in a link that its controls cannot take, each with what it should be: a whole number
-    in the box's range, one of the options (`devices`: the ones this server has), true or false."""
+    in the box's range (`numbers`: the page's, lab_numbers), one of the options (`devices`: the ones this server
+    has), true or false."""
     bad = {}
     for key, text in params.items():
         text = str(text)
-        if key in LAB_NUMBERS:
-            low, high, _ = LAB_NUMBERS[key]
+        if key in numbers:
+            low, high, _ = numbers[key]
             number = bound_number(text)
             if number is None or not low <= number <= high:
                 bad[key] = f"a whole number from {low} to {high}"

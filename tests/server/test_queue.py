@@ -249,7 +249,7 @@ def test_settings_from_the_environment():
     assert (s.max_concurrent, s.max_run_s, s.result_cache, s.max_world) == (3, 30.5, 0, 8)
     assert Settings.from_env({}).max_concurrent == Settings.default_concurrency() >= 1
     assert Settings.default_concurrency(2) == 1 and Settings.default_concurrency(16) == 4
-    with pytest.raises(SettingsError, match="SHARDLAB_MAX_WORLD='lots' is not a number"):
+    with pytest.raises(SettingsError, match="SHARDLAB_MAX_WORLD='lots' must be a whole number, e.g. 8"):
         Settings.from_env({"SHARDLAB_MAX_WORLD": "lots"})
     with pytest.raises(SettingsError, match="SHARDLAB_MAX_CONCURRENT='0' must be at least 1"):
         Settings.from_env({"SHARDLAB_MAX_CONCURRENT": "0"})
@@ -272,7 +272,7 @@ def test_a_task_is_stopped_at_the_servers_time_limit_and_by_stop():
     q = queue(Gate(), max_run_s=1)
     over = q.submit("s", [("sweep", Task("a", 2, work))])
     assert over.wait(30) and over.state == FAILED and isinstance(over.error, TimeoutError)
-    assert "this server's limit of 1 s (SHARDLAB_MAX_RUN_S)" in str(over.error)
+    assert "this server's limit of 1 s (SHARDLAB_MAX_RUN_S, for one press)" in str(over.error)
     q = queue(Gate(), max_run_s=600)
     asked = q.submit("s", [("sweep", Task("b", 2, work))])
     while asked.state == WAITING:
@@ -313,3 +313,162 @@ def test_jobs_on_one_worker_pool_take_turns_and_the_wait_says_so():
     for _ in range(3):
         gate.release.release()
     assert all(j.wait(10) for j in (first, mine, same_pool))
+
+
+@pytest.mark.parametrize("raw, value", [("5,000,000", 5_000_000), ("5_000_000", 5_000_000), ("5e6", 5_000_000),
+                                        (" 4000000 ", 4_000_000)])
+def test_a_whole_number_is_read_as_people_write_it(raw, value):
+    """The docs' own table writes the default 5,000,000: that, 5e6 and 10.0 had been "not a number"."""
+    assert Settings.from_env({"SHARDLAB_MAX_PARAMS": raw}).max_params == value
+    assert Settings.from_env({"SHARDLAB_MAX_STEPS": "10.0"}).max_steps == 10
+    assert Settings.from_env({"SHARDLAB_MAX_RUN_S": "1,000.5"}).max_run_s == 1000.5
+
+
+@pytest.mark.parametrize("env, says", [
+    ({"SHARDLAB_MAX_STEPS": "10.5"}, "SHARDLAB_MAX_STEPS='10.5' must be a whole number, e.g. 20"),
+    ({"SHARDLAB_MAX_PARAMS": "5,00,000"}, "SHARDLAB_MAX_PARAMS='5,00,000' must be a whole number, e.g. 5000000"),
+    ({"SHARDLAB_MAX_RUN_S": "nan"}, "SHARDLAB_MAX_RUN_S='nan' must be a number of seconds, e.g. 120"),
+    ({"SHARDLAB_MAX_WORLD": "-3"}, "SHARDLAB_MAX_WORLD='-3' must be at least 1"),
+    # past the engine's own 64 processes, and a queue no class fills: typos, as 100,000 slots had been
+    ({"SHARDLAB_MAX_WORLD": "100000"}, "SHARDLAB_MAX_WORLD='100000' must be at most 64: the engine starts"),
+    ({"SHARDLAB_MAX_QUEUE": "9" * 20}, f"SHARDLAB_MAX_QUEUE='{'9' * 20}' must be at most 10,000"),
+    ({"SHARDLAB_MAX_STEPS": "1e30"}, "SHARDLAB_MAX_STEPS='1e30' must be at most 100,000"),
+])
+def test_a_setting_it_cannot_use_says_what_to_set(env, says):
+    with pytest.raises(SettingsError) as e:
+        Settings.from_env(env)
+    assert str(e.value).startswith(says)
+
+
+def test_a_very_long_value_is_cut_in_the_message():
+    """A 5,000-digit value had been echoed whole."""
+    with pytest.raises(SettingsError) as e:
+        Settings.from_env({"SHARDLAB_MAX_STEPS": "9" * 5000})
+    said = str(e.value)
+    assert len(said) < 400 and "(5,000 characters)" in said and "must be at most 100,000" in said
+
+
+def test_the_default_concurrency_counts_the_cores_this_process_may_use(monkeypatch):
+    """os.cpu_count() is the host's cores; a container's CPU set is sched_getaffinity's (hardware.this_machine)."""
+    import os
+
+    from hardware import this_machine
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7}, raising=False)
+    assert this_machine.cpu_count() == 8
+    assert Settings.default_concurrency() == 2 and Settings.from_env({}).max_concurrent == 2
+
+
+def test_the_settings_check_exits_with_the_message(monkeypatch, capsys):
+    """What ./run.sh runs before it starts the server (`python -m server.settings`)."""
+    from server import settings
+
+    monkeypatch.setenv("SHARDLAB_MAX_STEPS", "abc")
+    assert settings.main() == 2
+    assert "SHARDLAB_MAX_STEPS='abc' must be a whole number, e.g. 20" in capsys.readouterr().err
+    monkeypatch.setenv("SHARDLAB_MAX_STEPS", "40")
+    assert settings.main() == 0
+
+
+class Stoppable:
+    """A runner that stands in for engine.run: each run records the timeout it was given, then waits for the
+    job's stop event for `wait_s` (None: it returns at once), as the prediction and a calibration do (no
+    timeout of the run's own covers them: engine/run.py), and raises what the engine raises when stopped."""
+
+    def __init__(self, wait_s=None):
+        self.timeouts: list[float] = []
+        self.wait_s = wait_s
+
+    def __call__(self, cfg, on_step, progress, stop):
+        self.timeouts.append(cfg.timeout_s)
+        if self.wait_s is None:
+            return {"seed": cfg.seed}, None
+        assert stop.wait(self.wait_s), "never stopped"
+        raise RuntimeError("stopped (RunStopped)")
+
+
+def test_one_press_of_several_runs_has_one_deadline():
+    """A press of k configurations had held its slot k times SHARDLAB_MAX_RUN_S, plus each run's prediction: the
+    limit is the job's, so the first run's prediction is stopped at it and the others never start."""
+    runner = Stoppable(wait_s=30)
+    q = queue(runner, max_run_s=1)
+    job = q.submit("s", [("a", cfg(1)), ("b", cfg(2)), ("c", cfg(3))])
+    assert job.wait(30) and job.state == FAILED and job.timed_out
+    assert len(runner.timeouts) == 1  # the other two never started
+    said = str(job.error)
+    assert isinstance(job.error, TimeoutError)
+    assert said.startswith("its 3 runs, together, ran past this server's limit of 1 s (SHARDLAB_MAX_RUN_S, for one "
+                           "press)")
+
+
+def test_each_run_gets_what_is_left_of_the_limit():
+    runner = Stoppable()
+    q = queue(runner, max_run_s=600)
+    job = q.submit("s", [("a", cfg(1)), ("b", cfg(2))])
+    assert job.wait(10) and job.state == DONE
+    first, second = runner.timeouts
+    assert first <= 600 and second < first
+    assert all(c.timeout_s == 600 for _, c in job.runs)  # the job's own configurations (its key, the commands)
+
+
+def test_the_machines_first_calibration_is_not_charged_to_the_limit():
+    """A calibration is kept only once finished: a limit that stopped it would stop every press after it too, and
+    the machine would never be calibrated. Its time is not counted; the run's after it is."""
+    stopped = []
+
+    def runner(c, on_step, progress, stop):
+        progress(0.0, "measuring gloo and shared cores with 2 ranks")
+        stopped.append(stop.wait(1.5))  # longer than the limit
+        progress(1.0, "calibrated")
+        return {"seed": c.seed}, None
+
+    q = queue(runner, max_run_s=1)
+    job = q.submit("s", [("a", cfg(1))])
+    assert job.wait(30) and job.state == DONE and not job.timed_out and stopped == [False]
+    # the same wait outside a calibration is charged, and stopped at the limit
+    q = queue(Stoppable(wait_s=30), max_run_s=1)
+    job = q.submit("s", [("a", cfg(1))])
+    assert job.wait(30) and job.state == FAILED and job.timed_out
+
+
+def test_a_runs_own_timeout_at_the_deadline_names_the_servers_limit():
+    """engine.launch's "did not finish within 0.8 s" had said nothing of the server's limit that set it."""
+    from app_pages.engine_errors import engine_error_message
+
+    class OwnTimeout(Exception):  # as engine.launch.RunTimedOut: the run's timeout, before the stop is heard
+        pass
+
+    def runner(c, on_step, progress, stop):
+        threading.Event().wait(c.timeout_s)  # deaf to the stop: a rank that does not hear it
+        raise OwnTimeout(f"run timed out after {c.timeout_s:g} s")
+
+    q = queue(runner, max_run_s=1)
+    job = q.submit("s", [("a", cfg(1))])
+    assert job.wait(30) and job.state == FAILED
+    message, _ = engine_error_message(job.error, what="run", hint="try fewer processes")
+    assert message == ("The run was stopped: it ran past this server's limit of 1 s (SHARDLAB_MAX_RUN_S, for one "
+                       "press); try fewer processes.")
+
+
+def test_a_waiting_run_taken_by_a_slot_meanwhile_never_reads_position_0():
+    """status() had read the state without the lock: the slot took the job before position() took the lock,
+    and a waiting student saw "position 0 of 0"."""
+    gate = Gate()
+    q = queue(gate)
+    q.submit("busy", [("x", cfg(9))])
+    assert gate.started.acquire(timeout=5)
+    job = q.submit("me", [("a", cfg(1))])
+    real = q.position
+
+    def position_after_the_slot_moves(j):
+        gate.release.release()  # the running job ends: the slot may take `job` now, unless status holds the lock
+        gate.started.acquire(timeout=2)
+        return real(j)
+
+    q.position = position_after_the_slot_moves
+    said = q.status(job)
+    assert "position 0" not in said
+    q.position = real
+    gate.release.release()
+    assert job.wait(10) and job.state == DONE

@@ -307,3 +307,27 @@ def test_a_hand_written_preset_link_loads_the_preset_and_a_long_pattern_is_said(
     assert not at.info or "lab_pattern" not in at.info[0].value
     at = open_app(LAB, lab_pp="2", lab_dp="1")
     assert any("each stage waits for the others" in c.value for c in at.caption)  # 1 micro-batch, 2 stages
+
+
+@pytest.mark.parametrize("most", [50, 2])
+def test_the_steps_box_goes_as_far_as_the_servers_limit(monkeypatch, most):
+    """SHARDLAB_MAX_STEPS raised above 20 had done nothing in the Lab, whose box stopped at 20; a link is checked
+    against the server's limit, not 20."""
+    import server.queue
+    from server.queue import RunQueue
+    from server.settings import Settings
+
+    q = RunQueue(Settings(max_concurrent=1, max_steps=most))
+    monkeypatch.setattr(server.queue, "_queue", q)
+    try:
+        at = open_app(LAB, lab_steps=str(most))
+        assert not at.exception and not at.info, [i.value for i in at.info]
+        box = at.number_input(key="lab_steps")
+        assert box.value == most and box.proto.max == most
+        assert f"at most {most}" in box.help
+        at = open_app(LAB, lab_steps=str(most + 1))
+        assert not at.exception
+        assert f"lab_steps=`{most + 1}` (it takes a whole number from 1 to {most})" in at.info[0].value
+        assert at.number_input(key="lab_steps").value == min(3, most)  # the page's default, within the limit
+    finally:
+        q.shutdown()

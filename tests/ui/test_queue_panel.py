@@ -54,3 +54,12 @@ def test_a_page_with_more_steps_than_the_server_allows_runs_fewer_and_says_so(mo
     finally:
         q.shutdown()
 
+
+
+@pytest.mark.parametrize("page", ["app_pages/hardware.py", "app_pages/collectives.py"])
+def test_pages_that_measure_on_the_workers_show_the_server_too(cached_queue, page):
+    """The Hardware and Collectives pages queue their measurement like a run but had no "About this server"."""
+    at = open_app(page)
+    assert not at.exception, [e.value for e in at.exception]
+    about = [e for e in at.expander if e.label == "About this server"]
+    assert len(about) == 1 and "SHARDLAB_MAX_RUN_S" in set(about[0].dataframe[0].value["environment variable"])
