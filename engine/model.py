@@ -13,12 +13,12 @@ an unchanged model).
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from core.moe import expert_capacity
 from engine.config import MAMBA, ModelConfig, data_seed, unit_forward_flops  # noqa: F401 - unit_forward_flops re-exported
 from engine.mamba import Mamba2, init_mamba_
 
@@ -104,11 +104,6 @@ def route(logits, top_k: int):
     same way on every rank and in the reference (topk leaves the order of ties unspecified)."""
     values, order = logits.sort(dim=-1, descending=True, stable=True)
     return values[..., :top_k].softmax(dim=-1), order[..., :top_k]
-
-
-def expert_capacity(capacity_factor: float, tokens: int, top_k: int, experts: int) -> int:
-    # GShard (Lepikhin et al. 2020), section 3.2: expert capacity = C * tokens * k / E per group.
-    return math.ceil(capacity_factor * tokens * top_k / experts)
 
 
 def capacity_keep(chosen, experts: int, capacity: int):

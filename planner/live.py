@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 from core.buckets import plan_buckets
 from core.mesh import Mesh, cp_slice_owners, group_key
+from core.moe import kept_share
 from core.schedules import (
     BACKWARD,
     BACKWARD_INPUT,
@@ -206,12 +207,13 @@ class _Costs:
         shape = {"b": b, "heads": heads, "rows": rows, "cols": cols, "head_dim": self.m.hidden // self.m.heads}
         return self.fit("ring_block", shape, fwd) + RING_STEP_OPS * self.tiny
 
-    def moe(self, b: int, t: int, local_experts: int, fwd: bool) -> float:
+    def moe(self, b: int, t: int, local_experts: int, fwd: bool, kept: float = 1.0) -> float:
         m = self.m
         # the MoE fit at the experts this rank runs; each token's top_k rows spread over all experts, so
-        # the rows a rank processes per local expert stay t * top_k / experts on average (balanced)
+        # the rows a rank processes per local expert stay t * top_k / experts on average (balanced), of which
+        # a capacity factor keeps `kept` (core.moe.kept_share)
         shape = {"b": b, "t": t, "d": m.hidden, "ffn": m.ffn, "experts": m.experts,
-                 "top_k": m.top_k * local_experts / m.experts}
+                 "top_k": m.top_k * kept * local_experts / m.experts}
         return self.fit("moe", shape, fwd, items=local_experts)
 
     def mamba(self, shape: dict, steps: int, fwd: bool) -> tuple[float, float, float]:
@@ -501,10 +503,12 @@ def predict(cfg, cal: Calibration) -> LivePrediction:
     # The data-parallel sharder's groups (engine/dp.py, flat.py): at stage 0 one all-reduce over every
     # data axis (an expert's weights: every data axis but ep, in buckets of their own, none when no other
     # rank holds a replica); with ZeRO the shard axis, then the shards' replicas over the other data axes.
-    # (Under ZeRO the experts' flat buffers are reduced as the dense ones: not written out here.)
+    # Under ZeRO an MoE unit has two flat buffers where ep > 1 (engine/flat.py, one per gradient group): the
+    # experts' shard is summed over the data axes but ep and the shard axis, none when there are no others.
     sync_axes = grad_axes if stage == 0 else (mesh.shard_axis(),)
     expert_axes = mesh.grad_axes(expert=True) if stage == 0 else sync_axes
     replica_axes = tuple(a for a in grad_axes if a != mesh.shard_axis()) if stage > 0 else ()
+    expert_replica_axes = tuple(a for a in expert_axes if a != mesh.shard_axis()) if stage > 0 else ()
 
     def group_of(rank: int, axes) -> tuple[int, ...]:
         axes = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if mesh.degree(a) > 1)
@@ -519,7 +523,9 @@ def predict(cfg, cal: Calibration) -> LivePrediction:
         g = {axis: group_of(rank, axis) for axis in ("tp", "cp", "ep", "pp")}
         g["dp"], g["replicas"] = group_of(rank, sync_axes), group_of(rank, replica_axes)
         g["dp expert"] = group_of(rank, expert_axes)
-        _Program(cfg, costs, r, g, mesh, group_key(replica_axes), group_names).build()
+        g["replicas expert"] = group_of(rank, expert_replica_axes)
+        _Program(cfg, costs, r, g, mesh, {"dp": group_key(replica_axes), "dp expert": group_key(expert_replica_axes)},
+                 group_names).build()
         programs[rank] = r.ops
     timeline, ends = simulate(programs, cores=cal.cores(cfg.world))
     step = max(ends.values())
@@ -662,10 +668,12 @@ class _Program:
     """Writes one rank's step as the engine runs it (engine/train.py, engine/pipeline/executor.py, the plans
     and the sharder)."""
 
-    def __init__(self, cfg, costs: _Costs, r: _Rank, g: dict, mesh: Mesh, replicas_group: str,
+    def __init__(self, cfg, costs: _Costs, r: _Rank, g: dict, mesh: Mesh, replicas_groups: dict[str, str],
                  group_names: dict[str, str]):
         self.cfg, self.c, self.r, self.g, self.mesh = cfg, costs, r, g, mesh
-        self.replicas_group = replicas_group  # the engine's name of the group the shards' replicas span
+        # the engine's names of the groups the shards' replicas span, for a dense and an expert flat buffer
+        self.replicas_groups = replicas_groups
+        self.shard_axis = mesh.shard_axis()  # the group ZeRO shards over, by the engine's name (engine/flat.py)
         # the engine's names of the gradients' reduction groups (core.mesh.group_key of their axes)
         self.group_names = group_names
         p, m = cfg.parallel, cfg.model
@@ -680,6 +688,12 @@ class _Program:
         self.strategy = p.strategy
         self.b = cfg.micro_batch_size
         self.t_local = m.seq_len // self.cp  # tokens of a sequence this rank holds
+        # an MoE layer's tokens on this rank: no tp region (engine/tp.py), so all of them, or under sequence
+        # parallel its S/tp positions; and the share of their expert copies a capacity factor keeps (balanced,
+        # per sequence as engine/model.MoE groups them)
+        self.moe_tokens = self.b * self.t_local // (self.tp if self.sp else 1)
+        self.kept = (kept_share(m.capacity_factor, m.seq_len // (self.tp if self.sp else 1) // self.cp, m.top_k,
+                                m.experts) if m.mlp == "moe" else 1.0)
         ep_rank = g["ep"].index(r.rank) if self.ep > 1 else 0
         self.params = _params(m, self.tp, self.ep, ep_rank)
         # an MoE block's experts are its parameters after the router (_params' order)
@@ -697,7 +711,7 @@ class _Program:
         self.bucket_of: dict[tuple[int, int], int] = {}
         self.bucket_left: list[int] = []
         self.counting_grads = True  # a pipeline counts only its last micro-batch's weight gradients (_pipeline)
-        self.gathered: dict[int, str | None] = {}
+        self.gathered: dict[int, list[str | None]] = {}
         self.done_gather: set[int] = set()
         self.last_unit: str | None = None  # the kind of unit this rank's program ran last (_cold)
 
@@ -759,8 +773,9 @@ class _Program:
         norm = c.fit("rmsnorm", {"m": norm_rows, "d": m.hidden}, fwd)
         glue = c.compute_fit("block_glue")
         rest = (glue.fwd(0) if fwd else glue.bwd(0)) + (c.driver_fwd if fwd else c.driver_bwd) + flat_extra
-        if m.mlp == "moe":
-            mlp = c.moe(self.b, self.t_local, m.experts // self.ep, fwd)
+        moe = m.mlp == "moe"
+        if moe:  # no tp region (engine/tp.py): every tp rank runs it whole, on its own S/tp positions under sp
+            mlp = c.moe(self.b, self.moe_tokens // self.b, m.experts // self.ep, fwd, self.kept)
             mlp += EP_DISPATCH_OPS * c.tiny if self.ep > 1 else 0
         else:
             mlp = c.fit("swiglu", {"b": self.b, "t": self.t_local, "d": m.hidden, "ffn": ffn}, fwd)
@@ -777,15 +792,21 @@ class _Program:
             r.compute(label, wo)
             self._tp_exit(act, f"{name} attn")
             r.compute(label, norm + rest / 2)
-            self._tp_enter(act, f"{name} mlp")
-            self._ep_mlp(name, mlp, tokens, True)
-            self._tp_exit(act, f"{name} mlp")
+            if not moe:
+                self._tp_enter(act, f"{name} mlp")
+            self._ep_mlp(name, mlp, self.moe_tokens if moe else tokens, True)
+            if not moe:
+                self._tp_exit(act, f"{name} mlp")
         else:
             # the weights' gradients as the engine's backward produces them (DP's buckets leave on them)
-            self._tp_exit_bwd(act, f"{name} mlp")
-            self._ep_mlp(name, mlp, tokens, False)
+            if not moe:
+                self._tp_exit_bwd(act, f"{name} mlp")
+            self._ep_mlp(name, mlp, self.moe_tokens if moe else tokens, False)
+            if moe and self.tp > 1 and self.sp:  # each MoE weight's gradient summed over tp (SequenceShardLinear)
+                self._moe_weight_grads(name)
             self._grads_ready(i, ("w1", "w3", "w2", "router"))
-            self._tp_enter_bwd(act, f"{name} mlp")
+            if not moe:
+                self._tp_enter_bwd(act, f"{name} mlp")
             r.compute(label, norm + rest / 2)
             self._grads_ready(i, ("mlp_norm",))
             self._tp_exit_bwd(act, f"{name} attn")
@@ -994,13 +1015,24 @@ class _Program:
             for proj in ("wk", "wv"):
                 self.r.coll(f"all_reduce {name} {proj} replica grad", self.g["tp"], "tp", "all_reduce", slots)
 
+    def _moe_weight_grads(self, name: str) -> None:
+        """Under sequence parallel an MoE layer's router and every expert's weights see only this rank's S/tp
+        positions: each gradient is summed over tp (engine/tp.py's SequenceShardLinear), the experts' in the
+        order their backward runs (the last expert's first), then the router's."""
+        m = self.m
+        for e in reversed(range(m.experts // self.ep)):
+            for proj in ("w2", "w3", "w1"):
+                self.r.coll(f"all_reduce {name} expert {e} {proj} grad", self.g["tp"], "tp", "all_reduce",
+                            m.hidden * m.ffn * F32)
+        self.r.coll(f"all_reduce {name} router grad", self.g["tp"], "tp", "all_reduce", m.experts * m.hidden * F32)
+
     # -- context parallel (engine/cp.py) -------------------------------------------------------------
     def _cp_attention(self, name: str, s: _Shape, fwd: bool) -> None:
         if self.cp == 1:
             return
         r, c, m = self.r, self.c, self.m
         hd = m.hidden // m.heads
-        kv_bytes = 2 * self.b * m.kv_heads * self.t_local * hd * F32
+        kv_bytes = 2 * self.b * max(1, m.kv_heads // self.tp) * self.t_local * hd * F32  # this rank's KV heads
         n = self.cp
         chunk = self.t_local // 2
         if self.cfg.parallel.cp_variant != "ring":
@@ -1046,7 +1078,7 @@ class _Program:
         if self.ep == 1:
             r.compute(label, mlp_s)
             return
-        rows = tokens * m.top_k * m.hidden * F32  # every token's top_k copies (no capacity limit)
+        rows = tokens * m.top_k * self.kept * m.hidden * F32  # every token's top_k copies that its experts keep
         if fwd:
             r.compute(label, mlp_s * 0.15)  # router and routing before the exchange
             r.coll(f"all_to_all counts {name}", self.g["ep"], "ep", "all_to_all", m.experts * 8)
@@ -1100,7 +1132,7 @@ class _Program:
         # buckets hold parameters in reverse order: gradients made in forward order fill the later ones first
         for b in sorted(done, reverse=forward_order):
             group, members, nbytes = self.bucket_plan[b]
-            self.r.compute(f"bwd {self.unit_names[i]}", self.c.cat(len(members)))
+            # no copy: the gradients are views of the bucket's flat buffer (engine/dp.py)
             self.pending.append(self.r.coll(f"all_reduce bucket {b}", self.g[group], self.group_names[group],
                                             "all_reduce", nbytes, asyn=True))
 
@@ -1142,8 +1174,7 @@ class _Program:
             nxt = self._neighbour(i, 1)
             if self.cfg.parallel.prefetch and nxt is not None:
                 self._unshard(nxt)
-            self.r.wait(self.gathered.pop(i, None))
-            self.done_gather.add(i)
+            self._wait_gathered(i)
 
     def _after_forward(self, i: int) -> None:
         if self.stage == 3 and i != self.held[-1]:
@@ -1155,29 +1186,40 @@ class _Program:
             prv = self._neighbour(i, -1)
             if self.cfg.parallel.prefetch and prv is not None:
                 self._unshard(prv)
-            self.r.wait(self.gathered.pop(i, None))
-            self.done_gather.add(i)
+            self._wait_gathered(i)
 
-    def _unit_bytes(self, i: int) -> int:
-        numel = sum(n for _, n in self.params[i])
-        return -(-numel // self.dp) * self.dp * F32  # padded to a multiple of dp (engine/flat.py)
+    def _wait_gathered(self, i: int) -> None:
+        for handle in self.gathered.pop(i, []):
+            self.r.wait(handle)
+        self.done_gather.add(i)
+
+    def _flat_buffers(self, i: int) -> list[tuple[int, str]]:
+        """Unit i's flat buffers as engine/flat.py makes them, one per gradient group: (bytes, padded to a
+        multiple of the shard group; "dp" or "dp expert", whose replicas its shard's gradient is summed over).
+        Where ep > 1 an MoE unit's experts skip ep, so they have a buffer of their own (the dense weights'
+        first, as the unit's parameters come)."""
+        numels: dict[str, int] = {}
+        for j, (_, n) in enumerate(self.params[i]):
+            kind = "dp expert" if self.ep > 1 and (i, j) in self.expert_keys else "dp"
+            numels[kind] = numels.get(kind, 0) + n
+        return [(-(-numel // self.dp) * self.dp * F32, kind) for kind, numel in numels.items()]
 
     def _unshard(self, i: int) -> None:
         if i in self.gathered or i in self.done_gather:
             return
-        self.gathered[i] = self.r.coll(f"all_gather {self.unit_names[i]}", self.g["dp"], "dp", "all_gather",
-                                       self._unit_bytes(i), asyn=True)
+        self.gathered[i] = [self.r.coll(f"all_gather {self.unit_names[i]}", self.g["dp"], self.shard_axis,
+                                        "all_gather", nbytes, asyn=True) for nbytes, _ in self._flat_buffers(i)]
 
     def _grad_ready(self, i: int, last: bool) -> None:
         if self.dp == 1:
             return
         if self.stage == 3:
             self.done_gather.discard(i)
-            self.pending.append(self.r.coll(f"reduce_scatter {self.unit_names[i]}", self.g["dp"], "dp",
-                                            "reduce_scatter", self._unit_bytes(i), asyn=True))
+            self.pending += [self.r.coll(f"reduce_scatter {self.unit_names[i]}", self.g["dp"], self.shard_axis,
+                                         "reduce_scatter", nbytes, asyn=True) for nbytes, _ in self._flat_buffers(i)]
         elif self.stage in (1, 2) and (self.stage == 2 or last):
-            self.pending.append(self.r.coll("reduce_scatter grads", self.g["dp"], "dp", "reduce_scatter",
-                                            self._unit_bytes(i), asyn=True))
+            self.pending += [self.r.coll("reduce_scatter grads", self.g["dp"], self.shard_axis, "reduce_scatter",
+                                         nbytes, asyn=True) for nbytes, _ in self._flat_buffers(i)]
 
     def _finish_and_step(self) -> None:
         r, c, cfg = self.r, self.c, self.cfg
@@ -1193,21 +1235,22 @@ class _Program:
                         if len(self.g[group]) > 1:
                             r.coll("all_reduce", self.g[group], self.group_names[group], "all_reduce",
                                    self.params[u][j][1] * F32)
-            r.compute("finish grads", 2 * len(all_params) * c.tiny)
-        elif self.stage in (1, 2, 3) and self.dp > 1:
-            r.compute("finish grads", 2 * len(held) * c.tiny)
-        if self.stage in (1, 2, 3) and len(self.g["replicas"]) > 1:
-            for u in self.held:  # the shards' gradients summed over their replicas (HSDP, cp, ep)
-                r.coll("all_reduce grad shards", self.g["replicas"], self.replicas_group, "all_reduce",
-                       self._unit_bytes(u) // self.dp)
-        if self.flat:
-            opt = c.adamw([-(-sum(n for _, n in unit) // self.dp) for unit in held])
-        else:
-            opt = c.adamw(all_params)
+            # one division per bucket and one per parameter in none (engine/dp.py finish_grads; naive: no buckets)
+            plan = self._buckets(self.held) if cfg.parallel.dp_comm != "naive" else []
+            in_buckets = sum(len(members) for _, members, _ in plan)
+            r.compute("finish grads", (len(plan) + len(all_params) - in_buckets) * c.tiny)
+        buffers = [buf for u in self.held for buf in self._flat_buffers(u)] if self.flat else []
+        if self.stage in (1, 2, 3) and self.dp > 1:
+            r.compute("finish grads", 2 * len(buffers) * c.tiny)
+        for nbytes, kind in buffers:  # each shard's gradient summed over its replicas (HSDP, cp, ep), where any
+            replicas = self.g["replicas expert" if kind == "dp expert" else "replicas"]
+            if len(replicas) > 1:
+                r.coll("all_reduce grad shards", replicas, self.replicas_groups[kind], "all_reduce", nbytes // self.dp)
+        opt = c.adamw([nbytes // F32 // self.dp for nbytes, _ in buffers] if self.flat else all_params)
         r.compute("optimizer step", opt)
-        if self.stage in (1, 2) and self.dp > 1 and self.flat:
-            for u in self.held:
-                r.coll("all_gather params", self.g["dp"], "dp", "all_gather", self._unit_bytes(u))
+        if self.stage in (1, 2) and self.dp > 1:
+            for nbytes, _ in buffers:
+                r.coll("all_gather params", self.g["dp"], self.shard_axis, "all_gather", nbytes)
 
     # -- pipeline (engine/pipeline/executor.py) -----------------------------------------------------------------------
     def _pipeline(self) -> None:

@@ -24,6 +24,7 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from core.moe import expert_capacity
 from core.timeline import Timeline
 from engine.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, validate
 from hardware.chips import Chip
@@ -91,8 +92,8 @@ def placement_figure(experts: int, ep: int) -> go.Figure:
 # ---- the routing simulation -------------------------------------------------------------------------
 
 def capacity(capacity_factor: float | None, group_tokens: int, top_k: int, experts: int) -> int | None:
-    # GShard (Lepikhin et al. 2020) sec. 3.2: expert capacity = ceil(C * tokens per group * k / E).
-    return None if capacity_factor is None else math.ceil(capacity_factor * group_tokens * top_k / experts)
+    """The expert capacity (core.moe.expert_capacity); None without a capacity factor."""
+    return None if capacity_factor is None else expert_capacity(capacity_factor, group_tokens, top_k, experts)
 
 
 @dataclass(frozen=True)

@@ -690,3 +690,75 @@ def test_a_blocking_operation_right_after_another_costs_what_back_to_back_ones_d
     assert r.ops[-1].seconds == pytest.approx(short.seconds(nbytes))
     naive = predict(_cfg("--strategy dp --dp-comm naive --world 2"), cal).step_time_s
     assert naive < predict(_cfg("--strategy dp --dp-comm naive --world 2"), CAL).step_time_s
+
+
+def _comm(flags: str, rank: int = 0) -> list[Span]:
+    return [s for s in predict(_cfg(flags), CAL).timeline.spans if s.lane == "comm" and s.rank == rank]
+
+
+def test_an_moe_layer_under_tensor_parallel_is_no_tp_region():
+    # engine/tp.py: the MoE stays whole on every tp rank, its norm enters no region; without sequence parallel it
+    # moves nothing over tp, with it each weight's gradient is summed over tp (SequenceShardLinear) and the
+    # experts run on the rank's S/tp positions. The prediction had entered and left a region around it
+    cfg = _cfg("--strategy tp --mlp moe --world 2")
+    plain = _comm("--strategy tp --mlp moe --world 2")
+    assert not [s for s in plain if "mlp" in s.name]
+    assert len([s for s in plain if " attn" in s.name]) == 2 * cfg.model.layers  # attention's all-reduce each way
+    sp = _comm("--strategy tp --mlp moe --sequence-parallel --world 2")
+    assert not [s for s in sp if s.name.endswith(("mlp", "mlp grad"))]
+    m = cfg.model
+    expert_grads = [s for s in sp if " expert " in s.name]
+    assert len(expert_grads) == 3 * m.experts * m.layers
+    assert {s.bytes for s in expert_grads} == {ring_sent_bytes("all_reduce", m.hidden * m.ffn * 4, 2)}
+    assert len([s for s in sp if "router grad" in s.name]) == m.layers
+
+
+def test_context_parallel_under_tensor_parallel_rings_this_ranks_kv_heads():
+    # each tp rank passes its kv_heads / tp heads' K and V (engine/cp.py): the ring had carried all of them
+    cfg = _cfg("--mesh cp=2,tp=2 --world 4")
+    m = cfg.model
+    kv = [s for s in _comm("--mesh cp=2,tp=2 --world 4") if s.name.startswith("send/recv kv")]
+    per_rank = 2 * cfg.micro_batch_size * (m.kv_heads // 2) * (m.seq_len // 2) * (m.hidden // m.heads) * 4
+    assert kv and {s.bytes for s in kv} == {per_rank}
+
+
+def test_zero_collectives_go_by_the_shard_axis_name():
+    # engine/flat.py records them on its shard axis: fsdp where the mesh has one (the prediction had said dp)
+    spans = _comm("--mesh fsdp=2,tp=2 --world 4")
+    sharded = [s for s in spans if "all_gather" in s.name or "reduce_scatter" in s.name]
+    assert sharded and {s.group for s in sharded if s.group != "tp"} == {"fsdp"}
+
+
+def test_zero_with_expert_parallel_keeps_the_experts_in_a_flat_buffer_of_their_own():
+    # engine/flat.py: one flat buffer per gradient group, so an MoE unit has the dense weights' and the experts'
+    # (which skip ep); only the dense shard is summed over ep, the experts' over nothing here
+    spans = _comm("--mesh fsdp=2,ep=2 --mlp moe --world 4")
+    cfg = _cfg("--mesh fsdp=2,ep=2 --mlp moe --world 4")
+    gathers = [s for s in spans if s.name.startswith("all_gather L")]
+    assert len(gathers) == 2 * 2 * cfg.model.layers  # forward and backward, two buffers per layer
+    replicas = [s for s in spans if s.name == "all_reduce grad shards"]
+    units = cfg.model.layers + 2
+    assert len(replicas) == units and all(s.group == "ep" for s in replicas)
+
+
+def test_a_capacity_factor_keeps_the_share_of_token_copies_it_allows():
+    from core.moe import expert_capacity, kept_share
+
+    full = [s for s in _comm("--strategy ep --mlp moe --world 2") if "dispatch" in s.name]
+    half = [s for s in _comm("--strategy ep --mlp moe --capacity-factor 0.5 --world 2") if "dispatch" in s.name]
+    m = _cfg("--strategy ep --mlp moe --capacity-factor 0.5 --world 2").model
+    share = kept_share(0.5, m.seq_len, m.top_k, m.experts)
+    assert share == m.experts * expert_capacity(0.5, m.seq_len, m.top_k, m.experts) / (m.seq_len * m.top_k)
+    assert share < 1 and [h.bytes for h in half] == [round(f.bytes * share) for f in full]
+    assert kept_share(None, 64, 2, 8) == 1.0 and kept_share(4.0, 64, 2, 8) == 1.0
+
+
+def test_finishing_dp_gradients_divides_once_per_bucket_with_no_copy_into_it():
+    # engine/dp.py: the gradients are views of the bucket's flat buffer (no cat), one division per bucket
+    pred = predict(_cfg("--strategy dp --world 2"), CAL)
+    naive = predict(_cfg("--strategy dp --world 2 --dp-comm naive"), CAL)
+
+    def finish(p):
+        return sum(s.end_s - s.start_s for s in p.timeline.spans if s.name == "finish grads" and s.rank == 0)
+
+    assert finish(pred) < finish(naive)  # a few buckets against every parameter
