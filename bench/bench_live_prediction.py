@@ -1,6 +1,6 @@
 """Live-prediction benchmark: the planner's prediction of each default live run beside its measurement.
 
-    .venv/bin/python bench/bench_live_prediction.py [--worlds 2 4] [--steps 8] [--repeats 2] [--cached] [--more]
+    .venv/bin/python bench/bench_live_prediction.py [--worlds 2 4] [--steps 10] [--repeats 3] [--cached] [--more]
 
 For dp, fsdp (ZeRO-3), tp + sp, pp 1F1B, cp and ep at each world (with --more, then in a second table the
 runs the targets do not name: the other pipeline schedules, other syncs and variants, Mamba, 2-D meshes):

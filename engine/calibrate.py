@@ -46,11 +46,14 @@ from engine.optim import AdamW, adamw_
 from engine.ring_attention import block_backward, block_forward, expand_kv, merge, reduce_kv
 from hardware.this_machine import (
     ALONE_MODE,
+    ASYNC_KINDS,
     BACK_TO_BACK_MODE,
     BLOCKING_MODES,
+    COMM_KINDS,
     CONTENDED_CAP_S,
     PAIR_MODE,
     POST_MODE,
+    SYNC_GAP_KINDS,
     early_mode,
     late_mode,
 )
@@ -70,8 +73,8 @@ ASYNC_ROUNDS = 24
 COMM_BLOCK = 10
 CONTENDED_CHUNK_S = 25e-6  # the compute between two polls of an operation in flight (a few small matmuls)
 CONTENDED_ROUNDS = 24  # with 8, two calibrations put a 2-rank all-reduce under compute at 1.74 and 0.28 ms
-COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ring_shift", "send_recv")
-ASYNC_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+# COMM_KINDS, ASYNC_KINDS and SYNC_GAP_KINDS (what comm_task times) are hardware.this_machine's: its
+# `comm_modes` lists every (kind, mode) timed here, and a cached file lacking one is measured again
 ASYNC_BURST = 6  # asynchronous operations issued back to back before waiting (DP buckets, FSDP units)
 # Two asynchronous operations of a group posted at once, against one alone, timed in the same window
 # (comm_task): how much gloo's second worker thread buys. Measured here with 14 DP-sized all-reduces
@@ -89,7 +92,6 @@ COMPUTE_GAP_S = 300e-6  # compute before each blocking operation: a unit of the 
 # ms after 2 ms and 0.85 after 0.3 ms), and planner.live reads each operation at the compute before it.
 SYNC_GAPS_S = {BLOCKING_MODES[0]: 50e-6, BLOCKING_MODES[2]: 2e-3}
 SYNC_GAP_ROUNDS = 30
-SYNC_GAP_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")  # the live runs' blocking ones
 # A pipeline's messages (send_recv's "late" and "early" modes, engine/calibrate._pipeline_messages). gloo's
 # point-to-point is a rendezvous, so a message moves only once its receive is posted too. Each pair's sender
 # isends and computes LATE_SENDER_UNITS units of LATE_UNIT_S; its receiver either computes LATE_RECEIVER_UNITS
@@ -473,7 +475,8 @@ def _groups(world: int, n: int) -> list[list[int]]:
 
 def comm_task(ctx, group_sizes: list[int], sizes: tuple[int, ...] = COMM_SIZES, rounds: int | None = None,
               async_rounds: int = ASYNC_ROUNDS) -> list[dict]:
-    """Pool task: time every operation in COMM_KINDS (and ASYNC_KINDS as bursts) on groups of each size.
+    """Pool task: time every operation in COMM_KINDS (and ASYNC_KINDS as bursts) on groups of each size:
+    on groups of n, every (kind, mode) of hardware.this_machine.comm_modes(world, n), no other.
 
     An operation's calls run in blocks of COMM_BLOCK, the kinds taking turns block by block: within a
     block each call follows one of its own kind, as a pipeline's or a ring's messages follow each other

@@ -32,10 +32,25 @@ def cached_calibration():
     return tm.load(tm.machine_key(torch_version()))[0]
 
 
+def group_sizes(cfg) -> list[int]:
+    """The sizes of the process groups the run `cfg` communicates over: each mesh axis of degree > 1, and the
+    multi-axis groups of its gradient sync and statistics (engine/parallelize.group_spans: core.mesh
+    `reduce_groups`, with tp among the data axes of an MoE layer under sequence parallel)."""
+    import math
+
+    mesh = cfg.mesh
+    extra = ("tp",) if cfg.parallel.sequence_parallel and mesh.degree("tp") > 1 else ()
+    spans = [(a,) for a in mesh.names] + mesh.reduce_groups(cfg.parallel.stage, cfg.model.mlp == "moe", extra)
+    return sorted({n for n in (math.prod(mesh.degree(a) for a in span) for span in spans) if n > 1})
+
+
 def ensure_calibration(worlds, progress=None, remeasure: bool = False, collective_timeout_s: float = 30.0,
-                       stop=None):
+                       stop=None, group_sizes=()):
     """This machine's calibration with communication measured at every world in `worlds`: from the
     cache when it is there and sound, else measured now (about 25 s for 2 ranks, 45 s more for 4, on 2 cores) and saved.
+    At each world it measures groups of 2 and of the whole world (`tm.default_group_sizes`) and every size
+    in `group_sizes` that divides it (a run's groups: `group_sizes(cfg)`); a cached world lacking one of
+    those is measured for it alone, the rest of the file kept.
 
     Returns (calibration, messages): the messages say what was measured and why (missing, stale,
     corrupt, asked for), for the page or the command line to show. Raises `launch.WorkerError` when a
@@ -49,12 +64,19 @@ def ensure_calibration(worlds, progress=None, remeasure: bool = False, collectiv
     cal, why = (None, "measuring again, as asked") if remeasure else tm.load(key)
     messages = [why] if why else []
     worlds = sorted({int(w) for w in worlds if int(w) > 1})
+    sizes_asked = {int(n) for n in group_sizes}
+    wanted = {w: sorted(set(tm.default_group_sizes(w)) | {n for n in sizes_asked if 1 < n <= w and w % n == 0})
+              for w in worlds}
     todo = worlds if cal is None else [w for w in worlds if w not in cal.worlds]
-    if cal is not None and not todo:
+    # worlds measured before, without some group size a run there needs: those sizes' communication alone
+    more = {} if cal is None else {w: [n for n in wanted[w] if n not in cal.measured_sizes(w)]
+                                   for w in worlds if w in cal.worlds}
+    more = {w: sizes for w, sizes in more.items() if sizes}
+    if cal is not None and not todo and not more:
         return cal, messages
 
     measure = _measurer(collective_timeout_s, stop)
-    steps, done = (0 if cal is not None else 1) + len(todo), 0
+    steps, done = (0 if cal is not None else 1) + len(todo) + len(more), 0
     if cal is None:
         report(0.0, "timing the engine's modules on one rank")
         reference_block_s(measure)  # the first on a fresh pool can overlap its start-up (2.70 against 1.93 ms)
@@ -73,7 +95,7 @@ def ensure_calibration(worlds, progress=None, remeasure: bool = False, collectiv
         alone = [measure(1, "compute_task", {"reps": 15, "shapes": "sharing"})[0][0]]
         shared = measure(w, "compute_task", {"reps": 15, "shapes": "sharing"})
         alone.append(measure(1, "compute_task", {"reps": 15, "shapes": "sharing"})[0][0])
-        sizes = sorted({n for n in (2, w) if w % n == 0})
+        sizes = wanted[w]
         # a pipeline's posting, timed before and after the collectives: one short run can fall in a slow spell
         # (two calibrations, each timing it once, read 0.47 and 0.79 ms at world 4)
         posting = measure(w, "pipeline_posting", {})
@@ -85,7 +107,17 @@ def ensure_calibration(worlds, progress=None, remeasure: bool = False, collectiv
         cal.comm.update(tm.fit_posting(w, posting))
         cal.resume_s[w] = tm.fit_resume(resume)
         cal.worlds = sorted(set(cal.worlds) | {w})
+        cal.group_sizes[w] = sizes
         messages.append(f"measured gloo's collectives and core sharing with {w} ranks")
+        done += 1
+    for w, sizes in more.items():
+        groups = ", ".join(map(str, sizes))
+        report(done / steps, f"measuring gloo on groups of {groups} with {w} ranks")
+        measured = cal.measured_sizes(w)  # what the file holds (before this: as its keys name it)
+        cal.comm.update(tm.fit_comm(w, measure(w, "comm_task", {"group_sizes": sizes})))
+        cal.group_sizes[w] = sorted(set(measured) | set(sizes))
+        messages.append(f"measured gloo's collectives on groups of {groups} with {w} ranks (the calibration had "
+                        f"groups of {', '.join(map(str, measured))} only)")
         done += 1
     try:
         tm.save(cal)
@@ -94,6 +126,12 @@ def ensure_calibration(worlds, progress=None, remeasure: bool = False, collectiv
                         "will be measured again next time (set SHARDLAB_CACHE_DIR to a writable folder)")
     report(1.0, "calibrated")
     return cal, messages
+
+
+def _cache_file(cal) -> str:
+    from hardware import this_machine as tm
+
+    return str(tm.cache_path(cal.key))
 
 
 def reference_block_s(measure, world: int = 1) -> float:
@@ -144,16 +182,24 @@ def predicted(cfg, progress=None, stop=None) -> dict:
                        "are other ones, so it is not predicted"}
     try:
         cal, messages = ensure_calibration([cfg.world], progress, collective_timeout_s=cfg.collective_timeout_s,
-                                           stop=stop)
+                                           stop=stop, group_sizes=group_sizes(cfg))
         now, speed = at_speed_now(cal, cfg.world, cfg.collective_timeout_s, stop)
     except RunStopped:
         raise  # the run's Stop: the run does not start
     except WorkerError as e:
         return {"step_time_s": None, "breakdown_s": {}, "why": f"this machine could not be calibrated: {e}"}
+    except Exception as e:  # a fit that failed on odd measurements: the run still runs, unpredicted
+        return {"step_time_s": None, "breakdown_s": {},
+                "why": f"this machine could not be calibrated ({type(e).__name__}: {e})"}
     try:
         out = predict(cfg, now).as_dict()
     except CalibrationError as e:
-        return {"step_time_s": None, "breakdown_s": {}, "why": str(e)}
+        return {"step_time_s": None, "breakdown_s": {}, "why": str(e), "calibration": messages}
+    except Exception as e:  # the planner failed on this calibration: say so, the run still runs
+        return {"step_time_s": None, "breakdown_s": {}, "calibration": messages,
+                "why": f"the planner could not predict this run from this machine's calibration "
+                       f"({type(e).__name__}: {e}); measure it again (bench --remeasure, or delete "
+                       f"{_cache_file(cal)})"}
     out["calibration"] = messages
     # the machine's speed now against the calibration's: the compute fits were scaled by it
     out["speed_factor"] = speed

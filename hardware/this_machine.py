@@ -17,8 +17,11 @@ and says when that file is missing, stale or corrupt. A calibration holds
 * the roofline: fp32 and bf16 matmul FLOP/s and copy bandwidth (the hardware lesson plots it).
 
 Cache: `$SHARDLAB_CACHE_DIR`, else `$XDG_CACHE_HOME/shardlab`, else `~/.cache/shardlab`; one JSON file per
-machine key (host, CPU model, cores, torch and Python versions). Writes are atomic. A file without
-one of `COMPUTE_FITS` (measured before that module was) is measured again, once: the new file has it.
+machine key (host, CPU model, cores, torch and Python versions). Writes are atomic (a temporary file a
+killed write left is removed once STALE_TMP_S old). A file without one of `COMPUTE_FITS` (measured before
+that module was), or without any operation engine/calibrate.comm_task times (`comm_modes`) on a group size
+it measured (`Calibration.group_sizes`), is measured again, once: the new file has it. So is one holding
+values no measurement makes (a negative time, no world 1, no cores: `_impossible`), or dated in the future.
 """
 
 from __future__ import annotations
@@ -52,8 +55,24 @@ ALONE_MODE, PAIR_MODE = "alone", "pair"  # one asynchronous operation posted and
 # asynchronous all-reduces of 1 KiB on 2 ranks take 330 us alone, 433 us for two, 917 us for four. On busy
 # cores the second thread buys less (`Calibration.pair_speedup`).
 GLOO_THREADS = 2
+# What engine/calibrate.comm_task times on each group size (`comm_modes` lists them, `load` checks them):
+# every kind blocking ("sync"; send_recv on groups of an even size only)
+COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ring_shift", "send_recv")
+ASYNC_KINDS = ("all_reduce", "all_gather", "reduce_scatter")  # as bursts, alone and pairs, under compute
+SYNC_GAP_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")  # the live runs' blocking ones
+# Modes comm_task times that a file may lack and still be used: planner/live reads a blocking operation
+# right after another at the shortest gap's timing without it. (tests/planner/data/calibration-2core.json,
+# the test suite's recorded machine, predates it; recorded again, this can be emptied.)
+OPTIONAL_MODES = (BACK_TO_BACK_MODE,)
 PAIR_SUMMARY_BYTES = 131072  # the size `summary_lines` quotes (one of engine/calibrate.COMM_SIZES)
 STALE_AFTER_S = 30 * 24 * 3600  # a month: software updates and thermal changes drift the numbers
+# A calibration dated later than now by more than this was made under another clock (or its file was
+# edited): its age cannot be told, so it counts as stale
+FUTURE_SKEW_S = 600.0
+# A temporary file `save` left in the cache folder (a process killed while it wrote) this long unmodified
+# belongs to no live writer (writing one takes milliseconds): `load` and `save` remove it
+STALE_TMP_S = 600.0
+TMP_PREFIX = "this-machine-"  # `save`'s temporary files: TMP_PREFIX + random + ".tmp" (older ShardLab: tmp*.tmp)
 # The module fits every prediction may need (`fit_compute` makes them all); a cached calibration lacking
 # one predates that module's measurement.
 COMPUTE_FITS = ("linear", "rmsnorm", "attention", "swiglu", "embed", "head", "moe", "mamba", "ring_block",
@@ -141,6 +160,29 @@ class Calibration:
     # the default Block's forward + backward on one rank alone, timed right before and right after the
     # module fits (their speed reference: `at_speed`); 0: not measured (an older file)
     reference_s: float = 0.0
+    # world -> the group sizes whose communication was measured there (`comm_modes` of each); a world
+    # without an entry (a file from before it was kept): the sizes its `comm` keys name
+    group_sizes: dict[int, list[int]] = field(default_factory=dict)
+
+    def measured_sizes(self, world: int) -> list[int]:
+        """The group sizes whose communication was measured at `world` (none: the world was not measured)."""
+        if world not in self.worlds:
+            return []
+        if world in self.group_sizes:
+            return sorted(self.group_sizes[world])
+        prefix = f"w{world}/"
+        return sorted({int(k.split("/")[2][1:]) for k in self.comm if k.startswith(prefix)})
+
+    def missing_comm(self) -> list[str]:
+        """The comm keys a sound calibration has and this one lacks: every operation and mode
+        engine/calibrate.comm_task times (`comm_modes`) on every group size measured at each world (at least
+        `default_group_sizes`)."""
+        missing = []
+        for w in self.worlds:
+            for n in sorted(set(self.measured_sizes(w)) | set(default_group_sizes(w))):
+                missing += [comm_key(w, kind, n, mode) for kind, mode in comm_modes(w, n)
+                            if mode not in OPTIONAL_MODES and comm_key(w, kind, n, mode) not in self.comm]
+        return missing
 
     def comm_fit(self, world: int, kind: str, n: int, mode: str = "sync") -> CommFit:
         key = comm_key(world, kind, n, mode)
@@ -155,9 +197,11 @@ class Calibration:
             return 1.0
         if world in self.compute_share:
             return self.compute_share[world]
+        if not self.compute_share:
+            return max(1.0, world / self.cpus)
         # more ranks than measured: the cores divide as in processor sharing
         w, s = max(self.compute_share.items())
-        return s * max(1.0, world / w) if self.compute_share else max(1.0, world / self.cpus)
+        return s * max(1.0, world / w)
 
     def cores(self, world: int) -> float:
         """The cores' worth of compute the ranks of a `world`-rank run share, as measured: with more ranks
@@ -227,6 +271,7 @@ class Calibration:
         d["format"] = FORMAT
         d["compute_share"] = {str(k): v for k, v in self.compute_share.items()}
         d["resume_s"] = {str(k): v for k, v in self.resume_s.items()}
+        d["group_sizes"] = {str(w): sorted(sizes) for w, sizes in self.group_sizes.items()}
         return d
 
     @classmethod
@@ -240,17 +285,70 @@ class Calibration:
 
                 ProbeResult(**probe)  # the roofline the hardware lesson draws: its fields, or a TypeError
                 _numbers({k: v for k, v in probe.items() if k not in ("threads", "dtype", "details") and v is not None})
-            return cls(key=str(d["key"]), created_s=_finite(d["created_s"]), cpus=int(d["cpus"]),
-                       torch=str(d["torch"]),
-                       compute={k: Fit(**_numbers(v)) for k, v in d["compute"].items()},
-                       engine_units={k: _finite(v) for k, v in d["engine_units"].items()},
-                       compute_share={int(k): _finite(v) for k, v in d["compute_share"].items()},
-                       resume_s={int(k): _finite(v) for k, v in d["resume_s"].items()},
-                       comm={k: CommFit(**_numbers(v)) for k, v in d["comm"].items()},
-                       probe=probe,
-                       worlds=[int(w) for w in d["worlds"]], reference_s=_finite(d.get("reference_s", 0.0)))
+            cal = cls(key=str(d["key"]), created_s=_finite(d["created_s"]), cpus=int(d["cpus"]),
+                      torch=str(d["torch"]),
+                      compute={k: Fit(**_numbers(v)) for k, v in d["compute"].items()},
+                      engine_units={k: _finite(v) for k, v in d["engine_units"].items()},
+                      compute_share={int(k): _finite(v) for k, v in d["compute_share"].items()},
+                      resume_s={int(k): _finite(v) for k, v in d["resume_s"].items()},
+                      comm={k: CommFit(**_numbers(v)) for k, v in d["comm"].items()},
+                      probe=probe,
+                      worlds=[int(w) for w in d["worlds"]], reference_s=_finite(d.get("reference_s", 0.0)),
+                      group_sizes={int(w): sorted(int(n) for n in sizes)
+                                   for w, sizes in d.get("group_sizes", {}).items()})
+            for k in cal.comm:
+                _parse_comm_key(k)
         except (KeyError, TypeError, ValueError, AttributeError, ArithmeticError) as e:  # int(1e400): OverflowError
             raise CalibrationError(f"the calibration file is malformed ({type(e).__name__}: {e})") from None
+        wrong = _impossible(cal)
+        if wrong:
+            raise CalibrationError(f"the calibration file holds impossible values ({'; '.join(wrong[:3])}"
+                                   f"{f'; {len(wrong) - 3} more' if len(wrong) > 3 else ''})")
+        return cal
+
+
+def _parse_comm_key(key: str) -> tuple[int, str, int, str]:
+    """(world, kind, n, mode) of a `comm_key`; ValueError for anything else."""
+    parts = key.split("/")
+    if len(parts) != 4 or parts[0][:1] != "w" or parts[2][:1] != "n":
+        raise ValueError(f"{key!r} is not a communication key (w<world>/<kind>/n<size>/<mode>)")
+    return int(parts[0][1:]), parts[1], int(parts[2][1:]), parts[3]
+
+
+def _impossible(cal: Calibration) -> list[str]:
+    """What a calibration read from a file holds that no measurement makes (`fit_compute`, `fit_comm`,
+    `fit_posting`, `fit_share`, `fit_resume` never fit these): each would crash the prediction or make it
+    absurd, so the file is measured again. Every fit coefficient is a time or a time per unit, and each fit
+    keeps its terms >= 0 (`nonnegative_fit`, `_fit_items`, the ratios and differences clamped at 0)."""
+    wrong = []
+    if cal.cpus < 1:
+        wrong.append(f"cpus is {cal.cpus}")
+    for op, f in cal.compute.items():
+        wrong += [f"compute {op} {name} is {v}" for name, v in asdict(f).items() if v < 0]
+    wrong += [f"engine unit {name!r} is {s} s" for name, s in cal.engine_units.items() if s < 0]
+    if 1 not in cal.compute_share:
+        wrong.append("compute_share has no world 1 (one rank alone)")
+    # a slowdown: fit_share never fits one below 1 (a world's ranks computing at once never run faster)
+    wrong += [f"compute_share[{w}] is {s}" for w, s in cal.compute_share.items() if w < 1 or s < 1.0]
+    wrong += [f"resume_s[{w}] is {s}" for w, s in cal.resume_s.items() if w < 1 or s < 0]
+    for k, f in cal.comm.items():
+        wrong += [f"{k} {name} is {v}" for name, v in asdict(f).items()
+                  if name != "stalls" and (v < 0 or (name == "cpu_fraction" and v > 1))]
+    for w in cal.worlds:
+        if w < 2:
+            wrong.append(f"world {w} has no communication to measure")
+        elif w not in cal.compute_share or w not in cal.resume_s:
+            wrong.append(f"world {w} has no core sharing or resuming measured")
+        if w in cal.group_sizes and any(n < 2 or w % n for n in cal.group_sizes[w]):
+            wrong.append(f"world {w} lists groups of {cal.group_sizes[w]}")
+    wrong += [f"group sizes of world {w}, which was not measured" for w in cal.group_sizes if w not in cal.worlds]
+    if cal.reference_s < 0:
+        wrong.append(f"reference_s is {cal.reference_s}")
+    for name in ("matmul_flops_per_s", "memory_bytes_per_s", "bf16_matmul_flops_per_s"):
+        v = cal.probe.get(name)
+        if isinstance(v, (int, float)) and v <= 0:
+            wrong.append(f"probe {name} is {v}")
+    return wrong
 
 
 def _finite(value) -> float:
@@ -278,6 +376,26 @@ def speed_words(factor: float) -> str:
 
 def comm_key(world: int, kind: str, n: int, mode: str) -> str:
     return f"w{world}/{kind}/n{n}/{mode}"
+
+
+def default_group_sizes(world: int) -> list[int]:
+    """The group sizes every calibration of `world` measures: pairs and the whole world (those that divide it)."""
+    return sorted({n for n in (2, world) if world % n == 0 and n > 1})
+
+
+def comm_modes(world: int, n: int) -> list[tuple[str, str]]:
+    """(kind, mode) of every operation engine/calibrate.comm_task times on groups of `n` ranks at `world`
+    (one definition for the measurement and for `load`'s check that a file has all of it)."""
+    kinds = [k for k in COMM_KINDS if not (k == "send_recv" and n % 2)]  # pairs: an even group only
+    out = [(kind, "sync") for kind in kinds]
+    out.append(("ring_shift", POST_MODE))  # the same calls' posting (engine/calibrate._Shift)
+    out += [(kind, mode) for mode in (*BLOCKING_MODES, BACK_TO_BACK_MODE) if mode != "sync"
+            for kind in SYNC_GAP_KINDS]
+    out += [(kind, mode) for mode in ("async", ALONE_MODE, PAIR_MODE, "contended") for kind in ASYNC_KINDS]
+    if n % 2 == 0:  # a pipeline's messages (engine/calibrate._pipeline_messages), 1 .. world / 2 pairs at once
+        out += [("send_recv", mode(k)) for mode in (late_mode, early_mode) for k in range(1, world // 2 + 1)]
+        out.append(("send_recv", late_mode(0)))
+    return out
 
 
 def late_mode(senders: int) -> str:
@@ -338,6 +456,7 @@ def cache_path(key: str) -> Path:
 def load(key: str, now_s: float | None = None) -> tuple[Calibration | None, str]:
     """(calibration, "") from the cache, or (None, why it cannot be used: missing, corrupt, stale)."""
     path = cache_path(key)
+    remove_stale_tmp(path.parent)
     if not path.exists():
         return None, "no calibration of this machine yet"
     try:
@@ -353,6 +472,9 @@ def load(key: str, now_s: float | None = None) -> tuple[Calibration | None, str]
     age = (now_s or time.time()) - cal.created_s
     if age > STALE_AFTER_S:
         return None, f"the calibration is {age / 86400:.0f} days old; measuring again"
+    if age < -FUTURE_SKEW_S:
+        return None, (f"the calibration is dated {-age / 3600:,.1f} hours in the future (the clock was changed, or "
+                      "the file edited), so its age is unknown; measuring again")
     missing = [op for op in COMPUTE_FITS if op not in cal.compute]
     if cal.reference_s <= 0:
         missing.append("the reference Block its speed is checked against")
@@ -371,6 +493,12 @@ def load(key: str, now_s: float | None = None) -> tuple[Calibration | None, str]
     if missing:
         return None, (f"the calibration has no timing of {', '.join(missing)} (an older ShardLab measured it); "
                       "measuring again")
+    # every operation the measurement times, on every group size it measured (a file cut short by hand,
+    # or by another version): the prediction would refuse each run that needs one, and nothing re-measured
+    gaps = cal.missing_comm()
+    if gaps:
+        return None, (f"the calibration has no timing of {', '.join(gaps[:3])}"
+                      f"{f' and {len(gaps) - 3} more' if len(gaps) > 3 else ''}; measuring again")
     return cal, ""
 
 
@@ -378,7 +506,8 @@ def save(cal: Calibration) -> Path:
     """Write atomically: a crash never leaves a half-written calibration."""
     path = cache_path(cal.key)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    remove_stale_tmp(path.parent)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=TMP_PREFIX, suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(cal.to_dict(), f, indent=1)
@@ -388,6 +517,29 @@ def save(cal: Calibration) -> Path:
             os.unlink(tmp)
         raise
     return path
+
+
+def remove_stale_tmp(folder: Path, now_s: float | None = None) -> list[Path]:
+    """Remove the temporary files `save` left in `folder` (a process killed mid-write: SIGKILL skips its
+    cleanup) once STALE_TMP_S old, so never another live writer's; returns those removed. Only `save`'s
+    names: TMP_PREFIX*.tmp, and the tmp*.tmp of older ShardLab (mkstemp's "tmp" and 8 characters)."""
+    removed = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    now = now_s or time.time()
+    for entry in entries:
+        name = entry.name
+        ours = name.endswith(".tmp") and (name.startswith(TMP_PREFIX) or
+                                          (name.startswith("tmp") and len(name) == len("tmp") + 8 + len(".tmp")))
+        try:
+            if ours and entry.is_file(follow_symlinks=False) and now - entry.stat().st_mtime > STALE_TMP_S:
+                os.unlink(entry.path)
+                removed.append(Path(entry.path))
+        except OSError:  # gone meanwhile (another process cleaned it), or not ours to remove
+            continue
+    return removed
 
 
 # -- fitting the measurements ------------------------------------------------------------------------

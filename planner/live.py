@@ -56,7 +56,6 @@ from hardware.this_machine import (
     BACK_TO_BACK_MODE,
     BLOCKING_MODES,
     GLOO_THREADS,
-    PAIR_MODE,
     POST_MODE,
     Calibration,
     CalibrationError,
@@ -254,7 +253,7 @@ class _Costs:
         (below the shortest measured gap it then reads toward the back-to-back timing)."""
         if n <= 1:
             return 0.0
-        size = _nearest(n, self._sizes(kind, mode))
+        size = self._size(n)
         fit = self.cal.comm_fit(self.cfg.world, kind, size, mode)
         if mode == "async" and fit.burst:
             return self._async_op_s(kind, size, nbytes, fit)
@@ -286,7 +285,7 @@ class _Costs:
         stop), or None when the calibration did not measure it (older files)."""
         if n <= 1:
             return None
-        key = comm_key(self.cfg.world, kind, _nearest(n, self._sizes(kind, "contended")), "contended")
+        key = comm_key(self.cfg.world, kind, self._size(n), "contended")
         fit = self.cal.comm.get(key)
         if fit is None:
             return None
@@ -297,8 +296,7 @@ class _Costs:
         in the time of one (planner.eventsim.Collective.concurrency): as the calibration timed two posted at
         once against one alone (`Calibration.pair_speedup`), between 1 and GLOO_THREADS; GLOO_THREADS for a
         calibration without it (engine/calibrate.PAIR_ROUNDS has what it was measured against)."""
-        size = _nearest(n, self._sizes(kind, PAIR_MODE))
-        speedup = self.cal.pair_speedup(self.cfg.world, kind, size, nbytes) if n > 1 else None
+        speedup = self.cal.pair_speedup(self.cfg.world, kind, self._size(n), nbytes) if n > 1 else None
         return GLOO_THREADS if speedup is None else min(GLOO_THREADS, max(1.0, speedup))
 
     def post(self, kind: str, n: int, nbytes: float):
@@ -306,7 +304,7 @@ class _Costs:
         of the operation that blocks the rank that posts it, or None when not measured (older files)."""
         if n <= 1:
             return None
-        key = comm_key(self.cfg.world, kind, _nearest(n, self._sizes(kind, POST_MODE)), POST_MODE)
+        key = comm_key(self.cfg.world, kind, self._size(n), POST_MODE)
         return self.cal.comm.get(key)
 
     def message_s(self, group: int, nbytes: float) -> float | tuple[float, ...]:
@@ -348,9 +346,13 @@ class _Costs:
         return tuple(f.seconds(nbytes) for f in fits) if fits else None
 
     def _pair_size(self, group: int, mode: str) -> int | None:
-        """The group size nearest `group` at which the calibration timed send_recv's `mode`; None for a
-        group of one (no messages)."""
-        return _nearest(group, self._sizes("send_recv", mode)) if group > 1 else None
+        """The group size whose send_recv `mode` the calibration timed for a message in a group of `group`: its
+        own, or for an odd group (engine/calibrate times messages between pairs of ranks of even groups) the
+        pairs'; None for a group of one (no messages) or none timed (the caller's ring-shift reading)."""
+        if group <= 1:
+            return None
+        sizes = self._sizes("send_recv", mode)
+        return group if group in sizes else 2 if group % 2 and 2 in sizes else None
 
     def _async_op_s(self, kind: str, n: int, nbytes: float, fit) -> float:
         """The duration of one asynchronous operation that makes this simulator reproduce the measured
@@ -399,7 +401,17 @@ class _Costs:
     def cpu(self, kind: str, n: int, mode: str = "sync") -> float:
         if n <= 1:
             return 0.0
-        return self.cal.comm_fit(self.cfg.world, kind, _nearest(n, self._sizes(kind, mode)), mode).cpu_fraction
+        return self.cal.comm_fit(self.cfg.world, kind, self._size(n), mode).cpu_fraction
+
+    def _size(self, n: int) -> int:
+        """`n`, where the calibration timed groups of `n` at the run's world (engine.predict measures every group
+        size a run uses); else no prediction: a group of another size is another operation (a world-8 run's
+        groups of 4 had been priced as groups of 8, silently)."""
+        w = self.cfg.world
+        if n in self.cal.measured_sizes(w):
+            return n
+        raise CalibrationError(f"this machine's calibration has no timing of groups of {n} at world {w}; "
+                               f"measure it again with this run (python -m engine run ... --predict)")
 
     def _sizes(self, kind: str, mode: str) -> list[int]:
         prefix = f"w{self.cfg.world}/{kind}/n"
@@ -416,12 +428,6 @@ class _Shape:
     heads: int
     kv: int
     ffn: int
-
-
-def _nearest(n: int, sizes: list[int]) -> int:
-    if not sizes:
-        return n
-    return min(sizes, key=lambda s: (abs(math.log(s) - math.log(n)), -s))
 
 
 class _Rank:

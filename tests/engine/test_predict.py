@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -168,3 +169,116 @@ def test_stop_ends_a_first_time_calibration_and_keeps_nothing(tmp_path, monkeypa
         run(cfg, predict=True, progress=progress, stop=stop)
     assert heard == ["timing the engine's modules on one rank"]  # no later measurement started
     assert not tm.cache_path(tm.machine_key(torch_version())).exists()
+
+
+# -- a calibration the planner cannot use, the group sizes a run needs -------------------------------------
+
+def _cfg(*flags: str):
+    return config_from_args(run_parser("x").parse_args(list(flags)))
+
+
+@pytest.mark.parametrize("flags, sizes", [
+    ("--strategy dp --world 2", [2]),
+    ("--mesh dp=2,tp=4 --world 8", [2, 4]),  # tp's groups of 4 at world 8: neither 2 nor 8
+    ("--mesh pp=2,dp=3 --world 6", [2, 3]),
+    ("--mesh dp=2,cp=2,tp=2 --world 8", [2, 4]),  # the gradients' dp + cp groups of 4
+    ("--mesh fsdp=2,dp=3 --world 6", [2, 3, 6]),  # HSDP: the shards, their replicas, and all data axes
+])
+def test_group_sizes_are_every_group_the_engine_makes(flags, sizes):
+    from engine.predict import group_sizes
+
+    assert group_sizes(_cfg(*flags.split())) == sizes
+
+
+def test_the_prediction_asks_for_the_runs_group_sizes(monkeypatch):
+    import engine.predict as ep
+
+    asked = []
+
+    def ensure(worlds, progress=None, **kw):
+        asked.append((worlds, kw.get("group_sizes")))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(ep, "ensure_calibration", ensure)
+    pred = predicted(_cfg("--mesh", "dp=2,tp=4", "--world", "8"))
+    assert asked == [([8], [2, 4])] and pred["step_time_s"] is None and "stop here" in pred["why"]
+
+
+def test_a_prediction_that_fails_is_a_reason_not_a_traceback(monkeypatch):
+    # a calibration that passed every check of the file, and a planner that still fails on it: the run runs,
+    # without a prediction, and says why (engine.run calls this before the run; `--json` must print its object)
+    import engine.predict as ep
+    import planner.live
+    from tests.hardware.test_this_machine import _cal
+
+    cal = _cal(created_s=1e9)
+    monkeypatch.setattr(ep, "ensure_calibration", lambda *a, **kw: (cal, ["a message"]))
+    monkeypatch.setattr(ep, "at_speed_now", lambda cal, *a, **kw: (cal, 1.0))
+
+    def predict(cfg, cal):
+        return {}[0]
+
+    monkeypatch.setattr(planner.live, "predict", predict)
+    pred = predicted(_cfg("--strategy", "dp", "--world", "2"))
+    assert pred["step_time_s"] is None and pred["breakdown_s"] == {} and "KeyError" in pred["why"]
+    assert pred["calibration"] == ["a message"]
+    json.dumps(pred)
+
+
+def _fake_measure(calls):
+    """engine.calibrate's tasks as `measure(world, task, args)` answers them, without a process: each
+    comm_task row every (kind, mode) of tm.comm_modes on the groups asked for."""
+    def measure(world, task, args):
+        calls.append((world, task, dict(args)))
+        if task == "reference_task":
+            return [[{"block_s": 1.5e-3}]]
+        if task == "compute_task":
+            return [[{"fwd_s": 1e-3, "bwd_s": 2e-3}] for _ in range(world)]
+        if task == "pipeline_posting":
+            return [[2e-4] for _ in range(world)]
+        if task == "resume_task":
+            return [[{"after_comm_s": 4e-4, "after_compute_s": 3e-4}] for _ in range(world)]
+        assert task == "comm_task"
+        rows = [{"kind": kind, "n": n, "world": world, "bytes": b, "mode": mode, "seconds": 1e-3 + 1e-9 * b,
+                 "cpu_s": 5e-4, "gap_s": 3e-4} for n in args["group_sizes"] for kind, mode in tm.comm_modes(world, n)
+                for b in (1024, 131072)]
+        return [rows]
+    return measure
+
+
+def test_a_cached_world_missing_a_group_size_is_measured_for_it_alone(tmp_path, monkeypatch):
+    import engine.predict as ep
+    from tests.hardware.test_this_machine import _cal, _fill
+
+    monkeypatch.setenv("SHARDLAB_CACHE_DIR", str(tmp_path))
+    key = tm.machine_key(torch_version())
+    cal = _cal(key=key, created_s=time.time())
+    cal.worlds, cal.group_sizes = [2, 6], {2: [2], 6: [2, 6]}
+    _fill(cal)
+    tm.save(cal)
+    calls = []
+    monkeypatch.setattr(ep, "_measurer", lambda *a, **kw: _fake_measure(calls))
+    got, messages = ensure_calibration([6], group_sizes=[2, 3])  # a pp=2,dp=3 run: groups of 3
+    assert calls == [(6, "comm_task", {"group_sizes": [3]})]  # nothing else measured again
+    assert messages == ["measured gloo's collectives on groups of 3 with 6 ranks (the calibration had groups of "
+                        "2, 6 only)"]
+    assert got.measured_sizes(6) == [2, 3, 6] and got.compute == cal.compute and got.created_s == cal.created_s
+    assert got.comm_fit(6, "all_gather", 3).alpha_s == pytest.approx(1e-3)
+    assert all(got.comm[k] == f for k, f in cal.comm.items())  # what was there is kept
+    loaded, why = tm.load(key)
+    assert why == "" and loaded == got
+    calls.clear()
+    assert ensure_calibration([6], group_sizes=[3]) == (got, []) and calls == []  # now from the cache
+    # a world measured for the first time: its default groups and the run's
+    got, messages = ensure_calibration([8], group_sizes=[2, 4])
+    assert [c for c in calls if c[1] == "comm_task"] == [(8, "comm_task", {"group_sizes": [2, 4, 8]})]
+    assert got.measured_sizes(8) == [2, 4, 8] and tm.load(key) == (got, "")
+
+
+@pytest.mark.multiprocess
+def test_comm_task_times_exactly_comm_modes(pools):
+    # the one list of what the measurement times (tm.comm_modes), against the measurement itself: a file
+    # lacking any of it is measured again (tm.load), so the two must agree (few rounds, one size: no timing)
+    rows = pools(2).run("engine.calibrate:comm_task", {"group_sizes": [2], "sizes": (1024,), "rounds": 2,
+                                                       "async_rounds": 1}, timeout_s=120)
+    assert set(tm.fit_comm(2, rows)) == {tm.comm_key(2, kind, 2, mode) for kind, mode in tm.comm_modes(2, 2)}

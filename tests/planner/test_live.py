@@ -762,3 +762,14 @@ def test_finishing_dp_gradients_divides_once_per_bucket_with_no_copy_into_it():
         return sum(s.end_s - s.start_s for s in p.timeline.spans if s.name == "finish grads" and s.rank == 0)
 
     assert finish(pred) < finish(naive)  # a few buckets against every parameter
+
+
+def test_a_group_size_the_calibration_never_timed_is_not_priced_as_another():
+    # a world-w calibration had timed groups of 2 and w only, and a world-8 run's groups of 4 were priced as
+    # groups of 8, silently; engine.predict now measures every size a run uses, and a size still missing is said
+    only_whole = dataclasses.replace(CAL, comm={k: v for k, v in CAL.comm.items() if not k.startswith("w4/")
+                                                or "/n4/" in k}, group_sizes={4: [4]})
+    assert only_whole.measured_sizes(4) == [4]
+    with pytest.raises(CalibrationError, match="no timing of groups of 2 at world 4"):
+        predict(_cfg("--mesh dp=2,tp=2 --world 4"), only_whole)
+    assert predict(_cfg("--strategy dp --world 4"), only_whole).step_time_s > 0  # its one group of 4 was timed
