@@ -17,7 +17,8 @@ FLOP/s C and the bandwidth W the strategy's collectives use, latency left out:
   2 n D F / C (n = 3 matrices for SwiGLU, 2 for GELU) against dispatch + combine 2 x 2 D (ep - 1) / ep / W:
   **compute-bound while F > (2 / n) (ep - 1) / ep x C / W**, F the expert's width, independent of the
   batch and of k (derived the same way; an all-to-all cannot reduce inside the node first, so across
-  nodes W is one GPU's network card, not the node's).
+  nodes each GPU's own network card carries the rows that leave the node, (ep - d) / ep of them for d
+  members in a node, the rest staying on its NVLink: W as hardware.collectives costs the all-to-all).
 
 W, as [SB] uses it: a TPU group on a wrapped torus axis gets two links in each direction, over M axes M times
 that, read from the job's slice by the collective model (`torus_bandwidth`: a line along part of an axis
@@ -75,6 +76,15 @@ def group_bandwidth(chip: Chip, n: int, stride: int, chips_per_node: int | None 
     if hierarchical and per_node > 1:
         return (chip.scaleout_bytes_per_s * per_node,
                 f"the network between nodes ({per_node} of the group's NICs per node)")
+    if not hierarchical:
+        # an all-to-all cannot reduce inside the node first, but its rows for the node's own members stay on the
+        # node's links: W as the collective model costs it (the meter had sent every row that leaves the chip
+        # through the NIC, 35 ms at DeepSeek-V3's ep = 16 on H100 where the page's own table, at achievable
+        # links, said 21)
+        topo = group_topology(chip, n, stride, scaleup_domain=node)
+        leave = (f"{n - topo.domain_size} of every {n} rows leave the node" if isinstance(topo, Hierarchy) else
+                 "every row leaves the node")
+        return _slope_bandwidth(topo, n, all_to_all=True), f"the network between nodes (each GPU's own NIC; {leave})"
     return chip.scaleout_bytes_per_s, "the network between nodes (each GPU's own NIC)"
 
 
@@ -88,8 +98,7 @@ def torus_bandwidth(chip: Chip, n: int, stride: int, all_to_all: bool = False) -
     group one wrapped axis.)"""
     n = max(n, 2)  # a group of one sends nothing: the smallest group's links, for the rule's C / W
     topo = group_topology(chip, n, stride)
-    cost = topo.all_to_all_s if all_to_all else topo.all_gather_s
-    w = (n - 1) / n * _PROBE_BYTES / (cost(2 * _PROBE_BYTES) - cost(_PROBE_BYTES))
+    w = _slope_bandwidth(topo, n, all_to_all)
     if isinstance(topo, Hierarchy):
         slices = topo.n // topo.domain_size
         if isinstance(topo.inner, Torus):
@@ -111,6 +120,13 @@ def _torus_words(topo: Torus) -> str:
 
 
 _PROBE_BYTES = 1e9  # the message sizes the slope of a collective's time is read between (any two sizes do)
+
+
+def _slope_bandwidth(topo, n: int, all_to_all: bool) -> float:
+    """The bytes per second a group's all-gather (or all-to-all) moves per chip in the collective model, (n - 1) /
+    n V over the time V adds (latency and pipeline fill left out, as [SB]'s rules leave them)."""
+    cost = topo.all_to_all_s if all_to_all else topo.all_gather_s
+    return (n - 1) / n * _PROBE_BYTES / (cost(2 * _PROBE_BYTES) - cost(_PROBE_BYTES))
 
 
 def _c_over_w(c: float, w: float) -> str:

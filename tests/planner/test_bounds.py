@@ -96,15 +96,22 @@ def test_tensor_parallel_does_not_depend_on_the_batch():
 
 
 def test_expert_parallel_inside_a_node_and_across_nodes():
-    # hand-worked, H100: C / W = 989e12 / 450e9 = 2,198 inside a node, 989e12 / 50e9 = 19,780 through one NIC;
-    # SwiGLU experts (n = 3): F > (2/3)(ep-1)/ep C/W = 1,282 at ep = 8 (7/8), 12,981 at ep = 64 (63/64)
+    # hand-worked, H100: C / W = 989e12 / 450e9 = 2,198 inside a node; SwiGLU experts (n = 3): F > (2/3)(ep-1)/ep
+    # C/W = 1,282 at ep = 8 (7/8). Across 8-GPU nodes an all-to-all's rows for the node's own members stay on
+    # NVLink: at ep = 64, 56 of every 64 rows leave through each GPU's 50 GB/s NIC, so a chip moves its (63/64)
+    # of the rows at W = (63/64) / (56/64) x 50e9 = 56.25e9 (C / W 17,582: F > 11,538); at ep = 16 half leave,
+    # W = 93.75e9 (C / W 10,549: F > 6,593). Every leaving row at the NIC had said 12,981 and 12,362
     from planner.bounds import expert_parallel_bound
 
     v3, h100 = MODEL_PRESETS["DeepSeek-V3"], CHIPS["h100"]
     inside, across = expert_parallel_bound(v3, h100, 4096, 8), expert_parallel_bound(v3, h100, 4096, 64)
     assert "= 1,282; here F = 2,048" in inside.rule and inside.compute_bound
-    assert "= 12,981; here F = 2,048" in across.rule and not across.compute_bound
-    assert "each GPU's own NIC" in across.link
+    assert "= 11,538; here F = 2,048" in across.rule and not across.compute_bound
+    assert "each GPU's own NIC; 56 of every 64 rows leave the node" in across.link
+    assert "= 6,593; here F = 2,048" in expert_parallel_bound(v3, h100, 4096, 16).rule
+    # one GPU per node: every row leaves, through its own NIC (C / W = 989e12 / 50e9 = 19,780)
+    spread = expert_parallel_bound(v3, h100, 4096, 8, stride=8)
+    assert spread.intensity == pytest.approx(19780, rel=0.01) and "every row leaves the node" in spread.link
 
 
 def _book_model(ffn: int, mlp: str = "gelu") -> ModelSpec:
