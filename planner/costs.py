@@ -659,6 +659,11 @@ def _elementwise(m: ModelSpec, lay: Layout, moe, tokens: float) -> dict[str, flo
             out["eager_norm_fwd"] = kernels.EAGER_BYTES["norm_fwd"] * norm_elements
     if moe is True:  # experts folded into ep: each rank permutes its own sequence shard's tokens
         permute = 8 * m.top_k * h / (sp if lay.experts_folded else 1)
+        if lay.ep_dispatch == "all_to_all" and m.experts > lay.ep:
+            # the NCCL all-to-all dispatcher permutes twice each way: by destination rank before the exchange,
+            # then by local expert after it, and back before the combine (Megatron-Core's MoEAlltoAllTokenDispatcher,
+            # sort_chunks_by_idxs, "Permutation 2: Sort tokens by local expert", where a rank holds several)
+            permute *= 2
         out["point_fwd"] += permute
         out["point_bwd"] += permute
         # the MoE block's own (`moe_sides`): the experts' activation and the permutations, each way
@@ -720,21 +725,33 @@ def tp_overlaps(lay: Layout, chip: Chip, m: ModelSpec) -> bool:
 DISPATCHED = ("experts fc1", "experts fc2")
 
 
+# Under fp8 a sequence-parallel all-gather moves the GEMM's input already cast to fp8, one byte an element: Transformer
+# Engine's LayerNormLinear writes the norm's output as fp8 (uint8) and all-gathers that, and re-gathers the saved
+# fp8 copy in backward (transformer_engine/pytorch/module/layernorm_linear.py, `ln_out_dtype = torch.uint8 if fp8`
+# before `gather_along_first_dim`); a row-parallel layer's output gradient is cast to e5m2 before its all-gather
+# (TE's grad_output_preprocess; torchao's Float8RowwiseParallel for torchtitan, whose Float8ColwiseParallel casts
+# the input before redistributing it). Reduce-scatters sum in bf16. The routed experts' token all-gathers (the MoE
+# dispatcher's, DISPATCHED) move bf16 tokens, quantized inside the grouped GEMM.
+FP8_GATHER_SHARE = 0.5
+
+
 def _tp_comms(lay: Layout, topo: Topology, column: list[str], row: list[str], gemm_fwd: dict, gemm_dgrad: dict,
-              gemm_wgrad: dict, act_bytes: float, copies: dict[str, float] | None = None, rs_splits: int = 0
-              ) -> tuple[list[CommOp], list[CommOp]]:
+              gemm_wgrad: dict, act_bytes: float, copies: dict[str, float] | None = None, rs_splits: int = 0,
+              gather_share: float = 1.0) -> tuple[list[CommOp], list[CommOp]]:
     """TP's collectives around the column-parallel GEMMs that read a region's input and the row-parallel
     ones whose partial sums leave it (module docstring): (forward, backward). `lay` is layer_cost's key, whose
     tp_comm_overlap is already resolved (tp_overlaps). Each GEMM's collectives move `act_bytes`, times its
     `copies` where given (routed experts: the top_k copies of every token). A row GEMM's forward reduce-
     scatter is pipelined in `rs_splits` pieces (`row_forward_splits`; 0: t); the routed experts' collectives
-    (DISPATCHED) are never pipelined, and their gathered input is kept for the weight gradient."""
+    (DISPATCHED) are never pipelined, and their gathered input is kept for the weight gradient. An all-gather
+    moves `gather_share` of the bytes (FP8_GATHER_SHARE under fp8), the dispatcher's all of them."""
     t, overlap = lay.tp, lay.tp_comm_overlap
     fwd: list[CommOp] = []
     bwd: list[CommOp] = []
     nbytes = {g: act_bytes * (copies or {}).get(g, 1.0) for g in (*column, *row)}
     if lay.sequence_parallel:
-        ag = {g: comm_s(topo, "all_gather", b) for g, b in nbytes.items()}
+        gathered = {g: b * (1.0 if g in DISPATCHED else gather_share) for g, b in nbytes.items()}
+        ag = {g: comm_s(topo, "all_gather", b) for g, b in gathered.items()}
         rs = {g: comm_s(topo, "reduce_scatter", b) for g, b in nbytes.items()}
 
         def piped(g: str) -> bool:
@@ -742,19 +759,19 @@ def _tp_comms(lay: Layout, topo: Topology, column: list[str], row: list[str], ge
 
         for g in column:  # forward: all-gather the sequence, then the column GEMM
             exp = pipelined_exposed_s(ag[g], gemm_fwd[g], t) if piped(g) else ag[g]
-            fwd.append(CommOp("tp", f"tp all-gather ({g})", "all_gather", nbytes[g], ag[g], exp, gemm=g))
+            fwd.append(CommOp("tp", f"tp all-gather ({g})", "all_gather", gathered[g], ag[g], exp, gemm=g))
         for g in row:  # forward: the row GEMM's partial sums reduce-scattered
             exp = pipelined_exposed_s(rs[g], gemm_fwd[g], rs_splits or t) if piped(g) else rs[g]
             fwd.append(CommOp("tp", f"tp reduce-scatter ({g})", "reduce_scatter", nbytes[g], rs[g], exp, gemm=g))
         for g in row:  # backward: the output gradient all-gathered before the dgrad GEMM
             exp = pipelined_exposed_s(ag[g], gemm_dgrad[g], t) if piped(g) else ag[g]
-            bwd.append(CommOp("tp", f"tp all-gather ({g} grad)", "all_gather", nbytes[g], ag[g], exp, gemm=g))
+            bwd.append(CommOp("tp", f"tp all-gather ({g} grad)", "all_gather", gathered[g], ag[g], exp, gemm=g))
         for g in column:  # backward: input re-gathered under dgrad, its gradient reduced under wgrad
             if g in DISPATCHED:  # the all-gather's backward, after the experts' GEMMs
                 bwd.append(CommOp("tp", f"tp reduce-scatter ({g} grad)", "reduce_scatter", nbytes[g], rs[g], rs[g],
                                   gemm=g))
                 continue
-            bwd.append(CommOp("tp", f"tp all-gather ({g} input)", "all_gather", nbytes[g], ag[g],
+            bwd.append(CommOp("tp", f"tp all-gather ({g} input)", "all_gather", gathered[g], ag[g],
                               max(0.0, ag[g] - gemm_dgrad[g]), gemm=g))
             bwd.append(CommOp("tp", f"tp reduce-scatter ({g} grad)", "reduce_scatter", nbytes[g], rs[g],
                               max(0.0, rs[g] - gemm_wgrad[g]), gemm=g))
@@ -1053,7 +1070,7 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
         # experts' collectives on the layer's T rows
         copies = {**_column_widths(m), **({"experts fc1": m.top_k, "experts fc2": m.top_k} if moe is True else {})}
         f, b = _tp_comms(lay, topo, column, row, gemm_fwd, gemm_dgrad, gemm_wgrad, act_bytes, copies,
-                         row_forward_splits(chip, t))
+                         row_forward_splits(chip, t), FP8_GATHER_SHARE if dtype == "fp8" else 1.0)
         rope_f, rope_b = _shared_rope_key_comms(m, lay, topo, act_bytes) if attn_g else ([], [])
         fwd_comms += f + rope_f
         bwd_comms += b + rope_b
@@ -1284,7 +1301,8 @@ def _mamba_layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chips_p
     if t > 1:
         topo = topology(chip, t, lay.mesh.stride("tp"), chips_per_node)
         f, bw = _tp_comms(lay, topo, ["in_proj"], ["out_proj"], gemm_fwd, gemm_dgrad, gemm_wgrad, act_bytes,
-                          rs_splits=row_forward_splits(chip, t))
+                          rs_splits=row_forward_splits(chip, t),
+                          gather_share=FP8_GATHER_SHARE if dtype == "fp8" else 1.0)
         fwd_comms += f
         bwd_comms += bw
     if cp > 1:

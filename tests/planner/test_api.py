@@ -73,7 +73,7 @@ def test_compute_by_class_is_one_chips_step_class_by_class():
     half = compute_by_class(one_chip(1))
     for cls in ("gemm", "attention", "memory-bound"):
         assert classes[cls] == pytest.approx(2 * half[cls])
-    assert classes["optimizer"] == half["optimizer"]
+    assert classes["optimizer"] == pytest.approx(half["optimizer"], rel=1e-12)  # the same update (float sums)
     # gradient accumulation without its fusion: an elementwise pass, memory-bound, and still the whole step
     unfused = one_chip(4, grad_accum_fusion=False)
     split, est = compute_by_class(unfused), planner.estimate(unfused)

@@ -230,8 +230,16 @@ def test_folded_experts_permute_only_a_ranks_own_tokens():
     dense = _elementwise(MIXTRAL, replace(folded, etp=1), False, T)["point_fwd"]  # no experts: no permute
     moe_split = _elementwise(MIXTRAL, split, True, T)["point_fwd"]
     moe_folded = _elementwise(MIXTRAL, folded, True, T)["point_fwd"]
-    assert moe_split - moe_folded == pytest.approx(8 * k * h * T * (1 - 1 / 2))
+    # the NCCL all-to-all dispatcher with two local experts a rank (8 over ep = 4) permutes twice each way: by
+    # destination rank, then by local expert (MoEAlltoAllTokenDispatcher's sort_chunks_by_idxs); DeepEP once
+    assert moe_split - moe_folded == pytest.approx(2 * 8 * k * h * T * (1 - 1 / 2))
     assert moe_folded > dense
+    deepep = {f: _elementwise(MIXTRAL, replace(lay, ep_dispatch="deepep"), True, T)["point_fwd"]
+              for f, lay in (("split", split), ("folded", folded))}
+    assert deepep["split"] - deepep["folded"] == pytest.approx(8 * k * h * T * (1 - 1 / 2))
+    one_local = replace(folded, ep=8)  # one expert a rank: nothing to sort after the exchange
+    assert (_elementwise(MIXTRAL, one_local, True, T)["point_fwd"]
+            == pytest.approx(_elementwise(MIXTRAL, replace(one_local, ep_dispatch="deepep"), True, T)["point_fwd"]))
 
 
 def test_experts_split_by_tp_take_their_ep_ranks_from_cp_and_dp():

@@ -66,3 +66,29 @@ def test_routed_experts_tp_collectives_carry_every_tokens_top_k_copies():
         assert by_name["tp all-gather (experts fc1)"] == pytest.approx(m.top_k * act)
         assert by_name["tp reduce-scatter (experts fc2)"] == pytest.approx(m.top_k * act)
         assert by_name.get("tp all-gather (fc1)") == (pytest.approx(act) if m.shared_experts else None)
+
+
+def test_under_fp8_the_sequence_parallel_all_gathers_move_one_byte_an_element():
+    """Transformer Engine all-gathers the norm's output already cast to fp8 (and re-gathers that copy in backward),
+    and the row layer's output gradient cast to e5m2; the reduce-scatters sum in bf16, and the MoE dispatcher's
+    token all-gather moves bf16 tokens (planner.costs.FP8_GATHER_SHARE)."""
+    from hardware.chips import get_chip
+    from planner.case import Layout
+    from planner.costs import layer_cost
+
+    lay = Layout(dp=1, tp=8, pp=1, micro_batch=1, sequence_parallel=True)
+    act = LLAMA.seq_len * LLAMA.hidden * 2
+    for dtype, share in (("bf16", 1.0), ("fp8", 0.5)):
+        lc = layer_cost(LLAMA, lay, get_chip("h100"), dtype, False, 8)
+        comms = lc.fwd_comms + lc.bwd_comms
+        gathers = [c for c in comms if c.kind == "all_gather" and c.group == "tp"]
+        scatters = [c for c in comms if c.kind == "reduce_scatter" and c.group == "tp"]
+        assert len(gathers) == 6 and len(scatters) == 4  # qkv and fc1 in, o and fc2 grads; their re-gathers
+        assert all(c.nbytes == pytest.approx(share * act) for c in gathers)
+        assert all(c.nbytes == pytest.approx(act) for c in scatters)
+    mixtral = MODEL_PRESETS["Mixtral 8x7B"]
+    moe = layer_cost(mixtral, Layout(dp=1, tp=2, pp=1, ep=8, micro_batch=1, sequence_parallel=True, etp=2),
+                     get_chip("h100"), "fp8", True, 8)
+    dispatched = {c.name: c.nbytes for c in moe.fwd_comms if c.group == "tp"}
+    tokens = mixtral.top_k * mixtral.seq_len * mixtral.hidden * 2
+    assert dispatched["tp all-gather (experts fc1)"] == pytest.approx(tokens)
