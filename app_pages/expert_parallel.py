@@ -4,6 +4,7 @@ a live run."""
 import streamlit as st
 
 from app_pages.exercise_panel import show_exercises
+from app_pages.link_params import drop_from_link
 from app_pages.live_panel import run_live, show_live
 from engine.cli import COMMAND
 from hardware.chips import CHIPS
@@ -19,22 +20,52 @@ from ui.expert_parallel import (
     cost_figure,
     cost_rows,
     ep_config_error,
+    live_a2a_text,
     live_load_rows,
     load_figure,
     matrix_figure,
-    measured_a2a_formula,
     moe_numbers,
     placement_figure,
     simulate_routing,
+    slider_link_problems,
 )
+from ui.state import choice_link_problems, ignored_link_message
 from ui.tables import count, format_bytes, format_seconds
 from ui.tensor_parallel import group_links_chip
+from ui.timeline import KIND_COLORS
+
+TOKENS = [64, 128, 256, 512, 1024, 2048]
+EXPERTS = [4, 6, 8, 16, 32, 64, 128, 256]
+TOP_KS = [1, 2, 4, 8]
+SIM_EPS = [1, 2, 4, 8, 16, 32]
+CAPACITIES = ["0.5", "0.75", "1.0", "1.25", "1.5", "2.0", "none"]
+SKEW_RANGE = (0.0, 1.5)
+MICRO_BATCHES = [1, 2, 4]
 
 choices = st.session_state["choices"]
 chip = CHIPS[choices.chip]
 domain = chip.scaleup_domain
 
 st.title("Expert parallel")
+# A bound widget drops a link value that is none of its options without a word: said here, and taken out of the
+# link before the widgets read it, as the planner does (a value that is no finite number the app shell has said).
+# Checked in two goes, each before its widgets: the model-ep slider's options follow the MoE model picked first.
+_link_note = st.empty()
+_link_values = {k: ", ".join(st.query_params.get_all(k)) for k in st.query_params}  # a repeated key: all its values
+_ignored: dict[str, str] = {}
+
+
+def _check_link(options: dict, ranges: dict | None = None) -> None:
+    """Drop from the link the values of `options`'s keys that are none of them (and of `ranges`'s number sliders
+    that are out of range), and say so above."""
+    present = {k: st.query_params.get_all(k) for k in [*options, *(ranges or {})] if k in st.query_params}
+    bad = choice_link_problems(present, options) | slider_link_problems(present, ranges or {})
+    for key in bad:
+        drop_from_link(key)
+    _ignored.update(bad)
+    if _ignored:
+        _link_note.info(ignored_link_message(_ignored, _link_values), icon=":material/link_off:")
+
 st.markdown(
     """
 A **Mixture-of-Experts** (MoE) layer replaces the one MLP of a Transformer layer by E smaller MLPs, the
@@ -53,6 +84,7 @@ else:
             "MLP, it has no experts to spread. Pick an MoE preset to follow here (or choose one in the "
             "sidebar).",
             icon=":material/info:")
+    _check_link({"ep_moe_model": MOE_PRESETS})
     spec = MODEL_PRESETS[st.selectbox("MoE model", MOE_PRESETS, key="ep_moe_model", bind="query-params")]
 nums = moe_numbers(spec)
 shared = f" plus {spec.shared_experts} always-on shared expert" if spec.shared_experts else ""
@@ -93,10 +125,19 @@ The backward pass runs both all-to-alls in reverse, so a training step moves eac
 """
 )
 ep_choices = [e for e in (1, 2, 4, 8, 16, 32, 64) if e <= spec.experts and spec.experts % e == 0]
-sidebar_ep = choices.mesh["ep"] if choices.mesh["ep"] in ep_choices[1:] else min(8, ep_choices[-1])
-model_ep = st.select_slider("Expert-parallel degree ep for this model", ep_choices, value=sidebar_ep,
-                            key="ep_model_degree", bind="query-params",
-                            help="The sidebar's ep sets the starting value.")
+fallback_ep = min(8, ep_choices[-1])
+sidebar_ep = choices.mesh["ep"] if choices.mesh["ep"] in ep_choices[1:] else fallback_ep
+_check_link({"ep_model_degree": ep_choices, "ep_tokens": TOKENS, "ep_experts": EXPERTS, "ep_top_k": TOP_KS,
+             "ep_degree": SIM_EPS, "ep_capacity": CAPACITIES, "ep_micro_batch": MICRO_BATCHES},
+            {"ep_skew": SKEW_RANGE})
+model_ep = st.select_slider(
+    "Expert-parallel degree ep for this model", ep_choices, value=sidebar_ep, key="ep_model_degree",
+    bind="query-params",
+    help=f"Starts at the sidebar's ep where that is one of these ({', '.join(map(str, ep_choices[1:]))}: more "
+         f"than 1, at most 64 and dividing {spec.name}'s E = {spec.experts}); otherwise at ep = {fallback_ep}.")
+if choices.mesh["ep"] > 1 and choices.mesh["ep"] not in ep_choices:
+    st.caption(f"The sidebar's ep = {choices.mesh['ep']:,} cannot spread {spec.name}'s E = {spec.experts} experts "
+               f"on this slider (ep must divide E and be at most 64), so it starts at ep = {fallback_ep} instead.")
 st.plotly_chart(placement_figure(spec.experts, model_ep), key="ep_placement")
 expert_gb = spec.experts // model_ep * nums["per_expert"] * spec.moe_layers * 2 / 1e9
 st.caption(f"{spec.name} at ep = {model_ep}: each chip holds {count(spec.experts // model_ep, 'expert')} per MoE "
@@ -123,18 +164,17 @@ rank 0, the worst case for the ranks.
 """
 )
 c1, c2, c3 = st.columns(3)
-sim_tokens = c1.select_slider("Tokens per rank T", [64, 128, 256, 512, 1024, 2048], value=512,
+sim_tokens = c1.select_slider("Tokens per rank T", TOKENS, value=512,
                               key="ep_tokens", bind="query-params")
-sim_experts = c2.select_slider("Experts E", [4, 6, 8, 16, 32, 64, 128, 256], value=8,
+sim_experts = c2.select_slider("Experts E", EXPERTS, value=8,
                                key="ep_experts", bind="query-params")
-sim_k = c3.select_slider("Top k", [1, 2, 4, 8], value=2, key="ep_top_k", bind="query-params")
+sim_k = c3.select_slider("Top k", TOP_KS, value=2, key="ep_top_k", bind="query-params")
 c4, c5, c6 = st.columns(3)
-sim_ep = c4.select_slider("Expert-parallel degree ep of the simulated layer", [1, 2, 4, 8, 16, 32], value=4,
+sim_ep = c4.select_slider("Expert-parallel degree ep of the simulated layer", SIM_EPS, value=4,
                           key="ep_degree", bind="query-params")
-sim_c = c5.select_slider("Capacity factor CF", ["0.5", "0.75", "1.0", "1.25", "1.5", "2.0", "none"],
-                         value="1.25", key="ep_capacity", bind="query-params",
+sim_c = c5.select_slider("Capacity factor CF", CAPACITIES, value="1.25", key="ep_capacity", bind="query-params",
                          help="none: no limit, no token dropped")
-sim_skew = c6.slider("Router skew s (Zipf exponent)", 0.0, 1.5, 0.0, 0.1, key="ep_skew", bind="query-params")
+sim_skew = c6.slider("Router skew s (Zipf exponent)", *SKEW_RANGE, 0.0, 0.1, key="ep_skew", bind="query-params")
 cap_factor = None if sim_c == "none" else float(sim_c)
 cached_routing = st.cache_data(simulate_routing, max_entries=32, show_spinner=False)
 problem = ep_config_error(sim_experts, sim_k, sim_ep)
@@ -146,7 +186,7 @@ else:
     routing = cached_routing(sim_tokens, sim_experts, sim_k, sim_ep, cap_factor, sim_skew, seed=0)
     stats = routing.stats()
     cap_text = ("no capacity limit" if routing.capacity_per_group is None else
-                f"capacity {routing.capacity_per_group} per expert per rank (the red line: x {sim_ep} ranks)")
+                f"capacity {routing.capacity_per_group} per expert per rank (the dashed line: x {sim_ep} ranks)")
     st.plotly_chart(load_figure(routing.tokens_per_expert, routing.dropped_per_expert, sim_ep,
                                 routing.capacity_line,
                                 f"{sim_ep} ranks x {sim_tokens} tokens x k = {sim_k}, E = {sim_experts}, "
@@ -157,9 +197,11 @@ else:
         f"(**{stats['dropped_fraction']:.1%}**). The busiest expert got "
         f"**{stats['expert_max_over_mean']:.2f}x** the mean load; the busiest rank processes "
         f"**{stats['rank_max_over_mean']:.2f}x** the mean number of rows, and every rank waits for it. "
-        "A larger CF drops fewer tokens but lets the busiest rank run longer (and reserve more buffer); "
-        "CF below 1 drops tokens even from a perfectly balanced router, "
-        "because random routing is never exactly even."
+        "A larger CF drops fewer tokens but lets the busiest rank run longer (and reserve more buffer). "
+        "Below CF = 1 the E experts together take fewer copies than the T x k that arrive (E x capacity < "
+        "T x k), so at least 1 - CF of them (less what rounding the capacity up adds) are dropped by "
+        "arithmetic alone, however balanced the router; at CF = 1 there is room for all, and the drops come "
+        "from randomness: a random router never fills every expert exactly to its share."
     )
     st.plotly_chart(matrix_figure(routing.matrix, "The dispatch all-to-all: rows each rank sends to each "
                                                   "rank"), key="ep_sim_matrix")
@@ -185,15 +227,18 @@ st.latex(r"""4 \times T \cdot k \cdot D \cdot 2\,\text{bytes} \times \frac{ep-1}
 st.markdown(
     """
 (GShard's dispatch and combine, the all-to-all cost of the scaling book's Part 12 on a switch:
-(N−1)/N of the array through each chip's own port). Unlike tensor parallel's all-reduces, the bytes do not
-shrink as ep grows, and the FLOPs per chip do not either: each chip still runs T·k rows through experts.
+(N−1)/N of the array through each chip's own port). Like tensor parallel's all-reduces, the bytes per chip do
+not shrink as ep grows; unlike tensor parallel, the FLOPs per chip do not shrink either: each chip still runs
+T·k rows through experts.
 What ep buys is **memory** (E/ep experts per chip) and larger matmuls per expert. Whether the all-to-all
 stays on the fast scale-up links decides its price:
 """
 )
 gpu = chip.kind == "gpu"
-fast_links, unit = (f"{chip.scaleup_link}'s", "node") if gpu else ("the scale-up links'", "slice")
-micro_batch = st.select_slider("Micro-batch b (sequences per chip)", [1, 2, 4], value=1, key="ep_micro_batch",
+# one scale-up domain in words, as the meshes lesson says it: an 8-GPU node, a GB200 NVL72's NVLink domain (a rack)
+unit = ("node" if domain <= 8 else "NVLink domain") if gpu else "slice"
+fast_links = f"{chip.scaleup_link}'s" if gpu else "the scale-up links'"
+micro_batch = st.select_slider("Micro-batch b (sequences per chip)", MICRO_BATCHES, value=1, key="ep_micro_batch",
                                bind="query-params")
 tokens = micro_batch * spec.seq_len
 rows = cost_rows(spec, chip, tokens, [1, 2, 4, 8, 16, 32, 64, 128, 256], choices.num_chips)
@@ -229,17 +274,24 @@ if inside:
                  f"{best['a2a_s'] / best['compute_s']:.0%} of the experts' compute time.")
 if outside:
     jump = outside[0]
-    lines.append(
-        f"At ep = {jump['ep']} the group spans {jump['ep'] // domain} {unit}s: {jump['ep'] - domain} of "
-        f"every {jump['ep']} rows leave the {unit} through its network card at "
-        f"{chip.scaleout_bytes_per_s / 1e9:.0f} GB/s instead of {fast_links} "
-        f"{chip.scaleup_bytes_per_s / 1e9:.0f} GB/s, and the all-to-alls take "
-        f"{jump['a2a_s'] / jump['compute_s']:.0%} of the compute time.")
+    network = ("each GPU's own network card" if gpu else "the data-center network (DCN)")
+    speeds = (f"at {chip.scaleout_bytes_per_s / 1e9:.0f} GB/s instead of {fast_links} "
+              f"{chip.scaleup_bytes_per_s / 1e9:.0f} GB/s (spec line rates; the table counts the achievable "
+              f"{chip.scaleout_bw(True) / 1e9:.0f} and {chip.scaleup_bw(True) / 1e9:.0f} GB/s)")
+    spans = f"At ep = {jump['ep']} the group spans {count(jump['domains'], unit)}"
+    if jump["rows_leaving_domain"] is not None:
+        where = (f"{spans}: {jump['rows_leaving_domain']} of every {jump['ep']} rows leave the {unit} through "
+                 f"{network} {speeds}")
+    else:
+        where = (f"{spans}, but {jump['ep']} is no multiple of the {domain:,}-chip {unit}, so the cost model puts "
+                 f"the group on a flat network: every row that leaves a chip goes through {network} {speeds}")
+    lines.append(f"{where}, and the all-to-alls take {jump['a2a_s'] / jump['compute_s']:.0%} of the compute "
+                 "time.")
 else:
     lines.append(f"Every ep on the chart fits inside {chip.name}'s {domain:,}-chip scale-up domain; only the "
                  f"dotted line, one chip per {unit}, pays the scale-out network.")
 lines.append(
-    "The price of crossing nodes is why DeepSeek-V3 limits each token to experts on at most 4 nodes, "
+    f"The price of crossing {unit}s is why DeepSeek-V3 limits each token to experts on at most 4 nodes, "
     "dispatches in FP8, and overlaps the all-to-all of one micro-batch with the compute of another "
     "(DualPipe; arXiv 2412.19437 sec. 3.2). The alpha-beta model here assumes balanced routing and network "
     "cards free of other traffic.")
@@ -247,10 +299,12 @@ st.markdown(" ".join(lines))
 if model_ep > 1:
     ep_links = group_links_chip(chip, model_ep, choices.num_chips)  # a TPU's: the job's slice
     bound = expert_parallel_bound(spec, ep_links, tokens, model_ep)
-    st.plotly_chart(bound_figure(bound, f"The bound meter at ep = {model_ep}"), key="ep_bound")
+    st.plotly_chart(bound_figure(bound, f"The bound meter at ep = {model_ep}", KIND_COLORS["all_to_all"]),
+                    key="ep_bound")
+    link = (f"across {unit}s an all-to-all cannot reduce inside the {unit} first, so each GPU's own network card "
+            "is the link" if gpu and model_ep > domain else f"here it runs over {bound.link}")
     st.markdown(verdict_text(bound) + " Both sides grow with the tokens and with k, so only a wider expert "
-                "or faster links help; across nodes an all-to-all cannot reduce inside the node first, so each "
-                "GPU's own network card is the link. (The scaling book's way of counting: peak FLOP/s, the "
+                f"or faster links help; {link}. (The scaling book's way of counting: peak FLOP/s, the "
                 "links' bandwidth, latency left out; the table above uses achievable numbers.)")
 
 if model_ep > 1:
@@ -315,19 +369,8 @@ for live in show_live("live_ep"):
                                     "Simulated: a balanced random router, same T, E, k, CF"),
                         key="ep_live_sim")
     st.caption(f"The engine counts capacity per sequence of {m.seq_len} tokens ({sequences} sequences in the "
-               "run), so the red line is the capacity per sequence times the sequences. Its router is a "
+               "run), so the dashed capacity line is the capacity per sequence times the sequences. Its router is a "
                "freshly initialised linear layer: close to balanced, but its preferences are real, not "
                "random draws.")
     st.dataframe(live_load_rows(summary), hide_index=True, width="stretch")
-    sent = a2a_bytes_by_name(timeline, 0, cfg.steps)
-    formula = measured_a2a_formula(summary, m.hidden)
-    st.markdown(
-        f"Bytes rank 0 sent per step: dispatch **{sent['dispatch']:,.0f}**, combine "
-        f"**{sent['combine']:,.0f}** (each is a forward all-to-all plus the backward of the other, so "
-        f"the two are always equal), counts {sent['counts']:,.0f}, dense gradients' all-reduce "
-        f"{sent['other']:,.0f}; in all **{summary.comm_bytes[0] / cfg.steps:,.0f}**. The balanced formula "
-        f"4 x T x k x (1 - dropped) x D x 4 bytes x (ep-1)/ep over the {len(load['layers'])} MoE layers "
-        f"gives **{formula:,.0f}** for dispatch + combine (T = {cfg.micro_batch_size * m.seq_len} tokens, "
-        f"D = {m.hidden}, fp32); the measured {sent['dispatch'] + sent['combine']:,.0f} differs by how "
-        "unevenly this router spread the rows."
-    )
+    st.markdown(live_a2a_text(a2a_bytes_by_name(timeline, 0, cfg.steps), summary, m.hidden, cfg.steps))

@@ -18,13 +18,14 @@ WHAT = {"dp": ("backward math", "gradient all-reduce"), "fsdp": ("forward math",
 PER = {"dp": "layer", "fsdp": "layer", "tp": "MLP pass", "ep": "layer"}
 
 
-def bound_figure(bound: Bound, what: str) -> go.Figure:
-    """Titled "<what>: compute-bound" (or communication-bound)."""
+def bound_figure(bound: Bound, what: str, comm_color: str = COMM_COLOR) -> go.Figure:
+    """Titled "<what>: compute-bound" (or communication-bound); `comm_color`: the communication bar's colour
+    where a lesson's charts already draw its collective in its own (the all-to-all's, ui.timeline.KIND_COLORS)."""
     math_label, comm_label = WHAT[bound.strategy]
     longest = max(bound.math_s, bound.comm_s)
     scale, unit = (1e3, "ms") if longest >= 1e-3 else (1e6, "µs")
     fig = go.Figure()
-    for label, seconds, color in ((math_label, bound.math_s, MATH_COLOR), (comm_label, bound.comm_s, COMM_COLOR)):
+    for label, seconds, color in ((math_label, bound.math_s, MATH_COLOR), (comm_label, bound.comm_s, comm_color)):
         fig.add_trace(go.Bar(y=[label], x=[seconds * scale], orientation="h", marker_color=color,
                              text=[f"{seconds * scale:,.2f} {unit}"], textposition="outside", cliponaxis=False,
                              showlegend=False))

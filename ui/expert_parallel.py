@@ -28,18 +28,27 @@ from core.moe import expert_capacity
 from core.timeline import Timeline
 from engine.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, validate
 from hardware.chips import Chip
-from hardware.collectives import group_topology
+from hardware.collectives import Hierarchy, group_topology
 from hardware.kernels import matmul_s
 from planner.flops import active_params, layer_params, total_params
 from planner.models import MODEL_PRESETS, ModelSpec
 from ui.charts import log_axis, span_legend
+from ui.state import non_finite_params
 from ui.tensor_parallel import group_links_chip, rank_color
 from ui.timeline import KIND_COLORS
 
 BF16_BYTES = 2  # tokens travel in bf16 (DeepSeek-V3 dispatches in FP8: 1 byte; arXiv 2412.19437 sec. 3.3)
 # Dispatch + combine forward, and their transposes backward: GShard (Lepikhin et al. 2020) Algorithm 2.
 A2A_PER_LAYER = 4
-DROPPED_COLOR = "#BAB0AC"
+# The routing charts' own marks, none of them a kind of work on the timelines (ui.timeline.KIND_COLORS) nor a rank's
+# colour (ui.tensor_parallel.RANK_COLORS): dropped copies a light neutral, hatched; the capacity a dashed dark grey
+# and the balanced load a dotted black, both on a white halo so they read across any rank's bar (rank 5's #222A2A
+# is near black) and apart where they coincide (CF = 1).
+DROPPED_COLOR, DROPPED_HATCH = "#F2F2F2", "#8C8C8C"
+CAPACITY_COLOR, BALANCED_COLOR, HALO_COLOR = "#5C5C5C", "black", "white"
+# the cost chart's shading where the ep group spans several domains: neutral, so the pink all-to-all lines read
+SPAN_COLOR = "#7F7F7F"
+PLACEMENT_TEXT_MIN_PX = 14  # a placement bar shorter than this gets no expert names (specks of text)
 MOE_PRESETS = [name for name, spec in MODEL_PRESETS.items() if spec.is_moe]
 
 
@@ -66,20 +75,21 @@ def ep_config_error(experts: int, top_k: int, ep: int) -> str | None:
 def placement_figure(experts: int, ep: int) -> go.Figure:
     """Experts as cells, one row per ep rank, coloured by the rank that holds them (E/ep per rank)."""
     per_rank = experts // ep
+    # 28 px a rank (22 px bars) below the title and above the x axis, up to 460 px in all
+    height, margin = min(50 + PLACEMENT_XAXIS_PX + 28 * ep, 460), {"l": 10, "r": 10, "t": 40, "b": 10}
+    named = per_rank <= 16 and placement_bar_px(height, margin, ep) >= PLACEMENT_TEXT_MIN_PX
     fig = go.Figure()
     for r in range(ep):
         fig.add_trace(go.Bar(x=[1] * per_rank, y=[f"rank {r}"] * per_rank, orientation="h",
                              marker={"color": rank_color(r), "line": {"color": "white", "width": 1}},
-                             text=[f"E{r * per_rank + j}" for j in range(per_rank)] if per_rank <= 16
-                             else None,
-                             textposition="inside", insidetextanchor="middle",
+                             text=[f"E{r * per_rank + j}" for j in range(per_rank)] if named else None,
+                             textposition="inside", insidetextanchor="middle", textangle=0,
                              hovertext=[f"expert {r * per_rank + j} on rank {r}" for j in range(per_rank)],
                              hoverinfo="text", showlegend=False))
     plural = "s" if per_rank > 1 else ""
     ranks = (f"ep = {ep} ranks: {per_rank} whole expert{plural} each" if ep != 1
              else f"ep = 1 rank: all {per_rank} on it")
-    fig.update_layout(barmode="stack", height=min(60 + 28 * ep, 420),
-                      margin={"l": 10, "r": 10, "t": 40, "b": 10},
+    fig.update_layout(barmode="stack", height=height, margin=margin, bargap=PLACEMENT_BARGAP,
                       title=f"{experts} experts over {ranks}",
                       # slot j is the bar from j to j + 1: its number under its middle
                       xaxis={"title": "local expert slot", "showticklabels": per_rank <= 32,
@@ -87,6 +97,15 @@ def placement_figure(experts: int, ep: int) -> go.Figure:
                              "ticktext": [str(j) for j in range(per_rank)]},
                       yaxis={"autorange": "reversed"}, plot_bgcolor="white")
     return fig
+
+
+PLACEMENT_BARGAP = 0.2  # Plotly's default, set so the bar height below is the one drawn
+PLACEMENT_XAXIS_PX = 40  # what the x axis's numbers and title take below the bars (Plotly's automargin)
+
+
+def placement_bar_px(height: int, margin: dict, ep: int) -> float:
+    """The height in pixels of one rank's bar in a placement figure `height` px tall with `margin`."""
+    return (height - margin["t"] - margin["b"] - PLACEMENT_XAXIS_PX) / ep * (1 - PLACEMENT_BARGAP)
 
 
 # ---- the routing simulation -------------------------------------------------------------------------
@@ -219,23 +238,40 @@ def load_figure(tokens_per_expert, dropped_per_expert, ep: int, capacity_line: i
                          marker={"color": [rank_color(e // per_rank) for e in x]},
                          hovertemplate="expert %{x}: %{y} kept<extra></extra>"), row=1, col=1)
     if dropped.sum() > 0:
-        fig.add_trace(go.Bar(x=x, y=dropped, name="dropped (over capacity)", marker={"color": DROPPED_COLOR},
+        # an expert that dropped nothing gets no bar (a bar of height 0 would still draw its outline)
+        fig.add_trace(go.Bar(x=x, y=[d if d else None for d in dropped.tolist()], name="dropped (over capacity)",
+                             marker={"color": DROPPED_COLOR, "line": {"color": DROPPED_HATCH, "width": 1},
+                                     "pattern": {"shape": "/", "fgcolor": DROPPED_HATCH, "size": 6}},
                              hovertemplate="expert %{x}: %{y} dropped<extra></extra>"), row=1, col=1)
     mean = routed.sum() / experts
-    fig.add_trace(go.Scatter(x=[-0.5, experts - 0.5], y=[mean, mean], mode="lines", name="balanced load",
-                             line={"color": "black", "dash": "dot"}), row=1, col=1)
-    if capacity_line is not None:
-        fig.add_trace(go.Scatter(x=[-0.5, experts - 0.5], y=[capacity_line] * 2, mode="lines",
-                                 name="capacity", line={"color": "#E45756", "width": 2}), row=1, col=1)
+    ends = [-0.5, experts - 0.5]
+    # the capacity (wide dashes) under the balanced load (fine dots): where they coincide, at CF = 1, both show
+    same = capacity_line is not None and math.isclose(capacity_line, mean)
+    balanced = {"color": BALANCED_COLOR, "dash": "dot", "width": 2}
+    lines = [] if capacity_line is None else [
+        (capacity_line, "capacity (= the balanced load here)" if same else "capacity",
+         {"color": CAPACITY_COLOR, "dash": "dash", "width": 4})]
+    _lines(fig, ends, [*lines, (mean, "balanced load", balanced)], col=1)
     fig.add_trace(go.Bar(x=[f"rank {r}" for r in range(ep)], y=ranks, showlegend=False,
                          marker={"color": [rank_color(r) for r in range(ep)]},
                          hovertemplate="%{x}: %{y} rows<extra></extra>"), row=1, col=2)
-    fig.add_trace(go.Scatter(x=[f"rank {r}" for r in (0, ep - 1)], y=[np.mean(ranks)] * 2, mode="lines",
-                             line={"color": "black", "dash": "dot"}, showlegend=False), row=1, col=2)
+    _lines(fig, [f"rank {r}" for r in (0, ep - 1)], [(float(np.mean(ranks)), None, balanced)], col=2)
     fig.update_layout(barmode="stack", height=360, title=title, bargap=0.15,
                       margin={"l": 10, "r": 10, "t": 60, "b": 10}, legend={"orientation": "h", "y": -0.2})
     fig.update_xaxes(title_text="expert", row=1, col=1)
     return fig
+
+
+def _lines(fig: go.Figure, x: list, lines: list[tuple[float, str | None, dict]], col: int) -> None:
+    """Horizontal lines (y, legend name or None, line style) on white halos, so they read across the bars of any
+    rank's colour: every halo first, then the lines in order, so a line drawn on another still shows it."""
+    for y, _, line in lines:
+        fig.add_trace(go.Scatter(x=x, y=[y] * 2, mode="lines", showlegend=False, hoverinfo="skip",
+                                 line={"color": HALO_COLOR, "width": line["width"] + 3}), row=1, col=col)
+    for y, name, line in lines:
+        fig.add_trace(go.Scatter(x=x, y=[y] * 2, mode="lines", line=line, name=name, showlegend=name is not None,
+                                 hovertemplate=f"{name or 'balanced load'}: %{{y:,.0f}}<extra></extra>"),
+                      row=1, col=col)
 
 
 def matrix_figure(matrix, title: str) -> go.Figure:
@@ -281,7 +317,8 @@ def cost_rows(spec: ModelSpec, chip: Chip, tokens: int, eps: list[int], job_chip
     backward) with the ep group on consecutive chips (`a2a_s`) and one chip per scale-up domain
     (`a2a_spread_s`), the experts' compute, and the expert weights each chip holds (bf16, all MoE layers).
     A TPU row's links are those of the slice a job of `job_chips` (the sidebar's mesh; at least ep) takes
-    (`cluster_chip`); a GPU's are its node's."""
+    (`cluster_chip`); a GPU's are its node's. `domains`: the scale-up domains ep consecutive chips touch;
+    `rows_leaving_domain`: see `rows_leaving_domain`."""
     domain = chip.scaleup_domain
     rows = []
     for ep in eps:
@@ -292,6 +329,7 @@ def cost_rows(spec: ModelSpec, chip: Chip, tokens: int, eps: list[int], job_chip
         near = group_topology(links, ep, achievable=True)
         spread = group_topology(links, ep, stride=links.scaleup_domain, achievable=True)
         rows.append({"ep": ep, "inside_domain": ep <= domain, "topology": near.describe(),
+                     "domains": math.ceil(ep / domain), "rows_leaving_domain": rows_leaving_domain(near, ep, domain),
                      "bytes": b["per_layer_step"],
                      "a2a_s": A2A_PER_LAYER * near.all_to_all_s(b["held"]),
                      "a2a_spread_s": A2A_PER_LAYER * spread.all_to_all_s(b["held"]),
@@ -299,6 +337,16 @@ def cost_rows(spec: ModelSpec, chip: Chip, tokens: int, eps: list[int], job_chip
                      "expert_weights_bytes": BF16_BYTES * spec.experts * layer_params(spec, True).experts
                      / spec.experts * spec.moe_layers / ep})
     return rows
+
+
+def rows_leaving_domain(topology, ep: int, domain: int) -> int | None:
+    """Of every ep rows a chip sends (balanced), how many leave its scale-up domain of `domain` chips as the cost
+    model (`topology`, hardware.collectives.group_topology) has it: none inside one domain, ep - domain across
+    whole domains (a hierarchy), None where the domain does not divide the group and the model puts every rank
+    on the flat scale-out network (every row that leaves the chip crosses it)."""
+    if ep <= domain:
+        return 0
+    return ep - topology.domain_size if isinstance(topology, Hierarchy) else None
 
 
 def cost_figure(rows: list[dict], chosen_ep: int, domain: int, title: str, unit: str = "node") -> go.Figure:
@@ -320,8 +368,8 @@ def cost_figure(rows: list[dict], chosen_ep: int, domain: int, title: str, unit:
                                  mode="markers", name=f"ep = {chosen_ep}",
                                  marker={"size": 14, "symbol": "circle-open", "color": "black"}))
     if eps and domain < max(eps):
-        fig.add_vrect(x0=domain * math.sqrt(2), x1=max(eps), fillcolor="#E45756", opacity=0.08, line_width=0)
-        fig.add_trace(span_legend(f"shaded: the ep group spans several {domain}-chip {unit}s", "#E45756"))
+        fig.add_vrect(x0=domain * math.sqrt(2), x1=max(eps), fillcolor=SPAN_COLOR, opacity=0.12, line_width=0)
+        fig.add_trace(span_legend(f"shaded: the ep group spans several {domain}-chip {unit}s", SPAN_COLOR))
     values = [r[k] * 1e3 for r in rows for k in ("compute_s", "a2a_s", "a2a_spread_s") if r[k] > 0]
     fig.update_layout(height=400, title=title, margin={"l": 10, "r": 10, "t": 50, "b": 10},
                       xaxis={"type": "log", "tickvals": eps, "title": "expert-parallel degree ep"},
@@ -345,12 +393,18 @@ def a2a_bytes_by_name(timeline: Timeline, rank: int, steps: int) -> dict[str, fl
     return out
 
 
+def live_step_tokens(config: dict) -> int:
+    """T of a live run's formula: the tokens one rank routes per optimizer step, micro-batches x micro-batch size
+    x sequence length (a run summary's `config`)."""
+    return config["micro_batches"] * config["micro_batch_size"] * config["model"]["seq_len"]
+
+
 def measured_a2a_formula(summary, hidden: int, dtype_bytes: int = 4) -> float:
     """Bytes per rank per step of the dispatch and combine all-to-alls with balanced routing, at the
-    measured drop rate: A2A_PER_LAYER * tokens * k * (1 - dropped) * D * bytes * (ep-1)/ep per layer."""
+    measured drop rate: A2A_PER_LAYER * T * k * (1 - dropped) * D * bytes * (ep-1)/ep per layer, T
+    `live_step_tokens`."""
     load = summary.stats["expert_load"]
-    cfg = summary.config
-    tokens = cfg["micro_batches"] * cfg["micro_batch_size"] * cfg["model"]["seq_len"]
+    tokens = live_step_tokens(summary.config)
     ep = load["ep"]
     return sum(A2A_PER_LAYER * tokens * load["top_k"] * (1 - layer["dropped_fraction"]) * hidden * dtype_bytes
                * (ep - 1) / ep for layer in load["layers"].values())
@@ -365,3 +419,41 @@ def live_load_rows(summary) -> list[dict]:
              "rank max/mean": f"{layer['ep_rank_max_over_mean']:.2f}",
              "dropped fraction": f"{layer['dropped_fraction']:.1%}"}
             for name, layer in summary.stats["expert_load"]["layers"].items()]
+
+
+def live_a2a_text(sent: dict[str, float], summary, hidden: int, steps: int) -> str:
+    """The live panel's paragraph on the bytes rank 0 sent per step (`a2a_bytes_by_name`) against the balanced
+    formula (`measured_a2a_formula`), T as that formula counts it (`live_step_tokens`)."""
+    load = summary.stats["expert_load"]
+    formula = measured_a2a_formula(summary, hidden)
+    cfg = summary.config
+    return (
+        f"Bytes rank 0 sent per step: dispatch **{sent['dispatch']:,.0f}**, combine **{sent['combine']:,.0f}** "
+        "(each counts its forward all-to-all and that one's own backward, \"... bwd\", which sends the transposed "
+        "rows: as much as the other's forward, so the two are always equal), counts "
+        f"{sent['counts']:,.0f}, dense gradients' all-reduce {sent['other']:,.0f}; in all "
+        f"**{summary.comm_bytes[0] / steps:,.0f}**. The balanced formula 4 x T x k x (1 - dropped) x D x 4 bytes "
+        f"x (ep-1)/ep over the {len(load['layers'])} MoE layers gives **{formula:,.0f}** for dispatch + combine "
+        f"(T = m x b x s = {cfg['micro_batches']} x {cfg['micro_batch_size']} x {cfg['model']['seq_len']} = "
+        f"{live_step_tokens(cfg):,} tokens per rank per step, D = {hidden}, fp32); the measured "
+        f"{sent['dispatch'] + sent['combine']:,.0f} differs by how unevenly this router spread the rows."
+    )
+
+
+def slider_link_problems(params, ranges: dict[str, tuple[float, float]]) -> dict[str, str]:
+    """`ui.state.choice_link_problems` for bound number sliders (`ranges`: key -> (lowest, highest)): a link value
+    the slider drops without a word, one that is no number or out of its range (or repeated: a single slider
+    takes one), each with what it takes. A value that is no finite number is left to the app's own check."""
+    bad = {}
+    finite = set(params) - set(non_finite_params(params))
+    for key, (lo, hi) in ranges.items():
+        if key not in finite:
+            continue
+        values = params[key] if isinstance(params[key], list) else [params[key]]
+        try:
+            ok = len(values) == 1 and lo <= float(str(values[0]).strip()) <= hi
+        except ValueError:
+            ok = False
+        if not ok:
+            bad[key] = f"one number from {lo:g} to {hi:g}"
+    return bad

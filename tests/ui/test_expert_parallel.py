@@ -291,6 +291,7 @@ def test_live_ep_run_matches_the_reference():
     assert all(sum(map(int, t.split(", "))) == 256 for t in rows["tokens per expert"])
     text = _text(at)
     assert "dispatch **" in text
+    assert "(T = m x b x s = 1 x 2 x 32 = 64 tokens per rank per step" in text  # the formula's T (live_step_tokens)
     assert {m.label for m in at.metric} >= {"Measured step time", "Predicted step time", "Prediction error"}
     assert len(at.get("plotly_chart")) == 5 + 4  # + predicted and measured step, measured and simulated load
 
@@ -319,3 +320,189 @@ def test_one_rank_holds_every_expert_in_words():
 
     assert placement_figure(8, 1).layout.title.text == "8 experts over ep = 1 rank: all 8 on it"
     assert placement_figure(8, 4).layout.title.text == "8 experts over ep = 4 ranks: 2 whole experts each"
+
+
+# ---- the reviewer's findings --------------------------------------------------------------------
+
+def _chart(at: AppTest, key: str) -> dict:
+    import json
+
+    return json.loads(next(c.proto.spec for c in at.get("plotly_chart") if c.proto.id and key in c.proto.id))
+
+
+def test_a_group_that_no_whole_domains_tile_is_costed_and_told_as_a_flat_network():
+    # GB200 NVL72: 128 consecutive GPUs touch ceil(128 / 72) = 2 racks, and 72 does not divide 128, so the
+    # collective model puts the group on the flat scale-out network (every row that leaves a chip crosses it)
+    rows = {r["ep"]: r for r in cost_rows(DEEPSEEK, CHIPS["gb200-nvl72"], 4096, [64, 128, 256])}
+    assert (rows[64]["domains"], rows[64]["rows_leaving_domain"]) == (1, 0)
+    assert (rows[128]["domains"], rows[128]["rows_leaving_domain"]) == (2, None)
+    h100 = {r["ep"]: r for r in cost_rows(DEEPSEEK, CHIPS["h100"], 4096, [16, 64])}
+    assert (h100[16]["domains"], h100[16]["rows_leaving_domain"]) == (2, 8)
+    assert (h100[64]["domains"], h100[64]["rows_leaving_domain"]) == (8, 56)
+    at = open_app(PAGE, model="DeepSeek-V3", chip="gb200-nvl72")
+    assert not at.exception
+    text = _text(at)
+    assert "At ep = 128 the group spans 2 NVLink domains, but 128 is no multiple of the 72-chip NVLink domain" in text
+    assert "every row that leaves a chip goes through each GPU's own network card" in text
+    assert "of every 128 rows leave" not in text and "1 nodes" not in text
+    assert "Inside one 72-chip NVLink domain" in text and "one chip per NVLink domain" in text
+
+
+def test_the_spec_link_rates_are_said_to_be_spec_beside_the_achievable_table():
+    at = open_app(PAGE, model="DeepSeek-V3", chip="h100", ep="16")
+    chip = CHIPS["h100"]
+    assert (f"at 50 GB/s instead of NVLink's 450 GB/s (spec line rates; the table counts the achievable "
+            f"{chip.scaleout_bw(True) / 1e9:.0f} and {chip.scaleup_bw(True) / 1e9:.0f} GB/s)") in _text(at)
+
+
+def test_the_bytes_do_not_shrink_like_tps_and_capacity_below_1_drops_by_arithmetic():
+    at = open_app(PAGE)
+    text = _text(at)
+    assert "Like tensor parallel's all-reduces, the bytes per chip do\nnot shrink as ep grows" in text
+    assert "unlike tensor parallel, the FLOPs per chip do not shrink either" in text
+    assert "Unlike tensor parallel's all-reduces, the bytes" not in text
+    assert "at least 1 - CF of them (less what rounding the capacity up adds) are dropped by arithmetic alone" in text
+    assert "because random routing is never exactly even" not in text
+    # the arithmetic: a perfectly even router (every expert gets T k / E) at CF = 0.5 keeps exactly half
+    r = simulate_routing(512, 8, 2, 4, 0.5, 0.0, seed=0)
+    assert r.stats()["dropped_fraction"] >= 0.5
+
+
+@pytest.mark.parametrize("params, said", [
+    ({"ep_capacity": "3", "ep_tokens": "abc", "ep_skew": "99"}, ["ep_capacity=`3`", "ep_tokens=`abc`", "ep_skew=`99`"]),
+    ({"model": "DeepSeek-V3", "ep_model_degree": "256"},
+     ["ep_model_degree=`256` (it takes one of 1, 2, 4, 8, 16, 32, 64)"]),
+    ({"ep_experts": "5", "ep_top_k": "16"}, ["ep_experts=`5`", "ep_top_k=`16`"]),
+    ({"ep_moe_model": "Llama 3 8B"}, ["ep_moe_model=`Llama 3 8B`"]),
+    ({"ep_capacity": ["3", "1.0"]}, ["ep_capacity=`3, 1.0`"]),  # a repeated key is quoted with all its values
+    # the model-ep slider's options follow the model: 16 is one for DeepSeek-V3, not for Mixtral's 8 experts
+    ({"ep_model_degree": "16"}, ["ep_model_degree=`16` (it takes one of 1, 2, 4, 8)"]),
+])
+def test_link_values_that_no_control_takes_are_said(params, said):
+    at = open_app(PAGE, **params)
+    assert not at.exception
+    note = next((i.value for i in at.info if i.value.startswith("Ignored from the link")), "")
+    assert all(s in note for s in said), note
+
+
+def test_link_values_the_controls_take_are_used_without_a_word():
+    # ep_model_degree=64 is one of DeepSeek-V3's options, picked in this same link (the slider follows the model)
+    at = open_app(PAGE, ep_moe_model="DeepSeek-V3", ep_model_degree="64", ep_skew="0.15", ep_capacity="1.0",
+                  ep_micro_batch="2")
+    assert not at.exception
+    assert not any(i.value.startswith("Ignored from the link") for i in at.info)
+    assert at.select_slider(key="ep_model_degree").value == 64 and at.slider(key="ep_skew").value == 0.15
+
+
+def test_slider_link_problems():
+    from ui.expert_parallel import slider_link_problems
+
+    ranges = {"s": (0.0, 1.5)}
+    assert slider_link_problems({"s": "0.15"}, ranges) == {} and slider_link_problems({"s": " 1.5"}, ranges) == {}
+    assert slider_link_problems({"s": "inf"}, ranges) == {}  # the app shell says it
+    for bad in ("abc", "99", "-0.1", "", ["0.5", "0.7"]):
+        assert slider_link_problems({"s": bad}, ranges) == {"s": "one number from 0 to 1.5"}, bad
+    assert slider_link_problems({"t": "abc"}, ranges) == {}
+
+
+def test_the_model_ep_help_and_a_sidebar_ep_it_cannot_use():
+    at = open_app(PAGE, model="Mixtral 8x7B", ep="16")
+    slider = at.select_slider(key="ep_model_degree")
+    assert slider.value == 8
+    assert slider.help == ("Starts at the sidebar's ep where that is one of these (2, 4, 8: more than 1, at most 64 "
+                           "and dividing Mixtral 8x7B's E = 8); otherwise at ep = 8.")
+    assert any("The sidebar's ep = 16 cannot spread Mixtral 8x7B's E = 8 experts" in c.value and
+               "starts at ep = 8 instead" in c.value for c in at.caption)
+    # the sidebar's ep = 1 (its default) is no substitution to mention: the page starts at 8 as its help says
+    at = open_app(PAGE, model="Mixtral 8x7B")
+    assert at.select_slider(key="ep_model_degree").value == 8
+    assert not any("cannot spread" in c.value for c in at.caption)
+
+
+@pytest.mark.parametrize("chip, ep, nic", [("tpu-v5e", "8", False), ("h100", "8", False), ("h100", "64", True),
+                                           ("gb200-nvl72", "64", False)])
+def test_the_verdict_names_the_link_the_bound_uses(chip, ep, nic):
+    from planner.bounds import expert_parallel_bound
+    from ui.tensor_parallel import group_links_chip
+
+    at = open_app(PAGE, model="DeepSeek-V3", chip=chip, ep=ep)
+    assert not at.exception
+    verdict = next(m.value for m in at.markdown if "expert width F >" in m.value)
+    assert ("each GPU's own network card is the link" in verdict) == nic, verdict
+    if not nic:
+        job = int(ep) * 8  # the sidebar's dp = 8 x ep
+        bound = expert_parallel_bound(DEEPSEEK, group_links_chip(CHIPS[chip], int(ep), job), 4096, int(ep))
+        assert f"here it runs over {bound.link}." in verdict
+
+
+def test_the_bound_meter_draws_the_all_to_all_in_its_own_colour():
+    from planner.bounds import expert_parallel_bound
+    from ui.bound_meter import COMM_COLOR, bound_figure
+    from ui.timeline import KIND_COLORS
+
+    bound = expert_parallel_bound(MIXTRAL, CHIPS["h100"], 4096, 8)
+    assert bound_figure(bound, "t").data[1].marker.color == COMM_COLOR == KIND_COLORS["other comm"]  # callers as before
+    assert bound_figure(bound, "t", KIND_COLORS["all_to_all"]).data[1].marker.color == KIND_COLORS["all_to_all"]
+    at = open_app(PAGE)
+    bars = [t["marker"]["color"] for t in _chart(at, "ep_bound")["data"]]
+    assert bars == [KIND_COLORS["forward"], KIND_COLORS["all_to_all"]]
+    assert KIND_COLORS["all_to_all"] in [t["line"]["color"] for t in _chart(at, "ep_cost")["data"] if "line" in t]
+
+
+def test_the_routing_charts_marks_are_no_timeline_kind_and_no_rank():
+    from ui.expert_parallel import BALANCED_COLOR, CAPACITY_COLOR, DROPPED_COLOR, DROPPED_HATCH, SPAN_COLOR
+    from ui.tensor_parallel import RANK_COLORS
+    from ui.timeline import KIND_COLORS
+
+    taken = {c.upper() for c in [*KIND_COLORS.values(), *RANK_COLORS]}
+    assert not taken & {c.upper() for c in (CAPACITY_COLOR, DROPPED_COLOR, DROPPED_HATCH, SPAN_COLOR)}
+    r = simulate_routing(256, 8, 2, 4, 0.75, 1.0, seed=0)
+    fig = load_figure(r.tokens_per_expert, r.dropped_per_expert, 4, r.capacity_line, "t")
+    by_name = {d.name: d for d in fig.data if d.name}
+    assert by_name["dropped (over capacity)"].marker.color == DROPPED_COLOR
+    assert by_name["dropped (over capacity)"].marker.pattern.shape == "/"
+    cap, mean = by_name["capacity"].line, by_name["balanced load"].line
+    assert (cap.color, cap.dash, mean.color, mean.dash) == (CAPACITY_COLOR, "dash", BALANCED_COLOR, "dot")
+    # every line sits on a white halo, so it reads across any rank's bar (rank 5 is near black); the halos go
+    # first, so where the lines coincide (CF = 1) neither halo covers the other line
+    lines = [d.line.color for d in fig.data if d.type == "scatter"]
+    assert lines == ["white", "white", CAPACITY_COLOR, BALANCED_COLOR, "white", BALANCED_COLOR]
+    # the cost chart's "spans several domains" shading is neutral: the pink all-to-all lines run over it
+    rows = cost_rows(DEEPSEEK, CHIPS["h100"], 4096, [2, 8, 16, 64])
+    from ui.expert_parallel import cost_figure
+
+    assert cost_figure(rows, 16, 8, "t").layout.shapes[0].fillcolor == SPAN_COLOR
+
+
+def test_at_cf_1_the_capacity_and_the_balanced_load_are_told_apart():
+    r = simulate_routing(512, 8, 2, 4, 1.0, 0.0, seed=0)
+    assert r.capacity_line == 4 * 512 * 2 / 8  # the capacity is the balanced load
+    fig = load_figure(r.tokens_per_expert, r.dropped_per_expert, 4, r.capacity_line, "t")
+    names = [d.name for d in fig.data if d.showlegend is not False and d.name]
+    assert "capacity (= the balanced load here)" in names and "balanced load" in names
+    over = simulate_routing(512, 8, 2, 4, 1.25, 0.0, seed=0)
+    fig = load_figure(over.tokens_per_expert, over.dropped_per_expert, 4, over.capacity_line, "t")
+    assert "capacity" in [d.name for d in fig.data]
+
+
+def test_placement_names_the_experts_only_where_the_bars_are_tall_enough():
+    from ui.expert_parallel import PLACEMENT_TEXT_MIN_PX, placement_bar_px
+
+    for experts, ep, named in ((8, 8, True), (256, 16, True), (256, 32, False), (256, 64, False)):
+        fig = placement_figure(experts, ep)
+        margin = {k: getattr(fig.layout.margin, k) for k in "tb"}
+        assert (placement_bar_px(fig.layout.height, margin, ep) >= PLACEMENT_TEXT_MIN_PX) == named
+        assert all((d.text is not None) == named for d in fig.data), (experts, ep)
+
+
+def test_the_live_paragraph_counts_t_as_the_formula_and_says_what_dispatch_holds():
+    from ui.expert_parallel import live_a2a_text, live_step_tokens
+
+    summary = _summary()
+    summary.config["micro_batches"] = 3
+    summary.comm_bytes = [2000.0]
+    assert live_step_tokens(summary.config) == 3 * 2 * 32
+    text = live_a2a_text({"dispatch": 80.0, "combine": 80.0, "counts": 16.0, "other": 200.0}, summary, 64, 2)
+    assert "T = m x b x s = 3 x 2 x 32 = 192 tokens per rank per step" in text
+    assert f"gives **{measured_a2a_formula(summary, 64):,.0f}**" in text
+    assert "its forward all-to-all and that one's own backward" in text and "the backward of the other" not in text
