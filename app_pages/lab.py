@@ -19,11 +19,13 @@ from ui.lab import (
     LAB_NUMBERS,
     LAB_PRESETS,
     LAB_TEXTS,
+    LAB_TITLES,
     compare_figures,
     lab_config,
     lab_label,
     lab_link_problems,
     lab_numbers,
+    lab_words,
     mesh_label,
     results_json,
     run_rows,
@@ -112,31 +114,31 @@ def _model_number(col, label: str, key: str, **kwargs):
     return _number(col, label, key, value=getattr(first, MODEL_WIDGETS[key]), **kwargs)
 
 c = st.columns(5)
-arch = _choice(c[0], "Architecture", "lab_arch",
+arch = _choice(c[0], LAB_TITLES["lab_arch"], "lab_arch",
                help="transformer: attention + MLP blocks; mamba2: Mamba-2 blocks (no MLP); hybrid: both, "
                            "one letter per layer in the pattern")
-pattern = c[1].text_input("Layer pattern (hybrid)", key="lab_pattern", disabled=arch != "hybrid", bind="query-params",
+pattern = c[1].text_input(LAB_TITLES["lab_pattern"], key="lab_pattern", disabled=arch != "hybrid", bind="query-params",
                           max_chars=LAB_NUMBERS["lab_layers"][1],
                           help="one letter per layer, A attention or M Mamba-2; empty: M and A alternating")
-ssm_state = _model_number(c[2], "SSM state N", "lab_ssm_state", disabled=arch == "transformer")
-ssm_groups = _model_number(c[3], "SSM groups", "lab_ssm_groups", disabled=arch == "transformer",
+ssm_state = _model_number(c[2], LAB_TITLES["lab_ssm_state"], "lab_ssm_state", disabled=arch == "transformer")
+ssm_groups = _model_number(c[3], LAB_TITLES["lab_ssm_groups"], "lab_ssm_groups", disabled=arch == "transformer",
                            help="groups of Mamba-2 heads sharing B and C; tensor parallel needs tp to divide it")
-ssm_chunk = _model_number(c[4], "SSD chunk", "lab_ssm_chunk", disabled=arch == "transformer",
+ssm_chunk = _model_number(c[4], LAB_TITLES["lab_ssm_chunk"], "lab_ssm_chunk", disabled=arch == "transformer",
                           help="the chunked scan's chunk length; divides the sequence (and each context-parallel "
                                "slice)")
 c = st.columns(5)
-layers = _model_number(c[0], "Layers", "lab_layers")
-hidden = _model_number(c[1], "Hidden size", "lab_hidden")
-heads = _model_number(c[2], "Attention heads", "lab_heads")
-kv_heads = _model_number(c[3], "KV heads", "lab_kv_heads",
+layers = _model_number(c[0], LAB_TITLES["lab_layers"], "lab_layers")
+hidden = _model_number(c[1], LAB_TITLES["lab_hidden"], "lab_hidden")
+heads = _model_number(c[2], LAB_TITLES["lab_heads"], "lab_heads")
+kv_heads = _model_number(c[3], LAB_TITLES["lab_kv_heads"], "lab_kv_heads",
                          help="grouped-query attention: each KV head serves heads / kv_heads query heads")
-ffn = _model_number(c[4], "MLP width", "lab_ffn")
+ffn = _model_number(c[4], LAB_TITLES["lab_ffn"], "lab_ffn")
 c = st.columns(5)
-vocab = _model_number(c[0], "Vocabulary", "lab_vocab")
-seq_len = _model_number(c[1], "Sequence length", "lab_seq")
-mlp = _choice(c[2], "MLP", "lab_mlp")
-experts = _model_number(c[3], "Experts", "lab_experts", disabled=mlp != "moe")
-top_k = _model_number(c[4], "Top-k", "lab_top_k", disabled=mlp != "moe")
+vocab = _model_number(c[0], LAB_TITLES["lab_vocab"], "lab_vocab")
+seq_len = _model_number(c[1], LAB_TITLES["lab_seq"], "lab_seq")
+mlp = _choice(c[2], LAB_TITLES["lab_mlp"], "lab_mlp")
+experts = _model_number(c[3], LAB_TITLES["lab_experts"], "lab_experts", disabled=mlp != "moe")
+top_k = _model_number(c[4], LAB_TITLES["lab_top_k"], "lab_top_k", disabled=mlp != "moe")
 unset = ModelConfig()  # a greyed-out field's value does not count: the default stands
 moe, ssm = mlp == "moe", arch != "transformer"
 model = ModelConfig(layers=int(layers), hidden=int(hidden), heads=int(heads), kv_heads=int(kv_heads), ffn=int(ffn),
@@ -161,16 +163,16 @@ c = st.columns(6)
 mesh = {axis: int(_number(col, axis, f"lab_{axis}", value=2 if axis == "dp" else 1, help=axis_help[axis]))
         for col, axis in zip(c, ("pp", "dp", "fsdp", "cp", "ep", "tp"), strict=True)}
 c = st.columns(4)
-zero_stage = _choice(c[0], "ZeRO stage", "lab_zero",
+zero_stage = _choice(c[0], LAB_TITLES["lab_zero"], "lab_zero",
                      help="over the data axes: 0 replicates; 1 shards Adam's state, 2 also the gradients, "
                                  "3 also the weights, over fsdp when the mesh has it, else over dp (the other "
                                  "data axes keep replicas of the shards)")
-schedule = _choice(c[1], "Pipeline schedule", "lab_schedule", disabled=mesh["pp"] == 1)
-virtual = _number(c[2], "Virtual stages", "lab_virtual", value=1,
+schedule = _choice(c[1], LAB_TITLES["lab_schedule"], "lab_schedule", disabled=mesh["pp"] == 1)
+virtual = _number(c[2], LAB_TITLES["lab_virtual"], "lab_virtual", value=1,
                   disabled=mesh["pp"] == 1 or schedule != "interleaved-1f1b")
-sequence_parallel = c[3].toggle("Sequence parallel (with tp)", key="lab_sp", disabled=mesh["tp"] == 1,
+sequence_parallel = c[3].toggle(LAB_TITLES["lab_sp"], key="lab_sp", disabled=mesh["tp"] == 1,
                                 bind="query-params")
-ssm_cp = st.radio("A Mamba-2 layer under cp", LAB_CHOICES["lab_ssm_cp"], horizontal=True, key="lab_ssm_cp",
+ssm_cp = st.radio(LAB_TITLES["lab_ssm_cp"], LAB_CHOICES["lab_ssm_cp"], horizontal=True, key="lab_ssm_cp",
                   disabled=mesh["cp"] == 1 or arch == "transformer", bind="query-params",
                   format_func=lambda o: lab_label("lab_ssm_cp", o))
 
@@ -178,16 +180,16 @@ st.subheader("Batch and steps")
 c = st.columns(5)
 # a default that no other control moves: a link leaves a box out when it is at its default, and a default
 # that followed pp (2 with a pipeline) made the teacher's 1 and the student's 2 the same link
-micro_batches = _number(c[0], "Micro-batches", "lab_mb", value=1)
-micro_batch_size = _number(c[1], "Sequences per micro-batch", "lab_mbs", value=2)
+micro_batches = _number(c[0], LAB_TITLES["lab_mb"], "lab_mb", value=1)
+micro_batch_size = _number(c[1], LAB_TITLES["lab_mbs"], "lab_mbs", value=2)
 most_steps = numbers["lab_steps"][1]
-steps = _number(c[2], "Steps", "lab_steps", value=min(3, most_steps),
+steps = _number(c[2], LAB_TITLES["lab_steps"], "lab_steps", value=min(3, most_steps),
                 help=f"at most {most_steps:,}: this server's limit (SHARDLAB_MAX_STEPS, set by whoever runs it)")
-dtype = _choice(c[3], "Number format", "lab_dtype",
+dtype = _choice(c[3], LAB_TITLES["lab_dtype"], "lab_dtype",
                 help="fp32: checked to fp32 rounding. bf16: matmuls in bf16, weights, gradients and Adam "
                             "state in fp32 (mixed precision), checked against a single-process bf16 run with "
                             "bf16's tolerances (engine/verify.py); not with MoE layers, and not predicted.")
-device = _choice(c[4], "Device", "lab_device", options=devices,
+device = _choice(c[4], LAB_TITLES["lab_device"], "lab_device", options=devices,
                  help="cuda: NCCL when each rank has its own GPU, otherwise GPU compute with gloo")
 if found:
     st.caption("GPUs here: " + "; ".join(f"{name} ({gib:,.0f} GiB)" for name, gib in found))
@@ -218,7 +220,7 @@ if mesh["pp"] > 1 and micro_batches < mesh["pp"]:
 st.markdown((f"**{mesh_label(cfg)}** on **{cfg.world} processes**, " if cfg.world > 1 else "**One process**, ")
             + f"{cfg.model.params:,} parameters, {cfg.global_batch} sequences per step.")
 if problem:
-    st.error(f"This layout cannot run: {inert_markdown(problem)}.", icon=":material/block:")
+    st.error(f"This layout cannot run: {lab_words(inert_markdown(problem))}.", icon=":material/block:")
 
 if st.button("Run this experiment", type="primary", disabled=problem is not None):
     run_live("lab_current", [(label, cfg)], hint="try fewer processes, steps or a smaller model")

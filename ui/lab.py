@@ -5,6 +5,7 @@ No Streamlit here."""
 from __future__ import annotations
 
 import math
+import re
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
@@ -53,6 +54,36 @@ LAB_CHOICES = {"lab_preset": tuple(LAB_PRESETS), "lab_arch": ARCHS, "lab_mlp": M
                "lab_dtype": DTYPES, "lab_ssm_cp": SSM_CP_VARIANTS, "lab_device": DEVICES}
 LAB_LABELS = {"lab_dtype": {"float32": "fp32", "bfloat16": "bf16 mixed precision"},
               "lab_ssm_cp": {"state": "state passing (rank to rank)", "alltoall": "all-to-all to heads"}}
+# Each control's title on the page, and the engine's command-line flag it sets: the engine's messages name flags
+# (shared with `python -m engine run`), and the Lab says them in its own controls' words (`lab_words`)
+LAB_TITLES = {"lab_arch": "Architecture", "lab_pattern": "Layer pattern (hybrid)", "lab_ssm_state": "SSM state N",
+              "lab_ssm_groups": "SSM groups", "lab_ssm_chunk": "SSD chunk", "lab_layers": "Layers",
+              "lab_hidden": "Hidden size", "lab_heads": "Attention heads", "lab_kv_heads": "KV heads",
+              "lab_ffn": "MLP width", "lab_vocab": "Vocabulary", "lab_seq": "Sequence length", "lab_mlp": "MLP",
+              "lab_experts": "Experts", "lab_top_k": "Top-k", "lab_zero": "ZeRO stage",
+              "lab_schedule": "Pipeline schedule", "lab_virtual": "Virtual stages",
+              "lab_sp": "Sequence parallel (with tp)", "lab_ssm_cp": "A Mamba-2 layer under cp",
+              "lab_mb": "Micro-batches", "lab_mbs": "Sequences per micro-batch", "lab_steps": "Steps",
+              "lab_dtype": "Number format", "lab_device": "Device"}
+LAB_FLAGS = {"--arch": "lab_arch", "--pattern": "lab_pattern", "--ssm-state": "lab_ssm_state",
+             "--ssm-groups": "lab_ssm_groups", "--ssm-chunk": "lab_ssm_chunk", "--layers": "lab_layers",
+             "--hidden": "lab_hidden", "--heads": "lab_heads", "--kv-heads": "lab_kv_heads", "--ffn": "lab_ffn",
+             "--vocab": "lab_vocab", "--seq-len": "lab_seq", "--mlp": "lab_mlp", "--experts": "lab_experts",
+             "--top-k": "lab_top_k", "--zero-stage": "lab_zero", "--schedule": "lab_schedule",
+             "--virtual-stages": "lab_virtual", "--sequence-parallel": "lab_sp", "--ssm-cp": "lab_ssm_cp",
+             "--micro-batches": "lab_mb", "--micro-batch-size": "lab_mbs", "--steps": "lab_steps",
+             "--dtype": "lab_dtype", "--device": "lab_device"}
+_FLAG = re.compile(r"--[a-z][a-z0-9-]*")
+
+
+def lab_words(message: str) -> str:
+    """An engine message as the Lab says it: each command-line flag it names ("use --mlp moe", "--micro-batches
+    2 or 4") as the title of the Lab's control that sets it ("use MLP moe", "Micro-batches 2 or 4"), in bold;
+    a flag no control of the Lab sets stays as it is."""
+    return _FLAG.sub(lambda f: f"**{LAB_TITLES[LAB_FLAGS[f.group()]]}**" if f.group() in LAB_FLAGS else f.group(),
+                     message)
+
+
 LAB_SWITCHES = ("lab_sp",)  # toggles: "true" or "false" in the link
 LAB_TEXTS = ("lab_pattern",)  # any text: the engine's check says what it makes of it
 LAB_PARAMS = frozenset({*LAB_NUMBERS, *LAB_CHOICES, *LAB_SWITCHES, *LAB_TEXTS})

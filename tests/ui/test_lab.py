@@ -48,6 +48,23 @@ def test_a_layout_that_cannot_run_is_refused_before_running(widgets, says):
     assert next(b for b in at.button if b.label == "Run this experiment").disabled
 
 
+def test_a_refusal_names_the_labs_controls_not_the_command_lines_flags():
+    # the engine's messages are shared with `python -m engine run`; the Lab says its own controls' titles
+    from ui.lab import LAB_FLAGS, LAB_TITLES, lab_words
+
+    at = _lab(lab_ep=2)
+    shown = at.error[0].value.replace("\\", "")
+    assert "use **MLP** moe" in shown and "--mlp" not in shown
+    assert lab_words("use --micro-batches 2 or 4") == "use **Micro-batches** 2 or 4"
+    assert lab_words("(--strategy tp, or --mesh ...,tp=N)") == "(--strategy tp, or --mesh ...,tp=N)"  # no control
+    assert set(LAB_FLAGS.values()) <= set(LAB_TITLES)
+    # every flag the Lab translates is one the engine's command line has
+    from engine.cli import run_parser
+
+    options = {o for a in run_parser("x")._actions for o in a.option_strings}
+    assert set(LAB_FLAGS) <= options
+
+
 def test_the_command_lines_rebuild_the_same_config():
     at = _lab(lab_tp=2, lab_dp=1, lab_steps=2)
     commands = [c.value for c in at.code]
