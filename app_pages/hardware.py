@@ -180,7 +180,7 @@ if measure:
     def calibrate(progress, stop, remeasure=probe is not None):
         return ensure_calibration([2], remeasure=remeasure, progress=progress, stop=stop)
 
-    task = Task("calibration:2", 2, calibrate)
+    task = Task("calibration:2", 2, calibrate, calibrates=True)
 # followed on every run of the page: a widget moved while the measurement waits or runs does not lose it
 done = run_task("Measuring this machine", task, what="measurement", hint="close other programs and measure again")
 if done is not None:

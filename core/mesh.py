@@ -169,6 +169,11 @@ class Mesh:
         """Where ZeRO shards: fsdp when the mesh has it, else dp (possibly of degree 1)."""
         return "fsdp" if self.degree("fsdp") > 1 else "dp"
 
+    def shard_replica_axes(self, axes: tuple[str, ...]) -> tuple[str, ...]:
+        """The axes a ZeRO shard's gradient is still summed over after its reduce-scatter: a gradient's axes
+        (`grad_axes`) but the shard axis (HSDP's dp, cp, ep for the dense weights)."""
+        return tuple(a for a in axes if a != self.shard_axis())
+
     def reduce_groups(self, stage: int, moe: bool, extra: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
         """The multi-axis groups a run needs (single axes always exist), in a fixed order: every set of
         grad axes (at ZeRO stages 1-3 also without the shard axis, for the shards' replicas), and all
@@ -177,7 +182,7 @@ class Mesh:
         if moe:
             sets += [self.grad_axes(True), self.grad_axes(False, extra)]
         if stage > 0:
-            sets += [tuple(a for a in axes if a != self.shard_axis()) for axes in sets]
+            sets += [self.shard_replica_axes(axes) for axes in sets]
         out = []
         for axes in sets:
             if len(axes) > 1 and axes not in out:

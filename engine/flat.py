@@ -92,7 +92,7 @@ class ShardedStrategy(Strategy):
                 groups.setdefault(self.grad_axes(f"units.{i}.{name}"), []).append((name, p))
             parts = []
             for axes, params in groups.items():
-                replicate = tuple(a for a in axes if a != self.shard_axis)
+                replicate = self.mesh.shard_replica_axes(axes)
                 parts.append(FlatUnit(f"units.{i}", params, self.shard_n, self.shard_rank,
                                       group_key(replicate) if replicate else None))
             self.units.append(parts)

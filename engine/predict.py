@@ -128,6 +128,14 @@ def ensure_calibration(worlds, progress=None, remeasure: bool = False, collectiv
     return cal, messages
 
 
+def _calibration_ended(progress) -> None:
+    """Tell the listener the calibration is over, though it failed (a success reports "calibrated"): the
+    classroom queue does not charge a calibration's time to a press's limit (server/queue._Clock), and a
+    failed one had stayed "calibrating" until the run's first step."""
+    if progress is not None:
+        progress(1.0, "could not calibrate this machine: the run goes on without a prediction")
+
+
 def _cache_file(cal) -> str:
     from hardware import this_machine as tm
 
@@ -187,8 +195,10 @@ def predicted(cfg, progress=None, stop=None) -> dict:
     except RunStopped:
         raise  # the run's Stop: the run does not start
     except WorkerError as e:
+        _calibration_ended(progress)
         return {"step_time_s": None, "breakdown_s": {}, "why": f"this machine could not be calibrated: {e}"}
     except Exception as e:  # a fit that failed on odd measurements: the run still runs, unpredicted
+        _calibration_ended(progress)
         return {"step_time_s": None, "breakdown_s": {},
                 "why": f"this machine could not be calibrated ({type(e).__name__}: {e})"}
     try:

@@ -735,6 +735,11 @@ DISPATCHED = ("experts fc1", "experts fc2")
 FP8_GATHER_SHARE = 0.5
 
 
+def tp_gather_share(dtype: str) -> float:
+    """The share of a TP collective's bf16 bytes its sequence-parallel all-gathers move (FP8_GATHER_SHARE)."""
+    return FP8_GATHER_SHARE if dtype == "fp8" else 1.0
+
+
 def _tp_comms(lay: Layout, topo: Topology, column: list[str], row: list[str], gemm_fwd: dict, gemm_dgrad: dict,
               gemm_wgrad: dict, act_bytes: float, copies: dict[str, float] | None = None, rs_splits: int = 0,
               gather_share: float = 1.0) -> tuple[list[CommOp], list[CommOp]]:
@@ -1070,7 +1075,7 @@ def _layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, moe,
         # experts' collectives on the layer's T rows
         copies = {**_column_widths(m), **({"experts fc1": m.top_k, "experts fc2": m.top_k} if moe is True else {})}
         f, b = _tp_comms(lay, topo, column, row, gemm_fwd, gemm_dgrad, gemm_wgrad, act_bytes, copies,
-                         row_forward_splits(chip, t), FP8_GATHER_SHARE if dtype == "fp8" else 1.0)
+                         row_forward_splits(chip, t), tp_gather_share(dtype))
         rope_f, rope_b = _shared_rope_key_comms(m, lay, topo, act_bytes) if attn_g else ([], [])
         fwd_comms += f + rope_f
         bwd_comms += b + rope_b
@@ -1302,7 +1307,7 @@ def _mamba_layer_cost(m: ModelSpec, lay: Layout, chip: Chip, dtype: str, chips_p
         topo = topology(chip, t, lay.mesh.stride("tp"), chips_per_node)
         f, bw = _tp_comms(lay, topo, ["in_proj"], ["out_proj"], gemm_fwd, gemm_dgrad, gemm_wgrad, act_bytes,
                           rs_splits=row_forward_splits(chip, t),
-                          gather_share=FP8_GATHER_SHARE if dtype == "fp8" else 1.0)
+                          gather_share=tp_gather_share(dtype))
         fwd_comms += f
         bwd_comms += bw
     if cp > 1:

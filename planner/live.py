@@ -513,8 +513,8 @@ def predict(cfg, cal: Calibration) -> LivePrediction:
     # experts' shard is summed over the data axes but ep and the shard axis, none when there are no others.
     sync_axes = grad_axes if stage == 0 else (mesh.shard_axis(),)
     expert_axes = mesh.grad_axes(expert=True) if stage == 0 else sync_axes
-    replica_axes = tuple(a for a in grad_axes if a != mesh.shard_axis()) if stage > 0 else ()
-    expert_replica_axes = tuple(a for a in expert_axes if a != mesh.shard_axis()) if stage > 0 else ()
+    replica_axes = mesh.shard_replica_axes(grad_axes) if stage > 0 else ()
+    expert_replica_axes = mesh.shard_replica_axes(mesh.grad_axes(expert=True)) if stage > 0 else ()
 
     def group_of(rank: int, axes) -> tuple[int, ...]:
         axes = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if mesh.degree(a) > 1)

@@ -70,6 +70,9 @@ class Task:
     fn: object = field(compare=False)
     cacheable: bool = False
     steps: int = 0
+    # the machine's calibration (the hardware page's "Measure this machine"): not charged to the limit while it
+    # measures, as a training run's first calibration is not (`_Clock`)
+    calibrates: bool = False
 
 
 @dataclass(eq=False)
@@ -470,8 +473,10 @@ class _Clock:
 
     def calibrating(self) -> bool:
         job = self.job
-        return (job.calibrating is not None and job.task_fraction < 1.0
-                and not isinstance(job.runs[job.run_index][1], Task))
+        work = job.runs[job.run_index][1]
+        if isinstance(work, Task):  # a task's progress is its own work, unless the task is the calibration
+            return work.calibrates and job.task_fraction < 1.0
+        return job.calibrating is not None and job.task_fraction < 1.0
 
     def used(self) -> float:
         with self.lock:

@@ -773,3 +773,13 @@ def test_a_group_size_the_calibration_never_timed_is_not_priced_as_another():
     with pytest.raises(CalibrationError, match="no timing of groups of 2 at world 4"):
         predict(_cfg("--mesh dp=2,tp=2 --world 4"), only_whole)
     assert predict(_cfg("--strategy dp --world 4"), only_whole).step_time_s > 0  # its one group of 4 was timed
+
+
+def test_an_expert_shard_is_summed_over_its_own_replica_axes():
+    # engine/flat.py sums each flat buffer's shard over its gradient axes but the shard axis
+    # (core.mesh.shard_replica_axes): at cp=2 x ep=2 under ZeRO-1 the dense buffer over cp+ep, the experts' over cp
+    # (the prediction had left the experts' out)
+    spans = _comm("--mesh cp=2,ep=2 --mlp moe --zero-stage 1 --world 4")
+    groups = [s.group for s in spans if s.name == "all_reduce grad shards"]
+    units = _cfg("--mesh cp=2,ep=2 --mlp moe --zero-stage 1 --world 4").model.layers + 2
+    assert groups.count("cp+ep") == units and groups.count("cp") == _cfg("--mlp moe").model.layers

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from engine.config import ModelConfig, RunConfig
-from server.queue import CANCELLED, DONE, FAILED, REPLACED, WAITING, Refused, RunQueue
+from server.queue import CANCELLED, DONE, FAILED, REPLACED, WAITING, Refused, RunQueue, Task
 from server.settings import Settings, SettingsError
 
 
@@ -430,6 +430,38 @@ def test_the_machines_first_calibration_is_not_charged_to_the_limit():
     q = queue(Stoppable(wait_s=30), max_run_s=1)
     job = q.submit("s", [("a", cfg(1))])
     assert job.wait(30) and job.state == FAILED and job.timed_out
+
+
+def test_a_calibration_that_fails_stops_being_uncharged():
+    """engine.predict reports a failed calibration as ended (a success says "calibrated"): the time after it, up to
+    the run's first step, had gone uncharged, and a press could run past its limit."""
+    from engine.predict import _calibration_ended
+
+    def runner(c, on_step, progress, stop):
+        progress(0.0, "measuring gloo and shared cores with 2 ranks")
+        _calibration_ended(progress)  # the measurement failed: predicted() gives a reason, the run goes on
+        stop.wait(30)
+        raise RuntimeError("stopped (RunStopped)")
+
+    q = queue(runner, max_run_s=1)
+    job = q.submit("s", [("a", cfg(1))])
+    assert job.wait(30) and job.state == FAILED and job.timed_out
+
+
+def test_the_hardware_pages_calibration_task_is_not_charged_either():
+    # docs/classroom.md: the machine's first calibration is not counted, from a training run or from "Measure this
+    # machine"; any other task's time is
+    def calibrate(progress, stop):
+        progress(0.0, "timing the engine's modules on one rank")
+        heard = stop.wait(1.5)
+        progress(1.0, "calibrated")
+        return heard
+
+    q = queue(Stoppable(), max_run_s=1)
+    job = q.submit("s", [("cal", Task("calibration:2", 2, calibrate, calibrates=True))])
+    assert job.wait(30) and job.state == DONE and job.results == [False]
+    job = q.submit("s", [("sweep", Task("sweep:2", 2, calibrate))])
+    assert job.wait(30) and job.timed_out
 
 
 def test_a_runs_own_timeout_at_the_deadline_names_the_servers_limit():
