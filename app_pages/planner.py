@@ -5,7 +5,7 @@ import math
 import streamlit as st
 
 from app_pages.exercise_panel import show_exercises
-from app_pages.link_params import drop_from_link
+from app_pages.link_params import drop_choices_not_offered
 from hardware.chips import CHIPS
 from planner import assumptions, estimate, make_case, search, step_time_band_s
 from planner.api import leanest
@@ -17,7 +17,7 @@ from planner.simulate import USABLE_HBM_FRACTION, usable_hbm_bytes
 from planner.timeline import DRAWN
 from ui.charts import breakdown_figure, memory_figure
 from ui.exercises import training_state_chips
-from ui.state import choice_link_problems, ignored_link_message
+from ui.state import ignored_link_message
 from ui.tables import count, format_step, search_counts
 from ui.timeline import densest_row, timeline_figure
 
@@ -70,11 +70,10 @@ def schedule_words(lay) -> str:
 # link before the widgets read it, as the Lab does (a value that is no finite number the app shell has said)
 _bound = {"batch_tokens": [tokens_label(t) for t in TOKENS_PER_BATCH], "layout_mode": LAYOUT_MODES,
           "search_top": SEARCH_TOPS}
-_bad_link = choice_link_problems({k: st.query_params.get_all(k) for k in _bound if k in st.query_params}, _bound)
+_values = st.query_params.to_dict()  # as the link had them, for the message
+_bad_link = drop_choices_not_offered(_bound)
 if _bad_link:
-    st.info(ignored_link_message(_bad_link, st.query_params.to_dict()), icon=":material/link_off:")
-    for _key in _bad_link:
-        drop_from_link(_key)
+    st.info(ignored_link_message(_bad_link, _values), icon=":material/link_off:")
 
 c1, c2, c3 = st.columns(3)
 tokens = c1.select_slider("Global batch (tokens per step)", TOKENS_PER_BATCH, value=2**22, key="batch_tokens",

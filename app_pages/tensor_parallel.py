@@ -3,6 +3,7 @@
 import streamlit as st
 
 from app_pages.exercise_panel import show_exercises
+from app_pages.link_params import drop_choices_not_offered
 from app_pages.live_panel import run_live, show_live
 from engine.cli import COMMAND
 from hardware.chips import CHIPS
@@ -11,6 +12,7 @@ from planner.models import MODEL_PRESETS
 from ui.bound_meter import bound_figure
 from ui.collectives import markdown_text
 from ui.exercises import largest_compute_bound_tp, tp_bytes_per_layer
+from ui.state import ignored_link_message
 from ui.tables import format_bytes, format_seconds
 from ui.tensor_parallel import (
     MAX_TP,
@@ -26,6 +28,8 @@ from ui.tensor_parallel import (
     split_figure,
     tp_degrees,
 )
+
+TP_MICRO_BATCHES = [1, 2, 4, 8]  # the micro-batch slider's options (sequences per chip)
 
 choices = st.session_state["choices"]
 chip = CHIPS[choices.chip]
@@ -78,7 +82,12 @@ tp = st.select_slider("Tensor-parallel degree t", valid_tp, value=default_tp, ke
                            "KV heads and MLP. The sidebar's tp sets the starting value.")
 if refused_tp:
     st.caption(f"Not offered for {spec.name}: {refused_degrees_text(refused_tp)}.")
-micro_batch = st.select_slider("Micro-batch b (sequences per chip)", [1, 2, 4, 8], value=1,
+# a micro-batch the slider does not offer had been replaced silently: said, and taken out of the link first
+_values = st.query_params.to_dict()
+_bad_link = drop_choices_not_offered({"tp_micro_batch": TP_MICRO_BATCHES})
+if _bad_link:
+    st.info(ignored_link_message(_bad_link, _values), icon=":material/link_off:")
+micro_batch = st.select_slider("Micro-batch b (sequences per chip)", TP_MICRO_BATCHES, value=1,
                                key="tp_micro_batch", bind="query-params")
 st.plotly_chart(split_figure(spec.hidden, spec.ffn, spec.heads, spec.kv_heads, tp), key="tp_split")
 per_rank = spec.heads // tp

@@ -228,6 +228,15 @@ def test_live_tp_and_sp_runs_match_the_reference():
     assert [m.label for m in at.metric].count("Prediction error") == 2
 
 
+def test_a_micro_batch_the_slider_does_not_offer_is_said_not_replaced_silently():
+    at = _page(tp_micro_batch="3")
+    assert not at.exception
+    said = " ".join(i.value for i in at.info)
+    assert "tp_micro_batch=`3` (it takes one of 1, 2, 4, 8)" in said
+    assert at.select_slider(key="tp_micro_batch").value == 1
+    assert not _page(tp_micro_batch="4").info  # one it offers: no word
+
+
 def test_a_shared_link_opens_the_same_tp():
     at = _page(model="Llama 3 70B", chip="b200", tp_degree="4", tp_micro_batch="2")
     assert not at.exception and not at.error and not at.warning, [w.value for w in at.warning]
