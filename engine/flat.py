@@ -153,11 +153,15 @@ class ShardedStrategy(Strategy):
     def sharded_state(self):
         state = {"params": {}, "grads": {}, "exp_avg": {}, "exp_avg_sq": {}}
         for u in self.flat:
-            state["params"].update(self._gather(u, u.shard))
+            state["params"].update(self._params_state(u))
             state["grads"].update(self._gather(u, u.grad_shard))
             state["exp_avg"].update(self._gather(u, u.exp_avg))
             state["exp_avg_sq"].update(self._gather(u, u.exp_avg_sq))
         return state
+
+    def _params_state(self, u: FlatUnit) -> dict[str, torch.Tensor]:
+        """Unit buffer `u`'s weights for the check: its updated shards gathered (a collective of the shard group)."""
+        return self._gather(u, u.shard)
 
     def param_storages(self):
         return [t.untyped_storage() for u in self.flat for t in (u.full, u.shard)]

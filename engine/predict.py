@@ -11,6 +11,7 @@ Torch-free in the calling process, like `engine.run`: the measurements run on th
 
 from __future__ import annotations
 
+import math
 import time
 from importlib import metadata
 
@@ -34,13 +35,12 @@ def cached_calibration():
 
 def group_sizes(cfg) -> list[int]:
     """The sizes of the process groups the run `cfg` communicates over: each mesh axis of degree > 1, and the
-    multi-axis groups of its gradient sync and statistics (engine/parallelize.group_spans: core.mesh
-    `reduce_groups`, with tp among the data axes of an MoE layer under sequence parallel)."""
-    import math
+    multi-axis groups of its gradient sync and statistics (engine.parallelize.group_spans, the groups the run
+    makes)."""
+    from engine.parallelize import group_spans
 
     mesh = cfg.mesh
-    extra = ("tp",) if cfg.parallel.sequence_parallel and mesh.degree("tp") > 1 else ()
-    spans = [(a,) for a in mesh.names] + mesh.reduce_groups(cfg.parallel.stage, cfg.model.mlp == "moe", extra)
+    spans = [(a,) for a in mesh.names] + group_spans(cfg, mesh)
     return sorted({n for n in (math.prod(mesh.degree(a) for a in span) for span in spans) if n > 1})
 
 

@@ -235,8 +235,9 @@ def compare(cfg: RunConfig, reference: list, snapshots: list[dict], losses: list
     exact = reproduces_reference(cfg)
     initial = dict(build_model(cfg.model, cfg.seed).named_parameters()) if bf16 and snapshots else {}
     # whether the runs' weights differ by more than the strict params bound after each step (DIVERGED_REL)
-    diverged_by_step = [] if bf16 else [_weights_diverged(r.params, snap.get("params", {}), param_atol(cfg.lr, k + 1))
-                                        for k, (r, snap) in enumerate(zip(reference, snapshots, strict=True))]
+    diverged_by_step = [] if bf16 or exact else [
+        _weights_diverged(r.params, snap.get("params", {}), param_atol(cfg.lr, k + 1))
+        for k, (r, snap) in enumerate(zip(reference, snapshots, strict=True))]
 
     def within(quantity: str, step: int, name: str, a: torch.Tensor, b: torch.Tensor) -> tuple[float, bool, str]:
         """(the difference reported, within tolerance, the tolerance in words)."""

@@ -55,14 +55,11 @@ class ZeRO(ShardedStrategy):
             for u in self.flat:
                 self.comm.all_gather(u.full.data, u.shard.clone(), self.shard_axis, name="all_gather params")
 
-    def sharded_state(self):
-        """As every sharded strategy's, but params are this rank's whole weights, the ones it computes with: the
-        step's all-gather wrote them. Gathering the updated shards instead had left that all-gather unchecked
-        (a run that skipped it passed at one step); each rank's copy is a replica the check compares bit for bit
-        (engine.verify, replicas)."""
-        state = super().sharded_state()
-        state["params"] = {n: t for u in self.flat for n, t in u.split(u.full.data.detach()).items()}
-        return state
+    def _params_state(self, u):
+        """This rank's whole weights, the ones it computes with: the step's all-gather wrote them. Gathering the
+        updated shards instead had left that all-gather unchecked (a run that skipped it passed at one step);
+        each rank's copy is a replica the check compares bit for bit (engine.verify, replicas)."""
+        return u.split(u.full.data.detach())
 
     def memory_bytes(self):
         grads = [u.grad_shard for u in self.flat]

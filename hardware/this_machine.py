@@ -170,8 +170,7 @@ class Calibration:
             return []
         if world in self.group_sizes:
             return sorted(self.group_sizes[world])
-        prefix = f"w{world}/"
-        return sorted({int(k.split("/")[2][1:]) for k in self.comm if k.startswith(prefix)})
+        return sorted({n for w, _, n, _ in map(_parse_comm_key, self.comm) if w == world})
 
     def missing_comm(self) -> list[str]:
         """The comm keys a sound calibration has and this one lacks: every operation and mode

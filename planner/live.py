@@ -141,6 +141,7 @@ class _Costs:
         # the calibration times resuming and gaps with every rank computing at once; the programs count
         # one core's seconds (the simulator stretches them where ranks share the cores)
         self.share = cal.share(cfg.world)
+        self.sizes = frozenset(cal.measured_sizes(cfg.world))  # the group sizes timed at this world (`_size`)
         self.resume_s = cal.resume_s.get(cfg.world, 0.0) / self.share
         self.tiny = self.compute_fit("tiny_op").fwd(0)
         ref, b = type(cfg.model)(), type(cfg)().micro_batch_size
@@ -407,11 +408,10 @@ class _Costs:
         """`n`, where the calibration timed groups of `n` at the run's world (engine.predict measures every group
         size a run uses); else no prediction: a group of another size is another operation (a world-8 run's
         groups of 4 had been priced as groups of 8, silently)."""
-        w = self.cfg.world
-        if n in self.cal.measured_sizes(w):
+        if n in self.sizes:
             return n
-        raise CalibrationError(f"this machine's calibration has no timing of groups of {n} at world {w}; "
-                               f"measure it again with this run (python -m engine run ... --predict)")
+        raise CalibrationError(f"this machine's calibration has no timing of groups of {n} at world "
+                               f"{self.cfg.world}; measure it again with this run (python -m engine run ... --predict)")
 
     def _sizes(self, kind: str, mode: str) -> list[int]:
         prefix = f"w{self.cfg.world}/{kind}/n"
@@ -697,9 +697,9 @@ class _Program:
         # an MoE layer's tokens on this rank: no tp region (engine/tp.py), so all of them, or under sequence
         # parallel its S/tp positions; and the share of their expert copies a capacity factor keeps (balanced,
         # per sequence as engine/model.MoE groups them)
-        self.moe_tokens = self.b * self.t_local // (self.tp if self.sp else 1)
-        self.kept = (kept_share(m.capacity_factor, m.seq_len // (self.tp if self.sp else 1) // self.cp, m.top_k,
-                                m.experts) if m.mlp == "moe" else 1.0)
+        self.moe_seq = self.t_local // (self.tp if self.sp else 1)  # of each sequence
+        self.moe_tokens = self.b * self.moe_seq
+        self.kept = kept_share(m.capacity_factor, self.moe_seq, m.top_k, m.experts) if m.mlp == "moe" else 1.0
         ep_rank = g["ep"].index(r.rank) if self.ep > 1 else 0
         self.params = _params(m, self.tp, self.ep, ep_rank)
         # an MoE block's experts are its parameters after the router (_params' order)
@@ -781,7 +781,7 @@ class _Program:
         rest = (glue.fwd(0) if fwd else glue.bwd(0)) + (c.driver_fwd if fwd else c.driver_bwd) + flat_extra
         moe = m.mlp == "moe"
         if moe:  # no tp region (engine/tp.py): every tp rank runs it whole, on its own S/tp positions under sp
-            mlp = c.moe(self.b, self.moe_tokens // self.b, m.experts // self.ep, fwd, self.kept)
+            mlp = c.moe(self.b, self.moe_seq, m.experts // self.ep, fwd, self.kept)
             mlp += EP_DISPATCH_OPS * c.tiny if self.ep > 1 else 0
         else:
             mlp = c.fit("swiglu", {"b": self.b, "t": self.t_local, "d": m.hidden, "ffn": ffn}, fwd)
