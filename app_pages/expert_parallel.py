@@ -4,7 +4,7 @@ a live run."""
 import streamlit as st
 
 from app_pages.exercise_panel import show_exercises
-from app_pages.link_params import drop_from_link
+from app_pages.link_params import drop_link_values_not_taken
 from app_pages.live_panel import run_live, show_live
 from engine.cli import COMMAND
 from hardware.chips import CHIPS
@@ -27,9 +27,8 @@ from ui.expert_parallel import (
     moe_numbers,
     placement_figure,
     simulate_routing,
-    slider_link_problems,
 )
-from ui.state import choice_link_problems, ignored_link_message
+from ui.state import ignored_link_message
 from ui.tables import count, format_bytes, format_seconds
 from ui.tensor_parallel import group_links_chip
 from ui.timeline import KIND_COLORS
@@ -58,11 +57,7 @@ _ignored: dict[str, str] = {}
 def _check_link(options: dict, ranges: dict | None = None) -> None:
     """Drop from the link the values of `options`'s keys that are none of them (and of `ranges`'s number sliders
     that are out of range), and say so above."""
-    present = {k: st.query_params.get_all(k) for k in [*options, *(ranges or {})] if k in st.query_params}
-    bad = choice_link_problems(present, options) | slider_link_problems(present, ranges or {})
-    for key in bad:
-        drop_from_link(key)
-    _ignored.update(bad)
+    _ignored.update(drop_link_values_not_taken(options, ranges))
     if _ignored:
         _link_note.info(ignored_link_message(_ignored, _link_values), icon=":material/link_off:")
 

@@ -14,14 +14,16 @@ def drop_from_link(key: str) -> None:
         del st.query_params[key]
 
 
-def drop_choices_not_offered(options: dict) -> dict[str, str]:
-    """Take out of the link each of `options`'s keys (a page's bound choice widgets: key -> their options as the
-    link writes them) whose value is none of them, before the widgets read it, and return them with what each
-    takes (ui.state.choice_link_problems), for the page to say (ui.state.ignored_link_message): a bound widget
-    drops such a value without a word."""
-    from ui.state import choice_link_problems
+def drop_link_values_not_taken(options: dict, ranges: dict | None = None) -> dict[str, str]:
+    """Take out of the link each value a page's bound widget would drop without a word, before the widgets read
+    it, and return them with what each takes, for the page to say (ui.state.ignored_link_message): of `options`'s
+    keys (bound choice widgets: key -> their options as the link writes them), a value that is none of them
+    (ui.state.choice_link_problems); of `ranges`'s (bound number sliders: key -> (lowest, highest)), one out of
+    range or no number (ui.state.slider_link_problems)."""
+    from ui.state import choice_link_problems, slider_link_problems
 
-    bad = choice_link_problems({k: st.query_params.get_all(k) for k in options if k in st.query_params}, options)
+    present = {k: st.query_params.get_all(k) for k in [*options, *(ranges or {})] if k in st.query_params}
+    bad = choice_link_problems(present, options) | slider_link_problems(present, ranges or {})
     for key in bad:
         drop_from_link(key)
     return bad

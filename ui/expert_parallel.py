@@ -33,7 +33,6 @@ from hardware.kernels import matmul_s
 from planner.flops import active_params, layer_params, total_params
 from planner.models import MODEL_PRESETS, ModelSpec
 from ui.charts import log_axis, span_legend
-from ui.state import non_finite_params
 from ui.tensor_parallel import group_links_chip, rank_color
 from ui.timeline import KIND_COLORS
 
@@ -438,22 +437,3 @@ def live_a2a_text(sent: dict[str, float], summary, hidden: int, steps: int) -> s
         f"{live_step_tokens(cfg):,} tokens per rank per step, D = {hidden}, fp32); the measured "
         f"{sent['dispatch'] + sent['combine']:,.0f} differs by how unevenly this router spread the rows."
     )
-
-
-def slider_link_problems(params, ranges: dict[str, tuple[float, float]]) -> dict[str, str]:
-    """`ui.state.choice_link_problems` for bound number sliders (`ranges`: key -> (lowest, highest)): a link value
-    the slider drops without a word, one that is no number or out of its range (or repeated: a single slider
-    takes one), each with what it takes. A value that is no finite number is left to the app's own check."""
-    bad = {}
-    finite = set(params) - set(non_finite_params(params))
-    for key, (lo, hi) in ranges.items():
-        if key not in finite:
-            continue
-        values = params[key] if isinstance(params[key], list) else [params[key]]
-        try:
-            ok = len(values) == 1 and lo <= float(str(values[0]).strip()) <= hi
-        except ValueError:
-            ok = False
-        if not ok:
-            bad[key] = f"one number from {lo:g} to {hi:g}"
-    return bad

@@ -163,6 +163,25 @@ def choice_link_problems(params: Mapping[str, str | list[str]],
     return bad
 
 
+def slider_link_problems(params, ranges: dict[str, tuple[float, float]]) -> dict[str, str]:
+    """`choice_link_problems` for bound number sliders (`ranges`: key -> (lowest, highest)): a link value
+    the slider drops without a word, one that is no number or out of its range (or repeated: a single slider
+    takes one), each with what it takes. A value that is no finite number is left to the app's own check."""
+    bad = {}
+    finite = set(params) - set(non_finite_params(params))
+    for key, (lo, hi) in ranges.items():
+        if key not in finite:
+            continue
+        values = params[key] if isinstance(params[key], list) else [params[key]]
+        try:
+            ok = len(values) == 1 and lo <= float(str(values[0]).strip()) <= hi
+        except ValueError:
+            ok = False
+        if not ok:
+            bad[key] = f"one number from {lo:g} to {hi:g}"
+    return bad
+
+
 def ignored_link_message(bad: Mapping[str, str], params: Mapping[str, str]) -> str:
     """What a page tells about its own link values it ignores (`bad`: key -> what it takes), as the Lab does."""
     return ("Ignored from the link: " + "; ".join(f"{k}={link_value(params[k])} (it takes {what})"

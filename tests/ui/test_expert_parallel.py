@@ -395,7 +395,7 @@ def test_link_values_the_controls_take_are_used_without_a_word():
 
 
 def test_slider_link_problems():
-    from ui.expert_parallel import slider_link_problems
+    from ui.state import slider_link_problems
 
     ranges = {"s": (0.0, 1.5)}
     assert slider_link_problems({"s": "0.15"}, ranges) == {} and slider_link_problems({"s": " 1.5"}, ranges) == {}
