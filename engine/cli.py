@@ -202,16 +202,31 @@ def command_line(cfg: RunConfig, check: bool = True) -> str:
     return " ".join([COMMAND, shlex.join([*argv_for(cfg), *(["--check"] if check else []), "--predict"])])
 
 
+def _zero_words(summary) -> str | None:
+    """Where the run's ZeRO stage shards (core.mesh: the fsdp axis, else dp), or None at stage 0. A mesh that
+    does not split that axis shards nothing at any stage, and says so."""
+    if not summary.zero_stage:
+        return None
+    axis = "fsdp" if "fsdp" in summary.mesh else "dp"
+    if summary.mesh.get(axis, 1) > 1 or summary.world == 1:
+        return f"ZeRO-{summary.zero_stage} shards over {axis}"
+    return (f"ZeRO-{summary.zero_stage} shards over {axis}, which this mesh does not split: nothing is sharded "
+            f"(add {axis}=2 to --mesh to shard)")
+
+
 def _human(summary) -> str:
-    lines = [f"{summary.strategy} zero-{summary.zero_stage} on {summary.world} ranks "
-             f"({summary.device}), {summary.steps} steps x {summary.micro_batches} micro-batches",
+    # the mesh, not the strategy's name: a tp mesh had read "dp zero-0"
+    mesh = ",".join(f"{axis}={degree}" for axis, degree in summary.mesh.items())
+    lines = [f"{summary.world} ranks ({summary.device}), mesh {mesh} (rank order outermost first), "
+             f"{summary.steps} steps x {summary.micro_batches} micro-batches",
              f"loss per step: {', '.join(f'{x:.5f}' for x in summary.loss)}",
              f"step time (mean after the first step, slowest rank): {summary.step_time_s * 1e3:.1f} ms"]
     if summary.mesh.get("pp", 1) > 1:
         parallel = summary.config["parallel"]
-        mesh = ",".join(f"{axis}={degree}" for axis, degree in summary.mesh.items())
-        lines.insert(1, f"mesh {mesh} (rank order outermost first); pipeline schedule "
-                        f"{parallel['schedule']}, {parallel['virtual_stages']} virtual stage(s) per rank")
+        lines.insert(1, f"pipeline schedule {parallel['schedule']}, {parallel['virtual_stages']} virtual stage(s) "
+                        "per rank")
+    if (zero := _zero_words(summary)) is not None:
+        lines.insert(1, zero)
     for rank, (mem, sent) in enumerate(zip(summary.memory_bytes, summary.comm_bytes, strict=True)):
         parts = ", ".join(f"{k} {v / 1024:.0f} KiB" for k, v in mem.items())
         lines.append(f"rank {rank}: sent {sent / 1024:.0f} KiB; memory: {parts}")

@@ -281,3 +281,23 @@ def test_a_failed_check_exits_1_even_when_its_trace_cannot_be_written(tmp_path, 
     code = main(["run", "--world", "2", "--steps", "1", "--check", "--trace", str(tmp_path / "t.json")])
     out = capsys.readouterr()
     assert code == EXIT_CHECK_FAILED and "FAILED" in out.out and "cannot write the trace" in out.err
+
+
+def test_the_summary_names_the_mesh_and_where_zero_shards():
+    # a tp=2 run had printed "dp zero-0 on 2 ranks", and ZeRO-1 on it said nothing of sharding nothing
+    from engine.cli import _human
+    from engine.run import RunSummary
+
+    def first_lines(mesh, zero_stage, world):
+        summary = RunSummary(ok=True, check=None, world=world, strategy="dp", zero_stage=zero_stage, mesh=mesh,
+                             steps=1, micro_batches=1, device="cpu", loss=[5.0], step_time_s=0.01,
+                             step_times_s=[0.01], memory_bytes=[{}] * world, comm_bytes=[0] * world, stats={},
+                             config={})
+        return _human(summary).splitlines()[:2]
+
+    assert first_lines({"tp": 2}, 0, 2) == ["2 ranks (cpu), mesh tp=2 (rank order outermost first), 1 steps x 1 "
+                                            "micro-batches", "loss per step: 5.00000"]
+    assert first_lines({"tp": 2}, 1, 2)[1] == ("ZeRO-1 shards over dp, which this mesh does not split: nothing is "
+                                               "sharded (add dp=2 to --mesh to shard)")
+    assert first_lines({"dp": 2, "fsdp": 2}, 3, 4)[1] == "ZeRO-3 shards over fsdp"
+    assert first_lines({"dp": 1}, 1, 1)[1] == "ZeRO-1 shards over dp"
