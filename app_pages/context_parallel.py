@@ -265,10 +265,11 @@ if live:
     runs = [(r.label, r.cfg, r.summary, r.timeline) for r in live]
     table = live_rows(runs)
     st.dataframe(table, hide_index=True, width="stretch")
-    ring, gather = table
-    sent = "K/V bytes sent per step (rank 0)"
-    st.markdown(
-        f"""
+    if len(live) == 2:  # the comparison needs both (a press stopped in its second run keeps the first)
+        ring, gather = table
+        sent = "K/V bytes sent per step (rank 0)"
+        st.markdown(
+            f"""
 The ring sends (3cp − 2) K/V-sized blocks per layer and step: cp − 1 forward, and in the backward
 cp − 1 K/V blocks again plus cp dK/dV blocks (each block's gradient travels home). The all-gather sends
 2(cp − 1): one all-gather and one reduce-scatter. So the ring moves more bytes
@@ -278,7 +279,7 @@ holds the whole sequence's K/V: activations kept for backward {ring['activations
 {gather['activations (rank 0)']}. On this tiny model the gradient all-reduce over the cp ranks dwarfs both
 (the weights are replicated), and on shared CPU cores the measured overlap is only indicative.
 """
-    )
+        )
     st.caption("In the timelines above, brown bars (send/recv) are the K/V and dK/dV blocks in flight; the "
                "yellow 'post kv L…' bars are the rank handing each block to gloo (its own thread writes the "
                "message, so the rank cannot compute meanwhile); the grey 'attn L… ring k' spans inside each "

@@ -150,6 +150,11 @@ def _pending_key(key: str) -> str:
     return f"{key}__pending"
 
 
+def _asked_key(key: str) -> str:
+    """Where a press that ended early keeps the labels of every run it asked for."""
+    return f"{key}__asked"
+
+
 def _submit(key: str, runs, hint: str, what: str) -> bool:
     from server.queue import Refused, get_queue
     from server.settings import SettingsError
@@ -195,14 +200,22 @@ def _follow(key: str):
         stop_slot.empty()
         notice_slot.empty()
     del st.session_state[_pending_key(key)]
+    finished = [] if is_task else [LiveRun(label, cfg, summary, timeline, cached_from=job.cached_from)
+                                   for (label, cfg), (summary, timeline) in zip(job.runs, job.results or [])]
     if job.state == DONE:
         if is_task:
             return job
-        done = [LiveRun(label, cfg, summary, timeline, cached_from=job.cached_from)
-                for (label, cfg), (summary, timeline) in zip(job.runs, job.results, strict=True)]
-        st.session_state[key] = done
-        return done
-    st.session_state.pop(key, None)
+        st.session_state[key] = finished
+        st.session_state.pop(_asked_key(key), None)
+        return finished
+    # the runs of this press that finished before a failure or a stop are kept and shown (`show_live`), with
+    # the labels of all it asked for; none: the page's older runs go, as they answer another press
+    if finished:
+        st.session_state[key] = finished
+        st.session_state[_asked_key(key)] = [label for label, _ in job.runs]
+    else:
+        st.session_state.pop(key, None)
+        st.session_state.pop(_asked_key(key), None)
     if job.state == STOPPED and job.error is None:
         st.warning("Stopped before it started.", icon=":material/stop_circle:")
     elif job.error is not None:
@@ -240,6 +253,12 @@ def show_live(key: str) -> list[LiveRun]:
     runs: list[LiveRun] = st.session_state.get(key) or []
     if not runs:
         return []
+    asked = st.session_state.get(_asked_key(key)) or []
+    if len(asked) > len(runs):
+        missing = ", ".join(asked[len(runs):])
+        st.info(f"{count(len(runs), 'run')} of the {len(asked)} this press asked for finished before it ended; "
+                f"not finished: {missing}. They are shown below; press the button again for all of them.",
+                icon=":material/info:")
     for run in runs:
         ok, text = verdict(run)
         (st.success if ok else st.error)(text)

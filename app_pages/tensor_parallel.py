@@ -305,6 +305,7 @@ if live:
 
     runs = [(r.label, r.summary, r.timeline, sum(tp_comm_bytes(r.cfg).values())) for r in live]
     st.dataframe(live_rows(runs), hide_index=True, width="stretch")
+if len(live) == 2:  # the comparison needs both (a press stopped in its second run keeps the first)
     (_, tp_sum, _, tp_formula), (_, sp_sum, _, sp_formula) = runs
     tp_bytes = tp_sum.comm_bytes[0] / tp_sum.steps
     sp_bytes = sp_sum.comm_bytes[0] / sp_sum.steps

@@ -4,7 +4,7 @@
     job = queue.submit(session_id, [("ZeRO-3", cfg)])   # Refused: a cap says no, with what to change
     while not job.wait(0.25):
         queue.status(job)      # "position 3 of 7, about 12 s" while it waits; steps done while it runs
-    job.results                # [(summary, timeline), ...] or job.error
+    job.results                # [(summary, timeline), ...]; with job.error, those of the runs before it
 
 What it guarantees (settings in `server/settings.py`):
 
@@ -91,6 +91,7 @@ class Job:
     loss: float | None = None
     calibrating: str | None = None  # the calibration's progress message, while it runs
     task_fraction: float = 0.0  # a Task's own progress
+    # [(summary, timeline), ...]: every run's once DONE; the runs that finished before a failure or a stop
     results: list | None = None
     error: BaseException | None = None
     cached: bool = False
@@ -445,6 +446,7 @@ class RunQueue:
             return DONE
         except BaseException as e:  # noqa: BLE001 - reported to the job's page, never lost
             job.error = e
+            job.results = results  # the runs that finished before it: the page shows them beside the failure
             # a run's own timeout is what was left of the limit: once it is used up, the server's limit is the
             # reason, whether or not the watch has seen it yet
             if job.timed_out or (not job.stop_event.is_set() and clock.used() >= limit - WATCH_S):

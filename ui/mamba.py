@@ -100,8 +100,11 @@ def live_findings(runs) -> list[str]:
     """What these measured runs show, in sentences built from their own numbers."""
     numbers = [live_numbers(r) for r in runs]
     most = max(numbers, key=lambda n: n.sent_bytes)
-    out = [f"Most bytes over cp: {most.label} ({most.sent_bytes / 1024:,.1f} KiB per step from rank 0); "
-           + ", ".join(f"{n.label} {n.sent_bytes / 1024:,.1f} KiB" for n in numbers if n is not most) + "."]
+    others = [n for n in numbers if n is not most]
+    # one run where a press ended early (app_pages.live_panel keeps the runs that finished): nothing to rank
+    out = [f"Bytes over cp: {most.label} {most.sent_bytes / 1024:,.1f} KiB per step from rank 0." if not others else
+           f"Most bytes over cp: {most.label} ({most.sent_bytes / 1024:,.1f} KiB per step from rank 0); "
+           + ", ".join(f"{n.label} {n.sent_bytes / 1024:,.1f} KiB" for n in others) + "."]
     for n in numbers:
         if n.overlap is not None:
             out.append(f"{n.label}: {n.overlap:.0%} of rank 0's transfer time ran while it computed attention "

@@ -217,6 +217,17 @@ def test_a_failed_run_fails_its_job_only():
     assert q.snapshot()[FAILED] == 1
 
 
+def test_a_press_that_fails_in_a_later_run_keeps_the_runs_before_it():
+    # a press of two configurations stopped in its second run had lost its first run's results
+    gate = Gate()
+    q = queue(gate)
+    job = q.submit("s1", [("a", cfg(1)), ("b", cfg(666))])
+    gate.release.release()
+    gate.release.release()
+    assert job.wait(10) and job.state == FAILED and "injected" in str(job.error)
+    assert job.results == [({"seed": 1}, None)]
+
+
 def test_cancel_takes_a_waiting_job_out_and_shutdown_cancels_the_rest():
     gate = Gate()
     q = queue(gate)

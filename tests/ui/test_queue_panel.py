@@ -63,3 +63,44 @@ def test_pages_that_measure_on_the_workers_show_the_server_too(cached_queue, pag
     assert not at.exception, [e.value for e in at.exception]
     about = [e for e in at.expander if e.label == "About this server"]
     assert len(about) == 1 and "SHARDLAB_MAX_RUN_S" in set(about[0].dataframe[0].value["environment variable"])
+
+
+@pytest.mark.parametrize("page, key, labels", [
+    ("app_pages/context_parallel.py", "live_cp", ["ring", "allgather"]),
+    ("app_pages/tensor_parallel.py", "live_tp", ["TP", "TP + SP"]),
+    ("app_pages/mamba.py", "live_ssm", None),
+])
+def test_a_press_stopped_in_its_second_run_shows_the_first(monkeypatch, page, key, labels):
+    # the CP and TP pages unpacked exactly two runs, and the queue dropped a finished run when a later one
+    # of the same press was stopped: the first run was lost
+    from engine.launch import RunStopped
+
+    def second_stopped(cfg, on_step, progress, stop):
+        if calls.append(cfg) or len(calls) > 1:
+            stop.set()  # as the page's Stop button does
+            raise RunStopped(0)
+        return server.queue.engine_runner(cfg, on_step, progress, stop)
+
+    if labels is None:  # the Mamba page's three variants
+        from ui.mamba import LIVE_VARIANTS
+
+        labels = list(LIVE_VARIANTS)
+    calls = []
+    q = RunQueue(Settings(max_concurrent=1, result_cache=0), runner=second_stopped)
+    monkeypatch.setattr(server.queue, "_queue", q)
+    try:
+        at = open_app(page)
+        run = next(b for b in at.button if b.label.startswith("Run "))
+        run.click().run(timeout=180)
+        assert not at.exception, [e.value for e in at.exception]
+        assert [r.label for r in at.session_state[key]] == labels[:1]
+        assert any("Stopped, as asked" in w.value for w in at.warning)
+        said = [i.value for i in at.info if "this press asked for" in i.value]
+        assert said == [f"1 run of the {len(labels)} this press asked for finished before it ended; not finished: "
+                        f"{', '.join(labels[1:])}. "
+                        "They are shown below; press the button again for all of them."]
+        at.run(timeout=60)  # a rerun (a widget moved) still shows them, and says why only one
+        assert not at.exception and [r.label for r in at.session_state[key]] == labels[:1]
+        assert any("this press asked for" in i.value for i in at.info)
+    finally:
+        q.shutdown()
