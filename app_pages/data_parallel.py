@@ -8,6 +8,7 @@ from app_pages.live_panel import run_live, show_live
 from hardware.chips import CHIPS
 from hardware.collectives import group_topology
 from planner.bounds import data_parallel_bound
+from planner.costs import group_links_chip
 from planner.flops import total_params
 from planner.memory import zero_bytes_per_param
 from planner.models import MODEL_PRESETS
@@ -16,7 +17,6 @@ from ui.charts import MEMORY_COLORS
 from ui.dp_lesson import LIVE_STRATEGIES, comm_formula_text, expected_comm_bytes_per_step, expected_memory
 from ui.exercises import fsdp_batch, smallest_fitting_zero_stage
 from ui.tables import count
-from ui.tensor_parallel import group_links_chip
 
 choices = st.session_state["choices"]
 chip = CHIPS[choices.chip]
@@ -102,7 +102,7 @@ gather prefetched one layer ahead so it hides under compute.
 )
 grad_bytes = 2 * psi
 dp_stride = choices.device_mesh().stride("dp")  # the dp group's members are this many ranks apart
-# the dp group's links in a job of the sidebar's mesh (a TPU's slice: ui.tensor_parallel.group_links_chip), for the
+# the dp group's links in a job of the sidebar's mesh (a TPU's slice: planner.costs.group_links_chip), for the
 # table, the bound meter and the exercise alike
 links = group_links_chip(chip, dp * dp_stride, choices.num_chips)
 topo = group_topology(links, dp, stride=dp_stride, achievable=True)

@@ -9,6 +9,7 @@ from app_pages.live_panel import run_live, show_live
 from engine.cli import COMMAND
 from hardware.chips import CHIPS
 from planner.bounds import expert_parallel_bound
+from planner.costs import group_links_chip
 from planner.models import MODEL_PRESETS
 from ui.bound_meter import bound_figure, verdict_text
 from ui.exercises import a2a_leaving_share, ep_expert_width
@@ -30,7 +31,6 @@ from ui.expert_parallel import (
 )
 from ui.state import ignored_link_message
 from ui.tables import count, format_bytes, format_seconds
-from ui.tensor_parallel import group_links_chip
 from ui.timeline import KIND_COLORS
 
 TOKENS = [64, 128, 256, 512, 1024, 2048]

@@ -289,6 +289,13 @@ def cluster_chip(chip: Chip, num_chips: int, chips_per_node: int | None,
     return replace(chip, pace=pace) if pace != chip.pace else chip
 
 
+def group_links_chip(chip: Chip, group: int, job_chips: int) -> Chip:
+    """The chip a lesson costs a `group`-chip group on (a table row, a bound meter; `cluster_chip`): a TPU's is
+    the slice a job of `job_chips` (the sidebar's mesh, at least the group) takes, small slices not wrapping
+    round; a GPU's is a job of the group alone, its node as the chip table has it."""
+    return cluster_chip(chip, max(group, job_chips) if chip.kind == "tpu" else group, None)
+
+
 @lru_cache(maxsize=4096)
 def topology(chip: Chip, n: int, stride: int, chips_per_node: int) -> Topology:
     """The group's topology; a case's `chips_per_node` overrides the chip's scale-up domain."""

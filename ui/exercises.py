@@ -75,9 +75,9 @@ def smallest_fitting_zero_stage(m_params: float, name: str, chip: Chip, dp: int,
 
 
 def largest_compute_bound_tp(m: ModelSpec, chip: Chip, tokens: float, job_chips: int = 1) -> Exercise:
-    """`job_chips`: the sidebar's mesh, whose slice a TPU's TP group lies on (ui.tensor_parallel.group_links_chip):
+    """`job_chips`: the sidebar's mesh, whose slice a TPU's TP group lies on (planner.costs.group_links_chip):
     there a group spanning more torus axes gets more links, so the rule's limit grows with Y."""
-    from ui.tensor_parallel import group_links_chip
+    from planner.costs import group_links_chip
 
     f, n = (m.dense_ffn_ if m.is_moe else m.ffn), mlp_matrices(m)
     # a degree the node (a TPU's slice) holds and the heads divide by (9.8 had been answered 9 on 8-GPU nodes,

@@ -30,10 +30,11 @@ from engine.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, v
 from hardware.chips import Chip
 from hardware.collectives import Hierarchy, group_topology
 from hardware.kernels import matmul_s
+from planner.costs import group_links_chip
 from planner.flops import active_params, layer_params, total_params
 from planner.models import MODEL_PRESETS, ModelSpec
 from ui.charts import log_axis, span_legend
-from ui.tensor_parallel import group_links_chip, rank_color
+from ui.tensor_parallel import rank_color
 from ui.timeline import KIND_COLORS
 
 BF16_BYTES = 2  # tokens travel in bf16 (DeepSeek-V3 dispatches in FP8: 1 byte; arXiv 2412.19437 sec. 3.3)

@@ -30,7 +30,7 @@ from hardware.chips import Chip
 from hardware.collectives import Topology, group_topology
 from planner.bounds import Bound
 from planner.case import Layout
-from planner.costs import cluster_chip, layer_cost
+from planner.costs import group_links_chip, layer_cost
 from planner.memory import korthikanti_bytes
 from planner.models import ModelSpec
 from ui.charts import log_axis, span_legend
@@ -226,13 +226,6 @@ def tp_comm_seconds_per_layer(topo: Topology, spec: ModelSpec, micro_batch: int,
     return TP_COLLECTIVES_PER_LAYER * one
 
 
-def group_links_chip(chip: Chip, group: int, job_chips: int) -> Chip:
-    """The chip a lesson's row of a `group`-chip group is costed on (`cluster_chip`): a TPU's is the slice
-    a job of `job_chips` (the sidebar's mesh, at least the group) takes, small slices not wrapping round; a
-    GPU's is a job of the group alone, its node as the chip table has it."""
-    return cluster_chip(chip, max(group, job_chips) if chip.kind == "tpu" else group, None)
-
-
 def scaling_rows(spec: ModelSpec, chip: Chip, micro_batch: int, tps: list[int], job_chips: int = 1) -> list[dict]:
     """Per tp: the group's topology, TP bytes and seconds per layer, and the layer's compute seconds
     (forward + backward matmuls and memory-bound ops, `planner.costs.layer_cost`, FlashAttention).
@@ -240,7 +233,7 @@ def scaling_rows(spec: ModelSpec, chip: Chip, micro_batch: int, tps: list[int], 
     `comm_s` is tp innermost in the mesh (consecutive ranks, stride 1: NVLink while t fits the scale-up
     domain); `comm_spread_s` puts the tp group's members a whole domain apart (tp outermost), so every
     byte crosses the scale-out network. A TPU group's links are those of the slice a job of `job_chips`
-    (the sidebar's mesh; at least t) takes (`cluster_chip`: small slices do not wrap around); a GPU's are
+    (the sidebar's mesh; at least t) takes (`group_links_chip`: small slices do not wrap around); a GPU's are
     its node's, and each row's compute that of a job of t chips, as before."""
     rows = []
     for t in tps:

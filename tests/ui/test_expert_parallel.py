@@ -423,7 +423,7 @@ def test_the_model_ep_help_and_a_sidebar_ep_it_cannot_use():
                                            ("gb200-nvl72", "64", False)])
 def test_the_verdict_names_the_link_the_bound_uses(chip, ep, nic):
     from planner.bounds import expert_parallel_bound
-    from ui.tensor_parallel import group_links_chip
+    from planner.costs import group_links_chip
 
     at = open_app(PAGE, model="DeepSeek-V3", chip=chip, ep=ep)
     assert not at.exception
