@@ -4,7 +4,7 @@ a live run."""
 import streamlit as st
 
 from app_pages.exercise_panel import show_exercises
-from app_pages.link_params import drop_link_values_not_taken
+from app_pages.link_params import drop_link_values_not_taken, link_values
 from app_pages.live_panel import run_live, show_live
 from engine.cli import COMMAND
 from hardware.chips import CHIPS
@@ -50,7 +50,7 @@ st.title("Expert parallel")
 # link before the widgets read it, as the planner does (a value that is no finite number the app shell has said).
 # Checked in two goes, each before its widgets: the model-ep slider's options follow the MoE model picked first.
 _link_note = st.empty()
-_link_values = {k: ", ".join(st.query_params.get_all(k)) for k in st.query_params}  # a repeated key: all its values
+_link_values = link_values()
 _ignored: dict[str, str] = {}
 
 

@@ -14,6 +14,12 @@ def drop_from_link(key: str) -> None:
         del st.query_params[key]
 
 
+def link_values() -> dict[str, str]:
+    """The link's values as it has them, for a message about them (ui.state.ignored_link_message): a repeated key's
+    all of them, joined ("2, 4"), where the link's dict keeps only the last."""
+    return {k: ", ".join(st.query_params.get_all(k)) for k in st.query_params}
+
+
 def drop_link_values_not_taken(options: dict, ranges: dict | None = None) -> dict[str, str]:
     """Take out of the link each value a page's bound widget would drop without a word, before the widgets read
     it, and return them with what each takes, for the page to say (ui.state.ignored_link_message): of `options`'s

@@ -5,7 +5,7 @@ import math
 import streamlit as st
 
 from app_pages.exercise_panel import show_exercises
-from app_pages.link_params import drop_link_values_not_taken
+from app_pages.link_params import drop_link_values_not_taken, link_values
 from hardware.chips import CHIPS
 from planner import assumptions, estimate, make_case, search, step_time_band_s
 from planner.api import leanest
@@ -70,7 +70,7 @@ def schedule_words(lay) -> str:
 # link before the widgets read it, as the Lab does (a value that is no finite number the app shell has said)
 _bound = {"batch_tokens": [tokens_label(t) for t in TOKENS_PER_BATCH], "layout_mode": LAYOUT_MODES,
           "search_top": SEARCH_TOPS}
-_values = st.query_params.to_dict()  # as the link had them, for the message
+_values = link_values()  # as the link had them, for the message
 _bad_link = drop_link_values_not_taken(_bound)
 if _bad_link:
     st.info(ignored_link_message(_bad_link, _values), icon=":material/link_off:")

@@ -3,7 +3,7 @@
 import streamlit as st
 
 from app_pages.exercise_panel import show_exercises
-from app_pages.link_params import drop_link_values_not_taken
+from app_pages.link_params import drop_link_values_not_taken, link_values
 from app_pages.live_panel import run_live, show_live
 from engine.cli import COMMAND
 from hardware.chips import CHIPS
@@ -83,7 +83,7 @@ tp = st.select_slider("Tensor-parallel degree t", valid_tp, value=default_tp, ke
 if refused_tp:
     st.caption(f"Not offered for {spec.name}: {refused_degrees_text(refused_tp)}.")
 # a micro-batch the slider does not offer had been replaced silently: said, and taken out of the link first
-_values = st.query_params.to_dict()
+_values = link_values()
 _bad_link = drop_link_values_not_taken({"tp_micro_batch": TP_MICRO_BATCHES})
 if _bad_link:
     st.info(ignored_link_message(_bad_link, _values), icon=":material/link_off:")

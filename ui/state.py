@@ -149,8 +149,10 @@ def choice_link_problems(params: Mapping[str, str | list[str]],
                          options: Mapping[str, Iterable[str]]) -> dict[str, str]:
     """A page's bound choices in a link (`options`: each key's options as its widget writes them in the link) that
     are none of them, each with what it takes: Streamlit's bound widgets drop such a value without a word, so the
-    page says so (`ignored_link_message`) and takes it out of the link first. A repeated key is checked value by
-    value; a value that is not a finite number is left to the app's own check (`non_finite_params`)."""
+    page says so (`ignored_link_message`) and takes it out of the link first. The widgets take one value each: a
+    repeated key is dropped too, whatever its values (`?tp_micro_batch=2&tp_micro_batch=4` had put the slider back
+    to its default silently). A value that is not a finite number is left to the app's own check
+    (`non_finite_params`)."""
     bad = {}
     finite = set(params) - set(non_finite_params(params))
     for key, allowed in options.items():
@@ -158,8 +160,8 @@ def choice_link_problems(params: Mapping[str, str | list[str]],
             continue
         allowed = [str(o) for o in allowed]
         values = params[key] if isinstance(params[key], list) else [params[key]]
-        if any(str(v) not in allowed for v in values):
-            bad[key] = "one of " + ", ".join(allowed)
+        if len(values) != 1 or str(values[0]) not in allowed:
+            bad[key] = ("one of " if len(values) == 1 else "one value, one of ") + ", ".join(allowed)
     return bad
 
 

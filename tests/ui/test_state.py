@@ -112,4 +112,7 @@ def test_a_pages_bound_choices_are_checked_against_their_options():
         "3, 5, 10). The page's own values are used instead.")
     # a value that is not a finite number is the app's own message ("not a finite number"), said once
     assert choice_link_problems({"search_top": "inf"}, options) == {}
-    assert choice_link_problems({"search_top": ["5", "8"]}, options) == {"search_top": "one of 3, 5, 10"}
+    assert choice_link_problems({"search_top": ["5", "8"]}, options) == {"search_top": "one value, one of 3, 5, 10"}
+    # a single choice takes one value: a repeated key of valid values had put the widget back to its default silently
+    assert choice_link_problems({"search_top": ["5", "10"]}, options) == {"search_top": "one value, one of 3, 5, 10"}
+    assert choice_link_problems({"search_top": ["5"]}, options) == {}

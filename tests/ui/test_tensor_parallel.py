@@ -235,6 +235,10 @@ def test_a_micro_batch_the_slider_does_not_offer_is_said_not_replaced_silently()
     assert "tp_micro_batch=`3` (it takes one of 1, 2, 4, 8)" in said
     assert at.select_slider(key="tp_micro_batch").value == 1
     assert not _page(tp_micro_batch="4").info  # one it offers: no word
+    # two values it offers: the slider takes one, and had gone back to its default without a word
+    twice = _page(tp_micro_batch=["2", "4"])
+    assert "tp_micro_batch=`2, 4` (it takes one value, one of 1, 2, 4, 8)" in " ".join(i.value for i in twice.info)
+    assert twice.select_slider(key="tp_micro_batch").value == 1
 
 
 def test_a_shared_link_opens_the_same_tp():
