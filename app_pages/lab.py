@@ -113,17 +113,21 @@ first = next(iter(presets.values()))
 def _model_number(col, label: str, key: str, **kwargs):
     return _number(col, label, key, value=getattr(first, MODEL_WIDGETS[key]), **kwargs)
 
-c = st.columns(5)
-arch = _choice(c[0], LAB_TITLES["lab_arch"], "lab_arch",
-               help="transformer: attention + MLP blocks; mamba2: Mamba-2 blocks (no MLP); hybrid: both, "
-                           "one letter per layer in the pattern")
-pattern = c[1].text_input(LAB_TITLES["lab_pattern"], key="lab_pattern", disabled=arch != "hybrid", bind="query-params",
+# The architecture on a row of its own: in a fifth of a 1,024-px window a selectbox cut "transformer" short. A
+# radio takes the same link value (the option's label) and shows the three at once.
+arch = st.radio(LAB_TITLES["lab_arch"], LAB_CHOICES["lab_arch"], horizontal=True, key="lab_arch",
+                bind="query-params", format_func=lambda o: lab_label("lab_arch", o),
+                help="transformer: attention + MLP blocks; mamba2: Mamba-2 blocks (no MLP); hybrid: both, "
+                     "one letter per layer in the pattern")
+c = st.columns(4)
+pattern = c[0].text_input(LAB_TITLES["lab_pattern"], key="lab_pattern", disabled=arch != "hybrid", bind="query-params",
                           max_chars=LAB_NUMBERS["lab_layers"][1],
-                          help="one letter per layer, A attention or M Mamba-2; empty: M and A alternating")
-ssm_state = _model_number(c[2], LAB_TITLES["lab_ssm_state"], "lab_ssm_state", disabled=arch == "transformer")
-ssm_groups = _model_number(c[3], LAB_TITLES["lab_ssm_groups"], "lab_ssm_groups", disabled=arch == "transformer",
+                          help="hybrid only: one letter per layer, A attention or M Mamba-2; empty: M and A "
+                               "alternating")
+ssm_state = _model_number(c[1], LAB_TITLES["lab_ssm_state"], "lab_ssm_state", disabled=arch == "transformer")
+ssm_groups = _model_number(c[2], LAB_TITLES["lab_ssm_groups"], "lab_ssm_groups", disabled=arch == "transformer",
                            help="groups of Mamba-2 heads sharing B and C; tensor parallel needs tp to divide it")
-ssm_chunk = _model_number(c[4], LAB_TITLES["lab_ssm_chunk"], "lab_ssm_chunk", disabled=arch == "transformer",
+ssm_chunk = _model_number(c[3], LAB_TITLES["lab_ssm_chunk"], "lab_ssm_chunk", disabled=arch == "transformer",
                           help="the chunked scan's chunk length; divides the sequence (and each context-parallel "
                                "slice)")
 c = st.columns(5)
@@ -162,7 +166,9 @@ axis_help = {"pp": "pipeline stages", "dp": "data-parallel replicas (with fsdp t
 c = st.columns(6)
 mesh = {axis: int(_number(col, axis, f"lab_{axis}", value=2 if axis == "dp" else 1, help=axis_help[axis]))
         for col, axis in zip(c, ("pp", "dp", "fsdp", "cp", "ep", "tp"), strict=True)}
-c = st.columns(4)
+# three a row, the toggle on a line of its own: in a quarter of a 1,024-px window "interleaved-1f1b" was cut,
+# and the toggle's title (never wrapped, cut to fit) read "Sequence pa..."
+c = st.columns(3)
 zero_stage = _choice(c[0], LAB_TITLES["lab_zero"], "lab_zero",
                      help="over the data axes: 0 replicates; 1 shards Adam's state, 2 also the gradients, "
                                  "3 also the weights, over fsdp when the mesh has it, else over dp (the other "
@@ -170,14 +176,14 @@ zero_stage = _choice(c[0], LAB_TITLES["lab_zero"], "lab_zero",
 schedule = _choice(c[1], LAB_TITLES["lab_schedule"], "lab_schedule", disabled=mesh["pp"] == 1)
 virtual = _number(c[2], LAB_TITLES["lab_virtual"], "lab_virtual", value=1,
                   disabled=mesh["pp"] == 1 or schedule != "interleaved-1f1b")
-sequence_parallel = c[3].toggle(LAB_TITLES["lab_sp"], key="lab_sp", disabled=mesh["tp"] == 1,
-                                bind="query-params")
+sequence_parallel = st.toggle(LAB_TITLES["lab_sp"], key="lab_sp", disabled=mesh["tp"] == 1, bind="query-params")
 ssm_cp = st.radio(LAB_TITLES["lab_ssm_cp"], LAB_CHOICES["lab_ssm_cp"], horizontal=True, key="lab_ssm_cp",
                   disabled=mesh["cp"] == 1 or arch == "transformer", bind="query-params",
                   format_func=lambda o: lab_label("lab_ssm_cp", o))
 
 st.subheader("Batch and steps")
-c = st.columns(5)
+# two rows of three: five a row cut "bf16 mixed precision" short in a 1,024-px window
+c = st.columns(3) + st.columns(3)
 # a default that no other control moves: a link leaves a box out when it is at its default, and a default
 # that followed pp (2 with a pipeline) made the teacher's 1 and the student's 2 the same link
 micro_batches = _number(c[0], LAB_TITLES["lab_mb"], "lab_mb", value=1)

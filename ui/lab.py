@@ -55,8 +55,9 @@ LAB_CHOICES = {"lab_preset": tuple(LAB_PRESETS), "lab_arch": ARCHS, "lab_mlp": M
 LAB_LABELS = {"lab_dtype": {"float32": "fp32", "bfloat16": "bf16 mixed precision"},
               "lab_ssm_cp": {"state": "state passing (rank to rank)", "alltoall": "all-to-all to heads"}}
 # Each control's title on the page, and the engine's command-line flag it sets: the engine's messages name flags
-# (shared with `python -m engine run`), and the Lab says them in its own controls' words (`lab_words`)
-LAB_TITLES = {"lab_arch": "Architecture", "lab_pattern": "Layer pattern (hybrid)", "lab_ssm_state": "SSM state N",
+# (shared with `python -m engine run`), and the Lab says them in its own controls' words (`lab_words`). Short
+# enough for a quarter of a 1,024-px window on one line (the pattern's help says it is the hybrid's).
+LAB_TITLES = {"lab_arch": "Architecture", "lab_pattern": "Layer pattern", "lab_ssm_state": "SSM state N",
               "lab_ssm_groups": "SSM groups", "lab_ssm_chunk": "SSD chunk", "lab_layers": "Layers",
               "lab_hidden": "Hidden size", "lab_heads": "Attention heads", "lab_kv_heads": "KV heads",
               "lab_ffn": "MLP width", "lab_vocab": "Vocabulary", "lab_seq": "Sequence length", "lab_mlp": "MLP",

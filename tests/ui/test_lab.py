@@ -4,6 +4,7 @@ line that reproduces the run."""
 import json
 
 import pytest
+from streamlit.testing.v1.element_tree import Column
 
 from engine.cli import config_from_args, run_parser
 from tests.ui.apptest_util import open_app
@@ -87,12 +88,32 @@ def test_bf16_is_on_the_command_line_and_refused_with_moe():
     assert at.error and "routing tie" in at.error[0].value
 
 
+def _columns_in_row(node, columns: int = 1) -> dict[str, int]:
+    """Each widget under `node` by key, and how many columns share its row (1: a line of its own)."""
+    kids = list(getattr(node, "children", {}).values())
+    row = sum(isinstance(kid, Column) for kid in kids) or columns
+    found = {}
+    for kid in kids:
+        if getattr(kid, "key", None):
+            found[kid.key] = columns
+        found |= _columns_in_row(kid, row)
+    return found
+
+
+def test_no_control_is_too_narrow_for_its_words_in_a_1024_px_window():
+    # A fifth of the page (a 1,024-px window with the sidebar) cut "transformer" and "bf16 mixed precision",
+    # a quarter "interleaved-1f1b", and a toggle's title is cut, never wrapped: "Sequence pa..."
+    row = _columns_in_row(_lab().main)
+    assert row["lab_arch"] == row["lab_sp"] == 1
+    assert row["lab_schedule"] <= 3 and row["lab_dtype"] <= 3 and row["lab_pattern"] <= 4
+
+
 def test_a_preset_loads_every_model_field():
     at = _lab(lab_preset="small (4 layers, width 128)")
     assert (at.number_input(key="lab_layers").value, at.number_input(key="lab_hidden").value,
             at.number_input(key="lab_heads").value) == (4, 128, 8)
     at.selectbox(key="lab_preset").set_value("hybrid (4 layers: Mamba-2, attention, Mamba-2, attention)").run()
-    assert at.selectbox(key="lab_arch").value == "hybrid" and at.number_input(key="lab_hidden").value == 64
+    assert at.radio(key="lab_arch").value == "hybrid" and at.number_input(key="lab_hidden").value == 64
 
 
 def test_a_mamba_experiment_has_the_command_line_that_rebuilds_it():
@@ -316,7 +337,7 @@ def test_the_micro_batches_default_does_not_follow_the_mesh():
 def test_a_hand_written_preset_link_loads_the_preset_and_a_long_pattern_is_said():
     at = open_app(LAB, lab_preset="Mamba-2 (2 layers, width 64)")
     assert not at.exception, [e.value for e in at.exception]
-    assert at.selectbox(key="lab_arch").value == "mamba2"  # as choosing it on the page would
+    assert at.radio(key="lab_arch").value == "mamba2"  # as choosing it on the page would
     at = open_app(LAB, lab_arch="hybrid", lab_pattern="MA" * 100)
     # the box keeps the first 32 letters, whatever the page does: said as such, not "ignored"
     said = at.warning[0].value
