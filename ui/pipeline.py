@@ -51,6 +51,14 @@ KIND_COLORS = {FORWARD: TIMELINE_COLORS["forward"], BACKWARD: TIMELINE_COLORS["b
 FORMULA_TEXT = {"gpipe": "(p-1)/m", "1f1b": "(p-1)/m", "interleaved-1f1b": "(p-1)/(v m)",
                 "zb-h1": "(p-1) max(tF, tBI, tF+tBI-tBW) / (m (tF+tBI+tBW))"}
 CHUNK_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+# Plotly fits a label inside its bar less 3 px a side and uniformtext hides it under 8 px: an interleaved
+# forward (t_F / v) is about 9 px wide in a 1,024-px window and 7 px at 800, so every one of them was hidden. A
+# label that fits its whole cell in a plot NARROW_PLOT_PX wide is drawn as it is (Plotly neither shrinks nor
+# hides it), so it shows at any width from there up; the others stay Plotly's to fit, shown where the window
+# is wide enough.
+NARROW_PLOT_PX = 400  # the grid's plot area in an 800-px window with the sidebar open (408 px measured)
+LABEL_FONT_PX = 10
+LABEL_CHAR_PX = 6  # the widest digit or letter of a 10-px label (Source Sans: 5.8 px), and a little room
 ACTIVATION_BYTES_PER_VALUE = 2  # bf16 activations sent between stages
 
 
@@ -98,6 +106,18 @@ class Cell:
         letter = CHUNK_LETTERS[self.chunk]
         return f"{self.micro_batch}{letter.upper() if self.kind == FORWARD else letter}"
 
+    def text(self, virtual_stages: int) -> str:
+        """The label as its cell shows it: with v > 1 the chunk's letter under the micro-batch (`3<br>B`), a
+        character narrower, for a chunk's forward is 1/v as wide as a whole forward."""
+        label = self.label(virtual_stages)
+        return label if virtual_stages == 1 else f"{label[:-1]}<br>{label[-1]}"
+
+
+def fits_narrow_plot(text: str, duration: float, x_max: float) -> bool:
+    """Whether `text` (lines split by <br>) fits the width of a cell `duration` long on an axis to `x_max`,
+    in a plot NARROW_PLOT_PX wide."""
+    return duration / x_max * NARROW_PLOT_PX >= LABEL_CHAR_PX * max(len(line) for line in text.split("<br>"))
+
 
 def grid_cells(sim: Simulation) -> list[Cell]:
     """Every compute action of every rank with its simulated start and end (SEND / RECV left out)."""
@@ -132,39 +152,48 @@ def _rank_label(rank: int) -> str:
 
 def schedule_figure(sim: Simulation, title: str = "", frames: int = 40, animate: bool = True) -> go.Figure:
     """The rank x time grid of `sim`: one bar per compute action labelled with its micro-batch, grey bubbles;
-    with `animate`, Play and a slider sweep a cursor through the step and reveal the work as it happens."""
+    with `animate`, Play and a slider sweep a cursor through the step and reveal the work as it happens.
+    Each kind of work is up to two traces, one legend entry: the cells whose label is drawn whole at any width
+    (fits_narrow_plot) and the cells whose label Plotly fits or hides."""
     v = sim.schedule.virtual_stages
-    cells = grid_cells(sim)
-    series: dict[str, list[tuple[int, float, float, str]]] = {}
-    for c in cells:
-        series.setdefault(c.kind, []).append((c.rank, c.start, c.end, c.label(v)))
-    for rank, start, end in bubble_cells(sim):
-        series.setdefault("bubble", []).append((rank, start, end, ""))
-    kinds = [k for k in KIND_COLORS if k in series]
     t_end = sim.makespan_s
+    x_max = t_end * 1.01
+    series: dict[tuple[str, bool], list[tuple[int, float, float, str, str]]] = {}
+    for c in grid_cells(sim):
+        text = c.text(v)
+        whole = fits_narrow_plot(text, c.end - c.start, x_max)
+        series.setdefault((c.kind, whole), []).append((c.rank, c.start, c.end, c.label(v), text))
+    for rank, start, end in bubble_cells(sim):
+        series.setdefault(("bubble", True), []).append((rank, start, end, "", ""))
+    order = list(KIND_COLORS)
+    groups = sorted(series, key=lambda g: (order.index(g[0]), not g[1]))
     rows = [_rank_label(r) for r in range(sim.schedule.num_ranks)]
 
-    def widths(kind: str, t: float | None) -> dict:
-        items = series[kind]
-        ends = [end if t is None else max(start, min(end, t)) for _, start, end, _ in items]
-        return {"x": [e - start for (_, start, _, _), e in zip(items, ends, strict=True)],
-                "base": [start for _, start, _, _ in items]}
+    def widths(group: tuple[str, bool], t: float | None) -> dict:
+        items = series[group]
+        ends = [end if t is None else max(start, min(end, t)) for _, start, end, _, _ in items]
+        return {"x": [e - start for (_, start, _, _, _), e in zip(items, ends, strict=True)],
+                "base": [start for _, start, _, _, _ in items]}
 
     def cursor(t: float) -> dict:
         return {"x": [t, t], "y": [rows[0], rows[-1]]}
 
     fig = go.Figure()
-    for kind in kinds:
-        items = series[kind]
+    in_legend = set()
+    for kind, whole in groups:
+        items = series[kind, whole]
         fig.add_trace(go.Bar(
-            orientation="h", y=[_rank_label(r) for r, _, _, _ in items], name=KIND_LABELS[kind],
+            orientation="h", y=[_rank_label(r) for r, _, _, _, _ in items], name=KIND_LABELS[kind],
+            legendgroup=kind, showlegend=kind not in in_legend,
             marker={"color": KIND_COLORS[kind], "line": {"width": 1, "color": "white"}},
-            text=[label for _, _, _, label in items], textposition="inside", insidetextanchor="middle",
-            customdata=[[label, end - start] for _, start, end, label in items],
+            text=[text for _, _, _, _, text in items], textposition="inside", insidetextanchor="middle",
+            textfont={"size": LABEL_FONT_PX}, constraintext="none" if whole else "both",
+            customdata=[[label, end - start] for _, start, end, label, _ in items],
             hovertemplate=(f"{KIND_LABELS[kind]} micro-batch %{{customdata[0]}}<br>start %{{base:.2f}} t_F, "
                            "lasts %{customdata[1]:.2f} t_F<extra></extra>"),
-            **widths(kind, None),
+            **widths((kind, whole), None),
         ))
+        in_legend.add(kind)
     fig.add_trace(go.Scatter(mode="lines", line={"color": "black", "width": 2}, name="now", showlegend=False,
                              hoverinfo="skip", **cursor(t_end)))
     fig.update_layout(
@@ -172,15 +201,14 @@ def schedule_figure(sim: Simulation, title: str = "", frames: int = 40, animate:
         uniformtext={"minsize": 8, "mode": "hide"},
         margin={"l": 10, "r": 10, "t": 50 if title else 20, "b": 10},
         legend={"orientation": "h", "x": 0, "y": 1.0, "yanchor": "bottom"},
-        xaxis={"title": "time (units of t_F, one forward through a rank's layers)",
-               "range": [0, t_end * 1.01]},
+        xaxis={"title": "time (units of t_F, one forward through a rank's layers)", "range": [0, x_max]},
         yaxis={"categoryorder": "array", "categoryarray": list(reversed(rows))},
     )
     if animate and frames > 1:
         times = [t_end * i / (frames - 1) for i in range(frames)]
         fig.frames = [go.Frame(name=f"{t:.4f}",
-                               data=[go.Bar(**widths(k, t)) for k in kinds] + [go.Scatter(**cursor(t))],
-                               traces=list(range(len(kinds) + 1))) for t in times]
+                               data=[go.Bar(**widths(g, t)) for g in groups] + [go.Scatter(**cursor(t))],
+                               traces=list(range(len(groups) + 1))) for t in times]
         add_time_animation(fig, times, [f"{t:.4f}" for t in times], "t_F", frame_ms=120)
     return fig
 

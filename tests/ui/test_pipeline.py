@@ -4,7 +4,7 @@ one live pipeline run."""
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from core.schedules import OpTimes, make_schedule, simulate
+from core.schedules import BACKWARD, FORWARD, OpTimes, make_schedule, simulate
 from core.timeline import Span, Timeline
 from hardware.chips import CHIPS
 from hardware.collectives import group_topology
@@ -12,6 +12,8 @@ from planner.models import MODEL_PRESETS
 from tests.ui.apptest_util import open_app
 from ui.pipeline import (
     KIND_LABELS,
+    LABEL_CHAR_PX,
+    NARROW_PLOT_PX,
     SCHEDULE_LABELS,
     bubble_in_words,
     comparison,
@@ -71,6 +73,32 @@ def test_interleaved_cells_name_the_chunk_and_the_animation_reveals_work():
     assert len(fig.frames) == 5
     assert sum(fig.frames[0].data[0].x) == 0  # t = 0: nothing has run yet
     assert sum(fig.frames[-1].data[0].x) == pytest.approx(sum(fig.data[0].x))
+
+
+def test_interleaved_labels_are_drawn_whole_in_a_narrow_window():
+    # Plotly keeps 3 px a side of a bar free for its label: in a 1,024-px window an interleaved forward (t_F / 2,
+    # some 9 px) hid its "0A". A label that fits its cell in an 800-px window is drawn as it is.
+    sim = simulate(make_schedule("interleaved-1f1b", 4, 8, 2), EQUAL)
+    fig = schedule_figure(sim, animate=False)
+    forward = [t for t in fig.data if t.legendgroup == FORWARD]
+    assert [t.constraintext for t in forward] == ["none"]
+    assert len(forward[0].text) == 4 * 8 * 2 and "3<br>B" in forward[0].text  # the chunk under the micro-batch
+    x_max = fig.layout.xaxis.range[1]
+    for trace in fig.data:
+        if trace.type == "bar" and trace.constraintext == "none":
+            for text, width in zip(trace.text, trace.x, strict=True):
+                assert width / x_max * NARROW_PLOT_PX >= LABEL_CHAR_PX * max(map(len, text.split("<br>")))
+
+
+def test_labels_too_wide_for_a_narrow_window_are_plotlys_to_fit_and_each_kind_is_named_once():
+    sim = simulate(make_schedule("gpipe", 8, 16), EQUAL)  # a forward is t_F of a 69 t_F step: under 6 px
+    fig = schedule_figure(sim, frames=3)
+    bars = [t for t in fig.data if t.type == "bar"]
+    fitted = {t.legendgroup: t for t in bars if t.constraintext == "both"}
+    assert len(fitted[FORWARD].text) == 8 * 16
+    assert sorted(set(fitted[BACKWARD].text)) == [str(mb) for mb in range(10, 16)]  # two digits, twice as wide
+    assert [t.name for t in bars if t.showlegend] == [KIND_LABELS[k] for k in (FORWARD, BACKWARD, "bubble")]
+    assert all(len(frame.data) == len(fig.data) for frame in fig.frames)  # the animation moves every trace
 
 
 def test_comparison_table_shows_the_formulas_and_simulates_bubbles():
