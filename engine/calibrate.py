@@ -278,10 +278,6 @@ def measure_compute(reps: int = 15, shapes: str = "all") -> list[dict]:
     small = torch.randn(64)
     out.append(_sample("tiny_op", {"numel": 64}, _mean_s(lambda: small.add(1.0), 4 * reps), 0.0))
     out.append(_sample("copy", {"bytes": 4 * 65536}, _mean_s(lambda: torch.randn(65536).clone(), reps), 0.0))
-    for parts in (4, 16):
-        pieces = [torch.randn(256) for _ in range(parts)]
-        out.append(_sample("cat", {"parts": parts, "numel": 256 * parts},
-                           _mean_s(lambda: torch.cat([p.reshape(-1) for p in pieces]), reps), 0.0))
     return out + measure_roofline()
 
 

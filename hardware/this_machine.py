@@ -76,7 +76,7 @@ TMP_PREFIX = "this-machine-"  # `save`'s temporary files: TMP_PREFIX + random + 
 # The module fits every prediction may need (`fit_compute` makes them all); a cached calibration lacking
 # one predates that module's measurement.
 COMPUTE_FITS = ("linear", "rmsnorm", "attention", "swiglu", "embed", "head", "moe", "mamba", "ring_block",
-                "adamw", "tiny_op", "cat", "block_glue", "zb_split", "zb_record", "optimizer_driver")
+                "adamw", "tiny_op", "block_glue", "zb_split", "zb_record", "optimizer_driver")
 # ZB-H1's fits are ratios of two timings of the same machine (`fit_compute`), not seconds: the machine's
 # speed of the moment scales neither (`Calibration.at_speed`)
 RATIO_FITS = ("zb_split", "zb_record")
@@ -624,8 +624,6 @@ def work(op: str, s: dict) -> float:
         return 4.0 * s["b"] * s["heads"] * s["rows"] * s["cols"] * s["head_dim"]
     if op == "adamw":
         return float(s["numel"])
-    if op == "cat":
-        return float(s["parts"])
     return 0.0
 
 

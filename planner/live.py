@@ -243,9 +243,6 @@ class _Costs:
         f, driver = self.compute_fit("adamw"), self.compute_fit("optimizer_driver")
         return sum(f.fwd(n) + driver.fwd(0) for n in numels)
 
-    def cat(self, parts: int) -> float:
-        return self.compute_fit("cat").fwd(parts)
-
     def comm(self, kind: str, n: int, nbytes: float, mode: str = "sync", gap_s: float | None = None,
              after_collective: bool = False) -> float:
         """Seconds of one operation; a blocking one ("sync") after `gap_s` of the rank's compute (one
