@@ -172,6 +172,13 @@ class Calibration:
             return sorted(self.group_sizes[world])
         return sorted({n for w, _, n, _ in map(_parse_comm_key, self.comm) if w == world})
 
+    def kind_sizes(self, world: int, kind: str, mode: str) -> list[int]:
+        """The group sizes whose `kind` was timed at `world` in `mode`; where none was in that mode, those
+        timed in any."""
+        keys = [_parse_comm_key(k) for k in self.comm]
+        timed = [(n, m) for w, k, n, m in keys if w == world and k == kind]
+        return sorted({n for n, m in timed if m == mode} or {n for n, _ in timed})
+
     def missing_comm(self) -> list[str]:
         """The comm keys a sound calibration has and this one lacks: every operation and mode
         engine/calibrate.comm_task times (`comm_modes`) on every group size measured at each world (at least

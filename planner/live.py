@@ -138,6 +138,7 @@ class _Costs:
     def __init__(self, cal: Calibration, cfg):
         self.cal, self.cfg, self.m = cal, cfg, cfg.model
         self._async_cache: dict = {}
+        self._pair_sizes: dict[str, list[int]] = {}  # send_recv mode -> the group sizes timed in it (`_pair_size`)
         # the calibration times resuming and gaps with every rank computing at once; the programs count
         # one core's seconds (the simulator stretches them where ranks share the cores)
         self.share = cal.share(cfg.world)
@@ -349,7 +350,9 @@ class _Costs:
         pairs'; None for a group of one (no messages) or none timed (the caller's ring-shift reading)."""
         if group <= 1:
             return None
-        sizes = self._sizes("send_recv", mode)
+        if mode not in self._pair_sizes:  # read once per prediction, not per message
+            self._pair_sizes[mode] = self.cal.kind_sizes(self.cfg.world, "send_recv", mode)
+        sizes = self._pair_sizes[mode]
         return group if group in sizes else 2 if group % 2 and 2 in sizes else None
 
     def _async_op_s(self, kind: str, n: int, nbytes: float, fit) -> float:
@@ -410,11 +413,6 @@ class _Costs:
         raise CalibrationError(f"this machine's calibration has no timing of groups of {n} at world "
                                f"{self.cfg.world}; measure it again with this run (python -m engine run ... --predict)")
 
-    def _sizes(self, kind: str, mode: str) -> list[int]:
-        prefix = f"w{self.cfg.world}/{kind}/n"
-        return sorted({int(k[len(prefix):].split("/")[0]) for k in self.cal.comm
-                       if k.startswith(prefix) and k.endswith(f"/{mode}")}
-                      or {int(k[len(prefix):].split("/")[0]) for k in self.cal.comm if k.startswith(prefix)})
 
 
 @dataclass(frozen=True)

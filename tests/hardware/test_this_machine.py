@@ -575,3 +575,15 @@ def test_save_writes_through_a_temporary_file_of_its_own_name(cache, monkeypatch
     monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
     tm.save(_cal(created_s=1e9))
     assert len(seen) == 1 and seen[0].startswith(tm.TMP_PREFIX) and seen[0].endswith(".tmp")
+
+
+def test_the_group_sizes_a_kind_was_timed_on_by_mode():
+    cal = _cal(fill=False)
+    fit = tm.CommFit(5e-4, 1e-9, 0.5)
+    cal.comm[tm.comm_key(4, "send_recv", 4, tm.late_mode(1))] = fit
+    cal.comm[tm.comm_key(4, "send_recv", 2, tm.late_mode(1))] = fit
+    cal.comm[tm.comm_key(4, "send_recv", 2, "sync")] = fit
+    assert cal.kind_sizes(4, "send_recv", tm.late_mode(1)) == [2, 4]
+    assert cal.kind_sizes(4, "send_recv", "sync") == [2]
+    assert cal.kind_sizes(4, "send_recv", tm.early_mode(3)) == [2, 4]  # none in that mode: any mode's
+    assert cal.kind_sizes(2, "all_gather", "sync") == [] and cal.kind_sizes(8, "send_recv", "sync") == []
