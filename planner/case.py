@@ -742,6 +742,11 @@ def check_fixed(case: Case) -> None:
     if t.pp_p2p == "sequential" and case.parallel.pp_schedule not in (None, "1f1b"):
         raise SpecError("training.pp_p2p", f"\"sequential\" is DeepSpeed's pipeline engine, which runs 1F1B only, not "
                         f"{case.parallel.pp_schedule!r}: state pp_schedule \"1f1b\" with it")
+    if t.zero_stage is not None and case.parallel.pp is not None and \
+            not zero_stage_runs(t, case.parallel.pp, t.zero_stage):
+        raise SpecError("training.zero_stage", f"ZeRO-{t.zero_stage} with {case.parallel.pp} pipeline stages, and "
+                        "pp_p2p \"sequential\" is DeepSpeed's pipeline engine, which refuses ZeRO-2 and ZeRO-3 under "
+                        "pipeline parallelism: state zero_stage 0 or 1 (or pp_p2p \"batched\")")
     if not m.is_moe:
         for name in ("ep_dispatch", "ep_comm_overlap"):
             if getattr(t, name) is not None:
@@ -867,6 +872,18 @@ def _check_slices(cl: Cluster) -> None:
         shape = "x".join(map(str, chip.torus_shape))
         raise SpecError("cluster.slices", f"{cl.slices} must divide num_chips={cl.num_chips} into slices of a TPU "
                         f"slice shape inside {chip.name}'s largest, {shape} (axes that are multiples of 4)")
+
+
+# DeepSpeed's PipelineEngine, the one pp_p2p "sequential" stands for, refuses ZeRO-2 and ZeRO-3 under pipeline
+# parallelism (deepspeed/runtime/pipe/engine.py, PipelineEngine.__init__: assert zero_optimization_stage() < 2,
+# "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"): ZeRO-1 at most with its pipeline stages
+PIPELINE_ENGINE_MAX_ZERO = 1
+
+
+def zero_stage_runs(t: Training, pp: int, zero_stage: int) -> bool:
+    """Whether a run of recipe `t` can shard at `zero_stage` over `pp` pipeline stages: the one rule the case's
+    check (`check_fixed`) and the layout search read."""
+    return not (pp > 1 and t.pp_p2p == "sequential" and zero_stage > PIPELINE_ENGINE_MAX_ZERO)
 
 
 def default_tp_overlap(chip, m: ModelSpec) -> bool:

@@ -54,6 +54,7 @@ from hardware.kernels import FLASH_KERNELS
 from planner import costs
 from planner.case import (
     DEFAULT_RECOMPUTE_MODULES,
+    PIPELINE_ENGINE_MAX_ZERO,
     SSM_CP,
     Case,
     Layout,
@@ -61,6 +62,7 @@ from planner.case import (
     layout_tp_ok,
     recipe,
     ssm_alltoall_ok,
+    zero_stage_runs,
 )
 from planner.costs import divisors
 from planner.flops import mtp_kind, output_heads
@@ -232,6 +234,7 @@ def _fitting_variants(case: Case, lay: Layout, hbm: float, chip: Chip) -> Iterat
     zeros = [t.zero_stage] if t.zero_stage is not None else list(ZERO_ORDER)
     if lay.dp * lay.cp == 1 and t.zero_stage is None:
         zeros = [0]  # nothing to shard over
+    zeros = [z for z in zeros if zero_stage_runs(t, lay.pp, z)]  # DeepSpeed's pipelines: ZeRO-1 at most
     m_batches = t.global_batch // (lay.dp * lay.micro_batch)
 
     def fits(cand: Layout) -> bool:
@@ -410,6 +413,10 @@ def leanest(case: Case) -> StepResult:
     best, best_bytes = None, float("inf")
     for lay in candidate_layouts(case, chip):
         zero = t.zero_stage if t.zero_stage is not None else (3 if lay.dp * lay.cp > 1 else 0)
+        if not zero_stage_runs(t, lay.pp, zero):
+            if t.zero_stage is not None:
+                continue  # a stage the case fixed, which this layout's pipeline cannot run
+            zero = PIPELINE_ENGINE_MAX_ZERO
         cand = replace(lay, zero_stage=zero, recompute=t.recompute or "full")
         need = memory_per_chip(case.model, cand, t.global_batch // (lay.dp * lay.micro_batch),
                                t.optimizer, t.dtype).total_bytes

@@ -831,6 +831,23 @@ def test_sequential_pipeline_messages_put_two_transfers_on_each_pass():
         parse_case(_case(pp_p2p="async"))
 
 
+def test_deepspeeds_pipeline_engine_shards_at_zero_1_at_most():
+    """DeepSpeed's PipelineEngine asserts ZeRO stage < 2: MT-NLG's case, its stage unstated, had been given
+    ZeRO-3 (a layout DeepSpeed cannot run); a stage 2 or 3 stated with its sends is refused, naming the field."""
+    from planner.api import leanest
+
+    free = estimate(_case(tp=8, dp=4, pp=2, zero_stage=None, pp_p2p="sequential", global_batch=512))
+    assert free.layout.pp == 2 and free.layout.zero_stage <= 1
+    assert leanest(_case(tp=8, dp=4, pp=2, zero_stage=None, pp_p2p="sequential")).layout.zero_stage == 1
+    for stage in (2, 3):
+        with pytest.raises(SpecError, match="training.zero_stage.*DeepSpeed's pipeline engine"):
+            parse_case(_case(tp=8, dp=4, pp=2, zero_stage=stage, pp_p2p="sequential"))
+        assert estimate(_case(tp=8, dp=4, pp=2, zero_stage=stage)).layout.zero_stage == stage  # Megatron's sends
+        assert estimate(_case(tp=8, dp=4, pp=1, zero_stage=stage, pp_p2p="sequential")).layout.zero_stage == stage
+    mtnlg = next(r for r in load_published_runs(HELDOUT_RUNS) if r["name"] == "mtnlg-530b-a100-3360")
+    assert mtnlg["training"]["zero_stage"] is None and estimate(mtnlg).layout.zero_stage <= 1
+
+
 def test_a_gradient_cast_before_its_accumulation_adds_a_copy_written_and_read():
     """DeepSpeed's BF16_Optimizer adds lp.grad.to(fp32) into its fp32 accumulator: the cast writes 4 bytes a
     parameter and the add reads them, on top of the 2 + 4 + 4 of the add itself (18 against 10)."""
