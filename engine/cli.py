@@ -205,9 +205,11 @@ def command_line(cfg: RunConfig, check: bool = True) -> str:
 def _zero_words(summary) -> str | None:
     """Where the run's ZeRO stage shards (core.mesh: the fsdp axis, else dp), or None at stage 0. A mesh that
     does not split that axis shards nothing at any stage, and says so."""
+    from core.mesh import Mesh
+
     if not summary.zero_stage:
         return None
-    axis = "fsdp" if "fsdp" in summary.mesh else "dp"
+    axis = Mesh(summary.mesh).shard_axis()
     if summary.mesh.get(axis, 1) > 1 or summary.world == 1:
         return f"ZeRO-{summary.zero_stage} shards over {axis}"
     return (f"ZeRO-{summary.zero_stage} shards over {axis}, which this mesh does not split: nothing is sharded "

@@ -301,3 +301,4 @@ def test_the_summary_names_the_mesh_and_where_zero_shards():
                                                "sharded (add dp=2 to --mesh to shard)")
     assert first_lines({"dp": 2, "fsdp": 2}, 3, 4)[1] == "ZeRO-3 shards over fsdp"
     assert first_lines({"dp": 1}, 1, 1)[1] == "ZeRO-1 shards over dp"
+    assert first_lines({"dp": 2, "fsdp": 1}, 1, 2)[1] == "ZeRO-1 shards over dp"  # core.mesh: fsdp of degree 1 is none
