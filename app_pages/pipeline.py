@@ -86,14 +86,17 @@ of one micro-batch (the number in the cell), grey where the chip idles. Press **
 the step. The times are relative: t_F, one forward of one micro-batch through a chip's layers, is 1.
 """
 )
-w1, w2, w3, w4 = st.columns(4)
+# two a row, the schedule beside its chunks: four in one cut "Interleaved 1F1B" to "Interleaved 1I" in a
+# 1,024-px window
+w1, w2 = st.columns(2)
 schedule = w1.selectbox("Schedule", SCHEDULE_NAMES, index=1, format_func=SCHEDULE_LABELS.get, key="schedule",
                         bind="query-params")
-p = w2.slider("Stages p (chips)", 2, 8, 4, key="stages", bind="query-params")
-m = w3.slider("Micro-batches m", 1, 16, 8, key="micro_batches", bind="query-params")
-v = w4.slider("Chunks per chip v (interleaved)", 1, 4, 2, key="virtual", bind="query-params",
+v = w2.slider("Chunks per chip v (interleaved)", 1, 4, 2, key="virtual", bind="query-params",
               disabled=schedule != "interleaved-1f1b",
               help="Model chunks per chip; only interleaved 1F1B uses more than one.")
+w3, w4 = st.columns(2)
+p = w3.slider("Stages p (chips)", 2, 8, 4, key="stages", bind="query-params")
+m = w4.slider("Micro-batches m", 1, 16, 8, key="micro_batches", bind="query-params")
 w5, w6 = st.columns(2)
 b_over_f = w5.select_slider("Backward time t_B / t_F", B_OVER_F, value=2.0, key="t_b", bind="query-params",
                             help="A backward does about twice a forward's FLOPs. ZB-H1 splits it evenly "
@@ -113,8 +116,10 @@ if sim is not None:
     v_used = sim.schedule.virtual_stages
     formula = formula_bubble_fraction(schedule, p, m, v_used, times)
     k1, k2, k3 = st.columns(3)
-    k1.metric("Bubble fraction (simulated)", f"{sim.bubble_fraction:.3f}")
-    k2.metric("Bubble fraction (formula)", f"{formula:.3f}")
+    # named as the table's columns below: "Bubble fraction (formula)" was cut in an 800-px window
+    bubble_help = "The bubble fraction: idle time over the ideal compute time m (t_F + t_B)."
+    k1.metric("Simulated bubble", f"{sim.bubble_fraction:.3f}", help=bubble_help)
+    k2.metric("Formula bubble", f"{formula:.3f}", help=bubble_help)
     k3.metric("Step time", f"{sim.makespan_s:.2f} t_F", help="ideal (no bubble): m (t_F + t_B) = "
               f"{sim.ideal_s:.2f} t_F")
     if comm_over_f > 0:
@@ -177,10 +182,11 @@ if len(set(view.layers_per_stage)) > 1:
                f"pipeline. Choose p dividing {spec.layers}.")
 m1, m2, m3 = st.columns(3)
 m1.metric("Layers per stage", ", ".join(map(str, sorted(set(view.layers_per_stage), reverse=True))))
-m2.metric("Activations on stage 0, 1F1B", f"{view.activation_bytes_1f1b / 1e9:,.1f} GB",
-          help=f"min(p, m) = {min(real_pp, real_m)} micro-batches held")
-m3.metric("Activations on stage 0, GPipe", f"{view.activation_bytes_gpipe / 1e9:,.1f} GB",
-          help=f"m = {real_m} micro-batches held")
+# the stage in the help: "Activations on stage 0, 1F1B" was cut in a 1,024-px window
+m2.metric("Activations, 1F1B", f"{view.activation_bytes_1f1b / 1e9:,.1f} GB",
+          help=f"On stage 0, which holds the most: min(p, m) = {min(real_pp, real_m)} micro-batches held")
+m3.metric("Activations, GPipe", f"{view.activation_bytes_gpipe / 1e9:,.1f} GB",
+          help=f"On stage 0, like every stage: m = {real_m} micro-batches held")
 st.markdown(
     f"""
 One micro-batch (1 sequence of {spec.seq_len:,} tokens) leaves a stage as
@@ -211,13 +217,15 @@ batch. Step 0 warms up; the bubble is measured on the step after it whose time i
 (the one the measured timeline below draws).
 """
 )
-l1, l2, l3, l4 = st.columns(4)
-live_world = l1.select_slider("Processes (stages)", [2, 4], value=2, key="live_world")
-live_schedule = l2.selectbox("Schedule", SCHEDULE_NAMES, index=SCHEDULE_NAMES.index(schedule),
+# two a row, as the schedule's controls above
+l1, l2 = st.columns(2)
+live_schedule = l1.selectbox("Schedule", SCHEDULE_NAMES, index=SCHEDULE_NAMES.index(schedule),
                              format_func=SCHEDULE_LABELS.get, key="live_schedule")
-live_m = l3.select_slider("Micro-batches", [2, 4, 8], value=4, key="live_m")
-live_v = l4.select_slider("Chunks per rank (interleaved)", [1, 2], value=2, key="live_v",
+live_v = l2.select_slider("Chunks per rank (interleaved)", [1, 2], value=2, key="live_v",
                           disabled=live_schedule != "interleaved-1f1b")
+l3, l4 = st.columns(2)
+live_world = l3.select_slider("Processes (stages)", [2, 4], value=2, key="live_world")
+live_m = l4.select_slider("Micro-batches", [2, 4, 8], value=4, key="live_m")
 
 if st.button("Run on this machine", type="primary"):
     from dataclasses import replace
@@ -243,8 +251,10 @@ for live in show_live("live_pp"):
     op = measured_op_times(timeline, step, v_live)
     predicted = simulate_schedule(name, pp_live, cfg.micro_batches, v_live, op)
     b1, b2, b3 = st.columns(3)
-    b1.metric(f"Bubble, measured (step {step})", f"{measured:.3f}")
-    b2.metric("Bubble, simulated with the measured op times", f"{predicted.bubble_fraction:.3f}")
+    # the details in the help: "Bubble, simulated with the measured op times" was cut in a 1,024-px window
+    b1.metric("Bubble, measured", f"{measured:.3f}", help=f"On step {step}, the one the measured timeline draws")
+    b2.metric("Bubble, simulated", f"{predicted.bubble_fraction:.3f}",
+              help="The schedule simulated with the measured op times (below)")
     b3.metric("Bubble, formula", f"{formula_bubble_fraction(name, pp_live, cfg.micro_batches, v_live):.3f}")
     st.caption(f"The simulation uses step {step}'s mean times per rank's layers, t_F = "
                f"{op.forward_s * 1e3:.2f} ms and t_B = {op.backward_s * 1e3:.2f} ms, and no transfer time. "

@@ -41,6 +41,17 @@ def _metric(at: AppTest, label: str) -> str:
     return next(m.value for m in at.metric if m.label == label)
 
 
+# What fits an 800-px window with the sidebar open: a third of the page's column is some 123 px, about 20
+# characters of a metric's label ("Bubble fraction (formula)", 25, read "Bubble fraction (form..."); a chart
+# title's line in the 468-px plot, about 55 characters at Plotly's title size.
+METRIC_LABEL_CHARS = 20
+TITLE_LINE_CHARS = 55
+
+
+def _holds(node, key: str) -> bool:
+    return getattr(node, "key", None) == key or any(_holds(c, key) for c in getattr(node, "children", {}).values())
+
+
 @pytest.mark.parametrize("name, v", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)])
 def test_grid_cells_are_the_schedules_compute_actions_at_simulated_times(name, v):
     sim = simulate(make_schedule(name, 4, 8, v), EQUAL)
@@ -155,6 +166,8 @@ def test_activations_held_1f1b_against_gpipe():
     fig = in_flight_figure({n: simulate_schedule(n, 4, 8, 2, EQUAL) for n in held}, "1f1b")
     assert [t.marker.opacity for t in fig.data] == [0.35, 1.0, 0.35]  # the bars faded, not their numbers
     assert list(fig.data[1].y) == [4, 3, 2, 1]
+    # in one line the title ran past the plot's right edge in a 1,024-px window
+    assert max(len(line) for line in fig.layout.title.text.split("<br>")) <= TITLE_LINE_CHARS
 
 
 def test_real_chip_view_follows_the_planner():
@@ -188,7 +201,7 @@ def test_page_opens_with_the_schedule_and_its_bubble():
     assert not at.exception, [e.value for e in at.exception]
     assert at.title[0].value == "Pipeline parallel"
     # default: 1F1B, p = 4, m = 8 -> (p-1)/m = 0.375
-    assert _metric(at, "Bubble fraction (simulated)") == _metric(at, "Bubble fraction (formula)") == "0.375"
+    assert _metric(at, "Simulated bubble") == _metric(at, "Formula bubble") == "0.375"
     assert len(at.get("plotly_chart")) == 2  # the grid and the activations held; no live run yet
     assert not at.error
 
@@ -197,10 +210,10 @@ def test_changing_schedule_stages_and_micro_batches_redraws():
     at = _page()
     before = at.get("plotly_chart")[0].proto.spec
     at.slider(key="stages").set_value(2).run()
-    assert _metric(at, "Bubble fraction (simulated)") == "0.125"  # (2-1)/8
+    assert _metric(at, "Simulated bubble") == "0.125"  # (2-1)/8
     at.selectbox(key="schedule").set_value("zb-h1").run()
     at.slider(key="micro_batches").set_value(4).run()
-    assert _metric(at, "Bubble fraction (simulated)") == "0.083"  # (2-1)/(3*4)
+    assert _metric(at, "Simulated bubble") == "0.083"  # (2-1)/(3*4)
     assert at.get("plotly_chart")[0].proto.spec != before
 
 
@@ -227,9 +240,20 @@ def test_page_words_the_real_chip_bubble_and_leaves_no_none_in_the_table():
                for c in at.caption)
 
 
+def test_the_labels_fit_an_800_px_window():
+    at = _page(schedule="Interleaved 1F1B")
+    assert not at.exception, [e.value for e in at.exception]
+    # "Activations on stage 0, GPipe" was cut in a 1,024-px window; the stage is said in the help
+    assert [m.label for m in at.metric if len(m.label) > METRIC_LABEL_CHARS] == []
+    assert all(m.help.startswith("On stage 0") for m in at.metric if m.label.startswith("Activations"))
+    # a schedule's box half a row wide: a quarter of it cut "Interleaved 1F1B" to "Interleaved 1I"
+    for key in ("schedule", "live_schedule"):
+        assert next(col.weight for col in at.columns if _holds(col, key)) >= 0.5
+
+
 def test_link_opens_the_chosen_schedule():
     at = _page(schedule="ZB-H1", stages="2", micro_batches="4")  # a bound selectbox carries its label
-    assert _metric(at, "Bubble fraction (simulated)") == "0.083"
+    assert _metric(at, "Simulated bubble") == "0.083"
 
 
 @pytest.mark.multiprocess
@@ -243,8 +267,10 @@ def test_live_pipeline_run_matches_the_reference_and_draws_the_timeline():
     assert not at.error, [e.value for e in at.error]
     assert "matches the single-process reference" in at.success[0].value
     assert _metric(at, "Bubble, formula") == "0.500"  # (2-1)/2
-    measured = next(m for m in at.metric if m.label.startswith("Bubble, measured (step "))
-    assert measured.label in {f"Bubble, measured (step {k})" for k in (1, 2, 3)} and float(measured.value) > 0
+    measured = next(m for m in at.metric if m.label == "Bubble, measured")
+    assert measured.help in {f"On step {k}, the one the measured timeline draws" for k in (1, 2, 3)}
+    assert float(measured.value) > 0
+    assert [m.label for m in at.metric if len(m.label) > METRIC_LABEL_CHARS] == []
     assert len(at.get("plotly_chart")) == 4  # grid, activations held, predicted and measured step
     assert at.get("download_button")
 
