@@ -118,8 +118,9 @@ def side_by_side(run: LiveRun) -> tuple[go.Figure | None, go.Figure, int]:
     which = ("step 0, the run's only step (its warm-up)" if len(run.summary.step_times_s) == 1 else
              f"step {step}, the one nearest the mean")
     left_out = "" if len(run.summary.step_times_s) == 1 else "; step 0, the warm-up, is left out"
-    meas_fig = timeline_figure(measured, x_max_ms=x_max, rows=rows, kinds=kinds, title=f"Measured: {which} "
-                               f"({run.summary.step_times_s[step] * 1e3:.1f} ms on the slowest rank)<br><sup>the ranks "
+    # the step time on a line of its own: on one line the title ran past the plot's right edge in an 800-px window
+    meas_fig = timeline_figure(measured, x_max_ms=x_max, rows=rows, kinds=kinds, title=f"Measured: {which},<br>"
+                               f"{run.summary.step_times_s[step] * 1e3:.1f} ms on the slowest rank<br><sup>the ranks "
                                f"start each step together, after a barrier{left_out}</sup>")
     pred_fig = (timeline_figure(predicted, x_max_ms=x_max, rows=rows, kinds=kinds,
                                 title=f"Predicted by the planner for this machine "

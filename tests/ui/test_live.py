@@ -121,6 +121,17 @@ def test_both_charts_draw_the_same_rows_when_only_the_measurement_waits():
     assert legend == [t.name for t in meas_fig.data if t.showlegend is not False]
 
 
+def test_the_measured_charts_title_fits_an_800_px_window():
+    """On one line, "Measured: step 1, the one nearest the mean (25.1 ms on the slowest rank)" ran past the
+    468-px plot's right edge; the step time has a line of its own. About 55 characters fit at Plotly's title
+    size, some 90 in the smaller subtitle."""
+    for step_times_ms in ((30.0, 10.0, 12.0, 11.0), (30.0,)):
+        title = side_by_side(_run(step_times_ms=step_times_ms))[1].layout.title.text
+        lines = title.split("<br>")
+        assert max(len(line) for line in lines if not line.startswith("<sup>")) <= 55, title
+        assert max(len(line) for line in lines) <= 90 + len("<sup></sup>"), title
+
+
 def test_a_one_step_runs_chart_says_it_is_the_warm_up():
     _, meas_fig, step = side_by_side(_run(step_times_ms=(30.0,)))
     assert step == 0 and "the run's only step (its warm-up)" in meas_fig.layout.title.text
