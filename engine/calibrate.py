@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import resource
 import statistics
+import threading
 import time
 from dataclasses import asdict, replace
 
@@ -56,6 +57,8 @@ from hardware.this_machine import (
     SYNC_GAP_KINDS,
     early_mode,
     late_mode,
+    message_loads,
+    message_spinners,
 )
 
 # Message sizes of the communication sweep (bytes): the live models' collectives are 0.1-450 KB (the
@@ -103,9 +106,10 @@ SYNC_GAP_ROUNDS = 30
 # one pair, a third late receive whose sender blocks in its wait right after the isend ("late0": nothing
 # computing, as a stage that has sent its last activation and waits for a gradient). The roles alternate;
 # 3 x LATE_WINDOW_ROUNDS timed receives per rank, size and mode, with 1 .. world / 2 pairs at once (the
-# others idle), each mode and size the mean message (`_typical_messages`). On 2 cores a 1 KB late receive
-# took 0.6-1.1 ms (means) with one sender computing and 4.5-6 ms with two (the sender's gloo thread waits
-# for a core); an early one 0.1-0.4 ms with one, against 0.8-1.1 ms for a ring shift of both ranks at once
+# others idle; at world 2 also one pair beside a busy thread: hardware.this_machine.message_loads), each
+# mode and size the mean message (`_typical_messages`). On 2 cores a 1 KB late receive took 0.6-1.1 ms
+# (means) with one sender computing and 4.5-6 ms with two (the sender's gloo thread waits for a core); an
+# early one 0.1-0.4 ms with one, against 0.8-1.1 ms for a ring shift of both ranks at once
 # (the receiver's threads are awake and the sender writes the message from its own thread).
 # The slow messages come in spells of ~0.5-1 s (one-way 1 KB messages on 2 ranks, windows of 25: mean 0.09
 # ms in most, 0.5-0.9 ms in a run of them 1.5-2.1 s in); one calibration whose 1.3 s of messages fell in a
@@ -514,8 +518,10 @@ def comm_task(ctx, group_sizes: list[int], sizes: tuple[int, ...] = COMM_SIZES, 
 
         def time_messages() -> None:
             if n % 2 == 0:
-                for pairs in range(1, ctx.world // 2 + 1):
-                    for key, samples in _pipeline_messages(me, members, group, sizes, pairs).items():
+                for load in message_loads(ctx.world):
+                    spinners = message_spinners(ctx.world, load)
+                    for key, samples in _pipeline_messages(me, members, group, sizes, load - spinners,
+                                                           spinners).items():
                         messages.setdefault(key, []).extend(samples)
 
         time_messages()
@@ -566,7 +572,7 @@ def comm_task(ctx, group_sizes: list[int], sizes: tuple[int, ...] = COMM_SIZES, 
     return out
 
 
-def _pipeline_messages(me: int, members: list[int], group, sizes: tuple[int, ...], pairs: int,
+def _pipeline_messages(me: int, members: list[int], group, sizes: tuple[int, ...], pairs: int, spinners: int = 0,
                        rounds: int = LATE_WINDOW_ROUNDS) -> dict[tuple[str, int], list]:
     """{(mode, size): [(wall seconds, CPU seconds), ...]} of a pipeline's messages while the sender
     computes on (LATE_UNIT_S above): receives posted after their send (`late_mode`, timed from the posting)
@@ -575,7 +581,10 @@ def _pipeline_messages(me: int, members: list[int], group, sizes: tuple[int, ...
     no rank computing). Pairs of the group (local ranks 2i, 2i + 1) take turns sending, the sizes
     round-robin. Only the world's first `pairs` pairs (global ranks 2i, 2i + 1 for i < pairs) exchange, the
     other ranks stay idle and return nothing: `pairs` senders compute, which decides whether a gloo thread
-    finds a free core to move the message on. `comm_task` pools three calls' samples (`_typical_messages`)."""
+    finds a free core to move the message on. `spinners` threads of global rank 0 keep that many cores more busy
+    the whole time (hardware.this_machine.message_loads: a second load at world 2); the samples are those of
+    load pairs + spinners, and late0 is timed without them. `comm_task` pools three calls' samples
+    (`_typical_messages`)."""
     import torch.distributed as dist
 
     from engine.comm import Comm
@@ -585,10 +594,16 @@ def _pipeline_messages(me: int, members: list[int], group, sizes: tuple[int, ...
     peer = members[me ^ 1]
     active = members[me] // 2 < pairs
     unit, _ = _fixed_compute(LATE_UNIT_S)
+    load = pairs + spinners
     dist.barrier()
     if not active:
         dist.barrier()
         return {}
+    spinning = threading.Event()
+    if members[me] == 0 and spinners:  # torch's kernels release the GIL: each thread keeps a core busy
+        spinning.set()
+        for _ in range(spinners):
+            threading.Thread(target=_spin, args=(unit, spinning), daemon=True).start()
     # float64: the early messages carry the sender's clock reading in their first element
     bufs = {nbytes: (torch.ones(max(1, nbytes // 8), dtype=torch.float64),
                      torch.empty(max(1, nbytes // 8), dtype=torch.float64)) for nbytes in sizes}
@@ -616,7 +631,7 @@ def _pipeline_messages(me: int, members: list[int], group, sizes: tuple[int, ...
                 compute(LATE_RECEIVER_UNITS)
                 msg[0] = time.perf_counter()
                 send(msg, "send early")
-                if pairs == 1:  # isend, then block in its wait until the late receive takes it
+                if load == 1:  # isend, then block in its wait until the late receive takes it
                     comm.send(msg, peer, name="send late", async_op=True, group="pp").wait()
             else:
                 compute(LATE_RECEIVER_UNITS)
@@ -626,17 +641,24 @@ def _pipeline_messages(me: int, members: list[int], group, sizes: tuple[int, ...
                 one_way = max(0.0, t1 - float(buf[0]))
                 share = min(1.0, cpu / max(t1 - t0, 1e-9))
                 if i >= 2:
-                    samples.setdefault((late_mode(pairs), nbytes), []).append(late)
-                    samples.setdefault((early_mode(pairs), nbytes), []).append((one_way, share * one_way))
+                    samples.setdefault((late_mode(load), nbytes), []).append(late)
+                    samples.setdefault((early_mode(load), nbytes), []).append((one_way, share * one_way))
                 compute(LATE_SENDER_UNITS)  # as the sender did after its late send
-                if pairs == 1:
+                if load == 1:
                     compute(LATE_RECEIVER_UNITS)
                     t0, t1, cpu = timed_recv(buf, "recv late")
                     if i >= 2:
                         samples.setdefault((late_mode(0), nbytes), []).append((t1 - t0, cpu))
             comm.recorder.take()
+    spinning.clear()
     dist.barrier()
     return samples
+
+
+def _spin(unit, spinning) -> None:
+    """Keep a core busy with `unit` while `spinning` is set (`_pipeline_messages`' spinners)."""
+    while spinning.is_set():
+        unit()
 
 
 def _process_cpu_s() -> float:

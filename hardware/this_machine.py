@@ -187,7 +187,8 @@ class Calibration:
         for w in self.worlds:
             for n in sorted(set(self.measured_sizes(w)) | set(default_group_sizes(w))):
                 missing += [comm_key(w, kind, n, mode) for kind, mode in comm_modes(w, n)
-                            if mode not in OPTIONAL_MODES and comm_key(w, kind, n, mode) not in self.comm]
+                            if mode not in OPTIONAL_MODES and not _optional_load(w, mode)
+                            and comm_key(w, kind, n, mode) not in self.comm]
         return missing
 
     def comm_fit(self, world: int, kind: str, n: int, mode: str = "sync") -> CommFit:
@@ -263,8 +264,15 @@ class Calibration:
         return self.comm.get(comm_key(world, "send_recv", n, late_mode(0)))
 
     def _by_senders(self, world: int, n: int, mode) -> list[CommFit] | None:
-        fits = [self.comm.get(comm_key(world, "send_recv", n, mode(k))) for k in range(1, world // 2 + 1)]
-        return fits if fits and None not in fits else None
+        """The fits of `mode` at each of `message_loads(world)` in turn: None where one of 1 .. world / 2 pairs
+        is missing; the optional loads beyond them while they are there."""
+        fits = []
+        for k in message_loads(world):
+            fit = self.comm.get(comm_key(world, "send_recv", n, mode(k)))
+            if fit is None:
+                return None if k <= world // 2 else fits
+            fits.append(fit)
+        return fits
 
     def probe_result(self):
         """The roofline as hardware.probe.ProbeResult (what the hardware lesson plots), or None."""
@@ -399,9 +407,25 @@ def comm_modes(world: int, n: int) -> list[tuple[str, str]]:
             for kind in SYNC_GAP_KINDS]
     out += [(kind, mode) for mode in ("async", ALONE_MODE, PAIR_MODE, "contended") for kind in ASYNC_KINDS]
     if n % 2 == 0:  # a pipeline's messages (engine/calibrate._pipeline_messages), 1 .. world / 2 pairs at once
-        out += [("send_recv", mode(k)) for mode in (late_mode, early_mode) for k in range(1, world // 2 + 1)]
+        out += [("send_recv", mode(k)) for mode in (late_mode, early_mode) for k in message_loads(world)]
         out.append(("send_recv", late_mode(0)))
     return out
+
+
+def message_loads(world: int) -> range:
+    """The loads a pipeline's messages are timed at (`late_mode`, `early_mode`): k cores' worth of work wanted as
+    the message moves, the index planner.eventsim.Send picks its time by. 1 .. world / 2 pairs exchange at once,
+    each pair's sender computing (engine/calibrate._pipeline_messages); at world 2, where one pair is all, a
+    second load is that pair beside a thread that keeps a core busy (`message_spinners`), as the peer's compute
+    or an in-flight bucket all-reduce's gloo thread does: a 2-rank Mamba-2 context-parallel run's state and halo
+    messages took 2-6 ms under its data-parallel buckets, against 0.3 ms timed with one pair alone. The loads
+    beyond world / 2 are optional: a file without them prices every busier message as the last one timed."""
+    return range(1, max(2, world // 2) + 1)
+
+
+def message_spinners(world: int, load: int) -> int:
+    """Busy threads beside the exchanging pairs that make `load` at `world` (`message_loads`)."""
+    return max(0, load - world // 2)
 
 
 def late_mode(senders: int) -> str:
@@ -413,6 +437,12 @@ def late_mode(senders: int) -> str:
 def early_mode(senders: int) -> str:
     """The send_recv mode of a message sent to a receive already waiting, `senders` ranks computing."""
     return f"early{senders}"
+
+
+def _optional_load(world: int, mode: str) -> bool:
+    """Whether `mode` is a message timed at one of the optional loads of `world` (`message_loads`)."""
+    kind = message_mode(mode)
+    return kind is not None and message_spinners(world, kind[1]) > 0
 
 
 def message_mode(mode: str) -> tuple[str, int] | None:
