@@ -155,11 +155,13 @@ process training the same model on the whole batch (loss, gradients, weights and
 rank's compute and communication is recorded: press **Play** under the timeline to watch a step.
 """
 )
-c1, c2, c3, c4 = st.columns([2, 3, 2, 2])  # the strategy names are long: give them room
+# The strategy names are long: a row of their own, wide enough for the longest, where a third of the row cut
+# them to "ZeRO-3 / FSDP (+ weig".
+strategy_label = st.selectbox("Strategy", list(LIVE_STRATEGIES), index=4, key="live_strategy", width=360)
+c1, c2, c3 = st.columns(3)
 world = c1.select_slider("Processes", [1, 2, 3, 4], value=2, key="live_world")
-strategy_label = c2.selectbox("Strategy", list(LIVE_STRATEGIES), index=4, key="live_strategy")
-steps = c3.select_slider("Optimizer steps", [1, 2, 3, 4, 5], value=3, key="live_steps")
-micro_batches = c4.select_slider("Micro-batches (gradient accumulation)", [1, 2, 4], value=1, key="live_mb")
+steps = c2.select_slider("Optimizer steps", [1, 2, 3, 4, 5], value=3, key="live_steps")
+micro_batches = c3.select_slider("Micro-batches (gradient accumulation)", [1, 2, 4], value=1, key="live_mb")
 
 if st.button("Run on this machine", type="primary"):
     from engine.config import ModelConfig, ParallelConfig, RunConfig

@@ -29,9 +29,11 @@ def bound_figure(bound: Bound, what: str, comm_color: str = COMM_COLOR) -> go.Fi
         fig.add_trace(go.Bar(y=[label], x=[seconds * scale], orientation="h", marker_color=color,
                              text=[f"{seconds * scale:,.2f} {unit}"], textposition="outside", cliponaxis=False,
                              showlegend=False))
-    fig.update_layout(title=f"{what}: {'compute' if bound.compute_bound else 'communication'}-bound",
-                      height=170, margin={"l": 10, "r": 60, "t": 40, "b": 30},
-                      xaxis={"title": f"{unit} per {PER[bound.strategy]} (peak FLOP/s, link bandwidth)",
+    # The verdict and the axis title's basis each on a line of their own: on one line both ran past the chart's
+    # edges where a meter has half the page (data parallel's two) or a window is narrow.
+    fig.update_layout(title=f"{what}:<br>{'compute' if bound.compute_bound else 'communication'}-bound",
+                      height=210, margin={"l": 10, "r": 60, "t": 60, "b": 50},
+                      xaxis={"title": f"{unit} per {PER[bound.strategy]}<br>(peak FLOP/s, link bandwidth)",
                              "range": [0, 1.25 * longest * scale]},
                       yaxis={"autorange": "reversed"})
     return fig

@@ -38,3 +38,12 @@ def test_every_meter_draws_communication_in_one_colour(chip):
               tensor_parallel_bound(llama, c, 4096, 4), expert_parallel_bound(mixtral, c, 4096, 8)]
     colours = {tuple(bar.marker.color for bar in bound_figure(b, "x").data) for b in bounds}
     assert colours == {(MATH_COLOR, COMM_COLOR)}
+
+
+def test_the_meter_fits_half_a_narrow_page():
+    """Data parallel draws two meters side by side: on one line each, the verdict and the axis title's basis ran
+    past the edges of a meter half of a page 1,024 px wide."""
+    fsdp = bound_figure(data_parallel_bound(MODEL_PRESETS["Llama 3 8B"], CHIPS["h100"], 256, 8, fsdp=True),
+                        "FSDP / ZeRO-3")
+    assert fsdp.layout.title.text == "FSDP / ZeRO-3:<br>communication-bound"
+    assert fsdp.layout.xaxis.title.text == "µs per layer<br>(peak FLOP/s, link bandwidth)"
