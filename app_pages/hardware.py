@@ -50,9 +50,12 @@ st.header("Arithmetic intensity and the roofline")
 st.markdown("Take the matmul at the heart of every Transformer layer: a batch of **B** tokens of width "
             "**D** multiplied by a weight matrix of **D x F**. In scaling-book notation, "
             "`In[B, D] . W[D, F] -> Out[B, F]`.")
-st.latex(r"\text{FLOPs} = 2BDF \qquad \text{bytes} = p\,(BD + DF + BF) \quad (p = \text{bytes per number})")
-st.latex(r"T_\text{math} = \frac{\text{FLOPs}}{C} \qquad T_\text{mem} = \frac{\text{bytes}}{W_\text{hbm}}"
-         r"\qquad T \approx \max(T_\text{math},\, T_\text{mem})")
+# Each formula on a line of its own: side by side they ran past the page's right edge in a narrow window. The
+# times in two boxes: a second line in the box of the fractions cut their tops.
+st.latex(r"\begin{gathered}\text{FLOPs} = 2BDF \\"
+         r"\text{bytes} = p\,(BD + DF + BF) \quad (p = \text{bytes per number})\end{gathered}")
+st.latex(r"T_\text{math} = \frac{\text{FLOPs}}{C} \qquad T_\text{mem} = \frac{\text{bytes}}{W_\text{hbm}}")
+st.latex(r"T \approx \max(T_\text{math},\, T_\text{mem})")
 st.markdown("Divide the two: the chip is **compute-bound** exactly when the **arithmetic intensity** "
             "of the operation beats the chip's own ratio, the **ridge point**:")
 st.latex(r"I = \frac{\text{FLOPs}}{\text{bytes}} \;>\; I^{*} = \frac{C}{W_\text{hbm}}")
@@ -69,9 +72,11 @@ with left:
                                bind="query-params")
     d_ff = st.select_slider("Output width (F)", POW2_SIZES[6:], value=4096, key="d_ff", bind="query-params")
     dtype = st.radio("Number format", DTYPES, horizontal=True, key="dtype", bind="query-params")
-    achievable = st.toggle("Achievable instead of spec", key="achievable", bind="query-params",
+    # wrap: in this narrow column a one-line label was cut to "Achievable instea..."
+    achievable = st.toggle("Achievable instead of spec", key="achievable", bind="query-params", wrap=True,
                            help="Datasheet peaks are never reached. Achievable numbers are what large "
                                 "matmuls and copies really get (sources in the chip table).")
+with right:  # above the chart it picks for: in the narrow column its chips were cut to "A100 80G..."
     # wrap: in a column the chips would stay on one scrolling row, hiding the third
     # in the link too (the chips' keys), so a shared view compares the same chips
     compare = st.multiselect("Compare with", [k for k in CHIPS if k != chip.key],
@@ -116,16 +121,22 @@ with right:
     roofline = roofline_figure(series, [point], title=f"Roofline ({kind})")
     # the legend names the star: written beside it, the label lay across the other chips' lines
     roofline.update_traces(mode="markers", selector={"name": point.label})
+    # In two thirds of the page a legend beside the chart squeezed the plot to a strip and pushed the axis
+    # title past both edges: the legend goes under the chart, the axis title on two lines.
+    roofline.update_layout(legend={"orientation": "h", "x": 0, "y": -0.3, "yanchor": "top"})
+    roofline.update_xaxes(title="arithmetic intensity<br>(FLOPs per byte of HBM traffic)")
     st.plotly_chart(roofline, key="roofline")
     if skipped:
         st.caption(f"Not drawn (no {dtype} matrix units): {', '.join(skipped)}.")
 
 verdict = f"{cost.bound}-bound"
-m1, m2, m3, m4 = st.columns(4)
-m1.metric("Arithmetic intensity", f"{cost.intensity:,.1f} FLOP/B")
-m2.metric(f"Ridge point ({chip.name})", f"{cost.ridge:,.1f} FLOP/B")
-m3.metric("Time", format_seconds(cost.time_s))
-m4.metric("Bound by", cost.bound)
+# Side by side while they fit, the rest on a row below: four columns had cut "120.5 FLOP/B" to "120.5 ..."
+# at a window 1,024 px wide.
+with st.container(horizontal=True, horizontal_alignment="distribute"):
+    st.metric("Arithmetic intensity", f"{cost.intensity:,.1f} FLOP/B", width="content")
+    st.metric(f"Ridge point ({chip.name})", f"{cost.ridge:,.1f} FLOP/B", width="content")
+    st.metric("Time", format_seconds(cost.time_s), width="content")
+    st.metric("Bound by", cost.bound, width="content")
 st.markdown(
     f"On **{chip.name}** ({kind} numbers, {dtype}) this matmul does {format_flops(cost.flops)} and moves "
     f"{format_bytes(cost.bytes)}: {format_seconds(cost.compute_s)} of math against {format_seconds(cost.memory_s)} "
@@ -189,10 +200,11 @@ if done is not None:
     st.session_state["calibration_lines"] = summary_lines(cal)
     st.rerun()
 if probe is not None:
-    p1, p2, p3 = st.columns(3)
-    p1.metric("Matmul (fp32)", f"{probe.matmul_flops_per_s / 1e9:,.1f} GFLOP/s")
-    p2.metric("Memory bandwidth", f"{probe.memory_bytes_per_s / 1e9:,.2f} GB/s")
-    p3.metric("Ridge point", f"{probe.matmul_flops_per_s / probe.memory_bytes_per_s:,.1f} FLOP/B")
+    with st.container(horizontal=True, horizontal_alignment="distribute"):  # as the matmul's metrics above
+        st.metric("Matmul (fp32)", f"{probe.matmul_flops_per_s / 1e9:,.1f} GFLOP/s", width="content")
+        st.metric("Memory bandwidth", f"{probe.memory_bytes_per_s / 1e9:,.2f} GB/s", width="content")
+        st.metric("Ridge point", f"{probe.matmul_flops_per_s / probe.memory_bytes_per_s:,.1f} FLOP/B",
+                  width="content")
     ratio = chip.peak_flops_per_s("bf16") / probe.matmul_flops_per_s
     st.markdown(f"{chip.name} does {ratio:,.0f} times more bf16 FLOP/s than this machine's fp32 matmuls on "
                 f"{probe.threads} thread(s), as one rank of the live engine runs them.")

@@ -30,9 +30,17 @@ def test_the_page_writes_units_and_shows_every_chip_to_compare():
 
 
 def test_the_star_is_named_in_the_legend_not_on_the_lines():
+    import json
+
     at = open_app(PAGE, chip="h100")
     chart = next(c for c in at.get("plotly_chart") if "Roofline" in c.proto.spec)
     assert '"mode":"markers+text"' not in chart.proto.spec.replace(" ", "")
+    # In two thirds of a page 1,024 px wide a legend beside the chart squeezed the plot to a strip and its axis
+    # title past both edges; in the narrow column the toggle's label was cut to "Achievable instea...".
+    layout = json.loads(chart.proto.spec)["layout"]
+    assert layout["legend"]["orientation"] == "h" and layout["legend"]["yanchor"] == "top"
+    assert layout["xaxis"]["title"]["text"] == "arithmetic intensity<br>(FLOPs per byte of HBM traffic)"
+    assert at.toggle(key="achievable").proto.wrap
 
 
 def test_a_chip_keeps_its_colour_whatever_else_is_compared():
