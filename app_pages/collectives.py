@@ -105,10 +105,11 @@ st.markdown(
     "through a link, **bytes · β** with β = 1/W and W the link bandwidth in one direction. For an "
     "array of V bytes on N chips (for all-to-all, b bytes per chip):"
 )
-st.latex(r"T_\text{all-gather} = T_\text{reduce-scatter} = (N-1)\,\alpha + \frac{N-1}{N}\,\frac{V}{W}"
-         r"\qquad T_\text{all-reduce} = 2(N-1)\,\alpha + 2\,\frac{N-1}{N}\,\frac{V}{W}")
-st.latex(r"T_\text{all-to-all}^\text{ring} = (N-1)\,\alpha + \frac{N-1}{2}\,\frac{b}{W}"
-         r"\qquad T_\text{all-to-all}^\text{switch} = \alpha + \frac{N-1}{N}\,\frac{b}{W}")
+# one formula a line: two side by side ran past the page's right edge
+st.latex(r"T_\text{all-gather} = T_\text{reduce-scatter} = (N-1)\,\alpha + \frac{N-1}{N}\,\frac{V}{W}")
+st.latex(r"T_\text{all-reduce} = 2(N-1)\,\alpha + 2\,\frac{N-1}{N}\,\frac{V}{W}")
+st.latex(r"T_\text{all-to-all}^\text{ring} = (N-1)\,\alpha + \frac{N-1}{2}\,\frac{b}{W}")
+st.latex(r"T_\text{all-to-all}^\text{switch} = \alpha + \frac{N-1}{N}\,\frac{b}{W}")
 st.caption("Thakur, Rabenseifner & Gropp 2005 (ring all-gather; all-reduce = reduce-scatter + all-gather); "
            "How to Scale Your Model, Parts 3 and 12. Links are full duplex; W is one direction.")
 st.markdown(
@@ -132,7 +133,8 @@ with left:
     rows = st.select_slider("Array rows", POW2, value=1024, key="rows", bind="query-params",
                             help="e.g. tokens of a batch, or rows of a weight matrix")
     cols = st.select_slider("Array columns", POW2[6:], value=16384, key="cols", bind="query-params")
-    achievable = st.toggle("Achievable instead of spec", key="achievable", bind="query-params",
+    # wrap: in this narrow column a one-line label was cut to "Achievable instea..."
+    achievable = st.toggle("Achievable instead of spec", key="achievable", bind="query-params", wrap=True,
                            help="Real collectives reach a fraction of the link's peak bandwidth (the chip "
                                 "table's link efficiency, from nccl-tests and the scaling book).")
 
@@ -153,11 +155,13 @@ if note:
 times = {op: topology.cost_s(op, nbytes) for op in COLLECTIVES}
 crossover = crossover_bytes(topology.all_gather_s)
 trees = tree_level(topology) is not None
-m = st.columns(5)
-for col, op in zip(m, COLLECTIVES, strict=False):
-    col.metric(COLLECTIVE_NAMES[op], format_seconds(times[op]),
-               help="double binary trees, not the ring: see below" if op == "all_reduce" and trees else None)
-m[4].metric("Crossover V* (all-gather)", format_bytes(crossover) if crossover else "none")
+# Side by side while they fit, the rest on a row below: five columns had cut "75.7 µs" to "75.7..." at a window
+# 1,024 px wide.
+with st.container(horizontal=True, horizontal_alignment="distribute"):
+    for op in COLLECTIVES:
+        st.metric(COLLECTIVE_NAMES[op], format_seconds(times[op]), width="content",
+                  help="double binary trees, not the ring: see below" if op == "all_reduce" and trees else None)
+    st.metric("Crossover V* (all-gather)", format_bytes(crossover) if crossover else "none", width="content")
 if topology.fill_s and crossover and isinstance(topology, Ring | Switch):  # one level: the formula is exact
     st.caption(f"With the achievable links, the {format_seconds(topology.fill_s)} the pipeline takes to fill, once "
                "per collective, counts with the latency: (N − 1) α + fill = (N − 1)/N · V*/W, so V* = N (α + "

@@ -180,9 +180,14 @@ def ring_steps(collective: str, n: int) -> list[RingStep]:
 
 SLOT_PITCH = 0.2  # distance between neighbouring blocks, plot units
 EMPTY_SLOT_COLOR = "#DDDDDD"
-RING_HEIGHT_PX = 640
-RING_MARGIN_PX = {"l": 10, "r": 10, "t": 70, "b": 80}  # top: the step caption; bottom: buttons and slider
-CAPTION_CHARS = 95  # Plotly titles do not wrap; break the caption into lines this long
+RING_PLOT_PX = 490  # the ring's own height; the step caption above it and the controls below come on top
+# bottom: the play and pause buttons, and under them the step slider (beside the buttons, the slider ran under
+# them where the ring's column is narrow)
+RING_MARGIN_PX = {"l": 10, "r": 10, "b": 110}
+# Plotly titles do not wrap; break the caption into lines this long: the ring has three quarters of the page,
+# and at a window 800 px wide a line of 95 ran past its right edge
+CAPTION_CHARS = 42
+CAPTION_LINE_PX = 19  # the caption's line height at its font size
 
 
 def _ring_radius(n: int) -> float:
@@ -258,8 +263,7 @@ def _block_color(block: Block, collective: str) -> str:
 
 def _block_px(n: int) -> float:
     """Marker size that fills a slot: the height fixes the scale, the x axis is anchored to it."""
-    plot_px = RING_HEIGHT_PX - RING_MARGIN_PX["t"] - RING_MARGIN_PX["b"]
-    return 0.9 * SLOT_PITCH * plot_px / (2 * _span(n))
+    return 0.9 * SLOT_PITCH * RING_PLOT_PX / (2 * _span(n))
 
 
 def _wrap(text: str) -> str:
@@ -355,6 +359,11 @@ def _title(step: RingStep) -> dict:
             "y": 0.98, "yanchor": "top"}
 
 
+def _caption_px(steps: list[RingStep]) -> int:
+    """The top margin that holds the longest step caption, wrapped, above the ring."""
+    return 20 + CAPTION_LINE_PX * max(_wrap(s.caption).count("<br>") + 1 for s in steps)
+
+
 def _dynamic_traces(step: RingStep, collective: str, n: int) -> list[go.Scatter]:
     return [_slot_trace(step, collective, n), *_link_traces(step, collective, n)]
 
@@ -371,9 +380,11 @@ def ring_figure(collective: str, n: int, frame_ms: int = 1000) -> go.Figure:
     slider_steps = [{"label": "start" if s.index == 0 else str(s.index), "method": "animate",
                      "args": [[str(s.index)], redraw]} for s in steps]
     span = _span(n)
+    top = _caption_px(steps)
     fig.update_layout(
         title=_title(steps[0]),
-        height=RING_HEIGHT_PX, margin=RING_MARGIN_PX, plot_bgcolor="white",
+        height=top + RING_PLOT_PX + RING_MARGIN_PX["b"], margin={**RING_MARGIN_PX, "t": top},
+        plot_bgcolor="white",
         xaxis={"range": [-span, span], "visible": False},
         yaxis={"range": [-span, span], "visible": False, "scaleanchor": "x"},
         updatemenus=[{
@@ -388,8 +399,8 @@ def ring_figure(collective: str, n: int, frame_ms: int = 1000) -> go.Figure:
                                    "transition": {"duration": 0}}]},
             ],
         }],
-        sliders=[{"active": 0, "steps": slider_steps, "x": 0.22, "len": 0.78, "y": 0.0, "yanchor": "top",
-                  "pad": {"t": 10}, "currentvalue": {"visible": False}}],
+        sliders=[{"active": 0, "steps": slider_steps, "x": 0.0, "len": 1.0, "y": 0.0, "yanchor": "top",
+                  "pad": {"t": 50}, "currentvalue": {"visible": False}}],
     )
     return fig
 
@@ -494,10 +505,11 @@ def ring_formula_latex(op: str, n: int, alpha_s: float, bytes_per_s: float, nbyt
     latency_s = factor * (n - 1) * alpha_s
     bw_s = factor * (n - 1) / n * nbytes / bytes_per_s
     fill = rf" + {_latex_seconds(fill_s)}_\text{{fill}}" if fill_s else ""
-    return (rf"T = {lead}\Big[({n}-1)\,{_latex_seconds(alpha_s)} + \tfrac{{{n}-1}}{{{n}}}\cdot"
+    # the sums on a second line: on one, the formula ran past the page's right edge in a narrow window
+    return (rf"\begin{{aligned}}T &= {lead}\Big[({n}-1)\,{_latex_seconds(alpha_s)} + \tfrac{{{n}-1}}{{{n}}}\cdot"
             rf"\tfrac{{{_latex_bytes(nbytes)}}}{{{bytes_per_s / 1e9:.4g}\,\text{{GB/s}}}}\Big]{fill}"
-            rf" = {_latex_seconds(latency_s)} + {_latex_seconds(bw_s)}{fill}"
-            rf" = {_latex_seconds(latency_s + bw_s + fill_s)}")
+            rf" \\ &= {_latex_seconds(latency_s)} + {_latex_seconds(bw_s)}{fill}"
+            rf" = {_latex_seconds(latency_s + bw_s + fill_s)}\end{{aligned}}")
 
 
 def tree_level(topology) -> object | None:

@@ -8,6 +8,8 @@ from hardware.chips import CHIPS
 from hardware.collectives import Link, group_topology, ring
 from tests.ui.apptest_util import open_app
 from ui.collectives import (
+    CAPTION_CHARS,
+    CAPTION_LINE_PX,
     COLLECTIVES,
     Block,
     cost_figure,
@@ -119,6 +121,21 @@ def test_ring_figure_has_a_frame_per_step_with_slider_and_buttons():
     assert "Phase 2" in fig.frames[-1].layout.title.text
 
 
+def test_the_ring_caption_and_controls_fit_a_narrow_column():
+    """The ring has three quarters of the page: a caption line of 95 characters ran past its right edge in a
+    window 800 px wide, and the step slider, beside the buttons, ran under them."""
+    fig = ring_figure("all_reduce", 8)
+    lines = [line.removeprefix("<b>").removesuffix("</b>") for frame in fig.frames
+             for line in frame.layout.title.text.split("<br>")]
+    assert max(len(line) for line in lines) <= CAPTION_CHARS
+    most = max(frame.layout.title.text.count("<br>") + 1 for frame in fig.frames)
+    assert fig.layout.margin.t >= most * CAPTION_LINE_PX  # the longest caption fits above the ring
+    slider = fig.layout.sliders[0]
+    assert slider.x == 0 and slider.pad.t >= 40  # on a row of its own, under the buttons
+    # the worked example's sums on a second line
+    assert r"\\ &= 7\,\mu\text{s}" in ring_formula_latex("all_gather", 8, 1e-6, 450e9, 2**25)
+
+
 def test_ring_figure_follows_n_and_collective():
     four, eight = ring_figure("all_gather", 4), ring_figure("all_gather", 8)
     assert len(four.frames[0].data[0].x) == 16 and len(eight.frames[0].data[0].x) == 64
@@ -220,6 +237,7 @@ def test_page_shows_the_ring_and_the_h100_worked_example():
     assert _metric(at, "All-gather") == "75.7 µs"
     assert _metric(at, "All-reduce") == "151 µs"
     assert any("Worked example" in m.value and "bandwidth-bound" in m.value for m in at.markdown)
+    assert at.toggle(key="achievable").proto.wrap  # in its narrow column the label was cut to "Achievable instea..."
 
 
 def test_changing_n_and_collective_redraws_the_ring():
@@ -263,7 +281,7 @@ def test_the_worked_equation_adds_the_achievable_links_fill():
     at = _page(achievable="true")
     assert not at.exception
     body = next(e.proto.body for e in at.get("latex") if "_\\text{fill}" in e.proto.body)
-    assert f"= {_metric(at, 'All-gather').replace(' µs', '')}\\,\\mu\\text{{s}}\n$$" in body
+    assert f"= {_metric(at, 'All-gather').replace(' µs', '')}\\,\\mu\\text{{s}}\\end{{aligned}}\n$$" in body
     assert not any("not the ring of the formulas" in m.value for m in at.markdown)  # NVLink: rings
 
 
