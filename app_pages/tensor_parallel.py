@@ -48,11 +48,15 @@ communication at all. The second is split by its input **rows**, the slice of hi
 already has, so every chip produces a full-size but *partial* output, and an all-reduce sums them:
 """
 )
+# Each layer's matmul under its name, and the all-reduce on a line of its own: side by side, the row-parallel
+# line ran past the page's right edge, its all-reduce out of sight.
 st.latex(r"""
-\begin{array}{ll}
-\text{column-parallel:} & \text{In}[B, S, D] \cdot W_{in}[D, F_{tp}] \rightarrow H[B, S, F_{tp}] \\
-\text{row-parallel:} & H[B, S, F_{tp}] \cdot W_{out}[F_{tp}, D] \rightarrow \text{Out}[B, S, D]\{U_{tp}\}
-\;\xrightarrow{\text{all-reduce}}\; \text{Out}[B, S, D]
+\begin{array}{l}
+\text{column-parallel:} \\
+\qquad \text{In}[B, S, D] \cdot W_{in}[D, F_{tp}] \rightarrow H[B, S, F_{tp}] \\
+\text{row-parallel:} \\
+\qquad H[B, S, F_{tp}] \cdot W_{out}[F_{tp}, D] \rightarrow \text{Out}[B, S, D]\{U_{tp}\} \\
+\qquad \;\xrightarrow{\text{all-reduce}}\; \text{Out}[B, S, D]
 \end{array}""")
 st.markdown(
     """
@@ -125,11 +129,13 @@ all-gather. Split them apart, and the activations between the regions can stay *
 sequence**, `X[B, S_tp, D]`, where norms and dropouts work on S/t positions each:
 """
 )
+# each step under its name: beside it, the arrows ran past the page's right edge
 st.latex(r"""
-\begin{array}{ll}
-\text{leave the row-parallel layer (}\bar g\text{):} & \text{Out}[B, S, D]\{U_{tp}\}
-\xrightarrow{\text{reduce-scatter}} \text{Out}[B, S_{tp}, D] \\
-\text{enter the column-parallel layer (}g\text{):} & X[B, S_{tp}, D] \xrightarrow{\text{all-gather}} X[B, S, D]
+\begin{array}{l}
+\text{leave the row-parallel layer (}\bar g\text{):} \\
+\qquad \text{Out}[B, S, D]\{U_{tp}\} \xrightarrow{\text{reduce-scatter}} \text{Out}[B, S_{tp}, D] \\
+\text{enter the column-parallel layer (}g\text{):} \\
+\qquad X[B, S_{tp}, D] \xrightarrow{\text{all-gather}} X[B, S, D]
 \end{array}""")
 st.caption("Korthikanti et al. name these two g and ḡ, in their own notation: their g (the all-gather) is not "
            "the g of the table above (Shoeybi et al.'s all-reduce), which sequence parallel splits into this "
@@ -144,10 +150,13 @@ Per layer and chip, for the GPT layer Korthikanti et al. analyse (s sequence len
 a heads, t tensor-parallel degree, 16-bit activations; their eq. 1-2 and Table 2):
 """
 )
+# Each formula under its name, the rows spaced: in two columns the longest name pushed the formulas past the
+# page's right edge, and the stacked fractions of neighbouring rows ran into each other.
 st.latex(r"""
-\begin{array}{ll}
-\text{one chip (eq. 1):} & sbh\left(34 + \frac{5as}{h}\right) \\
-""" + " \\\\\n".join(f"\\text{{{label}:}} & {eq}" for label, eq in MEMORY_MODES.values()) + r"""
+\def\arraystretch{1.6}
+\begin{array}{l}
+\text{one chip (eq. 1):} \\ \qquad sbh\left(34 + \frac{5as}{h}\right) \\
+""" + " \\\\\n".join(f"\\text{{{label}:}} \\\\ \\qquad {eq}" for label, eq in MEMORY_MODES.values()) + r"""
 \end{array}""")
 st.markdown(
     """
@@ -280,7 +289,7 @@ heads = c2.select_slider("Query heads", [1, 2, 4, 8], value=4, key="tp_live_head
 kv_heads = c3.select_slider("KV heads", [1, 2, 4, 8], value=2, key="tp_live_kv_heads")
 steps = c4.select_slider("Optimizer steps", [1, 2, 3], value=2, key="tp_live_steps")
 st.code(f"{COMMAND} --strategy tp [--sequence-parallel] --world {world} --heads {heads} "
-        f"--kv-heads {kv_heads} --steps {steps} --check", language="bash")
+        f"--kv-heads {kv_heads} --steps {steps} --check", language="bash", wrap_lines=True)  # all of it in view
 
 if st.button("Run TP and TP + SP on this machine", type="primary"):
     from engine.cli import config_from_args, run_parser

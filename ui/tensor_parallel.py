@@ -139,9 +139,12 @@ def split_figure(hidden: int, ffn: int, heads: int, kv_heads: int, tp: int) -> g
         raise ValueError(f"tp={tp} must divide ffn={ffn} and heads={heads}")
     f_tp = ffn // tp
     q_owner, kv_ranks = head_owners(heads, kv_heads, tp)
-    fig = make_subplots(rows=1, cols=3, column_widths=[0.4, 0.25, 0.35], horizontal_spacing=0.07,
-                        subplot_titles=(f"W_in[D, F_tp] by columns: {hidden:,} x {f_tp:,} each",
-                                        f"W_out[F_tp, D] by rows: {f_tp:,} x {hidden:,}",
+    # The two matrices side by side, the heads under them across the width: three panels in a row left each
+    # too narrow in a window 1,024 px wide, their titles and axis titles running into each other.
+    fig = make_subplots(rows=2, cols=2, column_widths=[0.6, 0.4], row_heights=[0.68, 0.32],
+                        specs=[[{}, {}], [{"colspan": 2}, None]], horizontal_spacing=0.12, vertical_spacing=0.2,
+                        subplot_titles=(f"W_in[D, F_tp] by columns:<br>{hidden:,} x {f_tp:,} each",
+                                        f"W_out[F_tp, D] by rows:<br>{f_tp:,} x {hidden:,}",
                                         f"Heads: {heads // tp} query head(s) per rank"))
     group = heads // kv_heads
     for r in range(tp):
@@ -157,18 +160,20 @@ def split_figure(hidden: int, ffn: int, heads: int, kv_heads: int, tp: int) -> g
                             for k, ranks in enumerate(kv_ranks) if r in ranks)
         first_q = q_owner.index(r)
         fig.add_trace(_rank_trace(r, q_cells + kv_cells, f"rank {r}: query heads "
-                                  f"{first_q}..{first_q + heads // tp - 1}; {kv_text}", False), row=1, col=3)
+                                  f"{first_q}..{first_q + heads // tp - 1}; {kv_text}", False), row=2, col=1)
     for k in range(kv_heads):  # one outline per KV head, so a head shared by several ranks reads as one
         fig.add_shape(type="rect", x0=k * group, x1=(k + 1) * group, y0=1.3, y1=2.3,
-                      line={"color": "black", "width": 2}, row=1, col=3)
+                      line={"color": "black", "width": 2}, row=2, col=1)
     fig.update_yaxes(autorange="reversed", row=1, col=1, title_text="D (rows of W_in)")
-    fig.update_yaxes(autorange="reversed", row=1, col=2, title_text="F (rows of W_out)")
+    # W_out's rows on its right: on the left, between the two matrices, its axis title lay over W_in's last block
+    fig.update_yaxes(autorange="reversed", row=1, col=2, title_text="F (rows of W_out)", side="right",
+                     automargin=True)
     fig.update_xaxes(title_text="F (columns)", row=1, col=1)
     fig.update_xaxes(title_text="D (columns)", row=1, col=2)
-    fig.update_xaxes(title_text="head index", row=1, col=3)
-    fig.update_yaxes(autorange="reversed", tickvals=[0.5, 1.8], ticktext=["Q", "KV"], row=1, col=3)
-    fig.update_layout(height=360, margin={"l": 10, "r": 10, "t": 50, "b": 10}, plot_bgcolor="white",
-                      legend={"orientation": "h", "y": -0.2})
+    fig.update_xaxes(title_text="head index", row=2, col=1)
+    fig.update_yaxes(autorange="reversed", tickvals=[0.5, 1.8], ticktext=["Q", "KV"], row=2, col=1)
+    fig.update_layout(height=580, margin={"l": 10, "r": 10, "t": 60, "b": 10}, plot_bgcolor="white",
+                      legend={"orientation": "h", "y": -0.12, "yanchor": "top"})  # under the heads' axis title
     return fig
 
 
@@ -255,15 +260,20 @@ def bound_bases_table(bound: Bound, row: dict) -> str:
     """The bound meter's and the planner estimate's math against communication side by side, in markdown,
     each saying what it counts: the meter is the scaling book's rule (one MLP, one pass, peak rates), the
     estimate `row` of `scaling_rows` is the whole layer, forward and backward, at achievable rates."""
-    lines = ["| | counts | math | communication | math / communication |", "|---|---|---|---|---|"]
-    lines.append(f"| bound meter (the rule) | one MLP, one pass: its matmuls at peak FLOP/s, its all-gather + "
-                 f"reduce-scatter at the links' full bandwidth | {format_seconds(bound.math_s)} | "
-                 f"{format_seconds(bound.comm_s)} | **{bound.math_s / bound.comm_s:,.2f}x** |")
-    lines.append(f"| planner estimate | the whole layer, forward and backward: attention, MLP and the "
-                 f"memory-bound ops, and its {TP_COLLECTIVES_PER_LAYER} all-reduces, at achievable FLOP/s "
-                 f"and bandwidth | {format_seconds(row['compute_s'])} | {format_seconds(row['comm_s'])} | "
-                 f"**{row['compute_s'] / row['comm_s']:,.2f}x** |")
-    return "\n".join(lines)
+    # One column per basis: with one per quantity, five columns ran past the page's right edge in a window 800
+    # px wide, the ratios out of sight.
+    rule = ("one MLP, one pass: its matmuls at peak FLOP/s, its all-gather + reduce-scatter at the links' full "
+            "bandwidth")
+    estimate = (f"the whole layer, forward and backward: attention, MLP and the memory-bound ops, and its "
+                f"{TP_COLLECTIVES_PER_LAYER} all-reduces, at achievable FLOP/s and bandwidth")
+    return "\n".join([
+        "| | bound meter (the rule) | planner estimate |", "|---|---|---|",
+        f"| counts | {rule} | {estimate} |",
+        f"| math | {format_seconds(bound.math_s)} | {format_seconds(row['compute_s'])} |",
+        f"| communication | {format_seconds(bound.comm_s)} | {format_seconds(row['comm_s'])} |",
+        f"| math / communication | **{bound.math_s / bound.comm_s:,.2f}x** | "
+        f"**{row['compute_s'] / row['comm_s']:,.2f}x** |",
+    ])
 
 
 def scaling_figure(rows: list[dict], chosen_tp: int, domain: int, title: str) -> go.Figure:

@@ -59,6 +59,17 @@ def test_split_figure_gives_each_rank_its_colour_and_block(tp):
     assert q_cells == [32 // tp] * tp
 
 
+def test_split_figure_gives_each_panel_room():
+    """Three panels in a row were too narrow in a window 1,024 px wide: their titles ran into each other and
+    W_out's axis title lay over W_in's last block. The matrices share a row, their titles on two lines, W_out's
+    rows labelled on its right; the heads take the width under them."""
+    fig = split_figure(4096, 14336, 32, 8, 8)
+    assert fig.layout.yaxis2.side == "right"
+    assert list(fig.layout.xaxis3.domain) == [0.0, 1.0]
+    titles = [a.text for a in fig.layout.annotations]
+    assert titles[:2] == ["W_in[D, F_tp] by columns:<br>4,096 x 1,792 each", "W_out[F_tp, D] by rows:<br>1,792 x 4,096"]
+
+
 def test_split_figure_refuses_a_tp_that_does_not_divide():
     with pytest.raises(ValueError, match="tp=3"):
         split_figure(4096, 14336, 32, 8, 3)
@@ -288,11 +299,12 @@ def test_the_bound_meter_and_the_estimate_each_say_what_they_count():
     assert verdict.startswith("**Compute-bound** by the rule: one MLP's matmuls take 1.22x")
     assert "1.5 x 14,336 / 2,198 = 9.8" in verdict
     assert "per layer" not in verdict  # the rule counts one MLP, one pass
-    table = next(m.value for m in at.markdown if "| bound meter (the rule) |" in m.value)
-    assert "| 365 µs | 298 µs | **1.22x** |" in table  # 6 s D F / (t C) against 4 s D / W
-    assert "| 4.21 ms | 1.53 ms | **2.75x** |" in table  # 1 / 36%
+    table = next(m.value for m in at.markdown if "| bound meter (the rule) | planner estimate |" in m.value)
+    # the rule: 6 s D F / (t C) against 4 s D / W; the estimate 1 / 36%
+    assert "| math | 365 µs | 4.21 ms |" in table and "| communication | 298 µs | 1.53 ms |" in table
+    assert "| math / communication | **1.22x** | **2.75x** |" in table
     meter = json.loads(at.get("plotly_chart")[2].proto.spec)["layout"]
-    assert meter["title"]["text"] == ("The scaling book's rule at t = 8, one MLP, one pass: "
+    assert meter["title"]["text"] == ("The scaling book's rule at t = 8, one MLP, one pass:<br>"
                                       "compute-bound")
     assert meter["xaxis"]["title"]["text"].startswith("µs per MLP pass")
 
