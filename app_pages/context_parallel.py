@@ -54,8 +54,9 @@ attention compute grows with **S²** (each of S queries looks at up to S keys). 
 (128K tokens and beyond) splits the **sequence itself** over cp chips:
 """
 )
-st.latex(r"\text{In}[B, S_{cp}, D] \qquad Q[B, S_{cp}, H, d] \qquad "
-         r"K, V[B, S, H_{kv}, d] \text{ needed by every chip}")
+# K and V on a line of their own: on one line the three ran past the page's right edge in a narrow window
+st.latex(r"\begin{gathered}\text{In}[B, S_{cp}, D] \qquad Q[B, S_{cp}, H, d] \\"
+         r"K, V[B, S, H_{kv}, d] \text{ needed by every chip}\end{gathered}")
 sbh = korthikanti_bytes(spec.seq_len, 1, spec.hidden, spec.heads, 1, "tp+sp+selective")
 st.markdown(
     f"""
@@ -118,15 +119,16 @@ per query row the running max m of the scores, the sum l of exp(score − m), an
 by l; a new block (m₂, l₂, o₂) merges as
 """
 )
-st.latex(r"""
-m = \max(m_1, m_2), \qquad
-\ell = \ell_1 e^{m_1 - m} + \ell_2 e^{m_2 - m}, \qquad
-o = \frac{\ell_1 e^{m_1 - m}\, o_1 + \ell_2 e^{m_2 - m}\, o_2}{\ell}""")
+# o in a box of its own: on one line the three ran past the page's right edge in a narrow window (and a
+# second line in the same box cuts the top of a fraction)
+st.latex(r"m = \max(m_1, m_2), \qquad \ell = \ell_1 e^{m_1 - m} + \ell_2 e^{m_2 - m},")
+st.latex(r"o = \frac{\ell_1 e^{m_1 - m}\, o_1 + \ell_2 e^{m_2 - m}\, o_2}{\ell}")
 st.markdown(
     "The engine keeps one number per row instead of two, the **log-sum-exp** L = m + log ℓ, which "
     "reads the same:"
 )
-st.latex(r"L = \log\left(e^{L_1} + e^{L_2}\right), \qquad o = e^{L_1 - L}\, o_1 + e^{L_2 - L}\, o_2")
+st.latex(r"\begin{gathered}L = \log\left(e^{L_1} + e^{L_2}\right), \\"  # one line ran past a narrow page
+         r"o = e^{L_1 - L}\, o_1 + e^{L_2 - L}\, o_2\end{gathered}")
 rng = np.random.default_rng(0)
 q, k, v = rng.normal(size=(8, 16)), rng.normal(size=(12, 16)), rng.normal(size=(12, 16))
 full, _, _ = block_attention(q, k, v)
@@ -150,12 +152,13 @@ H query heads and H_kv KV heads of width d, e bytes per value (bf16: 2), link ba
 and achievable FLOP/s F:
 """
 )
+# each formula under its name: beside it, the transfer's ran past the page's right edge in a narrow window
 st.latex(r"""
-\begin{array}{ll}
-\text{transfer of one block:} & T_{comm} = \alpha + T_{fill} + \dfrac{2 \cdot B \cdot \frac{S}{cp} \cdot
-H_{kv} \cdot d \cdot e}{W} \\[1.2em]
-\text{attention of one step:} &
-T_{comp} = \dfrac{\tfrac12 \cdot 4 \cdot B \left(\frac{S}{cp}\right)^2 H\, d}{F}
+\begin{array}{l}
+\text{transfer of one block:} \\[0.4em]
+\qquad T_{comm} = \alpha + T_{fill} + \dfrac{2 \cdot B \cdot \frac{S}{cp} \cdot H_{kv} \cdot d \cdot e}{W} \\[1.2em]
+\text{attention of one step:} \\[0.4em]
+\qquad T_{comp} = \dfrac{\tfrac12 \cdot 4 \cdot B \left(\frac{S}{cp}\right)^2 H\, d}{F}
 \end{array}""")
 st.markdown(
     """
@@ -248,7 +251,7 @@ live_seq = c2.number_input("Sequence length (tokens)", min_value=2, max_value=25
                            "each sequence into 2·cp equal chunks.")
 steps = c3.select_slider("Optimizer steps", [1, 2, 3], value=3, key="cp_live_steps")
 st.code(f"{COMMAND} --strategy cp --cp-variant {{ring,allgather}} --world {world} "
-        f"--seq-len {live_seq} --steps {steps} --check", language="bash")
+        f"--seq-len {live_seq} --steps {steps} --check", language="bash", wrap_lines=True)  # all of it in view
 
 try:
     configs = {variant: live_config(world, int(live_seq), variant, steps)

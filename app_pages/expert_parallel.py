@@ -101,15 +101,21 @@ stay data parallel (each chip reads its own tokens). A token whose expert lives 
 there and back, in two **all-to-alls** per MoE layer:
 """
 )
+# Each step under its name, a line per matmul or move: beside the names the lines ran past the page's right
+# edge, in a window 1,024 px wide too.
 st.latex(r"""
-\begin{array}{ll}
-\text{route:} & \text{In}[T, D] \cdot W_r[D, E] \rightarrow \text{top-}k \text{ experts per token} \\
-\text{dispatch (all-to-all):} & X[T \cdot k, D] \text{ sorted by expert} \rightarrow X[T_{e}, D]
-\text{ for each local expert } e \in E_{ep} \\
-\text{experts:} & X[T_e, D] \cdot W_{in}[D, 2F] \rightarrow H[T_e, F],\;\; H[T_e, F] \cdot W_{out}[F, D]
-\rightarrow Y[T_e, D] \\
-\text{combine (all-to-all):} & Y[T_e, D] \rightarrow Y[T \cdot k, D] \text{ back home},\;\;
-\text{Out}[t] = \textstyle\sum_{j \le k} g_{t,j}\, Y_{t,j}
+\begin{array}{l}
+\text{route:} \\
+\qquad \text{In}[T, D] \cdot W_r[D, E] \rightarrow \text{top-}k \text{ experts per token} \\
+\text{dispatch (all-to-all):} \\
+\qquad X[T \cdot k, D] \text{ sorted by expert} \rightarrow X[T_{e}, D] \\
+\qquad\qquad \text{for each local expert } e \in E_{ep} \\
+\text{experts:} \\
+\qquad X[T_e, D] \cdot W_{in}[D, 2F] \rightarrow H[T_e, F], \\
+\qquad H[T_e, F] \cdot W_{out}[F, D] \rightarrow Y[T_e, D] \\
+\text{combine (all-to-all):} \\
+\qquad Y[T_e, D] \rightarrow Y[T \cdot k, D] \text{ back home}, \\
+\qquad \text{Out}[t] = \textstyle\sum_{j \le k} g_{t,j}\, Y_{t,j}
 \end{array}""")
 st.markdown(
     """
@@ -217,8 +223,9 @@ With balanced routing each of a chip's T·k token copies lands on a uniformly ch
 so (ep−1)/ep of them leave the chip. Per MoE layer and micro-batch each chip sends
 """
 )
-st.latex(r"""4 \times T \cdot k \cdot D \cdot 2\,\text{bytes} \times \frac{ep-1}{ep}
-\quad (\text{dispatch} + \text{combine, forward} + \text{backward})""")
+# what it counts on a line of its own: beside the formula it ran past the page's right edge in a narrow window
+st.latex(r"""\begin{array}{c} 4 \times T \cdot k \cdot D \cdot 2\,\text{bytes} \times \dfrac{ep-1}{ep} \\[0.3em]
+(\text{dispatch} + \text{combine, forward} + \text{backward}) \end{array}""")
 st.markdown(
     """
 (GShard's dispatch and combine, the all-to-all cost of the scaling book's Part 12 on a switch:
@@ -328,7 +335,7 @@ live_c = l4.select_slider("Capacity factor", ["none", "0.5", "1.0", "1.25", "2.0
 steps = l5.select_slider("Optimizer steps", [1, 2, 3], value=2, key="ep_live_steps")
 argv = ["--strategy", "ep", "--world", str(world), "--experts", str(live_experts), "--top-k", str(live_k),
         "--steps", str(steps), "--check"] + ([] if live_c == "none" else ["--capacity-factor", live_c])
-st.code(f"{COMMAND} " + " ".join(argv), language="bash")
+st.code(f"{COMMAND} " + " ".join(argv), language="bash", wrap_lines=True)  # all of it in view
 
 if st.button("Run expert parallel on this machine", type="primary"):
     from engine.cli import config_from_args, run_parser

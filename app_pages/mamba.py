@@ -44,8 +44,9 @@ sequence instead. Mamba-2 (Dao & Gu 2024, "Transformers are SSMs") does it per h
 per head and a state of N numbers per channel:
 """
 )
-st.latex(r"h_t = a_t\,h_{t-1} + \Delta_t\, x_t B_t^{\top}, \qquad y_t = h_t\,C_t + D\,x_t, \qquad "
-         r"a_t = e^{\Delta_t A}\in(0,1)")
+# the decay on a line of its own: on one line the three ran past the page's right edge in a narrow window
+st.latex(r"\begin{gathered}h_t = a_t\,h_{t-1} + \Delta_t\, x_t B_t^{\top}, \qquad y_t = h_t\,C_t + D\,x_t, \\"
+         r"a_t = e^{\Delta_t A}\in(0,1)\end{gathered}")
 st.markdown(
     """
 Here x_t is the token's input to the head (P numbers), B_t and C_t (N numbers each) say what the token
@@ -177,7 +178,7 @@ c1, c2 = st.columns(2)
 world = c1.select_slider("Processes (cp)", [2, 4], value=2, key="ssm_live_world")
 steps = c2.select_slider("Optimizer steps", [1, 2, 3], value=3, key="ssm_live_steps")
 st.code("\n".join(f"{COMMAND} " + " ".join(live_argv(v, world, steps)) + " --check"
-                  for v in LIVE_VARIANTS), language="bash")
+                  for v in LIVE_VARIANTS), language="bash", wrap_lines=True)  # all of it in view
 try:
     from engine.cli import config_from_args, run_parser
 

@@ -13,6 +13,8 @@ this is tested without a browser.
 
 from __future__ import annotations
 
+import textwrap
+
 import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
@@ -31,6 +33,8 @@ BF16_BYTES = 2  # K/V travel in the training dtype (bf16) on real chips
 FP32_BYTES = 4  # the live engine trains in float32
 SEQ_LENS = tuple(2**k for k in range(13, 21))  # 8K .. 1M tokens
 CP_DEGREES = (2, 4, 8, 16, 32, 64)
+# A chart title's line at most this long: a window 800 px wide holds about 65 of its characters across the page.
+TITLE_LINE_CHARS = 60
 
 
 def seq_label(tokens: int) -> str:
@@ -80,7 +84,7 @@ def causal_split_figure(cp: int) -> go.Figure:
     block, contiguous beside zig-zag, and the work per rank of both."""
     n = 2 * cp
     fig = make_subplots(rows=1, cols=3, column_widths=[0.34, 0.34, 0.32], horizontal_spacing=0.08,
-                        subplot_titles=("contiguous split", "zig-zag split", "work per rank (blocks)"))
+                        subplot_titles=("contiguous split", "zig-zag split", "work per rank<br>(blocks)"))
     # a discrete colour scale: each rank owns the band [r, r+1) of z, drawn at r + 0.5
     scale = [[edge / cp, rank_color(k)] for k in range(cp) for edge in (k, k + 1)]
     for col, split in enumerate(SPLITS, start=1):
@@ -111,9 +115,11 @@ def causal_split_figure(cp: int) -> go.Figure:
                       row=1, col=col)
     fig.add_hline(y=2 * cp, line={"dash": "dot", "color": "gray"}, row=1, col=3,
                   annotation_text="mean", annotation_position="top left")
-    fig.update_layout(barmode="group", height=380, margin={"l": 10, "r": 10, "t": 50, "b": 10},
+    # the bars' title on two lines, the legend further down: in a window 800 px wide the title ran past the
+    # right edge and the legend's title lay on the axis title "key chunk"
+    fig.update_layout(barmode="group", height=390, margin={"l": 10, "r": 10, "t": 60, "b": 10},
                       plot_bgcolor="white",
-                      legend={"orientation": "h", "y": -0.2, "title": {"text": "bars: "}})
+                      legend={"orientation": "h", "y": -0.3, "title": {"text": "bars: "}})
     return fig
 
 
@@ -240,9 +246,11 @@ def overlap_figure(spec: ModelSpec, chip: Chip, cp: int, seq_len: int, stride: i
     fig.add_vline(x=seq_len, line={"dash": "dot", "color": "black"})
     state = "hidden" if here["hidden"] else "exposed"
     ys = [r[k] * 1e6 for r in rows for k in ("transfer_s", "compute_s") if r[k] > 0]
-    fig.update_layout(title=f"{spec.name} on {chip.name}, cp = {cp}: one ring step of one layer "
-                            f"(dotted line: your S = {seq_label(seq_len)}, the transfer {state} there)",
-                      height=380, margin={"l": 10, "r": 10, "t": 50, "b": 10},
+    # on lines that fit a narrow window: on one line the title ran past the chart's right edge
+    title = textwrap.wrap(f"{spec.name} on {chip.name}, cp = {cp}: one ring step of one layer", TITLE_LINE_CHARS)
+    title.append(f"(dotted line: your S = {seq_label(seq_len)}, the transfer {state} there)")
+    fig.update_layout(title="<br>".join(title),
+                      height=360 + 20 * len(title), margin={"l": 10, "r": 10, "t": 30 + 20 * len(title), "b": 10},
                       xaxis={"title": "sequence length S (tokens)", "type": "log", "tickvals": x,
                              "ticktext": [seq_label(s) for s in x]},
                       # 1-2-5 ticks with their values written out: Plotly's own label every minor tick

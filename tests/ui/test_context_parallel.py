@@ -12,6 +12,7 @@ from hardware.chips import CHIPS
 from planner.models import MODEL_PRESETS
 from tests.ui.apptest_util import open_app
 from ui.context_parallel import (
+    TITLE_LINE_CHARS,
     block_attention,
     block_owners,
     causal_split_figure,
@@ -236,6 +237,9 @@ def test_the_overlap_chart_writes_out_its_log_ticks_and_says_what_the_dotted_lin
     assert ticks and all(str(t)[0] in "125" for t in ticks)  # 1-2-5 only, no minor-tick labels
     assert len(fig.layout.yaxis.ticktext) == len(ticks)
     assert "dotted line: your S = 128K" in fig.layout.title.text
+    # on lines a window 800 px wide holds: on one line the title ran past the chart's right edge
+    assert all(len(line) <= TITLE_LINE_CHARS for line in fig.layout.title.text.split("<br>"))
+    assert fig.layout.margin.t >= 20 * (fig.layout.title.text.count("<br>") + 1)
 
 
 def test_the_threshold_and_the_verdict_agree():

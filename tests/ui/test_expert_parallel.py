@@ -13,6 +13,7 @@ from hardware.chips import CHIPS
 from planner.models import MODEL_PRESETS
 from tests.ui.apptest_util import open_app
 from ui.expert_parallel import (
+    TITLE_LINE_CHARS,
     a2a_bytes,
     a2a_bytes_by_name,
     capacity,
@@ -124,6 +125,17 @@ def test_figures():
 
 
 # ---- parameters and cost ------------------------------------------------------------------------
+
+
+def test_a_long_load_title_hangs_on_lines_above_the_panels():
+    """The simulation's title ("4 ranks x 512 tokens x k = 2, ...: capacity 160 per expert per rank (the dashed
+    line: x 4 ranks)") ran past the chart's right edge on one line."""
+    r = simulate_routing(512, 8, 2, 4, 1.25, 0.0, seed=0)
+    title = "4 ranks x 512 tokens x k = 2, E = 8, s = 0: capacity 160 per expert per rank (the dashed line: x 4 ranks)"
+    fig = load_figure(r.tokens_per_expert, r.dropped_per_expert, 4, r.capacity_line, title)
+    lines = fig.layout.title.text.split("<br>")
+    assert " ".join(lines) == title and max(len(line) for line in lines) <= TITLE_LINE_CHARS
+    assert fig.layout.title.yanchor == "top" and fig.layout.margin.t >= 40 + 20 * len(lines)
 
 def test_total_and_active_parameters_of_the_presets():
     mixtral = moe_numbers(MIXTRAL)
