@@ -103,8 +103,10 @@ else:
     axis = st.radio("Draw the groups of", shown_axes, horizontal=True, key="mesh_axis", bind="query-params")
     st.plotly_chart(mesh_figure(mesh, chip, axis), key="mesh_groups")
     st.caption(mesh_caption(mesh, axis))
-    # a table, not a data grid: its long "moves" and "links" texts wrap instead of being cut; the axis names rows
-    st.table(pandas.DataFrame(rows).set_index("axis"))
+    # A table, not a data grid: its long "moves" and "links" texts wrap instead of being cut. A column per axis:
+    # with a column per quantity, nine of them ran past the page's right edge in a narrow window, "links" out
+    # of sight.
+    st.table(pandas.DataFrame(rows).set_index("axis").T)
     st.caption("members apart: the stride, the product of the degrees of the axes inside this one "
                "(core/mesh.py). sent per step: what one chip of the first pipeline stage sends over the axis "
                "in one optimizer step, ring algorithms (an all-reduce sends 2(n-1)/n of its array); dp and "
@@ -118,16 +120,19 @@ else:
                   if estimate is not None and estimate.layout.zero_stage == 2 and estimate.result.micro_batches > 1
                   else ""))
 if estimate is not None:
-    m1, m2, m3 = st.columns(3)
-    # "on the cluster": the live run below has a "Predicted step time" of its own, on this machine
-    m1.metric("Predicted step time (this cluster)", format_step(estimate.step_time_s),
-              help=f"The planner's step on {mesh.world:,} {chip.name}, not the live run's on this machine below")
-    m2.metric("MFU", f"{estimate.mfu * 100:,.1f} %",
-              help="Model FLOPs utilisation: the model's FLOPs per step (about 6 x parameters x tokens, plus "
-                   "attention) over step time x chips x each chip's peak bf16 FLOP/s.")
-    m3.metric("Memory per chip", f"{estimate.memory.total_bytes / 1e9:,.1f} GB",
-              delta="fits" if estimate.fits else "does not fit",
-              delta_color="normal" if estimate.fits else "inverse")
+    # Side by side while they fit, the rest on a row below: three columns had cut the first label to
+    # "Predicted step tim..." at a window 1,024 px wide.
+    with st.container(horizontal=True, horizontal_alignment="distribute"):
+        # "on the cluster": the live run below has a "Predicted step time" of its own, on this machine
+        st.metric("Predicted step time (this cluster)", format_step(estimate.step_time_s), width="content",
+                  help=f"The planner's step on {mesh.world:,} {chip.name}, not the live run's on this machine "
+                       "below")
+        st.metric("MFU", f"{estimate.mfu * 100:,.1f} %", width="content",
+                  help="Model FLOPs utilisation: the model's FLOPs per step (about 6 x parameters x tokens, plus "
+                       "attention) over step time x chips x each chip's peak bf16 FLOP/s.")
+        st.metric("Memory per chip", f"{estimate.memory.total_bytes / 1e9:,.1f} GB", width="content",
+                  delta="fits" if estimate.fits else "does not fit",
+                  delta_color="normal" if estimate.fits else "inverse")
     st.markdown("\n".join(f"- {line}" for line in estimate.explanation))
     st.caption("The planner page has the full breakdown, the predicted timeline and a search over every "
                "layout of this many chips.")

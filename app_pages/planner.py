@@ -215,18 +215,21 @@ def _than_measured(error: float) -> str:
     return f"{abs(error):.0%} {'shorter' if error < 0 else 'longer'} than measured"
 
 
-m1, m2, m3, m4 = st.columns(4)
-m1.metric("Step time", format_step(est.step_time_s))
-m2.metric("MFU", f"{est.mfu * 100:,.1f} %",
-          help=f"Attention's scores counted over the full S x S square, the convention of Megatron-LM's papers "
-               f"(Narayanan et al. 2021) and PaLM's appendix: a causal kernel computes about half of it, so at "
-               f"long context this MFU overstates the work done and can pass 100 %. Counting the causal half "
-               f"only: {est.mfu_causal * 100:,.1f} %.")
-m3.metric("Model TFLOP/s per chip", f"{est.model_tflops_per_chip:,.0f}")
 mem = est.memory.as_dict()
-# no arrow: "fits" is no rise, and an arrow up beside "does not fit" read as more room
-m4.metric("Memory per chip", f"{mem['total'] / 1e9:,.1f} GB", delta="fits" if est.fits else "does not fit",
-          delta_color="normal" if est.fits else "inverse", delta_arrow="off")
+# Side by side while they fit, the rest on a row below: four columns had cut "Model TFLOP/s per chip" at a window
+# 1,024 px wide, and "77.1 GB" to "77.1 ..." at 800.
+with st.container(horizontal=True, horizontal_alignment="distribute"):
+    st.metric("Step time", format_step(est.step_time_s), width="content")
+    st.metric("MFU", f"{est.mfu * 100:,.1f} %", width="content",
+              help=f"Attention's scores counted over the full S x S square, the convention of Megatron-LM's "
+                   f"papers (Narayanan et al. 2021) and PaLM's appendix: a causal kernel computes about half of "
+                   f"it, so at long context this MFU overstates the work done and can pass 100 %. Counting the "
+                   f"causal half only: {est.mfu_causal * 100:,.1f} %.")
+    st.metric("Model TFLOP/s per chip", f"{est.model_tflops_per_chip:,.0f}", width="content")
+    # no arrow: "fits" is no rise, and an arrow up beside "does not fit" read as more room
+    st.metric("Memory per chip", f"{mem['total'] / 1e9:,.1f} GB", width="content",
+              delta="fits" if est.fits else "does not fit", delta_color="normal" if est.fits else "inverse",
+              delta_arrow="off")
 if chip.kind == "gpu":
     st.caption("Read the step time as the best this layout could do: on published runs of dense models on "
                "H100 and A100 GPUs the planner predicts faster steps (higher MFU) than were measured; "
@@ -324,12 +327,11 @@ if found:
 st.subheader("Why it costs what it does")
 st.markdown("\n".join(f"- {line}" for line in est.explanation))
 
-left, right = st.columns(2)
-with left:
-    st.plotly_chart(memory_figure(mem, usable_hbm_bytes(est.result.chip)), key="planner_memory")
-with right:
-    st.plotly_chart(breakdown_figure(est.breakdown, est.step_time_s, zero_stage=est.layout.zero_stage),
-                    key="planner_breakdown")
+# One under the other: side by side, half the page cut the breakdown's longest label ("data-parallel sync
+# (reduce-scatter, weight gather)") at its left edge and laid the memory legend on its axis title.
+st.plotly_chart(memory_figure(mem, usable_hbm_bytes(est.result.chip)), key="planner_memory")
+st.plotly_chart(breakdown_figure(est.breakdown, est.step_time_s, zero_stage=est.layout.zero_stage),
+                key="planner_breakdown")
 
 timeline = est.timeline
 st.plotly_chart(timeline_figure(timeline, title="Predicted timeline of one step (one chip per pipeline stage)",

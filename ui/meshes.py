@@ -153,9 +153,10 @@ def mesh_figure(mesh: Mesh, chip: Chip, axis: str, max_ranks: int = MAX_DRAWN) -
     n, stride = mesh.degree(axis), mesh.stride(axis)
     which = f"the first {shown} of {mesh.world:,} ranks" if shown < mesh.world else "all ranks"
     fig.update_layout(
+        # which ranks are drawn on a line of its own: on one line the title ran past a narrow window's edge
         title=f"{axis} groups: {count:,} group{'s' if count > 1 else ''} of {n} ranks, {stride} "
-              f"apart ({which})",
-        height=90 + 42 * rows, margin={"l": 80, "r": 10, "t": 50, "b": 10},
+              f"apart<br>({which})",
+        height=110 + 42 * rows, margin={"l": 80, "r": 10, "t": 70, "b": 10},
         xaxis={"visible": False, "range": [-0.7, per_row - 0.3]},
         yaxis={"autorange": "reversed", "tickmode": "array", "tickvals": list(range(rows)), "ticktext": labels,
                "showgrid": False, "zeroline": False},
