@@ -168,7 +168,10 @@ def timeline_figure(timeline: Timeline, title: str = "", frames: int = 30, anima
 def add_time_animation(fig: go.Figure, times: list[float], frame_names: list[str], unit: str,
                        frame_ms: int) -> None:
     """Play/pause buttons and a time slider under `fig`, whose frames are named `frame_names` (one per
-    entry of `times`). Below the plot, not above it: there they would cover the title on short charts."""
+    entry of `times`). Below the plot, not above it: there they would cover the title on short charts. The
+    slider runs under the buttons, the whole width, its reading at its right end: beside the buttons (from
+    22 % of the width) it ran under them in a half-page chart or a window 800-1,024 px wide, and its reading
+    lay on the x axis's title."""
     fig.update_layout(
         updatemenus=[{
             "type": "buttons", "direction": "left", "x": 0.0, "y": 0, "xanchor": "left", "yanchor": "top",
@@ -182,14 +185,14 @@ def add_time_animation(fig: go.Figure, times: list[float], frame_names: list[str
             ],
         }],
         sliders=[{
-            "active": len(times) - 1, "x": 0.22, "len": 0.78, "y": 0, "yanchor": "top", "pad": {"t": 45},
-            "currentvalue": {"prefix": "t = ", "suffix": f" {unit}"},
+            "active": len(times) - 1, "x": 0.0, "len": 1.0, "y": 0, "yanchor": "top", "pad": {"t": 105},
+            "currentvalue": {"prefix": "t = ", "suffix": f" {unit}", "xanchor": "right"},
             "steps": [{"label": f"{t:.1f}", "method": "animate",
                        "args": [[name], {"mode": "immediate", "frame": {"duration": 0, "redraw": True}}]}
                       for t, name in zip(times, frame_names, strict=True)],
         }],
     )
-    fig.update_layout(height=fig.layout.height + 90, margin={"b": 100})
+    fig.update_layout(height=fig.layout.height + 140, margin={"b": 150})
 
 
 def step_timeline(timeline: Timeline, step: int) -> Timeline:

@@ -88,3 +88,18 @@ def test_a_long_steps_axis_is_in_the_unit_its_step_time_reads(seconds, unit):
     assert unit == "ms" or format_step(seconds).endswith(f" {unit}")
     assert fig.layout.xaxis.range[1] == pytest.approx(1.02 * seconds * {"ms": 1e3, "s": 1, "min": 1 / 60,
                                                                          "h": 1 / 3600}[unit])
+
+
+def test_the_time_slider_runs_under_the_play_buttons():
+    # beside the buttons (from 22 % of the width) the slider ran under them in a half-page chart or a window
+    # 800-1,024 px wide, and its reading lay on the x axis's title
+    import plotly.graph_objects as go
+
+    from ui.timeline import add_time_animation
+
+    fig = go.Figure(layout={"height": 300})
+    add_time_animation(fig, [0.0, 1.0], ["0", "1"], "s", frame_ms=80)
+    slider, buttons = fig.layout.sliders[0], fig.layout.updatemenus[0]
+    assert slider.x == 0 and slider.len == 1 and slider.pad.t > buttons.pad.t + 30  # a row of its own
+    assert slider.currentvalue.xanchor == "right"  # its reading clear of the buttons, at the right end
+    assert fig.layout.margin.b > slider.pad.t
