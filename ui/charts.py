@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import math
+import textwrap
 from dataclasses import dataclass
 
 import plotly.graph_objects as go
 
 from hardware.roofline import roofline_curve
 from ui.timeline import KIND_COLORS, legend_marker
+
+# A chart title's line at most this many characters: a window 800 px wide holds about 65 of them across the page.
+TITLE_LINE_CHARS = 60
+
+
+def wrap_title(text: str, chars: int = TITLE_LINE_CHARS) -> str:
+    """`text` in lines of at most `chars` characters, joined by <br>: Plotly's titles and annotations do not
+    wrap, and a long one ran past the chart's right edge in a narrow window."""
+    return "<br>".join(textwrap.wrap(text, chars))
 
 PALETTE = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#FF9DA6", "#9D755D",
            "#BAB0AC", "#EECA3B", "#1F77B4", "#2CA02C"]

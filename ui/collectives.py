@@ -20,13 +20,12 @@ from __future__ import annotations
 import math
 import re
 import statistics
-import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import plotly.graph_objects as go
 
-from ui.charts import PALETTE, log_axis
+from ui.charts import PALETTE, log_axis, wrap_title
 from ui.tables import format_seconds
 from ui.timeline import KIND_COLORS
 
@@ -266,10 +265,6 @@ def _block_px(n: int) -> float:
     return 0.9 * SLOT_PITCH * RING_PLOT_PX / (2 * _span(n))
 
 
-def _wrap(text: str) -> str:
-    return "<br>".join(textwrap.wrap(text, CAPTION_CHARS))
-
-
 def _slot_trace(step: RingStep, collective: str, n: int) -> go.Scatter:
     xs, ys, colors, opacities, borders, widths, texts, hovers = [], [], [], [], [], [], [], []
     reducing = collective in ("reduce_scatter", "all_reduce")
@@ -355,13 +350,13 @@ def _static_traces(n: int) -> list[go.Scatter]:
 
 def _title(step: RingStep) -> dict:
     # Each frame sets the whole title: a frame that sets only the text drops the font.
-    return {"text": f"<b>{_wrap(step.caption)}</b>", "font": {"size": 14}, "x": 0.01, "xanchor": "left",
-            "y": 0.98, "yanchor": "top"}
+    return {"text": f"<b>{wrap_title(step.caption, CAPTION_CHARS)}</b>", "font": {"size": 14}, "x": 0.01,
+            "xanchor": "left", "y": 0.98, "yanchor": "top"}
 
 
 def _caption_px(steps: list[RingStep]) -> int:
     """The top margin that holds the longest step caption, wrapped, above the ring."""
-    return 20 + CAPTION_LINE_PX * max(_wrap(s.caption).count("<br>") + 1 for s in steps)
+    return 20 + CAPTION_LINE_PX * max(wrap_title(s.caption, CAPTION_CHARS).count("<br>") + 1 for s in steps)
 
 
 def _dynamic_traces(step: RingStep, collective: str, n: int) -> list[go.Scatter]:

@@ -13,8 +13,6 @@ this is tested without a browser.
 
 from __future__ import annotations
 
-import textwrap
-
 import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
@@ -24,7 +22,7 @@ from hardware.chips import Chip
 from hardware.collectives import group_topology
 from hardware.kernels import best_flash_kernel, flash_attention_s
 from planner.models import ModelSpec
-from ui.charts import log_axis
+from ui.charts import log_axis, wrap_title
 from ui.tensor_parallel import rank_color
 from ui.timeline import KIND_COLORS
 
@@ -33,8 +31,6 @@ BF16_BYTES = 2  # K/V travel in the training dtype (bf16) on real chips
 FP32_BYTES = 4  # the live engine trains in float32
 SEQ_LENS = tuple(2**k for k in range(13, 21))  # 8K .. 1M tokens
 CP_DEGREES = (2, 4, 8, 16, 32, 64)
-# A chart title's line at most this long: a window 800 px wide holds about 65 of its characters across the page.
-TITLE_LINE_CHARS = 60
 
 
 def seq_label(tokens: int) -> str:
@@ -247,10 +243,11 @@ def overlap_figure(spec: ModelSpec, chip: Chip, cp: int, seq_len: int, stride: i
     state = "hidden" if here["hidden"] else "exposed"
     ys = [r[k] * 1e6 for r in rows for k in ("transfer_s", "compute_s") if r[k] > 0]
     # on lines that fit a narrow window: on one line the title ran past the chart's right edge
-    title = textwrap.wrap(f"{spec.name} on {chip.name}, cp = {cp}: one ring step of one layer", TITLE_LINE_CHARS)
-    title.append(f"(dotted line: your S = {seq_label(seq_len)}, the transfer {state} there)")
-    fig.update_layout(title="<br>".join(title),
-                      height=360 + 20 * len(title), margin={"l": 10, "r": 10, "t": 30 + 20 * len(title), "b": 10},
+    title = (wrap_title(f"{spec.name} on {chip.name}, cp = {cp}: one ring step of one layer")
+             + f"<br>(dotted line: your S = {seq_label(seq_len)}, the transfer {state} there)")
+    lines = title.count("<br>") + 1
+    fig.update_layout(title=title,
+                      height=360 + 20 * lines, margin={"l": 10, "r": 10, "t": 30 + 20 * lines, "b": 10},
                       xaxis={"title": "sequence length S (tokens)", "type": "log", "tickvals": x,
                              "ticktext": [seq_label(s) for s in x]},
                       # 1-2-5 ticks with their values written out: Plotly's own label every minor tick

@@ -18,7 +18,6 @@ No Streamlit and no torch here (engine.config is torch-free), so the page opens 
 from __future__ import annotations
 
 import math
-import textwrap
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -34,7 +33,7 @@ from hardware.kernels import matmul_s
 from planner.costs import group_links_chip
 from planner.flops import active_params, layer_params, total_params
 from planner.models import MODEL_PRESETS, ModelSpec
-from ui.charts import log_axis, span_legend
+from ui.charts import log_axis, span_legend, wrap_title
 from ui.tensor_parallel import rank_color
 from ui.timeline import KIND_COLORS
 
@@ -222,16 +221,6 @@ def capacity_keep(chosen: np.ndarray, group_tokens: int, experts: int, cap: int 
     return (position < cap).reshape(groups, k, group_tokens).transpose(0, 2, 1).reshape(n, k)
 
 
-# A chart title's line at most this long: a window 800 px wide holds about 65 of its characters across the page.
-TITLE_LINE_CHARS = 60
-
-
-def _title_lines(title: str) -> str:
-    """`title` broken into lines that fit a narrow window (Plotly titles do not wrap: a long one ran past the
-    chart's right edge)."""
-    return "<br>".join(textwrap.wrap(title, TITLE_LINE_CHARS))
-
-
 def load_figure(tokens_per_expert, dropped_per_expert, ep: int, capacity_line: int | None, title: str,
                 rank_counts=None) -> go.Figure:
     """Bars per expert (kept in the owning rank's colour, dropped in grey), the capacity and the balanced
@@ -267,7 +256,7 @@ def load_figure(tokens_per_expert, dropped_per_expert, ep: int, capacity_line: i
                          marker={"color": [rank_color(r) for r in range(ep)]},
                          hovertemplate="%{x}: %{y} rows<extra></extra>"), row=1, col=2)
     _lines(fig, [f"rank {r}" for r in (0, ep - 1)], [(float(np.mean(ranks)), None, balanced)], col=2)
-    lines = _title_lines(title)
+    lines = wrap_title(title)
     # the title hangs from the top, its lines clear of the panels' titles; the legend clear of "expert"
     fig.update_layout(barmode="stack", height=360 + 20 * lines.count("<br>"), bargap=0.15,
                       title={"text": lines, "y": 1, "yref": "container", "yanchor": "top", "pad": {"t": 12}},
@@ -386,7 +375,7 @@ def cost_figure(rows: list[dict], chosen_ep: int, domain: int, title: str, unit:
         fig.add_vrect(x0=domain * math.sqrt(2), x1=max(eps), fillcolor=SPAN_COLOR, opacity=0.12, line_width=0)
         fig.add_trace(span_legend(f"shaded: the ep group spans several {domain}-chip {unit}s", SPAN_COLOR))
     values = [r[k] * 1e3 for r in rows for k in ("compute_s", "a2a_s", "a2a_spread_s") if r[k] > 0]
-    lines = _title_lines(title)
+    lines = wrap_title(title)
     fig.update_layout(height=400 + 20 * lines.count("<br>"), title=lines,
                       margin={"l": 10, "r": 10, "t": 50 + 20 * lines.count("<br>"), "b": 10},
                       xaxis={"type": "log", "tickvals": eps, "title": "expert-parallel degree ep"},

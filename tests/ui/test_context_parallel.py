@@ -11,8 +11,8 @@ from core.timeline import Span, Timeline
 from hardware.chips import CHIPS
 from planner.models import MODEL_PRESETS
 from tests.ui.apptest_util import open_app
+from ui.charts import TITLE_LINE_CHARS
 from ui.context_parallel import (
-    TITLE_LINE_CHARS,
     block_attention,
     block_owners,
     causal_split_figure,

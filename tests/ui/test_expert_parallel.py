@@ -12,8 +12,8 @@ from core.timeline import Span, Timeline
 from hardware.chips import CHIPS
 from planner.models import MODEL_PRESETS
 from tests.ui.apptest_util import open_app
+from ui.charts import TITLE_LINE_CHARS
 from ui.expert_parallel import (
-    TITLE_LINE_CHARS,
     a2a_bytes,
     a2a_bytes_by_name,
     capacity,
