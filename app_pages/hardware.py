@@ -121,10 +121,6 @@ with right:
     roofline = roofline_figure(series, [point], title=f"Roofline ({kind})")
     # the legend names the star: written beside it, the label lay across the other chips' lines
     roofline.update_traces(mode="markers", selector={"name": point.label})
-    # In two thirds of the page a legend beside the chart squeezed the plot to a strip and pushed the axis
-    # title past both edges: the legend goes under the chart, the axis title on two lines.
-    roofline.update_layout(legend={"orientation": "h", "x": 0, "y": -0.3, "yanchor": "top"})
-    roofline.update_xaxes(title="arithmetic intensity<br>(FLOPs per byte of HBM traffic)")
     st.plotly_chart(roofline, key="roofline")
     if skipped:
         st.caption(f"Not drawn (no {dtype} matrix units): {', '.join(skipped)}.")

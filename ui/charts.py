@@ -123,10 +123,12 @@ def roofline_figure(series: list[RooflineSeries], points: list[OperatingPoint] =
             hovertemplate=f"{p.label}<br>%{{x:.3g}} FLOP/B<br>%{{y:.4g}} TFLOP/s<extra></extra>",
         ))
     # dtick=1 on a log axis: one labelled tick per decade, no cluttered minor labels
-    fig.update_xaxes(type="log", dtick=1, title="arithmetic intensity (FLOPs per byte of HBM traffic)")
+    # the legend under the chart and the axis title on two lines: in the hardware page's two thirds of the width, a
+    # legend beside the chart squeezed the plot to a strip and pushed the axis title past both edges
+    fig.update_xaxes(type="log", dtick=1, title="arithmetic intensity<br>(FLOPs per byte of HBM traffic)")
     fig.update_yaxes(type="log", dtick=1, title="attainable TFLOP/s")
     fig.update_layout(title=title, height=520, margin={"l": 10, "r": 10, "t": 50, "b": 10},
-                      legend={"orientation": "v", "x": 1.02, "y": 1})
+                      legend={"orientation": "h", "x": 0, "y": -0.3, "yanchor": "top"})
     return fig
 
 
