@@ -624,33 +624,35 @@ def _pipeline_messages(me: int, members: list[int], group, sizes: tuple[int, ...
         t1 = time.perf_counter()
         return t0, t1, _process_cpu_s() - cpu0
 
-    for i in range(2 * (rounds + 1)):  # the first round of each role is a warm-up
-        for nbytes, (msg, buf) in bufs.items():
-            if (i + me) % 2 == 0:
-                send(msg, "send late")
-                compute(LATE_RECEIVER_UNITS)
-                msg[0] = time.perf_counter()
-                send(msg, "send early")
-                if load == 1:  # isend, then block in its wait until the late receive takes it
-                    comm.send(msg, peer, name="send late", async_op=True, group="pp").wait()
-            else:
-                compute(LATE_RECEIVER_UNITS)
-                t0, t1, cpu = timed_recv(buf, "recv late")
-                late = (t1 - t0, cpu)
-                t0, t1, cpu = timed_recv(buf, "recv early")
-                one_way = max(0.0, t1 - float(buf[0]))
-                share = min(1.0, cpu / max(t1 - t0, 1e-9))
-                if i >= 2:
-                    samples.setdefault((late_mode(load), nbytes), []).append(late)
-                    samples.setdefault((early_mode(load), nbytes), []).append((one_way, share * one_way))
-                compute(LATE_SENDER_UNITS)  # as the sender did after its late send
-                if load == 1:
+    try:
+        for i in range(2 * (rounds + 1)):  # the first round of each role is a warm-up
+            for nbytes, (msg, buf) in bufs.items():
+                if (i + me) % 2 == 0:
+                    send(msg, "send late")
+                    compute(LATE_RECEIVER_UNITS)
+                    msg[0] = time.perf_counter()
+                    send(msg, "send early")
+                    if load == 1:  # isend, then block in its wait until the late receive takes it
+                        comm.send(msg, peer, name="send late", async_op=True, group="pp").wait()
+                else:
                     compute(LATE_RECEIVER_UNITS)
                     t0, t1, cpu = timed_recv(buf, "recv late")
+                    late = (t1 - t0, cpu)
+                    t0, t1, cpu = timed_recv(buf, "recv early")
+                    one_way = max(0.0, t1 - float(buf[0]))
+                    share = min(1.0, cpu / max(t1 - t0, 1e-9))
                     if i >= 2:
-                        samples.setdefault((late_mode(0), nbytes), []).append((t1 - t0, cpu))
-            comm.recorder.take()
-    spinning.clear()
+                        samples.setdefault((late_mode(load), nbytes), []).append(late)
+                        samples.setdefault((early_mode(load), nbytes), []).append((one_way, share * one_way))
+                    compute(LATE_SENDER_UNITS)  # as the sender did after its late send
+                    if load == 1:
+                        compute(LATE_RECEIVER_UNITS)
+                        t0, t1, cpu = timed_recv(buf, "recv late")
+                        if i >= 2:
+                            samples.setdefault((late_mode(0), nbytes), []).append((t1 - t0, cpu))
+                comm.recorder.take()
+    finally:  # a spinner left running (a timed-out message) would slow every later run on this worker
+        spinning.clear()
     dist.barrier()
     return samples
 
