@@ -31,7 +31,7 @@ from ui.lab import (
     run_rows,
     torchrun_command,
 )
-from ui.state import inert_markdown, link_value
+from ui.state import ignored_link_message, inert_markdown, link_value
 from ui.tables import count
 
 st.title("The Lab")
@@ -56,9 +56,7 @@ bad_link = lab_link_problems({k: v for k, v in st.query_params.to_dict().items()
 # a text box takes a long text from the link cut to its length, whatever the page does: said, not dropped
 cut = {k: bad_link.pop(k) for k in LAB_TEXTS if k in bad_link}
 if bad_link:
-    st.info("Ignored from the link: " + "; ".join(f"{k}={link_value(st.query_params[k])} (it takes {what})"
-                                                  for k, what in bad_link.items())
-            + ". The page's own values are used instead.", icon=":material/link_off:")
+    st.info(ignored_link_message(bad_link, st.query_params.to_dict()), icon=":material/link_off:")
     for key in bad_link:
         drop_from_link(key)
 for key, what in cut.items():
