@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import streamlit as st
 
-from app_pages.link_params import drop_from_link
+from app_pages.link_params import drop_from_link, link_values
 from app_pages.live_panel import run_live, show_live
 from core.timeline import strict_json
 from engine.cli import argv_for, command_line
@@ -27,6 +27,7 @@ from ui.lab import (
     lab_numbers,
     lab_words,
     mesh_label,
+    repeated_link_message,
     results_json,
     run_rows,
     torchrun_command,
@@ -51,12 +52,14 @@ try:  # the Steps box goes up to this server's SHARDLAB_MAX_STEPS (a raised limi
     numbers = lab_numbers(get_queue().settings.max_steps)
 except SettingsError:  # a misconfigured server is said where the run is ("About this server")
     numbers = lab_numbers()
-bad_link = lab_link_problems({k: v for k, v in st.query_params.to_dict().items() if k.startswith("lab_")}, devices,
-                             numbers)
+lab_link = {k: st.query_params.get_all(k) for k in st.query_params if k.startswith("lab_")}
+bad_link = lab_link_problems(lab_link, devices, numbers)
+if repeated := repeated_link_message({k: v for k, v in lab_link.items() if k not in bad_link}):
+    st.info(repeated, icon=":material/link:")
 # a text box takes a long text from the link cut to its length, whatever the page does: said, not dropped
 cut = {k: bad_link.pop(k) for k in LAB_TEXTS if k in bad_link}
 if bad_link:
-    st.info(ignored_link_message(bad_link, st.query_params.to_dict()), icon=":material/link_off:")
+    st.info(ignored_link_message(bad_link, link_values()), icon=":material/link_off:")
     for key in bad_link:
         drop_from_link(key)
 for key, what in cut.items():

@@ -29,6 +29,7 @@ from engine.config import (
     strategy_for,
 )
 from ui.live import LiveRun, prediction_error, representative_step
+from ui.state import link_value
 from ui.timeline import shared_kinds, step_timeline, timeline_figure
 
 SCHEDULES = ("1f1b", *(s for s in SCHEDULE_NAMES if s != "1f1b"))  # the engine's, its default first
@@ -115,14 +116,15 @@ def lab_label(key: str, option) -> str:
     return LAB_LABELS.get(key, {}).get(option, str(option))
 
 
-def lab_link_problems(params: Mapping[str, str], devices: Sequence[str],
+def lab_link_problems(params: Mapping[str, str | list[str]], devices: Sequence[str],
                       numbers: Mapping[str, tuple[int, int, int]] = LAB_NUMBERS) -> dict[str, str]:
     """The Lab's parameters in a link that its controls cannot take, each with what it should be: a whole number
     in the box's range (`numbers`: the page's, lab_numbers), one of the options (`devices`: the ones this server
-    has), true or false."""
+    has), true or false. Of a repeated key (a list, as `st.query_params.get_all` gives it) a control reads the last
+    value, and so does this check (`repeated_link_message` says the others are left)."""
     bad = {}
-    for key, text in params.items():
-        text = str(text)
+    for key, given in params.items():
+        text = str(given[-1] if isinstance(given, list) and given else given)
         if key in numbers:
             low, high, _ = numbers[key]
             number = bound_number(text)
@@ -139,6 +141,20 @@ def lab_link_problems(params: Mapping[str, str], devices: Sequence[str],
         elif key in LAB_SWITCHES and text.lower() not in ("true", "false"):  # as Streamlit reads a toggle
             bad[key] = "true or false"
     return bad
+
+
+def repeated_link_message(params: Mapping[str, list[str]]) -> str:
+    """What the Lab says of a link that repeats its keys (`params`: key -> every value the link gives it, as
+    `st.query_params.get_all` reads them): each control takes one value, and Streamlit's bound boxes, choices and
+    switches all take the last, without a word (`?lab_layers=2&lab_layers=4` opened with 4 layers). Empty when no
+    key repeats."""
+    repeated = {k: v for k, v in params.items() if len(v) > 1}
+    if not repeated:
+        return ""
+    return ("The link gives " + "; ".join(f"{k} {len(v)} values ({link_value(', '.join(v))})"
+                                          for k, v in repeated.items())
+            + ". Each control takes one: the last is used (" + ", ".join(f"{k}={link_value(v[-1])}"
+                                                                        for k, v in repeated.items()) + ").")
 
 
 def lab_config(model: ModelConfig, mesh: dict[str, int], zero_stage: int, schedule: str, virtual_stages: int,

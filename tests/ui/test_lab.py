@@ -369,3 +369,19 @@ def test_the_steps_box_goes_as_far_as_the_servers_limit(monkeypatch, most):
         assert at.number_input(key="lab_steps").value == min(3, most)  # the page's default, within the limit
     finally:
         q.shutdown()
+
+
+def test_a_repeated_link_key_is_said_with_the_value_the_control_took():
+    from ui.lab import repeated_link_message
+
+    # Streamlit's bound controls take the last value of a repeated key, without a word: the page says which
+    at = open_app(LAB, lab_layers=["3", "4"], lab_sp=["true", "false"])
+    assert not at.exception, [e.value for e in at.exception]
+    said = " ".join(i.value for i in at.info)
+    assert "lab_layers 2 values (`3, 4`)" in said and "lab_layers=`4`" in said and "lab_sp=`false`" in said
+    assert at.number_input(key="lab_layers").value == 4 and at.toggle(key="lab_sp").value is False
+    # a repeated key whose last value no control takes is ignored, quoted with all its values
+    at = open_app(LAB, lab_zero=["1", "9"])
+    assert "lab_zero=`1, 9` (it takes one of 0, 1, 2, 3)" in at.info[0].value
+    assert at.selectbox(key="lab_zero").value == 0
+    assert repeated_link_message({"lab_steps": ["5"]}) == ""
