@@ -17,11 +17,11 @@ Each rank runs a list of operations in order:
     Wait(handle)                        blocks until that asynchronous operation has completed
     Send(name, dst, key, seconds)       posts a message (isend): it arrives `seconds` after it is sent,
                                         and not before `late_s` after its receive is posted (either may
-                                        be a tuple by load: while k cores' worth of work (computing
-                                        ranks, busy gloo threads, ranks held posting) is wanted it moves
-                                        at the rate of the k-th entry, the last for more; a late one at
-                                        `idle_late_s`'s while nothing is wanted: the sender blocked, no
-                                        rank computing);
+                                        be a tuple: its k-th entry when k cores' worth of work (computing
+                                        ranks, busy gloo threads) is wanted as the second of the two is
+                                        posted, the last for more; `idle_late_s` when
+                                        nothing is wanted then: the sender blocked, no rank
+                                        computing);
                                         with `handle`, Wait(handle) blocks the sender until it has arrived;
                                         posting it holds the sender `post_s` (drawn as a blocking
                                         span "post <name>")
@@ -35,14 +35,8 @@ for 1 MB (1.5 ms); the sender's wait on its isend returned only once the receive
 How long either takes depends on whether a gloo thread finds a core: on 2 cores a late 1 KB transfer took
 0.6-1.1 ms with one sender computing, 4.5-6 ms with two, a message to a waiting receive 0.1-0.2 ms with one
 and about 3 ms with two (engine/calibrate._pipeline_messages), so `seconds` and `late_s` may give it by how
-busy the cores are (computing ranks and gloo threads, as below; a sender computing, or held posting it,
-right after its isend counts from the start). A message moves at the rate of the load of each moment, not
-the load it was posted under: the calibration timed each entry under its load held throughout, while a
-pipeline's ranks compute in bursts of about a millisecond and then block, handing the message a core. In
-the engine's 4-rank 1F1B here (2 cores) messages to a waiting receive took 0.48 ms on average (0.21 with no
-other rank computing, 0.79 with about one, 0.92 with about two), where the calibrated 2-sender time is
-2.8 ms: charged whole for a message posted while two ranks computed, it had put them at 1.62 ms on average
-and the step 31 % slow; moving at each moment's rate, 0.72 ms. A late receive while nothing computes (its
+busy the cores are when the second side is posted (computing ranks and gloo threads, as below; a sender
+computing, or held posting it, right after its isend counts). A late receive while nothing computes (its
 sender blocked in a wait or a receive of its own) has a calibrated time of its own, `idle_late_s`: its
 median is the same 0.1-0.2 ms, but a tenth or more of them wait a scheduler tick (3-4 ms) for the blocked
 sender's thread, 0.6-1.2 ms on average against 0.2-1.1 with the sender computing.
@@ -104,14 +98,14 @@ class Send:
     name: str
     dst: int
     key: tuple
-    seconds: float | tuple[float, ...]  # a tuple: by the load of each moment, as `late_s`
+    seconds: float | tuple[float, ...]  # a tuple: by the load as it is matched, as `late_s`
     nbytes: int = 0
     group_name: str = "pp"
     micro_batch: int | None = None
     handle: str | None = None  # Wait(handle) blocks the sender until the message has arrived
-    # its transfer when the receive is posted after the send (None: `seconds`); a tuple: by the load of each
-    # moment (the k-th entry's rate while k cores' worth of computing ranks, busy gloo threads and ranks held
-    # posting are wanted, rounded; the first for less, the last for more)
+    # its transfer when the receive is posted after the send (None: `seconds`); a tuple: by the load at that
+    # moment (the k-th entry for k cores' worth of computing ranks and busy gloo threads, rounded; the first
+    # for less, the last for more)
     late_s: float | tuple[float, ...] | None = None
     idle_late_s: float | None = None  # its transfer when the receive is posted late while no work is wanted
     post_s: float | None = None  # how long posting it holds the sender (None: not at all)
@@ -182,8 +176,6 @@ def simulate(programs: dict[int, list], cores: float,
     sends: dict[tuple, tuple[float, int, Send]] = {}  # (key, dst) -> (posted at, sender, op)
     receives: dict[tuple, float] = {}  # (key, dst) -> when the receive was posted
     send_handles: dict[tuple[int, str], tuple] = {}  # (sender, handle) -> (key, dst)
-    # (key, dst) -> [fraction still to move, earliest arrival] of each message matched and not arrived
-    flowing: dict[tuple, list] = {}
     spans: list[Span] = []
     spans_pending: dict[tuple, list] = {}
     done = dict.fromkeys(ranks, False)
@@ -238,47 +230,22 @@ def simulate(programs: dict[int, list], cores: float,
         spans.append(Span(src, "comm", op.name, sent, end, bytes=op.nbytes, group=op.group_name, is_async=True,
                           micro_batch=op.micro_batch))
 
-    def message_load(wanted: float) -> int:
-        """Cores' worth of work wanted now as a message sees it: `wanted` (computing ranks, busy gloo
-        threads) and each rank held posting a message (gloo writes it from the calling thread)."""
-        held = sum(1 for cid in current.values() if len(cid[0]) == 1 and posted[cid].start is not None
-                   and not reached(posted[cid].end))
-        return round(wanted + held)
-
-    def message_s(mid: tuple, busy: int) -> float:
-        """The time a message matched by now would take whole at load `busy` (`Send`: late_s from a late
-        receive's posting, idle_late_s for one while nothing is wanted, else its own time)."""
-        sent, _, op = sends[mid]
-        if receives[mid] > sent:
-            if busy == 0 and op.idle_late_s is not None:
-                return op.idle_late_s
-            return _by_load(op.seconds if op.late_s is None else op.late_s, max(busy, 1))
-        return _by_load(op.seconds, max(busy, 1))
-
     def match(mid: tuple, sender_computes: bool = False) -> None:
-        """Once a message's send and receive are both posted it starts to move (`flowing`), from the later
-        of the two. A sender that computes right after its isend, or is held posting it (an operation of the
-        sender alone), counts as computing from the start (it is between two operations now)."""
-        if mid in arrivals or mid in flowing or mid not in sends or mid not in receives:
+        """Once a message's send and receive are both posted: when it arrives, and its span. A sender that
+        computes right after its isend, or is held posting it (an operation of the sender alone), counts
+        as computing (it is between two operations now)."""
+        if mid in arrivals or mid not in sends or mid not in receives:
             return
         sent, _, op = sends[mid]
-        busy = message_load(load(running()) + sender_computes)
-        # a late receive's message cannot arrive before its own time from the isend either
-        floor = sent + _by_load(op.seconds, max(busy, 1)) if receives[mid] > sent else t
-        flowing[mid] = [1.0, floor]
-
-    def arrive(mid: tuple, now: float) -> None:
-        """A flowing message has moved: it arrives now, or at its earliest arrival if that is later."""
-        _, floor = flowing.pop(mid)
-        arrivals[mid] = max(now, floor)
+        wanted = round(load(running()) + sender_computes)  # cores' worth of work wanted now
+        busy = max(wanted, 1)
+        arrival = sent + _by_load(op.seconds, busy)
+        if receives[mid] > sent:  # a late receive: the rendezvous moves the message only now
+            late = op.idle_late_s if wanted == 0 and op.idle_late_s is not None else \
+                _by_load(op.seconds if op.late_s is None else op.late_s, busy)
+            arrival = max(arrival, receives[mid] + late)
+        arrivals[mid] = arrival
         send_span(mid, arrivals[mid])
-
-    def flow(mid: tuple, wanted: float) -> float:
-        """Seconds per whole message now: its time at the load of the moment. A message moves at the rate
-        of the load it meets (the k-th entry of its tuple while k cores' worth are wanted), so one matched
-        while both cores are busy speeds up as soon as a rank stops computing; the calibration timed each
-        entry under its load held throughout (engine/calibrate._pipeline_messages)."""
-        return message_s(mid, message_load(wanted))
 
     def advance(r: int) -> None:
         """Run rank r's instantaneous operations at time t until it computes, blocks or ends."""
@@ -383,18 +350,12 @@ def simulate(programs: dict[int, list], cores: float,
             for p in instant:
                 p.end = t
             continue
-        moving = {mid: flow(mid, wanted) for mid in flowing}
-        if any(sec <= 0 for sec in moving.values()):  # so is a zero-second message
-            for mid in [m for m, sec in moving.items() if sec <= 0]:
-                arrive(mid, t)
-            continue
         # the next event: a compute finishing, a collective ending or starting, a message arriving
         candidates = [t + remaining[r] / rate for r in computing]
         candidates += [p.end for p in posted.values() if p.end is not None and p.end > t]
         candidates += [p.start for p in posted.values() if p.start is not None and p.start > t]
         candidates += [t + p.left / speed for p, speed in dynamic if speed > 0]
         candidates += [a for a in arrivals.values() if a > t]
-        candidates += [t + flowing[mid][0] * sec for mid, sec in moving.items()]
         future = [c for c in candidates if not reached(c)]
         if not future:
             stuck = ", ".join(f"rank {r} at {programs[r][pc[r]]}" for r in ranks if not done[r])
@@ -407,10 +368,6 @@ def simulate(programs: dict[int, list], cores: float,
                 spans.append(Span(r, "compute", op.name, started[r], t_next, micro_batch=op.micro_batch))
                 del remaining[r], started[r]
                 pc[r] += 1
-        for mid, sec in moving.items():
-            flowing[mid][0] -= (t_next - t) / sec
-            if flowing[mid][0] <= 1e-12 or flowing[mid][0] * sec <= _RESOLUTION_S * max(1.0, t_next):
-                arrive(mid, t_next)
         for p, speed in dynamic:
             p.left -= (t_next - t) * speed
             # done when the time it still needs is below the clock's resolution: the fraction left carries

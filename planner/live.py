@@ -309,7 +309,7 @@ class _Costs:
     def message_s(self, group: int, nbytes: float) -> float | tuple[float, ...]:
         """A point-to-point message's delivery from its isend when its receive is already waiting: the
         calibrated early messages of a pair (send_recv's early modes: one way, the sender computing on) with
-        1, 2, ... senders computing at once (planner.eventsim.Send moves at the rate of the load of each moment). A
+        1, 2, ... senders computing at once (planner.eventsim.Send picks by the load on the cores then). A
         calibration that predates them gives the ring shift of the group's ranks instead (each sends to its
         next and receives from its previous one after compute: 3-7x the early message on 2 cores, as both
         ranks post at once and wait for each other's threads)."""
@@ -319,7 +319,7 @@ class _Costs:
     def late_s(self, group: int, nbytes: float) -> tuple[float, ...] | None:
         """A point-to-point message whose receive is posted after its send: the calibrated late receive of a
         pair (send_recv's late modes: the transfer from the receive's posting, the sender computing) with 1,
-        2, ... senders computing at once (planner.eventsim.Send moves at the rate of the load of each moment), or None
+        2, ... senders computing at once (planner.eventsim.Send picks by the load on the cores then), or None
         when the calibration predates them (older files: the message's own time then)."""
         return self._by_senders_s(group, nbytes, self.cal.late_fits, late_mode)
 

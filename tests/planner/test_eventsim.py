@@ -243,18 +243,3 @@ def test_an_event_within_the_clocks_resolution_of_now_counts_as_happened():
             Compute("c", 0.01)]
     _, ends = simulate({0: list(prog), 1: list(prog)}, cores=2)
     assert ends[0] == pytest.approx(0.31)
-
-
-def test_a_message_moves_at_the_rate_of_the_load_of_each_moment():
-    # posted while two ranks compute (the second entry's rate, 0.5 s a message), it speeds up to the first
-    # entry's (0.1 s) as soon as the other rank stops: half of it moves in 0.25 s, the rest in 0.05 s. A
-    # message's time is not fixed by the load it was posted under (a pipeline's ranks compute in bursts)
-    def received(busy_s: float) -> float:
-        progs = {0: [Compute("f", 1.0), Send("send act", 1, ("act", 0), (0.1, 0.5)), Compute("c", 2.0)],
-                 1: [Recv("recv act", 0, ("act", 0))],
-                 2: [Compute("busy", busy_s)]}
-        return simulate(progs, cores=8)[1][1]
-
-    assert received(1.25) == pytest.approx(1.3)
-    assert received(0.5) == pytest.approx(1.1)  # the other rank stopped before the message was sent
-    assert received(3.0) == pytest.approx(1.5)  # and computed throughout
