@@ -4,6 +4,7 @@ import streamlit as st
 
 from app_pages.exercise_panel import show_exercises
 from app_pages.live_panel import run_task
+from app_pages.metric_row import metric, metric_row
 from engine.predict import cached_calibration
 from hardware.chips import CHIPS
 from hardware.collectives import Hierarchy, Ring, Switch, group_topology
@@ -155,13 +156,11 @@ if note:
 times = {op: topology.cost_s(op, nbytes) for op in COLLECTIVES}
 crossover = crossover_bytes(topology.all_gather_s)
 trees = tree_level(topology) is not None
-# Side by side while they fit, the rest on a row below: five columns had cut "75.7 µs" to "75.7..." at a window
-# 1,024 px wide.
-with st.container(horizontal=True, horizontal_alignment="distribute"):
+with metric_row():
     for op in COLLECTIVES:
-        st.metric(COLLECTIVE_NAMES[op], format_seconds(times[op]), width="content",
+        metric(COLLECTIVE_NAMES[op], format_seconds(times[op]),
                   help="double binary trees, not the ring: see below" if op == "all_reduce" and trees else None)
-    st.metric("Crossover V* (all-gather)", format_bytes(crossover) if crossover else "none", width="content")
+    metric("Crossover V* (all-gather)", format_bytes(crossover) if crossover else "none")
 if topology.fill_s and crossover and isinstance(topology, Ring | Switch):  # one level: the formula is exact
     st.caption(f"With the achievable links, the {format_seconds(topology.fill_s)} the pipeline takes to fill, once "
                "per collective, counts with the latency: (N − 1) α + fill = (N − 1)/N · V*/W, so V* = N (α + "
@@ -263,11 +262,11 @@ if measured is not None:
 result = st.session_state.get("this_machine_link")
 if result is not None:
     st.plotly_chart(sweep_figure(result), key="sweep")
-    p1, p2, p3 = st.columns(3)
-    p1.metric("α (latency per step)", format_seconds(result.alpha_s))
-    p2.metric("W = 1/β (bandwidth)", f"{result.bytes_per_s / 1e9:,.2f} GB/s" if result.bytes_per_s else "n/a")
-    p3.metric("Crossover V* = N α W", format_bytes(result.world * result.alpha_s * result.bytes_per_s)
-              if result.bytes_per_s else "n/a")
+    with metric_row():
+        metric("α (latency per step)", format_seconds(result.alpha_s))
+        metric("W = 1/β (bandwidth)", f"{result.bytes_per_s / 1e9:,.2f} GB/s" if result.bytes_per_s else "n/a")
+        metric("Crossover V* = N α W", format_bytes(result.world * result.alpha_s * result.bytes_per_s)
+               if result.bytes_per_s else "n/a")
     st.dataframe([{"Collective": COLLECTIVE_NAMES[op], "α": format_seconds(a),
                    "β (ns per byte)": round(b * 1e9, 4),
                    "W = 1/β (GB/s)": round(1 / b / 1e9, 3) if b > 0 else None}

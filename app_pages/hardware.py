@@ -5,6 +5,7 @@ from plotly import colors as plotly_colors
 
 from app_pages.exercise_panel import show_exercises
 from app_pages.live_panel import run_task
+from app_pages.metric_row import metric, metric_row
 from engine.predict import cached_calibration
 from hardware.chips import CHIPS
 from hardware.roofline import matmul_cost
@@ -126,13 +127,11 @@ with right:
         st.caption(f"Not drawn (no {dtype} matrix units): {', '.join(skipped)}.")
 
 verdict = f"{cost.bound}-bound"
-# Side by side while they fit, the rest on a row below: four columns had cut "120.5 FLOP/B" to "120.5 ..."
-# at a window 1,024 px wide.
-with st.container(horizontal=True, horizontal_alignment="distribute"):
-    st.metric("Arithmetic intensity", f"{cost.intensity:,.1f} FLOP/B", width="content")
-    st.metric(f"Ridge point ({chip.name})", f"{cost.ridge:,.1f} FLOP/B", width="content")
-    st.metric("Time", format_seconds(cost.time_s), width="content")
-    st.metric("Bound by", cost.bound, width="content")
+with metric_row():
+    metric("Arithmetic intensity", f"{cost.intensity:,.1f} FLOP/B")
+    metric(f"Ridge point ({chip.name})", f"{cost.ridge:,.1f} FLOP/B")
+    metric("Time", format_seconds(cost.time_s))
+    metric("Bound by", cost.bound)
 st.markdown(
     f"On **{chip.name}** ({kind} numbers, {dtype}) this matmul does {format_flops(cost.flops)} and moves "
     f"{format_bytes(cost.bytes)}: {format_seconds(cost.compute_s)} of math against {format_seconds(cost.memory_s)} "
@@ -196,11 +195,10 @@ if done is not None:
     st.session_state["calibration_lines"] = summary_lines(cal)
     st.rerun()
 if probe is not None:
-    with st.container(horizontal=True, horizontal_alignment="distribute"):  # as the matmul's metrics above
-        st.metric("Matmul (fp32)", f"{probe.matmul_flops_per_s / 1e9:,.1f} GFLOP/s", width="content")
-        st.metric("Memory bandwidth", f"{probe.memory_bytes_per_s / 1e9:,.2f} GB/s", width="content")
-        st.metric("Ridge point", f"{probe.matmul_flops_per_s / probe.memory_bytes_per_s:,.1f} FLOP/B",
-                  width="content")
+    with metric_row():
+        metric("Matmul (fp32)", f"{probe.matmul_flops_per_s / 1e9:,.1f} GFLOP/s")
+        metric("Memory bandwidth", f"{probe.memory_bytes_per_s / 1e9:,.2f} GB/s")
+        metric("Ridge point", f"{probe.matmul_flops_per_s / probe.memory_bytes_per_s:,.1f} FLOP/B")
     ratio = chip.peak_flops_per_s("bf16") / probe.matmul_flops_per_s
     st.markdown(f"{chip.name} does {ratio:,.0f} times more bf16 FLOP/s than this machine's fp32 matmuls on "
                 f"{probe.threads} thread(s), as one rank of the live engine runs them.")

@@ -17,6 +17,7 @@ import time
 import streamlit as st
 
 from app_pages.engine_errors import engine_error_message
+from app_pages.metric_row import metric, metric_row
 from core.timeline import strict_json
 from ui.live import (
     LiveRun,
@@ -286,16 +287,18 @@ def _show_run(key: str, run: LiveRun) -> None:
     slug = f"{key}_{run.label}"
     s, pred = run.summary, run.prediction or {}
     error = prediction_error(run)
-    m1, m2, m3 = st.columns(3)
-    m1.metric("Measured step time", f"{s.step_time_s * 1e3:,.1f} ms",
-              help="mean over the steps after the first (warm-up), slowest rank")
+    with metric_row():
+        metric("Measured step time", f"{s.step_time_s * 1e3:,.1f} ms",
+               help="mean over the steps after the first (warm-up), slowest rank")
+        if error is None:
+            metric("Predicted step time", "n/a")
+        else:
+            metric("Predicted step time", f"{pred['step_time_s'] * 1e3:,.1f} ms",
+                   help="planner/live.py on this machine's calibration, before the run")
+            metric("Prediction error", f"{error:+.0%}", help="(predicted - measured) / measured")
     if error is None:
-        m2.metric("Predicted step time", "n/a")
         st.caption(f"No prediction: {pred.get('why', 'the run carries none')}.")
     else:
-        m2.metric("Predicted step time", f"{pred['step_time_s'] * 1e3:,.1f} ms",
-                  help="planner/live.py on this machine's calibration, before the run")
-        m3.metric("Prediction error", f"{error:+.0%}", help="(predicted - measured) / measured")
         if s.steps == 1:
             st.caption("A run of one step measures its warm-up too (first calls allocate memory and fill "
                        "caches); the prediction is of a warm step. Run 2 or more steps to compare them.")

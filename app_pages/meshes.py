@@ -6,6 +6,7 @@ import streamlit as st
 
 from app_pages.exercise_panel import show_exercises
 from app_pages.live_panel import run_live, show_live
+from app_pages.metric_row import metric, metric_row
 from core.mesh import Mesh
 from hardware.chips import CHIPS
 from planner.bounds import cross_pod_bound, fsdp_tp_tradeoff
@@ -120,17 +121,15 @@ else:
                   if estimate is not None and estimate.layout.zero_stage == 2 and estimate.result.micro_batches > 1
                   else ""))
 if estimate is not None:
-    # Side by side while they fit, the rest on a row below: three columns had cut the first label to
-    # "Predicted step tim..." at a window 1,024 px wide.
-    with st.container(horizontal=True, horizontal_alignment="distribute"):
+    with metric_row():
         # "on the cluster": the live run below has a "Predicted step time" of its own, on this machine
-        st.metric("Predicted step time (this cluster)", format_step(estimate.step_time_s), width="content",
+        metric("Predicted step time (this cluster)", format_step(estimate.step_time_s),
                   help=f"The planner's step on {mesh.world:,} {chip.name}, not the live run's on this machine "
                        "below")
-        st.metric("MFU", f"{estimate.mfu * 100:,.1f} %", width="content",
+        metric("MFU", f"{estimate.mfu * 100:,.1f} %",
                   help="Model FLOPs utilisation: the model's FLOPs per step (about 6 x parameters x tokens, plus "
                        "attention) over step time x chips x each chip's peak bf16 FLOP/s.")
-        st.metric("Memory per chip", f"{estimate.memory.total_bytes / 1e9:,.1f} GB", width="content",
+        metric("Memory per chip", f"{estimate.memory.total_bytes / 1e9:,.1f} GB",
                   delta="fits" if estimate.fits else "does not fit",
                   delta_color="normal" if estimate.fits else "inverse")
     st.markdown("\n".join(f"- {line}" for line in estimate.explanation))

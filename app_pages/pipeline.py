@@ -5,6 +5,7 @@ import streamlit as st
 
 from app_pages.exercise_panel import show_exercises
 from app_pages.live_panel import run_live, show_live
+from app_pages.metric_row import metric, metric_row
 from core.schedules import SCHEDULE_NAMES, ScheduleError, formula_bubble_fraction
 from hardware.chips import CHIPS
 from planner.models import MODEL_PRESETS
@@ -115,13 +116,13 @@ except ScheduleError as e:
 if sim is not None:
     v_used = sim.schedule.virtual_stages
     formula = formula_bubble_fraction(schedule, p, m, v_used, times)
-    k1, k2, k3 = st.columns(3)
     # named as the table's columns below: "Bubble fraction (formula)" was cut in an 800-px window
     bubble_help = "The bubble fraction: idle time over the ideal compute time m (t_F + t_B)."
-    k1.metric("Simulated bubble", f"{sim.bubble_fraction:.3f}", help=bubble_help)
-    k2.metric("Formula bubble", f"{formula:.3f}", help=bubble_help)
-    k3.metric("Step time", f"{sim.makespan_s:.2f} t_F", help="ideal (no bubble): m (t_F + t_B) = "
-              f"{sim.ideal_s:.2f} t_F")
+    with metric_row():
+        metric("Simulated bubble", f"{sim.bubble_fraction:.3f}", help=bubble_help)
+        metric("Formula bubble", f"{formula:.3f}", help=bubble_help)
+        metric("Step time", f"{sim.makespan_s:.2f} t_F", help="ideal (no bubble): m (t_F + t_B) = "
+               f"{sim.ideal_s:.2f} t_F")
     if comm_over_f > 0:
         st.caption("The formula leaves the transfers out; the simulation waits for each one, so its bubble "
                    "is larger.")
@@ -180,13 +181,13 @@ if len(set(view.layers_per_stage)) > 1:
     st.warning(f"{spec.layers} layers do not split evenly into {real_pp} stages "
                f"({', '.join(map(str, view.layers_per_stage))}): the stage with more layers paces the "
                f"pipeline. Choose p dividing {spec.layers}.")
-m1, m2, m3 = st.columns(3)
-m1.metric("Layers per stage", ", ".join(map(str, sorted(set(view.layers_per_stage), reverse=True))))
-# the stage in the help: "Activations on stage 0, 1F1B" was cut in a 1,024-px window
-m2.metric("Activations, 1F1B", f"{view.activation_bytes_1f1b / 1e9:,.1f} GB",
-          help=f"On stage 0, which holds the most: min(p, m) = {min(real_pp, real_m)} micro-batches held")
-m3.metric("Activations, GPipe", f"{view.activation_bytes_gpipe / 1e9:,.1f} GB",
-          help=f"On stage 0, like every stage: m = {real_m} micro-batches held")
+with metric_row():
+    metric("Layers per stage", ", ".join(map(str, sorted(set(view.layers_per_stage), reverse=True))))
+    # the stage in the help: "Activations on stage 0, 1F1B" was cut in a 1,024-px window
+    metric("Activations, 1F1B", f"{view.activation_bytes_1f1b / 1e9:,.1f} GB",
+           help=f"On stage 0, which holds the most: min(p, m) = {min(real_pp, real_m)} micro-batches held")
+    metric("Activations, GPipe", f"{view.activation_bytes_gpipe / 1e9:,.1f} GB",
+           help=f"On stage 0, like every stage: m = {real_m} micro-batches held")
 st.markdown(
     f"""
 One micro-batch (1 sequence of {spec.seq_len:,} tokens) leaves a stage as
@@ -250,12 +251,12 @@ for live in show_live("live_pp"):
     measured = measured_bubble_fraction(timeline, step)
     op = measured_op_times(timeline, step, v_live)
     predicted = simulate_schedule(name, pp_live, cfg.micro_batches, v_live, op)
-    b1, b2, b3 = st.columns(3)
     # the details in the help: "Bubble, simulated with the measured op times" was cut in a 1,024-px window
-    b1.metric("Bubble, measured", f"{measured:.3f}", help=f"On step {step}, the one the measured timeline draws")
-    b2.metric("Bubble, simulated", f"{predicted.bubble_fraction:.3f}",
-              help="The schedule simulated with the measured op times (below)")
-    b3.metric("Bubble, formula", f"{formula_bubble_fraction(name, pp_live, cfg.micro_batches, v_live):.3f}")
+    with metric_row():
+        metric("Bubble, measured", f"{measured:.3f}", help=f"On step {step}, the one the measured timeline draws")
+        metric("Bubble, simulated", f"{predicted.bubble_fraction:.3f}",
+               help="The schedule simulated with the measured op times (below)")
+        metric("Bubble, formula", f"{formula_bubble_fraction(name, pp_live, cfg.micro_batches, v_live):.3f}")
     st.caption(f"The simulation uses step {step}'s mean times per rank's layers, t_F = "
                f"{op.forward_s * 1e3:.2f} ms and t_B = {op.backward_s * 1e3:.2f} ms, and no transfer time. "
                "The measured bubble also holds every send and receive and the Python overhead around them, "

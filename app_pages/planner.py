@@ -6,6 +6,7 @@ import streamlit as st
 
 from app_pages.exercise_panel import show_exercises
 from app_pages.link_params import drop_link_values_not_taken, link_values
+from app_pages.metric_row import metric, metric_row
 from hardware.chips import CHIPS
 from planner import assumptions, estimate, make_case, search, step_time_band_s
 from planner.api import leanest
@@ -216,18 +217,16 @@ def _than_measured(error: float) -> str:
 
 
 mem = est.memory.as_dict()
-# Side by side while they fit, the rest on a row below: four columns had cut "Model TFLOP/s per chip" at a window
-# 1,024 px wide, and "77.1 GB" to "77.1 ..." at 800.
-with st.container(horizontal=True, horizontal_alignment="distribute"):
-    st.metric("Step time", format_step(est.step_time_s), width="content")
-    st.metric("MFU", f"{est.mfu * 100:,.1f} %", width="content",
+with metric_row():
+    metric("Step time", format_step(est.step_time_s))
+    metric("MFU", f"{est.mfu * 100:,.1f} %",
               help=f"Attention's scores counted over the full S x S square, the convention of Megatron-LM's "
                    f"papers (Narayanan et al. 2021) and PaLM's appendix: a causal kernel computes about half of "
                    f"it, so at long context this MFU overstates the work done and can pass 100 %. Counting the "
                    f"causal half only: {est.mfu_causal * 100:,.1f} %.")
-    st.metric("Model TFLOP/s per chip", f"{est.model_tflops_per_chip:,.0f}", width="content")
+    metric("Model TFLOP/s per chip", f"{est.model_tflops_per_chip:,.0f}")
     # no arrow: "fits" is no rise, and an arrow up beside "does not fit" read as more room
-    st.metric("Memory per chip", f"{mem['total'] / 1e9:,.1f} GB", width="content",
+    metric("Memory per chip", f"{mem['total'] / 1e9:,.1f} GB",
               delta="fits" if est.fits else "does not fit", delta_color="normal" if est.fits else "inverse",
               delta_arrow="off")
 if chip.kind == "gpu":
