@@ -140,7 +140,9 @@ def lab_link_problems(params: Mapping[str, str | list[str]], devices: Sequence[s
             bad[key] = f"at most {LAB_NUMBERS['lab_layers'][1]} letters, one per layer"
         elif key in LAB_SWITCHES and text.lower() not in ("true", "false"):  # as Streamlit reads a toggle
             bad[key] = "true or false"
-    return bad
+    # a repeated key's message quotes all its values: what it takes is one of them (a text is cut, not dropped)
+    repeated = {k for k, v in params.items() if isinstance(v, list) and len(v) > 1} - set(LAB_TEXTS)
+    return {k: "one value, " + what if k in repeated else what for k, what in bad.items()}
 
 
 def repeated_link_message(params: Mapping[str, list[str]]) -> str:

@@ -382,6 +382,6 @@ def test_a_repeated_link_key_is_said_with_the_value_the_control_took():
     assert at.number_input(key="lab_layers").value == 4 and at.toggle(key="lab_sp").value is False
     # a repeated key whose last value no control takes is ignored, quoted with all its values
     at = open_app(LAB, lab_zero=["1", "9"])
-    assert "lab_zero=`1, 9` (it takes one of 0, 1, 2, 3)" in at.info[0].value
+    assert "lab_zero=`1, 9` (it takes one value, one of 0, 1, 2, 3)" in at.info[0].value
     assert at.selectbox(key="lab_zero").value == 0
     assert repeated_link_message({"lab_steps": ["5"]}) == ""
