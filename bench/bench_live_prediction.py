@@ -1,6 +1,7 @@
 """Live-prediction benchmark: the planner's prediction of each default live run beside its measurement.
 
     .venv/bin/python bench/bench_live_prediction.py [--worlds 2 4] [--steps 10] [--repeats 3] [--cached] [--more]
+                                                    [--calibrations N]
 
 For dp, fsdp (ZeRO-3), tp + sp, pp 1F1B, cp and ep at each world (with --more, then in a second table the
 runs the targets do not name: the other pipeline schedules, other syncs and variants, Mamba, 2-D meshes):
@@ -21,6 +22,14 @@ The calibration is measured afresh unless --cached: a shared machine drifts, and
 the 2-core machine this was built on, the engine's default step at world 1 took 4.6 ms and an hour later
 7.6 ms; a calibration 15 minutes old predicted the default runs 32 % off on average (50 % at worst),
 one measured right before them 12 % (30 % at worst). Measuring takes about 70 s on 2 cores.
+
+A calibration is itself a measurement, with its own noise. With --calibrations N the machine is calibrated N
+times in a row before the runs; the tables are predicted from the last one (the closest to the runs) and
+each run is also predicted from every other at the same speed of the moment, its errors' range printed
+beside it ("calibrations") and each calibration's mean and max under the table. A change to the live model
+is judged on several calibrations, never on one: on 2 cores here eight calibrations taken within half an
+hour predicted the same measured runs 9-35 % of their step apart (4-rank pipelines the widest), and one
+change that had looked better against one calibration was worse against most of the eight.
 """
 
 from __future__ import annotations
@@ -80,20 +89,30 @@ def main(argv: list[str] | None = None) -> int:
                     help="predict from the cached calibration when it is sound instead of measuring it again")
     ap.add_argument("--remeasure", action="store_true", help="measure the calibration again (the default)")
     ap.add_argument("--more", action="store_true", help="then the runs the targets do not name (MORE_RUNS)")
+    ap.add_argument("--calibrations", type=int, default=1, metavar="N",
+                    help="calibrate N times and print the range of each run's error over them (module docstring)")
     args = ap.parse_args(argv)
+    if args.calibrations < 1 or (args.calibrations > 1 and args.cached):
+        ap.error("--calibrations takes a whole number of 1 or more, and more than 1 measures each of them: "
+                 "leave out --cached")
 
-    t0 = time.perf_counter()
-    cal, messages = ensure_calibration(args.worlds, remeasure=args.remeasure or not args.cached)
-    print(f"calibration ({time.perf_counter() - t0:.1f} s): {'; '.join(messages) or 'from the cache'}")
-    print("\n".join(f"  {line}" for line in summary_lines(cal)))
+    cals = []
+    for i in range(args.calibrations):
+        t0 = time.perf_counter()
+        cal, messages = ensure_calibration(args.worlds, remeasure=args.remeasure or not args.cached or i > 0)
+        which = f" {i + 1} of {args.calibrations}" if args.calibrations > 1 else ""
+        print(f"calibration{which} ({time.perf_counter() - t0:.1f} s): {'; '.join(messages) or 'from the cache'}")
+        cals.append(cal)
+    print("\n".join(f"  {line}" for line in summary_lines(cals[-1])))
     named = {name: (flags, None) for name, flags in DEFAULT_RUNS.items()}
     for title, runs in [("the default runs", named)] + ([("runs not named", MORE_RUNS)] if args.more else []):
-        _table(title, runs, cal, args)
+        _table(title, runs, cals, args)
     launch.shutdown_all()
     return 0
 
 
-def _table(title: str, runs: dict, cal, args) -> None:
+def _table(title: str, runs: dict, cals: list, args) -> None:
+    cal = cals[-1]  # the closest to the runs: the table's prediction
     cases = []
     for world in args.worlds:
         for name, (flags, worlds) in runs.items():
@@ -108,23 +127,28 @@ def _table(title: str, runs: dict, cal, args) -> None:
     # stall), and back-to-back repeats put a whole case in one. Each repeat is predicted at the speed of
     # the moment (the reference Block timed again right before it).
     keys = [(world, name) for world, name, _ in cases]
-    predicted, measured, speeds = ({key: [] for key in keys} for _ in range(3))
+    predicted, measured, speeds, others = ({key: [] for key in keys} for _ in range(4))
     timelines = {}
     for repeat in range(args.repeats):
         print(f"{title}: repeat {repeat + 1} of {args.repeats}", file=sys.stderr, flush=True)
         for world, name, cfg in cases:
             now, speed = at_speed_now(cal, world)  # the machine's speed drifts: its reference Block timed again
             pred = predict(cfg, now)
+            # every calibration at the same speed of the moment: the reference Block's time now, in seconds
+            alts = [predict(cfg, c.at_speed(cal.reference_s * speed)[0]).step_time_s for c in cals]
             # warm the pool, its gloo threads and the ranks' caches, cold after the other cases' runs
             run(cfg if repeat == 0 else dataclasses.replace(cfg, steps=WARM_STEPS), traced=False)
             summary, timelines[(world, name)] = run(cfg)
             steps = summary.step_times_s[1:]
             predicted[(world, name)].append((pred, len(steps)))
+            others[(world, name)].append([(p, len(steps)) for p in alts])
             measured[(world, name)] += steps
             speeds[(world, name)].append(speed)
     print(f"{'world':>5}  {'run':14s} {'speed':>5} {'predicted ms':>12} {'measured ms':>11} {'error':>7} "
-          f"{'median ms':>9} {'error':>7} {'steps ms':>11} {'faster':>6}   differs most")
+          f"{'median ms':>9} {'error':>7} {'steps ms':>11} {'faster':>6}"
+          + (f" {'calibrations':>13}" if len(cals) > 1 else "") + "   differs most")
     errors, median_errors, inside = [], [], 0
+    by_calibration = [[] for _ in cals]  # each calibration's |error| per run
     for world, name, _ in cases:
         preds, steps = predicted[(world, name)], measured[(world, name)]
         # the prediction of the whole measurement: each repeat's, weighted by its measured steps
@@ -136,14 +160,25 @@ def _table(title: str, runs: dict, cal, args) -> None:
         faster = sum(t < step_s for t in steps)  # where the prediction falls among the measured steps
         inside += 0 < faster < len(steps)
         worst = compare(preds[-1][0].timeline, timelines[(world, name)], top=1)
+        spread = ""
+        if len(cals) > 1:  # each calibration's prediction of the whole measurement, weighted as above
+            each = [sum(rep[i][0] * rep[i][1] for rep in others[(world, name)])
+                    / sum(rep[i][1] for rep in others[(world, name)]) for i in range(len(cals))]
+            errs = [(p - mean) / mean for p in each]
+            for i, e in enumerate(errs):
+                by_calibration[i].append(abs(e))
+            spread = f" {min(errs):>+6.0%}..{max(errs):<+6.0%}"
         print(f"{world:>5}  {name:14s} {statistics.mean(speeds[(world, name)]):>5.2f} {step_s * 1e3:>12.2f} "
               f"{mean * 1e3:>11.2f} {error:>+7.1%} {median * 1e3:>9.2f} {median_error:>+7.1%} "
-              f"{min(steps) * 1e3:>5.1f}-{max(steps) * 1e3:<5.1f} {faster:>3}/{len(steps):<2}   "
+              f"{min(steps) * 1e3:>5.1f}-{max(steps) * 1e3:<5.1f} {faster:>3}/{len(steps):<2}{spread}   "
               f"{worst[0]['text'] if worst else '-'}", flush=True)
     print(f"{title}, step time (the engine's, a mean): mean |error| {statistics.mean(errors):.1%}, "
           f"max {max(errors):.1%}; median step: mean |error| {statistics.mean(median_errors):.1%}, "
           f"max {max(median_errors):.1%}; {len(errors)} runs, {inside} predicted within their measured steps' "
           "range")
+    for i, errs in enumerate(by_calibration if len(cals) > 1 else []):
+        print(f"  calibration {i + 1} of {len(cals)}{' (the table)' if i == len(cals) - 1 else ''}: "
+              f"mean |error| {statistics.mean(errs):.1%}, max {max(errs):.1%}")
 
 
 if __name__ == "__main__":
