@@ -168,6 +168,19 @@ def test_posting_a_message_holds_its_sender():
     assert len(prog) == 1
 
 
+def test_a_rank_posting_a_message_takes_a_core_from_the_ranks_computing():
+    # one core: rank 0 posts for 0.2 s (its own thread writes the message) while rank 1 computes 1 s, which
+    # runs at half speed meanwhile and ends 0.1 s later than alone; with two cores, no later
+    def ends(cores: int) -> float:
+        progs = {0: [Send("send act", 2, ("act", 0), 0.25, post_s=0.2)],
+                 1: [Compute("c", 1.0)],
+                 2: [Recv("recv act", 0, ("act", 0))]}
+        return simulate(progs, cores=cores)[1][1]
+
+    assert ends(1) == pytest.approx(1.1)
+    assert ends(2) == pytest.approx(1.0)
+
+
 def test_ranks_share_the_cores():
     # two ranks computing 1 s each on one core: both at half speed, both end at 2 s
     _, ends = simulate({0: [Compute("a", 1.0)], 1: [Compute("b", 1.0)]}, cores=1)
