@@ -28,7 +28,7 @@ times in a row before the runs; the tables are predicted from the last one (the 
 each run is also predicted from every other at the same speed of the moment, its errors' range printed
 beside it ("calibrations") and each calibration's mean and max under the table. A change to the live model
 is judged on several calibrations, never on one: on 2 cores here eight calibrations taken within half an
-hour predicted the same measured runs 9-35 % of their step apart (4-rank pipelines the widest), and one
+hour predicted the same measured runs 11-35 % of their step apart (4-rank pipelines the widest), and one
 change that had looked better against one calibration was worse against most of the eight.
 """
 
