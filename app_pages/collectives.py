@@ -159,7 +159,7 @@ trees = tree_level(topology) is not None
 with metric_row():
     for op in COLLECTIVES:
         metric(COLLECTIVE_NAMES[op], format_seconds(times[op]),
-                  help="double binary trees, not the ring: see below" if op == "all_reduce" and trees else None)
+               help="double binary trees, not the ring: see below" if op == "all_reduce" and trees else None)
     metric("Crossover V* (all-gather)", format_bytes(crossover) if crossover else "none")
 if topology.fill_s and crossover and isinstance(topology, Ring | Switch):  # one level: the formula is exact
     st.caption(f"With the achievable links, the {format_seconds(topology.fill_s)} the pipeline takes to fill, once "

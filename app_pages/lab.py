@@ -17,6 +17,7 @@ from server.settings import SettingsError
 from ui.lab import (
     LAB_CHOICES,
     LAB_NUMBERS,
+    LAB_PARAMS,
     LAB_PRESETS,
     LAB_TEXTS,
     LAB_TITLES,
@@ -52,12 +53,12 @@ try:  # the Steps box goes up to this server's SHARDLAB_MAX_STEPS (a raised limi
     numbers = lab_numbers(get_queue().settings.max_steps)
 except SettingsError:  # a misconfigured server is said where the run is ("About this server")
     numbers = lab_numbers()
-lab_link = {k: st.query_params.get_all(k) for k in st.query_params if k.startswith("lab_")}
+lab_link = {k: st.query_params.get_all(k) for k in st.query_params if k in LAB_PARAMS}  # others: the app's message
 bad_link = lab_link_problems(lab_link, devices, numbers)
-if repeated := repeated_link_message({k: v for k, v in lab_link.items() if k not in bad_link}):
-    st.info(repeated, icon=":material/link:")
 # a text box takes a long text from the link cut to its length, whatever the page does: said, not dropped
 cut = {k: bad_link.pop(k) for k in LAB_TEXTS if k in bad_link}
+if repeated := repeated_link_message({k: v for k, v in lab_link.items() if k not in bad_link}):
+    st.info(repeated, icon=":material/link:")
 if bad_link:
     st.info(ignored_link_message(bad_link, link_values()), icon=":material/link_off:")
     for key in bad_link:

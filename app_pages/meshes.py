@@ -124,14 +124,14 @@ if estimate is not None:
     with metric_row():
         # "on the cluster": the live run below has a "Predicted step time" of its own, on this machine
         metric("Predicted step time (this cluster)", format_step(estimate.step_time_s),
-                  help=f"The planner's step on {mesh.world:,} {chip.name}, not the live run's on this machine "
-                       "below")
+               help=f"The planner's step on {mesh.world:,} {chip.name}, not the live run's on this machine "
+                    "below")
         metric("MFU", f"{estimate.mfu * 100:,.1f} %",
-                  help="Model FLOPs utilisation: the model's FLOPs per step (about 6 x parameters x tokens, plus "
-                       "attention) over step time x chips x each chip's peak bf16 FLOP/s.")
+               help="Model FLOPs utilisation: the model's FLOPs per step (about 6 x parameters x tokens, plus "
+                    "attention) over step time x chips x each chip's peak bf16 FLOP/s.")
         metric("Memory per chip", f"{estimate.memory.total_bytes / 1e9:,.1f} GB",
-                  delta="fits" if estimate.fits else "does not fit",
-                  delta_color="normal" if estimate.fits else "inverse")
+               delta="fits" if estimate.fits else "does not fit",
+               delta_color="normal" if estimate.fits else "inverse")
     st.markdown("\n".join(f"- {line}" for line in estimate.explanation))
     st.caption("The planner page has the full breakdown, the predicted timeline and a search over every "
                "layout of this many chips.")

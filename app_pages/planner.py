@@ -220,15 +220,15 @@ mem = est.memory.as_dict()
 with metric_row():
     metric("Step time", format_step(est.step_time_s))
     metric("MFU", f"{est.mfu * 100:,.1f} %",
-              help=f"Attention's scores counted over the full S x S square, the convention of Megatron-LM's "
-                   f"papers (Narayanan et al. 2021) and PaLM's appendix: a causal kernel computes about half of "
-                   f"it, so at long context this MFU overstates the work done and can pass 100 %. Counting the "
-                   f"causal half only: {est.mfu_causal * 100:,.1f} %.")
+           help=f"Attention's scores counted over the full S x S square, the convention of Megatron-LM's "
+                f"papers (Narayanan et al. 2021) and PaLM's appendix: a causal kernel computes about half of "
+                f"it, so at long context this MFU overstates the work done and can pass 100 %. Counting the "
+                f"causal half only: {est.mfu_causal * 100:,.1f} %.")
     metric("Model TFLOP/s per chip", f"{est.model_tflops_per_chip:,.0f}")
     # no arrow: "fits" is no rise, and an arrow up beside "does not fit" read as more room
     metric("Memory per chip", f"{mem['total'] / 1e9:,.1f} GB",
-              delta="fits" if est.fits else "does not fit", delta_color="normal" if est.fits else "inverse",
-              delta_arrow="off")
+           delta="fits" if est.fits else "does not fit", delta_color="normal" if est.fits else "inverse",
+           delta_arrow="off")
 if chip.kind == "gpu":
     st.caption("Read the step time as the best this layout could do: on published runs of dense models on "
                "H100 and A100 GPUs the planner predicts faster steps (higher MFU) than were measured; "

@@ -134,19 +134,20 @@ def _table(title: str, runs: dict, cals: list, args) -> None:
         for world, name, cfg in cases:
             now, speed = at_speed_now(cal, world)  # the machine's speed drifts: its reference Block timed again
             pred = predict(cfg, now)
-            # every calibration at the same speed of the moment: the reference Block's time now, in seconds
-            alts = [predict(cfg, c.at_speed(cal.reference_s * speed)[0]).step_time_s for c in cals]
             # warm the pool, its gloo threads and the ranks' caches, cold after the other cases' runs
             run(cfg if repeat == 0 else dataclasses.replace(cfg, steps=WARM_STEPS), traced=False)
             summary, timelines[(world, name)] = run(cfg)
             steps = summary.step_times_s[1:]
+            # every calibration at the same speed of the moment (the reference Block's time then, in seconds),
+            # predicted after the run so as not to widen the gap between the speed check and the run
+            alts = [predict(cfg, c.at_speed(cal.reference_s * speed)[0]).step_time_s for c in cals]
             predicted[(world, name)].append((pred, len(steps)))
             others[(world, name)].append([(p, len(steps)) for p in alts])
             measured[(world, name)] += steps
             speeds[(world, name)].append(speed)
     print(f"{'world':>5}  {'run':14s} {'speed':>5} {'predicted ms':>12} {'measured ms':>11} {'error':>7} "
           f"{'median ms':>9} {'error':>7} {'steps ms':>11} {'faster':>6}"
-          + (f" {'calibrations':>13}" if len(cals) > 1 else "") + "   differs most")
+          + (f" {'calibrations':>14}" if len(cals) > 1 else "") + "   differs most")
     errors, median_errors, inside = [], [], 0
     by_calibration = [[] for _ in cals]  # each calibration's |error| per run
     for world, name, _ in cases:

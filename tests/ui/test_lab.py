@@ -385,3 +385,8 @@ def test_a_repeated_link_key_is_said_with_the_value_the_control_took():
     assert "lab_zero=`1, 9` (it takes one value, one of 0, 1, 2, 3)" in at.info[0].value
     assert at.selectbox(key="lab_zero").value == 0
     assert repeated_link_message({"lab_steps": ["5"]}) == ""
+    # a key no control reads is not said to be taken; a repeated pattern cut to the box's length is said as both
+    at = open_app(LAB, lab_foo=["a", "b"], lab_arch="hybrid", lab_pattern=["MA", "A" * 40])
+    said = " ".join(i.value for i in at.info)
+    assert "lab_foo" not in said and "lab_pattern 2 values" in said
+    assert any("longer than the box takes" in w.value for w in at.warning)
