@@ -15,10 +15,19 @@ from ui.timeline import KIND_COLORS, legend_marker
 TITLE_LINE_CHARS = 60
 
 
+TITLE_LINE_PX = 20  # one line of a chart title at Plotly's default title font
+
+
 def wrap_title(text: str, chars: int = TITLE_LINE_CHARS) -> str:
     """`text` in lines of at most `chars` characters, joined by <br>: Plotly's titles and annotations do not
     wrap, and a long one ran past the chart's right edge in a narrow window."""
     return "<br>".join(textwrap.wrap(text, chars))
+
+
+def title_extra_px(title: str, line_px: int = TITLE_LINE_PX) -> int:
+    """The height a title's lines after its first take (lines split by <br>, `line_px` each): a chart adds it to
+    its height and its top margin, so a title wrapped for a narrow window neither shrinks the plot nor lies on it."""
+    return line_px * title.count("<br>")
 
 PALETTE = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#FF9DA6", "#9D755D",
            "#BAB0AC", "#EECA3B", "#1F77B4", "#2CA02C"]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import plotly.graph_objects as go
 
-from ui.charts import PALETTE, log_axis, wrap_title
+from ui.charts import PALETTE, log_axis, title_extra_px, wrap_title
 from ui.tables import format_seconds
 from ui.timeline import KIND_COLORS
 
@@ -356,7 +356,8 @@ def _title(step: RingStep) -> dict:
 
 def _caption_px(steps: list[RingStep]) -> int:
     """The top margin that holds the longest step caption, wrapped, above the ring."""
-    return 20 + CAPTION_LINE_PX * max(wrap_title(s.caption, CAPTION_CHARS).count("<br>") + 1 for s in steps)
+    return 20 + CAPTION_LINE_PX + max(title_extra_px(wrap_title(s.caption, CAPTION_CHARS), CAPTION_LINE_PX)
+                                      for s in steps)
 
 
 def _dynamic_traces(step: RingStep, collective: str, n: int) -> list[go.Scatter]:

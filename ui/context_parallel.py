@@ -22,7 +22,7 @@ from hardware.chips import Chip
 from hardware.collectives import group_topology
 from hardware.kernels import best_flash_kernel, flash_attention_s
 from planner.models import ModelSpec
-from ui.charts import log_axis, wrap_title
+from ui.charts import log_axis, title_extra_px, wrap_title
 from ui.tensor_parallel import rank_color
 from ui.timeline import KIND_COLORS
 
@@ -245,9 +245,9 @@ def overlap_figure(spec: ModelSpec, chip: Chip, cp: int, seq_len: int, stride: i
     # on lines that fit a narrow window: on one line the title ran past the chart's right edge
     title = (wrap_title(f"{spec.name} on {chip.name}, cp = {cp}: one ring step of one layer")
              + f"<br>(dotted line: your S = {seq_label(seq_len)}, the transfer {state} there)")
-    lines = title.count("<br>") + 1
+    extra = title_extra_px(title)
     fig.update_layout(title=title,
-                      height=360 + 20 * lines, margin={"l": 10, "r": 10, "t": 30 + 20 * lines, "b": 10},
+                      height=380 + extra, margin={"l": 10, "r": 10, "t": 50 + extra, "b": 10},
                       xaxis={"title": "sequence length S (tokens)", "type": "log", "tickvals": x,
                              "ticktext": [seq_label(s) for s in x]},
                       # 1-2-5 ticks with their values written out: Plotly's own label every minor tick

@@ -33,7 +33,7 @@ from hardware.kernels import matmul_s
 from planner.costs import group_links_chip
 from planner.flops import active_params, layer_params, total_params
 from planner.models import MODEL_PRESETS, ModelSpec
-from ui.charts import log_axis, span_legend, wrap_title
+from ui.charts import log_axis, span_legend, title_extra_px, wrap_title
 from ui.tensor_parallel import rank_color
 from ui.timeline import KIND_COLORS
 
@@ -257,10 +257,11 @@ def load_figure(tokens_per_expert, dropped_per_expert, ep: int, capacity_line: i
                          hovertemplate="%{x}: %{y} rows<extra></extra>"), row=1, col=2)
     _lines(fig, [f"rank {r}" for r in (0, ep - 1)], [(float(np.mean(ranks)), None, balanced)], col=2)
     lines = wrap_title(title)
+    extra = title_extra_px(lines)
     # the title hangs from the top, its lines clear of the panels' titles; the legend clear of "expert"
-    fig.update_layout(barmode="stack", height=360 + 20 * lines.count("<br>"), bargap=0.15,
+    fig.update_layout(barmode="stack", height=360 + extra, bargap=0.15,
                       title={"text": lines, "y": 1, "yref": "container", "yanchor": "top", "pad": {"t": 12}},
-                      margin={"l": 10, "r": 10, "t": 60 + 20 * lines.count("<br>"), "b": 10},
+                      margin={"l": 10, "r": 10, "t": 60 + extra, "b": 10},
                       legend={"orientation": "h", "y": -0.28})
     fig.update_xaxes(title_text="expert", row=1, col=1)
     return fig
@@ -376,8 +377,8 @@ def cost_figure(rows: list[dict], chosen_ep: int, domain: int, title: str, unit:
         fig.add_trace(span_legend(f"shaded: the ep group spans several {domain}-chip {unit}s", SPAN_COLOR))
     values = [r[k] * 1e3 for r in rows for k in ("compute_s", "a2a_s", "a2a_spread_s") if r[k] > 0]
     lines = wrap_title(title)
-    fig.update_layout(height=400 + 20 * lines.count("<br>"), title=lines,
-                      margin={"l": 10, "r": 10, "t": 50 + 20 * lines.count("<br>"), "b": 10},
+    extra = title_extra_px(lines)
+    fig.update_layout(height=400 + extra, title=lines, margin={"l": 10, "r": 10, "t": 50 + extra, "b": 10},
                       xaxis={"type": "log", "tickvals": eps, "title": "expert-parallel degree ep"},
                       yaxis=log_axis(values, title="ms per MoE layer per micro-batch") if values else
                       {"type": "log", "title": "ms per MoE layer per micro-batch"},
