@@ -45,7 +45,7 @@ def _metric(at: AppTest, label: str) -> str:
 # characters of a metric's label ("Bubble fraction (formula)", 25, read "Bubble fraction (form..."); a chart
 # title's line in the 468-px plot, about 55 characters at Plotly's title size.
 METRIC_LABEL_CHARS = 20
-TITLE_LINE_CHARS = 55
+HALF_PLOT_TITLE_CHARS = 55  # a half-width plot: fewer than ui.charts.TITLE_LINE_CHARS (a full-width one)
 
 
 def _holds(node, key: str) -> bool:
@@ -167,7 +167,7 @@ def test_activations_held_1f1b_against_gpipe():
     assert [t.marker.opacity for t in fig.data] == [0.35, 1.0, 0.35]  # the bars faded, not their numbers
     assert list(fig.data[1].y) == [4, 3, 2, 1]
     # in one line the title ran past the plot's right edge in a 1,024-px window
-    assert max(len(line) for line in fig.layout.title.text.split("<br>")) <= TITLE_LINE_CHARS
+    assert max(len(line) for line in fig.layout.title.text.split("<br>")) <= HALF_PLOT_TITLE_CHARS
 
 
 def test_real_chip_view_follows_the_planner():
