@@ -69,13 +69,14 @@ in which order each stage runs the forward (F) and backward (B) of its micro-bat
 The bubble fraction is the idle time over the ideal compute time m (t_F + t_B) (Narayanan et al. 2021 eq. 1):
 """
 )
-c1, c2, c3 = st.columns(3)
+c1, c2 = st.columns(2)
 c1.markdown("GPipe and 1F1B")
 c1.latex(r"\text{bubble} = " + formula_latex("1f1b"))
 c2.markdown("Interleaved 1F1B, v chunks per chip")
 c2.latex(r"\text{bubble} = " + formula_latex("interleaved-1f1b"))
-c3.markdown("ZB-H1 (m ≥ p)")
-c3.latex(r"\text{bubble} = " + formula_latex("zb-h1"))
+# a row of its own: in a third of the page the formula ran past its column (cut at 1,280 px and at 800)
+st.markdown("ZB-H1 (m ≥ p)")
+st.latex(r"\text{bubble} = " + formula_latex("zb-h1"))
 st.markdown("With t_F = t_BI = t_BW the ZB-H1 bubble is (p - 1)/(3m), a third of 1F1B's "
             "(Qi et al. 2023 §2.1).")
 

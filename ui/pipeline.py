@@ -231,7 +231,8 @@ def in_flight_figure(sims: dict[str, Simulation], chosen: str) -> go.Figure:
             text=[f"{h:g}" for h in held], textposition="outside", textfont={"color": "#333"},
             hovertemplate=f"{SCHEDULE_LABELS[name]}, %{{x}}: %{{y:g}} micro-batches<extra></extra>",
         ))
-    fig.update_layout(barmode="group", height=340, yaxis_title="micro-batches of activations held (peak)",
+    # the axis title short: "micro-batches of activations held (peak)" rose past the plot into the title
+    fig.update_layout(barmode="group", height=340, yaxis_title="micro-batches held (peak)",
                       # two lines: in one, the title ran past the plot's right edge in a 1,024-px window
                       title="Activation memory: micro-batches whose forward<br>ran and whose backward has not",
                       margin={"l": 10, "r": 10, "t": 70, "b": 10}, legend={"orientation": "h", "y": -0.15})
