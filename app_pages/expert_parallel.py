@@ -31,7 +31,6 @@ from ui.expert_parallel import (
 )
 from ui.state import ignored_link_message
 from ui.tables import count, format_bytes, format_seconds
-from ui.timeline import KIND_COLORS
 
 TOKENS = [64, 128, 256, 512, 1024, 2048]
 EXPERTS = [4, 6, 8, 16, 32, 64, 128, 256]
@@ -301,7 +300,7 @@ st.markdown(" ".join(lines))
 if model_ep > 1:
     ep_links = group_links_chip(chip, model_ep, choices.num_chips)  # a TPU's: the job's slice
     bound = expert_parallel_bound(spec, ep_links, tokens, model_ep)
-    st.plotly_chart(bound_figure(bound, f"The bound meter at ep = {model_ep}", KIND_COLORS["all_to_all"]),
+    st.plotly_chart(bound_figure(bound, f"The bound meter at ep = {model_ep}"),
                     key="ep_bound")
     link = (f"across {unit}s an all-to-all cannot reduce inside the {unit} first, so each GPU's own network card "
             "is the link" if gpu and model_ep > domain else f"here it runs over {bound.link}")

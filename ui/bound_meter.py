@@ -6,11 +6,16 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from planner.bounds import Bound
-from ui.timeline import KIND_COLORS
+from ui.charts import BREAKDOWN_STYLE
+from ui.tables import three_figures
 
-# One colour for the communication on every meter, whatever its collectives: the meters set math against
-# communication, and a colour per strategy would read as a different kind of thing on each lesson.
-MATH_COLOR, COMM_COLOR = KIND_COLORS["forward"], KIND_COLORS["other comm"]
+# The math in the compute colour; the communication in its collective's colour as the planner's breakdown and
+# the step timelines draw it (ui.charts.BREAKDOWN_STYLE): a gradient all-reduce in the all-reduce's colour, the
+# same on the meter as on the live timeline beside it. (One colour for every meter had drawn data parallel's
+# all-reduce yellow and the live run's purple on one page.)
+MATH_COLOR = BREAKDOWN_STYLE["compute"][1]
+COMM_COLOR = {strategy: BREAKDOWN_STYLE[key][1]
+              for strategy, key in {"dp": "dp_comm", "fsdp": "zero3_comm", "tp": "tp_comm", "ep": "ep_comm"}.items()}
 WHAT = {"dp": ("backward math", "gradient all-reduce"), "fsdp": ("forward math", "weight all-gather"),
         "tp": ("MLP math per pass", "activation all-gather + reduce-scatter"),
         "ep": ("expert math (forward)", "dispatch + combine all-to-all")}
@@ -18,16 +23,17 @@ WHAT = {"dp": ("backward math", "gradient all-reduce"), "fsdp": ("forward math",
 PER = {"dp": "layer", "fsdp": "layer", "tp": "MLP pass", "ep": "layer"}
 
 
-def bound_figure(bound: Bound, what: str, comm_color: str = COMM_COLOR) -> go.Figure:
-    """Titled "<what>: compute-bound" (or communication-bound); `comm_color`: the communication bar's colour
-    where a lesson's charts already draw its collective in its own (the all-to-all's, ui.timeline.KIND_COLORS)."""
+def bound_figure(bound: Bound, what: str) -> go.Figure:
+    """Titled "<what>: compute-bound" (or communication-bound), each bar in its work's colour (COMM_COLOR)."""
     math_label, comm_label = WHAT[bound.strategy]
     longest = max(bound.math_s, bound.comm_s)
     scale, unit = (1e3, "ms") if longest >= 1e-3 else (1e6, "µs")
     fig = go.Figure()
-    for label, seconds, color in ((math_label, bound.math_s, MATH_COLOR), (comm_label, bound.comm_s, comm_color)):
+    bars = ((math_label, bound.math_s, MATH_COLOR), (comm_label, bound.comm_s, COMM_COLOR[bound.strategy]))
+    for label, seconds, color in bars:
+        # three figures, as the lessons' tables say the same times ("365 µs" had read "364.79 µs" on the meter)
         fig.add_trace(go.Bar(y=[label], x=[seconds * scale], orientation="h", marker_color=color,
-                             text=[f"{seconds * scale:,.2f} {unit}"], textposition="outside", cliponaxis=False,
+                             text=[three_figures(seconds * scale, unit)], textposition="outside", cliponaxis=False,
                              showlegend=False))
     # The verdict and the axis title's basis each on a line of their own: on one line both ran past the chart's
     # edges where a meter has half the page (data parallel's two) or a window is narrow.

@@ -63,7 +63,7 @@ def format_bytes(nbytes: float) -> str:
     return f"{nbytes:.0f} B"
 
 
-def _three_figures(value: float, unit: str) -> str:
+def three_figures(value: float, unit: str) -> str:
     """`value` to three significant figures, a thousand or more whole and with separators ("1,234 h")."""
     return f"{value:,.0f} {unit}" if float(f"{value:.3g}") >= 1000 else f"{value:.3g} {unit}"
 
@@ -73,7 +73,7 @@ def format_seconds(seconds: float) -> str:
     rounding, so 0.99996 s reads "1 s" (not "1e+03 ms") and 119.96 s "2 min" (not "120 s")."""
     rounded = float(f"{seconds:.3g}")
     if rounded >= 7200:  # a student reads hours, not 5.72e+04 s
-        return _three_figures(seconds / 3600, "h")
+        return three_figures(seconds / 3600, "h")
     if rounded >= 120:
         return f"{seconds / 60:.3g} min"
     if rounded >= 1:
@@ -100,7 +100,7 @@ def format_step(seconds: float, unit_of: float | None = None) -> str:
     (a metric's column is narrow). `unit_of`: the step whose unit (`step_unit`) this time is said in, so that a
     span of steps around it reads in the unit the step does."""
     scale, unit = step_unit(seconds if unit_of is None else unit_of)
-    return f"{seconds:,.2f} s" if unit == "s" else _three_figures(seconds / scale, unit)
+    return f"{seconds:,.2f} s" if unit == "s" else three_figures(seconds / scale, unit)
 
 
 def _decimal(value: float, unit: str, prefixes: tuple[tuple[str, float], ...]) -> str:

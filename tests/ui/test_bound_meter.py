@@ -1,5 +1,5 @@
-"""The bound meter (ui/bound_meter.py): the rule in readable units and one colour for communication on every
-lesson's meter."""
+"""The bound meter (ui/bound_meter.py): the rule in readable units, and each meter's communication in its
+collective's colour, as the planner's breakdown and the step timelines draw it."""
 
 import re
 
@@ -8,8 +8,9 @@ import pytest
 from hardware.chips import CHIPS
 from planner.bounds import cross_pod_bound, data_parallel_bound, expert_parallel_bound, tensor_parallel_bound
 from planner.models import MODEL_PRESETS
-from ui.bound_meter import COMM_COLOR, MATH_COLOR, bound_figure, verdict_text
+from ui.bound_meter import bound_figure, verdict_text
 from ui.tables import format_bytes_per_s, format_flops, format_flops_per_s
+from ui.timeline import KIND_COLORS
 
 SCIENTIFIC = re.compile(r"\de[+-]\d")  # 9.89e+14: not for students
 
@@ -32,12 +33,17 @@ def test_the_rule_says_c_over_w_in_tflops_and_gbs():
 
 
 @pytest.mark.parametrize("chip", ["h100", "tpu-v5p"])
-def test_every_meter_draws_communication_in_one_colour(chip):
+def test_every_meter_draws_its_communication_in_its_collectives_colour(chip):
+    """The data-parallel page had drawn its meter's gradient all-reduce yellow beside a live timeline that draws
+    all-reduces purple."""
     c, llama, mixtral = CHIPS[chip], MODEL_PRESETS["Llama 3 8B"], MODEL_PRESETS["Mixtral 8x7B"]
-    bounds = [data_parallel_bound(llama, c, 4096, 8), data_parallel_bound(llama, c, 4096, 8, fsdp=True),
-              tensor_parallel_bound(llama, c, 4096, 4), expert_parallel_bound(mixtral, c, 4096, 8)]
-    colours = {tuple(bar.marker.color for bar in bound_figure(b, "x").data) for b in bounds}
-    assert colours == {(MATH_COLOR, COMM_COLOR)}
+    bounds = {"all_reduce": data_parallel_bound(llama, c, 4096, 8),
+              "all_gather": data_parallel_bound(llama, c, 4096, 8, fsdp=True),
+              "reduce_scatter": tensor_parallel_bound(llama, c, 4096, 4),  # as the planner's breakdown draws TP's
+              "all_to_all": expert_parallel_bound(mixtral, c, 4096, 8)}
+    for kind, bound in bounds.items():
+        colours = [bar.marker.color for bar in bound_figure(bound, "x").data]
+        assert colours == [KIND_COLORS["forward"], KIND_COLORS[kind]]
 
 
 def test_the_meter_fits_half_a_narrow_page():

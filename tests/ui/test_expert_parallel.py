@@ -449,12 +449,11 @@ def test_the_verdict_names_the_link_the_bound_uses(chip, ep, nic):
 
 def test_the_bound_meter_draws_the_all_to_all_in_its_own_colour():
     from planner.bounds import expert_parallel_bound
-    from ui.bound_meter import COMM_COLOR, bound_figure
+    from ui.bound_meter import bound_figure
     from ui.timeline import KIND_COLORS
 
     bound = expert_parallel_bound(MIXTRAL, CHIPS["h100"], 4096, 8)
-    assert bound_figure(bound, "t").data[1].marker.color == COMM_COLOR == KIND_COLORS["other comm"]  # callers as before
-    assert bound_figure(bound, "t", KIND_COLORS["all_to_all"]).data[1].marker.color == KIND_COLORS["all_to_all"]
+    assert bound_figure(bound, "t").data[1].marker.color == KIND_COLORS["all_to_all"]
     at = open_app(PAGE)
     bars = [t["marker"]["color"] for t in _chart(at, "ep_bound")["data"]]
     assert bars == [KIND_COLORS["forward"], KIND_COLORS["all_to_all"]]
