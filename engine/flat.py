@@ -127,14 +127,23 @@ class ShardedStrategy(Strategy):
     def finish_grads(self) -> None:
         """Wait for the gradient reduce-scatters, sum the micro-batches' parts, sum over the replicas'
         axes, divide by the number of local losses."""
-        for u, handle, _ in self.pending:
-            part = handle.wait()
-            u.grad_shard = part if u.grad_shard is None else u.grad_shard.add_(part)
+        parts = [(u, handle.wait()) for u, handle, _ in self.pending]
         self.pending = []
-        for u in self.flat:
-            if u.replicate is not None:
-                self.comm.all_reduce(u.grad_shard, u.replicate, name="all_reduce grad shards")
-            u.grad_shard.div_(self.replicas)
+        # the sums and divisions as spans, as planner.live predicts them ("finish grads"): untraced, their time had
+        # counted as waiting in the measured run. A shard summed over replicas is divided after that sum, as before.
+        with self.rec.compute("finish grads"):
+            for u, part in parts:
+                u.grad_shard = part if u.grad_shard is None else u.grad_shard.add_(part)
+            for u in self.flat:
+                if u.replicate is None:
+                    u.grad_shard.div_(self.replicas)
+        replicated = [u for u in self.flat if u.replicate is not None]
+        for u in replicated:
+            self.comm.all_reduce(u.grad_shard, u.replicate, name="all_reduce grad shards")
+        if replicated:
+            with self.rec.compute("finish grads"):
+                for u in replicated:
+                    u.grad_shard.div_(self.replicas)
 
     def step(self, step: int) -> None:
         with self.rec.compute("optimizer step"):

@@ -654,12 +654,17 @@ def compare(predicted: Timeline, measured: Timeline, top: int = 3) -> list[dict]
         ps, ms = p.get(key, 0.0), m.get(key, 0.0)
         if abs(ms - ps) < 50e-6 or abs(ms - ps) < 0.1 * max(ps, ms):
             continue
-        # a few microseconds of prediction (the event simulation's rounding) is none: no 1e9x ratios
+        # a few microseconds of prediction (the event simulation's rounding) is none: no 1e9x ratios; and none
+        # measured is said so, not "took 0.0x its predicted time (0.00 ms against 0.18 ms)"
         has = ps >= NEGLIGIBLE_S
         ratio = ms / ps if has else math.inf
-        text = (f"{key} took {ratio:.1f}x its predicted time ({ms * 1e3:.2f} ms against {ps * 1e3:.2f} ms "
-                "per rank per step)" if has else f"{key} took {ms * 1e3:.2f} ms per rank per step; "
-                "the prediction has none")
+        if not has:
+            text = f"{key} took {ms * 1e3:.2f} ms per rank per step; the prediction has none"
+        elif ms < NEGLIGIBLE_S:
+            text = f"{key}: the prediction has {ps * 1e3:.2f} ms per rank per step; the run measured none"
+        else:
+            text = (f"{key} took {ratio:.1f}x its predicted time ({ms * 1e3:.2f} ms against {ps * 1e3:.2f} ms "
+                    "per rank per step)")
         rows.append({"what": key, "predicted_s": ps, "measured_s": ms, "ratio": ratio, "text": text})
     rows.sort(key=lambda r: -abs(r["measured_s"] - r["predicted_s"]))
     return rows[:top]
@@ -1241,7 +1246,7 @@ class _Program:
             in_buckets = sum(len(members) for _, members, _ in plan)
             r.compute("finish grads", (len(plan) + len(all_params) - in_buckets) * c.tiny)
         buffers = [buf for u in self.held for buf in self._flat_buffers(u)] if self.flat else []
-        if self.stage in (1, 2, 3) and self.dp > 1:
+        if self.flat:  # engine/flat.py finish_grads: each buffer's sum of parts and division, whatever dp
             r.compute("finish grads", 2 * len(buffers) * c.tiny)
         for nbytes, kind in buffers:  # each shard's gradient summed over its replicas (HSDP, cp, ep), where any
             replicas = self.g["replicas expert" if kind == "dp expert" else "replicas"]

@@ -164,6 +164,16 @@ def test_compare_calls_a_few_predicted_microseconds_none():
     assert rows[0]["text"].endswith("the prediction has none")
 
 
+def test_compare_says_a_kind_of_work_the_run_did_not_measure():
+    # the data-parallel page had read "other compute took 0.0x its predicted time (0.00 ms against 0.18 ms ...)"
+    pred = _tl([Span(0, "compute", "fwd L0", 0.0, 1e-3), Span(0, "comm", "all_reduce", 1e-3, 3e-3, group="dp")],
+               source="predicted")
+    meas = _tl([Span(0, "compute", "fwd L0", 0.0, 1e-3, step=s) for s in (0, 1)])
+    rows = compare(pred, meas)
+    assert [r["text"] for r in rows] == ["gloo all-reduce (dp): the prediction has 2.00 ms per rank per step; the "
+                                         "run measured none"]
+
+
 def test_the_planner_never_imports_the_engine_package():
     # the torch-free core (mesh, timeline, schedules) is below both; the planner reads a RunConfig by attribute
     code = ("import sys, planner.api, planner.live, planner.layout_search, planner.timeline, planner.simulate; "
