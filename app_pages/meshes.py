@@ -8,6 +8,7 @@ from app_pages.exercise_panel import show_exercises
 from app_pages.live_panel import run_live, show_live
 from app_pages.metric_row import metric, metric_row
 from core.mesh import Mesh
+from core.mesh import label as axes_label
 from hardware.chips import CHIPS
 from planner.bounds import cross_pod_bound, fsdp_tp_tradeoff
 from planner.case import Cluster, Parallel, SpecError, mesh_parallel
@@ -212,7 +213,11 @@ if report is not None and (report.case.cluster.num_chips, report.case.model.name
                 st.session_state[axis] = degree
             st.session_state["mesh_preset"] = options[0]
 
-        st.button("Apply the fastest to the sidebar", on_click=_apply_layout, key="mesh_apply_best")
+        best = sidebar_mesh(report.ranked[0].result.layout)
+        if which == options[0] and Mesh(best).axes == mesh.axes:  # a button that visibly did nothing
+            st.caption(f"The fastest mesh, {axes_label(best)}, is the sidebar's already.")
+        else:
+            st.button("Apply the fastest to the sidebar", on_click=_apply_layout, key="mesh_apply_best")
     else:
         st.warning("No layout fits in memory: use more chips, a chip with more HBM, or a smaller model.")
 

@@ -202,13 +202,19 @@ def sidebar_mesh(layout) -> dict[str, int]:
 def search_rows(report) -> list[dict]:
     """One row per ranked layout of a planner search (planner.api.SearchReport), in the sidebar's axes."""
     rows = []
+    piped = any(r.result.layout.pp > 1 for r in report.ranked)  # a schedule column only where one has stages
     for i, r in enumerate(report.ranked, start=1):
         lay, mesh = r.result.layout, sidebar_mesh(r.result.layout)
         rows.append({"rank": i, "mesh": label(mesh),
                      "ZeRO": lay.zero_stage, "step s": round(r.result.step_time_s, 3),
-                     "MFU %": round(100 * r.result.mfu, 1), "GB/chip": round(r.result.memory.total_bytes / 1e9, 1),
-                     "schedule": f"{lay.pp_schedule} v={lay.virtual_stages}" if lay.pp > 1 else ""})
+                     "MFU %": round(100 * r.result.mfu, 1), "GB/chip": round(r.result.memory.total_bytes / 1e9, 1)}
+                    | ({"schedule": _schedule_words(lay)} if piped else {}))
     return rows
+
+
+def _schedule_words(lay) -> str:
+    """A layout's pipeline schedule ("interleaved-1f1b v=2"), "" without stages."""
+    return f"{lay.pp_schedule} v={lay.virtual_stages}" if lay.pp > 1 else ""
 
 
 
@@ -240,16 +246,18 @@ def tradeoff_figure(t: FsdpTpTradeoff) -> go.Figure:
                       annotation={"text": f"X_opt = {t.x_opt:,.1f}", "showarrow": False, "yanchor": "bottom"})
     fig.update_layout(xaxis={"type": "log", "title": "X, the FSDP degree (Y = N / X tensor parallel)",
                              "tickvals": x, "ticktext": [f"{v:,}" for v in x]},
-                      yaxis={"type": "log", "title": "per layer's forward (µs)", "dtick": 1}, height=400,
-                      legend={"orientation": "h", "y": -0.3}, margin={"t": 30})
+                      yaxis={"type": "log", "title": "time per layer's forward (µs)", "dtick": 1}, height=430,
+                      title="Communication against math, per layer's forward",
+                      legend={"orientation": "h", "y": -0.3}, margin={"t": 60})
     return fig
 
 
 def search_figure(report) -> go.Figure:
     """The ranked layouts of a planner search: step time (bars) and memory per chip (markers, right axis)."""
     def name(i: int, lay) -> str:
-        schedule = f" {lay.pp_schedule} v={lay.virtual_stages}" if lay.pp > 1 else ""
-        return f"{i}. {label(sidebar_mesh(lay))}{schedule}"
+        # with the ZeRO stage: two layouts of one mesh had read alike ("2. dp=4,cp=2" and "4. dp=4,cp=2")
+        schedule = f" {_schedule_words(lay)}" if lay.pp > 1 else ""
+        return f"{i}. {label(sidebar_mesh(lay))}{schedule}, ZeRO-{lay.zero_stage}"
 
     names = [name(i, r.result.layout) for i, r in enumerate(report.ranked, start=1)]
     fig = go.Figure()
@@ -261,8 +269,9 @@ def search_figure(report) -> go.Figure:
                              marker={"color": KIND_COLORS["other compute"], "size": 12, "symbol": "diamond"},
                              hovertemplate="%{x}<br>%{y:.1f} GB per chip<extra></extra>"))
     fig.update_layout(yaxis={"title": "step time (s)", "rangemode": "tozero"},
+                      # its own round ticks (synced to the step axis they had read 16.2, 32.4, ...), no grid of its own
                       yaxis2={"title": "memory per chip (GB)", "overlaying": "y", "side": "right",
-                              "rangemode": "tozero"},
+                              "rangemode": "tozero", "tickmode": "auto", "showgrid": False},
                       height=360, legend={"orientation": "h", "y": -0.35}, margin={"t": 30})
     return fig
 

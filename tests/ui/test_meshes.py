@@ -1,6 +1,7 @@
 """The N-D mesh lesson: how each axis lands on the hardware (strides and placements against hand-worked
 numbers), the published layouts, "apply" setting the sidebar, the exercise, and the scaled-down live run."""
 
+import json
 import re
 
 import pytest
@@ -155,11 +156,16 @@ def test_apply_loads_the_preset_into_the_sidebar():
 
 
 def test_search_ranks_layouts_and_apply_loads_the_fastest():
-    at = open_app(PAGE, model="Llama 3 8B", chip="h100", dp="8")
+    at = open_app(PAGE, model="Llama 3 8B", chip="h100", dp="4", tp="2")
     at.button(key="mesh_search").click().run()
     assert not at.exception, [e.value for e in at.exception]
     table = next(d.value for d in at.dataframe if "rank" in d.value.columns)
     assert list(table["rank"]) == [1, 2, 3, 4, 5] and list(table["step s"]) == sorted(table["step s"])
+    assert "schedule" not in table.columns  # no layout here has pipeline stages: the column had stood empty
+    bars = next(c for c in at.get("plotly_chart") if "mesh_search_chart" in str(c.proto.id))
+    names = json.loads(bars.proto.spec)["data"][0]["x"]
+    # two layouts of one mesh had read alike ("2. dp=4,cp=2" and "4. dp=4,cp=2"): their ZeRO stages differ
+    assert len(set(names)) == len(names) and all(", ZeRO-" in n for n in names)
     assert len(at.get("plotly_chart")) >= 3  # the groups, the FSDP-TP trade-off, the ranked layouts
     # the planner page's words: "125 layouts considered, 244 simulated" had read as a contradiction
     assert any("simulations of them and their ZeRO and recomputation variants" in c.value for c in at.caption)
@@ -167,6 +173,10 @@ def test_search_ranks_layouts_and_apply_loads_the_fastest():
     at.button(key="mesh_apply_best").click().run()
     assert not at.exception, [e.value for e in at.exception]
     assert {a: at.session_state[a] for a in ("dp", "tp", "pp", "cp", "ep")} == sidebar_mesh(best)
+    # applied, the fastest is the sidebar's mesh: the page says so, with no button that would do nothing
+    at.button(key="mesh_search").click().run()
+    assert not any(getattr(b, "key", None) == "mesh_apply_best" for b in at.button)
+    assert any("is the sidebar's already" in c.value for c in at.caption)
 
 
 def test_sidebar_mesh_carves_ep_out_of_dp():
