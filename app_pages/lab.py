@@ -132,14 +132,16 @@ ssm_groups = _model_number(c[2], LAB_TITLES["lab_ssm_groups"], "lab_ssm_groups",
 ssm_chunk = _model_number(c[3], LAB_TITLES["lab_ssm_chunk"], "lab_ssm_chunk", disabled=arch == "transformer",
                           help="the chunked scan's chunk length; divides the sequence (and each context-parallel "
                                "slice)")
-c = st.columns(5)
+# the boxes level at the bottom: at 800 px "Attention heads" and "Sequence length" wrap and had pushed their
+# boxes below the row's others; the MLP choice wider, as at 800 px it read "dens"
+c = st.columns(5, vertical_alignment="bottom")
 layers = _model_number(c[0], LAB_TITLES["lab_layers"], "lab_layers")
 hidden = _model_number(c[1], LAB_TITLES["lab_hidden"], "lab_hidden")
 heads = _model_number(c[2], LAB_TITLES["lab_heads"], "lab_heads")
 kv_heads = _model_number(c[3], LAB_TITLES["lab_kv_heads"], "lab_kv_heads",
                          help="grouped-query attention: each KV head serves heads / kv_heads query heads")
 ffn = _model_number(c[4], LAB_TITLES["lab_ffn"], "lab_ffn")
-c = st.columns(5)
+c = st.columns([1, 1, 1.5, 1, 1], vertical_alignment="bottom")
 vocab = _model_number(c[0], LAB_TITLES["lab_vocab"], "lab_vocab")
 seq_len = _model_number(c[1], LAB_TITLES["lab_seq"], "lab_seq")
 mlp = _choice(c[2], LAB_TITLES["lab_mlp"], "lab_mlp")
@@ -244,10 +246,10 @@ try:  # with this server's time limit, as the run above gets it: one command eve
     as_run = get_queue().as_run(cfg)
 except SettingsError:  # a misconfigured server is said where the run is; the command stands without it
     as_run = cfg
-st.code(command_line(as_run), language="bash")
+st.code(command_line(as_run), language="bash", wrap_lines=True)  # all of it in view, as the lessons' commands
 st.markdown("Across machines with `torchrun` (each machine runs it with its node rank; HOST0 is node 0's "
             "address):")
-st.code(torchrun_command(as_run, argv_for(as_run)), language="bash")
+st.code(torchrun_command(as_run, argv_for(as_run)), language="bash", wrap_lines=True)
 
 st.subheader("This session's runs")
 if not history:

@@ -69,7 +69,7 @@ in which order each stage runs the forward (F) and backward (B) of its micro-bat
 The bubble fraction is the idle time over the ideal compute time m (t_F + t_B) (Narayanan et al. 2021 eq. 1):
 """
 )
-c1, c2 = st.columns(2)
+c1, c2 = st.columns(2, vertical_alignment="bottom")  # level where a heading wraps (800 px)
 c1.markdown("GPipe and 1F1B")
 c1.latex(r"\text{bubble} = " + formula_latex("1f1b"))
 c2.markdown("Interleaved 1F1B, v chunks per chip")
