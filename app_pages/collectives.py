@@ -9,6 +9,7 @@ from engine.predict import cached_calibration
 from hardware.chips import CHIPS
 from hardware.collectives import Hierarchy, Ring, Switch, group_topology
 from ui.collectives import (
+    CALIBRATION_COLUMN_HELP,
     COLLECTIVE_NAMES,
     COLLECTIVES,
     MAX_RING,
@@ -297,4 +298,5 @@ else:
         "is per operation, not per ring step as in the sweep above:")
     st.dataframe(calibration_rows(calibration), hide_index=True, width="stretch", column_config={
         "ranks": st.column_config.Column(width="small"), "group": st.column_config.Column(width="small"),
-        "timed": st.column_config.Column(width="large")})  # its longest label in full
+        "timed": st.column_config.Column(width="large"),  # its longest label in full
+        **{name: st.column_config.Column(help=words) for name, words in CALIBRATION_COLUMN_HELP.items()}})

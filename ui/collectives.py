@@ -638,6 +638,13 @@ def _timed_as(mode: str, gap_s: float) -> str:
             PAIR_MODE: f"asynchronous, two at once (both ended), {after}"}.get(mode, mode)
 
 
+CALIBRATION_COLUMN_HELP = {
+    "α (per operation)": "the operation's time without its bytes (per operation, not per ring step)",
+    "β (ns per byte)": "each byte's time; ~0: the time did not grow with the message size, within the timing's noise",
+    "CPU busy": "the process's CPU time over the wall time while the operation ran (gloo's threads included)",
+}
+
+
 def calibration_rows(cal) -> list[dict]:
     """This machine's calibration of gloo (hardware.this_machine.Calibration), one row per world, group
     size and operation: what the live prediction charges per operation."""
@@ -656,7 +663,7 @@ def calibration_rows(cal) -> list[dict]:
                                if pipeline_post else _timed_as(mode, fit.gap_s)),
                      "α (per operation)": format_seconds(fit.alpha_s),
                      # a fit at 0: the time did not grow with the message size, within the timing's noise
-                     "β (ns per byte)": f"{fit.beta_s_per_byte * 1e9:.3f}" if fit.beta_s_per_byte > 0 else
-                     "~0 (size made no difference)",
+                     # (CALIBRATION_COLUMN_HELP says so; spelt out in each cell, the column hid the next one)
+                     "β (ns per byte)": f"{fit.beta_s_per_byte * 1e9:.3f}" if fit.beta_s_per_byte > 0 else "~0",
                      "CPU busy": "not timed" if pipeline_post else f"{fit.cpu_fraction:.0%}"})
     return rows

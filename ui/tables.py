@@ -15,9 +15,9 @@ CHIP_COLUMN_HELP = {
     "HBM GB": ("High-bandwidth memory per chip: what weights, gradients, optimizer state and activations share. "
                "In 10^9 bytes, as software sees it: an '80GB' H100 shows 81,559 MiB in nvidia-smi, 85.5 GB."),
     "HBM TB/s": "Memory bandwidth (W_hbm): how fast the matrix units can be fed.",
-    "Ridge (bf16 FLOP/B)": "C / W_hbm: the arithmetic intensity an operation needs to be compute-bound.",
-    "Scale-up GB/s per direction": "NVLink per GPU, or ICI per link for TPUs (W_ici), one direction.",
-    "Scale-out GB/s per chip": "InfiniBand / RoCE / data-centre network share of one chip, one direction.",
+    "Ridge FLOP/B": "C / W_hbm: the arithmetic intensity an operation needs to be compute-bound.",
+    "Scale-up GB/s": "NVLink per GPU, or ICI per link for TPUs (W_ici; the domain says how many links), one direction.",
+    "Scale-out GB/s": "InfiniBand / RoCE / data-centre network share of one chip, one direction.",
     "Scale-up domain": "How many chips the fast links join: an NVLink node, an NVL72 rack, a TPU torus slice.",
 }
 
@@ -26,11 +26,12 @@ def chip_table_rows(chips: Iterable) -> list[dict]:
     """One row per chip, in the units people quote (TFLOP/s, GB, TB/s, GB/s)."""
     rows = []
     for c in chips:
+        # the links a TPU has in its domain's column: in the scale-up one ("45 per link x 6 links") the text was
+        # cut at 1,280 px and pushed the domain out of view
         if c.kind == "tpu":
-            scaleup = f"{c.scaleup_bytes_per_s / 1e9:,.0f} per link x {2 * c.ici_axes} links"
-            domain = f"{'x'.join(map(str, c.torus_shape))} torus" if c.torus_shape else f"{c.scaleup_domain}"
+            shape = f"{'x'.join(map(str, c.torus_shape))} torus" if c.torus_shape else f"{c.scaleup_domain} chips"
+            domain = f"{shape}, {2 * c.ici_axes} links a chip"
         else:
-            scaleup = f"{c.scaleup_bytes_per_s / 1e9:,.0f}"
             domain = f"{c.scaleup_domain} GPUs"
         rows.append({
             "Chip": c.name,
@@ -39,9 +40,11 @@ def chip_table_rows(chips: Iterable) -> list[dict]:
             "fp8 TFLOP/s": f"{c.fp8_flops_per_s / 1e12:.0f}" if c.fp8_flops_per_s else NO_VALUE,
             "HBM GB": round(c.hbm_bytes / 1e9, 1),
             "HBM TB/s": round(c.hbm_bytes_per_s / 1e12, 2),
-            "Ridge (bf16 FLOP/B)": round(c.bf16_flops_per_s / c.hbm_bytes_per_s),
-            "Scale-up GB/s per direction": scaleup,
-            "Scale-out GB/s per chip": round(c.scaleout_bytes_per_s / 1e9, 1),
+            "Ridge FLOP/B": round(c.bf16_flops_per_s / c.hbm_bytes_per_s),
+            # short headers: at 1,280 px the long ones ("Scale-up GB/s per direction") pushed the last two
+            # columns out of view; each column's help and the caption say per direction, per chip
+            "Scale-up GB/s": round(c.scaleup_bytes_per_s / 1e9),
+            "Scale-out GB/s": round(c.scaleout_bytes_per_s / 1e9, 1),
             "Scale-up domain": domain,
         })
     return rows
