@@ -169,12 +169,12 @@ def model_rows(specs: list[ModelSpec], seq_len: int) -> list[dict]:
     for spec in specs:
         f = flops_per_token_by_seq(spec, [seq_len])[0]
         kinds = spec.layer_kinds
-        rows.append({
+        rows.append({  # the layers' words last: before the numbers, at 800 px they pushed them out of view
             "model": spec.name,
             "parameters": f"{total_params(spec) / 1e9:.2f} B",
-            "layers": _layers_label(kinds),
             f"forward GFLOP per token at {seq_label(seq_len)}": f"{f['total'] / 1e9:.2f}",
             "of which mixing positions": f"{(f['attention'] + f['ssm']) / f['total']:.0%}",
+            "layers": _layers_label(kinds),
         })
     return rows
 

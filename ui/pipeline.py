@@ -275,10 +275,11 @@ def comparison_table(rows: list[dict]) -> tuple[list[dict], list[str]]:
     notes: dict[str, list[str]] = {}
     for row in rows:
         runs = row["simulated bubble"] is not None
-        shown.append({
-            "schedule": row["schedule"], "formula": row["formula"],
+        shown.append({  # the formula's text last: first, at 800 px it pushed the numbers out of view
+            "schedule": row["schedule"],
             **{k: f"{row[k]:.3f}" if runs else NO_VALUE for k in ("formula bubble", "simulated bubble")},
             **{k: f"{row[k]:.3g}" if runs else NO_VALUE for k in ("held, rank 0", "held, last rank")},
+            "formula": row["formula"],
         })
         if row["note"]:
             note = row["note"] if runs else f"cannot run here: {row['note']}"
