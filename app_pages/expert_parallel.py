@@ -260,12 +260,16 @@ else:
 st.plotly_chart(cost_figure(rows, model_ep, domain, f"{spec.name} on {chip.name}: one MoE layer, "
                                                       f"T = {tokens:,} tokens per chip", unit),
                 key="ep_cost")
-st.dataframe([{"ep": r["ep"], "bytes sent per chip (4 all-to-alls)": format_bytes(r["bytes"]),
-               "all-to-all, consecutive chips": format_seconds(r["a2a_s"]),
-               f"all-to-all, one chip per {unit}": format_seconds(r["a2a_spread_s"]),
+# short headers, the words in the caption: at 1,280 px the long ones cut the last column ("expert weights p...")
+st.dataframe([{"ep": r["ep"], "bytes sent": format_bytes(r["bytes"]),
+               "all-to-all, consecutive": format_seconds(r["a2a_s"]),
+               f"all-to-all, one per {unit}": format_seconds(r["a2a_spread_s"]),
                "expert compute": format_seconds(r["compute_s"]),
-               "expert weights per chip": f"{r['expert_weights_bytes'] / 1e9:,.1f} GB"} for r in rows],
+               "expert weights": f"{r['expert_weights_bytes'] / 1e9:,.1f} GB"} for r in rows],
              hide_index=True, width="stretch")
+st.caption(f"Per chip and MoE layer: the bytes its four all-to-alls send (dispatch and combine, forward and "
+           f"backward), their time with the ep group on consecutive chips or spread one chip per {unit}, the "
+           "experts' compute, and the expert weights it holds.")
 inside = [r for r in rows if r["inside_domain"] and r["ep"] > 1]
 outside = [r for r in rows if not r["inside_domain"]]
 lines = []
