@@ -200,21 +200,27 @@ if st.button("Search the layouts of this many chips", key="mesh_search"):
             st.session_state.pop("mesh_search_report", None)
             st.warning(f"The planner cannot search this setup: {e}.")
 report = st.session_state.get("mesh_search_report")
-if report is not None and (report.case.cluster.num_chips, report.case.model.name) == (mesh.world, spec.name):
+# the search of this model, chip and chip count only (a chip changed in the sidebar had kept the last one's)
+if report is not None and (report.case.cluster.num_chips, report.case.cluster.chip, report.case.model.name) == (
+        mesh.world, chip.key, spec.name):
     st.dataframe(search_rows(report), hide_index=True, width="stretch")
     st.plotly_chart(search_figure(report), key="mesh_search_chart")
     st.caption(f"{search_counts(report)}. The fastest, in words:")
     if report.ranked:
         st.markdown("\n".join(f"- {line}" for line in report.ranked[0].explanation))
 
-        def _apply_layout(degrees=sidebar_mesh(report.ranked[0].result.layout), m=model_name, c=chip_key) -> None:
+        best = sidebar_mesh(report.ranked[0].result.layout)
+
+        def _apply_layout(degrees=best, m=model_name, c=chip_key) -> None:
             st.session_state["model"], st.session_state["chip"] = m, c
             for axis, degree in degrees.items():
                 st.session_state[axis] = degree
             st.session_state["mesh_preset"] = options[0]
 
-        best = sidebar_mesh(report.ranked[0].result.layout)
-        if which == options[0] and Mesh(best).axes == mesh.axes:  # a button that visibly did nothing
+        if best is None:  # its experts over dp x cp: the sidebar carves ep out of dp alone
+            st.caption("The fastest layout's expert-parallel groups reach over the context-parallel ranks too, "
+                       "which the sidebar's mesh (ep carved out of dp) cannot draw: it cannot be applied there.")
+        elif which == options[0] and Mesh(best).axes == mesh.axes:  # a button that visibly did nothing
             st.caption(f"The fastest mesh, {axes_label(best)}, is the sidebar's already.")
         else:
             st.button("Apply the fastest to the sidebar", on_click=_apply_layout, key="mesh_apply_best")

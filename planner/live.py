@@ -642,7 +642,7 @@ def step_spread_words(step_times_s: list[float], predicted_s: float | None = Non
     return f"{text}; the prediction, {predicted_s * 1e3:.1f} ms, lies {where}"
 
 
-NEGLIGIBLE_S = 5e-6  # under this a kind of work prints as 0.00 ms: compare says the prediction has none
+NEGLIGIBLE_S = 5e-6  # under this a kind of work prints as 0.00 ms: compare says the prediction (or the run) has none
 
 
 def compare(predicted: Timeline, measured: Timeline, top: int = 3) -> list[dict]:
@@ -1246,12 +1246,17 @@ class _Program:
             in_buckets = sum(len(members) for _, members, _ in plan)
             r.compute("finish grads", (len(plan) + len(all_params) - in_buckets) * c.tiny)
         buffers = [buf for u in self.held for buf in self._flat_buffers(u)] if self.flat else []
-        if self.flat:  # engine/flat.py finish_grads: each buffer's sum of parts and division, whatever dp
-            r.compute("finish grads", 2 * len(buffers) * c.tiny)
-        for nbytes, kind in buffers:  # each shard's gradient summed over its replicas (HSDP, cp, ep), where any
+        # engine/flat.py finish_grads, whatever dp: each buffer's sum of parts and the division of those with no
+        # replicas, then each shard's gradient summed over its replicas (HSDP, cp, ep) where any, then divided
+        replicated = [(nbytes, kind) for nbytes, kind in buffers
+                      if len(self.g["replicas expert" if kind == "dp expert" else "replicas"]) > 1]
+        if self.flat:
+            r.compute("finish grads", (2 * len(buffers) - len(replicated)) * c.tiny)
+        for nbytes, kind in replicated:
             replicas = self.g["replicas expert" if kind == "dp expert" else "replicas"]
-            if len(replicas) > 1:
-                r.coll("all_reduce grad shards", replicas, self.replicas_groups[kind], "all_reduce", nbytes // self.dp)
+            r.coll("all_reduce grad shards", replicas, self.replicas_groups[kind], "all_reduce", nbytes // self.dp)
+        if self.flat and replicated:
+            r.compute("finish grads", len(replicated) * c.tiny)
         opt = c.adamw([nbytes // F32 // self.dp for nbytes, _ in buffers] if self.flat else all_params)
         r.compute("optimizer step", opt)
         if self.stage in (1, 2) and self.dp > 1:

@@ -193,10 +193,24 @@ def scaled_down(mesh: dict[str, int], max_world: int = 8) -> dict[str, int]:
     return {a: 2 for a in kept} or {"dp": 1}
 
 
-def sidebar_mesh(layout) -> dict[str, int]:
+def sidebar_mesh(layout) -> dict[str, int] | None:
     """A planner layout (Megatron-LM's degrees, planner.case.Layout, its experts split by tp) as the sidebar's
-    axes (core/mesh.py): ep carved out of dp."""
+    axes (core/mesh.py): ep carved out of dp. None where the layout's ep groups reach over cp's ranks too (ep
+    does not divide dp: the planner carves ep out of dp x cp), which the sidebar cannot draw (Mixtral on 16
+    H100s: dp=4, cp=2, ep=8 had read "pp=2,cp=2,ep=8", 32 chips, and applied dp=0)."""
+    if layout.dp % layout.ep:
+        return None
     return {"dp": layout.dp // layout.ep, "tp": layout.tp, "pp": layout.pp, "cp": layout.cp, "ep": layout.ep}
+
+
+def layout_label(layout) -> str:
+    """A layout's mesh as the sidebar writes it ("dp=4,tp=2"), or in the planner's degrees with where its experts
+    go where the sidebar cannot draw it (`sidebar_mesh`): "pp=2,dp=4,cp=2, ep=8 over dp x cp"."""
+    mesh = sidebar_mesh(layout)
+    if mesh is not None:
+        return label(mesh)
+    dense = label({"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "cp": layout.cp})
+    return f"{dense}, ep={layout.ep} over dp x cp"
 
 
 def search_rows(report) -> list[dict]:
@@ -204,8 +218,8 @@ def search_rows(report) -> list[dict]:
     rows = []
     piped = any(r.result.layout.pp > 1 for r in report.ranked)  # a schedule column only where one has stages
     for i, r in enumerate(report.ranked, start=1):
-        lay, mesh = r.result.layout, sidebar_mesh(r.result.layout)
-        rows.append({"rank": i, "mesh": label(mesh),
+        lay = r.result.layout
+        rows.append({"rank": i, "mesh": layout_label(lay),
                      "ZeRO": lay.zero_stage, "step s": round(r.result.step_time_s, 3),
                      "MFU %": round(100 * r.result.mfu, 1), "GB/chip": round(r.result.memory.total_bytes / 1e9, 1)}
                     | ({"schedule": _schedule_words(lay)} if piped else {}))
@@ -257,7 +271,7 @@ def search_figure(report) -> go.Figure:
     def name(i: int, lay) -> str:
         # with the ZeRO stage: two layouts of one mesh had read alike ("2. dp=4,cp=2" and "4. dp=4,cp=2")
         schedule = f" {_schedule_words(lay)}" if lay.pp > 1 else ""
-        return f"{i}. {label(sidebar_mesh(lay))}{schedule}, ZeRO-{lay.zero_stage}"
+        return f"{i}. {layout_label(lay)}{schedule}, ZeRO-{lay.zero_stage}"
 
     names = [name(i, r.result.layout) for i, r in enumerate(report.ranked, start=1)]
     fig = go.Figure()

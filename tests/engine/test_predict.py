@@ -101,7 +101,7 @@ def test_no_prediction_for_cuda_says_why():
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("flags", ["--mesh pp=2,dp=2 --schedule zb-h1 --micro-batches 4 --world 4",
                                    "--strategy tp --sequence-parallel --world 2", "--strategy fsdp --world 2",
-                                   "--strategy dp --world 2"])
+                                   "--strategy dp --world 2", "--mesh dp=2,fsdp=2 --world 4"])
 def test_the_predicted_communication_is_the_engines_op_for_op(flags, recorded_calibration):
     # the side-by-side view pairs the two timelines' spans: each rank's collectives in the prediction carry
     # the engine's names and the bytes it records sending (the recorded calibration: no timing is compared),
