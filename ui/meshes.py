@@ -268,25 +268,28 @@ def tradeoff_figure(t: FsdpTpTradeoff) -> go.Figure:
 
 def search_figure(report) -> go.Figure:
     """The ranked layouts of a planner search: step time (bars) and memory per chip (markers, right axis)."""
-    def name(i: int, lay) -> str:
+    def name(lay) -> str:
         # with the ZeRO stage: two layouts of one mesh had read alike ("2. dp=4,cp=2" and "4. dp=4,cp=2")
-        schedule = f" {_schedule_words(lay)}" if lay.pp > 1 else ""
-        return f"{i}. {layout_label(lay)}{schedule}, ZeRO-{lay.zero_stage}"
+        return ", ".join(p for p in (layout_label(lay), _schedule_words(lay), f"ZeRO-{lay.zero_stage}") if p)
 
-    names = [name(i, r.result.layout) for i, r in enumerate(report.ranked, start=1)]
+    # the bars by rank, each layout named in its hover and in the table above: as tick labels the names ran
+    # into the legend at 1,280 px, tilted, and into each other at 800
+    ranks = [str(i) for i in range(1, len(report.ranked) + 1)]
+    names = [name(r.result.layout) for r in report.ranked]
     fig = go.Figure()
-    fig.add_trace(go.Bar(x=names, y=[r.result.step_time_s for r in report.ranked], name="step time (s)",
-                         marker_color=KIND_COLORS["forward"],
-                         hovertemplate="%{x}<br>step %{y:.3f} s<extra></extra>"))
-    fig.add_trace(go.Scatter(x=names, y=[r.result.memory.total_bytes / 1e9 for r in report.ranked],
-                             name="memory per chip (GB)", mode="markers", yaxis="y2",
+    fig.add_trace(go.Bar(x=ranks, y=[r.result.step_time_s for r in report.ranked], name="step time (s)",
+                         marker_color=KIND_COLORS["forward"], customdata=names,
+                         hovertemplate="%{x}. %{customdata}<br>step %{y:.3f} s<extra></extra>"))
+    fig.add_trace(go.Scatter(x=ranks, y=[r.result.memory.total_bytes / 1e9 for r in report.ranked],
+                             name="memory per chip (GB)", mode="markers", yaxis="y2", customdata=names,
                              marker={"color": KIND_COLORS["other compute"], "size": 12, "symbol": "diamond"},
-                             hovertemplate="%{x}<br>%{y:.1f} GB per chip<extra></extra>"))
+                             hovertemplate="%{x}. %{customdata}<br>%{y:.1f} GB per chip<extra></extra>"))
     fig.update_layout(yaxis={"title": "step time (s)", "rangemode": "tozero"},
                       # its own round ticks (synced to the step axis they had read 16.2, 32.4, ...), no grid of its own
                       yaxis2={"title": "memory per chip (GB)", "overlaying": "y", "side": "right",
                               "rangemode": "tozero", "tickmode": "auto", "showgrid": False},
-                      height=360, legend={"orientation": "h", "y": -0.35}, margin={"t": 30})
+                      xaxis={"title": "rank (the table above)", "type": "category"}, height=380,
+                      legend={"orientation": "h", "y": -0.3}, margin={"t": 30})
     return fig
 
 

@@ -164,10 +164,10 @@ def test_search_ranks_layouts_and_apply_loads_the_fastest():
     assert list(table["rank"]) == [1, 2, 3, 4, 5] and list(table["step s"]) == sorted(table["step s"])
     assert "schedule" not in table.columns  # no layout here has pipeline stages: the column had stood empty
     bars = next(c for c in at.get("plotly_chart") if "mesh_search_chart" in str(c.proto.id))
-    names = json.loads(bars.proto.spec)["data"][0]["x"]
+    names = json.loads(bars.proto.spec)["data"][0]["customdata"]
     # two layouts of one mesh had read alike ("2. dp=4,cp=2" and "4. dp=4,cp=2"): their ZeRO stages differ
-    unranked = [n.split(". ", 1)[1] for n in names]
-    assert len(set(unranked)) == len(unranked) and all(", ZeRO-" in n for n in unranked)
+    assert len(set(names)) == len(names) and all(", ZeRO-" in n for n in names)
+    assert all(n.startswith(f"{mesh}, ") for n, mesh in zip(names, table["mesh"], strict=True))  # the table's rows
     assert len(at.get("plotly_chart")) >= 3  # the groups, the FSDP-TP trade-off, the ranked layouts
     # the planner page's words: "125 layouts considered, 244 simulated" had read as a contradiction
     assert any("simulations of them and their ZeRO and recomputation variants" in c.value for c in at.caption)
