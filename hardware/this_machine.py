@@ -786,7 +786,13 @@ def fit_comm(world: int, rows: list[list[dict]]) -> dict[str, CommFit]:
     for rank_rows in rows:
         for r in rank_rows:
             key = (r["kind"], r["n"], r["mode"])
-            grouped.setdefault(key, {}).setdefault(r["bytes"], []).append((r["seconds"], r["cpu_s"]))
+            # a burst's process CPU time includes the rank's own compute between the operations it posts
+            # (engine/calibrate.py: `burst` computes of `compute_s` each, one thread): the operations' share is
+            # the rest. Counted whole, planner.eventsim charged that compute twice, once as the rank's and once
+            # in the operation's weight (at world 2, 0.66 of a core per rank for an all-gather, about 0.2 of it
+            # the rank's own compute)
+            cpu_s = max(0.0, r["cpu_s"] - r.get("burst", 0) * r.get("compute_s", 0.0))
+            grouped.setdefault(key, {}).setdefault(r["bytes"], []).append((r["seconds"], cpu_s))
             if "compute_s" in r:
                 extra[key] = (r.get("burst", 0), max(extra.get(key, (0, 0.0))[1], r["compute_s"]))
             gaps[key] = r.get("gap_s", 0.0)

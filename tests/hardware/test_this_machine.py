@@ -321,6 +321,18 @@ def test_fit_comm_takes_the_slowest_rank_and_the_cpu_share():
     assert f.cpu_fraction == pytest.approx(0.5) and f.seconds(0) == pytest.approx(150e-6)
 
 
+def test_an_async_bursts_cpu_share_leaves_out_its_own_compute():
+    # a burst of 6 operations, each posted after 0.2 ms of compute, in 5 ms with 3 ms of process CPU: the
+    # operations' threads took 3 - 6 x 0.2 = 1.8 ms of it, 0.36 of a core (the whole 0.6 had counted the
+    # rank's compute a second time in planner.eventsim, beside the rank computing)
+    row = {"kind": "all_gather", "n": 2, "world": 2, "bytes": 1024, "mode": "async", "seconds": 5e-3,
+           "cpu_s": 3e-3, "burst": 6, "compute_s": 0.2e-3}
+    fit = tm.fit_comm(2, [[row], [row]])[tm.comm_key(2, "all_gather", 2, "async")]
+    assert fit.cpu_fraction == pytest.approx(0.36) and fit.burst == 6 and fit.compute_s == pytest.approx(0.2e-3)
+    busier = dict(row, cpu_s=1e-3)  # less CPU than its compute (timer resolution): none, never negative
+    assert tm.fit_comm(2, [[busier]])[tm.comm_key(2, "all_gather", 2, "async")].cpu_fraction == 0.0
+
+
 def test_missing_world_names_what_to_measure():
     with pytest.raises(tm.CalibrationError, match="measure world 4"):
         _cal().comm_fit(4, "all_reduce", 4)
