@@ -8,7 +8,6 @@ from app_pages.exercise_panel import show_exercises
 from app_pages.live_panel import run_live, show_live
 from app_pages.metric_row import metric, metric_row
 from core.mesh import Mesh
-from core.mesh import label as axes_label
 from hardware.chips import CHIPS
 from planner.bounds import cross_pod_bound, fsdp_tp_tradeoff
 from planner.case import Cluster, Parallel, SpecError, mesh_parallel
@@ -20,6 +19,7 @@ from ui.exercises import axes_leaving_the_domain
 from ui.meshes import (
     PRESETS,
     axis_rows,
+    layout_label,
     mesh_caption,
     mesh_figure,
     scaled_down,
@@ -221,7 +221,7 @@ if report is not None and (report.case.cluster.num_chips, report.case.cluster.ch
             st.caption("The fastest layout's expert-parallel groups reach over the context-parallel ranks too, "
                        "which the sidebar's mesh (ep carved out of dp) cannot draw: it cannot be applied there.")
         elif which == options[0] and Mesh(best).axes == mesh.axes:  # a button that visibly did nothing
-            st.caption(f"The fastest mesh, {axes_label(best)}, is the sidebar's already.")
+            st.caption(f"The fastest mesh, {layout_label(report.ranked[0].result.layout)}, is the sidebar's already.")
         else:
             st.button("Apply the fastest to the sidebar", on_click=_apply_layout, key="mesh_apply_best")
     else:

@@ -1248,14 +1248,13 @@ class _Program:
         buffers = [buf for u in self.held for buf in self._flat_buffers(u)] if self.flat else []
         # engine/flat.py finish_grads, whatever dp: each buffer's sum of parts and the division of those with no
         # replicas, then each shard's gradient summed over its replicas (HSDP, cp, ep) where any, then divided
-        replicated = [(nbytes, kind) for nbytes, kind in buffers
-                      if len(self.g["replicas expert" if kind == "dp expert" else "replicas"]) > 1]
+        replicated = [(nbytes, kind, replicas) for nbytes, kind in buffers
+                      if len(replicas := self.g["replicas expert" if kind == "dp expert" else "replicas"]) > 1]
         if self.flat:
             r.compute("finish grads", (2 * len(buffers) - len(replicated)) * c.tiny)
-        for nbytes, kind in replicated:
-            replicas = self.g["replicas expert" if kind == "dp expert" else "replicas"]
+        for nbytes, kind, replicas in replicated:
             r.coll("all_reduce grad shards", replicas, self.replicas_groups[kind], "all_reduce", nbytes // self.dp)
-        if self.flat and replicated:
+        if replicated:  # only a flat buffer has replicas to sum over
             r.compute("finish grads", len(replicated) * c.tiny)
         opt = c.adamw([nbytes // F32 // self.dp for nbytes, _ in buffers] if self.flat else all_params)
         r.compute("optimizer step", opt)
