@@ -499,7 +499,7 @@ def comm_task(ctx, group_sizes: list[int], sizes: tuple[int, ...] = COMM_SIZES, 
         me = members.index(ctx.rank)
         sync = {(kind, nbytes): _comm_call(kind, n, me, members, nbytes, group)
                 for kind in COMM_KINDS if not (kind == "send_recv" and n % 2) for nbytes in sizes}
-        compute, compute_s = _fixed_compute(COMPUTE_GAP_S / 2)
+        compute, compute_s, compute_cpu_s = _fixed_compute_cpu(COMPUTE_GAP_S / 2)
 
         def burst(call):
             # as a backward pass issues buckets: compute, issue, compute, issue ..., then wait
@@ -545,7 +545,7 @@ def comm_task(ctx, group_sizes: list[int], sizes: tuple[int, ...] = COMM_SIZES, 
         time_messages()
         for (kind, nbytes), sums in _rounds(bursts, async_rounds, dist, 0.0).items():
             row = _row(kind, n, ctx.world, nbytes, "async", sums)
-            out.append(row | {"burst": ASYNC_BURST, "compute_s": compute_s})
+            out.append(row | {"burst": ASYNC_BURST, "compute_s": compute_s, "compute_cpu_s": compute_cpu_s})
         # two of a group's asynchronous operations at once, against one alone in the same blocks
         # (PAIR_ROUNDS): planner.eventsim's Collective.concurrency
         together = {}
@@ -710,8 +710,17 @@ def _under_compute(call, chunk) -> None:
 
 def _fixed_compute(target_s: float):
     """A fixed amount of work (small matmuls) that takes about `target_s` on this rank alone; returns the
-    function and its measured solo time. Fixed work, not a wall-clock wait: when cores are shared it takes
+    function and its measured time. Fixed work, not a wall-clock wait: when cores are shared it takes
     longer, as a training step's compute does."""
+    compute, wall_s, _ = _fixed_compute_cpu(target_s)
+    return compute, wall_s
+
+
+def _fixed_compute_cpu(target_s: float):
+    """`_fixed_compute`, and the CPU seconds of one call on this thread (torch runs one thread per rank,
+    engine/worker.py): its solo time. The wall time is not: every rank of the pool sizes and times its work
+    at once, so with more ranks than cores it reads the sharing of that moment (four ranks on two cores
+    read 0.12-0.35 ms of wall for 0.12-0.15 ms of CPU, rank by rank, in one calibration)."""
     a, b = torch.randn(64, 64), torch.randn(64, 128)
     per = _mean_s(lambda: a @ b, 50)
     n = max(1, round(target_s / per))
@@ -720,7 +729,11 @@ def _fixed_compute(target_s: float):
         for _ in range(n):
             a @ b
 
-    return compute, _mean_s(compute, 20)
+    for _ in range(2):  # _mean_s's warm-up, outside the CPU reading
+        compute()
+    cpu0 = time.thread_time()
+    wall_s = _mean_s(compute, 20, warmup=0)
+    return compute, wall_s, (time.thread_time() - cpu0) / 20
 
 
 def _busy(seconds: float) -> None:

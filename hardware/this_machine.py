@@ -139,6 +139,10 @@ class CommFit:
     compute_s: float = 0.0
     stalls: bool = False  # "contended" mode: it did not complete within CONTENDED_CAP_S under compute
     gap_s: float = 0.0  # blocking modes: the compute before each timed call
+    # "async": the CPU seconds of each compute between the burst's operations, one thread's (its solo time;
+    # `compute_s` is its wall time, read while every rank sized and timed its own at once); 0 in a file
+    # measured before it was recorded
+    compute_cpu_s: float = 0.0
 
     def seconds(self, nbytes: float) -> float:
         return self.alpha_s + self.beta_s_per_byte * max(0.0, nbytes)
@@ -781,20 +785,24 @@ def _lstsq3(xs: list[tuple[float, float, float]], ys: list[float]) -> tuple[floa
 def fit_comm(world: int, rows: list[list[dict]]) -> dict[str, CommFit]:
     """Per operation: alpha and beta from the slowest rank's mean time at each size; the mean CPU share."""
     grouped: dict[tuple[str, int, str], dict[int, list[tuple[float, float]]]] = {}
-    extra: dict[tuple[str, int, str], tuple[int, float]] = {}
+    extra: dict[tuple[str, int, str], tuple[int, float, float]] = {}
     gaps: dict[tuple[str, int, str], float] = {}
     for rank_rows in rows:
         for r in rank_rows:
             key = (r["kind"], r["n"], r["mode"])
             # a burst's process CPU time includes the rank's own compute between the operations it posts
-            # (engine/calibrate.py: `burst` computes of `compute_s` each, one thread): the operations' share is
-            # the rest. Counted whole, planner.eventsim charged that compute twice, once as the rank's and once
-            # in the operation's weight (at world 2, 0.66 of a core per rank for an all-gather, about 0.2 of it
-            # the rank's own compute)
-            cpu_s = max(0.0, r["cpu_s"] - r.get("burst", 0) * r.get("compute_s", 0.0))
+            # (engine/calibrate.py: `burst` computes of `compute_cpu_s` CPU seconds each, one thread): the
+            # operations' share is the rest. Counted whole, planner.eventsim charged that compute twice, once as
+            # the rank's and once in the operation's weight (at world 2, 0.66 of a core per rank for an
+            # all-gather, about 0.2 of it the rank's own compute). Its CPU seconds, not its wall time: with 4
+            # ranks on 2 cores one calibration read 0.12-0.35 ms of wall for 0.12-0.15 ms of CPU rank by rank,
+            # and taking the wall out left an all-gather of a pair 0.13 of a core where the CPU leaves 0.26
+            own = r.get("compute_cpu_s", r.get("compute_s", 0.0))
+            cpu_s = max(0.0, r["cpu_s"] - r.get("burst", 0) * own)
             grouped.setdefault(key, {}).setdefault(r["bytes"], []).append((r["seconds"], cpu_s))
             if "compute_s" in r:
-                extra[key] = (r.get("burst", 0), max(extra.get(key, (0, 0.0))[1], r["compute_s"]))
+                burst, wall, cpu = extra.get(key, (0, 0.0, 0.0))
+                extra[key] = (r.get("burst", 0), max(wall, r["compute_s"]), max(cpu, r.get("compute_cpu_s", 0.0)))
             gaps[key] = r.get("gap_s", 0.0)
     out = {}
     for (kind, n, mode), by_size in grouped.items():
@@ -802,10 +810,11 @@ def fit_comm(world: int, rows: list[list[dict]]) -> dict[str, CommFit]:
         alpha, beta = _fit_line(points)
         wall = sum(t for v in by_size.values() for t, _ in v)
         cpu = sum(c for v in by_size.values() for _, c in v)
-        burst, compute_s = extra.get((kind, n, mode), (0, 0.0))
+        burst, compute_s, compute_cpu_s = extra.get((kind, n, mode), (0, 0.0, 0.0))
         stalls = mode == "contended" and max(t for _, t in points) >= 0.9 * CONTENDED_CAP_S
         out[comm_key(world, kind, n, mode)] = CommFit(alpha, beta, min(1.0, cpu / wall) if wall > 0 else 0.0,
-                                                      burst, compute_s, stalls, gaps[(kind, n, mode)])
+                                                      burst, compute_s, stalls, gaps[(kind, n, mode)],
+                                                      compute_cpu_s)
     return out
 
 

@@ -357,7 +357,7 @@ class _Costs:
 
     def _async_op_s(self, kind: str, n: int, nbytes: float, fit) -> float:
         """The duration of one asynchronous operation that makes this simulator reproduce the measured
-        burst (each of `fit.burst` operations issued after `fit.compute_s` of work, then all waited for,
+        burst (each of `fit.burst` operations issued after the same work, then all waited for,
         on every rank of the world at once): a bisection on the operation's duration, from the blocking
         operation's time (its "sync" fit) up.
 
@@ -373,7 +373,9 @@ class _Costs:
             return self._async_cache[key]
         floor = self.cal.comm_fit(self.cfg.world, kind, n, "sync").seconds(nbytes)
         w, target = self.cfg.world, fit.seconds(nbytes)
-        solo = fit.compute_s / self.cal.share(w)
+        # the compute between the operations as one rank alone runs it: its CPU seconds where the calibration
+        # recorded them; else its wall time over the world's sharing (read while every rank timed its own)
+        solo = fit.compute_cpu_s or fit.compute_s / self.cal.share(w)
         cpu = self.cpu(kind, n, "sync")
         contended = self.contended_s(kind, n, nbytes)
         concurrency = self.concurrency(kind, n, nbytes)

@@ -333,6 +333,20 @@ def test_an_async_bursts_cpu_share_leaves_out_its_own_compute():
     assert tm.fit_comm(2, [[busier]])[tm.comm_key(2, "all_gather", 2, "async")].cpu_fraction == 0.0
 
 
+def test_an_async_bursts_own_compute_is_its_cpu_time_not_its_wall_time():
+    # 4 ranks on 2 cores: each compute of 0.2 ms of CPU read 0.4 ms of wall while every rank timed its own.
+    # Taking 6 x 0.4 ms out of 3 ms of CPU in 5 ms left 0.12 of a core; the CPU it used leaves 0.36
+    row = {"kind": "all_gather", "n": 4, "world": 4, "bytes": 1024, "mode": "async", "seconds": 5e-3,
+           "cpu_s": 3e-3, "burst": 6, "compute_s": 0.4e-3, "compute_cpu_s": 0.2e-3}
+    slower = dict(row, compute_s=0.3e-3, compute_cpu_s=0.25e-3)  # another rank: more work, less waiting
+    fit = tm.fit_comm(4, [[row], [row], [row], [slower]])[tm.comm_key(4, "all_gather", 4, "async")]
+    assert fit.cpu_fraction == pytest.approx((3 * 1.8 + 1.5) / 20)
+    # the slowest rank's compute, each way (planner.live simulates the burst with it)
+    assert fit.compute_s == pytest.approx(0.4e-3) and fit.compute_cpu_s == pytest.approx(0.25e-3)
+    # a file's fit from before the CPU time was recorded reads 0 there
+    assert tm.CommFit(1e-4, 0.0, 0.5, burst=6, compute_s=2e-3).compute_cpu_s == 0.0
+
+
 def test_missing_world_names_what_to_measure():
     with pytest.raises(tm.CalibrationError, match="measure world 4"):
         _cal().comm_fit(4, "all_reduce", 4)

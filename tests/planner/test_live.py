@@ -600,6 +600,19 @@ def test_an_asynchronous_operation_takes_no_less_than_the_blocking_one():
     assert _Costs(cal, cfg).comm("all_reduce", 2, 32768, "async") > 2 * sync.seconds(32768)
 
 
+def test_a_bursts_compute_is_simulated_at_its_cpu_time_where_the_calibration_has_it():
+    # the same measured burst: compute read as 2 ms of shared wall time, or recorded as 0.2 ms of CPU (its
+    # solo time). With less of the burst's time the ranks' compute, its operations took more of it
+    cfg = _cfg("--mesh pp=2,dp=2 --micro-batches 4 --world 4")
+    wall_only = CommFit(20e-3, 0.0, 0.5, burst=6, compute_s=2e-3)
+    with_cpu = dataclasses.replace(wall_only, compute_cpu_s=0.2e-3)
+    seconds = []
+    for fit in (wall_only, with_cpu):
+        cal = dataclasses.replace(CAL, comm={**CAL.comm, comm_key(4, "all_reduce", 2, "async"): fit})
+        seconds.append(_Costs(cal, cfg).comm("all_reduce", 2, 32768, "async"))
+    assert seconds[1] > seconds[0]
+
+
 def _units(**changes):
     """CAL with some of its engine units (world 1, default model) replaced."""
     return dataclasses.replace(CAL, engine_units={**CAL.engine_units, **changes})
