@@ -801,7 +801,7 @@ def fit_comm(world: int, rows: list[list[dict]]) -> dict[str, CommFit]:
             cpu_s = max(0.0, r["cpu_s"] - r.get("burst", 0) * own)
             grouped.setdefault(key, {}).setdefault(r["bytes"], []).append((r["seconds"], cpu_s))
             if "compute_s" in r:
-                burst, wall, cpu = extra.get(key, (0, 0.0, 0.0))
+                _, wall, cpu = extra.get(key, (0, 0.0, 0.0))
                 extra[key] = (r.get("burst", 0), max(wall, r["compute_s"]), max(cpu, r.get("compute_cpu_s", 0.0)))
             gaps[key] = r.get("gap_s", 0.0)
     out = {}

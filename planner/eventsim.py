@@ -43,7 +43,7 @@ median is the same 0.1-0.2 ms, but a tenth or more of them wait a scheduler tick
 sender's thread, 0.6-1.2 ms on average against 0.2-1.1 with the sender computing. The busier times were
 timed with senders computing 3 ms straight; a computing rank gives its core up where it may block (a
 receive, a wait, a blocking collective), so while computing ranks alone take the cores a message takes at
-most its time with a core free plus the wait until the first of them gets there (`loaded`).
+most its time with a core free plus the wait until fewer of them want a core than there are (`loaded`).
 
 The cores are shared as a processor-sharing server: while k ranks compute and c communication
 operations keep a thread busy (weight `cpu` each), a computing rank progresses at min(1, cores /
