@@ -38,10 +38,13 @@ chip overlaps the two when it can.
 st.header("The chips side by side")
 st.caption("Dense (no sparsity) peak numbers from the vendors' datasheets; bandwidths per direction. "
            "Hover a column name for its meaning; the sources are listed below the table.")
-st.dataframe(chip_table_rows(CHIPS.values()), hide_index=True, width="stretch", column_config={
+# every chip without scrolling (it had shown ten of them), and the chip's name pinned: at 1,280 px the last
+# column (the scale-up domain) is reached by scrolling sideways, and the names stay beside it
+st.dataframe(chip_table_rows(CHIPS.values()), hide_index=True, width="stretch", height="content", column_config={
+    "Chip": st.column_config.Column(pinned=True),
     # fp8 is text (a dash where a chip has none): aligned as the numbers beside it
-    name: st.column_config.Column(help=text, alignment="right" if name == "fp8 TFLOP/s" else None)
-    for name, text in CHIP_COLUMN_HELP.items()})
+    **{name: st.column_config.Column(help=text, alignment="right" if name == "fp8 TFLOP/s" else None)
+       for name, text in CHIP_COLUMN_HELP.items()}})
 with st.expander("Sources for every number"):
     for c in CHIPS.values():
         st.markdown(f"**{c.name}**")

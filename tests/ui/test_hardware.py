@@ -1,6 +1,7 @@
 """The hardware lesson's own fixes: the chips table, the matmul's numbers in words, the roofline's star and the
 chips to compare with (the rest of the page: tests/ui/test_app.py)."""
 
+import json
 import re
 
 from hardware.chips import CHIPS
@@ -25,13 +26,13 @@ def test_the_page_writes_units_and_shows_every_chip_to_compare():
     assert "4.29 GFLOP and moves 34 MiB" in text and not SCIENTIFIC.search(text)
     table = at.dataframe[0].value
     assert "None" not in set(table["fp8 TFLOP/s"].astype(str))
+    # the chip's name stays in view while the table scrolls sideways (its last column at 1,280 px)
+    assert json.loads(at.dataframe[0].proto.columns)["Chip"] == {"pinned": True}
     (compare,) = at.multiselect  # in its column, on as many rows as its chips need: none hidden
     assert compare.value == ["a100-80gb", "b200", "tpu-v5e"] and compare.proto.wrap
 
 
 def test_the_star_is_named_in_the_legend_not_on_the_lines():
-    import json
-
     at = open_app(PAGE, chip="h100")
     chart = next(c for c in at.get("plotly_chart") if "Roofline" in c.proto.spec)
     assert '"mode":"markers+text"' not in chart.proto.spec.replace(" ", "")
@@ -45,8 +46,6 @@ def test_the_star_is_named_in_the_legend_not_on_the_lines():
 
 def test_a_chip_keeps_its_colour_whatever_else_is_compared():
     """The colours had gone by place in "Compare with": B200's line changed colour when A100 was taken out."""
-    import json
-
     def colours(at):
         chart = next(c for c in at.get("plotly_chart") if "Roofline" in c.proto.spec)
         return {t["name"]: t["line"]["color"] for t in json.loads(chart.proto.spec)["data"] if t.get("mode") == "lines"}
