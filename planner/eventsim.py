@@ -40,10 +40,7 @@ busy the cores are when the second side is posted (computing ranks and gloo thre
 computing, or held posting it, right after its isend counts). A late receive while nothing computes (its
 sender blocked in a wait or a receive of its own) has a calibrated time of its own, `idle_late_s`: its
 median is the same 0.1-0.2 ms, but a tenth or more of them wait a scheduler tick (3-4 ms) for the blocked
-sender's thread, 0.6-1.2 ms on average against 0.2-1.1 with the sender computing. The busier times were
-timed with senders computing 3 ms straight; a computing rank gives its core up where it may block (a
-receive, a wait, a blocking collective), so while computing ranks alone take the cores a message takes at
-most its time with a core free plus the wait until fewer of them want a core than there are (`loaded`).
+sender's thread, 0.6-1.2 ms on average against 0.2-1.1 with the sender computing.
 
 The cores are shared as a processor-sharing server: while k ranks compute and c communication
 operations keep a thread busy (weight `cpu` each), a computing rank progresses at min(1, cores /
@@ -234,61 +231,19 @@ def simulate(programs: dict[int, list], cores: float,
         spans.append(Span(src, "comm", op.name, sent, end, bytes=op.nbytes, group=op.group_name, is_async=True,
                           micro_batch=op.micro_batch))
 
-    def until_blocking(r: int, first: int, work: float, rate: float) -> float:
-        """Seconds until rank r, computing `work` now at `rate` and then its program from `first` on, reaches
-        an operation it may block at (a receive, a wait, a blocking collective): until then it keeps its
-        core (a send's posting and an asynchronous post do not give it up)."""
-        prog = programs[r]
-        for op in prog[first:]:
-            if isinstance(op, Compute):
-                work += op.seconds
-            elif isinstance(op, Send) and op.post_s:
-                work += op.post_s
-            elif not (isinstance(op, Send) or (isinstance(op, Collective) and op.handle is not None)):
-                break
-        return work / rate
-
-    def loaded(value, busy: int, sender: int, sender_computes: bool, active: list[_Posted]) -> float:
-        """A message's time at load `busy` (`_by_load`), at most its time with a core free plus the wait for
-        one: while the cores are taken by computing ranks alone (no gloo thread busy; a rank posting a message
-        holds its core as a computing one does), a core frees once fewer of them want one than there are
-        cores, each giving its core up at the next operation it may block at (`until_blocking`).
-        The calibration's loaded times are of senders computing 3 ms straight after their isend
-        (LATE_SENDER_UNITS): with two pairs at world 4 its messages to a waiting receive took 3.1-3.2 ms
-        median, 3.6-4.0 mean (84 each, one calibration). The engine's 4-rank 1F1B, whose ranks compute about
-        1 ms between a send and their next receive, delivered those with the sender and one more rank
-        computing in 0.47 and 0.74 ms median, 0.61 and 1.22 mean (47 and 36, two sets of three runs); its
-        messages to a waiting receive took 0.42 and 0.73 ms on average, predicted 1.65 and 1.35 before this
-        bound, 0.82 with it (the same calibration as the 0.73)."""
-        value_busy = _by_load(value, busy)
-        holds = [p for p in active if len(p.op.group) == 1]  # a rank's own thread posting a message
-        if busy < 2 or not isinstance(value, tuple) or len(holds) < len(active):
-            return value_busy
-        rate = min(1.0, cores / busy)
-        waits = [until_blocking(r, pc[r] + 1, remaining[r], rate) for r in remaining]
-        waits += [p.end - t + until_blocking(r, pc[r] + 1, 0.0, rate) for p in holds for r in p.members
-                  if p.end is not None]
-        if sender_computes and sender not in remaining:
-            waits.append(until_blocking(sender, pc[sender] + 1, 0.0, rate))
-        # a core is free once fewer of them want one than there are cores: with k on c cores, the (k - c + 1)-th
-        # to reach a blocking operation
-        free_at = sorted(waits)[max(0, len(waits) - max(1, round(cores)))] if waits else math.inf
-        return min(value_busy, _by_load(value, 1) + free_at)
-
     def match(mid: tuple, sender_computes: bool = False) -> None:
         """Once a message's send and receive are both posted: when it arrives, and its span. A sender that
         computes right after its isend, or is held posting it (an operation of the sender alone), counts
         as computing (it is between two operations now)."""
         if mid in arrivals or mid not in sends or mid not in receives:
             return
-        sent, sender, op = sends[mid]
-        active = running()
-        wanted = round(load(active) + sender_computes)  # cores' worth of work wanted now
+        sent, _, op = sends[mid]
+        wanted = round(load(running()) + sender_computes)  # cores' worth of work wanted now
         busy = max(wanted, 1)
-        arrival = sent + loaded(op.seconds, busy, sender, sender_computes, active)
+        arrival = sent + _by_load(op.seconds, busy)
         if receives[mid] > sent:  # a late receive: the rendezvous moves the message only now
             late = op.idle_late_s if wanted == 0 and op.idle_late_s is not None else \
-                loaded(op.seconds if op.late_s is None else op.late_s, busy, sender, sender_computes, active)
+                _by_load(op.seconds if op.late_s is None else op.late_s, busy)
             arrival = max(arrival, receives[mid] + late)
         arrivals[mid] = arrival
         send_span(mid, arrivals[mid])

@@ -154,29 +154,6 @@ def test_a_message_to_a_waiting_receive_takes_longer_while_more_ranks_compute():
     assert received(3) == pytest.approx(1.5)
 
 
-def test_a_message_on_cores_taken_by_compute_waits_only_until_a_rank_may_block():
-    # the sender computing on and rank 2 computing take both cores: the message's time with a core free
-    # (0.1) plus the wait until one frees, at rank 2's blocking collective 0.2 s on, instead of the loaded
-    # time (0.5) the calibration's senders, computing 3 ms straight, measured
-    def received(busy_s: float, gloo_busy: bool = False, third_s: float | None = None) -> float:
-        progs = {0: [Compute("f", 1.0), Send("send act", 1, ("act", 0), (0.1, 0.5)), Compute("c", 2.0)],
-                 1: [Recv("recv act", 0, ("act", 0))],
-                 2: [Compute("busy", busy_s), Collective("ar", (2, 3), "dp", 0.01)],
-                 3: [Collective("ar", (2, 3), "dp", 0.01)]}
-        if gloo_busy:  # a collective of two other ranks running meanwhile: its threads want cores too
-            progs.update({r: [Collective("bucket", (4, 5), "dp", 5.0)] for r in (4, 5)})
-        if third_s is not None:  # a third rank computing: two must block before one of two cores is free
-            progs.update({4: [Compute("busy", third_s), Collective("ar", (4, 5), "dp", 0.01)],
-                          5: [Collective("ar", (4, 5), "dp", 0.01)]})
-        return simulate(progs, cores=2)[1][1]
-
-    assert received(1.2) == pytest.approx(1.3)
-    assert received(4.0) == pytest.approx(1.5)  # rank 2 computes on past the loaded time: that time
-    assert received(1.2, gloo_busy=True) == pytest.approx(1.5)  # a gloo thread's core: as calibrated
-    # three computing at 2/3 speed: sent at 1.5, rank 2 blocks 0.15 s on, rank 4 0.375 s on (the second)
-    assert received(1.1, third_s=1.25) == pytest.approx(1.5 + 0.1 + 0.25 * 1.5)
-
-
 def test_posting_a_message_holds_its_sender():
     # gloo writes the message from the calling thread: the sender's next compute starts post_s later, a
     # blocking span "post <name>" shows it, and the message still left when it was posted
