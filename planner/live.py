@@ -357,7 +357,7 @@ class _Costs:
 
     def _async_op_s(self, kind: str, n: int, nbytes: float, fit) -> float:
         """The duration of one asynchronous operation that makes this simulator reproduce the measured
-        burst (each of `fit.burst` operations issued after the same work, then all waited for,
+        burst (each of `fit.burst` operations issued after one fixed compute, then all waited for,
         on every rank of the world at once): a bisection on the operation's duration, from the blocking
         operation's time (its "sync" fit) up.
 
