@@ -30,6 +30,11 @@ beside it ("calibrations") and each calibration's mean and max under the table. 
 is judged on several calibrations, never on one: on 2 cores here eight calibrations taken within half an
 hour predicted the same measured runs 11-35 % of their step apart (4-rank pipelines the widest), and one
 change that had looked better against one calibration was worse against most of the eight.
+
+Under each table the same runs are also priced without the speed check, at the calibration's own speed: the
+check scales compute by a Block timed right before the run, and on a fresh pool here it has read 1.52x
+slower before a run whose compute ran at the calibration's speed, and 0.71-0.84x before runs whose
+compute ran 1.1-1.7x slower than that (2-rank 1F1B, its passes timed against their prediction).
 """
 
 from __future__ import annotations
@@ -128,6 +133,8 @@ def _table(title: str, runs: dict, cals: list, args) -> None:
     # the moment (the reference Block timed again right before it).
     keys = [(world, name) for world, name, _ in cases]
     predicted, measured, speeds, others = ({key: [] for key in keys} for _ in range(4))
+    # each run at the calibration's own speed, without the speed check: whether scaling by it helps
+    unscaled = {(world, name): predict(cfg, cal).step_time_s for world, name, cfg in cases}
     timelines = {}
     for repeat in range(args.repeats):
         print(f"{title}: repeat {repeat + 1} of {args.repeats}", file=sys.stderr, flush=True)
@@ -148,7 +155,7 @@ def _table(title: str, runs: dict, cals: list, args) -> None:
     print(f"{'world':>5}  {'run':14s} {'speed':>5} {'predicted ms':>12} {'measured ms':>11} {'error':>7} "
           f"{'median ms':>9} {'error':>7} {'steps ms':>11} {'faster':>6}"
           + (f" {'calibrations':>14}" if len(cals) > 1 else "") + "   differs most")
-    errors, median_errors, inside = [], [], 0
+    errors, median_errors, inside, unscaled_errors = [], [], 0, []
     by_calibration = [[] for _ in cals]  # each calibration's |error| per run
     for world, name, _ in cases:
         preds, steps = predicted[(world, name)], measured[(world, name)]
@@ -158,6 +165,7 @@ def _table(title: str, runs: dict, cals: list, args) -> None:
         error, median_error = (step_s - mean) / mean, (step_s - median) / median
         errors.append(abs(error))
         median_errors.append(abs(median_error))
+        unscaled_errors.append(abs(unscaled[(world, name)] - mean) / mean)
         faster = sum(t < step_s for t in steps)  # where the prediction falls among the measured steps
         inside += 0 < faster < len(steps)
         worst = compare(preds[-1][0].timeline, timelines[(world, name)], top=1)
@@ -177,6 +185,8 @@ def _table(title: str, runs: dict, cals: list, args) -> None:
           f"max {max(errors):.1%}; median step: mean |error| {statistics.mean(median_errors):.1%}, "
           f"max {max(median_errors):.1%}; {len(errors)} runs, {inside} predicted within their measured steps' "
           "range")
+    print(f"  without the speed check (each run at the calibration's own speed): mean |error| "
+          f"{statistics.mean(unscaled_errors):.1%}, max {max(unscaled_errors):.1%}")
     for i, errs in enumerate(by_calibration if len(cals) > 1 else []):
         print(f"  calibration {i + 1} of {len(cals)}{' (the table)' if i == len(cals) - 1 else ''}: "
               f"mean |error| {statistics.mean(errs):.1%}, max {max(errs):.1%}")
