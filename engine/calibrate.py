@@ -499,7 +499,7 @@ def comm_task(ctx, group_sizes: list[int], sizes: tuple[int, ...] = COMM_SIZES, 
         me = members.index(ctx.rank)
         sync = {(kind, nbytes): _comm_call(kind, n, me, members, nbytes, group)
                 for kind in COMM_KINDS if not (kind == "send_recv" and n % 2) for nbytes in sizes}
-        compute, compute_s, compute_cpu_s = _fixed_compute_cpu(COMPUTE_GAP_S / 2)
+        compute, compute_s, compute_cpu_s = _fixed_compute(COMPUTE_GAP_S / 2)
 
         def burst(call):
             # as a backward pass issues buckets: compute, issue, compute, issue ..., then wait
@@ -558,7 +558,7 @@ def comm_task(ctx, group_sizes: list[int], sizes: tuple[int, ...] = COMM_SIZES, 
             out.append(_row(kind, n, ctx.world, nbytes, mode, sums) | {"gap_s": COMPUTE_GAP_S})
         # the same operations while every rank keeps computing until they complete: how fast gloo
         # progresses under its ranks' compute (an FSDP prefetch, a DP bucket under backward)
-        chunk, _ = _fixed_compute(CONTENDED_CHUNK_S)
+        chunk, _, _ = _fixed_compute(CONTENDED_CHUNK_S)
         contended = {}
         for kind in ASYNC_KINDS:
             for nbytes in sizes:
@@ -593,7 +593,7 @@ def _pipeline_messages(me: int, members: list[int], group, sizes: tuple[int, ...
     comm = Comm(Recorder(me), torch.device("cpu"), {"pp": group})
     peer = members[me ^ 1]
     active = members[me] // 2 < pairs
-    unit, _ = _fixed_compute(LATE_UNIT_S)
+    unit, _, _ = _fixed_compute(LATE_UNIT_S)
     load = pairs + spinners
     dist.barrier()
     if not active:
@@ -710,17 +710,12 @@ def _under_compute(call, chunk) -> None:
 
 def _fixed_compute(target_s: float):
     """A fixed amount of work (small matmuls) that takes about `target_s` on this rank alone; returns the
-    function and its measured time. Fixed work, not a wall-clock wait: when cores are shared it takes
-    longer, as a training step's compute does."""
-    compute, wall_s, _ = _fixed_compute_cpu(target_s)
-    return compute, wall_s
-
-
-def _fixed_compute_cpu(target_s: float):
-    """`_fixed_compute`, and the CPU seconds of one call on this thread (torch runs one thread per rank,
-    engine/worker.py): its solo time. The wall time is not: every rank of the pool sizes and times its work
-    at once, so with more ranks than cores it reads the sharing of that moment (four ranks on two cores
-    read 0.12-0.35 ms of wall for 0.12-0.15 ms of CPU, rank by rank, in one calibration)."""
+    function, the wall seconds and the CPU seconds of one call on this thread (torch runs one thread per
+    rank, engine/worker.py). Fixed work, not a wall-clock wait: when cores are shared it takes longer, as a
+    training step's compute does. The CPU seconds are its solo time; the wall time is not: every rank of the
+    pool sizes and times its work at once, so with more ranks than cores it reads the sharing of that moment
+    (four ranks on two cores read 0.12-0.35 ms of wall for 0.12-0.15 ms of CPU, rank by rank, in one
+    calibration)."""
     a, b = torch.randn(64, 64), torch.randn(64, 128)
     per = _mean_s(lambda: a @ b, 50)
     n = max(1, round(target_s / per))
