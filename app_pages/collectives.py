@@ -95,10 +95,11 @@ with left:
             "(NVSwitch) each chunk goes straight to its receiver in one hop: Mixture-of-Experts layers keep "
             "expert parallelism inside one NVLink domain for this reason."),
     }
-    st.info(notes[collective])
 with right:
     # No mode bar: it would cover the step caption, and zooming a diagram teaches nothing.
     st.plotly_chart(ring_figure(collective, ring_n), key="ring", config={"displayModeBar": False})
+# under the ring, the page's full width: in the controls' quarter it ran one or two words a line
+st.info(notes[collective])
 
 st.header("What it costs: the alpha-beta model")
 st.markdown(

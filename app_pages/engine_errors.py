@@ -9,6 +9,7 @@ def engine_error_message(exc: BaseException, what: str = "sweep",
     "run"); `hint` says what to try after a timeout."""
     from engine.config import ConfigError
     from engine.launch import RankFailed, RunStopped, RunTimedOut, WorkerError
+    from ui.tables import count
 
     if isinstance(exc, ConfigError):
         return f"The {what} cannot run as asked: {exc}", None
@@ -23,7 +24,7 @@ def engine_error_message(exc: BaseException, what: str = "sweep",
                 f" The workers were stopped; {hint}.",
                 str(exc))
     if isinstance(exc, RunStopped):
-        done = f", after {exc.steps_done} step(s)" if what == "run" else ""
+        done = f", after {count(exc.steps_done, 'step')}" if what == "run" else ""
         return (f"Stopped, as asked{done}. The workers were stopped; the next run starts fresh ones.", None)
     if isinstance(exc, TimeoutError):  # the server's time limit (server.queue: a Task past max_run_s)
         return f"The {what} was stopped: {exc}; {hint}.", None

@@ -12,7 +12,7 @@ from hardware.roofline import matmul_cost
 from hardware.this_machine import summary_lines
 from ui.charts import OperatingPoint, RooflineSeries, roofline_figure
 from ui.exercises import compute_bound_tokens, ridge_point
-from ui.tables import CHIP_COLUMN_HELP, chip_table_rows, format_bytes, format_flops, format_seconds
+from ui.tables import CHIP_COLUMN_HELP, chip_table_rows, count, format_bytes, format_flops, format_seconds
 
 POW2_SIZES = [2**i for i in range(0, 17)]  # 1 .. 65,536
 DTYPES = ["bf16", "fp16", "fp8"]
@@ -204,6 +204,6 @@ if probe is not None:
         metric("Ridge point", f"{probe.matmul_flops_per_s / probe.memory_bytes_per_s:,.1f} FLOP/B")
     ratio = chip.peak_flops_per_s("bf16") / probe.matmul_flops_per_s
     st.markdown(f"{chip.name} does {ratio:,.0f} times more bf16 FLOP/s than this machine's fp32 matmuls on "
-                f"{probe.threads} thread(s), as one rank of the live engine runs them.")
+                f"{count(probe.threads, 'thread')}, as one rank of the live engine runs them.")
     with st.expander("How it was measured, and the rest of the calibration"):
         st.markdown("\n".join(f"- {line}" for line in probe.details + st.session_state.get("calibration_lines", [])))

@@ -13,7 +13,7 @@ from ui.bound_meter import bound_figure
 from ui.collectives import markdown_text
 from ui.exercises import largest_compute_bound_tp, tp_bytes_per_layer
 from ui.state import ignored_link_message
-from ui.tables import format_bytes, format_seconds
+from ui.tables import count, format_bytes, format_seconds
 from ui.tensor_parallel import (
     MAX_TP,
     MEMORY_MODES,
@@ -95,12 +95,12 @@ micro_batch = st.select_slider("Micro-batch b (sequences per chip)", TP_MICRO_BA
                                key="tp_micro_batch", bind="query-params")
 st.plotly_chart(split_figure(spec.hidden, spec.ffn, spec.heads, spec.kv_heads, tp), key="tp_split")
 per_rank = spec.heads // tp
-kv = (f"{spec.kv_heads // tp} KV head(s) of its own" if spec.kv_heads >= tp
-      else f"a copy of one KV head, shared with {tp // spec.kv_heads - 1} neighbour(s)")
+kv = (f"{count(spec.kv_heads // tp, 'KV head')} of its own" if spec.kv_heads >= tp
+      else f"a copy of one KV head, shared with {count(tp // spec.kv_heads - 1, 'neighbour')}")
 st.caption(f"{spec.name}: D = {spec.hidden:,}, F = {spec.ffn:,}"
            f"{' per expert' if spec.is_moe else ''}, {spec.heads} query heads and {spec.kv_heads} KV "
            f"heads. With t = {tp} each chip holds {spec.ffn // tp:,} of the F columns of W_in and rows "
-           f"of W_out, {per_rank} query head(s) and {kv}. Black outlines mark one KV head each.")
+           f"of W_out, {count(per_rank, 'query head')} and {kv}. Black outlines mark one KV head each.")
 
 st.subheader("The conjugate operators f and g")
 st.markdown(

@@ -201,8 +201,10 @@ def test_machine_link_recovers_alpha_and_beta_and_makes_a_link():
 
 def test_engine_errors_become_one_clear_sentence():
     from engine.config import ConfigError
-    from engine.launch import RankFailed, RunTimedOut
+    from engine.launch import RankFailed, RunStopped, RunTimedOut
 
+    assert engine_error_message(RunStopped(1), what="run")[0].startswith("Stopped, as asked, after 1 step.")
+    assert "after 3 steps." in engine_error_message(RunStopped(3), what="run")[0]
     message, details = engine_error_message(ConfigError("world=9 must be between 2 and 8"))
     assert message.endswith("world=9 must be between 2 and 8") and details is None
     detail = ('Traceback (most recent call last):\n  File "x.py", line 1\n'
