@@ -183,6 +183,41 @@ def _reference_block():
     return _module(Block(m), torch.randn(2, m.seq_len, m.hidden))
 
 
+ANCHOR_REPS = 30  # passes of the reference Block timed between two groups of module timings (~45 ms)
+
+
+class _Anchors:
+    """The reference Block timed before the first group of module timings and after each group: every
+    sample of a group carries the mean of the two timings around it (`anchor_s`), and
+    `hardware.this_machine.fit_compute` puts each sample at one speed of the machine with it. This machine's
+    speed changes in spells of a few seconds (the Block read 1.44 ms, then 2.61 and 2.48, then 1.47 again
+    within a second, one process alone), and the module timings take about two: a spell during some of
+    them had skewed those modules against the rest and against the reference timed before and after them
+    all. Across a spell's edges a module's time read 0.61x and 1.81x the reference timed just before it
+    (200 passes), and within 4 % of one timed right after it (20 passes)."""
+
+    def __init__(self, out: list[dict]):
+        fwd, bwd = _reference_block()
+        self._pass = lambda: bwd(fwd())
+        self.out, self.start = out, len(out)
+        self.last = self._time()
+
+    def _time(self) -> float:
+        return _median_s(self._pass, ANCHOR_REPS, warmup=1)
+
+    def mark(self) -> None:
+        """The samples added since the last mark were one group: time the anchor after them."""
+        now = self._time()
+        for smp in self.out[self.start:]:
+            smp["anchor_s"] = (self.last + now) / 2
+        self.start, self.last = len(self.out), now
+
+    def skip(self) -> None:
+        """The samples added since the last mark are ratios of timings of their own (ZB-H1's split): left as
+        they are."""
+        self.start = len(self.out)
+
+
 def _sample(op: str, shape: dict, fwd_s: float, bwd_s: float) -> dict:
     return {"op": op, "shape": shape, "fwd_s": fwd_s, "bwd_s": bwd_s}
 
@@ -191,8 +226,10 @@ def _model(hidden: int, heads: int, kv_heads: int, ffn: int, seq_len: int, **kw)
     return ModelConfig(hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, seq_len=seq_len, **kw)
 
 
-def measure_compute(reps: int = 15, shapes: str = "all") -> list[dict]:
-    """Timings of the engine's modules on this process (torch threads as set by the caller)."""
+def measure_compute(reps: int = 15, shapes: str = "all", then=None) -> list[dict]:
+    """Timings of the engine's modules on this process (torch threads as set by the caller), each group
+    anchored to the reference Block timed around it (`_Anchors`); `then()`, when given, returns one more
+    group of samples, timed and anchored after the modules (the engine's own step: `compute_task`)."""
     torch.manual_seed(0)
     out = []
     if shapes == "sharing":
@@ -201,13 +238,16 @@ def measure_compute(reps: int = 15, shapes: str = "all") -> list[dict]:
         f, b = _fwd_bwd(_reference_block, max(reps, 200))
         return [_sample("block", {"b": 2, "t": m.seq_len, "d": m.hidden, "heads": m.heads,
                                   "kv_heads": m.kv_heads, "ffn": m.ffn}, f, b)]
+    anchors = _Anchors(out)
     for m_rows, k, n in ((64, 64, 64), (64, 64, 256), (256, 64, 256), (64, 256, 64), (512, 256, 512)):
         lin = torch.nn.Linear(k, n, bias=False)
         f, b = _fwd_bwd(lambda: _module(lin, torch.randn(m_rows, k)), reps)
         out.append(_sample("linear", {"m": m_rows, "k": k, "n": n}, f, b))
+    anchors.mark()
     for rows, d in ((64, 64), (256, 64), (1024, 256)):
         f, b = _fwd_bwd(lambda: _module(RMSNorm(d), torch.randn(rows, d)), reps)
         out.append(_sample("rmsnorm", {"m": rows, "d": d}, f, b))
+    anchors.mark()
     for bsz, t, d, nq, nkv in ((2, 32, 64, 4, 2), (2, 32, 64, 2, 1), (2, 16, 64, 4, 2), (2, 64, 64, 4, 2),
                                (4, 64, 128, 4, 4)):
         m = _model(d, nq, nkv, 4 * d, t)
@@ -216,14 +256,18 @@ def measure_compute(reps: int = 15, shapes: str = "all") -> list[dict]:
         f, b = _fwd_bwd(lambda: _module(att, torch.randn(bsz, t, d)), reps)
         out.append(_sample("attention", {"b": bsz, "t": t, "d": d, "heads": nq, "kv_heads": nkv,
                                          "head_dim": d // nq}, f, b))
+    anchors.mark()
     for bsz, t, d, ffn in ((2, 32, 64, 128), (2, 32, 64, 64), (2, 16, 64, 128), (4, 64, 128, 512)):
         f, b = _fwd_bwd(lambda: _module(SwiGLU(d, ffn), torch.randn(bsz, t, d)), reps)
         out.append(_sample("swiglu", {"b": bsz, "t": t, "d": d, "ffn": ffn}, f, b))
+    anchors.mark()
     m = ModelConfig()
     f, b = _fwd_bwd(lambda: _module(Block(m), torch.randn(2, m.seq_len, m.hidden)), reps)
     out.append(_sample("block", {"b": 2, "t": m.seq_len, "d": m.hidden, "heads": m.heads,
                                  "kv_heads": m.kv_heads, "ffn": m.ffn}, f, b))
+    anchors.mark()
     out.append(measure_zb_split())
+    anchors.skip()
     for bsz, t, vocab, d in ((2, 32, 256, 64), (2, 32, 128, 64), (2, 16, 256, 64), (4, 64, 1024, 128)):
         mm = _model(d, 4, 2, 2 * d, t, vocab=vocab)
         tokens = torch.randint(0, vocab, (bsz, t))
@@ -234,11 +278,13 @@ def measure_compute(reps: int = 15, shapes: str = "all") -> list[dict]:
         targets = torch.randint(0, vocab, (bsz, t))
         f, b = _fwd_bwd(lambda: _module(head, torch.randn(bsz, t, d), lambda lg: loss_fn(lg, targets)), reps)
         out.append(_sample("head", {"b": bsz, "t": t, "vocab": vocab, "d": d}, f, b))
+    anchors.mark()
     for bsz, t, d, experts, top_k in ((2, 32, 64, 4, 2), (2, 32, 64, 8, 2), (2, 16, 64, 4, 1)):
         m = _model(d, 4, 2, 2 * d, t, mlp="moe", experts=experts, top_k=top_k)
         f, b = _fwd_bwd(lambda: _module(MoE(m), torch.randn(bsz, t, d)), reps)
         out.append(_sample("moe", {"b": bsz, "t": t, "d": d, "ffn": 2 * d, "experts": experts,
                                    "top_k": top_k}, f, b))
+    anchors.mark()
     # the Mamba-2 mixer (engine/mamba.py) at the local shapes of the live runs: whole, tp = 2's heads and
     # groups, cp = 2 and 4's slices, a long sequence (more chunks, one scan loop step each) and a wide one
     for bsz, t, d, expand, groups in ((2, 32, 64, 2, 4), (2, 16, 64, 1, 2), (2, 8, 64, 2, 4), (2, 64, 64, 2, 4),
@@ -246,6 +292,7 @@ def measure_compute(reps: int = 15, shapes: str = "all") -> list[dict]:
         m = ModelConfig(hidden=d, seq_len=t, arch="mamba2", ssm_expand=expand, ssm_groups=groups)
         f, b = _fwd_bwd(lambda: _module(Mamba2(m), torch.randn(bsz, t, d)), reps)
         out.append(_sample("mamba", mamba_shape(m, bsz), f, b))
+    anchors.mark()
     for bsz, h, rows, cols, hd in ((2, 4, 16, 16, 16), (2, 4, 32, 16, 16), (2, 4, 64, 64, 16)):
         # one ring step as engine/cp.py runs it: K/V expanded to the query heads (GQA), the block's
         # attention and the merge into the running output; backward: the block's gradients, reduced back
@@ -273,6 +320,7 @@ def measure_compute(reps: int = 15, shapes: str = "all") -> list[dict]:
 
         out.append(_sample("ring_block", {"b": bsz, "heads": h, "rows": rows, "cols": cols, "head_dim": hd},
                            _mean_s(fwd_step, reps), _mean_s(bwd_step, reps)))
+    anchors.mark()
     hyper = AdamW()
     for numel in (64, 4096, 65536):
         p, g, m1, m2 = (torch.randn(numel) for _ in range(4))
@@ -282,6 +330,10 @@ def measure_compute(reps: int = 15, shapes: str = "all") -> list[dict]:
     small = torch.randn(64)
     out.append(_sample("tiny_op", {"numel": 64}, _mean_s(lambda: small.add(1.0), 4 * reps), 0.0))
     out.append(_sample("copy", {"bytes": 4 * 65536}, _mean_s(lambda: torch.randn(65536).clone(), reps), 0.0))
+    anchors.mark()
+    if then is not None:
+        out += then()
+        anchors.mark()
     return out + measure_roofline()
 
 
@@ -361,10 +413,8 @@ def compute_task(ctx, reps: int = 15, shapes: str = "all") -> list[dict]:
 
     if ctx.world > 1:
         dist.barrier()
-    out = measure_compute(reps, shapes)
-    if ctx.world == 1 and shapes == "all":
-        out += engine_units(ctx)
-    return out
+    whole = ctx.world == 1 and shapes == "all"
+    return measure_compute(reps, shapes, then=(lambda: engine_units(ctx)) if whole else None)
 
 
 REFERENCE_REPS = 200  # timed forward + backward passes of the reference Block (~0.5 s on this machine)

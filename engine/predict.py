@@ -80,12 +80,12 @@ def ensure_calibration(worlds, progress=None, remeasure: bool = False, collectiv
     if cal is None:
         report(0.0, "timing the engine's modules on one rank")
         reference_block_s(measure)  # the first on a fresh pool can overlap its start-up (2.70 against 1.93 ms)
-        before = reference_block_s(measure)
         solo = measure(1, "compute_task", {"reps": 15})[0]
         fits, units, probe = tm.fit_compute(solo)
+        # the speed the fits are at: the reference Block timed between the modules' groups
         cal = tm.Calibration(key=key, created_s=time.time(), cpus=tm.cpu_count(), torch=torch_version(),
                              compute=fits, engine_units=units, probe=probe,
-                             reference_s=(before + reference_block_s(measure)) / 2)
+                             reference_s=tm.anchor_reference_s(solo))
         cal.compute_share[1] = 1.0
         messages.append("timed the engine's modules, its driver and this machine's roofline on one rank")
         done += 1

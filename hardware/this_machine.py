@@ -161,8 +161,9 @@ class Calibration:
     comm: dict[str, CommFit] = field(default_factory=dict)  # comm_key(world, kind, n, mode) -> fit
     probe: dict = field(default_factory=dict)  # hardware.probe.ProbeResult's fields: the roofline
     worlds: list[int] = field(default_factory=list)  # worlds whose communication was measured
-    # the default Block's forward + backward on one rank alone, timed right before and right after the
-    # module fits (their speed reference: `at_speed`); 0: not measured (an older file)
+    # the default Block's forward + backward on one rank alone, the speed the module fits are at (their
+    # reference for `at_speed`): timed between their groups (`anchor_reference_s`; before and after them
+    # all in an older file); 0: not measured (an older file still)
     reference_s: float = 0.0
     # world -> the group sizes whose communication was measured there (`comm_modes` of each); a world
     # without an entry (a file from before it was kept): the sizes its `comm` keys name
@@ -681,11 +682,30 @@ def scan_steps(s: dict) -> int:
     return max(1, s["t"] // s["chunk"])
 
 
+def anchor_reference_s(samples: list[dict]) -> float:
+    """The speed `fit_compute` puts the module timings at: the median of the reference Block times their
+    groups were anchored to (`engine.calibrate._Anchors`), the calibration's `reference_s`; 0 where the
+    samples carry none."""
+    anchors = [smp["anchor_s"] for smp in samples if smp.get("anchor_s", 0) > 0]
+    return statistics.median(anchors) if anchors else 0.0
+
+
+def at_anchor_speed(samples: list[dict]) -> list[dict]:
+    """Each anchored sample's times as they would have read at `anchor_reference_s`: scaled by it over the
+    reference Block timed around the sample's group. Samples without an anchor are kept as they are."""
+    reference = anchor_reference_s(samples)
+    if reference <= 0:
+        return samples
+    return [dict(smp, fwd_s=smp["fwd_s"] * reference / smp["anchor_s"],
+                 bwd_s=smp["bwd_s"] * reference / smp["anchor_s"]) if smp.get("anchor_s", 0) > 0 else smp
+            for smp in samples]
+
+
 def fit_compute(samples: list[dict]) -> tuple[dict[str, Fit], dict[str, float], dict]:
     """(module fits, engine unit seconds, the roofline probe's result as a dict) from
-    `engine.calibrate.measure_compute` samples."""
+    `engine.calibrate.measure_compute` samples, at one speed of the machine (`at_anchor_speed`)."""
     by_op: dict[str, list[dict]] = {}
-    for smp in samples:
+    for smp in at_anchor_speed(samples):
         by_op.setdefault(smp["op"], []).append(smp)
     fits: dict[str, Fit] = {}
     for op, rows in by_op.items():

@@ -58,6 +58,7 @@ def test_corrupt_calibration_is_measured_again_with_a_message(calibrated):
     # and how long posting a pipeline message holds its sender, timed in the engine's own 1F1B pipeline
     assert cal.send_post_fit(2).seconds(16384) > 0
     assert [f for f, _ in steps] == sorted(f for f, _ in steps) and steps[-1] == (1.0, "calibrated")
+    assert cal.reference_s > 0  # the speed the fits are at: the reference Block timed between their groups
     again, messages = ensure_calibration([2])  # now from the cache
     assert messages == [] and again == cal
 
@@ -229,6 +230,23 @@ def test_a_prediction_that_fails_is_a_reason_not_a_traceback(monkeypatch):
     assert pred["step_time_s"] is None and pred["breakdown_s"] == {} and "KeyError" in pred["why"]
     assert pred["calibration"] == ["a message"]
     json.dumps(pred)
+
+
+def test_anchors_stamp_each_group_with_the_reference_timed_around_it():
+    from engine.calibrate import _Anchors
+
+    out = [{"op": "before"}]
+    anchors = _Anchors(out)
+    out += [{"op": "linear"}, {"op": "linear"}]
+    anchors.mark()
+    first = anchors.last
+    out.append({"op": "zb_split"})  # a ratio of its own timings: left unstamped
+    anchors.skip()
+    out.append({"op": "head"})
+    anchors.mark()
+    assert "anchor_s" not in out[0] and "anchor_s" not in out[3]
+    assert out[1]["anchor_s"] == out[2]["anchor_s"] > 0
+    assert out[4]["anchor_s"] == pytest.approx((first + anchors.last) / 2)
 
 
 def _fake_measure(calls):

@@ -262,6 +262,27 @@ def test_fit_compute_on_synthetic_linear_samples():
     assert probe["matmul_flops_per_s"] == 4e10 and units == {}
 
 
+def test_fit_compute_puts_anchored_samples_at_one_speed():
+    # the same linear samples as above, the middle group timed during a spell that ran everything 1.8x
+    # slower (its anchor, the reference Block timed around it, read 1.8x too): the fit is the steady one's
+    samples = []
+    for (m, k, n), anchor in zip([(8, 64, 64), (64, 128, 256), (256, 256, 512)], [2e-3, 3.6e-3, 2e-3],
+                                 strict=True):
+        flops = 2.0 * m * k * n
+        slow = anchor / 2e-3
+        samples.append({"op": "linear", "shape": {"m": m, "k": k, "n": n}, "fwd_s": slow * (20e-6 + flops / 1e10),
+                        "bwd_s": slow * (40e-6 + 2 * flops / 1e10), "anchor_s": anchor})
+    assert tm.anchor_reference_s(samples) == pytest.approx(2e-3)
+    f = tm.fit_compute(samples)[0]["linear"]
+    assert f.fwd_fixed_s == pytest.approx(20e-6) and f.fwd_per_unit_s == pytest.approx(1e-10)
+    assert f.bwd_fixed_s == pytest.approx(40e-6) and f.bwd_per_unit_s == pytest.approx(2e-10)
+    # unanchored samples (an older measurement) are fitted as they read; no anchor, no reference
+    bare = [{k: v for k, v in smp.items() if k != "anchor_s"} for smp in samples]
+    assert tm.anchor_reference_s(bare) == 0.0 and tm.at_anchor_speed(bare) == bare
+    middle = 2.0 * 64 * 128 * 256
+    assert tm.fit_compute(bare)[0]["linear"].fwd(middle) > 1.2 * (20e-6 + middle / 1e10)
+
+
 def test_zb_split_fit_is_each_half_per_second_of_the_plain_backward():
     sample = {"op": "zb_split", "shape": {"b": 2, "t": 32, "d": 64, "plain_bwd_s": 0.8e-3},
               "fwd_s": 0.72e-3, "bwd_s": 0.56e-3}
