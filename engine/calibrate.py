@@ -421,16 +421,25 @@ REFERENCE_REPS = 200  # timed forward + backward passes of the reference Block (
 
 
 def reference_task(ctx, reps: int = REFERENCE_REPS) -> list[dict]:
-    """Pool task: the reference Block (the "sharing" shape), forward + backward, timed on rank 0 alone while
-    the other ranks wait at a barrier (blocked, not computing), so a prediction can check the machine's
-    speed on the pool of the run it predicts (engine/predict.at_speed_now) instead of starting a one-rank
-    pool for it. The median of `reps` passes: other work bursting on the machine for part of the half
-    second moves a mean (one check read 1.55x the calibration's time and the run then took 0.65x of that
-    prediction), and the check scales a whole prediction by it."""
+    """Pool task: the reference Block (the "sharing" shape), forward + backward, timed so a prediction can
+    check the machine's speed on the pool of the run it predicts (engine/predict.at_speed_now) the way the
+    calibration does not already cover: with no more ranks than cores, on every rank at once, each on a
+    core of its own as in the run (the calibration shares no core there); with more, on rank 0 alone while
+    the others wait at a barrier (blocked, not computing), as the calibration's core sharing
+    (`Calibration.share`) is measured against one rank alone. This machine's cores do not run at one speed:
+    pinned to each in turn, the Block took 1.56-2.20 ms on one and 2.47-2.57 on the other, and rank 0
+    alone ran on either, so a 2-rank run's check read one core or the other from run to run.
+    The median of `reps` passes: other work bursting on the machine for part of the half second moves a
+    mean (one check read 1.55x the calibration's time and the run then took 0.65x of that prediction),
+    and the check scales a whole prediction by it."""
     import torch.distributed as dist
 
+    from hardware.this_machine import cpu_count
+
     out = []
-    if ctx.rank == 0:
+    if ctx.world > 1:
+        dist.barrier()  # the timing ranks start together
+    if ctx.rank < (ctx.world if ctx.world <= cpu_count() else 1):
         torch.manual_seed(0)
         fwd, bwd = _reference_block()
         out = [{"block_s": _median_s(lambda: bwd(fwd()), reps)}]

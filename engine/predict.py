@@ -143,16 +143,20 @@ def _cache_file(cal) -> str:
 
 
 def reference_block_s(measure, world: int = 1) -> float:
-    """The default Block's forward + backward on one rank alone, the median pass (`Calibration.reference_s`;
-    `engine.calibrate.reference_task`), through `measure(world, task, args)`: on a `world`-rank pool, rank 0
-    times it while the others wait (about 0.5 s on 2 cores)."""
-    return measure(world, "reference_task", {})[0][0]["block_s"]
+    """The default Block's forward + backward, the median pass (`Calibration.reference_s`;
+    `engine.calibrate.reference_task`), through `measure(world, task, args)`: on a `world`-rank pool (about
+    0.5 s on 2 cores), on every rank at once where there are no more ranks than cores, and the slowest of
+    them: the slowest rank sets the pace of a step whose ranks wait for one another."""
+    return max(rows[0]["block_s"] for rows in measure(world, "reference_task", {}) if rows)
 
 
 def at_speed_now(cal, world: int = 1, collective_timeout_s: float = 30.0, stop=None):
     """(`cal` at the speed this machine runs now, the factor): its reference Block timed again, on the pool
-    of a `world`-rank run (the one the run will use: no other pool is started; `Calibration.at_speed`).
-    Always, even right after calibrating: the reference is timed at the start of a calibration, about a
+    of a `world`-rank run (the one the run will use: no other pool is started; `Calibration.at_speed`),
+    with no more ranks than cores on every rank at once and the slowest rank's time taken
+    (`reference_block_s`), against the calibration's one rank alone: the factor holds how much slower the
+    run's slowest core is than the one the modules were timed on. Always, even right after calibrating:
+    the reference is timed with the modules, about a
     minute before the first run, and this machine's speed moves that much within a minute (one
     benchmark's 4-rank runs, a minute or two after calibrating, timed it at 0.61-1.32x; its 2-rank runs,
     which a 60 s grace had spared the check, were all predicted too fast)."""

@@ -300,6 +300,19 @@ def test_a_cached_world_missing_a_group_size_is_measured_for_it_alone(tmp_path, 
 
 
 @pytest.mark.multiprocess
+def test_speed_check_times_every_core_and_takes_the_slowest(pools):
+    from engine.predict import reference_block_s
+
+    rows = pools(2).run("engine.calibrate:reference_task", {"reps": 3}, timeout_s=120)
+    timed = [r for r in rows if r]
+    # each rank on a core of its own, as in the run; more ranks than cores: rank 0 alone (as core sharing
+    # is measured against)
+    assert len(timed) == (2 if tm.cpu_count() >= 2 else 1) and all(r[0]["block_s"] > 0 for r in timed)
+    # the slowest rank's time: it paces a step whose ranks wait for one another
+    assert reference_block_s(lambda world, task, args: [[{"block_s": 2e-3}], [{"block_s": 3e-3}], []], 3) == 3e-3
+
+
+@pytest.mark.multiprocess
 def test_comm_task_times_exactly_comm_modes(pools):
     # the one list of what the measurement times (tm.comm_modes), against the measurement itself: a file
     # lacking any of it is measured again (tm.load), so the two must agree (few rounds, one size: no timing)
