@@ -915,8 +915,9 @@ def summary_lines(cal: Calibration) -> list[str]:
                          f"{post.alpha_s * 1e3:.2f} ms on average (timed in the engine's own 1F1B pipeline)")
     if cal.reference_s > 0:
         lines.append(f"the reference Block (the engine's default layer, forward + backward) took "
-                     f"{cal.reference_s * 1e3:.2f} ms alone; each prediction times it again and scales compute by "
-                     "the ratio")
+                     f"{cal.reference_s * 1e3:.2f} ms alone, timed between the modules; each prediction times it "
+                     "again (on every rank at once where the run has no more ranks than cores, the slowest rank's "
+                     "time) and scales compute by the ratio")
     return lines
 
 
