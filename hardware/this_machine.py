@@ -389,7 +389,8 @@ def _numbers(fields: dict) -> dict:
 def speed_words(factor: float) -> str:
     """`Calibration.at_speed`'s factor in words, for the pages and the command line."""
     how = f"{factor:.2f}x slower" if factor >= 1 else f"{1 / factor:.2f}x faster"
-    return (f"this machine ran its reference Block {how} right before this run than when it was calibrated, "
+    return (f"this machine ran its reference Block {how} right before this run, on the run's own ranks, than "
+            "when it was calibrated, "
             "so the prediction's compute was scaled by that (its communication was not)")
 
 
