@@ -191,10 +191,11 @@ class _Anchors:
     sample of a group carries the mean of the two timings around it (`anchor_s`), and
     `hardware.this_machine.fit_compute` puts each sample at one speed of the machine with it. This machine's
     speed changes in spells of a few seconds (the Block read 1.44 ms, then 2.61 and 2.48, then 1.47 again
-    within a second, one process alone), and the module timings take about two: a spell during some of
-    them had skewed those modules against the rest and against the reference timed before and after them
-    all. Across a spell's edges a module's time read 0.61x and 1.81x the reference timed just before it
-    (200 passes), and within 4 % of one timed right after it (20 passes)."""
+    within a second, one process alone: most likely it moved to the other core, which ran it at 2.47-2.57
+    ms against 1.56-2.20 pinned), and the module timings take about two: a spell during some of them had
+    skewed those modules against the rest and against the reference timed before and after them all.
+    Across a spell's edges a module's time read 0.61x and 1.81x the reference timed just before it (200
+    passes), and within 4 % of one timed right after it (20 passes)."""
 
     def __init__(self, out: list[dict]):
         fwd, bwd = _reference_block()
