@@ -35,6 +35,11 @@ Under each table the same runs are also priced without the speed check, at the c
 check scales compute by a Block timed right before the run, and on a fresh pool here it has read 1.52x
 slower before a run whose compute ran at the calibration's speed, and 0.71-0.84x before runs whose
 compute ran 1.1-1.7x slower than that (2-rank 1F1B, its passes timed against their prediction).
+
+Two more lines judge a change: the runs' signed mean error (a bias: below 0 they were predicted too fast;
+the named runs read -15.5 % before the speed check timed every rank, +2.6 and +0.2 after) and, with
+several calibrations, how wide each run's range over them is on average (the calibrations' own noise:
+16.5 points before the module timings were anchored to the reference Block, 7.2-8.8 after).
 """
 
 from __future__ import annotations
@@ -155,7 +160,7 @@ def _table(title: str, runs: dict, cals: list, args) -> None:
     print(f"{'world':>5}  {'run':14s} {'speed':>5} {'predicted ms':>12} {'measured ms':>11} {'error':>7} "
           f"{'median ms':>9} {'error':>7} {'steps ms':>11} {'faster':>6}"
           + (f" {'calibrations':>14}" if len(cals) > 1 else "") + "   differs most")
-    errors, median_errors, inside, unscaled_errors = [], [], 0, []
+    errors, median_errors, inside, unscaled_errors, signed, widths = [], [], 0, [], [], []
     by_calibration = [[] for _ in cals]  # each calibration's |error| per run
     for world, name, _ in cases:
         preds, steps = predicted[(world, name)], measured[(world, name)]
@@ -164,6 +169,7 @@ def _table(title: str, runs: dict, cals: list, args) -> None:
         mean, median = statistics.mean(steps), statistics.median(steps)
         error, median_error = (step_s - mean) / mean, (step_s - median) / median
         errors.append(abs(error))
+        signed.append(error)
         median_errors.append(abs(median_error))
         unscaled_errors.append(abs(unscaled[(world, name)] - mean) / mean)
         faster = sum(t < step_s for t in steps)  # where the prediction falls among the measured steps
@@ -177,6 +183,7 @@ def _table(title: str, runs: dict, cals: list, args) -> None:
             for i, e in enumerate(errs):
                 by_calibration[i].append(abs(e))
             spread = f" {min(errs):>+6.0%}..{max(errs):<+6.0%}"
+            widths.append(max(errs) - min(errs))
         print(f"{world:>5}  {name:14s} {statistics.mean(speeds[(world, name)]):>5.2f} {step_s * 1e3:>12.2f} "
               f"{mean * 1e3:>11.2f} {error:>+7.1%} {median * 1e3:>9.2f} {median_error:>+7.1%} "
               f"{min(steps) * 1e3:>5.1f}-{max(steps) * 1e3:<5.1f} {faster:>3}/{len(steps):<2}{spread}   "
@@ -187,6 +194,9 @@ def _table(title: str, runs: dict, cals: list, args) -> None:
           "range")
     print(f"  without the speed check (each run at the calibration's own speed): mean |error| "
           f"{statistics.mean(unscaled_errors):.1%}, max {max(unscaled_errors):.1%}")
+    print(f"  signed mean error {statistics.mean(signed):+.1%} (below 0: predicted too fast)"
+          + (f"; each run's range over the calibrations {statistics.mean(widths) * 100:.1f} points wide on "
+             "average" if widths else ""))
     for i, errs in enumerate(by_calibration if len(cals) > 1 else []):
         print(f"  calibration {i + 1} of {len(cals)}{' (the table)' if i == len(cals) - 1 else ''}: "
               f"mean |error| {statistics.mean(errs):.1%}, max {max(errs):.1%}")
