@@ -152,7 +152,8 @@ def _table(title: str, runs: dict, cals: list, args) -> None:
             steps = summary.step_times_s[1:]
             # every calibration at the same speed of the moment (the reference Block's time then, in seconds),
             # predicted after the run so as not to widen the gap between the speed check and the run
-            alts = [predict(cfg, c.at_speed(cal.reference_s * speed)[0]).step_time_s for c in cals]
+            alts = [predict(cfg, dataclasses.replace(c.at_speed(cal.reference_s * speed)[0],
+                                                     rank_pace=now.rank_pace)).step_time_s for c in cals]
             predicted[(world, name)].append((pred, len(steps)))
             others[(world, name)].append([(p, len(steps)) for p in alts])
             measured[(world, name)] += steps

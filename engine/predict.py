@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 from importlib import metadata
 
 CALIBRATION_TIMEOUT_S = 180.0
@@ -142,12 +143,18 @@ def _cache_file(cal) -> str:
     return str(tm.cache_path(cal.key))
 
 
-def reference_block_s(measure, world: int = 1) -> float:
+def reference_blocks_s(measure, world: int = 1) -> list[float]:
     """The default Block's forward + backward, the median pass (`Calibration.reference_s`;
     `engine.calibrate.reference_task`), through `measure(world, task, args)`: on a `world`-rank pool (about
-    0.5 s on 2 cores), on every rank at once where there are no more ranks than cores, and the slowest of
-    them: the slowest rank sets the pace of a step whose ranks wait for one another."""
-    return max(rows[0]["block_s"] for rows in measure(world, "reference_task", {}) if rows)
+    0.5 s on 2 cores), on every rank at once where there are no more ranks than cores (each rank's, in rank
+    order), else on rank 0 alone (one time)."""
+    return [rows[0]["block_s"] for rows in measure(world, "reference_task", {}) if rows]
+
+
+def reference_block_s(measure, world: int = 1) -> float:
+    """`reference_blocks_s`'s slowest: the slowest rank sets the pace of a step whose ranks wait for one
+    another."""
+    return max(reference_blocks_s(measure, world))
 
 
 def at_speed_now(cal, world: int = 1, collective_timeout_s: float = 30.0, stop=None):
@@ -155,14 +162,18 @@ def at_speed_now(cal, world: int = 1, collective_timeout_s: float = 30.0, stop=N
     of a `world`-rank run (the one the run will use: no other pool is started; `Calibration.at_speed`),
     with no more ranks than cores on every rank at once and the slowest rank's time taken
     (`reference_block_s`), against the calibration's one rank alone: the factor holds how much slower the
-    run's slowest core is than the one the modules were timed on. Always, even right after calibrating:
-    the reference is timed with the modules, about a
-    minute before the first run, and this machine's speed moves that much within a minute (one
-    benchmark's 4-rank runs, a minute or two after calibrating, timed it at 0.61-1.32x; its 2-rank runs,
-    which a 60 s grace had spared the check, were all predicted too fast)."""
+    run's slowest core is than the one the modules were timed on, and `Calibration.rank_pace` each rank's time
+    over that slowest one's (a 2-rank pipeline's stage on the faster core does its passes sooner). Always,
+    even right after calibrating: the reference is timed with the modules, about a minute before the first
+    run, and this machine's speed moves that much within a minute (one benchmark's 4-rank runs, a minute
+    or two after calibrating, timed it at 0.61-1.32x; its 2-rank runs, which a 60 s grace had spared the
+    check, were all predicted too fast)."""
     if cal.reference_s <= 0:
         return cal, 1.0
-    return cal.at_speed(reference_block_s(_measurer(collective_timeout_s, stop), world))
+    times = reference_blocks_s(_measurer(collective_timeout_s, stop), world)
+    now, factor = cal.at_speed(max(times))
+    # and each rank at its own speed: this machine's cores do not run at one (`Calibration.rank_pace`)
+    return (replace(now, rank_pace=tuple(t / max(times) for t in times)) if len(times) > 1 else now), factor
 
 
 def _measurer(collective_timeout_s: float, stop=None):

@@ -168,6 +168,10 @@ class Calibration:
     # world -> the group sizes whose communication was measured there (`comm_modes` of each); a world
     # without an entry (a file from before it was kept): the sizes its `comm` keys name
     group_sizes: dict[int, list[int]] = field(default_factory=dict)
+    # each rank's time for the reference Block over the slowest rank's, as the speed check right before a
+    # run found them with every rank timing at once (engine/predict.at_speed_now); () where it timed one rank.
+    # Of one moment, so never kept in the file.
+    rank_pace: tuple[float, ...] = ()
 
     def measured_sizes(self, world: int) -> list[int]:
         """The group sizes whose communication was measured at `world` (none: the world was not measured)."""
@@ -287,6 +291,7 @@ class Calibration:
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        del d["rank_pace"]
         d["format"] = FORMAT
         d["compute_share"] = {str(k): v for k, v in self.compute_share.items()}
         d["resume_s"] = {str(k): v for k, v in self.resume_s.items()}

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from core.buckets import plan_buckets
 from core.mesh import Mesh, cp_slice_owners, group_key
@@ -530,6 +530,11 @@ def predict(cfg, cal: Calibration) -> LivePrediction:
         _Program(cfg, costs, r, g, mesh, {"dp": group_key(replica_axes), "dp expert": group_key(expert_replica_axes)},
                  group_names).build()
         programs[rank] = r.ops
+    if len(cal.rank_pace) == cfg.world:
+        # each rank's compute at the speed it ran the reference Block at right before the run (the fits are at
+        # the slowest's): on 2 cores here one ran it up to 1.6x faster than the other
+        programs = {rank: [replace(op, seconds=op.seconds * cal.rank_pace[rank]) if isinstance(op, Compute) else op
+                           for op in ops] for rank, ops in programs.items()}
     timeline, ends = simulate(programs, cores=cal.cores(cfg.world))
     step = max(ends.values())
     if cfg.pp > 1:  # as engine/run.py marks a measured pipeline's bubbles (waits are gaps otherwise)

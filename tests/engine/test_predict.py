@@ -312,6 +312,19 @@ def test_speed_check_times_every_core_and_takes_the_slowest(pools):
     assert reference_block_s(lambda world, task, args: [[{"block_s": 2e-3}], [{"block_s": 3e-3}], []], 3) == 3e-3
 
 
+def test_the_speed_check_gives_each_rank_its_pace(monkeypatch):
+    import engine.predict as ep
+    from tests.hardware.test_this_machine import _cal
+
+    times = [[{"block_s": 2e-3}], [{"block_s": 3e-3}]]
+    monkeypatch.setattr(ep, "_measurer", lambda *a, **kw: lambda world, task, args: times[:world])
+    cal = _cal(reference_s=1.5e-3)
+    now, factor = ep.at_speed_now(cal, 2)
+    assert factor == pytest.approx(2.0) and now.rank_pace == pytest.approx((2 / 3, 1.0))  # the slowest's
+    alone, factor = ep.at_speed_now(cal, 1)  # one rank timed: one speed
+    assert factor == pytest.approx(2e-3 / 1.5e-3) and alone.rank_pace == ()
+
+
 @pytest.mark.multiprocess
 def test_comm_task_times_exactly_comm_modes(pools):
     # the one list of what the measurement times (tm.comm_modes), against the measurement itself: a file

@@ -1,6 +1,7 @@
 """This machine as a chip: the calibration's fits on hand-made samples, and its cache file (missing,
 corrupt, from another version or machine, stale: each gives a message and is measured again)."""
 
+import dataclasses
 import json
 import os
 
@@ -260,6 +261,12 @@ def test_fit_compute_on_synthetic_linear_samples():
     assert f.fwd_fixed_s == pytest.approx(20e-6) and f.fwd_per_unit_s == pytest.approx(1e-10)
     assert f.bwd_fixed_s == pytest.approx(40e-6) and f.bwd_per_unit_s == pytest.approx(2e-10)
     assert probe["matmul_flops_per_s"] == 4e10 and units == {}
+
+
+def test_the_ranks_pace_is_of_one_moment_and_not_kept_in_the_file():
+    cal = dataclasses.replace(_cal(), rank_pace=(0.6, 1.0))
+    assert "rank_pace" not in cal.to_dict()
+    assert tm.Calibration.from_dict(cal.to_dict()) == dataclasses.replace(cal, rank_pace=())
 
 
 def test_fit_compute_puts_anchored_samples_at_one_speed():

@@ -68,6 +68,24 @@ def test_every_live_run_has_a_prediction(flags):
     assert json.loads(json.dumps(d))["step_time_s"] == pytest.approx(pred.step_time_s)
 
 
+def test_each_rank_computes_at_its_own_pace():
+    # the speed check found one rank's core 1.5x faster (Calibration.rank_pace): its compute is that much
+    # shorter, and a pipeline, whose stages do not wait at every step for each other, ends sooner
+    flags = "--strategy pp --schedule 1f1b --micro-batches 4 --world 2"
+    even = predict(_cfg(flags), CAL)
+    assert predict(_cfg(flags), dataclasses.replace(CAL, rank_pace=(1.0, 1.0))).step_time_s == even.step_time_s
+    paced = predict(_cfg(flags), dataclasses.replace(CAL, rank_pace=(1 / 1.5, 1.0)))
+    assert paced.step_time_s < 0.97 * even.step_time_s
+
+    def compute_s(pred, rank):
+        return sum(s.end_s - s.start_s for s in pred.timeline.spans if s.lane == "compute" and s.rank == rank)
+
+    assert compute_s(paced, 0) == pytest.approx(compute_s(even, 0) / 1.5, rel=1e-6)
+    assert compute_s(paced, 1) == pytest.approx(compute_s(even, 1), rel=1e-6)
+    # a pace that is not one per rank (another world's check) is not used
+    assert predict(_cfg(flags), dataclasses.replace(CAL, rank_pace=(0.5,))).step_time_s == even.step_time_s
+
+
 def test_idle_spans_as_the_engine_draws_them():
     # as the engine marks a pipeline's bubbles (core/timeline.py); the prediction's other waits are gaps (the
     # engine's ring attention marks its own, which per_step_by_kind reads as waiting all the same)
