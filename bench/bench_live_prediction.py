@@ -39,7 +39,8 @@ compute ran 1.1-1.7x slower than that (2-rank 1F1B, its passes timed against the
 Two more lines judge a change: the runs' signed mean error (a bias: below 0 they were predicted too fast;
 the named runs read -15.5 % before the speed check timed every rank, +2.6 and +0.2 after) and, with
 several calibrations, how wide each run's range over them is on average (the calibrations' own noise:
-16.5 points before the module timings were anchored to the reference Block, 7.2-8.8 after).
+16.5 points before the module timings were anchored to the reference Block, 7.2-8.8 in four benches after
+and 17.6 in a fifth).
 """
 
 from __future__ import annotations

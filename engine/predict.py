@@ -171,9 +171,10 @@ def at_speed_now(cal, world: int = 1, collective_timeout_s: float = 30.0, stop=N
     if cal.reference_s <= 0:
         return cal, 1.0
     times = reference_blocks_s(_measurer(collective_timeout_s, stop), world)
-    now, factor = cal.at_speed(max(times))
+    slowest = max(times)
+    now, factor = cal.at_speed(slowest)
     # and each rank at its own speed: this machine's cores do not run at one (`Calibration.rank_pace`)
-    return (replace(now, rank_pace=tuple(t / max(times) for t in times)) if len(times) > 1 else now), factor
+    return (replace(now, rank_pace=tuple(t / slowest for t in times)) if len(times) > 1 else now), factor
 
 
 def _measurer(collective_timeout_s: float, stop=None):
