@@ -14,7 +14,8 @@ Three kinds of measurement:
   ops, and the roofline that the hardware lesson plots (hardware/probe.py on one rank's thread: fp32
   and bf16 matmuls, a large copy).
 * sharing (`compute_task` on every rank of a W-rank pool at once): how much slower the same work runs
-  when W ranks share this machine's cores.
+  when W ranks share this machine's cores than with one rank on each core (the first `cpu_count()` ranks
+  of the pool at once, right before and after).
 * resuming (`resume_task`, on every rank of a W-rank pool): how much longer a compute segment takes when
   it starts right after the rank's own communication than when it follows other compute. A Block's
   forward after a blocking all-reduce takes ~0.2 ms more on 2 cores whatever the message size or kind
@@ -407,13 +408,16 @@ def measure_roofline(budget_s: float = 1.0) -> list[dict]:
              "probe": asdict(measure_this_machine(budget_s=budget_s))}]
 
 
-def compute_task(ctx, reps: int = 15, shapes: str = "all") -> list[dict]:
-    """Pool task: every rank measures at the same time (after a barrier), so W ranks share the cores. On a
-    one-rank pool the engine's own step is timed too (`engine_units`)."""
+def compute_task(ctx, reps: int = 15, shapes: str = "all", active: int | None = None) -> list[dict]:
+    """Pool task: every rank measures at the same time (after a barrier), so W ranks share the cores; with
+    `active`, ranks 0 .. active - 1 only (the others return nothing at once). On a one-rank pool the
+    engine's own step is timed too (`engine_units`)."""
     import torch.distributed as dist
 
     if ctx.world > 1:
         dist.barrier()
+    if active is not None and ctx.rank >= active:
+        return []
     whole = ctx.world == 1 and shapes == "all"
     return measure_compute(reps, shapes, then=(lambda: engine_units(ctx)) if whole else None)
 
@@ -423,13 +427,13 @@ REFERENCE_REPS = 200  # timed forward + backward passes of the reference Block (
 
 def reference_task(ctx, reps: int = REFERENCE_REPS) -> list[dict]:
     """Pool task: the reference Block (the "sharing" shape), forward + backward, timed so a prediction can
-    check the machine's speed on the pool of the run it predicts (engine/predict.at_speed_now) the way the
-    calibration does not already cover: with no more ranks than cores, on every rank at once, each on a
-    core of its own as in the run (the calibration shares no core there); with more, on rank 0 alone while
-    the others wait at a barrier (blocked, not computing), as the calibration's core sharing
-    (`Calibration.share`) is measured against one rank alone. This machine's cores do not run at one speed:
-    pinned to each in turn, the Block took 1.56-2.20 ms on one and 2.47-2.57 on the other, and rank 0
-    alone ran on either, so a 2-rank run's check read one core or the other from run to run.
+    check the machine's speed on the pool of the run it predicts (engine/predict.at_speed_now), on one rank
+    per core at once (after a barrier): with no more ranks than cores, every rank, each on a core of its
+    own as in the run; with more, the first `cpu_count()` ranks while the others wait at a barrier
+    (blocked, not computing), every core busy with one rank as the calibration's core sharing
+    (`Calibration.share`) is measured against. This machine's cores do not run at one speed: pinned to each
+    in turn, the Block took 1.56-2.20 ms on one and 2.47-2.57 on the other, and a rank alone ran on either,
+    so a check on one rank read one core or the other from run to run.
     The median of `reps` passes: other work bursting on the machine for part of the half second moves a
     mean (one check read 1.55x the calibration's time and the run then took 0.65x of that prediction),
     and the check scales a whole prediction by it."""
@@ -440,7 +444,7 @@ def reference_task(ctx, reps: int = REFERENCE_REPS) -> list[dict]:
     out = []
     if ctx.world > 1:
         dist.barrier()  # the timing ranks start together
-    if ctx.rank < (ctx.world if ctx.world <= cpu_count() else 1):
+    if ctx.rank < min(ctx.world, cpu_count()):
         torch.manual_seed(0)
         fwd, bwd = _reference_block()
         out = [{"block_s": _median_s(lambda: bwd(fwd()), reps)}]

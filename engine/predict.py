@@ -12,6 +12,7 @@ Torch-free in the calling process, like `engine.run`: the measurements run on th
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import replace
 from importlib import metadata
@@ -92,10 +93,12 @@ def ensure_calibration(worlds, progress=None, remeasure: bool = False, collectiv
         done += 1
     for w in todo:
         report(done / steps, f"measuring gloo and shared cores with {w} ranks")
-        # the Block alone right before and after the ranks time it together (tm.fit_share)
-        alone = [measure(1, "compute_task", {"reps": 15, "shapes": "sharing"})[0][0]]
-        shared = measure(w, "compute_task", {"reps": 15, "shapes": "sharing"})
-        alone.append(measure(1, "compute_task", {"reps": 15, "shapes": "sharing"})[0][0])
+        if w > cal.cpus:
+            # the Block on one rank per core right before and after all the ranks time it together (tm.fit_share)
+            per_core = {"reps": 15, "shapes": "sharing", "active": cal.cpus}
+            cores = measure(w, "compute_task", per_core)
+            shared = measure(w, "compute_task", {"reps": 15, "shapes": "sharing"})
+            cores += measure(w, "compute_task", per_core)
         sizes = wanted[w]
         # a pipeline's posting, timed before and after the collectives: one short run can fall in a slow spell
         # (two calibrations, each timing it once, read 0.47 and 0.79 ms at world 4)
@@ -103,7 +106,8 @@ def ensure_calibration(worlds, progress=None, remeasure: bool = False, collectiv
         comm = measure(w, "comm_task", {"group_sizes": sizes})
         resume = measure(w, "resume_task", {})
         posting = [a + b for a, b in zip(posting, measure(w, "pipeline_posting", {}), strict=True)]
-        cal.compute_share[w] = tm.fit_share(shared, alone)
+        # no more ranks than cores: each computes on a core of its own, as the speed check times them
+        cal.compute_share[w] = tm.fit_share(shared, [rows[0] for rows in cores if rows]) if w > cal.cpus else 1.0
         cal.comm.update(tm.fit_comm(w, comm))
         cal.comm.update(tm.fit_posting(w, posting))
         cal.resume_s[w] = tm.fit_resume(resume)
@@ -146,8 +150,8 @@ def _cache_file(cal) -> str:
 def reference_blocks_s(measure, world: int = 1) -> list[float]:
     """The default Block's forward + backward, the median pass (`Calibration.reference_s`;
     `engine.calibrate.reference_task`), through `measure(world, task, args)`: on a `world`-rank pool (about
-    0.5 s on 2 cores), on every rank at once where there are no more ranks than cores (each rank's, in rank
-    order), else on rank 0 alone (one time)."""
+    0.5 s on 2 cores), on one rank per core at once, in rank order: every rank where there are no more
+    ranks than cores, else the first as many as there are cores."""
     return [rows[0]["block_s"] for rows in measure(world, "reference_task", {}) if rows]
 
 
@@ -159,18 +163,25 @@ def reference_block_s(measure, world: int = 1) -> float:
 
 def at_speed_now(cal, world: int = 1, collective_timeout_s: float = 30.0, stop=None):
     """(`cal` at the speed this machine runs now, the factor): its reference Block timed again, on the pool
-    of a `world`-rank run (the one the run will use: no other pool is started; `Calibration.at_speed`),
-    with no more ranks than cores on every rank at once and the slowest rank's time taken
-    (`reference_block_s`), against the calibration's one rank alone: the factor holds how much slower the
-    run's slowest core is than the one the modules were timed on, and `Calibration.rank_pace` each rank's time
-    over that slowest one's (a 2-rank pipeline's stage on the faster core does its passes sooner). Always,
-    even right after calibrating: the reference is timed with the modules, about a minute before the first
-    run, and this machine's speed moves that much within a minute (one benchmark's 4-rank runs, a minute
-    or two after calibrating, timed it at 0.61-1.32x; its 2-rank runs, which a 60 s grace had spared the
-    check, were all predicted too fast)."""
+    of a `world`-rank run (the one the run will use: no other pool is started; `Calibration.at_speed`), on
+    one rank per core at once (`reference_blocks_s`), against the calibration's one rank alone.
+
+    With no more ranks than cores, each rank keeps its core: the factor is the slowest rank's time (how
+    much slower the run's slowest core is than the one the modules were timed on), and
+    `Calibration.rank_pace` each rank's time over that slowest one's (a 2-rank pipeline's stage on the
+    faster core does its passes sooner). With more, the ranks take turns on every core: the factor is the
+    cores' mean, the speed `Calibration.share` slows down (a check on rank 0 alone read whichever core it
+    landed on: 1.35-2.53 ms over 24 timings in four minutes here, two ranks' mean 1.41-2.21 over as many).
+
+    Always, even right after calibrating: the reference is timed with the modules, about a minute before the
+    first run, and this machine's speed moves that much within a minute (one benchmark's 4-rank runs, a
+    minute or two after calibrating, timed it at 0.61-1.32x; its 2-rank runs, which a 60 s grace had spared
+    the check, were all predicted too fast)."""
     if cal.reference_s <= 0:
         return cal, 1.0
     times = reference_blocks_s(_measurer(collective_timeout_s, stop), world)
+    if len(times) < world:  # more ranks than cores
+        return cal.at_speed(statistics.fmean(times))
     slowest = max(times)
     now, factor = cal.at_speed(slowest)
     # and each rank at its own speed: this machine's cores do not run at one (`Calibration.rank_pace`)

@@ -8,7 +8,8 @@ and says when that file is missing, stale or corrupt. A calibration holds
   per piece of the engine's own machinery, seconds = fixed + per-unit-of-work * work, forward and
   backward (`Fit`), least squares over the shapes measured; the engine's own units at the default shape
   (`engine_units`);
-* sharing: how much slower compute runs when W ranks run at once (`compute_share[W]`);
+* sharing: how much slower compute runs when W ranks run at once than with one rank on each core
+  (`compute_share[W]`; 1 with no more ranks than cores);
 * resuming: the seconds a compute segment adds when it starts right after the rank's own communication
   (`resume_s[W]`, engine/calibrate.resume_task);
 * communication: per world W, operation, group size n and mode (blocking after three gaps of compute:
@@ -39,7 +40,9 @@ from pathlib import Path
 
 from core.ssd import mamba_block_flops
 
-FORMAT = 4
+# 5: compute_share measured against one rank per core, every core busy (4: against one rank alone, on either
+# of this machine's unequal cores), and 1 with no more ranks than cores
+FORMAT = 5
 # The longest a "contended" measurement waits for an asynchronous operation under compute before it
 # stops computing (engine/calibrate.py); an operation that took this long made no progress at all.
 CONTENDED_CAP_S = 0.02
@@ -209,7 +212,9 @@ class Calibration:
         raise CalibrationError(f"no calibration of {kind} on groups of {n} at world {world}; measure world {world}")
 
     def share(self, world: int) -> float:
-        if world <= 1:
+        """How much slower each of `world` ranks computes than one rank per core (`fit_share`): 1 with no more
+        ranks than cores."""
+        if world <= max(1, self.cpus):
             return 1.0
         if world in self.compute_share:
             return self.compute_share[world]
@@ -221,11 +226,11 @@ class Calibration:
 
     def cores(self, world: int) -> float:
         """The cores' worth of compute the ranks of a `world`-rank run share, as measured: with more ranks
-        than cores, each of `world` ranks computing at once ran at 1 / share(world) of its solo speed (the
-        scheduler's switches and the caches they cool included), so together they get world / share(world)
-        cores (1.80 of 2 for 4 ranks measured 2.22x slower; the cores divided evenly would be 2.0x), never
-        more than the machine has (a share below world / cores is the machine's drift between the solo and
-        the shared timing). Worlds not measured, or no more ranks than cores: the machine's cores."""
+        than cores, each of `world` ranks computing at once ran at 1 / share(world) of the speed it has with
+        one rank on each core (the scheduler's switches and the caches they cool included), so together they
+        get world / share(world) cores (1.80 of 2 for 4 ranks measured 2.22x slower; the cores divided evenly
+        would be 2.0x), never more than the machine has (a share below world / cores is the machine's drift
+        between the timings). Worlds not measured, or no more ranks than cores: the machine's cores."""
         if world <= self.cpus or world not in self.compute_share:
             return float(self.cpus)
         return min(float(self.cpus), world / self.compute_share[world])
@@ -855,12 +860,13 @@ def fit_posting(world: int, per_rank: list[list[float]]) -> dict[str, CommFit]:
     return {comm_key(world, "send_recv", 2, POST_MODE): CommFit(statistics.fmean(seconds), 0.0, 0.0)}
 
 
-def fit_share(shared: list[list[dict]], alone: list[dict]) -> float:
+def fit_share(shared: list[list[dict]], per_core: list[dict]) -> float:
     """Mean slowdown of a Block's forward + backward when the ranks of `shared` run it at once, against the
-    same Block timed alone right before and right after them (`alone`): one rank's speed on this machine
-    moves by a quarter from one second to the next (2.45-4.32 ms for the same Block within a minute), so a
-    single solo timing taken away from the shared one moved the share between calibrations (1.86-3.09)."""
-    solo = [r["fwd_s"] + r["bwd_s"] for r in alone]
+    same Block timed on one rank per core (every core busy, as the speed check times it: engine/predict.
+    at_speed_now) right before and right after them (`per_core`, each such rank's timing). Against one rank
+    alone instead, the share read whichever core that rank landed on: this machine's two cores run the Block
+    at up to 1.6x apart, and a solo timing moved the share between calibrations (1.86-3.09)."""
+    solo = [r["fwd_s"] + r["bwd_s"] for r in per_core]
     together = [r[0]["fwd_s"] + r[0]["bwd_s"] for r in shared]
     mean_solo = sum(solo) / len(solo) if solo else 0.0
     return max(1.0, sum(together) / len(together) / mean_solo) if mean_solo > 0 else 1.0
@@ -894,8 +900,9 @@ def summary_lines(cal: Calibration) -> list[str]:
             b2b = cal.comm.get(comm_key(w, "all_reduce", w, BACK_TO_BACK_MODE))
             if b2b:
                 per_byte += f" ({b2b.seconds(1024) * 1e6:,.0f} us for 1 KB right after another)"
-            lines.append(f"{w} ranks: a gloo all-reduce costs {ar.alpha_s * 1e6:,.0f} us {per_byte}; compute runs "
-                         f"{cal.share(w):.2f}x slower with all {w} ranks busy on {cal.cpus} cores, and "
+            sharing = (f"compute runs {cal.share(w):.2f}x slower with all {w} ranks busy on {cal.cpus} cores than "
+                       f"with one on each, and " if w > cal.cpus else "compute runs ")
+            lines.append(f"{w} ranks: a gloo all-reduce costs {ar.alpha_s * 1e6:,.0f} us {per_byte}; {sharing}"
                          f"{cal.resume_s.get(w, 0.0) * 1e3:.2f} ms longer right after communicating")
         late = cal.late_fits(w, 2)
         if late:

@@ -257,7 +257,8 @@ def _fake_measure(calls):
         if task == "reference_task":
             return [[{"block_s": 1.5e-3}]]
         if task == "compute_task":
-            return [[{"fwd_s": 1e-3, "bwd_s": 2e-3}] for _ in range(world)]
+            return [[{"fwd_s": 1e-3, "bwd_s": 2e-3}] if rank < args.get("active", world) else []
+                    for rank in range(world)]
         if task == "pipeline_posting":
             return [[2e-4] for _ in range(world)]
         if task == "resume_task":
@@ -305,8 +306,8 @@ def test_speed_check_times_every_core_and_takes_the_slowest(pools):
 
     rows = pools(2).run("engine.calibrate:reference_task", {"reps": 3}, timeout_s=120)
     timed = [r for r in rows if r]
-    # each rank on a core of its own, as in the run; more ranks than cores: rank 0 alone (as core sharing
-    # is measured against)
+    # one rank per core at once: each on a core of its own, as in the run (more ranks than cores: the first
+    # as many as there are cores, as core sharing is measured against)
     assert len(timed) == (2 if tm.cpu_count() >= 2 else 1) and all(r[0]["block_s"] > 0 for r in timed)
     # the slowest rank's time: it paces a step whose ranks wait for one another
     assert reference_block_s(lambda world, task, args: [[{"block_s": 2e-3}], [{"block_s": 3e-3}], []], 3) == 3e-3
@@ -323,6 +324,27 @@ def test_the_speed_check_gives_each_rank_its_pace(monkeypatch):
     assert factor == pytest.approx(2.0) and now.rank_pace == pytest.approx((2 / 3, 1.0))  # the slowest's
     alone, factor = ep.at_speed_now(cal, 1)  # one rank timed: one speed
     assert factor == pytest.approx(2e-3 / 1.5e-3) and alone.rank_pace == ()
+    # more ranks than cores: one rank per core timed, the ranks taking turns on every core: the cores' mean
+    shared, factor = ep.at_speed_now(cal, 3)
+    assert factor == pytest.approx(2.5e-3 / 1.5e-3) and shared.rank_pace == ()
+
+
+def test_core_sharing_is_measured_against_one_rank_per_core(tmp_path, monkeypatch):
+    import engine.predict as ep
+    from tests.hardware.test_this_machine import _cal
+
+    monkeypatch.setenv("SHARDLAB_CACHE_DIR", str(tmp_path))
+    key = tm.machine_key(torch_version())
+    tm.save(_cal(key=key, created_s=time.time()))  # 2 cores, world 2 measured
+    calls = []
+    monkeypatch.setattr(ep, "_measurer", lambda *a, **kw: _fake_measure(calls))
+    cal, _ = ensure_calibration([4])
+    sharing = [(world, args) for world, task, args in calls if task == "compute_task"]
+    # 2 ranks of the 4-rank pool (one per core) right before and after all 4 at once
+    assert sharing == [(4, {"reps": 15, "shapes": "sharing", "active": 2}), (4, {"reps": 15, "shapes": "sharing"}),
+                       (4, {"reps": 15, "shapes": "sharing", "active": 2})]
+    assert cal.compute_share[4] == 1.0  # the fake times every rank alike
+    assert cal.share(2) == 1.0  # no more ranks than cores: nothing shared, whatever an older file held
 
 
 @pytest.mark.multiprocess

@@ -330,12 +330,20 @@ def test_fit_moe_separates_per_expert_and_per_flop_costs():
     assert f.fwd_per_unit_s == pytest.approx(2e-10) and f.bwd_per_item_s == pytest.approx(25e-6)
 
 
-def test_share_is_against_the_solo_timings_around_the_shared_one():
+def test_share_is_against_the_per_core_timings_around_the_shared_one():
     def block(seconds):
         return {"fwd_s": seconds / 2, "bwd_s": seconds / 2}
-    # 4 ranks at 8 ms each, the Block alone at 3 ms before and 5 ms after: 8 / 4 = 2.0x
-    assert tm.fit_share([[block(8e-3)]] * 4, [block(3e-3), block(5e-3)]) == pytest.approx(2.0)
-    assert tm.fit_share([[block(2e-3)]] * 2, [block(3e-3)]) == 1.0  # never faster than alone
+    # 4 ranks at 8 ms each; one rank per core (2 cores) at 3 and 4 ms before, 5 and 4 ms after: 8 / 4 = 2.0x
+    assert tm.fit_share([[block(8e-3)]] * 4, [block(3e-3), block(4e-3), block(5e-3), block(4e-3)]) == pytest.approx(2.0)
+    assert tm.fit_share([[block(2e-3)]] * 4, [block(3e-3)]) == 1.0  # never faster than one rank per core
+
+
+def test_no_more_ranks_than_cores_share_nothing():
+    # 2 cores; world 2 as a format-4 file had it
+    cal = dataclasses.replace(_cal(), compute_share={1: 1.0, 2: 1.3, 4: 2.2})
+    assert cal.share(2) == 1.0 and cal.cores(2) == 2.0
+    assert cal.share(4) == 2.2 and cal.cores(4) == pytest.approx(4 / 2.2)
+    assert cal.share(8) == pytest.approx(4.4)  # more ranks than measured: the cores divide evenly
 
 
 def test_fit_comm_takes_the_slowest_rank_and_the_cpu_share():
