@@ -32,9 +32,10 @@ hour predicted the same measured runs 11-35 % of their step apart (4-rank pipeli
 change that had looked better against one calibration was worse against most of the eight.
 
 Under each table the same runs are also priced without the speed check, at the calibration's own speed: the
-check scales compute by a Block timed right before the run, and on a fresh pool here it has read 1.52x
-slower before a run whose compute ran at the calibration's speed, and 0.71-0.84x before runs whose
-compute ran 1.1-1.7x slower than that (2-rank 1F1B, its passes timed against their prediction).
+check scales compute (and the CPU share of each gloo operation) by a Block timed right before the run, and on
+a fresh pool here it has read 1.52x slower before a run whose compute ran at the calibration's speed, and
+0.71-0.84x before runs whose compute ran 1.1-1.7x slower than that (2-rank 1F1B, its passes timed against their
+prediction).
 
 Two more lines judge a change: the runs' signed mean error (a bias: below 0 they were predicted too fast;
 the named runs read -15.5 % before the speed check timed every rank, +2.6 and +0.2 after) and, with
