@@ -29,7 +29,7 @@ from ui.context_parallel import (
     seq_label,
 )
 from ui.exercises import ring_hiding_shard, ring_kv_held
-from ui.tables import count, format_bytes, format_flops, format_seconds
+from ui.tables import count, format_bytes, format_flops, format_seconds, shell_lines
 
 
 def live_config(world: int, seq_len: int, variant: str, steps: int = 1):
@@ -251,8 +251,8 @@ live_seq = c2.number_input("Sequence length (tokens)", min_value=2, max_value=25
                            key="cp_live_seq_len", help="Must be a multiple of 2·cp: the zig-zag split cuts "
                            "each sequence into 2·cp equal chunks.")
 steps = c3.select_slider("Optimizer steps", [1, 2, 3], value=3, key="cp_live_steps")
-st.code(f"{COMMAND} --strategy cp --cp-variant {{ring,allgather}} --world {world} "
-        f"--seq-len {live_seq} --steps {steps} --check", language="bash", wrap_lines=True)  # all of it in view
+st.code(shell_lines(f"{COMMAND} --strategy cp --cp-variant {{ring,allgather}} --world {world} "
+                    f"--seq-len {live_seq} --steps {steps} --check"), language="bash", wrap_lines=True)
 
 try:
     configs = {variant: live_config(world, int(live_seq), variant, steps)

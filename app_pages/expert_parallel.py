@@ -30,7 +30,7 @@ from ui.expert_parallel import (
     simulate_routing,
 )
 from ui.state import ignored_link_message
-from ui.tables import count, format_bytes, format_seconds
+from ui.tables import count, format_bytes, format_seconds, shell_lines
 
 TOKENS = [64, 128, 256, 512, 1024, 2048]
 EXPERTS = [4, 6, 8, 16, 32, 64, 128, 256]
@@ -338,7 +338,7 @@ live_c = l4.select_slider("Capacity factor", ["none", "0.5", "1.0", "1.25", "2.0
 steps = l5.select_slider("Optimizer steps", [1, 2, 3], value=2, key="ep_live_steps")
 argv = ["--strategy", "ep", "--world", str(world), "--experts", str(live_experts), "--top-k", str(live_k),
         "--steps", str(steps), "--check"] + ([] if live_c == "none" else ["--capacity-factor", live_c])
-st.code(f"{COMMAND} " + " ".join(argv), language="bash", wrap_lines=True)  # all of it in view
+st.code(shell_lines(f"{COMMAND} " + " ".join(argv)), language="bash", wrap_lines=True)
 
 if st.button("Run expert parallel on this machine", type="primary"):
     from engine.cli import config_from_args, run_parser

@@ -43,7 +43,9 @@ st.caption("Dense (no sparsity) peak numbers from the vendors' datasheets; bandw
 st.dataframe(chip_table_rows(CHIPS.values()), hide_index=True, width="stretch", height="content", column_config={
     "Chip": st.column_config.Column(pinned=True),
     # fp8 is text (a dash where a chip has none): aligned as the numbers beside it
-    **{name: st.column_config.Column(help=text, alignment="right" if name == "fp8 TFLOP/s" else None)
+    # the domain's words ("16x16x16 torus, 6 links per chip") wide enough to read once scrolled to
+    **{name: st.column_config.Column(help=text, alignment="right" if name == "fp8 TFLOP/s" else None,
+                                     width="large" if name == "Scale-up domain" else None)
        for name, text in CHIP_COLUMN_HELP.items()}})
 with st.expander("Sources for every number"):
     for c in CHIPS.values():

@@ -34,7 +34,7 @@ from ui.lab import (
     torchrun_command,
 )
 from ui.state import ignored_link_message, inert_markdown, link_value
-from ui.tables import count
+from ui.tables import count, shell_lines
 
 st.title("The Lab")
 st.markdown(
@@ -246,10 +246,10 @@ try:  # with this server's time limit, as the run above gets it: one command eve
     as_run = get_queue().as_run(cfg)
 except SettingsError:  # a misconfigured server is said where the run is; the command stands without it
     as_run = cfg
-st.code(command_line(as_run), language="bash", wrap_lines=True)  # all of it in view, as the lessons' commands
+st.code(shell_lines(command_line(as_run)), language="bash", wrap_lines=True)
 st.markdown("Across machines with `torchrun` (each machine runs it with its node rank; HOST0 is node 0's "
             "address):")
-st.code(torchrun_command(as_run, argv_for(as_run)), language="bash", wrap_lines=True)
+st.code(shell_lines(torchrun_command(as_run, argv_for(as_run))), language="bash", wrap_lines=True)
 
 st.subheader("This session's runs")
 if not history:

@@ -30,7 +30,7 @@ from ui.live import (
     tolerance_rows,
     verdict,
 )
-from ui.tables import count
+from ui.tables import count, shell_lines
 from ui.timeline import lane_summary
 
 
@@ -338,7 +338,7 @@ def _show_run(key: str, run: LiveRun) -> None:
                  column_config={"comm bytes": st.column_config.NumberColumn(format="localized"),
                                 **{k: st.column_config.NumberColumn(format="%.2f") for k in ("compute ms", "comm ms")}})
     st.markdown("Run it again from a terminal:")
-    st.code(command_line(run.cfg), language="bash", wrap_lines=True)  # all of it in view, as the lessons' commands
+    st.code(shell_lines(command_line(run.cfg)), language="bash", wrap_lines=True)
     st.download_button("Download the trace (open it in ui.perfetto.dev or chrome://tracing)",
                        strict_json(run.timeline.to_chrome_trace()), key=f"{slug}_trace",
                        file_name=f"shardlab-{run.label.lower().replace(' ', '-').replace('+', '')}-trace.json",

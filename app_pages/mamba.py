@@ -28,7 +28,7 @@ from ui.mamba import (
     seq_label,
     why_they_differ,
 )
-from ui.tables import batch_words
+from ui.tables import batch_words, shell_lines
 
 choices = st.session_state["choices"]
 chip = CHIPS[choices.chip]
@@ -177,8 +177,8 @@ every rank before it has passed its state on.
 c1, c2 = st.columns(2)
 world = c1.select_slider("Processes (cp)", [2, 4], value=2, key="ssm_live_world")
 steps = c2.select_slider("Optimizer steps", [1, 2, 3], value=3, key="ssm_live_steps")
-st.code("\n".join(f"{COMMAND} " + " ".join(live_argv(v, world, steps)) + " --check"
-                  for v in LIVE_VARIANTS), language="bash", wrap_lines=True)  # all of it in view
+st.code(shell_lines("\n".join(f"{COMMAND} " + " ".join(live_argv(v, world, steps)) + " --check"
+                              for v in LIVE_VARIANTS)), language="bash", wrap_lines=True)
 try:
     from engine.cli import config_from_args, run_parser
 

@@ -6,7 +6,7 @@ import streamlit as st
 
 from app_pages.exercise_panel import show_exercises
 from app_pages.live_panel import run_live, show_live
-from app_pages.metric_row import metric, metric_row
+from app_pages.metric_row import memory_metric, metric, metric_row
 from core.mesh import Mesh
 from hardware.chips import CHIPS
 from planner.bounds import cross_pod_bound, fsdp_tp_tradeoff
@@ -130,9 +130,7 @@ if estimate is not None:
         metric("MFU", f"{estimate.mfu * 100:,.1f} %",
                help="Model FLOPs utilisation: the model's FLOPs per step (about 6 x parameters x tokens, plus "
                     "attention) over step time x chips x each chip's peak bf16 FLOP/s.")
-        metric("Memory per chip", f"{estimate.memory.total_bytes / 1e9:,.1f} GB",
-               delta="fits" if estimate.fits else "does not fit",
-               delta_color="normal" if estimate.fits else "inverse")
+        memory_metric(estimate.memory.total_bytes, estimate.fits)
     st.markdown("\n".join(f"- {line}" for line in estimate.explanation))
     st.caption("The planner page has the full breakdown, the predicted timeline and a search over every "
                "layout of this many chips.")

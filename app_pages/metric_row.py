@@ -17,3 +17,10 @@ def metric_row():
 def metric(label: str, value, **kwargs) -> None:
     """One metric of a `metric_row`, as wide as its content."""
     st.metric(label, value, width="content", **kwargs)
+
+
+def memory_metric(total_bytes: float, fits: bool) -> None:
+    """The memory a chip needs, and whether it fits, as a `metric` of a `metric_row`: no arrow, since "fits" is no
+    rise, and an arrow up beside "does not fit" read as more room (the planner's and the meshes' pages)."""
+    metric("Memory per chip", f"{total_bytes / 1e9:,.1f} GB", delta="fits" if fits else "does not fit",
+           delta_color="normal" if fits else "inverse", delta_arrow="off")

@@ -6,7 +6,7 @@ import streamlit as st
 
 from app_pages.exercise_panel import show_exercises
 from app_pages.link_params import drop_link_values_not_taken, link_values
-from app_pages.metric_row import metric, metric_row
+from app_pages.metric_row import memory_metric, metric, metric_row
 from hardware.chips import CHIPS
 from planner import assumptions, estimate, make_case, search, step_time_band_s
 from planner.api import leanest
@@ -225,10 +225,7 @@ with metric_row():
                 f"it, so at long context this MFU overstates the work done and can pass 100 %. Counting the "
                 f"causal half only: {est.mfu_causal * 100:,.1f} %.")
     metric("Model TFLOP/s per chip", f"{est.model_tflops_per_chip:,.0f}")
-    # no arrow: "fits" is no rise, and an arrow up beside "does not fit" read as more room
-    metric("Memory per chip", f"{mem['total'] / 1e9:,.1f} GB",
-           delta="fits" if est.fits else "does not fit", delta_color="normal" if est.fits else "inverse",
-           delta_arrow="off")
+    memory_metric(mem["total"], est.fits)
 if chip.kind == "gpu":
     st.caption("Read the step time as the best this layout could do: on published runs of dense models on "
                "H100 and A100 GPUs the planner predicts faster steps (higher MFU) than were measured; "

@@ -13,7 +13,7 @@ from ui.bound_meter import bound_figure
 from ui.collectives import markdown_text
 from ui.exercises import largest_compute_bound_tp, tp_bytes_per_layer
 from ui.state import ignored_link_message
-from ui.tables import count, format_bytes, format_seconds
+from ui.tables import count, format_bytes, format_seconds, shell_lines
 from ui.tensor_parallel import (
     MAX_TP,
     MEMORY_MODES,
@@ -288,8 +288,8 @@ world = c1.select_slider("Processes (tp)", [2, 4], value=2, key="tp_live_world")
 heads = c2.select_slider("Query heads", [1, 2, 4, 8], value=4, key="tp_live_heads")
 kv_heads = c3.select_slider("KV heads", [1, 2, 4, 8], value=2, key="tp_live_kv_heads")
 steps = c4.select_slider("Optimizer steps", [1, 2, 3], value=2, key="tp_live_steps")
-st.code(f"{COMMAND} --strategy tp [--sequence-parallel] --world {world} --heads {heads} "
-        f"--kv-heads {kv_heads} --steps {steps} --check", language="bash", wrap_lines=True)  # all of it in view
+st.code(shell_lines(f"{COMMAND} --strategy tp [--sequence-parallel] --world {world} --heads {heads} "
+                    f"--kv-heads {kv_heads} --steps {steps} --check"), language="bash", wrap_lines=True)
 
 if st.button("Run TP and TP + SP on this machine", type="primary"):
     from engine.cli import config_from_args, run_parser

@@ -29,6 +29,18 @@ def title_extra_px(title: str, line_px: int = TITLE_LINE_PX) -> int:
     its height and its top margin, so a title wrapped for a narrow window neither shrinks the plot nor lies on it."""
     return line_px * title.count("<br>")
 
+# One colour per rank (a chip, a device of a group) on every chart that tells ranks apart: the collectives' ring,
+# tensor, context and expert parallelism. Plotly's Dark24 without the eight colours on which black text reads
+# under 4.5:1 (WCAG contrast: the ring writes its shards' names in black on them), and D3's cyan to make 16, the
+# most ranks a lesson draws (ui.tensor_parallel.MAX_TP)
+RANK_COLORS = ["#2E91E5", "#E15F99", "#1CA71C", "#FB0D0D", "#DA16FF", "#B68100", "#EB663B", "#00A08B", "#FB00D1",
+               "#FC0080", "#B2828D", "#6C7C32", "#778AAE", "#A777F1", "#DA60CA", "#17BECF"]
+
+
+def rank_color(rank: int) -> str:
+    return RANK_COLORS[rank % len(RANK_COLORS)]
+
+
 PALETTE = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#FF9DA6", "#9D755D",
            "#BAB0AC", "#EECA3B", "#1F77B4", "#2CA02C"]
 # One colour per kind of memory, on every memory chart (the lessons' and the planner's); the optimizer's state
@@ -141,6 +153,9 @@ def roofline_figure(series: list[RooflineSeries], points: list[OperatingPoint] =
     return fig
 
 
+BREAKDOWN_LABEL_CHARS = 22  # a line of a breakdown bar's label (`breakdown_figure`)
+
+
 def breakdown_figure(breakdown: dict[str, float], step_s: float, title: str = "Where the step time goes",
                      zero_stage: int = 0) -> go.Figure:
     """Seconds per step by kind (the planner's breakdown), each bar in its work's colour and labelled with its
@@ -151,11 +166,16 @@ def breakdown_figure(breakdown: dict[str, float], step_s: float, title: str = "W
     if zero_stage >= 1:
         styles["dp_comm"] = ("data-parallel sync (reduce-scatter, weight gather)", KIND_COLORS["reduce_scatter"])
     style = [styles.get(k, (k, PALETTE[0])) for k in parts]
-    fig = go.Figure(go.Bar(x=list(parts.values()), y=[label for label, _ in style], orientation="h",
+    # labels of two lines at most ("data-parallel sync<br>(reduce-scatter, weight gather)"): on one they took half
+    # of a narrow window's chart; a share under 0.05 % reads "< 0.1 %", not "0.0 %" beside a bar too thin to see
+    labels = ["<br>".join(textwrap.wrap(label, BREAKDOWN_LABEL_CHARS)) for label, _ in style]
+    fig = go.Figure(go.Bar(x=list(parts.values()), y=labels, orientation="h",
                            marker_color=[color for _, color in style], textposition="outside", cliponaxis=False,
-                           text=[f"{100 * v / step_s:.1f} %" for v in parts.values()],
-                           hovertemplate="%{y}: %{x:.3g} s<extra></extra>"))
-    fig.update_layout(height=max(260, 32 * len(parts) + 110), xaxis_title="seconds per step", title=title,
+                           text=[f"{100 * v / step_s:.1f} %" if v / step_s >= 5e-4 else "< 0.1 %"
+                                 for v in parts.values()],
+                           customdata=[label for label, _ in style],
+                           hovertemplate="%{customdata}: %{x:.3g} s<extra></extra>"))
+    fig.update_layout(height=max(260, 40 * len(parts) + 110), xaxis_title="seconds per step", title=title,
                       margin={"l": 10, "r": 40, "t": 50, "b": 10}, yaxis={"autorange": "reversed"},
                       xaxis={"range": [0, 1.2 * max(parts.values(), default=1.0)]})
     return fig

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import plotly.graph_objects as go
 
-from ui.charts import PALETTE, log_axis, title_extra_px, wrap_title
+from ui.charts import log_axis, rank_color, title_extra_px, wrap_title
 from ui.tables import format_seconds
 from ui.timeline import KIND_COLORS
 
@@ -255,9 +255,9 @@ def _block_hover(block: Block, collective: str, n: int) -> str:
 
 
 def _block_color(block: Block, collective: str) -> str:
-    # All-to-all colours a chunk by its sender, so the receivers' rows end up as rainbows.
-    key = min(block.sources) if collective == "all_to_all" else block.shard
-    return PALETTE[key % len(PALETTE)]
+    # A shard in its chip's colour, as ranks are on every page (all-to-all colours a chunk by its sender, so the
+    # receivers' rows end up as rainbows).
+    return rank_color(min(block.sources) if collective == "all_to_all" else block.shard)
 
 
 def _block_px(n: int) -> float:
@@ -658,12 +658,14 @@ def calibration_rows(cal) -> list[dict]:
             continue  # measured as bursts; planner/live.py derives one operation's time from them
         # a pipeline's posting is read off the engine's trace (hardware.this_machine.fit_posting): no CPU time
         pipeline_post = (kind, mode) == ("send_recv", POST_MODE)
+        # α and β before how the row was timed, whose long words come last: in a narrow window they had pushed
+        # the fit itself out of view
         rows.append({"ranks": int(world[1:]), "group": int(n[1:]), "operation": kind.replace("_", " "),
-                     "timed": ("posting its isend (the sender is held), in the engine's own pipeline"
-                               if pipeline_post else _timed_as(mode, fit.gap_s)),
                      "α (per operation)": format_seconds(fit.alpha_s),
                      # a fit at 0: the time did not grow with the message size, within the timing's noise
                      # (CALIBRATION_COLUMN_HELP says so; spelt out in each cell, the column hid the next one)
                      "β (ns per byte)": f"{fit.beta_s_per_byte * 1e9:.3f}" if fit.beta_s_per_byte > 0 else "~0",
-                     "CPU busy": "not timed" if pipeline_post else f"{fit.cpu_fraction:.0%}"})
+                     "CPU busy": "not timed" if pipeline_post else f"{fit.cpu_fraction:.0%}",
+                     "timed": ("posting its isend (the sender is held), in the engine's own pipeline"
+                               if pipeline_post else _timed_as(mode, fit.gap_s))})
     return rows

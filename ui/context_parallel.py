@@ -22,8 +22,7 @@ from hardware.chips import Chip
 from hardware.collectives import group_topology
 from hardware.kernels import best_flash_kernel, flash_attention_s
 from planner.models import ModelSpec
-from ui.charts import log_axis, title_extra_px, wrap_title
-from ui.tensor_parallel import rank_color
+from ui.charts import log_axis, rank_color, title_extra_px, wrap_title
 from ui.timeline import KIND_COLORS
 
 SPLITS = ("contiguous", "zig-zag")

@@ -46,8 +46,8 @@ def fsdp_batch(m: ModelSpec, chip: Chip, dp: int, stride: int) -> Exercise:
         f"With the sidebar's mesh (dp = {dp}) on {chip.name}, from how many tokens per chip per step is "
         f"FSDP of {m.name} compute-bound?",
         b.intensity,
-        ["Per layer of P parameters, the forward's math is 2·B·P / C and the weight all-gather 2P / W bytes "
-         "per second; they are equal at B = C / W, whatever P is.",
+        ["Per layer of P parameters, the forward's math takes 2·B·P / C seconds and the weight all-gather "
+         "2P / W (2 bytes per bf16 weight at W bytes per second); they are equal at B = C / W, whatever P is.",
          f"The dp group uses {b.link}: W = {format_bytes_per_s(chip.peak_flops_per_s('bf16') / b.intensity)}, "
          f"C = {format_flops_per_s(chip.peak_flops_per_s('bf16'))}.",
          f"B > C / W = **{b.intensity:,.0f} tokens per chip** (the scaling book's rule; latency left out)."])
@@ -279,7 +279,9 @@ def training_state_chips(m_params: float, name: str, chip: Chip) -> Exercise:
         chips,
         ["Mixed-precision Adam keeps 2 + 2 + 12 = 16 bytes per parameter; fully sharded (ZeRO-3) it spreads "
          "over the chips.",
-         f"16 · {m_params:,.3g} = {state / 1e12:,.2f} TB over {chip.hbm_bytes / 1e9:,.0f} GB per chip: "
+         # in the chip table's units (GB, 10^9 bytes), the parameters in billions: no "8.03e+09", no "0.13 TB"
+         f"16 bytes x {m_params / 1e9:,.3g} billion parameters = {state / 1e9:,.1f} GB over "
+         f"{chip.hbm_bytes / 1e9:,.1f} GB per chip: "
          f"**{chips:,} chips**, before activations, buffers and fragmentation."])
 
 

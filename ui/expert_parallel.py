@@ -33,15 +33,14 @@ from hardware.kernels import matmul_s
 from planner.costs import group_links_chip
 from planner.flops import active_params, layer_params, total_params
 from planner.models import MODEL_PRESETS, ModelSpec
-from ui.charts import log_axis, span_legend, title_extra_px, wrap_title
-from ui.tensor_parallel import rank_color
+from ui.charts import log_axis, rank_color, span_legend, title_extra_px, wrap_title
 from ui.timeline import KIND_COLORS
 
 BF16_BYTES = 2  # tokens travel in bf16 (DeepSeek-V3 dispatches in FP8: 1 byte; arXiv 2412.19437 sec. 3.3)
 # Dispatch + combine forward, and their transposes backward: GShard (Lepikhin et al. 2020) Algorithm 2.
 A2A_PER_LAYER = 4
 # The routing charts' own marks, none of them a kind of work on the timelines (ui.timeline.KIND_COLORS) nor a rank's
-# colour (ui.tensor_parallel.RANK_COLORS): dropped copies a light neutral, hatched; the capacity a dashed dark grey
+# colour (ui.charts.RANK_COLORS): dropped copies a light neutral, hatched; the capacity a dashed dark grey
 # and the balanced load a dotted black, both on a white halo so they read across any rank's bar (rank 5's #222A2A
 # is near black) and apart where they coincide (CF = 1).
 DROPPED_COLOR, DROPPED_HATCH = "#F2F2F2", "#8C8C8C"
@@ -252,10 +251,12 @@ def load_figure(tokens_per_expert, dropped_per_expert, ep: int, capacity_line: i
         (capacity_line, "capacity (= the balanced load here)" if same else "capacity",
          {"color": CAPACITY_COLOR, "dash": "dash", "width": 4})]
     _lines(fig, ends, [*lines, (mean, "balanced load", balanced)], col=1)
-    fig.add_trace(go.Bar(x=[f"rank {r}" for r in range(ep)], y=ranks, showlegend=False,
+    # ranks by number under an axis title: "rank 0", "rank 1" ... had been turned on end and run into each other
+    # in a narrow window
+    fig.add_trace(go.Bar(x=[str(r) for r in range(ep)], y=ranks, showlegend=False,
                          marker={"color": [rank_color(r) for r in range(ep)]},
-                         hovertemplate="%{x}: %{y} rows<extra></extra>"), row=1, col=2)
-    _lines(fig, [f"rank {r}" for r in (0, ep - 1)], [(float(np.mean(ranks)), None, balanced)], col=2)
+                         hovertemplate="rank %{x}: %{y} rows<extra></extra>"), row=1, col=2)
+    _lines(fig, [str(r) for r in (0, ep - 1)], [(float(np.mean(ranks)), None, balanced)], col=2)
     lines = wrap_title(title)
     extra = title_extra_px(lines)
     # the title hangs from the top, its lines clear of the panels' titles; the legend clear of "expert"
@@ -264,6 +265,13 @@ def load_figure(tokens_per_expert, dropped_per_expert, ep: int, capacity_line: i
                       margin={"l": 10, "r": 10, "t": 60 + extra, "b": 10},
                       legend={"orientation": "h", "y": -0.28})
     fig.update_xaxes(title_text="expert", row=1, col=1)
+    fig.update_xaxes(title_text="ep rank", tickangle=0, row=1, col=2)
+    # every expert numbered while they fit (16 at most), and room above the tallest bar and the capacity line
+    if experts <= 16:
+        fig.update_xaxes(dtick=1, row=1, col=1)
+    top = max([float(routed.max(initial=0)), mean, *([capacity_line] if capacity_line is not None else [])])
+    fig.update_yaxes(range=[0, 1.12 * top or 1.0], row=1, col=1)
+    fig.update_yaxes(range=[0, 1.12 * float(np.max(ranks, initial=0)) or 1.0], row=1, col=2)
     return fig
 
 

@@ -258,9 +258,13 @@ def tradeoff_figure(t: FsdpTpTradeoff) -> go.Figure:
     if t.x_opt is not None and t.x_opt <= max(x):
         fig.add_vline(x=t.x_opt, line={"color": "#444", "dash": "dot"},
                       annotation={"text": f"X_opt = {t.x_opt:,.1f}", "showarrow": False, "yanchor": "bottom"})
+    # a third of a decade of room above and below every line: the math, flat, had lain on the plot's top edge
+    drawn = [v * 1e6 for _, ys, _, _ in series for v in ys if v > 0]
+    span = [math.log10(min(drawn)) - 0.3, math.log10(max(drawn)) + 0.3] if drawn else None
     fig.update_layout(xaxis={"type": "log", "title": "X, the FSDP degree (Y = N / X tensor parallel)",
                              "tickvals": x, "ticktext": [f"{v:,}" for v in x]},
-                      yaxis={"type": "log", "title": "time per layer's forward (µs)", "dtick": 1}, height=430,
+                      yaxis={"type": "log", "title": "time per layer's forward (µs)", "dtick": 1, "range": span},
+                      height=430,
                       title="Communication against math, per layer's forward",
                       legend={"orientation": "h", "y": -0.3}, margin={"t": 60})
     return fig

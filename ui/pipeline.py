@@ -219,6 +219,12 @@ def held_micro_batches(sim: Simulation) -> list[float]:
     return [held / v for held in sim.peak_in_flight]
 
 
+def _faded(color: str, alpha: float = 0.35) -> str:
+    """A "#RRGGBB" colour at `alpha`, as Plotly's "rgba(...)"."""
+    r, g, b = (int(color[i:i + 2], 16) for i in (1, 3, 5))
+    return f"rgba({r}, {g}, {b}, {alpha})"
+
+
 def in_flight_figure(sims: dict[str, Simulation], chosen: str) -> go.Figure:
     """Grouped bars: peak activations held per rank for each schedule; the chosen one drawn solid."""
     fig = go.Figure()
@@ -226,8 +232,9 @@ def in_flight_figure(sims: dict[str, Simulation], chosen: str) -> go.Figure:
         held = held_micro_batches(sim)
         fig.add_trace(go.Bar(
             x=[_rank_label(r) for r in range(len(held))], y=held, name=SCHEDULE_LABELS[name],
-            # the bars faded, not their numbers: a trace's opacity would fade its labels too
-            marker={"color": SCHEDULE_COLORS[name], "opacity": 1.0 if name == chosen else 0.35},
+            # the bars faded, not their numbers (a trace's opacity would fade its labels too), and in the legend too:
+            # faded in their colour's alpha, which the legend's swatch shows (it ignored the marker's opacity)
+            marker={"color": SCHEDULE_COLORS[name] if name == chosen else _faded(SCHEDULE_COLORS[name])},
             text=[f"{h:g}" for h in held], textposition="outside", textfont={"color": "#333"},
             hovertemplate=f"{SCHEDULE_LABELS[name]}, %{{x}}: %{{y:g}} micro-batches<extra></extra>",
         ))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Iterable
 
 from planner.presets import TOKENS_PER_BATCH, default_global_batch
@@ -20,6 +21,37 @@ CHIP_COLUMN_HELP = {
     "Scale-out GB/s": "InfiniBand / RoCE / data-centre network share of one chip, one direction.",
     "Scale-up domain": "How many chips the fast links join: an NVLink node, an NVL72 rack, a TPU torus slice.",
 }
+
+
+# A command line's lines at most this many characters (`shell_lines`): a code block in a lesson 466 px wide (an 800 px
+# window with the sidebar open) holds about 50 of them
+COMMAND_LINE_CHARS = 50
+CONTINUATION = " \\\n    "  # how `shell_lines` continues a command on its next line
+
+
+def shell_lines(command: str, chars: int = COMMAND_LINE_CHARS) -> str:
+    """`command` (one or more shell commands, a line each) with each longer than `chars` continued on further lines
+    (" \\", then indented), broken between arguments and never between a flag and its value: wrapped by the
+    browser, a flag had been cut in two at its hyphen ("--kv-" / "heads"). Quoting and $VARIABLES stay as written."""
+    out = []
+    for line in command.replace("\\\n", " ").splitlines():  # a continuation already written: one line
+        lexer = shlex.shlex(line, posix=False)
+        lexer.whitespace_split, lexer.commenters = True, ""
+        words = list(lexer)
+        groups: list[str] = []
+        for word in words:  # a flag and the value after it stay together
+            if groups and groups[-1].startswith("-") and " " not in groups[-1] and not word.startswith("-"):
+                groups[-1] += " " + word
+            else:
+                groups.append(word)
+        lines = [""]
+        for group in groups:  # each line within `chars` with its indent and its " \\"
+            if lines[-1] and len(lines[-1]) + 1 + len(group) > chars - 2 - (4 if len(lines) > 1 else 0):
+                lines.append(group)
+            else:
+                lines[-1] = f"{lines[-1]} {group}" if lines[-1] else group
+        out.append(CONTINUATION.join(lines))
+    return "\n".join(out)
 
 
 def chip_table_rows(chips: Iterable) -> list[dict]:

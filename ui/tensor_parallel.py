@@ -20,7 +20,6 @@ import math
 import re
 from dataclasses import replace
 
-import plotly.colors
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
@@ -33,12 +32,11 @@ from planner.case import Layout
 from planner.costs import group_links_chip, layer_cost
 from planner.memory import korthikanti_bytes
 from planner.models import ModelSpec
-from ui.charts import log_axis, span_legend
+from ui.charts import log_axis, rank_color, span_legend
 from ui.collectives import markdown_text
 from ui.tables import format_seconds
 from ui.timeline import KIND_COLORS, span_kind
 
-RANK_COLORS = plotly.colors.qualitative.Dark24[:16]
 MAX_TP = 16
 BF16_BYTES = 2  # Korthikanti et al. 2022 count 16-bit activations; TP moves them in bf16 too
 # Megatron-LM pads the vocabulary to a multiple of 128 x tp (--make-vocab-size-divisible-by 128), so the
@@ -52,10 +50,6 @@ MEMORY_MODES = {
     "tp+sp": ("Tensor + sequence parallel", r"\frac{sbh}{t}\left(34 + \frac{5as}{h}\right)"),
     "tp+sp+selective": ("TP + SP + selective recomputation", r"\frac{34\,sbh}{t}"),
 }
-
-
-def rank_color(rank: int) -> str:
-    return RANK_COLORS[rank % len(RANK_COLORS)]
 
 
 # ---- which tp fits a model --------------------------------------------------------------------------

@@ -66,3 +66,23 @@ def test_a_log_axis_is_labelled_at_both_ends():
     wide = log_axis([60.0, 7e5])
     assert wide["ticktext"] == ["10", "100", "1,000", "10,000", "100,000", "1,000,000"]
     assert wide["range"] == pytest.approx([1, 6])  # a label at each end still
+
+
+def test_a_command_breaks_between_arguments_and_reads_the_same_to_the_shell():
+    import shlex
+
+    from ui.tables import COMMAND_LINE_CHARS, CONTINUATION, shell_lines
+
+    command = (".venv/bin/python -m engine run --strategy tp [--sequence-parallel] --world 2 --heads 4 --kv-heads 2 "
+               "--pattern 'MA;A=ECHO;${A,,} X;#' --steps 2 --check")
+    shown = shell_lines(command)
+    lines = shown.split("\n")
+    assert len(lines) > 1 and all(len(line) <= COMMAND_LINE_CHARS for line in lines)
+    # a flag keeps its value ("--kv-heads 2" on one line), the quoted pattern stays one argument, and once its
+    # continuations are read the shell gets the same words
+    assert any("--kv-heads 2" in line for line in lines) and "--pattern 'MA;A=ECHO;${A,,} X;#'" in shown
+    assert shlex.split(shown.replace(CONTINUATION, " ")) == shlex.split(command)
+    assert shell_lines("a --x 1\nb --y 2") == "a --x 1\nb --y 2"  # short commands, a line each, as written
+    # a continuation already written (torchrun's) is read as one line and broken again where it fits
+    written = "torchrun --nnodes 2 \\\n    -m engine.worker --check"
+    assert shell_lines(written) == "torchrun --nnodes 2 -m engine.worker --check"

@@ -5,6 +5,7 @@ from streamlit.testing.v1 import AppTest
 
 from tests.ui.apptest_util import open_app
 from ui.dp_lesson import LIVE_STRATEGIES, expected_comm_bytes_per_step, expected_memory
+from ui.tables import CONTINUATION
 
 PAGE = "app_pages/data_parallel.py"
 
@@ -87,7 +88,8 @@ def test_live_run_matches_the_reference_and_draws_the_timeline():
                for c in at.caption)
     text = " ".join(m.value for m in at.markdown)
     assert "Where they differ most" in text or "within 10 % of its predicted time" in text
-    assert at.code[0].value.startswith(".venv/bin/python -m engine run --strategy fsdp --world 2 --steps 3")
+    assert at.code[0].value.replace(CONTINUATION, " ").startswith(
+        ".venv/bin/python -m engine run --strategy fsdp --world 2 --steps 3")
     assert at.get("download_button")
 
 

@@ -461,8 +461,8 @@ def test_the_bound_meter_draws_the_all_to_all_in_its_own_colour():
 
 
 def test_the_routing_charts_marks_are_no_timeline_kind_and_no_rank():
+    from ui.charts import RANK_COLORS
     from ui.expert_parallel import BALANCED_COLOR, CAPACITY_COLOR, DROPPED_COLOR, DROPPED_HATCH, SPAN_COLOR
-    from ui.tensor_parallel import RANK_COLORS
     from ui.timeline import KIND_COLORS
 
     taken = {c.upper() for c in [*KIND_COLORS.values(), *RANK_COLORS]}

@@ -8,6 +8,7 @@ from streamlit.testing.v1.element_tree import Column
 
 from engine.cli import config_from_args, run_parser
 from tests.ui.apptest_util import open_app
+from ui.tables import CONTINUATION
 
 LAB = "app_pages/lab.py"
 
@@ -68,7 +69,7 @@ def test_a_refusal_names_the_labs_controls_not_the_command_lines_flags():
 
 def test_the_command_lines_rebuild_the_same_config():
     at = _lab(lab_tp=2, lab_dp=1, lab_steps=2)
-    commands = [c.value for c in at.code]
+    commands = [c.value.replace(CONTINUATION, " ") for c in at.code]  # as the shell reads it
     engine_line = next(c for c in commands if c.startswith(".venv/bin/python -m engine run"))
     argv = engine_line.split()[4:]  # after ".venv/bin/python -m engine run"
     cfg = config_from_args(run_parser("x").parse_args([a for a in argv if a not in ("--check", "--predict")]))
@@ -82,7 +83,8 @@ def test_the_command_lines_rebuild_the_same_config():
 def test_bf16_is_on_the_command_line_and_refused_with_moe():
     at = _lab(lab_dtype="bfloat16")
     assert not at.error
-    line = next(c.value for c in at.code if c.value.startswith(".venv/bin/python -m engine run"))
+    line = next(c.value for c in at.code if c.value.startswith(".venv/bin/python -m engine run")).replace(
+        CONTINUATION, " ")
     assert "--dtype bfloat16" in line
     at = _lab(lab_preset="MoE (2 layers, 4 experts, top-2)", lab_dtype="bfloat16")
     assert at.error and "routing tie" in at.error[0].value
@@ -120,7 +122,8 @@ def test_a_mamba_experiment_has_the_command_line_that_rebuilds_it():
     at = _lab(lab_preset="Mamba-2 (2 layers, width 64)", lab_dp=1, lab_cp=2)
     at.radio(key="lab_ssm_cp").set_value("alltoall").run()
     assert not at.exception and not at.error, [e.value for e in at.error]
-    line = next(c.value for c in at.code if c.value.startswith(".venv/bin/python -m engine run"))
+    line = next(c.value for c in at.code if c.value.startswith(".venv/bin/python -m engine run")).replace(
+        CONTINUATION, " ")
     assert "--arch mamba2" in line and "--ssm-cp alltoall" in line
     cfg = config_from_args(run_parser("x").parse_args([a for a in line.split()[4:]
                                                         if a not in ("--check", "--predict")]))
@@ -177,7 +180,8 @@ def test_the_command_line_shown_reproduces_the_pages_run():
     next(b for b in at.button if b.label == "Run this experiment").click().run(timeout=240)
     assert not at.exception and at.success
     page_run = at.session_state["lab_runs"][-1]
-    line = next(c.value for c in at.code if c.value.startswith(".venv/bin/python -m engine run"))
+    line = next(c.value for c in at.code if c.value.startswith(".venv/bin/python -m engine run")).replace(
+        CONTINUATION, " ")
     argv = line.split()[1:] + ["--json"]
     out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=300,
                          cwd=Path(APP).parent)

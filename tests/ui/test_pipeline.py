@@ -164,7 +164,10 @@ def test_activations_held_1f1b_against_gpipe():
     assert held["1f1b"] == [4, 3, 2, 1]
     assert held["interleaved-1f1b"] == [5.5, 4.5, 3.5, 2.5]  # (micro-batch, chunk) pairs / v
     fig = in_flight_figure({n: simulate_schedule(n, 4, 8, 2, EQUAL) for n in held}, "1f1b")
-    assert [t.marker.opacity for t in fig.data] == [0.35, 1.0, 0.35]  # the bars faded, not their numbers
+    # the bars faded, not their numbers, in a colour the legend's swatch shows faded too
+    assert [t.marker.color.startswith("rgba(") and t.marker.color.endswith(", 0.35)") for t in fig.data] == [
+        True, False, True] and fig.data[1].marker.color == "#4C78A8"
+    assert all(t.marker.opacity is None and t.opacity is None for t in fig.data)
     assert list(fig.data[1].y) == [4, 3, 2, 1]
     # in one line the title ran past the plot's right edge in a 1,024-px window
     assert max(len(line) for line in fig.layout.title.text.split("<br>")) <= HALF_PLOT_TITLE_CHARS

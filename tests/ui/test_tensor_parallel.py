@@ -12,8 +12,8 @@ from hardware.collectives import group_topology
 from planner.memory import korthikanti_bytes
 from planner.models import MODEL_PRESETS
 from tests.ui.apptest_util import open_app
+from ui.charts import RANK_COLORS
 from ui.tensor_parallel import (
-    RANK_COLORS,
     activation_bytes,
     comm_bytes_by_kind,
     head_owners,
