@@ -153,10 +153,7 @@ def timeline_figure(timeline: Timeline, title: str = "", frames: int = 30, anima
     fig.update_layout(
         title=title, barmode="overlay", height=max(260, 42 * len(rows) + 140), bargap=0.25,
         margin={"l": 10, "r": 10, "t": (70 if "<br>" in title else 50) if title else 20, "b": 10},
-        # the kinds in a row above the plot, not a column beside it: there they took a quarter of a narrow window's
-        # chart (a 64-micro-batch step's passes merged into one block in the 200 px left to them)
-        legend={"orientation": "h", "x": 0, "xanchor": "left", "y": 1.0, "yanchor": "bottom",
-                "title": {"text": "work"}},
+        legend={"orientation": "v", "x": 1.01, "y": 1, "title": {"text": "work"}},
         xaxis={"title": f"time ({unit})", "range": [0, t_end * 1.02 or 1.0]},
         yaxis={"categoryorder": "array", "categoryarray": list(reversed(rows))},
     )
@@ -190,7 +187,8 @@ def add_time_animation(fig: go.Figure, times: list[float], frame_names: list[str
         }],
         sliders=[{
             "active": len(times) - 1, "x": 0.0, "len": 1.0, "y": 0, "yanchor": "top", "pad": {"t": 105},
-            "currentvalue": {"prefix": "t = ", "suffix": f" {unit}", "xanchor": "right", "font": {"size": 14}},
+            "currentvalue": {"prefix": "t = ", "suffix": f" {unit}", "xanchor": "right",
+                             "font": {"size": 14, "color": "#31333F"}},  # Streamlit's text colour
             "font": {"color": "rgba(0, 0, 0, 0)"},  # the ticks' labels, not the reading's
             "steps": [{"label": f"{t:.3g}", "method": "animate",
                        "args": [[name], {"mode": "immediate", "frame": {"duration": 0, "redraw": True}}]}
