@@ -252,8 +252,10 @@ class Calibration:
         4.6-15.8 ms over days), and gloo's threads run on the same cores: over eleven benchmarks of the live
         runs, the faster the check found the machine, the more the runs' measured steps fell short of a
         prediction that kept communication as calibrated (runs checked at under 0.8x the calibration's time
-        read +20 % at 2 ranks, +9 % at 4; at over 1.05x, +2 % and -3 %). Core sharing and resuming are kept
-        as measured; ZB-H1's split is a ratio of two timings and is kept too."""
+        read +20 % at 2 ranks, +9 % at 4; at over 1.05x, +2 % and -3 %). Of the three benchmarks after it,
+        it helped the one checked at 0.55-0.97x, hurt the one at 1.02-1.30x and changed little at 0.92-1.21x;
+        bench/bench_live_prediction.py prints every run both ways. Core sharing and resuming are kept as
+        measured; ZB-H1's split is a ratio of two timings and is kept too."""
         if self.reference_s <= 0 or reference_now_s <= 0:
             return self, 1.0
         factor = reference_now_s / self.reference_s

@@ -190,7 +190,7 @@ def add_time_animation(fig: go.Figure, times: list[float], frame_names: list[str
             "currentvalue": {"prefix": "t = ", "suffix": f" {unit}", "xanchor": "right",
                              "font": {"size": 14, "color": "#31333F"}},  # Streamlit's text colour
             "font": {"color": "rgba(0, 0, 0, 0)"},  # the ticks' labels, not the reading's
-            "steps": [{"label": f"{t:.3g}", "method": "animate",
+            "steps": [{"label": f"{t:.1f}", "method": "animate",
                        "args": [[name], {"mode": "immediate", "frame": {"duration": 0, "redraw": True}}]}
                       for t, name in zip(times, frame_names, strict=True)],
         }],
