@@ -187,13 +187,14 @@ def test_at_speed_scales_the_compute_by_the_reference_block_timed_now():
     assert slow.compute["linear"].bwd(1e6, 2) == pytest.approx(1.5 * cal.compute["linear"].bwd(1e6, 2))
     assert slow.engine_units["step"] == pytest.approx(0.015)
     assert all(slow.compute[op] == cal.compute[op] for op in tm.RATIO_FITS)
-    assert slow.compute_share == cal.compute_share and slow.resume_s == cal.resume_s  # measured as they are
-    # a gloo operation: the share of it its process was on the CPU at the new speed, the rest as measured
+    assert slow.comm == cal.comm and slow.compute_share == cal.compute_share  # measured as they are
+    assert slow.resume_s == cal.resume_s
+    # the live bench's alternative: a gloo operation's CPU share at the new speed, the rest as measured
     ar = tm.comm_key(2, "all_reduce", 2, "sync")  # 60 % CPU busy: 0.6 x 1.5 + 0.4 = 1.3x
-    assert slow.comm[ar].alpha_s == pytest.approx(1.3 * cal.comm[ar].alpha_s)
-    assert slow.comm[ar].seconds(1e6) == pytest.approx(1.3 * cal.comm[ar].seconds(1e6))
+    assert cal.comm[ar].at_speed(1.5).alpha_s == pytest.approx(1.3 * cal.comm[ar].alpha_s)
+    assert cal.comm[ar].at_speed(1.5).seconds(1e6) == pytest.approx(1.3 * cal.comm[ar].seconds(1e6))
     post = tm.comm_key(2, "send_recv", 2, tm.POST_MODE)  # no CPU time recorded: as measured
-    assert slow.comm[post] == cal.comm[post]
+    assert cal.comm[post].at_speed(1.5) == cal.comm[post]
     burst = tm.CommFit(1e-3, 1e-9, 1.4, burst=6, compute_s=2e-4, compute_cpu_s=1.5e-4).at_speed(0.5)
     assert burst.alpha_s == pytest.approx(0.5e-3) and burst.compute_s == pytest.approx(1e-4)  # busy over 1: all
     assert burst.compute_cpu_s == pytest.approx(0.75e-4)
