@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import plotly.colors
 import plotly.graph_objects as go
 
 from core.schedules import (
@@ -221,7 +222,7 @@ def held_micro_batches(sim: Simulation) -> list[float]:
 
 def _faded(color: str, alpha: float = 0.35) -> str:
     """A "#RRGGBB" colour at `alpha`, as Plotly's "rgba(...)"."""
-    r, g, b = (int(color[i:i + 2], 16) for i in (1, 3, 5))
+    r, g, b = plotly.colors.hex_to_rgb(color)
     return f"rgba({r}, {g}, {b}, {alpha})"
 
 
