@@ -7,6 +7,7 @@ import streamlit as st
 
 from app_pages.exercise_panel import show_exercises
 from app_pages.live_panel import run_live, show_live
+from app_pages.text_table import text_table
 from engine.cli import COMMAND
 from engine.config import ConfigError  # torch-free: the page checks the input before any worker starts
 from hardware.chips import CHIPS
@@ -110,7 +111,7 @@ cp = {cp_pic}, the block each rank holds at each step and the part of it the mas
 (meanwhile it sends the block on to rank r + 1, except at the last step):
 """
 )
-st.dataframe(ring_rows(cp_pic), hide_index=True, width="stretch")
+text_table(ring_rows(cp_pic))
 st.markdown(
     """
 Each step gives a **partial** attention: a softmax over only one block of keys. They are merged exactly

@@ -5,6 +5,7 @@ import streamlit as st
 
 from app_pages.exercise_panel import show_exercises
 from app_pages.live_panel import run_live, show_live
+from app_pages.text_table import text_table
 from hardware.chips import CHIPS
 from hardware.collectives import group_topology
 from planner.bounds import data_parallel_bound
@@ -119,7 +120,7 @@ if dp == 1:  # a group of one sends nothing: no table of zeros over a link that 
     st.caption("With dp = 1 in the sidebar there is one replica and no gradient sync: nothing is sent. Set dp "
                "above 1 to see what each stage moves.")
 else:
-    st.dataframe(rows, hide_index=True, width="stretch")
+    text_table(rows)
     st.caption(f"bf16 gradients of {spec.name}{shard_words} ({grad_bytes / 1e9:,.1f} GB) over {topo.describe()}, "
                "achievable link bandwidth. Whether this time is exposed depends on how much backward compute it "
                "hides under.")

@@ -6,6 +6,7 @@ import streamlit as st
 from app_pages.exercise_panel import show_exercises
 from app_pages.link_params import drop_link_values_not_taken, link_values
 from app_pages.live_panel import run_live, show_live
+from app_pages.text_table import text_table
 from engine.cli import COMMAND
 from hardware.chips import CHIPS
 from planner.bounds import expert_parallel_bound
@@ -261,12 +262,11 @@ st.plotly_chart(cost_figure(rows, model_ep, domain, f"{spec.name} on {chip.name}
                                                       f"T = {tokens:,} tokens per chip", unit),
                 key="ep_cost")
 # short headers, the words in the caption: at 1,280 px the long ones cut the last column ("expert weights p...")
-st.dataframe([{"ep": r["ep"], "bytes sent": format_bytes(r["bytes"]),
+text_table([{"ep": r["ep"], "bytes sent": format_bytes(r["bytes"]),
                "all-to-all, consecutive": format_seconds(r["a2a_s"]),
                f"all-to-all, one per {unit}": format_seconds(r["a2a_spread_s"]),
                "expert compute": format_seconds(r["compute_s"]),
-               "expert weights": f"{r['expert_weights_bytes'] / 1e9:,.1f} GB"} for r in rows],
-             hide_index=True, width="stretch")
+               "expert weights": f"{r['expert_weights_bytes'] / 1e9:,.1f} GB"} for r in rows])
 st.caption(f"Per chip and MoE layer: the bytes its four all-to-alls send (dispatch and combine, forward and "
            f"backward), their time with the ep group on consecutive chips or spread one chip per {unit}, the "
            "experts' compute, and the expert weights it holds.")

@@ -6,6 +6,7 @@ import streamlit as st
 
 from app_pages.exercise_panel import show_exercises
 from app_pages.live_panel import run_live, show_live
+from app_pages.text_table import text_table
 from engine.cli import COMMAND
 from engine.config import ConfigError  # torch-free: the page checks the input before any worker starts
 from hardware.chips import CHIPS
@@ -80,7 +81,7 @@ layers Dao & Gu found best in their hybrids (sec. 9.2.3), and 8 groups of SSM he
 Nemotron-H has) so that tensor parallel can split it.
 """
 )
-st.dataframe(model_rows(specs, seq_len), hide_index=True, width="stretch")
+text_table(model_rows(specs, seq_len))
 if note := position_embedding_note(specs[0]):
     st.caption(note)
 st.plotly_chart(flops_figure(specs, SEQ_LENS), key="ssm_flops")
@@ -118,7 +119,7 @@ S = {seq_len:,}, in bf16 (the SSM states in fp32), counted as what the busiest c
 )
 moved_rows = comm_rows(specs, tp, cp, dp, chip.key)
 if moved_rows:
-    st.dataframe(moved_rows, hide_index=True, width="stretch", height="content")  # all 13 rows, no scrolling
+    text_table(moved_rows)
     st.caption("From the planner's own records of each operation (planner/costs.py). Operations count a ring's "
                "steps and a chain's hops one after the other; bytes are what the busiest chip sends (the "
                "chain's hops run on different chips: one state per chip, two in the hybrid's zig-zag; an "

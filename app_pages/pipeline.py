@@ -6,6 +6,7 @@ import streamlit as st
 from app_pages.exercise_panel import show_exercises
 from app_pages.live_panel import run_live, show_live
 from app_pages.metric_row import metric, metric_row
+from app_pages.text_table import text_table
 from core.schedules import SCHEDULE_NAMES, ScheduleError, formula_bubble_fraction
 from hardware.chips import CHIPS
 from planner.models import MODEL_PRESETS
@@ -140,9 +141,7 @@ st.caption(f"p = {p}, m = {m}, interleaved with v = {v}; times as above. \"held\
            "activations a chip keeps.")
 sims, rows = comparison(p, m, v, times)
 table, notes = comparison_table(rows)
-st.dataframe(table, hide_index=True, width="stretch", column_config={
-    "held, rank 0": st.column_config.TextColumn(help="peak micro-batches of activations on the first chip"),
-})
+text_table(table)
 for note in notes:
     st.caption(markdown_text(note))
 st.markdown(

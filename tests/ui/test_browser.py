@@ -126,6 +126,31 @@ def test_batch_slider_moves_the_operating_point(server, browser):
         page.close()
 
 
+# Every table in view (not in a closed expander) on the lessons whose tables are app_pages.text_table's, and how
+# far its content runs past its box: a data grid keeps each column as wide as its text, and at 800 px (the lesson
+# 466 px beside the sidebar) their last columns had run out of sight behind a sideways scroll.
+_OVERFLOWING_TABLES = """() => [...document.querySelectorAll('[data-testid=stTable], [data-testid=stDataFrame]')]
+  .filter(el => !el.closest('details:not([open])'))
+  .map(el => { const box = el.querySelector('.dvn-scroller') || el.querySelector('table')?.parentElement || el;
+               return [el.innerText.split('\\n')[0], box.scrollWidth - box.clientWidth]; })
+  .filter(([, over]) => over > 2)"""
+
+
+@pytest.mark.parametrize("path", ["data-parallel", "pipeline", "context-parallel", "expert-parallel", "mamba"])
+def test_lesson_tables_fit_an_800_px_window(server, browser, path):
+    page = browser.new_page()
+    try:
+        page.set_viewport_size({"width": 800, "height": 1200})
+        page.goto(f"{server}/{path}")
+        page.wait_for_selector('[data-testid="stApp"]', timeout=WAIT_MS)
+        page.wait_for_selector('[data-testid="stStatusWidget"]', state="detached", timeout=WAIT_MS)
+        page.wait_for_selector('[data-testid="stTable"], [data-testid="stDataFrame"]', timeout=WAIT_MS)
+        page.wait_for_timeout(500)
+        assert page.evaluate(_OVERFLOWING_TABLES) == []
+    finally:
+        page.close()
+
+
 def test_bad_link_shows_a_message_not_a_traceback(server, browser):
     page = _open(browser, f"{server}/hardware?chip=h900&dp=-1")
     try:

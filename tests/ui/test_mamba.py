@@ -172,7 +172,7 @@ def test_gpt3_growing_with_the_sequence_is_explained():
     at = open_app(PAGE)
     at.select_slider(key="ssm_seq_len").set_value(524288).run()
     assert not at.exception, [e.value for e in at.exception]
-    assert at.dataframe[0].value["parameters"][0] == "3.99 B"
+    assert at.table[0].value["parameters"][0] == "3.99\u00a0B"  # a number and its unit on one line (text_table)
     # 2,560 learned numbers per position: (524,288 - 2,048) x 2,560 = 1.34 B more than GPT-3 2.7B as released
     note = next(c.value for c in at.caption if "position embedding" in c.value)
     assert "1.34 B parameters more than the released model" in note and "3.99 B in all" in note

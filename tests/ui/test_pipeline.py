@@ -236,7 +236,7 @@ def test_page_words_the_real_chip_bubble_and_leaves_no_none_in_the_table():
     text = " ".join(md.value for md in at.markdown)
     assert "**31×** the compute time here, so **96.9%** of the step is bubble" in text
     assert "31.00" not in text
-    table = at.dataframe[0].value
+    table = at.table[0].value  # app_pages.text_table: a static table
     assert "note" not in table.columns and not table.isna().any().any()
     numbers = ["formula bubble", "simulated bubble", "held, rank 0", "held, last rank"]
     assert (table[table["schedule"] == "Interleaved 1F1B"].iloc[0][numbers] == "—").all()

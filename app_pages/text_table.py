@@ -1,0 +1,17 @@
+"""A lesson's small table of words and numbers, the one way the lessons show one."""
+
+import re
+
+import streamlit as st
+
+# a number and its unit (ui.tables' bytes and times): kept on one line when a cell wraps ("1.56" above "ms")
+_NUMBER_UNIT = re.compile(r"(\d) ((?:[kKMGTP]i?)?B|[mµn]?s)\b")
+
+
+def text_table(rows: list[dict]) -> None:
+    """`rows` as a static table whose cells wrap, not a data grid: in a window 800 px wide (the lesson
+    466 px beside the sidebar) a grid's columns keep their text's width and the last ones ran out of sight,
+    behind a sideways scroll ("collectives per step", ring attention's rank 2 and 3, the pipeline's "held,
+    last rank"). A grid stays for the long tables a reader sorts or scrolls (the chips, the calibration)."""
+    st.table([{key: _NUMBER_UNIT.sub("\\1\u00a0\\2", value) if isinstance(value, str) else value
+               for key, value in row.items()} for row in rows], hide_index=True)
