@@ -186,8 +186,9 @@ ssm_cp = st.radio(LAB_TITLES["lab_ssm_cp"], LAB_CHOICES["lab_ssm_cp"], horizonta
                   format_func=lambda o: lab_label("lab_ssm_cp", o))
 
 st.subheader("Batch and steps")
-# two rows of three: five a row cut "bf16 mixed precision" short in a 1,024-px window
-c = st.columns(3) + st.columns(3)
+# two rows of three: five a row cut "bf16 mixed precision" short in a 1,024-px window; the boxes level at the
+# bottom ("Sequences per micro-batch" wraps at 800 px and had pushed its box below its neighbours')
+c = st.columns(3, vertical_alignment="bottom") + st.columns(3, vertical_alignment="bottom")
 # a default that no other control moves: a link leaves a box out when it is at its default, and a default
 # that followed pp (2 with a pipeline) made the teacher's 1 and the student's 2 the same link
 micro_batches = _number(c[0], LAB_TITLES["lab_mb"], "lab_mb", value=1)

@@ -55,6 +55,21 @@ def test_frames_reveal_spans_as_the_cursor_passes():
     assert widths == sorted(widths)
 
 
+def test_a_row_of_spans_too_short_for_a_bar_draws_them_as_ticks():
+    # a real cluster's step: 60 micro-batches' forwards fill a row, the optimizer's 20 ms of a 50 s step do not
+    spans = [Span(0, "compute", f"fwd mb{i}", i * 0.8, i * 0.8 + 0.01, step=0) for i in range(60)]
+    spans.append(Span(0, "compute", "optimizer", 49.98, 50.0, step=0))
+    fig = timeline_figure(Timeline(spans), frames=4, rows_by_kind=True)
+    ticks = [t for t in fig.data if t.name.endswith("too short for a bar")]
+    assert [t.name for t in ticks] == ["optimizer, too short for a bar"]
+    assert list(ticks[0].x) == pytest.approx([49.99]) and list(ticks[0].y) == ["rank 0 · optimizer"]
+    assert "optimizer" in ticks[0].customdata[0]
+    at = list(fig.data).index(ticks[0])
+    shown = [len(frame.data[at].x) for frame in fig.frames]  # revealed once the cursor reaches it, as the bars
+    assert shown == [0, 0, 0, 1]
+    assert not any(t.name.endswith("too short for a bar") for t in timeline_figure(_tl()).data)
+
+
 def test_lane_summary_measures_overlap_of_comm_with_compute():
     rows = {r["rank"]: r for r in lane_summary(_tl())}
     assert rows[0]["comm ms"] == pytest.approx(6.0)
