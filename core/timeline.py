@@ -94,6 +94,23 @@ def union_seconds(intervals) -> float:
     return sum(b - a for a, b in _merged(intervals))
 
 
+def difference(a, b) -> list[tuple[float, float]]:
+    """(union of a) without (union of b), as sorted disjoint intervals."""
+    out, cuts = [], _merged(b)
+    for lo, hi in _merged(a):
+        for c_lo, c_hi in cuts:
+            if c_hi <= lo or c_lo >= hi:
+                continue
+            if c_lo > lo:
+                out.append((lo, c_lo))
+            lo = max(lo, c_hi)
+            if lo >= hi:
+                break
+        if lo < hi:
+            out.append((lo, hi))
+    return out
+
+
 def intersection_seconds(a, b) -> float:
     """Length of (union of a) intersected with (union of b)."""
     ma, mb, total, i, j = _merged(a), _merged(b), 0.0, 0, 0
@@ -145,13 +162,18 @@ class Timeline:
     def overlap(self, rank: int, comm=None, compute=None) -> tuple[float, float]:
         """(seconds of communication, seconds of it that ran while the same rank computed) for `rank`:
         the one overlap measure of every page. Each side is the union of its spans (nested or
-        concurrent spans count once); `comm` and `compute` select spans (default: the lanes)."""
+        concurrent spans count once); `comm` and `compute` select spans (default: the lanes). The rank
+        computes in its compute spans except while it waits inside one: in a blocking operation (a tensor-
+        parallel layer's all-reduce lies inside the layer's span, which had read it 100 % hidden) or an idle
+        span (a ring step waiting for its block)."""
         comm = comm or (lambda s: s.lane == "comm")
         compute = compute or (lambda s: s.lane == "compute")
         spans = [s for s in self.spans if s.rank == rank]
         a = [(s.start_s, s.end_s) for s in spans if comm(s)]
-        b = [(s.start_s, s.end_s) for s in spans if compute(s)]
-        return union_seconds(a), intersection_seconds(a, b)
+        waits = [(s.start_s, s.end_s) for s in spans
+                 if s.lane == "idle" or (s.lane == "comm" and not s.is_async)]
+        busy = difference([(s.start_s, s.end_s) for s in spans if compute(s)], waits)
+        return union_seconds(a), intersection_seconds(a, busy)
 
     def comm_bytes(self, rank: int) -> int:
         return sum(s.bytes for s in self.spans if s.rank == rank and s.lane == "comm")

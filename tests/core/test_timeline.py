@@ -76,6 +76,27 @@ def test_overlap_counts_each_second_once():
     assert only_ring == (3.0, 0.0)
 
 
+def test_a_wait_inside_a_compute_span_hides_nothing():
+    # a tensor-parallel layer's blocking all-reduce lies inside the layer's span: the rank waits there, so none
+    # of it is under compute (the live panel's table had read TP's all-reduces 100 % hidden); nor is an
+    # asynchronous transfer during an idle span inside a layer (a ring step waiting for its block)
+    tl = Timeline([
+        Span(0, "compute", "fwd L0", 0.0, 10.0),
+        Span(0, "comm", "all_reduce", 2.0, 3.0),
+        Span(0, "comm", "send kv", 5.0, 9.0, is_async=True),
+        Span(0, "idle", "wait kv", 8.0, 9.0),
+    ])
+    assert tl.overlap(0) == (5.0, 3.0)  # the transfer's 5-8 under compute; 8-9 and the all-reduce not
+
+
+def test_difference_of_interval_unions():
+    from core.timeline import difference
+
+    assert difference([(0, 10)], [(2, 3), (5, 6), (9, 12)]) == [(0, 2), (3, 5), (6, 9)]
+    assert difference([(0, 2), (1, 4)], []) == [(0, 4)]
+    assert difference([(0, 1)], [(0, 1)]) == []
+
+
 def test_union_and_intersection():
     from core.timeline import intersection_seconds, union_seconds
 

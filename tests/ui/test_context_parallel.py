@@ -10,7 +10,7 @@ from streamlit.testing.v1 import AppTest
 from core.timeline import Span, Timeline
 from hardware.chips import CHIPS
 from planner.models import MODEL_PRESETS
-from tests.ui.apptest_util import open_app
+from tests.ui.apptest_util import open_app, runs_table
 from ui.charts import TITLE_LINE_CHARS
 from ui.context_parallel import (
     block_attention,
@@ -142,8 +142,8 @@ def test_live_formula_and_overlap_fraction():
     # default model: B = 2, kv_heads = 2, d = 16, 2 layers: block = 2 x 2 x 2 x 16 x 16 x 4 = 8 KiB
     assert live_kv_bytes_formula(cfg) == (3 * 2 - 2) * 8192 * 2
     assert live_kv_bytes_formula(live_config(2, 32, "allgather")) == 2 * 8192 * 2
-    tl = Timeline([Span(0, "comm", "send kv L0", 0.0, 2.0, bytes=8, group="cp"),
-                   Span(0, "comm", "recv kv L0", 0.0, 2.0, group="cp"),
+    tl = Timeline([Span(0, "comm", "send kv L0", 0.0, 2.0, bytes=8, group="cp", is_async=True),  # as Comm.p2p
+                   Span(0, "comm", "recv kv L0", 0.0, 2.0, group="cp", is_async=True),
                    Span(0, "compute", "attn L0 ring 0", 1.0, 4.0),
                    Span(0, "compute", "fwd L0", 0.0, 5.0)])
     assert kv_overlap_fraction(tl, 0) == 0.5  # only attention spans count, not the enclosing layer
@@ -219,8 +219,8 @@ def test_live_ring_and_allgather_runs_match_the_reference():
     assert not at.error, [e.value for e in at.error]
     assert [s.value.split(" on ")[0] for s in at.success] == ["ring", "allgather"]
     assert all("matches the single-process reference" in s.value for s in at.success)
-    rows = at.dataframe[-1].value
-    assert list(rows["variant"]) == ["ring", "allgather"]
+    rows = runs_table(at, "formula")  # by run
+    assert list(rows.index) == ["ring", "allgather"]
     assert list(rows["K/V bytes sent per step (rank 0)"]) == list(rows["formula"])
     assert rows["K/V transfer under attention"].iloc[0].endswith("%")
     assert rows["K/V transfer under attention"].iloc[1] == "-"
