@@ -269,7 +269,7 @@ live = show_live("live_cp")
 if live:
     runs = [(r.label, r.cfg, r.summary, r.timeline) for r in live]
     table = live_rows(runs)
-    st.dataframe(table, hide_index=True, width="stretch")
+    text_table(table, columns_from="variant")
     if len(live) == 2:  # the comparison needs both (a press stopped in its second run keeps the first)
         ring, gather = table
         sent = "K/V bytes sent per step (rank 0)"

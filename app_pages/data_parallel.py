@@ -14,7 +14,7 @@ from planner.flops import total_params
 from planner.memory import zero_bytes_per_param
 from planner.models import MODEL_PRESETS
 from ui.bound_meter import bound_figure, verdict_text
-from ui.charts import MEMORY_COLORS
+from ui.charts import MEMORY_COLORS, title_extra_px, wrap_title
 from ui.dp_lesson import LIVE_STRATEGIES, comm_formula_text, expected_comm_bytes_per_step, expected_memory
 from ui.exercises import fsdp_batch, smallest_fitting_zero_stage
 from ui.tables import count
@@ -186,9 +186,10 @@ for live in show_live("live_dp"):
     mem_fig.add_trace(go.Scatter(name="ZeRO formula (params + grads + optimizer)", mode="markers",
                                  marker={"symbol": "line-ew-open", "size": 40, "color": "black"},
                                  x=[f"rank {r}" for r in range(cfg.world)], y=[sum(want.values()) / 1e3] * cfg.world))
-    mem_fig.update_layout(barmode="stack", yaxis_title="kB per rank", height=340,
-                          title=f"Model states per rank, measured from the tensors (fp32: 4 + 4 + 8 bytes "
-                                f"per parameter, Ψ = {psi_small:,})", margin={"l": 10, "r": 10, "t": 50, "b": 10})
+    title = wrap_title(f"Model states per rank, measured from the tensors (fp32: 4 + 4 + 8 bytes per parameter, "
+                       f"Ψ = {psi_small:,})")  # on one line it ran past the chart's edge at 800 px
+    mem_fig.update_layout(barmode="stack", yaxis_title="kB per rank", height=340 + title_extra_px(title), title=title,
+                          margin={"l": 10, "r": 10, "t": 50 + title_extra_px(title), "b": 10})
     st.plotly_chart(mem_fig, key="live_memory")
     per_step = [b / cfg.steps for b in summary.comm_bytes]
     last_unit = cfg.model.hidden * cfg.model.vocab + cfg.model.hidden  # the head: final norm + output matrix

@@ -25,6 +25,7 @@ from ui.expert_parallel import (
     live_a2a_text,
     live_load_rows,
     load_figure,
+    load_tops,
     matrix_figure,
     moe_numbers,
     placement_figure,
@@ -359,23 +360,21 @@ for live in show_live("live_ep"):
     m = cfg.model
     sequences = cfg.world * cfg.steps * cfg.micro_batches * cfg.micro_batch_size
     cap = capacity(m.capacity_factor, m.seq_len, m.top_k, m.experts)
-    left, right = st.columns(2)
-    with left:
-        st.plotly_chart(load_figure(layer["tokens_per_expert"], layer["dropped_per_expert"], load["ep"],
-                                    None if cap is None else cap * sequences,
-                                    f"Measured, layer {layer_name}: the engine's router"),
-                        key="ep_live_load")
-    with right:
-        sim = simulate_routing(cfg.steps * cfg.micro_batches * cfg.micro_batch_size * m.seq_len, m.experts,
-                               m.top_k, load["ep"], m.capacity_factor, 0.0, seed=cfg.seed,
-                               group_tokens=m.seq_len)
-        st.plotly_chart(load_figure(sim.tokens_per_expert, sim.dropped_per_expert, load["ep"],
-                                    sim.capacity_line,
-                                    "Simulated: a balanced random router, same T, E, k, CF"),
-                        key="ep_live_sim")
+    # one under the other, on one scale: side by side, at 800 px each had 225 px for two panels, and their
+    # titles and panel titles ran into each other
+    measured = (layer["tokens_per_expert"], layer["dropped_per_expert"], load["ep"],
+                None if cap is None else cap * sequences)
+    sim = simulate_routing(cfg.steps * cfg.micro_batches * cfg.micro_batch_size * m.seq_len, m.experts,
+                           m.top_k, load["ep"], m.capacity_factor, 0.0, seed=cfg.seed, group_tokens=m.seq_len)
+    simulated = (sim.tokens_per_expert, sim.dropped_per_expert, load["ep"], sim.capacity_line)
+    tops = tuple(map(max, zip(load_tops(*measured), load_tops(*simulated), strict=True)))
+    st.plotly_chart(load_figure(*measured, f"Measured, layer {layer_name}: the engine's router", tops=tops),
+                    key="ep_live_load")
+    st.plotly_chart(load_figure(*simulated, "Simulated: a balanced random router, same T, E, k, CF", tops=tops),
+                    key="ep_live_sim")
     st.caption(f"The engine counts capacity per sequence of {m.seq_len} tokens ({sequences} sequences in the "
                "run), so the dashed capacity line is the capacity per sequence times the sequences. Its router is a "
                "freshly initialised linear layer: close to balanced, but its preferences are real, not "
                "random draws.")
-    st.dataframe(live_load_rows(summary), hide_index=True, width="stretch")
+    text_table(live_load_rows(summary))
     st.markdown(live_a2a_text(a2a_bytes_by_name(timeline, 0, cfg.steps), summary, m.hidden, cfg.steps))

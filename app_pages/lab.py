@@ -258,12 +258,13 @@ if not history:
 else:
     cal = cached_calibration()
     probe = cal.probe_result() if cal is not None else None
-    st.dataframe(run_rows(history, probe.matmul_flops_per_s if probe else None), hide_index=True, width="stretch")
-    st.caption("Step: mean over the steps after the first, slowest rank. MFU (on this machine): the model's "
-               "FLOPs per step over (step time x processes x this machine's calibrated fp32 matmul rate of one "
-               "core), so it says how much of each core went into matmuls. Peak MiB / rank: weights, gradients, "
-               "optimizer state and the activations' peak on the busiest rank. Predicted and error: the "
-               "planner's prediction of the run for this machine, and (predicted - measured) / measured.")
+    st.dataframe(run_rows(history, probe.matmul_flops_per_s if probe else None), hide_index=True, width="stretch",
+                 column_config={"run": st.column_config.TextColumn(pinned=True)})  # in view as it scrolls sideways
+    st.caption("Step: mean over the steps after the first, slowest rank. Predicted and error: the planner's "
+               "prediction of the run for this machine, and (predicted - measured) / measured. MFU (on this "
+               "machine): the model's FLOPs per step over (step time x processes x this machine's calibrated fp32 "
+               "matmul rate of one core), so it says how much of each core went into matmuls. Peak MiB / rank: "
+               "weights, gradients, optimizer state and the activations' peak on the busiest rank.")
     everything = results_json(history, [command_line(r.cfg) for r in history])
     st.download_button("Download all results (JSON)", everything, file_name="shardlab-lab-results.json",
                        mime="application/json", key="lab_json")

@@ -18,9 +18,11 @@ import streamlit as st
 
 from app_pages.engine_errors import engine_error_message
 from app_pages.metric_row import metric, metric_row
+from app_pages.text_table import text_table
 from core.timeline import strict_json
 from ui.live import (
     LiveRun,
+    busy_warning,
     calibration_age,
     differences,
     prediction_error,
@@ -30,7 +32,7 @@ from ui.live import (
     tolerance_rows,
     verdict,
 )
-from ui.tables import count, shell_lines
+from ui.tables import NO_VALUE, count, shell_lines
 from ui.timeline import lane_summary
 
 
@@ -242,7 +244,7 @@ def about_server() -> None:
                    f"{now['waiting']} waiting; {now['done']:,} finished so far ({now['cached']:,} answered from "
                    "the cache of identical runs). The teacher sets these with environment variables "
                    "(docs/classroom.md).")
-        st.dataframe(queue.settings.rows(), hide_index=True, width="stretch")
+        text_table(queue.settings.rows())
 
 
 def show_live(key: str) -> list[LiveRun]:
@@ -299,6 +301,8 @@ def _show_run(key: str, run: LiveRun) -> None:
     if error is None:
         st.caption(f"No prediction: {pred.get('why', 'the run carries none')}.")
     else:
+        if warning := busy_warning(run):
+            st.warning(warning)
         if s.steps == 1:
             st.caption("A run of one step measures its warm-up too (first calls allocate memory and fill "
                        "caches); the prediction is of a warm step. Run 2 or more steps to compare them.")
@@ -312,7 +316,8 @@ def _show_run(key: str, run: LiveRun) -> None:
         diffs = differences(run)
         # compare() averages the steps after the warm-up: said so, under a chart of one of them
         steps = max(1, len(run.summary.step_times_s) - 1)
-        over = "the run's step" if len(run.summary.step_times_s) == 1 else f"the {steps} steps after the warm-up"
+        over = ("the run's step" if len(run.summary.step_times_s) == 1 else "the step after the warm-up" if steps == 1
+                else f"the {steps} steps after the warm-up")
         st.markdown(f"**Where they differ most** (per rank per step, averaged over {over}, not only the step "
                     "drawn):\n" + "\n".join(f"- {d}" for d in diffs)
                     if diffs else f"Every kind of work took within 10 % of its predicted time, averaged over {over}.")
@@ -333,10 +338,11 @@ def _show_run(key: str, run: LiveRun) -> None:
     st.markdown("Each rank over the whole run, and the bytes it sent: "
                 + ("its one step, a warm-up" if steps == 1 else f"all {steps} steps, the slower warm-up (step 0)")
                 + " included, where the first calls run and the optimizer's state is allocated.")
-    st.dataframe(lane_summary(run.timeline), hide_index=True, width="stretch",
-                 # 1,824,000 bytes; times to the hundredth of a ms in every row ("45.31" had stood over "34.905")
-                 column_config={"comm bytes": st.column_config.NumberColumn(format="localized"),
-                                **{k: st.column_config.NumberColumn(format="%.2f") for k in ("compute ms", "comm ms")}})
+    # 1,824,000 bytes; times to the hundredth of a ms in every row ("45.31" had stood over "34.905")
+    text_table([{"rank": row["rank"], "compute ms": f"{row['compute ms']:.2f}", "comm ms": f"{row['comm ms']:.2f}",
+                 "comm under compute": NO_VALUE if row["comm under compute %"] is None
+                 else f"{row['comm under compute %']:.0f} %", "comm bytes": f"{row['comm bytes']:,}"}
+                for row in lane_summary(run.timeline)])
     st.markdown("Run it again from a terminal:")
     st.code(shell_lines(command_line(run.cfg)), language="bash", wrap_lines=True)
     st.download_button("Download the trace (open it in ui.perfetto.dev or chrome://tracing)",

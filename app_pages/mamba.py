@@ -192,7 +192,7 @@ if st.button("Run all three on this machine", type="primary", disabled=configs i
     run_live("live_ssm", list(configs.items()), hint="try 2 processes or fewer steps")
 live = show_live("live_ssm")
 if live:
-    st.dataframe(live_rows(live), hide_index=True, width="stretch")
+    text_table(live_rows(live), columns_from="run")
     st.markdown("\n".join(f"- {line}" for line in live_findings(live)))
     st.markdown(
         """

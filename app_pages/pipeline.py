@@ -264,11 +264,9 @@ for live in show_live("live_pp"):
                "many messages), and the jitter of processes sharing a few cores. On real chips the compute "
                "is far larger and the formula holds better.")
     held = held_micro_batches(predicted)
-    st.dataframe([{"rank": r, "activations held, measured peak (KiB)": round(mem["activations_peak"] / 1024),
-                   "micro-batches held, schedule": held[r], "bytes sent per step (KiB)": round(sent / cfg.steps / 1024)}
-                  for r, (mem, sent) in enumerate(zip(summary.memory_bytes, summary.comm_bytes,
-                                                      strict=True))],
-                 hide_index=True, width="stretch")
+    text_table([{"rank": r, "activations held, measured peak (KiB)": round(mem["activations_peak"] / 1024),
+                 "micro-batches held, schedule": held[r], "bytes sent per step (KiB)": round(sent / cfg.steps / 1024)}
+                for r, (mem, sent) in enumerate(zip(summary.memory_bytes, summary.comm_bytes, strict=True))])
     st.caption("Measured activations are the tensors each rank keeps for its backward. The last stage also "
                "keeps the logits (vocabulary-sized), so it can hold more than its count says; ZB-H1 keeps "
                "the inputs of its deferred BW too.")

@@ -7,6 +7,7 @@ import streamlit as st
 from app_pages.exercise_panel import show_exercises
 from app_pages.link_params import drop_link_values_not_taken, link_values
 from app_pages.metric_row import memory_metric, metric, metric_row
+from app_pages.text_table import text_table
 from hardware.chips import CHIPS
 from planner import assumptions, estimate, make_case, search, step_time_band_s
 from planner.api import leanest
@@ -191,8 +192,8 @@ def _gpu_steps():
     kernel = {"flash": "FA2 (PyTorch)", "cudnn": "cuDNN"}
     rows = []
     for c in steps:
-        row = {"step on one H200": f"{c.label}, {kernel[c.backend]}", "measured ms": round(c.measured_s * 1e3, 1),
-               "predicted ms": round(c.predicted_s * 1e3, 1), "error": f"{c.error:+.1%}"}
+        row = {"step on one H200": f"{c.label}, {kernel[c.backend]}", "measured ms": f"{c.measured_s * 1e3:.1f}",
+               "predicted ms": f"{c.predicted_s * 1e3:.1f}", "error": f"{c.error:+.1%}"}
         for cls in ("gemm", "attention", "memory-bound"):
             row[cls] = f"{c.measured.get(cls, 0) * 1e3:.0f} / {c.predicted[cls] * 1e3:.0f}"
         row["GPU idle"] = f"{c.idle_share:.1%}"
@@ -311,10 +312,9 @@ if found:
                if est.fits and any(not a.fits for a in found) else "")
             + "): a run that states how it was executed can be predicted more closely than one that does not.")
         moving = [a for a in found if abs(a.change) >= SAME_STEP]
-        st.dataframe([{"field": a.field.removeprefix("training."), "assumed": word(a.assumed),
-                       "instead": word(a.alternative), "step instead, s": round(a.step_time_s, 3),
-                       "change": f"{a.change:+.1%}", "fits": "yes" if a.fits else "no"} for a in moving],
-                     hide_index=True, width="stretch")
+        text_table([{"field": a.field.removeprefix("training."), "assumed": word(a.assumed),
+                     "instead": word(a.alternative), "step instead, s": f"{a.step_time_s:.3f}",
+                     "change": f"{a.change:+.1%}", "fits": "yes" if a.fits else "no"} for a in moving])
         idle = sorted({a.field.removeprefix("training.") for a in found if abs(a.change) < SAME_STEP}
                       - {a.field.removeprefix("training.") for a in moving})
         if idle:
@@ -370,9 +370,12 @@ with st.expander("How far to trust these numbers"):
         f"/ predicted ms). {gpu_words} In the GPT rows the memory-bound column is high: the bench runs a rotary "
         "embedding there that the planner's GPT recipe does not have. What one GPU cannot show is the rest of a "
         "cluster: communication, waiting on the slowest GPU, the framework's own time.")
-    st.dataframe(gpu_rows, hide_index=True, width="stretch", column_config={
-        "measured ms": st.column_config.NumberColumn(format="%.1f"),
-        "predicted ms": st.column_config.NumberColumn(format="%.1f")})
+    # two tables: the eight columns in one ran past the 434 px expander at 800 px even wrapped
+    step = next(iter(gpu_rows[0]))
+    text_table([{k: row[k] for k in (step, "measured ms", "predicted ms", "error")} for row in gpu_rows])
+    st.caption("Each step's kernels by class, traced / predicted ms, and the share of the step the GPU sat idle:")
+    text_table([{k: v for k, v in row.items() if k not in ("measured ms", "predicted ms", "error")}
+                for row in gpu_rows])
 
     within, above, below, runs = _held_out_bands()
     st.markdown(

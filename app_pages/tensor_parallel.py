@@ -5,6 +5,7 @@ import streamlit as st
 from app_pages.exercise_panel import show_exercises
 from app_pages.link_params import drop_link_values_not_taken, link_values
 from app_pages.live_panel import run_live, show_live
+from app_pages.text_table import text_table
 from engine.cli import COMMAND
 from hardware.chips import CHIPS
 from planner.bounds import tensor_parallel_bound
@@ -313,7 +314,7 @@ if live:
     from engine.tp import tp_comm_bytes
 
     runs = [(r.label, r.summary, r.timeline, sum(tp_comm_bytes(r.cfg).values())) for r in live]
-    st.dataframe(live_rows(runs), hide_index=True, width="stretch")
+    text_table(live_rows(runs), columns_from="run")
 if len(live) == 2:  # the comparison needs both (a press stopped in its second run keeps the first)
     (_, tp_sum, _, tp_formula), (_, sp_sum, _, sp_formula) = runs
     tp_bytes = tp_sum.comm_bytes[0] / tp_sum.steps

@@ -8,10 +8,16 @@ import streamlit as st
 _NUMBER_UNIT = re.compile(r"(\d) ((?:[kKMGTP]i?)?B|[mµn]?s)\b")
 
 
-def text_table(rows: list[dict]) -> None:
+def text_table(rows: list[dict], columns_from: str | None = None) -> None:
     """`rows` as a static table whose cells wrap, not a data grid: in a window 800 px wide (the lesson
     466 px beside the sidebar) a grid's columns keep their text's width and the last ones ran out of sight,
     behind a sideways scroll ("collectives per step", ring attention's rank 2 and 3, the pipeline's "held,
-    last rank"). A grid stays for the long tables a reader sorts or scrolls (the chips, the calibration)."""
+    last rank"). A grid stays for the long tables a reader sorts or scrolls (the chips, the calibration).
+
+    `columns_from`: a few rows of many quantities (a live panel's runs) turned on their side, a column per row
+    headed by its `columns_from` value and a row per quantity: eight columns had not fitted even wrapped."""
+    if columns_from is not None:
+        rows = [{"": key, **{str(row[columns_from]): row[key] for row in rows}}
+                for key in rows[0] if key != columns_from] if rows else []
     st.table([{key: _NUMBER_UNIT.sub("\\1\u00a0\\2", value) if isinstance(value, str) else value
                for key, value in row.items()} for row in rows], hide_index=True)

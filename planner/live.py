@@ -645,7 +645,7 @@ def step_spread_words(step_times_s: list[float], predicted_s: float | None = Non
     elif faster == len(steps):
         where = "above every one of them"
     else:
-        where = f"between them ({faster} of the {len(steps)} were faster)"
+        where = f"between them ({faster} of the {len(steps)} {'was' if faster == 1 else 'were'} faster)"
     return f"{text}; the prediction, {predicted_s * 1e3:.1f} ms, lies {where}"
 
 

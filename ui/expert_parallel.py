@@ -220,10 +220,22 @@ def capacity_keep(chosen: np.ndarray, group_tokens: int, experts: int, cap: int 
     return (position < cap).reshape(groups, k, group_tokens).transpose(0, 2, 1).reshape(n, k)
 
 
+def load_tops(tokens_per_expert, dropped_per_expert, ep: int, capacity_line: int | None,
+              rank_counts=None) -> tuple[float, float]:
+    """The tallest of a `load_figure`'s experts (bars, the balanced mean, the capacity) and of its ranks: two
+    figures drawn to compare take the larger of each, so their bars stand on one scale."""
+    routed, kept = np.asarray(tokens_per_expert), np.asarray(tokens_per_expert) - np.asarray(dropped_per_expert)
+    ranks = rank_counts if rank_counts is not None else kept.reshape(ep, -1).sum(1)
+    top = max([float(routed.max(initial=0)), routed.sum() / max(1, routed.size),
+               *([capacity_line] if capacity_line is not None else [])])
+    return top, float(np.max(ranks, initial=0))
+
+
 def load_figure(tokens_per_expert, dropped_per_expert, ep: int, capacity_line: int | None, title: str,
-                rank_counts=None) -> go.Figure:
+                rank_counts=None, tops: tuple[float, float] | None = None) -> go.Figure:
     """Bars per expert (kept in the owning rank's colour, dropped in grey), the capacity and the balanced
-    mean as lines; beside them the rows each ep rank processes."""
+    mean as lines; beside them the rows each ep rank processes. `tops`: the y ranges' tops (`load_tops`), else
+    this figure's own."""
     routed = np.asarray(tokens_per_expert)
     dropped = np.asarray(dropped_per_expert)
     experts = routed.size
@@ -265,13 +277,14 @@ def load_figure(tokens_per_expert, dropped_per_expert, ep: int, capacity_line: i
                       margin={"l": 10, "r": 10, "t": 60 + extra, "b": 10},
                       legend={"orientation": "h", "y": -0.28})
     fig.update_xaxes(title_text="expert", row=1, col=1)
-    fig.update_xaxes(title_text="ep rank", tickangle=0, row=1, col=2)
+    # categories: Plotly reads "0", "1" as numbers and had ticked the ranks -0.5, 0, 0.5, 1, 1.5
+    fig.update_xaxes(title_text="ep rank", tickangle=0, type="category", row=1, col=2)
     # every expert numbered while they fit (16 at most), and room above the tallest bar and the capacity line
     if experts <= 16:
         fig.update_xaxes(dtick=1, row=1, col=1)
-    top = max([float(routed.max(initial=0)), mean, *([capacity_line] if capacity_line is not None else [])])
+    top, rank_top = tops or load_tops(tokens_per_expert, dropped_per_expert, ep, capacity_line, rank_counts)
     fig.update_yaxes(range=[0, 1.12 * top or 1.0], row=1, col=1)
-    fig.update_yaxes(range=[0, 1.12 * float(np.max(ranks, initial=0)) or 1.0], row=1, col=2)
+    fig.update_yaxes(range=[0, 1.12 * rank_top or 1.0], row=1, col=2)
     return fig
 
 

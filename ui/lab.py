@@ -195,17 +195,18 @@ def run_rows(runs: list[LiveRun], matmul_flops_per_s: float | None) -> list[dict
         mfu = (step_flops(cfg) / (s.step_time_s * cfg.world * matmul_flops_per_s)
                if matmul_flops_per_s and cfg.device == "cpu" and cfg.dtype == "float32" else None)
         err = prediction_error(run)
+        # what a run is and how it went first: at 800 px the grid shows four or five columns, and "error" had
+        # been the last of twelve, out of view even at 1,280 px
         rows.append({
-            "run": run.label, "model": cfg.model.arch, "dtype": cfg.dtype, "mesh": mesh_label(cfg),
-            "procs": cfg.world,
-            "steps": cfg.steps,
+            "run": run.label, "mesh": mesh_label(cfg),
             "step (ms)": round(s.step_time_s * 1e3, 2),
+            "predicted (ms)": round(run.prediction["step_time_s"] * 1e3, 2) if err is not None else "n/a",
+            "error": f"{err:+.0%}" if err is not None else "n/a",
+            "check": "passed" if s.check and s.check["passed"] else "FAILED" if s.check else "not run",
+            "model": cfg.model.arch, "dtype": cfg.dtype, "procs": cfg.world, "steps": cfg.steps,
             "tokens/s": round(tokens / s.step_time_s),
             "MFU": f"{mfu:.1%}" if mfu is not None else "n/a",
             "peak MiB / rank": round(max(m["total"] for m in s.memory_bytes) / 2**20, 2),
-            "check": "passed" if s.check and s.check["passed"] else "FAILED" if s.check else "not run",
-            "predicted (ms)": round(run.prediction["step_time_s"] * 1e3, 2) if err is not None else "n/a",
-            "error": f"{err:+.0%}" if err is not None else "n/a",
         })
     return rows
 

@@ -142,6 +142,8 @@ def timeline_figure(timeline: Timeline, title: str = "", frames: int = 30, anima
         parts.append(f"step {s.step}" + ("" if s.micro_batch is None else f", micro-batch {s.micro_batch}"))
         return "<br>".join(parts)
 
+    from ui.charts import title_extra_px  # here: ui.charts imports this module's colours
+
     animated = animate and bool(rows) and frames > 1
     fig = go.Figure()
     for kind in drawn:
@@ -157,9 +159,10 @@ def timeline_figure(timeline: Timeline, title: str = "", frames: int = 30, anima
             hovertemplate="%{customdata}<extra></extra>", legendrank=legend.index(kind),
             **full,
         ))
-    if animated:  # the cursor the animation sweeps; a still chart has none
+    if animated:  # the cursor the animation sweeps, drawn once it moves: at rest, at the step's end, it had read
+        # as the legend's border and hidden the step's last bar
         fig.add_trace(go.Scatter(mode="lines", line={"color": "black", "width": 2}, name="now", showlegend=False,
-                                 hoverinfo="skip", **cursor(t_end)))
+                                 hoverinfo="skip", x=[], y=[]))
     tick_kinds = [k for k in drawn if any(span_kind(s) == k for s in ticked)]
     for kind in tick_kinds:  # over the cursor: a step's last span (its optimizer) lies under the cursor's end
         fig.add_trace(go.Scatter(
@@ -171,7 +174,9 @@ def timeline_figure(timeline: Timeline, title: str = "", frames: int = 30, anima
         fig.add_trace(legend_marker(kind_label(kind), KIND_COLORS[kind], legendrank=legend.index(kind)))
     fig.update_layout(
         title=title, barmode="overlay", height=max(260, 42 * len(rows) + 140), bargap=0.25,
-        margin={"l": 10, "r": 10, "t": (70 if "<br>" in title else 50) if title else 20, "b": 10},
+        # a line's height more for each line of a title after its first: the live panel's three-line one had
+        # touched the first lane
+        margin={"l": 10, "r": 10, "t": 50 + title_extra_px(title) if title else 20, "b": 10},
         legend={"orientation": "v", "x": 1.01, "y": 1, "title": {"text": "work"}},
         xaxis={"title": f"time ({unit})", "range": [0, t_end * 1.02 or 1.0]},
         yaxis={"categoryorder": "array", "categoryarray": list(reversed(rows))},

@@ -17,3 +17,9 @@ def open_app(page: str | None = None, **params) -> AppTest:
         at.switch_page(page)
         at.run()
     return at
+
+
+def runs_table(at, quantity: str):
+    """The table of `at` turned on its side by app_pages.text_table's `columns_from` (a column per run, a row per
+    quantity) that has a row `quantity`, read back as a row per run (runs in the index)."""
+    return next(t.value for t in at.table if quantity in list(t.value.get("", []))).set_index("").T

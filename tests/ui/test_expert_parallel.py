@@ -297,7 +297,7 @@ def test_live_ep_run_matches_the_reference():
     assert not at.exception, [e.value for e in at.exception]
     assert not at.error, [e.value for e in at.error]
     assert "matches the single-process reference" in at.success[0].value
-    rows = next(d.value for d in at.dataframe if "layer" in d.value.columns)  # the per-layer load table
+    rows = next(t.value for t in at.table if "layer" in t.value.columns)  # the per-layer load table
     assert list(rows["layer"]) == ["L0", "L1"]
     # 2 ranks x 2 sequences x 32 tokens x k = 2 token copies per layer
     assert all(sum(map(int, t.split(", "))) == 256 for t in rows["tokens per expert"])
@@ -494,6 +494,21 @@ def test_at_cf_1_the_capacity_and_the_balanced_load_are_told_apart():
     over = simulate_routing(512, 8, 2, 4, 1.25, 0.0, seed=0)
     fig = load_figure(over.tokens_per_expert, over.dropped_per_expert, 4, over.capacity_line, "t")
     assert "capacity" in [d.name for d in fig.data]
+
+
+def test_the_measured_and_simulated_loads_stand_on_one_scale_with_whole_ranks():
+    from ui.expert_parallel import load_tops
+
+    a = simulate_routing(256, 8, 2, 4, 0.75, 1.0, seed=0)
+    b = simulate_routing(512, 8, 2, 4, None, 0.0, seed=1)
+    tops = tuple(map(max, zip(load_tops(a.tokens_per_expert, a.dropped_per_expert, 4, a.capacity_line),
+                              load_tops(b.tokens_per_expert, b.dropped_per_expert, 4, None), strict=True)))
+    assert tops[0] >= max(b.tokens_per_expert) and tops[1] >= max(a.tokens_per_expert)
+    figs = [load_figure(a.tokens_per_expert, a.dropped_per_expert, 4, a.capacity_line, "t", tops=tops),
+            load_figure(b.tokens_per_expert, b.dropped_per_expert, 4, None, "t", tops=tops)]
+    assert figs[0].layout.yaxis.range == figs[1].layout.yaxis.range == (0, 1.12 * tops[0])
+    assert figs[0].layout.yaxis2.range == figs[1].layout.yaxis2.range == (0, 1.12 * tops[1])
+    assert figs[0].layout.xaxis2.type == "category"  # ranks 0-3, not ticks at -0.5, 0, 0.5 ...
 
 
 def test_placement_names_the_experts_only_where_the_bars_are_tall_enough():

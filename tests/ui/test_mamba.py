@@ -4,7 +4,7 @@ the layouts and why they differ, the exercises, the page in AppTest, and its liv
 import pytest
 
 from planner.flops import total_params
-from tests.ui.apptest_util import open_app
+from tests.ui.apptest_util import open_app, runs_table
 from ui.exercises import attention_crossover, state_passing_chain
 from ui.mamba import (
     HYBRID,
@@ -141,7 +141,7 @@ def test_the_three_live_runs_match_the_reference():
     at.button(key="ssm_live_run").click().run(timeout=300)
     assert not at.exception, [e.value for e in at.exception]
     assert not at.error, [e.value for e in at.error]
-    table = next(d.value for d in at.dataframe if "transfers per layer, rank 0" in d.value.columns)
+    table = runs_table(at, "transfers per layer, rank 0")
     assert list(table["check"]) == ["passed"] * 3
     # per layer, rank 0 of 2: ring 1 K/V send forward, 1 K/V and 2 dK/dV sends backward (3 cp - 2 per
     # direction pair, engine/cp.py); state passing 1 state forward (+ the halo), 0 gradients back

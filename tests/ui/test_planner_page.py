@@ -123,11 +123,13 @@ def test_the_page_shows_real_gpu_steps_beside_their_prediction():
     at = open_app("app_pages/planner.py")
     assert not at.exception
     trust = next(e for e in at.expander if e.label == "How far to trust these numbers")
-    table = trust.dataframe[0].value
+    table = trust.table[0].value  # app_pages.text_table
     steps = comparisons()
     assert len(table) == len(steps) == 8
-    assert list(table["measured ms"]) == [round(c.measured_s * 1e3, 1) for c in steps]
-    assert list(table["predicted ms"]) == [round(c.predicted_s * 1e3, 1) for c in steps]
+    assert list(table["measured ms"]) == [f"{c.measured_s * 1e3:.1f}" for c in steps]
+    assert list(table["predicted ms"]) == [f"{c.predicted_s * 1e3:.1f}" for c in steps]
+    by_class = trust.table[1].value  # the kernel classes in a table of their own (800 px)
+    assert list(by_class.columns) == ["step on one H200", "gemm", "attention", "memory-bound", "GPU idle"]
     text = " ".join(m.value for m in trust.markdown)
     lo, hi = min(c.error for c in steps), max(c.error for c in steps)
     assert "Checked on a real GPU" in text and f"whole steps {lo:+.0%} to {hi:+.0%}" in text
@@ -159,7 +161,7 @@ def test_the_page_says_what_each_unstated_recipe_field_is_worth():
     at = _page(model="Llama 3 70B", chip="h100", dp="8", tp="8")
     assert not at.exception
     worth = next(e for e in at.expander if e.label == "What the unstated recipe is worth")
-    table = worth.dataframe[0].value
+    table = worth.table[0].value
     spec = MODEL_PRESETS["Llama 3 70B"]
     case = make_case(spec, Cluster("h100", 64), global_batch=default_global_batch(spec.seq_len, 64, 2**22),
                      parallel=Parallel(dp=8, tp=8, pp=1, cp=1, ep=1))

@@ -36,7 +36,7 @@ def test_about_this_server_shows_the_settings(cached_queue):
     about = next(e for e in at.expander if e.label == "About this server")
     text = " ".join(c.value for c in about.caption)
     assert "share one queue" in text
-    rows = about.dataframe[0].value
+    rows = about.table[0].value
     assert "SHARDLAB_MAX_CONCURRENT" in set(rows["environment variable"])
 
 
@@ -62,7 +62,7 @@ def test_pages_that_measure_on_the_workers_show_the_server_too(cached_queue, pag
     at = open_app(page)
     assert not at.exception, [e.value for e in at.exception]
     about = [e for e in at.expander if e.label == "About this server"]
-    assert len(about) == 1 and "SHARDLAB_MAX_RUN_S" in set(about[0].dataframe[0].value["environment variable"])
+    assert len(about) == 1 and "SHARDLAB_MAX_RUN_S" in set(about[0].table[0].value["environment variable"])
 
 
 @pytest.mark.parametrize("page, key, labels", [

@@ -11,7 +11,7 @@ from hardware.chips import CHIPS
 from hardware.collectives import group_topology
 from planner.memory import korthikanti_bytes
 from planner.models import MODEL_PRESETS
-from tests.ui.apptest_util import open_app
+from tests.ui.apptest_util import open_app, runs_table
 from ui.charts import RANK_COLORS
 from ui.tensor_parallel import (
     activation_bytes,
@@ -226,8 +226,9 @@ def test_live_tp_and_sp_runs_match_the_reference():
     assert not at.error, [e.value for e in at.error]
     assert [s.value.split(" on ")[0] for s in at.success] == ["TP", "TP + SP"]
     assert all("matches the single-process reference" in s.value for s in at.success)
-    rows = next(d.value for d in at.dataframe if "run" in d.value.columns)  # the measured table
-    assert list(rows["run"]) == ["TP", "TP + SP"]
+    # the measured table, a column per run (app_pages.text_table's columns_from): read back a row per run
+    rows = runs_table(at, "formula (engine.tp)")
+    assert list(rows.index) == ["TP", "TP + SP"]
     measured = [int(v.replace(",", "")) for v in rows["bytes sent per step (rank 0)"]]
     formula = [int(v.replace(",", "")) for v in rows["formula (engine.tp)"]]
     assert measured == formula
