@@ -302,7 +302,7 @@ def _show_run(key: str, run: LiveRun) -> None:
         st.caption(f"No prediction: {pred.get('why', 'the run carries none')}.")
     else:
         if warning := busy_warning(run):
-            st.warning(warning)
+            st.warning(warning[0].upper() + warning[1:])
         if s.steps == 1:
             st.caption("A run of one step measures its warm-up too (first calls allocate memory and fill "
                        "caches); the prediction is of a warm step. Run 2 or more steps to compare them.")

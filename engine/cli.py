@@ -40,7 +40,7 @@ from engine.config import (
     strategy_for,
     validate,
 )
-from hardware.this_machine import speed_words
+from hardware.this_machine import busy_words, speed_words
 from planner.live import step_spread_words
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_RANK_FAILED, EXIT_INTERRUPTED = 0, 1, 3, 130  # EXIT_BAD_INPUT: core.stdout
@@ -243,6 +243,8 @@ def _human(summary) -> str:
         # what the calibration said (measured now, could not be kept, ...): the JSON's "calibration"
         lines += [f"calibration: {message}" for message in pred.get("calibration", [])]
         lines.append(prediction_line(summary.step_time_s, pred))
+        if (busy := busy_words(pred.get("speed_factor", 1.0))) is not None:
+            lines.append(f"warning: {busy}")
         if (spread := step_spread_words(summary.step_times_s, pred.get("step_time_s"))) is not None:
             lines.append(f"measured: {spread}")
     check = summary.check

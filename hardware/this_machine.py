@@ -418,6 +418,30 @@ def speed_words(factor: float) -> str:
             "so the prediction's compute was scaled by that (its communication was not)")
 
 
+# How far the speed check (engine/predict.at_speed_now) may read this machine from its calibration before a
+# prediction says it is rough. On a quiet machine it read 0.55-2.00x over four benchmarks of 34 runs each
+# (bench/bench_live_prediction.py), and the named runs' predictions held (8.5-16.6 % mean error); with a browser
+# drawing the pages on the same 2 cores, 1.4-8.0x, and one error reached 116 %.
+BUSY_SPEED_FACTOR = 2.5
+
+
+def busy_words(factor: float) -> str | None:
+    """A warning, for the pages and the command line, when `Calibration.at_speed`'s factor is BUSY_SPEED_FACTOR
+    or more from 1; None otherwise."""
+    if 1 / BUSY_SPEED_FACTOR < factor < BUSY_SPEED_FACTOR:
+        return None
+    if factor >= 1:
+        return (f"this machine was busy: right before this run it ran its reference computation {factor:.1f}x "
+                "slower than when it was calibrated, so other programs (a browser drawing the pages counts, on a "
+                "machine of few cores) were using its cores. The prediction scales its compute by that, but a "
+                "machine this busy changes speed within a run and stalls its communication: read the comparison "
+                "as rough, and run again when the machine is quiet.")
+    return (f"the calibration was made on a busy machine: right before this run this machine ran its reference "
+            f"computation {1 / factor:.1f}x faster than when it was calibrated. Measure it again when the machine "
+            "is quiet (the Hardware lesson's button, or bench --remeasure): its communication timings are of that "
+            "busy moment too.")
+
+
 def comm_key(world: int, kind: str, n: int, mode: str) -> str:
     return f"w{world}/{kind}/n{n}/{mode}"
 

@@ -10,7 +10,7 @@ from functools import cached_property
 import plotly.graph_objects as go
 
 from core.timeline import Timeline
-from hardware.this_machine import speed_words
+from hardware.this_machine import busy_words, speed_words
 from planner.live import compare, step_spread_words
 from ui.timeline import shared_kinds, shared_rows, step_timeline, timeline_figure
 
@@ -96,29 +96,11 @@ def speed_note(run: LiveRun) -> str | None:
     return None if speed is None or speed == 1.0 else speed_words(speed)
 
 
-# How far the speed check (engine/predict.at_speed_now) may read this machine from its calibration before the
-# panel says the comparison is rough. On a quiet machine it read 0.55-2.00x over four benchmarks of 34 runs
-# each (bench/bench_live_prediction.py), and the named runs' predictions held (8.5-16.6 % mean error); with a
-# browser drawing the pages on the same 2 cores, 1.4-8.0x, and the error reached 116 %.
-BUSY_SPEED_FACTOR = 2.5
-
-
 def busy_warning(run: LiveRun) -> str | None:
-    """A warning when the speed check read this machine far from its calibration's speed (BUSY_SPEED_FACTOR),
-    in markdown; None otherwise."""
+    """hardware.this_machine.busy_words for this run's speed check; None when it read the machine near its
+    calibration's speed or did not check it (an older prediction)."""
     speed = (run.prediction or {}).get("speed_factor")
-    if speed is None or 1 / BUSY_SPEED_FACTOR < speed < BUSY_SPEED_FACTOR:
-        return None
-    if speed >= 1:
-        return (f"**This machine was busy:** right before this run it ran its reference computation "
-                f"**{speed:.1f}x slower** than when it was calibrated: other programs (a browser drawing this "
-                "page counts, on a machine of few cores) were using its cores. The prediction scales its "
-                "compute by that, but a machine this busy changes speed within a run and stalls its "
-                "communication: read this comparison as rough, and run again when the machine is quiet.")
-    return (f"**The calibration was made on a busy machine:** right before this run this machine ran its "
-            f"reference computation **{1 / speed:.1f}x faster** than when it was calibrated. Measure it again "
-            "on the Hardware lesson when the machine is quiet: its communication timings are of that busy "
-            "moment too.")
+    return None if speed is None else busy_words(speed)
 
 
 def differences(run: LiveRun, top: int = 3) -> list[str]:

@@ -302,3 +302,21 @@ def test_the_summary_names_the_mesh_and_where_zero_shards():
     assert first_lines({"dp": 2, "fsdp": 2}, 3, 4)[1] == "ZeRO-3 shards over fsdp"
     assert first_lines({"dp": 1}, 1, 1)[1] == "ZeRO-1 shards over dp"
     assert first_lines({"dp": 2, "fsdp": 1}, 1, 2)[1] == "ZeRO-1 shards over dp"  # core.mesh: fsdp of degree 1 is none
+
+
+def test_a_prediction_checked_on_a_busy_machine_says_so():
+    from engine.cli import _human
+    from engine.run import RunSummary
+    from hardware.this_machine import busy_words
+
+    def lines(speed):
+        summary = RunSummary(ok=True, check=None, world=2, strategy="dp", zero_stage=0, mesh={"dp": 2}, steps=1,
+                             micro_batches=1, device="cpu", loss=[5.0], step_time_s=0.01, step_times_s=[0.01],
+                             memory_bytes=[{}] * 2, comm_bytes=[0] * 2, stats={}, config={},
+                             predicted={"step_time_s": 0.012, "breakdown_s": {"compute": 0.012},
+                                        "speed_factor": speed})
+        return _human(summary).splitlines()
+
+    assert not any(line.startswith("warning:") for line in lines(1.8))  # quiet-machine drift: said, not warned
+    busy = [line for line in lines(6.0) if line.startswith("warning:")]
+    assert busy == [f"warning: {busy_words(6.0)}"] and "6.0x slower" in busy[0]

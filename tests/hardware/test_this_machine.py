@@ -200,6 +200,9 @@ def test_at_speed_scales_the_compute_by_the_reference_block_timed_now():
     assert burst.compute_cpu_s == pytest.approx(0.75e-4)
     assert cal.compute["linear"] == _cal().compute["linear"]  # the calibration itself is left alone
     assert "1.50x slower" in tm.speed_words(factor) and "2.00x faster" in tm.speed_words(0.5)
+    # far from the calibration's speed, the prediction says it is rough (BUSY_SPEED_FACTOR)
+    assert tm.busy_words(1.5) is None and tm.busy_words(0.5) is None
+    assert "was busy" in tm.busy_words(tm.BUSY_SPEED_FACTOR) and "made on a busy machine" in tm.busy_words(0.3)
     # no reference (an older file) or no timing now: as calibrated
     assert _cal(reference_s=0.0).at_speed(3e-3)[1] == 1.0 and cal.at_speed(0.0) == (cal, 1.0)
 
