@@ -322,10 +322,11 @@ def _show_run(key: str, run: LiveRun) -> None:
                     "drawn):\n" + "\n".join(f"- {d}" for d in diffs)
                     if diffs else f"Every kind of work took within 10 % of its predicted time, averaged over {over}.")
         age = calibration_age(run)
-        st.caption("The two timelines share one time axis and one set of colours; press Play under each to "
-                   "watch its step. The prediction is made from this machine's calibration alone (each "
-                   "module, gloo operation and core-sharing measured once, cached), never from this run, "
-                   "and assumes nothing else keeps the cores busy (this server and your browser may). "
+        st.caption("The two timelines share one time axis and one set of colours, and each marks where the "
+                   "other's step ends (dashed); press Play under each to watch its step. The prediction is made "
+                   "from this machine's calibration alone (each module, gloo operation and core-sharing measured "
+                   "once, cached), never from this run, and assumes nothing else keeps the cores busy (this "
+                   "server and your browser may). "
                    "Processes sharing a few cores stall now and then, which a single step shows and a "
                    "prediction of the typical step does not."
                    + (f" The calibration was {age} old when it predicted this run; a shared machine's speed "

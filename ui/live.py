@@ -133,4 +133,21 @@ def side_by_side(run: LiveRun) -> tuple[go.Figure | None, go.Figure, int]:
                                 title=f"Predicted by the planner for this machine "
                                       f"({run.prediction['step_time_s'] * 1e3:.1f} ms)")
                 if predicted else None)
+    if pred_fig is not None:  # each chart marks where the other's step ends: a prediction 5x short had read as
+        # a sliver at the left of an axis drawn for the run, with nothing to say what the rest was
+        _mark_end(pred_fig, run.summary.step_times_s[step] * 1e3)
+        _mark_end(meas_fig, run.prediction["step_time_s"] * 1e3)
     return pred_fig, meas_fig, step
+
+
+OTHER_END_COLOR = "#888888"  # the other chart's step end: a neutral grey, no kind of work's colour
+
+
+def _mark_end(fig: go.Figure, end_ms: float) -> None:
+    """A dashed line where the other chart's step ends, named in the legend (as a label over the plot it had
+    lain on the measured chart's subtitle), in the same words on both: the two legends stay one width, so the
+    time axes line up to the pixel."""
+    line = {"color": OTHER_END_COLOR, "dash": "dash", "width": 1.5}
+    fig.add_vline(x=end_ms, line=line)
+    fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", line=line, name="other chart's end",
+                             hoverinfo="skip"))

@@ -102,6 +102,10 @@ def test_side_by_side_shares_the_time_axis_and_the_rows():
     assert rows == {y for trace in meas_fig.data for y in (() if trace.y is None else trace.y)}
     assert pred_fig.frames and meas_fig.frames  # both animated
     assert "Measured: step" in meas_fig.layout.title.text and "20.0 ms" in pred_fig.layout.title.text
+    # each marks where the other's step ends (the measured one drawn: step 2, 12 ms)
+    (pred_end,), (meas_end,) = pred_fig.layout.shapes, meas_fig.layout.shapes
+    assert (pred_end.x0, meas_end.x0) == (pytest.approx(12.0), pytest.approx(20.0))
+    assert pred_fig.data[-1].name == meas_fig.data[-1].name == "other chart's end"
 
 
 def test_differences_name_the_slow_collective():
