@@ -241,13 +241,17 @@ if current and (not history or current[0] is not history[-1]):
     history.append(current[0])
 
 st.subheader("The same experiment elsewhere")
-st.markdown("From a terminal in this repository (`--json` prints every number of the table, `--trace` "
-            "writes the timeline):")
 try:  # with this server's time limit, as the run above gets it: one command everywhere
     as_run = get_queue().as_run(cfg)
 except SettingsError:  # a misconfigured server is said where the run is; the command stands without it
     as_run = cfg
-st.code(shell_lines(command_line(as_run)), language="bash", wrap_lines=True)
+if current and command_line(current[0].cfg) == command_line(as_run):  # the panel just showed it: not twice
+    st.markdown("From a terminal in this repository: the command under the run above (`--json` prints every "
+                "number of the table, `--trace` writes the timeline).")
+else:
+    st.markdown("From a terminal in this repository (`--json` prints every number of the table, `--trace` "
+                "writes the timeline):")
+    st.code(shell_lines(command_line(as_run)), language="bash", wrap_lines=True)
 st.markdown("Across machines with `torchrun` (each machine runs it with its node rank; HOST0 is node 0's "
             "address):")
 st.code(shell_lines(torchrun_command(as_run, argv_for(as_run))), language="bash", wrap_lines=True)

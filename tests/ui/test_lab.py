@@ -135,7 +135,11 @@ def test_runs_are_collected_compared_and_exported():
     at = _lab(lab_steps=2)
     next(b for b in at.button if b.label == "Run this experiment").click().run(timeout=240)
     assert not at.exception and at.success, [e.value for e in at.error]
+    # its command once, under the run; the section below points to it (it had shown the same one again)
+    assert sum(c.value.startswith(".venv/bin/python -m engine run") for c in at.code) == 1
+    assert any("the command under the run above" in m.value for m in at.markdown)
     at.number_input(key="lab_dp").set_value(1).run()
+    assert sum(c.value.startswith(".venv/bin/python -m engine run") for c in at.code) == 2  # new settings
     at.number_input(key="lab_tp").set_value(2).run()
     next(b for b in at.button if b.label == "Run this experiment").click().run(timeout=240)
     assert not at.exception and at.success, [e.value for e in at.error]
