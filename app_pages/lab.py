@@ -263,7 +263,8 @@ else:
     cal = cached_calibration()
     probe = cal.probe_result() if cal is not None else None
     st.dataframe(run_rows(history, probe.matmul_flops_per_s if probe else None), hide_index=True, width="stretch",
-                 column_config={"run": st.column_config.TextColumn(pinned=True)})  # in view as it scrolls sideways
+                 column_config={"run": st.column_config.TextColumn(pinned=True),  # in view as it scrolls sideways
+                                "step (ms)": st.column_config.NumberColumn(format="%.2f")})
     st.caption("Step: mean over the steps after the first, slowest rank. Predicted and error: the planner's "
                "prediction of the run for this machine, and (predicted - measured) / measured. MFU (on this "
                "machine): the model's FLOPs per step over (step time x processes x this machine's calibrated fp32 "

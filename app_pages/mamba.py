@@ -76,8 +76,8 @@ specs = lesson_models(seq_len)
 st.markdown(
     """
 GPT-3 2.7B (Brown et al. 2020, Table 2.1), Mamba-2 2.7B (the released state-spaces/mamba2-2.7b) and a
-hybrid of this lesson's own: Mamba-2 2.7B with every eighth layer attention, about the tenth of attention
-layers Dao & Gu found best in their hybrids (sec. 9.2.3), and 8 groups of SSM heads (as NVIDIA's
+hybrid of this lesson's own: Mamba-2 2.7B with every eighth layer attention (12.5 %, near the tenth of
+attention layers Dao & Gu found best in their hybrids, sec. 9.2.3), and 8 groups of SSM heads (as NVIDIA's
 Nemotron-H has) so that tensor parallel can split it.
 """
 )

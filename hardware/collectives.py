@@ -75,7 +75,7 @@ def _check_bytes(nbytes) -> float:
 
 def _fill_words(link: Link) -> str:
     """The links' pipeline fill, where there is one: part of every collective's time, so of its description."""
-    return f", {link.fill_s * 1e6:.3g} us fill per collective" if link.fill_s else ""
+    return f", {link.fill_s * 1e6:.3g} µs fill per collective" if link.fill_s else ""
 
 
 class Topology(ABC):
@@ -182,7 +182,7 @@ class Ring(Topology):
 
     def describe(self):
         return (f"ring of {self.n}, {self.link.bytes_per_s / 1e9:.4g} GB/s per direction, "
-                f"{self.link.latency_s * 1e6:.3g} us per hop{_fill_words(self.link)}")
+                f"{self.link.latency_s * 1e6:.3g} µs per hop{_fill_words(self.link)}")
 
 
 @dataclass(frozen=True)
@@ -230,7 +230,7 @@ class Switch(Topology):
 
     def describe(self):
         return (f"{self.n} ranks on {self.label}, {self.link.bytes_per_s / 1e9:.4g} GB/s per direction "
-                f"per rank, {self.link.latency_s * 1e6:.3g} us per step{_fill_words(self.link)}")
+                f"per rank, {self.link.latency_s * 1e6:.3g} µs per step{_fill_words(self.link)}")
 
 
 @dataclass(frozen=True)

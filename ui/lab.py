@@ -200,7 +200,8 @@ def run_rows(runs: list[LiveRun], matmul_flops_per_s: float | None) -> list[dict
         rows.append({
             "run": run.label, "mesh": mesh_label(cfg),
             "step (ms)": round(s.step_time_s * 1e3, 2),
-            "predicted (ms)": round(run.prediction["step_time_s"] * 1e3, 2) if err is not None else "n/a",
+            # text, two decimals as the step's ("21" had stood beside "4.98"): a column of numbers and "n/a"
+            "predicted (ms)": f"{run.prediction['step_time_s'] * 1e3:.2f}" if err is not None else "n/a",
             "error": f"{err:+.0%}" if err is not None else "n/a",
             "check": "passed" if s.check and s.check["passed"] else "FAILED" if s.check else "not run",
             "model": cfg.model.arch, "dtype": cfg.dtype, "procs": cfg.world, "steps": cfg.steps,

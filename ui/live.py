@@ -41,7 +41,8 @@ def verdict(run: LiveRun) -> tuple[bool, str]:
         what += f", {cfg.micro_batches} micro-batches,"
     if check is None:
         return True, f"{what} ran {s.steps} steps (not compared with the reference); loss {s.loss[-1]:.4f}."
-    how = ("bit for bit: this run splits nothing but pipeline stages, so it repeats the reference's arithmetic"
+    splits = "nothing, one process alone" if cfg.world == 1 else "nothing but pipeline stages"
+    how = (f"bit for bit: this run splits {splits}, so it repeats the reference's arithmetic"
            if check.get("exact") else f"largest difference {check['max_abs_diff']:.2e}")
     return s.ok, (f"{what} {'matches' if s.ok else 'DOES NOT match'} the single-process reference over "
                      f"{s.steps} step{'s' if s.steps > 1 else ''} ({how}; loss {s.loss[-1]:.4f}).")

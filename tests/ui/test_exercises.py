@@ -122,7 +122,7 @@ def test_ring_bytes_and_the_latency_crossover():
     crossover = crossover_bytes(real.all_gather_s)
     link = real.link
     assert crossover == pytest.approx(8 * (link.latency_s + real.fill_s / 7) * link.bytes_per_s)
-    assert "43 us fill per collective" in ex.latency_crossover(real, crossover).question
+    assert "43 µs fill per collective" in ex.latency_crossover(real, crossover).question
 
 
 def test_the_other_answers():

@@ -119,6 +119,15 @@ def test_verdict_and_tolerances():
     bad, text = verdict(_run(ok=False))
     assert not bad and "DOES NOT match" in text
     assert tolerance_rows(_run().summary.check)[0]["why"] == "summation order"
+    # an exact check says what the run split: pipeline stages, or nothing at all on one process (it had said
+    # "nothing but pipeline stages" of a Lab run with every axis at 1)
+    from dataclasses import replace
+
+    exact = _run()
+    exact.summary.check["exact"] = True
+    assert "splits nothing but pipeline stages" in verdict(exact)[1]
+    alone = replace(exact, cfg=RunConfig(world=1, steps=4))
+    assert "on 1 process matches" in verdict(alone)[1] and "splits nothing, one process alone" in verdict(alone)[1]
 
 
 def test_both_charts_draw_the_same_rows_when_only_the_measurement_waits():
