@@ -138,7 +138,7 @@ def split_figure(hidden: int, ffn: int, heads: int, kv_heads: int, tp: int) -> g
     fig = make_subplots(rows=2, cols=2, column_widths=[0.6, 0.4], row_heights=[0.68, 0.32],
                         specs=[[{}, {}], [{"colspan": 2}, None]], horizontal_spacing=0.12, vertical_spacing=0.2,
                         subplot_titles=(f"W_in[D, F_tp] by columns:<br>{hidden:,} x {f_tp:,} each",
-                                        f"W_out[F_tp, D] by rows:<br>{f_tp:,} x {hidden:,}",
+                                        f"W_out[F_tp, D] by rows:<br>{f_tp:,} x {hidden:,} each",
                                         f"Heads: {heads // tp} query head(s) per rank"))
     group = heads // kv_heads
     for r in range(tp):
@@ -162,6 +162,10 @@ def split_figure(hidden: int, ffn: int, heads: int, kv_heads: int, tp: int) -> g
     # W_out's rows on its right: on the left, between the two matrices, its axis title lay over W_in's last block
     fig.update_yaxes(autorange="reversed", row=1, col=2, title_text="F (rows of W_out)", side="right",
                      automargin=True)
+    # the matrices' dimensions as 2k, 4k: "0 1000 2000 3000 4000" ran into each other under W_out at 800 px
+    for col in (1, 2):
+        fig.update_xaxes(tickformat="~s", row=1, col=col)
+        fig.update_yaxes(tickformat="~s", row=1, col=col)
     fig.update_xaxes(title_text="F (columns)", row=1, col=1)
     fig.update_xaxes(title_text="D (columns)", row=1, col=2)
     fig.update_xaxes(title_text="head index", row=2, col=1)

@@ -67,7 +67,8 @@ def test_split_figure_gives_each_panel_room():
     assert fig.layout.yaxis2.side == "right"
     assert list(fig.layout.xaxis3.domain) == [0.0, 1.0]
     titles = [a.text for a in fig.layout.annotations]
-    assert titles[:2] == ["W_in[D, F_tp] by columns:<br>4,096 x 1,792 each", "W_out[F_tp, D] by rows:<br>1,792 x 4,096"]
+    assert titles[:2] == ["W_in[D, F_tp] by columns:<br>4,096 x 1,792 each",
+                          "W_out[F_tp, D] by rows:<br>1,792 x 4,096 each"]
 
 
 def test_split_figure_refuses_a_tp_that_does_not_divide():
