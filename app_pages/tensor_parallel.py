@@ -252,7 +252,8 @@ if outside:
     lines.append(
         f"* **Crossing the domain.** At t = {jump['tp']} the group spans {jump['tp'] // domain} nodes of "
         f"{domain} GPUs, whose network cards give each GPU {chip.scaleout_bytes_per_s / 1e9:.0f} GB/s "
-        f"instead of {chip.scaleup_link}'s {chip.scaleup_bytes_per_s / 1e9:.0f} GB/s. {change}"
+        f"instead of {chip.scaleup_link}'s {chip.scaleup_bytes_per_s / 1e9:.0f} GB/s (both the datasheets' "
+        f"peaks; the times use the share of each a collective achieves). {change}"
         f"NCCL runs one ring per network card through every GPU of the group, so each card carries only "
         f"about 1/{domain} of the array (twice for an all-reduce: reduce, then gather), "
         "which keeps the jump this small. This estimate assumes the cards are free, but they also "
