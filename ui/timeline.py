@@ -40,6 +40,7 @@ BACKWARD_WEIGHT_COLOR = "#3F8D86"
 # (`_ticked`): as bars alone the row read empty. A row of many such spans draws a strip of them already.
 THIN_SHARE = 1 / 250
 TICKED_ROW_SPANS = 8
+EMPTY_ROW_COLOR = "#999999"  # "none predicted" on a row shared with another chart: grey words, no work's colour
 
 
 def row_label(rank: int, lane: str) -> str:
@@ -172,6 +173,12 @@ def timeline_figure(timeline: Timeline, title: str = "", frames: int = 30, anima
             **ticks(kind, None)))
     for kind in (k for k in legend if k not in drawn):  # named only: Plotly lists no empty bar trace
         fig.add_trace(legend_marker(kind_label(kind), KIND_COLORS[kind], legendrank=legend.index(kind)))
+    # a row drawn to line up with another chart's (`shared_rows`) that this timeline has nothing in says so: a
+    # prediction's empty "idle" rows beside the engine's measured waits had read as something missing
+    filled = {row(s) for s in tl.spans}
+    for empty in (r for r in rows if r not in filled):
+        fig.add_annotation(x=0, y=empty, text=f"none {tl.source}", xanchor="left", showarrow=False,
+                           font={"size": 11, "color": EMPTY_ROW_COLOR})
     fig.update_layout(
         title=title, barmode="overlay", height=max(260, 42 * len(rows) + 140), bargap=0.25,
         # a line's height more for each line of a title after its first: the live panel's three-line one had

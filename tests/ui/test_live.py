@@ -141,6 +141,10 @@ def test_both_charts_draw_the_same_rows_when_only_the_measurement_waits():
     pred_fig, meas_fig, _ = side_by_side(run)
     assert list(pred_fig.layout.yaxis.categoryarray) == list(meas_fig.layout.yaxis.categoryarray)
     assert any("idle" in row for row in pred_fig.layout.yaxis.categoryarray)
+    # the prediction's idle rows, empty, say so; the measured chart fills every row
+    assert [(a.y, a.text) for a in pred_fig.layout.annotations] == [("rank 0 · idle", "none predicted"),
+                                                                     ("rank 1 · idle", "none predicted")]
+    assert not meas_fig.layout.annotations
     # and the same legend: a kind in one chart only had made its legend wider, so the two plots' time axes
     # differed by 24 px over the same range
     legend = [t.name for t in pred_fig.data if t.showlegend is not False]
