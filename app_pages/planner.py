@@ -373,11 +373,10 @@ with st.expander("How far to trust these numbers"):
         "embedding there that the planner's GPT recipe does not have. What one GPU cannot show is the rest of a "
         "cluster: communication, waiting on the slowest GPU, the framework's own time.")
     # two tables: the eight columns in one ran past the 434 px expander at 800 px even wrapped
-    step = next(iter(gpu_rows[0]))
-    text_table([{k: row[k] for k in (step, "measured ms", "predicted ms", "error")} for row in gpu_rows])
+    step, whole = next(iter(gpu_rows[0])), ("measured ms", "predicted ms", "error")
+    text_table([{k: row[k] for k in (step, *whole)} for row in gpu_rows])
     st.caption("Each step's kernels by class, traced / predicted ms, and the share of the step the GPU sat idle:")
-    text_table([{k: v for k, v in row.items() if k not in ("measured ms", "predicted ms", "error")}
-                for row in gpu_rows])
+    text_table([{k: v for k, v in row.items() if k not in whole} for row in gpu_rows])
 
     within, above, below, runs = _held_out_bands()
     st.markdown(

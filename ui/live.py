@@ -12,7 +12,7 @@ import plotly.graph_objects as go
 from core.timeline import Timeline
 from hardware.this_machine import busy_words, speed_words
 from planner.live import compare, step_spread_words
-from ui.timeline import shared_kinds, shared_rows, step_timeline, timeline_figure
+from ui.timeline import NOTE_COLOR, shared_kinds, shared_rows, step_timeline, timeline_figure
 
 
 @dataclass
@@ -141,14 +141,11 @@ def side_by_side(run: LiveRun) -> tuple[go.Figure | None, go.Figure, int]:
     return pred_fig, meas_fig, step
 
 
-OTHER_END_COLOR = "#888888"  # the other chart's step end: a neutral grey, no kind of work's colour
-
-
 def _mark_end(fig: go.Figure, end_ms: float) -> None:
     """A dashed line where the other chart's step ends, named in the legend (as a label over the plot it had
     lain on the measured chart's subtitle), in the same words on both: the two legends stay one width, so the
     time axes line up to the pixel."""
-    line = {"color": OTHER_END_COLOR, "dash": "dash", "width": 1.5}
+    line = {"color": NOTE_COLOR, "dash": "dash", "width": 1.5}
     fig.add_vline(x=end_ms, line=line)
     fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", line=line, name="other chart's end",
                              hoverinfo="skip"))

@@ -40,7 +40,9 @@ BACKWARD_WEIGHT_COLOR = "#3F8D86"
 # (`_ticked`): as bars alone the row read empty. A row of many such spans draws a strip of them already.
 THIN_SHARE = 1 / 250
 TICKED_ROW_SPANS = 8
-EMPTY_ROW_COLOR = "#999999"  # "none predicted" on a row shared with another chart: grey words, no work's colour
+# What a timeline chart marks that is no kind of work, in one neutral grey: "none predicted" on a row shared with
+# another chart, the other chart's step end (ui.live)
+NOTE_COLOR = "#888888"
 
 
 def row_label(rank: int, lane: str) -> str:
@@ -178,7 +180,7 @@ def timeline_figure(timeline: Timeline, title: str = "", frames: int = 30, anima
     filled = {row(s) for s in tl.spans}
     for empty in (r for r in rows if r not in filled):
         fig.add_annotation(x=0, y=empty, text=f"none {tl.source}", xanchor="left", showarrow=False,
-                           font={"size": 11, "color": EMPTY_ROW_COLOR})
+                           font={"size": 11, "color": NOTE_COLOR})
     fig.update_layout(
         title=title, barmode="overlay", height=max(260, 42 * len(rows) + 140), bargap=0.25,
         # a line's height more for each line of a title after its first: the live panel's three-line one had
