@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import statistics
@@ -32,7 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-RUN_BUTTON = "Run on this machine"
+# every live lesson's run button: "Run on this machine", "Run expert parallel on this machine", ...
+RUN_BUTTON = "on this machine"
 # Each student has a browser of their own: no tab here may be throttled as a background tab.
 CHROMIUM_ARGS += ["--disable-background-timer-throttling", "--disable-renderer-backgrounding",
                   "--disable-backgrounding-occluded-windows"]
@@ -177,9 +179,12 @@ class MemorySampler(threading.Thread):
         return self.peak
 
 
-def measure(sessions: int = 30, env: dict | None = None, page_path: str = "data-parallel",
+def measure(sessions: int = 30, env: dict | None = None, page_path: str | tuple[str, ...] = "data-parallel",
             stop_midway: bool = False, close_tabs: int = 0, result_timeout_s: float = 300) -> dict:
-    """`close_tabs`: that many students close their tab right after pressing Run (counted apart)."""
+    """`close_tabs`: that many students close their tab right after pressing Run (counted apart). `page_path`:
+    the lesson every session opens, or several taken in turn (lessons of different imports, whose first
+    script runs on a fresh server overlap: that once exposed a half-imported pandas through Plotly)."""
+    paths = [page_path] if isinstance(page_path, str) else list(page_path)
     from playwright.sync_api import sync_playwright
 
     with serve(env) as (url, proc), sync_playwright() as pw:
@@ -190,12 +195,12 @@ def measure(sessions: int = 30, env: dict | None = None, page_path: str = "data-
         sampler.start()
         pages, closed = [], []
         try:
-            for _ in range(sessions):
+            for i in range(sessions):
                 page = browser.new_page()
-                page.goto(f"{url}/{page_path}")
+                page.goto(f"{url}/{paths[i % len(paths)]}")
                 pages.append(page)
             for page in pages:
-                page.get_by_role("button", name=RUN_BUTTON).wait_for(timeout=180_000)
+                page.get_by_role("button", name=re.compile(f"^Run .*{RUN_BUTTON}$")).wait_for(timeout=180_000)
             pressed = [page.evaluate(WATCH, RUN_BUTTON) for page in pages]  # as fast as a class
             for page in pages[:close_tabs]:
                 page.close()
@@ -215,6 +220,10 @@ def measure(sessions: int = 30, env: dict | None = None, page_path: str = "data-
                 if stop_midway and any(st and st[1] is not None and st[2] is None for st in states):
                     stopped_after = stop(proc)
                     break
+            exceptions = 0  # a lesson that raised shows Streamlit's exception box, wherever on the page
+            for page in pages:
+                with contextlib.suppress(Exception):
+                    exceptions += page.locator('[data-testid="stException"]').count()
         finally:
             peak = sampler.stop()
             for page in pages:
@@ -223,7 +232,9 @@ def measure(sessions: int = 30, env: dict | None = None, page_path: str = "data-
             browser.close()
         server_pid = proc.pid
         exit_s, killed = stop(proc) if stopped_after is None else stopped_after
-    time.sleep(3.0)  # workers whose parent has gone notice within a second or two
+    deadline = time.monotonic() + 5.0  # workers whose parent has gone notice within a second or two
+    while workers_of(server_pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
     states = [st or [p, None, None, None] for st, p in zip(states, pressed, strict=True)]
     waits = [(done - p) / 1e3 for p, _, done, _ in states if done is not None]
     now_ms = time.time() * 1e3
@@ -234,6 +245,7 @@ def measure(sessions: int = 30, env: dict | None = None, page_path: str = "data-
         "completed": sum(bool(v) for *_, v in states),
         "messages": sum(done is not None and not v for _, _, done, v in states),
         "unfinished": sum(done is None for _, _, done, _ in states),
+        "exceptions": exceptions,
         "wait_p50_s": statistics.median(waits) if waits else None,
         "wait_p95_s": sorted(waits)[max(0, round(0.95 * len(waits)) - 1)] if waits else None,
         "wait_max_s": max(waits) if waits else None,
@@ -259,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"{r['sessions']} sessions ({'cache off' if args.no_cache else 'cache on'}"
           f"{', server stopped midway' if args.stop_midway else ''}): {r['completed']} verified results, "
-          f"{r['messages']} messages, {r['unfinished']} unfinished")
+          f"{r['messages']} messages, {r['unfinished']} unfinished, {r['exceptions']} pages with an exception")
     if r["wait_p50_s"] is not None:
         print(f"  wait from Run to result: p50 {r['wait_p50_s']:.1f} s, p95 {r['wait_p95_s']:.1f} s, "
               f"max {r['wait_max_s']:.1f} s")

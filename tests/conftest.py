@@ -3,9 +3,10 @@ uses lives in a folder of this test session, never in the user's cache.
 
 That folder starts with the recorded 2-core calibration (tests/planner/data/calibration-2core.json, worlds
 2 and 4) filed under this machine's key, so the many tests that only need *a* prediction beside a run do
-not each wait ~50 s for a measurement; no test asserts a predicted number from it. The tests of measuring
-itself (tests/engine/test_predict.py, the Hardware page's button in tests/ui/test_app.py) measure for real,
-in folders of their own, and leave this one as it is."""
+not each wait ~50 s for a measurement; no test asserts a predicted number from it. Measuring itself is tested
+on one real measurement of world 2 (`measured_calibration`, ~25 s, taken once for the session in a folder of
+its own): tests/engine/test_predict.py checks it and the Hardware page's button in tests/ui/test_app.py is
+handed it. Neither changes the session's folder."""
 
 import dataclasses
 import json
@@ -55,3 +56,25 @@ def calibration_cache_dir():
             os.environ.pop("SHARDLAB_CACHE_DIR", None)
         else:
             os.environ["SHARDLAB_CACHE_DIR"] = old
+
+
+@pytest.fixture(scope="session")
+def measured_calibration(tmp_path_factory):
+    """This machine's calibration of world 2, measured for real once for the session, starting from a corrupt
+    file (a crash mid-write leaves half a file; `save` cannot) in a cache folder of its own:
+    (calibration, messages, progress steps, that folder). The session's folder is set back after measuring."""
+    from engine.predict import ensure_calibration, torch_version
+    from hardware import this_machine as tm
+
+    folder = tmp_path_factory.mktemp("measured-calibration")
+    session_dir = os.environ["SHARDLAB_CACHE_DIR"]
+    os.environ["SHARDLAB_CACHE_DIR"] = str(folder)
+    try:
+        path = tm.cache_path(tm.machine_key(torch_version()))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text('{"format": 2, "key": ')
+        steps = []
+        cal, messages = ensure_calibration([2], progress=lambda fraction, text: steps.append((fraction, text)))
+    finally:
+        os.environ["SHARDLAB_CACHE_DIR"] = session_dir
+    return cal, messages, steps, folder

@@ -17,17 +17,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @pytest.fixture(scope="module")
-def calibrated(tmp_path_factory):
-    """Calibrate world 2 for real, starting from a corrupt file, in a cache folder of this module's own (the
-    session's folder keeps its recorded calibration for every other test: tests/conftest.py)."""
+def calibrated(measured_calibration):
+    """The session's real calibration of world 2, measured from a corrupt file (tests/conftest.py), in its
+    cache folder for this module's tests (the session's folder keeps its recorded calibration for the others)."""
+    cal, messages, steps, folder = measured_calibration
     session_dir = os.environ["SHARDLAB_CACHE_DIR"]
-    os.environ["SHARDLAB_CACHE_DIR"] = str(tmp_path_factory.mktemp("calibration"))
+    os.environ["SHARDLAB_CACHE_DIR"] = str(folder)
     try:
-        path = tm.cache_path(tm.machine_key(torch_version()))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text('{"format": 2, "key": ')  # half a file, as a crash mid-write would leave (save() cannot)
-        steps = []
-        cal, messages = ensure_calibration([2], progress=lambda fraction, text: steps.append((fraction, text)))
         yield cal, messages, steps
     finally:
         os.environ["SHARDLAB_CACHE_DIR"] = session_dir

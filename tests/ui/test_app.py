@@ -101,16 +101,34 @@ def test_achievable_toggle_lowers_the_ridge_numbers():
 
 
 @pytest.mark.multiprocess
-def test_measure_this_machine_adds_its_roofline(monkeypatch, tmp_path):
-    # the probe is the calibration the live prediction uses: measured on a rank, cached, shown again on
-    # the next visit without measuring (in a cache folder of its own: the session's holds a recorded one)
+def test_measure_this_machine_adds_its_roofline(monkeypatch, tmp_path, measured_calibration):
+    # the probe is the calibration the live prediction uses: the button calibrates world 2, the result is
+    # cached and shown again on the next visit without measuring (in a cache folder of its own: the session's
+    # holds a recorded one). The measuring itself is the session's one real measurement (tests/conftest.py,
+    # checked in tests/engine/test_predict.py): the page is handed it, as the cache file it would have written.
+    import engine.predict
+    from hardware import this_machine as tm
+
+    measured, *_ = measured_calibration
+    asked = []
+
+    def calibrate(worlds, remeasure=False, progress=None, stop=None, **kwargs):
+        asked.append((list(worlds), remeasure))
+        progress(0.0, "timing the engine's modules on one rank")
+        tm.save(measured)
+        return real(worlds, remeasure=False, progress=progress, stop=stop, **kwargs)
+
+    real = engine.predict.ensure_calibration
+    monkeypatch.setattr(engine.predict, "ensure_calibration", calibrate)
     monkeypatch.setenv("SHARDLAB_CACHE_DIR", str(tmp_path))
     at = _page("app_pages/hardware.py")
+    assert at.button[0].label == "Measure this machine"
     at.button[0].click().run(timeout=TIMEOUT_S)
     assert not at.exception and not at.error, [e.value for e in at.error]
+    assert asked == [([2], False)]
     probe = at.session_state["probe"]
     assert probe.matmul_flops_per_s > 0 and probe.memory_bytes_per_s > 0
-    assert _metric(at, "Matmul (fp32)").endswith("GFLOP/s")
+    assert _metric(at, "Matmul (fp32)") == f"{measured.probe_result().matmul_flops_per_s / 1e9:,.1f} GFLOP/s"
     again = _page("app_pages/hardware.py")  # a new session: from the cache
     assert _metric(again, "Matmul (fp32)") == _metric(at, "Matmul (fp32)")
     assert again.button[0].label == "Measure again"

@@ -201,28 +201,6 @@ def test_collectives_ring_plays_and_the_live_sweep_runs(server, browser):
         page.close()
 
 
-def test_a_classroom_opening_pages_at_once_on_a_fresh_server(browser):
-    # Many sessions start together when a teacher shares a link: their first script runs overlap, which
-    # once exposed a half-imported pandas through Plotly.
-    with _streamlit_server() as url:
-        # four pages of different imports at once are enough to overlap their first runs (all ten at once
-        # took a minute on 2 cores; each page alone is test_every_page_renders)
-        paths = ["hardware", "pipeline", "mamba", "planner"]
-        assert set(paths) <= {lesson.url_path for lesson in LESSONS}
-        pages = []
-        for path in paths:
-            page = browser.new_page()
-            page.goto(f"{url}/{path}", wait_until="commit")
-            pages.append(page)
-        try:
-            for path, page in zip(paths, pages, strict=True):
-                page.wait_for_selector(".js-plotly-plot .main-svg", timeout=WAIT_MS)
-                _assert_no_exception(page, f"concurrent {path}")
-        finally:
-            for page in pages:
-                page.close()
-
-
 @pytest.mark.multiprocess
 def test_live_panel_draws_the_prediction_beside_the_run(server, browser):
     # the measured step and its prediction, animated in the browser: what AppTest cannot show
