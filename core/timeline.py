@@ -302,6 +302,16 @@ def unwritable_reason(path: str) -> str | None:
         return f"{path}: its file name is longer than the {longest} bytes a name may have here; choose a shorter one"
     if not os.access(directory, os.W_OK | os.X_OK) or (os.path.exists(target) and not os.access(target, os.W_OK)):
         return f"{path}: it is not writable; choose another path"
+    # os.access answers yes to root everywhere, /proc and /sys included: open it as the write will (a new file
+    # made and removed again, an existing one opened to append and left as it was)
+    try:
+        if os.path.exists(target):
+            open(target, "ab").close()
+        else:
+            os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            os.remove(target)
+    except OSError as e:
+        return f"{path}: a file cannot be written there ({e.strerror}); choose another path"
     return None
 
 

@@ -354,7 +354,7 @@ def _run(args) -> int:
         try:
             timeline.write_chrome_trace(args.trace)
         except OSError as e:  # checked before the run; the disk may still fill or the folder go
-            trace_error = f"cannot write the trace {args.trace}: {e.strerror}"
+            trace_error = f"cannot write the trace {args.trace}: {e.strerror}; choose another path for --trace"
             print(f"error: {trace_error}", file=sys.stderr)
     reply = summary.to_dict() | ({"trace_error": trace_error} if trace_error else {})
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the run is over: its result is the one answer, TERM or not

@@ -247,9 +247,24 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _between(name: str, value: int, lo: int, hi: int, flag: str, why: str = "") -> None:
+    """Refuse `value` outside lo..hi with the way back: fewer (or smaller) above, at least `lo` below."""
+    if lo <= value <= hi:
+        return
+    advice = f"use at most {hi:,}" if value > hi else f"use {lo} or more"
+    raise ConfigError(f"{name}={value:,} must be between {lo:,} and {hi:,}{why}: {advice} for {flag}")
+
+
+# every size of the model is a count, whichever layers use it: a negative one is a typo even where it is unused
+# (--experts -4 on a dense model had run)
+COUNT_FIELDS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len", "experts", "top_k",
+                "ssm_state", "ssm_head_dim", "ssm_expand", "ssm_groups", "conv_width", "ssm_chunk")
+
+
 def validate_model(m: ModelConfig) -> None:
-    for name in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len"):
-        _check(getattr(m, name) >= 1, f"model {name}={getattr(m, name)} must be at least 1")
+    for name in COUNT_FIELDS:
+        flag = "" if name in NO_FLAG else f" (--{name.replace('_', '-')})"
+        _check(getattr(m, name) >= 1, f"model {name}={getattr(m, name)} must be at least 1{flag}")
     for name, most in MAX_MODEL.items():
         flag = "" if name in NO_FLAG else f" (--{name.replace('_', '-')})"
         _check(getattr(m, name) <= most, f"model {name}={getattr(m, name):,} is more than the engine runs (at most "
@@ -316,11 +331,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     p = cfg.parallel
     _check(1 <= cfg.world <= MAX_WORLD, f"world={cfg.world} must be between 1 and {MAX_WORLD}")
     _check(1 <= cfg.steps <= MAX_STEPS, f"steps={cfg.steps:,} must be between 1 and {MAX_STEPS:,} (--steps)")
-    _check(1 <= cfg.micro_batches <= MAX_MICRO_BATCHES,
-           f"micro_batches={cfg.micro_batches:,} must be between 1 and {MAX_MICRO_BATCHES:,}: "
-           "use fewer --micro-batches")
-    _check(1 <= cfg.micro_batch_size <= MAX_MICRO_BATCHES, f"micro_batch_size={cfg.micro_batch_size:,} must be "
-           f"between 1 and {MAX_MICRO_BATCHES:,}: use a smaller --micro-batch-size")
+    _between("micro_batches", cfg.micro_batches, 1, MAX_MICRO_BATCHES, "--micro-batches")
+    _between("micro_batch_size", cfg.micro_batch_size, 1, MAX_MICRO_BATCHES, "--micro-batch-size")
     _check(cfg.device in DEVICES, f"device={cfg.device!r} must be one of {', '.join(DEVICES)}")
     _check(cfg.dtype in DTYPES, f"dtype={cfg.dtype!r} is not supported; use {', '.join(DTYPES)}")
     _check(math.isfinite(cfg.lr) and cfg.lr > 0, f"lr={cfg.lr} must be a positive finite number")
@@ -425,8 +437,8 @@ def _validate_pp(cfg: RunConfig) -> None:
            "--strategy pp needs a pp axis in --mesh, e.g. --mesh pp=2,dp=2")
     _check(p.schedule in SCHEDULE_NAMES,
            f"schedule={p.schedule!r} must be one of {', '.join(SCHEDULE_NAMES)}")
-    _check(1 <= v <= MAX_MODEL["layers"], f"virtual_stages={v:,} must be between 1 and {MAX_MODEL['layers']:,}: "
-           "each chunk of a pipeline rank holds at least one layer; use a smaller --virtual-stages")
+    _between("virtual_stages", v, 1, MAX_MODEL["layers"], "--virtual-stages",
+             " (each chunk of a pipeline rank holds at least one layer)")
     _check(p.schedule != "zb-h1" or MAMBA not in m.kinds,
            "zb-h1 splits every module's backward into its input and weight parts, and a Mamba-2 block uses "
            "its conv and per-head parameters outside any module's forward: use --schedule 1f1b or "
@@ -441,7 +453,8 @@ def _validate_pp(cfg: RunConfig) -> None:
         return
     _check(m.layers % (pp * v) == 0,
            f"layers={m.layers} is not divisible by pp*virtual_stages={pp * v}: each pipeline stage holds "
-           f"the same number of layers; choose layers as a multiple of {pp * v}")
+           "the same number of layers; " + (f"give --pattern a multiple of {pp * v} letters (one per layer)"
+                                            if m.pattern else f"choose layers as a multiple of {pp * v}"))
     if p.schedule == "interleaved-1f1b":
         # Narayanan et al. 2021 section 2.2: micro-batches enter the interleaved pipeline in groups of pp.
         below, above = mb - mb % pp, mb - mb % pp + pp

@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     result.timeline.write_chrome_trace(args.timeline)
                 except OSError as e:
-                    raise SpecError("--timeline", f"cannot write {args.timeline}: {e.strerror}") from None
+                    raise SpecError("--timeline",
+                                    f"cannot write {args.timeline}: {e.strerror}; choose another path") from None
             write_result(out)
         else:
             if not 1 <= args.top <= MAX_TOP:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 from dataclasses import dataclass, fields, replace
 from functools import cached_property
 
@@ -670,17 +672,36 @@ def _unique_keys(pairs: list) -> dict:
     return out
 
 
+# The largest case file read: 64 MiB, 8x the biggest a case can be (a pipeline layout of MAX_LAYOUT_CHARS
+# characters in a few MB of JSON); a device, a pipe or a mistaken log file is refused before it is read.
+MAX_CASE_BYTES = 64 * 2 ** 20
+
+
 def load_case(path: str) -> Case:
     try:
-        with open(path, encoding="utf-8-sig") as f:  # a BOM (Windows editors write one) is not part of the JSON
-            data = json.load(f, object_pairs_hook=_unique_keys)
+        # before opening it: opening a pipe waits for a writer
+        if not stat.S_ISREG(os.stat(path).st_mode) and not os.path.isdir(path):
+            raise SpecError("case", f"{path} is not a regular file (a device, a pipe or a socket): give the path "
+                            "of a case's JSON file")
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CASE_BYTES + 1)  # never more, whatever the file says its size is
+        if len(raw) > MAX_CASE_BYTES:
+            raise SpecError("case", f"{path} is larger than {MAX_CASE_BYTES // 2 ** 20} MiB, far more than a case "
+                            "(a few KB): give the path of a case's JSON file")
+        # a BOM (Windows editors write one) is not part of the JSON
+        data = json.loads(raw.decode("utf-8-sig"), object_pairs_hook=_unique_keys)
+    except SpecError:
+        raise
     except json.JSONDecodeError as e:
         raise SpecError("case", f"malformed JSON in {path}: {e}") from None
     except _DuplicateKey as e:
         raise SpecError("case", f"{path} states {str(e)!r} twice in one object; keep one") from None
     except UnicodeDecodeError:
         raise SpecError("case", f"{path} is not UTF-8 text: save the case as a UTF-8 JSON file") from None
-    except ValueError as e:  # e.g. an integer of more digits than Python converts
+    except ValueError as e:
+        if "digits" in str(e):  # an integer of more digits than Python converts (sys.int_info)
+            raise SpecError("case", f"{path} holds an integer of thousands of digits, more than any field takes: "
+                            "check the numbers in the file") from None
         raise SpecError("case", f"malformed JSON in {path}: {e}") from None
     except RecursionError:
         raise SpecError("case", f"{path} nests its JSON too deeply to be a case file") from None
@@ -780,9 +801,11 @@ def check_fixed(case: Case) -> None:
         raise SpecError("parallel.tp", f"{p.tp} must divide heads={m.heads}, hidden={m.hidden} and "
                         f"ffn={m.ffn}, and divide or be divided by kv_heads={m.kv_heads}")
     if p.pp and p.pp > m.layers:
-        raise SpecError("parallel.pp", f"{p.pp} stages for {m.layers} layers")
+        raise SpecError("parallel.pp", f"{p.pp} stages for {m.layers} layers: each stage holds at least one "
+                        f"layer; use at most {m.layers} stages")
     if p.pp and p.virtual_stages and p.pp * p.virtual_stages > m.layers and not p.pp_layout:
-        raise SpecError("parallel.virtual_stages", f"pp*v = {p.pp * p.virtual_stages} > layers={m.layers}")
+        raise SpecError("parallel.virtual_stages", f"pp*v = {p.pp * p.virtual_stages} > layers={m.layers}: each "
+                        f"chunk holds at least one layer; use at most {m.layers // p.pp} virtual stages")
     if p.cp and not _divides(p.cp, m.seq_len):
         raise SpecError("parallel.cp", f"{p.cp} does not divide seq_len={m.seq_len}")
     if p.ep and p.ep > 1:

@@ -52,7 +52,15 @@ def test_bad_input_exits_2_with_a_message(args, says):
     (["--mesh", "pp=2", "--schedule", "interleaved-1f1b", "--virtual-stages", "1000000000000"],
      "use a smaller --virtual-stages"),
     (["--heads", "1000000000", "--hidden", "2000000000"], "choose a smaller hidden (--hidden)"),
-    (["--micro-batches", "1000000000"], "use fewer --micro-batches"),
+    (["--micro-batches", "1000000000"], "use at most 4,096 for --micro-batches"),
+    # the way back points the right way (0 had been told "use fewer")
+    (["--micro-batches", "0"], "use 1 or more for --micro-batches"),
+    (["--mesh", "pp=2", "--virtual-stages", "0"], "use 1 or more for --virtual-stages"),
+    # a count of something this model does not use is still a count (--experts -4 had run a dense model)
+    (["--experts", "-4"], "model experts=-4 must be at least 1 (--experts)"),
+    (["--arch", "hybrid", "--pattern", "MMA", "--mesh", "pp=2"], "give --pattern a multiple of 2 letters"),
+    # os.access says yes to root everywhere: the path is opened as the write will open it, before the run
+    (["--trace", "/proc/shardlab-trace.json"], "a file cannot be written there"),
     (["--strategy", "ep", "--capacity-factor", "1e20"], "up to 1,000 (from experts / top_k = 2 up"),
     (["--capacity-factor", "nan"], "this model has no experts: drop --capacity-factor"),
     (["--timeout-s", "nan"], "timeout_s=nan must be a positive, finite number of seconds (--timeout-s)"),

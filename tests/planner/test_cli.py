@@ -99,7 +99,8 @@ def _bad(**edits):
     (_bad(parallel__pp=10**9, parallel__pp_layout="E|t*99999999999|L"), "parallel.pp_layout"),  # pp is unchecked yet
     ({**_bad(), "paralel": {"tp": 3}}, "case.paralel"),  # a misspelt block was dropped, the layout chosen instead
     (json.dumps(RUN)[:-1] + ', "cluster": {"chip": "h100", "num_chips": 8}}', "'cluster' twice"),
-    (json.dumps(RUN).replace('"global_batch": 64', '"global_batch": ' + "9" * 5000), "malformed JSON"),
+    (json.dumps(RUN).replace('"global_batch": 64', '"global_batch": ' + "9" * 5000),
+     "an integer of thousands of digits"),
     (_bad(model__dense_ffn=1001), "model.dense_ffn"),  # a dense model's MLP is ffn: it replaced it unchecked
     (_bad(model__dense_layers=2), "model.dense_layers"),
     (_bad(model__mtp_layers=9999), "model.mtp_layers"),
@@ -118,6 +119,22 @@ def test_bad_input_exits_2_naming_the_field(tmp_path, capsys, case, field):
     assert main(["estimate", _write(tmp_path, case)]) == 2
     err = capsys.readouterr().err
     assert field in err
+
+
+def test_what_is_not_a_case_file_is_refused_before_it_is_read(tmp_path, capsys, monkeypatch):
+    # /dev/zero had been read until the kernel killed the process at 24 GB; a pipe nobody writes to had hung
+    import planner.case
+
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    for path in ("/dev/zero", str(pipe)):
+        assert main(["estimate", path]) == 2
+        assert "is not a regular file" in capsys.readouterr().err
+    monkeypatch.setattr(planner.case, "MAX_CASE_BYTES", 1000)
+    big = tmp_path / "big.json"
+    big.write_text(" " * 1001 + json.dumps(RUN))
+    assert main(["estimate", str(big)]) == 2
+    assert "is larger than" in capsys.readouterr().err
 
 
 def test_module_entry_point_exit_code(tmp_path):
