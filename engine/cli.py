@@ -299,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = run_parser("python -m engine run").parse_args(argv[1:])
     except ConfigError as e:
-        as_json = any(len(a) > 2 and "--json".startswith(a) for a in argv)  # argparse takes --js for --json
+        # argparse takes --js for --json; "--json=1" is refused, yet asked for JSON
+        as_json = any(len(flag) > 2 and "--json".startswith(flag) for flag in (a.split("=")[0] for a in argv))
         return _fail(argparse.Namespace(json=as_json), str(e), EXIT_BAD_INPUT)
     previous = signal.signal(signal.SIGTERM, _on_terminate)
     try:

@@ -119,6 +119,8 @@ def test_an_abbreviated_json_flag_still_gets_the_json_object(capsys):
 
     assert cli.main(["run", "--js", "--world", "x"]) == 2
     assert json.loads(capsys.readouterr().out)["ok"] is False
+    assert cli.main(["run", "--json=1", "--world", "2"]) == 2  # refused, yet JSON was asked for
+    assert "--json" in json.loads(capsys.readouterr().out)["error"]
 
 
 def test_unknown_choice_exits_2():
