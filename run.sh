@@ -5,9 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 source scripts/venv.sh
-# The SHARDLAB_* settings, checked before the server starts: a malformed one had shown no sign (health said
-# ok) until a student opened a page. It prints what to change and exits 2.
-.venv/bin/python -m server.settings || exit 2
 args=()
 network=0
 port=${STREAMLIT_SERVER_PORT:-8501}  # .streamlit/config.toml's; an argument below overrides it, as for Streamlit
@@ -20,6 +17,12 @@ for a in "$@"; do
   esac
   previous=$a
 done
+# The SHARDLAB_* settings and the port, checked before the server starts: a malformed setting had shown no
+# sign (health said ok) until a student opened a page, a taken port came after the address was printed. It
+# prints what to change and exits 2.
+check=(--port "$port")
+if [ "$network" = 1 ]; then check+=(--network); fi
+.venv/bin/python -m server.settings "${check[@]}" || exit 2
 if [ "$network" = 1 ]; then
   # the first address `hostname -I` gives, else the machine's name; neither: no "http://:8501" to copy
   host=$(hostname -I 2>/dev/null | awk '{print $1}') || host=""

@@ -25,6 +25,7 @@ from ui.live import (
     busy_warning,
     calibration_age,
     differences,
+    not_kept_warning,
     prediction_error,
     side_by_side,
     speed_note,
@@ -298,6 +299,8 @@ def _show_run(key: str, run: LiveRun) -> None:
             metric("Predicted step time", f"{pred['step_time_s'] * 1e3:,.1f} ms",
                    help="planner/live.py on this machine's calibration, before the run")
             metric("Prediction error", f"{error:+.0%}", help="(predicted - measured) / measured")
+    if not_kept := not_kept_warning(run):
+        st.warning(not_kept[0].upper() + not_kept[1:] + ".")
     if error is None:
         st.caption(f"No prediction: {pred.get('why', 'the run carries none')}.")
     else:

@@ -46,6 +46,12 @@ def group_sizes(cfg) -> list[int]:
     return sorted({n for n in (math.prod(mesh.degree(a) for a in span) for span in spans) if n > 1})
 
 
+# Calibrations this process measured and could not save (a cache folder it cannot write: a server run as a user
+# without a writable home): kept here for the process's later runs, by machine key. Without it every press on
+# such a server had measured the machine again, about 25 s each, and said nothing.
+_KEPT: dict = {}
+
+
 def ensure_calibration(worlds, progress=None, remeasure: bool = False, collective_timeout_s: float = 30.0,
                        stop=None, group_sizes=()):
     """This machine's calibration with communication measured at every world in `worlds`: from the
@@ -64,6 +70,9 @@ def ensure_calibration(worlds, progress=None, remeasure: bool = False, collectiv
     report = progress or (lambda fraction, message: None)
     key = tm.machine_key(torch_version())
     cal, why = (None, "measuring again, as asked") if remeasure else tm.load(key)
+    if cal is None and not remeasure and key in _KEPT:
+        cal, why = _KEPT[key], (f"{tm.NOT_KEPT_WORDS} {tm.cache_path(key).parent}: this process keeps the one it "
+                                "measured, until it ends (set SHARDLAB_CACHE_DIR to a writable folder)")
     messages = [why] if why else []
     worlds = sorted({int(w) for w in worlds if int(w) > 1})
     sizes_asked = {int(n) for n in group_sizes}
@@ -126,9 +135,11 @@ def ensure_calibration(worlds, progress=None, remeasure: bool = False, collectiv
         done += 1
     try:
         tm.save(cal)
+        _KEPT.pop(key, None)
     except OSError as e:  # a read-only or missing cache folder: the calibration still serves this process
-        messages.append(f"could not keep the calibration in {tm.cache_path(cal.key).parent} ({e.strerror}); it "
-                        "will be measured again next time (set SHARDLAB_CACHE_DIR to a writable folder)")
+        _KEPT[key] = cal
+        messages.append(f"{tm.NOT_KEPT_WORDS} {tm.cache_path(cal.key).parent} ({e.strerror}): this process keeps "
+                        "it until it ends, a new one measures again (set SHARDLAB_CACHE_DIR to a writable folder)")
     report(1.0, "calibrated")
     return cal, messages
 

@@ -592,6 +592,11 @@ def load(key: str, now_s: float | None = None) -> tuple[Calibration | None, str]
     return cal, ""
 
 
+# How engine/predict.ensure_calibration begins its message when the cache folder cannot be written (the process
+# keeps the calibration; the next one measures again): the pages find it by these words and warn.
+NOT_KEPT_WORDS = "could not keep the calibration in"
+
+
 def save(cal: Calibration) -> Path:
     """Write atomically: a crash never leaves a half-written calibration."""
     path = cache_path(cal.key)

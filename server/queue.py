@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from engine.config import ConfigError, check_fits_machine
 from server.settings import Settings
+from ui.tables import count
 
 WAITING, RUNNING, DONE, FAILED = "waiting", "running", "done", "failed"
 CANCELLED, REPLACED, STOPPED = "cancelled", "replaced", "stopped"
@@ -214,7 +215,7 @@ class RunQueue:
                               "(one waiting run per session); it keeps the earlier place in line.")
             else:
                 if len(self._waiting) >= self.settings.max_queue:
-                    raise Refused(f"the server's queue is full ({len(self._waiting)} runs waiting); "
+                    raise Refused(f"the server's queue is full ({count(len(self._waiting), 'run')} waiting); "
                                   "try again in a minute")
                 if any(j.session == session for j in self._running):
                     job.notice = "Your previous run is still running; this one starts after it."

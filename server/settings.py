@@ -147,17 +147,65 @@ DESCRIPTIONS = {
 }
 
 
-def main() -> int:
-    """`python -m server.settings`: check the environment's settings, as ./run.sh does before it starts the
-    server (a malformed value had shown no sign until a student opened a page). Exit 2 with the message."""
+# The other SHARDLAB_* variables ShardLab reads (the cache folder; what a server passes its workers): not knobs,
+# but not misspellings either
+OTHER_NAMES = ("SHARDLAB_CACHE_DIR", "SHARDLAB_PARENT_PID", "SHARDLAB_POOL_ADDR", "SHARDLAB_POOL_KEY",
+               "SHARDLAB_WORLD", "SHARDLAB_RANK", "SHARDLAB_INIT", "SHARDLAB_DEVICE", "SHARDLAB_COLLECTIVE_TIMEOUT_S")
+
+
+def unknown_names(env: dict) -> list[str]:
+    """What to say of each SHARDLAB_* variable that is no setting: a misspelt knob (SHARDLAB_MAX_CONCURENT)
+    had been ignored without a word, the server running on the default."""
+    import difflib
+
+    known = set(ENV_NAMES.values()) | set(OTHER_NAMES)
+    out = []
+    for name in sorted(n for n in env if n.startswith("SHARDLAB_") and n not in known):
+        near = difflib.get_close_matches(name, sorted(known), n=1)
+        out.append(f"{name} is not one of its settings" + (f" (did you mean {near[0]}?)" if near else ""))
+    return out
+
+
+def port_problem(port: str, network: bool) -> str | None:
+    """Why the server cannot listen on `port` (not a port number, or taken), else None: checked before the
+    address is printed for the class (it had printed http://...:abc, and 99999 had ended in a traceback)."""
+    import socket
+
+    if not re.fullmatch(r"[0-9]{1,5}", port.strip()) or not 1 <= int(port) <= 65535:
+        return f"--server.port {port!r} must be a whole number from 1 to 65535, e.g. --server.port 8600"
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server's own socket: a closed
+        try:                                                         # connection's TIME_WAIT does not count
+            probe.bind(("0.0.0.0" if network else "127.0.0.1", int(port)))
+        except OSError as e:
+            return (f"port {int(port)} cannot be used ({e.strerror}: another server is on it?); choose another "
+                    f"with --server.port, e.g. --server.port {int(port) + 1 if int(port) < 65535 else 8600}")
+    return None
+
+
+def main(argv: list[str] = ()) -> int:
+    """`python -m server.settings [--port N] [--network]`: check the environment's settings and the port, as
+    ./run.sh does before it starts the server (a malformed value had shown no sign until a student opened a
+    page). Exit 2 with the message."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m server.settings")
+    ap.add_argument("--port")
+    ap.add_argument("--network", action="store_true")
+    args = ap.parse_args(list(argv))
     try:
         Settings.from_env()
+        for problem in unknown_names(dict(os.environ)):
+            raise SettingsError(problem)
     except SettingsError as e:
         print(f"ShardLab's settings: {e}. Fix it (docs/classroom.md, \"The knobs\") and start again.",
               file=sys.stderr)
+        return 2
+    if args.port is not None and (problem := port_problem(args.port, args.network)):
+        print(f"ShardLab: {problem}.", file=sys.stderr)
         return 2
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -10,7 +10,7 @@ from functools import cached_property
 import plotly.graph_objects as go
 
 from core.timeline import Timeline
-from hardware.this_machine import busy_words, speed_words
+from hardware.this_machine import NOT_KEPT_WORDS, busy_words, speed_words
 from planner.live import compare, step_spread_words
 from ui.timeline import NOTE_COLOR, shared_kinds, shared_rows, step_timeline, timeline_figure
 
@@ -95,6 +95,13 @@ def speed_note(run: LiveRun) -> str | None:
     words; None when it ran at the calibration's speed or did not check it (an older prediction)."""
     speed = (run.prediction or {}).get("speed_factor")
     return None if speed is None or speed == 1.0 else speed_words(speed)
+
+
+def not_kept_warning(run: LiveRun) -> str | None:
+    """The calibration's message when its cache folder could not be written (each new server process measures
+    the machine again, about 25 s before its first prediction), for a warning above the comparison; else None."""
+    messages = (run.prediction or {}).get("calibration") or []
+    return next((m for m in messages if m.startswith(NOT_KEPT_WORDS)), None)
 
 
 def busy_warning(run: LiveRun) -> str | None:

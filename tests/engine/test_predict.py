@@ -174,6 +174,37 @@ def test_stop_ends_a_first_time_calibration_and_keeps_nothing(tmp_path, monkeypa
     assert not tm.cache_path(tm.machine_key(torch_version())).exists()
 
 
+def test_a_calibration_that_cannot_be_saved_is_kept_by_the_process(tmp_path, monkeypatch, recorded_calibration):
+    """A cache folder the server cannot write had cost every press a new measurement (~25 s) and said nothing:
+    the process keeps what it measured, and each prediction says why (the live panel warns with it)."""
+    import dataclasses
+
+    import engine.predict as ep
+    from ui.live import LiveRun, not_kept_warning
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv("SHARDLAB_CACHE_DIR", str(blocked / "cache"))  # under a file: no one can make it
+    monkeypatch.setattr(ep, "_KEPT", {})
+    key = tm.machine_key(torch_version())
+    # a calibration lacking world 4's groups of 2, so that one measurement (faked here) is due
+    cal = dataclasses.replace(recorded_calibration, key=key, created_s=time.time(), cpus=tm.cpu_count(),
+                              group_sizes={**recorded_calibration.group_sizes, 4: [4]})
+    monkeypatch.setattr(tm, "load", lambda key: (cal, ""))
+    monkeypatch.setattr(tm, "fit_comm", lambda world, rows: {})
+    measured = []
+    monkeypatch.setattr(ep, "_measurer", lambda *a: lambda world, task, args: measured.append(task) or [])
+    kept, messages = ep.ensure_calibration([4])
+    assert measured == ["comm_task"] and kept.group_sizes[4] == [2, 4]
+    assert messages[-1].startswith(tm.NOT_KEPT_WORDS) and "SHARDLAB_CACHE_DIR" in messages[-1]
+    # the next prediction of this process: nothing in the cache, nothing measured, the same calibration
+    monkeypatch.setattr(tm, "load", lambda key: (None, "no calibration of this machine yet"))
+    again, messages = ep.ensure_calibration([4])
+    assert again is kept and measured == ["comm_task"] and len(messages) == 1
+    summary = type("Summary", (), {"predicted": {"calibration": messages}})()
+    assert not_kept_warning(LiveRun(label="x", cfg=None, summary=summary, timeline=None)) == messages[0]
+
+
 # -- a calibration the planner cannot use, the group sizes a run needs -------------------------------------
 
 def _cfg(*flags: str):

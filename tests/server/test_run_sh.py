@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 STANDIN = f"""#!/bin/sh
 if [ "$1" = "-m" ] && [ "$2" = "server.settings" ]; then
-  PYTHONPATH={ROOT} exec {sys.executable} -m server.settings
+  PYTHONPATH={ROOT} exec {sys.executable} "$@"
 fi
 echo "streamlit $*"
 """
@@ -81,3 +81,30 @@ def test_without_an_address_it_names_the_machine_or_says_where_to_look(run_sh):
     assert "students open http://classbox:8501" in run_sh("--network", addresses="").stderr
     said = run_sh("--network", addresses="", name="").stderr
     assert "http://:" not in said and "port 8501" in said
+
+
+@pytest.mark.parametrize("port", ["abc", "99999", "-5"])
+def test_a_port_that_is_no_port_stops_it_before_the_address_is_printed(run_sh, port):
+    """It had printed "students open http://...:abc"; 99999 had ended in a 52-line traceback."""
+    done = run_sh("--network", "--server.port", port)
+    assert done.returncode == 2 and "streamlit" not in done.stdout and "students open" not in done.stderr
+    assert "must be a whole number from 1 to 65535" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_port_in_use_names_another(run_sh):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = run_sh("--server.port", str(port))
+    assert done.returncode == 2 and "streamlit" not in done.stdout
+    assert f"port {port} cannot be used" in done.stderr and "choose another with --server.port" in done.stderr
+
+
+def test_a_misspelt_setting_is_named_not_ignored(run_sh):
+    """SHARDLAB_MAX_CONCURENT=2 had started a server running one at a time, without a word."""
+    done = run_sh(SHARDLAB_MAX_CONCURENT="2")
+    assert done.returncode == 2 and "streamlit" not in done.stdout
+    assert "SHARDLAB_MAX_CONCURENT is not one of its settings (did you mean SHARDLAB_MAX_CONCURRENT?)" in done.stderr
