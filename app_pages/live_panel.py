@@ -110,6 +110,18 @@ def run_live(key: str, runs: list[tuple[str, object]], hint: str) -> list[LiveRu
     return _follow(key)
 
 
+def server_max_world(most: int) -> int:
+    """The processes one run may start on this server (SHARDLAB_MAX_WORLD), at most `most`: for a page that sizes
+    its run itself (a malformed setting is said by the queue when the run is submitted)."""
+    from server.queue import get_queue
+    from server.settings import SettingsError
+
+    try:
+        return min(most, get_queue().settings.max_world)
+    except SettingsError:
+        return most
+
+
 def _within_step_cap(runs: list[tuple[str, object]]) -> list[tuple[str, object]]:
     """The runs with at most this server's steps (SHARDLAB_MAX_STEPS), said when it shortens them: a page whose
     steps are fixed had been refused with advice it has no control for."""

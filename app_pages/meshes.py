@@ -5,7 +5,7 @@ import pandas
 import streamlit as st
 
 from app_pages.exercise_panel import show_exercises
-from app_pages.live_panel import run_live, show_live
+from app_pages.live_panel import run_live, server_max_world, show_live
 from app_pages.metric_row import memory_metric, metric, metric_row
 from core.mesh import Mesh
 from hardware.chips import CHIPS
@@ -226,12 +226,15 @@ if report is not None and (report.case.cluster.num_chips, report.case.cluster.ch
         st.warning("No layout fits in memory: use more chips, a chip with more HBM, or a smaller model.")
 
 st.header("Run it for real")
-small = scaled_down(mesh_axes)
+# a server allowing fewer processes (SHARDLAB_MAX_WORLD) gets a smaller run, not a refusal it has no control for
+most = server_max_world(8)
+small = scaled_down(mesh_axes, most)
 small_label = ",".join(f"{a}={d}" for a, d in small.items())
+allowed = "" if most == 8 else ", as this server allows (SHARDLAB_MAX_WORLD)"
 st.markdown(
     f"""
-The same kinds of groups, small enough for this machine: every axis of degree > 1 at degree 2 (at most 8
-processes; the axes with the smallest degrees go first when there are more than three), on a small model
+The same kinds of groups, small enough for this machine: every axis of degree > 1 at degree 2 (at most
+{most} processes{allowed}; the axes with the smallest degrees go first when there are too many), on a small model
 of the same family. Each run is checked against a single-process run of the same model, as on every lesson.
 This layout: **{small_label}** on {count(Mesh(small).world, 'process')}.
 """

@@ -216,6 +216,25 @@ def test_the_scaled_down_mesh_runs_and_matches_the_reference():
     assert any("matches the single-process reference" in s.value for s in at.success)
 
 
+def test_a_server_allowing_fewer_processes_gets_a_smaller_run(monkeypatch):
+    # a teacher's SHARDLAB_MAX_WORLD=4: the published 3-D layouts scaled to 8 processes could never run, and the
+    # page had no control for it
+    import server.queue
+    from server.queue import RunQueue
+    from server.settings import Settings
+
+    q = RunQueue(Settings(max_concurrent=1, max_world=4))
+    monkeypatch.setattr(server.queue, "_queue", q)
+    try:
+        at = open_app(PAGE)
+        at.selectbox(key="mesh_preset").set_value("Llama 3 8B on 64 TPU v5p").run()
+        text = " ".join(m.value for m in at.markdown)
+        assert "at most\n4 processes, as this server allows (SHARDLAB_MAX_WORLD)" in text
+        assert "on 4 processes" in text and "on 8 processes" not in text
+    finally:
+        q.shutdown()
+
+
 def test_a_published_layout_is_costed_with_its_own_batch_and_recipe():
     # DeepSeek-V3 at 2,048 sequences (one per chip) left its 16 pipeline stages 16 micro-batches: a 28 % bubble and
     # 510 tokens/s a GPU against the report's ~1,540; it ran 15,360 sequences, in FP8, with DualPipe's overlap
