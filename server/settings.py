@@ -65,9 +65,9 @@ class Settings:
                 example = f.default if f.default is not MISSING else cls.default_concurrency()
                 what = "a number of seconds" if seconds else "a whole number"
                 raise SettingsError(f"{shown} must be {what}, e.g. {format(example, 'g') if seconds else example}")
-            least = 0 if f.name == "result_cache" else 1
+            least, why = LEAST.get(f.name, (1, ""))
             if not value >= least:
-                raise SettingsError(f"{shown} must be at least {least}")
+                raise SettingsError(f"{shown} must be at least {least}{why}")
             most, why = MOST.get(f.name, (math.inf, ""))
             if not value <= most:  # infinity too
                 raise SettingsError(f"{shown} must be at most {most:,}: {why}")
@@ -114,6 +114,13 @@ def _show(value) -> str:
     return f"{value:,}" if isinstance(value, int) else f"{value:g}"
 
 
+# Lower bounds other than 1, with why
+LEAST = {
+    "result_cache": (0, ""),
+    # 1 had passed the check and refused every lesson's run at its first press ("2 processes is more than this
+    # server allows (1)")
+    "max_world": (2, ": every live lesson runs 2 processes or more (the Hardware page's calibration too)"),
+}
 # Upper bounds, each with why: a value past them is a typo, not a machine.
 MOST = {
     "max_concurrent": (64, "each run at once is a thread starting its own processes (100,000 of them had "
@@ -125,6 +132,10 @@ MOST = {
     "max_steps": (100_000, "the Lab's Steps box goes up to it, and one day (the most SHARDLAB_MAX_RUN_S "
                            "allows) ends a run long before"),
     "max_run_s": (86_400, "one day"),
+    "max_params": (10 ** 10, "ten billion parameters' fp32 weights, gradients and Adam moments are 160 GB in every "
+                             "process of a run"),
+    "result_cache": (10_000, "each answer kept holds a finished run's timelines in the server's memory; a class "
+                             "repeats tens of runs"),
 }
 
 ENV_NAMES = {

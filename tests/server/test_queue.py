@@ -339,11 +339,15 @@ def test_a_whole_number_is_read_as_people_write_it(raw, value):
     ({"SHARDLAB_MAX_STEPS": "10.5"}, "SHARDLAB_MAX_STEPS='10.5' must be a whole number, e.g. 20"),
     ({"SHARDLAB_MAX_PARAMS": "5,00,000"}, "SHARDLAB_MAX_PARAMS='5,00,000' must be a whole number, e.g. 5000000"),
     ({"SHARDLAB_MAX_RUN_S": "nan"}, "SHARDLAB_MAX_RUN_S='nan' must be a number of seconds, e.g. 120"),
-    ({"SHARDLAB_MAX_WORLD": "-3"}, "SHARDLAB_MAX_WORLD='-3' must be at least 1"),
+    ({"SHARDLAB_MAX_WORLD": "-3"}, "SHARDLAB_MAX_WORLD='-3' must be at least 2"),
+    # 1 had passed, then refused every lesson's run at its first press
+    ({"SHARDLAB_MAX_WORLD": "1"}, "SHARDLAB_MAX_WORLD='1' must be at least 2: every live lesson runs 2 processes"),
     # past the engine's own 64 processes, and a queue no class fills: typos, as 100,000 slots had been
     ({"SHARDLAB_MAX_WORLD": "100000"}, "SHARDLAB_MAX_WORLD='100000' must be at most 64: the engine starts"),
     ({"SHARDLAB_MAX_QUEUE": "9" * 20}, f"SHARDLAB_MAX_QUEUE='{'9' * 20}' must be at most 10,000"),
     ({"SHARDLAB_MAX_STEPS": "1e30"}, "SHARDLAB_MAX_STEPS='1e30' must be at most 100,000"),
+    ({"SHARDLAB_RESULT_CACHE": "9" * 23}, "must be at most 10,000: each answer kept holds"),
+    ({"SHARDLAB_MAX_PARAMS": "1e12"}, "must be at most 10,000,000,000"),
 ])
 def test_a_setting_it_cannot_use_says_what_to_set(env, says):
     with pytest.raises(SettingsError) as e:
