@@ -346,8 +346,8 @@ def test_a_whole_number_is_read_as_people_write_it(raw, value):
     ({"SHARDLAB_MAX_WORLD": "100000"}, "SHARDLAB_MAX_WORLD='100000' must be at most 64: the engine starts"),
     ({"SHARDLAB_MAX_QUEUE": "9" * 20}, f"SHARDLAB_MAX_QUEUE='{'9' * 20}' must be at most 10,000"),
     ({"SHARDLAB_MAX_STEPS": "1e30"}, "SHARDLAB_MAX_STEPS='1e30' must be at most 100,000"),
-    ({"SHARDLAB_RESULT_CACHE": "9" * 23}, "must be at most 10,000: each answer kept holds"),
-    ({"SHARDLAB_MAX_PARAMS": "1e12"}, "must be at most 10,000,000,000"),
+    ({"SHARDLAB_RESULT_CACHE": "9" * 23}, f"SHARDLAB_RESULT_CACHE='{'9' * 23}' must be at most 10,000: each answer"),
+    ({"SHARDLAB_MAX_PARAMS": "1e12"}, "SHARDLAB_MAX_PARAMS='1e12' must be at most 10,000,000,000"),
 ])
 def test_a_setting_it_cannot_use_says_what_to_set(env, says):
     with pytest.raises(SettingsError) as e:
