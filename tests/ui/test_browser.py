@@ -235,8 +235,9 @@ def test_the_labs_default_experiment_runs_in_the_browser(server, browser):
         page.get_by_text("matches the single-process reference").first.wait_for(timeout=180_000)
         _assert_no_exception(page, "the lab after its default run")
         page.get_by_text("This session's runs").first.wait_for(timeout=WAIT_MS)
-        assert page.locator('[data-testid="stTable"]').count() >= 1  # the panel's lanes (app_pages.text_table)
-        assert page.locator('[data-testid="stDataFrame"]').count() >= 1  # the session's runs
+        # each drawn a moment after the heading above it (a count right after the heading had read 0 grids once)
+        page.locator('[data-testid="stTable"]').first.wait_for(state="attached", timeout=WAIT_MS)  # lanes, folded
+        page.locator('[data-testid="stDataFrame"]').first.wait_for(state="attached", timeout=WAIT_MS)  # the runs
         assert page.get_by_role("button", name="Stop this run").count() == 0  # gone once the run ended
         SHOTS.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(SHOTS / "lab.png"), full_page=True)
