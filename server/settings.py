@@ -194,6 +194,29 @@ def port_problem(port: str, network: bool) -> str | None:
     return None
 
 
+def other_servers(root: str | None = None) -> list[tuple[int, str]]:
+    """(pid, port) of the ShardLab servers already running from this folder (`root`, the working directory):
+    a second one runs its students' processes on the same cores with a queue of its own, so neither's
+    SHARDLAB_MAX_CONCURRENT holds (two presses on two servers: 12.1 s a run against 8.3)."""
+    from pathlib import Path
+
+    root = os.path.realpath(root or os.getcwd())
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            words = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").split()
+            cwd = os.path.realpath(os.readlink(entry / "cwd"))
+        except OSError:
+            continue
+        if cwd == root and "streamlit" in " ".join(words) and "app.py" in words:
+            port = next((w.split("=", 1)[1] for w in words if w.startswith("--server.port=")), None)
+            port = port or next((b for a, b in zip(words, words[1:]) if a == "--server.port"), "8501")
+            found.append((int(entry.name), port))
+    return found
+
+
 def main(argv: list[str] = ()) -> int:
     """`python -m server.settings [--port N] [--network]`: check the environment's settings and the port, as
     ./run.sh does before it starts the server (a malformed value had shown no sign until a student opened a
@@ -215,6 +238,10 @@ def main(argv: list[str] = ()) -> int:
     if args.port is not None and (problem := port_problem(args.port, args.network)):
         print(f"ShardLab: {problem}.", file=sys.stderr)
         return 2
+    for pid, port in other_servers():  # a warning: two servers can be meant (two ports, two classes)
+        print(f"ShardLab: another ShardLab server is running from this folder (process {pid}, port {port}). Both "
+              "would run their students' processes on the same cores, each with a queue of its own, so neither's "
+              f"limits hold: stop it (kill {pid}) unless that is what you want.", file=sys.stderr)
     return 0
 
 

@@ -108,3 +108,17 @@ def test_a_misspelt_setting_is_named_not_ignored(run_sh):
     done = run_sh(SHARDLAB_MAX_CONCURENT="2")
     assert done.returncode == 2 and "streamlit" not in done.stdout
     assert "SHARDLAB_MAX_CONCURENT is not one of its settings (did you mean SHARDLAB_MAX_CONCURRENT?)" in done.stderr
+
+
+def test_another_server_from_the_same_folder_is_said(run_sh, tmp_path):
+    """A second server had started without a word: two queues on the same cores, neither's limits holding."""
+    other = subprocess.Popen(["bash", "-c", 'exec -a "python -m streamlit run app.py --server.port 8123" sleep 60'],
+                             cwd=tmp_path)
+    try:
+        done = run_sh()
+    finally:
+        other.kill()
+        other.wait()
+    assert done.returncode == 0 and done.stdout.startswith("streamlit -m streamlit run app.py")
+    assert f"another ShardLab server is running from this folder (process {other.pid}, port 8123)" in done.stderr
+    assert "another ShardLab server" not in run_sh().stderr  # and none once it has stopped
