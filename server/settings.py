@@ -201,8 +201,12 @@ def other_servers(root: str | None = None) -> list[tuple[int, str]]:
     from pathlib import Path
 
     root = os.path.realpath(root or os.getcwd())
+    try:
+        entries = list(Path("/proc").iterdir())
+    except OSError:  # no /proc (macOS): nothing to say
+        return []
     found = []
-    for entry in Path("/proc").iterdir():
+    for entry in entries:
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
