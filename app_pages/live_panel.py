@@ -110,16 +110,23 @@ def run_live(key: str, runs: list[tuple[str, object]], hint: str) -> list[LiveRu
     return _follow(key)
 
 
-def server_max_world(most: int) -> int:
-    """The processes one run may start on this server (SHARDLAB_MAX_WORLD), at most `most`: for a page that sizes
-    its run itself (a malformed setting is said by the queue when the run is submitted)."""
+def _server_settings():
+    """This server's settings (server.settings.Settings), or None where they are malformed: said by the queue
+    when a run is submitted, and in "About this server"."""
     from server.queue import get_queue
     from server.settings import SettingsError
 
     try:
-        return min(most, get_queue().settings.max_world)
+        return get_queue().settings
     except SettingsError:
-        return most
+        return None
+
+
+def server_max_world(most: int) -> int:
+    """The processes one run may start on this server (SHARDLAB_MAX_WORLD), at most `most`: for a page that sizes
+    its run itself."""
+    settings = _server_settings()
+    return most if settings is None else min(most, settings.max_world)
 
 
 def _within_step_cap(runs: list[tuple[str, object]]) -> list[tuple[str, object]]:
@@ -127,13 +134,10 @@ def _within_step_cap(runs: list[tuple[str, object]]) -> list[tuple[str, object]]
     steps are fixed had been refused with advice it has no control for."""
     from dataclasses import replace
 
-    from server.queue import get_queue
-    from server.settings import SettingsError
-
-    try:
-        cap = get_queue().settings.max_steps
-    except SettingsError:  # said by the queue when the run is submitted
+    settings = _server_settings()
+    if settings is None:
         return runs
+    cap = settings.max_steps
     if all(cfg.steps <= cap for _, cfg in runs):
         return runs
     st.info(f"This server runs at most {count(cap, 'optimizer step')} a run (SHARDLAB_MAX_STEPS): these run "

@@ -261,14 +261,17 @@ COUNT_FIELDS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_le
                 "ssm_state", "ssm_head_dim", "ssm_expand", "ssm_groups", "conv_width", "ssm_chunk")
 
 
+def _flag_words(name: str) -> str:
+    """' (--ssm-state)': the command-line flag that sets model field `name`, for a message; '' where none does."""
+    return "" if name in NO_FLAG else f" (--{name.replace('_', '-')})"
+
+
 def validate_model(m: ModelConfig) -> None:
     for name in COUNT_FIELDS:
-        flag = "" if name in NO_FLAG else f" (--{name.replace('_', '-')})"
-        _check(getattr(m, name) >= 1, f"model {name}={getattr(m, name)} must be at least 1{flag}")
+        _check(getattr(m, name) >= 1, f"model {name}={getattr(m, name)} must be at least 1{_flag_words(name)}")
     for name, most in MAX_MODEL.items():
-        flag = "" if name in NO_FLAG else f" (--{name.replace('_', '-')})"
         _check(getattr(m, name) <= most, f"model {name}={getattr(m, name):,} is more than the engine runs (at most "
-               f"{most:,}): choose a smaller {name}{flag}")
+               f"{most:,}): choose a smaller {name}{_flag_words(name)}")
     _check(m.mlp in MLPS, f"mlp={m.mlp!r} must be one of {', '.join(MLPS)}")
     _check(m.capacity_factor is None or m.mlp == "moe",
            f"capacity_factor={m.capacity_factor} limits the tokens each expert takes, and this model has no experts: "

@@ -680,7 +680,8 @@ MAX_CASE_BYTES = 64 * 2 ** 20
 def load_case(path: str) -> Case:
     try:
         # before opening it: opening a pipe waits for a writer
-        if not stat.S_ISREG(os.stat(path).st_mode) and not os.path.isdir(path):
+        mode = os.stat(path).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):  # a folder: open() says so below
             raise SpecError("case", f"{path} is not a regular file (a device, a pipe or a socket): give the path "
                             "of a case's JSON file")
         with open(path, "rb") as f:
