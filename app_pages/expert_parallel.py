@@ -376,5 +376,5 @@ for live in show_live("live_ep"):
                "run), so the dashed capacity line is the capacity per sequence times the sequences. Its router is a "
                "freshly initialised linear layer: close to balanced, but its preferences are real, not "
                "random draws.")
-    text_table(live_load_rows(summary))
+    text_table(live_load_rows(summary), columns_from="layer")
     st.markdown(live_a2a_text(a2a_bytes_by_name(timeline, 0, cfg.steps), summary, m.hidden, cfg.steps))

@@ -8,6 +8,11 @@ import streamlit as st
 _NUMBER_UNIT = re.compile(r"(\d) ((?:[kKMGTP]i?)?B|[mµn]?s)\b")
 
 
+def _cell(value) -> str:
+    """A transposed table's cell: a count with its thousands marked, anything else as it reads."""
+    return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value)
+
+
 def text_table(rows: list[dict], columns_from: str | None = None) -> None:
     """`rows` as a static table whose cells wrap, not a data grid: in a window 800 px wide (the lesson
     466 px beside the sidebar) a grid's columns keep their text's width and the last ones ran out of sight,
@@ -15,9 +20,11 @@ def text_table(rows: list[dict], columns_from: str | None = None) -> None:
     last rank"). A grid stays for the long tables a reader sorts or scrolls (the chips, the calibration).
 
     `columns_from`: a few rows of many quantities (a live panel's runs) turned on their side, a column per row
-    headed by its `columns_from` value and a row per quantity: eight columns had not fitted even wrapped."""
+    headed by its `columns_from` value and a row per quantity: eight columns had not fitted even wrapped. Its
+    cells are written as text (`_cell`): a column then holds counts and percentages alike, which a
+    column of numbers cannot."""
     if columns_from is not None:
-        rows = [{"": key, **{str(row[columns_from]): row[key] for row in rows}}
+        rows = [{"": key, **{str(row[columns_from]): _cell(row[key]) for row in rows}}
                 for key in rows[0] if key != columns_from] if rows else []
     st.table([{key: _NUMBER_UNIT.sub("\\1\u00a0\\2", value) if isinstance(value, str) else value
                for key, value in row.items()} for row in rows], hide_index=True)

@@ -439,14 +439,19 @@ def measured_a2a_formula(summary, hidden: int, dtype_bytes: int = 4) -> float:
 
 
 def live_load_rows(summary) -> list[dict]:
-    """One row per MoE layer of a live run's `stats["expert_load"]`."""
-    return [{"layer": name, "tokens per expert": ", ".join(map(str, layer["tokens_per_expert"])),
-             "dropped": int(sum(layer["dropped_per_expert"])),
-             "rows per ep rank": ", ".join(map(str, layer["processed_per_ep_rank"])),
-             "expert max/mean": f"{layer['expert_max_over_mean']:.2f}",
-             "rank max/mean": f"{layer['ep_rank_max_over_mean']:.2f}",
-             "dropped fraction": f"{layer['dropped_fraction']:.1%}"}
-            for name, layer in summary.stats["expert_load"]["layers"].items()]
+    """One row per MoE layer of a live run's `stats["expert_load"]`, a field per count: the page shows them
+    on their side (`text_table(..., columns_from="layer")`), a column per layer and a row per expert and ep
+    rank. With the counts of eight experts joined in one cell, at 800 px each cell wrapped to four lines
+    and the rank's header to four more."""
+    rows = []
+    for name, layer in summary.stats["expert_load"]["layers"].items():
+        routed = {f"routed to expert {e}": count for e, count in enumerate(layer["tokens_per_expert"])}
+        kept = {f"rows on ep rank {r}": count for r, count in enumerate(layer["processed_per_ep_rank"])}
+        rows.append({"layer": name, **routed, "dropped": int(sum(layer["dropped_per_expert"])),
+                     "dropped fraction": f"{layer['dropped_fraction']:.1%}", **kept,
+                     "busiest expert / mean": f"{layer['expert_max_over_mean']:.2f}",
+                     "busiest rank / mean": f"{layer['ep_rank_max_over_mean']:.2f}"})
+    return rows
 
 
 def live_a2a_text(sent: dict[str, float], summary, hidden: int, steps: int) -> str:

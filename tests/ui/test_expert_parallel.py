@@ -197,7 +197,8 @@ def test_measured_formula_and_rows():
     assert measured_a2a_formula(_summary(), 64) == 4 * 64 * 2 * 64 * 4 / 2 * (0.75 + 1.0)
     rows = live_load_rows(_summary())
     assert [r["layer"] for r in rows] == ["L0", "L1"]
-    assert rows[0]["tokens per expert"] == "10, 6" and rows[0]["dropped"] == 3
+    assert rows[0]["routed to expert 0"] == 10 and rows[0]["routed to expert 1"] == 6 and rows[0]["dropped"] == 3
+    assert rows[0]["rows on ep rank 0"] == 7 and rows[0]["busiest rank / mean"] == "1.08"
     assert rows[0]["dropped fraction"] == "25.0%"
 
 
@@ -297,10 +298,12 @@ def test_live_ep_run_matches_the_reference():
     assert not at.exception, [e.value for e in at.exception]
     assert not at.error, [e.value for e in at.error]
     assert "matches the single-process reference" in at.success[0].value
-    rows = next(t.value for t in at.table if "layer" in t.value.columns)  # the per-layer load table
-    assert list(rows["layer"]) == ["L0", "L1"]
+    table = next(t.value for t in at.table if "L0" in t.value.columns)  # the load table: a column per layer
+    assert list(table.columns) == ["", "L0", "L1"]
+    routed = table[table[""].str.startswith("routed to expert")]
+    assert len(routed) == 8  # the lesson's default eight experts, a row each
     # 2 ranks x 2 sequences x 32 tokens x k = 2 token copies per layer
-    assert all(sum(map(int, t.split(", "))) == 256 for t in rows["tokens per expert"])
+    assert all(sum(int(c.replace(",", "")) for c in routed[layer]) == 256 for layer in ("L0", "L1"))
     text = _text(at)
     assert "dispatch **" in text
     assert "(T = m x b x s = 1 x 2 x 32 = 64 tokens per rank per step" in text  # the formula's T (live_step_tokens)
