@@ -330,7 +330,9 @@ many tokens every expert received and dropped. The run is checked against one pr
 model, same routing and same drops.
 """
 )
-l1, l2, l3, l4, l5 = st.columns(5)
+# two rows: five sliders in one had about 60 px each at 800 px, their labels wrapped and hard to drag
+l1, l2, l3 = st.columns(3)
+l4, l5, _ = st.columns(3)
 world = l1.select_slider("Processes (ep)", [2, 4], value=2, key="ep_live_world")
 live_experts = l2.select_slider("Experts", [2, 4, 6, 8], value=8, key="ep_live_experts")
 live_k = l3.select_slider("Top k", [1, 2], value=2, key="ep_live_top_k")

@@ -34,7 +34,7 @@ from ui.live import (
     verdict,
 )
 from ui.tables import NO_VALUE, count, shell_lines
-from ui.timeline import lane_summary
+from ui.timeline import after_warm_up, lane_summary
 
 
 def show_engine_failure(exc: BaseException, hint: str, what: str = "run") -> None:
@@ -355,14 +355,19 @@ def _show_run(key: str, run: LiveRun) -> None:
     else:
         st.plotly_chart(meas_fig, key=f"{slug}_measured")
     steps = run.cfg.steps
-    st.markdown("Each rank over the whole run, and the bytes it sent: "
-                + ("its one step, a warm-up" if steps == 1 else f"all {steps} steps, the slower warm-up (step 0)")
-                + " included, where the first calls run and the optimizer's state is allocated.")
+    # the steps the step time is the mean of: with the warm-up in, a pipeline's first stage had read 644 ms of
+    # compute against its second stage's 83 (step 0's first calls), where the timeline showed them alike
+    st.markdown("Each rank over "
+                + ("its one step, a warm-up, included" if steps == 1 else
+                   f"step{' 1' if steps == 2 else f's 1-{steps - 1}'}, the step{'' if steps == 2 else 's'} the step "
+                   "time is the mean of (step 0, the warm-up, where the first calls run and the optimizer's state "
+                   "is allocated, left out)")
+                + ", and the bytes it sent.")
     # 1,824,000 bytes; times to the hundredth of a ms in every row ("45.31" had stood over "34.905")
     text_table([{"rank": row["rank"], "compute ms": f"{row['compute ms']:.2f}", "comm ms": f"{row['comm ms']:.2f}",
                  "comm under compute": NO_VALUE if row["comm under compute %"] is None
                  else f"{row['comm under compute %']:.0f} %", "comm bytes": f"{row['comm bytes']:,}"}
-                for row in lane_summary(run.timeline)])
+                for row in lane_summary(after_warm_up(run.timeline))])
     st.markdown("Run it again from a terminal:")
     st.code(shell_lines(command_line(run.cfg)), language="bash", wrap_lines=True)
     st.download_button("Download the trace (open it in ui.perfetto.dev or chrome://tracing)",

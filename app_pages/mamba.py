@@ -96,7 +96,8 @@ hint = f" Set {' or '.join(unset)} above 1 in the sidebar to see {'them' if len(
 st.markdown(
     f"""
 For the sidebar's mesh (tp = {tp}, cp = {cp}, dp = {dp}) on {chip.name}, one layer, one sequence of
-S = {seq_len:,}, in bf16 (the SSM states in fp32), counted as what the busiest chip sends.{hint}
+S = {seq_len:,}, in bf16 (the SSM states in fp32, and the gradients summed over dp in fp32, as Megatron-Core sums
+a bf16 model's), counted as what the busiest chip sends.{hint}
 
 - **Tensor parallel** splits a Mamba-2 layer by heads (Dao & Gu sec. 8): z, x and Δ by heads, B and C by
   groups, so **each rank must hold whole groups**, and then the conv, the scan and the group-wise norm need

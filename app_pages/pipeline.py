@@ -27,6 +27,7 @@ from ui.pipeline import (
     schedule_figure,
     simulate_schedule,
 )
+from ui.tables import format_bytes
 
 B_OVER_F = [1.0, 1.5, 2.0, 3.0]
 COMM_OVER_F = [0.0, 0.1, 0.25, 0.5, 1.0]
@@ -192,7 +193,8 @@ st.markdown(
     f"""
 One micro-batch (1 sequence of {spec.seq_len:,} tokens) leaves a stage as
 In[S, D] = {spec.seq_len:,} x {spec.hidden:,} bf16 values{f", split over tp = {tp}" if tp > 1 else ""}:
-**{view.p2p_bytes / 1e6:,.1f} MB**, sent to the next stage in **{view.p2p_s * 1e6:,.0f} µs** (α
+**{view.p2p_bytes / 1e6:,.1f} MB** ({format_bytes(view.p2p_bytes)}, as the tensor-parallel lesson writes it), sent
+to the next stage in **{view.p2p_s * 1e6:,.0f} µs** (α
 {(view.latency_s - view.fill_s) * 1e6:,.1f} µs + T_fill {view.fill_s * 1e6:,.0f} µs, the time a message spends filling
 the link's pipeline, + bytes/W {view.bandwidth_s * 1e6:,.0f} µs) on the links of the pp group: {view.link}. Its forward
 through one stage takes at least **{view.stage_forward_s * 1e3:,.2f} ms** at the chip's peak bf16 FLOP/s, so
@@ -265,7 +267,8 @@ for live in show_live("live_pp"):
                "is far larger and the formula holds better.")
     held = held_micro_batches(predicted)
     text_table([{"rank": r, "activations held, measured peak (KiB)": round(mem["activations_peak"] / 1024),
-                 "micro-batches held, schedule": held[r], "bytes sent per step (KiB)": round(sent / cfg.steps / 1024)}
+                 "micro-batches held, schedule": f"{held[r]:g}",  # 2, 5.5: not 2.0000
+                 "bytes sent per step (KiB)": round(sent / cfg.steps / 1024)}
                 for r, (mem, sent) in enumerate(zip(summary.memory_bytes, summary.comm_bytes, strict=True))])
     st.caption("Measured activations are the tensors each rank keeps for its backward. The last stage also "
                "keeps the logits (vocabulary-sized), so it can hold more than its count says; ZB-H1 keeps "

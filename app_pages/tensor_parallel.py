@@ -14,7 +14,7 @@ from ui.bound_meter import bound_figure
 from ui.collectives import markdown_text
 from ui.exercises import largest_compute_bound_tp, tp_bytes_per_layer
 from ui.state import ignored_link_message
-from ui.tables import count, format_bytes, format_seconds, shell_lines
+from ui.tables import count, format_bytes, format_seconds, shell_lines, three_figures
 from ui.tensor_parallel import (
     MAX_TP,
     MEMORY_MODES,
@@ -169,17 +169,19 @@ its dropout mask), which are cheap to recompute and huge at long sequence length
 )
 mem = activation_bytes(spec, micro_batch, tp)
 st.plotly_chart(activation_figure(spec, micro_batch, tp, chip.hbm_bytes), key="tp_activations")
-mem_rows = [{"recipe": "one chip (no parallelism)", "per layer per chip": f"{mem['none'] / 1e9:,.2f} GB",
+# three figures, in the table and the sentence under it alike ("0.143 GB" had stood beside "0.14 GB")
+mem_rows = [{"recipe": "one chip (no parallelism)", "per layer per chip": three_figures(mem["none"] / 1e9, "GB"),
              f"x {spec.layers} layers": f"{mem['none'] * spec.layers / 1e9:,.1f} GB"}]
-mem_rows += [{"recipe": f"{label}, t = {tp}", "per layer per chip": f"{mem[mode] / 1e9:,.2f} GB",
+mem_rows += [{"recipe": f"{label}, t = {tp}", "per layer per chip": three_figures(mem[mode] / 1e9, "GB"),
               f"x {spec.layers} layers": f"{mem[mode] * spec.layers / 1e9:,.1f} GB"}
              for mode, (label, _) in MEMORY_MODES.items()]
 st.dataframe(mem_rows, hide_index=True, width="stretch")
 st.markdown(
     f"For {spec.name} at t = **{tp}** and b = {micro_batch}: tensor parallel alone keeps "
-    f"**{mem['tp'] / 1e9:,.2f} GB** per layer per chip, sequence parallel **{mem['tp+sp'] / 1e9:,.2f} GB** "
+    f"**{three_figures(mem['tp'] / 1e9, 'GB')}** per layer per chip, sequence parallel "
+    f"**{three_figures(mem['tp+sp'] / 1e9, 'GB')}** "
     f"({1 - mem['tp+sp'] / mem['tp']:.0%} less), and with selective recomputation "
-    f"**{mem['tp+sp+selective'] / 1e9:,.3f} GB**. All {spec.layers} layers of one micro-batch need "
+    f"**{three_figures(mem['tp+sp+selective'] / 1e9, 'GB')}**. All {spec.layers} layers of one micro-batch need "
     f"{mem['tp+sp+selective'] * spec.layers / 1e9:,.1f} GB of activations that way, against "
     f"{chip.hbm_bytes / 1e9:.0f} GB of HBM on {chip.name} (weights and optimizer state come on top)."
 )

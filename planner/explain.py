@@ -99,8 +99,11 @@ def explain(res: StepResult, best: StepResult | None = None) -> list[str]:
                    "the others keep everything")}[lay.recompute]
     usable = usable_hbm_bytes(res.chip)
     fit = "of the" if res.fits else "per chip, more than the"
+    # what the recomputation costs, only where there is one ("recomputation costs 0.0%" had followed "No
+    # recomputation")
+    cost = "" if lay.recompute == "none" else f"; recomputation costs {_pct(bd['recompute'], step)}"
     words.append(f"{rc}; peak memory {res.memory.total_bytes / 1e9:.1f} GB {fit} {usable / 1e9:.1f} GB a chip can "
-                 f"use (of its {res.chip.hbm_bytes / 1e9:.0f} GB); recomputation costs {_pct(bd['recompute'], step)}.")
+                 f"use (of its {res.chip.hbm_bytes / 1e9:.0f} GB){cost}.")
 
     def longer(**instead) -> str:
         """How much longer the step is than with the layout's `instead` fields (its recipe's cost)."""

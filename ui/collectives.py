@@ -629,16 +629,19 @@ def _timed_as(mode: str, gap_s: float) -> str:
         words = {"late": "receive posted after its send", "early": "sent to a receive already waiting"}[how]
         return f"{words}, {k} sender{'s' if k > 1 else ''} computing" if k else f"{words}, its sender blocked"
     if mode == BACK_TO_BACK_MODE:
-        return "blocking, right after another (no compute between)"
+        return "blocking, right after another"
     after = f"after {format_seconds(gap_s)} of compute"
     if mode in BLOCKING_MODES:
         return f"blocking, {after}"
     return {"contended": "while its ranks compute", POST_MODE: "posting it (the rank is blocked)",
             ALONE_MODE: f"asynchronous, alone, {after}",
-            PAIR_MODE: f"asynchronous, two at once (both ended), {after}"}.get(mode, mode)
+            PAIR_MODE: f"two asynchronous at once, {after}"}.get(mode, mode)
 
 
 CALIBRATION_COLUMN_HELP = {
+    "timed": "how the calibration timed it: blocking (the rank waits for it) after some compute or right after "
+             "another with no compute between; asynchronous (posted, then waited for; two at once: until both "
+             "ended); a pipeline message",
     "α (per operation)": "the operation's time without its bytes (per operation, not per ring step)",
     "β (ns per byte)": "each byte's time; ~0: the time did not grow with the message size, within the timing's noise",
     "CPU busy": "the process's CPU time over the wall time while the operation ran (gloo's threads included)",
@@ -658,14 +661,15 @@ def calibration_rows(cal) -> list[dict]:
             continue  # measured as bursts; planner/live.py derives one operation's time from them
         # a pipeline's posting is read off the engine's trace (hardware.this_machine.fit_posting): no CPU time
         pipeline_post = (kind, mode) == ("send_recv", POST_MODE)
-        # α and β before how the row was timed, whose long words come last: in a narrow window they had pushed
-        # the fit itself out of view
-        rows.append({"ranks": int(world[1:]), "group": int(n[1:]), "operation": kind.replace("_", " "),
+        # how the row was timed beside the operation, as what tells the rows apart: last, it was cut off at
+        # 1,280 px and out of view at 800, and rows that read "2 | 2 | all gather" alike had α from 0.26 to 1.6 ms
+        # the group and its world in one narrow column: with both, the timing's words and β did not fit at 1,280 px
+        rows.append({"group": f"{int(n[1:])} of {int(world[1:])}", "operation": kind.replace("_", " "),
+                     "timed": ("posting its isend, in the engine's own pipeline"
+                               if pipeline_post else _timed_as(mode, fit.gap_s)),
                      "α (per operation)": format_seconds(fit.alpha_s),
                      # a fit at 0: the time did not grow with the message size, within the timing's noise
                      # (CALIBRATION_COLUMN_HELP says so; spelt out in each cell, the column hid the next one)
                      "β (ns per byte)": f"{fit.beta_s_per_byte * 1e9:.3f}" if fit.beta_s_per_byte > 0 else "~0",
-                     "CPU busy": "not timed" if pipeline_post else f"{fit.cpu_fraction:.0%}",
-                     "timed": ("posting its isend (the sender is held), in the engine's own pipeline"
-                               if pipeline_post else _timed_as(mode, fit.gap_s))})
+                     "CPU busy": "not timed" if pipeline_post else f"{fit.cpu_fraction:.0%}"})
     return rows

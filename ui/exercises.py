@@ -12,7 +12,7 @@ from hardware.chips import DTYPE_BYTES, Chip
 from planner.bounds import data_parallel_bound, expert_parallel_bound, mlp_matrices, tensor_parallel_bound
 from planner.memory import zero_bytes_per_param
 from planner.models import ModelSpec
-from ui.tables import format_bytes, format_bytes_per_s, format_flops, format_flops_per_s
+from ui.tables import format_bytes, format_bytes_per_s, format_flops, format_flops_per_s, format_seconds
 
 
 @dataclass(frozen=True)
@@ -137,21 +137,29 @@ def ep_expert_width(m: ModelSpec, chip: Chip, ep: int) -> Exercise:
 
 
 def ring_hiding_shard(spec: ModelSpec, chip: Chip, cp: int, seq_len: int, row: dict) -> Exercise:
-    """`row`: ui.context_parallel.overlap_row for these settings (the page's own numbers)."""
+    """`row`: ui.context_parallel.overlap_row for these settings (the page's own numbers). The question counts
+    the transfer's bytes alone, and says so: asked as "hides its K/V transfer", its answer (647 tokens on the
+    default setup) had stood under a chart whose K/V line, latency and fill included, still lay above the
+    attention at 1,024 tokens a shard. The last step brings the latency back, in the chart's numbers."""
     t = row["threshold_tokens"]
     shard = seq_len // cp
+    latency_s = row["alpha_s"] + row["fill_s"]
     return Exercise(
-        f"For {spec.name} on {chip.name} at cp = {cp}, what is the shortest sequence shard S/cp whose ring "
-        "step hides its K/V transfer, and is S/cp = "
-        f"{shard:,} above it?",
+        f"For {spec.name} on {chip.name} at cp = {cp}, counting the K/V transfer's bytes only (its bandwidth "
+        "term; the latency comes after), what is the shortest sequence shard S/cp whose ring step hides that "
+        f"transfer, and is S/cp = {shard:,} above it?",
         t,
-        ["A step sends 2·B·(S/cp)·H_kv·d·e bytes and computes ½·4·B·(S/cp)²·H·d FLOPs: the transfer hides "
+        ["A step sends 2·B·(S/cp)·H_kv·d·e bytes and computes ½·4·B·(S/cp)²·H·d FLOPs: the bytes hide "
          "when S/cp ≥ (H_kv / H) · e · F / W.",
          f"H_kv / H = {spec.kv_heads} / {spec.heads}, e = 2 bytes, F = {row['attention_flops_per_s'] / 1e12:,.0f} "
          f"TFLOP/s (the attention kernel at this shard) and W = {row['link_bytes_per_s'] / 1e9:,.0f} GB/s (this "
          f"link, achievable): S/cp ≥ **{t:,.0f} tokens**.",
-         f"S/cp = {shard:,} is {'above' if shard >= t else 'below'} it: the ring is "
-         f"{'hidden' if shard >= t else 'exposed'} by its bytes (latency and the links' fill aside)."])
+         f"S/cp = {shard:,} is {'above' if shard >= t else 'below'} it: by its bytes the ring is "
+         f"{'hidden' if shard >= t else 'exposed'}. Each message also pays the link's latency and fill, "
+         f"{format_seconds(latency_s)} whatever its size (the chart's K/V line): with them this step's transfer "
+         f"takes {format_seconds(row['transfer_s'])} against {format_seconds(row['compute_s'])} of attention, "
+         f"so the ring is {'hidden' if row['hidden'] else 'exposed'}. The latency moves the crossing to longer "
+         "shards, where the chart's two lines meet."])
 
 
 def compute_bound_tokens(chip: Chip, d: int, f: int, dtype: str = "bf16", achievable: bool = False) -> Exercise:

@@ -62,6 +62,21 @@ def representative_step(summary) -> int:
     return min(candidates, key=lambda i: (abs(times[i] - summary.step_time_s), i))
 
 
+def measured_step_words(summary, step: int) -> tuple[str, str]:
+    """(which step the measured chart draws, the run's mean beside its time where the two can differ), in
+    words short enough for the chart's title lines. Of two steps after the warm-up both lie as far from their
+    mean: "the one nearest the mean" had named one, 39 ms, under a headline of 60 ms and its error."""
+    last = len(summary.step_times_s) - 1
+    if last < 1:
+        return "step 0, the run's only step (its warm-up)", ""
+    if last == 1:
+        return "step 1, the only one after the warm-up", ""
+    mean = f" (mean {summary.step_time_s * 1e3:.1f} ms)"
+    if last == 2:
+        return f"step {step}, one of the two after the warm-up", mean
+    return f"step {step}, nearest the mean of steps 1-{last}", mean
+
+
 def prediction_error(run: LiveRun) -> float | None:
     p = run.prediction
     if not p or p.get("step_time_s") is None:
@@ -130,13 +145,12 @@ def side_by_side(run: LiveRun) -> tuple[go.Figure | None, go.Figure, int]:
     # the predicted one lacked, so its ranks sat lower
     rows = shared_rows(measured, predicted) if predicted else None
     kinds = shared_kinds(measured, predicted) if predicted else None
-    which = ("step 0, the run's only step (its warm-up)" if len(run.summary.step_times_s) == 1 else
-             f"step {step}, the one nearest the mean")
+    which, mean = measured_step_words(run.summary, step)
     left_out = "" if len(run.summary.step_times_s) == 1 else "; step 0, the warm-up, is left out"
     # the step time on a line of its own: on one line the title ran past the plot's right edge in an 800-px window
     meas_fig = timeline_figure(measured, x_max_ms=x_max, rows=rows, kinds=kinds, title=f"Measured: {which},<br>"
-                               f"{run.summary.step_times_s[step] * 1e3:.1f} ms on the slowest rank<br><sup>the ranks "
-                               f"start each step together, after a barrier{left_out}</sup>")
+                               f"{run.summary.step_times_s[step] * 1e3:.1f} ms on the slowest rank{mean}<br><sup>the "
+                               f"ranks start each step together, after a barrier{left_out}</sup>")
     pred_fig = (timeline_figure(predicted, x_max_ms=x_max, rows=rows, kinds=kinds,
                                 title=f"Predicted by the planner for this machine "
                                       f"({run.prediction['step_time_s'] * 1e3:.1f} ms)")

@@ -299,5 +299,6 @@ def search_figure(report) -> go.Figure:
 
 def tradeoff_text(t: FsdpTpTradeoff) -> str:
     b = t.best
-    return (f"At X = {b.fsdp:,} x Y = {b.tp:,}, {format_seconds(b.comm_s)} of communication per layer's "
+    # a colon after the layout, not a comma: "Y = 1, 783 us" had read as "Y = 1,783 us"
+    return (f"At X = {b.fsdp:,} and Y = {b.tp:,}: {format_seconds(b.comm_s)} of communication per layer's "
             f"forward against {format_seconds(b.math_s)} of math.")

@@ -21,7 +21,7 @@ from ui.live import (
 )
 
 
-def _run(pred_ms=8.0, step_times_ms=(30.0, 10.0, 12.0, 11.0), ok=True) -> LiveRun:
+def _run(pred_ms=8.0, step_times_ms=(30.0, 10.0, 12.0, 11.0), ok=True, mean_ms=11.5) -> LiveRun:
     measured = []
     for step, t in enumerate(step_times_ms):
         measured += [Span(r, "compute", "fwd L0", 100 * step, 100 * step + t / 2e3, step=step) for r in (0, 1)]
@@ -34,7 +34,7 @@ def _run(pred_ms=8.0, step_times_ms=(30.0, 10.0, 12.0, 11.0), ok=True) -> LiveRu
     check = {"passed": ok, "max_abs_diff": 1e-6, "by_quantity": {"loss": 1e-7},
              "tolerances": {"loss": {"rtol": 1e-5, "atol": 1e-6, "why": "summation order"}}}
     summary = RunSummary(ok=ok, check=check, world=2, strategy="dp", zero_stage=0, mesh={"dp": 2},
-                         steps=len(step_times_ms), micro_batches=1, device="cpu", loss=[5.5], step_time_s=11.5e-3,
+                         steps=len(step_times_ms), micro_batches=1, device="cpu", loss=[5.5], step_time_s=mean_ms / 1e3,
                          step_times_s=[t / 1e3 for t in step_times_ms], memory_bytes=[], comm_bytes=[], stats={},
                          config={}, predicted={"step_time_s": pred_ms / 1e3, "breakdown_s": {},
                                                "timeline": predicted.to_dict()})
@@ -155,11 +155,22 @@ def test_the_measured_charts_title_fits_an_800_px_window():
     """On one line, "Measured: step 1, the one nearest the mean (25.1 ms on the slowest rank)" ran past the
     468-px plot's right edge; the step time has a line of its own. About 55 characters fit at Plotly's title
     size, some 90 in the smaller subtitle."""
-    for step_times_ms in ((30.0, 10.0, 12.0, 11.0), (30.0,)):
+    for step_times_ms in ((30.0, 10.0, 12.0, 11.0), (30.0, 40.0, 80.0), (30.0, 12.0), (30.0,)):
         title = side_by_side(_run(step_times_ms=step_times_ms))[1].layout.title.text
         lines = title.split("<br>")
         assert max(len(line) for line in lines if not line.startswith("<sup>")) <= 55, title
         assert max(len(line) for line in lines) <= 90 + len("<sup></sup>"), title
+
+
+def test_the_measured_chart_says_which_step_it_draws_and_the_mean_it_is_judged_by():
+    """Two steps after the warm-up lie as far from their mean: the title had called the one drawn (39 ms) "the
+    one nearest the mean" under a headline of 60 ms."""
+    two = side_by_side(_run(step_times_ms=(30.0, 40.0, 80.0), mean_ms=60.0))[1].layout.title.text
+    assert "one of the two after the warm-up" in two and "(mean 60.0 ms)" in two and "nearest" not in two
+    three = side_by_side(_run(step_times_ms=(30.0, 10.0, 12.0, 11.0), mean_ms=11.0))[1].layout.title.text
+    assert "step 3, nearest the mean of steps 1-3" in three and "(mean 11.0 ms)" in three
+    one = side_by_side(_run(step_times_ms=(30.0, 12.0), mean_ms=12.0))[1].layout.title.text
+    assert "step 1, the only one after the warm-up" in one and "mean" not in one
 
 
 def test_a_one_step_runs_chart_says_it_is_the_warm_up():
