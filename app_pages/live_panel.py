@@ -357,12 +357,11 @@ def _show_run(key: str, run: LiveRun) -> None:
     steps = run.cfg.steps
     # the steps the step time is the mean of: with the warm-up in, a pipeline's first stage had read 644 ms of
     # compute against its second stage's 83 (step 0's first calls), where the timeline showed them alike
-    st.markdown("Each rank over "
-                + ("its one step, a warm-up, included" if steps == 1 else
-                   f"step{' 1' if steps == 2 else f's 1-{steps - 1}'}, the step{'' if steps == 2 else 's'} the step "
-                   "time is the mean of (step 0, the warm-up, where the first calls run and the optimizer's state "
-                   "is allocated, left out)")
-                + ", and the bytes it sent.")
+    warm_up = "the warm-up, where the first calls run and the optimizer's state is allocated"
+    over = (f"its one step ({warm_up})" if steps == 1 else
+            f"step 1, the one the step time is measured on (step 0, {warm_up}, left out)" if steps == 2 else
+            f"steps 1-{steps - 1}, the ones the step time is the mean of (step 0, {warm_up}, left out)")
+    st.markdown(f"Each rank over {over}, and the bytes it sent.")
     # 1,824,000 bytes; times to the hundredth of a ms in every row ("45.31" had stood over "34.905")
     text_table([{"rank": row["rank"], "compute ms": f"{row['compute ms']:.2f}", "comm ms": f"{row['comm ms']:.2f}",
                  "comm under compute": NO_VALUE if row["comm under compute %"] is None

@@ -278,6 +278,10 @@ def test_live_pipeline_run_matches_the_reference_and_draws_the_timeline():
     assert [m.label for m in at.metric if len(m.label) > METRIC_LABEL_CHARS] == []
     assert len(at.get("plotly_chart")) == 4  # grid, activations held, predicted and measured step
     assert at.get("download_button")
+    # the per-rank table over the steps the step time is the mean of, the warm-up left out
+    assert any(m.value.startswith("Each rank over steps 1-") and "left out" in m.value for m in at.markdown)
+    held = next(t.value for t in at.table if "micro-batches held, schedule" in t.value.columns)
+    assert all("." not in v for v in held["micro-batches held, schedule"])  # GPipe holds whole micro-batches
 
 
 
