@@ -30,6 +30,7 @@ from ui.context_parallel import (
     seq_label,
 )
 from ui.exercises import ring_hiding_shard, ring_kv_held
+from ui.live import LIVE_STEP_CHOICES, LIVE_STEPS
 from ui.tables import count, format_bytes, format_flops, format_seconds, shell_lines
 
 
@@ -251,7 +252,7 @@ world = c1.select_slider("Processes (cp)", [2, 4], value=2, key="cp_live_world")
 live_seq = c2.number_input("Sequence length (tokens)", min_value=2, max_value=256, value=32, step=1,
                            key="cp_live_seq_len", help="Must be a multiple of 2·cp: the zig-zag split cuts "
                            "each sequence into 2·cp equal chunks.")
-steps = c3.select_slider("Optimizer steps", [1, 2, 3], value=3, key="cp_live_steps")
+steps = c3.select_slider("Optimizer steps", LIVE_STEP_CHOICES, value=LIVE_STEPS, key="cp_live_steps")
 st.code(shell_lines(f"{COMMAND} --strategy cp --cp-variant {{ring,allgather}} --world {world} "
                     f"--seq-len {live_seq} --steps {steps} --check"), language="bash", wrap_lines=True)
 

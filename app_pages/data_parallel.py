@@ -17,6 +17,7 @@ from ui.bound_meter import bound_figure, verdict_text
 from ui.charts import MEMORY_COLORS, title_extra_px, wrap_title
 from ui.dp_lesson import LIVE_STRATEGIES, comm_formula_text, expected_comm_bytes_per_step, expected_memory
 from ui.exercises import fsdp_batch, smallest_fitting_zero_stage
+from ui.live import LIVE_STEP_CHOICES, LIVE_STEPS
 from ui.tables import count
 
 choices = st.session_state["choices"]
@@ -162,7 +163,7 @@ rank's compute and communication is recorded: press **Play** under the timeline 
 strategy_label = st.selectbox("Strategy", list(LIVE_STRATEGIES), index=4, key="live_strategy", width=360)
 c1, c2, c3 = st.columns(3)
 world = c1.select_slider("Processes", [1, 2, 3, 4], value=2, key="live_world")
-steps = c2.select_slider("Optimizer steps", [1, 2, 3, 4, 5], value=3, key="live_steps")
+steps = c2.select_slider("Optimizer steps", LIVE_STEP_CHOICES, value=LIVE_STEPS, key="live_steps")
 micro_batches = c3.select_slider("Micro-batches (gradient accumulation)", [1, 2, 4], value=1, key="live_mb")
 
 if st.button("Run on this machine", type="primary"):

@@ -31,6 +31,7 @@ from ui.expert_parallel import (
     placement_figure,
     simulate_routing,
 )
+from ui.live import LIVE_STEP_CHOICES, LIVE_STEPS
 from ui.state import ignored_link_message
 from ui.tables import count, format_bytes, format_seconds, shell_lines
 
@@ -338,7 +339,7 @@ live_experts = l2.select_slider("Experts", [2, 4, 6, 8], value=8, key="ep_live_e
 live_k = l3.select_slider("Top k", [1, 2], value=2, key="ep_live_top_k")
 live_c = l4.select_slider("Capacity factor", ["none", "0.5", "1.0", "1.25", "2.0"], value="1.0",
                           key="ep_live_capacity")
-steps = l5.select_slider("Optimizer steps", [1, 2, 3], value=2, key="ep_live_steps")
+steps = l5.select_slider("Optimizer steps", LIVE_STEP_CHOICES, value=LIVE_STEPS, key="ep_live_steps")
 argv = ["--strategy", "ep", "--world", str(world), "--experts", str(live_experts), "--top-k", str(live_k),
         "--steps", str(steps), "--check"] + ([] if live_c == "none" else ["--capacity-factor", live_c])
 st.code(shell_lines(f"{COMMAND} " + " ".join(argv)), language="bash", wrap_lines=True)

@@ -14,6 +14,7 @@ from planner.case import Cluster
 from planner.models import SpecError
 from planner.presets import default_global_batch
 from ui.exercises import attention_crossover, state_passing_chain
+from ui.live import LIVE_STEP_CHOICES, LIVE_STEPS
 from ui.mamba import (
     LIVE_VARIANTS,
     SEQ_LENS,
@@ -178,7 +179,7 @@ every rank before it has passed its state on.
 )
 c1, c2 = st.columns(2)
 world = c1.select_slider("Processes (cp)", [2, 4], value=2, key="ssm_live_world")
-steps = c2.select_slider("Optimizer steps", [1, 2, 3], value=3, key="ssm_live_steps")
+steps = c2.select_slider("Optimizer steps", LIVE_STEP_CHOICES, value=LIVE_STEPS, key="ssm_live_steps")
 st.code(shell_lines("\n".join(f"{COMMAND} " + " ".join(live_argv(v, world, steps)) + " --check"
                               for v in LIVE_VARIANTS)), language="bash", wrap_lines=True)
 try:

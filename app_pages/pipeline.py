@@ -12,7 +12,7 @@ from hardware.chips import CHIPS
 from planner.models import MODEL_PRESETS
 from ui.collectives import markdown_text
 from ui.exercises import bubble_micro_batches, gpipe_bubble
-from ui.live import representative_step
+from ui.live import LIVE_STEPS, representative_step
 from ui.pipeline import (
     SCHEDULE_LABELS,
     bubble_in_words,
@@ -238,9 +238,9 @@ if st.button("Run on this machine", type="primary"):
     v_live = live_v if live_schedule == "interleaved-1f1b" else 1
     # As the CLI builds it: the smallest model every stage gets whole layers of (engine/cli.py).
     model = replace(ModelConfig(), layers=max(ModelConfig.layers, live_world * v_live))
-    # 4 steps: the warm-up and three measured, so the step drawn and timed beside its prediction is the
-    # one nearest their mean, not whatever one step did on a machine the browser shares
-    cfg = RunConfig(model=model, world=live_world, steps=4, micro_batches=live_m,
+    # the lessons' steps (ui.live.LIVE_STEPS): the warm-up and four measured, so the step drawn and timed beside
+    # its prediction is the one nearest their mean, not whatever one step did on a machine the browser shares
+    cfg = RunConfig(model=model, world=live_world, steps=LIVE_STEPS, micro_batches=live_m,
                     parallel=ParallelConfig(strategy="pp", schedule=live_schedule, virtual_stages=v_live))
     run_live("live_pp", [(SCHEDULE_LABELS[live_schedule], cfg)], hint="try fewer micro-batches or processes")
 

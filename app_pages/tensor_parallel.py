@@ -13,6 +13,7 @@ from planner.models import MODEL_PRESETS
 from ui.bound_meter import bound_figure
 from ui.collectives import markdown_text
 from ui.exercises import largest_compute_bound_tp, tp_bytes_per_layer
+from ui.live import LIVE_STEP_CHOICES, LIVE_STEPS
 from ui.state import ignored_link_message
 from ui.tables import count, format_bytes, format_seconds, shell_lines, three_figures
 from ui.tensor_parallel import (
@@ -291,7 +292,7 @@ c1, c2, c3, c4 = st.columns(4)
 world = c1.select_slider("Processes (tp)", [2, 4], value=2, key="tp_live_world")
 heads = c2.select_slider("Query heads", [1, 2, 4, 8], value=4, key="tp_live_heads")
 kv_heads = c3.select_slider("KV heads", [1, 2, 4, 8], value=2, key="tp_live_kv_heads")
-steps = c4.select_slider("Optimizer steps", [1, 2, 3], value=2, key="tp_live_steps")
+steps = c4.select_slider("Optimizer steps", LIVE_STEP_CHOICES, value=LIVE_STEPS, key="tp_live_steps")
 st.code(shell_lines(f"{COMMAND} --strategy tp [--sequence-parallel] --world {world} --heads {heads} "
                     f"--kv-heads {kv_heads} --steps {steps} --check"), language="bash", wrap_lines=True)
 

@@ -55,6 +55,14 @@ def tolerance_rows(check: dict | None) -> list[dict]:
              "atol": t["atol"], "why": t["why"]} for q, t in check.get("tolerances", {}).items()]
 
 
+# The optimizer steps a lesson's live run takes unless the student picks others: the warm-up and four measured,
+# whose mean is the step time judged beside the prediction. With the lessons' earlier 2 or 3 steps, the one or two
+# measured steps ran 12-36 ms apart on a few shared cores, and a page read -60 % where the bench's 30 steps of the
+# same run read within 20 %: the error was the steps' spread, not the prediction's. Each step adds some 20-170 ms.
+LIVE_STEPS = 5
+LIVE_STEP_CHOICES = [1, 2, 3, 5, 8]
+
+
 def representative_step(summary) -> int:
     """The step after the first (the warm-up) whose time (slowest rank) is nearest the run's step time."""
     times = summary.step_times_s
