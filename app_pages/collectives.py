@@ -297,8 +297,7 @@ else:
         "them) gloo's threads can stay awake; in one measurement on this kind of virtual machine, cores kept "
         "awake made blocking all-reduces 3.4x faster. The rows timed both ways show what it is here. Its α "
         "is per operation, not per ring step as in the sweep above:")
+    widths = {"group": "small", "timed": 330}  # the timing's longest label in full, and β beside it at 1,280 px
     st.dataframe(calibration_rows(calibration), hide_index=True, width="stretch", column_config={
-        "group": st.column_config.Column(width="small", help="the ranks communicating together, of the run's ranks"),
-        **{name: st.column_config.Column(help=words) for name, words in CALIBRATION_COLUMN_HELP.items()},
-        # its longest label in full, and β beside it at 1,280 px
-        "timed": st.column_config.Column(width=330, help=CALIBRATION_COLUMN_HELP["timed"])})
+        name: st.column_config.Column(help=words, width=widths.get(name))
+        for name, words in CALIBRATION_COLUMN_HELP.items()})

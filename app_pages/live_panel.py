@@ -34,7 +34,7 @@ from ui.live import (
     verdict,
 )
 from ui.tables import NO_VALUE, count, shell_lines
-from ui.timeline import after_warm_up, lane_summary
+from ui.timeline import lane_summary
 
 
 def show_engine_failure(exc: BaseException, hint: str, what: str = "run") -> None:
@@ -366,7 +366,7 @@ def _show_run(key: str, run: LiveRun) -> None:
     text_table([{"rank": row["rank"], "compute ms": f"{row['compute ms']:.2f}", "comm ms": f"{row['comm ms']:.2f}",
                  "comm under compute": NO_VALUE if row["comm under compute %"] is None
                  else f"{row['comm under compute %']:.0f} %", "comm bytes": f"{row['comm bytes']:,}"}
-                for row in lane_summary(after_warm_up(run.timeline))])
+                for row in lane_summary(run.timeline.after_warm_up())])
     st.markdown("Run it again from a terminal:")
     st.code(shell_lines(command_line(run.cfg)), language="bash", wrap_lines=True)
     st.download_button("Download the trace (open it in ui.perfetto.dev or chrome://tracing)",

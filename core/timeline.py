@@ -152,6 +152,15 @@ class Timeline:
     def duration_s(self) -> float:
         return self.end_s - self.start_s
 
+    def after_warm_up(self) -> Timeline:
+        """The spans of every step after the first (a measured run's warm-up, where the first calls run and
+        the optimizer's state is allocated), or all of them when there is one step only."""
+        steps = {s.step for s in self.spans}
+        if len(steps) < 2:
+            return self
+        first = min(steps)
+        return Timeline([s for s in self.spans if s.step != first], source=self.source, meta=self.meta)
+
     def for_rank(self, rank: int) -> list[Span]:
         return sorted((s for s in self.spans if s.rank == rank), key=lambda s: s.start_s)
 

@@ -588,10 +588,9 @@ def per_step_by_kind(timeline: Timeline, skip_first: bool = True) -> dict[str, f
     there: the engine's ring attention and Mamba state passing mark the time they block on their
     transfers) counts as WAITING. A measured run's first step (warm-up) is skipped when there are later
     ones."""
-    steps = sorted({s.step for s in timeline.spans})
-    if skip_first and len(steps) > 1:
-        steps = steps[1:]
-    keep = set(steps)
+    if skip_first:
+        timeline = timeline.after_warm_up()
+    keep = {s.step for s in timeline.spans}
     ranks = max(1, len(timeline.ranks))
     out: dict[str, float] = {}
 

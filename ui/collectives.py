@@ -639,6 +639,7 @@ def _timed_as(mode: str, gap_s: float) -> str:
 
 
 CALIBRATION_COLUMN_HELP = {
+    "group": "the ranks communicating together, of the run's ranks",
     "timed": "how the calibration timed it: blocking (the rank waits for it) after some compute or right after "
              "another with no compute between; asynchronous (posted, then waited for; two at once: until both "
              "ended); a pipeline message",

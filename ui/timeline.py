@@ -247,13 +247,6 @@ def step_timeline(timeline: Timeline, step: int) -> Timeline:
     return Timeline([s for s in timeline.spans if s.step == step], source=timeline.source, meta=timeline.meta)
 
 
-def after_warm_up(timeline: Timeline) -> Timeline:
-    """The spans of every step after the first (the steps a run's step time is the mean of), or the whole
-    timeline when it has one step only."""
-    later = [s for s in timeline.spans if s.step >= 1]
-    return Timeline(later, source=timeline.source, meta=timeline.meta) if later else timeline
-
-
 def lane_summary(timeline: Timeline) -> list[dict]:
     """Per rank: busy ms per lane, comm bytes and how much of the comm time ran while the same rank
     computed (Timeline.overlap: each side an interval union)."""

@@ -3,7 +3,7 @@
 import pytest
 
 from core.timeline import Span, Timeline
-from ui.timeline import after_warm_up, lane_summary, span_kind, timeline_figure
+from ui.timeline import lane_summary, span_kind, timeline_figure
 
 
 def _tl():
@@ -83,9 +83,9 @@ def test_the_per_rank_table_leaves_the_warm_up_out():
     tl = Timeline([Span(0, "compute", "fwd L0", 0.0, 0.600, step=0), Span(1, "comm", "recv act", 0.0, 0.600, step=0),
                    Span(0, "compute", "fwd L0", 1.0, 1.010, step=1),
                    Span(1, "compute", "fwd L1", 1.010, 1.020, step=1)])
-    rows = {r["rank"]: r for r in lane_summary(after_warm_up(tl))}
+    rows = {r["rank"]: r for r in lane_summary(tl.after_warm_up())}
     assert rows[0]["compute ms"] == pytest.approx(10.0) and rows[1]["comm ms"] == 0.0
-    assert after_warm_up(_tl()).spans == _tl().spans  # a run of one step: its warm-up is all there is
+    assert _tl().after_warm_up().spans == _tl().spans  # a run of one step: its warm-up is all there is
 
 
 def test_a_kind_named_for_the_legend_only_is_listed():
