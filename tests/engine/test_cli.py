@@ -97,19 +97,18 @@ def test_refused_before_any_worker_starts_with_json_too(args, says, capsys, monk
                                    "--strategy cp --micro-batch-size 16 --seq-len 128 --vocab 256",
                                    "--arch mamba2 --strategy cp --micro-batch-size 16 --seq-len 128 --vocab 256",
                                    "--mesh pp=2 --micro-batches 2 --micro-batch-size 16 --seq-len 128 --vocab 256"])
-def test_the_memory_a_run_is_refused_by_is_at_most_what_it_holds(flags):
+def test_the_memory_a_run_is_refused_by_is_at_most_what_it_holds(flags, pools):
     """engine.config.least_memory_bytes is a floor: the engine's own count of what its ranks hold (weights,
     gradients, Adam state, gathered weights, the activations' peak, logits among them) never comes under it,
-    with a vocabulary large enough that the logits count, or a batch large enough that the activations do."""
-    from engine import launch
+    with a vocabulary large enough that the logits count, or a batch large enough that the activations do.
+    On the folder's warm 2-rank pool (tests/engine/conftest.py): a pool started for each case cost 3 s of 3.5."""
     from engine.cli import config_from_args, run_parser
     from engine.config import least_memory_bytes
     from engine.run import run
 
     extra = [] if "--vocab" in flags else ["--vocab", "4096"]
     cfg = config_from_args(run_parser("x").parse_args(flags.split() + ["--world", "2", "--steps", "2", *extra]))
-    summary, _ = run(cfg, traced=False)
-    launch.shutdown_all()
+    summary, _ = run(cfg, traced=False, pool=pools(2))
     assert least_memory_bytes(cfg) <= sum(rank["total"] for rank in summary.memory_bytes)
 
 
