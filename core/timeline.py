@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 
@@ -261,15 +262,13 @@ def write_json(path: str, obj, indent: int | None = None) -> None:
     file it is written as. A link is written through, to the file it names; a device or a pipe (/dev/null,
     /dev/stdout, a FIFO) is written into, never replaced."""
     import os
-    import stat
     import tempfile
 
     text = strict_json(obj, indent=indent)
-    target = os.path.realpath(path)
-    if os.path.exists(target) and not stat.S_ISREG(os.stat(target).st_mode):
-        with open(target, "w") as f:
-            f.write(text)
+    if _special_file(path):
+        _write_into(path, text)
         return
+    target = os.path.realpath(path)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
@@ -284,9 +283,68 @@ def write_json(path: str, obj, indent: int | None = None) -> None:
         raise
 
 
-def unwritable_reason(path: str) -> str | None:
+# How long a write into a named pipe waits for a program to open its other end: a pipe nobody reads would
+# otherwise block the command for ever (`--trace >(gzip > t.gz)` has its reader already)
+PIPE_READER_WAIT_S = 10.0
+
+
+def _special_file(path: str) -> bool:
+    """Whether `path` names something that is written into rather than replaced: a device or a pipe (/dev/null,
+    /dev/stderr, a FIFO), followed through links, /dev/fd's too."""
+    import os
+    import stat
+
+    try:
+        return not stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:  # nothing there yet (or a link to nothing): a new file
+        return False
+
+
+def _same_file(path: str, stream) -> bool:
+    """Whether `path` is the file, pipe or terminal `stream` writes to (not when both are /dev/null)."""
+    import os
+
+    try:
+        a, b = os.stat(path), os.fstat(stream.fileno())
+    except (OSError, AttributeError, ValueError):  # no such path, or a stream with no file (pytest's capture)
+        return False
+    null = os.stat(os.devnull)
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino) != (null.st_dev, null.st_ino)  # /dev/null keeps nothing
+
+
+def _write_into(path: str, text: str) -> None:
+    """Write `text` into a device or a pipe; a pipe no program opens for reading within PIPE_READER_WAIT_S raises
+    OSError (ENXIO) saying so, where a plain open would wait for ever."""
+    import errno
+    import os
+    import stat
+    import time
+
+    if not stat.S_ISFIFO(os.stat(path).st_mode):
+        with open(path, "w") as f:
+            f.write(text)
+        return
+    deadline = time.monotonic() + PIPE_READER_WAIT_S
+    while True:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO at once while no reader has it open
+            break
+        except OSError as e:
+            if e.errno != errno.ENXIO or time.monotonic() > deadline:
+                if e.errno == errno.ENXIO:
+                    raise OSError(errno.ENXIO, f"no program opened the pipe to read it within {PIPE_READER_WAIT_S:.0f} "
+                                  "s") from None
+                raise
+            time.sleep(0.05)
+    os.set_blocking(fd, True)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def unwritable_reason(path: str, inputs: tuple[str, ...] = (), result_on_stdout: bool = True) -> str | None:
     """Why a file cannot be written at `path`, the path first ("/tmp: it is a folder; ..."), or None: checked
-    before a run, so a bad path costs no run."""
+    before a run, so a bad path costs no run. `inputs`: files the command reads, which it must not write over;
+    `result_on_stdout`: the command prints its result on standard output, which the file must not be."""
     import os
 
     if not path.strip():
@@ -297,8 +355,15 @@ def unwritable_reason(path: str) -> str | None:
         return f"{path}: it is a folder; name a file, e.g. out.json"
     if path.endswith(("/", os.sep)):  # "out/" names a folder, even one not made yet
         return f"{path}: it ends in '/', so it names a folder; name a file, e.g. {path}out.json"
-    if os.path.exists(target) and not os.path.isfile(target):  # a device or a pipe: written into, in place
-        return None if os.access(target, os.W_OK) else f"{path}: it is not writable; choose another path"
+    # /dev/stdout, or the file stdout goes to: the result printed there would be replaced or mixed with the file
+    if result_on_stdout and _same_file(path, sys.stdout):
+        return (f"{path}: it is where this command prints its result (standard output); write the file elsewhere, "
+                "e.g. out.json")
+    for other in inputs:
+        if os.path.exists(path) and os.path.exists(other) and os.path.samefile(path, other):
+            return f"{path}: it is {other}, which this command reads; choose another path"
+    if _special_file(path):  # a device or a pipe: written into, in place
+        return None if os.access(path, os.W_OK) else f"{path}: it is not writable; choose another path"
     if os.path.exists(directory) and not os.path.isdir(directory):
         return f"{path}: {directory} is a file, not a folder"
     if not os.path.isdir(directory):

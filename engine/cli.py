@@ -79,7 +79,8 @@ def run_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--mesh", help="named mesh axes, e.g. dp=4 (default: dp=world)")
     p.add_argument("--dp-comm", choices=["naive", "bucketed"], default="bucketed",
                    help="dp gradient sync: after backward, or bucketed and overlapped")
-    p.add_argument("--mlp", choices=MLPS, default=None, help="default: moe for ep, else dense")
+    p.add_argument("--mlp", choices=MLPS, default=None,
+                   help="default: moe for ep (the strategy or a mesh axis), else dense")
     p.add_argument("--experts", type=int, default=ModelConfig.experts, help="experts per MoE layer")
     p.add_argument("--top-k", type=int, default=ModelConfig.top_k, help="experts each token is routed to")
     p.add_argument("--capacity-factor", type=float, default=None,
@@ -137,7 +138,7 @@ def config_from_args(args, world: int | None = None) -> RunConfig:
             raise ConfigError(f"--pattern has {layers:,} letters, one layer each, and the engine runs at most {most:,}"
                               if args.pattern else f"pp x --virtual-stages = {layers:,} layers, one per chunk, and "
                               f"the engine runs at most {most:,}: use a smaller --virtual-stages")
-    mlp = args.mlp or ("moe" if strategy == "ep" else "dense")
+    mlp = args.mlp or default_mlp(strategy, mesh)
     model = replace(ModelConfig(), mlp=mlp, layers=layers, experts=args.experts, top_k=args.top_k,
                     capacity_factor=args.capacity_factor, seq_len=args.seq_len, heads=args.heads,
                     hidden=args.hidden, vocab=args.vocab,
@@ -147,6 +148,12 @@ def config_from_args(args, world: int | None = None) -> RunConfig:
     return validate(RunConfig(model=model, parallel=parallel, world=world, steps=args.steps,
                               micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
                               seed=args.seed, device=args.device, dtype=args.dtype, timeout_s=args.timeout_s))
+
+
+def default_mlp(strategy: str, mesh) -> str:
+    """The MLP a run gets when --mlp is not given: MoE where experts are split (strategy ep, or an ep axis of more
+    than one rank in the mesh), else dense."""
+    return "moe" if strategy == "ep" or any(axis == "ep" and n > 1 for axis, n in mesh) else "dense"
 
 
 def _default_layers(parallel: ParallelConfig, world: int, virtual_stages: int, pattern: str) -> int:
@@ -171,7 +178,7 @@ def argv_for(cfg: RunConfig) -> list[str]:
         ("--ssm-groups", m.ssm_groups, d.ssm_groups), ("--ssm-chunk", m.ssm_chunk, d.ssm_chunk),
         ("--schedule", p.schedule, ParallelConfig.schedule), ("--virtual-stages", p.virtual_stages, 1),
         ("--micro-batches", cfg.micro_batches, 1), ("--micro-batch-size", cfg.micro_batch_size, 2),
-        ("--mlp", m.mlp, "moe" if p.strategy == "ep" else "dense"), ("--experts", m.experts, d.experts),
+        ("--mlp", m.mlp, default_mlp(p.strategy, p.mesh)), ("--experts", m.experts, d.experts),
         ("--top-k", m.top_k, d.top_k), ("--capacity-factor", m.capacity_factor, None),
         ("--seq-len", m.seq_len, d.seq_len), ("--hidden", m.hidden, d.hidden), ("--vocab", m.vocab, d.vocab),
         ("--heads", m.heads, d.heads), ("--kv-heads", m.kv_heads, d.kv_heads),

@@ -446,14 +446,14 @@ def _validate_pp(cfg: RunConfig) -> None:
            "zb-h1 splits every module's backward into its input and weight parts, and a Mamba-2 block uses "
            "its conv and per-head parameters outside any module's forward: use --schedule 1f1b or "
            "interleaved-1f1b with Mamba-2 layers")
-    _check(v == 1 or p.schedule == "interleaved-1f1b",
-           f"{p.schedule} runs one stage per rank: set --virtual-stages 1 or use --schedule interleaved-1f1b")
-    if pp == 1:
+    if pp == 1:  # before the schedule's own checks: their advice (another schedule) would not help here
         _check(v == 1, f"virtual_stages={v} splits each pipeline rank's layers into chunks, and this mesh has no "
                "pp axis: add one (e.g. --mesh pp=2) or drop --virtual-stages")
         _check(p.schedule == ParallelConfig.schedule, f"--schedule {p.schedule} orders pipeline stages, and this mesh "
                "has no pp axis: add one (e.g. --mesh pp=2) or drop --schedule")
         return
+    _check(v == 1 or p.schedule == "interleaved-1f1b",
+           f"{p.schedule} runs one stage per rank: set --virtual-stages 1 or use --schedule interleaved-1f1b")
     _check(m.layers % (pp * v) == 0,
            f"layers={m.layers} is not divisible by pp*virtual_stages={pp * v}: each pipeline stage holds "
            "the same number of layers; " + (f"give --pattern a multiple of {pp * v} letters (one per layer)"

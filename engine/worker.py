@@ -173,7 +173,8 @@ def torchrun_main(argv: list[str]) -> int:
         args = parser.parse_args(argv)
         cfg = cli.config_from_args(args, world=world)
         cli.check_trace_path(args.trace)  # (not the memory check: torchrun's ranks may be on other machines)
-        if rank == 0 and (reason := unwritable_reason(args.out)):  # only rank 0 writes it, maybe on node 0 only
+        # only rank 0 writes it, maybe on node 0 only; the result is the file, so /dev/stdout is a place for it
+        if rank == 0 and (reason := unwritable_reason(args.out, result_on_stdout=False)):
             raise ConfigError(f"--out {reason}")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

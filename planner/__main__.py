@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         case = load_case(args.case)
-        reason = args.command == "estimate" and args.timeline is not None and unwritable_reason(args.timeline)
+        reason = (args.command == "estimate" and args.timeline is not None
+                  and unwritable_reason(args.timeline, inputs=(args.case,)))
         if reason:
             raise SpecError("--timeline", reason)
         if args.command == "estimate":

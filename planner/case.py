@@ -422,6 +422,16 @@ class Layout:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+def as_json(value, longest: int = 60) -> str:
+    """A value of a case file as the file spells it (null, true, "fp8", [1, 2]), cut at `longest` characters: what
+    a message quotes back, where Python's repr would say None, True or 'fp8'."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= longest else text[:longest - 3] + "..."
+
+
 def _int(block: dict, key: str, prefix: str, *, required: bool, nullable: bool = True, minimum: int = 1,
          default=None):
     if key not in block:
@@ -434,7 +444,7 @@ def _int(block: dict, key: str, prefix: str, *, required: bool, nullable: bool =
             raise SpecError(f"{prefix}.{key}", "must not be null")
         return None
     if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
-        raise SpecError(f"{prefix}.{key}", f"must be an integer >= {minimum}, got {v!r}")
+        raise SpecError(f"{prefix}.{key}", f"must be an integer >= {minimum}, got {as_json(v)}")
     return v
 
 
@@ -442,7 +452,7 @@ def _etp(block: dict) -> int | str | None:
     """parallel.etp: 1, tp's degree, "tp" or null (Parallel.etp)."""
     v = block.get("etp")
     if isinstance(v, str) and v != "tp":
-        raise SpecError("parallel.etp", f"must be 1, tp's degree, \"tp\" or null, got {v!r}")
+        raise SpecError("parallel.etp", f"must be 1, tp's degree, \"tp\" or null, got {as_json(v)}")
     return v if v == "tp" else _int(block, "etp", "parallel", required=False)
 
 
@@ -455,7 +465,7 @@ def mesh_parallel(mesh: Mesh, model: ModelSpec) -> Parallel:
 def _bool(block: dict, key: str, prefix: str) -> bool | None:
     v = block.get(key)
     if v is not None and not isinstance(v, bool):
-        raise SpecError(f"{prefix}.{key}", f"must be true, false or null, got {v!r}")
+        raise SpecError(f"{prefix}.{key}", f"must be true, false or null, got {as_json(v)}")
     return v
 
 
@@ -464,13 +474,14 @@ def _choice(block: dict, key: str, prefix: str, options: tuple, default=None):
     if v is None:
         return default
     if v not in options:
-        raise SpecError(f"{prefix}.{key}", f"must be one of {options} or null, got {v!r}")
+        raise SpecError(f"{prefix}.{key}",
+                        f"must be one of {', '.join(map(as_json, options))} or null, got {as_json(v)}")
     return v
 
 
 def _check_keys(block, allowed: set, prefix: str) -> dict:
     if not isinstance(block, dict):
-        raise SpecError(prefix, f"must be a JSON object, got {type(block).__name__}")
+        raise SpecError(prefix, f"must be a JSON object, got {as_json(block)}")
     for k in block:
         if k not in allowed:
             raise SpecError(f"{prefix}.{k}", f"unknown field; known: {sorted(allowed)}")
@@ -485,10 +496,10 @@ def parse_model(block, name: str = "case") -> ModelSpec:
     block = _check_keys(block, _MODEL_KEYS, "model")
     kw = {"name": block.get("name", name)}
     if not isinstance(kw["name"], str):
-        raise SpecError("model.name" if "name" in block else "name", f"must be a string, got {kw['name']!r}")
+        raise SpecError("model.name" if "name" in block else "name", f"must be a string, got {as_json(kw['name'])}")
     pattern = block.get("layer_pattern", "")
     if not isinstance(pattern, str):
-        raise SpecError("model.layer_pattern", f"must be a string of 'M', '*' and '-', got {pattern!r}")
+        raise SpecError("model.layer_pattern", f"must be a string of 'M', '*' and '-', got {as_json(pattern)}")
     kw["layer_pattern"] = pattern
     for key in ("layers", "hidden", "vocab", "seq_len"):
         kw[key] = _int(block, key, "model", required=True, nullable=False)
@@ -528,7 +539,7 @@ CASE_KEYS = {"model", "training", "parallel", "cluster", "name", "source", "publ
 def parse_case(data) -> Case:
     """Build a validated Case from a decoded JSON object; raises SpecError naming the bad field."""
     if not isinstance(data, dict):
-        raise SpecError("case", f"must be a JSON object, got {type(data).__name__}")
+        raise SpecError("case", f"must be a JSON object, got {as_json(data)}")
     for key in ("model", "training", "cluster"):
         if key not in data:
             raise SpecError(key, "missing (required block)")
@@ -540,7 +551,7 @@ def parse_case(data) -> Case:
     flags = {k: _bool(t, k, "training") for k in ("sequence_parallel", *RECIPE_FLAGS)}
     zero = t.get("zero_stage")
     if zero is not None and (isinstance(zero, bool) or not isinstance(zero, int) or zero not in (0, 1, 2, 3)):
-        raise SpecError("training.zero_stage", f"must be 0, 1, 2, 3 or null, got {zero!r}")
+        raise SpecError("training.zero_stage", f"must be 0, 1, 2, 3 or null, got {as_json(zero)}")
     training = Training(
         global_batch=_int(t, "global_batch", "training", required=True, nullable=False),
         micro_batch=_int(t, "micro_batch", "training", required=False),
@@ -575,7 +586,7 @@ def parse_case(data) -> Case:
 
     c = _check_keys(data["cluster"], {f.name for f in fields(Cluster)}, "cluster")
     if "chip" not in c or not isinstance(c["chip"], str):
-        raise SpecError("cluster.chip", f"missing or not a string: {c.get('chip')!r}")
+        raise SpecError("cluster.chip", f"missing or not a string: {as_json(c.get('chip'))}")
     from hardware.chips import get_chip
     try:
         get_chip(c["chip"])
@@ -584,7 +595,7 @@ def parse_case(data) -> Case:
     net = c.get("network_bytes_per_s")
     if net is not None and (isinstance(net, bool) or not isinstance(net, (int, float)) or not 1e6 <= net < math.inf):
         raise SpecError("cluster.network_bytes_per_s", f"must be a finite number of bytes/s per chip, at least 1e6 "
-                        f"(e.g. 50e9 for 400 Gb/s), or null, got {net!r}")
+                        f"(e.g. 50e9 for 400 Gb/s), or null, got {as_json(net)}")
     cluster = Cluster(c["chip"], _int(c, "num_chips", "cluster", required=True, nullable=False),
                       _int(c, "chips_per_node", "cluster", required=False), None if net is None else float(net),
                       _int(c, "slices", "cluster", required=False))
@@ -600,7 +611,7 @@ def _recompute_modules(block: dict, model: ModelSpec) -> tuple[str, ...] | None:
         return None
     field = "training.recompute_modules"
     if not isinstance(v, list) or not v or not all(isinstance(x, str) for x in v):
-        raise SpecError(field, f"must be a non-empty list of {RECOMPUTE_MODULES} or null, got {v!r}")
+        raise SpecError(field, f"must be a non-empty list of {RECOMPUTE_MODULES} or null, got {as_json(v)}")
     unknown = [x for x in v if x not in RECOMPUTE_MODULES]
     if unknown:
         hint = (" (the whole MoE layer, all-to-alls included, is not modelled: name \"moe_act\" and "
@@ -609,7 +620,7 @@ def _recompute_modules(block: dict, model: ModelSpec) -> tuple[str, ...] | None:
     if len(set(v)) != len(v):
         raise SpecError(field, f"names a module twice: {v}")
     if block.get("recompute") not in (None, "selective"):
-        raise SpecError(field, f"applies to recompute \"selective\" (or null), not {block.get('recompute')!r}")
+        raise SpecError(field, f"applies to recompute \"selective\" (or null), not {as_json(block.get('recompute'))}")
     if model.layer_pattern:
         raise SpecError(field, "is not modelled for a layer pattern; use recompute \"selective\" without it")
     needs = {"mla_up_proj": (model.is_mla, "an MLA model (kv_lora_rank > 0)"),

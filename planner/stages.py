@@ -58,6 +58,9 @@ def expand_layout(text: str, limit: int | None = None) -> str:
     too_long = f"into more than the {limit} characters a layout of this model can have: check the repeat counts"
 
     def repeat(g):
+        if len(g.group(2)) > 9:  # no layout repeats a piece a billion times; int() of thousands of digits refuses
+            raise ValueError(f"repeats a piece {g.group(2)[:12]}... times, a count of {len(g.group(2)):,} digits: "
+                             "check the repeat counts")
         if limit is not None and len(g.group(1)) * int(g.group(2)) > limit:
             raise ValueError(f"repeats {g.group(0)!r} {too_long}")
         return g.group(1) * int(g.group(2))

@@ -128,6 +128,35 @@ def test_a_trace_is_written_through_a_link_and_into_a_pipe_never_over_them(tmp_p
     assert unwritable_reason(os.devnull) is None  # written into, as any program writes /dev/null
 
 
+def test_a_pipe_nobody_reads_is_said_not_waited_on_for_ever(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    import core.timeline
+
+    monkeypatch.setattr(core.timeline, "PIPE_READER_WAIT_S", 0.2)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(OSError) as e:
+        _tl().write_chrome_trace(str(fifo))
+    assert e.value.errno == errno.ENXIO and "no program opened the pipe" in e.value.strerror
+
+
+def test_the_result_s_own_stdout_and_the_input_are_refused(tmp_path, monkeypatch):
+    import sys
+
+    from core.timeline import unwritable_reason
+
+    printed, case = tmp_path / "out.json", tmp_path / "case.json"
+    case.write_text("{}")
+    with open(printed, "w") as stdout:
+        monkeypatch.setattr(sys, "stdout", stdout)
+        assert "where this command prints its result" in unwritable_reason(str(printed))
+        assert unwritable_reason(str(printed), result_on_stdout=False) is None  # torchrun's --out: the result
+    assert "which this command reads" in unwritable_reason(str(case), inputs=(str(case),))
+    assert unwritable_reason(str(tmp_path / "other.json"), inputs=(str(case),)) is None
+
+
 def test_a_path_that_names_a_folder_or_too_long_a_name_is_refused_before_the_run(tmp_path):
     from core.timeline import unwritable_reason
 

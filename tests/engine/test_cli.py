@@ -42,6 +42,8 @@ def test_bad_input_exits_2_with_a_message(args, says):
     (["--strategy", "ep", "--capacity-factor", "inf"], "capacity_factor=inf must be a positive number"),
     (["--schedule", "interleaved-1f1b", "--virtual-stages", "3"], "this mesh has no pp axis"),
     (["--schedule", "gpipe"], "--schedule gpipe orders pipeline stages, and this mesh has no pp axis"),
+    # had first said "set --virtual-stages 1 or use --schedule interleaved-1f1b", which then said "no pp axis"
+    (["--virtual-stages", "2"], "this mesh has no pp axis: add one (e.g. --mesh pp=2) or drop --virtual-stages"),
     (["--vocab", "1000000", "--hidden", "4096"], "this run needs at least 123.6 GiB"),
     (["--trace", "/"], "--trace /: it is a folder"),
     (["--trace", "/no/such/folder/t.json"], "its folder /no/such/folder does not exist"),
@@ -110,6 +112,20 @@ def test_the_memory_a_run_is_refused_by_is_at_most_what_it_holds(flags, pools):
     cfg = config_from_args(run_parser("x").parse_args(flags.split() + ["--world", "2", "--steps", "2", *extra]))
     summary, _ = run(cfg, traced=False, pool=pools(2))
     assert least_memory_bytes(cfg) <= sum(rank["total"] for rank in summary.memory_bytes)
+
+
+@pytest.mark.parametrize("flags, mlp", [
+    ("--strategy ep", "moe"), ("--mesh ep=2,cp=2 --world 4", "moe"), ("--mesh ep=2,dp=2 --world 4", "moe"),
+    ("--mesh dp=2,cp=2 --world 4", "dense"), ("--mesh dp=2 --world 2 --mlp moe", "moe"),
+])
+def test_the_mlp_is_moe_wherever_the_experts_are_split(flags, mlp):
+    """--mesh ep=2,cp=2 picks strategy cp, and had got a dense MLP, which ep then refused ("use --mlp moe")
+    against the help's "moe for ep"."""
+    from engine.cli import argv_for, config_from_args, run_parser
+
+    cfg = config_from_args(run_parser("x").parse_args(flags.split()))
+    assert cfg.model.mlp == mlp
+    assert config_from_args(run_parser("x").parse_args(argv_for(cfg))) == cfg
 
 
 def test_an_abbreviated_json_flag_still_gets_the_json_object(capsys):

@@ -97,6 +97,8 @@ def _bad(**edits):
     (_bad(parallel__pp_layout="E|t*99999999999|L"), "parallel.pp_layout"),  # refused before it is written out
     (_bad(parallel__pp_layout="E(((t|)*100000)*100000)L"), "parallel.pp_layout"),
     (_bad(parallel__pp=10**9, parallel__pp_layout="E|t*99999999999|L"), "parallel.pp_layout"),  # pp is unchecked yet
+    # a count int() refuses to read had told the user to call sys.set_int_max_str_digits()
+    (_bad(parallel__pp_layout="E|t*" + "9" * 5000 + "|L"), "a count of 5,000 digits"),
     ({**_bad(), "paralel": {"tp": 3}}, "case.paralel"),  # a misspelt block was dropped, the layout chosen instead
     (json.dumps(RUN)[:-1] + ', "cluster": {"chip": "h100", "num_chips": 8}}', "'cluster' twice"),
     (json.dumps(RUN).replace('"global_batch": 64', '"global_batch": ' + "9" * 5000),
@@ -188,6 +190,34 @@ def test_an_unwritable_timeline_path_exits_2(tmp_path, capsys):
     out = tmp_path / "no-such-folder" / "t.json"
     assert main(["estimate", _write(tmp_path, RUN), "--timeline", str(out)]) == 2
     assert "--timeline" in capsys.readouterr().err and not out.parent.exists()
+
+
+@pytest.mark.parametrize("case, says", [
+    (_bad(training__sequence_parallel="yes"), 'must be true, false or null, got "yes"'),
+    (_bad(training__fusion="compiled"), 'must be one of "fused", "eager" or null, got "compiled"'),
+    (_bad(parallel__tp=True), "must be an integer >= 1, got true"),
+    ({**_bad(), "cluster": None}, "cluster: must be a JSON object, got null"),  # had said "got NoneType"
+])
+def test_messages_quote_the_case_file_as_json(tmp_path, capsys, case, says):
+    """Python's spellings (None, True, 'yes', NoneType) are not what the user wrote in the file."""
+    assert main(["estimate", _write(tmp_path, case)]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_a_timeline_path_that_is_the_case_or_stdout_exits_2_before_estimating(tmp_path, monkeypatch):
+    """The trace had replaced the case file it was estimated from; written to /dev/stdout with stdout in a file, it
+    had replaced the result printed there, exit 0."""
+    case = _write(tmp_path, RUN)
+    out = subprocess.run([sys.executable, "-m", "planner", "estimate", case, "--timeline", case],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "which this command reads" in out.stderr
+    assert json.loads(open(case).read()) == RUN
+    printed = tmp_path / "out.json"
+    with open(printed, "w") as stdout:
+        out = subprocess.run([sys.executable, "-m", "planner", "estimate", case, "--timeline", "/dev/stdout"],
+                             stdout=stdout, stderr=subprocess.PIPE, text=True)
+    assert out.returncode == 2 and "where this command prints its result" in out.stderr
+    assert printed.read_text() == ""
 
 
 def test_a_timeline_path_that_is_a_folder_exits_2_before_estimating(tmp_path, capsys, monkeypatch):
