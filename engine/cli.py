@@ -145,9 +145,50 @@ def config_from_args(args, world: int | None = None) -> RunConfig:
                     kv_heads=args.kv_heads, ffn=args.ffn, arch=args.arch, pattern=args.pattern,
                     ssm_state=args.ssm_state, ssm_head_dim=args.ssm_head_dim, ssm_groups=args.ssm_groups,
                     ssm_chunk=args.ssm_chunk)
-    return validate(RunConfig(model=model, parallel=parallel, world=world, steps=args.steps,
-                              micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
-                              seed=args.seed, device=args.device, dtype=args.dtype, timeout_s=args.timeout_s))
+    cfg = validate(RunConfig(model=model, parallel=parallel, world=world, steps=args.steps,
+                             micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
+                             seed=args.seed, device=args.device, dtype=args.dtype, timeout_s=args.timeout_s))
+    unused = unused_flag(args, cfg)
+    if unused:
+        raise ConfigError(unused)
+    return cfg
+
+
+def unused_flag(args, cfg: RunConfig) -> str | None:
+    """What to change about a flag given away from its default that this run would not use (a K/V variant with no
+    cp axis, a Mamba-2 size for a Transformer), or None: run as if it were not given, it had been ignored without
+    a word, where --schedule and --sequence-parallel without their axes are refused."""
+    p, m, d = cfg.parallel, cfg.model, ModelConfig()
+    cp, mamba = cfg.parallel.degree("cp", cfg.world) > 1, m.arch != "transformer"
+    if args.cp_variant != ParallelConfig.cp_variant and not cp:
+        return (f"--cp-variant {args.cp_variant} chooses how context parallelism moves K/V, and this mesh has no cp "
+                "axis: add one (e.g. --mesh cp=2) or drop --cp-variant")
+    if args.ssm_cp != ParallelConfig.ssm_cp and not (cp and mamba):
+        return (f"--ssm-cp {args.ssm_cp} chooses how context parallelism splits a Mamba-2 layer, and this run has "
+                + ("no Mamba-2 layer: use --arch mamba2 or hybrid" if not mamba else
+                   "no cp axis: add one (e.g. --mesh cp=2)") + ", or drop --ssm-cp")
+    if args.no_prefetch and p.stage != 3:
+        return (f"--no-prefetch stops ZeRO-3 gathering the next unit's weights ahead, and this run keeps whole "
+                f"weights (ZeRO stage {p.stage}): use --strategy fsdp (or an fsdp axis), or drop --no-prefetch")
+    if args.dp_comm != ParallelConfig.dp_comm and p.stage != 0:
+        return (f"--dp-comm {args.dp_comm} chooses how plain data parallel (ZeRO stage 0) syncs gradients, and this "
+                f"run is ZeRO stage {p.stage}: use --strategy dp, or drop --dp-comm")
+    if args.dp_comm != ParallelConfig.dp_comm and cfg.mesh.batch_shards * p.degree("cp", cfg.world) == 1:
+        return (f"--dp-comm {args.dp_comm} chooses how data-parallel ranks sync gradients, and this mesh has none "
+                "(no dp, fsdp, ep or cp axis): add one (e.g. --mesh dp=2) or drop --dp-comm")
+    if m.mlp != "moe":
+        for flag, value, default in (("--experts", m.experts, d.experts), ("--top-k", m.top_k, d.top_k)):
+            if value != default:
+                return f"{flag} {value} sizes an MoE layer, and this model's MLP is dense: add --mlp moe or drop {flag}"
+    if not mamba:
+        for flag, value, default in (("--ssm-state", m.ssm_state, d.ssm_state),
+                                     ("--ssm-head-dim", m.ssm_head_dim, d.ssm_head_dim),
+                                     ("--ssm-groups", m.ssm_groups, d.ssm_groups),
+                                     ("--ssm-chunk", m.ssm_chunk, d.ssm_chunk)):
+            if value != default:
+                return (f"{flag} {value} sizes a Mamba-2 layer, and this model is a Transformer: use --arch mamba2 "
+                        f"or hybrid, or drop {flag}")
+    return None
 
 
 def default_mlp(strategy: str, mesh) -> str:

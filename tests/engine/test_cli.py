@@ -42,6 +42,16 @@ def test_bad_input_exits_2_with_a_message(args, says):
     (["--strategy", "ep", "--capacity-factor", "inf"], "capacity_factor=inf must be a positive number"),
     (["--schedule", "interleaved-1f1b", "--virtual-stages", "3"], "this mesh has no pp axis"),
     (["--schedule", "gpipe"], "--schedule gpipe orders pipeline stages, and this mesh has no pp axis"),
+    # flags this run would not use had been ignored without a word (engine.cli.unused_flag)
+    (["--cp-variant", "allgather"], "this mesh has no cp axis: add one (e.g. --mesh cp=2) or drop --cp-variant"),
+    (["--ssm-cp", "alltoall"], "no Mamba-2 layer: use --arch mamba2 or hybrid, or drop --ssm-cp"),
+    (["--arch", "mamba2", "--ssm-cp", "alltoall"], "no cp axis: add one (e.g. --mesh cp=2), or drop --ssm-cp"),
+    (["--no-prefetch"], "this run keeps whole weights (ZeRO stage 0)"),
+    (["--strategy", "fsdp", "--dp-comm", "naive"], "this run is ZeRO stage 3: use --strategy dp, or drop --dp-comm"),
+    (["--strategy", "tp", "--dp-comm", "naive"], "(no dp, fsdp, ep or cp axis)"),
+    (["--experts", "8"], "this model's MLP is dense: add --mlp moe or drop --experts"),
+    (["--top-k", "3"], "this model's MLP is dense: add --mlp moe or drop --top-k"),
+    (["--ssm-chunk", "4"], "this model is a Transformer: use --arch mamba2 or hybrid, or drop --ssm-chunk"),
     # had first said "set --virtual-stages 1 or use --schedule interleaved-1f1b", which then said "no pp axis"
     (["--virtual-stages", "2"], "this mesh has no pp axis: add one (e.g. --mesh pp=2) or drop --virtual-stages"),
     (["--vocab", "1000000", "--hidden", "4096"], "this run needs at least 123.6 GiB"),
