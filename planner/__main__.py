@@ -41,16 +41,17 @@ def main(argv: list[str] | None = None) -> int:
             raise SpecError("--timeline", reason)
         if args.command == "estimate":
             result = estimate(case)
-            found = assumptions(case, result)  # all the work first: a trace written means a result printed
-            out = dumps({**result.as_dict(), "assumptions": [a.as_dict() for a in found],
-                         "step_time_band_s": step_time_band_s(result, found)})
+            found = assumptions(case, result)
+            # the result first, as engine run does: a stdout that cannot be written (exit 2) leaves no trace
+            # behind, and a trace that cannot be written loses nothing else
+            write_result(dumps({**result.as_dict(), "assumptions": [a.as_dict() for a in found],
+                                "step_time_band_s": step_time_band_s(result, found)}))
             if args.timeline:
                 try:
                     result.timeline.write_chrome_trace(args.timeline)
                 except OSError as e:
                     raise SpecError("--timeline",
                                     f"cannot write {args.timeline}: {e.strerror}; choose another path") from None
-            write_result(out)
         else:
             if not 1 <= args.top <= MAX_TOP:
                 raise SpecError("--top", f"must be 1 to {MAX_TOP}, got {args.top} (each ranked layout is simulated "

@@ -270,7 +270,9 @@ def test_a_case_saved_with_a_byte_order_mark_reads(tmp_path, capsys):
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
 def test_an_unwritable_stdout_is_said_not_a_traceback(tmp_path):
     path = _write(tmp_path, RUN)
+    trace = tmp_path / "t.json"
     with open("/dev/full", "w") as full:
-        proc = subprocess.run([sys.executable, "-m", "planner", "estimate", path], stdout=full,
-                              stderr=subprocess.PIPE, text=True)
+        proc = subprocess.run([sys.executable, "-m", "planner", "estimate", path, "--timeline", str(trace)],
+                              stdout=full, stderr=subprocess.PIPE, text=True)
     assert proc.returncode == 2 and "cannot write the result" in proc.stderr and "Traceback" not in proc.stderr
+    assert not trace.exists()  # had been written: the trace of a result nobody got
