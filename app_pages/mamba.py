@@ -123,7 +123,9 @@ moved_rows = comm_rows(specs, tp, cp, dp, chip.key)
 if moved_rows:
     text_table(moved_rows)
     st.caption("From the planner's own records of each operation (planner/costs.py). Operations count a ring's "
-               "steps and a chain's hops one after the other; bytes are what the busiest chip sends (the "
+               "steps and a chain's hops one after the other; state passing's are the chain's cp − 1 hops (2(cp − "
+               "1) zig-zagged) plus one exchange of the conv's last inputs across the boundaries, each way; "
+               "bytes are what the busiest chip sends (the "
                "chain's hops run on different chips: one state per chip, two in the hybrid's zig-zag; an "
                "all-reduce sends 2 (n − 1)/n of its buffer, an all-to-all (n − 1)/n); time at the link's "
                "achievable bandwidth, before overlap.")
@@ -156,7 +158,7 @@ if st.button("Search the fastest layout of each", key="ssm_search", type="primar
 found = st.session_state.get("ssm_search_results")
 if found is not None and found[0] == setup:
     results = found[1]
-    st.dataframe(best_rows(results, specs, n), hide_index=True, width="stretch")
+    text_table(best_rows(results, specs, n))  # seven columns wrap: a grid had hidden "exposed comm" at 1,400 px
     st.caption("MFU (model FLOPs utilisation): the model's FLOPs per second over all the chips' peak. Here "
                "attention's scores count over the causal half (what a causal kernel computes); the planner "
                "page's MFU counts the full square, which overstates long-context Transformers.")

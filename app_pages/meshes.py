@@ -6,7 +6,8 @@ import streamlit as st
 
 from app_pages.exercise_panel import show_exercises
 from app_pages.live_panel import run_live, server_max_world, show_live
-from app_pages.metric_row import memory_metric, metric, metric_row
+from app_pages.metric_row import memory_metric, metric, metric_row, peak_words
+from app_pages.text_table import search_table
 from core.mesh import Mesh
 from hardware.chips import CHIPS
 from planner.bounds import cross_pod_bound, fsdp_tp_tradeoff
@@ -24,7 +25,6 @@ from ui.meshes import (
     mesh_figure,
     scaled_down,
     search_figure,
-    search_rows,
     sidebar_mesh,
     tradeoff_figure,
     tradeoff_text,
@@ -129,7 +129,7 @@ if estimate is not None:
                     "below")
         metric("MFU", f"{estimate.mfu * 100:,.1f} %",
                help="Model FLOPs utilisation: the model's FLOPs per step (about 6 x parameters x tokens, plus "
-                    "attention) over step time x chips x each chip's peak bf16 FLOP/s.")
+                    f"attention) over step time x chips x {peak_words(estimate.result)}.")
         memory_metric(estimate.memory.total_bytes, estimate.fits)
     st.markdown("\n".join(f"- {line}" for line in estimate.explanation))
     st.caption("The planner page has the full breakdown, the predicted timeline and a search over every "
@@ -201,7 +201,7 @@ report = st.session_state.get("mesh_search_report")
 # the search of this model, chip and chip count only (a chip changed in the sidebar had kept the last one's)
 if report is not None and (report.case.cluster.num_chips, report.case.cluster.chip, report.case.model.name) == (
         mesh.world, chip.key, spec.name):
-    st.dataframe(search_rows(report), hide_index=True, width="stretch")
+    search_table(report)
     st.plotly_chart(search_figure(report), key="mesh_search_chart")
     st.caption(f"{search_counts(report)}. The fastest, in words:")
     if report.ranked:

@@ -19,6 +19,14 @@ def metric(label: str, value, **kwargs) -> None:
     st.metric(label, value, width="content", **kwargs)
 
 
+def peak_words(result) -> str:
+    """Which peak a planner StepResult's MFU is taken against (StepResult.mfu: the chip's peak in the run's number
+    format), for a metric's help: an fp8 run's MFU against bf16's peak would read twice as high."""
+    chip, dtype = result.chip, result.case.training.dtype
+    return (f"each chip's peak {dtype} FLOP/s ({chip.peak_flops_per_s(dtype) / 1e12:,.0f} TFLOP/s on "
+            f"{chip.name}, the run's number format)")
+
+
 def memory_metric(total_bytes: float, fits: bool) -> None:
     """The memory a chip needs, and whether it fits, as a `metric` of a `metric_row`: no arrow, since "fits" is no
     rise, and an arrow up beside "does not fit" read as more room (the planner's and the meshes' pages)."""

@@ -6,8 +6,8 @@ import streamlit as st
 
 from app_pages.exercise_panel import show_exercises
 from app_pages.link_params import drop_link_values_not_taken, link_values
-from app_pages.metric_row import memory_metric, metric, metric_row
-from app_pages.text_table import text_table
+from app_pages.metric_row import memory_metric, metric, metric_row, peak_words
+from app_pages.text_table import search_table, text_table
 from hardware.chips import CHIPS
 from planner import assumptions, estimate, make_case, search, step_time_band_s
 from planner.api import leanest
@@ -19,6 +19,7 @@ from planner.simulate import USABLE_HBM_FRACTION, usable_hbm_bytes
 from planner.timeline import DRAWN
 from ui.charts import breakdown_figure, memory_figure
 from ui.exercises import training_state_chips
+from ui.meshes import schedule_words
 from ui.state import ignored_link_message
 from ui.tables import count, format_step, search_counts
 from ui.timeline import densest_row, timeline_figure
@@ -61,11 +62,6 @@ def tokens_label(tokens: int) -> str:
 def word(value) -> str:
     """A picked value as the page says it: a flag on or off, as the recipe table below writes it."""
     return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else str(value)
-
-
-def schedule_words(lay) -> str:
-    """A layout's pipeline schedule, "1f1b v=1"; "" without pipeline stages, where there is none to run."""
-    return f"{lay.pp_schedule} v={lay.virtual_stages}" if lay.pp > 1 else ""
 
 
 # A bound widget drops a link value that is none of its options without a word: said here, and taken out of the
@@ -224,7 +220,8 @@ with metric_row():
            help=f"Attention's scores counted over the full S x S square, the convention of Megatron-LM's "
                 f"papers (Narayanan et al. 2021) and PaLM's appendix: a causal kernel computes about half of "
                 f"it, so at long context this MFU overstates the work done and can pass 100 %. Counting the "
-                f"causal half only: {est.mfu_causal * 100:,.1f} %.")
+                f"causal half only: {est.mfu_causal * 100:,.1f} %. Both over step time x chips x "
+                f"{peak_words(est.result)}.")
     metric("Model TFLOP/s per chip", f"{est.model_tflops_per_chip:,.0f}")
     memory_metric(mem["total"], est.fits)
 if chip.kind == "gpu":
@@ -422,17 +419,8 @@ if report is not None:
     st.caption(f"{search_counts(report)} ({spec.name} on {n:,} x {chip.name}). Equal step times are ranked by "
                "memory per "
                "chip, then by fewer chips in model-parallel groups (tp x pp x cp): the simpler layout first.")
-    rows = []
-    for i, r in enumerate(report.ranked, start=1):
-        lay = r.result.layout
-        rows.append({"rank": i, "step s": round(r.result.step_time_s, 3), "MFU %": round(100 * r.result.mfu, 1),
-                     "dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep,
-                     **({"etp": lay.etp} if spec.is_moe else {}),
-                     "ZeRO": lay.zero_stage, "micro-batch": lay.micro_batch, "recompute": lay.recompute_label,
-                     "schedule": schedule_words(lay),
-                     "GB/chip": round(r.result.memory.total_bytes / 1e9, 1)})
-    if rows:  # an empty table had been drawn above "No layout fits"
-        st.dataframe(rows, hide_index=True, width="stretch")
+    if report.ranked:  # an empty table had been drawn above "No layout fits"
+        search_table(report, by_axis=True)
     for i, r in enumerate(report.ranked, start=1):
         with st.expander(f"#{i}: why", expanded=i == 1):
             st.markdown("\n".join(f"- {line}" for line in r.explanation))

@@ -259,7 +259,8 @@ if outside:
         f"peaks; the times use the share of each a collective achieves). {change}"
         f"NCCL runs one ring per network card through every GPU of the group, so each card carries only "
         f"about 1/{domain} of the array (twice for an all-reduce: reduce, then gather), "
-        "which keeps the jump this small. This estimate assumes the cards are free, but they also "
+        f"without which the network's part would be about {domain} times larger. This estimate assumes the cards "
+        "are free, but they also "
         "carry the data- and pipeline-parallel traffic, contention this model does not count.")
 spread = by_tp[max(by_tp)]
 lines.append(

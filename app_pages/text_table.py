@@ -1,4 +1,4 @@
-"""A lesson's small table of words and numbers, the one way the lessons show one."""
+"""A lesson's small table of words and numbers, the one way the lessons show one; and a planner search's table."""
 
 import re
 
@@ -28,3 +28,12 @@ def text_table(rows: list[dict], columns_from: str | None = None) -> None:
                 for key in rows[0] if key != columns_from] if rows else []
     st.table([{key: _NUMBER_UNIT.sub("\\1\u00a0\\2", value) if isinstance(value, str) else value
                for key, value in row.items()} for row in rows], hide_index=True)
+
+
+def search_table(report, by_axis: bool = False) -> None:
+    """A planner search's ranked layouts (ui.meshes.search_rows) as a grid, each number with its decimals: the
+    planner's page (`by_axis`, a column per degree) and the meshes page (the sidebar's mesh) show one table."""
+    from ui.meshes import SEARCH_FORMATS, search_rows
+
+    st.dataframe(search_rows(report, by_axis), hide_index=True, width="stretch",
+                 column_config={k: st.column_config.NumberColumn(format=f) for k, f in SEARCH_FORMATS.items()})

@@ -289,8 +289,8 @@ def fsdp_tp_tradeoff(m: ModelSpec, chip: Chip, batch_tokens: float, n: int,
         floor = min(threshold(r) for r in rows) / n
         rule = (f"Mixed FSDP + tensor parallel of {m.name} on {n:,} {chip.name} stays compute-bound while tokens "
                 f"per chip > {floor:,.0f} (F = {f:,}, {n_mat} MLP matrices; the lowest of the splits' own thresholds, "
-                f"for across nodes the links a group gets change with the split, so [SB]'s closed form does not "
-                f"hold); "
+                f"for across nodes the links a group gets change with the split, so the scaling book's closed form "
+                f"does not hold); "
                 f"here {per_chip:,.0f}. The least communication is at X = {best.fsdp:,} FSDP x Y = {best.tp:,} TP: "
                 f"{verdict}.")
     return FsdpTpTradeoff(tuple(rows), best, x_opt, floor, rule, n_mat)

@@ -83,6 +83,9 @@ def explain(res: StepResult, best: StepResult | None = None) -> list[str]:
                 2: "ZeRO-2 (sharded optimizer state and gradients)", 3: "ZeRO-3 (everything sharded)"}
         z3 = f" and ZeRO-3 gathers {_pct(bd['zero3_comm'], step)}" if lay.zero_stage == 3 else ""
         group = f"DP={lay.dp}" + (f" (x CP={lay.cp}: {lay.dp * lay.cp} ranks sum each gradient)" if lay.cp > 1 else "")
+        if lay.ep > 1 and not lay.experts_folded and lay.dp % lay.ep == 0:  # a mesh draws dp / ep x ep
+            group += (f" (Megatron-LM's count, EP's {lay.ep} ranks among them: {lay.dp // lay.ep} x ep={lay.ep} in a "
+                      "device mesh)")
         words.append(f"{group} with {zero[lay.zero_stage]}; gradient sync shows "
                      f"{_pct(bd['dp_comm'], step)}{z3}.")
     rc = {"none": "No recomputation: the activations fit",

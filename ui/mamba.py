@@ -224,7 +224,7 @@ def comm_rows(specs: list[ModelSpec], tp: int, cp: int, dp: int, chip: str, micr
                 why = (count(spec.ssm_groups, "SSM group") if kind == MAMBA else
                        f"{spec.heads} heads" if spec.heads % tp else "its widths")  # what tp does not divide
                 rows.append({"model": spec.name, "layer": layer, "strategy": f"TP = {tp}",
-                             "operations fwd + bwd": f"impossible: {why}", "bytes fwd + bwd": "-", "time": "-"})
+                             "operations fwd + bwd": f"impossible: {why}", "bytes fwd + bwd": "—", "time": "—"})
                 moved = layer_comm_bytes(spec, kind, tp=1, cp=cp, dp=dp, micro_batch=micro_batch, chip=chip)
                 layer += " at tp = 1"
             for name, r in moved.items():

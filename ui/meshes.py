@@ -213,21 +213,33 @@ def layout_label(layout) -> str:
     return f"{dense}, ep={layout.ep} over dp x cp"
 
 
-def search_rows(report) -> list[dict]:
-    """One row per ranked layout of a planner search (planner.api.SearchReport), in the sidebar's axes."""
+# The number columns of `search_rows`, each with its decimals: a float column drops a trailing zero ("60" beside
+# "60.8")
+SEARCH_FORMATS = {"step s": "%.3f", "MFU %": "%.1f", "GB/chip": "%.1f"}
+
+
+def search_rows(report, by_axis: bool = False) -> list[dict]:
+    """One row per ranked layout of a planner search (planner.api.SearchReport): its mesh in the sidebar's axes
+    (`by_axis`: a column per Megatron-LM degree, as the planner page shows them), what else tells two layouts of
+    one mesh apart (ZeRO, micro-batch, recomputation; the schedule where a layout has stages), step, MFU, memory.
+    Shown with SEARCH_FORMATS."""
     rows = []
     piped = any(r.result.layout.pp > 1 for r in report.ranked)  # a schedule column only where one has stages
+    moe = any(r.result.layout.ep > 1 for r in report.ranked)
     for i, r in enumerate(report.ranked, start=1):
         lay = r.result.layout
-        rows.append({"rank": i, "mesh": layout_label(lay),
-                     "ZeRO": lay.zero_stage, "step s": round(r.result.step_time_s, 3),
-                     "MFU %": round(100 * r.result.mfu, 1), "GB/chip": round(r.result.memory.total_bytes / 1e9, 1)}
-                    | ({"schedule": _schedule_words(lay)} if piped else {}))
+        mesh = ({"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep}
+                | ({"etp": lay.etp} if moe else {}) if by_axis else {"mesh": layout_label(lay)})
+        rows.append({"rank": i, **mesh, "ZeRO": lay.zero_stage, "micro-batch": lay.micro_batch,
+                     "recompute": lay.recompute_label}
+                    | ({"schedule": schedule_words(lay)} if piped else {})
+                    | {"step s": r.result.step_time_s, "MFU %": 100 * r.result.mfu,
+                       "GB/chip": r.result.memory.total_bytes / 1e9})
     return rows
 
 
-def _schedule_words(lay) -> str:
-    """A layout's pipeline schedule ("interleaved-1f1b v=2"), "" without stages."""
+def schedule_words(lay) -> str:
+    """A layout's pipeline schedule ("interleaved-1f1b v=2"), "" without stages, where there is none to run."""
     return f"{lay.pp_schedule} v={lay.virtual_stages}" if lay.pp > 1 else ""
 
 
@@ -274,7 +286,7 @@ def search_figure(report) -> go.Figure:
     """The ranked layouts of a planner search: step time (bars) and memory per chip (markers, right axis)."""
     def name(lay) -> str:
         # with the ZeRO stage: two layouts of one mesh had read alike ("2. dp=4,cp=2" and "4. dp=4,cp=2")
-        return ", ".join(p for p in (layout_label(lay), _schedule_words(lay), f"ZeRO-{lay.zero_stage}") if p)
+        return ", ".join(p for p in (layout_label(lay), schedule_words(lay), f"ZeRO-{lay.zero_stage}") if p)
 
     # the bars by rank, each layout named in its hover and in the table above: as tick labels the names ran
     # into the legend at 1,280 px, tilted, and into each other at 800

@@ -123,10 +123,10 @@ def test_the_page_opens_with_every_section():
     headers = [h.value for h in at.header]
     assert headers == ["Same size, two architectures", "What each strategy moves, per layer",
                        "The fastest layout for each", "Run it for real"]
-    assert not any("fastest layout" in d.value.columns for d in at.dataframe)  # searched on the button
+    assert not any("fastest layout" in t.value.columns for t in at.table)  # searched on the button
     at.button(key="ssm_search").click().run()
     assert not at.exception, [e.value for e in at.exception]
-    layouts = next(d.value for d in at.dataframe if "fastest layout" in d.value.columns)
+    layouts = next(t.value for t in at.table if "fastest layout" in t.value.columns)  # wraps: no column hidden
     assert list(layouts["model"]) == [TRANSFORMER, MAMBA2, HYBRID]
     assert any(m.value.startswith("- At S = 32,768") for m in at.markdown)
     at.select_slider(key="ssm_seq_len").set_value(131072).run()
