@@ -6,6 +6,7 @@ import numpy as np
 import streamlit as st
 
 from app_pages.exercise_panel import show_exercises
+from app_pages.link_params import follow_sidebar
 from app_pages.live_panel import run_live, show_live
 from app_pages.text_table import text_table
 from engine.cli import COMMAND
@@ -179,8 +180,9 @@ st.markdown(
 )
 c1, c2 = st.columns(2)
 default_cp = choices.mesh["cp"] if choices.mesh["cp"] in CP_DEGREES else 8
+follow_sidebar("cp_degree", default_cp)
 cp = c1.select_slider("Context-parallel degree cp", CP_DEGREES, value=default_cp, key="cp_degree",
-                      bind="query-params", help="The sidebar's cp sets the starting value.")
+                      bind="query-params", help="Starts at the sidebar's cp, again whenever that changes.")
 seq_len = c2.select_slider("Sequence length S", SEQ_LENS, value=131072, key="cp_seq_len", bind="query-params",
                            format_func=seq_label)
 stride = choices.device_mesh().stride("cp")  # the cp group strides over the ep and tp ranks inside it

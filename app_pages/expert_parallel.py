@@ -4,7 +4,7 @@ a live run."""
 import streamlit as st
 
 from app_pages.exercise_panel import show_exercises
-from app_pages.link_params import drop_link_values_not_taken, link_values
+from app_pages.link_params import drop_link_values_not_taken, follow_sidebar, link_values
 from app_pages.live_panel import run_live, show_live
 from app_pages.text_table import text_table
 from engine.cli import COMMAND
@@ -133,10 +133,12 @@ sidebar_ep = choices.mesh["ep"] if choices.mesh["ep"] in ep_choices[1:] else fal
 _check_link({"ep_model_degree": ep_choices, "ep_tokens": TOKENS, "ep_experts": EXPERTS, "ep_top_k": TOP_KS,
              "ep_degree": SIM_EPS, "ep_capacity": CAPACITIES, "ep_micro_batch": MICRO_BATCHES},
             {"ep_skew": SKEW_RANGE})
+follow_sidebar("ep_model_degree", sidebar_ep)
 model_ep = st.select_slider(
     "Expert-parallel degree ep for this model", ep_choices, value=sidebar_ep, key="ep_model_degree",
     bind="query-params",
-    help=f"Starts at the sidebar's ep where that is one of these ({', '.join(map(str, ep_choices[1:]))}: more "
+    help=f"Starts at the sidebar's ep (again whenever that changes) where that is one of these "
+         f"({', '.join(map(str, ep_choices[1:]))}: more "
          f"than 1, at most 64 and dividing {spec.name}'s E = {spec.experts}); otherwise at ep = {fallback_ep}.")
 if choices.mesh["ep"] > 1 and choices.mesh["ep"] not in ep_choices:
     st.caption(f"The sidebar's ep = {choices.mesh['ep']:,} cannot spread {spec.name}'s E = {spec.experts} experts "

@@ -33,3 +33,15 @@ def drop_link_values_not_taken(options: dict, ranges: dict | None = None) -> dic
     for key in bad:
         drop_from_link(key)
     return bad
+
+
+def follow_sidebar(key: str, start) -> None:
+    """A lesson's own slider `key`, whose value starts at the sidebar's (`start`, derived from the sidebar's mesh
+    and model), starts there again when the sidebar changes: a student who moved the sidebar's tp from 1 to 2
+    had kept the lesson's t = 8 from before, where a link opened fresh with tp=2 showed t = 2 (the same sidebar,
+    two pages). Between sidebar changes the slider keeps what the student set; the first run leaves it to the
+    link."""
+    seen = f"_sidebar_start_{key}"
+    if seen in st.session_state and st.session_state[seen] != start:
+        st.session_state[key] = start
+    st.session_state[seen] = start

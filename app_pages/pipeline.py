@@ -4,6 +4,7 @@ and activation memory, what a pipeline costs on real chips, and a live pipeline 
 import streamlit as st
 
 from app_pages.exercise_panel import show_exercises
+from app_pages.link_params import follow_sidebar
 from app_pages.live_panel import run_live, show_live
 from app_pages.metric_row import metric, metric_row
 from app_pages.text_table import text_table
@@ -167,9 +168,10 @@ if "zb-h1" in sims:
 st.header(f"On real chips: {spec.name} on {chip.name}")
 sidebar_pp = choices.mesh["pp"]
 r1, r2 = st.columns(2)
+follow_sidebar("real_pp", sidebar_pp if sidebar_pp in REAL_PP else 4)
 real_pp = r1.select_slider("Stages p", REAL_PP, value=sidebar_pp if sidebar_pp in REAL_PP else 4,
                            key="real_pp", bind="query-params",
-                           help="Starts at the sidebar mesh's pp when that is one of these.")
+                           help="Starts at the sidebar mesh's pp when that is one of these, again whenever it changes.")
 real_m = r2.select_slider("Micro-batches m per step", REAL_M, value=16, key="real_m", bind="query-params")
 tp = choices.mesh["tp"]
 stride = choices.device_mesh().stride("pp")

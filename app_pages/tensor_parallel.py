@@ -3,7 +3,7 @@
 import streamlit as st
 
 from app_pages.exercise_panel import show_exercises
-from app_pages.link_params import drop_link_values_not_taken, link_values
+from app_pages.link_params import drop_link_values_not_taken, follow_sidebar, link_values
 from app_pages.live_panel import run_live, show_live
 from app_pages.text_table import text_table
 from engine.cli import COMMAND
@@ -83,9 +83,10 @@ if asked is not None and str(asked) not in map(str, valid_tp):
     st.info(markdown_text(f"t = {asked} cannot split {spec.name} ({why}); showing t = {default_tp}."),
             icon=":material/link_off:")
     st.session_state["tp_degree"] = default_tp
+follow_sidebar("tp_degree", default_tp)
 tp = st.select_slider("Tensor-parallel degree t", valid_tp, value=default_tp, key="tp_degree", bind="query-params",
                       help="Chips one layer is split over: only the degrees that split this model's heads, "
-                           "KV heads and MLP. The sidebar's tp sets the starting value.")
+                           "KV heads and MLP. Starts at the sidebar's tp, again whenever that changes.")
 if refused_tp:
     st.caption(f"Not offered for {spec.name}: {refused_degrees_text(refused_tp)}.")
 # a micro-batch the slider does not offer had been replaced silently: said, and taken out of the link first

@@ -424,8 +424,8 @@ def test_the_model_ep_help_and_a_sidebar_ep_it_cannot_use():
     at = open_app(PAGE, model="Mixtral 8x7B", ep="16")
     slider = at.select_slider(key="ep_model_degree")
     assert slider.value == 8
-    assert slider.help == ("Starts at the sidebar's ep where that is one of these (2, 4, 8: more than 1, at most 64 "
-                           "and dividing Mixtral 8x7B's E = 8); otherwise at ep = 8.")
+    assert slider.help == ("Starts at the sidebar's ep (again whenever that changes) where that is one of these "
+                           "(2, 4, 8: more than 1, at most 64 and dividing Mixtral 8x7B's E = 8); otherwise at ep = 8.")
     assert any("The sidebar's ep = 16 cannot spread Mixtral 8x7B's E = 8 experts" in c.value and
                "starts at ep = 8 instead" in c.value for c in at.caption)
     # the sidebar's ep = 1 (its default) is no substitution to mention: the page starts at 8 as its help says

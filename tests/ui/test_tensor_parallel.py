@@ -340,3 +340,16 @@ def test_a_superscript_degree_in_a_link_is_not_a_number():
 
     at = open_app("app_pages/tensor_parallel.py", tp_degree="²")
     assert not at.exception and any("not a whole number" in i.value for i in at.info)
+
+
+def test_the_degree_starts_again_at_the_sidebar_s_when_that_changes():
+    """Moving the sidebar's tp had left the lesson's t where it was (8), where a link opened with tp=2 showed
+    t = 2: the same sidebar, two pages (app_pages.link_params.follow_sidebar)."""
+    at = _page(model="Llama 3 8B", chip="h100")
+    at.select_slider(key="tp_degree").set_value(4).run()
+    at.number_input(key="tp").set_value(2).run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.select_slider(key="tp_degree").value == 2
+    at.select_slider(key="tp_degree").set_value(4).run()  # moved again by hand: kept while the sidebar stays
+    at.number_input(key="dp").set_value(2).run()
+    assert at.select_slider(key="tp_degree").value == 4
