@@ -170,7 +170,7 @@ def unused_flag(args, cfg: RunConfig) -> str | None:
     if args.no_prefetch and p.stage != 3:
         return (f"--no-prefetch stops ZeRO-3 gathering the next unit's weights ahead, and this run keeps whole "
                 f"weights (ZeRO stage {p.stage}): use --strategy fsdp (or an fsdp axis), or drop --no-prefetch")
-    if args.dp_comm != ParallelConfig.dp_comm and p.stage != 0:
+    if args.dp_comm != ParallelConfig.dp_comm and p.stage != 0:  # (argv_for leaves these two out)
         return (f"--dp-comm {args.dp_comm} chooses how plain data parallel (ZeRO stage 0) syncs gradients, and this "
                 f"run is ZeRO stage {p.stage}: use --strategy dp, or drop --dp-comm")
     if args.dp_comm != ParallelConfig.dp_comm and cfg.mesh.batch_shards * p.degree("cp", cfg.world) == 1:
@@ -207,8 +207,12 @@ def _default_layers(parallel: ParallelConfig, world: int, virtual_stages: int, p
 
 def argv_for(cfg: RunConfig) -> list[str]:
     """The `python -m engine run` arguments that build `cfg` again (config_from_args inverts it): the
-    command line a page shows under a live run, so it can be reproduced in a terminal."""
+    command line a page shows under a live run, so it can be reproduced in a terminal. A gradient sync with
+    nothing to sync (the data-parallel lesson's naive DDP on one process) is left out, which `unused_flag` would
+    refuse: the command runs the same step."""
     p, m, d = cfg.parallel, cfg.model, ModelConfig()
+    if p.stage != 0 or cfg.mesh.batch_shards * p.degree("cp", cfg.world) == 1:
+        p = replace(p, dp_comm=ParallelConfig.dp_comm)
     argv = ["--strategy", p.strategy, "--world", str(cfg.world), "--steps", str(cfg.steps)]
     default_layers = _default_layers(p, cfg.world, p.virtual_stages, m.pattern)
     pairs = [

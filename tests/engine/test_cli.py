@@ -355,3 +355,15 @@ def test_a_prediction_checked_on_a_busy_machine_says_so():
     assert not any(line.startswith("warning:") for line in lines(1.8))  # quiet-machine drift: said, not warned
     busy = [line for line in lines(6.0) if line.startswith("warning:")]
     assert busy == [f"warning: {busy_words(6.0)}"] and "6.0x slower" in busy[0]
+
+
+def test_a_page_s_command_line_is_one_the_command_line_takes():
+    """The data-parallel lesson's naive DDP on one process: its --dp-comm naive, which nothing uses there, is left
+    out of the command the page shows, which unused_flag would refuse."""
+    from engine.cli import argv_for, config_from_args, run_parser
+    from engine.config import ParallelConfig, RunConfig
+
+    for world in (1, 2):
+        cfg = RunConfig(world=world, parallel=ParallelConfig(strategy="dp", zero_stage=0, dp_comm="naive"))
+        again = config_from_args(run_parser("x").parse_args(argv_for(cfg)))
+        assert again.parallel.dp_comm == ("naive" if world == 2 else "bucketed")
