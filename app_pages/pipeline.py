@@ -168,8 +168,9 @@ if "zb-h1" in sims:
 st.header(f"On real chips: {spec.name} on {chip.name}")
 sidebar_pp = choices.mesh["pp"]
 r1, r2 = st.columns(2)
-follow_sidebar("real_pp", sidebar_pp if sidebar_pp in REAL_PP else 4)
-real_pp = r1.select_slider("Stages p", REAL_PP, value=sidebar_pp if sidebar_pp in REAL_PP else 4,
+start_pp = sidebar_pp if sidebar_pp in REAL_PP else 4
+follow_sidebar("real_pp", start_pp)
+real_pp = r1.select_slider("Stages p", REAL_PP, value=start_pp,
                            key="real_pp", bind="query-params",
                            help="Starts at the sidebar mesh's pp when that is one of these, again whenever it changes.")
 real_m = r2.select_slider("Micro-batches m per step", REAL_M, value=16, key="real_m", bind="query-params")
