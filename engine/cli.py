@@ -170,10 +170,10 @@ def unused_flag(args, cfg: RunConfig) -> str | None:
     if args.no_prefetch and p.stage != 3:
         return (f"--no-prefetch stops ZeRO-3 gathering the next unit's weights ahead, and this run keeps whole "
                 f"weights (ZeRO stage {p.stage}): use --strategy fsdp (or an fsdp axis), or drop --no-prefetch")
-    if args.dp_comm != ParallelConfig.dp_comm and p.stage != 0:  # (argv_for leaves these two out)
+    if args.dp_comm != ParallelConfig.dp_comm and p.stage != 0:  # (argv_for leaves these two out: _dp_comm_used)
         return (f"--dp-comm {args.dp_comm} chooses how plain data parallel (ZeRO stage 0) syncs gradients, and this "
                 f"run is ZeRO stage {p.stage}: use --strategy dp, or drop --dp-comm")
-    if args.dp_comm != ParallelConfig.dp_comm and cfg.mesh.batch_shards * p.degree("cp", cfg.world) == 1:
+    if args.dp_comm != ParallelConfig.dp_comm and not cfg.mesh.grad_axes():
         return (f"--dp-comm {args.dp_comm} chooses how data-parallel ranks sync gradients, and this mesh has none "
                 "(no dp, fsdp, ep or cp axis): add one (e.g. --mesh dp=2) or drop --dp-comm")
     if m.mlp != "moe":
@@ -189,6 +189,12 @@ def unused_flag(args, cfg: RunConfig) -> str | None:
                 return (f"{flag} {value} sizes a Mamba-2 layer, and this model is a Transformer: use --arch mamba2 "
                         f"or hybrid, or drop {flag}")
     return None
+
+
+def _dp_comm_used(cfg: RunConfig) -> bool:
+    """Whether the run's --dp-comm does anything: plain data parallel (ZeRO stage 0, engine.dp) with an axis to sum
+    gradients over (the mesh's grad_axes, the groups engine.dp's all-reduces run in)."""
+    return cfg.parallel.stage == 0 and bool(cfg.mesh.grad_axes())
 
 
 def default_mlp(strategy: str, mesh) -> str:
@@ -211,7 +217,7 @@ def argv_for(cfg: RunConfig) -> list[str]:
     nothing to sync (the data-parallel lesson's naive DDP on one process) is left out, which `unused_flag` would
     refuse: the command runs the same step."""
     p, m, d = cfg.parallel, cfg.model, ModelConfig()
-    if p.stage != 0 or cfg.mesh.batch_shards * p.degree("cp", cfg.world) == 1:
+    if not _dp_comm_used(cfg):
         p = replace(p, dp_comm=ParallelConfig.dp_comm)
     argv = ["--strategy", p.strategy, "--world", str(cfg.world), "--steps", str(cfg.steps)]
     default_layers = _default_layers(p, cfg.world, p.virtual_stages, m.pattern)

@@ -225,11 +225,14 @@ def search_rows(report, by_axis: bool = False) -> list[dict]:
     Shown with SEARCH_FORMATS."""
     rows = []
     piped = any(r.result.layout.pp > 1 for r in report.ranked)  # a schedule column only where one has stages
-    moe = any(r.result.layout.ep > 1 for r in report.ranked)
+    moe = report.case.model.is_moe  # the experts' tp split (etp) is a degree of an MoE model's layout only
     for i, r in enumerate(report.ranked, start=1):
         lay = r.result.layout
-        mesh = ({"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep}
-                | ({"etp": lay.etp} if moe else {}) if by_axis else {"mesh": layout_label(lay)})
+        if by_axis:
+            mesh = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep} | (
+                {"etp": lay.etp} if moe else {})
+        else:
+            mesh = {"mesh": layout_label(lay)}
         rows.append({"rank": i, **mesh, "ZeRO": lay.zero_stage, "micro-batch": lay.micro_batch,
                      "recompute": lay.recompute_label}
                     | ({"schedule": schedule_words(lay)} if piped else {})
