@@ -47,6 +47,8 @@ from engine.model import Attention, Block, Embed, Head, MoE, RMSNorm, SwiGLU, lo
 from engine.optim import AdamW, adamw_
 from engine.ring_attention import block_backward, block_forward, expand_kv, merge, reduce_kv
 from hardware.this_machine import (
+    ADAMW_STATE_SIZES,
+    ADAMW_STATE_TENSOR,
     ALONE_MODE,
     ASYNC_KINDS,
     BACK_TO_BACK_MODE,
@@ -250,8 +252,10 @@ def measure_compute(reps: int = 15, shapes: str = "all", then=None) -> list[dict
         f, b = _fwd_bwd(lambda: _module(RMSNorm(d), torch.randn(rows, d)), reps)
         out.append(_sample("rmsnorm", {"m": rows, "d": d}, f, b))
     anchors.mark()
+    # the default shape and its neighbours, and longer sequences and another head dim, so that the fit can tell
+    # the scores' cost from the FLOPs' (hardware.this_machine.score_elements)
     for bsz, t, d, nq, nkv in ((2, 32, 64, 4, 2), (2, 32, 64, 2, 1), (2, 16, 64, 4, 2), (2, 64, 64, 4, 2),
-                               (4, 64, 128, 4, 4)):
+                               (4, 64, 128, 4, 4), (2, 128, 64, 4, 2), (2, 256, 64, 4, 2), (2, 128, 128, 2, 2)):
         m = _model(d, nq, nkv, 4 * d, t)
         att = Attention(m)
         att.heads, att.kv_heads = nq, nkv
@@ -295,7 +299,8 @@ def measure_compute(reps: int = 15, shapes: str = "all", then=None) -> list[dict
         f, b = _fwd_bwd(lambda: _module(Mamba2(m), torch.randn(bsz, t, d)), reps)
         out.append(_sample("mamba", mamba_shape(m, bsz), f, b))
     anchors.mark()
-    for bsz, h, rows, cols, hd in ((2, 4, 16, 16, 16), (2, 4, 32, 16, 16), (2, 4, 64, 64, 16)):
+    for bsz, h, rows, cols, hd in ((2, 4, 16, 16, 16), (2, 4, 32, 16, 16), (2, 4, 64, 64, 16), (2, 4, 128, 128, 16),
+                                   (2, 2, 64, 64, 64), (2, 4, 256, 256, 16)):
         # one ring step as engine/cp.py runs it: K/V expanded to the query heads (GQA), the block's
         # attention and the merge into the running output; backward: the block's gradients, reduced back
         # onto the KV heads and written into a zero dK/dV buffer
@@ -329,6 +334,20 @@ def measure_compute(reps: int = 15, shapes: str = "all", then=None) -> list[dict
         m2.abs_()
         out.append(_sample("adamw", {"numel": numel}, _mean_s(lambda: adamw_(p, g, m1, m2, 3, hyper), reps),
                            0.0))
+    # the same kernel as the engine's step runs it, over tensor after tensor, at state sizes that outgrow the
+    # caches (hardware.this_machine.ADAMW_STATE_SIZES): each a step's median seconds over its elements
+    for total in ADAMW_STATE_SIZES:
+        state = [[torch.randn(ADAMW_STATE_TENSOR) for _ in range(4)] for _ in range(total // ADAMW_STATE_TENSOR)]
+        for _p, _g, _m1, m2 in state:
+            m2.abs_()
+
+        def step(state=state):
+            for p, g, m1, m2 in state:
+                adamw_(p, g, m1, m2, 3, hyper)
+
+        out.append(_sample("adamw_state", {"numel": total}, _median_s(step, max(5, reps * ADAMW_STATE_TENSOR // total)),
+                           0.0))
+        del state
     small = torch.randn(64)
     out.append(_sample("tiny_op", {"numel": 64}, _mean_s(lambda: small.add(1.0), 4 * reps), 0.0))
     out.append(_sample("copy", {"bytes": 4 * 65536}, _mean_s(lambda: torch.randn(65536).clone(), reps), 0.0))

@@ -96,7 +96,7 @@ def ensure_calibration(worlds, progress=None, remeasure: bool = False, collectiv
         # the speed the fits are at: the reference Block timed between the modules' groups
         cal = tm.Calibration(key=key, created_s=time.time(), cpus=tm.cpu_count(), torch=torch_version(),
                              compute=fits, engine_units=units, probe=probe,
-                             reference_s=tm.anchor_reference_s(solo))
+                             reference_s=tm.anchor_reference_s(solo), adamw_state=tm.fit_adamw_state(solo))
         cal.compute_share[1] = 1.0
         messages.append("timed the engine's modules, its driver and this machine's roofline on one rank")
         done += 1

@@ -80,6 +80,16 @@ TMP_PREFIX = "this-machine-"  # `save`'s temporary files: TMP_PREFIX + random + 
 # one predates that module's measurement.
 COMPUTE_FITS = ("linear", "rmsnorm", "attention", "swiglu", "embed", "head", "moe", "mamba", "ring_block",
                 "adamw", "tiny_op", "block_glue", "zb_split", "zb_record", "optimizer_driver")
+# The AdamW kernel as the engine's optimizer step runs it: over every tensor a rank updates, one after another
+# (engine/dp.py's parameters, engine/flat.py's shards), so the step's state (parameter, gradient and two moments,
+# 16 bytes an element) passes through the caches once per step. The "adamw" fit, one tensor timed over and over,
+# holds while that state stays in them; `Calibration.adamw_state` says how much slower each element goes as it
+# outgrows them, from a step cycling through ADAMW_STATE_SIZES elements held in tensors of ADAMW_STATE_TENSOR.
+# Measured here (2 cores, 2 MiB of L2 each): 1.37 ns an element over 64 Ki elements (1 MiB of state), 1.90 over
+# 1 Mi (16 MiB), 2.93 over 4 Mi (64 MiB), 3.09 over 8 Mi; a width-256 model's step (2.1 M elements in 21 tensors)
+# took 8.7-9.1 ms where the one-tensor fit said 3.1, and 10.5 ms in a 2-rank run.
+ADAMW_STATE_TENSOR = 65536
+ADAMW_STATE_SIZES = (65536, 262144, 1048576, 4194304)
 # ZB-H1's fits are ratios of two timings of the same machine (`fit_compute`), not seconds: the machine's
 # speed of the moment scales neither (`Calibration.at_speed`)
 RATIO_FITS = ("zb_split", "zb_record")
@@ -181,6 +191,10 @@ class Calibration:
     # world -> the group sizes whose communication was measured there (`comm_modes` of each); a world
     # without an entry (a file from before it was kept): the sizes its `comm` keys name
     group_sizes: dict[int, list[int]] = field(default_factory=dict)
+    # elements of optimizer state one step cycles through -> the AdamW kernel's seconds per element there over its
+    # seconds per element at the smallest size, whose state stays in the caches (`fit_adamw_state`; a ratio of two
+    # timings, which the machine's speed of the moment scales alike); empty: not measured (an older file)
+    adamw_state: dict[int, float] = field(default_factory=dict)
     # each rank's time for the reference Block over the slowest rank's, as the speed check right before a
     # run found them with every rank timing at once (engine/predict.at_speed_now); () where it timed one rank.
     # Of one moment, so never kept in the file.
@@ -262,6 +276,11 @@ class Calibration:
         units = {name: factor * s for name, s in self.engine_units.items()}
         return replace(self, compute=compute, engine_units=units), factor
 
+    def adamw_slowdown(self, elements: float) -> float:
+        """How much slower per element the AdamW kernel runs in a step over `elements` (every tensor a rank
+        updates) than the "adamw" fit says (`state_slowdown` of `adamw_state`)."""
+        return state_slowdown(self.adamw_state, elements)
+
     def late_fits(self, world: int, n: int) -> list[CommFit] | None:
         """The late receives (`late_mode`) of groups of `n` at `world`, with 1, 2, ... world / 2 senders
         computing, in that order; None when any of them was not measured."""
@@ -314,6 +333,7 @@ class Calibration:
         d["format"] = FORMAT
         d["compute_share"] = {str(k): v for k, v in self.compute_share.items()}
         d["resume_s"] = {str(k): v for k, v in self.resume_s.items()}
+        d["adamw_state"] = {str(k): v for k, v in self.adamw_state.items()}
         d["group_sizes"] = {str(w): sorted(sizes) for w, sizes in self.group_sizes.items()}
         return d
 
@@ -334,6 +354,7 @@ class Calibration:
                       engine_units={k: _finite(v) for k, v in d["engine_units"].items()},
                       compute_share={int(k): _finite(v) for k, v in d["compute_share"].items()},
                       resume_s={int(k): _finite(v) for k, v in d["resume_s"].items()},
+                      adamw_state={int(k): _finite(v) for k, v in d.get("adamw_state", {}).items()},
                       comm={k: CommFit(**_numbers(v)) for k, v in d["comm"].items()},
                       probe=probe,
                       worlds=[int(w) for w in d["worlds"]], reference_s=_finite(d.get("reference_s", 0.0)),
@@ -374,6 +395,7 @@ def _impossible(cal: Calibration) -> list[str]:
     # a slowdown: fit_share never fits one below 1 (a world's ranks computing at once never run faster)
     wrong += [f"compute_share[{w}] is {s}" for w, s in cal.compute_share.items() if w < 1 or s < 1.0]
     wrong += [f"resume_s[{w}] is {s}" for w, s in cal.resume_s.items() if w < 1 or s < 0]
+    wrong += [f"adamw_state[{n}] is {r}" for n, r in cal.adamw_state.items() if n < 1 or r <= 0]
     for k, f in cal.comm.items():
         wrong += [f"{k} {name} is {v}" for name, v in asdict(f).items()
                   if name != "stalls" and (v < 0 or (name == "cpu_fraction" and v > 1))]
@@ -566,6 +588,8 @@ def load(key: str, now_s: float | None = None) -> tuple[Calibration | None, str]
         return None, (f"the calibration is dated {-age / 3600:,.1f} hours in the future (the clock was changed, or "
                       "the file edited), so its age is unknown; measuring again")
     missing = [op for op in COMPUTE_FITS if op not in cal.compute]
+    if not cal.adamw_state:
+        missing.append("the optimizer over more state than the caches hold")
     if cal.reference_s <= 0:
         missing.append("the reference Block its speed is checked against")
     # a pipeline's messages (engine/calibrate._pipeline_messages), timed on every even world's pairs, with
@@ -701,10 +725,10 @@ def work(op: str, s: dict) -> float:
         return 2.0 * s["m"] * s["k"] * s["n"]
     if op == "rmsnorm":
         return float(s["m"] * s["d"])
-    if op == "attention":
+    if op == "attention":  # the projections, and QK^T and PV over the scores the kernel computes
         tokens, hd = s["b"] * s["t"], s["head_dim"]
         proj = 2.0 * tokens * s["d"] * (2 * s["heads"] + 2 * s["kv_heads"]) * hd
-        return proj + 4.0 * s["b"] * s["heads"] * s["t"] ** 2 * hd
+        return proj + 4.0 * hd * score_elements(op, s)
     if op == "swiglu":
         return 6.0 * s["b"] * s["t"] * s["d"] * s["ffn"]
     if op == "embed":
@@ -763,7 +787,7 @@ def fit_compute(samples: list[dict]) -> tuple[dict[str, Fit], dict[str, float], 
         by_op.setdefault(smp["op"], []).append(smp)
     fits: dict[str, Fit] = {}
     for op, rows in by_op.items():
-        if op in ("engine_unit", "engine_step", "engine_optimizer", "probe", "block", "copy"):
+        if op in ("engine_unit", "engine_step", "engine_optimizer", "probe", "block", "copy", "adamw_state"):
             continue
         if op == "zb_split":
             # ZB-H1's two backward halves per second of the plain backward they replace (work = that
@@ -780,6 +804,9 @@ def fit_compute(samples: list[dict]) -> tuple[dict[str, Fit], dict[str, float], 
             continue
         if op == "mamba":  # fixed + per step of the scan's chunk loop + per FLOP
             fits["mamba"] = _fit_items("mamba", rows, scan_steps, refit=True)
+            continue
+        if op in ("attention", "ring_block"):  # fixed + per score + per FLOP
+            fits[op] = _fit_scores(op, rows)
             continue
         f = _fit_line([(work(op, r["shape"]), r["fwd_s"]) for r in rows])
         b = _fit_line([(work(op, r["shape"]), r["bwd_s"]) for r in rows])
@@ -804,13 +831,111 @@ def fit_compute(samples: list[dict]) -> tuple[dict[str, Fit], dict[str, float], 
         # what the engine's optimizer step adds per tensor around the AdamW kernel (its loop, the state
         # lookups, the recorder): its own step at world 1 against the kernel's fit
         n, numel = opt[0]["shape"]["tensors"], opt[0]["shape"]["numel"]
-        kernel = n * fits["adamw"].fwd_fixed_s + numel * fits["adamw"].fwd_per_unit_s
+        slowdown = state_slowdown(fit_adamw_state(samples), numel)
+        kernel = n * fits["adamw"].fwd_fixed_s + numel * fits["adamw"].fwd_per_unit_s * slowdown
         fits["optimizer_driver"] = Fit(max(0.0, opt[0]["fwd_s"] - kernel) / n, 0.0)
     units = {r["shape"]["name"]: r["fwd_s"] for r in by_op.get("engine_unit", [])}
     if by_op.get("engine_step"):
         units["step"] = by_op["engine_step"][0]["fwd_s"]
     probe = next((r["probe"] for r in by_op.get("probe", [])), {})
     return fits, units, probe
+
+
+def fit_adamw_state(samples: list[dict]) -> dict[int, float]:
+    """`Calibration.adamw_state` from `engine.calibrate.measure_compute`'s "adamw_state" samples (a step's
+    seconds over its elements at each size): each size's seconds per element over the smallest size's."""
+    per_element = {int(s["shape"]["numel"]): s["fwd_s"] / s["shape"]["numel"]
+                   for s in samples if s["op"] == "adamw_state" and s["fwd_s"] > 0}
+    if not per_element:
+        return {}
+    base = per_element[min(per_element)]
+    return {n: v / base for n, v in sorted(per_element.items())}
+
+
+def state_slowdown(adamw_state: dict[int, float], elements: float) -> float:
+    """The AdamW kernel's seconds per element in a step over `elements` over the "adamw" fit's, which was timed
+    on one tensor whose state stays in the caches: `adamw_state` (`fit_adamw_state`) interpolated in log size,
+    1 up to its smallest size, its largest's beyond (the state streamed from memory at a steady rate); 1 where
+    it was not measured."""
+    points = sorted(adamw_state.items())
+    if not points or elements <= points[0][0]:
+        return 1.0
+    for (n0, r0), (n1, r1) in zip(points, points[1:], strict=False):
+        if elements <= n1:
+            return r0 + (r1 - r0) * math.log(elements / n0) / math.log(n1 / n0)
+    return points[-1][1]
+
+
+# PyTorch's CPU FlashAttention kernel (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp, forward and backward),
+# which torch.nn.functional.scaled_dot_product_attention runs for the engine's attention on CPU: queries in blocks
+# of 32 rows, 64 from 192 tokens, 256 from 768; keys in blocks of 512; with is_causal a query block computes
+# only the key blocks up to its last row's position, each whole
+SDPA_Q_SPLITS = ((768, 256), (192, 64), (0, 32))  # (queries at least, rows per block)
+SDPA_KV_SPLIT = 512
+
+
+def sdpa_scores(t: int) -> int:
+    """Scores one head's causal attention over `t` tokens computes in the CPU kernel (SDPA_Q_SPLITS): every
+    t x t up to 512 tokens (one key block holds them all), 3/4 of them at 1,024."""
+    q_split = next(rows for least, rows in SDPA_Q_SPLITS if t >= least)
+    total = 0
+    for m in range(0, t, q_split):
+        block = min(q_split, t - m)
+        keys = min(m + block, t)
+        total += block * min(t, -(-keys // SDPA_KV_SPLIT) * SDPA_KV_SPLIT)
+    return total
+
+
+def score_elements(op: str, s: dict) -> float:
+    """The attention scores a module computes: the engine's attention ("attention": b x heads x `sdpa_scores`)
+    or one ring step's block ("ring_block", b x heads x rows x cols, materialised). Each passes through the
+    softmax and its backward, work whose cost per score is the same at any head dim, so at the engine's small
+    head dims (16 at the default width) it is not proportional to the FLOPs (`work`): one fit line through the
+    FLOPs of short sequences had put a 256 x 256 ring block at 0.49x its time, attention at 256 tokens 0.80x."""
+    if op == "attention":
+        return float(s["b"] * s["heads"] * sdpa_scores(s["t"]))
+    if op == "ring_block":
+        return float(s["b"] * s["heads"] * s["rows"] * s["cols"])
+    return 0.0
+
+
+def _fit_scores(op: str, rows: list[dict]) -> Fit:
+    """t = a + e * score elements + c * FLOPs, forward and backward (`score_elements`), each shape's error
+    relative to its time (the shapes span 100x in time; in absolute seconds the longest would set every term),
+    every term kept >= 0 (`_relative_nonnegative`)."""
+    def solve(key: str) -> tuple[float, float, float]:
+        return _relative_nonnegative([(1.0, score_elements(op, r["shape"]), work(op, r["shape"])) for r in rows],
+                                     [r[key] for r in rows])
+
+    fa, fe, fc = solve("fwd_s")
+    ba, be, bc = solve("bwd_s")
+    return Fit(fa, fc, ba, bc, fe, be)
+
+
+def _relative_nonnegative(xs: list[tuple[float, float, float]], ys: list[float]) -> tuple[float, float, float]:
+    """Least squares of y = x . (a, e, c) with each row's error relative to its y, every coefficient >= 0: the
+    three-term solution where none is negative, else the best of the two-term ones (`nonnegative_fit`, a third
+    term at zero) by relative squared error. Rows with no time carry no weight."""
+    rows = [(tuple(v / y for v in x), 1.0) for x, y in zip(xs, ys, strict=True) if y > 0]
+    if not rows:
+        return 0.0, 0.0, 0.0
+    coef = _lstsq3([x for x, _ in rows], [y for _, y in rows])
+    if min(coef) >= 0:
+        return coef
+
+    def error(c) -> float:
+        return sum((sum(ci * xi for ci, xi in zip(c, x, strict=True)) - 1.0) ** 2 for x, _ in rows)
+
+    best = None
+    for i, j in ((0, 1), (0, 2), (1, 2)):
+        pair = nonnegative_fit([(x[i], x[j], 1.0) for x, _ in rows])
+        if pair is None:
+            continue
+        c = [0.0, 0.0, 0.0]
+        c[i], c[j] = pair
+        if best is None or error(c) < error(best):
+            best = c
+    return tuple(best) if best is not None else (0.0, 0.0, 0.0)
 
 
 def _fit_moe(rows: list[dict]) -> Fit:

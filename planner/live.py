@@ -63,6 +63,7 @@ from hardware.this_machine import (
     early_mode,
     late_mode,
     scan_steps,
+    score_elements,
     work,
 )
 from planner.eventsim import Collective, Compute, Recv, Send, Wait, simulate
@@ -182,9 +183,11 @@ class _Costs:
         return self.cal.compute[op]
 
     def fit(self, op: str, shape: dict, fwd: bool, items: float = 0.0) -> float:
+        """Seconds of `op` at `shape`: its fit at the shape's work and items (`items`, else the attention scores
+        it computes: hardware.this_machine.score_elements, 0 for modules without)."""
         f = self.compute_fit(op)
-        w = work(op, shape)
-        return f.fwd(w, items) if fwd else f.bwd(w, items)
+        w, n = work(op, shape), items or score_elements(op, shape)
+        return f.fwd(w, n) if fwd else f.bwd(w, n)
 
     def _block(self, s: _Shape, fwd: bool, norm_rows: int | None = None, head_dim: int | None = None) -> float:
         rows = norm_rows if norm_rows is not None else s.b * s.t
@@ -199,10 +202,13 @@ class _Costs:
         return self._block(s, fwd, norm_rows) + (self.driver_fwd if fwd else self.driver_bwd)
 
     def attention_core(self, s: _Shape, fwd: bool) -> float:
-        """The scaled-dot-product part of the attention fit (its FLOPs at the fitted rate)."""
+        """The scaled-dot-product part of the attention fit: its scores' FLOPs at the fitted rate and the
+        scores themselves at theirs."""
         f = self.compute_fit("attention")
-        flops = 4.0 * s.b * s.heads * s.t ** 2 * (self.m.hidden // self.m.heads)
-        return flops * (f.fwd_per_unit_s if fwd else f.bwd_per_unit_s)
+        scores = score_elements("attention", {"b": s.b, "heads": s.heads, "t": s.t})
+        flops = 4.0 * scores * (self.m.hidden // self.m.heads)
+        return (flops * f.fwd_per_unit_s + scores * f.fwd_per_item_s if fwd
+                else flops * f.bwd_per_unit_s + scores * f.bwd_per_item_s)
 
     def ring_block(self, b: int, heads: int, rows: int, cols: int, fwd: bool) -> float:
         shape = {"b": b, "heads": heads, "rows": rows, "cols": cols, "head_dim": self.m.hidden // self.m.heads}
@@ -240,9 +246,11 @@ class _Costs:
 
     def adamw(self, numels: list[int]) -> float:
         """The optimizer step over tensors of `numels`: the AdamW kernel's fit and the engine's step around
-        it, per tensor (hardware.this_machine.fit_compute's optimizer_driver)."""
+        it, per tensor (hardware.this_machine.fit_compute's optimizer_driver). Each element at the step's own
+        pace: its state, all of the tensors', streams through the caches once (`Calibration.adamw_slowdown`)."""
         f, driver = self.compute_fit("adamw"), self.compute_fit("optimizer_driver")
-        return sum(f.fwd(n) + driver.fwd(0) for n in numels)
+        slowdown = self.cal.adamw_slowdown(sum(numels))
+        return sum(f.fwd_fixed_s + f.fwd_per_unit_s * n * slowdown + driver.fwd(0) for n in numels)
 
     def comm(self, kind: str, n: int, nbytes: float, mode: str = "sync", gap_s: float | None = None,
              after_collective: bool = False) -> float:

@@ -29,6 +29,7 @@ def _cal(key="abc", created_s=1000.0, without=(), fill=True, **kw) -> tm.Calibra
     cal = tm.Calibration(key=key, created_s=created_s, cpus=2, torch="2.13.0",
                           compute=fits, engine_units={"step": 0.01},
                           compute_share={1: 1.0, 2: 1.1}, resume_s={2: 1.5e-4},
+                          adamw_state={65536: 1.0, 1048576: 1.4, 4194304: 2.1},
                           comm={tm.comm_key(2, "all_reduce", 2, "sync"): tm.CommFit(4e-4, 2e-9, 0.6, gap_s=3e-4),
                                 tm.comm_key(2, "send_recv", 2, tm.late_mode(1)): tm.CommFit(8e-4, 2e-9, 0.5),
                                 tm.comm_key(2, "send_recv", 2, tm.late_mode(0)): tm.CommFit(9e-4, 2e-9, 0.4),
@@ -331,6 +332,49 @@ def test_optimizer_driver_is_the_engines_step_less_the_adamw_kernel_per_tensor()
     assert driver.fwd(0) == pytest.approx((0.31e-3 - 10 * 20e-6 - 10_000e-9) / 10)
 
 
+def _state_samples(ns_per_element: dict[int, float]) -> list[dict]:
+    return [{"op": "adamw_state", "shape": {"numel": n}, "fwd_s": n * ns * 1e-9, "bwd_s": 0.0}
+            for n, ns in ns_per_element.items()]
+
+
+def test_adamw_state_is_each_sizes_time_per_element_over_the_smallest_sizes():
+    # this machine: 1.37 ns an element over 64 Ki elements, 1.90 over 1 Mi, 2.93 over 4 Mi (ADAMW_STATE_SIZES)
+    state = tm.fit_adamw_state(_state_samples({65536: 1.37, 1048576: 1.90, 4194304: 2.93}))
+    assert state == pytest.approx({65536: 1.0, 1048576: 1.90 / 1.37, 4194304: 2.93 / 1.37})
+    assert tm.fit_adamw_state([]) == {}  # not measured: no slowdown (state_slowdown)
+    assert "adamw_state" not in tm.fit_compute(_state_samples({65536: 1.37}))[0]  # not a module fit
+
+
+def test_state_slowdown_interpolates_in_log_size_and_holds_beyond_the_ends():
+    state = {65536: 1.0, 1048576: 1.4, 4194304: 2.2}
+    assert tm.state_slowdown(state, 1000) == 1.0 and tm.state_slowdown(state, 65536) == 1.0  # in the caches
+    assert tm.state_slowdown(state, 1048576) == pytest.approx(1.4)
+    assert tm.state_slowdown(state, 2097152) == pytest.approx(1.8)  # half way from 1 Mi to 4 Mi in log size
+    assert tm.state_slowdown(state, 262144) == pytest.approx(1.2)  # 64 Ki -> 256 Ki is half of 64 Ki -> 1 Mi
+    assert tm.state_slowdown(state, 1e9) == pytest.approx(2.2)  # streamed from memory: the largest's pace
+    assert tm.state_slowdown({}, 1e9) == 1.0
+    assert _cal().adamw_slowdown(2097152) == pytest.approx(1.75)
+
+
+def test_optimizer_driver_takes_the_kernel_at_the_default_models_state_size():
+    # the engine's step over 2 Mi elements (10 tensors) took 10.4 ms; AdamW 20 us + 1 ns per element in the
+    # caches, 1.8x that per element over 2 Mi: the kernel's part 10 x 20 us + 2 Mi x 1.8 ns
+    samples = [{"op": "adamw", "shape": {"numel": n}, "fwd_s": 20e-6 + 1e-9 * n, "bwd_s": 0.0} for n in (64, 4096)]
+    samples += _state_samples({65536: 1.0, 2097152: 1.8})
+    samples.append({"op": "engine_optimizer", "shape": {"tensors": 10, "numel": 2097152}, "fwd_s": 10.4e-3,
+                    "bwd_s": 0.0})
+    driver = tm.fit_compute(samples)[0]["optimizer_driver"]
+    assert driver.fwd(0) == pytest.approx((10.4e-3 - 10 * 20e-6 - 2097152 * 1.8e-9) / 10)
+
+
+def test_a_file_without_the_optimizer_over_large_state_is_measured_again(cache):
+    cal = _cal()
+    cal.adamw_state = {}  # a file from before it was measured
+    tm.save(cal)
+    loaded, why = tm.load("abc", now_s=1001.0)
+    assert loaded is None and "the optimizer over more state than the caches hold" in why and "measuring again" in why
+
+
 def test_fit_moe_separates_per_expert_and_per_flop_costs():
     rows = []
     for experts, top_k, ffn in [(2, 1, 32), (4, 2, 64), (8, 2, 32), (4, 1, 128)]:
@@ -516,6 +560,7 @@ def _comm(key: str, **fields) -> dict:
      "burst is -6"),
     (_with(comm={**_cal().to_dict()["comm"], "nonsense": _comm("w2/all_reduce/n2/sync")}), "malformed"),
     (_with(reference_s=-1.5e-3), "reference_s is -0.0015"),
+    (_with(adamw_state={"65536": 1.0, "1048576": 0.0}), "adamw_state[1048576] is 0.0"),  # a free optimizer step
     (_with(worlds=[1, 2]), "world 1 has no communication"),
     (_with(group_sizes={"2": [3]}), "world 2 lists groups of [3]"),
     (_with(group_sizes={"2": [2], "4": [2, 4]}), "group sizes of world 4, which was not measured"),
@@ -682,3 +727,49 @@ def test_world_2_times_its_messages_at_a_second_load_and_older_files_price_them_
     assert cal.late_fits(2, 2)[-1] is loaded and len(cal.late_fits(2, 2)) == 2
     del cal.comm[tm.comm_key(2, "send_recv", 2, tm.late_mode(1))]
     assert cal.late_fits(2, 2) is None  # a required load missing: none
+
+
+# -- attention: the scores' own cost beside their FLOPs -------------------------------------------------------
+
+def test_sdpa_scores_counts_the_cpu_kernels_causal_blocks():
+    # up to 512 tokens one key block holds every key: all t x t computed, the mask applied inside
+    assert tm.sdpa_scores(32) == 32 * 32 and tm.sdpa_scores(512) == 512 * 512
+    # 1,024 tokens: query blocks of 256 need 1, 1, 2, 2 key blocks of 512 (FlashAttentionKernel.cpp)
+    assert tm.sdpa_scores(1024) == 256 * (512 + 512 + 1024 + 1024) == 3 * 1024 * 1024 // 4
+    # 513 tokens: blocks of 64; the last, one row, reaches past the first key block into a second (of 1 key)
+    assert tm.sdpa_scores(513) == 512 * 512 + 513
+
+
+def test_score_elements_of_attention_and_of_a_ring_block():
+    assert tm.score_elements("attention", {"b": 2, "heads": 4, "t": 1024}) == 2 * 4 * 786432
+    assert tm.score_elements("ring_block", {"b": 2, "heads": 4, "rows": 16, "cols": 32}) == 2 * 4 * 16 * 32
+    assert tm.score_elements("swiglu", {"b": 2, "t": 32, "d": 64, "ffn": 128}) == 0.0
+    # attention's work counts QK^T and PV over the computed scores only
+    s = {"b": 1, "t": 1024, "d": 64, "heads": 4, "kv_heads": 2, "head_dim": 16}
+    assert tm.work("attention", s) == pytest.approx(2.0 * 1024 * 64 * 12 * 16 + 4.0 * 16 * 4 * 786432)
+
+
+def _attention_samples(a: float, e: float, c: float) -> list[dict]:
+    rows = []
+    for b, t, d, h, kv in ((2, 32, 64, 4, 2), (2, 16, 64, 4, 2), (2, 128, 64, 4, 2), (2, 256, 64, 4, 2),
+                           (2, 128, 128, 2, 2)):
+        s = {"b": b, "t": t, "d": d, "heads": h, "kv_heads": kv, "head_dim": d // h}
+        y = a + e * tm.score_elements("attention", s) + c * tm.work("attention", s)
+        rows.append({"op": "attention", "shape": s, "fwd_s": y, "bwd_s": 2 * y})
+    return rows
+
+
+def test_attention_fit_separates_fixed_per_score_and_per_flop_costs():
+    fit = tm.fit_compute(_attention_samples(1.5e-4, 6e-10, 1.2e-11))[0]["attention"]
+    assert (fit.fwd_fixed_s, fit.fwd_per_item_s, fit.fwd_per_unit_s) == pytest.approx((1.5e-4, 6e-10, 1.2e-11))
+    assert (fit.bwd_fixed_s, fit.bwd_per_item_s, fit.bwd_per_unit_s) == pytest.approx((3e-4, 1.2e-9, 2.4e-11))
+
+
+def test_relative_fit_keeps_every_term_nonnegative():
+    # times that fall with the scores: a negative per-score term would only fit noise; the best two-term fit
+    # with that term at zero is kept
+    xs = [(1.0, 1e3, 1e6), (1.0, 1e5, 2e6), (1.0, 1e4, 4e6)]
+    ys = [2e-4, 2.5e-4, 5e-4]
+    coef = tm._relative_nonnegative(xs, ys)
+    assert min(coef) >= 0 and coef[1] == 0.0
+    assert tm._relative_nonnegative([(1.0, 0.0, 0.0)], [0.0]) == (0.0, 0.0, 0.0)  # nothing timed: no weight

@@ -25,6 +25,7 @@ from hardware.this_machine import (
     Calibration,
     CalibrationError,
     CommFit,
+    Fit,
     comm_key,
     early_mode,
     late_mode,
@@ -824,3 +825,18 @@ def test_an_expert_shard_is_summed_over_its_own_replica_axes():
     groups = [s.group for s in spans if s.name == "all_reduce grad shards"]
     units = _cfg("--mesh cp=2,ep=2 --mlp moe --zero-stage 1 --world 4").model.layers + 2
     assert groups.count("cp+ep") == units and groups.count("cp") == _cfg("--mlp moe").model.layers
+
+
+def test_the_optimizer_step_runs_each_element_at_the_pace_of_the_steps_whole_state():
+    # AdamW 20 us a tensor + 1 ns an element while its state stays in the caches, 2x per element over 4 Mi
+    # elements; the driver 10 us a tensor. 64 tensors of 64 Ki elements (4 Mi, 64 MiB of state): 64 x (20 + 10)
+    # us + 4 Mi x 2 ns; one of them alone stays in the caches
+    cal = dataclasses.replace(CAL, compute={**CAL.compute, "adamw": Fit(20e-6, 1e-9),
+                                            "optimizer_driver": Fit(10e-6, 0.0)},
+                              adamw_state={65536: 1.0, 4194304: 2.0})
+    costs = _Costs(cal, _cfg("--strategy dp --world 2"))
+    assert costs.adamw([65536] * 64) == pytest.approx(64 * 30e-6 + 4194304 * 2e-9)
+    assert costs.adamw([65536]) == pytest.approx(30e-6 + 65536e-9)
+    # a calibration from before it was measured: every element at the one tensor's pace
+    assert _Costs(dataclasses.replace(cal, adamw_state={}), _cfg("--strategy dp --world 2")).adamw(
+        [65536] * 64) == pytest.approx(64 * 30e-6 + 4194304e-9)
