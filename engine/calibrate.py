@@ -617,11 +617,16 @@ def comm_task(ctx, group_sizes: list[int], sizes: tuple[int, ...] = COMM_SIZES, 
                                 [sum(w for w, _ in posts), sum(c for _, c in posts), len(posts)]))
         blocking = {key: call for key, call in sync.items() if key[0] in SYNC_GAP_KINDS}
         gap_rounds = max(1, SYNC_GAP_ROUNDS * rounds // COMM_ROUNDS)
-        # and back to back (no gap): a naive data-parallel sync's all-reduces run 3-4x faster than after any
-        # compute (2 ranks here, 1 KB: 0.18 ms back to back, 0.27 ms after 50 us of compute, 0.47 ms after 0.3 ms)
-        for mode, gap_s in [*SYNC_GAPS_S.items(), (BACK_TO_BACK_MODE, 0.0)]:
+        for mode, gap_s in SYNC_GAPS_S.items():
             for (kind, nbytes), sums in _rounds(blocking, gap_rounds, dist, gap_s).items():
                 out.append(_row(kind, n, ctx.world, nbytes, mode, sums) | {"gap_s": gap_s})
+        # and back to back (no gap): a naive data-parallel sync's all-reduces run faster than after any compute
+        # (2 ranks here, 1 KB: 0.18 ms back to back, 0.27 ms after 50 us of compute, 0.47 ms after 0.3 ms). Each
+        # size in runs of its own, right after an operation of the same size, as a naive sync's parameters of one
+        # shape follow one another: taking turns with the other sizes, a 1 KB all-reduce came right after one of
+        # 512 KB, whose ranks finish apart, and read 722-879 us (0.41 ms alone) where the naive step's took 0.47
+        for (kind, nbytes), sums in back_to_back(blocking, gap_rounds, dist).items():
+            out.append(_row(kind, n, ctx.world, nbytes, BACK_TO_BACK_MODE, sums) | {"gap_s": 0.0})
         # the middle window sits here, not right before the blocking operations after a gap, which it
         # slowed: a 2-rank all-reduce after 50 us of compute read 1.35 ms on average over six calibrations
         # with it there (above the 1.3 ms it takes after 300 us), 0.94 ms over seven with it here
@@ -845,6 +850,15 @@ def _rounds(calls: dict, rounds: int, dist, gap_s: float) -> dict:
                     acc[0] += wall
                     acc[1] += _process_cpu_s() - cpu0
                     acc[2] += 1
+    return sums
+
+
+def back_to_back(calls: dict, rounds: int, dist) -> dict:
+    """`_rounds` with no gap, each message size in a run of its own (keys (kind, size)): every call right after
+    one of the same size, of its kind or, where the kinds take turns, of another."""
+    sums = {}
+    for nbytes in sorted({key[1] for key in calls}):
+        sums.update(_rounds({key: call for key, call in calls.items() if key[1] == nbytes}, rounds, dist, 0.0))
     return sums
 
 

@@ -381,3 +381,20 @@ def test_comm_task_times_exactly_comm_modes(pools):
     rows = pools(2).run("engine.calibrate:comm_task", {"group_sizes": [2], "sizes": (1024,), "rounds": 2,
                                                        "async_rounds": 1}, timeout_s=120)
     assert set(tm.fit_comm(2, rows)) == {tm.comm_key(2, kind, 2, mode) for kind, mode in tm.comm_modes(2, 2)}
+
+
+def test_back_to_back_timings_follow_an_operation_of_the_same_size():
+    # a naive sync's all-reduces follow one another parameter by parameter; taking turns with 512 KB, a 1 KB
+    # all-reduce had been timed right after the larger one, whose ranks finish apart
+    from engine.calibrate import back_to_back
+
+    order = []
+    calls = {(kind, nbytes): (lambda kind=kind, nbytes=nbytes: order.append((kind, nbytes)))
+             for kind in ("all_reduce", "all_gather") for nbytes in (1024, 131072, 524288)}
+    barrier = type("Dist", (), {"barrier": staticmethod(lambda: None)})
+    sums = back_to_back(calls, 20, barrier)
+    assert set(sums) == set(calls) and all(s[2] == 20 for s in sums.values())
+    # warm-ups included, the size changes twice over the whole measurement: every call but each size's first
+    # comes right after one of its own size
+    sizes = [nbytes for _, nbytes in order]
+    assert sum(a != b for a, b in zip(sizes, sizes[1:], strict=False)) == 2
