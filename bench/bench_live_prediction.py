@@ -1,10 +1,11 @@
 """Live-prediction benchmark: the planner's prediction of each default live run beside its measurement.
 
     .venv/bin/python bench/bench_live_prediction.py [--worlds 2 4] [--steps 10] [--repeats 3] [--cached] [--more]
-                                                    [--calibrations N]
+                                                    [--larger] [--calibrations N]
 
 For dp, fsdp (ZeRO-3), tp + sp, pp 1F1B, cp and ep at each world (with --more, then in a second table the
-runs the targets do not name: the other pipeline schedules, other syncs and variants, Mamba, 2-D meshes):
+runs the targets do not name: the other pipeline schedules, other syncs and variants, Mamba, 2-D meshes; with
+--larger, a table of runs of models wider and longer than the default, as the Lab's boxes allow):
 calibrates this machine first, predicts the run (planner/live.py) from it at the machine's speed of the
 moment (the calibration's reference Block timed again right before: `speed` is how much slower it ran,
 engine/predict.at_speed_now, as every live run's prediction does), then runs it `--repeats` times on the
@@ -95,6 +96,20 @@ MORE_RUNS = {
     "cp2 x dp2": ("--mesh cp=2,dp=2", (4,)),
 }
 
+# Models larger than the default (--larger), as the Lab's boxes allow (ui/lab.py LAB_NUMBERS): the calibration
+# times the modules at small shapes and longer sequences, and these ask how far its fits carry
+LARGER_RUNS = {
+    "dp width 256": ("--strategy dp --hidden 256 --ffn 1024", (2,)),
+    "dp seq 256": ("--strategy dp --seq-len 256", (2,)),
+    "dp 4 seqs": ("--strategy dp --micro-batch-size 4", (2,)),
+    "fsdp 8 layers": ("--strategy fsdp --layers 8", (2,)),
+    "tp width 256": ("--strategy tp --hidden 256 --ffn 1024 --sequence-parallel", (2, 4)),
+    "cp seq 512": ("--strategy cp --seq-len 512", (2,)),
+    "ep 8 top-2": ("--strategy ep --experts 8 --top-k 2", (2,)),
+    "small, ep": ("--strategy ep --layers 4 --hidden 128 --heads 8 --kv-heads 4 --ffn 256", (2,)),
+    "pp gpipe 8 layers": ("--strategy pp --schedule gpipe --micro-batches 8 --layers 8", (4,)),
+}
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -105,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="predict from the cached calibration when it is sound instead of measuring it again")
     ap.add_argument("--remeasure", action="store_true", help="measure the calibration again (the default)")
     ap.add_argument("--more", action="store_true", help="then the runs the targets do not name (MORE_RUNS)")
+    ap.add_argument("--larger", action="store_true", help="then runs of larger models (LARGER_RUNS)")
     ap.add_argument("--calibrations", type=int, default=1, metavar="N",
                     help="calibrate N times and print the range of each run's error over them (module docstring)")
     args = ap.parse_args(argv)
@@ -121,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         cals.append(cal)
     print("\n".join(f"  {line}" for line in summary_lines(cals[-1])))
     named = {name: (flags, None) for name, flags in DEFAULT_RUNS.items()}
-    for title, runs in [("the default runs", named)] + ([("runs not named", MORE_RUNS)] if args.more else []):
+    for title, runs in ([("the default runs", named)] + ([("runs not named", MORE_RUNS)] if args.more else [])
+                        + ([("larger models", LARGER_RUNS)] if args.larger else [])):
         _table(title, runs, cals, args)
     launch.shutdown_all()
     return 0

@@ -89,6 +89,7 @@ COMPUTE_FITS = ("linear", "rmsnorm", "attention", "swiglu", "embed", "head", "mo
 # 1 Mi (16 MiB), 2.93 over 4 Mi (64 MiB), 3.09 over 8 Mi; a width-256 model's step (2.1 M elements in 21 tensors)
 # took 8.7-9.1 ms where the one-tensor fit said 3.1, and 10.5 ms in a 2-rank run.
 ADAMW_STATE_TENSOR = 65536
+ADAMW_STATE_BYTES = 16  # an element's parameter, gradient and two moments, fp32
 ADAMW_STATE_SIZES = (65536, 262144, 1048576, 4194304)
 # ZB-H1's fits are ratios of two timings of the same machine (`fit_compute`), not seconds: the machine's
 # speed of the moment scales neither (`Calibration.at_speed`)
@@ -1059,6 +1060,12 @@ def summary_lines(cal: Calibration) -> list[str]:
         f = cal.compute["linear"]
         lines.append(f"a small matmul costs {f.fwd_fixed_s * 1e6:.1f} us of overhead + its FLOPs at "
                      f"{1 / f.fwd_per_unit_s / 1e9 if f.fwd_per_unit_s else math.inf:,.1f} GFLOP/s")
+    if cal.adamw_state:
+        largest = max(cal.adamw_state)
+        mib = largest * ADAMW_STATE_BYTES / 2**20
+        lines.append(f"an AdamW step over {largest / 2**20:,.3g} M elements ({mib:,.0f} MiB of weights, gradients and "
+                     f"moments) takes {cal.adamw_slowdown(largest):.2f}x as long per element as over "
+                     f"{min(cal.adamw_state) / 2**10:,.0f} Ki, whose state stays in the caches")
     for w in sorted(cal.worlds):
         ar = cal.comm.get(comm_key(w, "all_reduce", w, "sync"))
         if ar:

@@ -464,6 +464,8 @@ def test_summary_lines_are_words():
     assert any("0.90 ms after the receive with its sender blocked, 0.80 ms with 1 sender computing" in line
                for line in lines)
     assert any("reference Block" in line and "1.50 ms" in line for line in lines)
+    assert ("an AdamW step over 4 M elements (64 MiB of weights, gradients and moments) takes 2.10x as long per "
+            "element as over 64 Ki, whose state stays in the caches") in lines
     assert any("posting a pipeline message (its isend) holds the sender 0.30 ms on average" in line
                for line in lines)
     assert any("two asynchronous all-reduces of 128 KB posted at once get through 1.25 operations' worth in the "
