@@ -299,34 +299,17 @@ def measure_compute(reps: int = 15, shapes: str = "all", then=None) -> list[dict
         f, b = _fwd_bwd(lambda: _module(Mamba2(m), torch.randn(bsz, t, d)), reps)
         out.append(_sample("mamba", mamba_shape(m, bsz), f, b))
     anchors.mark()
-    for bsz, h, rows, cols, hd in ((2, 4, 16, 16, 16), (2, 4, 32, 16, 16), (2, 4, 64, 64, 16), (2, 4, 128, 128, 16),
-                                   (2, 2, 64, 64, 64), (2, 4, 256, 256, 16)):
-        # one ring step as engine/cp.py runs it: K/V expanded to the query heads (GQA), the block's
-        # attention and the merge into the running output; backward: the block's gradients, reduced back
-        # onto the KV heads and written into a zero dK/dV buffer
-        kv_heads = max(1, h // 2)
-        q = torch.randn(bsz, h, rows, hd)
-        kv = torch.randn(2, bsz, kv_heads, cols, hd)
-        out0, lse0 = torch.randn(bsz, h, rows, hd), torch.randn(bsz, h, rows)
-        scale = hd ** -0.5
-
-        def fwd_step():
-            o_b, l_b = block_forward(q, expand_kv(kv[0], h), expand_kv(kv[1], h), None, scale)
-            return merge(out0, lse0, o_b, l_b)
-
-        lse = torch.randn(bsz, h, rows)
-        dout, delta = torch.randn(bsz, h, rows, hd), torch.randn(bsz, h, rows)
-
-        def bwd_step():
-            dq_b, dk_b, dv_b = block_backward(q, expand_kv(kv[0], h), expand_kv(kv[1], h), None, scale, lse,
-                                              dout, delta)
-            dkv = torch.zeros_like(kv)
-            dkv[0] = reduce_kv(dk_b, kv_heads)
-            dkv[1] = reduce_kv(dv_b, kv_heads)
-            return dq_b, dkv
-
-        out.append(_sample("ring_block", {"b": bsz, "heads": h, "rows": rows, "cols": cols, "head_dim": hd},
-                           _mean_s(fwd_step, reps), _mean_s(bwd_step, reps)))
+    # one ring step as engine/cp.py runs it: K/V expanded to the query heads (GQA), the block's attention and the
+    # merge into the running output; backward: the block's gradients, reduced back onto the KV heads and written
+    # into a zero dK/dV buffer. "ring_diag": the first step, the rank's own queries against its own keys under the
+    # causal mask of its two zig-zag chunks (as rank 0 of 2 holds them), nothing to merge into yet
+    ring_shapes = {"ring_block": ((2, 4, 16, 16, 16), (2, 4, 32, 16, 16), (2, 4, 64, 64, 16), (2, 4, 128, 128, 16),
+                                  (2, 2, 64, 64, 64), (2, 4, 256, 256, 16)),
+                   "ring_diag": ((2, 4, 16, 16, 16), (2, 4, 64, 64, 16), (2, 4, 128, 128, 16), (2, 2, 64, 64, 64),
+                                 (2, 4, 256, 256, 16))}
+    for op, shapes in ring_shapes.items():
+        for bsz, h, rows, cols, hd in shapes:
+            out.append(_ring_step(op, bsz, h, rows, cols, hd, reps))
     anchors.mark()
     hyper = AdamW()
     for numel in (64, 4096, 65536):
@@ -356,6 +339,37 @@ def measure_compute(reps: int = 15, shapes: str = "all", then=None) -> list[dict
         out += then()
         anchors.mark()
     return out + measure_roofline()
+
+
+def _ring_step(op: str, bsz: int, h: int, rows: int, cols: int, hd: int, reps: int) -> dict:
+    """A "ring_block" or "ring_diag" sample (`measure_compute`)."""
+    kv_heads = max(1, h // 2)
+    q = torch.randn(bsz, h, rows, hd)
+    kv = torch.randn(2, bsz, kv_heads, cols, hd)
+    out0, lse0 = torch.randn(bsz, h, rows, hd), torch.randn(bsz, h, rows)
+    scale = hd ** -0.5
+    mask = None
+    if op == "ring_diag":
+        chunk = rows // 2
+        positions = torch.cat((torch.arange(chunk), torch.arange(3 * chunk, 4 * chunk)))
+        mask = positions[:, None] >= positions[None, :]
+
+    def fwd_step():
+        o_b, l_b = block_forward(q, expand_kv(kv[0], h), expand_kv(kv[1], h), mask, scale)
+        return (o_b, l_b) if mask is not None else merge(out0, lse0, o_b, l_b)
+
+    lse = torch.randn(bsz, h, rows)
+    dout, delta = torch.randn(bsz, h, rows, hd), torch.randn(bsz, h, rows)
+
+    def bwd_step():
+        dq_b, dk_b, dv_b = block_backward(q, expand_kv(kv[0], h), expand_kv(kv[1], h), mask, scale, lse, dout, delta)
+        dkv = torch.zeros_like(kv)
+        dkv[0] = reduce_kv(dk_b, kv_heads)
+        dkv[1] = reduce_kv(dv_b, kv_heads)
+        return dq_b, dkv
+
+    return _sample(op, {"b": bsz, "heads": h, "rows": rows, "cols": cols, "head_dim": hd},
+                   _mean_s(fwd_step, reps), _mean_s(bwd_step, reps))
 
 
 ZB_SPLIT_REPS = 120  # backward passes of each kind, taking turns (against the machine's drift)

@@ -78,7 +78,7 @@ STALE_TMP_S = 600.0
 TMP_PREFIX = "this-machine-"  # `save`'s temporary files: TMP_PREFIX + random + ".tmp" (older ShardLab: tmp*.tmp)
 # The module fits every prediction may need (`fit_compute` makes them all); a cached calibration lacking
 # one predates that module's measurement.
-COMPUTE_FITS = ("linear", "rmsnorm", "attention", "swiglu", "embed", "head", "moe", "mamba", "ring_block",
+COMPUTE_FITS = ("linear", "rmsnorm", "attention", "swiglu", "embed", "head", "moe", "mamba", "ring_block", "ring_diag",
                 "adamw", "tiny_op", "block_glue", "zb_split", "zb_record", "optimizer_driver")
 # The AdamW kernel as the engine's optimizer step runs it: over every tensor a rank updates, one after another
 # (engine/dp.py's parameters, engine/flat.py's shards), so the step's state (parameter, gradient and two moments,
@@ -741,7 +741,7 @@ def work(op: str, s: dict) -> float:
         return 2.0 * tokens * s["d"] * s["experts"] + 6.0 * tokens * s["top_k"] * s["d"] * s["ffn"]
     if op == "mamba":
         return _mamba_flops(s)
-    if op == "ring_block":
+    if op in ("ring_block", "ring_diag"):
         return 4.0 * s["b"] * s["heads"] * s["rows"] * s["cols"] * s["head_dim"]
     if op == "adamw":
         return float(s["numel"])
@@ -806,7 +806,7 @@ def fit_compute(samples: list[dict]) -> tuple[dict[str, Fit], dict[str, float], 
         if op == "mamba":  # fixed + per step of the scan's chunk loop + per FLOP
             fits["mamba"] = _fit_items("mamba", rows, scan_steps, refit=True)
             continue
-        if op in ("attention", "ring_block"):  # fixed + per score + per FLOP
+        if op in ("attention", "ring_block", "ring_diag"):  # fixed + per score + per FLOP
             fits[op] = _fit_scores(op, rows)
             continue
         f = _fit_line([(work(op, r["shape"]), r["fwd_s"]) for r in rows])
@@ -889,13 +889,15 @@ def sdpa_scores(t: int) -> int:
 
 def score_elements(op: str, s: dict) -> float:
     """The attention scores a module computes: the engine's attention ("attention": b x heads x `sdpa_scores`)
-    or one ring step's block ("ring_block", b x heads x rows x cols, materialised). Each passes through the
-    softmax and its backward, work whose cost per score is the same at any head dim, so at the engine's small
-    head dims (16 at the default width) it is not proportional to the FLOPs (`work`): one fit line through the
-    FLOPs of short sequences had put a 256 x 256 ring block at 0.49x its time, attention at 256 tokens 0.80x."""
+    or one ring step's block ("ring_block"; "ring_diag" the first, masked: b x heads x rows x cols, materialised).
+    Each passes through the softmax and its backward, work whose cost per score is the same at any head dim, so
+    at the engine's small head dims (16 at the default width) it is not proportional to the FLOPs (`work`): one
+    fit line through the FLOPs of short sequences had put a 256 x 256 ring block at 0.49x its time, attention at
+    256 tokens 0.80x. The causal mask of the first ring step costs per score too: 1.3x the unmasked block's time
+    at 16 x 16 here, 1.8-3.7x at 64 to 256."""
     if op == "attention":
         return float(s["b"] * s["heads"] * sdpa_scores(s["t"]))
-    if op == "ring_block":
+    if op in ("ring_block", "ring_diag"):
         return float(s["b"] * s["heads"] * s["rows"] * s["cols"])
     return 0.0
 

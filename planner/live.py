@@ -210,9 +210,11 @@ class _Costs:
         return (flops * f.fwd_per_unit_s + scores * f.fwd_per_item_s if fwd
                 else flops * f.bwd_per_unit_s + scores * f.bwd_per_item_s)
 
-    def ring_block(self, b: int, heads: int, rows: int, cols: int, fwd: bool) -> float:
+    def ring_block(self, b: int, heads: int, rows: int, cols: int, fwd: bool, diagonal: bool = False) -> float:
+        """One ring step's block: the first (`diagonal`) is the rank's own keys under the causal mask, with
+        nothing to merge into yet (engine/cp.py), its own fit."""
         shape = {"b": b, "heads": heads, "rows": rows, "cols": cols, "head_dim": self.m.hidden // self.m.heads}
-        return self.fit("ring_block", shape, fwd) + RING_STEP_OPS * self.tiny
+        return self.fit("ring_diag" if diagonal else "ring_block", shape, fwd) + RING_STEP_OPS * self.tiny
 
     def moe(self, b: int, t: int, local_experts: int, fwd: bool, kept: float = 1.0) -> float:
         m = self.m
@@ -1067,9 +1069,9 @@ class _Program:
             rows, cols = (2 * chunk, 2 * chunk) if step == 0 else (2 * chunk, chunk)
             shift = self._ring_shift("kv", name, kv_bytes) if step < n - 1 else None
             if fwd:
-                r.compute(f"attn {name} ring {step}", c.ring_block(self.b, s.heads, rows, cols, True))
+                r.compute(f"attn {name} ring {step}", c.ring_block(self.b, s.heads, rows, cols, True, step == 0))
             else:
-                r.compute(f"attn bwd {name} ring {step}", c.ring_block(self.b, s.heads, rows, cols, False))
+                r.compute(f"attn bwd {name} ring {step}", c.ring_block(self.b, s.heads, rows, cols, False, step == 0))
                 if dkv is not None:
                     r.wait(dkv)
                     r.compute(f"bwd {name}", c.tiny)  # dkv += the incoming dK/dV

@@ -29,9 +29,10 @@ from hardware.this_machine import (
     comm_key,
     early_mode,
     late_mode,
+    work,
 )
 from planner.eventsim import Compute, Send
-from planner.live import WAITING, _Costs, _params, _Rank, _Shape, compare, per_step_by_kind, predict
+from planner.live import RING_STEP_OPS, WAITING, _Costs, _params, _Rank, _Shape, compare, per_step_by_kind, predict
 
 # A 2-core machine's calibration (engine/predict.ensure_calibration at worlds 2 and 4), every fit in it
 CAL = Calibration.from_dict(json.loads((Path(__file__).parent / "data" / "calibration-2core.json").read_text()))
@@ -840,3 +841,28 @@ def test_the_optimizer_step_runs_each_element_at_the_pace_of_the_steps_whole_sta
     # a calibration from before it was measured: every element at the one tensor's pace
     assert _Costs(dataclasses.replace(cal, adamw_state={}), _cfg("--strategy dp --world 2")).adamw(
         [65536] * 64) == pytest.approx(64 * 30e-6 + 4194304e-9)
+
+
+def test_the_first_ring_step_is_the_masked_diagonal_block():
+    # engine/cp.py: step 0 is the rank's own keys under the causal mask (its own fit, "ring_diag"), the others
+    # unmasked and merged ("ring_block"): a diagonal fit 1 ms dearer lengthens step 0's forward span by that
+    # (backward, by at least that: the K/V shifts' gloo threads share the cores with it for longer)
+    cfg = _cfg("--strategy cp --world 2")
+    base = predict(cfg, CAL)
+    diag = CAL.compute["ring_diag"]
+    dearer = dataclasses.replace(CAL, compute={**CAL.compute, "ring_diag": dataclasses.replace(
+        diag, fwd_fixed_s=diag.fwd_fixed_s + 1e-3, bwd_fixed_s=diag.bwd_fixed_s + 1e-3)})
+    pred = predict(cfg, dearer)
+
+    def length(p, name):
+        span = _spans(p, name, 0)[0]
+        return span.end_s - span.start_s
+
+    assert length(pred, "attn L0 ring 0") == pytest.approx(length(base, "attn L0 ring 0") + 1e-3, abs=1e-9)
+    assert length(pred, "attn L0 ring 1") == pytest.approx(length(base, "attn L0 ring 1"), abs=1e-9)
+    assert length(pred, "attn bwd L0 ring 0") >= length(base, "attn bwd L0 ring 0") + 1e-3 - 1e-9
+    costs, shape = _Costs(dearer, cfg), {"b": 2, "heads": 4, "rows": 16, "cols": 16, "head_dim": 16}
+    for op, diagonal in (("ring_diag", True), ("ring_block", False)):
+        f = dearer.compute[op]
+        assert costs.ring_block(2, 4, 16, 16, True, diagonal=diagonal) == pytest.approx(
+            f.fwd(work(op, shape), 2 * 4 * 16 * 16) + RING_STEP_OPS * costs.tiny)
