@@ -27,6 +27,7 @@ from ui.live import (
     differences,
     not_kept_warning,
     prediction_error,
+    prediction_notes,
     side_by_side,
     speed_note,
     spread_sentence,
@@ -322,6 +323,8 @@ def _show_run(key: str, run: LiveRun) -> None:
     else:
         if warning := busy_warning(run):
             st.warning(warning[0].upper() + warning[1:])
+        for note in prediction_notes(run):
+            st.caption(note)
         if s.steps == 1:
             st.caption("A run of one step measures its warm-up too (first calls allocate memory and fill "
                        "caches); the prediction is of a warm step. Run 2 or more steps to compare them.")

@@ -51,12 +51,14 @@ from hardware.this_machine import (
     ADAMW_STATE_TENSOR,
     ALONE_MODE,
     ASYNC_KINDS,
+    ATTENTION_LONGEST,
     BACK_TO_BACK_MODE,
     BLOCKING_MODES,
     COMM_KINDS,
     CONTENDED_CAP_S,
     PAIR_MODE,
     POST_MODE,
+    RING_LONGEST,
     SYNC_GAP_KINDS,
     early_mode,
     late_mode,
@@ -255,7 +257,8 @@ def measure_compute(reps: int = 15, shapes: str = "all", then=None) -> list[dict
     # the default shape and its neighbours, and longer sequences and another head dim, so that the fit can tell
     # the scores' cost from the FLOPs' (hardware.this_machine.score_elements)
     for bsz, t, d, nq, nkv in ((2, 32, 64, 4, 2), (2, 32, 64, 2, 1), (2, 16, 64, 4, 2), (2, 64, 64, 4, 2),
-                               (4, 64, 128, 4, 4), (2, 128, 64, 4, 2), (2, 256, 64, 4, 2), (2, 128, 128, 2, 2)):
+                               (4, 64, 128, 4, 4), (2, 128, 64, 4, 2), (2, ATTENTION_LONGEST, 64, 4, 2),
+                               (2, 128, 128, 2, 2)):
         m = _model(d, nq, nkv, 4 * d, t)
         att = Attention(m)
         att.heads, att.kv_heads = nq, nkv
@@ -303,10 +306,11 @@ def measure_compute(reps: int = 15, shapes: str = "all", then=None) -> list[dict
     # merge into the running output; backward: the block's gradients, reduced back onto the KV heads and written
     # into a zero dK/dV buffer. "ring_diag": the first step, the rank's own queries against its own keys under the
     # causal mask of its two zig-zag chunks (as rank 0 of 2 holds them), nothing to merge into yet
+    longest = (2, 4, RING_LONGEST, RING_LONGEST, 16)
     ring_shapes = {"ring_block": ((2, 4, 16, 16, 16), (2, 4, 32, 16, 16), (2, 4, 64, 64, 16), (2, 4, 128, 128, 16),
-                                  (2, 2, 64, 64, 64), (2, 4, 256, 256, 16)),
+                                  (2, 2, 64, 64, 64), longest),
                    "ring_diag": ((2, 4, 16, 16, 16), (2, 4, 64, 64, 16), (2, 4, 128, 128, 16), (2, 2, 64, 64, 64),
-                                 (2, 4, 256, 256, 16))}
+                                 longest)}
     for op, shapes in ring_shapes.items():
         for bsz, h, rows, cols, hd in shapes:
             out.append(_ring_step(op, bsz, h, rows, cols, hd, reps))

@@ -301,6 +301,7 @@ def _human(summary) -> str:
         # what the calibration said (measured now, could not be kept, ...): the JSON's "calibration"
         lines += [f"calibration: {message}" for message in pred.get("calibration", [])]
         lines.append(prediction_line(summary.step_time_s, pred))
+        lines += [f"note on the prediction: {note}" for note in pred.get("notes", [])]
         if (busy := busy_words(pred.get("speed_factor", 1.0))) is not None:
             lines.append(f"warning: {busy}")
         if (spread := step_spread_words(summary.step_times_s, pred.get("step_time_s"))) is not None:

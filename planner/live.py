@@ -53,10 +53,12 @@ from core.ssd import state_correction_flops
 from core.timeline import Timeline, bubble_spans, intersection_seconds, kind_label, span_kind, union_seconds
 from hardware.collectives import ring_sent_bytes
 from hardware.this_machine import (
+    ATTENTION_LONGEST,
     BACK_TO_BACK_MODE,
     BLOCKING_MODES,
     GLOO_THREADS,
     POST_MODE,
+    RING_LONGEST,
     Calibration,
     CalibrationError,
     comm_key,
@@ -556,7 +558,27 @@ def predict(cfg, cal: Calibration) -> LivePrediction:
             costs.post("ring_shift", cp, 1.0) is None:
         notes.append("this machine's calibration predates the timing of a ring shift's posting, which blocks "
                      "the rank: calibrate again (bench --remeasure) to predict it")
-    return LivePrediction(step, breakdown(timeline, step), timeline, notes)
+    return LivePrediction(step, breakdown(timeline, step), timeline, notes + extrapolation_notes(cfg, cp))
+
+
+def extrapolation_notes(cfg, cp: int) -> list[str]:
+    """Where the run's attention is larger than any the calibration timed (ATTENTION_LONGEST, RING_LONGEST): the
+    prediction extrapolates the fits there, and says how far they carried on the machine this was built on."""
+    m = cfg.model
+    if not m.has_attention:
+        return []
+    if cp > 1 and cfg.parallel.cp_variant == "ring":
+        rows = 2 * (m.seq_len // (2 * cp))  # the first step's block: the rank's two zig-zag chunks
+        if rows > RING_LONGEST:
+            return [f"its ring-attention blocks are up to {rows} x {rows} scores a head, larger than the "
+                    f"{RING_LONGEST} x {RING_LONGEST} this machine's calibration timed: the prediction extrapolates "
+                    "there, and on 2 cores 512 x 512 blocks took 2-4x its figure (their temporaries outgrow the "
+                    "caches)"]
+    elif m.seq_len > ATTENTION_LONGEST:
+        return [f"its attention runs over {m.seq_len:,} tokens, longer than the {ATTENTION_LONGEST} this machine's "
+                "calibration timed: the prediction extrapolates there (on 2 cores it read attention over 512-1,024 "
+                "tokens 1.1-1.5x slow)"]
+    return []
 
 
 def breakdown(timeline: Timeline, step_s: float) -> dict[str, float]:

@@ -134,6 +134,11 @@ def busy_warning(run: LiveRun) -> str | None:
     return None if speed is None else busy_words(speed)
 
 
+def prediction_notes(run: LiveRun) -> list[str]:
+    """The prediction's own notes as the panel says them (planner.live: where it extrapolates the calibration)."""
+    return [f"Note on the prediction: {note}." for note in (run.prediction or {}).get("notes", [])]
+
+
 def differences(run: LiveRun, top: int = 3) -> list[str]:
     predicted = run.predicted_timeline
     if predicted is None:

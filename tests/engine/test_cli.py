@@ -357,6 +357,20 @@ def test_a_prediction_checked_on_a_busy_machine_says_so():
     assert busy == [f"warning: {busy_words(6.0)}"] and "6.0x slower" in busy[0]
 
 
+def test_the_predictions_notes_are_printed_under_it():
+    from engine.cli import _human
+    from engine.run import RunSummary
+
+    note = "its attention runs over 512 tokens, longer than the 256 this machine's calibration timed"
+    summary = RunSummary(ok=True, check=None, world=2, strategy="dp", zero_stage=0, mesh={"dp": 2}, steps=2,
+                         micro_batches=1, device="cpu", loss=[5.0, 4.9], step_time_s=0.01, step_times_s=[0.02, 0.01],
+                         memory_bytes=[{}] * 2, comm_bytes=[0] * 2, stats={}, config={},
+                         predicted={"step_time_s": 0.012, "breakdown_s": {"compute": 0.012}, "notes": [note]})
+    lines = _human(summary).splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("predicted"))
+    assert lines[at + 1] == f"note on the prediction: {note}"
+
+
 def test_a_page_s_command_line_is_one_the_command_line_takes():
     """The data-parallel lesson's naive DDP on one process: its --dp-comm naive, which nothing uses there, is left
     out of the command the page shows, which unused_flag would refuse."""

@@ -866,3 +866,20 @@ def test_the_first_ring_step_is_the_masked_diagonal_block():
         f = dearer.compute[op]
         assert costs.ring_block(2, 4, 16, 16, True, diagonal=diagonal) == pytest.approx(
             f.fwd(work(op, shape), 2 * 4 * 16 * 16) + RING_STEP_OPS * costs.tiny)
+
+
+@pytest.mark.parametrize("flags, says", [
+    ("--strategy cp --world 2 --seq-len 1024", "ring-attention blocks are up to 512 x 512 scores a head"),
+    ("--strategy dp --world 2 --seq-len 512", "attention runs over 512 tokens, longer than the 256"),
+    ("--strategy cp --world 2 --cp-variant allgather --seq-len 512", "attention runs over 512 tokens"),
+])
+def test_a_run_beyond_the_calibrated_attention_says_the_prediction_extrapolates(flags, says):
+    notes = predict(_cfg(flags), CAL).notes
+    assert len(notes) == 1 and says in notes[0] and "extrapolates" in notes[0]
+
+
+@pytest.mark.parametrize("flags", ["--strategy cp --world 2 --seq-len 512", "--strategy dp --world 2 --seq-len 256",
+                                   "--strategy dp --world 2", "--arch mamba2 --strategy dp --world 2 --seq-len 512"])
+def test_a_run_within_the_calibrated_attention_has_no_such_note(flags):
+    # cp = 2 at 512 tokens: blocks of 256 x 256, the largest timed; a Mamba-2 model has no attention
+    assert predict(_cfg(flags), CAL).notes == []

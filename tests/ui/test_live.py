@@ -12,6 +12,7 @@ from ui.live import (
     calibration_age,
     differences,
     prediction_error,
+    prediction_notes,
     representative_step,
     side_by_side,
     speed_note,
@@ -187,3 +188,14 @@ def test_a_run_compared_bit_for_bit_says_so():
     run.summary.check["exact"] = True
     ok, words = verdict(run)
     assert ok and "bit for bit" in words and "largest difference" not in words
+
+
+def test_the_predictions_notes_are_said_under_it():
+    run = _run()
+    assert prediction_notes(run) == []  # within what the calibration timed
+    run.summary.predicted["notes"] = ["its attention runs over 512 tokens, longer than the 256 this machine's "
+                                      "calibration timed: the prediction extrapolates there"]
+    assert prediction_notes(run) == ["Note on the prediction: its attention runs over 512 tokens, longer than the "
+                                     "256 this machine's calibration timed: the prediction extrapolates there."]
+    run.summary.predicted = None
+    assert prediction_notes(run) == []
