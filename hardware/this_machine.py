@@ -80,6 +80,10 @@ TMP_PREFIX = "this-machine-"  # `save`'s temporary files: TMP_PREFIX + random + 
 # one predates that module's measurement.
 COMPUTE_FITS = ("linear", "rmsnorm", "attention", "swiglu", "embed", "head", "moe", "mamba", "ring_block", "ring_diag",
                 "adamw", "tiny_op", "block_glue", "zb_split", "zb_record", "optimizer_driver")
+# The largest shapes the calibration times the attention modules at (engine/calibrate.measure_compute): the
+# prediction of a run beyond them extrapolates the fits, and says so (planner.live.extrapolation_notes)
+ATTENTION_LONGEST = 256  # tokens of the longest attention timed
+RING_LONGEST = 256  # rows and columns of the largest ring-attention block timed
 # The AdamW kernel as the engine's optimizer step runs it: over every tensor a rank updates, one after another
 # (engine/dp.py's parameters, engine/flat.py's shards), so the step's state (parameter, gradient and two moments,
 # 16 bytes an element) passes through the caches once per step. The "adamw" fit, one tensor timed over and over,
@@ -88,10 +92,6 @@ COMPUTE_FITS = ("linear", "rmsnorm", "attention", "swiglu", "embed", "head", "mo
 # Measured here (2 cores, 2 MiB of L2 each): 1.37 ns an element over 64 Ki elements (1 MiB of state), 1.90 over
 # 1 Mi (16 MiB), 2.93 over 4 Mi (64 MiB), 3.09 over 8 Mi; a width-256 model's step (2.1 M elements in 21 tensors)
 # took 8.7-9.1 ms where the one-tensor fit said 3.1, and 10.5 ms in a 2-rank run.
-# The largest shapes the calibration times the attention modules at (engine/calibrate.measure_compute): the
-# prediction of a run beyond them extrapolates the fits, and says so (planner.live.extrapolation_notes)
-ATTENTION_LONGEST = 256  # tokens of the longest attention timed
-RING_LONGEST = 256  # rows and columns of the largest ring-attention block timed
 ADAMW_STATE_TENSOR = 65536
 ADAMW_STATE_BYTES = 16  # an element's parameter, gradient and two moments, fp32
 ADAMW_STATE_SIZES = (65536, 262144, 1048576, 4194304)
