@@ -45,7 +45,7 @@ from engine.config import ModelConfig
 from engine.mamba import Mamba2
 from engine.model import Attention, Block, Embed, Head, MoE, RMSNorm, SwiGLU, loss_fn
 from engine.optim import AdamW, adamw_
-from engine.ring_attention import block_backward, block_forward, expand_kv, merge, reduce_kv
+from engine.ring_attention import block_backward, block_forward, expand_kv, merge, reduce_kv, zigzag_positions
 from hardware.this_machine import (
     ADAMW_STATE_SIZES,
     ADAMW_STATE_TENSOR,
@@ -353,9 +353,8 @@ def _ring_step(op: str, bsz: int, h: int, rows: int, cols: int, hd: int, reps: i
     out0, lse0 = torch.randn(bsz, h, rows, hd), torch.randn(bsz, h, rows)
     scale = hd ** -0.5
     mask = None
-    if op == "ring_diag":
-        chunk = rows // 2
-        positions = torch.cat((torch.arange(chunk), torch.arange(3 * chunk, 4 * chunk)))
+    if op == "ring_diag":  # rank 0 of 2: zig-zag chunks 0 and 3 of a sequence of 2 x rows, its mask as _Ring's
+        positions = zigzag_positions(2 * rows, 2, 0)
         mask = positions[:, None] >= positions[None, :]
 
     def fwd_step():
