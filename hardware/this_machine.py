@@ -923,19 +923,19 @@ def _relative_nonnegative(xs: list[tuple[float, float, float]], ys: list[float])
     """Least squares of y = x . (a, e, c) with each row's error relative to its y, every coefficient >= 0: the
     three-term solution where none is negative, else the best of the two-term ones (`nonnegative_fit`, a third
     term at zero) by relative squared error. Rows with no time carry no weight."""
-    rows = [(tuple(v / y for v in x), 1.0) for x, y in zip(xs, ys, strict=True) if y > 0]
+    rows = [tuple(v / y for v in x) for x, y in zip(xs, ys, strict=True) if y > 0]  # each to fit 1
     if not rows:
         return 0.0, 0.0, 0.0
-    coef = _lstsq3([x for x, _ in rows], [y for _, y in rows])
+    coef = _lstsq3(rows, [1.0] * len(rows))
     if min(coef) >= 0:
         return coef
 
     def error(c) -> float:
-        return sum((sum(ci * xi for ci, xi in zip(c, x, strict=True)) - 1.0) ** 2 for x, _ in rows)
+        return sum((sum(ci * xi for ci, xi in zip(c, x, strict=True)) - 1.0) ** 2 for x in rows)
 
     best = None
     for i, j in ((0, 1), (0, 2), (1, 2)):
-        pair = nonnegative_fit([(x[i], x[j], 1.0) for x, _ in rows])
+        pair = nonnegative_fit([(x[i], x[j], 1.0) for x in rows])
         if pair is None:
             continue
         c = [0.0, 0.0, 0.0]
