@@ -41,9 +41,10 @@ from dataclasses import asdict, replace
 
 import torch
 
-from engine.config import ModelConfig
+from engine.config import ModelConfig, RunConfig
+from engine.ep import ExpertParallelPlan
 from engine.mamba import Mamba2
-from engine.model import Attention, Block, Embed, Head, MoE, RMSNorm, SwiGLU, loss_fn
+from engine.model import Attention, Block, Embed, Head, LanguageModel, MoE, RMSNorm, SwiGLU, loss_fn
 from engine.optim import AdamW, adamw_
 from engine.ring_attention import block_backward, block_forward, expand_kv, merge, reduce_kv, zigzag_positions
 from hardware.this_machine import (
@@ -232,6 +233,39 @@ def _model(hidden: int, heads: int, kv_heads: int, ffn: int, seq_len: int, **kw)
     return ModelConfig(hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, seq_len=seq_len, **kw)
 
 
+# (sequences, tokens, width, experts, top_k, ep) of the expert-parallel MoE timings: the default ep runs' layer at
+# ep 2 and 4, twice the experts, top-1, a wider and a longer one
+EP_MOE_SHAPES = ((2, 32, 64, 4, 2, 2), (2, 32, 64, 8, 2, 4), (2, 32, 64, 8, 2, 2), (2, 16, 64, 4, 1, 2),
+                 (2, 32, 128, 4, 2, 2), (2, 64, 128, 8, 2, 2))
+
+
+class _LoopbackComm:
+    """An ep group of `ep` ranks in one process, every peer routing the same tokens as this rank: each
+    all-to-all returns what it was given (the splits of the counts this rank sends are the ones it receives).
+    So the dispatch runs every tensor operation it runs in a live run, on the same number of rows; the
+    exchange itself is a local copy (a few microseconds here, where the live run times it as communication)."""
+
+    def __init__(self, ep: int):
+        self.ep = ep
+
+    def size(self, group: str) -> int:
+        return self.ep if group == "ep" else 1
+
+    def group_rank(self, group: str) -> int:
+        return 0
+
+    def all_to_all(self, out, inp, out_splits=None, in_splits=None, group="world", name=""):
+        out.copy_(inp)
+
+
+def _expert_parallel_moe(m: ModelConfig, ep: int) -> MoE:
+    """The MoE layer of a one-layer model with engine/ep.py's plan on it, rank 0 of an ep group of `ep`
+    (`_LoopbackComm`): its own E / ep experts, tokens to them through the plan's dispatch."""
+    model = LanguageModel(replace(m, layers=1))
+    ExpertParallelPlan(RunConfig(model=model.config), model, _LoopbackComm(ep), "dp")
+    return model.units[1].mlp
+
+
 def measure_compute(reps: int = 15, shapes: str = "all", then=None) -> list[dict]:
     """Timings of the engine's modules on this process (torch threads as set by the caller), each group
     anchored to the reference Block timed around it (`_Anchors`); `then()`, when given, returns one more
@@ -293,6 +327,14 @@ def measure_compute(reps: int = 15, shapes: str = "all", then=None) -> list[dict
         f, b = _fwd_bwd(lambda: _module(MoE(m), torch.randn(bsz, t, d)), reps)
         out.append(_sample("moe", {"b": bsz, "t": t, "d": d, "ffn": 2 * d, "experts": experts,
                                    "top_k": top_k}, f, b))
+    anchors.mark()
+    # the MoE layer as expert parallel runs it (engine/ep.py's dispatch: sorting, counts, index ops, the local
+    # experts on the rows of every ep rank), at the widths, expert counts and ep sizes of the live runs
+    for bsz, t, d, experts, top_k, ep in EP_MOE_SHAPES:
+        m = _model(d, 4, 2, 2 * d, t, mlp="moe", experts=experts, top_k=top_k)
+        f, b = _fwd_bwd(lambda: _module(_expert_parallel_moe(m, ep), torch.randn(bsz, t, d)), reps)
+        out.append(_sample("moe_ep", {"b": bsz, "t": t, "d": d, "ffn": 2 * d, "experts": experts,
+                                      "top_k": top_k, "ep": ep}, f, b))
     anchors.mark()
     # the Mamba-2 mixer (engine/mamba.py) at the local shapes of the live runs: whole, tp = 2's heads and
     # groups, cp = 2 and 4's slices, a long sequence (more chunks, one scan loop step each) and a wide one

@@ -78,8 +78,8 @@ STALE_TMP_S = 600.0
 TMP_PREFIX = "this-machine-"  # `save`'s temporary files: TMP_PREFIX + random + ".tmp" (older ShardLab: tmp*.tmp)
 # The module fits every prediction may need (`fit_compute` makes them all); a cached calibration lacking
 # one predates that module's measurement.
-COMPUTE_FITS = ("linear", "rmsnorm", "attention", "swiglu", "embed", "head", "moe", "mamba", "ring_block", "ring_diag",
-                "adamw", "tiny_op", "block_glue", "zb_split", "zb_record", "optimizer_driver")
+COMPUTE_FITS = ("linear", "rmsnorm", "attention", "swiglu", "embed", "head", "moe", "moe_ep", "mamba", "ring_block",
+                "ring_diag", "adamw", "tiny_op", "block_glue", "zb_split", "zb_record", "optimizer_driver")
 # The largest shapes the calibration times the attention modules at (engine/calibrate.measure_compute): the
 # prediction of a run beyond them extrapolates the fits, and says so (planner.live.extrapolation_notes)
 ATTENTION_LONGEST = 256  # tokens of the longest attention timed
@@ -740,7 +740,10 @@ def work(op: str, s: dict) -> float:
         return float(s["b"] * s["t"] * s["d"])
     if op == "head":
         return 2.0 * s["b"] * s["t"] * s["d"] * s["vocab"]
-    if op == "moe":
+    if op in ("moe", "moe_ep"):
+        # the router over every expert, and the experts over the rows they take: each token's top_k copies
+        # (under expert parallelism the rank's local experts take every ep rank's copies meant for them, as
+        # many rows as the rank sent away when the routing is balanced)
         tokens = s["b"] * s["t"]
         return 2.0 * tokens * s["d"] * s["experts"] + 6.0 * tokens * s["top_k"] * s["d"] * s["ffn"]
     if op == "mamba":
@@ -806,6 +809,9 @@ def fit_compute(samples: list[dict]) -> tuple[dict[str, Fit], dict[str, float], 
         if op == "moe":
             # fixed + per expert (each expert runs, even on no rows) + per FLOP: three shapes, three unknowns
             fits["moe"] = _fit_moe(rows)
+            continue
+        if op == "moe_ep":  # fixed + per local expert + per FLOP, over engine.calibrate.EP_MOE_SHAPES
+            fits["moe_ep"] = _fit_items("moe_ep", rows, lambda shape: shape["experts"] // shape["ep"])
             continue
         if op == "mamba":  # fixed + per step of the scan's chunk loop + per FLOP
             fits["mamba"] = _fit_items("mamba", rows, scan_steps, refit=True)
@@ -968,7 +974,11 @@ def _fit_items(op: str, rows: list[dict], items, refit: bool = False) -> Fit:
 
 
 def _lstsq3(xs: list[tuple[float, float, float]], ys: list[float]) -> tuple[float, float, float]:
-    """Normal equations for three unknowns (Cramer's rule); falls back to a constant when singular."""
+    """Normal equations for three unknowns (Cramer's rule) over the columns scaled to a root mean square of 1,
+    so that whether they are singular does not hang on their units (seconds per FLOP against per call); falls
+    back to a constant when singular."""
+    scale = [math.sqrt(sum(x[i] ** 2 for x in xs) / len(xs)) or 1.0 for i in range(3)]
+    xs = [tuple(x[i] / scale[i] for i in range(3)) for x in xs]
     ata = [[sum(x[i] * x[j] for x in xs) for j in range(3)] for i in range(3)]
     aty = [sum(x[i] * y for x, y in zip(xs, ys, strict=True)) for i in range(3)]
 
@@ -977,14 +987,14 @@ def _lstsq3(xs: list[tuple[float, float, float]], ys: list[float]) -> tuple[floa
                 + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
 
     d = det(ata)
-    if abs(d) < 1e-30 * max(1.0, abs(ata[2][2])) ** 3:
+    if abs(d) < 1e-12 * len(xs) ** 3:
         return sum(ys) / len(ys), 0.0, 0.0
     out = []
     for i in range(3):
         m = [row[:] for row in ata]
         for r in range(3):
             m[r][i] = aty[r]
-        out.append(det(m) / d)
+        out.append(det(m) / d / scale[i])
     return out[0], out[1], out[2]
 
 

@@ -77,7 +77,6 @@ MAMBA = "M"  # a Mamba-2 layer's letter in ModelConfig.kinds (engine/config.MAMB
 TP_REGION_OPS = 2  # f/g autograd function + contiguous copy, per region entry or exit
 SP_RESHAPE_OPS = 3  # permute / reshape / empty around a sequence all-gather or reduce-scatter
 VOCAB_PARALLEL_OPS = 12  # masks, shifts, gathers of the vocabulary-parallel embedding and cross entropy
-EP_DISPATCH_OPS = 18  # bincounts, argsort, repeat_interleave, index ops and .tolist() of one MoE dispatch
 RING_STEP_OPS = 2  # the query rows' slicing and the in-place write of one ring step (the rest is timed)
 FLAT_VIEW_OPS = 2  # per parameter: the flat buffer's view and reshape (ZeRO / FSDP functional_call)
 # engine/ssm_cp.py around the scan it shares with the plain mixer (backward about the same): per own slice
@@ -218,14 +217,15 @@ class _Costs:
         shape = {"b": b, "heads": heads, "rows": rows, "cols": cols, "head_dim": self.m.hidden // self.m.heads}
         return self.fit("ring_diag" if diagonal else "ring_block", shape, fwd) + RING_STEP_OPS * self.tiny
 
-    def moe(self, b: int, t: int, local_experts: int, fwd: bool, kept: float = 1.0) -> float:
+    def moe(self, b: int, t: int, ep: int, fwd: bool, kept: float = 1.0) -> float:
+        """An MoE layer on `b` x `t` tokens of this rank: the module alone ("moe") or, over an ep group of `ep`
+        ranks, as engine/ep.py runs it ("moe_ep": its dispatch around the E / ep local experts, timed so; the
+        all-to-alls are the program's). Balanced routing brings back as many rows as the rank sends, each
+        token's top_k copies, of which a capacity factor keeps `kept` (core.moe.kept_share)."""
         m = self.m
-        # the MoE fit at the experts this rank runs; each token's top_k rows spread over all experts, so
-        # the rows a rank processes per local expert stay t * top_k / experts on average (balanced), of which
-        # a capacity factor keeps `kept` (core.moe.kept_share)
-        shape = {"b": b, "t": t, "d": m.hidden, "ffn": m.ffn, "experts": m.experts,
-                 "top_k": m.top_k * kept * local_experts / m.experts}
-        return self.fit("moe", shape, fwd, items=local_experts)
+        shape = {"b": b, "t": t, "d": m.hidden, "ffn": m.ffn, "experts": m.experts, "top_k": m.top_k * kept,
+                 "ep": ep}
+        return self.fit("moe_ep" if ep > 1 else "moe", shape, fwd, items=m.experts // ep)
 
     def mamba(self, shape: dict, steps: int, fwd: bool) -> tuple[float, float, float]:
         """(input projections x, B, C, dt; conv, scan and gated norm; in_z and out_proj) of the Mamba-2 mixer
@@ -819,8 +819,7 @@ class _Program:
         rest = (glue.fwd(0) if fwd else glue.bwd(0)) + (c.driver_fwd if fwd else c.driver_bwd) + flat_extra
         moe = m.mlp == "moe"
         if moe:  # no tp region (engine/tp.py): every tp rank runs it whole, on its own S/tp positions under sp
-            mlp = c.moe(self.b, self.moe_seq, m.experts // self.ep, fwd, self.kept)
-            mlp += EP_DISPATCH_OPS * c.tiny if self.ep > 1 else 0
+            mlp = c.moe(self.b, self.moe_seq, self.ep, fwd, self.kept)
         else:
             mlp = c.fit("swiglu", {"b": self.b, "t": self.t_local, "d": m.hidden, "ffn": ffn}, fwd)
         ring = self.cp > 1 and self.cfg.parallel.cp_variant == "ring"

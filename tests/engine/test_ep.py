@@ -156,3 +156,28 @@ def test_a_named_strategy_that_contradicts_the_mesh_is_refused():
     out = subprocess.run([sys.executable, "-m", "engine", "run", "--strategy", "tp", "--mesh", "dp=2,ep=2",
                           "--mlp", "moe", "--world", "4"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 2 and "--strategy tp needs a tp axis" in out.stderr, out.stderr
+
+
+def test_the_calibrations_expert_parallel_layer_is_the_engines_dispatch_on_every_row():
+    # engine/calibrate times the MoE layer through engine/ep.py's own dispatch, its all-to-alls a local copy
+    # (_LoopbackComm): with one ep rank that is the reference layer, up to fp32 reduction order (the dispatch
+    # sums each token's expert outputs in another order)
+    from engine.calibrate import _expert_parallel_moe
+    from engine.model import MoE
+
+    torch.manual_seed(0)
+    m = ModelConfig(mlp="moe", experts=4, top_k=2)
+    x = torch.randn(2, m.seq_len, m.hidden)
+    whole = _expert_parallel_moe(m, 1)
+    reference = MoE(m)
+    reference.load_state_dict(whole.state_dict())
+    torch.testing.assert_close(whole(x), reference(x), rtol=1e-5, atol=1e-6)
+    # over 2 ep ranks it holds its 2 experts, and they take as many rows as the rank routes (balanced: every
+    # peer sends what this rank sends), each token's top_k copies
+    half, rows = _expert_parallel_moe(m, 2), []
+    held = [e for e in half.experts if e.w1.weight.numel()]
+    assert len(held) == 2
+    for e in held:
+        e.register_forward_hook(lambda _mod, inp, _out: rows.append(inp[0].shape[0]))
+    half(x)
+    assert sum(rows) == x.shape[0] * x.shape[1] * m.top_k

@@ -387,6 +387,28 @@ def test_fit_moe_separates_per_expert_and_per_flop_costs():
     assert f.fwd_per_unit_s == pytest.approx(2e-10) and f.bwd_per_item_s == pytest.approx(25e-6)
 
 
+def test_three_term_fits_do_not_hang_on_the_units_of_their_columns():
+    # an expert-parallel MoE's local experts (2-4) beside its FLOPs (1e6-1e8): the normal equations in raw units
+    # had been judged singular and fitted a constant
+    rows = []
+    for b, t, d, experts, ep in [(2, 32, 64, 4, 2), (2, 32, 64, 8, 4), (2, 32, 64, 8, 2), (2, 32, 128, 4, 2),
+                                 (2, 64, 128, 8, 2)]:
+        shape = {"b": b, "t": t, "d": d, "ffn": 2 * d, "experts": experts, "top_k": 2, "ep": ep}
+        w = tm.work("moe_ep", shape)
+        rows.append({"op": "moe_ep", "shape": shape, "fwd_s": 300e-6 + 80e-6 * (experts // ep) + w * 2e-11,
+                     "bwd_s": 400e-6 + 50e-6 * (experts // ep) + w * 3e-11})
+    f = tm.fit_compute(rows)[0]["moe_ep"]
+    assert f.fwd_fixed_s == pytest.approx(300e-6) and f.fwd_per_item_s == pytest.approx(80e-6)
+    assert f.fwd_per_unit_s == pytest.approx(2e-11) and f.bwd_per_unit_s == pytest.approx(3e-11)
+
+
+def test_expert_parallel_moe_work_takes_every_tokens_rows_whatever_the_ep_size():
+    # balanced routing brings back to the rank's E / ep experts as many rows as it sent: the FLOPs of the module's
+    shape = {"b": 2, "t": 32, "d": 64, "ffn": 128, "experts": 8, "top_k": 2}
+    assert tm.work("moe_ep", dict(shape, ep=4)) == tm.work("moe_ep", dict(shape, ep=2)) == tm.work("moe", shape)
+    assert tm.work("moe", shape) == 2.0 * 64 * 64 * 8 + 6.0 * 64 * 2 * 64 * 128
+
+
 def test_share_is_against_the_per_core_timings_around_the_shared_one():
     def block(seconds):
         return {"fwd_s": seconds / 2, "bwd_s": seconds / 2}

@@ -868,6 +868,24 @@ def test_the_first_ring_step_is_the_masked_diagonal_block():
             f.fwd(work(op, shape), 2 * 4 * 16 * 16) + RING_STEP_OPS * costs.tiny)
 
 
+def test_an_expert_parallel_moe_is_priced_as_the_engines_dispatch_over_every_routed_row():
+    # engine/ep.py's layer, timed as such ("moe_ep"), at the rank's E / ep local experts and the FLOPs of every
+    # token's top_k rows (balanced, the rank's experts take as many as it sends): 8 experts over ep 2 at width
+    # 128 and 4 x 32 tokens; without ep the module's own fit over all 8
+    cfg = _cfg("--strategy ep --world 2 --experts 8 --hidden 128 --ffn 256 --micro-batch-size 4")
+    costs, f = _Costs(CAL, cfg), CAL.compute["moe_ep"]
+    flops = 2.0 * 128 * 128 * 8 + 6.0 * 128 * 2 * 128 * 256
+    assert costs.moe(4, 32, 2, True) == pytest.approx(f.fwd_fixed_s + 4 * f.fwd_per_item_s + flops * f.fwd_per_unit_s)
+    assert costs.moe(4, 32, 2, False) == pytest.approx(f.bwd_fixed_s + 4 * f.bwd_per_item_s + flops * f.bwd_per_unit_s)
+    alone = CAL.compute["moe"]
+    assert costs.moe(4, 32, 1, True) == pytest.approx(alone.fwd(flops, 8))
+    # a dearer dispatch lengthens each MoE layer's forward by that: the expert-parallel runs price it
+    dearer = dataclasses.replace(CAL, compute={**CAL.compute, "moe_ep": dataclasses.replace(
+        f, fwd_fixed_s=f.fwd_fixed_s + 1e-3)})
+    base, pred = predict(cfg, CAL), predict(cfg, dearer)
+    assert pred.breakdown_s["compute"] > base.breakdown_s["compute"] + 2e-3 - 1e-6  # 2 layers
+
+
 @pytest.mark.parametrize("flags, says", [
     ("--strategy cp --world 2 --seq-len 1024", "ring-attention blocks are up to 512 x 512 scores a head"),
     ("--strategy dp --world 2 --seq-len 512", "attention runs over 512 tokens, longer than the 256"),
