@@ -61,6 +61,8 @@ from hardware.this_machine import (
     POST_MODE,
     RING_LONGEST,
     SYNC_GAP_KINDS,
+    WIDE_PREFIX,
+    WIDE_UNITS,
     early_mode,
     late_mode,
     message_loads,
@@ -562,30 +564,40 @@ def resume_task(ctx, reps: int = RESUME_REPS) -> list[dict]:
              "after_compute_s": statistics.median(after["compute"])}]
 
 
-def engine_units(ctx, steps: int = 6) -> list[dict]:
-    """The engine's data-parallel step at world 1 on the default model, unit by unit (its compute spans):
-    what the driver adds around each module (recorder, backward markers, activation accounting) and the
-    optimizer step, measured on the engine itself rather than guessed."""
-    from engine.config import RunConfig
+def _engine_step(ctx, cfg) -> tuple[dict[str, float], float]:
+    """(mean seconds of each compute span, mean step time) of the engine's step on `cfg`, after two warm-up
+    steps."""
     from engine.train import run_rank
 
-    cfg = RunConfig(world=1, steps=steps)
     result = run_rank(ctx, cfg, traced=True)
     by_name: dict[str, list[float]] = {}
     for span in result["spans"]:
         if span["lane"] == "compute" and span["step"] >= 2:
             by_name.setdefault(span["name"], []).append(span["end_s"] - span["start_s"])
+    means = {name: statistics.mean(v) for name, v in sorted(by_name.items())}
+    return means, statistics.mean(result["step_times_s"][2:])
+
+
+def engine_units(ctx, steps: int = 6) -> list[dict]:
+    """The engine's data-parallel step at world 1 on the default model, unit by unit (its compute spans):
+    what the driver adds around each module (recorder, backward markers, activation accounting) and the
+    optimizer step, measured on the engine itself rather than guessed; and the same on a wider model
+    (hardware.this_machine.WIDE_UNITS, its spans' names prefixed WIDE_PREFIX), whose layers and optimizer
+    step run on caches the step keeps emptying."""
+    cfg = RunConfig(world=1, steps=steps)
+    units, step_s = _engine_step(ctx, cfg)
     shape = asdict(cfg.model)
     # the tensors the optimizer step updates, so the planner can tell the driver's share of it per tensor
     # from the AdamW kernel's (hardware.this_machine.fit_compute)
-    from engine.model import LanguageModel
-
     tensors = [p.numel() for p in LanguageModel(cfg.model).parameters()]
-    return [_sample("engine_unit", {"name": name, **shape}, statistics.mean(v), 0.0)
-            for name, v in sorted(by_name.items())] + [
-        _sample("engine_step", shape, statistics.mean(result["step_times_s"][2:]), 0.0),
-        _sample("engine_optimizer", {"tensors": len(tensors), "numel": sum(tensors)},
-                statistics.mean(by_name["optimizer step"]), 0.0)]
+    wide = replace(cfg, model=replace(cfg.model, **WIDE_UNITS))
+    wide_units, wide_step_s = _engine_step(ctx, wide)
+    wide_units["step"] = wide_step_s
+    return [_sample("engine_unit", {"name": name, **shape}, s, 0.0) for name, s in units.items()] + [
+        _sample("engine_unit", {"name": WIDE_PREFIX + name, **asdict(wide.model)}, s, 0.0)
+        for name, s in wide_units.items()] + [
+        _sample("engine_step", shape, step_s, 0.0),
+        _sample("engine_optimizer", {"tensors": len(tensors), "numel": sum(tensors)}, units["optimizer step"], 0.0)]
 
 
 def pipeline_posting(ctx, steps: int = PIPELINE_POSTING_STEPS) -> list[float]:

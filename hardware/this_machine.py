@@ -93,6 +93,16 @@ RING_LONGEST = 256  # rows and columns of the largest ring-attention block timed
 # 1 Mi (16 MiB), 2.93 over 4 Mi (64 MiB), 3.09 over 8 Mi; a width-256 model's step (2.1 M elements in 21 tensors)
 # took 8.7-9.1 ms where the one-tensor fit said 3.1, and 10.5 ms in a 2-rank run.
 ADAMW_STATE_TENSOR = 65536
+# The engine's own step at world 1 is timed on two models (engine.calibrate.engine_units): the default, whose
+# data stays in the caches from one layer to the next, and WIDE_UNITS (width 256, ffn 1,024: 3.75 MiB of weights
+# a layer), whose layers each find the caches emptied by the layer before, and whose optimizer step follows a
+# forward and backward that emptied them too. Its spans are kept under WIDE_PREFIX. Measured here: a width-256
+# Block took 1.53 / 2.66 ms (forward / backward) timed over and over, 2.33 / 3.32 after 128 MB were written, and
+# 2.26 / 3.93 in a world-1 run; the run's optimizer step over its 2.1 M elements 9.9-11.3 ms, where the same
+# 21 tensors took 4.7-5.0 ms stepped back to back and 8.2 ms right after a forward and backward of the model.
+# A model between the two is priced between them (planner.live._Costs), a larger one as the wide one.
+WIDE_UNITS = {"hidden": 256, "ffn": 1024}
+WIDE_PREFIX = "wide "
 ADAMW_STATE_BYTES = 16  # an element's parameter, gradient and two moments, fp32
 ADAMW_STATE_SIZES = (65536, 262144, 1048576, 4194304)
 # ZB-H1's fits are ratios of two timings of the same machine (`fit_compute`), not seconds: the machine's
@@ -595,6 +605,8 @@ def load(key: str, now_s: float | None = None) -> tuple[Calibration | None, str]
     missing = [op for op in COMPUTE_FITS if op not in cal.compute]
     if not cal.adamw_state:
         missing.append("the optimizer over more state than the caches hold")
+    if WIDE_PREFIX + "step" not in cal.engine_units:
+        missing.append("the engine's own step on a wider model")
     if cal.reference_s <= 0:
         missing.append("the reference Block its speed is checked against")
     # a pipeline's messages (engine/calibrate._pipeline_messages), timed on every even world's pairs, with
@@ -1082,6 +1094,13 @@ def summary_lines(cal: Calibration) -> list[str]:
         lines.append(f"an AdamW step over {largest / 2**20:,.3g} M elements ({mib:,.0f} MiB of weights, gradients and "
                      f"moments) takes {cal.adamw_slowdown(largest):.2f}x as long per element as over "
                      f"{min(cal.adamw_state) / 2**10:,.0f} Ki, whose state stays in the caches")
+    wide = {k[len(WIDE_PREFIX):]: v for k, v in cal.engine_units.items() if k.startswith(WIDE_PREFIX)}
+    if {"step", "optimizer step", "fwd L1", "bwd L0"} <= set(wide) and "step" in cal.engine_units:
+        lines.append(f"the engine's own step on one rank took {cal.engine_units['step'] * 1e3:.1f} ms on the default "
+                     f"model and {wide['step'] * 1e3:.1f} ms at width {WIDE_UNITS['hidden']} (a layer "
+                     f"{wide['fwd L1'] * 1e3:.2f} ms forward, {wide['bwd L0'] * 1e3:.2f} ms backward, the optimizer "
+                     f"step {wide['optimizer step'] * 1e3:.1f} ms), where each layer and the optimizer find the "
+                     "caches emptied by what ran before them")
     for w in sorted(cal.worlds):
         ar = cal.comm.get(comm_key(w, "all_reduce", w, "sync"))
         if ar:

@@ -59,6 +59,8 @@ from hardware.this_machine import (
     GLOO_THREADS,
     POST_MODE,
     RING_LONGEST,
+    WIDE_PREFIX,
+    WIDE_UNITS,
     Calibration,
     CalibrationError,
     comm_key,
@@ -87,6 +89,13 @@ SSM_STATE_SLICE_OPS = 9
 SSM_STATE_LAYER_OPS = 8
 SSM_STATE_HOP_OPS = 3
 SSM_ALLTOALL_OPS = 12  # reshapes, permutes, the concatenation and both reorderings around the all-to-alls
+
+
+def _between(x: float, low: float, high: float) -> float:
+    """Where `x` lies from `low` (0) to `high` (1) in log size, held at the ends."""
+    if x <= low or high <= low:
+        return 0.0
+    return min(1.0, math.log(x / low) / math.log(high / low))
 
 
 @dataclass
@@ -150,6 +159,10 @@ class _Costs:
         ref, b = type(cfg.model)(), type(cfg)().micro_batch_size
         self.driver_fwd, self.cold_fwd, self.ends_fwd = self._driver(cal.engine_units, ref, b, True)
         self.driver_bwd, self.cold_bwd, self.ends_bwd = self._driver(cal.engine_units, ref, b, False)
+        # the optimizer's elements in a run against the kernel's pace: (the default model's elements, where it is 1,
+        # the wide one's, its pace there), `_in_run`
+        self.state_pace: tuple[int, int, float] | None = None
+        self._in_run(ref, b)
 
     def _driver(self, units: dict[str, float], ref, b: int, fwd: bool) -> tuple[float, float, dict[str, float]]:
         """What the engine's driver adds around a unit (recorder span, backward markers, activation
@@ -176,6 +189,30 @@ class _Costs:
         alone = {"embed": self.embed(tokens, fwd, ref.hidden), "head": self.head(tokens, ref.vocab, fwd, ref.hidden)}
         ends = {unit: max(0.0, units.get(f"{word} {unit}", 0.0) - s) for unit, s in alone.items()}
         return driver, max(0.0, first - warm), ends
+
+    def _in_run(self, ref, b: int) -> None:
+        """A layer in a run, and the optimizer step after a forward and backward, on caches the step keeps
+        emptying (hardware.this_machine.WIDE_UNITS): the engine's own step on the wide model gives a layer's
+        driver there (its layers against their modules) and how much slower the optimizer's elements go than
+        `adamw` says (`state_pace`). This run's layers take the driver interpolated in log size between the
+        default model's and the wide one's, by the weights of one layer on this rank, the wide one's beyond; the
+        optimizer its pace likewise by the elements it updates (`adamw`). A calibration without the wide step
+        changes nothing."""
+        units = {k[len(WIDE_PREFIX):]: v for k, v in self.cal.engine_units.items() if k.startswith(WIDE_PREFIX)}
+        if not units:
+            return
+        wide = replace(ref, **WIDE_UNITS)
+        tp, ep = (self.cfg.parallel.degree(axis, self.cfg.world) for axis in ("tp", "ep"))
+        t = _between(sum(n for _, n in _params(self.m, tp, ep)[1]), sum(n for _, n in _params(ref)[1]),
+                     sum(n for _, n in _params(wide)[1]))
+        self.driver_fwd += (self._driver(units, wide, b, True)[0] - self.driver_fwd) * t
+        self.driver_bwd += (self._driver(units, wide, b, False)[0] - self.driver_bwd) * t
+        numels = [n for unit in _params(wide) for _, n in unit]
+        f, driver = self.compute_fit("adamw"), self.compute_fit("optimizer_driver")
+        kernel = f.fwd_per_unit_s * sum(numels) * self.cal.adamw_slowdown(sum(numels))
+        if "optimizer step" in units and kernel > 0:
+            pace = max(0.0, units["optimizer step"] - len(numels) * (f.fwd_fixed_s + driver.fwd(0))) / kernel
+            self.state_pace = (sum(n for unit in _params(ref) for _, n in unit), sum(numels), pace)
 
     def compute_fit(self, op: str):
         """The calibration's fit of `op`; a file without it (measured before it was) says so."""
@@ -254,6 +291,9 @@ class _Costs:
         pace: its state, all of the tensors', streams through the caches once (`Calibration.adamw_slowdown`)."""
         f, driver = self.compute_fit("adamw"), self.compute_fit("optimizer_driver")
         slowdown = self.cal.adamw_slowdown(sum(numels))
+        if self.state_pace is not None:
+            default, wide, pace = self.state_pace
+            slowdown *= 1.0 + (pace - 1.0) * _between(sum(numels), default, wide)
         return sum(f.fwd_fixed_s + f.fwd_per_unit_s * n * slowdown + driver.fwd(0) for n in numels)
 
     def comm(self, kind: str, n: int, nbytes: float, mode: str = "sync", gap_s: float | None = None,

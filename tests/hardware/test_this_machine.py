@@ -27,7 +27,7 @@ def _fill(cal: tm.Calibration) -> tm.Calibration:
 def _cal(key="abc", created_s=1000.0, without=(), fill=True, **kw) -> tm.Calibration:
     fits = {op: tm.Fit(1e-5, 1e-10, 2e-5, 2e-10) for op in tm.COMPUTE_FITS if op not in without}
     cal = tm.Calibration(key=key, created_s=created_s, cpus=2, torch="2.13.0",
-                          compute=fits, engine_units={"step": 0.01},
+                          compute=fits, engine_units={"step": 0.01, "wide step": 0.04},
                           compute_share={1: 1.0, 2: 1.1}, resume_s={2: 1.5e-4},
                           adamw_state={65536: 1.0, 1048576: 1.4, 4194304: 2.1},
                           comm={tm.comm_key(2, "all_reduce", 2, "sync"): tm.CommFit(4e-4, 2e-9, 0.6, gap_s=3e-4),
@@ -375,6 +375,14 @@ def test_a_file_without_the_optimizer_over_large_state_is_measured_again(cache):
     assert loaded is None and "the optimizer over more state than the caches hold" in why and "measuring again" in why
 
 
+def test_a_file_without_the_engines_step_on_a_wider_model_is_measured_again(cache):
+    cal = _cal()
+    del cal.engine_units["wide step"]  # a file from before the wide model's step was timed
+    tm.save(cal)
+    loaded, why = tm.load("abc", now_s=1001.0)
+    assert loaded is None and "the engine's own step on a wider model" in why and "measuring again" in why
+
+
 def test_fit_moe_separates_per_expert_and_per_flop_costs():
     rows = []
     for experts, top_k, ffn in [(2, 1, 32), (4, 2, 64), (8, 2, 32), (4, 1, 128)]:
@@ -490,6 +498,12 @@ def test_summary_lines_are_words():
             "element as over 64 Ki, whose state stays in the caches") in lines
     assert any("posting a pipeline message (its isend) holds the sender 0.30 ms on average" in line
                for line in lines)
+    wide = _cal()
+    wide.engine_units.update({"wide fwd L1": 2e-3, "wide bwd L0": 3.5e-3, "wide optimizer step": 9.5e-3})
+    assert ("the engine's own step on one rank took 10.0 ms on the default model and 40.0 ms at width 256 (a layer "
+            "2.00 ms forward, 3.50 ms backward, the optimizer step 9.5 ms), where each layer and the optimizer find "
+            "the caches emptied by what ran before them") in tm.summary_lines(wide)
+    assert not any("width 256" in line for line in lines)  # not all of the wide step's spans: no line
     assert any("two asynchronous all-reduces of 128 KB posted at once get through 1.25 operations' worth in the "
                "time of one alone" in line for line in lines)
     assert _cal().probe_result().ridge_point() == pytest.approx(5.0)

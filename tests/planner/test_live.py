@@ -651,11 +651,51 @@ def test_the_drivers_overhead_is_read_per_unit_at_the_calibrations_own_shape():
     # the embedding and the head have their own, from their own units
     assert default.ends_fwd["embed"] == pytest.approx(
         u["fwd embed"] - default.fit("embed", {"b": 1, "t": 64, "d": 64}, True))
-    # a model of another size reads the same overhead: the units were timed on the default model (the
-    # code before took the modules at the run's own shape, and a wider model's driver read 0)
-    wide = _Costs(CAL, _cfg("--strategy dp --world 2 --hidden 256 --ffn 512 --heads 8 --kv-heads 4"))
+    # without the wide model's step, a model of another size reads the same overhead: the units were timed on
+    # the default model (the code before took the modules at the run's own shape, and a wider model's driver read 0)
+    default_only = dataclasses.replace(CAL, engine_units={k: v for k, v in u.items() if not k.startswith("wide ")})
+    wider = "--strategy dp --world 2 --hidden 256 --ffn 512 --heads 8 --kv-heads 4"
+    wide = _Costs(default_only, _cfg(wider))
     assert (wide.driver_fwd, wide.cold_fwd, wide.ends_fwd) == (default.driver_fwd, default.cold_fwd, default.ends_fwd)
     assert wide.driver_fwd > 0
+    assert _Costs(default_only, _cfg("--strategy dp --world 2")).driver_fwd == default.driver_fwd
+
+
+def test_a_layer_between_the_default_and_the_wide_model_takes_a_driver_between_theirs():
+    # the wide model's own step (hardware.this_machine.WIDE_UNITS: width 256, ffn 1024) gives its layers' driver;
+    # a run's layer takes it by where its weights lie, in log size, from the default layer's (36 Ki elements)
+    # to the wide one's (0.94 Mi); cold and the ends stay the default model's
+    default = _Costs(CAL, _cfg("--strategy dp --world 2"))
+    wide = _Costs(CAL, _cfg("--strategy dp --world 2 --hidden 256 --ffn 1024"))
+    wide_shape = _Shape(2, 32, 256, 4, 2, 1024)
+    assert wide.driver_fwd == pytest.approx(CAL.engine_units["wide fwd L1"] - wide._block(wide_shape, True))
+    assert wide.cold_fwd == default.cold_fwd and wide.ends_fwd == default.ends_fwd
+    half = _Costs(CAL, _cfg("--strategy dp --world 2 --hidden 128 --ffn 256"))
+    # a layer: q and o d x d, k and v d x d / 2 (2 of 4 heads), the MLP 3 x d x ffn, two norms
+    layer = {d: 3 * d * d + 3 * d * f + 2 * d for d, f in ((64, 128), (128, 256), (256, 1024))}
+    t = math.log(layer[128] / layer[64]) / math.log(layer[256] / layer[64])
+    assert half.driver_fwd == pytest.approx(default.driver_fwd + (wide.driver_fwd - default.driver_fwd) * t)
+    # larger than the wide model: held at its driver; tp's shard of a layer is what the rank holds
+    assert _Costs(CAL, _cfg("--strategy dp --world 2 --hidden 512 --ffn 2048 --heads 8 --kv-heads 4")
+                  ).driver_fwd == pytest.approx(wide.driver_fwd)
+    assert _Costs(CAL, _cfg("--strategy tp --world 2 --hidden 256 --ffn 1024")).driver_fwd < wide.driver_fwd
+
+
+def test_the_wide_models_step_at_world_1_is_predicted_as_it_was_timed():
+    # its layers' spans and its optimizer step are the calibration's own timings of them, at its speed
+    cfg = _cfg("--strategy dp --world 1 --hidden 256 --ffn 1024")
+    spans = predict(cfg, CAL).timeline.spans
+    u = CAL.engine_units
+
+    def seconds(name: str) -> float:
+        return sum(s.duration_s for s in spans if s.name == name and s.step == 0)
+
+    assert seconds("fwd L1") == pytest.approx(u["wide fwd L1"], rel=1e-6)
+    assert seconds("optimizer step") == pytest.approx(u["wide optimizer step"], rel=1e-6)
+    # and the default model's optimizer is unchanged by it
+    default = _cfg("--strategy dp --world 1")
+    without = dataclasses.replace(CAL, engine_units={k: v for k, v in u.items() if not k.startswith("wide ")})
+    assert _Costs(CAL, default).adamw([4096, 65536]) == _Costs(without, default).adamw([4096, 65536])
 
 
 def test_a_hand_worked_cold_layer():
@@ -832,9 +872,11 @@ def test_the_optimizer_step_runs_each_element_at_the_pace_of_the_steps_whole_sta
     # AdamW 20 us a tensor + 1 ns an element while its state stays in the caches, 2x per element over 4 Mi
     # elements; the driver 10 us a tensor. 64 tensors of 64 Ki elements (4 Mi, 64 MiB of state): 64 x (20 + 10)
     # us + 4 Mi x 2 ns; one of them alone stays in the caches
+    # (a calibration without the wide model's step: its pace in a run is test_the_wide_models_step_at_world_1_...)
     cal = dataclasses.replace(CAL, compute={**CAL.compute, "adamw": Fit(20e-6, 1e-9),
                                             "optimizer_driver": Fit(10e-6, 0.0)},
-                              adamw_state={65536: 1.0, 4194304: 2.0})
+                              adamw_state={65536: 1.0, 4194304: 2.0},
+                              engine_units={k: v for k, v in CAL.engine_units.items() if not k.startswith("wide ")})
     costs = _Costs(cal, _cfg("--strategy dp --world 2"))
     assert costs.adamw([65536] * 64) == pytest.approx(64 * 30e-6 + 4194304 * 2e-9)
     assert costs.adamw([65536]) == pytest.approx(30e-6 + 65536e-9)
