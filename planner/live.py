@@ -162,6 +162,9 @@ class _Costs:
         # the optimizer's elements in a run against the kernel's pace: (the default model's elements, where it is 1,
         # the wide one's, its pace there), `_in_run`
         self.state_pace: tuple[int, int, float] | None = None
+        # what a layer of this run's size adds in a run over the default model's driver (`_in_run`): the caches it
+        # finds emptied, which a segment resuming after the rank's communication finds too (`_Rank.cold_credit`)
+        self.extra_fwd = self.extra_bwd = 0.0
         self._in_run(ref, b)
 
     def _driver(self, units: dict[str, float], ref, b: int, fwd: bool) -> tuple[float, float, dict[str, float]]:
@@ -205,8 +208,10 @@ class _Costs:
         tp, ep = (self.cfg.parallel.degree(axis, self.cfg.world) for axis in ("tp", "ep"))
         t = _between(sum(n for _, n in _params(self.m, tp, ep)[1]), sum(n for _, n in _params(ref)[1]),
                      sum(n for _, n in _params(wide)[1]))
-        self.driver_fwd += (self._driver(units, wide, b, True)[0] - self.driver_fwd) * t
-        self.driver_bwd += (self._driver(units, wide, b, False)[0] - self.driver_bwd) * t
+        self.extra_fwd = (self._driver(units, wide, b, True)[0] - self.driver_fwd) * t
+        self.extra_bwd = (self._driver(units, wide, b, False)[0] - self.driver_bwd) * t
+        self.driver_fwd += self.extra_fwd
+        self.driver_bwd += self.extra_bwd
         numels = [n for unit in _params(wide) for _, n in unit]
         f, driver = self.compute_fit("adamw"), self.compute_fit("optimizer_driver")
         kernel = f.fwd_per_unit_s * sum(numels) * self.cal.adamw_slowdown(sum(numels))
@@ -490,6 +495,9 @@ class _Rank:
         self.compute_scale = 1.0  # the share of a unit's backward a pass runs (ZB-H1's split halves)
         self._resumes = False  # the rank has waited on its communication since it last computed
         self._after_collective = False  # its last communication was a blocking collective
+        # seconds of cold caches the current layer already pays (`_Costs.extra_fwd`): its segments that resume
+        # after communication find the same caches emptied, and pay `resume_s` only beyond it
+        self.cold_credit = 0.0
 
     def compute(self, name: str, seconds: float) -> None:
         seconds *= self.compute_scale
@@ -497,7 +505,8 @@ class _Rank:
             # the first compute after the rank waited on its own communication resumes on cold caches
             # (engine/calibrate.resume_task)
             if self._resumes:
-                seconds += self.costs.resume_s
+                seconds += max(0.0, self.costs.resume_s - self.cold_credit)
+                self.cold_credit = max(0.0, self.cold_credit - self.costs.resume_s)
                 self._resumes = False
             self.ops.append(Compute(name, seconds, self.mb))
             self.since_comm += seconds
@@ -838,6 +847,12 @@ class _Program:
         return (self.c.cold_fwd if fwd else self.c.cold_bwd) if cold else 0.0
 
     def _block(self, i: int, name: str, tokens: int, act: float, fwd: bool, flat_extra: float) -> None:
+        # a layer's caches are emptied once: its own extra covers its resumes after communication up to that much
+        self.r.cold_credit = max(0.0, self.c.extra_fwd if fwd else self.c.extra_bwd)
+        self._layer(i, name, tokens, act, fwd, flat_extra)
+        self.r.cold_credit = 0.0
+
+    def _layer(self, i: int, name: str, tokens: int, act: float, fwd: bool, flat_extra: float) -> None:
         r, c, m = self.r, self.c, self.m
         if m.kinds[i - 1] == MAMBA:
             self._mamba_block(i, name, tokens, act, fwd, flat_extra)

@@ -525,6 +525,23 @@ def test_compute_right_after_waiting_on_communication_resumes_slower():
         assert seconds[name] == pytest.approx(1e-3 + costs.resume_s)
 
 
+def test_a_layer_that_already_pays_for_cold_caches_pays_its_resumes_only_beyond_that():
+    # a wide layer's extra in a run (_Costs.extra_fwd: the caches it finds emptied) covers its segments' resumes
+    # after communication, which find the same caches emptied, up to that much: max(extra, resumes), not both
+    costs = _Costs(CAL, _cfg("--strategy tp --world 2"))
+    r = _Rank(0, costs)
+    r.cold_credit = 1.5 * costs.resume_s
+    for i in range(3):
+        r.coll(f"blocking {i}", (0, 1), "tp", "all_reduce", 1024)
+        r.compute(f"after {i}", 1e-3)
+    seconds = [op.seconds for op in r.ops if isinstance(op, Compute)]
+    assert seconds == pytest.approx([1e-3, 1e-3 + 0.5 * costs.resume_s, 1e-3 + costs.resume_s])
+    # the program sets it at each layer from the run's size: none for the default model
+    assert costs.extra_fwd == 0.0
+    wide = _Costs(CAL, _cfg("--strategy tp --world 2 --hidden 256 --ffn 1024"))
+    assert wide.extra_fwd > 0 and wide.driver_fwd == pytest.approx(costs.driver_fwd + wide.extra_fwd)
+
+
 def test_zb_h1_halves_cost_what_the_calibration_measured_of_the_split():
     # BI + BW cost more than the fused backward on a small model (engine/calibrate.measure_zb_split)
     def seconds(flags, prefix):
