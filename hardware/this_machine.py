@@ -875,6 +875,13 @@ def fit_adamw_state(samples: list[dict]) -> dict[int, float]:
     return {n: v / base for n, v in sorted(per_element.items())}
 
 
+def log_position(x: float, low: float, high: float) -> float:
+    """Where `x` lies from `low` (0) to `high` (1) in log size, held at the ends."""
+    if x <= low or high <= low:
+        return 0.0
+    return min(1.0, math.log(x / low) / math.log(high / low))
+
+
 def state_slowdown(adamw_state: dict[int, float], elements: float) -> float:
     """The AdamW kernel's seconds per element in a step over `elements` over the "adamw" fit's, which was timed
     on one tensor whose state stays in the caches: `adamw_state` (`fit_adamw_state`) interpolated in log size,
@@ -885,7 +892,7 @@ def state_slowdown(adamw_state: dict[int, float], elements: float) -> float:
         return 1.0
     for (n0, r0), (n1, r1) in zip(points, points[1:], strict=False):
         if elements <= n1:
-            return r0 + (r1 - r0) * math.log(elements / n0) / math.log(n1 / n0)
+            return r0 + (r1 - r0) * log_position(elements, n0, n1)
     return points[-1][1]
 
 

@@ -66,6 +66,7 @@ from hardware.this_machine import (
     comm_key,
     early_mode,
     late_mode,
+    log_position,
     scan_steps,
     score_elements,
     work,
@@ -89,13 +90,6 @@ SSM_STATE_SLICE_OPS = 9
 SSM_STATE_LAYER_OPS = 8
 SSM_STATE_HOP_OPS = 3
 SSM_ALLTOALL_OPS = 12  # reshapes, permutes, the concatenation and both reorderings around the all-to-alls
-
-
-def _between(x: float, low: float, high: float) -> float:
-    """Where `x` lies from `low` (0) to `high` (1) in log size, held at the ends."""
-    if x <= low or high <= low:
-        return 0.0
-    return min(1.0, math.log(x / low) / math.log(high / low))
 
 
 @dataclass
@@ -197,17 +191,20 @@ class _Costs:
         """A layer in a run, and the optimizer step after a forward and backward, on caches the step keeps
         emptying (hardware.this_machine.WIDE_UNITS): the engine's own step on the wide model gives a layer's
         driver there (its layers against their modules) and how much slower the optimizer's elements go than
-        `adamw` says (`state_pace`). This run's layers take the driver interpolated in log size between the
-        default model's and the wide one's, by the weights of one layer on this rank, the wide one's beyond; the
-        optimizer its pace likewise by the elements it updates (`adamw`). A calibration without the wide step
-        changes nothing."""
+        `adamw` says (`state_pace`). This run's layers take the driver interpolated in log size (`log_position`)
+        between the default model's and the wide one's, by the weights of one layer on this rank, the wide one's
+        beyond; the optimizer its pace likewise by the elements it updates (`adamw`). A calibration without the
+        wide step changes nothing."""
         units = {k[len(WIDE_PREFIX):]: v for k, v in self.cal.engine_units.items() if k.startswith(WIDE_PREFIX)}
         if not units:
             return
         wide = replace(ref, **WIDE_UNITS)
         tp, ep = (self.cfg.parallel.degree(axis, self.cfg.world) for axis in ("tp", "ep"))
-        t = _between(sum(n for _, n in _params(self.m, tp, ep)[1]), sum(n for _, n in _params(ref)[1]),
-                     sum(n for _, n in _params(wide)[1]))
+
+        def layer(m, tp: int = 1, ep: int = 1) -> int:  # elements of one layer on a rank
+            return sum(n for _, n in _params(m, tp, ep)[1])
+
+        t = log_position(layer(self.m, tp, ep), layer(ref), layer(wide))
         self.extra_fwd = (self._driver(units, wide, b, True)[0] - self.driver_fwd) * t
         self.extra_bwd = (self._driver(units, wide, b, False)[0] - self.driver_bwd) * t
         self.driver_fwd += self.extra_fwd
@@ -298,7 +295,7 @@ class _Costs:
         slowdown = self.cal.adamw_slowdown(sum(numels))
         if self.state_pace is not None:
             default, wide, pace = self.state_pace
-            slowdown *= 1.0 + (pace - 1.0) * _between(sum(numels), default, wide)
+            slowdown *= 1.0 + (pace - 1.0) * log_position(sum(numels), default, wide)
         return sum(f.fwd_fixed_s + f.fwd_per_unit_s * n * slowdown + driver.fwd(0) for n in numels)
 
     def comm(self, kind: str, n: int, nbytes: float, mode: str = "sync", gap_s: float | None = None,
