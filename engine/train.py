@@ -9,6 +9,7 @@ peak.
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import asdict
 
@@ -87,6 +88,9 @@ def run_rank(ctx, cfg: RunConfig, traced: bool = True, check: bool = False,
         step_times_s.append(time.perf_counter() - start)
         losses.append(loss)
         ctx.step_done(step + 1, loss)  # None on pipeline ranks without the last stage
+        # the step's young garbage collected here, between the steps, with the collector paused while the
+        # task runs (engine.worker.collector_paused); where it is not paused this is one collection early
+        gc.collect(1)
         if check or return_states:
             state = runner.strategy.full_state()  # collective over this rank's stage
             if keeps_state:

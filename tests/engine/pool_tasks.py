@@ -99,3 +99,10 @@ def train_with_weights_never_written(ctx, cfg):
         return run_rank(ctx, cfg, traced=False, check=True)
     finally:
         dp.adamw_, flat.adamw_ = original
+
+
+def collector_state(ctx):
+    """Whether the cyclic garbage collector runs by itself during a task, and how many objects it leaves out."""
+    import gc
+
+    return {"enabled": gc.isenabled(), "frozen": gc.get_freeze_count()}
