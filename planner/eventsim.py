@@ -15,14 +15,13 @@ Each rank runs a list of operations in order:
                                         `concurrency` / 2 of its speed (the group's lowest: both gloo
                                         threads want the same cores)
     Wait(handle)                        blocks until that asynchronous operation has completed
-    Send(name, dst, key, seconds)       posts a message (isend): it arrives `seconds` after it is sent
-                                        to a waiting receive, `late_s` after a receive posted later (and
-                                        not before `seconds` from the send); either may be a tuple, its
-                                        k-th entry while k cores' worth of work (computing ranks, busy
-                                        gloo threads) is wanted, the last for more; `idle_late_s` while
-                                        nothing is wanted (the sender blocked, no rank computing). The
-                                        message moves 1 / (that time) of the way a second, read again
-                                        whenever the load changes;
+    Send(name, dst, key, seconds)       posts a message (isend): it arrives `seconds` after it is sent,
+                                        and not before `late_s` after its receive is posted (either may
+                                        be a tuple: its k-th entry when k cores' worth of work (computing
+                                        ranks, busy gloo threads) is wanted as the second of the two is
+                                        posted, the last for more; `idle_late_s` when
+                                        nothing is wanted then: the sender blocked, no rank
+                                        computing);
                                         with `handle`, Wait(handle) blocks the sender until it has arrived;
                                         posting it holds the sender `post_s` (drawn as a blocking
                                         span "post <name>"), a core's worth of work wanted all
@@ -37,12 +36,8 @@ for 1 MB (1.5 ms); the sender's wait on its isend returned only once the receive
 How long either takes depends on whether a gloo thread finds a core: on 2 cores a late 1 KB transfer took
 0.6-1.1 ms with one sender computing, 4.5-6 ms with two, a message to a waiting receive 0.1-0.2 ms with one
 and about 3 ms with two (engine/calibrate._pipeline_messages), so `seconds` and `late_s` may give it by how
-busy the cores are (computing ranks and gloo threads, as below; a sender computing, or held posting it,
-counts). Those times were measured with ranks computing without end; in a run they compute in passes of
-1-2 ms, and a core freed by one lets the thread run. So a message moves at the pace of the load of the
-moment: taken at the load when its second side was posted, for the whole way, the engine's 4-rank 1F1B had
-its first forward reach the last stage at 10.3 ms (5.7 in the run) and the step predicted 35-40 ms against
-31-34 measured; at the pace of the moment, 30-31 against 31-33. A late receive while nothing computes (its
+busy the cores are when the second side is posted (computing ranks and gloo threads, as below; a sender
+computing, or held posting it, right after its isend counts). A late receive while nothing computes (its
 sender blocked in a wait or a receive of its own) has a calibrated time of its own, `idle_late_s`: its
 median is the same 0.1-0.2 ms, but a tenth or more of them wait a scheduler tick (3-4 ms) for the blocked
 sender's thread, 0.6-1.2 ms on average against 0.2-1.1 with the sender computing.
@@ -159,27 +154,6 @@ def _by_load(value: float | tuple[float, ...], busy: int) -> float:
     return value[min(busy, len(value)) - 1] if isinstance(value, tuple) else value
 
 
-@dataclass
-class _Delivery:
-    """A message whose send and receive are both posted, on its way: it moves `1 / seconds(load)` of the way a
-    second, its pace read again whenever the load changes. A gloo transfer waits for its thread to find a
-    core; a load that lasts only part of the transfer delays it only that long."""
-
-    op: Send
-    late: bool  # its receive was posted after the send: the rendezvous moves it only now (`late_s`)
-    not_before: float = 0.0  # a late one: its own time from the send, at the load when its receive was posted
-    left: float = 1.0  # fraction of the way still to go
-
-    def seconds(self, wanted: float) -> float:
-        """Its whole time at a load of `wanted` cores' worth of work (computing ranks, busy gloo threads)."""
-        busy = max(round(wanted), 1)
-        if not self.late:
-            return _by_load(self.op.seconds, busy)
-        if round(wanted) == 0 and self.op.idle_late_s is not None:
-            return self.op.idle_late_s
-        return _by_load(self.op.seconds if self.op.late_s is None else self.op.late_s, busy)
-
-
 class SimulationError(RuntimeError):
     """The programs cannot all finish (a collective some member never posts, a message never sent)."""
 
@@ -199,8 +173,7 @@ def simulate(programs: dict[int, list], cores: float,
     posted: dict[tuple, _Posted] = {}  # (group, n) -> the group's n-th collective
     waiting: list[tuple] = []  # collectives every member has posted, not started yet
     handles: dict[tuple[int, str], tuple] = {}  # (rank, handle) -> collective id
-    arrivals: dict[tuple, float] = {}  # (key, dst) -> when the message arrived
-    deliveries: dict[tuple, _Delivery] = {}  # (key, dst) -> a message both sides have posted, on its way
+    arrivals: dict[tuple, float] = {}  # (key, dst) -> when the message arrives (both sides posted)
     sends: dict[tuple, tuple[float, int, Send]] = {}  # (key, dst) -> (posted at, sender, op)
     receives: dict[tuple, float] = {}  # (key, dst) -> when the receive was posted
     send_handles: dict[tuple[int, str], tuple] = {}  # (sender, handle) -> (key, dst)
@@ -258,21 +231,22 @@ def simulate(programs: dict[int, list], cores: float,
         spans.append(Span(src, "comm", op.name, sent, end, bytes=op.nbytes, group=op.group_name, is_async=True,
                           micro_batch=op.micro_batch))
 
-    def match(mid: tuple) -> None:
-        """Once a message's send and receive are both posted, it is on its way (`_Delivery`): it moves at the
-        pace of the load on the cores, looked at again at every event, and its span ends when it arrives."""
-        if mid in arrivals or mid in deliveries or mid not in sends or mid not in receives:
+    def match(mid: tuple, sender_computes: bool = False) -> None:
+        """Once a message's send and receive are both posted: when it arrives, and its span. A sender that
+        computes right after its isend, or is held posting it (an operation of the sender alone), counts
+        as computing (it is between two operations now)."""
+        if mid in arrivals or mid not in sends or mid not in receives:
             return
         sent, _, op = sends[mid]
-        late = receives[mid] > sent
-        # a receive posted just after its send still waits the message's own time from the send
-        floor = sent + _by_load(op.seconds, max(round(load(running())), 1)) if late else 0.0
-        deliveries[mid] = _Delivery(op, late, floor)
-
-    def arrive(mid: tuple, when: float) -> None:
-        arrivals[mid] = when
-        del deliveries[mid]
-        send_span(mid, when)
+        wanted = round(load(running()) + sender_computes)  # cores' worth of work wanted now
+        busy = max(wanted, 1)
+        arrival = sent + _by_load(op.seconds, busy)
+        if receives[mid] > sent:  # a late receive: the rendezvous moves the message only now
+            late = op.idle_late_s if wanted == 0 and op.idle_late_s is not None else \
+                _by_load(op.seconds if op.late_s is None else op.late_s, busy)
+            arrival = max(arrival, receives[mid] + late)
+        arrivals[mid] = arrival
+        send_span(mid, arrivals[mid])
 
     def advance(r: int) -> None:
         """Run rank r's instantaneous operations at time t until it computes, blocks or ends."""
@@ -329,8 +303,9 @@ def simulate(programs: dict[int, list], cores: float,
                 sends[mid] = (t, r, op)
                 if op.handle is not None:
                     send_handles[(r, op.handle)] = mid
+                after = prog[pc[r] + 1] if pc[r] + 1 < len(prog) else None
                 holds = op.post_s is not None
-                match(mid)
+                match(mid, holds or isinstance(after, Compute))
                 pc[r] += 1
                 if holds and op.post_s > 0:  # posting holds the sender: an operation of its own, next
                     # its thread busy on a core (cpu 1), so the ranks computing meanwhile share the cores with
@@ -378,20 +353,16 @@ def simulate(programs: dict[int, list], cores: float,
         rate = min(1.0, cores / wanted) if wanted > 0 else 1.0
         dynamic = [(p, p.rate(computing, share[p.op.group])) for p in active if p.dynamic]
         instant = [p for p, speed in dynamic if speed == math.inf]
-        paces = {mid: d.seconds(wanted) for mid, d in deliveries.items()}  # each message's whole time now
-        here = [mid for mid, pace in paces.items() if pace <= 0 and reached(deliveries[mid].not_before)]
-        if instant or here:  # a zero-second operation (a fit can reach 0 for a small buffer) is done as soon as it runs
+        if instant:  # a zero-second operation (a fit can reach 0 for a small buffer) is done as soon as it runs
             for p in instant:
                 p.end = t
-            for mid in here:
-                arrive(mid, t)
             continue
         # the next event: a compute finishing, a collective ending or starting, a message arriving
         candidates = [t + remaining[r] / rate for r in computing]
         candidates += [p.end for p in posted.values() if p.end is not None and p.end > t]
         candidates += [p.start for p in posted.values() if p.start is not None and p.start > t]
         candidates += [t + p.left / speed for p, speed in dynamic if speed > 0]
-        candidates += [max(t + d.left * paces[mid], d.not_before) for mid, d in deliveries.items()]
+        candidates += [a for a in arrivals.values() if a > t]
         future = [c for c in candidates if not reached(c)]
         if not future:
             stuck = ", ".join(f"rank {r} at {programs[r][pc[r]]}" for r in ranks if not done[r])
@@ -411,14 +382,7 @@ def simulate(programs: dict[int, list], cores: float,
             # its work), and a remainder shorter than the next-event threshold would never be reached
             if p.left <= 1e-12 or (speed > 0 and p.left / speed <= _RESOLUTION_S * max(1.0, t_next)):
                 p.end = t_next
-        dt, t = t_next - t, t_next
-        for mid, d in list(deliveries.items()):
-            pace = paces[mid]
-            d.left = 0.0 if pace <= 0 else max(0.0, d.left - dt / pace)
-            if d.left <= 1e-12 or d.left * pace <= _RESOLUTION_S * max(1.0, t):
-                d.left = 0.0
-                if reached(d.not_before):
-                    arrive(mid, t)
+        t = t_next
     else:
         raise SimulationError("the simulation did not finish within its event budget")
     for mid, (sent, _, op) in sends.items():  # never received: drawn for their own time

@@ -256,18 +256,3 @@ def test_an_event_within_the_clocks_resolution_of_now_counts_as_happened():
             Compute("c", 0.01)]
     _, ends = simulate({0: list(prog), 1: list(prog)}, cores=2)
     assert ends[0] == pytest.approx(0.31)
-
-
-def test_a_message_moves_at_the_pace_of_the_load_as_it_changes():
-    # sent at 1.0 to a waiting receive while two ranks compute (0.5 s at that load), one of them stops at 1.1:
-    # a fifth of the way done by then, the rest at one rank's pace (0.1 s for the whole way), so it arrives
-    # at 1.1 + 0.8 x 0.1; a load that lasted the whole transfer would have kept it until 1.5
-    def received(busy_s: float) -> float:
-        progs = {0: [Compute("f", 1.0), Send("send act", 1, ("act", 0), (0.1, 0.5)), Compute("c", 2.0)],
-                 1: [Recv("recv act", 0, ("act", 0))],
-                 2: [Compute("busy", busy_s)]}
-        return simulate(progs, cores=8)[1][1]
-
-    assert received(1.1) == pytest.approx(1.18)
-    assert received(3.0) == pytest.approx(1.5)
-    assert received(0.5) == pytest.approx(1.1)  # the other rank done before the send: one rank's pace
