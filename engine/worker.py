@@ -105,8 +105,8 @@ def _exit_when_orphaned(parent_pid: int) -> None:
 def collector_paused():
     """Python's cyclic garbage collector off while a task runs, as training frameworks run it (Megatron-LM's
     --manual-gc, torchtitan's GarbageCollection with gc_freq): the objects alive when the task starts are
-    frozen out of every collection (gc.freeze), and the training loop collects the young generations between
-    steps (engine/train.py), outside the step it times. Left to its thresholds, the collector now and then
+    frozen out of every collection (gc.freeze), and the training loop collects between steps (engine/train.py),
+    outside the step it times. Left to its thresholds, the collector now and then
     walks every object torch has made, in the middle of a step: on this machine a full collection in a rank
     took 58-80 ms, against a 15-20 ms step of the 2-rank ZB-H1 pipeline, which then took 96 ms, and at any
     moment of any run. Re-entrant: inside a paused block it does nothing."""

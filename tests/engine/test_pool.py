@@ -43,7 +43,7 @@ def test_warm_pool_is_reused(pools):
     assert pool.run(f"{TASKS}:all_reduce_ranks") == [1.0, 1.0]  # the process group is still up
 
 
-def test_tasks_run_with_the_garbage_collector_paused_and_it_comes_back_after(pools):
+def test_tasks_run_with_the_garbage_collector_paused(pools):
     """A full collection in the middle of a step took 58-80 ms here (engine.worker.collector_paused)."""
     pool = pools(2)
     for state in pool.run(f"{TASKS}:collector_state"):
