@@ -292,6 +292,12 @@ class Calibration:
         units = {name: factor * s for name, s in self.engine_units.items()}
         return replace(self, compute=compute, engine_units=units), factor
 
+    @property
+    def wide_units(self) -> dict[str, float]:
+        """The engine's own step on the WIDE_UNITS model (engine.calibrate.engine_units): its spans' seconds by
+        name, WIDE_PREFIX taken off ("step" the whole step); empty in a file measured before it was."""
+        return {k[len(WIDE_PREFIX):]: v for k, v in self.engine_units.items() if k.startswith(WIDE_PREFIX)}
+
     def adamw_slowdown(self, elements: float) -> float:
         """How much slower per element the AdamW kernel runs in a step over `elements` (every tensor a rank
         updates) than the "adamw" fit says (`state_slowdown` of `adamw_state`)."""
@@ -606,7 +612,7 @@ def load(key: str, now_s: float | None = None) -> tuple[Calibration | None, str]
     missing = [op for op in COMPUTE_FITS if op not in cal.compute]
     if not cal.adamw_state:
         missing.append("the optimizer over more state than the caches hold")
-    if WIDE_PREFIX + "step" not in cal.engine_units:
+    if "step" not in cal.wide_units:
         missing.append("the engine's own step on a wider model")
     if cal.reference_s <= 0:
         missing.append("the reference Block its speed is checked against")
@@ -1102,7 +1108,7 @@ def summary_lines(cal: Calibration) -> list[str]:
         lines.append(f"an AdamW step over {largest / 2**20:,.3g} M elements ({mib:,.0f} MiB of weights, gradients and "
                      f"moments) takes {cal.adamw_slowdown(largest):.2f}x as long per element as over "
                      f"{min(cal.adamw_state) / 2**10:,.0f} Ki, whose state stays in the caches")
-    wide = {k[len(WIDE_PREFIX):]: v for k, v in cal.engine_units.items() if k.startswith(WIDE_PREFIX)}
+    wide = cal.wide_units
     if {"step", "optimizer step", "fwd L1", "bwd L0"} <= set(wide) and "step" in cal.engine_units:
         lines.append(f"the engine's own step on one rank took {cal.engine_units['step'] * 1e3:.1f} ms on the default "
                      f"model and {wide['step'] * 1e3:.1f} ms at width {WIDE_UNITS['hidden']} (a layer "

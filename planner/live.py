@@ -59,7 +59,6 @@ from hardware.this_machine import (
     GLOO_THREADS,
     POST_MODE,
     RING_LONGEST,
-    WIDE_PREFIX,
     WIDE_UNITS,
     Calibration,
     CalibrationError,
@@ -195,7 +194,7 @@ class _Costs:
         between the default model's and the wide one's, by the weights of one layer on this rank, the wide one's
         beyond; the optimizer its pace likewise by the elements it updates (`adamw`). A calibration without the
         wide step changes nothing."""
-        units = {k[len(WIDE_PREFIX):]: v for k, v in self.cal.engine_units.items() if k.startswith(WIDE_PREFIX)}
+        units = self.cal.wide_units
         if not units:
             return
         wide = replace(ref, **WIDE_UNITS)
