@@ -411,7 +411,7 @@ def test_three_term_fits_do_not_hang_on_the_units_of_their_columns():
 
 
 def test_expert_parallel_moe_work_takes_every_tokens_rows_whatever_the_ep_size():
-    # balanced routing brings back to the rank's E / ep experts as many rows as it sent: the FLOPs of the module's
+    # balanced routing brings back to the rank's E / ep experts as many rows as it sent: the whole module's FLOPs
     shape = {"b": 2, "t": 32, "d": 64, "ffn": 128, "experts": 8, "top_k": 2}
     assert tm.work("moe_ep", dict(shape, ep=4)) == tm.work("moe_ep", dict(shape, ep=2)) == tm.work("moe", shape)
     assert tm.work("moe", shape) == 2.0 * 64 * 64 * 8 + 6.0 * 64 * 2 * 64 * 128
