@@ -43,7 +43,7 @@ import torch
 
 from engine.config import ModelConfig, RunConfig
 from engine.ep import ExpertParallelPlan
-from engine.mamba import Mamba2
+from engine.mamba import Mamba2, init_mamba_
 from engine.model import Attention, Block, Embed, Head, LanguageModel, MoE, RMSNorm, SwiGLU, loss_fn
 from engine.optim import AdamW, adamw_
 from engine.ring_attention import block_backward, block_forward, expand_kv, merge, reduce_kv, zigzag_positions
@@ -260,6 +260,16 @@ class _LoopbackComm:
         out.copy_(inp)
 
 
+def _mamba_mixer(m: ModelConfig) -> Mamba2:
+    """A Mamba-2 mixer with the engine's initialisation (engine/model.build_model): its decays and steps set
+    the magnitudes the scan computes with, and so whether its backward meets denormal floats, which this CPU
+    handles 3-5x slower. The mixer left at its constructor's A = -1 and dt = 0.69, with its conv weights
+    uninitialised, once timed 8-11 ms backward where the engine's took 2.6 (engine/mamba.CausalConv)."""
+    mixer = Mamba2(m)
+    init_mamba_(mixer)
+    return mixer
+
+
 def _expert_parallel_moe(m: ModelConfig, ep: int) -> MoE:
     """The MoE layer of a one-layer model with engine/ep.py's plan on it, rank 0 of an ep group of `ep`
     (`_LoopbackComm`): its own E / ep experts, tokens to them through the plan's dispatch."""
@@ -343,7 +353,7 @@ def measure_compute(reps: int = 15, shapes: str = "all", then=None) -> list[dict
     for bsz, t, d, expand, groups in ((2, 32, 64, 2, 4), (2, 16, 64, 1, 2), (2, 8, 64, 2, 4), (2, 64, 64, 2, 4),
                                       (2, 32, 128, 2, 4)):
         m = ModelConfig(hidden=d, seq_len=t, arch="mamba2", ssm_expand=expand, ssm_groups=groups)
-        f, b = _fwd_bwd(lambda: _module(Mamba2(m), torch.randn(bsz, t, d)), reps)
+        f, b = _fwd_bwd(lambda: _module(_mamba_mixer(m), torch.randn(bsz, t, d)), reps)
         out.append(_sample("mamba", mamba_shape(m, bsz), f, b))
     anchors.mark()
     # one ring step as engine/cp.py runs it: K/V expanded to the query heads (GQA), the block's attention and the

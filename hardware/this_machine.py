@@ -40,10 +40,11 @@ from pathlib import Path
 
 from core.ssd import mamba_block_flops
 
-# 6: measured with Python's garbage collector paused in the ranks, as the runs now run
-# (engine.worker.collector_paused); 5: compute_share measured against one rank per core, every core busy (4:
+# 7: the Mamba-2 mixer timed as the engine initialises it (engine.calibrate._mamba_mixer; before, denormal floats
+# had made its fit up to 4x slow); 6: measured with Python's garbage collector paused in the ranks, as the runs
+# now run (engine.worker.collector_paused); 5: compute_share measured against one rank per core, every core busy (4:
 # against one rank alone, on either of this machine's unequal cores), and 1 with no more ranks than cores
-FORMAT = 6
+FORMAT = 7
 # The longest a "contended" measurement waits for an asynchronous operation under compute before it
 # stops computing (engine/calibrate.py); an operation that took this long made no progress at all.
 CONTENDED_CAP_S = 0.02

@@ -68,6 +68,24 @@ def test_the_conv_halo_carries_the_previous_slice():
     torch.testing.assert_close(whole, parts, rtol=0, atol=1e-6)
 
 
+def test_the_calibration_times_the_mixer_the_engine_runs():
+    """The calibration's Mamba-2 mixer has the engine's weights where they set the scan's magnitudes (its
+    decays, steps and conv), so it meets the same floats: one left at the constructor's values, with
+    uninitialised conv weights, timed its backward 3-5x slower, on denormals the engine's never makes."""
+    from engine.calibrate import _mamba_mixer
+    from engine.mamba import Mamba2
+
+    m = ModelConfig(arch="mamba2")
+    assert not Mamba2(m).conv_x.weight.any()  # a plain mixer's conv starts at zero, not at leftover bytes
+    engine_mixer = build_model(m, seed=0).units[1].mixer
+    mixer = _mamba_mixer(m)
+    for name in ("A_log", "dt_bias", "D"):
+        assert torch.equal(getattr(mixer, name), getattr(engine_mixer, name)), name
+    for conv in ("conv_x", "conv_b", "conv_c"):  # drawn as the engine draws them: std 1 / sqrt(width)
+        w = getattr(mixer, conv).weight
+        assert 0.3 < w.std().item() < 0.7 and not getattr(mixer, conv).bias.any()
+
+
 def test_the_model_counts_its_parameters_and_flops():
     for m in (ModelConfig(arch="mamba2"), ModelConfig(arch="hybrid"), ModelConfig(arch="hybrid", layers=4,
                                                                                      pattern="MMAM")):
