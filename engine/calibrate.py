@@ -33,6 +33,7 @@ Three kinds of measurement:
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import statistics
 import threading
@@ -270,6 +271,61 @@ def _mamba_mixer(m: ModelConfig) -> Mamba2:
     return mixer
 
 
+class _NoPeers:
+    """Comm and recorder for one cp rank's StatePassing alone (`_state_passing_sample`): every send completes at
+    once and every receive brings zeros, so the layer runs each of its own tensor operations and none of the
+    waiting, which the live prediction times as communication."""
+
+    class _Done:
+        def wait(self) -> None:
+            pass
+
+    def __init__(self):
+        self.recorder = self
+
+    def p2p(self, ops, group, tag):
+        for op, tensor, *_ in ops:
+            if op == "recv":
+                tensor.zero_()
+        return [self._Done()]
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def add(self, *span) -> None:
+        pass
+
+    def compute(self, name):
+        return contextlib.nullcontext()
+
+
+def _state_passing_sample(bsz: int, t: int, cp: int, zigzag: bool, rank: int, reps: int) -> dict:
+    """"mamba_state": the seconds rank `rank` of `cp` spends on state passing's own work (engine/ssm_cp.py:
+    the halo's slicing, each slice's decay, the chain's adds, the incoming state's outputs, the stacks and
+    concatenations, their backward) over the plain mixer at the same local shape, forward and backward. The
+    two are timed in turns, SSM_STATE_TURNS times, and the differences' medians kept: each is about a
+    quarter of the mixer, a drift of the machine's speed between two separate timings would swamp it."""
+    from engine.ssm_cp import Slices, StatePassing
+
+    slices = Slices(cp, rank, zigzag)
+    m = ModelConfig(hidden=SSM_STATE_HIDDEN, seq_len=t // cp, arch="mamba2")
+    x = torch.randn(bsz, m.seq_len, m.hidden)
+
+    def passing():
+        mixer = _mamba_mixer(m)
+        mixer.mix = StatePassing(mixer, slices, _NoPeers(), _NoPeers(), "calibration")
+        return _module(mixer, x)
+
+    fwd, bwd = [], []
+    for _ in range(SSM_STATE_TURNS):
+        f0, b0 = _fwd_bwd(lambda: _module(_mamba_mixer(m), x), max(2, reps // 3))
+        f1, b1 = _fwd_bwd(passing, max(2, reps // 3))
+        fwd.append(f1 - f0)
+        bwd.append(b1 - b0)
+    shape = {**mamba_shape(m, bsz), "slices": len(slices.mine)}
+    return _sample("mamba_state", shape, max(0.0, statistics.median(fwd)), max(0.0, statistics.median(bwd)))
+
+
 def _expert_parallel_moe(m: ModelConfig, ep: int) -> MoE:
     """The MoE layer of a one-layer model with engine/ep.py's plan on it, rank 0 of an ep group of `ep`
     (`_LoopbackComm`): its own E / ep experts, tokens to them through the plan's dispatch."""
@@ -356,6 +412,11 @@ def measure_compute(reps: int = 15, shapes: str = "all", then=None) -> list[dict
         f, b = _fwd_bwd(lambda: _module(_mamba_mixer(m), torch.randn(bsz, t, d)), reps)
         out.append(_sample("mamba", mamba_shape(m, bsz), f, b))
     anchors.mark()
+    # what context parallel's state passing (engine/ssm_cp.StatePassing) adds to the mixer at a rank's local
+    # shape: the live runs' cp = 2 and 4 slices, two zig-zag slices a rank beside attention, and a longer one
+    for bsz, t, cp, zigzag, rank in SSM_STATE_SHAPES:
+        out.append(_state_passing_sample(bsz, t, cp, zigzag, rank, reps))
+    anchors.mark()
     # one ring step as engine/cp.py runs it: K/V expanded to the query heads (GQA), the block's attention and the
     # merge into the running output; backward: the block's gradients, reduced back onto the KV heads and written
     # into a zero dK/dV buffer. "ring_diag": the first step, the rank's own queries against its own keys under the
@@ -429,6 +490,12 @@ def _ring_step(op: str, bsz: int, h: int, rows: int, cols: int, hd: int, reps: i
                    _mean_s(fwd_step, reps), _mean_s(bwd_step, reps))
 
 
+# State passing's timings (`_state_passing_sample`): (sequences, whole sequence, cp, zig-zag, rank): the first
+# and the last rank of cp = 2, a middle one of 4, a rank's two zig-zag slices, a longer slice
+SSM_STATE_SHAPES = ((2, 32, 2, False, 0), (2, 32, 2, False, 1), (2, 32, 4, False, 1), (2, 32, 2, True, 0),
+                    (2, 128, 2, False, 1))
+SSM_STATE_HIDDEN = 64
+SSM_STATE_TURNS = 5  # plain and state-passing mixers timed in turns; about a second a shape
 ZB_SPLIT_REPS = 120  # backward passes of each kind, taking turns (against the machine's drift)
 
 

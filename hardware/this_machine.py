@@ -38,11 +38,12 @@ import time
 from dataclasses import asdict, astuple, dataclass, field, replace
 from pathlib import Path
 
-from core.ssd import mamba_block_flops
+from core.ssd import mamba_block_flops, state_correction_flops
 
 # 7: the Mamba-2 mixer timed as the engine initialises it (engine.calibrate._mamba_mixer; before, denormal floats
-# had made its fit up to 4x slow); 6: measured with Python's garbage collector paused in the ranks, as the runs
-# now run (engine.worker.collector_paused); 5: compute_share measured against one rank per core, every core busy (4:
+# had made its fit up to 4x slow), and what context parallel's state passing adds to it ("mamba_state"); 6:
+# measured with Python's garbage collector paused in the ranks, as the runs now run
+# (engine.worker.collector_paused); 5: compute_share measured against one rank per core, every core busy (4:
 # against one rank alone, on either of this machine's unequal cores), and 1 with no more ranks than cores
 FORMAT = 7
 # The longest a "contended" measurement waits for an asynchronous operation under compute before it
@@ -80,8 +81,9 @@ STALE_TMP_S = 600.0
 TMP_PREFIX = "this-machine-"  # `save`'s temporary files: TMP_PREFIX + random + ".tmp" (older ShardLab: tmp*.tmp)
 # The module fits every prediction may need (`fit_compute` makes them all); a cached calibration lacking
 # one predates that module's measurement.
-COMPUTE_FITS = ("linear", "rmsnorm", "attention", "swiglu", "embed", "head", "moe", "moe_ep", "mamba", "ring_block",
-                "ring_diag", "adamw", "tiny_op", "block_glue", "zb_split", "zb_record", "optimizer_driver")
+COMPUTE_FITS = ("linear", "rmsnorm", "attention", "swiglu", "embed", "head", "moe", "moe_ep", "mamba", "mamba_state",
+                "ring_block", "ring_diag", "adamw", "tiny_op", "block_glue", "zb_split", "zb_record",
+                "optimizer_driver")
 # The largest shapes the calibration times the attention modules at (engine/calibrate.measure_compute): the
 # prediction of a run beyond them extrapolates the fits, and says so (planner.live.extrapolation_notes)
 ATTENTION_LONGEST = 256  # tokens of the longest attention timed
@@ -768,6 +770,8 @@ def work(op: str, s: dict) -> float:
         return 2.0 * tokens * s["d"] * s["experts"] + 6.0 * tokens * s["top_k"] * s["d"] * s["ffn"]
     if op == "mamba":
         return _mamba_flops(s)
+    if op == "mamba_state":  # the incoming state's outputs C_t . h0 over the rank's tokens
+        return state_correction_flops(s["b"] * s["t"], s["heads"], s["head_dim"], s["state"])
     if op in ("ring_block", "ring_diag"):
         return 4.0 * s["b"] * s["heads"] * s["rows"] * s["cols"] * s["head_dim"]
     if op == "adamw":
@@ -835,6 +839,9 @@ def fit_compute(samples: list[dict]) -> tuple[dict[str, Fit], dict[str, float], 
             continue
         if op == "mamba":  # fixed + per step of the scan's chunk loop + per FLOP
             fits["mamba"] = _fit_items("mamba", rows, scan_steps, refit=True)
+            continue
+        if op == "mamba_state":  # fixed + per slice past the first (its own conv and scan) + per FLOP
+            fits["mamba_state"] = _fit_relative("mamba_state", rows, lambda shape: shape["slices"] - 1)
             continue
         if op in ("attention", "ring_block", "ring_diag"):  # fixed + per score + per FLOP
             fits[op] = _fit_scores(op, rows)
@@ -940,11 +947,16 @@ def score_elements(op: str, s: dict) -> float:
 
 
 def _fit_scores(op: str, rows: list[dict]) -> Fit:
-    """t = a + e * score elements + c * FLOPs, forward and backward (`score_elements`), each shape's error
-    relative to its time (the shapes span 100x in time; in absolute seconds the longest would set every term),
-    every term kept >= 0 (`_relative_nonnegative`)."""
+    """t = a + e * score elements + c * FLOPs (`score_elements`, `_fit_relative`): the shapes span 100x in
+    time; in absolute seconds the longest would set every term."""
+    return _fit_relative(op, rows, lambda shape: score_elements(op, shape))
+
+
+def _fit_relative(op: str, rows: list[dict], items) -> Fit:
+    """t = a + e * items(shape) + c * work(op, shape), forward and backward, each shape's error relative to its
+    time, every term kept >= 0 (`_relative_nonnegative`)."""
     def solve(key: str) -> tuple[float, float, float]:
-        return _relative_nonnegative([(1.0, score_elements(op, r["shape"]), work(op, r["shape"])) for r in rows],
+        return _relative_nonnegative([(1.0, items(r["shape"]), work(op, r["shape"])) for r in rows],
                                      [r[key] for r in rows])
 
     fa, fe, fc = solve("fwd_s")

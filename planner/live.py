@@ -49,7 +49,6 @@ from core.schedules import (
     make_schedule,
     stage_units,
 )
-from core.ssd import state_correction_flops
 from core.timeline import Timeline, bubble_spans, intersection_seconds, kind_label, span_kind, union_seconds
 from hardware.collectives import ring_sent_bytes
 from hardware.this_machine import (
@@ -81,13 +80,6 @@ SP_RESHAPE_OPS = 3  # permute / reshape / empty around a sequence all-gather or 
 VOCAB_PARALLEL_OPS = 12  # masks, shifts, gathers of the vocabulary-parallel embedding and cross entropy
 RING_STEP_OPS = 2  # the query rows' slicing and the in-place write of one ring step (the rest is timed)
 FLAT_VIEW_OPS = 2  # per parameter: the flat buffer's view and reshape (ZeRO / FSDP functional_call)
-# engine/ssm_cp.py around the scan it shares with the plain mixer (backward about the same): per own slice
-# the halo's slicing, the split of x, B, C, the slice's decay, the incoming state's outputs (einsum,
-# cumsum, exp, add) and the skip; per layer the concatenations and stacks; per hop of the chain the
-# state's decay, the add and the contiguous copy sent
-SSM_STATE_SLICE_OPS = 9
-SSM_STATE_LAYER_OPS = 8
-SSM_STATE_HOP_OPS = 3
 SSM_ALLTOALL_OPS = 12  # reshapes, permutes, the concatenation and both reorderings around the all-to-alls
 
 
@@ -997,11 +989,9 @@ class _Program:
         owner, mine, me = self._slices()
         halo_bytes = s["b"] * (s["conv"] - 1) * (s["inner"] + 2 * s["groups"] * s["state"]) * F32
         state_bytes = s["b"] * s["heads"] * s["head_dim"] * s["state"] * F32
-        # the incoming state's outputs C_t . h0: 2 N P per head and position held, at the mixer's FLOP rate
-        f = c.compute_fit("mamba")
-        correct = (state_correction_flops(s["b"] * s["t"], s["heads"], s["head_dim"], s["state"])
-                   * (f.fwd_per_unit_s if fwd else f.bwd_per_unit_s))
-        ops = (SSM_STATE_LAYER_OPS + SSM_STATE_SLICE_OPS * len(mine)) * c.tiny
+        # state passing's own work over the plain mixer's (its fit: each slice's conv and scan past the first,
+        # the decays, the chain's adds, the incoming state's outputs), half before the chain, half after
+        extra = c.fit("mamba_state", s, fwd, items=len(mine) - 1) / 2
         phase = "fwd" if fwd else "bwd"
 
         def before(g: int) -> int | None:
@@ -1037,7 +1027,6 @@ class _Program:
                 src = src_of(g)
                 if src is not None and src != me:
                     r.comm_op(Recv(f"recv {what} {name}", cp[src], (name, what, r.mb, g), "cp", r.mb))
-                r.compute(label, SSM_STATE_HOP_OPS * c.tiny)
                 dst = dst_of(g)
                 if dst is not None and dst != me:
                     nxt = g + 1 if fwd else g - 1
@@ -1046,13 +1035,13 @@ class _Program:
 
         if fwd:
             halo()
-            r.compute(f"scan {name} own slices", scan_s + ops / 2)
+            r.compute(f"scan {name} own slices", scan_s + extra)
             chain()
-            r.compute(f"scan {name} correct with incoming state", correct + ops / 2)
+            r.compute(f"scan {name} correct with incoming state", extra)
         else:
-            r.compute(label, correct + ops / 2)
+            r.compute(label, extra)
             chain()
-            r.compute(label, scan_s + ops / 2)
+            r.compute(label, scan_s + extra)
             halo()
 
     def unit_bwd(self, i: int) -> None:

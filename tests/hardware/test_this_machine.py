@@ -249,6 +249,23 @@ def test_mamba_fit_is_refitted_when_noise_makes_a_term_negative():
     assert f.fwd_fixed_s == pytest.approx(1e-3) and f.fwd_per_unit_s == pytest.approx(8e-11)
 
 
+def test_state_passing_fit_separates_its_fixed_work_from_each_further_slice():
+    # engine.calibrate.SSM_STATE_SHAPES: one slice of 16, 8 and 64 positions, two zig-zag slices of 8; each
+    # slice past the first runs a conv and scan of its own (1.2 ms forward here), the correction grows with FLOPs
+    rows = []
+    for t, slices in ((16, 1), (16, 1), (8, 1), (16, 2), (64, 1)):
+        shape = {"b": 2, "t": t, "d": 64, "inner": 128, "heads": 8, "head_dim": 16, "groups": 4, "state": 16,
+                 "conv": 4, "chunk": 8, "slices": slices}
+        w = tm.work("mamba_state", shape)
+        assert w == 2.0 * 2 * t * 8 * 16 * 16  # C_t . h0: 2 N P per head and position
+        rows.append({"op": "mamba_state", "shape": shape, "fwd_s": 4e-4 + 1.2e-3 * (slices - 1) + 2e-10 * w,
+                     "bwd_s": 5e-4 + 1.6e-3 * (slices - 1)})
+    f = tm.fit_compute(rows)[0]["mamba_state"]
+    assert (f.fwd_fixed_s, f.fwd_per_item_s, f.fwd_per_unit_s) == pytest.approx((4e-4, 1.2e-3, 2e-10))
+    assert (f.bwd_fixed_s, f.bwd_per_item_s) == pytest.approx((5e-4, 1.6e-3))
+    assert f.bwd_per_unit_s == pytest.approx(0.0, abs=1e-15)
+
+
 def test_machine_key_depends_on_torch():
     assert tm.machine_key("2.13.0") == tm.machine_key("2.13.0") != tm.machine_key("2.12.0")
 

@@ -299,6 +299,36 @@ def test_state_passing_writes_the_engines_chain():
         assert min(after) >= send.end_s - 1e-12
 
 
+def test_state_passing_charges_its_own_measured_work_over_the_mixer(monkeypatch):
+    # "mamba_state" (engine/calibrate._state_passing_sample): what StatePassing adds to the plain mixer, half
+    # before the chain and half after (the correction); a rank of the hybrid model holds two zig-zag slices,
+    # and the one past the first runs a conv and scan of its own
+    import planner.live as live
+
+    cfg = _cfg("--arch hybrid --strategy cp --world 2")
+    programs = []
+    simulate = live.simulate
+    def recording(progs, *args, **kwargs):
+        programs.append(progs)
+        return simulate(progs, *args, **kwargs)
+
+    monkeypatch.setattr(live, "simulate", recording)
+
+    def correction_s(fit) -> list[float]:
+        """Rank 0's corrections, forward, in one core's seconds."""
+        predict(cfg, dataclasses.replace(CAL, compute={**CAL.compute, "mamba_state": fit}))
+        ops = [op for op in programs[-1][0]
+               if isinstance(op, Compute) and op.name.endswith("correct with incoming state")]
+        assert ops
+        return [op.seconds for op in ops]
+
+    fixed = correction_s(Fit(2e-3, 0.0, 0.0, 0.0))
+    twice = correction_s(Fit(4e-3, 0.0, 0.0, 0.0))
+    assert [b - a for a, b in zip(fixed, twice, strict=True)] == pytest.approx([1e-3] * len(fixed))
+    per_slice = correction_s(Fit(0.0, 0.0, 0.0, 0.0, 2e-3, 0.0))
+    assert per_slice == pytest.approx(fixed)  # one slice past the first
+
+
 def test_a_receive_posted_after_its_send_waits_the_late_transfer():
     # gloo's point-to-point is a rendezvous: GPipe's stage 1 posts each RECV when it needs the activation,
     # long after stage 0 sent it, and waits the calibrated late receive from there (engine/calibrate.
