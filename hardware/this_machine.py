@@ -40,12 +40,14 @@ from pathlib import Path
 
 from core.ssd import mamba_block_flops, state_correction_flops
 
-# 7: the Mamba-2 mixer timed as the engine initialises it (engine.calibrate._mamba_mixer; before, denormal floats
-# had made its fit up to 4x slow), and what context parallel's state passing adds to it ("mamba_state"); 6:
-# measured with Python's garbage collector paused in the ranks, as the runs now run
-# (engine.worker.collector_paused); 5: compute_share measured against one rank per core, every core busy (4:
-# against one rank alone, on either of this machine's unequal cores), and 1 with no more ranks than cores
-FORMAT = 7
+# 8: the ranks' malloc keeps the memory torch frees (engine.worker.keep_freed_memory; before, a large attention
+# block faulted its pages in again at every call, its time swinging 2x); 7: the Mamba-2 mixer timed as the
+# engine initialises it (engine.calibrate._mamba_mixer; before, denormal floats had made its fit up to 4x
+# slow), and what context parallel's state passing adds to it ("mamba_state"); 6: measured with Python's
+# garbage collector paused in the ranks, as the runs now run (engine.worker.collector_paused); 5:
+# compute_share measured against one rank per core, every core busy (4: against one rank alone, on either of
+# this machine's unequal cores), and 1 with no more ranks than cores
+FORMAT = 8
 # The longest a "contended" measurement waits for an asynchronous operation under compute before it
 # stops computing (engine/calibrate.py); an operation that took this long made no progress at all.
 CONTENDED_CAP_S = 0.02

@@ -106,3 +106,25 @@ def collector_state(ctx):
     import gc
 
     return {"enabled": gc.isenabled(), "frozen": gc.get_freeze_count()}
+
+
+def page_faults_of_ring_blocks(ctx, rows=256, times=20):
+    """Minor page faults over the last half of `times` forward ring-attention blocks of `rows` x `rows` (4
+    heads, head dim 16, 2 sequences: engine/cp.py's step at a 512-token sequence over cp = 2): with malloc
+    keeping freed memory (engine.worker.keep_freed_memory) the later ones fault in nothing; left to glibc's
+    default, the few MiB each frees go back to the system and the next faults them in again, page by page."""
+    import resource
+
+    import torch
+
+    from engine.ring_attention import block_forward, expand_kv, merge
+
+    q, kv = torch.randn(2, 4, rows, 16), torch.randn(2, 2, 2, rows, 16)
+    out, lse = torch.randn(2, 4, rows, 16), torch.randn(2, 4, rows)
+    faults = 0
+    for i in range(times):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        merge(out, lse, *block_forward(q, expand_kv(kv[0], 4), expand_kv(kv[1], 4), None, 0.25))
+        if i >= times // 2:
+            faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    return {"kept": ctx.keeps_freed_memory, "faults": faults}
