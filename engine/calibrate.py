@@ -265,7 +265,7 @@ def _mamba_mixer(m: ModelConfig) -> Mamba2:
     """A Mamba-2 mixer with the engine's initialisation (engine/model.build_model): its decays and steps set
     the magnitudes the scan computes with, and so whether its backward meets denormal floats, which this CPU
     handles 3-5x slower. The mixer left at its constructor's A = -1 and dt = 0.69, with its conv weights
-    uninitialised, once timed 8-11 ms backward where the engine's took 2.6 (engine/mamba.CausalConv)."""
+    uninitialised, timed 8-14 ms backward where the engine's took 2.4-2.8 (engine/mamba.CausalConv)."""
     mixer = Mamba2(m)
     init_mamba_(mixer)
     return mixer
@@ -300,7 +300,7 @@ class _NoPeers:
 
 
 def _state_passing_sample(bsz: int, t: int, cp: int, zigzag: bool, rank: int, reps: int) -> dict:
-    """"mamba_state": the seconds rank `rank` of `cp` spends on state passing's own work (engine/ssm_cp.py:
+    """The "mamba_state" sample: the seconds rank `rank` of `cp` spends on state passing's own work (engine/ssm_cp.py:
     the halo's slicing, each slice's decay, the chain's adds, the incoming state's outputs, the stacks and
     concatenations, their backward) over the plain mixer at the same local shape, forward and backward. The
     two are timed in turns, SSM_STATE_TURNS times, and the differences' medians kept: each is about a
