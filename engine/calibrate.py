@@ -677,10 +677,11 @@ def engine_units(ctx, steps: int = 6) -> list[dict]:
         _sample("engine_optimizer", {"tensors": len(tensors), "numel": sum(tensors)}, units["optimizer step"], 0.0)]
 
 
-def pipeline_posting(ctx, steps: int = PIPELINE_POSTING_STEPS) -> list[float]:
+def pipeline_posting(ctx, steps: int = PIPELINE_POSTING_STEPS, schedule: str = "1f1b") -> list[float]:
     """Pool task: how long posting each pipeline message's isend held this rank (seconds, every message of
-    the steps after the first two), timed on the engine's own 1F1B pipeline over the whole world (pp =
-    world, 4 micro-batches, the default model with a layer per stage at least): the "post send ..." spans
+    the steps after the first two), timed on the engine's own pipeline over the whole world (pp = world, 4
+    micro-batches, the default model with a layer per stage at least; `schedule`: one of
+    hardware.this_machine.POSTING_SCHEDULES, interleaved with 2 chunks a rank): the "post send ..." spans
     engine/comm.Comm.send records. Gloo writes the message from the calling thread, and on busy cores that
     write now and then waits a scheduler tick. Timed where it happens because no stand-alone pattern
     reproduced it: one pair exchanging while the other two ranks wait held its senders 0.12 ms on average at
@@ -689,9 +690,10 @@ def pipeline_posting(ctx, steps: int = PIPELINE_POSTING_STEPS) -> list[float]:
     from engine.config import ParallelConfig, RunConfig
     from engine.train import run_rank
 
-    cfg = RunConfig(model=replace(ModelConfig(), layers=max(ModelConfig.layers, ctx.world)),
-                    parallel=ParallelConfig(strategy="pp", schedule="1f1b"), world=ctx.world, steps=steps,
-                    micro_batches=4)
+    chunks = 2 if schedule == "interleaved-1f1b" else 1
+    cfg = RunConfig(model=replace(ModelConfig(), layers=max(ModelConfig.layers, chunks * ctx.world)),
+                    parallel=ParallelConfig(strategy="pp", schedule=schedule, virtual_stages=chunks),
+                    world=ctx.world, steps=steps, micro_batches=4)
     result = run_rank(ctx, cfg, traced=True)
     return [span["end_s"] - span["start_s"] for span in result["spans"]
             if span["lane"] == "comm" and span["name"].startswith("post ") and span["step"] >= 2]

@@ -111,14 +111,18 @@ def ensure_calibration(worlds, progress=None, remeasure: bool = False, collectiv
         sizes = wanted[w]
         # a pipeline's posting, timed before and after the collectives: one short run can fall in a slow spell
         # (two calibrations, each timing it once, read 0.47 and 0.79 ms at world 4)
-        posting = measure(w, "pipeline_posting", {})
+        posting = {schedule: measure(w, "pipeline_posting", {"schedule": schedule})
+                   for schedule in tm.POSTING_SCHEDULES}
         comm = measure(w, "comm_task", {"group_sizes": sizes})
         resume = measure(w, "resume_task", {})
-        posting = [a + b for a, b in zip(posting, measure(w, "pipeline_posting", {}), strict=True)]
+        for schedule, first in posting.items():
+            again = measure(w, "pipeline_posting", {"schedule": schedule})
+            posting[schedule] = [a + b for a, b in zip(first, again, strict=True)]
         # no more ranks than cores: each computes on a core of its own, as the speed check times them
         cal.compute_share[w] = tm.fit_share(shared, [rows[0] for rows in cores if rows]) if w > cal.cpus else 1.0
         cal.comm.update(tm.fit_comm(w, comm))
-        cal.comm.update(tm.fit_posting(w, posting))
+        for schedule, per_rank in posting.items():
+            cal.comm.update(tm.fit_posting(w, per_rank, schedule))
         cal.resume_s[w] = tm.fit_resume(resume)
         cal.worlds = sorted(set(cal.worlds) | {w})
         cal.group_sizes[w] = sizes

@@ -40,14 +40,15 @@ from pathlib import Path
 
 from core.ssd import mamba_block_flops, state_correction_flops
 
-# 8: the ranks' malloc keeps the memory torch frees (engine.worker.keep_freed_memory; before, a large attention
+# 9: a pipeline message's posting timed in the engine's interleaved pipeline too (POSTING_SCHEDULES); 8: the
+# ranks' malloc keeps the memory torch frees (engine.worker.keep_freed_memory; before, a large attention
 # block faulted its pages in again at every call, its time swinging 2x); 7: the Mamba-2 mixer timed as the
 # engine initialises it (engine.calibrate._mamba_mixer; before, denormal floats had made its fit up to 4x
 # slow), and what context parallel's state passing adds to it ("mamba_state"); 6: measured with Python's
 # garbage collector paused in the ranks, as the runs now run (engine.worker.collector_paused); 5:
 # compute_share measured against one rank per core, every core busy (4: against one rank alone, on either of
 # this machine's unequal cores), and 1 with no more ranks than cores
-FORMAT = 8
+FORMAT = 9
 # The longest a "contended" measurement waits for an asynchronous operation under compute before it
 # stops computing (engine/calibrate.py); an operation that took this long made no progress at all.
 CONTENDED_CAP_S = 0.02
@@ -57,6 +58,11 @@ BLOCKING_MODES = ("sync_short", "sync", "sync_long")
 # naive data-parallel sync all-reduces one parameter after another
 BACK_TO_BACK_MODE = "sync_b2b"
 POST_MODE = "post"  # how long posting a point-to-point operation blocks the rank that posts it (CommFit)
+# The engine's pipelines whose message postings the calibration times (engine/calibrate.pipeline_posting), each
+# its own CommFit (`posting_mode`); the others post as the first does. On 2 ranks an interleaved pipeline's
+# postings held their senders 0.41-0.52 ms on average against 1F1B's 0.22-0.25: its chunks send back to the
+# previous rank while that rank sends on, and a posting that crosses the peer's own held it 2.5-4x longer
+POSTING_SCHEDULES = ("1f1b", "interleaved-1f1b")
 ALONE_MODE, PAIR_MODE = "alone", "pair"  # one asynchronous operation posted and waited; two posted at once
 # torch's ProcessGroupGloo runs each group's queue on 2 worker threads (its default options: threads =
 # 2 per device), so two operations of one group can be in flight at once. Measured here: back to back
@@ -317,10 +323,12 @@ class Calibration:
         """The messages sent to a waiting receive (`early_mode`), as `late_fits`."""
         return self._by_senders(world, n, early_mode)
 
-    def send_post_fit(self, world: int) -> CommFit | None:
-        """How long posting a pipeline message's isend holds its sender at `world` (`fit_posting`), or None
-        when not measured."""
-        return self.comm.get(comm_key(world, "send_recv", 2, POST_MODE))
+    def send_post_fit(self, world: int, schedule: str = POSTING_SCHEDULES[0]) -> CommFit | None:
+        """How long posting a pipeline message's isend holds its sender at `world` in `schedule`'s pipeline
+        (`fit_posting`; a schedule not timed apart posts as the first of POSTING_SCHEDULES), or None when not
+        measured."""
+        mode = posting_mode(schedule if schedule in POSTING_SCHEDULES else POSTING_SCHEDULES[0])
+        return self.comm.get(comm_key(world, "send_recv", 2, mode))
 
     def pair_speedup(self, world: int, kind: str, n: int, nbytes: float) -> float | None:
         """Operations' worth of work two asynchronous operations of a group posted at once get through in
@@ -495,6 +503,12 @@ def comm_key(world: int, kind: str, n: int, mode: str) -> str:
     return f"w{world}/{kind}/n{n}/{mode}"
 
 
+def posting_mode(schedule: str) -> str:
+    """The CommFit mode of a pipeline message's posting timed in `schedule`'s pipeline (POSTING_SCHEDULES):
+    POST_MODE for the first, POST_MODE-<schedule> for the others."""
+    return POST_MODE if schedule == POSTING_SCHEDULES[0] else f"{POST_MODE}-{schedule}"
+
+
 def default_group_sizes(world: int) -> list[int]:
     """The group sizes every calibration of `world` measures: pairs and the whole world (those that divide it)."""
     return sorted({n for n in (2, world) if world % n == 0 and n > 1})
@@ -629,7 +643,7 @@ def load(key: str, now_s: float | None = None) -> tuple[Calibration | None, str]
         missing.append("a receive posted after its send with the sender blocked")
     if any(cal.early_fits(w, 2) is None for w in cal.worlds if w % 2 == 0):
         missing.append("a message sent to a waiting receive")
-    if any(cal.send_post_fit(w) is None for w in cal.worlds):
+    if any(cal.send_post_fit(w, schedule) is None for w in cal.worlds for schedule in POSTING_SCHEDULES):
         missing.append("the posting of a pipeline message")
     if any(comm_key(w, "all_reduce", w, PAIR_MODE) not in cal.comm for w in cal.worlds):
         missing.append("two asynchronous operations at once")
@@ -1075,15 +1089,16 @@ def fit_comm(world: int, rows: list[list[dict]]) -> dict[str, CommFit]:
     return out
 
 
-def fit_posting(world: int, per_rank: list[list[float]]) -> dict[str, CommFit]:
+def fit_posting(world: int, per_rank: list[list[float]],
+                schedule: str = POSTING_SCHEDULES[0]) -> dict[str, CommFit]:
     """How long posting a pipeline message's isend holds its sender (engine/calibrate.pipeline_posting: each
-    rank's postings in the engine's own 1F1B pipeline): the mean over every rank's messages, one number (the
-    default model's messages are all one size), as send_recv's POST_MODE of a pair. A posting holds one rank,
+    rank's postings in the engine's own `schedule` pipeline): the mean over every rank's messages, one number
+    (the default model's messages are all one size), as send_recv's `posting_mode` of a pair. A posting holds one rank,
     so it is the mean over the ranks, not the slowest rank's as for a collective."""
     seconds = [s for rank in per_rank for s in rank]
     if not seconds:
         raise ValueError(f"the engine's pipeline at world {world} posted no message to time")
-    return {comm_key(world, "send_recv", 2, POST_MODE): CommFit(statistics.fmean(seconds), 0.0, 0.0)}
+    return {comm_key(world, "send_recv", 2, posting_mode(schedule)): CommFit(statistics.fmean(seconds), 0.0, 0.0)}
 
 
 def fit_share(shared: list[list[dict]], per_core: list[dict]) -> float:

@@ -372,7 +372,7 @@ class _Costs:
         """How long posting a pipeline message's isend holds its sender (timed in the engine's own pipeline
         at this world: hardware.this_machine.fit_posting), or None for a group of one or a calibration
         without it."""
-        fit = self.cal.send_post_fit(self.cfg.world) if group > 1 else None
+        fit = self.cal.send_post_fit(self.cfg.world, self.cfg.parallel.schedule) if group > 1 else None
         return fit.seconds(nbytes) if fit else None
 
     def idle_late_s(self, group: int, nbytes: float) -> float | None:

@@ -16,7 +16,8 @@ def _fill(cal: tm.Calibration) -> tm.Calibration:
     for w in cal.worlds:
         cal.compute_share.setdefault(w, 1.5)
         cal.resume_s.setdefault(w, 1e-4)
-        cal.comm.setdefault(tm.comm_key(w, "send_recv", 2, tm.POST_MODE), tm.CommFit(3e-4, 0.0, 0.0))  # fit_posting
+        for schedule in tm.POSTING_SCHEDULES:  # fit_posting
+            cal.comm.setdefault(tm.comm_key(w, "send_recv", 2, tm.posting_mode(schedule)), tm.CommFit(3e-4, 0.0, 0.0))
         for n in sorted(set(cal.measured_sizes(w)) | set(tm.default_group_sizes(w))):
             for kind, mode in tm.comm_modes(w, n):
                 if mode not in tm.OPTIONAL_MODES:
@@ -35,6 +36,8 @@ def _cal(key="abc", created_s=1000.0, without=(), fill=True, **kw) -> tm.Calibra
                                 tm.comm_key(2, "send_recv", 2, tm.late_mode(0)): tm.CommFit(9e-4, 2e-9, 0.4),
                                 tm.comm_key(2, "send_recv", 2, tm.early_mode(1)): tm.CommFit(2e-4, 2e-9, 0.5),
                                 tm.comm_key(2, "send_recv", 2, tm.POST_MODE): tm.CommFit(3e-4, 0.0, 0.0),
+                                tm.comm_key(2, "send_recv", 2, tm.posting_mode("interleaved-1f1b")):
+                                    tm.CommFit(5e-4, 0.0, 0.0),
                                 tm.comm_key(2, "all_reduce", 2, tm.ALONE_MODE): tm.CommFit(1e-3, 0.0, 0.6),
                                 tm.comm_key(2, "all_reduce", 2, tm.PAIR_MODE): tm.CommFit(1.6e-3, 0.0, 0.7)},
                           probe={"matmul_flops_per_s": 5e10, "memory_bytes_per_s": 1e10, "threads": 1,
@@ -142,6 +145,14 @@ def test_a_calibration_without_the_mamba_fit_is_measured_again_once(cache):
     cal, why = tm.load("abc", now_s=1001.0)
     assert cal is None and "the posting of a pipeline message" in why and "measuring again" in why
     assert _cal().send_post_fit(2).alpha_s == 3e-4 and old.send_post_fit(2) is None
+    # each pipeline the calibration times posts as timed there; the others as the first (1F1B, one stage a rank)
+    assert [_cal().send_post_fit(2, s).alpha_s for s in ("1f1b", "interleaved-1f1b", "gpipe", "zb-h1")] == \
+        [3e-4, 5e-4, 3e-4, 3e-4]
+    old = _cal(created_s=1000.0)
+    del old.comm[tm.comm_key(2, "send_recv", 2, tm.posting_mode("interleaved-1f1b"))]
+    tm.save(old)
+    cal, why = tm.load("abc", now_s=1001.0)
+    assert cal is None and "the posting of a pipeline message" in why and "measuring again" in why
     # or before two asynchronous operations at once were
     old = _cal(created_s=1000.0)
     del old.comm[tm.comm_key(2, "all_reduce", 2, tm.PAIR_MODE)]
@@ -264,6 +275,13 @@ def test_state_passing_fit_separates_its_fixed_work_from_each_further_slice():
     assert (f.fwd_fixed_s, f.fwd_per_item_s, f.fwd_per_unit_s) == pytest.approx((4e-4, 1.2e-3, 2e-10))
     assert (f.bwd_fixed_s, f.bwd_per_item_s) == pytest.approx((5e-4, 1.6e-3))
     assert f.bwd_per_unit_s == pytest.approx(0.0, abs=1e-15)
+
+
+def test_posting_is_fitted_per_pipeline_schedule():
+    per_rank = [[2e-4, 4e-4], [3e-4]]  # each rank's postings: their mean over every message, 0.3 ms
+    assert tm.fit_posting(2, per_rank) == {"w2/send_recv/n2/post": tm.CommFit(3e-4, 0.0, 0.0)}
+    assert tm.fit_posting(4, per_rank, "interleaved-1f1b") == {
+        "w4/send_recv/n2/post-interleaved-1f1b": tm.CommFit(3e-4, 0.0, 0.0)}
 
 
 def test_machine_key_depends_on_torch():
@@ -679,17 +697,17 @@ def test_a_file_missing_any_operation_comm_task_times_is_measured_again(cache):
 def test_comm_modes_are_what_the_measurement_made():
     # the recorded 2-core calibration is comm_task's own output (worlds 2 and 4, groups of 2 and 4): its keys
     # are comm_modes' (the optional back-to-back timing and world 2's messages at a second load, which it
-    # predates, aside) and a pipeline's posting
+    # predates, aside) and a pipeline's posting in each pipeline timed (tm.fit_posting)
     from tests.conftest import _recorded
 
     recorded = _recorded()
-    made = {k for k in recorded.comm if not k.endswith(f"/{tm.POST_MODE}") or "/ring_shift/" in k}
+    postings = {tm.comm_key(w, "send_recv", 2, tm.posting_mode(s)) for w in (2, 4) for s in tm.POSTING_SCHEDULES}
+    made = {k for k in recorded.comm if k not in postings}
     expected = {tm.comm_key(w, kind, n, mode) for w in (2, 4) for n in tm.default_group_sizes(w)
                 for kind, mode in tm.comm_modes(w, n) if mode not in tm.OPTIONAL_MODES
                 and not tm._optional_load(w, mode)}
     assert made == expected
-    assert {k for k in recorded.comm if k not in made} == {tm.comm_key(w, "send_recv", 2, tm.POST_MODE)
-                                                          for w in (2, 4)}
+    assert postings <= set(recorded.comm)
 
 
 # -- the group sizes measured at each world --------------------------------------------------------------

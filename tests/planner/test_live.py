@@ -329,6 +329,29 @@ def test_state_passing_charges_its_own_measured_work_over_the_mixer(monkeypatch)
     assert per_slice == pytest.approx(fixed)  # one slice past the first
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b", "gpipe"])
+def test_a_pipeline_message_holds_its_sender_as_long_as_posting_took_in_that_pipeline(monkeypatch, schedule):
+    # hardware.this_machine.POSTING_SCHEDULES: interleaved's postings are timed in its own pipeline (its chunks
+    # send back while the previous rank sends on: 0.47 ms on average at 2 ranks here, 1F1B's 0.19); GPipe's
+    # one stage a rank posts as 1F1B's
+    import planner.live as live
+
+    flags = f"--strategy pp --schedule {schedule} --micro-batches 4 --world 2"
+    cfg = _cfg(flags + (" --virtual-stages 2" if schedule == "interleaved-1f1b" else ""))
+    programs = []
+    simulate = live.simulate
+
+    def recording(progs, *args, **kwargs):
+        programs.append(progs)
+        return simulate(progs, *args, **kwargs)
+
+    monkeypatch.setattr(live, "simulate", recording)
+    predict(cfg, CAL)
+    held = {op.post_s for ops in programs[-1].values() for op in ops if isinstance(op, Send)}
+    assert held == {CAL.send_post_fit(2, schedule).alpha_s}
+    assert CAL.send_post_fit(2, "interleaved-1f1b").alpha_s > CAL.send_post_fit(2, "gpipe").alpha_s
+
+
 def test_a_receive_posted_after_its_send_waits_the_late_transfer():
     # gloo's point-to-point is a rendezvous: GPipe's stage 1 posts each RECV when it needs the activation,
     # long after stage 0 sent it, and waits the calibrated late receive from there (engine/calibrate.
