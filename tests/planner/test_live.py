@@ -299,20 +299,27 @@ def test_state_passing_writes_the_engines_chain():
         assert min(after) >= send.end_s - 1e-12
 
 
-def test_state_passing_charges_its_own_measured_work_over_the_mixer(monkeypatch):
-    # "mamba_state" (engine/calibrate._state_passing_sample): what StatePassing adds to the plain mixer, half
-    # before the chain and half after (the correction); a rank of the hybrid model holds two zig-zag slices,
-    # and the one past the first runs a conv and scan of its own
+@pytest.fixture
+def programs(monkeypatch):
+    """The rank programs each `predict` hands the event simulation, newest last."""
     import planner.live as live
 
-    cfg = _cfg("--arch hybrid --strategy cp --world 2")
-    programs = []
+    recorded = []
     simulate = live.simulate
+
     def recording(progs, *args, **kwargs):
-        programs.append(progs)
+        recorded.append(progs)
         return simulate(progs, *args, **kwargs)
 
     monkeypatch.setattr(live, "simulate", recording)
+    return recorded
+
+
+def test_state_passing_charges_its_own_measured_work_over_the_mixer(programs):
+    # "mamba_state" (engine/calibrate._state_passing_sample): what StatePassing adds to the plain mixer, half
+    # before the chain and half after (the correction); a rank of the hybrid model holds two zig-zag slices,
+    # and the one past the first runs a conv and scan of its own
+    cfg = _cfg("--arch hybrid --strategy cp --world 2")
 
     def correction_s(fit) -> list[float]:
         """Rank 0's corrections, forward, in one core's seconds."""
@@ -330,22 +337,12 @@ def test_state_passing_charges_its_own_measured_work_over_the_mixer(monkeypatch)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b", "gpipe"])
-def test_a_pipeline_message_holds_its_sender_as_long_as_posting_took_in_that_pipeline(monkeypatch, schedule):
+def test_a_pipeline_message_holds_its_sender_as_long_as_posting_took_in_that_pipeline(programs, schedule):
     # hardware.this_machine.POSTING_SCHEDULES: interleaved's postings are timed in its own pipeline (its chunks
     # send back while the previous rank sends on: 0.47 ms on average at 2 ranks here, 1F1B's 0.19); GPipe's
     # one stage a rank posts as 1F1B's
-    import planner.live as live
-
     flags = f"--strategy pp --schedule {schedule} --micro-batches 4 --world 2"
     cfg = _cfg(flags + (" --virtual-stages 2" if schedule == "interleaved-1f1b" else ""))
-    programs = []
-    simulate = live.simulate
-
-    def recording(progs, *args, **kwargs):
-        programs.append(progs)
-        return simulate(progs, *args, **kwargs)
-
-    monkeypatch.setattr(live, "simulate", recording)
     predict(cfg, CAL)
     held = {op.post_s for ops in programs[-1].values() for op in ops if isinstance(op, Send)}
     assert held == {CAL.send_post_fit(2, schedule).alpha_s}
