@@ -677,6 +677,18 @@ def engine_units(ctx, steps: int = 6) -> list[dict]:
         _sample("engine_optimizer", {"tensors": len(tensors), "numel": sum(tensors)}, units["optimizer step"], 0.0)]
 
 
+def posting_run(world: int, schedule: str, steps: int = PIPELINE_POSTING_STEPS) -> RunConfig:
+    """The pipeline `pipeline_posting` times at `world`: pp = world, a layer per stage (per chunk) at least, 4
+    micro-batches; interleaved runs 2 chunks a rank and its micro-batches in groups of pp (4, or the fewest
+    multiple of the world past it)."""
+    from engine.config import ParallelConfig
+
+    chunks = 2 if schedule == "interleaved-1f1b" else 1
+    return RunConfig(model=replace(ModelConfig(), layers=max(ModelConfig.layers, chunks * world)),
+                     parallel=ParallelConfig(strategy="pp", schedule=schedule, virtual_stages=chunks),
+                     world=world, steps=steps, micro_batches=4 if chunks == 1 else world * -(-4 // world))
+
+
 def pipeline_posting(ctx, steps: int = PIPELINE_POSTING_STEPS, schedule: str = "1f1b") -> list[float]:
     """Pool task: how long posting each pipeline message's isend held this rank (seconds, every message of
     the steps after the first two), timed on the engine's own pipeline over the whole world (pp = world, 4
@@ -687,14 +699,9 @@ def pipeline_posting(ctx, steps: int = PIPELINE_POSTING_STEPS, schedule: str = "
     reproduced it: one pair exchanging while the other two ranks wait held its senders 0.12 ms on average at
     world 4, two pairs at once 2.55 ms, and the engine's 1F1B and interleaved pipelines there 0.6-1.0 ms
     whether 1, 2 or 3 ranks computed as a message was posted (0.11-0.39 ms at world 2)."""
-    from engine.config import ParallelConfig, RunConfig
     from engine.train import run_rank
 
-    chunks = 2 if schedule == "interleaved-1f1b" else 1
-    cfg = RunConfig(model=replace(ModelConfig(), layers=max(ModelConfig.layers, chunks * ctx.world)),
-                    parallel=ParallelConfig(strategy="pp", schedule=schedule, virtual_stages=chunks),
-                    world=ctx.world, steps=steps, micro_batches=4)
-    result = run_rank(ctx, cfg, traced=True)
+    result = run_rank(ctx, posting_run(ctx.world, schedule, steps), traced=True)
     return [span["end_s"] - span["start_s"] for span in result["spans"]
             if span["lane"] == "comm" and span["name"].startswith("post ") and span["step"] >= 2]
 

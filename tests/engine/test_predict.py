@@ -398,3 +398,18 @@ def test_back_to_back_timings_follow_an_operation_of_the_same_size():
     # comes right after one of its own size
     sizes = [nbytes for _, nbytes in order]
     assert sum(a != b for a, b in zip(sizes, sizes[1:], strict=False)) == 2
+
+
+def test_the_posting_pipelines_are_valid_runs_at_any_world():
+    # a calibration at any world the Lab allows times posting in each of POSTING_SCHEDULES: interleaved needs
+    # its micro-batches a multiple of pp and a layer per chunk
+    from engine.calibrate import posting_run
+    from engine.config import validate
+    from hardware.this_machine import POSTING_SCHEDULES
+
+    for world in (2, 3, 4, 6, 8):
+        for schedule in POSTING_SCHEDULES:
+            cfg = posting_run(world, schedule)
+            validate(cfg)
+            assert cfg.parallel.degree("pp", world) == world and cfg.parallel.schedule == schedule
+    assert [posting_run(w, "interleaved-1f1b").micro_batches for w in (2, 3, 4, 8)] == [4, 6, 4, 8]
