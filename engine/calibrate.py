@@ -691,9 +691,8 @@ def posting_run(world: int, schedule: str, steps: int = PIPELINE_POSTING_STEPS) 
 
 def pipeline_posting(ctx, steps: int = PIPELINE_POSTING_STEPS, schedule: str = "1f1b") -> list[float]:
     """Pool task: how long posting each pipeline message's isend held this rank (seconds, every message of
-    the steps after the first two), timed on the engine's own pipeline over the whole world (pp = world, 4
-    micro-batches, the default model with a layer per stage at least; `schedule`: one of
-    hardware.this_machine.POSTING_SCHEDULES, interleaved with 2 chunks a rank): the "post send ..." spans
+    the steps after the first two), timed on the engine's own `schedule` pipeline over the whole world
+    (`posting_run`; one of hardware.this_machine.POSTING_SCHEDULES): the "post send ..." spans
     engine/comm.Comm.send records. Gloo writes the message from the calling thread, and on busy cores that
     write now and then waits a scheduler tick. Timed where it happens because no stand-alone pattern
     reproduced it: one pair exchanging while the other two ranks wait held its senders 0.12 ms on average at
